@@ -1,0 +1,7 @@
+//! Workspace-wide integration tests for kvbm.
+//!
+//! The tests live in `tests/tests/*.rs`, named by area (`offload_*`, `tiering_*`, ...). This
+//! library holds shared helpers for them, most importantly how a test finds the real servers that
+//! `cargo xtask ci` starts (see [`services`]).
+
+pub mod services;

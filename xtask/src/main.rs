@@ -1,0 +1,91 @@
+//! The project's task runner, in the style of rust-analyzer's `xtask`.
+//!
+//! `cargo xtask <command>` (the alias lives in `.cargo/config.toml`) is the one entry point for
+//! every check. Each command lives in its own module with a `run` function; `main` only
+//! dispatches. Commands work from any directory: they first change to the workspace root.
+//!
+//! | command | what it does |
+//! |---|---|
+//! | `ci` | the whole gate: fmt, clippy, layering, tests (with real servers), docs |
+//! | `layering` | fails when a crate depends on one at or above its own layer |
+//! | `services` | `start` prints `export` lines for servers it started; `stop` stops them |
+//! | `bench [crate]` | runs the benchmarks (all, or one crate's) |
+
+mod bench;
+mod ci;
+mod layering;
+mod services;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  ci                 fmt, clippy, layering, tests against real servers, docs (the CI gate)
+  layering           check the crate layering rule against `cargo metadata`
+  services start     start the test servers and print `export` lines for them
+  services stop      stop servers started by `services start`
+  bench [NAME]       run benchmarks (NAME: logical, physical, offload, ...; default all)
+";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    std::env::set_current_dir(project_root()).context("changing to the workspace root")?;
+    let rest = args.get(1..).unwrap_or_default();
+    match args.first().map(String::as_str) {
+        Some("ci") => ci::run(rest),
+        Some("layering") => layering::run(),
+        Some("services") => services::run_command(rest),
+        Some("bench") => bench::run(rest),
+        Some("help" | "-h" | "--help") | None => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => bail!("unknown command `{other}`\n\n{USAGE}"),
+    }
+}
+
+/// The workspace root (the parent of this crate's manifest directory).
+pub(crate) fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// Runs a command, echoing it first, and fails with its name when it fails.
+pub(crate) fn run_step(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}").replace('"', "");
+    eprintln!("\n$ {shown}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting `{shown}`"))?;
+    if !status.success() {
+        bail!("`{shown}` failed ({status})");
+    }
+    Ok(())
+}
+
+/// Whether `program` is on PATH.
+pub(crate) fn on_path(program: &str) -> bool {
+    find_on_path(program).is_some()
+}
+
+/// The full path of `program` on PATH (or in `~/.cargo/bin`, where `cargo install` puts tools).
+pub(crate) fn find_on_path(program: &str) -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Some(home) = std::env::var_os("CARGO_HOME") {
+        dirs.push(PathBuf::from(home).join("bin"));
+    } else if let Some(home) = std::env::var_os("HOME") {
+        dirs.push(PathBuf::from(home).join(".cargo/bin"));
+    }
+    dirs.into_iter()
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
