@@ -1,1 +1,28 @@
 #![doc = include_str!("../README.md")]
+
+mod blocks;
+pub mod config;
+mod error;
+pub mod events;
+pub mod hash;
+mod manager;
+pub mod metrics;
+pub mod registry;
+mod store;
+mod tier;
+
+/// Index of a slot within one tier's manager.
+pub type BlockId = usize;
+
+pub use blocks::{CompleteBlock, ImmutableBlock, MutableBlock, WeakBlock};
+pub use config::{DuplicationPolicy, EvictionBackend, LogicalConfig};
+pub use error::{BlockError, LogicalError};
+pub use events::{BlockEvent, BlockEventKind, EventBatchConfig, EventSink};
+pub use hash::{Salt, SequenceHash, Token, TokenBlock, TokenBlockSequence};
+pub use manager::{BlockManager, BlockManagerBuilder};
+pub use registry::{BlockRegistry, RegistryConfig};
+pub use store::PoolCounts;
+pub use tier::{G1, G2, G3, G4, Tier, TierId};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1 @@
+//! Empty: this package only hosts the comparison benchmark.

@@ -1,0 +1,322 @@
+//! Block states as types.
+//!
+//! ```text
+//!   MutableBlock<T> ──complete(hash)──▶ CompleteBlock<T> ──register_blocks──▶ ImmutableBlock<T>
+//!        ▲  (reset or filling)    (full, hashed)   │                       (shared, strong) │ ▲
+//!        └───────────────reset()───────────────────┘                         downgrade │ │ upgrade
+//!                                                                                      ▼ │
+//!                                                                              WeakBlock<T>
+//! ```
+//!
+//! * Dropping a [`MutableBlock`] or [`CompleteBlock`] returns its slot to the reset pool.
+//! * Dropping the last [`ImmutableBlock`] of a block moves it to the inactive pool, where
+//!   [`BlockManager::match_blocks`](crate::BlockManager::match_blocks) can still revive it
+//!   until it is evicted. Cloning or dropping a non-last handle takes no lock.
+//! * [`WeakBlock::upgrade`] is the commitment point: it returns `None` once the block was
+//!   evicted (and no block with the same hash is registered in the tier any more).
+//! * A failed transition hands the block back inside a [`BlockError`].
+//! * `T` is the tier marker ([`G1`](crate::G1)..[`G4`](crate::G4)), so blocks of different
+//!   tiers cannot be mixed up.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{Ordering, fence};
+use std::sync::{Arc, Weak};
+
+use crate::error::{BlockError, LogicalError};
+use crate::hash::{SequenceHash, TokenBlock};
+use crate::store::Core;
+use crate::tier::Tier;
+use crate::BlockId;
+
+/// A block owned by one caller, reset or being filled. Dropping it returns the slot to the
+/// reset pool.
+pub struct MutableBlock<T: Tier> {
+    core: Arc<Core>,
+    id: u32,
+    _tier: PhantomData<T>,
+}
+
+/// A full block with its sequence hash, not yet registered. Dropping it returns the slot to
+/// the reset pool.
+pub struct CompleteBlock<T: Tier> {
+    core: Arc<Core>,
+    id: u32,
+    hash: SequenceHash,
+    _tier: PhantomData<T>,
+}
+
+/// A registered block: a strong, shared reference (`Clone` adds one). While any exists the
+/// block cannot be evicted; dropping the last moves it to the inactive pool.
+pub struct ImmutableBlock<T: Tier> {
+    core: Arc<Core>,
+    id: u32,
+    generation: u32,
+    hash: SequenceHash,
+    _tier: PhantomData<T>,
+}
+
+/// A weak reference to a registered block; [`upgrade`](Self::upgrade) fails once it is evicted.
+pub struct WeakBlock<T: Tier> {
+    core: Weak<Core>,
+    id: u32,
+    generation: u32,
+    hash: SequenceHash,
+    _tier: PhantomData<T>,
+}
+
+/// Takes the core out of a block without running its `Drop`.
+fn take_core<B>(block: B, core: impl FnOnce(&B) -> &Arc<Core>) -> Arc<Core> {
+    let block = ManuallyDrop::new(block);
+    // SAFETY: `block` is never dropped or used again, so the `Arc` is moved out exactly once.
+    unsafe { std::ptr::read(core(&block)) }
+}
+
+impl<T: Tier> MutableBlock<T> {
+    pub(crate) fn new(core: Arc<Core>, id: u32) -> Self {
+        Self {
+            core,
+            id,
+            _tier: PhantomData,
+        }
+    }
+
+    /// The slot's id within its tier's manager.
+    pub fn block_id(&self) -> BlockId {
+        self.id as BlockId
+    }
+
+    /// Marks the block full with the given hash.
+    ///
+    /// # Errors
+    /// [`LogicalError::BlockSizeMismatch`] (the block handed back) when `hash` was computed
+    /// for another block size than the manager's.
+    pub fn complete(self, hash: SequenceHash) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
+        if hash.block_size() != self.core.block_size {
+            let error = LogicalError::BlockSizeMismatch {
+                hash,
+                expected: self.core.block_size,
+                actual: hash.block_size(),
+            };
+            return Err(BlockError { block: self, error });
+        }
+        let id = self.id;
+        let core = take_core(self, |b| &b.core);
+        Ok(CompleteBlock {
+            core,
+            id,
+            hash,
+            _tier: PhantomData,
+        })
+    }
+
+    /// [`complete`](Self::complete) with the hash of a [`TokenBlock`].
+    ///
+    /// # Errors
+    /// As [`complete`](Self::complete).
+    pub fn complete_token_block(
+        self,
+        block: &TokenBlock,
+    ) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
+        self.complete(block.sequence_hash())
+    }
+}
+
+impl<T: Tier> Drop for MutableBlock<T> {
+    fn drop(&mut self) {
+        self.core.store.lock().release_held(self.id);
+    }
+}
+
+impl<T: Tier> CompleteBlock<T> {
+    /// The slot's id within its tier's manager.
+    pub fn block_id(&self) -> BlockId {
+        self.id as BlockId
+    }
+
+    /// The hash it will be registered under.
+    pub fn sequence_hash(&self) -> SequenceHash {
+        self.hash
+    }
+
+    /// Back to a mutable block, keeping the slot.
+    pub fn reset(self) -> MutableBlock<T> {
+        let id = self.id;
+        MutableBlock::new(take_core(self, |b| &b.core), id)
+    }
+
+    /// Consumes the handle without releasing the slot (the caller takes over the slot).
+    pub(crate) fn into_raw(self) -> (u32, SequenceHash) {
+        let (id, hash) = (self.id, self.hash);
+        drop(take_core(self, |b| &b.core));
+        (id, hash)
+    }
+
+    pub(crate) fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+}
+
+impl<T: Tier> Drop for CompleteBlock<T> {
+    fn drop(&mut self) {
+        self.core.store.lock().release_held(self.id);
+    }
+}
+
+impl<T: Tier> ImmutableBlock<T> {
+    /// Wraps a slot whose refcount the caller already incremented.
+    #[inline]
+    pub(crate) fn from_acquired(core: Arc<Core>, id: u32, generation: u32, hash: SequenceHash) -> Self {
+        Self {
+            core,
+            id,
+            generation,
+            hash,
+            _tier: PhantomData,
+        }
+    }
+
+    /// The slot's id within its tier's manager.
+    pub fn block_id(&self) -> BlockId {
+        self.id as BlockId
+    }
+
+    /// The block's sequence hash.
+    pub fn sequence_hash(&self) -> SequenceHash {
+        self.hash
+    }
+
+    /// A weak reference to this block.
+    pub fn downgrade(&self) -> WeakBlock<T> {
+        WeakBlock {
+            core: Arc::downgrade(&self.core),
+            id: self.id,
+            generation: self.generation,
+            hash: self.hash,
+            _tier: PhantomData,
+        }
+    }
+
+    /// How many strong references the block has right now (racy; for diagnostics).
+    pub fn strong_count(&self) -> usize {
+        self.core.refs[self.id as usize].load(Ordering::Relaxed) as usize
+    }
+}
+
+impl<T: Tier> Clone for ImmutableBlock<T> {
+    #[inline]
+    fn clone(&self) -> Self {
+        self.core.refs[self.id as usize].fetch_add(1, Ordering::Relaxed);
+        Self {
+            core: self.core.clone(),
+            id: self.id,
+            generation: self.generation,
+            hash: self.hash,
+            _tier: PhantomData,
+        }
+    }
+}
+
+impl<T: Tier> Drop for ImmutableBlock<T> {
+    #[inline]
+    fn drop(&mut self) {
+        let refs = &self.core.refs[self.id as usize];
+        if refs.fetch_sub(1, Ordering::Release) == 1 {
+            fence(Ordering::Acquire);
+            self.core
+                .store
+                .lock()
+                .release_registered(self.id, refs, &self.core.registry);
+        }
+    }
+}
+
+impl<T: Tier> WeakBlock<T> {
+    /// The block's sequence hash.
+    pub fn sequence_hash(&self) -> SequenceHash {
+        self.hash
+    }
+
+    /// The slot id the block had when this weak reference was made.
+    pub fn block_id(&self) -> BlockId {
+        self.id as BlockId
+    }
+
+    /// A strong reference, reviving the block if it is inactive; `None` once it was evicted
+    /// (or the manager is gone). If the slot was evicted but the same hash has been registered
+    /// again in this tier, that block is returned.
+    pub fn upgrade(&self) -> Option<ImmutableBlock<T>> {
+        let core = self.core.upgrade()?;
+        let (id, generation) = {
+            let mut store = core.store.lock();
+            let slot = &store.slots[self.id as usize];
+            let same = slot.generation == self.generation
+                && slot.hash == self.hash
+                && matches!(
+                    slot.state,
+                    crate::store::SlotState::Active | crate::store::SlotState::Inactive
+                );
+            let id = if same {
+                self.id
+            } else {
+                store.lookup(&self.hash)?
+            };
+            store.acquire(id);
+            core.refs[id as usize].fetch_add(1, Ordering::Relaxed);
+            (id, store.slots[id as usize].generation)
+        };
+        Some(ImmutableBlock::from_acquired(core, id, generation, self.hash))
+    }
+}
+
+impl<T: Tier> Clone for WeakBlock<T> {
+    fn clone(&self) -> Self {
+        Self {
+            core: self.core.clone(),
+            id: self.id,
+            generation: self.generation,
+            hash: self.hash,
+            _tier: PhantomData,
+        }
+    }
+}
+
+impl<T: Tier> fmt::Debug for MutableBlock<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MutableBlock")
+            .field("tier", &T::ID)
+            .field("block_id", &self.id)
+            .finish()
+    }
+}
+
+impl<T: Tier> fmt::Debug for CompleteBlock<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompleteBlock")
+            .field("tier", &T::ID)
+            .field("block_id", &self.id)
+            .field("hash", &self.hash)
+            .finish()
+    }
+}
+
+impl<T: Tier> fmt::Debug for ImmutableBlock<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ImmutableBlock")
+            .field("tier", &T::ID)
+            .field("block_id", &self.id)
+            .field("hash", &self.hash)
+            .finish()
+    }
+}
+
+impl<T: Tier> fmt::Debug for WeakBlock<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WeakBlock")
+            .field("tier", &T::ID)
+            .field("block_id", &self.id)
+            .field("hash", &self.hash)
+            .finish()
+    }
+}

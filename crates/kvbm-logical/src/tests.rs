@@ -1,0 +1,1 @@
+//! Cross-module tests: proptest state machine and multi-threaded stress.
