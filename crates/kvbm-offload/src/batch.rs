@@ -1,0 +1,520 @@
+//! Containers, batches, and the commitment boundary ([`upgrade_batch`]).
+//!
+//! ```text
+//!  OffloadContainer (one per enqueue, or a piece of one)      OffloadBatch
+//!  ┌───────────────────────────────────────────┐             ┌────────────────────────┐
+//!  │ blocks: Vec<SourceBlock<T>>               │  Batcher    │ containers: [c0,c1,..] │
+//!  │ precondition: Option<Precondition>        │ ──────────► │ each still cancellable │
+//!  │ cancel_token: CancellationToken  (P2)     │             └───────────┬────────────┘
+//!  │ pending guards, policy release hook       │                         │ sweep_cancelled (P4)
+//!  │ outstanding guard            (last field) │                         ▼ upgrade_batch (P3)
+//!  └───────────────────────────────────────────┘             ┌────────────────────────┐
+//!                                                            │ ResolvedBatch: one flat │
+//!                                                            │ Vec<ResolvedBlock> (P5) │
+//!                                                            └────────────────────────┘
+//! ```
+//!
+//! * **P1** – a container is cancelled as a whole: it has one token, and the sweep removes whole
+//!   containers. A container split across batches keeps the same token in every piece.
+//! * **P3/P5** – [`upgrade_batch`] consumes the batch. From then on no token is consulted; the
+//!   blocks of all containers form one flat vector handed to the executor. The per-container
+//!   bookkeeping kept beside it is only used to report outcomes.
+//! * Dropping a container that still holds blocks reports them **cancelled** (the only ways a
+//!   container is dropped without being consumed are a sweep, a cancelled precondition wait, or
+//!   pipeline shutdown). The outstanding guard is the last field, so confirmation follows the
+//!   release of the blocks and pending-set entries.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvbm_logical::{BlockId, ImmutableBlock, SequenceHash, Tier};
+
+use crate::cancel::{CancellationToken, OutstandingGuard};
+use crate::error::{BlockFailure, BlockFailureKind};
+use crate::handle::{TimingTrace, TransferStatus};
+use crate::pending::PendingGuard;
+use crate::policy::OffloadPolicy;
+use crate::queue::Sweep;
+use crate::settlement::{LaneState, PipelineFailureKind};
+use crate::source::{Precondition, SourceBlock};
+
+/// The unit of cancellation flowing through the pipeline: blocks, their precondition and the
+/// token of the transfer they belong to.
+pub struct OffloadContainer<T: Tier> {
+    blocks: Vec<SourceBlock<T>>,
+    precondition: Option<Precondition>,
+    cancel_token: CancellationToken,
+    pending: Vec<Option<PendingGuard>>,
+    release_to: Option<Arc<dyn OffloadPolicy>>,
+    pub(crate) timing: TimingTrace,
+    guard: OutstandingGuard,
+}
+
+impl<T: Tier> std::fmt::Debug for OffloadContainer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadContainer")
+            .field("transfer", &self.cancel_token.transfer_id())
+            .field("blocks", &self.blocks.len())
+            .field("cancelled", &self.is_cancelled())
+            .finish()
+    }
+}
+
+impl<T: Tier> OffloadContainer<T> {
+    /// A container for `blocks` of the transfer owning `cancel_token`. `pending` is aligned with
+    /// `blocks` (the pending-set entry each block holds, if any).
+    pub fn new(
+        blocks: Vec<SourceBlock<T>>,
+        pending: Vec<Option<PendingGuard>>,
+        precondition: Option<Precondition>,
+        cancel_token: CancellationToken,
+    ) -> Self {
+        assert_eq!(
+            blocks.len(),
+            pending.len(),
+            "pending guards must align with blocks"
+        );
+        let guard = cancel_token.hold();
+        Self {
+            blocks,
+            precondition,
+            pending,
+            release_to: None,
+            timing: TimingTrace::start(Instant::now()),
+            cancel_token,
+            guard,
+        }
+    }
+
+    /// The blocks.
+    pub fn blocks(&self) -> &[SourceBlock<T>] {
+        &self.blocks
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether it holds no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The token it carries (P2).
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel_token
+    }
+
+    /// Whether its transfer was cancelled.
+    #[inline]
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel_token.is_cancelled()
+    }
+
+    pub(crate) fn take_precondition(&mut self) -> Option<Precondition> {
+        self.precondition.take()
+    }
+
+    pub(crate) fn set_release(&mut self, policy: Arc<dyn OffloadPolicy>) {
+        self.release_to = Some(policy);
+    }
+
+    pub(crate) fn hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
+        self.blocks.iter().map(|b| b.sequence_hash())
+    }
+
+    /// Keeps the blocks whose verdict is `true`; returns the hashes of the others (their pending
+    /// entries are released).
+    pub(crate) fn retain_verdicts(&mut self, verdicts: &[bool]) -> Vec<SequenceHash> {
+        debug_assert_eq!(verdicts.len(), self.blocks.len());
+        if verdicts.iter().all(|&v| v) {
+            return Vec::new();
+        }
+        let mut dropped = Vec::new();
+        let blocks = std::mem::take(&mut self.blocks);
+        let pending = std::mem::take(&mut self.pending);
+        for ((b, p), &keep) in blocks.into_iter().zip(pending).zip(verdicts) {
+            if keep {
+                self.blocks.push(b);
+                self.pending.push(p);
+            } else {
+                dropped.push(b.sequence_hash());
+            }
+        }
+        dropped
+    }
+
+    /// Removes every block, reporting them failed with `failure` (e.g. the precondition failed).
+    pub(crate) fn fail_all(mut self, failure: BlockFailure) {
+        let blocks = std::mem::take(&mut self.blocks);
+        let hashes: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash()).collect();
+        self.cancel_token
+            .shared
+            .report_failed(hashes.iter().map(|h| (*h, failure.clone())));
+        if let Some(p) = &self.release_to {
+            p.release(&hashes);
+        }
+        drop(blocks);
+    }
+
+    /// Splits off the blocks from `at` on into a new container sharing the token (P1 holds: both
+    /// pieces are cancelled together).
+    pub(crate) fn split_off(&mut self, at: usize) -> OffloadContainer<T> {
+        OffloadContainer {
+            blocks: self.blocks.split_off(at),
+            pending: self.pending.split_off(at),
+            precondition: None,
+            release_to: self.release_to.clone(),
+            timing: self.timing,
+            cancel_token: self.cancel_token.clone(),
+            guard: self.guard.split(),
+        }
+    }
+}
+
+impl<T: Tier> Drop for OffloadContainer<T> {
+    fn drop(&mut self) {
+        if self.blocks.is_empty() {
+            return;
+        }
+        let hashes: Vec<SequenceHash> = self.hashes().collect();
+        if let Some(p) = &self.release_to {
+            p.release(&hashes);
+        }
+        self.cancel_token.shared.report_cancelled(hashes);
+        // Fields drop after this: blocks, pending entries, then the outstanding guard.
+    }
+}
+
+impl<T: Tier> Sweep for OffloadContainer<T> {
+    fn sweep_cancelled(&mut self) -> bool {
+        self.is_cancelled()
+    }
+}
+
+/// Multiple containers, each independently cancellable until [`upgrade_batch`].
+pub struct OffloadBatch<T: Tier> {
+    containers: Vec<OffloadContainer<T>>,
+    total: usize,
+}
+
+impl<T: Tier> std::fmt::Debug for OffloadBatch<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadBatch")
+            .field("containers", &self.containers.len())
+            .field("blocks", &self.total)
+            .finish()
+    }
+}
+
+impl<T: Tier> Default for OffloadBatch<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Tier> OffloadBatch<T> {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self {
+            containers: Vec::new(),
+            total: 0,
+        }
+    }
+
+    /// Adds a container.
+    pub fn push(&mut self, c: OffloadContainer<T>) {
+        self.total += c.len();
+        self.containers.push(c);
+    }
+
+    /// Total blocks.
+    pub fn total_blocks(&self) -> usize {
+        self.total
+    }
+
+    /// The containers.
+    pub fn containers(&self) -> &[OffloadContainer<T>] {
+        &self.containers
+    }
+
+    /// Whether it has no containers.
+    pub fn is_empty(&self) -> bool {
+        self.containers.is_empty()
+    }
+
+    pub(crate) fn mark_batched(&mut self, at: Instant) {
+        for c in &mut self.containers {
+            c.timing.batched = Some(at);
+        }
+    }
+
+    /// Removes (and drops, releasing their blocks) every cancelled container; returns how many.
+    pub fn sweep_cancelled(&mut self) -> usize {
+        let before = self.containers.len();
+        if !self.containers.iter().any(|c| c.is_cancelled()) {
+            return 0;
+        }
+        let mut removed = Vec::new();
+        let mut kept = Vec::with_capacity(before);
+        for c in self.containers.drain(..) {
+            if c.is_cancelled() {
+                removed.push(c);
+            } else {
+                kept.push(c);
+            }
+        }
+        self.containers = kept;
+        self.total = self.containers.iter().map(|c| c.len()).sum();
+        removed.len()
+    }
+}
+
+impl<T: Tier> Sweep for OffloadBatch<T> {
+    fn sweep_cancelled(&mut self) -> bool {
+        OffloadBatch::sweep_cancelled(self);
+        self.containers.is_empty()
+    }
+}
+
+/// A resolved block ready for transfer execution.
+pub struct ResolvedBlock<T: Tier> {
+    /// Slot in the source tier.
+    pub block_id: BlockId,
+    /// The content's sequence hash.
+    pub sequence_hash: SequenceHash,
+    holder: Option<ImmutableBlock<T>>,
+    _pending: Option<PendingGuard>,
+}
+
+impl<T: Tier> ResolvedBlock<T> {
+    /// The strong reference keeping the source alive during the transfer (`None` for external
+    /// blocks).
+    pub fn block(&self) -> Option<&ImmutableBlock<T>> {
+        self.holder.as_ref()
+    }
+}
+
+impl<T: Tier> std::fmt::Debug for ResolvedBlock<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResolvedBlock")
+            .field("block_id", &self.block_id)
+            .field("sequence_hash", &self.sequence_hash)
+            .finish()
+    }
+}
+
+struct Owner {
+    token: CancellationToken,
+    len: usize,
+    timing: TimingTrace,
+    release_to: Option<Arc<dyn OffloadPolicy>>,
+    _guard: OutstandingGuard,
+}
+
+/// A batch of resolved blocks ready for transfer: one flat vector (P5).
+pub struct ResolvedBatch<T: Tier> {
+    blocks: Vec<ResolvedBlock<T>>,
+    owners: Vec<Owner>,
+    lane: Option<Arc<LaneState>>,
+}
+
+impl<T: Tier> std::fmt::Debug for ResolvedBatch<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResolvedBatch")
+            .field("blocks", &self.blocks.len())
+            .field("transfers", &self.owners.len())
+            .finish()
+    }
+}
+
+/// Per-block outcome of an executed batch, aligned with [`ResolvedBatch::blocks`]. `R` is what a
+/// successful block yields (the registered destination block, or `()`).
+pub type BatchOutcome<R> = Vec<Result<R, BlockFailure>>;
+
+impl<T: Tier> ResolvedBatch<T> {
+    /// The blocks, flat, in batch order.
+    pub fn blocks(&self) -> &[ResolvedBlock<T>] {
+        &self.blocks
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether it is empty (every block had been evicted).
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Source ids, in batch order.
+    pub fn block_ids(&self) -> Vec<BlockId> {
+        self.blocks.iter().map(|b| b.block_id).collect()
+    }
+
+    /// Sequence hashes, in batch order.
+    pub fn sequence_hashes(&self) -> Vec<SequenceHash> {
+        self.blocks.iter().map(|b| b.sequence_hash).collect()
+    }
+
+    pub(crate) fn set_lane(&mut self, lane: Arc<LaneState>) {
+        self.lane = Some(lane);
+    }
+
+    /// Reports `outcome` to the transfers, then releases everything the batch holds: source
+    /// references, pending entries, policy resources, and last the outstanding guards. Returns
+    /// the successful results (for chaining).
+    pub(crate) fn settle<R>(mut self, outcome: BatchOutcome<R>) -> Vec<R> {
+        let mut outcome = outcome;
+        if outcome.len() != self.blocks.len() {
+            tracing::error!(
+                expected = self.blocks.len(),
+                got = outcome.len(),
+                "executor returned a mis-sized outcome; failing the batch"
+            );
+            outcome = (0..self.blocks.len())
+                .map(|_| {
+                    Err(BlockFailure::new(
+                        BlockFailureKind::Transfer,
+                        "executor returned a mis-sized outcome",
+                    ))
+                })
+                .collect();
+        }
+        let now = Instant::now();
+        let mut ok = Vec::new();
+        let mut results = outcome.into_iter();
+        let mut blocks = self.blocks.iter();
+        for owner in &mut self.owners {
+            owner.timing.finished = Some(now);
+            let shared = &owner.token.shared;
+            let mut hashes = Vec::with_capacity(owner.len);
+            let mut p = shared.progress.lock();
+            for _ in 0..owner.len {
+                let b = blocks
+                    .next()
+                    .expect("owner lengths sum to the batch length");
+                let r = results.next().expect("outcome is aligned with blocks");
+                hashes.push(b.sequence_hash);
+                match r {
+                    Ok(v) => {
+                        p.completed.push(b.sequence_hash);
+                        ok.push(v);
+                    }
+                    Err(e) => p.failed.push((b.sequence_hash, e)),
+                }
+                if shared.record_timing() {
+                    p.timings.push((b.sequence_hash, owner.timing));
+                }
+            }
+            drop(p);
+            if let Some(pol) = &owner.release_to {
+                pol.release(&hashes);
+            }
+        }
+        self.blocks.clear();
+        self.owners.clear();
+        ok
+    }
+}
+
+impl<T: Tier> Drop for ResolvedBatch<T> {
+    fn drop(&mut self) {
+        if self.owners.is_empty() {
+            return;
+        }
+        // Not settled: the executor panicked or its task was aborted with the batch in flight.
+        if let Some(lane) = &self.lane {
+            lane.fail(
+                PipelineFailureKind::ExecutorPanicked,
+                "transfer executor stopped with a batch in flight".into(),
+            );
+        }
+        let n = self.blocks.len();
+        let outcome: BatchOutcome<()> = (0..n)
+            .map(|_| {
+                Err(BlockFailure::new(
+                    BlockFailureKind::ExecutorAborted,
+                    "transfer executor stopped with the block in flight",
+                ))
+            })
+            .collect();
+        let blocks = std::mem::take(&mut self.blocks);
+        let owners = std::mem::take(&mut self.owners);
+        let tmp = ResolvedBatch {
+            blocks,
+            owners,
+            lane: None,
+        };
+        tmp.settle(outcome);
+    }
+}
+
+/// Upgrade a batch of queued blocks by resolving weak references: the commitment boundary (P3).
+///
+/// Consumes the batch; from here on cancellation no longer applies to these blocks. Strong and
+/// external blocks resolve as they are; weak blocks are upgraded, and a block evicted in the
+/// meantime is reported failed ([`BlockFailureKind::Evicted`]) and left out. The blocks of all
+/// containers are flattened into one vector (P5). Callers sweep first (P4).
+pub fn upgrade_batch<T: Tier>(batch: OffloadBatch<T>) -> ResolvedBatch<T> {
+    let now = Instant::now();
+    let mut blocks = Vec::with_capacity(batch.total);
+    let mut owners = Vec::with_capacity(batch.containers.len());
+    for mut c in batch.containers {
+        let shared = c.cancel_token.shared.clone();
+        shared.status.advance(TransferStatus::Transferring);
+        let sources = std::mem::take(&mut c.blocks);
+        let pending = std::mem::take(&mut c.pending);
+        let mut evicted = Vec::new();
+        let start = blocks.len();
+        for (src, pend) in sources.into_iter().zip(pending) {
+            let resolved = match src {
+                SourceBlock::External(e) => Some((e.block_id, e.sequence_hash, None)),
+                SourceBlock::Strong(b) => Some((b.block_id(), b.sequence_hash(), Some(b))),
+                SourceBlock::Weak(w) => match w.upgrade() {
+                    Some(b) => Some((b.block_id(), b.sequence_hash(), Some(b))),
+                    None => {
+                        evicted.push(w.sequence_hash());
+                        None
+                    }
+                },
+            };
+            if let Some((block_id, sequence_hash, holder)) = resolved {
+                blocks.push(ResolvedBlock {
+                    block_id,
+                    sequence_hash,
+                    holder,
+                    _pending: pend,
+                });
+            }
+        }
+        if !evicted.is_empty() {
+            shared.report_failed(evicted.iter().map(|h| {
+                (
+                    *h,
+                    BlockFailure::new(BlockFailureKind::Evicted, "evicted before upgrade"),
+                )
+            }));
+            if let Some(p) = &c.release_to {
+                p.release(&evicted);
+            }
+        }
+        let mut timing = c.timing;
+        timing.upgraded = Some(now);
+        owners.push(Owner {
+            token: c.cancel_token.clone(),
+            len: blocks.len() - start,
+            timing,
+            release_to: c.release_to.clone(),
+            _guard: c.guard.split(),
+        });
+        // `c` drops here holding no blocks: nothing is reported cancelled.
+    }
+    ResolvedBatch {
+        blocks,
+        owners,
+        lane: None,
+    }
+}

@@ -1,0 +1,171 @@
+//! Configuration: one serde struct per pipeline, every knob settable, defaults in one place.
+//!
+//! | key | default | meaning |
+//! |---|---|---|
+//! | `batch_config.max_batch_size` | 64 | maximum blocks per batch |
+//! | `batch_config.min_batch_size` | 8 | blocks needed before a batch is flushed without waiting |
+//! | `batch_config.flush_interval_ms` | 10 | time before a partial batch is flushed anyway |
+//! | `policy_timeout_ms` | 100 | timeout for one policy evaluation (blocks are filtered on timeout) |
+//! | `sweep_interval_ms` | 10 | backstop interval of the cancel sweeper |
+//! | `max_concurrent_transfers` | 1 | transfer batches in flight at once |
+//! | `queue_capacity` | 1024 | capacity of each inter-stage queue (containers or batches) |
+//! | `max_concurrent_evaluations` | 64 | asynchronous policy evaluations in flight |
+//! | `record_timing` | true | record a [`TimingTrace`](crate::TimingTrace) per block |
+//! | `policies` | `[]` (pass all) | policies, combined with AND, see [`PolicyConfig`] |
+//!
+//! Durations are written in milliseconds in files (`*_ms`), so the TOML stays plain integers.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::OffloadError;
+
+mod ms {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+/// Configuration for batch collection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Maximum blocks per batch. Larger containers are split across batches (the pieces share
+    /// the container's token). Default: 64.
+    pub max_batch_size: usize,
+    /// Blocks needed before a batch is flushed as soon as no more are immediately available.
+    /// Default: 8.
+    pub min_batch_size: usize,
+    /// Time, from the first block of a batch, after which a partial batch is flushed anyway.
+    /// Default: 10 ms.
+    #[serde(with = "ms", rename = "flush_interval_ms")]
+    pub flush_interval: Duration,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_size: 64,
+            min_batch_size: 8,
+            flush_interval: Duration::from_millis(10),
+        }
+    }
+}
+
+/// Policy selection in configuration; see [`create_policy_from_config`](crate::create_policy_from_config).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    /// Pass everything.
+    PassAll,
+    /// Skip blocks already present in the destination tier.
+    Presence,
+    /// Skip blocks already present, and blocks seen fewer than `min_lfu_count` times.
+    PresenceLfu {
+        /// Frequency threshold. Default: 1.
+        #[serde(default = "default_min_lfu")]
+        min_lfu_count: u32,
+    },
+}
+
+fn default_min_lfu() -> u32 {
+    crate::policy::DEFAULT_MIN_LFU_COUNT
+}
+
+/// Configuration for a pipeline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Batching. Default: see [`BatchConfig`].
+    pub batch_config: BatchConfig,
+    /// Timeout for one policy evaluation; blocks whose evaluation times out are filtered.
+    /// Default: 100 ms.
+    #[serde(with = "ms", rename = "policy_timeout_ms")]
+    pub policy_timeout: Duration,
+    /// Backstop interval of the cancel sweeper (it also runs on every cancellation).
+    /// Default: 10 ms.
+    #[serde(with = "ms", rename = "sweep_interval_ms")]
+    pub sweep_interval: Duration,
+    /// Transfer batches in flight at once. Default: 1.
+    pub max_concurrent_transfers: usize,
+    /// Capacity of each inter-stage queue. Default: 1024.
+    pub queue_capacity: usize,
+    /// Asynchronous policy evaluations in flight at once. Default: 64.
+    pub max_concurrent_evaluations: usize,
+    /// Record a timing trace per block. Default: true.
+    pub record_timing: bool,
+    /// Policies, combined with AND; empty passes all. Default: empty.
+    pub policies: Vec<PolicyConfig>,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            batch_config: BatchConfig::default(),
+            policy_timeout: Duration::from_millis(100),
+            sweep_interval: Duration::from_millis(10),
+            max_concurrent_transfers: 1,
+            queue_capacity: 1024,
+            max_concurrent_evaluations: 64,
+            record_timing: true,
+            policies: Vec::new(),
+        }
+    }
+}
+
+impl PipelineConfig {
+    /// Checks the values fit together.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] naming the offending key.
+    pub fn validate(&self) -> Result<(), OffloadError> {
+        let b = &self.batch_config;
+        let bad = |m: &str| Err(OffloadError::InvalidConfig(m.to_string()));
+        if b.max_batch_size == 0 {
+            return bad("batch_config.max_batch_size must be at least 1");
+        }
+        if b.min_batch_size > b.max_batch_size {
+            return bad("batch_config.min_batch_size must not exceed max_batch_size");
+        }
+        if self.max_concurrent_transfers == 0 {
+            return bad("max_concurrent_transfers must be at least 1");
+        }
+        if self.queue_capacity == 0 {
+            return bad("queue_capacity must be at least 1");
+        }
+        if self.max_concurrent_evaluations == 0 {
+            return bad("max_concurrent_evaluations must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// Configuration for an object storage pipeline (G2→G4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ObjectPipelineConfig {
+    /// The pipeline proper. Default: see [`PipelineConfig`].
+    pub pipeline: PipelineConfig,
+    /// Key prefix (namespace) of block objects in the bucket. Default: `kvbm`.
+    pub key_prefix: String,
+    /// Take a per-object lock (S3 conditional create) before offloading, so several workers
+    /// racing for the same block write it once. Default: true.
+    pub use_locks: bool,
+}
+
+impl Default for ObjectPipelineConfig {
+    fn default() -> Self {
+        Self {
+            pipeline: PipelineConfig::default(),
+            key_prefix: "kvbm".to_string(),
+            use_locks: true,
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! Errors: why a block failed, why an operation was refused.
+
+/// Stable categories of a block failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BlockFailureKind {
+    /// A weak source block had been evicted when it was upgraded; nothing was transferred.
+    Evicted,
+    /// The precondition (forward pass) reported failure.
+    PreconditionFailed,
+    /// No destination block could be allocated.
+    NoSpace,
+    /// The transfer of this block's bytes failed.
+    Transfer,
+    /// The transfer executor stopped (panicked or was aborted) with the block in flight.
+    ExecutorAborted,
+}
+
+/// Why one block failed. Failed blocks are never registered in the destination.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind:?}: {message}")]
+pub struct BlockFailure {
+    /// Category.
+    pub kind: BlockFailureKind,
+    /// Human-readable detail (e.g. the physical error's message).
+    pub message: String,
+}
+
+impl BlockFailure {
+    /// A failure of `kind` with `message`.
+    pub fn new(kind: BlockFailureKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Errors returned by the offload API.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OffloadError {
+    /// The pipeline was shut down; nothing was enqueued.
+    #[error("the offload pipeline is closed")]
+    PipelineClosed,
+    /// The engine has no pipeline for this path.
+    #[error("no {0} pipeline is configured")]
+    NoPipeline(&'static str),
+    /// A required component was not given to a builder.
+    #[error("missing {0}")]
+    Missing(&'static str),
+    /// A configuration value is invalid.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A layout or object store could not be set up.
+    #[error("setup failed: {0}")]
+    Setup(String),
+}
+
+/// Errors from policy evaluation. A block whose evaluation errs or times out is filtered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// Evaluation exceeded `policy_timeout`.
+    #[error("policy evaluation timed out")]
+    Timeout,
+    /// The backing service (e.g. S3) failed.
+    #[error("policy backend error: {0}")]
+    Backend(String),
+}

@@ -1,0 +1,101 @@
+//! The transfer stage's seam: [`TransferExecutor`].
+//!
+//! The pipeline owns everything up to the commitment point and the bookkeeping after it; an
+//! executor only moves bytes for a [`ResolvedBatch`] and says, per block, whether it worked and
+//! what it produced (for a tier destination, the block registered there). Keeping this a trait
+//! lets tests drive the pipeline with a controllable executor, benchmarks with [`NoopExecutor`],
+//! and production with [`BlockTransferExecutor`](crate::BlockTransferExecutor) /
+//! [`ObjectTransferExecutor`](crate::ObjectTransferExecutor) over `kvbm-physical`.
+//!
+//! # Contract
+//!
+//! * The outcome has exactly one entry per block of the batch, in order. A mis-sized outcome
+//!   fails the whole batch.
+//! * A block reported `Ok` must be registered in the destination (when the destination is a
+//!   tier); a block reported `Err` must not be.
+//! * The executor must not hold on to the batch's blocks after its future resolves.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use kvbm_logical::Tier;
+
+use crate::batch::{BatchOutcome, ResolvedBatch};
+
+/// Executes the transfer of a resolved batch.
+pub trait TransferExecutor<T: Tier>: Send + Sync + 'static {
+    /// What one successfully transferred block yields (e.g. the destination block).
+    type Output: Send + 'static;
+
+    /// Transfers `batch`; one outcome per block, in order.
+    fn execute(
+        &self,
+        batch: &ResolvedBatch<T>,
+    ) -> impl Future<Output = BatchOutcome<Self::Output>> + Send;
+}
+
+/// An executor that does nothing and reports every block transferred. For benchmarks and
+/// tests of the pipeline's own overhead.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoopExecutor;
+
+impl<T: Tier> TransferExecutor<T> for NoopExecutor {
+    type Output = ();
+
+    fn execute(&self, batch: &ResolvedBatch<T>) -> impl Future<Output = BatchOutcome<()>> + Send {
+        let n = batch.len();
+        std::future::ready((0..n).map(|_| Ok(())).collect())
+    }
+}
+
+/// Object-safe form of [`TransferExecutor`], for storing executors of different types behind
+/// one `Arc<dyn …>` (costs one boxed future per batch).
+pub trait DynTransferExecutor<T: Tier, R>: Send + Sync + 'static {
+    /// See [`TransferExecutor::execute`].
+    fn execute_boxed<'a>(
+        &'a self,
+        batch: &'a ResolvedBatch<T>,
+    ) -> BoxFutureRef<'a, BatchOutcome<R>>;
+}
+
+/// A boxed future borrowing its inputs.
+pub type BoxFutureRef<'a, O> = std::pin::Pin<Box<dyn Future<Output = O> + Send + 'a>>;
+
+impl<T: Tier, E: TransferExecutor<T>> DynTransferExecutor<T, E::Output> for E {
+    fn execute_boxed<'a>(
+        &'a self,
+        batch: &'a ResolvedBatch<T>,
+    ) -> BoxFutureRef<'a, BatchOutcome<E::Output>> {
+        Box::pin(self.execute(batch))
+    }
+}
+
+/// A type-erased executor.
+pub struct ArcExecutor<T: Tier, R>(pub Arc<dyn DynTransferExecutor<T, R>>);
+
+impl<T: Tier, R> Clone for ArcExecutor<T, R> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T: Tier, R> std::fmt::Debug for ArcExecutor<T, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ArcExecutor")
+    }
+}
+
+impl<T: Tier, R: Send + 'static> ArcExecutor<T, R> {
+    /// Erases `executor`'s type.
+    pub fn new(executor: impl TransferExecutor<T, Output = R>) -> Self {
+        Self(Arc::new(executor))
+    }
+}
+
+impl<T: Tier, R: Send + 'static> TransferExecutor<T> for ArcExecutor<T, R> {
+    type Output = R;
+
+    fn execute(&self, batch: &ResolvedBatch<T>) -> impl Future<Output = BatchOutcome<R>> + Send {
+        async move { self.0.execute_boxed(batch).await }
+    }
+}

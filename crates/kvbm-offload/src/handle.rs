@@ -1,0 +1,449 @@
+//! Transfer handles: status, results, incremental progress and per-block timing.
+//!
+//! A [`TransferHandle`] is returned by every `enqueue`. It shares one state object with the
+//! [`CancellationToken`] that travels with the transfer's containers (P2), so a handle, its token
+//! and the pipeline's accounting always agree.
+//!
+//! ```text
+//!   Evaluating ──► Queued ──► Transferring ──► Complete | Failed | Cancelled
+//!       │            │                              ▲
+//!       └────────────┴── cancel() before upgrade ───┘ (Cancelled)
+//! ```
+//!
+//! The terminal status is decided once, when the last piece of the transfer leaves the
+//! pipeline (see [`crate::cancel`]): `Cancelled` if any block was cancelled, else `Failed` if any
+//! block failed, else `Complete` (filtered blocks do not make a transfer fail).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use kvbm_logical::SequenceHash;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use crate::cancel::{AtomicStatus, CancelConfirmation, CancelState, CancellationToken, SweepSeen};
+use crate::error::{BlockFailure, OffloadError};
+use crate::settlement::LaneState;
+use crate::sweep::SweepSignal;
+
+/// Unique identifier for a transfer operation (process-wide, monotonically increasing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferId(u64);
+
+impl TransferId {
+    /// A fresh id.
+    pub fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        TransferId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The raw value.
+    pub fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for TransferId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "transfer-{}", self.0)
+    }
+}
+
+/// Status of a transfer operation.
+///
+/// The discriminants are ordered: a transfer only moves forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum TransferStatus {
+    /// Blocks are being evaluated by the policy.
+    Evaluating = 0,
+    /// Some blocks passed the policy and wait for their precondition, a batch or a transfer slot.
+    Queued = 1,
+    /// Some blocks were upgraded (committed, P3) and are being transferred.
+    Transferring = 2,
+    /// Every block completed or was filtered.
+    Complete = 3,
+    /// At least one block failed (and none was cancelled).
+    Failed = 4,
+    /// Cancellation was requested and applied to at least one block.
+    Cancelled = 5,
+}
+
+impl TransferStatus {
+    pub(crate) fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Evaluating,
+            1 => Self::Queued,
+            2 => Self::Transferring,
+            3 => Self::Complete,
+            4 => Self::Failed,
+            _ => Self::Cancelled,
+        }
+    }
+
+    /// Whether the status is final.
+    pub fn is_terminal(self) -> bool {
+        self >= Self::Complete
+    }
+}
+
+/// Timing trace for tracking block progression through pipeline stages.
+///
+/// Recorded once per container piece (cheap) and reported for each of its blocks. A stage the
+/// block never reached stays `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimingTrace {
+    /// When `enqueue` accepted the blocks.
+    pub enqueued: Instant,
+    /// When the policy verdict was known.
+    pub evaluated: Option<Instant>,
+    /// When the precondition resolved (or was found absent).
+    pub precondition_met: Option<Instant>,
+    /// When the piece was placed into a batch handed to the transfer stage.
+    pub batched: Option<Instant>,
+    /// When the blocks were upgraded (the commitment point).
+    pub upgraded: Option<Instant>,
+    /// When the transfer finished.
+    pub finished: Option<Instant>,
+}
+
+impl TimingTrace {
+    pub(crate) fn start(at: Instant) -> Self {
+        Self {
+            enqueued: at,
+            evaluated: None,
+            precondition_met: None,
+            batched: None,
+            upgraded: None,
+            finished: None,
+        }
+    }
+
+    /// Time from enqueue to the end of the transfer, once finished.
+    pub fn total(&self) -> Option<std::time::Duration> {
+        self.finished.map(|f| f.duration_since(self.enqueued))
+    }
+}
+
+/// Monotonic block counts for a transfer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferProgressCounts {
+    /// Blocks given to `enqueue`.
+    pub total: usize,
+    /// Blocks that passed the policy.
+    pub passed: usize,
+    /// Blocks the policy (or duplicate suppression) filtered out.
+    pub filtered: usize,
+    /// Blocks transferred and registered in the destination.
+    pub completed: usize,
+    /// Blocks that failed.
+    pub failed: usize,
+    /// Blocks dropped by cancellation before their upgrade.
+    pub cancelled: usize,
+}
+
+impl TransferProgressCounts {
+    /// Blocks with no outcome yet.
+    pub fn remaining(&self) -> usize {
+        self.total
+            .saturating_sub(self.filtered + self.completed + self.failed + self.cancelled)
+    }
+}
+
+/// Per-consumer cursor for incrementally reading transfer progress.
+///
+/// Start from `TransferProgressCursor::default()` and pass it to
+/// [`TransferHandle::progress_since`] repeatedly; each call returns only what was appended since.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferProgressCursor {
+    completed: usize,
+    failed: usize,
+    filtered: usize,
+    cancelled: usize,
+}
+
+/// Blocks appended since a [`TransferProgressCursor`] was last consumed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransferProgressDelta {
+    /// Newly completed blocks.
+    pub completed: Vec<SequenceHash>,
+    /// Newly failed blocks, with why.
+    pub failed: Vec<(SequenceHash, BlockFailure)>,
+    /// Newly filtered blocks.
+    pub filtered: Vec<SequenceHash>,
+    /// Newly cancelled blocks.
+    pub cancelled: Vec<SequenceHash>,
+}
+
+impl TransferProgressDelta {
+    /// Whether nothing was appended.
+    pub fn is_empty(&self) -> bool {
+        self.completed.is_empty()
+            && self.failed.is_empty()
+            && self.filtered.is_empty()
+            && self.cancelled.is_empty()
+    }
+}
+
+/// Result of a completed transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferResult {
+    /// The transfer.
+    pub id: TransferId,
+    /// Final status.
+    pub status: TransferStatus,
+    /// Blocks transferred and registered in the destination, in completion order.
+    pub completed_blocks: Vec<SequenceHash>,
+    /// Blocks that failed, with why. Never registered in the destination.
+    pub failed_blocks: Vec<(SequenceHash, BlockFailure)>,
+    /// Blocks filtered by the policy or as duplicates of blocks already in flight.
+    pub filtered_blocks: Vec<SequenceHash>,
+    /// Blocks cancelled before their upgrade.
+    pub cancelled_blocks: Vec<SequenceHash>,
+}
+
+#[derive(Default)]
+pub(crate) struct Progress {
+    pub(crate) passed: usize,
+    pub(crate) completed: Vec<SequenceHash>,
+    pub(crate) failed: Vec<(SequenceHash, BlockFailure)>,
+    pub(crate) filtered: Vec<SequenceHash>,
+    pub(crate) cancelled: Vec<SequenceHash>,
+    /// `(first index into completed/failed order, count, trace)` per finished piece.
+    pub(crate) timings: Vec<(SequenceHash, TimingTrace)>,
+}
+
+/// The state shared by a handle, its tokens and the pipeline's containers.
+pub(crate) struct TransferShared {
+    pub(crate) id: TransferId,
+    pub(crate) total: AtomicUsize,
+    pub(crate) cancel: tokio_util::sync::CancellationToken,
+    pub(crate) outstanding: AtomicUsize,
+    pub(crate) sweep_seen: SweepSeen,
+    pub(crate) status: AtomicStatus,
+    pub(crate) progress: Mutex<Progress>,
+    drained_notify: Notify,
+    sweep: Option<SweepSignal>,
+    settlement: Option<(Arc<LaneState>, u64)>,
+    record_timing: bool,
+}
+
+impl TransferShared {
+    pub(crate) fn detached() -> Self {
+        Self::new(None, None, false)
+    }
+
+    pub(crate) fn new(
+        sweep: Option<SweepSignal>,
+        settlement: Option<(Arc<LaneState>, u64)>,
+        record_timing: bool,
+    ) -> Self {
+        Self {
+            id: TransferId::next(),
+            total: AtomicUsize::new(0),
+            cancel: tokio_util::sync::CancellationToken::new(),
+            outstanding: AtomicUsize::new(0),
+            sweep_seen: SweepSeen::new(0),
+            status: AtomicStatus::new(TransferStatus::Evaluating),
+            progress: Mutex::new(Progress::default()),
+            drained_notify: Notify::new(),
+            sweep,
+            settlement,
+            record_timing,
+        }
+    }
+
+    pub(crate) fn record_timing(&self) -> bool {
+        self.record_timing
+    }
+
+    pub(crate) fn request_cancel(&self) {
+        if self.cancel.is_cancelled() {
+            return;
+        }
+        self.cancel.cancel();
+        if let Some(s) = &self.sweep {
+            s.signal();
+        }
+    }
+
+    pub(crate) fn on_drained(&self) {
+        let p = self.progress.lock();
+        let status = if !p.cancelled.is_empty() {
+            TransferStatus::Cancelled
+        } else if !p.failed.is_empty() {
+            TransferStatus::Failed
+        } else {
+            TransferStatus::Complete
+        };
+        drop(p);
+        self.status.store(status);
+        if let Some((lane, seq)) = &self.settlement {
+            lane.settle(*seq);
+        }
+        self.drained_notify.notify_waiters();
+    }
+
+    pub(crate) async fn drained(&self) {
+        loop {
+            let notified = self.drained_notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.outstanding.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    pub(crate) fn report_filtered(&self, hashes: impl IntoIterator<Item = SequenceHash>) {
+        self.progress.lock().filtered.extend(hashes);
+    }
+
+    pub(crate) fn report_passed(&self, n: usize) {
+        self.progress.lock().passed += n;
+        self.status.advance(TransferStatus::Queued);
+    }
+
+    pub(crate) fn report_cancelled(&self, hashes: impl IntoIterator<Item = SequenceHash>) {
+        self.sweep_seen.fetch_add(1, Ordering::AcqRel);
+        self.progress.lock().cancelled.extend(hashes);
+    }
+
+    pub(crate) fn report_failed(
+        &self,
+        failed: impl IntoIterator<Item = (SequenceHash, BlockFailure)>,
+    ) {
+        self.progress.lock().failed.extend(failed);
+    }
+
+    pub(crate) fn counts(&self) -> TransferProgressCounts {
+        let p = self.progress.lock();
+        TransferProgressCounts {
+            total: self.total.load(Ordering::Acquire),
+            passed: p.passed,
+            filtered: p.filtered.len(),
+            completed: p.completed.len(),
+            failed: p.failed.len(),
+            cancelled: p.cancelled.len(),
+        }
+    }
+}
+
+/// Handle for tracking and controlling an offload transfer.
+///
+/// Dropping the handle does **not** cancel the transfer; call [`TransferHandle::cancel`].
+#[derive(Clone)]
+pub struct TransferHandle {
+    token: CancellationToken,
+}
+
+impl std::fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferHandle")
+            .field("id", &self.id())
+            .field("status", &self.status())
+            .field("counts", &self.counts())
+            .finish()
+    }
+}
+
+impl TransferHandle {
+    pub(crate) fn new(token: CancellationToken) -> Self {
+        Self { token }
+    }
+
+    /// The transfer's id.
+    pub fn id(&self) -> TransferId {
+        self.token.transfer_id()
+    }
+
+    /// Current status.
+    pub fn status(&self) -> TransferStatus {
+        self.token.shared.status.load()
+    }
+
+    /// Whether the transfer reached a terminal status.
+    pub fn is_done(&self) -> bool {
+        self.status().is_terminal()
+    }
+
+    /// A clone of the transfer's cancellation token.
+    pub fn token(&self) -> CancellationToken {
+        self.token.clone()
+    }
+
+    /// Current monotonic counts.
+    pub fn counts(&self) -> TransferProgressCounts {
+        self.token.shared.counts()
+    }
+
+    /// Outcomes appended since `cursor`; advances the cursor.
+    pub fn progress_since(&self, cursor: &mut TransferProgressCursor) -> TransferProgressDelta {
+        let p = self.token.shared.progress.lock();
+        let delta = TransferProgressDelta {
+            completed: p.completed[cursor.completed..].to_vec(),
+            failed: p.failed[cursor.failed..].to_vec(),
+            filtered: p.filtered[cursor.filtered..].to_vec(),
+            cancelled: p.cancelled[cursor.cancelled..].to_vec(),
+        };
+        *cursor = TransferProgressCursor {
+            completed: p.completed.len(),
+            failed: p.failed.len(),
+            filtered: p.filtered.len(),
+            cancelled: p.cancelled.len(),
+        };
+        delta
+    }
+
+    /// The timing trace of a finished block (completed or failed after upgrade), if timing is
+    /// recorded (`PipelineConfig::record_timing`).
+    pub fn timing(&self, hash: SequenceHash) -> Option<TimingTrace> {
+        let p = self.token.shared.progress.lock();
+        p.timings.iter().find(|(h, _)| *h == hash).map(|(_, t)| *t)
+    }
+
+    /// Every recorded timing trace, in completion order.
+    pub fn timings(&self) -> Vec<(SequenceHash, TimingTrace)> {
+        self.token.shared.progress.lock().timings.clone()
+    }
+
+    /// Waits until every block has an outcome and nothing of the transfer is outstanding.
+    ///
+    /// # Errors
+    /// [`OffloadError::PipelineClosed`] is never returned once the transfer was accepted; the
+    /// `Result` exists so callers can use `?` uniformly with `enqueue`.
+    pub async fn wait(&self) -> Result<TransferResult, OffloadError> {
+        self.token.drained().await;
+        Ok(self.result_now())
+    }
+
+    fn result_now(&self) -> TransferResult {
+        let p = self.token.shared.progress.lock();
+        TransferResult {
+            id: self.id(),
+            status: self.status(),
+            completed_blocks: p.completed.clone(),
+            failed_blocks: p.failed.clone(),
+            filtered_blocks: p.filtered.clone(),
+            cancelled_blocks: p.cancelled.clone(),
+        }
+    }
+
+    /// The result so far, `None` until the transfer is done.
+    pub fn try_result(&self) -> Option<TransferResult> {
+        (self.token.outstanding() == 0 && self.is_done()).then(|| self.result_now())
+    }
+
+    /// Requests cancellation and returns a future that resolves once it is confirmed: every block
+    /// released, nothing outstanding. Blocks already upgraded (P3) finish their transfer first.
+    pub fn cancel(&self) -> CancelConfirmation {
+        self.token.cancel_and_confirm()
+    }
+
+    /// The state of the cancellation request, `None` while none was made.
+    pub fn cancel_state(&self) -> Option<CancelState> {
+        self.token.state()
+    }
+}
