@@ -358,7 +358,12 @@ impl Store {
             return Err(self.free.len() + self.inactive);
         }
         let from_free = n.min(self.free.len());
-        let mut out: Vec<u32> = self.free.drain(self.free.len() - from_free..).rev().collect();
+        let mut out: Vec<u32> = Vec::with_capacity(n);
+        for _ in 0..from_free {
+            let s = self.free.pop().expect("counted above");
+            self.slots[s as usize].state = SlotState::Held;
+            out.push(s);
+        }
         self.held += from_free;
         let mut evicted = 0;
         while out.len() < n {
