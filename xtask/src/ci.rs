@@ -51,9 +51,9 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     let mut test = cargo();
     test.args(["test", "--workspace"]);
     services.export_to(&mut test);
-    let tested = run_step(&mut test);
+    let tested = run_counting(&mut test);
     services.stop();
-    tested?;
+    let totals = tested?;
 
     run_step(
         cargo()
@@ -61,5 +61,93 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
     eprintln!("\nci: all steps passed");
+    // The last line is the whole run's tally, so nobody has to add up per-binary results.
+    println!(
+        "ci: {} passed, {} failed, {} skipped",
+        totals.passed, totals.failed, totals.ignored
+    );
     Ok(())
+}
+
+/// Test counts summed over every `test result:` line of a `cargo test` run.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+impl Totals {
+    /// Adds one libtest summary line (`test result: ok. 8 passed; 0 failed; 1 ignored; ...`).
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.trim().strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(['.', ';']) {
+            let mut words = part.split_whitespace();
+            let (Some(n), Some(what)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            match what {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                "ignored" => self.ignored += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Runs `cargo test`, passing its output through while counting results; fails when it fails.
+fn run_counting(cmd: &mut Command) -> Result<Totals> {
+    use std::io::{BufRead, BufReader, Write};
+    let shown = format!("{cmd:?}").replace('"', "");
+    eprintln!("\n$ {shown}");
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn()?;
+    let mut totals = Totals::default();
+    let stdout = child.stdout.take().expect("piped");
+    let mut out = std::io::stdout().lock();
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        totals.add_line(&line);
+        writeln!(out, "{line}")?;
+    }
+    drop(out);
+    let status = child.wait()?;
+    if !status.success() {
+        anyhow::bail!(
+            "`{shown}` failed ({status}): {} passed, {} failed",
+            totals.passed,
+            totals.failed
+        );
+    }
+    if totals.passed == 0 {
+        anyhow::bail!("`{shown}` ran no test");
+    }
+    Ok(totals)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Totals;
+
+    #[test]
+    fn totals_sum_libtest_summaries() {
+        let mut t = Totals::default();
+        t.add_line("test result: ok. 8 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.03s");
+        t.add_line(
+            "test result: FAILED. 2 passed; 3 failed; 0 ignored; 0 measured; 0 filtered out",
+        );
+        t.add_line("running 8 tests");
+        t.add_line("test foo ... ok");
+        assert_eq!(
+            t,
+            Totals {
+                passed: 10,
+                failed: 3,
+                ignored: 1
+            }
+        );
+    }
 }
