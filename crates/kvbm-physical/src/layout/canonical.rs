@@ -1,0 +1,227 @@
+//! The canonical (parallelism-free) page mapping of seed 002.
+//!
+//! A worker under tensor parallelism holds only some heads of each token. A
+//! [`CanonicalPageMapping`] says, as a list of strided [`CopyRun`]s, where each byte of the
+//! worker's page lives in the canonical page (all heads), so a block stored under one TP layout
+//! can be read under another. When several ranks hold identical bytes (KV heads replicated
+//! because `tp > num_kv_heads`), they take turns storing them: [`CanonicalPageMapping::is_writer`]
+//! rotates by block id.
+//!
+//! Invariant (tested): the runs of a mapping cover the local page exactly once and stay inside
+//! the canonical page.
+
+use crate::error::{PhysicalError, Result};
+
+/// A strided byte correspondence between a worker's page and the canonical page: fragment `i`
+/// spans `[local_offset + i*local_stride, +fragment_size)` locally and
+/// `[canonical_offset + i*canonical_stride, +fragment_size)` canonically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CopyRun {
+    /// First local byte.
+    pub local_offset: usize,
+    /// First canonical byte.
+    pub canonical_offset: usize,
+    /// Bytes per fragment.
+    pub fragment_size: usize,
+    /// Number of fragments.
+    pub num_fragments: usize,
+    /// Local distance between fragments.
+    pub local_stride: usize,
+    /// Canonical distance between fragments.
+    pub canonical_stride: usize,
+}
+
+/// How a worker's page maps into the canonical page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CanonicalPageMapping {
+    /// Canonical page size in bytes.
+    pub canonical_page_size_bytes: usize,
+    /// This worker's (un-padded) page size in bytes.
+    pub local_page_size_bytes: usize,
+    /// The byte correspondences.
+    pub runs: Vec<CopyRun>,
+    /// Ranks holding these exact bytes.
+    pub num_writers: usize,
+    /// This worker's index among them.
+    pub writer_index: usize,
+    /// The canonical bytes are identical under any parallel config with this block span.
+    pub parallelism_agnostic: bool,
+}
+
+impl CanonicalPageMapping {
+    /// Identity mapping for a worker holding the whole page.
+    pub fn identity(page_bytes: usize) -> Self {
+        CanonicalPageMapping {
+            canonical_page_size_bytes: page_bytes,
+            local_page_size_bytes: page_bytes,
+            runs: vec![CopyRun {
+                local_offset: 0,
+                canonical_offset: 0,
+                fragment_size: page_bytes,
+                num_fragments: 1,
+                local_stride: page_bytes,
+                canonical_stride: page_bytes,
+            }],
+            num_writers: 1,
+            writer_index: 0,
+            parallelism_agnostic: true,
+        }
+    }
+
+    /// Head-sharded tensor parallelism over a page shaped `[outer, tokens, heads, head_bytes]`
+    /// (canonically all `num_kv_heads`; locally `max(1, num_kv_heads / tp_size)` heads).
+    pub fn tensor_parallel(
+        outer_dim: usize,
+        tokens: usize,
+        num_kv_heads: usize,
+        head_bytes: usize,
+        tp_size: usize,
+        tp_rank: usize,
+    ) -> Result<Self> {
+        if [outer_dim, tokens, num_kv_heads, head_bytes, tp_size].contains(&0) || tp_rank >= tp_size
+        {
+            return Err(PhysicalError::InvalidArgument(
+                "tensor_parallel: zero dimension or rank >= tp_size".into(),
+            ));
+        }
+        let (local_heads, first_head, num_writers, writer_index) = if tp_size <= num_kv_heads {
+            if num_kv_heads % tp_size != 0 {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "{num_kv_heads} kv heads do not split over tp {tp_size}"
+                )));
+            }
+            let h = num_kv_heads / tp_size;
+            (h, tp_rank * h, 1, 0)
+        } else {
+            if tp_size % num_kv_heads != 0 {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "tp {tp_size} is not a multiple of {num_kv_heads} kv heads"
+                )));
+            }
+            let replicas = tp_size / num_kv_heads;
+            (1, tp_rank / replicas, replicas, tp_rank % replicas)
+        };
+        let frag = local_heads * head_bytes;
+        let canon_token = num_kv_heads * head_bytes;
+        let runs = (0..outer_dim)
+            .map(|o| CopyRun {
+                local_offset: o * tokens * frag,
+                canonical_offset: o * tokens * canon_token + first_head * head_bytes,
+                fragment_size: frag,
+                num_fragments: tokens,
+                local_stride: frag,
+                canonical_stride: canon_token,
+            })
+            .collect();
+        Ok(CanonicalPageMapping {
+            canonical_page_size_bytes: outer_dim * tokens * canon_token,
+            local_page_size_bytes: outer_dim * tokens * frag,
+            runs,
+            num_writers,
+            writer_index,
+            parallelism_agnostic: true,
+        })
+    }
+
+    /// Whether this worker stores the canonical page of `block_id` (rotation among the ranks
+    /// holding identical bytes).
+    pub fn is_writer(&self, block_id: usize) -> bool {
+        block_id % self.num_writers == self.writer_index
+    }
+
+    /// Copies the local page into its place in the canonical page.
+    pub fn to_canonical(&self, local: &[u8], canonical: &mut [u8]) {
+        for r in &self.runs {
+            for i in 0..r.num_fragments {
+                let l = r.local_offset + i * r.local_stride;
+                let c = r.canonical_offset + i * r.canonical_stride;
+                canonical[c..c + r.fragment_size].copy_from_slice(&local[l..l + r.fragment_size]);
+            }
+        }
+    }
+
+    /// Copies this worker's part of the canonical page into the local page.
+    pub fn from_canonical(&self, canonical: &[u8], local: &mut [u8]) {
+        for r in &self.runs {
+            for i in 0..r.num_fragments {
+                let l = r.local_offset + i * r.local_stride;
+                let c = r.canonical_offset + i * r.canonical_stride;
+                local[l..l + r.fragment_size].copy_from_slice(&canonical[c..c + r.fragment_size]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cover(m: &CanonicalPageMapping) -> (Vec<u8>, bool) {
+        let mut seen = vec![0u8; m.local_page_size_bytes];
+        let mut in_bounds = true;
+        for r in &m.runs {
+            for i in 0..r.num_fragments {
+                let l = r.local_offset + i * r.local_stride;
+                let c = r.canonical_offset + i * r.canonical_stride;
+                in_bounds &= c + r.fragment_size <= m.canonical_page_size_bytes;
+                for b in &mut seen[l..l + r.fragment_size] {
+                    *b += 1;
+                }
+            }
+        }
+        (seen, in_bounds)
+    }
+
+    proptest! {
+        #[test]
+        fn tp_mappings_cover_local_page_once_and_reshard(
+            outer in 1usize..3, tokens in 1usize..5, heads_pow in 0u32..4, head_bytes in 1usize..5,
+            tp_a_pow in 0u32..5, tp_b_pow in 0u32..5,
+        ) {
+            let heads = 1usize << heads_pow;
+            let canon_len = outer * tokens * heads * head_bytes;
+            let canonical: Vec<u8> = (0..canon_len).map(|i| (i * 7 + 3) as u8).collect();
+            // Ranks of config A write their pages (writers only) into a fresh canonical page…
+            let tp_a = 1usize << tp_a_pow;
+            let mut rebuilt = vec![0u8; canon_len];
+            for block in 0..3usize {
+                rebuilt.iter_mut().for_each(|b| *b = 0);
+                let mut writers_per_byte = vec![0u32; canon_len];
+                for rank in 0..tp_a {
+                    let m = CanonicalPageMapping::tensor_parallel(outer, tokens, heads, head_bytes, tp_a, rank).unwrap();
+                    let (seen, in_bounds) = cover(&m);
+                    prop_assert!(in_bounds);
+                    prop_assert!(seen.iter().all(|c| *c == 1));
+                    let mut local = vec![0u8; m.local_page_size_bytes];
+                    m.from_canonical(&canonical, &mut local);
+                    if m.is_writer(block) {
+                        m.to_canonical(&local, &mut rebuilt);
+                        for r in &m.runs { for i in 0..r.num_fragments {
+                            let c = r.canonical_offset + i * r.canonical_stride;
+                            for w in &mut writers_per_byte[c..c + r.fragment_size] { *w += 1; }
+                        }}
+                    }
+                }
+                // …exactly one writer per canonical byte, and config B reads its pages back.
+                prop_assert!(writers_per_byte.iter().all(|w| *w == 1));
+                prop_assert_eq!(&rebuilt, &canonical);
+                let tp_b = 1usize << tp_b_pow;
+                for rank in 0..tp_b {
+                    let m = CanonicalPageMapping::tensor_parallel(outer, tokens, heads, head_bytes, tp_b, rank).unwrap();
+                    let mut from_rebuilt = vec![0u8; m.local_page_size_bytes];
+                    let mut from_orig = vec![0u8; m.local_page_size_bytes];
+                    m.from_canonical(&rebuilt, &mut from_rebuilt);
+                    m.from_canonical(&canonical, &mut from_orig);
+                    prop_assert_eq!(from_rebuilt, from_orig);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn identity_is_writer_always() {
+        let m = CanonicalPageMapping::identity(64);
+        assert!((0..10).all(|b| m.is_writer(b)));
+    }
+}

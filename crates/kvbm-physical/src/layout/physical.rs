@@ -1,0 +1,158 @@
+//! A [`BlockLayout`] bound to the storage that holds it.
+
+use std::sync::Arc;
+
+use super::{BlockLayout, LayoutKind};
+use crate::error::{PhysicalError, Result};
+use crate::storage::{
+    DeviceMemory, DiskConfig, DiskStorage, HostStorage, ObjectStorage, PinPolicy, StorageKind,
+    allocate_device,
+};
+
+/// The storage behind a layout.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Backing {
+    /// Host memory, one allocation per [`BlockLayout::num_allocations`].
+    Host(Vec<Arc<HostStorage>>),
+    /// Device memory (or its stand-in), one allocation per layout allocation.
+    Device(Vec<Arc<dyn DeviceMemory>>),
+    /// A disk file with one slot per block.
+    Disk(Arc<DiskStorage>),
+    /// An object store; blocks are addressed by [`crate::ObjectKey`]s given per transfer.
+    Object(Arc<ObjectStorage>),
+}
+
+/// A layout plus its storage: what a [`crate::TransferManager`] registers.
+#[derive(Debug, Clone)]
+pub struct PhysicalLayout {
+    layout: BlockLayout,
+    backing: Backing,
+}
+
+impl PhysicalLayout {
+    /// Allocates host memory for `layout` (page-aligned, pinned per `pin`).
+    pub fn allocate_host(layout: BlockLayout, pin: PinPolicy) -> Result<Self> {
+        let allocs = (0..layout.num_allocations())
+            .map(|_| HostStorage::new(layout.allocation_bytes(), pin).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PhysicalLayout {
+            layout,
+            backing: Backing::Host(allocs),
+        })
+    }
+
+    /// Allocates device memory on `ordinal` (host stand-in without a GPU).
+    pub fn allocate_device(layout: BlockLayout, ordinal: usize) -> Result<Self> {
+        let allocs = (0..layout.num_allocations())
+            .map(|_| allocate_device(layout.allocation_bytes(), ordinal))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PhysicalLayout {
+            layout,
+            backing: Backing::Device(allocs),
+        })
+    }
+
+    /// Creates the disk file for `layout` (one slot per block).
+    pub fn create_disk(layout: BlockLayout, config: &DiskConfig) -> Result<Self> {
+        let disk = DiskStorage::create(
+            config,
+            layout.config().num_blocks,
+            layout.config().block_bytes(),
+        )?;
+        Ok(PhysicalLayout {
+            layout,
+            backing: Backing::Disk(Arc::new(disk)),
+        })
+    }
+
+    /// Binds `layout`'s geometry to an object tier.
+    pub fn object(layout: BlockLayout, storage: Arc<ObjectStorage>) -> Self {
+        PhysicalLayout {
+            layout,
+            backing: Backing::Object(storage),
+        }
+    }
+
+    /// Binds `layout` to existing storage, checking that it fits.
+    pub fn from_backing(layout: BlockLayout, backing: Backing) -> Result<Self> {
+        let need = layout.allocation_bytes();
+        let check = |sizes: Vec<usize>| -> Result<()> {
+            if sizes.len() != layout.num_allocations() {
+                return Err(PhysicalError::InvalidLayout(format!(
+                    "{} allocations given, layout needs {}",
+                    sizes.len(),
+                    layout.num_allocations()
+                )));
+            }
+            if let Some(s) = sizes.iter().find(|s| **s < need) {
+                return Err(PhysicalError::InvalidLayout(format!(
+                    "allocation of {s} bytes, layout needs {need}"
+                )));
+            }
+            Ok(())
+        };
+        match &backing {
+            Backing::Host(a) => check(a.iter().map(|h| h.len()).collect())?,
+            Backing::Device(a) => check(a.iter().map(|d| d.size_bytes()).collect())?,
+            Backing::Disk(d) => {
+                if d.num_slots() < layout.config().num_blocks
+                    || d.payload_bytes() != layout.config().block_bytes()
+                {
+                    return Err(PhysicalError::InvalidLayout(
+                        "disk file does not match the layout".into(),
+                    ));
+                }
+            }
+            Backing::Object(_) => {}
+        }
+        Ok(PhysicalLayout { layout, backing })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+    /// The storage.
+    pub fn backing(&self) -> &Backing {
+        &self.backing
+    }
+    /// The storage kind.
+    pub fn storage_kind(&self) -> StorageKind {
+        match &self.backing {
+            Backing::Host(_) => StorageKind::Host,
+            Backing::Device(_) => StorageKind::Device,
+            Backing::Disk(_) => StorageKind::Disk,
+            Backing::Object(_) => StorageKind::Object,
+        }
+    }
+    /// Whether a block's regions are directly addressable (host or device memory).
+    pub fn is_memory(&self) -> bool {
+        matches!(self.backing, Backing::Host(_) | Backing::Device(_))
+    }
+
+    /// Absolute addresses `(addr, len)` of `block`'s regions for `layers`, in serialized order,
+    /// with adjacent regions merged. Host addresses for host memory, device addresses for
+    /// device memory; empty for disk and objects.
+    pub fn block_addrs(&self, block: usize, layers: std::ops::Range<usize>) -> Vec<(usize, usize)> {
+        let bases: Vec<usize> = match &self.backing {
+            Backing::Host(a) => a.iter().map(|h| h.as_ptr() as usize).collect(),
+            Backing::Device(a) => a.iter().map(|d| d.device_addr() as usize).collect(),
+            _ => return Vec::new(),
+        };
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        if self.layout.kind() == LayoutKind::FullyContiguous {
+            let c = self.layout.config();
+            let start = bases[0] + block * c.block_bytes() + layers.start * c.layer_bytes();
+            return vec![(start, layers.len() * c.layer_bytes())];
+        }
+        for r in self.layout.block_regions(block, layers) {
+            let addr = bases[r.allocation] + r.offset;
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == addr => last.1 += r.len,
+                _ => out.push((addr, r.len)),
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,89 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn any_layout() -> impl Strategy<Value = BlockLayout> {
+    (
+        1usize..6,
+        1usize..5,
+        1usize..3,
+        1usize..5,
+        1usize..5,
+        1usize..3,
+        0usize..3,
+    )
+        .prop_map(|(nb, nl, no, ps, inner, dt, kind)| {
+            let kind = match kind {
+                0 => LayoutKind::FullyContiguous,
+                1 => LayoutKind::LayerSeparate(BlockDim::BlockContiguous),
+                _ => LayoutKind::LayerSeparate(BlockDim::OuterContiguous),
+            };
+            BlockLayout::builder()
+                .num_blocks(nb)
+                .num_layers(nl)
+                .outer_dim(no)
+                .page_size(ps)
+                .inner_dim(inner)
+                .dtype_bytes(dt)
+                .kind(kind)
+                .build()
+                .unwrap()
+        })
+}
+
+proptest! {
+    #[test]
+    fn regions_never_overlap_stay_in_bounds_and_cover_blocks(layout in any_layout()) {
+        let c = *layout.config();
+        let mut owner: Vec<Vec<Option<usize>>> =
+            vec![vec![None; layout.allocation_bytes()]; layout.num_allocations()];
+        for b in 0..c.num_blocks {
+            let mut covered = 0;
+            for r in layout.block_regions(b, 0..c.num_layers) {
+                prop_assert!(r.allocation < layout.num_allocations());
+                prop_assert!(r.offset + r.len <= layout.allocation_bytes());
+                for byte in &mut owner[r.allocation][r.offset..r.offset + r.len] {
+                    prop_assert!(byte.is_none(), "overlap");
+                    *byte = Some(b);
+                }
+                covered += r.len;
+            }
+            prop_assert_eq!(covered, c.block_bytes());
+        }
+        // Every byte of every allocation belongs to exactly one block.
+        for alloc in &owner {
+            prop_assert!(alloc.iter().all(|o| o.is_some()));
+        }
+    }
+}
+
+#[test]
+fn builder_rejects_zero_and_missing_and_overflow() {
+    assert!(BlockLayout::builder().num_blocks(1).build().is_err());
+    let base = || {
+        BlockLayout::builder()
+            .num_blocks(2)
+            .num_layers(2)
+            .page_size(4)
+            .inner_dim(8)
+    };
+    assert!(base().build().is_ok());
+    assert!(base().outer_dim(0).build().is_err());
+    assert!(base().inner_dim(usize::MAX / 2).build().is_err());
+}
+
+#[test]
+fn fully_contiguous_block_is_one_range() {
+    let l = BlockLayout::builder()
+        .num_blocks(3)
+        .num_layers(2)
+        .page_size(4)
+        .inner_dim(8)
+        .build()
+        .unwrap();
+    let rs: Vec<_> = l.block_regions(1, 0..2).collect();
+    assert_eq!(rs[0].offset, l.config().block_bytes());
+    for w in rs.windows(2) {
+        assert_eq!(w[0].offset + w[0].len, w[1].offset);
+    }
+}

@@ -1,0 +1,453 @@
+//! G3 disk: one pre-allocated file of fixed-size slots, O_DIRECT, driven by an [`IoEngine`].
+//!
+//! Slot `s` starts at `s * slot_bytes`. It holds the block's serialized payload (rounded up to
+//! [`DIRECT_ALIGN`]) followed by one [`DIRECT_ALIGN`] sector whose first bytes are the
+//! [`BlockHeader`] (length, slot index, xxh3-128). A write is one vectored request (payload
+//! regions + header sector); a read verifies magic, length, slot and checksum, so a corrupted,
+//! misdirected or never-written slot is that block's error.
+//!
+//! Capabilities are probed at creation and degrade in stages, one log line each:
+//! O_DIRECT refused → buffered I/O; `fallocate` unsupported → `ftruncate`; io_uring unavailable
+//! → `preadv`/`pwritev`.
+//!
+//! When the memory regions of a block are not [`DIRECT_ALIGN`]-aligned (or too many for one
+//! request), the block goes through an aligned staging buffer instead.
+
+use std::cell::RefCell;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::checksum::{BlockHeader, HEADER_LEN, checksum_regions};
+use crate::error::{PhysicalError, Result};
+use crate::io::{IoDir, IoEngine, IoRequest, PsyncEngine, UringEngine};
+use crate::storage::{HostStorage, PinPolicy, Storage, StorageKind};
+
+/// Alignment of O_DIRECT addresses, lengths and offsets used here.
+pub const DIRECT_ALIGN: usize = 4096;
+const MAX_IOVECS: usize = 1000;
+
+/// Which I/O engine to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoEngineKind {
+    /// io_uring when available, else psync. Default.
+    #[default]
+    Auto,
+    /// io_uring (falls back to psync with a log line when unavailable).
+    Uring,
+    /// `preadv`/`pwritev`.
+    Psync,
+}
+
+/// Configuration of a disk tier file.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct DiskConfig {
+    /// The file (created or reused, resized to fit).
+    pub path: PathBuf,
+    /// Engine choice. Default: auto.
+    #[serde(default)]
+    pub engine: IoEngineKind,
+    /// Requests in flight per transfer. Default: 8.
+    #[serde(default = "default_qd")]
+    pub queue_depth: u32,
+    /// Try O_DIRECT. Default: true.
+    #[serde(default = "default_true")]
+    pub direct_io: bool,
+}
+
+fn default_qd() -> u32 {
+    8
+}
+fn default_true() -> bool {
+    true
+}
+
+impl DiskConfig {
+    /// Defaults for `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        DiskConfig {
+            path: path.into(),
+            engine: IoEngineKind::Auto,
+            queue_depth: default_qd(),
+            direct_io: true,
+        }
+    }
+}
+
+/// What the probe found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskCapabilities {
+    /// The file is open with O_DIRECT.
+    pub direct_io: bool,
+    /// Space was reserved with `fallocate`.
+    pub fallocated: bool,
+    /// The engine in use (`Uring` or `Psync`).
+    pub engine: IoEngineKind,
+}
+
+/// A disk tier file.
+#[derive(Debug)]
+pub struct DiskStorage {
+    file: File,
+    path: PathBuf,
+    num_slots: usize,
+    payload_bytes: usize,
+    slot_bytes: usize,
+    caps: DiskCapabilities,
+    engine: Box<dyn IoEngine>,
+}
+
+fn round_up(v: usize, a: usize) -> usize {
+    v.div_ceil(a) * a
+}
+
+impl DiskStorage {
+    /// Creates (or reuses) the file for `num_slots` blocks of `payload_bytes`, probing
+    /// capabilities as described in the module docs.
+    pub fn create(config: &DiskConfig, num_slots: usize, payload_bytes: usize) -> Result<Self> {
+        if payload_bytes == 0 {
+            return Err(PhysicalError::InvalidLayout("empty disk block".into()));
+        }
+        let path = config.path.clone();
+        let slot_bytes = round_up(payload_bytes, DIRECT_ALIGN) + DIRECT_ALIGN;
+        let total = slot_bytes
+            .checked_mul(num_slots)
+            .ok_or_else(|| PhysicalError::InvalidLayout("disk size overflows".into()))?;
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(true).create(true).truncate(false);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(&path)
+        };
+        let mut direct_io = config.direct_io;
+        let file = if direct_io {
+            match open(true) {
+                Ok(f) => f,
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::warn!(path = %path.display(), "O_DIRECT refused by the filesystem; using buffered I/O");
+                    direct_io = false;
+                    open(false).map_err(|e| PhysicalError::io("open", Some(&path), e))?
+                }
+                Err(e) => return Err(PhysicalError::io("open", Some(&path), e)),
+            }
+        } else {
+            open(false).map_err(|e| PhysicalError::io("open", Some(&path), e))?
+        };
+        // SAFETY: valid fd; fallocate has no memory preconditions.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, total as libc::off_t) };
+        let fallocated = if rc == 0 {
+            true
+        } else {
+            let e = std::io::Error::last_os_error();
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+            ) {
+                tracing::warn!(path = %path.display(), "fallocate unsupported; sizing the file with ftruncate (space not reserved)");
+                file.set_len(total as u64)
+                    .map_err(|e| PhysicalError::io("ftruncate", Some(&path), e))?;
+                false
+            } else {
+                return Err(PhysicalError::io("fallocate", Some(&path), e));
+            }
+        };
+        let engine: Box<dyn IoEngine> = match config.engine {
+            IoEngineKind::Psync => Box::new(PsyncEngine),
+            IoEngineKind::Auto | IoEngineKind::Uring => {
+                match UringEngine::new(config.queue_depth) {
+                    Ok(e) => Box::new(e),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "io_uring unavailable; using preadv/pwritev");
+                        Box::new(PsyncEngine)
+                    }
+                }
+            }
+        };
+        let caps = DiskCapabilities {
+            direct_io,
+            fallocated,
+            engine: if engine.name() == "io_uring" {
+                IoEngineKind::Uring
+            } else {
+                IoEngineKind::Psync
+            },
+        };
+        tracing::debug!(path = %path.display(), ?caps, num_slots, slot_bytes, "disk tier ready");
+        Ok(DiskStorage {
+            file,
+            path,
+            num_slots,
+            payload_bytes,
+            slot_bytes,
+            caps,
+            engine,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// What the probe found.
+    pub fn capabilities(&self) -> DiskCapabilities {
+        self.caps
+    }
+    /// Slots in the file.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+    /// Payload bytes per slot.
+    pub fn payload_bytes(&self) -> usize {
+        self.payload_bytes
+    }
+    /// Bytes per slot on disk (payload rounded up plus the header sector).
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+    /// File offset of `slot`.
+    pub fn slot_offset(&self, slot: usize) -> u64 {
+        (slot * self.slot_bytes) as u64
+    }
+    /// The I/O engine in use.
+    pub fn engine(&self) -> &dyn IoEngine {
+        &*self.engine
+    }
+
+    fn location(&self, slot: usize) -> String {
+        format!("disk:{}@slot{}", self.path.display(), slot)
+    }
+
+    fn direct_ok(&self, regions: &[(usize, usize)]) -> bool {
+        regions.len() < MAX_IOVECS
+            && regions
+                .iter()
+                .all(|&(p, l)| p % DIRECT_ALIGN == 0 && l % DIRECT_ALIGN == 0)
+    }
+
+    /// Writes each block's payload (given as host memory regions, in serialized order) to its
+    /// slot with a header. Returns one result per block.
+    ///
+    /// # Safety
+    /// Every region must be readable host memory, unchanged until this returns.
+    pub unsafe fn write_blocks(&self, blocks: &[(usize, Vec<(usize, usize)>)]) -> Vec<Result<()>> {
+        self.run(IoDir::Write, blocks)
+    }
+
+    /// Reads each block's slot into its regions and verifies it. Returns one result per block;
+    /// on error the regions hold unspecified bytes.
+    ///
+    /// # Safety
+    /// Every region must be writable host memory no one else touches until this returns.
+    pub unsafe fn read_blocks(&self, blocks: &[(usize, Vec<(usize, usize)>)]) -> Vec<Result<()>> {
+        self.run(IoDir::Read, blocks)
+    }
+
+    fn run(&self, dir: IoDir, blocks: &[(usize, Vec<(usize, usize)>)]) -> Vec<Result<()>> {
+        let n = blocks.len();
+        let mut results: Vec<Result<()>> = (0..n)
+            .map(|_| Err(PhysicalError::Aborted("not executed".into())))
+            .collect();
+        for (i, (slot, regions)) in blocks.iter().enumerate() {
+            let len: usize = regions.iter().map(|r| r.1).sum();
+            if *slot >= self.num_slots || len != self.payload_bytes {
+                results[i] = Err(PhysicalError::InvalidArgument(format!(
+                    "slot {slot} / {len} bytes does not fit a file of {} slots of {} bytes",
+                    self.num_slots, self.payload_bytes
+                )));
+            }
+        }
+        let valid: Vec<usize> = (0..n)
+            .filter(|&i| matches!(&results[i], Err(PhysicalError::Aborted(_))))
+            .collect();
+        let headers = match HostStorage::new(valid.len() * DIRECT_ALIGN, PinPolicy::Unpinned) {
+            Ok(h) => h,
+            Err(e) => {
+                let msg = e.to_string();
+                for &i in &valid {
+                    results[i] = Err(PhysicalError::Aborted(msg.clone()));
+                }
+                return results;
+            }
+        };
+        let padded = round_up(self.payload_bytes, DIRECT_ALIGN);
+        let staged: RefCell<Vec<Option<Arc<HostStorage>>>> = RefCell::new(vec![None; valid.len()]);
+        let results = RefCell::new(results);
+        let engine_result = {
+            let results = &results;
+            let staged = &staged;
+            let headers = &headers;
+            let mut prepare = |k: usize| -> IoRequest {
+                let i = valid[k];
+                let (slot, regions) = &blocks[i];
+                let header_ptr = headers.as_ptr() as usize + k * DIRECT_ALIGN;
+                let direct = self.direct_ok(regions) && padded == self.payload_bytes;
+                let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(regions.len() + 1);
+                let mut keep: Option<Box<dyn std::any::Any + Send>> = None;
+                if direct {
+                    iovecs.extend(regions.iter().map(|&(p, l)| libc::iovec {
+                        iov_base: p as *mut libc::c_void,
+                        iov_len: l,
+                    }));
+                } else {
+                    // Aligned staging buffer for payload (+ padding).
+                    match HostStorage::new(padded, PinPolicy::Unpinned) {
+                        Ok(buf) => {
+                            let buf = Arc::new(buf);
+                            if dir == IoDir::Write {
+                                let mut off = 0;
+                                for &(p, l) in regions {
+                                    // SAFETY: caller guarantees regions readable; buf is ours.
+                                    unsafe {
+                                        std::ptr::copy_nonoverlapping(
+                                            p as *const u8,
+                                            buf.as_ptr().add(off),
+                                            l,
+                                        )
+                                    };
+                                    off += l;
+                                }
+                            }
+                            iovecs.push(libc::iovec {
+                                iov_base: buf.as_ptr().cast(),
+                                iov_len: padded,
+                            });
+                            staged.borrow_mut()[k] = Some(Arc::clone(&buf));
+                            keep = Some(Box::new(buf));
+                        }
+                        Err(e) => {
+                            results.borrow_mut()[i] = Err(e);
+                            // Submit a zero-length read of nothing; completion is ignored.
+                            return IoRequest {
+                                dir: IoDir::Read,
+                                offset: 0,
+                                iovecs: Vec::new(),
+                                keep_alive: None,
+                            };
+                        }
+                    }
+                }
+                if dir == IoDir::Write {
+                    // SAFETY: caller guarantees the regions are readable.
+                    let checksum = unsafe { checksum_regions(regions) };
+                    let h = BlockHeader {
+                        len: self.payload_bytes as u64,
+                        slot: *slot as u64,
+                        checksum,
+                    };
+                    // SAFETY: header sector k belongs to this request only.
+                    let sector = unsafe {
+                        std::slice::from_raw_parts_mut(header_ptr as *mut u8, DIRECT_ALIGN)
+                    };
+                    h.encode(&mut sector[..HEADER_LEN]);
+                }
+                iovecs.push(libc::iovec {
+                    iov_base: header_ptr as *mut libc::c_void,
+                    iov_len: DIRECT_ALIGN,
+                });
+                IoRequest {
+                    dir,
+                    offset: self.slot_offset(*slot),
+                    iovecs,
+                    keep_alive: keep,
+                }
+            };
+            let mut complete = |k: usize, res: std::io::Result<usize>| {
+                let i = valid[k];
+                if !matches!(&results.borrow()[i], Err(PhysicalError::Aborted(_))) {
+                    return; // failed in prepare
+                }
+                let (slot, regions) = &blocks[i];
+                let loc = || self.location(*slot);
+                let outcome = (|| {
+                    let got = res.map_err(|e| {
+                        PhysicalError::io(
+                            if dir == IoDir::Read {
+                                "disk read"
+                            } else {
+                                "disk write"
+                            },
+                            Some(&self.path),
+                            e,
+                        )
+                    })?;
+                    if got != self.slot_bytes {
+                        return Err(PhysicalError::ShortRead {
+                            location: loc(),
+                            expected: self.slot_bytes,
+                            actual: got,
+                        });
+                    }
+                    if dir == IoDir::Write {
+                        return Ok(());
+                    }
+                    let header_ptr = headers.as_ptr() as usize + k * DIRECT_ALIGN;
+                    // SAFETY: the read into header sector k completed.
+                    let sector =
+                        unsafe { std::slice::from_raw_parts(header_ptr as *const u8, HEADER_LEN) };
+                    let h = BlockHeader::decode(sector, &loc)?;
+                    h.expect(self.payload_bytes, *slot as u64, &loc)?;
+                    let buf = staged.borrow_mut()[k].take();
+                    if let Some(buf) = buf {
+                        // SAFETY: the read into the staging buffer completed.
+                        let data = unsafe { &buf.as_slice()[..self.payload_bytes] };
+                        h.verify(crate::checksum::checksum_slices([data]), &loc)?;
+                        let mut off = 0;
+                        for &(p, l) in regions {
+                            // SAFETY: caller guarantees regions writable.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    data.as_ptr().add(off),
+                                    p as *mut u8,
+                                    l,
+                                )
+                            };
+                            off += l;
+                        }
+                    } else {
+                        // SAFETY: the read into the regions completed.
+                        h.verify(unsafe { checksum_regions(regions) }, &loc)?;
+                    }
+                    Ok(())
+                })();
+                results.borrow_mut()[i] = outcome;
+            };
+            self.engine.run(
+                self.file.as_raw_fd(),
+                valid.len(),
+                &mut prepare,
+                &mut complete,
+            )
+        };
+        let mut results = results.into_inner();
+        if let Err(e) = engine_result {
+            let msg = format!("{} engine failed: {e}", self.engine.name());
+            for &i in &valid {
+                if matches!(&results[i], Err(PhysicalError::Aborted(_))) {
+                    results[i] = Err(PhysicalError::Aborted(msg.clone()));
+                }
+            }
+        }
+        results
+    }
+
+    /// Flushes written data to stable storage (`fdatasync`).
+    pub fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| PhysicalError::io("fdatasync", Some(&self.path), e))
+    }
+}
+
+impl Storage for DiskStorage {
+    fn kind(&self) -> StorageKind {
+        StorageKind::Disk
+    }
+    fn size_bytes(&self) -> usize {
+        self.num_slots * self.slot_bytes
+    }
+}

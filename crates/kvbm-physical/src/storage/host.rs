@@ -1,0 +1,169 @@
+//! G2 host memory: page-aligned anonymous mappings, pinned with `mlock` when allowed.
+//!
+//! Pinning can be refused (RLIMIT_MEMLOCK without CAP_IPC_LOCK). Then the allocation stays
+//! unpinned and one warning is logged per process, never a crash.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::{PhysicalError, Result};
+use crate::storage::{Storage, StorageKind};
+
+static PIN_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Whether to pin host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PinPolicy {
+    /// Try `mlock`; fall back to unpinned memory with one warning. Default.
+    #[default]
+    TryPin,
+    /// Never pin (tests, small bounce buffers).
+    Unpinned,
+}
+
+/// A page-aligned host allocation.
+#[derive(Debug)]
+pub struct HostStorage {
+    ptr: *mut u8,
+    len: usize,
+    map_len: usize,
+    pinned: bool,
+}
+
+// SAFETY: the mapping is owned exclusively by this value and is plain memory; synchronisation
+// of the bytes is the transfer caller's duty (see the module docs of `crate::storage`).
+unsafe impl Send for HostStorage {}
+// SAFETY: as above; `&HostStorage` only hands out raw addresses.
+unsafe impl Sync for HostStorage {}
+
+impl HostStorage {
+    /// Allocates `len` zeroed bytes, page-aligned, pinned according to `pin`.
+    pub fn new(len: usize, pin: PinPolicy) -> Result<Self> {
+        let page = page_size();
+        let map_len = len.max(1).div_ceil(page) * page;
+        // SAFETY: anonymous private mapping, no file, checked for MAP_FAILED below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(PhysicalError::io(
+                "mmap host memory",
+                None,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let mut pinned = false;
+        if pin == PinPolicy::TryPin {
+            // SAFETY: the range is the mapping just created.
+            if unsafe { libc::mlock(ptr, map_len) } == 0 {
+                pinned = true;
+            } else {
+                let err = std::io::Error::last_os_error();
+                if !PIN_WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        bytes = map_len,
+                        error = %err,
+                        "mlock refused; host memory stays unpinned (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); warned once"
+                    );
+                }
+            }
+        }
+        Ok(HostStorage {
+            ptr: ptr.cast(),
+            len,
+            map_len,
+            pinned,
+        })
+    }
+
+    /// The first byte's address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length requested at allocation.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether `mlock` succeeded.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// The bytes, shared.
+    ///
+    /// # Safety
+    /// No one may write the memory while the slice is alive.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is valid for `len` bytes; the caller excludes writers.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, exclusively.
+    ///
+    /// # Safety
+    /// No one else may access the memory while the slice is alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: the mapping is valid for `len` bytes; the caller excludes other access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HostStorage {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this value owns; munmap also drops the lock.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.map_len);
+        }
+    }
+}
+
+impl Storage for HostStorage {
+    fn kind(&self) -> StorageKind {
+        StorageKind::Host
+    }
+    fn size_bytes(&self) -> usize {
+        self.len
+    }
+}
+
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 { p as usize } else { 4096 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_zeroed_and_writable() {
+        for pin in [PinPolicy::TryPin, PinPolicy::Unpinned] {
+            let h = HostStorage::new(10_000, pin).unwrap();
+            assert_eq!(h.as_ptr() as usize % page_size(), 0);
+            // SAFETY: test owns the allocation exclusively.
+            let s = unsafe { h.as_mut_slice() };
+            assert!(s.iter().all(|b| *b == 0));
+            s[9_999] = 7;
+            assert_eq!(unsafe { h.as_slice() }[9_999], 7);
+            if pin == PinPolicy::Unpinned {
+                assert!(!h.is_pinned());
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Where each tier's bytes live.
+//!
+//! One trait per seam: [`Storage`] is what every backend is; the memory-addressable backends
+//! (host memory, device memory) are reached through raw regions, while disk and objects are
+//! reached through their own I/O paths. Backends live in sibling files:
+//!
+//! | tier | type | file |
+//! |---|---|---|
+//! | G1 | [`DeviceMemory`] ([`HostStandInDevice`] without a GPU; `crate::cuda` with one) | `device.rs` |
+//! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
+//! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
+//! | G4 | [`ObjectStorage`] (object_store: S3, local fs, in-memory) | `object.rs` |
+//!
+//! Invariant shared by all: a storage object owns its allocation for its whole life and never
+//! moves it, so regions computed from a layout stay valid while the layout is alive. Callers of
+//! a transfer guarantee no one else writes the blocks involved while it runs.
+
+mod device;
+mod disk;
+mod host;
+mod object;
+
+pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
+pub use disk::{DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
+pub use host::{HostStorage, PinPolicy};
+pub use object::{ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, S3Config};
+
+/// The kind of a storage backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StorageKind {
+    /// GPU memory (G1), or its host stand-in.
+    Device,
+    /// Host memory (G2).
+    Host,
+    /// A local file (G3).
+    Disk,
+    /// An object store (G4).
+    Object,
+}
+
+/// What every storage backend is.
+pub trait Storage: Send + Sync + std::fmt::Debug {
+    /// The backend's kind.
+    fn kind(&self) -> StorageKind;
+    /// Capacity in bytes (for objects: unbounded, reported as `usize::MAX`).
+    fn size_bytes(&self) -> usize;
+}

@@ -1,0 +1,362 @@
+//! The transfer manager: registered layouts and block transfers between them.
+//!
+//! [`TransferManager::execute_transfer`] validates its arguments synchronously (an error there
+//! means nothing started), then runs the transfer on the manager's own tokio runtime and returns
+//! a [`TransferCompletion`] future resolving to per-block [`TransferOutcome`]s. It works from
+//! sync or async callers alike.
+//!
+//! Strategies (`strategy.rs`), chosen by the storage kinds of the two sides:
+//!
+//! | src → dst | strategy |
+//! |---|---|
+//! | host/device ↔ host/device | region copies (memcpy; device copies through [`crate::DeviceMemory`]) |
+//! | host → disk, disk → host | vectored O_DIRECT I/O through the disk's [`crate::IoEngine`], checksummed |
+//! | host → object, object → host/device | one checksummed object per block, bounded concurrency |
+//! | anything else (device ↔ disk/object, disk ↔ object, disk → disk, partial-layer disk reads) | two hops through a pinned host bounce layout |
+//!
+//! Locking: the layout table is a `parking_lot::RwLock` held only to look up or insert a handle,
+//! never across I/O; storage-level locks (the io_uring ring pool, the object semaphore) are
+//! leaves taken inside a transfer. No lock is held across an `.await` except the object
+//! semaphore permit.
+
+mod strategy;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use parking_lot::RwLock;
+use tokio::sync::oneshot;
+
+use crate::error::{PhysicalError, Result};
+use crate::layout::PhysicalLayout;
+use crate::storage::{ObjectKey, ObjectPutMode, StorageKind};
+
+/// Index of a block within one layout (same meaning as `kvbm-logical`'s, without depending on
+/// it).
+pub type BlockId = usize;
+
+/// Names a layout registered with a [`TransferManager`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayoutHandle(u64);
+
+impl LayoutHandle {
+    /// The raw id.
+    pub fn as_u64(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Per-transfer options.
+#[derive(Debug, Clone, Default)]
+pub struct TransferOptions {
+    /// Only these layers (layer-wise onboarding). `None`: all layers. Destinations on disk or in
+    /// an object store need whole blocks.
+    pub layer_range: Option<Range<usize>>,
+    /// For a transfer whose source or destination is an object store: one key per block, in
+    /// the order of the block id lists (the object side's ids are then just positions).
+    pub object_keys: Option<Vec<ObjectKey>>,
+    /// How puts treat existing objects. Default: overwrite.
+    pub object_put_mode: ObjectPutMode,
+}
+
+impl TransferOptions {
+    /// Options with a layer range.
+    pub fn layers(range: Range<usize>) -> Self {
+        TransferOptions {
+            layer_range: Some(range),
+            ..Default::default()
+        }
+    }
+    /// Options with object keys.
+    pub fn with_object_keys(keys: Vec<ObjectKey>) -> Self {
+        TransferOptions {
+            object_keys: Some(keys),
+            ..Default::default()
+        }
+    }
+}
+
+/// Per-block results of a transfer.
+#[derive(Debug)]
+pub struct TransferOutcome {
+    /// `(destination block id, result)` in the order of the request.
+    pub blocks: Vec<(BlockId, Result<(), PhysicalError>)>,
+}
+
+impl TransferOutcome {
+    /// Whether every block arrived.
+    pub fn is_complete_success(&self) -> bool {
+        self.blocks.iter().all(|(_, r)| r.is_ok())
+    }
+    /// The failed blocks.
+    pub fn failures(&self) -> impl Iterator<Item = (BlockId, &PhysicalError)> {
+        self.blocks
+            .iter()
+            .filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e)))
+    }
+}
+
+/// A future resolving to a transfer's [`TransferOutcome`].
+///
+/// Dropping it does not cancel the transfer.
+#[derive(Debug)]
+pub struct TransferCompletion {
+    rx: oneshot::Receiver<TransferOutcome>,
+    dst_ids: Vec<BlockId>,
+}
+
+impl TransferCompletion {
+    /// Blocks the current thread until done. Do not call from async code (await instead).
+    pub fn wait(self) -> TransferOutcome {
+        let ids = self.dst_ids;
+        self.rx.blocking_recv().unwrap_or_else(|_| aborted(&ids))
+    }
+}
+
+fn aborted(ids: &[BlockId]) -> TransferOutcome {
+    TransferOutcome {
+        blocks: ids
+            .iter()
+            .map(|id| {
+                (
+                    *id,
+                    Err(PhysicalError::Aborted(
+                        "transfer worker ended without reporting".into(),
+                    )),
+                )
+            })
+            .collect(),
+    }
+}
+
+impl Future for TransferCompletion {
+    type Output = TransferOutcome;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<TransferOutcome> {
+        match Pin::new(&mut self.rx).poll(cx) {
+            Poll::Ready(Ok(o)) => Poll::Ready(o),
+            Poll::Ready(Err(_)) => Poll::Ready(aborted(&self.dst_ids)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Transfer manager settings.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct TransferConfig {
+    /// Worker threads of the manager's runtime (object I/O). Default: 2.
+    pub worker_threads: usize,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig { worker_threads: 2 }
+    }
+}
+
+/// Registers layouts and moves blocks between them. `Send + Sync`; share it as `Arc`.
+#[derive(Debug)]
+pub struct TransferManager {
+    layouts: RwLock<HashMap<u64, Arc<PhysicalLayout>>>,
+    next_id: AtomicU64,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// A validated transfer, ready to run.
+#[derive(Debug, Clone)]
+pub(crate) struct Job {
+    pub(crate) src: Arc<PhysicalLayout>,
+    pub(crate) dst: Arc<PhysicalLayout>,
+    pub(crate) src_ids: Vec<BlockId>,
+    pub(crate) dst_ids: Vec<BlockId>,
+    pub(crate) layers: Range<usize>,
+    pub(crate) keys: Option<Arc<Vec<ObjectKey>>>,
+    pub(crate) put_mode: ObjectPutMode,
+}
+
+impl TransferManager {
+    /// A manager with default settings.
+    pub fn new() -> Result<Self> {
+        Self::with_config(TransferConfig::default())
+    }
+
+    /// A manager with `config`.
+    pub fn with_config(config: TransferConfig) -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.worker_threads.max(1))
+            .thread_name("kvbm-transfer")
+            .enable_all()
+            .build()
+            .map_err(|e| PhysicalError::io("start transfer runtime", None, e))?;
+        Ok(TransferManager {
+            layouts: RwLock::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            runtime: Some(runtime),
+        })
+    }
+
+    /// Registers a layout; the handle names it in transfers.
+    pub fn register_layout(&self, layout: PhysicalLayout) -> Result<LayoutHandle, PhysicalError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.layouts.write().insert(id, Arc::new(layout));
+        Ok(LayoutHandle(id))
+    }
+
+    /// The layout behind `handle`.
+    pub fn layout(&self, handle: LayoutHandle) -> Result<Arc<PhysicalLayout>> {
+        self.layouts
+            .read()
+            .get(&handle.0)
+            .cloned()
+            .ok_or(PhysicalError::UnknownLayout(handle))
+    }
+
+    /// Forgets a layout; transfers already started keep it alive until they finish.
+    pub fn unregister_layout(&self, handle: LayoutHandle) -> Result<()> {
+        self.layouts
+            .write()
+            .remove(&handle.0)
+            .map(|_| ())
+            .ok_or(PhysicalError::UnknownLayout(handle))
+    }
+
+    /// Copies `src_block_ids[i]` of `src` into `dst_block_ids[i]` of `dst` for every `i`.
+    ///
+    /// Errors returned here are argument errors and nothing started; per-block failures come
+    /// back in the [`TransferOutcome`]. The caller must keep other writers off the blocks
+    /// involved until the completion resolves.
+    pub fn execute_transfer(
+        &self,
+        src: LayoutHandle,
+        src_block_ids: &[BlockId],
+        dst: LayoutHandle,
+        dst_block_ids: &[BlockId],
+        options: TransferOptions,
+    ) -> Result<TransferCompletion, PhysicalError> {
+        let job = self.validate(src, src_block_ids, dst, dst_block_ids, options)?;
+        let (tx, rx) = oneshot::channel();
+        let dst_ids = dst_block_ids.to_vec();
+        let runtime = self.runtime.as_ref().expect("runtime lives until drop");
+        runtime.spawn(async move {
+            let blocks = strategy::run(job).await;
+            let _ = tx.send(TransferOutcome { blocks });
+        });
+        Ok(TransferCompletion { rx, dst_ids })
+    }
+
+    fn validate(
+        &self,
+        src_h: LayoutHandle,
+        src_ids: &[BlockId],
+        dst_h: LayoutHandle,
+        dst_ids: &[BlockId],
+        options: TransferOptions,
+    ) -> Result<Job> {
+        let src = self.layout(src_h)?;
+        let dst = self.layout(dst_h)?;
+        if src_ids.len() != dst_ids.len() {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "{} source ids but {} destination ids",
+                src_ids.len(),
+                dst_ids.len()
+            )));
+        }
+        let (sc, dc) = (src.layout().config(), dst.layout().config());
+        if !sc.same_block_geometry(dc) {
+            return Err(PhysicalError::IncompatibleLayouts(format!(
+                "source {sc:?} vs destination {dc:?}"
+            )));
+        }
+        let (sk, dk) = (src.storage_kind(), dst.storage_kind());
+        for (ids, layout, kind) in [(src_ids, &src, sk), (dst_ids, &dst, dk)] {
+            if kind == StorageKind::Object {
+                continue; // positions into the key list
+            }
+            let n = layout.layout().config().num_blocks;
+            if let Some(&bad) = ids.iter().find(|&&id| id >= n) {
+                return Err(PhysicalError::BlockOutOfRange {
+                    block_id: bad,
+                    num_blocks: n,
+                });
+            }
+        }
+        let mut seen = std::collections::HashSet::with_capacity(dst_ids.len());
+        if dk != StorageKind::Object {
+            if let Some(dup) = dst_ids.iter().find(|id| !seen.insert(**id)) {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "destination block {dup} appears twice"
+                )));
+            }
+            if src_h == dst_h && src_ids.iter().zip(dst_ids).any(|(s, d)| s == d) {
+                return Err(PhysicalError::InvalidArgument(
+                    "a block cannot be copied onto itself".into(),
+                ));
+            }
+        }
+        let all = 0..sc.num_layers;
+        let layers = options.layer_range.clone().unwrap_or(all.clone());
+        if layers.start >= layers.end || layers.end > sc.num_layers {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "layer range {layers:?} outside 0..{}",
+                sc.num_layers
+            )));
+        }
+        if layers != all && matches!(dk, StorageKind::Disk | StorageKind::Object) {
+            return Err(PhysicalError::InvalidArgument(
+                "a partial layer range needs a memory destination (disk slots and objects hold whole blocks)".into(),
+            ));
+        }
+        let object_sides = [sk, dk]
+            .iter()
+            .filter(|k| **k == StorageKind::Object)
+            .count();
+        if object_sides == 2 {
+            return Err(PhysicalError::NotSupported(
+                "object-to-object transfers (copy the objects instead)".into(),
+            ));
+        }
+        let keys = match (object_sides, options.object_keys) {
+            (1, Some(keys)) if keys.len() == src_ids.len() => Some(Arc::new(keys)),
+            (1, Some(keys)) => {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "{} object keys for {} blocks",
+                    keys.len(),
+                    src_ids.len()
+                )));
+            }
+            (1, None) => {
+                return Err(PhysicalError::InvalidArgument(
+                    "an object-store side needs options.object_keys".into(),
+                ));
+            }
+            (_, Some(_)) => {
+                return Err(PhysicalError::InvalidArgument(
+                    "object_keys given but neither side is an object store".into(),
+                ));
+            }
+            (_, None) => None,
+        };
+        Ok(Job {
+            src,
+            dst,
+            src_ids: src_ids.to_vec(),
+            dst_ids: dst_ids.to_vec(),
+            layers,
+            keys,
+            put_mode: options.object_put_mode,
+        })
+    }
+}
+
+impl Drop for TransferManager {
+    fn drop(&mut self) {
+        // May run inside an async context, where a blocking runtime drop would panic.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! Transfer strategies, chosen by the storage kinds of the two sides (table in the parent
+//! module's docs).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+
+use super::{BlockId, Job};
+use crate::error::{PhysicalError, Result};
+use crate::layout::{Backing, BlockLayout, PhysicalLayout};
+use crate::storage::{DeviceMemory, PinPolicy, StorageKind};
+
+/// Blocks staged per bounce-buffer round in a two-hop transfer.
+const BOUNCE_CHUNK: usize = 32;
+
+pub(super) async fn run(job: Job) -> Vec<(BlockId, Result<()>)> {
+    let ids = job.dst_ids.clone();
+    let results = run_inner(job).await;
+    ids.into_iter().zip(results).collect()
+}
+
+fn all_layers(job: &Job) -> std::ops::Range<usize> {
+    0..job.src.layout().config().num_layers
+}
+
+fn run_inner(job: Job) -> BoxFuture<'static, Vec<Result<()>>> {
+    use StorageKind::*;
+    Box::pin(async move {
+        let full = job.layers == all_layers(&job);
+        match (job.src.storage_kind(), job.dst.storage_kind()) {
+            (Host | Device, Host | Device) => blocking(job, copy_memory).await,
+            (Host, Disk) => blocking(job, disk_write).await,
+            (Disk, Host) if full => blocking(job, disk_read).await,
+            (Host, Object) => object_put(job).await,
+            (Object, Host | Device) => object_get(job).await,
+            _ => two_hop(job).await,
+        }
+    })
+}
+
+async fn blocking(job: Job, f: fn(&Job) -> Vec<Result<()>>) -> Vec<Result<()>> {
+    let n = job.src_ids.len();
+    match tokio::task::spawn_blocking(move || f(&job)).await {
+        Ok(r) => r,
+        Err(e) => (0..n)
+            .map(|_| Err(PhysicalError::Aborted(format!("transfer task failed: {e}"))))
+            .collect(),
+    }
+}
+
+fn device0(layout: &PhysicalLayout) -> Option<&Arc<dyn DeviceMemory>> {
+    match layout.backing() {
+        Backing::Device(d) => d.first(),
+        _ => None,
+    }
+}
+
+/// Copies `len` bytes between memory addresses of the given kinds.
+///
+/// # Safety
+/// Addresses come from registered layouts' regions; the caller excludes concurrent writers.
+unsafe fn copy_chunk(
+    src: &PhysicalLayout,
+    dst: &PhysicalLayout,
+    s: usize,
+    d: usize,
+    len: usize,
+) -> Result<()> {
+    // SAFETY (all arms): the regions lie inside live allocations owned by the layouts.
+    unsafe {
+        match (device0(src), device0(dst)) {
+            (None, None) => {
+                std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len);
+                Ok(())
+            }
+            (None, Some(dd)) => dd.copy_h2d(d as u64, s as *const u8, len),
+            (Some(sd), None) => sd.copy_d2h(d as *mut u8, s as u64, len),
+            (Some(_), Some(dd)) => dd.copy_d2d(d as u64, s as u64, len),
+        }
+    }
+}
+
+/// Walks two region lists covering the same bytes and copies in the largest common chunks.
+fn copy_regions(
+    src: &PhysicalLayout,
+    dst: &PhysicalLayout,
+    sr: &[(usize, usize)],
+    dr: &[(usize, usize)],
+) -> Result<()> {
+    let (mut i, mut j, mut so, mut dof) = (0, 0, 0, 0);
+    while i < sr.len() && j < dr.len() {
+        let n = (sr[i].1 - so).min(dr[j].1 - dof);
+        // SAFETY: see `copy_chunk`.
+        unsafe { copy_chunk(src, dst, sr[i].0 + so, dr[j].0 + dof, n)? };
+        so += n;
+        dof += n;
+        if so == sr[i].1 {
+            i += 1;
+            so = 0;
+        }
+        if dof == dr[j].1 {
+            j += 1;
+            dof = 0;
+        }
+    }
+    Ok(())
+}
+
+fn copy_memory(job: &Job) -> Vec<Result<()>> {
+    job.src_ids
+        .iter()
+        .zip(&job.dst_ids)
+        .map(|(&s, &d)| {
+            let sr = job.src.block_addrs(s, job.layers.clone());
+            let dr = job.dst.block_addrs(d, job.layers.clone());
+            copy_regions(&job.src, &job.dst, &sr, &dr)
+        })
+        .collect()
+}
+
+fn disk_of(layout: &PhysicalLayout) -> &crate::storage::DiskStorage {
+    match layout.backing() {
+        Backing::Disk(d) => d,
+        _ => unreachable!("strategy chosen by storage kind"),
+    }
+}
+
+fn disk_write(job: &Job) -> Vec<Result<()>> {
+    let blocks: Vec<_> = job
+        .src_ids
+        .iter()
+        .zip(&job.dst_ids)
+        .map(|(&s, &d)| (d, job.src.block_addrs(s, all_layers(job))))
+        .collect();
+    // SAFETY: host regions of a registered layout; the caller excludes concurrent writers.
+    unsafe { disk_of(&job.dst).write_blocks(&blocks) }
+}
+
+fn disk_read(job: &Job) -> Vec<Result<()>> {
+    let blocks: Vec<_> = job
+        .src_ids
+        .iter()
+        .zip(&job.dst_ids)
+        .map(|(&s, &d)| (s, job.dst.block_addrs(d, all_layers(job))))
+        .collect();
+    // SAFETY: host regions of a registered layout; the caller excludes concurrent access.
+    unsafe { disk_of(&job.src).read_blocks(&blocks) }
+}
+
+/// Host memory of a registered layout lent to a `Bytes` without copying; keeps the layout
+/// alive until the body is sent.
+struct Lent {
+    _layout: Arc<PhysicalLayout>,
+    addr: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: inside a live host allocation of `_layout`; the transfer's caller excludes
+        // writers until the completion resolves.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+fn object_of(layout: &PhysicalLayout) -> &Arc<crate::storage::ObjectStorage> {
+    match layout.backing() {
+        Backing::Object(o) => o,
+        _ => unreachable!("strategy chosen by storage kind"),
+    }
+}
+
+async fn object_put(job: Job) -> Vec<Result<()>> {
+    let store = Arc::clone(object_of(&job.dst));
+    let keys = Arc::clone(job.keys.as_ref().expect("validated"));
+    let conc = store.config().max_concurrency.max(1);
+    let layers = all_layers(&job);
+    futures::stream::iter(job.src_ids.iter().copied().enumerate())
+        .map(|(pos, s)| {
+            let parts: Vec<Bytes> = job
+                .src
+                .block_addrs(s, layers.clone())
+                .into_iter()
+                .map(|(addr, len)| {
+                    Bytes::from_owner(Lent {
+                        _layout: Arc::clone(&job.src),
+                        addr,
+                        len,
+                    })
+                })
+                .collect();
+            let store = Arc::clone(&store);
+            let keys = Arc::clone(&keys);
+            let mode = job.put_mode;
+            async move { store.put_block(&keys[pos], parts, mode).await }
+        })
+        .buffered(conc)
+        .collect()
+        .await
+}
+
+async fn object_get(job: Job) -> Vec<Result<()>> {
+    let store = Arc::clone(object_of(&job.src));
+    let keys = Arc::clone(job.keys.as_ref().expect("validated"));
+    let conc = store.config().max_concurrency.max(1);
+    let c = *job.dst.layout().config();
+    let block_bytes = c.block_bytes();
+    let job = &job;
+    futures::stream::iter(job.dst_ids.iter().copied().enumerate())
+        .map(|(pos, d)| {
+            let store = Arc::clone(&store);
+            let keys = Arc::clone(&keys);
+            async move {
+                let payload = store.get_block(&keys[pos], block_bytes).await?;
+                let start = job.layers.start * c.layer_bytes();
+                let len = job.layers.len() * c.layer_bytes();
+                let src = [(payload.as_ptr() as usize + start, len)];
+                let dr = job.dst.block_addrs(d, job.layers.clone());
+                // The payload is host memory: copy as if from a host layout.
+                copy_into(&job.dst, &src, &dr)
+            }
+        })
+        .buffered(conc)
+        .collect()
+        .await
+}
+
+/// Copies host bytes `src` into `dst`'s regions `dr`.
+fn copy_into(dst: &PhysicalLayout, src: &[(usize, usize)], dr: &[(usize, usize)]) -> Result<()> {
+    let (mut i, mut j, mut so, mut dof) = (0, 0, 0, 0);
+    while i < src.len() && j < dr.len() {
+        let n = (src[i].1 - so).min(dr[j].1 - dof);
+        let (s, d) = (src[i].0 + so, dr[j].0 + dof);
+        // SAFETY: `src` is a live buffer; `d` lies in a live allocation of `dst`.
+        unsafe {
+            match device0(dst) {
+                None => std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n),
+                Some(dd) => dd.copy_h2d(d as u64, s as *const u8, n)?,
+            }
+        }
+        so += n;
+        dof += n;
+        if so == src[i].1 {
+            i += 1;
+            so = 0;
+        }
+        if dof == dr[j].1 {
+            j += 1;
+            dof = 0;
+        }
+    }
+    Ok(())
+}
+
+/// Stages through a pinned host layout: `src → bounce` (whole blocks), then
+/// `bounce → dst` (the requested layers), in chunks of [`BOUNCE_CHUNK`] blocks.
+async fn two_hop(job: Job) -> Vec<Result<()>> {
+    let n = job.src_ids.len();
+    let mut out: Vec<Result<()>> = Vec::with_capacity(n);
+    let c = *job.src.layout().config();
+    let chunk = BOUNCE_CHUNK.min(n.max(1));
+    let bounce = match BlockLayout::builder()
+        .config(c)
+        .num_blocks(chunk)
+        .fully_contiguous()
+        .build()
+        .and_then(|l| PhysicalLayout::allocate_host(l, PinPolicy::TryPin))
+    {
+        Ok(b) => Arc::new(b),
+        Err(e) => {
+            let msg = format!("bounce buffer: {e}");
+            return (0..n)
+                .map(|_| Err(PhysicalError::Aborted(msg.clone())))
+                .collect();
+        }
+    };
+    let src_obj = job.src.storage_kind() == StorageKind::Object;
+    for start in (0..n).step_by(chunk) {
+        let end = (start + chunk).min(n);
+        let positions: Vec<usize> = (start..end).collect();
+        let step1 = Job {
+            src: Arc::clone(&job.src),
+            dst: Arc::clone(&bounce),
+            src_ids: job.src_ids[start..end].to_vec(),
+            dst_ids: (0..end - start).collect(),
+            layers: all_layers(&job),
+            keys: if src_obj {
+                job.keys.as_ref().map(|k| Arc::new(k[start..end].to_vec()))
+            } else {
+                None
+            },
+            put_mode: job.put_mode,
+        };
+        let mut r1 = run_inner(step1).await;
+        let ok: Vec<usize> = (0..r1.len()).filter(|&i| r1[i].is_ok()).collect();
+        let step2 = Job {
+            src: Arc::clone(&bounce),
+            dst: Arc::clone(&job.dst),
+            src_ids: ok.clone(),
+            dst_ids: ok.iter().map(|&i| job.dst_ids[positions[i]]).collect(),
+            layers: job.layers.clone(),
+            keys: if src_obj {
+                None
+            } else {
+                job.keys
+                    .as_ref()
+                    .map(|k| Arc::new(ok.iter().map(|&i| k[positions[i]].clone()).collect()))
+            },
+            put_mode: job.put_mode,
+        };
+        let r2 = if ok.is_empty() {
+            Vec::new()
+        } else {
+            run_inner(step2).await
+        };
+        for (i, r) in ok.into_iter().zip(r2) {
+            r1[i] = r;
+        }
+        out.extend(r1);
+    }
+    out
+}
