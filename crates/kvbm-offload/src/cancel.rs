@@ -27,7 +27,7 @@
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::handle::{TransferId, TransferShared, TransferStatus};
 
@@ -98,10 +98,6 @@ impl CancellationToken {
         }
         Some(match self.outstanding() {
             0 => CancelState::Confirmed,
-            n if self.shared.sweep_seen.load(Ordering::Acquire) == 0 => {
-                let _ = n;
-                CancelState::Requested
-            }
             n => CancelState::Draining(n),
         })
     }
@@ -168,8 +164,6 @@ impl Drop for OutstandingGuard {
 /// State of a cancellation request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CancelState {
-    /// Requested; the sweeper has not yet run for it.
-    Requested,
     /// Requested and being drained: this many pieces are still inside the pipeline (queued
     /// containers not yet swept, or a transfer that had committed before the request).
     Draining(usize),
@@ -198,7 +192,9 @@ impl std::fmt::Debug for CancelConfirmation {
 impl CancelConfirmation {
     /// Current state of the request (never `None`: cancellation was requested).
     pub fn state(&self) -> CancelState {
-        self.token.state().unwrap_or(CancelState::Requested)
+        self.token
+            .state()
+            .unwrap_or(CancelState::Draining(self.token.outstanding()))
     }
 
     /// Whether it is already confirmed.
@@ -239,6 +235,3 @@ impl AtomicStatus {
         self.0.store(s as u8, Ordering::Release);
     }
 }
-
-/// Counts how many sweeps observed a cancelled transfer (used by [`CancelState::Requested`]).
-pub(crate) type SweepSeen = AtomicUsize;

@@ -11,6 +11,7 @@
 //! | `queue_capacity` | 1024 | capacity of each inter-stage queue (containers or batches) |
 //! | `max_concurrent_evaluations` | 64 | asynchronous policy evaluations in flight |
 //! | `record_timing` | true | record a [`TimingTrace`](crate::TimingTrace) per block |
+//! | `sweep_on_cancel` | true | sweep at once on every cancellation, not only periodically |
 //! | `policies` | `[]` (pass all) | policies, combined with AND, see [`PolicyConfig`] |
 //!
 //! Durations are written in milliseconds in files (`*_ms`), so the TOML stays plain integers.
@@ -101,6 +102,10 @@ pub struct PipelineConfig {
     pub max_concurrent_evaluations: usize,
     /// Record a timing trace per block. Default: true.
     pub record_timing: bool,
+    /// Sweep at once when a token is cancelled (otherwise only every `sweep_interval`).
+    /// Turning it off trades confirmation latency for less sweeping under heavy cancellation.
+    /// Default: true.
+    pub sweep_on_cancel: bool,
     /// Policies, combined with AND; empty passes all. Default: empty.
     pub policies: Vec<PolicyConfig>,
 }
@@ -115,6 +120,7 @@ impl Default for PipelineConfig {
             queue_capacity: 1024,
             max_concurrent_evaluations: 64,
             record_timing: true,
+            sweep_on_cancel: true,
             policies: Vec::new(),
         }
     }

@@ -22,7 +22,7 @@ use kvbm_logical::SequenceHash;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use crate::cancel::{AtomicStatus, CancelConfirmation, CancelState, CancellationToken, SweepSeen};
+use crate::cancel::{AtomicStatus, CancelConfirmation, CancelState, CancellationToken};
 use crate::error::{BlockFailure, OffloadError};
 use crate::settlement::LaneState;
 use crate::sweep::SweepSignal;
@@ -220,7 +220,6 @@ pub(crate) struct TransferShared {
     pub(crate) total: AtomicUsize,
     pub(crate) cancel: tokio_util::sync::CancellationToken,
     pub(crate) outstanding: AtomicUsize,
-    pub(crate) sweep_seen: SweepSeen,
     pub(crate) status: AtomicStatus,
     pub(crate) progress: Mutex<Progress>,
     drained_notify: Notify,
@@ -244,7 +243,6 @@ impl TransferShared {
             total: AtomicUsize::new(0),
             cancel: tokio_util::sync::CancellationToken::new(),
             outstanding: AtomicUsize::new(0),
-            sweep_seen: SweepSeen::new(0),
             status: AtomicStatus::new(TransferStatus::Evaluating),
             progress: Mutex::new(Progress::default()),
             drained_notify: Notify::new(),
@@ -307,7 +305,6 @@ impl TransferShared {
     }
 
     pub(crate) fn report_cancelled(&self, hashes: impl IntoIterator<Item = SequenceHash>) {
-        self.sweep_seen.fetch_add(1, Ordering::AcqRel);
         self.progress.lock().cancelled.extend(hashes);
     }
 

@@ -227,6 +227,7 @@ impl<Src: Tier, Dst: Tier> PipelineSpec<Src, Dst> {
             sweep: SweepSignal::new(),
             lane: Arc::new(LaneState::new(self.lane)),
             record_timing: cfg.record_timing,
+            sweep_on_cancel: cfg.sweep_on_cancel,
             source: Src::ID,
             destination: Dst::ID,
         });
@@ -295,6 +296,7 @@ struct Inner<Src: Tier> {
     sweep: SweepSignal,
     lane: Arc<LaneState>,
     record_timing: bool,
+    sweep_on_cancel: bool,
     source: TierId,
     destination: TierId,
 }
@@ -337,7 +339,7 @@ impl<Src: Tier> Pipeline<Src> {
         let blocks = blocks.into().into_vec();
         let seq = inner.lane.submit();
         let shared = Arc::new(TransferShared::new(
-            Some(inner.sweep.clone()),
+            inner.sweep_on_cancel.then(|| inner.sweep.clone()),
             Some((inner.lane.clone(), seq)),
             inner.record_timing,
         ));

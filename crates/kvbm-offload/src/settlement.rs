@@ -220,10 +220,6 @@ impl LaneState {
         self.prefix_tx.send_modify(|_| {});
     }
 
-    pub(crate) fn failure(&self) -> Option<PipelineFailure> {
-        self.inner.lock().failure.clone()
-    }
-
     /// Waits until submissions `0..target` settled, or the lane failed.
     pub(crate) async fn wait_for(&self, target: u64) -> Result<(), SettlementError> {
         let mut rx = self.prefix_tx.subscribe();
