@@ -1,0 +1,389 @@
+//! Tests of the CUDA path. The planner tests run everywhere; every `gpu_*` test needs a driver
+//! and a device and otherwise skips with a message (or fails, when `KVBM_REQUIRE_GPU` is set,
+//! as `cargo xtask gpu-check` does).
+
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::copy::{Piece, coalesce, plan};
+use super::{CudaDevice, CudaEventPrecondition, CudaPinnedBuffer, Direction, register_host};
+use crate::layout::{Backing, BlockDim, BlockLayout, LayoutKind, PhysicalLayout};
+use crate::storage::{DiskConfig, HostStorage, PinPolicy};
+use crate::transfer::{BlockId, LayoutHandle, TransferManager, TransferOptions};
+
+/// `true` when a GPU can be used; otherwise prints why the test is skipped (or panics under
+/// `KVBM_REQUIRE_GPU`).
+pub(super) fn gpu_or_skip(test: &str) -> bool {
+    let why = if !super::cuda_available() {
+        "no CUDA driver (libcuda.so could not be loaded)".to_string()
+    } else {
+        match CudaDevice::get(0) {
+            Ok(_) => return true,
+            Err(e) => format!("CUDA driver present but device 0 unusable: {e}"),
+        }
+    };
+    if std::env::var_os("KVBM_REQUIRE_GPU").is_some() {
+        panic!("{test}: KVBM_REQUIRE_GPU is set but {why}");
+    }
+    eprintln!(
+        "SKIPPED {test}: {why}; GPU tests run on a GPU machine via `cargo xtask gpu-check --out DIR`"
+    );
+    false
+}
+
+fn layout(
+    blocks: usize,
+    layers: usize,
+    page: usize,
+    inner: usize,
+    kind: LayoutKind,
+) -> BlockLayout {
+    BlockLayout::builder()
+        .num_blocks(blocks)
+        .num_layers(layers)
+        .outer_dim(2)
+        .page_size(page)
+        .inner_dim(inner)
+        .dtype_bytes(2)
+        .kind(kind)
+        .build()
+        .unwrap()
+}
+
+const FC: LayoutKind = LayoutKind::FullyContiguous;
+const LS_BLOCK: LayoutKind = LayoutKind::LayerSeparate(BlockDim::BlockContiguous);
+const LS_OUTER: LayoutKind = LayoutKind::LayerSeparate(BlockDim::OuterContiguous);
+
+fn host_allocs(l: &PhysicalLayout) -> &[Arc<HostStorage>] {
+    match l.backing() {
+        Backing::Host(a) => a,
+        _ => panic!("not a host layout"),
+    }
+}
+
+/// Fills a host layout with deterministic pseudo-random bytes.
+fn fill_random(l: &PhysicalLayout, seed: u64) {
+    let mut x = seed | 1;
+    for h in host_allocs(l) {
+        // SAFETY: the test owns the layout exclusively.
+        for chunk in unsafe { h.as_mut_slice() }.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let b = x.to_le_bytes();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        }
+    }
+}
+
+/// The serialized bytes of `block`'s `layers` in a host layout.
+fn block_bytes(l: &PhysicalLayout, block: BlockId, layers: std::ops::Range<usize>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (addr, len) in l.block_addrs(block, layers) {
+        // SAFETY: inside a live host allocation; no transfer is running.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    out
+}
+
+fn checksum(l: &PhysicalLayout, block: BlockId) -> u64 {
+    let n = l.layout().config().num_layers;
+    xxh3_64(&block_bytes(l, block, 0..n))
+}
+
+fn xfer(
+    tm: &TransferManager,
+    src: LayoutHandle,
+    s: &[BlockId],
+    dst: LayoutHandle,
+    d: &[BlockId],
+    opts: TransferOptions,
+) {
+    let out = tm.execute_transfer(src, s, dst, d, opts).unwrap().wait();
+    if let Some((id, e)) = out.failures().next() {
+        panic!("block {id} failed: {e}");
+    }
+}
+
+/// A deterministic permutation of `0..n`.
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = seed | 1;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+// ---- planner (no GPU needed) ----
+
+#[test]
+fn plan_coalesces_contiguous_runs_fully_contiguous() {
+    let l = layout(16, 4, 4, 8, FC);
+    let a = PhysicalLayout::allocate_host(l, PinPolicy::Unpinned).unwrap();
+    let b = PhysicalLayout::allocate_host(l, PinPolicy::Unpinned).unwrap();
+    let ids: Vec<usize> = (3..11).collect();
+    let p = plan(&a, &b, &ids, &ids, 0..4);
+    assert_eq!(p.len(), 1, "a run of 8 consecutive blocks is one copy");
+    assert_eq!(p[0].len, 8 * l.config().block_bytes());
+    // Shuffled ids still coalesce (sorted by destination).
+    let mut shuffled = ids.clone();
+    shuffled.reverse();
+    assert_eq!(plan(&a, &b, &shuffled, &shuffled, 0..4).len(), 1);
+    // Scattered ids: one copy per block; a layer range: one (shorter) copy per block.
+    let s = [0, 2, 4, 6];
+    assert_eq!(plan(&a, &b, &s, &s, 0..4).len(), 4);
+    let p = plan(&a, &b, &s, &s, 1..3);
+    assert_eq!(p.len(), 4);
+    assert!(p.iter().all(|x| x.len == 2 * l.config().layer_bytes()));
+}
+
+#[test]
+fn plan_layer_separate_pieces() {
+    let l = layout(16, 4, 4, 8, FC);
+    let ls = layout(16, 4, 4, 8, LS_BLOCK);
+    let lo = layout(16, 4, 4, 8, LS_OUTER);
+    let fc = PhysicalLayout::allocate_host(l, PinPolicy::Unpinned).unwrap();
+    let bc = PhysicalLayout::allocate_host(ls, PinPolicy::Unpinned).unwrap();
+    let bc2 = PhysicalLayout::allocate_host(ls, PinPolicy::Unpinned).unwrap();
+    let oc = PhysicalLayout::allocate_host(lo, PinPolicy::Unpinned).unwrap();
+    let ids: Vec<usize> = (0..8).collect();
+    // Block-contiguous per layer vs fully contiguous: one piece per (block, layer).
+    assert_eq!(plan(&bc, &fc, &ids, &ids, 0..4).len(), 8 * 4);
+    // Outer-contiguous (vLLM): one piece per (block, layer, outer).
+    assert_eq!(plan(&oc, &fc, &ids, &ids, 0..4).len(), 8 * 4 * 2);
+    // Layer-separate on both sides with consecutive ids: one piece per layer.
+    assert_eq!(plan(&bc, &bc2, &ids, &ids, 0..4).len(), 4);
+    // Total bytes always equal the blocks' bytes for the layers.
+    let total: usize = plan(&oc, &fc, &ids, &ids, 1..3).iter().map(|p| p.len).sum();
+    assert_eq!(total, 8 * 2 * l.config().layer_bytes());
+}
+
+#[test]
+fn coalesce_needs_both_sides_contiguous() {
+    let p = |src, dst, len| Piece { src, dst, len };
+    let out = coalesce(vec![p(100, 0, 10), p(110, 10, 10), p(500, 20, 10)]);
+    assert_eq!(out, vec![p(100, 0, 20), p(500, 20, 10)]);
+}
+
+// ---- GPU tests (skip without a driver) ----
+
+#[test]
+fn gpu_allocation() {
+    if !gpu_or_skip("gpu_allocation") {
+        return;
+    }
+    let dev = CudaDevice::get(0).unwrap();
+    eprintln!("device 0: {}", dev.name().unwrap_or_default());
+    for kind in [FC, LS_BLOCK, LS_OUTER] {
+        let l = layout(8, 4, 16, 128, kind);
+        let g1 = PhysicalLayout::allocate_device(l, 0).unwrap();
+        let Backing::Device(allocs) = g1.backing() else {
+            panic!("device layout expected")
+        };
+        assert_eq!(allocs.len(), l.num_allocations());
+        for a in allocs {
+            assert!(
+                !a.is_stand_in(),
+                "real device memory expected with a driver present"
+            );
+            assert!(a.size_bytes() >= l.allocation_bytes());
+            let src: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+            let mut back = vec![0u8; 4096];
+            // SAFETY: inside the allocation; exclusive in this test.
+            unsafe {
+                a.copy_h2d(a.device_addr() + 64, src.as_ptr(), src.len())
+                    .unwrap();
+                a.copy_d2h(back.as_mut_ptr(), a.device_addr() + 64, back.len())
+                    .unwrap();
+            }
+            assert_eq!(src, back);
+        }
+    }
+    let h = HostStorage::new(1 << 20, PinPolicy::TryPin).unwrap();
+    assert!(register_host(&h, &dev).unwrap(), "first registration");
+    assert!(!register_host(&h, &dev).unwrap(), "registered once");
+    drop(h); // unregisters, then unmaps
+    let p = CudaPinnedBuffer::new(1 << 20, &dev).unwrap();
+    assert_eq!(p.len(), 1 << 20);
+}
+
+#[test]
+fn gpu_round_trip_g1_g2_g3_g2_g1() {
+    if !gpu_or_skip("gpu_round_trip_g1_g2_g3_g2_g1") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let tm = TransferManager::new().unwrap();
+    let n = 48;
+    let fc = layout(n, 6, 16, 256, FC); // 96 KiB blocks
+    let lsb = layout(n, 6, 16, 256, LS_BLOCK);
+    let lso = layout(n, 6, 16, 256, LS_OUTER);
+    let input = PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap();
+    fill_random(&input, 0x5eed);
+    let sums: Vec<u64> = (0..n).map(|b| checksum(&input, b)).collect();
+    let h_in = tm.register_layout(input).unwrap();
+    let g1a = tm
+        .register_layout(PhysicalLayout::allocate_device(lso, 0).unwrap())
+        .unwrap();
+    let g2a = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let disk = PhysicalLayout::create_disk(fc, &DiskConfig::new(tmp.path().join("g3.kv"))).unwrap();
+    let g3 = tm.register_layout(disk).unwrap();
+    let g2b = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let g1b = tm
+        .register_layout(PhysicalLayout::allocate_device(lsb, 0).unwrap())
+        .unwrap();
+    let out = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let all: Vec<usize> = (0..n).collect();
+    let (p1, p2, p3, p4, p5, p6) = (
+        permutation(n, 1),
+        permutation(n, 2),
+        permutation(n, 3),
+        permutation(n, 4),
+        permutation(n, 5),
+        permutation(n, 6),
+    );
+    let o = TransferOptions::default;
+    // Stage the input into G1 (scattered), then G1→G2→G3→G2→G1, then back out for checking.
+    xfer(&tm, h_in, &all, g1a, &p1, o());
+    xfer(&tm, g1a, &p1, g2a, &p2, o());
+    xfer(&tm, g2a, &p2, g3, &p3, o());
+    xfer(&tm, g3, &p3, g2b, &p4, o());
+    xfer(&tm, g2b, &p4, g1b, &p5, o());
+    xfer(&tm, g1b, &p5, out, &p6, o());
+    let out_l = tm.layout(out).unwrap();
+    for b in 0..n {
+        assert_eq!(
+            checksum(&out_l, p6[b]),
+            sums[b],
+            "block {b} changed on the round trip"
+        );
+    }
+}
+
+#[test]
+fn gpu_layerwise_onboarding() {
+    if !gpu_or_skip("gpu_layerwise_onboarding") {
+        return;
+    }
+    let tm = TransferManager::new().unwrap();
+    let (n, layers) = (16, 8);
+    let fc = layout(n, layers, 16, 128, FC);
+    let lso = layout(n, layers, 16, 128, LS_OUTER); // vLLM-style per-layer K/V tensors
+    let g2 = PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap();
+    fill_random(&g2, 42);
+    let g2 = tm.register_layout(g2).unwrap();
+    let g1 = tm
+        .register_layout(PhysicalLayout::allocate_device(lso, 0).unwrap())
+        .unwrap();
+    let back = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let src: Vec<usize> = (0..n).collect();
+    let dst = permutation(n, 9);
+    // First only layers 0..2: the rest of G1 must stay untouched (zero).
+    xfer(&tm, g2, &src, g1, &dst, TransferOptions::layers(0..2));
+    xfer(&tm, g1, &dst, back, &src, TransferOptions::default());
+    let (g2l, backl) = (tm.layout(g2).unwrap(), tm.layout(back).unwrap());
+    for b in 0..n {
+        assert_eq!(block_bytes(&backl, b, 0..2), block_bytes(&g2l, b, 0..2));
+        assert!(block_bytes(&backl, b, 2..layers).iter().all(|x| *x == 0));
+    }
+    // Then every remaining layer as its own transfer, all submitted before any is awaited;
+    // they complete in submission order on the H2D stream.
+    let pending: Vec<_> = (2..layers)
+        .map(|l| {
+            tm.execute_transfer(g2, &src, g1, &dst, TransferOptions::layers(l..l + 1))
+                .unwrap()
+        })
+        .collect();
+    for (i, c) in pending.into_iter().enumerate() {
+        assert!(c.wait().is_complete_success(), "layer {} failed", i + 2);
+    }
+    xfer(&tm, g1, &dst, back, &src, TransferOptions::default());
+    for b in 0..n {
+        assert_eq!(checksum(&backl, b), checksum(&g2l, b), "block {b}");
+    }
+}
+
+#[test]
+fn gpu_many_small_scattered_blocks() {
+    if !gpu_or_skip("gpu_many_small_scattered_blocks") {
+        return;
+    }
+    let tm = TransferManager::new().unwrap();
+    let n = 1024;
+    let lsb = layout(n, 8, 4, 64, LS_BLOCK); // 512 B regions, 1 KiB per (block, layer)
+    let fc = layout(n, 8, 4, 64, FC);
+    let src = PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap();
+    fill_random(&src, 7);
+    let src = tm.register_layout(src).unwrap();
+    let g1 = tm
+        .register_layout(PhysicalLayout::allocate_device(lsb, 0).unwrap())
+        .unwrap();
+    let g2 = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let count = 700;
+    let s: Vec<usize> = permutation(n, 11)[..count].to_vec();
+    let d: Vec<usize> = permutation(n, 12)[..count].to_vec();
+    let e: Vec<usize> = permutation(n, 13)[..count].to_vec();
+    let before = super::copy_stats();
+    xfer(&tm, src, &s, g1, &d, TransferOptions::default());
+    xfer(&tm, g1, &d, g2, &e, TransferOptions::default());
+    let after = super::copy_stats();
+    let (sl, gl) = (tm.layout(src).unwrap(), tm.layout(g2).unwrap());
+    for i in 0..count {
+        assert_eq!(checksum(&gl, e[i]), checksum(&sl, s[i]), "block {}", s[i]);
+    }
+    let (pieces, calls) = (after.1 - before.1, after.2 - before.2);
+    eprintln!(
+        "scattered: {count} blocks × 8 layers, 2 transfers: {pieces} pieces in {calls} driver calls (batch API: {})",
+        super::copy::batch_api()
+    );
+    if super::copy::batch_api() != "none" {
+        assert!(calls <= 2 * pieces.div_ceil(super::copy::MAX_BATCH as u64));
+    }
+}
+
+#[test]
+fn gpu_event_precondition() {
+    if !gpu_or_skip("gpu_event_precondition") {
+        return;
+    }
+    let dev = CudaDevice::get(0).unwrap();
+    let len = 256 << 20;
+    let a = super::CudaDeviceMemory::new(len, 0).unwrap();
+    let b = super::CudaDeviceMemory::new(len, 0).unwrap();
+    use crate::storage::DeviceMemory;
+    dev.bind().unwrap();
+    let stream = dev.stream(Direction::DeviceToDevice);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for _ in 0..3 {
+        // SAFETY: both allocations live past the stream's completion (awaited below).
+        unsafe {
+            cudarc::driver::sys::cuMemcpyAsync(b.device_addr(), a.device_addr(), len, stream)
+                .result()
+                .unwrap();
+        }
+        // SAFETY: a live stream of device 0's primary context.
+        let pre = unsafe { CudaEventPrecondition::record(stream, 0) }.unwrap();
+        rt.block_on(pre).unwrap();
+        // The stream has drained: its work is complete.
+        // SAFETY: live stream.
+        assert!(
+            unsafe { cudarc::driver::sys::cuStreamQuery(stream) }
+                == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+        );
+    }
+}
