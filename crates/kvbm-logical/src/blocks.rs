@@ -21,14 +21,15 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
 use std::sync::atomic::{Ordering, fence};
 use std::sync::{Arc, Weak};
 
+use crate::BlockId;
 use crate::error::{BlockError, LogicalError};
 use crate::hash::{SequenceHash, TokenBlock};
 use crate::store::Core;
 use crate::tier::Tier;
-use crate::BlockId;
 
 /// A block owned by one caller, reset or being filled. Dropping it returns the slot to the
 /// reset pool.
@@ -50,7 +51,8 @@ pub struct CompleteBlock<T: Tier> {
 /// A registered block: a strong, shared reference (`Clone` adds one). While any exists the
 /// block cannot be evicted; dropping the last moves it to the inactive pool.
 pub struct ImmutableBlock<T: Tier> {
-    core: Arc<Core>,
+    /// A *pin* on the core, not a counted reference of its own: see [`Core::pin_if_first`].
+    core: NonNull<Core>,
     id: u32,
     generation: u32,
     hash: SequenceHash,
@@ -92,7 +94,10 @@ impl<T: Tier> MutableBlock<T> {
     /// # Errors
     /// [`LogicalError::BlockSizeMismatch`] (the block handed back) when `hash` was computed
     /// for another block size than the manager's.
-    pub fn complete(self, hash: SequenceHash) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
+    pub fn complete(
+        self,
+        hash: SequenceHash,
+    ) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
         if hash.block_size() != self.core.block_size {
             let error = LogicalError::BlockSizeMismatch {
                 hash,
@@ -164,17 +169,36 @@ impl<T: Tier> Drop for CompleteBlock<T> {
     }
 }
 
+// SAFETY: the pointer is to a `Core` (which is `Send + Sync`) kept alive by the slot's pin for
+// as long as this handle exists; the handle only reads the core through shared references.
+unsafe impl<T: Tier> Send for ImmutableBlock<T> {}
+// SAFETY: as above.
+unsafe impl<T: Tier> Sync for ImmutableBlock<T> {}
+
 impl<T: Tier> ImmutableBlock<T> {
-    /// Wraps a slot whose refcount the caller already incremented.
+    /// Wraps a slot whose refcount the caller just incremented from `previous` (pinning the
+    /// core when `previous == 0`, see [`Core::pin_if_first`]).
     #[inline]
-    pub(crate) fn from_acquired(core: Arc<Core>, id: u32, generation: u32, hash: SequenceHash) -> Self {
+    pub(crate) fn from_acquired(
+        core: &Arc<Core>,
+        id: u32,
+        generation: u32,
+        hash: SequenceHash,
+        previous: u32,
+    ) -> Self {
         Self {
-            core,
+            core: core.pin_if_first(previous),
             id,
             generation,
             hash,
             _tier: PhantomData,
         }
+    }
+
+    #[inline]
+    fn core(&self) -> &Core {
+        // SAFETY: the slot's pin keeps the core alive while this handle exists.
+        unsafe { self.core.as_ref() }
     }
 
     /// The slot's id within its tier's manager.
@@ -189,8 +213,11 @@ impl<T: Tier> ImmutableBlock<T> {
 
     /// A weak reference to this block.
     pub fn downgrade(&self) -> WeakBlock<T> {
+        // SAFETY: the pointer came from `Arc::as_ptr` and the core is alive (pinned); the
+        // temporary `Arc` is never dropped, so no count changes hands.
+        let arc = ManuallyDrop::new(unsafe { Arc::from_raw(self.core.as_ptr().cast_const()) });
         WeakBlock {
-            core: Arc::downgrade(&self.core),
+            core: Arc::downgrade(&arc),
             id: self.id,
             generation: self.generation,
             hash: self.hash,
@@ -200,16 +227,17 @@ impl<T: Tier> ImmutableBlock<T> {
 
     /// How many strong references the block has right now (racy; for diagnostics).
     pub fn strong_count(&self) -> usize {
-        self.core.refs[self.id as usize].load(Ordering::Relaxed) as usize
+        self.core().refs[self.id as usize].load(Ordering::Relaxed) as usize
     }
 }
 
 impl<T: Tier> Clone for ImmutableBlock<T> {
     #[inline]
     fn clone(&self) -> Self {
-        self.core.refs[self.id as usize].fetch_add(1, Ordering::Relaxed);
+        // never 0 -> 1 (we hold a reference), so no new pin
+        self.core().refs[self.id as usize].fetch_add(1, Ordering::Relaxed);
         Self {
-            core: self.core.clone(),
+            core: self.core,
             id: self.id,
             generation: self.generation,
             hash: self.hash,
@@ -221,13 +249,16 @@ impl<T: Tier> Clone for ImmutableBlock<T> {
 impl<T: Tier> Drop for ImmutableBlock<T> {
     #[inline]
     fn drop(&mut self) {
-        let refs = &self.core.refs[self.id as usize];
+        let core = self.core();
+        let refs = &core.refs[self.id as usize];
         if refs.fetch_sub(1, Ordering::Release) == 1 {
             fence(Ordering::Acquire);
-            self.core
-                .store
+            core.store
                 .lock()
-                .release_registered(self.id, refs, &self.core.registry);
+                .release_registered(self.id, refs, &core.registry);
+            // SAFETY: this handle ended the slot's non-zero epoch, so it owns that epoch's pin;
+            // the store lock is released above, so the core may be freed now.
+            unsafe { Core::unpin(self.core) };
         }
     }
 }
@@ -248,7 +279,7 @@ impl<T: Tier> WeakBlock<T> {
     /// again in this tier, that block is returned.
     pub fn upgrade(&self) -> Option<ImmutableBlock<T>> {
         let core = self.core.upgrade()?;
-        let (id, generation) = {
+        let (id, generation, previous) = {
             let mut store = core.store.lock();
             let slot = &store.slots[self.id as usize];
             let same = slot.generation == self.generation
@@ -263,10 +294,12 @@ impl<T: Tier> WeakBlock<T> {
                 store.lookup(&self.hash)?
             };
             store.acquire(id);
-            core.refs[id as usize].fetch_add(1, Ordering::Relaxed);
-            (id, store.slots[id as usize].generation)
+            let previous = core.refs[id as usize].fetch_add(1, Ordering::Relaxed);
+            (id, store.slots[id as usize].generation, previous)
         };
-        Some(ImmutableBlock::from_acquired(core, id, generation, self.hash))
+        Some(ImmutableBlock::from_acquired(
+            &core, id, generation, self.hash, previous,
+        ))
     }
 }
 

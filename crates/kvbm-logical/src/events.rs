@@ -197,7 +197,10 @@ mod tests {
         assert!(b.push([ev(2), ev(3), ev(4), ev(5), ev(6)]));
         b.flush();
         let batches = sink.batches();
-        assert_eq!(batches.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 1]);
+        assert_eq!(
+            batches.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![3, 3, 1]
+        );
         assert_eq!(sink.events(), (0..7).map(ev).collect::<Vec<_>>());
     }
 

@@ -212,7 +212,12 @@ impl Hash for SequenceHash {
 
 impl fmt::Debug for SequenceHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SequenceHash({:016x}@{})", self.current(), self.position())
+        write!(
+            f,
+            "SequenceHash({:016x}@{})",
+            self.current(),
+            self.position()
+        )
     }
 }
 
@@ -308,7 +313,11 @@ impl TokenBlockSequence {
     ///
     /// # Errors
     /// As [`new`](Self::new).
-    pub fn from_tokens(tokens: &[Token], block_size: u32, salt: Salt) -> Result<Self, LogicalError> {
+    pub fn from_tokens(
+        tokens: &[Token],
+        block_size: u32,
+        salt: Salt,
+    ) -> Result<Self, LogicalError> {
         let mut seq = Self::new(block_size, salt)?;
         seq.extend(tokens);
         Ok(seq)

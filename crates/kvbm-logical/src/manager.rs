@@ -183,7 +183,9 @@ impl<T: Tier> BlockManagerBuilder<T> {
         }
         validate_block_size(self.config.block_size)?;
         if self.config.events.max_batch == 0 {
-            return Err(LogicalError::InvalidConfig("events.max_batch must be at least 1".into()));
+            return Err(LogicalError::InvalidConfig(
+                "events.max_batch must be at least 1".into(),
+            ));
         }
         let registry = self
             .registry
@@ -268,7 +270,9 @@ impl<T: Tier> BlockManager<T> {
                 .into_iter()
                 .map(|b| {
                     let core = b.core().clone();
-                    register_batch::<T>(&core, vec![b]).pop().expect("one block in, one out")
+                    register_batch::<T>(&core, vec![b])
+                        .pop()
+                        .expect("one block in, one out")
                 })
                 .collect();
         }
@@ -295,9 +299,11 @@ impl<T: Tier> BlockManager<T> {
                 match store.lookup(hash) {
                     Some(s) => {
                         store.acquire(s);
-                        core.refs[s as usize].fetch_add(1, Ordering::Relaxed);
+                        let previous = core.refs[s as usize].fetch_add(1, Ordering::Relaxed);
                         let generation = store.slots[s as usize].generation;
-                        out.push(ImmutableBlock::from_acquired(core.clone(), s, generation, *hash));
+                        out.push(ImmutableBlock::from_acquired(
+                            core, s, generation, *hash, previous,
+                        ));
                     }
                     None if contiguous => break,
                     None => {}
@@ -403,7 +409,10 @@ impl<T: Tier> BlockManager<T> {
     }
 }
 
-fn register_batch<T: Tier>(core: &Arc<Core>, blocks: Vec<CompleteBlock<T>>) -> Vec<ImmutableBlock<T>> {
+fn register_batch<T: Tier>(
+    core: &Arc<Core>,
+    blocks: Vec<CompleteBlock<T>>,
+) -> Vec<ImmutableBlock<T>> {
     let emit = core.events.is_some();
     let mut out = Vec::with_capacity(blocks.len());
     let n = blocks.len();
@@ -426,9 +435,11 @@ fn register_batch<T: Tier>(core: &Arc<Core>, blocks: Vec<CompleteBlock<T>>) -> V
                     existing
                 }
             };
-            core.refs[id as usize].fetch_add(1, Ordering::Relaxed);
+            let previous = core.refs[id as usize].fetch_add(1, Ordering::Relaxed);
             let generation = store.slots[id as usize].generation;
-            out.push(ImmutableBlock::from_acquired(core.clone(), id, generation, hash));
+            out.push(ImmutableBlock::from_acquired(
+                core, id, generation, hash, previous,
+            ));
         }
         if let Some(events) = store.take_events()
             && let Some(b) = &core.events

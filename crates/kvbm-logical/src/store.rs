@@ -35,6 +35,8 @@
 //! while holding a registry or event lock.
 
 use std::collections::BTreeMap;
+use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use hashbrown::{DefaultHashBuilder, HashMap};
@@ -120,6 +122,37 @@ pub(crate) struct Core {
     pub(crate) metrics: Metrics,
     pub(crate) duplication: DuplicationPolicy,
     pub(crate) touch_on_match: bool,
+}
+
+impl Core {
+    /// Pins the core for a slot whose refcount just went from `previous` to `previous + 1`.
+    ///
+    /// Strong handles do not each hold an `Arc`: a slot's *non-zero epoch* (refcount 0 → 1
+    /// until the handle whose decrement reaches 0 has finished its locked release) holds one
+    /// `Arc` count, its pin. The 0 → 1 transition takes the pin (always under the store lock);
+    /// the handle that brings the count back to 0 owns that pin and drops it after releasing
+    /// the store lock. A match that revives a slot whose release is still pending starts a new
+    /// epoch with its own pin, so each pending releaser always holds a pin while it locks.
+    #[inline]
+    pub(crate) fn pin_if_first(self: &Arc<Self>, previous: u32) -> NonNull<Core> {
+        let ptr = Arc::as_ptr(self);
+        if previous == 0 {
+            // SAFETY: `ptr` comes from a live `Arc`.
+            unsafe { Arc::increment_strong_count(ptr) };
+        }
+        NonNull::from(&**self)
+    }
+
+    /// Drops one epoch's pin.
+    ///
+    /// # Safety
+    /// `ptr` must come from [`pin_if_first`](Self::pin_if_first) and the caller must own the
+    /// pin (it ended the epoch); it must not touch the core afterwards.
+    #[inline]
+    pub(crate) unsafe fn unpin(ptr: NonNull<Core>) {
+        // SAFETY: guaranteed by the caller: one count taken by `pin_if_first` is released.
+        unsafe { Arc::decrement_strong_count(ptr.as_ptr().cast_const()) };
+    }
 }
 
 impl Drop for Core {
@@ -388,7 +421,12 @@ impl Store {
     }
 
     /// Evicts every evictable inactive block to the reset pool; returns how many.
-    pub(crate) fn reset_inactive(&mut self, tier: TierId, registry: &BlockRegistry, emit: bool) -> usize {
+    pub(crate) fn reset_inactive(
+        &mut self,
+        tier: TierId,
+        registry: &BlockRegistry,
+        emit: bool,
+    ) -> usize {
         let mut n = 0;
         while let Some(s) = self.pop_victim() {
             self.evict(s, tier, registry, emit);
@@ -467,7 +505,12 @@ impl Store {
     }
 
     /// Called by the handle whose decrement reached zero; idempotent (see module docs).
-    pub(crate) fn release_registered(&mut self, s: u32, refs: &AtomicU32, registry: &BlockRegistry) {
+    pub(crate) fn release_registered(
+        &mut self,
+        s: u32,
+        refs: &AtomicU32,
+        registry: &BlockRegistry,
+    ) {
         if refs.load(Ordering::Acquire) != 0 || self.slots[s as usize].state != SlotState::Active {
             return;
         }
@@ -496,7 +539,11 @@ impl Store {
                 SlotState::Active => c.active += 1,
                 SlotState::Inactive => c.inactive += 1,
             }
-            if matches!(slot.state, SlotState::Reset | SlotState::Held | SlotState::Inactive) && r != 0 {
+            if matches!(
+                slot.state,
+                SlotState::Reset | SlotState::Held | SlotState::Inactive
+            ) && r != 0
+            {
                 return Err(format!("slot {i} is {:?} with {r} strong refs", slot.state));
             }
             let registered = matches!(slot.state, SlotState::Active | SlotState::Inactive);
@@ -528,7 +575,11 @@ impl Store {
             }
         }
         if self.free.len() != c.reset {
-            return Err(format!("free list {} vs {} reset slots", self.free.len(), c.reset));
+            return Err(format!(
+                "free list {} vs {} reset slots",
+                self.free.len(),
+                c.reset
+            ));
         }
         for &s in &self.free {
             if self.slots[s as usize].state != SlotState::Reset {
@@ -544,7 +595,11 @@ impl Store {
         match self.backend {
             EvictionBackend::Fifo => {
                 if self.fifo.len() != c.inactive {
-                    return Err(format!("fifo holds {} of {} inactive", self.fifo.len(), c.inactive));
+                    return Err(format!(
+                        "fifo holds {} of {} inactive",
+                        self.fifo.len(),
+                        c.inactive
+                    ));
                 }
             }
             EvictionBackend::Lineage => {}

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::{
-    BlockManager, DuplicationPolicy, EvictionBackend, G2, ImmutableBlock, LogicalError, MutableBlock, Salt,
-    SequenceHash, TierId, TokenBlockSequence, WeakBlock,
+    BlockManager, DuplicationPolicy, EvictionBackend, G2, ImmutableBlock, LogicalError,
+    MutableBlock, Salt, SequenceHash, TierId, TokenBlockSequence, WeakBlock,
 };
 
 const BS: u32 = 2;
@@ -42,7 +42,11 @@ enum Op {
     /// Drop a held mutable block.
     DropMutable(usize),
     /// Allocate, complete and register `seq[start..start+len]`, keeping the strong handles.
-    Register { seq: usize, start: usize, len: usize },
+    Register {
+        seq: usize,
+        start: usize,
+        len: usize,
+    },
     /// Drop a held strong handle.
     DropImmutable(usize),
     /// Clone a held strong handle.
@@ -71,7 +75,11 @@ fn op() -> impl Strategy<Value = Op> {
         any::<usize>().prop_map(Op::Clone),
         any::<usize>().prop_map(Op::Downgrade),
         any::<usize>().prop_map(Op::Upgrade),
-        (0..SEQS, 0..=SEQ_LEN, any::<bool>()).prop_map(|(seq, len, keep)| Op::Match { seq, len, keep }),
+        (0..SEQS, 0..=SEQ_LEN, any::<bool>()).prop_map(|(seq, len, keep)| Op::Match {
+            seq,
+            len,
+            keep
+        }),
         Just(Op::ResetInactive),
     ]
 }
@@ -88,10 +96,19 @@ struct Model {
 impl Model {
     /// Distinct slots held by strong handles.
     fn active_slots(&self) -> usize {
-        self.strong.iter().map(|b| b.block_id()).collect::<HashSet<_>>().len()
+        self.strong
+            .iter()
+            .map(|b| b.block_id())
+            .collect::<HashSet<_>>()
+            .len()
     }
 
-    fn check(&self, m: &BlockManager<G2>, total: usize, dup: DuplicationPolicy) -> Result<(), TestCaseError> {
+    fn check(
+        &self,
+        m: &BlockManager<G2>,
+        total: usize,
+        dup: DuplicationPolicy,
+    ) -> Result<(), TestCaseError> {
         let c = m.check_invariants().map_err(TestCaseError::fail)?;
         prop_assert_eq!(c.reset + c.held + c.active + c.inactive, total);
         prop_assert_eq!(c.held, self.mutables.len());
@@ -114,7 +131,12 @@ impl Model {
     }
 }
 
-fn run_ops(backend: EvictionBackend, dup: DuplicationPolicy, total: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn run_ops(
+    backend: EvictionBackend,
+    dup: DuplicationPolicy,
+    total: usize,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
     let seqs = sequences();
     let m = BlockManager::<G2>::builder()
         .block_count(total)
@@ -136,7 +158,10 @@ fn run_ops(backend: EvictionBackend, dup: DuplicationPolicy, total: usize, ops: 
                     Err(LogicalError::InsufficientBlocks { requested, .. }) => {
                         prop_assert_eq!(requested, n);
                         if backend != EvictionBackend::Lineage {
-                            prop_assert!(free_in_model < n, "allocation failed with {free_in_model} free");
+                            prop_assert!(
+                                free_in_model < n,
+                                "allocation failed with {free_in_model} free"
+                            );
                         }
                     }
                     Err(e) => return Err(TestCaseError::fail(e.to_string())),
@@ -186,7 +211,10 @@ fn run_ops(backend: EvictionBackend, dup: DuplicationPolicy, total: usize, ops: 
             Op::Upgrade(i) => {
                 if !model.weak.is_empty() {
                     let w = &model.weak[i % model.weak.len()];
-                    let held = model.strong.iter().any(|b| b.sequence_hash() == w.sequence_hash());
+                    let held = model
+                        .strong
+                        .iter()
+                        .any(|b| b.sequence_hash() == w.sequence_hash());
                     match w.upgrade() {
                         Some(b) => {
                             prop_assert_eq!(b.sequence_hash(), w.sequence_hash());
@@ -194,8 +222,12 @@ fn run_ops(backend: EvictionBackend, dup: DuplicationPolicy, total: usize, ops: 
                         }
                         None => {
                             // only fails once evicted; a held primary can never be evicted
-                            let primary_held = held && m.registry().is_present(w.sequence_hash(), TierId::G2);
-                            prop_assert!(!primary_held, "upgrade failed while the block is registered and held");
+                            let primary_held =
+                                held && m.registry().is_present(w.sequence_hash(), TierId::G2);
+                            prop_assert!(
+                                !primary_held,
+                                "upgrade failed while the block is registered and held"
+                            );
                         }
                     }
                 }
@@ -370,7 +402,11 @@ fn multi_threaded_stress_leaks_nothing() {
         assert!(matched > 0, "the stress test must exercise hits");
         shared_weak.lock().clear();
         let c = m.check_invariants().unwrap();
-        assert_eq!((c.held, c.active), (0, 0), "{backend:?}: leaked handles: {c:?}");
+        assert_eq!(
+            (c.held, c.active),
+            (0, 0),
+            "{backend:?}: leaked handles: {c:?}"
+        );
         assert_eq!(c.reset + c.inactive, TOTAL);
         m.reset_inactive_pool();
         assert_eq!(m.pool_counts().reset, TOTAL, "{backend:?}");

@@ -58,7 +58,10 @@ fn equal_prefixes_share_hashes_and_divergence_propagates() {
     let hb = seq(&b, 16, Salt::NONE).hashes();
     assert_eq!(ha[0], hb[0]);
     for i in 1..4 {
-        assert_ne!(ha[i], hb[i], "block {i} must differ once the prefix differs");
+        assert_ne!(
+            ha[i], hb[i],
+            "block {i} must differ once the prefix differs"
+        );
     }
 }
 

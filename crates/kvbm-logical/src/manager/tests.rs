@@ -57,10 +57,17 @@ fn builder_validates() {
         Err(LogicalError::InvalidConfig(_))
     ));
     assert_eq!(
-        BlockManager::<G1>::builder().block_count(4).block_size(12).build().unwrap_err(),
+        BlockManager::<G1>::builder()
+            .block_count(4)
+            .block_size(12)
+            .build()
+            .unwrap_err(),
         LogicalError::InvalidBlockSize { block_size: 12 }
     );
-    let m = BlockManager::<G1>::builder().block_count(4).build().unwrap();
+    let m = BlockManager::<G1>::builder()
+        .block_count(4)
+        .build()
+        .unwrap();
     assert_eq!(m.block_size(), 16, "default block size");
     assert_eq!(m.total_blocks(), 4);
     assert_eq!(m.available_blocks(), 4);
@@ -72,11 +79,18 @@ fn lifecycle_moves_slots_between_pools() {
     let m = manager(4, EvictionBackend::Lru);
     let h = chain(1, 2);
     let mut blocks = m.allocate_blocks(3).unwrap();
-    assert_eq!(blocks.iter().map(|b| b.block_id()).collect::<Vec<_>>(), vec![0, 1, 2]);
+    assert_eq!(
+        blocks.iter().map(|b| b.block_id()).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
     assert_eq!(counts(&m), (1, 3, 0, 0));
     drop(blocks.pop()); // mutable drop -> reset
     assert_eq!(counts(&m), (2, 2, 0, 0));
-    let complete: Vec<_> = blocks.into_iter().zip(&h).map(|(b, h)| b.complete(*h).unwrap()).collect();
+    let complete: Vec<_> = blocks
+        .into_iter()
+        .zip(&h)
+        .map(|(b, h)| b.complete(*h).unwrap())
+        .collect();
     assert_eq!(complete[1].sequence_hash(), h[1]);
     assert_eq!(counts(&m), (2, 2, 0, 0));
     let immutables = m.register_blocks(complete);
@@ -111,7 +125,10 @@ fn complete_block_drop_and_reset_return_slots() {
     let c = b.complete(h[0]).unwrap();
     drop(c);
     assert_eq!(counts(&m), (2, 0, 0, 0));
-    assert!(m.match_blocks(&h).is_empty(), "an unregistered block is never matchable");
+    assert!(
+        m.match_blocks(&h).is_empty(),
+        "an unregistered block is never matchable"
+    );
 }
 
 #[test]
@@ -121,7 +138,14 @@ fn complete_with_wrong_block_size_hands_the_block_back() {
     let b = m.allocate_blocks(1).unwrap().pop().unwrap();
     let id = b.block_id();
     let err = b.complete(wrong).unwrap_err();
-    assert!(matches!(err.error, LogicalError::BlockSizeMismatch { expected: 4, actual: 8, .. }));
+    assert!(matches!(
+        err.error,
+        LogicalError::BlockSizeMismatch {
+            expected: 4,
+            actual: 8,
+            ..
+        }
+    ));
     let back = err.into_block();
     assert_eq!(back.block_id(), id);
     assert_eq!(counts(&m), (1, 1, 0, 0));
@@ -163,7 +187,9 @@ fn allocate_evicts_inactive_blocks_and_clears_presence() {
     assert!(m.match_blocks(&h).is_empty(), "prefix broken at block 0");
     assert!(!m.registry().is_present(h[0], TierId::G2));
     assert!(m.registry().is_present(h[3], TierId::G2));
-    assert!(m.registry().is_present(h[3], TierId::G2) && !m.registry().is_present(h[3], TierId::G3));
+    assert!(
+        m.registry().is_present(h[3], TierId::G2) && !m.registry().is_present(h[3], TierId::G3)
+    );
 }
 
 #[test]
@@ -174,7 +200,10 @@ fn match_is_longest_contiguous_prefix_and_scan_is_not() {
     assert_eq!(ids(&m.match_blocks(&h)), vec![0, 1]);
     let scanned = m.scan_matches(&h);
     assert_eq!(
-        scanned.iter().map(|b| b.sequence_hash()).collect::<Vec<_>>(),
+        scanned
+            .iter()
+            .map(|b| b.sequence_hash())
+            .collect::<Vec<_>>(),
         vec![h[0], h[1], h[3], h[4]]
     );
     assert!(m.match_blocks(&h[2..]).is_empty());
@@ -257,7 +286,10 @@ fn weak_blocks_upgrade_until_evicted() {
     drop(held);
     // the same hash registered again (other slot) is found by hash
     let again = register(&m, &h[..1]);
-    assert_eq!(weak.upgrade().map(|b| b.block_id()), Some(again[0].block_id()));
+    assert_eq!(
+        weak.upgrade().map(|b| b.block_id()),
+        Some(again[0].block_id())
+    );
     drop(again);
     drop(m);
     // the manager lives on while blocks exist; once both are gone, upgrade fails cleanly
@@ -287,7 +319,9 @@ fn eviction_order(m: &BlockManager<G2>, hashes: &[SequenceHash], release: &[usiz
     let mut order = Vec::new();
     let mut held = Vec::new();
     while m.available_blocks() > 0 {
-        let Ok(mut b) = m.allocate_blocks(1) else { break };
+        let Ok(mut b) = m.allocate_blocks(1) else {
+            break;
+        };
         held.push(b.pop().unwrap());
         let gone: Vec<usize> = (0..hashes.len())
             .filter(|&i| !order.contains(&i) && !m.registry().is_present(hashes[i], TierId::G2))
@@ -359,12 +393,19 @@ fn lineage_evicts_leaves_first() {
     all.extend(&other);
     // release parents first: an LRU would evict h[0] first and strand the chain
     let order = eviction_order(&m, &all, &[0, 1, 2, 3, 4, 5]);
-    assert_eq!(&order[..4], &[3, 2, 1, 0], "the chain goes tail first: {order:?}");
+    assert_eq!(
+        &order[..4],
+        &[3, 2, 1, 0],
+        "the chain goes tail first: {order:?}"
+    );
     // and never a parent before its child
     for (i, x) in order.iter().enumerate() {
         if *x < 3 {
             let child_pos = order.iter().position(|&c| c == x + 1).unwrap();
-            assert!(child_pos < i, "parent {x} evicted before its child: {order:?}");
+            assert!(
+                child_pos < i,
+                "parent {x} evicted before its child: {order:?}"
+            );
         }
     }
 }
@@ -378,7 +419,10 @@ fn lineage_never_evicts_a_parent_of_an_active_block() {
     drop(regs); // 0 and 1 inactive, but both are ancestors of an active block
     assert_eq!(m.available_blocks(), 2);
     let err = m.allocate_blocks(1).unwrap_err();
-    assert!(matches!(err, LogicalError::InsufficientBlocks { available: 0, .. }));
+    assert!(matches!(
+        err,
+        LogicalError::InsufficientBlocks { available: 0, .. }
+    ));
     assert!(h.iter().all(|x| m.registry().is_present(*x, TierId::G2)));
     assert_eq!(m.reset_inactive_pool(), 0);
     drop(leaf);
@@ -428,7 +472,8 @@ fn every_backend_reaches_the_same_totals() {
                 drop(got);
                 drop(register(&m, &h));
             }
-            m.check_invariants().unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+            m.check_invariants()
+                .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
         }
         let c = m.check_invariants().unwrap();
         assert_eq!(c.reset + c.inactive, 16, "{backend:?}");
@@ -478,7 +523,7 @@ fn events_are_stored_then_removed_in_batches() {
     let h = chain(1, 2);
     drop(register(&m, &h)); // 2 stored -> a full batch
     assert_eq!(sink.batches().len(), 1);
-    let _b = m.allocate_blocks(1).unwrap(); // 1 removed, buffered
+    let b = m.allocate_blocks(1).unwrap(); // 1 removed, buffered
     assert_eq!(sink.events().len(), 2);
     m.flush_events();
     let ev = |kind, hash| BlockEvent {
@@ -494,10 +539,13 @@ fn events_are_stored_then_removed_in_batches() {
             ev(BlockEventKind::Removed, h[0]),
         ]
     );
-    drop(_b);
-    drop(m.reset_inactive_pool());
+    drop(b);
+    m.reset_inactive_pool();
     drop(m); // the last handle flushes
-    assert_eq!(sink.events().last(), Some(&ev(BlockEventKind::Removed, h[1])));
+    assert_eq!(
+        sink.events().last(),
+        Some(&ev(BlockEventKind::Removed, h[1]))
+    );
 }
 
 #[test]
@@ -505,7 +553,13 @@ fn blocks_from_another_manager_register_there() {
     let a = manager(2, EvictionBackend::Lru);
     let b = manager(2, EvictionBackend::Lru);
     let h = chain(1, 1);
-    let c = b.allocate_blocks(1).unwrap().pop().unwrap().complete(h[0]).unwrap();
+    let c = b
+        .allocate_blocks(1)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .complete(h[0])
+        .unwrap();
     let r = a.register_blocks(vec![c]);
     assert_eq!(r.len(), 1);
     assert_eq!(counts(&a), (2, 0, 0, 0));
@@ -518,7 +572,8 @@ fn config_serde_defaults() {
     assert_eq!(c, LogicalConfig::default());
     assert_eq!(c.block_size, 16);
     assert_eq!(c.eviction, EvictionBackend::Lru);
-    let c: LogicalConfig = serde_json::from_str(r#"{"eviction":"multi_lru","duplication":"reject"}"#).unwrap();
+    let c: LogicalConfig =
+        serde_json::from_str(r#"{"eviction":"multi_lru","duplication":"reject"}"#).unwrap();
     assert_eq!(c.eviction, EvictionBackend::MultiLru);
     assert_eq!(c.duplication, DuplicationPolicy::Reject);
     assert!(serde_json::from_str::<LogicalConfig>(r#"{"evction":"lru"}"#).is_err());
