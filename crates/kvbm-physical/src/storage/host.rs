@@ -28,6 +28,8 @@ pub struct HostStorage {
     len: usize,
     map_len: usize,
     pinned: bool,
+    /// Dropped before the mapping is unmapped: e.g. a CUDA host registration (`crate::cuda`).
+    attachment: parking_lot::Mutex<Option<Box<dyn std::any::Any + Send + Sync>>>,
 }
 
 // SAFETY: the mapping is owned exclusively by this value and is plain memory; synchronisation
@@ -80,6 +82,7 @@ impl HostStorage {
             len,
             map_len,
             pinned,
+            attachment: parking_lot::Mutex::new(None),
         })
     }
 
@@ -101,6 +104,21 @@ impl HostStorage {
     /// Whether `mlock` succeeded.
     pub fn is_pinned(&self) -> bool {
         self.pinned
+    }
+
+    /// Attaches the value `make` returns unless one is attached already (returns `false` then,
+    /// without calling `make`). The attachment lives until just before the memory is unmapped;
+    /// `crate::cuda` uses it for the CUDA registration of this allocation.
+    pub fn attach_once(
+        &self,
+        make: impl FnOnce() -> Result<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<bool> {
+        let mut slot = self.attachment.lock();
+        if slot.is_some() {
+            return Ok(false);
+        }
+        *slot = Some(make()?);
+        Ok(true)
     }
 
     /// The bytes, shared.
@@ -125,6 +143,8 @@ impl HostStorage {
 
 impl Drop for HostStorage {
     fn drop(&mut self) {
+        // The attachment (a CUDA registration) must go before the mapping does.
+        drop(self.attachment.get_mut().take());
         // SAFETY: unmapping the mapping this value owns; munmap also drops the lock.
         unsafe {
             libc::munmap(self.ptr.cast(), self.map_len);

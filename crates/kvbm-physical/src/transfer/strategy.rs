@@ -28,6 +28,11 @@ fn all_layers(job: &Job) -> std::ops::Range<usize> {
 fn run_inner(job: Job) -> BoxFuture<'static, Vec<Result<()>>> {
     use StorageKind::*;
     Box::pin(async move {
+        // Real GPU memory on either side: stream-ordered batched copies (`crate::cuda`).
+        #[cfg(feature = "cuda")]
+        if let Some(fut) = crate::cuda::dispatch(&job) {
+            return fut.await;
+        }
         let full = job.layers == all_layers(&job);
         match (job.src.storage_kind(), job.dst.storage_kind()) {
             (Host | Device, Host | Device) => blocking(job, copy_memory).await,
