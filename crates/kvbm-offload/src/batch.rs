@@ -364,9 +364,10 @@ impl<T: Tier> ResolvedBatch<T> {
     }
 
     /// Reports `outcome` to the transfers, then releases everything the batch holds: source
-    /// references, pending entries, policy resources, and last the outstanding guards. Returns
-    /// the successful results (for chaining).
-    pub(crate) fn settle<R>(mut self, outcome: BatchOutcome<R>) -> Vec<R> {
+    /// references, pending entries and policy resources; hands the successful results to `sink`
+    /// (chaining), and last drops the outstanding guards — so a caller woken by `wait` sees the
+    /// chained work already enqueued.
+    pub(crate) fn settle<R>(mut self, outcome: BatchOutcome<R>, sink: Option<&dyn Fn(Vec<R>)>) {
         let mut outcome = outcome;
         if outcome.len() != self.blocks.len() {
             tracing::error!(
@@ -415,8 +416,12 @@ impl<T: Tier> ResolvedBatch<T> {
             }
         }
         self.blocks.clear();
+        if let Some(sink) = sink
+            && !ok.is_empty()
+        {
+            sink(ok);
+        }
         self.owners.clear();
-        ok
     }
 }
 
@@ -448,7 +453,7 @@ impl<T: Tier> Drop for ResolvedBatch<T> {
             owners,
             lane: None,
         };
-        tmp.settle(outcome);
+        tmp.settle(outcome, None);
     }
 }
 

@@ -153,14 +153,20 @@ impl PipelineConfig {
     }
 }
 
+/// Default policy timeout of object pipelines: their policies make remote requests.
+pub const DEFAULT_OBJECT_POLICY_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Configuration for an object storage pipeline (G2→G4).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ObjectPipelineConfig {
-    /// The pipeline proper. Default: see [`PipelineConfig`].
+    /// The pipeline proper. Default: [`PipelineConfig::default`] except `policy_timeout`,
+    /// which is [`DEFAULT_OBJECT_POLICY_TIMEOUT`] (presence checks and locks are remote).
     pub pipeline: PipelineConfig,
-    /// Key prefix (namespace) of block objects in the bucket. Default: `kvbm`.
-    pub key_prefix: String,
+    /// Delay before a freshly created lock is read back to confirm ownership (see
+    /// [`ObjectLockPresenceFilter`](crate::ObjectLockPresenceFilter)). Default: 20 ms.
+    #[serde(with = "ms", rename = "lock_verify_delay_ms")]
+    pub lock_verify_delay: Duration,
     /// Take a per-object lock (S3 conditional create) before offloading, so several workers
     /// racing for the same block write it once. Default: true.
     pub use_locks: bool,
@@ -169,8 +175,11 @@ pub struct ObjectPipelineConfig {
 impl Default for ObjectPipelineConfig {
     fn default() -> Self {
         Self {
-            pipeline: PipelineConfig::default(),
-            key_prefix: "kvbm".to_string(),
+            pipeline: PipelineConfig {
+                policy_timeout: DEFAULT_OBJECT_POLICY_TIMEOUT,
+                ..PipelineConfig::default()
+            },
+            lock_verify_delay: Duration::from_millis(20),
             use_locks: true,
         }
     }

@@ -3,9 +3,11 @@
 pub mod batch;
 pub mod cancel;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod handle;
+pub mod object;
 pub mod pending;
 pub mod pipeline;
 pub mod policy;
@@ -13,17 +15,23 @@ pub mod queue;
 pub mod settlement;
 pub mod source;
 pub mod sweep;
+pub mod transfer;
 
 pub use batch::{
     BatchOutcome, OffloadBatch, OffloadContainer, ResolvedBatch, ResolvedBlock, upgrade_batch,
 };
 pub use cancel::{CancelConfirmation, CancelState, CancellationToken, OutstandingGuard};
 pub use config::{BatchConfig, ObjectPipelineConfig, PipelineConfig, PolicyConfig};
+pub use engine::{OffloadEngine, OffloadEngineBuilder};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 pub use executor::{ArcExecutor, DynTransferExecutor, NoopExecutor, TransferExecutor};
 pub use handle::{
     TimingTrace, TransferHandle, TransferId, TransferProgressCounts, TransferProgressCursor,
     TransferProgressDelta, TransferResult, TransferStatus,
+};
+pub use object::{
+    DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline, ObjectPipelineBuilder,
+    ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
 };
 pub use pending::{PendingGuard, PendingTracker};
 pub use pipeline::{CompletionSink, Pipeline, PipelineBuilder, PipelineSpec};
@@ -39,3 +47,4 @@ pub use settlement::{
 };
 pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
 pub use sweep::{CancelSweeper, SweepSignal};
+pub use transfer::{BlockTransferExecutor, ObjectTransferExecutor, lock_key, object_key};

@@ -494,6 +494,9 @@ async fn policy_evaluator<Src: Tier>(
         let filtered = match verdict {
             Ok(v) if v.len() == c.len() => c.retain_verdicts(&v),
             Ok(_) | Err(_) => {
+                // Verdict unknown: let the policy drop whatever it may have taken for them.
+                let all: Vec<SequenceHash> = c.hashes().collect();
+                policy.release(&all);
                 if let Err(e) = &verdict {
                     tracing::warn!(policy = policy.name(), error = %e, "policy evaluation failed; filtering");
                 } else {
@@ -552,12 +555,16 @@ async fn policy_evaluator<Src: Tier>(
                     }
                     Either::Right(fut) => {
                         let token = c.cancel_token().clone();
+                        let policy = policy.clone();
                         inflight.push(async move {
                             tokio::select! {
                                 biased;
                                 _ = token.cancelled() => {
-                                    // Cancelled while evaluating: the container drops here.
+                                    // Cancelled while evaluating: the container drops here, and
+                                    // the policy drops whatever it took for these blocks.
+                                    let all: Vec<SequenceHash> = c.hashes().collect();
                                     drop(c);
+                                    policy.release(&all);
                                     None
                                 }
                                 r = tokio::time::timeout(timeout, fut) => {
@@ -776,13 +783,11 @@ async fn transfer_stage<Src: Tier, E: TransferExecutor<Src>>(
             } else {
                 executor.execute(&resolved).await
             };
-            let ok = resolved.settle(outcome);
+            resolved.settle(
+                outcome,
+                sink.as_deref().map(|s| s as &dyn Fn(Vec<E::Output>)),
+            );
             drop(permit);
-            if let Some(sink) = sink
-                && !ok.is_empty()
-            {
-                sink(ok);
-            }
         });
     }
     while let Some(r) = running.join_next().await {

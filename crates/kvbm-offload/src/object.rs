@@ -1,0 +1,444 @@
+//! Object-storage destinations (G2→G4): presence checks, distributed locks, object pipelines.
+//!
+//! Several workers may offload the same prefix to one bucket. Two policies keep them from
+//! writing the same object twice:
+//!
+//! ```text
+//!  ObjectPresenceFilter:      HEAD block ──► present? filter : pass
+//!  ObjectLockPresenceFilter:  HEAD block ──► present? filter
+//!                               └─► PUT lock (If-None-Match: *) ──► taken? filter
+//!                                     └─► after lock_verify_delay: GET lock ──► not our token? filter
+//!                                           └─► HEAD block again ──► present? release + filter : pass (lock held)
+//!                             … transfer …  ──► release(): DELETE lock (completed, failed or cancelled)
+//! ```
+//!
+//! Each filter writes a unique token into its lock objects and reads the lock back after a short
+//! delay before trusting it. On S3 the conditional create alone is exclusive; some compatible
+//! servers (the s3s-fs used in CI among them) check and write non-atomically, so two concurrent
+//! creates can both "succeed" — the last write wins, and only its writer reads its own token
+//! back. The delay (`lock_verify_delay`, default 20 ms) must exceed the time a racing
+//! create takes to land.
+//!
+//! The re-check after taking the lock closes the window in which another worker finished the
+//! object and released its lock between our first check and our lock. Locks held are tracked
+//! per hash, so each is released exactly once, when its block leaves the pipeline.
+//!
+//! Lock order: `held` is a leaf lock; no I/O happens under it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kvbm_logical::{G2, SequenceHash};
+use kvbm_physical::ObjectStorage;
+use object_store::ObjectStoreExt;
+use parking_lot::Mutex;
+
+use crate::config::ObjectPipelineConfig;
+use crate::error::{OffloadError, PolicyError};
+use crate::executor::TransferExecutor;
+use crate::handle::TransferHandle;
+use crate::pipeline::{CompletionSink, Pipeline, PipelineBuilder};
+use crate::policy::{
+    AllOfPolicy, BoxFuture, EvalContext, OffloadPolicy, PolicyBatchFuture, PolicyFuture,
+    async_batch_result, async_result,
+};
+use crate::settlement::PipelineLane;
+use crate::source::{Precondition, SourceBlocks};
+use crate::transfer::{lock_key, object_key};
+
+/// Default delay before a new lock is read back to confirm ownership.
+pub const DEFAULT_LOCK_VERIFY_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Requests in flight per presence batch.
+const CHECK_CONCURRENCY: usize = 64;
+
+/// Async presence checker for object storage or other external destinations.
+pub trait PresenceChecker: Send + Sync + 'static {
+    /// Whether each block is present, in order.
+    fn has_blocks(&self, hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>>;
+}
+
+/// S3/Object storage presence checker: a HEAD per block object.
+#[derive(Debug, Clone)]
+pub struct S3PresenceChecker {
+    storage: Arc<ObjectStorage>,
+}
+
+impl S3PresenceChecker {
+    /// A checker over `storage` (its namespace prefixes every key).
+    pub fn new(storage: Arc<ObjectStorage>) -> Self {
+        Self { storage }
+    }
+}
+
+impl PresenceChecker for S3PresenceChecker {
+    fn has_blocks(&self, hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
+        let storage = self.storage.clone();
+        Box::pin(async move {
+            futures::stream::iter(hashes)
+                .map(|h| {
+                    let storage = storage.clone();
+                    async move {
+                        storage
+                            .exists(&object_key(h))
+                            .await
+                            .map_err(|e| PolicyError::Backend(e.to_string()))
+                    }
+                })
+                .buffered(CHECK_CONCURRENCY)
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect()
+        })
+    }
+}
+
+/// G2→G4 filter: async presence check for object storage destinations.
+pub struct ObjectPresenceFilter<C: PresenceChecker> {
+    checker: Arc<C>,
+}
+
+impl<C: PresenceChecker> std::fmt::Debug for ObjectPresenceFilter<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ObjectPresenceFilter")
+    }
+}
+
+impl<C: PresenceChecker> ObjectPresenceFilter<C> {
+    /// A filter passing blocks `checker` reports absent.
+    pub fn new(checker: Arc<C>) -> Self {
+        Self { checker }
+    }
+}
+
+impl<C: PresenceChecker> OffloadPolicy for ObjectPresenceFilter<C> {
+    fn name(&self) -> &'static str {
+        "object_presence"
+    }
+    fn evaluate(&self, ctx: &EvalContext) -> PolicyFuture {
+        let fut = self.checker.has_blocks(vec![ctx.sequence_hash]);
+        async_result(async move { Ok(!fut.await?[0]) })
+    }
+    fn evaluate_batch(&self, ctxs: &[EvalContext]) -> PolicyBatchFuture {
+        let fut = self
+            .checker
+            .has_blocks(ctxs.iter().map(|c| c.sequence_hash).collect());
+        async_batch_result(async move { Ok(fut.await?.into_iter().map(|p| !p).collect()) })
+    }
+}
+
+/// G2→G4 filter with distributed locking: check meta, acquire lock, track acquired locks.
+///
+/// A block passes only when its object is absent and this filter won its lock object (an S3
+/// conditional create, `PutMode::Create`). The lock is deleted by [`OffloadPolicy::release`]
+/// when the block leaves the pipeline, whatever the outcome.
+pub struct ObjectLockPresenceFilter {
+    storage: Arc<ObjectStorage>,
+    owner: String,
+    verify_delay: std::time::Duration,
+    held: Arc<Mutex<HashSet<SequenceHash>>>,
+    releases: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for ObjectLockPresenceFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectLockPresenceFilter")
+            .field("owner", &self.owner)
+            .field("held", &self.held.lock().len())
+            .finish()
+    }
+}
+
+impl ObjectLockPresenceFilter {
+    /// A filter locking through `storage`; `owner` is written into lock objects (for humans).
+    pub fn new(storage: Arc<ObjectStorage>, owner: impl Into<String>) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let unique = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self {
+            storage,
+            owner: format!("{}/{}/{nanos}/{unique}", owner.into(), std::process::id()),
+            verify_delay: DEFAULT_LOCK_VERIFY_DELAY,
+            held: Arc::default(),
+            releases: Arc::default(),
+        }
+    }
+
+    /// Delay between creating a lock and reading it back to confirm ownership.
+    /// Default: [`DEFAULT_LOCK_VERIFY_DELAY`].
+    pub fn with_verify_delay(mut self, delay: std::time::Duration) -> Self {
+        self.verify_delay = delay;
+        self
+    }
+
+    /// The token this filter writes into its locks.
+    pub fn token(&self) -> &str {
+        &self.owner
+    }
+
+    /// Locks currently held by this filter.
+    pub fn held_locks(&self) -> Vec<SequenceHash> {
+        self.held.lock().iter().copied().collect()
+    }
+
+    /// Waits for lock deletions started by `release` to finish.
+    pub async fn flush_releases(&self) {
+        let handles = std::mem::take(&mut *self.releases.lock());
+        for h in handles {
+            let _ = h.await;
+        }
+    }
+
+    async fn check_and_lock(
+        storage: Arc<ObjectStorage>,
+        held: Arc<Mutex<HashSet<SequenceHash>>>,
+        owner: Vec<u8>,
+        verify_delay: std::time::Duration,
+        h: SequenceHash,
+    ) -> Result<bool, PolicyError> {
+        let backend = |e: kvbm_physical::PhysicalError| PolicyError::Backend(e.to_string());
+        if storage.exists(&object_key(h)).await.map_err(backend)? {
+            return Ok(false);
+        }
+        if !storage
+            .try_create(&lock_key(h), owner.clone().into())
+            .await
+            .map_err(backend)?
+        {
+            return Ok(false);
+        }
+        // Tracked from here, so a release (timeout, cancellation) deletes it.
+        held.lock().insert(h);
+        // Confirm ownership: a racing create on a non-atomic server may have overwritten ours.
+        if !verify_delay.is_zero() {
+            tokio::time::sleep(verify_delay).await;
+        }
+        let path = storage.path(&lock_key(h));
+        let body = match storage.store().get(&path).await {
+            Ok(got) => got
+                .bytes()
+                .await
+                .map_err(|e| PolicyError::Backend(e.to_string()))?,
+            Err(object_store::Error::NotFound { .. }) => {
+                held.lock().remove(&h);
+                return Ok(false);
+            }
+            Err(e) => return Err(PolicyError::Backend(e.to_string())),
+        };
+        if body.as_ref() != owner.as_slice() {
+            // Someone else's lock: forget it without deleting it.
+            held.lock().remove(&h);
+            return Ok(false);
+        }
+        // Another worker may have finished the object and released its lock in between.
+        if storage.exists(&object_key(h)).await.map_err(backend)? {
+            held.lock().remove(&h);
+            storage.delete(&lock_key(h)).await.map_err(backend)?;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+}
+
+impl OffloadPolicy for ObjectLockPresenceFilter {
+    fn name(&self) -> &'static str {
+        "object_lock_presence"
+    }
+    fn evaluate(&self, ctx: &EvalContext) -> PolicyFuture {
+        let fut = self.evaluate_batch(std::slice::from_ref(ctx));
+        async_result(async move {
+            match fut {
+                either::Either::Left(r) => r.await.map(|v| v[0]),
+                either::Either::Right(f) => f.await.map(|v| v[0]),
+            }
+        })
+    }
+    fn evaluate_batch(&self, ctxs: &[EvalContext]) -> PolicyBatchFuture {
+        let storage = self.storage.clone();
+        let held = self.held.clone();
+        let owner = self.owner.clone().into_bytes();
+        let delay = self.verify_delay;
+        let hashes: Vec<SequenceHash> = ctxs.iter().map(|c| c.sequence_hash).collect();
+        async_batch_result(async move {
+            futures::stream::iter(hashes)
+                .map(|h| {
+                    Self::check_and_lock(storage.clone(), held.clone(), owner.clone(), delay, h)
+                })
+                .buffered(CHECK_CONCURRENCY)
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect()
+        })
+    }
+    fn release(&self, hashes: &[SequenceHash]) {
+        let mine: Vec<SequenceHash> = {
+            let mut held = self.held.lock();
+            hashes.iter().copied().filter(|h| held.remove(h)).collect()
+        };
+        if mine.is_empty() {
+            return;
+        }
+        let storage = self.storage.clone();
+        let task = tokio::spawn(async move {
+            for h in mine {
+                if let Err(e) = storage.delete(&lock_key(h)).await {
+                    tracing::warn!(error = %e, "cannot release object lock");
+                }
+            }
+        });
+        let mut releases = self.releases.lock();
+        releases.retain(|h| !h.is_finished());
+        releases.push(task);
+    }
+}
+
+/// Builder for object pipeline configuration.
+pub struct ObjectPipelineBuilder {
+    config: ObjectPipelineConfig,
+    storage: Arc<ObjectStorage>,
+    owner: String,
+    extra: Vec<Arc<dyn OffloadPolicy>>,
+}
+
+impl std::fmt::Debug for ObjectPipelineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectPipelineBuilder")
+            .field("config", &self.config)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+impl ObjectPipelineBuilder {
+    /// A builder writing to `storage` (used for presence checks and locks; the executor's
+    /// object layout must use the same storage).
+    pub fn new(storage: Arc<ObjectStorage>) -> Self {
+        Self {
+            config: ObjectPipelineConfig::default(),
+            storage,
+            owner: format!("kvbm-{}", std::process::id()),
+            extra: Vec::new(),
+        }
+    }
+
+    /// The configuration. Default: [`ObjectPipelineConfig::default`].
+    pub fn config(mut self, config: ObjectPipelineConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Identifies this worker in lock objects. Default: `kvbm-<pid>`.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = owner.into();
+        self
+    }
+
+    /// A policy evaluated before the object checks (e.g. a frequency threshold), so remote
+    /// requests are only made for blocks it passes.
+    pub fn policy(mut self, policy: Arc<dyn OffloadPolicy>) -> Self {
+        self.extra.push(policy);
+        self
+    }
+
+    /// Starts the pipeline with `executor`.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
+    pub fn spawn<E: TransferExecutor<G2>>(
+        self,
+        executor: E,
+    ) -> Result<ObjectPipeline, OffloadError> {
+        self.spawn_with_sink(executor, None)
+    }
+
+    /// Like [`spawn`](Self::spawn), with a completion sink.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
+    pub fn spawn_with_sink<E: TransferExecutor<G2>>(
+        self,
+        executor: E,
+        sink: Option<CompletionSink<E::Output>>,
+    ) -> Result<ObjectPipeline, OffloadError> {
+        let mut policies = self.extra;
+        let lock_filter = if self.config.use_locks {
+            let f = Arc::new(
+                ObjectLockPresenceFilter::new(self.storage.clone(), self.owner)
+                    .with_verify_delay(self.config.lock_verify_delay),
+            );
+            policies.push(f.clone());
+            Some(f)
+        } else {
+            policies.push(Arc::new(ObjectPresenceFilter::new(Arc::new(
+                S3PresenceChecker::new(self.storage.clone()),
+            ))));
+            None
+        };
+        let policy: Arc<dyn OffloadPolicy> = if policies.len() == 1 {
+            policies.pop().expect("one policy")
+        } else {
+            Arc::new(AllOfPolicy::new(policies))
+        };
+        let pipeline = PipelineBuilder::<G2, kvbm_logical::G4>::new()
+            .config(self.config.pipeline)
+            .policy(policy)
+            .lane(PipelineLane::G2ToG4)
+            .build()
+            .spawn_with_sink(executor, sink)?;
+        Ok(ObjectPipeline {
+            pipeline,
+            lock_filter,
+            storage: self.storage,
+        })
+    }
+}
+
+/// A running pipeline instance for object storage destinations.
+pub struct ObjectPipeline {
+    pipeline: Pipeline<G2>,
+    lock_filter: Option<Arc<ObjectLockPresenceFilter>>,
+    storage: Arc<ObjectStorage>,
+}
+
+impl std::fmt::Debug for ObjectPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectPipeline")
+            .field("pipeline", &self.pipeline)
+            .field("locks", &self.lock_filter.is_some())
+            .finish()
+    }
+}
+
+impl ObjectPipeline {
+    /// Enqueues G2 blocks for upload.
+    ///
+    /// # Errors
+    /// [`OffloadError::PipelineClosed`] after shutdown.
+    pub fn enqueue(
+        &self,
+        blocks: impl Into<SourceBlocks<G2>>,
+        precondition: Option<Precondition>,
+    ) -> Result<TransferHandle, OffloadError> {
+        self.pipeline.enqueue(blocks, precondition)
+    }
+
+    /// The underlying pipeline.
+    pub fn pipeline(&self) -> &Pipeline<G2> {
+        &self.pipeline
+    }
+
+    /// The lock filter, when locks are used.
+    pub fn lock_filter(&self) -> Option<&Arc<ObjectLockPresenceFilter>> {
+        self.lock_filter.as_ref()
+    }
+
+    /// The object storage.
+    pub fn storage(&self) -> &Arc<ObjectStorage> {
+        &self.storage
+    }
+}

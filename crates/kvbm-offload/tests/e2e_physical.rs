@@ -1,0 +1,290 @@
+//! End to end over `kvbm-physical`: G2→G3 onto a real O_DIRECT file, and G1→G2→G3 through the
+//! engine with `auto_chain`.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{hash, registered};
+use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, TierId};
+
+use kvbm_offload::*;
+use kvbm_physical::{
+    Backing, BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
+    TransferOptions,
+};
+
+fn geometry(n: usize) -> BlockLayout {
+    BlockLayout::builder()
+        .num_blocks(n)
+        .num_layers(2)
+        .outer_dim(2)
+        .page_size(16)
+        .inner_dim(64)
+        .dtype_bytes(2)
+        .kind(LayoutKind::FullyContiguous)
+        .build()
+        .unwrap()
+}
+
+fn fill(layout: &PhysicalLayout, seed: u8) {
+    let c = *layout.layout().config();
+    for b in 0..c.num_blocks {
+        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+            // SAFETY: the test owns the layout; addresses are host memory.
+            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            for (k, x) in s.iter_mut().enumerate() {
+                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
+            }
+        }
+    }
+}
+
+fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
+    let c = *layout.layout().config();
+    let mut out = Vec::new();
+    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+        // SAFETY: as in `fill`.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    out
+}
+
+fn scratch() -> tempfile::TempDir {
+    // Not /tmp: it may be tmpfs, which refuses O_DIRECT.
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
+    let dir = scratch();
+    let n = 8;
+    let registry = BlockRegistry::new();
+    let g2 = BlockManager::<G2>::builder()
+        .block_count(n)
+        .block_size(4)
+        .registry(registry.clone())
+        .build()
+        .unwrap();
+    let g3 = Arc::new(
+        BlockManager::<G3>::builder()
+            .block_count(n)
+            .block_size(4)
+            .registry(registry.clone())
+            .build()
+            .unwrap(),
+    );
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap();
+    fill(&host, 5);
+    let g2_h = tm.register_layout(host).unwrap();
+    let disk =
+        PhysicalLayout::create_disk(geometry(n), &DiskConfig::new(dir.path().join("g3.bin")))
+            .unwrap();
+    if let Backing::Disk(d) = disk.backing() {
+        assert!(
+            d.capabilities().direct_io,
+            "the G3 file is opened with O_DIRECT"
+        );
+    }
+    let g3_h = tm.register_layout(disk).unwrap();
+
+    let pipeline = PipelineBuilder::<G2, G3>::new()
+        .policy(Arc::new(PresenceFilter::new(registry.clone())))
+        .build()
+        .spawn(BlockTransferExecutor::<G2, G3>::new(
+            tm.clone(),
+            g2_h,
+            g3_h,
+            g3.clone(),
+        ))
+        .unwrap();
+
+    let blocks = registered(&g2, 0, n as u32);
+    let src_ids: Vec<usize> = blocks.iter().map(|b| b.block_id()).collect();
+    let r = pipeline
+        .enqueue(blocks.clone(), None)
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    assert_eq!(r.completed_blocks.len(), n);
+    for i in 0..n as u32 {
+        assert!(
+            registry.is_present(hash(i), TierId::G3),
+            "block {i} registered in G3"
+        );
+    }
+
+    // The bytes on disk are the bytes of G2: read them back into fresh host memory.
+    let on_g3 = g3.match_blocks(&(0..n as u32).map(hash).collect::<Vec<_>>());
+    assert_eq!(on_g3.len(), n);
+    let back = PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap();
+    let back_h = tm.register_layout(back).unwrap();
+    let g3_ids: Vec<usize> = on_g3.iter().map(|b| b.block_id()).collect();
+    let out = tm
+        .execute_transfer(g3_h, &g3_ids, back_h, &src_ids, TransferOptions::default())
+        .unwrap()
+        .await;
+    assert!(out.is_complete_success(), "{out:?}");
+    let src_layout = tm.layout(g2_h).unwrap();
+    let back_layout = tm.layout(back_h).unwrap();
+    for &id in &src_ids {
+        assert_eq!(
+            bytes(&src_layout, id),
+            bytes(&back_layout, id),
+            "block slot {id}"
+        );
+    }
+    drop(on_g3);
+
+    // Already present: the presence policy filters every block.
+    let again = pipeline
+        .enqueue(blocks, None)
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(again.filtered_blocks.len(), n);
+    assert!(again.completed_blocks.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_transfer_reports_why_and_registers_nothing() {
+    let dir = scratch();
+    let registry = BlockRegistry::new();
+    let g3 = Arc::new(
+        BlockManager::<G3>::builder()
+            .block_count(4)
+            .block_size(4)
+            .registry(registry.clone())
+            .build()
+            .unwrap(),
+    );
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g2_h = tm
+        .register_layout(PhysicalLayout::allocate_host(geometry(4), PinPolicy::Unpinned).unwrap())
+        .unwrap();
+    let g3_h = tm
+        .register_layout(
+            PhysicalLayout::create_disk(geometry(4), &DiskConfig::new(dir.path().join("g3.bin")))
+                .unwrap(),
+        )
+        .unwrap();
+    let pipeline = PipelineBuilder::<G2, G3>::new()
+        .min_batch_size(1)
+        .build()
+        .spawn(BlockTransferExecutor::<G2, G3>::new(
+            tm,
+            g2_h,
+            g3_h,
+            g3.clone(),
+        ))
+        .unwrap();
+    // Slot 99 does not exist in the source layout: the transfer manager refuses the batch.
+    let r = pipeline
+        .enqueue(
+            vec![
+                ExternalBlock::new(0, hash(0)),
+                ExternalBlock::new(99, hash(1)),
+            ],
+            None,
+        )
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.status, TransferStatus::Failed);
+    assert_eq!(r.failed_blocks.len(), 2);
+    assert!(
+        r.failed_blocks
+            .iter()
+            .all(|(_, f)| f.kind == BlockFailureKind::Transfer && !f.message.is_empty())
+    );
+    assert!(!registry.is_present(hash(0), TierId::G3));
+    assert!(!registry.is_present(hash(1), TierId::G3));
+    assert_eq!(g3.available_blocks(), 4, "destination slots returned");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_auto_chain_moves_g1_completions_to_g3() {
+    let dir = scratch();
+    let n = 4;
+    let registry = BlockRegistry::new();
+    let g2 = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(n)
+            .block_size(4)
+            .registry(registry.clone())
+            .build()
+            .unwrap(),
+    );
+    let g3 = Arc::new(
+        BlockManager::<G3>::builder()
+            .block_count(n)
+            .block_size(4)
+            .registry(registry.clone())
+            .build()
+            .unwrap(),
+    );
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let dev = PhysicalLayout::allocate_device(geometry(n), 0).unwrap();
+    fill(&dev, 9);
+    let g1_h = tm.register_layout(dev).unwrap();
+    let g2_h = tm
+        .register_layout(PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap())
+        .unwrap();
+    let g3_h = tm
+        .register_layout(
+            PhysicalLayout::create_disk(geometry(n), &DiskConfig::new(dir.path().join("g3.bin")))
+                .unwrap(),
+        )
+        .unwrap();
+    let engine = OffloadEngine::builder(registry.clone())
+        .with_transfer_manager(tm)
+        .with_g1_layout(g1_h)
+        .with_g2_layout(g2_h)
+        .with_g3_layout(g3_h)
+        .with_g2_manager(g2.clone())
+        .with_g3_manager(g3.clone())
+        .with_g1_to_g2_pipeline(PipelineBuilder::<G1, G2>::new().min_batch_size(1).build())
+        .with_g2_to_g3_pipeline(
+            PipelineBuilder::<G2, G3>::new()
+                .policy(Arc::new(PresenceAndLFUFilter::new(registry.clone(), 0)))
+                .min_batch_size(1)
+                .build(),
+        )
+        .auto_chain(true)
+        .build()
+        .unwrap();
+    let (trigger, event) = Precondition::pair();
+    let h = engine
+        .enqueue_g1_to_g2(common::external(0, n as u32), Some(event))
+        .unwrap();
+    trigger.complete();
+    let r = h.wait().await.unwrap();
+    assert_eq!(r.completed_blocks.len(), n);
+    assert_eq!(
+        engine.chained_blocks(),
+        n as u64,
+        "completions were handed on before wait returned"
+    );
+    let token = engine.settlement_token();
+    assert_eq!(token.target().get(PipelineLane::G2ToG3), 1);
+    engine.wait_for_settlement(&token).await.unwrap();
+    for i in 0..n as u32 {
+        assert!(registry.is_present(hash(i), TierId::G2));
+        assert!(
+            registry.is_present(hash(i), TierId::G3),
+            "block {i} chained to G3"
+        );
+    }
+    assert!(
+        engine
+            .enqueue_g2_to_g4(Vec::<ExternalBlock>::new())
+            .is_err(),
+        "no G2→G4 pipeline"
+    );
+    engine.shutdown().await;
+}
