@@ -91,10 +91,8 @@ fn poll_loop(rx: mpsc::Receiver<Pending>) {
         let mut progressed = false;
         while i < pending.len() {
             let p = &pending[i];
-            if bound != Some(p.device.ordinal()) {
-                if p.device.bind().is_ok() {
-                    bound = Some(p.device.ordinal());
-                }
+            if bound != Some(p.device.ordinal()) && p.device.bind().is_ok() {
+                bound = Some(p.device.ordinal());
             }
             // SAFETY: the event is alive until `finish` destroys it.
             let r = unsafe { sys::cuEventQuery(p.event as sys::CUevent) };
