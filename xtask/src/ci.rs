@@ -15,7 +15,7 @@ use anyhow::Result;
 use crate::{layering, run_step, services::Services};
 
 /// Extra `cargo clippy` runs with non-default features: (package, features).
-const FEATURE_CHECKS: &[(&str, &str)] = &[];
+const FEATURE_CHECKS: &[(&str, &str)] = &[("kvbm-physical", "cuda")];
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

@@ -13,6 +13,7 @@
 
 mod bench;
 mod ci;
+mod gpu_check;
 mod layering;
 mod services;
 
@@ -30,6 +31,8 @@ commands:
   services start     start the test servers and print `export` lines for them
   services stop      stop servers started by `services start`
   bench [NAME]       run benchmarks (NAME: logical, physical, offload, ...; default all)
+  gpu-check --out DIR  on a GPU machine: build kvbm-physical --features cuda, run its GPU
+                     tests and benchmark, write DIR/gpu-check.json (--bundle/--prebuilt: see gpu_check.rs)
 ";
 
 fn main() -> Result<()> {
@@ -41,6 +44,7 @@ fn main() -> Result<()> {
         Some("layering") => layering::run(),
         Some("services") => services::run_command(rest),
         Some("bench") => bench::run(rest),
+        Some("gpu-check") => gpu_check::run(rest),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
