@@ -293,6 +293,10 @@ fn gpu_bench() {
         (pct(&lat, 0.5) - copy_s) * 1e6,
     );
 
+    j.bool(
+        "batch_api_disabled_after_error",
+        super::copy::batch_disabled(),
+    );
     let text = j.finish();
     println!("{text}");
     if let Some(path) = std::env::var_os("KVBM_GPU_BENCH_OUT") {

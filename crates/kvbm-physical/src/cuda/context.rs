@@ -9,9 +9,9 @@ use parking_lot::Mutex;
 
 use crate::error::{PhysicalError, Result};
 
-/// Streams per copy direction (round-robin); two let one batch's submission overlap the
-/// previous batch's tail on the other stream.
-const STREAMS_PER_DIRECTION: usize = 2;
+/// Streams per copy direction. One: a direction saturates PCIe with one copy engine, and
+/// transfers in one direction then complete in the order they reached the stream.
+const STREAMS_PER_DIRECTION: usize = 1;
 
 pub(crate) fn cuda_err(op: &'static str, e: impl std::fmt::Debug) -> PhysicalError {
     PhysicalError::Cuda {

@@ -11,7 +11,9 @@
 //! Submission: all pieces of a transfer go to one stream, through one `cuMemcpyBatchAsync`
 //! call per [`MAX_BATCH`] pieces where the driver exports it (CUDA ≥ 12.8, probed by symbol:
 //! `cuMemcpyBatchAsync_v2` on 13.x drivers, else the 12.8 `cuMemcpyBatchAsync`), otherwise
-//! one `cuMemcpyAsync` per piece. A single piece always uses `cuMemcpyAsync`.
+//! one `cuMemcpyAsync` per piece. A single piece always uses `cuMemcpyAsync`. Should a batched
+//! call fail, the batched API is turned off for the process (logged once) and the remaining
+//! pieces go one by one, so an unexpected driver ABI cannot break transfers.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -179,20 +181,15 @@ pub fn batch_api() -> &'static str {
 /// that stays alive and unaccessed by others until the stream passes this point.
 pub unsafe fn submit(pieces: &[Piece], stream: sys::CUstream) -> Result<usize> {
     let batch = match (mode(), pieces.len()) {
-        (CopyMode::Auto, 2..) => batch_fn(),
+        (CopyMode::Auto, 2..) if !batch_disabled() => batch_fn(),
         _ => None,
     };
     let Some(f) = batch else {
-        for p in pieces {
-            // SAFETY: per the caller.
-            unsafe { sys::cuMemcpyAsync(p.dst, p.src, p.len, stream) }
-                .result()
-                .map_err(|e| cuda_err("cuMemcpyAsync", e))?;
-        }
-        return Ok(pieces.len());
+        // SAFETY: per the caller.
+        return unsafe { submit_each(pieces, stream) };
     };
     let mut calls = 0;
-    for chunk in pieces.chunks(MAX_BATCH) {
+    for (ci, chunk) in pieces.chunks(MAX_BATCH).enumerate() {
         let mut dsts: Vec<sys::CUdeviceptr> = chunk.iter().map(|p| p.dst).collect();
         let mut srcs: Vec<sys::CUdeviceptr> = chunk.iter().map(|p| p.src).collect();
         let mut sizes: Vec<usize> = chunk.iter().map(|p| p.len).collect();
@@ -230,13 +227,41 @@ pub unsafe fn submit(pieces: &[Piece], stream: sys::CUstream) -> Result<usize> {
                 ),
             }
         };
-        r.result().map_err(|e| {
-            cuda_err(
-                "cuMemcpyBatchAsync",
-                format!("{e:?} (failing copy index {fail})"),
-            )
-        })?;
+        if let Err(e) = r.result() {
+            // The batched API refused (an ABI or driver surprise): turn it off for the process
+            // and copy this chunk and the rest one piece at a time. Re-copying pieces the
+            // failed call may already have done is harmless (same bytes, same place).
+            BATCH_DISABLED.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                error = ?e,
+                fail_index = fail,
+                "cuMemcpyBatchAsync failed; falling back to one cuMemcpyAsync per piece"
+            );
+            let rest = &pieces[ci * MAX_BATCH..];
+            // SAFETY: per the caller.
+            return unsafe { submit_each(rest, stream) }.map(|n| calls + n);
+        }
         calls += 1;
     }
     Ok(calls)
+}
+
+/// Set when a batched call failed; later submissions go piece by piece.
+static BATCH_DISABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the batched API was turned off after a failure.
+pub fn batch_disabled() -> bool {
+    BATCH_DISABLED.load(Ordering::Relaxed)
+}
+
+/// # Safety
+/// As [`submit`].
+unsafe fn submit_each(pieces: &[Piece], stream: sys::CUstream) -> Result<usize> {
+    for p in pieces {
+        // SAFETY: per the caller.
+        unsafe { sys::cuMemcpyAsync(p.dst, p.src, p.len, stream) }
+            .result()
+            .map_err(|e| cuda_err("cuMemcpyAsync", e))?;
+    }
+    Ok(pieces.len())
 }

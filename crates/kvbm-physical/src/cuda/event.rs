@@ -35,13 +35,21 @@ struct Slot {
 
 type SharedSlot = Arc<Mutex<Slot>>;
 
+/// Whom a completed event notifies.
+pub(crate) enum Notify {
+    /// A future's slot.
+    Slot(SharedSlot),
+    /// A callback, run on the event thread (keep it short).
+    Callback(Box<dyn FnOnce(Result<()>) + Send>),
+}
+
 struct Pending {
     event: usize,
     owned: bool,
     device: Arc<CudaDevice>,
-    slot: SharedSlot,
+    notify: Notify,
     /// Kept alive until the event completed (e.g. the transfer's layouts).
-    _keep: Option<Box<dyn Send>>,
+    keep: Option<Box<dyn Send>>,
 }
 
 fn poller() -> &'static Mutex<mpsc::Sender<Pending>> {
@@ -61,14 +69,20 @@ fn finish(p: Pending, r: Result<()>) {
         // SAFETY: the event was created by us and is no longer used after completion.
         let _ = unsafe { result::event::destroy(p.event as sys::CUevent) };
     }
-    let waker = {
-        let mut s = p.slot.lock();
-        s.result = Some(r);
-        s.waker.take()
-    };
-    if let Some(w) = waker {
-        w.wake();
+    match p.notify {
+        Notify::Slot(slot) => {
+            let waker = {
+                let mut s = slot.lock();
+                s.result = Some(r);
+                s.waker.take()
+            };
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+        Notify::Callback(cb) => cb(r),
     }
+    drop(p.keep);
 }
 
 fn poll_loop(rx: mpsc::Receiver<Pending>) {
@@ -119,6 +133,57 @@ fn poll_loop(rx: mpsc::Receiver<Pending>) {
     }
 }
 
+/// Hands `event` to the completion thread, which notifies `notify` once it completed and then
+/// drops `keep`. With `owned`, the event is destroyed once complete.
+///
+/// # Safety
+/// `event` must be a valid, recorded event of `device`'s context and (unless `owned`) stay
+/// alive until `notify` was notified.
+pub(crate) unsafe fn watch_notify(
+    event: sys::CUevent,
+    owned: bool,
+    device: Arc<CudaDevice>,
+    keep: Option<Box<dyn Send>>,
+    notify: Notify,
+) {
+    let p = Pending {
+        event: event as usize,
+        owned,
+        device,
+        notify,
+        keep,
+    };
+    if let Err(mpsc::SendError(p)) = poller().lock().send(p) {
+        finish(
+            p,
+            Err(PhysicalError::Aborted("CUDA event thread ended".into())),
+        );
+    }
+}
+
+/// Records a fresh (timing-free) event on `stream` and hands it to the completion thread.
+///
+/// # Safety
+/// `stream` must be a live stream of `device`'s context, which must be current.
+pub(crate) unsafe fn record_notify(
+    stream: sys::CUstream,
+    device: Arc<CudaDevice>,
+    keep: Option<Box<dyn Send>>,
+    notify: Notify,
+) -> Result<()> {
+    let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        .map_err(|e| cuda_err("cuEventCreate", e))?;
+    // SAFETY: ev just created, stream live per the caller.
+    if let Err(e) = unsafe { result::event::record(ev, stream) } {
+        // SAFETY: ev is ours and unused.
+        let _ = unsafe { result::event::destroy(ev) };
+        return Err(cuda_err("cuEventRecord", e));
+    }
+    // SAFETY: ev is recorded and owned.
+    unsafe { watch_notify(ev, true, device, keep, notify) };
+    Ok(())
+}
+
 /// A future resolving when a CUDA event completes (`Ok`) or reports an error.
 #[must_use = "futures do nothing unless awaited"]
 pub struct EventFuture {
@@ -136,8 +201,7 @@ impl EventFuture {
     /// `keep` is dropped only after completion (hold the memory the work touches in it).
     ///
     /// # Safety
-    /// `event` must be a valid event of `device`'s context, recorded, and (unless `owned`)
-    /// stay alive until this future resolves.
+    /// As [`watch_notify`].
     pub(crate) unsafe fn watch(
         event: sys::CUevent,
         owned: bool,
@@ -145,41 +209,24 @@ impl EventFuture {
         keep: Option<Box<dyn Send>>,
     ) -> Self {
         let slot: SharedSlot = Arc::default();
-        let p = Pending {
-            event: event as usize,
-            owned,
-            device,
-            slot: Arc::clone(&slot),
-            _keep: keep,
-        };
-        if let Err(mpsc::SendError(p)) = poller().lock().send(p) {
-            finish(
-                p,
-                Err(PhysicalError::Aborted("CUDA event thread ended".into())),
-            );
-        }
+        // SAFETY: per the caller.
+        unsafe { watch_notify(event, owned, device, keep, Notify::Slot(Arc::clone(&slot))) };
         EventFuture { slot }
     }
 
     /// Records a fresh event on `stream` and watches it.
     ///
     /// # Safety
-    /// `stream` must be a live stream of `device`'s context, which must be current.
+    /// As [`record_notify`].
     pub(crate) unsafe fn record(
         stream: sys::CUstream,
         device: Arc<CudaDevice>,
         keep: Option<Box<dyn Send>>,
     ) -> Result<Self> {
-        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| cuda_err("cuEventCreate", e))?;
-        // SAFETY: ev just created, stream live per the caller.
-        if let Err(e) = unsafe { result::event::record(ev, stream) } {
-            // SAFETY: ev is ours and unused.
-            let _ = unsafe { result::event::destroy(ev) };
-            return Err(cuda_err("cuEventRecord", e));
-        }
-        // SAFETY: ev is recorded and owned.
-        Ok(unsafe { Self::watch(ev, true, device, keep) })
+        let slot: SharedSlot = Arc::default();
+        // SAFETY: per the caller.
+        unsafe { record_notify(stream, device, keep, Notify::Slot(Arc::clone(&slot)))? };
+        Ok(EventFuture { slot })
     }
 
     /// Whether it has resolved.

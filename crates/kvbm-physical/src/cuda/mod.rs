@@ -10,9 +10,9 @@
 //!
 //! # Design
 //! * **Devices** ([`CudaDevice`]): one per ordinal, process-wide: the retained primary context
-//!   (so allocations interoperate with PyTorch/vLLM, which use it too) and two non-blocking
-//!   copy streams per direction (H2D, D2H, D2D), picked round-robin, so offload and onboard
-//!   run on separate copy engines.
+//!   (so allocations interoperate with PyTorch/vLLM, which use it too) and one non-blocking
+//!   copy stream per direction (H2D, D2H, D2D): offload and onboard run on separate copy
+//!   engines; transfers in one direction complete in the order they reached the stream.
 //! * **G1 memory** ([`CudaDeviceMemory`]): `cuMemAlloc` per layout allocation: one for a
 //!   fully contiguous layout, one per layer for a layer-separate one (vLLM's per-layer KV
 //!   tensors). `PhysicalLayout::allocate_device` returns it when a driver is present.
@@ -26,7 +26,8 @@
 //!   consecutive block ids in fully contiguous layouts is one copy). All pieces of a transfer
 //!   go onto one stream in as few calls as the driver allows: **`cuMemcpyBatchAsync`**
 //!   (`_v2` on CUDA 13 drivers, the 12.8 symbol otherwise; up to [`copy::MAX_BATCH`] pieces
-//!   per call), falling back to one `cuMemcpyAsync` per piece on older drivers. No NVRTC
+//!   per call), falling back to one `cuMemcpyAsync` per piece on older drivers (or for the
+//!   rest of the process if a batched call ever fails). No NVRTC
 //!   gather/scatter kernel was written: the batched API is the chosen path; the benchmark
 //!   reports the small-piece ratio so a kernel can be added if that ratio is too low.
 //! * **Completion**: an event is recorded after the copies and handed to one process-wide
@@ -35,8 +36,10 @@
 //!   the manager's `TransferCompletion`. The job (and so its layouts) is kept alive until the
 //!   event completed.
 //! * **Layer-wise onboarding**: `TransferOptions::layers(l..l+1)` per layer (or per group)
-//!   issues each layer's copies as its own batch; batches on a stream complete in order, so an
-//!   engine can start attention on early layers while later ones arrive.
+//!   issues each layer's copies as its own batch with its own completion, resolved as soon
+//!   as that layer's copies are done, so an engine can start attention on early layers while
+//!   later ones arrive. (The manager's runtime may reach the stream with two layers in either
+//!   order when they are submitted at the same instant; await each layer's completion.)
 //! * **Offload precondition**: [`CudaEventPrecondition`] records (or adopts) an event on the
 //!   engine's compute stream and is a `Future<Output = Result<(), PhysicalError>>` resolved by
 //!   the same completion thread.

@@ -300,7 +300,7 @@ fn gpu_layerwise_onboarding() {
         assert!(block_bytes(&backl, b, 2..layers).iter().all(|x| *x == 0));
     }
     // Then every remaining layer as its own transfer, all submitted before any is awaited;
-    // they complete in submission order on the H2D stream.
+    // each resolves on its own, as soon as its copies are done.
     let pending: Vec<_> = (2..layers)
         .map(|l| {
             tm.execute_transfer(g2, &src, g1, &dst, TransferOptions::layers(l..l + 1))

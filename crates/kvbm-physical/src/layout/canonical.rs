@@ -85,7 +85,7 @@ impl CanonicalPageMapping {
             ));
         }
         let (local_heads, first_head, num_writers, writer_index) = if tp_size <= num_kv_heads {
-            if num_kv_heads % tp_size != 0 {
+            if !num_kv_heads.is_multiple_of(tp_size) {
                 return Err(PhysicalError::InvalidArgument(format!(
                     "{num_kv_heads} kv heads do not split over tp {tp_size}"
                 )));
@@ -93,7 +93,7 @@ impl CanonicalPageMapping {
             let h = num_kv_heads / tp_size;
             (h, tp_rank * h, 1, 0)
         } else {
-            if tp_size % num_kv_heads != 0 {
+            if !tp_size.is_multiple_of(num_kv_heads) {
                 return Err(PhysicalError::InvalidArgument(format!(
                     "tp {tp_size} is not a multiple of {num_kv_heads} kv heads"
                 )));

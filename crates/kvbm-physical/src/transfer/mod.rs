@@ -111,6 +111,15 @@ pub struct TransferCompletion {
 }
 
 impl TransferCompletion {
+    /// A completion fed by `rx` (used by `crate::cuda`'s direct path).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_parts(
+        rx: oneshot::Receiver<TransferOutcome>,
+        dst_ids: Vec<BlockId>,
+    ) -> Self {
+        TransferCompletion { rx, dst_ids }
+    }
+
     /// Blocks the current thread until done. Do not call from async code (await instead).
     pub fn wait(self) -> TransferOutcome {
         let ids = self.dst_ids;
@@ -238,6 +247,12 @@ impl TransferManager {
         options: TransferOptions,
     ) -> Result<TransferCompletion, PhysicalError> {
         let job = self.validate(src, src_block_ids, dst, dst_block_ids, options)?;
+        // Real GPU memory: submitted here, completed by the CUDA event thread (`crate::cuda`).
+        #[cfg(feature = "cuda")]
+        let job = match crate::cuda::try_direct(job) {
+            Ok(completion) => return Ok(completion),
+            Err(job) => job,
+        };
         let (tx, rx) = oneshot::channel();
         let dst_ids = dst_block_ids.to_vec();
         let runtime = self.runtime.as_ref().expect("runtime lives until drop");

@@ -199,12 +199,29 @@ async fn object_put(job: Job) -> Vec<Result<()>> {
             let store = Arc::clone(&store);
             let keys = Arc::clone(&keys);
             let mode = job.put_mode;
-            async move { store.put_block(&keys[pos], parts, mode).await }
+            async move { (pos, store.put_block(&keys[pos], parts, mode).await) }
         })
-        .buffered(conc)
-        .collect()
+        .buffer_unordered(conc)
+        .collect::<Vec<_>>()
         .await
+        .into_iter()
+        .pipe(in_order)
 }
+
+/// Puts `(position, result)` pairs back in request order (unordered streams avoid head-of-line
+/// blocking behind one slow request).
+fn in_order(results: impl Iterator<Item = (usize, Result<()>)>) -> Vec<Result<()>> {
+    let mut v: Vec<(usize, Result<()>)> = results.collect();
+    v.sort_by_key(|(pos, _)| *pos);
+    v.into_iter().map(|(_, r)| r).collect()
+}
+
+trait Pipe: Sized {
+    fn pipe<T>(self, f: impl FnOnce(Self) -> T) -> T {
+        f(self)
+    }
+}
+impl<I: Iterator> Pipe for I {}
 
 async fn object_get(job: Job) -> Vec<Result<()>> {
     let store = Arc::clone(object_of(&job.src));
@@ -218,18 +235,24 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
             let store = Arc::clone(&store);
             let keys = Arc::clone(&keys);
             async move {
-                let payload = store.get_block(&keys[pos], block_bytes).await?;
-                let start = job.layers.start * c.layer_bytes();
-                let len = job.layers.len() * c.layer_bytes();
-                let src = [(payload.as_ptr() as usize + start, len)];
-                let dr = job.dst.block_addrs(d, job.layers.clone());
-                // The payload is host memory: copy as if from a host layout.
-                copy_into(&job.dst, &src, &dr)
+                let r = async {
+                    let payload = store.get_block(&keys[pos], block_bytes).await?;
+                    let start = job.layers.start * c.layer_bytes();
+                    let len = job.layers.len() * c.layer_bytes();
+                    let src = [(payload.as_ptr() as usize + start, len)];
+                    let dr = job.dst.block_addrs(d, job.layers.clone());
+                    // The payload is host memory: copy as if from a host layout.
+                    copy_into(&job.dst, &src, &dr)
+                }
+                .await;
+                (pos, r)
             }
         })
-        .buffered(conc)
-        .collect()
+        .buffer_unordered(conc)
+        .collect::<Vec<_>>()
         .await
+        .into_iter()
+        .pipe(in_order)
 }
 
 /// Copies host bytes `src` into `dst`'s regions `dr`.

@@ -35,6 +35,7 @@ pub fn fill(layout: &PhysicalLayout, seed: u8) {
     }
 }
 
+/// The fill pattern byte.
 pub fn pattern(seed: u8, block: usize, k: usize) -> u8 {
     (k.wrapping_mul(31) ^ block.wrapping_mul(131) ^ (seed as usize * 7) ^ (k >> 8)) as u8
 }
@@ -49,6 +50,7 @@ pub fn block_bytes(layout: &PhysicalLayout, b: usize, layers: std::ops::Range<us
     out
 }
 
+/// What `fill(seed)` put in block `b` for `layers`, serialized.
 pub fn expected(c: &LayoutConfig, seed: u8, b: usize, layers: std::ops::Range<usize>) -> Vec<u8> {
     let lb = c.layer_bytes();
     (layers.start * lb..layers.end * lb)
@@ -180,6 +182,7 @@ pub async fn conformance(
     ));
 }
 
+/// The provisioned S3 server as an object tier under `namespace` (None under the opt-out).
 pub fn s3_storage(test: &str, namespace: &str) -> Option<Arc<ObjectStorage>> {
     let s = kvbm_tests::services::s3(test)?;
     let cfg = S3Config {
