@@ -28,12 +28,12 @@ pub const YIELD_WINDOW: Duration = Duration::from_millis(5);
 pub const SLEEP_STEP: Duration = Duration::from_micros(50);
 
 #[derive(Debug, Default)]
-struct Slot {
+pub(crate) struct Slot {
     result: Option<Result<()>>,
     waker: Option<Waker>,
 }
 
-type SharedSlot = Arc<Mutex<Slot>>;
+pub(crate) type SharedSlot = Arc<Mutex<Slot>>;
 
 /// Whom a completed event notifies.
 pub(crate) enum Notify {

@@ -83,7 +83,7 @@ pub use memory::{CudaDeviceMemory, CudaPinnedBuffer, register_host};
 #[cfg(feature = "cuda")]
 pub use transfer::copy_stats;
 #[cfg(feature = "cuda")]
-pub(crate) use transfer::dispatch;
+pub(crate) use transfer::{dispatch, try_direct};
 
 /// Whether a CUDA driver can be used: feature `cuda` on and `libcuda` loadable.
 pub fn cuda_available() -> bool {

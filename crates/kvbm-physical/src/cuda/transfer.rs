@@ -8,11 +8,11 @@ use futures::future::BoxFuture;
 
 use super::context::{CudaDevice, Direction};
 use super::copy::{plan, submit};
-use super::event::EventFuture;
+use super::event::{Notify, record_notify};
 use super::memory::{ordinal_of, register_host};
 use crate::error::{PhysicalError, Result};
 use crate::layout::{Backing, PhysicalLayout};
-use crate::transfer::Job;
+use crate::transfer::{BlockId, Job, TransferCompletion, TransferOutcome};
 
 static PIECES: AtomicU64 = AtomicU64::new(0);
 static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -43,9 +43,10 @@ fn gpu_ordinal(layout: &PhysicalLayout) -> Option<usize> {
     }
 }
 
-/// Takes over memory-to-memory transfers with real GPU memory on either side; `None` leaves
-/// the job to the generic strategies (stand-in device memory, no GPU side).
-pub(crate) fn dispatch(job: &Job) -> Option<BoxFuture<'static, Vec<Result<()>>>> {
+/// The device ordinal and copy direction when `job` moves memory to or from real GPU memory;
+/// `None` leaves it to the generic strategies (stand-in device memory, no GPU side, disk or
+/// object sides).
+fn gpu_route(job: &Job) -> Option<(usize, Direction)> {
     let (so, dor) = (gpu_ordinal(&job.src), gpu_ordinal(&job.dst));
     let ordinal = dor.or(so)?;
     let memory = |l: &PhysicalLayout| matches!(l.backing(), Backing::Host(_) | Backing::Device(_));
@@ -57,27 +58,81 @@ pub(crate) fn dispatch(job: &Job) -> Option<BoxFuture<'static, Vec<Result<()>>>>
         (true, false) => Direction::DeviceToHost,
         _ => Direction::DeviceToDevice,
     };
+    Some((ordinal, dir))
+}
+
+fn outcome_blocks(ids: &[BlockId], r: Result<()>) -> Vec<(BlockId, Result<()>)> {
+    let msg = r.err().map(|e| e.to_string());
+    ids.iter()
+        .map(|&id| {
+            let r = match &msg {
+                None => Ok(()),
+                Some(m) => Err(PhysicalError::Cuda {
+                    op: "gpu transfer",
+                    message: m.clone(),
+                }),
+            };
+            (id, r)
+        })
+        .collect()
+}
+
+/// The transfer manager's fast path: a GPU job is planned and submitted on the calling thread
+/// and completed straight from the CUDA event thread into the returned completion (no hop
+/// through the manager's runtime). Other jobs come back unchanged.
+pub(crate) fn try_direct(job: Job) -> std::result::Result<TransferCompletion, Job> {
+    let Some((ordinal, dir)) = gpu_route(&job) else {
+        return Err(job);
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let dst_ids = job.dst_ids.clone();
+    let slot = Arc::new(parking_lot::Mutex::new(Some(tx)));
+    let deliver = {
+        let slot = Arc::clone(&slot);
+        let ids = dst_ids.clone();
+        move |r: Result<()>| {
+            if let Some(tx) = slot.lock().take() {
+                let _ = tx.send(TransferOutcome {
+                    blocks: outcome_blocks(&ids, r),
+                });
+            }
+        }
+    };
+    if let Err(e) = start(job, ordinal, dir, Notify::Callback(Box::new(deliver)))
+        && let Some(tx) = slot.lock().take()
+    {
+        let _ = tx.send(TransferOutcome {
+            blocks: outcome_blocks(&dst_ids, Err(e)),
+        });
+    }
+    Ok(TransferCompletion::from_parts(rx, dst_ids))
+}
+
+/// The strategy hook (used for GPU steps inside multi-hop transfers): `None` leaves the job
+/// to the generic strategies.
+pub(crate) fn dispatch(job: &Job) -> Option<BoxFuture<'static, Vec<Result<()>>>> {
+    let (ordinal, dir) = gpu_route(job)?;
     let job = job.clone();
     Some(Box::pin(async move {
         let n = job.src_ids.len();
-        let r = match start(job, ordinal, dir) {
-            Ok(fut) => fut.await,
+        let (tx, rx) = tokio::sync::oneshot::channel::<Result<()>>();
+        let tx = parking_lot::Mutex::new(Some(tx));
+        let notify = Notify::Callback(Box::new(move |r| {
+            if let Some(tx) = tx.lock().take() {
+                let _ = tx.send(r);
+            }
+        }));
+        let r = match start(job, ordinal, dir, notify) {
+            Ok(()) => rx
+                .await
+                .unwrap_or_else(|_| Err(PhysicalError::Aborted("CUDA event thread ended".into()))),
             Err(e) => Err(e),
         };
-        match r {
-            Ok(()) => (0..n).map(|_| Ok(())).collect(),
-            Err(e) => {
-                let msg = e.to_string();
-                (0..n)
-                    .map(|_| {
-                        Err(PhysicalError::Cuda {
-                            op: "gpu transfer",
-                            message: msg.clone(),
-                        })
-                    })
-                    .collect()
-            }
-        }
+        let ids: Vec<BlockId> = (0..n).collect();
+        outcome_blocks(&ids, r)
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect()
     }))
 }
 
@@ -90,10 +145,11 @@ fn register_layout(layout: &PhysicalLayout, device: &Arc<CudaDevice>) -> Result<
     Ok(())
 }
 
-/// Plans and enqueues the copies, returning the completion future. If submission fails
-/// after some copies were enqueued, waits for the stream before returning the error, so no
-/// copy outlives the call's view of the memory.
-fn start(job: Job, ordinal: usize, dir: Direction) -> Result<EventFuture> {
+/// Plans and enqueues the copies and hands the completion event to the event thread, which
+/// notifies `notify` (unless this returns an error, in which case `notify` is dropped
+/// unnotified). If submission fails after some copies were enqueued, waits for the stream
+/// before returning the error, so no copy outlives the call's view of the memory.
+fn start(job: Job, ordinal: usize, dir: Direction, notify: Notify) -> Result<()> {
     let device = CudaDevice::get(ordinal)?;
     register_layout(&job.src, &device)?;
     register_layout(&job.dst, &device)?;
@@ -107,7 +163,7 @@ fn start(job: Job, ordinal: usize, dir: Direction) -> Result<EventFuture> {
     device.bind()?;
     let stream = device.stream(dir);
     // SAFETY: the pieces lie in the job's live allocations (kept alive by the job, which the
-    // event future holds until completion); the caller of the transfer excludes other access.
+    // event thread holds until completion); the caller of the transfer excludes other access.
     let submitted = unsafe { submit(&pieces, stream) };
     let calls = match submitted {
         Ok(c) => c,
@@ -120,16 +176,13 @@ fn start(job: Job, ordinal: usize, dir: Direction) -> Result<EventFuture> {
     TRANSFERS.fetch_add(1, Ordering::Relaxed);
     PIECES.fetch_add(pieces.len() as u64, Ordering::Relaxed);
     CALLS.fetch_add(calls as u64, Ordering::Relaxed);
-    // SAFETY: stream belongs to the current context.
     let keep: Box<dyn Send> = Box::new(job.clone());
-    let fut = unsafe { EventFuture::record(stream, Arc::clone(&device), Some(keep)) };
-    match fut {
-        Ok(f) => Ok(f),
-        Err(e) => {
-            // SAFETY: as above; `job` keeps the memory alive until the stream drained.
-            let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
-            drop(job);
-            Err(e)
-        }
+    // SAFETY: stream belongs to the current context.
+    let r = unsafe { record_notify(stream, Arc::clone(&device), Some(keep), notify) };
+    if r.is_err() {
+        // SAFETY: as above; `job` keeps the memory alive until the stream drained.
+        let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
+        drop(job);
     }
+    r
 }
