@@ -21,7 +21,9 @@ pub use batch::{
     BatchOutcome, OffloadBatch, OffloadContainer, ResolvedBatch, ResolvedBlock, upgrade_batch,
 };
 pub use cancel::{CancelConfirmation, CancelState, CancellationToken, OutstandingGuard};
-pub use config::{BatchConfig, ObjectPipelineConfig, PipelineConfig, PolicyConfig};
+pub use config::{
+    BatchConfig, DEFAULT_OBJECT_POLICY_TIMEOUT, ObjectPipelineConfig, PipelineConfig, PolicyConfig,
+};
 pub use engine::{OffloadEngine, OffloadEngineBuilder};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 pub use executor::{ArcExecutor, DynTransferExecutor, NoopExecutor, TransferExecutor};
