@@ -95,7 +95,7 @@ impl<T: Tier, R: Send + 'static> ArcExecutor<T, R> {
 impl<T: Tier, R: Send + 'static> TransferExecutor<T> for ArcExecutor<T, R> {
     type Output = R;
 
-    fn execute(&self, batch: &ResolvedBatch<T>) -> impl Future<Output = BatchOutcome<R>> + Send {
-        async move { self.0.execute_boxed(batch).await }
+    async fn execute(&self, batch: &ResolvedBatch<T>) -> BatchOutcome<R> {
+        self.0.execute_boxed(batch).await
     }
 }
