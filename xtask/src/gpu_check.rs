@@ -11,7 +11,8 @@
 //! cargo xtask gpu-check --bundle DIR           build here only; copy the test binary and this
 //!                                              xtask into DIR, to carry to a GPU machine
 //!                                              that has no Rust toolchain
-//! DIR/xtask gpu-check --prebuilt DIR --out OUT run a bundle (no cargo needed)
+//! sh DIR/run.sh OUT                           run a bundle (no cargo needed); it calls
+//!                                              DIR/xtask gpu-check --prebuilt DIR --out OUT
 //! ```
 //!
 //! Files written to OUT: `gpu-check.json` (summary), `bench.json` (the benchmark's own output),
@@ -93,10 +94,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             .lines()
             .find(|l| l.contains("KVBM_REQUIRE_GPU is set but"))
             .unwrap_or("the allocation probe failed (see below)");
-        bail!(
-            "gpu-check: CUDA is not usable: {reason}\nNo JSON was written.\n--- probe output ---\n{}",
-            probe.text
-        );
+        bail!("gpu-check: CUDA is not usable: {reason}\nNo JSON was written (probe output above).");
     }
 
     eprintln!("gpu-check: running the GPU tests");
@@ -275,12 +273,28 @@ fn make_bundle(exe: &Path, dir: &Path) -> Result<()> {
         std::fs::copy(from, &to).with_context(|| format!("copying {}", from.display()))?;
         let _ = Command::new("strip").arg("--strip-debug").arg(&to).status();
     }
+    // The bundled xtask changes to the workspace root it was built in before dispatching;
+    // where that path does not exist (the GPU machine's copy of the tree lives elsewhere),
+    // run.sh points it at the bundle.
+    let root = crate::project_root();
+    let script = format!(
+        "#!/bin/sh\n\
+         # Runs gpu-check from this bundle: ./run.sh OUT_DIR\n\
+         set -e\n\
+         here=$(cd \"$(dirname \"$0\")\" && pwd)\n\
+         root='{}'\n\
+         [ -d \"$root\" ] || {{ mkdir -p \"$(dirname \"$root\")\" && ln -s \"$here\" \"$root\"; }}\n\
+         exec \"$here/xtask\" gpu-check --prebuilt \"$here\" --out \"${{1:?usage: run.sh OUT_DIR}}\"\n",
+        root.display()
+    );
+    let run_sh = dir.join("run.sh");
+    std::fs::write(&run_sh, script)?;
+    let _ = Command::new("chmod").arg("+x").arg(&run_sh).status();
     let readme = format!(
         "Bundle for `gpu-check` (kvbm-physical, feature cuda), built from {}.\n\
          On the GPU machine, from the repository root (the round-trip test writes a temp file):\n\
-         \n    {}/xtask gpu-check --prebuilt {} --out \"$OUT\"\n",
+         \n    sh {}/run.sh \"$OUT\"\n",
         exe.display(),
-        dir.display(),
         dir.display()
     );
     std::fs::write(dir.join("README.txt"), readme)?;
@@ -289,10 +303,9 @@ fn make_bundle(exe: &Path, dir: &Path) -> Result<()> {
         total += e?.metadata()?.len();
     }
     eprintln!(
-        "gpu-check: bundle in {} ({:.1} MiB). Run there: {}/xtask gpu-check --prebuilt {} --out DIR",
+        "gpu-check: bundle in {} ({:.1} MiB). Run there, from the repository root: sh {}/run.sh OUT_DIR",
         dir.display(),
         total as f64 / (1 << 20) as f64,
-        dir.display(),
         dir.display()
     );
     Ok(())
