@@ -30,33 +30,55 @@
 //!   rest of the process if a batched call ever fails). No NVRTC
 //!   gather/scatter kernel was written: the batched API is the chosen path; the benchmark
 //!   reports the small-piece ratio so a kernel can be added if that ratio is too low.
-//! * **Completion**: an event is recorded after the copies and handed to one process-wide
-//!   completion thread ([`event`]) that polls `cuEventQuery` (spin, then yield, then short
-//!   sleeps; blocked on a channel when idle) and wakes the transfer's future, which resolves
-//!   the manager's `TransferCompletion`. The job (and so its layouts) is kept alive until the
-//!   event completed.
+//! * **Submission and completion**: `TransferManager::execute_transfer` hands a GPU job to
+//!   `try_direct`, which plans and enqueues it on the calling thread (the driver calls do not
+//!   block; only a G2 allocation's first registration takes milliseconds), records an event
+//!   and hands it to one process-wide completion thread ([`event`]). That thread polls
+//!   `cuEventQuery` (spin, then yield, then short sleeps; blocked on a channel when idle) and
+//!   sends the outcome straight into the `TransferCompletion`'s channel, so no async runtime
+//!   sits between submit and completion (that is what the < 50 µs fixed overhead needs). The
+//!   job (and so its layouts) is kept alive until the event completed. GPU steps inside
+//!   multi-hop transfers (G1 ↔ G3/G4 through a bounce buffer) go through the strategy hook
+//!   `dispatch`, same submission, completed through the same thread.
 //! * **Layer-wise onboarding**: `TransferOptions::layers(l..l+1)` per layer (or per group)
 //!   issues each layer's copies as its own batch with its own completion, resolved as soon
 //!   as that layer's copies are done, so an engine can start attention on early layers while
-//!   later ones arrive. (The manager's runtime may reach the stream with two layers in either
-//!   order when they are submitted at the same instant; await each layer's completion.)
+//!   later ones arrive. GPU transfers are submitted inside `execute_transfer` (below) onto one
+//!   stream per direction, so layers submitted in order also complete in order.
 //! * **Offload precondition**: [`CudaEventPrecondition`] records (or adopts) an event on the
 //!   engine's compute stream and is a `Future<Output = Result<(), PhysicalError>>` resolved by
 //!   the same completion thread.
 //!
 //! # What was verified, and what remains
-//! Verified on the CPU-only development machine: `cargo build`/`clippy -D warnings` with
-//! `--features cuda`, the copy planner's unit tests (coalescing for both layout kinds), and
-//! that every GPU test skips with a message (and `cargo xtask gpu-check` fails clearly)
-//! without a driver. **Nothing here has run on a GPU yet.** What remains is one run on the
-//! H200 machine of `cargo xtask gpu-check --out DIR` (or, where that machine has no Rust
-//! toolchain, `cargo xtask gpu-check --bundle target/gpu-bundle` here and
-//! `target/gpu-bundle/xtask gpu-check --prebuilt target/gpu-bundle --out $OUT` there), which
-//! runs the GPU tests in [`tests`](self) (allocation, G1→G2→G3→G2→G1 round trip with
-//! checksums, layer-wise onboarding, many small scattered blocks, the event precondition) and
-//! the benchmark (raw pinned `cuMemcpyAsync` peak, 2 MiB blocks and 64 KiB layer-separate
-//! pieces H2D/D2H against it, batched vs per-piece, fixed overhead of a 64-block offload), and
-//! writes `DIR/gpu-check.json`. Targets: ≥ 0.9 of raw for 2 MiB blocks, < 50 µs overhead.
+//! Verified on the CPU-only development machine (no GPU, no `libcuda`): `cargo build` and
+//! `cargo clippy --all-targets -- -D warnings` with `--features cuda`; the copy planner's unit
+//! tests (coalescing for fully contiguous, block-contiguous and outer-contiguous layouts); every
+//! GPU test skipping with a `SKIPPED …` message (and failing under `KVBM_REQUIRE_GPU=1`);
+//! `cargo xtask gpu-check --out DIR` failing at once with the reason and writing no JSON; the
+//! bundle (`--bundle`, 4.3 MiB) and its probe failing cleanly; the summary JSON assembly (with a
+//! stand-in test binary). **None of the CUDA code has run on a GPU yet**: driver-call
+//! correctness, `cuMemcpyBatchAsync_v2` vs the 12.8 symbol on the 580 (CUDA 13.0) driver, and
+//! every number are unverified.
+//!
+//! What remains, on a session lent the H200 machine (no Rust toolchain is known to be there,
+//! so build here and carry the binaries):
+//!
+//! ```text
+//! cargo xtask gpu-check --bundle target/gpu-bundle        # here: release build, ~1 min warm
+//! # device `run`, carry ["target/gpu-bundle"], timeout_s 300:
+//! sh target/gpu-bundle/run.sh "$OUT"
+//! ```
+//!
+//! (`cargo xtask gpu-check --out DIR` does build + run in one step on a GPU machine that has
+//! cargo and the crates.) It runs the GPU tests in `tests.rs` (allocation, G1→G2→G3→G2→G1
+//! round trip with checksums, layer-wise onboarding with completion order, many small scattered
+//! blocks, the event precondition) and the benchmark in `bench.rs` (raw pinned
+//! `cuMemcpyAsync` peak, 2 MiB blocks and 64 KiB layer-separate pieces H2D/D2H against it,
+//! batched vs per-piece, fixed overhead of a 64-block offload), and writes `gpu-check.json`,
+//! `bench.json` and the two logs to `$OUT` (about a minute of GPU time expected). Targets:
+//! ≥ 0.9 of raw for 2 MiB blocks, < 50 µs overhead; the 64 KiB ratio is reported. If the
+//! small-piece ratio is poor, the next step is an NVRTC gather/scatter kernel into registered
+//! host memory (not written).
 
 #[cfg(feature = "cuda")]
 mod context;

@@ -299,16 +299,27 @@ fn gpu_layerwise_onboarding() {
         assert_eq!(block_bytes(&backl, b, 0..2), block_bytes(&g2l, b, 0..2));
         assert!(block_bytes(&backl, b, 2..layers).iter().all(|x| *x == 0));
     }
-    // Then every remaining layer as its own transfer, all submitted before any is awaited;
-    // each resolves on its own, as soon as its copies are done.
-    let pending: Vec<_> = (2..layers)
+    // Then every remaining layer as its own transfer, all submitted before any is awaited.
+    // GPU transfers reach the (single) H2D stream inside `execute_transfer`, so layers
+    // complete in submission order: once the last layer resolved, every earlier one has too
+    // (give the event thread a moment to finish delivering the same polling pass).
+    let mut pending: Vec<_> = (2..layers)
         .map(|l| {
             tm.execute_transfer(g2, &src, g1, &dst, TransferOptions::layers(l..l + 1))
                 .unwrap()
         })
         .collect();
-    for (i, c) in pending.into_iter().enumerate() {
-        assert!(c.wait().is_complete_success(), "layer {} failed", i + 2);
+    let last = pending.pop().unwrap().wait();
+    assert!(last.is_complete_success(), "last layer failed");
+    for (i, mut c) in pending.into_iter().enumerate() {
+        use futures::FutureExt;
+        let mut got = (&mut c).now_or_never();
+        if got.is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            got = (&mut c).now_or_never();
+        }
+        let o = got.unwrap_or_else(|| panic!("layer {} not complete after a later layer", i + 2));
+        assert!(o.is_complete_success(), "layer {} failed", i + 2);
     }
     xfer(&tm, g1, &dst, back, &src, TransferOptions::default());
     for b in 0..n {
