@@ -60,6 +60,13 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
             .args(["doc", "--workspace", "--no-deps"])
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
+    for (package, features) in FEATURE_CHECKS {
+        run_step(
+            cargo()
+                .args(["doc", "--no-deps", "-p", package, "--features", features])
+                .env("RUSTDOCFLAGS", "-D warnings"),
+        )?;
+    }
     eprintln!("\nci: all steps passed");
     // The last line is the whole run's tally, so nobody has to add up per-binary results.
     println!(

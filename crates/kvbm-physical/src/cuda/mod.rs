@@ -80,6 +80,10 @@
 //! small-piece ratio is poor, the next step is an NVRTC gather/scatter kernel into registered
 //! host memory (not written).
 
+// The links above name items that exist only with the `cuda` feature; without it they are
+// plain text rather than broken links.
+#![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
+
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]
