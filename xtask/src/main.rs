@@ -10,6 +10,7 @@
 //! | `layering` | fails when a crate depends on one at or above its own layer |
 //! | `services` | `start` prints `export` lines for servers it started; `stop` stops them |
 //! | `bench [crate]` | runs the benchmarks (all, or one crate's) |
+//! | `gpu-check --out DIR` | on a GPU machine: the `cuda` feature's tests and benchmark, as JSON |
 
 mod bench;
 mod ci;
