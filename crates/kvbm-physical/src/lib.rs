@@ -30,6 +30,6 @@ pub use storage::{
     Storage, StorageKind,
 };
 pub use transfer::{
-    BlockId, LayoutHandle, TransferCompletion, TransferConfig, TransferManager, TransferOptions,
-    TransferOutcome,
+    BlockId, BouncePoolStats, LayoutHandle, TransferCompletion, TransferConfig, TransferManager,
+    TransferOptions, TransferOutcome,
 };

@@ -22,7 +22,7 @@ use cudarc::driver::sys;
 
 use super::context::cuda_err;
 use crate::error::Result;
-use crate::layout::PhysicalLayout;
+use crate::layout::{PhysicalLayout, region_pairs};
 use crate::transfer::BlockId;
 
 /// Most pieces handed to one batched-copy call.
@@ -51,25 +51,11 @@ pub fn plan(
     for (&s, &d) in src_ids.iter().zip(dst_ids) {
         let sr = src.block_addrs(s, layers.clone());
         let dr = dst.block_addrs(d, layers.clone());
-        let (mut i, mut j, mut so, mut dof) = (0, 0, 0, 0);
-        while i < sr.len() && j < dr.len() {
-            let n = (sr[i].1 - so).min(dr[j].1 - dof);
-            pieces.push(Piece {
-                src: (sr[i].0 + so) as u64,
-                dst: (dr[j].0 + dof) as u64,
-                len: n,
-            });
-            so += n;
-            dof += n;
-            if so == sr[i].1 {
-                i += 1;
-                so = 0;
-            }
-            if dof == dr[j].1 {
-                j += 1;
-                dof = 0;
-            }
-        }
+        pieces.extend(region_pairs(&sr, &dr).map(|(s, d, len)| Piece {
+            src: s as u64,
+            dst: d as u64,
+            len,
+        }));
     }
     coalesce(pieces)
 }

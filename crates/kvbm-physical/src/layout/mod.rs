@@ -282,5 +282,35 @@ impl BlockLayout {
     }
 }
 
+/// Walks two region lists `(addr, len)` that cover the same serialized bytes and yields
+/// `(src addr, dst addr, len)` for the largest chunks contiguous on both sides, in order.
+///
+/// The one region-pair walk behind host copies, copies into a layout from a plain buffer and
+/// the CUDA copy planner. Stops at the end of the shorter list.
+pub(crate) fn region_pairs<'a>(
+    src: &'a [(usize, usize)],
+    dst: &'a [(usize, usize)],
+) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+    let (mut i, mut j, mut so, mut dof) = (0, 0, 0, 0);
+    std::iter::from_fn(move || {
+        if i >= src.len() || j >= dst.len() {
+            return None;
+        }
+        let n = (src[i].1 - so).min(dst[j].1 - dof);
+        let item = (src[i].0 + so, dst[j].0 + dof, n);
+        so += n;
+        dof += n;
+        if so == src[i].1 {
+            i += 1;
+            so = 0;
+        }
+        if dof == dst[j].1 {
+            j += 1;
+            dof = 0;
+        }
+        Some(item)
+    })
+}
+
 #[cfg(test)]
 mod tests;

@@ -87,3 +87,16 @@ fn fully_contiguous_block_is_one_range() {
         assert_eq!(w[0].offset + w[0].len, w[1].offset);
     }
 }
+
+#[test]
+fn region_pairs_split_at_both_sides_boundaries() {
+    let src = [(100, 10), (200, 6)];
+    let dst = [(1000, 4), (2000, 12)];
+    let got: Vec<_> = super::region_pairs(&src, &dst).collect();
+    assert_eq!(
+        got,
+        vec![(100, 1000, 4), (104, 2000, 6), (200, 2006, 6)],
+        "chunks end wherever either side's region ends"
+    );
+    assert_eq!(super::region_pairs(&src, &[]).count(), 0);
+}

@@ -12,14 +12,18 @@
 //! | host/device ↔ host/device | region copies (memcpy; device copies through [`crate::DeviceMemory`]) |
 //! | host → disk, disk → host | vectored O_DIRECT I/O through the disk's [`crate::IoEngine`], checksummed |
 //! | host → object, object → host/device | one checksummed object per block, bounded concurrency |
-//! | anything else (device ↔ disk/object, disk ↔ object, disk → disk, partial-layer disk reads) | two hops through a pinned host bounce layout |
+//! | anything else (device ↔ disk/object, disk ↔ object, disk → disk, partial-layer disk reads) | two hops through a pinned host bounce buffer from the manager's pool (`bounce.rs`) |
 //!
 //! Locking: the layout table is a `parking_lot::RwLock` held only to look up or insert a handle,
 //! never across I/O; storage-level locks (the io_uring ring pool, the object semaphore) are
 //! leaves taken inside a transfer. No lock is held across an `.await` except the object
-//! semaphore permit.
+//! semaphore permit and a bounce-pool lease (its idle list is a leaf `parking_lot::Mutex`
+//! held only to push or pop a buffer).
 
+mod bounce;
 mod strategy;
+
+pub use bounce::{BouncePoolStats, ONE_OFF_BLOCKS};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -159,11 +163,33 @@ impl Future for TransferCompletion {
 pub struct TransferConfig {
     /// Worker threads of the manager's runtime (object I/O). Default: 2.
     pub worker_threads: usize,
+    /// Pinned host bounce buffers the manager keeps for two-hop transfers (at least 1). A
+    /// two-hop transfer holds one for its whole run; when all are lent out, further two-hop
+    /// transfers wait for one. Allocated on first demand, kept until the manager is dropped.
+    /// Default: 4.
+    #[serde(default = "default_bounce_buffers")]
+    pub bounce_buffers: usize,
+    /// Bytes per bounce buffer; a two-hop round stages as many whole blocks as fit. A block
+    /// larger than this takes a one-off allocation (logged at debug level). Default: 64 MiB
+    /// (32 blocks of 2 MiB).
+    #[serde(default = "default_bounce_buffer_bytes")]
+    pub bounce_buffer_bytes: usize,
+}
+
+fn default_bounce_buffers() -> usize {
+    4
+}
+fn default_bounce_buffer_bytes() -> usize {
+    64 << 20
 }
 
 impl Default for TransferConfig {
     fn default() -> Self {
-        TransferConfig { worker_threads: 2 }
+        TransferConfig {
+            worker_threads: 2,
+            bounce_buffers: default_bounce_buffers(),
+            bounce_buffer_bytes: default_bounce_buffer_bytes(),
+        }
     }
 }
 
@@ -172,6 +198,7 @@ impl Default for TransferConfig {
 pub struct TransferManager {
     layouts: RwLock<HashMap<u64, Arc<PhysicalLayout>>>,
     next_id: AtomicU64,
+    bounce: Arc<bounce::BouncePool>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -204,6 +231,10 @@ impl TransferManager {
         Ok(TransferManager {
             layouts: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
+            bounce: Arc::new(bounce::BouncePool::new(
+                config.bounce_buffers,
+                config.bounce_buffer_bytes,
+            )),
             runtime: Some(runtime),
         })
     }
@@ -222,6 +253,12 @@ impl TransferManager {
             .get(&handle.0)
             .cloned()
             .ok_or(PhysicalError::UnknownLayout(handle))
+    }
+
+    /// Counters of the bounce-buffer pool behind two-hop transfers (allocations, reuses,
+    /// waits, one-off allocations).
+    pub fn bounce_stats(&self) -> BouncePoolStats {
+        self.bounce.stats()
     }
 
     /// Forgets a layout; transfers already started keep it alive until they finish.
@@ -256,8 +293,9 @@ impl TransferManager {
         let (tx, rx) = oneshot::channel();
         let dst_ids = dst_block_ids.to_vec();
         let runtime = self.runtime.as_ref().expect("runtime lives until drop");
+        let bounce = Arc::clone(&self.bounce);
         runtime.spawn(async move {
-            let blocks = strategy::run(job).await;
+            let blocks = strategy::run(job, bounce).await;
             let _ = tx.send(TransferOutcome { blocks });
         });
         Ok(TransferCompletion { rx, dst_ids })

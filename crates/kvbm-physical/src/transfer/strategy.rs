@@ -7,17 +7,15 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 
+use super::bounce::BouncePool;
 use super::{BlockId, Job};
 use crate::error::{PhysicalError, Result};
-use crate::layout::{Backing, BlockLayout, PhysicalLayout};
-use crate::storage::{DeviceMemory, PinPolicy, StorageKind};
+use crate::layout::{Backing, PhysicalLayout, region_pairs};
+use crate::storage::{DeviceMemory, StorageKind};
 
-/// Blocks staged per bounce-buffer round in a two-hop transfer.
-const BOUNCE_CHUNK: usize = 32;
-
-pub(super) async fn run(job: Job) -> Vec<(BlockId, Result<()>)> {
+pub(super) async fn run(job: Job, bounce: Arc<BouncePool>) -> Vec<(BlockId, Result<()>)> {
     let ids = job.dst_ids.clone();
-    let results = run_inner(job).await;
+    let results = run_inner(job, bounce).await;
     ids.into_iter().zip(results).collect()
 }
 
@@ -25,7 +23,7 @@ fn all_layers(job: &Job) -> std::ops::Range<usize> {
     0..job.src.layout().config().num_layers
 }
 
-fn run_inner(job: Job) -> BoxFuture<'static, Vec<Result<()>>> {
+fn run_inner(job: Job, bounce: Arc<BouncePool>) -> BoxFuture<'static, Vec<Result<()>>> {
     use StorageKind::*;
     Box::pin(async move {
         // Real GPU memory on either side: stream-ordered batched copies (`crate::cuda`).
@@ -40,7 +38,7 @@ fn run_inner(job: Job) -> BoxFuture<'static, Vec<Result<()>>> {
             (Disk, Host) if full => blocking(job, disk_read).await,
             (Host, Object) => object_put(job).await,
             (Object, Host | Device) => object_get(job).await,
-            _ => two_hop(job).await,
+            _ => two_hop(job, bounce).await,
         }
     })
 }
@@ -62,52 +60,27 @@ fn device0(layout: &PhysicalLayout) -> Option<&Arc<dyn DeviceMemory>> {
     }
 }
 
-/// Copies `len` bytes between memory addresses of the given kinds.
+/// Copies the chunks of [`region_pairs`]`(sr, dr)` from `sr`'s memory to `dr`'s; a `None`
+/// device means that side is host memory.
 ///
 /// # Safety
-/// Addresses come from registered layouts' regions; the caller excludes concurrent writers.
-unsafe fn copy_chunk(
-    src: &PhysicalLayout,
-    dst: &PhysicalLayout,
-    s: usize,
-    d: usize,
-    len: usize,
-) -> Result<()> {
-    // SAFETY (all arms): the regions lie inside live allocations owned by the layouts.
-    unsafe {
-        match (device0(src), device0(dst)) {
-            (None, None) => {
-                std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len);
-                Ok(())
-            }
-            (None, Some(dd)) => dd.copy_h2d(d as u64, s as *const u8, len),
-            (Some(sd), None) => sd.copy_d2h(d as *mut u8, s as u64, len),
-            (Some(_), Some(dd)) => dd.copy_d2d(d as u64, s as u64, len),
-        }
-    }
-}
-
-/// Walks two region lists covering the same bytes and copies in the largest common chunks.
-fn copy_regions(
-    src: &PhysicalLayout,
-    dst: &PhysicalLayout,
+/// Every region must lie inside live memory of its side (host addresses for host sides, device
+/// addresses for device sides); the caller excludes concurrent writers.
+unsafe fn copy_regions(
+    sdev: Option<&Arc<dyn DeviceMemory>>,
+    ddev: Option<&Arc<dyn DeviceMemory>>,
     sr: &[(usize, usize)],
     dr: &[(usize, usize)],
 ) -> Result<()> {
-    let (mut i, mut j, mut so, mut dof) = (0, 0, 0, 0);
-    while i < sr.len() && j < dr.len() {
-        let n = (sr[i].1 - so).min(dr[j].1 - dof);
-        // SAFETY: see `copy_chunk`.
-        unsafe { copy_chunk(src, dst, sr[i].0 + so, dr[j].0 + dof, n)? };
-        so += n;
-        dof += n;
-        if so == sr[i].1 {
-            i += 1;
-            so = 0;
-        }
-        if dof == dr[j].1 {
-            j += 1;
-            dof = 0;
+    for (s, d, len) in region_pairs(sr, dr) {
+        // SAFETY (all arms): per the caller, both ranges lie inside live allocations.
+        unsafe {
+            match (sdev, ddev) {
+                (None, None) => std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len),
+                (None, Some(dd)) => dd.copy_h2d(d as u64, s as *const u8, len)?,
+                (Some(sd), None) => sd.copy_d2h(d as *mut u8, s as u64, len)?,
+                (Some(_), Some(dd)) => dd.copy_d2d(d as u64, s as u64, len)?,
+            }
         }
     }
     Ok(())
@@ -120,7 +93,8 @@ fn copy_memory(job: &Job) -> Vec<Result<()>> {
         .map(|(&s, &d)| {
             let sr = job.src.block_addrs(s, job.layers.clone());
             let dr = job.dst.block_addrs(d, job.layers.clone());
-            copy_regions(&job.src, &job.dst, &sr, &dr)
+            // SAFETY: regions of the job's registered layouts; the caller excludes writers.
+            unsafe { copy_regions(device0(&job.src), device0(&job.dst), &sr, &dr) }
         })
         .collect()
 }
@@ -241,8 +215,9 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
                     let len = job.layers.len() * c.layer_bytes();
                     let src = [(payload.as_ptr() as usize + start, len)];
                     let dr = job.dst.block_addrs(d, job.layers.clone());
-                    // The payload is host memory: copy as if from a host layout.
-                    copy_into(&job.dst, &src, &dr)
+                    // SAFETY: `payload` is a live host buffer of `block_bytes`; `dr` lies in a
+                    // live allocation of the destination layout.
+                    unsafe { copy_regions(None, device0(&job.dst), &src, &dr) }
                 }
                 .await;
                 (pos, r)
@@ -255,48 +230,14 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
         .pipe(in_order)
 }
 
-/// Copies host bytes `src` into `dst`'s regions `dr`.
-fn copy_into(dst: &PhysicalLayout, src: &[(usize, usize)], dr: &[(usize, usize)]) -> Result<()> {
-    let (mut i, mut j, mut so, mut dof) = (0, 0, 0, 0);
-    while i < src.len() && j < dr.len() {
-        let n = (src[i].1 - so).min(dr[j].1 - dof);
-        let (s, d) = (src[i].0 + so, dr[j].0 + dof);
-        // SAFETY: `src` is a live buffer; `d` lies in a live allocation of `dst`.
-        unsafe {
-            match device0(dst) {
-                None => std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n),
-                Some(dd) => dd.copy_h2d(d as u64, s as *const u8, n)?,
-            }
-        }
-        so += n;
-        dof += n;
-        if so == src[i].1 {
-            i += 1;
-            so = 0;
-        }
-        if dof == dr[j].1 {
-            j += 1;
-            dof = 0;
-        }
-    }
-    Ok(())
-}
-
-/// Stages through a pinned host layout: `src → bounce` (whole blocks), then
-/// `bounce → dst` (the requested layers), in chunks of [`BOUNCE_CHUNK`] blocks.
-async fn two_hop(job: Job) -> Vec<Result<()>> {
+/// Stages through a pinned host buffer leased from the manager's pool: `src → bounce` (whole
+/// blocks), then `bounce → dst` (the requested layers), as many blocks per round as the buffer
+/// holds. The lease is held across all rounds and returned when this returns.
+async fn two_hop(job: Job, pool: Arc<BouncePool>) -> Vec<Result<()>> {
     let n = job.src_ids.len();
     let mut out: Vec<Result<()>> = Vec::with_capacity(n);
-    let c = *job.src.layout().config();
-    let chunk = BOUNCE_CHUNK.min(n.max(1));
-    let bounce = match BlockLayout::builder()
-        .config(c)
-        .num_blocks(chunk)
-        .fully_contiguous()
-        .build()
-        .and_then(|l| PhysicalLayout::allocate_host(l, PinPolicy::TryPin))
-    {
-        Ok(b) => Arc::new(b),
+    let lease = match pool.lease(*job.src.layout().config(), n).await {
+        Ok(l) => l,
         Err(e) => {
             let msg = format!("bounce buffer: {e}");
             return (0..n)
@@ -304,13 +245,15 @@ async fn two_hop(job: Job) -> Vec<Result<()>> {
                 .collect();
         }
     };
+    let bounce = lease.layout();
+    let chunk = lease.blocks();
     let src_obj = job.src.storage_kind() == StorageKind::Object;
     for start in (0..n).step_by(chunk) {
         let end = (start + chunk).min(n);
         let positions: Vec<usize> = (start..end).collect();
         let step1 = Job {
             src: Arc::clone(&job.src),
-            dst: Arc::clone(&bounce),
+            dst: Arc::clone(bounce),
             src_ids: job.src_ids[start..end].to_vec(),
             dst_ids: (0..end - start).collect(),
             layers: all_layers(&job),
@@ -321,10 +264,10 @@ async fn two_hop(job: Job) -> Vec<Result<()>> {
             },
             put_mode: job.put_mode,
         };
-        let mut r1 = run_inner(step1).await;
+        let mut r1 = run_inner(step1, Arc::clone(&pool)).await;
         let ok: Vec<usize> = (0..r1.len()).filter(|&i| r1[i].is_ok()).collect();
         let step2 = Job {
-            src: Arc::clone(&bounce),
+            src: Arc::clone(bounce),
             dst: Arc::clone(&job.dst),
             src_ids: ok.clone(),
             dst_ids: ok.iter().map(|&i| job.dst_ids[positions[i]]).collect(),
@@ -341,12 +284,13 @@ async fn two_hop(job: Job) -> Vec<Result<()>> {
         let r2 = if ok.is_empty() {
             Vec::new()
         } else {
-            run_inner(step2).await
+            run_inner(step2, Arc::clone(&pool)).await
         };
         for (i, r) in ok.into_iter().zip(r2) {
             r1[i] = r;
         }
         out.extend(r1);
     }
+    drop(lease);
     out
 }
