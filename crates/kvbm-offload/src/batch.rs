@@ -32,6 +32,7 @@ use kvbm_logical::{BlockId, ImmutableBlock, SequenceHash, Tier};
 use crate::cancel::{CancellationToken, OutstandingGuard};
 use crate::error::{BlockFailure, BlockFailureKind};
 use crate::handle::{TimingTrace, TransferStatus};
+use crate::metrics::FailureTally;
 use crate::pending::PendingGuard;
 use crate::policy::OffloadPolicy;
 use crate::queue::Sweep;
@@ -392,6 +393,8 @@ impl<T: Tier> ResolvedBatch<T> {
             owner.timing.finished = Some(now);
             let shared = &owner.token.shared;
             let mut hashes = Vec::with_capacity(owner.len);
+            let mut completed = 0;
+            let mut failed = FailureTally::default();
             let mut p = shared.progress.lock();
             for _ in 0..owner.len {
                 let b = blocks
@@ -403,14 +406,22 @@ impl<T: Tier> ResolvedBatch<T> {
                     Ok(v) => {
                         p.completed.push(b.sequence_hash);
                         ok.push(v);
+                        completed += 1;
                     }
-                    Err(e) => p.failed.push((b.sequence_hash, e)),
+                    Err(e) => {
+                        failed.add(e.kind);
+                        p.failed.push((b.sequence_hash, e));
+                    }
                 }
                 if shared.record_timing() {
                     p.timings.push((b.sequence_hash, owner.timing));
                 }
             }
             drop(p);
+            if let Some(m) = &shared.metrics {
+                m.transferred(completed);
+                m.failed(&failed);
+            }
             if let Some(pol) = &owner.release_to {
                 pol.release(&hashes);
             }

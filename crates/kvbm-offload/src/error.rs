@@ -16,6 +16,20 @@ pub enum BlockFailureKind {
     ExecutorAborted,
 }
 
+impl BlockFailureKind {
+    /// Snake-case name, e.g. `precondition_failed` (the `reason` label of
+    /// [`BLOCKS_FAILED`](crate::metrics::BLOCKS_FAILED)).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Evicted => "evicted",
+            Self::PreconditionFailed => "precondition_failed",
+            Self::NoSpace => "no_space",
+            Self::Transfer => "transfer",
+            Self::ExecutorAborted => "executor_aborted",
+        }
+    }
+}
+
 /// Why one block failed. Failed blocks are never registered in the destination.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{kind:?}: {message}")]

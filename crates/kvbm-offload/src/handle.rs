@@ -14,8 +14,8 @@
 //! pipeline (see [`crate::cancel`]): `Cancelled` if any block was cancelled, else `Failed` if any
 //! block failed, else `Complete` (filtered blocks do not make a transfer fail).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use kvbm_logical::SequenceHash;
@@ -24,6 +24,7 @@ use tokio::sync::Notify;
 
 use crate::cancel::{AtomicStatus, CancelConfirmation, CancelState, CancellationToken};
 use crate::error::{BlockFailure, OffloadError};
+use crate::metrics::{FailureTally, PipelineMetrics};
 use crate::settlement::LaneState;
 use crate::sweep::SweepSignal;
 
@@ -226,17 +227,22 @@ pub(crate) struct TransferShared {
     sweep: Option<SweepSignal>,
     settlement: Option<(Arc<LaneState>, u64)>,
     record_timing: bool,
+    /// The pipeline's metric handles (`None` for a detached token).
+    pub(crate) metrics: Option<Arc<PipelineMetrics>>,
+    /// When cancellation was first requested (for the cancel-to-confirmation histogram).
+    cancel_requested_at: OnceLock<Instant>,
 }
 
 impl TransferShared {
     pub(crate) fn detached() -> Self {
-        Self::new(None, None, false)
+        Self::new(None, None, false, None)
     }
 
     pub(crate) fn new(
         sweep: Option<SweepSignal>,
         settlement: Option<(Arc<LaneState>, u64)>,
         record_timing: bool,
+        metrics: Option<Arc<PipelineMetrics>>,
     ) -> Self {
         Self {
             id: TransferId::next(),
@@ -249,6 +255,8 @@ impl TransferShared {
             sweep,
             settlement,
             record_timing,
+            metrics,
+            cancel_requested_at: OnceLock::new(),
         }
     }
 
@@ -259,6 +267,10 @@ impl TransferShared {
     pub(crate) fn request_cancel(&self) {
         if self.cancel.is_cancelled() {
             return;
+        }
+        if self.metrics.is_some() {
+            // Before the token fires, so a drain it causes always finds the start time.
+            let _ = self.cancel_requested_at.set(Instant::now());
         }
         self.cancel.cancel();
         if let Some(s) = &self.sweep {
@@ -277,6 +289,9 @@ impl TransferShared {
         };
         drop(p);
         self.status.store(status);
+        if let (Some(m), Some(at)) = (&self.metrics, self.cancel_requested_at.get()) {
+            m.cancel_confirmed(at.elapsed());
+        }
         if let Some((lane, seq)) = &self.settlement {
             lane.settle(*seq);
         }
@@ -305,14 +320,31 @@ impl TransferShared {
     }
 
     pub(crate) fn report_cancelled(&self, hashes: impl IntoIterator<Item = SequenceHash>) {
-        self.progress.lock().cancelled.extend(hashes);
+        let mut p = self.progress.lock();
+        let before = p.cancelled.len();
+        p.cancelled.extend(hashes);
+        let n = p.cancelled.len() - before;
+        drop(p);
+        if let Some(m) = &self.metrics {
+            m.cancelled(n);
+        }
     }
 
     pub(crate) fn report_failed(
         &self,
         failed: impl IntoIterator<Item = (SequenceHash, BlockFailure)>,
     ) {
-        self.progress.lock().failed.extend(failed);
+        let mut p = self.progress.lock();
+        let before = p.failed.len();
+        p.failed.extend(failed);
+        if let Some(m) = &self.metrics {
+            let mut tally = FailureTally::default();
+            for (_, f) in &p.failed[before..] {
+                tally.add(f.kind);
+            }
+            drop(p);
+            m.failed(&tally);
+        }
     }
 
     pub(crate) fn counts(&self) -> TransferProgressCounts {

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod handle;
+pub mod metrics;
 pub mod object;
 pub mod pending;
 pub mod pipeline;

@@ -46,6 +46,7 @@ use crate::config::PipelineConfig;
 use crate::error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 use crate::executor::TransferExecutor;
 use crate::handle::{TransferHandle, TransferShared};
+use crate::metrics::{FilterReason, PipelineMetrics};
 use crate::pending::PendingTracker;
 use crate::policy::{EvalContext, OffloadPolicy, PassAllPolicy};
 use crate::queue::{CancellableQueue, PushError, Sweep, SweepTarget};
@@ -226,6 +227,7 @@ impl<Src: Tier, Dst: Tier> PipelineSpec<Src, Dst> {
             pending: PendingTracker::new(),
             sweep: SweepSignal::new(),
             lane: Arc::new(LaneState::new(self.lane)),
+            metrics: Arc::new(PipelineMetrics::new(self.lane)),
             record_timing: cfg.record_timing,
             sweep_on_cancel: cfg.sweep_on_cancel,
             source: Src::ID,
@@ -295,6 +297,7 @@ struct Inner<Src: Tier> {
     pending: PendingTracker,
     sweep: SweepSignal,
     lane: Arc<LaneState>,
+    metrics: Arc<PipelineMetrics>,
     record_timing: bool,
     sweep_on_cancel: bool,
     source: TierId,
@@ -342,7 +345,9 @@ impl<Src: Tier> Pipeline<Src> {
             inner.sweep_on_cancel.then(|| inner.sweep.clone()),
             Some((inner.lane.clone(), seq)),
             inner.record_timing,
+            Some(inner.metrics.clone()),
         ));
+        inner.metrics.enqueued(blocks.len());
         shared
             .total
             .store(blocks.len(), std::sync::atomic::Ordering::Release);
@@ -366,6 +371,7 @@ impl<Src: Tier> Pipeline<Src> {
                     dups.push(b.sequence_hash());
                 }
             }
+            inner.metrics.filtered(FilterReason::Duplicate, dups.len());
             token.shared.report_filtered(dups);
             (kept, kept_guards)
         };
@@ -491,9 +497,12 @@ async fn policy_evaluator<Src: Tier>(
     let mut signal = inner.sweep.subscribe();
     let mut inflight = FuturesUnordered::new();
     let finish = |mut c: OffloadContainer<Src>, verdict: Result<Vec<bool>, PolicyError>| {
-        let filtered = match verdict {
-            Ok(v) if v.len() == c.len() => c.retain_verdicts(&v),
+        let (filtered, reason) = match verdict {
+            Ok(v) if v.len() == c.len() => (c.retain_verdicts(&v), FilterReason::Policy),
             Ok(_) | Err(_) => {
+                if let Err(PolicyError::Timeout) = verdict {
+                    inner.metrics.policy_timeout();
+                }
                 // Verdict unknown: let the policy drop whatever it may have taken for them.
                 let all: Vec<SequenceHash> = c.hashes().collect();
                 policy.release(&all);
@@ -505,11 +514,15 @@ async fn policy_evaluator<Src: Tier>(
                         "policy returned a mis-sized verdict; filtering"
                     );
                 }
-                c.retain_verdicts(&vec![false; c.len()])
+                (
+                    c.retain_verdicts(&vec![false; c.len()]),
+                    FilterReason::PolicyError,
+                )
             }
         };
         let shared = &c.cancel_token().shared;
         if !filtered.is_empty() {
+            inner.metrics.filtered(reason, filtered.len());
             shared.report_filtered(filtered);
         }
         if c.is_empty() {
@@ -777,10 +790,12 @@ async fn transfer_stage<Src: Tier, E: TransferExecutor<Src>>(
         resolved.set_lane(inner.lane.clone());
         let executor = executor.clone();
         let sink = sink.clone();
+        let metrics = inner.metrics.clone();
         running.spawn(async move {
             let outcome = if resolved.is_empty() {
                 Vec::new()
             } else {
+                let _in_flight = metrics.submitted(resolved.len());
                 executor.execute(&resolved).await
             };
             resolved.settle(

@@ -1,10 +1,10 @@
 //! Helpers shared by the integration tests: a controllable executor, a gated policy, hashes.
 #![allow(dead_code)]
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvbm_logical::{BlockManager, ImmutableBlock, Salt, SequenceHash, Tier};
@@ -192,4 +192,123 @@ pub async fn within<F: std::future::IntoFuture>(ms: u64, f: F) -> Option<F::Outp
     tokio::time::timeout(Duration::from_millis(ms), f.into_future())
         .await
         .ok()
+}
+
+/// A `metrics` recorder that keeps every series in memory, for asserting exact values.
+///
+/// Install it with `metrics::with_local_recorder(&rec, || spec.spawn(..))`: a pipeline resolves
+/// its handles when it is spawned, so the thread-local install only has to cover the spawn.
+#[derive(Clone, Default)]
+pub struct TestRecorder {
+    counters: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+    gauges: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
+    histograms: Arc<Mutex<HashMap<String, Arc<TestHistogram>>>>,
+}
+
+#[derive(Default)]
+pub struct TestHistogram(Mutex<Vec<f64>>);
+
+impl metrics::HistogramFn for TestHistogram {
+    fn record(&self, value: f64) {
+        self.0.lock().push(value);
+    }
+}
+
+/// `name{k=v,...}` with the labels sorted, so lookups do not depend on label order.
+fn series_id<'a>(name: &str, labels: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut labels: Vec<String> = labels
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    labels.sort();
+    format!("{name}{{{}}}", labels.join(","))
+}
+
+fn key_id(key: &metrics::Key) -> String {
+    series_id(key.name(), key.labels().map(|l| (l.key(), l.value())))
+}
+
+impl TestRecorder {
+    /// The counter `name` with `labels` (0 if never registered).
+    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        self.counters
+            .lock()
+            .get(&series_id(name, labels.iter().copied()))
+            .map_or(0, |c| c.load(Ordering::Acquire))
+    }
+
+    /// The gauge `name` with `labels` (0 if never registered).
+    pub fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.gauges
+            .lock()
+            .get(&series_id(name, labels.iter().copied()))
+            .map_or(0.0, |g| f64::from_bits(g.load(Ordering::Acquire)))
+    }
+
+    /// Every value recorded into the histogram `name` with `labels`.
+    pub fn histogram(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+        self.histograms
+            .lock()
+            .get(&series_id(name, labels.iter().copied()))
+            .map_or_else(Vec::new, |h| h.0.lock().clone())
+    }
+
+    /// Sum of every series of the counter `name`, whatever its labels.
+    pub fn counter_total(&self, name: &str) -> u64 {
+        let prefix = format!("{name}{{");
+        self.counters
+            .lock()
+            .iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .map(|(_, c)| c.load(Ordering::Acquire))
+            .sum()
+    }
+}
+
+impl metrics::Recorder for TestRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let c = self.counters.lock().entry(key_id(key)).or_default().clone();
+        metrics::Counter::from_arc(c)
+    }
+
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        let g = self.gauges.lock().entry(key_id(key)).or_default().clone();
+        metrics::Gauge::from_arc(g)
+    }
+
+    fn register_histogram(
+        &self,
+        key: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        let h = self
+            .histograms
+            .lock()
+            .entry(key_id(key))
+            .or_default()
+            .clone();
+        metrics::Histogram::from_arc(h)
+    }
 }
