@@ -51,9 +51,7 @@ async fn disk_io_uring() {
     conformance(
         "disk-uring",
         &|l| {
-            let mut cfg = DiskConfig::new(&path);
-            cfg.engine = IoEngineKind::Uring;
-            let p = PhysicalLayout::create_disk(l, &cfg).unwrap();
+            let p = disk(l, &path, IoEngineKind::Uring, true);
             let Backing::Disk(d) = p.backing() else {
                 unreachable!()
             };
@@ -75,12 +73,7 @@ async fn disk_psync_buffered() {
     let path = dir.path().join("g3.bin");
     conformance(
         "disk-psync",
-        &|l| {
-            let mut cfg = DiskConfig::new(&path);
-            cfg.engine = IoEngineKind::Psync;
-            cfg.direct_io = false;
-            PhysicalLayout::create_disk(l, &cfg).unwrap()
-        },
+        &|l| disk(l, &path, IoEngineKind::Psync, false),
         "",
     )
     .await;

@@ -10,16 +10,6 @@ use common::*;
 use kvbm_physical::*;
 use object_store::{ObjectStoreExt, PutPayload};
 
-fn host(tm: &TransferManager, n: usize, seed: Option<u8>) -> LayoutHandle {
-    let l =
-        PhysicalLayout::allocate_host(small(n, LayoutKind::FullyContiguous), PinPolicy::Unpinned)
-            .unwrap();
-    if let Some(s) = seed {
-        fill(&l, s);
-    }
-    tm.register_layout(l).unwrap()
-}
-
 #[tokio::test]
 async fn corrupted_disk_block_is_detected_on_read() {
     let dir = tempfile::tempdir().unwrap();
@@ -36,16 +26,15 @@ async fn corrupted_disk_block_is_detected_on_read() {
     };
     let (slot_bytes, off2) = (d.slot_bytes(), d.slot_offset(2));
     let disk_h = tm.register_layout(disk).unwrap();
-    let out = tm
-        .execute_transfer(
-            src,
-            &[0, 1, 2],
-            disk_h,
-            &[0, 1, 2],
-            TransferOptions::default(),
-        )
-        .unwrap()
-        .await;
+    let out = transfer(
+        &tm,
+        src,
+        &[0, 1, 2],
+        disk_h,
+        &[0, 1, 2],
+        TransferOptions::default(),
+    )
+    .await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);
 
     // Flip one payload byte of slot 2 behind the engine's back.
@@ -61,16 +50,15 @@ async fn corrupted_disk_block_is_detected_on_read() {
 
     let dst = host(&tm, 4, None);
     // Slot 3 was never written: not found. Slot 2: checksum mismatch. Slots 0, 1: fine.
-    let out = tm
-        .execute_transfer(
-            disk_h,
-            &[0, 1, 2, 3],
-            dst,
-            &[0, 1, 2, 3],
-            TransferOptions::default(),
-        )
-        .unwrap()
-        .await;
+    let out = transfer(
+        &tm,
+        disk_h,
+        &[0, 1, 2, 3],
+        dst,
+        &[0, 1, 2, 3],
+        TransferOptions::default(),
+    )
+    .await;
     assert!(
         out.blocks[0].1.is_ok() && out.blocks[1].1.is_ok(),
         "{:?}",
@@ -101,10 +89,7 @@ async fn corrupted_disk_block_is_detected_on_read() {
     f.read_exact_at(&mut slot0, 0).unwrap();
     f.write_all_at(&slot0, off2).unwrap();
     f.flush().unwrap();
-    let out = tm
-        .execute_transfer(disk_h, &[2], dst, &[2], TransferOptions::default())
-        .unwrap()
-        .await;
+    let out = transfer(&tm, disk_h, &[2], dst, &[2], TransferOptions::default()).await;
     assert!(
         matches!(out.blocks[0].1, Err(PhysicalError::CorruptHeader { .. })),
         "{:?}",
@@ -142,40 +127,40 @@ async fn two_hop_device_disk_object_round_trip() {
     let keys: Vec<ObjectKey> = (0..3u128).map(ObjectKey::from_u128).collect();
     // device → disk → object → device (fresh) : every hop without a direct path goes through a bounce.
     assert!(
-        tm.execute_transfer(
+        transfer(
+            &tm,
             dev,
             &[0, 1, 2],
             disk,
             &[2, 1, 0],
             TransferOptions::default()
         )
-        .unwrap()
         .await
         .is_complete_success()
     );
     assert!(
-        tm.execute_transfer(
+        transfer(
+            &tm,
             disk,
             &[2, 1, 0],
             obj,
             &[0, 1, 2],
             TransferOptions::with_object_keys(keys.clone())
         )
-        .unwrap()
         .await
         .is_complete_success()
     );
     let dev2l = PhysicalLayout::allocate_device(small(3, LayoutKind::FullyContiguous), 0).unwrap();
     let dev2 = tm.register_layout(dev2l).unwrap();
     assert!(
-        tm.execute_transfer(
+        transfer(
+            &tm,
             obj,
             &[0, 1, 2],
             dev2,
             &[0, 1, 2],
             TransferOptions::with_object_keys(keys)
         )
-        .unwrap()
         .await
         .is_complete_success()
     );
@@ -191,8 +176,7 @@ async fn two_hop_device_disk_object_round_trip() {
         )
         .unwrap();
     assert!(
-        tm.execute_transfer(disk, &[1], dev3, &[0], TransferOptions::layers(2..4))
-            .unwrap()
+        transfer(&tm, disk, &[1], dev3, &[0], TransferOptions::layers(2..4))
             .await
             .is_complete_success()
     );
@@ -221,16 +205,15 @@ async fn s3_overwritten_truncated_and_deleted_objects_are_block_errors() {
     let keys: Vec<ObjectKey> = (0..4u128)
         .map(|i| ObjectKey::from_u128(0xabc0 + i))
         .collect();
-    let out = tm
-        .execute_transfer(
-            src,
-            &[0, 1, 2, 3],
-            obj,
-            &[0, 1, 2, 3],
-            TransferOptions::with_object_keys(keys.clone()),
-        )
-        .unwrap()
-        .await;
+    let out = transfer(
+        &tm,
+        src,
+        &[0, 1, 2, 3],
+        obj,
+        &[0, 1, 2, 3],
+        TransferOptions::with_object_keys(keys.clone()),
+    )
+    .await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);
 
     // Behind our back: overwrite key 1 with same-length different bytes (header kept), truncate
@@ -249,16 +232,15 @@ async fn s3_overwritten_truncated_and_deleted_objects_are_block_errors() {
     raw.delete(&store.path(&keys[3])).await.unwrap();
 
     let dst = host(&tm, 4, None);
-    let out = tm
-        .execute_transfer(
-            obj,
-            &[0, 1, 2, 3],
-            dst,
-            &[0, 1, 2, 3],
-            TransferOptions::with_object_keys(keys.clone()),
-        )
-        .unwrap()
-        .await;
+    let out = transfer(
+        &tm,
+        obj,
+        &[0, 1, 2, 3],
+        dst,
+        &[0, 1, 2, 3],
+        TransferOptions::with_object_keys(keys.clone()),
+    )
+    .await;
     assert!(out.blocks[0].1.is_ok(), "{:?}", out.blocks[0]);
     assert!(
         matches!(out.blocks[1].1, Err(PhysicalError::ChecksumMismatch { .. })),
@@ -283,7 +265,7 @@ async fn s3_overwritten_truncated_and_deleted_objects_are_block_errors() {
     // Conditional create: a put in Create mode onto an existing key fails; a lock is exclusive.
     let mut o = TransferOptions::with_object_keys(vec![keys[0].clone()]);
     o.object_put_mode = ObjectPutMode::Create;
-    let out = tm.execute_transfer(src, &[0], obj, &[0], o).unwrap().await;
+    let out = transfer(&tm, src, &[0], obj, &[0], o).await;
     assert!(
         matches!(out.blocks[0].1, Err(PhysicalError::AlreadyExists { .. })),
         "{:?}",
@@ -341,30 +323,29 @@ async fn s3_multipart_for_large_blocks() {
         .unwrap();
     let keys = vec![ObjectKey::new("big")];
     assert!(
-        tm.execute_transfer(
+        transfer(
+            &tm,
             src,
             &[0],
             obj,
             &[0],
             TransferOptions::with_object_keys(keys.clone())
         )
-        .unwrap()
         .await
         .is_complete_success()
     );
     let dst = tm
         .register_layout(PhysicalLayout::allocate_host(layout, PinPolicy::Unpinned).unwrap())
         .unwrap();
-    let out = tm
-        .execute_transfer(
-            obj,
-            &[0],
-            dst,
-            &[0],
-            TransferOptions::with_object_keys(keys),
-        )
-        .unwrap()
-        .await;
+    let out = transfer(
+        &tm,
+        obj,
+        &[0],
+        dst,
+        &[0],
+        TransferOptions::with_object_keys(keys),
+    )
+    .await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);
     let d = tm.layout(dst).unwrap();
     assert_eq!(

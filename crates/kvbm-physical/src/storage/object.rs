@@ -172,6 +172,14 @@ impl ObjectStorage {
     pub fn config(&self) -> &ObjectConfig {
         &self.config
     }
+    /// One of the `max_concurrency` request slots, held for the request's duration.
+    async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
+        self.permits
+            .acquire()
+            .await
+            .expect("semaphore never closed")
+    }
+
     /// The full path of `key`.
     pub fn path(&self, key: &ObjectKey) -> ObjectPath {
         ObjectPath::from(format!("{}/{}", self.config.namespace, key.as_str()))
@@ -191,11 +199,7 @@ impl ObjectStorage {
             checksum: checksum_slices(parts.iter().map(|p| &p[..])),
         };
         let path = self.path(key);
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .expect("semaphore never closed");
+        let _permit = self.permit().await;
         let body_len = len + HEADER_LEN;
         if body_len > self.config.multipart_threshold && mode == ObjectPutMode::Overwrite {
             let upload = self
@@ -237,11 +241,7 @@ impl ObjectStorage {
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let body = {
-            let _permit = self
-                .permits
-                .acquire()
-                .await
-                .expect("semaphore never closed");
+            let _permit = self.permit().await;
             let got = self
                 .store
                 .get(&path)
@@ -283,11 +283,7 @@ impl ObjectStorage {
             mode: PutMode::Create,
             ..Default::default()
         };
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .expect("semaphore never closed");
+        let _permit = self.permit().await;
         match self.store.put_opts(&path, body.into(), opts).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. })
@@ -299,11 +295,7 @@ impl ObjectStorage {
     /// Whether an object exists at `key`.
     pub async fn exists(&self, key: &ObjectKey) -> Result<bool> {
         let path = self.path(key);
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .expect("semaphore never closed");
+        let _permit = self.permit().await;
         match self.store.head(&path).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -314,11 +306,7 @@ impl ObjectStorage {
     /// Deletes the object at `key` (absent is fine).
     pub async fn delete(&self, key: &ObjectKey) -> Result<()> {
         let path = self.path(key);
-        let _permit = self
-            .permits
-            .acquire()
-            .await
-            .expect("semaphore never closed");
+        let _permit = self.permit().await;
         match self.store.delete(&path).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(PhysicalError::object("delete", path.as_ref(), e)),

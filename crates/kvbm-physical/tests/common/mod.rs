@@ -19,6 +19,44 @@ pub fn small(num_blocks: usize, kind: LayoutKind) -> BlockLayout {
         .unwrap()
 }
 
+/// A registered host layout of `small(n)` blocks (unpinned), filled with `seed` when given.
+pub fn host(tm: &TransferManager, n: usize, seed: Option<u8>) -> LayoutHandle {
+    let l =
+        PhysicalLayout::allocate_host(small(n, LayoutKind::FullyContiguous), PinPolicy::Unpinned)
+            .unwrap();
+    if let Some(s) = seed {
+        fill(&l, s);
+    }
+    tm.register_layout(l).unwrap()
+}
+
+/// Starts a transfer that must pass validation and awaits its outcome.
+pub async fn transfer(
+    tm: &TransferManager,
+    src: LayoutHandle,
+    src_ids: &[BlockId],
+    dst: LayoutHandle,
+    dst_ids: &[BlockId],
+    options: TransferOptions,
+) -> TransferOutcome {
+    tm.execute_transfer(src, src_ids, dst, dst_ids, options)
+        .unwrap()
+        .await
+}
+
+/// A disk layout at `path` with the given engine and O_DIRECT choice.
+pub fn disk(
+    layout: BlockLayout,
+    path: &std::path::Path,
+    engine: IoEngineKind,
+    direct_io: bool,
+) -> PhysicalLayout {
+    let mut cfg = DiskConfig::new(path);
+    cfg.engine = engine;
+    cfg.direct_io = direct_io;
+    PhysicalLayout::create_disk(layout, &cfg).unwrap()
+}
+
 /// Fills every block of a host/device layout with a pattern derived from (seed, block, byte).
 pub fn fill(layout: &PhysicalLayout, seed: u8) {
     let c = *layout.layout().config();
@@ -89,10 +127,7 @@ pub async fn conformance(
             TransferOptions::default()
         }
     };
-    let out = tm
-        .execute_transfer(src_h, &src_ids, mid_h, &mid_ids, opts())
-        .unwrap()
-        .await;
+    let out = transfer(&tm, src_h, &src_ids, mid_h, &mid_ids, opts()).await;
     assert!(out.is_complete_success(), "{name}: write: {:?}", out.blocks);
     for kind in [
         LayoutKind::FullyContiguous,
@@ -102,10 +137,7 @@ pub async fn conformance(
         let dst = PhysicalLayout::allocate_host(small(n, kind), PinPolicy::Unpinned).unwrap();
         let dst_h = tm.register_layout(dst).unwrap();
         let back_ids = [2, 0, 1, 5, 4, 3];
-        let out = tm
-            .execute_transfer(mid_h, &mid_ids, dst_h, &back_ids, opts())
-            .unwrap()
-            .await;
+        let out = transfer(&tm, mid_h, &mid_ids, dst_h, &back_ids, opts()).await;
         assert!(
             out.is_complete_success(),
             "{name}/{kind:?}: read: {:?}",
@@ -129,10 +161,7 @@ pub async fn conformance(
         if let Some(k) = o.object_keys.as_mut() {
             k.truncate(2);
         }
-        let out = tm
-            .execute_transfer(mid_h, &mid_ids[..2], part_h, &[0, 1], o)
-            .unwrap()
-            .await;
+        let out = transfer(&tm, mid_h, &mid_ids[..2], part_h, &[0, 1], o).await;
         assert!(
             out.is_complete_success(),
             "{name}: partial: {:?}",
