@@ -13,12 +13,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, SequenceHash, Tier};
+use kvbm_logical::{BlockRegistry, G1, G2, G3, SequenceHash, Tier};
 use kvbm_offload::*;
-use kvbm_physical::{
-    BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
-    TransferOptions,
-};
+use kvbm_physical::{BlockLayout, PinPolicy, TransferManager, TransferOptions};
+
+// The integration tests' helpers (layouts, managers, scratch directories).
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 fn quick() -> bool {
     std::env::var("KVBM_BENCH_QUICK").as_deref() == Ok("1")
@@ -106,31 +107,15 @@ async fn cancel_latency(queued_blocks: u64, per: u64) -> Vec<Duration> {
 }
 
 fn geometry(n: usize) -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(n)
-        .num_layers(4)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(128)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    common::geometry(n, 4, 128)
 }
 
 /// Returns (pipeline seconds, direct seconds) for moving `n` blocks G2→G3.
 async fn g2_to_g3(n: usize, batch: usize) -> (Duration, Duration) {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = common::scratch();
     let tm = Arc::new(TransferManager::new().unwrap());
-    let g2_h = tm
-        .register_layout(PhysicalLayout::allocate_host(geometry(n), PinPolicy::TryPin).unwrap())
-        .unwrap();
-    let g3_h = tm
-        .register_layout(
-            PhysicalLayout::create_disk(geometry(n), &DiskConfig::new(dir.path().join("g3.bin")))
-                .unwrap(),
-        )
-        .unwrap();
+    let g2_h = common::host_layout(&tm, geometry(n), PinPolicy::TryPin);
+    let g3_h = common::disk_layout(&tm, geometry(n), &dir.path().join("g3.bin"));
     let ids: Vec<usize> = (0..n).collect();
 
     // Warm-up pass (first writes to a fresh file cost extra), then the timed direct pass: the
@@ -152,14 +137,7 @@ async fn g2_to_g3(n: usize, batch: usize) -> (Duration, Duration) {
 
     // Pipeline: same blocks, registered in a fresh G3 manager.
     let registry = BlockRegistry::new();
-    let g3 = Arc::new(
-        BlockManager::<G3>::builder()
-            .block_count(n)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    );
+    let g3 = Arc::new(common::manager::<G3>(n, Some(&registry)));
     let p = PipelineBuilder::<G2, G3>::new()
         .batch_size(batch)
         .policy(Arc::new(PresenceFilter::new(registry)))

@@ -5,26 +5,16 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{hash, registered};
-use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, TierId};
+use common::{disk_layout, hash, host_layout, manager, registered, scratch};
+use kvbm_logical::{BlockRegistry, G1, G2, G3, TierId};
 
 use kvbm_offload::*;
 use kvbm_physical::{
-    Backing, BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
-    TransferOptions,
+    Backing, BlockLayout, DiskConfig, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,
 };
 
 fn geometry(n: usize) -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(n)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(64)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    common::geometry(n, 2, 64)
 }
 
 fn fill(layout: &PhysicalLayout, seed: u8) {
@@ -50,30 +40,13 @@ fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
     out
 }
 
-fn scratch() -> tempfile::TempDir {
-    // Not /tmp: it may be tmpfs, which refuses O_DIRECT.
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     let dir = scratch();
     let n = 8;
     let registry = BlockRegistry::new();
-    let g2 = BlockManager::<G2>::builder()
-        .block_count(n)
-        .block_size(4)
-        .registry(registry.clone())
-        .build()
-        .unwrap();
-    let g3 = Arc::new(
-        BlockManager::<G3>::builder()
-            .block_count(n)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    );
+    let g2 = manager::<G2>(n, Some(&registry));
+    let g3 = Arc::new(manager::<G3>(n, Some(&registry)));
     let tm = Arc::new(TransferManager::new().unwrap());
     let host = PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap();
     fill(&host, 5);
@@ -120,8 +93,7 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     // The bytes on disk are the bytes of G2: read them back into fresh host memory.
     let on_g3 = g3.match_blocks(&(0..n as u32).map(hash).collect::<Vec<_>>());
     assert_eq!(on_g3.len(), n);
-    let back = PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap();
-    let back_h = tm.register_layout(back).unwrap();
+    let back_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
     let g3_ids: Vec<usize> = on_g3.iter().map(|b| b.block_id()).collect();
     let out = tm
         .execute_transfer(g3_h, &g3_ids, back_h, &src_ids, TransferOptions::default())
@@ -154,24 +126,10 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
 async fn failed_transfer_reports_why_and_registers_nothing() {
     let dir = scratch();
     let registry = BlockRegistry::new();
-    let g3 = Arc::new(
-        BlockManager::<G3>::builder()
-            .block_count(4)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    );
+    let g3 = Arc::new(manager::<G3>(4, Some(&registry)));
     let tm = Arc::new(TransferManager::new().unwrap());
-    let g2_h = tm
-        .register_layout(PhysicalLayout::allocate_host(geometry(4), PinPolicy::Unpinned).unwrap())
-        .unwrap();
-    let g3_h = tm
-        .register_layout(
-            PhysicalLayout::create_disk(geometry(4), &DiskConfig::new(dir.path().join("g3.bin")))
-                .unwrap(),
-        )
-        .unwrap();
+    let g2_h = host_layout(&tm, geometry(4), PinPolicy::Unpinned);
+    let g3_h = disk_layout(&tm, geometry(4), &dir.path().join("g3.bin"));
     let pipeline = PipelineBuilder::<G2, G3>::new()
         .min_batch_size(1)
         .build()
@@ -212,35 +170,14 @@ async fn engine_auto_chain_moves_g1_completions_to_g3() {
     let dir = scratch();
     let n = 4;
     let registry = BlockRegistry::new();
-    let g2 = Arc::new(
-        BlockManager::<G2>::builder()
-            .block_count(n)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    );
-    let g3 = Arc::new(
-        BlockManager::<G3>::builder()
-            .block_count(n)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    );
+    let g2 = Arc::new(manager::<G2>(n, Some(&registry)));
+    let g3 = Arc::new(manager::<G3>(n, Some(&registry)));
     let tm = Arc::new(TransferManager::new().unwrap());
     let dev = PhysicalLayout::allocate_device(geometry(n), 0).unwrap();
     fill(&dev, 9);
     let g1_h = tm.register_layout(dev).unwrap();
-    let g2_h = tm
-        .register_layout(PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap())
-        .unwrap();
-    let g3_h = tm
-        .register_layout(
-            PhysicalLayout::create_disk(geometry(n), &DiskConfig::new(dir.path().join("g3.bin")))
-                .unwrap(),
-        )
-        .unwrap();
+    let g2_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
+    let g3_h = disk_layout(&tm, geometry(n), &dir.path().join("g3.bin"));
     let engine = OffloadEngine::builder(registry.clone())
         .with_transfer_manager(tm)
         .with_g1_layout(g1_h)

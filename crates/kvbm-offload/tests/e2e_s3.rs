@@ -6,25 +6,15 @@ mod common;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use common::{external, hash};
+use common::{external, hash, host_layout};
 use kvbm_logical::SequenceHash;
 use kvbm_offload::*;
 use kvbm_physical::{
-    BlockLayout, LayoutKind, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config,
-    TransferManager,
+    BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
 };
 
 fn geometry(n: usize) -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(n)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(32)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    common::geometry(n, 2, 32)
 }
 
 fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
@@ -52,8 +42,7 @@ fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
 /// One worker: its own transfer manager and G2 layout, writing into the shared bucket.
 fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline {
     let tm = Arc::new(TransferManager::new().unwrap());
-    let host = PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap();
-    let g2_h = tm.register_layout(host).unwrap();
+    let g2_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
     let obj_h = tm
         .register_layout(PhysicalLayout::object(geometry(n), storage.clone()))
         .unwrap();

@@ -31,8 +31,7 @@ fn spawn(
     exec: TestExecutor,
     f: impl FnOnce(PipelineBuilder<G1, G2>) -> PipelineBuilder<G1, G2>,
 ) -> Pipeline<G1> {
-    let spec = f(PipelineBuilder::<G1, G2>::new()).build();
-    ::metrics::with_local_recorder(rec, || spec.spawn(exec)).unwrap()
+    ::metrics::with_local_recorder(rec, || spawn_g1_to_g2(exec, f))
 }
 
 #[tokio::test(start_paused = true)]

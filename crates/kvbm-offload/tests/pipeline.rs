@@ -8,27 +8,15 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
-use kvbm_logical::{BlockManager, G1, G2, SequenceHash};
+use kvbm_logical::G1;
 use kvbm_offload::*;
-
-fn spec(
-    f: impl FnOnce(PipelineBuilder<G1, G2>) -> PipelineBuilder<G1, G2>,
-) -> PipelineSpec<G1, G2> {
-    f(PipelineBuilder::<G1, G2>::new()).build()
-}
-
-fn hashes(start: u32, n: u32) -> Vec<SequenceHash> {
-    (start..start + n).map(hash).collect()
-}
 
 #[tokio::test(start_paused = true)]
 async fn p1_container_is_unit_of_cancellation() {
     // One transfer of 10 blocks split into batches of 4: the first batch is committed and held
     // by the executor; cancelling then drops *every* other piece of the container together.
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.batch_size(4).min_batch_size(1))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.batch_size(4).min_batch_size(1));
     let a = p.enqueue(external(0, 10), None).unwrap();
     let b = p.enqueue(external(100, 2), None).unwrap();
     exec.wait_started(1).await;
@@ -64,9 +52,7 @@ async fn p2_token_travels_with_container() {
     // Cancelling a clone of the handle's token (not the handle) reaches the queued container:
     // containers carry the same token, not a copy of its state.
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.batch_size(2).min_batch_size(1))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.batch_size(2).min_batch_size(1));
     let first = p.enqueue(external(0, 2), None).unwrap();
     exec.wait_started(1).await;
     let second = p.enqueue(external(10, 2), None).unwrap();
@@ -95,7 +81,7 @@ async fn p2_token_travels_with_container() {
 #[tokio::test(start_paused = true)]
 async fn p3_upgrade_is_point_of_no_return() {
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let h = p.enqueue(external(0, 4), None).unwrap();
     exec.wait_started(1).await;
     assert_eq!(h.status(), TransferStatus::Transferring);
@@ -130,7 +116,7 @@ async fn p4_sweep_before_upgrade() {
         ..Default::default()
     };
     cfg.batch_config.min_batch_size = 1;
-    let p = spec(|b| b.config(cfg)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.config(cfg));
     let a = p.enqueue(external(0, 2), None).unwrap();
     exec.wait_started(1).await;
     let b = p.enqueue(external(10, 2), None).unwrap();
@@ -151,9 +137,7 @@ async fn p4_sweep_before_upgrade() {
 #[tokio::test(start_paused = true)]
 async fn p5_flat_map_after_upgrade() {
     let exec = TestExecutor::open();
-    let p = spec(|b| b.batch_size(64).min_batch_size(9))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.batch_size(64).min_batch_size(9));
     let hs: Vec<_> = (0..3)
         .map(|i| p.enqueue(external(i * 10, 3), None).unwrap())
         .collect();
@@ -173,7 +157,7 @@ async fn p5_flat_map_after_upgrade() {
 #[tokio::test(start_paused = true)]
 async fn p6_precondition_wait_selects_on_cancel() {
     let exec = TestExecutor::open();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let (trigger, event) = Precondition::pair();
     let h = p.enqueue(external(0, 3), Some(event)).unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -191,7 +175,7 @@ async fn p6_precondition_wait_selects_on_cancel() {
 #[tokio::test(start_paused = true)]
 async fn precondition_gates_batching_and_failure_fails_blocks() {
     let exec = TestExecutor::open();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let (ok_trigger, ok_event) = Precondition::pair();
     let (bad_trigger, bad_event) = Precondition::pair();
     let ok = p.enqueue(external(0, 2), Some(ok_event)).unwrap();
@@ -206,23 +190,17 @@ async fn precondition_gates_batching_and_failure_fails_blocks() {
     assert_eq!(ok.wait().await.unwrap().completed_blocks, hashes(0, 2));
     let r = bad.wait().await.unwrap();
     assert_eq!(r.status, TransferStatus::Failed);
-    assert!(
-        r.failed_blocks
-            .iter()
-            .all(|(_, f)| f.kind == BlockFailureKind::PreconditionFailed)
-    );
+    assert_all_failed(&r, BlockFailureKind::PreconditionFailed);
 }
 
 #[tokio::test(start_paused = true)]
 async fn cancel_while_evaluating() {
     let policy = GatedPolicy::default();
     let exec = TestExecutor::open();
-    let p = spec(|b| {
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
         b.policy(Arc::new(policy.clone()))
             .policy_timeout(Duration::from_secs(60))
-    })
-    .spawn(exec.clone())
-    .unwrap();
+    });
     let h = p.enqueue(external(0, 4), None).unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(policy.asked.load(Ordering::Acquire), 4);
@@ -238,12 +216,10 @@ async fn cancel_while_evaluating() {
 async fn policy_timeout_filters_blocks() {
     let policy = GatedPolicy::default();
     let exec = TestExecutor::open();
-    let p = spec(|b| {
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
         b.policy(Arc::new(policy))
             .policy_timeout(Duration::from_millis(100))
-    })
-    .spawn(exec.clone())
-    .unwrap();
+    });
     let h = p.enqueue(external(0, 4), None).unwrap();
     let r = within(150, h.wait())
         .await
@@ -256,7 +232,7 @@ async fn policy_timeout_filters_blocks() {
 #[tokio::test(start_paused = true)]
 async fn cancel_while_queued_does_not_wait_for_running_transfer() {
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let a = p.enqueue(external(0, 2), None).unwrap();
     exec.wait_started(1).await;
     let b = p.enqueue(external(10, 2), None).unwrap();
@@ -274,9 +250,9 @@ async fn cancel_while_queued_does_not_wait_for_running_transfer() {
 #[tokio::test(start_paused = true)]
 async fn cancel_while_batched_before_flush() {
     let exec = TestExecutor::open();
-    let p = spec(|b| b.min_batch_size(32).flush_interval(Duration::from_secs(10)))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
+        b.min_batch_size(32).flush_interval(Duration::from_secs(10))
+    });
     let h = p.enqueue(external(0, 4), None).unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
     within(5, h.cancel())
@@ -289,15 +265,11 @@ async fn cancel_while_batched_before_flush() {
 
 #[tokio::test(start_paused = true)]
 async fn confirmation_only_after_release() {
-    let g1 = BlockManager::<G1>::builder()
-        .block_count(8)
-        .block_size(4)
-        .build()
-        .unwrap();
+    let g1 = manager::<G1>(8, None);
     let blocks = registered(&g1, 0, 4);
     let probe = blocks[0].clone();
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let running = p.enqueue(external(50, 1), None).unwrap();
     exec.wait_started(1).await;
     let h = p.enqueue(blocks, None).unwrap();
@@ -325,34 +297,24 @@ async fn confirmation_only_after_release() {
 
 #[tokio::test(start_paused = true)]
 async fn weak_block_evicted_before_upgrade_fails_as_evicted() {
-    let g1 = BlockManager::<G1>::builder()
-        .block_count(2)
-        .block_size(4)
-        .build()
-        .unwrap();
+    let g1 = manager::<G1>(2, None);
     let strong = registered(&g1, 0, 2);
     let weak: Vec<_> = strong.iter().map(|b| b.downgrade()).collect();
     drop(strong);
     // Evict both by allocating every block.
     let _hog = g1.allocate_blocks(2).unwrap();
     let exec = TestExecutor::open();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let r = p.enqueue(weak, None).unwrap().wait().await.unwrap();
     assert_eq!(r.failed_blocks.len(), 2);
-    assert!(
-        r.failed_blocks
-            .iter()
-            .all(|(_, f)| f.kind == BlockFailureKind::Evicted)
-    );
+    assert_all_failed(&r, BlockFailureKind::Evicted);
     assert!(exec.batches().iter().all(Vec::is_empty));
 }
 
 #[tokio::test(start_paused = true)]
 async fn batch_max_splits_large_container() {
     let exec = TestExecutor::open();
-    let p = spec(|b| b.batch_size(64).min_batch_size(8))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.batch_size(64).min_batch_size(8));
     let r = p
         .enqueue(external(0, 150), None)
         .unwrap()
@@ -366,12 +328,10 @@ async fn batch_max_splits_large_container() {
 #[tokio::test(start_paused = true)]
 async fn batch_min_collects_until_reached() {
     let exec = TestExecutor::open();
-    let p = spec(|b| {
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
         b.min_batch_size(8)
             .flush_interval(Duration::from_millis(10))
-    })
-    .spawn(exec.clone())
-    .unwrap();
+    });
     let a = p.enqueue(external(0, 3), None).unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert!(exec.batches().is_empty(), "3 < min: waits");
@@ -389,12 +349,10 @@ async fn batch_min_collects_until_reached() {
 #[tokio::test(start_paused = true)]
 async fn batch_flush_timer_sends_partial_batch() {
     let exec = TestExecutor::open();
-    let p = spec(|b| {
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
         b.min_batch_size(8)
             .flush_interval(Duration::from_millis(10))
-    })
-    .spawn(exec.clone())
-    .unwrap();
+    });
     let start = tokio::time::Instant::now();
     let h = p.enqueue(external(0, 3), None).unwrap();
     tokio::time::sleep(Duration::from_millis(9)).await;
@@ -411,13 +369,11 @@ async fn batch_flush_timer_sends_partial_batch() {
 #[tokio::test(start_paused = true)]
 async fn concurrency_limit_is_respected() {
     let exec = TestExecutor::gated();
-    let p = spec(|b| {
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
         b.batch_size(2)
             .min_batch_size(2)
             .max_concurrent_transfers(2)
-    })
-    .spawn(exec.clone())
-    .unwrap();
+    });
     let h = p.enqueue(external(0, 12), None).unwrap();
     exec.wait_started(2).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -431,7 +387,7 @@ async fn concurrency_limit_is_respected() {
 #[tokio::test(start_paused = true)]
 async fn duplicates_in_flight_are_suppressed() {
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let a = p.enqueue(external(0, 2), None).unwrap();
     let b = p
         .enqueue(
@@ -462,7 +418,7 @@ async fn duplicates_in_flight_are_suppressed() {
 async fn failed_blocks_are_reported_with_reason() {
     let exec = TestExecutor::open();
     exec.fail(hash(1));
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let r = p
         .enqueue(external(0, 3), None)
         .unwrap()
@@ -480,9 +436,7 @@ async fn failed_blocks_are_reported_with_reason() {
 #[tokio::test(start_paused = true)]
 async fn progress_cursor_reads_incrementally_and_timing_is_recorded() {
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.batch_size(2).min_batch_size(2))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.batch_size(2).min_batch_size(2));
     let h = p.enqueue(external(0, 4), None).unwrap();
     let mut cursor = TransferProgressCursor::default();
     exec.wait_started(1).await;
@@ -514,7 +468,7 @@ async fn progress_cursor_reads_incrementally_and_timing_is_recorded() {
 #[tokio::test(start_paused = true)]
 async fn settlement_waits_for_submissions_before_the_token_only() {
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.min_batch_size(1)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let a = p.enqueue(external(0, 1), None).unwrap();
     let token = p.settlement_token();
     assert_eq!(token.target().get(PipelineLane::G1ToG2), 1);
@@ -546,9 +500,7 @@ impl<T: kvbm_logical::Tier> TransferExecutor<T> for PanickingExecutor {
 
 #[tokio::test(start_paused = true)]
 async fn settlement_reports_executor_failure() {
-    let p = spec(|b| b.min_batch_size(1))
-        .spawn(PanickingExecutor)
-        .unwrap();
+    let p = spawn_g1_to_g2(PanickingExecutor, |b| b.min_batch_size(1));
     let h = p.enqueue(external(0, 2), None).unwrap();
     let token = p.settlement_token();
     let err = p.wait_settled(&token).await.unwrap_err();
@@ -560,17 +512,13 @@ async fn settlement_reports_executor_failure() {
         other => panic!("unexpected {other:?}"),
     }
     let r = h.wait().await.unwrap();
-    assert!(
-        r.failed_blocks
-            .iter()
-            .all(|(_, f)| f.kind == BlockFailureKind::ExecutorAborted)
-    );
+    assert_all_failed(&r, BlockFailureKind::ExecutorAborted);
 }
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_drains_and_refuses_new_work() {
     let exec = TestExecutor::open();
-    let p = spec(|b| b.min_batch_size(50)).spawn(exec.clone()).unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(50));
     let h = p.enqueue(external(0, 5), None).unwrap();
     p.shutdown_and_wait().await;
     assert_eq!(
@@ -589,9 +537,9 @@ async fn policy_release_sees_every_passed_block_once() {
     let policy = GatedPolicy::default();
     policy.gate.add_permits(1000);
     let exec = TestExecutor::gated();
-    let p = spec(|b| b.policy(Arc::new(policy.clone())).min_batch_size(1))
-        .spawn(exec.clone())
-        .unwrap();
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
+        b.policy(Arc::new(policy.clone())).min_batch_size(1)
+    });
     let a = p.enqueue(external(0, 2), None).unwrap();
     exec.wait_started(1).await;
     let b = p.enqueue(external(10, 2), None).unwrap();

@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests: a controllable executor, a gated policy, hashes.
+//! Helpers shared by the integration tests (and the benchmark): a controllable executor, a gated
+//! policy, hashes, block managers, physical layouts, an in-memory metrics recorder.
 #![allow(dead_code)]
 
 use std::collections::{HashMap, HashSet};
@@ -7,11 +8,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use kvbm_logical::{BlockManager, ImmutableBlock, Salt, SequenceHash, Tier};
+use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, ImmutableBlock, Salt, SequenceHash, Tier};
 use kvbm_offload::{
     BatchOutcome, BlockFailure, BlockFailureKind, EvalContext, ExternalBlock, OffloadPolicy,
-    PolicyBatchFuture, PolicyFuture, ResolvedBatch, TransferExecutor, async_batch_result,
-    async_result,
+    Pipeline, PipelineBuilder, PolicyBatchFuture, PolicyFuture, ResolvedBatch, TransferExecutor,
+    TransferResult, async_batch_result, async_result,
+};
+use kvbm_physical::{
+    BlockLayout, DiskConfig, LayoutHandle, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
 };
 use parking_lot::Mutex;
 use tokio::sync::{Notify, Semaphore};
@@ -21,11 +25,86 @@ pub fn hash(i: u32) -> SequenceHash {
     SequenceHash::root(Salt::NONE, &[i, 7, 7, 7])
 }
 
+/// The hashes `start..start+n`.
+pub fn hashes(start: u32, n: u32) -> Vec<SequenceHash> {
+    (start..start + n).map(hash).collect()
+}
+
 /// `n` external blocks with hashes `start..start+n`.
 pub fn external(start: u32, n: u32) -> Vec<ExternalBlock> {
     (start..start + n)
         .map(|i| ExternalBlock::new(i as usize, hash(i)))
         .collect()
+}
+
+/// A manager of `n` blocks of size 4, joined to `registry` when given.
+pub fn manager<T: Tier>(n: usize, registry: Option<&BlockRegistry>) -> BlockManager<T> {
+    let b = BlockManager::<T>::builder().block_count(n).block_size(4);
+    match registry {
+        Some(r) => b.registry(r.clone()),
+        None => b,
+    }
+    .build()
+    .unwrap()
+}
+
+/// Spawns a G1→G2 pipeline configured by `f` over `exec`.
+pub fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
+    exec: E,
+    f: impl FnOnce(PipelineBuilder<G1, G2>) -> PipelineBuilder<G1, G2>,
+) -> Pipeline<G1> {
+    f(PipelineBuilder::<G1, G2>::new())
+        .build()
+        .spawn(exec)
+        .unwrap()
+}
+
+/// Asserts that `r` failed and that every failed block failed with `kind`.
+#[track_caller]
+pub fn assert_all_failed(r: &TransferResult, kind: BlockFailureKind) {
+    assert!(!r.failed_blocks.is_empty(), "nothing failed: {r:?}");
+    assert!(
+        r.failed_blocks.iter().all(|(_, f)| f.kind == kind),
+        "expected every failure to be {kind:?}: {:?}",
+        r.failed_blocks
+    );
+}
+
+/// A fully contiguous layout of `n` blocks: `layers` layers, outer dim 2, page 16, `inner_dim`
+/// elements of 2 bytes.
+pub fn geometry(n: usize, layers: usize, inner_dim: usize) -> BlockLayout {
+    BlockLayout::builder()
+        .num_blocks(n)
+        .num_layers(layers)
+        .outer_dim(2)
+        .page_size(16)
+        .inner_dim(inner_dim)
+        .dtype_bytes(2)
+        .kind(LayoutKind::FullyContiguous)
+        .build()
+        .unwrap()
+}
+
+/// Allocates host memory for `geometry` and registers it with `tm`.
+pub fn host_layout(tm: &TransferManager, geometry: BlockLayout, pin: PinPolicy) -> LayoutHandle {
+    tm.register_layout(PhysicalLayout::allocate_host(geometry, pin).unwrap())
+        .unwrap()
+}
+
+/// Creates the file `path` for `geometry` and registers it with `tm`.
+pub fn disk_layout(
+    tm: &TransferManager,
+    geometry: BlockLayout,
+    path: &std::path::Path,
+) -> LayoutHandle {
+    tm.register_layout(PhysicalLayout::create_disk(geometry, &DiskConfig::new(path)).unwrap())
+        .unwrap()
+}
+
+/// A scratch directory under the target directory (not /tmp: it may be tmpfs, which refuses
+/// O_DIRECT).
+pub fn scratch() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
 /// Registers `n` blocks with hashes `start..` in `manager`.
