@@ -372,3 +372,66 @@ fn sync_callers_can_wait() {
     // Dropping the manager inside or outside async code never panics.
     drop(tm);
 }
+
+#[tokio::test]
+async fn streamed_gets_report_short_and_overlong_bodies() {
+    // In-memory objects arrive as a stream, the path that hashes and scatters while receiving.
+    let store = Arc::new(ObjectStorage::in_memory(ObjectConfig::default()));
+    let tm = TransferManager::new().unwrap();
+    let src = host(&tm, 3, Some(6));
+    let obj = tm
+        .register_layout(PhysicalLayout::object(
+            small(3, LayoutKind::FullyContiguous),
+            Arc::clone(&store),
+        ))
+        .unwrap();
+    let keys: Vec<ObjectKey> = ["a", "b", "c"].into_iter().map(ObjectKey::new).collect();
+    let out = transfer(
+        &tm,
+        src,
+        &[0, 1, 2],
+        obj,
+        &[0, 1, 2],
+        TransferOptions::with_object_keys(keys.clone()),
+    )
+    .await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    // "a": shorter than a header; "b": one byte too many; "c": intact.
+    let raw = store.store();
+    let pa = store.path(&keys[0]);
+    let body = raw.get(&pa).await.unwrap().bytes().await.unwrap();
+    raw.put(&pa, PutPayload::from(body.slice(..10)))
+        .await
+        .unwrap();
+    let pb = store.path(&keys[1]);
+    let mut body = raw.get(&pb).await.unwrap().bytes().await.unwrap().to_vec();
+    body.push(0);
+    raw.put(&pb, PutPayload::from(body)).await.unwrap();
+    let dst = host(&tm, 3, None);
+    let out = transfer(
+        &tm,
+        obj,
+        &[0, 1, 2],
+        dst,
+        &[0, 1, 2],
+        TransferOptions::with_object_keys(keys),
+    )
+    .await;
+    assert!(
+        matches!(
+            out.blocks[0].1,
+            Err(PhysicalError::ShortRead { actual: 10, .. })
+        ),
+        "{:?}",
+        out.blocks[0]
+    );
+    assert!(
+        matches!(out.blocks[1].1, Err(PhysicalError::CorruptHeader { .. })),
+        "{:?}",
+        out.blocks[1]
+    );
+    assert!(out.blocks[2].1.is_ok(), "{:?}", out.blocks[2]);
+    let d = tm.layout(dst).unwrap();
+    let c = *d.layout().config();
+    assert_eq!(block_bytes(&d, 2, 0..4), expected(&c, 6, 2, 0..4));
+}

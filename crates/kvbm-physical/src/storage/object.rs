@@ -10,9 +10,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+use object_store::{
+    GetResultPayload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart,
+};
 use tokio::sync::Semaphore;
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::checksum::{BlockHeader, HEADER_LEN, checksum_slices};
 use crate::error::{PhysicalError, Result};
@@ -251,28 +255,69 @@ impl ObjectStorage {
                 .await
                 .map_err(|e| PhysicalError::object("get body", path.as_ref(), e))?
         };
-        let h = BlockHeader::decode(&body, &loc)?;
-        let payload = body.slice(HEADER_LEN..);
-        if payload.len() < expected_len || (h.len as usize) > payload.len() {
-            return Err(PhysicalError::ShortRead {
-                location: loc(),
-                expected: expected_len + HEADER_LEN,
-                actual: body.len(),
-            });
+        verify_body(&body, expected_len, &loc)
+    }
+
+    /// Fetches and verifies a block like [`get_block`](Self::get_block), but hands the payload
+    /// to `sink(offset, bytes)` as it arrives instead of collecting it: each chunk of the body
+    /// is hashed and passed on while it is in cache, and no body-sized buffer is allocated.
+    /// `sink` sees contiguous, increasing payload offsets, never past `expected_len`. The result
+    /// (and its error kinds) is that of `get_block`; on an error, whatever `sink` received is
+    /// unverified and must not be used.
+    pub(crate) async fn get_block_into(
+        &self,
+        key: &ObjectKey,
+        expected_len: usize,
+        mut sink: impl FnMut(usize, &[u8]) + Send,
+    ) -> Result<()> {
+        let path = self.path(key);
+        let loc = || format!("object:{path}");
+        let body_err = |e| PhysicalError::object("get body", path.as_ref(), e);
+        let _permit = self.permit().await;
+        let got = self
+            .store
+            .get(&path)
+            .await
+            .map_err(|e| PhysicalError::object("get", path.as_ref(), e))?;
+        if !matches!(got.payload, GetResultPayload::Stream(_)) {
+            // A local file: one read beats the fs backend's small chunked reads.
+            let body = got.bytes().await.map_err(body_err)?;
+            sink(0, &verify_body(&body, expected_len, &loc)?);
+            return Ok(());
         }
-        h.expect(expected_len, 0, &loc)?;
-        if payload.len() != expected_len {
-            return Err(PhysicalError::CorruptHeader {
-                location: loc(),
-                reason: format!(
-                    "body has {} payload bytes, header says {}",
-                    payload.len(),
-                    h.len
-                ),
-            });
+        let mut stream = got.into_stream();
+        let mut header = [0u8; HEADER_LEN];
+        let mut head_len = 0;
+        let mut decoded: Option<BlockHeader> = None;
+        let mut payload_len = 0usize;
+        let mut hasher = Xxh3::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(body_err)?;
+            let mut rest = &chunk[..];
+            if decoded.is_none() {
+                let n = (HEADER_LEN - head_len).min(rest.len());
+                header[head_len..head_len + n].copy_from_slice(&rest[..n]);
+                head_len += n;
+                rest = &rest[n..];
+                if head_len < HEADER_LEN {
+                    continue;
+                }
+                decoded = Some(BlockHeader::decode(&header, &loc)?);
+            }
+            hasher.update(rest);
+            if payload_len < expected_len {
+                let n = rest.len().min(expected_len - payload_len);
+                sink(payload_len, &rest[..n]);
+            }
+            payload_len += rest.len();
         }
-        h.verify(checksum_slices([&payload[..]]), &loc)?;
-        Ok(payload)
+        let h = match decoded {
+            Some(h) => h,
+            // Shorter than a header: the same error `get_block` reports.
+            None => BlockHeader::decode(&header[..head_len], &loc)?,
+        };
+        check_payload(&h, expected_len, payload_len, &loc)?;
+        h.verify(hasher.digest128(), &loc)
     }
 
     /// Conditional create: stores `body` at `key` only if nothing is there. `Ok(true)` when
@@ -312,6 +357,44 @@ impl ObjectStorage {
             Err(e) => Err(PhysicalError::object("delete", path.as_ref(), e)),
         }
     }
+}
+
+/// Verifies a whole fetched body (header, lengths, checksum); returns its payload.
+fn verify_body(body: &Bytes, expected_len: usize, loc: &dyn Fn() -> String) -> Result<Bytes> {
+    let h = BlockHeader::decode(body, loc)?;
+    let payload = body.slice(HEADER_LEN..);
+    check_payload(&h, expected_len, payload.len(), loc)?;
+    h.verify(checksum_slices([&payload[..]]), loc)?;
+    Ok(payload)
+}
+
+/// The length checks of a fetched body, in the order `get_block` has always applied them:
+/// a short body is [`PhysicalError::ShortRead`], a header or body of the wrong length
+/// [`PhysicalError::CorruptHeader`].
+fn check_payload(
+    h: &BlockHeader,
+    expected_len: usize,
+    payload_len: usize,
+    loc: &dyn Fn() -> String,
+) -> Result<()> {
+    if payload_len < expected_len || (h.len as usize) > payload_len {
+        return Err(PhysicalError::ShortRead {
+            location: loc(),
+            expected: expected_len + HEADER_LEN,
+            actual: payload_len + HEADER_LEN,
+        });
+    }
+    h.expect(expected_len, 0, loc)?;
+    if payload_len != expected_len {
+        return Err(PhysicalError::CorruptHeader {
+            location: loc(),
+            reason: format!(
+                "body has {payload_len} payload bytes, header says {}",
+                h.len
+            ),
+        });
+    }
+    Ok(())
 }
 
 impl Storage for ObjectStorage {

@@ -86,6 +86,9 @@ impl TransferOptions {
 }
 
 /// Per-block results of a transfer.
+///
+/// A failed block's destination bytes are unspecified: a disk read or an object get may have
+/// landed some or all of the bytes before verification failed.
 #[derive(Debug)]
 pub struct TransferOutcome {
     /// `(destination block id, result)` in the order of the request.

@@ -202,24 +202,43 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
     let keys = Arc::clone(job.keys.as_ref().expect("validated"));
     let conc = store.config().max_concurrency.max(1);
     let c = *job.dst.layout().config();
-    let block_bytes = c.block_bytes();
+    let (block_bytes, lb) = (c.block_bytes(), c.layer_bytes());
     let job = &job;
     futures::stream::iter(job.dst_ids.iter().copied().enumerate())
         .map(|(pos, d)| {
             let store = Arc::clone(&store);
             let keys = Arc::clone(&keys);
             async move {
-                let r = async {
-                    let payload = store.get_block(&keys[pos], block_bytes).await?;
-                    let start = job.layers.start * c.layer_bytes();
-                    let len = job.layers.len() * c.layer_bytes();
-                    let src = [(payload.as_ptr() as usize + start, len)];
-                    let dr = job.dst.block_addrs(d, job.layers.clone());
-                    // SAFETY: `payload` is a live host buffer of `block_bytes`; `dr` lies in a
-                    // live allocation of the destination layout.
-                    unsafe { copy_regions(None, device0(&job.dst), &src, &dr) }
-                }
-                .await;
+                let dr = job.dst.block_addrs(d, job.layers.clone());
+                let (start, end) = (job.layers.start * lb, job.layers.end * lb);
+                let r = if device0(&job.dst).is_none() {
+                    // Host destination: hash and scatter each chunk of the body as it arrives.
+                    let mut out = Scatter::new(&dr);
+                    store
+                        .get_block_into(&keys[pos], block_bytes, |off, bytes| {
+                            let (lo, hi) = (start.max(off), end.min(off + bytes.len()));
+                            if lo < hi {
+                                // SAFETY: `dr` lies in a live host allocation of the
+                                // destination; the caller excludes other access.
+                                unsafe { out.write(&bytes[lo - off..hi - off]) };
+                            }
+                        })
+                        .await
+                } else {
+                    match store.get_block(&keys[pos], block_bytes).await {
+                        // SAFETY: `payload` is a live host buffer of `block_bytes`; `dr` lies
+                        // in a live allocation of the destination layout.
+                        Ok(payload) => unsafe {
+                            copy_regions(
+                                None,
+                                device0(&job.dst),
+                                &[(payload.as_ptr() as usize + start, end - start)],
+                                &dr,
+                            )
+                        },
+                        Err(e) => Err(e),
+                    }
+                };
                 (pos, r)
             }
         })
@@ -228,6 +247,44 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
         .await
         .into_iter()
         .pipe(in_order)
+}
+
+/// Writes a byte stream into host regions in order (the streaming side of an object get).
+struct Scatter<'a> {
+    regions: &'a [(usize, usize)],
+    i: usize,
+    off: usize,
+}
+
+impl<'a> Scatter<'a> {
+    fn new(regions: &'a [(usize, usize)]) -> Self {
+        Scatter {
+            regions,
+            i: 0,
+            off: 0,
+        }
+    }
+
+    /// Copies `bytes` to the next unwritten bytes of the regions (any excess is dropped).
+    ///
+    /// # Safety
+    /// The regions must be writable host memory no one else accesses meanwhile.
+    unsafe fn write(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() && self.i < self.regions.len() {
+            let (addr, len) = self.regions[self.i];
+            let n = (len - self.off).min(bytes.len());
+            // SAFETY: `addr + off .. + n` lies inside region `i` (per the caller, writable).
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), (addr + self.off) as *mut u8, n)
+            };
+            bytes = &bytes[n..];
+            self.off += n;
+            if self.off == len {
+                self.i += 1;
+                self.off = 0;
+            }
+        }
+    }
 }
 
 /// Stages through a pinned host buffer leased from the manager's pool: `src → bounce` (whole
