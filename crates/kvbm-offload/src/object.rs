@@ -12,12 +12,46 @@
 //!                             … transfer …  ──► release(): DELETE lock (completed, failed or cancelled)
 //! ```
 //!
-//! Each filter writes a unique token into its lock objects and reads the lock back after a short
-//! delay before trusting it. On S3 the conditional create alone is exclusive; some compatible
-//! servers (the s3s-fs used in CI among them) check and write non-atomically, so two concurrent
-//! creates can both "succeed" — the last write wins, and only its writer reads its own token
-//! back. The delay (`lock_verify_delay`, default 20 ms) must exceed the time a racing
-//! create takes to land.
+//! # The lock protocol and the one assumption it makes
+//!
+//! Each filter writes a unique token into its lock objects, and after `lock_verify_delay`
+//! (default 20 ms) reads the lock back: it owns the lock only if the token read is its own.
+//!
+//! * **Real S3** makes the create itself exclusive: `PutObject` with `If-None-Match: *` succeeds
+//!   for exactly one writer, the others get `412 Precondition Failed`, and reads after a write
+//!   are strongly consistent. The read-back always finds our token; it and the delay are
+//!   redundant there (`lock_verify_delay = 0` skips the wait).
+//! * **Servers that check and write non-atomically** — the s3s-fs used in CI tests for the
+//!   object's existence, then writes — let two concurrent creates both "succeed"; the last write
+//!   wins and only its writer reads its own token back. That is only sound under this
+//!   **assumption: a create that succeeded lands (is visible to a GET) within
+//!   `lock_verify_delay` of being issued.** A racing create that lands later than that, after
+//!   the first writer has verified, overwrites a lock already trusted.
+//!
+//! **If the assumption fails**, two workers both believe they hold the lock and both upload the
+//! block. That is the only consequence, and it is harmless:
+//!
+//! * a block object is written by one PUT (or one multipart completion) of header, payload and
+//!   checksum, keyed by the sequence hash; S3 (and s3s-fs, which writes a temporary file and
+//!   renames it) replaces objects atomically, so a reader always sees one complete, checksummed
+//!   upload — the same bytes for the same hash, since the KV of a sequence hash is the same
+//!   content whichever worker computed it. The cost is one wasted upload;
+//! * nothing here deletes a block object, and a block is reported completed only when its own
+//!   upload succeeded, so no block is reported present that is not;
+//! * releases are token-checked (GET the lock, DELETE only if it still holds our token), so the
+//!   loser of a late race does not delete the winner's lock and open the door to a third writer.
+//!   The check and the delete are two requests; under the same assumption no other token can
+//!   land between them.
+//!
+//! A lock is tracked from **before** its create request is sent, so a create interrupted by the
+//! policy timeout or by cancellation (its future dropped, the request possibly already on the
+//! server) is still released: the release then waits `lock_verify_delay` for the create to land
+//! before its token-checked delete. Without this, such a lock would be left behind and no worker
+//! would offload that block again.
+//!
+//! Locks do not expire: a worker that dies holding one leaves it, and the block is filtered by
+//! every worker until the lock object (`<hash>.lock` under the namespace) is removed, e.g. by a
+//! bucket lifecycle rule. A pipeline that shuts down cleanly releases all its locks.
 //!
 //! The re-check after taking the lock closes the window in which another worker finished the
 //! object and released its lock between our first check and our lock. Locks held are tracked
@@ -25,7 +59,7 @@
 //!
 //! Lock order: `held` is a leaf lock; no I/O happens under it.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -138,8 +172,18 @@ pub struct ObjectLockPresenceFilter {
     storage: Arc<ObjectStorage>,
     owner: String,
     verify_delay: std::time::Duration,
-    held: Arc<Mutex<HashSet<SequenceHash>>>,
+    held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
     releases: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+/// A lock this filter may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LockState {
+    /// The create was (or is being) sent and ownership is not verified yet: the lock may or may
+    /// not be ours, and may not have landed yet.
+    Acquiring,
+    /// Created and read back with our token.
+    Verified,
 }
 
 impl std::fmt::Debug for ObjectLockPresenceFilter {
@@ -180,9 +224,9 @@ impl ObjectLockPresenceFilter {
         &self.owner
     }
 
-    /// Locks currently held by this filter.
+    /// Locks currently held (or being acquired) by this filter.
     pub fn held_locks(&self) -> Vec<SequenceHash> {
-        self.held.lock().iter().copied().collect()
+        self.held.lock().keys().copied().collect()
     }
 
     /// Waits for lock deletions started by `release` to finish.
@@ -195,7 +239,7 @@ impl ObjectLockPresenceFilter {
 
     async fn check_and_lock(
         storage: Arc<ObjectStorage>,
-        held: Arc<Mutex<HashSet<SequenceHash>>>,
+        held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
         owner: Vec<u8>,
         verify_delay: std::time::Duration,
         h: SequenceHash,
@@ -204,15 +248,20 @@ impl ObjectLockPresenceFilter {
         if storage.exists(&object_key(h)).await.map_err(backend)? {
             return Ok(false);
         }
+        // Tracked before the request is sent: if this future is dropped (policy timeout,
+        // cancellation) while the create is on its way, the release still cleans it up.
+        if held.lock().insert(h, LockState::Acquiring).is_some() {
+            // This filter is already locking (or holds) this block.
+            return Ok(false);
+        }
         if !storage
             .try_create(&lock_key(h), owner.clone().into())
             .await
             .map_err(backend)?
         {
+            held.lock().remove(&h);
             return Ok(false);
         }
-        // Tracked from here, so a release (timeout, cancellation) deletes it.
-        held.lock().insert(h);
         // Confirm ownership: a racing create on a non-atomic server may have overwritten ours.
         if !verify_delay.is_zero() {
             tokio::time::sleep(verify_delay).await;
@@ -234,10 +283,18 @@ impl ObjectLockPresenceFilter {
             held.lock().remove(&h);
             return Ok(false);
         }
+        match held.lock().get_mut(&h) {
+            Some(state) => *state = LockState::Verified,
+            // Released while we verified: the release deletes it.
+            None => return Ok(false),
+        }
         // Another worker may have finished the object and released its lock in between.
         if storage.exists(&object_key(h)).await.map_err(backend)? {
-            held.lock().remove(&h);
-            storage.delete(&lock_key(h)).await.map_err(backend)?;
+            if held.lock().remove(&h).is_some() {
+                release_lock(&storage, &owner, h)
+                    .await
+                    .map_err(PolicyError::Backend)?;
+            }
             return Ok(false);
         }
         Ok(true)
@@ -276,17 +333,26 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
         })
     }
     fn release(&self, hashes: &[SequenceHash]) {
-        let mine: Vec<SequenceHash> = {
+        let mine: Vec<(SequenceHash, LockState)> = {
             let mut held = self.held.lock();
-            hashes.iter().copied().filter(|h| held.remove(h)).collect()
+            hashes
+                .iter()
+                .filter_map(|h| held.remove(h).map(|s| (*h, s)))
+                .collect()
         };
         if mine.is_empty() {
             return;
         }
         let storage = self.storage.clone();
+        let owner = self.owner.clone().into_bytes();
+        let delay = self.verify_delay;
         let task = tokio::spawn(async move {
-            for h in mine {
-                if let Err(e) = storage.delete(&lock_key(h)).await {
+            if mine.iter().any(|(_, s)| *s == LockState::Acquiring) && !delay.is_zero() {
+                // A create may still be on its way to the server: let it land first.
+                tokio::time::sleep(delay).await;
+            }
+            for (h, _) in mine {
+                if let Err(e) = release_lock(&storage, &owner, h).await {
                     tracing::warn!(error = %e, "cannot release object lock");
                 }
             }
@@ -294,6 +360,27 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
         let mut releases = self.releases.lock();
         releases.retain(|h| !h.is_finished());
         releases.push(task);
+    }
+}
+
+/// Deletes the lock of `h` if it holds `owner`'s token (absent or someone else's: left alone).
+async fn release_lock(
+    storage: &ObjectStorage,
+    owner: &[u8],
+    h: SequenceHash,
+) -> Result<(), String> {
+    let path = storage.path(&lock_key(h));
+    let body = match storage.store().get(&path).await {
+        Ok(got) => got.bytes().await,
+        Err(e) => Err(e),
+    };
+    match body {
+        Ok(b) if b.as_ref() == owner => storage
+            .delete(&lock_key(h))
+            .await
+            .map_err(|e| e.to_string()),
+        Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(format!("get lock {path}: {e}")),
     }
 }
 

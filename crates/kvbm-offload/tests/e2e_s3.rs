@@ -163,3 +163,45 @@ async fn object_lock_is_exclusive_and_released() {
         vec![false, false]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_interrupted_by_timeout_are_released() {
+    // Evaluations dropped at assorted points — before, during and after the conditional create —
+    // as the policy timeout or a cancellation drops them: every lock they may have created is
+    // still deleted by the release, none is left to block the block forever.
+    let Some(storage) = storage("object_lock_interrupted") else {
+        return;
+    };
+    let f = ObjectLockPresenceFilter::new(storage.clone(), "interrupted")
+        .with_verify_delay(std::time::Duration::from_millis(100));
+    let mut all = Vec::new();
+    for (round, ms) in [0u64, 1, 2, 3, 5, 8, 13, 200].into_iter().enumerate() {
+        let hs: Vec<SequenceHash> = (0..16)
+            .map(|i| hash(1000 + round as u32 * 16 + i))
+            .collect();
+        let ctxs: Vec<EvalContext> = hs
+            .iter()
+            .map(|&h| EvalContext {
+                sequence_hash: h,
+                block_id: None,
+                source: kvbm_logical::TierId::G2,
+                destination: kvbm_logical::TierId::G4,
+            })
+            .collect();
+        let fut = match f.evaluate_batch(&ctxs) {
+            either::Either::Left(_) => panic!("the lock filter is asynchronous"),
+            either::Either::Right(fut) => fut,
+        };
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(ms), fut).await;
+        f.release(&hs);
+        all.extend(hs);
+    }
+    f.flush_releases().await;
+    assert!(f.held_locks().is_empty());
+    for h in all {
+        assert!(
+            !storage.exists(&lock_key(h)).await.unwrap(),
+            "lock of {h:?} left behind"
+        );
+    }
+}
