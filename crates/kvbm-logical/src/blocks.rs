@@ -22,13 +22,14 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use crate::BlockId;
 use crate::error::{BlockError, LogicalError};
 use crate::hash::{SequenceHash, TokenBlock};
 use crate::store::Core;
+use crate::sync::{fence, ghost};
 use crate::tier::Tier;
 
 /// A block owned by one caller, reset or being filled. Dropping it returns the slot to the
@@ -197,6 +198,7 @@ impl<T: Tier> ImmutableBlock<T> {
 
     #[inline]
     fn core(&self) -> &Core {
+        ghost::assert_alive(self.core.as_ptr());
         // SAFETY: the slot's pin keeps the core alive while this handle exists.
         unsafe { self.core.as_ref() }
     }
@@ -213,6 +215,7 @@ impl<T: Tier> ImmutableBlock<T> {
 
     /// A weak reference to this block.
     pub fn downgrade(&self) -> WeakBlock<T> {
+        ghost::assert_alive(self.core.as_ptr());
         // SAFETY: the pointer came from `Arc::as_ptr` and the core is alive (pinned); the
         // temporary `Arc` is never dropped, so no count changes hands.
         let arc = ManuallyDrop::new(unsafe { Arc::from_raw(self.core.as_ptr().cast_const()) });
@@ -253,9 +256,12 @@ impl<T: Tier> Drop for ImmutableBlock<T> {
         let refs = &core.refs[self.id as usize];
         if refs.fetch_sub(1, Ordering::Release) == 1 {
             fence(Ordering::Acquire);
-            core.store
-                .lock()
-                .release_registered(self.id, refs, &core.registry);
+            // The epoch's pin, owned by this handle from here on, keeps the core alive.
+            ghost::assert_alive(self.core.as_ptr());
+            let mut store = core.store.lock();
+            ghost::assert_alive(self.core.as_ptr());
+            store.release_registered(self.id, refs, &core.registry);
+            drop(store);
             // SAFETY: this handle ended the slot's non-zero epoch, so it owns that epoch's pin;
             // the store lock is released above, so the core may be freed now.
             unsafe { Core::unpin(self.core) };

@@ -42,14 +42,6 @@ pub enum LogicalError {
         /// The block size encoded in the hash.
         actual: u32,
     },
-    /// A block of the same hash is already registered and the policy rejects duplicates.
-    #[error("sequence hash {hash:?} is already registered in tier {tier}")]
-    DuplicateBlock {
-        /// The duplicated hash.
-        hash: SequenceHash,
-        /// The tier of the manager.
-        tier: TierId,
-    },
 }
 
 /// A failed block transition; the block is handed back, never leaked.

@@ -6,8 +6,33 @@
 //! most [`EventBatchConfig::max_batch`] events. A batch is flushed when it is full, when an
 //! operation finds the oldest buffered event older than [`EventBatchConfig::max_delay_ms`], on
 //! [`BlockManager::flush_events`](crate::BlockManager::flush_events), and when the manager's
-//! last handle is dropped. There is no background thread: an idle tier holds a partial batch
-//! until its next operation or an explicit flush.
+//! last handle is dropped. There is no background thread and no clock of its own: an idle tier
+//! holds a partial batch until its next operation or until its owner flushes it.
+//!
+//! # Flushing on a timer
+//!
+//! An owner that wants the age bound to hold while a tier is idle drives it from its own timer:
+//! [`BlockManager::next_event_deadline`](crate::BlockManager::next_event_deadline) says when the
+//! buffered partial batch becomes due (`None` when nothing is buffered), and
+//! [`BlockManager::flush_due_events`](crate::BlockManager::flush_due_events)`(now)` flushes it if
+//! it is due at `now` (pass `Instant::now()` when the timer fires). For example, on a thread
+//! of the owner's (an async owner sleeps with its runtime's `sleep_until` instead):
+//!
+//! ```no_run
+//! use std::time::{Duration, Instant};
+//! # use kvbm_logical::{BlockManager, G2};
+//! # let manager = BlockManager::<G2>::builder().block_count(8).build()?;
+//!
+//! loop {
+//!     let now = Instant::now();
+//!     let wait = manager
+//!         .next_event_deadline()
+//!         .map_or(Duration::from_millis(10), |deadline| deadline.saturating_duration_since(now));
+//!     std::thread::sleep(wait);
+//!     manager.flush_due_events(Instant::now());
+//! }
+//! # Ok::<(), kvbm_logical::LogicalError>(())
+//! ```
 //!
 //! # Locking
 //!
@@ -85,7 +110,8 @@ impl EventSink for VecSink {
 pub struct EventBatchConfig {
     /// Most events per batch. Default: 256. At least 1.
     pub max_batch: usize,
-    /// A partial batch older than this is flushed by the next operation. Default: 10 ms.
+    /// A partial batch older than this is flushed by the next operation, or by the owner's
+    /// timer through `BlockManager::flush_due_events`. Default: 10 ms.
     pub max_delay_ms: u64,
 }
 
@@ -130,21 +156,37 @@ impl EventBatcher {
         let mut b = self.buffer.lock();
         let before = b.events.len();
         b.events.extend(events);
+        let now = Instant::now();
         if b.events.len() > before && b.oldest.is_none() {
-            b.oldest = Some(Instant::now());
+            b.oldest = Some(now);
         }
-        self.due(&b)
+        self.due(&b, now)
     }
 
-    fn due(&self, b: &Buffer) -> bool {
-        b.events.len() >= self.max_batch || b.oldest.is_some_and(|t| t.elapsed() >= self.max_delay)
+    fn due(&self, b: &Buffer, now: Instant) -> bool {
+        b.events.len() >= self.max_batch
+            || b.oldest
+                .is_some_and(|t| now.saturating_duration_since(t) >= self.max_delay)
     }
 
     /// Flushes if a batch is due (size or age).
     pub(crate) fn maybe_flush(&self) {
-        if self.due(&self.buffer.lock()) {
+        self.flush_due(Instant::now());
+    }
+
+    /// When the buffered partial batch becomes due by age; `None` when nothing is buffered.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        let b = self.buffer.lock();
+        b.oldest.map(|t| t + self.max_delay)
+    }
+
+    /// Flushes if a batch is due at `now` (size or age); returns whether it flushed.
+    pub(crate) fn flush_due(&self, now: Instant) -> bool {
+        let due = self.due(&self.buffer.lock(), now);
+        if due {
             self.flush();
         }
+        due
     }
 
     /// Hands every buffered event to the sink, in batches of at most `max_batch`.
@@ -221,5 +263,42 @@ mod tests {
         // nothing buffered: no empty batch
         b.flush();
         assert_eq!(sink.batches().len(), 1);
+    }
+
+    #[test]
+    fn deadline_and_flush_due_follow_the_owners_clock() {
+        let sink = Arc::new(VecSink::new());
+        let b = EventBatcher::new(
+            sink.clone(),
+            &EventBatchConfig {
+                max_batch: 1000,
+                max_delay_ms: 60_000,
+            },
+        );
+        assert_eq!(b.next_deadline(), None);
+        assert!(!b.flush_due(Instant::now()), "nothing buffered");
+        let before = Instant::now();
+        b.push([ev(0)]);
+        let deadline = b.next_deadline().expect("a partial batch is buffered");
+        assert!(deadline >= before + Duration::from_secs(60));
+        // a later push does not move the deadline: it is the oldest event's
+        b.push([ev(1)]);
+        assert_eq!(b.next_deadline(), Some(deadline));
+        assert!(!b.flush_due(deadline - Duration::from_millis(1)));
+        assert!(sink.batches().is_empty());
+        assert!(b.flush_due(deadline));
+        assert_eq!(sink.batches(), vec![vec![ev(0), ev(1)]]);
+        assert_eq!(b.next_deadline(), None);
+        // size-due batches are flushed regardless of `now`
+        let b = EventBatcher::new(
+            sink.clone(),
+            &EventBatchConfig {
+                max_batch: 1,
+                max_delay_ms: 60_000,
+            },
+        );
+        b.push([ev(2)]);
+        assert!(b.flush_due(before));
+        assert_eq!(sink.events().last(), Some(&ev(2)));
     }
 }

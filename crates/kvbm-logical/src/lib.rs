@@ -9,6 +9,7 @@ mod manager;
 pub mod metrics;
 pub mod registry;
 mod store;
+mod sync;
 mod tier;
 
 /// Index of a slot within one tier's manager.
@@ -24,5 +25,7 @@ pub use registry::{BlockRegistry, RegistryConfig};
 pub use store::PoolCounts;
 pub use tier::{G1, G2, G3, G4, Tier, TierId};
 
+#[cfg(all(test, loom))]
+mod loom_tests;
 #[cfg(test)]
 mod tests;

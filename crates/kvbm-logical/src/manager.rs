@@ -6,9 +6,7 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
-
-use parking_lot::Mutex;
+use std::sync::atomic::Ordering;
 
 use crate::blocks::{CompleteBlock, ImmutableBlock, MutableBlock};
 use crate::config::{DuplicationPolicy, EvictionBackend, LogicalConfig};
@@ -18,6 +16,7 @@ use crate::hash::{SequenceHash, validate_block_size};
 use crate::metrics::Metrics;
 use crate::registry::BlockRegistry;
 use crate::store::{Core, PoolCounts, Store};
+use crate::sync::{AtomicU32, Mutex, ghost};
 use crate::tier::{Tier, TierId};
 
 /// One tier's logical block manager. `Send + Sync`; share it as `Arc<BlockManager<T>>`.
@@ -201,8 +200,10 @@ impl<T: Tier> BlockManagerBuilder<T> {
             duplication: self.config.duplication,
             touch_on_match: self.config.touch_on_match,
         };
+        let core = Arc::new(core);
+        ghost::born(Arc::as_ptr(&core));
         let manager = BlockManager {
-            core: Arc::new(core),
+            core,
             total,
             _tier: PhantomData,
         };
@@ -386,6 +387,22 @@ impl<T: Tier> BlockManager<T> {
         }
     }
 
+    /// When the buffered partial event batch becomes due by age
+    /// ([`EventBatchConfig::max_delay_ms`] after its oldest event); `None` when no event is
+    /// buffered or there is no sink. The library has no timer of its own: an owner that wants
+    /// idle tiers to publish on time sleeps until this deadline and then calls
+    /// [`flush_due_events`](Self::flush_due_events) (see the [`events`](crate::events) docs).
+    pub fn next_event_deadline(&self) -> Option<std::time::Instant> {
+        self.core.events.as_ref()?.next_deadline()
+    }
+
+    /// Flushes the buffered events if a batch is due at `now` (full, or its oldest event at
+    /// least [`EventBatchConfig::max_delay_ms`] older than `now`); returns whether it flushed.
+    /// Pass `Instant::now()` from the owner's timer. Takes no store lock.
+    pub fn flush_due_events(&self, now: std::time::Instant) -> bool {
+        self.core.events.as_ref().is_some_and(|b| b.flush_due(now))
+    }
+
     /// Checks every internal invariant (each slot in exactly one pool, counts, hash index,
     /// eviction lists) and returns the pool counts. For tests and debugging; takes the lock
     /// and scans every slot.
@@ -394,6 +411,13 @@ impl<T: Tier> BlockManager<T> {
     /// A description of the first violated invariant.
     pub fn check_invariants(&self) -> Result<PoolCounts, String> {
         self.core.store.lock().check(&self.core.refs)
+    }
+
+    /// The loom model's witness: keeps the core's allocation (not its value) alive, so the
+    /// model can check that the last pin was dropped exactly when it should have been.
+    #[cfg(all(loom, test))]
+    pub(crate) fn core_witness(&self) -> std::sync::Weak<Core> {
+        Arc::downgrade(&self.core)
     }
 
     fn after_op(&self, counts: PoolCounts, events_pushed: bool) {

@@ -34,19 +34,18 @@
 //! The event publish lock is taken only without the store lock. Nothing takes the store lock
 //! while holding a registry or event lock.
 
-use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 
 use hashbrown::{DefaultHashBuilder, HashMap};
-use parking_lot::Mutex;
 
 use crate::config::{DuplicationPolicy, EvictionBackend};
 use crate::events::{BlockEvent, BlockEventKind, EventBatcher};
 use crate::hash::{PassThroughHash, SequenceHash};
 use crate::metrics::Metrics;
 use crate::registry::BlockRegistry;
+use crate::sync::{AtomicU32, Mutex, ghost};
 use crate::tier::TierId;
 
 pub(crate) const NIL: u32 = u32::MAX;
@@ -77,7 +76,7 @@ pub(crate) struct Slot {
     /// Lineage: the parent's slot (or NIL) and the number of cached children.
     parent: u32,
     children: u32,
-    /// FIFO: registration order.
+    /// FIFO: registration order (the FIFO list is sorted by it).
     seq: u64,
 }
 
@@ -102,7 +101,6 @@ pub(crate) struct Store {
     backend: EvictionBackend,
     heads: [u32; LEVELS],
     tails: [u32; LEVELS],
-    fifo: BTreeMap<u64, u32>,
     next_seq: u64,
     held: usize,
     active: usize,
@@ -157,6 +155,7 @@ impl Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
+        ghost::died(self as *const Core);
         if let Some(events) = &self.events {
             events.flush();
         }
@@ -197,7 +196,6 @@ impl Store {
             backend,
             heads: [NIL; LEVELS],
             tails: [NIL; LEVELS],
-            fifo: BTreeMap::new(),
             next_seq: 0,
             held: 0,
             active: 0,
@@ -297,9 +295,38 @@ impl Store {
                 }
             }
             EvictionBackend::Fifo => {
-                let seq = self.slots[s as usize].seq;
-                self.fifo.insert(seq, s);
+                // Still listed since its registration: nothing to do. Parked (skipped by an
+                // eviction while active): older than every listed slot that was never parked,
+                // so its place is near the head.
+                if self.slots[s as usize].level == UNLISTED {
+                    self.fifo_insert_parked(s)
+                }
             }
+        }
+    }
+
+    /// FIFO: puts a parked slot back into the registration-ordered list. Only parked slots
+    /// with an older registration are walked past (they are all at the head: a parked slot
+    /// was the head when it was skipped).
+    fn fifo_insert_parked(&mut self, s: u32) {
+        let seq = self.slots[s as usize].seq;
+        let mut next = self.heads[0];
+        while next != NIL && self.slots[next as usize].seq < seq {
+            next = self.slots[next as usize].next;
+        }
+        if next == NIL {
+            return self.push_back(s, 0);
+        }
+        let prev = self.slots[next as usize].prev;
+        let slot = &mut self.slots[s as usize];
+        slot.level = 0;
+        slot.prev = prev;
+        slot.next = next;
+        self.slots[next as usize].prev = s;
+        if prev == NIL {
+            self.heads[0] = s;
+        } else {
+            self.slots[prev as usize].next = s;
         }
     }
 
@@ -311,23 +338,31 @@ impl Store {
         slot.state = SlotState::Active;
         self.inactive -= 1;
         self.active += 1;
-        if self.backend == EvictionBackend::Fifo {
-            let seq = self.slots[s as usize].seq;
-            self.fifo.remove(&seq);
-        } else {
+        // FIFO: a revived slot keeps its place (reuse does not reorder); see `pop_victim`.
+        if self.backend != EvictionBackend::Fifo {
             self.unlink(s);
         }
     }
 
     fn pop_victim(&mut self) -> Option<u32> {
-        let s = match self.backend {
-            EvictionBackend::Fifo => self.fifo.pop_first().map(|(_, s)| s)?,
-            _ => {
-                let s = *self.heads.iter().find(|&&h| h != NIL)?;
+        if self.backend == EvictionBackend::Fifo {
+            // The FIFO list holds every registered primary that has not been *parked*, in
+            // registration order, active or not: appended at registration, never moved by a
+            // release or a revival. An active slot met at the head is parked (unlisted) until
+            // its release puts it back, so each registration is skipped at most once here.
+            loop {
+                let s = self.heads[0];
+                if s == NIL {
+                    return None;
+                }
                 self.unlink(s);
-                s
+                if self.slots[s as usize].state == SlotState::Inactive {
+                    return Some(s);
+                }
             }
-        };
+        }
+        let s = *self.heads.iter().find(|&&h| h != NIL)?;
+        self.unlink(s);
         Some(s)
     }
 
@@ -459,6 +494,9 @@ impl Store {
         self.held -= 1;
         self.active += 1;
         self.map.insert(hash, s);
+        if self.backend == EvictionBackend::Fifo {
+            self.push_back(s, 0);
+        }
         if self.backend == EvictionBackend::Lineage {
             if let Some(pk) = hash.parent_lineage_key()
                 && let Some(&p) = self.lineage.get(&pk)
@@ -559,9 +597,16 @@ impl Store {
             }
             if slot.level != UNLISTED {
                 listed += 1;
-                if slot.state != SlotState::Inactive {
+                let allowed = match self.backend {
+                    // FIFO lists registered primaries, active or not
+                    EvictionBackend::Fifo => registered && slot.primary,
+                    _ => slot.state == SlotState::Inactive,
+                };
+                if !allowed {
                     return Err(format!("slot {i} listed while {:?}", slot.state));
                 }
+            } else if self.backend == EvictionBackend::Fifo && slot.state == SlotState::Inactive {
+                return Err(format!("fifo: inactive slot {i} is not listed"));
             }
             if self.backend == EvictionBackend::Lineage && slot.state == SlotState::Inactive {
                 let should_list = slot.children == 0;
@@ -593,16 +638,7 @@ impl Store {
             return Err("hash map has entries for non-primary slots".into());
         }
         match self.backend {
-            EvictionBackend::Fifo => {
-                if self.fifo.len() != c.inactive {
-                    return Err(format!(
-                        "fifo holds {} of {} inactive",
-                        self.fifo.len(),
-                        c.inactive
-                    ));
-                }
-            }
-            EvictionBackend::Lineage => {}
+            EvictionBackend::Fifo | EvictionBackend::Lineage => {}
             _ => {
                 if listed != c.inactive {
                     return Err(format!("lists hold {listed} of {} inactive", c.inactive));
@@ -618,6 +654,12 @@ impl Store {
                 let slot = &self.slots[s as usize];
                 if slot.prev != prev || slot.level as usize != l {
                     return Err(format!("list {l} is corrupt at slot {s}"));
+                }
+                if self.backend == EvictionBackend::Fifo
+                    && prev != NIL
+                    && self.slots[prev as usize].seq >= slot.seq
+                {
+                    return Err(format!("fifo list out of registration order at slot {s}"));
                 }
                 walked += 1;
                 if walked > self.slots.len() {

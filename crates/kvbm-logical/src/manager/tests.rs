@@ -370,6 +370,40 @@ fn fifo_evicts_in_registration_order_regardless_of_reuse() {
 }
 
 #[test]
+fn fifo_order_survives_eviction_skipping_active_blocks() {
+    let m = manager(5, EvictionBackend::Fifo);
+    let h = independent(4);
+    let mut regs = register(&m, &h);
+    let b3 = regs.pop().unwrap();
+    let b2 = regs.pop().unwrap();
+    let b1 = regs.pop().unwrap();
+    let b0 = regs.pop().unwrap();
+    drop((b2, b3));
+    // 1 reset + 2 inactive; the eviction skips (parks) active 0 and 1, evicts 2
+    let first = m.allocate_blocks(2).unwrap();
+    assert!(!m.registry().is_present(h[2], TierId::G2));
+    assert_eq!(counts(&m), (0, 2, 2, 1));
+    // released in reverse registration order: both go back ahead of 3, oldest first
+    drop(b1);
+    drop(b0);
+    assert_eq!(counts(&m), (0, 2, 0, 3));
+    drop(first);
+    assert_eq!(counts(&m), (2, 0, 0, 3));
+    let mut held = m.allocate_blocks(2).unwrap(); // the reset pool first
+    let mut order = Vec::new();
+    while let Ok(mut b) = m.allocate_blocks(1) {
+        held.push(b.pop().unwrap());
+        let gone: Vec<usize> = (0..h.len())
+            .filter(|&i| i != 2 && !order.contains(&i))
+            .filter(|&i| !m.registry().is_present(h[i], TierId::G2))
+            .collect();
+        order.extend(gone);
+    }
+    assert_eq!(order, vec![0, 1, 3]);
+    assert_eq!(counts(&m), (0, 5, 0, 0));
+}
+
+#[test]
 fn multi_lru_evicts_low_frequency_first() {
     let m = manager(4, EvictionBackend::MultiLru);
     let h = independent(4);
@@ -546,6 +580,50 @@ fn events_are_stored_then_removed_in_batches() {
         sink.events().last(),
         Some(&ev(BlockEventKind::Removed, h[1]))
     );
+}
+
+#[test]
+fn an_idle_partial_batch_is_flushed_by_the_owners_timer() {
+    let sink = Arc::new(VecSink::new());
+    let m = BlockManager::<G2>::builder()
+        .block_count(2)
+        .block_size(BS)
+        .event_sink(sink.clone())
+        .event_batching(EventBatchConfig {
+            max_batch: 100,
+            max_delay_ms: 5_000,
+        })
+        .build()
+        .unwrap();
+    assert_eq!(m.next_event_deadline(), None);
+    let start = std::time::Instant::now();
+    let h = chain(1, 1);
+    let held = register(&m, &h); // 1 stored event, a partial batch
+    let deadline = m
+        .next_event_deadline()
+        .expect("a partial batch is buffered");
+    assert!(deadline >= start + std::time::Duration::from_secs(5));
+    // the tier is idle: nothing publishes until the owner's timer fires at the deadline
+    assert!(!m.flush_due_events(start));
+    assert!(sink.batches().is_empty());
+    assert!(m.flush_due_events(deadline));
+    assert_eq!(
+        sink.events(),
+        vec![BlockEvent {
+            kind: BlockEventKind::Stored,
+            tier: TierId::G2,
+            hash: h[0],
+        }]
+    );
+    assert_eq!(m.next_event_deadline(), None);
+    assert!(!m.flush_due_events(deadline));
+    drop(held);
+
+    // without a sink there is never a deadline
+    let quiet = manager(1, EvictionBackend::Lru);
+    drop(register(&quiet, &h));
+    assert_eq!(quiet.next_event_deadline(), None);
+    assert!(!quiet.flush_due_events(std::time::Instant::now()));
 }
 
 #[test]
