@@ -67,7 +67,7 @@ pub(crate) struct Slot {
     pub(crate) state: SlotState,
     /// Registered under `hash` in `map` (false for duplicates).
     pub(crate) primary: bool,
-    /// Inactive list level, or `UNLISTED`.
+    /// Eviction list level, or `UNLISTED` (FIFO lists active primaries too, see `pop_victim`).
     level: u8,
     /// Bumped at each registration; lets a `WeakBlock` detect slot reuse.
     pub(crate) generation: u32,
