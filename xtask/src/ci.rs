@@ -1,7 +1,8 @@
 //! `cargo xtask ci`: the whole gate, in order, stopping at the first failure.
 //!
 //! ```text
-//!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests [stop servers] ─► docs
+//!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests [stop servers]
+//!     ─► loom model checks ─► docs
 //! ```
 //!
 //! Tests run against real servers started by [`crate::services`]; they are stopped after the
@@ -53,7 +54,21 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     services.export_to(&mut test);
     let tested = run_counting(&mut test);
     services.stop();
-    let totals = tested?;
+    let mut totals = tested?;
+
+    // Loom model checks of the logical crate's handle-lifetime protocol: their own cfg, so their
+    // own target dir (keeps the main build cache), release for speed.
+    let mut loom = cargo();
+    loom.args(["test", "-p", "kvbm-logical", "--release", "--lib", "loom"])
+        .env("RUSTFLAGS", "--cfg loom")
+        .env(
+            "CARGO_TARGET_DIR",
+            crate::project_root().join("target/loom"),
+        );
+    let loomed = run_counting(&mut loom)?;
+    totals.passed += loomed.passed;
+    totals.failed += loomed.failed;
+    totals.ignored += loomed.ignored;
 
     run_step(
         cargo()
