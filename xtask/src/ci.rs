@@ -16,7 +16,7 @@ use anyhow::Result;
 use crate::{layering, run_step, services::Services};
 
 /// Extra `cargo clippy` runs with non-default features: (package, features).
-const FEATURE_CHECKS: &[(&str, &str)] = &[("kvbm-physical", "cuda")];
+const FEATURE_CHECKS: &[(&str, &str)] = &[("kvbm-physical", "cuda"), ("kvbm-physical", "nixl")];
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

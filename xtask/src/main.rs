@@ -17,6 +17,7 @@ mod ci;
 mod gpu_check;
 mod layering;
 mod services;
+mod tidy;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

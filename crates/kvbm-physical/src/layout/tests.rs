@@ -1,3 +1,6 @@
+//! Layout property tests: regions never overlap, stay inside their allocation and cover each
+//! block exactly, for every layout kind the builder accepts.
+
 use proptest::prelude::*;
 
 use super::*;
