@@ -170,6 +170,18 @@ pub struct ObjectPipelineConfig {
     /// Take a per-object lock (S3 conditional create) before offloading, so several workers
     /// racing for the same block write it once. Default: true.
     pub use_locks: bool,
+    /// Lifetime of a lock object, recorded in it with its creation time: once
+    /// `created + ttl` is past (by the clock of the worker reading it), another worker may break
+    /// the lock, so a worker that crashed holding it does not block the block forever.
+    ///
+    /// Assumes loosely synchronized clocks between workers, and must exceed the longest time a
+    /// lock is held: policy evaluation, queueing, batching and the transfer itself. A lock that
+    /// outlives its TTL is not lost, but another worker may then upload the same block again
+    /// (identical bytes; see [`ObjectLockPresenceFilter`](crate::ObjectLockPresenceFilter)).
+    /// Must exceed `lock_verify_delay` and `pipeline.policy_timeout`. Default: 60 s
+    /// ([`DEFAULT_LOCK_TTL`](crate::DEFAULT_LOCK_TTL)).
+    #[serde(with = "ms", rename = "lock_ttl_ms")]
+    pub lock_ttl: Duration,
 }
 
 impl Default for ObjectPipelineConfig {
@@ -181,6 +193,27 @@ impl Default for ObjectPipelineConfig {
             },
             lock_verify_delay: Duration::from_millis(20),
             use_locks: true,
+            lock_ttl: crate::object::DEFAULT_LOCK_TTL,
         }
+    }
+}
+
+impl ObjectPipelineConfig {
+    /// Checks the values fit together: the pipeline's, and `lock_ttl` longer than both
+    /// `lock_verify_delay` and `pipeline.policy_timeout` (a lock must not expire while it is
+    /// still being taken).
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] naming the offending key.
+    pub fn validate(&self) -> Result<(), OffloadError> {
+        self.pipeline.validate()?;
+        let bad = |m: &str| Err(OffloadError::InvalidConfig(m.to_string()));
+        if self.lock_ttl <= self.lock_verify_delay {
+            return bad("lock_ttl_ms must exceed lock_verify_delay_ms");
+        }
+        if self.lock_ttl <= self.pipeline.policy_timeout {
+            return bad("lock_ttl_ms must exceed pipeline.policy_timeout_ms");
+        }
+        Ok(())
     }
 }

@@ -33,8 +33,8 @@ pub use handle::{
     TransferProgressDelta, TransferResult, TransferStatus,
 };
 pub use object::{
-    DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline, ObjectPipelineBuilder,
-    ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
+    DEFAULT_LOCK_TTL, DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline,
+    ObjectPipelineBuilder, ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
 };
 pub use pending::{PendingGuard, PendingTracker};
 pub use pipeline::{CompletionSink, Pipeline, PipelineBuilder, PipelineSpec};

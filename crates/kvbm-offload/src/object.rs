@@ -6,9 +6,12 @@
 //! ```text
 //!  ObjectPresenceFilter:      HEAD block ──► present? filter : pass
 //!  ObjectLockPresenceFilter:  HEAD block ──► present? filter
-//!                               └─► PUT lock (If-None-Match: *) ──► taken? filter
-//!                                     └─► after lock_verify_delay: GET lock ──► not our token? filter
-//!                                           └─► HEAD block again ──► present? release + filter : pass (lock held)
+//!                               └─► PUT lock (If-None-Match: *) ──► created ─────────────────────┐
+//!                                     └─► exists: GET lock ──► unparseable or live? filter        │
+//!                                           └─► expired: PUT lock (If-Match: its ETag) ──► lost? filter
+//!                                                 └─► replaced ──────────────────────────────────┤
+//!                               after lock_verify_delay: GET lock ──► not our token? filter ◄─────┘
+//!                                 └─► HEAD block again ──► present? release + filter : pass (lock held)
 //!                             … transfer …  ──► release(): DELETE lock (completed, failed or cancelled)
 //! ```
 //!
@@ -40,8 +43,8 @@
 //!   upload succeeded, so no block is reported present that is not;
 //! * releases are token-checked (GET the lock, DELETE only if it still holds our token), so the
 //!   loser of a late race does not delete the winner's lock and open the door to a third writer.
-//!   The check and the delete are two requests; under the same assumption no other token can
-//!   land between them.
+//!   The check and the delete are two requests; under the same assumption, and as long as the
+//!   lock has not expired (see below), no other token can land between them.
 //!
 //! A lock is tracked from **before** its create request is sent, so a create interrupted by the
 //! policy timeout or by cancellation (its future dropped, the request possibly already on the
@@ -49,9 +52,43 @@
 //! before its token-checked delete. Without this, such a lock would be left behind and no worker
 //! would offload that block again.
 //!
-//! Locks do not expire: a worker that dies holding one leaves it, and the block is filtered by
-//! every worker until the lock object (`<hash>.lock` under the namespace) is removed, e.g. by a
-//! bucket lifecycle rule. A pipeline that shuts down cleanly releases all its locks.
+//! # Lock expiry
+//!
+//! A lock object (`<hash>.lock` under the namespace) is a small JSON record: the owner's token,
+//! its creation time (`created_ms`, milliseconds since the Unix epoch by the **writer's** clock)
+//! and its lifetime (`ttl_ms`, the writer's
+//! [`lock_ttl`](crate::ObjectPipelineConfig::lock_ttl), default [`DEFAULT_LOCK_TTL`]). A worker
+//! whose create fails because the lock exists reads it:
+//!
+//! * **live** (`created_ms + ttl_ms` not yet past by the reader's clock): held, the block is
+//!   filtered;
+//! * **unparseable** (not a lock record, e.g. written by something else): held, never broken,
+//!   and a warning names the key — a lock we cannot read is not one we may judge stale;
+//! * **expired**: its holder is presumed dead (crashed, killed, partitioned). The lock is
+//!   replaced atomically by our own with a conditional `PutObject` carrying `If-Match: <ETag of
+//!   the stale lock>` (`PutMode::Update`): it succeeds only if the object is still that exact
+//!   stale lock, so of several workers breaking it at once, one wins (the others get
+//!   `412 Precondition Failed` and filter the block), and a lock refreshed or re-taken in the
+//!   meantime is never replaced. The replacement then goes through the same read-back
+//!   verification as a create. On a non-atomic server (s3s-fs checks `If-Match`, then writes)
+//!   two breakers can both "succeed"; the read-back resolves that exactly as for creates, under
+//!   the same assumption.
+//!   Stores without conditional update (`object_store`'s local filesystem, or a response
+//!   without an ETag) fall back to a token-checked delete — GET, DELETE only if it still holds
+//!   the same expired token and creation time — and retry the create once. That read-then-delete
+//!   is racy: another worker can break the lock and create its own between our GET and our
+//!   DELETE, and we then delete its fresh lock and take ours, so both may upload the block.
+//!
+//! Expiry **assumes loosely synchronized clocks** (skew well below the TTL) and a TTL longer than
+//! the longest time a lock is held — policy evaluation, queueing, batching and the transfer.
+//! Locks are not renewed while held. If either assumption fails (a clock far ahead, a transfer
+//! outliving the TTL), a live holder's lock can be broken and the block uploaded twice; its
+//! holder's release then finds another token and leaves the new lock alone. As above, that is
+//! harmless: a duplicate upload of identical bytes, never a lost or corrupt block. The same holds
+//! for the fallback's delete race. A clock far *behind* only makes this worker wait longer before
+//! breaking a lock.
+//!
+//! A pipeline that shuts down cleanly releases all its locks; expiry is for those that do not.
 //!
 //! The re-check after taking the lock closes the window in which another worker finished the
 //! object and released its lock between our first check and our lock. Locks held are tracked
@@ -65,8 +102,9 @@ use std::sync::Arc;
 use futures::StreamExt;
 use kvbm_logical::{G2, SequenceHash};
 use kvbm_physical::ObjectStorage;
-use object_store::ObjectStoreExt;
+use object_store::{ObjectStoreExt, PutMode, PutOptions, UpdateVersion};
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 
 use crate::config::ObjectPipelineConfig;
 use crate::error::{OffloadError, PolicyError};
@@ -83,6 +121,9 @@ use crate::transfer::{lock_key, object_key};
 
 /// Default delay before a new lock is read back to confirm ownership.
 pub const DEFAULT_LOCK_VERIFY_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Default lifetime of a lock object; see [`ObjectPipelineConfig::lock_ttl`].
+pub const DEFAULT_LOCK_TTL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Requests in flight per presence batch.
 const CHECK_CONCURRENCY: usize = 64;
@@ -168,12 +209,76 @@ impl<C: PresenceChecker> OffloadPolicy for ObjectPresenceFilter<C> {
 /// A block passes only when its object is absent and this filter won its lock object (an S3
 /// conditional create, `PutMode::Create`). The lock is deleted by [`OffloadPolicy::release`]
 /// when the block leaves the pipeline, whatever the outcome.
+///
+/// Lock objects expire after their TTL ([`with_lock_ttl`](Self::with_lock_ttl)); an expired
+/// lock is replaced by a conditional update (see the [module docs](self#lock-expiry)).
 pub struct ObjectLockPresenceFilter {
     storage: Arc<ObjectStorage>,
     owner: String,
     verify_delay: std::time::Duration,
+    ttl: std::time::Duration,
     held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
     releases: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+/// What a lock object holds: whose it is, and until when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LockRecord {
+    /// The owner's unique token ([`ObjectLockPresenceFilter::token`]).
+    token: String,
+    /// Creation time, milliseconds since the Unix epoch, by the writer's clock.
+    created_ms: u64,
+    /// Lifetime from `created_ms`, milliseconds.
+    ttl_ms: u64,
+}
+
+impl LockRecord {
+    /// A lock for `token`, created now.
+    fn new(token: &str, ttl: std::time::Duration) -> Self {
+        Self {
+            token: token.to_string(),
+            created_ms: now_ms(),
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn encode(&self) -> bytes::Bytes {
+        serde_json::to_vec(self)
+            .expect("a lock record serializes")
+            .into()
+    }
+
+    /// `None` when `body` is not a lock record.
+    fn decode(body: &[u8]) -> Option<Self> {
+        serde_json::from_slice(body).ok()
+    }
+
+    /// Whether `created + ttl` is past at `now_ms`.
+    fn expired_at(&self, now_ms: u64) -> bool {
+        self.created_ms.saturating_add(self.ttl_ms) < now_ms
+    }
+}
+
+/// Milliseconds since the Unix epoch by this machine's clock (0 if it is before the epoch).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Whether `body` is a lock record holding `token`.
+fn holds_token(body: &[u8], token: &str) -> bool {
+    LockRecord::decode(body).is_some_and(|r| r.token == token)
+}
+
+/// What one evaluation needs, shared by the per-block futures of a batch.
+struct LockCtx {
+    storage: Arc<ObjectStorage>,
+    held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
+    token: String,
+    verify_delay: std::time::Duration,
+    ttl: std::time::Duration,
 }
 
 /// A lock this filter may hold.
@@ -207,6 +312,7 @@ impl ObjectLockPresenceFilter {
             storage,
             owner: format!("{}/{}/{nanos}/{unique}", owner.into(), std::process::id()),
             verify_delay: DEFAULT_LOCK_VERIFY_DELAY,
+            ttl: DEFAULT_LOCK_TTL,
             held: Arc::default(),
             releases: Arc::default(),
         }
@@ -217,6 +323,19 @@ impl ObjectLockPresenceFilter {
     pub fn with_verify_delay(mut self, delay: std::time::Duration) -> Self {
         self.verify_delay = delay;
         self
+    }
+
+    /// Lifetime written into this filter's locks: once it has passed, another worker may break
+    /// the lock. Must exceed the longest time a block is held (evaluation through transfer).
+    /// Default: [`DEFAULT_LOCK_TTL`].
+    pub fn with_lock_ttl(mut self, ttl: std::time::Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The lifetime written into this filter's locks.
+    pub fn lock_ttl(&self) -> std::time::Duration {
+        self.ttl
     }
 
     /// The token this filter writes into its locks.
@@ -237,13 +356,14 @@ impl ObjectLockPresenceFilter {
         }
     }
 
-    async fn check_and_lock(
-        storage: Arc<ObjectStorage>,
-        held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
-        owner: Vec<u8>,
-        verify_delay: std::time::Duration,
-        h: SequenceHash,
-    ) -> Result<bool, PolicyError> {
+    async fn check_and_lock(ctx: Arc<LockCtx>, h: SequenceHash) -> Result<bool, PolicyError> {
+        let LockCtx {
+            storage,
+            held,
+            token,
+            verify_delay,
+            ..
+        } = &*ctx;
         let backend = |e: kvbm_physical::PhysicalError| PolicyError::Backend(e.to_string());
         if storage.exists(&object_key(h)).await.map_err(backend)? {
             return Ok(false);
@@ -254,17 +374,20 @@ impl ObjectLockPresenceFilter {
             // This filter is already locking (or holds) this block.
             return Ok(false);
         }
-        if !storage
-            .try_create(&lock_key(h), owner.clone().into())
-            .await
-            .map_err(backend)?
-        {
+        let record = LockRecord::new(token, ctx.ttl);
+        let acquired = match storage.try_create(&lock_key(h), record.encode()).await {
+            Ok(true) => Ok(true),
+            // Taken: by a live worker, or by one that died holding it.
+            Ok(false) => Self::take_over_if_expired(&ctx, h).await,
+            Err(e) => Err(backend(e)),
+        };
+        if !acquired? {
             held.lock().remove(&h);
             return Ok(false);
         }
         // Confirm ownership: a racing create on a non-atomic server may have overwritten ours.
         if !verify_delay.is_zero() {
-            tokio::time::sleep(verify_delay).await;
+            tokio::time::sleep(*verify_delay).await;
         }
         let path = storage.path(&lock_key(h));
         let body = match storage.store().get(&path).await {
@@ -278,7 +401,7 @@ impl ObjectLockPresenceFilter {
             }
             Err(e) => return Err(PolicyError::Backend(e.to_string())),
         };
-        if body.as_ref() != owner.as_slice() {
+        if !holds_token(&body, token) {
             // Someone else's lock: forget it without deleting it.
             held.lock().remove(&h);
             return Ok(false);
@@ -291,13 +414,100 @@ impl ObjectLockPresenceFilter {
         // Another worker may have finished the object and released its lock in between.
         if storage.exists(&object_key(h)).await.map_err(backend)? {
             if held.lock().remove(&h).is_some() {
-                release_lock(&storage, &owner, h)
+                release_lock(storage, token, h)
                     .await
                     .map_err(PolicyError::Backend)?;
             }
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// Our create of `h`'s lock failed because the lock exists: read it, and if it has expired
+    /// replace it with ours. `Ok(true)` when our lock was written (still to be verified),
+    /// `Ok(false)` when the lock is held (live, unparseable, or broken by someone else first).
+    async fn take_over_if_expired(ctx: &LockCtx, h: SequenceHash) -> Result<bool, PolicyError> {
+        let backend = |e: object_store::Error| PolicyError::Backend(e.to_string());
+        let storage = &ctx.storage;
+        let key = lock_key(h);
+        let path = storage.path(&key);
+        let got = match storage.store().get(&path).await {
+            Ok(got) => got,
+            Err(object_store::Error::NotFound { .. }) => {
+                // Released between our create and our read: retry the acquire once.
+                let record = LockRecord::new(&ctx.token, ctx.ttl);
+                return storage
+                    .try_create(&key, record.encode())
+                    .await
+                    .map_err(|e| PolicyError::Backend(e.to_string()));
+            }
+            Err(e) => return Err(backend(e)),
+        };
+        let version = UpdateVersion {
+            e_tag: got.meta.e_tag.clone(),
+            version: got.meta.version.clone(),
+        };
+        let body = got.bytes().await.map_err(backend)?;
+        let Some(stale) = LockRecord::decode(&body) else {
+            tracing::warn!(
+                key = %path,
+                "object lock is not a lock record: treated as held, never broken"
+            );
+            return Ok(false);
+        };
+        let now = now_ms();
+        if !stale.expired_at(now) {
+            return Ok(false);
+        }
+        tracing::info!(
+            key = %path,
+            owner = %stale.token,
+            expired_ms_ago = now - stale.created_ms.saturating_add(stale.ttl_ms),
+            "breaking expired object lock"
+        );
+        let ours = LockRecord::new(&ctx.token, ctx.ttl).encode();
+        if version.e_tag.is_some() || version.version.is_some() {
+            // Atomic on S3: replaced only if it is still exactly the stale lock we read.
+            let opts = PutOptions {
+                mode: PutMode::Update(version),
+                ..Default::default()
+            };
+            match storage
+                .store()
+                .put_opts(&path, ours.clone().into(), opts)
+                .await
+            {
+                Ok(_) => return Ok(true),
+                // Broken (or released and re-taken) by someone else first.
+                Err(
+                    object_store::Error::Precondition { .. }
+                    | object_store::Error::NotFound { .. }
+                    | object_store::Error::AlreadyExists { .. },
+                ) => return Ok(false),
+                Err(object_store::Error::NotImplemented { .. }) => {}
+                Err(e) => return Err(backend(e)),
+            }
+        }
+        // No conditional update here: delete it if it is still the same stale lock, then retry
+        // the create once. Racy (see the module docs); at worst one duplicate upload.
+        match storage.store().get(&path).await {
+            Ok(again) => {
+                let body = again.bytes().await.map_err(backend)?;
+                if LockRecord::decode(&body).as_ref() != Some(&stale) {
+                    return Ok(false);
+                }
+                storage
+                    .delete(&key)
+                    .await
+                    .map_err(|e| PolicyError::Backend(e.to_string()))?;
+            }
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(backend(e)),
+        }
+        storage
+            .try_create(&key, ours)
+            .await
+            .map_err(|e| PolicyError::Backend(e.to_string()))
     }
 }
 
@@ -315,16 +525,17 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
         })
     }
     fn evaluate_batch(&self, ctxs: &[EvalContext]) -> PolicyBatchFuture {
-        let storage = self.storage.clone();
-        let held = self.held.clone();
-        let owner = self.owner.clone().into_bytes();
-        let delay = self.verify_delay;
+        let ctx = Arc::new(LockCtx {
+            storage: self.storage.clone(),
+            held: self.held.clone(),
+            token: self.owner.clone(),
+            verify_delay: self.verify_delay,
+            ttl: self.ttl,
+        });
         let hashes: Vec<SequenceHash> = ctxs.iter().map(|c| c.sequence_hash).collect();
         async_batch_result(async move {
             futures::stream::iter(hashes)
-                .map(|h| {
-                    Self::check_and_lock(storage.clone(), held.clone(), owner.clone(), delay, h)
-                })
+                .map(|h| Self::check_and_lock(ctx.clone(), h))
                 .buffered(CHECK_CONCURRENCY)
                 .collect::<Vec<_>>()
                 .await
@@ -344,7 +555,7 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
             return;
         }
         let storage = self.storage.clone();
-        let owner = self.owner.clone().into_bytes();
+        let owner = self.owner.clone();
         let delay = self.verify_delay;
         let task = tokio::spawn(async move {
             if mine.iter().any(|(_, s)| *s == LockState::Acquiring) && !delay.is_zero() {
@@ -364,18 +575,14 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
 }
 
 /// Deletes the lock of `h` if it holds `owner`'s token (absent or someone else's: left alone).
-async fn release_lock(
-    storage: &ObjectStorage,
-    owner: &[u8],
-    h: SequenceHash,
-) -> Result<(), String> {
+async fn release_lock(storage: &ObjectStorage, owner: &str, h: SequenceHash) -> Result<(), String> {
     let path = storage.path(&lock_key(h));
     let body = match storage.store().get(&path).await {
         Ok(got) => got.bytes().await,
         Err(e) => Err(e),
     };
     match body {
-        Ok(b) if b.as_ref() == owner => storage
+        Ok(b) if holds_token(&b, owner) => storage
             .delete(&lock_key(h))
             .await
             .map_err(|e| e.to_string()),
@@ -452,11 +659,13 @@ impl ObjectPipelineBuilder {
         executor: E,
         sink: Option<CompletionSink<E::Output>>,
     ) -> Result<ObjectPipeline, OffloadError> {
+        self.config.validate()?;
         let mut policies = self.extra;
         let lock_filter = if self.config.use_locks {
             let f = Arc::new(
                 ObjectLockPresenceFilter::new(self.storage.clone(), self.owner)
-                    .with_verify_delay(self.config.lock_verify_delay),
+                    .with_verify_delay(self.config.lock_verify_delay)
+                    .with_lock_ttl(self.config.lock_ttl),
             );
             policies.push(f.clone());
             Some(f)

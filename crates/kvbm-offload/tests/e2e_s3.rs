@@ -205,3 +205,237 @@ async fn locks_interrupted_by_timeout_are_released() {
         );
     }
 }
+
+// --- Lock expiry -------------------------------------------------------------------------------
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Writes a lock object by hand, as another worker would have: `{token, created_ms, ttl_ms}`.
+async fn put_lock(storage: &ObjectStorage, h: SequenceHash, body: impl Into<bytes::Bytes>) {
+    use object_store::ObjectStoreExt;
+    storage
+        .store()
+        .put(&storage.path(&lock_key(h)), body.into().into())
+        .await
+        .unwrap();
+}
+
+fn lock_record(token: &str, created_ms: u64, ttl_ms: u64) -> String {
+    format!(r#"{{"token":"{token}","created_ms":{created_ms},"ttl_ms":{ttl_ms}}}"#)
+}
+
+async fn lock_body(storage: &ObjectStorage, h: SequenceHash) -> Option<bytes::Bytes> {
+    use object_store::ObjectStoreExt;
+    match storage.store().get(&storage.path(&lock_key(h))).await {
+        Ok(got) => Some(got.bytes().await.unwrap()),
+        Err(object_store::Error::NotFound { .. }) => None,
+        Err(e) => panic!("get lock: {e}"),
+    }
+}
+
+async fn eval_one(f: &ObjectLockPresenceFilter, h: SequenceHash) -> bool {
+    let ctx = EvalContext {
+        sequence_hash: h,
+        block_id: None,
+        source: kvbm_logical::TierId::G2,
+        destination: kvbm_logical::TierId::G4,
+    };
+    match f.evaluate_batch(&[ctx]) {
+        either::Either::Left(r) => r.await.unwrap()[0],
+        either::Either::Right(f) => f.await.unwrap()[0],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_lock_of_a_crashed_worker_is_broken_and_the_block_offloaded_once() {
+    let Some(storage) = storage("object_lock_stale") else {
+        return;
+    };
+    let n = 16;
+    // A worker crashed an hour ago holding every lock (60 s TTL): long expired.
+    let created = now_ms() - 3_600_000;
+    for i in 0..n as u32 {
+        put_lock(
+            &storage,
+            hash(i),
+            lock_record("crashed-worker", created, 60_000),
+        )
+        .await;
+    }
+    // Two live workers race for the blocks: each stale lock is broken once, each block
+    // written exactly once.
+    let a = worker(&storage, n, "worker-a");
+    let b = worker(&storage, n, "worker-b");
+    let ha = a.enqueue(external(0, n as u32), None).unwrap();
+    let hb = b.enqueue(external(0, n as u32), None).unwrap();
+    let (ra, rb) = tokio::join!(ha.wait(), hb.wait());
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert!(
+        ra.failed_blocks.is_empty() && rb.failed_blocks.is_empty(),
+        "{ra:?} {rb:?}"
+    );
+    for i in 0..n as u32 {
+        let h = hash(i);
+        let wrote_a = ra.completed_blocks.contains(&h);
+        let wrote_b = rb.completed_blocks.contains(&h);
+        assert!(
+            wrote_a ^ wrote_b,
+            "block {i} written exactly once (a: {wrote_a}, b: {wrote_b})"
+        );
+        assert!(storage.exists(&object_key(h)).await.unwrap(), "object {i}");
+    }
+    for p in [&a, &b] {
+        let f = p.lock_filter().unwrap();
+        f.flush_releases().await;
+        assert!(f.held_locks().is_empty());
+    }
+    for i in 0..n as u32 {
+        assert_eq!(
+            lock_body(&storage, hash(i)).await,
+            None,
+            "lock {i} released"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_and_unparseable_locks_are_respected() {
+    let Some(storage) = storage("object_lock_live") else {
+        return;
+    };
+    // Block 0: held by a live worker (created now, 60 s TTL). Block 1: a lock whose body is not
+    // a lock record (here, the bare token of an older format). Block 2: garbage bytes.
+    let live = lock_record("live-worker", now_ms(), 60_000);
+    put_lock(&storage, hash(0), live.clone()).await;
+    put_lock(&storage, hash(1), "old-worker/123/456/0").await;
+    put_lock(&storage, hash(2), vec![0xffu8, 0, 1, 2]).await;
+    let before = [
+        lock_body(&storage, hash(0)).await.unwrap(),
+        lock_body(&storage, hash(1)).await.unwrap(),
+        lock_body(&storage, hash(2)).await.unwrap(),
+    ];
+
+    let a = worker(&storage, 3, "worker-a");
+    let r = a
+        .enqueue(external(0, 3), None)
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert!(
+        r.completed_blocks.is_empty() && r.failed_blocks.is_empty(),
+        "{r:?}"
+    );
+    assert_eq!(r.filtered_blocks.len(), 3, "{r:?}");
+    let f = a.lock_filter().unwrap();
+    f.flush_releases().await;
+    assert!(f.held_locks().is_empty());
+    for i in 0..3u32 {
+        assert!(!storage.exists(&object_key(hash(i))).await.unwrap());
+        assert_eq!(
+            lock_body(&storage, hash(i)).await.as_ref(),
+            Some(&before[i as usize]),
+            "lock {i} untouched"
+        );
+    }
+    // Even long after, an unparseable lock is never broken; the live one only past its TTL.
+    assert!(!eval_one(f, hash(2)).await);
+}
+
+/// A holder that never releases (crashed) with a short TTL: its lock is taken over once
+/// expired, and its late release (a holder that outlived its TTL) leaves the new lock alone.
+async fn expired_lock_is_taken_over(storage: Arc<ObjectStorage>) {
+    let ttl = std::time::Duration::from_millis(300);
+    let crashed = ObjectLockPresenceFilter::new(storage.clone(), "crashed").with_lock_ttl(ttl);
+    let live = ObjectLockPresenceFilter::new(storage.clone(), "live").with_lock_ttl(ttl);
+    let h = hash(7);
+    assert!(eval_one(&crashed, h).await, "first taker wins");
+    assert!(!eval_one(&live, h).await, "live lock respected");
+    tokio::time::sleep(ttl + std::time::Duration::from_millis(100)).await;
+    assert!(eval_one(&live, h).await, "expired lock broken");
+    let body = lock_body(&storage, h).await.unwrap();
+    assert!(
+        std::str::from_utf8(&body).unwrap().contains(live.token()),
+        "the lock is now the live worker's"
+    );
+    crashed.release(&[h]);
+    crashed.flush_releases().await;
+    assert_eq!(
+        lock_body(&storage, h).await,
+        Some(body),
+        "a late release leaves the new owner's lock"
+    );
+    live.release(&[h]);
+    live.flush_releases().await;
+    assert_eq!(lock_body(&storage, h).await, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lock_is_replaced_by_conditional_update_on_s3() {
+    let Some(storage) = storage("object_lock_expiry") else {
+        return;
+    };
+    expired_lock_is_taken_over(storage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lock_is_deleted_and_recreated_without_conditional_update() {
+    // The local filesystem store has no `PutMode::Update`: the token-checked delete fallback.
+    let dir = tempfile::tempdir().unwrap();
+    let storage = Arc::new(ObjectStorage::local(dir.path(), ObjectConfig::default()).unwrap());
+    expired_lock_is_taken_over(storage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_server_enforces_if_match_on_lock_replacement() {
+    // What the expiry takeover relies on: the server returns an ETag for a lock, and a
+    // `PutMode::Update` with an ETag that no longer matches (the stale lock was replaced in
+    // between) is refused, while one that matches replaces it.
+    use object_store::{ObjectStoreExt, PutMode, PutOptions, UpdateVersion};
+    let Some(storage) = storage("object_lock_if_match") else {
+        return;
+    };
+    let path = storage.path(&lock_key(hash(1)));
+    put_lock(&storage, hash(1), lock_record("crashed", 1, 1)).await;
+    let stale = storage.store().head(&path).await.unwrap();
+    assert!(stale.e_tag.is_some(), "the server returns ETags");
+    let update = |meta: &object_store::ObjectMeta| PutOptions {
+        mode: PutMode::Update(UpdateVersion {
+            e_tag: meta.e_tag.clone(),
+            version: meta.version.clone(),
+        }),
+        ..Default::default()
+    };
+    // Someone else broke it first: our update, conditioned on the stale ETag, must fail.
+    put_lock(&storage, hash(1), lock_record("other", now_ms(), 60_000)).await;
+    let err = storage
+        .store()
+        .put_opts(&path, bytes::Bytes::from("mine").into(), update(&stale))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, object_store::Error::Precondition { .. }),
+        "{err}"
+    );
+    assert!(
+        std::str::from_utf8(&lock_body(&storage, hash(1)).await.unwrap())
+            .unwrap()
+            .contains("other")
+    );
+    // Conditioned on the current ETag, it replaces the lock.
+    let current = storage.store().head(&path).await.unwrap();
+    storage
+        .store()
+        .put_opts(&path, bytes::Bytes::from("mine").into(), update(&current))
+        .await
+        .unwrap();
+    assert_eq!(
+        lock_body(&storage, hash(1)).await.as_deref(),
+        Some(&b"mine"[..])
+    );
+}

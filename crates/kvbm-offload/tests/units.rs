@@ -250,3 +250,34 @@ fn public_types_are_send_and_sync() {
     check::<SettlementToken>();
     check::<PendingTracker>();
 }
+
+#[test]
+fn object_config_lock_ttl_is_read_and_validated() {
+    let obj = ObjectPipelineConfig::default();
+    assert_eq!(obj.lock_ttl, DEFAULT_LOCK_TTL);
+    obj.validate().unwrap();
+    let json = serde_json::json!({"lock_ttl_ms": 5000, "lock_verify_delay_ms": 10});
+    let c: ObjectPipelineConfig = serde_json::from_value(json).unwrap();
+    assert_eq!(c.lock_ttl, Duration::from_millis(5000));
+    let back: ObjectPipelineConfig =
+        serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+    assert_eq!(back, c);
+    // Not longer than the verify delay, or than the policy timeout: rejected.
+    let short = ObjectPipelineConfig {
+        lock_ttl: Duration::from_millis(20),
+        ..Default::default()
+    };
+    assert!(short.validate().is_err());
+    let short = ObjectPipelineConfig {
+        lock_ttl: DEFAULT_OBJECT_POLICY_TIMEOUT,
+        ..Default::default()
+    };
+    let err = short.validate().unwrap_err();
+    assert!(err.to_string().contains("policy_timeout"), "{err}");
+    // The object pipeline refuses to start with it.
+    let storage = Arc::new(kvbm_physical::ObjectStorage::in_memory(Default::default()));
+    let spawned = ObjectPipelineBuilder::new(storage)
+        .config(short)
+        .spawn(NoopExecutor);
+    assert!(matches!(spawned, Err(OffloadError::InvalidConfig(_))));
+}
