@@ -27,10 +27,11 @@ use loom::thread;
 
 use crate::config::{DuplicationPolicy, LogicalConfig};
 use crate::hash::{Salt, SequenceHash};
+use crate::manager::tests::register;
 use crate::registry::RegistryConfig;
 use crate::store::Core;
 use crate::sync::ghost;
-use crate::{BlockManager, EvictionBackend, G2, ImmutableBlock};
+use crate::{BlockManager, EvictionBackend, G2};
 
 const BS: u32 = 4;
 
@@ -60,16 +61,6 @@ fn manager(n: usize, backend: EvictionBackend) -> BlockManager<G2> {
 
 fn hash(i: u32) -> SequenceHash {
     SequenceHash::root(Salt::NONE, &[i, i + 1, i + 2, i + 3])
-}
-
-fn register(m: &BlockManager<G2>, hashes: &[SequenceHash]) -> Vec<ImmutableBlock<G2>> {
-    let blocks = m.allocate_blocks(hashes.len()).unwrap();
-    let complete = blocks
-        .into_iter()
-        .zip(hashes)
-        .map(|(b, h)| b.complete(*h).unwrap())
-        .collect();
-    m.register_blocks(complete)
 }
 
 /// Only the manager's own count is left: every epoch's pin was dropped exactly once.

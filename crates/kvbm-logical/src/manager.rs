@@ -484,4 +484,4 @@ fn register_batch<T: Tier>(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -54,15 +54,20 @@ fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn g2_to_g4_two_pipelines_race_for_the_same_object_lock() {
-    let Some(storage) = storage("g2_to_g4_lock_race") else {
-        return;
-    };
-    let n = 32;
-    let a = worker(&storage, n, "worker-a");
-    let b = worker(&storage, n, "worker-b");
-
+/// Two workers offload the same `n` blocks at once. Asserts that nothing failed, that each
+/// block was written by exactly one of them and that its object exists; returns both pipelines
+/// and their results.
+async fn race_two_workers(
+    storage: &Arc<ObjectStorage>,
+    n: usize,
+) -> (
+    ObjectPipeline,
+    ObjectPipeline,
+    TransferResult,
+    TransferResult,
+) {
+    let a = worker(storage, n, "worker-a");
+    let b = worker(storage, n, "worker-b");
     let ha = a.enqueue(external(0, n as u32), None).unwrap();
     let hb = b.enqueue(external(0, n as u32), None).unwrap();
     let (ra, rb) = tokio::join!(ha.wait(), hb.wait());
@@ -80,28 +85,45 @@ async fn g2_to_g4_two_pipelines_race_for_the_same_object_lock() {
             "block {i} written exactly once (a: {wrote_a}, b: {wrote_b})"
         );
         assert!(
-            ra.filtered_blocks.contains(&h) == wrote_b
-                && rb.filtered_blocks.contains(&h) == wrote_a,
-            "the loser filtered block {i}"
-        );
-        assert!(
             storage.exists(&object_key(h)).await.unwrap(),
             "object {i} exists"
         );
     }
+    (a, b, ra, rb)
+}
 
-    // Every lock was released: nothing held, no lock object left.
-    for p in [&a, &b] {
+/// Every lock the pipelines took was released: none held, no lock object left for `0..n`.
+async fn assert_locks_released(storage: &ObjectStorage, pipelines: [&ObjectPipeline; 2], n: usize) {
+    for p in pipelines {
         let f = p.lock_filter().expect("locks on by default");
         f.flush_releases().await;
         assert!(f.held_locks().is_empty());
     }
     for i in 0..n as u32 {
+        assert_eq!(lock_body(storage, hash(i)).await, None, "lock {i} released");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g2_to_g4_two_pipelines_race_for_the_same_object_lock() {
+    let Some(storage) = storage("g2_to_g4_lock_race") else {
+        return;
+    };
+    let n = 32;
+    let (a, b, ra, rb) = race_two_workers(&storage, n).await;
+    for i in 0..n as u32 {
+        let h = hash(i);
+        let (wrote_a, wrote_b) = (
+            ra.completed_blocks.contains(&h),
+            rb.completed_blocks.contains(&h),
+        );
         assert!(
-            !storage.exists(&lock_key(hash(i))).await.unwrap(),
-            "lock {i} released"
+            ra.filtered_blocks.contains(&h) == wrote_b
+                && rb.filtered_blocks.contains(&h) == wrote_a,
+            "the loser filtered block {i}"
         );
     }
+    assert_locks_released(&storage, [&a, &b], n).await;
 
     // Present now: a later offload of the same blocks is filtered by the presence check.
     let again = a
@@ -269,38 +291,8 @@ async fn stale_lock_of_a_crashed_worker_is_broken_and_the_block_offloaded_once()
     }
     // Two live workers race for the blocks: each stale lock is broken once, each block
     // written exactly once.
-    let a = worker(&storage, n, "worker-a");
-    let b = worker(&storage, n, "worker-b");
-    let ha = a.enqueue(external(0, n as u32), None).unwrap();
-    let hb = b.enqueue(external(0, n as u32), None).unwrap();
-    let (ra, rb) = tokio::join!(ha.wait(), hb.wait());
-    let (ra, rb) = (ra.unwrap(), rb.unwrap());
-    assert!(
-        ra.failed_blocks.is_empty() && rb.failed_blocks.is_empty(),
-        "{ra:?} {rb:?}"
-    );
-    for i in 0..n as u32 {
-        let h = hash(i);
-        let wrote_a = ra.completed_blocks.contains(&h);
-        let wrote_b = rb.completed_blocks.contains(&h);
-        assert!(
-            wrote_a ^ wrote_b,
-            "block {i} written exactly once (a: {wrote_a}, b: {wrote_b})"
-        );
-        assert!(storage.exists(&object_key(h)).await.unwrap(), "object {i}");
-    }
-    for p in [&a, &b] {
-        let f = p.lock_filter().unwrap();
-        f.flush_releases().await;
-        assert!(f.held_locks().is_empty());
-    }
-    for i in 0..n as u32 {
-        assert_eq!(
-            lock_body(&storage, hash(i)).await,
-            None,
-            "lock {i} released"
-        );
-    }
+    let (a, b, _, _) = race_two_workers(&storage, n).await;
+    assert_locks_released(&storage, [&a, &b], n).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

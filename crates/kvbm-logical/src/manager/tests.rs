@@ -27,7 +27,11 @@ fn chain(seed: u32, n: usize) -> Vec<SequenceHash> {
         .hashes()
 }
 
-fn register<T: Tier>(m: &BlockManager<T>, hashes: &[SequenceHash]) -> Vec<ImmutableBlock<T>> {
+/// Allocates, completes and registers one block per hash (shared with the loom models).
+pub(crate) fn register<T: Tier>(
+    m: &BlockManager<T>,
+    hashes: &[SequenceHash],
+) -> Vec<ImmutableBlock<T>> {
     let blocks = m.allocate_blocks(hashes.len()).unwrap();
     let complete = blocks
         .into_iter()

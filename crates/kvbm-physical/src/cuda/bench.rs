@@ -19,7 +19,7 @@ use std::time::Instant;
 use cudarc::driver::{result, sys};
 
 use super::copy::{CopyMode, batch_api, set_copy_mode};
-use super::tests::gpu_or_skip;
+use super::tests::{gpu_or_skip, permutation};
 use super::{CudaDevice, CudaPinnedBuffer, Direction, register_host};
 use crate::layout::{BlockDim, BlockLayout, LayoutKind, PhysicalLayout};
 use crate::storage::{DeviceMemory, HostStorage, PinPolicy};
@@ -81,18 +81,6 @@ fn raw_copy_gbps(dst: u64, src: u64, len: usize, stream: sys::CUstream, reps: us
         result::event::destroy(stop).unwrap();
     }
     best
-}
-
-fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..n).collect();
-    let mut x = seed | 1;
-    for i in (1..n).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v
 }
 
 /// Wall seconds of each of `reps` transfers (after one warm-up, which also registers memory).

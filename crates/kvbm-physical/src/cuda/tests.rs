@@ -106,8 +106,8 @@ fn xfer(
     }
 }
 
-/// A deterministic permutation of `0..n`.
-fn permutation(n: usize, seed: u64) -> Vec<usize> {
+/// A deterministic permutation of `0..n` (also used by the GPU benchmark).
+pub(super) fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut v: Vec<usize> = (0..n).collect();
     let mut x = seed | 1;
     for i in (1..n).rev() {
