@@ -437,7 +437,8 @@ impl OffloadEngine {
             p.shutdown_and_wait().await;
         }
         if let Some(p) = &self.g2_to_g4 {
-            p.pipeline().shutdown_and_wait().await;
+            // Flushes the lock releases too.
+            p.shutdown_and_wait().await;
         }
     }
 }

@@ -1,4 +1,11 @@
 //! Errors: why a block failed, why an operation was refused.
+//!
+//! A transfer failure keeps the [`PhysicalError`] it came from ([`BlockFailure::source`]) and
+//! sorts it into a [`BlockFailureKind`] an upper layer acts on: drop the copy on a checksum
+//! mismatch, treat the block as absent (clear presence, rewrite) on an identity mismatch or
+//! not-found, retry on I/O.
+
+use kvbm_physical::{ErrorKind, PhysicalError};
 
 /// Stable categories of a block failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -10,10 +17,25 @@ pub enum BlockFailureKind {
     PreconditionFailed,
     /// No destination block could be allocated.
     NoSpace,
-    /// The transfer of this block's bytes failed.
+    /// The transfer of this block's bytes failed for another reason (refused arguments,
+    /// registration in the destination failed).
     Transfer,
     /// The transfer executor stopped (panicked or was aborted) with the block in flight.
     ExecutorAborted,
+    /// The bytes read are not the bytes stored (checksum mismatch, short read, corrupt
+    /// header): drop that copy.
+    ChecksumMismatch,
+    /// The stored block is intact but another one (another identity, file instance, key,
+    /// namespace, geometry or rank): treat it as absent and rewrite it.
+    IdentityMismatch,
+    /// Nothing is stored for the block: clear its presence.
+    NotFound,
+    /// An operating-system or object-store error: a retry may succeed.
+    Io,
+    /// The operation exceeded its time limit.
+    Timeout,
+    /// The operation was cancelled before it finished.
+    Cancelled,
 }
 
 impl BlockFailureKind {
@@ -26,19 +48,49 @@ impl BlockFailureKind {
             Self::NoSpace => "no_space",
             Self::Transfer => "transfer",
             Self::ExecutorAborted => "executor_aborted",
+            Self::ChecksumMismatch => "checksum_mismatch",
+            Self::IdentityMismatch => "identity_mismatch",
+            Self::NotFound => "not_found",
+            Self::Io => "io",
+            Self::Timeout => "timeout",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// The kind of a block whose transfer failed with `e`.
+    pub fn of_physical(e: &PhysicalError) -> Self {
+        match e.kind() {
+            ErrorKind::Corrupt => Self::ChecksumMismatch,
+            ErrorKind::IdentityMismatch => Self::IdentityMismatch,
+            ErrorKind::NotFound => Self::NotFound,
+            ErrorKind::Io => Self::Io,
+            ErrorKind::Aborted => Self::ExecutorAborted,
+            _ => Self::Transfer,
         }
     }
 }
 
 /// Why one block failed. Failed blocks are never registered in the destination.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+///
+/// Equality compares the kind and the message (the source error has no equality of its own).
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("{kind:?}: {message}")]
 pub struct BlockFailure {
     /// Category.
     pub kind: BlockFailureKind,
     /// Human-readable detail (e.g. the physical error's message).
     pub message: String,
+    /// The bytes layer's error, when the failure came from a transfer.
+    #[source]
+    pub source: Option<PhysicalError>,
 }
+
+impl PartialEq for BlockFailure {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+impl Eq for BlockFailure {}
 
 impl BlockFailure {
     /// A failure of `kind` with `message`.
@@ -46,7 +98,23 @@ impl BlockFailure {
         Self {
             kind,
             message: message.into(),
+            source: None,
         }
+    }
+
+    /// A failure carrying the physical error `e`, its kind derived from it
+    /// ([`BlockFailureKind::of_physical`]).
+    pub fn physical(e: PhysicalError) -> Self {
+        Self {
+            kind: BlockFailureKind::of_physical(&e),
+            message: e.to_string(),
+            source: Some(e),
+        }
+    }
+
+    /// The physical error behind this failure, if any.
+    pub fn physical_error(&self) -> Option<&PhysicalError> {
+        self.source.as_ref()
     }
 }
 
@@ -72,7 +140,7 @@ pub enum OffloadError {
 }
 
 /// Errors from policy evaluation. A block whose evaluation errs or times out is filtered.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum PolicyError {
     /// Evaluation exceeded `policy_timeout`.
@@ -80,5 +148,23 @@ pub enum PolicyError {
     Timeout,
     /// The backing service (e.g. S3) failed.
     #[error("policy backend error: {0}")]
-    Backend(String),
+    Backend(#[source] PhysicalError),
+}
+
+impl PartialEq for PolicyError {
+    /// Same variant and, for backends, the same message.
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Timeout, Self::Timeout) => true,
+            (Self::Backend(a), Self::Backend(b)) => a.to_string() == b.to_string(),
+            _ => false,
+        }
+    }
+}
+impl Eq for PolicyError {}
+
+impl From<PhysicalError> for PolicyError {
+    fn from(e: PhysicalError) -> Self {
+        Self::Backend(e)
+    }
 }

@@ -35,6 +35,7 @@ pub use handle::{
 pub use object::{
     DEFAULT_LOCK_TTL, DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline,
     ObjectPipelineBuilder, ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
+    block_identity, lock_key, object_key,
 };
 pub use pending::{PendingGuard, PendingTracker};
 pub use pipeline::{CompletionSink, Pipeline, PipelineBuilder, PipelineSpec};
@@ -50,4 +51,4 @@ pub use settlement::{
 };
 pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
 pub use sweep::{CancelSweeper, SweepSignal};
-pub use transfer::{BlockTransferExecutor, ObjectTransferExecutor, lock_key, object_key};
+pub use transfer::{BlockTransferExecutor, ObjectTransferExecutor};

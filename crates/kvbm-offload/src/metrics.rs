@@ -74,12 +74,18 @@ pub const ALL: [&str; 10] = [
     CANCEL_CONFIRMATION_SECONDS,
 ];
 
-const FAILURE_KINDS: [BlockFailureKind; 5] = [
+const FAILURE_KINDS: [BlockFailureKind; 11] = [
     BlockFailureKind::Evicted,
     BlockFailureKind::PreconditionFailed,
     BlockFailureKind::NoSpace,
     BlockFailureKind::Transfer,
     BlockFailureKind::ExecutorAborted,
+    BlockFailureKind::ChecksumMismatch,
+    BlockFailureKind::IdentityMismatch,
+    BlockFailureKind::NotFound,
+    BlockFailureKind::Io,
+    BlockFailureKind::Timeout,
+    BlockFailureKind::Cancelled,
 ];
 
 /// Registers the units and descriptions of every metric with the current recorder.
@@ -166,6 +172,12 @@ fn failure_index(kind: BlockFailureKind) -> usize {
         BlockFailureKind::NoSpace => 2,
         BlockFailureKind::Transfer => 3,
         BlockFailureKind::ExecutorAborted => 4,
+        BlockFailureKind::ChecksumMismatch => 5,
+        BlockFailureKind::IdentityMismatch => 6,
+        BlockFailureKind::NotFound => 7,
+        BlockFailureKind::Io => 8,
+        BlockFailureKind::Timeout => 9,
+        BlockFailureKind::Cancelled => 10,
     }
 }
 

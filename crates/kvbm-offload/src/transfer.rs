@@ -11,31 +11,30 @@
 //!
 //! The destination block is registered only after its bytes arrived, so the registry never
 //! claims a block is present in a tier that does not hold it. Object keys are derived from the
-//! sequence hash ([`object_key`]), the same mapping the presence checks and locks use.
+//! sequence hash ([`object_key`]), the same mapping the presence checks and locks use, and every
+//! transfer passes the blocks' sequence hashes as their identities ([`block_identity`]), so a
+//! disk slot or object holding another block is an identity mismatch, never served.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use kvbm_logical::{BlockManager, G4, ImmutableBlock, SequenceHash, Tier};
-use kvbm_physical::{LayoutHandle, ObjectKey, ObjectPutMode, TransferManager, TransferOptions};
+use kvbm_physical::{LayoutHandle, ObjectPutMode, TransferManager, TransferOptions};
 
 use crate::batch::{BatchOutcome, ResolvedBatch};
 use crate::error::{BlockFailure, BlockFailureKind};
 use crate::executor::TransferExecutor;
-
-/// The object key of a block: its sequence hash as 32 hex digits.
-pub fn object_key(hash: SequenceHash) -> ObjectKey {
-    ObjectKey::from_u128(hash.as_u128())
-}
-
-/// The key of a block's offload lock object.
-pub fn lock_key(hash: SequenceHash) -> ObjectKey {
-    ObjectKey::from(format!("{:032x}.lock", hash.as_u128()))
-}
+pub use crate::object::keys::{block_identity, lock_key, object_key};
 
 fn fail_all<R>(n: usize, kind: BlockFailureKind, message: &str) -> BatchOutcome<R> {
     (0..n)
         .map(|_| Err(BlockFailure::new(kind, message)))
+        .collect()
+}
+
+fn fail_all_physical<R>(n: usize, e: &kvbm_physical::PhysicalError) -> BatchOutcome<R> {
+    (0..n)
+        .map(|_| Err(BlockFailure::physical(e.clone())))
         .collect()
 }
 
@@ -95,15 +94,17 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, 
                 Err(e) => return fail_all(n, BlockFailureKind::NoSpace, &e.to_string()),
             };
             let dst_ids: Vec<usize> = dst_blocks.iter().map(|b| b.block_id()).collect();
+            let options = TransferOptions::default()
+                .identities(hashes.iter().map(|h| block_identity(*h)).collect());
             let completion = match self.manager.execute_transfer(
                 self.src_layout,
                 &src_ids,
                 self.dst_layout,
                 &dst_ids,
-                TransferOptions::default(),
+                options,
             ) {
                 Ok(c) => c,
-                Err(e) => return fail_all(n, BlockFailureKind::Transfer, &e.to_string()),
+                Err(e) => return fail_all_physical(n, &e),
             };
             let outcome = completion.await;
             let mut failures: Vec<Option<BlockFailure>> = vec![None; n];
@@ -131,10 +132,7 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, 
                         }
                     },
                     // The slot goes back to the reset pool; nothing is registered.
-                    Err(e) => {
-                        failures[i] =
-                            Some(BlockFailure::new(BlockFailureKind::Transfer, e.to_string()))
-                    }
+                    Err(e) => failures[i] = Some(BlockFailure::physical(e)),
                 }
             }
             for f in failures.iter_mut().skip(reported) {
@@ -248,6 +246,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
             let options = TransferOptions {
                 object_keys: Some(hashes.iter().map(|h| object_key(*h)).collect()),
                 object_put_mode: self.put_mode,
+                identities: Some(hashes.iter().map(|h| block_identity(*h)).collect()),
                 ..Default::default()
             };
             let completion = match self.manager.execute_transfer(
@@ -258,7 +257,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
                 options,
             ) {
                 Ok(c) => c,
-                Err(e) => return fail_all(n, BlockFailureKind::Transfer, &e.to_string()),
+                Err(e) => return fail_all_physical(n, &e),
             };
             let outcome = completion.await;
             let mut out = Vec::with_capacity(n);
@@ -269,10 +268,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
                         written.push(*h);
                         out.push(Ok(*h));
                     }
-                    Err(e) => out.push(Err(BlockFailure::new(
-                        BlockFailureKind::Transfer,
-                        e.to_string(),
-                    ))),
+                    Err(e) => out.push(Err(BlockFailure::physical(e))),
                 }
             }
             out.resize_with(n, || {
