@@ -5,6 +5,8 @@
 //! mismatch, treat the block as absent (clear presence, rewrite) on an identity mismatch or
 //! not-found, retry on I/O.
 
+use std::sync::Arc;
+
 use kvbm_physical::{ErrorKind, PhysicalError};
 
 /// Stable categories of a block failure.
@@ -80,9 +82,10 @@ pub struct BlockFailure {
     pub kind: BlockFailureKind,
     /// Human-readable detail (e.g. the physical error's message).
     pub message: String,
-    /// The bytes layer's error, when the failure came from a transfer.
+    /// The bytes layer's error, when the failure came from a transfer (shared: a batch-wide
+    /// error is one allocation for all its blocks).
     #[source]
-    pub source: Option<PhysicalError>,
+    pub source: Option<Arc<PhysicalError>>,
 }
 
 impl PartialEq for BlockFailure {
@@ -108,13 +111,22 @@ impl BlockFailure {
         Self {
             kind: BlockFailureKind::of_physical(&e),
             message: e.to_string(),
-            source: Some(e),
+            source: Some(Arc::new(e)),
+        }
+    }
+
+    /// A failure sharing the physical error `e` (one error for many blocks).
+    pub fn physical_shared(e: &Arc<PhysicalError>) -> Self {
+        Self {
+            kind: BlockFailureKind::of_physical(e),
+            message: e.to_string(),
+            source: Some(Arc::clone(e)),
         }
     }
 
     /// The physical error behind this failure, if any.
     pub fn physical_error(&self) -> Option<&PhysicalError> {
-        self.source.as_ref()
+        self.source.as_deref()
     }
 }
 

@@ -32,9 +32,10 @@ fn fail_all<R>(n: usize, kind: BlockFailureKind, message: &str) -> BatchOutcome<
         .collect()
 }
 
-fn fail_all_physical<R>(n: usize, e: &kvbm_physical::PhysicalError) -> BatchOutcome<R> {
+fn fail_all_physical<R>(n: usize, e: kvbm_physical::PhysicalError) -> BatchOutcome<R> {
+    let e = Arc::new(e);
     (0..n)
-        .map(|_| Err(BlockFailure::physical(e.clone())))
+        .map(|_| Err(BlockFailure::physical_shared(&e)))
         .collect()
 }
 
@@ -104,7 +105,7 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, 
                 options,
             ) {
                 Ok(c) => c,
-                Err(e) => return fail_all_physical(n, &e),
+                Err(e) => return fail_all_physical(n, e),
             };
             let outcome = completion.await;
             let mut failures: Vec<Option<BlockFailure>> = vec![None; n];
@@ -257,7 +258,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
                 options,
             ) {
                 Ok(c) => c,
-                Err(e) => return fail_all_physical(n, &e),
+                Err(e) => return fail_all_physical(n, e),
             };
             let outcome = completion.await;
             let mut out = Vec::with_capacity(n);

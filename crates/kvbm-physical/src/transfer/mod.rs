@@ -241,10 +241,13 @@ impl Default for TransferConfig {
     }
 }
 
+/// A registered layout and the reservation of its memory.
+type Registered = (Arc<PhysicalLayout>, Arc<Reservation>);
+
 /// Registers layouts and moves blocks between them. `Send + Sync`; share it as `Arc`.
 #[derive(Debug)]
 pub struct TransferManager {
-    layouts: RwLock<HashMap<u64, (Arc<PhysicalLayout>, Arc<Reservation>)>>,
+    layouts: RwLock<HashMap<u64, Registered>>,
     claims: Arc<Claims>,
     next_id: AtomicU64,
     bounce: Arc<bounce::BouncePool>,
@@ -320,7 +323,7 @@ impl TransferManager {
         self.entry(handle).map(|(l, _)| l)
     }
 
-    fn entry(&self, handle: LayoutHandle) -> Result<(Arc<PhysicalLayout>, Arc<Reservation>)> {
+    fn entry(&self, handle: LayoutHandle) -> Result<Registered> {
         self.layouts
             .read()
             .get(&handle.0)

@@ -73,7 +73,9 @@ unsafe fn copy_regions(
     dr: &[(usize, usize)],
 ) -> Result<()> {
     for (s, d, len) in region_pairs(sr, dr) {
-        // SAFETY (all arms): per the caller, both ranges lie inside live allocations.
+        // SAFETY: (all arms) per the caller, both ranges lie inside live allocations, and the
+        // manager's claims and validation guarantee they do not overlap and nobody else writes
+        // them meanwhile.
         unsafe {
             match (sdev, ddev) {
                 (None, None) => std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len),
