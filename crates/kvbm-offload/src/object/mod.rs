@@ -4,15 +4,15 @@
 //! writing the same object twice:
 //!
 //! ```text
-//!  ObjectPresenceFilter:      HEAD block ──► present? filter : pass
-//!  ObjectLockPresenceFilter:  HEAD block ──► present? filter
+//!  ObjectPresenceFilter:      probe block header ──► this block? filter : pass (absent or foreign)
+//!  ObjectLockPresenceFilter:  probe block header ──► this block? filter
 //!                               └─► PUT lock (If-None-Match: *) ──► created ─────────────────────┐
 //!                                     └─► exists: GET lock ──► unparseable or live? filter        │
 //!                                           └─► expired: PUT lock (If-Match: its ETag) ──► lost? filter
 //!                                                 └─► replaced ──────────────────────────────────┤
 //!                               after lock_verify_delay: GET lock ──► not our token? filter ◄─────┘
-//!                                 └─► HEAD block again ──► present? release + filter : pass (lock held)
-//!                             … transfer …  ──► release(): DELETE lock (completed, failed or cancelled)
+//!                                 └─► probe again ──► this block? release + filter : pass (lock held)
+//!                             … transfer …  ──► release(): GET lock, DELETE if our acquisition's token
 //! ```
 //!
 //! One concept per file:
