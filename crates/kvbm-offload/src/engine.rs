@@ -225,7 +225,9 @@ impl OffloadEngineBuilder {
                                 let weak: Vec<_> = blocks.iter().map(|b| b.downgrade()).collect();
                                 drop(blocks);
                                 let n = weak.len() as u64;
-                                match next.enqueue(weak, None) {
+                                // Never waits (this runs inside a transfer's settlement): a full
+                                // G2→G3 input drops the weak references, which pin nothing.
+                                match next.try_enqueue(weak, None) {
                                     Ok(_) => {
                                         chained.fetch_add(n, Ordering::Relaxed);
                                     }
@@ -323,7 +325,7 @@ impl OffloadEngine {
     ///
     /// # Errors
     /// [`OffloadError::NoPipeline`] when none is configured; [`OffloadError::PipelineClosed`].
-    pub fn enqueue_g1_to_g2(
+    pub async fn enqueue_g1_to_g2(
         &self,
         blocks: impl Into<SourceBlocks<G1>>,
         precondition: Option<Precondition>,
@@ -332,13 +334,14 @@ impl OffloadEngine {
             .as_ref()
             .ok_or(OffloadError::NoPipeline("G1→G2"))?
             .enqueue(blocks, precondition)
+            .await
     }
 
     /// Enqueues G2 blocks for G2→G3.
     ///
     /// # Errors
     /// [`OffloadError::NoPipeline`] when none is configured; [`OffloadError::PipelineClosed`].
-    pub fn enqueue_g2_to_g3(
+    pub async fn enqueue_g2_to_g3(
         &self,
         blocks: impl Into<SourceBlocks<G2>>,
     ) -> Result<TransferHandle, OffloadError> {
@@ -346,13 +349,14 @@ impl OffloadEngine {
             .as_ref()
             .ok_or(OffloadError::NoPipeline("G2→G3"))?
             .enqueue(blocks, None)
+            .await
     }
 
     /// Enqueues G2 blocks for G2→G4.
     ///
     /// # Errors
     /// [`OffloadError::NoPipeline`] when none is configured; [`OffloadError::PipelineClosed`].
-    pub fn enqueue_g2_to_g4(
+    pub async fn enqueue_g2_to_g4(
         &self,
         blocks: impl Into<SourceBlocks<G2>>,
     ) -> Result<TransferHandle, OffloadError> {
@@ -360,6 +364,7 @@ impl OffloadEngine {
             .as_ref()
             .ok_or(OffloadError::NoPipeline("G2→G4"))?
             .enqueue(blocks, None)
+            .await
     }
 
     /// The G1→G2 pipeline.
@@ -402,7 +407,7 @@ impl OffloadEngine {
             .lanes()
             .into_iter()
             .fold(SettlementTarget::new(), |t, (lane, s)| {
-                t.with(lane, s.submitted())
+                t.with(lane, s.dispatched())
             });
         SettlementToken::new(target)
     }

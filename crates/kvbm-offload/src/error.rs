@@ -10,10 +10,18 @@ pub enum BlockFailureKind {
     PreconditionFailed,
     /// No destination block could be allocated.
     NoSpace,
-    /// The transfer of this block's bytes failed.
+    /// The transfer of this block's bytes failed (any other physical error).
     Transfer,
     /// The transfer executor stopped (panicked or was aborted) with the block in flight.
     ExecutorAborted,
+    /// The pipeline failed (a stage panicked) before the block was transferred.
+    PipelineFailed,
+    /// The bytes read back do not verify (checksum, short read, corrupt header): drop that copy.
+    ChecksumMismatch,
+    /// The source holds no such block (an object or slot not found): clear its presence.
+    NotFound,
+    /// An I/O or object-store error: the copy may be fine, a retry may succeed.
+    Io,
 }
 
 impl BlockFailureKind {
@@ -26,6 +34,10 @@ impl BlockFailureKind {
             Self::NoSpace => "no_space",
             Self::Transfer => "transfer",
             Self::ExecutorAborted => "executor_aborted",
+            Self::PipelineFailed => "pipeline_failed",
+            Self::ChecksumMismatch => "checksum_mismatch",
+            Self::NotFound => "not_found",
+            Self::Io => "io",
         }
     }
 }
@@ -57,12 +69,38 @@ pub enum OffloadError {
     /// The pipeline was shut down; nothing was enqueued.
     #[error("the offload pipeline is closed")]
     PipelineClosed,
+    /// The pipeline failed (a stage panicked); nothing was enqueued.
+    #[error(transparent)]
+    PipelineFailed(#[from] crate::settlement::PipelineFailure),
     /// The engine has no pipeline for this path.
     #[error("no {0} pipeline is configured")]
     NoPipeline(&'static str),
     /// A required component was not given to a builder.
     #[error("missing {0}")]
     Missing(&'static str),
+    /// No tokio runtime is current: start pipelines with an explicit runtime handle
+    /// (`PipelineSpec::spawn_on`, `OffloadEngineBuilder::runtime`).
+    #[error("no tokio runtime: pass a runtime handle")]
+    NoRuntime,
+    /// The input queue is full (`try_enqueue`; the blocks were handed back).
+    #[error("the offload pipeline's input queue is full")]
+    QueueFull,
+    /// A pipeline was asked to carry a lane other than its (source, destination) pair.
+    #[error("lane {requested} requested for a {pipeline} pipeline")]
+    LaneMismatch {
+        /// The lane named.
+        requested: crate::settlement::PipelineLane,
+        /// The pipeline's own pair.
+        pipeline: crate::settlement::PipelineLane,
+    },
+    /// `enqueue_into` was given a different number of sources and destinations.
+    #[error("{sources} sources but {destinations} destinations")]
+    Mismatched {
+        /// Sources given.
+        sources: usize,
+        /// Destinations given.
+        destinations: usize,
+    },
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
@@ -81,4 +119,14 @@ pub enum PolicyError {
     /// The backing service (e.g. S3) failed.
     #[error("policy backend error: {0}")]
     Backend(String),
+    /// A policy answered with the wrong number of verdicts.
+    #[error("policy {policy} returned {got} verdicts for {expected} blocks")]
+    Verdicts {
+        /// The policy's name.
+        policy: &'static str,
+        /// Blocks asked about.
+        expected: usize,
+        /// Verdicts returned.
+        got: usize,
+    },
 }

@@ -2,7 +2,8 @@
 //! recorder (Prometheus, statsd, …) and the pipelines report to it.
 //!
 //! Every series carries the label [`PIPELINE_LABEL`] (`pipeline`) with the pipeline's
-//! [`PipelineLane`] name: `g1_to_g2`, `g2_to_g3` or `g2_to_g4`.
+//! [`PipelineLane`] name, its (source, destination) pair: `g1_to_g2`, `g2_to_g3`, `g2_to_g4`,
+//! `g3_to_g2`, `g4_to_g2`, `g2_to_g1`, ….
 //!
 //! | name | kind | extra label | what |
 //! |---|---|---|---|
@@ -74,12 +75,16 @@ pub const ALL: [&str; 10] = [
     CANCEL_CONFIRMATION_SECONDS,
 ];
 
-const FAILURE_KINDS: [BlockFailureKind; 5] = [
+const FAILURE_KINDS: [BlockFailureKind; 9] = [
     BlockFailureKind::Evicted,
     BlockFailureKind::PreconditionFailed,
     BlockFailureKind::NoSpace,
     BlockFailureKind::Transfer,
     BlockFailureKind::ExecutorAborted,
+    BlockFailureKind::PipelineFailed,
+    BlockFailureKind::ChecksumMismatch,
+    BlockFailureKind::NotFound,
+    BlockFailureKind::Io,
 ];
 
 /// Registers the units and descriptions of every metric with the current recorder.
@@ -166,6 +171,10 @@ fn failure_index(kind: BlockFailureKind) -> usize {
         BlockFailureKind::NoSpace => 2,
         BlockFailureKind::Transfer => 3,
         BlockFailureKind::ExecutorAborted => 4,
+        BlockFailureKind::PipelineFailed => 5,
+        BlockFailureKind::ChecksumMismatch => 6,
+        BlockFailureKind::NotFound => 7,
+        BlockFailureKind::Io => 8,
     }
 }
 
