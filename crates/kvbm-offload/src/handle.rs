@@ -447,6 +447,15 @@ impl TransferHandle {
         Ok(self.result_now())
     }
 
+    /// [`wait`](Self::wait) for synchronous callers: blocks the calling thread (which must not
+    /// be driving an async runtime) until the transfer is done. Needs no runtime of its own.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_blocking(&self) -> Result<TransferResult, OffloadError> {
+        futures::executor::block_on(self.wait())
+    }
+
     fn result_now(&self) -> TransferResult {
         let p = self.token.shared.progress.lock();
         TransferResult {
