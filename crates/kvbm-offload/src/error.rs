@@ -72,9 +72,15 @@ pub enum OffloadError {
     /// The pipeline failed (a stage panicked); nothing was enqueued.
     #[error(transparent)]
     PipelineFailed(#[from] crate::settlement::PipelineFailure),
-    /// The engine has no pipeline for this path.
-    #[error("no {0} pipeline is configured")]
-    NoPipeline(&'static str),
+    /// The engine has no pipeline of the requested kind for this lane.
+    #[error("no {0} pipeline of this kind is configured")]
+    NoPipeline(crate::settlement::PipelineLane),
+    /// Two lanes of an engine are the same (source, destination) pair.
+    #[error("lane {0} is configured twice")]
+    DuplicateLane(crate::settlement::PipelineLane),
+    /// A lane needs a tier (layout or block manager) that was not bound.
+    #[error("tier {0:?} is not bound (layout or block manager missing)")]
+    MissingTier(kvbm_logical::TierId),
     /// A required component was not given to a builder.
     #[error("missing {0}")]
     Missing(&'static str),

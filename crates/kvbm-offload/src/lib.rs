@@ -26,7 +26,7 @@ pub use config::{
     BatchConfig, DEFAULT_OBJECT_POLICY_TIMEOUT, MAX_CONCURRENT_TRANSFERS, ObjectPipelineConfig,
     PipelineConfig, PolicyConfig,
 };
-pub use engine::{OffloadEngine, OffloadEngineBuilder};
+pub use engine::{LaneSpec, OffloadEngine, OffloadEngineBuilder};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 pub use executor::{ArcExecutor, DynTransferExecutor, NoopExecutor, TransferExecutor};
 pub use handle::{

@@ -185,3 +185,21 @@ async fn a_pipeline_reports_to_the_recorder_current_when_it_was_spawned() {
     assert_eq!(one.counter(BLOCKS_TRANSFERRED, &[P]), 3);
     assert_eq!(two.counter(BLOCKS_TRANSFERRED, &[P]), 5);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_upward_lane_is_labelled_by_its_pair() {
+    let rec = TestRecorder::default();
+    let g2 = manager::<kvbm_logical::G2>(8, None);
+    let p = ::metrics::with_local_recorder(&rec, || {
+        spawn_g3_to_g2(TestExecutor::open(), |b| b.min_batch_size(1))
+    });
+    p.enqueue_into(external(0, 3), g2.allocate_blocks(3).unwrap(), None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let up = (PIPELINE_LABEL, "g3_to_g2");
+    assert_eq!(rec.counter(BLOCKS_TRANSFERRED, &[up]), 3);
+    assert_eq!(rec.counter(BLOCKS_TRANSFERRED, &[P]), 0);
+}

@@ -191,6 +191,7 @@ fn public_types_are_send_and_sync() {
     check::<TransferHandle>();
     check::<CancellationToken>();
     check::<Pipeline<G2>>();
+    check::<Pipeline<G3, kvbm_logical::MutableBlock<G2>>>();
     check::<OffloadEngine>();
     check::<ObjectPipeline>();
     check::<SettlementToken>();

@@ -264,6 +264,14 @@ fn fill(layout: &PhysicalLayout, seed: u8) {
     }
 }
 
+fn zero(layout: &PhysicalLayout, b: usize) {
+    let c = *layout.layout().config();
+    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+        // SAFETY: as in `fill`; the slot is owned by a `MutableBlock` of this test.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, 0, len) };
+    }
+}
+
 fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
     let c = *layout.layout().config();
     let mut out = Vec::new();
@@ -402,4 +410,129 @@ async fn block_mover_reports_typed_failure_and_returns_the_destination() {
         .await;
     assert!(out[0].is_err());
     assert_eq!(g2.available_blocks(), n);
+}
+
+#[test]
+fn engine_built_from_a_list_of_lanes_moves_blocks_both_ways() {
+    // Built and driven from a plain thread on a caller-owned runtime: G2→G3 down (executor
+    // allocates), G3→G2 up (caller allocates), on a real O_DIRECT file.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = scratch();
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let registry = BlockRegistry::new();
+    let g2 = Arc::new(manager::<G2>(2 * n, Some(&registry)));
+    let g3 = Arc::new(manager::<G3>(n, Some(&registry)));
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host =
+        PhysicalLayout::allocate_host(common::geometry(2 * n, 2, 64), PinPolicy::Unpinned).unwrap();
+    fill(&host, 3);
+    let g2_h = tm.register_layout(host).unwrap();
+    let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let engine = OffloadEngine::builder(registry.clone())
+        .runtime(rt.handle().clone())
+        .with_transfer_manager(tm.clone())
+        .tier::<G2>(g2_h, Some(g2.clone()))
+        .tier::<G3>(g3_h, Some(g3.clone()))
+        .lane(LaneSpec::over_tiers(
+            PipelineBuilder::<G2, G3>::new().min_batch_size(1).build(),
+        ))
+        .lane(LaneSpec::onboarding(
+            PipelineBuilder::<G3, G2>::new()
+                .caller_allocated()
+                .min_batch_size(1)
+                .build(),
+        ))
+        .build()
+        .unwrap();
+    assert_eq!(
+        engine.lanes(),
+        vec![PipelineLane::G2_TO_G3, PipelineLane::G3_TO_G2]
+    );
+    // Source blocks in G2 slots 0..n.
+    let blocks = registered(&*g2, 0, n as u32);
+    let src_bytes: Vec<Vec<u8>> = {
+        let l = tm.layout(g2_h).unwrap();
+        blocks.iter().map(|b| bytes(&l, b.block_id())).collect()
+    };
+    let r = rt
+        .block_on(engine.enqueue::<G2>(PipelineLane::G2_TO_G3, blocks.clone(), None))
+        .unwrap()
+        .wait_blocking()
+        .unwrap();
+    assert_eq!(r.completed_blocks.len(), n, "{r:?}");
+    // Evict the G2 copies: drop them, then take every free slot so they are reused.
+    drop(blocks);
+    let hog = g2.allocate_blocks(2 * n).unwrap();
+    assert!(
+        g2.match_blocks(&hashes(0, n as u32)).is_empty(),
+        "evicted from G2"
+    );
+    // Zero the host memory of the slots we will onboard into, then hand n of them back as
+    // caller-allocated destinations.
+    let mut hog = hog;
+    let destinations: Vec<MutableBlock<G2>> = hog.drain(..n).collect();
+    drop(hog);
+    {
+        let l = tm.layout(g2_h).unwrap();
+        for d in &destinations {
+            zero(&l, d.block_id());
+        }
+    }
+    let on_g3 = g3.match_blocks(&hashes(0, n as u32));
+    let r = rt
+        .block_on(engine.enqueue_into::<G3, G2>(PipelineLane::G3_TO_G2, on_g3, destinations, None))
+        .unwrap()
+        .wait_blocking()
+        .unwrap();
+    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    let back = g2.match_blocks(&hashes(0, n as u32));
+    assert_eq!(back.len(), n, "registered in G2 again");
+    let l = tm.layout(g2_h).unwrap();
+    for (b, expect) in back.iter().zip(&src_bytes) {
+        assert_ne!(expect.iter().filter(|x| **x != 0).count(), 0);
+        assert_eq!(&bytes(&l, b.block_id()), expect, "came back from the disk");
+    }
+    // The wrong kind of enqueue for a lane is refused, not mis-routed.
+    assert!(matches!(
+        rt.block_on(engine.enqueue::<G3>(PipelineLane::G3_TO_G2, external(0, 1), None)),
+        Err(OffloadError::NoPipeline(PipelineLane::G3_TO_G2))
+    ));
+    drop(back);
+    rt.block_on(engine.shutdown());
+}
+
+#[test]
+fn engine_refuses_duplicate_lanes_and_broken_chains() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let spec = || PipelineBuilder::<G3, G2>::new().build();
+    let err = OffloadEngine::builder(BlockRegistry::new())
+        .runtime(rt.handle().clone())
+        .lane(LaneSpec::with_executor(spec(), TestExecutor::open()))
+        .lane(LaneSpec::with_executor(spec(), TestExecutor::open()))
+        .build()
+        .unwrap_err();
+    assert_eq!(err, OffloadError::DuplicateLane(PipelineLane::G3_TO_G2));
+    let err = OffloadEngine::builder(BlockRegistry::new())
+        .runtime(rt.handle().clone())
+        .lane(LaneSpec::with_executor(spec(), TestExecutor::open()))
+        .chain(PipelineLane::G3_TO_G2, PipelineLane::G2_TO_G3)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, OffloadError::InvalidConfig(_)), "{err:?}");
+    let err = OffloadEngine::builder(BlockRegistry::new())
+        .runtime(rt.handle().clone())
+        .lane(LaneSpec::over_tiers(
+            PipelineBuilder::<G3, G2>::new().build(),
+        ))
+        .build()
+        .unwrap_err();
+    assert_eq!(err, OffloadError::Missing("transfer manager"));
 }
