@@ -82,6 +82,7 @@ pub struct BlockMover<Src: Tier, Dst: Tier> {
     src_layout: LayoutHandle,
     dst_layout: LayoutHandle,
     dst: Arc<BlockManager<Dst>>,
+    keyed: bool,
     _src: std::marker::PhantomData<fn() -> Src>,
 }
 
@@ -92,6 +93,7 @@ impl<Src: Tier, Dst: Tier> Clone for BlockMover<Src, Dst> {
             src_layout: self.src_layout,
             dst_layout: self.dst_layout,
             dst: self.dst.clone(),
+            keyed: self.keyed,
             _src: std::marker::PhantomData,
         }
     }
@@ -122,8 +124,16 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             src_layout,
             dst_layout,
             dst,
+            keyed: false,
             _src: std::marker::PhantomData,
         }
+    }
+
+    /// The source is an object layout (the G4 get side): each block is read from the object
+    /// keyed by its sequence hash ([`object_key`]); source slot ids are ignored.
+    pub fn keyed_source(mut self) -> Self {
+        self.keyed = true;
+        self
     }
 
     /// The destination manager (allocate destinations from it).
@@ -144,14 +154,22 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             let m = format!("{} sources but {} destinations", n, destinations.len());
             return fail_all(n, BlockFailureKind::Transfer, &m);
         }
-        let src_ids: Vec<BlockId> = sources.iter().map(|(id, _)| *id).collect();
         let dst_ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
+        let (src_ids, options): (Vec<BlockId>, _) = if self.keyed {
+            let keys = sources.iter().map(|(_, h)| object_key(*h)).collect();
+            ((0..n).collect(), TransferOptions::with_object_keys(keys))
+        } else {
+            (
+                sources.iter().map(|(id, _)| *id).collect(),
+                TransferOptions::default(),
+            )
+        };
         let completion = match self.manager.execute_transfer(
             self.src_layout,
             &src_ids,
             self.dst_layout,
             &dst_ids,
-            TransferOptions::default(),
+            options,
         ) {
             Ok(c) => c,
             Err(e) => {
