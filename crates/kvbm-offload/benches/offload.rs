@@ -44,7 +44,7 @@ async fn sustained(
     while next < total {
         let blocks: Vec<ExternalBlock> = (next..next + per).map(ext).collect();
         next += per;
-        inflight.push_back(p.enqueue(blocks, None).unwrap());
+        inflight.push_back(p.enqueue(blocks, None).await.unwrap());
         if inflight.len() >= window {
             let h: TransferHandle = inflight.pop_front().unwrap();
             let r = h.wait().await.unwrap();
@@ -79,12 +79,14 @@ async fn cancel_latency(queued_blocks: u64, per: u64) -> Vec<Duration> {
     // The first batch occupies the only transfer slot forever; the rest stays queued.
     let _head = p
         .enqueue((0..64).map(ext).collect::<Vec<_>>(), None)
+        .await
         .unwrap();
     let mut handles = Vec::new();
     let mut i = 64;
     while i < 64 + queued_blocks {
         handles.push(
             p.enqueue((i..i + per).map(ext).collect::<Vec<_>>(), None)
+                .await
                 .unwrap(),
         );
         i += per;
@@ -159,10 +161,10 @@ async fn g2_to_g3(n: usize, batch: usize) -> (Duration, Duration) {
         })
         .collect();
     let t = Instant::now();
-    let hs: Vec<_> = blocks
-        .chunks(batch)
-        .map(|c| p.enqueue(c.to_vec(), None).unwrap())
-        .collect();
+    let mut hs = Vec::new();
+    for c in blocks.chunks(batch) {
+        hs.push(p.enqueue(c.to_vec(), None).await.unwrap());
+    }
     for h in hs {
         let r = h.wait().await.unwrap();
         assert!(r.failed_blocks.is_empty(), "{:?}", r.failed_blocks.first());
@@ -209,7 +211,7 @@ fn main() {
         let mut rtt = Vec::new();
         for i in 0..if q { 1000 } else { 10_000 } {
             let t = Instant::now();
-            p.enqueue(vec![ext(10_000_000 + i)], None).unwrap().wait().await.unwrap();
+            p.enqueue(vec![ext(10_000_000 + i)], None).await.unwrap().wait().await.unwrap();
             rtt.push(t.elapsed());
         }
         rtt.sort();

@@ -1,7 +1,7 @@
 //! Containers, batches, and the commitment boundary ([`upgrade_batch`]).
 //!
 //! ```text
-//!  OffloadContainer (one per enqueue, or a piece of one)      OffloadBatch
+//!  OffloadContainer (one per enqueue, never split)           OffloadBatch
 //!  ┌───────────────────────────────────────────┐             ┌────────────────────────┐
 //!  │ blocks: Vec<SourceBlock<T>>               │  Batcher    │ containers: [c0,c1,..] │
 //!  │ precondition: Option<Precondition>        │ ──────────► │ each still cancellable │
@@ -14,8 +14,9 @@
 //!                                                            └────────────────────────┘
 //! ```
 //!
-//! * **P1** – a container is cancelled as a whole: it has one token, and the sweep removes whole
-//!   containers. A container split across batches keeps the same token in every piece.
+//! * **P1** – a container is cancelled as a whole: it has one token, the sweep removes whole
+//!   containers, and the batcher never splits one (a container larger than `max_batch_size` is
+//!   a batch of its own).
 //! * **P3/P5** – [`upgrade_batch`] consumes the batch. From then on no token is consulted; the
 //!   blocks of all containers form one flat vector handed to the executor. The per-container
 //!   bookkeeping kept beside it is only used to report outcomes.
@@ -41,8 +42,11 @@ use crate::source::{Precondition, SourceBlock};
 
 /// The unit of cancellation flowing through the pipeline: blocks, their precondition and the
 /// token of the transfer they belong to.
-pub struct OffloadContainer<T: Tier> {
+pub struct OffloadContainer<T: Tier, A = ()> {
     blocks: Vec<SourceBlock<T>>,
+    /// Per-block destination attachment, aligned with `blocks` (`()` when the executor
+    /// allocates destinations, a caller-allocated `MutableBlock` otherwise).
+    dests: Vec<A>,
     precondition: Option<Precondition>,
     cancel_token: CancellationToken,
     pending: Vec<Option<PendingGuard>>,
@@ -51,7 +55,7 @@ pub struct OffloadContainer<T: Tier> {
     guard: OutstandingGuard,
 }
 
-impl<T: Tier> std::fmt::Debug for OffloadContainer<T> {
+impl<T: Tier, A> std::fmt::Debug for OffloadContainer<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OffloadContainer")
             .field("transfer", &self.cancel_token.transfer_id())
@@ -61,11 +65,12 @@ impl<T: Tier> std::fmt::Debug for OffloadContainer<T> {
     }
 }
 
-impl<T: Tier> OffloadContainer<T> {
+impl<T: Tier, A> OffloadContainer<T, A> {
     /// A container for `blocks` of the transfer owning `cancel_token`. `pending` is aligned with
     /// `blocks` (the pending-set entry each block holds, if any).
     pub fn new(
         blocks: Vec<SourceBlock<T>>,
+        dests: Vec<A>,
         pending: Vec<Option<PendingGuard>>,
         precondition: Option<Precondition>,
         cancel_token: CancellationToken,
@@ -75,9 +80,15 @@ impl<T: Tier> OffloadContainer<T> {
             pending.len(),
             "pending guards must align with blocks"
         );
+        assert_eq!(
+            blocks.len(),
+            dests.len(),
+            "destinations must align with blocks"
+        );
         let guard = cancel_token.hold();
         Self {
             blocks,
+            dests,
             precondition,
             pending,
             release_to: None,
@@ -135,10 +146,12 @@ impl<T: Tier> OffloadContainer<T> {
         let mut dropped = Vec::new();
         let blocks = std::mem::take(&mut self.blocks);
         let pending = std::mem::take(&mut self.pending);
-        for ((b, p), &keep) in blocks.into_iter().zip(pending).zip(verdicts) {
+        let dests = std::mem::take(&mut self.dests);
+        for (((b, p), d), &keep) in blocks.into_iter().zip(pending).zip(dests).zip(verdicts) {
             if keep {
                 self.blocks.push(b);
                 self.pending.push(p);
+                self.dests.push(d);
             } else {
                 dropped.push(b.sequence_hash());
             }
@@ -158,49 +171,50 @@ impl<T: Tier> OffloadContainer<T> {
         }
         drop(blocks);
     }
-
-    /// Splits off the blocks from `at` on into a new container sharing the token (P1 holds: both
-    /// pieces are cancelled together).
-    pub(crate) fn split_off(&mut self, at: usize) -> OffloadContainer<T> {
-        OffloadContainer {
-            blocks: self.blocks.split_off(at),
-            pending: self.pending.split_off(at),
-            precondition: None,
-            release_to: self.release_to.clone(),
-            timing: self.timing,
-            cancel_token: self.cancel_token.clone(),
-            guard: self.guard.split(),
-        }
-    }
 }
 
-impl<T: Tier> Drop for OffloadContainer<T> {
+impl<T: Tier, A> Drop for OffloadContainer<T, A> {
     fn drop(&mut self) {
         if self.blocks.is_empty() {
             return;
         }
         let hashes: Vec<SequenceHash> = self.hashes().collect();
+        let shared = &self.cancel_token.shared;
+        // Dropped by a stage that is unwinding, or by the teardown of a failed lane: the blocks
+        // failed, they were not cancelled.
+        let lane_failed = shared.lane.as_ref().is_some_and(|l| l.is_failed());
+        if std::thread::panicking() || lane_failed {
+            let message = shared.lane.as_ref().and_then(|l| l.failure()).map_or_else(
+                || "a pipeline stage panicked".to_string(),
+                |f| f.to_string(),
+            );
+            let failure = BlockFailure::new(BlockFailureKind::PipelineFailed, message);
+            shared.report_failed(hashes.iter().map(|h| (*h, failure.clone())));
+        } else {
+            shared.report_cancelled(hashes.iter().copied());
+        }
+        // Reported before the policy's release: a release that panics (policy code) cannot
+        // leave the blocks without an outcome.
         if let Some(p) = &self.release_to {
             p.release(&hashes);
         }
-        self.cancel_token.shared.report_cancelled(hashes);
         // Fields drop after this: blocks, pending entries, then the outstanding guard.
     }
 }
 
-impl<T: Tier> Sweep for OffloadContainer<T> {
+impl<T: Tier, A> Sweep for OffloadContainer<T, A> {
     fn sweep_cancelled(&mut self) -> bool {
         self.is_cancelled()
     }
 }
 
 /// Multiple containers, each independently cancellable until [`upgrade_batch`].
-pub struct OffloadBatch<T: Tier> {
-    containers: Vec<OffloadContainer<T>>,
+pub struct OffloadBatch<T: Tier, A = ()> {
+    containers: Vec<OffloadContainer<T, A>>,
     total: usize,
 }
 
-impl<T: Tier> std::fmt::Debug for OffloadBatch<T> {
+impl<T: Tier, A> std::fmt::Debug for OffloadBatch<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OffloadBatch")
             .field("containers", &self.containers.len())
@@ -209,13 +223,13 @@ impl<T: Tier> std::fmt::Debug for OffloadBatch<T> {
     }
 }
 
-impl<T: Tier> Default for OffloadBatch<T> {
+impl<T: Tier, A> Default for OffloadBatch<T, A> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<T: Tier> OffloadBatch<T> {
+impl<T: Tier, A> OffloadBatch<T, A> {
     /// An empty batch.
     pub fn new() -> Self {
         Self {
@@ -225,7 +239,7 @@ impl<T: Tier> OffloadBatch<T> {
     }
 
     /// Adds a container.
-    pub fn push(&mut self, c: OffloadContainer<T>) {
+    pub fn push(&mut self, c: OffloadContainer<T, A>) {
         self.total += c.len();
         self.containers.push(c);
     }
@@ -233,11 +247,6 @@ impl<T: Tier> OffloadBatch<T> {
     /// Total blocks.
     pub fn total_blocks(&self) -> usize {
         self.total
-    }
-
-    /// The containers.
-    pub fn containers(&self) -> &[OffloadContainer<T>] {
-        &self.containers
     }
 
     /// Whether it has no containers.
@@ -272,7 +281,7 @@ impl<T: Tier> OffloadBatch<T> {
     }
 }
 
-impl<T: Tier> Sweep for OffloadBatch<T> {
+impl<T: Tier, A> Sweep for OffloadBatch<T, A> {
     fn sweep_cancelled(&mut self) -> bool {
         OffloadBatch::sweep_cancelled(self);
         self.containers.is_empty()
@@ -315,13 +324,19 @@ struct Owner {
 }
 
 /// A batch of resolved blocks ready for transfer: one flat vector (P5).
-pub struct ResolvedBatch<T: Tier> {
+///
+/// `A` is the per-block destination attachment: `()` when the executor allocates destinations
+/// itself, the caller-allocated `MutableBlock<Dst>` of each block otherwise
+/// ([`take_destinations`](Self::take_destinations)).
+pub struct ResolvedBatch<T: Tier, A = ()> {
     blocks: Vec<ResolvedBlock<T>>,
+    dests: parking_lot::Mutex<Vec<A>>,
     owners: Vec<Owner>,
-    lane: Option<Arc<LaneState>>,
+    /// The lane and this batch's settlement number, once dispatched.
+    lane: Option<(Arc<LaneState>, u64)>,
 }
 
-impl<T: Tier> std::fmt::Debug for ResolvedBatch<T> {
+impl<T: Tier, A> std::fmt::Debug for ResolvedBatch<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResolvedBatch")
             .field("blocks", &self.blocks.len())
@@ -334,7 +349,7 @@ impl<T: Tier> std::fmt::Debug for ResolvedBatch<T> {
 /// successful block yields (the registered destination block, or `()`).
 pub type BatchOutcome<R> = Vec<Result<R, BlockFailure>>;
 
-impl<T: Tier> ResolvedBatch<T> {
+impl<T: Tier, A> ResolvedBatch<T, A> {
     /// The blocks, flat, in batch order.
     pub fn blocks(&self) -> &[ResolvedBlock<T>] {
         &self.blocks
@@ -360,8 +375,16 @@ impl<T: Tier> ResolvedBatch<T> {
         self.blocks.iter().map(|b| b.sequence_hash).collect()
     }
 
-    pub(crate) fn set_lane(&mut self, lane: Arc<LaneState>) {
-        self.lane = Some(lane);
+    /// The destinations attached to the blocks, aligned with [`blocks`](Self::blocks); empty
+    /// when taken before. The executor takes them to move into (for `()` they carry nothing).
+    pub fn take_destinations(&self) -> Vec<A> {
+        std::mem::take(&mut *self.dests.lock())
+    }
+
+    /// Numbers the batch in `lane`'s settlement order (the transfer stage, at dispatch).
+    pub(crate) fn dispatch_in(&mut self, lane: Arc<LaneState>) {
+        let seq = lane.dispatch();
+        self.lane = Some((lane, seq));
     }
 
     /// Reports `outcome` to the transfers, then releases everything the batch holds: source
@@ -432,18 +455,24 @@ impl<T: Tier> ResolvedBatch<T> {
         {
             sink(ok);
         }
+        // Settled before the owners' guards drop, so a caller woken by `wait` finds the batch
+        // settled.
+        if let Some((lane, seq)) = self.lane.take() {
+            lane.settle(seq);
+        }
         self.owners.clear();
     }
 }
 
-impl<T: Tier> Drop for ResolvedBatch<T> {
+impl<T: Tier, A> Drop for ResolvedBatch<T, A> {
     fn drop(&mut self) {
         if self.owners.is_empty() {
             return;
         }
         // Not settled: the executor panicked or its task was aborted with the batch in flight.
-        if let Some(lane) = &self.lane {
-            lane.fail(
+        if let Some((lane, seq)) = self.lane.take() {
+            lane.abandon(
+                seq,
                 PipelineFailureKind::ExecutorPanicked,
                 "transfer executor stopped with a batch in flight".into(),
             );
@@ -459,8 +488,9 @@ impl<T: Tier> Drop for ResolvedBatch<T> {
             .collect();
         let blocks = std::mem::take(&mut self.blocks);
         let owners = std::mem::take(&mut self.owners);
-        let tmp = ResolvedBatch {
+        let tmp = ResolvedBatch::<T, A> {
             blocks,
+            dests: parking_lot::Mutex::new(Vec::new()),
             owners,
             lane: None,
         };
@@ -474,18 +504,20 @@ impl<T: Tier> Drop for ResolvedBatch<T> {
 /// external blocks resolve as they are; weak blocks are upgraded, and a block evicted in the
 /// meantime is reported failed ([`BlockFailureKind::Evicted`]) and left out. The blocks of all
 /// containers are flattened into one vector (P5). Callers sweep first (P4).
-pub fn upgrade_batch<T: Tier>(batch: OffloadBatch<T>) -> ResolvedBatch<T> {
+pub(crate) fn upgrade_batch<T: Tier, A>(batch: OffloadBatch<T, A>) -> ResolvedBatch<T, A> {
     let now = Instant::now();
     let mut blocks = Vec::with_capacity(batch.total);
+    let mut dests = Vec::with_capacity(batch.total);
     let mut owners = Vec::with_capacity(batch.containers.len());
     for mut c in batch.containers {
         let shared = c.cancel_token.shared.clone();
         shared.status.advance(TransferStatus::Transferring);
         let sources = std::mem::take(&mut c.blocks);
         let pending = std::mem::take(&mut c.pending);
+        let attached = std::mem::take(&mut c.dests);
         let mut evicted = Vec::new();
         let start = blocks.len();
-        for (src, pend) in sources.into_iter().zip(pending) {
+        for ((src, pend), dest) in sources.into_iter().zip(pending).zip(attached) {
             let resolved = match src {
                 SourceBlock::External(e) => Some((e.block_id, e.sequence_hash, None)),
                 SourceBlock::Strong(b) => Some((b.block_id(), b.sequence_hash(), Some(b))),
@@ -504,7 +536,10 @@ pub fn upgrade_batch<T: Tier>(batch: OffloadBatch<T>) -> ResolvedBatch<T> {
                     holder,
                     _pending: pend,
                 });
+                dests.push(dest);
             }
+            // An evicted block's destination drops here (a caller-allocated slot goes back to
+            // its pool).
         }
         if !evicted.is_empty() {
             shared.report_failed(evicted.iter().map(|h| {
@@ -530,6 +565,7 @@ pub fn upgrade_batch<T: Tier>(batch: OffloadBatch<T>) -> ResolvedBatch<T> {
     }
     ResolvedBatch {
         blocks,
+        dests: parking_lot::Mutex::new(dests),
         owners,
         lane: None,
     }

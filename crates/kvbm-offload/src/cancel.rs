@@ -106,7 +106,7 @@ impl CancellationToken {
     ///
     /// Pipeline-internal; public so custom stages built on [`CancellableQueue`](crate::CancellableQueue)
     /// can account for their own work.
-    pub fn hold(&self) -> OutstandingGuard {
+    pub(crate) fn hold(&self) -> OutstandingGuard {
         self.shared.outstanding.fetch_add(1, Ordering::AcqRel);
         OutstandingGuard {
             shared: self.shared.clone(),

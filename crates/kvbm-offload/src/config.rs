@@ -2,13 +2,13 @@
 //!
 //! | key | default | meaning |
 //! |---|---|---|
-//! | `batch_config.max_batch_size` | 64 | maximum blocks per batch |
+//! | `batch_config.max_batch_size` | 64 | maximum blocks per batch (a larger container is a batch of its own, never split) |
 //! | `batch_config.min_batch_size` | 8 | blocks needed before a batch is flushed without waiting |
 //! | `batch_config.flush_interval_ms` | 10 | time before a partial batch is flushed anyway |
-//! | `policy_timeout_ms` | 100 | timeout for one policy evaluation (blocks are filtered on timeout) |
+//! | `policy_timeout_ms` | 100 | timeout for one policy evaluation (blocks are filtered on timeout); at least 1 |
 //! | `sweep_interval_ms` | 10 | backstop interval of the cancel sweeper |
-//! | `max_concurrent_transfers` | 1 | transfer batches in flight at once |
-//! | `queue_capacity` | 1024 | capacity of each inter-stage queue (containers or batches) |
+//! | `max_concurrent_transfers` | 1 | transfer batches in flight at once (1 ..= 2^20) |
+//! | `queue_capacity` | 1024 | capacity of the input queue and of each inter-stage queue (containers or batches), and most containers waiting on their precondition: the backpressure bound (`enqueue` waits, `try_enqueue` says `Full`) |
 //! | `max_concurrent_evaluations` | 64 | asynchronous policy evaluations in flight |
 //! | `record_timing` | true | record a [`TimingTrace`](crate::TimingTrace) per block |
 //! | `sweep_on_cancel` | true | sweep at once on every cancellation, not only periodically |
@@ -38,8 +38,8 @@ mod ms {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BatchConfig {
-    /// Maximum blocks per batch. Larger containers are split across batches (the pieces share
-    /// the container's token). Default: 64.
+    /// Maximum blocks per batch. A container is never split (P1): one larger than this is a
+    /// batch of its own. Default: 64.
     pub max_batch_size: usize,
     /// Blocks needed before a batch is flushed as soon as no more are immediately available.
     /// Default: 8.
@@ -86,8 +86,8 @@ fn default_min_lfu() -> u32 {
 pub struct PipelineConfig {
     /// Batching. Default: see [`BatchConfig`].
     pub batch_config: BatchConfig,
-    /// Timeout for one policy evaluation; blocks whose evaluation times out are filtered.
-    /// Default: 100 ms.
+    /// Timeout for one policy evaluation; blocks whose evaluation times out are filtered. Must
+    /// be at least 1 ms. Default: 100 ms.
     #[serde(with = "ms", rename = "policy_timeout_ms")]
     pub policy_timeout: Duration,
     /// Backstop interval of the cancel sweeper (it also runs on every cancellation).
@@ -96,7 +96,9 @@ pub struct PipelineConfig {
     pub sweep_interval: Duration,
     /// Transfer batches in flight at once. Default: 1.
     pub max_concurrent_transfers: usize,
-    /// Capacity of each inter-stage queue. Default: 1024.
+    /// Capacity of the input queue and of each inter-stage queue (containers or batches), and
+    /// the most containers waiting on their precondition at once. When the input queue is full,
+    /// `enqueue` waits and `try_enqueue` returns `Full` with the blocks. Default: 1024.
     pub queue_capacity: usize,
     /// Asynchronous policy evaluations in flight at once. Default: 64.
     pub max_concurrent_evaluations: usize,
@@ -140,8 +142,18 @@ impl PipelineConfig {
         if b.min_batch_size > b.max_batch_size {
             return bad("batch_config.min_batch_size must not exceed max_batch_size");
         }
+        if self.policy_timeout.is_zero() {
+            return bad(
+                "policy_timeout_ms must be at least 1 (0 would filter every asynchronous policy)",
+            );
+        }
         if self.max_concurrent_transfers == 0 {
             return bad("max_concurrent_transfers must be at least 1");
+        }
+        if self.max_concurrent_transfers > MAX_CONCURRENT_TRANSFERS {
+            return Err(OffloadError::InvalidConfig(format!(
+                "max_concurrent_transfers must be at most {MAX_CONCURRENT_TRANSFERS}"
+            )));
         }
         if self.queue_capacity == 0 {
             return bad("queue_capacity must be at least 1");
@@ -152,6 +164,10 @@ impl PipelineConfig {
         Ok(())
     }
 }
+
+/// The largest accepted `max_concurrent_transfers` (far above any useful value; a semaphore
+/// cannot hold more permits).
+pub const MAX_CONCURRENT_TRANSFERS: usize = 1 << 20;
 
 /// Default policy timeout of object pipelines: their policies make remote requests.
 pub const DEFAULT_OBJECT_POLICY_TIMEOUT: Duration = Duration::from_secs(2);

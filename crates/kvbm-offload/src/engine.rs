@@ -1,276 +1,419 @@
-//! [`OffloadEngine`]: the pipelines of one worker, wired to its tiers.
+//! [`OffloadEngine`]: the pipelines of one worker, built from a list of lanes.
 //!
 //! ```text
-//! ┌─────────────────────────────────────────────────────────────────┐
-//! │                        OffloadEngine                            │
-//! │  ┌───────────────┐    ┌───────────────┐    ┌───────────────┐    │
-//! │  │G1→G2 Pipeline │────│ G2→G3 Pipeline│    │ G2→G4 Pipeline│    │
-//! │  └───────────────┘    └───────────────┘    └───────────────┘    │
-//! │         └─────────auto_chain──┘                                 │
-//! └─────────────────────────────────────────────────────────────────┘
+//!  OffloadEngine::builder(registry)
+//!     .tier::<G1>(layout, None) .tier::<G2>(layout, Some(g2)) .tier::<G3>(layout, Some(g3))
+//!     .lane(LaneSpec::over_tiers(PipelineBuilder::<G1, G2>::new().build()))     G1→G2 ─┐ chain
+//!     .lane(LaneSpec::over_tiers(PipelineBuilder::<G2, G3>::new().build()))     G2→G3 ◄┘
+//!     .lane(LaneSpec::onboarding(PipelineBuilder::<G3, G2>::new()
+//!                                  .caller_allocated().build()))             G3→G2 (up)
+//!     .lane(LaneSpec::object(ObjectPipelineBuilder::new(storage), None))       G2→G4
+//!     .chain(PipelineLane::G1_TO_G2, PipelineLane::G2_TO_G3)
+//!     .build()?
 //! ```
 //!
-//! With `auto_chain`, every block the G1→G2 pipeline registers in G2 is enqueued (as a weak
-//! reference, so it does not pin G2) into the G2→G3 pipeline, whose own policy then decides.
-//! Executors are built from the transfer manager, the layouts and the destination managers, or
-//! supplied directly (tests, custom transports).
+//! A lane is its (source, destination) pair; the engine keeps one pipeline per pair, with no
+//! positional arrays and no per-direction code: every lane is spawned by the same generic path.
+//! A tier is *bound* once (its layout in the transfer manager and, for a destination, its block
+//! manager); a lane built [`over_tiers`](LaneSpec::over_tiers) gets a
+//! [`BlockTransferExecutor`] (the executor allocates destinations) and one built for
+//! [`onboarding`](LaneSpec::onboarding) a [`CallerAllocated`] executor over the same
+//! [`BlockMover`]; [`LaneSpec::with_executor`] supplies any executor (tests, custom transports,
+//! the G4 get side).
+//!
+//! With a [`chain`](OffloadEngineBuilder::chain), every block the first lane registers in its
+//! destination is enqueued (as a weak reference, so it does not pin the tier) into the second
+//! lane, whose own policy then decides; the hand-off never waits (a full input drops the weak
+//! references, counted as refused).
+//!
+//! Pipelines run on the runtime given to [`OffloadEngineBuilder::runtime`] (default: the
+//! current one), so a synchronous caller can own the engine.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
-use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, G4, ImmutableBlock, SequenceHash};
+use futures::future::BoxFuture;
+use kvbm_logical::{BlockManager, BlockRegistry, G2, ImmutableBlock, MutableBlock, Tier, TierId};
 use kvbm_physical::{LayoutHandle, TransferManager};
+use tokio::runtime::Handle;
 
 use crate::error::OffloadError;
-use crate::executor::{ArcExecutor, TransferExecutor};
+use crate::executor::TransferExecutor;
 use crate::handle::TransferHandle;
 use crate::object::{ObjectPipeline, ObjectPipelineBuilder};
 use crate::pipeline::{CompletionSink, Pipeline, PipelineSpec};
 use crate::policy::create_policy_from_config;
-use crate::settlement::{PipelineLane, SettlementError, SettlementTarget, SettlementToken};
+use crate::settlement::{
+    LaneState, PipelineLane, SettlementError, SettlementTarget, SettlementToken,
+};
 use crate::source::{Precondition, SourceBlocks};
-use crate::transfer::{BlockTransferExecutor, ObjectTransferExecutor};
+use crate::transfer::{BlockMover, BlockTransferExecutor, CallerAllocated, ObjectTransferExecutor};
+
+/// A running lane, type-erased.
+trait RunningLane: Send + Sync {
+    fn lane_state(&self) -> &Arc<LaneState>;
+    fn shutdown_and_wait(&self) -> BoxFuture<'_, ()>;
+    /// The `Pipeline<S, A>` itself (for typed access by downcast).
+    fn pipeline_any(&self) -> &dyn Any;
+    fn object(&self) -> Option<&ObjectPipeline> {
+        None
+    }
+}
+
+impl<S: Tier, A: Send + 'static> RunningLane for Pipeline<S, A> {
+    fn lane_state(&self) -> &Arc<LaneState> {
+        Pipeline::lane_state(self)
+    }
+    fn shutdown_and_wait(&self) -> BoxFuture<'_, ()> {
+        Box::pin(Pipeline::shutdown_and_wait(self))
+    }
+    fn pipeline_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl RunningLane for ObjectPipeline {
+    fn lane_state(&self) -> &Arc<LaneState> {
+        self.pipeline().lane_state()
+    }
+    fn shutdown_and_wait(&self) -> BoxFuture<'_, ()> {
+        // Flushes the lock releases too.
+        Box::pin(ObjectPipeline::shutdown_and_wait(self))
+    }
+    fn pipeline_any(&self) -> &dyn Any {
+        self.pipeline()
+    }
+    fn object(&self) -> Option<&ObjectPipeline> {
+        Some(self)
+    }
+}
+
+/// A tier bound to the engine: its layout and, for a destination, its block manager.
+struct TierBinding {
+    layout: LayoutHandle,
+    manager: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+/// What a lane's spawner may use.
+struct Ctx<'a> {
+    registry: &'a BlockRegistry,
+    runtime: &'a Handle,
+    tm: Option<Arc<TransferManager>>,
+    tiers: &'a HashMap<TierId, TierBinding>,
+    /// Chain targets: filled with the target pipeline once every lane runs.
+    outlets: &'a HashMap<PipelineLane, Outlet>,
+    chained: &'a Arc<AtomicU64>,
+    refused: &'a Arc<AtomicU64>,
+}
+
+type Outlet = Arc<OnceLock<Arc<dyn RunningLane>>>;
+
+impl Ctx<'_> {
+    fn tm(&self) -> Result<Arc<TransferManager>, OffloadError> {
+        self.tm
+            .clone()
+            .ok_or(OffloadError::Missing("transfer manager"))
+    }
+
+    fn layout(&self, tier: TierId) -> Result<LayoutHandle, OffloadError> {
+        self.tiers
+            .get(&tier)
+            .map(|b| b.layout)
+            .ok_or(OffloadError::MissingTier(tier))
+    }
+
+    fn manager<T: Tier>(&self) -> Result<Arc<BlockManager<T>>, OffloadError> {
+        self.tiers
+            .get(&T::ID)
+            .and_then(|b| b.manager.clone())
+            .and_then(|m| m.downcast::<BlockManager<T>>().ok())
+            .ok_or(OffloadError::MissingTier(T::ID))
+    }
+
+    fn mover<S: Tier, D: Tier>(&self) -> Result<BlockMover<S, D>, OffloadError> {
+        Ok(BlockMover::new(
+            self.tm()?,
+            self.layout(S::ID)?,
+            self.layout(D::ID)?,
+            self.manager::<D>()?,
+        ))
+    }
+
+    /// The sink handing `lane`'s registered blocks to the lane it is chained to, if any.
+    fn chain_sink<D: Tier>(&self, lane: PipelineLane) -> Option<CompletionSink<ImmutableBlock<D>>> {
+        let outlet = self.outlets.get(&lane)?.clone();
+        let chained = self.chained.clone();
+        let refused = self.refused.clone();
+        Some(Arc::new(move |blocks: Vec<ImmutableBlock<D>>| {
+            let Some(next) = outlet
+                .get()
+                .and_then(|r| r.pipeline_any().downcast_ref::<Pipeline<D>>())
+            else {
+                refused.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+                tracing::error!(%lane, "chain target does not allocate its own destinations");
+                return;
+            };
+            let weak: Vec<_> = blocks.iter().map(|b| b.downgrade()).collect();
+            drop(blocks);
+            let n = weak.len() as u64;
+            // Never waits (this runs inside a transfer's settlement): a full input drops the
+            // weak references, which pin nothing.
+            match next.try_enqueue(weak, None) {
+                Ok(_) => {
+                    chained.fetch_add(n, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    refused.fetch_add(n, Ordering::Relaxed);
+                    tracing::debug!(error = %e, "chained enqueue refused");
+                }
+            }
+        }))
+    }
+}
+
+type Spawner = Box<dyn FnOnce(&Ctx<'_>) -> Result<Arc<dyn RunningLane>, OffloadError> + Send>;
+
+/// One lane of an engine, not yet running: a pipeline spec and how its executor is made.
+pub struct LaneSpec {
+    lane: PipelineLane,
+    spawn: Spawner,
+}
+
+impl std::fmt::Debug for LaneSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneSpec")
+            .field("lane", &self.lane)
+            .finish()
+    }
+}
+
+fn with_policy<S: Tier, D: Tier, A>(
+    mut spec: PipelineSpec<S, D, A>,
+    registry: &BlockRegistry,
+) -> PipelineSpec<S, D, A> {
+    if spec.policy.is_none() {
+        spec.policy = Some(create_policy_from_config(&spec.config.policies, registry));
+    }
+    spec
+}
+
+impl LaneSpec {
+    /// The lane.
+    pub fn lane(&self) -> PipelineLane {
+        self.lane
+    }
+
+    /// A lane between two bound tiers whose executor allocates the destinations
+    /// ([`BlockTransferExecutor`]): the offload lanes (G1→G2, G2→G3), or promotion.
+    pub fn over_tiers<S: Tier, D: Tier>(spec: PipelineSpec<S, D>) -> Self {
+        let lane = spec.lane();
+        Self {
+            lane,
+            spawn: Box::new(move |ctx| {
+                let exec = BlockTransferExecutor::from_mover(ctx.mover::<S, D>()?);
+                let spec = with_policy(spec, ctx.registry);
+                let sink = ctx.chain_sink::<D>(lane);
+                Ok(Arc::new(spec.spawn_on_with_sink(
+                    ctx.runtime,
+                    exec,
+                    sink,
+                )?))
+            }),
+        }
+    }
+
+    /// A lane between two bound tiers whose destinations the caller allocates before the
+    /// transfer ([`CallerAllocated`]): onboarding (G3→G2, G2→G1). Enqueue with
+    /// [`OffloadEngine::enqueue_into`].
+    pub fn onboarding<S: Tier, D: Tier>(spec: PipelineSpec<S, D, MutableBlock<D>>) -> Self {
+        let lane = spec.lane();
+        Self {
+            lane,
+            spawn: Box::new(move |ctx| {
+                let exec = CallerAllocated::new(ctx.mover::<S, D>()?);
+                let spec = with_policy(spec, ctx.registry);
+                let sink = ctx.chain_sink::<D>(lane);
+                Ok(Arc::new(spec.spawn_on_with_sink(
+                    ctx.runtime,
+                    exec,
+                    sink,
+                )?))
+            }),
+        }
+    }
+
+    /// A lane with its own executor (tests, custom transports, an object get executor).
+    pub fn with_executor<S, D, A, E>(spec: PipelineSpec<S, D, A>, executor: E) -> Self
+    where
+        S: Tier,
+        D: Tier,
+        A: Send + 'static,
+        E: TransferExecutor<S, A>,
+    {
+        let lane = spec.lane();
+        Self {
+            lane,
+            spawn: Box::new(move |ctx| {
+                let spec = with_policy(spec, ctx.registry);
+                Ok(Arc::new(spec.spawn_on(ctx.runtime, executor)?))
+            }),
+        }
+    }
+
+    /// The G2→G4 object lane (presence checks and locks, see [`ObjectPipelineBuilder`]), with
+    /// `executor`, or an [`ObjectTransferExecutor`] over the bound G2 and G4 layouts (recording
+    /// presence in the bound G4 manager, if any).
+    pub fn object<E: TransferExecutor<G2>>(
+        builder: ObjectPipelineBuilder,
+        executor: Option<E>,
+    ) -> Self {
+        Self {
+            lane: PipelineLane::G2_TO_G4,
+            spawn: Box::new(move |ctx| {
+                // The object builder spawns on the current runtime: enter the engine's.
+                let _enter = ctx.runtime.enter();
+                let pipeline = match executor {
+                    Some(e) => builder.spawn(e)?,
+                    None => {
+                        let mut e = ObjectTransferExecutor::<G2>::new(
+                            ctx.tm()?,
+                            ctx.layout(TierId::G2)?,
+                            ctx.layout(TierId::G4)?,
+                        );
+                        if let Ok(g4) = ctx.manager::<kvbm_logical::G4>() {
+                            e = e.with_g4_manager(g4);
+                        }
+                        builder.spawn(e)?
+                    }
+                };
+                Ok(Arc::new(pipeline))
+            }),
+        }
+    }
+}
 
 /// Builder for [`OffloadEngine`].
 pub struct OffloadEngineBuilder {
     registry: BlockRegistry,
+    runtime: Option<Handle>,
     transfer_manager: Option<Arc<TransferManager>>,
-    layouts: [Option<LayoutHandle>; 4],
-    g2_manager: Option<Arc<BlockManager<G2>>>,
-    g3_manager: Option<Arc<BlockManager<G3>>>,
-    g4_manager: Option<Arc<BlockManager<G4>>>,
-    g1_to_g2: Option<PipelineSpec<G1, G2>>,
-    g2_to_g3: Option<PipelineSpec<G2, G3>>,
-    g2_to_g4: Option<ObjectPipelineBuilder>,
-    g1_to_g2_executor: Option<ArcExecutor<G1, ImmutableBlock<G2>>>,
-    g2_to_g3_executor: Option<ArcExecutor<G2, ImmutableBlock<G3>>>,
-    g2_to_g4_executor: Option<ArcExecutor<G2, SequenceHash>>,
-    auto_chain: bool,
+    tiers: HashMap<TierId, TierBinding>,
+    lanes: Vec<LaneSpec>,
+    chains: Vec<(PipelineLane, PipelineLane)>,
 }
 
 impl std::fmt::Debug for OffloadEngineBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OffloadEngineBuilder")
-            .field("g1_to_g2", &self.g1_to_g2.is_some())
-            .field("g2_to_g3", &self.g2_to_g3.is_some())
-            .field("g2_to_g4", &self.g2_to_g4.is_some())
-            .field("auto_chain", &self.auto_chain)
+            .field("lanes", &self.lanes)
+            .field("chains", &self.chains)
             .finish()
     }
 }
 
 impl OffloadEngineBuilder {
+    /// The runtime the pipelines run on. Default: the current one (building outside a runtime
+    /// without this is [`OffloadError::NoRuntime`]).
+    pub fn runtime(mut self, runtime: Handle) -> Self {
+        self.runtime = Some(runtime);
+        self
+    }
+
     /// The transfer manager executors are built on.
     pub fn with_transfer_manager(mut self, tm: Arc<TransferManager>) -> Self {
         self.transfer_manager = Some(tm);
         self
     }
 
-    /// The layout of G1 (device) blocks in the transfer manager.
-    pub fn with_g1_layout(mut self, h: LayoutHandle) -> Self {
-        self.layouts[0] = Some(h);
-        self
-    }
-
-    /// The layout of G2 (host) blocks.
-    pub fn with_g2_layout(mut self, h: LayoutHandle) -> Self {
-        self.layouts[1] = Some(h);
-        self
-    }
-
-    /// The layout of G3 (disk) blocks.
-    pub fn with_g3_layout(mut self, h: LayoutHandle) -> Self {
-        self.layouts[2] = Some(h);
-        self
-    }
-
-    /// The object layout of G4.
-    pub fn with_g4_layout(mut self, h: LayoutHandle) -> Self {
-        self.layouts[3] = Some(h);
-        self
-    }
-
-    /// The G2 block manager (destination of G1→G2).
-    pub fn with_g2_manager(mut self, m: Arc<BlockManager<G2>>) -> Self {
-        self.g2_manager = Some(m);
-        self
-    }
-
-    /// The G3 block manager (destination of G2→G3).
-    pub fn with_g3_manager(mut self, m: Arc<BlockManager<G3>>) -> Self {
-        self.g3_manager = Some(m);
-        self
-    }
-
-    /// A G4 block manager recording object presence in the registry. Default: none.
-    pub fn with_g4_manager(mut self, m: Arc<BlockManager<G4>>) -> Self {
-        self.g4_manager = Some(m);
-        self
-    }
-
-    /// Runs a G1→G2 pipeline.
-    pub fn with_g1_to_g2_pipeline(mut self, spec: PipelineSpec<G1, G2>) -> Self {
-        self.g1_to_g2 = Some(spec);
-        self
-    }
-
-    /// Runs a G2→G3 pipeline.
-    pub fn with_g2_to_g3_pipeline(mut self, spec: PipelineSpec<G2, G3>) -> Self {
-        self.g2_to_g3 = Some(spec);
-        self
-    }
-
-    /// Runs a G2→G4 pipeline.
-    pub fn with_g2_to_g4_pipeline(mut self, builder: ObjectPipelineBuilder) -> Self {
-        self.g2_to_g4 = Some(builder);
-        self
-    }
-
-    /// Uses `executor` for G1→G2 instead of one built from the transfer manager.
-    pub fn with_g1_to_g2_executor(
+    /// Binds tier `T`: its layout in the transfer manager and, when it is a destination, its
+    /// block manager (whose block ids are the layout's slot ids).
+    pub fn tier<T: Tier>(
         mut self,
-        executor: impl TransferExecutor<G1, Output = ImmutableBlock<G2>>,
+        layout: LayoutHandle,
+        manager: Option<Arc<BlockManager<T>>>,
     ) -> Self {
-        self.g1_to_g2_executor = Some(ArcExecutor::new(executor));
+        self.tiers.insert(
+            T::ID,
+            TierBinding {
+                layout,
+                manager: manager.map(|m| m as Arc<dyn Any + Send + Sync>),
+            },
+        );
         self
     }
 
-    /// Uses `executor` for G2→G3.
-    pub fn with_g2_to_g3_executor(
-        mut self,
-        executor: impl TransferExecutor<G2, Output = ImmutableBlock<G3>>,
-    ) -> Self {
-        self.g2_to_g3_executor = Some(ArcExecutor::new(executor));
+    /// Adds a lane. One pipeline per (source, destination) pair.
+    pub fn lane(mut self, lane: LaneSpec) -> Self {
+        self.lanes.push(lane);
         self
     }
 
-    /// Uses `executor` for G2→G4.
-    pub fn with_g2_to_g4_executor(
-        mut self,
-        executor: impl TransferExecutor<G2, Output = SequenceHash>,
-    ) -> Self {
-        self.g2_to_g4_executor = Some(ArcExecutor::new(executor));
+    /// Hands every block `from` registers in its destination to `to` (as weak references).
+    /// `from`'s destination must be `to`'s source, and `to` must allocate its own destinations.
+    pub fn chain(mut self, from: PipelineLane, to: PipelineLane) -> Self {
+        self.chains.push((from, to));
         self
     }
 
-    /// Feeds G1→G2 completions into G2→G3. Default: false.
-    pub fn auto_chain(mut self, on: bool) -> Self {
-        self.auto_chain = on;
-        self
-    }
-
-    fn tm(&self) -> Result<Arc<TransferManager>, OffloadError> {
-        self.transfer_manager
-            .clone()
-            .ok_or(OffloadError::Missing("transfer manager"))
-    }
-
-    fn layout(&self, i: usize, what: &'static str) -> Result<LayoutHandle, OffloadError> {
-        self.layouts[i].ok_or(OffloadError::Missing(what))
-    }
-
-    /// Starts the configured pipelines on the current tokio runtime.
+    /// Spawns every lane.
     ///
     /// # Errors
-    /// [`OffloadError::Missing`] naming what a configured pipeline lacks;
-    /// [`OffloadError::InvalidConfig`] from a pipeline's configuration.
-    pub fn build(mut self) -> Result<OffloadEngine, OffloadError> {
-        let registry = self.registry.clone();
+    /// [`OffloadError::DuplicateLane`], [`OffloadError::InvalidConfig`] for a chain whose ends
+    /// do not meet or name a missing lane, [`OffloadError::MissingTier`] /
+    /// [`OffloadError::Missing`] for what a lane needs and was not given,
+    /// [`OffloadError::NoRuntime`], and any pipeline's own configuration error.
+    pub fn build(self) -> Result<OffloadEngine, OffloadError> {
+        let runtime = match self.runtime {
+            Some(h) => h,
+            None => Handle::try_current().map_err(|_| OffloadError::NoRuntime)?,
+        };
+        let mut seen = std::collections::HashSet::new();
+        for l in &self.lanes {
+            if !seen.insert(l.lane) {
+                return Err(OffloadError::DuplicateLane(l.lane));
+            }
+        }
+        let mut outlets: HashMap<PipelineLane, Outlet> = HashMap::new();
+        for (from, to) in &self.chains {
+            if from.destination != to.source || !seen.contains(from) || !seen.contains(to) {
+                return Err(OffloadError::InvalidConfig(format!(
+                    "chain {from} -> {to}: both lanes must exist and {from} must end where {to} starts"
+                )));
+            }
+            outlets.insert(*from, Arc::new(OnceLock::new()));
+        }
         let chained = Arc::new(AtomicU64::new(0));
-
-        let g2_to_g3 = match self.g2_to_g3.take() {
-            None => None,
-            Some(mut spec) => {
-                if spec.policy.is_none() {
-                    spec.policy = Some(create_policy_from_config(&spec.config.policies, &registry));
-                }
-                let exec = match self.g2_to_g3_executor.take() {
-                    Some(e) => e,
-                    None => ArcExecutor::new(BlockTransferExecutor::<G2, G3>::new(
-                        self.tm()?,
-                        self.layout(1, "G2 layout")?,
-                        self.layout(2, "G3 layout")?,
-                        self.g3_manager
-                            .clone()
-                            .ok_or(OffloadError::Missing("G3 manager"))?,
-                    )),
-                };
-                Some(Arc::new(spec.spawn(exec)?))
-            }
+        let refused = Arc::new(AtomicU64::new(0));
+        let ctx = Ctx {
+            registry: &self.registry,
+            runtime: &runtime,
+            tm: self.transfer_manager.clone(),
+            tiers: &self.tiers,
+            outlets: &outlets,
+            chained: &chained,
+            refused: &refused,
         };
-
-        let g1_to_g2 = match self.g1_to_g2.take() {
-            None => None,
-            Some(mut spec) => {
-                if spec.policy.is_none() {
-                    spec.policy = Some(create_policy_from_config(&spec.config.policies, &registry));
-                }
-                let exec = match self.g1_to_g2_executor.take() {
-                    Some(e) => e,
-                    None => ArcExecutor::new(BlockTransferExecutor::<G1, G2>::new(
-                        self.tm()?,
-                        self.layout(0, "G1 layout")?,
-                        self.layout(1, "G2 layout")?,
-                        self.g2_manager
-                            .clone()
-                            .ok_or(OffloadError::Missing("G2 manager"))?,
-                    )),
-                };
-                let sink: Option<CompletionSink<ImmutableBlock<G2>>> =
-                    match (&g2_to_g3, self.auto_chain) {
-                        (Some(next), true) => {
-                            let next = next.clone();
-                            let chained = chained.clone();
-                            Some(Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
-                                let weak: Vec<_> = blocks.iter().map(|b| b.downgrade()).collect();
-                                drop(blocks);
-                                let n = weak.len() as u64;
-                                match next.enqueue(weak, None) {
-                                    Ok(_) => {
-                                        chained.fetch_add(n, Ordering::Relaxed);
-                                    }
-                                    Err(e) => {
-                                        tracing::debug!(error = %e, "auto_chain enqueue refused")
-                                    }
-                                }
-                            }))
-                        }
-                        (None, true) => {
-                            return Err(OffloadError::Missing("G2→G3 pipeline for auto_chain"));
-                        }
-                        _ => None,
-                    };
-                Some(spec.spawn_with_sink(exec, sink)?)
-            }
-        };
-
-        let g2_to_g4 = match self.g2_to_g4.take() {
-            None => None,
-            Some(builder) => {
-                let exec = match self.g2_to_g4_executor.take() {
-                    Some(e) => e,
-                    None => {
-                        let mut e = ObjectTransferExecutor::<G2>::new(
-                            self.tm()?,
-                            self.layout(1, "G2 layout")?,
-                            self.layout(3, "G4 layout")?,
-                        );
-                        if let Some(g4) = &self.g4_manager {
-                            e = e.with_g4_manager(g4.clone());
-                        }
-                        ArcExecutor::new(e)
-                    }
-                };
-                Some(builder.spawn(exec)?)
-            }
-        };
-
+        let mut lanes: Vec<(PipelineLane, Arc<dyn RunningLane>)> = Vec::new();
+        for spec in self.lanes {
+            let running = (spec.spawn)(&ctx)?;
+            lanes.push((spec.lane, running));
+        }
+        for (from, to) in &self.chains {
+            let target = lanes
+                .iter()
+                .find(|(l, _)| l == to)
+                .map(|(_, r)| r.clone())
+                .expect("checked above");
+            let _ = outlets[from].set(target);
+        }
         Ok(OffloadEngine {
-            registry,
-            g1_to_g2,
-            g2_to_g3,
-            g2_to_g4,
+            registry: self.registry,
+            runtime,
+            lanes,
             chained,
+            refused,
         })
     }
 }
@@ -278,18 +421,16 @@ impl OffloadEngineBuilder {
 /// Central coordinator for offload pipelines.
 pub struct OffloadEngine {
     registry: BlockRegistry,
-    g1_to_g2: Option<Pipeline<G1>>,
-    g2_to_g3: Option<Arc<Pipeline<G2>>>,
-    g2_to_g4: Option<ObjectPipeline>,
+    runtime: Handle,
+    lanes: Vec<(PipelineLane, Arc<dyn RunningLane>)>,
     chained: Arc<AtomicU64>,
+    refused: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for OffloadEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OffloadEngine")
-            .field("g1_to_g2", &self.g1_to_g2.is_some())
-            .field("g2_to_g3", &self.g2_to_g3.is_some())
-            .field("g2_to_g4", &self.g2_to_g4.is_some())
+            .field("lanes", &self.lanes())
             .finish()
     }
 }
@@ -299,18 +440,11 @@ impl OffloadEngine {
     pub fn builder(registry: BlockRegistry) -> OffloadEngineBuilder {
         OffloadEngineBuilder {
             registry,
+            runtime: None,
             transfer_manager: None,
-            layouts: [None; 4],
-            g2_manager: None,
-            g3_manager: None,
-            g4_manager: None,
-            g1_to_g2: None,
-            g2_to_g3: None,
-            g2_to_g4: None,
-            g1_to_g2_executor: None,
-            g2_to_g3_executor: None,
-            g2_to_g4_executor: None,
-            auto_chain: false,
+            tiers: HashMap::new(),
+            lanes: Vec::new(),
+            chains: Vec::new(),
         }
     }
 
@@ -319,90 +453,89 @@ impl OffloadEngine {
         &self.registry
     }
 
-    /// Enqueues G1 blocks for G1→G2, after `precondition` (the forward pass).
+    /// The runtime the pipelines run on.
+    pub fn runtime(&self) -> &Handle {
+        &self.runtime
+    }
+
+    /// The lanes, in the order they were added.
+    pub fn lanes(&self) -> Vec<PipelineLane> {
+        self.lanes.iter().map(|(l, _)| *l).collect()
+    }
+
+    fn running(&self, lane: PipelineLane) -> Option<&Arc<dyn RunningLane>> {
+        self.lanes.iter().find(|(l, _)| *l == lane).map(|(_, r)| r)
+    }
+
+    /// The pipeline of `lane`, when it reads from `S` and carries attachment `A` (`()` for
+    /// executor-allocated destinations, `MutableBlock<D>` for onboarding lanes).
+    pub fn pipeline<S: Tier, A: Send + 'static>(
+        &self,
+        lane: PipelineLane,
+    ) -> Option<&Pipeline<S, A>> {
+        self.running(lane)?
+            .pipeline_any()
+            .downcast_ref::<Pipeline<S, A>>()
+    }
+
+    /// The G2→G4 object pipeline.
+    pub fn object_pipeline(&self) -> Option<&ObjectPipeline> {
+        self.running(PipelineLane::G2_TO_G4)?.object()
+    }
+
+    /// Enqueues `S` blocks into `lane` (whose executor allocates destinations), after
+    /// `precondition`; waits while its input is full.
     ///
     /// # Errors
-    /// [`OffloadError::NoPipeline`] when none is configured; [`OffloadError::PipelineClosed`].
-    pub fn enqueue_g1_to_g2(
+    /// [`OffloadError::NoPipeline`] when no such lane reads from `S`; the pipeline's errors.
+    pub async fn enqueue<S: Tier>(
         &self,
-        blocks: impl Into<SourceBlocks<G1>>,
+        lane: PipelineLane,
+        blocks: impl Into<SourceBlocks<S>>,
         precondition: Option<Precondition>,
     ) -> Result<TransferHandle, OffloadError> {
-        self.g1_to_g2
-            .as_ref()
-            .ok_or(OffloadError::NoPipeline("G1→G2"))?
+        self.pipeline::<S, ()>(lane)
+            .ok_or(OffloadError::NoPipeline(lane))?
             .enqueue(blocks, precondition)
+            .await
     }
 
-    /// Enqueues G2 blocks for G2→G3.
+    /// Enqueues `S` blocks into an onboarding `lane`, each with the destination the caller
+    /// allocated for it.
     ///
     /// # Errors
-    /// [`OffloadError::NoPipeline`] when none is configured; [`OffloadError::PipelineClosed`].
-    pub fn enqueue_g2_to_g3(
+    /// [`OffloadError::NoPipeline`] when no such lane moves `S` into caller-allocated `D`
+    /// blocks; the pipeline's errors.
+    pub async fn enqueue_into<S: Tier, D: Tier>(
         &self,
-        blocks: impl Into<SourceBlocks<G2>>,
+        lane: PipelineLane,
+        blocks: impl Into<SourceBlocks<S>>,
+        destinations: Vec<MutableBlock<D>>,
+        precondition: Option<Precondition>,
     ) -> Result<TransferHandle, OffloadError> {
-        self.g2_to_g3
-            .as_ref()
-            .ok_or(OffloadError::NoPipeline("G2→G3"))?
-            .enqueue(blocks, None)
+        self.pipeline::<S, MutableBlock<D>>(lane)
+            .ok_or(OffloadError::NoPipeline(lane))?
+            .enqueue_into(blocks, destinations, precondition)
+            .await
     }
 
-    /// Enqueues G2 blocks for G2→G4.
-    ///
-    /// # Errors
-    /// [`OffloadError::NoPipeline`] when none is configured; [`OffloadError::PipelineClosed`].
-    pub fn enqueue_g2_to_g4(
-        &self,
-        blocks: impl Into<SourceBlocks<G2>>,
-    ) -> Result<TransferHandle, OffloadError> {
-        self.g2_to_g4
-            .as_ref()
-            .ok_or(OffloadError::NoPipeline("G2→G4"))?
-            .enqueue(blocks, None)
-    }
-
-    /// The G1→G2 pipeline.
-    pub fn g1_to_g2(&self) -> Option<&Pipeline<G1>> {
-        self.g1_to_g2.as_ref()
-    }
-
-    /// The G2→G3 pipeline.
-    pub fn g2_to_g3(&self) -> Option<&Pipeline<G2>> {
-        self.g2_to_g3.as_deref()
-    }
-
-    /// The G2→G4 pipeline.
-    pub fn g2_to_g4(&self) -> Option<&ObjectPipeline> {
-        self.g2_to_g4.as_ref()
-    }
-
-    /// Blocks handed from G1→G2 to G2→G3 by `auto_chain` so far.
+    /// Blocks handed from one lane to the next by chains so far.
     pub fn chained_blocks(&self) -> u64 {
         self.chained.load(Ordering::Relaxed)
     }
 
-    fn lanes(&self) -> Vec<(PipelineLane, &Arc<crate::settlement::LaneState>)> {
-        let mut v = Vec::new();
-        if let Some(p) = &self.g1_to_g2 {
-            v.push((PipelineLane::G1ToG2, p.lane_state()));
-        }
-        if let Some(p) = &self.g2_to_g3 {
-            v.push((PipelineLane::G2ToG3, p.lane_state()));
-        }
-        if let Some(p) = &self.g2_to_g4 {
-            v.push((PipelineLane::G2ToG4, p.pipeline().lane_state()));
-        }
-        v
+    /// Blocks a chain could not hand on because the next lane's input was full.
+    pub fn chain_refused_blocks(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 
-    /// Captures a checkpoint over every configured lane.
+    /// Captures a checkpoint over every lane.
     pub fn settlement_token(&self) -> SettlementToken {
         let target = self
-            .lanes()
-            .into_iter()
-            .fold(SettlementTarget::new(), |t, (lane, s)| {
-                t.with(lane, s.submitted())
+            .lanes
+            .iter()
+            .fold(SettlementTarget::new(), |t, (lane, r)| {
+                t.with(*lane, r.lane_state().dispatched())
             });
         SettlementToken::new(target)
     }
@@ -410,35 +543,27 @@ impl OffloadEngine {
     /// Waits until everything `token` captured has settled.
     ///
     /// # Errors
-    /// [`SettlementError::Failed`] when a lane failed; [`SettlementError::UnknownLane`] when the
-    /// token names a lane this engine does not run.
+    /// [`SettlementError::Failed`] when a captured batch can no longer settle;
+    /// [`SettlementError::UnknownLane`] when the token names a lane this engine does not run.
     pub async fn wait_for_settlement(
         &self,
         token: &SettlementToken,
     ) -> Result<(), SettlementError> {
-        let lanes = self.lanes();
         for (lane, n) in token.target().lanes() {
-            let state = lanes
-                .iter()
-                .find(|(l, _)| l == lane)
+            let state = self
+                .running(*lane)
                 .ok_or(SettlementError::UnknownLane(*lane))?
-                .1;
+                .lane_state();
             state.wait_for(*n).await?;
         }
         Ok(())
     }
 
-    /// Stops accepting work and waits for every pipeline to drain.
+    /// Stops accepting work and waits for every pipeline to drain, in the order the lanes were
+    /// added (put a chain's first lane first, so what it hands on is drained too).
     pub async fn shutdown(&self) {
-        if let Some(p) = &self.g1_to_g2 {
-            p.shutdown_and_wait().await;
-        }
-        if let Some(p) = &self.g2_to_g3 {
-            p.shutdown_and_wait().await;
-        }
-        if let Some(p) = &self.g2_to_g4 {
-            // Flushes the lock releases too.
-            p.shutdown_and_wait().await;
+        for (_, r) in &self.lanes {
+            r.shutdown_and_wait().await;
         }
     }
 }

@@ -24,6 +24,8 @@ pub enum BlockFailureKind {
     Transfer,
     /// The transfer executor stopped (panicked or was aborted) with the block in flight.
     ExecutorAborted,
+    /// The pipeline failed (a stage panicked) before the block was transferred.
+    PipelineFailed,
     /// The bytes read are not the bytes stored (checksum mismatch, short read, corrupt
     /// header): drop that copy.
     ChecksumMismatch,
@@ -50,6 +52,7 @@ impl BlockFailureKind {
             Self::NoSpace => "no_space",
             Self::Transfer => "transfer",
             Self::ExecutorAborted => "executor_aborted",
+            Self::PipelineFailed => "pipeline_failed",
             Self::ChecksumMismatch => "checksum_mismatch",
             Self::IdentityMismatch => "identity_mismatch",
             Self::NotFound => "not_found",
@@ -137,12 +140,44 @@ pub enum OffloadError {
     /// The pipeline was shut down; nothing was enqueued.
     #[error("the offload pipeline is closed")]
     PipelineClosed,
-    /// The engine has no pipeline for this path.
-    #[error("no {0} pipeline is configured")]
-    NoPipeline(&'static str),
+    /// The pipeline failed (a stage panicked); nothing was enqueued.
+    #[error(transparent)]
+    PipelineFailed(#[from] crate::settlement::PipelineFailure),
+    /// The engine has no pipeline of the requested kind for this lane.
+    #[error("no {0} pipeline of this kind is configured")]
+    NoPipeline(crate::settlement::PipelineLane),
+    /// Two lanes of an engine are the same (source, destination) pair.
+    #[error("lane {0} is configured twice")]
+    DuplicateLane(crate::settlement::PipelineLane),
+    /// A lane needs a tier (layout or block manager) that was not bound.
+    #[error("tier {0:?} is not bound (layout or block manager missing)")]
+    MissingTier(kvbm_logical::TierId),
     /// A required component was not given to a builder.
     #[error("missing {0}")]
     Missing(&'static str),
+    /// No tokio runtime is current: start pipelines with an explicit runtime handle
+    /// (`PipelineSpec::spawn_on`, `OffloadEngineBuilder::runtime`).
+    #[error("no tokio runtime: pass a runtime handle")]
+    NoRuntime,
+    /// The input queue is full (`try_enqueue`; the blocks were handed back).
+    #[error("the offload pipeline's input queue is full")]
+    QueueFull,
+    /// A pipeline was asked to carry a lane other than its (source, destination) pair.
+    #[error("lane {requested} requested for a {pipeline} pipeline")]
+    LaneMismatch {
+        /// The lane named.
+        requested: crate::settlement::PipelineLane,
+        /// The pipeline's own pair.
+        pipeline: crate::settlement::PipelineLane,
+    },
+    /// `enqueue_into` was given a different number of sources and destinations.
+    #[error("{sources} sources but {destinations} destinations")]
+    Mismatched {
+        /// Sources given.
+        sources: usize,
+        /// Destinations given.
+        destinations: usize,
+    },
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
@@ -161,6 +196,16 @@ pub enum PolicyError {
     /// The backing service (e.g. S3) failed.
     #[error("policy backend error: {0}")]
     Backend(#[source] PhysicalError),
+    /// A policy answered with the wrong number of verdicts.
+    #[error("policy {policy} returned {got} verdicts for {expected} blocks")]
+    Verdicts {
+        /// The policy's name.
+        policy: &'static str,
+        /// Blocks asked about.
+        expected: usize,
+        /// Verdicts returned.
+        got: usize,
+    },
 }
 
 impl PartialEq for PolicyError {
@@ -168,6 +213,18 @@ impl PartialEq for PolicyError {
     fn eq(&self, other: &Self) -> bool {
         match (self, other) {
             (Self::Timeout, Self::Timeout) => true,
+            (
+                Self::Verdicts {
+                    policy: p,
+                    expected: e,
+                    got: g,
+                },
+                Self::Verdicts {
+                    policy: q,
+                    expected: f,
+                    got: h,
+                },
+            ) => p == q && e == f && g == h,
             (Self::Backend(a), Self::Backend(b)) => a.to_string() == b.to_string(),
             _ => false,
         }

@@ -23,14 +23,18 @@ use kvbm_logical::Tier;
 use crate::batch::{BatchOutcome, ResolvedBatch};
 
 /// Executes the transfer of a resolved batch.
-pub trait TransferExecutor<T: Tier>: Send + Sync + 'static {
+///
+/// `A` is the per-block destination attachment the pipeline carries: `()` (the default) when
+/// the executor allocates destinations itself, a caller-allocated `MutableBlock<Dst>` when the
+/// caller chose them before the transfer ([`ResolvedBatch::take_destinations`]).
+pub trait TransferExecutor<T: Tier, A = ()>: Send + Sync + 'static {
     /// What one successfully transferred block yields (e.g. the destination block).
     type Output: Send + 'static;
 
     /// Transfers `batch`; one outcome per block, in order.
     fn execute(
         &self,
-        batch: &ResolvedBatch<T>,
+        batch: &ResolvedBatch<T, A>,
     ) -> impl Future<Output = BatchOutcome<Self::Output>> + Send;
 }
 
@@ -50,52 +54,56 @@ impl<T: Tier> TransferExecutor<T> for NoopExecutor {
 
 /// Object-safe form of [`TransferExecutor`], for storing executors of different types behind
 /// one `Arc<dyn …>` (costs one boxed future per batch).
-pub trait DynTransferExecutor<T: Tier, R>: Send + Sync + 'static {
+pub trait DynTransferExecutor<T: Tier, R, A = ()>: Send + Sync + 'static {
     /// See [`TransferExecutor::execute`].
     fn execute_boxed<'a>(
         &'a self,
-        batch: &'a ResolvedBatch<T>,
+        batch: &'a ResolvedBatch<T, A>,
     ) -> BoxFutureRef<'a, BatchOutcome<R>>;
 }
 
 /// A boxed future borrowing its inputs.
 pub type BoxFutureRef<'a, O> = std::pin::Pin<Box<dyn Future<Output = O> + Send + 'a>>;
 
-impl<T: Tier, E: TransferExecutor<T>> DynTransferExecutor<T, E::Output> for E {
+impl<T: Tier, A: Send + 'static, E: TransferExecutor<T, A>> DynTransferExecutor<T, E::Output, A>
+    for E
+{
     fn execute_boxed<'a>(
         &'a self,
-        batch: &'a ResolvedBatch<T>,
+        batch: &'a ResolvedBatch<T, A>,
     ) -> BoxFutureRef<'a, BatchOutcome<E::Output>> {
         Box::pin(self.execute(batch))
     }
 }
 
 /// A type-erased executor.
-pub struct ArcExecutor<T: Tier, R>(pub Arc<dyn DynTransferExecutor<T, R>>);
+pub struct ArcExecutor<T: Tier, R, A = ()>(pub Arc<dyn DynTransferExecutor<T, R, A>>);
 
-impl<T: Tier, R> Clone for ArcExecutor<T, R> {
+impl<T: Tier, R, A> Clone for ArcExecutor<T, R, A> {
     fn clone(&self) -> Self {
         Self(self.0.clone())
     }
 }
 
-impl<T: Tier, R> std::fmt::Debug for ArcExecutor<T, R> {
+impl<T: Tier, R, A> std::fmt::Debug for ArcExecutor<T, R, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ArcExecutor")
     }
 }
 
-impl<T: Tier, R: Send + 'static> ArcExecutor<T, R> {
+impl<T: Tier, R: Send + 'static, A: Send + 'static> ArcExecutor<T, R, A> {
     /// Erases `executor`'s type.
-    pub fn new(executor: impl TransferExecutor<T, Output = R>) -> Self {
+    pub fn new(executor: impl TransferExecutor<T, A, Output = R>) -> Self {
         Self(Arc::new(executor))
     }
 }
 
-impl<T: Tier, R: Send + 'static> TransferExecutor<T> for ArcExecutor<T, R> {
+impl<T: Tier, R: Send + 'static, A: Send + 'static> TransferExecutor<T, A>
+    for ArcExecutor<T, R, A>
+{
     type Output = R;
 
-    async fn execute(&self, batch: &ResolvedBatch<T>) -> BatchOutcome<R> {
+    async fn execute(&self, batch: &ResolvedBatch<T, A>) -> BatchOutcome<R> {
         self.0.execute_boxed(batch).await
     }
 }

@@ -225,7 +225,9 @@ pub(crate) struct TransferShared {
     pub(crate) progress: Mutex<Progress>,
     drained_notify: Notify,
     sweep: Option<SweepSignal>,
-    settlement: Option<(Arc<LaneState>, u64)>,
+    /// The lane the transfer runs in (`None` for a detached token): a container dropped after
+    /// its lane failed reports its blocks failed, not cancelled.
+    pub(crate) lane: Option<Arc<LaneState>>,
     record_timing: bool,
     /// The pipeline's metric handles (`None` for a detached token).
     pub(crate) metrics: Option<Arc<PipelineMetrics>>,
@@ -240,7 +242,7 @@ impl TransferShared {
 
     pub(crate) fn new(
         sweep: Option<SweepSignal>,
-        settlement: Option<(Arc<LaneState>, u64)>,
+        lane: Option<Arc<LaneState>>,
         record_timing: bool,
         metrics: Option<Arc<PipelineMetrics>>,
     ) -> Self {
@@ -253,7 +255,7 @@ impl TransferShared {
             progress: Mutex::new(Progress::default()),
             drained_notify: Notify::new(),
             sweep,
-            settlement,
+            lane,
             record_timing,
             metrics,
             cancel_requested_at: OnceLock::new(),
@@ -291,9 +293,6 @@ impl TransferShared {
         self.status.store(status);
         if let (Some(m), Some(at)) = (&self.metrics, self.cancel_requested_at.get()) {
             m.cancel_confirmed(at.elapsed());
-        }
-        if let Some((lane, seq)) = &self.settlement {
-            lane.settle(*seq);
         }
         self.drained_notify.notify_waiters();
     }
@@ -446,6 +445,15 @@ impl TransferHandle {
     pub async fn wait(&self) -> Result<TransferResult, OffloadError> {
         self.token.drained().await;
         Ok(self.result_now())
+    }
+
+    /// [`wait`](Self::wait) for synchronous callers: blocks the calling thread (which must not
+    /// be driving an async runtime) until the transfer is done. Needs no runtime of its own.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_blocking(&self) -> Result<TransferResult, OffloadError> {
+        futures::executor::block_on(self.wait())
     }
 
     fn result_now(&self) -> TransferResult {

@@ -1,31 +1,32 @@
 #![doc = include_str!("../README.md")]
 
-pub mod batch;
-pub mod cancel;
+// What a user composes is re-exported at the root; stage internals (queues, the sweeper,
+// outstanding guards, containers and `upgrade_batch`) stay crate-private.
+mod batch;
+mod cancel;
 pub mod config;
-pub mod engine;
-pub mod error;
-pub mod executor;
-pub mod handle;
+mod engine;
+mod error;
+mod executor;
+mod handle;
 pub mod metrics;
 pub mod object;
-pub mod pending;
-pub mod pipeline;
-pub mod policy;
-pub mod queue;
-pub mod settlement;
-pub mod source;
-pub mod sweep;
-pub mod transfer;
+mod pending;
+mod pipeline;
+mod policy;
+mod queue;
+mod settlement;
+mod source;
+mod sweep;
+mod transfer;
 
-pub use batch::{
-    BatchOutcome, OffloadBatch, OffloadContainer, ResolvedBatch, ResolvedBlock, upgrade_batch,
-};
-pub use cancel::{CancelConfirmation, CancelState, CancellationToken, OutstandingGuard};
+pub use batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
+pub use cancel::{CancelConfirmation, CancelState, CancellationToken};
 pub use config::{
-    BatchConfig, DEFAULT_OBJECT_POLICY_TIMEOUT, ObjectPipelineConfig, PipelineConfig, PolicyConfig,
+    BatchConfig, DEFAULT_OBJECT_POLICY_TIMEOUT, MAX_CONCURRENT_TRANSFERS, ObjectPipelineConfig,
+    PipelineConfig, PolicyConfig,
 };
-pub use engine::{OffloadEngine, OffloadEngineBuilder};
+pub use engine::{LaneSpec, OffloadEngine, OffloadEngineBuilder};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 pub use executor::{ArcExecutor, DynTransferExecutor, NoopExecutor, TransferExecutor};
 pub use handle::{
@@ -38,17 +39,19 @@ pub use object::{
     block_identity, lock_key, object_key,
 };
 pub use pending::{PendingGuard, PendingTracker};
-pub use pipeline::{CompletionSink, Pipeline, PipelineBuilder, PipelineSpec};
+pub use pipeline::{
+    CompletionSink, EnqueueError, Pipeline, PipelineBuilder, PipelineSpec, Rejected,
+};
 pub use policy::{
     AllOfPolicy, AnyOfPolicy, BoxFuture, EvalContext, OffloadPolicy, PassAllPolicy,
     PolicyBatchFuture, PolicyFuture, PresenceAndLFUFilter, PresenceFilter, async_batch_result,
     async_result, create_policy_from_config, sync_batch_result, sync_result,
 };
-pub use queue::{CancellableQueue, PushError, Sweep, SweepTarget};
 pub use settlement::{
-    PipelineFailure, PipelineFailureKind, PipelineLane, SettlementError, SettlementTarget,
-    SettlementToken,
+    PipelineFailure, PipelineFailureKind, PipelineLane, PipelineStage, SettlementError,
+    SettlementTarget, SettlementToken,
 };
 pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
-pub use sweep::{CancelSweeper, SweepSignal};
-pub use transfer::{BlockTransferExecutor, ObjectTransferExecutor};
+pub use transfer::{
+    BlockMover, BlockTransferExecutor, CallerAllocated, MoveOutcome, ObjectTransferExecutor,
+};

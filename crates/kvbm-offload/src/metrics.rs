@@ -2,7 +2,8 @@
 //! recorder (Prometheus, statsd, …) and the pipelines report to it.
 //!
 //! Every series carries the label [`PIPELINE_LABEL`] (`pipeline`) with the pipeline's
-//! [`PipelineLane`] name: `g1_to_g2`, `g2_to_g3` or `g2_to_g4`.
+//! [`PipelineLane`] name, its (source, destination) pair: `g1_to_g2`, `g2_to_g3`, `g2_to_g4`,
+//! `g3_to_g2`, `g4_to_g2`, `g2_to_g1`, ….
 //!
 //! | name | kind | extra label | what |
 //! |---|---|---|---|
@@ -74,12 +75,13 @@ pub const ALL: [&str; 10] = [
     CANCEL_CONFIRMATION_SECONDS,
 ];
 
-const FAILURE_KINDS: [BlockFailureKind; 11] = [
+const FAILURE_KINDS: [BlockFailureKind; 12] = [
     BlockFailureKind::Evicted,
     BlockFailureKind::PreconditionFailed,
     BlockFailureKind::NoSpace,
     BlockFailureKind::Transfer,
     BlockFailureKind::ExecutorAborted,
+    BlockFailureKind::PipelineFailed,
     BlockFailureKind::ChecksumMismatch,
     BlockFailureKind::IdentityMismatch,
     BlockFailureKind::NotFound,
@@ -172,12 +174,13 @@ fn failure_index(kind: BlockFailureKind) -> usize {
         BlockFailureKind::NoSpace => 2,
         BlockFailureKind::Transfer => 3,
         BlockFailureKind::ExecutorAborted => 4,
-        BlockFailureKind::ChecksumMismatch => 5,
-        BlockFailureKind::IdentityMismatch => 6,
-        BlockFailureKind::NotFound => 7,
-        BlockFailureKind::Io => 8,
-        BlockFailureKind::Timeout => 9,
-        BlockFailureKind::Cancelled => 10,
+        BlockFailureKind::PipelineFailed => 5,
+        BlockFailureKind::ChecksumMismatch => 6,
+        BlockFailureKind::IdentityMismatch => 7,
+        BlockFailureKind::NotFound => 8,
+        BlockFailureKind::Io => 9,
+        BlockFailureKind::Timeout => 10,
+        BlockFailureKind::Cancelled => 11,
     }
 }
 

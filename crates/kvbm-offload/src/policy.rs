@@ -263,15 +263,18 @@ fn combine(
         }
         let sub: Vec<EvalContext> = idx.iter().map(|&i| ctxs[i]).collect();
         match child.evaluate_batch(&sub) {
-            Either::Left(r) => match r.into_inner() {
-                Ok(v) => merge(mode, &mut verdict, &idx, &v),
+            Either::Left(r) => match r
+                .into_inner()
+                .and_then(|v| merge(mode, &mut verdict, &idx, &v, child.name()))
+            {
+                Ok(()) => {}
                 Err(e) => return Either::Left(ready(Err(e))),
             },
             Either::Right(fut) => {
                 let ctxs = ctxs.to_vec();
                 return async_batch_result(async move {
                     let v = fut.await?;
-                    merge(mode, &mut verdict, &idx, &v);
+                    merge(mode, &mut verdict, &idx, &v, children[k].name())?;
                     for child in children.iter().skip(k + 1) {
                         let idx: Vec<usize> =
                             (0..ctxs.len()).filter(|&i| undecided(verdict[i])).collect();
@@ -283,7 +286,7 @@ fn combine(
                             Either::Left(r) => r.into_inner()?,
                             Either::Right(f) => f.await?,
                         };
-                        merge(mode, &mut verdict, &idx, &v);
+                        merge(mode, &mut verdict, &idx, &v, child.name())?;
                     }
                     Ok(verdict)
                 });
@@ -293,13 +296,29 @@ fn combine(
     sync_batch_result(verdict)
 }
 
-fn merge(mode: Mode, verdict: &mut [bool], idx: &[usize], v: &[bool]) {
+/// Folds a child's verdicts in; a child answering with the wrong number of verdicts is an
+/// error (never a silent pass for the blocks it left out).
+fn merge(
+    mode: Mode,
+    verdict: &mut [bool],
+    idx: &[usize],
+    v: &[bool],
+    policy: &'static str,
+) -> Result<(), PolicyError> {
+    if v.len() != idx.len() {
+        return Err(PolicyError::Verdicts {
+            policy,
+            expected: idx.len(),
+            got: v.len(),
+        });
+    }
     for (&i, &ok) in idx.iter().zip(v) {
         // Only undecided blocks were asked: for All they were passing, for Any not yet passed;
         // either way the child's answer is the new verdict.
         let _ = mode;
         verdict[i] = ok;
     }
+    Ok(())
 }
 
 /// Composite policy that requires ALL sub-policies to pass (AND logic).

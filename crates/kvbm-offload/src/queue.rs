@@ -42,6 +42,8 @@ pub struct CancellableQueue<T> {
 
 struct State<T> {
     items: VecDeque<T>,
+    /// Slots promised to [`Reservation`]s not yet used: they count against the capacity.
+    reserved: usize,
     closed: bool,
 }
 
@@ -61,6 +63,7 @@ impl<T> CancellableQueue<T> {
         Self {
             state: Mutex::new(State {
                 items: VecDeque::new(),
+                reserved: 0,
                 closed: false,
             }),
             not_empty: Notify::new(),
@@ -70,29 +73,9 @@ impl<T> CancellableQueue<T> {
         }
     }
 
-    /// The queue's name (for logs).
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-
     /// Items queued now.
     pub fn len(&self) -> usize {
         self.state.lock().items.len()
-    }
-
-    /// Whether nothing is queued.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Maximum items.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Whether the queue is closed.
-    pub fn is_closed(&self) -> bool {
-        self.state.lock().closed
     }
 
     /// Pushes without waiting. Errors give the item back: `Full` or `Closed`.
@@ -101,7 +84,7 @@ impl<T> CancellableQueue<T> {
         if s.closed {
             return Err(PushError::Closed(item));
         }
-        if s.items.len() >= self.capacity {
+        if s.items.len() + s.reserved >= self.capacity {
             return Err(PushError::Full(item));
         }
         s.items.push_back(item);
@@ -110,16 +93,29 @@ impl<T> CancellableQueue<T> {
         Ok(())
     }
 
-    /// Pushes, waiting for room. Returns the item if the queue is closed.
-    pub async fn push(&self, mut item: T) -> Result<(), T> {
+    /// Reserves a slot without waiting: refused when the queue is full or closed. The slot is
+    /// returned when the reservation is used or dropped.
+    pub(crate) fn try_reserve(&self) -> Result<Reservation<'_, T>, Refused> {
+        let mut s = self.state.lock();
+        if s.closed {
+            return Err(Refused::Closed);
+        }
+        if s.items.len() + s.reserved >= self.capacity {
+            return Err(Refused::Full);
+        }
+        s.reserved += 1;
+        Ok(Reservation { queue: self })
+    }
+
+    /// Reserves a slot, waiting for room; `Err` once the queue is closed.
+    pub(crate) async fn reserve(&self) -> Result<Reservation<'_, T>, Refused> {
         loop {
             let notified = self.not_full.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match self.try_push(item) {
-                Ok(()) => return Ok(()),
-                Err(PushError::Closed(i)) => return Err(i),
-                Err(PushError::Full(i)) => item = i,
+            match self.try_reserve() {
+                Err(Refused::Full) => {}
+                r => return r,
             }
             notified.await;
         }
@@ -133,7 +129,7 @@ impl<T> CancellableQueue<T> {
             notified.as_mut().enable();
             {
                 let s = self.state.lock();
-                if s.closed || s.items.len() < self.capacity {
+                if s.closed || s.items.len() + s.reserved < self.capacity {
                     return;
                 }
             }
@@ -145,7 +141,7 @@ impl<T> CancellableQueue<T> {
     pub fn try_pop(&self) -> Option<T> {
         let item = self.state.lock().items.pop_front();
         if item.is_some() {
-            self.not_full.notify_one();
+            self.not_full.notify_waiters();
         }
         item
     }
@@ -161,7 +157,9 @@ impl<T> CancellableQueue<T> {
                 if let Some(item) = s.items.pop_front() {
                     let more = !s.items.is_empty();
                     drop(s);
-                    self.not_full.notify_one();
+                    // Every waiter re-checks: a stage's outbox and enqueuers wait on the same
+                    // signal, and a wake-up given to one that no longer needs room must not be lost.
+                    self.not_full.notify_waiters();
                     if more {
                         // Another consumer may be waiting; pass the wake-up on.
                         self.not_empty.notify_one();
@@ -184,6 +182,64 @@ impl<T> CancellableQueue<T> {
         // Wake a consumer that has not yet registered.
         self.not_empty.notify_one();
     }
+}
+
+impl<T> CancellableQueue<T> {
+    /// Closes the queue and drops everything in it (after releasing the lock): the teardown of a
+    /// failed pipeline. Returns how many items were dropped.
+    pub(crate) fn close_and_drain(&self) -> usize {
+        let items = {
+            let mut s = self.state.lock();
+            s.closed = true;
+            std::mem::take(&mut s.items)
+        };
+        let n = items.len();
+        self.not_empty.notify_waiters();
+        self.not_full.notify_waiters();
+        self.not_empty.notify_one();
+        drop(items);
+        n
+    }
+}
+
+/// A slot reserved in a [`CancellableQueue`]: pushing into it cannot fail for lack of room.
+pub(crate) struct Reservation<'a, T> {
+    queue: &'a CancellableQueue<T>,
+}
+
+impl<T> Reservation<'_, T> {
+    /// Pushes into the reserved slot; gives the item back if the queue was closed meanwhile.
+    pub(crate) fn push(self, item: T) -> Result<(), T> {
+        let q = self.queue;
+        let mut s = q.state.lock();
+        s.reserved -= 1;
+        std::mem::forget(self);
+        if s.closed {
+            drop(s);
+            q.not_full.notify_waiters();
+            return Err(item);
+        }
+        s.items.push_back(item);
+        drop(s);
+        q.not_empty.notify_one();
+        Ok(())
+    }
+}
+
+impl<T> Drop for Reservation<'_, T> {
+    fn drop(&mut self) {
+        self.queue.state.lock().reserved -= 1;
+        self.queue.not_full.notify_waiters();
+    }
+}
+
+/// Why a reservation was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// At capacity.
+    Full,
+    /// Closed.
+    Closed,
 }
 
 impl<T: Sweep> CancellableQueue<T> {
@@ -225,14 +281,97 @@ pub enum PushError<T> {
     Closed(T),
 }
 
-/// Anything the [`CancelSweeper`](crate::CancelSweeper) can sweep.
+/// Anything the [`CancelSweeper`](crate::sweep::CancelSweeper) can sweep.
 pub trait SweepTarget: Send + Sync {
     /// Sweeps once; returns how many items were removed.
     fn sweep(&self) -> usize;
+    /// Closes and drops everything held (teardown of a failed pipeline).
+    fn close_and_drain(&self) -> usize;
 }
 
 impl<T: Sweep + Send> SweepTarget for CancellableQueue<T> {
     fn sweep(&self) -> usize {
         CancellableQueue::sweep(self)
+    }
+    fn close_and_drain(&self) -> usize {
+        CancellableQueue::close_and_drain(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::sweep::{CancelSweeper, SweepSignal};
+
+    #[derive(Debug)]
+    struct Flag(bool);
+    impl Sweep for Flag {
+        fn sweep_cancelled(&mut self) -> bool {
+            self.0
+        }
+    }
+
+    #[tokio::test]
+    async fn queue_is_bounded_fifo_and_sweeps_cancelled_items() {
+        let q = Arc::new(CancellableQueue::new("t", 3));
+        q.try_push(Flag(false)).unwrap();
+        q.try_push(Flag(true)).unwrap();
+        q.try_push(Flag(false)).unwrap();
+        assert!(matches!(q.try_push(Flag(false)), Err(PushError::Full(_))));
+        assert!(matches!(q.try_reserve(), Err(Refused::Full)));
+        // A pusher waiting for room is woken by a sweep that frees a slot.
+        let q2 = q.clone();
+        let pusher = tokio::spawn(async move {
+            let r = q2.reserve().await.expect("room");
+            r.push(Flag(false)).is_ok()
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(q.sweep(), 1);
+        assert!(pusher.await.unwrap());
+        assert_eq!(q.len(), 3);
+        q.close();
+        assert!(matches!(q.try_push(Flag(false)), Err(PushError::Closed(_))));
+        let mut n = 0;
+        while q.pop().await.is_some() {
+            n += 1;
+        }
+        assert_eq!(n, 3, "close drains what is left, then pop returns None");
+    }
+
+    #[tokio::test]
+    async fn a_reservation_holds_its_slot_and_returns_it_when_dropped() {
+        let q = CancellableQueue::<Flag>::new("t", 1);
+        let r = q.try_reserve().expect("room");
+        assert!(matches!(q.try_push(Flag(false)), Err(PushError::Full(_))));
+        drop(r);
+        q.try_push(Flag(false)).expect("the slot came back");
+        assert_eq!(q.close_and_drain(), 1);
+        assert!(matches!(q.try_reserve(), Err(Refused::Closed)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweeper_runs_on_signal_and_on_interval() {
+        let q = Arc::new(CancellableQueue::new("t", 16));
+        let signal = SweepSignal::new();
+        let sweeper = CancelSweeper::new(
+            vec![q.clone() as Arc<dyn SweepTarget>],
+            signal.clone(),
+            Duration::from_secs(60),
+        );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(sweeper.run(stop.clone()));
+        tokio::task::yield_now().await;
+        q.try_push(Flag(true)).unwrap();
+        signal.signal();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(q.len(), 0, "swept on the signal, long before the interval");
+        q.try_push(Flag(true)).unwrap();
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert_eq!(q.len(), 0, "swept by the periodic backstop");
+        stop.cancel();
+        task.await.unwrap();
     }
 }

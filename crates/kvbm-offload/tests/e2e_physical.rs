@@ -77,6 +77,7 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     let src_ids: Vec<usize> = blocks.iter().map(|b| b.block_id()).collect();
     let r = pipeline
         .enqueue(blocks.clone(), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -137,6 +138,7 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     // Already present: the presence policy filters every block.
     let again = pipeline
         .enqueue(blocks, None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -172,6 +174,7 @@ async fn failed_transfer_reports_why_and_registers_nothing() {
             ],
             None,
         )
+        .await
         .unwrap()
         .wait()
         .await
@@ -203,24 +206,29 @@ async fn engine_auto_chain_moves_g1_completions_to_g3() {
     let g3_h = disk_layout(&tm, geometry(n), &dir.path().join("g3.bin"));
     let engine = OffloadEngine::builder(registry.clone())
         .with_transfer_manager(tm)
-        .with_g1_layout(g1_h)
-        .with_g2_layout(g2_h)
-        .with_g3_layout(g3_h)
-        .with_g2_manager(g2.clone())
-        .with_g3_manager(g3.clone())
-        .with_g1_to_g2_pipeline(PipelineBuilder::<G1, G2>::new().min_batch_size(1).build())
-        .with_g2_to_g3_pipeline(
+        .tier::<G1>(g1_h, None)
+        .tier::<G2>(g2_h, Some(g2.clone()))
+        .tier::<G3>(g3_h, Some(g3.clone()))
+        .lane(LaneSpec::over_tiers(
+            PipelineBuilder::<G1, G2>::new().min_batch_size(1).build(),
+        ))
+        .lane(LaneSpec::over_tiers(
             PipelineBuilder::<G2, G3>::new()
                 .policy(Arc::new(PresenceAndLFUFilter::new(registry.clone(), 0)))
                 .min_batch_size(1)
                 .build(),
-        )
-        .auto_chain(true)
+        ))
+        .chain(PipelineLane::G1_TO_G2, PipelineLane::G2_TO_G3)
         .build()
         .unwrap();
     let (trigger, event) = Precondition::pair();
     let h = engine
-        .enqueue_g1_to_g2(common::external(0, n as u32), Some(event))
+        .enqueue::<G1>(
+            PipelineLane::G1_TO_G2,
+            common::external(0, n as u32),
+            Some(event),
+        )
+        .await
         .unwrap();
     trigger.complete();
     let r = h.wait().await.unwrap();
@@ -231,8 +239,15 @@ async fn engine_auto_chain_moves_g1_completions_to_g3() {
         "completions were handed on before wait returned"
     );
     let token = engine.settlement_token();
-    assert_eq!(token.target().get(PipelineLane::G2ToG3), 1);
     engine.wait_for_settlement(&token).await.unwrap();
+    assert!(matches!(
+        engine
+            .enqueue::<G2>(PipelineLane::G2_TO_G4, Vec::<ExternalBlock>::new(), None)
+            .await,
+        Err(OffloadError::NoPipeline(PipelineLane::G2_TO_G4))
+    ));
+    // Shutdown drains the lanes in order: what G1→G2 handed on is through G2→G3 after it.
+    engine.shutdown().await;
     for i in 0..n as u32 {
         assert!(registry.is_present(hash(i), TierId::G2));
         assert!(
@@ -240,11 +255,4 @@ async fn engine_auto_chain_moves_g1_completions_to_g3() {
             "block {i} chained to G3"
         );
     }
-    assert!(
-        engine
-            .enqueue_g2_to_g4(Vec::<ExternalBlock>::new())
-            .is_err(),
-        "no G2→G4 pipeline"
-    );
-    engine.shutdown().await;
 }

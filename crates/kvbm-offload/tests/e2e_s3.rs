@@ -77,8 +77,8 @@ async fn race_two_workers(
 ) {
     let a = worker(storage, n, "worker-a");
     let b = worker(storage, n, "worker-b");
-    let ha = a.enqueue(external(0, n as u32), None).unwrap();
-    let hb = b.enqueue(external(0, n as u32), None).unwrap();
+    let ha = a.enqueue(external(0, n as u32), None).await.unwrap();
+    let hb = b.enqueue(external(0, n as u32), None).await.unwrap();
     let (ra, rb) = tokio::join!(ha.wait(), hb.wait());
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
     assert!(
@@ -137,6 +137,7 @@ async fn g2_to_g4_two_pipelines_race_for_the_same_object_lock() {
     // Present now: a later offload of the same blocks is filtered by the presence check.
     let again = a
         .enqueue(external(0, n as u32), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -323,6 +324,7 @@ async fn live_and_unparseable_locks_are_respected() {
     let a = worker(&storage, 3, "worker-a");
     let r = a
         .enqueue(external(0, 3), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -454,6 +456,7 @@ async fn fail_closed_foreign_object_is_rewritten() {
     let a = worker(&storage, 2, "worker-a");
     let r = a
         .enqueue(external(0, 1), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -474,6 +477,7 @@ async fn fail_closed_foreign_object_is_rewritten() {
     );
     let r = a
         .enqueue(external(1, 1), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -497,6 +501,7 @@ async fn fail_closed_shutdown_flushes_lock_releases() {
     let a = worker(&storage, n, "worker-a");
     let r = a
         .enqueue(external(0, n as u32), None)
+        .await
         .unwrap()
         .wait()
         .await

@@ -45,6 +45,7 @@ async fn counts_enqueued_filtered_transferred_and_batches() {
     });
     let r = p
         .enqueue(external(0, 10), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -74,8 +75,8 @@ async fn counts_failures_by_reason() {
     exec.fail(hash(1));
     let p = spawn(&rec, exec, |b| b.min_batch_size(1));
     let (trigger, event) = Precondition::pair();
-    let a = p.enqueue(external(0, 3), None).unwrap();
-    let b = p.enqueue(external(10, 2), Some(event)).unwrap();
+    let a = p.enqueue(external(0, 3), None).await.unwrap();
+    let b = p.enqueue(external(10, 2), Some(event)).await.unwrap();
     trigger.fail("forward pass aborted");
     a.wait().await.unwrap();
     b.wait().await.unwrap();
@@ -99,7 +100,7 @@ async fn counts_duplicates_cancellation_and_in_flight() {
     let rec = TestRecorder::default();
     let exec = TestExecutor::gated();
     let p = spawn(&rec, exec.clone(), |b| b.min_batch_size(1));
-    let a = p.enqueue(external(0, 2), None).unwrap();
+    let a = p.enqueue(external(0, 2), None).await.unwrap();
     exec.wait_started(1).await;
     assert_eq!(
         rec.gauge(TRANSFERS_IN_FLIGHT, &[P]),
@@ -107,8 +108,8 @@ async fn counts_duplicates_cancellation_and_in_flight() {
         "A is being executed"
     );
     // hash(1) is in flight already: filtered as a duplicate; hash(2) passes.
-    let b = p.enqueue(external(1, 2), None).unwrap();
-    let c = p.enqueue(external(10, 4), None).unwrap();
+    let b = p.enqueue(external(1, 2), None).await.unwrap();
+    let c = p.enqueue(external(10, 4), None).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
     within(50, c.cancel()).await.expect("C swept while queued");
     assert_eq!(rec.counter(BLOCKS_CANCELLED, &[P]), 4);
@@ -149,6 +150,7 @@ async fn counts_policy_timeouts() {
     });
     let r = p
         .enqueue(external(0, 4), None)
+        .await
         .unwrap()
         .wait()
         .await
@@ -169,15 +171,35 @@ async fn a_pipeline_reports_to_the_recorder_current_when_it_was_spawned() {
     let p1 = spawn(&one, TestExecutor::open(), |b| b.min_batch_size(1));
     let p2 = spawn(&two, TestExecutor::open(), |b| b.min_batch_size(1));
     p1.enqueue(external(0, 3), None)
+        .await
         .unwrap()
         .wait()
         .await
         .unwrap();
     p2.enqueue(external(0, 5), None)
+        .await
         .unwrap()
         .wait()
         .await
         .unwrap();
     assert_eq!(one.counter(BLOCKS_TRANSFERRED, &[P]), 3);
     assert_eq!(two.counter(BLOCKS_TRANSFERRED, &[P]), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_upward_lane_is_labelled_by_its_pair() {
+    let rec = TestRecorder::default();
+    let g2 = manager::<kvbm_logical::G2>(8, None);
+    let p = ::metrics::with_local_recorder(&rec, || {
+        spawn_g3_to_g2(TestExecutor::open(), |b| b.min_batch_size(1))
+    });
+    p.enqueue_into(external(0, 3), g2.allocate_blocks(3).unwrap(), None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    let up = (PIPELINE_LABEL, "g3_to_g2");
+    assert_eq!(rec.counter(BLOCKS_TRANSFERRED, &[up]), 3);
+    assert_eq!(rec.counter(BLOCKS_TRANSFERRED, &[P]), 0);
 }

@@ -10,60 +10,6 @@ use either::Either;
 use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, TierId};
 use kvbm_offload::*;
 
-#[derive(Debug)]
-struct Flag(bool);
-impl Sweep for Flag {
-    fn sweep_cancelled(&mut self) -> bool {
-        self.0
-    }
-}
-
-#[tokio::test]
-async fn queue_is_bounded_fifo_and_sweeps_cancelled_items() {
-    let q = Arc::new(CancellableQueue::new("t", 3));
-    q.try_push(Flag(false)).unwrap();
-    q.try_push(Flag(true)).unwrap();
-    q.try_push(Flag(false)).unwrap();
-    assert!(matches!(q.try_push(Flag(false)), Err(PushError::Full(_))));
-    // A pusher waiting for room is woken by a sweep that frees a slot.
-    let q2 = q.clone();
-    let pusher = tokio::spawn(async move { q2.push(Flag(false)).await.is_ok() });
-    tokio::task::yield_now().await;
-    assert_eq!(q.sweep(), 1);
-    assert!(pusher.await.unwrap());
-    assert_eq!(q.len(), 3);
-    q.close();
-    assert!(matches!(q.try_push(Flag(false)), Err(PushError::Closed(_))));
-    let mut n = 0;
-    while q.pop().await.is_some() {
-        n += 1;
-    }
-    assert_eq!(n, 3, "close drains what is left, then pop returns None");
-}
-
-#[tokio::test(start_paused = true)]
-async fn sweeper_runs_on_signal_and_on_interval() {
-    let q = Arc::new(CancellableQueue::new("t", 16));
-    let signal = SweepSignal::new();
-    let sweeper = CancelSweeper::new(
-        vec![q.clone() as Arc<dyn SweepTarget>],
-        signal.clone(),
-        Duration::from_secs(60),
-    );
-    let stop = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(sweeper.run(stop.clone()));
-    tokio::task::yield_now().await;
-    q.try_push(Flag(true)).unwrap();
-    signal.signal();
-    tokio::time::sleep(Duration::from_millis(1)).await;
-    assert_eq!(q.len(), 0, "swept on the signal, long before the interval");
-    q.try_push(Flag(true)).unwrap();
-    tokio::time::sleep(Duration::from_secs(61)).await;
-    assert_eq!(q.len(), 0, "swept by the periodic backstop");
-    stop.cancel();
-    task.await.unwrap();
-}
-
 fn ctx(i: u32, dst: TierId) -> EvalContext {
     EvalContext {
         sequence_hash: hash(i),
@@ -245,6 +191,7 @@ fn public_types_are_send_and_sync() {
     check::<TransferHandle>();
     check::<CancellationToken>();
     check::<Pipeline<G2>>();
+    check::<Pipeline<G3, kvbm_logical::MutableBlock<G2>>>();
     check::<OffloadEngine>();
     check::<ObjectPipeline>();
     check::<SettlementToken>();

@@ -144,12 +144,12 @@ impl ObjectPipeline {
     ///
     /// # Errors
     /// [`OffloadError::PipelineClosed`] after shutdown.
-    pub fn enqueue(
+    pub async fn enqueue(
         &self,
         blocks: impl Into<SourceBlocks<G2>>,
         precondition: Option<Precondition>,
     ) -> Result<TransferHandle, OffloadError> {
-        self.pipeline.enqueue(blocks, precondition)
+        self.pipeline.enqueue(blocks, precondition).await
     }
 
     /// The underlying pipeline.

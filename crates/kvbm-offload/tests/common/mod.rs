@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, ImmutableBlock, Salt, SequenceHash, Tier};
+use kvbm_logical::{
+    BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, MutableBlock, Salt, SequenceHash, Tier,
+};
 use kvbm_offload::{
     BatchOutcome, BlockFailure, BlockFailureKind, EvalContext, ExternalBlock, OffloadPolicy,
     Pipeline, PipelineBuilder, PolicyBatchFuture, PolicyFuture, ResolvedBatch, TransferExecutor,
@@ -54,6 +56,19 @@ pub fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
     f: impl FnOnce(PipelineBuilder<G1, G2>) -> PipelineBuilder<G1, G2>,
 ) -> Pipeline<G1> {
     f(PipelineBuilder::<G1, G2>::new())
+        .build()
+        .spawn(exec)
+        .unwrap()
+}
+
+/// Spawns a G3→G2 onboarding pipeline (caller-allocated destinations) configured by `f`.
+pub fn spawn_g3_to_g2<E: TransferExecutor<G3, MutableBlock<G2>>>(
+    exec: E,
+    f: impl FnOnce(
+        PipelineBuilder<G3, G2, MutableBlock<G2>>,
+    ) -> PipelineBuilder<G3, G2, MutableBlock<G2>>,
+) -> Pipeline<G3, MutableBlock<G2>> {
+    f(PipelineBuilder::<G3, G2>::new().caller_allocated())
         .build()
         .spawn(exec)
         .unwrap()
@@ -194,9 +209,34 @@ impl<T: Tier> TransferExecutor<T> for TestExecutor {
         &self,
         batch: &ResolvedBatch<T>,
     ) -> impl Future<Output = BatchOutcome<SequenceHash>> + Send {
-        let hashes = batch.sequence_hashes();
+        self.run(batch.sequence_hashes(), ())
+    }
+}
+
+/// The same executor for a lane with caller-allocated destinations: it holds the batch's
+/// destinations while it runs (as a real move would) and drops them after.
+impl<T: Tier, D: Tier> TransferExecutor<T, MutableBlock<D>> for TestExecutor {
+    type Output = SequenceHash;
+
+    fn execute(
+        &self,
+        batch: &ResolvedBatch<T, MutableBlock<D>>,
+    ) -> impl Future<Output = BatchOutcome<SequenceHash>> + Send {
+        let dests = batch.take_destinations();
+        assert_eq!(dests.len(), batch.len(), "one destination per block");
+        self.run(batch.sequence_hashes(), dests)
+    }
+}
+
+impl TestExecutor {
+    fn run<H: Send + 'static>(
+        &self,
+        hashes: Vec<SequenceHash>,
+        held: H,
+    ) -> impl Future<Output = BatchOutcome<SequenceHash>> + Send + 'static {
         let inner = self.inner.clone();
         async move {
+            let _held = held;
             let now = inner.inflight.fetch_add(1, Ordering::AcqRel) + 1;
             inner.max_inflight.fetch_max(now, Ordering::AcqRel);
             inner.batches.lock().push(hashes.clone());

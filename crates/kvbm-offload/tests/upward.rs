@@ -1,0 +1,538 @@
+//! The way up (issue 9): a G3→G2 onboarding lane on the same P1–P6 machinery, with
+//! destinations allocated by the caller before the transfer; the G2→G3→G2 round trip on a real
+//! O_DIRECT file with bytes verified; the one block move's typed per-block outcome; the runtime
+//! seam for synchronous callers.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, ImmutableBlock, MutableBlock, TierId};
+use kvbm_offload::*;
+use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
+use parking_lot::Mutex;
+
+/// `n` destinations from `m`.
+fn dests(m: &BlockManager<G2>, n: usize) -> Vec<MutableBlock<G2>> {
+    m.allocate_blocks(n).expect("destinations")
+}
+
+const DST: usize = 64;
+
+#[tokio::test(start_paused = true)]
+async fn up_p1_container_is_unit_of_cancellation() {
+    let g2 = manager::<G2>(DST, None);
+    let exec = TestExecutor::gated();
+    let p = spawn_g3_to_g2(exec.clone(), |b| b.batch_size(4).min_batch_size(1));
+    let first = p
+        .enqueue_into(external(50, 2), dests(&g2, 2), None)
+        .await
+        .unwrap();
+    exec.wait_started(1).await;
+    let a = p
+        .enqueue_into(external(0, 10), dests(&g2, 10), None)
+        .await
+        .unwrap();
+    let b = p
+        .enqueue_into(external(100, 2), dests(&g2, 2), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(g2.available_blocks(), DST - 14);
+    within(1000, a.cancel()).await.expect("confirmed");
+    assert_eq!(
+        g2.available_blocks(),
+        DST - 4,
+        "all ten caller-allocated destinations went back with the container"
+    );
+    exec.release(100);
+    let ra = a.wait().await.unwrap();
+    assert_eq!(ra.cancelled_blocks.len(), 10);
+    assert!(ra.completed_blocks.is_empty());
+    first.wait().await.unwrap();
+    assert_eq!(b.wait().await.unwrap().completed_blocks, hashes(100, 2));
+    assert_eq!(p.lane(), PipelineLane::G3_TO_G2);
+    assert!(p.lane().is_upward());
+}
+
+#[tokio::test(start_paused = true)]
+async fn up_p2_token_travels_with_container() {
+    let g2 = manager::<G2>(DST, None);
+    let exec = TestExecutor::gated();
+    let p = spawn_g3_to_g2(exec.clone(), |b| b.batch_size(2).min_batch_size(1));
+    let first = p
+        .enqueue_into(external(0, 2), dests(&g2, 2), None)
+        .await
+        .unwrap();
+    exec.wait_started(1).await;
+    let second = p
+        .enqueue_into(external(10, 2), dests(&g2, 2), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    second.token().cancel();
+    within(100, second.wait()).await.expect("seen").unwrap();
+    assert_eq!(second.status(), TransferStatus::Cancelled);
+    assert_eq!(g2.available_blocks(), DST - 2);
+    exec.release(10);
+    first.wait().await.unwrap();
+    assert_eq!(exec.batches().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn up_p3_upgrade_is_point_of_no_return() {
+    let g2 = manager::<G2>(DST, None);
+    let exec = TestExecutor::gated();
+    let p = spawn_g3_to_g2(exec.clone(), |b| b.min_batch_size(1));
+    let h = p
+        .enqueue_into(external(0, 4), dests(&g2, 4), None)
+        .await
+        .unwrap();
+    exec.wait_started(1).await;
+    let mut confirm = std::pin::pin!(h.cancel().into_future());
+    assert!(within(50, &mut confirm).await.is_none());
+    assert_eq!(g2.available_blocks(), DST - 4, "the executor holds them");
+    exec.release(1);
+    within(100, confirm).await.expect("confirmed at the end");
+    let r = h.wait().await.unwrap();
+    assert_eq!(r.completed_blocks, hashes(0, 4));
+    assert_eq!(r.status, TransferStatus::Complete);
+}
+
+#[tokio::test(start_paused = true)]
+async fn up_p4_sweep_before_upgrade() {
+    let g2 = manager::<G2>(DST, None);
+    let exec = TestExecutor::gated();
+    let mut cfg = PipelineConfig {
+        sweep_on_cancel: false,
+        sweep_interval: Duration::from_secs(3600),
+        ..Default::default()
+    };
+    cfg.batch_config.min_batch_size = 1;
+    let p = spawn_g3_to_g2(exec.clone(), |b| b.config(cfg));
+    let a = p
+        .enqueue_into(external(0, 2), dests(&g2, 2), None)
+        .await
+        .unwrap();
+    exec.wait_started(1).await;
+    let b = p
+        .enqueue_into(external(10, 2), dests(&g2, 2), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    b.token().cancel();
+    exec.release(10);
+    a.wait().await.unwrap();
+    assert_eq!(b.wait().await.unwrap().cancelled_blocks, hashes(10, 2));
+    assert_eq!(exec.batches().len(), 1, "swept before upgrade");
+    assert_eq!(g2.available_blocks(), DST);
+}
+
+#[tokio::test(start_paused = true)]
+async fn up_p5_flat_map_after_upgrade() {
+    let g2 = manager::<G2>(DST, None);
+    let exec = TestExecutor::open();
+    let p = spawn_g3_to_g2(exec.clone(), |b| b.batch_size(64).min_batch_size(9));
+    let mut hs = Vec::new();
+    for i in 0..3 {
+        hs.push(
+            p.enqueue_into(external(i * 10, 3), dests(&g2, 3), None)
+                .await
+                .unwrap(),
+        );
+    }
+    for h in &hs {
+        h.wait().await.unwrap();
+    }
+    let batches = exec.batches();
+    assert_eq!(batches.len(), 1);
+    let expect: Vec<_> = (0..3).flat_map(|i| hashes(i * 10, 3)).collect();
+    assert_eq!(batches[0], expect);
+}
+
+#[tokio::test(start_paused = true)]
+async fn up_p6_precondition_wait_selects_on_cancel() {
+    let g2 = manager::<G2>(DST, None);
+    let exec = TestExecutor::open();
+    let p = spawn_g3_to_g2(exec.clone(), |b| b.min_batch_size(1));
+    let (trigger, event) = Precondition::pair();
+    let h = p
+        .enqueue_into(external(0, 3), dests(&g2, 3), Some(event))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    within(50, h.cancel()).await.expect("interrupts the wait");
+    assert_eq!(h.wait().await.unwrap().cancelled_blocks, hashes(0, 3));
+    assert_eq!(g2.available_blocks(), DST);
+    trigger.complete();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(exec.batches().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn up_mismatched_destinations_are_refused() {
+    let g2 = manager::<G2>(DST, None);
+    let p = spawn_g3_to_g2(TestExecutor::open(), |b| b);
+    let err = p
+        .enqueue_into(external(0, 3), dests(&g2, 2), None)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        OffloadError::Mismatched {
+            sources: 3,
+            destinations: 2
+        }
+    );
+    match p.try_enqueue_into(external(0, 3), dests(&g2, 1), None) {
+        Err(EnqueueError::Mismatched(r)) => assert_eq!(r.destinations.len(), 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn builder_refuses_a_lane_that_is_not_its_pair() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let err = PipelineBuilder::<G3, G2>::new()
+        .lane(PipelineLane::G2_TO_G3)
+        .build()
+        .spawn_on(rt.handle(), TestExecutor::open())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        OffloadError::LaneMismatch {
+            requested: PipelineLane::G2_TO_G3,
+            pipeline: PipelineLane::G3_TO_G2
+        }
+    );
+}
+
+#[test]
+fn pipelines_serve_synchronous_callers_through_a_runtime_handle() {
+    // No runtime on this thread: spawn refuses (no panic); spawn_on a caller-owned runtime,
+    // enqueue_blocking and wait_blocking work from plain threads.
+    assert_eq!(
+        PipelineBuilder::<G3, G2>::new()
+            .build()
+            .spawn(TestExecutor::open())
+            .unwrap_err(),
+        OffloadError::NoRuntime
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let exec = TestExecutor::open();
+    let p = PipelineBuilder::<G3, G2>::new()
+        .min_batch_size(1)
+        .build()
+        .spawn_on(rt.handle(), exec.clone())
+        .unwrap();
+    let h = p.enqueue_blocking(external(0, 4), None).unwrap();
+    let r = h.wait_blocking().unwrap();
+    assert_eq!(r.completed_blocks, hashes(0, 4));
+    let from_thread = std::thread::scope(|s| {
+        s.spawn(|| {
+            p.enqueue_blocking(external(10, 2), None)
+                .unwrap()
+                .wait_blocking()
+                .unwrap()
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(from_thread.completed_blocks, hashes(10, 2));
+    drop(p);
+}
+
+fn fill(layout: &PhysicalLayout, seed: u8) {
+    let c = *layout.layout().config();
+    for b in 0..c.num_blocks {
+        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+            // SAFETY: the test owns the layout; addresses are host memory it allocated.
+            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            for (k, x) in s.iter_mut().enumerate() {
+                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
+            }
+        }
+    }
+}
+
+fn zero(layout: &PhysicalLayout, b: usize) {
+    let c = *layout.layout().config();
+    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+        // SAFETY: as in `fill`; the slot is owned by a `MutableBlock` of this test.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, 0, len) };
+    }
+}
+
+fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
+    let c = *layout.layout().config();
+    let mut out = Vec::new();
+    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+        // SAFETY: as in `fill`; no transfer targets the layout while it is read.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g2_g3_g2_round_trip_on_o_direct_through_the_upward_lane() {
+    let dir = scratch();
+    let n = 8;
+    let geometry = || common::geometry(n, 2, 64);
+    let registry = BlockRegistry::new();
+    let g2 = manager::<G2>(n, Some(&registry));
+    let g3 = Arc::new(manager::<G3>(n, Some(&registry)));
+    // The onboarding destination: a second, empty G2 (its own registry and host memory), so
+    // the bytes that arrive can only have come from the disk.
+    let g2_back = Arc::new(manager::<G2>(n, None));
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&host, 9);
+    let g2_h = tm.register_layout(host).unwrap();
+    let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let back_h = host_layout(&tm, geometry(), PinPolicy::Unpinned);
+
+    let down = PipelineBuilder::<G2, G3>::new()
+        .build()
+        .spawn(BlockTransferExecutor::<G2, G3>::new(
+            tm.clone(),
+            g2_h,
+            g3_h,
+            g3.clone(),
+        ))
+        .unwrap();
+    let arrived: Arc<Mutex<Vec<ImmutableBlock<G2>>>> = Arc::default();
+    let sink_arrived = arrived.clone();
+    let up = PipelineBuilder::<G3, G2>::new()
+        .caller_allocated()
+        .min_batch_size(1)
+        .build()
+        .spawn_with_sink(
+            CallerAllocated::new(BlockMover::new(tm.clone(), g3_h, back_h, g2_back.clone())),
+            Some(Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
+                sink_arrived.lock().extend(blocks)
+            })),
+        )
+        .unwrap();
+
+    let blocks = registered(&g2, 0, n as u32);
+    let r = down
+        .enqueue(blocks.clone(), None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.completed_blocks.len(), n, "{r:?}");
+    for i in 0..n as u32 {
+        assert!(registry.is_present(hash(i), TierId::G3));
+    }
+
+    // Onboard: sources are the G3 blocks, destinations allocated by the caller beforehand.
+    let on_g3 = g3.match_blocks(&hashes(0, n as u32));
+    assert_eq!(on_g3.len(), n);
+    let destinations = g2_back.allocate_blocks(n).unwrap();
+    let dst_ids: Vec<usize> = destinations.iter().map(|b| b.block_id()).collect();
+    let r = up
+        .enqueue_into(on_g3, destinations, None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    assert_eq!(r.completed_blocks.len(), n);
+
+    // Per-block outcome: each registered ImmutableBlock<G2> sits in the slot the caller chose
+    // and holds exactly the bytes the source G2 block had.
+    let arrived = std::mem::take(&mut *arrived.lock());
+    assert_eq!(arrived.len(), n);
+    let src_layout = tm.layout(g2_h).unwrap();
+    let back_layout = tm.layout(back_h).unwrap();
+    for b in &arrived {
+        assert!(dst_ids.contains(&b.block_id()));
+        let src = blocks
+            .iter()
+            .find(|s| s.sequence_hash() == b.sequence_hash())
+            .expect("a source with this hash");
+        assert_eq!(
+            bytes(&src_layout, src.block_id()),
+            bytes(&back_layout, b.block_id()),
+            "block {:?}",
+            b.sequence_hash()
+        );
+    }
+    assert_eq!(g2_back.match_blocks(&hashes(0, n as u32)).len(), n);
+    down.shutdown_and_wait().await;
+    up.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_mover_reports_typed_failure_and_returns_the_destination() {
+    // A G3 slot never written holds no block: the move fails NotFound, the caller-allocated
+    // destination goes back to its pool, nothing is registered.
+    let dir = scratch();
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let g2 = Arc::new(manager::<G2>(n, None));
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let g2_h = host_layout(&tm, geometry(), PinPolicy::Unpinned);
+    let mover = BlockMover::<G3, G2>::new(tm.clone(), g3_h, g2_h, g2.clone());
+    let out = mover
+        .move_blocks(
+            &[(1, hash(1)), (2, hash(2))],
+            g2.allocate_blocks(2).unwrap(),
+        )
+        .await;
+    assert_eq!(out.len(), 2);
+    for o in &out {
+        let f = o.as_ref().unwrap_err();
+        assert_eq!(f.kind, BlockFailureKind::NotFound, "{f}");
+    }
+    drop(out);
+    assert_eq!(g2.available_blocks(), n, "the destinations went back");
+    assert!(
+        g2.match_blocks(&hashes(1, 2)).is_empty(),
+        "nothing registered"
+    );
+    // Mismatched lengths fail every block without moving anything.
+    let out = mover
+        .move_blocks(&[(1, hash(1))], g2.allocate_blocks(2).unwrap())
+        .await;
+    assert!(out[0].is_err());
+    assert_eq!(g2.available_blocks(), n);
+}
+
+#[test]
+fn engine_built_from_a_list_of_lanes_moves_blocks_both_ways() {
+    // Built and driven from a plain thread on a caller-owned runtime: G2→G3 down (executor
+    // allocates), G3→G2 up (caller allocates), on a real O_DIRECT file.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = scratch();
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let registry = BlockRegistry::new();
+    let g2 = Arc::new(manager::<G2>(2 * n, Some(&registry)));
+    let g3 = Arc::new(manager::<G3>(n, Some(&registry)));
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host =
+        PhysicalLayout::allocate_host(common::geometry(2 * n, 2, 64), PinPolicy::Unpinned).unwrap();
+    fill(&host, 3);
+    let g2_h = tm.register_layout(host).unwrap();
+    let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let engine = OffloadEngine::builder(registry.clone())
+        .runtime(rt.handle().clone())
+        .with_transfer_manager(tm.clone())
+        .tier::<G2>(g2_h, Some(g2.clone()))
+        .tier::<G3>(g3_h, Some(g3.clone()))
+        .lane(LaneSpec::over_tiers(
+            PipelineBuilder::<G2, G3>::new().min_batch_size(1).build(),
+        ))
+        .lane(LaneSpec::onboarding(
+            PipelineBuilder::<G3, G2>::new()
+                .caller_allocated()
+                .min_batch_size(1)
+                .build(),
+        ))
+        .build()
+        .unwrap();
+    assert_eq!(
+        engine.lanes(),
+        vec![PipelineLane::G2_TO_G3, PipelineLane::G3_TO_G2]
+    );
+    // Source blocks in G2 slots 0..n.
+    let blocks = registered(&*g2, 0, n as u32);
+    let src_bytes: Vec<Vec<u8>> = {
+        let l = tm.layout(g2_h).unwrap();
+        blocks.iter().map(|b| bytes(&l, b.block_id())).collect()
+    };
+    let r = rt
+        .block_on(engine.enqueue::<G2>(PipelineLane::G2_TO_G3, blocks.clone(), None))
+        .unwrap()
+        .wait_blocking()
+        .unwrap();
+    assert_eq!(r.completed_blocks.len(), n, "{r:?}");
+    // Evict the G2 copies: drop them, then take every free slot so they are reused.
+    drop(blocks);
+    let hog = g2.allocate_blocks(2 * n).unwrap();
+    assert!(
+        g2.match_blocks(&hashes(0, n as u32)).is_empty(),
+        "evicted from G2"
+    );
+    // Zero the host memory of the slots we will onboard into, then hand n of them back as
+    // caller-allocated destinations.
+    let mut hog = hog;
+    let destinations: Vec<MutableBlock<G2>> = hog.drain(..n).collect();
+    drop(hog);
+    {
+        let l = tm.layout(g2_h).unwrap();
+        for d in &destinations {
+            zero(&l, d.block_id());
+        }
+    }
+    let on_g3 = g3.match_blocks(&hashes(0, n as u32));
+    let r = rt
+        .block_on(engine.enqueue_into::<G3, G2>(PipelineLane::G3_TO_G2, on_g3, destinations, None))
+        .unwrap()
+        .wait_blocking()
+        .unwrap();
+    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    let back = g2.match_blocks(&hashes(0, n as u32));
+    assert_eq!(back.len(), n, "registered in G2 again");
+    let l = tm.layout(g2_h).unwrap();
+    for (b, expect) in back.iter().zip(&src_bytes) {
+        assert_ne!(expect.iter().filter(|x| **x != 0).count(), 0);
+        assert_eq!(&bytes(&l, b.block_id()), expect, "came back from the disk");
+    }
+    // The wrong kind of enqueue for a lane is refused, not mis-routed.
+    assert!(matches!(
+        rt.block_on(engine.enqueue::<G3>(PipelineLane::G3_TO_G2, external(0, 1), None)),
+        Err(OffloadError::NoPipeline(PipelineLane::G3_TO_G2))
+    ));
+    drop(back);
+    rt.block_on(engine.shutdown());
+}
+
+#[test]
+fn engine_refuses_duplicate_lanes_and_broken_chains() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let spec = || PipelineBuilder::<G3, G2>::new().build();
+    let err = OffloadEngine::builder(BlockRegistry::new())
+        .runtime(rt.handle().clone())
+        .lane(LaneSpec::with_executor(spec(), TestExecutor::open()))
+        .lane(LaneSpec::with_executor(spec(), TestExecutor::open()))
+        .build()
+        .unwrap_err();
+    assert_eq!(err, OffloadError::DuplicateLane(PipelineLane::G3_TO_G2));
+    let err = OffloadEngine::builder(BlockRegistry::new())
+        .runtime(rt.handle().clone())
+        .lane(LaneSpec::with_executor(spec(), TestExecutor::open()))
+        .chain(PipelineLane::G3_TO_G2, PipelineLane::G2_TO_G3)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, OffloadError::InvalidConfig(_)), "{err:?}");
+    let err = OffloadEngine::builder(BlockRegistry::new())
+        .runtime(rt.handle().clone())
+        .lane(LaneSpec::over_tiers(
+            PipelineBuilder::<G3, G2>::new().build(),
+        ))
+        .build()
+        .unwrap_err();
+    assert_eq!(err, OffloadError::Missing("transfer manager"));
+}
