@@ -1,0 +1,13 @@
+//! Multi-tier management: the tiering manager, the secondary-tier seam, backpressure, metrics
+//! and the in-memory tier.
+
+pub mod backpressure;
+pub mod base;
+pub mod manager;
+pub mod memory;
+pub(crate) mod metrics;
+
+pub use backpressure::{BackpressureDetector, DropPolicy, EmaConfig};
+pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob};
+pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
+pub use memory::InMemoryTier;
