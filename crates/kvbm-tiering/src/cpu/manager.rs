@@ -243,6 +243,11 @@ impl CpuOffloadingManager {
         let k = |v: Vec<u32>| v.into_iter().map(|s| self.keys[s as usize]).collect();
         Some((k(t1), k(t2), b1, b2, t))
     }
+    /// Sets ARC's `target_t1_size` (test setup); no-op for LRU.
+    #[doc(hidden)]
+    pub fn set_arc_target(&mut self, t: f64) {
+        self.policy.set_arc_target(t);
+    }
     /// Store-threshold tracker count of a key.
     pub fn tracker_count(&self, key: &OffloadKey) -> Option<u32> {
         self.counts.as_ref().and_then(|c| c.get(key))

@@ -433,6 +433,15 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// Sets ARC's `target_t1_size` (test setup); no-op for LRU.
+    pub fn set_arc_target(&mut self, t: f64) {
+        if let Policy::Arc(a) = self {
+            a.target_t1_size = t;
+        }
+    }
+}
+
 impl Arc {
     fn adapt_to_ghost_hit(&mut self, key: &OffloadKey) -> bool {
         if self.b1.contains(key) {

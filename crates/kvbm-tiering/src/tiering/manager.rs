@@ -448,7 +448,7 @@ impl TieringOffloadingManager {
         let timing = self.metrics.record_latency;
         let t0 = timing.then(Instant::now);
         let primary = self.primary.manager_mut().lookup(key, ctx);
-        self.metrics.on_lookup(0, primary, t0);
+        self.metrics.on_lookup(0, primary, t0, ctx.uid(), key);
         match primary {
             LookupResult::Hit => return LookupResult::Hit,
             LookupResult::HitPending => {
@@ -483,7 +483,7 @@ impl TieringOffloadingManager {
             let t0 = timing.then(Instant::now);
             let r = tier.lookup(key, ctx);
             if r == LookupResult::Hit {
-                self.metrics.on_lookup(i + 1, r, t0);
+                self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
                 if let Some(cap) = self.fixes.max_promotions_per_step {
                     if self.promotions_this_step >= cap {
                         return LookupResult::Miss;
@@ -498,7 +498,7 @@ impl TieringOffloadingManager {
             if r == LookupResult::Retry {
                 any_retry = true;
             }
-            self.metrics.on_lookup(i + 1, r, t0);
+            self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
         }
         if any_retry {
             LookupResult::Retry

@@ -6,13 +6,16 @@
 use std::sync::Arc;
 
 use hashbrown::HashSet;
+use parking_lot::Mutex;
 
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
+use crate::stats::OffloadingConnectorStats;
 use crate::tiering::backpressure::BackpressureDetector;
 use crate::tiering::base::{JobResult, SecondaryTierManager, TransferJob};
 use crate::types::{
-    Locality, LookupResult, Medium, OffloadPolicy, ReqContext, RequestOffloadingContext,
+    Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, ReqContext,
+    RequestOffloadingContext,
 };
 
 /// Unbounded in-memory tier holding keys.
@@ -43,10 +46,22 @@ pub struct InMemoryTier {
     /// Whether `shutdown` was called.
     pub shut_down: bool,
     detector: Option<BackpressureDetector>,
-    /// Every call made on the tier, in order (for ordering tests).
-    pub log: Vec<String>,
-    /// Keep the call log.
+    /// Every call made on the tier, in order (shareable between tiers for ordering tests).
+    pub log: Arc<Mutex<Vec<String>>>,
+    /// Keep the call log and submitted jobs.
     pub record_log: bool,
+    /// Submitted jobs (when `record_log`).
+    pub jobs: Vec<Arc<TransferJob>>,
+    /// Number of `lookup` calls.
+    pub lookups: usize,
+    /// Events handed out by the next `take_events`.
+    pub events: Vec<OffloadingEvent>,
+    /// Number of `take_events` calls.
+    pub take_events_calls: usize,
+    /// Stats handed out by the next `get_stats`.
+    pub next_stats: Option<OffloadingConnectorStats>,
+    /// Number of `drain_jobs` calls.
+    pub drains: usize,
 }
 
 impl InMemoryTier {
@@ -70,8 +85,14 @@ impl InMemoryTier {
             fail_shutdown: false,
             shut_down: false,
             detector: None,
-            log: Vec::new(),
+            log: Arc::new(Mutex::new(Vec::new())),
             record_log: false,
+            jobs: Vec::new(),
+            lookups: 0,
+            events: Vec::new(),
+            take_events_calls: 0,
+            next_stats: None,
+            drains: 0,
         }
     }
     /// Sets type label, medium and locality.
@@ -85,6 +106,18 @@ impl InMemoryTier {
         self.medium = medium;
         self.locality = locality;
         self
+    }
+    /// Records calls into `log` (shared with other tiers when given) and keeps submitted jobs.
+    pub fn with_log(mut self, log: Option<Arc<Mutex<Vec<String>>>>) -> Self {
+        self.record_log = true;
+        if let Some(l) = log {
+            self.log = l;
+        }
+        self
+    }
+    /// Takes the results held back by `hold_jobs` (tests that report custom results).
+    pub fn take_held(&mut self) -> Vec<JobResult> {
+        std::mem::take(&mut self.held)
     }
     /// Attaches a backpressure detector.
     pub fn with_backpressure(mut self, d: BackpressureDetector) -> Self {
@@ -132,7 +165,8 @@ impl InMemoryTier {
     }
     fn note(&mut self, s: impl FnOnce() -> String) {
         if self.record_log {
-            self.log.push(s());
+            let line = format!("{}: {}", self.tier_type, s());
+            self.log.lock().push(line);
         }
     }
 }
@@ -155,6 +189,7 @@ impl SecondaryTierManager for InMemoryTier {
     }
     #[inline]
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
+        self.lookups += 1;
         if !self.retry_keys.is_empty() && self.retry_keys.contains(key) {
             return LookupResult::Retry;
         }
@@ -168,6 +203,9 @@ impl SecondaryTierManager for InMemoryTier {
         self.note(|| format!("submit_store {} {}", job.job_id, job.req_context.req_id()));
         self.keys.extend(job.keys.iter().copied());
         self.stores += 1;
+        if self.record_log {
+            self.jobs.push(job.clone());
+        }
         let mut r = JobResult::new(job.job_id, true);
         r.transfer_time = Some(0.0);
         self.finish(r);
@@ -175,6 +213,9 @@ impl SecondaryTierManager for InMemoryTier {
     fn submit_load(&mut self, job: Arc<TransferJob>) {
         self.note(|| format!("submit_load {} {}", job.job_id, job.req_context.req_id()));
         self.loads += 1;
+        if self.record_log {
+            self.jobs.push(job.clone());
+        }
         let ok = !self.fail_loads && job.keys.iter().all(|k| self.keys.contains(k));
         let mut r = JobResult::new(job.job_id, ok);
         r.transfer_time = Some(0.0);
@@ -185,6 +226,7 @@ impl SecondaryTierManager for InMemoryTier {
     }
     fn drain_jobs(&mut self) -> Result<()> {
         self.note(|| "drain_jobs".into());
+        self.drains += 1;
         if self.lose_jobs_on_drain {
             self.held.clear();
         } else {
@@ -202,7 +244,14 @@ impl SecondaryTierManager for InMemoryTier {
         self.note(|| format!("on_request_finished {}", ctx.req_id()));
     }
     fn touch(&mut self, keys: &[OffloadKey], _: &ReqContext) {
-        self.note(|| format!("touch {}", keys.len()));
+        self.note(|| format!("touch {keys:?}"));
+    }
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        self.take_events_calls += 1;
+        std::mem::take(&mut self.events)
+    }
+    fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
+        self.next_stats.take()
     }
     fn has_pending_work(&self) -> bool {
         !self.held.is_empty()

@@ -8,6 +8,10 @@
 
 use std::time::Instant;
 
+use hashbrown::HashMap;
+
+use crate::key::OffloadKey;
+
 use crate::stats::{OffloadingConnectorStats, names};
 use crate::tiering::base::{JobResult, TransferJob};
 use crate::types::LookupResult;
@@ -29,6 +33,8 @@ pub(crate) struct Metrics {
     queries: Vec<u64>,
     hits: Vec<u64>,
     delays: Vec<Vec<f64>>,
+    async_delays: Vec<Vec<f64>>,
+    retry_started: HashMap<(usize, u64, OffloadKey), Instant>,
     stats: OffloadingConnectorStats,
 }
 
@@ -51,12 +57,24 @@ impl Metrics {
             queries: vec![0; n],
             hits: vec![0; n],
             delays: vec![Vec::new(); n],
+            async_delays: vec![Vec::new(); n],
+            retry_started: HashMap::new(),
             stats: OffloadingConnectorStats::default(),
         }
     }
 
+    /// A lookup answered by `label`; `start` is set when latency is recorded. A `RETRY`
+    /// starts the asynchronous delay of (request, key) at that tier; the resolving `HIT`/`MISS`
+    /// observes it.
     #[inline]
-    pub fn on_lookup(&mut self, label: usize, result: LookupResult, start: Option<Instant>) {
+    pub fn on_lookup(
+        &mut self,
+        label: usize,
+        result: LookupResult,
+        start: Option<Instant>,
+        ctx_uid: u64,
+        key: &OffloadKey,
+    ) {
         if matches!(result, LookupResult::Hit | LookupResult::Miss) {
             self.queries[label] += 1;
             if result == LookupResult::Hit {
@@ -64,6 +82,17 @@ impl Metrics {
             }
             if let Some(s) = start {
                 self.delays[label].push(s.elapsed().as_secs_f64());
+                if !self.retry_started.is_empty() {
+                    if let Some(t) = self.retry_started.remove(&(label, ctx_uid, *key)) {
+                        self.async_delays[label].push(t.elapsed().as_secs_f64());
+                    }
+                }
+            }
+        } else if result == LookupResult::Retry {
+            if let Some(s) = start {
+                self.retry_started
+                    .entry((label, ctx_uid, *key))
+                    .or_insert(s);
             }
         }
     }
@@ -190,6 +219,9 @@ impl Metrics {
             }
             for d in self.delays[i].drain(..) {
                 out.observe_histogram(names::LOOKUP_SYNC_DELAY, l, d);
+            }
+            for d in self.async_delays[i].drain(..) {
+                out.observe_histogram(names::LOOKUP_ASYNC_DELAY, l, d);
             }
         }
         out.aggregate(std::mem::take(&mut self.stats));
