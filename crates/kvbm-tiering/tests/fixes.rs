@@ -88,7 +88,10 @@ fn hit_pending_deadline_cancels_to_miss() {
         assert_eq!(m.primary().manager().num_write_pending(), 1);
         if fixed {
             let s = m.get_stats().unwrap();
-            assert_eq!(s.counter(names::HIT_PENDING_DEADLINE_EXPIRED, None), Some(1.0));
+            assert_eq!(
+                s.counter(names::HIT_PENDING_DEADLINE_EXPIRED, None),
+                Some(1.0)
+            );
             // a late prepare_store of the key does not double-allocate it
             let o = m.prepare_store(&[k(1)], &c).unwrap().unwrap();
             assert!(o.keys_to_store.is_empty());
@@ -124,7 +127,10 @@ fn promotions_capped_per_step() {
         let r: Vec<_> = (0..5).map(|i| m.lookup(&k(i), &c)).collect();
         let count = |w| r.iter().filter(|x| **x == w).count();
         if fixed {
-            assert_eq!((count(LookupResult::Hit), count(LookupResult::HitPending)), (2, 2));
+            assert_eq!(
+                (count(LookupResult::Hit), count(LookupResult::HitPending)),
+                (2, 2)
+            );
         } else {
             assert_eq!(count(LookupResult::Hit), 5);
         }

@@ -280,6 +280,12 @@ impl TieringOffloadingManager {
         &self.fixes
     }
 
+    /// Processes every tier's finished jobs now, without touching the once-per-step gate
+    /// (vLLM 0.33 `poll_tiers`, which its control-plane thread calls between steps).
+    pub fn poll_tiers(&mut self) {
+        self.process_finished_jobs();
+    }
+
     fn next_job_id(&mut self) -> JobId {
         let id = self.job_counter;
         self.job_counter += 1;
