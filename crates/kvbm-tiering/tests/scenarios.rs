@@ -1293,3 +1293,233 @@ fn scenario_62_throttled_policy_healthy_path_and_cooldown() {
     d.reset();
     assert!((0..10).all(|_| d.should_store_at(1, t)));
 }
+
+// ---------------------------------------------------------------- async lookup
+
+fn async_lookup() -> AsyncLookup {
+    // keys with an even id exist
+    AsyncLookup::new(|_req, keys: &[OffloadKey]| {
+        keys.iter().map(|k| k.as_bytes()[7] % 2 == 0).collect()
+    })
+}
+
+#[test]
+fn scenario_63_async_lookup_resolves_after_flush() {
+    let mut a = async_lookup();
+    assert_eq!(a.lookup(&k(2), "r"), None);
+    a.flush();
+    a.wait_idle();
+    assert_eq!(a.lookup(&k(2), "r"), Some(true));
+    for i in 10..14 {
+        assert_eq!(a.lookup(&k(i), "r"), None);
+    }
+    a.flush();
+    a.wait_idle();
+    let r: Vec<_> = (10..14).map(|i| a.lookup(&k(i), "r")).collect();
+    assert_eq!(r, vec![Some(true), Some(false), Some(true), Some(false)]);
+    // two separate flushes, all available
+    assert_eq!(a.lookup(&k(20), "r"), None);
+    a.flush();
+    assert_eq!(a.lookup(&k(21), "r"), None);
+    a.flush();
+    a.wait_idle();
+    assert_eq!(a.lookup(&k(20), "r"), Some(true));
+    assert_eq!(a.lookup(&k(21), "r"), Some(false));
+}
+
+#[test]
+fn scenario_64_pending_key_batched_once_and_empty_flush_posts_nothing() {
+    let mut a = async_lookup();
+    assert_eq!(a.lookup(&k(4), "r1"), None);
+    assert_eq!(a.lookup(&k(4), "r1"), None);
+    assert_eq!(a.lookup(&k(4), "r2"), None);
+    a.flush();
+    a.wait_idle();
+    assert_eq!((a.batches_posted, a.keys_posted), (1, 1));
+    a.flush();
+    assert_eq!(a.batches_posted, 1);
+}
+
+#[test]
+fn scenario_65_cleanup_and_shutdown() {
+    let mut a = async_lookup();
+    a.lookup(&k(2), "r1");
+    a.lookup(&k(4), "r1");
+    a.lookup(&k(4), "r2");
+    a.flush();
+    a.wait_idle();
+    a.cleanup("r1");
+    assert!(!a.contains(&k(2)), "resolved key of r1 removed");
+    assert!(a.contains(&k(4)), "shared key survives the first cleanup");
+    a.cleanup("nobody");
+    assert!(a.contains(&k(4)));
+    a.mark_miss(&[k(4)]);
+    assert_eq!(a.lookup(&k(4), "r2"), Some(false));
+    assert!(a.worker_alive());
+    a.shutdown();
+    assert!(!a.worker_alive());
+}
+
+// ---------------------------------------------------------------- connector
+
+#[derive(Default)]
+struct Calls {
+    resets: usize,
+    finished: usize,
+    lookups: usize,
+}
+
+struct Counting {
+    inner: CpuOffloadingManager,
+    calls: Arc<Mutex<Calls>>,
+}
+
+impl OffloadingManager for Counting {
+    fn lookup(&mut self, key: &OffloadKey, c: &ReqContext) -> LookupResult {
+        self.calls.lock().lookups += 1;
+        self.inner.lookup(key, c)
+    }
+    fn prepare_load(&mut self, keys: &[OffloadKey], c: &ReqContext) -> Result<LoadStoreSpec> {
+        self.inner.prepare_load(keys, c)
+    }
+    fn complete_load(&mut self, keys: &[OffloadKey], c: &ReqContext) -> Result<()> {
+        self.inner.complete_load(keys, c)
+    }
+    fn prepare_store(
+        &mut self,
+        keys: &[OffloadKey],
+        c: &ReqContext,
+    ) -> Result<Option<PrepareStoreOutput>> {
+        self.inner.prepare_store(keys, c)
+    }
+    fn complete_store(&mut self, keys: &[OffloadKey], c: &ReqContext, ok: bool) -> Result<()> {
+        self.inner.complete_store(keys, c, ok)
+    }
+    fn on_new_request(&mut self, c: &ReqContext) -> Result<RequestOffloadingContext> {
+        self.inner.on_new_request(c)
+    }
+    fn on_request_finished(&mut self, c: &ReqContext) -> Result<()> {
+        self.calls.lock().finished += 1;
+        self.inner.on_request_finished(c)
+    }
+    fn reset_cache(&mut self) -> Result<()> {
+        self.calls.lock().resets += 1;
+        self.inner.reset_cache()
+    }
+}
+
+fn connector() -> (connector::SchedulerConnector<Counting>, Arc<Mutex<Calls>>) {
+    let calls = Arc::new(Mutex::new(Calls::default()));
+    let m = Counting {
+        inner: cpu(16, CachePolicyKind::Lru),
+        calls: calls.clone(),
+    };
+    (connector::SchedulerConnector::new(m), calls)
+}
+
+#[test]
+fn scenario_66_connector_reset_cache() {
+    let (mut c, calls) = connector();
+    c.add_request(ReqContext::new("a")).unwrap();
+    c.add_request(ReqContext::new("b")).unwrap();
+    let s = c.start_store("a", &ks(&[1, 2])).unwrap().unwrap();
+    c.job_finished(s, true).unwrap();
+    let load = c.start_load("a", &ks(&[1])).unwrap();
+    c.start_store("b", &ks(&[3])).unwrap().unwrap();
+    assert_eq!(c.next_stored_chunk_idx("a"), Some(2));
+    c.reset_cache().unwrap();
+    assert_eq!(calls.lock().resets, 1);
+    assert_eq!(c.loads_to_flush, vec![load]);
+    assert_eq!(c.num_jobs(), 0);
+    assert_eq!(c.stale_job_threshold(), 3);
+    assert_eq!(c.next_stored_chunk_idx("a"), Some(0));
+    assert_eq!(c.next_stored_chunk_idx("b"), Some(0));
+    // completion of a pre-reset job is ignored
+    c.job_finished(load, true).unwrap();
+}
+
+#[test]
+fn scenario_67_finish_deferred_by_in_flight_stores() {
+    let (mut c, calls) = connector();
+    c.add_request(ReqContext::new("a")).unwrap();
+    c.start_store("a", &ks(&[1, 2])).unwrap().unwrap();
+    c.request_finished("a").unwrap();
+    assert_eq!(calls.lock().finished, 0);
+    c.reset_cache().unwrap();
+    assert_eq!(calls.lock().finished, 1);
+}
+
+#[test]
+fn scenario_68_request_with_job_is_not_looked_up() {
+    let (mut c, calls) = connector();
+    c.add_request(ReqContext::new("a")).unwrap();
+    c.start_store("a", &ks(&[1])).unwrap().unwrap();
+    assert_eq!(c.get_num_new_matched_chunks("a", &ks(&[1, 2])), None);
+    assert_eq!(calls.lock().lookups, 0);
+}
+
+#[test]
+fn scenario_69_prefix_scan_semantics() {
+    let mut m = tiering(8, vec![mem()]);
+    let r = ReqContext::new("a");
+    m.on_new_request(&r).unwrap();
+    stored(&mut m, &[1, 2], &r);
+    let o = store(&mut m, &[3], &r); // 3 pending
+    let mut c = connector::SchedulerConnector::new(m);
+    c.add_request(ReqContext::new("b")).unwrap();
+    assert_eq!(
+        c.get_num_new_matched_chunks("b", &ks(&[1, 2, 9, 1])),
+        Some(2),
+        "stops at MISS"
+    );
+    assert_eq!(
+        c.get_num_new_matched_chunks("b", &ks(&[1, 3, 2])),
+        None,
+        "HIT_PENDING defers"
+    );
+    c.manager
+        .tier_mut::<InMemoryTier>(0)
+        .unwrap()
+        .retry_keys
+        .insert(k(8));
+    c.manager.tier_mut::<InMemoryTier>(0).unwrap().lookups = 0;
+    assert_eq!(
+        c.get_num_new_matched_chunks("b", &ks(&[1, 8, 7])),
+        None,
+        "RETRY defers"
+    );
+    assert_eq!(
+        c.manager.tier_mut::<InMemoryTier>(0).unwrap().lookups,
+        2,
+        "scan continued past RETRY"
+    );
+    c.manager
+        .complete_store(&o.keys_to_store, &r, true)
+        .unwrap();
+}
+
+#[test]
+fn scenario_70_offload_prompt_only() {
+    let spec = OffloadingSpec::from_json(&serde_json::json!({"num_chunks": 8})).unwrap();
+    assert!(spec.config.offload_prompt_only);
+    assert_eq!(spec.storable_chunks(3, 5), 3);
+    let spec = OffloadingSpec::from_json(&serde_json::json!({
+        "num_chunks": 8, "offload_prompt_only": false
+    }))
+    .unwrap();
+    assert_eq!(spec.storable_chunks(3, 5), 5);
+    // the prompt-only spec offers only prompt chunks to prepare_store
+    let spec = OffloadingSpec::from_json(&serde_json::json!({"num_chunks": 8})).unwrap();
+    let mut m = spec.get_manager();
+    let c = ctx();
+    let all = ks(&[1, 2, 3, 4, 5]);
+    let o = m
+        .prepare_store(&all[..spec.storable_chunks(3, 5)], &c)
+        .unwrap()
+        .unwrap();
+    assert_eq!(o.keys_to_store, ks(&[1, 2, 3]));
+    assert!(OffloadingSpec::from_json(&serde_json::json!({"num_chunks": 8, "bogus": 1})).is_err());
+    // events stay inert unless enabled
+    stored(m.as_mut(), &[9], &c);
+    assert!(m.take_events().is_empty());
+}
