@@ -361,8 +361,9 @@ impl CpuOffloadingManager {
         reused: &[OffloadKey],
     ) {
         let state = Self::access(&mut self.requests, ctx);
-        let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
         let positional = ctx.has_positions();
+        let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
+        let mut any_new = false;
         for k in keys {
             let f = state.flags.entry(k).or_insert(0);
             if *f & SEEN != 0 {
@@ -370,17 +371,17 @@ impl CpuOffloadingManager {
             }
             *f |= SEEN;
             state.order.push(k);
+            any_new = true;
             if positional {
                 new_keys.push((
                     k,
                     self.index.get(&k).copied(),
                     ctx.get_offload_key_position(&k),
                 ));
-            } else {
-                new_keys.push((k, None, None));
             }
         }
-        if !new_keys.is_empty() {
+        if any_new {
+            // Without positions only the request rank is allocated (LRU); no key moves.
             self.policy
                 .on_request_access(&self.keys, &new_keys, &mut state.req_rank);
         }
@@ -461,6 +462,23 @@ impl CpuOffloadingManager {
             self.record_access(keys.iter().copied(), ctx, keys);
         }
         Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }))
+    }
+
+    /// Pins chunks known to be resident and ready (cascade of keys `complete_store` just made
+    /// ready); one probe per key. Returns the chunk ids co-indexed with `keys`.
+    pub(crate) fn pin_ready(&mut self, keys: &[OffloadKey]) -> Vec<i32> {
+        let mut ids = Vec::with_capacity(keys.len());
+        for k in keys {
+            let s = self.index[k];
+            let rc = &mut self.ref_cnt[s as usize];
+            debug_assert!(*rc >= 0, "pin_ready of a key still being written");
+            if *rc == 0 {
+                self.num_evictable -= 1;
+            }
+            *rc += 1;
+            ids.push(s as i32);
+        }
+        ids
     }
 
     pub(crate) fn complete_load_inner(

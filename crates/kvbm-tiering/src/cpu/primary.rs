@@ -68,6 +68,11 @@ impl CpuPrimaryTier {
             .prepare_load_inner("prepare_read", keys, ctx, false)
     }
 
+    /// `prepare_read` of keys already checked resident and ready (one probe per key).
+    pub(crate) fn prepare_read_ready(&mut self, keys: &[OffloadKey]) -> Vec<i32> {
+        self.manager.pin_ready(keys)
+    }
+
     /// Unpins chunks after a primary → secondary copy.
     pub fn complete_read(&mut self, keys: &[OffloadKey]) -> Result<()> {
         self.manager.complete_load_inner("complete_read", keys)

@@ -896,11 +896,22 @@ impl OffloadingManager for TieringOffloadingManager {
             .manager_mut()
             .complete_store(keys, ctx, success)?;
         if success {
+            // Every key is resident (checked above) and ready after complete_store.
             for i in 0..self.tiers.len() {
                 if !self.should_store_to_tier(i, keys.len()) {
                     continue;
                 }
-                let job = self.create_store_job(keys, ctx, i)?;
+                let chunk_ids = self.primary.prepare_read_ready(keys);
+                let job_id = self.next_job_id();
+                let job = Arc::new(TransferJob {
+                    job_id,
+                    keys: keys.to_vec(),
+                    chunk_ids,
+                    is_promotion: false,
+                    req_context: ctx.clone(),
+                    submit_time: Instant::now(),
+                });
+                self.register(job.clone(), i);
                 self.tiers[i].submit_store(job);
             }
         }
