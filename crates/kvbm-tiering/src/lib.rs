@@ -21,6 +21,6 @@ pub mod tiering;
 
 pub use tiering::{
     AsyncLookup, BackpressureDetector, DropPolicy, EmaConfig, InMemoryTier, JobId, JobResult,
-    ParentManager, SecondaryTierManager, TieringConfig, TieringOffloadingManager, TransferJob,
-    UpstreamFixes,
+    ParentManager, PhysicalTier, SecondaryTierManager, TieringConfig, TieringOffloadingManager,
+    TransferJob, UpstreamFixes,
 };
