@@ -178,10 +178,10 @@ fn run_step(
             }
         }
         if !misses.is_empty() {
-            if let Some(o) = m.prepare_store(&misses, &c).unwrap() {
-                if !o.keys_to_store.is_empty() {
-                    m.complete_store(&o.keys_to_store, &c, true).unwrap();
-                }
+            if let Some(o) = m.prepare_store(&misses, &c).unwrap()
+                && !o.keys_to_store.is_empty()
+            {
+                m.complete_store(&o.keys_to_store, &c, true).unwrap();
             }
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
@@ -204,7 +204,7 @@ fn run_step(
     })
     .unwrap();
     black_box(m.get_stats());
-    if let Some(o) = rec.as_deref_mut() {
+    if let Some(o) = rec {
         writeln!(o, r#"{{"method": "on_schedule_end"}}"#).unwrap();
     }
 }

@@ -72,11 +72,11 @@ fn main() -> ExitCode {
         }
     };
     let dt = t0.elapsed();
-    if let Some(out) = out {
-        if let Err(e) = std::fs::write(&out, lines) {
-            eprintln!("cannot write {out}: {e}");
-            return ExitCode::FAILURE;
-        }
+    if let Some(out) = out
+        && let Err(e) = std::fs::write(&out, lines)
+    {
+        eprintln!("cannot write {out}: {e}");
+        return ExitCode::FAILURE;
     }
     println!(
         "replay {calls} on {:?} manager: {} calls in {:.1} ms, errors {}, implicit on_new_request {}, \

@@ -107,12 +107,12 @@ fn run<M: OffloadingManager>(
                 }
             }
             Op::CompleteLoad(r) => {
-                if let Some(e) = reqs.get_mut(r) {
-                    if !e.loads.is_empty() {
-                        let keys = e.loads.remove(0);
-                        let c = e.ctx.clone().unwrap();
-                        m.complete_load(&keys, &c).unwrap();
-                    }
+                if let Some(e) = reqs.get_mut(r)
+                    && !e.loads.is_empty()
+                {
+                    let keys = e.loads.remove(0);
+                    let c = e.ctx.clone().unwrap();
+                    m.complete_load(&keys, &c).unwrap();
                 }
             }
             Op::Store(r, keys) => {
@@ -129,12 +129,12 @@ fn run<M: OffloadingManager>(
                 }
             }
             Op::CompleteStore(r, ok) => {
-                if let Some(e) = reqs.get_mut(r) {
-                    if !e.stores.is_empty() {
-                        let keys = e.stores.remove(0);
-                        let c = e.ctx.clone().unwrap();
-                        m.complete_store(&keys, &c, *ok).unwrap();
-                    }
+                if let Some(e) = reqs.get_mut(r)
+                    && !e.stores.is_empty()
+                {
+                    let keys = e.stores.remove(0);
+                    let c = e.ctx.clone().unwrap();
+                    m.complete_store(&keys, &c, *ok).unwrap();
                 }
             }
             Op::Touch(r, keys) => {

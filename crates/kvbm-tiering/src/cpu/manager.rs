@@ -623,8 +623,10 @@ impl CpuOffloadingManager {
             }
             self.scratch = victims;
         }
-        if !evicted_keys.is_empty() {
-            if let Some(ev) = self.events.as_mut() {
+        if !evicted_keys.is_empty()
+            && let Some(ev) = self.events.as_mut()
+        {
+            {
                 ev.push(OffloadingEvent::new(
                     evicted_keys.clone(),
                     Medium::Cpu,
@@ -685,8 +687,10 @@ impl CpuOffloadingManager {
                 done.push(*k);
             }
         }
-        if let Some(ev) = self.events.as_mut() {
-            if !done.is_empty() {
+        if let Some(ev) = self.events.as_mut()
+            && !done.is_empty()
+        {
+            {
                 let mut e = OffloadingEvent::new(done, Medium::Cpu, !success);
                 e.metadata_only = !success;
                 ev.push(e);

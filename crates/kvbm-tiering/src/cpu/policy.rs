@@ -78,7 +78,8 @@ pub(crate) struct Arc {
     target_t1_size: f64,
 }
 
-/// A policy instance.
+/// A policy instance (one per manager, so the variant size difference does not matter).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Policy {
     Lru(Lru),
     Arc(Arc),

@@ -94,10 +94,10 @@ impl AsyncLookup {
     fn apply(&mut self, results: Vec<(OffloadKey, bool)>) {
         self.outstanding -= 1;
         for (k, v) in results {
-            if let Some(s) = self.keys.get_mut(&k) {
-                if s.phase == Phase::InFlight {
-                    s.phase = Phase::Resolved(v);
-                }
+            if let Some(s) = self.keys.get_mut(&k)
+                && s.phase == Phase::InFlight
+            {
+                s.phase = Phase::Resolved(v);
             }
         }
     }
@@ -156,10 +156,10 @@ impl AsyncLookup {
         self.batches_posted += 1;
         self.keys_posted += batch.iter().map(|(_, v)| v.len()).sum::<usize>();
         self.outstanding += 1;
-        if let Some(tx) = &self.to_worker {
-            if tx.send(batch).is_err() {
-                self.outstanding -= 1;
-            }
+        if let Some(tx) = &self.to_worker
+            && tx.send(batch).is_err()
+        {
+            self.outstanding -= 1;
         }
     }
 

@@ -306,15 +306,14 @@ impl BackpressureDetector {
         if self.is_healthy() {
             return true;
         }
-        if !pressured {
-            if let Some(c) = self.cleared_at {
-                if now.saturating_duration_since(c) < self.cfg.cooldown {
-                    self.cooldown_count += 1;
-                    if self.cooldown_count % 2 == 0 {
-                        self.skipped(num_blocks);
-                        return false;
-                    }
-                }
+        if !pressured
+            && let Some(c) = self.cleared_at
+            && now.saturating_duration_since(c) < self.cfg.cooldown
+        {
+            self.cooldown_count += 1;
+            if self.cooldown_count.is_multiple_of(2) {
+                self.skipped(num_blocks);
+                return false;
             }
         }
         if !self.policy_should_store(now) {

@@ -490,10 +490,10 @@ impl TieringOffloadingManager {
             let r = tier.lookup(key, ctx);
             if r == LookupResult::Hit {
                 self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
-                if let Some(cap) = self.fixes.max_promotions_per_step {
-                    if self.promotions_this_step >= cap {
-                        return LookupResult::Miss;
-                    }
+                if let Some(cap) = self.fixes.max_promotions_per_step
+                    && self.promotions_this_step >= cap
+                {
+                    return LookupResult::Miss;
                 }
                 return if self.initiate_promotion(i, key, ctx) {
                     LookupResult::HitPending

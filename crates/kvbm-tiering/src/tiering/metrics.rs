@@ -82,18 +82,18 @@ impl Metrics {
             }
             if let Some(s) = start {
                 self.delays[label].push(s.elapsed().as_secs_f64());
-                if !self.retry_started.is_empty() {
-                    if let Some(t) = self.retry_started.remove(&(label, ctx_uid, *key)) {
-                        self.async_delays[label].push(t.elapsed().as_secs_f64());
-                    }
+                if !self.retry_started.is_empty()
+                    && let Some(t) = self.retry_started.remove(&(label, ctx_uid, *key))
+                {
+                    self.async_delays[label].push(t.elapsed().as_secs_f64());
                 }
             }
-        } else if result == LookupResult::Retry {
-            if let Some(s) = start {
-                self.retry_started
-                    .entry((label, ctx_uid, *key))
-                    .or_insert(s);
-            }
+        } else if result == LookupResult::Retry
+            && let Some(s) = start
+        {
+            self.retry_started
+                .entry((label, ctx_uid, *key))
+                .or_insert(s);
         }
     }
 

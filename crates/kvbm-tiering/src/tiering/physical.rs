@@ -245,12 +245,10 @@ impl PhysicalTier {
                     Err(err) => {
                         // the tier's copy failed verification or vanished: never serve it again
                         tracing::warn!(key = %k, error = %err, "secondary read failed; dropping the key");
-                        if let Some(e) = self.entries.get(&k) {
-                            if e.readers == 0 {
-                                let e = self.entries.remove(&k).expect("present");
-                                self.ready_order.remove(&k);
-                                self.free.push(e.slot);
-                            }
+                        if self.entries.get(&k).is_some_and(|e| e.readers == 0) {
+                            let e = self.entries.remove(&k).expect("present");
+                            self.ready_order.remove(&k);
+                            self.free.push(e.slot);
                         }
                     }
                 }
