@@ -9,6 +9,7 @@ pub mod replay;
 pub mod spec;
 pub mod stats;
 pub mod types;
+pub mod worker;
 
 pub use cpu::{CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, SlotState};
 pub use error::{Result, TieringError};
@@ -17,6 +18,7 @@ pub use manager::OffloadingManager;
 pub use spec::{OffloadingSpec, OffloadingSpecConfig};
 pub use stats::OffloadingConnectorStats;
 pub use types::*;
+pub use worker::{OffloadingWorker, TransferOffloadingWorker};
 pub mod tiering;
 
 pub use tiering::{
