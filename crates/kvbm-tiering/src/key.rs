@@ -12,11 +12,15 @@ use std::hash::{Hash, Hasher};
 use crate::error::TieringError;
 
 /// Identifies an offloaded chunk: block-hash bytes followed by the 4-byte big-endian group index.
+// 40 bytes, 8-aligned: equality compares five words (see `words`).
 #[derive(Clone, Copy)]
+#[repr(C, align(8))]
 pub struct OffloadKey {
-    len: u8,
     bytes: [u8; OffloadKey::MAX_LEN],
+    len: u8,
 }
+
+const _: () = assert!(std::mem::size_of::<OffloadKey>() == 40);
 
 impl OffloadKey {
     /// Longest key in bytes (hash of up to 35 bytes plus the 4-byte group index).
@@ -44,6 +48,14 @@ impl OffloadKey {
     #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len as usize]
+    }
+
+    /// The whole value as five words (key bytes, zero padding, length).
+    #[inline(always)]
+    fn words(&self) -> &[u64; 5] {
+        // SAFETY: `OffloadKey` is `repr(C, align(8))`, exactly 40 bytes (asserted above), made
+        // only of `u8` fields that are always initialised, so it is a valid `[u64; 5]`.
+        unsafe { &*(self as *const Self as *const [u64; 5]) }
     }
 
     /// A key made from a `u64` block-hash id (8-byte big-endian) in group 0, as the replay format does.
@@ -89,8 +101,8 @@ pub fn get_offload_group_idx(key: &OffloadKey) -> u32 {
 impl PartialEq for OffloadKey {
     #[inline]
     fn eq(&self, other: &Self) -> bool {
-        // Unused bytes are always zero: a fixed-size compare (no memcmp call) is exact.
-        self.len == other.len && self.bytes == other.bytes
+        // Unused bytes are always zero, so comparing the five words (length included) is exact.
+        self.words() == other.words()
     }
 }
 impl Eq for OffloadKey {}
@@ -98,17 +110,16 @@ impl Eq for OffloadKey {}
 impl Hash for OffloadKey {
     #[inline]
     fn hash<H: Hasher>(&self, state: &mut H) {
-        // Unused bytes are always zero, so hashing fixed words is equal-consistent and
-        // cheaper than a length-dependent byte loop for the common 12..36 byte keys.
-        let b = &self.bytes;
-        let w = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        state.write_u64(w(0) ^ (self.len as u64).rotate_left(56));
-        state.write_u64(w(8));
+        // Unused bytes are always zero, so hashing whole words is equal-consistent; short keys
+        // (≤ 16 bytes, e.g. u64 ids) hash two words plus the length word.
+        let w = self.words();
+        state.write_u64(w[0]);
+        state.write_u64(w[1]);
         if self.len > 16 {
-            state.write_u64(w(16));
-            state.write_u64(w(24));
-            state.write_u64(w(31));
+            state.write_u64(w[2]);
+            state.write_u64(w[3]);
         }
+        state.write_u64(w[4]);
     }
 }
 
