@@ -361,6 +361,7 @@ impl CpuOffloadingManager {
         reused: &[OffloadKey],
     ) {
         let state = Self::access(&mut self.requests, ctx);
+        state.flags.reserve(reused.len());
         let positional = ctx.has_positions();
         let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
         let mut any_new = false;
@@ -554,6 +555,7 @@ impl CpuOffloadingManager {
         // Store misses not yet reported for this request, reported in reverse.
         {
             let state = Self::access(&mut self.requests, ctx);
+            state.flags.reserve(keys.len());
             let mut misses: Vec<OffloadKey> = Vec::new();
             for k in &keys_to_store {
                 let f = state.flags.entry(*k).or_insert(0);
