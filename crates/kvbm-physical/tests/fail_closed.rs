@@ -793,3 +793,55 @@ async fn fail_closed_dropped_multipart_upload_aborted() {
     }
     panic!("a dropped multipart upload was not aborted");
 }
+
+// --- Item 2: a corrupt object leaves presence and is rewritten ----------------------------------
+
+#[tokio::test]
+async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
+    let (raw, storage) = raw_and_storage("ns");
+    let tm = TransferManager::new().unwrap();
+    let src = tm.register_layout(host(1, Some(8))).unwrap();
+    let obj = tm
+        .register_layout(PhysicalLayout::object(
+            small(1, LayoutKind::FullyContiguous),
+            storage.clone(),
+        ))
+        .unwrap();
+    let key = ObjectKey::from_u128(0x77);
+    let opts = || TransferOptions::with_object_keys(vec![key.clone()]).identities(vec![id(0x77)]);
+    let out = common::transfer(&tm, src, &[0], obj, &[0], opts()).await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    // One payload byte flipped behind our back: the header (and so presence) still looks right.
+    let path = storage.path(&key);
+    let mut body = raw
+        .get(&path)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    let last = body.len() - 1;
+    body[last] ^= 1;
+    raw.put(&path, body.into()).await.unwrap();
+    assert_eq!(
+        storage.probe(&key, &id(0x77)).await.unwrap(),
+        Presence::Present
+    );
+    // The verified read refuses it and evicts it: no longer present, so it gets rewritten.
+    let dst = tm.register_layout(host(1, None)).unwrap();
+    let out = common::transfer(&tm, obj, &[0], dst, &[0], opts()).await;
+    assert!(
+        matches!(out.blocks[0].1, Err(PhysicalError::ChecksumMismatch { .. })),
+        "{:?}",
+        out.blocks
+    );
+    assert_eq!(
+        storage.probe(&key, &id(0x77)).await.unwrap(),
+        Presence::Absent
+    );
+    let out = common::transfer(&tm, src, &[0], obj, &[0], opts()).await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    let out = common::transfer(&tm, obj, &[0], dst, &[0], opts()).await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+}
