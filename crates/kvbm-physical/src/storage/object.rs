@@ -18,6 +18,10 @@
 //! `max_concurrency` request permits for its whole duration (body streaming included), in the
 //! manner of `object_store`'s `PrefixStore` and `LimitStore`. No caller can skip either.
 //!
+//! A transfer whose verified read finds an object corrupt (checksum, length, header) or foreign
+//! (identity, key, namespace, rank, geometry) deletes it after reporting the error, so presence
+//! probes stop counting it and the next offload of that block writes it again.
+//!
 //! Bodies are size-checked from the store's metadata before they are read: a block body must be
 //! exactly header + payload, a small object at most the caller's limit. Bodies above
 //! `multipart_threshold` go up in parts; an upload that fails or whose future is dropped is
