@@ -242,6 +242,7 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
         computed_blocks: computed,
         offload_filtered_blocks: tiers.filtered_blocks,
         offload_evicted_blocks: tiers.evicted_before_offload,
+        offload_no_space_blocks: tiers.no_space,
         warm_start_blocks: [("g3", w3), ("g4", w4)].into_iter().collect(),
         wall_seconds: wall,
         blocks_per_second: if wall > 0.0 { total as f64 / wall } else { 0.0 },

@@ -53,6 +53,9 @@ pub struct Report {
     pub offload_filtered_blocks: u64,
     /// Queued blocks evicted from G2 before their lane (G2→G3/G4) reached them.
     pub offload_evicted_blocks: u64,
+    /// Offloads refused because the destination tier had no evictable block (for example
+    /// `lineage` keeps parents of blocks still queued); nothing was moved.
+    pub offload_no_space_blocks: u64,
     /// Blocks G3 and G4 held from an earlier run.
     pub warm_start_blocks: BTreeMap<&'static str, usize>,
     /// Seconds from the first request to the end of the drain.
@@ -141,8 +144,11 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "  computed {}  offload skipped: already below / policy {}, evicted before their lane {}",
-            self.computed_blocks, self.offload_filtered_blocks, self.offload_evicted_blocks
+            "  computed {}  offloads not started: already below / policy {}, evicted before their lane {}, no space below {}",
+            self.computed_blocks,
+            self.offload_filtered_blocks,
+            self.offload_evicted_blocks,
+            self.offload_no_space_blocks
         );
         if self.warm_start_blocks.values().any(|v| *v > 0) {
             let _ = writeln!(
@@ -158,7 +164,7 @@ impl Report {
         let st = &self.stage_seconds;
         let _ = writeln!(
             s,
-            "  stages (s): lookup {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  enqueue {:.3}  g1 wait {:.3}  drain {:.3}",
+            "  stages (s): lookup {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  enqueue {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}",
             st.lookup,
             st.g3_to_g2,
             st.g4_to_g2,
@@ -166,6 +172,7 @@ impl Report {
             st.compute,
             st.offload_enqueue,
             st.g1_backpressure,
+            st.offload_backpressure,
             st.drain
         );
         for (k, v) in &self.storage {

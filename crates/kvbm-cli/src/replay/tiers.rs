@@ -176,6 +176,8 @@ pub struct StageTimes {
     pub offload_enqueue: f64,
     /// Waiting for G1 space while offloads drained.
     pub g1_backpressure: f64,
+    /// Waiting for the offload lanes to catch up (see `Tiers::backpressure`).
+    pub offload_backpressure: f64,
     /// The end: draining every lane, syncing G3, writing its manifest.
     pub drain: f64,
 }
@@ -241,6 +243,10 @@ pub struct Tiers {
     pub times: StageTimes,
     /// Blocks the lanes filtered (already present, or by policy).
     pub filtered_blocks: u64,
+    /// Offloads refused because the destination had no evictable block (nothing moved).
+    pub no_space: u64,
+    /// Largest G1→G2 batch (G2 space one batch needs).
+    g1_batch: usize,
     /// Queued (weak) blocks evicted from their source tier before their lane reached them.
     pub evicted_before_offload: u64,
 }
@@ -626,17 +632,16 @@ impl Tiers {
             let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
                 Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
                     c.add_bytes(Path_::G1ToG2, blocks.len(), b);
-                    // Weak references: queued blocks do not pin G2.
-                    let weak: Vec<_> = blocks.iter().map(|x| x.downgrade()).collect();
-                    drop(blocks);
+                    // Strong references: a G2 block is not evicted before it reached the lower
+                    // tiers (write-through). The replay loop bounds how many are in flight.
                     if let Some(p) = &next3 {
-                        match p.enqueue(weak.clone(), None) {
+                        match p.enqueue(blocks.clone(), None) {
                             Ok(h) => hs.lock().push(h),
                             Err(e) => tracing::debug!(error = %e, "G2→G3 enqueue refused"),
                         }
                     }
                     if let Some(p) = &next4 {
-                        match p.enqueue(weak, None) {
+                        match p.enqueue(blocks, None) {
                             Ok(h) => hs.lock().push(h),
                             Err(e) => tracing::debug!(error = %e, "G2→G4 enqueue refused"),
                         }
@@ -668,6 +673,8 @@ impl Tiers {
             times: StageTimes::default(),
             filtered_blocks: 0,
             evicted_before_offload: 0,
+            no_space: 0,
+            g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
         })
     }
 
@@ -712,6 +719,7 @@ impl Tiers {
     /// Only when the request cannot be served at all (G1 too small); failed or rejected
     /// transfers are counted and their blocks recomputed.
     pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
+        self.backpressure(hashes.len());
         let mut served = Served::default();
         let n = hashes.len();
         let b = self.block_bytes;
@@ -844,6 +852,40 @@ impl Tiers {
         // End of the "forward pass": the request's G1 blocks become inactive (evictable).
         drop(held_g1);
         Ok(served)
+    }
+
+    /// Blocks queued or in flight in the offload lanes.
+    fn lane_pending(&self) -> usize {
+        self.g1_to_g2.as_ref().map_or(0, |p| p.pending_blocks())
+            + self.g2_to_g3.as_ref().map_or(0, |p| p.pending_blocks())
+            + self
+                .g2_to_g4
+                .as_ref()
+                .map_or(0, |p| p.pipeline().pending_blocks())
+    }
+
+    /// Offload backpressure. The lanes hold their G2 blocks until written below, and the
+    /// replay's "forward pass" is instant, so without a bound it would outrun them and find G2
+    /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
+    /// on a full host cache) while lanes still have work and either more than half of G2 is
+    /// queued in them or G2 has fewer than `n` + one G1→G2 batch allocatable blocks.
+    fn backpressure(&mut self, n: usize) {
+        let Some(g2) = &self.g2 else { return };
+        let total = g2.manager.total_blocks();
+        let high = (total / 2).max(1);
+        let reserve = n + self.g1_batch;
+        let starved = |t: &Self| {
+            let pending = t.lane_pending();
+            pending > 0 && (pending > high || g2.manager.available_blocks() < reserve)
+        };
+        if !starved(self) {
+            return;
+        }
+        let t = Instant::now();
+        while starved(self) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        self.times.offload_backpressure += t.elapsed().as_secs_f64();
     }
 
     fn allocate_g1(&mut self, n: usize) -> anyhow::Result<Vec<MutableBlock<G1>>> {
@@ -1106,18 +1148,25 @@ impl Tiers {
         Ok(())
     }
 
-    /// Counts one finished lane transfer: evicted-before-offload and filtered blocks are
-    /// skipped work; every other failure is a failed transfer.
+    /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks
+    /// are offloads that never started (nothing moved); every other failure is a failed
+    /// transfer.
     fn tally(&mut self, r: &TransferResult) {
-        let evicted = r
-            .failed_blocks
-            .iter()
-            .filter(|(_, f)| f.kind == BlockFailureKind::Evicted)
-            .count() as u64;
-        self.counters
-            .failed_transfers
-            .fetch_add(r.failed_blocks.len() as u64 - evicted, Ordering::Relaxed);
+        let (mut evicted, mut no_space) = (0u64, 0u64);
+        for (h, f) in &r.failed_blocks {
+            match f.kind {
+                BlockFailureKind::Evicted => evicted += 1,
+                BlockFailureKind::NoSpace => no_space += 1,
+                _ => {
+                    self.counters
+                        .failed_transfers
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(hash = %h, kind = f.kind.as_str(), reason = %f.message, "offload failed");
+                }
+            }
+        }
         self.evicted_before_offload += evicted;
+        self.no_space += no_space;
         self.filtered_blocks += r.filtered_blocks.len() as u64;
     }
 
