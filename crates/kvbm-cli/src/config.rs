@@ -310,6 +310,19 @@ mod tests {
     }
 
     #[test]
+    fn project_config_file_replay_section_is_the_default() {
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/kvbm.toml");
+        let text = std::fs::read_to_string(&file).unwrap();
+        let table: toml::Table = toml::from_str(&text).unwrap();
+        let replay: ReplayConfig = table["replay"].clone().try_into().unwrap();
+        assert_eq!(
+            replay,
+            ReplayConfig::default(),
+            "config/kvbm.toml [replay] drifted"
+        );
+    }
+
+    #[test]
     fn unknown_key_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.toml");

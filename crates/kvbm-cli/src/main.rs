@@ -144,7 +144,7 @@ impl ReplayFlags {
         put("g1_blocks", self.g1_blocks.map(|v| json!(v)));
         put("g2_blocks", self.g2_blocks.map(|v| json!(v)));
         put("g3_blocks", self.g3_blocks.map(|v| json!(v)));
-        put("g4", self.g4.then(|| json!(true)));
+        put("g4", self.g4.then_some(json!(true)));
         put("block_bytes", self.block_bytes.map(|v| json!(v)));
         put("g3_dir", path(&self.g3_dir));
         put("g4_dir", path(&self.g4_dir));

@@ -32,7 +32,7 @@ pub fn fill(seed: u64, out: &mut [u8]) {
 
 /// Whether `bytes` are exactly the contents of the block with `seed`.
 pub fn verify(seed: u64, bytes: &[u8]) -> bool {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return false;
     }
     bytes

@@ -381,7 +381,7 @@ impl Tiers {
     /// Invalid sizes, storage that cannot be created, an unreachable S3 endpoint.
     pub fn build(plan: &TierPlan) -> anyhow::Result<Tiers> {
         let b = plan.block_bytes;
-        if b == 0 || b % 4096 != 0 {
+        if b == 0 || !b.is_multiple_of(4096) {
             bail!(
                 "--block-bytes must be a positive multiple of 4096 (O_DIRECT alignment), got {b}"
             );
@@ -722,7 +722,6 @@ impl Tiers {
         self.backpressure(hashes.len());
         let mut served = Served::default();
         let n = hashes.len();
-        let b = self.block_bytes;
 
         // 1. Lookup: the longest prefix available in any tier, per position.
         let t = Instant::now();
@@ -808,9 +807,8 @@ impl Tiers {
             self.times.g2_to_g1 += t.elapsed().as_secs_f64();
         }
 
-        for (p, s) in src.iter().enumerate().take(fail_at) {
+        for s in src.iter().take(fail_at) {
             served.hits[*s as usize] += 1;
-            let _ = p;
         }
 
         // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
@@ -848,7 +846,6 @@ impl Tiers {
             }
         }
         metrics::counter!("kvbm_replay_computed_blocks_total").increment(served.computed);
-        let _ = b;
         // End of the "forward pass": the request's G1 blocks become inactive (evictable).
         drop(held_g1);
         Ok(served)
