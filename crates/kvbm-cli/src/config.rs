@@ -37,6 +37,8 @@ impl Default for CliConfig {
         // One replay process is the only writer of its G4 namespace: no cross-worker locks
         // (each costs a conditional create plus a verify read). A config file may turn them on.
         offload.g2_to_g4.use_locks = false;
+        // Small blocks make a G2→G3 batch latency-bound: keep several batches in flight.
+        offload.g2_to_g3.max_concurrent_transfers = 4;
         CliConfig {
             replay: ReplayConfig::default(),
             logical: LogicalConfig::default(),

@@ -569,7 +569,10 @@ fn metrics_endpoint_serves_prometheus_text() {
             let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
             body.clear();
             let _ = s.read_to_string(&mut body);
-            if body.contains("kvbm_replay_hit_blocks_total") {
+            if body.contains("kvbm_replay_hit_blocks_total")
+                && body.contains("kvbm_logical_evicted_blocks_total")
+                && body.contains("kvbm_replay_transfer_seconds")
+            {
                 break;
             }
         }
@@ -578,5 +581,14 @@ fn metrics_endpoint_serves_prometheus_text() {
     let _ = child.wait();
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     assert!(body.contains("kvbm_replay_hit_blocks_total"), "{body}");
-    assert!(body.contains("kvbm_replay_bytes_moved_total"), "{body}");
+    for m in [
+        "kvbm_replay_bytes_moved_total",
+        "kvbm_replay_transfer_seconds",
+        "kvbm_replay_tier_capacity_blocks",
+        "kvbm_logical_evicted_blocks_total",
+        "kvbm_logical_active_blocks",
+        "kvbm_offload_blocks_transferred_total",
+    ] {
+        assert!(body.contains(m), "{m} missing: {body}");
+    }
 }

@@ -127,6 +127,7 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
         );
     }
     let mut tiers = Tiers::build(&plan)?;
+    tiers.publish_capacity();
 
     let pb = ProgressBar::with_draw_target(
         Some(wl.requests.len() as u64),
@@ -167,7 +168,6 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
         computed += s.computed;
         if i % 64 == 63 {
             tiers.reap();
-            tiers.publish_occupancy();
             pb.set_position(i as u64 + 1);
         }
     }

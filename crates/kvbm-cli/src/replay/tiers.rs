@@ -202,6 +202,14 @@ impl<T: Tier> HostTier<T> {
     }
 }
 
+/// A G2→G1 move in flight.
+struct G1Job {
+    hits: Vec<(usize, ImmutableBlock<G2>)>,
+    dst: Vec<MutableBlock<G1>>,
+    completion: kvbm_physical::TransferCompletion,
+    started: Instant,
+}
+
 struct G3Tier {
     manager: Arc<BlockManager<G3>>,
     handle: LayoutHandle,
@@ -785,7 +793,11 @@ impl Tiers {
         let mut fail_at = found;
         self.times.lookup += t.elapsed().as_secs_f64();
 
-        // 2. G3→G2 and G4→G2: stage lower-tier hits in host memory.
+        // 2. G2 hits start moving to G1 while G3 and G4 hits are staged in G2 (their
+        //    transfers overlap; each waits only for what it needs).
+        let t = Instant::now();
+        let g2_job = self.submit_g1(g2_hits, &mut fail_at)?;
+        self.times.g2_to_g1 += t.elapsed().as_secs_f64();
         let mut staged: Vec<(usize, ImmutableBlock<G2>)> = Vec::new();
         if !g3_hits.is_empty() {
             let t = Instant::now();
@@ -798,14 +810,14 @@ impl Tiers {
             self.times.g4_to_g2 += t.elapsed().as_secs_f64();
         }
 
-        // 3. G2→G1, each block checked against the bytes it must have.
-        g2_hits.extend(staged);
-        g2_hits.retain(|(p, _)| *p < fail_at);
-        if !g2_hits.is_empty() {
-            let t = Instant::now();
-            self.onboard_g1(g2_hits, &mut held_g1, &mut fail_at, &mut served)?;
-            self.times.g2_to_g1 += t.elapsed().as_secs_f64();
+        // 3. Staged blocks to G1; every block reaching G1 is checked against its bytes.
+        let t = Instant::now();
+        staged.retain(|(p, _)| *p < fail_at);
+        let staged_job = self.submit_g1(staged, &mut fail_at)?;
+        for job in [g2_job, staged_job].into_iter().flatten() {
+            self.complete_g1(job, &mut held_g1, &mut fail_at, &mut served);
         }
+        self.times.g2_to_g1 += t.elapsed().as_secs_f64();
 
         for s in src.iter().take(fail_at) {
             served.hits[*s as usize] += 1;
@@ -1073,15 +1085,19 @@ impl Tiers {
         );
     }
 
-    fn onboard_g1(
+    /// Starts moving G2 blocks into fresh G1 slots (completed by [`Self::complete_g1`]).
+    fn submit_g1(
         &mut self,
         mut hits: Vec<(usize, ImmutableBlock<G2>)>,
-        held_g1: &mut Vec<ImmutableBlock<G1>>,
         fail_at: &mut usize,
-        served: &mut Served,
-    ) -> anyhow::Result<()> {
-        let Some(g2) = &self.g2 else { return Ok(()) };
-        let (g2h, n) = (g2.handle, hits.len());
+    ) -> anyhow::Result<Option<G1Job>> {
+        let Some(g2h) = self.g2.as_ref().map(|g2| g2.handle) else {
+            return Ok(None);
+        };
+        if hits.is_empty() {
+            return Ok(None);
+        }
+        let n = hits.len();
         hits.sort_by_key(|(p, _)| *p);
         let dst = match self.g1.manager.allocate_blocks(n) {
             Ok(d) => d,
@@ -1089,29 +1105,45 @@ impl Tiers {
         };
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
-        let t = Instant::now();
-        let outcome = match self.tm.execute_transfer(
+        let started = Instant::now();
+        match self.tm.execute_transfer(
             g2h,
             &src_ids,
             self.g1.handle,
             &dst_ids,
             TransferOptions::default(),
         ) {
-            Ok(c) => c.wait(),
+            Ok(completion) => Ok(Some(G1Job {
+                hits,
+                dst,
+                completion,
+                started,
+            })),
             Err(e) => {
                 tracing::warn!(error = %e, "G2→G1 transfer refused");
                 self.counters
                     .failed_transfers
                     .fetch_add(n as u64, Ordering::Relaxed);
                 *fail_at = (*fail_at).min(hits[0].0);
-                return Ok(());
+                Ok(None)
             }
-        };
+        }
+    }
+
+    /// Waits for a G2→G1 move and checks every block against the bytes it must have.
+    fn complete_g1(
+        &mut self,
+        job: G1Job,
+        held_g1: &mut Vec<ImmutableBlock<G1>>,
+        fail_at: &mut usize,
+        served: &mut Served,
+    ) {
+        let outcome = job.completion.wait();
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
-            .record(t.elapsed().as_secs_f64());
-        let mut complete = Vec::with_capacity(n);
+            .record(job.started.elapsed().as_secs_f64());
+        let mut complete = Vec::with_capacity(job.hits.len());
         let mut ok = 0;
-        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
+        for (((pos, blk), mblk), (_, r)) in job.hits.iter().zip(job.dst).zip(outcome.blocks) {
             let h = blk.sequence_hash();
             match r {
                 Ok(()) => {
@@ -1142,7 +1174,6 @@ impl Tiers {
         }
         self.counters.add_bytes(Path_::G2ToG1, ok, self.block_bytes);
         held_g1.extend(self.g1.manager.register_blocks(complete));
-        Ok(())
     }
 
     /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks
@@ -1186,18 +1217,11 @@ impl Tiers {
         }
     }
 
-    /// Current occupancy (registered blocks) per tier, for the metrics gauges.
-    pub fn publish_occupancy(&self) {
-        let used = |total: usize, avail: usize| (total - avail.min(total)) as f64;
-        metrics::gauge!("kvbm_replay_tier_capacity_blocks", "tier" => "g1")
-            .set(self.g1.manager.total_blocks() as f64);
-        let g1 = &self.g1.manager;
-        metrics::gauge!("kvbm_replay_tier_active_blocks", "tier" => "g1")
-            .set(used(g1.total_blocks(), g1.available_blocks()));
-        if let Some(g2) = &self.g2 {
-            let m = &g2.manager;
-            metrics::gauge!("kvbm_replay_tier_active_blocks", "tier" => "g2")
-                .set(used(m.total_blocks(), m.available_blocks()));
+    /// Capacity gauges per tier (occupancy and evictions per tier come from `kvbm-logical`'s
+    /// own `kvbm_logical_{active,inactive,reset}_blocks` and `kvbm_logical_evicted_blocks_total`).
+    pub fn publish_capacity(&self) {
+        for (tier, cap) in ["g1", "g2", "g3", "g4"].into_iter().zip(self.capacities()) {
+            metrics::gauge!("kvbm_replay_tier_capacity_blocks", "tier" => tier).set(cap as f64);
         }
     }
 
