@@ -88,6 +88,8 @@ pub struct ReplayConfig {
     pub g4_namespace: String,
     /// 0: as fast as possible; 1.0: honour the trace's timestamps; 0.1: ten times faster.
     pub time_scale: f64,
+    /// Start G3→G2 reads this many requests ahead of their request (0: only on demand).
+    pub prefetch_requests: usize,
     /// G3 I/O engine: `auto`, `uring`, `psync`.
     pub g3_engine: IoEngineKind,
     /// G3 I/O requests in flight per transfer.
@@ -113,8 +115,9 @@ impl Default for ReplayConfig {
             g4_dir: None,
             g4_namespace: "kvbm-replay".into(),
             time_scale: 0.0,
+            prefetch_requests: 16,
             g3_engine: IoEngineKind::Auto,
-            g3_queue_depth: 8,
+            g3_queue_depth: 32,
             g3_direct_io: true,
             s3: S3Section::default(),
         }

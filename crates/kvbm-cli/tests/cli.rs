@@ -261,6 +261,29 @@ fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
     assert!(u(&r, &["bytes", "g3_to_g2"]) > 0, "{r}");
     assert_healthy(&r);
     assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
+    // The same with G3 reads only on demand (no prefetch ahead of the requests).
+    let out = kvbm()
+        .args([
+            "replay",
+            "--trace",
+            t,
+            "--requests",
+            "400",
+            "--g1-blocks",
+            "256",
+            "--g2-blocks",
+            "256",
+            "--g3-blocks",
+            "65536",
+            "--json",
+        ])
+        .env("KVBM_REPLAY__PREFETCH_REQUESTS", "0")
+        .output()
+        .unwrap();
+    let r = ok_json(out);
+    expected(&r);
+    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
+    assert_healthy(&r);
 }
 
 #[test]

@@ -142,6 +142,7 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
 
     let salt = Salt::new("kvbm-replay");
     let mut hashes = Vec::new();
+    let mut ahead_hashes = Vec::new();
     let (mut hits, mut onboarded, mut verified, mut corrupt, mut computed) =
         ([0u64; 4], 0, 0, 0, 0);
     let start = Instant::now();
@@ -153,6 +154,18 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
             );
             if let Some(wait) = due.checked_sub(start.elapsed()) {
                 std::thread::sleep(wait);
+            }
+        }
+        let ahead = cfg.replay.prefetch_requests;
+        if ahead > 0 {
+            if i == 0 {
+                for j in 1..=ahead.min(wl.requests.len() - 1) {
+                    workload::sequence_hashes(salt, &wl.requests[j].hash_ids, &mut ahead_hashes);
+                    tiers.prefetch(j, &ahead_hashes);
+                }
+            } else if let Some(next) = wl.requests.get(i + ahead) {
+                workload::sequence_hashes(salt, &next.hash_ids, &mut ahead_hashes);
+                tiers.prefetch(i + ahead, &ahead_hashes);
             }
         }
         workload::sequence_hashes(salt, &req.hash_ids, &mut hashes);

@@ -39,7 +39,7 @@ use anyhow::{Context, anyhow, bail};
 use futures::StreamExt;
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, G4, ImmutableBlock, LogicalConfig, MutableBlock,
-    SequenceHash, Tier,
+    SequenceHash, Tier, TierId,
 };
 use kvbm_offload::{
     AllOfPolicy, BatchOutcome, BlockFailureKind, BlockTransferExecutor, ObjectPipeline,
@@ -202,6 +202,23 @@ impl<T: Tier> HostTier<T> {
     }
 }
 
+/// The G2→G1 path: its own transfer manager, with G2 and G1 registered in it.
+struct Onboard {
+    tm: Arc<TransferManager>,
+    src: LayoutHandle,
+    dst: LayoutHandle,
+}
+
+/// A G3→G2 read started ahead of the request that needs it.
+struct Prefetch {
+    /// Index of the request it is for.
+    request: usize,
+    src: Vec<ImmutableBlock<G3>>,
+    dst: Vec<MutableBlock<G2>>,
+    completion: kvbm_physical::TransferCompletion,
+    started: Instant,
+}
+
 /// A G2→G1 move in flight.
 struct G1Job {
     hits: Vec<(usize, ImmutableBlock<G2>)>,
@@ -239,6 +256,7 @@ pub struct Tiers {
     tm: Arc<TransferManager>,
     g1: HostTier<G1>,
     g2: Option<HostTier<G2>>,
+    onboard: Option<Onboard>,
     g3: Option<G3Tier>,
     g4: Option<G4Tier>,
     g1_to_g2: Option<Pipeline<G1>>,
@@ -253,6 +271,14 @@ pub struct Tiers {
     pub filtered_blocks: u64,
     /// Offloads refused because the destination had no evictable block (nothing moved).
     pub no_space: u64,
+    /// G3→G2 reads started ahead of their request, oldest first.
+    prefetches: std::collections::VecDeque<Prefetch>,
+    /// Blocks in G2 because a prefetch staged them, not yet claimed by their request.
+    prefetched: HashSet<SequenceHash>,
+    /// Blocks with a prefetch in flight.
+    prefetching: HashSet<SequenceHash>,
+    /// Requests served so far (prefetches are tagged with the request they are for).
+    served_requests: usize,
     /// Largest G1→G2 batch (G2 space one batch needs).
     g1_batch: usize,
     /// Queued (weak) blocks evicted from their source tier before their lane reached them.
@@ -434,6 +460,21 @@ impl Tiers {
             })
         } else {
             None
+        };
+
+        // G2→G1 onboarding gets a transfer manager of its own, so a request's memcpy never
+        // queues behind the lanes' disk and object work on the shared one.
+        let onboard = match &g2 {
+            Some(g2t) => {
+                let otm = Arc::new(
+                    TransferManager::new()
+                        .context("cannot start the onboarding transfer manager")?,
+                );
+                let src = otm.register_layout((*g2t.layout).clone())?;
+                let dst = otm.register_layout((*g1.layout).clone())?;
+                Some(Onboard { tm: otm, src, dst })
+            }
+            None => None,
         };
 
         let g3 = if plan.g3_blocks > 0 {
@@ -671,6 +712,7 @@ impl Tiers {
             tm,
             g1,
             g2,
+            onboard,
             g3,
             g4,
             g1_to_g2,
@@ -682,6 +724,10 @@ impl Tiers {
             filtered_blocks: 0,
             evicted_before_offload: 0,
             no_space: 0,
+            prefetches: std::collections::VecDeque::new(),
+            prefetched: HashSet::new(),
+            prefetching: HashSet::new(),
+            served_requests: 0,
             g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
         })
     }
@@ -728,6 +774,8 @@ impl Tiers {
     /// transfers are counted and their blocks recomputed.
     pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
         self.backpressure(hashes.len());
+        self.complete_prefetches(self.served_requests);
+        self.served_requests += 1;
         let mut served = Served::default();
         let n = hashes.len();
 
@@ -751,7 +799,9 @@ impl Tiers {
                 let m = g2.manager.match_blocks(&hashes[i..]);
                 if !m.is_empty() {
                     for blk in m {
-                        src.push(1);
+                        // A block prefetched from G3 for this request is a G3 hit.
+                        let from_g3 = self.prefetched.remove(&blk.sequence_hash());
+                        src.push(if from_g3 { 2 } else { 1 });
                         g2_hits.push((i, blk));
                         i += 1;
                     }
@@ -915,6 +965,134 @@ impl Tiers {
         });
         self.times.g1_backpressure += t.elapsed().as_secs_f64();
         r
+    }
+
+    /// Starts reading, for the request with index `request` (served later), the blocks of its
+    /// prefix that only G3 holds into G2, so the read overlaps the requests before it.
+    ///
+    /// Presence is read from the registry without taking handles; blocks are matched in G3
+    /// (held until the read ends) and staged exactly as a synchronous onboarding would, with
+    /// the same checks, when the request comes up ([`Self::complete_prefetches`]). A block
+    /// evicted from G2 before then is simply read again.
+    pub fn prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
+        let (Some(g2), Some(g3)) = (&self.g2, &self.g3) else {
+            return;
+        };
+        let registry = g2.manager.registry();
+        let mut want = Vec::new();
+        for h in hashes {
+            let tiers = registry.tiers(*h);
+            if tiers.contains(&TierId::G1) || tiers.contains(&TierId::G2) {
+                continue;
+            }
+            if !tiers.contains(&TierId::G3) && !tiers.contains(&TierId::G4) {
+                break; // the prefix ends here
+            }
+            if tiers.contains(&TierId::G3)
+                && !g3.poisoned.contains(h)
+                && !self.prefetching.contains(h)
+            {
+                want.push(*h);
+            }
+        }
+        if want.is_empty() {
+            return;
+        }
+        let src = g3.manager.scan_matches(&want);
+        if src.is_empty() {
+            return;
+        }
+        let Ok(dst) = g2.manager.allocate_blocks(src.len()) else {
+            return;
+        };
+        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let started = Instant::now();
+        if let Ok(completion) = self.tm.execute_transfer(
+            g3.handle,
+            &src_ids,
+            g2.handle,
+            &dst_ids,
+            TransferOptions::default(),
+        ) {
+            self.prefetching
+                .extend(src.iter().map(|b| b.sequence_hash()));
+            self.prefetches.push_back(Prefetch {
+                request,
+                src,
+                dst,
+                completion,
+                started,
+            });
+        }
+    }
+
+    /// Finishes every prefetch for requests up to `request`: checks each block like a
+    /// synchronous G3→G2 onboarding and registers the good ones in G2.
+    fn complete_prefetches(&mut self, request: usize) {
+        while self
+            .prefetches
+            .front()
+            .is_some_and(|p| p.request <= request)
+        {
+            let p = self.prefetches.pop_front().expect("checked");
+            let t = Instant::now();
+            let outcome = p.completion.wait();
+            self.times.g3_to_g2 += t.elapsed().as_secs_f64();
+            metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
+                .record(p.started.elapsed().as_secs_f64());
+            let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
+                return;
+            };
+            let mut ok = 0;
+            let mut complete = Vec::with_capacity(p.src.len());
+            for ((blk, mblk), (_, r)) in p.src.iter().zip(p.dst).zip(outcome.blocks) {
+                let h = blk.sequence_hash();
+                self.prefetching.remove(&h);
+                let good = match r {
+                    Ok(()) => {
+                        ok += 1;
+                        // SAFETY: the transfer into this freshly allocated slot has completed.
+                        let bytes = unsafe { g2.slot(mblk.block_id()) };
+                        let actual = xxhash_rust::xxh3::xxh3_128(bytes);
+                        if g3.checksums.lock().get(&h.as_u128()).copied() == Some(actual) {
+                            true
+                        } else {
+                            self.counters
+                                .checksum_failures
+                                .fetch_add(1, Ordering::Relaxed);
+                            false
+                        }
+                    }
+                    Err(e) if is_rejection(&e) => {
+                        tracing::warn!(error = %e, "G3 rejected a block on read");
+                        self.counters
+                            .checksum_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "G3→G2 transfer failed");
+                        self.counters
+                            .failed_transfers
+                            .fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                };
+                if good {
+                    if let Ok(c) = mblk.complete(h) {
+                        complete.push(c);
+                    }
+                } else {
+                    g3.poisoned.insert(h);
+                    g3.checksums.lock().remove(&h.as_u128());
+                }
+            }
+            self.counters.add_bytes(Path_::G3ToG2, ok, self.block_bytes);
+            for b in g2.manager.register_blocks(complete) {
+                self.prefetched.insert(b.sequence_hash());
+            }
+        }
     }
 
     fn onboard_g3(
@@ -1091,7 +1269,8 @@ impl Tiers {
         mut hits: Vec<(usize, ImmutableBlock<G2>)>,
         fail_at: &mut usize,
     ) -> anyhow::Result<Option<G1Job>> {
-        let Some(g2h) = self.g2.as_ref().map(|g2| g2.handle) else {
+        let Some((otm, src_h, dst_h)) = self.onboard.as_ref().map(|o| (o.tm.clone(), o.src, o.dst))
+        else {
             return Ok(None);
         };
         if hits.is_empty() {
@@ -1106,13 +1285,7 @@ impl Tiers {
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
         let started = Instant::now();
-        match self.tm.execute_transfer(
-            g2h,
-            &src_ids,
-            self.g1.handle,
-            &dst_ids,
-            TransferOptions::default(),
-        ) {
+        match otm.execute_transfer(src_h, &src_ids, dst_h, &dst_ids, TransferOptions::default()) {
             Ok(completion) => Ok(Some(G1Job {
                 hits,
                 dst,
@@ -1232,6 +1405,7 @@ impl Tiers {
     /// A G3 sync or manifest write that failed.
     pub fn finish(&mut self) -> anyhow::Result<()> {
         let t = Instant::now();
+        self.complete_prefetches(usize::MAX);
         if let Some(p) = &self.g1_to_g2 {
             let token = p.settlement_token();
             let _ = self.rt.block_on(p.wait_settled(&token));
