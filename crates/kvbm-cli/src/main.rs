@@ -2,7 +2,7 @@
 //!
 //! * `kvbm replay` replays a request trace (or the built-in synthetic multi-turn workload)
 //!   through G1..G4 with real bytes, real transfers and verification (see [`replay`]);
-//! * `kvbm bench` measures each data path against a raw baseline in the same run ([`bench`]);
+//! * `kvbm bench` measures each data path against a raw baseline in the same run ([`mod@bench`]);
 //! * `kvbm config show` prints the merged configuration and where each value came from
 //!   ([`config`]).
 //!
