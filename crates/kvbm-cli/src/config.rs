@@ -67,7 +67,7 @@ pub struct ReplayConfig {
     pub trace: Option<PathBuf>,
     /// Seed of the synthetic workload.
     pub seed: u64,
-    /// Requests: of the synthetic workload, or the first N of the trace. Default: 2000
+    /// Requests: of the synthetic workload, or the first N of the trace. Default: 20000
     /// synthetic, the whole trace.
     pub requests: Option<usize>,
     /// G1 capacity in blocks (host memory stands in for the GPU).

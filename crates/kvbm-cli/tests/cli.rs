@@ -119,7 +119,14 @@ fn default_run_prints_a_summary() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for needle in ["hit ratio", "g1_to_g2", "g2_to_g3", "verified", "blocks/s"] {
+    for needle in [
+        "hit ratio",
+        "g1_to_g2",
+        "g2_to_g3",
+        "verified",
+        "corrupt 0",
+        "blocks/s",
+    ] {
         assert!(
             stdout.contains(needle),
             "summary lacks {needle:?}:\n{stdout}"

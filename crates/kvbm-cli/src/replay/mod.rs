@@ -28,6 +28,9 @@ use crate::config::CliConfig;
 use report::{Report, TierReport};
 use tiers::{G4Location, PATH_NAMES, TierPlan, Tiers};
 
+/// Requests of the synthetic workload when `--requests` is not given.
+pub const DEFAULT_SYNTHETIC_REQUESTS: usize = 20_000;
+
 /// Loads the workload the configuration names.
 ///
 /// # Errors
@@ -36,7 +39,7 @@ pub fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
     let r = &cfg.replay;
     Ok(match &r.trace {
         Some(p) => workload::load_trace(p, r.requests)?,
-        None => workload::synthetic(r.seed, r.requests.unwrap_or(2000)),
+        None => workload::synthetic(r.seed, r.requests.unwrap_or(DEFAULT_SYNTHETIC_REQUESTS)),
     })
 }
 

@@ -998,6 +998,12 @@ impl Tiers {
         if want.is_empty() {
             return;
         }
+        // Reads in flight hold G2 slots: keep them to a quarter of G2.
+        let budget = (g2.manager.total_blocks() / 4).saturating_sub(self.prefetching.len());
+        want.truncate(budget);
+        if want.is_empty() {
+            return;
+        }
         let src = g3.manager.scan_matches(&want);
         if src.is_empty() {
             return;
@@ -1101,12 +1107,24 @@ impl Tiers {
         staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
         fail_at: &mut usize,
     ) {
+        // Reads started ahead hold G2 slots; finish them if this request needs the room.
+        if !self.prefetches.is_empty()
+            && self
+                .g2
+                .as_ref()
+                .is_some_and(|g2| g2.manager.available_blocks() < hits.len())
+        {
+            self.complete_prefetches(usize::MAX);
+        }
         let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
             return;
         };
-        let Ok(dst) = g2.manager.allocate_blocks(hits.len()) else {
-            *fail_at = (*fail_at).min(hits[0].0);
-            return;
+        let dst = match g2.manager.allocate_blocks(hits.len()) {
+            Ok(d) => d,
+            Err(_) => {
+                *fail_at = (*fail_at).min(hits[0].0);
+                return;
+            }
         };
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
@@ -1192,12 +1210,24 @@ impl Tiers {
         staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
         fail_at: &mut usize,
     ) {
+        // Reads started ahead hold G2 slots; finish them if this request needs the room.
+        if !self.prefetches.is_empty()
+            && self
+                .g2
+                .as_ref()
+                .is_some_and(|g2| g2.manager.available_blocks() < hits.len())
+        {
+            self.complete_prefetches(usize::MAX);
+        }
         let (Some(g2), Some(g4)) = (&self.g2, &mut self.g4) else {
             return;
         };
-        let Ok(dst) = g2.manager.allocate_blocks(hits.len()) else {
-            *fail_at = (*fail_at).min(hits[0].0);
-            return;
+        let dst = match g2.manager.allocate_blocks(hits.len()) {
+            Ok(d) => d,
+            Err(_) => {
+                *fail_at = (*fail_at).min(hits[0].0);
+                return;
+            }
         };
         let positions: Vec<usize> = (0..hits.len()).collect();
         let keys = hits

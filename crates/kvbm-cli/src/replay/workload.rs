@@ -163,6 +163,9 @@ impl SplitMix {
     }
 }
 
+/// Most conversations in progress at once.
+const MAX_ACTIVE: usize = 1024;
+
 struct Conversation {
     context: Vec<u64>,
     turns_left: u64,
@@ -173,8 +176,9 @@ struct Conversation {
 /// Each conversation starts with one of four system prompts (2–6 blocks, shared by every
 /// conversation that uses it) and runs 2–8 turns; a turn's prompt is the whole conversation so
 /// far plus 1–4 new user blocks, and its answer adds 1–2 blocks to the context of the next turn
-/// (new to the cache: answers are never part of an earlier prompt). Up to 16 conversations are
-/// active at once and requests interleave among them, 0–50 ms apart. Deterministic in `seed`.
+/// (new to the cache: answers are never part of an earlier prompt). Up to 1024 conversations are
+/// active at once and requests interleave among them, 0–50 ms apart, so a conversation's next
+/// turn often comes after its blocks have left G1. Deterministic in `seed`.
 pub fn synthetic(seed: u64, requests: usize) -> Workload {
     let mut rng = SplitMix::new(seed);
     let mut next_id = 0u64;
@@ -188,7 +192,7 @@ pub fn synthetic(seed: u64, requests: usize) -> Workload {
     let mut out = Vec::with_capacity(requests);
     let mut now = 0u64;
     while out.len() < requests {
-        if active.len() < 16 && (active.len() < 4 || rng.range(0, 3) == 0) {
+        if active.len() < MAX_ACTIVE && (active.len() < 4 || rng.range(0, 1) == 0) {
             let sys = &systems[rng.range(0, 3) as usize];
             active.push(Conversation {
                 context: sys.clone(),
