@@ -104,7 +104,7 @@ pub struct TierPlan {
 
 /// Indexes into [`Counters::bytes`].
 #[derive(Debug, Clone, Copy)]
-pub enum Path_ {
+pub enum MovePath {
     /// G1→G2 offload.
     G1ToG2 = 0,
     /// G2→G3 offload.
@@ -119,7 +119,7 @@ pub enum Path_ {
     G2ToG1 = 5,
 }
 
-/// Names of the paths, in [`Path_`] order.
+/// Names of the paths, in [`MovePath`] order.
 pub const PATH_NAMES: [&str; 6] = [
     "g1_to_g2", "g2_to_g3", "g3_to_g2", "g2_to_g4", "g4_to_g2", "g2_to_g1",
 ];
@@ -127,7 +127,7 @@ pub const PATH_NAMES: [&str; 6] = [
 /// Counters shared with the pipelines' sinks and executors.
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Bytes moved per path ([`Path_`] order).
+    /// Bytes moved per path ([`MovePath`] order).
     pub bytes: [AtomicU64; 6],
     /// Blocks whose transfer failed (any lane, any direction), not counting checksum rejections.
     pub failed_transfers: AtomicU64,
@@ -136,7 +136,7 @@ pub struct Counters {
 }
 
 impl Counters {
-    fn add_bytes(&self, path: Path_, blocks: usize, block_bytes: usize) {
+    fn add_bytes(&self, path: MovePath, blocks: usize, block_bytes: usize) {
         let b = (blocks * block_bytes) as u64;
         self.bytes[path as usize].fetch_add(b, Ordering::Relaxed);
         metrics::counter!("kvbm_replay_bytes_moved_total", "path" => PATH_NAMES[path as usize])
@@ -370,7 +370,8 @@ impl TransferExecutor<G2> for RecordingG3Executor {
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g3")
             .record(t.elapsed().as_secs_f64());
         let ok = out.iter().filter(|r| r.is_ok()).count();
-        self.counters.add_bytes(Path_::G2ToG3, ok, self.block_bytes);
+        self.counters
+            .add_bytes(MovePath::G2ToG3, ok, self.block_bytes);
         out
     }
 }
@@ -649,7 +650,7 @@ impl Tiers {
                 let c = counters.clone();
                 let sink: kvbm_offload::CompletionSink<SequenceHash> =
                     Arc::new(move |done: Vec<SequenceHash>| {
-                        c.add_bytes(Path_::G2ToG4, done.len(), b)
+                        c.add_bytes(MovePath::G2ToG4, done.len(), b)
                     });
                 let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
                     .config(plan.g2_to_g4.clone())
@@ -680,7 +681,7 @@ impl Tiers {
             );
             let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
                 Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
-                    c.add_bytes(Path_::G1ToG2, blocks.len(), b);
+                    c.add_bytes(MovePath::G1ToG2, blocks.len(), b);
                     // Strong references: a G2 block is not evicted before it reached the lower
                     // tiers (write-through). The replay loop bounds how many are in flight.
                     if let Some(p) = &next3 {
@@ -1094,7 +1095,8 @@ impl Tiers {
                     g3.checksums.lock().remove(&h.as_u128());
                 }
             }
-            self.counters.add_bytes(Path_::G3ToG2, ok, self.block_bytes);
+            self.counters
+                .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
             for b in g2.manager.register_blocks(complete) {
                 self.prefetched.insert(b.sequence_hash());
             }
@@ -1196,7 +1198,8 @@ impl Tiers {
                 *fail_at = (*fail_at).min(*pos);
             }
         }
-        self.counters.add_bytes(Path_::G3ToG2, ok, self.block_bytes);
+        self.counters
+            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
         staged.extend(
             positions
                 .into_iter()
@@ -1285,7 +1288,8 @@ impl Tiers {
                 }
             }
         }
-        self.counters.add_bytes(Path_::G4ToG2, ok, self.block_bytes);
+        self.counters
+            .add_bytes(MovePath::G4ToG2, ok, self.block_bytes);
         staged.extend(
             done_pos
                 .into_iter()
@@ -1375,7 +1379,8 @@ impl Tiers {
                 }
             }
         }
-        self.counters.add_bytes(Path_::G2ToG1, ok, self.block_bytes);
+        self.counters
+            .add_bytes(MovePath::G2ToG1, ok, self.block_bytes);
         held_g1.extend(self.g1.manager.register_blocks(complete));
     }
 
