@@ -55,8 +55,13 @@ fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline
     let obj_h = tm
         .register_layout(PhysicalLayout::object(geometry(n), storage.clone()))
         .unwrap();
+    // The lock's read-back waits long enough for a racing create to land even on a loaded CI
+    // machine (s3s-fs does not make creates exclusive; the default 20 ms assumes a quiet one).
+    let mut config = ObjectPipelineConfig::default();
+    config.lock_verify_delay = std::time::Duration::from_millis(200);
     ObjectPipelineBuilder::new(storage.clone())
         .owner(owner)
+        .config(config)
         .spawn(ObjectTransferExecutor::<kvbm_logical::G2>::new(
             tm, g2_h, obj_h,
         ))

@@ -127,9 +127,9 @@ async fn fail_closed_disk_slot_identity_and_file_id() {
         expected(&c, 1, 0, 0..4)
     );
 
-    // Another file instance on the same path (a restart): slot 0 is foreign, not X.
+    // The same file reopened (a restart): its id is kept, slot 0 is X again.
     tm.unregister_layout(d).unwrap();
-    let d2 = loop {
+    let reopen = || loop {
         // The old storage is dropped once its last transfer released it.
         match PhysicalLayout::create_disk(
             small(2, LayoutKind::FullyContiguous),
@@ -142,6 +142,25 @@ async fn fail_closed_disk_slot_identity_and_file_id() {
             Err(e) => panic!("{e}"),
         }
     };
+    let d1 = reopen();
+    let out = common::transfer(
+        &tm,
+        d1,
+        &[0],
+        dst,
+        &[1],
+        TransferOptions::default().identities(vec![id(10)]),
+    )
+    .await;
+    assert!(out.is_complete_success(), "reopened file: {:?}", out.blocks);
+
+    // Another file instance on the same path (its id record is gone, as for a file replaced
+    // behind our back): slot 0 is foreign, not X.
+    tm.unregister_layout(d1).unwrap();
+    let mut side = path.clone().into_os_string();
+    side.push(".id");
+    std::fs::remove_file(&side).unwrap();
+    let d2 = reopen();
     let out = common::transfer(
         &tm,
         d2,
