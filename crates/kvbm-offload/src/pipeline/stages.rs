@@ -456,7 +456,7 @@ async fn batcher<Src: Tier, A: Send + 'static>(inner: Arc<Inner<Src, A>>, cfg: P
         tokio::select! {
             biased;
             _ = signalled(&mut signal) => {
-                batch.sweep_cancelled();
+                batch.remove_cancelled();
                 if batch.is_empty() {
                     deadline = None;
                 }
@@ -533,7 +533,7 @@ async fn transfer_stage<Src: Tier, A: Send + 'static, E: TransferExecutor<Src, A
             break;
         };
         // P4: the last cancellation check, immediately before the commitment point.
-        batch.sweep_cancelled();
+        batch.remove_cancelled();
         if batch.is_empty() {
             continue;
         }
