@@ -78,6 +78,72 @@ fn unknown_keys_are_rejected() {
 }
 
 #[test]
+fn physical_sections_are_the_defaults() {
+    let file = config_file();
+    let parsed: kvbm_physical::TransferConfig = section(&file, &["physical", "transfer"]);
+    assert_eq!(parsed, kvbm_physical::TransferConfig::default());
+    let parsed: kvbm_physical::ObjectConfig = section(&file, &["physical", "object"]);
+    assert_eq!(parsed, kvbm_physical::ObjectConfig::default());
+}
+
+/// The commented-out example sections (`# [physical.disk]`, `# [physical.s3]`), uncommented:
+/// the lines after the header up to the first line that is not a comment.
+fn commented_section(name: &str) -> toml::Table {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/kvbm.toml");
+    let text = std::fs::read_to_string(path).expect("config/kvbm.toml exists");
+    let header = format!("# [{name}]");
+    let mut lines = text.lines().skip_while(|l| l.trim() != header).skip(1);
+    let mut body = String::new();
+    for line in lines.by_ref() {
+        let Some(entry) = line.strip_prefix("# ") else {
+            break;
+        };
+        // Drop the trailing comment of `key = value   # comment`.
+        let entry = entry.split("  #").next().unwrap_or(entry);
+        body.push_str(entry);
+        body.push('\n');
+    }
+    assert!(!body.is_empty(), "config/kvbm.toml documents [{name}]");
+    body.parse()
+        .unwrap_or_else(|e| panic!("[{name}] example is not valid TOML: {e}"))
+}
+
+#[test]
+fn physical_examples_parse() {
+    let disk: kvbm_physical::DiskConfig = toml::Value::Table(commented_section("physical.disk"))
+        .try_into()
+        .expect("[physical.disk] parses");
+    let defaults = kvbm_physical::DiskConfig::new(&disk.path);
+    assert_eq!(
+        (disk.engine, disk.queue_depth, disk.direct_io),
+        (defaults.engine, defaults.queue_depth, defaults.direct_io),
+        "[physical.disk] shows the defaults"
+    );
+    let s3: kvbm_physical::S3Config = toml::Value::Table(commented_section("physical.s3"))
+        .try_into()
+        .expect("[physical.s3] parses");
+    assert_eq!(s3.region, "us-east-1");
+}
+
+#[test]
+fn physical_unknown_keys_are_rejected() {
+    let file = config_file();
+    fn typo<T: DeserializeOwned + std::fmt::Debug>(mut table: toml::Table, what: &str) {
+        table.insert("no_such_key".into(), toml::Value::Integer(1));
+        let err = toml::Value::Table(table).try_into::<T>().expect_err(what);
+        assert!(err.to_string().contains("no_such_key"), "{what}: {err}");
+    }
+    let physical = file["physical"].as_table().expect("[physical]").clone();
+    typo::<kvbm_physical::TransferConfig>(
+        physical["transfer"].as_table().unwrap().clone(),
+        "transfer",
+    );
+    typo::<kvbm_physical::ObjectConfig>(physical["object"].as_table().unwrap().clone(), "object");
+    typo::<kvbm_physical::S3Config>(commented_section("physical.s3"), "s3");
+    typo::<kvbm_physical::DiskConfig>(commented_section("physical.disk"), "disk");
+}
+
+#[test]
 #[ignore = "prints the defaults as TOML, for updating config/kvbm.toml by hand"]
 fn print_defaults() {
     println!(

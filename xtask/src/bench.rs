@@ -15,6 +15,7 @@ const BENCHED: &[(&str, &str)] = &[
     ("logical", "kvbm-logical"),
     ("physical", "kvbm-physical"),
     ("offload", "kvbm-offload"),
+    ("tiering", "kvbm-tiering"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {

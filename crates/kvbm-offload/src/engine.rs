@@ -79,7 +79,8 @@ impl RunningLane for ObjectPipeline {
         self.pipeline().lane_state()
     }
     fn shutdown_and_wait(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.pipeline().shutdown_and_wait())
+        // Flushes the lock releases too.
+        Box::pin(ObjectPipeline::shutdown_and_wait(self))
     }
     fn pipeline_any(&self) -> &dyn Any {
         self.pipeline()

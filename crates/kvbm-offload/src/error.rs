@@ -1,4 +1,13 @@
 //! Errors: why a block failed, why an operation was refused.
+//!
+//! A transfer failure keeps the [`PhysicalError`] it came from ([`BlockFailure::source`]) and
+//! sorts it into a [`BlockFailureKind`] an upper layer acts on: drop the copy on a checksum
+//! mismatch, treat the block as absent (clear presence, rewrite) on an identity mismatch or
+//! not-found, retry on I/O.
+
+use std::sync::Arc;
+
+use kvbm_physical::{ErrorKind, PhysicalError};
 
 /// Stable categories of a block failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -10,18 +19,27 @@ pub enum BlockFailureKind {
     PreconditionFailed,
     /// No destination block could be allocated.
     NoSpace,
-    /// The transfer of this block's bytes failed (any other physical error).
+    /// The transfer of this block's bytes failed for another reason (refused arguments,
+    /// registration in the destination failed).
     Transfer,
     /// The transfer executor stopped (panicked or was aborted) with the block in flight.
     ExecutorAborted,
     /// The pipeline failed (a stage panicked) before the block was transferred.
     PipelineFailed,
-    /// The bytes read back do not verify (checksum, short read, corrupt header): drop that copy.
+    /// The bytes read are not the bytes stored (checksum mismatch, short read, corrupt
+    /// header): drop that copy.
     ChecksumMismatch,
-    /// The source holds no such block (an object or slot not found): clear its presence.
+    /// The stored block is intact but another one (another identity, file instance, key,
+    /// namespace, geometry or rank): treat it as absent and rewrite it.
+    IdentityMismatch,
+    /// Nothing is stored for the block: clear its presence.
     NotFound,
-    /// An I/O or object-store error: the copy may be fine, a retry may succeed.
+    /// An operating-system or object-store error: a retry may succeed.
     Io,
+    /// The operation exceeded its time limit.
+    Timeout,
+    /// The operation was cancelled before it finished.
+    Cancelled,
 }
 
 impl BlockFailureKind {
@@ -36,21 +54,49 @@ impl BlockFailureKind {
             Self::ExecutorAborted => "executor_aborted",
             Self::PipelineFailed => "pipeline_failed",
             Self::ChecksumMismatch => "checksum_mismatch",
+            Self::IdentityMismatch => "identity_mismatch",
             Self::NotFound => "not_found",
             Self::Io => "io",
+            Self::Timeout => "timeout",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// The kind of a block whose transfer failed with `e`.
+    pub fn of_physical(e: &PhysicalError) -> Self {
+        match e.kind() {
+            ErrorKind::Corrupt => Self::ChecksumMismatch,
+            ErrorKind::IdentityMismatch => Self::IdentityMismatch,
+            ErrorKind::NotFound => Self::NotFound,
+            ErrorKind::Io => Self::Io,
+            ErrorKind::Aborted => Self::ExecutorAborted,
+            _ => Self::Transfer,
         }
     }
 }
 
 /// Why one block failed. Failed blocks are never registered in the destination.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+///
+/// Equality compares the kind and the message (the source error has no equality of its own).
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("{kind:?}: {message}")]
 pub struct BlockFailure {
     /// Category.
     pub kind: BlockFailureKind,
     /// Human-readable detail (e.g. the physical error's message).
     pub message: String,
+    /// The bytes layer's error, when the failure came from a transfer (shared: a batch-wide
+    /// error is one allocation for all its blocks).
+    #[source]
+    pub source: Option<Arc<PhysicalError>>,
 }
+
+impl PartialEq for BlockFailure {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+impl Eq for BlockFailure {}
 
 impl BlockFailure {
     /// A failure of `kind` with `message`.
@@ -58,7 +104,32 @@ impl BlockFailure {
         Self {
             kind,
             message: message.into(),
+            source: None,
         }
+    }
+
+    /// A failure carrying the physical error `e`, its kind derived from it
+    /// ([`BlockFailureKind::of_physical`]).
+    pub fn physical(e: PhysicalError) -> Self {
+        Self {
+            kind: BlockFailureKind::of_physical(&e),
+            message: e.to_string(),
+            source: Some(Arc::new(e)),
+        }
+    }
+
+    /// A failure sharing the physical error `e` (one error for many blocks).
+    pub fn physical_shared(e: &Arc<PhysicalError>) -> Self {
+        Self {
+            kind: BlockFailureKind::of_physical(e),
+            message: e.to_string(),
+            source: Some(Arc::clone(e)),
+        }
+    }
+
+    /// The physical error behind this failure, if any.
+    pub fn physical_error(&self) -> Option<&PhysicalError> {
+        self.source.as_deref()
     }
 }
 
@@ -116,7 +187,7 @@ pub enum OffloadError {
 }
 
 /// Errors from policy evaluation. A block whose evaluation errs or times out is filtered.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum PolicyError {
     /// Evaluation exceeded `policy_timeout`.
@@ -124,7 +195,7 @@ pub enum PolicyError {
     Timeout,
     /// The backing service (e.g. S3) failed.
     #[error("policy backend error: {0}")]
-    Backend(String),
+    Backend(#[source] PhysicalError),
     /// A policy answered with the wrong number of verdicts.
     #[error("policy {policy} returned {got} verdicts for {expected} blocks")]
     Verdicts {
@@ -135,4 +206,34 @@ pub enum PolicyError {
         /// Verdicts returned.
         got: usize,
     },
+}
+
+impl PartialEq for PolicyError {
+    /// Same variant and, for backends, the same message.
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Timeout, Self::Timeout) => true,
+            (
+                Self::Verdicts {
+                    policy: p,
+                    expected: e,
+                    got: g,
+                },
+                Self::Verdicts {
+                    policy: q,
+                    expected: f,
+                    got: h,
+                },
+            ) => p == q && e == f && g == h,
+            (Self::Backend(a), Self::Backend(b)) => a.to_string() == b.to_string(),
+            _ => false,
+        }
+    }
+}
+impl Eq for PolicyError {}
+
+impl From<PhysicalError> for PolicyError {
+    fn from(e: PhysicalError) -> Self {
+        Self::Backend(e)
+    }
 }

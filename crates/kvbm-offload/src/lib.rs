@@ -36,6 +36,7 @@ pub use handle::{
 pub use object::{
     DEFAULT_LOCK_TTL, DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline,
     ObjectPipelineBuilder, ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
+    block_identity, lock_key, object_key,
 };
 pub use pending::{PendingGuard, PendingTracker};
 pub use pipeline::{
@@ -53,5 +54,4 @@ pub use settlement::{
 pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
 pub use transfer::{
     BlockMover, BlockTransferExecutor, CallerAllocated, MoveOutcome, ObjectTransferExecutor,
-    failure_kind, lock_key, object_key,
 };

@@ -75,7 +75,7 @@ pub const ALL: [&str; 10] = [
     CANCEL_CONFIRMATION_SECONDS,
 ];
 
-const FAILURE_KINDS: [BlockFailureKind; 9] = [
+const FAILURE_KINDS: [BlockFailureKind; 12] = [
     BlockFailureKind::Evicted,
     BlockFailureKind::PreconditionFailed,
     BlockFailureKind::NoSpace,
@@ -83,8 +83,11 @@ const FAILURE_KINDS: [BlockFailureKind; 9] = [
     BlockFailureKind::ExecutorAborted,
     BlockFailureKind::PipelineFailed,
     BlockFailureKind::ChecksumMismatch,
+    BlockFailureKind::IdentityMismatch,
     BlockFailureKind::NotFound,
     BlockFailureKind::Io,
+    BlockFailureKind::Timeout,
+    BlockFailureKind::Cancelled,
 ];
 
 /// Registers the units and descriptions of every metric with the current recorder.
@@ -173,8 +176,11 @@ fn failure_index(kind: BlockFailureKind) -> usize {
         BlockFailureKind::ExecutorAborted => 4,
         BlockFailureKind::PipelineFailed => 5,
         BlockFailureKind::ChecksumMismatch => 6,
-        BlockFailureKind::NotFound => 7,
-        BlockFailureKind::Io => 8,
+        BlockFailureKind::IdentityMismatch => 7,
+        BlockFailureKind::NotFound => 8,
+        BlockFailureKind::Io => 9,
+        BlockFailureKind::Timeout => 10,
+        BlockFailureKind::Cancelled => 11,
     }
 }
 

@@ -11,29 +11,21 @@
 //!
 //! The destination block is registered only after its bytes arrived, so the registry never
 //! claims a block is present in a tier that does not hold it. Object keys are derived from the
-//! sequence hash ([`object_key`]), the same mapping the presence checks and locks use.
+//! sequence hash ([`object_key`]), the same mapping the presence checks and locks use, and every
+//! transfer passes the blocks' sequence hashes as their identities ([`block_identity`]), so a
+//! disk slot or object holding another block is an identity mismatch, never served.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use kvbm_logical::{BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier};
-use kvbm_physical::{
-    LayoutHandle, ObjectKey, ObjectPutMode, PhysicalError, TransferManager, TransferOptions,
-};
+use kvbm_physical::{LayoutHandle, ObjectPutMode, PhysicalError, TransferManager, TransferOptions};
 
 use crate::batch::{BatchOutcome, ResolvedBatch};
 use crate::error::{BlockFailure, BlockFailureKind};
 use crate::executor::TransferExecutor;
 
-/// The object key of a block: its sequence hash as 32 hex digits.
-pub fn object_key(hash: SequenceHash) -> ObjectKey {
-    ObjectKey::from_u128(hash.as_u128())
-}
-
-/// The key of a block's offload lock object.
-pub fn lock_key(hash: SequenceHash) -> ObjectKey {
-    ObjectKey::from(format!("{:032x}.lock", hash.as_u128()))
-}
+pub use crate::object::keys::{block_identity, object_key};
 
 fn fail_all<R>(n: usize, kind: BlockFailureKind, message: &str) -> BatchOutcome<R> {
     (0..n)
@@ -41,22 +33,15 @@ fn fail_all<R>(n: usize, kind: BlockFailureKind, message: &str) -> BatchOutcome<
         .collect()
 }
 
-/// The category of a physical failure: what an upper layer does next depends on it (drop the
-/// copy on a checksum mismatch, clear presence on not-found, retry an I/O error).
-pub fn failure_kind(e: &PhysicalError) -> BlockFailureKind {
-    match e {
-        PhysicalError::ChecksumMismatch { .. }
-        | PhysicalError::ShortRead { .. }
-        | PhysicalError::CorruptHeader { .. } => BlockFailureKind::ChecksumMismatch,
-        PhysicalError::NotFound { .. } => BlockFailureKind::NotFound,
-        PhysicalError::Io { .. } | PhysicalError::ObjectStore { .. } => BlockFailureKind::Io,
-        PhysicalError::Aborted(_) => BlockFailureKind::ExecutorAborted,
-        _ => BlockFailureKind::Transfer,
-    }
+fn physical_failure(e: PhysicalError) -> BlockFailure {
+    BlockFailure::physical(e)
 }
 
-fn physical_failure(e: &PhysicalError) -> BlockFailure {
-    BlockFailure::new(failure_kind(e), e.to_string())
+fn fail_all_physical<R>(n: usize, e: PhysicalError) -> BatchOutcome<R> {
+    let e = Arc::new(e);
+    (0..n)
+        .map(|_| Err(BlockFailure::physical_shared(&e)))
+        .collect()
 }
 
 /// What one block move yields: the destination block, registered, or why not.
@@ -164,6 +149,9 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
                 TransferOptions::default(),
             )
         };
+        // Every block carries its sequence hash as its identity: a disk slot or object holding
+        // another block is an identity mismatch, never served.
+        let options = options.identities(sources.iter().map(|(_, h)| block_identity(*h)).collect());
         let completion = match self.manager.execute_transfer(
             self.src_layout,
             &src_ids,
@@ -172,10 +160,7 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             options,
         ) {
             Ok(c) => c,
-            Err(e) => {
-                let f = physical_failure(&e);
-                return (0..n).map(|_| Err(f.clone())).collect();
-            }
+            Err(e) => return fail_all_physical(n, e),
         };
         let outcome = completion.await;
         let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
@@ -201,7 +186,7 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
                     }
                 },
                 // The slot goes back to the reset pool; nothing is registered.
-                Err(e) => results[i] = Some(Err(physical_failure(&e))),
+                Err(e) => results[i] = Some(Err(physical_failure(e))),
             }
         }
         for (i, registered) in complete_idx
@@ -425,6 +410,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
             let options = TransferOptions {
                 object_keys: Some(hashes.iter().map(|h| object_key(*h)).collect()),
                 object_put_mode: self.put_mode,
+                identities: Some(hashes.iter().map(|h| block_identity(*h)).collect()),
                 ..Default::default()
             };
             let completion = match self.manager.execute_transfer(
@@ -435,10 +421,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
                 options,
             ) {
                 Ok(c) => c,
-                Err(e) => {
-                    let f = physical_failure(&e);
-                    return (0..n).map(|_| Err(f.clone())).collect();
-                }
+                Err(e) => return fail_all_physical(n, e),
             };
             let outcome = completion.await;
             let mut out = Vec::with_capacity(n);
@@ -449,7 +432,7 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
                         written.push(*h);
                         out.push(Ok(*h));
                     }
-                    Err(e) => out.push(Err(physical_failure(&e))),
+                    Err(e) => out.push(Err(physical_failure(e))),
                 }
             }
             out.resize_with(n, || {

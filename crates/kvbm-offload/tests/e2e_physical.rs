@@ -96,8 +96,31 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     assert_eq!(on_g3.len(), n);
     let back_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
     let g3_ids: Vec<usize> = on_g3.iter().map(|b| b.block_id()).collect();
+    // Slots are bound to their blocks' sequence hashes: an anonymous read is refused…
     let out = tm
         .execute_transfer(g3_h, &g3_ids, back_h, &src_ids, TransferOptions::default())
+        .unwrap()
+        .await;
+    assert!(
+        out.blocks.iter().all(|(_, r)| matches!(
+            r,
+            Err(kvbm_physical::PhysicalError::IdentityMismatch { .. })
+        )),
+        "{out:?}"
+    );
+    // …and a read naming them returns the bytes.
+    let identities = on_g3
+        .iter()
+        .map(|b| block_identity(b.sequence_hash()))
+        .collect();
+    let out = tm
+        .execute_transfer(
+            g3_h,
+            &g3_ids,
+            back_h,
+            &src_ids,
+            TransferOptions::default().identities(identities),
+        )
         .unwrap()
         .await;
     assert!(out.is_complete_success(), "{out:?}");

@@ -10,7 +10,7 @@ use common::{external, hash, host_layout};
 use kvbm_logical::SequenceHash;
 use kvbm_offload::*;
 use kvbm_physical::{
-    BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
+    BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager,
 };
 
 fn geometry(n: usize) -> BlockLayout {
@@ -18,7 +18,7 @@ fn geometry(n: usize) -> BlockLayout {
 }
 
 fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
-    let s3 = kvbm_tests::services::s3(test)?;
+    let raw = raw_store(test)?;
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -27,15 +27,24 @@ fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
         namespace: format!("offload-{test}-{}-{nanos}", std::process::id()),
         ..Default::default()
     };
-    let cfg = S3Config {
-        endpoint: Some(s3.endpoint),
-        bucket: s3.bucket,
-        region: "us-east-1".into(),
-        access_key: s3.access_key,
-        secret_key: s3.secret_key,
-    };
+    Some(Arc::new(ObjectStorage::new(raw, config)))
+}
+
+/// A client of the provisioned server for the test itself, to write and inspect objects the way
+/// another worker (or an operator) would; the storage under test keeps its own store private.
+fn raw_store(test: &str) -> Option<Arc<dyn object_store::ObjectStore>> {
+    let s3 = kvbm_tests::services::s3(test)?;
     Some(Arc::new(
-        ObjectStorage::s3(&cfg, config).expect("s3 client"),
+        object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(s3.bucket)
+            .with_region("us-east-1")
+            .with_access_key_id(s3.access_key)
+            .with_secret_access_key(s3.secret_key)
+            .with_virtual_hosted_style_request(false)
+            .with_allow_http(s3.endpoint.starts_with("http://"))
+            .with_endpoint(s3.endpoint)
+            .build()
+            .expect("s3 client"),
     ))
 }
 
@@ -241,8 +250,8 @@ fn now_ms() -> u64 {
 /// Writes a lock object by hand, as another worker would have: `{token, created_ms, ttl_ms}`.
 async fn put_lock(storage: &ObjectStorage, h: SequenceHash, body: impl Into<bytes::Bytes>) {
     use object_store::ObjectStoreExt;
-    storage
-        .store()
+    raw_store("put_lock")
+        .expect("S3 tests only")
         .put(&storage.path(&lock_key(h)), body.into().into())
         .await
         .unwrap();
@@ -253,12 +262,11 @@ fn lock_record(token: &str, created_ms: u64, ttl_ms: u64) -> String {
 }
 
 async fn lock_body(storage: &ObjectStorage, h: SequenceHash) -> Option<bytes::Bytes> {
-    use object_store::ObjectStoreExt;
-    match storage.store().get(&storage.path(&lock_key(h))).await {
-        Ok(got) => Some(got.bytes().await.unwrap()),
-        Err(object_store::Error::NotFound { .. }) => None,
-        Err(e) => panic!("get lock: {e}"),
-    }
+    storage
+        .get_small(&lock_key(h), 1 << 20)
+        .await
+        .expect("get lock")
+        .map(|o| o.body)
 }
 
 async fn eval_one(f: &ObjectLockPresenceFilter, h: SequenceHash) -> bool {
@@ -394,9 +402,10 @@ async fn s3_server_enforces_if_match_on_lock_replacement() {
     let Some(storage) = storage("object_lock_if_match") else {
         return;
     };
+    let raw = raw_store("object_lock_if_match").unwrap();
     let path = storage.path(&lock_key(hash(1)));
     put_lock(&storage, hash(1), lock_record("crashed", 1, 1)).await;
-    let stale = storage.store().head(&path).await.unwrap();
+    let stale = raw.head(&path).await.unwrap();
     assert!(stale.e_tag.is_some(), "the server returns ETags");
     let update = |meta: &object_store::ObjectMeta| PutOptions {
         mode: PutMode::Update(UpdateVersion {
@@ -407,8 +416,7 @@ async fn s3_server_enforces_if_match_on_lock_replacement() {
     };
     // Someone else broke it first: our update, conditioned on the stale ETag, must fail.
     put_lock(&storage, hash(1), lock_record("other", now_ms(), 60_000)).await;
-    let err = storage
-        .store()
+    let err = raw
         .put_opts(&path, bytes::Bytes::from("mine").into(), update(&stale))
         .await
         .unwrap_err();
@@ -422,14 +430,119 @@ async fn s3_server_enforces_if_match_on_lock_replacement() {
             .contains("other")
     );
     // Conditioned on the current ETag, it replaces the lock.
-    let current = storage.store().head(&path).await.unwrap();
-    storage
-        .store()
-        .put_opts(&path, bytes::Bytes::from("mine").into(), update(&current))
+    let current = raw.head(&path).await.unwrap();
+    raw.put_opts(&path, bytes::Bytes::from("mine").into(), update(&current))
         .await
         .unwrap();
     assert_eq!(
         lock_body(&storage, hash(1)).await.as_deref(),
         Some(&b"mine"[..])
     );
+}
+
+// --- Issue 10: fail closed -------------------------------------------------------------------
+
+/// An object copied under another block's key (by a bug or an operator) is not that block: the
+/// presence check counts it as absent, the next offload rewrites it, and the rewritten object
+/// is the block's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_foreign_object_is_rewritten() {
+    use object_store::ObjectStoreExt;
+    let test = "fail_closed_foreign_object";
+    let Some(storage) = storage(test) else {
+        return;
+    };
+    let raw = raw_store(test).unwrap();
+    let a = worker(&storage, 2, "worker-a");
+    let r = a
+        .enqueue(external(0, 1), None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.completed_blocks, vec![hash(0)], "{r:?}");
+    // Block 0's object copied to block 1's key.
+    raw.copy(
+        &storage.path(&object_key(hash(0))),
+        &storage.path(&object_key(hash(1))),
+    )
+    .await
+    .unwrap();
+    let checker = S3PresenceChecker::new(storage.clone());
+    assert_eq!(
+        checker.has_blocks(vec![hash(0), hash(1)]).await.unwrap(),
+        vec![true, false],
+        "a foreign object is not present"
+    );
+    let r = a
+        .enqueue(external(1, 1), None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.completed_blocks,
+        vec![hash(1)],
+        "the foreign object is rewritten: {r:?}"
+    );
+    assert_eq!(checker.has_blocks(vec![hash(1)]).await.unwrap(), vec![true]);
+    a.shutdown_and_wait().await;
+}
+
+/// Shutdown waits for the lock deletions its releases started: nothing is left behind. The
+/// evaluations time out while verifying their locks, so each release first waits
+/// `lock_verify_delay` for a create that may still be landing: without the flush, shutdown
+/// returns while every lock still exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_shutdown_flushes_lock_releases() {
+    let Some(storage) = storage("fail_closed_shutdown_flush") else {
+        return;
+    };
+    let n = 8;
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g2_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
+    let obj_h = tm
+        .register_layout(PhysicalLayout::object(geometry(n), storage.clone()))
+        .unwrap();
+    let mut config = ObjectPipelineConfig {
+        lock_verify_delay: std::time::Duration::from_millis(800),
+        ..Default::default()
+    };
+    config.pipeline.policy_timeout = std::time::Duration::from_millis(200);
+    let a = ObjectPipelineBuilder::new(storage.clone())
+        .config(config)
+        .owner("slow-verifier")
+        .spawn(ObjectTransferExecutor::<kvbm_logical::G2>::new(
+            tm, g2_h, obj_h,
+        ))
+        .unwrap();
+    let r = a
+        .enqueue(external(0, n as u32), None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.filtered_blocks.len(),
+        n,
+        "every evaluation timed out: {r:?}"
+    );
+    let f = a.lock_filter().unwrap();
+    assert!(f.held_locks().is_empty(), "released (deletes pending)");
+    assert!(
+        lock_body(&storage, hash(0)).await.is_some(),
+        "the interrupted create landed; its delete waits for lock_verify_delay"
+    );
+    // No flush_releases here: shutdown alone must leave no lock behind.
+    a.shutdown_and_wait().await;
+    for i in 0..n as u32 {
+        assert_eq!(
+            lock_body(&storage, hash(i)).await,
+            None,
+            "lock {i} left behind"
+        );
+    }
 }

@@ -1,9 +1,18 @@
 //! Block checksums and the small header stored with every block that leaves the process.
 //!
 //! A block written to disk or to an object store carries a [`BlockHeader`]: a magic number, a
-//! format version, the payload length, the slot index (disk) and the xxh3-128 checksum of the
-//! payload. Readers check every field and then the checksum; anything off is that block's error,
-//! never silently accepted.
+//! format version, the payload length, the slot index (disk), the xxh3-128 checksum of the
+//! payload, the block's [`BlockIdentity`] and a 128-bit binding (the disk file's id, or the
+//! object's [`ObjectBinding`](crate::ObjectBinding) digest; see [`crate::identity`]). Readers
+//! check every field ([`BlockHeader::expect_bound`]) and then the checksum; anything off is that
+//! block's error, never silently accepted.
+//!
+//! Encoding (little-endian), [`HEADER_LEN`] bytes:
+//!
+//! ```text
+//!  0 magic "KVBMBLK1" | 8 version (2) | 12 reserved | 16 len | 24 slot | 32 checksum (16)
+//! 48 identity (32)    | 80 binding (16)
+//! ```
 //!
 //! * disk: the header sits in the 4 KiB sector right after the (4 KiB-rounded) payload, so one
 //!   vectored O_DIRECT write stores both;
@@ -13,11 +22,12 @@
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::{PhysicalError, Result};
+use crate::identity::{BlockIdentity, IDENTITY_LEN};
 
 /// Encoded header length in bytes.
-pub const HEADER_LEN: usize = 48;
+pub const HEADER_LEN: usize = 96;
 const MAGIC: u64 = u64::from_le_bytes(*b"KVBMBLK1");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// The metadata stored with each block outside the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +38,10 @@ pub struct BlockHeader {
     pub slot: u64,
     /// xxh3-128 of the payload.
     pub checksum: u128,
+    /// The block's identity ([`BlockIdentity::ANONYMOUS`] when the writer gave none).
+    pub identity: BlockIdentity,
+    /// Where it was written: the disk file id, or the object binding digest.
+    pub binding: u128,
 }
 
 impl BlockHeader {
@@ -39,6 +53,8 @@ impl BlockHeader {
         out[16..24].copy_from_slice(&self.len.to_le_bytes());
         out[24..32].copy_from_slice(&self.slot.to_le_bytes());
         out[32..48].copy_from_slice(&self.checksum.to_le_bytes());
+        out[48..48 + IDENTITY_LEN].copy_from_slice(self.identity.as_bytes());
+        out[80..96].copy_from_slice(&self.binding.to_le_bytes());
     }
 
     /// Encodes into a fresh array.
@@ -82,7 +98,42 @@ impl BlockHeader {
             len: u64_at(16),
             slot: u64_at(24),
             checksum: u128::from_le_bytes(bytes[32..48].try_into().expect("16 bytes")),
+            identity: BlockIdentity::from_bytes(
+                bytes[48..48 + IDENTITY_LEN].try_into().expect("32 bytes"),
+            ),
+            binding: u128::from_le_bytes(bytes[80..96].try_into().expect("16 bytes")),
         })
+    }
+
+    /// Checks length, slot, binding and identity against what the reader expects: a wrong
+    /// length or slot is [`PhysicalError::CorruptHeader`], a wrong binding (`what` names it)
+    /// or identity [`PhysicalError::IdentityMismatch`].
+    pub fn expect_bound(
+        &self,
+        len: usize,
+        slot: u64,
+        binding: (&'static str, u128),
+        identity: &BlockIdentity,
+        location: &dyn Fn() -> String,
+    ) -> Result<()> {
+        self.expect(len, slot, location)?;
+        if self.binding != binding.1 {
+            return Err(PhysicalError::IdentityMismatch {
+                location: location(),
+                what: binding.0,
+                expected: format!("{:032x}", binding.1),
+                found: format!("{:032x}", self.binding),
+            });
+        }
+        if self.identity != *identity {
+            return Err(PhysicalError::IdentityMismatch {
+                location: location(),
+                what: "block identity",
+                expected: identity.to_hex(),
+                found: self.identity.to_hex(),
+            });
+        }
+        Ok(())
     }
 
     /// Checks length and slot against what the reader expects.
@@ -144,6 +195,8 @@ mod tests {
             len: 4096,
             slot: 7,
             checksum: checksum_slices([&b"abc"[..], b"def"]),
+            identity: BlockIdentity::from_u128(42),
+            binding: 9,
         };
         assert_eq!(h.checksum, checksum_slices([&b"abcdef"[..]]));
         let bytes = h.to_bytes();
@@ -151,6 +204,23 @@ mod tests {
         let back = BlockHeader::decode(&bytes, &loc).unwrap();
         assert_eq!(back, h);
         back.expect(4096, 7, &loc).unwrap();
+        let id = BlockIdentity::from_u128(42);
+        back.expect_bound(4096, 7, ("file id", 9), &id, &loc)
+            .unwrap();
+        assert!(matches!(
+            back.expect_bound(4096, 7, ("file id", 8), &id, &loc),
+            Err(PhysicalError::IdentityMismatch {
+                what: "file id",
+                ..
+            })
+        ));
+        assert!(matches!(
+            back.expect_bound(4096, 7, ("file id", 9), &BlockIdentity::ANONYMOUS, &loc),
+            Err(PhysicalError::IdentityMismatch {
+                what: "block identity",
+                ..
+            })
+        ));
         assert!(matches!(
             back.expect(4096, 8, &loc),
             Err(PhysicalError::CorruptHeader { .. })

@@ -7,18 +7,21 @@
 //! * [`layout`]: block layouts and the canonical tensor-parallel mapping;
 //! * [`transfer`]: the transfer manager;
 //! * [`checksum`]: the header and checksum stored with every block leaving the process;
+//! * [`identity`]: what a stored block must prove it is (identity, file id, object binding);
 //! * [`cuda`] and [`nixl`]: optional accelerators, probed before use.
 
 pub mod checksum;
 pub mod cuda;
 mod error;
+pub mod identity;
 pub mod io;
 pub mod layout;
 pub mod nixl;
 pub mod storage;
 pub mod transfer;
 
-pub use error::{PhysicalError, Result};
+pub use error::{ErrorKind, PhysicalError, Result};
+pub use identity::{BlockIdentity, ObjectBinding};
 pub use io::IoEngine;
 pub use layout::canonical::{CanonicalPageMapping, CopyRun};
 pub use layout::{
@@ -26,8 +29,8 @@ pub use layout::{
 };
 pub use storage::{
     DeviceMemory, DiskCapabilities, DiskConfig, DiskStorage, HostStandInDevice, HostStorage,
-    IoEngineKind, ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, PinPolicy, S3Config,
-    Storage, StorageKind,
+    IoEngineKind, ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, PinPolicy, Presence,
+    S3Config, SmallObject, Storage, StorageKind, UpdateOutcome,
 };
 pub use transfer::{
     BlockId, BouncePoolStats, LayoutHandle, TransferCompletion, TransferConfig, TransferManager,

@@ -79,6 +79,8 @@ async fn concurrent_round_trips(tm: &TransferManager, dir: &std::path::Path, n: 
             );
         }
     }
+    // The file is held (flock) while its layout is registered: let the next round reopen it.
+    tm.unregister_layout(disk).unwrap();
 }
 
 #[tokio::test]

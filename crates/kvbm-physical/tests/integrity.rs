@@ -218,7 +218,7 @@ async fn s3_overwritten_truncated_and_deleted_objects_are_block_errors() {
 
     // Behind our back: overwrite key 1 with same-length different bytes (header kept), truncate
     // key 2, delete key 3.
-    let raw = store.store();
+    let raw = s3_raw("s3_overwritten_truncated_and_deleted_objects_are_block_errors").unwrap();
     let p1 = store.path(&keys[1]);
     let mut body = raw.get(&p1).await.unwrap().bytes().await.unwrap().to_vec();
     let last = body.len() - 1;
@@ -296,8 +296,10 @@ async fn s3_multipart_for_large_blocks() {
         return;
     };
     // Re-wrap the same store with a low multipart threshold: 1 block of 12 MiB → 2+ parts.
+    drop(s3);
+    let raw = s3_raw("s3_multipart_for_large_blocks").unwrap();
     let store = Arc::new(ObjectStorage::new(
-        Arc::clone(s3.store()),
+        raw,
         ObjectConfig {
             namespace: ns,
             multipart_threshold: 6 << 20,
@@ -376,7 +378,8 @@ fn sync_callers_can_wait() {
 #[tokio::test]
 async fn streamed_gets_report_short_and_overlong_bodies() {
     // In-memory objects arrive as a stream, the path that hashes and scatters while receiving.
-    let store = Arc::new(ObjectStorage::in_memory(ObjectConfig::default()));
+    let raw: Arc<dyn object_store::ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+    let store = Arc::new(ObjectStorage::new(raw.clone(), ObjectConfig::default()));
     let tm = TransferManager::new().unwrap();
     let src = host(&tm, 3, Some(6));
     let obj = tm
@@ -396,8 +399,7 @@ async fn streamed_gets_report_short_and_overlong_bodies() {
     )
     .await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);
-    // "a": shorter than a header; "b": one byte too many; "c": intact.
-    let raw = store.store();
+    // "a": shorter than a header; "b": one byte too many (refused by size, unread); "c": intact.
     let pa = store.path(&keys[0]);
     let body = raw.get(&pa).await.unwrap().bytes().await.unwrap();
     raw.put(&pa, PutPayload::from(body.slice(..10)))
@@ -426,7 +428,7 @@ async fn streamed_gets_report_short_and_overlong_bodies() {
         out.blocks[0]
     );
     assert!(
-        matches!(out.blocks[1].1, Err(PhysicalError::CorruptHeader { .. })),
+        matches!(out.blocks[1].1, Err(PhysicalError::TooLarge { .. })),
         "{:?}",
         out.blocks[1]
     );

@@ -1,1 +1,28 @@
 #![doc = include_str!("../README.md")]
+
+pub mod connector;
+pub mod cpu;
+pub mod error;
+pub mod key;
+pub mod manager;
+pub mod replay;
+pub mod spec;
+pub mod stats;
+pub mod types;
+pub mod worker;
+
+pub use cpu::{CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, SlotState};
+pub use error::{Result, TieringError};
+pub use key::{OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key};
+pub use manager::OffloadingManager;
+pub use spec::{OffloadingSpec, OffloadingSpecConfig};
+pub use stats::OffloadingConnectorStats;
+pub use types::*;
+pub use worker::{OffloadingWorker, TransferOffloadingWorker};
+pub mod tiering;
+
+pub use tiering::{
+    AsyncLookup, BackpressureDetector, DropPolicy, EmaConfig, InMemoryTier, JobId, JobResult,
+    ParentManager, PhysicalTier, SecondaryTierManager, TieringConfig, TieringOffloadingManager,
+    TransferJob, UpstreamFixes,
+};

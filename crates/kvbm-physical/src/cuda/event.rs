@@ -69,6 +69,9 @@ fn finish(p: Pending, r: Result<()>) {
         // SAFETY: the event was created by us and is no longer used after completion.
         let _ = unsafe { result::event::destroy(p.event as sys::CUevent) };
     }
+    // The work is complete: release what it held (memory, and a transfer's block claims)
+    // before anyone learns of it, so a caller reacting to the completion finds the blocks free.
+    drop(p.keep);
     match p.notify {
         Notify::Slot(slot) => {
             let waker = {
@@ -82,7 +85,6 @@ fn finish(p: Pending, r: Result<()>) {
         }
         Notify::Callback(cb) => cb(r),
     }
-    drop(p.keep);
 }
 
 fn poll_loop(rx: mpsc::Receiver<Pending>) {
@@ -276,8 +278,8 @@ impl CudaEventPrecondition {
     pub unsafe fn record(stream: sys::CUstream, ordinal: usize) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
         device.bind()?;
-        // SAFETY: per the caller.
         Ok(CudaEventPrecondition {
+            // SAFETY: per the caller.
             inner: unsafe { EventFuture::record(stream, device, None)? },
         })
     }
@@ -289,8 +291,8 @@ impl CudaEventPrecondition {
     /// `event` must be a valid, recorded event of device `ordinal`'s primary context.
     pub unsafe fn from_event(event: sys::CUevent, ordinal: usize) -> Result<Self> {
         let device = CudaDevice::get(ordinal)?;
-        // SAFETY: per the caller.
         Ok(CudaEventPrecondition {
+            // SAFETY: per the caller.
             inner: unsafe { EventFuture::watch(event, false, device, None) },
         })
     }

@@ -392,9 +392,7 @@ fn gpu_event_precondition() {
         rt.block_on(pre).unwrap();
         // The stream has drained: its work is complete.
         // SAFETY: live stream.
-        assert!(
-            unsafe { cudarc::driver::sys::cuStreamQuery(stream) }
-                == cudarc::driver::sys::CUresult::CUDA_SUCCESS
-        );
+        let status = unsafe { cudarc::driver::sys::cuStreamQuery(stream) };
+        assert!(status == cudarc::driver::sys::CUresult::CUDA_SUCCESS);
     }
 }

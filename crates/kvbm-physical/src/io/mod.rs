@@ -9,7 +9,10 @@
 //! * [`PsyncEngine`] (`psync.rs`): `preadv`/`pwritev`, one request at a time; the fallback.
 //!
 //! Memory contract: the iovecs of a request must stay valid until its `complete` call; the
-//! engine keeps the [`IoRequest`] (and whatever it owns through `keep_alive`) until then.
+//! engine keeps the [`IoRequest`] (and whatever it owns through `keep_alive`) until then. The
+//! kernel writes through the iovecs of a read, so [`IoEngine::run`] is `unsafe`: its caller
+//! promises the memory is live and exclusively its own. The safe way to disk is a transfer
+//! ([`crate::TransferManager`]), whose layouts own their memory.
 
 mod psync;
 mod uring;
@@ -69,7 +72,13 @@ pub trait IoEngine: Send + Sync + std::fmt::Debug {
     fn queue_depth(&self) -> usize;
     /// Runs requests `0..n` on `fd`. Returns an error only when the engine itself fails (then
     /// requests without a `complete` call did not finish); per-request errors go to `complete`.
-    fn run(
+    ///
+    /// # Safety
+    /// For every request `prepare` returns, each iovec must describe memory that stays valid
+    /// until that request's `complete` call (or until `run` returns, when the engine fails):
+    /// readable for writes, writable and accessed by no one else for reads. `fd` must be an
+    /// open file descriptor for the whole call.
+    unsafe fn run(
         &self,
         fd: RawFd,
         n: usize,

@@ -15,7 +15,7 @@ impl IoEngine for PsyncEngine {
     fn queue_depth(&self) -> usize {
         1
     }
-    fn run(
+    unsafe fn run(
         &self,
         fd: RawFd,
         n: usize,

@@ -52,7 +52,7 @@ impl IoEngine for UringEngine {
     fn queue_depth(&self) -> usize {
         self.queue_depth as usize
     }
-    fn run(
+    unsafe fn run(
         &self,
         fd: RawFd,
         n: usize,

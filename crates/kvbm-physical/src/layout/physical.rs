@@ -68,6 +68,7 @@ impl PhysicalLayout {
 
     /// Binds `layout`'s geometry to an object tier.
     pub fn object(layout: BlockLayout, storage: Arc<ObjectStorage>) -> Self {
+        storage.bind_geometry(layout.config());
         PhysicalLayout {
             layout,
             backing: Backing::Object(storage),
@@ -104,7 +105,7 @@ impl PhysicalLayout {
                     ));
                 }
             }
-            Backing::Object(_) => {}
+            Backing::Object(o) => o.bind_geometry(layout.config()),
         }
         Ok(PhysicalLayout { layout, backing })
     }

@@ -2,9 +2,17 @@
 //!
 //! Slot `s` starts at `s * slot_bytes`. It holds the block's serialized payload (rounded up to
 //! [`DIRECT_ALIGN`]) followed by one [`DIRECT_ALIGN`] sector whose first bytes are the
-//! [`BlockHeader`] (length, slot index, xxh3-128). A write is one vectored request (payload
-//! regions + header sector); a read verifies magic, length, slot and checksum, so a corrupted,
-//! misdirected or never-written slot is that block's error.
+//! [`BlockHeader`] (length, slot index, xxh3-128, the block's [`BlockIdentity`] and this file's
+//! id). A write is one vectored request (payload regions + header sector); a read verifies
+//! magic, length, slot, file id, identity and checksum, so a corrupted, misdirected, foreign
+//! (another block's, another file instance's) or never-written slot is that block's error.
+//!
+//! Ownership of the file: it is created with mode `0600` (KV can reveal prompts; an existing
+//! file is narrowed to `0600` too) and held under an exclusive, non-blocking `flock` for the
+//! storage's whole life, so a second opener — another process, or a second storage in this one
+//! — is refused with [`PhysicalError::FileLocked`] naming the path instead of sharing slots.
+//! Each open draws a random 128-bit file id written into every header; slots written by an
+//! earlier open of the same path are foreign ([`PhysicalError::IdentityMismatch`]).
 //!
 //! Capabilities are probed at creation and degrade in stages, one log line each:
 //! O_DIRECT refused → buffered I/O; `fallocate` unsupported → `ftruncate`; io_uring unavailable
@@ -16,12 +24,13 @@
 use std::cell::RefCell;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::checksum::{BlockHeader, HEADER_LEN, checksum_regions};
 use crate::error::{PhysicalError, Result};
+use crate::identity::BlockIdentity;
 use crate::io::{IoDir, IoEngine, IoRequest, PsyncEngine, UringEngine};
 use crate::storage::{HostStorage, PinPolicy, Storage, StorageKind};
 
@@ -44,6 +53,7 @@ pub enum IoEngineKind {
 
 /// Configuration of a disk tier file.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DiskConfig {
     /// The file (created or reused, resized to fit).
     pub path: PathBuf,
@@ -98,6 +108,30 @@ pub struct DiskStorage {
     slot_bytes: usize,
     caps: DiskCapabilities,
     engine: Box<dyn IoEngine>,
+    file_id: u128,
+}
+
+/// One block of a disk read or write: its slot, its identity and its host memory regions (in
+/// serialized order).
+pub type DiskBlock = (usize, BlockIdentity, Vec<(usize, usize)>);
+
+/// 128 random bits from the kernel (never zero, so an all-zero header never matches).
+fn random_file_id(path: &Path) -> Result<u128> {
+    let mut b = [0u8; 16];
+    let mut filled = 0;
+    while filled < b.len() {
+        // SAFETY: writes at most `b.len() - filled` bytes into the live local buffer `b`.
+        let r = unsafe { libc::getrandom(b[filled..].as_mut_ptr().cast(), b.len() - filled, 0) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(PhysicalError::io("getrandom", Some(path), e));
+        }
+        filled += r as usize;
+    }
+    Ok(u128::from_le_bytes(b).max(1))
 }
 
 fn round_up(v: usize, a: usize) -> usize {
@@ -118,7 +152,11 @@ impl DiskStorage {
             .ok_or_else(|| PhysicalError::InvalidLayout("disk size overflows".into()))?;
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
-            o.read(true).write(true).create(true).truncate(false);
+            o.read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600);
             if direct {
                 o.custom_flags(libc::O_DIRECT);
             }
@@ -138,6 +176,18 @@ impl DiskStorage {
         } else {
             open(false).map_err(|e| PhysicalError::io("open", Some(&path), e))?
         };
+        // SAFETY: `file` is an open descriptor we own; flock has no memory preconditions.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                PhysicalError::FileLocked { path }
+            } else {
+                PhysicalError::io("flock", Some(&path), e)
+            });
+        }
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| PhysicalError::io("chmod 0600", Some(&path), e))?;
+        let file_id = random_file_id(&path)?;
         // SAFETY: valid fd; fallocate has no memory preconditions.
         let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, total as libc::off_t) };
         let fallocated = if rc == 0 {
@@ -186,7 +236,14 @@ impl DiskStorage {
             slot_bytes,
             caps,
             engine,
+            file_id,
         })
+    }
+
+    /// The id drawn when this file was opened, written into every header this storage writes
+    /// and required of every slot it reads.
+    pub fn file_id(&self) -> u128 {
+        self.file_id
     }
 
     /// The file's path.
@@ -213,9 +270,9 @@ impl DiskStorage {
     pub fn slot_offset(&self, slot: usize) -> u64 {
         (slot * self.slot_bytes) as u64
     }
-    /// The I/O engine in use.
-    pub fn engine(&self) -> &dyn IoEngine {
-        &*self.engine
+    /// The name of the I/O engine in use (`io_uring`, `psync`).
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
     }
 
     fn location(&self, slot: usize) -> String {
@@ -230,29 +287,35 @@ impl DiskStorage {
     }
 
     /// Writes each block's payload (given as host memory regions, in serialized order) to its
-    /// slot with a header. Returns one result per block.
+    /// slot with a header binding its identity and this file's id. Returns one result per block.
     ///
     /// # Safety
     /// Every region must be readable host memory, unchanged until this returns.
-    pub unsafe fn write_blocks(&self, blocks: &[(usize, Vec<(usize, usize)>)]) -> Vec<Result<()>> {
-        self.run(IoDir::Write, blocks)
+    pub unsafe fn write_blocks(&self, blocks: &[DiskBlock]) -> Vec<Result<()>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run(IoDir::Write, blocks) }
     }
 
-    /// Reads each block's slot into its regions and verifies it. Returns one result per block;
-    /// on error the regions hold unspecified bytes.
+    /// Reads each block's slot into its regions and verifies it (length, slot, file id, the
+    /// given identity, checksum). Returns one result per block; on error the regions hold
+    /// unspecified bytes.
     ///
     /// # Safety
     /// Every region must be writable host memory no one else touches until this returns.
-    pub unsafe fn read_blocks(&self, blocks: &[(usize, Vec<(usize, usize)>)]) -> Vec<Result<()>> {
-        self.run(IoDir::Read, blocks)
+    pub unsafe fn read_blocks(&self, blocks: &[DiskBlock]) -> Vec<Result<()>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run(IoDir::Read, blocks) }
     }
 
-    fn run(&self, dir: IoDir, blocks: &[(usize, Vec<(usize, usize)>)]) -> Vec<Result<()>> {
+    /// # Safety
+    /// As [`write_blocks`](Self::write_blocks) for writes, [`read_blocks`](Self::read_blocks)
+    /// for reads.
+    unsafe fn run(&self, dir: IoDir, blocks: &[DiskBlock]) -> Vec<Result<()>> {
         let n = blocks.len();
         let mut results: Vec<Result<()>> = (0..n)
             .map(|_| Err(PhysicalError::Aborted("not executed".into())))
             .collect();
-        for (i, (slot, regions)) in blocks.iter().enumerate() {
+        for (i, (slot, _, regions)) in blocks.iter().enumerate() {
             let len: usize = regions.iter().map(|r| r.1).sum();
             if *slot >= self.num_slots || len != self.payload_bytes {
                 results[i] = Err(PhysicalError::InvalidArgument(format!(
@@ -283,7 +346,7 @@ impl DiskStorage {
             let headers = &headers;
             let mut prepare = |k: usize| -> IoRequest {
                 let i = valid[k];
-                let (slot, regions) = &blocks[i];
+                let (slot, identity, regions) = &blocks[i];
                 let header_ptr = headers.as_ptr() as usize + k * DIRECT_ALIGN;
                 let direct = self.direct_ok(regions) && padded == self.payload_bytes;
                 let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(regions.len() + 1);
@@ -338,6 +401,8 @@ impl DiskStorage {
                         len: self.payload_bytes as u64,
                         slot: *slot as u64,
                         checksum,
+                        identity: *identity,
+                        binding: self.file_id,
                     };
                     // SAFETY: header sector k belongs to this request only.
                     let sector = unsafe {
@@ -361,7 +426,7 @@ impl DiskStorage {
                 if !matches!(&results.borrow()[i], Err(PhysicalError::Aborted(_))) {
                     return; // failed in prepare
                 }
-                let (slot, regions) = &blocks[i];
+                let (slot, identity, regions) = &blocks[i];
                 let loc = || self.location(*slot);
                 let outcome = (|| {
                     let got = res.map_err(|e| {
@@ -390,7 +455,13 @@ impl DiskStorage {
                     let sector =
                         unsafe { std::slice::from_raw_parts(header_ptr as *const u8, HEADER_LEN) };
                     let h = BlockHeader::decode(sector, &loc)?;
-                    h.expect(self.payload_bytes, *slot as u64, &loc)?;
+                    h.expect_bound(
+                        self.payload_bytes,
+                        *slot as u64,
+                        ("file id", self.file_id),
+                        identity,
+                        &loc,
+                    )?;
                     let buf = staged.borrow_mut()[k].take();
                     if let Some(buf) = buf {
                         // SAFETY: the read into the staging buffer completed.
@@ -416,12 +487,18 @@ impl DiskStorage {
                 })();
                 results.borrow_mut()[i] = outcome;
             };
-            self.engine.run(
-                self.file.as_raw_fd(),
-                valid.len(),
-                &mut prepare,
-                &mut complete,
-            )
+            // SAFETY: every request's iovecs point at the caller's regions (valid per this
+            // function's contract), at a header sector of `headers`, or at a staging buffer the
+            // request keeps alive; all outlive `run`, which returns only after every request
+            // completed (or, on an engine failure, after waiting for or leaking them).
+            unsafe {
+                self.engine.run(
+                    self.file.as_raw_fd(),
+                    valid.len(),
+                    &mut prepare,
+                    &mut complete,
+                )
+            }
         };
         let mut results = results.into_inner();
         if let Err(e) = engine_result {

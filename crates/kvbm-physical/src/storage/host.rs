@@ -180,7 +180,9 @@ mod tests {
             let s = unsafe { h.as_mut_slice() };
             assert!(s.iter().all(|b| *b == 0));
             s[9_999] = 7;
-            assert_eq!(unsafe { h.as_slice() }[9_999], 7);
+            // SAFETY: as above; the mutable view `s` is no longer used.
+            let read = unsafe { h.as_slice() };
+            assert_eq!(read[9_999], 7);
             if pin == PinPolicy::Unpinned {
                 assert!(!h.is_pinned());
             }

@@ -21,9 +21,12 @@ mod host;
 mod object;
 
 pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
-pub use disk::{DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
+pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
 pub use host::{HostStorage, PinPolicy};
-pub use object::{ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, S3Config};
+pub use object::{
+    ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, Presence, REDACTED, S3Config,
+    SmallObject, UpdateOutcome,
+};
 
 /// The kind of a storage backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,25 +1,49 @@
 //! G4 objects: one object per block, through `object_store` (S3, local filesystem, in-memory).
 //!
-//! An object's path is `{namespace}/{key}`; the body is a [`BlockHeader`] followed by the
-//! block's serialized payload, so a truncated body is a short read, an overwritten one a
-//! checksum mismatch and a deleted one not-found. Requests are bounded by a per-storage
-//! semaphore (`max_concurrency`); bodies above `multipart_threshold` go up in parts.
-//! [`ObjectStorage::try_create`] is a conditional create (`PutMode::Create`) for locking.
+//! An object's path is `{namespace}/{key}` (with tensor parallelism, `{namespace}/tp{world}.r{rank}/{key}`,
+//! so each rank stores its own heads); the body is a [`BlockHeader`] followed by the block's
+//! serialized payload, so a truncated body is a short read, an overwritten one a checksum
+//! mismatch and a deleted one not-found. The header binds the block to its
+//! [`BlockIdentity`], its namespace, key and rank ([`ObjectBinding`]) and its layout geometry
+//! ([`geometry_digest`]): an object copied to another key, written under another namespace or
+//! geometry, or by another rank is [`PhysicalError::IdentityMismatch`], never served.
+//!
+//! # One door to the store
+//!
+//! The raw `object_store` handle is private. Every request — block puts and gets, presence
+//! probes, and the small-object operations the offload lock protocol needs
+//! ([`try_create`](ObjectStorage::try_create), [`get_small`](ObjectStorage::get_small),
+//! [`put_update`](ObjectStorage::put_update), [`delete`](ObjectStorage::delete)) — takes an
+//! [`ObjectKey`], is prefixed with the namespace (and rank) here, and holds one of the
+//! `max_concurrency` request permits for its whole duration (body streaming included), in the
+//! manner of `object_store`'s `PrefixStore` and `LimitStore`. No caller can skip either.
+//!
+//! A transfer whose verified read finds an object corrupt (checksum, length, header) or foreign
+//! (identity, key, namespace, rank, geometry) deletes it after reporting the error, so presence
+//! probes stop counting it and the next offload of that block writes it again.
+//!
+//! Bodies are size-checked from the store's metadata before they are read: a block body must be
+//! exactly header + payload, a small object at most the caller's limit. Bodies above
+//! `multipart_threshold` go up in parts; an upload that fails or whose future is dropped is
+//! aborted, so no incomplete multipart upload is left behind.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use futures::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    GetResultPayload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart,
+    GetOptions, GetRange, GetResultPayload, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode,
+    PutOptions, PutPayload, UpdateVersion,
 };
 use tokio::sync::Semaphore;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::checksum::{BlockHeader, HEADER_LEN, checksum_slices};
 use crate::error::{PhysicalError, Result};
+use crate::identity::{BlockIdentity, ObjectBinding, geometry_digest};
+use crate::layout::LayoutConfig;
 use crate::storage::{Storage, StorageKind};
 
 /// Opaque key material of an object-tier block (the layer above derives it from a sequence
@@ -66,22 +90,60 @@ impl std::fmt::Display for ObjectKey {
 }
 
 /// Where an S3-compatible server is.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+///
+/// `Debug` and `Serialize` print `secret_key` as [`REDACTED`]; only deserializing reads it.
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct S3Config {
     /// `http(s)://host:port`; `None` for AWS itself.
+    #[serde(default)]
     pub endpoint: Option<String>,
     /// Bucket name.
     pub bucket: String,
-    /// Region. Default in examples: `us-east-1`.
+    /// Region. Default: `us-east-1`.
+    #[serde(default = "default_region")]
     pub region: String,
     /// Access key id.
     pub access_key: String,
-    /// Secret access key.
+    /// Secret access key. Never printed.
     pub secret_key: String,
 }
 
+/// What [`S3Config`] prints instead of its secret.
+pub const REDACTED: &str = "<redacted>";
+
+fn default_region() -> String {
+    "us-east-1".into()
+}
+
+impl std::fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Config")
+            .field("endpoint", &self.endpoint)
+            .field("bucket", &self.bucket)
+            .field("region", &self.region)
+            .field("access_key", &self.access_key)
+            .field("secret_key", &REDACTED)
+            .finish()
+    }
+}
+
+impl serde::Serialize for S3Config {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("S3Config", 5)?;
+        st.serialize_field("endpoint", &self.endpoint)?;
+        st.serialize_field("bucket", &self.bucket)?;
+        st.serialize_field("region", &self.region)?;
+        st.serialize_field("access_key", &self.access_key)?;
+        st.serialize_field("secret_key", REDACTED)?;
+        st.end()
+    }
+}
+
 /// Object-tier settings.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ObjectConfig {
     /// Key prefix for every object. Default: `kvbm`.
     pub namespace: String,
@@ -91,6 +153,11 @@ pub struct ObjectConfig {
     pub multipart_threshold: usize,
     /// Part size for multipart uploads (S3 needs ≥ 5 MiB). Default: 8 MiB.
     pub part_size: usize,
+    /// Tensor-parallel rank of this worker. Default: 0.
+    pub tp_rank: usize,
+    /// Tensor-parallel world size. With more than one rank, every key is stored under
+    /// `tp{world}.r{rank}/` so ranks never read each other's heads. Default: 1.
+    pub tp_world_size: usize,
 }
 
 impl Default for ObjectConfig {
@@ -100,6 +167,8 @@ impl Default for ObjectConfig {
             max_concurrency: 16,
             multipart_threshold: 32 << 20,
             part_size: 8 << 20,
+            tp_rank: 0,
+            tp_world_size: 1,
         }
     }
 }
@@ -115,22 +184,115 @@ pub enum ObjectPutMode {
     Create,
 }
 
+/// What a presence probe found at a block's key.
+///
+/// Equality compares the variant and, for [`Presence::Foreign`], the error's message.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Presence {
+    /// Nothing there.
+    Absent,
+    /// An object whose header binds this key, namespace, rank, identity (and geometry, when
+    /// known). Its payload is verified only when it is read.
+    Present,
+    /// An object that is not this block (another key's, another geometry's, corrupt): it
+    /// counts as absent, and the next put replaces it. The error says what differed.
+    Foreign(PhysicalError),
+}
+
+impl PartialEq for Presence {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Presence::Absent, Presence::Absent) | (Presence::Present, Presence::Present) => true,
+            (Presence::Foreign(a), Presence::Foreign(b)) => a.to_string() == b.to_string(),
+            _ => false,
+        }
+    }
+}
+impl Eq for Presence {}
+
+/// A small object read whole by [`ObjectStorage::get_small`].
+#[derive(Debug, Clone)]
+pub struct SmallObject {
+    /// The body.
+    pub body: Bytes,
+    /// Its version, for a conditional [`ObjectStorage::put_update`].
+    pub version: UpdateVersion,
+}
+
+/// Result of a conditional update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateOutcome {
+    /// The object was still at the given version and now holds the new body.
+    Updated,
+    /// It changed or vanished meanwhile; nothing was written.
+    Conflict,
+    /// The store (or the version, lacking an ETag) cannot do conditional updates.
+    Unsupported,
+}
+
 /// An object tier.
 #[derive(Debug)]
 pub struct ObjectStorage {
     store: Arc<dyn ObjectStore>,
     config: ObjectConfig,
     permits: Semaphore,
+    /// The block geometry of the first object layout bound to this storage (presence probes
+    /// check it when known).
+    geometry: OnceLock<LayoutConfig>,
+}
+
+/// Aborts a multipart upload whose `put_block` future is dropped before it finished (a failed
+/// one is aborted in place).
+struct AbortOnDrop(Option<Box<dyn MultipartUpload>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut up) = self.0.take()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(async move {
+                if let Err(e) = up.abort().await {
+                    tracing::warn!(error = %e, "cannot abort an interrupted multipart upload");
+                }
+            });
+        }
+    }
+}
+
+/// Splits `header + parts` into multipart parts of `part_size` bytes (the last may be
+/// shorter), without copying the payload.
+fn split_parts(header: Bytes, parts: Vec<Bytes>, part_size: usize) -> Vec<PutPayload> {
+    let mut out = Vec::new();
+    let mut cur: Vec<Bytes> = Vec::new();
+    let mut cur_len = 0;
+    for mut b in std::iter::once(header).chain(parts) {
+        while !b.is_empty() {
+            let n = (part_size - cur_len).min(b.len());
+            cur.push(b.split_to(n));
+            cur_len += n;
+            if cur_len == part_size {
+                out.push(std::mem::take(&mut cur).into_iter().collect());
+                cur_len = 0;
+            }
+        }
+    }
+    if cur_len > 0 {
+        out.push(cur.into_iter().collect());
+    }
+    out
 }
 
 impl ObjectStorage {
-    /// Wraps any `object_store` backend.
+    /// Wraps any `object_store` backend. The store is used only through this storage's
+    /// namespace and request limit.
     pub fn new(store: Arc<dyn ObjectStore>, config: ObjectConfig) -> Self {
         let permits = Semaphore::new(config.max_concurrency.max(1));
         ObjectStorage {
             store,
             config,
             permits,
+            geometry: OnceLock::new(),
         }
     }
 
@@ -168,14 +330,17 @@ impl ObjectStorage {
         Self::new(Arc::new(object_store::memory::InMemory::new()), config)
     }
 
-    /// The underlying store.
-    pub fn store(&self) -> &Arc<dyn ObjectStore> {
-        &self.store
-    }
     /// The settings.
     pub fn config(&self) -> &ObjectConfig {
         &self.config
     }
+
+    /// Records the block geometry of an object layout bound to this storage (the first one
+    /// wins); presence probes then check it too.
+    pub(crate) fn bind_geometry(&self, geometry: &LayoutConfig) {
+        let _ = self.geometry.set(*geometry);
+    }
+
     /// One of the `max_concurrency` request slots, held for the request's duration.
     async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
         self.permits
@@ -184,23 +349,50 @@ impl ObjectStorage {
             .expect("semaphore never closed")
     }
 
-    /// The full path of `key`.
+    /// The full path of `key`: namespace, rank directory (with tensor parallelism), key. For
+    /// logs; every request computes it itself.
     pub fn path(&self, key: &ObjectKey) -> ObjectPath {
-        ObjectPath::from(format!("{}/{}", self.config.namespace, key.as_str()))
+        let c = &self.config;
+        if c.tp_world_size > 1 {
+            ObjectPath::from(format!(
+                "{}/tp{}.r{}/{}",
+                c.namespace,
+                c.tp_world_size,
+                c.tp_rank,
+                key.as_str()
+            ))
+        } else {
+            ObjectPath::from(format!("{}/{}", c.namespace, key.as_str()))
+        }
     }
 
-    /// Stores a block: header + `parts` (the serialized payload, in order).
+    fn binding(&self, key: &ObjectKey) -> u128 {
+        ObjectBinding {
+            namespace: &self.config.namespace,
+            key: key.as_str(),
+            rank: self.config.tp_rank,
+            world_size: self.config.tp_world_size.max(1),
+        }
+        .digest()
+    }
+
+    /// Stores a block: header (binding `identity`, key, namespace, rank and `geometry`) +
+    /// `parts` (the serialized payload, in order).
     pub async fn put_block(
         &self,
         key: &ObjectKey,
+        identity: &BlockIdentity,
+        geometry: &LayoutConfig,
         parts: Vec<Bytes>,
         mode: ObjectPutMode,
     ) -> Result<()> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let header = BlockHeader {
             len: len as u64,
-            slot: 0,
+            slot: geometry_digest(geometry),
             checksum: checksum_slices(parts.iter().map(|p| &p[..])),
+            identity: *identity,
+            binding: self.binding(key),
         };
         let path = self.path(key);
         let _permit = self.permit().await;
@@ -211,16 +403,32 @@ impl ObjectStorage {
                 .put_multipart(&path)
                 .await
                 .map_err(|e| PhysicalError::object("put_multipart", path.as_ref(), e))?;
-            let mut w =
-                WriteMultipart::new_with_chunk_size(upload, self.config.part_size.max(5 << 20));
-            w.write(&header.to_bytes());
-            for p in &parts {
-                w.write(p);
+            let mut guard = AbortOnDrop(Some(upload));
+            let up = guard.0.as_mut().expect("just set");
+            let header = Bytes::copy_from_slice(&header.to_bytes());
+            let part_size = self.config.part_size.max(5 << 20);
+            let uploads: Vec<_> = split_parts(header, parts, part_size)
+                .into_iter()
+                .map(|p| up.put_part(p))
+                .collect();
+            let result = match futures::future::try_join_all(uploads).await {
+                Ok(_) => up.complete().await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => {
+                    guard.0 = None;
+                    return Ok(());
+                }
+                Err(e) => {
+                    if let Some(mut up) = guard.0.take()
+                        && let Err(abort) = up.abort().await
+                    {
+                        tracing::warn!(error = %abort, path = %path, "cannot abort a failed multipart upload");
+                    }
+                    return Err(PhysicalError::object("put_multipart", path.as_ref(), e));
+                }
             }
-            w.finish()
-                .await
-                .map_err(|e| PhysicalError::object("put_multipart", path.as_ref(), e))?;
-            return Ok(());
         }
         let payload: PutPayload = std::iter::once(Bytes::copy_from_slice(&header.to_bytes()))
             .chain(parts)
@@ -239,9 +447,29 @@ impl ObjectStorage {
         Ok(())
     }
 
-    /// Fetches and verifies a block whose payload must be `expected_len` bytes; returns the
-    /// payload.
-    pub async fn get_block(&self, key: &ObjectKey, expected_len: usize) -> Result<Bytes> {
+    /// Checks a body's size from the store's metadata before reading it: larger than a header
+    /// plus `expected_len` is refused unread.
+    fn check_size(path: &ObjectPath, size: u64, expected_len: usize) -> Result<()> {
+        let limit = (expected_len + HEADER_LEN) as u64;
+        if size > limit {
+            return Err(PhysicalError::TooLarge {
+                location: format!("object:{path}"),
+                size,
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Fetches and verifies a block whose payload must be `expected_len` bytes, written for
+    /// `identity` under `geometry` at this key, namespace and rank; returns the payload.
+    pub async fn get_block(
+        &self,
+        key: &ObjectKey,
+        identity: &BlockIdentity,
+        geometry: &LayoutConfig,
+    ) -> Result<Bytes> {
+        let expected_len = geometry.block_bytes();
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let body = {
@@ -251,25 +479,44 @@ impl ObjectStorage {
                 .get(&path)
                 .await
                 .map_err(|e| PhysicalError::object("get", path.as_ref(), e))?;
+            Self::check_size(&path, got.meta.size, expected_len)?;
             got.bytes()
                 .await
                 .map_err(|e| PhysicalError::object("get body", path.as_ref(), e))?
         };
-        verify_body(&body, expected_len, &loc)
+        let expect = self.expectation(key, identity, geometry);
+        verify_body(&body, &expect, &loc)
+    }
+
+    fn expectation(
+        &self,
+        key: &ObjectKey,
+        identity: &BlockIdentity,
+        geometry: &LayoutConfig,
+    ) -> Expect {
+        Expect {
+            len: geometry.block_bytes(),
+            geometry: geometry_digest(geometry),
+            binding: self.binding(key),
+            identity: *identity,
+        }
     }
 
     /// Fetches and verifies a block like [`get_block`](Self::get_block), but hands the payload
     /// to `sink(offset, bytes)` as it arrives instead of collecting it: each chunk of the body
     /// is hashed and passed on while it is in cache, and no body-sized buffer is allocated.
-    /// `sink` sees contiguous, increasing payload offsets, never past `expected_len`. The result
-    /// (and its error kinds) is that of `get_block`; on an error, whatever `sink` received is
-    /// unverified and must not be used.
+    /// `sink` sees contiguous, increasing payload offsets, never past the block's length. The
+    /// result (and its error kinds) is that of `get_block`; on an error, whatever `sink`
+    /// received is unverified and must not be used.
     pub(crate) async fn get_block_into(
         &self,
         key: &ObjectKey,
-        expected_len: usize,
+        identity: &BlockIdentity,
+        geometry: &LayoutConfig,
         mut sink: impl FnMut(usize, &[u8]) + Send,
     ) -> Result<()> {
+        let expect = self.expectation(key, identity, geometry);
+        let expected_len = expect.len;
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let body_err = |e| PhysicalError::object("get body", path.as_ref(), e);
@@ -279,10 +526,11 @@ impl ObjectStorage {
             .get(&path)
             .await
             .map_err(|e| PhysicalError::object("get", path.as_ref(), e))?;
+        Self::check_size(&path, got.meta.size, expected_len)?;
         if !matches!(got.payload, GetResultPayload::Stream(_)) {
             // A local file: one read beats the fs backend's small chunked reads.
             let body = got.bytes().await.map_err(body_err)?;
-            sink(0, &verify_body(&body, expected_len, &loc)?);
+            sink(0, &verify_body(&body, &expect, &loc)?);
             return Ok(());
         }
         let mut stream = got.into_stream();
@@ -302,7 +550,10 @@ impl ObjectStorage {
                 if head_len < HEADER_LEN {
                     continue;
                 }
-                decoded = Some(BlockHeader::decode(&header, &loc)?);
+                let h = BlockHeader::decode(&header, &loc)?;
+                // Foreign objects are refused before any of their payload reaches the sink.
+                expect.bound(&h, &loc)?;
+                decoded = Some(h);
             }
             hasher.update(rest);
             if payload_len < expected_len {
@@ -316,8 +567,69 @@ impl ObjectStorage {
             // Shorter than a header: the same error `get_block` reports.
             None => BlockHeader::decode(&header[..head_len], &loc)?,
         };
-        check_payload(&h, expected_len, payload_len, &loc)?;
+        check_payload(&h, &expect, payload_len, &loc)?;
         h.verify(hasher.digest128(), &loc)
+    }
+
+    /// Whether the block `identity` is stored at `key`: reads only the object's header (one
+    /// ranged GET, like a HEAD) and checks its binding (key, namespace, rank), identity and,
+    /// when the storage knows its geometry, the geometry. A foreign or corrupt header is
+    /// [`Presence::Foreign`], which callers count as absent so the block is rewritten.
+    pub async fn probe(&self, key: &ObjectKey, identity: &BlockIdentity) -> Result<Presence> {
+        let path = self.path(key);
+        let loc = || format!("object:{path}");
+        let head = {
+            let _permit = self.permit().await;
+            let opts = GetOptions {
+                range: Some(GetRange::Bounded(0..HEADER_LEN as u64)),
+                ..Default::default()
+            };
+            let got = match self.store.get_opts(&path, opts).await {
+                Ok(g) => g,
+                Err(object_store::Error::NotFound { .. }) => return Ok(Presence::Absent),
+                Err(e) => return Err(PhysicalError::object("get header", path.as_ref(), e)),
+            };
+            if let Some(g) = self.geometry.get() {
+                let want = (g.block_bytes() + HEADER_LEN) as u64;
+                if got.meta.size != want {
+                    return Ok(Presence::Foreign(PhysicalError::CorruptHeader {
+                        location: loc(),
+                        reason: format!("object has {} bytes, a block {want}", got.meta.size),
+                    }));
+                }
+            }
+            got.bytes()
+                .await
+                .map_err(|e| PhysicalError::object("get header", path.as_ref(), e))?
+        };
+        let h = match BlockHeader::decode(&head, &loc) {
+            Ok(h) => h,
+            Err(e) => return Ok(Presence::Foreign(e)),
+        };
+        let geometry = self.geometry.get().map(geometry_digest);
+        let check = || -> Result<()> {
+            if let Some(g) = geometry
+                && h.slot != g
+            {
+                return Err(PhysicalError::IdentityMismatch {
+                    location: loc(),
+                    what: "layout geometry",
+                    expected: format!("{g:016x}"),
+                    found: format!("{:016x}", h.slot),
+                });
+            }
+            h.expect_bound(
+                h.len as usize,
+                h.slot,
+                ("object binding", self.binding(key)),
+                identity,
+                &loc,
+            )
+        };
+        Ok(match check() {
+            Ok(()) => Presence::Present,
+            Err(e) => Presence::Foreign(e),
+        })
     }
 
     /// Conditional create: stores `body` at `key` only if nothing is there. `Ok(true)` when
@@ -337,7 +649,74 @@ impl ObjectStorage {
         }
     }
 
-    /// Whether an object exists at `key`.
+    /// Reads a small object (a lock record) whole, with its version. `Ok(None)` when absent;
+    /// a body above `max_bytes` (per the store's metadata) is [`PhysicalError::TooLarge`],
+    /// refused unread.
+    pub async fn get_small(
+        &self,
+        key: &ObjectKey,
+        max_bytes: usize,
+    ) -> Result<Option<SmallObject>> {
+        let path = self.path(key);
+        let _permit = self.permit().await;
+        let got = match self.store.get(&path).await {
+            Ok(g) => g,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(PhysicalError::object("get", path.as_ref(), e)),
+        };
+        if got.meta.size > max_bytes as u64 {
+            return Err(PhysicalError::TooLarge {
+                location: format!("object:{path}"),
+                size: got.meta.size,
+                limit: max_bytes as u64,
+            });
+        }
+        let version = UpdateVersion {
+            e_tag: got.meta.e_tag.clone(),
+            version: got.meta.version.clone(),
+        };
+        match got.bytes().await {
+            Ok(body) => Ok(Some(SmallObject { body, version })),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(PhysicalError::object("get body", path.as_ref(), e)),
+        }
+    }
+
+    /// Replaces the object at `key` with `body` only if it is still at `version` (S3
+    /// `If-Match`).
+    pub async fn put_update(
+        &self,
+        key: &ObjectKey,
+        body: Bytes,
+        version: UpdateVersion,
+    ) -> Result<UpdateOutcome> {
+        if version.e_tag.is_none() && version.version.is_none() {
+            return Ok(UpdateOutcome::Unsupported);
+        }
+        let path = self.path(key);
+        let opts = PutOptions {
+            mode: PutMode::Update(version),
+            ..Default::default()
+        };
+        let _permit = self.permit().await;
+        match self.store.put_opts(&path, body.into(), opts).await {
+            Ok(_) => Ok(UpdateOutcome::Updated),
+            Err(
+                object_store::Error::Precondition { .. }
+                | object_store::Error::NotFound { .. }
+                | object_store::Error::AlreadyExists { .. },
+            ) => Ok(UpdateOutcome::Conflict),
+            Err(object_store::Error::NotImplemented { .. }) => Ok(UpdateOutcome::Unsupported),
+            Err(e) => Err(PhysicalError::object(
+                "conditional update",
+                path.as_ref(),
+                e,
+            )),
+        }
+    }
+
+    /// Whether any object exists at `key` (a HEAD; says nothing about what it holds — use
+    /// [`probe`](Self::probe) for blocks).
     pub async fn exists(&self, key: &ObjectKey) -> Result<bool> {
         let path = self.path(key);
         let _permit = self.permit().await;
@@ -359,11 +738,51 @@ impl ObjectStorage {
     }
 }
 
+/// What a reader requires of a block object's header.
+struct Expect {
+    len: usize,
+    geometry: u64,
+    binding: u128,
+    identity: BlockIdentity,
+}
+
+impl Expect {
+    /// Geometry, binding and identity (the length is checked with the body's).
+    fn bound(&self, h: &BlockHeader, loc: &dyn Fn() -> String) -> Result<()> {
+        if h.slot != self.geometry {
+            return Err(PhysicalError::IdentityMismatch {
+                location: loc(),
+                what: "layout geometry",
+                expected: format!("{:016x}", self.geometry),
+                found: format!("{:016x}", h.slot),
+            });
+        }
+        if h.binding != self.binding {
+            return Err(PhysicalError::IdentityMismatch {
+                location: loc(),
+                what: "object binding (namespace, key, rank)",
+                expected: format!("{:032x}", self.binding),
+                found: format!("{:032x}", h.binding),
+            });
+        }
+        if h.identity != self.identity {
+            return Err(PhysicalError::IdentityMismatch {
+                location: loc(),
+                what: "block identity",
+                expected: self.identity.to_hex(),
+                found: h.identity.to_hex(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Verifies a whole fetched body (header, lengths, checksum); returns its payload.
-fn verify_body(body: &Bytes, expected_len: usize, loc: &dyn Fn() -> String) -> Result<Bytes> {
+fn verify_body(body: &Bytes, expect: &Expect, loc: &dyn Fn() -> String) -> Result<Bytes> {
     let h = BlockHeader::decode(body, loc)?;
+    expect.bound(&h, loc)?;
     let payload = body.slice(HEADER_LEN..);
-    check_payload(&h, expected_len, payload.len(), loc)?;
+    check_payload(&h, expect, payload.len(), loc)?;
     h.verify(checksum_slices([&payload[..]]), loc)?;
     Ok(payload)
 }
@@ -373,10 +792,11 @@ fn verify_body(body: &Bytes, expected_len: usize, loc: &dyn Fn() -> String) -> R
 /// [`PhysicalError::CorruptHeader`].
 fn check_payload(
     h: &BlockHeader,
-    expected_len: usize,
+    expect: &Expect,
     payload_len: usize,
     loc: &dyn Fn() -> String,
 ) -> Result<()> {
+    let expected_len = expect.len;
     if payload_len < expected_len || (h.len as usize) > payload_len {
         return Err(PhysicalError::ShortRead {
             location: loc(),
@@ -384,7 +804,7 @@ fn check_payload(
             actual: payload_len + HEADER_LEN,
         });
     }
-    h.expect(expected_len, 0, loc)?;
+    h.expect(expected_len, expect.geometry, loc)?;
     if payload_len != expected_len {
         return Err(PhysicalError::CorruptHeader {
             location: loc(),

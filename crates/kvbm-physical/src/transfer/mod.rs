@@ -5,6 +5,33 @@
 //! a [`TransferCompletion`] future resolving to per-block [`TransferOutcome`]s. It works from
 //! sync or async callers alike.
 //!
+//! # Why a safe call cannot race
+//!
+//! A transfer writes raw memory (`copy_nonoverlapping`, the kernel through O_DIRECT iovecs), so
+//! two transfers touching one block at once would be a data race. The manager rules that out
+//! itself instead of trusting its callers:
+//!
+//! * **No aliasing layouts.** [`register_layout`](TransferManager::register_layout) reserves a
+//!   layout's memory (host and device address ranges, the disk storage) process-wide, across
+//!   managers; a layout overlapping one still registered (a clone, a second layout over the same
+//!   allocation) is refused with [`PhysicalError::AliasedLayout`]. So `(layout, block)` names
+//!   memory no other registered layout can reach. The reservation lives until the layout is
+//!   unregistered (or its manager dropped) **and** its last transfer finished.
+//! * **No chained copies.** Within one transfer, a block may not be both read and written
+//!   (`src [0,1] → dst [1,2]` within one layout is refused up front).
+//! * **Claims.** A transfer claims its blocks before it starts: shared for sources, exclusive
+//!   for destinations (disk slots included; object-store sides are keyed puts and gets and
+//!   claim nothing). A transfer that would write a block another in-flight transfer reads or
+//!   writes, or read one another writes, is refused with [`PhysicalError::BlockBusy`]; nothing
+//!   started. Claims are released when the transfer's work ends, before its completion resolves.
+//!
+//! The only other ways to layout memory are `unsafe` (raw addresses from
+//! [`PhysicalLayout::block_addrs`](crate::PhysicalLayout::block_addrs), `HostStorage::as_slice`,
+//! [`crate::IoEngine::run`], `DiskStorage::read_blocks`), whose callers take on the contract.
+//!
+//! Lock order: `layouts` → `claims` → the global reservation table; each is a leaf
+//! `parking_lot` lock held for a lookup or insert only, never across I/O or an `.await`.
+//!
 //! Strategies (`strategy.rs`), chosen by the storage kinds of the two sides:
 //!
 //! | src → dst | strategy |
@@ -15,12 +42,13 @@
 //! | anything else (device ↔ disk/object, disk ↔ object, disk → disk, partial-layer disk reads) | two hops through a pinned host bounce buffer from the manager's pool (`bounce.rs`) |
 //!
 //! Locking: the layout table is a `parking_lot::RwLock` held only to look up or insert a handle,
-//! never across I/O; storage-level locks (the io_uring ring pool, the object semaphore) are
+//! never across I/O (see above for the claim table); storage-level locks (the io_uring ring pool, the object semaphore) are
 //! leaves taken inside a transfer. No lock is held across an `.await` except the object
 //! semaphore permit and a bounce-pool lease (its idle list is a leaf `parking_lot::Mutex`
 //! held only to push or pop a buffer).
 
 mod bounce;
+mod claims;
 mod strategy;
 
 pub use bounce::{BouncePoolStats, ONE_OFF_BLOCKS};
@@ -37,8 +65,10 @@ use parking_lot::RwLock;
 use tokio::sync::oneshot;
 
 use crate::error::{PhysicalError, Result};
+use crate::identity::BlockIdentity;
 use crate::layout::PhysicalLayout;
 use crate::storage::{ObjectKey, ObjectPutMode, StorageKind};
+use claims::{Claims, JobGuard, Reservation};
 
 /// Index of a block within one layout (same meaning as `kvbm-logical`'s, without depending on
 /// it).
@@ -66,6 +96,11 @@ pub struct TransferOptions {
     pub object_keys: Option<Vec<ObjectKey>>,
     /// How puts treat existing objects. Default: overwrite.
     pub object_put_mode: ObjectPutMode,
+    /// One identity per block, in the order of the block id lists: written into the header of
+    /// every disk slot and object this transfer writes, and required of every one it reads
+    /// (normally the blocks' sequence hashes). `None`: [`BlockIdentity::ANONYMOUS`] for all,
+    /// which never matches a block written with an identity.
+    pub identities: Option<Vec<BlockIdentity>>,
 }
 
 impl TransferOptions {
@@ -82,6 +117,11 @@ impl TransferOptions {
             object_keys: Some(keys),
             ..Default::default()
         }
+    }
+    /// These options with one identity per block.
+    pub fn identities(mut self, identities: Vec<BlockIdentity>) -> Self {
+        self.identities = Some(identities);
+        self
     }
 }
 
@@ -162,9 +202,11 @@ impl Future for TransferCompletion {
 }
 
 /// Transfer manager settings.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TransferConfig {
     /// Worker threads of the manager's runtime (object I/O). Default: 2.
+    #[serde(default = "default_worker_threads")]
     pub worker_threads: usize,
     /// Pinned host bounce buffers the manager keeps for two-hop transfers (at least 1). A
     /// two-hop transfer holds one for its whole run; when all are lent out, further two-hop
@@ -179,6 +221,9 @@ pub struct TransferConfig {
     pub bounce_buffer_bytes: usize,
 }
 
+fn default_worker_threads() -> usize {
+    2
+}
 fn default_bounce_buffers() -> usize {
     4
 }
@@ -189,17 +234,21 @@ fn default_bounce_buffer_bytes() -> usize {
 impl Default for TransferConfig {
     fn default() -> Self {
         TransferConfig {
-            worker_threads: 2,
+            worker_threads: default_worker_threads(),
             bounce_buffers: default_bounce_buffers(),
             bounce_buffer_bytes: default_bounce_buffer_bytes(),
         }
     }
 }
 
+/// A registered layout and the reservation of its memory.
+type Registered = (Arc<PhysicalLayout>, Arc<Reservation>);
+
 /// Registers layouts and moves blocks between them. `Send + Sync`; share it as `Arc`.
 #[derive(Debug)]
 pub struct TransferManager {
-    layouts: RwLock<HashMap<u64, Arc<PhysicalLayout>>>,
+    layouts: RwLock<HashMap<u64, Registered>>,
+    claims: Arc<Claims>,
     next_id: AtomicU64,
     bounce: Arc<bounce::BouncePool>,
     runtime: Option<tokio::runtime::Runtime>,
@@ -215,6 +264,18 @@ pub(crate) struct Job {
     pub(crate) layers: Range<usize>,
     pub(crate) keys: Option<Arc<Vec<ObjectKey>>>,
     pub(crate) put_mode: ObjectPutMode,
+    pub(crate) identities: Option<Arc<Vec<BlockIdentity>>>,
+    /// Claims and layout reservations, released when the last clone of the job is dropped.
+    pub(crate) _guard: Option<Arc<JobGuard>>,
+}
+
+impl Job {
+    /// The identity of the block at `pos` in the id lists.
+    pub(crate) fn identity(&self, pos: usize) -> BlockIdentity {
+        self.identities
+            .as_ref()
+            .map_or(BlockIdentity::ANONYMOUS, |v| v[pos])
+    }
 }
 
 impl TransferManager {
@@ -233,6 +294,7 @@ impl TransferManager {
             .map_err(|e| PhysicalError::io("start transfer runtime", None, e))?;
         Ok(TransferManager {
             layouts: RwLock::new(HashMap::new()),
+            claims: Arc::default(),
             next_id: AtomicU64::new(1),
             bounce: Arc::new(bounce::BouncePool::new(
                 config.bounce_buffers,
@@ -243,14 +305,25 @@ impl TransferManager {
     }
 
     /// Registers a layout; the handle names it in transfers.
+    ///
+    /// # Errors
+    /// [`PhysicalError::AliasedLayout`] when its memory (or disk storage) overlaps a layout
+    /// still registered with any manager of this process.
     pub fn register_layout(&self, layout: PhysicalLayout) -> Result<LayoutHandle, PhysicalError> {
+        let reservation = Reservation::reserve(&layout)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.layouts.write().insert(id, Arc::new(layout));
+        self.layouts
+            .write()
+            .insert(id, (Arc::new(layout), Arc::new(reservation)));
         Ok(LayoutHandle(id))
     }
 
     /// The layout behind `handle`.
     pub fn layout(&self, handle: LayoutHandle) -> Result<Arc<PhysicalLayout>> {
+        self.entry(handle).map(|(l, _)| l)
+    }
+
+    fn entry(&self, handle: LayoutHandle) -> Result<Registered> {
         self.layouts
             .read()
             .get(&handle.0)
@@ -275,9 +348,11 @@ impl TransferManager {
 
     /// Copies `src_block_ids[i]` of `src` into `dst_block_ids[i]` of `dst` for every `i`.
     ///
-    /// Errors returned here are argument errors and nothing started; per-block failures come
-    /// back in the [`TransferOutcome`]. The caller must keep other writers off the blocks
-    /// involved until the completion resolves.
+    /// Errors returned here are argument errors and nothing started: mismatched lists, a block
+    /// out of range, a destination listed twice, a chained copy (a block both read and written),
+    /// or a block busy in another in-flight transfer ([`PhysicalError::BlockBusy`]; see the
+    /// [module docs](self#why-a-safe-call-cannot-race)). Per-block failures come back in the
+    /// [`TransferOutcome`].
     pub fn execute_transfer(
         &self,
         src: LayoutHandle,
@@ -312,8 +387,8 @@ impl TransferManager {
         dst_ids: &[BlockId],
         options: TransferOptions,
     ) -> Result<Job> {
-        let src = self.layout(src_h)?;
-        let dst = self.layout(dst_h)?;
+        let (src, src_res) = self.entry(src_h)?;
+        let (dst, dst_res) = self.entry(dst_h)?;
         if src_ids.len() != dst_ids.len() {
             return Err(PhysicalError::InvalidArgument(format!(
                 "{} source ids but {} destination ids",
@@ -347,10 +422,12 @@ impl TransferManager {
                     "destination block {dup} appears twice"
                 )));
             }
-            if src_h == dst_h && src_ids.iter().zip(dst_ids).any(|(s, d)| s == d) {
-                return Err(PhysicalError::InvalidArgument(
-                    "a block cannot be copied onto itself".into(),
-                ));
+            if src_h == dst_h
+                && let Some(both) = src_ids.iter().find(|s| seen.contains(*s))
+            {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "chained copy: block {both} is both read and written by one transfer"
+                )));
             }
         }
         let all = 0..sc.num_layers;
@@ -396,6 +473,20 @@ impl TransferManager {
             }
             (_, None) => None,
         };
+        let identities = match options.identities {
+            Some(ids) if ids.len() != src_ids.len() => {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "{} identities for {} blocks",
+                    ids.len(),
+                    src_ids.len()
+                )));
+            }
+            ids => ids.map(Arc::new),
+        };
+        let claims = self.claims.claim([
+            (src_h, src_ids, false, sk == StorageKind::Object),
+            (dst_h, dst_ids, true, dk == StorageKind::Object),
+        ])?;
         Ok(Job {
             src,
             dst,
@@ -404,6 +495,8 @@ impl TransferManager {
             layers,
             keys,
             put_mode: options.object_put_mode,
+            identities,
+            _guard: Some(Arc::new(JobGuard::new(claims, [src_res, dst_res]))),
         })
     }
 }

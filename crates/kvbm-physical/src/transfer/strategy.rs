@@ -73,7 +73,9 @@ unsafe fn copy_regions(
     dr: &[(usize, usize)],
 ) -> Result<()> {
     for (s, d, len) in region_pairs(sr, dr) {
-        // SAFETY (all arms): per the caller, both ranges lie inside live allocations.
+        // SAFETY: (all arms) per the caller, both ranges lie inside live allocations, and the
+        // manager's claims and validation guarantee they do not overlap and nobody else writes
+        // them meanwhile.
         unsafe {
             match (sdev, ddev) {
                 (None, None) => std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len),
@@ -111,7 +113,14 @@ fn disk_write(job: &Job) -> Vec<Result<()>> {
         .src_ids
         .iter()
         .zip(&job.dst_ids)
-        .map(|(&s, &d)| (d, job.src.block_addrs(s, all_layers(job))))
+        .enumerate()
+        .map(|(pos, (&s, &d))| {
+            (
+                d,
+                job.identity(pos),
+                job.src.block_addrs(s, all_layers(job)),
+            )
+        })
         .collect();
     // SAFETY: host regions of a registered layout; the caller excludes concurrent writers.
     unsafe { disk_of(&job.dst).write_blocks(&blocks) }
@@ -122,7 +131,14 @@ fn disk_read(job: &Job) -> Vec<Result<()>> {
         .src_ids
         .iter()
         .zip(&job.dst_ids)
-        .map(|(&s, &d)| (s, job.dst.block_addrs(d, all_layers(job))))
+        .enumerate()
+        .map(|(pos, (&s, &d))| {
+            (
+                s,
+                job.identity(pos),
+                job.dst.block_addrs(d, all_layers(job)),
+            )
+        })
         .collect();
     // SAFETY: host regions of a registered layout; the caller excludes concurrent access.
     unsafe { disk_of(&job.src).read_blocks(&blocks) }
@@ -156,6 +172,8 @@ async fn object_put(job: Job) -> Vec<Result<()>> {
     let keys = Arc::clone(job.keys.as_ref().expect("validated"));
     let conc = store.config().max_concurrency.max(1);
     let layers = all_layers(&job);
+    let geometry = *job.src.layout().config();
+    let job = &job;
     futures::stream::iter(job.src_ids.iter().copied().enumerate())
         .map(|(pos, s)| {
             let parts: Vec<Bytes> = job
@@ -173,7 +191,13 @@ async fn object_put(job: Job) -> Vec<Result<()>> {
             let store = Arc::clone(&store);
             let keys = Arc::clone(&keys);
             let mode = job.put_mode;
-            async move { (pos, store.put_block(&keys[pos], parts, mode).await) }
+            let identity = job.identity(pos);
+            async move {
+                let r = store
+                    .put_block(&keys[pos], &identity, &geometry, parts, mode)
+                    .await;
+                (pos, r)
+            }
         })
         .buffer_unordered(conc)
         .collect::<Vec<_>>()
@@ -202,7 +226,7 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
     let keys = Arc::clone(job.keys.as_ref().expect("validated"));
     let conc = store.config().max_concurrency.max(1);
     let c = *job.dst.layout().config();
-    let (block_bytes, lb) = (c.block_bytes(), c.layer_bytes());
+    let lb = c.layer_bytes();
     let job = &job;
     futures::stream::iter(job.dst_ids.iter().copied().enumerate())
         .map(|(pos, d)| {
@@ -211,11 +235,12 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
             async move {
                 let dr = job.dst.block_addrs(d, job.layers.clone());
                 let (start, end) = (job.layers.start * lb, job.layers.end * lb);
+                let identity = job.identity(pos);
                 let r = if device0(&job.dst).is_none() {
                     // Host destination: hash and scatter each chunk of the body as it arrives.
                     let mut out = Scatter::new(&dr);
                     store
-                        .get_block_into(&keys[pos], block_bytes, |off, bytes| {
+                        .get_block_into(&keys[pos], &identity, &c, |off, bytes| {
                             let (lo, hi) = (start.max(off), end.min(off + bytes.len()));
                             if lo < hi {
                                 // SAFETY: `dr` lies in a live host allocation of the
@@ -225,7 +250,7 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
                         })
                         .await
                 } else {
-                    match store.get_block(&keys[pos], block_bytes).await {
+                    match store.get_block(&keys[pos], &identity, &c).await {
                         // SAFETY: `payload` is a live host buffer of `block_bytes`; `dr` lies
                         // in a live allocation of the destination layout.
                         Ok(payload) => unsafe {
@@ -239,6 +264,9 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
                         Err(e) => Err(e),
                     }
                 };
+                if let Err(e) = &r {
+                    evict_if_bad(&store, &keys[pos], e).await;
+                }
                 (pos, r)
             }
         })
@@ -247,6 +275,27 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
         .await
         .into_iter()
         .pipe(in_order)
+}
+
+/// A verified read found the object corrupt or foreign: delete it (best effort), so presence
+/// probes stop counting it and the next offload of the block writes it again. Not-found and I/O
+/// errors leave the object alone.
+async fn evict_if_bad(
+    store: &crate::storage::ObjectStorage,
+    key: &crate::ObjectKey,
+    e: &PhysicalError,
+) {
+    use crate::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch) {
+        match store.delete(key).await {
+            Ok(()) => {
+                tracing::warn!(key = %store.path(key), error = %e, "evicted a corrupt or foreign object")
+            }
+            Err(d) => {
+                tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a corrupt or foreign object")
+            }
+        }
+    }
 }
 
 /// Writes a byte stream into host regions in order (the streaming side of an object get).
@@ -320,6 +369,11 @@ async fn two_hop(job: Job, pool: Arc<BouncePool>) -> Vec<Result<()>> {
                 None
             },
             put_mode: job.put_mode,
+            identities: job
+                .identities
+                .as_ref()
+                .map(|v| Arc::new(v[start..end].to_vec())),
+            _guard: None,
         };
         let mut r1 = run_inner(step1, Arc::clone(&pool)).await;
         let ok: Vec<usize> = (0..r1.len()).filter(|&i| r1[i].is_ok()).collect();
@@ -337,6 +391,11 @@ async fn two_hop(job: Job, pool: Arc<BouncePool>) -> Vec<Result<()>> {
                     .map(|k| Arc::new(ok.iter().map(|&i| k[positions[i]].clone()).collect()))
             },
             put_mode: job.put_mode,
+            identities: job
+                .identities
+                .as_ref()
+                .map(|v| Arc::new(ok.iter().map(|&i| v[positions[i]]).collect())),
+            _guard: None,
         };
         let r2 = if ok.is_empty() {
             Vec::new()

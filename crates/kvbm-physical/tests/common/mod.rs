@@ -233,6 +233,24 @@ pub fn s3_storage(test: &str, namespace: &str) -> Option<Arc<ObjectStorage>> {
     ))
 }
 
+/// A client of the provisioned S3 server for the test itself (to tamper with objects behind
+/// the storage's back; the storage keeps its own store private).
+pub fn s3_raw(test: &str) -> Option<Arc<dyn object_store::ObjectStore>> {
+    let s = kvbm_tests::services::s3(test)?;
+    Some(Arc::new(
+        object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(s.bucket)
+            .with_region("us-east-1")
+            .with_access_key_id(s.access_key)
+            .with_secret_access_key(s.secret_key)
+            .with_virtual_hosted_style_request(false)
+            .with_allow_http(s.endpoint.starts_with("http://"))
+            .with_endpoint(s.endpoint)
+            .build()
+            .unwrap(),
+    ))
+}
+
 /// A namespace unique to this test run.
 pub fn unique(test: &str) -> String {
     let nanos = std::time::SystemTime::now()

@@ -1,20 +1,3 @@
-//! Object-storage destinations (G2→G4): presence checks, distributed locks, object pipelines.
-//!
-//! Several workers may offload the same prefix to one bucket. Two policies keep them from
-//! writing the same object twice:
-//!
-//! ```text
-//!  ObjectPresenceFilter:      HEAD block ──► present? filter : pass
-//!  ObjectLockPresenceFilter:  HEAD block ──► present? filter
-//!                               └─► PUT lock (If-None-Match: *) ──► created ─────────────────────┐
-//!                                     └─► exists: GET lock ──► unparseable or live? filter        │
-//!                                           └─► expired: PUT lock (If-Match: its ETag) ──► lost? filter
-//!                                                 └─► replaced ──────────────────────────────────┤
-//!                               after lock_verify_delay: GET lock ──► not our token? filter ◄─────┘
-//!                                 └─► HEAD block again ──► present? release + filter : pass (lock held)
-//!                             … transfer …  ──► release(): DELETE lock (completed, failed or cancelled)
-//! ```
-//!
 //! # The lock protocol and the one assumption it makes
 //!
 //! Each filter writes a unique token into its lock objects, and after `lock_verify_delay`
@@ -94,115 +77,58 @@
 //! object and released its lock between our first check and our lock. Locks held are tracked
 //! per hash, so each is released exactly once, when its block leaves the pipeline.
 //!
-//! Lock order: `held` is a leaf lock; no I/O happens under it.
+//! # Each release belongs to one acquisition
+//!
+//! Every acquisition writes its own token (`<owner>#<n>`, [`ObjectLockPresenceFilter::token`]
+//! is the `<owner>` prefix) and remembers it with the held lock; a release deletes the lock only
+//! if it still holds *that* acquisition's token. So a delayed release of an old acquisition —
+//! its DELETE still queued while the same filter re-acquired the block — never deletes the
+//! newer lock.
+//!
+//! # What a release guarantees, and when
+//!
+//! [`OffloadPolicy::release`] is synchronous (the pipeline calls it while dropping a block's
+//! resources) and the DELETE is a network request, so `release` **starts** the token-checked
+//! delete on the runtime and returns; it does not wait for it. Consequently a transfer's cancel
+//! confirmation (and its completion) means the lock is *no longer tracked* by this filter and
+//! its delete has been issued, not that the object is gone: another worker may still find the
+//! lock for the round trip of that DELETE (and, for a lock whose create was interrupted, for
+//! `lock_verify_delay` more). That worker filters the block, which is safe (no duplicate, no
+//! lost data); the block is offloaded by whoever enqueues it next. To wait for the deletes
+//! themselves, await [`ObjectLockPresenceFilter::flush_releases`];
+//! [`ObjectPipeline::shutdown_and_wait`](super::ObjectPipeline::shutdown_and_wait) (and the
+//! engine's shutdown) do, so a clean shutdown leaves no lock behind.
+//!
+//! Lock order: `held` and `releases` are leaf locks; no I/O happens under them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
-use kvbm_logical::{G2, SequenceHash};
-use kvbm_physical::ObjectStorage;
-use object_store::{ObjectStoreExt, PutMode, PutOptions, UpdateVersion};
+use kvbm_logical::SequenceHash;
+use kvbm_physical::{ObjectStorage, PhysicalError, UpdateOutcome};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::config::ObjectPipelineConfig;
-use crate::error::{OffloadError, PolicyError};
-use crate::executor::TransferExecutor;
-use crate::handle::TransferHandle;
-use crate::pipeline::{CompletionSink, Pipeline, PipelineBuilder};
+use super::CHECK_CONCURRENCY;
+use super::keys::lock_key;
+use super::presence::block_present;
+use crate::error::PolicyError;
 use crate::policy::{
-    AllOfPolicy, BoxFuture, EvalContext, OffloadPolicy, PolicyBatchFuture, PolicyFuture,
-    async_batch_result, async_result,
+    EvalContext, OffloadPolicy, PolicyBatchFuture, PolicyFuture, async_batch_result, async_result,
 };
-use crate::settlement::PipelineLane;
-use crate::source::{Precondition, SourceBlocks};
-use crate::transfer::{lock_key, object_key};
 
 /// Default delay before a new lock is read back to confirm ownership.
 pub const DEFAULT_LOCK_VERIFY_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Default lifetime of a lock object; see [`ObjectPipelineConfig::lock_ttl`].
+/// Default lifetime of a lock object; see
+/// [`ObjectPipelineConfig::lock_ttl`](crate::ObjectPipelineConfig::lock_ttl).
 pub const DEFAULT_LOCK_TTL: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Requests in flight per presence batch.
-const CHECK_CONCURRENCY: usize = 64;
-
-/// Async presence checker for object storage or other external destinations.
-pub trait PresenceChecker: Send + Sync + 'static {
-    /// Whether each block is present, in order.
-    fn has_blocks(&self, hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>>;
-}
-
-/// S3/Object storage presence checker: a HEAD per block object.
-#[derive(Debug, Clone)]
-pub struct S3PresenceChecker {
-    storage: Arc<ObjectStorage>,
-}
-
-impl S3PresenceChecker {
-    /// A checker over `storage` (its namespace prefixes every key).
-    pub fn new(storage: Arc<ObjectStorage>) -> Self {
-        Self { storage }
-    }
-}
-
-impl PresenceChecker for S3PresenceChecker {
-    fn has_blocks(&self, hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
-        let storage = self.storage.clone();
-        Box::pin(async move {
-            futures::stream::iter(hashes)
-                .map(|h| {
-                    let storage = storage.clone();
-                    async move {
-                        storage
-                            .exists(&object_key(h))
-                            .await
-                            .map_err(|e| PolicyError::Backend(e.to_string()))
-                    }
-                })
-                .buffered(CHECK_CONCURRENCY)
-                .collect::<Vec<_>>()
-                .await
-                .into_iter()
-                .collect()
-        })
-    }
-}
-
-/// G2→G4 filter: async presence check for object storage destinations.
-pub struct ObjectPresenceFilter<C: PresenceChecker> {
-    checker: Arc<C>,
-}
-
-impl<C: PresenceChecker> std::fmt::Debug for ObjectPresenceFilter<C> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ObjectPresenceFilter")
-    }
-}
-
-impl<C: PresenceChecker> ObjectPresenceFilter<C> {
-    /// A filter passing blocks `checker` reports absent.
-    pub fn new(checker: Arc<C>) -> Self {
-        Self { checker }
-    }
-}
-
-impl<C: PresenceChecker> OffloadPolicy for ObjectPresenceFilter<C> {
-    fn name(&self) -> &'static str {
-        "object_presence"
-    }
-    fn evaluate(&self, ctx: &EvalContext) -> PolicyFuture {
-        let fut = self.checker.has_blocks(vec![ctx.sequence_hash]);
-        async_result(async move { Ok(!fut.await?[0]) })
-    }
-    fn evaluate_batch(&self, ctxs: &[EvalContext]) -> PolicyBatchFuture {
-        let fut = self
-            .checker
-            .has_blocks(ctxs.iter().map(|c| c.sequence_hash).collect());
-        async_batch_result(async move { Ok(fut.await?.into_iter().map(|p| !p).collect()) })
-    }
-}
+/// The largest lock object read (a lock record is ~150 bytes); a larger object at a lock key is
+/// refused unread and treated as an unparseable lock.
+const MAX_LOCK_BYTES: usize = 4096;
 
 /// G2→G4 filter with distributed locking: check meta, acquire lock, track acquired locks.
 ///
@@ -211,21 +137,29 @@ impl<C: PresenceChecker> OffloadPolicy for ObjectPresenceFilter<C> {
 /// when the block leaves the pipeline, whatever the outcome.
 ///
 /// Lock objects expire after their TTL ([`with_lock_ttl`](Self::with_lock_ttl)); an expired
-/// lock is replaced by a conditional update (see the [module docs](self#lock-expiry)).
+/// lock is replaced by a conditional update (see the [module docs](super::lock#lock-expiry)).
 pub struct ObjectLockPresenceFilter {
     storage: Arc<ObjectStorage>,
     owner: String,
     verify_delay: std::time::Duration,
     ttl: std::time::Duration,
-    held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
+    held: Arc<Mutex<HashMap<SequenceHash, Held>>>,
     releases: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    acquisitions: Arc<AtomicU64>,
+}
+
+/// One acquisition of a lock: its state and the token it wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    state: LockState,
+    token: Arc<str>,
 }
 
 /// What a lock object holds: whose it is, and until when.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LockRecord {
-    /// The owner's unique token ([`ObjectLockPresenceFilter::token`]).
+    /// The acquisition's unique token (`<owner>#<n>`).
     token: String,
     /// Creation time, milliseconds since the Unix epoch, by the writer's clock.
     created_ms: u64,
@@ -275,8 +209,9 @@ fn holds_token(body: &[u8], token: &str) -> bool {
 /// What one evaluation needs, shared by the per-block futures of a batch.
 struct LockCtx {
     storage: Arc<ObjectStorage>,
-    held: Arc<Mutex<HashMap<SequenceHash, LockState>>>,
-    token: String,
+    held: Arc<Mutex<HashMap<SequenceHash, Held>>>,
+    owner: String,
+    acquisitions: Arc<AtomicU64>,
     verify_delay: std::time::Duration,
     ttl: std::time::Duration,
 }
@@ -315,6 +250,7 @@ impl ObjectLockPresenceFilter {
             ttl: DEFAULT_LOCK_TTL,
             held: Arc::default(),
             releases: Arc::default(),
+            acquisitions: Arc::default(),
         }
     }
 
@@ -338,7 +274,8 @@ impl ObjectLockPresenceFilter {
         self.ttl
     }
 
-    /// The token this filter writes into its locks.
+    /// The owner part of the tokens this filter writes into its locks (each acquisition
+    /// appends `#<n>`).
     pub fn token(&self) -> &str {
         &self.owner
     }
@@ -348,11 +285,17 @@ impl ObjectLockPresenceFilter {
         self.held.lock().keys().copied().collect()
     }
 
-    /// Waits for lock deletions started by `release` to finish.
+    /// Waits for lock deletions started by `release` to finish (including those started
+    /// while waiting).
     pub async fn flush_releases(&self) {
-        let handles = std::mem::take(&mut *self.releases.lock());
-        for h in handles {
-            let _ = h.await;
+        loop {
+            let handles = std::mem::take(&mut *self.releases.lock());
+            if handles.is_empty() {
+                return;
+            }
+            for h in handles {
+                let _ = h.await;
+            }
         }
     }
 
@@ -360,63 +303,85 @@ impl ObjectLockPresenceFilter {
         let LockCtx {
             storage,
             held,
-            token,
+            owner,
             verify_delay,
             ..
         } = &*ctx;
-        let backend = |e: kvbm_physical::PhysicalError| PolicyError::Backend(e.to_string());
-        if storage.exists(&object_key(h)).await.map_err(backend)? {
+        if block_present(storage, h).await? {
             return Ok(false);
         }
+        let token: Arc<str> = format!(
+            "{owner}#{}",
+            ctx.acquisitions.fetch_add(1, Ordering::Relaxed)
+        )
+        .into();
         // Tracked before the request is sent: if this future is dropped (policy timeout,
         // cancellation) while the create is on its way, the release still cleans it up.
-        if held.lock().insert(h, LockState::Acquiring).is_some() {
-            // This filter is already locking (or holds) this block.
-            return Ok(false);
+        {
+            let mut held = held.lock();
+            if held.contains_key(&h) {
+                // This filter is already locking (or holds) this block.
+                return Ok(false);
+            }
+            held.insert(
+                h,
+                Held {
+                    state: LockState::Acquiring,
+                    token: token.clone(),
+                },
+            );
         }
-        let record = LockRecord::new(token, ctx.ttl);
+        // Forget our entry only if it is still this acquisition's.
+        let forget = || {
+            let mut held = held.lock();
+            if held.get(&h).is_some_and(|e| e.token == token) {
+                held.remove(&h);
+            }
+        };
+        let record = LockRecord::new(&token, ctx.ttl);
         let acquired = match storage.try_create(&lock_key(h), record.encode()).await {
             Ok(true) => Ok(true),
             // Taken: by a live worker, or by one that died holding it.
-            Ok(false) => Self::take_over_if_expired(&ctx, h).await,
-            Err(e) => Err(backend(e)),
+            Ok(false) => Self::take_over_if_expired(&ctx, &token, h).await,
+            Err(e) => Err(PolicyError::Backend(e)),
         };
         if !acquired? {
-            held.lock().remove(&h);
+            forget();
             return Ok(false);
         }
         // Confirm ownership: a racing create on a non-atomic server may have overwritten ours.
         if !verify_delay.is_zero() {
             tokio::time::sleep(*verify_delay).await;
         }
-        let path = storage.path(&lock_key(h));
-        let body = match storage.store().get(&path).await {
-            Ok(got) => got
-                .bytes()
-                .await
-                .map_err(|e| PolicyError::Backend(e.to_string()))?,
-            Err(object_store::Error::NotFound { .. }) => {
-                held.lock().remove(&h);
+        let body = match storage.get_small(&lock_key(h), MAX_LOCK_BYTES).await {
+            Ok(Some(got)) => got.body,
+            Ok(None) | Err(PhysicalError::TooLarge { .. }) => {
+                forget();
                 return Ok(false);
             }
-            Err(e) => return Err(PolicyError::Backend(e.to_string())),
+            Err(e) => return Err(PolicyError::Backend(e)),
         };
-        if !holds_token(&body, token) {
+        if !holds_token(&body, &token) {
             // Someone else's lock: forget it without deleting it.
-            held.lock().remove(&h);
+            forget();
             return Ok(false);
         }
         match held.lock().get_mut(&h) {
-            Some(state) => *state = LockState::Verified,
+            Some(e) if e.token == token => e.state = LockState::Verified,
             // Released while we verified: the release deletes it.
-            None => return Ok(false),
+            _ => return Ok(false),
         }
         // Another worker may have finished the object and released its lock in between.
-        if storage.exists(&object_key(h)).await.map_err(backend)? {
-            if held.lock().remove(&h).is_some() {
-                release_lock(storage, token, h)
-                    .await
-                    .map_err(PolicyError::Backend)?;
+        if block_present(storage, h).await? {
+            let ours = {
+                let mut held = held.lock();
+                match held.get(&h) {
+                    Some(e) if e.token == token => held.remove(&h).is_some(),
+                    _ => false,
+                }
+            };
+            if ours {
+                release_lock(storage, &token, h).await?;
             }
             return Ok(false);
         }
@@ -424,31 +389,31 @@ impl ObjectLockPresenceFilter {
     }
 
     /// Our create of `h`'s lock failed because the lock exists: read it, and if it has expired
-    /// replace it with ours. `Ok(true)` when our lock was written (still to be verified),
-    /// `Ok(false)` when the lock is held (live, unparseable, or broken by someone else first).
-    async fn take_over_if_expired(ctx: &LockCtx, h: SequenceHash) -> Result<bool, PolicyError> {
-        let backend = |e: object_store::Error| PolicyError::Backend(e.to_string());
+    /// replace it with ours (written with `token`). `Ok(true)` when our lock was written (still
+    /// to be verified), `Ok(false)` when the lock is held (live, unparseable, or broken by
+    /// someone else first).
+    async fn take_over_if_expired(
+        ctx: &LockCtx,
+        token: &str,
+        h: SequenceHash,
+    ) -> Result<bool, PolicyError> {
         let storage = &ctx.storage;
         let key = lock_key(h);
         let path = storage.path(&key);
-        let got = match storage.store().get(&path).await {
-            Ok(got) => got,
-            Err(object_store::Error::NotFound { .. }) => {
+        let got = match storage.get_small(&key, MAX_LOCK_BYTES).await {
+            Ok(Some(got)) => got,
+            Ok(None) => {
                 // Released between our create and our read: retry the acquire once.
-                let record = LockRecord::new(&ctx.token, ctx.ttl);
-                return storage
-                    .try_create(&key, record.encode())
-                    .await
-                    .map_err(|e| PolicyError::Backend(e.to_string()));
+                let record = LockRecord::new(token, ctx.ttl);
+                return Ok(storage.try_create(&key, record.encode()).await?);
             }
-            Err(e) => return Err(backend(e)),
+            Err(PhysicalError::TooLarge { .. }) => {
+                tracing::warn!(key = %path, "object lock is too large to be a lock record: treated as held, never broken");
+                return Ok(false);
+            }
+            Err(e) => return Err(PolicyError::Backend(e)),
         };
-        let version = UpdateVersion {
-            e_tag: got.meta.e_tag.clone(),
-            version: got.meta.version.clone(),
-        };
-        let body = got.bytes().await.map_err(backend)?;
-        let Some(stale) = LockRecord::decode(&body) else {
+        let Some(stale) = LockRecord::decode(&got.body) else {
             tracing::warn!(
                 key = %path,
                 "object lock is not a lock record: treated as held, never broken"
@@ -465,49 +430,28 @@ impl ObjectLockPresenceFilter {
             expired_ms_ago = now - stale.created_ms.saturating_add(stale.ttl_ms),
             "breaking expired object lock"
         );
-        let ours = LockRecord::new(&ctx.token, ctx.ttl).encode();
-        if version.e_tag.is_some() || version.version.is_some() {
-            // Atomic on S3: replaced only if it is still exactly the stale lock we read.
-            let opts = PutOptions {
-                mode: PutMode::Update(version),
-                ..Default::default()
-            };
-            match storage
-                .store()
-                .put_opts(&path, ours.clone().into(), opts)
-                .await
-            {
-                Ok(_) => return Ok(true),
-                // Broken (or released and re-taken) by someone else first.
-                Err(
-                    object_store::Error::Precondition { .. }
-                    | object_store::Error::NotFound { .. }
-                    | object_store::Error::AlreadyExists { .. },
-                ) => return Ok(false),
-                Err(object_store::Error::NotImplemented { .. }) => {}
-                Err(e) => return Err(backend(e)),
-            }
+        let ours = LockRecord::new(token, ctx.ttl).encode();
+        // Atomic on S3: replaced only if it is still exactly the stale lock we read.
+        match storage.put_update(&key, ours.clone(), got.version).await? {
+            UpdateOutcome::Updated => return Ok(true),
+            // Broken (or released and re-taken) by someone else first.
+            UpdateOutcome::Conflict => return Ok(false),
+            UpdateOutcome::Unsupported => {}
         }
         // No conditional update here: delete it if it is still the same stale lock, then retry
         // the create once. Racy (see the module docs); at worst one duplicate upload.
-        match storage.store().get(&path).await {
-            Ok(again) => {
-                let body = again.bytes().await.map_err(backend)?;
-                if LockRecord::decode(&body).as_ref() != Some(&stale) {
+        match storage.get_small(&key, MAX_LOCK_BYTES).await {
+            Ok(Some(again)) => {
+                if LockRecord::decode(&again.body).as_ref() != Some(&stale) {
                     return Ok(false);
                 }
-                storage
-                    .delete(&key)
-                    .await
-                    .map_err(|e| PolicyError::Backend(e.to_string()))?;
+                storage.delete(&key).await?;
             }
-            Err(object_store::Error::NotFound { .. }) => {}
-            Err(e) => return Err(backend(e)),
+            Ok(None) => {}
+            Err(PhysicalError::TooLarge { .. }) => return Ok(false),
+            Err(e) => return Err(PolicyError::Backend(e)),
         }
-        storage
-            .try_create(&key, ours)
-            .await
-            .map_err(|e| PolicyError::Backend(e.to_string()))
+        Ok(storage.try_create(&key, ours).await?)
     }
 }
 
@@ -528,7 +472,8 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
         let ctx = Arc::new(LockCtx {
             storage: self.storage.clone(),
             held: self.held.clone(),
-            token: self.owner.clone(),
+            owner: self.owner.clone(),
+            acquisitions: self.acquisitions.clone(),
             verify_delay: self.verify_delay,
             ttl: self.ttl,
         });
@@ -544,7 +489,7 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
         })
     }
     fn release(&self, hashes: &[SequenceHash]) {
-        let mine: Vec<(SequenceHash, LockState)> = {
+        let mine: Vec<(SequenceHash, Held)> = {
             let mut held = self.held.lock();
             hashes
                 .iter()
@@ -555,186 +500,42 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
             return;
         }
         let storage = self.storage.clone();
-        let owner = self.owner.clone();
         let delay = self.verify_delay;
-        let task = tokio::spawn(async move {
-            if mine.iter().any(|(_, s)| *s == LockState::Acquiring) && !delay.is_zero() {
+        let release = async move {
+            if mine.iter().any(|(_, s)| s.state == LockState::Acquiring) && !delay.is_zero() {
                 // A create may still be on its way to the server: let it land first.
                 tokio::time::sleep(delay).await;
             }
-            for (h, _) in mine {
-                if let Err(e) = release_lock(&storage, &owner, h).await {
+            for (h, held) in mine {
+                if let Err(e) = release_lock(&storage, &held.token, h).await {
                     tracing::warn!(error = %e, "cannot release object lock");
                 }
             }
-        });
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                "object locks released outside a tokio runtime cannot be deleted; they expire after their TTL"
+            );
+            return;
+        };
+        let task = rt.spawn(release);
         let mut releases = self.releases.lock();
         releases.retain(|h| !h.is_finished());
         releases.push(task);
     }
 }
 
-/// Deletes the lock of `h` if it holds `owner`'s token (absent or someone else's: left alone).
-async fn release_lock(storage: &ObjectStorage, owner: &str, h: SequenceHash) -> Result<(), String> {
-    let path = storage.path(&lock_key(h));
-    let body = match storage.store().get(&path).await {
-        Ok(got) => got.bytes().await,
+/// Deletes the lock of `h` if it holds the acquisition token `token` (absent, someone else's or
+/// another acquisition's: left alone).
+async fn release_lock(
+    storage: &ObjectStorage,
+    token: &str,
+    h: SequenceHash,
+) -> Result<(), PhysicalError> {
+    let key = lock_key(h);
+    match storage.get_small(&key, MAX_LOCK_BYTES).await {
+        Ok(Some(got)) if holds_token(&got.body, token) => storage.delete(&key).await,
+        Ok(_) | Err(PhysicalError::TooLarge { .. }) => Ok(()),
         Err(e) => Err(e),
-    };
-    match body {
-        Ok(b) if holds_token(&b, owner) => storage
-            .delete(&lock_key(h))
-            .await
-            .map_err(|e| e.to_string()),
-        Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-        Err(e) => Err(format!("get lock {path}: {e}")),
-    }
-}
-
-/// Builder for object pipeline configuration.
-pub struct ObjectPipelineBuilder {
-    config: ObjectPipelineConfig,
-    storage: Arc<ObjectStorage>,
-    owner: String,
-    extra: Vec<Arc<dyn OffloadPolicy>>,
-}
-
-impl std::fmt::Debug for ObjectPipelineBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ObjectPipelineBuilder")
-            .field("config", &self.config)
-            .field("owner", &self.owner)
-            .finish()
-    }
-}
-
-impl ObjectPipelineBuilder {
-    /// A builder writing to `storage` (used for presence checks and locks; the executor's
-    /// object layout must use the same storage).
-    pub fn new(storage: Arc<ObjectStorage>) -> Self {
-        Self {
-            config: ObjectPipelineConfig::default(),
-            storage,
-            owner: format!("kvbm-{}", std::process::id()),
-            extra: Vec::new(),
-        }
-    }
-
-    /// The configuration. Default: [`ObjectPipelineConfig::default`].
-    pub fn config(mut self, config: ObjectPipelineConfig) -> Self {
-        self.config = config;
-        self
-    }
-
-    /// Identifies this worker in lock objects. Default: `kvbm-<pid>`.
-    pub fn owner(mut self, owner: impl Into<String>) -> Self {
-        self.owner = owner.into();
-        self
-    }
-
-    /// A policy evaluated before the object checks (e.g. a frequency threshold), so remote
-    /// requests are only made for blocks it passes.
-    pub fn policy(mut self, policy: Arc<dyn OffloadPolicy>) -> Self {
-        self.extra.push(policy);
-        self
-    }
-
-    /// Starts the pipeline with `executor`.
-    ///
-    /// # Errors
-    /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
-    pub fn spawn<E: TransferExecutor<G2>>(
-        self,
-        executor: E,
-    ) -> Result<ObjectPipeline, OffloadError> {
-        self.spawn_with_sink(executor, None)
-    }
-
-    /// Like [`spawn`](Self::spawn), with a completion sink.
-    ///
-    /// # Errors
-    /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
-    pub fn spawn_with_sink<E: TransferExecutor<G2>>(
-        self,
-        executor: E,
-        sink: Option<CompletionSink<E::Output>>,
-    ) -> Result<ObjectPipeline, OffloadError> {
-        self.config.validate()?;
-        let mut policies = self.extra;
-        let lock_filter = if self.config.use_locks {
-            let f = Arc::new(
-                ObjectLockPresenceFilter::new(self.storage.clone(), self.owner)
-                    .with_verify_delay(self.config.lock_verify_delay)
-                    .with_lock_ttl(self.config.lock_ttl),
-            );
-            policies.push(f.clone());
-            Some(f)
-        } else {
-            policies.push(Arc::new(ObjectPresenceFilter::new(Arc::new(
-                S3PresenceChecker::new(self.storage.clone()),
-            ))));
-            None
-        };
-        let policy: Arc<dyn OffloadPolicy> = if policies.len() == 1 {
-            policies.pop().expect("one policy")
-        } else {
-            Arc::new(AllOfPolicy::new(policies))
-        };
-        let pipeline = PipelineBuilder::<G2, kvbm_logical::G4>::new()
-            .config(self.config.pipeline)
-            .policy(policy)
-            .lane(PipelineLane::G2ToG4)
-            .build()
-            .spawn_with_sink(executor, sink)?;
-        Ok(ObjectPipeline {
-            pipeline,
-            lock_filter,
-            storage: self.storage,
-        })
-    }
-}
-
-/// A running pipeline instance for object storage destinations.
-pub struct ObjectPipeline {
-    pipeline: Pipeline<G2>,
-    lock_filter: Option<Arc<ObjectLockPresenceFilter>>,
-    storage: Arc<ObjectStorage>,
-}
-
-impl std::fmt::Debug for ObjectPipeline {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ObjectPipeline")
-            .field("pipeline", &self.pipeline)
-            .field("locks", &self.lock_filter.is_some())
-            .finish()
-    }
-}
-
-impl ObjectPipeline {
-    /// Enqueues G2 blocks for upload.
-    ///
-    /// # Errors
-    /// [`OffloadError::PipelineClosed`] after shutdown.
-    pub async fn enqueue(
-        &self,
-        blocks: impl Into<SourceBlocks<G2>>,
-        precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
-        self.pipeline.enqueue(blocks, precondition).await
-    }
-
-    /// The underlying pipeline.
-    pub fn pipeline(&self) -> &Pipeline<G2> {
-        &self.pipeline
-    }
-
-    /// The lock filter, when locks are used.
-    pub fn lock_filter(&self) -> Option<&Arc<ObjectLockPresenceFilter>> {
-        self.lock_filter.as_ref()
-    }
-
-    /// The object storage.
-    pub fn storage(&self) -> &Arc<ObjectStorage> {
-        &self.storage
     }
 }

@@ -1,0 +1,365 @@
+//! `cargo xtask bench tiering`: lookup rate, store+complete with two secondary tiers, and a full
+//! scheduler step of 256 requests × 64 chunks (cold, warm, all-promote), the step sequence the
+//! vLLM script measures (`vllm-manager-replay.py`, `run_step`). Each step's calls are also
+//! written to `target/bench/tiering-ops.jsonl` in the replay format, so the same sequence can be
+//! replayed against vLLM. Prints JSON; baselines (a bare hashbrown probe loop) run in the same
+//! process. Figures are medians over rounds.
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::time::Instant;
+
+use hashbrown::HashMap;
+use kvbm_tiering::*;
+
+const N: usize = 16384;
+const NREQ: usize = 256;
+const NCHUNK: usize = 64;
+
+/// CPU time of this thread (the machine is shared: wall time includes waiting for a core).
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; CLOCK_THREAD_CPUTIME_ID is supported on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn keys(base: u64, n: usize) -> Vec<OffloadKey> {
+    (0..n as u64)
+        .map(|i| OffloadKey::from_u64(base + i))
+        .collect()
+}
+
+fn tiering(n: usize, tiers: usize) -> TieringOffloadingManager {
+    let mut cfg = TieringConfig::new(n, 64);
+    cfg.fixes = UpstreamFixes::upstream();
+    let t: Vec<Box<dyn SecondaryTierManager>> = (0..tiers)
+        .map(|_| Box::new(InMemoryTier::new(64)) as Box<dyn SecondaryTierManager>)
+        .collect();
+    TieringOffloadingManager::new(cfg, t).unwrap()
+}
+
+fn fill(m: &mut dyn OffloadingManager, ks: &[OffloadKey]) {
+    let c = ReqContext::new("fill");
+    m.on_new_request(&c).unwrap();
+    for ch in ks.chunks(64) {
+        let o = m.prepare_store(ch, &c).unwrap().unwrap();
+        m.complete_store(&o.keys_to_store, &c, true).unwrap();
+    }
+    m.on_request_finished(&c).unwrap();
+    m.on_schedule_end(&ScheduleEndContext::default()).unwrap();
+    m.on_schedule_end(&ScheduleEndContext::default()).unwrap();
+}
+
+/// Million lookups per second over `ks` (all resident), thread CPU time, median of rounds.
+fn lookup_rate(m: &mut dyn OffloadingManager, ks: &[OffloadKey], rounds: usize) -> f64 {
+    let c = ReqContext::new("lookup");
+    let reps = 40;
+    let mut rates = Vec::new();
+    for _ in 0..rounds {
+        let t = thread_cpu();
+        let mut hits = 0usize;
+        for _ in 0..reps {
+            for k in ks {
+                hits += (m.lookup(k, &c) == LookupResult::Hit) as usize;
+            }
+        }
+        black_box(hits);
+        rates.push((reps * ks.len()) as f64 / (thread_cpu() - t) / 1e6);
+    }
+    median(rates)
+}
+
+/// The same loop over a bare `hashbrown::HashMap<OffloadKey, u32>` (the floor of any lookup).
+fn raw_probe_rate(ks: &[OffloadKey], rounds: usize) -> f64 {
+    let map: HashMap<OffloadKey, u32> =
+        ks.iter().enumerate().map(|(i, k)| (*k, i as u32)).collect();
+    let reps = 40;
+    let mut rates = Vec::new();
+    for _ in 0..rounds {
+        let t = thread_cpu();
+        let mut s = 0u64;
+        for _ in 0..reps {
+            for k in ks {
+                s += *map.get(k).unwrap() as u64;
+            }
+        }
+        black_box(s);
+        rates.push((reps * ks.len()) as f64 / (thread_cpu() - t) / 1e6);
+    }
+    median(rates)
+}
+
+/// store+complete one chunk at a time into a full primary (eviction each time), k/s.
+fn store_rate(m: &mut dyn OffloadingManager, base: u64, rounds: usize, step_every: usize) -> f64 {
+    let c = ReqContext::new("store");
+    m.on_new_request(&c).unwrap();
+    let mut next = base;
+    let mut rates = Vec::new();
+    for _ in 0..rounds {
+        let n = 20_000;
+        let t = thread_cpu();
+        for i in 0..n {
+            let k = [OffloadKey::from_u64(next)];
+            next += 1;
+            let o = m.prepare_store(&k, &c).unwrap().unwrap();
+            m.complete_store(&o.keys_to_store, &c, true).unwrap();
+            if step_every > 0 && i % step_every == step_every - 1 {
+                m.on_schedule_end(&ScheduleEndContext::default()).unwrap();
+            }
+        }
+        rates.push(n as f64 / (thread_cpu() - t) / 1e3);
+    }
+    median(rates)
+}
+
+/// One scheduler step as the vLLM script's `run_step`; optionally records the calls (JSONL).
+fn run_step(
+    m: &mut TieringOffloadingManager,
+    reqs: &[&[OffloadKey]],
+    step: usize,
+    rec: Option<&mut String>,
+    counts: &mut [usize; 4],
+) {
+    let mut rec = rec;
+    let mut new_ids = Vec::with_capacity(reqs.len());
+    let id = |k: &OffloadKey| k.to_string();
+    let list = |ks: &[OffloadKey]| ks.iter().map(id).collect::<Vec<_>>().join(", ");
+    let mut hits = Vec::with_capacity(NCHUNK);
+    let mut misses = Vec::with_capacity(NCHUNK);
+    for (i, ks) in reqs.iter().enumerate() {
+        let rid = format!("s{step}r{i}");
+        let c = ReqContext::new(rid.as_str());
+        m.on_new_request(&c).unwrap();
+        new_ids.push(rid.clone());
+        hits.clear();
+        misses.clear();
+        for k in ks.iter() {
+            let r = m.lookup(k, &c);
+            counts[r as usize] += 1;
+            if let Some(o) = rec.as_deref_mut() {
+                writeln!(
+                    o,
+                    r#"{{"method": "lookup", "req": "{rid}", "keys": [{}]}}"#,
+                    id(k)
+                )
+                .unwrap();
+            }
+            match r {
+                LookupResult::Hit => hits.push(*k),
+                LookupResult::Miss => misses.push(*k),
+                _ => {}
+            }
+        }
+        if !hits.is_empty() {
+            m.prepare_load(&hits, &c).unwrap();
+            m.complete_load(&hits, &c).unwrap();
+            if let Some(o) = rec.as_deref_mut() {
+                writeln!(
+                    o,
+                    r#"{{"method": "prepare_load", "req": "{rid}", "keys": [{}]}}"#,
+                    list(&hits)
+                )
+                .unwrap();
+                writeln!(
+                    o,
+                    r#"{{"method": "complete_load", "req": "{rid}", "keys": [{}]}}"#,
+                    list(&hits)
+                )
+                .unwrap();
+            }
+        }
+        if !misses.is_empty() {
+            if let Some(o) = m.prepare_store(&misses, &c).unwrap()
+                && !o.keys_to_store.is_empty()
+            {
+                m.complete_store(&o.keys_to_store, &c, true).unwrap();
+            }
+            if let Some(o) = rec.as_deref_mut() {
+                writeln!(
+                    o,
+                    r#"{{"method": "prepare_store", "req": "{rid}", "keys": [{}]}}"#,
+                    list(&misses)
+                )
+                .unwrap();
+                writeln!(o, r#"{{"method": "complete_store", "req": "{rid}"}}"#).unwrap();
+            }
+        }
+        m.on_request_finished(&c).unwrap();
+        if let Some(o) = rec.as_deref_mut() {
+            writeln!(o, r#"{{"method": "on_request_finished", "req": "{rid}"}}"#).unwrap();
+        }
+    }
+    m.on_schedule_end(&ScheduleEndContext {
+        new_req_ids: new_ids,
+        preempted_req_ids: Vec::new(),
+    })
+    .unwrap();
+    black_box(m.get_stats());
+    if let Some(o) = rec {
+        writeln!(o, r#"{{"method": "on_schedule_end"}}"#).unwrap();
+    }
+}
+
+struct StepResult {
+    name: &'static str,
+    us_median: f64,
+    us_min: f64,
+    cpu_us_median: f64,
+    counts: [usize; 4],
+}
+
+fn step_scenario(
+    name: &'static str,
+    steps: usize,
+    warmup: usize,
+    key_sets: &mut dyn FnMut(usize) -> Vec<OffloadKey>,
+    prepare: &mut dyn FnMut(&mut TieringOffloadingManager),
+    rec: &mut String,
+) -> StepResult {
+    // recorded, untimed pass of the same sequence
+    let mut m = tiering(N, 1);
+    prepare(&mut m);
+    let mut counts = [0usize; 4];
+    for s in 0..warmup + steps {
+        let ks = key_sets(s);
+        let reqs: Vec<&[OffloadKey]> = ks.chunks(NCHUNK).collect();
+        // record the warm-up steps and the first measured one, from a fresh manager, so the
+        // file replays the same states (the primary is full from the second step on)
+        let r = if s <= warmup { Some(&mut *rec) } else { None };
+        run_step(&mut m, &reqs, s, r, &mut counts);
+    }
+    // timed pass
+    let mut m = tiering(N, 1);
+    prepare(&mut m);
+    let mut times = Vec::new();
+    let mut cpu_times = Vec::new();
+    let mut counts = [0usize; 4];
+    for s in 0..warmup + steps {
+        let ks = key_sets(s + 1_000_000);
+        let reqs: Vec<&[OffloadKey]> = ks.chunks(NCHUNK).collect();
+        let mut c = [0usize; 4];
+        let t = Instant::now();
+        let tc = thread_cpu();
+        run_step(&mut m, &reqs, s, None, &mut c);
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        let dc = (thread_cpu() - tc) * 1e6;
+        if s >= warmup {
+            times.push(dt);
+            cpu_times.push(dc);
+            for i in 0..4 {
+                counts[i] += c[i];
+            }
+        }
+    }
+    let min = times.iter().cloned().fold(f64::MAX, f64::min);
+    StepResult {
+        name,
+        us_median: median(times),
+        us_min: min,
+        cpu_us_median: median(cpu_times),
+        counts,
+    }
+}
+
+fn main() {
+    let per_step = NREQ * NCHUNK;
+    let rounds = 7;
+    // lookups
+    let ks = keys(1, N);
+    let mut cpu = CpuOffloadingManager::new(CpuManagerConfig::new(N));
+    fill(&mut cpu, &ks);
+    let cpu_rate = lookup_rate(&mut cpu, &ks, rounds);
+    let raw_rate = raw_probe_rate(&ks, rounds);
+    let mut t2 = tiering(N, 2);
+    fill(&mut t2, &ks);
+    let tier_rate = lookup_rate(&mut t2, &ks, rounds);
+    // store + complete, one chunk at a time, into a full primary
+    let mut cpu = CpuOffloadingManager::new(CpuManagerConfig::new(N));
+    fill(&mut cpu, &ks);
+    let cpu_store = store_rate(&mut cpu, 1 << 40, rounds, 0);
+    let mut t2 = tiering(N, 2);
+    fill(&mut t2, &ks);
+    let tier_store = store_rate(&mut t2, 1 << 41, rounds, 64);
+
+    // scheduler steps
+    let mut rec = String::new();
+    let steps = 10;
+    let warmup = 2;
+    let cold = step_scenario(
+        "cold",
+        steps,
+        warmup,
+        &mut |s| keys(((s + 1) * per_step) as u64 * 7, per_step),
+        &mut |_| {},
+        &mut rec,
+    );
+    let warm_keys = keys(1 << 50, per_step);
+    let wk = warm_keys.clone();
+    let warm = step_scenario(
+        "warm",
+        steps,
+        warmup,
+        &mut |_| wk.clone(),
+        &mut |m| {
+            let reqs: Vec<&[OffloadKey]> = warm_keys.chunks(NCHUNK).collect();
+            run_step(m, &reqs, usize::MAX, None, &mut [0; 4]);
+        },
+        &mut String::new(),
+    );
+    let a = keys(1 << 52, per_step);
+    let b = keys(1 << 53, per_step);
+    let (a2, b2) = (a.clone(), b.clone());
+    let promote = step_scenario(
+        "promote",
+        steps,
+        warmup,
+        &mut |s| if s % 2 == 0 { a2.clone() } else { b2.clone() },
+        &mut |m| {
+            for set in [&a, &b] {
+                let reqs: Vec<&[OffloadKey]> = set.chunks(NCHUNK).collect();
+                run_step(m, &reqs, usize::MAX - 1, None, &mut [0; 4]);
+            }
+        },
+        &mut String::new(),
+    );
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiering-ops.jsonl");
+    std::fs::write(&path, &rec).unwrap();
+
+    let step_json = |r: &StepResult| {
+        format!(
+            r#"{{"scenario": "{}", "requests": {NREQ}, "chunks_per_request": {NCHUNK}, "us_per_step": {:.1}, "us_per_step_min": {:.1}, "cpu_us_per_step": {:.1}, "ns_per_chunk": {:.1}, "goal_us": 1000, "lookups": {{"MISS": {}, "HIT": {}, "HIT_PENDING": {}, "RETRY": {}}}}}"#,
+            r.name,
+            r.us_median,
+            r.us_min,
+            r.cpu_us_median,
+            r.cpu_us_median * 1e3 / per_step as f64,
+            r.counts[0],
+            r.counts[1],
+            r.counts[2],
+            r.counts[3]
+        )
+    };
+    println!(
+        r#"{{"bench": "kvbm-tiering", "num_chunks": {N},
+  "lookup_mps": {{"cpu_manager": {cpu_rate:.1}, "tiering_2_tiers": {tier_rate:.1}, "baseline_raw_hashbrown_probe": {raw_rate:.1}, "ratio_cpu_to_raw": {:.3}, "goal": 30.0}},
+  "store_complete_kps": {{"cpu_manager": {cpu_store:.1}, "tiering_2_tiers": {tier_store:.1}}},
+  "step": [{}, {}, {}],
+  "recorded_sequence": "{}"}}"#,
+        cpu_rate / raw_rate,
+        step_json(&cold),
+        step_json(&warm),
+        step_json(&promote),
+        path.display()
+    );
+}

@@ -1,0 +1,898 @@
+//! `CpuOffloadingManager`: vLLM 0.33's CPU tier bookkeeping, call for call.
+//!
+//! # Slot table (why not kvbm-logical)
+//!
+//! Chunks live in a flat table of `num_chunks` slots indexed by chunk id. A hashbrown map
+//! `OffloadKey → slot` is the only per-key probe on every call (lookup is one probe and one
+//! load). vLLM's semantics are integer reference counts on chunks, not block lifetimes:
+//!
+//! | `ref_cnt` | state | evictable |
+//! |---|---|---|
+//! | −1 | write in flight (`prepare_store` … `complete_store`) | no; `lookup` = `HIT_PENDING` |
+//! | 0 | stored, idle | yes (unless a key of the same `prepare_store` call) |
+//! | > 0 | pinned by that many reads (GPU loads, cascades to secondary tiers) | no |
+//!
+//! Invariants (checked by the proptest): every slot id `< num_allocated` is either on the free
+//! list or resident (in the map) exactly once; `num_evictable` = resident slots with
+//! `ref_cnt == 0`; `num_write_pending` = resident slots with `ref_cnt == -1`; a slot with
+//! `ref_cnt != 0` is never chosen as a victim. Fresh ids are handed out first, then freed ids
+//! LIFO. `prepare_store` either returns `None` having evicted and allocated nothing, or
+//! evicts exactly the shortfall.
+//!
+//! kvbm-logical models blocks with RAII lifetimes and sequence-hash registries; mapping the
+//! Python integer ref counts, the −1 "not ready" state, ghost lists of evicted keys and the
+//! per-request recency hooks onto it would add a second state machine to every call and miss
+//! the ≥ 30 M lookups/s goal, so this crate keeps its own table (see the crate README).
+//!
+//! # Per-request access state
+//!
+//! vLLM 0.33 keeps, per request, the keys it saw (first-seen order, by group), which it inserted,
+//! which it reused, and which store misses were already reported to the policy; at
+//! `on_request_finished` the policy gets them in order (LRU: all become most recent, head of the
+//! prefix last; ARC: insert-only keys move to the back of their list, reused keys to T2). The
+//! same state lives here in a map keyed by request id, dropped at `on_request_finished` and at
+//! `reset_cache` (vLLM's generation counter).
+
+use std::sync::Arc as StdArc;
+
+use hashbrown::HashMap;
+
+use crate::cpu::order::LinkedKeySet;
+use crate::cpu::policy::{CachePolicyKind, Policy, SlotView};
+use crate::error::{Result, TieringError};
+use crate::key::{OffloadKey, get_offload_group_idx};
+use crate::manager::OffloadingManager;
+use crate::stats::{OffloadingConnectorStats, names};
+use crate::types::{
+    CacheHitSource, CpuLoadStoreSpec, LoadStoreSpec, LookupResult, Medium, OffloadingEvent,
+    PrepareStoreOutput, ReqContext, RequestOffloadingContext,
+};
+
+/// Configuration of a CPU tier.
+#[derive(Clone, Debug)]
+pub struct CpuManagerConfig {
+    /// Number of chunk slots.
+    pub num_chunks: usize,
+    /// Eviction policy.
+    pub policy: CachePolicyKind,
+    /// Record stored/removed events (inert when false: nobody drains `take_events`).
+    pub enable_events: bool,
+    /// Store only keys offered at least this many times (≥ 2 enables the filter).
+    pub store_threshold: u32,
+    /// Capacity of the store-threshold tracker.
+    pub max_tracker_size: usize,
+}
+
+impl CpuManagerConfig {
+    /// `num_chunks` slots, LRU, no events, no threshold.
+    pub fn new(num_chunks: usize) -> Self {
+        Self {
+            num_chunks,
+            policy: CachePolicyKind::Lru,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 64_000,
+        }
+    }
+    /// Sets the policy.
+    pub fn policy(mut self, p: CachePolicyKind) -> Self {
+        self.policy = p;
+        self
+    }
+    /// Enables events.
+    pub fn events(mut self, on: bool) -> Self {
+        self.enable_events = on;
+        self
+    }
+    /// Sets the store threshold and tracker size.
+    pub fn store_threshold(mut self, threshold: u32, max_tracker_size: usize) -> Self {
+        self.store_threshold = threshold;
+        self.max_tracker_size = max_tracker_size;
+        self
+    }
+}
+
+const SEEN: u8 = 1;
+const INSERTED: u8 = 2;
+const REUSED: u8 = 4;
+const STORE_MISS: u8 = 8;
+
+struct RequestAccess {
+    ctx_uid: u64,
+    /// Keys in first-seen order.
+    order: Vec<OffloadKey>,
+    flags: HashMap<OffloadKey, u8>,
+    /// LRU request rank (positional recency).
+    req_rank: Option<u64>,
+}
+
+/// State of one slot as seen from outside (tests, invariants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Never handed out (id ≥ high-water mark).
+    Unallocated,
+    /// On the free list.
+    Free,
+    /// Write in flight (`ref_cnt == -1`).
+    WritePending,
+    /// Stored and evictable (`ref_cnt == 0`).
+    Evictable,
+    /// Pinned by reads (`ref_cnt > 0`).
+    Pinned(i32),
+}
+
+/// vLLM's `CPUOffloadingManager`.
+pub struct CpuOffloadingManager {
+    num_chunks: usize,
+    num_allocated: usize,
+    free_list: Vec<u32>,
+    index: HashMap<OffloadKey, u32>,
+    keys: Vec<OffloadKey>,
+    ref_cnt: Vec<i32>,
+    protect: Vec<u64>,
+    stamp: u64,
+    policy: Policy,
+    policy_kind: CachePolicyKind,
+    events: Option<Vec<OffloadingEvent>>,
+    num_evictable: usize,
+    num_write_pending: usize,
+    store_threshold: u32,
+    max_tracker_size: usize,
+    counts: Option<LinkedKeySet>,
+    stores_skipped: u64,
+    allocation_sizes: Vec<usize>,
+    requests: HashMap<StdArc<str>, RequestAccess>,
+    scratch: Vec<u32>,
+    scratch_class: Vec<u8>,
+}
+
+impl CpuOffloadingManager {
+    /// A manager of `config.num_chunks` slots.
+    pub fn new(config: CpuManagerConfig) -> Self {
+        let n = config.num_chunks;
+        Self {
+            num_chunks: n,
+            num_allocated: 0,
+            free_list: Vec::with_capacity(n),
+            index: HashMap::with_capacity(n),
+            keys: vec![OffloadKey::from_u64(0); n],
+            ref_cnt: vec![0; n],
+            protect: vec![0; n],
+            stamp: 0,
+            policy: Policy::new(config.policy, n),
+            policy_kind: config.policy,
+            events: config.enable_events.then(Vec::new),
+            num_evictable: 0,
+            num_write_pending: 0,
+            store_threshold: config.store_threshold,
+            max_tracker_size: config.max_tracker_size,
+            counts: (config.store_threshold >= 2).then(LinkedKeySet::new),
+            stores_skipped: 0,
+            allocation_sizes: Vec::new(),
+            requests: HashMap::new(),
+            scratch: Vec::new(),
+            scratch_class: Vec::new(),
+        }
+    }
+
+    /// Capacity in chunks.
+    pub fn num_chunks(&self) -> usize {
+        self.num_chunks
+    }
+    /// The policy in use.
+    pub fn policy_kind(&self) -> CachePolicyKind {
+        self.policy_kind
+    }
+    /// Fresh-id high-water mark.
+    pub fn num_allocated(&self) -> usize {
+        self.num_allocated
+    }
+    /// The free list (LIFO: last is reused first).
+    pub fn free_list(&self) -> &[u32] {
+        &self.free_list
+    }
+    /// Resident chunks with `ref_cnt == 0`.
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable
+    }
+    /// Resident chunks with a write in flight.
+    pub fn num_write_pending(&self) -> usize {
+        self.num_write_pending
+    }
+    /// Number of resident keys.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+    /// Whether nothing is resident.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+    /// Slot and ref count of a key.
+    pub fn chunk(&self, key: &OffloadKey) -> Option<(u32, i32)> {
+        self.index.get(key).map(|&s| (s, self.ref_cnt[s as usize]))
+    }
+    /// Resident keys in eviction order (LRU: least recent first; ARC: T1 then T2).
+    pub fn eviction_order(&self) -> Vec<OffloadKey> {
+        self.policy
+            .order()
+            .into_iter()
+            .map(|s| self.keys[s as usize])
+            .collect()
+    }
+    /// Evictable resident keys in eviction order.
+    pub fn evictable_order(&self) -> Vec<OffloadKey> {
+        self.policy
+            .order()
+            .into_iter()
+            .filter(|&s| self.ref_cnt[s as usize] == 0)
+            .map(|s| self.keys[s as usize])
+            .collect()
+    }
+    /// ARC state: (T1 keys, T2 keys, B1 keys, B2 keys, target_t1_size); `None` for LRU.
+    #[allow(clippy::type_complexity)]
+    pub fn arc_state(
+        &self,
+    ) -> Option<(
+        Vec<OffloadKey>,
+        Vec<OffloadKey>,
+        Vec<OffloadKey>,
+        Vec<OffloadKey>,
+        f64,
+    )> {
+        let (t1, t2, b1, b2, t) = self.policy.arc_state()?;
+        let k = |v: Vec<u32>| v.into_iter().map(|s| self.keys[s as usize]).collect();
+        Some((k(t1), k(t2), b1, b2, t))
+    }
+    /// Sets ARC's `target_t1_size` (test setup); no-op for LRU.
+    #[doc(hidden)]
+    pub fn set_arc_target(&mut self, t: f64) {
+        self.policy.set_arc_target(t);
+    }
+    /// Store-threshold tracker count of a key.
+    pub fn tracker_count(&self, key: &OffloadKey) -> Option<u32> {
+        self.counts.as_ref().and_then(|c| c.get(key))
+    }
+
+    /// The state of every slot id (invariant checks).
+    pub fn slot_states(&self) -> Vec<SlotState> {
+        let mut st = vec![SlotState::Unallocated; self.num_chunks];
+        for &s in &self.free_list {
+            st[s as usize] = SlotState::Free;
+        }
+        for &s in self.index.values() {
+            st[s as usize] = match self.ref_cnt[s as usize] {
+                -1 => SlotState::WritePending,
+                0 => SlotState::Evictable,
+                n => SlotState::Pinned(n),
+            };
+        }
+        st
+    }
+
+    /// Checks the slot-table invariants; returns a description of the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut seen = vec![0u8; self.num_chunks];
+        for &s in &self.free_list {
+            if s as usize >= self.num_allocated {
+                return Err(format!(
+                    "free slot {s} above high-water {}",
+                    self.num_allocated
+                ));
+            }
+            seen[s as usize] += 1;
+        }
+        let (mut ev, mut wp) = (0, 0);
+        for (k, &s) in &self.index {
+            if s as usize >= self.num_allocated {
+                return Err(format!("resident slot {s} above high-water"));
+            }
+            if self.keys[s as usize] != *k {
+                return Err(format!("slot {s} key mismatch"));
+            }
+            seen[s as usize] += 1;
+            match self.ref_cnt[s as usize] {
+                -1 => wp += 1,
+                0 => ev += 1,
+                n if n > 0 => {}
+                n => return Err(format!("slot {s} ref_cnt {n}")),
+            }
+        }
+        for (s, &c) in seen.iter().enumerate().take(self.num_allocated) {
+            if c != 1 {
+                return Err(format!("slot {s} is in {c} states"));
+            }
+        }
+        if ev != self.num_evictable || wp != self.num_write_pending {
+            return Err(format!(
+                "counters evictable {} (actual {ev}) write_pending {} (actual {wp})",
+                self.num_evictable, self.num_write_pending
+            ));
+        }
+        let order = self.policy.order();
+        if order.len() != self.index.len() {
+            return Err(format!(
+                "policy holds {} slots, map {}",
+                order.len(),
+                self.index.len()
+            ));
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn num_free(&self) -> usize {
+        self.free_list.len() + self.num_chunks - self.num_allocated
+    }
+
+    fn spec(ids: impl Iterator<Item = u32>) -> LoadStoreSpec {
+        LoadStoreSpec::Cpu(CpuLoadStoreSpec {
+            chunk_ids: ids.map(|s| s as i32).collect(),
+        })
+    }
+
+    fn access<'a>(
+        requests: &'a mut HashMap<StdArc<str>, RequestAccess>,
+        ctx: &ReqContext,
+    ) -> &'a mut RequestAccess {
+        let e = requests
+            .entry_ref(ctx.req_id())
+            .or_insert_with(|| RequestAccess {
+                ctx_uid: ctx.uid(),
+                order: Vec::new(),
+                flags: HashMap::new(),
+                req_rank: None,
+            });
+        if e.ctx_uid != ctx.uid() {
+            *e = RequestAccess {
+                ctx_uid: ctx.uid(),
+                order: Vec::new(),
+                flags: HashMap::new(),
+                req_rank: None,
+            };
+        }
+        e
+    }
+
+    /// vLLM `_record_request_cache_access`.
+    fn record_access(
+        &mut self,
+        keys: impl Iterator<Item = OffloadKey>,
+        ctx: &ReqContext,
+        reused: &[OffloadKey],
+    ) {
+        let state = Self::access(&mut self.requests, ctx);
+        state.flags.reserve(reused.len());
+        let positional = ctx.has_positions();
+        let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
+        let mut any_new = false;
+        for k in keys {
+            let f = state.flags.entry(k).or_insert(0);
+            if *f & SEEN != 0 {
+                continue;
+            }
+            *f |= SEEN;
+            state.order.push(k);
+            any_new = true;
+            if positional {
+                new_keys.push((
+                    k,
+                    self.index.get(&k).copied(),
+                    ctx.get_offload_key_position(&k),
+                ));
+            }
+        }
+        if any_new {
+            // Without positions only the request rank is allocated (LRU); no key moves.
+            self.policy
+                .on_request_access(&self.keys, &new_keys, &mut state.req_rank);
+        }
+        for k in reused {
+            let f = state.flags.entry(*k).or_insert(0);
+            if *f & INSERTED == 0 {
+                *f |= REUSED;
+            }
+        }
+    }
+
+    /// vLLM `_record_accesses` (store-threshold tracker).
+    fn record_tracker(&mut self, keys: &[OffloadKey]) {
+        let Some(counts) = self.counts.as_mut() else {
+            return;
+        };
+        let mut protected: hashbrown::HashSet<OffloadKey> = hashbrown::HashSet::new();
+        for k in keys {
+            if let Some(c) = counts.get(k) {
+                counts.move_to_back(k);
+                counts.set(k, c + 1);
+                protected.insert(*k);
+            }
+        }
+        let mut num_unprotected = counts.len() - protected.len();
+        for k in keys {
+            if counts.contains(k) {
+                continue;
+            }
+            if counts.len() >= self.max_tracker_size {
+                if num_unprotected == 0 {
+                    continue;
+                }
+                counts.pop_front();
+                num_unprotected -= 1;
+            }
+            counts.insert(*k, 1);
+        }
+    }
+
+    fn validate_load(&self, call: &'static str, keys: &[OffloadKey]) -> Result<()> {
+        for k in keys {
+            match self.index.get(k) {
+                None => return Err(TieringError::UnknownKey { call, key: *k }),
+                Some(&s) if self.ref_cnt[s as usize] < 0 => {
+                    return Err(TieringError::KeyState {
+                        call,
+                        key: *k,
+                        state: "not ready (write in flight)",
+                    });
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Pins chunks for reading; `record_access` false for cascade reads (no request recency).
+    pub(crate) fn prepare_load_inner(
+        &mut self,
+        call: &'static str,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        record_access: bool,
+    ) -> Result<LoadStoreSpec> {
+        self.validate_load(call, keys)?;
+        let mut ids = Vec::with_capacity(keys.len());
+        for k in keys {
+            let s = self.index[k];
+            let rc = &mut self.ref_cnt[s as usize];
+            if *rc == 0 {
+                self.num_evictable -= 1;
+            }
+            *rc += 1;
+            ids.push(s as i32);
+        }
+        if record_access {
+            self.record_access(keys.iter().copied(), ctx, keys);
+        }
+        Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }))
+    }
+
+    /// Pins chunks known to be resident and ready (cascade of keys `complete_store` just made
+    /// ready); one probe per key. Returns the chunk ids co-indexed with `keys`.
+    pub(crate) fn pin_ready(&mut self, keys: &[OffloadKey]) -> Vec<i32> {
+        let mut ids = Vec::with_capacity(keys.len());
+        for k in keys {
+            let s = self.index[k];
+            let rc = &mut self.ref_cnt[s as usize];
+            debug_assert!(*rc >= 0, "pin_ready of a key still being written");
+            if *rc == 0 {
+                self.num_evictable -= 1;
+            }
+            *rc += 1;
+            ids.push(s as i32);
+        }
+        ids
+    }
+
+    /// Unpins cascade reads in one pass (the manager pinned them itself); a key that is not
+    /// pinned (only possible after a misreported job) is skipped and counted.
+    pub(crate) fn unpin_reads(&mut self, keys: &[OffloadKey]) -> usize {
+        let mut skipped = 0;
+        for k in keys {
+            match self.index.get(k) {
+                Some(&s) if self.ref_cnt[s as usize] > 0 => {
+                    let rc = &mut self.ref_cnt[s as usize];
+                    *rc -= 1;
+                    if *rc == 0 {
+                        self.num_evictable += 1;
+                    }
+                }
+                _ => skipped += 1,
+            }
+        }
+        skipped
+    }
+
+    pub(crate) fn complete_load_inner(
+        &mut self,
+        call: &'static str,
+        keys: &[OffloadKey],
+    ) -> Result<()> {
+        for k in keys {
+            match self.index.get(k) {
+                None => return Err(TieringError::UnknownKey { call, key: *k }),
+                Some(&s) if self.ref_cnt[s as usize] <= 0 => {
+                    return Err(TieringError::KeyState {
+                        call,
+                        key: *k,
+                        state: "not being read (ref_cnt is already 0)",
+                    });
+                }
+                _ => {}
+            }
+        }
+        for k in keys {
+            let s = self.index[k];
+            let rc = &mut self.ref_cnt[s as usize];
+            *rc -= 1;
+            if *rc == 0 {
+                self.num_evictable += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases every key of a failed write without validation (used by the tiering manager for
+    /// promotion outcomes).
+    pub(crate) fn store_inner(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+    ) -> Option<PrepareStoreOutput> {
+        if self.counts.is_some() {
+            self.record_tracker(keys);
+        }
+        // Classify: 1 = to store, 2 = ready existing, 0 = pending existing / filtered.
+        let mut class = std::mem::take(&mut self.scratch_class);
+        class.clear();
+        let mut keys_to_store: Vec<OffloadKey> = Vec::new();
+        let mut ready_existing: Vec<OffloadKey> = Vec::new();
+        let mut candidates = 0usize;
+        for k in keys {
+            match self.index.get(k) {
+                None => {
+                    candidates += 1;
+                    let pass = match &self.counts {
+                        Some(c) => c.get(k).unwrap_or(0) >= self.store_threshold,
+                        None => true,
+                    };
+                    if pass {
+                        keys_to_store.push(*k);
+                        class.push(1);
+                    } else {
+                        class.push(0);
+                    }
+                }
+                Some(&s) if self.ref_cnt[s as usize] >= 0 => {
+                    ready_existing.push(*k);
+                    class.push(2);
+                }
+                Some(_) => class.push(0),
+            }
+        }
+        if self.counts.is_some() {
+            self.stores_skipped += (candidates - keys_to_store.len()) as u64;
+        }
+        // Store misses not yet reported for this request, reported in reverse.
+        {
+            let state = Self::access(&mut self.requests, ctx);
+            state.flags.reserve(keys.len());
+            let mut misses: Vec<OffloadKey> = Vec::new();
+            for k in &keys_to_store {
+                let f = state.flags.entry(*k).or_insert(0);
+                if *f & STORE_MISS == 0 {
+                    misses.push(*k);
+                }
+            }
+            if !misses.is_empty() {
+                for k in misses.iter().rev() {
+                    self.policy.on_store_miss_one(k);
+                }
+                for k in &misses {
+                    *state.flags.get_mut(k).expect("inserted above") |= STORE_MISS;
+                }
+            }
+        }
+        // `class` was taken out of `self`, so the filter borrows no part of the manager.
+        let recorded = keys
+            .iter()
+            .zip(class.iter())
+            .filter(|(_, c)| **c != 0)
+            .map(|(k, _)| *k);
+        self.record_access(recorded, ctx, &ready_existing);
+        self.scratch_class = class;
+
+        if keys_to_store.is_empty() {
+            return Some(PrepareStoreOutput {
+                keys_to_store,
+                store_spec: Self::spec(std::iter::empty()),
+                evicted_keys: Vec::new(),
+            });
+        }
+        self.allocation_sizes.push(keys_to_store.len());
+        let n = keys_to_store.len();
+        let free = self.num_free();
+        let mut evicted_keys = Vec::new();
+        if n > free {
+            let need = n - free;
+            if need > self.num_evictable {
+                return None;
+            }
+            self.stamp += 1;
+            for k in keys {
+                if let Some(&s) = self.index.get(k) {
+                    self.protect[s as usize] = self.stamp;
+                }
+            }
+            let mut victims = std::mem::take(&mut self.scratch);
+            let view = SlotView {
+                keys: &self.keys,
+                ref_cnt: &self.ref_cnt,
+                protect: &self.protect,
+                stamp: self.stamp,
+            };
+            if !self.policy.evict(need, &view, &mut victims) {
+                self.scratch = victims;
+                return None;
+            }
+            self.num_evictable -= victims.len();
+            evicted_keys.reserve(victims.len());
+            for &s in &victims {
+                let k = self.keys[s as usize];
+                self.index.remove(&k);
+                self.free_list.push(s);
+                evicted_keys.push(k);
+            }
+            self.scratch = victims;
+        }
+        if !evicted_keys.is_empty()
+            && let Some(ev) = self.events.as_mut()
+        {
+            {
+                ev.push(OffloadingEvent::new(
+                    evicted_keys.clone(),
+                    Medium::Cpu,
+                    true,
+                ));
+            }
+        }
+        // Fresh ids first, then the free list LIFO.
+        let mut ids = Vec::with_capacity(n);
+        let positional = ctx.has_positions();
+        let state = Self::access(&mut self.requests, ctx);
+        for k in &keys_to_store {
+            let s = if self.num_allocated < self.num_chunks {
+                self.num_allocated += 1;
+                (self.num_allocated - 1) as u32
+            } else {
+                self.free_list.pop().expect("room was made above")
+            };
+            self.index.insert(*k, s);
+            self.keys[s as usize] = *k;
+            self.ref_cnt[s as usize] = -1;
+            let pos = if positional {
+                ctx.get_offload_key_position(k)
+            } else {
+                None
+            };
+            self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
+            *state.flags.entry(*k).or_insert(0) |= INSERTED;
+            ids.push(s as i32);
+        }
+        self.num_write_pending += n;
+        Some(PrepareStoreOutput {
+            keys_to_store,
+            store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }),
+            evicted_keys,
+        })
+    }
+
+    pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {
+        let mut done: Vec<OffloadKey> = Vec::new();
+        for k in keys {
+            let Some(&s) = self.index.get(k) else {
+                continue;
+            };
+            if self.ref_cnt[s as usize] >= 0 {
+                continue;
+            }
+            self.num_write_pending -= 1;
+            if success {
+                self.ref_cnt[s as usize] = 0;
+                self.num_evictable += 1;
+            } else {
+                self.policy.remove(s);
+                self.index.remove(k);
+                self.free_list.push(s);
+            }
+            if self.events.is_some() {
+                done.push(*k);
+            }
+        }
+        if let Some(ev) = self.events.as_mut()
+            && !done.is_empty()
+        {
+            {
+                let mut e = OffloadingEvent::new(done, Medium::Cpu, !success);
+                e.metadata_only = !success;
+                ev.push(e);
+            }
+        }
+    }
+
+    /// Collected metrics (usage gauges, allocation sizes, stores skipped); vLLM 0.33 `get_stats`.
+    pub fn stats(&mut self) -> OffloadingConnectorStats {
+        let mut stats = OffloadingConnectorStats::default();
+        let n = self.num_chunks as f64;
+        let used = self.num_allocated - self.free_list.len() - self.num_evictable;
+        let usage = if self.num_chunks > 0 {
+            used as f64 / n
+        } else {
+            0.0
+        };
+        stats.set_gauge(names::CPU_CACHE_USAGE_PERC, None, usage);
+        for a in self.allocation_sizes.drain(..) {
+            stats.observe_histogram(names::CPU_ALLOCATION_SIZE, None, a as f64);
+        }
+        let write = if self.num_chunks > 0 {
+            self.num_write_pending as f64 / n
+        } else {
+            0.0
+        };
+        stats.set_gauge(names::CPU_CACHE_WRITE_USAGE_PERC, None, write);
+        stats.set_gauge(
+            names::CPU_CACHE_READ_USAGE_PERC,
+            None,
+            f64::max(usage - write, 0.0),
+        );
+        if self.store_threshold >= 2 {
+            stats.increase_counter(names::STORES_SKIPPED, None, self.stores_skipped as f64);
+            self.stores_skipped = 0;
+        }
+        stats
+    }
+}
+
+impl OffloadingManager for CpuOffloadingManager {
+    #[inline]
+    fn lookup(&mut self, key: &OffloadKey, _req_context: &ReqContext) -> LookupResult {
+        match self.index.get(key) {
+            None => LookupResult::Miss,
+            Some(&s) if self.ref_cnt[s as usize] < 0 => LookupResult::HitPending,
+            Some(_) => LookupResult::Hit,
+        }
+    }
+
+    fn prepare_load(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<LoadStoreSpec> {
+        self.prepare_load_inner("prepare_load", keys, ctx, true)
+    }
+
+    fn touch(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
+        for k in keys.iter().rev() {
+            let slot = self.index.get(k).copied();
+            let ready = slot.is_some_and(|s| self.ref_cnt[s as usize] >= 0);
+            self.policy.touch_one(k, slot, ready);
+        }
+        Ok(())
+    }
+
+    fn complete_load(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
+        self.complete_load_inner("complete_load", keys)
+    }
+
+    fn prepare_store(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+    ) -> Result<Option<PrepareStoreOutput>> {
+        Ok(self.store_inner(keys, ctx))
+    }
+
+    fn complete_store(
+        &mut self,
+        keys: &[OffloadKey],
+        _ctx: &ReqContext,
+        success: bool,
+    ) -> Result<()> {
+        self.complete_store_inner(keys, success);
+        Ok(())
+    }
+
+    fn on_new_request(&mut self, ctx: &ReqContext) -> Result<RequestOffloadingContext> {
+        Self::access(&mut self.requests, ctx);
+        Ok(RequestOffloadingContext::default())
+    }
+
+    fn on_request_finished(&mut self, ctx: &ReqContext) -> Result<()> {
+        let Some(state) = self.requests.get(ctx.req_id()) else {
+            return Ok(());
+        };
+        if state.ctx_uid != ctx.uid() {
+            return Ok(());
+        }
+        let state = self.requests.remove(ctx.req_id()).expect("present");
+        let positional = ctx.has_positions();
+        // Group order (stable), then positions when every key of a group has one.
+        let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
+        for k in &state.order {
+            let g = get_offload_group_idx(k);
+            match groups.iter_mut().find(|(gg, _)| *gg == g) {
+                Some((_, v)) => v.push(*k),
+                None => groups.push((g, vec![*k])),
+            }
+        }
+        groups.sort_by_key(|(g, _)| *g);
+        let mut ordered: Vec<OffloadKey> = Vec::with_capacity(state.order.len());
+        for (_, mut v) in groups {
+            if positional {
+                let pos: Vec<Option<u64>> =
+                    v.iter().map(|k| ctx.get_offload_key_position(k)).collect();
+                if pos.iter().all(Option::is_some) {
+                    let mut z: Vec<(u64, OffloadKey)> =
+                        pos.into_iter().flatten().zip(v.iter().copied()).collect();
+                    z.sort_by_key(|(p, _)| *p);
+                    v = z.into_iter().map(|(_, k)| k).collect();
+                }
+            }
+            ordered.extend(v);
+        }
+        // vLLM's order_request_keys sorts the concatenation again when every key has a position.
+        if positional {
+            let all: Option<Vec<u64>> = ordered
+                .iter()
+                .map(|k| ctx.get_offload_key_position(k))
+                .collect();
+            if let Some(p) = all {
+                let mut z: Vec<(u64, OffloadKey)> = p.into_iter().zip(ordered).collect();
+                z.sort_by_key(|(p, _)| *p);
+                ordered = z.into_iter().map(|(_, k)| k).collect();
+            }
+        }
+        let info: Vec<(OffloadKey, Option<u32>, bool, bool)> = ordered
+            .iter()
+            .map(|k| {
+                let f = state.flags.get(k).copied().unwrap_or(0);
+                let inserted = f & INSERTED != 0;
+                let reused = f & REUSED != 0;
+                (*k, self.index.get(k).copied(), inserted && !reused, reused)
+            })
+            .collect();
+        self.policy.on_request_finished(&info);
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        let Some(ev) = self.events.as_mut() else {
+            return Vec::new();
+        };
+        let evs = std::mem::take(ev);
+        let mut out = Vec::with_capacity(evs.len());
+        for mut e in evs {
+            if e.metadata_only {
+                e.keys.retain(|k| !self.index.contains_key(k));
+                if e.keys.is_empty() {
+                    continue;
+                }
+            }
+            out.push(e);
+        }
+        out
+    }
+
+    fn reset_cache(&mut self) -> Result<()> {
+        self.policy.clear();
+        self.index.clear();
+        self.requests.clear();
+        self.num_evictable = 0;
+        self.num_write_pending = 0;
+        self.free_list.clear();
+        self.num_allocated = 0;
+        Ok(())
+    }
+
+    fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
+        Some(self.stats())
+    }
+
+    fn get_load_source(&self, _key: &OffloadKey, _ctx: &ReqContext) -> CacheHitSource {
+        CacheHitSource::Host
+    }
+}

@@ -1,0 +1,11 @@
+//! The CPU tier: slot table, cache policies (LRU, ARC), the plain CPU manager and the primary
+//! tier with its pinned host memory.
+
+pub mod manager;
+pub(crate) mod order;
+pub mod policy;
+pub mod primary;
+
+pub use manager::{CpuManagerConfig, CpuOffloadingManager, SlotState};
+pub use policy::CachePolicyKind;
+pub use primary::CpuPrimaryTier;

@@ -1,0 +1,172 @@
+//! `OffloadKey`: a block hash plus its 4-byte big-endian KV-cache group index, stored inline.
+//!
+//! vLLM packs keys as `bytes` (`block_hash ++ group_idx.to_bytes(4, "big")`) to avoid tuple
+//! garbage. Here the same bytes live inline in a `Copy` value of 40 bytes (one length byte,
+//! up to [`OffloadKey::MAX_LEN`] key bytes), so lookups and map probes never allocate and never
+//! chase a pointer. Equality and hashing cover exactly the used bytes, so two keys are equal
+//! iff vLLM's `bytes` would be equal.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+
+use crate::error::TieringError;
+
+/// Identifies an offloaded chunk: block-hash bytes followed by the 4-byte big-endian group index.
+// 40 bytes, 8-aligned: equality compares five words (see `words`).
+#[derive(Clone, Copy)]
+#[repr(C, align(8))]
+pub struct OffloadKey {
+    bytes: [u8; OffloadKey::MAX_LEN],
+    len: u8,
+}
+
+const _: () = assert!(std::mem::size_of::<OffloadKey>() == 40);
+
+impl OffloadKey {
+    /// Longest key in bytes (hash of up to 35 bytes plus the 4-byte group index).
+    pub const MAX_LEN: usize = 39;
+
+    /// Wraps raw key bytes (already including the group suffix).
+    ///
+    /// Errors when `raw` is shorter than the 4-byte group suffix or longer than [`Self::MAX_LEN`].
+    pub fn from_bytes(raw: &[u8]) -> Result<Self, TieringError> {
+        if raw.len() < 4 || raw.len() > Self::MAX_LEN {
+            return Err(TieringError::InvalidKey {
+                len: raw.len(),
+                max: Self::MAX_LEN,
+            });
+        }
+        let mut bytes = [0u8; Self::MAX_LEN];
+        bytes[..raw.len()].copy_from_slice(raw);
+        Ok(Self {
+            len: raw.len() as u8,
+            bytes,
+        })
+    }
+
+    /// The key's bytes (hash then group index), as vLLM's `bytes` value.
+    #[inline]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// The whole value as five words (key bytes, zero padding, length).
+    #[inline(always)]
+    fn words(&self) -> &[u64; 5] {
+        // SAFETY: `OffloadKey` is `repr(C, align(8))`, exactly 40 bytes (asserted above), made
+        // only of `u8` fields that are always initialised, so it is a valid `[u64; 5]`.
+        unsafe { &*(self as *const Self as *const [u64; 5]) }
+    }
+
+    /// A key made from a `u64` block-hash id (8-byte big-endian) in group 0, as the replay format does.
+    #[inline]
+    pub fn from_u64(id: u64) -> Self {
+        let mut bytes = [0u8; Self::MAX_LEN];
+        bytes[..8].copy_from_slice(&id.to_be_bytes());
+        Self { len: 12, bytes }
+    }
+}
+
+/// Packs a block hash and group index into an [`OffloadKey`] (vLLM `make_offload_key`).
+pub fn make_offload_key(block_hash: &[u8], group_idx: u32) -> Result<OffloadKey, TieringError> {
+    let len = block_hash.len() + 4;
+    if len > OffloadKey::MAX_LEN {
+        return Err(TieringError::InvalidKey {
+            len,
+            max: OffloadKey::MAX_LEN,
+        });
+    }
+    let mut bytes = [0u8; OffloadKey::MAX_LEN];
+    bytes[..block_hash.len()].copy_from_slice(block_hash);
+    bytes[block_hash.len()..len].copy_from_slice(&group_idx.to_be_bytes());
+    Ok(OffloadKey {
+        len: len as u8,
+        bytes,
+    })
+}
+
+/// The block hash of a key (vLLM `get_offload_block_hash`).
+pub fn get_offload_block_hash(key: &OffloadKey) -> &[u8] {
+    let b = key.as_bytes();
+    &b[..b.len() - 4]
+}
+
+/// The group index of a key (vLLM `get_offload_group_idx`).
+pub fn get_offload_group_idx(key: &OffloadKey) -> u32 {
+    let b = key.as_bytes();
+    let n = b.len();
+    u32::from_be_bytes([b[n - 4], b[n - 3], b[n - 2], b[n - 1]])
+}
+
+impl PartialEq for OffloadKey {
+    #[inline]
+    fn eq(&self, other: &Self) -> bool {
+        // Unused bytes are always zero, so comparing the five words (length included) is exact.
+        // Written out: `[u64; 5] == [u64; 5]` compiles to a `memcmp` call.
+        let (a, b) = (self.words(), other.words());
+        ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4])) == 0
+    }
+}
+impl Eq for OffloadKey {}
+
+impl Hash for OffloadKey {
+    #[inline]
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Unused bytes are always zero, so hashing whole words is equal-consistent; short keys
+        // (≤ 16 bytes, e.g. u64 ids) hash two words plus the length word.
+        let w = self.words();
+        state.write_u64(w[0]);
+        state.write_u64(w[1]);
+        if self.len > 16 {
+            state.write_u64(w[2]);
+            state.write_u64(w[3]);
+        }
+        state.write_u64(w[4]);
+    }
+}
+
+impl fmt::Debug for OffloadKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OffloadKey(")?;
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl fmt::Display for OffloadKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.as_bytes();
+        if b.len() == 12 && b[8..] == [0, 0, 0, 0] {
+            let id = u64::from_be_bytes(b[..8].try_into().expect("8 bytes"));
+            return write!(f, "{id}");
+        }
+        for x in b {
+            write!(f, "{x:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_and_unpack_like_vllm() {
+        let k = make_offload_key(b"abcdefgh", 7).unwrap();
+        assert_eq!(k.as_bytes(), b"abcdefgh\0\0\0\x07");
+        assert_eq!(get_offload_block_hash(&k), b"abcdefgh");
+        assert_eq!(get_offload_group_idx(&k), 7);
+        assert_eq!(
+            OffloadKey::from_u64(5),
+            make_offload_key(&5u64.to_be_bytes(), 0).unwrap()
+        );
+        assert!(make_offload_key(&[0u8; 36], 0).is_err());
+        assert!(OffloadKey::from_bytes(&[1, 2]).is_err());
+        let a = OffloadKey::from_bytes(&[1, 2, 3, 4, 0]).unwrap();
+        let b = OffloadKey::from_bytes(&[1, 2, 3, 4]).unwrap();
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,17 @@
+//! Multi-tier management: the tiering manager, the secondary-tier seam, backpressure, metrics
+//! and the in-memory tier.
+
+pub mod async_lookup;
+pub mod backpressure;
+pub mod base;
+pub mod manager;
+pub mod memory;
+pub(crate) mod metrics;
+pub mod physical;
+
+pub use async_lookup::AsyncLookup;
+pub use backpressure::{BackpressureDetector, DropPolicy, EmaConfig};
+pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob};
+pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
+pub use memory::InMemoryTier;
+pub use physical::PhysicalTier;
