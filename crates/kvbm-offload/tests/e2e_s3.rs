@@ -57,8 +57,10 @@ fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline
         .unwrap();
     // The lock's read-back waits long enough for a racing create to land even on a loaded CI
     // machine (s3s-fs does not make creates exclusive; the default 20 ms assumes a quiet one).
-    let mut config = ObjectPipelineConfig::default();
-    config.lock_verify_delay = std::time::Duration::from_millis(200);
+    let config = ObjectPipelineConfig {
+        lock_verify_delay: std::time::Duration::from_millis(200),
+        ..ObjectPipelineConfig::default()
+    };
     ObjectPipelineBuilder::new(storage.clone())
         .owner(owner)
         .config(config)
