@@ -43,7 +43,7 @@ pub struct LogicalConfig {
     /// Tokens per block: a power of two in `1..=1024`. Default: 16.
     pub block_size: u32,
     /// Inactive-pool eviction policy by name (`lru`, `multi_lru`, `lineage`, `fifo`, `arc`,
-    /// `s3fifo`, `belady`, or `tinylfu-<one of those>`). Default: `lru`.
+    /// `s3fifo`, `belady`, or `tinylfu-<one of those>`). Default: `tinylfu-lru`.
     pub eviction: EvictionPolicy,
     /// Order in which slots freed by eviction are handed out. Default: `eviction_order`.
     pub free_slot_reuse: FreeSlotReuse,

@@ -127,15 +127,15 @@ impl<T: Tier> BlockManagerBuilder<T> {
         self
     }
 
-    /// The inactive pool's eviction order, without admission filter. Default:
-    /// [`EvictionBackend::Lru`].
+    /// The inactive pool's eviction order, without admission filter (the default policy is
+    /// `tinylfu-lru`, see [`policy`](Self::policy)).
     pub fn eviction(mut self, backend: EvictionBackend) -> Self {
         self.config.eviction = EvictionPolicy::plain(backend);
         self
     }
 
-    /// The eviction policy (backend and admission filter), e.g. `"tinylfu-lru".parse()?`.
-    /// Default: `lru`.
+    /// The eviction policy (backend and admission filter), e.g. `"s3fifo".parse()?`.
+    /// Default: `tinylfu-lru`.
     pub fn policy(mut self, policy: EvictionPolicy) -> Self {
         self.config.eviction = policy;
         self

@@ -274,8 +274,10 @@ impl EvictionPolicy {
 }
 
 impl Default for EvictionPolicy {
+    /// `tinylfu-lru`: the best online policy measured on the Mooncake traces (never below
+    /// LRU at 1024, 4096 and 16384 blocks on either trace; see `examples/hit_ratio.rs`).
     fn default() -> Self {
-        Self::plain(EvictionBackend::default())
+        Self::tinylfu(EvictionBackend::Lru)
     }
 }
 

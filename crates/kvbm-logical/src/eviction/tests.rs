@@ -556,19 +556,53 @@ fn tinylfu_admits_on_second_sighting_over_any_base() {
         let rest = [d.pop().unwrap(), d.pop().unwrap()];
         assert!(rest.contains(&0) && rest.contains(&1), "{base}: {rest:?}");
         assert_eq!(d.pop(), None);
-        // a probation block matched again is admitted on its next release
-        d.register(2, h(2)); // 2nd sighting (the registration counts)
+        // a probation block seen again is admitted on its next release; it was also a
+        // probation ghost (evicted too early), so probation's target grows to 1
+        d.register(2, h(2));
         d.release(2);
         d.register(3, h(30));
         d.release(3);
         assert_eq!(
             d.pop(),
-            Some(3),
-            "{base}: the new first sighting goes first"
+            Some(2),
+            "{base}: probation is within its grown target"
         );
-        assert_eq!(d.pop(), Some(2), "{base}");
+        assert_eq!(d.pop(), Some(3), "{base}");
         d.check();
     }
+}
+
+#[test]
+fn tinylfu_probation_target_adapts_to_ghost_hits() {
+    let mut t = TinyLfu::new(Lru::new(4), 4);
+    let reg = registry();
+    let mut hashes = vec![SequenceHash::from_u128(0); 4];
+    let mut step = |t: &mut TinyLfu<Lru>, s: u32, id: u64, release: bool| {
+        hashes[s as usize] = h(id);
+        let ctx = EvictionCtx::new(&hashes, &reg);
+        t.on_register(s, &ctx);
+        if release {
+            t.on_release(s, &ctx);
+        }
+    };
+    // 0, 1 first sightings (probation); 2 seen twice (base)
+    reg.touch(h(2));
+    step(&mut t, 0, 0, true);
+    step(&mut t, 1, 1, true);
+    step(&mut t, 2, 2, true);
+    assert_eq!(t.probation_len(), 2);
+    assert_eq!(t.probation_target(), 0);
+    let hashes2 = vec![h(0), h(1), h(2), h(3)];
+    let ctx = EvictionCtx::new(&hashes2, &reg);
+    assert_eq!(t.pop_victim(&ctx, &|_| false), Some(0), "probation first");
+    assert_eq!(t.pop_victim(&ctx, &|_| false), Some(1));
+    assert_eq!(t.pop_victim(&ctx, &|_| false), Some(2));
+    // 0 returns while a probation ghost: probation grows
+    step(&mut t, 0, 0, false);
+    assert_eq!(t.probation_target(), 1);
+    // 2 returns while a base ghost: probation shrinks back
+    step(&mut t, 1, 2, false);
+    assert_eq!(t.probation_target(), 0);
 }
 
 #[test]

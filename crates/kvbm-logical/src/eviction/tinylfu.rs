@@ -1,13 +1,22 @@
-//! TinyLFU-style admission in front of any policy.
+//! TinyLFU-style admission in front of any policy, with an adaptive probation share.
 //!
 //! Every registration counts as one sighting in the registry's count-min sketch (matches
 //! count too, with `touch_on_match`). A block released while its frequency is below
 //! [`ADMIT_FREQUENCY`] (seen once: a first sighting) is *not admitted*: it waits in a
-//! probation FIFO that is evicted before the base policy's order, so one-off blocks cannot
-//! flush blocks that were reused. A probation block that is matched again is acquired, and on
-//! its next release (now seen twice) enters the base policy. Probation victims still respect
-//! the base's [`can_remove`](super::Eviction::can_remove) (with `lineage`: leaves only).
+//! probation FIFO, so one-off blocks cannot flush blocks that were reused. A probation block
+//! that is matched again is acquired, and on its next release (now seen twice) enters the
+//! base policy. Probation victims still respect the base's
+//! [`can_remove`](super::Eviction::can_remove) (with `lineage`: leaves only).
+//!
+//! How much room probation keeps adapts, ARC-style: probation is evicted first while it
+//! holds more than a target `p` (initially 0: pure admission), else the base is. Hashes
+//! evicted from probation and from the base are remembered in two ghost queues of
+//! `capacity` entries each. A registration whose hash is a probation ghost means first
+//! sightings were evicted too early: `p` grows by `max(1, |Gbase| / |Gprob|)`; a base ghost
+//! shrinks it by `max(1, |Gprob| / |Gbase|)`. Small caches thus filter one-off blocks
+//! hard, while large ones, whose first sightings live long enough to be reused, keep them.
 
+use super::ghost::Ghost;
 use super::list::Lists;
 use super::{Eviction, EvictionCtx, SlotStatus};
 
@@ -21,6 +30,11 @@ pub struct TinyLfu<B> {
     probation: Lists<1>,
     cold: Vec<bool>,
     from_probation: Vec<bool>,
+    probation_ghosts: Ghost,
+    base_ghosts: Ghost,
+    /// Target size of probation: above it, probation is evicted first.
+    p: usize,
+    capacity: usize,
 }
 
 impl<B: Eviction> TinyLfu<B> {
@@ -31,7 +45,32 @@ impl<B: Eviction> TinyLfu<B> {
             probation: Lists::new(capacity),
             cold: vec![false; capacity],
             from_probation: vec![false; capacity],
+            probation_ghosts: Ghost::new(capacity),
+            base_ghosts: Ghost::new(capacity),
+            p: 0,
+            capacity,
         }
+    }
+
+    /// The adaptive probation target.
+    pub fn probation_target(&self) -> usize {
+        self.p
+    }
+
+    fn pop_probation(
+        &mut self,
+        ctx: &EvictionCtx<'_>,
+        protected: &impl Fn(u32) -> bool,
+    ) -> Option<u32> {
+        let base = &self.base;
+        let s = self
+            .probation
+            .first_unskipped(0, &|s| protected(s) || !base.can_remove(s))?;
+        self.probation.unlink(s);
+        self.from_probation[s as usize] = true;
+        self.base.remove(s, ctx);
+        self.probation_ghosts.insert(ctx.hash(s));
+        Some(s)
     }
 
     /// The base policy.
@@ -47,7 +86,17 @@ impl<B: Eviction> TinyLfu<B> {
 
 impl<B: Eviction> Eviction for TinyLfu<B> {
     fn on_register(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        ctx.registry().touch(ctx.hash(slot));
+        let h = ctx.hash(slot);
+        ctx.registry().touch(h);
+        if self.probation_ghosts.contains(&h) {
+            let delta = (self.base_ghosts.len() / self.probation_ghosts.len()).max(1);
+            self.p = (self.p + delta).min(self.capacity);
+            self.probation_ghosts.remove(&h);
+        } else if self.base_ghosts.contains(&h) {
+            let delta = (self.probation_ghosts.len() / self.base_ghosts.len()).max(1);
+            self.p = self.p.saturating_sub(delta);
+            self.base_ghosts.remove(&h);
+        }
         self.cold[slot as usize] = false;
         self.base.on_register(slot, ctx);
     }
@@ -96,19 +145,17 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
         ctx: &EvictionCtx<'_>,
         protected: &impl Fn(u32) -> bool,
     ) -> Option<u32> {
-        let base = &self.base;
-        if let Some(s) = self
-            .probation
-            .first_unskipped(0, &|s| protected(s) || !base.can_remove(s))
+        if self.probation.len(0) > self.p
+            && let Some(s) = self.pop_probation(ctx, protected)
         {
-            self.probation.unlink(s);
-            self.from_probation[s as usize] = true;
-            self.base.remove(s, ctx);
             return Some(s);
         }
-        let s = self.base.pop_victim(ctx, protected)?;
-        self.from_probation[s as usize] = false;
-        Some(s)
+        if let Some(s) = self.base.pop_victim(ctx, protected) {
+            self.from_probation[s as usize] = false;
+            self.base_ghosts.insert(ctx.hash(s));
+            return Some(s);
+        }
+        self.pop_probation(ctx, protected)
     }
 
     fn remove(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
@@ -122,8 +169,12 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
 
     fn restore(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
         self.base.restore(slot, ctx);
+        let h = ctx.hash(slot);
         if self.from_probation[slot as usize] {
+            self.probation_ghosts.remove(&h);
             self.probation.push_front(slot, 0);
+        } else {
+            self.base_ghosts.remove(&h);
         }
     }
 

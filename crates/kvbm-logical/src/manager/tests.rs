@@ -228,6 +228,7 @@ fn matching_touches_the_registry() {
     let quiet = BlockManager::<G3>::builder()
         .block_count(2)
         .block_size(BS)
+        .eviction(EvictionBackend::Lru)
         .touch_on_match(false)
         .build()
         .unwrap();
@@ -654,7 +655,10 @@ fn config_serde_defaults() {
     let c: LogicalConfig = serde_json::from_str("{}").unwrap();
     assert_eq!(c, LogicalConfig::default());
     assert_eq!(c.block_size, 16);
-    assert_eq!(c.eviction, EvictionBackend::Lru.into());
+    assert_eq!(
+        c.eviction,
+        crate::EvictionPolicy::tinylfu(EvictionBackend::Lru)
+    );
     let c: LogicalConfig =
         serde_json::from_str(r#"{"eviction":"multi_lru","duplication":"reject"}"#).unwrap();
     assert_eq!(c.eviction, EvictionBackend::MultiLru.into());
