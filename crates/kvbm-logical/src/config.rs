@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::events::EventBatchConfig;
-use crate::hash::DEFAULT_BLOCK_SIZE;
+use crate::hash::{DEFAULT_BLOCK_SIZE, HashAlgorithm};
 use crate::registry::RegistryConfig;
 
 pub use crate::eviction::{Admission, EvictionBackend, EvictionPolicy};
@@ -45,6 +45,10 @@ pub struct LogicalConfig {
     /// Inactive-pool eviction policy by name (`lru`, `multi_lru`, `lineage`, `fifo`, `arc`,
     /// `s3fifo`, `belady`, or `tinylfu-<one of those>`). Default: `tinylfu-lru`.
     pub eviction: EvictionPolicy,
+    /// Block identity algorithm for sequences built for this tier: `xxh3` (fast, 64-bit) or
+    /// `blake3` (256-bit cryptographic digest; use it for tiers shared across processes or
+    /// tenants). Default: `xxh3`.
+    pub hash_algorithm: HashAlgorithm,
     /// Order in which slots freed by eviction are handed out. Default: `eviction_order`.
     pub free_slot_reuse: FreeSlotReuse,
     /// Duplicate registration policy. Default: `allow`.
@@ -63,6 +67,7 @@ impl Default for LogicalConfig {
         Self {
             block_size: DEFAULT_BLOCK_SIZE,
             eviction: EvictionPolicy::default(),
+            hash_algorithm: HashAlgorithm::default(),
             free_slot_reuse: FreeSlotReuse::default(),
             duplication: DuplicationPolicy::default(),
             touch_on_match: true,

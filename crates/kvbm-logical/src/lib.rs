@@ -21,7 +21,9 @@ pub use config::{DuplicationPolicy, FreeSlotReuse, LogicalConfig};
 pub use error::{BlockError, LogicalError};
 pub use events::{BlockEvent, BlockEventKind, EventBatchConfig, EventSink};
 pub use eviction::{Admission, EvictionBackend, EvictionPolicy};
-pub use hash::{Salt, SequenceHash, Token, TokenBlock, TokenBlockSequence};
+pub use hash::{
+    BlockDigest, HashAlgorithm, Salt, SequenceHash, Token, TokenBlock, TokenBlockSequence,
+};
 pub use manager::{Allocation, BlockManager, BlockManagerBuilder};
 pub use registry::{BlockRegistry, RegistryConfig};
 pub use store::{PoolCounts, ProtectSet};
