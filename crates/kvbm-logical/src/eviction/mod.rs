@@ -321,6 +321,10 @@ impl From<EvictionPolicy> for String {
 
 /// Any policy, chosen at run time by [`EvictionPolicy`]; static dispatch by `match`.
 #[derive(Debug)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per manager; the default policy stays inline to avoid a pointer chase"
+)]
 pub enum AnyEviction {
     /// [`Lru`].
     Lru(Lru),
@@ -336,6 +340,8 @@ pub enum AnyEviction {
     S3Fifo(Box<S3Fifo>),
     /// [`Belady`].
     Belady(Box<Belady>),
+    /// [`TinyLfu`] over [`Lru`] (the default policy, without a second dispatch).
+    TinyLfuLru(TinyLfu<Lru>),
     /// [`TinyLfu`] over another policy.
     TinyLfu(Box<TinyLfu<AnyEviction>>),
 }
@@ -343,6 +349,9 @@ pub enum AnyEviction {
 impl AnyEviction {
     /// Builds `policy` for slots `0..capacity`.
     pub fn new(policy: EvictionPolicy, capacity: usize) -> Self {
+        if policy == EvictionPolicy::tinylfu(EvictionBackend::Lru) {
+            return AnyEviction::TinyLfuLru(TinyLfu::new(Lru::new(capacity), capacity));
+        }
         let base = match policy.backend {
             EvictionBackend::Lru => AnyEviction::Lru(Lru::new(capacity)),
             EvictionBackend::MultiLru => AnyEviction::MultiLru(MultiLru::new(capacity)),
@@ -369,6 +378,7 @@ macro_rules! dispatch {
             AnyEviction::Arc($p) => $e,
             AnyEviction::S3Fifo($p) => $e,
             AnyEviction::Belady($p) => $e,
+            AnyEviction::TinyLfuLru($p) => $e,
             AnyEviction::TinyLfu($p) => $e,
         }
     };
