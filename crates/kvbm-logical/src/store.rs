@@ -68,6 +68,9 @@ pub(crate) struct Slot {
     pub(crate) primary: bool,
     /// Bumped at each registration; lets a `WeakBlock` detect slot reuse.
     pub(crate) generation: u32,
+    /// Matched (or upgraded) while already active since its last release: reported to the
+    /// policy as one `on_hit` before its next release.
+    hit: bool,
 }
 
 /// Counts of the pools (a consistent snapshot).
@@ -233,6 +236,7 @@ impl Store {
                 state: SlotState::Reset,
                 primary: false,
                 generation: 0,
+                hit: false,
             })
             .collect();
         Self {
@@ -412,6 +416,7 @@ impl Store {
         debug_assert_eq!(slot.state, SlotState::Held);
         slot.state = SlotState::Active;
         slot.primary = true;
+        slot.hit = false;
         slot.generation = slot.generation.wrapping_add(1);
         self.hashes[s as usize] = hash;
         self.held -= 1;
@@ -444,8 +449,11 @@ impl Store {
     /// one); the caller increments `refs[s]`.
     #[inline]
     pub(crate) fn acquire(&mut self, s: u32, registry: &BlockRegistry) {
-        if self.slots[s as usize].state == SlotState::Inactive {
+        let slot = &mut self.slots[s as usize];
+        if slot.state == SlotState::Inactive {
             self.inactive_remove(s, registry);
+        } else {
+            slot.hit = true;
         }
     }
 
@@ -491,10 +499,15 @@ impl Store {
             return;
         }
         if self.slots[s as usize].primary {
-            self.slots[s as usize].state = SlotState::Inactive;
+            let slot = &mut self.slots[s as usize];
+            slot.state = SlotState::Inactive;
+            let hit = std::mem::take(&mut slot.hit);
             self.active -= 1;
             self.inactive += 1;
             let ctx = EvictionCtx::new(&self.hashes, registry);
+            if hit {
+                self.policy.on_hit(s, &ctx);
+            }
             self.policy.on_release(s, &ctx);
         } else {
             self.slots[s as usize].state = SlotState::Reset;

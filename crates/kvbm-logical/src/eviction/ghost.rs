@@ -72,3 +72,59 @@ impl Ghost {
         None
     }
 }
+
+/// A direct-mapped set of ghost fingerprints: one `u64` per entry, `2 × capacity` entries
+/// (at least 1024, rounded up to a power of two), indexed by the hash. Inserting over another ghost replaces
+/// it (random rather than FIFO ageing). Every operation is one load or store, with no hashing
+/// and no allocation: the cheap ghost list of the default policy's admission filter.
+#[derive(Clone, Debug)]
+pub(crate) struct GhostFilter {
+    table: Box<[u64]>,
+    mask: usize,
+    len: usize,
+}
+
+impl GhostFilter {
+    pub(crate) fn new(capacity: usize) -> Self {
+        let n = (2 * capacity).max(1024).next_power_of_two();
+        Self {
+            table: vec![0; n].into_boxed_slice(),
+            mask: n - 1,
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn slot(&self, h: &SequenceHash) -> (usize, u64) {
+        let c = h.current() ^ (h.as_u128() as u64);
+        ((c >> 7) as usize & self.mask, c | 1)
+    }
+
+    /// Live ghosts (approximately: replaced ghosts are not counted twice).
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    pub(crate) fn insert(&mut self, h: SequenceHash) {
+        let (i, fp) = self.slot(&h);
+        if self.table[i] == 0 {
+            self.len += 1;
+        }
+        self.table[i] = fp;
+    }
+
+    /// Removes `h`; returns whether it was a ghost.
+    #[inline]
+    pub(crate) fn remove(&mut self, h: &SequenceHash) -> bool {
+        let (i, fp) = self.slot(h);
+        if self.table[i] == fp {
+            self.table[i] = 0;
+            self.len -= 1;
+            true
+        } else {
+            false
+        }
+    }
+}

@@ -117,6 +117,11 @@ pub trait Eviction: Send + 'static {
     fn on_release(&mut self, slot: u32, ctx: &EvictionCtx<'_>);
     /// Evictable `slot` was revived (a match or an upgrade): it is active.
     fn on_acquire(&mut self, slot: u32, ctx: &EvictionCtx<'_>);
+    /// Active `slot` was matched again (a hit that revived nothing), reported once before its
+    /// next `on_release`. Default: nothing.
+    fn on_hit(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
+        let _ = (slot, ctx);
+    }
     /// A recency touch of a registered slot, which is not a frequency hit. Default: nothing.
     fn on_touch(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
         let _ = (slot, ctx);
@@ -396,6 +401,10 @@ impl Eviction for AnyEviction {
     #[inline]
     fn on_acquire(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
         dispatch!(self, p => p.on_acquire(slot, ctx))
+    }
+    #[inline]
+    fn on_hit(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
+        dispatch!(self, p => p.on_hit(slot, ctx))
     }
     #[inline]
     fn on_touch(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {

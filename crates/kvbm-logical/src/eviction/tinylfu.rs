@@ -1,22 +1,24 @@
 //! TinyLFU-style admission in front of any policy, with an adaptive probation share.
 //!
 //! Every registration counts as one sighting in the registry's count-min sketch (matches
-//! count too, with `touch_on_match`). A block released while its frequency is below
-//! [`ADMIT_FREQUENCY`] (seen once: a first sighting) is *not admitted*: it waits in a
-//! probation FIFO, so one-off blocks cannot flush blocks that were reused. A probation block
-//! that is matched again is acquired, and on its next release (now seen twice) enters the
-//! base policy. Probation victims still respect the base's
+//! count too, with `touch_on_match`). A block whose frequency, read at its registration, is
+//! below [`ADMIT_FREQUENCY`] (a first sighting) and that is not matched again before its
+//! release is *not admitted*: it waits in a probation FIFO, so one-off blocks cannot flush
+//! blocks that were reused. Any later hit (a match reviving it, or a match while it is
+//! active) admits it: on its next release it enters the base policy. (Reading the sketch at
+//! registration, where its word is already in cache, rather than at release keeps the release
+//! path free of a random memory access.) Probation victims still respect the base's
 //! [`can_remove`](super::Eviction::can_remove) (with `lineage`: leaves only).
 //!
 //! How much room probation keeps adapts, ARC-style: probation is evicted first while it
 //! holds more than a target `p` (initially 0: pure admission), else the base is. Hashes
-//! evicted from probation and from the base are remembered in two ghost queues of
-//! `capacity` entries each. A registration whose hash is a probation ghost means first
+//! evicted from probation and from the base are remembered in two direct-mapped ghost
+//! filters of about `2 × capacity` fingerprints each (one load or store per operation). A registration whose hash is a probation ghost means first
 //! sightings were evicted too early: `p` grows by `max(1, |Gbase| / |Gprob|)`; a base ghost
 //! shrinks it by `max(1, |Gprob| / |Gbase|)`. Small caches thus filter one-off blocks
 //! hard, while large ones, whose first sightings live long enough to be reused, keep them.
 
-use super::ghost::Ghost;
+use super::ghost::GhostFilter;
 use super::list::Lists;
 use super::{Eviction, EvictionCtx, SlotStatus};
 
@@ -28,10 +30,13 @@ pub const ADMIT_FREQUENCY: u32 = 2;
 pub struct TinyLfu<B> {
     base: B,
     probation: Lists<1>,
+    /// Not admitted (yet): goes to probation on release.
     cold: Vec<bool>,
+    /// Released into probation (and not revived or evicted since).
+    in_probation: Vec<bool>,
     from_probation: Vec<bool>,
-    probation_ghosts: Ghost,
-    base_ghosts: Ghost,
+    probation_ghosts: GhostFilter,
+    base_ghosts: GhostFilter,
     /// Target size of probation: above it, probation is evicted first.
     p: usize,
     capacity: usize,
@@ -44,9 +49,10 @@ impl<B: Eviction> TinyLfu<B> {
             base,
             probation: Lists::new(capacity),
             cold: vec![false; capacity],
+            in_probation: vec![false; capacity],
             from_probation: vec![false; capacity],
-            probation_ghosts: Ghost::new(capacity),
-            base_ghosts: Ghost::new(capacity),
+            probation_ghosts: GhostFilter::new(capacity),
+            base_ghosts: GhostFilter::new(capacity),
             p: 0,
             capacity,
         }
@@ -67,6 +73,7 @@ impl<B: Eviction> TinyLfu<B> {
             .probation
             .first_unskipped(0, &|s| protected(s) || !base.can_remove(s))?;
         self.probation.unlink(s);
+        self.in_probation[s as usize] = false;
         self.from_probation[s as usize] = true;
         self.base.remove(s, ctx);
         self.probation_ghosts.insert(ctx.hash(s));
@@ -87,24 +94,31 @@ impl<B: Eviction> TinyLfu<B> {
 impl<B: Eviction> Eviction for TinyLfu<B> {
     fn on_register(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
         let h = ctx.hash(slot);
-        ctx.registry().touch(h);
-        if self.probation_ghosts.contains(&h) {
-            let delta = (self.base_ghosts.len() / self.probation_ghosts.len()).max(1);
+        let registry = ctx.registry();
+        registry.touch(h);
+        if self.probation_ghosts.remove(&h) {
+            let delta = (self.base_ghosts.len() / (self.probation_ghosts.len() + 1)).max(1);
             self.p = (self.p + delta).min(self.capacity);
-            self.probation_ghosts.remove(&h);
-        } else if self.base_ghosts.contains(&h) {
-            let delta = (self.probation_ghosts.len() / self.base_ghosts.len()).max(1);
+        } else if self.base_ghosts.remove(&h) {
+            let delta = (self.probation_ghosts.len() / (self.base_ghosts.len() + 1)).max(1);
             self.p = self.p.saturating_sub(delta);
-            self.base_ghosts.remove(&h);
         }
-        self.cold[slot as usize] = false;
+        // decided now (the sketch word is hot); a hit before the release admits it
+        self.cold[slot as usize] = registry.frequency(h) < ADMIT_FREQUENCY;
+        self.in_probation[slot as usize] = false;
         self.base.on_register(slot, ctx);
     }
 
     #[inline]
+    fn on_hit(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
+        self.cold[slot as usize] = false;
+        self.base.on_hit(slot, ctx);
+    }
+
+    #[inline]
     fn on_release(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        if ctx.registry().frequency(ctx.hash(slot)) < ADMIT_FREQUENCY {
-            self.cold[slot as usize] = true;
+        if self.cold[slot as usize] {
+            self.in_probation[slot as usize] = true;
             self.probation.push_back(slot, 0);
         } else {
             self.base.on_release(slot, ctx);
@@ -113,8 +127,10 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
 
     #[inline]
     fn on_acquire(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        if self.cold[slot as usize] {
-            self.cold[slot as usize] = false;
+        // a revival is a hit: admitted on its next release
+        self.cold[slot as usize] = false;
+        if self.in_probation[slot as usize] {
+            self.in_probation[slot as usize] = false;
             self.probation.unlink(slot);
         } else {
             self.base.on_acquire(slot, ctx);
@@ -122,7 +138,7 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
     }
 
     fn on_touch(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        if self.cold[slot as usize] {
+        if self.in_probation[slot as usize] {
             if self.probation.unlink(slot).is_some() {
                 self.probation.push_back(slot, 0);
             }
@@ -159,11 +175,12 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
     }
 
     fn remove(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        let cold = self.cold[slot as usize];
-        if cold {
+        let waiting = self.in_probation[slot as usize];
+        if waiting {
             self.probation.unlink(slot);
+            self.in_probation[slot as usize] = false;
         }
-        self.from_probation[slot as usize] = cold;
+        self.from_probation[slot as usize] = waiting;
         self.base.remove(slot, ctx);
     }
 
@@ -172,6 +189,7 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
         let h = ctx.hash(slot);
         if self.from_probation[slot as usize] {
             self.probation_ghosts.remove(&h);
+            self.in_probation[slot as usize] = true;
             self.probation.push_front(slot, 0);
         } else {
             self.base_ghosts.remove(&h);
@@ -182,24 +200,24 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
         self.probation.check()?;
         for s in 0..self.cold.len() as u32 {
             if self.probation.is_listed(s)
-                && !(self.cold[s as usize] && status(s) == SlotStatus::Evictable)
+                && !(self.in_probation[s as usize] && status(s) == SlotStatus::Evictable)
             {
                 return Err(format!(
                     "tinylfu: slot {s} in probation while {:?}",
                     status(s)
                 ));
             }
-            if self.cold[s as usize]
+            if self.in_probation[s as usize]
                 && status(s) == SlotStatus::Evictable
                 && !self.probation.is_listed(s)
             {
-                return Err(format!("tinylfu: cold slot {s} is not in probation"));
+                return Err(format!("tinylfu: waiting slot {s} is not in probation"));
             }
         }
-        // the base never saw cold blocks released: to it they are active
-        let cold = &self.cold;
+        // the base never saw probation blocks released: to it they are active
+        let waiting = &self.in_probation;
         self.base.check(&|s| match status(s) {
-            SlotStatus::Evictable if cold[s as usize] => SlotStatus::Active,
+            SlotStatus::Evictable if waiting[s as usize] => SlotStatus::Active,
             st => st,
         })
     }

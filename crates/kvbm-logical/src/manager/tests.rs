@@ -810,3 +810,20 @@ fn lineage_allocation_failure_evicts_nothing() {
     assert_eq!(m.match_blocks(&h).len(), 4);
     drop(leaf);
 }
+
+#[test]
+fn default_policy_admits_a_block_matched_while_active() {
+    let m = BlockManager::<G2>::builder()
+        .block_count(3)
+        .block_size(BS)
+        .build()
+        .unwrap();
+    assert_eq!(m.eviction_policy().to_string(), "tinylfu-lru");
+    let h = chain(11, 3);
+    let held = register(&m, &h); // three first sightings
+    drop(m.match_blocks(&h[..1])); // h[0] is hit while active
+    drop(held); // released h[0], h[1], h[2]: plain LRU would evict h[0] first
+    let a = m.allocate_blocks_with(2, &[] as &[SequenceHash]).unwrap();
+    assert_eq!(a.evicted, vec![h[1], h[2]], "first sightings go first");
+    m.check_invariants().unwrap();
+}
