@@ -326,10 +326,6 @@ impl From<EvictionPolicy> for String {
 
 /// Any policy, chosen at run time by [`EvictionPolicy`]; static dispatch by `match`.
 #[derive(Debug)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "one per manager; the default policy stays inline to avoid a pointer chase"
-)]
 pub enum AnyEviction {
     /// [`Lru`].
     Lru(Lru),

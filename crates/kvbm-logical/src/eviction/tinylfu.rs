@@ -25,16 +25,21 @@ use super::{Eviction, EvictionCtx, SlotStatus};
 /// Sightings a block needs, when released, to enter the base policy.
 pub const ADMIT_FREQUENCY: u32 = 2;
 
+/// Not admitted (yet): goes to probation on release.
+const COLD: u8 = 1;
+/// Released into probation (and not revived or evicted since).
+const WAITING: u8 = 2;
+/// Last taken from probation (by `pop_victim` or `remove`): `restore` puts it back there.
+const FROM_PROBATION: u8 = 4;
+
 /// The admission filter over a base policy `B`.
 #[derive(Debug)]
 pub struct TinyLfu<B> {
     base: B,
     probation: Lists<1>,
-    /// Not admitted (yet): goes to probation on release.
-    cold: Vec<bool>,
-    /// Released into probation (and not revived or evicted since).
-    in_probation: Vec<bool>,
-    from_probation: Vec<bool>,
+    /// Per slot: [`COLD`], [`WAITING`], [`FROM_PROBATION`] (one byte, one cache line for
+    /// all three).
+    flags: Vec<u8>,
     probation_ghosts: GhostFilter,
     base_ghosts: GhostFilter,
     /// Target size of probation: above it, probation is evicted first.
@@ -48,9 +53,7 @@ impl<B: Eviction> TinyLfu<B> {
         Self {
             base,
             probation: Lists::new(capacity),
-            cold: vec![false; capacity],
-            in_probation: vec![false; capacity],
-            from_probation: vec![false; capacity],
+            flags: vec![0; capacity],
             probation_ghosts: GhostFilter::new(capacity),
             base_ghosts: GhostFilter::new(capacity),
             p: 0,
@@ -73,8 +76,8 @@ impl<B: Eviction> TinyLfu<B> {
             .probation
             .first_unskipped(0, &|s| protected(s) || !base.can_remove(s))?;
         self.probation.unlink(s);
-        self.in_probation[s as usize] = false;
-        self.from_probation[s as usize] = true;
+        let f = &mut self.flags[s as usize];
+        *f = (*f & !WAITING) | FROM_PROBATION;
         self.base.remove(s, ctx);
         self.probation_ghosts.insert(ctx.hash(s));
         Some(s)
@@ -104,21 +107,25 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
             self.p = self.p.saturating_sub(delta);
         }
         // decided now (the sketch word is hot); a hit before the release admits it
-        self.cold[slot as usize] = registry.frequency(h) < ADMIT_FREQUENCY;
-        self.in_probation[slot as usize] = false;
+        self.flags[slot as usize] = if registry.frequency(h) < ADMIT_FREQUENCY {
+            COLD
+        } else {
+            0
+        };
         self.base.on_register(slot, ctx);
     }
 
     #[inline]
     fn on_hit(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        self.cold[slot as usize] = false;
+        self.flags[slot as usize] &= !COLD;
         self.base.on_hit(slot, ctx);
     }
 
     #[inline]
     fn on_release(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        if self.cold[slot as usize] {
-            self.in_probation[slot as usize] = true;
+        let f = &mut self.flags[slot as usize];
+        if *f & COLD != 0 {
+            *f |= WAITING;
             self.probation.push_back(slot, 0);
         } else {
             self.base.on_release(slot, ctx);
@@ -128,9 +135,10 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
     #[inline]
     fn on_acquire(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
         // a revival is a hit: admitted on its next release
-        self.cold[slot as usize] = false;
-        if self.in_probation[slot as usize] {
-            self.in_probation[slot as usize] = false;
+        let f = &mut self.flags[slot as usize];
+        let waiting = *f & WAITING != 0;
+        *f &= !(COLD | WAITING);
+        if waiting {
             self.probation.unlink(slot);
         } else {
             self.base.on_acquire(slot, ctx);
@@ -138,7 +146,7 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
     }
 
     fn on_touch(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        if self.in_probation[slot as usize] {
+        if self.flags[slot as usize] & WAITING != 0 {
             if self.probation.unlink(slot).is_some() {
                 self.probation.push_back(slot, 0);
             }
@@ -167,7 +175,7 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
             return Some(s);
         }
         if let Some(s) = self.base.pop_victim(ctx, protected) {
-            self.from_probation[s as usize] = false;
+            self.flags[s as usize] &= !FROM_PROBATION;
             self.base_ghosts.insert(ctx.hash(s));
             return Some(s);
         }
@@ -175,21 +183,22 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
     }
 
     fn remove(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
-        let waiting = self.in_probation[slot as usize];
+        let f = &mut self.flags[slot as usize];
+        let waiting = *f & WAITING != 0;
+        *f &= !(WAITING | FROM_PROBATION);
         if waiting {
+            *f |= FROM_PROBATION;
             self.probation.unlink(slot);
-            self.in_probation[slot as usize] = false;
         }
-        self.from_probation[slot as usize] = waiting;
         self.base.remove(slot, ctx);
     }
 
     fn restore(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
         self.base.restore(slot, ctx);
         let h = ctx.hash(slot);
-        if self.from_probation[slot as usize] {
+        if self.flags[slot as usize] & FROM_PROBATION != 0 {
             self.probation_ghosts.remove(&h);
-            self.in_probation[slot as usize] = true;
+            self.flags[slot as usize] |= WAITING;
             self.probation.push_front(slot, 0);
         } else {
             self.base_ghosts.remove(&h);
@@ -198,16 +207,16 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
 
     fn check(&self, status: &dyn Fn(u32) -> SlotStatus) -> Result<(), String> {
         self.probation.check()?;
-        for s in 0..self.cold.len() as u32 {
+        for s in 0..self.flags.len() as u32 {
             if self.probation.is_listed(s)
-                && !(self.in_probation[s as usize] && status(s) == SlotStatus::Evictable)
+                && !((self.flags[s as usize] & WAITING != 0) && status(s) == SlotStatus::Evictable)
             {
                 return Err(format!(
                     "tinylfu: slot {s} in probation while {:?}",
                     status(s)
                 ));
             }
-            if self.in_probation[s as usize]
+            if (self.flags[s as usize] & WAITING != 0)
                 && status(s) == SlotStatus::Evictable
                 && !self.probation.is_listed(s)
             {
@@ -215,9 +224,9 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
             }
         }
         // the base never saw probation blocks released: to it they are active
-        let waiting = &self.in_probation;
+        let flags = &self.flags;
         self.base.check(&|s| match status(s) {
-            SlotStatus::Evictable if waiting[s as usize] => SlotStatus::Active,
+            SlotStatus::Evictable if flags[s as usize] & WAITING != 0 => SlotStatus::Active,
             st => st,
         })
     }
