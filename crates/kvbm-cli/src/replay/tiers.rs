@@ -956,11 +956,25 @@ impl Tiers {
         if let Ok(v) = self.g1.manager.allocate_blocks(n) {
             return Ok(v);
         }
-        // G1 is full of blocks still being offloaded: wait for the lane, then retry.
+        // G1 is full of blocks still being offloaded (the lanes hold them until they are
+        // written below): wait for the outstanding offloads, oldest first, retrying after each
+        // round. (A settlement token would not do: it covers only dispatched batches.)
         let t = Instant::now();
-        if let Some(p) = &self.g1_to_g2 {
-            let token = p.settlement_token();
-            let _ = self.rt.block_on(p.wait_settled(&token));
+        loop {
+            let pending: Vec<TransferHandle> = std::mem::take(&mut *self.handles.lock());
+            if pending.is_empty() {
+                break;
+            }
+            for h in pending {
+                match self.rt.block_on(h.wait()) {
+                    Ok(r) => self.tally(&r),
+                    Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+                }
+            }
+            if let Ok(v) = self.g1.manager.allocate_blocks(n) {
+                self.times.g1_backpressure += t.elapsed().as_secs_f64();
+                return Ok(v);
+            }
         }
         let r = self.g1.manager.allocate_blocks(n).map_err(|e| {
             anyhow!(
@@ -1457,33 +1471,23 @@ impl Tiers {
     pub fn finish(&mut self) -> anyhow::Result<()> {
         let t = Instant::now();
         self.complete_prefetches(usize::MAX);
-        if let Some(p) = &self.g1_to_g2 {
-            let token = p.settlement_token();
-            let _ = self.rt.block_on(p.wait_settled(&token));
-        }
-        // Sink hand-offs waiting for room are enqueued before the lower lanes are waited for.
+        // Wait until the lanes are quiescent: every handle settled and every sink hand-off
+        // enqueued. A finishing G1→G2 batch hands its blocks on to G2→G3/G2→G4 from its sink,
+        // which adds handles (or hand-offs) while this waits, so loop until a round finds none.
         loop {
             let waiting: Vec<_> = std::mem::take(&mut *self.handoffs.lock());
-            if waiting.is_empty() {
+            let pending: Vec<TransferHandle> = std::mem::take(&mut *self.handles.lock());
+            if waiting.is_empty() && pending.is_empty() {
                 break;
             }
             for j in waiting {
                 let _ = self.rt.block_on(j);
             }
-        }
-        if let Some(p) = &self.g2_to_g3 {
-            let token = p.settlement_token();
-            let _ = self.rt.block_on(p.wait_settled(&token));
-        }
-        if let Some(p) = &self.g2_to_g4 {
-            let token = p.pipeline().settlement_token();
-            let _ = self.rt.block_on(p.pipeline().wait_settled(&token));
-        }
-        let pending: Vec<TransferHandle> = std::mem::take(&mut *self.handles.lock());
-        for h in pending {
-            match self.rt.block_on(h.wait()) {
-                Ok(r) => self.tally(&r),
-                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            for h in pending {
+                match self.rt.block_on(h.wait()) {
+                    Ok(r) => self.tally(&r),
+                    Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+                }
             }
         }
         if let Some(g3) = &self.g3 {
