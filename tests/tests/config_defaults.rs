@@ -144,6 +144,35 @@ fn physical_unknown_keys_are_rejected() {
 }
 
 #[test]
+fn whole_file_is_the_engine_default() {
+    // The engine's tree, read through its own loader (figment, deny_unknown_fields, validation).
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/kvbm.toml");
+    let parsed = kvbm_engine::ConfigBuilder::new()
+        .file(&path)
+        .expect("config/kvbm.toml exists")
+        .build()
+        .unwrap_or_else(|e| panic!("config/kvbm.toml does not load: {e}"));
+    assert_eq!(parsed, kvbm_engine::KvbmConfig::default());
+}
+
+#[test]
+fn tiering_example_parses() {
+    let spec: kvbm_tiering::OffloadingSpecConfig = toml::Value::Table(commented_section("tiering"))
+        .try_into()
+        .expect("[tiering] parses");
+    let defaults: kvbm_tiering::OffloadingSpecConfig =
+        toml::Value::Table(toml::Table::new()).try_into().unwrap();
+    assert_eq!(
+        kvbm_tiering::OffloadingSpecConfig {
+            num_chunks: None,
+            ..spec
+        },
+        defaults,
+        "[tiering] shows the defaults"
+    );
+}
+
+#[test]
 #[ignore = "prints the defaults as TOML, for updating config/kvbm.toml by hand"]
 fn print_defaults() {
     println!(
