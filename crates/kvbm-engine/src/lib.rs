@@ -2,6 +2,8 @@
 
 pub mod config;
 mod error;
+pub mod runtime;
 
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
+pub use runtime::{EventSource, KvbmRuntime, KvbmRuntimeBuilder, Role, RuntimeHandle};
