@@ -2,8 +2,10 @@
 
 pub mod config;
 mod error;
+pub mod leader;
 pub mod runtime;
 
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
+pub use leader::{BlockHolder, InstanceLeader, MatchedPrefix};
 pub use runtime::{EventSource, KvbmRuntime, KvbmRuntimeBuilder, Role, RuntimeHandle};
