@@ -32,6 +32,7 @@
 //! tier is searched, so no two tiers' locks are ever held together.
 
 mod holder;
+pub mod session;
 
 use std::sync::Arc;
 
@@ -40,6 +41,9 @@ use kvbm_logical::{
 };
 
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use session::{
+    FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
+};
 
 use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
@@ -267,6 +271,12 @@ impl InstanceLeader {
             }
         }
         out
+    }
+
+    /// Searches `hashes` ([`find_matches`](Self::find_matches)) and starts an onboarding
+    /// session holding the matched prefix (phase `Holding`).
+    pub fn begin_onboarding(&self, hashes: &[SequenceHash]) -> OnboardingSession {
+        OnboardingSession::new(self.find_matches(hashes))
     }
 }
 
