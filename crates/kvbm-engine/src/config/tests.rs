@@ -253,3 +253,20 @@ fn figment_jail_process_env() {
         Ok(())
     });
 }
+
+#[test]
+fn unknown_tier_message_reads_well() {
+    let file = toml_file("[leader]\nsearch = [\"G2\", \"G5\"]\n");
+    let e = ConfigBuilder::new()
+        .file(file.path())
+        .unwrap()
+        .build()
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with(
+            "leader.search.1: unknown tier `G5` (expected one of: G1, G2, G3, G4) (in "
+        ),
+        "{text}"
+    );
+}
