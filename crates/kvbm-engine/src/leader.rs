@@ -37,7 +37,7 @@ pub mod session;
 use std::sync::Arc;
 
 use kvbm_logical::{
-    BlockManager, BlockRegistry, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
+    BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
 };
 
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
@@ -140,17 +140,19 @@ fn manager<T: Tier>(
     blocks: usize,
     logical: &LogicalConfig,
     registry: &BlockRegistry,
+    sink: Option<&Arc<dyn EventSink>>,
 ) -> Result<Option<Arc<BlockManager<T>>>> {
     if blocks == 0 {
         return Ok(None);
     }
-    Ok(Some(Arc::new(
-        BlockManager::<T>::builder()
-            .block_count(blocks)
-            .config(logical.clone())
-            .registry(registry.clone())
-            .build()?,
-    )))
+    let mut builder = BlockManager::<T>::builder()
+        .block_count(blocks)
+        .config(logical.clone())
+        .registry(registry.clone());
+    if let Some(sink) = sink {
+        builder = builder.event_sink(sink.clone());
+    }
+    Ok(Some(Arc::new(builder.build()?)))
 }
 
 impl InstanceLeader {
@@ -166,15 +168,28 @@ impl InstanceLeader {
     /// [`EngineError::Logical`] when a manager rejects its settings; as
     /// [`InstanceLeaderBuilder::build`].
     pub fn from_config(config: &KvbmConfig) -> Result<Self> {
+        Self::from_config_with_sink(config, None)
+    }
+
+    /// As [`from_config`](Self::from_config), every manager publishing its stored/removed
+    /// events to `sink` (e.g. a [`pubsub::EventPublisher`](crate::pubsub::EventPublisher)).
+    ///
+    /// # Errors
+    /// As [`from_config`](Self::from_config).
+    pub fn from_config_with_sink(
+        config: &KvbmConfig,
+        sink: Option<Arc<dyn EventSink>>,
+    ) -> Result<Self> {
         let registry = BlockRegistry::with_config(&config.logical.registry);
+        let (l, s) = (&config.logical, sink.as_ref());
         let mut builder = Self::builder().search(config.leader.search.clone());
-        if let Some(m) = manager::<G2>(config.tiers.g2_blocks, &config.logical, &registry)? {
+        if let Some(m) = manager::<G2>(config.tiers.g2_blocks, l, &registry, s)? {
             builder = builder.g2(m);
         }
-        if let Some(m) = manager::<G3>(config.tiers.g3_blocks, &config.logical, &registry)? {
+        if let Some(m) = manager::<G3>(config.tiers.g3_blocks, l, &registry, s)? {
             builder = builder.g3(m);
         }
-        if let Some(m) = manager::<G4>(config.tiers.g4_blocks, &config.logical, &registry)? {
+        if let Some(m) = manager::<G4>(config.tiers.g4_blocks, l, &registry, s)? {
             builder = builder.g4(m);
         }
         builder.build()
@@ -186,7 +201,19 @@ impl InstanceLeader {
     /// # Errors
     /// As [`from_config`](Self::from_config).
     pub fn from_runtime(runtime: &RuntimeHandle) -> Result<Self> {
-        let leader = Self::from_config(runtime.config())?;
+        Self::from_runtime_with_sink(runtime, None)
+    }
+
+    /// As [`from_runtime`](Self::from_runtime), the managers publishing to `sink`; the
+    /// runtime's timer then bounds how long an idle tier holds a partial batch.
+    ///
+    /// # Errors
+    /// As [`from_config`](Self::from_config).
+    pub fn from_runtime_with_sink(
+        runtime: &RuntimeHandle,
+        sink: Option<Arc<dyn EventSink>>,
+    ) -> Result<Self> {
+        let leader = Self::from_config_with_sink(runtime.config(), sink)?;
         for source in leader.event_sources() {
             runtime.register_event_source(&source);
         }

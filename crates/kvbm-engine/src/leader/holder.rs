@@ -79,7 +79,7 @@ pub struct TierRun {
     pub len: usize,
 }
 
-/// The matched prefix of a search, held in place: see the [module docs](self).
+/// The matched prefix of a search, held in place: see [`BlockHolder`] and [`InstanceLeader::find_matches`](crate::leader::InstanceLeader::find_matches).
 #[derive(Debug, Default)]
 pub struct MatchedPrefix {
     pub(crate) g2: BlockHolder<G2>,

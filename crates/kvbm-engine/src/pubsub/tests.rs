@@ -124,3 +124,30 @@ fn two_instances_feed_one_index() {
     assert_eq!(pb.dropped_batches(), 0);
     runtime.shutdown();
 }
+
+#[test]
+fn a_leader_built_from_the_runtime_publishes_its_tiers_events() {
+    let runtime = KvbmRuntime::builder()
+        .set("events.idle_tick_ms", 1)
+        .set("logical.block_size", 4)
+        .set("logical.events.max_delay_ms", 1)
+        .set("tiers.g2_blocks", 8)
+        .build()
+        .unwrap();
+    let handle = runtime.handle();
+    let bus = Arc::new(InProcessBus::new(64));
+    let index = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index.clone(), &handle, bus.as_ref()).unwrap();
+    let publisher = EventPublisher::spawn(&handle, InstanceId(3), bus.clone()).unwrap();
+    let leader = crate::InstanceLeader::from_runtime_with_sink(&handle, Some(publisher)).unwrap();
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..12).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    store(leader.g2().unwrap(), &seq, 3);
+    // Nothing else touches the tier: only the runtime's timer can flush the partial batch.
+    assert!(
+        eventually(|| index.prefix_by_instance(&seq.hashes(), None) == vec![(InstanceId(3), 3)]),
+        "{:?}",
+        index.prefix_by_instance(&seq.hashes(), None)
+    );
+    runtime.shutdown();
+}
