@@ -5,6 +5,7 @@ mod error;
 pub mod leader;
 pub mod pubsub;
 pub mod runtime;
+pub mod worker;
 
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
