@@ -3,6 +3,7 @@
 pub mod config;
 mod error;
 pub mod leader;
+pub mod mover;
 pub mod pubsub;
 pub mod runtime;
 pub mod worker;

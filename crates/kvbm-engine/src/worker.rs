@@ -215,6 +215,11 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         }
     }
 
+    /// The manager destinations are allocated from.
+    pub fn destination(&self) -> &Arc<BlockManager<Dst>> {
+        &self.dst
+    }
+
     /// Moves `sources[i]` into `destinations[i]` on every rank; one outcome per block. A
     /// failed block's destination returns to its pool (after every rank settled); nothing of
     /// it is registered. A length mismatch fails every block without moving anything.

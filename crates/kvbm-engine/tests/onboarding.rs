@@ -10,6 +10,7 @@ use std::time::Duration;
 use kvbm_engine::leader::{
     FinishOutcome, InstanceLeader, OnboardingSession, Phase, SessionError, StagingMovers,
 };
+use kvbm_engine::mover::BlockMove;
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, SequenceHash, Tier,
     TokenBlockSequence,
@@ -170,18 +171,23 @@ async fn rig() -> Rig {
 impl Rig {
     fn movers(&self) -> StagingMovers {
         StagingMovers {
-            g3_to_g2: Some(BlockMover::new(
+            g3_to_g2: Some(Arc::new(BlockMover::new(
                 self.tm.clone(),
                 self.g3_h,
                 self.g2_h,
                 self.g2.clone(),
-            )),
+            ))),
             g4_to_g2: None,
         }
     }
 
-    fn onboard_mover(&self) -> BlockMover<G2, G1> {
-        BlockMover::new(self.tm.clone(), self.g2_h, self.g1_h, self.g1.clone())
+    fn onboard_mover(&self) -> Arc<dyn BlockMove<G2, G1>> {
+        Arc::new(BlockMover::new(
+            self.tm.clone(),
+            self.g2_h,
+            self.g1_h,
+            self.g1.clone(),
+        ))
     }
 }
 

@@ -171,7 +171,9 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
         .unwrap();
     let movers = || StagingMovers {
         g3_to_g2: None,
-        g4_to_g2: Some(BlockMover::new(tm.clone(), obj_h, g2_h, g2.clone()).keyed_source()),
+        g4_to_g2: Some(Arc::new(
+            BlockMover::new(tm.clone(), obj_h, g2_h, g2.clone()).keyed_source(),
+        )),
     };
 
     // 0..6: G2 0,1 + G4 2..6, every object present.
@@ -181,7 +183,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
     assert_eq!(session.phase(), Phase::Staged);
     session
         .onboard(
-            BlockMover::new(tm.clone(), g2_h, g1_h, g1.clone()),
+            Arc::new(BlockMover::new(tm.clone(), g2_h, g1_h, g1.clone())),
             g1.allocate_blocks(6).unwrap(),
         )
         .await

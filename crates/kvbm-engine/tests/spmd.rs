@@ -1,9 +1,12 @@
 //! SPMD workers on real storage: two ranks, each with its own transfer manager, host memory
 //! and O_DIRECT file, move every block on both ranks (bytes verified per rank); a block only
-//! rank 0 ever wrote fails for the whole group on the way back and is never registered.
+//! rank 0 ever wrote fails for the whole group on the way back and is never registered; and a
+//! leader with two workers in one process finds, holds, stages G3→G2 and onboards to G1
+//! through an onboarding session, bytes verified on each rank.
 
 use std::sync::Arc;
 
+use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
 use kvbm_engine::worker::{ParallelWorkers, PhysicalWorker, SpmdMover, SpmdParallelWorkers};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, Salt, Tier, TierId, TokenBlockSequence,
@@ -161,4 +164,107 @@ async fn two_ranks_down_to_disk_and_back_bytes_verified_per_rank() {
         N,
         "the failed destination went back too"
     );
+}
+
+fn zero_all(layout: &PhysicalLayout) {
+    let c = *layout.layout().config();
+    for b in 0..c.num_blocks {
+        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+            // SAFETY: host memory the test allocated; no transfer targets it now.
+            unsafe { std::ptr::write_bytes(addr as *mut u8, 0, len) };
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_and_two_workers_onboard_a_disk_prefix_bytes_verified_per_rank() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let ranks = [rank(0, dir.path()), rank(1, dir.path())];
+    let workers: Arc<dyn ParallelWorkers> =
+        Arc::new(SpmdParallelWorkers::new(ranks.to_vec()).unwrap());
+    let registry = BlockRegistry::new();
+    let g2 = manager::<G2>(&registry);
+    let g3 = manager::<G3>(&registry);
+    let g1 = manager::<G1>(&BlockRegistry::new());
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let hashes = seq.hashes();
+
+    // Blocks 0..6 computed in G2 on both ranks, offloaded to G3 on both ranks.
+    let complete = g2
+        .allocate_blocks(6)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    let on_g2 = g2.register_blocks(complete);
+    let expected: Vec<Vec<Vec<u8>>> = ranks
+        .iter()
+        .map(|w| {
+            let l = w
+                .transfer_manager()
+                .layout(w.layout(TierId::G2).unwrap())
+                .unwrap();
+            on_g2.iter().map(|b| bytes(&l, b.block_id())).collect()
+        })
+        .collect();
+    let down = SpmdMover::<G2, G3>::new(workers.clone(), g3.clone());
+    let out = down.move_from(&on_g2, g3.allocate_blocks(6).unwrap()).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    drop((out, on_g2));
+    // Evict from G2 and wipe every rank's host memory: what arrives in G1 can only come from
+    // the disks.
+    assert_eq!(g2.reset_inactive_pool(), 6);
+    for w in &ranks {
+        let l = w
+            .transfer_manager()
+            .layout(w.layout(TierId::G2).unwrap())
+            .unwrap();
+        zero_all(&l);
+    }
+
+    let leader = InstanceLeader::builder()
+        .g2(g2.clone())
+        .g3(g3.clone())
+        .build()
+        .unwrap();
+    let session = leader.begin_onboarding(&hashes);
+    assert_eq!(session.prefix_len(), 6);
+    session
+        .prepare(StagingMovers {
+            g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(
+                workers.clone(),
+                g2.clone(),
+            ))),
+            g4_to_g2: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(session.phase(), Phase::Staged);
+    session
+        .onboard(
+            Arc::new(SpmdMover::<G2, G1>::new(workers, g1.clone())),
+            g1.allocate_blocks(6).unwrap(),
+        )
+        .await
+        .unwrap();
+    let FinishOutcome::Finished(on_g1) = session.finish() else {
+        panic!("complete");
+    };
+    for (r, w) in ranks.iter().enumerate() {
+        let l = w
+            .transfer_manager()
+            .layout(w.layout(TierId::G1).unwrap())
+            .unwrap();
+        for (i, b) in on_g1.iter().enumerate() {
+            assert_eq!(b.sequence_hash(), hashes[i]);
+            assert_eq!(
+                bytes(&l, b.block_id()),
+                expected[r][i],
+                "rank {r} block {i}"
+            );
+        }
+    }
+    assert_ne!(expected[0], expected[1], "the ranks hold different bytes");
 }

@@ -6,7 +6,7 @@
 //! ```text
 //!  begin_onboarding: search (find_matches) ──► Holding ── prepare ──► Staging ──► Staged
 //!                                                 │                     │  G3→G2, G4→G2     │
-//!                                                 │                     │  (BlockMover)     │ onboard
+//!                                                 │                     │  (BlockMove)      │ onboard
 //!                                                 │                     v                   v
 //!                                                 │                  Failed ◄──────── Onboarding
 //!                                                 │                     ^            G2→G1  │
@@ -44,11 +44,11 @@
 use std::sync::Arc;
 
 use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, TierId};
-use kvbm_offload::{BlockFailure, BlockMover, MoveOutcome};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use super::holder::MatchedPrefix;
+use crate::mover::{BlockMove, Moved};
 
 /// Where a session is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -135,14 +135,15 @@ pub enum FinishOutcome {
     NotReady(Phase),
 }
 
-/// The movers staging needs: one per lower tier present in the prefix. Their destination must
-/// be the leader's G2 manager.
+/// The movers staging needs: one per lower tier present in the prefix, in-process
+/// (`kvbm_offload::BlockMover`) or across ranks (`SpmdMover`). Their destination must be the
+/// leader's G2 manager.
 #[derive(Default)]
 pub struct StagingMovers {
     /// G3 → G2.
-    pub g3_to_g2: Option<BlockMover<G3, G2>>,
-    /// G4 → G2 (a keyed object source).
-    pub g4_to_g2: Option<BlockMover<G4, G2>>,
+    pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
+    /// G4 → G2 (for an object layout, a keyed source).
+    pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
 }
 
 #[derive(Default)]
@@ -197,12 +198,9 @@ impl std::fmt::Debug for OnboardingSession {
     }
 }
 
-fn first_failure<T>(outcomes: &[MoveOutcome<T>]) -> Option<(usize, String)>
-where
-    T: kvbm_logical::Tier,
-{
-    let failed: Vec<&BlockFailure> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
-    failed.first().map(|f| (failed.len(), f.to_string()))
+fn first_failure<T: kvbm_logical::Tier>(outcomes: &[Moved<T>]) -> Option<(usize, String)> {
+    let failed: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+    failed.first().map(|f| (failed.len(), (*f).clone()))
 }
 
 impl OnboardingSession {
@@ -329,11 +327,11 @@ impl OnboardingSession {
                 matched.g4().blocks(),
             );
             let mut out3 = match &movers.g3_to_g2 {
-                Some(m) if !g3.is_empty() => m.move_from(g3, d3).await,
+                Some(m) if !g3.is_empty() => m.move_blocks(g3, d3).await,
                 _ => Vec::new(),
             };
             let mut out4 = match &movers.g4_to_g2 {
-                Some(m) if !g4.is_empty() => m.move_from(g4, d4).await,
+                Some(m) if !g4.is_empty() => m.move_blocks(g4, d4).await,
                 _ => Vec::new(),
             };
             let failure = first_failure(&out3).or_else(|| first_failure(&out4));
@@ -417,7 +415,7 @@ impl OnboardingSession {
     /// released, no G1 block counted); [`SessionError::Aborted`].
     pub async fn onboard(
         &self,
-        mover: BlockMover<G2, G1>,
+        mover: Arc<dyn BlockMove<G2, G1>>,
         destinations: Vec<MutableBlock<G1>>,
     ) -> Result<(), SessionError> {
         self.begin(Phase::Staged, Phase::Onboarding)?;
@@ -437,7 +435,7 @@ impl OnboardingSession {
         };
         let shared = self.shared.clone();
         let task = tokio::spawn(async move {
-            let out = mover.move_from(&staged, destinations).await;
+            let out = mover.move_blocks(&staged, destinations).await;
             let failure = first_failure(&out);
             let failed = out.iter().filter(|o| o.is_err()).count();
             let mut s = shared.state.lock();
