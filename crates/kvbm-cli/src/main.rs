@@ -1,11 +1,24 @@
 //! The `kvbm` command line.
 //!
-//! `kvbm replay` replays a request trace through the tiered cache; `kvbm bench` runs benchmarks.
-//! Until the replay issue lands, `replay` says so plainly instead of pretending to work.
+//! * `kvbm replay` replays a request trace (or the built-in synthetic multi-turn workload)
+//!   through G1..G4 with real bytes, real transfers and verification (see [`replay`]);
+//! * `kvbm bench` measures each data path against a raw baseline in the same run ([`mod@bench`]);
+//! * `kvbm config show` prints the merged configuration and where each value came from
+//!   ([`config`]).
+//!
+//! Errors are printed as one message (with its causes) and exit with status 1; usage errors
+//! exit with status 2 (clap). Nothing panics on bad input.
 
+mod bench;
+mod config;
+mod metrics_http;
+mod replay;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Map, Value, json};
 
 /// kvbm: a multi-tier KV-cache block manager for LLM inference.
 #[derive(Debug, Parser)]
@@ -17,27 +30,223 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Replay a request trace through the tiered cache (embedded default trace when none is given).
+    /// Replay a request trace through the tiered cache (built-in synthetic workload when no
+    /// --trace is given).
     Replay {
-        /// Path to a Mooncake-format JSONL trace; the embedded default is used when omitted.
+        #[command(flatten)]
+        flags: ReplayFlags,
+        /// Print one JSON object instead of the table.
         #[arg(long)]
-        trace: Option<std::path::PathBuf>,
+        json: bool,
+        /// Serve Prometheus metrics on this address while running (e.g. 127.0.0.1:9464).
+        #[arg(long, value_name = "ADDR")]
+        metrics_addr: Option<String>,
+        /// Run N engine instances sharing G4 (needs kvbm-engine; not available yet).
+        #[arg(long, value_name = "N")]
+        instances: Option<usize>,
+        /// NATS server for --instances.
+        #[arg(long, value_name = "URL")]
+        nats_url: Option<String>,
+    },
+    /// Measure the data paths against raw baselines measured in the same run.
+    Bench {
+        /// Which path: host, disk, object, tiering or all.
+        #[arg(default_value = "all")]
+        which: bench::Which,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Directory for the disk benchmark's files (default: a temporary directory).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        #[command(flatten)]
+        flags: ReplayFlags,
+    },
+    /// Configuration commands.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
     },
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Print the merged configuration and where each value came from (secrets redacted).
+    Show {
+        #[command(flatten)]
+        flags: ReplayFlags,
+    },
+}
+
+/// Flags that override the configuration (shared by replay, bench and config show).
+#[derive(Debug, Args, Default)]
+struct ReplayFlags {
+    /// TOML configuration file (e.g. config/kvbm.toml).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Seed of the synthetic workload.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Number of requests (synthetic), or the first N of the trace.
+    #[arg(long, value_name = "N")]
+    requests: Option<usize>,
+    /// G1 capacity in blocks.
+    #[arg(long, value_name = "N")]
+    g1_blocks: Option<usize>,
+    /// G2 capacity in blocks (0 disables G2, G3 and G4).
+    #[arg(long, value_name = "N")]
+    g2_blocks: Option<usize>,
+    /// G3 capacity in blocks (0 disables G3).
+    #[arg(long, value_name = "N")]
+    g3_blocks: Option<usize>,
+    /// Enable G4 (local-filesystem object store, or S3 with --s3-endpoint).
+    #[arg(long)]
+    g4: bool,
+    /// S3 endpoint for G4 (credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).
+    #[arg(long, value_name = "URL")]
+    s3_endpoint: Option<String>,
+    /// S3 bucket for G4.
+    #[arg(long, value_name = "BUCKET")]
+    s3_bucket: Option<String>,
+    /// Bytes per block (a multiple of 4096).
+    #[arg(long, value_name = "BYTES")]
+    block_bytes: Option<usize>,
+    /// Keep G3 in this directory (a second run starts warm).
+    #[arg(long, value_name = "DIR")]
+    g3_dir: Option<PathBuf>,
+    /// Keep the local G4 store in this directory (a second run starts warm).
+    #[arg(long, value_name = "DIR")]
+    g4_dir: Option<PathBuf>,
+    /// Eviction policy of every tier: lru, multi_lru, lineage, fifo.
+    #[arg(long, value_name = "NAME")]
+    eviction_policy: Option<String>,
+    /// 0: as fast as possible; 1.0: honour the trace's timestamps.
+    #[arg(long, value_name = "X")]
+    time_scale: Option<f64>,
+}
+
+impl ReplayFlags {
+    /// The flags given, as a configuration tree (for figment's "flag" layer).
+    fn to_tree(&self) -> Value {
+        let mut r = Map::new();
+        let mut put = |k: &str, v: Option<Value>| {
+            if let Some(v) = v {
+                r.insert(k.into(), v);
+            }
+        };
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| json!(p));
+        put("trace", path(&self.trace));
+        put("seed", self.seed.map(|v| json!(v)));
+        put("requests", self.requests.map(|v| json!(v)));
+        put("g1_blocks", self.g1_blocks.map(|v| json!(v)));
+        put("g2_blocks", self.g2_blocks.map(|v| json!(v)));
+        put("g3_blocks", self.g3_blocks.map(|v| json!(v)));
+        put("g4", self.g4.then_some(json!(true)));
+        put("block_bytes", self.block_bytes.map(|v| json!(v)));
+        put("g3_dir", path(&self.g3_dir));
+        put("g4_dir", path(&self.g4_dir));
+        put("time_scale", self.time_scale.map(|v| json!(v)));
+        let mut s3 = Map::new();
+        if let Some(e) = &self.s3_endpoint {
+            s3.insert("endpoint".into(), json!(e));
+        }
+        if let Some(b) = &self.s3_bucket {
+            s3.insert("bucket".into(), json!(b));
+        }
+        if !s3.is_empty() {
+            r.insert("s3".into(), Value::Object(s3));
+        }
+        let mut tree = Map::new();
+        tree.insert("replay".into(), Value::Object(r));
+        if let Some(e) = &self.eviction_policy {
+            tree.insert("logical".into(), json!({ "eviction": e }));
+        }
+        Value::Object(tree)
+    }
+
+    fn load(&self) -> anyhow::Result<config::Loaded> {
+        config::load(self.config.as_deref(), self.to_tree())
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVBM_LOG").unwrap_or_else(|_| {
+        // Pinning refused by RLIMIT_MEMLOCK is expected on most desktops: not worth a line.
+        tracing_subscriber::EnvFilter::new("warn,kvbm_physical::storage::host=error")
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Replay { trace } => {
-            let which = trace
-                .as_deref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|| "the embedded default trace".to_string());
-            eprintln!(
-                "kvbm replay: not yet built. Trace replay over {which} arrives with the replay issue; \
-                 the layers it needs (logical, physical, offload) are being built first."
-            );
-            ExitCode::from(2)
+        Command::Replay {
+            flags,
+            json,
+            metrics_addr,
+            instances,
+            nats_url,
+        } => {
+            if instances.is_some_and(|n| n > 1) || nats_url.is_some() {
+                anyhow::bail!(
+                    "--instances and --nats-url need the kvbm-engine runtime (leader/workers, NATS events), which has not landed yet; run a single instance"
+                );
+            }
+            let loaded = flags.load()?;
+            if let Some(addr) = &metrics_addr {
+                metrics_http::serve(addr)?;
+            }
+            let report = replay::run(&loaded.config)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.table());
+            }
+            Ok(())
+        }
+        Command::Bench {
+            which,
+            json,
+            dir,
+            flags,
+        } => {
+            let loaded = flags.load()?;
+            let out = bench::run(which, dir.as_deref(), &loaded.config)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                print!("{}", out.table());
+            }
+            Ok(())
+        }
+        Command::Config {
+            command: ConfigCommand::Show { flags },
+        } => {
+            let loaded = flags.load()?;
+            print!("{}", loaded.show()?);
+            Ok(())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    // A bug must still end in one line, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("kvbm: internal error (a bug, please report it): {info}");
+    }));
+    init_logging();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvbm: error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -84,6 +84,9 @@ pub struct KvbmConfig {
     pub metrics: MetricsConfig,
     /// Leader/worker control plane and block data plane.
     pub transport: TransportConfig,
+    /// `[replay]`: owned by `kvbm-cli` (a layer above this crate), which parses and validates
+    /// it; carried here unparsed so one file configures both. Absent by default.
+    pub replay: Option<Value>,
 }
 
 /// `[runtime]`: the tokio runtime the engine builds when it is not given a handle.

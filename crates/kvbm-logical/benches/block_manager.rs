@@ -9,24 +9,37 @@
 //! - `bulk_drop`: dropping a `Vec<ImmutableBlock>` of n (each block goes inactive).
 //! - `alloc_register`: allocate + complete + register 128 blocks (evicting the previous
 //!   iteration's inactive blocks), then drop them.
+//! - `sequence_hash`: hashing a 128-block token sequence (16 tokens per block) with xxh3 and
+//!   with BLAKE3 (the cryptographic identity for shared tiers); reported per block.
+//!
+//! Besides Dynamo's four backends, the rows cover `arc`, `s3fifo` and the default policy
+//! `tinylfu_lru` (`tinylfu-lru`).
 //!
 //! Run: `cargo bench -p kvbm-logical` (or `cargo xtask bench logical`).
 
 use std::hint::black_box;
 
+use criterion::Throughput;
 use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvbm_logical::{
-    BlockManager, EvictionBackend, G2, ImmutableBlock, Salt, SequenceHash, TokenBlockSequence,
+    BlockManager, EvictionBackend, EvictionPolicy, G2, HashAlgorithm, ImmutableBlock, Salt,
+    SequenceHash, TokenBlockSequence,
 };
 
 const BLOCK_SIZE: u32 = 4;
 const SIZES: [usize; 3] = [8, 32, 128];
 
-const BACKENDS: &[(&str, EvictionBackend)] = &[
-    ("lru", EvictionBackend::Lru),
-    ("multi_lru", EvictionBackend::MultiLru),
-    ("lineage", EvictionBackend::Lineage),
-    ("fifo", EvictionBackend::Fifo),
+const BACKENDS: &[(&str, EvictionPolicy)] = &[
+    ("lru", EvictionPolicy::plain(EvictionBackend::Lru)),
+    (
+        "multi_lru",
+        EvictionPolicy::plain(EvictionBackend::MultiLru),
+    ),
+    ("lineage", EvictionPolicy::plain(EvictionBackend::Lineage)),
+    ("fifo", EvictionPolicy::plain(EvictionBackend::Fifo)),
+    ("arc", EvictionPolicy::plain(EvictionBackend::Arc)),
+    ("s3fifo", EvictionPolicy::plain(EvictionBackend::S3Fifo)),
+    ("tinylfu_lru", EvictionPolicy::tinylfu(EvictionBackend::Lru)),
 ];
 
 fn hashes(n: usize) -> Vec<SequenceHash> {
@@ -36,11 +49,11 @@ fn hashes(n: usize) -> Vec<SequenceHash> {
         .hashes()
 }
 
-fn manager(n: usize, backend: EvictionBackend) -> BlockManager<G2> {
+fn manager(n: usize, backend: EvictionPolicy) -> BlockManager<G2> {
     BlockManager::<G2>::builder()
         .block_count(n)
         .block_size(BLOCK_SIZE)
-        .eviction(backend)
+        .policy(backend)
         .build()
         .unwrap()
 }
@@ -57,7 +70,7 @@ fn register(m: &BlockManager<G2>, hashes: &[SequenceHash]) -> Vec<ImmutableBlock
 
 fn build_chain(
     n: usize,
-    backend: EvictionBackend,
+    backend: EvictionPolicy,
 ) -> (BlockManager<G2>, Vec<SequenceHash>, Vec<ImmutableBlock<G2>>) {
     let m = manager(n, backend);
     let h = hashes(n);
@@ -125,8 +138,31 @@ fn bench_alloc_register(c: &mut Criterion) {
     group.finish();
 }
 
+fn bench_sequence_hash(c: &mut Criterion) {
+    let mut group = c.benchmark_group("sequence_hash");
+    let blocks = 128u32;
+    let bs = 16u32;
+    let tokens: Vec<u32> = (0..blocks * bs)
+        .map(|t| t.wrapping_mul(2_654_435_761))
+        .collect();
+    group.throughput(Throughput::Elements(blocks as u64));
+    for (name, alg) in [
+        ("xxh3", HashAlgorithm::Xxh3),
+        ("blake3", HashAlgorithm::Blake3),
+    ] {
+        group.bench_with_input(BenchmarkId::new(name, bs), &bs, |b, _| {
+            b.iter(|| {
+                TokenBlockSequence::from_tokens_with(black_box(&tokens), bs, Salt::NONE, alg)
+                    .unwrap()
+            });
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
+    bench_sequence_hash,
     bench_match_blocks_active_hit,
     bench_match_blocks_inactive_hit,
     bench_bulk_drop,

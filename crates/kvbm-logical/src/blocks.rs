@@ -289,7 +289,7 @@ impl<T: Tier> WeakBlock<T> {
             let mut store = core.store.lock();
             let slot = &store.slots[self.id as usize];
             let same = slot.generation == self.generation
-                && slot.hash == self.hash
+                && store.hashes[self.id as usize] == self.hash
                 && matches!(
                     slot.state,
                     crate::store::SlotState::Active | crate::store::SlotState::Inactive
@@ -299,7 +299,7 @@ impl<T: Tier> WeakBlock<T> {
             } else {
                 store.lookup(&self.hash)?
             };
-            store.acquire(id);
+            store.acquire(id, &core.registry);
             let previous = core.refs[id as usize].fetch_add(1, Ordering::Relaxed);
             (id, store.slots[id as usize].generation, previous)
         };

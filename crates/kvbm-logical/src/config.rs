@@ -6,26 +6,22 @@
 use serde::{Deserialize, Serialize};
 
 use crate::events::EventBatchConfig;
-use crate::hash::DEFAULT_BLOCK_SIZE;
+use crate::hash::{DEFAULT_BLOCK_SIZE, HashAlgorithm};
 use crate::registry::RegistryConfig;
 
-/// Which eviction order the inactive pool uses.
+pub use crate::eviction::{Admission, EvictionBackend, EvictionPolicy};
+
+/// In which order an allocation hands out the slots it freed by eviction.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum EvictionBackend {
-    /// Least recently released first.
+pub enum FreeSlotReuse {
+    /// In eviction order (first evicted, first handed out).
     #[default]
-    Lru,
-    /// Four LRU levels by registry frequency (thresholds 3, 8, 15): the lowest non-empty level
-    /// is evicted first, least recently released first within a level.
-    MultiLru,
-    /// Leaves first: never a block whose child is still cached in this tier (a prefix match
-    /// stops at the first missing block, so evicting a parent would strand its children).
-    /// Least recently released leaf first; a parent freed by evicting its last child is queued
-    /// as the next victim, so stale chains are consumed from the tail.
-    Lineage,
-    /// First registered, first evicted, regardless of reuse.
-    Fifo,
+    EvictionOrder,
+    /// Last in, first out: as if each evicted slot were pushed on the free stack and popped
+    /// back, so the last evicted slot is handed out first (vLLM's CPU offloading manager).
+    /// Released unregistered slots are always reused LIFO.
+    Lifo,
 }
 
 /// What `register_blocks` does when a block with the same hash is already registered.
@@ -46,8 +42,15 @@ pub enum DuplicationPolicy {
 pub struct LogicalConfig {
     /// Tokens per block: a power of two in `1..=1024`. Default: 16.
     pub block_size: u32,
-    /// Inactive-pool eviction order. Default: `lru`.
-    pub eviction: EvictionBackend,
+    /// Inactive-pool eviction policy by name (`lru`, `multi_lru`, `lineage`, `fifo`, `arc`,
+    /// `s3fifo`, `belady`, or `tinylfu-<one of those>`). Default: `tinylfu-lru`.
+    pub eviction: EvictionPolicy,
+    /// Block identity algorithm for sequences built for this tier: `xxh3` (fast, 64-bit) or
+    /// `blake3` (256-bit cryptographic digest; use it for tiers shared across processes or
+    /// tenants). Default: `xxh3`.
+    pub hash_algorithm: HashAlgorithm,
+    /// Order in which slots freed by eviction are handed out. Default: `eviction_order`.
+    pub free_slot_reuse: FreeSlotReuse,
     /// Duplicate registration policy. Default: `allow`.
     pub duplication: DuplicationPolicy,
     /// Whether `match_blocks`/`scan_matches` record a registry touch per matched block.
@@ -63,7 +66,9 @@ impl Default for LogicalConfig {
     fn default() -> Self {
         Self {
             block_size: DEFAULT_BLOCK_SIZE,
-            eviction: EvictionBackend::default(),
+            eviction: EvictionPolicy::default(),
+            hash_algorithm: HashAlgorithm::default(),
+            free_slot_reuse: FreeSlotReuse::default(),
             duplication: DuplicationPolicy::default(),
             touch_on_match: true,
             events: EventBatchConfig::default(),

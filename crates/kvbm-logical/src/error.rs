@@ -32,6 +32,14 @@ pub enum LogicalError {
     /// The builder was given an invalid or missing setting.
     #[error("invalid block manager configuration: {0}")]
     InvalidConfig(String),
+    /// A token sequence would exceed the positions a [`SequenceHash`] can carry.
+    #[error("token sequence too long: {blocks} blocks, at most {max_blocks} fit a sequence hash")]
+    SequenceTooLong {
+        /// Complete blocks the sequence would have held.
+        blocks: usize,
+        /// The most complete blocks a sequence can hold (2^20).
+        max_blocks: usize,
+    },
     /// A hash computed for another block size was offered to a manager.
     #[error("sequence hash {hash:?} is for block size {actual}, the manager uses {expected}")]
     BlockSizeMismatch {

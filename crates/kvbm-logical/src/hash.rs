@@ -20,10 +20,27 @@
 //! against its parent ([`SequenceHash::is_child_of`]). The values are stable across processes,
 //! platforms and releases (a golden-value test pins them); changing the scheme is a breaking
 //! change of every persisted key.
+//!
+//! # Cryptographic identity ([`HashAlgorithm::Blake3`])
+//!
+//! `xxh3_64` is fast but not collision resistant: a tenant who knows the salt can craft a
+//! block whose 64-bit chain value collides with another tenant's prefix. For tiers shared
+//! across processes or tenants (G3 files, G4 objects), build sequences with
+//! [`HashAlgorithm::Blake3`]: every block then also carries a 256-bit [`BlockDigest`],
+//!
+//! ```text
+//!   digest(i) = BLAKE3(DOMAIN_TAG | salt | position | block_size | digest(i-1) or 0^32 | tokens LE)
+//! ```
+//!
+//! chained over the full 256 bits, and its [`SequenceHash`] takes `current` from the
+//! digest's first 8 bytes (so indexing, lineage and prefix matching work unchanged). Use the
+//! digest (or its 128-bit [`BlockDigest::as_u128`] prefix) as the key and header identity of
+//! blocks that leave the process. It costs more per block than xxh3 (see the logical bench).
 
 use std::fmt;
 use std::hash::{BuildHasher, Hash, Hasher};
 
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::LogicalError;
@@ -48,6 +65,81 @@ pub const MIN_BLOCK_SIZE: u32 = 1;
 pub const MAX_BLOCK_SIZE: u32 = 1024;
 /// The default block size, in tokens.
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// Domain tag of BLAKE3 block digests (version 1 of the scheme).
+const BLAKE3_TAG: &[u8; 16] = b"kvbm-seq-blake3\x01";
+
+/// Which function chains block identities.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HashAlgorithm {
+    /// `xxh3_64` chain (64-bit, not collision resistant): the default for tiers private to
+    /// one process and trusted inputs.
+    #[default]
+    Xxh3,
+    /// BLAKE3 chain over 256-bit digests: the default for tiers shared across processes or
+    /// tenants (G3, G4), where a crafted collision could serve one tenant another's KV.
+    Blake3,
+}
+
+/// A 256-bit BLAKE3 block identity (see the [module docs](self)).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BlockDigest(pub [u8; 32]);
+
+impl BlockDigest {
+    /// The digest's first 16 bytes as a big-endian `u128` (a 128-bit identity).
+    pub fn as_u128(&self) -> u128 {
+        u128::from_be_bytes(self.0[..16].try_into().expect("16 bytes"))
+    }
+
+    /// The digest bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for BlockDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockDigest({self})")
+    }
+}
+
+impl fmt::Display for BlockDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+fn blake3_digest(
+    salt: Salt,
+    position: u32,
+    parent: Option<&BlockDigest>,
+    tokens: &[Token],
+) -> BlockDigest {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(BLAKE3_TAG);
+    hasher.update(&salt.value().to_le_bytes());
+    hasher.update(&position.to_le_bytes());
+    hasher.update(&(tokens.len() as u32).to_le_bytes());
+    hasher.update(parent.map_or(&[0u8; 32], |p| &p.0));
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: `u32` has no padding and every byte pattern is a valid `u8`; the slice covers
+        // exactly the tokens' memory, which lives as long as `tokens`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+        };
+        hasher.update(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for t in tokens {
+        hasher.update(&t.to_le_bytes());
+    }
+    BlockDigest(*hasher.finalize().as_bytes())
+}
 
 /// Checks that `block_size` is a power of two in `1..=1024`.
 ///
@@ -120,10 +212,49 @@ impl SequenceHash {
         Self::compute(self.current(), fragment(self.current()), position, tokens)
     }
 
+    /// The BLAKE3 identity of the first block (position 0): its digest and hash.
+    ///
+    /// # Panics
+    /// If `tokens.len()` is not a valid block size.
+    pub fn root_blake3(salt: Salt, tokens: &[Token]) -> (Self, BlockDigest) {
+        let digest = blake3_digest(salt, 0, None, tokens);
+        (Self::pack(digest_current(&digest), 0, 0, tokens), digest)
+    }
+
+    /// The BLAKE3 identity of the block following `self` (whose digest is `parent`).
+    ///
+    /// # Panics
+    /// As [`child`](Self::child).
+    pub fn child_blake3(
+        &self,
+        salt: Salt,
+        parent: &BlockDigest,
+        tokens: &[Token],
+    ) -> (Self, BlockDigest) {
+        assert_eq!(
+            tokens.len(),
+            self.block_size() as usize,
+            "a child block must have its parent's block size"
+        );
+        let position = self.position() + 1;
+        assert!(position <= MAX_POSITION, "sequence position overflow");
+        let digest = blake3_digest(salt, position, Some(parent), tokens);
+        let hash = Self::pack(
+            digest_current(&digest),
+            fragment(self.current()),
+            position,
+            tokens,
+        );
+        (hash, digest)
+    }
+
     fn compute(seed: u64, parent_fragment: u64, position: u32, tokens: &[Token]) -> Self {
+        Self::pack(hash_tokens(tokens, seed), parent_fragment, position, tokens)
+    }
+
+    fn pack(current: u64, parent_fragment: u64, position: u32, tokens: &[Token]) -> Self {
         let block_size = tokens.len() as u32;
         validate_block_size(block_size).expect("tokens.len() must be a valid block size");
-        let current = hash_tokens(tokens, seed);
         let raw = ((current as u128) << 64)
             | ((parent_fragment as u128) << FRAGMENT_SHIFT)
             | ((position as u128) << POSITION_SHIFT)
@@ -179,6 +310,10 @@ impl SequenceHash {
         let position = self.position();
         (position > 0).then(|| (self.parent_fragment() << 24) | (position - 1) as u64)
     }
+}
+
+fn digest_current(d: &BlockDigest) -> u64 {
+    u64::from_be_bytes(d.0[..8].try_into().expect("8 bytes"))
 }
 
 fn fragment(current: u64) -> u64 {
@@ -266,6 +401,7 @@ impl Hasher for PassThroughHasher {
 pub struct TokenBlock {
     tokens: Vec<Token>,
     hash: SequenceHash,
+    digest: Option<BlockDigest>,
 }
 
 impl TokenBlock {
@@ -283,6 +419,11 @@ impl TokenBlock {
     pub fn position(&self) -> u32 {
         self.hash.position()
     }
+
+    /// The 256-bit BLAKE3 identity, for sequences built with [`HashAlgorithm::Blake3`].
+    pub fn digest(&self) -> Option<BlockDigest> {
+        self.digest
+    }
 }
 
 /// Turns a growing token stream into complete [`TokenBlock`]s plus a partial tail.
@@ -290,6 +431,7 @@ impl TokenBlock {
 pub struct TokenBlockSequence {
     block_size: u32,
     salt: Salt,
+    algorithm: HashAlgorithm,
     blocks: Vec<TokenBlock>,
     tail: Vec<Token>,
 }
@@ -300,10 +442,23 @@ impl TokenBlockSequence {
     /// # Errors
     /// [`LogicalError::InvalidBlockSize`] unless `block_size` is a power of two in `1..=1024`.
     pub fn new(block_size: u32, salt: Salt) -> Result<Self, LogicalError> {
+        Self::with_algorithm(block_size, salt, HashAlgorithm::Xxh3)
+    }
+
+    /// An empty sequence whose block identities use `algorithm`.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_algorithm(
+        block_size: u32,
+        salt: Salt,
+        algorithm: HashAlgorithm,
+    ) -> Result<Self, LogicalError> {
         validate_block_size(block_size)?;
         Ok(Self {
             block_size,
             salt,
+            algorithm,
             blocks: Vec::new(),
             tail: Vec::with_capacity(block_size as usize),
         })
@@ -312,21 +467,47 @@ impl TokenBlockSequence {
     /// A sequence holding `tokens`.
     ///
     /// # Errors
-    /// As [`new`](Self::new).
+    /// As [`new`](Self::new), and [`LogicalError::SequenceTooLong`] past
+    /// [`MAX_POSITION`]` + 1` blocks.
     pub fn from_tokens(
         tokens: &[Token],
         block_size: u32,
         salt: Salt,
     ) -> Result<Self, LogicalError> {
-        let mut seq = Self::new(block_size, salt)?;
-        seq.extend(tokens);
+        Self::from_tokens_with(tokens, block_size, salt, HashAlgorithm::Xxh3)
+    }
+
+    /// A sequence holding `tokens`, with block identities from `algorithm`.
+    ///
+    /// # Errors
+    /// As [`from_tokens`](Self::from_tokens).
+    pub fn from_tokens_with(
+        tokens: &[Token],
+        block_size: u32,
+        salt: Salt,
+        algorithm: HashAlgorithm,
+    ) -> Result<Self, LogicalError> {
+        let mut seq = Self::with_algorithm(block_size, salt, algorithm)?;
+        seq.extend(tokens)?;
         Ok(seq)
     }
 
     /// Appends tokens; returns how many blocks were completed by this call.
-    pub fn extend(&mut self, tokens: &[Token]) -> usize {
+    ///
+    /// # Errors
+    /// [`LogicalError::SequenceTooLong`] if the tokens would complete a block past position
+    /// [`MAX_POSITION`]; the sequence is then unchanged.
+    pub fn extend(&mut self, tokens: &[Token]) -> Result<usize, LogicalError> {
         let before = self.blocks.len();
         let bs = self.block_size as usize;
+        let completed = (self.tail.len() + tokens.len()) / bs;
+        let max_blocks = MAX_POSITION as usize + 1;
+        if before + completed > max_blocks {
+            return Err(LogicalError::SequenceTooLong {
+                blocks: before + completed,
+                max_blocks,
+            });
+        }
         let mut rest = tokens;
         while !rest.is_empty() {
             let take = (bs - self.tail.len()).min(rest.len());
@@ -334,19 +515,40 @@ impl TokenBlockSequence {
             rest = &rest[take..];
             if self.tail.len() == bs {
                 let tokens = std::mem::replace(&mut self.tail, Vec::with_capacity(bs));
-                let hash = match self.blocks.last() {
-                    Some(parent) => parent.hash.child(&tokens),
-                    None => SequenceHash::root(self.salt, &tokens),
+                let (hash, digest) = match (self.algorithm, self.blocks.last()) {
+                    (HashAlgorithm::Xxh3, Some(parent)) => (parent.hash.child(&tokens), None),
+                    (HashAlgorithm::Xxh3, None) => (SequenceHash::root(self.salt, &tokens), None),
+                    (HashAlgorithm::Blake3, Some(parent)) => {
+                        let pd = parent.digest.expect("blake3 blocks carry digests");
+                        let (h, d) = parent.hash.child_blake3(self.salt, &pd, &tokens);
+                        (h, Some(d))
+                    }
+                    (HashAlgorithm::Blake3, None) => {
+                        let (h, d) = SequenceHash::root_blake3(self.salt, &tokens);
+                        (h, Some(d))
+                    }
                 };
-                self.blocks.push(TokenBlock { tokens, hash });
+                self.blocks.push(TokenBlock {
+                    tokens,
+                    hash,
+                    digest,
+                });
             }
         }
-        self.blocks.len() - before
+        Ok(self.blocks.len() - before)
     }
 
     /// Appends one token; returns `true` when it completed a block.
-    pub fn push(&mut self, token: Token) -> bool {
-        self.extend(&[token]) == 1
+    ///
+    /// # Errors
+    /// As [`extend`](Self::extend).
+    pub fn push(&mut self, token: Token) -> Result<bool, LogicalError> {
+        Ok(self.extend(&[token])? == 1)
+    }
+
+    /// The algorithm of this sequence's block identities.
+    pub fn algorithm(&self) -> HashAlgorithm {
+        self.algorithm
     }
 
     /// The complete blocks so far.

@@ -46,7 +46,7 @@ fn manager(n: usize, backend: EvictionBackend) -> BlockManager<G2> {
         .block_count(n)
         .config(LogicalConfig {
             block_size: BS,
-            eviction: backend,
+            eviction: backend.into(),
             duplication: DuplicationPolicy::Allow,
             touch_on_match: true,
             registry: RegistryConfig {

@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::blocks::{CompleteBlock, ImmutableBlock, MutableBlock};
-use crate::config::{DuplicationPolicy, EvictionBackend, LogicalConfig};
+use crate::config::{DuplicationPolicy, FreeSlotReuse, LogicalConfig};
 use crate::error::LogicalError;
 use crate::events::{EventBatchConfig, EventBatcher, EventSink};
+use crate::eviction::{Admission, EvictionBackend, EvictionPolicy};
 use crate::hash::{SequenceHash, validate_block_size};
 use crate::metrics::Metrics;
 use crate::registry::BlockRegistry;
-use crate::store::{Core, PoolCounts, Store};
+use crate::store::{Core, PoolCounts, ProtectSet, Store};
 use crate::sync::{AtomicU32, Mutex, ghost};
 use crate::tier::{Tier, TierId};
 
@@ -43,7 +44,18 @@ use crate::tier::{Tier, TierId};
 pub struct BlockManager<T: Tier> {
     core: Arc<Core>,
     total: usize,
+    policy: EvictionPolicy,
     _tier: PhantomData<T>,
+}
+
+/// The result of [`BlockManager::allocate_blocks_with`]: the blocks, and the hashes whose
+/// registrations were evicted to provide them (in eviction order).
+#[derive(Debug)]
+pub struct Allocation<T: Tier> {
+    /// The allocated blocks.
+    pub blocks: Vec<MutableBlock<T>>,
+    /// The sequence hashes evicted from this tier by this allocation.
+    pub evicted: Vec<SequenceHash>,
 }
 
 impl<T: Tier> std::fmt::Debug for BlockManager<T> {
@@ -115,9 +127,29 @@ impl<T: Tier> BlockManagerBuilder<T> {
         self
     }
 
-    /// The inactive pool's eviction order. Default: [`EvictionBackend::Lru`].
+    /// The inactive pool's eviction order, without admission filter (the default policy is
+    /// `tinylfu-lru`, see [`policy`](Self::policy)).
     pub fn eviction(mut self, backend: EvictionBackend) -> Self {
-        self.config.eviction = backend;
+        self.config.eviction = EvictionPolicy::plain(backend);
+        self
+    }
+
+    /// The eviction policy (backend and admission filter), e.g. `"s3fifo".parse()?`.
+    /// Default: `tinylfu-lru`.
+    pub fn policy(mut self, policy: EvictionPolicy) -> Self {
+        self.config.eviction = policy;
+        self
+    }
+
+    /// The admission filter in front of the eviction backend. Default: [`Admission::None`].
+    pub fn admission(mut self, admission: Admission) -> Self {
+        self.config.eviction.admission = admission;
+        self
+    }
+
+    /// How slots freed by eviction are handed out. Default: [`FreeSlotReuse::EvictionOrder`].
+    pub fn free_slot_reuse(mut self, reuse: FreeSlotReuse) -> Self {
+        self.config.free_slot_reuse = reuse;
         self
     }
 
@@ -193,7 +225,11 @@ impl<T: Tier> BlockManagerBuilder<T> {
             tier: T::ID,
             block_size: self.config.block_size,
             refs: (0..total).map(|_| AtomicU32::new(0)).collect(),
-            store: Mutex::new(Store::new(total, self.config.eviction)),
+            store: Mutex::new(Store::new(
+                total,
+                self.config.eviction,
+                self.config.free_slot_reuse,
+            )),
             registry,
             events: self.sink.map(|s| EventBatcher::new(s, &self.config.events)),
             metrics: Metrics::new(T::ID),
@@ -205,6 +241,7 @@ impl<T: Tier> BlockManagerBuilder<T> {
         let manager = BlockManager {
             core,
             total,
+            policy: self.config.eviction,
             _tier: PhantomData,
         };
         manager.core.metrics.reset.set(total as f64);
@@ -220,17 +257,45 @@ impl<T: Tier> BlockManager<T> {
 
     /// Hands out `n` blocks from the reset pool, evicting inactive blocks when it is short.
     ///
-    /// All or nothing: on error nothing is handed out. (With the lineage backend, blocks that
-    /// were evicted while trying stay evicted, in the reset pool.)
+    /// All or nothing: on error nothing is handed out and nothing is evicted.
     ///
     /// # Errors
     /// [`LogicalError::InsufficientBlocks`] when even eviction cannot provide `n` blocks.
     pub fn allocate_blocks(&self, n: usize) -> Result<Vec<MutableBlock<T>>, LogicalError> {
+        self.allocate_inner(n, &[] as &[SequenceHash], None)
+    }
+
+    /// Like [`allocate_blocks`](Self::allocate_blocks), but never evicts a block whose hash
+    /// is in `protect` (e.g. the keys of the same store call), and reports the hashes it
+    /// evicted. All or nothing: on error nothing is handed out and nothing is evicted.
+    ///
+    /// A protected evictable block is passed over by the policy's walk, so a large protect
+    /// set that covers the head of the eviction order costs one check per protected block.
+    ///
+    /// # Errors
+    /// [`LogicalError::InsufficientBlocks`] when `n` blocks cannot be provided without
+    /// evicting a protected block.
+    pub fn allocate_blocks_with<P: ProtectSet + ?Sized>(
+        &self,
+        n: usize,
+        protect: &P,
+    ) -> Result<Allocation<T>, LogicalError> {
+        let mut evicted = Vec::new();
+        let blocks = self.allocate_inner(n, protect, Some(&mut evicted))?;
+        Ok(Allocation { blocks, evicted })
+    }
+
+    fn allocate_inner<P: ProtectSet + ?Sized>(
+        &self,
+        n: usize,
+        protect: &P,
+        evicted: Option<&mut Vec<SequenceHash>>,
+    ) -> Result<Vec<MutableBlock<T>>, LogicalError> {
         let core = &self.core;
         let emit = core.events.is_some();
         let (result, counts, events) = {
             let mut store = core.store.lock();
-            let r = store.allocate(n, core.tier, &core.registry, emit);
+            let r = store.allocate(n, protect, core.tier, &core.registry, emit, evicted);
             let events = store.take_events();
             if let Some(events) = &events
                 && let Some(b) = &core.events
@@ -256,6 +321,36 @@ impl<T: Tier> BlockManager<T> {
                 total: self.total,
             }),
         }
+    }
+
+    /// Recency touch: tells the eviction policy that these registered blocks were just used,
+    /// without counting a frequency hit in the registry (unlike a match). Returns how many of
+    /// `hashes` are registered in this tier. (LRU-like policies move evictable blocks to the
+    /// most recent end; FIFO, S3-FIFO and Belady ignore it.)
+    pub fn touch_blocks(&self, hashes: &[SequenceHash]) -> usize {
+        let core = &self.core;
+        let mut store = core.store.lock();
+        hashes
+            .iter()
+            .filter(|h| store.touch(h, &core.registry))
+            .count()
+    }
+
+    /// Next-use hints for the `belady` policy (ignored by the others): for each registered
+    /// `(hash, next_use)`, the time (any monotonic clock; `u64::MAX` for never) at which the
+    /// caller will need the block next. Returns how many hashes are registered in this tier.
+    pub fn hint_next_use(&self, hints: &[(SequenceHash, u64)]) -> usize {
+        let core = &self.core;
+        let mut store = core.store.lock();
+        hints
+            .iter()
+            .filter(|(h, t)| store.hint(h, *t, &core.registry))
+            .count()
+    }
+
+    /// The eviction policy this manager was built with.
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.policy
     }
 
     /// Registers complete blocks, returning one strong handle per input block, in order.
@@ -299,7 +394,7 @@ impl<T: Tier> BlockManager<T> {
             for hash in hashes {
                 match store.lookup(hash) {
                     Some(s) => {
-                        store.acquire(s);
+                        store.acquire(s, &core.registry);
                         let previous = core.refs[s as usize].fetch_add(1, Ordering::Relaxed);
                         let generation = store.slots[s as usize].generation;
                         out.push(ImmutableBlock::from_acquired(
@@ -455,7 +550,7 @@ fn register_batch<T: Tier>(
                 }
                 Some(existing) => {
                     store.release_held(s);
-                    store.acquire(existing);
+                    store.acquire(existing, &core.registry);
                     existing
                 }
             };

@@ -14,6 +14,9 @@
 //! ```
 //!
 //! Every slot is in exactly one state; `free.len() + held + active + inactive == slots.len()`.
+//! The eviction order of inactive slots is not kept here: the store tells its
+//! [`Eviction`](crate::eviction::Eviction) policy (see the `eviction` module) about each
+//! registered slot and asks it for victims, so policies are added without touching the store.
 //! Duplicates (registered under a hash that already has a primary slot, policy `Allow`) go
 //! straight back to Reset on their last drop.
 //!
@@ -38,19 +41,16 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use hashbrown::{DefaultHashBuilder, HashMap};
+use hashbrown::HashMap;
 
-use crate::config::{DuplicationPolicy, EvictionBackend};
+use crate::config::{DuplicationPolicy, FreeSlotReuse};
 use crate::events::{BlockEvent, BlockEventKind, EventBatcher};
+use crate::eviction::{AnyEviction, Eviction, EvictionCtx, EvictionPolicy, SlotStatus};
 use crate::hash::{PassThroughHash, SequenceHash};
 use crate::metrics::Metrics;
 use crate::registry::BlockRegistry;
 use crate::sync::{AtomicU32, Mutex, ghost};
 use crate::tier::TierId;
-
-pub(crate) const NIL: u32 = u32::MAX;
-const UNLISTED: u8 = u8::MAX;
-const LEVELS: usize = 4;
 
 /// The state of one slot.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -63,21 +63,14 @@ pub(crate) enum SlotState {
 
 #[derive(Clone, Debug)]
 pub(crate) struct Slot {
-    pub(crate) hash: SequenceHash,
     pub(crate) state: SlotState,
-    /// Registered under `hash` in `map` (false for duplicates).
+    /// Registered under its hash in `map` (false for duplicates).
     pub(crate) primary: bool,
-    /// Eviction list level, or `UNLISTED` (FIFO lists active primaries too, see `pop_victim`).
-    level: u8,
     /// Bumped at each registration; lets a `WeakBlock` detect slot reuse.
     pub(crate) generation: u32,
-    prev: u32,
-    next: u32,
-    /// Lineage: the parent's slot (or NIL) and the number of cached children.
-    parent: u32,
-    children: u32,
-    /// FIFO: registration order (the FIFO list is sorted by it).
-    seq: u64,
+    /// Matched (or upgraded) while already active since its last release: reported to the
+    /// policy as one `on_hit` before its next release.
+    hit: bool,
 }
 
 /// Counts of the pools (a consistent snapshot).
@@ -93,15 +86,89 @@ pub struct PoolCounts {
     pub inactive: usize,
 }
 
+/// Hashes an allocation must not evict (see
+/// [`BlockManager::allocate_blocks_with`](crate::BlockManager::allocate_blocks_with)).
+pub trait ProtectSet {
+    /// Whether `hash` must not be evicted.
+    fn is_protected(&self, hash: &SequenceHash) -> bool;
+    /// Whether nothing is protected (lets the store take the unchecked path).
+    fn is_empty(&self) -> bool;
+}
+
+impl ProtectSet for [SequenceHash] {
+    #[inline]
+    fn is_protected(&self, hash: &SequenceHash) -> bool {
+        self.contains(hash)
+    }
+    #[inline]
+    fn is_empty(&self) -> bool {
+        <[SequenceHash]>::is_empty(self)
+    }
+}
+
+impl<const N: usize> ProtectSet for [SequenceHash; N] {
+    #[inline]
+    fn is_protected(&self, hash: &SequenceHash) -> bool {
+        self.contains(hash)
+    }
+    #[inline]
+    fn is_empty(&self) -> bool {
+        N == 0
+    }
+}
+
+impl ProtectSet for Vec<SequenceHash> {
+    #[inline]
+    fn is_protected(&self, hash: &SequenceHash) -> bool {
+        self.contains(hash)
+    }
+    #[inline]
+    fn is_empty(&self) -> bool {
+        Vec::is_empty(self)
+    }
+}
+
+impl<S: std::hash::BuildHasher> ProtectSet for std::collections::HashSet<SequenceHash, S> {
+    #[inline]
+    fn is_protected(&self, hash: &SequenceHash) -> bool {
+        self.contains(hash)
+    }
+    #[inline]
+    fn is_empty(&self) -> bool {
+        std::collections::HashSet::is_empty(self)
+    }
+}
+
+impl<S: std::hash::BuildHasher> ProtectSet for hashbrown::HashSet<SequenceHash, S> {
+    #[inline]
+    fn is_protected(&self, hash: &SequenceHash) -> bool {
+        self.contains(hash)
+    }
+    #[inline]
+    fn is_empty(&self) -> bool {
+        hashbrown::HashSet::is_empty(self)
+    }
+}
+
+impl ProtectSet for std::collections::BTreeSet<SequenceHash> {
+    #[inline]
+    fn is_protected(&self, hash: &SequenceHash) -> bool {
+        self.contains(hash)
+    }
+    #[inline]
+    fn is_empty(&self) -> bool {
+        std::collections::BTreeSet::is_empty(self)
+    }
+}
+
 pub(crate) struct Store {
     pub(crate) slots: Vec<Slot>,
+    /// The hash each slot was last registered under (read by eviction policies).
+    pub(crate) hashes: Vec<SequenceHash>,
     free: Vec<u32>,
     map: HashMap<SequenceHash, u32, PassThroughHash>,
-    lineage: HashMap<u64, u32, DefaultHashBuilder>,
-    backend: EvictionBackend,
-    heads: [u32; LEVELS],
-    tails: [u32; LEVELS],
-    next_seq: u64,
+    policy: AnyEviction,
+    reuse: FreeSlotReuse,
     held: usize,
     active: usize,
     inactive: usize,
@@ -162,41 +229,24 @@ impl Drop for Core {
     }
 }
 
-fn multi_lru_level(frequency: u32) -> u8 {
-    match frequency {
-        0..3 => 0,
-        3..8 => 1,
-        8..15 => 2,
-        _ => 3,
-    }
-}
-
 impl Store {
-    pub(crate) fn new(block_count: usize, backend: EvictionBackend) -> Self {
+    pub(crate) fn new(block_count: usize, policy: EvictionPolicy, reuse: FreeSlotReuse) -> Self {
         let slots = (0..block_count)
             .map(|_| Slot {
-                hash: SequenceHash::from_u128(0),
                 state: SlotState::Reset,
                 primary: false,
-                level: UNLISTED,
                 generation: 0,
-                prev: NIL,
-                next: NIL,
-                parent: NIL,
-                children: 0,
-                seq: 0,
+                hit: false,
             })
             .collect();
         Self {
             slots,
+            hashes: vec![SequenceHash::from_u128(0); block_count],
             // popped from the end: hands out 0, 1, 2, ... first
             free: (0..block_count as u32).rev().collect(),
             map: HashMap::with_capacity_and_hasher(block_count, PassThroughHash),
-            lineage: HashMap::default(),
-            backend,
-            heads: [NIL; LEVELS],
-            tails: [NIL; LEVELS],
-            next_seq: 0,
+            policy: AnyEviction::new(policy, block_count),
+            reuse,
             held: 0,
             active: 0,
             inactive: 0,
@@ -217,181 +267,49 @@ impl Store {
         self.map.get(hash).copied()
     }
 
-    // ---- intrusive lists -------------------------------------------------------------
-
-    #[inline]
-    fn push_back(&mut self, s: u32, level: u8) {
-        let l = level as usize;
-        let tail = self.tails[l];
-        let slot = &mut self.slots[s as usize];
-        slot.level = level;
-        slot.prev = tail;
-        slot.next = NIL;
-        if tail == NIL {
-            self.heads[l] = s;
-        } else {
-            self.slots[tail as usize].next = s;
-        }
-        self.tails[l] = s;
-    }
-
-    #[inline]
-    fn push_front(&mut self, s: u32, level: u8) {
-        let l = level as usize;
-        let head = self.heads[l];
-        let slot = &mut self.slots[s as usize];
-        slot.level = level;
-        slot.prev = NIL;
-        slot.next = head;
-        if head == NIL {
-            self.tails[l] = s;
-        } else {
-            self.slots[head as usize].prev = s;
-        }
-        self.heads[l] = s;
-    }
-
-    #[inline]
-    fn unlink(&mut self, s: u32) {
-        let slot = &mut self.slots[s as usize];
-        let (level, prev, next) = (slot.level, slot.prev, slot.next);
-        if level == UNLISTED {
-            return;
-        }
-        slot.level = UNLISTED;
-        slot.prev = NIL;
-        slot.next = NIL;
-        let l = level as usize;
-        if prev == NIL {
-            self.heads[l] = next;
-        } else {
-            self.slots[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tails[l] = prev;
-        } else {
-            self.slots[next as usize].prev = prev;
-        }
-    }
-
     // ---- inactive pool ---------------------------------------------------------------
-
-    /// Active (refs == 0) primary → Inactive.
-    fn inactive_insert(&mut self, s: u32, registry: &BlockRegistry) {
-        let slot = &mut self.slots[s as usize];
-        debug_assert_eq!(slot.state, SlotState::Active);
-        slot.state = SlotState::Inactive;
-        self.active -= 1;
-        self.inactive += 1;
-        match self.backend {
-            EvictionBackend::Lru => self.push_back(s, 0),
-            EvictionBackend::MultiLru => {
-                let level = multi_lru_level(registry.frequency(self.slots[s as usize].hash));
-                self.push_back(s, level)
-            }
-            EvictionBackend::Lineage => {
-                if self.slots[s as usize].children == 0 {
-                    self.push_back(s, 0)
-                }
-            }
-            EvictionBackend::Fifo => {
-                // Still listed since its registration: nothing to do. Parked (skipped by an
-                // eviction while active): older than every listed slot that was never parked,
-                // so its place is near the head.
-                if self.slots[s as usize].level == UNLISTED {
-                    self.fifo_insert_parked(s)
-                }
-            }
-        }
-    }
-
-    /// FIFO: puts a parked slot back into the registration-ordered list. Only parked slots
-    /// with an older registration are walked past (they are all at the head: a parked slot
-    /// was the head when it was skipped).
-    fn fifo_insert_parked(&mut self, s: u32) {
-        let seq = self.slots[s as usize].seq;
-        let mut next = self.heads[0];
-        while next != NIL && self.slots[next as usize].seq < seq {
-            next = self.slots[next as usize].next;
-        }
-        if next == NIL {
-            return self.push_back(s, 0);
-        }
-        let prev = self.slots[next as usize].prev;
-        let slot = &mut self.slots[s as usize];
-        slot.level = 0;
-        slot.prev = prev;
-        slot.next = next;
-        self.slots[next as usize].prev = s;
-        if prev == NIL {
-            self.heads[0] = s;
-        } else {
-            self.slots[prev as usize].next = s;
-        }
-    }
 
     /// Inactive → Active (the caller bumps the refcount).
     #[inline]
-    fn inactive_remove(&mut self, s: u32) {
+    fn inactive_remove(&mut self, s: u32, registry: &BlockRegistry) {
         let slot = &mut self.slots[s as usize];
         debug_assert_eq!(slot.state, SlotState::Inactive);
         slot.state = SlotState::Active;
         self.inactive -= 1;
         self.active += 1;
-        // FIFO: a revived slot keeps its place (reuse does not reorder); see `pop_victim`.
-        if self.backend != EvictionBackend::Fifo {
-            self.unlink(s);
+        let ctx = EvictionCtx::new(&self.hashes, registry);
+        self.policy.on_acquire(s, &ctx);
+    }
+
+    /// Asks the policy for one victim (not protected).
+    #[inline]
+    fn pop_victim<P: ProtectSet + ?Sized>(
+        &mut self,
+        registry: &BlockRegistry,
+        protect: &P,
+    ) -> Option<u32> {
+        let ctx = EvictionCtx::new(&self.hashes, registry);
+        if protect.is_empty() {
+            self.policy.pop_victim(&ctx, &|_| false)
+        } else {
+            let hashes = &self.hashes;
+            self.policy
+                .pop_victim(&ctx, &|s| protect.is_protected(&hashes[s as usize]))
         }
     }
 
-    fn pop_victim(&mut self) -> Option<u32> {
-        if self.backend == EvictionBackend::Fifo {
-            // The FIFO list holds every registered primary that has not been *parked*, in
-            // registration order, active or not: appended at registration, never moved by a
-            // release or a revival. An active slot met at the head is parked (unlisted) until
-            // its release puts it back, so each registration is skipped at most once here.
-            loop {
-                let s = self.heads[0];
-                if s == NIL {
-                    return None;
-                }
-                self.unlink(s);
-                if self.slots[s as usize].state == SlotState::Inactive {
-                    return Some(s);
-                }
-            }
-        }
-        let s = *self.heads.iter().find(|&&h| h != NIL)?;
-        self.unlink(s);
-        Some(s)
-    }
-
-    /// Removes an inactive slot's registration (it becomes Held, owned by the caller).
+    /// Removes a victim's registration (it becomes Held, owned by the caller). The policy has
+    /// already forgotten it.
     fn evict(&mut self, s: u32, tier: TierId, registry: &BlockRegistry, emit: bool) {
         let slot = &mut self.slots[s as usize];
         debug_assert_eq!(slot.state, SlotState::Inactive);
         debug_assert!(slot.primary);
-        let hash = slot.hash;
+        let hash = self.hashes[s as usize];
         slot.state = SlotState::Held;
         slot.primary = false;
-        let parent = std::mem::replace(&mut slot.parent, NIL);
         self.inactive -= 1;
         self.held += 1;
         self.map.remove(&hash);
-        if self.backend == EvictionBackend::Lineage {
-            let key = hash.lineage_key();
-            if self.lineage.get(&key) == Some(&s) {
-                self.lineage.remove(&key);
-            }
-            if parent != NIL {
-                let p = &mut self.slots[parent as usize];
-                p.children -= 1;
-                if p.children == 0 && p.state == SlotState::Inactive {
-                    // the freed parent is the next victim: stale chains go tail first
-                    self.push_front(parent, 0);
-                }
-            }
-        }
         registry.clear_present(hash, tier);
         if emit {
             self.pending_events.push(BlockEvent {
@@ -413,14 +331,18 @@ impl Store {
         self.free.push(s);
     }
 
-    /// Takes `n` slots (reset first, then evicting), all-or-nothing. Returns the slots (now
-    /// Held) and how many were evicted, or the number that could have been provided.
-    pub(crate) fn allocate(
+    /// Takes `n` slots (reset first, then evicting victims the policy picks, never one whose
+    /// hash is in `protect`), all-or-nothing: on failure nothing changed (victims already
+    /// taken from the policy are restored) and the number that could have been provided is
+    /// returned. On success the slots are Held; the evicted hashes are appended to `evicted`.
+    pub(crate) fn allocate<P: ProtectSet + ?Sized>(
         &mut self,
         n: usize,
+        protect: &P,
         tier: TierId,
         registry: &BlockRegistry,
         emit: bool,
+        mut evicted: Option<&mut Vec<SequenceHash>>,
     ) -> Result<(Vec<u32>, usize), usize> {
         if self.free.len() + self.inactive < n {
             return Err(self.free.len() + self.inactive);
@@ -429,30 +351,40 @@ impl Store {
         let mut out: Vec<u32> = Vec::with_capacity(n);
         for _ in 0..from_free {
             let s = self.free.pop().expect("counted above");
-            self.slots[s as usize].state = SlotState::Held;
             out.push(s);
         }
-        self.held += from_free;
-        let mut evicted = 0;
         while out.len() < n {
-            match self.pop_victim() {
-                Some(s) => {
-                    self.evict(s, tier, registry, emit);
-                    out.push(s);
-                    evicted += 1;
-                }
+            match self.pop_victim(registry, protect) {
+                Some(s) => out.push(s),
                 None => {
-                    // Lineage only: the remaining inactive blocks are parents of active
-                    // blocks. Give everything back (evicted slots go to the reset pool).
+                    // Protected or (lineage) pinned parents: undo, newest first.
                     let available = out.len();
-                    for s in out {
-                        self.release_held(s);
+                    let ctx = EvictionCtx::new(&self.hashes, registry);
+                    for &s in out[from_free..].iter().rev() {
+                        self.policy.restore(s, &ctx);
+                    }
+                    for &s in out[..from_free].iter().rev() {
+                        self.free.push(s);
                     }
                     return Err(available);
                 }
             }
         }
-        Ok((out, evicted))
+        for &s in &out[..from_free] {
+            self.slots[s as usize].state = SlotState::Held;
+        }
+        self.held += from_free;
+        for &s in &out[from_free..] {
+            self.evict(s, tier, registry, emit);
+            if let Some(ev) = evicted.as_deref_mut() {
+                ev.push(self.hashes[s as usize]);
+            }
+        }
+        if self.reuse == FreeSlotReuse::Lifo {
+            // as if each victim went to the free list and was popped back: last evicted first
+            out[from_free..].reverse();
+        }
+        Ok((out, n - from_free))
     }
 
     /// Evicts every evictable inactive block to the reset pool; returns how many.
@@ -463,7 +395,7 @@ impl Store {
         emit: bool,
     ) -> usize {
         let mut n = 0;
-        while let Some(s) = self.pop_victim() {
+        while let Some(s) = self.pop_victim(registry, &[] as &[SequenceHash]) {
             self.evict(s, tier, registry, emit);
             self.release_held(s);
             n += 1;
@@ -480,38 +412,18 @@ impl Store {
         registry: &BlockRegistry,
         emit: bool,
     ) {
-        let seq = self.next_seq;
-        self.next_seq += 1;
         let slot = &mut self.slots[s as usize];
         debug_assert_eq!(slot.state, SlotState::Held);
         slot.state = SlotState::Active;
-        slot.hash = hash;
         slot.primary = true;
+        slot.hit = false;
         slot.generation = slot.generation.wrapping_add(1);
-        slot.seq = seq;
-        slot.children = 0;
-        slot.parent = NIL;
+        self.hashes[s as usize] = hash;
         self.held -= 1;
         self.active += 1;
         self.map.insert(hash, s);
-        if self.backend == EvictionBackend::Fifo {
-            self.push_back(s, 0);
-        }
-        if self.backend == EvictionBackend::Lineage {
-            if let Some(pk) = hash.parent_lineage_key()
-                && let Some(&p) = self.lineage.get(&pk)
-                && p != s
-            {
-                self.slots[s as usize].parent = p;
-                let ps = &mut self.slots[p as usize];
-                ps.children += 1;
-                if ps.children == 1 && ps.state == SlotState::Inactive {
-                    // no longer a leaf
-                    self.unlink(p);
-                }
-            }
-            self.lineage.insert(hash.lineage_key(), s);
-        }
+        let ctx = EvictionCtx::new(&self.hashes, registry);
+        self.policy.on_register(s, &ctx);
         registry.set_present(hash, tier);
         if emit {
             self.pending_events.push(BlockEvent {
@@ -526,9 +438,9 @@ impl Store {
     pub(crate) fn register_duplicate(&mut self, s: u32, hash: SequenceHash) {
         let slot = &mut self.slots[s as usize];
         slot.state = SlotState::Active;
-        slot.hash = hash;
         slot.primary = false;
         slot.generation = slot.generation.wrapping_add(1);
+        self.hashes[s as usize] = hash;
         self.held -= 1;
         self.active += 1;
     }
@@ -536,9 +448,43 @@ impl Store {
     /// Makes a registered slot Active for one more strong reference (revives an inactive
     /// one); the caller increments `refs[s]`.
     #[inline]
-    pub(crate) fn acquire(&mut self, s: u32) {
-        if self.slots[s as usize].state == SlotState::Inactive {
-            self.inactive_remove(s);
+    pub(crate) fn acquire(&mut self, s: u32, registry: &BlockRegistry) {
+        let slot = &mut self.slots[s as usize];
+        if slot.state == SlotState::Inactive {
+            self.inactive_remove(s, registry);
+        } else {
+            slot.hit = true;
+        }
+    }
+
+    /// A recency touch of a registered hash (not a frequency hit); returns whether it is
+    /// registered.
+    pub(crate) fn touch(&mut self, hash: &SequenceHash, registry: &BlockRegistry) -> bool {
+        match self.lookup(hash) {
+            Some(s) => {
+                let ctx = EvictionCtx::new(&self.hashes, registry);
+                self.policy.on_touch(s, &ctx);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives the policy a next-use hint for a registered hash; returns whether it is
+    /// registered.
+    pub(crate) fn hint(
+        &mut self,
+        hash: &SequenceHash,
+        next_use: u64,
+        registry: &BlockRegistry,
+    ) -> bool {
+        match self.lookup(hash) {
+            Some(s) => {
+                let ctx = EvictionCtx::new(&self.hashes, registry);
+                self.policy.on_hint(s, next_use, &ctx);
+                true
+            }
+            None => false,
         }
     }
 
@@ -553,7 +499,16 @@ impl Store {
             return;
         }
         if self.slots[s as usize].primary {
-            self.inactive_insert(s, registry);
+            let slot = &mut self.slots[s as usize];
+            slot.state = SlotState::Inactive;
+            let hit = std::mem::take(&mut slot.hit);
+            self.active -= 1;
+            self.inactive += 1;
+            let ctx = EvictionCtx::new(&self.hashes, registry);
+            if hit {
+                self.policy.on_hit(s, &ctx);
+            }
+            self.policy.on_release(s, &ctx);
         } else {
             self.slots[s as usize].state = SlotState::Reset;
             self.active -= 1;
@@ -568,7 +523,6 @@ impl Store {
     /// Checks every structural invariant; returns a description of the first violation.
     pub(crate) fn check(&self, refs: &[AtomicU32]) -> Result<PoolCounts, String> {
         let mut c = PoolCounts::default();
-        let mut listed = 0usize;
         for (i, slot) in self.slots.iter().enumerate() {
             let r = refs[i].load(Ordering::Acquire);
             match slot.state {
@@ -589,34 +543,11 @@ impl Store {
                 if !registered {
                     return Err(format!("slot {i} is primary but {:?}", slot.state));
                 }
-                if self.map.get(&slot.hash) != Some(&(i as u32)) {
+                if self.map.get(&self.hashes[i]) != Some(&(i as u32)) {
                     return Err(format!("primary slot {i} missing from the hash map"));
                 }
             } else if slot.state == SlotState::Inactive {
                 return Err(format!("duplicate slot {i} is inactive"));
-            }
-            if slot.level != UNLISTED {
-                listed += 1;
-                let allowed = match self.backend {
-                    // FIFO lists registered primaries, active or not
-                    EvictionBackend::Fifo => registered && slot.primary,
-                    _ => slot.state == SlotState::Inactive,
-                };
-                if !allowed {
-                    return Err(format!("slot {i} listed while {:?}", slot.state));
-                }
-            } else if self.backend == EvictionBackend::Fifo && slot.state == SlotState::Inactive {
-                return Err(format!("fifo: inactive slot {i} is not listed"));
-            }
-            if self.backend == EvictionBackend::Lineage && slot.state == SlotState::Inactive {
-                let should_list = slot.children == 0;
-                if should_list != (slot.level != UNLISTED) {
-                    return Err(format!(
-                        "lineage slot {i}: {} children but listed = {}",
-                        slot.children,
-                        slot.level != UNLISTED
-                    ));
-                }
             }
         }
         if self.free.len() != c.reset {
@@ -637,44 +568,15 @@ impl Store {
         if self.map.len() != self.slots.iter().filter(|s| s.primary).count() {
             return Err("hash map has entries for non-primary slots".into());
         }
-        match self.backend {
-            EvictionBackend::Fifo | EvictionBackend::Lineage => {}
-            _ => {
-                if listed != c.inactive {
-                    return Err(format!("lists hold {listed} of {} inactive", c.inactive));
-                }
+        let slots = &self.slots;
+        self.policy.check(&|s| {
+            let slot = &slots[s as usize];
+            match (slot.primary, slot.state) {
+                (true, SlotState::Inactive) => SlotStatus::Evictable,
+                (true, SlotState::Active) => SlotStatus::Active,
+                _ => SlotStatus::Unregistered,
             }
-        }
-        // walk the lists: lengths must match the listed count
-        let mut walked = 0;
-        for l in 0..LEVELS {
-            let mut s = self.heads[l];
-            let mut prev = NIL;
-            while s != NIL {
-                let slot = &self.slots[s as usize];
-                if slot.prev != prev || slot.level as usize != l {
-                    return Err(format!("list {l} is corrupt at slot {s}"));
-                }
-                if self.backend == EvictionBackend::Fifo
-                    && prev != NIL
-                    && self.slots[prev as usize].seq >= slot.seq
-                {
-                    return Err(format!("fifo list out of registration order at slot {s}"));
-                }
-                walked += 1;
-                if walked > self.slots.len() {
-                    return Err("list cycle".into());
-                }
-                prev = s;
-                s = slot.next;
-            }
-            if self.tails[l] != prev {
-                return Err(format!("list {l} tail is wrong"));
-            }
-        }
-        if walked != listed {
-            return Err(format!("walked {walked} listed slots, flagged {listed}"));
-        }
+        })?;
         Ok(c)
     }
 }

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::{
-    BlockManager, DuplicationPolicy, EvictionBackend, G2, ImmutableBlock, LogicalError,
-    MutableBlock, Salt, SequenceHash, TierId, TokenBlockSequence, WeakBlock,
+    BlockManager, DuplicationPolicy, EvictionBackend, EvictionPolicy, G2, ImmutableBlock,
+    LogicalError, MutableBlock, Salt, SequenceHash, TierId, TokenBlockSequence, WeakBlock,
 };
 
 const BS: u32 = 2;
@@ -28,12 +28,10 @@ fn sequences() -> Vec<Vec<SequenceHash>> {
         .collect()
 }
 
-const BACKENDS: [EvictionBackend; 4] = [
-    EvictionBackend::Lru,
-    EvictionBackend::MultiLru,
-    EvictionBackend::Lineage,
-    EvictionBackend::Fifo,
-];
+/// Every named policy (each backend, plain and behind TinyLFU).
+fn policies() -> Vec<EvictionPolicy> {
+    EvictionPolicy::all()
+}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -59,6 +57,15 @@ enum Op {
     Match { seq: usize, len: usize, keep: bool },
     /// Evict every evictable inactive block.
     ResetInactive,
+    /// `allocate_blocks_with(len, seq[start..start+len])`: a store that protects its own
+    /// keys, then registers them; checks the reported evictions exactly.
+    Store {
+        seq: usize,
+        start: usize,
+        len: usize,
+    },
+    /// A recency touch of `seq[..len]`.
+    Touch { seq: usize, len: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -81,6 +88,12 @@ fn op() -> impl Strategy<Value = Op> {
             keep
         }),
         Just(Op::ResetInactive),
+        (0..SEQS, 0..SEQ_LEN, 1usize..5).prop_map(|(seq, start, len)| Op::Store {
+            seq,
+            start,
+            len: len.min(SEQ_LEN - start)
+        }),
+        (0..SEQS, 0..=SEQ_LEN).prop_map(|(seq, len)| Op::Touch { seq, len }),
     ]
 }
 
@@ -131,8 +144,17 @@ impl Model {
     }
 }
 
+/// The hashes registered (present) in the tier, of all the test's sequences.
+fn present(m: &BlockManager<G2>, seqs: &[Vec<SequenceHash>]) -> HashSet<SequenceHash> {
+    seqs.iter()
+        .flatten()
+        .copied()
+        .filter(|h| m.registry().is_present(*h, TierId::G2))
+        .collect()
+}
+
 fn run_ops(
-    backend: EvictionBackend,
+    policy: EvictionPolicy,
     dup: DuplicationPolicy,
     total: usize,
     ops: Vec<Op>,
@@ -141,10 +163,11 @@ fn run_ops(
     let m = BlockManager::<G2>::builder()
         .block_count(total)
         .block_size(BS)
-        .eviction(backend)
+        .policy(policy)
         .duplication_policy(dup)
         .build()
         .unwrap();
+    let backend = policy.backend;
     let mut model = Model::default();
     for op in ops {
         match op {
@@ -166,6 +189,65 @@ fn run_ops(
                     }
                     Err(e) => return Err(TestCaseError::fail(e.to_string())),
                 }
+            }
+            Op::Store { seq, start, len } => {
+                let keys = &seqs[seq][start..start + len];
+                let before = present(&m, &seqs);
+                let counts = m.pool_counts();
+                match m.allocate_blocks_with(len, keys) {
+                    Ok(alloc) => {
+                        prop_assert_eq!(alloc.blocks.len(), len);
+                        let after = present(&m, &seqs);
+                        let evicted: HashSet<SequenceHash> =
+                            alloc.evicted.iter().copied().collect();
+                        prop_assert_eq!(evicted.len(), alloc.evicted.len(), "duplicates");
+                        let gone: HashSet<SequenceHash> =
+                            before.difference(&after).copied().collect();
+                        prop_assert_eq!(&evicted, &gone, "reported vs actually evicted");
+                        for k in keys {
+                            prop_assert!(!evicted.contains(k), "evicted a protected key");
+                            if before.contains(k) {
+                                prop_assert!(after.contains(k));
+                            }
+                        }
+                        prop_assert_eq!(
+                            alloc.evicted.len(),
+                            len.saturating_sub(counts.reset),
+                            "evicts only what the reset pool lacks"
+                        );
+                        let complete = alloc
+                            .blocks
+                            .into_iter()
+                            .zip(keys)
+                            .map(|(b, h)| b.complete(*h).unwrap())
+                            .collect();
+                        let regs = m.register_blocks(complete);
+                        model.ever_registered.extend(keys.iter().copied());
+                        model.strong.extend(regs);
+                    }
+                    Err(LogicalError::InsufficientBlocks { .. }) => {
+                        // all or nothing: no eviction, no change
+                        prop_assert_eq!(&present(&m, &seqs), &before);
+                        prop_assert_eq!(m.pool_counts(), counts);
+                        let protected_present = keys.iter().filter(|k| before.contains(k)).count();
+                        if backend != EvictionBackend::Lineage {
+                            prop_assert!(
+                                counts.reset + counts.inactive < len + protected_present,
+                                "failed with {counts:?}"
+                            );
+                        }
+                    }
+                    Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                }
+            }
+            Op::Touch { seq, len } => {
+                let hashes = &seqs[seq][..len];
+                let n = m.touch_blocks(hashes);
+                let expect = hashes
+                    .iter()
+                    .filter(|h| m.registry().is_present(**h, TierId::G2))
+                    .count();
+                prop_assert_eq!(n, expect);
             }
             Op::DropMutable(i) => {
                 if !model.mutables.is_empty() {
@@ -277,13 +359,13 @@ proptest! {
 
     #[test]
     fn state_machine_matches_model(
-        backend in 0usize..4,
+        policy in 0usize..14,
         reject in any::<bool>(),
         total in 4usize..12,
         ops in proptest::collection::vec(op(), 1..80),
     ) {
         let dup = if reject { DuplicationPolicy::Reject } else { DuplicationPolicy::Allow };
-        run_ops(BACKENDS[backend], dup, total, ops)?;
+        run_ops(policies()[policy], dup, total, ops)?;
     }
 }
 

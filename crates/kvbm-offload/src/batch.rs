@@ -194,9 +194,22 @@ impl<T: Tier, A> Drop for OffloadContainer<T, A> {
             shared.report_cancelled(hashes.iter().copied());
         }
         // Reported before the policy's release: a release that panics (policy code) cannot
-        // leave the blocks without an outcome.
+        // leave the blocks without an outcome. While already unwinding, a second panic would
+        // abort the process: it is contained and logged instead.
         if let Some(p) = &self.release_to {
-            p.release(&hashes);
+            if std::thread::panicking() {
+                let p = p.clone();
+                let r =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.release(&hashes)));
+                if r.is_err() {
+                    tracing::error!(
+                        policy = p.name(),
+                        "policy release panicked during unwinding"
+                    );
+                }
+            } else {
+                p.release(&hashes);
+            }
         }
         // Fields drop after this: blocks, pending entries, then the outstanding guard.
     }
@@ -261,7 +274,7 @@ impl<T: Tier, A> OffloadBatch<T, A> {
     }
 
     /// Removes (and drops, releasing their blocks) every cancelled container; returns how many.
-    pub fn sweep_cancelled(&mut self) -> usize {
+    pub(crate) fn remove_cancelled(&mut self) -> usize {
         let before = self.containers.len();
         if !self.containers.iter().any(|c| c.is_cancelled()) {
             return 0;
@@ -283,7 +296,7 @@ impl<T: Tier, A> OffloadBatch<T, A> {
 
 impl<T: Tier, A> Sweep for OffloadBatch<T, A> {
     fn sweep_cancelled(&mut self) -> bool {
-        OffloadBatch::sweep_cancelled(self);
+        self.remove_cancelled();
         self.containers.is_empty()
     }
 }
@@ -392,14 +405,20 @@ impl<T: Tier, A> ResolvedBatch<T, A> {
     /// (chaining), and last drops the outstanding guards — so a caller woken by `wait` sees the
     /// chained work already enqueued.
     pub(crate) fn settle<R>(mut self, outcome: BatchOutcome<R>, sink: Option<&dyn Fn(Vec<R>)>) {
+        // Everything moves out first: `self` is inert from here, so a panic in policy or sink
+        // code below cannot make its `Drop` settle the batch a second time.
+        let blocks = std::mem::take(&mut self.blocks);
+        let mut owners = std::mem::take(&mut self.owners);
+        let lane = self.lane.take();
+        drop(self);
         let mut outcome = outcome;
-        if outcome.len() != self.blocks.len() {
+        if outcome.len() != blocks.len() {
             tracing::error!(
-                expected = self.blocks.len(),
+                expected = blocks.len(),
                 got = outcome.len(),
                 "executor returned a mis-sized outcome; failing the batch"
             );
-            outcome = (0..self.blocks.len())
+            outcome = (0..blocks.len())
                 .map(|_| {
                     Err(BlockFailure::new(
                         BlockFailureKind::Transfer,
@@ -411,8 +430,10 @@ impl<T: Tier, A> ResolvedBatch<T, A> {
         let now = Instant::now();
         let mut ok = Vec::new();
         let mut results = outcome.into_iter();
-        let mut blocks = self.blocks.iter();
-        for owner in &mut self.owners {
+        let mut block_iter = blocks.iter();
+        let mut released: Vec<(Arc<dyn OffloadPolicy>, Vec<SequenceHash>)> = Vec::new();
+        // 1. Outcomes (no foreign code runs here).
+        for owner in &mut owners {
             owner.timing.finished = Some(now);
             let shared = &owner.token.shared;
             let mut hashes = Vec::with_capacity(owner.len);
@@ -420,7 +441,7 @@ impl<T: Tier, A> ResolvedBatch<T, A> {
             let mut failed = FailureTally::default();
             let mut p = shared.progress.lock();
             for _ in 0..owner.len {
-                let b = blocks
+                let b = block_iter
                     .next()
                     .expect("owner lengths sum to the batch length");
                 let r = results.next().expect("outcome is aligned with blocks");
@@ -446,21 +467,46 @@ impl<T: Tier, A> ResolvedBatch<T, A> {
                 m.failed(&failed);
             }
             if let Some(pol) = &owner.release_to {
-                pol.release(&hashes);
+                released.push((pol.clone(), hashes));
             }
         }
-        self.blocks.clear();
-        if let Some(sink) = sink
-            && !ok.is_empty()
-        {
-            sink(ok);
+        drop(blocks);
+        // 2. Policy releases and the sink (foreign code): a panic there abandons the batch
+        //    (its outcomes are reported, but the lane fails) and is re-raised to the caller.
+        let foreign = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for (pol, hashes) in &released {
+                pol.release(hashes);
+            }
+            if let Some(sink) = sink
+                && !ok.is_empty()
+            {
+                sink(ok);
+            }
+        }));
+        // 3. Settled before the owners' guards drop, so a caller woken by `wait` finds the
+        //    batch settled.
+        match foreign {
+            Ok(()) => {
+                if let Some((lane, seq)) = lane {
+                    lane.settle(seq);
+                }
+                drop(owners);
+            }
+            Err(panic) => {
+                if let Some((lane, seq)) = lane {
+                    lane.abandon(
+                        seq,
+                        PipelineFailureKind::ExecutorPanicked,
+                        "a policy release or completion sink panicked while settling a batch"
+                            .into(),
+                    );
+                }
+                drop(owners);
+                if !std::thread::panicking() {
+                    std::panic::resume_unwind(panic);
+                }
+            }
         }
-        // Settled before the owners' guards drop, so a caller woken by `wait` finds the batch
-        // settled.
-        if let Some((lane, seq)) = self.lane.take() {
-            lane.settle(seq);
-        }
-        self.owners.clear();
     }
 }
 

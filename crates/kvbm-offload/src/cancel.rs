@@ -86,7 +86,7 @@ impl CancellationToken {
         self.shared.cancel.cancelled().await
     }
 
-    /// Number of live [`OutstandingGuard`]s: pieces of the transfer still inside the pipeline.
+    /// Number of pieces of the transfer still inside the pipeline (outstanding guards).
     pub fn outstanding(&self) -> usize {
         self.shared.outstanding.load(Ordering::Acquire)
     }

@@ -43,9 +43,9 @@ pub use pipeline::{
     CompletionSink, EnqueueError, Pipeline, PipelineBuilder, PipelineSpec, Rejected,
 };
 pub use policy::{
-    AllOfPolicy, AnyOfPolicy, BoxFuture, EvalContext, OffloadPolicy, PassAllPolicy,
-    PolicyBatchFuture, PolicyFuture, PresenceAndLFUFilter, PresenceFilter, async_batch_result,
-    async_result, create_policy_from_config, sync_batch_result, sync_result,
+    AllOfPolicy, AnyOfPolicy, BoxFuture, DEFAULT_MIN_LFU_COUNT, EvalContext, OffloadPolicy,
+    PassAllPolicy, PolicyBatchFuture, PolicyFuture, PresenceAndLFUFilter, PresenceFilter,
+    async_batch_result, async_result, create_policy_from_config, sync_batch_result, sync_result,
 };
 pub use settlement::{
     PipelineFailure, PipelineFailureKind, PipelineLane, PipelineStage, SettlementError,

@@ -55,8 +55,15 @@ fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline
     let obj_h = tm
         .register_layout(PhysicalLayout::object(geometry(n), storage.clone()))
         .unwrap();
+    // The lock's read-back waits long enough for a racing create to land even on a loaded CI
+    // machine (s3s-fs does not make creates exclusive; the default 20 ms assumes a quiet one).
+    let config = ObjectPipelineConfig {
+        lock_verify_delay: std::time::Duration::from_millis(200),
+        ..ObjectPipelineConfig::default()
+    };
     ObjectPipelineBuilder::new(storage.clone())
         .owner(owner)
+        .config(config)
         .spawn(ObjectTransferExecutor::<kvbm_logical::G2>::new(
             tm, g2_h, obj_h,
         ))
@@ -491,14 +498,33 @@ async fn fail_closed_foreign_object_is_rewritten() {
     a.shutdown_and_wait().await;
 }
 
-/// Shutdown waits for the lock deletions its releases started: nothing is left behind.
+/// Shutdown waits for the lock deletions its releases started: nothing is left behind. The
+/// evaluations time out while verifying their locks, so each release first waits
+/// `lock_verify_delay` for a create that may still be landing: without the flush, shutdown
+/// returns while every lock still exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_closed_shutdown_flushes_lock_releases() {
     let Some(storage) = storage("fail_closed_shutdown_flush") else {
         return;
     };
-    let n = 16;
-    let a = worker(&storage, n, "worker-a");
+    let n = 8;
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g2_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
+    let obj_h = tm
+        .register_layout(PhysicalLayout::object(geometry(n), storage.clone()))
+        .unwrap();
+    let mut config = ObjectPipelineConfig {
+        lock_verify_delay: std::time::Duration::from_millis(800),
+        ..Default::default()
+    };
+    config.pipeline.policy_timeout = std::time::Duration::from_millis(200);
+    let a = ObjectPipelineBuilder::new(storage.clone())
+        .config(config)
+        .owner("slow-verifier")
+        .spawn(ObjectTransferExecutor::<kvbm_logical::G2>::new(
+            tm, g2_h, obj_h,
+        ))
+        .unwrap();
     let r = a
         .enqueue(external(0, n as u32), None)
         .await
@@ -506,7 +532,17 @@ async fn fail_closed_shutdown_flushes_lock_releases() {
         .wait()
         .await
         .unwrap();
-    assert_eq!(r.completed_blocks.len(), n, "{r:?}");
+    assert_eq!(
+        r.filtered_blocks.len(),
+        n,
+        "every evaluation timed out: {r:?}"
+    );
+    let f = a.lock_filter().unwrap();
+    assert!(f.held_locks().is_empty(), "released (deletes pending)");
+    assert!(
+        lock_body(&storage, hash(0)).await.is_some(),
+        "the interrupted create landed; its delete waits for lock_verify_delay"
+    );
     // No flush_releases here: shutdown alone must leave no lock behind.
     a.shutdown_and_wait().await;
     for i in 0..n as u32 {

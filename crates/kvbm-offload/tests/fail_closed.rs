@@ -343,3 +343,63 @@ async fn fail_closed_enqueue_waits_for_room() {
         within(1000, h.wait()).await.expect("drains").unwrap();
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn fail_closed_sweeper_panic() {
+    // A cancelled batch waiting in the transfer queue is dropped by the sweeper, where the
+    // policy's release hook panics.
+    let exec = TestExecutor::gated();
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
+        b.policy(Arc::new(PanickingRelease)).min_batch_size(1)
+    });
+    let (_keep, never) = Precondition::pair();
+    let waiting = p.enqueue(external(100, 2), Some(never)).await.unwrap();
+    let running = p.enqueue(external(0, 1), None).await.unwrap();
+    exec.wait_started(1).await;
+    let queued = p.enqueue(external(10, 2), None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await; // in the transfer queue
+    queued.token().cancel();
+    within(1000, queued.wait())
+        .await
+        .expect("completes")
+        .unwrap();
+    assert_failed_by_pipeline(&waiting, 2).await;
+    let f = p.failure().expect("failed");
+    assert_eq!(
+        f.kind,
+        PipelineFailureKind::StagePanicked(PipelineStage::Sweeper),
+        "{f}"
+    );
+    // The committed transfer runs to its end (P3), then shutdown returns.
+    exec.release(10);
+    within(1000, running.wait())
+        .await
+        .expect("completes")
+        .unwrap();
+    assert_lane_failed(&p, f.kind).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn fail_closed_transfer_stage_panic() {
+    // The transfer stage's own loop panics: upgrading a batch whose weak block was evicted
+    // releases it through the policy hook, which panics.
+    let g1 = manager::<G1>(2, None);
+    let strong = registered(&g1, 0, 1);
+    let weak: Vec<_> = strong.iter().map(|b| b.downgrade()).collect();
+    drop(strong);
+    let _hog = g1.allocate_blocks(2).unwrap(); // evicts it
+    let exec = TestExecutor::open();
+    let p = spawn_g1_to_g2(exec.clone(), |b| {
+        b.policy(Arc::new(PanickingRelease)).min_batch_size(1)
+    });
+    let (_keep, never) = Precondition::pair();
+    let waiting = p.enqueue(external(100, 2), Some(never)).await.unwrap();
+    let h = p.enqueue(weak, None).await.unwrap();
+    within(1000, h.wait()).await.expect("completes").unwrap();
+    assert_failed_by_pipeline(&waiting, 2).await;
+    assert_lane_failed(
+        &p,
+        PipelineFailureKind::StagePanicked(PipelineStage::Transfer),
+    )
+    .await;
+}

@@ -536,3 +536,47 @@ fn engine_refuses_duplicate_lanes_and_broken_chains() {
         .unwrap_err();
     assert_eq!(err, OffloadError::Missing("transfer manager"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g2_to_g1_onboarding_lane_moves_bytes_into_caller_allocated_g1_blocks() {
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&host, 0x33);
+    let g2_h = tm.register_layout(host).unwrap();
+    let g1_h = tm
+        .register_layout(PhysicalLayout::allocate_device(geometry(), 0).unwrap())
+        .unwrap();
+    let g1 = Arc::new(manager::<kvbm_logical::G1>(n, None));
+    let up = PipelineBuilder::<G2, kvbm_logical::G1>::new()
+        .caller_allocated()
+        .min_batch_size(1)
+        .build()
+        .spawn(CallerAllocated::new(BlockMover::new(
+            tm.clone(),
+            g2_h,
+            g1_h,
+            g1.clone(),
+        )))
+        .unwrap();
+    assert_eq!(up.lane(), PipelineLane::G2_TO_G1);
+    let g2 = manager::<G2>(n, None);
+    let sources = registered(&g2, 0, n as u32);
+    let destinations = g1.allocate_blocks(n).unwrap();
+    let r = up
+        .enqueue_into(sources.clone(), destinations, None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    let on_g1 = g1.match_blocks(&hashes(0, n as u32));
+    assert_eq!(on_g1.len(), n);
+    let (src, dst) = (tm.layout(g2_h).unwrap(), tm.layout(g1_h).unwrap());
+    for (s, d) in sources.iter().zip(&on_g1) {
+        assert_eq!(bytes(&src, s.block_id()), bytes(&dst, d.block_id()));
+    }
+    up.shutdown_and_wait().await;
+}

@@ -348,7 +348,7 @@ fn object(tm: &TransferManager, rt: &tokio::runtime::Runtime, figures: &mut Vec<
         raw: raw_v,
         ratio,
         goal: 0.9,
-        note: format!("{n} x 2 MiB, concurrency {conc}, s3s-fs on loopback; ours adds a 48 B header + xxh3-128"),
+        note: format!("{n} x 2 MiB, concurrency {conc}, s3s-fs on loopback; ours adds a 96 B header + xxh3-128"),
     });
     let (ours, raw_v, ratio) = rounds(5, || transfer(ho, hh), raw_get);
     figures.push(Figure {

@@ -127,9 +127,9 @@ async fn fail_closed_disk_slot_identity_and_file_id() {
         expected(&c, 1, 0, 0..4)
     );
 
-    // Another file instance on the same path (a restart): slot 0 is foreign, not X.
+    // The same file reopened (a restart): its id is kept, slot 0 is X again.
     tm.unregister_layout(d).unwrap();
-    let d2 = loop {
+    let reopen = || loop {
         // The old storage is dropped once its last transfer released it.
         match PhysicalLayout::create_disk(
             small(2, LayoutKind::FullyContiguous),
@@ -142,6 +142,25 @@ async fn fail_closed_disk_slot_identity_and_file_id() {
             Err(e) => panic!("{e}"),
         }
     };
+    let d1 = reopen();
+    let out = common::transfer(
+        &tm,
+        d1,
+        &[0],
+        dst,
+        &[1],
+        TransferOptions::default().identities(vec![id(10)]),
+    )
+    .await;
+    assert!(out.is_complete_success(), "reopened file: {:?}", out.blocks);
+
+    // Another file instance on the same path (its id record is gone, as for a file replaced
+    // behind our back): slot 0 is foreign, not X.
+    tm.unregister_layout(d1).unwrap();
+    let mut side = path.clone().into_os_string();
+    side.push(".id");
+    std::fs::remove_file(&side).unwrap();
+    let d2 = reopen();
     let out = common::transfer(
         &tm,
         d2,
@@ -432,44 +451,70 @@ fn fail_closed_aliased_layouts_rejected() {
 
 #[test]
 fn fail_closed_concurrent_writes_to_one_block_refused() {
-    let dir = tempfile::tempdir().unwrap();
+    // Transfers that stay in flight until the manager is dropped: an object get and an object
+    // put against a store whose gets and parts never answer.
     let tm = TransferManager::new().unwrap();
-    let n = 64;
-    let src = tm.register_layout(host(n, Some(2))).unwrap();
-    let other = tm.register_layout(host(n, Some(3))).unwrap();
-    let d = tm
-        .register_layout(
-            PhysicalLayout::create_disk(
-                small(n, LayoutKind::FullyContiguous),
-                &disk_config(&dir.path().join("g3.bin")),
-            )
-            .unwrap(),
-        )
+    let store = multipart::FaultyParts::new(multipart::PartBehaviour::Hang).hang_gets();
+    let storage = Arc::new(ObjectStorage::new(
+        Arc::new(store),
+        ObjectConfig {
+            multipart_threshold: 1024,
+            ..Default::default()
+        },
+    ));
+    let obj = tm
+        .register_layout(PhysicalLayout::object(
+            small(4, LayoutKind::FullyContiguous),
+            storage,
+        ))
         .unwrap();
-    let ids: Vec<usize> = (0..n).collect();
-    let first = tm
-        .execute_transfer(src, &ids, d, &ids, TransferOptions::default())
-        .unwrap();
-    // While it runs: writing any of its slots, or reading its source into a block it writes…
-    let r = tm.execute_transfer(other, &[5], d, &[n - 1], TransferOptions::default());
-    assert!(
-        matches!(r, Err(PhysicalError::BlockBusy { block_id, .. }) if block_id == n - 1),
-        "{r:?}"
+    let a = tm.register_layout(host(4, Some(2))).unwrap();
+    let b = tm.register_layout(host(4, Some(3))).unwrap();
+    let keys = || TransferOptions::with_object_keys(vec![ObjectKey::from_u128(1)]);
+    // In flight: a get writing b[0], a put reading a[1].
+    let _get = tm.execute_transfer(obj, &[0], b, &[0], keys()).unwrap();
+    let _put = tm.execute_transfer(a, &[1], obj, &[0], keys()).unwrap();
+    let busy = |r: Result<TransferCompletion>, block: usize, what: &str| {
+        assert!(
+            matches!(r, Err(PhysicalError::BlockBusy { block_id, .. }) if block_id == block),
+            "{what}: {r:?}"
+        );
+    };
+    busy(
+        tm.execute_transfer(a, &[0], b, &[0], TransferOptions::default()),
+        0,
+        "a second write of a block being written",
     );
-    let r = tm.execute_transfer(other, &[0], src, &[3], TransferOptions::default());
-    assert!(
-        matches!(r, Err(PhysicalError::BlockBusy { .. })),
-        "writing a block being read: {r:?}"
+    busy(
+        tm.execute_transfer(b, &[0], a, &[2], TransferOptions::default()),
+        0,
+        "a read of a block being written",
     );
-    // …is refused; reading its source concurrently is fine.
-    let shared = tm
-        .execute_transfer(src, &[3], other, &[0], TransferOptions::default())
-        .unwrap();
-    assert!(first.wait().is_complete_success());
-    assert!(shared.wait().is_complete_success());
-    // Claims are released with the transfer.
+    busy(
+        tm.execute_transfer(b, &[3], a, &[1], TransferOptions::default()),
+        1,
+        "a write of a block being read",
+    );
+    // A refused call claimed nothing: block 2 of `a` and block 3 of `b` are still free.
+    // Reading a block others read, and untouched blocks, are fine.
     let out = tm
-        .execute_transfer(other, &[5], d, &[n - 1], TransferOptions::default())
+        .execute_transfer(a, &[1], b, &[2], TransferOptions::default())
+        .unwrap()
+        .wait();
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    let out = tm
+        .execute_transfer(b, &[3], a, &[2], TransferOptions::default())
+        .unwrap()
+        .wait();
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    // Claims end with their transfer: once done, the same write is accepted again.
+    let out = tm
+        .execute_transfer(a, &[2], b, &[3], TransferOptions::default())
+        .unwrap()
+        .wait();
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    let out = tm
+        .execute_transfer(a, &[2], b, &[3], TransferOptions::default())
         .unwrap()
         .wait();
     assert!(out.is_complete_success(), "{:?}", out.blocks);
@@ -564,9 +609,9 @@ const REDACTED_TEXT: &str = kvbm_physical::storage::REDACTED;
 // --- Item 11: no orphaned multipart uploads --------------------------------------------------
 
 mod multipart {
-    //! An in-memory store whose multipart parts fail (or hang) on demand, counting aborts: the
-    //! real server cannot be told to fail a part, and object_store cannot list incomplete
-    //! uploads.
+    //! An in-memory store whose multipart parts fail (or hang) and whose gets hang on demand,
+    //! counting aborts: the real server cannot be told to fail a part or to hold a request, and
+    //! object_store cannot list incomplete uploads.
 
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -590,6 +635,7 @@ mod multipart {
     pub(super) struct FaultyParts {
         inner: InMemory,
         behaviour: PartBehaviour,
+        hang_gets: bool,
         pub(super) aborts: Arc<AtomicUsize>,
     }
 
@@ -598,8 +644,15 @@ mod multipart {
             FaultyParts {
                 inner: InMemory::new(),
                 behaviour,
+                hang_gets: false,
                 aborts: Arc::default(),
             }
+        }
+
+        /// Gets never answer either.
+        pub(super) fn hang_gets(mut self) -> Self {
+            self.hang_gets = true;
+            self
         }
     }
 
@@ -662,6 +715,9 @@ mod multipart {
             location: &Path,
             options: GetOptions,
         ) -> object_store::Result<GetResult> {
+            if self.hang_gets {
+                futures::future::pending::<()>().await;
+            }
             self.inner.get_opts(location, options).await
         }
         fn delete_stream(
@@ -755,4 +811,56 @@ async fn fail_closed_dropped_multipart_upload_aborted() {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     panic!("a dropped multipart upload was not aborted");
+}
+
+// --- Item 2: a corrupt object leaves presence and is rewritten ----------------------------------
+
+#[tokio::test]
+async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
+    let (raw, storage) = raw_and_storage("ns");
+    let tm = TransferManager::new().unwrap();
+    let src = tm.register_layout(host(1, Some(8))).unwrap();
+    let obj = tm
+        .register_layout(PhysicalLayout::object(
+            small(1, LayoutKind::FullyContiguous),
+            storage.clone(),
+        ))
+        .unwrap();
+    let key = ObjectKey::from_u128(0x77);
+    let opts = || TransferOptions::with_object_keys(vec![key.clone()]).identities(vec![id(0x77)]);
+    let out = common::transfer(&tm, src, &[0], obj, &[0], opts()).await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    // One payload byte flipped behind our back: the header (and so presence) still looks right.
+    let path = storage.path(&key);
+    let mut body = raw
+        .get(&path)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    let last = body.len() - 1;
+    body[last] ^= 1;
+    raw.put(&path, body.into()).await.unwrap();
+    assert_eq!(
+        storage.probe(&key, &id(0x77)).await.unwrap(),
+        Presence::Present
+    );
+    // The verified read refuses it and evicts it: no longer present, so it gets rewritten.
+    let dst = tm.register_layout(host(1, None)).unwrap();
+    let out = common::transfer(&tm, obj, &[0], dst, &[0], opts()).await;
+    assert!(
+        matches!(out.blocks[0].1, Err(PhysicalError::ChecksumMismatch { .. })),
+        "{:?}",
+        out.blocks
+    );
+    assert_eq!(
+        storage.probe(&key, &id(0x77)).await.unwrap(),
+        Presence::Absent
+    );
+    let out = common::transfer(&tm, src, &[0], obj, &[0], opts()).await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
+    let out = common::transfer(&tm, obj, &[0], dst, &[0], opts()).await;
+    assert!(out.is_complete_success(), "{:?}", out.blocks);
 }

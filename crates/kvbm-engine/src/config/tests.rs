@@ -270,3 +270,19 @@ fn unknown_tier_message_reads_well() {
         "{text}"
     );
 }
+
+#[test]
+fn the_cli_replay_section_is_carried_unparsed() {
+    let file = toml_file("[replay]\nseed = 7\n[replay.s3]\nregion = \"x\"\n");
+    let c = ConfigBuilder::new()
+        .file(file.path())
+        .unwrap()
+        .build()
+        .unwrap();
+    let replay = c.replay.expect("carried");
+    assert_eq!(
+        replay.clone().find("seed").and_then(|v| v.to_i128()),
+        Some(7),
+        "{replay:?}"
+    );
+}

@@ -7,6 +7,7 @@ use super::*;
 use crate::events::{BlockEvent, BlockEventKind, VecSink};
 use crate::hash::{Salt, TokenBlockSequence};
 use crate::tier::{G1, G2, G3, G4};
+use crate::{EvictionPolicy, FreeSlotReuse, TierId};
 
 const BS: u32 = 4;
 
@@ -227,6 +228,7 @@ fn matching_touches_the_registry() {
     let quiet = BlockManager::<G3>::builder()
         .block_count(2)
         .block_size(BS)
+        .eviction(EvictionBackend::Lru)
         .touch_on_match(false)
         .build()
         .unwrap();
@@ -653,17 +655,35 @@ fn config_serde_defaults() {
     let c: LogicalConfig = serde_json::from_str("{}").unwrap();
     assert_eq!(c, LogicalConfig::default());
     assert_eq!(c.block_size, 16);
-    assert_eq!(c.eviction, EvictionBackend::Lru);
+    assert_eq!(
+        c.eviction,
+        crate::EvictionPolicy::tinylfu(EvictionBackend::Lru)
+    );
     let c: LogicalConfig =
         serde_json::from_str(r#"{"eviction":"multi_lru","duplication":"reject"}"#).unwrap();
-    assert_eq!(c.eviction, EvictionBackend::MultiLru);
+    assert_eq!(c.eviction, EvictionBackend::MultiLru.into());
+    assert_eq!(c.duplication, DuplicationPolicy::Reject);
+    let t: LogicalConfig = serde_json::from_str(r#"{"eviction":"tinylfu-s3fifo"}"#).unwrap();
+    assert_eq!(
+        t.eviction,
+        crate::EvictionPolicy::tinylfu(EvictionBackend::S3Fifo)
+    );
+    assert_eq!(t.eviction.to_string(), "tinylfu-s3fifo");
+    let err = serde_json::from_str::<LogicalConfig>(r#"{"eviction":"lfru"}"#).unwrap_err();
+    assert!(
+        err.to_string().contains("unknown eviction backend"),
+        "{err}"
+    );
+    for p in crate::EvictionPolicy::all() {
+        assert_eq!(p.to_string().parse::<crate::EvictionPolicy>(), Ok(p));
+    }
     assert_eq!(c.duplication, DuplicationPolicy::Reject);
     assert!(serde_json::from_str::<LogicalConfig>(r#"{"evction":"lru"}"#).is_err());
     let m = BlockManager::<G4>::builder()
         .block_count(2)
         .config(LogicalConfig {
             block_size: 8,
-            eviction: EvictionBackend::Lineage,
+            eviction: EvictionBackend::Lineage.into(),
             ..LogicalConfig::default()
         })
         .build()
@@ -680,4 +700,130 @@ fn public_types_are_send_and_sync() {
     check::<ImmutableBlock<G1>>();
     check::<crate::WeakBlock<G1>>();
     check::<BlockRegistry>();
+}
+
+/// vLLM's CPU offloading manager scenario 7: evicted [2, 3, 4] are handed back as ids [3, 2, 1].
+#[test]
+fn freed_slots_are_reused_lifo_when_asked() {
+    for (reuse, expect) in [
+        (FreeSlotReuse::Lifo, vec![3, 2, 1]),
+        (FreeSlotReuse::EvictionOrder, vec![1, 2, 3]),
+    ] {
+        let m = BlockManager::<G2>::builder()
+            .block_count(4)
+            .block_size(BS)
+            .free_slot_reuse(reuse)
+            .build()
+            .unwrap();
+        let h = chain(7, 8);
+        let held = register(&m, &h[..4]);
+        assert_eq!(ids(&held), [0, 1, 2, 3]);
+        let keep = held[0].clone();
+        drop(held); // LRU order: 1, 2, 3 (0 is still held)
+        let a = m.allocate_blocks_with(3, &h[4..7]).unwrap();
+        let got: Vec<usize> = a.blocks.iter().map(|b| b.block_id()).collect();
+        assert_eq!(got, expect, "{reuse:?}");
+        assert_eq!(a.evicted, h[1..4].to_vec(), "evicted in eviction order");
+        drop(keep);
+    }
+}
+
+#[test]
+fn allocation_reports_evictions_and_never_evicts_protected_hashes() {
+    for policy in EvictionPolicy::all() {
+        let m = BlockManager::<G2>::builder()
+            .block_count(4)
+            .block_size(BS)
+            .policy(policy)
+            .build()
+            .unwrap();
+        let h = chain(3, 4);
+        let other = chain(4, 2);
+        drop(register(&m, &h));
+        // protect the LRU end (and, for lineage, leaves): the victims must be others
+        let protect = [h[3], h[0]];
+        match m.allocate_blocks_with(2, &protect) {
+            Ok(a) => {
+                assert_eq!(a.evicted.len(), 2, "{policy}");
+                for e in &a.evicted {
+                    assert!(!protect.contains(e), "{policy}: evicted protected {e:?}");
+                    assert!(!m.registry().is_present(*e, TierId::G2));
+                }
+                for p in protect {
+                    assert!(m.registry().is_present(p, TierId::G2), "{policy}");
+                }
+            }
+            Err(LogicalError::InsufficientBlocks { .. }) => {
+                // lineage: h[3] is the only leaf and it is protected; nothing changed
+                assert_eq!(policy.backend, EvictionBackend::Lineage, "{policy}");
+                assert_eq!(counts(&m), (0, 0, 0, 4));
+                for x in &h {
+                    assert!(m.registry().is_present(*x, TierId::G2));
+                }
+            }
+            Err(e) => panic!("{policy}: {e}"),
+        }
+        m.check_invariants().unwrap();
+        // protecting everything evictable fails cleanly, evicting nothing
+        let before = m.pool_counts();
+        let all: Vec<SequenceHash> = h.iter().chain(&other).copied().collect();
+        let needed = before.reset + before.inactive;
+        assert!(m.allocate_blocks_with(needed, &all).is_err() || before.inactive == 0);
+        assert_eq!(m.pool_counts(), before, "{policy}");
+        m.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn touch_is_recency_without_frequency() {
+    let m = manager(3, EvictionBackend::Lru);
+    let h = chain(5, 3);
+    drop(register(&m, &h));
+    let f = m.registry().frequency(h[0]);
+    assert_eq!(m.touch_blocks(&h[..1]), 1);
+    assert_eq!(
+        m.registry().frequency(h[0]),
+        f,
+        "a touch is not a frequency hit"
+    );
+    let a = m.allocate_blocks_with(2, &[] as &[SequenceHash]).unwrap();
+    assert_eq!(
+        a.evicted,
+        vec![h[1], h[2]],
+        "the touched block is most recent"
+    );
+    // a match is a frequency hit
+    drop(m.match_blocks(&h[..1]));
+    assert_eq!(m.registry().frequency(h[0]), f + 1);
+}
+
+#[test]
+fn lineage_allocation_failure_evicts_nothing() {
+    let m = manager(4, EvictionBackend::Lineage);
+    let h = chain(9, 4);
+    let held = register(&m, &h);
+    let leaf = held[3].clone();
+    drop(held);
+    // only 0, 1, 2 are inactive, and they are all ancestors of the active leaf
+    assert!(m.allocate_blocks(1).is_err());
+    assert_eq!(counts(&m), (0, 0, 1, 3));
+    assert_eq!(m.match_blocks(&h).len(), 4);
+    drop(leaf);
+}
+
+#[test]
+fn default_policy_admits_a_block_matched_while_active() {
+    let m = BlockManager::<G2>::builder()
+        .block_count(3)
+        .block_size(BS)
+        .build()
+        .unwrap();
+    assert_eq!(m.eviction_policy().to_string(), "tinylfu-lru");
+    let h = chain(11, 3);
+    let held = register(&m, &h); // three first sightings
+    drop(m.match_blocks(&h[..1])); // h[0] is hit while active
+    drop(held); // released h[0], h[1], h[2]: plain LRU would evict h[0] first
+    let a = m.allocate_blocks_with(2, &[] as &[SequenceHash]).unwrap();
+    assert_eq!(a.evicted, vec![h[1], h[2]], "first sightings go first");
+    m.check_invariants().unwrap();
 }

@@ -36,7 +36,7 @@ pub(crate) async fn block_present(
         Presence::Present => Ok(true),
         Presence::Absent => Ok(false),
         Presence::Foreign(why) => {
-            tracing::debug!(key = %storage.path(&key), error = %why, "foreign object counts as absent; it will be rewritten");
+            tracing::warn!(key = %storage.path(&key), error = %why, "foreign object counts as absent; it will be rewritten");
             Ok(false)
         }
         _ => Ok(false),

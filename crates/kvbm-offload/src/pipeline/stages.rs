@@ -265,7 +265,9 @@ async fn policy_evaluator<Src: Tier, A: Send + 'static>(
         let room = inflight.len() < max_inflight && outbox.is_empty();
         tokio::select! {
             biased;
-            _ = signalled(&mut signal) => sweep_outbox(&mut outbox),
+            // Only what waits in the outbox needs sweeping here (evaluations and precondition
+            // waits select on their own tokens); no waker is registered on the hot path.
+            _ = signalled(&mut signal), if !outbox.is_empty() => sweep_outbox(&mut outbox),
             Some(done) = inflight.next(), if !inflight.is_empty() => {
                 if let Some((c, verdict)) = done
                     && let Some(c) = finish(c, verdict)
@@ -352,7 +354,9 @@ async fn precondition_awaiter<Src: Tier, A: Send + 'static>(
         let room = waiting.len() < max_waiting && outbox.is_empty();
         tokio::select! {
             biased;
-            _ = signalled(&mut signal) => sweep_outbox(&mut outbox),
+            // Only what waits in the outbox needs sweeping here (evaluations and precondition
+            // waits select on their own tokens); no waker is registered on the hot path.
+            _ = signalled(&mut signal), if !outbox.is_empty() => sweep_outbox(&mut outbox),
             Some(done) = waiting.next(), if !waiting.is_empty() => match done {
                 None => {}
                 Some((c, Ok(()))) => outbox.push_back(met(c)),
@@ -456,7 +460,7 @@ async fn batcher<Src: Tier, A: Send + 'static>(inner: Arc<Inner<Src, A>>, cfg: P
         tokio::select! {
             biased;
             _ = signalled(&mut signal) => {
-                batch.sweep_cancelled();
+                batch.remove_cancelled();
                 if batch.is_empty() {
                     deadline = None;
                 }
@@ -533,7 +537,7 @@ async fn transfer_stage<Src: Tier, A: Send + 'static, E: TransferExecutor<Src, A
             break;
         };
         // P4: the last cancellation check, immediately before the commitment point.
-        batch.sweep_cancelled();
+        batch.remove_cancelled();
         if batch.is_empty() {
             continue;
         }

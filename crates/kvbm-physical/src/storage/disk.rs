@@ -11,8 +11,12 @@
 //! file is narrowed to `0600` too) and held under an exclusive, non-blocking `flock` for the
 //! storage's whole life, so a second opener — another process, or a second storage in this one
 //! — is refused with [`PhysicalError::FileLocked`] naming the path instead of sharing slots.
-//! Each open draws a random 128-bit file id written into every header; slots written by an
-//! earlier open of the same path are foreign ([`PhysicalError::IdentityMismatch`]).
+//! Each file instance has a random 128-bit file id, written into every header and required of
+//! every slot read. It is drawn when the file is created and kept in a sidecar (`<path>.id`,
+//! mode `0600`, with the slot geometry), so reopening the same file — a restart — finds its
+//! slots again (G3 is persistent). A file created anew, a file whose sidecar is missing or
+//! unreadable, or one reopened with another geometry gets a fresh id: every slot written before
+//! is then foreign ([`PhysicalError::IdentityMismatch`]), never served.
 //!
 //! Capabilities are probed at creation and degrade in stages, one log line each:
 //! O_DIRECT refused → buffered I/O; `fallocate` unsupported → `ftruncate`; io_uring unavailable
@@ -134,6 +138,55 @@ fn random_file_id(path: &Path) -> Result<u128> {
     Ok(u128::from_le_bytes(b).max(1))
 }
 
+/// The sidecar that keeps a file instance's id across opens.
+fn id_sidecar(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".id");
+    PathBuf::from(p)
+}
+
+/// The id recorded for the file at `path`, if its sidecar names exactly this geometry.
+fn recorded_file_id(path: &Path, slot_bytes: usize, num_slots: usize) -> Option<u128> {
+    let text = std::fs::read_to_string(id_sidecar(path)).ok()?;
+    let mut parts = text.split_whitespace();
+    let (Some("kvbm-g3-id-v1"), Some(id), Some(sb), Some(ns), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return None;
+    };
+    let id = u128::from_str_radix(id, 16).ok().filter(|&v| v != 0)?;
+    (sb.parse::<usize>().ok()? == slot_bytes && ns.parse::<usize>().ok()? == num_slots)
+        .then_some(id)
+}
+
+/// Records `file_id` for the file at `path` (write to a temporary, fsync, rename: a crash leaves
+/// the old sidecar or the new one, never a torn one).
+fn record_file_id(path: &Path, file_id: u128, slot_bytes: usize, num_slots: usize) -> Result<()> {
+    use std::io::Write;
+    let side = id_sidecar(path);
+    let tmp = {
+        let mut t = side.as_os_str().to_owned();
+        t.push(".tmp");
+        PathBuf::from(t)
+    };
+    let write = || -> std::io::Result<()> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        writeln!(f, "kvbm-g3-id-v1 {file_id:032x} {slot_bytes} {num_slots}")?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &side)
+    };
+    write().map_err(|e| PhysicalError::io("record the file id", Some(&side), e))
+}
+
 fn round_up(v: usize, a: usize) -> usize {
     v.div_ceil(a) * a
 }
@@ -187,7 +240,23 @@ impl DiskStorage {
         }
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(|e| PhysicalError::io("chmod 0600", Some(&path), e))?;
-        let file_id = random_file_id(&path)?;
+        // A file that already held slots keeps its recorded id (a restart finds them again);
+        // a new, resized or unrecorded file gets a fresh one (its old slots are foreign).
+        let existing_len = file
+            .metadata()
+            .map_err(|e| PhysicalError::io("stat", Some(&path), e))?
+            .len();
+        let file_id = match (existing_len > 0)
+            .then(|| recorded_file_id(&path, slot_bytes, num_slots))
+            .flatten()
+        {
+            Some(id) => id,
+            None => {
+                let id = random_file_id(&path)?;
+                record_file_id(&path, id, slot_bytes, num_slots)?;
+                id
+            }
+        };
         // SAFETY: valid fd; fallocate has no memory preconditions.
         let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, total as libc::off_t) };
         let fallocated = if rc == 0 {
@@ -240,8 +309,8 @@ impl DiskStorage {
         })
     }
 
-    /// The id drawn when this file was opened, written into every header this storage writes
-    /// and required of every slot it reads.
+    /// This file instance's id (drawn at creation, kept in `<path>.id` across opens), written
+    /// into every header this storage writes and required of every slot it reads.
     pub fn file_id(&self) -> u128 {
         self.file_id
     }

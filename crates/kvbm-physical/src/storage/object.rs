@@ -18,6 +18,10 @@
 //! `max_concurrency` request permits for its whole duration (body streaming included), in the
 //! manner of `object_store`'s `PrefixStore` and `LimitStore`. No caller can skip either.
 //!
+//! A transfer whose verified read finds an object corrupt (checksum, length, header) or foreign
+//! (identity, key, namespace, rank, geometry) deletes it after reporting the error, so presence
+//! probes stop counting it and the next offload of that block writes it again.
+//!
 //! Bodies are size-checked from the store's metadata before they are read: a block body must be
 //! exactly header + payload, a small object at most the caller's limit. Bodies above
 //! `multipart_threshold` go up in parts; an upload that fails or whose future is dropped is
@@ -294,6 +298,13 @@ impl ObjectStorage {
 
     /// An S3-compatible store (`AmazonS3Builder`, path-style, http allowed for endpoints).
     pub fn s3(s3: &S3Config, config: ObjectConfig) -> Result<Self> {
+        Ok(Self::new(Self::s3_client(s3)?, config))
+    }
+
+    /// A bare S3 client for `s3`, configured as [`s3`](Self::s3) configures its own: for callers
+    /// that need a raw `object_store` baseline (benchmarks) or to wrap it themselves with
+    /// [`new`](Self::new). Requests made through it bypass every storage's namespace and limit.
+    pub fn s3_client(s3: &S3Config) -> Result<Arc<dyn ObjectStore>> {
         let mut b = object_store::aws::AmazonS3Builder::new()
             .with_bucket_name(&s3.bucket)
             .with_region(&s3.region)
@@ -308,7 +319,7 @@ impl ObjectStorage {
         let store = b
             .build()
             .map_err(|e| PhysicalError::object("build s3 client", &s3.bucket, e))?;
-        Ok(Self::new(Arc::new(store), config))
+        Ok(Arc::new(store))
     }
 
     /// A local-filesystem store rooted at `root` (created if missing).
@@ -721,6 +732,33 @@ impl ObjectStorage {
             Err(object_store::Error::NotFound { .. }) => Ok(false),
             Err(e) => Err(PhysicalError::object("head", path.as_ref(), e)),
         }
+    }
+
+    /// The keys of every object under this storage's prefix (namespace and, with tensor
+    /// parallelism, rank directory), relative to it: what a restarted process lists to learn
+    /// what the tier holds. Objects in deeper directories are skipped. One request slot is held
+    /// for the whole listing.
+    pub async fn list_keys(&self) -> Result<Vec<ObjectKey>> {
+        use futures::StreamExt;
+        let prefix = self.path(&ObjectKey::new(""));
+        let prefix_str = prefix.as_ref().trim_end_matches('/').to_string();
+        let prefix = ObjectPath::from(prefix_str.as_str());
+        let _permit = self.permit().await;
+        let mut stream = self.store.list(Some(&prefix));
+        let mut out = Vec::new();
+        while let Some(meta) = stream.next().await {
+            let meta = meta.map_err(|e| PhysicalError::object("list", &prefix_str, e))?;
+            let loc = meta.location.as_ref();
+            if let Some(rest) = loc
+                .strip_prefix(prefix_str.as_str())
+                .and_then(|r| r.strip_prefix('/'))
+                && !rest.is_empty()
+                && !rest.contains('/')
+            {
+                out.push(ObjectKey::new(rest));
+            }
+        }
+        Ok(out)
     }
 
     /// Deletes the object at `key` (absent is fine).

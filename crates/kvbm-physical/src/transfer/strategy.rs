@@ -264,6 +264,9 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
                         Err(e) => Err(e),
                     }
                 };
+                if let Err(e) = &r {
+                    evict_if_bad(&store, &keys[pos], e).await;
+                }
                 (pos, r)
             }
         })
@@ -272,6 +275,27 @@ async fn object_get(job: Job) -> Vec<Result<()>> {
         .await
         .into_iter()
         .pipe(in_order)
+}
+
+/// A verified read found the object corrupt or foreign: delete it (best effort), so presence
+/// probes stop counting it and the next offload of the block writes it again. Not-found and I/O
+/// errors leave the object alone.
+async fn evict_if_bad(
+    store: &crate::storage::ObjectStorage,
+    key: &crate::ObjectKey,
+    e: &PhysicalError,
+) {
+    use crate::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch) {
+        match store.delete(key).await {
+            Ok(()) => {
+                tracing::warn!(key = %store.path(key), error = %e, "evicted a corrupt or foreign object")
+            }
+            Err(d) => {
+                tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a corrupt or foreign object")
+            }
+        }
+    }
 }
 
 /// Writes a byte stream into host regions in order (the streaming side of an object get).

@@ -482,6 +482,25 @@ impl CpuOffloadingManager {
         ids
     }
 
+    /// Unpins cascade reads in one pass (the manager pinned them itself); a key that is not
+    /// pinned (only possible after a misreported job) is skipped and counted.
+    pub(crate) fn unpin_reads(&mut self, keys: &[OffloadKey]) -> usize {
+        let mut skipped = 0;
+        for k in keys {
+            match self.index.get(k) {
+                Some(&s) if self.ref_cnt[s as usize] > 0 => {
+                    let rc = &mut self.ref_cnt[s as usize];
+                    *rc -= 1;
+                    if *rc == 0 {
+                        self.num_evictable += 1;
+                    }
+                }
+                _ => skipped += 1,
+            }
+        }
+        skipped
+    }
+
     pub(crate) fn complete_load_inner(
         &mut self,
         call: &'static str,
@@ -572,15 +591,14 @@ impl CpuOffloadingManager {
                 }
             }
         }
+        // `class` was taken out of `self`, so the filter borrows no part of the manager.
         let recorded = keys
             .iter()
             .zip(class.iter())
             .filter(|(_, c)| **c != 0)
             .map(|(k, _)| *k);
-        // `record_access` needs &mut self; collect the filtered keys first (borrow of `class`).
-        let recorded: Vec<OffloadKey> = recorded.collect();
+        self.record_access(recorded, ctx, &ready_existing);
         self.scratch_class = class;
-        self.record_access(recorded.into_iter(), ctx, &ready_existing);
 
         if keys_to_store.is_empty() {
             return Some(PrepareStoreOutput {

@@ -156,6 +156,12 @@ impl CpuPrimaryTier {
         self.manager.complete_load_inner("complete_read", keys)
     }
 
+    /// Unpins cascade reads the tiering manager pinned itself (one probe per key); returns how
+    /// many keys were not pinned.
+    pub(crate) fn complete_read_pinned(&mut self, keys: &[OffloadKey]) -> usize {
+        self.manager.unpin_reads(keys)
+    }
+
     /// Reserves slots for a secondary → primary copy (promotion); `None` when full.
     pub fn prepare_write(
         &mut self,

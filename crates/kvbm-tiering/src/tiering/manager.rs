@@ -144,6 +144,8 @@ pub struct TieringOffloadingManager {
     promotions_held: bool,
     pending: Vec<(usize, Vec<PendingPromotion>)>,
     pending_index: HashMap<(usize, Arc<str>), usize>,
+    /// Fast path: (tier, context uid) → (position in `pending`, entry) of the last promotion.
+    last_pending: Option<(usize, u64, usize, usize)>,
     processed_this_step: bool,
     req_state: HashMap<Arc<str>, RequestState>,
     req_seq: u64,
@@ -200,6 +202,7 @@ impl TieringOffloadingManager {
             promotions_held: false,
             pending: Vec::new(),
             pending_index: HashMap::new(),
+            last_pending: None,
             processed_this_step: false,
             req_state: HashMap::new(),
             req_seq: 0,
@@ -338,8 +341,13 @@ impl TieringOffloadingManager {
                 if meta.job.is_promotion {
                     self.complete_promotion(&meta, &r);
                 } else {
-                    if let Err(e) = self.primary.complete_read(&meta.job.keys) {
-                        tracing::error!(error = %e, "cascade completion");
+                    let skipped = self.primary.complete_read_pinned(&meta.job.keys);
+                    if skipped > 0 {
+                        tracing::error!(
+                            job_id = r.job_id,
+                            skipped,
+                            "cascade completion of unpinned keys"
+                        );
                     }
                     self.update_backpressure(i, &meta.job, &r);
                     if r.success && !self.failed_marks.is_empty() {
@@ -525,9 +533,9 @@ impl TieringOffloadingManager {
         }
         self.promotions_this_step += out.keys_to_store.len();
         let ids = out.store_spec.chunk_ids().unwrap_or(&[]);
-        let slot = match self.pending_index.get(&(tier, ctx.req_id_arc().clone())) {
-            Some(&j) => j,
-            None => {
+        let (t, slot) = match self.last_pending {
+            Some((lt, uid, t, j)) if lt == tier && uid == ctx.uid() => (t, j),
+            _ => {
                 let t = match self.pending.iter().position(|(t, _)| *t == tier) {
                     Some(t) => t,
                     None => {
@@ -535,23 +543,25 @@ impl TieringOffloadingManager {
                         self.pending.len() - 1
                     }
                 };
-                let v = &mut self.pending[t].1;
-                v.push(PendingPromotion {
-                    req_context: ctx.clone(),
-                    keys: Vec::new(),
-                    chunk_ids: Vec::new(),
-                });
-                let j = v.len() - 1;
-                self.pending_index
-                    .insert((tier, ctx.req_id_arc().clone()), j);
-                j
+                let j = match self.pending_index.get(&(tier, ctx.req_id_arc().clone())) {
+                    Some(&j) => j,
+                    None => {
+                        let v = &mut self.pending[t].1;
+                        v.push(PendingPromotion {
+                            req_context: ctx.clone(),
+                            keys: Vec::new(),
+                            chunk_ids: Vec::new(),
+                        });
+                        let j = v.len() - 1;
+                        self.pending_index
+                            .insert((tier, ctx.req_id_arc().clone()), j);
+                        j
+                    }
+                };
+                self.last_pending = Some((tier, ctx.uid(), t, j));
+                (t, j)
             }
         };
-        let t = self
-            .pending
-            .iter()
-            .position(|(t, _)| *t == tier)
-            .expect("tier entry exists");
         let e = &mut self.pending[t].1[slot];
         e.keys.extend_from_slice(&out.keys_to_store);
         e.chunk_ids.extend_from_slice(ids);
@@ -564,6 +574,7 @@ impl TieringOffloadingManager {
         }
         let pending = std::mem::take(&mut self.pending);
         self.pending_index.clear();
+        self.last_pending = None;
         let now = Instant::now();
         for (tier, entries) in pending {
             for e in entries {
@@ -997,6 +1008,7 @@ impl OffloadingManager for TieringOffloadingManager {
         }
         self.pending.clear();
         self.pending_index.clear();
+        self.last_pending = None;
         self.load_sources.clear();
         self.deadlines.clear();
         self.expired_jobs.clear();

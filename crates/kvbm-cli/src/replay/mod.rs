@@ -1,0 +1,272 @@
+//! `kvbm replay`: serve a workload through every tier, like an inference scheduler would.
+//!
+//! ```text
+//!  workload (trace | synthetic) ──► per request: sequence hashes ──► Tiers::serve ──► counters
+//!                                                                     (tiers.rs: the seam)
+//!  end: Tiers::finish (drain lanes, sync G3, write its manifest) ──► Report (table | JSON)
+//! ```
+//!
+//! Requests are served one after another on this thread (the offload lanes run on a small
+//! tokio runtime behind it). With `time_scale > 0` a request is not started before its
+//! timestamp × scale.
+
+pub mod content;
+pub mod manifest;
+pub mod report;
+pub mod tiers;
+pub mod workload;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvbm_logical::Salt;
+use kvbm_physical::S3Config;
+
+use crate::config::CliConfig;
+use report::{Report, TierReport};
+use tiers::{G4Location, PATH_NAMES, TierPlan, Tiers};
+
+/// Requests of the synthetic workload when `--requests` is not given.
+pub const DEFAULT_SYNTHETIC_REQUESTS: usize = 20_000;
+
+/// Loads the workload the configuration names.
+///
+/// # Errors
+/// An unreadable or malformed trace.
+pub fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
+    let r = &cfg.replay;
+    Ok(match &r.trace {
+        Some(p) => workload::load_trace(p, r.requests)?,
+        None => workload::synthetic(r.seed, r.requests.unwrap_or(DEFAULT_SYNTHETIC_REQUESTS)),
+    })
+}
+
+/// The tier plan for `cfg` and a workload with `unique_blocks` distinct blocks.
+///
+/// # Errors
+/// G4 on S3 without credentials.
+pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
+    let r = &cfg.replay;
+    let g4 = if r.g4 || r.s3.endpoint.is_some() {
+        Some(match &r.s3.endpoint {
+            Some(ep) => G4Location::S3(s3_config(cfg, ep)?),
+            None => G4Location::Local(r.g4_dir.clone()),
+        })
+    } else {
+        None
+    };
+    Ok(TierPlan {
+        block_bytes: r.block_bytes,
+        g1_blocks: r.g1_blocks,
+        g2_blocks: r.g2_blocks,
+        g3_blocks: r.g3_blocks,
+        g3_dir: r.g3_dir.clone(),
+        g3_engine: r.g3_engine,
+        g3_queue_depth: r.g3_queue_depth,
+        g3_direct_io: r.g3_direct_io,
+        g4,
+        g4_namespace: format!(
+            "{}/b{}",
+            r.g4_namespace.trim_end_matches('/'),
+            r.block_bytes
+        ),
+        g4_capacity: unique_blocks.max(1),
+        logical: cfg.logical.clone(),
+        g1_to_g2: cfg.offload.g1_to_g2.clone(),
+        g2_to_g3: cfg.offload.g2_to_g3.clone(),
+        g2_to_g4: cfg.offload.g2_to_g4.clone(),
+        transfer: cfg.physical.transfer.clone(),
+        object: cfg.physical.object.clone(),
+    })
+}
+
+/// The S3 settings of `cfg` for `endpoint`.
+///
+/// # Errors
+/// No bucket or no credentials.
+pub fn s3_config(cfg: &CliConfig, endpoint: &str) -> anyhow::Result<S3Config> {
+    let s = &cfg.replay.s3;
+    let bucket = s
+        .bucket
+        .clone()
+        .context("an S3 endpoint needs a bucket (--s3-bucket)")?;
+    let (Some(access_key), Some(secret_key)) =
+        (s.access_key_id.clone(), s.secret_access_key.clone())
+    else {
+        anyhow::bail!(
+            "S3 credentials missing: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or replay.s3.access_key_id / secret_access_key)"
+        );
+    };
+    Ok(S3Config {
+        endpoint: Some(endpoint.to_string()),
+        bucket,
+        region: s.region.clone(),
+        access_key,
+        secret_key,
+    })
+}
+
+fn eviction_name(cfg: &CliConfig) -> String {
+    serde_json::to_value(cfg.logical.eviction)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{:?}", cfg.logical.eviction))
+}
+
+/// Runs the replay.
+///
+/// # Errors
+/// Bad input or storage that cannot be set up; per-block failures are counted instead.
+pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
+    let wl = load_workload(cfg)?;
+    let unique = wl.unique_blocks();
+    let total = wl.total_blocks();
+    let plan = plan(cfg, unique)?;
+    if wl.max_request_blocks() > plan.g1_blocks {
+        anyhow::bail!(
+            "the longest request has {} blocks but G1 holds {}; raise --g1-blocks",
+            wl.max_request_blocks(),
+            plan.g1_blocks
+        );
+    }
+    let mut tiers = Tiers::build(&plan)?;
+    tiers.publish_capacity();
+
+    let pb = ProgressBar::with_draw_target(
+        Some(wl.requests.len() as u64),
+        ProgressDrawTarget::stderr_with_hz(5),
+    );
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{spinner} replay [{elapsed_precise}] {bar:30} {pos}/{len} requests ({per_sec}) {msg}",
+        )
+        .expect("valid template"),
+    );
+
+    let salt = Salt::new("kvbm-replay");
+    let mut hashes = Vec::new();
+    let mut ahead_hashes = Vec::new();
+    let (mut hits, mut onboarded, mut verified, mut corrupt, mut computed) =
+        ([0u64; 4], 0, 0, 0, 0);
+    let start = Instant::now();
+    let t0 = wl.requests.first().map_or(0, |r| r.timestamp_ms);
+    for (i, req) in wl.requests.iter().enumerate() {
+        if cfg.replay.time_scale > 0.0 {
+            let due = Duration::from_secs_f64(
+                (req.timestamp_ms.saturating_sub(t0)) as f64 / 1000.0 * cfg.replay.time_scale,
+            );
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let ahead = cfg.replay.prefetch_requests;
+        if ahead > 0 {
+            if i == 0 {
+                for j in 1..=ahead.min(wl.requests.len() - 1) {
+                    workload::sequence_hashes(salt, &wl.requests[j].hash_ids, &mut ahead_hashes);
+                    tiers.prefetch(j, &ahead_hashes);
+                }
+            } else if let Some(next) = wl.requests.get(i + ahead) {
+                workload::sequence_hashes(salt, &next.hash_ids, &mut ahead_hashes);
+                tiers.prefetch(i + ahead, &ahead_hashes);
+            }
+        }
+        workload::sequence_hashes(salt, &req.hash_ids, &mut hashes);
+        let s = tiers
+            .serve(&hashes)
+            .with_context(|| format!("request {} ({} blocks)", i + 1, hashes.len()))?;
+        for (a, b) in hits.iter_mut().zip(s.hits) {
+            *a += b;
+        }
+        onboarded += s.onboarded;
+        verified += s.verified;
+        corrupt += s.corrupt;
+        computed += s.computed;
+        if i % 64 == 63 {
+            tiers.reap();
+            pb.set_position(i as u64 + 1);
+        }
+    }
+    pb.set_position(wl.requests.len() as u64);
+    pb.set_message("draining offloads");
+    tiers.finish()?;
+    let wall = start.elapsed().as_secs_f64();
+    pb.finish_and_clear();
+
+    let hit_blocks: u64 = hits.iter().sum();
+    let caps = tiers.capacities();
+    let names = ["g1", "g2", "g3", "g4"];
+    let tiers_report = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            (
+                *n,
+                TierReport {
+                    capacity_blocks: caps[i],
+                    hit_blocks: hits[i],
+                },
+            )
+        })
+        .collect();
+    let bytes = PATH_NAMES
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            (
+                *n,
+                tiers.counters.bytes[i].load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
+        .collect();
+    let (w3, w4) = tiers.warm_blocks();
+    let mut storage = BTreeMap::new();
+    let (g3_loc, g4_loc) = tiers.locations();
+    if let Some(l) = g3_loc {
+        storage.insert("g3_dir", l);
+    }
+    if let Some(c) = tiers.g3_capabilities() {
+        storage.insert("g3_io", c);
+    }
+    if let Some(l) = g4_loc {
+        storage.insert("g4", l);
+    }
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    Ok(Report {
+        workload: wl.source.clone(),
+        requests: wl.requests.len(),
+        blocks: total as u64,
+        unique_blocks: unique as u64,
+        hit_blocks,
+        hit_ratio: if total > 0 {
+            hit_blocks as f64 / total as f64
+        } else {
+            0.0
+        },
+        max_hit_ratio: if total > 0 {
+            1.0 - unique as f64 / total as f64
+        } else {
+            0.0
+        },
+        tiers: tiers_report,
+        bytes,
+        onboarded_blocks: onboarded,
+        verified_blocks: verified,
+        corrupt_blocks: corrupt,
+        checksum_failures: ld(&tiers.counters.checksum_failures),
+        failed_transfers: ld(&tiers.counters.failed_transfers),
+        computed_blocks: computed,
+        offload_filtered_blocks: tiers.filtered_blocks,
+        offload_evicted_blocks: tiers.evicted_before_offload,
+        offload_no_space_blocks: tiers.no_space,
+        warm_start_blocks: [("g3", w3), ("g4", w4)].into_iter().collect(),
+        wall_seconds: wall,
+        blocks_per_second: if wall > 0.0 { total as f64 / wall } else { 0.0 },
+        eviction_policy: eviction_name(cfg),
+        block_bytes: cfg.replay.block_bytes,
+        stage_seconds: tiers.times,
+        storage,
+    })
+}

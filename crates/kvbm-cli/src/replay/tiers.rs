@@ -1,0 +1,1594 @@
+//! The tier driver: G1..G4 block managers, their storage, the offload lanes and onboarding.
+//!
+//! **This module is the seam to be replaced.** The replay should drive the engine through the
+//! `kvbm-engine` runtime and the `kvbm-tiering` manager; neither exists yet, so this module
+//! wires the landed crates directly: `kvbm-logical` (one `BlockManager` per tier, one shared
+//! `BlockRegistry`), `kvbm-physical` (host memory as the G1 stand-in and as G2, an O_DIRECT
+//! io_uring `DiskStorage` file as G3, an `ObjectStorage` as G4, one `TransferManager`) and
+//! `kvbm-offload` (the G1→G2, G2→G3 and G2→G4 pipelines). Everything above it (`replay/mod.rs`)
+//! only calls [`Tiers::build`], [`Tiers::serve`] and [`Tiers::finish`]; when the engine and
+//! the tiering manager land, only this file changes.
+//!
+//! ```text
+//!            lookup: longest prefix over G1, G2, G3, G4 (per position, any tier)
+//!  request ──────────────────────────────────────────────────────────────────┐
+//!     │                                                                        │
+//!     │  G3 hit ──TransferManager──► G2 ─┐   (checked: disk header + manifest checksum)
+//!     │  G4 hit ──TransferManager──► G2 ─┤   (checked: object header checksum)
+//!     │  G2 hit ─────────────────────────┴──TransferManager──► G1  (checked: expected bytes)
+//!     │  miss: compute in G1 ──► G1→G2 pipeline ──sink──► G2→G3 pipeline (manifest recorded)
+//!     │                                           └─────► G2→G4 object pipeline
+//! ```
+//!
+//! Upward moves (G3→G2, G4→G2, G2→G1) use the `kvbm-physical` transfer manager directly:
+//! `kvbm-offload` has only downward lanes. They are synchronous from the caller's view (the
+//! request waits for its blocks, as a scheduler waits before the forward pass).
+//!
+//! Ownership: a request holds strong G1 handles from lookup to the end of [`Tiers::serve`] (its
+//! "forward pass"); blocks being offloaded are held by their pipeline (strong for G1→G2, weak,
+//! upgraded at the commitment point, for the chained lanes). Lock order: the checksum map
+//! (`G3Tier::checksums`) is never held while calling a block manager or the transfer manager.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use kvbm_logical::{
+    BlockManager, BlockRegistry, G1, G2, G3, G4, ImmutableBlock, LogicalConfig, MutableBlock,
+    SequenceHash, Tier, TierId,
+};
+use kvbm_offload::{
+    AllOfPolicy, BatchOutcome, BlockFailureKind, BlockTransferExecutor, EnqueueError,
+    ObjectPipeline, ObjectPipelineBuilder, ObjectPipelineConfig, ObjectTransferExecutor,
+    OffloadPolicy, Pipeline, PipelineBuilder, PipelineConfig, PresenceFilter, ResolvedBatch,
+    TransferExecutor, TransferHandle, TransferResult, block_identity, create_policy_from_config,
+    object_key,
+};
+use kvbm_physical::{
+    Backing, BlockLayout, DiskConfig, IoEngineKind, LayoutHandle, LayoutKind, ObjectConfig,
+    ObjectStorage, PhysicalError, PhysicalLayout, PinPolicy, S3Config, TransferManager,
+    TransferOptions,
+};
+use parking_lot::Mutex;
+
+use super::content;
+use super::manifest::{self, Manifest};
+use super::workload::HASH_BLOCK_SIZE;
+
+/// Where G4 lives.
+#[derive(Debug, Clone)]
+pub enum G4Location {
+    /// A local-filesystem object store: in `dir` (persistent), or in a temporary directory.
+    Local(Option<PathBuf>),
+    /// An S3-compatible store.
+    S3(S3Config),
+}
+
+/// Everything the tiers are built from.
+#[derive(Debug, Clone)]
+pub struct TierPlan {
+    /// Bytes per block (a multiple of 4096).
+    pub block_bytes: usize,
+    /// G1 capacity (must hold the longest request).
+    pub g1_blocks: usize,
+    /// G2 capacity; 0 disables G2 (and so G3 and G4, which are staged through it).
+    pub g2_blocks: usize,
+    /// G3 capacity; 0 disables G3.
+    pub g3_blocks: usize,
+    /// Where G3's file and manifest live (persistent); a temporary directory when `None`.
+    pub g3_dir: Option<PathBuf>,
+    /// G3 I/O settings.
+    pub g3_engine: IoEngineKind,
+    /// G3 requests in flight per transfer.
+    pub g3_queue_depth: u32,
+    /// G3 O_DIRECT.
+    pub g3_direct_io: bool,
+    /// G4, when enabled.
+    pub g4: Option<G4Location>,
+    /// Key prefix of G4 objects.
+    pub g4_namespace: String,
+    /// Blocks the G4 presence index can hold.
+    pub g4_capacity: usize,
+    /// Block managers' settings (eviction policy etc.).
+    pub logical: LogicalConfig,
+    /// G1→G2 lane.
+    pub g1_to_g2: PipelineConfig,
+    /// G2→G3 lane.
+    pub g2_to_g3: PipelineConfig,
+    /// G2→G4 lane.
+    pub g2_to_g4: ObjectPipelineConfig,
+    /// The transfer managers' settings.
+    pub transfer: kvbm_physical::TransferConfig,
+    /// G4's settings (its namespace is replaced by `g4_namespace`).
+    pub object: ObjectConfig,
+}
+
+/// Indexes into [`Counters::bytes`].
+#[derive(Debug, Clone, Copy)]
+pub enum MovePath {
+    /// G1→G2 offload.
+    G1ToG2 = 0,
+    /// G2→G3 offload.
+    G2ToG3 = 1,
+    /// G3→G2 onboarding.
+    G3ToG2 = 2,
+    /// G2→G4 offload.
+    G2ToG4 = 3,
+    /// G4→G2 onboarding.
+    G4ToG2 = 4,
+    /// G2→G1 onboarding.
+    G2ToG1 = 5,
+}
+
+/// Names of the paths, in [`MovePath`] order.
+pub const PATH_NAMES: [&str; 6] = [
+    "g1_to_g2", "g2_to_g3", "g3_to_g2", "g2_to_g4", "g4_to_g2", "g2_to_g1",
+];
+
+/// Counters shared with the pipelines' sinks and executors.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Bytes moved per path ([`MovePath`] order).
+    pub bytes: [AtomicU64; 6],
+    /// Blocks whose transfer failed (any lane, any direction), not counting checksum rejections.
+    pub failed_transfers: AtomicU64,
+    /// Blocks a tier rejected on read (checksum, header or identity).
+    pub checksum_failures: AtomicU64,
+}
+
+impl Counters {
+    fn add_bytes(&self, path: MovePath, blocks: usize, block_bytes: usize) {
+        let b = (blocks * block_bytes) as u64;
+        self.bytes[path as usize].fetch_add(b, Ordering::Relaxed);
+        metrics::counter!("kvbm_replay_bytes_moved_total", "path" => PATH_NAMES[path as usize])
+            .increment(b);
+    }
+}
+
+/// What serving one request did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Served {
+    /// Blocks of the hit prefix, per tier they were found in.
+    pub hits: [u64; 4],
+    /// Blocks that reached G1 from G2 (staged from G3/G4 or found in G2).
+    pub onboarded: u64,
+    /// Of those, the ones whose bytes were right.
+    pub verified: u64,
+    /// Of those, the ones whose bytes were wrong (never served).
+    pub corrupt: u64,
+    /// Blocks computed in G1.
+    pub computed: u64,
+}
+
+/// Wall time per stage, summed over requests.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct StageTimes {
+    /// Lookups over the tiers.
+    pub lookup: f64,
+    /// G3→G2 onboarding (transfer + manifest check).
+    pub g3_to_g2: f64,
+    /// G4→G2 onboarding.
+    pub g4_to_g2: f64,
+    /// G2→G1 onboarding, with the byte check.
+    pub g2_to_g1: f64,
+    /// Computing missed blocks in G1 and registering them.
+    pub compute: f64,
+    /// Handing computed blocks to the G1→G2 lane.
+    pub offload_enqueue: f64,
+    /// Waiting for G1 space while offloads drained.
+    pub g1_backpressure: f64,
+    /// Waiting for the offload lanes to catch up (see `Tiers::backpressure`).
+    pub offload_backpressure: f64,
+    /// The end: draining every lane, syncing G3, writing its manifest.
+    pub drain: f64,
+}
+
+struct HostTier<T: Tier> {
+    manager: Arc<BlockManager<T>>,
+    handle: LayoutHandle,
+    layout: Arc<PhysicalLayout>,
+}
+
+impl<T: Tier> HostTier<T> {
+    /// The bytes of slot `id`.
+    ///
+    /// # Safety
+    /// The caller must be the only writer of the slot while the slice lives (a freshly allocated
+    /// block, or a block whose transfer has completed and which no transfer writes).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot(&self, id: usize) -> &mut [u8] {
+        let (addr, len) = self.layout.block_addrs(id, 0..1)[0];
+        // SAFETY: host memory of the layout, `len` bytes at `addr`, exclusivity per the contract.
+        unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+    }
+}
+
+/// The G2→G1 path: its own transfer manager, with G2 and G1 registered in it.
+struct Onboard {
+    tm: Arc<TransferManager>,
+    src: LayoutHandle,
+    dst: LayoutHandle,
+}
+
+/// A G3→G2 read started ahead of the request that needs it.
+struct Prefetch {
+    /// Index of the request it is for.
+    request: usize,
+    src: Vec<ImmutableBlock<G3>>,
+    dst: Vec<MutableBlock<G2>>,
+    completion: kvbm_physical::TransferCompletion,
+    started: Instant,
+}
+
+/// A G2→G1 move in flight.
+struct G1Job {
+    hits: Vec<(usize, ImmutableBlock<G2>)>,
+    dst: Vec<MutableBlock<G1>>,
+    completion: kvbm_physical::TransferCompletion,
+    started: Instant,
+}
+
+struct G3Tier {
+    manager: Arc<BlockManager<G3>>,
+    handle: LayoutHandle,
+    layout: Arc<PhysicalLayout>,
+    dir: PathBuf,
+    _temp: Option<tempfile::TempDir>,
+    /// xxh3-128 of each block's payload as written to G3 (sequence hash → checksum).
+    checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    poisoned: HashSet<SequenceHash>,
+    warm_blocks: usize,
+}
+
+struct G4Tier {
+    manager: Arc<BlockManager<G4>>,
+    handle: LayoutHandle,
+    storage: Arc<ObjectStorage>,
+    _temp: Option<tempfile::TempDir>,
+    poisoned: HashSet<SequenceHash>,
+    warm_blocks: usize,
+    describe: String,
+}
+
+/// The tiers of one replay.
+pub struct Tiers {
+    block_bytes: usize,
+    rt: tokio::runtime::Runtime,
+    tm: Arc<TransferManager>,
+    g1: HostTier<G1>,
+    g2: Option<HostTier<G2>>,
+    onboard: Option<Onboard>,
+    g3: Option<G3Tier>,
+    g4: Option<G4Tier>,
+    g1_to_g2: Option<Pipeline<G1>>,
+    g2_to_g3: Option<Arc<Pipeline<G2>>>,
+    g2_to_g4: Option<Arc<ObjectPipeline>>,
+    handles: Arc<Mutex<Vec<TransferHandle>>>,
+    /// Hand-offs from a completion sink to a full lane, still waiting for room
+    /// ([`enqueue_from_sink`]); drained before the lower lanes are waited for.
+    handoffs: Handoffs,
+    /// Shared counters.
+    pub counters: Arc<Counters>,
+    /// Stage timings.
+    pub times: StageTimes,
+    /// Blocks the lanes filtered (already present, or by policy).
+    pub filtered_blocks: u64,
+    /// Offloads refused because the destination had no evictable block (nothing moved).
+    pub no_space: u64,
+    /// G3→G2 reads started ahead of their request, oldest first.
+    prefetches: std::collections::VecDeque<Prefetch>,
+    /// Blocks in G2 because a prefetch staged them, not yet claimed by their request.
+    prefetched: HashSet<SequenceHash>,
+    /// Blocks with a prefetch in flight.
+    prefetching: HashSet<SequenceHash>,
+    /// Requests served so far (prefetches are tagged with the request they are for).
+    served_requests: usize,
+    /// Largest G1→G2 batch (G2 space one batch needs).
+    g1_batch: usize,
+    /// Queued (weak) blocks evicted from their source tier before their lane reached them.
+    pub evicted_before_offload: u64,
+}
+
+fn geometry(num_blocks: usize, block_bytes: usize) -> anyhow::Result<BlockLayout> {
+    Ok(BlockLayout::builder()
+        .num_blocks(num_blocks.max(1))
+        .num_layers(1)
+        .outer_dim(1)
+        .page_size(1)
+        .inner_dim(block_bytes)
+        .dtype_bytes(1)
+        .kind(LayoutKind::FullyContiguous)
+        .build()?)
+}
+
+fn manager<T: Tier>(
+    n: usize,
+    registry: &BlockRegistry,
+    logical: &LogicalConfig,
+) -> anyhow::Result<Arc<BlockManager<T>>> {
+    let mut cfg = logical.clone();
+    cfg.block_size = HASH_BLOCK_SIZE;
+    Ok(Arc::new(
+        BlockManager::<T>::builder()
+            .config(cfg)
+            .block_count(n)
+            .registry(registry.clone())
+            .build()
+            .with_context(|| format!("cannot build the {} block manager", T::ID))?,
+    ))
+}
+
+fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn OffloadPolicy> {
+    let presence: Arc<dyn OffloadPolicy> = Arc::new(PresenceFilter::new(registry.clone()));
+    if cfg.policies.is_empty() {
+        presence
+    } else {
+        Arc::new(AllOfPolicy::new(vec![
+            presence,
+            create_policy_from_config(&cfg.policies, registry),
+        ]))
+    }
+}
+
+/// Whether a failed onboarding read was the tier rejecting the block (checksum, header, missing).
+fn is_rejection(e: &PhysicalError) -> bool {
+    matches!(
+        e,
+        PhysicalError::ChecksumMismatch { .. }
+            | PhysicalError::NotFound { .. }
+            | PhysicalError::ShortRead { .. }
+            | PhysicalError::CorruptHeader { .. }
+    )
+}
+
+/// G2→G3 executor: records each block's payload checksum (for the manifest) before the
+/// `kvbm-offload` executor writes it, and counts bytes.
+struct RecordingG3Executor {
+    inner: BlockTransferExecutor<G2, G3>,
+    g2_layout: Arc<PhysicalLayout>,
+    checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    counters: Arc<Counters>,
+    block_bytes: usize,
+}
+
+impl TransferExecutor<G2> for RecordingG3Executor {
+    type Output = ImmutableBlock<G3>;
+
+    async fn execute(&self, batch: &ResolvedBatch<G2>) -> BatchOutcome<ImmutableBlock<G3>> {
+        // The batch holds its source blocks (upgraded), so their bytes are stable here.
+        let sums: Vec<(u128, u128)> = batch
+            .block_ids()
+            .into_iter()
+            .zip(batch.sequence_hashes())
+            .map(|(id, h)| {
+                let (addr, len) = self.g2_layout.block_addrs(id, 0..1)[0];
+                // SAFETY: host memory of the G2 layout; the source block is held by the batch
+                // and nothing writes a registered block.
+                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                (h.as_u128(), xxhash_rust::xxh3::xxh3_128(bytes))
+            })
+            .collect();
+        self.checksums.lock().extend(sums.iter().copied());
+        let t = Instant::now();
+        let out = self.inner.execute(batch).await;
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g3")
+            .record(t.elapsed().as_secs_f64());
+        let ok = out.iter().filter(|r| r.is_ok()).count();
+        self.counters
+            .add_bytes(MovePath::G2ToG3, ok, self.block_bytes);
+        out
+    }
+}
+
+/// Fails fast, with a clear message, when nothing listens at an S3 endpoint (the object store
+/// client would otherwise retry for minutes).
+pub fn probe_endpoint(endpoint: &str) -> anyhow::Result<()> {
+    use std::net::ToSocketAddrs;
+    let rest = endpoint
+        .strip_prefix("http://")
+        .or_else(|| endpoint.strip_prefix("https://"))
+        .ok_or_else(|| anyhow!("S3 endpoint {endpoint:?} must start with http:// or https://"))?;
+    let hostport = rest.split('/').next().unwrap_or(rest);
+    let hostport = if hostport.contains(':') {
+        hostport.to_string()
+    } else if endpoint.starts_with("https://") {
+        format!("{hostport}:443")
+    } else {
+        format!("{hostport}:80")
+    };
+    let addrs: Vec<_> = hostport
+        .to_socket_addrs()
+        .with_context(|| format!("cannot resolve S3 endpoint {endpoint}"))?
+        .collect();
+    let mut last = None;
+    for a in addrs {
+        match std::net::TcpStream::connect_timeout(&a, Duration::from_secs(3)) {
+            Ok(_) => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(anyhow!(
+        "cannot reach S3 endpoint {endpoint}: {}",
+        last.map_or("no address".to_string(), |e| e.to_string())
+    ))
+}
+
+impl Tiers {
+    /// Builds every enabled tier, loads what persistent G3/G4 hold, and starts the lanes.
+    ///
+    /// # Errors
+    /// Invalid sizes, storage that cannot be created, an unreachable S3 endpoint.
+    pub fn build(plan: &TierPlan) -> anyhow::Result<Tiers> {
+        let b = plan.block_bytes;
+        if b == 0 || !b.is_multiple_of(4096) {
+            bail!(
+                "--block-bytes must be a positive multiple of 4096 (O_DIRECT alignment), got {b}"
+            );
+        }
+        if plan.g1_blocks == 0 {
+            bail!("G1 cannot be disabled: the replay computes and serves every block in G1");
+        }
+        if plan.g2_blocks == 0 && (plan.g3_blocks > 0 || plan.g4.is_some()) {
+            bail!(
+                "G3 and G4 need G2: blocks move to and from them through host memory (set --g2-blocks > 0)"
+            );
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .thread_name("kvbm-replay")
+            .build()
+            .context("cannot start the async runtime")?;
+        let _enter = rt.enter();
+        let tm = Arc::new(
+            TransferManager::with_config(plan.transfer.clone())
+                .context("cannot start the transfer manager")?,
+        );
+        let registry = BlockRegistry::with_config(&plan.logical.registry);
+        let counters = Arc::new(Counters::default());
+
+        let host =
+            |n: usize, pin: PinPolicy| -> anyhow::Result<(LayoutHandle, Arc<PhysicalLayout>)> {
+                let layout = PhysicalLayout::allocate_host(geometry(n, b)?, pin)?;
+                let h = tm.register_layout(layout)?;
+                Ok((h, tm.layout(h)?))
+            };
+        let (h1, l1) = host(plan.g1_blocks, PinPolicy::Unpinned)?;
+        let g1 = HostTier {
+            manager: manager::<G1>(plan.g1_blocks, &registry, &plan.logical)?,
+            handle: h1,
+            layout: l1,
+        };
+        let g2 = if plan.g2_blocks > 0 {
+            let (h, l) = host(plan.g2_blocks, PinPolicy::TryPin)?;
+            Some(HostTier {
+                manager: manager::<G2>(plan.g2_blocks, &registry, &plan.logical)?,
+                handle: h,
+                layout: l,
+            })
+        } else {
+            None
+        };
+
+        // G2→G1 onboarding runs on the shared transfer manager: a layout is registered in one
+        // manager only (kvbm-physical refuses a second view of the same memory, which could race
+        // with the first), so the claims that keep two transfers off one block cover every move.
+        let onboard = match &g2 {
+            Some(g2t) => Some(Onboard {
+                tm: tm.clone(),
+                src: g2t.handle,
+                dst: g1.handle,
+            }),
+            None => None,
+        };
+
+        let g3 = if plan.g3_blocks > 0 {
+            let (dir, temp) = match &plan.g3_dir {
+                Some(d) => {
+                    std::fs::create_dir_all(d)
+                        .with_context(|| format!("cannot create G3 directory {}", d.display()))?;
+                    (d.clone(), None)
+                }
+                None => {
+                    let t = tempfile::Builder::new()
+                        .prefix("kvbm-g3-")
+                        .tempdir()
+                        .context("cannot create a temporary G3 directory")?;
+                    (t.path().to_path_buf(), Some(t))
+                }
+            };
+            let mut disk = DiskConfig::new(dir.join("g3.bin"));
+            disk.engine = plan.g3_engine;
+            disk.queue_depth = plan.g3_queue_depth;
+            disk.direct_io = plan.g3_direct_io;
+            let layout = PhysicalLayout::create_disk(geometry(plan.g3_blocks, b)?, &disk)
+                .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
+            let handle = tm.register_layout(layout)?;
+            let manager = manager::<G3>(plan.g3_blocks, &registry, &plan.logical)?;
+            let mut checksums = std::collections::HashMap::new();
+            let mut warm_blocks = 0;
+            match Manifest::load(&dir, b, plan.g3_blocks) {
+                manifest::Loaded::Missing => {}
+                manifest::Loaded::Ignored(why) => {
+                    tracing::warn!("G3 starts cold: manifest ignored ({why})")
+                }
+                manifest::Loaded::Found(m) => {
+                    // Claim every slot, keep the manifest's, return the rest to the free pool.
+                    let mut all: Vec<Option<MutableBlock<G3>>> =
+                        (0..plan.g3_blocks).map(|_| None).collect();
+                    for blk in manager.allocate_blocks(plan.g3_blocks)? {
+                        let id = blk.block_id();
+                        all[id] = Some(blk);
+                    }
+                    let mut complete = Vec::with_capacity(m.entries.len());
+                    for (hash, e) in &m.entries {
+                        if let Some(blk) = all[e.slot].take() {
+                            let h = SequenceHash::from_u128(*hash);
+                            if let Ok(c) = blk.complete(h) {
+                                complete.push(c);
+                                checksums.insert(*hash, e.checksum);
+                            }
+                        }
+                    }
+                    drop(all);
+                    warm_blocks = manager.register_blocks(complete).len();
+                }
+            }
+            Manifest::remove(&dir)
+                .with_context(|| format!("cannot remove the G3 manifest in {}", dir.display()))?;
+            Some(G3Tier {
+                manager,
+                handle,
+                layout: tm.layout(handle)?,
+                dir,
+                _temp: temp,
+                checksums: Arc::new(Mutex::new(checksums)),
+                poisoned: HashSet::new(),
+                warm_blocks,
+            })
+        } else {
+            None
+        };
+
+        let g4 = match &plan.g4 {
+            None => None,
+            Some(loc) => {
+                let ocfg = ObjectConfig {
+                    namespace: plan.g4_namespace.clone(),
+                    ..plan.object.clone()
+                };
+                let (storage, temp, describe) = match loc {
+                    G4Location::Local(Some(dir)) => (
+                        ObjectStorage::local(dir, ocfg).with_context(|| {
+                            format!("cannot open the G4 directory {}", dir.display())
+                        })?,
+                        None,
+                        format!("local filesystem {}", dir.display()),
+                    ),
+                    G4Location::Local(None) => {
+                        let t = tempfile::Builder::new()
+                            .prefix("kvbm-g4-")
+                            .tempdir()
+                            .context("cannot create a temporary G4 directory")?;
+                        let s = ObjectStorage::local(t.path(), ocfg)?;
+                        let d = format!("local filesystem {} (temporary)", t.path().display());
+                        (s, Some(t), d)
+                    }
+                    G4Location::S3(s3) => {
+                        if let Some(ep) = &s3.endpoint {
+                            probe_endpoint(ep)?;
+                        }
+                        let s = ObjectStorage::s3(s3, ocfg)
+                            .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?;
+                        let d = format!(
+                            "S3 {} bucket {}",
+                            s3.endpoint.as_deref().unwrap_or("(AWS)"),
+                            s3.bucket
+                        );
+                        (s, None, d)
+                    }
+                };
+                let storage = Arc::new(storage);
+                // Warm start: every block object already under the namespace is present.
+                let listed = rt
+                    .block_on(async {
+                        tokio::time::timeout(Duration::from_secs(60), list_blocks(&storage)).await
+                    })
+                    .map_err(|_| anyhow!("listing G4 ({describe}) timed out after 60 s"))?
+                    .with_context(|| format!("cannot list G4 ({describe})"))?;
+                let manager =
+                    manager::<G4>(plan.g4_capacity + listed.len(), &registry, &plan.logical)?;
+                let mut complete = Vec::with_capacity(listed.len());
+                for (blk, h) in manager
+                    .allocate_blocks(listed.len())?
+                    .into_iter()
+                    .zip(&listed)
+                {
+                    if let Ok(c) = blk.complete(*h) {
+                        complete.push(c);
+                    }
+                }
+                let warm_blocks = manager.register_blocks(complete).len();
+                let handle =
+                    tm.register_layout(PhysicalLayout::object(geometry(1, b)?, storage.clone()))?;
+                Some(G4Tier {
+                    manager,
+                    handle,
+                    storage,
+                    _temp: temp,
+                    poisoned: HashSet::new(),
+                    warm_blocks,
+                    describe,
+                })
+            }
+        };
+
+        let handles: Arc<Mutex<Vec<TransferHandle>>> = Arc::new(Mutex::new(Vec::new()));
+        let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
+        let (mut g1_to_g2, mut g2_to_g3, mut g2_to_g4) = (None, None, None);
+        if let Some(g2t) = &g2 {
+            if let Some(g3t) = &g3 {
+                let exec = RecordingG3Executor {
+                    inner: BlockTransferExecutor::<G2, G3>::new(
+                        tm.clone(),
+                        g2t.handle,
+                        g3t.handle,
+                        g3t.manager.clone(),
+                    ),
+                    g2_layout: g2t.layout.clone(),
+                    checksums: g3t.checksums.clone(),
+                    counters: counters.clone(),
+                    block_bytes: b,
+                };
+                g2_to_g3 = Some(Arc::new(
+                    PipelineBuilder::<G2, G3>::new()
+                        .config(plan.g2_to_g3.clone())
+                        .policy(lane_policy(&registry, &plan.g2_to_g3))
+                        .build()
+                        .spawn(exec)
+                        .context("cannot start the G2→G3 pipeline")?,
+                ));
+            }
+            if let Some(g4t) = &g4 {
+                let exec = ObjectTransferExecutor::<G2>::new(tm.clone(), g2t.handle, g4t.handle)
+                    .with_g4_manager(g4t.manager.clone());
+                let c = counters.clone();
+                let sink: kvbm_offload::CompletionSink<SequenceHash> =
+                    Arc::new(move |done: Vec<SequenceHash>| {
+                        c.add_bytes(MovePath::G2ToG4, done.len(), b)
+                    });
+                let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
+                    .config(plan.g2_to_g4.clone())
+                    .policy(Arc::new(PresenceFilter::new(registry.clone())));
+                if !plan.g2_to_g4.pipeline.policies.is_empty() {
+                    builder = builder.policy(create_policy_from_config(
+                        &plan.g2_to_g4.pipeline.policies,
+                        &registry,
+                    ));
+                }
+                g2_to_g4 = Some(Arc::new(
+                    builder
+                        .spawn_with_sink(exec, Some(sink))
+                        .context("cannot start the G2→G4 pipeline")?,
+                ));
+            }
+            let exec = BlockTransferExecutor::<G1, G2>::new(
+                tm.clone(),
+                g1.handle,
+                g2t.handle,
+                g2t.manager.clone(),
+            );
+            let (next3, next4, hs, ho, c) = (
+                g2_to_g3.clone(),
+                g2_to_g4.clone(),
+                handles.clone(),
+                handoffs.clone(),
+                counters.clone(),
+            );
+            let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
+                Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
+                    c.add_bytes(MovePath::G1ToG2, blocks.len(), b);
+                    // Strong references: a G2 block is not evicted before it reached the lower
+                    // tiers (write-through). The replay loop bounds how many are in flight.
+                    if let Some(p) = &next3 {
+                        enqueue_from_sink(p, |p| p, blocks.clone(), &hs, &ho, "G2→G3");
+                    }
+                    if let Some(p) = &next4 {
+                        enqueue_from_sink(p, ObjectPipeline::pipeline, blocks, &hs, &ho, "G2→G4");
+                    }
+                });
+            g1_to_g2 = Some(
+                PipelineBuilder::<G1, G2>::new()
+                    .config(plan.g1_to_g2.clone())
+                    .policy(lane_policy(&registry, &plan.g1_to_g2))
+                    .build()
+                    .spawn_with_sink(exec, Some(sink))
+                    .context("cannot start the G1→G2 pipeline")?,
+            );
+        }
+        drop(_enter);
+        Ok(Tiers {
+            block_bytes: b,
+            rt,
+            tm,
+            g1,
+            g2,
+            onboard,
+            g3,
+            g4,
+            g1_to_g2,
+            g2_to_g3,
+            g2_to_g4,
+            handles,
+            handoffs,
+            counters,
+            times: StageTimes::default(),
+            filtered_blocks: 0,
+            evicted_before_offload: 0,
+            no_space: 0,
+            prefetches: std::collections::VecDeque::new(),
+            prefetched: HashSet::new(),
+            prefetching: HashSet::new(),
+            served_requests: 0,
+            g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
+        })
+    }
+
+    /// Capacity per tier (G4: its presence index), 0 when disabled.
+    pub fn capacities(&self) -> [usize; 4] {
+        [
+            self.g1.manager.total_blocks(),
+            self.g2.as_ref().map_or(0, |t| t.manager.total_blocks()),
+            self.g3.as_ref().map_or(0, |t| t.manager.total_blocks()),
+            self.g4.as_ref().map_or(0, |t| t.manager.total_blocks()),
+        ]
+    }
+
+    /// Blocks G3 and G4 held at start (from a previous run).
+    pub fn warm_blocks(&self) -> (usize, usize) {
+        (
+            self.g3.as_ref().map_or(0, |t| t.warm_blocks),
+            self.g4.as_ref().map_or(0, |t| t.warm_blocks),
+        )
+    }
+
+    /// Where G3 and G4 keep their data, for the report.
+    pub fn locations(&self) -> (Option<String>, Option<String>) {
+        (
+            self.g3.as_ref().map(|t| t.dir.display().to_string()),
+            self.g4.as_ref().map(|t| t.describe.clone()),
+        )
+    }
+
+    /// The G3 engine in use, for the report.
+    pub fn g3_capabilities(&self) -> Option<String> {
+        let g3 = self.g3.as_ref()?;
+        match g3.layout.backing() {
+            Backing::Disk(d) => Some(format!("{:?}", d.capabilities())),
+            _ => None,
+        }
+    }
+
+    /// Serves one request: lookup, onboarding, computing the rest, offloading it.
+    ///
+    /// # Errors
+    /// Only when the request cannot be served at all (G1 too small); failed or rejected
+    /// transfers are counted and their blocks recomputed.
+    pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
+        self.backpressure(hashes.len());
+        self.complete_prefetches(self.served_requests);
+        self.served_requests += 1;
+        let mut served = Served::default();
+        let n = hashes.len();
+
+        // 1. Lookup: the longest prefix available in any tier, per position.
+        let t = Instant::now();
+        let mut src: Vec<u8> = Vec::with_capacity(n);
+        let mut held_g1: Vec<ImmutableBlock<G1>> = Vec::with_capacity(n);
+        let mut g2_hits: Vec<(usize, ImmutableBlock<G2>)> = Vec::new();
+        let mut g3_hits: Vec<(usize, ImmutableBlock<G3>)> = Vec::new();
+        let mut g4_hits: Vec<(usize, ImmutableBlock<G4>)> = Vec::new();
+        let mut i = 0;
+        while i < n {
+            let m = self.g1.manager.match_blocks(&hashes[i..]);
+            if !m.is_empty() {
+                src.extend(std::iter::repeat_n(0, m.len()));
+                i += m.len();
+                held_g1.extend(m);
+                continue;
+            }
+            if let Some(g2) = &self.g2 {
+                let m = g2.manager.match_blocks(&hashes[i..]);
+                if !m.is_empty() {
+                    for blk in m {
+                        // A block prefetched from G3 for this request is a G3 hit.
+                        let from_g3 = self.prefetched.remove(&blk.sequence_hash());
+                        src.push(if from_g3 { 2 } else { 1 });
+                        g2_hits.push((i, blk));
+                        i += 1;
+                    }
+                    continue;
+                }
+            }
+            if let Some(g3) = &self.g3 {
+                let before = i;
+                for blk in g3.manager.match_blocks(&hashes[i..]) {
+                    if g3.poisoned.contains(&blk.sequence_hash()) {
+                        break;
+                    }
+                    src.push(2);
+                    g3_hits.push((i, blk));
+                    i += 1;
+                }
+                if i > before {
+                    continue;
+                }
+            }
+            if let Some(g4) = &self.g4 {
+                let before = i;
+                for blk in g4.manager.match_blocks(&hashes[i..]) {
+                    if g4.poisoned.contains(&blk.sequence_hash()) {
+                        break;
+                    }
+                    src.push(3);
+                    g4_hits.push((i, blk));
+                    i += 1;
+                }
+                if i > before {
+                    continue;
+                }
+            }
+            break;
+        }
+        let found = i;
+        // Blocks from `fail_at` on are recomputed (a failed or rejected onboarding).
+        let mut fail_at = found;
+        self.times.lookup += t.elapsed().as_secs_f64();
+
+        // 2. G2 hits start moving to G1 while G3 and G4 hits are staged in G2 (their
+        //    transfers overlap; each waits only for what it needs).
+        let t = Instant::now();
+        let g2_job = self.submit_g1(g2_hits, &mut fail_at)?;
+        self.times.g2_to_g1 += t.elapsed().as_secs_f64();
+        let mut staged: Vec<(usize, ImmutableBlock<G2>)> = Vec::new();
+        if !g3_hits.is_empty() {
+            let t = Instant::now();
+            self.onboard_g3(g3_hits, &mut staged, &mut fail_at);
+            self.times.g3_to_g2 += t.elapsed().as_secs_f64();
+        }
+        if !g4_hits.is_empty() {
+            let t = Instant::now();
+            self.onboard_g4(g4_hits, &mut staged, &mut fail_at);
+            self.times.g4_to_g2 += t.elapsed().as_secs_f64();
+        }
+
+        // 3. Staged blocks to G1; every block reaching G1 is checked against its bytes.
+        let t = Instant::now();
+        staged.retain(|(p, _)| *p < fail_at);
+        let staged_job = self.submit_g1(staged, &mut fail_at)?;
+        for job in [g2_job, staged_job].into_iter().flatten() {
+            self.complete_g1(job, &mut held_g1, &mut fail_at, &mut served);
+        }
+        self.times.g2_to_g1 += t.elapsed().as_secs_f64();
+
+        for s in src.iter().take(fail_at) {
+            served.hits[*s as usize] += 1;
+        }
+
+        // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
+        if fail_at < n {
+            let t = Instant::now();
+            let missing = &hashes[fail_at..];
+            let blocks = self.allocate_g1(missing.len())?;
+            let mut complete = Vec::with_capacity(missing.len());
+            for (blk, h) in blocks.into_iter().zip(missing) {
+                // SAFETY: freshly allocated slot: no transfer reads or writes it.
+                let slot = unsafe { self.g1.slot(blk.block_id()) };
+                content::fill(content::seed(*h), slot);
+                complete.push(
+                    blk.complete(*h)
+                        .map_err(|e| anyhow!("cannot complete a G1 block: {}", e.error))?,
+                );
+            }
+            let registered = self.g1.manager.register_blocks(complete);
+            served.computed = registered.len() as u64;
+            self.times.compute += t.elapsed().as_secs_f64();
+            if let Some(p) = &self.g1_to_g2 {
+                let t = Instant::now();
+                match self.rt.block_on(p.enqueue(registered.clone(), None)) {
+                    Ok(h) => self.handles.lock().push(h),
+                    Err(e) => bail!("the G1→G2 pipeline refused blocks: {e}"),
+                }
+                self.times.offload_enqueue += t.elapsed().as_secs_f64();
+            }
+            held_g1.extend(registered);
+        }
+        for (tier, h) in served.hits.iter().enumerate() {
+            if *h > 0 {
+                metrics::counter!("kvbm_replay_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
+                    .increment(*h);
+            }
+        }
+        metrics::counter!("kvbm_replay_computed_blocks_total").increment(served.computed);
+        // End of the "forward pass": the request's G1 blocks become inactive (evictable).
+        drop(held_g1);
+        Ok(served)
+    }
+
+    /// Blocks queued or in flight in the offload lanes.
+    fn lane_pending(&self) -> usize {
+        self.g1_to_g2.as_ref().map_or(0, |p| p.pending_blocks())
+            + self.g2_to_g3.as_ref().map_or(0, |p| p.pending_blocks())
+            + self
+                .g2_to_g4
+                .as_ref()
+                .map_or(0, |p| p.pipeline().pending_blocks())
+    }
+
+    /// Offload backpressure. The lanes hold their G2 blocks until written below, and the
+    /// replay's "forward pass" is instant, so without a bound it would outrun them and find G2
+    /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
+    /// on a full host cache) while lanes still have work and either more than half of G2 is
+    /// queued in them or G2 has fewer than `n` + one G1→G2 batch allocatable blocks.
+    fn backpressure(&mut self, n: usize) {
+        let Some(g2) = &self.g2 else { return };
+        let total = g2.manager.total_blocks();
+        let high = (total / 2).max(1);
+        let reserve = n + self.g1_batch;
+        let starved = |t: &Self| {
+            let pending = t.lane_pending();
+            pending > 0 && (pending > high || g2.manager.available_blocks() < reserve)
+        };
+        if !starved(self) {
+            return;
+        }
+        let t = Instant::now();
+        while starved(self) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        self.times.offload_backpressure += t.elapsed().as_secs_f64();
+    }
+
+    fn allocate_g1(&mut self, n: usize) -> anyhow::Result<Vec<MutableBlock<G1>>> {
+        if let Ok(v) = self.g1.manager.allocate_blocks(n) {
+            return Ok(v);
+        }
+        // G1 is full of blocks still being offloaded: wait for the lane, then retry.
+        let t = Instant::now();
+        if let Some(p) = &self.g1_to_g2 {
+            let token = p.settlement_token();
+            let _ = self.rt.block_on(p.wait_settled(&token));
+        }
+        let r = self.g1.manager.allocate_blocks(n).map_err(|e| {
+            anyhow!(
+                "G1 ({} blocks) cannot hold a request of {n} blocks: {e}; raise --g1-blocks",
+                self.g1.manager.total_blocks()
+            )
+        });
+        self.times.g1_backpressure += t.elapsed().as_secs_f64();
+        r
+    }
+
+    /// Starts reading, for the request with index `request` (served later), the blocks of its
+    /// prefix that only G3 holds into G2, so the read overlaps the requests before it.
+    ///
+    /// Presence is read from the registry without taking handles; blocks are matched in G3
+    /// (held until the read ends) and staged exactly as a synchronous onboarding would, with
+    /// the same checks, when the request comes up ([`Self::complete_prefetches`]). A block
+    /// evicted from G2 before then is simply read again.
+    pub fn prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
+        let (Some(g2), Some(g3)) = (&self.g2, &self.g3) else {
+            return;
+        };
+        let registry = g2.manager.registry();
+        let mut want = Vec::new();
+        for h in hashes {
+            let tiers = registry.tiers(*h);
+            if tiers.contains(&TierId::G1) || tiers.contains(&TierId::G2) {
+                continue;
+            }
+            if !tiers.contains(&TierId::G3) && !tiers.contains(&TierId::G4) {
+                break; // the prefix ends here
+            }
+            if tiers.contains(&TierId::G3)
+                && !g3.poisoned.contains(h)
+                && !self.prefetching.contains(h)
+            {
+                want.push(*h);
+            }
+        }
+        if want.is_empty() {
+            return;
+        }
+        // Reads in flight hold G2 slots: keep them to a quarter of G2.
+        let budget = (g2.manager.total_blocks() / 4).saturating_sub(self.prefetching.len());
+        want.truncate(budget);
+        if want.is_empty() {
+            return;
+        }
+        let src = g3.manager.scan_matches(&want);
+        if src.is_empty() {
+            return;
+        }
+        let Ok(dst) = g2.manager.allocate_blocks(src.len()) else {
+            return;
+        };
+        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let started = Instant::now();
+        if let Ok(completion) = self.tm.execute_transfer(
+            g3.handle,
+            &src_ids,
+            g2.handle,
+            &dst_ids,
+            TransferOptions::default().identities(
+                src.iter()
+                    .map(|b| block_identity(b.sequence_hash()))
+                    .collect(),
+            ),
+        ) {
+            self.prefetching
+                .extend(src.iter().map(|b| b.sequence_hash()));
+            self.prefetches.push_back(Prefetch {
+                request,
+                src,
+                dst,
+                completion,
+                started,
+            });
+        }
+    }
+
+    /// Finishes every prefetch for requests up to `request`: checks each block like a
+    /// synchronous G3→G2 onboarding and registers the good ones in G2.
+    fn complete_prefetches(&mut self, request: usize) {
+        while self
+            .prefetches
+            .front()
+            .is_some_and(|p| p.request <= request)
+        {
+            let p = self.prefetches.pop_front().expect("checked");
+            let t = Instant::now();
+            let outcome = p.completion.wait();
+            self.times.g3_to_g2 += t.elapsed().as_secs_f64();
+            metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
+                .record(p.started.elapsed().as_secs_f64());
+            let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
+                return;
+            };
+            let mut ok = 0;
+            let mut complete = Vec::with_capacity(p.src.len());
+            for ((blk, mblk), (_, r)) in p.src.iter().zip(p.dst).zip(outcome.blocks) {
+                let h = blk.sequence_hash();
+                self.prefetching.remove(&h);
+                let good = match r {
+                    Ok(()) => {
+                        ok += 1;
+                        // SAFETY: the transfer into this freshly allocated slot has completed.
+                        let bytes = unsafe { g2.slot(mblk.block_id()) };
+                        let actual = xxhash_rust::xxh3::xxh3_128(bytes);
+                        if g3.checksums.lock().get(&h.as_u128()).copied() == Some(actual) {
+                            true
+                        } else {
+                            self.counters
+                                .checksum_failures
+                                .fetch_add(1, Ordering::Relaxed);
+                            false
+                        }
+                    }
+                    Err(e) if is_rejection(&e) => {
+                        tracing::warn!(error = %e, "G3 rejected a block on read");
+                        self.counters
+                            .checksum_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "G3→G2 transfer failed");
+                        self.counters
+                            .failed_transfers
+                            .fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                };
+                if good {
+                    if let Ok(c) = mblk.complete(h) {
+                        complete.push(c);
+                    }
+                } else {
+                    g3.poisoned.insert(h);
+                    g3.checksums.lock().remove(&h.as_u128());
+                }
+            }
+            self.counters
+                .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
+            for b in g2.manager.register_blocks(complete) {
+                self.prefetched.insert(b.sequence_hash());
+            }
+        }
+    }
+
+    fn onboard_g3(
+        &mut self,
+        hits: Vec<(usize, ImmutableBlock<G3>)>,
+        staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
+        fail_at: &mut usize,
+    ) {
+        // Reads started ahead hold G2 slots; finish them if this request needs the room.
+        if !self.prefetches.is_empty()
+            && self
+                .g2
+                .as_ref()
+                .is_some_and(|g2| g2.manager.available_blocks() < hits.len())
+        {
+            self.complete_prefetches(usize::MAX);
+        }
+        let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
+            return;
+        };
+        let dst = match g2.manager.allocate_blocks(hits.len()) {
+            Ok(d) => d,
+            Err(_) => {
+                *fail_at = (*fail_at).min(hits[0].0);
+                return;
+            }
+        };
+        let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
+        let t = Instant::now();
+        let outcome = match self.tm.execute_transfer(
+            g3.handle,
+            &src_ids,
+            g2.handle,
+            &dst_ids,
+            TransferOptions::default().identities(
+                hits.iter()
+                    .map(|(_, blk)| block_identity(blk.sequence_hash()))
+                    .collect(),
+            ),
+        ) {
+            Ok(c) => c.wait(),
+            Err(e) => {
+                tracing::warn!(error = %e, "G3→G2 transfer refused");
+                self.counters
+                    .failed_transfers
+                    .fetch_add(hits.len() as u64, Ordering::Relaxed);
+                *fail_at = (*fail_at).min(hits[0].0);
+                return;
+            }
+        };
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
+            .record(t.elapsed().as_secs_f64());
+        let mut ok = 0;
+        let mut complete = Vec::with_capacity(hits.len());
+        let mut positions = Vec::with_capacity(hits.len());
+        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
+            let h = blk.sequence_hash();
+            let good = match r {
+                Ok(()) => {
+                    ok += 1;
+                    // SAFETY: the transfer into this freshly allocated slot has completed.
+                    let bytes = unsafe { g2.slot(mblk.block_id()) };
+                    let actual = xxhash_rust::xxh3::xxh3_128(bytes);
+                    let expected = g3.checksums.lock().get(&h.as_u128()).copied();
+                    if expected == Some(actual) {
+                        true
+                    } else {
+                        // A valid slot holding another block, or no record of this one.
+                        self.counters
+                            .checksum_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                }
+                Err(e) if is_rejection(&e) => {
+                    tracing::warn!(error = %e, "G3 rejected a block on read");
+                    self.counters
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "G3→G2 transfer failed");
+                    self.counters
+                        .failed_transfers
+                        .fetch_add(1, Ordering::Relaxed);
+                    false
+                }
+            };
+            if good {
+                if let Ok(c) = mblk.complete(h) {
+                    complete.push(c);
+                    positions.push(*pos);
+                }
+            } else {
+                g3.poisoned.insert(h);
+                g3.checksums.lock().remove(&h.as_u128());
+                *fail_at = (*fail_at).min(*pos);
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
+        staged.extend(
+            positions
+                .into_iter()
+                .zip(g2.manager.register_blocks(complete)),
+        );
+    }
+
+    fn onboard_g4(
+        &mut self,
+        hits: Vec<(usize, ImmutableBlock<G4>)>,
+        staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
+        fail_at: &mut usize,
+    ) {
+        // Reads started ahead hold G2 slots; finish them if this request needs the room.
+        if !self.prefetches.is_empty()
+            && self
+                .g2
+                .as_ref()
+                .is_some_and(|g2| g2.manager.available_blocks() < hits.len())
+        {
+            self.complete_prefetches(usize::MAX);
+        }
+        let (Some(g2), Some(g4)) = (&self.g2, &mut self.g4) else {
+            return;
+        };
+        let dst = match g2.manager.allocate_blocks(hits.len()) {
+            Ok(d) => d,
+            Err(_) => {
+                *fail_at = (*fail_at).min(hits[0].0);
+                return;
+            }
+        };
+        let positions: Vec<usize> = (0..hits.len()).collect();
+        let keys = hits
+            .iter()
+            .map(|(_, blk)| object_key(blk.sequence_hash()))
+            .collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
+        let t = Instant::now();
+        let outcome = match self.tm.execute_transfer(
+            g4.handle,
+            &positions,
+            g2.handle,
+            &dst_ids,
+            TransferOptions::with_object_keys(keys).identities(
+                hits.iter()
+                    .map(|(_, blk)| block_identity(blk.sequence_hash()))
+                    .collect(),
+            ),
+        ) {
+            Ok(c) => c.wait(),
+            Err(e) => {
+                tracing::warn!(error = %e, "G4→G2 transfer refused");
+                self.counters
+                    .failed_transfers
+                    .fetch_add(hits.len() as u64, Ordering::Relaxed);
+                *fail_at = (*fail_at).min(hits[0].0);
+                return;
+            }
+        };
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
+            .record(t.elapsed().as_secs_f64());
+        let mut ok = 0;
+        let mut complete = Vec::with_capacity(hits.len());
+        let mut done_pos = Vec::with_capacity(hits.len());
+        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
+            let h = blk.sequence_hash();
+            match r {
+                Ok(()) => {
+                    ok += 1;
+                    if let Ok(c) = mblk.complete(h) {
+                        complete.push(c);
+                        done_pos.push(*pos);
+                    }
+                }
+                Err(e) => {
+                    if is_rejection(&e) {
+                        tracing::warn!(error = %e, "G4 rejected a block on read");
+                        self.counters
+                            .checksum_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        tracing::warn!(error = %e, "G4→G2 transfer failed");
+                        self.counters
+                            .failed_transfers
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    g4.poisoned.insert(h);
+                    *fail_at = (*fail_at).min(*pos);
+                }
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G4ToG2, ok, self.block_bytes);
+        staged.extend(
+            done_pos
+                .into_iter()
+                .zip(g2.manager.register_blocks(complete)),
+        );
+    }
+
+    /// Starts moving G2 blocks into fresh G1 slots (completed by [`Self::complete_g1`]).
+    fn submit_g1(
+        &mut self,
+        mut hits: Vec<(usize, ImmutableBlock<G2>)>,
+        fail_at: &mut usize,
+    ) -> anyhow::Result<Option<G1Job>> {
+        let Some((otm, src_h, dst_h)) = self.onboard.as_ref().map(|o| (o.tm.clone(), o.src, o.dst))
+        else {
+            return Ok(None);
+        };
+        if hits.is_empty() {
+            return Ok(None);
+        }
+        let n = hits.len();
+        hits.sort_by_key(|(p, _)| *p);
+        let dst = match self.g1.manager.allocate_blocks(n) {
+            Ok(d) => d,
+            Err(_) => self.allocate_g1(n)?,
+        };
+        let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
+        let started = Instant::now();
+        match otm.execute_transfer(src_h, &src_ids, dst_h, &dst_ids, TransferOptions::default()) {
+            Ok(completion) => Ok(Some(G1Job {
+                hits,
+                dst,
+                completion,
+                started,
+            })),
+            Err(e) => {
+                tracing::warn!(error = %e, "G2→G1 transfer refused");
+                self.counters
+                    .failed_transfers
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                *fail_at = (*fail_at).min(hits[0].0);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Waits for a G2→G1 move and checks every block against the bytes it must have.
+    fn complete_g1(
+        &mut self,
+        job: G1Job,
+        held_g1: &mut Vec<ImmutableBlock<G1>>,
+        fail_at: &mut usize,
+        served: &mut Served,
+    ) {
+        let outcome = job.completion.wait();
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
+            .record(job.started.elapsed().as_secs_f64());
+        let mut complete = Vec::with_capacity(job.hits.len());
+        let mut ok = 0;
+        for (((pos, blk), mblk), (_, r)) in job.hits.iter().zip(job.dst).zip(outcome.blocks) {
+            let h = blk.sequence_hash();
+            match r {
+                Ok(()) => {
+                    ok += 1;
+                    served.onboarded += 1;
+                    // SAFETY: the transfer into this freshly allocated slot has completed.
+                    let bytes = unsafe { self.g1.slot(mblk.block_id()) };
+                    if content::verify(content::seed(h), bytes) {
+                        served.verified += 1;
+                        if let Ok(c) = mblk.complete(h) {
+                            complete.push(c);
+                        }
+                    } else {
+                        // Never served: the slot returns to the pool and the block is recomputed.
+                        served.corrupt += 1;
+                        tracing::error!(hash = %h, "a block reached G1 with wrong bytes");
+                        *fail_at = (*fail_at).min(*pos);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "G2→G1 transfer failed");
+                    self.counters
+                        .failed_transfers
+                        .fetch_add(1, Ordering::Relaxed);
+                    *fail_at = (*fail_at).min(*pos);
+                }
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G2ToG1, ok, self.block_bytes);
+        held_g1.extend(self.g1.manager.register_blocks(complete));
+    }
+
+    /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks
+    /// are offloads that never started (nothing moved); every other failure is a failed
+    /// transfer.
+    fn tally(&mut self, r: &TransferResult) {
+        let (mut evicted, mut no_space) = (0u64, 0u64);
+        for (h, f) in &r.failed_blocks {
+            match f.kind {
+                BlockFailureKind::Evicted => evicted += 1,
+                BlockFailureKind::NoSpace => no_space += 1,
+                _ => {
+                    self.counters
+                        .failed_transfers
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(hash = %h, kind = f.kind.as_str(), reason = %f.message, "offload failed");
+                }
+            }
+        }
+        self.evicted_before_offload += evicted;
+        self.no_space += no_space;
+        self.filtered_blocks += r.filtered_blocks.len() as u64;
+    }
+
+    /// Collects finished lane handles.
+    pub fn reap(&mut self) {
+        let done: Vec<TransferResult> = {
+            let mut hs = self.handles.lock();
+            let mut done = Vec::new();
+            hs.retain(|h| match h.try_result() {
+                Some(r) => {
+                    done.push(r);
+                    false
+                }
+                None => true,
+            });
+            done
+        };
+        for r in &done {
+            self.tally(r);
+        }
+    }
+
+    /// Capacity gauges per tier (occupancy and evictions per tier come from `kvbm-logical`'s
+    /// own `kvbm_logical_{active,inactive,reset}_blocks` and `kvbm_logical_evicted_blocks_total`).
+    pub fn publish_capacity(&self) {
+        for (tier, cap) in ["g1", "g2", "g3", "g4"].into_iter().zip(self.capacities()) {
+            metrics::gauge!("kvbm_replay_tier_capacity_blocks", "tier" => tier).set(cap as f64);
+        }
+    }
+
+    /// Drains every lane (G1→G2 first, so its chained blocks are enqueued before the lower
+    /// lanes are waited for), syncs G3 and writes its manifest, and stops the pipelines.
+    ///
+    /// # Errors
+    /// A G3 sync or manifest write that failed.
+    pub fn finish(&mut self) -> anyhow::Result<()> {
+        let t = Instant::now();
+        self.complete_prefetches(usize::MAX);
+        if let Some(p) = &self.g1_to_g2 {
+            let token = p.settlement_token();
+            let _ = self.rt.block_on(p.wait_settled(&token));
+        }
+        // Sink hand-offs waiting for room are enqueued before the lower lanes are waited for.
+        loop {
+            let waiting: Vec<_> = std::mem::take(&mut *self.handoffs.lock());
+            if waiting.is_empty() {
+                break;
+            }
+            for j in waiting {
+                let _ = self.rt.block_on(j);
+            }
+        }
+        if let Some(p) = &self.g2_to_g3 {
+            let token = p.settlement_token();
+            let _ = self.rt.block_on(p.wait_settled(&token));
+        }
+        if let Some(p) = &self.g2_to_g4 {
+            let token = p.pipeline().settlement_token();
+            let _ = self.rt.block_on(p.pipeline().wait_settled(&token));
+        }
+        let pending: Vec<TransferHandle> = std::mem::take(&mut *self.handles.lock());
+        for h in pending {
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            }
+        }
+        if let Some(g3) = &self.g3 {
+            if let Backing::Disk(d) = g3.layout.backing() {
+                d.sync().context("cannot sync the G3 file")?;
+            }
+            let sums: Vec<(u128, u128)> =
+                g3.checksums.lock().iter().map(|(h, c)| (*h, *c)).collect();
+            let hashes: Vec<SequenceHash> = sums
+                .iter()
+                .map(|(h, _)| SequenceHash::from_u128(*h))
+                .collect();
+            let present = g3.manager.scan_matches(&hashes);
+            let by_hash: std::collections::HashMap<u128, u128> = sums.into_iter().collect();
+            let entries: Vec<(u128, manifest::Entry)> = present
+                .iter()
+                .filter(|blk| !g3.poisoned.contains(&blk.sequence_hash()))
+                .filter_map(|blk| {
+                    let h = blk.sequence_hash().as_u128();
+                    by_hash.get(&h).map(|c| {
+                        (
+                            h,
+                            manifest::Entry {
+                                slot: blk.block_id(),
+                                checksum: *c,
+                            },
+                        )
+                    })
+                })
+                .collect();
+            drop(present);
+            Manifest::save(
+                &g3.dir,
+                self.block_bytes,
+                g3.manager.total_blocks(),
+                &entries,
+            )
+            .with_context(|| format!("cannot write the G3 manifest in {}", g3.dir.display()))?;
+        }
+        let (a, b, c) = (
+            self.g1_to_g2.as_ref(),
+            self.g2_to_g3.clone(),
+            self.g2_to_g4.clone(),
+        );
+        self.rt.block_on(async {
+            if let Some(p) = a {
+                p.shutdown_and_wait().await;
+            }
+            if let Some(p) = b {
+                p.shutdown_and_wait().await;
+            }
+            if let Some(p) = c {
+                // Flushes the lock releases too.
+                p.shutdown_and_wait().await;
+            }
+        });
+        self.times.drain += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
+
+/// Sink hand-offs still waiting for room in a full lane.
+type Handoffs = Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>;
+
+/// Hands blocks from a completion sink to the next lane. A sink runs on a pipeline's runtime
+/// thread and must not block, so this tries first and, when the next lane's input queue is full,
+/// finishes the hand-off with an awaited enqueue on a task of that runtime: backpressure delays
+/// the blocks, it never drops them. A closed or failed lane is logged (the replay's drain
+/// reports what did not settle).
+fn enqueue_from_sink<P: Send + Sync + 'static>(
+    p: &Arc<P>,
+    pipeline: fn(&P) -> &Pipeline<G2>,
+    blocks: Vec<ImmutableBlock<G2>>,
+    handles: &Arc<Mutex<Vec<TransferHandle>>>,
+    handoffs: &Handoffs,
+    lane: &'static str,
+) {
+    match pipeline(p).try_enqueue(blocks, None) {
+        Ok(h) => handles.lock().push(h),
+        Err(EnqueueError::Full(rejected)) => {
+            let (p, handles) = (Arc::clone(p), Arc::clone(handles));
+            handoffs.lock().push(tokio::spawn(async move {
+                match pipeline(&p).enqueue(rejected.blocks, None).await {
+                    Ok(h) => handles.lock().push(h),
+                    Err(e) => tracing::debug!(error = %e, "{lane} enqueue refused"),
+                }
+            }));
+        }
+        Err(e) => tracing::debug!(error = %e, "{lane} enqueue refused"),
+    }
+}
+
+/// The sequence hashes of every block object under the storage's namespace (lock objects and
+/// foreign keys are skipped).
+async fn list_blocks(storage: &ObjectStorage) -> anyhow::Result<Vec<SequenceHash>> {
+    Ok(storage
+        .list_keys()
+        .await?
+        .iter()
+        .filter_map(|k| {
+            let name = k.as_str();
+            (name.len() == 32)
+                .then(|| u128::from_str_radix(name, 16).ok())
+                .flatten()
+                .map(SequenceHash::from_u128)
+        })
+        .collect())
+}

@@ -1,0 +1,624 @@
+//! Tests that run the `kvbm` binary: the default run, exact hit ratios, the JSON schema, bad
+//! input, G3 + G4 on the real S3 server, warm restarts, metrics and `config show`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn kvbm() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvbm"));
+    // Tests must not pick up a developer's AWS or KVBM settings.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("AWS_") || (k.starts_with("KVBM_") && k.contains("__")) {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    kvbm().args(args).output().expect("run kvbm")
+}
+
+#[track_caller]
+fn ok_json(out: Output) -> Value {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "kvbm failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[track_caller]
+fn fails_with(out: Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected exit 1, stderr: {stderr}"
+    );
+    assert!(stderr.contains(needle), "stderr lacks {needle:?}: {stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+        "a panic: {stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one message: {stderr}");
+}
+
+/// A scratch directory under the target directory (not /tmp, which may refuse O_DIRECT).
+fn scratch() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"))
+}
+
+fn u(v: &Value, path: &[&str]) -> u64 {
+    let mut x = v;
+    for p in path {
+        x = &x[*p];
+    }
+    x.as_u64()
+        .unwrap_or_else(|| panic!("{path:?} missing: {v}"))
+}
+
+/// (total, unique) blocks of a trace file's first lines, counted here independently of the binary.
+fn trace_counts(path: &Path, lines: usize) -> (u64, u64) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let (mut total, mut seen) = (0usize, std::collections::HashSet::new());
+    for l in text.lines().filter(|l| !l.trim().is_empty()).take(lines) {
+        let v: Value = serde_json::from_str(l).unwrap();
+        for id in v["hash_ids"].as_array().unwrap() {
+            total += 1;
+            seen.insert(id.as_u64().unwrap());
+        }
+    }
+    (total as u64, seen.len() as u64)
+}
+
+#[track_caller]
+fn assert_healthy(r: &Value) {
+    assert_eq!(
+        u(r, &["verified_blocks"]) + u(r, &["corrupt_blocks"]),
+        u(r, &["onboarded_blocks"])
+    );
+    assert_eq!(u(r, &["corrupt_blocks"]), 0, "{r}");
+    assert_eq!(u(r, &["checksum_failures"]), 0, "{r}");
+    assert_eq!(u(r, &["failed_transfers"]), 0, "{r}");
+}
+
+fn write_trace(dir: &Path, lines: &[&[u64]]) -> PathBuf {
+    let p = dir.join("trace.jsonl");
+    let body: String = lines
+        .iter()
+        .enumerate()
+        .map(|(i, ids)| {
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": 10, \"hash_ids\": {:?}}}\n",
+                i * 10,
+                ids.len() * 512,
+                ids
+            )
+        })
+        .collect();
+    std::fs::write(&p, body).unwrap();
+    p
+}
+
+#[test]
+fn default_run_prints_a_summary() {
+    let out = run(&["replay"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "hit ratio",
+        "g1_to_g2",
+        "g2_to_g3",
+        "verified",
+        "corrupt 0",
+        "blocks/s",
+    ] {
+        assert!(
+            stdout.contains(needle),
+            "summary lacks {needle:?}:\n{stdout}"
+        );
+    }
+}
+
+#[test]
+fn json_has_the_documented_schema() {
+    let r = ok_json(run(&[
+        "replay",
+        "--requests",
+        "300",
+        "--json",
+        "--g1-blocks",
+        "128",
+        "--g2-blocks",
+        "256",
+    ]));
+    for k in [
+        "requests",
+        "blocks",
+        "hit_blocks",
+        "hit_ratio",
+        "onboarded_blocks",
+        "verified_blocks",
+        "corrupt_blocks",
+        "checksum_failures",
+        "failed_transfers",
+        "wall_seconds",
+        "blocks_per_second",
+    ] {
+        assert!(r[k].is_number(), "{k} is not a number: {r}");
+    }
+    assert_eq!(r["eviction_policy"], "lru");
+    for t in ["g1", "g2", "g3", "g4"] {
+        assert!(r["tiers"][t]["capacity_blocks"].is_u64(), "{r}");
+        assert!(r["tiers"][t]["hit_blocks"].is_u64(), "{r}");
+    }
+    for p in [
+        "g1_to_g2", "g2_to_g3", "g3_to_g2", "g2_to_g4", "g4_to_g2", "g2_to_g1",
+    ] {
+        assert!(r["bytes"][p].is_u64(), "bytes.{p}: {r}");
+    }
+    assert_eq!(u(&r, &["requests"]), 300);
+    assert_eq!(u(&r, &["tiers", "g1", "capacity_blocks"]), 128);
+    assert_eq!(
+        u(&r, &["tiers", "g4", "capacity_blocks"]),
+        0,
+        "G4 is off by default"
+    );
+    let hits: u64 = ["g1", "g2", "g3", "g4"]
+        .iter()
+        .map(|t| u(&r, &["tiers", t, "hit_blocks"]))
+        .sum();
+    assert_eq!(hits, u(&r, &["hit_blocks"]));
+    // Small G1/G2: hits must come from below G1, through real transfers.
+    assert!(u(&r, &["onboarded_blocks"]) > 0, "{r}");
+    assert!(u(&r, &["bytes", "g2_to_g1"]) > 0, "{r}");
+    assert!(u(&r, &["bytes", "g2_to_g3"]) > 0, "{r}");
+    assert_healthy(&r);
+}
+
+#[test]
+fn handmade_trace_has_its_exact_hit_ratio() {
+    let dir = scratch();
+    // 3 + 3 + 4 + 2 = 12 blocks, 7 distinct: 5 hits.
+    let p = write_trace(
+        dir.path(),
+        &[&[1, 2, 3], &[1, 2, 4], &[1, 2, 3, 5], &[6, 7]],
+    );
+    let p = p.to_str().unwrap();
+    let r = ok_json(run(&["replay", "--trace", p, "--json"]));
+    assert_eq!(u(&r, &["blocks"]), 12);
+    assert_eq!(u(&r, &["hit_blocks"]), 5, "{r}");
+    // [1,2] hit in request 2; [1,2,3] in request 3: 2 + 3 = 5 (6 and 7 are new).
+    assert_eq!(f(&r, "hit_ratio"), 5.0 / 12.0);
+    assert_eq!(f(&r, "max_hit_ratio"), 1.0 - 7.0 / 12.0);
+}
+
+#[test]
+fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
+    let trace = Path::new("/work/shared/traces/mooncake_conversation_trace.jsonl");
+    let dir = scratch();
+    let local;
+    let trace = if trace.exists() {
+        trace
+    } else {
+        // A fresh machine without the shared traces: a synthetic prefix-shaped trace.
+        local = write_trace(
+            dir.path(),
+            &[
+                &[0, 1, 2],
+                &[0, 1, 2, 3, 4],
+                &[0, 5],
+                &[0, 1, 2, 3, 4, 6],
+                &[0, 5, 7],
+            ],
+        );
+        &local
+    };
+    let (total, unique) = trace_counts(trace, 400);
+    // hit_ratio == 1 - unique/total exactly: as integers, hits == total - unique.
+    let expected = |r: &Value| {
+        assert_eq!(u(r, &["blocks"]), total, "{r}");
+        assert_eq!(u(r, &["hit_blocks"]), total - unique, "{r}");
+        assert!((f(r, "hit_ratio") - (1.0 - unique as f64 / total as f64)).abs() < 1e-12);
+    };
+    let t = trace.to_str().unwrap();
+    // Every tier large enough to hold everything: G1 alone.
+    let r = ok_json(run(&[
+        "replay",
+        "--trace",
+        t,
+        "--requests",
+        "400",
+        "--g1-blocks",
+        "65536",
+        "--json",
+    ]));
+    expected(&r);
+    // Small G1 and G2, G3 holding everything: same ratio, the hits onboarded from G3.
+    let r = ok_json(run(&[
+        "replay",
+        "--trace",
+        t,
+        "--requests",
+        "400",
+        "--g1-blocks",
+        "256",
+        "--g2-blocks",
+        "256",
+        "--g3-blocks",
+        "65536",
+        "--json",
+    ]));
+    expected(&r);
+    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
+    assert!(u(&r, &["bytes", "g3_to_g2"]) > 0, "{r}");
+    assert_healthy(&r);
+    assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
+    // The same with G3 reads only on demand (no prefetch ahead of the requests).
+    let out = kvbm()
+        .args([
+            "replay",
+            "--trace",
+            t,
+            "--requests",
+            "400",
+            "--g1-blocks",
+            "256",
+            "--g2-blocks",
+            "256",
+            "--g3-blocks",
+            "65536",
+            "--json",
+        ])
+        .env("KVBM_REPLAY__PREFETCH_REQUESTS", "0")
+        .output()
+        .unwrap();
+    let r = ok_json(out);
+    expected(&r);
+    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
+    assert_healthy(&r);
+}
+
+#[test]
+fn eviction_policies_are_selectable_and_bad_names_refused() {
+    for p in ["lru", "multi_lru", "lineage", "fifo"] {
+        let r = ok_json(run(&[
+            "replay",
+            "--requests",
+            "200",
+            "--g1-blocks",
+            "128",
+            "--g2-blocks",
+            "128",
+            "--eviction-policy",
+            p,
+            "--json",
+        ]));
+        assert_eq!(r["eviction_policy"], p);
+        assert_healthy(&r);
+    }
+    fails_with(run(&["replay", "--eviction-policy", "mru"]), "mru");
+}
+
+#[test]
+fn bad_input_is_one_clear_error() {
+    let dir = scratch();
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": 1}\n",
+    )
+    .unwrap();
+    fails_with(run(&["replay", "--trace", bad.to_str().unwrap()]), "line 2");
+    fails_with(
+        run(&["replay", "--trace", "/nonexistent/trace.jsonl"]),
+        "cannot read trace /nonexistent/trace.jsonl",
+    );
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "[replay]\ng1_blockz = 4\n").unwrap();
+    fails_with(
+        run(&["replay", "--config", cfg.to_str().unwrap()]),
+        "g1_blockz",
+    );
+    fails_with(
+        run(&["config", "show", "--config", "/nonexistent.toml"]),
+        "cannot read config file",
+    );
+    fails_with(
+        kvbm()
+            .args([
+                "replay",
+                "--s3-endpoint",
+                "http://127.0.0.1:1",
+                "--s3-bucket",
+                "b",
+            ])
+            .env("AWS_ACCESS_KEY_ID", "k")
+            .env("AWS_SECRET_ACCESS_KEY", "s")
+            .output()
+            .unwrap(),
+        "cannot reach S3 endpoint http://127.0.0.1:1",
+    );
+    fails_with(
+        run(&["replay", "--block-bytes", "1000"]),
+        "multiple of 4096",
+    );
+    fails_with(run(&["replay", "--g1-blocks", "4"]), "raise --g1-blocks");
+    fails_with(run(&["replay", "--instances", "2"]), "kvbm-engine");
+}
+
+#[test]
+fn g3_dir_second_run_starts_warm() {
+    let dir = scratch();
+    let g3 = dir.path().join("g3");
+    let g3 = g3.to_str().unwrap();
+    let args = [
+        "replay",
+        "--requests",
+        "400",
+        "--g1-blocks",
+        "128",
+        "--g2-blocks",
+        "128",
+        "--g3-blocks",
+        "16384",
+        "--g3-dir",
+        g3,
+        "--json",
+    ];
+    let first = ok_json(run(&args));
+    assert_eq!(u(&first, &["warm_start_blocks", "g3"]), 0);
+    assert!(Path::new(g3).join("g3.manifest").exists());
+    let second = ok_json(run(&args));
+    assert_healthy(&second);
+    assert!(u(&second, &["warm_start_blocks", "g3"]) > 0, "{second}");
+    // The same workload again: every block is already on disk, so everything hits.
+    assert_eq!(
+        u(&second, &["hit_blocks"]),
+        u(&second, &["blocks"]),
+        "{second}"
+    );
+    assert!(u(&second, &["tiers", "g3", "hit_blocks"]) > u(&first, &["tiers", "g3", "hit_blocks"]));
+    assert_eq!(
+        u(&second, &["verified_blocks"]),
+        u(&second, &["onboarded_blocks"])
+    );
+}
+
+#[test]
+fn damaged_g3_block_is_rejected_and_recomputed_never_served() {
+    let dir = scratch();
+    let g3 = dir.path().join("g3");
+    let g3s = g3.to_str().unwrap();
+    let args = [
+        "replay",
+        "--requests",
+        "200",
+        "--g1-blocks",
+        "128",
+        "--g2-blocks",
+        "128",
+        "--g3-blocks",
+        "4096",
+        "--g3-dir",
+        g3s,
+        "--json",
+    ];
+    let first = ok_json(run(&args));
+    assert_healthy(&first);
+    // Flip one byte in the payload of every written slot (slot = 4 KiB payload + 4 KiB header).
+    let file = g3.join("g3.bin");
+    let mut data = std::fs::read(&file).unwrap();
+    for slot in data.chunks_mut(8192) {
+        slot[100] ^= 0xff;
+    }
+    std::fs::write(&file, data).unwrap();
+    let second = ok_json(run(&args));
+    assert!(u(&second, &["checksum_failures"]) > 0, "{second}");
+    assert_eq!(
+        u(&second, &["corrupt_blocks"]),
+        0,
+        "a damaged block reached G1: {second}"
+    );
+    assert_eq!(u(&second, &["tiers", "g3", "hit_blocks"]), 0, "{second}");
+}
+
+#[test]
+fn local_g4_dir_second_run_starts_warm() {
+    let dir = scratch();
+    let g4 = dir.path().join("g4");
+    let g4 = g4.to_str().unwrap();
+    let args = [
+        "replay",
+        "--requests",
+        "200",
+        "--g1-blocks",
+        "128",
+        "--g2-blocks",
+        "128",
+        "--g3-blocks",
+        "0",
+        "--g4",
+        "--g4-dir",
+        g4,
+        "--json",
+    ];
+    let first = ok_json(run(&args));
+    assert_healthy(&first);
+    assert!(u(&first, &["bytes", "g2_to_g4"]) > 0, "{first}");
+    let second = ok_json(run(&args));
+    assert_healthy(&second);
+    assert!(u(&second, &["warm_start_blocks", "g4"]) > 0, "{second}");
+    assert_eq!(
+        u(&second, &["hit_blocks"]),
+        u(&second, &["blocks"]),
+        "{second}"
+    );
+    assert!(u(&second, &["bytes", "g4_to_g2"]) > 0, "{second}");
+}
+
+#[test]
+fn g3_and_g4_on_the_s3_server() {
+    let Some(s3) = kvbm_tests::services::s3("g3_and_g4_on_the_s3_server") else {
+        return;
+    };
+    let ns = format!(
+        "cli-test-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let out = kvbm()
+        .args([
+            "replay",
+            "--requests",
+            "300",
+            "--g1-blocks",
+            "128",
+            "--g2-blocks",
+            "128",
+            "--g3-blocks",
+            "256",
+            "--g4",
+            "--s3-endpoint",
+            &s3.endpoint,
+            "--s3-bucket",
+            &s3.bucket,
+            "--json",
+        ])
+        .env("AWS_ACCESS_KEY_ID", &s3.access_key)
+        .env("AWS_SECRET_ACCESS_KEY", &s3.secret_key)
+        .env("KVBM_REPLAY__G4_NAMESPACE", &ns)
+        .output()
+        .unwrap();
+    let r = ok_json(out);
+    assert_healthy(&r);
+    assert!(u(&r, &["bytes", "g2_to_g4"]) > 0, "{r}");
+    assert!(u(&r, &["bytes", "g2_to_g3"]) > 0, "{r}");
+    assert!(
+        u(&r, &["tiers", "g4", "hit_blocks"]) > 0,
+        "G3 too small: hits must come from G4: {r}"
+    );
+    assert!(u(&r, &["bytes", "g4_to_g2"]) > 0, "{r}");
+    assert_eq!(
+        u(&r, &["hit_blocks"]),
+        u(&r, &["blocks"]) - u(&r, &["unique_blocks"]),
+        "G4 holds everything: {r}"
+    );
+}
+
+#[test]
+fn config_show_names_sources_and_redacts_secrets() {
+    let dir = scratch();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "[replay]\ng2_blocks = 77\n").unwrap();
+    let out = kvbm()
+        .args([
+            "config",
+            "show",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--g1-blocks",
+            "5",
+        ])
+        .env("KVBM_REPLAY__G3_BLOCKS", "99")
+        .env("AWS_SECRET_ACCESS_KEY", "supersecret")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = String::from_utf8_lossy(&out.stdout);
+    let line = |k: &str| {
+        s.lines()
+            .find(|l| l.starts_with(&format!("{k} ")))
+            .unwrap_or_else(|| panic!("no {k} in:\n{s}"))
+            .to_string()
+    };
+    assert!(
+        line("replay.g1_blocks").contains("= 5") && line("replay.g1_blocks").ends_with("# flag")
+    );
+    assert!(
+        line("replay.g2_blocks").contains("= 77") && line("replay.g2_blocks").contains("# file")
+    );
+    assert!(
+        line("replay.g3_blocks").contains("= 99") && line("replay.g3_blocks").contains("# env")
+    );
+    assert!(line("replay.seed").ends_with("# default"));
+    assert!(!s.contains("supersecret"), "{s}");
+    assert!(line("replay.s3.secret_access_key").contains("<redacted>"));
+}
+
+#[test]
+fn metrics_endpoint_serves_prometheus_text() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    // Stretched in time so the endpoint is up while we scrape.
+    let mut child = kvbm()
+        .args([
+            "replay",
+            "--requests",
+            "200",
+            "--time-scale",
+            "1.0",
+            "--metrics-addr",
+            &addr,
+            "--json",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut body = String::new();
+    for _ in 0..100 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+            use std::io::{Read, Write};
+            let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+            body.clear();
+            let _ = s.read_to_string(&mut body);
+            if body.contains("kvbm_replay_hit_blocks_total")
+                && body.contains("kvbm_logical_evicted_blocks_total")
+                && body.contains("kvbm_replay_transfer_seconds")
+            {
+                break;
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(body.contains("kvbm_replay_hit_blocks_total"), "{body}");
+    for m in [
+        "kvbm_replay_bytes_moved_total",
+        "kvbm_replay_transfer_seconds",
+        "kvbm_replay_tier_capacity_blocks",
+        "kvbm_logical_evicted_blocks_total",
+        "kvbm_logical_active_blocks",
+        "kvbm_offload_blocks_transferred_total",
+    ] {
+        assert!(body.contains(m), "{m} missing: {body}");
+    }
+}

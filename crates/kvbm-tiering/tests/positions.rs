@@ -1,0 +1,44 @@
+//! Positional recency (end-token positions recorded on the request context, vLLM 0.33): expected
+//! victims computed with vLLM 0.33.0's own `CPUOffloadingManager` on the same calls (the replay
+//! format cannot express positions, so these were run once through the script's loader).
+
+use kvbm_tiering::*;
+
+fn k(i: u64) -> OffloadKey {
+    OffloadKey::from_u64(i)
+}
+
+fn victims(policy: CachePolicyKind, finish_a: bool) -> Vec<OffloadKey> {
+    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(8).policy(policy));
+    let a = ReqContext::new("a");
+    let ka = [k(1), k(2), k(3), k(4)];
+    for (i, key) in ka.iter().enumerate() {
+        a.set_offload_key_position(*key, (i as u64 + 1) * 16);
+    }
+    m.on_new_request(&a).unwrap();
+    let o = m.prepare_store(&ka, &a).unwrap().unwrap();
+    m.complete_store(&o.keys_to_store, &a, true).unwrap();
+    let b = ReqContext::new("b");
+    m.on_new_request(&b).unwrap();
+    let o = m.prepare_store(&[k(10), k(11)], &b).unwrap().unwrap();
+    m.complete_store(&o.keys_to_store, &b, true).unwrap();
+    m.prepare_load(&[k(2)], &b).unwrap();
+    m.complete_load(&[k(2)], &b).unwrap();
+    if finish_a {
+        m.on_request_finished(&a).unwrap();
+    }
+    m.on_request_finished(&b).unwrap();
+    let c = ReqContext::new("c");
+    m.on_new_request(&c).unwrap();
+    let keys: Vec<OffloadKey> = (20..26).map(k).collect();
+    m.prepare_store(&keys, &c).unwrap().unwrap().evicted_keys
+}
+
+#[test]
+fn positional_recency_matches_vllm_0_33() {
+    let ks = |v: &[u64]| v.iter().map(|&i| k(i)).collect::<Vec<_>>();
+    assert_eq!(victims(CachePolicyKind::Lru, false), ks(&[4, 3, 1, 2]));
+    assert_eq!(victims(CachePolicyKind::Lru, true), ks(&[4, 3, 1, 2]));
+    assert_eq!(victims(CachePolicyKind::Arc, false), ks(&[1, 3, 4, 11]));
+    assert_eq!(victims(CachePolicyKind::Arc, true), ks(&[4, 3, 1, 11]));
+}
