@@ -144,6 +144,71 @@ fn physical_unknown_keys_are_rejected() {
 }
 
 #[test]
+fn whole_file_is_the_engine_default() {
+    // The engine's tree, read through its own loader (figment, deny_unknown_fields, validation).
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/kvbm.toml");
+    let parsed = kvbm_engine::ConfigBuilder::new()
+        .file(&path)
+        .expect("config/kvbm.toml exists")
+        .build()
+        .unwrap_or_else(|e| panic!("config/kvbm.toml does not load: {e}"));
+    // `[replay]` belongs to kvbm-cli, which checks it against its own defaults.
+    assert!(
+        parsed.replay.is_some(),
+        "config/kvbm.toml documents [replay]"
+    );
+    let parsed = kvbm_engine::KvbmConfig {
+        replay: None,
+        ..parsed
+    };
+    assert_eq!(parsed, kvbm_engine::KvbmConfig::default());
+}
+
+#[test]
+fn engine_examples_are_the_defaults() {
+    use kvbm_engine::config::{
+        EventsConfig, LeaderConfig, MetricsConfig, RuntimeConfig, TiersConfig, TransportConfig,
+    };
+    fn example<T: DeserializeOwned>(name: &str) -> T {
+        toml::Value::Table(commented_section(name))
+            .try_into()
+            .unwrap_or_else(|e| panic!("[{name}] example does not parse: {e}"))
+    }
+    assert_eq!(
+        example::<RuntimeConfig>("runtime"),
+        RuntimeConfig::default()
+    );
+    assert_eq!(example::<TiersConfig>("tiers"), TiersConfig::default());
+    assert_eq!(example::<LeaderConfig>("leader"), LeaderConfig::default());
+    assert_eq!(example::<EventsConfig>("events"), EventsConfig::default());
+    assert_eq!(
+        example::<MetricsConfig>("metrics"),
+        MetricsConfig::default()
+    );
+    assert_eq!(
+        example::<TransportConfig>("transport"),
+        TransportConfig::default()
+    );
+}
+
+#[test]
+fn tiering_example_parses() {
+    let spec: kvbm_tiering::OffloadingSpecConfig = toml::Value::Table(commented_section("tiering"))
+        .try_into()
+        .expect("[tiering] parses");
+    let defaults: kvbm_tiering::OffloadingSpecConfig =
+        toml::Value::Table(toml::Table::new()).try_into().unwrap();
+    assert_eq!(
+        kvbm_tiering::OffloadingSpecConfig {
+            num_chunks: None,
+            ..spec
+        },
+        defaults,
+        "[tiering] shows the defaults"
+    );
+}
+
+#[test]
 #[ignore = "prints the defaults as TOML, for updating config/kvbm.toml by hand"]
 fn print_defaults() {
     println!(

@@ -16,6 +16,7 @@ const BENCHED: &[(&str, &str)] = &[
     ("physical", "kvbm-physical"),
     ("offload", "kvbm-offload"),
     ("tiering", "kvbm-tiering"),
+    ("engine", "kvbm-engine"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {

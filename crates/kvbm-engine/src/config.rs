@@ -1,0 +1,692 @@
+//! One configuration tree for the whole stack, merged by figment and validated at start.
+//!
+//! # Why one tree
+//!
+//! Every crate below owns the serde struct of its own section (defaults in code, unknown keys
+//! rejected), and none of them reads the environment. This module composes those sections with
+//! the engine's own ([`EventsConfig`], [`MetricsConfig`], [`TransportConfig`], ...) into
+//! [`KvbmConfig`], so there is exactly one place where configuration enters the process and one
+//! place where it is checked. `config/kvbm.toml` documents the whole tree and a workspace test
+//! parses it into [`KvbmConfig`] and compares it with [`KvbmConfig::default`].
+//!
+//! # Sources, lowest to highest priority
+//!
+//! ```text
+//!  built-in defaults        (serde `default` on every struct)
+//!        |  overridden by
+//!  TOML file                (ConfigBuilder::file, or KVBM_CONFIG_PATH)
+//!        |  overridden by
+//!  KVBM_* environment       (KVBM_OFFLOAD__G2_TO_G3__QUEUE_CAPACITY=64: `__` nests, names lower-cased)
+//!        |  overridden by
+//!  explicit overrides       (ConfigBuilder::set("offload.g2_to_g3.queue_capacity", 64))
+//!        v
+//!  extract (wrong type / unknown key / unknown tier -> error naming the key)
+//!        v
+//!  KvbmConfig::validate (ranges and cross-field rules -> error naming the key)
+//! ```
+//!
+//! Environment values are parsed like figment's `Env` provider: `64` is a number, `true` a
+//! bool, `[G2,G3]` an array, anything else a string. A `KVBM_*` variable without `__` cannot
+//! name a key (every key lives in a section) and is not configuration: `KVBM_CONFIG_PATH`
+//! itself, and the test harness's `KVBM_TEST_*`, are of that kind and are ignored.
+//!
+//! # Where the environment is read
+//!
+//! Only in [`ConfigBuilder::from_process_env`] (used by the runtime builder's `from_env_*`).
+//! Tests pass an explicit variable list to [`ConfigBuilder::from_env_vars`] instead, so they
+//! never race on the process environment.
+//!
+//! # Invariants
+//!
+//! A [`KvbmConfig`] returned by [`ConfigBuilder::build`] has passed [`KvbmConfig::validate`].
+//! Constructing one by hand (it is plain data) skips that; the runtime builder validates again.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Format, Serialized, Toml};
+use figment::value::Value;
+use kvbm_logical::{LogicalConfig, TierId};
+use kvbm_offload::{ObjectPipelineConfig, PipelineConfig};
+use kvbm_physical::{DiskConfig, ObjectConfig, S3Config, TransferConfig};
+use kvbm_tiering::{OffloadingSpec, OffloadingSpecConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+
+/// Prefix of the environment variables that set configuration keys.
+pub const ENV_PREFIX: &str = "KVBM_";
+/// Environment variable naming the TOML configuration file.
+pub const CONFIG_PATH_ENV: &str = "KVBM_CONFIG_PATH";
+
+/// The whole configuration: every crate's section plus the engine's.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvbmConfig {
+    /// Tokio runtime of the engine.
+    pub runtime: RuntimeConfig,
+    /// Block counts per tier (0: the tier is absent).
+    pub tiers: TiersConfig,
+    /// The leader's search.
+    pub leader: LeaderConfig,
+    /// `kvbm-logical`: block size, eviction, duplicates, event batching, registry.
+    pub logical: LogicalConfig,
+    /// `kvbm-physical`: transfer manager, disk, object store.
+    pub physical: PhysicalSection,
+    /// `kvbm-offload`: one pipeline per lane.
+    pub offload: OffloadSection,
+    /// `kvbm-tiering`: the vLLM-style manager's spec; absent unless configured.
+    pub tiering: Option<OffloadingSpecConfig>,
+    /// Stored/removed block events.
+    pub events: EventsConfig,
+    /// Prometheus exporter.
+    pub metrics: MetricsConfig,
+    /// Leader/worker control plane and block data plane.
+    pub transport: TransportConfig,
+    /// `[replay]`: owned by `kvbm-cli` (a layer above this crate), which parses and validates
+    /// it; carried here unparsed so one file configures both. Absent by default.
+    pub replay: Option<Value>,
+}
+
+/// `[runtime]`: the tokio runtime the engine builds when it is not given a handle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Worker threads of the multi-threaded runtime. Default: 2. At least 1.
+    pub worker_threads: usize,
+    /// Grace period for in-flight tasks at shutdown (ms). Default: 5000.
+    pub shutdown_timeout_ms: u64,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            worker_threads: 2,
+            shutdown_timeout_ms: 5000,
+        }
+    }
+}
+
+/// `[tiers]`: how many blocks each tier holds. A tier with 0 blocks is not built.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TiersConfig {
+    /// G1 (device) blocks; 0 when the inference engine owns G1 itself. Default: 0.
+    pub g1_blocks: usize,
+    /// G2 (pinned host) blocks. Default: 1024.
+    pub g2_blocks: usize,
+    /// G3 (disk) blocks; needs `[physical.disk]`. Default: 0.
+    pub g3_blocks: usize,
+    /// G4 (object) blocks tracked; needs `[physical.s3]`. Default: 0.
+    pub g4_blocks: usize,
+}
+
+impl Default for TiersConfig {
+    fn default() -> Self {
+        Self {
+            g1_blocks: 0,
+            g2_blocks: 1024,
+            g3_blocks: 0,
+            g4_blocks: 0,
+        }
+    }
+}
+
+impl TiersConfig {
+    /// Blocks configured for `tier`.
+    pub fn blocks(&self, tier: TierId) -> usize {
+        match tier {
+            TierId::G1 => self.g1_blocks,
+            TierId::G2 => self.g2_blocks,
+            TierId::G3 => self.g3_blocks,
+            TierId::G4 => self.g4_blocks,
+        }
+    }
+}
+
+/// `[leader]`: what `find_matches` searches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LeaderConfig {
+    /// Tiers searched, in order (`"G2"`, `"G3"`, `"G4"`); a tier with 0 blocks is skipped.
+    /// G1 is the inference engine's own cache and cannot be listed. Default: G2, G3, G4.
+    pub search: Vec<TierId>,
+}
+
+impl Default for LeaderConfig {
+    fn default() -> Self {
+        Self {
+            search: vec![TierId::G2, TierId::G3, TierId::G4],
+        }
+    }
+}
+
+/// `[physical]`: `kvbm-physical`'s sections.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PhysicalSection {
+    /// The transfer manager.
+    pub transfer: TransferConfig,
+    /// The object tier's layout of keys and requests.
+    pub object: ObjectConfig,
+    /// The disk tier's file; absent when there is no G3.
+    pub disk: Option<DiskConfig>,
+    /// The object tier's server; absent when there is no G4.
+    pub s3: Option<S3Config>,
+}
+
+impl PartialEq for PhysicalSection {
+    fn eq(&self, other: &Self) -> bool {
+        // DiskConfig has no PartialEq of its own; compare its fields.
+        let disk = |d: &Option<DiskConfig>| {
+            d.as_ref()
+                .map(|d| (d.path.clone(), d.engine, d.queue_depth, d.direct_io))
+        };
+        self.transfer == other.transfer
+            && self.object == other.object
+            && disk(&self.disk) == disk(&other.disk)
+            && self.s3 == other.s3
+    }
+}
+
+/// `[offload]`: `kvbm-offload`'s pipelines, one per lane.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OffloadSection {
+    /// G1 → G2.
+    pub g1_to_g2: PipelineConfig,
+    /// G2 → G3.
+    pub g2_to_g3: PipelineConfig,
+    /// G2 → G4.
+    pub g2_to_g4: ObjectPipelineConfig,
+}
+
+/// `[events]`: publishing of stored/removed block events.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EventsConfig {
+    /// Publish events at all. Default: true.
+    pub enabled: bool,
+    /// Subject (NATS) / topic events are published on. Default: `kvbm.events`. Not empty.
+    pub subject: String,
+    /// Bound of the publish buffer, in batches; when full, batches are dropped and counted,
+    /// never waited for. Default: 1024. At least 1.
+    pub channel_capacity: usize,
+    /// Longest sleep of the runtime's event-flush timer while no tier has a partial batch (ms);
+    /// with one buffered, the timer wakes at its deadline. Default: 10. At least 1.
+    pub idle_tick_ms: u64,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            subject: "kvbm.events".into(),
+            channel_capacity: 1024,
+            idle_tick_ms: 10,
+        }
+    }
+}
+
+/// `[metrics]`: the Prometheus exporter.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Install the exporter (a process-wide `metrics` recorder). Default: false.
+    pub enabled: bool,
+    /// Address the exporter serves `/metrics` on. Default: `127.0.0.1:6880`.
+    pub bind: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            bind: "127.0.0.1:6880".into(),
+        }
+    }
+}
+
+/// `[transport]`: leader↔worker control plane and the block data plane.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransportConfig {
+    /// NATS server for control messages and events across processes; absent: in-process only.
+    pub nats_url: Option<String>,
+    /// Timeout of one control request (ms). Default: 5000. At least 1.
+    pub request_timeout_ms: u64,
+    /// Address of the TCP block data plane (port 0: any free port). Default: `127.0.0.1:0`.
+    pub data_plane_bind: String,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        Self {
+            nats_url: None,
+            request_timeout_ms: 5000,
+            data_plane_bind: "127.0.0.1:0".into(),
+        }
+    }
+}
+
+fn prefixed(prefix: &str, message: &str) -> EngineError {
+    // The lower crates' messages start with their own key ("batch_config.max_batch_size must
+    // be at least 1"); put the section in front so the key is the full dotted path.
+    match message.split_once(' ') {
+        Some((key, rest))
+            if !key.is_empty()
+                && key.chars().all(|c| {
+                    c.is_ascii_lowercase() || c == '_' || c == '.' || c.is_ascii_digit()
+                }) =>
+        {
+            EngineError::config(format!("{prefix}.{key}"), rest)
+        }
+        _ => EngineError::config(prefix, message),
+    }
+}
+
+fn positive(key: &str, value: u64) -> Result<()> {
+    if value == 0 {
+        return Err(EngineError::config(key, "must be > 0"));
+    }
+    Ok(())
+}
+
+fn socket_addr(key: &str, value: &str) -> Result<SocketAddr> {
+    value.parse().map_err(|e| {
+        EngineError::config(key, format!("{value:?} is not a host:port address ({e})"))
+    })
+}
+
+impl KvbmConfig {
+    /// Checks ranges and cross-field rules of every section.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming the first offending key.
+    pub fn validate(&self) -> Result<()> {
+        positive("runtime.worker_threads", self.runtime.worker_threads as u64)?;
+
+        let mut seen = Vec::with_capacity(self.leader.search.len());
+        for tier in &self.leader.search {
+            if *tier == TierId::G1 {
+                return Err(EngineError::config(
+                    "leader.search",
+                    "G1 is the inference engine's cache and cannot be searched",
+                ));
+            }
+            if seen.contains(tier) {
+                return Err(EngineError::config(
+                    "leader.search",
+                    format!("{tier} is listed twice"),
+                ));
+            }
+            seen.push(*tier);
+        }
+        if self.tiers.g3_blocks > 0 && self.physical.disk.is_none() {
+            return Err(EngineError::config(
+                "physical.disk",
+                "tiers.g3_blocks > 0 needs a [physical.disk] section",
+            ));
+        }
+        if self.tiers.g4_blocks > 0 && self.physical.s3.is_none() {
+            return Err(EngineError::config(
+                "physical.s3",
+                "tiers.g4_blocks > 0 needs a [physical.s3] section",
+            ));
+        }
+
+        let l = &self.logical;
+        if !(1..=1024).contains(&l.block_size) || !l.block_size.is_power_of_two() {
+            return Err(EngineError::config(
+                "logical.block_size",
+                format!("must be a power of two in 1..=1024, got {}", l.block_size),
+            ));
+        }
+        positive("logical.events.max_batch", l.events.max_batch as u64)?;
+
+        let p = &self.physical;
+        positive(
+            "physical.transfer.worker_threads",
+            p.transfer.worker_threads as u64,
+        )?;
+        positive(
+            "physical.transfer.bounce_buffers",
+            p.transfer.bounce_buffers as u64,
+        )?;
+        positive(
+            "physical.transfer.bounce_buffer_bytes",
+            p.transfer.bounce_buffer_bytes as u64,
+        )?;
+        positive(
+            "physical.object.max_concurrency",
+            p.object.max_concurrency as u64,
+        )?;
+        if p.object.part_size < 5 << 20 {
+            return Err(EngineError::config(
+                "physical.object.part_size",
+                "must be at least 5 MiB (S3's smallest multipart part)",
+            ));
+        }
+        positive(
+            "physical.object.tp_world_size",
+            p.object.tp_world_size as u64,
+        )?;
+        if p.object.tp_rank >= p.object.tp_world_size {
+            return Err(EngineError::config(
+                "physical.object.tp_rank",
+                format!(
+                    "must be < tp_world_size ({}), got {}",
+                    p.object.tp_world_size, p.object.tp_rank
+                ),
+            ));
+        }
+        if p.object.namespace.is_empty() {
+            return Err(EngineError::config(
+                "physical.object.namespace",
+                "must not be empty",
+            ));
+        }
+        if let Some(disk) = &p.disk {
+            positive("physical.disk.queue_depth", u64::from(disk.queue_depth))?;
+            if disk.path.as_os_str().is_empty() {
+                return Err(EngineError::config(
+                    "physical.disk.path",
+                    "must not be empty",
+                ));
+            }
+        }
+        if let Some(s3) = &p.s3
+            && s3.bucket.is_empty()
+        {
+            return Err(EngineError::config(
+                "physical.s3.bucket",
+                "must not be empty",
+            ));
+        }
+
+        let o = &self.offload;
+        o.g1_to_g2
+            .validate()
+            .map_err(|e| prefixed("offload.g1_to_g2", &invalid_message(e)))?;
+        o.g2_to_g3
+            .validate()
+            .map_err(|e| prefixed("offload.g2_to_g3", &invalid_message(e)))?;
+        // The object pipeline's own validate checks its inner pipeline without naming it; check
+        // that first so the key says `pipeline.`.
+        o.g2_to_g4
+            .pipeline
+            .validate()
+            .map_err(|e| prefixed("offload.g2_to_g4.pipeline", &invalid_message(e)))?;
+        o.g2_to_g4
+            .validate()
+            .map_err(|e| prefixed("offload.g2_to_g4", &invalid_message(e)))?;
+
+        if let Some(spec) = &self.tiering {
+            OffloadingSpec::new(spec.clone()).map_err(|e| {
+                let message = e.to_string();
+                let message = message
+                    .split_once("offloading spec: ")
+                    .map_or(message.as_str(), |(_, m)| m)
+                    .to_string();
+                prefixed("tiering", &message)
+            })?;
+        }
+
+        let e = &self.events;
+        if e.subject.is_empty() {
+            return Err(EngineError::config("events.subject", "must not be empty"));
+        }
+        positive("events.channel_capacity", e.channel_capacity as u64)?;
+        positive("events.idle_tick_ms", e.idle_tick_ms)?;
+
+        socket_addr("metrics.bind", &self.metrics.bind)?;
+
+        let t = &self.transport;
+        positive("transport.request_timeout_ms", t.request_timeout_ms)?;
+        socket_addr("transport.data_plane_bind", &t.data_plane_bind)?;
+        if let Some(url) = &t.nats_url
+            && url.is_empty()
+        {
+            return Err(EngineError::config(
+                "transport.nats_url",
+                "must not be empty",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The tiers the leader searches, in order, without those configured with 0 blocks.
+    pub fn search_order(&self) -> Vec<TierId> {
+        self.leader
+            .search
+            .iter()
+            .copied()
+            .filter(|t| self.tiers.blocks(*t) > 0)
+            .collect()
+    }
+}
+
+/// The offload crate's `InvalidConfig` message without its "invalid configuration: " frame.
+fn invalid_message(e: kvbm_offload::OffloadError) -> String {
+    match e {
+        kvbm_offload::OffloadError::InvalidConfig(m) => m,
+        other => other.to_string(),
+    }
+}
+
+/// Where a value of the merged tree came from, for error messages.
+#[derive(Clone, Debug)]
+enum Origin {
+    Env(String),
+    Override,
+}
+
+/// Gathers the configuration sources in priority order and builds a validated [`KvbmConfig`].
+///
+/// ```
+/// use kvbm_engine::config::ConfigBuilder;
+///
+/// let config = ConfigBuilder::from_env_vars([("KVBM_LOGICAL__BLOCK_SIZE", "32")])?
+///     .set("tiers.g2_blocks", 64)
+///     .build()?;
+/// assert_eq!(config.logical.block_size, 32);
+/// assert_eq!(config.tiers.g2_blocks, 64);
+/// # Ok::<(), kvbm_engine::EngineError>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct ConfigBuilder {
+    file: Option<PathBuf>,
+    env: Vec<(String, String, Value)>,
+    overrides: Vec<(String, Value)>,
+}
+
+impl ConfigBuilder {
+    /// Built-in defaults only.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads `KVBM_CONFIG_PATH` and every `KVBM_*__*` variable of this process. The only place
+    /// in kvbm that reads the environment for configuration.
+    ///
+    /// # Errors
+    /// As [`from_env_vars`](Self::from_env_vars).
+    pub fn from_process_env() -> Result<Self> {
+        Self::from_env_vars(std::env::vars())
+    }
+
+    /// As [`from_process_env`](Self::from_process_env), from an explicit variable list.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `KVBM_CONFIG_PATH` names a file that does not exist, or a
+    /// variable's name has an empty segment (`KVBM_OFFLOAD____X`).
+    pub fn from_env_vars<K, V>(vars: impl IntoIterator<Item = (K, V)>) -> Result<Self>
+    where
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut builder = Self::new();
+        for (name, value) in vars {
+            let (name, value) = (name.as_ref(), value.as_ref());
+            if name == CONFIG_PATH_ENV {
+                builder = builder.file(value)?;
+                continue;
+            }
+            let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            if !rest.contains("__") {
+                // Not a key (every key is in a section): KVBM_CONFIG_PATH, KVBM_TEST_*, ...
+                continue;
+            }
+            let segments: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            if segments.iter().any(String::is_empty) {
+                return Err(EngineError::config(
+                    segments.join("."),
+                    format!("environment variable {name} has an empty key segment"),
+                ));
+            }
+            let parsed: Value = value.parse().unwrap_or_else(|_| Value::from(value));
+            builder
+                .env
+                .push((segments.join("."), name.to_string(), parsed));
+        }
+        // Deterministic order regardless of the process environment's.
+        builder.env.sort_by(|a, b| a.1.cmp(&b.1));
+        Ok(builder)
+    }
+
+    /// Reads this TOML file over the defaults (replacing a file named by `KVBM_CONFIG_PATH`).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `KVBM_CONFIG_PATH`) when the file does not exist: a named
+    /// but missing file is a mistake, not an empty configuration.
+    pub fn file(mut self, path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if !path.is_file() {
+            return Err(EngineError::config(
+                CONFIG_PATH_ENV,
+                format!("{} is not a readable file", path.display()),
+            ));
+        }
+        self.file = Some(path.to_path_buf());
+        Ok(self)
+    }
+
+    /// Sets `key` (dotted path, e.g. `offload.g2_to_g3.queue_capacity`) over every other
+    /// source. A value that does not serialize is ignored with a log line.
+    pub fn set(mut self, key: impl Into<String>, value: impl Serialize) -> Self {
+        let key = key.into();
+        match Value::serialize(value) {
+            Ok(v) => self.overrides.push((key, v)),
+            Err(e) => tracing::warn!(%key, error = %e, "configuration override does not serialize"),
+        }
+        self
+    }
+
+    /// The file this builder reads, if any.
+    pub fn file_path(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// Merges the sources, extracts the tree and validates it.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming the key: a wrong type, an unknown key, an unknown tier,
+    /// a malformed file, or a value [`KvbmConfig::validate`] rejects.
+    pub fn build(self) -> Result<KvbmConfig> {
+        let mut figment = Figment::new();
+        if let Some(path) = &self.file {
+            figment = figment.merge(Toml::file(path));
+        }
+        for (key, _, value) in &self.env {
+            figment = figment.merge(Serialized::default(key, value));
+        }
+        for (key, value) in &self.overrides {
+            figment = figment.merge(Serialized::default(key, value));
+        }
+        let config: KvbmConfig = figment.extract().map_err(|e| self.describe(e))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn origin(&self, key: &str) -> Option<Origin> {
+        let covers = |k: &str| {
+            key == k || key.starts_with(&format!("{k}.")) || k.starts_with(&format!("{key}."))
+        };
+        if self.overrides.iter().any(|(k, _)| covers(k)) {
+            return Some(Origin::Override);
+        }
+        self.env
+            .iter()
+            .rev()
+            .find(|(k, _, _)| covers(k))
+            .map(|(_, name, _)| Origin::Env(name.clone()))
+    }
+
+    fn describe(&self, error: figment::Error) -> EngineError {
+        use figment::error::Kind;
+        // Report the first error; figment may chain several.
+        let error = error
+            .into_iter()
+            .next()
+            .expect("a figment error has one entry");
+        let mut path = error.path.clone();
+        // figment's path may or may not already end with the field; never name it twice.
+        let field = match &error.kind {
+            Kind::UnknownField(field, _) => Some(field.clone()),
+            Kind::MissingField(field) => Some(field.to_string()),
+            _ => None,
+        };
+        if let Some(field) = field
+            && path.last() != Some(&field)
+        {
+            path.push(field);
+        }
+        let key = if path.is_empty() {
+            "<root>".to_string()
+        } else {
+            path.join(".")
+        };
+        let mut message = match &error.kind {
+            Kind::UnknownField(field, expected) => {
+                format!(
+                    "unknown key `{field}` (expected one of: {})",
+                    expected.join(", ")
+                )
+            }
+            Kind::UnknownVariant(v, expected) => {
+                let tierish = expected.contains(&"G2");
+                format!(
+                    "unknown {} `{v}` (expected one of: {})",
+                    if tierish { "tier" } else { "value" },
+                    expected.join(", ")
+                )
+            }
+            kind => kind.to_string(),
+        };
+        match self.origin(&key) {
+            Some(Origin::Override) => message.push_str(" (set by an explicit override)"),
+            Some(Origin::Env(name)) => {
+                message.push_str(&format!(" (from environment variable {name})"))
+            }
+            None => match (&error.metadata, &self.file) {
+                (Some(meta), _) if meta.name.contains("TOML") => {
+                    let file = self
+                        .file
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default();
+                    message.push_str(&format!(" (in {file})"));
+                }
+                (_, Some(file)) => message.push_str(&format!(" (in {})", file.display())),
+                _ => {}
+            },
+        }
+        EngineError::config(key, message)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,63 @@
+//! [`EngineError`]: the one error enum of this crate.
+//!
+//! Configuration errors carry the dotted key they are about (`offload.g2_to_g3.queue_capacity`)
+//! so an operator can find the line to fix; errors of the crates below are wrapped, not
+//! flattened into strings, so callers can still match on them.
+
+use kvbm_logical::{LogicalError, TierId};
+
+/// Result alias of this crate.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A configuration value is missing, malformed, unknown or out of range. `key` is the
+    /// dotted path (`logical.block_size`), `message` what is wrong and where the value came from.
+    #[error("{key}: {message}")]
+    Config {
+        /// Dotted configuration key.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The tokio runtime could not be built.
+    #[error("runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The Prometheus exporter could not start (e.g. its address is taken).
+    #[error("metrics exporter on {addr}: {source}")]
+    Metrics {
+        /// The address it tried to bind.
+        addr: String,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The runtime was shut down; nothing new can be started on it.
+    #[error("the kvbm runtime is shut down")]
+    ShutDown,
+    /// A tier the operation needs is not configured on this leader.
+    #[error("tier {0} is not configured")]
+    TierMissing(TierId),
+    /// An error from `kvbm-logical`.
+    #[error(transparent)]
+    Logical(#[from] LogicalError),
+}
+
+impl EngineError {
+    /// A [`EngineError::Config`] for `key`.
+    pub fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
+        EngineError::Config {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The configuration key this error is about, if it is a configuration error.
+    pub fn config_key(&self) -> Option<&str> {
+        match self {
+            EngineError::Config { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! [`InstanceLeader`]: the process that owns block metadata and decides placement.
+//!
+//! # What is built
+//!
+//! The leader owns one logical [`BlockManager`] per configured lower tier (G2 pinned host, G3
+//! disk, G4 objects), all sharing one [`BlockRegistry`] so presence and frequency are seen
+//! across tiers. [`InstanceLeader::find_matches`] answers "how much of this sequence do we
+//! already have, and where" and **holds** the answer (a [`MatchedPrefix`]) so none of it can
+//! be evicted while the caller stages and onboards it.
+//!
+//! # Search
+//!
+//! ```text
+//!  hashes:  h0 h1 h2 h3 h4 h5 h6
+//!  G2:      h0 h1 .. (stops at the first miss)
+//!  G3:            h2 h3 ..        (searched from where G2 stopped)
+//!  G4:                  h4 ..     (from where G3 stopped)
+//!  prefix = [h0 h1 | h2 h3 | h4], runs G2:2, G3:2, G4:1; h5 missing everywhere ends it
+//! ```
+//!
+//! Each tier in [`LeaderConfig::search`](crate::config::LeaderConfig::search) order (default
+//! G2, G3, G4; unconfigured tiers skipped) extends the prefix from where the previous tier
+//! stopped, with that tier's contiguous `match_blocks`. A block present in an earlier tier
+//! *after* a later tier took over is not used from the earlier tier (one run per tier, like
+//! upstream's search); it is still correct, since the later tier holds the same bytes.
+//! Remote instances (the cross-instance index) are not searched yet.
+//!
+//! # Locks
+//!
+//! The leader takes no lock of its own: each `match_blocks` takes its manager's store lock once
+//! (then the registry's shard locks, per `kvbm-logical`'s order) and releases it before the next
+//! tier is searched, so no two tiers' locks are ever held together.
+
+mod holder;
+pub mod session;
+
+use std::sync::Arc;
+
+use kvbm_logical::{
+    BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
+};
+
+pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use session::{
+    FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
+};
+
+use crate::config::KvbmConfig;
+use crate::error::{EngineError, Result};
+use crate::runtime::{EventSource, RuntimeHandle};
+
+/// The leader of one kvbm instance: see the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct InstanceLeader {
+    g2: Option<Arc<BlockManager<G2>>>,
+    g3: Option<Arc<BlockManager<G3>>>,
+    g4: Option<Arc<BlockManager<G4>>>,
+    registry: BlockRegistry,
+    search: Vec<TierId>,
+}
+
+/// Builds an [`InstanceLeader`] from explicit managers.
+#[derive(Debug, Default)]
+pub struct InstanceLeaderBuilder {
+    g2: Option<Arc<BlockManager<G2>>>,
+    g3: Option<Arc<BlockManager<G3>>>,
+    g4: Option<Arc<BlockManager<G4>>>,
+    search: Option<Vec<TierId>>,
+}
+
+impl InstanceLeaderBuilder {
+    /// The G2 (pinned host) manager.
+    pub fn g2(mut self, manager: Arc<BlockManager<G2>>) -> Self {
+        self.g2 = Some(manager);
+        self
+    }
+
+    /// The G3 (disk) manager.
+    pub fn g3(mut self, manager: Arc<BlockManager<G3>>) -> Self {
+        self.g3 = Some(manager);
+        self
+    }
+
+    /// The G4 (object) manager.
+    pub fn g4(mut self, manager: Arc<BlockManager<G4>>) -> Self {
+        self.g4 = Some(manager);
+        self
+    }
+
+    /// Search order. Default: G2, G3, G4 (tiers without a manager are skipped).
+    pub fn search(mut self, order: Vec<TierId>) -> Self {
+        self.search = Some(order);
+        self
+    }
+
+    /// Checks the managers share one registry and the search order names only lower tiers,
+    /// once each.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `leader.search`) for G1 or a repeated tier;
+    /// [`EngineError::TierMissing`] when no tier is configured at all.
+    pub fn build(self) -> Result<InstanceLeader> {
+        let search = self
+            .search
+            .unwrap_or_else(|| vec![TierId::G2, TierId::G3, TierId::G4]);
+        for (i, tier) in search.iter().enumerate() {
+            if *tier == TierId::G1 {
+                return Err(EngineError::config(
+                    "leader.search",
+                    "G1 is the inference engine's cache and cannot be searched",
+                ));
+            }
+            if search[..i].contains(tier) {
+                return Err(EngineError::config(
+                    "leader.search",
+                    format!("{tier} is listed twice"),
+                ));
+            }
+        }
+        let registry = self
+            .g2
+            .as_ref()
+            .map(|m| m.registry().clone())
+            .or_else(|| self.g3.as_ref().map(|m| m.registry().clone()))
+            .or_else(|| self.g4.as_ref().map(|m| m.registry().clone()))
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let mut leader = InstanceLeader {
+            g2: self.g2,
+            g3: self.g3,
+            g4: self.g4,
+            registry,
+            search: Vec::new(),
+        };
+        leader.search = search.into_iter().filter(|t| leader.has_tier(*t)).collect();
+        Ok(leader)
+    }
+}
+
+fn manager<T: Tier>(
+    blocks: usize,
+    logical: &LogicalConfig,
+    registry: &BlockRegistry,
+    sink: Option<&Arc<dyn EventSink>>,
+) -> Result<Option<Arc<BlockManager<T>>>> {
+    if blocks == 0 {
+        return Ok(None);
+    }
+    let mut builder = BlockManager::<T>::builder()
+        .block_count(blocks)
+        .config(logical.clone())
+        .registry(registry.clone());
+    if let Some(sink) = sink {
+        builder = builder.event_sink(sink.clone());
+    }
+    Ok(Some(Arc::new(builder.build()?)))
+}
+
+impl InstanceLeader {
+    /// A builder over explicit managers.
+    pub fn builder() -> InstanceLeaderBuilder {
+        InstanceLeaderBuilder::default()
+    }
+
+    /// Builds one manager per tier with blocks in `config.tiers`, from `config.logical`, sharing
+    /// one registry, searched in `config.leader.search` order.
+    ///
+    /// # Errors
+    /// [`EngineError::Logical`] when a manager rejects its settings; as
+    /// [`InstanceLeaderBuilder::build`].
+    pub fn from_config(config: &KvbmConfig) -> Result<Self> {
+        Self::from_config_with_sink(config, None)
+    }
+
+    /// As [`from_config`](Self::from_config), every manager publishing its stored/removed
+    /// events to `sink` (e.g. a [`pubsub::EventPublisher`](crate::pubsub::EventPublisher)).
+    ///
+    /// # Errors
+    /// As [`from_config`](Self::from_config).
+    pub fn from_config_with_sink(
+        config: &KvbmConfig,
+        sink: Option<Arc<dyn EventSink>>,
+    ) -> Result<Self> {
+        let registry = BlockRegistry::with_config(&config.logical.registry);
+        let (l, s) = (&config.logical, sink.as_ref());
+        let mut builder = Self::builder().search(config.leader.search.clone());
+        if let Some(m) = manager::<G2>(config.tiers.g2_blocks, l, &registry, s)? {
+            builder = builder.g2(m);
+        }
+        if let Some(m) = manager::<G3>(config.tiers.g3_blocks, l, &registry, s)? {
+            builder = builder.g3(m);
+        }
+        if let Some(m) = manager::<G4>(config.tiers.g4_blocks, l, &registry, s)? {
+            builder = builder.g4(m);
+        }
+        builder.build()
+    }
+
+    /// As [`from_config`](Self::from_config) with the runtime's configuration, and every
+    /// manager put under the runtime's event-flush timer.
+    ///
+    /// # Errors
+    /// As [`from_config`](Self::from_config).
+    pub fn from_runtime(runtime: &RuntimeHandle) -> Result<Self> {
+        Self::from_runtime_with_sink(runtime, None)
+    }
+
+    /// As [`from_runtime`](Self::from_runtime), the managers publishing to `sink`; the
+    /// runtime's timer then bounds how long an idle tier holds a partial batch.
+    ///
+    /// # Errors
+    /// As [`from_config`](Self::from_config).
+    pub fn from_runtime_with_sink(
+        runtime: &RuntimeHandle,
+        sink: Option<Arc<dyn EventSink>>,
+    ) -> Result<Self> {
+        let leader = Self::from_config_with_sink(runtime.config(), sink)?;
+        for source in leader.event_sources() {
+            runtime.register_event_source(&source);
+        }
+        Ok(leader)
+    }
+
+    fn event_sources(&self) -> Vec<Arc<dyn EventSource>> {
+        let mut out: Vec<Arc<dyn EventSource>> = Vec::new();
+        if let Some(m) = &self.g2 {
+            out.push(m.clone());
+        }
+        if let Some(m) = &self.g3 {
+            out.push(m.clone());
+        }
+        if let Some(m) = &self.g4 {
+            out.push(m.clone());
+        }
+        out
+    }
+
+    /// Whether `tier` has a manager.
+    pub fn has_tier(&self, tier: TierId) -> bool {
+        match tier {
+            TierId::G1 => false,
+            TierId::G2 => self.g2.is_some(),
+            TierId::G3 => self.g3.is_some(),
+            TierId::G4 => self.g4.is_some(),
+        }
+    }
+
+    /// The effective search order (configured tiers only).
+    pub fn search_order(&self) -> &[TierId] {
+        &self.search
+    }
+
+    /// The registry shared by the tiers.
+    pub fn registry(&self) -> &BlockRegistry {
+        &self.registry
+    }
+
+    /// The G2 manager.
+    pub fn g2(&self) -> Option<&Arc<BlockManager<G2>>> {
+        self.g2.as_ref()
+    }
+
+    /// The G3 manager.
+    pub fn g3(&self) -> Option<&Arc<BlockManager<G3>>> {
+        self.g3.as_ref()
+    }
+
+    /// The G4 manager.
+    pub fn g4(&self) -> Option<&Arc<BlockManager<G4>>> {
+        self.g4.as_ref()
+    }
+
+    /// The longest prefix of `hashes` present across the searched tiers, held so nothing in it
+    /// is evicted until the returned [`MatchedPrefix`] (or its parts) is dropped.
+    pub fn find_matches(&self, hashes: &[SequenceHash]) -> MatchedPrefix {
+        let mut out = MatchedPrefix {
+            requested: hashes.len(),
+            ..MatchedPrefix::default()
+        };
+        let mut at = 0;
+        for &tier in &self.search {
+            if at == hashes.len() {
+                break;
+            }
+            let rest = &hashes[at..];
+            let n = match tier {
+                TierId::G2 => extend(&self.g2, rest, &mut out.g2),
+                TierId::G3 => extend(&self.g3, rest, &mut out.g3),
+                TierId::G4 => extend(&self.g4, rest, &mut out.g4),
+                TierId::G1 => 0,
+            };
+            if n > 0 {
+                out.runs.push(TierRun {
+                    tier,
+                    start: at,
+                    len: n,
+                });
+                at += n;
+            }
+        }
+        out
+    }
+
+    /// Searches `hashes` ([`find_matches`](Self::find_matches)) and starts an onboarding
+    /// session holding the matched prefix (phase `Holding`).
+    pub fn begin_onboarding(&self, hashes: &[SequenceHash]) -> OnboardingSession {
+        OnboardingSession::new(self.find_matches(hashes))
+    }
+}
+
+fn extend<T: Tier>(
+    manager: &Option<Arc<BlockManager<T>>>,
+    hashes: &[SequenceHash],
+    holder: &mut BlockHolder<T>,
+) -> usize {
+    let Some(manager) = manager else {
+        return 0;
+    };
+    let blocks = manager.match_blocks(hashes);
+    let n = blocks.len();
+    *holder = BlockHolder::new(blocks);
+    n
+}
+
+#[cfg(test)]
+mod tests;

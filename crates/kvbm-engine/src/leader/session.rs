@@ -1,0 +1,547 @@
+//! [`OnboardingSession`]: bring a matched prefix up to G1, with explicit phases, failure
+//! states, cancellation, and an idempotent end.
+//!
+//! # Phases
+//!
+//! ```text
+//!  begin_onboarding: search (find_matches) ──► Holding ── prepare ──► Staging ──► Staged
+//!                                                 │                     │  G3→G2, G4→G2     │
+//!                                                 │                     │  (BlockMove)      │ onboard
+//!                                                 │                     v                   v
+//!                                                 │                  Failed ◄──────── Onboarding
+//!                                                 │                     ^            G2→G1  │
+//!                                                 │                     └───────────────────┤
+//!                                                 v                                         v
+//!   abort (any non-terminal phase) ─────────► Aborting* ──► Aborted      Finished ◄─ finish ─ Complete
+//!   (* only while an operation is in flight; it becomes Aborted when that operation settles)
+//! ```
+//!
+//! Terminal phases: `Finished`, `Aborted`, `Failed`. Pull (remote G2 → local G2) is not built
+//! yet; a remote match cannot occur, since `find_matches` does not search remote instances.
+//!
+//! # Why it is shaped like this (what broke upstream)
+//!
+//! * **A failed transfer never counts as a hit.** Any block that fails to stage or onboard
+//!   fails the session (`Failed`, with the first failure's message); the staged or onboarded
+//!   blocks of that attempt are released, never handed out.
+//! * **Finish/abort are idempotent** (vLLM/Dynamo crashed when `request_finished` ran twice
+//!   and when an abort raced a finish): [`finish`](OnboardingSession::finish) and
+//!   [`abort`](OnboardingSession::abort) may be called any number of times, in any order,
+//!   from any thread; each returns what the session's state is, none panics, and resources
+//!   are released exactly once (by whichever call or operation reaches the terminal state).
+//! * **A slot outlives every in-flight operation on it.** Each transfer runs in a spawned task
+//!   that owns its source holds and its destination blocks until the transfer manager has
+//!   settled every block, even if the caller drops the `prepare`/`onboard` future or aborts.
+//!   An abort during a transfer therefore only marks the session `Aborting`; the task releases
+//!   everything and sets `Aborted` when the transfer settles.
+//!
+//! # Locks
+//!
+//! One `parking_lot` mutex per session guards its state; it is never held across an `.await`
+//! nor while a block manager is called (blocks are taken out, or put in, under the lock and
+//! dropped after it is released), so it nests with nothing.
+
+use std::sync::Arc;
+
+use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, TierId};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::holder::MatchedPrefix;
+use crate::mover::{BlockMove, Moved};
+
+/// Where a session is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The matched prefix is held; nothing moved yet.
+    Holding,
+    /// G3→G2 / G4→G2 staging in flight.
+    Staging,
+    /// The whole prefix is held in G2.
+    Staged,
+    /// G2→G1 in flight.
+    Onboarding,
+    /// The prefix is in G1 (held by the session until `finish`).
+    Complete,
+    /// `finish` handed the G1 blocks over (terminal).
+    Finished,
+    /// An abort arrived while an operation was in flight; it settles into `Aborted`.
+    Aborting,
+    /// Aborted; everything released (terminal).
+    Aborted,
+    /// An operation failed; everything released (terminal).
+    Failed,
+}
+
+impl Phase {
+    /// Whether no further transition can happen.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Phase::Finished | Phase::Aborted | Phase::Failed)
+    }
+
+    fn in_flight(self) -> bool {
+        matches!(self, Phase::Staging | Phase::Onboarding | Phase::Aborting)
+    }
+}
+
+/// Why a session failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionFailure {
+    /// The phase that failed (`Staging` or `Onboarding`).
+    pub phase: Phase,
+    /// Blocks that failed in that phase.
+    pub failed_blocks: usize,
+    /// The first failure's description.
+    pub message: String,
+}
+
+/// Errors of session calls made in the wrong state.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    /// The call needs another phase.
+    #[error("onboarding session is {actual:?}, expected {expected:?}")]
+    WrongPhase {
+        /// What the call needs.
+        expected: Phase,
+        /// Where the session is.
+        actual: Phase,
+    },
+    /// A mover the matched prefix needs was not given.
+    #[error("no {0}→G2 mover for the {0} part of the prefix")]
+    NoMover(TierId),
+    /// Destinations could not be allocated, or do not match the prefix length.
+    #[error("destinations: {0}")]
+    Destinations(String),
+    /// The operation failed; the session is `Failed`.
+    #[error("{:?} failed for {} block(s): {}", .0.phase, .0.failed_blocks, .0.message)]
+    Failed(SessionFailure),
+    /// The session was aborted before or while the operation ran.
+    #[error("onboarding session aborted")]
+    Aborted,
+}
+
+/// What [`OnboardingSession::finish`] found.
+#[derive(Debug)]
+pub enum FinishOutcome {
+    /// The onboarded G1 blocks, handed to the caller (first finish after `Complete`).
+    Finished(Vec<ImmutableBlock<G1>>),
+    /// A previous finish already handed them over; nothing happens.
+    AlreadyFinished,
+    /// The session was aborted (before or racing this finish); nothing to hand over.
+    Aborted,
+    /// The session failed; nothing to hand over.
+    Failed(SessionFailure),
+    /// The session is not complete yet (in this phase); nothing changes.
+    NotReady(Phase),
+}
+
+/// The movers staging needs: one per lower tier present in the prefix, in-process
+/// (`kvbm_offload::BlockMover`) or across ranks (`SpmdMover`). Their destination must be the
+/// leader's G2 manager.
+#[derive(Default)]
+pub struct StagingMovers {
+    /// G3 → G2.
+    pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
+    /// G4 → G2 (for an object layout, a keyed source).
+    pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
+}
+
+#[derive(Default)]
+struct State {
+    phase: Option<Phase>,
+    matched: Option<MatchedPrefix>,
+    staged: Vec<ImmutableBlock<G2>>,
+    onboarded: Vec<ImmutableBlock<G1>>,
+    failure: Option<SessionFailure>,
+}
+
+impl State {
+    fn phase(&self) -> Phase {
+        self.phase.unwrap_or(Phase::Holding)
+    }
+
+    /// Moves every held block out (to be dropped after the lock is released).
+    fn take_all(&mut self) -> Released {
+        Released {
+            _matched: self.matched.take(),
+            _staged: std::mem::take(&mut self.staged),
+            _onboarded: std::mem::take(&mut self.onboarded),
+        }
+    }
+}
+
+/// Blocks released by a transition, dropped outside the session lock.
+struct Released {
+    _matched: Option<MatchedPrefix>,
+    _staged: Vec<ImmutableBlock<G2>>,
+    _onboarded: Vec<ImmutableBlock<G1>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    settled: Notify,
+}
+
+/// One onboarding of one matched prefix: see the [module docs](self). `Send + Sync`; calls
+/// take `&self`. Dropping the session aborts it.
+pub struct OnboardingSession {
+    shared: Arc<Shared>,
+    prefix_len: usize,
+}
+
+impl std::fmt::Debug for OnboardingSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnboardingSession")
+            .field("phase", &self.phase())
+            .field("prefix_len", &self.prefix_len)
+            .finish()
+    }
+}
+
+fn first_failure<T: kvbm_logical::Tier>(outcomes: &[Moved<T>]) -> Option<(usize, String)> {
+    let failed: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+    failed.first().map(|f| (failed.len(), (*f).clone()))
+}
+
+impl OnboardingSession {
+    /// A session holding `matched` (the search's result), in `Holding`.
+    pub fn new(matched: MatchedPrefix) -> Self {
+        let prefix_len = matched.len();
+        Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    phase: Some(Phase::Holding),
+                    matched: Some(matched),
+                    ..State::default()
+                }),
+                settled: Notify::new(),
+            }),
+            prefix_len,
+        }
+    }
+
+    /// The current phase.
+    pub fn phase(&self) -> Phase {
+        self.shared.state.lock().phase()
+    }
+
+    /// Blocks in the matched prefix.
+    pub fn prefix_len(&self) -> usize {
+        self.prefix_len
+    }
+
+    /// Why the session failed, once it has.
+    pub fn failure(&self) -> Option<SessionFailure> {
+        self.shared.state.lock().failure.clone()
+    }
+
+    /// With the state locked: the phase must be `expected`; moves to `next`, returning what
+    /// the operation needs.
+    fn begin(&self, expected: Phase, next: Phase) -> Result<(), SessionError> {
+        let mut s = self.shared.state.lock();
+        let actual = s.phase();
+        if actual != expected {
+            return Err(match actual {
+                Phase::Aborted | Phase::Aborting => SessionError::Aborted,
+                Phase::Failed => {
+                    SessionError::Failed(s.failure.clone().expect("a failed session has a failure"))
+                }
+                _ => SessionError::WrongPhase { expected, actual },
+            });
+        }
+        s.phase = Some(next);
+        Ok(())
+    }
+
+    /// An operation gave up before moving anything: back to `back`, unless an abort arrived
+    /// meanwhile, in which case the session ends `Aborted` (everything released).
+    fn give_up(&self, back: Phase, error: SessionError) -> SessionError {
+        let mut s = self.shared.state.lock();
+        if s.phase() == Phase::Aborting {
+            s.phase = Some(Phase::Aborted);
+            let released = s.take_all();
+            drop(s);
+            drop(released);
+            self.shared.settled.notify_waiters();
+            return SessionError::Aborted;
+        }
+        s.phase = Some(back);
+        error
+    }
+
+    /// Stages the G3 and G4 parts of the prefix into G2 (`Holding` → `Staging` → `Staged`).
+    /// Destinations are allocated from each mover's destination manager (the leader's G2).
+    ///
+    /// # Errors
+    /// [`SessionError::WrongPhase`] outside `Holding` (nothing changes);
+    /// [`SessionError::NoMover`] / [`SessionError::Destinations`] (the session stays
+    /// `Holding`); [`SessionError::Failed`] when a block failed to stage (the session is
+    /// `Failed`, everything released); [`SessionError::Aborted`] when aborted meanwhile.
+    pub async fn prepare(&self, movers: StagingMovers) -> Result<(), SessionError> {
+        self.begin(Phase::Holding, Phase::Staging)?;
+        // Check and allocate before anything moves; on error go back to Holding.
+        let prepared = {
+            let s = self.shared.state.lock();
+            let matched = s.matched.as_ref().expect("held while Holding");
+            let need3 = matched.g3().len();
+            let need4 = matched.g4().len();
+            drop(s);
+            (|| {
+                let d3 = match (&movers.g3_to_g2, need3) {
+                    (_, 0) => Vec::new(),
+                    (None, _) => return Err(SessionError::NoMover(TierId::G3)),
+                    (Some(m), n) => m
+                        .destination()
+                        .allocate_blocks(n)
+                        .map_err(|e| SessionError::Destinations(e.to_string()))?,
+                };
+                let d4 = match (&movers.g4_to_g2, need4) {
+                    (_, 0) => Vec::new(),
+                    (None, _) => return Err(SessionError::NoMover(TierId::G4)),
+                    (Some(m), n) => m
+                        .destination()
+                        .allocate_blocks(n)
+                        .map_err(|e| SessionError::Destinations(e.to_string()))?,
+                };
+                Ok((d3, d4))
+            })()
+        };
+        let (d3, d4) = match prepared {
+            Ok(d) => d,
+            Err(e) => return Err(self.give_up(Phase::Holding, e)),
+        };
+        let matched = self
+            .shared
+            .state
+            .lock()
+            .matched
+            .take()
+            .expect("held while Staging");
+
+        // The task owns the sources (matched) and destinations until every block settled.
+        let shared = self.shared.clone();
+        let task = tokio::spawn(async move {
+            let (g2, g3, g4) = (
+                matched.g2().blocks().to_vec(),
+                matched.g3().blocks(),
+                matched.g4().blocks(),
+            );
+            let mut out3 = match &movers.g3_to_g2 {
+                Some(m) if !g3.is_empty() => m.move_blocks(g3, d3).await,
+                _ => Vec::new(),
+            };
+            let mut out4 = match &movers.g4_to_g2 {
+                Some(m) if !g4.is_empty() => m.move_blocks(g4, d4).await,
+                _ => Vec::new(),
+            };
+            let failure = first_failure(&out3).or_else(|| first_failure(&out4));
+            let failed = out3.iter().chain(&out4).filter(|o| o.is_err()).count();
+            // Assemble the prefix in G2, in order.
+            let mut staged = Vec::with_capacity(matched.len());
+            let mut g2_rest = Vec::new();
+            if failure.is_none() {
+                let (mut it2, mut it3, mut it4) = (
+                    g2.into_iter(),
+                    std::mem::take(&mut out3).into_iter().flatten(),
+                    std::mem::take(&mut out4).into_iter().flatten(),
+                );
+                for run in matched.runs() {
+                    for _ in 0..run.len {
+                        let b = match run.tier {
+                            TierId::G2 => it2.next(),
+                            TierId::G3 => it3.next(),
+                            TierId::G4 => it4.next(),
+                            TierId::G1 => None,
+                        };
+                        staged.extend(b);
+                    }
+                }
+            } else {
+                g2_rest = g2;
+            }
+            let mut s = shared.state.lock();
+            let result = match (s.phase(), failure) {
+                (Phase::Aborting, _) => {
+                    s.phase = Some(Phase::Aborted);
+                    Err(SessionError::Aborted)
+                }
+                (_, Some((_, message))) => {
+                    let f = SessionFailure {
+                        phase: Phase::Staging,
+                        failed_blocks: failed,
+                        message,
+                    };
+                    s.failure = Some(f.clone());
+                    s.phase = Some(Phase::Failed);
+                    Err(SessionError::Failed(f))
+                }
+                (_, None) => {
+                    s.staged = staged;
+                    staged = Vec::new();
+                    s.phase = Some(Phase::Staged);
+                    Ok(())
+                }
+            };
+            let released = if result.is_err() {
+                Some(s.take_all())
+            } else {
+                None
+            };
+            drop(s);
+            // Sources (matched) and anything unused drop here, outside the lock.
+            drop((released, staged, out3, out4, g2_rest, matched));
+            shared.settled.notify_waiters();
+            result
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(SessionError::Destinations(format!(
+                "staging task ended: {e}"
+            )))
+        })
+    }
+
+    /// The staged G2 blocks, in prefix order (empty outside `Staged`).
+    pub fn staged(&self) -> Vec<ImmutableBlock<G2>> {
+        self.shared.state.lock().staged.clone()
+    }
+
+    /// Moves the staged prefix into `destinations` (`Staged` → `Onboarding` → `Complete`),
+    /// one destination per prefix block, in order. Whole blocks move (not yet layer by layer).
+    ///
+    /// # Errors
+    /// [`SessionError::WrongPhase`] outside `Staged`, [`SessionError::Destinations`] for a
+    /// count mismatch (the session stays `Staged`; the unused destinations return to their
+    /// pool as they drop); [`SessionError::Failed`] when a block failed (`Failed`, everything
+    /// released, no G1 block counted); [`SessionError::Aborted`].
+    pub async fn onboard(
+        &self,
+        mover: Arc<dyn BlockMove<G2, G1>>,
+        destinations: Vec<MutableBlock<G1>>,
+    ) -> Result<(), SessionError> {
+        self.begin(Phase::Staged, Phase::Onboarding)?;
+        let staged = {
+            let s = self.shared.state.lock();
+            if destinations.len() != s.staged.len() {
+                let e = SessionError::Destinations(format!(
+                    "{} destinations for {} staged blocks",
+                    destinations.len(),
+                    s.staged.len()
+                ));
+                drop(s);
+                return Err(self.give_up(Phase::Staged, e));
+            }
+            // The task holds its own copies of the handles for the move's duration.
+            s.staged.clone()
+        };
+        let shared = self.shared.clone();
+        let task = tokio::spawn(async move {
+            let out = mover.move_blocks(&staged, destinations).await;
+            let failure = first_failure(&out);
+            let failed = out.iter().filter(|o| o.is_err()).count();
+            let mut s = shared.state.lock();
+            let mut unused = Vec::new();
+            let result = match (s.phase(), failure) {
+                (Phase::Aborting, _) => {
+                    s.phase = Some(Phase::Aborted);
+                    unused = out;
+                    Err(SessionError::Aborted)
+                }
+                (_, Some((_, message))) => {
+                    let f = SessionFailure {
+                        phase: Phase::Onboarding,
+                        failed_blocks: failed,
+                        message,
+                    };
+                    s.failure = Some(f.clone());
+                    s.phase = Some(Phase::Failed);
+                    unused = out;
+                    Err(SessionError::Failed(f))
+                }
+                (_, None) => {
+                    s.onboarded = out.into_iter().flatten().collect();
+                    s.phase = Some(Phase::Complete);
+                    Ok(())
+                }
+            };
+            let released = if result.is_err() {
+                Some(s.take_all())
+            } else {
+                None
+            };
+            drop(s);
+            drop((released, unused, staged));
+            shared.settled.notify_waiters();
+            result
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(SessionError::Destinations(format!(
+                "onboarding task ended: {e}"
+            )))
+        })
+    }
+
+    /// Ends a `Complete` session, handing over the G1 blocks and releasing the G2 holds.
+    /// Idempotent and harmless in every phase: see [`FinishOutcome`].
+    pub fn finish(&self) -> FinishOutcome {
+        let mut s = self.shared.state.lock();
+        match s.phase() {
+            Phase::Complete => {
+                s.phase = Some(Phase::Finished);
+                let onboarded = std::mem::take(&mut s.onboarded);
+                let released = s.take_all();
+                drop(s);
+                drop(released);
+                self.shared.settled.notify_waiters();
+                FinishOutcome::Finished(onboarded)
+            }
+            Phase::Finished => FinishOutcome::AlreadyFinished,
+            Phase::Aborted | Phase::Aborting => FinishOutcome::Aborted,
+            Phase::Failed => {
+                FinishOutcome::Failed(s.failure.clone().expect("a failed session has a failure"))
+            }
+            other => FinishOutcome::NotReady(other),
+        }
+    }
+
+    /// Aborts: releases everything now, or, with an operation in flight, when it settles
+    /// (`Aborting`). Idempotent; a no-op on a terminal session. Returns the phase after the call.
+    pub fn abort(&self) -> Phase {
+        let mut s = self.shared.state.lock();
+        let phase = s.phase();
+        if phase.is_terminal() || phase == Phase::Aborting {
+            return phase;
+        }
+        if phase.in_flight() {
+            s.phase = Some(Phase::Aborting);
+            return Phase::Aborting;
+        }
+        s.phase = Some(Phase::Aborted);
+        let released = s.take_all();
+        drop(s);
+        drop(released);
+        self.shared.settled.notify_waiters();
+        Phase::Aborted
+    }
+
+    /// Waits until no operation is in flight; returns the phase then.
+    pub async fn settled(&self) -> Phase {
+        loop {
+            let notified = self.shared.settled.notified();
+            let phase = self.phase();
+            if !phase.in_flight() {
+                return phase;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for OnboardingSession {
+    fn drop(&mut self) {
+        // Releases now, or makes the in-flight task release when it settles.
+        self.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,153 @@
+//! Tests of the event path: bounded never-blocking publishing with counted drops, and two
+//! instances' block managers feeding one cross-instance index through the in-process bus.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_logical::{BlockEvent, BlockManager, EventBatchConfig, G2, Salt, TokenBlockSequence};
+
+use super::*;
+use crate::runtime::{EventSource, KvbmRuntime};
+
+fn event(i: u8) -> BlockEvent {
+    let seq = TokenBlockSequence::from_tokens(&[u32::from(i); 4], 4, Salt::NONE).unwrap();
+    BlockEvent {
+        kind: BlockEventKind::Stored,
+        tier: TierId::G2,
+        hash: seq.hashes()[0],
+    }
+}
+
+#[test]
+fn a_full_queue_drops_and_counts_never_blocks() {
+    let (publisher, mut rx) = EventPublisher::with_queue(InstanceId(7), 2);
+    for i in 0..5 {
+        publisher.publish(vec![event(i)]);
+    }
+    assert_eq!(publisher.published_batches(), 2);
+    assert_eq!(publisher.dropped_batches(), 3);
+    let first = rx.try_recv().unwrap();
+    assert_eq!(first.instance, InstanceId(7));
+    assert_eq!(&*first.events, &[event(0)]);
+    assert_eq!(&*rx.try_recv().unwrap().events, &[event(1)]);
+    assert!(rx.try_recv().is_err(), "the dropped batches are gone");
+    // Room again: publishing resumes.
+    publisher.publish(vec![event(9)]);
+    assert_eq!(publisher.published_batches(), 3);
+}
+
+fn instance_manager(
+    runtime: &crate::RuntimeHandle,
+    id: u64,
+    bus: &Arc<InProcessBus>,
+) -> (Arc<BlockManager<G2>>, Arc<EventPublisher>) {
+    let publisher = EventPublisher::spawn(runtime, InstanceId(id), bus.clone()).unwrap();
+    let manager = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(8)
+            .block_size(4)
+            .event_sink(publisher.clone())
+            .event_batching(EventBatchConfig {
+                max_batch: 256,
+                max_delay_ms: 1,
+            })
+            .build()
+            .unwrap(),
+    );
+    let source: Arc<dyn EventSource> = manager.clone();
+    runtime.register_event_source(&source);
+    (manager, publisher)
+}
+
+fn store(m: &BlockManager<G2>, seq: &TokenBlockSequence, n: usize) {
+    let complete = m
+        .allocate_blocks(n)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    drop(m.register_blocks(complete));
+}
+
+fn eventually(mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(5) {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    f()
+}
+
+#[test]
+fn two_instances_feed_one_index() {
+    let runtime = KvbmRuntime::builder()
+        .set("events.idle_tick_ms", 1)
+        .build()
+        .unwrap();
+    let handle = runtime.handle();
+    let bus = Arc::new(InProcessBus::new(256));
+    let index = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index.clone(), &handle, bus.as_ref()).unwrap();
+    let (a, _pa) = instance_manager(&handle, 1, &bus);
+    let (b, pb) = instance_manager(&handle, 2, &bus);
+
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let hashes = seq.hashes();
+    store(&a, &seq, 4);
+    store(&b, &seq, 2);
+    assert!(
+        eventually(|| index.prefix_by_instance(&hashes, None)
+            == vec![(InstanceId(1), 4), (InstanceId(2), 2)]),
+        "{:?}",
+        index.prefix_by_instance(&hashes, None)
+    );
+    assert_eq!(
+        index.prefix_by_instance(&hashes, Some(InstanceId(1))),
+        vec![(InstanceId(2), 2)]
+    );
+    assert_eq!(
+        index.locations(hashes[0]),
+        vec![(InstanceId(1), TierId::G2), (InstanceId(2), TierId::G2)]
+    );
+
+    // B evicts: its Removed events take it out of the index.
+    assert_eq!(b.reset_inactive_pool(), 2);
+    assert!(
+        eventually(|| index.prefix_by_instance(&hashes, None) == vec![(InstanceId(1), 4)]),
+        "{:?}",
+        index.prefix_by_instance(&hashes, None)
+    );
+    assert_eq!(pb.dropped_batches(), 0);
+    runtime.shutdown();
+}
+
+#[test]
+fn a_leader_built_from_the_runtime_publishes_its_tiers_events() {
+    let runtime = KvbmRuntime::builder()
+        .set("events.idle_tick_ms", 1)
+        .set("logical.block_size", 4)
+        .set("logical.events.max_delay_ms", 1)
+        .set("tiers.g2_blocks", 8)
+        .build()
+        .unwrap();
+    let handle = runtime.handle();
+    let bus = Arc::new(InProcessBus::new(64));
+    let index = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index.clone(), &handle, bus.as_ref()).unwrap();
+    let publisher = EventPublisher::spawn(&handle, InstanceId(3), bus.clone()).unwrap();
+    let leader = crate::InstanceLeader::from_runtime_with_sink(&handle, Some(publisher)).unwrap();
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..12).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    store(leader.g2().unwrap(), &seq, 3);
+    // Nothing else touches the tier: only the runtime's timer can flush the partial batch.
+    assert!(
+        eventually(|| index.prefix_by_instance(&seq.hashes(), None) == vec![(InstanceId(3), 3)]),
+        "{:?}",
+        index.prefix_by_instance(&seq.hashes(), None)
+    );
+    runtime.shutdown();
+}

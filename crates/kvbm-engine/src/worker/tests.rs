@@ -1,0 +1,116 @@
+//! Unit tests of the SPMD workers on host memory: every rank moves, results merge per block,
+//! one rank's failure fails the block for all and returns the destination after all settled.
+
+use std::sync::Arc;
+
+use kvbm_logical::{BlockManager, G1, G2, Salt, TokenBlockSequence};
+use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy, TransferManager};
+
+use super::*;
+
+fn geometry(n: usize) -> BlockLayout {
+    BlockLayout::builder()
+        .num_blocks(n)
+        .num_layers(2)
+        .outer_dim(2)
+        .page_size(16)
+        .inner_dim(16)
+        .dtype_bytes(2)
+        .kind(LayoutKind::FullyContiguous)
+        .build()
+        .unwrap()
+}
+
+fn host(tm: &TransferManager, n: usize) -> kvbm_physical::LayoutHandle {
+    tm.register_layout(PhysicalLayout::allocate_host(geometry(n), PinPolicy::Unpinned).unwrap())
+        .unwrap()
+}
+
+fn worker(rank: usize, with_g1: bool) -> PhysicalWorker {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g2 = host(&tm, 4);
+    let mut w = PhysicalWorker::new(rank, tm.clone()).with_layout(TierId::G2, g2);
+    if with_g1 {
+        w = w.with_layout(TierId::G1, host(&tm, 4));
+    }
+    w
+}
+
+#[test]
+fn ranks_must_be_in_order() {
+    assert!(SpmdParallelWorkers::new(vec![]).is_err());
+    let err = SpmdParallelWorkers::new(vec![worker(1, true)]).unwrap_err();
+    assert_eq!(err.config_key(), Some("workers"));
+    assert_eq!(
+        SpmdParallelWorkers::new(vec![worker(0, true), worker(1, true)])
+            .unwrap()
+            .world_size(),
+        2
+    );
+}
+
+/// A G2 manager with two registered (held) blocks, and an empty G1 manager.
+type Fixture = (
+    Arc<BlockManager<G2>>,
+    Arc<BlockManager<G1>>,
+    Vec<ImmutableBlock<G2>>,
+);
+
+fn blocks() -> Fixture {
+    let g2 = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(4)
+            .block_size(4)
+            .build()
+            .unwrap(),
+    );
+    let g1 = Arc::new(
+        BlockManager::<G1>::builder()
+            .block_count(4)
+            .block_size(4)
+            .build()
+            .unwrap(),
+    );
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let complete = g2
+        .allocate_blocks(2)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    let held = g2.register_blocks(complete);
+    (g2, g1, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rank_moves_and_blocks_register_once() {
+    let (_g2, g1, held) = blocks();
+    let workers: Arc<dyn ParallelWorkers> =
+        Arc::new(SpmdParallelWorkers::new(vec![worker(0, true), worker(1, true)]).unwrap());
+    let mover = SpmdMover::<G2, G1>::new(workers, g1.clone());
+    let out = mover.move_from(&held, g1.allocate_blocks(2).unwrap()).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let hashes: Vec<_> = held.iter().map(|b| b.sequence_hash()).collect();
+    assert_eq!(g1.match_blocks(&hashes).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failing_rank_fails_the_block_and_returns_the_destination() {
+    let (_g2, g1, held) = blocks();
+    // Rank 1 has no G1 layout: every block fails there, though rank 0 moves it.
+    let workers: Arc<dyn ParallelWorkers> =
+        Arc::new(SpmdParallelWorkers::new(vec![worker(0, true), worker(1, false)]).unwrap());
+    let mover = SpmdMover::<G2, G1>::new(workers, g1.clone());
+    let out = mover.move_from(&held, g1.allocate_blocks(2).unwrap()).await;
+    assert_eq!(out.len(), 2);
+    for o in &out {
+        let m = o.as_ref().unwrap_err();
+        assert!(m.starts_with("rank 1:"), "{m}");
+    }
+    drop(out);
+    assert_eq!(g1.available_blocks(), 4, "destinations went back");
+    let hashes: Vec<_> = held.iter().map(|b| b.sequence_hash()).collect();
+    assert!(g1.match_blocks(&hashes).is_empty(), "nothing registered");
+}
