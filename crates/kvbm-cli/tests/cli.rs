@@ -576,6 +576,10 @@ fn metrics_endpoint_serves_prometheus_text() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
+    // The child is killed below, so it never removes a temporary G3 directory of its own: give
+    // it one that this test owns.
+    let dir = scratch();
+    let g3 = dir.path().join("g3");
     // Stretched in time so the endpoint is up while we scrape.
     let mut child = kvbm()
         .args([
@@ -586,6 +590,8 @@ fn metrics_endpoint_serves_prometheus_text() {
             "1.0",
             "--metrics-addr",
             &addr,
+            "--g3-dir",
+            g3.to_str().unwrap(),
             "--json",
         ])
         .stdout(std::process::Stdio::null())
