@@ -195,7 +195,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             if instances.is_some_and(|n| n > 1) || nats_url.is_some() {
                 anyhow::bail!(
-                    "--instances and --nats-url need the kvbm-engine runtime (leader/workers, NATS events), which has not landed yet; run a single instance"
+                    "--instances and --nats-url need the kvbm-engine runtime (leader/workers, NATS events), whose cross-process transport (NATS control, TCP data plane) is not built yet; run a single instance"
                 );
             }
             let loaded = flags.load()?;
