@@ -13,46 +13,15 @@ use kvbm_logical::{
 };
 use kvbm_offload::{BlockMover, ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor};
 use kvbm_physical::{
-    BlockLayout, LayoutHandle, LayoutKind, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy,
-    S3Config, TransferManager,
+    LayoutHandle, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
 };
 
-const N: usize = 8;
+mod common;
 
-fn geometry() -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(N)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(32)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
-}
+use common::{bytes, fill, manager};
 
-fn fill(layout: &PhysicalLayout, seed: u8) {
-    let c = *layout.layout().config();
-    for b in 0..c.num_blocks {
-        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-            // SAFETY: host memory the test allocated; no transfer runs yet.
-            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            for (k, x) in s.iter_mut().enumerate() {
-                *x = (k as u8).wrapping_mul(7) ^ (b as u8).wrapping_mul(57) ^ seed;
-            }
-        }
-    }
-}
-
-fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let c = *layout.layout().config();
-    let mut out = Vec::new();
-    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-        // SAFETY: as in `fill`; no transfer targets the block while it is read.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-    }
-    out
+fn geometry() -> kvbm_physical::BlockLayout {
+    common::geometry_with(32)
 }
 
 fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
@@ -75,17 +44,6 @@ fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
     Some(Arc::new(
         ObjectStorage::s3(&cfg, config).expect("s3 client"),
     ))
-}
-
-fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
-    Arc::new(
-        BlockManager::<T>::builder()
-            .block_count(N)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    )
 }
 
 /// Registers `hashes` in `m` without moving bytes (G4 presence is bookkeeping of what the

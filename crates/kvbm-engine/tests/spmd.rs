@@ -8,61 +8,12 @@ use std::sync::Arc;
 
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
 use kvbm_engine::worker::{ParallelWorkers, PhysicalWorker, SpmdMover, SpmdParallelWorkers};
-use kvbm_logical::{
-    BlockManager, BlockRegistry, G1, G2, G3, Salt, Tier, TierId, TokenBlockSequence,
-};
-use kvbm_physical::{
-    BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
-};
+use kvbm_logical::{BlockRegistry, G1, G2, G3, Salt, TierId, TokenBlockSequence};
+use kvbm_physical::{DiskConfig, PhysicalLayout, PinPolicy, TransferManager};
 
-const N: usize = 8;
+mod common;
 
-fn geometry() -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(N)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(64)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
-}
-
-fn fill(layout: &PhysicalLayout, seed: u8) {
-    let c = *layout.layout().config();
-    for b in 0..c.num_blocks {
-        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-            // SAFETY: host memory the test allocated; no transfer runs yet.
-            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            for (k, x) in s.iter_mut().enumerate() {
-                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
-            }
-        }
-    }
-}
-
-fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let c = *layout.layout().config();
-    let mut out = Vec::new();
-    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-        // SAFETY: as in `fill`; no transfer targets the block while it is read.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-    }
-    out
-}
-
-fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
-    Arc::new(
-        BlockManager::<T>::builder()
-            .block_count(N)
-            .block_size(4)
-            .registry(registry.clone())
-            .build()
-            .unwrap(),
-    )
-}
+use common::{N, bytes, fill, geometry, manager};
 
 /// Rank `rank`: G2 host memory filled with a per-rank pattern, G3 an O_DIRECT file, G1 empty
 /// host memory.

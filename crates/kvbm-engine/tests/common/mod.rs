@@ -1,0 +1,70 @@
+//! Set-up shared by the engine's integration tests: one small block geometry, a per-block byte
+//! pattern to fill host layouts with, reading a block's bytes back, and block managers of `N`
+//! blocks on a shared registry. Each test reads expected bytes back from the layouts it filled,
+//! so the pattern itself is arbitrary.
+
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::sync::Arc;
+
+use kvbm_logical::{BlockManager, BlockRegistry, Tier};
+use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout};
+
+/// Blocks per layout and per block manager.
+pub const N: usize = 8;
+
+/// `N` blocks of 2 layers × 2 × 16 × `inner_dim` × 2 bytes, fully contiguous.
+pub fn geometry_with(inner_dim: usize) -> BlockLayout {
+    BlockLayout::builder()
+        .num_blocks(N)
+        .num_layers(2)
+        .outer_dim(2)
+        .page_size(16)
+        .inner_dim(inner_dim)
+        .dtype_bytes(2)
+        .kind(LayoutKind::FullyContiguous)
+        .build()
+        .unwrap()
+}
+
+/// [`geometry_with`] an inner dimension of 64.
+pub fn geometry() -> BlockLayout {
+    geometry_with(64)
+}
+
+/// Fills every block of a host `layout` with a pattern of its block index and `seed`.
+pub fn fill(layout: &PhysicalLayout, seed: u8) {
+    let c = *layout.layout().config();
+    for b in 0..c.num_blocks {
+        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+            // SAFETY: host memory the test allocated; no transfer runs yet.
+            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            for (k, x) in s.iter_mut().enumerate() {
+                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
+            }
+        }
+    }
+}
+
+/// The bytes of block `b` of a host `layout`, in layer order.
+pub fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
+    let c = *layout.layout().config();
+    let mut out = Vec::new();
+    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+        // SAFETY: as in `fill`; no transfer targets the block while it is read.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    out
+}
+
+/// A block manager of `N` blocks of 4 tokens on `registry`.
+pub fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
+    Arc::new(
+        BlockManager::<T>::builder()
+            .block_count(N)
+            .block_size(4)
+            .registry(registry.clone())
+            .build()
+            .unwrap(),
+    )
+}
