@@ -334,6 +334,50 @@ fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn Offloa
 }
 
 /// Whether a failed onboarding read was the tier rejecting the block (checksum, header, missing).
+/// Checks one G3→G2 read into `dst` (the outcome `r` of block `h`): the disk tier verified its
+/// header, and the bytes must also match the checksum recorded when the block was written (a
+/// valid slot holding another block, or no record of this one, fails). Counts a rejection as a
+/// checksum failure and any other error as a failed transfer; a block that fails is poisoned in
+/// G3 and its record dropped, so it is never read again. Whether the block may be served.
+fn check_g3_read(
+    g2: &HostTier<G2>,
+    g3: &mut G3Tier,
+    counters: &Counters,
+    dst: &MutableBlock<G2>,
+    h: SequenceHash,
+    r: Result<(), PhysicalError>,
+) -> bool {
+    let good = match r {
+        Ok(()) => {
+            // SAFETY: the transfer into this freshly allocated slot has completed.
+            let bytes = unsafe { g2.slot(dst.block_id()) };
+            let actual = xxhash_rust::xxh3::xxh3_128(bytes);
+            let expected = g3.checksums.lock().get(&h.as_u128()).copied();
+            if expected == Some(actual) {
+                true
+            } else {
+                counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+        Err(e) if is_rejection(&e) => {
+            tracing::warn!(error = %e, "G3 rejected a block on read");
+            counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "G3→G2 transfer failed");
+            counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+    };
+    if !good {
+        g3.poisoned.insert(h);
+        g3.checksums.lock().remove(&h.as_u128());
+    }
+    good
+}
+
 fn is_rejection(e: &PhysicalError) -> bool {
     matches!(
         e,
@@ -1078,43 +1122,11 @@ impl Tiers {
             for ((blk, mblk), (_, r)) in p.src.iter().zip(p.dst).zip(outcome.blocks) {
                 let h = blk.sequence_hash();
                 self.prefetching.remove(&h);
-                let good = match r {
-                    Ok(()) => {
-                        ok += 1;
-                        // SAFETY: the transfer into this freshly allocated slot has completed.
-                        let bytes = unsafe { g2.slot(mblk.block_id()) };
-                        let actual = xxhash_rust::xxh3::xxh3_128(bytes);
-                        if g3.checksums.lock().get(&h.as_u128()).copied() == Some(actual) {
-                            true
-                        } else {
-                            self.counters
-                                .checksum_failures
-                                .fetch_add(1, Ordering::Relaxed);
-                            false
-                        }
-                    }
-                    Err(e) if is_rejection(&e) => {
-                        tracing::warn!(error = %e, "G3 rejected a block on read");
-                        self.counters
-                            .checksum_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        false
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "G3→G2 transfer failed");
-                        self.counters
-                            .failed_transfers
-                            .fetch_add(1, Ordering::Relaxed);
-                        false
-                    }
-                };
-                if good {
-                    if let Ok(c) = mblk.complete(h) {
-                        complete.push(c);
-                    }
-                } else {
-                    g3.poisoned.insert(h);
-                    g3.checksums.lock().remove(&h.as_u128());
+                ok += usize::from(r.is_ok());
+                if check_g3_read(g2, g3, &self.counters, &mblk, h, r)
+                    && let Ok(c) = mblk.complete(h)
+                {
+                    complete.push(c);
                 }
             }
             self.counters
@@ -1181,46 +1193,13 @@ impl Tiers {
         let mut positions = Vec::with_capacity(hits.len());
         for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
             let h = blk.sequence_hash();
-            let good = match r {
-                Ok(()) => {
-                    ok += 1;
-                    // SAFETY: the transfer into this freshly allocated slot has completed.
-                    let bytes = unsafe { g2.slot(mblk.block_id()) };
-                    let actual = xxhash_rust::xxh3::xxh3_128(bytes);
-                    let expected = g3.checksums.lock().get(&h.as_u128()).copied();
-                    if expected == Some(actual) {
-                        true
-                    } else {
-                        // A valid slot holding another block, or no record of this one.
-                        self.counters
-                            .checksum_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        false
-                    }
-                }
-                Err(e) if is_rejection(&e) => {
-                    tracing::warn!(error = %e, "G3 rejected a block on read");
-                    self.counters
-                        .checksum_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                    false
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "G3→G2 transfer failed");
-                    self.counters
-                        .failed_transfers
-                        .fetch_add(1, Ordering::Relaxed);
-                    false
-                }
-            };
-            if good {
+            ok += usize::from(r.is_ok());
+            if check_g3_read(g2, g3, &self.counters, &mblk, h, r) {
                 if let Ok(c) = mblk.complete(h) {
                     complete.push(c);
                     positions.push(*pos);
                 }
             } else {
-                g3.poisoned.insert(h);
-                g3.checksums.lock().remove(&h.as_u128());
                 *fail_at = (*fail_at).min(*pos);
             }
         }
