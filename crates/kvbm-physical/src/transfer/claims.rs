@@ -38,14 +38,20 @@ static RESERVED: Mutex<Vec<(Space, usize, usize, u64)>> = Mutex::new(Vec::new())
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
 /// The memory of one registered layout, reserved until dropped.
+///
+/// It keeps the layout alive: its `Drop` removes the table entry before the layout (and so the
+/// memory) can be freed. Were the memory freed first, the allocator could hand the same
+/// addresses to a new layout in another thread, whose registration would then clash with this
+/// stale entry.
 #[derive(Debug)]
 pub(crate) struct Reservation {
     owner: u64,
+    _layout: Arc<PhysicalLayout>,
 }
 
 impl Reservation {
     /// Reserves `layout`'s memory, or says which registered layout's memory it overlaps.
-    pub(crate) fn reserve(layout: &PhysicalLayout) -> Result<Self> {
+    pub(crate) fn reserve(layout: &Arc<PhysicalLayout>) -> Result<Self> {
         let ranges: Vec<(Space, usize, usize)> = match layout.backing() {
             Backing::Host(a) => a
                 .iter()
@@ -89,7 +95,10 @@ impl Reservation {
             }
         }
         table.extend(ranges.into_iter().map(|(s, a, b)| (s, a, b, owner)));
-        Ok(Reservation { owner })
+        Ok(Reservation {
+            owner,
+            _layout: Arc::clone(layout),
+        })
     }
 }
 

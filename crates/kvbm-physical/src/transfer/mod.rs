@@ -310,11 +310,12 @@ impl TransferManager {
     /// [`PhysicalError::AliasedLayout`] when its memory (or disk storage) overlaps a layout
     /// still registered with any manager of this process.
     pub fn register_layout(&self, layout: PhysicalLayout) -> Result<LayoutHandle, PhysicalError> {
+        let layout = Arc::new(layout);
         let reservation = Reservation::reserve(&layout)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.layouts
             .write()
-            .insert(id, (Arc::new(layout), Arc::new(reservation)));
+            .insert(id, (layout, Arc::new(reservation)));
         Ok(LayoutHandle(id))
     }
 
