@@ -13,7 +13,7 @@
 //!   with BLAKE3 (the cryptographic identity for shared tiers); reported per block.
 //!
 //! Besides Dynamo's four backends, the rows cover `arc`, `s3fifo` and the default policy
-//! `tinylfu_lru` (`tinylfu-lru`).
+//! `tinylfu_lru` (`tinylfu-lru`), and `orphan_tinylfu_lru` (the same behind orphan-first).
 //!
 //! Run: `cargo bench -p kvbm-logical` (or `cargo xtask bench logical`).
 
@@ -40,6 +40,10 @@ const BACKENDS: &[(&str, EvictionPolicy)] = &[
     ("arc", EvictionPolicy::plain(EvictionBackend::Arc)),
     ("s3fifo", EvictionPolicy::plain(EvictionBackend::S3Fifo)),
     ("tinylfu_lru", EvictionPolicy::tinylfu(EvictionBackend::Lru)),
+    (
+        "orphan_tinylfu_lru",
+        EvictionPolicy::tinylfu(EvictionBackend::Lru).orphan_first(),
+    ),
 ];
 
 fn hashes(n: usize) -> Vec<SequenceHash> {

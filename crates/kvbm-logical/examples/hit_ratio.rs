@@ -2,34 +2,24 @@
 //! prefix-block ids of each request) as prefix lookups against one [`BlockManager`] of N
 //! blocks per policy, and prints the block hit ratio per policy and capacity.
 //!
-//! Per request: the hit is the longest prefix of its blocks present (`match_blocks`, which
-//! revives them); the missing blocks are allocated (protecting the request's own blocks, as a
-//! store call does) and registered; then every block is released, last block first. The
-//! `belady` row is fed each block's next use from the trace (`hint_next_use`), so the table
-//! carries its own offline bound; `infinite` is the hit ratio with unbounded capacity.
+//! The replay itself is [`kvbm_logical::sim::simulate`] (the same code `kvbm replay
+//! --sweep-g2` runs): per request, the hit is the longest cached prefix; the missing blocks are
+//! allocated (protecting the request's own blocks) and registered; then every block is
+//! released, last block first. The `belady` row is fed each block's next use from the trace, so
+//! the table carries its own offline bound; `infinite` is the hit ratio with unbounded capacity.
 //!
 //! ```text
 //! cargo run --release -p kvbm-logical --example hit_ratio -- \
 //!     --trace ../shared/traces/mooncake_conversation_trace.jsonl \
 //!     --capacity 1024,4096,16384 [--policy lru,arc,...]
 //! ```
+//!
+//! [`BlockManager`]: kvbm_logical::BlockManager
 
-use std::collections::HashMap;
+use kvbm_logical::sim::{PrefixTrace, simulate};
+use kvbm_logical::{EvictionPolicy, Salt, SequenceHash};
 
-use kvbm_logical::{
-    BlockManager, DuplicationPolicy, EvictionBackend, EvictionPolicy, G2, ImmutableBlock, Salt,
-    SequenceHash,
-};
-
-struct Trace {
-    requests: Vec<Vec<SequenceHash>>,
-    /// For each request and block: the index of the next request using that block.
-    next_use: Vec<Vec<u64>>,
-    unique: usize,
-    blocks: usize,
-}
-
-fn load(path: &str) -> Trace {
+fn load(path: &str) -> PrefixTrace {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let mut requests = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -56,67 +46,7 @@ fn load(path: &str) -> Trace {
         }
         requests.push(hashes);
     }
-    let mut next_use = vec![Vec::new(); requests.len()];
-    let mut last: HashMap<SequenceHash, u64> = HashMap::new();
-    for (i, r) in requests.iter().enumerate().rev() {
-        next_use[i] = r
-            .iter()
-            .map(|h| last.get(h).copied().unwrap_or(u64::MAX))
-            .collect();
-        for h in r {
-            last.insert(*h, i as u64);
-        }
-    }
-    let blocks = requests.iter().map(Vec::len).sum();
-    Trace {
-        unique: last.len(),
-        requests,
-        next_use,
-        blocks,
-    }
-}
-
-/// Replays `trace` against a manager of `capacity` blocks; returns the block hit ratio.
-fn replay(trace: &Trace, capacity: usize, policy: EvictionPolicy) -> f64 {
-    let m = BlockManager::<G2>::builder()
-        .block_count(capacity)
-        .block_size(1)
-        .policy(policy)
-        .duplication_policy(DuplicationPolicy::Reject)
-        .build()
-        .expect("manager");
-    let belady = policy.backend == EvictionBackend::Belady;
-    let mut hits = 0usize;
-    let mut hints = Vec::new();
-    for (i, hashes) in trace.requests.iter().enumerate() {
-        let mut held: Vec<ImmutableBlock<G2>> = m.match_blocks(hashes);
-        hits += held.len();
-        let missing = &hashes[held.len()..];
-        if !missing.is_empty()
-            && let Ok(alloc) = m.allocate_blocks_with(missing.len(), hashes.as_slice())
-        {
-            let complete = alloc
-                .blocks
-                .into_iter()
-                .zip(missing)
-                .map(|(b, h)| b.complete(*h).expect("block size 1"))
-                .collect();
-            held.extend(m.register_blocks(complete));
-        }
-        if belady {
-            hints.clear();
-            hints.extend(
-                hashes
-                    .iter()
-                    .copied()
-                    .zip(trace.next_use[i].iter().copied()),
-            );
-            m.hint_next_use(&hints);
-        }
-        // release the last block first, so recency orders fall back to the tail
-        while held.pop().is_some() {}
-    }
-    hits as f64 / trace.blocks as f64
+    PrefixTrace::new(requests)
 }
 
 fn main() {
@@ -165,9 +95,9 @@ fn main() {
         let trace = load(path);
         println!(
             "\n{path}: {} requests, {} blocks, {} unique\n",
-            trace.requests.len(),
-            trace.blocks,
-            trace.unique
+            trace.requests().len(),
+            trace.blocks(),
+            trace.unique_blocks()
         );
         print!("| policy |");
         for c in &capacities {
@@ -182,15 +112,14 @@ fn main() {
         for &p in &policies {
             print!("| {p} |");
             for &c in &capacities {
-                let r = replay(&trace, c, p);
+                let r = simulate(&trace, c, p).expect("capacity").hit_ratio();
                 print!(" {:.1}% |", 100.0 * r);
             }
             println!();
         }
-        let infinite = 1.0 - trace.unique as f64 / trace.blocks as f64;
         print!("| infinite |");
         for _ in &capacities {
-            print!(" {:.1}% |", 100.0 * infinite);
+            print!(" {:.1}% |", 100.0 * trace.infinite_hit_ratio());
         }
         println!();
     }

@@ -9,6 +9,7 @@ pub mod hash;
 mod manager;
 pub mod metrics;
 pub mod registry;
+pub mod sim;
 mod store;
 mod sync;
 mod tier;

@@ -43,6 +43,7 @@
 //! | `s3fifo` | [`s3fifo`] | small/main FIFO queues with a ghost queue |
 //! | `belady` | [`belady`] | farthest next use, from caller hints (offline reference) |
 //! | `tinylfu-<base>` | [`tinylfu`] | admission filter over any base: first sightings are evicted first |
+//! | `orphan-<policy>` | [`orphan`] | prefix awareness over any policy: blocks whose parent left go first |
 
 use std::fmt;
 use std::str::FromStr;
@@ -60,6 +61,7 @@ pub mod lineage;
 pub(crate) mod list;
 pub mod lru;
 pub mod multi_lru;
+pub mod orphan;
 pub mod s3fifo;
 pub mod tinylfu;
 
@@ -69,6 +71,7 @@ pub use fifo::Fifo;
 pub use lineage::Lineage;
 pub use lru::Lru;
 pub use multi_lru::MultiLru;
+pub use orphan::OrphanFirst;
 pub use s3fifo::S3Fifo;
 pub use tinylfu::TinyLfu;
 
@@ -241,8 +244,22 @@ pub enum Admission {
     TinyLfu,
 }
 
-/// A named policy: a backend plus an admission filter, written `lru`, `s3fifo`,
-/// `tinylfu-lru`, `tinylfu-lineage`, ... (serde and `FromStr`/`Display` use this name).
+/// Prefix awareness in front of the admission filter and the backend.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixAwareness {
+    /// The policy's own order only.
+    #[default]
+    None,
+    /// [`OrphanFirst`]: a block whose parent left the tier (it can no longer be reached by a
+    /// prefix match) is evicted before anything the policy would choose.
+    #[serde(rename = "orphan")]
+    OrphanFirst,
+}
+
+/// A named policy: a backend plus an admission filter and prefix awareness, written `lru`,
+/// `s3fifo`, `tinylfu-lru`, `orphan-tinylfu-lineage`, ... (serde and `FromStr`/`Display` use
+/// this name).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct EvictionPolicy {
@@ -250,6 +267,8 @@ pub struct EvictionPolicy {
     pub backend: EvictionBackend,
     /// The admission filter.
     pub admission: Admission,
+    /// Prefix awareness over both (`orphan-` in the name).
+    pub prefix: PrefixAwareness,
 }
 
 impl EvictionPolicy {
@@ -258,6 +277,7 @@ impl EvictionPolicy {
         Self {
             backend,
             admission: Admission::None,
+            prefix: PrefixAwareness::None,
         }
     }
 
@@ -266,14 +286,25 @@ impl EvictionPolicy {
         Self {
             backend,
             admission: Admission::TinyLfu,
+            prefix: PrefixAwareness::None,
         }
     }
 
-    /// Every named policy: each backend, plain and behind TinyLFU.
+    /// This policy behind [`OrphanFirst`] (`orphan-` + its name).
+    pub const fn orphan_first(self) -> Self {
+        Self {
+            prefix: PrefixAwareness::OrphanFirst,
+            ..self
+        }
+    }
+
+    /// Every named policy: each backend, plain and behind TinyLFU, each with and without
+    /// orphan-first.
     pub fn all() -> Vec<EvictionPolicy> {
         EvictionBackend::ALL
             .into_iter()
             .flat_map(|b| [Self::plain(b), Self::tinylfu(b)])
+            .flat_map(|p| [p, p.orphan_first()])
             .collect()
     }
 }
@@ -288,6 +319,9 @@ impl Default for EvictionPolicy {
 
 impl fmt::Display for EvictionPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.prefix == PrefixAwareness::OrphanFirst {
+            f.write_str("orphan-")?;
+        }
         match self.admission {
             Admission::None => write!(f, "{}", self.backend),
             Admission::TinyLfu => write!(f, "tinylfu-{}", self.backend),
@@ -298,6 +332,9 @@ impl fmt::Display for EvictionPolicy {
 impl FromStr for EvictionPolicy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(rest) = s.strip_prefix("orphan-") {
+            return Ok(rest.parse::<Self>()?.orphan_first());
+        }
         match s.strip_prefix("tinylfu-") {
             Some(base) => Ok(Self::tinylfu(base.parse()?)),
             None => Ok(Self::plain(s.parse()?)),
@@ -345,11 +382,23 @@ pub enum AnyEviction {
     TinyLfuLru(TinyLfu<Lru>),
     /// [`TinyLfu`] over another policy.
     TinyLfu(Box<TinyLfu<AnyEviction>>),
+    /// [`OrphanFirst`] over another policy.
+    Orphan(Box<OrphanFirst<AnyEviction>>),
 }
 
 impl AnyEviction {
     /// Builds `policy` for slots `0..capacity`.
     pub fn new(policy: EvictionPolicy, capacity: usize) -> Self {
+        if policy.prefix == PrefixAwareness::OrphanFirst {
+            let inner = EvictionPolicy {
+                prefix: PrefixAwareness::None,
+                ..policy
+            };
+            return AnyEviction::Orphan(Box::new(OrphanFirst::new(
+                AnyEviction::new(inner, capacity),
+                capacity,
+            )));
+        }
         if policy == EvictionPolicy::tinylfu(EvictionBackend::Lru) {
             return AnyEviction::TinyLfuLru(TinyLfu::new(Lru::new(capacity), capacity));
         }
@@ -381,6 +430,7 @@ macro_rules! dispatch {
             AnyEviction::Belady($p) => $e,
             AnyEviction::TinyLfuLru($p) => $e,
             AnyEviction::TinyLfu($p) => $e,
+            AnyEviction::Orphan($p) => $e,
         }
     };
 }

@@ -693,3 +693,202 @@ fn restore_undoes_victims_and_protected_slots_are_never_chosen() {
         }
     }
 }
+
+// ---- Orphan-first ---------------------------------------------------------------------------
+
+/// A random forest of chained hashes: `(hash, parent index)` per node.
+fn forest(rng: &mut StdRng, n: usize) -> Vec<(SequenceHash, Option<usize>)> {
+    let mut v: Vec<(SequenceHash, Option<usize>)> = Vec::with_capacity(n);
+    for i in 0..n {
+        let parent = (i > 0 && rng.random_bool(0.8)).then(|| rng.random_range(0..i));
+        let tok = [i as u32];
+        let hash = match parent {
+            None => SequenceHash::root(Salt::NONE, &tok),
+            Some(p) => v[p].0.child(&tok),
+        };
+        v.push((hash, parent));
+    }
+    v
+}
+
+/// Reference for orphan-first over LRU: linear scans over plain vectors.
+struct RefOrphanLru {
+    /// node of each slot, if registered
+    node: Vec<Option<usize>>,
+    /// parent slot of each registered slot, with the time it was linked
+    parent: Vec<Option<(u32, u64)>>,
+    orphan: Vec<bool>,
+    evictable: Vec<bool>,
+    lru: VecDeque<u32>,
+    orphans: VecDeque<u32>,
+    clock: u64,
+    tree: Vec<(SequenceHash, Option<usize>)>,
+}
+
+impl RefOrphanLru {
+    fn slot_of(&self, node: usize) -> Option<u32> {
+        self.node
+            .iter()
+            .position(|&n| n == Some(node))
+            .map(|s| s as u32)
+    }
+    fn cached_parent(&self, s: u32) -> Option<u32> {
+        let n = self.node[s as usize]?;
+        self.tree[n].1.and_then(|p| self.slot_of(p))
+    }
+    fn register(&mut self, s: u32, node: usize) {
+        self.node[s as usize] = Some(node);
+        self.clock += 1;
+        self.parent[s as usize] = self.cached_parent(s).map(|p| (p, self.clock));
+        self.orphan[s as usize] = false;
+    }
+    fn release(&mut self, s: u32) {
+        self.evictable[s as usize] = true;
+        self.lru.push_back(s);
+        if self.orphan[s as usize] {
+            self.orphans.push_back(s);
+        }
+    }
+    fn acquire(&mut self, s: u32) {
+        self.evictable[s as usize] = false;
+        remove_from(&mut self.lru, s);
+        if self.orphan[s as usize] {
+            remove_from(&mut self.orphans, s);
+            if let Some(p) = self.cached_parent(s) {
+                self.clock += 1;
+                self.parent[s as usize] = Some((p, self.clock));
+                self.orphan[s as usize] = false;
+            }
+        }
+    }
+    fn pop(&mut self) -> Option<u32> {
+        let s = match self.orphans.pop_front() {
+            Some(s) => {
+                remove_from(&mut self.lru, s);
+                s
+            }
+            None => self.lru.pop_front()?,
+        };
+        // its children, most recently linked first, become orphans
+        let mut kids: Vec<(u64, u32)> = (0..self.node.len() as u32)
+            .filter_map(|c| match self.parent[c as usize] {
+                Some((p, t)) if p == s && self.node[c as usize].is_some() => Some((t, c)),
+                _ => None,
+            })
+            .collect();
+        kids.sort_unstable_by(|a, b| b.cmp(a));
+        for (_, c) in kids {
+            self.parent[c as usize] = None;
+            self.orphan[c as usize] = true;
+            if self.evictable[c as usize] {
+                self.orphans.push_back(c);
+            }
+        }
+        self.node[s as usize] = None;
+        self.parent[s as usize] = None;
+        self.evictable[s as usize] = false;
+        Some(s)
+    }
+}
+
+#[test]
+fn orphan_first_eviction_order_matches_reference_model() {
+    let capacity = 12;
+    for seed in 0..60u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let tree = forest(&mut rng, 40);
+        let mut d = Driver::new(OrphanFirst::new(Lru::new(capacity), capacity), capacity);
+        let mut r = RefOrphanLru {
+            node: vec![None; capacity],
+            parent: vec![None; capacity],
+            orphan: vec![false; capacity],
+            evictable: vec![false; capacity],
+            lru: VecDeque::new(),
+            orphans: VecDeque::new(),
+            clock: 0,
+            tree: tree.clone(),
+        };
+        let mut popped_orphan = 0;
+        for step in 0..500 {
+            match rng.random_range(0..10) {
+                0..=3 => {
+                    let free = d.slots_with(SlotStatus::Unregistered);
+                    let node = rng.random_range(0..tree.len());
+                    if let Some(&s) = free.first()
+                        && r.slot_of(node).is_none()
+                    {
+                        d.register(s, tree[node].0);
+                        r.register(s, node);
+                        if rng.random_bool(0.8) {
+                            d.release(s);
+                            r.release(s);
+                        }
+                    }
+                }
+                4..=5 => {
+                    let act = d.slots_with(SlotStatus::Active);
+                    if !act.is_empty() {
+                        let s = act[rng.random_range(0..act.len())];
+                        d.release(s);
+                        r.release(s);
+                    }
+                }
+                6 => {
+                    let ev = d.slots_with(SlotStatus::Evictable);
+                    if !ev.is_empty() {
+                        let s = ev[rng.random_range(0..ev.len())];
+                        d.acquire(s);
+                        r.acquire(s);
+                    }
+                }
+                _ => {
+                    let was_orphan = !r.orphans.is_empty();
+                    let got = d.pop();
+                    assert_eq!(got, r.pop(), "seed {seed} step {step}: victim");
+                    popped_orphan += usize::from(was_orphan && got.is_some());
+                }
+            }
+            for s in 0..capacity as u32 {
+                assert_eq!(
+                    d.policy.is_orphan(s),
+                    r.node[s as usize].is_some() && r.orphan[s as usize],
+                    "seed {seed} step {step}: orphan flag of slot {s}"
+                );
+            }
+            d.check();
+        }
+        if seed == 0 {
+            assert!(popped_orphan > 0, "the model never took an orphan first");
+        }
+    }
+}
+
+#[test]
+fn orphan_first_takes_the_dead_subtree_before_live_blocks() {
+    // root -> a -> b, plus an unrelated block x; released root first (least recent)
+    let root = SequenceHash::root(Salt::NONE, &[1]);
+    let a = root.child(&[2]);
+    let b = a.child(&[3]);
+    let x = SequenceHash::root(Salt::NONE, &[9]);
+    for base in [
+        EvictionPolicy::plain(EvictionBackend::Lru),
+        EvictionPolicy::default(),
+        EvictionPolicy::plain(EvictionBackend::Arc),
+        EvictionPolicy::plain(EvictionBackend::S3Fifo),
+    ] {
+        let mut d = Driver::new(AnyEviction::new(base.orphan_first(), 4), 4);
+        for (s, hash) in [root, x, a, b].into_iter().enumerate() {
+            d.register(s as u32, hash);
+        }
+        // the root is released first: every base here takes it first
+        for s in [0, 1, 2, 3] {
+            d.release(s);
+        }
+        assert_eq!(d.pop(), Some(0), "{base}: the base's victim");
+        // without orphan-first, LRU would take x (released before a and b) next
+        assert_eq!(d.pop(), Some(2), "{base}: the orphan a goes next");
+        assert_eq!(d.pop(), Some(3), "{base}: then its orphaned child b");
+        assert_eq!(d.pop(), Some(1), "{base}");
+        d.check();
+    }
+}
