@@ -47,6 +47,17 @@ enum Command {
         /// NATS server for --instances.
         #[arg(long, value_name = "URL")]
         nats_url: Option<String>,
+        /// Sweep G2 capacities instead of one replay: hit ratio per eviction policy and capacity,
+        /// with Belady (offline optimum) and the infinite cache as bounds. Runs the logical-only
+        /// simulation (G2 only, G1 = 0, prefix hits as in the replay, no bytes moved).
+        #[arg(long, value_name = "N,N,..")]
+        sweep_g2: Option<String>,
+        /// Policies for --sweep-g2 (default: every built-in one).
+        #[arg(long, value_name = "P,P,..", requires = "sweep_g2")]
+        sweep_policies: Option<String>,
+        /// With --sweep-g2: draw hit ratio against capacity into this SVG file.
+        #[arg(long, value_name = "FILE", requires = "sweep_g2")]
+        plot: Option<PathBuf>,
     },
     /// Measure the data paths against raw baselines measured in the same run.
     Bench {
@@ -192,7 +203,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_addr,
             instances,
             nats_url,
+            sweep_g2,
+            sweep_policies,
+            plot,
         } => {
+            if let Some(caps) = sweep_g2 {
+                let caps = replay::sweep::parse_capacities(&caps)?;
+                let policies = replay::sweep::parse_policies(
+                    sweep_policies
+                        .as_deref()
+                        .unwrap_or(&replay::sweep::DEFAULT_POLICIES.join(",")),
+                )?;
+                let sweep = replay::sweep::run(&flags.load()?.config, &caps, &policies)?;
+                if let Some(p) = &plot {
+                    sweep.plot(p)?;
+                }
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&sweep)?);
+                } else {
+                    print!("{}", sweep.table());
+                }
+                return Ok(());
+            }
             if instances.is_some_and(|n| n > 1) || nats_url.is_some() {
                 anyhow::bail!(
                     "--instances and --nats-url need the kvbm-engine runtime (leader/workers, NATS events), whose cross-process transport (NATS control, TCP data plane) is not built yet; run a single instance"

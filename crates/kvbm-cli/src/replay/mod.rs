@@ -13,6 +13,7 @@
 pub mod content;
 pub mod manifest;
 pub mod report;
+pub mod sweep;
 pub mod tiers;
 pub mod workload;
 
