@@ -117,11 +117,7 @@ pub fn parse_policies(s: &str) -> anyhow::Result<Vec<EvictionPolicy>> {
             p.parse::<EvictionPolicy>()
                 .map_err(|e| anyhow::anyhow!("--sweep-policies: {e}"))
         })
-        .filter(|p| {
-            p.as_ref().map_or(true, |p| {
-                *p != EvictionPolicy::plain(EvictionBackend::Belady)
-            })
-        })
+        .filter(|p| !matches!(p, Ok(p) if *p == EvictionPolicy::plain(EvictionBackend::Belady)))
         .collect()
 }
 
@@ -260,7 +256,7 @@ impl Sweep {
             .configure_mesh()
             .x_desc("G2 capacity (blocks, log scale)")
             .y_desc("block hit ratio (%)")
-            .x_label_formatter(&|x| format!("{:.0}", x))
+            .x_label_formatter(&|x| format!("{x:.0}"))
             .y_label_formatter(&|y| format!("{y:.0}"))
             .draw()?;
         let inf = 100.0 * self.infinite_hit_ratio;
