@@ -11,10 +11,10 @@
 //! keys, so a misspelt key is an error naming it and where it came from. `kvbm config show`
 //! prints every value with the provider that set it; secrets are redacted.
 //!
-//! The replay's defaults differ from the engine's in two keys (one replay process is the only
-//! writer of its G4 namespace, so no cross-worker locks; small blocks make G2→G3 latency-bound,
-//! so several batches in flight): they are the lowest layer, named `default`, so a file or a
-//! variable still overrides them.
+//! The replay's defaults differ from the engine's in three keys (one replay process is the only
+//! writer of its G4 namespace, so no cross-worker locks; small blocks make G2→G3 per-request
+//! bound, so several batches in flight, of up to 256 blocks): they are the lowest layer, named
+//! `default`, so a file or a variable still overrides them.
 
 use std::path::{Path, PathBuf};
 
@@ -44,7 +44,10 @@ fn replay_defaults() -> Value {
         "replay": ReplayConfig::default(),
         "offload": {
             "g2_to_g4": { "use_locks": false },
-            "g2_to_g3": { "max_concurrent_transfers": 4 },
+            "g2_to_g3": {
+                "max_concurrent_transfers": 4,
+                "batch_config": { "max_batch_size": 256 },
+            },
         },
     })
 }
@@ -107,7 +110,7 @@ impl Default for ReplayConfig {
             time_scale: 0.0,
             prefetch_requests: 16,
             g3_engine: IoEngineKind::Auto,
-            g3_queue_depth: 32,
+            g3_queue_depth: 128,
             g3_direct_io: true,
             s3: S3Section::default(),
         }

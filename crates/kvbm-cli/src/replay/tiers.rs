@@ -1085,7 +1085,8 @@ impl Tiers {
             self.times.compute += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
             if let Some(p) = &self.g1_to_g2 {
                 let t = Instant::now();
-                match self.rt.block_on(p.enqueue(registered.clone(), None)) {
+                // A plain blocking enqueue: no trip through the runtime unless the queue is full.
+                match p.enqueue_blocking(registered.clone(), None) {
                     Ok(h) => self.g1_handles.push_back(h),
                     Err(e) => bail!("the G1→G2 pipeline refused blocks: {e}"),
                 }
