@@ -967,6 +967,7 @@ impl Tiers {
     pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
         self.backpressure(hashes.len());
         self.complete_prefetches(self.served_requests);
+        self.ensure_g1_room(hashes.len());
         self.served_requests += 1;
         let mut served = Served::default();
         let n = hashes.len();
@@ -1128,23 +1129,54 @@ impl Tiers {
     /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
     /// on a full host cache) while lanes still have work and either more than half of G2 is
     /// queued in them or G2 has fewer than `n` + one G1→G2 batch allocatable blocks.
+    ///
+    /// While it waits, G3 reads started ahead (which hold G2 slots until their request comes
+    /// up) are finished, so their slots become evictable: a G1→G2 batch waiting for G2 room
+    /// (see [`G1ToG2Executor`]) must not wait on this thread.
     fn backpressure(&mut self, n: usize) {
-        let Some(g2) = &self.g2 else { return };
-        let total = g2.manager.total_blocks();
-        let high = (total / 2).max(1);
+        let Some(g2) = self.g2.as_ref().map(|g| g.manager.clone()) else {
+            return;
+        };
+        let high = (g2.total_blocks() / 2).max(1);
         let reserve = n + self.g1_batch;
         let starved = |t: &Self| {
             let pending = t.lane_pending();
-            pending > 0 && (pending > high || g2.manager.available_blocks() < reserve)
+            pending > 0 && (pending > high || g2.available_blocks() < reserve)
         };
         if !starved(self) {
             return;
         }
         let t = Instant::now();
+        let nested = self.nested_time();
+        self.complete_prefetches(usize::MAX);
         while starved(self) {
             std::thread::sleep(Duration::from_micros(200));
         }
-        self.times.offload_backpressure += t.elapsed().as_secs_f64();
+        self.times.offload_backpressure +=
+            t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+    }
+
+    /// Makes sure G1 can hand out `n` blocks before the request takes any handle: waits, holding
+    /// nothing, for G1→G2 offloads (oldest first) to release G1 slots. Waiting later, while
+    /// holding the request's G2 hits, could be a cycle: the G1→G2 lane holds G1 blocks and may
+    /// be waiting for G2 room those hits take.
+    fn ensure_g1_room(&mut self, n: usize) {
+        if self.g1.manager.available_blocks() >= n {
+            return;
+        }
+        // The G1→G2 lane may be waiting for G2 room that reads started ahead hold.
+        self.complete_prefetches(usize::MAX);
+        let t = Instant::now();
+        while self.g1.manager.available_blocks() < n {
+            let Some(h) = self.g1_handles.pop_front() else {
+                break; // nothing left to wait for; allocation reports G1 too small
+            };
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            }
+        }
+        self.times.g1_backpressure += t.elapsed().as_secs_f64();
     }
 
     fn allocate_g1(&mut self, n: usize) -> anyhow::Result<Vec<MutableBlock<G1>>> {
@@ -1154,16 +1186,11 @@ impl Tiers {
         // G1 is full of blocks still being offloaded (the lanes hold them until they are
         // written below): wait for the outstanding offloads, oldest first, retrying after each
         // round. (A settlement token would not do: it covers only dispatched batches.) A G1→G2
-        // batch may itself be waiting for G2 room: when G2 is that tight, finish the reads
-        // started ahead first, so the G2 slots they hold become evictable and cannot keep it
-        // waiting (their time counts as G3→G2).
-        if self
-            .g2
-            .as_ref()
-            .is_some_and(|g2| g2.manager.available_blocks() < self.g1_batch)
-        {
-            self.complete_prefetches(usize::MAX);
-        }
+        // batch may itself be waiting for G2 room: finish the reads started ahead first, so the
+        // G2 slots they hold become evictable and cannot keep it waiting (their time counts as
+        // G3→G2). Normally [`Self::ensure_g1_room`] made room before the request took any
+        // handle, and this path is not taken.
+        self.complete_prefetches(usize::MAX);
         let t = Instant::now();
         while let Some(h) = self.g1_handles.pop_front() {
             match self.rt.block_on(h.wait()) {
