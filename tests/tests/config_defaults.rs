@@ -165,28 +165,33 @@ fn whole_file_is_the_engine_default() {
 }
 
 #[test]
-fn engine_examples_are_the_defaults() {
+fn engine_sections_are_the_defaults() {
     use kvbm_engine::config::{
         EventsConfig, LeaderConfig, MetricsConfig, RuntimeConfig, TiersConfig, TransportConfig,
     };
-    fn example<T: DeserializeOwned>(name: &str) -> T {
-        toml::Value::Table(commented_section(name))
-            .try_into()
-            .unwrap_or_else(|e| panic!("[{name}] example does not parse: {e}"))
-    }
+    let file = config_file();
     assert_eq!(
-        example::<RuntimeConfig>("runtime"),
+        section::<RuntimeConfig>(&file, &["runtime"]),
         RuntimeConfig::default()
     );
-    assert_eq!(example::<TiersConfig>("tiers"), TiersConfig::default());
-    assert_eq!(example::<LeaderConfig>("leader"), LeaderConfig::default());
-    assert_eq!(example::<EventsConfig>("events"), EventsConfig::default());
     assert_eq!(
-        example::<MetricsConfig>("metrics"),
+        section::<TiersConfig>(&file, &["tiers"]),
+        TiersConfig::default()
+    );
+    assert_eq!(
+        section::<LeaderConfig>(&file, &["leader"]),
+        LeaderConfig::default()
+    );
+    assert_eq!(
+        section::<EventsConfig>(&file, &["events"]),
+        EventsConfig::default()
+    );
+    assert_eq!(
+        section::<MetricsConfig>(&file, &["metrics"]),
         MetricsConfig::default()
     );
     assert_eq!(
-        example::<TransportConfig>("transport"),
+        section::<TransportConfig>(&file, &["transport"]),
         TransportConfig::default()
     );
 }

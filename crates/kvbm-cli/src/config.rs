@@ -1,11 +1,20 @@
-//! The command's configuration: one serde tree, merged by figment from (lowest first)
-//! the code's defaults, a `--config FILE` (TOML), `KVBM_<SECTION>__<KEY>` environment
+//! The command's configuration: kvbm-engine's one tree ([`KvbmConfig`]: every crate's section
+//! and the engine's own) plus this crate's `[replay]` section, merged by figment from (lowest
+//! first) the code's defaults, a `--config FILE` (TOML), `KVBM_<SECTION>__<KEY>` environment
 //! variables, the standard AWS credential variables, and command-line flags.
 //!
-//! Every section refuses unknown keys, so a misspelt key is an error naming it and where it
-//! came from. The sections other crates own (`logical`, `offload`) are those crates' own config
-//! structs, so `config/kvbm.toml` is a valid `--config` file. `kvbm config show` prints every
-//! value with the provider that set it; secrets are redacted.
+//! There is one source of truth: the engine's sections are `KvbmConfig`'s own structs (and
+//! through it each lower crate's), parsed and validated by `KvbmConfig`'s rules
+//! ([`KvbmConfig::validate`]); `[replay]` is the section `KvbmConfig` carries unparsed for this
+//! crate, parsed here into [`ReplayConfig`]. So `config/kvbm.toml`, which documents the whole
+//! tree, is a valid `--config` file, engine sections included. Every section refuses unknown
+//! keys, so a misspelt key is an error naming it and where it came from. `kvbm config show`
+//! prints every value with the provider that set it; secrets are redacted.
+//!
+//! The replay's defaults differ from the engine's in three keys (one replay process is the only
+//! writer of its G4 namespace, so no cross-worker locks; small blocks make G2→G3 per-request
+//! bound, so several batches in flight, of up to 256 blocks): they are the lowest layer, named
+//! `default`, so a file or a variable still overrides them.
 
 use std::path::{Path, PathBuf};
 
@@ -13,65 +22,34 @@ use anyhow::{Context, bail};
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
-use kvbm_logical::LogicalConfig;
-use kvbm_offload::{ObjectPipelineConfig, PipelineConfig};
+use kvbm_engine::KvbmConfig;
 use kvbm_physical::IoEngineKind;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-/// The whole configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+/// The whole configuration: the engine's tree and the `[replay]` section.
+#[derive(Debug, Clone, PartialEq)]
 pub struct CliConfig {
+    /// Every section but `[replay]` (`logical`, `physical`, `offload`, `runtime`, `tiers`,
+    /// `leader`, `events`, `metrics`, `transport`, `tiering`): kvbm-engine's tree. Its
+    /// `replay` field is left empty; the typed section is [`CliConfig::replay`].
+    pub engine: KvbmConfig,
     /// `kvbm replay` (and the tiers `kvbm bench` uses).
     pub replay: ReplayConfig,
-    /// Block managers of every tier (`kvbm-logical`); `eviction` is `--eviction-policy`.
-    pub logical: LogicalConfig,
-    /// The offload lanes (`kvbm-offload`).
-    pub offload: OffloadSection,
-    /// Storage and transfers (`kvbm-physical`).
-    pub physical: PhysicalSection,
 }
 
-/// The `[physical]` section: the transfer manager and the object tier's settings. The replay's
-/// G4 namespace comes from `replay.g4_namespace` (the block size is appended), which replaces
-/// `physical.object.namespace`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PhysicalSection {
-    /// The transfer manager.
-    pub transfer: kvbm_physical::TransferConfig,
-    /// The object tier (request limit, multipart, tensor-parallel rank).
-    pub object: kvbm_physical::ObjectConfig,
-}
-
-impl Default for CliConfig {
-    fn default() -> Self {
-        let mut offload = OffloadSection::default();
-        // One replay process is the only writer of its G4 namespace: no cross-worker locks
-        // (each costs a conditional create plus a verify read). A config file may turn them on.
-        offload.g2_to_g4.use_locks = false;
-        // Small blocks make a G2→G3 batch latency-bound: keep several batches in flight.
-        offload.g2_to_g3.max_concurrent_transfers = 4;
-        CliConfig {
-            replay: ReplayConfig::default(),
-            logical: LogicalConfig::default(),
-            offload,
-            physical: PhysicalSection::default(),
-        }
-    }
-}
-
-/// The `[offload]` section: one pipeline configuration per lane.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct OffloadSection {
-    /// G1→G2.
-    pub g1_to_g2: PipelineConfig,
-    /// G2→G3.
-    pub g2_to_g3: PipelineConfig,
-    /// G2→G4.
-    pub g2_to_g4: ObjectPipelineConfig,
+/// The replay's defaults that differ from the engine's (see the module docs).
+fn replay_defaults() -> Value {
+    json!({
+        "replay": ReplayConfig::default(),
+        "offload": {
+            "g2_to_g4": { "use_locks": false },
+            "g2_to_g3": {
+                "max_concurrent_transfers": 4,
+                "batch_config": { "max_batch_size": 256 },
+            },
+        },
+    })
 }
 
 /// The `[replay]` section.
@@ -132,7 +110,7 @@ impl Default for ReplayConfig {
             time_scale: 0.0,
             prefetch_requests: 16,
             g3_engine: IoEngineKind::Auto,
-            g3_queue_depth: 32,
+            g3_queue_depth: 128,
             g3_direct_io: true,
             s3: S3Section::default(),
         }
@@ -202,7 +180,7 @@ pub struct Loaded {
 /// An unreadable file, or a bad key or value anywhere (named, with its source).
 pub fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
     let mut figment =
-        Figment::new().merge(named("default", Serialized::defaults(CliConfig::default())));
+        Figment::new().merge(named("default", Serialized::defaults(replay_defaults())));
     if let Some(path) = file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
@@ -238,10 +216,17 @@ pub fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
         ));
     }
     figment = figment.merge(named("flag", Serialized::defaults(flags)));
-    let config: CliConfig = figment.extract().map_err(|e| {
+    let bad = |e: figment::Error| {
         let msgs: Vec<String> = e.into_iter().map(|e| e.to_string()).collect();
         anyhow::anyhow!("bad configuration: {}", msgs.join("; "))
-    })?;
+    };
+    let mut engine: KvbmConfig = figment.extract().map_err(bad)?;
+    let replay: ReplayConfig = figment.extract_inner("replay").map_err(bad)?;
+    engine.replay = None;
+    engine
+        .validate()
+        .map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
+    let config = CliConfig { engine, replay };
     validate(&config)?;
     Ok(Loaded { config, figment })
 }
@@ -261,13 +246,22 @@ fn validate(c: &CliConfig) -> anyhow::Result<()> {
 }
 
 fn is_secret(key: &str) -> bool {
-    key.ends_with("secret_access_key") || key.ends_with("access_key_id")
+    // [replay.s3] and the engine's [physical.s3].
+    [
+        "secret_access_key",
+        "access_key_id",
+        "secret_key",
+        "access_key",
+    ]
+    .iter()
+    .any(|k| key.ends_with(k))
 }
 
 impl Loaded {
     /// Every leaf `key = value  # source`, secrets redacted, as printed by `config show`.
     pub fn show(&self) -> anyhow::Result<String> {
-        let tree = serde_json::to_value(&self.config)?;
+        let mut tree = serde_json::to_value(&self.config.engine)?;
+        tree["replay"] = serde_json::to_value(&self.config.replay)?;
         let mut leaves = Vec::new();
         flatten("", &tree, &mut leaves);
         let width = leaves.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
@@ -349,6 +343,83 @@ mod tests {
         std::fs::write(&p, "[replay]\ng1_blockz = 3\n").unwrap();
         let e = load(Some(&p), json!({})).err().unwrap().to_string();
         assert!(e.contains("g1_blockz"), "{e}");
+    }
+
+    #[test]
+    fn engine_sections_come_from_the_engine_tree() {
+        // The project file's engine sections (uncommented) are the engine's defaults.
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/kvbm.toml");
+        let l = load(Some(&file), json!({})).unwrap();
+        assert_eq!(
+            l.config.engine.runtime,
+            kvbm_engine::config::RuntimeConfig::default()
+        );
+        assert_eq!(
+            l.config.engine.transport,
+            kvbm_engine::config::TransportConfig::default()
+        );
+        assert!(
+            l.config.engine.replay.is_none(),
+            "[replay] is typed, not carried twice"
+        );
+        // A value set in a file is read, and shown with its source.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(
+            &p,
+            "[transport]\nnats_url = \"nats://127.0.0.1:4222\"\n[tiers]\ng2_blocks = 77\n",
+        )
+        .unwrap();
+        let l = load(Some(&p), json!({})).unwrap();
+        assert_eq!(
+            l.config.engine.transport.nats_url.as_deref(),
+            Some("nats://127.0.0.1:4222")
+        );
+        assert_eq!(l.config.engine.tiers.g2_blocks, 77);
+        let shown = l.show().unwrap();
+        assert!(
+            shown.lines().any(|l| l.starts_with("tiers.g2_blocks")
+                && l.contains("= 77")
+                && l.contains("# file ")),
+            "{shown}"
+        );
+        assert!(
+            shown
+                .lines()
+                .any(|l| l.starts_with("events.subject") && l.ends_with("# default")),
+            "{shown}"
+        );
+        // The replay's own defaults for the offload lanes are the lowest layer.
+        assert!(!l.config.engine.offload.g2_to_g4.use_locks);
+        assert_eq!(l.config.engine.offload.g2_to_g3.max_concurrent_transfers, 4);
+    }
+
+    #[test]
+    fn engine_section_errors_name_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, "[events]\nsubjekt = \"x\"\n").unwrap();
+        let e = load(Some(&p), json!({})).err().unwrap().to_string();
+        assert!(e.contains("subjekt"), "{e}");
+        // The engine's own validation runs too: a value of the right type out of range.
+        std::fs::write(&p, "[runtime]\nworker_threads = 0\n").unwrap();
+        let e = load(Some(&p), json!({})).err().unwrap().to_string();
+        assert!(e.contains("runtime.worker_threads"), "{e}");
+    }
+
+    #[test]
+    fn engine_s3_secret_is_redacted() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(
+            &p,
+            "[physical.s3]\nbucket = \"b\"\naccess_key = \"AKIDEXAMPLE\"\nsecret_key = \"hunter3\"\n",
+        )
+        .unwrap();
+        let shown = load(Some(&p), json!({})).unwrap().show().unwrap();
+        assert!(!shown.contains("hunter3"), "{shown}");
+        assert!(!shown.contains("AKIDEXAMPLE"), "{shown}");
+        assert!(shown.contains("physical.s3.secret_key"), "{shown}");
     }
 
     #[test]

@@ -299,6 +299,66 @@ fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
 }
 
 #[test]
+fn g2_as_small_as_g1_drops_no_offload_and_keeps_the_exact_hit_ratio() {
+    // G2 stages every offload (a lower lane holds a G2 block until it is written below), so with
+    // G2 = G1 a G1→G2 batch often finds every G2 slot held for a moment. It must wait for room
+    // (backpressure), not drop the blocks (`offload_no_space_blocks`) and lose their hits: with
+    // G3 holding everything the hit ratio is still exactly 1 − unique/total.
+    let trace = Path::new("/work/shared/traces/mooncake_conversation_trace.jsonl");
+    let dir = scratch();
+    let local;
+    let (trace, requests) = if trace.exists() {
+        (trace, 400)
+    } else {
+        let lines: Vec<Vec<u64>> = (0..200u64)
+            .map(|i| (0..(i % 40 + 1)).map(|k| k + 1000 * (i % 25)).collect())
+            .collect();
+        let refs: Vec<&[u64]> = lines.iter().map(|l| l.as_slice()).collect();
+        local = write_trace(dir.path(), &refs);
+        (local.as_path(), 200)
+    };
+    let (total, unique) = trace_counts(trace, requests);
+    let t = trace.to_str().unwrap();
+    let n = requests.to_string();
+    for prefetch in ["16", "0"] {
+        let out = kvbm()
+            .args([
+                "replay",
+                "--trace",
+                t,
+                "--requests",
+                &n,
+                "--g1-blocks",
+                "256",
+                "--g2-blocks",
+                "256",
+                "--g3-blocks",
+                "65536",
+                "--json",
+            ])
+            .env("KVBM_REPLAY__PREFETCH_REQUESTS", prefetch)
+            .output()
+            .unwrap();
+        let r = ok_json(out);
+        assert_eq!(
+            u(&r, &["offload_no_space_blocks"]),
+            0,
+            "prefetch {prefetch}: {r}"
+        );
+        assert_eq!(u(&r, &["blocks"]), total, "{r}");
+        assert_eq!(
+            u(&r, &["hit_blocks"]),
+            total - unique,
+            "prefetch {prefetch}: every repeated block is a hit: {r}"
+        );
+        assert!((f(&r, "hit_ratio") - (1.0 - unique as f64 / total as f64)).abs() < 1e-12);
+        assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
+        assert_healthy(&r);
+        assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
+    }
+}
+
+#[test]
 fn eviction_policies_are_selectable_and_bad_names_refused() {
     for p in ["lru", "multi_lru", "lineage", "fifo"] {
         let r = ok_json(run(&[

@@ -61,7 +61,7 @@ pub const ENV_PREFIX: &str = "KVBM_";
 pub const CONFIG_PATH_ENV: &str = "KVBM_CONFIG_PATH";
 
 /// The whole configuration: every crate's section plus the engine's.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvbmConfig {
     /// Tokio runtime of the engine.
@@ -163,7 +163,7 @@ impl Default for LeaderConfig {
 }
 
 /// `[physical]`: `kvbm-physical`'s sections.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PhysicalSection {
     /// The transfer manager.
@@ -191,7 +191,7 @@ impl PartialEq for PhysicalSection {
 }
 
 /// `[offload]`: `kvbm-offload`'s pipelines, one per lane.
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadSection {
     /// G1 → G2.

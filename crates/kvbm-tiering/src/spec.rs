@@ -4,7 +4,7 @@
 //! capture stays inert unless `enable_kv_cache_events` is on, since nobody drains `take_events`
 //! otherwise.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::cpu::{CachePolicyKind, CpuManagerConfig, CpuOffloadingManager};
 use crate::error::{Result, TieringError};
@@ -25,7 +25,7 @@ fn default_one() -> usize {
 }
 
 /// The `kv_connector_extra_config` keys this crate understands.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct OffloadingSpecConfig {
     /// Primary capacity in chunks (or give `cpu_bytes_to_use` and `chunk_bytes`).

@@ -74,12 +74,12 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
             r.block_bytes
         ),
         g4_capacity: unique_blocks.max(1),
-        logical: cfg.logical.clone(),
-        g1_to_g2: cfg.offload.g1_to_g2.clone(),
-        g2_to_g3: cfg.offload.g2_to_g3.clone(),
-        g2_to_g4: cfg.offload.g2_to_g4.clone(),
-        transfer: cfg.physical.transfer.clone(),
-        object: cfg.physical.object.clone(),
+        logical: cfg.engine.logical.clone(),
+        g1_to_g2: cfg.engine.offload.g1_to_g2.clone(),
+        g2_to_g3: cfg.engine.offload.g2_to_g3.clone(),
+        g2_to_g4: cfg.engine.offload.g2_to_g4.clone(),
+        transfer: cfg.engine.physical.transfer.clone(),
+        object: cfg.engine.physical.object.clone(),
     })
 }
 
@@ -110,10 +110,10 @@ pub fn s3_config(cfg: &CliConfig, endpoint: &str) -> anyhow::Result<S3Config> {
 }
 
 fn eviction_name(cfg: &CliConfig) -> String {
-    serde_json::to_value(cfg.logical.eviction)
+    serde_json::to_value(cfg.engine.logical.eviction)
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_else(|| format!("{:?}", cfg.logical.eviction))
+        .unwrap_or_else(|| format!("{:?}", cfg.engine.logical.eviction))
 }
 
 /// Runs the replay.
@@ -262,6 +262,7 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
         offload_filtered_blocks: tiers.filtered_blocks,
         offload_evicted_blocks: tiers.evicted_before_offload,
         offload_no_space_blocks: tiers.no_space,
+        offload_g2_space_waits: ld(&tiers.g2_space_waits),
         warm_start_blocks: [("g3", w3), ("g4", w4)].into_iter().collect(),
         wall_seconds: wall,
         blocks_per_second: if wall > 0.0 { total as f64 / wall } else { 0.0 },

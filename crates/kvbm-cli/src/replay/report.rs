@@ -56,6 +56,9 @@ pub struct Report {
     /// Offloads refused because the destination tier had no evictable block (for example
     /// `lineage` keeps parents of blocks still queued); nothing was moved.
     pub offload_no_space_blocks: u64,
+    /// Times a G1→G2 batch found G2 full and waited for the lower lanes to free room
+    /// (backpressure instead of a `no space` failure).
+    pub offload_g2_space_waits: u64,
     /// Blocks G3 and G4 held from an earlier run.
     pub warm_start_blocks: BTreeMap<&'static str, usize>,
     /// Seconds from the first request to the end of the drain.
@@ -144,11 +147,12 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "  computed {}  offloads not started: already below / policy {}, evicted before their lane {}, no space below {}",
+            "  computed {}  offloads not started: already below / policy {}, evicted before their lane {}, no space below {}  (G1->G2 waits for G2 room {})",
             self.computed_blocks,
             self.offload_filtered_blocks,
             self.offload_evicted_blocks,
-            self.offload_no_space_blocks
+            self.offload_no_space_blocks,
+            self.offload_g2_space_waits
         );
         if self.warm_start_blocks.values().any(|v| *v > 0) {
             let _ = writeln!(
@@ -162,10 +166,21 @@ impl Report {
             );
         }
         let st = &self.stage_seconds;
+        let staged = st.lookup
+            + st.g3_to_g2
+            + st.prefetch
+            + st.g4_to_g2
+            + st.g2_to_g1
+            + st.compute
+            + st.offload_enqueue
+            + st.g1_backpressure
+            + st.offload_backpressure
+            + st.drain;
         let _ = writeln!(
             s,
-            "  stages (s): lookup {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  enqueue {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}",
+            "  stages (s): lookup {:.3}  prefetch {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  enqueue {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}  other {:.3}",
             st.lookup,
+            st.prefetch,
             st.g3_to_g2,
             st.g4_to_g2,
             st.g2_to_g1,
@@ -173,7 +188,8 @@ impl Report {
             st.offload_enqueue,
             st.g1_backpressure,
             st.offload_backpressure,
-            st.drain
+            st.drain,
+            (self.wall_seconds - staged).max(0.0)
         );
         for (k, v) in &self.storage {
             let _ = writeln!(s, "  {k}: {v}");

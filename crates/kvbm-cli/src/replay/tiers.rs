@@ -22,7 +22,10 @@
 //!
 //! Upward moves (G3→G2, G4→G2, G2→G1) use the `kvbm-physical` transfer manager directly:
 //! `kvbm-offload` has only downward lanes. They are synchronous from the caller's view (the
-//! request waits for its blocks, as a scheduler waits before the forward pass).
+//! request waits for its blocks, as a scheduler waits before the forward pass). G2→G1 is host to
+//! host (G1 is a host stand-in), so it is one inline copy per request on this thread
+//! (`TransferManager::execute_transfer_inline`, with the manager's claims), not a round trip
+//! through the manager's runtime.
 //!
 //! Ownership: a request holds strong G1 handles from lookup to the end of [`Tiers::serve`] (its
 //! "forward pass"); blocks being offloaded are held by their pipeline (strong for G1→G2, weak,
@@ -41,7 +44,7 @@ use kvbm_logical::{
     SequenceHash, Tier, TierId,
 };
 use kvbm_offload::{
-    AllOfPolicy, BatchOutcome, BlockFailureKind, BlockTransferExecutor, EnqueueError,
+    AllOfPolicy, BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, EnqueueError,
     ObjectPipeline, ObjectPipelineBuilder, ObjectPipelineConfig, ObjectTransferExecutor,
     OffloadPolicy, Pipeline, PipelineBuilder, PipelineConfig, PresenceFilter, ResolvedBatch,
     TransferExecutor, TransferHandle, TransferResult, block_identity, create_policy_from_config,
@@ -57,6 +60,10 @@ use parking_lot::Mutex;
 use super::content;
 use super::manifest::{self, Manifest};
 use super::workload::HASH_BLOCK_SIZE;
+
+/// How long a G1→G2 batch waits for G2 space before it fails `NoSpace` (see
+/// [`G1ToG2Executor`]).
+const G2_SPACE_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Where G4 lives.
 #[derive(Debug, Clone)]
@@ -168,8 +175,10 @@ pub struct Served {
 pub struct StageTimes {
     /// Lookups over the tiers.
     pub lookup: f64,
-    /// G3→G2 onboarding (transfer + manifest check).
+    /// G3→G2 onboarding (transfer + manifest check; waiting for prefetched reads).
     pub g3_to_g2: f64,
+    /// Starting G3→G2 reads ahead of their request (presence checks, allocation, submission).
+    pub prefetch: f64,
     /// G4→G2 onboarding.
     pub g4_to_g2: f64,
     /// G2→G1 onboarding, with the byte check.
@@ -223,14 +232,6 @@ struct Prefetch {
     started: Instant,
 }
 
-/// A G2→G1 move in flight.
-struct G1Job {
-    hits: Vec<(usize, ImmutableBlock<G2>)>,
-    dst: Vec<MutableBlock<G1>>,
-    completion: kvbm_physical::TransferCompletion,
-    started: Instant,
-}
-
 struct G3Tier {
     manager: Arc<BlockManager<G3>>,
     handle: LayoutHandle,
@@ -267,6 +268,9 @@ pub struct Tiers {
     g2_to_g3: Option<Arc<Pipeline<G2>>>,
     g2_to_g4: Option<Arc<ObjectPipeline>>,
     handles: Arc<Mutex<Vec<TransferHandle>>>,
+    /// G1→G2 handles, oldest first: the only offloads whose end frees G1 slots, so waiting for
+    /// G1 room waits for these alone ([`Tiers::allocate_g1`]).
+    g1_handles: std::collections::VecDeque<TransferHandle>,
     /// Hand-offs from a completion sink to a full lane, still waiting for room
     /// ([`enqueue_from_sink`]); drained before the lower lanes are waited for.
     handoffs: Handoffs,
@@ -278,6 +282,8 @@ pub struct Tiers {
     pub filtered_blocks: u64,
     /// Offloads refused because the destination had no evictable block (nothing moved).
     pub no_space: u64,
+    /// Times a G1→G2 batch found G2 full and waited for the lower lanes to free a slot.
+    pub g2_space_waits: Arc<AtomicU64>,
     /// G3→G2 reads started ahead of their request, oldest first.
     prefetches: std::collections::VecDeque<Prefetch>,
     /// Blocks in G2 because a prefetch staged them, not yet claimed by their request.
@@ -424,6 +430,138 @@ impl TransferExecutor<G2> for RecordingG3Executor {
         self.counters
             .add_bytes(MovePath::G2ToG3, ok, self.block_bytes);
         out
+    }
+}
+
+/// The G1→G2 executor: waits for G2 space instead of failing `NoSpace`, and copies on the
+/// lane's own thread.
+///
+/// G2 stages every offload: the lower lanes hold a G2 block (strongly) until it is written to
+/// G3/G4, so with G2 barely larger than G1 a G1→G2 batch can find every G2 slot held for a
+/// moment. `kvbm-offload`'s allocate-then-move executor fails such a batch (`NoSpace`) and the
+/// blocks are recomputed later: lost hits. This one retries the allocation, with a short
+/// backoff, until G2 has room — the lower lanes free slots as they finish — so no block is
+/// dropped for lack of space; the wait is backpressure on the G1→G2 lane (and so on G1, where
+/// the replay waits for it). Only a batch larger than G2, or one still without room after
+/// `patience` (something holds G2 for good: a bug, reported, never a hang), fails `NoSpace`.
+///
+/// G1 here is host memory (the GPU's stand-in), so the copy is host to host: one
+/// [`TransferManager::execute_transfer_inline`] (the manager's claims and checks, a `memcpy` of
+/// at most one batch on this task) instead of a round trip through the manager's runtime.
+/// Destinations are registered only after their bytes arrived, as `kvbm-offload`'s
+/// `BlockMover` does.
+struct G1ToG2Executor {
+    tm: Arc<TransferManager>,
+    src: LayoutHandle,
+    dst: LayoutHandle,
+    g2: Arc<BlockManager<G2>>,
+    patience: Duration,
+    /// Allocation retries that found G2 full (each one backoff sleep).
+    waits: Arc<AtomicU64>,
+}
+
+impl G1ToG2Executor {
+    /// Copies `sources` into `dst` and registers the destinations whose bytes arrived.
+    fn copy(
+        &self,
+        sources: &[(usize, SequenceHash)],
+        dst: Vec<MutableBlock<G2>>,
+    ) -> BatchOutcome<ImmutableBlock<G2>> {
+        let n = sources.len();
+        let src_ids: Vec<usize> = sources.iter().map(|(id, _)| *id).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let outcome = match self.tm.execute_transfer_inline(
+            self.src,
+            &src_ids,
+            self.dst,
+            &dst_ids,
+            TransferOptions::default(),
+        ) {
+            Ok(o) => o,
+            Err(e) => {
+                let e = Arc::new(e);
+                return (0..n)
+                    .map(|_| Err(BlockFailure::physical_shared(&e)))
+                    .collect();
+            }
+        };
+        let mut results: Vec<Option<Result<ImmutableBlock<G2>, BlockFailure>>> =
+            (0..n).map(|_| None).collect();
+        let (mut complete, mut at) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (i, ((m, (_, h)), (_, r))) in
+            dst.into_iter().zip(sources).zip(outcome.blocks).enumerate()
+        {
+            match r {
+                Ok(()) => match m.complete(*h) {
+                    Ok(c) => {
+                        complete.push(c);
+                        at.push(i);
+                    }
+                    Err(e) => {
+                        results[i] = Some(Err(BlockFailure::new(
+                            BlockFailureKind::Transfer,
+                            format!("cannot register in G2: {}", e.error),
+                        )))
+                    }
+                },
+                // The slot goes back to G2's reset pool; nothing is registered.
+                Err(e) => results[i] = Some(Err(BlockFailure::physical(e))),
+            }
+        }
+        for (i, b) in at.into_iter().zip(self.g2.register_blocks(complete)) {
+            results[i] = Some(Ok(b));
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(BlockFailure::new(
+                        BlockFailureKind::Transfer,
+                        "G2 registered fewer blocks than it was given",
+                    ))
+                })
+            })
+            .collect()
+    }
+}
+
+impl TransferExecutor<G1> for G1ToG2Executor {
+    type Output = ImmutableBlock<G2>;
+
+    async fn execute(&self, batch: &ResolvedBatch<G1>) -> BatchOutcome<ImmutableBlock<G2>> {
+        let n = batch.len();
+        let sources: Vec<(usize, SequenceHash)> = batch
+            .blocks()
+            .iter()
+            .map(|b| (b.block_id, b.sequence_hash))
+            .collect();
+        let no_space = |why: String| -> BatchOutcome<ImmutableBlock<G2>> {
+            (0..n)
+                .map(|_| Err(BlockFailure::new(BlockFailureKind::NoSpace, why.clone())))
+                .collect()
+        };
+        if n > self.g2.total_blocks() {
+            return no_space(format!(
+                "a batch of {n} blocks exceeds G2 ({} blocks)",
+                self.g2.total_blocks()
+            ));
+        }
+        let deadline = Instant::now() + self.patience;
+        let mut backoff = Duration::from_micros(50);
+        loop {
+            match self.g2.allocate_blocks(n) {
+                Ok(dst) => return self.copy(&sources, dst),
+                Err(e) if Instant::now() >= deadline => {
+                    tracing::warn!(error = %e, "G2 stayed full for {:?}", self.patience);
+                    return no_space(format!("G2 stayed full for {:?}: {e}", self.patience));
+                }
+                Err(_) => {
+                    self.waits.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(2));
+                }
+            }
+        }
     }
 }
 
@@ -671,6 +809,7 @@ impl Tiers {
         };
 
         let handles: Arc<Mutex<Vec<TransferHandle>>> = Arc::new(Mutex::new(Vec::new()));
+        let g2_space_waits = Arc::new(AtomicU64::new(0));
         let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
         let (mut g1_to_g2, mut g2_to_g3, mut g2_to_g4) = (None, None, None);
         if let Some(g2t) = &g2 {
@@ -719,12 +858,14 @@ impl Tiers {
                         .context("cannot start the G2→G4 pipeline")?,
                 ));
             }
-            let exec = BlockTransferExecutor::<G1, G2>::new(
-                tm.clone(),
-                g1.handle,
-                g2t.handle,
-                g2t.manager.clone(),
-            );
+            let exec = G1ToG2Executor {
+                tm: tm.clone(),
+                src: g1.handle,
+                dst: g2t.handle,
+                g2: g2t.manager.clone(),
+                patience: G2_SPACE_PATIENCE,
+                waits: g2_space_waits.clone(),
+            };
             let (next3, next4, hs, ho, c) = (
                 g2_to_g3.clone(),
                 g2_to_g4.clone(),
@@ -767,12 +908,14 @@ impl Tiers {
             g2_to_g3,
             g2_to_g4,
             handles,
+            g1_handles: std::collections::VecDeque::new(),
             handoffs,
             counters,
             times: StageTimes::default(),
             filtered_blocks: 0,
             evicted_before_offload: 0,
             no_space: 0,
+            g2_space_waits,
             prefetches: std::collections::VecDeque::new(),
             prefetched: HashSet::new(),
             prefetching: HashSet::new(),
@@ -824,6 +967,7 @@ impl Tiers {
     pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
         self.backpressure(hashes.len());
         self.complete_prefetches(self.served_requests);
+        self.ensure_g1_room(hashes.len());
         self.served_requests += 1;
         let mut served = Served::default();
         let n = hashes.len();
@@ -892,31 +1036,30 @@ impl Tiers {
         let mut fail_at = found;
         self.times.lookup += t.elapsed().as_secs_f64();
 
-        // 2. G2 hits start moving to G1 while G3 and G4 hits are staged in G2 (their
-        //    transfers overlap; each waits only for what it needs).
-        let t = Instant::now();
-        let g2_job = self.submit_g1(g2_hits, &mut fail_at)?;
-        self.times.g2_to_g1 += t.elapsed().as_secs_f64();
+        // 2. G3 and G4 hits are staged in G2 (checked on the way).
         let mut staged: Vec<(usize, ImmutableBlock<G2>)> = Vec::new();
         if !g3_hits.is_empty() {
             let t = Instant::now();
+            let nested = self.nested_time();
             self.onboard_g3(g3_hits, &mut staged, &mut fail_at);
-            self.times.g3_to_g2 += t.elapsed().as_secs_f64();
+            self.times.g3_to_g2 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
         }
         if !g4_hits.is_empty() {
             let t = Instant::now();
+            let nested = self.nested_time();
             self.onboard_g4(g4_hits, &mut staged, &mut fail_at);
-            self.times.g4_to_g2 += t.elapsed().as_secs_f64();
+            self.times.g4_to_g2 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
         }
 
-        // 3. Staged blocks to G1; every block reaching G1 is checked against its bytes.
+        // 3. G2 hits and staged blocks to G1 in one move; every block reaching G1 is checked
+        //    against its bytes. Blocks past a failed onboarding are recomputed, not moved.
         let t = Instant::now();
-        staged.retain(|(p, _)| *p < fail_at);
-        let staged_job = self.submit_g1(staged, &mut fail_at)?;
-        for job in [g2_job, staged_job].into_iter().flatten() {
-            self.complete_g1(job, &mut held_g1, &mut fail_at, &mut served);
-        }
-        self.times.g2_to_g1 += t.elapsed().as_secs_f64();
+        let nested = self.nested_time();
+        let mut to_g1 = g2_hits;
+        to_g1.append(&mut staged);
+        to_g1.retain(|(p, _)| *p < fail_at);
+        self.onboard_g1(to_g1, &mut held_g1, &mut fail_at, &mut served)?;
+        self.times.g2_to_g1 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
 
         for s in src.iter().take(fail_at) {
             served.hits[*s as usize] += 1;
@@ -925,6 +1068,7 @@ impl Tiers {
         // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
         if fail_at < n {
             let t = Instant::now();
+            let nested = self.nested_time();
             let missing = &hashes[fail_at..];
             let blocks = self.allocate_g1(missing.len())?;
             let mut complete = Vec::with_capacity(missing.len());
@@ -939,11 +1083,12 @@ impl Tiers {
             }
             let registered = self.g1.manager.register_blocks(complete);
             served.computed = registered.len() as u64;
-            self.times.compute += t.elapsed().as_secs_f64();
+            self.times.compute += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
             if let Some(p) = &self.g1_to_g2 {
                 let t = Instant::now();
-                match self.rt.block_on(p.enqueue(registered.clone(), None)) {
-                    Ok(h) => self.handles.lock().push(h),
+                // A plain blocking enqueue: no trip through the runtime unless the queue is full.
+                match p.enqueue_blocking(registered.clone(), None) {
+                    Ok(h) => self.g1_handles.push_back(h),
                     Err(e) => bail!("the G1→G2 pipeline refused blocks: {e}"),
                 }
                 self.times.offload_enqueue += t.elapsed().as_secs_f64();
@@ -962,6 +1107,13 @@ impl Tiers {
         Ok(served)
     }
 
+    /// Time of the stages that can run nested inside another (waiting for G1 room, finishing
+    /// prefetched G3 reads): subtracted from the enclosing stage so the stages add up to the wall
+    /// time.
+    fn nested_time(&self) -> f64 {
+        self.times.g1_backpressure + self.times.g3_to_g2
+    }
+
     /// Blocks queued or in flight in the offload lanes.
     fn lane_pending(&self) -> usize {
         self.g1_to_g2.as_ref().map_or(0, |p| p.pending_blocks())
@@ -977,23 +1129,54 @@ impl Tiers {
     /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
     /// on a full host cache) while lanes still have work and either more than half of G2 is
     /// queued in them or G2 has fewer than `n` + one G1→G2 batch allocatable blocks.
+    ///
+    /// While it waits, G3 reads started ahead (which hold G2 slots until their request comes
+    /// up) are finished, so their slots become evictable: a G1→G2 batch waiting for G2 room
+    /// (see [`G1ToG2Executor`]) must not wait on this thread.
     fn backpressure(&mut self, n: usize) {
-        let Some(g2) = &self.g2 else { return };
-        let total = g2.manager.total_blocks();
-        let high = (total / 2).max(1);
+        let Some(g2) = self.g2.as_ref().map(|g| g.manager.clone()) else {
+            return;
+        };
+        let high = (g2.total_blocks() / 2).max(1);
         let reserve = n + self.g1_batch;
         let starved = |t: &Self| {
             let pending = t.lane_pending();
-            pending > 0 && (pending > high || g2.manager.available_blocks() < reserve)
+            pending > 0 && (pending > high || g2.available_blocks() < reserve)
         };
         if !starved(self) {
             return;
         }
         let t = Instant::now();
+        let nested = self.nested_time();
+        self.complete_prefetches(usize::MAX);
         while starved(self) {
             std::thread::sleep(Duration::from_micros(200));
         }
-        self.times.offload_backpressure += t.elapsed().as_secs_f64();
+        self.times.offload_backpressure +=
+            t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+    }
+
+    /// Makes sure G1 can hand out `n` blocks before the request takes any handle: waits, holding
+    /// nothing, for G1→G2 offloads (oldest first) to release G1 slots. Waiting later, while
+    /// holding the request's G2 hits, could be a cycle: the G1→G2 lane holds G1 blocks and may
+    /// be waiting for G2 room those hits take.
+    fn ensure_g1_room(&mut self, n: usize) {
+        if self.g1.manager.available_blocks() >= n {
+            return;
+        }
+        // The G1→G2 lane may be waiting for G2 room that reads started ahead hold.
+        self.complete_prefetches(usize::MAX);
+        let t = Instant::now();
+        while self.g1.manager.available_blocks() < n {
+            let Some(h) = self.g1_handles.pop_front() else {
+                break; // nothing left to wait for; allocation reports G1 too small
+            };
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            }
+        }
+        self.times.g1_backpressure += t.elapsed().as_secs_f64();
     }
 
     fn allocate_g1(&mut self, n: usize) -> anyhow::Result<Vec<MutableBlock<G1>>> {
@@ -1002,18 +1185,17 @@ impl Tiers {
         }
         // G1 is full of blocks still being offloaded (the lanes hold them until they are
         // written below): wait for the outstanding offloads, oldest first, retrying after each
-        // round. (A settlement token would not do: it covers only dispatched batches.)
+        // round. (A settlement token would not do: it covers only dispatched batches.) A G1→G2
+        // batch may itself be waiting for G2 room: finish the reads started ahead first, so the
+        // G2 slots they hold become evictable and cannot keep it waiting (their time counts as
+        // G3→G2). Normally [`Self::ensure_g1_room`] made room before the request took any
+        // handle, and this path is not taken.
+        self.complete_prefetches(usize::MAX);
         let t = Instant::now();
-        loop {
-            let pending: Vec<TransferHandle> = std::mem::take(&mut *self.handles.lock());
-            if pending.is_empty() {
-                break;
-            }
-            for h in pending {
-                match self.rt.block_on(h.wait()) {
-                    Ok(r) => self.tally(&r),
-                    Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
-                }
+        while let Some(h) = self.g1_handles.pop_front() {
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
             }
             if let Ok(v) = self.g1.manager.allocate_blocks(n) {
                 self.times.g1_backpressure += t.elapsed().as_secs_f64();
@@ -1038,6 +1220,12 @@ impl Tiers {
     /// the same checks, when the request comes up ([`Self::complete_prefetches`]). A block
     /// evicted from G2 before then is simply read again.
     pub fn prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
+        let t = Instant::now();
+        self.start_prefetch(request, hashes);
+        self.times.prefetch += t.elapsed().as_secs_f64();
+    }
+
+    fn start_prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
         let (Some(g2), Some(g3)) = (&self.g2, &self.g3) else {
             return;
         };
@@ -1306,18 +1494,23 @@ impl Tiers {
         );
     }
 
-    /// Starts moving G2 blocks into fresh G1 slots (completed by [`Self::complete_g1`]).
-    fn submit_g1(
+    /// Moves G2 blocks into fresh G1 slots and checks every block against the bytes it must
+    /// have. Host to host, so the copy runs on this thread
+    /// ([`TransferManager::execute_transfer_inline`]: the manager's claims and aliasing checks,
+    /// without a round trip through its runtime); one call per request.
+    fn onboard_g1(
         &mut self,
         mut hits: Vec<(usize, ImmutableBlock<G2>)>,
+        held_g1: &mut Vec<ImmutableBlock<G1>>,
         fail_at: &mut usize,
-    ) -> anyhow::Result<Option<G1Job>> {
+        served: &mut Served,
+    ) -> anyhow::Result<()> {
         let Some((otm, src_h, dst_h)) = self.onboard.as_ref().map(|o| (o.tm.clone(), o.src, o.dst))
         else {
-            return Ok(None);
+            return Ok(());
         };
         if hits.is_empty() {
-            return Ok(None);
+            return Ok(());
         }
         let n = hits.len();
         hits.sort_by_key(|(p, _)| *p);
@@ -1328,44 +1521,34 @@ impl Tiers {
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
         let started = Instant::now();
-        match otm.execute_transfer(src_h, &src_ids, dst_h, &dst_ids, TransferOptions::default()) {
-            Ok(completion) => Ok(Some(G1Job {
-                hits,
-                dst,
-                completion,
-                started,
-            })),
+        let outcome = match otm.execute_transfer_inline(
+            src_h,
+            &src_ids,
+            dst_h,
+            &dst_ids,
+            TransferOptions::default(),
+        ) {
+            Ok(o) => o,
             Err(e) => {
                 tracing::warn!(error = %e, "G2→G1 transfer refused");
                 self.counters
                     .failed_transfers
                     .fetch_add(n as u64, Ordering::Relaxed);
                 *fail_at = (*fail_at).min(hits[0].0);
-                Ok(None)
+                return Ok(());
             }
-        }
-    }
-
-    /// Waits for a G2→G1 move and checks every block against the bytes it must have.
-    fn complete_g1(
-        &mut self,
-        job: G1Job,
-        held_g1: &mut Vec<ImmutableBlock<G1>>,
-        fail_at: &mut usize,
-        served: &mut Served,
-    ) {
-        let outcome = job.completion.wait();
+        };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
-            .record(job.started.elapsed().as_secs_f64());
-        let mut complete = Vec::with_capacity(job.hits.len());
+            .record(started.elapsed().as_secs_f64());
+        let mut complete = Vec::with_capacity(n);
         let mut ok = 0;
-        for (((pos, blk), mblk), (_, r)) in job.hits.iter().zip(job.dst).zip(outcome.blocks) {
+        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
             let h = blk.sequence_hash();
             match r {
                 Ok(()) => {
                     ok += 1;
                     served.onboarded += 1;
-                    // SAFETY: the transfer into this freshly allocated slot has completed.
+                    // SAFETY: the copy into this freshly allocated slot has completed.
                     let bytes = unsafe { self.g1.slot(mblk.block_id()) };
                     if content::verify(content::seed(h), bytes) {
                         served.verified += 1;
@@ -1391,6 +1574,7 @@ impl Tiers {
         self.counters
             .add_bytes(MovePath::G2ToG1, ok, self.block_bytes);
         held_g1.extend(self.g1.manager.register_blocks(complete));
+        Ok(())
     }
 
     /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks
@@ -1432,6 +1616,10 @@ impl Tiers {
         for r in &done {
             self.tally(r);
         }
+        while let Some(r) = self.g1_handles.front().and_then(|h| h.try_result()) {
+            self.g1_handles.pop_front();
+            self.tally(&r);
+        }
     }
 
     /// Capacity gauges per tier (occupancy and evictions per tier come from `kvbm-logical`'s
@@ -1450,6 +1638,12 @@ impl Tiers {
     pub fn finish(&mut self) -> anyhow::Result<()> {
         let t = Instant::now();
         self.complete_prefetches(usize::MAX);
+        while let Some(h) = self.g1_handles.pop_front() {
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            }
+        }
         // Wait until the lanes are quiescent: every handle settled and every sink hand-off
         // enqueued. A finishing G1→G2 batch hands its blocks on to G2→G3/G2→G4 from its sink,
         // which adds handles (or hand-offs) while this waits, so loop until a round finds none.

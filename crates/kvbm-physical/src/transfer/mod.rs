@@ -36,7 +36,7 @@
 //!
 //! | src → dst | strategy |
 //! |---|---|
-//! | host/device ↔ host/device | region copies (memcpy; device copies through [`crate::DeviceMemory`]) |
+//! | host/device ↔ host/device | region copies (memcpy; device copies through [`crate::DeviceMemory`]); host ↔ host also on the caller's thread ([`TransferManager::execute_transfer_inline`]) |
 //! | host → disk, disk → host | vectored O_DIRECT I/O through the disk's [`crate::IoEngine`], checksummed |
 //! | host → object, object → host/device | one checksummed object per block, bounded concurrency |
 //! | anything else (device ↔ disk/object, disk ↔ object, disk → disk, partial-layer disk reads) | two hops through a pinned host bounce buffer from the manager's pool (`bounce.rs`) |
@@ -378,6 +378,45 @@ impl TransferManager {
             let _ = tx.send(TransferOutcome { blocks });
         });
         Ok(TransferCompletion { rx, dst_ids })
+    }
+
+    /// Runs a host-to-host transfer on the calling thread and returns its outcome: the same
+    /// validation and claims as [`execute_transfer`](Self::execute_transfer) (no aliasing, no
+    /// chained copy, [`PhysicalError::BlockBusy`] against transfers in flight), then a `memcpy`
+    /// per region here, without the round trip through the manager's runtime. The claims are
+    /// released before it returns.
+    ///
+    /// Meant for small batches between host layouts (onboarding a request's blocks into a host
+    /// G1 stand-in, G2 → G1), where the hop to a runtime thread and back costs more than the
+    /// copy. It blocks the caller for the copy, so prefer [`execute_transfer`](Self::execute_transfer)
+    /// for large batches inside async code.
+    ///
+    /// # Errors
+    /// As [`execute_transfer`](Self::execute_transfer), and [`PhysicalError::NotSupported`]
+    /// (nothing claimed) when either side is not host memory.
+    pub fn execute_transfer_inline(
+        &self,
+        src: LayoutHandle,
+        src_block_ids: &[BlockId],
+        dst: LayoutHandle,
+        dst_block_ids: &[BlockId],
+        options: TransferOptions,
+    ) -> Result<TransferOutcome, PhysicalError> {
+        for h in [src, dst] {
+            let kind = self.entry(h)?.0.storage_kind();
+            if kind != StorageKind::Host {
+                return Err(PhysicalError::NotSupported(format!(
+                    "inline transfers are host to host; layout {} is {kind:?}",
+                    h.as_u64()
+                )));
+            }
+        }
+        let job = self.validate(src, src_block_ids, dst, dst_block_ids, options)?;
+        let results = strategy::copy_memory(&job);
+        // Dropping the job releases its claims and reservations.
+        let blocks = job.dst_ids.iter().copied().zip(results).collect();
+        drop(job);
+        Ok(TransferOutcome { blocks })
     }
 
     fn validate(

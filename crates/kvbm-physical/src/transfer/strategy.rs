@@ -88,7 +88,7 @@ unsafe fn copy_regions(
     Ok(())
 }
 
-fn copy_memory(job: &Job) -> Vec<Result<()>> {
+pub(super) fn copy_memory(job: &Job) -> Vec<Result<()>> {
     job.src_ids
         .iter()
         .zip(&job.dst_ids)
