@@ -124,7 +124,7 @@ impl PhysicalWorker {
 
 /// One operation for every rank: copy `blocks` (source slot, destination slot, the block's
 /// hash, used as its identity) from tier `src` to tier `dst`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TransferRequest {
     /// Source tier.
     pub src: TierId,
