@@ -61,8 +61,24 @@ pub async fn connect(url: &str, name: &str, max_reconnect_delay: Duration) -> Re
         })
 }
 
-fn decode_envelope(payload: &[u8]) -> std::result::Result<Envelope<serde_json::Value>, String> {
-    serde_json::from_slice(payload).map_err(|e| e.to_string())
+/// The version of an envelope, read before its body: a body of another version may not
+/// decode at all. (Decoding through `serde_json::Value` would lose the 128-bit hashes.)
+#[derive(serde::Deserialize)]
+struct VersionOnly {
+    version: u32,
+}
+
+/// Decodes an envelope of this build's version: `Err(Ok(v))` for another version `v`,
+/// `Err(Err(why))` for an undecodable payload.
+fn decode_envelope<T: serde::de::DeserializeOwned>(
+    payload: &[u8],
+) -> std::result::Result<T, std::result::Result<u32, String>> {
+    let v: VersionOnly = serde_json::from_slice(payload).map_err(|e| Err(e.to_string()))?;
+    if v.version != PROTOCOL_VERSION {
+        return Err(Ok(v.version));
+    }
+    let env: Envelope<T> = serde_json::from_slice(payload).map_err(|e| Err(e.to_string()))?;
+    Ok(env.body)
 }
 
 fn encode<T: serde::Serialize>(body: T) -> bytes::Bytes {
@@ -170,29 +186,24 @@ impl WorkerServer {
                 };
                 let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
                 tokio::spawn(async move {
-                    let response = match decode_envelope(&message.payload) {
-                        Err(e) => ControlResponse::Refused(format!("undecodable request: {e}")),
-                        Ok(env) if env.version != PROTOCOL_VERSION => {
-                            ControlResponse::Refused(format!(
-                                "protocol version {} not spoken (this worker speaks {PROTOCOL_VERSION})",
-                                env.version
-                            ))
+                    let response = match decode_envelope::<ControlRequest>(&message.payload) {
+                        Err(Err(e)) => {
+                            ControlResponse::Refused(format!("undecodable request: {e}"))
                         }
-                        Ok(env) => match serde_json::from_value::<ControlRequest>(env.body) {
-                            Err(e) => ControlResponse::Refused(format!("undecodable request: {e}")),
-                            Ok(request) => {
-                                if let Some(hook) = &hook {
-                                    hook(&request);
-                                }
-                                if let (ControlRequest::Transfer(t), Some((src, d))) =
-                                    (&request, delay)
-                                    && t.src == src
-                                {
-                                    tokio::time::sleep(d).await;
-                                }
-                                serve(&worker, address, request).await
+                        Err(Ok(v)) => ControlResponse::Refused(format!(
+                            "protocol version {v} not spoken (this worker speaks {PROTOCOL_VERSION})"
+                        )),
+                        Ok(request) => {
+                            if let Some(hook) = &hook {
+                                hook(&request);
                             }
-                        },
+                            if let (ControlRequest::Transfer(t), Some((src, d))) = (&request, delay)
+                                && t.src == src
+                            {
+                                tokio::time::sleep(d).await;
+                            }
+                            serve(&worker, address, request).await
+                        }
                     };
                     if let Err(e) = client.publish(reply, encode(response)).await {
                         tracing::warn!(%address, error = %e, "control reply not sent");
@@ -248,19 +259,12 @@ impl NatsControl {
             }
             Ok(Ok(m)) => m,
         };
-        let env = decode_envelope(&message.payload)
-            .map_err(|message| ControlError::Decode { worker, message })?;
-        if env.version != PROTOCOL_VERSION {
-            return Err(ControlError::Version {
+        match decode_envelope::<ControlResponse>(&message.payload) {
+            Err(Err(message)) => Err(ControlError::Decode { worker, message }),
+            Err(Ok(got)) => Err(ControlError::Version {
                 worker,
                 expected: PROTOCOL_VERSION,
-                got: env.version,
-            });
-        }
-        match serde_json::from_value::<ControlResponse>(env.body) {
-            Err(e) => Err(ControlError::Decode {
-                worker,
-                message: e.to_string(),
+                got,
             }),
             Ok(ControlResponse::Refused(message)) => Err(ControlError::Refused { worker, message }),
             Ok(r) => Ok(r),
