@@ -22,7 +22,7 @@
 //! ```
 //!
 //! The [`EventBus`] trait is the seam for the transport; [`InProcessBus`] (a tokio broadcast
-//! channel) is the in-process implementation; [`nats::NatsBus`] (feature `nats`) carries the
+//! channel) is the in-process implementation; `nats::NatsBus` (feature `nats`) carries the
 //! same messages over a NATS subject between processes.
 //!
 //! # Ordering and loss

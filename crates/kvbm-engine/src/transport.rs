@@ -1,6 +1,6 @@
 //! Who is where, and how a leader talks to its workers: [`InstanceId`], [`WorkerAddress`],
 //! [`PeerInfo`], the versioned [`control`] messages, and (feature `nats`) the NATS
-//! request/reply carrier in [`nats`].
+//! request/reply carrier in `nats`.
 //!
 //! # Why
 //!
