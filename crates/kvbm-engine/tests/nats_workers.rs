@@ -370,3 +370,46 @@ async fn a_worker_killed_mid_transfer_fails_cleanly_and_the_other_keeps_serving(
     );
     drop(w0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_another_protocol_version_is_refused_with_the_reason() {
+    let Some(nats) = kvbm_tests::services::nats("a_request_of_another_protocol_version") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(3);
+    let _w = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    let client = connect(&nats.url, "raw", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let subject = WorkerAddress::new(instance, 0).control_subject(DEFAULT_CONTROL_PREFIX);
+    let reply = client
+        .request(
+            subject.clone(),
+            r#"{"version":99,"body":"Describe"}"#.into(),
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8(reply.payload.to_vec()).unwrap();
+    assert!(
+        text.contains("Refused") && text.contains("protocol version 99 not spoken"),
+        "{text}"
+    );
+    let reply = client
+        .request(subject, r#"{"version":1,"body":"Nonsense"}"#.into())
+        .await
+        .unwrap();
+    let text = String::from_utf8(reply.payload.to_vec()).unwrap();
+    assert!(text.contains("undecodable request"), "{text}");
+    // Through the typed client the same worker answers normally.
+    let c = NatsControl::new(
+        client,
+        DEFAULT_CONTROL_PREFIX,
+        WorkerAddress::new(instance, 0),
+        Duration::from_secs(10),
+    );
+    assert!(matches!(
+        c.call(ControlRequest::Describe).await.unwrap(),
+        ControlResponse::Described(_)
+    ));
+}
