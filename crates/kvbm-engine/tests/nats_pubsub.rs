@@ -213,8 +213,10 @@ fn sending_never_blocks_while_the_server_is_away_and_events_flow_after_it_return
         })
     };
 
-    send(0);
+    // Resend until the first event arrives (robust to any start-up ordering).
     eventually("the first event arrives", || {
+        send(0);
+        std::thread::sleep(Duration::from_millis(20));
         index.locations(hashes[0]) == vec![(a, TierId::G2)]
     });
 

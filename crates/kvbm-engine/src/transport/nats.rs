@@ -39,16 +39,16 @@ use crate::worker::PhysicalWorker;
 /// Default prefix of control subjects.
 pub const DEFAULT_CONTROL_PREFIX: &str = "kvbm.ctl";
 
-/// Opens a NATS client named `name` on `url` that retries its first connection and reconnects
-/// forever after a loss, waiting at most `max_reconnect_delay` between attempts.
+/// Opens a NATS client named `name` on `url`, returning once it is connected (so what it
+/// subscribes next is in place before anything else is published); after a loss it reconnects
+/// forever, waiting at most `max_reconnect_delay` between attempts.
 ///
 /// # Errors
-/// [`EngineError::Nats`] when the url is malformed or the options are rejected.
+/// [`EngineError::Nats`] when the url is malformed or the server cannot be reached now.
 pub async fn connect(url: &str, name: &str, max_reconnect_delay: Duration) -> Result<Client> {
     let cap = max_reconnect_delay.max(Duration::from_millis(10));
     async_nats::ConnectOptions::new()
         .name(name)
-        .retry_on_initial_connect()
         .max_reconnects(None)
         .reconnect_delay_callback(move |attempts| {
             (Duration::from_millis(20) * attempts.min(50) as u32).min(cap)
