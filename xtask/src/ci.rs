@@ -16,7 +16,15 @@ use anyhow::Result;
 use crate::{layering, run_step, services::Services};
 
 /// Extra `cargo clippy` runs with non-default features: (package, features).
-const FEATURE_CHECKS: &[(&str, &str)] = &[("kvbm-physical", "cuda"), ("kvbm-physical", "nixl")];
+const FEATURE_CHECKS: &[(&str, &str)] = &[
+    ("kvbm-physical", "cuda"),
+    ("kvbm-physical", "nixl"),
+    ("kvbm-engine", "nats,testing"),
+];
+
+/// Features the workspace test run turns on: those whose tests need only the servers CI
+/// starts (not a GPU), so they run against them.
+const TEST_FEATURES: &str = "kvbm-engine/nats,kvbm-engine/testing";
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
@@ -50,7 +58,7 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
 
     let services = Services::start_all()?;
     let mut test = cargo();
-    test.args(["test", "--workspace"]);
+    test.args(["test", "--workspace", "--features", TEST_FEATURES]);
     services.export_to(&mut test);
     let tested = run_counting(&mut test);
     services.stop();

@@ -39,6 +39,17 @@ pub enum EngineError {
     /// A tier the operation needs is not configured on this leader.
     #[error("tier {0} is not configured")]
     TierMissing(TierId),
+    /// A NATS client could not connect or subscribe (`url` is the server or the subject).
+    #[error("nats {url}: {message}")]
+    Nats {
+        /// The server url or subject concerned.
+        url: String,
+        /// What failed.
+        message: String,
+    },
+    /// A leader↔worker control call failed.
+    #[error(transparent)]
+    Control(#[from] crate::transport::control::ControlError),
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),

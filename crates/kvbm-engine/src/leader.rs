@@ -23,7 +23,9 @@
 //! stopped, with that tier's contiguous `match_blocks`. A block present in an earlier tier
 //! *after* a later tier took over is not used from the earlier tier (one run per tier, like
 //! upstream's search); it is still correct, since the later tier holds the same bytes.
-//! Remote instances (the cross-instance index) are not searched yet.
+//! Then, when the leader follows a [`CrossInstanceIndex`] (`remote_index`), the rest of the
+//! hashes are looked up there: the instance said to hold the longest run of them becomes
+//! [`MatchedPrefix::remote`] (a hint for a pull; nothing is held remotely).
 //!
 //! # Locks
 //!
@@ -40,13 +42,14 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
 };
 
-pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use holder::{BlockHolder, MatchedPrefix, RemoteRun, TierRun};
 pub use session::{
     FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
 };
 
 use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
+use crate::pubsub::{CrossInstanceIndex, InstanceId};
 use crate::runtime::{EventSource, RuntimeHandle};
 
 /// The leader of one kvbm instance: see the [module docs](self).
@@ -57,6 +60,7 @@ pub struct InstanceLeader {
     g4: Option<Arc<BlockManager<G4>>>,
     registry: BlockRegistry,
     search: Vec<TierId>,
+    remote: Option<(Arc<CrossInstanceIndex>, InstanceId)>,
 }
 
 /// Builds an [`InstanceLeader`] from explicit managers.
@@ -66,6 +70,7 @@ pub struct InstanceLeaderBuilder {
     g3: Option<Arc<BlockManager<G3>>>,
     g4: Option<Arc<BlockManager<G4>>>,
     search: Option<Vec<TierId>>,
+    remote: Option<(Arc<CrossInstanceIndex>, InstanceId)>,
 }
 
 impl InstanceLeaderBuilder {
@@ -84,6 +89,13 @@ impl InstanceLeaderBuilder {
     /// The G4 (object) manager.
     pub fn g4(mut self, manager: Arc<BlockManager<G4>>) -> Self {
         self.g4 = Some(manager);
+        self
+    }
+
+    /// After the local tiers, search `index` for another instance than `this` holding the
+    /// rest ([`MatchedPrefix::remote`]).
+    pub fn remote_index(mut self, index: Arc<CrossInstanceIndex>, this: InstanceId) -> Self {
+        self.remote = Some((index, this));
         self
     }
 
@@ -130,6 +142,7 @@ impl InstanceLeaderBuilder {
             g4: self.g4,
             registry,
             search: Vec::new(),
+            remote: self.remote,
         };
         leader.search = search.into_iter().filter(|t| leader.has_tier(*t)).collect();
         Ok(leader)
@@ -296,6 +309,17 @@ impl InstanceLeader {
                 });
                 at += n;
             }
+        }
+        if let Some((index, this)) = &self.remote
+            && at < hashes.len()
+            && let Some(&(instance, len)) =
+                index.prefix_by_instance(&hashes[at..], Some(*this)).first()
+        {
+            out.remote = Some(RemoteRun {
+                instance,
+                start: at,
+                len,
+            });
         }
         out
     }

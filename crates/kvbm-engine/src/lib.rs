@@ -1,11 +1,22 @@
 #![doc = include_str!("../README.md")]
 
+#[cfg(all(feature = "collectives", not(feature = "cuda")))]
+compile_error!(
+    "kvbm-engine: the `collectives` feature needs the `cuda` feature (and is a documented stub; \
+     see the crate docs)"
+);
+
+#[cfg(feature = "collectives")]
+pub mod collectives;
 pub mod config;
 mod error;
 pub mod leader;
 pub mod mover;
 pub mod pubsub;
 pub mod runtime;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod transport;
 pub mod worker;
 
 pub use config::{ConfigBuilder, KvbmConfig};

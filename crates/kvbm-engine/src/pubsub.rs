@@ -22,7 +22,8 @@
 //! ```
 //!
 //! The [`EventBus`] trait is the seam for the transport; [`InProcessBus`] (a tokio broadcast
-//! channel) is the one implementation so far. NATS (feature `nats`) is not built yet.
+//! channel) is the in-process implementation; `nats::NatsBus` (feature `nats`) carries the
+//! same messages over a NATS subject between processes.
 //!
 //! # Ordering and loss
 //!
@@ -47,7 +48,10 @@ use tokio::sync::{broadcast, mpsc};
 use crate::runtime::RuntimeHandle;
 
 /// Identity of one kvbm instance (one leader and its workers).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
 pub struct InstanceId(pub u64);
 
 impl std::fmt::Display for InstanceId {
@@ -315,6 +319,9 @@ impl CrossInstanceIndex {
         Ok(())
     }
 }
+
+#[cfg(feature = "nats")]
+pub mod nats;
 
 #[cfg(test)]
 mod tests;

@@ -28,8 +28,10 @@
 //!   a rank failed to submit or failed a block.
 //! * A block is reported `Ok` only when every rank reported it `Ok`.
 //!
-//! Only the in-process implementation exists; the NATS control plane for workers in other
-//! processes, and `CoordinatedWorker`, are not built yet.
+//! [`SpmdParallelWorkers`] calls in-process workers directly; workers in other processes are
+//! driven through [`transport::control::ControlledWorkers`](crate::transport::control::ControlledWorkers)
+//! (NATS request/reply, feature `nats`), which implements the same [`ParallelWorkers`] seam.
+//! `CoordinatedWorker` is not built yet.
 
 use std::sync::Arc;
 
@@ -124,7 +126,7 @@ impl PhysicalWorker {
 
 /// One operation for every rank: copy `blocks` (source slot, destination slot, the block's
 /// hash, used as its identity) from tier `src` to tier `dst`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TransferRequest {
     /// Source tier.
     pub src: TierId,

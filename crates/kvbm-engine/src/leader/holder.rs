@@ -87,6 +87,20 @@ pub struct MatchedPrefix {
     pub(crate) g4: BlockHolder<G4>,
     pub(crate) runs: Vec<TierRun>,
     pub(crate) requested: usize,
+    pub(crate) remote: Option<RemoteRun>,
+}
+
+/// Where the search found the blocks after the local prefix: another instance that, by its
+/// events ([`CrossInstanceIndex`](crate::pubsub::CrossInstanceIndex)), holds them. A hint:
+/// nothing is held there, and whoever pulls must verify the bytes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRun {
+    /// The instance said to hold them.
+    pub instance: crate::pubsub::InstanceId,
+    /// Index of the run's first block in the searched hashes (the local prefix length).
+    pub start: usize,
+    /// Blocks in the run.
+    pub len: usize,
 }
 
 impl MatchedPrefix {
@@ -108,6 +122,13 @@ impl MatchedPrefix {
     /// Whether every searched hash matched.
     pub fn is_complete(&self) -> bool {
         self.len() == self.requested
+    }
+
+    /// The longest run of the blocks following the local prefix that another instance is said
+    /// to hold (only when the leader follows a cross-instance index). Not part of
+    /// [`len`](Self::len): nothing of it is held locally.
+    pub fn remote(&self) -> Option<RemoteRun> {
+        self.remote
     }
 
     /// The runs, in prefix order (one per tier that contributed, in search order).

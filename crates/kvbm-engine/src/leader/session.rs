@@ -17,7 +17,8 @@
 //! ```
 //!
 //! Terminal phases: `Finished`, `Aborted`, `Failed`. Pull (remote G2 → local G2) is not built
-//! yet; a remote match cannot occur, since `find_matches` does not search remote instances.
+//! yet: a session ignores [`MatchedPrefix::remote`](super::MatchedPrefix::remote) (the
+//! hint of another instance holding the rest) and onboards only the locally held prefix.
 //!
 //! # Why it is shaped like this (what broke upstream)
 //!

@@ -1,0 +1,219 @@
+//! `kvbm-engine-worker`: one rank of a kvbm instance in its own process (feature `nats`).
+//!
+//! It owns a transfer manager and its layouts (G1 and G2 in host memory, G3 an O_DIRECT file
+//! when `--g3-file` is given; G1 is host memory standing in for the GPU in builds without
+//! CUDA) and answers the leader's control requests over NATS request/reply on
+//! `{prefix}.{instance:016x}.worker.{rank}` until its standard input closes (its parent went
+//! away) or it is killed.
+//!
+//! ```text
+//! kvbm-engine-worker --nats URL --instance ID --rank R [--blocks N] [--layers L]
+//!     [--page-size P] [--inner-dim D] [--g3-file PATH] [--fill-seed S] [--prefix P]
+//!     [--announce] [--delay-from TIER --delay-ms MS]
+//! ```
+//!
+//! It prints `ready <subject>` on standard output once it serves; with `--announce`, a line
+//! `request <kind>` for each request it receives. `--delay-from`/`--delay-ms` delay every
+//! transfer out of a tier (fault-injection tests kill the process meanwhile).
+
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvbm_engine::transport::control::{ControlRequest, fill_pattern};
+use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
+use kvbm_engine::transport::{InstanceId, WorkerAddress};
+use kvbm_engine::worker::PhysicalWorker;
+use kvbm_logical::TierId;
+use kvbm_physical::{
+    BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
+};
+
+struct Args {
+    nats: String,
+    instance: u64,
+    rank: u32,
+    blocks: usize,
+    layers: usize,
+    page_size: usize,
+    inner_dim: usize,
+    g3_file: Option<String>,
+    fill_seed: Option<u8>,
+    prefix: String,
+    announce: bool,
+    delay: Option<(TierId, u64)>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        nats: String::new(),
+        instance: 0,
+        rank: 0,
+        blocks: 8,
+        layers: 2,
+        page_size: 16,
+        inner_dim: 64,
+        g3_file: None,
+        fill_seed: None,
+        prefix: DEFAULT_CONTROL_PREFIX.to_string(),
+        announce: false,
+        delay: None,
+    };
+    let (mut delay_from, mut delay_ms) = (None, None);
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--announce" {
+            a.announce = true;
+            continue;
+        }
+        let value = it.next().ok_or_else(|| format!("{flag}: missing value"))?;
+        let num = |v: &str| {
+            v.parse::<u64>()
+                .map_err(|e| format!("{flag}: `{v}` is not a number ({e})"))
+        };
+        match flag.as_str() {
+            "--nats" => a.nats = value,
+            "--instance" => a.instance = num(&value)?,
+            "--rank" => a.rank = num(&value)? as u32,
+            "--blocks" => a.blocks = num(&value)? as usize,
+            "--layers" => a.layers = num(&value)? as usize,
+            "--page-size" => a.page_size = num(&value)? as usize,
+            "--inner-dim" => a.inner_dim = num(&value)? as usize,
+            "--g3-file" => a.g3_file = Some(value),
+            "--fill-seed" => a.fill_seed = Some(num(&value)? as u8),
+            "--prefix" => a.prefix = value,
+            "--delay-ms" => delay_ms = Some(num(&value)?),
+            "--delay-from" => {
+                delay_from = Some(match value.to_ascii_uppercase().as_str() {
+                    "G1" => TierId::G1,
+                    "G2" => TierId::G2,
+                    "G3" => TierId::G3,
+                    "G4" => TierId::G4,
+                    _ => return Err(format!("--delay-from: unknown tier `{value}`")),
+                })
+            }
+            _ => return Err(format!("unknown flag `{flag}`")),
+        }
+    }
+    if a.nats.is_empty() {
+        return Err("--nats URL is required".into());
+    }
+    a.delay = match (delay_from, delay_ms) {
+        (Some(t), Some(ms)) => Some((t, ms)),
+        (None, None) => None,
+        _ => return Err("--delay-from and --delay-ms go together".into()),
+    };
+    Ok(a)
+}
+
+fn worker(a: &Args) -> Result<PhysicalWorker, String> {
+    let geometry = BlockLayout::builder()
+        .num_blocks(a.blocks)
+        .num_layers(a.layers)
+        .outer_dim(2)
+        .page_size(a.page_size)
+        .inner_dim(a.inner_dim)
+        .dtype_bytes(2)
+        .kind(LayoutKind::FullyContiguous)
+        .build()
+        .map_err(|e| format!("layout: {e}"))?;
+    let tm = Arc::new(TransferManager::new().map_err(|e| format!("transfer manager: {e}"))?);
+    let host = || -> Result<PhysicalLayout, String> {
+        PhysicalLayout::allocate_host(geometry, PinPolicy::Unpinned).map_err(|e| e.to_string())
+    };
+    let g2 = host()?;
+    if let Some(seed) = a.fill_seed {
+        fill_pattern(&g2, seed);
+    }
+    let reg = |l: PhysicalLayout| tm.register_layout(l).map_err(|e| e.to_string());
+    let mut w = PhysicalWorker::new(a.rank as usize, tm.clone())
+        .with_layout(TierId::G1, reg(host()?)?)
+        .with_layout(TierId::G2, reg(g2)?);
+    if let Some(path) = &a.g3_file {
+        let disk = PhysicalLayout::create_disk(geometry, &DiskConfig::new(path))
+            .map_err(|e| format!("--g3-file {path}: {e}"))?;
+        w = w.with_layout(TierId::G3, reg(disk)?);
+    }
+    Ok(w)
+}
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("kvbm-engine-worker: {e}");
+            std::process::exit(2);
+        }
+    };
+    let worker = match worker(&args) {
+        Ok(w) => Arc::new(w),
+        Err(e) => {
+            eprintln!("kvbm-engine-worker: {e}");
+            std::process::exit(1);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let cancel = tokio_util::sync::CancellationToken::new();
+    // Standard input closing means the parent is gone: stop serving.
+    let on_eof = cancel.clone();
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while std::io::stdin()
+            .lock()
+            .read_line(&mut sink)
+            .is_ok_and(|n| n > 0)
+        {
+            sink.clear();
+        }
+        on_eof.cancel();
+    });
+    let code = runtime.block_on(async move {
+        let name = format!("kvbm-worker-{}-{}", args.instance, args.rank);
+        let client = match connect(&args.nats, &name, Duration::from_millis(500)).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("kvbm-engine-worker: {e}");
+                return 1;
+            }
+        };
+        let address = WorkerAddress::new(InstanceId(args.instance), args.rank);
+        let mut server = WorkerServer::new(client, &args.prefix, address, worker);
+        if args.announce {
+            server = server.on_request(Arc::new(|r: &ControlRequest| {
+                let kind = match r {
+                    ControlRequest::Describe => "describe".to_string(),
+                    ControlRequest::Transfer(t) => {
+                        format!("transfer {}->{} {}", t.src, t.dst, t.blocks.len())
+                    }
+                    ControlRequest::Digest { tier, .. } => format!("digest {tier}"),
+                    ControlRequest::Fill { tier, .. } => format!("fill {tier}"),
+                };
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "request {kind}");
+                let _ = out.flush();
+            }));
+        }
+        if let Some((tier, ms)) = args.delay {
+            server = server.delay_transfers_from(tier, Duration::from_millis(ms));
+        }
+        let task = match server.start(cancel.clone()).await {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("kvbm-engine-worker: {e}");
+                return 1;
+            }
+        };
+        {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "ready {}", address.control_subject(&args.prefix));
+            let _ = out.flush();
+        }
+        let _ = task.await;
+        0
+    });
+    std::process::exit(code);
+}

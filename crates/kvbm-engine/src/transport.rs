@@ -1,0 +1,75 @@
+//! Who is where, and how a leader talks to its workers: [`InstanceId`], [`WorkerAddress`],
+//! [`PeerInfo`], the versioned [`control`] messages, and (feature `nats`) the NATS
+//! request/reply carrier in `nats`.
+//!
+//! # Why
+//!
+//! A leader drives one worker per rank. In one process it calls them directly
+//! ([`control::InProcessControl`]); across processes it sends the same serde-encoded,
+//! versioned [`control::ControlRequest`]s over NATS request/reply (`nats::NatsControl`,
+//! answered by `nats::WorkerServer`). Both sit behind one seam, [`control::WorkerControl`],
+//! and [`control::ControlledWorkers`] runs an operation on every rank through it, so the
+//! leader-side code is the same in both cases.
+//!
+//! ```text
+//!  leader (SpmdMover / session)
+//!     |  ParallelWorkers::execute(TransferRequest)
+//!     v
+//!  ControlledWorkers ──WorkerControl::call──► InProcessControl ─► PhysicalWorker (same process)
+//!                                       └───► NatsControl ──request/reply──► WorkerServer
+//!                                               (timeout per request)          └► PhysicalWorker
+//! ```
+//!
+//! Block **data** never travels over the control plane: NATS' default payload limit is below
+//! one block. Control messages carry block ids, hashes, tiers and per-block outcomes only.
+
+pub mod control;
+#[cfg(feature = "nats")]
+pub mod nats;
+
+use kvbm_logical::TierId;
+use serde::{Deserialize, Serialize};
+
+pub use crate::pubsub::InstanceId;
+
+/// One worker of one instance: the rank it serves.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkerAddress {
+    /// The instance (leader) the worker belongs to.
+    pub instance: InstanceId,
+    /// Its rank, `0..world_size`.
+    pub rank: u32,
+}
+
+impl WorkerAddress {
+    /// The worker of `instance` at `rank`.
+    pub fn new(instance: InstanceId, rank: u32) -> Self {
+        Self { instance, rank }
+    }
+
+    /// The NATS subject its control requests go to: `{prefix}.{instance:016x}.worker.{rank}`.
+    pub fn control_subject(&self, prefix: &str) -> String {
+        format!("{prefix}.{:016x}.worker.{}", self.instance.0, self.rank)
+    }
+}
+
+impl std::fmt::Display for WorkerAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/rank-{}", self.instance, self.rank)
+    }
+}
+
+/// What a worker says about itself when asked ([`control::ControlRequest::Describe`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    /// Who it is.
+    pub worker: WorkerAddress,
+    /// The tiers it has a layout for.
+    pub tiers: Vec<TierId>,
+    /// Blocks per layout.
+    pub num_blocks: usize,
+    /// Bytes of one block (this rank's slice).
+    pub block_bytes: usize,
+    /// Where its block data plane listens, if it has one (`host:port`).
+    pub data_plane: Option<String>,
+}

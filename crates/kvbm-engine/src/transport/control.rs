@@ -1,0 +1,509 @@
+//! Leader↔worker control messages: versioned requests and replies, their typed errors, the
+//! [`WorkerControl`] seam (in-process or NATS), and [`ControlledWorkers`], which runs an
+//! operation on every rank through it.
+//!
+//! # Protocol
+//!
+//! Every message is an [`Envelope`] `{ version, body }` encoded with serde (JSON on NATS).
+//! A worker answers a request of another [`PROTOCOL_VERSION`] with
+//! [`ControlResponse::Refused`]; a leader receiving a reply of another version fails the call
+//! with [`ControlError::Version`]. Nothing in a message is block data: only block ids, hashes,
+//! tiers, per-block outcomes and 64-bit digests.
+//!
+//! # Failure
+//!
+//! A call either returns the worker's reply or a [`ControlError`] naming the worker: timed out
+//! (each request has its own deadline), nobody serving the subject, undecodable, wrong
+//! version, refused, or a transport failure. [`ControlledWorkers`] waits for **every** rank
+//! to settle (reply or error) before it reports, so when it returns no rank can still be
+//! writing a destination slot on behalf of this request, except a rank that timed out: a
+//! timed-out worker is treated as gone (the leader releases the slots; a worker that is
+//! merely slow may still write them, which is why the timeout must exceed the longest
+//! transfer, see `transport.request_timeout_ms`).
+//!
+//! # Locks
+//!
+//! None: the types here are immutable after construction.
+
+use std::sync::Arc;
+
+use futures::future::{BoxFuture, join_all};
+use kvbm_logical::{BlockId, TierId};
+use kvbm_physical::PhysicalLayout;
+use serde::{Deserialize, Serialize};
+
+use super::{PeerInfo, WorkerAddress};
+use crate::worker::{ParallelWorkers, PhysicalWorker, TransferRequest};
+
+/// Version of the control protocol this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// A message with the protocol version it was written in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope<T> {
+    /// The sender's [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The message.
+    pub body: T,
+}
+
+impl<T> Envelope<T> {
+    /// `body` in this build's version.
+    pub fn new(body: T) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            body,
+        }
+    }
+}
+
+/// What a leader asks a worker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControlRequest {
+    /// Who are you: answered with [`ControlResponse::Described`].
+    Describe,
+    /// Run one transfer on this rank: answered with [`ControlResponse::Transferred`].
+    Transfer(TransferRequest),
+    /// 64-bit digests (xxh3) of blocks of a memory tier, for verification: answered with
+    /// [`ControlResponse::Digests`]. The caller must not run transfers into these blocks
+    /// meanwhile.
+    Digest {
+        /// A tier whose layout is host memory.
+        tier: TierId,
+        /// Blocks to digest.
+        blocks: Vec<BlockId>,
+    },
+    /// Fill every block of a host-memory tier with [`fill_pattern`] of `seed` (tests and
+    /// warm-up): answered with [`ControlResponse::Done`]. Nothing may be transferring meanwhile.
+    Fill {
+        /// A tier whose layout is host memory.
+        tier: TierId,
+        /// Pattern seed.
+        seed: u8,
+    },
+}
+
+/// What a worker answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControlResponse {
+    /// Its description.
+    Described(PeerInfo),
+    /// One outcome per block of the transfer, in request order.
+    Transferred(Vec<Result<(), String>>),
+    /// One digest per requested block.
+    Digests(Vec<u64>),
+    /// Done.
+    Done,
+    /// The worker could not act on the request (wrong version, undecodable, a tier it lacks…).
+    Refused(String),
+}
+
+impl ControlResponse {
+    fn kind(&self) -> &'static str {
+        match self {
+            ControlResponse::Described(_) => "Described",
+            ControlResponse::Transferred(_) => "Transferred",
+            ControlResponse::Digests(_) => "Digests",
+            ControlResponse::Done => "Done",
+            ControlResponse::Refused(_) => "Refused",
+        }
+    }
+}
+
+/// Why a control call failed; every variant names the worker.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// No reply within the request's deadline (the worker is gone, hung, or too slow).
+    #[error("{worker}: no reply within {timeout_ms} ms")]
+    Timeout {
+        /// The worker.
+        worker: WorkerAddress,
+        /// The deadline.
+        timeout_ms: u64,
+    },
+    /// Nobody serves the worker's control subject (not started, or exited).
+    #[error("{worker}: no worker serves its control subject")]
+    NoResponders {
+        /// The worker.
+        worker: WorkerAddress,
+    },
+    /// The reply is of another protocol version.
+    #[error("{worker}: replied in protocol version {got}, this leader speaks {expected}")]
+    Version {
+        /// The worker.
+        worker: WorkerAddress,
+        /// [`PROTOCOL_VERSION`].
+        expected: u32,
+        /// What came back.
+        got: u32,
+    },
+    /// The reply could not be decoded.
+    #[error("{worker}: undecodable reply: {message}")]
+    Decode {
+        /// The worker.
+        worker: WorkerAddress,
+        /// The decoder's complaint.
+        message: String,
+    },
+    /// The worker refused the request.
+    #[error("{worker}: refused: {message}")]
+    Refused {
+        /// The worker.
+        worker: WorkerAddress,
+        /// Its reason.
+        message: String,
+    },
+    /// The worker answered with a reply of the wrong kind.
+    #[error("{worker}: expected a {expected} reply, got {got}")]
+    Unexpected {
+        /// The worker.
+        worker: WorkerAddress,
+        /// Expected reply kind.
+        expected: &'static str,
+        /// Received reply kind.
+        got: &'static str,
+    },
+    /// The transport failed (connection lost, payload too large…).
+    #[error("{worker}: transport: {message}")]
+    Transport {
+        /// The worker.
+        worker: WorkerAddress,
+        /// What failed.
+        message: String,
+    },
+}
+
+impl ControlError {
+    /// The worker the error is about.
+    pub fn worker(&self) -> WorkerAddress {
+        match self {
+            ControlError::Timeout { worker, .. }
+            | ControlError::NoResponders { worker }
+            | ControlError::Version { worker, .. }
+            | ControlError::Decode { worker, .. }
+            | ControlError::Refused { worker, .. }
+            | ControlError::Unexpected { worker, .. }
+            | ControlError::Transport { worker, .. } => *worker,
+        }
+    }
+
+    /// Whether the worker should be considered gone (timed out or not served).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            ControlError::Timeout { .. } | ControlError::NoResponders { .. }
+        )
+    }
+}
+
+/// The seam between a leader and one worker.
+pub trait WorkerControl: Send + Sync {
+    /// The worker.
+    fn address(&self) -> WorkerAddress;
+    /// Sends `request` and waits for the reply (or the request's deadline).
+    fn call(&self, request: ControlRequest)
+    -> BoxFuture<'_, Result<ControlResponse, ControlError>>;
+}
+
+/// Fills every block of a host `layout` with a pattern of the block index and `seed` (byte
+/// `k` of block `b`'s serialized bytes is `k*31 ^ b*131 ^ seed`, wrapping).
+///
+/// # Safety contract
+/// The caller guarantees nothing reads or writes the layout meanwhile; [`serve`] only does this
+/// for [`ControlRequest::Fill`], whose contract says so.
+pub fn fill_pattern(layout: &PhysicalLayout, seed: u8) {
+    let c = *layout.layout().config();
+    for b in 0..c.num_blocks {
+        let mut k = 0usize;
+        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+            // SAFETY: host memory owned by `layout` (alive for this call); the caller
+            // guarantees no transfer uses it meanwhile.
+            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            for x in s.iter_mut() {
+                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
+                k += 1;
+            }
+        }
+    }
+}
+
+/// The xxh3-64 digest of block `b`'s serialized bytes in a host `layout` (`None` for a block
+/// out of range).
+pub fn block_digest(layout: &PhysicalLayout, b: usize) -> Option<u64> {
+    let c = *layout.layout().config();
+    if b >= c.num_blocks {
+        return None;
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
+        // SAFETY: host memory owned by `layout`; the caller of `Digest` guarantees no transfer
+        // writes these blocks meanwhile.
+        h.update(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    Some(h.digest())
+}
+
+fn host_layout(
+    worker: &PhysicalWorker,
+    tier: TierId,
+) -> Result<Arc<PhysicalLayout>, ControlResponse> {
+    let handle = worker.layout(tier).ok_or_else(|| {
+        ControlResponse::Refused(format!("rank {}: no {tier} layout", worker.rank()))
+    })?;
+    let layout = worker
+        .transfer_manager()
+        .layout(handle)
+        .map_err(|e| ControlResponse::Refused(format!("rank {}: {e}", worker.rank())))?;
+    if layout.storage_kind() != kvbm_physical::StorageKind::Host {
+        return Err(ControlResponse::Refused(format!(
+            "rank {}: the {tier} layout is not host memory",
+            worker.rank()
+        )));
+    }
+    Ok(layout)
+}
+
+/// Answers `request` on `worker` (what a worker does for in-process and NATS calls alike).
+pub async fn serve(
+    worker: &PhysicalWorker,
+    address: WorkerAddress,
+    request: ControlRequest,
+) -> ControlResponse {
+    match request {
+        ControlRequest::Describe => {
+            let tiers: Vec<TierId> = TierId::ALL
+                .iter()
+                .copied()
+                .filter(|t| worker.layout(*t).is_some())
+                .collect();
+            let geometry = tiers
+                .first()
+                .and_then(|t| worker.layout(*t))
+                .and_then(|h| worker.transfer_manager().layout(h).ok())
+                .map(|l| {
+                    (
+                        l.layout().config().num_blocks,
+                        l.layout().config().block_bytes(),
+                    )
+                })
+                .unwrap_or((0, 0));
+            ControlResponse::Described(PeerInfo {
+                worker: address,
+                tiers,
+                num_blocks: geometry.0,
+                block_bytes: geometry.1,
+                data_plane: None,
+            })
+        }
+        ControlRequest::Transfer(t) => ControlResponse::Transferred(worker.execute(&t).await),
+        ControlRequest::Digest { tier, blocks } => match host_layout(worker, tier) {
+            Err(r) => r,
+            Ok(layout) => {
+                let mut out = Vec::with_capacity(blocks.len());
+                for b in blocks {
+                    match block_digest(&layout, b) {
+                        Some(d) => out.push(d),
+                        None => {
+                            return ControlResponse::Refused(format!(
+                                "rank {}: block {b} is out of range of the {tier} layout",
+                                worker.rank()
+                            ));
+                        }
+                    }
+                }
+                ControlResponse::Digests(out)
+            }
+        },
+        ControlRequest::Fill { tier, seed } => match host_layout(worker, tier) {
+            Err(r) => r,
+            Ok(layout) => {
+                fill_pattern(&layout, seed);
+                ControlResponse::Done
+            }
+        },
+    }
+}
+
+/// A worker in the leader's own process, called directly.
+#[derive(Clone, Debug)]
+pub struct InProcessControl {
+    address: WorkerAddress,
+    worker: Arc<PhysicalWorker>,
+}
+
+impl InProcessControl {
+    /// `worker` as rank `worker.rank()` of `instance`.
+    pub fn new(instance: super::InstanceId, worker: Arc<PhysicalWorker>) -> Self {
+        Self {
+            address: WorkerAddress::new(instance, worker.rank() as u32),
+            worker,
+        }
+    }
+}
+
+impl WorkerControl for InProcessControl {
+    fn address(&self) -> WorkerAddress {
+        self.address
+    }
+
+    fn call(
+        &self,
+        request: ControlRequest,
+    ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
+        Box::pin(async move {
+            match serve(&self.worker, self.address, request).await {
+                ControlResponse::Refused(message) => Err(ControlError::Refused {
+                    worker: self.address,
+                    message,
+                }),
+                r => Ok(r),
+            }
+        })
+    }
+}
+
+/// Every operation on every rank through [`WorkerControl`]: see the [module docs](self).
+#[derive(Clone)]
+pub struct ControlledWorkers {
+    ranks: Vec<Arc<dyn WorkerControl>>,
+}
+
+impl std::fmt::Debug for ControlledWorkers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.ranks.iter().map(|r| r.address()))
+            .finish()
+    }
+}
+
+impl ControlledWorkers {
+    /// Over `ranks`, which must be ranks `0..n` of one instance, in order.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) otherwise.
+    pub fn new(ranks: Vec<Arc<dyn WorkerControl>>) -> crate::Result<Self> {
+        let Some(first) = ranks.first() else {
+            return Err(crate::EngineError::config("workers", "at least one rank"));
+        };
+        let instance = first.address().instance;
+        for (i, r) in ranks.iter().enumerate() {
+            let a = r.address();
+            if a.rank as usize != i || a.instance != instance {
+                return Err(crate::EngineError::config(
+                    "workers",
+                    format!("worker {i} is {a}; expected rank {i} of {instance}"),
+                ));
+            }
+        }
+        Ok(Self { ranks })
+    }
+
+    /// The ranks.
+    pub fn ranks(&self) -> &[Arc<dyn WorkerControl>] {
+        &self.ranks
+    }
+
+    /// Sends `request` to every rank; one result per rank, in rank order, once all settled.
+    pub async fn call_all(
+        &self,
+        request: &ControlRequest,
+    ) -> Vec<Result<ControlResponse, ControlError>> {
+        join_all(self.ranks.iter().map(|r| r.call(request.clone()))).await
+    }
+
+    /// Every rank's description.
+    ///
+    /// # Errors
+    /// The first rank's [`ControlError`], in rank order.
+    pub async fn describe_all(&self) -> Result<Vec<PeerInfo>, ControlError> {
+        let mut out = Vec::new();
+        for (r, reply) in self
+            .ranks
+            .iter()
+            .zip(self.call_all(&ControlRequest::Describe).await)
+        {
+            match reply? {
+                ControlResponse::Described(p) => out.push(p),
+                other => {
+                    return Err(ControlError::Unexpected {
+                        worker: r.address(),
+                        expected: "Described",
+                        got: other.kind(),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs `request` on every rank and waits for all of them. Per block `Ok` only if every
+    /// rank moved it.
+    ///
+    /// # Errors
+    /// When a rank could not be driven at all (its call failed): the first such rank's
+    /// [`ControlError`], after every rank settled; no block of the request counts as moved.
+    pub async fn transfer(
+        &self,
+        request: &TransferRequest,
+    ) -> Result<Vec<Result<(), String>>, ControlError> {
+        let n = request.blocks.len();
+        let replies = self
+            .call_all(&ControlRequest::Transfer(request.clone()))
+            .await;
+        let mut merged: Vec<Result<(), String>> = vec![Ok(()); n];
+        let mut first_error = None;
+        for (r, reply) in self.ranks.iter().zip(replies) {
+            let outcome = match reply {
+                Ok(ControlResponse::Transferred(v)) if v.len() == n => v,
+                Ok(ControlResponse::Transferred(v)) => {
+                    let m = format!("{}: {} outcomes for {n} blocks", r.address(), v.len());
+                    vec![Err(m); n]
+                }
+                Ok(other) => {
+                    if first_error.is_none() {
+                        first_error = Some(ControlError::Unexpected {
+                            worker: r.address(),
+                            expected: "Transferred",
+                            got: other.kind(),
+                        });
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    if first_error.is_none() {
+                        first_error = Some(e);
+                    }
+                    continue;
+                }
+            };
+            for (m, o) in merged.iter_mut().zip(outcome) {
+                if m.is_ok() {
+                    *m = o;
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(merged),
+        }
+    }
+}
+
+impl ParallelWorkers for ControlledWorkers {
+    fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<Result<(), String>>> {
+        Box::pin(async move {
+            match self.transfer(&request).await {
+                Ok(v) => v,
+                Err(e) => vec![Err(e.to_string()); request.blocks.len()],
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,175 @@
+//! Unit tests of the control seam in one process: every rank runs a transfer and the bytes
+//! arrive (checked by digests), a rank lacking a tier fails the request for all blocks, a
+//! worker refuses what it cannot do with a typed error, ranks are validated, and envelopes
+//! round-trip through JSON with their version.
+
+use std::sync::Arc;
+
+use kvbm_logical::{Salt, TokenBlockSequence};
+use kvbm_physical::{BlockDim, BlockLayout, LayoutKind, PinPolicy, TransferManager};
+
+use super::*;
+use crate::transport::InstanceId;
+
+const I: InstanceId = InstanceId(7);
+
+fn geometry() -> BlockLayout {
+    BlockLayout::builder()
+        .num_blocks(4)
+        .num_layers(2)
+        .outer_dim(2)
+        .page_size(16)
+        .inner_dim(16)
+        .dtype_bytes(2)
+        .kind(LayoutKind::LayerSeparate(BlockDim::OuterContiguous))
+        .build()
+        .unwrap()
+}
+
+fn worker(rank: usize, with_g1: bool) -> Arc<PhysicalWorker> {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = || {
+        tm.register_layout(PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap())
+            .unwrap()
+    };
+    let mut w = PhysicalWorker::new(rank, tm.clone()).with_layout(TierId::G2, host());
+    if with_g1 {
+        w = w.with_layout(TierId::G1, host());
+    }
+    Arc::new(w)
+}
+
+fn controlled(ws: &[Arc<PhysicalWorker>]) -> ControlledWorkers {
+    ControlledWorkers::new(
+        ws.iter()
+            .map(|w| Arc::new(InProcessControl::new(I, w.clone())) as Arc<dyn WorkerControl>)
+            .collect(),
+    )
+    .unwrap()
+}
+
+fn request() -> TransferRequest {
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let h = seq.hashes();
+    TransferRequest {
+        src: TierId::G2,
+        dst: TierId::G1,
+        blocks: vec![(0, 3, h[0]), (1, 2, h[1])],
+    }
+}
+
+async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<BlockId>) -> Vec<u64> {
+    match c
+        .call(ControlRequest::Digest { tier, blocks })
+        .await
+        .unwrap()
+    {
+        ControlResponse::Digests(d) => d,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn every_rank_moves_and_digests_match_per_rank() {
+    let ws = [worker(0, true), worker(1, true)];
+    let all = controlled(&ws);
+    for (r, c) in all.ranks().iter().enumerate() {
+        let filled = c
+            .call(ControlRequest::Fill {
+                tier: TierId::G2,
+                seed: 0x10 + r as u8,
+            })
+            .await
+            .unwrap();
+        assert_eq!(filled, ControlResponse::Done);
+    }
+    let out = all.transfer(&request()).await.unwrap();
+    assert_eq!(out, vec![Ok(()), Ok(())]);
+    let mut per_rank = Vec::new();
+    for c in all.ranks() {
+        let src = digests(c.as_ref(), TierId::G2, vec![0, 1]).await;
+        let dst = digests(c.as_ref(), TierId::G1, vec![3, 2]).await;
+        assert_eq!(src, dst, "{}", c.address());
+        per_rank.push(src);
+    }
+    assert_ne!(per_rank[0], per_rank[1], "ranks hold different bytes");
+    let info = all.describe_all().await.unwrap();
+    assert_eq!(info[1].worker, WorkerAddress::new(I, 1));
+    assert_eq!(info[1].tiers, vec![TierId::G1, TierId::G2]);
+    assert_eq!(info[1].num_blocks, 4);
+}
+
+#[tokio::test]
+async fn a_rank_without_the_tier_fails_every_block() {
+    let all = controlled(&[worker(0, true), worker(1, false)]);
+    let out = ParallelWorkers::execute(&all, request()).await;
+    assert_eq!(out.len(), 2);
+    for o in out {
+        let m = o.unwrap_err();
+        assert!(m.starts_with("rank 1: no layout"), "{m}");
+    }
+}
+
+#[tokio::test]
+async fn refusals_are_typed_and_name_the_worker() {
+    let c = InProcessControl::new(I, worker(0, false));
+    let e = c
+        .call(ControlRequest::Digest {
+            tier: TierId::G1,
+            blocks: vec![0],
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, ControlError::Refused { worker, message }
+            if *worker == WorkerAddress::new(I, 0) && message.contains("no G1 layout")),
+        "{e:?}"
+    );
+    let e = c
+        .call(ControlRequest::Digest {
+            tier: TierId::G2,
+            blocks: vec![4],
+        })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("block 4 is out of range"), "{e}");
+    assert!(!e.is_unreachable());
+}
+
+#[test]
+fn ranks_are_validated() {
+    assert!(ControlledWorkers::new(vec![]).is_err());
+    let one = Arc::new(InProcessControl::new(I, worker(1, true))) as Arc<dyn WorkerControl>;
+    assert_eq!(
+        ControlledWorkers::new(vec![one]).unwrap_err().config_key(),
+        Some("workers")
+    );
+    let a = Arc::new(InProcessControl::new(I, worker(0, true))) as Arc<dyn WorkerControl>;
+    let b =
+        Arc::new(InProcessControl::new(InstanceId(8), worker(1, true))) as Arc<dyn WorkerControl>;
+    assert!(
+        ControlledWorkers::new(vec![a, b]).is_err(),
+        "one instance only"
+    );
+}
+
+#[test]
+fn envelopes_round_trip_with_their_version() {
+    let env = Envelope::new(ControlRequest::Transfer(request()));
+    let json = serde_json::to_string(&env).unwrap();
+    assert!(
+        json.starts_with(&format!("{{\"version\":{PROTOCOL_VERSION},")),
+        "{json}"
+    );
+    let back: Envelope<ControlRequest> = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, env);
+    let reply = Envelope::new(ControlResponse::Transferred(vec![Ok(()), Err("x".into())]));
+    let back: Envelope<ControlResponse> =
+        serde_json::from_str(&serde_json::to_string(&reply).unwrap()).unwrap();
+    assert_eq!(back, reply);
+    assert_eq!(
+        WorkerAddress::new(InstanceId(0xab), 3).control_subject("kvbm.ctl"),
+        "kvbm.ctl.00000000000000ab.worker.3"
+    );
+}

@@ -1,0 +1,286 @@
+//! Control messages over NATS request/reply (feature `nats`): [`WorkerServer`] answers a
+//! worker's control subject, [`NatsControl`] is the leader's [`WorkerControl`] for one remote
+//! worker, and [`connect`] opens a client that reconnects on its own.
+//!
+//! # Wire
+//!
+//! Subject: [`WorkerAddress::control_subject`] (`kvbm.ctl.{instance}.worker.{rank}` with the
+//! default prefix). Payload: an [`Envelope`] encoded as JSON, request and reply alike. A
+//! request that cannot be decoded, or is of another version, is answered with
+//! [`ControlResponse::Refused`] in this build's version, so the leader learns why.
+//!
+//! # Failure
+//!
+//! Each request has its own deadline ([`NatsControl::with_timeout`], default
+//! `transport.request_timeout_ms`). A worker that died before the request was sent is reported
+//! at once as [`ControlError::NoResponders`] (the server knows nobody subscribes); one that
+//! died after receiving it is reported as [`ControlError::Timeout`] when the deadline passes.
+//!
+//! # Concurrency
+//!
+//! A worker handles each request in its own task, so a long transfer does not hold up a
+//! `Describe`. No lock is taken here.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::{Client, RequestErrorKind};
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use kvbm_logical::TierId;
+
+use super::WorkerAddress;
+use super::control::{
+    ControlError, ControlRequest, ControlResponse, Envelope, PROTOCOL_VERSION, WorkerControl, serve,
+};
+use crate::error::{EngineError, Result};
+use crate::worker::PhysicalWorker;
+
+/// Default prefix of control subjects.
+pub const DEFAULT_CONTROL_PREFIX: &str = "kvbm.ctl";
+
+/// Opens a NATS client named `name` on `url`, returning once it is connected (so what it
+/// subscribes next is in place before anything else is published); after a loss it reconnects
+/// forever, waiting at most `max_reconnect_delay` between attempts.
+///
+/// # Errors
+/// [`EngineError::Nats`] when the url is malformed or the server cannot be reached now.
+pub async fn connect(url: &str, name: &str, max_reconnect_delay: Duration) -> Result<Client> {
+    let cap = max_reconnect_delay.max(Duration::from_millis(10));
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .max_reconnects(None)
+        .reconnect_delay_callback(move |attempts| {
+            (Duration::from_millis(20) * attempts.min(50) as u32).min(cap)
+        })
+        .connect(url)
+        .await
+        .map_err(|e| EngineError::Nats {
+            url: url.to_string(),
+            message: e.to_string(),
+        })
+}
+
+/// The version of an envelope, read before its body: a body of another version may not
+/// decode at all. (Decoding through `serde_json::Value` would lose the 128-bit hashes.)
+#[derive(serde::Deserialize)]
+struct VersionOnly {
+    version: u32,
+}
+
+/// Decodes an envelope of this build's version: `Err(Ok(v))` for another version `v`,
+/// `Err(Err(why))` for an undecodable payload.
+fn decode_envelope<T: serde::de::DeserializeOwned>(
+    payload: &[u8],
+) -> std::result::Result<T, std::result::Result<u32, String>> {
+    let v: VersionOnly = serde_json::from_slice(payload).map_err(|e| Err(e.to_string()))?;
+    if v.version != PROTOCOL_VERSION {
+        return Err(Ok(v.version));
+    }
+    let env: Envelope<T> = serde_json::from_slice(payload).map_err(|e| Err(e.to_string()))?;
+    Ok(env.body)
+}
+
+fn encode<T: serde::Serialize>(body: T) -> bytes::Bytes {
+    // Serializing these plain data types to JSON cannot fail (no maps with non-string keys,
+    // no foreign Serialize impls).
+    serde_json::to_vec(&Envelope::new(body))
+        .expect("control messages serialize")
+        .into()
+}
+
+/// Called with each request a [`WorkerServer`] receives, before it is served.
+pub type RequestHook = Arc<dyn Fn(&ControlRequest) + Send + Sync>;
+
+/// Answers control requests for one worker: see the [module docs](self).
+pub struct WorkerServer {
+    client: Client,
+    prefix: String,
+    address: WorkerAddress,
+    worker: Arc<PhysicalWorker>,
+    on_request: Option<RequestHook>,
+    delay: Option<(TierId, Duration)>,
+}
+
+impl std::fmt::Debug for WorkerServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerServer")
+            .field("address", &self.address)
+            .field("prefix", &self.prefix)
+            .field("delay", &self.delay)
+            .finish()
+    }
+}
+
+impl WorkerServer {
+    /// Serves `worker` as `address` on `client`, under `prefix`.
+    pub fn new(
+        client: Client,
+        prefix: &str,
+        address: WorkerAddress,
+        worker: Arc<PhysicalWorker>,
+    ) -> Self {
+        Self {
+            client,
+            prefix: prefix.to_string(),
+            address,
+            worker,
+            on_request: None,
+            delay: None,
+        }
+    }
+
+    /// Calls `hook` with each decoded request before serving it (logging, tests).
+    pub fn on_request(mut self, hook: RequestHook) -> Self {
+        self.on_request = Some(hook);
+        self
+    }
+
+    /// Fault injection for tests: waits `delay` before running any transfer out of `src`, so a
+    /// test can kill the process while a transfer is in flight.
+    pub fn delay_transfers_from(mut self, src: TierId, delay: Duration) -> Self {
+        self.delay = Some((src, delay));
+        self
+    }
+
+    /// Subscribes the worker's control subject and answers every request, each in its own
+    /// task, until `cancel` fires (or the client closes). Returns once subscribed, so a leader
+    /// can reach the worker as soon as this returns.
+    ///
+    /// # Errors
+    /// [`EngineError::Nats`] when the subscription fails.
+    pub async fn start(
+        self,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<()>> {
+        let Self {
+            client,
+            prefix,
+            address,
+            worker,
+            on_request,
+            delay,
+        } = self;
+        let subject = address.control_subject(&prefix);
+        let nats_err = |e: &dyn std::fmt::Display| EngineError::Nats {
+            url: subject.clone(),
+            message: e.to_string(),
+        };
+        let mut sub = client
+            .subscribe(subject.clone())
+            .await
+            .map_err(|e| nats_err(&e))?;
+        client.flush().await.map_err(|e| nats_err(&e))?;
+        Ok(tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = sub.next() => match m {
+                        Some(m) => m,
+                        None => return,
+                    },
+                };
+                let Some(reply) = message.reply.clone() else {
+                    tracing::warn!(%address, "control message without a reply subject ignored");
+                    continue;
+                };
+                let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
+                tokio::spawn(async move {
+                    let response = match decode_envelope::<ControlRequest>(&message.payload) {
+                        Err(Err(e)) => {
+                            ControlResponse::Refused(format!("undecodable request: {e}"))
+                        }
+                        Err(Ok(v)) => ControlResponse::Refused(format!(
+                            "protocol version {v} not spoken (this worker speaks {PROTOCOL_VERSION})"
+                        )),
+                        Ok(request) => {
+                            if let Some(hook) = &hook {
+                                hook(&request);
+                            }
+                            if let (ControlRequest::Transfer(t), Some((src, d))) = (&request, delay)
+                                && t.src == src
+                            {
+                                tokio::time::sleep(d).await;
+                            }
+                            serve(&worker, address, request).await
+                        }
+                    };
+                    if let Err(e) = client.publish(reply, encode(response)).await {
+                        tracing::warn!(%address, error = %e, "control reply not sent");
+                    }
+                });
+            }
+        }))
+    }
+}
+
+/// The leader's handle on one worker in another process: see the [module docs](self).
+#[derive(Clone, Debug)]
+pub struct NatsControl {
+    address: WorkerAddress,
+    client: Client,
+    subject: String,
+    timeout: Duration,
+}
+
+impl NatsControl {
+    /// The worker at `address`, reached on `client` under `prefix`, each request timing out
+    /// after `timeout`.
+    pub fn new(client: Client, prefix: &str, address: WorkerAddress, timeout: Duration) -> Self {
+        Self {
+            subject: address.control_subject(prefix),
+            address,
+            client,
+            timeout,
+        }
+    }
+
+    /// The same worker with another per-request deadline.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    async fn request(&self, request: ControlRequest) -> Result<ControlResponse, ControlError> {
+        let worker = self.address;
+        let timeout_ms = self.timeout.as_millis() as u64;
+        let sent = self.client.request(self.subject.clone(), encode(request));
+        let message = match tokio::time::timeout(self.timeout, sent).await {
+            Err(_) => return Err(ControlError::Timeout { worker, timeout_ms }),
+            Ok(Err(e)) => {
+                return Err(match e.kind() {
+                    RequestErrorKind::TimedOut => ControlError::Timeout { worker, timeout_ms },
+                    RequestErrorKind::NoResponders => ControlError::NoResponders { worker },
+                    _ => ControlError::Transport {
+                        worker,
+                        message: e.to_string(),
+                    },
+                });
+            }
+            Ok(Ok(m)) => m,
+        };
+        match decode_envelope::<ControlResponse>(&message.payload) {
+            Err(Err(message)) => Err(ControlError::Decode { worker, message }),
+            Err(Ok(got)) => Err(ControlError::Version {
+                worker,
+                expected: PROTOCOL_VERSION,
+                got,
+            }),
+            Ok(ControlResponse::Refused(message)) => Err(ControlError::Refused { worker, message }),
+            Ok(r) => Ok(r),
+        }
+    }
+}
+
+impl WorkerControl for NatsControl {
+    fn address(&self) -> WorkerAddress {
+        self.address
+    }
+
+    fn call(
+        &self,
+        request: ControlRequest,
+    ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
+        Box::pin(self.request(request))
+    }
+}
