@@ -67,6 +67,7 @@ pub struct WeakBlock<T: Tier> {
     id: u32,
     generation: u32,
     hash: SequenceHash,
+    digest: Option<BlockDigest>,
     _tier: PhantomData<T>,
 }
 
@@ -254,6 +255,7 @@ impl<T: Tier> ImmutableBlock<T> {
             id: self.id,
             generation: self.generation,
             hash: self.hash,
+            digest: self.digest(),
             _tier: PhantomData,
         }
     }
@@ -305,6 +307,12 @@ impl<T: Tier> WeakBlock<T> {
         self.hash
     }
 
+    /// The digest the block carried when this weak reference was made (see
+    /// [`ImmutableBlock::digest`]).
+    pub fn digest(&self) -> Option<BlockDigest> {
+        self.digest
+    }
+
     /// The slot id the block had when this weak reference was made.
     pub fn block_id(&self) -> BlockId {
         self.id as BlockId
@@ -346,6 +354,7 @@ impl<T: Tier> Clone for WeakBlock<T> {
             id: self.id,
             generation: self.generation,
             hash: self.hash,
+            digest: self.digest,
             _tier: PhantomData,
         }
     }
