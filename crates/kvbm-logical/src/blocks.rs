@@ -27,7 +27,7 @@ use std::sync::{Arc, Weak};
 
 use crate::BlockId;
 use crate::error::{BlockError, LogicalError};
-use crate::hash::{SequenceHash, TokenBlock};
+use crate::hash::{BlockDigest, SequenceHash, TokenBlock};
 use crate::store::Core;
 use crate::sync::{fence, ghost};
 use crate::tier::Tier;
@@ -46,6 +46,7 @@ pub struct CompleteBlock<T: Tier> {
     core: Arc<Core>,
     id: u32,
     hash: SequenceHash,
+    digest: Option<BlockDigest>,
     _tier: PhantomData<T>,
 }
 
@@ -66,6 +67,7 @@ pub struct WeakBlock<T: Tier> {
     id: u32,
     generation: u32,
     hash: SequenceHash,
+    digest: Option<BlockDigest>,
     _tier: PhantomData<T>,
 }
 
@@ -99,6 +101,21 @@ impl<T: Tier> MutableBlock<T> {
         self,
         hash: SequenceHash,
     ) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
+        self.complete_with_digest(hash, None)
+    }
+
+    /// Marks the block full with its hash and, for blocks of a
+    /// [`HashAlgorithm::Blake3`](crate::HashAlgorithm::Blake3) sequence, its 256-bit digest,
+    /// which the registered block then carries ([`ImmutableBlock::digest`]): tiers that leave
+    /// the process bind it as the block's identity.
+    ///
+    /// # Errors
+    /// As [`complete`](Self::complete).
+    pub fn complete_with_digest(
+        self,
+        hash: SequenceHash,
+        digest: Option<BlockDigest>,
+    ) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
         if hash.block_size() != self.core.block_size {
             let error = LogicalError::BlockSizeMismatch {
                 hash,
@@ -113,11 +130,13 @@ impl<T: Tier> MutableBlock<T> {
             core,
             id,
             hash,
+            digest,
             _tier: PhantomData,
         })
     }
 
-    /// [`complete`](Self::complete) with the hash of a [`TokenBlock`].
+    /// [`complete_with_digest`](Self::complete_with_digest) with the hash and digest of a
+    /// [`TokenBlock`].
     ///
     /// # Errors
     /// As [`complete`](Self::complete).
@@ -125,7 +144,7 @@ impl<T: Tier> MutableBlock<T> {
         self,
         block: &TokenBlock,
     ) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
-        self.complete(block.sequence_hash())
+        self.complete_with_digest(block.sequence_hash(), block.digest())
     }
 }
 
@@ -146,6 +165,11 @@ impl<T: Tier> CompleteBlock<T> {
         self.hash
     }
 
+    /// The digest it will be registered with, if any.
+    pub fn digest(&self) -> Option<BlockDigest> {
+        self.digest
+    }
+
     /// Back to a mutable block, keeping the slot.
     pub fn reset(self) -> MutableBlock<T> {
         let id = self.id;
@@ -153,10 +177,10 @@ impl<T: Tier> CompleteBlock<T> {
     }
 
     /// Consumes the handle without releasing the slot (the caller takes over the slot).
-    pub(crate) fn into_raw(self) -> (u32, SequenceHash) {
-        let (id, hash) = (self.id, self.hash);
+    pub(crate) fn into_raw(self) -> (u32, SequenceHash, Option<BlockDigest>) {
+        let (id, hash, digest) = (self.id, self.hash, self.digest);
         drop(take_core(self, |b| &b.core));
-        (id, hash)
+        (id, hash, digest)
     }
 
     pub(crate) fn core(&self) -> &Arc<Core> {
@@ -213,6 +237,13 @@ impl<T: Tier> ImmutableBlock<T> {
         self.hash
     }
 
+    /// The 256-bit digest the block was registered with
+    /// ([`MutableBlock::complete_with_digest`]); `None` for blocks registered by hash only.
+    /// Lock-free.
+    pub fn digest(&self) -> Option<BlockDigest> {
+        self.core().digest(self.id)
+    }
+
     /// A weak reference to this block.
     pub fn downgrade(&self) -> WeakBlock<T> {
         ghost::assert_alive(self.core.as_ptr());
@@ -224,6 +255,7 @@ impl<T: Tier> ImmutableBlock<T> {
             id: self.id,
             generation: self.generation,
             hash: self.hash,
+            digest: self.digest(),
             _tier: PhantomData,
         }
     }
@@ -275,6 +307,12 @@ impl<T: Tier> WeakBlock<T> {
         self.hash
     }
 
+    /// The digest the block carried when this weak reference was made (see
+    /// [`ImmutableBlock::digest`]).
+    pub fn digest(&self) -> Option<BlockDigest> {
+        self.digest
+    }
+
     /// The slot id the block had when this weak reference was made.
     pub fn block_id(&self) -> BlockId {
         self.id as BlockId
@@ -316,6 +354,7 @@ impl<T: Tier> Clone for WeakBlock<T> {
             id: self.id,
             generation: self.generation,
             hash: self.hash,
+            digest: self.digest,
             _tier: PhantomData,
         }
     }

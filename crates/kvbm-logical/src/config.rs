@@ -45,9 +45,10 @@ pub struct LogicalConfig {
     /// Inactive-pool eviction policy by name (`lru`, `multi_lru`, `lineage`, `fifo`, `arc`,
     /// `s3fifo`, `belady`, or `tinylfu-<one of those>`). Default: `tinylfu-lru`.
     pub eviction: EvictionPolicy,
-    /// Block identity algorithm for sequences built for this tier: `xxh3` (fast, 64-bit) or
-    /// `blake3` (256-bit cryptographic digest; use it for tiers shared across processes or
-    /// tenants). Default: `xxh3`.
+    /// Block identity algorithm for sequences built for this tier: `blake3` (256-bit
+    /// cryptographic digest, carried with registered blocks and bound as the identity of
+    /// blocks in G3/G4) or `xxh3` (fast, 64-bit; only when every tier is private to one
+    /// process and inputs are trusted). Default: `blake3`.
     pub hash_algorithm: HashAlgorithm,
     /// Order in which slots freed by eviction are handed out. Default: `eviction_order`.
     pub free_slot_reuse: FreeSlotReuse,

@@ -33,9 +33,13 @@
 //! ```
 //!
 //! chained over the full 256 bits, and its [`SequenceHash`] takes `current` from the
-//! digest's first 8 bytes (so indexing, lineage and prefix matching work unchanged). Use the
-//! digest (or its 128-bit [`BlockDigest::as_u128`] prefix) as the key and header identity of
-//! blocks that leave the process. It costs more per block than xxh3 (see the logical bench).
+//! digest's first 8 bytes (so indexing, lineage and prefix matching work unchanged). A block
+//! completed with its digest ([`MutableBlock::complete_with_digest`](crate::MutableBlock::complete_with_digest),
+//! or `complete_token_block`) carries it once registered
+//! ([`ImmutableBlock::digest`](crate::ImmutableBlock::digest)), and `kvbm-offload` writes and
+//! verifies the full 256 bits as the header identity of blocks that leave the process, so two
+//! blocks whose 64-bit chain values collide are told apart there. It is the default algorithm
+//! ([`HashAlgorithm`]); it costs more per block than xxh3 (see the logical bench).
 
 use std::fmt;
 use std::hash::{BuildHasher, Hash, Hasher};
@@ -70,15 +74,24 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 const BLAKE3_TAG: &[u8; 16] = b"kvbm-seq-blake3\x01";
 
 /// Which function chains block identities.
+///
+/// The default is [`Blake3`](Self::Blake3): a sequence's identity is chosen once, when its
+/// blocks are hashed, and travels with the blocks into every tier, so the default has to be the
+/// one that is safe for tiers shared across processes or tenants (G3 files, G4 objects). Choose
+/// [`Xxh3`](Self::Xxh3) only when every tier is private to one process and the inputs are
+/// trusted.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HashAlgorithm {
-    /// `xxh3_64` chain (64-bit, not collision resistant): the default for tiers private to
-    /// one process and trusted inputs.
-    #[default]
+    /// `xxh3_64` chain (64-bit, not collision resistant): for tiers private to one process
+    /// and trusted inputs.
     Xxh3,
-    /// BLAKE3 chain over 256-bit digests: the default for tiers shared across processes or
-    /// tenants (G3, G4), where a crafted collision could serve one tenant another's KV.
+    /// BLAKE3 chain over 256-bit digests: the default, required for tiers shared across
+    /// processes or tenants (G3, G4), where a crafted 64-bit collision could otherwise serve
+    /// one tenant another's KV. Blocks carry the digest
+    /// ([`MutableBlock::complete_with_digest`](crate::MutableBlock::complete_with_digest)) and
+    /// the tiers that leave the process bind it as the block's identity.
+    #[default]
     Blake3,
 }
 

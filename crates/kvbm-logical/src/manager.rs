@@ -235,6 +235,7 @@ impl<T: Tier> BlockManagerBuilder<T> {
             metrics: Metrics::new(T::ID),
             duplication: self.config.duplication,
             touch_on_match: self.config.touch_on_match,
+            digests: std::sync::OnceLock::new(),
         };
         let core = Arc::new(core);
         ghost::born(Arc::as_ptr(&core));
@@ -357,7 +358,10 @@ impl<T: Tier> BlockManager<T> {
     ///
     /// For a hash that is already registered in this tier, the [`DuplicationPolicy`] decides:
     /// `Allow` registers the new block as a duplicate, `Reject` returns the existing block and
-    /// puts the new block's slot back in the reset pool. A block that came from another manager
+    /// puts the new block's slot back in the reset pool. Each registered slot keeps the
+    /// [`BlockDigest`](crate::BlockDigest) its block was completed with
+    /// ([`ImmutableBlock::digest`]); with `Reject`, the returned existing block keeps *its*
+    /// digest, so a caller that needs the identity it asked for compares the digests. A block that came from another manager
     /// of the same tier type is registered in its own manager.
     pub fn register_blocks(&self, blocks: Vec<CompleteBlock<T>>) -> Vec<ImmutableBlock<T>> {
         if blocks.iter().any(|b| !Arc::ptr_eq(b.core(), &self.core)) {
@@ -538,13 +542,15 @@ fn register_batch<T: Tier>(
     let counts = {
         let mut store = core.store.lock();
         for block in blocks {
-            let (s, hash) = block.into_raw();
+            let (s, hash, digest) = block.into_raw();
             let id = match store.lookup(&hash) {
                 None => {
+                    core.set_digest(s, digest.as_ref());
                     store.register_primary(s, hash, core.tier, &core.registry, emit);
                     s
                 }
                 Some(_) if core.duplication == DuplicationPolicy::Allow => {
+                    core.set_digest(s, digest.as_ref());
                     store.register_duplicate(s, hash);
                     s
                 }

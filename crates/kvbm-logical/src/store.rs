@@ -39,14 +39,14 @@
 
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 
 use crate::config::{DuplicationPolicy, FreeSlotReuse};
 use crate::events::{BlockEvent, BlockEventKind, EventBatcher};
 use crate::eviction::{AnyEviction, Eviction, EvictionCtx, EvictionPolicy, SlotStatus};
-use crate::hash::{PassThroughHash, SequenceHash};
+use crate::hash::{BlockDigest, PassThroughHash, SequenceHash};
 use crate::metrics::Metrics;
 use crate::registry::BlockRegistry;
 use crate::sync::{AtomicU32, Mutex, ghost};
@@ -187,6 +187,9 @@ pub(crate) struct Core {
     pub(crate) metrics: Metrics,
     pub(crate) duplication: DuplicationPolicy,
     pub(crate) touch_on_match: bool,
+    /// The [`BlockDigest`] each registered slot carries (all zero: none), allocated at the
+    /// first registration that has one. See [`Core::set_digest`].
+    pub(crate) digests: std::sync::OnceLock<Box<[[AtomicU64; 4]]>>,
 }
 
 impl Core {
@@ -217,6 +220,45 @@ impl Core {
     pub(crate) unsafe fn unpin(ptr: NonNull<Core>) {
         // SAFETY: guaranteed by the caller: one count taken by `pin_if_first` is released.
         unsafe { Arc::decrement_strong_count(ptr.as_ptr().cast_const()) };
+    }
+}
+
+impl Core {
+    /// Records the digest of slot `s`, which the caller is registering (under the store lock,
+    /// before any strong handle to the slot exists).
+    ///
+    /// Ordering: the words are written with `Relaxed` stores while the store lock is held and
+    /// before the slot's first strong handle is made; every handle is obtained either by the
+    /// registering thread or through a lookup under the same lock (an acquire), and handles
+    /// move between threads only through synchronising operations, so a holder's `Relaxed`
+    /// loads see these words. A slot's digest changes only at its next registration, which
+    /// needs the slot back in the reset pool, i.e. no strong handle left.
+    pub(crate) fn set_digest(&self, s: u32, digest: Option<&BlockDigest>) {
+        let cells = match (self.digests.get(), digest) {
+            (Some(c), _) => c,
+            (None, None) => return,
+            (None, Some(_)) => self.digests.get_or_init(|| {
+                (0..self.refs.len())
+                    .map(|_| std::array::from_fn(|_| AtomicU64::new(0)))
+                    .collect()
+            }),
+        };
+        let bytes = digest.map_or([0u8; 32], |d| d.0);
+        for (i, cell) in cells[s as usize].iter().enumerate() {
+            let word = u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+            cell.store(word, Ordering::Relaxed);
+        }
+    }
+
+    /// The digest slot `s` was registered with (`None` for blocks registered without one). The
+    /// caller holds a strong handle to the slot.
+    pub(crate) fn digest(&self, s: u32) -> Option<BlockDigest> {
+        let cells = self.digests.get()?;
+        let mut bytes = [0u8; 32];
+        for (i, cell) in cells[s as usize].iter().enumerate() {
+            bytes[i * 8..i * 8 + 8].copy_from_slice(&cell.load(Ordering::Relaxed).to_le_bytes());
+        }
+        (bytes != [0u8; 32]).then_some(BlockDigest(bytes))
     }
 }
 

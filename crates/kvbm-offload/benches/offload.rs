@@ -6,8 +6,13 @@
 //! 3. cancel-to-confirmation latency (p50/p99/max) with 10k blocks queued;
 //! 4. G2→G3 on an O_DIRECT file: pipeline throughput vs the transfer manager driven directly;
 //! 5. G3→G2 (onboarding, caller-allocated destinations) with 2 MiB blocks: the upward lane vs
-//!    the transfer manager's O_DIRECT reads driven directly with the same batches.
+//!    the transfer manager's O_DIRECT reads driven directly with the same batches;
+//! 6. G4→G2 with 2 MiB blocks against the S3 server of `cargo xtask services start`: the upward
+//!    lane (a keyed `BlockMover` between bound tiers, headers and identities verified) vs raw
+//!    `object_store` GETs of the same objects with as many requests in flight (skipped without
+//!    the server).
 //!
+//! `KVBM_BENCH_ONLY=g3_to_g2` or `g4_to_g2` runs only that figure.
 //! `KVBM_BENCH_QUICK=1` shrinks every run (used to smoke-test the binary).
 
 use std::collections::VecDeque;
@@ -15,9 +20,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use kvbm_logical::{BlockRegistry, G1, G2, G3, SequenceHash, Tier};
 use kvbm_offload::*;
-use kvbm_physical::{BlockLayout, PinPolicy, TransferManager, TransferOptions};
+use kvbm_physical::{
+    BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
+    TransferOptions,
+};
+use object_store::ObjectStoreExt;
 
 // The integration tests' helpers (layouts, managers, scratch directories).
 #[path = "../tests/common/mod.rs"]
@@ -221,12 +231,13 @@ async fn g3_to_g2(n: usize, batch: usize, concurrency: usize) -> (Duration, Dura
         .min_batch_size(batch)
         .max_concurrent_transfers(concurrency)
         .build()
-        .spawn(CallerAllocated::new(BlockMover::<G3, G2>::new(
-            tm.clone(),
-            g3_h,
-            dst_h,
-            g2.clone(),
-        )))
+        .spawn(CallerAllocated::new(
+            BlockMover::<G3, G2>::from_layout(
+                g3_h,
+                &BoundTier::new(tm.clone(), dst_h, g2.clone()).expect("bound G2"),
+            )
+            .expect("mover"),
+        ))
         .unwrap();
     let sources: Vec<ExternalBlock> = ids
         .iter()
@@ -253,6 +264,124 @@ async fn g3_to_g2(n: usize, batch: usize, concurrency: usize) -> (Duration, Dura
     (piped, (direct_before + direct_after) / 2)
 }
 
+/// Per round (lane seconds, raw GET seconds, A-B-A) for onboarding `n` 2 MiB blocks G4→G2
+/// from the S3 server: the upward lane (batches of `batch`, `concurrency` transfers in flight,
+/// `CallerAllocated` over a keyed `BlockMover` between bound G4 and G2 tiers) vs raw
+/// `object_store` GETs of the same objects, `batch * concurrency` in flight.
+async fn g4_to_g2(
+    s3: &kvbm_tests::services::S3Service,
+    n: usize,
+    batch: usize,
+    concurrency: usize,
+    rounds: usize,
+) -> Vec<(Duration, Duration)> {
+    let inflight = batch * concurrency;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let cfg = S3Config {
+        endpoint: Some(s3.endpoint.clone()),
+        bucket: s3.bucket.clone(),
+        region: "us-east-1".into(),
+        access_key: s3.access_key.clone(),
+        secret_key: s3.secret_key.clone(),
+    };
+    let raw = ObjectStorage::s3_client(&cfg).unwrap();
+    let storage = Arc::new(
+        ObjectStorage::try_new(
+            raw.clone(),
+            ObjectConfig {
+                namespace: format!("bench-g4g2-{}-{nanos}", std::process::id()),
+                max_concurrency: inflight,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let src_h = common::host_layout(&tm, big_geometry(n), PinPolicy::TryPin);
+    let obj_h = tm
+        .register_layout(PhysicalLayout::object(big_geometry(n), storage.clone()))
+        .unwrap();
+    let dst_h = common::host_layout(&tm, big_geometry(n), PinPolicy::TryPin);
+    let hashes: Vec<SequenceHash> = (0..n)
+        .map(|i| kvbm_logical::SequenceHash::root(kvbm_logical::Salt::NONE, &[i as u32, 9, 9, 9]))
+        .collect();
+    let ids: Vec<usize> = (0..n).collect();
+    for chunk in ids.chunks(batch) {
+        let opts = TransferOptions::with_object_keys(
+            chunk.iter().map(|&i| object_key(hashes[i])).collect(),
+        )
+        .identities(chunk.iter().map(|&i| block_identity(hashes[i])).collect());
+        let positions: Vec<usize> = (0..chunk.len()).collect();
+        let out = tm
+            .execute_transfer(src_h, chunk, obj_h, &positions, opts)
+            .unwrap()
+            .await;
+        assert!(out.is_complete_success(), "{:?}", out.failures().next());
+    }
+    let paths: Vec<_> = hashes
+        .iter()
+        .map(|h| storage.path(&object_key(*h)))
+        .collect();
+    let raw_pass = || async {
+        let t = Instant::now();
+        let lens: Vec<usize> = futures::stream::iter(paths.iter())
+            .map(|p| {
+                let raw = raw.clone();
+                async move { raw.get(p).await.unwrap().bytes().await.unwrap().len() }
+            })
+            .buffer_unordered(inflight)
+            .collect()
+            .await;
+        assert!(
+            lens.iter()
+                .all(|&l| l > big_geometry(1).config().block_bytes())
+        );
+        t.elapsed()
+    };
+
+    let g4 = Arc::new(common::manager::<kvbm_logical::G4>(n, None));
+    let g2 = Arc::new(common::manager::<G2>(n, None));
+    let g4b = BoundTier::new(tm.clone(), obj_h, g4).expect("bound G4");
+    let g2b = BoundTier::new(tm.clone(), dst_h, g2.clone()).expect("bound G2");
+    let p = PipelineBuilder::<kvbm_logical::G4, G2>::new()
+        .caller_allocated()
+        .batch_size(batch)
+        .min_batch_size(batch)
+        .max_concurrent_transfers(concurrency)
+        .build()
+        .spawn(CallerAllocated::new(
+            BlockMover::new(&g4b, &g2b).expect("mover"),
+        ))
+        .unwrap();
+    let sources: Vec<ExternalBlock> = hashes.iter().map(|h| ExternalBlock::new(0, *h)).collect();
+    raw_pass().await; // warm-up
+    let mut out = Vec::new();
+    for _ in 0..rounds {
+        let before = raw_pass().await;
+        let t = Instant::now();
+        let mut hs = Vec::new();
+        for c in sources.chunks(batch) {
+            let dests = g2b.allocate(c.len()).unwrap();
+            hs.push(p.enqueue_into(c.to_vec(), dests, None).await.unwrap());
+        }
+        for h in hs {
+            let r = h.wait().await.unwrap();
+            assert!(r.failed_blocks.is_empty(), "{:?}", r.failed_blocks.first());
+        }
+        let piped = t.elapsed();
+        let after = raw_pass().await;
+        out.push((piped, (before + after) / 2));
+    }
+    p.shutdown_and_wait().await;
+    for h in &hashes {
+        let _ = storage.delete(&object_key(*h)).await;
+    }
+    out
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; nothing to parse.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -264,7 +393,8 @@ fn main() {
     rt.block_on(async {
         println!("kvbm-offload benchmark (2 tokio workers){}", if q { " [quick]" } else { "" });
 
-        let only_up = std::env::var("KVBM_BENCH_ONLY").as_deref() == Ok("g3_to_g2");
+        let only = std::env::var("KVBM_BENCH_ONLY").ok();
+        let only_up = only.is_some();
         if !only_up {
         let total = if q { 100_000 } else { 2_000_000 };
         let registry = BlockRegistry::new();
@@ -329,6 +459,7 @@ fn main() {
         );
 
         }
+        if only.as_deref() != Some("g4_to_g2") {
         let n = if q { 32 } else { 128 };
         for concurrency in [1, 2] {
             let mut ratios = Vec::new();
@@ -347,6 +478,34 @@ fn main() {
                 mib / last.1.as_secs_f64(),
                 ratios[ratios.len() / 2]
             );
+        }
+        }
+        if only.as_deref().is_none_or(|o| o == "g4_to_g2") {
+            if std::env::var(kvbm_tests::services::S3_ENDPOINT).is_err() {
+                println!("G4->G2: skipped (no S3 server; run under eval \"$(cargo xtask services start)\")");
+            } else {
+                let s3 = kvbm_tests::services::s3("bench_g4_to_g2").expect("S3 server");
+                let n = if q { 16 } else { 64 };
+                let (batch, concurrency) = (8, 2);
+                let rounds = g4_to_g2(&s3, n, batch, concurrency, if q { 1 } else { 5 }).await;
+                let mut ratios: Vec<f64> = rounds
+                    .iter()
+                    .map(|(piped, raw)| raw.as_secs_f64() / piped.as_secs_f64())
+                    .collect();
+                ratios.sort_by(f64::total_cmp);
+                let last = rounds.last().unwrap();
+                let mib = (n * big_geometry(1).config().block_bytes()) as f64 / (1 << 20) as f64;
+                println!(
+                    "G4->G2 S3 (upward lane, keyed BlockMover, batches of {batch}, max_concurrent_transfers {concurrency}), {n} blocks x {} KiB: pipeline {:.0} MiB/s, raw object_store GET ({} in flight) {:.0} MiB/s (last run); ratio median {:.3} (min {:.3}, max {:.3})  [goal >= 0.9]",
+                    big_geometry(1).config().block_bytes() / 1024,
+                    mib / last.0.as_secs_f64(),
+                    batch * concurrency,
+                    mib / last.1.as_secs_f64(),
+                    ratios[ratios.len() / 2],
+                    ratios[0],
+                    ratios[ratios.len() - 1]
+                );
+            }
         }
     });
 }

@@ -307,6 +307,9 @@ pub struct ResolvedBlock<T: Tier> {
     pub block_id: BlockId,
     /// The content's sequence hash.
     pub sequence_hash: SequenceHash,
+    /// The content's 256-bit digest, for BLAKE3 sequences (its identity in tiers that leave
+    /// the process).
+    pub digest: Option<kvbm_logical::BlockDigest>,
     holder: Option<ImmutableBlock<T>>,
     _pending: Option<PendingGuard>,
 }
@@ -565,20 +568,23 @@ pub(crate) fn upgrade_batch<T: Tier, A>(batch: OffloadBatch<T, A>) -> ResolvedBa
         let start = blocks.len();
         for ((src, pend), dest) in sources.into_iter().zip(pending).zip(attached) {
             let resolved = match src {
-                SourceBlock::External(e) => Some((e.block_id, e.sequence_hash, None)),
-                SourceBlock::Strong(b) => Some((b.block_id(), b.sequence_hash(), Some(b))),
+                SourceBlock::External(e) => Some((e.block_id, e.sequence_hash, e.digest, None)),
+                SourceBlock::Strong(b) => {
+                    Some((b.block_id(), b.sequence_hash(), b.digest(), Some(b)))
+                }
                 SourceBlock::Weak(w) => match w.upgrade() {
-                    Some(b) => Some((b.block_id(), b.sequence_hash(), Some(b))),
+                    Some(b) => Some((b.block_id(), b.sequence_hash(), b.digest(), Some(b))),
                     None => {
                         evicted.push(w.sequence_hash());
                         None
                     }
                 },
             };
-            if let Some((block_id, sequence_hash, holder)) = resolved {
+            if let Some((block_id, sequence_hash, digest, holder)) = resolved {
                 blocks.push(ResolvedBlock {
                     block_id,
                     sequence_hash,
+                    digest,
                     holder,
                     _pending: pend,
                 });

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  OffloadEngine::builder(registry)
-//!     .tier::<G1>(layout, None) .tier::<G2>(layout, Some(g2)) .tier::<G3>(layout, Some(g3))
+//!     .external_tier::<G1>(layout) .tier(BoundTier::<G2>::new(..)?) .tier(BoundTier::<G3>::new(..)?)
 //!     .lane(LaneSpec::over_tiers(PipelineBuilder::<G1, G2>::new().build()))     G1→G2 ─┐ chain
 //!     .lane(LaneSpec::over_tiers(PipelineBuilder::<G2, G3>::new().build()))     G2→G3 ◄┘
 //!     .lane(LaneSpec::onboarding(PipelineBuilder::<G3, G2>::new()
@@ -14,8 +14,10 @@
 //!
 //! A lane is its (source, destination) pair; the engine keeps one pipeline per pair, with no
 //! positional arrays and no per-direction code: every lane is spawned by the same generic path.
-//! A tier is *bound* once (its layout in the transfer manager and, for a destination, its block
-//! manager); a lane built [`over_tiers`](LaneSpec::over_tiers) gets a
+//! A tier is *bound* once: a [`BoundTier`] (its block manager and layout, whose counts were
+//! checked to agree), or, for a source whose slots the caller manages (G1 of the inference
+//! engine), only its layout ([`external_tier`](OffloadEngineBuilder::external_tier)); a lane
+//! built [`over_tiers`](LaneSpec::over_tiers) gets a
 //! [`BlockTransferExecutor`] (the executor allocates destinations) and one built for
 //! [`onboarding`](LaneSpec::onboarding) a [`CallerAllocated`] executor over the same
 //! [`BlockMover`]; [`LaneSpec::with_executor`] supplies any executor (tests, custom transports,
@@ -39,6 +41,7 @@ use kvbm_logical::{BlockManager, BlockRegistry, G2, ImmutableBlock, MutableBlock
 use kvbm_physical::{LayoutHandle, TransferManager};
 use tokio::runtime::Handle;
 
+use crate::bound::BoundTier;
 use crate::error::OffloadError;
 use crate::executor::TransferExecutor;
 use crate::handle::TransferHandle;
@@ -90,10 +93,10 @@ impl RunningLane for ObjectPipeline {
     }
 }
 
-/// A tier bound to the engine: its layout and, for a destination, its block manager.
+/// A tier bound to the engine: its layout and, unless external, its [`BoundTier`] (type-erased).
 struct TierBinding {
     layout: LayoutHandle,
-    manager: Option<Arc<dyn Any + Send + Sync>>,
+    bound: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 /// What a lane's spawner may use.
@@ -124,21 +127,32 @@ impl Ctx<'_> {
             .ok_or(OffloadError::MissingTier(tier))
     }
 
-    fn manager<T: Tier>(&self) -> Result<Arc<BlockManager<T>>, OffloadError> {
+    fn bound<T: Tier>(&self) -> Result<&BoundTier<T>, OffloadError> {
         self.tiers
             .get(&T::ID)
-            .and_then(|b| b.manager.clone())
-            .and_then(|m| m.downcast::<BlockManager<T>>().ok())
+            .and_then(|b| b.bound.as_ref())
+            .and_then(|m| m.downcast_ref::<BoundTier<T>>())
             .ok_or(OffloadError::MissingTier(T::ID))
     }
 
+    fn manager<T: Tier>(&self) -> Result<Arc<BlockManager<T>>, OffloadError> {
+        self.bound::<T>().map(|b| b.manager().clone())
+    }
+
+    /// The mover between two bound tiers, or from an external source into a bound tier.
     fn mover<S: Tier, D: Tier>(&self) -> Result<BlockMover<S, D>, OffloadError> {
-        Ok(BlockMover::new(
-            self.tm()?,
-            self.layout(S::ID)?,
-            self.layout(D::ID)?,
-            self.manager::<D>()?,
-        ))
+        let tm = self.tm()?;
+        let dst = self.bound::<D>()?;
+        if !Arc::ptr_eq(dst.transfer_manager(), &tm) {
+            return Err(OffloadError::InvalidConfig(format!(
+                "tier {:?} is bound to another transfer manager than the engine's",
+                D::ID
+            )));
+        }
+        match self.bound::<S>() {
+            Ok(src) => BlockMover::new(src, dst),
+            Err(_) => BlockMover::from_layout(self.layout(S::ID)?, dst),
+        }
     }
 
     /// The sink handing `lane`'s registered blocks to the lane it is chained to, if any.
@@ -327,18 +341,27 @@ impl OffloadEngineBuilder {
         self
     }
 
-    /// Binds tier `T`: its layout in the transfer manager and, when it is a destination, its
-    /// block manager (whose block ids are the layout's slot ids).
-    pub fn tier<T: Tier>(
-        mut self,
-        layout: LayoutHandle,
-        manager: Option<Arc<BlockManager<T>>>,
-    ) -> Self {
+    /// Binds tier `T`: its block manager and layout, one block-id space (see [`BoundTier`]).
+    /// Its transfer manager must be the engine's.
+    pub fn tier<T: Tier>(mut self, tier: BoundTier<T>) -> Self {
+        self.tiers.insert(
+            T::ID,
+            TierBinding {
+                layout: tier.layout(),
+                bound: Some(Arc::new(tier) as Arc<dyn Any + Send + Sync>),
+            },
+        );
+        self
+    }
+
+    /// Binds a source tier whose slots the caller manages outside `kvbm-logical` (G1 of the
+    /// inference engine): only its layout. It cannot be a lane's destination.
+    pub fn external_tier<T: Tier>(mut self, layout: LayoutHandle) -> Self {
         self.tiers.insert(
             T::ID,
             TierBinding {
                 layout,
-                manager: manager.map(|m| m as Arc<dyn Any + Send + Sync>),
+                bound: None,
             },
         );
         self

@@ -181,6 +181,19 @@ pub enum OffloadError {
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// A tier's block manager and its layout disagree on the number of blocks, so their ids
+    /// would not be one space ([`BoundTier::new`](crate::BoundTier::new)).
+    #[error(
+        "tier {tier:?}: the block manager has {manager_blocks} blocks but the layout has {layout_blocks} slots"
+    )]
+    TierSizeMismatch {
+        /// The tier.
+        tier: kvbm_logical::TierId,
+        /// Blocks in the manager.
+        manager_blocks: usize,
+        /// Slots in the layout.
+        layout_blocks: usize,
+    },
     /// A layout or object store could not be set up.
     #[error("setup failed: {0}")]
     Setup(String),

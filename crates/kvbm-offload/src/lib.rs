@@ -3,6 +3,7 @@
 // What a user composes is re-exported at the root; stage internals (queues, the sweeper,
 // outstanding guards, containers and `upgrade_batch`) stay crate-private.
 mod batch;
+mod bound;
 mod cancel;
 pub mod config;
 mod engine;
@@ -21,6 +22,7 @@ mod sweep;
 mod transfer;
 
 pub use batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
+pub use bound::BoundTier;
 pub use cancel::{CancelConfirmation, CancelState, CancellationToken};
 pub use config::{
     BatchConfig, DEFAULT_OBJECT_POLICY_TIMEOUT, MAX_CONCURRENT_TRANSFERS, ObjectPipelineConfig,
@@ -36,7 +38,7 @@ pub use handle::{
 pub use object::{
     DEFAULT_LOCK_TTL, DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline,
     ObjectPipelineBuilder, ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
-    block_identity, lock_key, object_key,
+    block_identity, identity_of, lock_key, object_key,
 };
 pub use pending::{PendingGuard, PendingTracker};
 pub use pipeline::{
@@ -53,5 +55,6 @@ pub use settlement::{
 };
 pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
 pub use transfer::{
-    BlockMover, BlockTransferExecutor, CallerAllocated, MoveOutcome, ObjectTransferExecutor,
+    BlockMover, BlockTransferExecutor, CallerAllocated, MoveOutcome, MoveSource,
+    ObjectTransferExecutor,
 };

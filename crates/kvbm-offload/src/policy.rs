@@ -75,6 +75,9 @@ pub fn async_batch_result(
 pub struct EvalContext {
     /// The block's sequence hash.
     pub sequence_hash: SequenceHash,
+    /// The block's 256-bit digest, for BLAKE3 sequences (the identity its copy in a tier that
+    /// leaves the process must carry; see [`identity_of`](crate::identity_of)).
+    pub digest: Option<kvbm_logical::BlockDigest>,
     /// The source block's id when known before upgrade (external and strong blocks).
     pub block_id: Option<usize>,
     /// Tier the block is in.

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use kvbm_logical::{BlockId, ImmutableBlock, SequenceHash, Tier, WeakBlock};
+use kvbm_logical::{BlockDigest, BlockId, ImmutableBlock, SequenceHash, Tier, WeakBlock};
 use tokio::sync::oneshot;
 
 /// External block reference with sequence hash for registration.
@@ -17,15 +17,25 @@ pub struct ExternalBlock {
     pub block_id: BlockId,
     /// The content's sequence hash.
     pub sequence_hash: SequenceHash,
+    /// The content's 256-bit digest, for BLAKE3 sequences (registered with the destination
+    /// and bound as the identity of copies that leave the process).
+    pub digest: Option<BlockDigest>,
 }
 
 impl ExternalBlock {
-    /// A reference to slot `block_id` holding `sequence_hash`.
+    /// A reference to slot `block_id` holding `sequence_hash` (no digest).
     pub fn new(block_id: BlockId, sequence_hash: SequenceHash) -> Self {
         Self {
             block_id,
             sequence_hash,
+            digest: None,
         }
+    }
+
+    /// The same reference, with the content's digest.
+    pub fn with_digest(mut self, digest: Option<BlockDigest>) -> Self {
+        self.digest = digest;
+        self
     }
 }
 
@@ -49,6 +59,16 @@ impl<T: Tier> SourceBlock<T> {
             Self::External(e) => e.sequence_hash,
             Self::Strong(b) => b.sequence_hash(),
             Self::Weak(w) => w.sequence_hash(),
+        }
+    }
+
+    /// The content's 256-bit digest, if it has one.
+    #[inline]
+    pub fn digest(&self) -> Option<BlockDigest> {
+        match self {
+            Self::External(e) => e.digest,
+            Self::Strong(b) => b.digest(),
+            Self::Weak(w) => w.digest(),
         }
     }
 

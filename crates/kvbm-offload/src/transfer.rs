@@ -12,20 +12,26 @@
 //! The destination block is registered only after its bytes arrived, so the registry never
 //! claims a block is present in a tier that does not hold it. Object keys are derived from the
 //! sequence hash ([`object_key`]), the same mapping the presence checks and locks use, and every
-//! transfer passes the blocks' sequence hashes as their identities ([`block_identity`]), so a
-//! disk slot or object holding another block is an identity mismatch, never served.
+//! transfer passes each block's identity ([`identity_of`]: its 256-bit BLAKE3 digest when it has
+//! one, else its sequence hash), so a disk slot or object holding another block (including one
+//! whose 64-bit chain value collides) is an identity mismatch, never served. The destination is
+//! registered with the source's digest, so the identity travels with the block from tier to
+//! tier.
 
 use std::future::Future;
 use std::sync::Arc;
 
-use kvbm_logical::{BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier};
+use kvbm_logical::{
+    BlockDigest, BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
+};
 use kvbm_physical::{LayoutHandle, ObjectPutMode, PhysicalError, TransferManager, TransferOptions};
 
-use crate::batch::{BatchOutcome, ResolvedBatch};
-use crate::error::{BlockFailure, BlockFailureKind};
+use crate::batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
+use crate::bound::BoundTier;
+use crate::error::{BlockFailure, BlockFailureKind, OffloadError};
 use crate::executor::TransferExecutor;
 
-pub use crate::object::keys::{block_identity, object_key};
+pub use crate::object::keys::{identity_of, object_key};
 
 fn fail_all<R>(n: usize, kind: BlockFailureKind, message: &str) -> BatchOutcome<R> {
     (0..n)
@@ -46,6 +52,71 @@ fn fail_all_physical<R>(n: usize, e: PhysicalError) -> BatchOutcome<R> {
 
 /// What one block move yields: the destination block, registered, or why not.
 pub type MoveOutcome<Dst> = Result<ImmutableBlock<Dst>, BlockFailure>;
+
+/// One source of a move: the slot it is read from and the identity its content must have.
+///
+/// `digest` is the identity the caller *expects*: for a read from a tier that leaves the process
+/// (G3, G4) it is compared with the identity stored in the slot's or object's header, so it
+/// should come from the request (the caller's own [`TokenBlock`](kvbm_logical::TokenBlock)),
+/// not from the stored block. `(BlockId, SequenceHash)` converts with no digest (identity: the
+/// sequence hash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoveSource {
+    /// Slot in the source layout (ignored for a keyed source).
+    pub block_id: BlockId,
+    /// The content's sequence hash (registered in the destination; the object key).
+    pub sequence_hash: SequenceHash,
+    /// The content's 256-bit digest, for BLAKE3 sequences.
+    pub digest: Option<BlockDigest>,
+}
+
+impl MoveSource {
+    /// A source with the identity of a registered block (its hash and digest).
+    pub fn of<T: Tier>(block: &ImmutableBlock<T>) -> Self {
+        Self {
+            block_id: block.block_id(),
+            sequence_hash: block.sequence_hash(),
+            digest: block.digest(),
+        }
+    }
+
+    /// The identity written into and required of the header ([`identity_of`]).
+    pub fn identity(&self) -> kvbm_physical::BlockIdentity {
+        identity_of(self.sequence_hash, self.digest)
+    }
+}
+
+impl From<(BlockId, SequenceHash)> for MoveSource {
+    fn from((block_id, sequence_hash): (BlockId, SequenceHash)) -> Self {
+        Self {
+            block_id,
+            sequence_hash,
+            digest: None,
+        }
+    }
+}
+
+impl From<(BlockId, SequenceHash, Option<BlockDigest>)> for MoveSource {
+    fn from(
+        (block_id, sequence_hash, digest): (BlockId, SequenceHash, Option<BlockDigest>),
+    ) -> Self {
+        Self {
+            block_id,
+            sequence_hash,
+            digest,
+        }
+    }
+}
+
+impl<T: Tier> From<&ResolvedBlock<T>> for MoveSource {
+    fn from(b: &ResolvedBlock<T>) -> Self {
+        Self {
+            block_id: b.block_id,
+            sequence_hash: b.sequence_hash,
+            digest: b.digest,
+        }
+    }
+}
 
 /// The one block move, for every direction (G1↔G2, G2↔G3, …): copies source slots of `Src`
 /// into **caller-allocated** destination blocks of `Dst` and registers each destination whose
@@ -96,9 +167,53 @@ impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockMover<Src, Dst> {
 }
 
 impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
-    /// A mover from `src_layout` (whose slot ids are the source blocks' ids) into `dst_layout`
-    /// (whose slot ids are `dst`'s block ids).
-    pub fn new(
+    /// A mover between two bound tiers (their block ids are their layouts' slot ids, checked
+    /// by [`BoundTier::new`]). A keyed source (an object layout) reads each block from its key.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when the two tiers are bound to different transfer
+    /// managers, or the destination is keyed (objects are written by
+    /// [`ObjectTransferExecutor`]).
+    pub fn new(src: &BoundTier<Src>, dst: &BoundTier<Dst>) -> Result<Self, OffloadError> {
+        if !Arc::ptr_eq(src.transfer_manager(), dst.transfer_manager()) {
+            return Err(OffloadError::InvalidConfig(format!(
+                "mover {:?} -> {:?}: the tiers are bound to different transfer managers",
+                Src::ID,
+                Dst::ID
+            )));
+        }
+        let mut mover = Self::from_layout(src.layout(), dst)?;
+        mover.keyed = src.is_keyed();
+        Ok(mover)
+    }
+
+    /// A mover from a source the caller manages outside `kvbm-logical` (e.g. G1 slots of the
+    /// inference engine, or an object layout read by key with
+    /// [`keyed_source`](Self::keyed_source)), registered with `dst`'s transfer manager, into
+    /// the bound tier `dst`.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when `dst` is keyed.
+    pub fn from_layout(
+        src_layout: LayoutHandle,
+        dst: &BoundTier<Dst>,
+    ) -> Result<Self, OffloadError> {
+        if dst.is_keyed() {
+            return Err(OffloadError::InvalidConfig(format!(
+                "mover into {:?}: a keyed (object) destination is written by ObjectTransferExecutor",
+                Dst::ID
+            )));
+        }
+        Ok(Self::unchecked(
+            dst.transfer_manager().clone(),
+            src_layout,
+            dst.layout(),
+            dst.manager().clone(),
+        ))
+    }
+
+    /// A mover with no bound-tier check (the legacy executor constructor).
+    pub(crate) fn unchecked(
         manager: Arc<TransferManager>,
         src_layout: LayoutHandle,
         dst_layout: LayoutHandle,
@@ -126,14 +241,22 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
         &self.dst
     }
 
-    /// Moves `sources[i]` (source slot id and the hash its content has) into
-    /// `destinations[i]`; one outcome per block, in order. A length mismatch fails every block
-    /// (nothing is moved).
-    pub async fn move_blocks(
+    /// Moves `sources[i]` (source slot id and the identity its content must have, see
+    /// [`MoveSource`]) into `destinations[i]`; one outcome per block, in order. A length
+    /// mismatch fails every block (nothing is moved).
+    ///
+    /// Each destination is registered with the source's hash and digest. A source whose stored
+    /// header names another identity fails with
+    /// [`IdentityMismatch`](BlockFailureKind::IdentityMismatch), and so does a destination whose
+    /// manager already holds the hash under another digest (policy `Reject`): a 64-bit
+    /// collision is never served.
+    pub async fn move_blocks<S: Into<MoveSource> + Copy>(
         &self,
-        sources: &[(BlockId, SequenceHash)],
+        sources: &[S],
         destinations: Vec<MutableBlock<Dst>>,
     ) -> Vec<MoveOutcome<Dst>> {
+        let sources: Vec<MoveSource> = sources.iter().map(|s| (*s).into()).collect();
+        let sources = &sources[..];
         let n = sources.len();
         if destinations.len() != n {
             let m = format!("{} sources but {} destinations", n, destinations.len());
@@ -141,17 +264,20 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
         }
         let dst_ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
         let (src_ids, options): (Vec<BlockId>, _) = if self.keyed {
-            let keys = sources.iter().map(|(_, h)| object_key(*h)).collect();
+            let keys = sources
+                .iter()
+                .map(|s| object_key(s.sequence_hash))
+                .collect();
             ((0..n).collect(), TransferOptions::with_object_keys(keys))
         } else {
             (
-                sources.iter().map(|(id, _)| *id).collect(),
+                sources.iter().map(|s| s.block_id).collect(),
                 TransferOptions::default(),
             )
         };
-        // Every block carries its sequence hash as its identity: a disk slot or object holding
-        // another block is an identity mismatch, never served.
-        let options = options.identities(sources.iter().map(|(_, h)| block_identity(*h)).collect());
+        // Every block carries its identity (full digest or sequence hash): a disk slot or
+        // object holding another block is an identity mismatch, never served.
+        let options = options.identities(sources.iter().map(MoveSource::identity).collect());
         let completion = match self.manager.execute_transfer(
             self.src_layout,
             &src_ids,
@@ -166,14 +292,14 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
         let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
         let mut complete = Vec::with_capacity(n);
         let mut complete_idx = Vec::with_capacity(n);
-        for (i, ((mutable, (_, hash)), (_, r))) in destinations
+        for (i, ((mutable, src), (_, r))) in destinations
             .into_iter()
             .zip(sources)
             .zip(outcome.blocks)
             .enumerate()
         {
             match r {
-                Ok(()) => match mutable.complete(*hash) {
+                Ok(()) => match mutable.complete_with_digest(src.sequence_hash, src.digest) {
                     Ok(c) => {
                         complete.push(c);
                         complete_idx.push(i);
@@ -193,7 +319,20 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             .into_iter()
             .zip(self.dst.register_blocks(complete))
         {
-            results[i] = Some(Ok(registered));
+            // With duplication `Reject`, the manager hands back the block it already holds
+            // under this hash: another block if its digest differs.
+            results[i] = Some(if registered.digest() == sources[i].digest {
+                Ok(registered)
+            } else {
+                Err(BlockFailure::new(
+                    BlockFailureKind::IdentityMismatch,
+                    format!(
+                        "{:?} already holds {} under another identity",
+                        Dst::ID,
+                        sources[i].sequence_hash
+                    ),
+                ))
+            });
         }
         results
             .into_iter()
@@ -208,16 +347,16 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             .collect()
     }
 
-    /// [`move_blocks`](Self::move_blocks) from registered source blocks, held for the move.
+    /// [`move_blocks`](Self::move_blocks) from registered source blocks, held for the move,
+    /// each expected to have the identity it was registered with ([`MoveSource::of`]). To
+    /// verify a read against the identity a request asked for, pass [`MoveSource`]s built
+    /// from the request to [`move_blocks`](Self::move_blocks).
     pub async fn move_from(
         &self,
         sources: &[ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
     ) -> Vec<MoveOutcome<Dst>> {
-        let ids: Vec<(BlockId, SequenceHash)> = sources
-            .iter()
-            .map(|b| (b.block_id(), b.sequence_hash()))
-            .collect();
+        let ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
         self.move_blocks(&ids, destinations).await
     }
 }
@@ -247,7 +386,7 @@ impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
         dst_layout: LayoutHandle,
         dst: Arc<BlockManager<Dst>>,
     ) -> Self {
-        Self::from_mover(BlockMover::new(manager, src_layout, dst_layout, dst))
+        Self::from_mover(BlockMover::unchecked(manager, src_layout, dst_layout, dst))
     }
 
     /// An executor over `mover`.
@@ -269,11 +408,7 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, 
         batch: &ResolvedBatch<Src>,
     ) -> impl Future<Output = BatchOutcome<ImmutableBlock<Dst>>> + Send {
         let n = batch.len();
-        let sources: Vec<(BlockId, SequenceHash)> = batch
-            .blocks()
-            .iter()
-            .map(|b| (b.block_id, b.sequence_hash))
-            .collect();
+        let sources: Vec<MoveSource> = batch.blocks().iter().map(MoveSource::from).collect();
         async move {
             let dst_blocks = match self.mover.destination().allocate_blocks(n) {
                 Ok(b) => b,
@@ -318,11 +453,7 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src, MutableBlock<Dst>> for CallerAl
         &self,
         batch: &ResolvedBatch<Src, MutableBlock<Dst>>,
     ) -> impl Future<Output = BatchOutcome<ImmutableBlock<Dst>>> + Send {
-        let sources: Vec<(BlockId, SequenceHash)> = batch
-            .blocks()
-            .iter()
-            .map(|b| (b.block_id, b.sequence_hash))
-            .collect();
+        let sources: Vec<MoveSource> = batch.blocks().iter().map(MoveSource::from).collect();
         let destinations = batch.take_destinations();
         async move { self.mover.move_blocks(&sources, destinations).await }
     }
@@ -379,14 +510,14 @@ impl<Src: Tier> ObjectTransferExecutor<Src> {
         self
     }
 
-    fn record_presence(&self, hashes: &[SequenceHash]) {
+    fn record_presence(&self, written: &[(SequenceHash, Option<BlockDigest>)]) {
         let Some(g4) = &self.g4 else { return };
-        match g4.allocate_blocks(hashes.len()) {
+        match g4.allocate_blocks(written.len()) {
             Ok(blocks) => {
                 let complete: Vec<_> = blocks
                     .into_iter()
-                    .zip(hashes)
-                    .filter_map(|(b, h)| b.complete(*h).ok())
+                    .zip(written)
+                    .filter_map(|(b, (h, d))| b.complete_with_digest(*h, *d).ok())
                     .collect();
                 drop(g4.register_blocks(complete));
             }
@@ -405,12 +536,19 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
         let n = batch.len();
         let src_ids = batch.block_ids();
         let hashes = batch.sequence_hashes();
+        let digests: Vec<Option<BlockDigest>> = batch.blocks().iter().map(|b| b.digest).collect();
         async move {
             let positions: Vec<usize> = (0..n).collect();
             let options = TransferOptions {
                 object_keys: Some(hashes.iter().map(|h| object_key(*h)).collect()),
                 object_put_mode: self.put_mode,
-                identities: Some(hashes.iter().map(|h| block_identity(*h)).collect()),
+                identities: Some(
+                    hashes
+                        .iter()
+                        .zip(&digests)
+                        .map(|(h, d)| identity_of(*h, *d))
+                        .collect(),
+                ),
                 ..Default::default()
             };
             let completion = match self.manager.execute_transfer(
@@ -426,10 +564,10 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
             let outcome = completion.await;
             let mut out = Vec::with_capacity(n);
             let mut written = Vec::with_capacity(n);
-            for (h, (_, r)) in hashes.iter().zip(outcome.blocks) {
+            for ((h, d), (_, r)) in hashes.iter().zip(&digests).zip(outcome.blocks) {
                 match r {
                     Ok(()) => {
-                        written.push(*h);
+                        written.push((*h, *d));
                         out.push(Ok(*h));
                     }
                     Err(e) => out.push(Err(physical_failure(e))),

@@ -205,10 +205,10 @@ async fn engine_auto_chain_moves_g1_completions_to_g3() {
     let g2_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
     let g3_h = disk_layout(&tm, geometry(n), &dir.path().join("g3.bin"));
     let engine = OffloadEngine::builder(registry.clone())
-        .with_transfer_manager(tm)
-        .tier::<G1>(g1_h, None)
-        .tier::<G2>(g2_h, Some(g2.clone()))
-        .tier::<G3>(g3_h, Some(g3.clone()))
+        .with_transfer_manager(tm.clone())
+        .external_tier::<G1>(g1_h)
+        .tier(BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap())
+        .tier(BoundTier::new(tm, g3_h, g3.clone()).unwrap())
         .lane(LaneSpec::over_tiers(
             PipelineBuilder::<G1, G2>::new().min_batch_size(1).build(),
         ))

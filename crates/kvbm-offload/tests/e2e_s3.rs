@@ -161,6 +161,7 @@ async fn object_lock_is_exclusive_and_released() {
     let two = ObjectLockPresenceFilter::new(storage.clone(), "two");
     let ctx = |h: SequenceHash| EvalContext {
         sequence_hash: h,
+        digest: None,
         block_id: None,
         source: kvbm_logical::TierId::G2,
         destination: kvbm_logical::TierId::G4,
@@ -198,7 +199,10 @@ async fn object_lock_is_exclusive_and_released() {
 
     let checker = S3PresenceChecker::new(storage.clone());
     assert_eq!(
-        checker.has_blocks(vec![hash(1), hash(2)]).await.unwrap(),
+        checker
+            .has_blocks(vec![(hash(1), None), (hash(2), None)])
+            .await
+            .unwrap(),
         vec![false, false]
     );
 }
@@ -222,6 +226,7 @@ async fn locks_interrupted_by_timeout_are_released() {
             .iter()
             .map(|&h| EvalContext {
                 sequence_hash: h,
+                digest: None,
                 block_id: None,
                 source: kvbm_logical::TierId::G2,
                 destination: kvbm_logical::TierId::G4,
@@ -279,6 +284,7 @@ async fn lock_body(storage: &ObjectStorage, h: SequenceHash) -> Option<bytes::By
 async fn eval_one(f: &ObjectLockPresenceFilter, h: SequenceHash) -> bool {
     let ctx = EvalContext {
         sequence_hash: h,
+        digest: None,
         block_id: None,
         source: kvbm_logical::TierId::G2,
         destination: kvbm_logical::TierId::G4,
@@ -478,7 +484,10 @@ async fn fail_closed_foreign_object_is_rewritten() {
     .unwrap();
     let checker = S3PresenceChecker::new(storage.clone());
     assert_eq!(
-        checker.has_blocks(vec![hash(0), hash(1)]).await.unwrap(),
+        checker
+            .has_blocks(vec![(hash(0), None), (hash(1), None)])
+            .await
+            .unwrap(),
         vec![true, false],
         "a foreign object is not present"
     );
@@ -494,7 +503,10 @@ async fn fail_closed_foreign_object_is_rewritten() {
         vec![hash(1)],
         "the foreign object is rewritten: {r:?}"
     );
-    assert_eq!(checker.has_blocks(vec![hash(1)]).await.unwrap(), vec![true]);
+    assert_eq!(
+        checker.has_blocks(vec![(hash(1), None)]).await.unwrap(),
+        vec![true]
+    );
     a.shutdown_and_wait().await;
 }
 

@@ -47,7 +47,10 @@ impl OffloadPolicy for PanickingRelease {
 struct EmptyChecker;
 
 impl PresenceChecker for EmptyChecker {
-    fn has_blocks(&self, _hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
+    fn has_blocks(
+        &self,
+        _blocks: Vec<(SequenceHash, Option<kvbm_logical::BlockDigest>)>,
+    ) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
         Box::pin(async { Ok(Vec::new()) })
     }
 }

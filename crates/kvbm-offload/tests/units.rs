@@ -13,6 +13,7 @@ use kvbm_offload::*;
 fn ctx(i: u32, dst: TierId) -> EvalContext {
     EvalContext {
         sequence_hash: hash(i),
+        digest: None,
         block_id: Some(i as usize),
         source: TierId::G2,
         destination: dst,

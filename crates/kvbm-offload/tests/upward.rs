@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, ImmutableBlock, MutableBlock, TierId};
+use kvbm_logical::{
+    BlockDigest, BlockManager, BlockRegistry, G2, G3, HashAlgorithm, ImmutableBlock, MutableBlock,
+    Salt, TierId, TokenBlockSequence,
+};
 use kvbm_offload::*;
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
 use parking_lot::Mutex;
@@ -316,7 +319,13 @@ async fn g2_g3_g2_round_trip_on_o_direct_through_the_upward_lane() {
         .min_batch_size(1)
         .build()
         .spawn_with_sink(
-            CallerAllocated::new(BlockMover::new(tm.clone(), g3_h, back_h, g2_back.clone())),
+            CallerAllocated::new(
+                BlockMover::from_layout(
+                    g3_h,
+                    &BoundTier::new(tm.clone(), back_h, g2_back.clone()).unwrap(),
+                )
+                .unwrap(),
+            ),
             Some(Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
                 sink_arrived.lock().extend(blocks)
             })),
@@ -386,7 +395,11 @@ async fn block_mover_reports_typed_failure_and_returns_the_destination() {
     let tm = Arc::new(TransferManager::new().unwrap());
     let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
     let g2_h = host_layout(&tm, geometry(), PinPolicy::Unpinned);
-    let mover = BlockMover::<G3, G2>::new(tm.clone(), g3_h, g2_h, g2.clone());
+    let mover = BlockMover::<G3, G2>::from_layout(
+        g3_h,
+        &BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap(),
+    )
+    .unwrap();
     let out = mover
         .move_blocks(
             &[(1, hash(1)), (2, hash(2))],
@@ -436,8 +449,8 @@ fn engine_built_from_a_list_of_lanes_moves_blocks_both_ways() {
     let engine = OffloadEngine::builder(registry.clone())
         .runtime(rt.handle().clone())
         .with_transfer_manager(tm.clone())
-        .tier::<G2>(g2_h, Some(g2.clone()))
-        .tier::<G3>(g3_h, Some(g3.clone()))
+        .tier(BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap())
+        .tier(BoundTier::new(tm.clone(), g3_h, g3.clone()).unwrap())
         .lane(LaneSpec::over_tiers(
             PipelineBuilder::<G2, G3>::new().min_batch_size(1).build(),
         ))
@@ -553,12 +566,10 @@ async fn g2_to_g1_onboarding_lane_moves_bytes_into_caller_allocated_g1_blocks() 
         .caller_allocated()
         .min_batch_size(1)
         .build()
-        .spawn(CallerAllocated::new(BlockMover::new(
-            tm.clone(),
-            g2_h,
-            g1_h,
-            g1.clone(),
-        )))
+        .spawn(CallerAllocated::new(
+            BlockMover::from_layout(g2_h, &BoundTier::new(tm.clone(), g1_h, g1.clone()).unwrap())
+                .unwrap(),
+        ))
         .unwrap();
     assert_eq!(up.lane(), PipelineLane::G2_TO_G1);
     let g2 = manager::<G2>(n, None);
@@ -579,4 +590,142 @@ async fn g2_to_g1_onboarding_lane_moves_bytes_into_caller_allocated_g1_blocks() 
         assert_eq!(bytes(&src, s.block_id()), bytes(&dst, d.block_id()));
     }
     up.shutdown_and_wait().await;
+}
+
+/// Two blocks of BLAKE3 sequences that share one sequence hash (a 64-bit chain collision,
+/// constructed by giving tenant B tenant A's hash) but have different digests.
+fn colliding_blocks() -> (kvbm_logical::SequenceHash, BlockDigest, BlockDigest) {
+    let block = |salt: &str, t: u32| {
+        let s = TokenBlockSequence::from_tokens_with(
+            &[t, t + 1, t + 2, t + 3],
+            4,
+            Salt::new(salt),
+            HashAlgorithm::Blake3,
+        )
+        .unwrap();
+        (
+            s.blocks()[0].sequence_hash(),
+            s.blocks()[0].digest().unwrap(),
+        )
+    };
+    let (h, da) = block("tenant-a", 1);
+    let (_, db) = block("tenant-b", 900);
+    assert_ne!(da, db);
+    (h, da, db)
+}
+
+/// Issue 10 item 4: G3 binds a block's full 256-bit BLAKE3 digest as its identity, not the
+/// 64-bit chain value its sequence hash packs. Tenant A's block goes G2→G3 through the one move
+/// (bound tiers) and reads back verified; tenant B asking for the same sequence hash with its own
+/// digest is refused as an identity mismatch and gets nothing registered. With the hash as the
+/// identity (today's code), B was served A's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_g3_identity_is_the_full_digest() {
+    let dir = scratch();
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&host, 0x21);
+    let g2 = Arc::new(manager::<G2>(n, None));
+    let g3 = Arc::new(manager::<G3>(n, None));
+    let g2b = BoundTier::new(tm.clone(), tm.register_layout(host).unwrap(), g2.clone()).unwrap();
+    let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let g3b = BoundTier::new(tm.clone(), g3_h, g3.clone()).unwrap();
+    let (h, da, db) = colliding_blocks();
+
+    let a_g2 = g2.register_blocks(vec![
+        g2b.allocate(1)
+            .unwrap()
+            .pop()
+            .unwrap()
+            .complete_with_digest(h, Some(da))
+            .unwrap(),
+    ]);
+    let down = BlockMover::new(&g2b, &g3b).unwrap();
+    let on_g3: Vec<ImmutableBlock<G3>> = down
+        .move_from(&a_g2, g3b.allocate(1).unwrap())
+        .await
+        .into_iter()
+        .map(|r| r.expect("A offloaded"))
+        .collect();
+    assert_eq!(
+        on_g3[0].digest(),
+        Some(da),
+        "the digest travels with the block"
+    );
+    let slot = on_g3[0].block_id();
+
+    let up = BlockMover::new(&g3b, &g2b).unwrap();
+    // A's own read verifies.
+    let back = up.move_from(&on_g3, g2b.allocate(1).unwrap()).await;
+    assert_eq!(
+        back[0].as_ref().expect("A reads its block").digest(),
+        Some(da)
+    );
+    drop(back);
+    let before = g2.pool_counts();
+
+    // B: same sequence hash, another digest.
+    let b = MoveSource {
+        block_id: slot,
+        sequence_hash: h,
+        digest: Some(db),
+    };
+    let out = up.move_blocks(&[b], g2b.allocate(1).unwrap()).await;
+    let err = out[0]
+        .as_ref()
+        .expect_err("a colliding hash must not be served");
+    assert_eq!(err.kind, BlockFailureKind::IdentityMismatch, "{err}");
+    // The hash alone (the identity today's code bound) is refused as well.
+    let out = up.move_blocks(&[(slot, h)], g2b.allocate(1).unwrap()).await;
+    let err = out[0].as_ref().expect_err("hash-only identity refused");
+    assert_eq!(err.kind, BlockFailureKind::IdentityMismatch, "{err}");
+    assert_eq!(g2.pool_counts(), before, "nothing registered for B");
+}
+
+/// A manager that already holds a hash under another digest (duplication `reject`) hands back
+/// its own block: the move reports an identity mismatch instead of passing it off as B's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_destination_holding_another_digest_is_a_mismatch() {
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let src = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&src, 0x44);
+    let src_h = tm.register_layout(src).unwrap();
+    let g2 = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(n)
+            .block_size(4)
+            .duplication_policy(kvbm_logical::DuplicationPolicy::Reject)
+            .build()
+            .unwrap(),
+    );
+    let g2b = BoundTier::new(
+        tm.clone(),
+        host_layout(&tm, geometry(), PinPolicy::Unpinned),
+        g2.clone(),
+    )
+    .unwrap();
+    let (h, da, db) = colliding_blocks();
+    let _held = g2.register_blocks(vec![
+        g2b.allocate(1)
+            .unwrap()
+            .pop()
+            .unwrap()
+            .complete_with_digest(h, Some(da))
+            .unwrap(),
+    ]);
+    let mover = BlockMover::<kvbm_logical::G1, G2>::from_layout(src_h, &g2b).unwrap();
+    let out = mover
+        .move_blocks(&[(0, h, Some(db))], g2b.allocate(1).unwrap())
+        .await;
+    let err = out[0].as_ref().expect_err("another block's registration");
+    assert_eq!(err.kind, BlockFailureKind::IdentityMismatch, "{err}");
+    // Same digest: the existing block is the one asked for.
+    let out = mover
+        .move_blocks(&[(0, h, Some(da))], g2b.allocate(1).unwrap())
+        .await;
+    assert!(out[0].is_ok());
 }

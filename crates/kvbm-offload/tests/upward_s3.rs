@@ -98,8 +98,12 @@ async fn g2_g4_g2_round_trip_through_the_upward_object_lane() {
         .build()
         .spawn_with_sink(
             CallerAllocated::new(
-                BlockMover::<G4, G2>::new(tm.clone(), obj_h, back_h, g2_back.clone())
-                    .keyed_source(),
+                BlockMover::<G4, G2>::from_layout(
+                    obj_h,
+                    &BoundTier::new(tm.clone(), back_h, g2_back.clone()).unwrap(),
+                )
+                .unwrap()
+                .keyed_source(),
             ),
             Some(Arc::new(move |b: Vec<ImmutableBlock<G2>>| {
                 sink.lock().extend(b)
@@ -150,4 +154,96 @@ async fn g2_g4_g2_round_trip_through_the_upward_object_lane() {
     }
     down.pipeline().shutdown_and_wait().await;
     up.shutdown_and_wait().await;
+}
+
+/// Issue 10 item 4 on G4: an object binds its block's full 256-bit BLAKE3 digest. Tenant A's
+/// block is written with its digest (and a second offload finds it present by that digest);
+/// A reads it back through a mover between bound tiers (the G4 tier is keyed); tenant B asking
+/// for the same sequence hash (so the same object key) with its own digest is refused as an
+/// identity mismatch. With the hash as the identity (today's code), B was served A's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_g4_identity_is_the_full_digest() {
+    let Some(storage) = storage("digest") else {
+        return;
+    };
+    let n = 2;
+    let geometry = || common::geometry(n, 2, 32);
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&host, 0x6b);
+    let g2_h = tm.register_layout(host).unwrap();
+    let obj_h = tm
+        .register_layout(PhysicalLayout::object(geometry(), storage.clone()))
+        .unwrap();
+    let g4 = Arc::new(manager::<G4>(n, None));
+    let g4b = BoundTier::new(tm.clone(), obj_h, g4.clone()).unwrap();
+    assert!(g4b.is_keyed());
+    let block = |salt: &str, t: u32| {
+        let s = kvbm_logical::TokenBlockSequence::from_tokens_with(
+            &[t, t + 1, t + 2, t + 3],
+            4,
+            kvbm_logical::Salt::new(salt),
+            kvbm_logical::HashAlgorithm::Blake3,
+        )
+        .unwrap();
+        (
+            s.blocks()[0].sequence_hash(),
+            s.blocks()[0].digest().unwrap(),
+        )
+    };
+    let (h, da) = block("tenant-a", 1);
+    let (_, db) = block("tenant-b", 900);
+
+    let down = ObjectPipelineBuilder::new(storage.clone())
+        .spawn(
+            ObjectTransferExecutor::<G2>::new(tm.clone(), g2_h, obj_h).with_g4_manager(g4.clone()),
+        )
+        .unwrap();
+    let a = ExternalBlock::new(0, h).with_digest(Some(da));
+    let r = down
+        .enqueue(vec![a], None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.completed_blocks, vec![h], "{r:?}");
+    assert_eq!(g4.match_blocks(&[h])[0].digest(), Some(da));
+    // Present by its digest: a second offload writes nothing.
+    let r = down
+        .enqueue(vec![a], None)
+        .await
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    assert_eq!(r.filtered_blocks, vec![h], "{r:?}");
+    assert!(
+        r.completed_blocks.is_empty() && r.failed_blocks.is_empty(),
+        "{r:?}"
+    );
+
+    let back_h = common::host_layout(&tm, geometry(), PinPolicy::Unpinned);
+    let g2 = Arc::new(manager::<G2>(n, None));
+    let g2b = BoundTier::new(tm.clone(), back_h, g2.clone()).unwrap();
+    let up = BlockMover::new(&g4b, &g2b).unwrap();
+    let out = up
+        .move_blocks(&[(0, h, Some(da))], g2b.allocate(1).unwrap())
+        .await;
+    let got = out[0].as_ref().expect("A reads its own block");
+    assert_eq!(got.digest(), Some(da));
+    assert_eq!(
+        block_bytes(&tm.layout(g2_h).unwrap(), 0),
+        block_bytes(&tm.layout(back_h).unwrap(), got.block_id())
+    );
+    let before = g2.pool_counts();
+    let out = up
+        .move_blocks(&[(0, h, Some(db))], g2b.allocate(1).unwrap())
+        .await;
+    let err = out[0]
+        .as_ref()
+        .expect_err("a colliding hash must not be served");
+    assert_eq!(err.kind, BlockFailureKind::IdentityMismatch, "{err}");
+    assert_eq!(g2.pool_counts(), before, "nothing registered for B");
+    down.pipeline().shutdown_and_wait().await;
 }

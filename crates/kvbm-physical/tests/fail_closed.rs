@@ -399,6 +399,40 @@ async fn fail_closed_tp_ranks_keep_their_own_bytes() {
     }
 }
 
+/// A rank outside its world (or a world of 0) is refused up front, naming the key: with
+/// `tp_rank >= tp_world_size` a rank would share another rank's key directory (or, with world 1,
+/// the rank-less one) instead of its own.
+#[tokio::test]
+async fn fail_closed_tp_rank_out_of_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = |rank, world| ObjectConfig {
+        tp_rank: rank,
+        tp_world_size: world,
+        ..ObjectConfig::default()
+    };
+    for (rank, world, key) in [
+        (1, 1, "tp_rank"),
+        (2, 2, "tp_rank"),
+        (0, 0, "tp_world_size"),
+    ] {
+        let err = bad(rank, world).validate().expect_err("out of range");
+        assert!(
+            err.to_string().contains(&format!("physical.object.{key}")),
+            "{err}"
+        );
+        assert!(ObjectStorage::local(dir.path(), bad(rank, world)).is_err());
+        let raw: Arc<dyn object_store::ObjectStore> =
+            Arc::new(object_store::memory::InMemory::new());
+        assert!(ObjectStorage::try_new(raw.clone(), bad(rank, world)).is_err());
+        // A storage built without the check refuses every request with the same error.
+        let s = ObjectStorage::new(raw, bad(rank, world));
+        let e = s.exists(&ObjectKey::new("k")).await.expect_err("refused");
+        assert!(e.to_string().contains(key), "{e}");
+    }
+    assert!(bad(1, 2).validate().is_ok());
+    assert!(ObjectConfig::default().validate().is_ok());
+}
+
 // --- Item 5: copies refused up front ---------------------------------------------------------
 
 #[test]

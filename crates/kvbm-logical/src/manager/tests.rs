@@ -827,3 +827,52 @@ fn default_policy_admits_a_block_matched_while_active() {
     assert_eq!(a.evicted, vec![h[1], h[2]], "first sightings go first");
     m.check_invariants().unwrap();
 }
+
+/// A block completed with its BLAKE3 digest carries it once registered, through matches and
+/// upgrades; a slot reused for a hash-only block carries none; with `Reject`, the existing
+/// block keeps its own digest, so a caller can see the collision.
+#[test]
+fn registered_blocks_carry_their_digest() {
+    let tokens: Vec<u32> = (0..2 * BS).collect();
+    let seq = TokenBlockSequence::from_tokens_with(
+        &tokens,
+        BS,
+        Salt::new("t"),
+        crate::HashAlgorithm::Blake3,
+    )
+    .unwrap();
+    let m = BlockManager::<G2>::builder()
+        .block_count(2)
+        .block_size(BS)
+        .duplication_policy(crate::DuplicationPolicy::Reject)
+        .build()
+        .unwrap();
+    let b0 = m.allocate_blocks(1).unwrap().pop().unwrap();
+    let c0 = b0.complete_token_block(&seq.blocks()[0]).unwrap();
+    assert_eq!(c0.digest(), seq.blocks()[0].digest());
+    let r0 = m.register_blocks(vec![c0]).pop().unwrap();
+    assert_eq!(r0.digest(), seq.blocks()[0].digest());
+    let h0 = seq.blocks()[0].sequence_hash();
+    drop(r0);
+    let again = m.match_blocks(&[h0]).pop().unwrap();
+    assert_eq!(again.digest(), seq.blocks()[0].digest());
+    assert_eq!(
+        again.downgrade().upgrade().unwrap().digest(),
+        again.digest()
+    );
+    // Same 64-bit hash, another digest: the registry hands back the existing block, whose
+    // digest differs from the one asked for.
+    let other = crate::BlockDigest([7; 32]);
+    let dup = m.allocate_blocks(1).unwrap().pop().unwrap();
+    let r = m
+        .register_blocks(vec![dup.complete_with_digest(h0, Some(other)).unwrap()])
+        .pop()
+        .unwrap();
+    assert_eq!(r.block_id(), again.block_id());
+    assert_ne!(r.digest(), Some(other));
+    drop((r, again));
+    // Evict both and reuse the slots for hash-only blocks: no stale digest survives.
+    assert_eq!(m.reset_inactive_pool(), 1);
+    let plain = register(&m, &chain(9, 2));
+    assert!(plain.iter().all(|b| b.digest().is_none()));
+}

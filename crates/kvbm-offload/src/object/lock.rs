@@ -106,7 +106,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
-use kvbm_logical::SequenceHash;
+use kvbm_logical::{BlockDigest, SequenceHash};
 use kvbm_physical::{ObjectStorage, PhysicalError, UpdateOutcome};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -299,7 +299,11 @@ impl ObjectLockPresenceFilter {
         }
     }
 
-    async fn check_and_lock(ctx: Arc<LockCtx>, h: SequenceHash) -> Result<bool, PolicyError> {
+    async fn check_and_lock(
+        ctx: Arc<LockCtx>,
+        h: SequenceHash,
+        digest: Option<BlockDigest>,
+    ) -> Result<bool, PolicyError> {
         let LockCtx {
             storage,
             held,
@@ -307,7 +311,7 @@ impl ObjectLockPresenceFilter {
             verify_delay,
             ..
         } = &*ctx;
-        if block_present(storage, h).await? {
+        if block_present(storage, h, digest).await? {
             return Ok(false);
         }
         let token: Arc<str> = format!(
@@ -372,7 +376,7 @@ impl ObjectLockPresenceFilter {
             _ => return Ok(false),
         }
         // Another worker may have finished the object and released its lock in between.
-        if block_present(storage, h).await? {
+        if block_present(storage, h, digest).await? {
             let ours = {
                 let mut held = held.lock();
                 match held.get(&h) {
@@ -477,10 +481,11 @@ impl OffloadPolicy for ObjectLockPresenceFilter {
             verify_delay: self.verify_delay,
             ttl: self.ttl,
         });
-        let hashes: Vec<SequenceHash> = ctxs.iter().map(|c| c.sequence_hash).collect();
+        let names: Vec<(SequenceHash, Option<BlockDigest>)> =
+            ctxs.iter().map(|c| (c.sequence_hash, c.digest)).collect();
         async_batch_result(async move {
-            futures::stream::iter(hashes)
-                .map(|h| Self::check_and_lock(ctx.clone(), h))
+            futures::stream::iter(names)
+                .map(|(h, d)| Self::check_and_lock(ctx.clone(), h, d))
                 .buffered(CHECK_CONCURRENCY)
                 .collect::<Vec<_>>()
                 .await

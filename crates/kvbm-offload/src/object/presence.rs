@@ -9,11 +9,11 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
-use kvbm_logical::SequenceHash;
+use kvbm_logical::{BlockDigest, SequenceHash};
 use kvbm_physical::{ObjectStorage, Presence};
 
 use super::CHECK_CONCURRENCY;
-use super::keys::{block_identity, object_key};
+use super::keys::{identity_of, object_key};
 use crate::error::PolicyError;
 use crate::policy::{
     BoxFuture, EvalContext, OffloadPolicy, PolicyBatchFuture, PolicyFuture, async_batch_result,
@@ -22,17 +22,24 @@ use crate::policy::{
 
 /// Async presence checker for object storage or other external destinations.
 pub trait PresenceChecker: Send + Sync + 'static {
-    /// Whether each block is present, in order.
-    fn has_blocks(&self, hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>>;
+    /// Whether each block (its sequence hash and, for BLAKE3 sequences, its digest: the
+    /// identity its object must carry) is present, in order.
+    fn has_blocks(
+        &self,
+        blocks: Vec<(SequenceHash, Option<BlockDigest>)>,
+    ) -> BoxFuture<Result<Vec<bool>, PolicyError>>;
 }
 
-/// Whether the block `h` is stored in `storage`: its header verified, a foreign object absent.
+/// Whether the block `h` (with `digest`, if any) is stored in `storage`: its header verified
+/// against [`identity_of`], a foreign object (another block's, e.g. one whose 64-bit hash
+/// collides) absent.
 pub(crate) async fn block_present(
     storage: &ObjectStorage,
     h: SequenceHash,
+    digest: Option<BlockDigest>,
 ) -> Result<bool, PolicyError> {
     let key = object_key(h);
-    match storage.probe(&key, &block_identity(h)).await? {
+    match storage.probe(&key, &identity_of(h, digest)).await? {
         Presence::Present => Ok(true),
         Presence::Absent => Ok(false),
         Presence::Foreign(why) => {
@@ -57,13 +64,16 @@ impl S3PresenceChecker {
 }
 
 impl PresenceChecker for S3PresenceChecker {
-    fn has_blocks(&self, hashes: Vec<SequenceHash>) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
+    fn has_blocks(
+        &self,
+        blocks: Vec<(SequenceHash, Option<BlockDigest>)>,
+    ) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
         let storage = self.storage.clone();
         Box::pin(async move {
-            futures::stream::iter(hashes)
-                .map(|h| {
+            futures::stream::iter(blocks)
+                .map(|(h, d)| {
                     let storage = storage.clone();
-                    async move { block_present(&storage, h).await }
+                    async move { block_present(&storage, h, d).await }
                 })
                 .buffered(CHECK_CONCURRENCY)
                 .collect::<Vec<_>>()
@@ -97,13 +107,15 @@ impl<C: PresenceChecker> OffloadPolicy for ObjectPresenceFilter<C> {
         "object_presence"
     }
     fn evaluate(&self, ctx: &EvalContext) -> PolicyFuture {
-        let fut = self.checker.has_blocks(vec![ctx.sequence_hash]);
+        let fut = self
+            .checker
+            .has_blocks(vec![(ctx.sequence_hash, ctx.digest)]);
         async_result(async move { Ok(!fut.await?[0]) })
     }
     fn evaluate_batch(&self, ctxs: &[EvalContext]) -> PolicyBatchFuture {
         let fut = self
             .checker
-            .has_blocks(ctxs.iter().map(|c| c.sequence_hash).collect());
+            .has_blocks(ctxs.iter().map(|c| (c.sequence_hash, c.digest)).collect());
         async_batch_result(async move { Ok(fut.await?.into_iter().map(|p| !p).collect()) })
     }
 }

@@ -21,6 +21,7 @@ fn filter(storage: &Arc<ObjectStorage>) -> ObjectLockPresenceFilter {
 async fn eval(f: &ObjectLockPresenceFilter, h: SequenceHash) -> bool {
     let ctx = EvalContext {
         sequence_hash: h,
+        digest: None,
         block_id: None,
         source: TierId::G2,
         destination: TierId::G4,

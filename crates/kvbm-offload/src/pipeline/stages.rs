@@ -292,6 +292,7 @@ async fn policy_evaluator<Src: Tier, A: Send + 'static>(
                     .iter()
                     .map(|b| EvalContext {
                         sequence_hash: b.sequence_hash(),
+                        digest: b.digest(),
                         block_id: Some(b.block_id()),
                         source: inner.lane.lane().source,
                         destination: inner.lane.lane().destination,

@@ -160,6 +160,30 @@ pub struct ObjectConfig {
     pub tp_world_size: usize,
 }
 
+impl ObjectConfig {
+    /// Checks the settings: `tp_world_size` at least 1 and `tp_rank` below it (a rank outside
+    /// its world would share another rank's keys or none at all).
+    ///
+    /// # Errors
+    /// [`PhysicalError::InvalidArgument`] naming the key (`physical.object.tp_rank` /
+    /// `physical.object.tp_world_size`) and both values.
+    pub fn validate(&self) -> Result<()> {
+        if self.tp_world_size == 0 {
+            return Err(PhysicalError::InvalidArgument(
+                "physical.object.tp_world_size must be at least 1, got 0".into(),
+            ));
+        }
+        if self.tp_rank >= self.tp_world_size {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "physical.object.tp_rank must be below physical.object.tp_world_size: \
+                 tp_rank = {}, tp_world_size = {}",
+                self.tp_rank, self.tp_world_size
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for ObjectConfig {
     fn default() -> Self {
         ObjectConfig {
@@ -240,6 +264,8 @@ pub struct ObjectStorage {
     /// The block geometry of the first object layout bound to this storage (presence probes
     /// check it when known).
     geometry: OnceLock<LayoutConfig>,
+    /// Set when `config` failed [`ObjectConfig::validate`]: every request is refused with it.
+    invalid: Option<PhysicalError>,
 }
 
 /// Aborts a multipart upload whose `put_block` future is dropped before it finished (a failed
@@ -285,19 +311,35 @@ fn split_parts(header: Bytes, parts: Vec<Bytes>, part_size: usize) -> Vec<PutPay
 
 impl ObjectStorage {
     /// Wraps any `object_store` backend. The store is used only through this storage's
-    /// namespace and request limit.
+    /// namespace and request limit. A `config` that fails [`ObjectConfig::validate`] gives a
+    /// storage that refuses every request with that error (use [`try_new`](Self::try_new),
+    /// [`s3`](Self::s3) or [`local`](Self::local) to get the error up front).
     pub fn new(store: Arc<dyn ObjectStore>, config: ObjectConfig) -> Self {
         let permits = Semaphore::new(config.max_concurrency.max(1));
         ObjectStorage {
             store,
+            invalid: config.validate().err(),
             config,
             permits,
             geometry: OnceLock::new(),
         }
     }
 
+    /// [`new`](Self::new), refusing a `config` that fails [`ObjectConfig::validate`].
+    ///
+    /// # Errors
+    /// The validation error, naming the key.
+    pub fn try_new(store: Arc<dyn ObjectStore>, config: ObjectConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self::new(store, config))
+    }
+
     /// An S3-compatible store (`AmazonS3Builder`, path-style, http allowed for endpoints).
+    ///
+    /// # Errors
+    /// A `config` failing [`ObjectConfig::validate`]; a client that cannot be built.
     pub fn s3(s3: &S3Config, config: ObjectConfig) -> Result<Self> {
+        config.validate()?;
         Ok(Self::new(Self::s3_client(s3)?, config))
     }
 
@@ -324,6 +366,7 @@ impl ObjectStorage {
 
     /// A local-filesystem store rooted at `root` (created if missing).
     pub fn local(root: &Path, config: ObjectConfig) -> Result<Self> {
+        config.validate()?;
         std::fs::create_dir_all(root)
             .map_err(|e| PhysicalError::io("create object root", Some(root), e))?;
         let store = object_store::local::LocalFileSystem::new_with_prefix(root).map_err(|e| {
@@ -349,11 +392,16 @@ impl ObjectStorage {
     }
 
     /// One of the `max_concurrency` request slots, held for the request's duration.
-    async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
-        self.permits
+    /// Refused with the configuration error when the config is invalid.
+    async fn permit(&self) -> Result<tokio::sync::SemaphorePermit<'_>> {
+        if let Some(e) = &self.invalid {
+            return Err(e.clone());
+        }
+        Ok(self
+            .permits
             .acquire()
             .await
-            .expect("semaphore never closed")
+            .expect("semaphore never closed"))
     }
 
     /// The full path of `key`: namespace, rank directory (with tensor parallelism), key. For
@@ -402,7 +450,7 @@ impl ObjectStorage {
             binding: self.binding(key),
         };
         let path = self.path(key);
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         let body_len = len + HEADER_LEN;
         if body_len > self.config.multipart_threshold && mode == ObjectPutMode::Overwrite {
             let upload = self
@@ -480,7 +528,7 @@ impl ObjectStorage {
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let body = {
-            let _permit = self.permit().await;
+            let _permit = self.permit().await?;
             let got = self
                 .store
                 .get(&path)
@@ -527,7 +575,7 @@ impl ObjectStorage {
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let body_err = |e| PhysicalError::object("get body", path.as_ref(), e);
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         let got = self
             .store
             .get(&path)
@@ -586,7 +634,7 @@ impl ObjectStorage {
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let head = {
-            let _permit = self.permit().await;
+            let _permit = self.permit().await?;
             let opts = GetOptions {
                 range: Some(GetRange::Bounded(0..HEADER_LEN as u64)),
                 ..Default::default()
@@ -647,7 +695,7 @@ impl ObjectStorage {
             mode: PutMode::Create,
             ..Default::default()
         };
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         match self.store.put_opts(&path, body.into(), opts).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. })
@@ -665,7 +713,7 @@ impl ObjectStorage {
         max_bytes: usize,
     ) -> Result<Option<SmallObject>> {
         let path = self.path(key);
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         let got = match self.store.get(&path).await {
             Ok(g) => g,
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
@@ -705,7 +753,7 @@ impl ObjectStorage {
             mode: PutMode::Update(version),
             ..Default::default()
         };
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         match self.store.put_opts(&path, body.into(), opts).await {
             Ok(_) => Ok(UpdateOutcome::Updated),
             Err(
@@ -726,7 +774,7 @@ impl ObjectStorage {
     /// [`probe`](Self::probe) for blocks).
     pub async fn exists(&self, key: &ObjectKey) -> Result<bool> {
         let path = self.path(key);
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         match self.store.head(&path).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -743,7 +791,7 @@ impl ObjectStorage {
         let prefix = self.path(&ObjectKey::new(""));
         let prefix_str = prefix.as_ref().trim_end_matches('/').to_string();
         let prefix = ObjectPath::from(prefix_str.as_str());
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         let mut stream = self.store.list(Some(&prefix));
         let mut out = Vec::new();
         while let Some(meta) = stream.next().await {
@@ -764,7 +812,7 @@ impl ObjectStorage {
     /// Deletes the object at `key` (absent is fine).
     pub async fn delete(&self, key: &ObjectKey) -> Result<()> {
         let path = self.path(key);
-        let _permit = self.permit().await;
+        let _permit = self.permit().await?;
         match self.store.delete(&path).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(PhysicalError::object("delete", path.as_ref(), e)),

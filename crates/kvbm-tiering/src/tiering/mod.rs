@@ -14,4 +14,4 @@ pub use backpressure::{BackpressureDetector, DropPolicy, EmaConfig};
 pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob};
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
-pub use physical::PhysicalTier;
+pub use physical::{PhysicalTier, key_identity};

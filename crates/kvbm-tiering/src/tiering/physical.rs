@@ -17,13 +17,23 @@
 //! completions without blocking, `drain_jobs` waits for all. A job is reported exactly once.
 //! Object chunks are named `<namespace>/<tier prefix><key hex>`; the object side's block ids
 //! are positions, as kvbm-physical defines them.
+//!
+//! # Identity
+//!
+//! Every transfer, both ways, passes each chunk's identity ([`key_identity`]: a 256-bit BLAKE3
+//! digest of the full `OffloadKey` bytes, i.e. vLLM's block hash and group index). It is
+//! written into the disk slot's or object's header on store and required on load, so a slot
+//! reused for another key, a file written by another instance, or an object under a copied or
+//! colliding name is an identity mismatch: the read fails, the key is dropped and reads MISS,
+//! never another chunk's bytes. Why this tier does not go through `kvbm-offload`'s `BlockMover`:
+//! see the crate README ("Real-byte tiers and the one move").
 
 use std::sync::Arc;
 
 use futures::FutureExt;
 use hashbrown::HashMap;
 use kvbm_physical::{
-    BlockId, DiskConfig, LayoutHandle, ObjectKey, ObjectStorage, PhysicalLayout,
+    BlockId, BlockIdentity, DiskConfig, LayoutHandle, ObjectKey, ObjectStorage, PhysicalLayout,
     TransferCompletion, TransferManager, TransferOptions,
 };
 
@@ -63,6 +73,17 @@ struct Inflight {
 enum Backend {
     Disk,
     Object { prefix: String },
+}
+
+/// The identity a chunk's header carries in a disk slot or object, and which a load requires: a
+/// domain-separated 256-bit BLAKE3 digest of the key's bytes (block hash and group index; a key
+/// may be up to 39 bytes, more than a 32-byte identity holds, so it is digested, not copied).
+pub fn key_identity(key: &OffloadKey) -> BlockIdentity {
+    let mut h = blake3::Hasher::new();
+    h.update(b"kvbm-tiering-offload-key-v1");
+    h.update(&[key.as_bytes().len() as u8]);
+    h.update(key.as_bytes());
+    BlockIdentity::from_bytes(*h.finalize().as_bytes())
 }
 
 /// A G3 (disk) or G4 (object) secondary tier over kvbm-physical.
@@ -216,13 +237,15 @@ impl PhysicalTier {
         Some(e.slot)
     }
 
+    /// Object keys (object tier) and, for every chunk, its [`key_identity`].
     fn options(&self, keys: &[OffloadKey]) -> TransferOptions {
-        match &self.backend {
+        let opts = match &self.backend {
             Backend::Disk => TransferOptions::default(),
             Backend::Object { prefix } => TransferOptions::with_object_keys(
                 keys.iter().map(|k| Self::object_key(prefix, k)).collect(),
             ),
-        }
+        };
+        opts.identities(keys.iter().map(key_identity).collect())
     }
 
     fn tier_ids(&self, slots: &[u32]) -> Vec<BlockId> {
@@ -427,5 +450,24 @@ impl SecondaryTierManager for PhysicalTier {
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_identity_is_a_digest_of_every_key_byte() {
+        let a = OffloadKey::from_bytes(&[1u8; 36]).unwrap();
+        let mut other_group = [1u8; 36];
+        other_group[35] = 2;
+        let b = OffloadKey::from_bytes(&other_group).unwrap();
+        let long = OffloadKey::from_bytes(&[1u8; 39]).unwrap();
+        let ids = [key_identity(&a), key_identity(&b), key_identity(&long)];
+        assert_ne!(ids[0], ids[1], "the group index is part of the identity");
+        assert_ne!(ids[0], ids[2], "so is the key's length");
+        assert!(ids.iter().all(|i| *i != BlockIdentity::ANONYMOUS));
+        assert_eq!(key_identity(&a), ids[0], "stable");
     }
 }

@@ -102,7 +102,7 @@ mod model {
     use std::sync::Arc;
 
     use kvbm_logical::{BlockManager, G1, G2, ImmutableBlock};
-    use kvbm_offload::BlockMover;
+    use kvbm_offload::{BlockMover, BoundTier};
     use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy, TransferManager};
     use proptest::prelude::*;
 
@@ -167,7 +167,7 @@ mod model {
                     }
                     Op::Onboard => {
                         let mover: Arc<dyn crate::mover::BlockMove<G2, G1>> =
-                            Arc::new(BlockMover::new(tm.clone(), g2_h, g1_h, g1.clone()));
+                            Arc::new(BlockMover::from_layout(g2_h, &BoundTier::new(tm.clone(), g1_h, g1.clone()).unwrap()).unwrap());
                         let dst = if model == Phase::Staged || g1.available_blocks() == 2 {
                             g1.allocate_blocks(2).unwrap()
                         } else {
