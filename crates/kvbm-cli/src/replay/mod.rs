@@ -14,6 +14,7 @@ pub mod content;
 pub mod manifest;
 pub mod report;
 pub mod tiers;
+pub mod trace_line;
 pub mod workload;
 
 use std::collections::BTreeMap;
