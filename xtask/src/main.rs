@@ -10,8 +10,8 @@
 //! | `layering` | fails when a crate depends on one at or above its own layer |
 //! | `services` | `start` prints `export` lines for servers it started; `stop` stops them |
 //! | `bench [crate]` | runs the benchmarks (all, or one crate's) |
-| `fuzz [secs]` | runs the `fuzz/` cargo-fuzz targets (decoders of outside bytes) |
-| `soak [secs]` | every tier under random S3 errors; corrupt 0, settled, RSS flat |
+//! | `fuzz [secs]` | runs the `fuzz/` cargo-fuzz targets (decoders of outside bytes) |
+//! | `soak [secs]` | every tier under random S3 errors; corrupt 0, settled, RSS flat |
 //! | `gpu-check --out DIR` | on a GPU machine: the `cuda` feature's tests and benchmark, as JSON |
 
 mod bench;
