@@ -24,7 +24,6 @@ use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceH
 use kvbm_offload::{
     BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, ResolvedBatch,
 };
-use kvbm_physical::storage::manifest::Recovery;
 use kvbm_physical::{
     Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, PhysicalLayout,
 };
@@ -66,8 +65,6 @@ pub struct Opened {
     pub index: G3Index,
     /// Listed blocks by sequence hash.
     pub entries: HashMap<u128, Entry>,
-    /// What replay found (records, discarded tail, reset reason, time).
-    pub recovery: Recovery,
 }
 
 impl Opened {
@@ -149,7 +146,6 @@ impl G3Index {
         Ok(Opened {
             index: G3Index { manifest },
             entries,
-            recovery,
         })
     }
 

@@ -390,6 +390,7 @@ fn is_rejection(e: &PhysicalError) -> bool {
             | PhysicalError::NotFound { .. }
             | PhysicalError::ShortRead { .. }
             | PhysicalError::CorruptHeader { .. }
+            | PhysicalError::IdentityMismatch { .. }
     )
 }
 
@@ -558,7 +559,7 @@ impl Tiers {
                 .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
             let handle = tm.register_layout(layout)?;
             let manager = manager::<G3>(plan.g3_blocks, &registry, &plan.logical)?;
-            let opened = G3Index::open(&dir, &tm.layout(handle)?)?;
+            let opened = G3Index::open(&dir, &*tm.layout(handle)?)?;
             let (checksums, warm_blocks) = opened.register_listed(&manager)?;
             Some(G3Tier {
                 manager,
