@@ -10,13 +10,17 @@
 //! | `layering` | fails when a crate depends on one at or above its own layer |
 //! | `services` | `start` prints `export` lines for servers it started; `stop` stops them |
 //! | `bench [crate]` | runs the benchmarks (all, or one crate's) |
+//! | `fuzz [secs]` | runs the `fuzz/` cargo-fuzz targets (decoders of outside bytes) |
+//! | `soak [secs]` | every tier under random S3 errors; corrupt 0, settled, RSS flat |
 //! | `gpu-check --out DIR` | on a GPU machine: the `cuda` feature's tests and benchmark, as JSON |
 
 mod bench;
 mod ci;
+mod fuzz;
 mod gpu_check;
 mod layering;
 mod services;
+mod soak;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -33,6 +37,8 @@ commands:
   services start     start the test servers and print `export` lines for them
   services stop      stop servers started by `services start`
   bench [NAME]       run benchmarks (NAME: logical, physical, offload, ...; default all)
+  fuzz [SECS] [T..]  run the fuzz/ targets (cargo-fuzz, nightly) SECS each (default 60)
+  soak [SECS]        kvbm replay, every tier, random S3 errors, for SECS (default 600)
   gpu-check --out DIR  on a GPU machine: build kvbm-physical --features cuda, run its GPU
                      tests and benchmark, write DIR/gpu-check.json (--bundle/--prebuilt: see gpu_check.rs)
 ";
@@ -46,6 +52,8 @@ fn main() -> Result<()> {
         Some("layering") => layering::run(),
         Some("services") => services::run_command(rest),
         Some("bench") => bench::run(rest),
+        Some("fuzz") => fuzz::run(rest),
+        Some("soak") => soak::run(rest),
         Some("gpu-check") => gpu_check::run(rest),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");

@@ -447,7 +447,7 @@ fn g3_dir_second_run_starts_warm() {
     ];
     let first = ok_json(run(&args));
     assert_eq!(u(&first, &["warm_start_blocks", "g3"]), 0);
-    assert!(Path::new(g3).join("g3.manifest").exists());
+    assert!(Path::new(g3).join("g3.journal").exists());
     let second = ok_json(run(&args));
     assert_healthy(&second);
     assert!(u(&second, &["warm_start_blocks", "g3"]) > 0, "{second}");

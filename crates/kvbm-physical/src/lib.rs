@@ -28,9 +28,10 @@ pub use layout::{
     Backing, BlockDim, BlockLayout, LayoutBuilder, LayoutConfig, LayoutKind, PhysicalLayout, Region,
 };
 pub use storage::{
-    DeviceMemory, DiskCapabilities, DiskConfig, DiskStorage, HostStandInDevice, HostStorage,
-    IoEngineKind, ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, PinPolicy, Presence,
-    S3Config, SmallObject, Storage, StorageKind, UpdateOutcome,
+    DeviceMemory, DiskCapabilities, DiskConfig, DiskManifest, DiskStorage, HostStandInDevice,
+    HostStorage, IoEngineKind, ManifestEntry, ManifestGeometry, ManifestRecord, ObjectConfig,
+    ObjectKey, ObjectPutMode, ObjectStorage, PinPolicy, Presence, S3Config, SmallObject, Storage,
+    StorageKind, UpdateOutcome, parse_hash_key,
 };
 pub use transfer::{
     BlockId, BouncePoolStats, LayoutHandle, TransferCompletion, TransferConfig, TransferManager,

@@ -1,28 +1,32 @@
 //! The persistent index of the G3 disk tier: which block (sequence hash) lives in which slot,
 //! with the xxh3-128 of its payload as it was written.
 //!
-//! The disk file holds bytes and a per-slot header (length, slot, checksum) but not block
-//! identity; this manifest adds it, so a later run with the same `--g3-dir` starts warm.
-//!
-//! Crash safety: the manifest is read at start and then **removed**; a new one is written
-//! (to a temporary name, then renamed) only after a clean end of the run, once the disk file
-//! has been synced. A run that dies half-way therefore leaves no manifest, and the next run
-//! starts cold instead of trusting slots that may have been overwritten. The file ends with an
-//! xxh3-64 of everything before it; a damaged or foreign file is ignored with a warning.
+//! The index is `kvbm-physical`'s append-only [`DiskManifest`] (`<g3-dir>/g3.journal`), bound to
+//! the G3 file's geometry and instance id; this module only maps sequence hashes to and from
+//! block identities. Its protocol (see [`kvbm_physical::storage::manifest`]) is what makes
+//! `kill -9` safe: a slot about to be overwritten is unlisted first ([`G3Index::will_write`]),
+//! and a block is listed only after its write completed ([`G3Index::written`]). A later run
+//! with the same `--g3-dir` replays the journal and starts warm with exactly the blocks that
+//! were complete; a torn tail is discarded.
 //!
 //! On read, a block onboarded from G3 is checked twice: by the disk layer (header: slot,
-//! length, payload checksum) and here (the payload's checksum must equal the one recorded for
-//! that hash), which catches a slot that holds a valid block of another hash.
+//! length, file id, identity, payload checksum) and by the replay (the payload's checksum must
+//! equal the one recorded for that hash). A block that fails is unlisted ([`G3Index::dropped`]).
 //!
-//! ```text
-//! "KVBMG3M1" | block_bytes u64 | num_slots u64 | count u64 | count × (hash u128, slot u64, xxh3-128 u128) | xxh3-64 u64
-//! ```
+//! The older end-of-run snapshot (`g3.manifest`) is no longer written; one left by an older
+//! version is removed at open (its slots are not trusted).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const MAGIC: &[u8; 8] = b"KVBMG3M1";
-const ENTRY: usize = 16 + 8 + 16;
+use anyhow::Context;
+use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
+use kvbm_offload::{
+    BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, ResolvedBatch,
+};
+use kvbm_physical::{
+    Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, PhysicalLayout,
+};
 
 /// One G3 block: its slot and payload checksum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,103 +37,211 @@ pub struct Entry {
     pub checksum: u128,
 }
 
-/// The in-memory manifest.
-#[derive(Debug, Default)]
-pub struct Manifest {
-    /// By sequence hash.
+/// The journal's path inside a G3 directory.
+pub fn path_in(dir: &Path) -> PathBuf {
+    dir.join("g3.journal")
+}
+
+/// The sequence hash named by `identity` (the inverse of `BlockIdentity::from_u128`); `None`
+/// for an identity that is not a 128-bit hash.
+pub fn hash_of(identity: &BlockIdentity) -> Option<u128> {
+    let b = identity.as_bytes();
+    b[16..]
+        .iter()
+        .all(|x| *x == 0)
+        .then(|| u128::from_le_bytes(b[..16].try_into().expect("16 bytes")))
+}
+
+/// The open G3 index.
+#[derive(Debug)]
+pub struct G3Index {
+    manifest: DiskManifest,
+}
+
+/// What opening found: the index, the blocks it lists (by sequence hash), and the replay's
+/// report.
+pub struct Opened {
+    /// The index, ready for appends.
+    pub index: G3Index,
+    /// Listed blocks by sequence hash.
     pub entries: HashMap<u128, Entry>,
 }
 
-/// The manifest's path inside a G3 directory.
-pub fn path_in(dir: &Path) -> PathBuf {
-    dir.join("g3.manifest")
-}
-
-/// What loading found.
-#[derive(Debug)]
-pub enum Loaded {
-    /// No manifest (first run, or the previous run did not end cleanly).
-    Missing,
-    /// A manifest for another geometry or a damaged file: ignored, with why.
-    Ignored(String),
-    /// The entries whose slot fits `num_slots`.
-    Found(Manifest),
-}
-
-impl Manifest {
-    /// Reads the manifest of `dir` for `block_bytes`-byte blocks in `num_slots` slots.
-    pub fn load(dir: &Path, block_bytes: usize, num_slots: usize) -> Loaded {
-        let path = path_in(dir);
-        let data = match std::fs::read(&path) {
-            Ok(d) => d,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Loaded::Missing,
-            Err(e) => return Loaded::Ignored(format!("cannot read {}: {e}", path.display())),
-        };
-        let bad = |why: &str| Loaded::Ignored(format!("{}: {why}", path.display()));
-        if data.len() < 8 + 24 + 8 || &data[..8] != MAGIC {
-            return bad("not a kvbm G3 manifest");
+impl Opened {
+    /// Registers the listed blocks in G3's (fresh) `manager` at their slots: every slot is
+    /// claimed, the listed ones are completed with their hash, the rest go back to the free
+    /// pool. Returns the checksums by hash and how many blocks were registered.
+    ///
+    /// # Errors
+    /// The manager cannot hand out all its slots (it is not fresh).
+    pub fn register_listed(
+        &self,
+        manager: &BlockManager<G3>,
+    ) -> anyhow::Result<(HashMap<u128, u128>, usize)> {
+        let total = manager.total_blocks();
+        let mut all: Vec<Option<MutableBlock<G3>>> = (0..total).map(|_| None).collect();
+        for blk in manager.allocate_blocks(total)? {
+            let id = blk.block_id();
+            all[id] = Some(blk);
         }
-        let (body, tail) = data.split_at(data.len() - 8);
-        let sum = u64::from_le_bytes(tail.try_into().expect("8 bytes"));
-        if xxhash_rust::xxh3::xxh3_64(body) != sum {
-            return bad("checksum mismatch (damaged file)");
-        }
-        let u64_at = |o: usize| u64::from_le_bytes(body[o..o + 8].try_into().expect("8 bytes"));
-        let (bb, count) = (u64_at(8) as usize, u64_at(24) as usize);
-        if bb != block_bytes {
-            return bad(&format!(
-                "written for {bb}-byte blocks, this run uses {block_bytes}"
-            ));
-        }
-        if body.len() != 32 + count * ENTRY {
-            return bad("length does not match its entry count");
-        }
-        let mut entries = HashMap::with_capacity(count);
-        for e in body[32..].chunks_exact(ENTRY) {
-            let hash = u128::from_le_bytes(e[..16].try_into().expect("16 bytes"));
-            let slot = u64::from_le_bytes(e[16..24].try_into().expect("8 bytes")) as usize;
-            let checksum = u128::from_le_bytes(e[24..40].try_into().expect("16 bytes"));
-            if slot < num_slots {
-                entries.insert(hash, Entry { slot, checksum });
+        let mut checksums = HashMap::with_capacity(self.entries.len());
+        let mut complete = Vec::with_capacity(self.entries.len());
+        for (hash, e) in &self.entries {
+            if let Some(blk) = all.get_mut(e.slot).and_then(Option::take)
+                && let Ok(c) = blk.complete(SequenceHash::from_u128(*hash))
+            {
+                complete.push(c);
+                checksums.insert(*hash, e.checksum);
             }
         }
-        Loaded::Found(Manifest { entries })
+        drop(all);
+        Ok((checksums, manager.register_blocks(complete).len()))
+    }
+}
+
+impl G3Index {
+    /// Opens (or creates) the index of `dir` for the G3 file `disk`.
+    ///
+    /// # Errors
+    /// The journal cannot be read, created or repaired.
+    pub fn open(dir: &Path, layout: &PhysicalLayout) -> anyhow::Result<Opened> {
+        let Backing::Disk(disk) = layout.backing() else {
+            anyhow::bail!("the G3 layout is not a disk file");
+        };
+        let legacy = dir.join("g3.manifest");
+        if legacy.exists() {
+            std::fs::remove_file(&legacy)
+                .with_context(|| format!("cannot remove {}", legacy.display()))?;
+        }
+        let geometry = ManifestGeometry {
+            payload_bytes: disk.payload_bytes() as u64,
+            num_slots: disk.num_slots() as u64,
+            file_id: disk.file_id(),
+        };
+        let path = path_in(dir);
+        let (manifest, recovery) = DiskManifest::open(&path, geometry)
+            .with_context(|| format!("cannot open the G3 journal {}", path.display()))?;
+        if let Some(why) = &recovery.reset {
+            tracing::warn!("G3 starts cold: journal reset ({why})");
+        }
+        tracing::info!(
+            records = recovery.records,
+            live = recovery.live,
+            discarded_bytes = recovery.discarded_bytes,
+            ms = recovery.elapsed.as_secs_f64() * 1e3,
+            "G3 journal replayed"
+        );
+        let mut entries = HashMap::with_capacity(recovery.live);
+        for e in manifest.entries() {
+            if let Some(h) = hash_of(&e.identity) {
+                entries.insert(
+                    h,
+                    Entry {
+                        slot: e.slot as usize,
+                        checksum: e.checksum,
+                    },
+                );
+            }
+        }
+        Ok(Opened {
+            index: G3Index { manifest },
+            entries,
+        })
     }
 
-    /// Removes the manifest of `dir` (called once it has been read: see the module docs).
-    pub fn remove(dir: &Path) -> std::io::Result<()> {
-        match std::fs::remove_file(path_in(dir)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
+    /// Unlists `slots` before they are written (a write interrupted by a crash then leaves
+    /// nothing listed there).
+    ///
+    /// # Errors
+    /// The journal could not be appended (e.g. the disk is full).
+    pub fn will_write(&self, slots: impl IntoIterator<Item = usize>) -> kvbm_physical::Result<()> {
+        let recs: Vec<ManifestRecord> = slots
+            .into_iter()
+            .map(|s| ManifestRecord::Removed { slot: s as u64 })
+            .collect();
+        self.manifest.record(&recs)
+    }
+
+    /// Lists `(slot, hash, checksum)` blocks whose writes completed.
+    ///
+    /// # Errors
+    /// The journal could not be appended (the blocks are then not persistent).
+    pub fn written(&self, blocks: &[(usize, u128, u128)]) -> kvbm_physical::Result<()> {
+        let recs: Vec<ManifestRecord> = blocks
+            .iter()
+            .map(|&(slot, h, checksum)| ManifestRecord::Stored {
+                slot: slot as u64,
+                identity: BlockIdentity::from_u128(h),
+                checksum,
+            })
+            .collect();
+        self.manifest.record(&recs)
+    }
+
+    /// Unlists `slot` (its block failed verification).
+    pub fn dropped(&self, slot: usize) {
+        if let Err(e) = self.will_write([slot]) {
+            tracing::warn!(error = %e, slot, "cannot unlist a rejected G3 block");
         }
     }
 
-    /// Writes `entries` atomically (temporary file, fsync, rename).
-    pub fn save(
-        dir: &Path,
-        block_bytes: usize,
-        num_slots: usize,
-        entries: &[(u128, Entry)],
-    ) -> std::io::Result<()> {
-        use std::io::Write;
-        let mut body = Vec::with_capacity(32 + entries.len() * ENTRY + 8);
-        body.extend_from_slice(MAGIC);
-        body.extend_from_slice(&(block_bytes as u64).to_le_bytes());
-        body.extend_from_slice(&(num_slots as u64).to_le_bytes());
-        body.extend_from_slice(&(entries.len() as u64).to_le_bytes());
-        for (hash, e) in entries {
-            body.extend_from_slice(&hash.to_le_bytes());
-            body.extend_from_slice(&(e.slot as u64).to_le_bytes());
-            body.extend_from_slice(&e.checksum.to_le_bytes());
-        }
-        let sum = xxhash_rust::xxh3::xxh3_64(&body);
-        body.extend_from_slice(&sum.to_le_bytes());
-        let tmp = dir.join("g3.manifest.tmp");
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path_in(dir))
+    /// Flushes the journal to stable storage (after the G3 file was synced).
+    ///
+    /// # Errors
+    /// The sync failed.
+    pub fn sync(&self) -> kvbm_physical::Result<()> {
+        self.manifest.sync()
     }
+}
+
+/// The G2→G3 write with the journal protocol around it: allocate the destination slots,
+/// unlist them ([`G3Index::will_write`]), write the blocks, list the ones whose write completed
+/// ([`G3Index::written`]). `sums[i]` is `(sequence hash, payload xxh3-128)` of block `i`.
+///
+/// A journal that cannot unlist the slots (disk full) fails the batch with `NoSpace` before any
+/// slot is written: a listed slot is never overwritten behind the journal's back. A journal
+/// that cannot list the written blocks leaves them in G3 for this run only (logged).
+pub async fn write_recorded(
+    inner: &BlockTransferExecutor<G2, G3>,
+    index: &G3Index,
+    batch: &ResolvedBatch<G2>,
+    sums: &[(u128, u128)],
+) -> BatchOutcome<ImmutableBlock<G3>> {
+    let n = batch.len();
+    let fail = |kind: BlockFailureKind, msg: String| -> BatchOutcome<ImmutableBlock<G3>> {
+        (0..n)
+            .map(|_| Err(BlockFailure::new(kind, msg.clone())))
+            .collect()
+    };
+    let sources: Vec<(usize, SequenceHash)> = batch
+        .blocks()
+        .iter()
+        .map(|b| (b.block_id, b.sequence_hash))
+        .collect();
+    let mover = inner.mover();
+    let dst = match mover.destination().allocate_blocks(n) {
+        Ok(b) => b,
+        Err(e) => return fail(BlockFailureKind::NoSpace, e.to_string()),
+    };
+    if let Err(e) = index.will_write(dst.iter().map(|b| b.block_id())) {
+        tracing::warn!(error = %e, "G3 journal full or failing: G3 admits nothing");
+        metrics::counter!("kvbm_g3_journal_errors_total").increment(1);
+        return fail(
+            BlockFailureKind::NoSpace,
+            format!("the G3 journal cannot record the write: {e}"),
+        );
+    }
+    let out = mover.move_blocks(&sources, dst).await;
+    let written: Vec<(usize, u128, u128)> = out
+        .iter()
+        .zip(sums)
+        .filter_map(|(r, (h, c))| r.as_ref().ok().map(|b| (b.block_id(), *h, *c)))
+        .collect();
+    if let Err(e) = index.written(&written) {
+        tracing::warn!(error = %e, blocks = written.len(), "G3 journal cannot list written blocks: they are not persistent");
+        metrics::counter!("kvbm_g3_journal_errors_total").increment(1);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -137,56 +249,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn round_trip_then_damage_is_ignored() {
-        let dir = tempfile::tempdir().unwrap();
-        assert!(matches!(
-            Manifest::load(dir.path(), 4096, 8),
-            Loaded::Missing
-        ));
-        let entries = vec![
-            (
-                1u128,
-                Entry {
-                    slot: 3,
-                    checksum: 9,
-                },
-            ),
-            (
-                2u128,
-                Entry {
-                    slot: 9,
-                    checksum: 7,
-                },
-            ),
-        ];
-        Manifest::save(dir.path(), 4096, 16, &entries).unwrap();
-        let Loaded::Found(m) = Manifest::load(dir.path(), 4096, 8) else {
-            panic!("expected a manifest")
-        };
-        assert_eq!(m.entries.len(), 1, "slot 9 does not fit 8 slots");
-        assert_eq!(
-            m.entries[&1],
-            Entry {
-                slot: 3,
-                checksum: 9
-            }
-        );
-        assert!(matches!(
-            Manifest::load(dir.path(), 8192, 8),
-            Loaded::Ignored(_)
-        ));
-        let p = path_in(dir.path());
-        let mut d = std::fs::read(&p).unwrap();
-        d[40] ^= 1;
-        std::fs::write(&p, d).unwrap();
-        assert!(matches!(
-            Manifest::load(dir.path(), 4096, 8),
-            Loaded::Ignored(_)
-        ));
-        Manifest::remove(dir.path()).unwrap();
-        assert!(matches!(
-            Manifest::load(dir.path(), 4096, 8),
-            Loaded::Missing
-        ));
+    fn hashes_round_trip_through_identities_and_wide_ones_are_refused() {
+        let h = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128;
+        assert_eq!(hash_of(&BlockIdentity::from_u128(h)), Some(h));
+        assert_eq!(hash_of(&BlockIdentity::from_bytes([1; 32])), None);
     }
 }

@@ -15,6 +15,7 @@ pub mod manifest;
 pub mod report;
 pub mod sweep;
 pub mod tiers;
+pub mod trace_line;
 pub mod workload;
 
 use std::collections::BTreeMap;

@@ -58,7 +58,7 @@ use kvbm_physical::{
 use parking_lot::Mutex;
 
 use super::content;
-use super::manifest::{self, Manifest};
+use super::manifest::G3Index;
 use super::workload::HASH_BLOCK_SIZE;
 
 /// How long a G1→G2 batch waits for G2 space before it fails `NoSpace` (see
@@ -242,6 +242,8 @@ struct G3Tier {
     checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
     poisoned: HashSet<SequenceHash>,
     warm_blocks: usize,
+    /// The persistent index (`<dir>/g3.journal`).
+    index: Arc<G3Index>,
 }
 
 struct G4Tier {
@@ -380,6 +382,9 @@ fn check_g3_read(
     if !good {
         g3.poisoned.insert(h);
         g3.checksums.lock().remove(&h.as_u128());
+        if let Some(b) = g3.manager.scan_matches(&[h]).first() {
+            g3.index.dropped(b.block_id());
+        }
     }
     good
 }
@@ -391,6 +396,7 @@ fn is_rejection(e: &PhysicalError) -> bool {
             | PhysicalError::NotFound { .. }
             | PhysicalError::ShortRead { .. }
             | PhysicalError::CorruptHeader { .. }
+            | PhysicalError::IdentityMismatch { .. }
     )
 }
 
@@ -402,6 +408,7 @@ struct RecordingG3Executor {
     checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
     counters: Arc<Counters>,
     block_bytes: usize,
+    index: Arc<G3Index>,
 }
 
 impl TransferExecutor<G2> for RecordingG3Executor {
@@ -423,7 +430,7 @@ impl TransferExecutor<G2> for RecordingG3Executor {
             .collect();
         self.checksums.lock().extend(sums.iter().copied());
         let t = Instant::now();
-        let out = self.inner.execute(batch).await;
+        let out = super::manifest::write_recorded(&self.inner, &self.index, batch, &sums).await;
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g3")
             .record(t.elapsed().as_secs_f64());
         let ok = out.iter().filter(|r| r.is_ok()).count();
@@ -690,37 +697,8 @@ impl Tiers {
                 .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
             let handle = tm.register_layout(layout)?;
             let manager = manager::<G3>(plan.g3_blocks, &registry, &plan.logical)?;
-            let mut checksums = std::collections::HashMap::new();
-            let mut warm_blocks = 0;
-            match Manifest::load(&dir, b, plan.g3_blocks) {
-                manifest::Loaded::Missing => {}
-                manifest::Loaded::Ignored(why) => {
-                    tracing::warn!("G3 starts cold: manifest ignored ({why})")
-                }
-                manifest::Loaded::Found(m) => {
-                    // Claim every slot, keep the manifest's, return the rest to the free pool.
-                    let mut all: Vec<Option<MutableBlock<G3>>> =
-                        (0..plan.g3_blocks).map(|_| None).collect();
-                    for blk in manager.allocate_blocks(plan.g3_blocks)? {
-                        let id = blk.block_id();
-                        all[id] = Some(blk);
-                    }
-                    let mut complete = Vec::with_capacity(m.entries.len());
-                    for (hash, e) in &m.entries {
-                        if let Some(blk) = all[e.slot].take() {
-                            let h = SequenceHash::from_u128(*hash);
-                            if let Ok(c) = blk.complete(h) {
-                                complete.push(c);
-                                checksums.insert(*hash, e.checksum);
-                            }
-                        }
-                    }
-                    drop(all);
-                    warm_blocks = manager.register_blocks(complete).len();
-                }
-            }
-            Manifest::remove(&dir)
-                .with_context(|| format!("cannot remove the G3 manifest in {}", dir.display()))?;
+            let opened = G3Index::open(&dir, &*tm.layout(handle)?)?;
+            let (checksums, warm_blocks) = opened.register_listed(&manager)?;
             Some(G3Tier {
                 manager,
                 handle,
@@ -730,6 +708,7 @@ impl Tiers {
                 checksums: Arc::new(Mutex::new(checksums)),
                 poisoned: HashSet::new(),
                 warm_blocks,
+                index: Arc::new(opened.index),
             })
         } else {
             None
@@ -825,6 +804,7 @@ impl Tiers {
                     checksums: g3t.checksums.clone(),
                     counters: counters.clone(),
                     block_bytes: b,
+                    index: g3t.index.clone(),
                 };
                 g2_to_g3 = Some(Arc::new(
                     PipelineBuilder::<G2, G3>::new()
@@ -1667,38 +1647,7 @@ impl Tiers {
             if let Backing::Disk(d) = g3.layout.backing() {
                 d.sync().context("cannot sync the G3 file")?;
             }
-            let sums: Vec<(u128, u128)> =
-                g3.checksums.lock().iter().map(|(h, c)| (*h, *c)).collect();
-            let hashes: Vec<SequenceHash> = sums
-                .iter()
-                .map(|(h, _)| SequenceHash::from_u128(*h))
-                .collect();
-            let present = g3.manager.scan_matches(&hashes);
-            let by_hash: std::collections::HashMap<u128, u128> = sums.into_iter().collect();
-            let entries: Vec<(u128, manifest::Entry)> = present
-                .iter()
-                .filter(|blk| !g3.poisoned.contains(&blk.sequence_hash()))
-                .filter_map(|blk| {
-                    let h = blk.sequence_hash().as_u128();
-                    by_hash.get(&h).map(|c| {
-                        (
-                            h,
-                            manifest::Entry {
-                                slot: blk.block_id(),
-                                checksum: *c,
-                            },
-                        )
-                    })
-                })
-                .collect();
-            drop(present);
-            Manifest::save(
-                &g3.dir,
-                self.block_bytes,
-                g3.manager.total_blocks(),
-                &entries,
-            )
-            .with_context(|| format!("cannot write the G3 manifest in {}", g3.dir.display()))?;
+            g3.index.sync().context("cannot sync the G3 journal")?;
         }
         let (a, b, c) = (
             self.g1_to_g2.as_ref(),
@@ -1760,12 +1709,6 @@ async fn list_blocks(storage: &ObjectStorage) -> anyhow::Result<Vec<SequenceHash
         .list_keys()
         .await?
         .iter()
-        .filter_map(|k| {
-            let name = k.as_str();
-            (name.len() == 32)
-                .then(|| u128::from_str_radix(name, 16).ok())
-                .flatten()
-                .map(SequenceHash::from_u128)
-        })
+        .filter_map(|k| k.parse_hash().ok().map(SequenceHash::from_u128))
         .collect())
 }

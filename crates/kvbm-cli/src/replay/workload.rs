@@ -11,7 +11,8 @@ use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
 use kvbm_logical::{Salt, SequenceHash};
-use serde::Deserialize;
+
+use super::trace_line::parse_trace_line;
 
 /// One request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,16 +83,6 @@ pub enum WorkloadError {
     Empty(PathBuf),
 }
 
-#[derive(Deserialize)]
-struct Line {
-    timestamp: f64,
-    #[allow(dead_code)]
-    input_length: u64,
-    #[allow(dead_code)]
-    output_length: u64,
-    hash_ids: Vec<u64>,
-}
-
 /// Reads a Mooncake JSONL trace; `limit` keeps only the first requests.
 ///
 /// # Errors
@@ -110,25 +101,17 @@ pub fn load_trace(path: &Path, limit: Option<usize>) -> Result<Workload, Workloa
             path: path.to_path_buf(),
             source,
         })?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let malformed = |message: String| WorkloadError::Malformed {
+        let parsed = parse_trace_line(&line).map_err(|e| WorkloadError::Malformed {
             path: path.to_path_buf(),
             line: i + 1,
-            message,
-        };
-        let parsed: Line = serde_json::from_str(&line).map_err(|e| malformed(e.to_string()))?;
-        if !(parsed.timestamp.is_finite() && parsed.timestamp >= 0.0) {
-            return Err(malformed(format!(
-                "timestamp {} is not a non-negative number of milliseconds",
-                parsed.timestamp
-            )));
+            message: e.0,
+        })?;
+        if let Some(parsed) = parsed {
+            requests.push(Request {
+                timestamp_ms: parsed.timestamp_ms,
+                hash_ids: parsed.hash_ids,
+            });
         }
-        requests.push(Request {
-            timestamp_ms: parsed.timestamp as u64,
-            hash_ids: parsed.hash_ids,
-        });
     }
     if requests.is_empty() {
         return Err(WorkloadError::Empty(path.to_path_buf()));

@@ -9,6 +9,7 @@
 //! | G1 | [`DeviceMemory`] ([`HostStandInDevice`] without a GPU; `crate::cuda` with one) | `device.rs` |
 //! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
 //! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
+//! | G3 index | [`DiskManifest`] (append-only, checksummed, replayed at open) | `manifest.rs` |
 //! | G4 | [`ObjectStorage`] (object_store: S3, local fs, in-memory) | `object.rs` |
 //!
 //! Invariant shared by all: a storage object owns its allocation for its whole life and never
@@ -18,14 +19,18 @@
 mod device;
 mod disk;
 mod host;
+pub mod manifest;
 mod object;
 
 pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
 pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
 pub use host::{HostStorage, PinPolicy};
+pub use manifest::{
+    DiskManifest, ManifestEntry, ManifestGeometry, ManifestRecord, Recovery as ManifestRecovery,
+};
 pub use object::{
     ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, Presence, REDACTED, S3Config,
-    SmallObject, UpdateOutcome,
+    SmallObject, UpdateOutcome, parse_hash_key,
 };
 
 /// The kind of a storage backend.

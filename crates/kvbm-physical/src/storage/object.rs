@@ -66,6 +66,32 @@ impl ObjectKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+    /// The 128-bit hash this key names, when it is a hash key ([`parse_hash_key`]).
+    ///
+    /// # Errors
+    /// As [`parse_hash_key`].
+    pub fn parse_hash(&self) -> Result<u128> {
+        parse_hash_key(&self.0)
+    }
+}
+
+/// Parses a block object key: exactly 32 lowercase hex digits, the rendering of
+/// [`ObjectKey::from_u128`] (so every accepted key renders back to itself; a sign, uppercase
+/// digits or another length are refused).
+///
+/// # Errors
+/// [`PhysicalError::InvalidArgument`] naming the key (its first 64 characters).
+pub fn parse_hash_key(key: &str) -> Result<u128> {
+    let ok = key.len() == 32 && key.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    if !ok {
+        let shown: String = key.chars().take(64).collect();
+        return Err(PhysicalError::InvalidArgument(format!(
+            "object key {shown:?} is not a block key (32 lowercase hex digits)"
+        )));
+    }
+    u128::from_str_radix(key, 16).map_err(|e| {
+        PhysicalError::InvalidArgument(format!("object key {key:?} is not a block key: {e}"))
+    })
 }
 
 impl From<u128> for ObjectKey {
@@ -158,6 +184,19 @@ pub struct ObjectConfig {
     /// Tensor-parallel world size. With more than one rank, every key is stored under
     /// `tp{world}.r{rank}/` so ranks never read each other's heads. Default: 1.
     pub tp_world_size: usize,
+    /// S3 only: the longest one HTTP request may take, body included (ms). Default: 30000.
+    pub request_timeout_ms: u64,
+    /// S3 only: the longest a connection may take to open (ms). Default: 2000.
+    pub connect_timeout_ms: u64,
+    /// S3 only: retries of a failed request (5xx, connection errors; timeouts only for
+    /// idempotent requests), with exponential backoff. 0 disables retries. Default: 3.
+    pub max_retries: usize,
+    /// S3 only: no retry starts later than this after the first attempt (ms). Default: 10000.
+    pub retry_timeout_ms: u64,
+    /// S3 only: first backoff between retries (ms; doubled each retry). Default: 100.
+    pub retry_initial_backoff_ms: u64,
+    /// S3 only: longest backoff between retries (ms). Default: 2000.
+    pub retry_max_backoff_ms: u64,
 }
 
 impl ObjectConfig {
@@ -193,6 +232,12 @@ impl Default for ObjectConfig {
             part_size: 8 << 20,
             tp_rank: 0,
             tp_world_size: 1,
+            request_timeout_ms: 30_000,
+            connect_timeout_ms: 2_000,
+            max_retries: 3,
+            retry_timeout_ms: 10_000,
+            retry_initial_backoff_ms: 100,
+            retry_max_backoff_ms: 2_000,
         }
     }
 }
@@ -340,14 +385,40 @@ impl ObjectStorage {
     /// A `config` failing [`ObjectConfig::validate`]; a client that cannot be built.
     pub fn s3(s3: &S3Config, config: ObjectConfig) -> Result<Self> {
         config.validate()?;
-        Ok(Self::new(Self::s3_client(s3)?, config))
+        Ok(Self::new(Self::s3_client_with(s3, &config)?, config))
     }
 
     /// A bare S3 client for `s3`, configured as [`s3`](Self::s3) configures its own: for callers
     /// that need a raw `object_store` baseline (benchmarks) or to wrap it themselves with
     /// [`new`](Self::new). Requests made through it bypass every storage's namespace and limit.
     pub fn s3_client(s3: &S3Config) -> Result<Arc<dyn ObjectStore>> {
+        Self::s3_client_with(s3, &ObjectConfig::default())
+    }
+
+    /// [`s3_client`](Self::s3_client) with `config`'s timeouts and retry policy: each request
+    /// is bounded by `request_timeout_ms` (connecting by `connect_timeout_ms`); a failed one is
+    /// retried up to `max_retries` times with exponential backoff while `retry_timeout_ms` has
+    /// not passed (`object_store` retries timeouts only for idempotent requests).
+    pub fn s3_client_with(s3: &S3Config, config: &ObjectConfig) -> Result<Arc<dyn ObjectStore>> {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        let retry = object_store::RetryConfig {
+            backoff: object_store::BackoffConfig {
+                init_backoff: ms(config.retry_initial_backoff_ms),
+                max_backoff: ms(config
+                    .retry_max_backoff_ms
+                    .max(config.retry_initial_backoff_ms)),
+                base: 2.0,
+            },
+            max_retries: config.max_retries,
+            retry_timeout: ms(config.retry_timeout_ms),
+        };
+        let options = object_store::ClientOptions::new()
+            .with_timeout(ms(config.request_timeout_ms.max(1)))
+            .with_connect_timeout(ms(config.connect_timeout_ms.max(1)));
         let mut b = object_store::aws::AmazonS3Builder::new()
+            .with_retry(retry)
+            .with_client_options(options)
             .with_bucket_name(&s3.bucket)
             .with_region(&s3.region)
             .with_access_key_id(&s3.access_key)

@@ -1,0 +1,637 @@
+//! The persistent index of a disk tier: an append-only manifest of which block lives in which
+//! slot, replayed at open, so a restart (even after `kill -9`) finds every completed block.
+//!
+//! The disk file ([`DiskStorage`](crate::DiskStorage)) holds bytes and a per-slot header, but
+//! it cannot say which slots a crashed writer had finished: a slot being overwritten when the
+//! process died holds a torn mix. The manifest says it. Its writer follows one rule:
+//!
+//! * a slot is listed ([`ManifestRecord::Stored`]) only **after** the write of its block
+//!   completed, and
+//! * a listed slot is unlisted ([`ManifestRecord::Removed`]) **before** anything writes it again.
+//!
+//! So a slot listed in the manifest never holds a partial block, whenever the process dies.
+//!
+//! ```text
+//!  allocate slot ─► record Removed(slot) ─► write block (O_DIRECT) ─► record Stored(slot, id, sum)
+//!                   (if it was listed)         ▲ kill -9 here: slot unlisted, never served
+//! ```
+//!
+//! # Format (little-endian)
+//!
+//! ```text
+//!  header  [0..64):  "KVBMG3J1" | version u32 (1) | reserved u32 | payload_bytes u64
+//!                    | num_slots u64 | file_id u128 | reserved u64 | xxh3-64 of [0..56)
+//!  record  [0..72):  tag u32 (1 stored, 2 removed) | reserved u32 | slot u64
+//!                    | identity [32] | payload xxh3-128 u128 | xxh3-64 of [0..64)
+//! ```
+//!
+//! Records are fixed-size and each carries its own checksum. Replay at [`DiskManifest::open`]
+//! applies records in order (a later record for a slot replaces the earlier one) and stops at
+//! the first record that is short (a torn append) or fails its checksum; the file is truncated
+//! there, and what was cut is reported in [`Recovery::discarded_bytes`]. A header for another
+//! geometry or another disk file instance (its `file_id`) resets the manifest: those slots are
+//! foreign to this file ([`Recovery::reset`] says why).
+//!
+//! Records are written with one positioned `write(2)` per call at the end of the last good
+//! record; a failed (e.g. `ENOSPC`) or short write is cut off again, so later records never sit
+//! behind a torn one. A write is durable against process death as soon as it returns;
+//! [`DiskManifest::sync`] makes it durable against power loss (sync the disk file first). A
+//! record that reaches stable storage before its slot's bytes can only list a slot whose header
+//! then fails its checksum on read: rejected, never served.
+//!
+//! Compaction: once the file holds more than `max(compact_min, 2 × live)` records, the live
+//! set is written to `<path>.tmp`, synced and renamed over the manifest (a crash leaves the old
+//! file or the new one).
+//!
+//! Lock order: one mutex ([`DiskManifest`]'s state) held across each append or compaction; no
+//! other lock is taken while holding it.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{PhysicalError, Result};
+use crate::identity::{BlockIdentity, IDENTITY_LEN};
+
+/// Bytes of the manifest header.
+pub const MANIFEST_HEADER_LEN: usize = 64;
+/// Bytes of one manifest record.
+pub const MANIFEST_RECORD_LEN: usize = 72;
+const MAGIC: &[u8; 8] = b"KVBMG3J1";
+const VERSION: u32 = 1;
+const TAG_STORED: u32 = 1;
+const TAG_REMOVED: u32 = 2;
+/// Default minimum record count before compaction is considered.
+pub const DEFAULT_COMPACT_MIN: u64 = 4096;
+
+/// What a manifest is bound to: the disk file's geometry and instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ManifestGeometry {
+    /// Payload bytes per slot.
+    pub payload_bytes: u64,
+    /// Slots in the disk file.
+    pub num_slots: u64,
+    /// The disk file instance's id ([`DiskStorage::file_id`](crate::DiskStorage::file_id)).
+    pub file_id: u128,
+}
+
+/// One manifest record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ManifestRecord {
+    /// `slot` holds the complete block `identity`, whose payload has xxh3-128 `checksum`.
+    Stored {
+        /// The slot.
+        slot: u64,
+        /// The block's identity (as in its disk header).
+        identity: BlockIdentity,
+        /// xxh3-128 of its payload.
+        checksum: u128,
+    },
+    /// `slot` no longer holds a listed block (it is about to be overwritten, or was dropped).
+    Removed {
+        /// The slot.
+        slot: u64,
+    },
+}
+
+/// A live entry: a slot and the block it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ManifestEntry {
+    /// The slot.
+    pub slot: u64,
+    /// The block's identity.
+    pub identity: BlockIdentity,
+    /// xxh3-128 of its payload.
+    pub checksum: u128,
+}
+
+/// What [`DiskManifest::open`] found.
+#[derive(Debug, Clone, Default)]
+pub struct Recovery {
+    /// Good records replayed.
+    pub records: u64,
+    /// Live entries after replay.
+    pub live: usize,
+    /// Bytes cut from the end (a torn or damaged tail).
+    pub discarded_bytes: u64,
+    /// Why the manifest was started afresh (missing file: `None` and `created`).
+    pub reset: Option<String>,
+    /// The file did not exist (first run).
+    pub created: bool,
+    /// Time spent reading and replaying.
+    pub elapsed: Duration,
+}
+
+fn corrupt(location: &dyn Fn() -> String, reason: String) -> PhysicalError {
+    PhysicalError::CorruptHeader {
+        location: location(),
+        reason,
+    }
+}
+
+fn xxh64(b: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(b)
+}
+
+/// Encodes a manifest header.
+pub fn encode_header(g: &ManifestGeometry) -> [u8; MANIFEST_HEADER_LEN] {
+    let mut out = [0u8; MANIFEST_HEADER_LEN];
+    out[0..8].copy_from_slice(MAGIC);
+    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[16..24].copy_from_slice(&g.payload_bytes.to_le_bytes());
+    out[24..32].copy_from_slice(&g.num_slots.to_le_bytes());
+    out[32..48].copy_from_slice(&g.file_id.to_le_bytes());
+    let sum = xxh64(&out[..56]);
+    out[56..64].copy_from_slice(&sum.to_le_bytes());
+    out
+}
+
+/// Decodes a manifest header (the first [`MANIFEST_HEADER_LEN`] bytes of `bytes`).
+///
+/// # Errors
+/// [`PhysicalError::ShortRead`] when `bytes` is shorter than a header,
+/// [`PhysicalError::CorruptHeader`] for a bad magic, version or checksum.
+pub fn decode_header(bytes: &[u8]) -> Result<ManifestGeometry> {
+    let loc = || "manifest header".to_string();
+    if bytes.len() < MANIFEST_HEADER_LEN {
+        return Err(PhysicalError::ShortRead {
+            location: loc(),
+            expected: MANIFEST_HEADER_LEN,
+            actual: bytes.len(),
+        });
+    }
+    let h = &bytes[..MANIFEST_HEADER_LEN];
+    if &h[0..8] != MAGIC {
+        return Err(corrupt(&loc, "not a kvbm G3 manifest (bad magic)".into()));
+    }
+    let sum = u64::from_le_bytes(h[56..64].try_into().expect("8 bytes"));
+    if xxh64(&h[..56]) != sum {
+        return Err(corrupt(&loc, "header checksum mismatch".into()));
+    }
+    let version = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+    if version != VERSION {
+        return Err(corrupt(&loc, format!("unknown version {version}")));
+    }
+    Ok(ManifestGeometry {
+        payload_bytes: u64::from_le_bytes(h[16..24].try_into().expect("8 bytes")),
+        num_slots: u64::from_le_bytes(h[24..32].try_into().expect("8 bytes")),
+        file_id: u128::from_le_bytes(h[32..48].try_into().expect("16 bytes")),
+    })
+}
+
+/// Encodes one record into `out` (at least [`MANIFEST_RECORD_LEN`] bytes).
+pub fn encode_record(r: &ManifestRecord, out: &mut [u8]) {
+    let out = &mut out[..MANIFEST_RECORD_LEN];
+    out.fill(0);
+    let (tag, slot, identity, checksum) = match *r {
+        ManifestRecord::Stored {
+            slot,
+            identity,
+            checksum,
+        } => (TAG_STORED, slot, identity, checksum),
+        ManifestRecord::Removed { slot } => (TAG_REMOVED, slot, BlockIdentity::ANONYMOUS, 0),
+    };
+    out[0..4].copy_from_slice(&tag.to_le_bytes());
+    out[8..16].copy_from_slice(&slot.to_le_bytes());
+    out[16..16 + IDENTITY_LEN].copy_from_slice(identity.as_bytes());
+    out[48..64].copy_from_slice(&checksum.to_le_bytes());
+    let sum = xxh64(&out[..64]);
+    out[64..72].copy_from_slice(&sum.to_le_bytes());
+}
+
+/// Decodes one record (the first [`MANIFEST_RECORD_LEN`] bytes of `bytes`).
+///
+/// # Errors
+/// [`PhysicalError::ShortRead`] for a short (torn) record, [`PhysicalError::CorruptHeader`] for
+/// a checksum mismatch, an unknown tag or non-zero reserved bytes.
+pub fn decode_record(bytes: &[u8]) -> Result<ManifestRecord> {
+    let loc = || "manifest record".to_string();
+    if bytes.len() < MANIFEST_RECORD_LEN {
+        return Err(PhysicalError::ShortRead {
+            location: loc(),
+            expected: MANIFEST_RECORD_LEN,
+            actual: bytes.len(),
+        });
+    }
+    let r = &bytes[..MANIFEST_RECORD_LEN];
+    let sum = u64::from_le_bytes(r[64..72].try_into().expect("8 bytes"));
+    if xxh64(&r[..64]) != sum {
+        return Err(corrupt(&loc, "record checksum mismatch".into()));
+    }
+    if r[4..8] != [0; 4] {
+        return Err(corrupt(&loc, "reserved bytes are not zero".into()));
+    }
+    let tag = u32::from_le_bytes(r[0..4].try_into().expect("4 bytes"));
+    let slot = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
+    match tag {
+        TAG_STORED => Ok(ManifestRecord::Stored {
+            slot,
+            identity: BlockIdentity::from_bytes(
+                r[16..16 + IDENTITY_LEN].try_into().expect("32 bytes"),
+            ),
+            checksum: u128::from_le_bytes(r[48..64].try_into().expect("16 bytes")),
+        }),
+        TAG_REMOVED => {
+            if r[16..64].iter().any(|b| *b != 0) {
+                return Err(corrupt(&loc, "removed record carries a block".into()));
+            }
+            Ok(ManifestRecord::Removed { slot })
+        }
+        t => Err(corrupt(&loc, format!("unknown record tag {t}"))),
+    }
+}
+
+/// The result of replaying a manifest image: live entries by slot, good records, and where the
+/// good prefix ends.
+#[derive(Debug, Clone, Default)]
+pub struct Replayed {
+    /// Live entries by slot.
+    pub live: HashMap<u64, (BlockIdentity, u128)>,
+    /// Good records applied.
+    pub records: u64,
+    /// Length of the good prefix (header + good records).
+    pub good_len: u64,
+}
+
+/// Replays a whole manifest image `bytes` for `expected` (pure: no file access). Stops at the
+/// first bad record, as [`DiskManifest::open`] does.
+///
+/// # Errors
+/// A header that fails to decode or names another geometry or file instance.
+pub fn replay(bytes: &[u8], expected: &ManifestGeometry) -> Result<Replayed> {
+    let g = decode_header(bytes)?;
+    if g != *expected {
+        return Err(corrupt(
+            &|| "manifest header".to_string(),
+            format!(
+                "written for {} slots of {} bytes of disk file {:032x}, this file has {} slots of {} bytes, id {:032x}",
+                g.num_slots,
+                g.payload_bytes,
+                g.file_id,
+                expected.num_slots,
+                expected.payload_bytes,
+                expected.file_id
+            ),
+        ));
+    }
+    let mut out = Replayed {
+        good_len: MANIFEST_HEADER_LEN as u64,
+        ..Replayed::default()
+    };
+    for rec in bytes[MANIFEST_HEADER_LEN..].chunks(MANIFEST_RECORD_LEN) {
+        let Ok(r) = decode_record(rec) else { break };
+        match r {
+            ManifestRecord::Stored {
+                slot,
+                identity,
+                checksum,
+            } if slot < g.num_slots => {
+                out.live.insert(slot, (identity, checksum));
+            }
+            ManifestRecord::Removed { slot } if slot < g.num_slots => {
+                out.live.remove(&slot);
+            }
+            _ => break, // a slot out of range: not this file's record
+        }
+        out.records += 1;
+        out.good_len += MANIFEST_RECORD_LEN as u64;
+    }
+    Ok(out)
+}
+
+struct State {
+    file: File,
+    /// End of the last good record: the next append goes here.
+    good_len: u64,
+    records: u64,
+    live: HashMap<u64, (BlockIdentity, u128)>,
+    buf: Vec<u8>,
+}
+
+/// An open, append-only disk-tier manifest (see the module docs).
+pub struct DiskManifest {
+    path: PathBuf,
+    geometry: ManifestGeometry,
+    compact_min: u64,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for DiskManifest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskManifest")
+            .field("path", &self.path)
+            .field("geometry", &self.geometry)
+            .finish()
+    }
+}
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".tmp");
+    PathBuf::from(p)
+}
+
+fn open_rw(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+}
+
+/// Fsyncs the directory holding `path` (so a rename in it is durable).
+fn sync_parent(path: &Path) {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
+        && let Ok(d) = File::open(parent)
+    {
+        let _ = d.sync_all();
+    }
+}
+
+/// Writes `header` + `live` as Stored records to `<path>.tmp`, syncs it and renames it over
+/// `path`. Returns the new file, its length and record count.
+fn write_snapshot(
+    path: &Path,
+    geometry: &ManifestGeometry,
+    live: &HashMap<u64, (BlockIdentity, u128)>,
+) -> Result<(File, u64, u64)> {
+    use std::io::Write;
+    let tmp = tmp_path(path);
+    let mut body = Vec::with_capacity(MANIFEST_HEADER_LEN + live.len() * MANIFEST_RECORD_LEN);
+    body.extend_from_slice(&encode_header(geometry));
+    let mut slots: Vec<_> = live.iter().collect();
+    slots.sort_unstable_by_key(|(s, _)| **s);
+    let mut rec = [0u8; MANIFEST_RECORD_LEN];
+    for (slot, (identity, checksum)) in slots {
+        encode_record(
+            &ManifestRecord::Stored {
+                slot: *slot,
+                identity: *identity,
+                checksum: *checksum,
+            },
+            &mut rec,
+        );
+        body.extend_from_slice(&rec);
+    }
+    let write = || -> std::io::Result<File> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&body)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        sync_parent(path);
+        open_rw(path)
+    };
+    match write() {
+        Ok(f) => Ok((f, body.len() as u64, live.len() as u64)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(PhysicalError::io("write manifest snapshot", Some(path), e))
+        }
+    }
+}
+
+impl DiskManifest {
+    /// Opens (or creates) the manifest at `path` for a disk file of `geometry`, replaying it as
+    /// the module docs describe.
+    ///
+    /// # Errors
+    /// The file cannot be read, created or truncated.
+    pub fn open(path: &Path, geometry: ManifestGeometry) -> Result<(Self, Recovery)> {
+        Self::open_with(path, geometry, DEFAULT_COMPACT_MIN)
+    }
+
+    /// [`open`](Self::open) with a compaction threshold (records before compaction is
+    /// considered; at least 1).
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_with(
+        path: &Path,
+        geometry: ManifestGeometry,
+        compact_min: u64,
+    ) -> Result<(Self, Recovery)> {
+        let started = Instant::now();
+        let mut recovery = Recovery::default();
+        let data = match std::fs::read(path) {
+            Ok(d) => Some(d),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(PhysicalError::io("read manifest", Some(path), e)),
+        };
+        let (file, good_len, records, live) = match data {
+            None => {
+                recovery.created = true;
+                let (f, len, n) = write_snapshot(path, &geometry, &HashMap::new())?;
+                (f, len, n, HashMap::new())
+            }
+            Some(data) => match replay(&data, &geometry) {
+                Err(e) => {
+                    recovery.reset = Some(e.to_string());
+                    tracing::warn!(path = %path.display(), error = %e, "G3 manifest reset: its slots are not trusted");
+                    let (f, len, n) = write_snapshot(path, &geometry, &HashMap::new())?;
+                    (f, len, n, HashMap::new())
+                }
+                Ok(r) => {
+                    let file =
+                        open_rw(path).map_err(|e| PhysicalError::io("open", Some(path), e))?;
+                    recovery.discarded_bytes = data.len() as u64 - r.good_len;
+                    if recovery.discarded_bytes > 0 {
+                        tracing::warn!(
+                            path = %path.display(),
+                            bytes = recovery.discarded_bytes,
+                            "G3 manifest: torn or damaged tail discarded"
+                        );
+                        file.set_len(r.good_len)
+                            .map_err(|e| PhysicalError::io("truncate manifest", Some(path), e))?;
+                    }
+                    (file, r.good_len, r.records, r.live)
+                }
+            },
+        };
+        recovery.records = records;
+        recovery.live = live.len();
+        let m = DiskManifest {
+            path: path.to_path_buf(),
+            geometry,
+            compact_min: compact_min.max(1),
+            state: Mutex::new(State {
+                file,
+                good_len,
+                records,
+                live,
+                buf: Vec::new(),
+            }),
+        };
+        {
+            let mut st = m.state.lock();
+            m.maybe_compact(&mut st)?;
+        }
+        recovery.elapsed = started.elapsed();
+        Ok((m, recovery))
+    }
+
+    /// The live entries of the manifest at `path` for `geometry`, read without changing the
+    /// file (inspection, tests).
+    ///
+    /// # Errors
+    /// The file cannot be read, or its header fails to decode or names another geometry.
+    pub fn read_entries(path: &Path, geometry: &ManifestGeometry) -> Result<Vec<ManifestEntry>> {
+        let data = std::fs::read(path).map_err(|e| PhysicalError::io("read", Some(path), e))?;
+        let r = replay(&data, geometry)?;
+        Ok(to_entries(&r.live))
+    }
+
+    /// The manifest's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The geometry it is bound to.
+    pub fn geometry(&self) -> ManifestGeometry {
+        self.geometry
+    }
+
+    /// Live entries, by slot order.
+    pub fn entries(&self) -> Vec<ManifestEntry> {
+        to_entries(&self.state.lock().live)
+    }
+
+    /// Live entry count.
+    pub fn len(&self) -> usize {
+        self.state.lock().live.len()
+    }
+
+    /// Whether no slot is listed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Records in the file (live + superseded, until the next compaction).
+    pub fn records_in_file(&self) -> u64 {
+        self.state.lock().records
+    }
+
+    /// Appends `records` in one write, in order. Every record is written, a `Removed` of a slot
+    /// not listed too: a writer that records before each block write thus learns of a full
+    /// disk before it writes (and can stop admitting). Durable against process death when
+    /// this returns.
+    ///
+    /// # Errors
+    /// A slot out of range ([`PhysicalError::BlockOutOfRange`], nothing written), or the write
+    /// failed (e.g. the disk is full): nothing of this call is recorded and the file is cut back
+    /// to its last good record.
+    pub fn record(&self, records: &[ManifestRecord]) -> Result<()> {
+        for r in records {
+            let slot = match r {
+                ManifestRecord::Stored { slot, .. } | ManifestRecord::Removed { slot } => *slot,
+            };
+            if slot >= self.geometry.num_slots {
+                return Err(PhysicalError::BlockOutOfRange {
+                    block_id: slot as usize,
+                    num_blocks: self.geometry.num_slots as usize,
+                });
+            }
+        }
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        st.buf.clear();
+        let mut n = 0u64;
+        let mut rec = [0u8; MANIFEST_RECORD_LEN];
+        for r in records {
+            encode_record(r, &mut rec);
+            st.buf.extend_from_slice(&rec);
+            n += 1;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if let Err(e) = st.file.write_all_at(&st.buf, st.good_len) {
+            // Cut a partial write off so later records never sit behind a torn one.
+            let _ = st.file.set_len(st.good_len);
+            return Err(PhysicalError::io("append manifest", Some(&self.path), e));
+        }
+        st.good_len += st.buf.len() as u64;
+        st.records += n;
+        for r in records {
+            match *r {
+                ManifestRecord::Stored {
+                    slot,
+                    identity,
+                    checksum,
+                } => {
+                    st.live.insert(slot, (identity, checksum));
+                }
+                ManifestRecord::Removed { slot } => {
+                    st.live.remove(&slot);
+                }
+            }
+        }
+        if let Err(e) = self.maybe_compact(st) {
+            // The appended records are in the file; compaction retries on a later append.
+            tracing::warn!(error = %e, "G3 manifest compaction failed");
+        }
+        Ok(())
+    }
+
+    /// Rewrites the manifest with only its live entries (see the module docs).
+    ///
+    /// # Errors
+    /// The snapshot could not be written; the old file is left as it was.
+    pub fn compact(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        self.compact_locked(&mut st)
+    }
+
+    fn maybe_compact(&self, st: &mut State) -> Result<()> {
+        if st.records >= self.compact_min.max(2 * st.live.len() as u64) && st.records > 0 {
+            self.compact_locked(st)?;
+        }
+        Ok(())
+    }
+
+    fn compact_locked(&self, st: &mut State) -> Result<()> {
+        let (file, len, n) = write_snapshot(&self.path, &self.geometry, &st.live)?;
+        st.file = file;
+        st.good_len = len;
+        st.records = n;
+        Ok(())
+    }
+
+    /// Flushes appended records to stable storage (`fdatasync`). Sync the disk file first.
+    ///
+    /// # Errors
+    /// The sync failed.
+    pub fn sync(&self) -> Result<()> {
+        self.state
+            .lock()
+            .file
+            .sync_data()
+            .map_err(|e| PhysicalError::io("fdatasync manifest", Some(&self.path), e))
+    }
+}
+
+fn to_entries(live: &HashMap<u64, (BlockIdentity, u128)>) -> Vec<ManifestEntry> {
+    let mut v: Vec<ManifestEntry> = live
+        .iter()
+        .map(|(slot, (identity, checksum))| ManifestEntry {
+            slot: *slot,
+            identity: *identity,
+            checksum: *checksum,
+        })
+        .collect();
+    v.sort_unstable_by_key(|e| e.slot);
+    v
+}
+
+#[cfg(test)]
+mod tests;
