@@ -42,6 +42,17 @@ pub enum EngineError {
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),
+    /// A G4 presence check failed.
+    #[error("G4 presence check: {0}")]
+    Presence(String),
+    /// The TCP block data plane could not serve or reach `peer`.
+    #[error("data plane {peer}: {message}")]
+    DataPlane {
+        /// The address or instance concerned.
+        peer: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl EngineError {
@@ -49,6 +60,14 @@ impl EngineError {
     pub fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
         EngineError::Config {
             key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A [`EngineError::DataPlane`] about `peer`.
+    pub fn data_plane(peer: impl Into<String>, message: impl Into<String>) -> Self {
+        EngineError::DataPlane {
+            peer: peer.into(),
             message: message.into(),
         }
     }

@@ -23,7 +23,8 @@
 //! stopped, with that tier's contiguous `match_blocks`. A block present in an earlier tier
 //! *after* a later tier took over is not used from the earlier tier (one run per tier, like
 //! upstream's search); it is still correct, since the later tier holds the same bytes.
-//! Remote instances (the cross-instance index) are not searched yet.
+//! With a [`RemoteSearch`] the search continues past the local tiers into other instances
+//! (shared G4, then another instance's G2): see [`remote`].
 //!
 //! # Locks
 //!
@@ -32,6 +33,7 @@
 //! tier is searched, so no two tiers' locks are ever held together.
 
 mod holder;
+pub mod remote;
 pub mod session;
 
 use std::sync::Arc;
@@ -41,6 +43,7 @@ use kvbm_logical::{
 };
 
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use remote::{RemoteRun, RemoteSearch};
 pub use session::{
     FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
 };
@@ -57,6 +60,7 @@ pub struct InstanceLeader {
     g4: Option<Arc<BlockManager<G4>>>,
     registry: BlockRegistry,
     search: Vec<TierId>,
+    remote: Option<RemoteSearch>,
 }
 
 /// Builds an [`InstanceLeader`] from explicit managers.
@@ -66,9 +70,16 @@ pub struct InstanceLeaderBuilder {
     g3: Option<Arc<BlockManager<G3>>>,
     g4: Option<Arc<BlockManager<G4>>>,
     search: Option<Vec<TierId>>,
+    remote: Option<RemoteSearch>,
 }
 
 impl InstanceLeaderBuilder {
+    /// Search other instances after the local tiers (see [`remote`]).
+    pub fn remote(mut self, remote: RemoteSearch) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
     /// The G2 (pinned host) manager.
     pub fn g2(mut self, manager: Arc<BlockManager<G2>>) -> Self {
         self.g2 = Some(manager);
@@ -130,6 +141,7 @@ impl InstanceLeaderBuilder {
             g4: self.g4,
             registry,
             search: Vec::new(),
+            remote: self.remote,
         };
         leader.search = search.into_iter().filter(|t| leader.has_tier(*t)).collect();
         Ok(leader)
@@ -297,7 +309,17 @@ impl InstanceLeader {
                 at += n;
             }
         }
+        if let Some(r) = &self.remote
+            && at < hashes.len()
+        {
+            remote::extend(self, r, hashes, &mut out, at);
+        }
         out
+    }
+
+    /// Starts searching other instances too (see [`remote`]).
+    pub fn set_remote(&mut self, remote: RemoteSearch) {
+        self.remote = Some(remote);
     }
 
     /// Searches `hashes` ([`find_matches`](Self::find_matches)) and starts an onboarding

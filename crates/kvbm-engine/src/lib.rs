@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod config;
+pub mod dataplane;
 mod error;
 pub mod leader;
 pub mod mover;

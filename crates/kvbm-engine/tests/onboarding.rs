@@ -130,6 +130,7 @@ impl Rig {
                 self.g2.clone(),
             ))),
             g4_to_g2: None,
+            remote_g2: None,
         }
     }
 

@@ -62,6 +62,11 @@ impl<T: Tier> BlockHolder<T> {
         self.blocks.truncate(len);
     }
 
+    /// Holds `more` after the blocks already held.
+    pub(crate) fn extend(&mut self, more: Vec<ImmutableBlock<T>>) {
+        self.blocks.extend(more);
+    }
+
     /// Hands the handles over (the caller now holds them).
     pub fn into_blocks(self) -> Vec<ImmutableBlock<T>> {
         self.blocks
@@ -87,12 +92,24 @@ pub struct MatchedPrefix {
     pub(crate) g4: BlockHolder<G4>,
     pub(crate) runs: Vec<TierRun>,
     pub(crate) requested: usize,
+    /// The part held by another instance's G2 (after every local run), if any.
+    pub(crate) remote: Option<super::remote::RemoteRun>,
 }
 
 impl MatchedPrefix {
     /// Blocks matched (the prefix length).
     pub fn len(&self) -> usize {
-        self.runs.iter().map(|r| r.len).sum()
+        self.runs.iter().map(|r| r.len).sum::<usize>() + self.remote_len()
+    }
+
+    /// Blocks of the prefix in another instance's G2 (pulled, not held here).
+    pub fn remote_len(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| r.hashes.len())
+    }
+
+    /// The part of the prefix in another instance's G2, after every local run.
+    pub fn remote(&self) -> Option<&super::remote::RemoteRun> {
+        self.remote.as_ref()
     }
 
     /// Whether nothing matched.
@@ -125,7 +142,7 @@ impl MatchedPrefix {
         }
     }
 
-    /// The tier holding block `i` of the prefix.
+    /// The tier holding block `i` of the prefix (local runs only; see [`remote`](Self::remote)).
     pub fn tier_of(&self, i: usize) -> Option<TierId> {
         self.runs
             .iter()
@@ -160,10 +177,14 @@ impl MatchedPrefix {
                 TierId::G1 => {}
             }
         }
+        if let Some(r) = &self.remote {
+            out.extend_from_slice(&r.hashes);
+        }
         out
     }
 
-    /// Splits into the per-tier holders (each still releasing on drop).
+    /// Splits into the per-tier holders (each still releasing on drop); a remote run is
+    /// dropped (it holds nothing here).
     pub fn into_parts(self) -> (BlockHolder<G2>, BlockHolder<G3>, BlockHolder<G4>) {
         (self.g2, self.g3, self.g4)
     }
