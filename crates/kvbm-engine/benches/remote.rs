@@ -21,7 +21,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use futures::StreamExt;
-use kvbm_engine::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory};
+use kvbm_engine::dataplane::{
+    DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory, RemotePull,
+};
 use kvbm_engine::leader::{InstanceLeader, RemoteSearch, StagingMovers};
 use kvbm_engine::pubsub::{CrossInstanceIndex, EventMessage, InstanceId};
 use kvbm_logical::{
