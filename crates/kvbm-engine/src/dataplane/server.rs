@@ -251,19 +251,26 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
             timed("write", io, stream.write_all(&r)).await?;
             return Ok(());
         }
+        // Bounded by the check above; read before answering so a refusal is not lost to a
+        // reset caused by unread data.
+        let mut raw = vec![0u8; head.count as usize * HASH_LEN];
+        timed("read", io, stream.read_exact(&mut raw)).await?;
         if head.geometry != s.geometry || head.block_bytes != s.block_bytes as u64 {
             let r = refuse(Status::Geometry);
             timed("write", io, stream.write_all(&r)).await?;
             return Ok(());
         }
-        let mut raw = vec![0u8; head.count as usize * HASH_LEN];
-        timed("read", io, stream.read_exact(&mut raw)).await?;
         let hashes = wire::decode_hashes(&raw);
 
-        let found = s.manager.scan_matches(&hashes);
-        s.stats.held.fetch_add(found.len(), Ordering::AcqRel);
+        let blocks: HashMap<SequenceHash, ImmutableBlock<G2>> = s
+            .manager
+            .scan_matches(&hashes)
+            .into_iter()
+            .map(|b| (b.sequence_hash(), b))
+            .collect();
+        s.stats.held.fetch_add(blocks.len(), Ordering::AcqRel);
         let holds = Holds {
-            blocks: found.into_iter().map(|b| (b.sequence_hash(), b)).collect(),
+            blocks,
             stats: &s.stats,
         };
         let r = wire::encode_response(Status::Ok, head.count);
