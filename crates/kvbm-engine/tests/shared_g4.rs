@@ -107,6 +107,9 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
     let seq =
         TokenBlockSequence::from_tokens(&(0..32).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
     let hashes = seq.hashes();
+    // B follows the bus from the start (a broadcast reaches current subscribers only).
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index_b.clone(), &rt, &*bus).unwrap();
 
     // Instance A: computes 8 blocks in its host memory and offloads 0..6 to G4, plus two bad
     // objects: at hash 6 a valid object of block 5 (wrong identity), at hash 7 a block whose
@@ -171,8 +174,6 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
 
     // Instance B: its own S3 client, G2, G4 bookkeeping and G1, following the bus.
     let storage_b = storage(&cfg, &namespace);
-    let index_b = Arc::new(CrossInstanceIndex::new());
-    CrossInstanceIndex::follow(index_b.clone(), &rt, &*bus).unwrap();
     let registry_b = BlockRegistry::new();
     let g2_b = manager::<G2>(&registry_b, None);
     let g4_b = manager::<G4>(&registry_b, None);
