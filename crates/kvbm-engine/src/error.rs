@@ -53,6 +53,17 @@ pub enum EngineError {
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),
+    /// A G4 presence check failed.
+    #[error("G4 presence check: {0}")]
+    Presence(#[source] kvbm_offload::PolicyError),
+    /// The TCP block data plane could not serve or reach `peer`.
+    #[error("data plane {peer}: {message}")]
+    DataPlane {
+        /// The address or instance concerned.
+        peer: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl EngineError {
@@ -60,6 +71,14 @@ impl EngineError {
     pub fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
         EngineError::Config {
             key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A [`EngineError::DataPlane`] about `peer`.
+    pub fn data_plane(peer: impl Into<String>, message: impl Into<String>) -> Self {
+        EngineError::DataPlane {
+            peer: peer.into(),
             message: message.into(),
         }
     }

@@ -23,9 +23,8 @@
 //! stopped, with that tier's contiguous `match_blocks`. A block present in an earlier tier
 //! *after* a later tier took over is not used from the earlier tier (one run per tier, like
 //! upstream's search); it is still correct, since the later tier holds the same bytes.
-//! Then, when the leader follows a [`CrossInstanceIndex`] (`remote_index`), the rest of the
-//! hashes are looked up there: the instance said to hold the longest run of them becomes
-//! [`MatchedPrefix::remote`] (a hint for a pull; nothing is held remotely).
+//! With a [`RemoteSearch`] the search continues past the local tiers into other instances
+//! (shared G4, then another instance's G2): see [`remote`].
 //!
 //! # Locks
 //!
@@ -34,6 +33,7 @@
 //! tier is searched, so no two tiers' locks are ever held together.
 
 mod holder;
+pub mod remote;
 pub mod session;
 
 use std::sync::Arc;
@@ -42,7 +42,8 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
 };
 
-pub use holder::{BlockHolder, MatchedPrefix, RemoteRun, TierRun};
+pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use remote::{RemoteRun, RemoteSearch};
 pub use session::{
     FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
 };
@@ -60,7 +61,7 @@ pub struct InstanceLeader {
     g4: Option<Arc<BlockManager<G4>>>,
     registry: BlockRegistry,
     search: Vec<TierId>,
-    remote: Option<(Arc<CrossInstanceIndex>, InstanceId)>,
+    remote: Option<RemoteSearch>,
 }
 
 /// Builds an [`InstanceLeader`] from explicit managers.
@@ -70,10 +71,26 @@ pub struct InstanceLeaderBuilder {
     g3: Option<Arc<BlockManager<G3>>>,
     g4: Option<Arc<BlockManager<G4>>>,
     search: Option<Vec<TierId>>,
-    remote: Option<(Arc<CrossInstanceIndex>, InstanceId)>,
+    remote: Option<RemoteSearch>,
 }
 
 impl InstanceLeaderBuilder {
+    /// Search other instances after the local tiers (see [`remote`]).
+    pub fn remote(mut self, remote: RemoteSearch) -> Self {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// Shorthand for [`remote`](Self::remote) without a shared G4: follow `index` (kept up to
+    /// date by `CrossInstanceIndex::follow`, e.g. over NATS) and find other instances' G2 runs.
+    pub fn remote_index(self, index: Arc<CrossInstanceIndex>, this: InstanceId) -> Self {
+        self.remote(RemoteSearch {
+            index,
+            this,
+            shared_g4: false,
+        })
+    }
+
     /// The G2 (pinned host) manager.
     pub fn g2(mut self, manager: Arc<BlockManager<G2>>) -> Self {
         self.g2 = Some(manager);
@@ -89,13 +106,6 @@ impl InstanceLeaderBuilder {
     /// The G4 (object) manager.
     pub fn g4(mut self, manager: Arc<BlockManager<G4>>) -> Self {
         self.g4 = Some(manager);
-        self
-    }
-
-    /// After the local tiers, search `index` for another instance than `this` holding the
-    /// rest ([`MatchedPrefix::remote`]).
-    pub fn remote_index(mut self, index: Arc<CrossInstanceIndex>, this: InstanceId) -> Self {
-        self.remote = Some((index, this));
         self
     }
 
@@ -310,18 +320,17 @@ impl InstanceLeader {
                 at += n;
             }
         }
-        if let Some((index, this)) = &self.remote
+        if let Some(r) = &self.remote
             && at < hashes.len()
-            && let Some(&(instance, len)) =
-                index.prefix_by_instance(&hashes[at..], Some(*this)).first()
         {
-            out.remote = Some(RemoteRun {
-                instance,
-                start: at,
-                len,
-            });
+            remote::extend(self, r, hashes, &mut out, at);
         }
         out
+    }
+
+    /// Starts searching other instances too (see [`remote`]).
+    pub fn set_remote(&mut self, remote: RemoteSearch) {
+        self.remote = Some(remote);
     }
 
     /// Searches `hashes` ([`find_matches`](Self::find_matches)) and starts an onboarding

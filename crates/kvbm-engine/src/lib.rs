@@ -9,6 +9,7 @@ compile_error!(
 #[cfg(feature = "collectives")]
 pub mod collectives;
 pub mod config;
+pub mod dataplane;
 mod error;
 pub mod leader;
 pub mod mover;

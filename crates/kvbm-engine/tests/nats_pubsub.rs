@@ -95,16 +95,18 @@ fn two_instances_learn_of_each_others_blocks_over_nats() {
     });
     assert_eq!(index.locations(hashes[0]), vec![(a, TierId::G2)]);
     let found = leader_b.find_matches(&hashes);
-    assert!(found.is_empty(), "B holds nothing itself");
+    assert!(found.runs().is_empty(), "B holds nothing itself");
     let remote = found.remote().expect("a remote run");
-    assert_eq!((remote.instance, remote.start, remote.len), (a, 0, 5));
+    assert_eq!((remote.instance, remote.start), (a, 0));
+    assert_eq!(remote.hashes, hashes[..5].to_vec());
 
     // B stores the first two itself: the local prefix comes first, the remote run after it.
     store(leader_b.g2().unwrap(), &seq, 2);
     let found = leader_b.find_matches(&hashes);
-    assert_eq!(found.len(), 2);
+    assert_eq!(found.len() - found.remote_len(), 2);
     let remote = found.remote().unwrap();
-    assert_eq!((remote.instance, remote.start, remote.len), (a, 2, 3));
+    assert_eq!((remote.instance, remote.start), (a, 2));
+    assert_eq!(remote.hashes, hashes[2..5].to_vec());
     drop(found);
 
     // A evicts: its Removed events take it out of B's index.

@@ -230,6 +230,7 @@ async fn leader_and_two_worker_processes_onboard_a_disk_prefix_bytes_verified_pe
         .prepare(StagingMovers {
             g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), i.g2.clone()))),
             g4_to_g2: None,
+            remote_g2: None,
         })
         .await
         .unwrap();
@@ -302,6 +303,7 @@ async fn a_worker_killed_mid_transfer_fails_cleanly_and_the_other_keeps_serving(
                 .prepare(StagingMovers {
                     g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw, g2))),
                     g4_to_g2: None,
+                    remote_g2: None,
                 })
                 .await
         })

@@ -135,6 +135,7 @@ impl Rig {
                 .unwrap(),
             )),
             g4_to_g2: None,
+            remote_g2: None,
         }
     }
 

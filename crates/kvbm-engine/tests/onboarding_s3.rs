@@ -139,6 +139,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
             .unwrap()
             .keyed_source(),
         )),
+        remote_g2: None,
     };
 
     // 0..6: G2 0,1 + G4 2..6, every object present.

@@ -189,6 +189,7 @@ async fn leader_and_two_workers_onboard_a_disk_prefix_bytes_verified_per_rank() 
                 g2.clone(),
             ))),
             g4_to_g2: None,
+            remote_g2: None,
         })
         .await
         .unwrap();

@@ -62,6 +62,11 @@ impl<T: Tier> BlockHolder<T> {
         self.blocks.truncate(len);
     }
 
+    /// Holds `more` after the blocks already held.
+    pub(crate) fn extend(&mut self, more: Vec<ImmutableBlock<T>>) {
+        self.blocks.extend(more);
+    }
+
     /// Hands the handles over (the caller now holds them).
     pub fn into_blocks(self) -> Vec<ImmutableBlock<T>> {
         self.blocks
@@ -87,26 +92,24 @@ pub struct MatchedPrefix {
     pub(crate) g4: BlockHolder<G4>,
     pub(crate) runs: Vec<TierRun>,
     pub(crate) requested: usize,
-    pub(crate) remote: Option<RemoteRun>,
-}
-
-/// Where the search found the blocks after the local prefix: another instance that, by its
-/// events ([`CrossInstanceIndex`](crate::pubsub::CrossInstanceIndex)), holds them. A hint:
-/// nothing is held there, and whoever pulls must verify the bytes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct RemoteRun {
-    /// The instance said to hold them.
-    pub instance: crate::pubsub::InstanceId,
-    /// Index of the run's first block in the searched hashes (the local prefix length).
-    pub start: usize,
-    /// Blocks in the run.
-    pub len: usize,
+    /// The part held by another instance's G2 (after every local run), if any.
+    pub(crate) remote: Option<super::remote::RemoteRun>,
 }
 
 impl MatchedPrefix {
     /// Blocks matched (the prefix length).
     pub fn len(&self) -> usize {
-        self.runs.iter().map(|r| r.len).sum()
+        self.runs.iter().map(|r| r.len).sum::<usize>() + self.remote_len()
+    }
+
+    /// Blocks of the prefix in another instance's G2 (pulled, not held here).
+    pub fn remote_len(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| r.hashes.len())
+    }
+
+    /// The part of the prefix in another instance's G2, after every local run.
+    pub fn remote(&self) -> Option<&super::remote::RemoteRun> {
+        self.remote.as_ref()
     }
 
     /// Whether nothing matched.
@@ -124,13 +127,6 @@ impl MatchedPrefix {
         self.len() == self.requested
     }
 
-    /// The longest run of the blocks following the local prefix that another instance is said
-    /// to hold (only when the leader follows a cross-instance index). Not part of
-    /// [`len`](Self::len): nothing of it is held locally.
-    pub fn remote(&self) -> Option<RemoteRun> {
-        self.remote
-    }
-
     /// The runs, in prefix order (one per tier that contributed, in search order).
     pub fn runs(&self) -> &[TierRun] {
         &self.runs
@@ -146,7 +142,7 @@ impl MatchedPrefix {
         }
     }
 
-    /// The tier holding block `i` of the prefix.
+    /// The tier holding block `i` of the prefix (local runs only; see [`remote`](Self::remote)).
     pub fn tier_of(&self, i: usize) -> Option<TierId> {
         self.runs
             .iter()
@@ -181,10 +177,14 @@ impl MatchedPrefix {
                 TierId::G1 => {}
             }
         }
+        if let Some(r) = &self.remote {
+            out.extend_from_slice(&r.hashes);
+        }
         out
     }
 
-    /// Splits into the per-tier holders (each still releasing on drop).
+    /// Splits into the per-tier holders (each still releasing on drop); a remote run is
+    /// dropped (it holds nothing here).
     pub fn into_parts(self) -> (BlockHolder<G2>, BlockHolder<G3>, BlockHolder<G4>) {
         (self.g2, self.g3, self.g4)
     }

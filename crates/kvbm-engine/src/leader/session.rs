@@ -16,9 +16,9 @@
 //!   (* only while an operation is in flight; it becomes Aborted when that operation settles)
 //! ```
 //!
-//! Terminal phases: `Finished`, `Aborted`, `Failed`. Pull (remote G2 → local G2) is not built
-//! yet: a session ignores [`MatchedPrefix::remote`](super::MatchedPrefix::remote) (the
-//! hint of another instance holding the rest) and onboards only the locally held prefix.
+//! Terminal phases: `Finished`, `Aborted`, `Failed`. The pull (remote G2 → local G2, over the
+//! data plane's [`RemotePull`]) runs in the `Staging` phase, concurrently with the G3→G2 and
+//! G4→G2 stages: the prefix is `Staged` once every local and remote part of it is in local G2.
 //!
 //! # Why it is shaped like this (what broke upstream)
 //!
@@ -49,6 +49,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use super::holder::MatchedPrefix;
+use crate::dataplane::RemotePull;
 use crate::mover::{BlockMove, Moved};
 
 /// Where a session is.
@@ -110,6 +111,9 @@ pub enum SessionError {
     /// A mover the matched prefix needs was not given.
     #[error("no {0}→G2 mover for the {0} part of the prefix")]
     NoMover(TierId),
+    /// The prefix has a remote part and no [`RemotePull`] was given.
+    #[error("no remote G2 puller for the remote part of the prefix")]
+    NoPuller,
     /// Destinations could not be allocated, or do not match the prefix length.
     #[error("destinations: {0}")]
     Destinations(String),
@@ -145,6 +149,8 @@ pub struct StagingMovers {
     pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
     /// G4 → G2 (for an object layout, a keyed source).
     pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
+    /// Remote G2 → local G2 (the pull; e.g. a `dataplane::DataPlaneClient`).
+    pub remote_g2: Option<Arc<dyn RemotePull>>,
 }
 
 #[derive(Default)]
@@ -270,8 +276,9 @@ impl OnboardingSession {
         error
     }
 
-    /// Stages the G3 and G4 parts of the prefix into G2 (`Holding` → `Staging` → `Staged`).
-    /// Destinations are allocated from each mover's destination manager (the leader's G2).
+    /// Stages the G3 and G4 parts of the prefix into G2 and pulls its remote part
+    /// (`Holding` → `Staging` → `Staged`). Destinations are allocated from each mover's (and
+    /// the puller's) destination manager (the leader's G2).
     ///
     /// # Errors
     /// [`SessionError::WrongPhase`] outside `Holding` (nothing changes);
@@ -286,6 +293,7 @@ impl OnboardingSession {
             let matched = s.matched.as_ref().expect("held while Holding");
             let need3 = matched.g3().len();
             let need4 = matched.g4().len();
+            let need_r = matched.remote_len();
             drop(s);
             (|| {
                 let d3 = match (&movers.g3_to_g2, need3) {
@@ -304,10 +312,18 @@ impl OnboardingSession {
                         .allocate_blocks(n)
                         .map_err(|e| SessionError::Destinations(e.to_string()))?,
                 };
-                Ok((d3, d4))
+                let dr = match (&movers.remote_g2, need_r) {
+                    (_, 0) => Vec::new(),
+                    (None, _) => return Err(SessionError::NoPuller),
+                    (Some(m), n) => m
+                        .destination()
+                        .allocate_blocks(n)
+                        .map_err(|e| SessionError::Destinations(e.to_string()))?,
+                };
+                Ok((d3, d4, dr))
             })()
         };
-        let (d3, d4) = match prepared {
+        let (d3, d4, dr) = match prepared {
             Ok(d) => d,
             Err(e) => return Err(self.give_up(Phase::Holding, e)),
         };
@@ -327,16 +343,35 @@ impl OnboardingSession {
                 matched.g3().blocks(),
                 matched.g4().blocks(),
             );
-            let mut out3 = match &movers.g3_to_g2 {
-                Some(m) if !g3.is_empty() => m.move_blocks(g3, d3).await,
-                _ => Vec::new(),
+            let stage3 = async {
+                match &movers.g3_to_g2 {
+                    Some(m) if !g3.is_empty() => m.move_blocks(g3, d3).await,
+                    _ => Vec::new(),
+                }
             };
-            let mut out4 = match &movers.g4_to_g2 {
-                Some(m) if !g4.is_empty() => m.move_blocks(g4, d4).await,
-                _ => Vec::new(),
+            let stage4 = async {
+                match &movers.g4_to_g2 {
+                    Some(m) if !g4.is_empty() => m.move_blocks(g4, d4).await,
+                    _ => Vec::new(),
+                }
             };
-            let failure = first_failure(&out3).or_else(|| first_failure(&out4));
-            let failed = out3.iter().chain(&out4).filter(|o| o.is_err()).count();
+            let pull = async {
+                match (&movers.remote_g2, matched.remote()) {
+                    (Some(p), Some(r)) => p.pull(r.instance, &r.hashes, dr).await,
+                    _ => Vec::new(),
+                }
+            };
+            // Every part settles before the task looks at any outcome.
+            let (mut out3, mut out4, mut outr) = futures::join!(stage3, stage4, pull);
+            let failure = first_failure(&out3)
+                .or_else(|| first_failure(&out4))
+                .or_else(|| first_failure(&outr));
+            let failed = out3
+                .iter()
+                .chain(&out4)
+                .chain(&outr)
+                .filter(|o| o.is_err())
+                .count();
             // Assemble the prefix in G2, in order.
             let mut staged = Vec::with_capacity(matched.len());
             let mut g2_rest = Vec::new();
@@ -357,6 +392,8 @@ impl OnboardingSession {
                         staged.extend(b);
                     }
                 }
+                // The remote run comes after every local run.
+                staged.extend(std::mem::take(&mut outr).into_iter().flatten());
             } else {
                 g2_rest = g2;
             }
@@ -390,7 +427,7 @@ impl OnboardingSession {
             };
             drop(s);
             // Sources (matched) and anything unused drop here, outside the lock.
-            drop((released, staged, out3, out4, g2_rest, matched));
+            drop((released, staged, out3, out4, outr, g2_rest, matched));
             shared.settled.notify_waiters();
             result
         });

@@ -1,0 +1,359 @@
+//! [`DataPlaneClient`]: pulls blocks from other instances' data-plane servers into local G2.
+//!
+//! Each payload is read straight into the destination block's host memory (the caller
+//! allocated it, so the slot is exclusively ours until it is registered or dropped), then
+//! checksummed against the frame header; only verified blocks are completed and registered.
+//! Connections are reused: one returns to a small per-peer idle pool only after a response
+//! was read in full and verified; any failure drops it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use kvbm_logical::{BlockManager, CompleteBlock, G2, MutableBlock, SequenceHash};
+use kvbm_physical::PhysicalLayout;
+use kvbm_physical::checksum::checksum_slices;
+use kvbm_physical::identity::geometry_digest;
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::wire::{self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead};
+use super::{DataPlaneConfig, PeerDirectory, RemotePull};
+use crate::error::{EngineError, Result};
+use crate::mover::Moved;
+use crate::pubsub::InstanceId;
+
+/// Pulls remote G2 blocks into this instance's G2: see the [module docs](self).
+pub struct DataPlaneClient {
+    manager: Arc<BlockManager<G2>>,
+    layout: Arc<PhysicalLayout>,
+    peers: Arc<PeerDirectory>,
+    config: DataPlaneConfig,
+    geometry: u64,
+    block_bytes: usize,
+    idle: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
+}
+
+impl std::fmt::Debug for DataPlaneClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlaneClient")
+            .field("block_bytes", &self.block_bytes)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a whole request failed (every block not yet settled fails with it).
+struct RequestFailed {
+    message: String,
+    /// Nothing of the response was read: a stale pooled connection may be the cause.
+    before_response: bool,
+}
+
+impl DataPlaneClient {
+    /// A client pulling into `manager`'s blocks, whose bytes live in the host `layout`
+    /// (indexed by block id), finding peers in `peers`.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `layout` is not host memory or has fewer slots than the
+    /// manager.
+    pub fn new(
+        config: DataPlaneConfig,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+        peers: Arc<PeerDirectory>,
+    ) -> Result<Self> {
+        wire::check_host(&layout)?;
+        let c = *layout.layout().config();
+        if c.num_blocks < manager.total_blocks() {
+            return Err(EngineError::config(
+                "dataplane.layout",
+                format!(
+                    "layout has {} blocks, the G2 manager {}",
+                    c.num_blocks,
+                    manager.total_blocks()
+                ),
+            ));
+        }
+        Ok(Self {
+            manager,
+            geometry: geometry_digest(&c),
+            block_bytes: c.block_bytes(),
+            layout,
+            peers,
+            config,
+            idle: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The peer directory it resolves instances in.
+    pub fn peers(&self) -> &Arc<PeerDirectory> {
+        &self.peers
+    }
+
+    /// Pulls `hashes[i]` from `instance`'s server at `addr` into `destinations[i]`. One
+    /// outcome per block, in order; a block is registered in the local G2 manager only if its
+    /// frame verified (identity, binding, geometry, length, checksum).
+    pub async fn pull_from(
+        &self,
+        addr: SocketAddr,
+        instance: InstanceId,
+        hashes: &[SequenceHash],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> Vec<Moved<G2>> {
+        if destinations.len() != hashes.len() {
+            let m = format!(
+                "{} destinations for {} blocks",
+                destinations.len(),
+                hashes.len()
+            );
+            return hashes.iter().map(|_| Err(m.clone())).collect();
+        }
+        let mut out: Vec<Moved<G2>> = Vec::with_capacity(hashes.len());
+        let mut dests = destinations.into_iter();
+        for chunk in hashes.chunks(self.config.max_blocks_per_request.max(1)) {
+            let mut part: Vec<MutableBlock<G2>> = dests.by_ref().take(chunk.len()).collect();
+            // A pooled connection may have been closed by the server meanwhile: when nothing
+            // of the response was read, try once more on a fresh one.
+            let mut settled = Vec::new();
+            for attempt in 0..2 {
+                let (stream, pooled) = match self.connection(addr, attempt == 0).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        settled = fail_all(part.len(), &e);
+                        part = Vec::new();
+                        break;
+                    }
+                };
+                match self.request(stream, addr, instance, chunk, part).await {
+                    Ok(done) => {
+                        settled = done;
+                        part = Vec::new();
+                        break;
+                    }
+                    Err((failed, back)) => {
+                        if failed.before_response && pooled && attempt == 0 {
+                            part = back;
+                            continue;
+                        }
+                        settled = fail_all(back.len(), &failed.message);
+                        part = Vec::new();
+                        break;
+                    }
+                }
+            }
+            drop(part);
+            out.extend(settled);
+        }
+        out
+    }
+
+    async fn connection(
+        &self,
+        addr: SocketAddr,
+        pooled_ok: bool,
+    ) -> std::result::Result<(TcpStream, bool), String> {
+        if pooled_ok && let Some(s) = self.idle.lock().get_mut(&addr).and_then(|v| v.pop()) {
+            return Ok((s, true));
+        }
+        let s = tokio::time::timeout(self.config.io_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("connect to {addr} timed out"))?
+            .map_err(|e| format!("connect to {addr}: {e}"))?;
+        s.set_nodelay(true)
+            .map_err(|e| format!("connect to {addr}: {e}"))?;
+        Ok((s, false))
+    }
+
+    fn give_back(&self, addr: SocketAddr, stream: TcpStream) {
+        let mut idle = self.idle.lock();
+        let v = idle.entry(addr).or_default();
+        if v.len() < self.config.max_idle_per_peer {
+            v.push(stream);
+        }
+    }
+
+    /// One request. `Err` hands the destinations back when nothing settled (so the caller can
+    /// retry), or, after a failure mid-response, the unsettled rest is failed here.
+    async fn request(
+        &self,
+        mut stream: TcpStream,
+        addr: SocketAddr,
+        instance: InstanceId,
+        hashes: &[SequenceHash],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> std::result::Result<Vec<Moved<G2>>, (RequestFailed, Vec<MutableBlock<G2>>)> {
+        let io = self.config.io_timeout;
+        let peer = format!("{instance} at {addr}");
+        let fail = |message: String, before_response: bool| RequestFailed {
+            message: format!("data plane pull from {peer}: {message}"),
+            before_response,
+        };
+        let request = wire::encode_request(
+            RequestHead {
+                count: hashes.len() as u32,
+                geometry: self.geometry,
+                block_bytes: self.block_bytes as u64,
+            },
+            hashes,
+        );
+        if let Err(e) = timed(io, stream.write_all(&request)).await {
+            return Err((fail(e, true), destinations));
+        }
+        let mut head = [0u8; RESPONSE_HEAD_LEN];
+        if let Err(e) = timed(io, stream.read_exact(&mut head)).await {
+            return Err((fail(e, true), destinations));
+        }
+        let (status, count) = match wire::decode_response(&head) {
+            Ok(v) => v,
+            Err(e) => return Err((fail(e, false), destinations)),
+        };
+        if status != 0 {
+            let m = format!("refused: {}", wire::Status::describe(status));
+            return Err((fail(m, false), destinations));
+        }
+        if count as usize != hashes.len() {
+            let m = format!("answered {count} frames for {} blocks", hashes.len());
+            return Err((fail(m, false), destinations));
+        }
+
+        let layers = self.layout.layout().config().num_layers;
+        // Per block: Ok(complete block to register) or Err(why).
+        let mut settled: Vec<std::result::Result<CompleteBlock<G2>, String>> =
+            Vec::with_capacity(hashes.len());
+        let mut broken: Option<String> = None;
+        for (dest, &hash) in destinations.into_iter().zip(hashes) {
+            if let Some(m) = &broken {
+                settled.push(Err(m.clone()));
+                continue;
+            }
+            match self
+                .read_frame(&mut stream, instance, hash, &dest, layers)
+                .await
+            {
+                Ok(true) => settled.push(
+                    dest.complete(hash)
+                        .map_err(|e| format!("completing {hash:?}: {}", e.error)),
+                ),
+                Ok(false) => settled.push(Err(format!(
+                    "block {:032x} is not held by {peer}",
+                    hash.as_u128()
+                ))),
+                Err(e) => {
+                    let m = format!("data plane pull from {peer}: {e}");
+                    settled.push(Err(m.clone()));
+                    broken = Some(m);
+                }
+            }
+        }
+        if broken.is_none() {
+            self.give_back(addr, stream);
+        }
+        // Register the verified blocks in one batch, keeping the request order.
+        let mut out: Vec<Option<Moved<G2>>> = Vec::with_capacity(settled.len());
+        let (mut ok, mut positions) = (Vec::new(), Vec::new());
+        for (i, s) in settled.into_iter().enumerate() {
+            match s {
+                Ok(b) => {
+                    ok.push(b);
+                    positions.push(i);
+                    out.push(None);
+                }
+                Err(e) => out.push(Some(Err(e))),
+            }
+        }
+        for (b, i) in self.manager.register_blocks(ok).into_iter().zip(positions) {
+            out[i] = Some(Ok(b));
+        }
+        let out = out
+            .into_iter()
+            .map(|o| o.expect("every block settled"))
+            .collect();
+        Ok(out)
+    }
+
+    /// Reads one frame into `dest`: `Ok(true)` verified, `Ok(false)` absent on the server,
+    /// `Err` a frame that must not be trusted (the stream is then unusable).
+    async fn read_frame(
+        &self,
+        stream: &mut TcpStream,
+        instance: InstanceId,
+        hash: SequenceHash,
+        dest: &MutableBlock<G2>,
+        layers: usize,
+    ) -> std::result::Result<bool, String> {
+        let io = self.config.io_timeout;
+        let mut raw = [0u8; FRAME_HEADER_LEN];
+        timed(io, stream.read_exact(&mut raw)).await?;
+        // Length, geometry, identity and binding are checked before any payload byte is read.
+        let header = match wire::check_frame(&raw, hash, instance, self.geometry, self.block_bytes)
+            .map_err(|e| e.to_string())?
+        {
+            Frame::Absent => return Ok(false),
+            Frame::Payload(h) => h,
+        };
+        let regions = self.layout.block_addrs(dest.block_id(), 0..layers);
+        for &(p, l) in &regions {
+            // SAFETY: host memory of our layout (kept alive by `self`); `dest` is a mutable
+            // block we own exclusively, so nothing else reads or writes its slot meanwhile.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) };
+            timed(io, stream.read_exact(bytes)).await?;
+        }
+        // SAFETY: as above; the payload was just written.
+        let actual = checksum_slices(
+            regions
+                .iter()
+                .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) }),
+        );
+        let location = || format!("{instance} block {:032x}", hash.as_u128());
+        header
+            .verify(actual, &location)
+            .map_err(|e| e.to_string())?;
+        Ok(true)
+    }
+}
+
+fn fail_all(n: usize, message: &str) -> Vec<Moved<G2>> {
+    (0..n).map(|_| Err(message.to_string())).collect()
+}
+
+async fn timed<T>(
+    limit: std::time::Duration,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::result::Result<T, String> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Err("stream ended early (truncated)".into())
+        }
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no progress within {limit:?}")),
+    }
+}
+
+impl RemotePull for DataPlaneClient {
+    fn destination(&self) -> &Arc<BlockManager<G2>> {
+        &self.manager
+    }
+
+    fn pull<'a>(
+        &'a self,
+        instance: InstanceId,
+        hashes: &'a [SequenceHash],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> BoxFuture<'a, Vec<Moved<G2>>> {
+        async move {
+            match self.peers.get(instance) {
+                Some(addr) => self.pull_from(addr, instance, hashes, destinations).await,
+                None => fail_all(
+                    hashes.len(),
+                    &format!("no data plane address known for {instance}"),
+                ),
+            }
+        }
+        .boxed()
+    }
+}

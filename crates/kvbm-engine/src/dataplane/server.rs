@@ -1,0 +1,299 @@
+//! [`DataPlaneServer`]: serves one instance's G2-resident blocks over TCP.
+//!
+//! One accept task, one task per connection; a connection serves requests one after another.
+//! Per request the task holds the present blocks (`scan_matches`, strong handles) inside a
+//! [`Holds`] guard that lives on the task's stack, so the holds end when the response is
+//! written, when a write fails or times out, or when the task is cancelled (server shutdown):
+//! in every case by the guard's drop. A failing connection never affects the accept loop.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash};
+use kvbm_physical::PhysicalLayout;
+use kvbm_physical::identity::geometry_digest;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use super::DataPlaneConfig;
+use super::wire::{self, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, Status};
+use crate::error::{EngineError, Result};
+use crate::pubsub::InstanceId;
+
+/// Counters of a running server (tests and metrics).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    held: AtomicUsize,
+    connections: AtomicUsize,
+    requests: AtomicU64,
+    blocks_served: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl ServerStats {
+    /// Blocks held right now on behalf of in-flight requests.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+    /// Open connections.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::Acquire)
+    }
+    /// Requests answered (including refused ones).
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+    /// Block frames written in full.
+    pub fn blocks_served(&self) -> u64 {
+        self.blocks_served.load(Ordering::Relaxed)
+    }
+    /// Requests refused (bad head, too many blocks, wrong geometry).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+}
+
+/// What the server serves from.
+struct Served {
+    instance: InstanceId,
+    manager: Arc<BlockManager<G2>>,
+    layout: Arc<PhysicalLayout>,
+    geometry: u64,
+    block_bytes: usize,
+    config: DataPlaneConfig,
+    stats: Arc<ServerStats>,
+}
+
+/// A running data-plane server: see the [module docs](self). Stops (and drops every hold) on
+/// [`shutdown`](Self::shutdown) or drop.
+#[derive(Debug)]
+pub struct DataPlaneServer {
+    addr: SocketAddr,
+    instance: InstanceId,
+    cancel: CancellationToken,
+    stats: Arc<ServerStats>,
+}
+
+/// The holds of one request; dropping it releases them and updates the stats.
+struct Holds<'a> {
+    blocks: HashMap<SequenceHash, ImmutableBlock<G2>>,
+    stats: &'a ServerStats,
+}
+
+impl Drop for Holds<'_> {
+    fn drop(&mut self) {
+        let n = self.blocks.len();
+        self.blocks.clear();
+        self.stats.held.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+struct ConnectionGuard(Arc<ServerStats>);
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl DataPlaneServer {
+    /// Binds `config.bind` and serves `instance`'s G2 blocks (registered in `manager`, bytes in
+    /// the host `layout`, indexed by block id) on the current tokio runtime.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `layout` is not host memory or has fewer slots than the
+    /// manager; [`EngineError::DataPlane`] when the address cannot be bound.
+    pub async fn start(
+        config: DataPlaneConfig,
+        instance: InstanceId,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+    ) -> Result<Self> {
+        wire::check_host(&layout)?;
+        let c = *layout.layout().config();
+        if c.num_blocks < manager.total_blocks() {
+            return Err(EngineError::config(
+                "dataplane.layout",
+                format!(
+                    "layout has {} blocks, the G2 manager {}",
+                    c.num_blocks,
+                    manager.total_blocks()
+                ),
+            ));
+        }
+        let listener = TcpListener::bind(config.bind)
+            .await
+            .map_err(|e| EngineError::data_plane(config.bind.to_string(), e.to_string()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| EngineError::data_plane(config.bind.to_string(), e.to_string()))?;
+        let stats = Arc::new(ServerStats::default());
+        let served = Arc::new(Served {
+            instance,
+            manager,
+            geometry: geometry_digest(&c),
+            block_bytes: c.block_bytes(),
+            layout,
+            config,
+            stats: stats.clone(),
+        });
+        let cancel = CancellationToken::new();
+        let accept_cancel = cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = tokio::select! {
+                    () = accept_cancel.cancelled() => return,
+                    r = listener.accept() => match r {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "data plane accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                            continue;
+                        }
+                    },
+                };
+                let served = served.clone();
+                let cancel = accept_cancel.child_token();
+                served.stats.connections.fetch_add(1, Ordering::AcqRel);
+                tokio::spawn(async move {
+                    let _guard = ConnectionGuard(served.stats.clone());
+                    tokio::select! {
+                        () = cancel.cancelled() => {}
+                        r = serve_connection(&served, stream) => {
+                            if let Err(e) = r {
+                                tracing::debug!(%peer, error = %e, "data plane connection ended");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Self {
+            addr,
+            instance,
+            cancel,
+            stats,
+        })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The instance it serves.
+    pub fn instance(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// Stops accepting and ends every connection (dropping their holds). Idempotent.
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Drop for DataPlaneServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn timed<T>(
+    what: &str,
+    limit: std::time::Duration,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("{what} timed out after {limit:?}"),
+        )),
+    }
+}
+
+async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let io = s.config.io_timeout;
+    loop {
+        let mut head = [0u8; REQUEST_HEAD_LEN];
+        // Waiting for the next request: the idle timeout; a clean EOF here ends the connection.
+        match tokio::time::timeout(s.config.idle_timeout, stream.read_exact(&mut head)).await {
+            Err(_) => return Ok(()),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+            Ok(Ok(_)) => {}
+        }
+        s.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let refuse = |status: Status| {
+            s.stats.refused.fetch_add(1, Ordering::Relaxed);
+            wire::encode_response(status, 0)
+        };
+        let head = match wire::decode_request(&head) {
+            Ok(h) => h,
+            Err(status) => {
+                let r = refuse(status);
+                timed("write", io, stream.write_all(&r)).await?;
+                return Ok(());
+            }
+        };
+        // Refused before the hash list is read or any buffer sized by it is allocated.
+        if head.count as usize > s.config.max_blocks_per_request {
+            let r = refuse(Status::TooMany);
+            timed("write", io, stream.write_all(&r)).await?;
+            return Ok(());
+        }
+        // Bounded by the check above; read before answering so a refusal is not lost to a
+        // reset caused by unread data.
+        let mut raw = vec![0u8; head.count as usize * HASH_LEN];
+        timed("read", io, stream.read_exact(&mut raw)).await?;
+        if head.geometry != s.geometry || head.block_bytes != s.block_bytes as u64 {
+            let r = refuse(Status::Geometry);
+            timed("write", io, stream.write_all(&r)).await?;
+            return Ok(());
+        }
+        let hashes = wire::decode_hashes(&raw);
+
+        let blocks: HashMap<SequenceHash, ImmutableBlock<G2>> = s
+            .manager
+            .scan_matches(&hashes)
+            .into_iter()
+            .map(|b| (b.sequence_hash(), b))
+            .collect();
+        s.stats.held.fetch_add(blocks.len(), Ordering::AcqRel);
+        let holds = Holds {
+            blocks,
+            stats: &s.stats,
+        };
+        let r = wire::encode_response(Status::Ok, head.count);
+        timed("write", io, stream.write_all(&r)).await?;
+        let layers = s.layout.layout().config().num_layers;
+        for h in &hashes {
+            let Some(block) = holds.blocks.get(h) else {
+                timed("write", io, stream.write_all(&[0u8; FRAME_HEADER_LEN])).await?;
+                continue;
+            };
+            let regions = s.layout.block_addrs(block.block_id(), 0..layers);
+            // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
+            // (registered, immutable), so nothing writes its slot while it is read.
+            let header = unsafe { wire::frame_header(*h, s.instance, s.geometry, &regions) };
+            timed("write", io, stream.write_all(&header)).await?;
+            for &(p, l) in &regions {
+                // SAFETY: as above.
+                let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, l) };
+                timed("write", io, stream.write_all(bytes)).await?;
+            }
+            s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
+        }
+        timed("flush", io, stream.flush()).await?;
+        drop(holds);
+    }
+}

@@ -1,0 +1,187 @@
+//! Remote search: where [`InstanceLeader::find_matches`](super::InstanceLeader::find_matches)
+//! goes after the local tiers stopped, using the [`CrossInstanceIndex`] the pub/sub keeps.
+//!
+//! # Order
+//!
+//! ```text
+//!  hashes:        h0 h1 h2 h3 h4 h5 h6
+//!  local tiers:   h0 h1 (G2/G3/G4 runs, as before)
+//!  shared G4:           h2 h3        other instances' G4 events (shared bucket): adopted
+//!                                    into the local G4 manager, held, staged like local G4
+//!  remote G2:                 h4 h5  the one instance with the longest G2 run from here:
+//!                                    a RemoteRun, pulled over the data plane
+//! ```
+//!
+//! * **Shared G4.** With [`RemoteSearch::shared_g4`], every instance's G4 is the same bucket
+//!   and namespace, so an object another instance offloaded is readable here. The contiguous
+//!   run of hashes that the index places in another instance's G4 is registered in this
+//!   leader's G4 manager (bookkeeping of what the bucket holds, no bytes move) and appended
+//!   to the prefix's G4 run (only when the G4 run is the last local run, or there is none,
+//!   so each tier still contributes one run). Staging then reads the objects through the G4
+//!   mover, which checks checksum, identity and binding: an object that is missing or fails
+//!   is a failed block, never a served one.
+//! * **Remote G2.** Blocks in another instance's host memory are not held by the search (a
+//!   hold would need a round trip); the serving side holds them for the duration of the pull,
+//!   and the pull verifies every frame. The index is a hint: a block evicted meanwhile is a
+//!   failed pull, never a hit.
+//!
+//! * **G4 presence check.** Without events (a late joiner, or lost events),
+//!   [`InstanceLeader::adopt_present_g4`](super::InstanceLeader::adopt_present_g4) asks a
+//!   [`PresenceChecker`] (e.g. `kvbm_offload::S3PresenceChecker`: one header read per object,
+//!   identity and binding verified, a foreign object counts as absent) about the hashes past
+//!   the local prefix and adopts the present contiguous run the same way.
+//!
+//! # Locks
+//!
+//! The index's mutex is taken once per looked-up hash (inside `locations`) and released
+//! before the G4 manager is called; no two are held together.
+
+use std::sync::Arc;
+
+use kvbm_logical::{SequenceHash, TierId};
+use kvbm_offload::PresenceChecker;
+
+use super::holder::{MatchedPrefix, TierRun};
+use crate::error::{EngineError, Result};
+use crate::pubsub::{CrossInstanceIndex, InstanceId};
+
+/// What a leader needs to search beyond its own tiers.
+#[derive(Clone, Debug)]
+pub struct RemoteSearch {
+    /// Where blocks live across instances (kept up to date by `CrossInstanceIndex::follow`).
+    pub index: Arc<CrossInstanceIndex>,
+    /// This instance (its own entries in the index are skipped).
+    pub this: InstanceId,
+    /// Whether all instances' G4 is one shared bucket and namespace (then other instances'
+    /// G4 blocks are adopted into this leader's G4).
+    pub shared_g4: bool,
+}
+
+/// A run of the prefix held in another instance's G2, to be pulled over the data plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRun {
+    /// The instance holding it.
+    pub instance: InstanceId,
+    /// Index of the run's first block in the searched hashes.
+    pub start: usize,
+    /// The run's hashes, in order.
+    pub hashes: Vec<SequenceHash>,
+}
+
+fn elsewhere(r: &RemoteSearch, h: SequenceHash, tier: TierId) -> Vec<InstanceId> {
+    r.index
+        .locations(h)
+        .into_iter()
+        .filter(|(i, t)| *i != r.this && *t == tier)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Extends `out` (which covers `hashes[..at]`) past the local tiers; returns the new end.
+pub(super) fn extend(
+    leader: &super::InstanceLeader,
+    r: &RemoteSearch,
+    hashes: &[SequenceHash],
+    out: &mut MatchedPrefix,
+    mut at: usize,
+) -> usize {
+    if r.shared_g4
+        && let Some(g4) = leader.g4()
+        && (out.g4.is_empty() || out.runs.last().is_some_and(|l| l.tier == TierId::G4))
+    {
+        let run: Vec<SequenceHash> = hashes[at..]
+            .iter()
+            .take_while(|h| !elsewhere(r, **h, TierId::G4).is_empty())
+            .copied()
+            .collect();
+        let n = run.len().min(g4.available_blocks());
+        if n > 0
+            && let Ok(blocks) = g4.allocate_blocks(n)
+        {
+            let complete: Vec<_> = blocks
+                .into_iter()
+                .zip(&run)
+                .map_while(|(b, h)| b.complete(*h).ok())
+                .collect();
+            let adopted = g4.register_blocks(complete);
+            let got = adopted.len();
+            out.g4.extend(adopted);
+            match out.runs.last_mut() {
+                Some(last) if last.tier == TierId::G4 => last.len += got,
+                _ => out.runs.push(TierRun {
+                    tier: TierId::G4,
+                    start: at,
+                    len: got,
+                }),
+            }
+            at += got;
+        }
+    }
+    if at < hashes.len() {
+        // The instance with the longest contiguous G2 run from `at`.
+        let mut alive = elsewhere(r, hashes[at], TierId::G2);
+        let mut len = 0;
+        let mut best: Option<InstanceId> = alive.first().copied();
+        while !alive.is_empty() {
+            best = alive.first().copied();
+            len += 1;
+            if at + len == hashes.len() {
+                break;
+            }
+            let next = elsewhere(r, hashes[at + len], TierId::G2);
+            alive.retain(|i| next.contains(i));
+        }
+        if let (Some(instance), true) = (best, len > 0) {
+            out.remote = Some(RemoteRun {
+                instance,
+                start: at,
+                hashes: hashes[at..at + len].to_vec(),
+            });
+            at += len;
+        }
+    }
+    at
+}
+
+impl super::InstanceLeader {
+    /// Asks `checker` which of `hashes` past the locally held prefix are in the shared G4,
+    /// and registers the contiguous present run in this leader's G4 (no bytes move; staging
+    /// verifies each object). Returns how many were adopted.
+    ///
+    /// # Errors
+    /// [`EngineError::TierMissing`] without a G4 manager; [`EngineError::Presence`] when the
+    /// check itself failed (nothing adopted).
+    pub async fn adopt_present_g4(
+        &self,
+        hashes: &[SequenceHash],
+        checker: &dyn PresenceChecker,
+    ) -> Result<usize> {
+        let g4 = self.g4().ok_or(EngineError::TierMissing(TierId::G4))?;
+        let at = {
+            let local = self.find_matches(hashes);
+            local.len() - local.remote_len()
+        };
+        if at == hashes.len() {
+            return Ok(0);
+        }
+        let rest = hashes[at..].to_vec();
+        // Engine sequences carry no BLAKE3 digest yet, so the probe checks the sequence-hash
+        // identity; staging verifies each object's header again before anything is served.
+        let present = checker
+            .has_blocks(rest.iter().map(|h| (*h, None)).collect())
+            .await
+            .map_err(EngineError::Presence)?;
+        let run = present.iter().take_while(|p| **p).count();
+        let n = run.min(g4.available_blocks());
+        if n == 0 {
+            return Ok(0);
+        }
+        let blocks = g4.allocate_blocks(n)?;
+        let complete: Vec<_> = blocks
+            .into_iter()
+            .zip(&rest)
+            .map_while(|(b, h)| b.complete(*h).ok())
+            .collect();
+        Ok(g4.register_blocks(complete).len())
+    }
+}
