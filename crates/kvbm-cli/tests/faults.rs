@@ -542,10 +542,16 @@ fn fault_s3_killed_mid_offload_fails_blocks_cleanly_and_recovers_without_restart
         u(&r, &["failed_transfers"]) > 0,
         "the outage failed no transfer: {r}"
     );
-    // A G4 hit is counted only for a block whose bytes arrived in G2.
+    // A G4 hit is counted only for a block whose bytes arrived in G2. Not every block whose
+    // bytes arrived is a hit: a block read in the same batch after one that failed moved its
+    // bytes, but the prefix broke before it, so it is recomputed rather than served.
+    assert!(
+        u(&r, &["tiers", "g4", "hit_blocks"]) * BLOCK as u64 <= u(&r, &["bytes", "g4_to_g2"]),
+        "{r}"
+    );
     assert_eq!(
-        u(&r, &["tiers", "g4", "hit_blocks"]) * BLOCK as u64,
-        u(&r, &["bytes", "g4_to_g2"]),
+        u(&r, &["verified_blocks"]),
+        u(&r, &["onboarded_blocks"]),
         "{r}"
     );
     let after = objects_written_since(&bucket, back);

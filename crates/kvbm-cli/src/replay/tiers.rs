@@ -947,6 +947,12 @@ impl Tiers {
     pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
         self.backpressure(hashes.len());
         self.complete_prefetches(self.served_requests);
+        // A block still being read ahead for a later request is finished first: read again
+        // here, it would be a second transfer of the same slot (and a damaged block would be
+        // rejected, and counted, twice).
+        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
+            self.complete_prefetches(usize::MAX);
+        }
         self.ensure_g1_room(hashes.len());
         self.served_requests += 1;
         let mut served = Served::default();
