@@ -24,8 +24,9 @@ use kvbm_physical::{LayoutHandle, StorageKind, TransferManager};
 
 use crate::error::OffloadError;
 
-/// A tier's block manager and its physical layout, with counts checked to agree (see the
-/// [module docs](self)). Cheap to clone.
+/// A tier's block manager and its physical layout, with counts checked to agree: one block-id
+/// space, so a manager's block id is the layout's slot id (object layouts are keyed and exempt).
+/// Cheap to clone.
 pub struct BoundTier<T: Tier> {
     transfer_manager: Arc<TransferManager>,
     layout: LayoutHandle,

@@ -26,7 +26,7 @@ use crate::error::{EngineError, Result};
 use crate::mover::Moved;
 use crate::pubsub::InstanceId;
 
-/// Pulls remote G2 blocks into this instance's G2: see the [module docs](self).
+/// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::dataplane).
 pub struct DataPlaneClient {
     manager: Arc<BlockManager<G2>>,
     layout: Arc<PhysicalLayout>,

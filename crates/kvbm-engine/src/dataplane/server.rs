@@ -67,7 +67,7 @@ struct Served {
     stats: Arc<ServerStats>,
 }
 
-/// A running data-plane server: see the [module docs](self). Stops (and drops every hold) on
+/// A running data-plane server: see the [module docs](crate::dataplane). Stops (and drops every hold) on
 /// [`shutdown`](Self::shutdown) or drop.
 #[derive(Debug)]
 pub struct DataPlaneServer {
