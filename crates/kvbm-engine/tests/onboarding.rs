@@ -15,7 +15,6 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, SequenceHash, Tier,
     TokenBlockSequence,
 };
-use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager};
 
 mod common;
@@ -84,11 +83,7 @@ async fn rig() -> Rig {
 
     let in_g2 = register(&g2, &seq, &[0, 1]);
     let in_src = register(&src, &seq, &[2, 3, 4, 5]);
-    let down = BlockMover::<G2, G3>::from_layout(
-        src_h,
-        &BoundTier::new(tm.clone(), g3_h, g3.clone()).unwrap(),
-    )
-    .unwrap();
+    let down = common::mover(&tm, src_h, g3_h, &g3);
     let written = down
         .move_from(&in_src, g3.allocate_blocks(4).unwrap())
         .await;
@@ -127,26 +122,16 @@ async fn rig() -> Rig {
 impl Rig {
     fn movers(&self) -> StagingMovers {
         StagingMovers {
-            g3_to_g2: Some(Arc::new(
-                BlockMover::from_layout(
-                    self.g3_h,
-                    &BoundTier::new(self.tm.clone(), self.g2_h, self.g2.clone()).unwrap(),
-                )
-                .unwrap(),
-            )),
+            g3_to_g2: Some(Arc::new(common::mover(
+                &self.tm, self.g3_h, self.g2_h, &self.g2,
+            ))),
             g4_to_g2: None,
             remote_g2: None,
         }
     }
 
     fn onboard_mover(&self) -> Arc<dyn BlockMove<G2, G1>> {
-        Arc::new(
-            BlockMover::from_layout(
-                self.g2_h,
-                &BoundTier::new(self.tm.clone(), self.g1_h, self.g1.clone()).unwrap(),
-            )
-            .unwrap(),
-        )
+        Arc::new(common::mover(&self.tm, self.g2_h, self.g1_h, &self.g1))
     }
 }
 

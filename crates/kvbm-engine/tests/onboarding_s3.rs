@@ -11,9 +11,7 @@ use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, St
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, Tier, TokenBlockSequence,
 };
-use kvbm_offload::{
-    BlockMover, BoundTier, ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor,
-};
+use kvbm_offload::{ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor};
 use kvbm_physical::{
     LayoutHandle, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
 };
@@ -132,12 +130,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
     let movers = || StagingMovers {
         g3_to_g2: None,
         g4_to_g2: Some(Arc::new(
-            BlockMover::from_layout(
-                obj_h,
-                &BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap(),
-            )
-            .unwrap()
-            .keyed_source(),
+            common::mover(&tm, obj_h, g2_h, &g2).keyed_source(),
         )),
         remote_g2: None,
     };
@@ -149,13 +142,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
     assert_eq!(session.phase(), Phase::Staged);
     session
         .onboard(
-            Arc::new(
-                BlockMover::from_layout(
-                    g2_h,
-                    &BoundTier::new(tm.clone(), g1_h, g1.clone()).unwrap(),
-                )
-                .unwrap(),
-            ),
+            Arc::new(common::mover(&tm, g2_h, g1_h, &g1)),
             g1.allocate_blocks(6).unwrap(),
         )
         .await

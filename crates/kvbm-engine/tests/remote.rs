@@ -17,7 +17,6 @@ use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InProcessBus, Inst
 use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, Salt, SequenceHash, TokenBlockSequence,
 };
-use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
 
 mod common;
@@ -167,13 +166,7 @@ async fn b_pulls_a_g2_prefix_over_tcp_and_onboards_it() {
     assert_eq!(session.phase(), Phase::Staged);
     session
         .onboard(
-            Arc::new(
-                BlockMover::from_layout(
-                    g2_h,
-                    &BoundTier::new(tm.clone(), g1_h, g1_b.clone()).unwrap(),
-                )
-                .unwrap(),
-            ),
+            Arc::new(common::mover(&tm, g2_h, g1_h, &g1_b)),
             g1_b.allocate_blocks(6).unwrap(),
         )
         .await

@@ -21,8 +21,8 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, TierId, TokenBlockSequence,
 };
 use kvbm_offload::{
-    BlockMover, BoundTier, ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor,
-    S3PresenceChecker, block_identity, object_key,
+    ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor, S3PresenceChecker,
+    block_identity, object_key,
 };
 use kvbm_physical::{
     ObjectConfig, ObjectPutMode, ObjectStorage, PhysicalLayout, PinPolicy, S3Config,
@@ -207,12 +207,7 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
     assert_eq!(index_b.locations(hashes[0]), vec![(A, TierId::G4)]);
     let movers = || StagingMovers {
         g4_to_g2: Some(Arc::new(
-            BlockMover::from_layout(
-                obj_b_h,
-                &BoundTier::new(tm_b.clone(), g2_h, g2_b.clone()).unwrap(),
-            )
-            .unwrap()
-            .keyed_source(),
+            common::mover(&tm_b, obj_b_h, g2_h, &g2_b).keyed_source(),
         )),
         ..StagingMovers::default()
     };
@@ -224,13 +219,7 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
     assert_eq!(session.phase(), Phase::Staged);
     session
         .onboard(
-            Arc::new(
-                BlockMover::from_layout(
-                    g2_h,
-                    &BoundTier::new(tm_b.clone(), g1_h, g1_b.clone()).unwrap(),
-                )
-                .unwrap(),
-            ),
+            Arc::new(common::mover(&tm_b, g2_h, g1_h, &g1_b)),
             g1_b.allocate_blocks(6).unwrap(),
         )
         .await
@@ -301,12 +290,7 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
     session
         .prepare(StagingMovers {
             g4_to_g2: Some(Arc::new(
-                BlockMover::from_layout(
-                    obj_c_h,
-                    &BoundTier::new(tm_b.clone(), g2_c_h, g2_c.clone()).unwrap(),
-                )
-                .unwrap()
-                .keyed_source(),
+                common::mover(&tm_b, obj_c_h, g2_c_h, &g2_c).keyed_source(),
             )),
             ..StagingMovers::default()
         })

@@ -1311,30 +1311,41 @@ impl Tiers {
         }
     }
 
+    /// G2 slots to stage `n` blocks from G3 or G4 into. Reads started ahead hold G2 slots, so
+    /// they are finished first when G2 lacks the room. `None` (the prefix is cut at
+    /// `first_pos`, so the blocks are recomputed) when there is no G2 or still no room.
+    fn staging_slots(
+        &mut self,
+        n: usize,
+        first_pos: usize,
+        fail_at: &mut usize,
+    ) -> Option<Vec<MutableBlock<G2>>> {
+        if !self.prefetches.is_empty()
+            && self
+                .g2
+                .as_ref()
+                .is_some_and(|g2| g2.manager.available_blocks() < n)
+        {
+            self.complete_prefetches(usize::MAX);
+        }
+        let slots = self.g2.as_ref()?.manager.allocate_blocks(n).ok();
+        if slots.is_none() {
+            *fail_at = (*fail_at).min(first_pos);
+        }
+        slots
+    }
+
     fn onboard_g3(
         &mut self,
         hits: Vec<(usize, ImmutableBlock<G3>)>,
         staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
         fail_at: &mut usize,
     ) {
-        // Reads started ahead hold G2 slots; finish them if this request needs the room.
-        if !self.prefetches.is_empty()
-            && self
-                .g2
-                .as_ref()
-                .is_some_and(|g2| g2.manager.available_blocks() < hits.len())
-        {
-            self.complete_prefetches(usize::MAX);
-        }
-        let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
+        let Some(dst) = self.staging_slots(hits.len(), hits[0].0, fail_at) else {
             return;
         };
-        let dst = match g2.manager.allocate_blocks(hits.len()) {
-            Ok(d) => d,
-            Err(_) => {
-                *fail_at = (*fail_at).min(hits[0].0);
-                return;
-            }
+        let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
+            return;
         };
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
@@ -1392,24 +1403,11 @@ impl Tiers {
         staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
         fail_at: &mut usize,
     ) {
-        // Reads started ahead hold G2 slots; finish them if this request needs the room.
-        if !self.prefetches.is_empty()
-            && self
-                .g2
-                .as_ref()
-                .is_some_and(|g2| g2.manager.available_blocks() < hits.len())
-        {
-            self.complete_prefetches(usize::MAX);
-        }
-        let (Some(g2), Some(g4)) = (&self.g2, &mut self.g4) else {
+        let Some(dst) = self.staging_slots(hits.len(), hits[0].0, fail_at) else {
             return;
         };
-        let dst = match g2.manager.allocate_blocks(hits.len()) {
-            Ok(d) => d,
-            Err(_) => {
-                *fail_at = (*fail_at).min(hits[0].0);
-                return;
-            }
+        let (Some(g2), Some(g4)) = (&self.g2, &mut self.g4) else {
+            return;
         };
         let positions: Vec<usize> = (0..hits.len()).collect();
         let keys = hits

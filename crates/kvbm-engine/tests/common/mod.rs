@@ -68,3 +68,15 @@ pub fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
             .unwrap(),
     )
 }
+
+/// A mover from `src` (any layout `tm` knows; an object layout too, then call
+/// `keyed_source()`) into the bound tier `(dst, manager)`.
+pub fn mover<S: Tier, D: Tier>(
+    tm: &Arc<kvbm_physical::TransferManager>,
+    src: kvbm_physical::LayoutHandle,
+    dst: kvbm_physical::LayoutHandle,
+    manager: &Arc<BlockManager<D>>,
+) -> kvbm_offload::BlockMover<S, D> {
+    let bound = kvbm_offload::BoundTier::new(tm.clone(), dst, manager.clone()).unwrap();
+    kvbm_offload::BlockMover::from_layout(src, &bound).unwrap()
+}
