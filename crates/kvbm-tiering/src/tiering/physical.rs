@@ -184,13 +184,13 @@ pub struct PhysicalTier<T: Tier> {
 
 impl<T: Tier> PhysicalTier<T> {
     /// A tier over `tier`, a bound tier the caller owns (its manager and layout; the layout's
-    /// blocks are `primary`'s chunks in size), registered with the same transfer manager as
+    /// block geometry is `primary`'s, i.e. built with [`CpuPrimaryTier::block_layout`]), registered with the same transfer manager as
     /// `primary`'s memory. A keyed (object) tier reports type `obj` and remote locality, another
     /// `disk` and local; [`with_tier_type`](Self::with_tier_type) renames it.
     ///
     /// # Errors
     /// [`TieringError::Config`] when `primary` is not registered with a transfer manager, or
-    /// with another one than `tier`, or the layout's blocks are not chunk-sized;
+    /// with another one than `tier`, or the layout's block geometry differs from the primary's;
     /// [`TieringError::Offload`] when the movers cannot be built.
     pub fn over(primary: &CpuPrimaryTier, tier: BoundTier<T>) -> Result<Self> {
         let (tm, primary_h) = primary.transfer().ok_or_else(|| {
@@ -206,12 +206,13 @@ impl<T: Tier> PhysicalTier<T> {
                 T::ID
             )));
         }
-        let block_bytes = tm.layout(tier.layout())?.layout().config().block_bytes();
-        if block_bytes != primary.chunk_bytes() {
+        let theirs = *tm.layout(tier.layout())?.layout().config();
+        let ours = *tm.layout(primary_h)?.layout().config();
+        if !theirs.same_block_geometry(&ours) {
             return Err(TieringError::Config(format!(
-                "tier {:?}: blocks of {block_bytes} bytes, the primary's chunks are {}",
-                T::ID,
-                primary.chunk_bytes()
+                "tier {:?}: block geometry {theirs:?} differs from the primary's chunks \
+                 {ours:?} (build the layout with CpuPrimaryTier::block_layout)",
+                T::ID
             )));
         }
         let store = BlockMover::<G2, T>::from_layout(primary_h, &tier)?;
