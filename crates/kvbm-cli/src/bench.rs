@@ -171,7 +171,8 @@ fn transfer(
     options: TransferOptions,
 ) -> anyhow::Result<f64> {
     let t = Instant::now();
-    let out = tm.execute_transfer(src, ids, dst, ids, options)?.wait();
+    // SAFETY: bench-owned layouts; nothing outside the manager touches them during the copy.
+    let out = unsafe { tm.execute_transfer(src, ids, dst, ids, options) }?.wait();
     if let Some((id, e)) = out.failures().next() {
         bail!("block {id} failed: {e}");
     }

@@ -104,10 +104,14 @@ impl PhysicalWorker {
         let dst_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.1).collect();
         let options = TransferOptions::default()
             .identities(request.blocks.iter().map(|b| block_identity(b.2)).collect());
-        let completion = match self
-            .manager
-            .execute_transfer(src, &src_ids, dst, &dst_ids, options)
-        {
+        // SAFETY: the leader sends a rank only slots it reserved for this request: destinations
+        // are blocks it allocated (`MutableBlock`s it holds until the outcome), sources blocks
+        // it holds registered; nothing on this rank reaches them outside the manager.
+        let issued = unsafe {
+            self.manager
+                .execute_transfer(src, &src_ids, dst, &dst_ids, options)
+        };
+        let completion = match issued {
             Ok(c) => c,
             Err(e) => return fail_all(format!("rank {}: {e}", self.rank)),
         };

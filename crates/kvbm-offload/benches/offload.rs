@@ -138,10 +138,12 @@ async fn g2_to_g3(n: usize, batch: usize) -> (Duration, Duration) {
     let direct_pass = || async {
         let t = Instant::now();
         for chunk in ids.chunks(batch) {
-            let out = tm
-                .execute_transfer(g2_h, chunk, g3_h, chunk, TransferOptions::default())
-                .unwrap()
-                .await;
+            // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            let out = unsafe {
+                tm.execute_transfer(g2_h, chunk, g3_h, chunk, TransferOptions::default())
+            }
+            .unwrap()
+            .await;
             assert!(out.is_complete_success());
         }
         t.elapsed()
@@ -205,19 +207,22 @@ async fn g3_to_g2(n: usize, batch: usize, concurrency: usize) -> (Duration, Dura
     let ids: Vec<usize> = (0..n).collect();
     // Write every slot once (the blocks to onboard).
     for chunk in ids.chunks(batch) {
-        let out = tm
-            .execute_transfer(src_h, chunk, g3_h, chunk, TransferOptions::default())
-            .unwrap()
-            .await;
+        let out =
+            // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            unsafe { tm.execute_transfer(src_h, chunk, g3_h, chunk, TransferOptions::default()) }
+                .unwrap()
+                .await;
         assert!(out.is_complete_success());
     }
     let direct_pass = || async {
         let t = Instant::now();
         for chunk in ids.chunks(batch) {
-            let out = tm
-                .execute_transfer(g3_h, chunk, dst_h, chunk, TransferOptions::default())
-                .unwrap()
-                .await;
+            // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            let out = unsafe {
+                tm.execute_transfer(g3_h, chunk, dst_h, chunk, TransferOptions::default())
+            }
+            .unwrap()
+            .await;
             assert!(out.is_complete_success());
         }
         t.elapsed()
@@ -316,8 +321,8 @@ async fn g4_to_g2(
         )
         .identities(chunk.iter().map(|&i| block_identity(hashes[i])).collect());
         let positions: Vec<usize> = (0..chunk.len()).collect();
-        let out = tm
-            .execute_transfer(src_h, chunk, obj_h, &positions, opts)
+        // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        let out = unsafe { tm.execute_transfer(src_h, chunk, obj_h, &positions, opts) }
             .unwrap()
             .await;
         assert!(out.is_complete_success(), "{:?}", out.failures().next());

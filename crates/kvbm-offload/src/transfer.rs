@@ -160,10 +160,7 @@ fn issue(
     // SAFETY: every destination slot is exclusively the caller's for the transfer: a
     // `MutableBlock` owned by the move (`BlockMover`), a position of a keyed layout named by a
     // key unique to its block, or a slot the caller of `ExternalMover::move_blocks` vouched for.
-    #[allow(unused_unsafe)]
-    unsafe {
-        manager.execute_transfer(src_layout, &src_ids, dst_layout, &dst_ids, options)
-    }
+    unsafe { manager.execute_transfer(src_layout, &src_ids, dst_layout, &dst_ids, options) }
 }
 
 /// The per-block results of a settled transfer, in order (a block the manager reported no
@@ -743,13 +740,19 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
                 ),
                 ..Default::default()
             };
-            let completion = match self.manager.execute_transfer(
-                self.src_layout,
-                &src_ids,
-                self.object_layout,
-                &positions,
-                options,
-            ) {
+            // SAFETY: the destination is a keyed object layout (each position names the object
+            // of its block's hash, written whole by this put); the sources are registered blocks
+            // the pipeline holds for the batch, read only.
+            let started = unsafe {
+                self.manager.execute_transfer(
+                    self.src_layout,
+                    &src_ids,
+                    self.object_layout,
+                    &positions,
+                    options,
+                )
+            };
+            let completion = match started {
                 Ok(c) => c,
                 Err(e) => return fail_all_physical(n, e),
             };

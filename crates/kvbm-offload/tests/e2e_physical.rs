@@ -98,10 +98,11 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     let back_h = host_layout(&tm, geometry(n), PinPolicy::Unpinned);
     let g3_ids: Vec<usize> = on_g3.iter().map(|b| b.block_id()).collect();
     // Slots are bound to their blocks' sequence hashes: an anonymous read is refused…
-    let out = tm
-        .execute_transfer(g3_h, &g3_ids, back_h, &src_ids, TransferOptions::default())
-        .unwrap()
-        .await;
+    let out =
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer(g3_h, &g3_ids, back_h, &src_ids, TransferOptions::default()) }
+            .unwrap()
+            .await;
     assert!(
         out.blocks.iter().all(|(_, r)| matches!(
             r,
@@ -114,16 +115,18 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
         .iter()
         .map(|b| block_identity(b.sequence_hash()))
         .collect();
-    let out = tm
-        .execute_transfer(
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe {
+        tm.execute_transfer(
             g3_h,
             &g3_ids,
             back_h,
             &src_ids,
             TransferOptions::default().identities(identities),
         )
-        .unwrap()
-        .await;
+    }
+    .unwrap()
+    .await;
     assert!(out.is_complete_success(), "{out:?}");
     let src_layout = tm.layout(g2_h).unwrap();
     let back_layout = tm.layout(back_h).unwrap();

@@ -93,10 +93,11 @@ fn host_to_host(tm: &TransferManager, figures: &mut Vec<Figure>) {
         15,
         || {
             let t = Instant::now();
-            let out = tm
-                .execute_transfer(ha, &ids, hb, &ids, TransferOptions::default())
-                .unwrap()
-                .wait();
+            let out =
+                // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+                unsafe { tm.execute_transfer(ha, &ids, hb, &ids, TransferOptions::default()) }
+                    .unwrap()
+                    .wait();
             assert!(out.is_complete_success());
             gib_s(n * BLOCK, t.elapsed().as_secs_f64())
         },
@@ -195,8 +196,8 @@ fn disk(tm: &TransferManager, figures: &mut Vec<Figure>) {
     let fd = raw_file.as_raw_fd();
     let transfer = |src, dst| {
         let t = Instant::now();
-        let out = tm
-            .execute_transfer(src, &ids, dst, &ids, TransferOptions::default())
+        // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        let out = unsafe { tm.execute_transfer(src, &ids, dst, &ids, TransferOptions::default()) }
             .unwrap()
             .wait();
         assert!(out.is_complete_success(), "{:?}", out.failures().next());
@@ -293,16 +294,18 @@ fn object(tm: &TransferManager, rt: &tokio::runtime::Runtime, figures: &mut Vec<
     let raw_path = |i: usize| OPath::from(format!("{ns}/raw/{i}"));
     let transfer = |src, dst| {
         let t = Instant::now();
-        let out = tm
-            .execute_transfer(
+        // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        let out = unsafe {
+            tm.execute_transfer(
                 src,
                 &ids,
                 dst,
                 &ids,
                 TransferOptions::with_object_keys(keys.clone()),
             )
-            .unwrap()
-            .wait();
+        }
+        .unwrap()
+        .wait();
         assert!(out.is_complete_success(), "{:?}", out.failures().next());
         gib_s(n * BLOCK, t.elapsed().as_secs_f64())
     };

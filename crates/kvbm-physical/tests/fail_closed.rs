@@ -439,14 +439,15 @@ async fn fail_closed_tp_rank_out_of_range() {
 fn fail_closed_chained_copy_rejected() {
     let tm = TransferManager::new().unwrap();
     let h = tm.register_layout(host(4, Some(1))).unwrap();
-    let r = tm.execute_transfer(h, &[0, 1], h, &[1, 2], TransferOptions::default());
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let r = unsafe { tm.execute_transfer(h, &[0, 1], h, &[1, 2], TransferOptions::default()) };
     assert!(
         matches!(&r, Err(PhysicalError::InvalidArgument(m)) if m.contains("chained")),
         "{r:?}"
     );
     // Disjoint blocks of one layout are fine.
-    let out = tm
-        .execute_transfer(h, &[0, 1], h, &[2, 3], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(h, &[0, 1], h, &[2, 3], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success());
@@ -506,8 +507,10 @@ fn fail_closed_concurrent_writes_to_one_block_refused() {
     let b = tm.register_layout(host(4, Some(3))).unwrap();
     let keys = || TransferOptions::with_object_keys(vec![ObjectKey::from_u128(1)]);
     // In flight: a get writing b[0], a put reading a[1].
-    let _get = tm.execute_transfer(obj, &[0], b, &[0], keys()).unwrap();
-    let _put = tm.execute_transfer(a, &[1], obj, &[0], keys()).unwrap();
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let _get = unsafe { tm.execute_transfer(obj, &[0], b, &[0], keys()) }.unwrap();
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let _put = unsafe { tm.execute_transfer(a, &[1], obj, &[0], keys()) }.unwrap();
     let busy = |r: Result<TransferCompletion>, block: usize, what: &str| {
         assert!(
             matches!(r, Err(PhysicalError::BlockBusy { block_id, .. }) if block_id == block),
@@ -515,40 +518,43 @@ fn fail_closed_concurrent_writes_to_one_block_refused() {
         );
     };
     busy(
-        tm.execute_transfer(a, &[0], b, &[0], TransferOptions::default()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer(a, &[0], b, &[0], TransferOptions::default()) },
         0,
         "a second write of a block being written",
     );
     busy(
-        tm.execute_transfer(b, &[0], a, &[2], TransferOptions::default()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer(b, &[0], a, &[2], TransferOptions::default()) },
         0,
         "a read of a block being written",
     );
     busy(
-        tm.execute_transfer(b, &[3], a, &[1], TransferOptions::default()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer(b, &[3], a, &[1], TransferOptions::default()) },
         1,
         "a write of a block being read",
     );
     // A refused call claimed nothing: block 2 of `a` and block 3 of `b` are still free.
     // Reading a block others read, and untouched blocks, are fine.
-    let out = tm
-        .execute_transfer(a, &[1], b, &[2], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(a, &[1], b, &[2], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success(), "{:?}", out.blocks);
-    let out = tm
-        .execute_transfer(b, &[3], a, &[2], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(b, &[3], a, &[2], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success(), "{:?}", out.blocks);
     // Claims end with their transfer: once done, the same write is accepted again.
-    let out = tm
-        .execute_transfer(a, &[2], b, &[3], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(a, &[2], b, &[3], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success(), "{:?}", out.blocks);
-    let out = tm
-        .execute_transfer(a, &[2], b, &[3], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(a, &[2], b, &[3], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success(), "{:?}", out.blocks);

@@ -25,9 +25,10 @@ fn inline_copy_moves_the_bytes_and_matches_the_runtime_path() {
     let tm = TransferManager::new().unwrap();
     let a = tm.register_layout(host(4, 1)).unwrap();
     let b = tm.register_layout(host(4, 2)).unwrap();
-    let out = tm
-        .execute_transfer_inline(a, &[3, 0], b, &[1, 2], TransferOptions::default())
-        .unwrap();
+    let out =
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer_inline(a, &[3, 0], b, &[1, 2], TransferOptions::default()) }
+            .unwrap();
     assert_eq!(
         out.blocks.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
         vec![1, 2],
@@ -52,9 +53,10 @@ fn inline_copy_moves_the_bytes_and_matches_the_runtime_path() {
     );
     assert_eq!(block_bytes(&lb, 3, all.clone()), expected(&c, 2, 3, all));
     // A layer range works as on the runtime path.
-    let out = tm
-        .execute_transfer_inline(b, &[0], a, &[0], TransferOptions::layers(1..2))
-        .unwrap();
+    let out =
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer_inline(b, &[0], a, &[0], TransferOptions::layers(1..2)) }
+            .unwrap();
     assert!(out.is_complete_success());
     assert_eq!(block_bytes(&la, 0, 1..2), expected(&c, 2, 0, 1..2));
     assert_eq!(block_bytes(&la, 0, 0..1), expected(&c, 1, 0, 0..1));
@@ -64,17 +66,22 @@ fn inline_copy_moves_the_bytes_and_matches_the_runtime_path() {
 fn inline_copy_refuses_what_the_runtime_path_refuses() {
     let tm = TransferManager::new().unwrap();
     let a = tm.register_layout(host(4, 1)).unwrap();
-    let chained = tm.execute_transfer_inline(a, &[0, 1], a, &[1, 2], TransferOptions::default());
+    let chained =
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer_inline(a, &[0, 1], a, &[1, 2], TransferOptions::default()) };
     assert!(
         matches!(&chained, Err(PhysicalError::InvalidArgument(m)) if m.contains("chained")),
         "{chained:?}"
     );
-    let twice = tm.execute_transfer_inline(a, &[0, 1], a, &[2, 2], TransferOptions::default());
+    let twice =
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer_inline(a, &[0, 1], a, &[2, 2], TransferOptions::default()) };
     assert!(
         matches!(twice, Err(PhysicalError::InvalidArgument(_))),
         "{twice:?}"
     );
-    let range = tm.execute_transfer_inline(a, &[0], a, &[9], TransferOptions::default());
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let range = unsafe { tm.execute_transfer_inline(a, &[0], a, &[9], TransferOptions::default()) };
     assert!(
         matches!(
             range,
@@ -92,10 +99,11 @@ fn inline_copy_refuses_what_the_runtime_path_refuses() {
             false,
         ))
         .unwrap();
-    let r = tm.execute_transfer_inline(a, &[0], d, &[0], TransferOptions::default());
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let r = unsafe { tm.execute_transfer_inline(a, &[0], d, &[0], TransferOptions::default()) };
     assert!(matches!(r, Err(PhysicalError::NotSupported(_))), "{r:?}");
-    let out = tm
-        .execute_transfer(a, &[0], d, &[0], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(a, &[0], d, &[0], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(
@@ -124,15 +132,17 @@ fn inline_copy_respects_claims_of_transfers_in_flight_and_releases_its_own() {
         .unwrap();
     let a = tm.register_layout(host(4, 1)).unwrap();
     let b = tm.register_layout(host(4, 2)).unwrap();
-    let get = tm
-        .execute_transfer(
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let get = unsafe {
+        tm.execute_transfer(
             obj,
             &[0],
             b,
             &[0],
             TransferOptions::with_object_keys(vec![ObjectKey::from_u128(7)]),
         )
-        .unwrap();
+    }
+    .unwrap();
     let busy = |r: Result<TransferOutcome>, what: &str| {
         assert!(
             matches!(r, Err(PhysicalError::BlockBusy { block_id: 0, .. })),
@@ -140,31 +150,34 @@ fn inline_copy_respects_claims_of_transfers_in_flight_and_releases_its_own() {
         );
     };
     busy(
-        tm.execute_transfer_inline(a, &[1], b, &[0], TransferOptions::default()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer_inline(a, &[1], b, &[0], TransferOptions::default()) },
         "an inline write of a block being written",
     );
     busy(
-        tm.execute_transfer_inline(b, &[0], a, &[2], TransferOptions::default()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer_inline(b, &[0], a, &[2], TransferOptions::default()) },
         "an inline read of a block being written",
     );
     // Other blocks are free; the inline copy's own claims end with the call, so the same copy
     // is accepted again at once, on either path.
     for _ in 0..2 {
-        let out = tm
-            .execute_transfer_inline(a, &[1], b, &[1], TransferOptions::default())
-            .unwrap();
+        let out =
+            // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            unsafe { tm.execute_transfer_inline(a, &[1], b, &[1], TransferOptions::default()) }
+                .unwrap();
         assert!(out.is_complete_success());
     }
-    let out = tm
-        .execute_transfer(a, &[1], b, &[1], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(a, &[1], b, &[1], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success());
     // The get fails (no such object) and frees b[0].
     let out = get.wait();
     assert!(!out.is_complete_success());
-    let out = tm
-        .execute_transfer_inline(a, &[1], b, &[0], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer_inline(a, &[1], b, &[0], TransferOptions::default()) }
         .unwrap();
     assert!(out.is_complete_success());
 }

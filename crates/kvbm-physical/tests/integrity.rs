@@ -361,8 +361,8 @@ fn sync_callers_can_wait() {
     let tm = TransferManager::new().unwrap();
     let a = host(&tm, 2, Some(4));
     let b = host(&tm, 2, None);
-    let out = tm
-        .execute_transfer(a, &[0, 1], b, &[1, 0], TransferOptions::default())
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(a, &[0, 1], b, &[1, 0], TransferOptions::default()) }
         .unwrap()
         .wait();
     assert!(out.is_complete_success());

@@ -88,10 +88,14 @@ impl TransferOffloadingWorker {
             return false;
         }
         let bytes = src.1.len() as u64 * self.block_bytes;
-        match self
-            .tm
-            .execute_transfer(src.0, &src.1, dst.0, &dst.1, TransferOptions::default())
-        {
+        // SAFETY: `src` and `dst` are slot lists the connector reserved for this job (the
+        // primary's slots pending a GPU load/store and the GPU blocks of the request); nothing
+        // else reads or writes them until the job is reported finished.
+        let started = unsafe {
+            self.tm
+                .execute_transfer(src.0, &src.1, dst.0, &dst.1, TransferOptions::default())
+        };
+        match started {
             Ok(completion) => {
                 self.running.insert(
                     job_id,

@@ -477,13 +477,18 @@ impl G1ToG2Executor {
         let n = sources.len();
         let src_ids: Vec<usize> = sources.iter().map(|(id, _)| *id).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
-        let outcome = match self.tm.execute_transfer_inline(
-            self.src,
-            &src_ids,
-            self.dst,
-            &dst_ids,
-            TransferOptions::default(),
-        ) {
+        // SAFETY: the destinations are `MutableBlock`s this executor owns (freshly allocated,
+        // registered only after the copy); the G1 sources are slots the batch holds, read only.
+        let issued = unsafe {
+            self.tm.execute_transfer_inline(
+                self.src,
+                &src_ids,
+                self.dst,
+                &dst_ids,
+                TransferOptions::default(),
+            )
+        };
+        let outcome = match issued {
             Ok(o) => o,
             Err(e) => {
                 let e = Arc::new(e);
@@ -1255,17 +1260,21 @@ impl Tiers {
         let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
         let started = Instant::now();
-        if let Ok(completion) = self.tm.execute_transfer(
-            g3.handle,
-            &src_ids,
-            g2.handle,
-            &dst_ids,
-            TransferOptions::default().identities(
-                src.iter()
-                    .map(|b| block_identity(b.sequence_hash()))
-                    .collect(),
-            ),
-        ) {
+        // SAFETY: the destinations are `MutableBlock`s allocated for this read-ahead (nothing reads
+        // them before it completes); the sources are registered G3 blocks held by `src`.
+        if let Ok(completion) = unsafe {
+            self.tm.execute_transfer(
+                g3.handle,
+                &src_ids,
+                g2.handle,
+                &dst_ids,
+                TransferOptions::default().identities(
+                    src.iter()
+                        .map(|b| block_identity(b.sequence_hash()))
+                        .collect(),
+                ),
+            )
+        } {
             self.prefetching
                 .extend(src.iter().map(|b| b.sequence_hash()));
             self.prefetches.push_back(Prefetch {
@@ -1354,17 +1363,22 @@ impl Tiers {
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
         let t = Instant::now();
-        let outcome = match self.tm.execute_transfer(
-            g3.handle,
-            &src_ids,
-            g2.handle,
-            &dst_ids,
-            TransferOptions::default().identities(
-                hits.iter()
-                    .map(|(_, blk)| block_identity(blk.sequence_hash()))
-                    .collect(),
-            ),
-        ) {
+        // SAFETY: the destinations are staging `MutableBlock`s owned here (nothing reads them
+        // before the outcome); the G3 sources are registered blocks held for the read.
+        let issued = unsafe {
+            self.tm.execute_transfer(
+                g3.handle,
+                &src_ids,
+                g2.handle,
+                &dst_ids,
+                TransferOptions::default().identities(
+                    hits.iter()
+                        .map(|(_, blk)| block_identity(blk.sequence_hash()))
+                        .collect(),
+                ),
+            )
+        };
+        let outcome = match issued {
             Ok(c) => c.wait(),
             Err(e) => {
                 tracing::warn!(error = %e, "G3→G2 transfer refused");
@@ -1420,17 +1434,22 @@ impl Tiers {
             .collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
         let t = Instant::now();
-        let outcome = match self.tm.execute_transfer(
-            g4.handle,
-            &positions,
-            g2.handle,
-            &dst_ids,
-            TransferOptions::with_object_keys(keys).identities(
-                hits.iter()
-                    .map(|(_, blk)| block_identity(blk.sequence_hash()))
-                    .collect(),
-            ),
-        ) {
+        // SAFETY: the destinations are staging `MutableBlock`s owned here (nothing reads them
+        // before the outcome); the G4 side is keyed gets of whole objects.
+        let issued = unsafe {
+            self.tm.execute_transfer(
+                g4.handle,
+                &positions,
+                g2.handle,
+                &dst_ids,
+                TransferOptions::with_object_keys(keys).identities(
+                    hits.iter()
+                        .map(|(_, blk)| block_identity(blk.sequence_hash()))
+                        .collect(),
+                ),
+            )
+        };
+        let outcome = match issued {
             Ok(c) => c.wait(),
             Err(e) => {
                 tracing::warn!(error = %e, "G4→G2 transfer refused");
@@ -1509,13 +1528,18 @@ impl Tiers {
         let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
         let started = Instant::now();
-        let outcome = match otm.execute_transfer_inline(
-            src_h,
-            &src_ids,
-            dst_h,
-            &dst_ids,
-            TransferOptions::default(),
-        ) {
+        // SAFETY: the destinations are G1 `MutableBlock`s allocated for this request (filled
+        // only by this copy); the G2 sources are registered blocks held in `hits`.
+        let issued = unsafe {
+            otm.execute_transfer_inline(
+                src_h,
+                &src_ids,
+                dst_h,
+                &dst_ids,
+                TransferOptions::default(),
+            )
+        };
+        let outcome = match issued {
             Ok(o) => o,
             Err(e) => {
                 tracing::warn!(error = %e, "G2→G1 transfer refused");

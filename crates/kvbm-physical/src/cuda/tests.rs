@@ -100,7 +100,10 @@ fn xfer(
     d: &[BlockId],
     opts: TransferOptions,
 ) {
-    let out = tm.execute_transfer(src, s, dst, d, opts).unwrap().wait();
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    let out = unsafe { tm.execute_transfer(src, s, dst, d, opts) }
+        .unwrap()
+        .wait();
     if let Some((id, e)) = out.failures().next() {
         panic!("block {id} failed: {e}");
     }
@@ -305,7 +308,8 @@ fn gpu_layerwise_onboarding() {
     // (give the event thread a moment to finish delivering the same polling pass).
     let mut pending: Vec<_> = (2..layers)
         .map(|l| {
-            tm.execute_transfer(g2, &src, g1, &dst, TransferOptions::layers(l..l + 1))
+            // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            unsafe { tm.execute_transfer(g2, &src, g1, &dst, TransferOptions::layers(l..l + 1)) }
                 .unwrap()
         })
         .collect();

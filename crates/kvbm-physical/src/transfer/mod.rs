@@ -5,7 +5,7 @@
 //! a [`TransferCompletion`] future resolving to per-block [`TransferOutcome`]s. It works from
 //! sync or async callers alike.
 //!
-//! # Why a safe call cannot race
+//! # Why transfers cannot race each other
 //!
 //! A transfer writes raw memory (`copy_nonoverlapping`, the kernel through O_DIRECT iovecs), so
 //! two transfers touching one block at once would be a data race. The manager rules that out
@@ -28,6 +28,16 @@
 //! The only other ways to layout memory are `unsafe` (raw addresses from
 //! [`PhysicalLayout::block_addrs`](crate::PhysicalLayout::block_addrs), `HostStorage::as_slice`,
 //! [`crate::IoEngine::run`], `DiskStorage::read_blocks`), whose callers take on the contract.
+//!
+//! What the manager cannot see is who else holds a block: a reference made through those
+//! accessors (a slot table's chunk view), or an owner that expects the block's content to stay
+//! (a `kvbm-logical` manager's registered block, a G1 slot the inference engine is using). That
+//! exclusivity is the caller's, so the raw calls
+//! [`execute_transfer`](TransferManager::execute_transfer) and
+//! [`execute_transfer_inline`](TransferManager::execute_transfer_inline) are `unsafe`; the
+//! one move above them (`kvbm_offload::BlockMover`, `ExternalMover`) discharges the contract
+//! with handles: each destination is a `MutableBlock` the move owns, or a slot its caller
+//! reserved.
 //!
 //! Lock order: `layouts` → `claims` → the global reservation table; each is a leaf
 //! `parking_lot` lock held for a lookup or insert only, never across I/O or an `.await`.
@@ -352,9 +362,21 @@ impl TransferManager {
     /// Errors returned here are argument errors and nothing started: mismatched lists, a block
     /// out of range, a destination listed twice, a chained copy (a block both read and written),
     /// or a block busy in another in-flight transfer ([`PhysicalError::BlockBusy`]; see the
-    /// [module docs](self#why-a-safe-call-cannot-race)). Per-block failures come back in the
-    /// [`TransferOutcome`].
-    pub fn execute_transfer(
+    /// [module docs](self#why-transfers-cannot-race-each-other)). Per-block failures come back
+    /// in the [`TransferOutcome`].
+    ///
+    /// # Safety
+    ///
+    /// Transfers are checked against each other (aliasing, chained copies, claims), not against
+    /// memory reached outside the manager. For the whole transfer (until its outcome is
+    /// delivered) the caller guarantees that:
+    /// * no reference or pointer obtained outside the manager (through
+    ///   [`PhysicalLayout::block_addrs`](crate::PhysicalLayout::block_addrs),
+    ///   `HostStorage::as_slice`, or a safe view built on them, such as a slot table's chunk
+    ///   accessor) reads or writes a destination block, or writes a source block;
+    /// * every destination block is exclusively this transfer's to write: no owner (a block
+    ///   registered in a `kvbm-logical` manager, a G1 slot in use) expects its content to stay.
+    pub unsafe fn execute_transfer(
         &self,
         src: LayoutHandle,
         src_block_ids: &[BlockId],
@@ -394,7 +416,11 @@ impl TransferManager {
     /// # Errors
     /// As [`execute_transfer`](Self::execute_transfer), and [`PhysicalError::NotSupported`]
     /// (nothing claimed) when either side is not host memory.
-    pub fn execute_transfer_inline(
+    ///
+    /// # Safety
+    ///
+    /// As [`execute_transfer`](Self::execute_transfer) (for the duration of the call).
+    pub unsafe fn execute_transfer_inline(
         &self,
         src: LayoutHandle,
         src_block_ids: &[BlockId],

@@ -39,7 +39,8 @@ pub async fn transfer(
     dst_ids: &[BlockId],
     options: TransferOptions,
 ) -> TransferOutcome {
-    tm.execute_transfer(src, src_ids, dst, dst_ids, options)
+    // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+    unsafe { tm.execute_transfer(src, src_ids, dst, dst_ids, options) }
         .unwrap()
         .await
 }
@@ -179,17 +180,20 @@ pub async fn conformance(
     }
     // Argument errors: nothing starts.
     assert!(matches!(
-        tm.execute_transfer(src_h, &[0, 1], mid_h, &[0], opts()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer(src_h, &[0, 1], mid_h, &[0], opts()) },
         Err(PhysicalError::InvalidArgument(_))
     ));
     if !is_object {
         assert!(matches!(
-            tm.execute_transfer(src_h, &[0], mid_h, &[n], opts()),
+            // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            unsafe { tm.execute_transfer(src_h, &[0], mid_h, &[n], opts()) },
             Err(PhysicalError::BlockOutOfRange { .. })
         ));
     } else {
         assert!(matches!(
-            tm.execute_transfer(src_h, &[0], mid_h, &[0], TransferOptions::default()),
+            // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+            unsafe { tm.execute_transfer(src_h, &[0], mid_h, &[0], TransferOptions::default()) },
             Err(PhysicalError::InvalidArgument(_))
         ));
     }
@@ -206,7 +210,8 @@ pub async fn conformance(
     .unwrap();
     let other_h = tm.register_layout(other).unwrap();
     assert!(matches!(
-        tm.execute_transfer(other_h, &[0], mid_h, &[0], opts()),
+        // SAFETY: test-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
+        unsafe { tm.execute_transfer(other_h, &[0], mid_h, &[0], opts()) },
         Err(PhysicalError::IncompatibleLayouts(_))
     ));
 }
