@@ -286,10 +286,8 @@ impl LaneSpec {
         Self {
             lane: PipelineLane::G2_TO_G4,
             spawn: Box::new(move |ctx| {
-                // The object builder spawns on the current runtime: enter the engine's.
-                let _enter = ctx.runtime.enter();
                 let pipeline = match executor {
-                    Some(e) => builder.spawn(e)?,
+                    Some(e) => builder.spawn_on(&ctx.runtime, e)?,
                     None => {
                         let mut e = ObjectTransferExecutor::<G2>::new(
                             ctx.tm()?,
@@ -299,7 +297,7 @@ impl LaneSpec {
                         if let Ok(g4) = ctx.manager::<kvbm_logical::G4>() {
                             e = e.with_g4_manager(g4);
                         }
-                        builder.spawn(e)?
+                        builder.spawn_on(&ctx.runtime, e)?
                     }
                 };
                 Ok(Arc::new(pipeline))

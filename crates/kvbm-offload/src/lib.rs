@@ -53,7 +53,9 @@ pub use settlement::{
     PipelineFailure, PipelineFailureKind, PipelineLane, PipelineStage, SettlementError,
     SettlementTarget, SettlementToken,
 };
-pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
+pub use source::{
+    ExternalBlock, Precondition, PreconditionError, PreconditionTrigger, SourceBlock, SourceBlocks,
+};
 pub use transfer::{
     BlockMover, BlockTransferExecutor, CallerAllocated, ExternalMover, MoveOutcome, MoveSource,
     ObjectTransferExecutor,

@@ -177,10 +177,35 @@ impl<T: Tier> From<Vec<SourceBlock<T>>> for SourceBlocks<T> {
 /// The precondition event a container waits on before it may be batched (typically "the
 /// forward pass that wrote these blocks has finished").
 ///
-/// Resolves to `Ok(())` when the blocks may be read, or `Err(reason)`: the blocks are then
-/// reported failed ([`PreconditionFailed`](crate::BlockFailureKind::PreconditionFailed)).
+/// Resolves to `Ok(())` when the blocks may be read, or `Err(`[`PreconditionError`]`)`: the
+/// blocks are then reported failed
+/// ([`PreconditionFailed`](crate::BlockFailureKind::PreconditionFailed)).
 pub struct Precondition {
-    fut: Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'static>>,
+    fut: Pin<Box<dyn Future<Output = Result<(), PreconditionError>> + Send + 'static>>,
+}
+
+/// Why a [`Precondition`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PreconditionError {
+    /// The [`PreconditionTrigger`] was dropped without completing.
+    #[error("precondition trigger dropped")]
+    TriggerDropped,
+    /// The event failed; the producer said why (e.g. the forward pass failed).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<String> for PreconditionError {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
+}
+
+impl From<&str> for PreconditionError {
+    fn from(reason: &str) -> Self {
+        Self::Failed(reason.to_string())
+    }
 }
 
 impl std::fmt::Debug for Precondition {
@@ -190,9 +215,14 @@ impl std::fmt::Debug for Precondition {
 }
 
 impl Precondition {
-    /// From any future.
-    pub fn new(fut: impl Future<Output = Result<(), String>> + Send + 'static) -> Self {
-        Self { fut: Box::pin(fut) }
+    /// From any future whose error converts into a [`PreconditionError`] (a `String` reason
+    /// does).
+    pub fn new<E: Into<PreconditionError>>(
+        fut: impl Future<Output = Result<(), E>> + Send + 'static,
+    ) -> Self {
+        Self {
+            fut: Box::pin(async move { fut.await.map_err(Into::into) }),
+        }
     }
 
     /// A precondition and the trigger that completes it. Dropping the trigger without
@@ -204,14 +234,14 @@ impl Precondition {
             Precondition::new(async move {
                 match rx.await {
                     Ok(r) => r,
-                    Err(_) => Err("precondition trigger dropped".to_string()),
+                    Err(_) => Err(PreconditionError::TriggerDropped),
                 }
             }),
         )
     }
 
     /// Waits for the event.
-    pub async fn wait(self) -> Result<(), String> {
+    pub async fn wait(self) -> Result<(), PreconditionError> {
         self.fut.await
     }
 }
@@ -219,7 +249,7 @@ impl Precondition {
 /// Completes a [`Precondition`] made by [`Precondition::pair`].
 #[derive(Debug)]
 pub struct PreconditionTrigger {
-    tx: oneshot::Sender<Result<(), String>>,
+    tx: oneshot::Sender<Result<(), PreconditionError>>,
 }
 
 impl PreconditionTrigger {
@@ -230,6 +260,6 @@ impl PreconditionTrigger {
 
     /// Signals failure; the blocks will be reported failed with `reason`.
     pub fn fail(self, reason: impl Into<String>) {
-        let _ = self.tx.send(Err(reason.into()));
+        let _ = self.tx.send(Err(PreconditionError::Failed(reason.into())));
     }
 }

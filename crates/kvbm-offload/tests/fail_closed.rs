@@ -133,7 +133,7 @@ async fn fail_closed_precondition_panic() {
     // panics when polled.
     let (_keep, never) = Precondition::pair();
     let waiting = p.enqueue(external(0, 2), Some(never)).await.unwrap();
-    let bomb = Precondition::new(async { panic!("precondition blew up") });
+    let bomb = Precondition::new::<PreconditionError>(async { panic!("precondition blew up") });
     let boom = p.enqueue(external(10, 3), Some(bomb)).await.unwrap();
     assert_failed_by_pipeline(&boom, 3).await;
     assert_failed_by_pipeline(&waiting, 2).await;

@@ -730,3 +730,55 @@ async fn fail_closed_destination_holding_another_digest_is_a_mismatch() {
         .await;
     assert!(out[0].is_ok());
 }
+
+#[test]
+fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
+    // G2 (host) → G3 (O_DIRECT file) through BlockMover, then G3 → a host layout the caller
+    // manages through ExternalMover, polled from a plain thread with no runtime: bytes verified,
+    // and a read expecting another identity is a typed IdentityMismatch.
+    let dir = scratch();
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let g2 = Arc::new(manager::<G2>(n, None));
+    let g3 = Arc::new(manager::<G3>(n, None));
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let host = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&host, 5);
+    let g2_h = tm.register_layout(host).unwrap();
+    let g3_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let out_h = host_layout(&tm, geometry(), PinPolicy::Unpinned);
+    let g2b = BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap();
+    let g3b = BoundTier::new(tm.clone(), g3_h, g3.clone()).unwrap();
+    let sources = registered(&g2, 0, 2);
+    let down = BlockMover::new(&g2b, &g3b).unwrap();
+    let stored: Vec<ImmutableBlock<G3>> =
+        futures::executor::block_on(down.move_from(&sources, g3.allocate_blocks(2).unwrap()))
+            .into_iter()
+            .map(|r| r.expect("stored"))
+            .collect();
+    let up = ExternalMover::new(&g3b, out_h).unwrap();
+    let out = futures::executor::block_on(up.move_from(stored.clone(), &[3, 1]));
+    assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+    let src = tm.layout(g2_h).unwrap();
+    let dst = tm.layout(out_h).unwrap();
+    assert_eq!(bytes(&dst, 3), bytes(&src, sources[0].block_id()));
+    assert_eq!(bytes(&dst, 1), bytes(&src, sources[1].block_id()));
+    // Expecting block 1's identity from block 0's slot: refused, typed.
+    let wrong = MoveSource {
+        block_id: stored[0].block_id(),
+        sequence_hash: stored[1].sequence_hash(),
+        digest: None,
+    };
+    let out = futures::executor::block_on(up.move_blocks(&[wrong], &[0]));
+    assert_eq!(
+        out[0].as_ref().unwrap_err().kind,
+        BlockFailureKind::IdentityMismatch
+    );
+    // A layout no longer registered with the tier's transfer manager is refused up front.
+    let gone = host_layout(&tm, geometry(), PinPolicy::Unpinned);
+    tm.unregister_layout(gone).unwrap();
+    assert!(matches!(
+        ExternalMover::new(&g3b, gone),
+        Err(OffloadError::Setup(_))
+    ));
+}

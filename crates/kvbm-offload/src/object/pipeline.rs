@@ -68,9 +68,10 @@ impl ObjectPipelineBuilder {
         self
     }
 
-    /// Starts the pipeline with `executor`.
+    /// Starts the pipeline with `executor` on the current tokio runtime.
     ///
     /// # Errors
+    /// [`OffloadError::NoRuntime`] outside a tokio runtime (use [`spawn_on`](Self::spawn_on));
     /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
     pub fn spawn<E: TransferExecutor<G2>>(
         self,
@@ -82,9 +83,36 @@ impl ObjectPipelineBuilder {
     /// Like [`spawn`](Self::spawn), with a completion sink.
     ///
     /// # Errors
-    /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
+    /// As [`spawn`](Self::spawn).
     pub fn spawn_with_sink<E: TransferExecutor<G2>>(
         self,
+        executor: E,
+        sink: Option<CompletionSink<E::Output>>,
+    ) -> Result<ObjectPipeline, OffloadError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| OffloadError::NoRuntime)?;
+        self.spawn_on_with_sink(&runtime, executor, sink)
+    }
+
+    /// Starts the pipeline's tasks on `runtime`; callable from any thread, inside a runtime or
+    /// not (the runtime seam for synchronous callers).
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
+    pub fn spawn_on<E: TransferExecutor<G2>>(
+        self,
+        runtime: &tokio::runtime::Handle,
+        executor: E,
+    ) -> Result<ObjectPipeline, OffloadError> {
+        self.spawn_on_with_sink(runtime, executor, None)
+    }
+
+    /// Like [`spawn_on`](Self::spawn_on), with a completion sink.
+    ///
+    /// # Errors
+    /// As [`spawn_on`](Self::spawn_on).
+    pub fn spawn_on_with_sink<E: TransferExecutor<G2>>(
+        self,
+        runtime: &tokio::runtime::Handle,
         executor: E,
         sink: Option<CompletionSink<E::Output>>,
     ) -> Result<ObjectPipeline, OffloadError> {
@@ -114,7 +142,7 @@ impl ObjectPipelineBuilder {
             .policy(policy)
             .lane(PipelineLane::G2ToG4)
             .build()
-            .spawn_with_sink(executor, sink)?;
+            .spawn_on_with_sink(runtime, executor, sink)?;
         Ok(ObjectPipeline {
             pipeline,
             lock_filter,

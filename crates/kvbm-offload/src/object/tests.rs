@@ -78,3 +78,21 @@ async fn fail_closed_oversized_lock_is_not_read() {
     assert!(!eval(&f, h).await, "an oversized lock is held");
     assert!(f.held_locks().is_empty());
 }
+
+/// The runtime seam: from a thread with no tokio runtime, `spawn` is refused with `NoRuntime`
+/// (no panic) and `spawn_on` a caller-owned runtime starts the object pipeline.
+#[test]
+fn object_pipeline_spawns_from_a_synchronous_caller() {
+    let storage = Arc::new(ObjectStorage::in_memory(ObjectConfig::default()));
+    let refused = super::ObjectPipelineBuilder::new(storage.clone()).spawn(crate::NoopExecutor);
+    assert!(matches!(refused, Err(crate::OffloadError::NoRuntime)));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let pipeline = super::ObjectPipelineBuilder::new(storage)
+        .spawn_on(rt.handle(), crate::NoopExecutor)
+        .expect("spawned on the caller's runtime");
+    rt.block_on(pipeline.shutdown_and_wait());
+}

@@ -325,7 +325,14 @@ async fn policy_evaluator<Src: Tier, A: Send + 'static>(
 }
 
 type PreconditionWait<Src, A> = std::pin::Pin<
-    Box<dyn Future<Output = Option<(OffloadContainer<Src, A>, Result<(), String>)>> + Send>,
+    Box<
+        dyn Future<
+                Output = Option<(
+                    OffloadContainer<Src, A>,
+                    Result<(), crate::source::PreconditionError>,
+                )>,
+            > + Send,
+    >,
 >;
 
 async fn precondition_awaiter<Src: Tier, A: Send + 'static>(
@@ -364,7 +371,7 @@ async fn precondition_awaiter<Src: Tier, A: Send + 'static>(
                 Some((c, Err(reason))) => {
                     OffloadContainer::fail_all(
                         c,
-                        BlockFailure::new(BlockFailureKind::PreconditionFailed, reason),
+                        BlockFailure::new(BlockFailureKind::PreconditionFailed, reason.to_string()),
                     );
                 }
             },
