@@ -287,7 +287,7 @@ impl LaneSpec {
             lane: PipelineLane::G2_TO_G4,
             spawn: Box::new(move |ctx| {
                 let pipeline = match executor {
-                    Some(e) => builder.spawn_on(&ctx.runtime, e)?,
+                    Some(e) => builder.spawn_on(ctx.runtime, e)?,
                     None => {
                         let mut e = ObjectTransferExecutor::<G2>::new(
                             ctx.tm()?,
@@ -297,7 +297,7 @@ impl LaneSpec {
                         if let Ok(g4) = ctx.manager::<kvbm_logical::G4>() {
                             e = e.with_g4_manager(g4);
                         }
-                        builder.spawn_on(&ctx.runtime, e)?
+                        builder.spawn_on(ctx.runtime, e)?
                     }
                 };
                 Ok(Arc::new(pipeline))
