@@ -131,6 +131,7 @@ fn issue(
     (dst_layout, keyed_dst): (LayoutHandle, bool),
     sources: &[MoveSource],
     dst_ids: &[BlockId],
+    put_mode: ObjectPutMode,
 ) -> Result<TransferCompletion, PhysicalError> {
     let n = sources.len();
     let positions = || (0..n).collect::<Vec<BlockId>>();
@@ -156,7 +157,8 @@ fn issue(
     };
     // Every block carries its identity (full digest or sequence hash): a disk slot or object
     // holding another block is an identity mismatch, never served.
-    let options = options.identities(sources.iter().map(MoveSource::identity).collect());
+    let mut options = options.identities(sources.iter().map(MoveSource::identity).collect());
+    options.object_put_mode = put_mode;
     // SAFETY: every destination slot is exclusively the caller's for the transfer: a
     // `MutableBlock` owned by the move (`BlockMover`), a position of a keyed layout named by a
     // key unique to its block, or a slot the caller of `ExternalMover::move_blocks` vouched for.
@@ -343,6 +345,7 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
                 (self.dst_layout, self.keyed_dst),
                 &sources,
                 &dst_ids,
+                ObjectPutMode::Overwrite,
             )
             .map_err(|e| fail_all_physical(n, e))
         };
@@ -524,6 +527,7 @@ impl<Src: Tier> ExternalMover<Src> {
                 (self.dst_layout, false),
                 &sources,
                 dst_slots,
+                ObjectPutMode::Overwrite,
             )
             .map_err(|e| fail_all_physical(n, e))
         };
@@ -727,53 +731,36 @@ impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
         let hashes = batch.sequence_hashes();
         let digests: Vec<Option<BlockDigest>> = batch.blocks().iter().map(|b| b.digest).collect();
         async move {
-            let positions: Vec<usize> = (0..n).collect();
-            let options = TransferOptions {
-                object_keys: Some(hashes.iter().map(|h| object_key(*h)).collect()),
-                object_put_mode: self.put_mode,
-                identities: Some(
-                    hashes
-                        .iter()
-                        .zip(&digests)
-                        .map(|(h, d)| identity_of(*h, *d))
-                        .collect(),
-                ),
-                ..Default::default()
-            };
-            // SAFETY: the destination is a keyed object layout (each position names the object
-            // of its block's hash, written whole by this put); the sources are registered blocks
-            // the pipeline holds for the batch, read only.
-            let started = unsafe {
-                self.manager.execute_transfer(
-                    self.src_layout,
-                    &src_ids,
-                    self.object_layout,
-                    &positions,
-                    options,
-                )
-            };
-            let completion = match started {
-                Ok(c) => c,
+            // The move's own transfer (keyed put, identities), with this executor's put mode.
+            let sources: Vec<MoveSource> = src_ids
+                .iter()
+                .zip(&hashes)
+                .zip(&digests)
+                .map(|((&id, &h), &d)| MoveSource::from((id, h, d)))
+                .collect();
+            let issued = issue(
+                &self.manager,
+                (self.src_layout, false),
+                (self.object_layout, true),
+                &sources,
+                &[],
+                self.put_mode,
+            );
+            let blocks = match issued {
+                Ok(c) => settle(n, c.await),
                 Err(e) => return fail_all_physical(n, e),
             };
-            let outcome = completion.await;
             let mut out = Vec::with_capacity(n);
             let mut written = Vec::with_capacity(n);
-            for ((h, d), (_, r)) in hashes.iter().zip(&digests).zip(outcome.blocks) {
+            for (s, r) in sources.iter().zip(blocks) {
                 match r {
                     Ok(()) => {
-                        written.push((*h, *d));
-                        out.push(Ok(*h));
+                        written.push((s.sequence_hash, s.digest));
+                        out.push(Ok(s.sequence_hash));
                     }
-                    Err(e) => out.push(Err(physical_failure(e))),
+                    Err(f) => out.push(Err(f)),
                 }
             }
-            out.resize_with(n, || {
-                Err(BlockFailure::new(
-                    BlockFailureKind::Transfer,
-                    "transfer manager reported no outcome",
-                ))
-            });
             self.record_presence(&written);
             out
         }

@@ -89,6 +89,8 @@ impl ObjectPipelineBuilder {
         executor: E,
         sink: Option<CompletionSink<E::Output>>,
     ) -> Result<ObjectPipeline, OffloadError> {
+        // A bad configuration is named first, runtime or not.
+        self.config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| OffloadError::NoRuntime)?;
         self.spawn_on_with_sink(&runtime, executor, sink)
     }
