@@ -192,12 +192,11 @@ mod tests {
             .map(|b| b.block_id())
             .collect();
         assert!(ids.iter().all(|&i| i < bound.layout_blocks()));
-        // A handle that is not registered with this transfer manager is refused.
+        // A handle of another transfer manager is refused (handle ids are process-unique).
         let other = TransferManager::new().unwrap();
         let foreign = host(&other, 8);
-        let tm2 = Arc::new(TransferManager::new().unwrap());
         assert!(matches!(
-            BoundTier::new(tm2, foreign, manager::<G2>(8)),
+            BoundTier::new(tm.clone(), foreign, manager::<G2>(8)),
             Err(OffloadError::Setup(_))
         ));
     }

@@ -774,7 +774,13 @@ fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
         out[0].as_ref().unwrap_err().kind,
         BlockFailureKind::IdentityMismatch
     );
-    // A layout no longer registered with the tier's transfer manager is refused up front.
+    // A layout of another transfer manager, or one no longer registered, is refused up front.
+    let other = TransferManager::new().unwrap();
+    let foreign = host_layout(&other, geometry(), PinPolicy::Unpinned);
+    assert!(matches!(
+        ExternalMover::new(&g3b, foreign),
+        Err(OffloadError::Setup(_))
+    ));
     let gone = host_layout(&tm, geometry(), PinPolicy::Unpinned);
     tm.unregister_layout(gone).unwrap();
     assert!(matches!(

@@ -904,3 +904,18 @@ async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
     let out = common::transfer(&tm, obj, &[0], dst, &[0], opts()).await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);
 }
+
+#[test]
+fn fail_closed_a_handle_of_another_manager_names_nothing_here() {
+    // Handle ids are process-unique: a handle from manager A is unknown to manager B, even when
+    // B has registered as many layouts (per-manager counters would have made it name B's own).
+    let a = TransferManager::new().unwrap();
+    let b = TransferManager::new().unwrap();
+    let ha = a.register_layout(host(2, Some(1))).unwrap();
+    let hb = b.register_layout(host(2, Some(2))).unwrap();
+    assert_ne!(ha, hb);
+    assert!(matches!(b.layout(ha), Err(PhysicalError::UnknownLayout(h)) if h == ha));
+    // SAFETY: test-owned layouts; nothing outside the managers touches them.
+    let r = unsafe { b.execute_transfer(ha, &[0], hb, &[1], TransferOptions::default()) };
+    assert!(matches!(r, Err(PhysicalError::UnknownLayout(_))));
+}

@@ -84,9 +84,14 @@ use claims::{Claims, JobGuard, Reservation};
 /// it).
 pub type BlockId = usize;
 
-/// Names a layout registered with a [`TransferManager`].
+/// Names a layout registered with a [`TransferManager`]. Ids are unique in the process (one
+/// counter for every manager), so a handle of one manager never names a layout of another: it
+/// is [`PhysicalError::UnknownLayout`] there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LayoutHandle(u64);
+
+/// The next layout id, shared by every manager of the process.
+static NEXT_LAYOUT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl LayoutHandle {
     /// The raw id.
@@ -259,7 +264,6 @@ type Registered = (Arc<PhysicalLayout>, Arc<Reservation>);
 pub struct TransferManager {
     layouts: RwLock<HashMap<u64, Registered>>,
     claims: Arc<Claims>,
-    next_id: AtomicU64,
     bounce: Arc<bounce::BouncePool>,
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -305,7 +309,6 @@ impl TransferManager {
         Ok(TransferManager {
             layouts: RwLock::new(HashMap::new()),
             claims: Arc::default(),
-            next_id: AtomicU64::new(1),
             bounce: Arc::new(bounce::BouncePool::new(
                 config.bounce_buffers,
                 config.bounce_buffer_bytes,
@@ -322,7 +325,7 @@ impl TransferManager {
     pub fn register_layout(&self, layout: PhysicalLayout) -> Result<LayoutHandle, PhysicalError> {
         let layout = Arc::new(layout);
         let reservation = Reservation::reserve(&layout)?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = NEXT_LAYOUT_ID.fetch_add(1, Ordering::Relaxed);
         self.layouts
             .write()
             .insert(id, (layout, Arc::new(reservation)));
