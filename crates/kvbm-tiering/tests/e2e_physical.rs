@@ -378,8 +378,9 @@ fn tier_over_a_caller_owned_bound_tier() {
 }
 
 #[test]
-fn vanished_object_is_not_found_and_clears_presence() {
-    let Some(s3) = kvbm_tests::services::s3("vanished_object_is_not_found_and_clears_presence")
+fn vanished_or_swapped_object_is_a_typed_failure_and_never_served() {
+    let Some(s3) =
+        kvbm_tests::services::s3("vanished_or_swapped_object_is_a_typed_failure_and_never_served")
     else {
         return;
     };
@@ -411,17 +412,45 @@ fn vanished_object_is_not_found_and_clears_presence() {
     settle(&mut m);
     store(&mut m, &c, &[2, 3]);
     settle(&mut m);
-    // Delete key 0's object behind the tier's back.
-    let name = ObjectKey::from_u128(key_hash(&k(0), TIER_BLOCK_SIZE).as_u128());
+    // Behind the tier's back: delete key 0's object, and overwrite key 1's with key 2's (intact
+    // bytes and checksum, another chunk's identity).
+    let name = |i: u64| ObjectKey::from_u128(key_hash(&k(i), TIER_BLOCK_SIZE).as_u128());
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(storage.delete(&name)).unwrap();
+    rt.block_on(storage.delete(&name(0))).unwrap();
+    let raw = ObjectStorage::s3_client(&cfg).unwrap();
+    rt.block_on(async {
+        use object_store::ObjectStoreExt;
+        let body = raw
+            .get(&storage.path(&name(2)))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        raw.put(&storage.path(&name(1)), body.into()).await.unwrap();
+    });
     assert_eq!(m.lookup(&k(0), &c), LookupResult::HitPending);
     settle(&mut m);
     assert_eq!(m.lookup(&k(0), &c), LookupResult::Miss, "not a hit");
     let t = m.tier_mut::<ObjectTier>(0).unwrap();
     assert_eq!(t.failures(BlockFailureKind::NotFound), 1);
     assert_eq!(t.lookup(&k(0), &c), LookupResult::Miss, "presence cleared");
-    assert_eq!(t.lookup(&k(1), &c), LookupResult::Hit);
+    assert_eq!(t.lookup(&k(1), &c), LookupResult::Hit, "not read yet");
+    assert_eq!(m.lookup(&k(1), &c), LookupResult::HitPending);
+    settle(&mut m);
+    assert_eq!(
+        m.lookup(&k(1), &c),
+        LookupResult::Miss,
+        "another chunk's bytes: not a hit"
+    );
+    let t = m.tier_mut::<ObjectTier>(0).unwrap();
+    assert_eq!(t.failures(BlockFailureKind::IdentityMismatch), 1);
+    assert_eq!(
+        t.lookup(&k(1), &c),
+        LookupResult::Miss,
+        "the copy was dropped"
+    );
+    assert_eq!(t.lookup(&k(2), &c), LookupResult::Hit, "the original stays");
     m.on_request_finished(&c).unwrap();
     m.shutdown().unwrap();
 }
