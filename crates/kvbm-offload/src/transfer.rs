@@ -446,7 +446,9 @@ fn register<Dst: Tier>(
 /// The one move into slots the caller manages outside `kvbm-logical`: from a bound tier (keyed
 /// or not) into a layout such as G1 of the inference engine or the slot table of a vLLM-style
 /// primary tier. Same transfer, identities and typed per-block failures as [`BlockMover`];
-/// nothing is registered on the destination side (the caller records what arrived).
+/// nothing is registered on the destination side (the caller records what arrived). No handle
+/// proves that a caller-managed slot is free, so the move is `unsafe`: the caller states the
+/// slot's exclusivity, as for the raw transfer.
 ///
 /// ```text
 ///  ImmutableBlock<Src> / MoveSource ─► transfer issued at the call ─► Ok(()) | BlockFailure per slot
@@ -508,9 +510,15 @@ impl<Src: Tier> ExternalMover<Src> {
     /// Moves `sources[i]` (its slot, or its key for a keyed tier, and the identity its content
     /// must have) into slot `dst_slots[i]` of the destination layout; one outcome per block, in
     /// order. A length mismatch fails every block (nothing is moved). The transfer is issued
-    /// now. The caller keeps the sources alive (or uses [`move_from`](Self::move_from)) and
-    /// must not read or hand out a destination slot before its outcome arrived.
-    pub fn move_blocks<S: Into<MoveSource> + Copy>(
+    /// now. The caller keeps the sources alive (or uses [`move_from`](Self::move_from)).
+    ///
+    /// # Safety
+    ///
+    /// The destination slots are the caller's, so their exclusivity is too (the contract of
+    /// `TransferManager::execute_transfer`): until the returned future resolves (or is dropped
+    /// and the transfer has ended), no reference or pointer made outside the transfer manager
+    /// reads or writes a slot of `dst_slots`, and no owner expects its content to stay.
+    pub unsafe fn move_blocks<S: Into<MoveSource> + Copy>(
         &self,
         sources: &[S],
         dst_slots: &[BlockId],
@@ -542,13 +550,18 @@ impl<Src: Tier> ExternalMover<Src> {
     /// [`move_blocks`](Self::move_blocks) from held source blocks: `sources[i]`, expected to
     /// have the identity it was registered with ([`MoveSource::of`]), into `dst_slots[i]`. The
     /// future holds the sources until the move settles.
-    pub fn move_from(
+    ///
+    /// # Safety
+    ///
+    /// As [`move_blocks`](Self::move_blocks).
+    pub unsafe fn move_from(
         &self,
         sources: Vec<ImmutableBlock<Src>>,
         dst_slots: &[BlockId],
     ) -> impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src> {
         let ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
-        let moved = self.move_blocks(&ids, dst_slots);
+        // SAFETY: the caller's contract for `dst_slots` is this function's own.
+        let moved = unsafe { self.move_blocks(&ids, dst_slots) };
         async move {
             let out = moved.await;
             drop(sources);

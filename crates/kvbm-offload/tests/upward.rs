@@ -757,7 +757,8 @@ fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
             .map(|r| r.expect("stored"))
             .collect();
     let up = ExternalMover::new(&g3b, out_h).unwrap();
-    let out = futures::executor::block_on(up.move_from(stored.clone(), &[3, 1]));
+    // SAFETY: `out_h` is this test's layout; nothing else touches slots 3 and 1.
+    let out = futures::executor::block_on(unsafe { up.move_from(stored.clone(), &[3, 1]) });
     assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
     let src = tm.layout(g2_h).unwrap();
     let dst = tm.layout(out_h).unwrap();
@@ -769,7 +770,8 @@ fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
         sequence_hash: stored[1].sequence_hash(),
         digest: None,
     };
-    let out = futures::executor::block_on(up.move_blocks(&[wrong], &[0]));
+    // SAFETY: as above, slot 0.
+    let out = futures::executor::block_on(unsafe { up.move_blocks(&[wrong], &[0]) });
     assert_eq!(
         out[0].as_ref().unwrap_err().kind,
         BlockFailureKind::IdentityMismatch

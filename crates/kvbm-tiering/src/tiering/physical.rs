@@ -424,6 +424,16 @@ impl<T: Tier> PhysicalTier<T> {
     }
 }
 
+impl<T: Tier> Drop for PhysicalTier<T> {
+    /// Waits for moves still in flight: a promotion writes primary slots the manager may reuse
+    /// once the tier is gone.
+    fn drop(&mut self) {
+        for f in std::mem::take(&mut self.inflight) {
+            drop(f.wait());
+        }
+    }
+}
+
 impl PhysicalTier<G3> {
     /// A disk tier of `capacity` chunk slots in the file `config.path`, with its own
     /// `BlockManager<G3>` of `capacity` blocks.
@@ -527,7 +537,12 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         let slots: Vec<BlockId> = job.chunk_ids.iter().map(|&c| c as BlockId).collect();
         // The identity each read must have comes from the key asked for, not from the
         // stored block; the future holds the source blocks until the move settles.
-        let moved = self.load.move_blocks(&sources, &slots);
+        // SAFETY: `slots` are the primary's slots the tiering manager reserved for this
+        // promotion (`prepare_write`: write pending, so `CpuPrimaryTier::chunk` refuses them;
+        // `chunk_mut` is the GPU-store path, which the manager's contract never uses for a key
+        // under promotion) until the job is reported, which happens only after this move
+        // settled (`get_finished_jobs`, `drain_jobs`; dropping the tier waits for it too).
+        let moved = unsafe { self.load.move_blocks(&sources, &slots) };
         let mv = Move::Load(
             async move {
                 let out = moved.await;
