@@ -205,11 +205,19 @@ async fn g3_to_g2(n: usize, batch: usize, concurrency: usize) -> (Duration, Dura
     let g3_h = common::disk_layout(&tm, big_geometry(n), &dir.path().join("g3.bin"));
     let dst_h = common::host_layout(&tm, big_geometry(n), PinPolicy::TryPin);
     let ids: Vec<usize> = (0..n).collect();
+    // The identity of block i (the hash the lane reads it under): written into every slot's
+    // header and required by both the direct reads and the lane, so both verify the same.
+    let hash_of =
+        |i: usize| kvbm_logical::SequenceHash::root(kvbm_logical::Salt::NONE, &[i as u32, 1, 2, 3]);
+    let identities = |chunk: &[usize]| {
+        TransferOptions::default()
+            .identities(chunk.iter().map(|&i| block_identity(hash_of(i))).collect())
+    };
     // Write every slot once (the blocks to onboard).
     for chunk in ids.chunks(batch) {
         let out =
             // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
-            unsafe { tm.execute_transfer(src_h, chunk, g3_h, chunk, TransferOptions::default()) }
+            unsafe { tm.execute_transfer(src_h, chunk, g3_h, chunk, identities(chunk)) }
                 .unwrap()
                 .await;
         assert!(out.is_complete_success());
@@ -218,11 +226,9 @@ async fn g3_to_g2(n: usize, batch: usize, concurrency: usize) -> (Duration, Dura
         let t = Instant::now();
         for chunk in ids.chunks(batch) {
             // SAFETY: bench-owned layouts; nothing outside the manager reads or writes their blocks while the transfer runs.
-            let out = unsafe {
-                tm.execute_transfer(g3_h, chunk, dst_h, chunk, TransferOptions::default())
-            }
-            .unwrap()
-            .await;
+            let out = unsafe { tm.execute_transfer(g3_h, chunk, dst_h, chunk, identities(chunk)) }
+                .unwrap()
+                .await;
             assert!(out.is_complete_success());
         }
         t.elapsed()
@@ -247,12 +253,7 @@ async fn g3_to_g2(n: usize, batch: usize, concurrency: usize) -> (Duration, Dura
         .unwrap();
     let sources: Vec<ExternalBlock> = ids
         .iter()
-        .map(|&i| {
-            ExternalBlock::new(
-                i,
-                kvbm_logical::SequenceHash::root(kvbm_logical::Salt::NONE, &[i as u32, 1, 2, 3]),
-            )
-        })
+        .map(|&i| ExternalBlock::new(i, hash_of(i)))
         .collect();
     let t = Instant::now();
     let mut hs = Vec::new();
