@@ -130,6 +130,8 @@ pub struct TinyLfu<B> {
     capacity: usize,
     /// `adaptive-`: the LRU duel, and each slot's release time (for the age comparison).
     duel: Option<Box<Duel>>,
+    /// The duel's current mode, mirrored here (read by every `pop_victim`).
+    lru_mode: bool,
     released_at: Vec<u64>,
     clock: u64,
 }
@@ -146,6 +148,7 @@ impl<B: Eviction> TinyLfu<B> {
             p: 0,
             capacity,
             duel: None,
+            lru_mode: false,
             released_at: Vec::new(),
             clock: 0,
         }
@@ -159,6 +162,7 @@ impl<B: Eviction> TinyLfu<B> {
     pub fn adaptive(base: B, capacity: usize) -> Self {
         Self {
             duel: Some(Box::new(Duel::new(capacity))),
+            lru_mode: true,
             released_at: vec![0; capacity],
             ..Self::new(base, capacity)
         }
@@ -171,12 +175,14 @@ impl<B: Eviction> TinyLfu<B> {
         if let Some(d) = &mut self.duel {
             d.lru_mode = lru;
             d.pinned = true;
+            self.lru_mode = lru;
         }
     }
 
     /// Whether the LRU duel currently has victims taken in release order (`adaptive-` only).
+    #[inline]
     pub fn follows_lru(&self) -> bool {
-        self.duel.as_ref().is_some_and(|d| d.lru_mode)
+        self.lru_mode
     }
 
     #[inline]
@@ -185,6 +191,7 @@ impl<B: Eviction> TinyLfu<B> {
             && sampled(&h)
         {
             d.access(h, admit, self.p);
+            self.lru_mode = d.lru_mode;
         }
     }
 
