@@ -640,6 +640,27 @@ fn adaptive_following_lru_evicts_in_lru_order() {
     );
 }
 
+#[test]
+fn adaptive_following_lru_honours_touches_across_probation_and_base() {
+    let mut t = TinyLfu::adaptive(Lru::new(4), 4);
+    t.pin_lru_mode(true);
+    let mut d = Driver::new(t, 4);
+    d.registry.touch(h(1)); // 1 and 3 are admitted (base), 0 and 2 first sightings (probation)
+    d.registry.touch(h(3));
+    for s in 0..4 {
+        d.register(s, h(s as u64));
+        d.release(s);
+    }
+    assert_eq!(d.policy.probation_len(), 2);
+    d.touch(0); // probation's oldest becomes the most recent of all
+    d.touch(1); // then the base's oldest
+    assert_eq!(d.pop(), Some(2));
+    assert_eq!(d.pop(), Some(3));
+    assert_eq!(d.pop(), Some(0));
+    assert_eq!(d.pop(), Some(1));
+    d.check();
+}
+
 /// TinyLFU's victims, from a plain `TinyLfu` run in lockstep (the reference for the filter).
 struct RefTinyLfu {
     d: Driver<TinyLfu<Lru>>,

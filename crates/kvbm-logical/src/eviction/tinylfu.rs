@@ -309,6 +309,12 @@ impl<B: Eviction> Eviction for TinyLfu<B> {
     }
 
     fn on_touch(&mut self, slot: u32, ctx: &EvictionCtx<'_>) {
+        // a touch moves an evictable slot to the recent end of its list: its age restarts
+        // (an active slot's stamp is set again on release)
+        if self.duel.is_some() {
+            self.clock += 1;
+            self.released_at[slot as usize] = self.clock;
+        }
         if self.flags[slot as usize] & WAITING != 0 {
             if self.probation.unlink(slot).is_some() {
                 self.probation.push_back(slot, 0);
