@@ -212,18 +212,23 @@ impl CrossInstanceIndex {
 
     /// Applies one message.
     pub fn apply(&self, message: &EventMessage) {
+        self.apply_events(message.instance, &message.events);
+    }
+
+    /// Applies `events` published by `instance`.
+    pub fn apply_events(&self, instance: InstanceId, events: &[BlockEvent]) {
         let mut entries = self.entries.lock();
-        for e in message.events.iter() {
+        for e in events {
             match e.kind {
                 BlockEventKind::Stored => {
                     entries
                         .entry(e.hash)
                         .or_default()
-                        .insert((message.instance, e.tier));
+                        .insert((instance, e.tier));
                 }
                 BlockEventKind::Removed => {
                     if let Some(set) = entries.get_mut(&e.hash) {
-                        set.remove(&(message.instance, e.tier));
+                        set.remove(&(instance, e.tier));
                         if set.is_empty() {
                             entries.remove(&e.hash);
                         }
@@ -231,6 +236,64 @@ impl CrossInstanceIndex {
                 }
             }
         }
+    }
+
+    /// Everything `instance` is said to hold, sorted (e.g. to answer a snapshot request from
+    /// this instance's own record).
+    pub fn entries_of(&self, instance: InstanceId) -> Vec<(SequenceHash, TierId)> {
+        let mut out: Vec<_> = self
+            .entries
+            .lock()
+            .iter()
+            .flat_map(|(h, set)| {
+                set.iter()
+                    .filter(|(i, _)| *i == instance)
+                    .map(|(_, t)| (*h, *t))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Forgets everything about `instance` (it left or expired); returns how many locations
+    /// were dropped.
+    pub fn remove_instance(&self, instance: InstanceId) -> usize {
+        let mut entries = self.entries.lock();
+        let mut dropped = 0;
+        entries.retain(|_, set| {
+            let before = set.len();
+            set.retain(|(i, _)| *i != instance);
+            dropped += before - set.len();
+            !set.is_empty()
+        });
+        dropped
+    }
+
+    /// Replaces what is known about `instance` with `entries` (a snapshot it answered), in
+    /// one step under the lock.
+    pub fn replace_instance(&self, instance: InstanceId, entries: &[(SequenceHash, TierId)]) {
+        let mut map = self.entries.lock();
+        map.retain(|_, set| {
+            set.retain(|(i, _)| *i != instance);
+            !set.is_empty()
+        });
+        for (h, t) in entries {
+            map.entry(*h).or_default().insert((instance, *t));
+        }
+    }
+
+    /// The instances the index knows anything about, sorted.
+    pub fn instances(&self) -> Vec<InstanceId> {
+        let set: HashSet<InstanceId> = self
+            .entries
+            .lock()
+            .values()
+            .flat_map(|s| s.iter().map(|(i, _)| *i))
+            .collect();
+        let mut out: Vec<_> = set.into_iter().collect();
+        out.sort();
+        out
     }
 
     /// Where `hash` is said to be.

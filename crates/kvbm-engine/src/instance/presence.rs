@@ -1,0 +1,640 @@
+//! [`Presence`]: who is alive, where their data plane listens, and how the cross-instance index
+//! recovers what it missed (feature `nats`).
+//!
+//! # Protocol
+//!
+//! ```text
+//!  every heartbeat_interval_ms          {subject}.peers
+//!    announce task ──publish Heartbeat { peer: PeerInfo, epoch, departing }──► all instances
+//!                                                         |
+//!    listen task  ◄───────────────────────────────────────┘
+//!      new peer / epoch changed: table += peer (synced = false), PeerDirectory += data plane
+//!      departing: expire now
+//!
+//!  every heartbeat_interval_ms
+//!    maintenance task
+//!      own client reconnected (epoch went up): every peer synced = false
+//!      peer silent > heartbeat_timeout_ms: table -= peer, PeerDirectory -= peer,
+//!                                          CrossInstanceIndex -= everything of peer
+//!      peer not synced: request {subject}.snapshot.{peer:016x} page by page ──► peer
+//!                       answer: the peer's own stored set ──► index.replace_instance(peer, set)
+//!
+//!    snapshot task ◄── {subject}.snapshot.{this:016x}: answers from this instance's own record
+//! ```
+//!
+//! The `epoch` of a heartbeat is the sender's count of (re)connections to NATS: when it goes up,
+//! the sender's client was away and its events of that time may be lost, so receivers resync it;
+//! when the receiver's own client reconnects, it resyncs every peer. A peer first seen is
+//! resynced too, so a late joiner learns what was stored before it came. The index stays a hint
+//! (what moves is verified by its reader), so a snapshot racing an event costs at most a stale or
+//! missed entry until the next resync or event.
+//!
+//! Snapshot answers are pages of at most [`SNAPSHOT_PAGE`] entries, each far below NATS' default
+//! payload limit. Heartbeats and answers are published from their own tasks; nothing on the
+//! data path waits for them.
+//!
+//! A peer that expired (or said it leaves) is *departed*: its event batches still in flight are
+//! ignored (counted) until it is heard from again, when it is resynced like a new peer; so a
+//! late event cannot put a dead peer back into the index. A subscriber that lagged behind the
+//! bus marks every peer for resync.
+//!
+//! # Locks
+//!
+//! Two `parking_lot` mutexes, the peer table and the departed set, each taken alone (never one
+//! while holding the other), only inside this module's functions and never across an
+//! `.await`; the index's and the directory's mutexes are never taken while either is held
+//! (work is collected under the lock, done after it is released).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::Client;
+use futures::StreamExt;
+use kvbm_logical::{SequenceHash, TierId};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::dataplane::PeerDirectory;
+use crate::error::{EngineError, Result};
+use crate::pubsub::{CrossInstanceIndex, InstanceId};
+use crate::runtime::RuntimeHandle;
+use crate::transport::PeerInfo;
+
+/// Version of the heartbeat and snapshot messages.
+pub const PRESENCE_WIRE_VERSION: u32 = 1;
+
+/// Most entries in one snapshot answer.
+pub const SNAPSHOT_PAGE: usize = 4096;
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Heartbeat {
+    version: u32,
+    peer: PeerInfo,
+    epoch: u64,
+    departing: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotRequest {
+    version: u32,
+    offset: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotPage {
+    version: u32,
+    instance: InstanceId,
+    entries: Vec<(SequenceHash, TierId)>,
+    next: Option<usize>,
+}
+
+/// Timing of the presence protocol (from `[transport]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PresenceConfig {
+    /// How often this instance announces itself.
+    pub interval: Duration,
+    /// A peer silent this long is dropped.
+    pub timeout: Duration,
+    /// Deadline of one snapshot request.
+    pub request_timeout: Duration,
+}
+
+impl PresenceConfig {
+    /// From `[transport]`'s `heartbeat_interval_ms`, `heartbeat_timeout_ms` and
+    /// `request_timeout_ms`.
+    pub fn from_transport(t: &crate::config::TransportConfig) -> Self {
+        Self {
+            interval: Duration::from_millis(t.heartbeat_interval_ms.max(1)),
+            timeout: Duration::from_millis(t.heartbeat_timeout_ms.max(2)),
+            request_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
+        }
+    }
+}
+
+struct PeerState {
+    info: PeerInfo,
+    last_seen: Instant,
+    epoch: u64,
+    synced: bool,
+}
+
+/// Counters of the presence protocol.
+#[derive(Debug, Default)]
+struct Counters {
+    heartbeats_sent: AtomicU64,
+    heartbeats_received: AtomicU64,
+    rejected: AtomicU64,
+    expired: AtomicU64,
+    resyncs: AtomicU64,
+    resync_failed: AtomicU64,
+    snapshots_served: AtomicU64,
+    ignored: AtomicU64,
+}
+
+/// A copy of [`Presence`]'s counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PresenceStats {
+    /// Heartbeats published by this instance.
+    pub heartbeats_sent: u64,
+    /// Heartbeats received from other instances.
+    pub heartbeats_received: u64,
+    /// Messages skipped as undecodable, of another version, or with a bad address.
+    pub rejected: u64,
+    /// Peers dropped after their heartbeats stopped (or they said they were leaving).
+    pub expired: u64,
+    /// Snapshots of peers applied to the index.
+    pub resyncs: u64,
+    /// Snapshot requests that failed (retried at the next tick).
+    pub resync_failed: u64,
+    /// Snapshot pages this instance answered.
+    pub snapshots_served: u64,
+    /// Event batches of departed peers not applied.
+    pub ignored_batches: u64,
+}
+
+struct Inner {
+    this: PeerInfo,
+    client: Client,
+    prefix: String,
+    config: PresenceConfig,
+    index: Arc<CrossInstanceIndex>,
+    own: Arc<CrossInstanceIndex>,
+    directory: Arc<PeerDirectory>,
+    table: Mutex<HashMap<InstanceId, PeerState>>,
+    /// Peers expired and not heard from since: their events are ignored until they are.
+    departed: Mutex<HashSet<InstanceId>>,
+    epoch: watch::Receiver<u64>,
+    counters: Counters,
+}
+
+/// The presence protocol of one instance: see the [module docs](self). Its tasks end when
+/// `cancel` (given to [`start`](Self::start)) is cancelled. Clones share one state.
+#[derive(Clone)]
+pub struct Presence {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Presence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Presence")
+            .field("this", &self.inner.this.worker.instance)
+            .field("live_peers", &self.live_peers())
+            .finish()
+    }
+}
+
+fn heartbeat_subject(prefix: &str) -> String {
+    format!("{prefix}.peers")
+}
+
+fn snapshot_subject(prefix: &str, instance: InstanceId) -> String {
+    format!("{prefix}.snapshot.{:016x}", instance.0)
+}
+
+impl Presence {
+    /// Starts announcing `this` on `{prefix}.peers`, listening to peers, answering snapshot
+    /// requests from `own` (this instance's record of what it stores) and keeping `index` and
+    /// `directory` in step with live peers. `epoch` counts the client's (re)connections
+    /// ([`crate::transport::nats::connect_observed`]). Returns once its subscriptions are in
+    /// place.
+    ///
+    /// # Errors
+    /// [`EngineError::Nats`] when a subscription fails; [`EngineError::ShutDown`] after
+    /// shutdown.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start(
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        client: Client,
+        epoch: watch::Receiver<u64>,
+        prefix: &str,
+        config: PresenceConfig,
+        this: PeerInfo,
+        index: Arc<CrossInstanceIndex>,
+        own: Arc<CrossInstanceIndex>,
+        directory: Arc<PeerDirectory>,
+    ) -> Result<Self> {
+        let nats_err = |subject: &str, e: &dyn std::fmt::Display| EngineError::Nats {
+            url: subject.to_string(),
+            message: e.to_string(),
+        };
+        let hb_subject = heartbeat_subject(prefix);
+        let snap_subject = snapshot_subject(prefix, this.worker.instance);
+        let heartbeats = client
+            .subscribe(hb_subject.clone())
+            .await
+            .map_err(|e| nats_err(&hb_subject, &e))?;
+        let requests = client
+            .subscribe(snap_subject.clone())
+            .await
+            .map_err(|e| nats_err(&snap_subject, &e))?;
+        client
+            .flush()
+            .await
+            .map_err(|e| nats_err(&hb_subject, &e))?;
+        let inner = Arc::new(Inner {
+            this,
+            client,
+            prefix: prefix.to_string(),
+            config,
+            index,
+            own,
+            directory,
+            table: Mutex::new(HashMap::new()),
+            departed: Mutex::new(HashSet::new()),
+            epoch,
+            counters: Counters::default(),
+        });
+        let presence = Self { inner };
+        presence.spawn_announce(runtime, cancel.clone())?;
+        presence.spawn_listen(runtime, cancel.clone(), heartbeats)?;
+        presence.spawn_snapshots(runtime, cancel.clone(), requests)?;
+        presence.spawn_maintenance(runtime, cancel)?;
+        Ok(presence)
+    }
+
+    fn heartbeat(&self, departing: bool) -> bytes::Bytes {
+        let hb = Heartbeat {
+            version: PRESENCE_WIRE_VERSION,
+            peer: self.inner.this.clone(),
+            epoch: *self.inner.epoch.borrow(),
+            departing,
+        };
+        serde_json::to_vec(&hb)
+            .expect("heartbeats serialize")
+            .into()
+    }
+
+    fn spawn_announce(&self, runtime: &RuntimeHandle, cancel: CancellationToken) -> Result<()> {
+        let me = Self {
+            inner: self.inner.clone(),
+        };
+        runtime.spawn(async move {
+            let subject = heartbeat_subject(&me.inner.prefix);
+            let mut tick = tokio::time::interval(me.inner.config.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let payload = me.heartbeat(false);
+                // May wait while the server is away; only this task waits.
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    r = me.inner.client.publish(subject.clone(), payload) => match r {
+                        Ok(()) => {
+                            me.inner.counters.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => tracing::debug!(error = %e, "heartbeat not published"),
+                    },
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    fn spawn_listen(
+        &self,
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        mut sub: async_nats::Subscriber,
+    ) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = sub.next() => match m { Some(m) => m, None => return },
+                };
+                let hb = match serde_json::from_slice::<Heartbeat>(&message.payload) {
+                    Ok(hb) if hb.version == PRESENCE_WIRE_VERSION => hb,
+                    Ok(_) | Err(_) => {
+                        inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                let id = hb.peer.worker.instance;
+                if id == inner.this.worker.instance {
+                    continue;
+                }
+                inner
+                    .counters
+                    .heartbeats_received
+                    .fetch_add(1, Ordering::Relaxed);
+                if hb.departing {
+                    inner.expire(&[id]);
+                    continue;
+                }
+                let Some(addr) = hb
+                    .peer
+                    .data_plane
+                    .as_deref()
+                    .and_then(|a| a.parse::<SocketAddr>().ok())
+                else {
+                    inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                inner.departed.lock().remove(&id);
+                {
+                    let mut table = inner.table.lock();
+                    let entry = table.entry(id).or_insert_with(|| PeerState {
+                        info: hb.peer.clone(),
+                        last_seen: Instant::now(),
+                        epoch: hb.epoch,
+                        synced: false,
+                    });
+                    entry.last_seen = Instant::now();
+                    if entry.epoch != hb.epoch {
+                        // The peer's client was away: its events of that time may be lost.
+                        entry.epoch = hb.epoch;
+                        entry.synced = false;
+                    }
+                    entry.info = hb.peer;
+                }
+                inner.directory.insert(id, addr);
+            }
+        })?;
+        Ok(())
+    }
+
+    fn spawn_snapshots(
+        &self,
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        mut sub: async_nats::Subscriber,
+    ) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = sub.next() => match m { Some(m) => m, None => return },
+                };
+                let Some(reply) = message.reply else {
+                    inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let offset = match serde_json::from_slice::<SnapshotRequest>(&message.payload) {
+                    Ok(r) if r.version == PRESENCE_WIRE_VERSION => r.offset,
+                    _ => {
+                        inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                let me = inner.this.worker.instance;
+                let all = inner.own.entries_of(me);
+                let end = (offset + SNAPSHOT_PAGE).min(all.len());
+                let page = SnapshotPage {
+                    version: PRESENCE_WIRE_VERSION,
+                    instance: me,
+                    entries: all.get(offset..end).map(<[_]>::to_vec).unwrap_or_default(),
+                    next: (end < all.len()).then_some(end),
+                };
+                let payload = serde_json::to_vec(&page).expect("snapshots serialize");
+                match inner.client.publish(reply, payload.into()).await {
+                    Ok(()) => {
+                        inner
+                            .counters
+                            .snapshots_served
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => tracing::debug!(error = %e, "snapshot page not sent"),
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    fn spawn_maintenance(&self, runtime: &RuntimeHandle, cancel: CancellationToken) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            let mut epoch = inner.epoch.clone();
+            epoch.borrow_and_update();
+            let mut tick = tokio::time::interval(inner.config.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                if epoch.has_changed().unwrap_or(false) {
+                    epoch.borrow_and_update();
+                    // Our own client was away: every peer's events of that time may be lost.
+                    for p in inner.table.lock().values_mut() {
+                        p.synced = false;
+                    }
+                }
+                let now = Instant::now();
+                let (stale, unsynced): (Vec<InstanceId>, Vec<InstanceId>) = {
+                    let table = inner.table.lock();
+                    let stale = table
+                        .iter()
+                        .filter(|(_, p)| now.duration_since(p.last_seen) > inner.config.timeout)
+                        .map(|(i, _)| *i)
+                        .collect();
+                    let unsynced = table
+                        .iter()
+                        .filter(|(_, p)| !p.synced)
+                        .map(|(i, _)| *i)
+                        .collect();
+                    (stale, unsynced)
+                };
+                inner.expire(&stale);
+                for peer in unsynced {
+                    if stale.contains(&peer) {
+                        continue;
+                    }
+                    let r = tokio::select! {
+                        () = cancel.cancelled() => return,
+                        r = inner.fetch_snapshot(peer) => r,
+                    };
+                    match r {
+                        Ok(entries) => {
+                            // Still a peer (not expired meanwhile)? Then apply.
+                            let mut table = inner.table.lock();
+                            if let Some(p) = table.get_mut(&peer) {
+                                p.synced = true;
+                                drop(table);
+                                inner.index.replace_instance(peer, &entries);
+                                inner.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(%peer, error = %e, "snapshot failed; retried next tick");
+                            inner.counters.resync_failed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// The peers heard from within the timeout, sorted.
+    pub fn live_peers(&self) -> Vec<InstanceId> {
+        let mut out: Vec<_> = self.inner.table.lock().keys().copied().collect();
+        out.sort();
+        out
+    }
+
+    /// What `peer` last said about itself, if it is live.
+    pub fn peer(&self, peer: InstanceId) -> Option<PeerInfo> {
+        self.inner.table.lock().get(&peer).map(|p| p.info.clone())
+    }
+
+    /// Whether `peer` is live and its snapshot has been applied since it was (re)seen.
+    pub fn is_synced(&self, peer: InstanceId) -> bool {
+        self.inner.table.lock().get(&peer).is_some_and(|p| p.synced)
+    }
+
+    /// Whether `peer` expired (or left) and has not been heard from since; its events are then
+    /// not applied to the index (see [`follow`](Self::follow)).
+    pub fn is_departed(&self, peer: InstanceId) -> bool {
+        self.inner.departed.lock().contains(&peer)
+    }
+
+    /// Keeps the index up to date from `events` (a subscription of the event bus) until
+    /// `cancel`, skipping events of departed peers (counted in
+    /// [`PresenceStats::ignored_batches`]). A lagging subscriber skips what it missed (the
+    /// next resync restores it).
+    ///
+    /// # Errors
+    /// [`EngineError::ShutDown`] after shutdown.
+    pub fn follow(
+        &self,
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        mut events: tokio::sync::broadcast::Receiver<crate::pubsub::EventMessage>,
+    ) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                let m = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = events.recv() => m,
+                };
+                match m {
+                    Ok(m) => {
+                        if inner.departed.lock().contains(&m.instance) {
+                            inner.counters.ignored.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            inner.index.apply(&m);
+                        }
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "cross-instance index lagged; resyncing");
+                        for p in inner.table.lock().values_mut() {
+                            p.synced = false;
+                        }
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> PresenceStats {
+        let c = &self.inner.counters;
+        PresenceStats {
+            heartbeats_sent: c.heartbeats_sent.load(Ordering::Relaxed),
+            heartbeats_received: c.heartbeats_received.load(Ordering::Relaxed),
+            rejected: c.rejected.load(Ordering::Relaxed),
+            expired: c.expired.load(Ordering::Relaxed),
+            resyncs: c.resyncs.load(Ordering::Relaxed),
+            resync_failed: c.resync_failed.load(Ordering::Relaxed),
+            snapshots_served: c.snapshots_served.load(Ordering::Relaxed),
+            ignored_batches: c.ignored.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Tells peers this instance is leaving (they drop it at once instead of after the
+    /// timeout). Best effort: waits at most the request timeout.
+    pub async fn depart(&self) {
+        let subject = heartbeat_subject(&self.inner.prefix);
+        let t = self.inner.config.request_timeout;
+        let payload = self.heartbeat(true);
+        let _ = tokio::time::timeout(t, async {
+            let _ = self.inner.client.publish(subject, payload).await;
+            let _ = self.inner.client.flush().await;
+        })
+        .await;
+    }
+}
+
+impl Inner {
+    fn expire(&self, peers: &[InstanceId]) {
+        if peers.is_empty() {
+            return;
+        }
+        let removed: Vec<InstanceId> = {
+            let mut table = self.table.lock();
+            peers
+                .iter()
+                .filter(|p| table.remove(p).is_some())
+                .copied()
+                .collect()
+        };
+        // Events still in flight from them are ignored from now on (until they are heard
+        // again, and then resynced), so they cannot re-enter the index.
+        self.departed.lock().extend(peers.iter().copied());
+        for p in peers {
+            // Drop index entries even of a peer only known from events.
+            self.index.remove_instance(*p);
+        }
+        for p in &removed {
+            self.directory.remove(*p);
+            self.counters.expired.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(peer = %p, "peer expired from the index and directory");
+        }
+    }
+
+    async fn fetch_snapshot(&self, peer: InstanceId) -> Result<Vec<(SequenceHash, TierId)>> {
+        let subject = snapshot_subject(&self.prefix, peer);
+        let fail = |m: String| EngineError::Snapshot {
+            peer: peer.to_string(),
+            message: m,
+        };
+        let mut out = Vec::new();
+        let mut offset = 0;
+        loop {
+            let req = SnapshotRequest {
+                version: PRESENCE_WIRE_VERSION,
+                offset,
+            };
+            let payload = serde_json::to_vec(&req).expect("requests serialize");
+            let answer = tokio::time::timeout(
+                self.config.request_timeout,
+                self.client.request(subject.clone(), payload.into()),
+            )
+            .await
+            .map_err(|_| fail(format!("no answer in {:?}", self.config.request_timeout)))?
+            .map_err(|e| fail(e.to_string()))?;
+            let page: SnapshotPage =
+                serde_json::from_slice(&answer.payload).map_err(|e| fail(e.to_string()))?;
+            if page.version != PRESENCE_WIRE_VERSION || page.instance != peer {
+                return Err(fail(format!(
+                    "answer of version {} from {} refused",
+                    page.version, page.instance
+                )));
+            }
+            out.extend(page.entries);
+            match page.next {
+                Some(n) if n > offset => offset = n,
+                Some(_) => return Err(fail("snapshot page does not advance".into())),
+                None => return Ok(out),
+            }
+        }
+    }
+}
