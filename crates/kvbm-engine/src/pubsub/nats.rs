@@ -27,8 +27,9 @@
 //! the subject; batches published while the server is away are either buffered by the client
 //! and sent after the reconnect or dropped and counted. The index is a hint, never proof, so a
 //! lost batch costs a missed remote match (or a stale one, which the puller must verify), not
-//! correctness. There is no snapshot resync after a reconnect: a block stored while events
-//! were lost is learnt again only from its next event.
+//! correctness. The bus itself does not resync after a reconnect; an
+//! [`Instance`](crate::instance::Instance) does, by snapshot
+//! ([`instance::presence`](crate::instance::presence)).
 //!
 //! # Wire
 //!
