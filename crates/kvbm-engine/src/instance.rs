@@ -248,8 +248,9 @@ impl InstanceBuilder {
             Duration::from_millis(config.transport.heartbeat_interval_ms.clamp(10, 1000)),
         )
         .await?;
-        let bus = NatsBus::start(
+        let bus = NatsBus::start_until(
             &rt,
+            cancel.clone(),
             client.clone(),
             config.events.subject.clone(),
             config.events.channel_capacity,
@@ -261,7 +262,12 @@ impl InstanceBuilder {
         let events = crate::pubsub::EventBus::subscribe(&*bus);
         let own = Arc::new(CrossInstanceIndex::new());
         let publisher = if config.events.enabled {
-            Some(EventPublisher::spawn(&rt, id, bus.clone())?)
+            Some(EventPublisher::spawn_until(
+                &rt,
+                cancel.clone(),
+                id,
+                bus.clone(),
+            )?)
         } else {
             None
         };
@@ -431,8 +437,9 @@ struct G4Side {
     pipeline: ObjectPipeline,
 }
 
-/// One kvbm instance: see the [module docs](self). Dropping it stops its tasks (peers then
-/// expire it after their heartbeat timeout); [`shutdown`](Self::shutdown) also tells them.
+/// One kvbm instance: see the [module docs](self). Dropping it stops its tasks (event
+/// forwarding, NATS bus, presence, data plane; peers then expire it after their heartbeat
+/// timeout); [`shutdown`](Self::shutdown) also tells them first. The runtime keeps running.
 pub struct Instance {
     id: InstanceId,
     runtime: RuntimeHandle,
@@ -713,6 +720,8 @@ impl Instance {
                     self.counters
                         .refused
                         .fetch_add(f.failed_blocks as u64, Ordering::Relaxed);
+                    metrics::counter!("kvbm_engine_refused_blocks_total")
+                        .increment(f.failed_blocks as u64);
                     out.refused = Some((f.failed_blocks, f.message));
                     Ok(())
                 }

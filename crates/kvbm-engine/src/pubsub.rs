@@ -123,9 +123,22 @@ impl EventPublisher {
         instance: InstanceId,
         bus: Arc<dyn EventBus>,
     ) -> crate::Result<Arc<Self>> {
+        Self::spawn_until(runtime, runtime.shutdown_token(), instance, bus)
+    }
+
+    /// As [`spawn`](Self::spawn), the forward task ending when `cancel` is cancelled (after
+    /// forwarding what is already queued).
+    ///
+    /// # Errors
+    /// As [`spawn`](Self::spawn).
+    pub fn spawn_until(
+        runtime: &RuntimeHandle,
+        cancel: tokio_util::sync::CancellationToken,
+        instance: InstanceId,
+        bus: Arc<dyn EventBus>,
+    ) -> crate::Result<Arc<Self>> {
         let (publisher, mut rx) =
             Self::with_queue(instance, runtime.config().events.channel_capacity);
-        let cancel = runtime.shutdown_token();
         runtime.spawn(async move {
             loop {
                 tokio::select! {

@@ -38,6 +38,10 @@
 //! late event cannot put a dead peer back into the index. A subscriber that lagged behind the
 //! bus marks every peer for resync.
 //!
+//! Metrics: `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
+//! `kvbm_engine_index_resync_failures_total`, `kvbm_engine_departed_event_batches_ignored_total`,
+//! `kvbm_engine_presence_messages_rejected_total` (and the same counts in [`PresenceStats`]).
+//!
 //! # Locks
 //!
 //! Two `parking_lot` mutexes, the peer table and the departed set, each taken alone (never one
@@ -45,7 +49,7 @@
 //! `.await`; the index's and the directory's mutexes are never taken while either is held
 //! (work is collected under the lock, done after it is released).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,6 +71,9 @@ use crate::transport::PeerInfo;
 
 /// Version of the heartbeat and snapshot messages.
 pub const PRESENCE_WIRE_VERSION: u32 = 1;
+
+/// A departed peer is remembered (its late events ignored) for this many heartbeat timeouts.
+pub const DEPARTED_HORIZON: u32 = 60;
 
 /// Most entries in one snapshot answer.
 pub const SNAPSHOT_PAGE: usize = 4096;
@@ -170,7 +177,7 @@ struct Inner {
     directory: Arc<PeerDirectory>,
     table: Mutex<HashMap<InstanceId, PeerState>>,
     /// Peers expired and not heard from since: their events are ignored until they are.
-    departed: Mutex<HashSet<InstanceId>>,
+    departed: Mutex<HashMap<InstanceId, Instant>>,
     epoch: watch::Receiver<u64>,
     counters: Counters,
 }
@@ -249,7 +256,7 @@ impl Presence {
             own,
             directory,
             table: Mutex::new(HashMap::new()),
-            departed: Mutex::new(HashSet::new()),
+            departed: Mutex::new(HashMap::new()),
             epoch,
             counters: Counters::default(),
         });
@@ -318,7 +325,7 @@ impl Presence {
                 let hb = match serde_json::from_slice::<Heartbeat>(&message.payload) {
                     Ok(hb) if hb.version == PRESENCE_WIRE_VERSION => hb,
                     Ok(_) | Err(_) => {
-                        inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        inner.reject();
                         continue;
                     }
                 };
@@ -340,7 +347,7 @@ impl Presence {
                     .as_deref()
                     .and_then(|a| a.parse::<SocketAddr>().ok())
                 else {
-                    inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    inner.reject();
                     continue;
                 };
                 inner.departed.lock().remove(&id);
@@ -380,13 +387,13 @@ impl Presence {
                     m = sub.next() => match m { Some(m) => m, None => return },
                 };
                 let Some(reply) = message.reply else {
-                    inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    inner.reject();
                     continue;
                 };
                 let offset = match serde_json::from_slice::<SnapshotRequest>(&message.payload) {
                     Ok(r) if r.version == PRESENCE_WIRE_VERSION => r.offset,
                     _ => {
-                        inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        inner.reject();
                         continue;
                     }
                 };
@@ -466,11 +473,14 @@ impl Presence {
                                 drop(table);
                                 inner.index.replace_instance(peer, &entries);
                                 inner.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                                metrics::counter!("kvbm_engine_index_resyncs_total").increment(1);
                             }
                         }
                         Err(e) => {
                             tracing::debug!(%peer, error = %e, "snapshot failed; retried next tick");
                             inner.counters.resync_failed.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvbm_engine_index_resync_failures_total")
+                                .increment(1);
                         }
                     }
                 }
@@ -499,7 +509,7 @@ impl Presence {
     /// Whether `peer` expired (or left) and has not been heard from since; its events are then
     /// not applied to the index (see [`follow`](Self::follow)).
     pub fn is_departed(&self, peer: InstanceId) -> bool {
-        self.inner.departed.lock().contains(&peer)
+        self.inner.departed.lock().contains_key(&peer)
     }
 
     /// Keeps the index up to date from `events` (a subscription of the event bus) until
@@ -525,8 +535,10 @@ impl Presence {
                 };
                 match m {
                     Ok(m) => {
-                        if inner.departed.lock().contains(&m.instance) {
+                        if inner.departed.lock().contains_key(&m.instance) {
                             inner.counters.ignored.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvbm_engine_departed_event_batches_ignored_total")
+                                .increment(1);
                         } else {
                             inner.index.apply(&m);
                         }
@@ -574,6 +586,11 @@ impl Presence {
 }
 
 impl Inner {
+    fn reject(&self) {
+        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("kvbm_engine_presence_messages_rejected_total").increment(1);
+    }
+
     fn expire(&self, peers: &[InstanceId]) {
         if peers.is_empty() {
             return;
@@ -588,7 +605,15 @@ impl Inner {
         };
         // Events still in flight from them are ignored from now on (until they are heard
         // again, and then resynced), so they cannot re-enter the index.
-        self.departed.lock().extend(peers.iter().copied());
+        let now = Instant::now();
+        {
+            let mut departed = self.departed.lock();
+            // Bounded: entries older than DEPARTED_HORIZON timeouts are forgotten (no event of
+            // theirs can still be in flight).
+            let horizon = self.config.timeout * DEPARTED_HORIZON;
+            departed.retain(|_, at| now.duration_since(*at) < horizon);
+            departed.extend(peers.iter().map(|p| (*p, now)));
+        }
         for p in peers {
             // Drop index entries even of a peer only known from events.
             self.index.remove_instance(*p);
@@ -596,6 +621,7 @@ impl Inner {
         for p in &removed {
             self.directory.remove(*p);
             self.counters.expired.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvbm_engine_peers_expired_total").increment(1);
             tracing::info!(peer = %p, "peer expired from the index and directory");
         }
     }
