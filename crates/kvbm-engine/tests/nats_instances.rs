@@ -192,6 +192,58 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     rt_b.shutdown();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_refuses_a_config_it_cannot_run_naming_the_key() {
+    // Checked before anything connects: no servers needed. (G3 without a disk and G4 without
+    // S3 are refused by the configuration's own validation.)
+    let rt = |sets: &[(&str, serde_json::Value)]| {
+        let mut b = KvbmRuntime::builder()
+            .tokio_handle(tokio::runtime::Handle::current())
+            .set("tiers.g1_blocks", 8)
+            .set("transport.nats_url", "nats://127.0.0.1:1");
+        for (k, v) in sets {
+            b = b.set(*k, v.clone());
+        }
+        b.build().unwrap()
+    };
+    let key = |r: kvbm_engine::Result<Instance>| match r {
+        Err(e) => e.config_key().map(str::to_string),
+        Ok(_) => panic!("must fail"),
+    };
+    let geometry = common::geometry_with(32);
+    let r = rt(&[]);
+    assert_eq!(
+        key(Instance::builder(&r.handle()).build().await).as_deref(),
+        Some("instance.geometry")
+    );
+    for (sets, want) in [
+        (vec![("tiers.g1_blocks", 0.into())], "tiers.g1_blocks"),
+        (vec![("tiers.g2_blocks", 0.into())], "tiers.g2_blocks"),
+    ] {
+        let r = rt(&sets);
+        let got = key(Instance::builder(&r.handle())
+            .geometry(geometry)
+            .build()
+            .await);
+        assert_eq!(got.as_deref(), Some(want));
+        r.shutdown();
+    }
+    // No NATS url at all.
+    let r = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("tiers.g1_blocks", 8)
+        .build()
+        .unwrap();
+    assert_eq!(
+        key(Instance::builder(&r.handle())
+            .geometry(geometry)
+            .build()
+            .await)
+        .as_deref(),
+        Some("transport.nats_url")
+    );
+}
+
 /// A `nats-server` this test owns, on a fixed port so it can be restarted at the same address.
 struct OwnServer {
     port: u16,
