@@ -5,8 +5,9 @@
 //! * A computes and offloads a prefix to G4; B learns of it from A's events, finds it,
 //!   onboards it and verifies the bytes; B pulls a G2-resident prefix from A over the TCP data
 //!   plane, bytes verified;
-//! * B never serves a block whose checksum fails: a damaged object in the bucket and damaged
-//!   frames on A's data plane are refused, counted, and B recomputes those blocks;
+//! * B never serves a block whose checksum or identity fails: damaged frames on A's data
+//!   plane, a damaged object and an object of another block in the bucket are refused,
+//!   counted, and B recomputes those blocks;
 //! * A killed (SIGKILL): B drops A from its peers and index after the heartbeat timeout, no
 //!   longer finds A's G2-only blocks, and still serves A's offloaded prefix from G4.
 //!
@@ -239,7 +240,7 @@ fn b_onboards_what_a_offloaded_to_g4_and_pulls_a_g2_prefix_over_tcp() {
 }
 
 #[test]
-fn b_never_serves_a_block_that_fails_its_checksum_it_refuses_counts_and_recomputes() {
+fn b_never_serves_a_block_that_fails_its_checksum_or_identity_it_refuses_counts_and_recomputes() {
     let Some(s) = setup("instances_corrupt") else {
         return;
     };
@@ -301,8 +302,31 @@ fn b_never_serves_a_block_that_fails_its_checksum_it_refuses_counts_and_recomput
     assert_eq!(f["recomputed"], "1", "{f:?}");
     assert_eq!(f["verified_blocks"], "2", "{f:?}");
     assert_eq!(f["mismatched"], "0", "{f:?}");
+
+    // An object with a valid checksum but another block's identity (block 0's object stored
+    // under block 1's key): refused, counted, recomputed.
+    assert_eq!(a.num("compute 7 2", "computed"), 2);
+    assert_eq!(a.num("offload 7 2", "offloaded"), 2);
+    let hashes = prefix(7, 2);
+    rt.block_on(async {
+        let from = storage.path(&object_key(hashes[0]));
+        let to = storage.path(&object_key(hashes[1]));
+        let body = raw.get(&from).await.unwrap().bytes().await.unwrap();
+        raw.put(&to, body.into()).await.unwrap();
+    });
+    eventually("B learns prefix 7 in G4", || {
+        b.cmd("index 7 2")["prefix"] == "a:2"
+    });
+    let f = b.cmd("fetch 7 2");
+    assert_eq!(f["g4"], "2", "{f:?}");
+    assert_eq!(f["refused"], "1", "{f:?}");
+    assert!(f["refused_why"].contains("identity"), "{f:?}");
+    assert_eq!(f["recomputed"], "1", "{f:?}");
+    assert_eq!(f["verified_blocks"], "2", "{f:?}");
+    assert_eq!(f["mismatched"], "0", "{f:?}");
     let st = b.cmd("stats");
-    assert_eq!(st["refused"], "5", "{st:?}");
+    assert_eq!(st["refused"], "6", "{st:?}");
+    assert_eq!(st["recomputed"], "6", "{st:?}");
 }
 
 #[test]
