@@ -75,7 +75,8 @@ pub const PRESENCE_WIRE_VERSION: u32 = 1;
 /// A departed peer is remembered (its late events ignored) for this many heartbeat timeouts.
 pub const DEPARTED_HORIZON: u32 = 60;
 
-/// Most entries in one snapshot answer.
+/// Most entries in one snapshot answer, by default: JSON of this many entries is far below
+/// NATS' default payload limit (1 MiB).
 pub const SNAPSHOT_PAGE: usize = 4096;
 
 #[derive(Serialize, Deserialize)]
@@ -112,6 +113,8 @@ pub struct PresenceConfig {
     pub timeout: Duration,
     /// Deadline of one snapshot request.
     pub request_timeout: Duration,
+    /// Most entries in one snapshot answer (at least 1). Default: [`SNAPSHOT_PAGE`].
+    pub snapshot_page: usize,
 }
 
 impl PresenceConfig {
@@ -122,6 +125,7 @@ impl PresenceConfig {
             interval: Duration::from_millis(t.heartbeat_interval_ms.max(1)),
             timeout: Duration::from_millis(t.heartbeat_timeout_ms.max(2)),
             request_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
+            snapshot_page: SNAPSHOT_PAGE,
         }
     }
 }
@@ -399,7 +403,7 @@ impl Presence {
                 };
                 let me = inner.this.worker.instance;
                 let all = inner.own.entries_of(me);
-                let end = (offset + SNAPSHOT_PAGE).min(all.len());
+                let end = (offset + inner.config.snapshot_page.max(1)).min(all.len());
                 let page = SnapshotPage {
                     version: PRESENCE_WIRE_VERSION,
                     instance: me,
@@ -664,3 +668,6 @@ impl Inner {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+//! The presence protocol over a real `nats-server`, without instances around it: a snapshot
+//! answered in several pages restores everything a peer stores, the peer's data-plane address
+//! reaches the directory, garbage on the heartbeat subject is skipped and counted, and a peer
+//! that falls silent (no departure message) expires from the index and the directory.
+
+use std::time::Instant;
+
+use kvbm_logical::{BlockEvent, BlockEventKind, Salt, TokenBlockSequence};
+
+use super::*;
+use crate::runtime::KvbmRuntime;
+use crate::transport::WorkerAddress;
+use crate::transport::nats::connect_observed;
+
+const A: InstanceId = InstanceId(0xa);
+const B: InstanceId = InstanceId(0xb);
+
+fn info(id: InstanceId, addr: &str) -> PeerInfo {
+    PeerInfo {
+        worker: WorkerAddress::new(id, 0),
+        tiers: vec![TierId::G2],
+        num_blocks: 16,
+        block_bytes: 4096,
+        data_plane: Some(addr.to_string()),
+    }
+}
+
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(15) {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(f(), "timed out waiting for: {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
+    let Some(nats) = kvbm_tests::services::nats("presence_pages") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.presence.{}", std::process::id());
+    let config = PresenceConfig {
+        interval: Duration::from_millis(30),
+        timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_secs(2),
+        snapshot_page: 3,
+    };
+    let hashes = TokenBlockSequence::from_tokens(&(0..40).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let own_a = Arc::new(CrossInstanceIndex::new());
+    let events: Vec<BlockEvent> = hashes
+        .iter()
+        .map(|h| BlockEvent {
+            kind: BlockEventKind::Stored,
+            tier: TierId::G2,
+            hash: *h,
+        })
+        .collect();
+    own_a.apply_events(A, &events);
+    assert_eq!(own_a.entries_of(A).len(), 10);
+
+    let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let (cb, eb) = connect_observed(&nats.url, "b", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let stop_a = CancellationToken::new();
+    let a = Presence::start(
+        &rt,
+        stop_a.clone(),
+        ca.clone(),
+        ea,
+        &subject,
+        config,
+        info(A, "127.0.0.1:7001"),
+        Arc::new(CrossInstanceIndex::new()),
+        own_a.clone(),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    let (index_b, dir_b) = (
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+    );
+    let b = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        cb,
+        eb,
+        &subject,
+        config,
+        info(B, "127.0.0.1:7002"),
+        index_b.clone(),
+        Arc::new(CrossInstanceIndex::new()),
+        dir_b.clone(),
+    )
+    .await
+    .unwrap();
+
+    eventually("B synced A", || b.is_synced(A)).await;
+    assert_eq!(index_b.entries_of(A), own_a.entries_of(A));
+    // 10 entries in pages of 3: 4 answers.
+    assert_eq!(a.stats().snapshots_served, 4);
+    assert_eq!(b.stats().resyncs, 1);
+    assert_eq!(dir_b.get(A), Some("127.0.0.1:7001".parse().unwrap()));
+    assert_eq!(b.peer(A).unwrap().worker.instance, A);
+
+    // Garbage and another version on the heartbeat subject are skipped and counted.
+    ca.publish(format!("{subject}.peers"), "garbage".into())
+        .await
+        .unwrap();
+    let other_version = Heartbeat {
+        version: 99,
+        peer: info(InstanceId(0xc), "127.0.0.1:7003"),
+        epoch: 1,
+        departing: false,
+    };
+    ca.publish(
+        format!("{subject}.peers"),
+        serde_json::to_vec(&other_version).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    eventually("B rejected both", || b.stats().rejected == 2).await;
+    assert_eq!(b.live_peers(), vec![A]);
+
+    // A falls silent without a departure message: B expires it after the timeout.
+    stop_a.cancel();
+    eventually("B expires A", || {
+        b.live_peers().is_empty() && index_b.is_empty() && dir_b.get(A).is_none()
+    })
+    .await;
+    assert!(b.is_departed(A));
+    assert_eq!(b.stats().expired, 1);
+    runtime.shutdown();
+}
