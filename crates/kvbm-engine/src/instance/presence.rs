@@ -33,6 +33,10 @@
 //! payload limit. Heartbeats and answers are published from their own tasks; nothing on the
 //! data path waits for them.
 //!
+//! A snapshot may be older than events that arrive while it is fetched: those events are
+//! logged (at most [`FETCH_LOG_CAP`] batches; beyond, the peer is resynced again) and replayed
+//! over the snapshot in one step with it, so neither an event nor the snapshot undoes the other.
+//!
 //! A peer that expired (or said it leaves) is *departed*: its event batches still in flight are
 //! ignored (counted) until it is heard from again, when it is resynced like a new peer; so a
 //! late event cannot put a dead peer back into the index. A subscriber that lagged behind the
@@ -44,10 +48,11 @@
 //!
 //! # Locks
 //!
-//! Two `parking_lot` mutexes, the peer table and the departed set, each taken alone (never one
-//! while holding the other), only inside this module's functions and never across an
-//! `.await`; the index's and the directory's mutexes are never taken while either is held
-//! (work is collected under the lock, done after it is released).
+//! Three `parking_lot` mutexes: the peer table, the departed set and the fetch log. The table
+//! and the departed set are each taken alone. The fetch log is held while the index is
+//! updated from events or a snapshot (order: fetch log → index), never together with the
+//! table or the departed set. None is held across an `.await`; the directory's mutex is never
+//! taken while one is held.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -74,6 +79,9 @@ pub const PRESENCE_WIRE_VERSION: u32 = 1;
 
 /// A departed peer is remembered (its late events ignored) for this many heartbeat timeouts.
 pub const DEPARTED_HORIZON: u32 = 60;
+
+/// Most event batches of one peer kept while its snapshot is fetched (see the module docs).
+pub const FETCH_LOG_CAP: usize = 4096;
 
 /// Most entries in one snapshot answer, by default: JSON of this many entries is far below
 /// NATS' default payload limit (1 MiB).
@@ -182,6 +190,9 @@ struct Inner {
     table: Mutex<HashMap<InstanceId, PeerState>>,
     /// Peers expired and not heard from since: their events are ignored until they are.
     departed: Mutex<HashMap<InstanceId, Instant>>,
+    /// Events of peers whose snapshot is being fetched, to replay over the snapshot (`None`:
+    /// more than [`FETCH_LOG_CAP`] batches came meanwhile; the peer is resynced again).
+    during_fetch: Mutex<HashMap<InstanceId, Option<Vec<crate::pubsub::EventMessage>>>>,
     epoch: watch::Receiver<u64>,
     counters: Counters,
 }
@@ -261,6 +272,7 @@ impl Presence {
             directory,
             table: Mutex::new(HashMap::new()),
             departed: Mutex::new(HashMap::new()),
+            during_fetch: Mutex::new(HashMap::new()),
             epoch,
             counters: Counters::default(),
         });
@@ -464,23 +476,41 @@ impl Presence {
                     if stale.contains(&peer) {
                         continue;
                     }
+                    // From now on the peer's events are also logged, to be replayed over the
+                    // snapshot (which may be older than some of them).
+                    inner.during_fetch.lock().insert(peer, Some(Vec::new()));
                     let r = tokio::select! {
                         () = cancel.cancelled() => return,
                         r = inner.fetch_snapshot(peer) => r,
                     };
                     match r {
                         Ok(entries) => {
-                            // Still a peer (not expired meanwhile)? Then apply.
+                            let live = inner.table.lock().contains_key(&peer);
+                            let complete = {
+                                let mut log = inner.during_fetch.lock();
+                                match log.remove(&peer) {
+                                    // Still a peer (not expired meanwhile)? Then apply; under
+                                    // the log's lock, so no event is applied in between.
+                                    Some(Some(events)) if live => {
+                                        inner.index.replace_instance(peer, &entries);
+                                        for m in &events {
+                                            inner.index.apply(m);
+                                        }
+                                        true
+                                    }
+                                    _ => false,
+                                }
+                            };
                             let mut table = inner.table.lock();
-                            if let Some(p) = table.get_mut(&peer) {
+                            if let (Some(p), true) = (table.get_mut(&peer), complete) {
                                 p.synced = true;
                                 drop(table);
-                                inner.index.replace_instance(peer, &entries);
                                 inner.counters.resyncs.fetch_add(1, Ordering::Relaxed);
                                 metrics::counter!("kvbm_engine_index_resyncs_total").increment(1);
                             }
                         }
                         Err(e) => {
+                            inner.during_fetch.lock().remove(&peer);
                             tracing::debug!(%peer, error = %e, "snapshot failed; retried next tick");
                             inner.counters.resync_failed.fetch_add(1, Ordering::Relaxed);
                             metrics::counter!("kvbm_engine_index_resync_failures_total")
@@ -544,7 +574,18 @@ impl Presence {
                             metrics::counter!("kvbm_engine_departed_event_batches_ignored_total")
                                 .increment(1);
                         } else {
+                            // Applied and logged under the log's lock: a snapshot replacing
+                            // this peer's entries either sees this batch in its log or
+                            // happens before it is applied.
+                            let mut log = inner.during_fetch.lock();
                             inner.index.apply(&m);
+                            if let Some(slot) = log.get_mut(&m.instance) {
+                                match slot {
+                                    Some(v) if v.len() < FETCH_LOG_CAP => v.push(m),
+                                    Some(_) => *slot = None,
+                                    None => {}
+                                }
+                            }
                         }
                     }
                     Err(RecvError::Lagged(n)) => {

@@ -145,3 +145,104 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
     assert_eq!(b.stats().expired, 1);
     runtime.shutdown();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_snapshot() {
+    let Some(nats) = kvbm_tests::services::nats("presence_race") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.presence_race.{}", std::process::id());
+    let config = PresenceConfig {
+        interval: Duration::from_millis(30),
+        timeout: Duration::from_secs(5),
+        request_timeout: Duration::from_secs(5),
+        snapshot_page: SNAPSHOT_PAGE,
+    };
+    let hashes = TokenBlockSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let (x, y) = (hashes[0], hashes[1]);
+
+    // B, following events we hand it directly.
+    let (cb, eb) = connect_observed(&nats.url, "b", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    let b = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        cb,
+        eb,
+        &subject,
+        config,
+        info(B, "127.0.0.1:7002"),
+        index_b.clone(),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    let (events, rx) = tokio::sync::broadcast::channel(16);
+    b.follow(&rt, CancellationToken::new(), rx).unwrap();
+
+    // "A" by hand: heartbeats, and a snapshot answer that is older than an event B receives
+    // while it waits for the answer.
+    let ca = crate::transport::nats::connect(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let mut requests = ca.subscribe(snapshot_subject(&subject, A)).await.unwrap();
+    ca.flush().await.unwrap();
+    let hb = Heartbeat {
+        version: PRESENCE_WIRE_VERSION,
+        peer: info(A, "127.0.0.1:7001"),
+        epoch: 1,
+        departing: false,
+    };
+    ca.publish(
+        heartbeat_subject(&subject),
+        serde_json::to_vec(&hb).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    let request = tokio::time::timeout(Duration::from_secs(10), requests.next())
+        .await
+        .unwrap()
+        .unwrap();
+    events
+        .send(crate::pubsub::EventMessage {
+            instance: A,
+            events: vec![BlockEvent {
+                kind: BlockEventKind::Stored,
+                tier: TierId::G2,
+                hash: x,
+            }]
+            .into(),
+        })
+        .unwrap();
+    eventually("B applied the event", || {
+        index_b.locations(x) == vec![(A, TierId::G2)]
+    })
+    .await;
+    let page = SnapshotPage {
+        version: PRESENCE_WIRE_VERSION,
+        instance: A,
+        entries: vec![(y, TierId::G2)],
+        next: None,
+    };
+    ca.publish(
+        request.reply.unwrap(),
+        serde_json::to_vec(&page).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    eventually("B synced A", || b.is_synced(A)).await;
+    let mut want = vec![(x, TierId::G2), (y, TierId::G2)];
+    want.sort();
+    assert_eq!(index_b.entries_of(A), want);
+    runtime.shutdown();
+}
