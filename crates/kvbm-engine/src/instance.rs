@@ -353,8 +353,12 @@ impl InstanceBuilder {
         let g2_layout = tm.layout(g2_h)?;
         let g1_layout = tm.layout(g1_h)?;
         let server = {
-            let _guard = rt.tokio().enter();
-            DataPlaneServer::start(dp_config.clone(), id, g2.clone(), g2_layout.clone()).await?
+            // Started on the runtime's tokio (its tasks live there, whoever polls `build`).
+            let start =
+                DataPlaneServer::start(dp_config.clone(), id, g2.clone(), g2_layout.clone());
+            rt.spawn(start)?.await.map_err(|e| {
+                EngineError::data_plane(dp_config.bind.to_string(), format!("start task: {e}"))
+            })??
         };
         let peers = Arc::new(PeerDirectory::new());
         let client_dp = Arc::new(DataPlaneClient::new(
@@ -596,7 +600,7 @@ impl Instance {
     pub fn compute(
         &self,
         hashes: &[SequenceHash],
-        fill: &dyn Fn(SequenceHash, &mut [u8]),
+        fill: &(dyn Fn(SequenceHash, &mut [u8]) + Send + Sync),
     ) -> Result<usize> {
         let g2 = self
             .leader
@@ -769,7 +773,7 @@ impl Instance {
     pub async fn onboard_or_compute(
         &self,
         hashes: &[SequenceHash],
-        fill: &dyn Fn(SequenceHash, &mut [u8]),
+        fill: &(dyn Fn(SequenceHash, &mut [u8]) + Send + Sync),
     ) -> Result<(Onboarded, Option<Onboarded>)> {
         let first = self.onboard(hashes).await?;
         if first.refused.is_none() {
@@ -794,6 +798,17 @@ impl Instance {
             g4.pipeline.pipeline().shutdown();
         }
     }
+}
+
+/// Compile-time check: callers may spawn these futures.
+#[cfg(test)]
+fn _futures_are_send(b: InstanceBuilder, i: &Instance, h: &[SequenceHash]) {
+    fn send<T: Send>(_: T) {}
+    send(b.build());
+    send(i.onboard(h));
+    send(i.onboard_or_compute(h, &synthetic_block));
+    send(i.offload_g4(h));
+    send(i.shutdown());
 }
 
 impl Drop for Instance {
