@@ -242,6 +242,8 @@ impl InstanceBuilder {
         let id = self.id.unwrap_or_else(default_id);
 
         let cancel = rt.shutdown_token().child_token();
+        // Until the instance is built, an error stops whatever was started so far.
+        let started = cancel.clone().drop_guard();
         let (client, epoch) = crate::transport::nats::connect_observed(
             &url,
             &format!("kvbm-{id}"),
@@ -392,6 +394,7 @@ impl InstanceBuilder {
         )
         .await?;
         presence.follow(&rt, cancel.clone(), events)?;
+        started.disarm();
         Ok(Instance {
             id,
             runtime: rt,
