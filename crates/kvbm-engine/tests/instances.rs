@@ -207,7 +207,7 @@ fn b_onboards_what_a_offloaded_to_g4_and_pulls_a_g2_prefix_over_tcp() {
     assert_eq!(a.num("offload 1 8", "offloaded"), 8);
     assert_eq!(a.num("compute 2 6", "computed"), 6);
     eventually("B's index has both prefixes", || {
-        b.cmd("index 1 8")["prefix"] == "a:8" && b.cmd("index 2 6")["prefix"] == "a:6"
+        b.cmd("index 1 8")["g4"] == "8" && b.cmd("index 2 6")["g2"] == "6"
     });
 
     // Prefix 1 from the shared bucket, learnt from A's G4 events.
@@ -292,7 +292,7 @@ fn b_never_serves_a_block_that_fails_its_checksum_or_identity_it_refuses_counts_
         raw.put(&path, body.into()).await.unwrap();
     });
     eventually("B learns prefix 4 in G4", || {
-        b.cmd("index 4 2")["prefix"] == "a:2"
+        b.cmd("index 4 2")["g4"] == "2"
     });
     let f = b.cmd("fetch 4 2");
     assert_eq!(f["g4"], "2", "{f:?}");
@@ -315,7 +315,7 @@ fn b_never_serves_a_block_that_fails_its_checksum_or_identity_it_refuses_counts_
         raw.put(&to, body.into()).await.unwrap();
     });
     eventually("B learns prefix 7 in G4", || {
-        b.cmd("index 7 2")["prefix"] == "a:2"
+        b.cmd("index 7 2")["g4"] == "2"
     });
     let f = b.cmd("fetch 7 2");
     assert_eq!(f["g4"], "2", "{f:?}");
@@ -340,7 +340,7 @@ fn a_killed_is_dropped_after_the_heartbeat_timeout_and_b_still_serves_from_g4() 
     assert_eq!(a.num("offload 5 4", "offloaded"), 4);
     assert_eq!(a.num("compute 6 3", "computed"), 3);
     eventually("B learns both prefixes", || {
-        b.cmd("index 5 4")["prefix"] == "a:4" && b.cmd("index 6 3")["prefix"] == "a:3"
+        b.cmd("index 5 4")["g4"] == "4" && b.cmd("index 6 3")["g2"] == "3"
     });
     a.kill();
     eventually("B drops A", || {

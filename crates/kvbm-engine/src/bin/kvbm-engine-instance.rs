@@ -23,7 +23,7 @@
 //! | `compute SEED N` | writes the prefix into G2 | `computed=` |
 //! | `offload SEED N` | G2 → shared G4 | `offloaded=` |
 //! | `fetch SEED N` | onboards (local, G4, peers' G2); on a refusal recomputes and onboards again; verifies every G1 block's bytes | `matched= g2= g3= g4= remote= remote_from= refused= recomputed= onboarded= verified_blocks= verified_bytes= mismatched=` |
-//! | `index SEED N` | what the cross-instance index says | `prefix=<hex>:<len>,...` |
+//! | `index SEED N` | what the cross-instance index says | `prefix=<hex>:<len>,... g2= g4=` (leading blocks another instance holds in that tier) |
 //! | `peers` | live peers and their data planes | `live=<hex>@addr,...` |
 //! | `corrupt-served N` | (feature `testing`) the next N served frames are damaged | `corrupt=N` |
 //! | `stats` | instance and presence counters | |
@@ -175,7 +175,23 @@ async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String
                 .into_iter()
                 .map(|(i, n)| format!("{:x}:{n}", i.0))
                 .collect();
-            Ok(format!("prefix={}", p.join(",")))
+            // Leading hashes some other instance is said to hold in G2 / in G4.
+            let run = |tier: kvbm_logical::TierId| {
+                hs.iter()
+                    .take_while(|h| {
+                        inst.index()
+                            .locations(**h)
+                            .iter()
+                            .any(|(i, t)| *i != inst.id() && *t == tier)
+                    })
+                    .count()
+            };
+            Ok(format!(
+                "prefix={} g2={} g4={}",
+                p.join(","),
+                run(kvbm_logical::TierId::G2),
+                run(kvbm_logical::TierId::G4)
+            ))
         }
         "peers" => {
             let live: Vec<String> = inst
