@@ -167,7 +167,10 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
         (s.g4_blocks, s.remote_g2_blocks, s.refused_blocks),
         (6, 4, 0)
     );
-    assert_eq!(a.data_plane().stats().blocks_served(), 4);
+    eventually("A counted 4 served", || {
+        a.data_plane().stats().blocks_served() == 4
+    })
+    .await;
 
     // A offloads P3 and leaves; B drops A from its index and directory ...
     assert_eq!(a.compute(&p3, &synthetic_block).unwrap(), 3);
