@@ -672,6 +672,21 @@ impl Instance {
         Ok(n)
     }
 
+    /// Where the longest prefix of `hashes` is, here or elsewhere, without moving anything
+    /// ([`Onboarded`] with no blocks; no G4 presence check). Other instances' shared-G4 blocks
+    /// found through the index are recorded in this instance's G4 as a side effect (as any
+    /// search does).
+    pub fn lookup(&self, hashes: &[SequenceHash]) -> Onboarded {
+        let matched = self.leader.find_matches(hashes);
+        Onboarded {
+            local_g2: matched.count(TierId::G2),
+            local_g3: matched.count(TierId::G3),
+            g4: matched.count(TierId::G4),
+            remote_g2: matched.remote().map(|r| (r.instance, r.hashes.len())),
+            ..Onboarded::default()
+        }
+    }
+
     /// Finds the longest prefix of `hashes` here or elsewhere, stages and pulls it, and
     /// onboards it to G1 (see the [module docs](self)). A verification failure is not an
     /// error: [`Onboarded::refused`] says how many blocks failed and why, and nothing of them

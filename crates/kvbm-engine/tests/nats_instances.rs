@@ -157,6 +157,14 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     );
     verified(&b, &p1, &got);
     drop(got);
+    // A lookup moves nothing: P1 is now in B's G2, P2 in A's G2.
+    let l = b.lookup(&[p1.clone(), p2.clone()].concat());
+    assert_eq!(
+        (l.local_g2, l.g4, l.remote_g2),
+        (6, 0, Some((A, 4))),
+        "{l:?}"
+    );
+    assert!(l.blocks.is_empty());
     // P2 pulled from A's G2 over TCP, bytes verified.
     let got = b.onboard(&p2).await.unwrap();
     assert_eq!(got.remote_g2, Some((A, 4)), "{got:?}");
