@@ -29,7 +29,9 @@
 //! (what moves is verified by its reader), so a snapshot racing an event costs at most a stale or
 //! missed entry until the next resync or event.
 //!
-//! Snapshot answers are pages of at most [`SNAPSHOT_PAGE`] entries, each far below NATS' default
+//! The pages of one fetch are cut from one copy of the set taken at its first page (at most
+//! [`SNAPSHOT_COPIES`] copies kept, each for 4 request timeouts; a fetch whose copy is gone
+//! fails and is retried). Snapshot answers are pages of at most [`SNAPSHOT_PAGE`] entries, each far below NATS' default
 //! payload limit. Heartbeats and answers are published from their own tasks; nothing on the
 //! data path waits for them.
 //!
@@ -80,6 +82,9 @@ pub const PRESENCE_WIRE_VERSION: u32 = 1;
 /// A departed peer is remembered (its late events ignored) for this many heartbeat timeouts.
 pub const DEPARTED_HORIZON: u32 = 60;
 
+/// Point-in-time copies a snapshot answerer keeps for fetches in progress (oldest dropped).
+pub const SNAPSHOT_COPIES: usize = 16;
+
 /// Most event batches of one peer kept while its snapshot is fetched (see the module docs).
 pub const FETCH_LOG_CAP: usize = 4096;
 
@@ -100,6 +105,8 @@ struct Heartbeat {
 #[serde(deny_unknown_fields)]
 struct SnapshotRequest {
     version: u32,
+    /// One fetch's pages share a series: they are cut from one point-in-time copy.
+    series: u64,
     offset: usize,
 }
 
@@ -194,6 +201,7 @@ struct Inner {
     /// more than [`FETCH_LOG_CAP`] batches came meanwhile; the peer is resynced again).
     during_fetch: Mutex<HashMap<InstanceId, Option<Vec<crate::pubsub::EventMessage>>>>,
     epoch: watch::Receiver<u64>,
+    series: AtomicU64,
     counters: Counters,
 }
 
@@ -274,6 +282,7 @@ impl Presence {
             departed: Mutex::new(HashMap::new()),
             during_fetch: Mutex::new(HashMap::new()),
             epoch,
+            series: AtomicU64::new(0),
             counters: Counters::default(),
         });
         let presence = Self { inner };
@@ -397,6 +406,8 @@ impl Presence {
     ) -> Result<()> {
         let inner = self.inner.clone();
         runtime.spawn(async move {
+            let mut copies: std::collections::VecDeque<(u64, Instant, Arc<Vec<_>>)> =
+                std::collections::VecDeque::with_capacity(SNAPSHOT_COPIES);
             loop {
                 let message = tokio::select! {
                     () = cancel.cancelled() => return,
@@ -406,21 +417,51 @@ impl Presence {
                     inner.reject();
                     continue;
                 };
-                let offset = match serde_json::from_slice::<SnapshotRequest>(&message.payload) {
-                    Ok(r) if r.version == PRESENCE_WIRE_VERSION => r.offset,
-                    _ => {
-                        inner.reject();
-                        continue;
-                    }
-                };
+                let (series, offset) =
+                    match serde_json::from_slice::<SnapshotRequest>(&message.payload) {
+                        Ok(r) if r.version == PRESENCE_WIRE_VERSION => (r.series, r.offset),
+                        _ => {
+                            inner.reject();
+                            continue;
+                        }
+                    };
                 let me = inner.this.worker.instance;
-                let all = inner.own.entries_of(me);
-                let end = (offset + inner.config.snapshot_page.max(1)).min(all.len());
-                let page = SnapshotPage {
-                    version: PRESENCE_WIRE_VERSION,
-                    instance: me,
-                    entries: all.get(offset..end).map(<[_]>::to_vec).unwrap_or_default(),
-                    next: (end < all.len()).then_some(end),
+                // The first page copies the set once; later pages of the series are cut from
+                // that copy (so a block removed meanwhile cannot shift another out of reach).
+                let now = Instant::now();
+                let keep = inner.config.request_timeout * 4;
+                copies.retain(|(_, at, _)| now.duration_since(*at) < keep);
+                let all = if offset == 0 {
+                    let all = Arc::new(inner.own.entries_of(me));
+                    copies.retain(|(s, _, _)| *s != series);
+                    if copies.len() == SNAPSHOT_COPIES {
+                        copies.pop_front();
+                    }
+                    copies.push_back((series, now, all.clone()));
+                    Some(all)
+                } else {
+                    copies
+                        .iter()
+                        .find(|(s, _, _)| *s == series)
+                        .map(|(_, _, a)| a.clone())
+                };
+                let page = match all {
+                    Some(all) => {
+                        let end = (offset + inner.config.snapshot_page.max(1)).min(all.len());
+                        SnapshotPage {
+                            version: PRESENCE_WIRE_VERSION,
+                            instance: me,
+                            entries: all.get(offset..end).map(<[_]>::to_vec).unwrap_or_default(),
+                            next: (end < all.len()).then_some(end),
+                        }
+                    }
+                    // The copy is gone (too old, or pushed out): the requester starts over.
+                    None => SnapshotPage {
+                        version: PRESENCE_WIRE_VERSION,
+                        instance: me,
+                        entries: Vec::new(),
+                        next: Some(0),
+                    },
                 };
                 let payload = serde_json::to_vec(&page).expect("snapshots serialize");
                 match inner.client.publish(reply, payload.into()).await {
@@ -679,9 +720,14 @@ impl Inner {
         };
         let mut out = Vec::new();
         let mut offset = 0;
+        let n = self.series.fetch_add(1, Ordering::Relaxed);
+        let series = xxhash_rust::xxh3::xxh3_64(
+            &[self.this.worker.instance.0.to_le_bytes(), n.to_le_bytes()].concat(),
+        );
         loop {
             let req = SnapshotRequest {
                 version: PRESENCE_WIRE_VERSION,
+                series,
                 offset,
             };
             let payload = serde_json::to_vec(&req).expect("requests serialize");

@@ -110,11 +110,53 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
 
     eventually("B synced A", || b.is_synced(A)).await;
     assert_eq!(index_b.entries_of(A), own_a.entries_of(A));
-    // 10 entries in pages of 3: 4 answers.
+    // 10 entries in pages of 3: 4 answers, cut from one copy.
     assert_eq!(a.stats().snapshots_served, 4);
     assert_eq!(b.stats().resyncs, 1);
     assert_eq!(dir_b.get(A), Some("127.0.0.1:7001".parse().unwrap()));
     assert_eq!(b.peer(A).unwrap().worker.instance, A);
+
+    // Pages of one series come from one copy: removing blocks between pages shifts nothing.
+    let before = own_a.entries_of(A);
+    let ask = |series: u64, offset: usize| {
+        let cb = ca.clone();
+        let subject = snapshot_subject(&subject, A);
+        async move {
+            let req = SnapshotRequest {
+                version: PRESENCE_WIRE_VERSION,
+                series,
+                offset,
+            };
+            let answer = cb
+                .request(subject, serde_json::to_vec(&req).unwrap().into())
+                .await
+                .unwrap();
+            serde_json::from_slice::<SnapshotPage>(&answer.payload).unwrap()
+        }
+    };
+    let first = ask(7, 0).await;
+    assert_eq!(
+        (first.entries.as_slice(), first.next),
+        (&before[..3], Some(3))
+    );
+    let removed: Vec<BlockEvent> = before[..2]
+        .iter()
+        .map(|(h, t)| BlockEvent {
+            kind: BlockEventKind::Removed,
+            tier: *t,
+            hash: *h,
+        })
+        .collect();
+    own_a.apply_events(A, &removed);
+    let second = ask(7, 3).await;
+    assert_eq!(
+        (second.entries.as_slice(), second.next),
+        (&before[3..6], Some(6))
+    );
+    // A series the answerer has no copy of starts over (the fetch fails and is retried).
+    let unknown = ask(8, 3).await;
+    assert_eq!((unknown.entries.len(), unknown.next), (0, Some(0)));
+    own_a.apply_events(A, &events[..2]);
 
     // Garbage and another version on the heartbeat subject are skipped and counted.
     ca.publish(format!("{subject}.peers"), "garbage".into())
