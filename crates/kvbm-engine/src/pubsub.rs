@@ -269,6 +269,15 @@ impl CrossInstanceIndex {
         out
     }
 
+    /// How many (block, tier) locations `instance` is said to hold.
+    pub fn count_of(&self, instance: InstanceId) -> usize {
+        self.entries
+            .lock()
+            .values()
+            .map(|set| set.iter().filter(|(i, _)| *i == instance).count())
+            .sum()
+    }
+
     /// Forgets everything about `instance` (it left or expired); returns how many locations
     /// were dropped.
     pub fn remove_instance(&self, instance: InstanceId) -> usize {

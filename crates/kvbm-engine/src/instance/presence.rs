@@ -35,6 +35,12 @@
 //! payload limit. Heartbeats and answers are published from their own tasks; nothing on the
 //! data path waits for them.
 //!
+//! Heartbeats also carry how many locations the sender stores. Events dropped while both sides
+//! stay connected (a full outbox) change no epoch; they show as a difference between that
+//! count and what the index holds for the peer. Checked only once the count held still for
+//! [`DRIFT_REPEATS`] heartbeats (so events in flight are not mistaken for loss; a peer that
+//! never pauses is checked when it does), a difference resyncs the peer.
+//!
 //! A snapshot may be older than events that arrive while it is fetched: those events are
 //! logged (at most [`FETCH_LOG_CAP`] batches; beyond, the peer is resynced again) and replayed
 //! over the snapshot in one step with it, so neither an event nor the snapshot undoes the other.
@@ -44,7 +50,7 @@
 //! late event cannot put a dead peer back into the index. A subscriber that lagged behind the
 //! bus marks every peer for resync.
 //!
-//! Metrics: `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
+//! Metrics: `kvbm_engine_index_drift_detected_total`, `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
 //! `kvbm_engine_index_resync_failures_total`, `kvbm_engine_departed_event_batches_ignored_total`,
 //! `kvbm_engine_presence_messages_rejected_total` (and the same counts in [`PresenceStats`]).
 //!
@@ -82,6 +88,10 @@ pub const PRESENCE_WIRE_VERSION: u32 = 1;
 /// A departed peer is remembered (its late events ignored) for this many heartbeat timeouts.
 pub const DEPARTED_HORIZON: u32 = 60;
 
+/// Heartbeats in a row with the same stored count after which a difference from the index is
+/// taken as lost events (see the module docs).
+pub const DRIFT_REPEATS: u32 = 2;
+
 /// Point-in-time copies a snapshot answerer keeps for fetches in progress (oldest dropped).
 pub const SNAPSHOT_COPIES: usize = 16;
 
@@ -99,6 +109,8 @@ struct Heartbeat {
     peer: PeerInfo,
     epoch: u64,
     departing: bool,
+    /// How many (block, tier) locations the sender stores, per its own record.
+    stored: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -150,6 +162,9 @@ struct PeerState {
     last_seen: Instant,
     epoch: u64,
     synced: bool,
+    /// The `stored` of its last heartbeat, and how many heartbeats in a row said the same.
+    stored: u64,
+    stored_repeats: u32,
 }
 
 /// Counters of the presence protocol.
@@ -163,6 +178,7 @@ struct Counters {
     resync_failed: AtomicU64,
     snapshots_served: AtomicU64,
     ignored: AtomicU64,
+    drift: AtomicU64,
 }
 
 /// A copy of [`Presence`]'s counters.
@@ -184,6 +200,9 @@ pub struct PresenceStats {
     pub snapshots_served: u64,
     /// Event batches of departed peers not applied.
     pub ignored_batches: u64,
+    /// Times a quiet peer's stored count differed from the index (lost events) and it was
+    /// resynced.
+    pub drift_detected: u64,
 }
 
 struct Inner {
@@ -299,6 +318,7 @@ impl Presence {
             peer: self.inner.this.clone(),
             epoch: *self.inner.epoch.borrow(),
             departing,
+            stored: self.inner.own.count_of(self.inner.this.worker.instance) as u64,
         };
         serde_json::to_vec(&hb)
             .expect("heartbeats serialize")
@@ -383,8 +403,16 @@ impl Presence {
                         last_seen: Instant::now(),
                         epoch: hb.epoch,
                         synced: false,
+                        stored: hb.stored,
+                        stored_repeats: 0,
                     });
                     entry.last_seen = Instant::now();
+                    if entry.stored == hb.stored {
+                        entry.stored_repeats = entry.stored_repeats.saturating_add(1);
+                    } else {
+                        entry.stored = hb.stored;
+                        entry.stored_repeats = 0;
+                    }
                     if entry.epoch != hb.epoch {
                         // The peer's client was away: its events of that time may be lost.
                         entry.epoch = hb.epoch;
@@ -498,6 +526,25 @@ impl Presence {
                     }
                 }
                 let now = Instant::now();
+                // Drift: a synced peer whose stored count held still for DRIFT_REPEATS
+                // heartbeats (nothing in flight) but differs from what the index holds for it
+                // lost events while connected (a full outbox): resync it.
+                let quiet: Vec<(InstanceId, u64)> = inner
+                    .table
+                    .lock()
+                    .iter()
+                    .filter(|(_, p)| p.synced && p.stored_repeats >= DRIFT_REPEATS)
+                    .map(|(i, p)| (*i, p.stored))
+                    .collect();
+                for (peer, stored) in quiet {
+                    if inner.index.count_of(peer) as u64 != stored {
+                        if let Some(p) = inner.table.lock().get_mut(&peer) {
+                            p.synced = false;
+                        }
+                        inner.counters.drift.fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!("kvbm_engine_index_drift_detected_total").increment(1);
+                    }
+                }
                 let (stale, unsynced): (Vec<InstanceId>, Vec<InstanceId>) = {
                     let table = inner.table.lock();
                     let stale = table
@@ -654,6 +701,7 @@ impl Presence {
             resync_failed: c.resync_failed.load(Ordering::Relaxed),
             snapshots_served: c.snapshots_served.load(Ordering::Relaxed),
             ignored_batches: c.ignored.load(Ordering::Relaxed),
+            drift_detected: c.drift.load(Ordering::Relaxed),
         }
     }
 

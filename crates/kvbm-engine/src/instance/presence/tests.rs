@@ -167,6 +167,7 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
         peer: info(InstanceId(0xc), "127.0.0.1:7003"),
         epoch: 1,
         departing: false,
+        stored: 0,
     };
     ca.publish(
         format!("{subject}.peers"),
@@ -244,6 +245,7 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
         peer: info(A, "127.0.0.1:7001"),
         epoch: 1,
         departing: false,
+        stored: 1,
     };
     ca.publish(
         heartbeat_subject(&subject),
@@ -286,5 +288,79 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
     let mut want = vec![(x, TierId::G2), (y, TierId::G2)];
     want.sort();
     assert_eq!(index_b.entries_of(A), want);
+    runtime.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
+    let Some(nats) = kvbm_tests::services::nats("presence_drift") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.presence_drift.{}", std::process::id());
+    let config = PresenceConfig {
+        interval: Duration::from_millis(30),
+        timeout: Duration::from_secs(5),
+        request_timeout: Duration::from_secs(2),
+        snapshot_page: SNAPSHOT_PAGE,
+    };
+    let hashes = TokenBlockSequence::from_tokens(&(0..48).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let stored = |hs: &[SequenceHash], kind| -> Vec<BlockEvent> {
+        hs.iter()
+            .map(|h| BlockEvent {
+                kind,
+                tier: TierId::G2,
+                hash: *h,
+            })
+            .collect()
+    };
+    let own_a = Arc::new(CrossInstanceIndex::new());
+    own_a.apply_events(A, &stored(&hashes[..10], BlockEventKind::Stored));
+    let start = |name: &'static str, id, own: Arc<CrossInstanceIndex>, index| {
+        let rt = rt.clone();
+        let (url, subject) = (nats.url.clone(), subject.clone());
+        async move {
+            let (c, e) = connect_observed(&url, name, Duration::from_millis(50))
+                .await
+                .unwrap();
+            Presence::start(
+                &rt,
+                CancellationToken::new(),
+                c,
+                e,
+                &subject,
+                config,
+                info(id, "127.0.0.1:7001"),
+                index,
+                own,
+                Arc::new(PeerDirectory::new()),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let _a = start("a", A, own_a.clone(), Arc::new(CrossInstanceIndex::new())).await;
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    let b = start("b", B, Arc::new(CrossInstanceIndex::new()), index_b.clone()).await;
+    eventually("B synced A", || b.is_synced(A)).await;
+    assert_eq!(index_b.count_of(A), 10);
+    assert_eq!(b.stats().drift_detected, 0);
+
+    // Lost Stored events: A stores 2 blocks B never hears of; B's index also lost 3 of the
+    // blocks it knew (as if their events never came). No reconnect, no new epoch.
+    own_a.apply_events(A, &stored(&hashes[10..12], BlockEventKind::Stored));
+    index_b.apply_events(A, &stored(&hashes[..3], BlockEventKind::Removed));
+    eventually("B repaired its index", || {
+        index_b.entries_of(A) == own_a.entries_of(A)
+    })
+    .await;
+    assert!(b.stats().drift_detected >= 1);
+    assert!(b.stats().resyncs >= 2);
     runtime.shutdown();
 }
