@@ -56,6 +56,23 @@ pub enum EngineError {
     /// A G4 presence check failed.
     #[error("G4 presence check: {0}")]
     Presence(#[source] kvbm_offload::PolicyError),
+    /// A physical layout or storage could not be set up.
+    #[error(transparent)]
+    Physical(#[from] kvbm_physical::PhysicalError),
+    /// A mover or offload pipeline could not be set up or failed.
+    #[error(transparent)]
+    Offload(#[from] kvbm_offload::OffloadError),
+    /// An onboarding session call failed.
+    #[error(transparent)]
+    Session(#[from] crate::leader::SessionError),
+    /// A peer's snapshot request could not be answered or its answer read.
+    #[error("snapshot of {peer}: {message}")]
+    Snapshot {
+        /// The peer asked.
+        peer: String,
+        /// What went wrong.
+        message: String,
+    },
     /// The TCP block data plane could not serve or reach `peer`.
     #[error("data plane {peer}: {message}")]
     DataPlane {

@@ -11,6 +11,8 @@ pub mod collectives;
 pub mod config;
 pub mod dataplane;
 mod error;
+#[cfg(feature = "nats")]
+pub mod instance;
 pub mod leader;
 pub mod mover;
 pub mod pubsub;
