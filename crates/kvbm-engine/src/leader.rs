@@ -45,7 +45,8 @@ use kvbm_logical::{
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
 pub use remote::{RemoteRun, RemoteSearch};
 pub use session::{
-    FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
+    FinishOutcome, LayerwiseOnboard, OnboardingSession, Phase, SessionError, SessionFailure,
+    StagingMovers,
 };
 
 use crate::config::KvbmConfig;

@@ -11,6 +11,7 @@ pub mod collectives;
 pub mod config;
 pub mod dataplane;
 mod error;
+pub mod layout;
 pub mod leader;
 pub mod mover;
 pub mod pubsub;
@@ -22,5 +23,6 @@ pub mod worker;
 
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
+pub use layout::LogicalLayoutHandle;
 pub use leader::{BlockHolder, InstanceLeader, MatchedPrefix};
 pub use runtime::{EventSource, KvbmRuntime, KvbmRuntimeBuilder, Role, RuntimeHandle};
