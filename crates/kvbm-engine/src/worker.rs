@@ -297,6 +297,77 @@ impl SpmdParallelWorkers {
     }
 }
 
+impl SpmdParallelWorkers {
+    /// The ranks, in order.
+    pub fn workers(&self) -> &[Arc<PhysicalWorker>] {
+        &self.workers
+    }
+
+    /// Checks that every rank has tier `T` bound ([`PhysicalWorker::with_tier`]) to this very
+    /// `manager`, so every block id it hands out is a slot on every rank.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) naming the first
+    /// rank whose `T` tier is unbound or bound to another manager.
+    pub fn check_bound<T: Tier>(&self, manager: &Arc<BlockManager<T>>) -> crate::Result<()> {
+        for w in &self.workers {
+            match w.bound::<T>() {
+                Some(b) if Arc::ptr_eq(b.manager(), manager) => {}
+                Some(_) => {
+                    return Err(crate::EngineError::config(
+                        "workers",
+                        format!(
+                            "rank {}: its {} tier is bound to another block manager",
+                            w.rank(),
+                            T::ID
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(crate::EngineError::config(
+                        "workers",
+                        format!("rank {}: no bound {} tier", w.rank(), T::ID),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layers per block of tier `T` on every rank (from the ranks' layouts).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when a rank lacks
+    /// the tier or the ranks disagree.
+    pub fn num_layers<T: Tier>(&self) -> crate::Result<usize> {
+        let mut layers = None;
+        for w in &self.workers {
+            let n = w
+                .layout(T::ID)
+                .and_then(|h| w.transfer_manager().layout(h).ok())
+                .map(|l| l.layout().config().num_layers)
+                .ok_or_else(|| {
+                    crate::EngineError::config(
+                        "workers",
+                        format!("rank {}: no {} layout", w.rank(), T::ID),
+                    )
+                })?;
+            if *layers.get_or_insert(n) != n {
+                return Err(crate::EngineError::config(
+                    "workers",
+                    format!(
+                        "rank {}: {} blocks of {n} layers, rank 0 has {}",
+                        w.rank(),
+                        T::ID,
+                        layers.unwrap_or(0)
+                    ),
+                ));
+            }
+        }
+        layers.ok_or_else(|| crate::EngineError::config("workers", "no ranks"))
+    }
+}
+
 impl ParallelWorkers for SpmdParallelWorkers {
     fn world_size(&self) -> usize {
         self.workers.len()
@@ -334,6 +405,19 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             dst,
             _src: std::marker::PhantomData,
         }
+    }
+
+    /// As [`new`](Self::new) over in-process ranks whose `Dst` tier is bound to `dst` on
+    /// every rank (checked: [`SpmdParallelWorkers::check_bound`]).
+    ///
+    /// # Errors
+    /// As [`SpmdParallelWorkers::check_bound`].
+    pub fn bound(
+        workers: Arc<SpmdParallelWorkers>,
+        dst: Arc<BlockManager<Dst>>,
+    ) -> crate::Result<Self> {
+        workers.check_bound(&dst)?;
+        Ok(Self::new(workers, dst))
     }
 
     /// The manager destinations are allocated from.
@@ -430,6 +514,34 @@ impl<Src: Tier, Dst: Tier> SpmdLayerMover<Src, Dst> {
             num_layers,
             _src: std::marker::PhantomData,
         })
+    }
+}
+
+impl<Src: Tier, Dst: Tier> SpmdLayerMover<Src, Dst> {
+    /// Over in-process ranks whose `Dst` tier is bound to `dst` on every rank, with the
+    /// layer count read from the ranks' layouts (`Src` and `Dst` must agree).
+    ///
+    /// # Errors
+    /// As [`SpmdParallelWorkers::check_bound`] and [`SpmdParallelWorkers::num_layers`];
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `onboard.layerwise`) when the
+    /// two tiers' layer counts differ.
+    pub fn bound(
+        workers: Arc<SpmdParallelWorkers>,
+        dst: Arc<BlockManager<Dst>>,
+    ) -> crate::Result<Self> {
+        workers.check_bound(&dst)?;
+        let (src_layers, dst_layers) = (workers.num_layers::<Src>()?, workers.num_layers::<Dst>()?);
+        if src_layers != dst_layers {
+            return Err(crate::EngineError::config(
+                "onboard.layerwise",
+                format!(
+                    "{} blocks have {src_layers} layers, {} blocks {dst_layers}",
+                    Src::ID,
+                    Dst::ID
+                ),
+            ));
+        }
+        Self::new(workers, dst, dst_layers)
     }
 }
 

@@ -135,7 +135,7 @@ struct Rig {
     _dir: tempfile::TempDir,
     m: Managers,
     ranks: Vec<PhysicalWorker>,
-    workers: Arc<dyn ParallelWorkers>,
+    spmd: Arc<SpmdParallelWorkers>,
     leader: InstanceLeader,
     hashes: Vec<SequenceHash>,
     /// expected[rank][block][layer]
@@ -153,8 +153,7 @@ async fn rig() -> Rig {
         g3: manager::<G3>(&registry),
     };
     let ranks: Vec<PhysicalWorker> = (0..2).map(|r| rank(r, dir.path(), &m)).collect();
-    let workers: Arc<dyn ParallelWorkers> =
-        Arc::new(SpmdParallelWorkers::new(ranks.clone()).unwrap());
+    let spmd = Arc::new(SpmdParallelWorkers::new(ranks.clone()).unwrap());
     let seq =
         TokenBlockSequence::from_tokens(&(0..28).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
     let complete =
@@ -181,7 +180,7 @@ async fn rig() -> Rig {
                 .collect()
         })
         .collect();
-    let down = SpmdMover::<G2, G3>::new(workers.clone(), m.g3.clone());
+    let down = SpmdMover::<G2, G3>::bound(spmd.clone(), m.g3.clone()).unwrap();
     let out = down
         .move_from(&on_g2, m.g3.allocate_blocks(6).unwrap())
         .await;
@@ -201,7 +200,7 @@ async fn rig() -> Rig {
         _dir: dir,
         m,
         ranks,
-        workers,
+        spmd,
         leader,
         hashes: seq.hashes(),
         expected,
@@ -221,10 +220,9 @@ impl Rig {
         assert_eq!(session.prefix_len(), 6, "block 6 is nowhere");
         session
             .prepare(StagingMovers {
-                g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(
-                    self.workers.clone(),
-                    self.m.g2.clone(),
-                ))),
+                g3_to_g2: Some(Arc::new(
+                    SpmdMover::<G3, G2>::bound(self.spmd.clone(), self.m.g2.clone()).unwrap(),
+                )),
                 ..StagingMovers::default()
             })
             .await
@@ -236,8 +234,7 @@ impl Rig {
     fn gated(&self, gate: &Arc<Semaphore>) -> Arc<dyn LayerMove<G2, G1>> {
         Arc::new(Gated {
             inner: Arc::new(
-                SpmdLayerMover::<G2, G1>::new(self.workers.clone(), self.m.g1.clone(), LAYERS)
-                    .unwrap(),
+                SpmdLayerMover::<G2, G1>::bound(self.spmd.clone(), self.m.g1.clone()).unwrap(),
             ),
             gate: gate.clone(),
         })
