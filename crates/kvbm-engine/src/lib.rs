@@ -16,6 +16,7 @@ pub mod leader;
 pub mod mover;
 pub mod pubsub;
 pub mod runtime;
+pub mod scheduler;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;

@@ -1,0 +1,590 @@
+//! [`EngineTieringManager`]: `kvbm-tiering`'s scheduler contract
+//! ([`OffloadingManager`]: lookup / prepare_load / complete_load / prepare_store /
+//! complete_store …) served over **this engine's tiers**, so a vLLM-style scheduler can drive
+//! an [`InstanceLeader`] the way it drives vLLM's offloading manager.
+//!
+//! # Mapping
+//!
+//! ```text
+//!  scheduler call            engine
+//!  ───────────────────────   ───────────────────────────────────────────────────────────────
+//!  lookup(k)                 G2 has key_hash(k)            → HIT
+//!                            a promotion of k in flight    → HIT_PENDING
+//!                            G3/G4 has it                  → start a promotion (G3/G4 → G2 through
+//!                                                            the leader's BlockMove), HIT_PENDING
+//!                            a promotion of k failed       → MISS (never a hit; until reset_cache)
+//!                            else                          → MISS
+//!  prepare_load(ks)          hold every key's G2 block for the request; CPU spec = G2 block ids
+//!  (worker)                  copies G2 slots → GPU (G1) with the spec
+//!  complete_load(ks)         release those holds
+//!  prepare_store(ks)         allocate G2 blocks for keys G2 lacks; CPU spec = their block ids
+//!  (worker)                  copies GPU → the G2 slots
+//!  complete_store(ks, ok)    ok: complete + register in G2 (an event); failed: slots go back
+//! ```
+//!
+//! The "CPU chunks" of the contract are the leader's G2 blocks, so what the scheduler stores is
+//! what [`InstanceLeader::find_matches`] finds (and what the engine's offload moves on to G3/G4),
+//! and what the engine staged is what the scheduler loads: one set of tiers, one block-id space
+//! (the bound G2 layout's slots).
+//!
+//! # Keys
+//!
+//! An [`OffloadKey`] (vLLM block hash + group index) is registered under [`key_hash`]: the
+//! first 128 bits of its domain-separated BLAKE3 digest ([`key_digest`], the same bytes
+//! `kvbm-tiering`'s `key_identity` uses), low 4 bits replaced by `log2(block size)`, with the
+//! full digest as the block's identity, so a disk slot or object written for another key fails
+//! verification and is never served.
+//!
+//! # Promotions
+//!
+//! A promotion runs as a task on the runtime handle given at construction; it owns its source
+//! hold and destination until the move settled. Completions are collected by the next call
+//! (`lookup`, `on_schedule_end`, …); [`EngineTieringManager::settle`] awaits every promotion in
+//! flight. A promoted block is held for the request whose lookup started it until that request
+//! loads it or finishes.
+//!
+//! # Locks
+//!
+//! The manager is `&mut self` (the scheduler's thread); the only shared state is the
+//! completion queue (one `parking_lot` mutex, held to push or drain, never across a manager
+//! call or an `.await`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kvbm_logical::{
+    BlockDigest, BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId,
+};
+use kvbm_tiering::{
+    CacheHitSource, CpuLoadStoreSpec, LoadStoreSpec, LookupResult, Medium, OffloadKey,
+    OffloadingEvent, OffloadingManager, PrepareStoreOutput, ReqContext, RequestOffloadingContext,
+    ScheduleEndContext, TieringError,
+};
+use parking_lot::Mutex;
+
+use crate::error::{EngineError, Result};
+use crate::layout::LogicalLayoutHandle;
+use crate::leader::InstanceLeader;
+use crate::mover::BlockMove;
+
+/// The digest of an offload key: domain-separated 256-bit BLAKE3 of the key's bytes (equal to
+/// `kvbm_tiering::tiering::key_identity`'s bytes).
+pub fn key_digest(key: &OffloadKey) -> BlockDigest {
+    BlockDigest(*kvbm_tiering::tiering::key_identity(key).as_bytes())
+}
+
+/// The sequence hash `key` is registered under in managers of `block_size` tokens per block
+/// (see the [module docs](self#keys)).
+///
+/// # Panics
+/// If `block_size` is not a power of two in `1..=1024` (no manager has another).
+pub fn key_hash(key: &OffloadKey, block_size: u32) -> SequenceHash {
+    assert!(
+        block_size.is_power_of_two() && block_size <= 1024,
+        "a manager's block size is a power of two in 1..=1024, not {block_size}"
+    );
+    let raw = key_digest(key).as_u128();
+    SequenceHash::from_u128((raw & !0xF) | u128::from(block_size.trailing_zeros()))
+}
+
+/// The movers promotions use (destination: the leader's G2).
+#[derive(Default, Clone)]
+pub struct PromotionMovers {
+    /// G3 → G2.
+    pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
+    /// G4 → G2 (a keyed source).
+    pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
+}
+
+type Completion = (OffloadKey, std::result::Result<ImmutableBlock<G2>, String>);
+
+struct Promotion {
+    owner: u64,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct ReqState {
+    req_id: String,
+    /// Holds taken by `prepare_load`, one per outstanding load of the key.
+    pins: HashMap<OffloadKey, Vec<ImmutableBlock<G2>>>,
+    /// Destinations reserved by `prepare_store`.
+    stores: HashMap<OffloadKey, MutableBlock<G2>>,
+    /// Blocks promoted for this request's lookups, held until loaded or finished.
+    promoted: HashMap<OffloadKey, ImmutableBlock<G2>>,
+    finished: bool,
+}
+
+impl ReqState {
+    fn idle(&self) -> bool {
+        self.pins.is_empty() && self.stores.is_empty()
+    }
+}
+
+/// The scheduler-facing manager over an [`InstanceLeader`]'s tiers: see the
+/// [module docs](self).
+pub struct EngineTieringManager {
+    leader: InstanceLeader,
+    g2: Arc<BlockManager<G2>>,
+    movers: PromotionMovers,
+    runtime: tokio::runtime::Handle,
+    requests: HashMap<u64, ReqState>,
+    promotions: HashMap<OffloadKey, Promotion>,
+    completions: Arc<Mutex<Vec<Completion>>>,
+    /// Keys whose promotion failed: MISS until `reset_cache`.
+    failed: HashSet<OffloadKey>,
+    /// Keys reserved by some request's `prepare_store`.
+    storing: HashSet<OffloadKey>,
+    events: Vec<OffloadingEvent>,
+    promotion_failures: u64,
+}
+
+impl std::fmt::Debug for EngineTieringManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineTieringManager")
+            .field("requests", &self.requests.len())
+            .field("promotions", &self.promotions.len())
+            .field("failed", &self.failed.len())
+            .finish()
+    }
+}
+
+impl InstanceLeader {
+    /// The scheduler-facing manager over this leader's tiers (see [`crate::scheduler`]);
+    /// promotions from G3/G4 run through `movers` as tasks on `runtime`.
+    ///
+    /// # Errors
+    /// [`EngineError::TierMissing`] without a G2 manager (it is the contract's CPU tier);
+    /// [`EngineError::Config`] (key `scheduler.movers`) when a mover's destination is not this
+    /// leader's G2 manager.
+    pub fn tiering_manager(
+        &self,
+        movers: PromotionMovers,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<EngineTieringManager> {
+        EngineTieringManager::new(self.clone(), movers, runtime)
+    }
+}
+
+fn unknown(call: &'static str, ctx: &ReqContext) -> TieringError {
+    TieringError::UnknownRequest {
+        call,
+        req_id: ctx.req_id().to_owned(),
+    }
+}
+
+impl EngineTieringManager {
+    /// See [`InstanceLeader::tiering_manager`].
+    ///
+    /// # Errors
+    /// As [`InstanceLeader::tiering_manager`].
+    pub fn new(
+        leader: InstanceLeader,
+        movers: PromotionMovers,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Self> {
+        let g2 = leader
+            .g2()
+            .cloned()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let same = |d: &Arc<BlockManager<G2>>| Arc::ptr_eq(d, &g2);
+        if movers
+            .g3_to_g2
+            .as_ref()
+            .is_some_and(|m| !same(m.destination()))
+            || movers
+                .g4_to_g2
+                .as_ref()
+                .is_some_and(|m| !same(m.destination()))
+        {
+            return Err(EngineError::config(
+                "scheduler.movers",
+                "a promotion mover's destination is not the leader's G2 manager",
+            ));
+        }
+        Ok(Self {
+            leader,
+            g2,
+            movers,
+            runtime,
+            requests: HashMap::new(),
+            promotions: HashMap::new(),
+            completions: Arc::new(Mutex::new(Vec::new())),
+            failed: HashSet::new(),
+            storing: HashSet::new(),
+            events: Vec::new(),
+            promotion_failures: 0,
+        })
+    }
+
+    /// The leader whose tiers this manager serves.
+    pub fn leader(&self) -> &InstanceLeader {
+        &self.leader
+    }
+
+    /// The sequence hash `key` has in this engine's managers.
+    pub fn hash_of(&self, key: &OffloadKey) -> SequenceHash {
+        key_hash(key, self.g2.block_size())
+    }
+
+    /// Promotions in flight.
+    pub fn promotions_in_flight(&self) -> usize {
+        self.promotions.len()
+    }
+
+    /// Promotions that failed (a failed block is never reported as a hit).
+    pub fn promotion_failures(&self) -> u64 {
+        self.promotion_failures
+    }
+
+    /// Waits for every promotion in flight to settle and collects its outcome.
+    pub async fn settle(&mut self) {
+        let tasks: Vec<_> = self.promotions.values_mut().map(|p| &mut p.task).collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+        self.collect();
+    }
+
+    /// Takes the finished promotions' outcomes (no waiting).
+    fn collect(&mut self) {
+        let done = std::mem::take(&mut *self.completions.lock());
+        for (key, outcome) in done {
+            let Some(p) = self.promotions.remove(&key) else {
+                continue;
+            };
+            match outcome {
+                Ok(block) => match self.requests.get_mut(&p.owner) {
+                    Some(r) if !r.finished => {
+                        r.promoted.insert(key, block);
+                    }
+                    // The owner is gone: the block stays registered (inactive) in G2.
+                    _ => drop(block),
+                },
+                Err(message) => {
+                    tracing::warn!(%key, %message, "promotion to G2 failed; the key reads MISS");
+                    self.promotion_failures += 1;
+                    self.failed.insert(key);
+                }
+            }
+        }
+    }
+
+    fn in_g2(&self, h: SequenceHash) -> bool {
+        self.leader
+            .accessor()
+            .is_present(h, LogicalLayoutHandle::G2)
+    }
+
+    /// Starts promoting `key` from G3 or G4; whether it started.
+    fn promote(&mut self, key: OffloadKey, h: SequenceHash, owner: u64) -> bool {
+        let accessor = self.leader.accessor();
+        let from = accessor.locate(h);
+        let Ok(mut dst) = self.g2.allocate_blocks(1) else {
+            return false;
+        };
+        let Some(dst) = dst.pop() else {
+            return false;
+        };
+        let completions = self.completions.clone();
+        let task = match from {
+            Some(LogicalLayoutHandle::G3) => {
+                let (Some(m), Some(g3)) = (self.movers.g3_to_g2.clone(), self.leader.g3()) else {
+                    return false;
+                };
+                let src = g3.match_blocks(&[h]);
+                if src.is_empty() {
+                    return false;
+                }
+                self.runtime.spawn(async move {
+                    let out = m.move_blocks(&src, vec![dst]).await;
+                    let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
+                    completions.lock().push((key, r));
+                    drop(src);
+                })
+            }
+            Some(LogicalLayoutHandle::G4) => {
+                let (Some(m), Some(g4)) = (self.movers.g4_to_g2.clone(), self.leader.g4()) else {
+                    return false;
+                };
+                let src = g4.match_blocks(&[h]);
+                if src.is_empty() {
+                    return false;
+                }
+                self.runtime.spawn(async move {
+                    let out = m.move_blocks(&src, vec![dst]).await;
+                    let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
+                    completions.lock().push((key, r));
+                    drop(src);
+                })
+            }
+            _ => return false,
+        };
+        self.promotions.insert(key, Promotion { owner, task });
+        true
+    }
+
+    /// The G2 block of `key` held for `req`: its promoted block, else a fresh hold.
+    fn hold(&self, req: &ReqState, key: &OffloadKey) -> Option<ImmutableBlock<G2>> {
+        if let Some(b) = req.promoted.get(key) {
+            return Some(b.clone());
+        }
+        self.g2.match_blocks(&[self.hash_of(key)]).pop()
+    }
+
+    fn retire_if_done(&mut self, uid: u64) {
+        if self
+            .requests
+            .get(&uid)
+            .is_some_and(|r| r.finished && r.idle())
+        {
+            self.requests.remove(&uid);
+        }
+    }
+}
+
+impl OffloadingManager for EngineTieringManager {
+    fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult {
+        self.collect();
+        if self.promotions.contains_key(key) {
+            return LookupResult::HitPending;
+        }
+        if self.failed.contains(key) {
+            return LookupResult::Miss;
+        }
+        let h = self.hash_of(key);
+        if self.in_g2(h) {
+            return LookupResult::Hit;
+        }
+        if self.promote(*key, h, req_context.uid()) {
+            LookupResult::HitPending
+        } else {
+            LookupResult::Miss
+        }
+    }
+
+    fn prepare_load(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<LoadStoreSpec> {
+        self.collect();
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get(&uid)
+            .ok_or_else(|| unknown("prepare_load", req_context))?;
+        // Take every hold before recording any: a key that is not a HIT changes nothing.
+        let mut held = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.hold(req, k) {
+                Some(b) => held.push(b),
+                None => {
+                    return Err(TieringError::KeyState {
+                        call: "prepare_load",
+                        key: *k,
+                        state: "not a HIT in G2",
+                    });
+                }
+            }
+        }
+        let req = self.requests.get_mut(&uid).expect("checked above");
+        let chunk_ids = held.iter().map(|b| b.block_id() as i32).collect();
+        for (k, b) in keys.iter().zip(held) {
+            req.promoted.remove(k);
+            req.pins.entry(*k).or_default().push(b);
+        }
+        Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids }))
+    }
+
+    fn touch(
+        &mut self,
+        keys: &[OffloadKey],
+        _req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<()> {
+        let hashes: Vec<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
+        self.g2.touch_blocks(&hashes);
+        Ok(())
+    }
+
+    fn complete_load(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<()> {
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get_mut(&uid)
+            .ok_or_else(|| unknown("complete_load", req_context))?;
+        let mut need: HashMap<OffloadKey, usize> = HashMap::new();
+        for k in keys {
+            *need.entry(*k).or_default() += 1;
+        }
+        if let Some(k) = need
+            .iter()
+            .find(|(k, n)| req.pins.get(*k).map_or(0, Vec::len) < **n)
+            .map(|(k, _)| *k)
+        {
+            return Err(TieringError::KeyState {
+                call: "complete_load",
+                key: k,
+                state: "not loading for this request",
+            });
+        }
+        let mut released = Vec::with_capacity(keys.len());
+        for k in keys {
+            let pins = req.pins.get_mut(k).expect("checked above");
+            released.extend(pins.pop());
+            if pins.is_empty() {
+                req.pins.remove(k);
+            }
+        }
+        drop(released);
+        self.retire_if_done(uid);
+        Ok(())
+    }
+
+    fn prepare_store(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<Option<PrepareStoreOutput>> {
+        let uid = req_context.uid();
+        if !self.requests.contains_key(&uid) {
+            return Err(unknown("prepare_store", req_context));
+        }
+        let mut seen = HashSet::new();
+        let to_store: Vec<OffloadKey> = keys
+            .iter()
+            .filter(|k| {
+                seen.insert(**k) && !self.storing.contains(*k) && !self.in_g2(self.hash_of(k))
+            })
+            .copied()
+            .collect();
+        let blocks = if to_store.is_empty() {
+            Vec::new()
+        } else {
+            match self.g2.allocate_blocks(to_store.len()) {
+                Ok(b) => b,
+                Err(_) => return Ok(None),
+            }
+        };
+        let chunk_ids = blocks.iter().map(|b| b.block_id() as i32).collect();
+        let req = self.requests.get_mut(&uid).expect("checked above");
+        for (k, b) in to_store.iter().zip(blocks) {
+            req.stores.insert(*k, b);
+            self.storing.insert(*k);
+        }
+        Ok(Some(PrepareStoreOutput {
+            keys_to_store: to_store,
+            store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids }),
+            // The leader's managers evict inactive blocks on allocation without naming them;
+            // their removal events go out through the engine's event sink.
+            evicted_keys: Vec::new(),
+        }))
+    }
+
+    fn complete_store(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+        success: bool,
+    ) -> kvbm_tiering::Result<()> {
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get_mut(&uid)
+            .ok_or_else(|| unknown("complete_store", req_context))?;
+        if keys.iter().any(|k| !req.stores.contains_key(k)) {
+            return Err(TieringError::NoPendingStore {
+                call: "complete_store",
+                req_id: req.req_id.clone(),
+            });
+        }
+        let block_size = self.g2.block_size();
+        let mut complete = Vec::with_capacity(keys.len());
+        let mut stored = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Some(b) = req.stores.remove(k) else {
+                continue; // a key listed twice
+            };
+            self.storing.remove(k);
+            if success {
+                match b.complete_with_digest(key_hash(k, block_size), Some(key_digest(k))) {
+                    Ok(c) => {
+                        complete.push(c);
+                        stored.push(*k);
+                    }
+                    Err(e) => tracing::warn!(key = %k, error = %e.error, "cannot register in G2"),
+                }
+            }
+        }
+        let registered = self.g2.register_blocks(complete);
+        drop(registered);
+        if !stored.is_empty() {
+            self.events
+                .push(OffloadingEvent::new(stored, Medium::Cpu, false));
+        }
+        self.retire_if_done(uid);
+        Ok(())
+    }
+
+    fn on_new_request(
+        &mut self,
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<RequestOffloadingContext> {
+        self.requests.insert(
+            req_context.uid(),
+            ReqState {
+                req_id: req_context.req_id().to_owned(),
+                ..ReqState::default()
+            },
+        );
+        Ok(RequestOffloadingContext::default())
+    }
+
+    fn on_request_finished(&mut self, req_context: &ReqContext) -> kvbm_tiering::Result<()> {
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get_mut(&uid)
+            .ok_or_else(|| unknown("on_request_finished", req_context))?;
+        req.finished = true;
+        let promoted = std::mem::take(&mut req.promoted);
+        drop(promoted);
+        self.retire_if_done(uid);
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn on_schedule_end(&mut self, _context: &ScheduleEndContext) -> kvbm_tiering::Result<()> {
+        self.collect();
+        Ok(())
+    }
+
+    fn has_pending_work(&self) -> bool {
+        !self.promotions.is_empty()
+    }
+
+    fn reset_cache(&mut self) -> kvbm_tiering::Result<()> {
+        self.collect();
+        for r in self.requests.values_mut() {
+            r.promoted.clear();
+        }
+        self.failed.clear();
+        self.g2.reset_inactive_pool();
+        Ok(())
+    }
+
+    fn get_load_source(&self, key: &OffloadKey, _req_context: &ReqContext) -> CacheHitSource {
+        match self.leader.accessor().locate(self.hash_of(key)) {
+            Some(LogicalLayoutHandle::G2) => CacheHitSource::Host,
+            Some(LogicalLayoutHandle::G3) => CacheHitSource::Disk,
+            _ => CacheHitSource::ExternalUnspecified,
+        }
+    }
+}
