@@ -53,6 +53,9 @@ pub enum EngineError {
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),
+    /// `kvbm-tiering` refused something (e.g. a tier handed to its manager).
+    #[error(transparent)]
+    Tiering(#[from] kvbm_tiering::TieringError),
     /// A G4 presence check failed.
     #[error("G4 presence check: {0}")]
     Presence(#[source] kvbm_offload::PolicyError),

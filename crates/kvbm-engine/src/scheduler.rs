@@ -27,13 +27,23 @@
 //! and what the engine staged is what the scheduler loads: one set of tiers, one block-id space
 //! (the bound G2 layout's slots).
 //!
+//! # Two ways in
+//!
+//! * [`EngineTieringManager`] (above): the contract served by the leader itself, with its G2
+//!   as the CPU tier; promotions are the engine's own moves.
+//! * [`InstanceLeader::vllm_tiering_manager`]: `kvbm-tiering`'s own
+//!   [`TieringOffloadingManager`] (vLLM's `TieringOffloadingManager`, call for call, with its
+//!   private CPU slot table as the primary), whose secondary tiers are `PhysicalTier`s over
+//!   **the leader's** bound G3/G4 tiers. What the scheduler cascades to G3 is registered in the
+//!   leader's G3 manager, so `find_matches` finds it and an onboarding session stages it.
+//!
 //! # Keys
 //!
 //! An [`OffloadKey`] (vLLM block hash + group index) is registered under [`key_hash`]: the
-//! first 128 bits of its domain-separated BLAKE3 digest ([`key_digest`], the same bytes
-//! `kvbm-tiering`'s `key_identity` uses), low 4 bits replaced by `log2(block size)`, with the
-//! full digest as the block's identity, so a disk slot or object written for another key fails
-//! verification and is never served.
+//! first 128 bits of its domain-separated BLAKE3 digest ([`key_digest`]), low 4 bits replaced
+//! by `log2(block size)`, with the full digest as the block's identity, so a disk slot or
+//! object written for another key fails verification and is never served. Both ways in use
+//! `kvbm-tiering`'s functions, so both register a key under the same hash.
 //!
 //! # Promotions
 //!
@@ -52,13 +62,14 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use kvbm_logical::{
-    BlockDigest, BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId,
-};
+use kvbm_logical::{BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId};
+use kvbm_offload::BoundTier;
+use kvbm_tiering::tiering::{DiskTier, ObjectTier, PhysicalTier, SecondaryTierManager};
 use kvbm_tiering::{
-    CacheHitSource, CpuLoadStoreSpec, LoadStoreSpec, LookupResult, Medium, OffloadKey,
-    OffloadingEvent, OffloadingManager, PrepareStoreOutput, ReqContext, RequestOffloadingContext,
-    ScheduleEndContext, TieringError,
+    CacheHitSource, CpuLoadStoreSpec, CpuPrimaryTier, LoadStoreSpec, LookupResult, Medium,
+    OffloadKey, OffloadingEvent, OffloadingManager, PrepareStoreOutput, ReqContext,
+    RequestOffloadingContext, ScheduleEndContext, TieringError, TieringOffloadingManager,
+    UpstreamFixes,
 };
 use parking_lot::Mutex;
 
@@ -67,24 +78,17 @@ use crate::layout::LogicalLayoutHandle;
 use crate::leader::InstanceLeader;
 use crate::mover::BlockMove;
 
-/// The digest of an offload key: domain-separated 256-bit BLAKE3 of the key's bytes (equal to
-/// `kvbm_tiering::tiering::key_identity`'s bytes).
-pub fn key_digest(key: &OffloadKey) -> BlockDigest {
-    BlockDigest(*kvbm_tiering::tiering::key_identity(key).as_bytes())
-}
+pub use kvbm_tiering::tiering::{key_digest, key_hash};
 
-/// The sequence hash `key` is registered under in managers of `block_size` tokens per block
-/// (see the [module docs](self#keys)).
-///
-/// # Panics
-/// If `block_size` is not a power of two in `1..=1024` (no manager has another).
-pub fn key_hash(key: &OffloadKey, block_size: u32) -> SequenceHash {
-    assert!(
-        block_size.is_power_of_two() && block_size <= 1024,
-        "a manager's block size is a power of two in 1..=1024, not {block_size}"
-    );
-    let raw = key_digest(key).as_u128();
-    SequenceHash::from_u128((raw & !0xF) | u128::from(block_size.trailing_zeros()))
+/// The engine's lower tiers handed to `kvbm-tiering`'s own manager
+/// ([`InstanceLeader::vllm_tiering_manager`]): each must be bound to the leader's manager of
+/// that tier, on the primary tier's transfer manager, with the primary's block geometry.
+#[derive(Default)]
+pub struct SchedulerTiers {
+    /// G3, the first secondary tier.
+    pub g3: Option<BoundTier<G3>>,
+    /// G4, after G3.
+    pub g4: Option<BoundTier<G4>>,
 }
 
 /// The movers promotions use (destination: the leader's G2).
@@ -163,6 +167,54 @@ impl InstanceLeader {
         runtime: tokio::runtime::Handle,
     ) -> Result<EngineTieringManager> {
         EngineTieringManager::new(self.clone(), movers, runtime)
+    }
+}
+
+impl InstanceLeader {
+    /// `kvbm-tiering`'s [`TieringOffloadingManager`] over `primary` (its CPU slot table,
+    /// registered with the tiers' transfer manager) and this leader's bound G3 / G4 tiers as
+    /// its secondary tiers, in that order (see the [module docs](crate::scheduler)).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `scheduler.tiers`) when a bound tier's manager is not this
+    /// leader's manager of that tier; [`EngineError::Tiering`] when `kvbm-tiering` refuses a
+    /// tier (another transfer manager than the primary's, another block geometry).
+    pub fn vllm_tiering_manager(
+        &self,
+        primary: CpuPrimaryTier,
+        tiers: SchedulerTiers,
+        fixes: UpstreamFixes,
+    ) -> Result<TieringOffloadingManager> {
+        fn check<T: kvbm_logical::Tier>(
+            bound: &BoundTier<T>,
+            leader: Option<&Arc<BlockManager<T>>>,
+        ) -> Result<()> {
+            match leader {
+                Some(m) if Arc::ptr_eq(m, bound.manager()) => Ok(()),
+                _ => Err(EngineError::config(
+                    "scheduler.tiers",
+                    format!(
+                        "the {} tier is not bound to the leader's {} manager",
+                        T::ID,
+                        T::ID
+                    ),
+                )),
+            }
+        }
+        let mut secondary: Vec<Box<dyn SecondaryTierManager>> = Vec::new();
+        if let Some(g3) = tiers.g3 {
+            check(&g3, self.g3())?;
+            let tier: DiskTier = PhysicalTier::over(&primary, g3)?;
+            secondary.push(Box::new(tier));
+        }
+        if let Some(g4) = tiers.g4 {
+            check(&g4, self.g4())?;
+            let tier: ObjectTier = PhysicalTier::over(&primary, g4)?;
+            secondary.push(Box::new(tier));
+        }
+        Ok(TieringOffloadingManager::with_primary(
+            primary, secondary, fixes, false,
+        ))
     }
 }
 

@@ -5,6 +5,10 @@
 //! while the engine promotes G3→G2, then `HIT`), loads them (`prepare_load` → worker copy into
 //! other GPU slots → `complete_load`) and the bytes are verified. A G3 block whose slot holds
 //! another block's bytes is never a hit; misuse is refused before anything changes.
+//!
+//! And `kvbm-tiering`'s own manager over the leader's G3: what the scheduler cascades to disk
+//! is found by the leader and staged by an onboarding session, bytes verified, and the
+//! scheduler's lookup → prepare_load → load → complete_load reads it back from the same G3.
 
 use std::sync::Arc;
 
@@ -256,4 +260,170 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     assert!(r.mgr.take_events().is_empty());
     assert_eq!(r.g2.available_blocks(), N);
     r.mgr.on_request_finished(&ctx).unwrap();
+}
+
+mod vllm_manager {
+    //! `kvbm-tiering`'s `TieringOffloadingManager` with the leader's bound G3 as its tier.
+
+    use std::time::{Duration, Instant};
+
+    use kvbm_engine::leader::{FinishOutcome, Phase, StagingMovers};
+    use kvbm_engine::scheduler::SchedulerTiers;
+    use kvbm_logical::{G1, TierId};
+    use kvbm_tiering::{CpuManagerConfig, CpuPrimaryTier, TieringOffloadingManager, UpstreamFixes};
+
+    use super::*;
+
+    const CHUNK: usize = 8192;
+    const SLOTS: usize = 8;
+
+    fn pattern(i: u64) -> Vec<u8> {
+        (0..CHUNK)
+            .map(|j| (j as u64 * 31 + i * 7919) as u8)
+            .collect()
+    }
+
+    fn settle(m: &mut TieringOffloadingManager) {
+        let end = |m: &mut TieringOffloadingManager| {
+            m.on_schedule_end(&ScheduleEndContext::default()).unwrap()
+        };
+        end(m);
+        let t = Instant::now();
+        while m.has_pending_work() {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "tier jobs did not finish"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+            end(m);
+        }
+        end(m);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_tiering_manager_over_the_leaders_g3_shares_its_blocks_with_the_engine() {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let tm = Arc::new(TransferManager::new().unwrap());
+        let geometry = CpuPrimaryTier::block_layout(SLOTS, CHUNK).unwrap();
+        let registry = BlockRegistry::new();
+        let (g2, g3) = (manager::<G2>(&registry), manager::<G3>(&registry));
+        let g1 = manager::<G1>(&BlockRegistry::new());
+        let host = |tm: &TransferManager| {
+            tm.register_layout(
+                PhysicalLayout::allocate_host(geometry, PinPolicy::Unpinned).unwrap(),
+            )
+            .unwrap()
+        };
+        let (g2_h, g1_h) = (host(&tm), host(&tm));
+        let g3_h = tm
+            .register_layout(
+                PhysicalLayout::create_disk(geometry, &DiskConfig::new(dir.path().join("g3.bin")))
+                    .unwrap(),
+            )
+            .unwrap();
+        let g2_bound = BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap();
+        let g3_bound = BoundTier::new(tm.clone(), g3_h, g3.clone()).unwrap();
+        let g1_bound = BoundTier::new(tm.clone(), g1_h, g1.clone()).unwrap();
+        let leader = InstanceLeader::builder()
+            .g2(g2.clone())
+            .g3(g3.clone())
+            .build()
+            .unwrap();
+
+        // A tier bound to another manager than the leader's is refused, naming the key.
+        let primary =
+            CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm.clone())
+                .unwrap();
+        let stranger =
+            BoundTier::new(tm.clone(), g3_h, manager::<G3>(&BlockRegistry::new())).unwrap();
+        let Err(err) = leader.vllm_tiering_manager(
+            primary,
+            SchedulerTiers {
+                g3: Some(stranger),
+                g4: None,
+            },
+            UpstreamFixes::default(),
+        ) else {
+            panic!("a stranger's G3 is refused");
+        };
+        assert_eq!(err.config_key(), Some("scheduler.tiers"));
+
+        let primary =
+            CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm.clone())
+                .unwrap();
+        let mut m = leader
+            .vllm_tiering_manager(
+                primary,
+                SchedulerTiers {
+                    g3: Some(g3_bound.clone()),
+                    g4: None,
+                },
+                UpstreamFixes::default(),
+            )
+            .unwrap();
+        let c = ReqContext::new("r");
+        m.on_new_request(&c).unwrap();
+        let store = |m: &mut TieringOffloadingManager, ids: &[u64]| {
+            let ks: Vec<OffloadKey> = ids.iter().map(|&i| OffloadKey::from_u64(i)).collect();
+            let o = m.prepare_store(&ks, &c).unwrap().expect("room");
+            for (k, &i) in ks.iter().zip(ids) {
+                m.primary_mut()
+                    .chunk_mut(k)
+                    .unwrap()
+                    .copy_from_slice(&pattern(i));
+            }
+            m.complete_store(&o.keys_to_store, &c, true).unwrap();
+        };
+        store(&mut m, &[0, 1]);
+        settle(&mut m);
+
+        // The leader finds what the scheduler cascaded to disk, and stages it G3→G2 then
+        // onboards it to G1, bytes verified.
+        let hashes: Vec<_> = (0..2)
+            .map(|i| key_hash(&OffloadKey::from_u64(i), 4))
+            .collect();
+        let found = leader.find_matches(&hashes);
+        assert_eq!((found.len(), found.count(TierId::G3)), (2, 2));
+        drop(found);
+        let session = leader.begin_onboarding(&hashes);
+        session
+            .prepare(StagingMovers {
+                g3_to_g2: Some(Arc::new(BlockMover::new(&g3_bound, &g2_bound).unwrap())),
+                ..StagingMovers::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(session.phase(), Phase::Staged);
+        let onboard = session
+            .onboard_layerwise(
+                Arc::new(kvbm_engine::mover::LayerMover::new(&g2_bound, &g1_bound).unwrap()),
+                g1.allocate_blocks(2).unwrap(),
+            )
+            .await
+            .unwrap();
+        onboard.wait().await.unwrap();
+        let FinishOutcome::Finished(on_g1) = session.finish() else {
+            panic!("complete");
+        };
+        let g1_mem = tm.layout(g1_h).unwrap();
+        for (i, b) in on_g1.iter().enumerate() {
+            assert_eq!(bytes(&g1_mem, b.block_id()), pattern(i as u64), "block {i}");
+        }
+        drop(on_g1);
+
+        // The scheduler's own read path over the same G3: push 0 and 1 out of the primary,
+        // then look 0 up (promoted from the leader's G3), load it and complete.
+        store(&mut m, &[2, 3]);
+        settle(&mut m);
+        let k0 = OffloadKey::from_u64(0);
+        assert_eq!(m.lookup(&k0, &c), LookupResult::HitPending);
+        settle(&mut m);
+        assert_eq!(m.lookup(&k0, &c), LookupResult::Hit);
+        let spec = m.prepare_load(&[k0], &c).unwrap();
+        assert_eq!(spec.chunk_ids().map(<[i32]>::len), Some(1));
+        assert_eq!(m.primary().chunk(&k0).unwrap(), pattern(0).as_slice());
+        m.complete_load(&[k0], &c).unwrap();
+        m.on_request_finished(&c).unwrap();
+        m.shutdown().unwrap();
+    }
 }
