@@ -322,10 +322,6 @@ async fn an_abort_between_layers_stops_the_move_and_releases_everything() {
     // Let the layer in flight (if the task already started one) settle.
     gate.add_permits(1);
     assert_eq!(session.settled().await, Phase::Aborted);
-    assert!(
-        onboard.layers_done() <= 2,
-        "no layer starts after the abort"
-    );
     assert_eq!(
         onboard.layer_ready(LAYERS - 1).await,
         Err(SessionError::Aborted)
@@ -339,10 +335,13 @@ async fn an_abort_between_layers_stops_the_move_and_releases_everything() {
         Some(N),
         "G2 holds released"
     );
+    // Two permits were given (layer 0, then one more): either the task had already started
+    // layer 1 when the abort came (it moved, then nothing more), or it saw the abort first
+    // and the permit is unused. No layer moved without a permit or after that.
     assert_eq!(
-        gate.available_permits(),
-        1,
-        "at most one more layer was started"
+        onboard.layers_done() + gate.available_permits(),
+        2,
+        "no layer starts after the abort"
     );
 }
 
