@@ -640,3 +640,6 @@ impl OffloadingManager for EngineTieringManager {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
