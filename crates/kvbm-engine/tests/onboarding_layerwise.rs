@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
 use kvbm_engine::mover::{LayerMove, LayerMoved};
 use kvbm_engine::worker::{
-    BoundTiers, ParallelWorkers, PhysicalWorker, SpmdLayerMover, SpmdMover, SpmdParallelWorkers,
+    BoundTiers, PhysicalWorker, SpmdLayerMover, SpmdMover, SpmdParallelWorkers,
 };
 use kvbm_logical::{
     BlockId, BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, SequenceHash, TierId,
@@ -352,6 +352,7 @@ mod with_mock_workers {
     use super::*;
     use kvbm_engine::pubsub::InstanceId;
     use kvbm_engine::testing::{MockFailure, mock_workers};
+    use kvbm_engine::worker::ParallelWorkers;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rank_failing_a_layer_fails_the_session_and_releases_everything() {
