@@ -17,7 +17,9 @@
 //!  prepare_load(ks)          hold every key's G2 block for the request; CPU spec = G2 block ids
 //!  (worker)                  copies G2 slots → GPU (G1) with the spec
 //!  complete_load(ks)         release those holds
-//!  prepare_store(ks)         allocate G2 blocks for keys G2 lacks; CPU spec = their block ids
+//!  prepare_store(ks)         allocate G2 blocks for keys G2 lacks (never evicting one of ks);
+//!                            CPU spec = their block ids; evicted_keys = exactly the keys whose
+//!                            G2 blocks that allocation evicted
 //!  (worker)                  copies GPU → the G2 slots
 //!  complete_store(ks, ok)    ok: complete + register in G2 (an event); failed: slots go back
 //! ```
@@ -45,6 +47,18 @@
 //! object written for another key fails verification and is never served. Both ways in use
 //! `kvbm-tiering`'s functions, so both register a key under the same hash.
 //!
+//! # Evicted keys
+//!
+//! The leader's G2 manager evicts by [`SequenceHash`]; the contract reports [`OffloadKey`]s.
+//! The manager keeps a hash → key map of the blocks **it** registered in G2 (completed stores
+//! and promotions), and allocates through [`BlockManager::allocate_blocks_with`], which
+//! protects the call's own keys and names the hashes it evicted; each is mapped back (and
+//! dropped from the map). A hash the manager never registered (a block the leader staged for
+//! an onboarding session) has no scheduler key and is not reported. Evictions by a promotion's
+//! allocation go out as a removal event. Entries whose block left G2 another way (an eviction
+//! by the leader's own allocations, `reset_cache`) are pruned when the map outgrows twice G2's
+//! capacity and on `reset_cache`.
+//!
 //! # Promotions
 //!
 //! A promotion runs as a task on the runtime handle given at construction; it owns its source
@@ -52,6 +66,17 @@
 //! (`lookup`, `on_schedule_end`, …); [`EngineTieringManager::settle`] awaits every promotion in
 //! flight. A promoted block is held for the request whose lookup started it until that request
 //! loads it or finishes.
+//!
+//! # Stats and recency
+//!
+//! [`get_stats`](OffloadingManager::get_stats) reports, since the last call, in
+//! `kvbm-tiering`'s metric names: the CPU cache gauges over G2 (used = blocks not free;
+//! write = slots reserved by `prepare_store`; read = the rest of used), each `prepare_store`'s
+//! allocation size, chunk queries and hits per tier searched by `lookup` (labels
+//! `0:primary` = G2, then `1:disk` = G3 and `N:object` = G4 as configured), active
+//! promotion jobs and failed promotions per source tier, and promotions refused for lack
+//! of G2 room. [`touch`](OffloadingManager::touch) marks the keys recently used in every
+//! tier `lookup` searches (G2, G3, G4), so each tier's eviction policy sees the reuse.
 //!
 //! # Locks
 //!
@@ -67,9 +92,9 @@ use kvbm_offload::BoundTier;
 use kvbm_tiering::tiering::{DiskTier, ObjectTier, PhysicalTier, SecondaryTierManager};
 use kvbm_tiering::{
     CacheHitSource, CpuLoadStoreSpec, CpuPrimaryTier, LoadStoreSpec, LookupResult, Medium,
-    OffloadKey, OffloadingEvent, OffloadingManager, PrepareStoreOutput, ReqContext,
-    RequestOffloadingContext, ScheduleEndContext, TieringError, TieringOffloadingManager,
-    UpstreamFixes,
+    OffloadKey, OffloadingConnectorStats, OffloadingEvent, OffloadingManager, PrepareStoreOutput,
+    ReqContext, RequestOffloadingContext, ScheduleEndContext, TieringError,
+    TieringOffloadingManager, UpstreamFixes,
 };
 use parking_lot::Mutex;
 
@@ -78,6 +103,7 @@ use crate::layout::LogicalLayoutHandle;
 use crate::leader::InstanceLeader;
 use crate::mover::BlockMove;
 
+use kvbm_tiering::stats::names;
 pub use kvbm_tiering::tiering::{key_digest, key_hash};
 
 /// The engine's lower tiers handed to `kvbm-tiering`'s own manager
@@ -100,10 +126,36 @@ pub struct PromotionMovers {
     pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
 }
 
+/// Counters since the last `get_stats` (see "Stats and recency").
+#[derive(Default)]
+struct Stats {
+    /// Chunk queries per searched tier: G2, G3, G4.
+    queries: [u64; 3],
+    /// Chunk hits per searched tier: G2, G3, G4.
+    hits: [u64; 3],
+    /// Blocks allocated per `prepare_store`.
+    allocation_sizes: Vec<usize>,
+    /// Failed promotions per source tier: G3, G4.
+    promotion_failures: [u64; 2],
+    /// Promotions not started for lack of G2 room.
+    promotion_allocation_failures: u64,
+}
+
+/// Index of a searched tier in [`Stats`]' per-tier arrays.
+fn tier_slot(t: TierId) -> usize {
+    match t {
+        TierId::G3 => 1,
+        TierId::G4 => 2,
+        _ => 0,
+    }
+}
+
 type Completion = (OffloadKey, std::result::Result<ImmutableBlock<G2>, String>);
 
 struct Promotion {
     owner: u64,
+    /// The tier it reads from (G3 or G4).
+    tier: TierId,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -141,6 +193,11 @@ pub struct EngineTieringManager {
     storing: HashSet<OffloadKey>,
     events: Vec<OffloadingEvent>,
     promotion_failures: u64,
+    /// Keys of the G2 blocks this manager registered (see "Evicted keys").
+    registered: HashMap<SequenceHash, OffloadKey>,
+    stats: Stats,
+    /// Metric label per searched tier (G2, G3, G4); `None` where not configured.
+    labels: [Option<String>; 3],
 }
 
 impl std::fmt::Debug for EngineTieringManager {
@@ -254,6 +311,15 @@ impl EngineTieringManager {
                 "a promotion mover's destination is not the leader's G2 manager",
             ));
         }
+        let mut labels: [Option<String>; 3] = [Some("0:primary".into()), None, None];
+        let mut next = 1;
+        if leader.g3().is_some() {
+            labels[1] = Some(format!("{next}:disk"));
+            next += 1;
+        }
+        if leader.g4().is_some() {
+            labels[2] = Some(format!("{next}:object"));
+        }
         Ok(Self {
             leader,
             g2,
@@ -266,6 +332,9 @@ impl EngineTieringManager {
             storing: HashSet::new(),
             events: Vec::new(),
             promotion_failures: 0,
+            registered: HashMap::new(),
+            stats: Stats::default(),
+            labels,
         })
     }
 
@@ -298,6 +367,32 @@ impl EngineTieringManager {
         self.collect();
     }
 
+    /// Remembers that this manager registered `key` in G2 (pruning stale entries when the
+    /// map outgrows twice G2's capacity).
+    fn remember(&mut self, key: OffloadKey) {
+        let h = self.hash_of(&key);
+        self.registered.insert(h, key);
+        if self.registered.len() > 2 * self.g2.total_blocks().max(1) {
+            self.prune_registered();
+        }
+    }
+
+    /// Drops the entries whose block is no longer in G2.
+    fn prune_registered(&mut self) {
+        let accessor = self.leader.accessor();
+        self.registered
+            .retain(|h, _| accessor.is_present(*h, LogicalLayoutHandle::G2));
+    }
+
+    /// The scheduler keys of the evicted `hashes` (dropped from the map); hashes this
+    /// manager never registered have none.
+    fn forget_evicted(&mut self, hashes: &[SequenceHash]) -> Vec<OffloadKey> {
+        hashes
+            .iter()
+            .filter_map(|h| self.registered.remove(h))
+            .collect()
+    }
+
     /// Takes the finished promotions' outcomes (no waiting).
     fn collect(&mut self) {
         let done = std::mem::take(&mut *self.completions.lock());
@@ -306,16 +401,20 @@ impl EngineTieringManager {
                 continue;
             };
             match outcome {
-                Ok(block) => match self.requests.get_mut(&p.owner) {
-                    Some(r) if !r.finished => {
-                        r.promoted.insert(key, block);
+                Ok(block) => {
+                    self.remember(key);
+                    match self.requests.get_mut(&p.owner) {
+                        Some(r) if !r.finished => {
+                            r.promoted.insert(key, block);
+                        }
+                        // The owner is gone: the block stays registered (inactive) in G2.
+                        _ => drop(block),
                     }
-                    // The owner is gone: the block stays registered (inactive) in G2.
-                    _ => drop(block),
-                },
+                }
                 Err(message) => {
                     tracing::warn!(%key, %message, "promotion to G2 failed; the key reads MISS");
                     self.promotion_failures += 1;
+                    self.stats.promotion_failures[tier_slot(p.tier) - 1] += 1;
                     self.failed.insert(key);
                 }
             }
@@ -328,51 +427,67 @@ impl EngineTieringManager {
             .is_present(h, LogicalLayoutHandle::G2)
     }
 
-    /// Starts promoting `key` from G3 or G4; whether it started.
+    /// Starts promoting `key` from G3 or G4; whether it started. The source is held and its
+    /// mover checked before a G2 block is allocated, so nothing is evicted for a promotion
+    /// that cannot start.
     fn promote(&mut self, key: OffloadKey, h: SequenceHash, owner: u64) -> bool {
-        let accessor = self.leader.accessor();
-        let from = accessor.locate(h);
-        let Ok(mut dst) = self.g2.allocate_blocks(1) else {
-            return false;
-        };
-        let Some(dst) = dst.pop() else {
-            return false;
-        };
-        let completions = self.completions.clone();
-        let task = match from {
+        enum Source {
+            G3(Arc<dyn BlockMove<G3, G2>>, Vec<ImmutableBlock<G3>>),
+            G4(Arc<dyn BlockMove<G4, G2>>, Vec<ImmutableBlock<G4>>),
+        }
+        let source = match self.leader.accessor().locate(h) {
             Some(LogicalLayoutHandle::G3) => {
                 let (Some(m), Some(g3)) = (self.movers.g3_to_g2.clone(), self.leader.g3()) else {
                     return false;
                 };
-                let src = g3.match_blocks(&[h]);
-                if src.is_empty() {
-                    return false;
-                }
-                self.runtime.spawn(async move {
-                    let out = m.move_blocks(&src, vec![dst]).await;
-                    let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
-                    completions.lock().push((key, r));
-                    drop(src);
-                })
+                Source::G3(m, g3.match_blocks(&[h]))
             }
             Some(LogicalLayoutHandle::G4) => {
                 let (Some(m), Some(g4)) = (self.movers.g4_to_g2.clone(), self.leader.g4()) else {
                     return false;
                 };
-                let src = g4.match_blocks(&[h]);
-                if src.is_empty() {
-                    return false;
-                }
-                self.runtime.spawn(async move {
-                    let out = m.move_blocks(&src, vec![dst]).await;
-                    let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
-                    completions.lock().push((key, r));
-                    drop(src);
-                })
+                Source::G4(m, g4.match_blocks(&[h]))
             }
             _ => return false,
         };
-        self.promotions.insert(key, Promotion { owner, task });
+        let (tier, empty) = match &source {
+            Source::G3(_, s) => (TierId::G3, s.is_empty()),
+            Source::G4(_, s) => (TierId::G4, s.is_empty()),
+        };
+        if empty {
+            return false;
+        }
+        let alloc = match self.g2.allocate_blocks_with(1, &[h]) {
+            Ok(a) => a,
+            Err(_) => {
+                self.stats.promotion_allocation_failures += 1;
+                return false;
+            }
+        };
+        let evicted = self.forget_evicted(&alloc.evicted);
+        if !evicted.is_empty() {
+            self.events
+                .push(OffloadingEvent::new(evicted, Medium::Cpu, true));
+        }
+        let Some(dst) = alloc.blocks.into_iter().next() else {
+            return false;
+        };
+        let completions = self.completions.clone();
+        let task = match source {
+            Source::G3(m, src) => self.runtime.spawn(async move {
+                let out = m.move_blocks(&src, vec![dst]).await;
+                let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
+                completions.lock().push((key, r));
+                drop(src);
+            }),
+            Source::G4(m, src) => self.runtime.spawn(async move {
+                let out = m.move_blocks(&src, vec![dst]).await;
+                let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
+                completions.lock().push((key, r));
+                drop(src);
+            }),
+        };
+        self.promotions.insert(key, Promotion { owner, tier, task });
         true
     }
 
@@ -405,8 +520,21 @@ impl OffloadingManager for EngineTieringManager {
             return LookupResult::Miss;
         }
         let h = self.hash_of(key);
+        self.stats.queries[0] += 1;
         if self.in_g2(h) {
+            self.stats.hits[0] += 1;
             return LookupResult::Hit;
+        }
+        let found = self.leader.accessor().locate(h).map(|l| l.tier());
+        for (tier, slot) in [(TierId::G3, 1), (TierId::G4, 2)] {
+            if self.labels[slot].is_none() {
+                continue;
+            }
+            self.stats.queries[slot] += 1;
+            if found == Some(tier) {
+                self.stats.hits[slot] += 1;
+                break;
+            }
         }
         if self.promote(*key, h, req_context.uid()) {
             LookupResult::HitPending
@@ -456,6 +584,12 @@ impl OffloadingManager for EngineTieringManager {
     ) -> kvbm_tiering::Result<()> {
         let hashes: Vec<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
         self.g2.touch_blocks(&hashes);
+        if let Some(g3) = self.leader.g3() {
+            g3.touch_blocks(&hashes);
+        }
+        if let Some(g4) = self.leader.g4() {
+            g4.touch_blocks(&hashes);
+        }
         Ok(())
     }
 
@@ -514,14 +648,27 @@ impl OffloadingManager for EngineTieringManager {
             })
             .copied()
             .collect();
-        let blocks = if to_store.is_empty() {
-            Vec::new()
+        let (blocks, evicted_keys) = if to_store.is_empty() {
+            (Vec::new(), Vec::new())
         } else {
-            match self.g2.allocate_blocks(to_store.len()) {
-                Ok(b) => b,
+            // The call's own keys are never evicted to make room for the call.
+            let protect: HashSet<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
+            match self.g2.allocate_blocks_with(to_store.len(), &protect) {
+                Ok(a) => {
+                    self.stats.allocation_sizes.push(a.blocks.len());
+                    let evicted = self.forget_evicted(&a.evicted);
+                    (a.blocks, evicted)
+                }
                 Err(_) => return Ok(None),
             }
         };
+        if !evicted_keys.is_empty() {
+            self.events.push(OffloadingEvent::new(
+                evicted_keys.clone(),
+                Medium::Cpu,
+                true,
+            ));
+        }
         let chunk_ids = blocks.iter().map(|b| b.block_id() as i32).collect();
         let req = self.requests.get_mut(&uid).expect("checked above");
         for (k, b) in to_store.iter().zip(blocks) {
@@ -531,9 +678,7 @@ impl OffloadingManager for EngineTieringManager {
         Ok(Some(PrepareStoreOutput {
             keys_to_store: to_store,
             store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids }),
-            // The leader's managers evict inactive blocks on allocation without naming them;
-            // their removal events go out through the engine's event sink.
-            evicted_keys: Vec::new(),
+            evicted_keys,
         }))
     }
 
@@ -574,6 +719,9 @@ impl OffloadingManager for EngineTieringManager {
         }
         let registered = self.g2.register_blocks(complete);
         drop(registered);
+        for k in &stored {
+            self.remember(*k);
+        }
         if !stored.is_empty() {
             self.events
                 .push(OffloadingEvent::new(stored, Medium::Cpu, false));
@@ -629,7 +777,62 @@ impl OffloadingManager for EngineTieringManager {
         }
         self.failed.clear();
         self.g2.reset_inactive_pool();
+        self.prune_registered();
         Ok(())
+    }
+
+    fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
+        self.collect();
+        let mut out = OffloadingConnectorStats::default();
+        let total = self.g2.total_blocks();
+        let (usage, write) = if total > 0 {
+            let used = total.saturating_sub(self.g2.available_blocks());
+            (
+                used as f64 / total as f64,
+                self.storing.len() as f64 / total as f64,
+            )
+        } else {
+            (0.0, 0.0)
+        };
+        out.set_gauge(names::CPU_CACHE_USAGE_PERC, None, usage);
+        out.set_gauge(names::CPU_CACHE_WRITE_USAGE_PERC, None, write);
+        out.set_gauge(
+            names::CPU_CACHE_READ_USAGE_PERC,
+            None,
+            (usage - write).max(0.0),
+        );
+        let stats = std::mem::take(&mut self.stats);
+        for a in stats.allocation_sizes {
+            out.observe_histogram(names::CPU_ALLOCATION_SIZE, None, a as f64);
+        }
+        for slot in 0..3 {
+            let Some(l) = self.labels[slot].as_deref() else {
+                continue;
+            };
+            if stats.queries[slot] > 0 {
+                out.increase_counter(names::CHUNK_QUERIES, Some(l), stats.queries[slot] as f64);
+            }
+            if stats.hits[slot] > 0 {
+                out.increase_counter(names::CHUNK_HITS, Some(l), stats.hits[slot] as f64);
+            }
+            if slot > 0 {
+                let tier = if slot == 1 { TierId::G3 } else { TierId::G4 };
+                let active = self.promotions.values().filter(|p| p.tier == tier).count();
+                out.set_gauge(names::ACTIVE_PROMOTION_JOBS, Some(l), active as f64);
+                let failed = stats.promotion_failures[slot - 1];
+                if failed > 0 {
+                    out.increase_counter(names::PROMOTION_JOB_FAILURES, Some(l), failed as f64);
+                }
+            }
+        }
+        if stats.promotion_allocation_failures > 0 {
+            out.increase_counter(
+                names::PROMOTION_ALLOCATION_FAILURES,
+                None,
+                stats.promotion_allocation_failures as f64,
+            );
+        }
+        Some(out)
     }
 
     fn get_load_source(&self, key: &OffloadKey, _req_context: &ReqContext) -> CacheHitSource {
