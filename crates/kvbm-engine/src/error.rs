@@ -59,6 +59,15 @@ pub enum EngineError {
     /// A G4 presence check failed.
     #[error("G4 presence check: {0}")]
     Presence(#[source] kvbm_offload::PolicyError),
+    /// A request addressed to another rank (or another world size) reached this rank; nothing
+    /// was moved.
+    #[error("{this} refused a request addressed to {to}")]
+    WrongRank {
+        /// The rank that refused it.
+        this: crate::worker::RankAddress,
+        /// The address the request carried.
+        to: crate::worker::RankAddress,
+    },
     /// The TCP block data plane could not serve or reach `peer`.
     #[error("data plane {peer}: {message}")]
     DataPlane {

@@ -31,7 +31,19 @@
 //! [`SpmdParallelWorkers`] calls in-process workers directly; workers in other processes are
 //! driven through [`transport::control::ControlledWorkers`](crate::transport::control::ControlledWorkers)
 //! (NATS request/reply, feature `nats`), which implements the same [`ParallelWorkers`] seam.
-//! `CoordinatedWorker` is not built yet.
+//!
+//! # Ranks
+//!
+//! Each rank of an [`SpmdParallelWorkers`] is a [`CoordinatedWorker`]: a worker that knows its
+//! rank and world size, refuses requests addressed to another rank
+//! ([`EngineError::WrongRank`](crate::EngineError::WrongRank)), and whose G4 storage is
+//! checked to write under its own rank's key directory (see [`coordinated`]).
+//!
+//! # G4 through workers
+//!
+//! A request from or to G4 names each block's object by its sequence hash
+//! ([`kvbm_offload::object_key`]); the rank's [`ObjectStorage`](kvbm_physical::ObjectStorage)
+//! adds the namespace and, with more than one rank, `tp{world}.r{rank}/`.
 //!
 //! # Layouts
 //!
@@ -61,7 +73,7 @@ use futures::future::{BoxFuture, join_all};
 use kvbm_logical::{
     BlockId, BlockManager, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
 };
-use kvbm_offload::{BoundTier, block_identity};
+use kvbm_offload::{BoundTier, block_identity, object_key};
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
 use crate::layout::LogicalLayoutHandle;
@@ -188,8 +200,11 @@ impl PhysicalWorker {
         };
         let src_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.0).collect();
         let dst_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.1).collect();
+        let object_keys = (request.src == TierId::G4 || request.dst == TierId::G4)
+            .then(|| request.blocks.iter().map(|b| object_key(b.2)).collect());
         let options = TransferOptions {
             layer_range: request.layers.clone(),
+            object_keys,
             ..TransferOptions::default()
         }
         .identities(request.blocks.iter().map(|b| block_identity(b.2)).collect());
@@ -267,40 +282,72 @@ pub trait ParallelWorkers: Send + Sync {
 /// Every operation on every rank, in-process: see the [module docs](self).
 #[derive(Clone, Debug)]
 pub struct SpmdParallelWorkers {
-    workers: Vec<Arc<PhysicalWorker>>,
+    ranks: Vec<CoordinatedWorker>,
 }
 
 impl SpmdParallelWorkers {
-    /// Over `workers`, which must be ranks `0..n` in order.
+    /// Over `workers`, which must be ranks `0..n` in order, each made a
+    /// [`CoordinatedWorker`] of a world of `n`.
     ///
     /// # Errors
     /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when empty or the
-    /// ranks are not `0..n` in order.
+    /// ranks are not `0..n` in order; as [`CoordinatedWorker::new`] (a rank's G4 storage
+    /// built for another rank or world size).
     pub fn new(workers: Vec<PhysicalWorker>) -> crate::Result<Self> {
-        if workers.is_empty() {
+        let n = workers.len();
+        Self::check_order(workers.iter().map(PhysicalWorker::rank))?;
+        let ranks = workers
+            .into_iter()
+            .map(|w| CoordinatedWorker::new(w, n))
+            .collect::<crate::Result<Vec<_>>>()?;
+        Ok(Self { ranks })
+    }
+
+    /// Over coordinated ranks `0..n` of one world of `n`, in order.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when empty, the
+    /// ranks are not `0..n` in order, or a rank's world size is not `n`.
+    pub fn from_coordinated(ranks: Vec<CoordinatedWorker>) -> crate::Result<Self> {
+        Self::check_order(ranks.iter().map(CoordinatedWorker::rank))?;
+        if let Some(w) = ranks.iter().find(|w| w.world_size() != ranks.len()) {
+            return Err(crate::EngineError::config(
+                "workers",
+                format!(
+                    "{} given with {} ranks; every rank's world size must be the rank count",
+                    w.address(),
+                    ranks.len()
+                ),
+            ));
+        }
+        Ok(Self { ranks })
+    }
+
+    fn check_order(ranks: impl ExactSizeIterator<Item = usize>) -> crate::Result<()> {
+        if ranks.len() == 0 {
             return Err(crate::EngineError::config("workers", "at least one rank"));
         }
-        for (i, w) in workers.iter().enumerate() {
-            if w.rank() != i {
+        for (i, r) in ranks.enumerate() {
+            if r != i {
                 return Err(crate::EngineError::config(
                     "workers",
-                    format!(
-                        "worker {i} has rank {}; ranks must be 0..n in order",
-                        w.rank()
-                    ),
+                    format!("worker {i} has rank {r}; ranks must be 0..n in order"),
                 ));
             }
         }
-        Ok(Self {
-            workers: workers.into_iter().map(Arc::new).collect(),
-        })
+        Ok(())
     }
 }
 
 impl SpmdParallelWorkers {
     /// The ranks, in order.
-    pub fn workers(&self) -> &[Arc<PhysicalWorker>] {
-        &self.workers
+    pub fn ranks(&self) -> &[CoordinatedWorker] {
+        &self.ranks
+    }
+
+    /// The ranks' workers, in order.
+    pub fn workers(&self) -> impl ExactSizeIterator<Item = &Arc<PhysicalWorker>> {
+        self.ranks.iter().map(CoordinatedWorker::worker)
     }
 
     /// Checks that every rank has tier `T` bound ([`PhysicalWorker::with_tier`]) to this very
@@ -310,7 +357,7 @@ impl SpmdParallelWorkers {
     /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) naming the first
     /// rank whose `T` tier is unbound or bound to another manager.
     pub fn check_bound<T: Tier>(&self, manager: &Arc<BlockManager<T>>) -> crate::Result<()> {
-        for w in &self.workers {
+        for w in self.workers() {
             match w.bound::<T>() {
                 Some(b) if Arc::ptr_eq(b.manager(), manager) => {}
                 Some(_) => {
@@ -341,7 +388,7 @@ impl SpmdParallelWorkers {
     /// the tier or the ranks disagree.
     pub fn num_layers<T: Tier>(&self) -> crate::Result<usize> {
         let mut layers = None;
-        for w in &self.workers {
+        for w in self.workers() {
             let n = w
                 .layout(T::ID)
                 .and_then(|h| w.transfer_manager().layout(h).ok())
@@ -370,12 +417,12 @@ impl SpmdParallelWorkers {
 
 impl ParallelWorkers for SpmdParallelWorkers {
     fn world_size(&self) -> usize {
-        self.workers.len()
+        self.ranks.len()
     }
 
     fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<Result<(), String>>> {
         Box::pin(async move {
-            let per_rank = join_all(self.workers.iter().map(|w| w.execute(&request))).await;
+            let per_rank = join_all(self.ranks.iter().map(|w| w.execute(&request))).await;
             let mut merged: Vec<Result<(), String>> = vec![Ok(()); request.blocks.len()];
             for rank in per_rank {
                 for (m, r) in merged.iter_mut().zip(rank) {
@@ -588,6 +635,9 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
         })
     }
 }
+
+pub mod coordinated;
+pub use coordinated::{AddressedRequest, CoordinatedWorker, RankAddress};
 
 #[cfg(test)]
 mod tests;
