@@ -20,6 +20,7 @@ use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{
     DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,
 };
+use kvbm_tiering::stats::names;
 use kvbm_tiering::{
     CacheHitSource, LookupResult, OffloadKey, OffloadingManager, ReqContext, ScheduleEndContext,
     TieringError,
@@ -166,6 +167,7 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
     r.mgr.on_request_finished(&ctx).unwrap();
 
     // A new request: G3-resident keys are pending while the engine promotes them to G2.
+    let _ = r.mgr.get_stats(); // counters from here on
     let ctx2 = ReqContext::new("r2");
     r.mgr.on_new_request(&ctx2).unwrap();
     for k in &keys {
@@ -188,6 +190,29 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
     for k in &keys {
         assert_eq!(r.mgr.lookup(k, &ctx2), LookupResult::Hit);
     }
+    // Stats: 3 G2 misses found in G3 (promoted), then 3 G2 hits; nothing failed or active.
+    let stats = r.mgr.get_stats().expect("stats");
+    assert_eq!(
+        stats.counter(names::CHUNK_QUERIES, Some("0:primary")),
+        Some(6.0)
+    );
+    assert_eq!(
+        stats.counter(names::CHUNK_HITS, Some("0:primary")),
+        Some(3.0)
+    );
+    assert_eq!(
+        stats.counter(names::CHUNK_QUERIES, Some("1:disk")),
+        Some(3.0)
+    );
+    assert_eq!(stats.counter(names::CHUNK_HITS, Some("1:disk")), Some(3.0));
+    assert_eq!(
+        stats.gauge(names::ACTIVE_PROMOTION_JOBS, Some("1:disk")),
+        Some(0.0)
+    );
+    assert_eq!(
+        stats.counter(names::PROMOTION_JOB_FAILURES, Some("1:disk")),
+        None
+    );
 
     // Load: G2 chunks → other GPU slots (3..6), bytes verified.
     let spec = r.mgr.prepare_load(&keys, &ctx2).unwrap();
@@ -234,6 +259,11 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::HitPending);
     r.mgr.settle().await;
     assert_eq!(r.mgr.promotion_failures(), 1);
+    let stats = r.mgr.get_stats().expect("stats");
+    assert_eq!(
+        stats.counter(names::PROMOTION_JOB_FAILURES, Some("1:disk")),
+        Some(1.0)
+    );
     assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Miss, "never a hit");
     assert!(
         r.g2.match_blocks(&[key_hash(&key, 4)]).is_empty(),

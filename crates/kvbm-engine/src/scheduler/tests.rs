@@ -146,7 +146,7 @@ proptest! {
 // ---------------------------------------------------------------------------------------------
 // Evicted keys, touch across tiers, stats.
 
-use kvbm_logical::{EvictionBackend, G3};
+use kvbm_logical::{EvictionBackend, G3, G4};
 use kvbm_tiering::stats::names;
 
 fn lru<T: kvbm_logical::Tier>(blocks: usize, registry: &BlockRegistry) -> Arc<BlockManager<T>> {
@@ -238,7 +238,7 @@ fn prepare_store_on_a_full_g2_returns_exactly_the_evicted_keys_never_its_own() {
 }
 
 #[test]
-fn touch_reaches_g2_and_g3_recency() {
+fn touch_reaches_g2_g3_and_g4_recency() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
@@ -247,9 +247,11 @@ fn touch_reaches_g2_and_g3_recency() {
         let reg = BlockRegistry::new();
         let g2 = lru::<G2>(2, &reg);
         let g3 = lru::<G3>(2, &reg);
+        let g4 = lru::<G4>(2, &reg);
         let leader = InstanceLeader::builder()
             .g2(g2.clone())
             .g3(g3.clone())
+            .g4(g4.clone())
             .build()
             .unwrap();
         let mut m = leader
@@ -260,15 +262,25 @@ fn touch_reaches_g2_and_g3_recency() {
         store(&mut m, &[k(0)], &ctx);
         store(&mut m, &[k(1)], &ctx);
         register(&g3, &[m.hash_of(&k(10)), m.hash_of(&k(11))]);
+        register(&g4, &[m.hash_of(&k(20)), m.hash_of(&k(21))]);
         if touch {
-            m.touch(&[k(0), k(10)], &ctx).unwrap();
+            m.touch(&[k(0), k(10), k(20)], &ctx).unwrap();
         }
         let evicted = store(&mut m, &[k(2)], &ctx);
         let g3_evicted = g3
             .allocate_blocks_with(1, &[] as &[SequenceHash])
             .unwrap()
             .evicted;
+        let g4_evicted = g4
+            .allocate_blocks_with(1, &[] as &[SequenceHash])
+            .unwrap()
+            .evicted;
         if touch {
+            assert_eq!(
+                g4_evicted,
+                vec![m.hash_of(&k(21))],
+                "touched k20 is recent in G4"
+            );
             assert_eq!(evicted, vec![k(1)], "touched k0 is recent in G2");
             assert_eq!(
                 g3_evicted,
@@ -278,6 +290,7 @@ fn touch_reaches_g2_and_g3_recency() {
         } else {
             assert_eq!(evicted, vec![k(0)]);
             assert_eq!(g3_evicted, vec![m.hash_of(&k(10))]);
+            assert_eq!(g4_evicted, vec![m.hash_of(&k(20))]);
         }
     }
 }
