@@ -53,6 +53,9 @@ pub enum EngineError {
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),
+    /// `kvbm-tiering` refused something (e.g. a tier handed to its manager).
+    #[error(transparent)]
+    Tiering(#[from] kvbm_tiering::TieringError),
     /// A G4 presence check failed.
     #[error("G4 presence check: {0}")]
     Presence(#[source] kvbm_offload::PolicyError),
@@ -72,6 +75,15 @@ pub enum EngineError {
         peer: String,
         /// What went wrong.
         message: String,
+    },
+    /// A request addressed to another rank (or another world size) reached this rank; nothing
+    /// was moved.
+    #[error("{this} refused a request addressed to {to}")]
+    WrongRank {
+        /// The rank that refused it.
+        this: crate::worker::RankAddress,
+        /// The address the request carried.
+        to: crate::worker::RankAddress,
     },
     /// The TCP block data plane could not serve or reach `peer`.
     #[error("data plane {peer}: {message}")]

@@ -156,11 +156,12 @@ async fn g2_to_g3(n: usize, batch: usize) -> (Duration, Duration) {
         .batch_size(batch)
         .policy(Arc::new(PresenceFilter::new(registry)))
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::new(
-            tm.clone(),
-            g2_h,
-            g3_h,
-            g3,
+        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+            BlockMover::from_layout(
+                g2_h,
+                &BoundTier::new(tm.clone(), g3_h, g3).expect("bound G3"),
+            )
+            .expect("G2→G3 mover"),
         ))
         .unwrap();
     let blocks: Vec<ExternalBlock> = ids

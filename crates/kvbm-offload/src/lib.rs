@@ -55,6 +55,6 @@ pub use settlement::{
 };
 pub use source::{ExternalBlock, Precondition, PreconditionTrigger, SourceBlock, SourceBlocks};
 pub use transfer::{
-    BlockMover, BlockTransferExecutor, CallerAllocated, MoveOutcome, MoveSource,
+    BlockMover, BlockTransferExecutor, CallerAllocated, ExternalMover, MoveOutcome, MoveSource,
     ObjectTransferExecutor,
 };

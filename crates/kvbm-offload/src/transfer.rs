@@ -24,7 +24,10 @@ use std::sync::Arc;
 use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
-use kvbm_physical::{LayoutHandle, ObjectPutMode, PhysicalError, TransferManager, TransferOptions};
+use kvbm_physical::{
+    LayoutHandle, ObjectPutMode, PhysicalError, TransferCompletion, TransferManager,
+    TransferOptions, TransferOutcome,
+};
 
 use crate::batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
 use crate::bound::BoundTier;
@@ -118,27 +121,102 @@ impl<T: Tier> From<&ResolvedBlock<T>> for MoveSource {
     }
 }
 
-/// The one block move, for every direction (G1↔G2, G2↔G3, …): copies source slots of `Src`
-/// into **caller-allocated** destination blocks of `Dst` and registers each destination whose
-/// bytes arrived.
+/// Issues the transfer of `sources` into `dst_ids` now (the claims on every slot are taken
+/// here); the returned completion settles it. A keyed side is addressed by each source's
+/// [`object_key`] (its slot ids become positions); every block carries its identity
+/// ([`MoveSource::identity`]).
+fn issue(
+    manager: &TransferManager,
+    (src_layout, keyed_src): (LayoutHandle, bool),
+    (dst_layout, keyed_dst): (LayoutHandle, bool),
+    sources: &[MoveSource],
+    dst_ids: &[BlockId],
+) -> Result<TransferCompletion, PhysicalError> {
+    let n = sources.len();
+    let positions = || (0..n).collect::<Vec<BlockId>>();
+    let src_ids: Vec<BlockId> = if keyed_src {
+        positions()
+    } else {
+        sources.iter().map(|s| s.block_id).collect()
+    };
+    let dst_ids: Vec<BlockId> = if keyed_dst {
+        positions()
+    } else {
+        dst_ids.to_vec()
+    };
+    let options = if keyed_src || keyed_dst {
+        TransferOptions::with_object_keys(
+            sources
+                .iter()
+                .map(|s| object_key(s.sequence_hash))
+                .collect(),
+        )
+    } else {
+        TransferOptions::default()
+    };
+    // Every block carries its identity (full digest or sequence hash): a disk slot or object
+    // holding another block is an identity mismatch, never served.
+    let options = options.identities(sources.iter().map(MoveSource::identity).collect());
+    // SAFETY: every destination slot is exclusively the caller's for the transfer: a
+    // `MutableBlock` owned by the move (`BlockMover`), a position of a keyed layout named by a
+    // key unique to its block, or a slot the caller of `ExternalMover::move_blocks` vouched for.
+    #[allow(unused_unsafe)]
+    unsafe {
+        manager.execute_transfer(src_layout, &src_ids, dst_layout, &dst_ids, options)
+    }
+}
+
+/// The per-block results of a settled transfer, in order (a block the manager reported no
+/// outcome for fails).
+fn settle(n: usize, outcome: TransferOutcome) -> Vec<Result<(), BlockFailure>> {
+    let mut out: Vec<Result<(), BlockFailure>> = outcome
+        .blocks
+        .into_iter()
+        .take(n)
+        .map(|(_, r)| r.map_err(physical_failure))
+        .collect();
+    out.resize_with(n, || {
+        Err(BlockFailure::new(
+            BlockFailureKind::Transfer,
+            "transfer manager reported no outcome",
+        ))
+    });
+    out
+}
+
+/// The one block move, for every direction (G1↔G2, G2↔G3, G3→G2, G2→G4 put, G4→G2 get):
+/// copies source slots of `Src` into **caller-allocated** destination blocks of `Dst` and
+/// registers each destination whose bytes arrived.
 ///
 /// ```text
-///  sources (slot ids + hashes) ─┐
-///  destinations: MutableBlock<Dst> (allocated by the caller) ─► TransferManager::execute_transfer
-///                                                                   │ per block
+///  sources (slot ids or keys + identities) ─┐
+///  destinations: MutableBlock<Dst> (allocated by the caller) ─► transfer issued at the call
+///                                                                   │ per block (future)
 ///                         ok: complete(hash) + register ─► ImmutableBlock<Dst>
 ///                         err: the MutableBlock drops (slot back to the reset pool), typed failure
 /// ```
 ///
+/// Keyed variants: a keyed *source* (an object layout, [`keyed_source`](Self::keyed_source))
+/// reads each block from the object named by its sequence hash ([`object_key`]); a keyed
+/// *destination* (a bound object tier, whose manager records presence) writes each block to
+/// that object and registers the presence record once it is written.
+///
 /// The handles make exclusivity a type fact: a `MutableBlock` is owned by this move, so no other
 /// writer can target the slot; the caller keeps the sources alive (an [`ImmutableBlock`], or an
-/// external slot it manages) until the future resolves.
+/// external slot it manages) until the future resolves ([`move_from`](Self::move_from) holds
+/// them in the future).
+///
+/// The transfer is issued when [`move_blocks`](Self::move_blocks) is called, not when its
+/// future is first polled, and the future is `'static` and needs no runtime: a synchronous
+/// caller may poll it without blocking (`now_or_never`) or wait for it
+/// (`futures::executor::block_on`).
 pub struct BlockMover<Src: Tier, Dst: Tier> {
     manager: Arc<TransferManager>,
     src_layout: LayoutHandle,
     dst_layout: LayoutHandle,
     dst: Arc<BlockManager<Dst>>,
-    keyed: bool,
+    keyed_src: bool,
+    keyed_dst: bool,
     _src: std::marker::PhantomData<fn() -> Src>,
 }
 
@@ -149,7 +227,8 @@ impl<Src: Tier, Dst: Tier> Clone for BlockMover<Src, Dst> {
             src_layout: self.src_layout,
             dst_layout: self.dst_layout,
             dst: self.dst.clone(),
-            keyed: self.keyed,
+            keyed_src: self.keyed_src,
+            keyed_dst: self.keyed_dst,
             _src: std::marker::PhantomData,
         }
     }
@@ -162,18 +241,20 @@ impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockMover<Src, Dst> {
             .field("dst", &Dst::ID)
             .field("src_layout", &self.src_layout)
             .field("dst_layout", &self.dst_layout)
+            .field("keyed_src", &self.keyed_src)
+            .field("keyed_dst", &self.keyed_dst)
             .finish()
     }
 }
 
 impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
     /// A mover between two bound tiers (their block ids are their layouts' slot ids, checked
-    /// by [`BoundTier::new`]). A keyed source (an object layout) reads each block from its key.
+    /// by [`BoundTier::new`]). A keyed source (an object layout) reads each block from its key;
+    /// a keyed destination writes each block to its key.
     ///
     /// # Errors
     /// [`OffloadError::InvalidConfig`] when the two tiers are bound to different transfer
-    /// managers, or the destination is keyed (objects are written by
-    /// [`ObjectTransferExecutor`]).
+    /// managers, or both are keyed (object to object).
     pub fn new(src: &BoundTier<Src>, dst: &BoundTier<Dst>) -> Result<Self, OffloadError> {
         if !Arc::ptr_eq(src.transfer_manager(), dst.transfer_manager()) {
             return Err(OffloadError::InvalidConfig(format!(
@@ -182,57 +263,49 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
                 Dst::ID
             )));
         }
+        if src.is_keyed() && dst.is_keyed() {
+            return Err(OffloadError::InvalidConfig(format!(
+                "mover {:?} -> {:?}: both tiers are keyed (object to object)",
+                Src::ID,
+                Dst::ID
+            )));
+        }
         let mut mover = Self::from_layout(src.layout(), dst)?;
-        mover.keyed = src.is_keyed();
+        mover.keyed_src = src.is_keyed();
         Ok(mover)
     }
 
     /// A mover from a source the caller manages outside `kvbm-logical` (e.g. G1 slots of the
-    /// inference engine, or an object layout read by key with
-    /// [`keyed_source`](Self::keyed_source)), registered with `dst`'s transfer manager, into
-    /// the bound tier `dst`.
+    /// inference engine, the slot table of a vLLM-style primary tier, or an object layout read
+    /// by key with [`keyed_source`](Self::keyed_source)), registered with `dst`'s transfer
+    /// manager, into the bound tier `dst` (keyed or not).
     ///
     /// # Errors
-    /// [`OffloadError::InvalidConfig`] when `dst` is keyed.
+    /// [`OffloadError::Setup`] when `src_layout` is not registered with `dst`'s transfer
+    /// manager.
     pub fn from_layout(
         src_layout: LayoutHandle,
         dst: &BoundTier<Dst>,
     ) -> Result<Self, OffloadError> {
-        if dst.is_keyed() {
-            return Err(OffloadError::InvalidConfig(format!(
-                "mover into {:?}: a keyed (object) destination is written by ObjectTransferExecutor",
-                Dst::ID
-            )));
-        }
-        Ok(Self::unchecked(
-            dst.transfer_manager().clone(),
+        dst.transfer_manager().layout(src_layout).map_err(|e| {
+            OffloadError::Setup(format!("mover into {:?}: source layout: {e}", Dst::ID))
+        })?;
+        Ok(Self {
+            manager: dst.transfer_manager().clone(),
             src_layout,
-            dst.layout(),
-            dst.manager().clone(),
-        ))
-    }
-
-    /// A mover with no bound-tier check (the legacy executor constructor).
-    pub(crate) fn unchecked(
-        manager: Arc<TransferManager>,
-        src_layout: LayoutHandle,
-        dst_layout: LayoutHandle,
-        dst: Arc<BlockManager<Dst>>,
-    ) -> Self {
-        Self {
-            manager,
-            src_layout,
-            dst_layout,
-            dst,
-            keyed: false,
+            dst_layout: dst.layout(),
+            dst: dst.manager().clone(),
+            keyed_src: false,
+            keyed_dst: dst.is_keyed(),
             _src: std::marker::PhantomData,
-        }
+        })
     }
 
     /// The source is an object layout (the G4 get side): each block is read from the object
-    /// keyed by its sequence hash ([`object_key`]); source slot ids are ignored.
+    /// keyed by its sequence hash ([`object_key`]); source slot ids are ignored. (A mover
+    /// whose destination is keyed too fails every block: object to object is not a move.)
     pub fn keyed_source(mut self) -> Self {
-        self.keyed = true;
+        self.keyed_src = true;
         self
     }
 
@@ -243,121 +316,243 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
 
     /// Moves `sources[i]` (source slot id and the identity its content must have, see
     /// [`MoveSource`]) into `destinations[i]`; one outcome per block, in order. A length
-    /// mismatch fails every block (nothing is moved).
+    /// mismatch fails every block (nothing is moved). The transfer is issued now; the future
+    /// registers the destinations whose bytes arrived.
     ///
     /// Each destination is registered with the source's hash and digest. A source whose stored
     /// header names another identity fails with
     /// [`IdentityMismatch`](BlockFailureKind::IdentityMismatch), and so does a destination whose
     /// manager already holds the hash under another digest (policy `Reject`): a 64-bit
     /// collision is never served.
-    pub async fn move_blocks<S: Into<MoveSource> + Copy>(
+    pub fn move_blocks<S: Into<MoveSource> + Copy>(
         &self,
         sources: &[S],
         destinations: Vec<MutableBlock<Dst>>,
-    ) -> Vec<MoveOutcome<Dst>> {
+    ) -> impl Future<Output = Vec<MoveOutcome<Dst>>> + Send + 'static + use<Src, Dst, S> {
         let sources: Vec<MoveSource> = sources.iter().map(|s| (*s).into()).collect();
-        let sources = &sources[..];
         let n = sources.len();
-        if destinations.len() != n {
+        let dst = self.dst.clone();
+        let issued = if destinations.len() != n {
             let m = format!("{} sources but {} destinations", n, destinations.len());
-            return fail_all(n, BlockFailureKind::Transfer, &m);
-        }
-        let dst_ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
-        let (src_ids, options): (Vec<BlockId>, _) = if self.keyed {
-            let keys = sources
-                .iter()
-                .map(|s| object_key(s.sequence_hash))
-                .collect();
-            ((0..n).collect(), TransferOptions::with_object_keys(keys))
+            Err(fail_all(n, BlockFailureKind::Transfer, &m))
+        } else if self.keyed_src && self.keyed_dst {
+            let m = "object to object is not a move";
+            Err(fail_all(n, BlockFailureKind::Transfer, m))
         } else {
-            (
-                sources.iter().map(|s| s.block_id).collect(),
-                TransferOptions::default(),
+            let dst_ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
+            issue(
+                &self.manager,
+                (self.src_layout, self.keyed_src),
+                (self.dst_layout, self.keyed_dst),
+                &sources,
+                &dst_ids,
             )
+            .map_err(|e| fail_all_physical(n, e))
         };
-        // Every block carries its identity (full digest or sequence hash): a disk slot or
-        // object holding another block is an identity mismatch, never served.
-        let options = options.identities(sources.iter().map(MoveSource::identity).collect());
-        let completion = match self.manager.execute_transfer(
-            self.src_layout,
-            &src_ids,
-            self.dst_layout,
-            &dst_ids,
-            options,
-        ) {
-            Ok(c) => c,
-            Err(e) => return fail_all_physical(n, e),
-        };
-        let outcome = completion.await;
-        let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
-        let mut complete = Vec::with_capacity(n);
-        let mut complete_idx = Vec::with_capacity(n);
-        for (i, ((mutable, src), (_, r))) in destinations
-            .into_iter()
-            .zip(sources)
-            .zip(outcome.blocks)
-            .enumerate()
-        {
-            match r {
-                Ok(()) => match mutable.complete_with_digest(src.sequence_hash, src.digest) {
-                    Ok(c) => {
-                        complete.push(c);
-                        complete_idx.push(i);
-                    }
-                    Err(e) => {
-                        results[i] = Some(Err(BlockFailure::new(
-                            BlockFailureKind::Transfer,
-                            format!("cannot register in destination: {}", e.error),
-                        )))
-                    }
-                },
-                // The slot goes back to the reset pool; nothing is registered.
-                Err(e) => results[i] = Some(Err(physical_failure(e))),
-            }
+        async move {
+            let completion = match issued {
+                Ok(c) => c,
+                Err(failed) => return failed,
+            };
+            let blocks = settle(n, completion.await);
+            register(&dst, &sources, destinations, blocks)
         }
-        for (i, registered) in complete_idx
-            .into_iter()
-            .zip(self.dst.register_blocks(complete))
-        {
-            // With duplication `Reject`, the manager hands back the block it already holds
-            // under this hash: another block if its digest differs.
-            results[i] = Some(if registered.digest() == sources[i].digest {
-                Ok(registered)
-            } else {
-                Err(BlockFailure::new(
-                    BlockFailureKind::IdentityMismatch,
-                    format!(
-                        "{:?} already holds {} under another identity",
-                        Dst::ID,
-                        sources[i].sequence_hash
-                    ),
-                ))
-            });
-        }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(BlockFailure::new(
-                        BlockFailureKind::Transfer,
-                        "transfer manager reported no outcome",
-                    ))
-                })
-            })
-            .collect()
     }
 
-    /// [`move_blocks`](Self::move_blocks) from registered source blocks, held for the move,
-    /// each expected to have the identity it was registered with ([`MoveSource::of`]). To
-    /// verify a read against the identity a request asked for, pass [`MoveSource`]s built
-    /// from the request to [`move_blocks`](Self::move_blocks).
-    pub async fn move_from(
+    /// [`move_blocks`](Self::move_blocks) from registered source blocks, held by the future
+    /// until the move settles, each expected to have the identity it was registered with
+    /// ([`MoveSource::of`]). To verify a read against the identity a request asked for, pass
+    /// [`MoveSource`]s built from the request to [`move_blocks`](Self::move_blocks).
+    pub fn move_from(
         &self,
         sources: &[ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
-    ) -> Vec<MoveOutcome<Dst>> {
+    ) -> impl Future<Output = Vec<MoveOutcome<Dst>>> + Send + 'static + use<Src, Dst> {
         let ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
-        self.move_blocks(&ids, destinations).await
+        let held: Vec<ImmutableBlock<Src>> = sources.to_vec();
+        let moved = self.move_blocks(&ids, destinations);
+        async move {
+            let out = moved.await;
+            drop(held);
+            out
+        }
+    }
+}
+
+/// Registers each destination whose bytes arrived (`blocks[i]` ok) under its source's hash
+/// and digest; the others drop (slot back to the reset pool).
+fn register<Dst: Tier>(
+    dst: &BlockManager<Dst>,
+    sources: &[MoveSource],
+    destinations: Vec<MutableBlock<Dst>>,
+    blocks: Vec<Result<(), BlockFailure>>,
+) -> Vec<MoveOutcome<Dst>> {
+    let n = sources.len();
+    let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
+    let mut complete = Vec::with_capacity(n);
+    let mut complete_idx = Vec::with_capacity(n);
+    for (i, ((mutable, src), r)) in destinations
+        .into_iter()
+        .zip(sources)
+        .zip(blocks)
+        .enumerate()
+    {
+        match r {
+            Ok(()) => match mutable.complete_with_digest(src.sequence_hash, src.digest) {
+                Ok(c) => {
+                    complete.push(c);
+                    complete_idx.push(i);
+                }
+                Err(e) => {
+                    results[i] = Some(Err(BlockFailure::new(
+                        BlockFailureKind::Transfer,
+                        format!("cannot register in destination: {}", e.error),
+                    )))
+                }
+            },
+            // The slot goes back to the reset pool; nothing is registered.
+            Err(e) => results[i] = Some(Err(e)),
+        }
+    }
+    for (i, registered) in complete_idx.into_iter().zip(dst.register_blocks(complete)) {
+        // With duplication `Reject`, the manager hands back the block it already holds
+        // under this hash: another block if its digest differs.
+        results[i] = Some(if registered.digest() == sources[i].digest {
+            Ok(registered)
+        } else {
+            Err(BlockFailure::new(
+                BlockFailureKind::IdentityMismatch,
+                format!(
+                    "{:?} already holds {} under another identity",
+                    Dst::ID,
+                    sources[i].sequence_hash
+                ),
+            ))
+        });
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(BlockFailure::new(
+                    BlockFailureKind::Transfer,
+                    "transfer manager reported no outcome",
+                ))
+            })
+        })
+        .collect()
+}
+
+/// The one move into slots the caller manages outside `kvbm-logical`: from a bound tier (keyed
+/// or not) into a layout such as G1 of the inference engine or the slot table of a vLLM-style
+/// primary tier. Same transfer, identities and typed per-block failures as [`BlockMover`];
+/// nothing is registered on the destination side (the caller records what arrived).
+///
+/// ```text
+///  ImmutableBlock<Src> / MoveSource ─► transfer issued at the call ─► Ok(()) | BlockFailure per slot
+/// ```
+pub struct ExternalMover<Src: Tier> {
+    manager: Arc<TransferManager>,
+    src_layout: LayoutHandle,
+    keyed_src: bool,
+    dst_layout: LayoutHandle,
+    _src: std::marker::PhantomData<fn() -> Src>,
+}
+
+impl<Src: Tier> Clone for ExternalMover<Src> {
+    fn clone(&self) -> Self {
+        Self {
+            manager: self.manager.clone(),
+            src_layout: self.src_layout,
+            keyed_src: self.keyed_src,
+            dst_layout: self.dst_layout,
+            _src: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<Src: Tier> std::fmt::Debug for ExternalMover<Src> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalMover")
+            .field("src", &Src::ID)
+            .field("src_layout", &self.src_layout)
+            .field("keyed_src", &self.keyed_src)
+            .field("dst_layout", &self.dst_layout)
+            .finish()
+    }
+}
+
+impl<Src: Tier> ExternalMover<Src> {
+    /// A mover from the bound tier `src` into `dst_layout` (registered with `src`'s transfer
+    /// manager), whose slots the caller manages.
+    ///
+    /// # Errors
+    /// [`OffloadError::Setup`] when `dst_layout` is not registered with `src`'s transfer
+    /// manager.
+    pub fn new(src: &BoundTier<Src>, dst_layout: LayoutHandle) -> Result<Self, OffloadError> {
+        src.transfer_manager().layout(dst_layout).map_err(|e| {
+            OffloadError::Setup(format!(
+                "mover out of {:?}: destination layout: {e}",
+                Src::ID
+            ))
+        })?;
+        Ok(Self {
+            manager: src.transfer_manager().clone(),
+            src_layout: src.layout(),
+            keyed_src: src.is_keyed(),
+            dst_layout,
+            _src: std::marker::PhantomData,
+        })
+    }
+
+    /// Moves `sources[i]` (its slot, or its key for a keyed tier, and the identity its content
+    /// must have) into slot `dst_slots[i]` of the destination layout; one outcome per block, in
+    /// order. A length mismatch fails every block (nothing is moved). The transfer is issued
+    /// now. The caller keeps the sources alive (or uses [`move_from`](Self::move_from)) and
+    /// must not read or hand out a destination slot before its outcome arrived.
+    pub fn move_blocks<S: Into<MoveSource> + Copy>(
+        &self,
+        sources: &[S],
+        dst_slots: &[BlockId],
+    ) -> impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src, S> {
+        let sources: Vec<MoveSource> = sources.iter().map(|s| (*s).into()).collect();
+        let n = sources.len();
+        let issued = if dst_slots.len() != n {
+            let m = format!("{} sources but {} destinations", n, dst_slots.len());
+            Err(fail_all(n, BlockFailureKind::Transfer, &m))
+        } else {
+            issue(
+                &self.manager,
+                (self.src_layout, self.keyed_src),
+                (self.dst_layout, false),
+                &sources,
+                dst_slots,
+            )
+            .map_err(|e| fail_all_physical(n, e))
+        };
+        async move {
+            match issued {
+                Ok(c) => settle(n, c.await),
+                Err(failed) => failed,
+            }
+        }
+    }
+
+    /// [`move_blocks`](Self::move_blocks) from held source blocks: `sources[i]`, expected to
+    /// have the identity it was registered with ([`MoveSource::of`]), into `dst_slots[i]`. The
+    /// future holds the sources until the move settles.
+    pub fn move_from(
+        &self,
+        sources: Vec<ImmutableBlock<Src>>,
+        dst_slots: &[BlockId],
+    ) -> impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src> {
+        let ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
+        let moved = self.move_blocks(&ids, dst_slots);
+        async move {
+            let out = moved.await;
+            drop(sources);
+            out
+        }
     }
 }
 
@@ -378,15 +573,12 @@ impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockTransferExecutor<Src, Dst> {
 }
 
 impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
-    /// An executor copying from `src_layout` (whose slot ids are the source blocks' ids) into
-    /// `dst_layout` (whose slot ids are `dst`'s block ids).
-    pub fn new(
-        manager: Arc<TransferManager>,
-        src_layout: LayoutHandle,
-        dst_layout: LayoutHandle,
-        dst: Arc<BlockManager<Dst>>,
-    ) -> Self {
-        Self::from_mover(BlockMover::unchecked(manager, src_layout, dst_layout, dst))
+    /// An executor between two bound tiers (counts checked by [`BoundTier::new`]).
+    ///
+    /// # Errors
+    /// As [`BlockMover::new`].
+    pub fn new(src: &BoundTier<Src>, dst: &BoundTier<Dst>) -> Result<Self, OffloadError> {
+        Ok(Self::from_mover(BlockMover::new(src, dst)?))
     }
 
     /// An executor over `mover`.

@@ -65,11 +65,12 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     let pipeline = PipelineBuilder::<G2, G3>::new()
         .policy(Arc::new(PresenceFilter::new(registry.clone())))
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::new(
-            tm.clone(),
-            g2_h,
-            g3_h,
-            g3.clone(),
+        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+            BlockMover::from_layout(
+                g2_h,
+                &BoundTier::new(tm.clone(), g3_h, g3.clone()).expect("bound G3"),
+            )
+            .expect("G2→G3 mover"),
         ))
         .unwrap();
 
@@ -158,11 +159,12 @@ async fn failed_transfer_reports_why_and_registers_nothing() {
     let pipeline = PipelineBuilder::<G2, G3>::new()
         .min_batch_size(1)
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::new(
-            tm,
-            g2_h,
-            g3_h,
-            g3.clone(),
+        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+            BlockMover::from_layout(
+                g2_h,
+                &BoundTier::new(tm, g3_h, g3.clone()).expect("bound G3"),
+            )
+            .expect("G2→G3 mover"),
         ))
         .unwrap();
     // Slot 99 does not exist in the source layout: the transfer manager refuses the batch.

@@ -305,11 +305,12 @@ async fn g2_g3_g2_round_trip_on_o_direct_through_the_upward_lane() {
 
     let down = PipelineBuilder::<G2, G3>::new()
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::new(
-            tm.clone(),
-            g2_h,
-            g3_h,
-            g3.clone(),
+        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+            BlockMover::from_layout(
+                g2_h,
+                &BoundTier::new(tm.clone(), g3_h, g3.clone()).expect("bound G3"),
+            )
+            .expect("G2→G3 mover"),
         ))
         .unwrap();
     let arrived: Arc<Mutex<Vec<ImmutableBlock<G2>>>> = Arc::default();

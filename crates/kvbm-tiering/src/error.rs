@@ -75,6 +75,9 @@ pub enum TieringError {
     /// Bytes layer error (allocating or moving primary memory).
     #[error(transparent)]
     Physical(#[from] kvbm_physical::PhysicalError),
+    /// A seam of kvbm-offload refused (binding a tier, building a mover).
+    #[error(transparent)]
+    Offload(#[from] kvbm_offload::OffloadError),
     /// The manager was shut down.
     #[error("{call}: manager is shut down")]
     Shutdown {

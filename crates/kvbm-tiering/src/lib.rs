@@ -22,7 +22,7 @@ pub use worker::{OffloadingWorker, TransferOffloadingWorker};
 pub mod tiering;
 
 pub use tiering::{
-    AsyncLookup, BackpressureDetector, DropPolicy, EmaConfig, InMemoryTier, JobId, JobResult,
-    ParentManager, PhysicalTier, SecondaryTierManager, TieringConfig, TieringOffloadingManager,
-    TransferJob, UpstreamFixes,
+    AsyncLookup, BackpressureDetector, DiskTier, DropPolicy, EmaConfig, InMemoryTier, JobId,
+    JobResult, ObjectTier, ParentManager, PhysicalTier, SecondaryTierManager, TieringConfig,
+    TieringOffloadingManager, TransferJob, UpstreamFixes,
 };

@@ -1,12 +1,20 @@
 //! End to end through real storage: a disk tier (G3, a real file with O_DIRECT where the file
 //! system allows it) and an object tier (G4, the S3-compatible server `cargo xtask services`
 //! starts). Chunks are written into pinned primary slots, cascaded to the tier, evicted from the
-//! primary, promoted back, and their bytes compared.
+//! primary, promoted back, and their bytes compared. Every move goes through kvbm-offload's one
+//! move (`BlockMover` into the tier's `BoundTier`, `ExternalMover` out of it); typed per-block
+//! failures map to the tier's handling (corrupt or vanished copies are dropped, never served).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbm_physical::{DiskConfig, ObjectConfig, ObjectStorage, S3Config, TransferManager};
+use kvbm_logical::{BlockManager, G3, Tier};
+use kvbm_offload::{BlockFailureKind, BoundTier};
+use kvbm_physical::{
+    Backing, DiskConfig, ObjectConfig, ObjectKey, ObjectStorage, PhysicalLayout, S3Config,
+    TransferManager,
+};
+use kvbm_tiering::tiering::{TIER_BLOCK_SIZE, key_digest, key_hash};
 use kvbm_tiering::*;
 
 const CHUNK: usize = 8192;
@@ -52,7 +60,34 @@ fn store(m: &mut TieringOffloadingManager, c: &ReqContext, keys: &[u64]) {
     m.complete_store(&o.keys_to_store, c, true).unwrap();
 }
 
-fn round_trip(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier) {
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvbm-tiering-e2e");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(format!("{name}-{}.bin", std::process::id()))
+}
+
+/// Every key the tier holds is a block of its bound manager, registered under the key's hash
+/// with the key's digest as its identity (the one move registered it).
+fn assert_registered<T: Tier>(tier: &PhysicalTier<T>, keys: &[u64]) {
+    let manager = tier.bound().manager();
+    for &i in keys {
+        let hash = key_hash(&k(i), manager.block_size());
+        let found = manager.scan_matches(&[hash]);
+        assert_eq!(found.len(), 1, "key {i} registered in the tier's manager");
+        assert_eq!(
+            found[0].digest(),
+            Some(key_digest(&k(i))),
+            "identity of {i}"
+        );
+        assert_eq!(
+            tier.block_id(&k(i)),
+            Some(found[0].block_id()),
+            "the tier holds the registered block of {i}"
+        );
+    }
+}
+
+fn round_trip<T: Tier>(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier<T>) {
     let tm = Arc::new(TransferManager::new().unwrap());
     let primary =
         CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(4), CHUNK, tm).unwrap();
@@ -67,7 +102,9 @@ fn round_trip(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier) {
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1, 2, 3]);
     settle(&mut m);
-    assert_eq!(m.tier_mut::<PhysicalTier>(0).unwrap().num_ready(), 4);
+    let tier = m.tier_mut::<PhysicalTier<T>>(0).unwrap();
+    assert_eq!(tier.num_ready(), 4);
+    assert_registered(tier, &[0, 1, 2, 3]);
     // evict 0..3 from the primary
     store(&mut m, &c, &[10, 11, 12, 13]);
     settle(&mut m);
@@ -98,18 +135,24 @@ fn round_trip(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier) {
 
 #[test]
 fn disk_tier_round_trip_bytes_verified() {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvbm-tiering-e2e");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("g3-{}.bin", std::process::id()));
-    round_trip(|p| PhysicalTier::disk(p, &DiskConfig::new(&path), 16).unwrap());
+    let path = scratch("g3");
+    round_trip(|p| {
+        let t = PhysicalTier::disk(p, &DiskConfig::new(&path), 16).unwrap();
+        let tm = t.bound().transfer_manager();
+        if let Backing::Disk(d) = tm.layout(t.bound().layout()).unwrap().backing() {
+            assert!(
+                d.capabilities().direct_io,
+                "the G3 file is opened with O_DIRECT"
+            );
+        }
+        t
+    });
     let _ = std::fs::remove_file(&path);
 }
 
 #[test]
 fn disk_tier_evicts_oldest_when_full() {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvbm-tiering-e2e");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("g3-small-{}.bin", std::process::id()));
+    let path = scratch("g3-small");
     let tm = Arc::new(TransferManager::new().unwrap());
     let primary =
         CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(4), CHUNK, tm).unwrap();
@@ -126,7 +169,7 @@ fn disk_tier_evicts_oldest_when_full() {
     settle(&mut m);
     store(&mut m, &c, &[2]);
     settle(&mut m);
-    let t = m.tier_mut::<PhysicalTier>(0).unwrap();
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
     assert_eq!(t.num_ready(), 2);
     assert_eq!(t.lookup(&k(0), &c), LookupResult::Miss, "oldest evicted");
     assert_eq!(t.lookup(&k(2), &c), LookupResult::Hit);
@@ -150,14 +193,12 @@ fn object_tier_round_trip_bytes_verified() {
         ..ObjectConfig::default()
     };
     let storage = Arc::new(ObjectStorage::s3(&cfg, oc).unwrap());
-    round_trip(|p| PhysicalTier::object(p, storage, "chunk-").unwrap());
+    round_trip(|p| PhysicalTier::object(p, storage, 64).unwrap());
 }
 
 #[test]
 fn corrupted_disk_chunk_is_never_served() {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvbm-tiering-e2e");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("g3-corrupt-{}.bin", std::process::id()));
+    let path = scratch("g3-corrupt");
     let tm = Arc::new(TransferManager::new().unwrap());
     let primary =
         CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
@@ -184,10 +225,203 @@ fn corrupted_disk_chunk_is_never_served() {
         LookupResult::Miss,
         "a chunk that failed verification reads MISS"
     );
-    assert_eq!(
-        m.tier_mut::<PhysicalTier>(0).unwrap().lookup(&k(0), &c),
-        LookupResult::Miss
-    );
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    assert_eq!(t.lookup(&k(0), &c), LookupResult::Miss);
+    assert!(t.failures(BlockFailureKind::ChecksumMismatch) >= 1);
     m.primary().manager().check_invariants().unwrap();
     let _ = std::fs::remove_file(&path);
+}
+
+/// The primary tier and a tiering manager over one disk tier of `slots` slots in `path`.
+fn disk_manager(path: &std::path::Path, slots: usize) -> TieringOffloadingManager {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let primary =
+        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
+    let tier = PhysicalTier::disk(&primary, &DiskConfig::new(path), slots).unwrap();
+    TieringOffloadingManager::with_primary(
+        primary,
+        vec![Box::new(tier)],
+        UpstreamFixes::default(),
+        false,
+    )
+}
+
+#[test]
+fn corrupt_slot_is_a_checksum_failure_that_drops_only_that_copy() {
+    let path = scratch("g3-one-corrupt");
+    let mut m = disk_manager(&path, 8);
+    let c = ReqContext::new("r");
+    m.on_new_request(&c).unwrap();
+    store(&mut m, &c, &[0, 1]);
+    settle(&mut m);
+    store(&mut m, &c, &[2, 3]); // 0 and 1 leave the primary
+    settle(&mut m);
+    // Damage key 0's slot only (the payload's first sector).
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    let slot = t.block_id(&k(0)).expect("key 0 is in the tier");
+    let layout = t
+        .bound()
+        .transfer_manager()
+        .layout(t.bound().layout())
+        .unwrap();
+    let Backing::Disk(d) = layout.backing() else {
+        panic!("a disk layout")
+    };
+    let offset = d.slot_offset(slot) as usize;
+    let mut bytes = std::fs::read(&path).unwrap();
+    for b in &mut bytes[offset..offset + 512] {
+        *b ^= 0xFF;
+    }
+    std::fs::write(&path, bytes).unwrap();
+
+    assert_eq!(m.lookup(&k(0), &c), LookupResult::HitPending);
+    settle(&mut m);
+    assert_eq!(
+        m.lookup(&k(0), &c),
+        LookupResult::Miss,
+        "a corrupt copy is not a hit"
+    );
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    assert_eq!(t.failures(BlockFailureKind::ChecksumMismatch), 1);
+    assert_eq!(
+        t.lookup(&k(0), &c),
+        LookupResult::Miss,
+        "the copy was dropped"
+    );
+    assert_eq!(t.block_id(&k(0)), None);
+    assert_eq!(
+        t.lookup(&k(1), &c),
+        LookupResult::Hit,
+        "the other copy stays"
+    );
+    // The intact neighbour still promotes with its own bytes.
+    assert_eq!(m.lookup(&k(1), &c), LookupResult::HitPending);
+    settle(&mut m);
+    assert_eq!(m.lookup(&k(1), &c), LookupResult::Hit);
+    assert_eq!(m.primary().chunk(&k(1)).unwrap(), pattern(1).as_slice());
+    // Key 0 can be stored again, and then reads its new bytes.
+    store(&mut m, &c, &[0]);
+    settle(&mut m);
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    assert_eq!(t.lookup(&k(0), &c), LookupResult::Hit, "stored again");
+    assert_registered(t, &[0]);
+    m.on_request_finished(&c).unwrap();
+    m.primary().manager().check_invariants().unwrap();
+    m.shutdown().unwrap();
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn tier_over_a_caller_owned_bound_tier() {
+    let path = scratch("g3-bound");
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let primary =
+        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm.clone()).unwrap();
+    let layout = CpuPrimaryTier::block_layout(4, CHUNK).unwrap();
+    let g3_h = tm
+        .register_layout(PhysicalLayout::create_disk(layout, &DiskConfig::new(&path)).unwrap())
+        .unwrap();
+    // The caller's manager: 16 tokens per block (its own geometry), four slots.
+    let manager = Arc::new(
+        BlockManager::<G3>::builder()
+            .block_count(4)
+            .block_size(16)
+            .build()
+            .unwrap(),
+    );
+    let bound = BoundTier::new(tm.clone(), g3_h, manager.clone()).unwrap();
+    // A transfer manager other than the primary's is refused, naming why.
+    let other = Arc::new(TransferManager::new().unwrap());
+    let other_h = other
+        .register_layout(
+            PhysicalLayout::allocate_host(
+                CpuPrimaryTier::block_layout(4, CHUNK).unwrap(),
+                kvbm_physical::PinPolicy::Unpinned,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let foreign = BoundTier::new(other, other_h, manager.clone()).unwrap();
+    assert!(matches!(
+        PhysicalTier::over(&primary, foreign),
+        Err(TieringError::Config(_))
+    ));
+
+    let tier = PhysicalTier::over(&primary, bound).unwrap();
+    assert_eq!(tier.tier_type(), "disk");
+    let mut m = TieringOffloadingManager::with_primary(
+        primary,
+        vec![Box::new(tier)],
+        UpstreamFixes::default(),
+        false,
+    );
+    let c = ReqContext::new("r");
+    m.on_new_request(&c).unwrap();
+    store(&mut m, &c, &[0, 1]);
+    settle(&mut m);
+    assert_registered(m.tier_mut::<DiskTier>(0).unwrap(), &[0, 1]);
+    assert_eq!(
+        manager.pool_counts().active,
+        2,
+        "the tier holds its two blocks"
+    );
+    store(&mut m, &c, &[2, 3]);
+    settle(&mut m);
+    assert_eq!(m.lookup(&k(0), &c), LookupResult::HitPending);
+    settle(&mut m);
+    assert_eq!(m.primary().chunk(&k(0)).unwrap(), pattern(0).as_slice());
+    m.on_request_finished(&c).unwrap();
+    m.shutdown().unwrap();
+    // The caller's layout stays registered (the tier does not own it).
+    assert!(tm.layout(g3_h).is_ok());
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn vanished_object_is_not_found_and_clears_presence() {
+    let Some(s3) = kvbm_tests::services::s3("vanished_object_is_not_found_and_clears_presence")
+    else {
+        return;
+    };
+    let cfg = S3Config {
+        endpoint: Some(s3.endpoint.clone()),
+        bucket: s3.bucket.clone(),
+        region: "us-east-1".into(),
+        access_key: s3.access_key.clone(),
+        secret_key: s3.secret_key.clone(),
+    };
+    let oc = ObjectConfig {
+        namespace: format!("tiering-e2e-gone-{}", std::process::id()),
+        ..ObjectConfig::default()
+    };
+    let storage = Arc::new(ObjectStorage::s3(&cfg, oc).unwrap());
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let primary =
+        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
+    let tier = PhysicalTier::object(&primary, storage.clone(), 64).unwrap();
+    let mut m = TieringOffloadingManager::with_primary(
+        primary,
+        vec![Box::new(tier)],
+        UpstreamFixes::default(),
+        false,
+    );
+    let c = ReqContext::new("r");
+    m.on_new_request(&c).unwrap();
+    store(&mut m, &c, &[0, 1]);
+    settle(&mut m);
+    store(&mut m, &c, &[2, 3]);
+    settle(&mut m);
+    // Delete key 0's object behind the tier's back.
+    let name = ObjectKey::from_u128(key_hash(&k(0), TIER_BLOCK_SIZE).as_u128());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(storage.delete(&name)).unwrap();
+    assert_eq!(m.lookup(&k(0), &c), LookupResult::HitPending);
+    settle(&mut m);
+    assert_eq!(m.lookup(&k(0), &c), LookupResult::Miss, "not a hit");
+    let t = m.tier_mut::<ObjectTier>(0).unwrap();
+    assert_eq!(t.failures(BlockFailureKind::NotFound), 1);
+    assert_eq!(t.lookup(&k(0), &c), LookupResult::Miss, "presence cleared");
+    assert_eq!(t.lookup(&k(1), &c), LookupResult::Hit);
+    m.on_request_finished(&c).unwrap();
+    m.shutdown().unwrap();
 }

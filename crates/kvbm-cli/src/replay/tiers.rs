@@ -794,11 +794,15 @@ impl Tiers {
         if let Some(g2t) = &g2 {
             if let Some(g3t) = &g3 {
                 let exec = RecordingG3Executor {
-                    inner: BlockTransferExecutor::<G2, G3>::new(
-                        tm.clone(),
-                        g2t.handle,
-                        g3t.handle,
-                        g3t.manager.clone(),
+                    inner: BlockTransferExecutor::<G2, G3>::from_mover(
+                        kvbm_offload::BlockMover::from_layout(
+                            g2t.handle,
+                            &kvbm_offload::BoundTier::new(
+                                tm.clone(),
+                                g3t.handle,
+                                g3t.manager.clone(),
+                            )?,
+                        )?,
                     ),
                     g2_layout: g2t.layout.clone(),
                     checksums: g3t.checksums.clone(),

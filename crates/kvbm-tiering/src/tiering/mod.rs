@@ -14,4 +14,6 @@ pub use backpressure::{BackpressureDetector, DropPolicy, EmaConfig};
 pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob};
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
-pub use physical::{PhysicalTier, key_identity};
+pub use physical::{
+    DiskTier, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, key_digest, key_hash, key_identity,
+};

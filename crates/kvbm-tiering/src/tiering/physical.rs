@@ -1,40 +1,70 @@
-//! `PhysicalTier`: a secondary tier whose bytes live in kvbm-physical storage — G3 disk (one
+//! `PhysicalTier<T>`: a secondary tier whose bytes live in kvbm-physical storage — G3 disk (one
 //! `fallocate`d file of fixed slots, O_DIRECT through io_uring, checksummed header per block) or
-//! G4 objects (one object per chunk, checksummed) — moved by kvbm-physical's `TransferManager`
-//! between the primary tier's pinned host slots and the tier.
+//! G4 objects (one object per chunk, checksummed) — owned as a [`BoundTier<T>`] (a
+//! `BlockManager<T>` bound to the layout) and moved by kvbm-offload's one move: [`BlockMover`]
+//! from the primary tier's pinned host slots into the tier (store), [`ExternalMover`] from the
+//! tier into the primary's slots (load).
 //!
-//! Bookkeeping (scheduler thread only):
+//! # Keys
+//!
+//! vLLM's `OffloadKey` (block hash bytes and group index) is digested once ([`key_digest`]: a
+//! domain-separated 256-bit BLAKE3 digest of every key byte). The digest is the block's identity
+//! in the tier's manager and in every disk slot's or object's header ([`key_identity`]); its
+//! first 128 bits, with the low bits set to the manager's block size, are the sequence hash the
+//! manager registers the block under ([`key_hash`]), and, for objects, name the object
+//! (`<namespace>/<hash hex>`, kvbm-offload's `object_key`).
+//!
+//! # Bookkeeping (scheduler thread only)
 //!
 //! ```text
-//! submit_store: key absent → slot allocated (free list, else the oldest ready unread key is
-//!               evicted; a full tier of busy keys drops the key) → Writing ──copy ok──► Ready
-//!                                                                   └─copy failed─► freed
-//! submit_load:  every key Ready → readers+1 ─► copy into the reserved primary slots ─► readers-1
-//!               (a key whose read fails verification is dropped: it reads MISS afterwards)
+//! submit_store: key absent → MutableBlock<T> allocated from the bound tier (when the manager has
+//!               none to give, the oldest ready unread key is dropped and allocation retried; a
+//!               tier full of busy keys drops the store) → Writing ─ BlockMover ─┬ ok: Ready
+//!               (holds the registered ImmutableBlock<T>)                        └ failed: forgotten
+//! submit_load:  every key Ready → readers+1 ─ ExternalMover into the reserved primary slots
+//!               (the future holds the source blocks) ─► readers-1
 //! ```
 //!
+//! A key is Ready while the tier holds its `ImmutableBlock<T>`; dropping it (eviction, a copy
+//! that failed verification) returns the block to the manager's inactive pool, from which the
+//! manager reuses it. The tier's key map is the source of truth for presence; the manager is
+//! never asked by hash, so a block it still holds inactive is never served again.
+//!
+//! # Failures
+//!
+//! A load reports a typed failure per block ([`BlockFailureKind`]), mapped to the tiering
+//! manager's handling:
+//!
+//! | kind | the tier's copy | the job |
+//! |---|---|---|
+//! | `ChecksumMismatch` (corrupt bytes or header) | dropped: reads `MISS` | failed |
+//! | `IdentityMismatch` (another chunk's bytes) | dropped | failed |
+//! | `NotFound` (object vanished) | presence cleared | failed |
+//! | `Io`, `Timeout`, `Cancelled`, others | kept (a retry may succeed) | failed |
+//!
+//! A failed store forgets the key (its destination block went back to the manager unregistered).
 //! Jobs complete asynchronously on the transfer manager's runtime; `get_finished_jobs` polls the
-//! completions without blocking, `drain_jobs` waits for all. A job is reported exactly once.
-//! Object chunks are named `<namespace>/<tier prefix><key hex>`; the object side's block ids
-//! are positions, as kvbm-physical defines them.
+//! moves without blocking, `drain_jobs` waits for all. A job is reported exactly once.
 //!
-//! # Identity
-//!
-//! Every transfer, both ways, passes each chunk's identity ([`key_identity`]: a 256-bit BLAKE3
-//! digest of the full `OffloadKey` bytes, i.e. vLLM's block hash and group index). It is
-//! written into the disk slot's or object's header on store and required on load, so a slot
-//! reused for another key, a file written by another instance, or an object under a copied or
-//! colliding name is an identity mismatch: the read fails, the key is dropped and reads MISS,
-//! never another chunk's bytes. Why this tier does not go through `kvbm-offload`'s `BlockMover`:
-//! see the crate README ("Real-byte tiers and the one move").
+//! A copy dropped for failing verification leaves the manager's view too: a manager the tier
+//! built has its inactive blocks evicted at once; a caller's manager keeps the stale block
+//! inactive until its policy evicts it, and any read of it fails verification again. Keep the
+//! caller's manager on `DuplicationPolicy::Allow` (the default) so a key stored again registers
+//! its new block rather than being handed the stale one.
 
 use std::sync::Arc;
 
 use futures::FutureExt;
+use futures::future::BoxFuture;
 use hashbrown::HashMap;
+use kvbm_logical::{
+    BlockDigest, BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
+};
+use kvbm_offload::{
+    BlockFailure, BlockFailureKind, BlockMover, BoundTier, ExternalMover, MoveOutcome, MoveSource,
+};
 use kvbm_physical::{
-    BlockId, BlockIdentity, DiskConfig, LayoutHandle, ObjectKey, ObjectStorage, PhysicalLayout,
-    TransferCompletion, TransferManager, TransferOptions,
+    BlockId, BlockIdentity, DiskConfig, LayoutHandle, ObjectStorage, PhysicalLayout,
 };
 
 use crate::cpu::CpuPrimaryTier;
@@ -45,153 +75,221 @@ use crate::tiering::backpressure::BackpressureDetector;
 use crate::tiering::base::{JobId, JobResult, SecondaryTierManager, TransferJob};
 use crate::types::{Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext};
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum State {
-    Writing,
-    Ready,
+/// Tokens per block of the managers this module builds: a chunk is one block, and the sequence
+/// hashes of [`key_hash`] carry no token geometry.
+pub const TIER_BLOCK_SIZE: u32 = 1;
+
+/// The digest of a key: domain-separated 256-bit BLAKE3 of the key's bytes (block hash and group
+/// index; a key may be up to 39 bytes, more than a 32-byte identity holds, so it is digested,
+/// not copied).
+pub fn key_digest(key: &OffloadKey) -> BlockDigest {
+    let mut h = blake3::Hasher::new();
+    h.update(b"kvbm-tiering-offload-key-v1");
+    h.update(&[key.as_bytes().len() as u8]);
+    h.update(key.as_bytes());
+    BlockDigest(*h.finalize().as_bytes())
 }
 
-struct Entry {
-    slot: u32,
-    state: State,
+/// The sequence hash a key is registered under in a tier's `BlockManager` of `block_size`
+/// tokens per block: the first 128 bits of [`key_digest`], low 4 bits replaced by
+/// `log2(block_size)` (the field `SequenceHash` keeps its block size in). Deterministic, so any
+/// process derives the same hash (and object name) from the same key.
+///
+/// # Panics
+/// If `block_size` is not a power of two in `1..=1024` (a manager refuses any other).
+pub fn key_hash(key: &OffloadKey, block_size: u32) -> SequenceHash {
+    assert!(
+        block_size.is_power_of_two() && block_size <= 1024,
+        "a manager's block size is a power of two in 1..=1024, not {block_size}"
+    );
+    let raw = key_digest(key).as_u128();
+    SequenceHash::from_u128((raw & !0xF) | u128::from(block_size.trailing_zeros()))
+}
+
+/// The identity a chunk's header carries in a disk slot or object, and which a load requires:
+/// [`key_digest`] as a `BlockIdentity` (kvbm-offload's `identity_of(hash, Some(digest))`).
+pub fn key_identity(key: &OffloadKey) -> BlockIdentity {
+    BlockIdentity::from_bytes(key_digest(key).0)
+}
+
+struct Entry<T: Tier> {
+    /// The registered block while the key is Ready; `None` while it is being written.
+    block: Option<ImmutableBlock<T>>,
     readers: u32,
 }
 
 struct JobMeta {
     job_id: JobId,
-    is_promotion: bool,
     keys: Vec<OffloadKey>,
     bytes: u64,
     started: std::time::Instant,
 }
 
-struct Inflight {
+enum Move<T: Tier> {
+    Store(BoxFuture<'static, Vec<MoveOutcome<T>>>),
+    Load(BoxFuture<'static, Vec<std::result::Result<(), BlockFailure>>>),
+}
+
+struct Inflight<T: Tier> {
     meta: JobMeta,
-    completion: TransferCompletion,
+    mv: Move<T>,
 }
 
-enum Backend {
-    Disk,
-    Object { prefix: String },
+enum Settled<T: Tier> {
+    Store(Vec<MoveOutcome<T>>),
+    Load(Vec<std::result::Result<(), BlockFailure>>),
 }
 
-/// The identity a chunk's header carries in a disk slot or object, and which a load requires: a
-/// domain-separated 256-bit BLAKE3 digest of the key's bytes (block hash and group index; a key
-/// may be up to 39 bytes, more than a 32-byte identity holds, so it is digested, not copied).
-pub fn key_identity(key: &OffloadKey) -> BlockIdentity {
-    let mut h = blake3::Hasher::new();
-    h.update(b"kvbm-tiering-offload-key-v1");
-    h.update(&[key.as_bytes().len() as u8]);
-    h.update(key.as_bytes());
-    BlockIdentity::from_bytes(*h.finalize().as_bytes())
+impl<T: Tier> Inflight<T> {
+    fn poll_now(&mut self) -> Option<Settled<T>> {
+        match &mut self.mv {
+            Move::Store(f) => f.now_or_never().map(Settled::Store),
+            Move::Load(f) => f.now_or_never().map(Settled::Load),
+        }
+    }
+
+    fn wait(self) -> (JobMeta, Settled<T>) {
+        let settled = match self.mv {
+            Move::Store(f) => Settled::Store(futures::executor::block_on(f)),
+            Move::Load(f) => Settled::Load(futures::executor::block_on(f)),
+        };
+        (self.meta, settled)
+    }
 }
 
-/// A G3 (disk) or G4 (object) secondary tier over kvbm-physical.
-pub struct PhysicalTier {
+/// A disk tier ([`PhysicalTier::disk`]).
+pub type DiskTier = PhysicalTier<G3>;
+/// An object tier ([`PhysicalTier::object`]).
+pub type ObjectTier = PhysicalTier<G4>;
+
+/// A G3 (disk) or G4 (object) secondary tier over a [`BoundTier<T>`], moving bytes with the one
+/// move (see the [module docs](self)).
+pub struct PhysicalTier<T: Tier> {
     tier_type: String,
     medium: Medium,
     locality: Locality,
     chunk_bytes: usize,
-    tm: Arc<TransferManager>,
-    primary: LayoutHandle,
-    tier: LayoutHandle,
-    backend: Backend,
-    capacity: usize,
-    entries: HashMap<OffloadKey, Entry>,
+    bound: BoundTier<T>,
+    store: BlockMover<G2, T>,
+    load: ExternalMover<T>,
+    /// Registered by this tier's own constructor (unregistered at shutdown).
+    owned_layout: Option<LayoutHandle>,
+    entries: HashMap<OffloadKey, Entry<T>>,
     ready_order: LinkedKeySet,
-    free: Vec<u32>,
-    next_slot: u32,
-    inflight: Vec<Inflight>,
+    inflight: Vec<Inflight<T>>,
     done: Vec<JobResult>,
     detector: Option<BackpressureDetector>,
+    failures: HashMap<BlockFailureKind, u64>,
 }
 
-impl PhysicalTier {
-    fn primary_of(primary: &CpuPrimaryTier) -> Result<(Arc<TransferManager>, LayoutHandle)> {
-        let (tm, h) = primary.transfer().ok_or_else(|| {
+impl<T: Tier> PhysicalTier<T> {
+    /// A tier over `tier`, a bound tier the caller owns (its manager and layout; the layout's
+    /// block geometry is `primary`'s, i.e. built with [`CpuPrimaryTier::block_layout`]), registered with the same transfer manager as
+    /// `primary`'s memory. A keyed (object) tier reports type `obj` and remote locality, another
+    /// `disk` and local; [`with_tier_type`](Self::with_tier_type) renames it.
+    ///
+    /// # Errors
+    /// [`TieringError::Config`] when `primary` is not registered with a transfer manager, or
+    /// with another one than `tier`, or the layout's block geometry differs from the primary's;
+    /// [`TieringError::Offload`] when the movers cannot be built.
+    pub fn over(primary: &CpuPrimaryTier, tier: BoundTier<T>) -> Result<Self> {
+        let (tm, primary_h) = primary.transfer().ok_or_else(|| {
             TieringError::Config(
                 "the primary tier's memory is not registered with a TransferManager \
                  (build it with CpuPrimaryTier::with_transfer_manager)"
                     .into(),
             )
         })?;
-        Ok((tm.clone(), h))
-    }
-
-    fn new(
-        primary: &CpuPrimaryTier,
-        tier_type: &str,
-        medium: Medium,
-        locality: Locality,
-        layout: PhysicalLayout,
-        backend: Backend,
-        capacity: usize,
-    ) -> Result<Self> {
-        let (tm, ph) = Self::primary_of(primary)?;
-        let th = tm.register_layout(layout)?;
+        if !Arc::ptr_eq(tm, tier.transfer_manager()) {
+            return Err(TieringError::Config(format!(
+                "tier {:?}: bound to another transfer manager than the primary tier's memory",
+                T::ID
+            )));
+        }
+        let theirs = *tm.layout(tier.layout())?.layout().config();
+        let ours = *tm.layout(primary_h)?.layout().config();
+        if !theirs.same_block_geometry(&ours) {
+            return Err(TieringError::Config(format!(
+                "tier {:?}: block geometry {theirs:?} differs from the primary's chunks \
+                 {ours:?} (build the layout with CpuPrimaryTier::block_layout)",
+                T::ID
+            )));
+        }
+        let store = BlockMover::<G2, T>::from_layout(primary_h, &tier)?;
+        let load = ExternalMover::new(&tier, primary_h)?;
+        let (tier_type, locality) = if tier.is_keyed() {
+            ("obj", Locality::Remote)
+        } else {
+            ("disk", Locality::Local)
+        };
         Ok(Self {
             tier_type: tier_type.into(),
-            medium,
+            medium: Medium::Storage,
             locality,
             chunk_bytes: primary.chunk_bytes(),
-            tm,
-            primary: ph,
-            tier: th,
-            backend,
-            capacity,
+            bound: tier,
+            store,
+            load,
+            owned_layout: None,
             entries: HashMap::new(),
             ready_order: LinkedKeySet::new(),
-            free: Vec::new(),
-            next_slot: 0,
             inflight: Vec::new(),
             done: Vec::new(),
             detector: None,
+            failures: HashMap::new(),
         })
     }
 
-    /// A disk tier of `capacity` chunk slots in the file `config.path`.
-    pub fn disk(primary: &CpuPrimaryTier, config: &DiskConfig, capacity: usize) -> Result<Self> {
-        let layout = CpuPrimaryTier::block_layout(capacity, primary.chunk_bytes())?;
-        let disk = PhysicalLayout::create_disk(layout, config)?;
-        Self::new(
-            primary,
-            "disk",
-            Medium::Storage,
-            Locality::Local,
-            disk,
-            Backend::Disk,
-            capacity,
-        )
+    fn owning(primary: &CpuPrimaryTier, layout: PhysicalLayout, blocks: usize) -> Result<Self> {
+        let tm = primary
+            .transfer()
+            .map(|(tm, _)| tm.clone())
+            .ok_or_else(|| {
+                TieringError::Config(
+                    "the primary tier's memory is not registered with a TransferManager \
+                     (build it with CpuPrimaryTier::with_transfer_manager)"
+                        .into(),
+                )
+            })?;
+        let manager = BlockManager::<T>::builder()
+            .block_count(blocks)
+            .block_size(TIER_BLOCK_SIZE)
+            .build()
+            .map_err(|e| TieringError::Config(format!("tier {:?} manager: {e}", T::ID)))?;
+        let h = tm.register_layout(layout)?;
+        let bound = BoundTier::new(tm.clone(), h, Arc::new(manager)).and_then(|b| {
+            Self::over(primary, b).map_err(|e| match e {
+                TieringError::Offload(o) => o,
+                other => kvbm_offload::OffloadError::Setup(other.to_string()),
+            })
+        });
+        match bound {
+            Ok(mut t) => {
+                t.owned_layout = Some(h);
+                Ok(t)
+            }
+            Err(e) => {
+                let _ = tm.unregister_layout(h);
+                Err(e.into())
+            }
+        }
     }
 
-    /// An object tier (unbounded) in `storage`, object names prefixed with `prefix`.
-    pub fn object(
-        primary: &CpuPrimaryTier,
-        storage: Arc<ObjectStorage>,
-        prefix: &str,
-    ) -> Result<Self> {
-        let layout = CpuPrimaryTier::block_layout(
-            primary.manager().num_chunks().max(1),
-            primary.chunk_bytes(),
-        )?;
-        let obj = PhysicalLayout::object(layout, storage);
-        Self::new(
-            primary,
-            "obj",
-            Medium::Storage,
-            Locality::Remote,
-            obj,
-            Backend::Object {
-                prefix: prefix.into(),
-            },
-            usize::MAX,
-        )
+    /// Names the tier (its `tier_type`, e.g. in stats).
+    pub fn with_tier_type(mut self, tier_type: &str) -> Self {
+        self.tier_type = tier_type.into();
+        self
     }
 
     /// Attaches a backpressure detector.
     pub fn with_backpressure(mut self, d: BackpressureDetector) -> Self {
         self.detector = Some(d);
         self
+    }
+
+    /// The bound tier (its manager holds every Ready key's block).
+    pub fn bound(&self) -> &BoundTier<T> {
+        &self.bound
     }
 
     /// Keys readable from the tier.
@@ -204,149 +302,159 @@ impl PhysicalTier {
         self.inflight.len()
     }
 
-    fn object_key(prefix: &str, k: &OffloadKey) -> ObjectKey {
-        let mut s = String::with_capacity(prefix.len() + 2 * k.as_bytes().len());
-        s.push_str(prefix);
-        for b in k.as_bytes() {
-            use std::fmt::Write as _;
-            let _ = write!(s, "{b:02x}");
-        }
-        ObjectKey::new(s)
+    /// The block (slot of a disk tier) holding `key`, when it is Ready.
+    pub fn block_id(&self, key: &OffloadKey) -> Option<BlockId> {
+        self.entries
+            .get(key)
+            .and_then(|e| e.block.as_ref())
+            .map(|b| b.block_id())
     }
 
-    fn alloc_slot(&mut self) -> Option<u32> {
-        if let Some(s) = self.free.pop() {
-            return Some(s);
-        }
-        if matches!(self.backend, Backend::Object { .. })
-            || (self.next_slot as usize) < self.capacity
-        {
-            self.next_slot = self.next_slot.wrapping_add(1);
-            return Some(self.next_slot.wrapping_sub(1));
-        }
-        // evict the oldest ready key nobody is reading
-        let victim = self
-            .ready_order
-            .iter()
-            .find(|k| self.entries.get(k).is_some_and(|e| e.readers == 0))?;
-        self.ready_order.remove(&victim);
-        let e = self
-            .entries
-            .remove(&victim)
-            .expect("ready key has an entry");
-        Some(e.slot)
+    /// Blocks whose move failed with `kind` (loads and stores) since the tier was built.
+    pub fn failures(&self, kind: BlockFailureKind) -> u64 {
+        self.failures.get(&kind).copied().unwrap_or(0)
     }
 
-    /// Object keys (object tier) and, for every chunk, its [`key_identity`].
-    fn options(&self, keys: &[OffloadKey]) -> TransferOptions {
-        let opts = match &self.backend {
-            Backend::Disk => TransferOptions::default(),
-            Backend::Object { prefix } => TransferOptions::with_object_keys(
-                keys.iter().map(|k| Self::object_key(prefix, k)).collect(),
-            ),
-        };
-        opts.identities(keys.iter().map(key_identity).collect())
-    }
-
-    fn tier_ids(&self, slots: &[u32]) -> Vec<BlockId> {
-        match self.backend {
-            Backend::Disk => slots.iter().map(|&s| s as BlockId).collect(),
-            Backend::Object { .. } => (0..slots.len()).collect(),
+    fn source(&self, key: &OffloadKey, block_id: BlockId) -> MoveSource {
+        MoveSource {
+            block_id,
+            sequence_hash: key_hash(key, self.bound.manager().block_size()),
+            digest: Some(key_digest(key)),
         }
     }
 
-    fn finish(&mut self, f: JobMeta, outcome: kvbm_physical::TransferOutcome) {
+    /// One destination block; when the manager has none to give, drops the oldest ready key
+    /// nobody is reading (its block goes inactive, the manager reuses it) and retries.
+    fn allocate(&mut self) -> Option<MutableBlock<T>> {
+        loop {
+            if let Ok(mut b) = self.bound.allocate(1) {
+                return b.pop();
+            }
+            let victim = self
+                .ready_order
+                .iter()
+                .find(|k| self.entries.get(k).is_some_and(|e| e.readers == 0))?;
+            self.ready_order.remove(&victim);
+            self.entries.remove(&victim);
+        }
+    }
+
+    /// After a copy was dropped for failing verification: a manager this tier built holds no
+    /// block anyone else could revive, so its inactive blocks (the dropped copy among them) are
+    /// evicted now and the hash is registered afresh when the key is stored again. A caller's
+    /// manager keeps the stale block inactive until its policy evicts it; a read of it fails
+    /// verification again, so it is never served either way.
+    fn forget_dropped(&self) {
+        if self.owned_layout.is_some() {
+            self.bound.manager().reset_inactive_pool();
+        }
+    }
+
+    fn count(&mut self, f: &BlockFailure) {
+        *self.failures.entry(f.kind).or_default() += 1;
+    }
+
+    fn finish(&mut self, meta: JobMeta, settled: Settled<T>) {
         let mut ok_keys = Vec::new();
-        for (i, (_, r)) in outcome.blocks.iter().enumerate() {
-            let k = f.keys[i];
-            if f.is_promotion {
-                if let Some(e) = self.entries.get_mut(&k) {
-                    e.readers -= 1;
-                }
-                match r {
-                    Ok(()) => ok_keys.push(k),
-                    Err(err) => {
-                        // the tier's copy failed verification or vanished: never serve it again
-                        tracing::warn!(key = %k, error = %err, "secondary read failed; dropping the key");
-                        if self.entries.get(&k).is_some_and(|e| e.readers == 0) {
-                            let e = self.entries.remove(&k).expect("present");
-                            self.ready_order.remove(&k);
-                            self.free.push(e.slot);
+        let promotion = matches!(settled, Settled::Load(_));
+        match settled {
+            Settled::Store(outcomes) => {
+                for (k, r) in meta.keys.iter().zip(outcomes) {
+                    match r {
+                        Ok(block) => {
+                            if let Some(e) = self.entries.get_mut(k) {
+                                e.block = Some(block);
+                                self.ready_order.insert(*k, 0);
+                                ok_keys.push(*k);
+                            }
+                        }
+                        Err(f) => {
+                            tracing::warn!(key = %k, kind = f.kind.as_str(), error = %f, "secondary write failed");
+                            self.count(&f);
+                            self.entries.remove(k);
                         }
                     }
                 }
-            } else {
-                match r {
-                    Ok(()) => {
-                        if let Some(e) = self.entries.get_mut(&k) {
-                            e.state = State::Ready;
-                        }
-                        self.ready_order.insert(k, 0);
-                        ok_keys.push(k);
+            }
+            Settled::Load(outcomes) => {
+                for (k, r) in meta.keys.iter().zip(outcomes) {
+                    if let Some(e) = self.entries.get_mut(k) {
+                        e.readers -= 1;
                     }
-                    Err(err) => {
-                        tracing::warn!(key = %k, error = %err, "secondary write failed");
-                        if let Some(e) = self.entries.remove(&k) {
-                            self.free.push(e.slot);
+                    match r {
+                        Ok(()) => ok_keys.push(*k),
+                        Err(f) => {
+                            self.count(&f);
+                            let drop_copy = matches!(
+                                f.kind,
+                                BlockFailureKind::ChecksumMismatch
+                                    | BlockFailureKind::IdentityMismatch
+                                    | BlockFailureKind::NotFound
+                            );
+                            tracing::warn!(key = %k, kind = f.kind.as_str(), error = %f, drop_copy, "secondary read failed");
+                            // The tier's copy is corrupt, another chunk's, or gone: never serve
+                            // it again (once no other load is reading it).
+                            if drop_copy && self.entries.get(k).is_some_and(|e| e.readers == 0) {
+                                self.entries.remove(k);
+                                self.ready_order.remove(k);
+                                self.forget_dropped();
+                            }
                         }
                     }
                 }
             }
         }
-        let success = ok_keys.len() == f.keys.len();
+        let success = ok_keys.len() == meta.keys.len();
         self.done.push(JobResult {
-            job_id: f.job_id,
+            job_id: meta.job_id,
             success,
-            successful_keys: (!success && f.is_promotion).then_some(ok_keys),
-            transfer_time: Some(f.started.elapsed().as_secs_f64()),
-            transfer_bytes: Some(f.bytes),
+            successful_keys: (!success && promotion).then_some(ok_keys),
+            transfer_time: Some(meta.started.elapsed().as_secs_f64()),
+            transfer_bytes: Some(meta.bytes),
         });
     }
 
-    fn start(
-        &mut self,
-        job: &TransferJob,
-        keys: Vec<OffloadKey>,
-        src: Vec<BlockId>,
-        dst: Vec<BlockId>,
-        promotion: bool,
-    ) {
-        let opts = self.options(&keys);
-        let (s, d) = if promotion {
-            (self.tier, self.primary)
-        } else {
-            (self.primary, self.tier)
-        };
-        let bytes = (keys.len() * self.chunk_bytes) as u64;
-        match self.tm.execute_transfer(s, &src, d, &dst, opts) {
-            Ok(completion) => self.inflight.push(Inflight {
-                meta: JobMeta {
-                    job_id: job.job_id,
-                    is_promotion: promotion,
-                    keys,
-                    bytes,
-                    started: std::time::Instant::now(),
-                },
-                completion,
-            }),
-            Err(e) => {
-                tracing::error!(job_id = job.job_id, error = %e, "transfer rejected");
-                for k in &keys {
-                    if promotion {
-                        if let Some(en) = self.entries.get_mut(k) {
-                            en.readers -= 1;
-                        }
-                    } else if let Some(en) = self.entries.remove(k) {
-                        self.free.push(en.slot);
-                    }
-                }
-                self.done.push(JobResult::new(job.job_id, false));
-            }
+    fn meta(&self, job: &TransferJob, keys: Vec<OffloadKey>) -> JobMeta {
+        JobMeta {
+            job_id: job.job_id,
+            bytes: (keys.len() * self.chunk_bytes) as u64,
+            keys,
+            started: std::time::Instant::now(),
         }
     }
 }
 
-impl SecondaryTierManager for PhysicalTier {
+impl PhysicalTier<G3> {
+    /// A disk tier of `capacity` chunk slots in the file `config.path`, with its own
+    /// `BlockManager<G3>` of `capacity` blocks.
+    pub fn disk(primary: &CpuPrimaryTier, config: &DiskConfig, capacity: usize) -> Result<Self> {
+        let layout = CpuPrimaryTier::block_layout(capacity, primary.chunk_bytes())?;
+        let disk = PhysicalLayout::create_disk(layout, config)?;
+        Self::owning(primary, disk, capacity)
+    }
+}
+
+impl PhysicalTier<G4> {
+    /// The default number of keys an object tier built by [`object`](Self::object) remembers
+    /// (its `BlockManager<G4>` records presence; the oldest unread key is forgotten beyond it).
+    pub const DEFAULT_OBJECT_KEYS: usize = 1 << 16;
+
+    /// An object tier in `storage` (objects named by [`key_hash`] inside the storage's
+    /// namespace) remembering up to `capacity` keys.
+    pub fn object(
+        primary: &CpuPrimaryTier,
+        storage: Arc<ObjectStorage>,
+        capacity: usize,
+    ) -> Result<Self> {
+        let layout = CpuPrimaryTier::block_layout(
+            primary.manager().num_chunks().max(1),
+            primary.chunk_bytes(),
+        )?;
+        Self::owning(primary, PhysicalLayout::object(layout, storage), capacity)
+    }
+}
+
+impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     fn tier_type(&self) -> &str {
         &self.tier_type
     }
@@ -364,65 +472,80 @@ impl SecondaryTierManager for PhysicalTier {
     }
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
         match self.entries.get(key) {
-            Some(e) if e.state == State::Ready => LookupResult::Hit,
+            Some(e) if e.block.is_some() => LookupResult::Hit,
             _ => LookupResult::Miss,
         }
     }
     fn submit_store(&mut self, job: Arc<TransferJob>) {
-        let (mut keys, mut src, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut keys, mut sources, mut destinations) = (Vec::new(), Vec::new(), Vec::new());
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
             if self.entries.contains_key(k) {
                 continue;
             }
-            let Some(slot) = self.alloc_slot() else {
+            let Some(block) = self.allocate() else {
                 tracing::debug!(key = %k, "secondary tier full of busy keys; store dropped");
                 continue;
             };
             self.entries.insert(
                 *k,
                 Entry {
-                    slot,
-                    state: State::Writing,
+                    block: None,
                     readers: 0,
                 },
             );
+            sources.push(self.source(k, c as BlockId));
+            destinations.push(block);
             keys.push(*k);
-            src.push(c as BlockId);
-            slots.push(slot);
         }
         if keys.is_empty() {
             self.done.push(JobResult::new(job.job_id, true));
             return;
         }
-        let dst = self.tier_ids(&slots);
-        self.start(&job, keys, src, dst, false);
+        let mv = Move::Store(self.store.move_blocks(&sources, destinations).boxed());
+        let meta = self.meta(&job, keys);
+        self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TransferJob>) {
         let all_ready = job
             .keys
             .iter()
-            .all(|k| self.entries.get(k).is_some_and(|e| e.state == State::Ready));
+            .all(|k| self.entries.get(k).is_some_and(|e| e.block.is_some()));
         if !all_ready {
             self.done.push(JobResult::new(job.job_id, false));
             return;
         }
-        let mut slots = Vec::with_capacity(job.keys.len());
+        let mut sources = Vec::with_capacity(job.keys.len());
+        let mut held = Vec::with_capacity(job.keys.len());
         for k in &job.keys {
             let e = self.entries.get_mut(k).expect("checked");
             e.readers += 1;
-            slots.push(e.slot);
+            let block = e.block.clone().expect("checked");
+            let id = block.block_id();
+            held.push(block);
+            sources.push(self.source(k, id));
         }
-        let src = self.tier_ids(&slots);
-        let dst = job.chunk_ids.iter().map(|&c| c as BlockId).collect();
-        self.start(&job, job.keys.clone(), src, dst, true);
+        let slots: Vec<BlockId> = job.chunk_ids.iter().map(|&c| c as BlockId).collect();
+        // The identity each read must have comes from the key asked for, not from the
+        // stored block; the future holds the source blocks until the move settles.
+        let moved = self.load.move_blocks(&sources, &slots);
+        let mv = Move::Load(
+            async move {
+                let out = moved.await;
+                drop(held);
+                out
+            }
+            .boxed(),
+        );
+        let meta = self.meta(&job, job.keys.clone());
+        self.inflight.push(Inflight { meta, mv });
     }
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
         let mut i = 0;
         while i < self.inflight.len() {
-            match (&mut self.inflight[i].completion).now_or_never() {
-                Some(outcome) => {
+            match self.inflight[i].poll_now() {
+                Some(settled) => {
                     let f = self.inflight.swap_remove(i);
-                    self.finish(f.meta, outcome);
+                    self.finish(f.meta, settled);
                 }
                 None => i += 1,
             }
@@ -431,8 +554,8 @@ impl SecondaryTierManager for PhysicalTier {
     }
     fn drain_jobs(&mut self) -> Result<()> {
         for f in std::mem::take(&mut self.inflight) {
-            let outcome = f.completion.wait();
-            self.finish(f.meta, outcome);
+            let (meta, settled) = f.wait();
+            self.finish(meta, settled);
         }
         Ok(())
     }
@@ -444,9 +567,13 @@ impl SecondaryTierManager for PhysicalTier {
     }
     fn shutdown(&mut self) -> Result<()> {
         self.drain_jobs()?;
-        self.tm
-            .unregister_layout(self.tier)
-            .map_err(TieringError::from)
+        // Ready keys' blocks go back to the manager (inactive).
+        self.entries.clear();
+        self.ready_order = LinkedKeySet::new();
+        if let Some(h) = self.owned_layout.take() {
+            self.bound.transfer_manager().unregister_layout(h)?;
+        }
+        Ok(())
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
