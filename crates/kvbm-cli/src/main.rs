@@ -132,7 +132,8 @@ struct ReplayFlags {
     #[arg(long, value_name = "DIR")]
     g4_dir: Option<PathBuf>,
     /// Eviction policy of every tier: lru, multi_lru, lineage, fifo, arc, s3fifo, belady,
-    /// tinylfu-BASE (BASE one of those), orphan-POLICY (any of those) (default tinylfu-lru).
+    /// tinylfu-BASE or adaptive-BASE (BASE one of those), orphan-POLICY (any of those)
+    /// (default adaptive-lru).
     #[arg(long, value_name = "NAME")]
     eviction_policy: Option<String>,
     /// 0: as fast as possible; 1.0: honour the trace's timestamps.

@@ -161,8 +161,8 @@ fn json_has_the_documented_schema() {
     ] {
         assert!(r[k].is_number(), "{k} is not a number: {r}");
     }
-    // The default policy of kvbm-logical (TinyLFU admission over LRU).
-    assert_eq!(r["eviction_policy"], "tinylfu-lru");
+    // The default policy of kvbm-logical (TinyLFU admission over LRU, dueling with LRU).
+    assert_eq!(r["eviction_policy"], "adaptive-lru");
     for t in ["g1", "g2", "g3", "g4"] {
         assert!(r["tiers"][t]["capacity_blocks"].is_u64(), "{r}");
         assert!(r["tiers"][t]["hit_blocks"].is_u64(), "{r}");

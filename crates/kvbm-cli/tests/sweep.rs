@@ -39,7 +39,14 @@ fn floats(v: &Value) -> Vec<f64> {
 fn sweep_json_schema_bounds_and_plot() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let svg = dir.path().join("sweep.svg");
-    let policies = ["lru", "arc", "s3fifo", "tinylfu-lru", "orphan-tinylfu-lru"];
+    let policies = [
+        "lru",
+        "arc",
+        "s3fifo",
+        "tinylfu-lru",
+        "adaptive-lru",
+        "orphan-tinylfu-lru",
+    ];
     let r = ok_json(kvbm(&[
         "replay",
         "--requests",
@@ -130,6 +137,27 @@ fn sweep_json_schema_bounds_and_plot() {
         assert_eq!(hb[3], blocks - unique, "{} unbounded", row["policy"]);
         // the small caches really are bounded
         assert!(hr[0] < infinite, "{row}");
+    }
+    // the default policy (adaptive-lru) duels with LRU: never below it
+    assert_eq!(default, "adaptive-lru");
+    let hits = |name: &str| -> Vec<u64> {
+        let row = rows.iter().find(|x| x["policy"] == name).unwrap();
+        row["hit_blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    let (lru, adaptive) = (hits("lru"), hits("adaptive-lru"));
+    for i in 0..caps.len() {
+        assert!(
+            adaptive[i] >= lru[i],
+            "adaptive-lru {} below lru {} at {} blocks",
+            adaptive[i],
+            lru[i],
+            caps[i]
+        );
     }
     let plot = std::fs::read_to_string(&svg).expect("the plot was written");
     assert!(plot.contains("<svg"), "not an SVG");

@@ -6,6 +6,11 @@
 //! - `find_matches/raw_match_blocks_128`: the same prefix through `BlockManager::match_blocks`
 //!   directly, the baseline for the leader's own overhead.
 //! - `find_matches/g2_64_g3_64`: the prefix split across G2 and G3 (two managers searched).
+//! - `find_matches/policy_cut_g2_64_g3_64`: the same search through `find_matches_with` and a
+//!   `MinRun` policy that declines the G3 run (held, then released): the cost of policy-based
+//!   scanning on top of `g2_64_g3_64`.
+//! - `find_matches/accessor_scan_g2_64_g3_64`: the non-holding `BlockAccessor::scan` of the
+//!   same prefix (registry presence only).
 //!
 //! Run: `cargo bench -p kvbm-engine` (or `cargo xtask bench engine`).
 
@@ -14,7 +19,8 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvbm_engine::InstanceLeader;
-use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, Salt, Tier, TokenBlockSequence};
+use kvbm_engine::leader::{MinRun, RunKind};
+use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, Salt, Tier, TierId, TokenBlockSequence};
 
 const BLOCK_SIZE: u32 = 4;
 
@@ -71,6 +77,18 @@ fn find_matches(c: &mut Criterion) {
     assert_eq!(split.find_matches(&hashes).len(), 128);
     group.bench_function("g2_64_g3_64", |b| {
         b.iter(|| black_box(split.find_matches(black_box(&hashes))))
+    });
+    let cut = MinRun {
+        kind: RunKind::Tier(TierId::G3),
+        min_blocks: 65,
+    };
+    assert_eq!(split.find_matches_with(&hashes, &cut).len(), 64);
+    group.bench_function("policy_cut_g2_64_g3_64", |b| {
+        b.iter(|| black_box(split.find_matches_with(black_box(&hashes), &cut)))
+    });
+    assert_eq!(split.accessor().scan(&hashes).len(), 2);
+    group.bench_function("accessor_scan_g2_64_g3_64", |b| {
+        b.iter(|| black_box(split.accessor().scan(black_box(&hashes))))
     });
     group.finish();
 }

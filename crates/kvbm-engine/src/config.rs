@@ -258,6 +258,12 @@ pub struct TransportConfig {
     pub request_timeout_ms: u64,
     /// Address of the TCP block data plane (port 0: any free port). Default: `127.0.0.1:0`.
     pub data_plane_bind: String,
+    /// How often an instance announces itself (instance id, data-plane address) to its peers
+    /// over NATS (ms). Default: 1000. At least 1.
+    pub heartbeat_interval_ms: u64,
+    /// A peer not heard from for this long is dropped from the cross-instance index and the
+    /// peer directory (ms). Default: 5000. More than `heartbeat_interval_ms`.
+    pub heartbeat_timeout_ms: u64,
 }
 
 impl Default for TransportConfig {
@@ -266,6 +272,8 @@ impl Default for TransportConfig {
             nats_url: None,
             request_timeout_ms: 5000,
             data_plane_bind: "127.0.0.1:0".into(),
+            heartbeat_interval_ms: 1000,
+            heartbeat_timeout_ms: 5000,
         }
     }
 }
@@ -445,6 +453,16 @@ impl KvbmConfig {
         let t = &self.transport;
         positive("transport.request_timeout_ms", t.request_timeout_ms)?;
         socket_addr("transport.data_plane_bind", &t.data_plane_bind)?;
+        positive("transport.heartbeat_interval_ms", t.heartbeat_interval_ms)?;
+        if t.heartbeat_timeout_ms <= t.heartbeat_interval_ms {
+            return Err(EngineError::config(
+                "transport.heartbeat_timeout_ms",
+                format!(
+                    "must be > transport.heartbeat_interval_ms ({})",
+                    t.heartbeat_interval_ms
+                ),
+            ));
+        }
         if let Some(url) = &t.nats_url
             && url.is_empty()
         {

@@ -123,8 +123,9 @@ impl DataPlaneConfig {
     }
 }
 
-/// Where each instance's data plane listens. Filled by whoever learns of peers (in one
-/// process, the test or the embedding program; across processes, the control plane).
+/// Where each instance's data plane listens. Filled by whoever learns of peers: an
+/// `instance::Instance` fills it from peers' heartbeats (feature `nats`), tests and embedding
+/// programs may fill it by hand.
 #[derive(Debug, Default)]
 pub struct PeerDirectory {
     peers: Mutex<HashMap<InstanceId, SocketAddr>>,

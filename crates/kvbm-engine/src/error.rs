@@ -53,9 +53,38 @@ pub enum EngineError {
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),
+    /// `kvbm-tiering` refused something (e.g. a tier handed to its manager).
+    #[error(transparent)]
+    Tiering(#[from] kvbm_tiering::TieringError),
     /// A G4 presence check failed.
     #[error("G4 presence check: {0}")]
     Presence(#[source] kvbm_offload::PolicyError),
+    /// A physical layout or storage could not be set up.
+    #[error(transparent)]
+    Physical(#[from] kvbm_physical::PhysicalError),
+    /// A mover or offload pipeline could not be set up or failed.
+    #[error(transparent)]
+    Offload(#[from] kvbm_offload::OffloadError),
+    /// An onboarding session call failed.
+    #[error(transparent)]
+    Session(#[from] crate::leader::SessionError),
+    /// A peer's snapshot request could not be answered or its answer read.
+    #[error("snapshot of {peer}: {message}")]
+    Snapshot {
+        /// The peer asked.
+        peer: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A request addressed to another rank (or another world size) reached this rank; nothing
+    /// was moved.
+    #[error("{this} refused a request addressed to {to}")]
+    WrongRank {
+        /// The rank that refused it.
+        this: crate::worker::RankAddress,
+        /// The address the request carried.
+        to: crate::worker::RankAddress,
+    },
     /// The TCP block data plane could not serve or reach `peer`.
     #[error("data plane {peer}: {message}")]
     DataPlane {

@@ -32,7 +32,9 @@
 //! (then the registry's shard locks, per `kvbm-logical`'s order) and releases it before the next
 //! tier is searched, so no two tiers' locks are ever held together.
 
+pub mod accessor;
 mod holder;
+pub mod policy;
 pub mod remote;
 pub mod session;
 
@@ -42,10 +44,15 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
 };
 
+pub use accessor::{BlockAccessor, RunSource, ScanRun};
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use policy::{
+    AllOf, CostModel, MinRun, OnboardAll, OnboardPolicy, PrefixScan, RunKind, SourceCost,
+};
 pub use remote::{RemoteRun, RemoteSearch};
 pub use session::{
-    FinishOutcome, OnboardingSession, Phase, SessionError, SessionFailure, StagingMovers,
+    FinishOutcome, LayerwiseOnboard, OnboardingSession, Phase, SessionError, SessionFailure,
+    StagingMovers,
 };
 
 use crate::config::KvbmConfig;
@@ -62,6 +69,7 @@ pub struct InstanceLeader {
     registry: BlockRegistry,
     search: Vec<TierId>,
     remote: Option<RemoteSearch>,
+    policy: Arc<dyn OnboardPolicy>,
 }
 
 /// Builds an [`InstanceLeader`] from explicit managers.
@@ -72,9 +80,17 @@ pub struct InstanceLeaderBuilder {
     g4: Option<Arc<BlockManager<G4>>>,
     search: Option<Vec<TierId>>,
     remote: Option<RemoteSearch>,
+    policy: Option<Arc<dyn OnboardPolicy>>,
 }
 
 impl InstanceLeaderBuilder {
+    /// The policy [`begin_onboarding`](InstanceLeader::begin_onboarding) asks which part of
+    /// a match is worth onboarding (see [`policy`]). Default: [`OnboardAll`].
+    pub fn policy(mut self, policy: Arc<dyn OnboardPolicy>) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
     /// Search other instances after the local tiers (see [`remote`]).
     pub fn remote(mut self, remote: RemoteSearch) -> Self {
         self.remote = Some(remote);
@@ -153,6 +169,7 @@ impl InstanceLeaderBuilder {
             registry,
             search: Vec::new(),
             remote: self.remote,
+            policy: self.policy.unwrap_or_else(|| Arc::new(OnboardAll)),
         };
         leader.search = search.into_iter().filter(|t| leader.has_tier(*t)).collect();
         Ok(leader)
@@ -333,10 +350,43 @@ impl InstanceLeader {
         self.remote = Some(remote);
     }
 
-    /// Searches `hashes` ([`find_matches`](Self::find_matches)) and starts an onboarding
-    /// session holding the matched prefix (phase `Holding`).
+    /// Searches `hashes` ([`find_matches`](Self::find_matches)), keeps the part of the match
+    /// the leader's [policy](InstanceLeaderBuilder::policy) finds worth onboarding (the rest is
+    /// released at once), and starts an onboarding session holding it (phase `Holding`).
     pub fn begin_onboarding(&self, hashes: &[SequenceHash]) -> OnboardingSession {
-        OnboardingSession::new(self.find_matches(hashes))
+        OnboardingSession::new(self.find_matches_with(hashes, self.policy.as_ref()))
+    }
+
+    /// [`find_matches`](Self::find_matches), then cut to what `policy` selects (see
+    /// [`policy`]); the blocks past the cut are released before this returns.
+    pub fn find_matches_with(
+        &self,
+        hashes: &[SequenceHash],
+        policy: &dyn OnboardPolicy,
+    ) -> MatchedPrefix {
+        let mut matched = self.find_matches(hashes);
+        if matched.is_empty() {
+            return matched;
+        }
+        let runs = matched.scan_runs();
+        let keep = policy.select(&PrefixScan {
+            runs: &runs,
+            requested: hashes.len(),
+        });
+        if keep < matched.len() {
+            matched.truncate(keep);
+        }
+        matched
+    }
+
+    /// The leader's onboarding policy.
+    pub fn policy(&self) -> &Arc<dyn OnboardPolicy> {
+        &self.policy
+    }
+
+    /// A read view of where blocks live, holding nothing (see [`accessor`]).
+    pub fn accessor(&self) -> BlockAccessor<'_> {
+        BlockAccessor::new(self)
     }
 }
 

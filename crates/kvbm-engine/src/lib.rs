@@ -11,10 +11,14 @@ pub mod collectives;
 pub mod config;
 pub mod dataplane;
 mod error;
+#[cfg(feature = "nats")]
+pub mod instance;
+pub mod layout;
 pub mod leader;
 pub mod mover;
 pub mod pubsub;
 pub mod runtime;
+pub mod scheduler;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
@@ -22,5 +26,6 @@ pub mod worker;
 
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
+pub use layout::LogicalLayoutHandle;
 pub use leader::{BlockHolder, InstanceLeader, MatchedPrefix};
 pub use runtime::{EventSource, KvbmRuntime, KvbmRuntimeBuilder, Role, RuntimeHandle};

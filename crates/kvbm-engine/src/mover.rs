@@ -5,13 +5,31 @@
 //! ([`SpmdMover`](crate::worker::SpmdMover)); it needs the destination manager (to allocate
 //! destinations up front) and a per-block outcome that registers a destination only when its
 //! bytes arrived. Both implement this trait; failures are carried as their description.
+//!
+//! [`LayerMove`] is the layer-wise variant the onboard phase uses (G2→G1, one layer of every
+//! block of the prefix at a time): it copies a layer range into destination slots the *caller*
+//! owns and registers nothing, because a block is only whole once its last layer arrived; the
+//! session completes and registers the destinations itself after the last layer. In-process it
+//! is [`LayerMover`] (one transfer manager, two bound tiers); across ranks it is
+//! [`SpmdLayerMover`](crate::worker::SpmdLayerMover).
+//!
+//! ```text
+//!  layer 0: move_layers(sources, dst ids, 0..1) ── all ranks settled ──► layer 0 ready
+//!  layer 1: move_layers(sources, dst ids, 1..2) ── ...               ──► layer 1 ready
+//!  ...
+//!  last layer ready ─► session: complete(hash, digest) + register every destination
+//! ```
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use kvbm_logical::{BlockManager, ImmutableBlock, MutableBlock, Tier};
-use kvbm_offload::BlockMover;
+use kvbm_logical::{BlockId, BlockManager, ImmutableBlock, MutableBlock, Tier};
+use kvbm_offload::{BlockMover, BoundTier, identity_of};
+use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
+
+use crate::error::{EngineError, Result};
 
 /// One block move's outcome: the registered destination, or why not.
 pub type Moved<Dst> = Result<ImmutableBlock<Dst>, String>;
@@ -60,5 +78,184 @@ impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for crate::worker::SpmdMover<Src,
         destinations: Vec<MutableBlock<Dst>>,
     ) -> BoxFuture<'a, Vec<Moved<Dst>>> {
         self.move_from(sources, destinations).boxed()
+    }
+}
+
+/// One block's outcome of a layer-range move: nothing is registered either way.
+pub type LayerMoved = std::result::Result<(), String>;
+
+/// Copies layer ranges of registered `Src` blocks into destination slots the caller owns
+/// (unregistered [`MutableBlock`]s); see the [module docs](self).
+pub trait LayerMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
+    /// The manager destinations are allocated from (and registered in, after the last layer).
+    fn destination(&self) -> &Arc<BlockManager<Dst>>;
+    /// Layers of one block (the same on both sides).
+    fn num_layers(&self) -> usize;
+    /// Copies `layers` of `sources[i]` into slot `destinations[i]`; one outcome per block, in
+    /// order; resolves only after every block (on every rank) settled. A length mismatch or an
+    /// empty or out-of-range `layers` fails every block without moving anything.
+    fn move_layers<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<Src>],
+        destinations: &'a [BlockId],
+        layers: Range<usize>,
+    ) -> BoxFuture<'a, Vec<LayerMoved>>;
+}
+
+/// Fails each of `n` blocks with `message`.
+pub(crate) fn fail_layers(n: usize, message: &str) -> Vec<LayerMoved> {
+    (0..n).map(|_| Err(message.to_owned())).collect()
+}
+
+/// The in-process [`LayerMove`]: one transfer manager, a source layout and a bound
+/// destination tier (its block ids are the layout's slots, checked by [`BoundTier::new`]).
+pub struct LayerMover<Src: Tier, Dst: Tier> {
+    manager: Arc<TransferManager>,
+    src_layout: LayoutHandle,
+    dst_layout: LayoutHandle,
+    dst: Arc<BlockManager<Dst>>,
+    num_layers: usize,
+    _src: std::marker::PhantomData<fn() -> Src>,
+}
+
+impl<Src: Tier, Dst: Tier> std::fmt::Debug for LayerMover<Src, Dst> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerMover")
+            .field("src", &Src::ID)
+            .field("dst", &Dst::ID)
+            .field("num_layers", &self.num_layers)
+            .finish()
+    }
+}
+
+impl<Src: Tier, Dst: Tier> LayerMover<Src, Dst> {
+    /// A layer mover between two bound tiers.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `onboard.layerwise`) when the tiers are bound to different
+    /// transfer managers, either is keyed (objects hold whole blocks), or their block
+    /// geometries differ.
+    pub fn new(src: &BoundTier<Src>, dst: &BoundTier<Dst>) -> Result<Self> {
+        if !Arc::ptr_eq(src.transfer_manager(), dst.transfer_manager()) {
+            return Err(EngineError::config(
+                "onboard.layerwise",
+                format!(
+                    "{} and {} are bound to different transfer managers",
+                    Src::ID,
+                    Dst::ID
+                ),
+            ));
+        }
+        if src.is_keyed() {
+            return Err(EngineError::config(
+                "onboard.layerwise",
+                format!(
+                    "{} is an object tier: it is read whole, not by layer",
+                    Src::ID
+                ),
+            ));
+        }
+        Self::from_layout(src.layout(), dst)
+    }
+
+    /// A layer mover from a source layout registered with `dst`'s transfer manager (one the
+    /// caller manages outside `kvbm-logical`) into the bound tier `dst`.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_layout(src_layout: LayoutHandle, dst: &BoundTier<Dst>) -> Result<Self> {
+        let key = "onboard.layerwise";
+        if dst.is_keyed() {
+            return Err(EngineError::config(
+                key,
+                format!("{} is an object tier: it is written whole", Dst::ID),
+            ));
+        }
+        let tm = dst.transfer_manager();
+        let src = tm
+            .layout(src_layout)
+            .map_err(|e| EngineError::config(key, format!("{}: {e}", Src::ID)))?;
+        let dstl = tm
+            .layout(dst.layout())
+            .map_err(|e| EngineError::config(key, format!("{}: {e}", Dst::ID)))?;
+        let (sc, dc) = (src.layout().config(), dstl.layout().config());
+        if !sc.same_block_geometry(dc) {
+            return Err(EngineError::config(
+                key,
+                format!(
+                    "{} and {} block geometries differ ({} vs {} layers)",
+                    Src::ID,
+                    Dst::ID,
+                    sc.num_layers,
+                    dc.num_layers
+                ),
+            ));
+        }
+        Ok(Self {
+            manager: tm.clone(),
+            src_layout,
+            dst_layout: dst.layout(),
+            dst: dst.manager().clone(),
+            num_layers: sc.num_layers,
+            _src: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
+    fn destination(&self) -> &Arc<BlockManager<Dst>> {
+        &self.dst
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn move_layers<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<Src>],
+        destinations: &'a [BlockId],
+        layers: Range<usize>,
+    ) -> BoxFuture<'a, Vec<LayerMoved>> {
+        Box::pin(async move {
+            let n = sources.len();
+            if destinations.len() != n {
+                return fail_layers(
+                    n,
+                    &format!("{n} sources but {} destinations", destinations.len()),
+                );
+            }
+            let src_ids: Vec<BlockId> = sources.iter().map(|b| b.block_id()).collect();
+            let options = TransferOptions::layers(layers).identities(
+                sources
+                    .iter()
+                    .map(|b| identity_of(b.sequence_hash(), b.digest()))
+                    .collect(),
+            );
+            // SAFETY: per `LayerMove`'s contract the destination slots are the caller's
+            // unregistered `MutableBlock`s, written only by these layer moves until the last
+            // layer registers them; the sources are registered blocks held by the caller.
+            let issued = unsafe {
+                self.manager.execute_transfer(
+                    self.src_layout,
+                    &src_ids,
+                    self.dst_layout,
+                    destinations,
+                    options,
+                )
+            };
+            let completion = match issued {
+                Ok(c) => c,
+                Err(e) => return fail_layers(n, &e.to_string()),
+            };
+            let mut out: Vec<LayerMoved> = completion
+                .await
+                .blocks
+                .into_iter()
+                .map(|(_, r)| r.map_err(|e| e.to_string()))
+                .collect();
+            out.resize_with(n, || Err("transfer manager reported no outcome".into()));
+            out
+        })
     }
 }

@@ -123,9 +123,22 @@ impl EventPublisher {
         instance: InstanceId,
         bus: Arc<dyn EventBus>,
     ) -> crate::Result<Arc<Self>> {
+        Self::spawn_until(runtime, runtime.shutdown_token(), instance, bus)
+    }
+
+    /// As [`spawn`](Self::spawn), the forward task ending when `cancel` is cancelled (after
+    /// forwarding what is already queued).
+    ///
+    /// # Errors
+    /// As [`spawn`](Self::spawn).
+    pub fn spawn_until(
+        runtime: &RuntimeHandle,
+        cancel: tokio_util::sync::CancellationToken,
+        instance: InstanceId,
+        bus: Arc<dyn EventBus>,
+    ) -> crate::Result<Arc<Self>> {
         let (publisher, mut rx) =
             Self::with_queue(instance, runtime.config().events.channel_capacity);
-        let cancel = runtime.shutdown_token();
         runtime.spawn(async move {
             loop {
                 tokio::select! {
@@ -212,18 +225,23 @@ impl CrossInstanceIndex {
 
     /// Applies one message.
     pub fn apply(&self, message: &EventMessage) {
+        self.apply_events(message.instance, &message.events);
+    }
+
+    /// Applies `events` published by `instance`.
+    pub fn apply_events(&self, instance: InstanceId, events: &[BlockEvent]) {
         let mut entries = self.entries.lock();
-        for e in message.events.iter() {
+        for e in events {
             match e.kind {
                 BlockEventKind::Stored => {
                     entries
                         .entry(e.hash)
                         .or_default()
-                        .insert((message.instance, e.tier));
+                        .insert((instance, e.tier));
                 }
                 BlockEventKind::Removed => {
                     if let Some(set) = entries.get_mut(&e.hash) {
-                        set.remove(&(message.instance, e.tier));
+                        set.remove(&(instance, e.tier));
                         if set.is_empty() {
                             entries.remove(&e.hash);
                         }
@@ -231,6 +249,73 @@ impl CrossInstanceIndex {
                 }
             }
         }
+    }
+
+    /// Everything `instance` is said to hold, sorted (e.g. to answer a snapshot request from
+    /// this instance's own record).
+    pub fn entries_of(&self, instance: InstanceId) -> Vec<(SequenceHash, TierId)> {
+        let mut out: Vec<_> = self
+            .entries
+            .lock()
+            .iter()
+            .flat_map(|(h, set)| {
+                set.iter()
+                    .filter(|(i, _)| *i == instance)
+                    .map(|(_, t)| (*h, *t))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// How many (block, tier) locations `instance` is said to hold.
+    pub fn count_of(&self, instance: InstanceId) -> usize {
+        self.entries
+            .lock()
+            .values()
+            .map(|set| set.iter().filter(|(i, _)| *i == instance).count())
+            .sum()
+    }
+
+    /// Forgets everything about `instance` (it left or expired); returns how many locations
+    /// were dropped.
+    pub fn remove_instance(&self, instance: InstanceId) -> usize {
+        let mut entries = self.entries.lock();
+        let mut dropped = 0;
+        entries.retain(|_, set| {
+            let before = set.len();
+            set.retain(|(i, _)| *i != instance);
+            dropped += before - set.len();
+            !set.is_empty()
+        });
+        dropped
+    }
+
+    /// Replaces what is known about `instance` with `entries` (a snapshot it answered), in
+    /// one step under the lock.
+    pub fn replace_instance(&self, instance: InstanceId, entries: &[(SequenceHash, TierId)]) {
+        let mut map = self.entries.lock();
+        map.retain(|_, set| {
+            set.retain(|(i, _)| *i != instance);
+            !set.is_empty()
+        });
+        for (h, t) in entries {
+            map.entry(*h).or_default().insert((instance, *t));
+        }
+    }
+
+    /// The instances the index knows anything about, sorted.
+    pub fn instances(&self) -> Vec<InstanceId> {
+        let set: HashSet<InstanceId> = self
+            .entries
+            .lock()
+            .values()
+            .flat_map(|s| s.iter().map(|(i, _)| *i))
+            .collect();
+        let mut out: Vec<_> = set.into_iter().collect();
+        out.sort();
+        out
     }
 
     /// Where `hash` is said to be.

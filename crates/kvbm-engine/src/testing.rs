@@ -192,11 +192,7 @@ mod tests {
         let h = TokenBlockSequence::from_tokens(&[1, 2, 3, 4], 4, Salt::NONE)
             .unwrap()
             .hashes();
-        let req = TransferRequest {
-            src: TierId::G2,
-            dst: TierId::G1,
-            blocks: vec![(0, 1, h[0])],
-        };
+        let req = TransferRequest::new(TierId::G2, TierId::G1, vec![(0, 1, h[0])]);
         assert_eq!(workers.execute(req.clone()).await, vec![Ok(())]);
         mocks[1].fail_next(MockFailure::Gone);
         let e = workers.transfer(&req).await.unwrap_err();

@@ -31,23 +31,63 @@
 //! [`SpmdParallelWorkers`] calls in-process workers directly; workers in other processes are
 //! driven through [`transport::control::ControlledWorkers`](crate::transport::control::ControlledWorkers)
 //! (NATS request/reply, feature `nats`), which implements the same [`ParallelWorkers`] seam.
-//! `CoordinatedWorker` is not built yet.
+//!
+//! # Ranks
+//!
+//! Each rank of an [`SpmdParallelWorkers`] is a [`CoordinatedWorker`]: a worker that knows its
+//! rank and world size, refuses requests addressed to another rank
+//! ([`EngineError::WrongRank`](crate::EngineError::WrongRank)), and whose G4 storage is
+//! checked to write under its own rank's key directory (see [`coordinated`]).
+//!
+//! # G4 through workers
+//!
+//! A request from or to G4 names each block's object by its sequence hash
+//! ([`kvbm_offload::object_key`]); the rank's [`ObjectStorage`](kvbm_physical::ObjectStorage)
+//! adds the namespace and, with more than one rank, `tp{world}.r{rank}/`.
+//!
+//! # Layouts
+//!
+//! A worker addresses its layouts by [`LogicalLayoutHandle`] (G1..G4, the same on every rank),
+//! each mapped to the rank's own physical [`LayoutHandle`]. Where the leader's block manager is
+//! at hand (in-process ranks), a tier is added as a [`BoundTier`]
+//! ([`with_tier`](PhysicalWorker::with_tier)), which checks once that the rank's layout has
+//! exactly the manager's block count and lives on this rank's transfer manager, so every block
+//! id the leader hands out is a valid slot on this rank. A worker process (which has no logical
+//! manager) adds raw layouts with [`with_layout`](PhysicalWorker::with_layout).
+//!
+//! # Layer ranges
+//!
+//! A [`TransferRequest`] may name a layer range (layer-wise onboarding, G2→G1):
+//! [`SpmdLayerMover`] sends one request per layer, every rank copies that layer of every block,
+//! and nothing is registered until the session has every layer (see [`crate::mover`]).
+//!
+//! # Locks
+//!
+//! None: a worker is immutable once built; the transfer manager does its own locking.
 
+use std::any::Any;
+use std::ops::Range;
 use std::sync::Arc;
 
 use futures::future::{BoxFuture, join_all};
 use kvbm_logical::{
     BlockId, BlockManager, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
 };
-use kvbm_offload::block_identity;
+use kvbm_offload::{BoundTier, block_identity, object_key};
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
-/// One rank: its transfer manager and its layout per tier.
+use crate::layout::LogicalLayoutHandle;
+use crate::mover::{LayerMove, LayerMoved, fail_layers};
+
+/// One rank: its transfer manager and its layout per tier (bound to the leader's manager where
+/// given as a [`BoundTier`]).
 #[derive(Clone)]
 pub struct PhysicalWorker {
     rank: usize,
     manager: Arc<TransferManager>,
     layouts: [Option<LayoutHandle>; 4],
+    /// `BoundTier<T>` of tier `T::ID`, type-erased (see [`PhysicalWorker::bound`]).
+    bound: [Option<Arc<dyn Any + Send + Sync>>; 4],
 }
 
 impl std::fmt::Debug for PhysicalWorker {
@@ -66,13 +106,71 @@ impl PhysicalWorker {
             rank,
             manager,
             layouts: [None; 4],
+            bound: [None, None, None, None],
         }
     }
 
-    /// Uses `layout` (registered with this worker's manager) for `tier`.
+    /// Uses `layout` (registered with this worker's manager) for `tier`, unbound (no logical
+    /// manager checked against it; for worker processes). Prefer [`with_tier`](Self::with_tier).
     pub fn with_layout(mut self, tier: TierId, layout: LayoutHandle) -> Self {
         self.layouts[tier.index()] = Some(layout);
+        self.bound[tier.index()] = None;
         self
+    }
+
+    /// Uses the bound tier `tier` (the leader's manager bound to this rank's layout) for
+    /// `T::ID`.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when `tier` is bound
+    /// to another transfer manager than this rank's.
+    pub fn with_tier<T: Tier>(mut self, tier: BoundTier<T>) -> crate::Result<Self> {
+        if !Arc::ptr_eq(tier.transfer_manager(), &self.manager) {
+            return Err(crate::EngineError::config(
+                "workers",
+                format!(
+                    "rank {}: the {} tier is bound to another transfer manager",
+                    self.rank,
+                    T::ID
+                ),
+            ));
+        }
+        self.layouts[T::ID.index()] = Some(tier.layout());
+        self.bound[T::ID.index()] = Some(Arc::new(tier));
+        Ok(self)
+    }
+
+    /// A rank over `manager` with every given bound tier (see [`with_tier`](Self::with_tier)).
+    ///
+    /// # Errors
+    /// As [`with_tier`](Self::with_tier).
+    pub fn from_tiers(rank: usize, tiers: BoundTiers) -> crate::Result<Self> {
+        let mut w = Self::new(rank, tiers.transfer_manager.clone());
+        if let Some(t) = tiers.g1 {
+            w = w.with_tier(t)?;
+        }
+        if let Some(t) = tiers.g2 {
+            w = w.with_tier(t)?;
+        }
+        if let Some(t) = tiers.g3 {
+            w = w.with_tier(t)?;
+        }
+        if let Some(t) = tiers.g4 {
+            w = w.with_tier(t)?;
+        }
+        Ok(w)
+    }
+
+    /// The bound tier of `T`, when it was given as one.
+    pub fn bound<T: Tier>(&self) -> Option<&BoundTier<T>> {
+        self.bound[T::ID.index()]
+            .as_ref()
+            .and_then(|b| b.downcast_ref::<BoundTier<T>>())
+    }
+
+    /// The physical layout this rank uses for `handle`.
+    pub fn resolve(&self, handle: LogicalLayoutHandle) -> Option<LayoutHandle> {
+        self.layouts[handle.tier().index()]
     }
 
     /// This worker's rank.
@@ -102,11 +200,18 @@ impl PhysicalWorker {
         };
         let src_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.0).collect();
         let dst_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.1).collect();
-        let options = TransferOptions::default()
-            .identities(request.blocks.iter().map(|b| block_identity(b.2)).collect());
+        let object_keys = (request.src == TierId::G4 || request.dst == TierId::G4)
+            .then(|| request.blocks.iter().map(|b| object_key(b.2)).collect());
+        let options = TransferOptions {
+            layer_range: request.layers.clone(),
+            object_keys,
+            ..TransferOptions::default()
+        }
+        .identities(request.blocks.iter().map(|b| block_identity(b.2)).collect());
         // SAFETY: the leader sends a rank only slots it reserved for this request: destinations
-        // are blocks it allocated (`MutableBlock`s it holds until the outcome), sources blocks
-        // it holds registered; nothing on this rank reaches them outside the manager.
+        // are blocks it allocated (`MutableBlock`s it holds until the outcome) or objects named
+        // by their block's key, sources blocks it holds registered; nothing on this rank reaches
+        // them outside the manager.
         let issued = unsafe {
             self.manager
                 .execute_transfer(src, &src_ids, dst, &dst_ids, options)
@@ -128,6 +233,20 @@ impl PhysicalWorker {
     }
 }
 
+/// The bound tiers of one rank, all on `transfer_manager` (see [`PhysicalWorker::from_tiers`]).
+pub struct BoundTiers {
+    /// The rank's transfer manager.
+    pub transfer_manager: Arc<TransferManager>,
+    /// G1 (device, or host memory standing in for it).
+    pub g1: Option<BoundTier<kvbm_logical::G1>>,
+    /// G2 (pinned host).
+    pub g2: Option<BoundTier<kvbm_logical::G2>>,
+    /// G3 (disk).
+    pub g3: Option<BoundTier<kvbm_logical::G3>>,
+    /// G4 (objects).
+    pub g4: Option<BoundTier<kvbm_logical::G4>>,
+}
+
 /// One operation for every rank: copy `blocks` (source slot, destination slot, the block's
 /// hash, used as its identity) from tier `src` to tier `dst`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -138,6 +257,22 @@ pub struct TransferRequest {
     pub dst: TierId,
     /// `(source block id, destination block id, sequence hash)`.
     pub blocks: Vec<(BlockId, BlockId, SequenceHash)>,
+    /// Only these layers (layer-wise onboarding; memory destinations only). `None`: whole
+    /// blocks. Absent on the wire means `None`, so older leaders' requests still decode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Range<usize>>,
+}
+
+impl TransferRequest {
+    /// Whole blocks `blocks` from `src` to `dst`.
+    pub fn new(src: TierId, dst: TierId, blocks: Vec<(BlockId, BlockId, SequenceHash)>) -> Self {
+        Self {
+            src,
+            dst,
+            blocks,
+            layers: None,
+        }
+    }
 }
 
 /// The seam between the leader and its workers.
@@ -152,44 +287,147 @@ pub trait ParallelWorkers: Send + Sync {
 /// Every operation on every rank, in-process: see the [module docs](self).
 #[derive(Clone, Debug)]
 pub struct SpmdParallelWorkers {
-    workers: Vec<Arc<PhysicalWorker>>,
+    ranks: Vec<CoordinatedWorker>,
 }
 
 impl SpmdParallelWorkers {
-    /// Over `workers`, which must be ranks `0..n` in order.
+    /// Over `workers`, which must be ranks `0..n` in order, each made a
+    /// [`CoordinatedWorker`] of a world of `n`.
     ///
     /// # Errors
     /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when empty or the
-    /// ranks are not `0..n` in order.
+    /// ranks are not `0..n` in order; as [`CoordinatedWorker::new`] (a rank's G4 storage
+    /// built for another rank or world size).
     pub fn new(workers: Vec<PhysicalWorker>) -> crate::Result<Self> {
-        if workers.is_empty() {
+        let n = workers.len();
+        Self::check_order(workers.iter().map(PhysicalWorker::rank))?;
+        let ranks = workers
+            .into_iter()
+            .map(|w| CoordinatedWorker::new(w, n))
+            .collect::<crate::Result<Vec<_>>>()?;
+        Ok(Self { ranks })
+    }
+
+    /// Over coordinated ranks `0..n` of one world of `n`, in order.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when empty, the
+    /// ranks are not `0..n` in order, or a rank's world size is not `n`.
+    pub fn from_coordinated(ranks: Vec<CoordinatedWorker>) -> crate::Result<Self> {
+        Self::check_order(ranks.iter().map(CoordinatedWorker::rank))?;
+        if let Some(w) = ranks.iter().find(|w| w.world_size() != ranks.len()) {
+            return Err(crate::EngineError::config(
+                "workers",
+                format!(
+                    "{} given with {} ranks; every rank's world size must be the rank count",
+                    w.address(),
+                    ranks.len()
+                ),
+            ));
+        }
+        Ok(Self { ranks })
+    }
+
+    fn check_order(ranks: impl ExactSizeIterator<Item = usize>) -> crate::Result<()> {
+        if ranks.len() == 0 {
             return Err(crate::EngineError::config("workers", "at least one rank"));
         }
-        for (i, w) in workers.iter().enumerate() {
-            if w.rank() != i {
+        for (i, r) in ranks.enumerate() {
+            if r != i {
+                return Err(crate::EngineError::config(
+                    "workers",
+                    format!("worker {i} has rank {r}; ranks must be 0..n in order"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SpmdParallelWorkers {
+    /// The ranks, in order.
+    pub fn ranks(&self) -> &[CoordinatedWorker] {
+        &self.ranks
+    }
+
+    /// The ranks' workers, in order.
+    pub fn workers(&self) -> impl ExactSizeIterator<Item = &Arc<PhysicalWorker>> {
+        self.ranks.iter().map(CoordinatedWorker::worker)
+    }
+
+    /// Checks that every rank has tier `T` bound ([`PhysicalWorker::with_tier`]) to this very
+    /// `manager`, so every block id it hands out is a slot on every rank.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) naming the first
+    /// rank whose `T` tier is unbound or bound to another manager.
+    pub fn check_bound<T: Tier>(&self, manager: &Arc<BlockManager<T>>) -> crate::Result<()> {
+        for w in self.workers() {
+            match w.bound::<T>() {
+                Some(b) if Arc::ptr_eq(b.manager(), manager) => {}
+                Some(_) => {
+                    return Err(crate::EngineError::config(
+                        "workers",
+                        format!(
+                            "rank {}: its {} tier is bound to another block manager",
+                            w.rank(),
+                            T::ID
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(crate::EngineError::config(
+                        "workers",
+                        format!("rank {}: no bound {} tier", w.rank(), T::ID),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layers per block of tier `T` on every rank (from the ranks' layouts).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `workers`) when a rank lacks
+    /// the tier or the ranks disagree.
+    pub fn num_layers<T: Tier>(&self) -> crate::Result<usize> {
+        let mut layers = None;
+        for w in self.workers() {
+            let n = w
+                .layout(T::ID)
+                .and_then(|h| w.transfer_manager().layout(h).ok())
+                .map(|l| l.layout().config().num_layers)
+                .ok_or_else(|| {
+                    crate::EngineError::config(
+                        "workers",
+                        format!("rank {}: no {} layout", w.rank(), T::ID),
+                    )
+                })?;
+            if *layers.get_or_insert(n) != n {
                 return Err(crate::EngineError::config(
                     "workers",
                     format!(
-                        "worker {i} has rank {}; ranks must be 0..n in order",
-                        w.rank()
+                        "rank {}: {} blocks of {n} layers, rank 0 has {}",
+                        w.rank(),
+                        T::ID,
+                        layers.unwrap_or(0)
                     ),
                 ));
             }
         }
-        Ok(Self {
-            workers: workers.into_iter().map(Arc::new).collect(),
-        })
+        layers.ok_or_else(|| crate::EngineError::config("workers", "no ranks"))
     }
 }
 
 impl ParallelWorkers for SpmdParallelWorkers {
     fn world_size(&self) -> usize {
-        self.workers.len()
+        self.ranks.len()
     }
 
     fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<Result<(), String>>> {
         Box::pin(async move {
-            let per_rank = join_all(self.workers.iter().map(|w| w.execute(&request))).await;
+            let per_rank = join_all(self.ranks.iter().map(|w| w.execute(&request))).await;
             let mut merged: Vec<Result<(), String>> = vec![Ok(()); request.blocks.len()];
             for rank in per_rank {
                 for (m, r) in merged.iter_mut().zip(rank) {
@@ -221,6 +459,19 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         }
     }
 
+    /// As [`new`](Self::new) over in-process ranks whose `Dst` tier is bound to `dst` on
+    /// every rank (checked: [`SpmdParallelWorkers::check_bound`]).
+    ///
+    /// # Errors
+    /// As [`SpmdParallelWorkers::check_bound`].
+    pub fn bound(
+        workers: Arc<SpmdParallelWorkers>,
+        dst: Arc<BlockManager<Dst>>,
+    ) -> crate::Result<Self> {
+        workers.check_bound(&dst)?;
+        Ok(Self::new(workers, dst))
+    }
+
     /// The manager destinations are allocated from.
     pub fn destination(&self) -> &Arc<BlockManager<Dst>> {
         &self.dst
@@ -239,15 +490,15 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             let m = format!("{n} sources but {} destinations", destinations.len());
             return (0..n).map(|_| Err(m.clone())).collect();
         }
-        let request = TransferRequest {
-            src: Src::ID,
-            dst: Dst::ID,
-            blocks: sources
+        let request = TransferRequest::new(
+            Src::ID,
+            Dst::ID,
+            sources
                 .iter()
                 .zip(&destinations)
                 .map(|(s, d)| (s.block_id(), d.block_id(), s.sequence_hash()))
                 .collect(),
-        };
+        );
         let outcome = self.workers.execute(request).await;
         let mut results: Vec<Option<Result<ImmutableBlock<Dst>, String>>> =
             (0..n).map(|_| None).collect();
@@ -280,6 +531,118 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             .collect()
     }
 }
+
+/// The leader's side of a layer-wise move across all ranks ([`LayerMove`]): one
+/// [`TransferRequest`] with a layer range per call; nothing is registered (the onboarding
+/// session registers the destinations after the last layer).
+pub struct SpmdLayerMover<Src: Tier, Dst: Tier> {
+    workers: Arc<dyn ParallelWorkers>,
+    dst: Arc<BlockManager<Dst>>,
+    num_layers: usize,
+    _src: std::marker::PhantomData<fn() -> Src>,
+}
+
+impl<Src: Tier, Dst: Tier> SpmdLayerMover<Src, Dst> {
+    /// Moves layers of `num_layers`-layer blocks from `Src` into `dst`'s tier through
+    /// `workers`.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `onboard.layerwise`) for zero
+    /// layers.
+    pub fn new(
+        workers: Arc<dyn ParallelWorkers>,
+        dst: Arc<BlockManager<Dst>>,
+        num_layers: usize,
+    ) -> crate::Result<Self> {
+        if num_layers == 0 {
+            return Err(crate::EngineError::config(
+                "onboard.layerwise",
+                "blocks have at least one layer",
+            ));
+        }
+        Ok(Self {
+            workers,
+            dst,
+            num_layers,
+            _src: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<Src: Tier, Dst: Tier> SpmdLayerMover<Src, Dst> {
+    /// Over in-process ranks whose `Dst` tier is bound to `dst` on every rank, with the
+    /// layer count read from the ranks' layouts (`Src` and `Dst` must agree).
+    ///
+    /// # Errors
+    /// As [`SpmdParallelWorkers::check_bound`] and [`SpmdParallelWorkers::num_layers`];
+    /// [`EngineError::Config`](crate::EngineError::Config) (key `onboard.layerwise`) when the
+    /// two tiers' layer counts differ.
+    pub fn bound(
+        workers: Arc<SpmdParallelWorkers>,
+        dst: Arc<BlockManager<Dst>>,
+    ) -> crate::Result<Self> {
+        workers.check_bound(&dst)?;
+        let (src_layers, dst_layers) = (workers.num_layers::<Src>()?, workers.num_layers::<Dst>()?);
+        if src_layers != dst_layers {
+            return Err(crate::EngineError::config(
+                "onboard.layerwise",
+                format!(
+                    "{} blocks have {src_layers} layers, {} blocks {dst_layers}",
+                    Src::ID,
+                    Dst::ID
+                ),
+            ));
+        }
+        Self::new(workers, dst, dst_layers)
+    }
+}
+
+impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
+    fn destination(&self) -> &Arc<BlockManager<Dst>> {
+        &self.dst
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn move_layers<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<Src>],
+        destinations: &'a [BlockId],
+        layers: Range<usize>,
+    ) -> BoxFuture<'a, Vec<LayerMoved>> {
+        Box::pin(async move {
+            let n = sources.len();
+            if destinations.len() != n {
+                return fail_layers(
+                    n,
+                    &format!("{n} sources but {} destinations", destinations.len()),
+                );
+            }
+            if layers.start >= layers.end || layers.end > self.num_layers {
+                return fail_layers(
+                    n,
+                    &format!("layer range {layers:?} outside 0..{}", self.num_layers),
+                );
+            }
+            let mut request = TransferRequest::new(
+                Src::ID,
+                Dst::ID,
+                sources
+                    .iter()
+                    .zip(destinations)
+                    .map(|(s, d)| (s.block_id(), *d, s.sequence_hash()))
+                    .collect(),
+            );
+            request.layers = Some(layers);
+            self.workers.execute(request).await
+        })
+    }
+}
+
+pub mod coordinated;
+pub use coordinated::{AddressedRequest, CoordinatedWorker, RankAddress};
 
 #[cfg(test)]
 mod tests;

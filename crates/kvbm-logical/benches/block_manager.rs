@@ -12,8 +12,9 @@
 //! - `sequence_hash`: hashing a 128-block token sequence (16 tokens per block) with xxh3 and
 //!   with BLAKE3 (the cryptographic identity for shared tiers); reported per block.
 //!
-//! Besides Dynamo's four backends, the rows cover `arc`, `s3fifo` and the default policy
-//! `tinylfu_lru` (`tinylfu-lru`), and `orphan_tinylfu_lru` (the same behind orphan-first).
+//! Besides Dynamo's four backends, the rows cover `arc`, `s3fifo`, `tinylfu_lru`
+//! (`tinylfu-lru`), the default policy `adaptive_lru` (`adaptive-lru`: the filter dueling
+//! with LRU), and `orphan_tinylfu_lru` (`tinylfu-lru` behind orphan-first).
 //!
 //! Run: `cargo bench -p kvbm-logical` (or `cargo xtask bench logical`).
 
@@ -40,6 +41,10 @@ const BACKENDS: &[(&str, EvictionPolicy)] = &[
     ("arc", EvictionPolicy::plain(EvictionBackend::Arc)),
     ("s3fifo", EvictionPolicy::plain(EvictionBackend::S3Fifo)),
     ("tinylfu_lru", EvictionPolicy::tinylfu(EvictionBackend::Lru)),
+    (
+        "adaptive_lru",
+        EvictionPolicy::adaptive(EvictionBackend::Lru),
+    ),
     (
         "orphan_tinylfu_lru",
         EvictionPolicy::tinylfu(EvictionBackend::Lru).orphan_first(),

@@ -60,6 +60,7 @@ fn main() {
         "arc",
         "s3fifo",
         "tinylfu-lru",
+        "adaptive-lru",
         "tinylfu-lineage",
         "tinylfu-arc",
         "tinylfu-s3fifo",
@@ -113,7 +114,7 @@ fn main() {
             print!("| {p} |");
             for &c in &capacities {
                 let r = simulate(&trace, c, p).expect("capacity").hit_ratio();
-                print!(" {:.1}% |", 100.0 * r);
+                print!(" {:.2}% |", 100.0 * r);
             }
             println!();
         }

@@ -43,7 +43,7 @@ pub struct LogicalConfig {
     /// Tokens per block: a power of two in `1..=1024`. Default: 16.
     pub block_size: u32,
     /// Inactive-pool eviction policy by name (`lru`, `multi_lru`, `lineage`, `fifo`, `arc`,
-    /// `s3fifo`, `belady`, or `tinylfu-<one of those>`). Default: `tinylfu-lru`.
+    /// `s3fifo`, `belady`, or `tinylfu-<one of those>`, `adaptive-<one of those>`). Default: `adaptive-lru`.
     pub eviction: EvictionPolicy,
     /// Block identity algorithm for sequences built for this tier: `blake3` (256-bit
     /// cryptographic digest, carried with registered blocks and bound as the identity of

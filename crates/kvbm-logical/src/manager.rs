@@ -128,14 +128,14 @@ impl<T: Tier> BlockManagerBuilder<T> {
     }
 
     /// The inactive pool's eviction order, without admission filter (the default policy is
-    /// `tinylfu-lru`, see [`policy`](Self::policy)).
+    /// `adaptive-lru`, see [`policy`](Self::policy)).
     pub fn eviction(mut self, backend: EvictionBackend) -> Self {
         self.config.eviction = EvictionPolicy::plain(backend);
         self
     }
 
     /// The eviction policy (backend and admission filter), e.g. `"s3fifo".parse()?`.
-    /// Default: `tinylfu-lru`.
+    /// Default: `adaptive-lru`.
     pub fn policy(mut self, policy: EvictionPolicy) -> Self {
         self.config.eviction = policy;
         self

@@ -41,6 +41,7 @@ pub const DEFAULT_POLICIES: &[&str] = &[
     "arc",
     "s3fifo",
     "tinylfu-lru",
+    "adaptive-lru",
     "tinylfu-arc",
     "tinylfu-s3fifo",
     "orphan-lru",

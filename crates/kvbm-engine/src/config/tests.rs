@@ -286,3 +286,29 @@ fn the_cli_replay_section_is_carried_unparsed() {
         "{replay:?}"
     );
 }
+
+#[test]
+fn heartbeat_timeout_must_exceed_the_interval() {
+    let (key, message) = err(ConfigBuilder::new()
+        .set("transport.heartbeat_interval_ms", 500)
+        .set("transport.heartbeat_timeout_ms", 500)
+        .build());
+    assert_eq!(key, "transport.heartbeat_timeout_ms");
+    assert!(message.contains("500"), "{message}");
+    let (key, _) = err(ConfigBuilder::new()
+        .set("transport.heartbeat_interval_ms", 0)
+        .build());
+    assert_eq!(key, "transport.heartbeat_interval_ms");
+    let c = ConfigBuilder::new()
+        .set("transport.heartbeat_interval_ms", 100)
+        .set("transport.heartbeat_timeout_ms", 300)
+        .build()
+        .unwrap();
+    assert_eq!(
+        (
+            c.transport.heartbeat_interval_ms,
+            c.transport.heartbeat_timeout_ms
+        ),
+        (100, 300)
+    );
+}

@@ -31,6 +31,8 @@ pub struct ServerStats {
     requests: AtomicU64,
     blocks_served: AtomicU64,
     refused: AtomicU64,
+    /// Fault injection (feature `testing`): frames still to be sent with a damaged payload.
+    corrupt_next: AtomicU64,
 }
 
 impl ServerStats {
@@ -194,6 +196,14 @@ impl DataPlaneServer {
         &self.stats
     }
 
+    /// Fault injection (feature `testing`): the next `n` block frames are sent with one
+    /// payload byte flipped after their header (and checksum) was computed, as a corrupting
+    /// link or a bad serving host would; a verifying client must refuse them.
+    #[cfg(feature = "testing")]
+    pub fn corrupt_next_frames(&self, n: u64) {
+        self.stats.corrupt_next.store(n, Ordering::Release);
+    }
+
     /// Stops accepting and ends every connection (dropping their holds). Idempotent.
     pub fn shutdown(&self) {
         self.cancel.cancel();
@@ -286,6 +296,26 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
             // (registered, immutable), so nothing writes its slot while it is read.
             let header = unsafe { wire::frame_header(*h, s.instance, s.geometry, &regions) };
             timed("write", io, stream.write_all(&header)).await?;
+            let corrupt = s
+                .stats
+                .corrupt_next
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_ok();
+            if corrupt && let Some(&(p, l)) = regions.first() {
+                // SAFETY: as below; a copy is damaged, never the served block itself.
+                let mut bad = unsafe { std::slice::from_raw_parts(p as *const u8, l) }.to_vec();
+                if let Some(b) = bad.first_mut() {
+                    *b ^= 0xff;
+                }
+                timed("write", io, stream.write_all(&bad)).await?;
+                for &(p, l) in &regions[1..] {
+                    // SAFETY: as below.
+                    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, l) };
+                    timed("write", io, stream.write_all(bytes)).await?;
+                }
+                s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             for &(p, l) in &regions {
                 // SAFETY: as above.
                 let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, l) };

@@ -183,6 +183,57 @@ impl MatchedPrefix {
         out
     }
 
+    /// The prefix's runs as a policy sees them ([`ScanRun`](super::ScanRun)): the local runs,
+    /// then the remote run, if any.
+    pub fn scan_runs(&self) -> Vec<super::ScanRun> {
+        let mut out: Vec<super::ScanRun> = self
+            .runs
+            .iter()
+            .map(|r| super::ScanRun {
+                source: super::RunSource::Local(r.tier.into()),
+                start: r.start,
+                len: r.len,
+            })
+            .collect();
+        if let Some(r) = &self.remote {
+            out.push(super::ScanRun {
+                source: super::RunSource::Remote(r.instance),
+                start: r.start,
+                len: r.hashes.len(),
+            });
+        }
+        out
+    }
+
+    /// Keeps the first `len` blocks of the prefix held and releases the rest at once (a run
+    /// past `len` is dropped, the run across it is shortened). `len` past the prefix changes
+    /// nothing. The searched length ([`requested`](Self::requested)) is unchanged.
+    pub fn truncate(&mut self, len: usize) {
+        let mut kept = Vec::with_capacity(self.runs.len());
+        for mut r in std::mem::take(&mut self.runs) {
+            let keep = len.saturating_sub(r.start).min(r.len);
+            match r.tier {
+                TierId::G2 => self.g2.truncate(keep),
+                TierId::G3 => self.g3.truncate(keep),
+                TierId::G4 => self.g4.truncate(keep),
+                TierId::G1 => {}
+            }
+            if keep > 0 {
+                r.len = keep;
+                kept.push(r);
+            }
+        }
+        self.runs = kept;
+        if let Some(r) = &mut self.remote {
+            let keep = len.saturating_sub(r.start).min(r.hashes.len());
+            if keep == 0 {
+                self.remote = None;
+            } else {
+                r.hashes.truncate(keep);
+            }
+        }
+    }
+
     /// Splits into the per-tier holders (each still releasing on drop); a remote run is
     /// dropped (it holds nothing here).
     pub fn into_parts(self) -> (BlockHolder<G2>, BlockHolder<G3>, BlockHolder<G4>) {

@@ -16,7 +16,28 @@
 //!   (* only while an operation is in flight; it becomes Aborted when that operation settles)
 //! ```
 //!
-//! Terminal phases: `Finished`, `Aborted`, `Failed`. The pull (remote G2 → local G2, over the
+//! Terminal phases: `Finished`, `Aborted`, `Failed`.
+//!
+//! # Layer-wise onboarding
+//!
+//! [`onboard_layerwise`](OnboardingSession::onboard_layerwise) runs the `Onboarding` phase one
+//! layer at a time (all blocks of the prefix per layer, through a [`LayerMove`]) and publishes
+//! each finished layer on a watch channel, so the inference engine can run layer `l` of its
+//! forward pass as soon as [`LayerwiseOnboard::layer_ready`]`(l)` returns, while later layers
+//! are still moving:
+//!
+//! ```text
+//!  task:    layer 0 ──► done=1 ──► [abort?] ──► layer 1 ──► done=2 ──► ... ──► register G1 ──► Complete
+//!  engine:  layer_ready(0) ─► run layer 0     layer_ready(1) ─► run layer 1 ...
+//! ```
+//!
+//! The G1 destinations stay unregistered `MutableBlock`s owned by the task until the last layer
+//! arrived; only then are they completed and registered (a half-onboarded block is never
+//! matchable). A layer that fails on any block (any rank) fails the session like a whole-block
+//! onboard. An abort takes effect **between layers**: the layer in flight settles, no further
+//! layer starts, and everything (G1 destinations, G2 holds) is released; waiters on later
+//! layers get [`SessionError::Aborted`]. `layer_ready` reports `Ok` only while the session is
+//! neither failed nor aborted. The pull (remote G2 → local G2, over the
 //! data plane's [`RemotePull`]) runs in the `Staging` phase, concurrently with the G3→G2 and
 //! G4→G2 stages: the prefix is `Staged` once every local and remote part of it is in local G2.
 //!
@@ -44,13 +65,13 @@
 
 use std::sync::Arc;
 
-use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, TierId};
+use kvbm_logical::{BlockId, G1, G2, G3, G4, ImmutableBlock, MutableBlock, TierId};
 use parking_lot::Mutex;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
 use super::holder::MatchedPrefix;
 use crate::dataplane::RemotePull;
-use crate::mover::{BlockMove, Moved};
+use crate::mover::{BlockMove, LayerMove, Moved};
 
 /// Where a session is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -518,6 +539,128 @@ impl OnboardingSession {
         })
     }
 
+    /// Moves the staged prefix into `destinations` layer by layer (`Staged` → `Onboarding` →
+    /// `Complete`), one destination per prefix block, in order; see the
+    /// [module docs](self#layer-wise-onboarding). Returns at once with a [`LayerwiseOnboard`]
+    /// to wait on each layer; the move runs in a task that owns the G1 destinations and its
+    /// copies of the G2 holds until it settled.
+    ///
+    /// # Errors
+    /// As [`onboard`](Self::onboard), checked before anything moves; failures while moving
+    /// are reported by [`LayerwiseOnboard::layer_ready`] and [`LayerwiseOnboard::wait`].
+    pub async fn onboard_layerwise(
+        &self,
+        mover: Arc<dyn LayerMove<G2, G1>>,
+        destinations: Vec<MutableBlock<G1>>,
+    ) -> Result<LayerwiseOnboard, SessionError> {
+        self.begin(Phase::Staged, Phase::Onboarding)?;
+        let staged = {
+            let s = self.shared.state.lock();
+            let problem = if destinations.len() != s.staged.len() {
+                Some(format!(
+                    "{} destinations for {} staged blocks",
+                    destinations.len(),
+                    s.staged.len()
+                ))
+            } else if mover.num_layers() == 0 {
+                Some("the layer mover reports zero layers".to_owned())
+            } else {
+                None
+            };
+            if let Some(m) = problem {
+                drop(s);
+                return Err(self.give_up(Phase::Staged, SessionError::Destinations(m)));
+            }
+            s.staged.clone()
+        };
+        let num_layers = mover.num_layers();
+        let ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
+        let (tx, rx) = watch::channel(LayerProgress::default());
+        let shared = self.shared.clone();
+        let task_ids = ids.clone();
+        let task = tokio::spawn(async move {
+            let mut failure: Option<(usize, String)> = None;
+            let mut aborted = false;
+            for layer in 0..num_layers {
+                // The cancellation point: between layers.
+                if shared.state.lock().phase() == Phase::Aborting {
+                    aborted = true;
+                    break;
+                }
+                let out = mover
+                    .move_layers(&staged, &task_ids, layer..layer + 1)
+                    .await;
+                let failed: Vec<&String> = out.iter().filter_map(|o| o.as_ref().err()).collect();
+                if let Some(first) = failed.first() {
+                    failure = Some((failed.len(), format!("layer {layer}: {first}")));
+                    break;
+                }
+                tx.send_modify(|p| p.done = layer + 1);
+            }
+            // Register outside the session lock (the lock nests with no manager call). A
+            // block is whole only now that every layer arrived.
+            let whole = match (&failure, aborted) {
+                (None, false) => Some(register_whole(mover.destination(), &staged, destinations)),
+                _ => {
+                    drop(destinations);
+                    None
+                }
+            };
+            let mut s = shared.state.lock();
+            let mut unused: Vec<ImmutableBlock<G1>> = Vec::new();
+            let result = match (s.phase(), failure, whole) {
+                (Phase::Aborting, _, whole) => {
+                    s.phase = Some(Phase::Aborted);
+                    if let Some(Ok(b) | Err((_, b))) = whole {
+                        unused = b;
+                    }
+                    Err(SessionError::Aborted)
+                }
+                (_, Some((failed_blocks, message)), _) => {
+                    let f = SessionFailure {
+                        phase: Phase::Onboarding,
+                        failed_blocks,
+                        message,
+                    };
+                    s.failure = Some(f.clone());
+                    s.phase = Some(Phase::Failed);
+                    Err(SessionError::Failed(f))
+                }
+                (_, None, Some(Ok(on_g1))) => {
+                    s.onboarded = on_g1;
+                    s.phase = Some(Phase::Complete);
+                    Ok(())
+                }
+                (_, None, Some(Err((f, rest)))) => {
+                    s.failure = Some(f.clone());
+                    s.phase = Some(Phase::Failed);
+                    unused = rest;
+                    Err(SessionError::Failed(f))
+                }
+                (phase, None, None) => {
+                    // Only an abort stops the loop early, and only the task leaves Aborting.
+                    unreachable!("layer-wise onboard stopped early in {phase:?}")
+                }
+            };
+            let released = if result.is_err() {
+                Some(s.take_all())
+            } else {
+                None
+            };
+            drop(s);
+            drop((released, unused, staged));
+            tx.send_modify(|p| p.end = Some(result.clone()));
+            shared.settled.notify_waiters();
+            result
+        });
+        Ok(LayerwiseOnboard {
+            progress: rx,
+            num_layers,
+            g1_blocks: ids,
+            task: Mutex::new(Some(task)),
+        })
+    }
+
     /// Ends a `Complete` session, handing over the G1 blocks and releasing the G2 holds.
     /// Idempotent and harmless in every phase: see [`FinishOutcome`].
     pub fn finish(&self) -> FinishOutcome {
@@ -570,6 +713,132 @@ impl OnboardingSession {
                 return phase;
             }
             notified.await;
+        }
+    }
+}
+
+/// Completes and registers layer-wise destinations whose every layer arrived; on a
+/// registration refusal (another block under the hash with another identity) fails, handing
+/// back nothing registered.
+#[allow(clippy::type_complexity)]
+fn register_whole(
+    g1: &Arc<kvbm_logical::BlockManager<G1>>,
+    staged: &[ImmutableBlock<G2>],
+    destinations: Vec<MutableBlock<G1>>,
+) -> Result<Vec<ImmutableBlock<G1>>, (SessionFailure, Vec<ImmutableBlock<G1>>)> {
+    let fail = |message: String| SessionFailure {
+        phase: Phase::Onboarding,
+        failed_blocks: 1,
+        message,
+    };
+    let mut complete = Vec::with_capacity(destinations.len());
+    for (d, s) in destinations.into_iter().zip(staged) {
+        match d.complete_with_digest(s.sequence_hash(), s.digest()) {
+            Ok(c) => complete.push(c),
+            Err(e) => {
+                let f = fail(format!("cannot register in G1: {}", e.error));
+                return Err((f, Vec::new()));
+            }
+        }
+    }
+    let registered = g1.register_blocks(complete);
+    if let Some((_, s)) = registered
+        .iter()
+        .zip(staged)
+        .find(|(b, s)| b.digest() != s.digest())
+    {
+        let f = fail(format!(
+            "G1 already holds {} under another identity",
+            s.sequence_hash()
+        ));
+        return Err((f, registered));
+    }
+    Ok(registered)
+}
+
+/// Progress of a layer-wise onboard, published on a watch channel.
+#[derive(Clone, Debug, Default)]
+struct LayerProgress {
+    /// Layers of every block that arrived (layers `0..done`).
+    done: usize,
+    /// How the onboard ended, once it has.
+    end: Option<Result<(), SessionError>>,
+}
+
+/// A running layer-wise onboard ([`OnboardingSession::onboard_layerwise`]): wait on each
+/// layer, or on the whole. Dropping it does not stop the move (abort the session for that).
+#[derive(Debug)]
+pub struct LayerwiseOnboard {
+    progress: watch::Receiver<LayerProgress>,
+    num_layers: usize,
+    g1_blocks: Vec<BlockId>,
+    task: Mutex<Option<tokio::task::JoinHandle<Result<(), SessionError>>>>,
+}
+
+impl LayerwiseOnboard {
+    /// Layers per block.
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// The G1 slots the prefix is onboarded into, in prefix order (the engine's attention
+    /// reads layer `l` of these once `layer_ready(l)` returned `Ok`).
+    pub fn g1_block_ids(&self) -> &[BlockId] {
+        &self.g1_blocks
+    }
+
+    /// Layers that arrived so far, for every block.
+    pub fn layers_done(&self) -> usize {
+        self.progress.borrow().done
+    }
+
+    /// Waits until layer `layer` of every block is in G1.
+    ///
+    /// # Errors
+    /// [`SessionError::Destinations`] for a layer past the last; [`SessionError::Failed`] /
+    /// [`SessionError::Aborted`] when the onboard ended that way (also for layers that had
+    /// arrived: their slots are released).
+    pub async fn layer_ready(&self, layer: usize) -> Result<(), SessionError> {
+        if layer >= self.num_layers {
+            return Err(SessionError::Destinations(format!(
+                "layer {layer} of {}-layer blocks",
+                self.num_layers
+            )));
+        }
+        let mut rx = self.progress.clone();
+        let p = rx
+            .wait_for(|p| p.done > layer || p.end.is_some())
+            .await
+            .map_err(|_| SessionError::Destinations("onboarding task ended".into()))?;
+        match &p.end {
+            Some(Err(e)) => Err(e.clone()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for the whole onboard (every layer, then registration).
+    ///
+    /// # Errors
+    /// As [`OnboardingSession::onboard`].
+    pub async fn wait(&self) -> Result<(), SessionError> {
+        let mut rx = self.progress.clone();
+        let end = rx
+            .wait_for(|p| p.end.is_some())
+            .await
+            .map(|p| p.end.clone());
+        match end {
+            Ok(Some(r)) => r,
+            _ => {
+                let task = self.task.lock().take();
+                match task {
+                    Some(t) => t.await.unwrap_or_else(|e| {
+                        Err(SessionError::Destinations(format!(
+                            "onboarding task ended: {e}"
+                        )))
+                    }),
+                    None => Err(SessionError::Destinations("onboarding task ended".into())),
+                }
+            }
         }
     }
 }

@@ -27,8 +27,9 @@
 //! the subject; batches published while the server is away are either buffered by the client
 //! and sent after the reconnect or dropped and counted. The index is a hint, never proof, so a
 //! lost batch costs a missed remote match (or a stale one, which the puller must verify), not
-//! correctness. There is no snapshot resync after a reconnect: a block stored while events
-//! were lost is learnt again only from its next event.
+//! correctness. The bus itself does not resync after a reconnect; an
+//! [`Instance`](crate::instance::Instance) does, by snapshot
+//! ([`instance::presence`](crate::instance::presence)).
 //!
 //! # Wire
 //!
@@ -98,7 +99,23 @@ impl NatsBus {
         subject: impl Into<String>,
         capacity: usize,
     ) -> Result<Arc<Self>> {
+        Self::start_until(runtime, runtime.shutdown_token(), client, subject, capacity).await
+    }
+
+    /// As [`start`](Self::start), its tasks ending when `cancel` is cancelled (e.g. a child
+    /// of the runtime's shutdown token owned by one instance).
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub async fn start_until(
+        runtime: &RuntimeHandle,
+        cancel: tokio_util::sync::CancellationToken,
+        client: Client,
+        subject: impl Into<String>,
+        capacity: usize,
+    ) -> Result<Arc<Self>> {
         let subject = subject.into();
+        let stop = cancel;
         let capacity = capacity.max(1);
         let nats_err = |e: &dyn std::fmt::Display| EngineError::Nats {
             url: subject.clone(),
@@ -119,7 +136,7 @@ impl NatsBus {
             subject: subject.clone(),
         });
 
-        let cancel = runtime.shutdown_token();
+        let cancel = stop.clone();
         let (c, pub_subject, pub_counters) = (client.clone(), subject.clone(), counters.clone());
         runtime.spawn(async move {
             loop {
@@ -145,7 +162,7 @@ impl NatsBus {
             }
         })?;
 
-        let cancel = runtime.shutdown_token();
+        let cancel = stop.clone();
         runtime.spawn(async move {
             loop {
                 let message = tokio::select! {

@@ -151,3 +151,25 @@ fn a_leader_built_from_the_runtime_publishes_its_tiers_events() {
     );
     runtime.shutdown();
 }
+
+#[test]
+fn an_instance_can_be_listed_replaced_and_removed_without_touching_others() {
+    let index = CrossInstanceIndex::new();
+    let (a, b) = (InstanceId(0xa), InstanceId(0xb));
+    let (e0, e1, e2) = (event(0), event(1), event(2));
+    index.apply_events(a, &[e0, e1]);
+    index.apply_events(b, &[e1]);
+    assert_eq!(index.instances(), vec![a, b]);
+    let mut want = vec![(e0.hash, TierId::G2), (e1.hash, TierId::G2)];
+    want.sort();
+    assert_eq!(index.entries_of(a), want);
+    // A snapshot of a replaces everything a had: e0 and e1 gone, e2 (in G4) in.
+    index.replace_instance(a, &[(e2.hash, TierId::G4)]);
+    assert_eq!(index.entries_of(a), vec![(e2.hash, TierId::G4)]);
+    assert!(index.locations(e0.hash).is_empty());
+    assert_eq!(index.locations(e1.hash), vec![(b, TierId::G2)]);
+    assert_eq!(index.remove_instance(a), 1);
+    assert_eq!(index.instances(), vec![b]);
+    assert_eq!(index.remove_instance(a), 0);
+    assert_eq!(index.len(), 1);
+}

@@ -61,6 +61,43 @@ pub async fn connect(url: &str, name: &str, max_reconnect_delay: Duration) -> Re
         })
 }
 
+/// As [`connect`], also returning a counter of (re)connections: it is 1 once connected and
+/// goes up by one each time the client reconnects after a loss, so a watcher can resync what
+/// it may have missed while the server was away.
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_observed(
+    url: &str,
+    name: &str,
+    max_reconnect_delay: Duration,
+) -> Result<(Client, tokio::sync::watch::Receiver<u64>)> {
+    let cap = max_reconnect_delay.max(Duration::from_millis(10));
+    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    let tx = Arc::new(tx);
+    let client = async_nats::ConnectOptions::new()
+        .name(name)
+        .max_reconnects(None)
+        .reconnect_delay_callback(move |attempts| {
+            (Duration::from_millis(20) * attempts.min(50) as u32).min(cap)
+        })
+        .event_callback(move |event| {
+            let tx = tx.clone();
+            async move {
+                if matches!(event, async_nats::Event::Connected) {
+                    tx.send_modify(|n| *n += 1);
+                }
+            }
+        })
+        .connect(url)
+        .await
+        .map_err(|e| EngineError::Nats {
+            url: url.to_string(),
+            message: e.to_string(),
+        })?;
+    Ok((client, rx))
+}
+
 /// The version of an envelope, read before its body: a body of another version may not
 /// decode at all. (Decoding through `serde_json::Value` would lose the 128-bit hashes.)
 #[derive(serde::Deserialize)]

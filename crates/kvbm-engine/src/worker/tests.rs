@@ -114,3 +114,83 @@ async fn one_failing_rank_fails_the_block_and_returns_the_destination() {
     let hashes: Vec<_> = held.iter().map(|b| b.sequence_hash()).collect();
     assert!(g1.match_blocks(&hashes).is_empty(), "nothing registered");
 }
+
+/// Rank `rank` with G1 and G2 bound to `g1` / `g2` (4 blocks each).
+fn bound_worker(
+    rank: usize,
+    g1: &Arc<BlockManager<G1>>,
+    g2: &Arc<BlockManager<G2>>,
+) -> PhysicalWorker {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    PhysicalWorker::from_tiers(
+        rank,
+        BoundTiers {
+            transfer_manager: tm.clone(),
+            g1: Some(BoundTier::new(tm.clone(), host(&tm, 4), g1.clone()).unwrap()),
+            g2: Some(BoundTier::new(tm.clone(), host(&tm, 4), g2.clone()).unwrap()),
+            g3: None,
+            g4: None,
+        },
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
+    let (g2, g1, held) = blocks();
+    // A tier bound to another rank's transfer manager is refused.
+    let other = Arc::new(TransferManager::new().unwrap());
+    let foreign = BoundTier::new(other.clone(), host(&other, 4), g1.clone()).unwrap();
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let err = PhysicalWorker::new(0, tm).with_tier(foreign).unwrap_err();
+    assert_eq!(err.config_key(), Some("workers"));
+    assert!(err.to_string().contains("G1"), "{err}");
+
+    let w0 = bound_worker(0, &g1, &g2);
+    assert!(w0.bound::<G1>().is_some() && w0.bound::<kvbm_logical::G3>().is_none());
+    assert_eq!(
+        w0.resolve(crate::LogicalLayoutHandle::G2),
+        Some(w0.bound::<G2>().unwrap().layout())
+    );
+    let spmd = Arc::new(SpmdParallelWorkers::new(vec![w0, bound_worker(1, &g1, &g2)]).unwrap());
+    spmd.check_bound(&g1).unwrap();
+    let another_g1 = Arc::new(
+        BlockManager::<G1>::builder()
+            .block_count(4)
+            .block_size(4)
+            .build()
+            .unwrap(),
+    );
+    let err = spmd.check_bound(&another_g1).unwrap_err();
+    assert!(err.to_string().contains("rank 0"), "{err}");
+    assert!(SpmdMover::<G2, G1>::bound(spmd.clone(), another_g1).is_err());
+    // A rank with an unbound layout is named.
+    let mixed = Arc::new(
+        SpmdParallelWorkers::new(vec![bound_worker(0, &g1, &g2), worker(1, true)]).unwrap(),
+    );
+    let err = mixed.check_bound(&g1).unwrap_err();
+    assert!(err.to_string().contains("rank 1: no bound G1"), "{err}");
+
+    // Layer-wise over the bound ranks: the layer count comes from their layouts.
+    let layer_mover = SpmdLayerMover::<G2, G1>::bound(spmd.clone(), g1.clone()).unwrap();
+    assert_eq!(layer_mover.num_layers(), 2);
+    let dst = g1.allocate_blocks(2).unwrap();
+    let ids: Vec<BlockId> = dst.iter().map(|b| b.block_id()).collect();
+    for l in 0..2 {
+        let out = layer_mover.move_layers(&held, &ids, l..l + 1).await;
+        assert_eq!(out, vec![Ok(()), Ok(())]);
+    }
+    let out = layer_mover.move_layers(&held, &ids, 2..3).await;
+    assert!(
+        out.iter()
+            .all(|o| o.as_ref().unwrap_err().contains("outside")),
+        "{out:?}"
+    );
+    assert!(
+        g1.match_blocks(&held.iter().map(|b| b.sequence_hash()).collect::<Vec<_>>())
+            .is_empty(),
+        "a layer move registers nothing"
+    );
+    drop(dst);
+    assert_eq!(g1.available_blocks(), 4);
+}

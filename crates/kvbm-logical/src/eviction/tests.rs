@@ -623,6 +623,202 @@ fn tinylfu_probation_respects_lineage() {
     d.check();
 }
 
+// ---- adaptive: the LRU duel ----------------------------------------------------------------
+
+#[test]
+fn adaptive_following_lru_evicts_in_lru_order() {
+    // probation and base are merged by release time: exactly LRU's victims
+    compare_with_reference(
+        || {
+            let mut t = TinyLfu::adaptive(Lru::new(12), 12);
+            t.pin_lru_mode(true);
+            t
+        },
+        || RefLru(VecDeque::new()),
+        12,
+        30,
+    );
+}
+
+#[test]
+fn adaptive_following_lru_honours_touches_across_probation_and_base() {
+    let mut t = TinyLfu::adaptive(Lru::new(4), 4);
+    t.pin_lru_mode(true);
+    let mut d = Driver::new(t, 4);
+    d.registry.touch(h(1)); // 1 and 3 are admitted (base), 0 and 2 first sightings (probation)
+    d.registry.touch(h(3));
+    for s in 0..4 {
+        d.register(s, h(s as u64));
+        d.release(s);
+    }
+    assert_eq!(d.policy.probation_len(), 2);
+    d.touch(0); // probation's oldest becomes the most recent of all
+    d.touch(1); // then the base's oldest
+    assert_eq!(d.pop(), Some(2));
+    assert_eq!(d.pop(), Some(3));
+    assert_eq!(d.pop(), Some(0));
+    assert_eq!(d.pop(), Some(1));
+    d.check();
+}
+
+/// TinyLFU's victims, from a plain `TinyLfu` run in lockstep (the reference for the filter).
+struct RefTinyLfu {
+    d: Driver<TinyLfu<Lru>>,
+}
+
+impl Reference for RefTinyLfu {
+    fn register(&mut self, s: u32, hash: SequenceHash) {
+        self.d.register(s, hash);
+    }
+    fn release(&mut self, s: u32) {
+        self.d.release(s);
+    }
+    fn acquire(&mut self, s: u32) {
+        self.d.acquire(s);
+    }
+    fn pop(&mut self) -> Option<u32> {
+        self.d.pop()
+    }
+}
+
+#[test]
+fn adaptive_following_the_filter_evicts_as_tinylfu() {
+    compare_with_reference(
+        || {
+            let mut t = TinyLfu::adaptive(Lru::new(12), 12);
+            t.pin_lru_mode(false);
+            t
+        },
+        || RefTinyLfu {
+            d: Driver::new(TinyLfu::new(Lru::new(12), 12), 12),
+        },
+        12,
+        30,
+    );
+}
+
+#[test]
+fn shadow_lru_matches_reference_model() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut shadow = super::shadow::Shadow::new(8);
+    let mut reference: VecDeque<u64> = VecDeque::new();
+    for step in 0..5000 {
+        let id = rng.random_range(0..20u64);
+        let hit = shadow.access(h(id), true, 0);
+        let want = match reference.iter().position(|&x| x == id) {
+            Some(i) => {
+                reference.remove(i);
+                true
+            }
+            None => {
+                if reference.len() == 8 {
+                    reference.pop_front();
+                }
+                false
+            }
+        };
+        reference.push_back(id);
+        assert_eq!(hit, want, "step {step}: id {id}");
+        assert_eq!(shadow.len(), reference.len());
+    }
+}
+
+#[test]
+fn shadow_filter_evicts_probation_first() {
+    let mut shadow = super::shadow::Shadow::new(4);
+    for id in 0..2 {
+        assert!(!shadow.access(h(id), true, 0)); // admitted: main
+    }
+    for id in 10..20 {
+        assert!(!shadow.access(h(id), false, 0)); // first sightings churn through probation
+    }
+    assert!(shadow.access(h(0), true, 0) && shadow.access(h(1), true, 0));
+    assert!(
+        shadow.access(h(19), true, 0),
+        "the newest first sighting is still there"
+    );
+    assert!(
+        !shadow.access(h(10), true, 0),
+        "older first sightings are gone"
+    );
+    // with a probation target of 4, main gives way instead
+    let mut shadow = super::shadow::Shadow::new(4);
+    shadow.access(h(0), true, 4);
+    for id in 10..14 {
+        shadow.access(h(id), false, 4);
+    }
+    assert!(!shadow.access(h(0), true, 4), "main's head was the victim");
+}
+
+/// Sampled hashes (the shadows see only these).
+fn sampled_hashes(n: usize) -> Vec<SequenceHash> {
+    (0..)
+        .map(h)
+        .filter(super::shadow::sampled)
+        .take(n)
+        .collect()
+}
+
+#[test]
+fn adaptive_follows_the_shadow_that_hits_more() {
+    let n = 64;
+    let ids = sampled_hashes(4000);
+    let mut d = Driver::new(TinyLfu::adaptive(Lru::new(n), n), n);
+    let mut slot_of: std::collections::HashMap<usize, u32> = Default::default();
+    let mut id_of: Vec<Option<usize>> = vec![None; n];
+    let mut access = |d: &mut Driver<TinyLfu<Lru>>, id: usize| {
+        if let Some(&s) = slot_of.get(&id) {
+            d.acquire(s);
+            d.release(s);
+            return;
+        }
+        let s = match d.slots_with(SlotStatus::Unregistered).first() {
+            Some(&s) => s,
+            None => {
+                let s = d.pop().expect("a victim");
+                slot_of.remove(&id_of[s as usize].take().unwrap());
+                s
+            }
+        };
+        d.register(s, ids[id]);
+        d.release(s);
+        slot_of.insert(id, s);
+        id_of[s as usize] = Some(id);
+    };
+    assert!(d.policy.follows_lru(), "the filter has to prove itself");
+    // a hot set of 4 among one-off scans: the LRU shadow (8 entries) thrashes, the filter
+    // keeps the hot set
+    let mut next = 100;
+    for _ in 0..60 {
+        for id in 0..4 {
+            access(&mut d, id);
+        }
+        for _ in 0..16 {
+            access(&mut d, next);
+            next += 1;
+        }
+    }
+    assert!(
+        !d.policy.follows_lru(),
+        "the filter hits more: its order is used"
+    );
+    d.check();
+    // first sightings reused once, 6 apart: LRU keeps them, the filter's probation does not
+    for _ in 0..150 {
+        for _twice in 0..2 {
+            for j in 0..6 {
+                access(&mut d, next + j);
+            }
+        }
+        next += 6;
+    }
+    assert!(
+        d.policy.follows_lru(),
+        "LRU hits more: release order is used"
+    );
+    d.check();
+}
+
 // ---- Belady --------------------------------------------------------------------------------
 
 #[test]

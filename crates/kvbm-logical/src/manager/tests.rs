@@ -657,7 +657,7 @@ fn config_serde_defaults() {
     assert_eq!(c.block_size, 16);
     assert_eq!(
         c.eviction,
-        crate::EvictionPolicy::tinylfu(EvictionBackend::Lru)
+        crate::EvictionPolicy::adaptive(EvictionBackend::Lru)
     );
     let c: LogicalConfig =
         serde_json::from_str(r#"{"eviction":"multi_lru","duplication":"reject"}"#).unwrap();
@@ -812,10 +812,11 @@ fn lineage_allocation_failure_evicts_nothing() {
 }
 
 #[test]
-fn default_policy_admits_a_block_matched_while_active() {
+fn tinylfu_admits_a_block_matched_while_active() {
     let m = BlockManager::<G2>::builder()
         .block_count(3)
         .block_size(BS)
+        .policy("tinylfu-lru".parse().unwrap())
         .build()
         .unwrap();
     assert_eq!(m.eviction_policy().to_string(), "tinylfu-lru");

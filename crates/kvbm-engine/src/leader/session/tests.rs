@@ -215,3 +215,155 @@ mod model {
         }
     }
 }
+
+mod layerwise_model {
+    //! A proptest of layer-wise onboarding against a model: a scripted in-memory layer mover
+    //! fails at layer `f` and/or aborts the session while layer `a` moves (`None`: never). The
+    //! session ends `Failed` (failure first), `Aborted` (abort first; the layer in flight
+    //! settles, no later layer starts) or `Complete`; `layer_ready` agrees with how it ended;
+    //! every hold is released unless it completed; finish/abort afterwards are idempotent.
+
+    use std::ops::Range;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Weak};
+
+    use futures::future::BoxFuture;
+    use kvbm_logical::{BlockId, BlockManager, G1, G2, ImmutableBlock};
+    use proptest::prelude::*;
+
+    use super::super::*;
+    use super::leader_with_two_g2_blocks;
+    use crate::mover::{LayerMove, LayerMoved};
+
+    struct Scripted {
+        g1: Arc<BlockManager<G1>>,
+        layers: usize,
+        fail_at: Option<usize>,
+        abort_at: Option<usize>,
+        session: Weak<OnboardingSession>,
+        calls: AtomicUsize,
+    }
+
+    impl LayerMove<G2, G1> for Scripted {
+        fn destination(&self) -> &Arc<BlockManager<G1>> {
+            &self.g1
+        }
+        fn num_layers(&self) -> usize {
+            self.layers
+        }
+        fn move_layers<'a>(
+            &'a self,
+            sources: &'a [ImmutableBlock<G2>],
+            destinations: &'a [BlockId],
+            layers: Range<usize>,
+        ) -> BoxFuture<'a, Vec<LayerMoved>> {
+            Box::pin(async move {
+                assert_eq!(layers.len(), 1, "one layer per call");
+                assert_eq!(
+                    layers.start,
+                    self.calls.fetch_add(1, Ordering::SeqCst),
+                    "in order"
+                );
+                assert_eq!(sources.len(), destinations.len());
+                if Some(layers.start) == self.abort_at
+                    && let Some(s) = self.session.upgrade()
+                {
+                    assert_eq!(s.abort(), Phase::Aborting);
+                }
+                tokio::task::yield_now().await;
+                sources
+                    .iter()
+                    .enumerate()
+                    .map(|(i, _)| {
+                        if Some(layers.start) == self.fail_at && i == 0 {
+                            Err("scripted".to_owned())
+                        } else {
+                            Ok(())
+                        }
+                    })
+                    .collect()
+            })
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn layerwise_onboards_follow_the_model(
+            layers in 1usize..6,
+            fail_at in proptest::option::of(0usize..6),
+            abort_at in proptest::option::of(0usize..6),
+            after in proptest::collection::vec(any::<bool>(), 0..4),
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let (leader, g2, hashes) = leader_with_two_g2_blocks();
+            let g1 = Arc::new(BlockManager::<G1>::builder().block_count(2).block_size(4).build().unwrap());
+            let session = Arc::new(leader.begin_onboarding(&hashes));
+            rt.block_on(session.prepare(StagingMovers::default())).unwrap();
+            let mover = Arc::new(Scripted {
+                g1: g1.clone(),
+                layers,
+                fail_at,
+                abort_at,
+                session: Arc::downgrade(&session),
+                calls: AtomicUsize::new(0),
+            });
+            let onboard = rt
+                .block_on(session.onboard_layerwise(mover.clone(), g1.allocate_blocks(2).unwrap()))
+                .unwrap();
+            let end = rt.block_on(onboard.wait());
+            let f = fail_at.filter(|&f| f < layers);
+            let a = abort_at.filter(|&a| a < layers);
+            let (phase, done) = match (f, a) {
+                (Some(f), a) if a.is_none_or(|a| f < a) => (Phase::Failed, f),
+                (f, Some(a)) => (Phase::Aborted, if f == Some(a) { a } else { a + 1 }),
+                (None, None) => (Phase::Complete, layers),
+                (Some(_), None) => unreachable!(),
+            };
+            prop_assert_eq!(session.phase(), phase);
+            prop_assert_eq!(onboard.layers_done(), done);
+            prop_assert_eq!(mover.calls.load(Ordering::SeqCst), match phase {
+                Phase::Failed => f.unwrap() + 1,
+                Phase::Aborted => a.unwrap() + 1,
+                _ => layers,
+            }, "no layer starts after a failure or an abort");
+            match phase {
+                Phase::Complete => prop_assert_eq!(&end, &Ok(())),
+                Phase::Aborted => prop_assert_eq!(&end, &Err(SessionError::Aborted)),
+                _ => prop_assert!(matches!(end, Err(SessionError::Failed(_))), "{:?}", end),
+            }
+            for l in 0..layers {
+                let r = rt.block_on(onboard.layer_ready(l));
+                prop_assert_eq!(r.is_ok(), phase == Phase::Complete, "layer {}: {:?}", l, r);
+            }
+            let complete = phase == Phase::Complete;
+            prop_assert_eq!(g1.available_blocks(), if complete { 0 } else { 2 });
+            prop_assert_eq!(g2.available_blocks(), if complete { 0 } else { 2 });
+            let mut model = phase;
+            let mut handed = Vec::new();
+            for finish in after {
+                if finish {
+                    match (model, session.finish()) {
+                        (Phase::Complete, FinishOutcome::Finished(b)) => {
+                            prop_assert_eq!(b.iter().map(|b| b.sequence_hash()).collect::<Vec<_>>(), hashes.clone());
+                            handed = b;
+                            model = Phase::Finished;
+                        }
+                        (Phase::Finished, FinishOutcome::AlreadyFinished)
+                        | (Phase::Aborted, FinishOutcome::Aborted)
+                        | (Phase::Failed, FinishOutcome::Failed(_)) => {}
+                        (m, o) => prop_assert!(false, "{:?} then finish gave {:?}", m, o),
+                    }
+                } else {
+                    if model == Phase::Complete {
+                        model = Phase::Aborted;
+                    }
+                    prop_assert_eq!(session.abort(), model);
+                }
+                prop_assert_eq!(session.phase(), model);
+                let g1_held = model == Phase::Complete || !handed.is_empty();
+                prop_assert_eq!(g1.available_blocks(), if g1_held { 0 } else { 2 });
+            }
+        }
+    }
+}

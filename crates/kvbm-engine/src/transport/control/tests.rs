@@ -56,6 +56,7 @@ fn request() -> TransferRequest {
         src: TierId::G2,
         dst: TierId::G1,
         blocks: vec![(0, 3, h[0]), (1, 2, h[1])],
+        layers: None,
     }
 }
 

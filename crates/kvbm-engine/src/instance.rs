@@ -1,0 +1,837 @@
+//! [`Instance`]: one kvbm instance composed from the configuration tree (feature `nats`): its
+//! leader's tiers and layouts, the TCP data plane, block events and the cross-instance index
+//! over NATS, and the presence protocol that fills the peer directory and recovers the index.
+//!
+//! # What is built from what
+//!
+//! ```text
+//!  [tiers]  g1/g2/g3/g4_blocks ─► BlockManagers (one registry) + host G1/G2 layouts,
+//!  [physical.disk] (G3)            a disk G3 layout, an object G4 layout on [physical.s3]
+//!  [physical.object.namespace]     (one bucket + namespace shared by every instance)
+//!  [transport] data_plane_bind ──► DataPlaneServer (this instance's G2) + DataPlaneClient
+//!  [transport] nats_url ─────────► one NATS client (reconnects; counts reconnections)
+//!  [events] subject, capacity ───► EventPublisher ─► NatsBus ─► peers' CrossInstanceIndex
+//!                                  NatsBus ─► CrossInstanceIndex::follow (this one's index)
+//!  [transport] heartbeat_* ──────► Presence: PeerInfo announce, PeerDirectory, expiry,
+//!                                  snapshot resync after reconnects (see [`presence`])
+//! ```
+//!
+//! Every tier's stored/removed events go through one sink ([`OwnEvents`]) that records them in
+//! this instance's own index (the source of its snapshot answers) and hands them to the
+//! never-blocking publisher (bounded queue, drops counted).
+//!
+//! # Lookup and onboarding
+//!
+//! [`Instance::onboard`] searches local G2, G3, G4, then other instances (the shared G4 bucket
+//! as the index places blocks there, then the longest run in one peer's G2), and when the index
+//! leaves the prefix short, asks the bucket itself ([`InstanceLeader::adopt_present_g4`]). The
+//! session stages G3/G4 to G2, pulls the remote run over TCP (every frame's checksum, identity
+//! and binding verified) and onboards G2→G1. A block that fails verification fails the session:
+//! it is counted as refused ([`InstanceStats::refused_blocks`]) and never served; the caller
+//! recomputes ([`Instance::onboard_or_compute`] does it in one call).
+//!
+//! # Locks
+//!
+//! The instance takes no lock of its own; counters are atomics. The leader, data plane,
+//! index and presence each document theirs; none is held while another is taken here.
+
+pub mod presence;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use kvbm_logical::{
+    BlockEvent, BlockManager, EventSink, G1, G2, G3, G4, ImmutableBlock, SequenceHash, TierId,
+};
+use kvbm_offload::{
+    BlockMover, BoundTier, ObjectPipeline, ObjectPipelineBuilder, ObjectTransferExecutor,
+    S3PresenceChecker,
+};
+use kvbm_physical::{BlockLayout, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager};
+use tokio_util::sync::CancellationToken;
+
+use crate::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory};
+use crate::error::{EngineError, Result};
+use crate::leader::{FinishOutcome, InstanceLeader, RemoteSearch, SessionError, StagingMovers};
+use crate::pubsub::nats::NatsBus;
+use crate::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
+use crate::runtime::RuntimeHandle;
+use crate::transport::{PeerInfo, WorkerAddress};
+
+pub use presence::{Presence, PresenceConfig, PresenceStats};
+
+/// The sink of every tier of an instance: records the events in the instance's own index,
+/// then hands them to the publisher (never blocks; see [`EventPublisher`]).
+#[derive(Debug)]
+pub struct OwnEvents {
+    instance: InstanceId,
+    own: Arc<CrossInstanceIndex>,
+    publisher: Option<Arc<EventPublisher>>,
+}
+
+impl EventSink for OwnEvents {
+    fn publish(&self, batch: Vec<BlockEvent>) {
+        self.own.apply_events(self.instance, &batch);
+        if let Some(p) = &self.publisher {
+            p.publish(batch);
+        }
+    }
+}
+
+/// Counters of one instance, in blocks.
+#[derive(Debug, Default)]
+struct Counters {
+    lookups: AtomicU64,
+    local_g2: AtomicU64,
+    local_g3: AtomicU64,
+    g4: AtomicU64,
+    remote_g2: AtomicU64,
+    onboarded: AtomicU64,
+    refused: AtomicU64,
+    recomputed: AtomicU64,
+    computed: AtomicU64,
+    offloaded_g4: AtomicU64,
+    presence_adopted: AtomicU64,
+}
+
+/// A copy of an instance's counters (blocks). Cross-instance hits are
+/// [`remote_g2_blocks`](Self::remote_g2_blocks) (pulled from a peer's G2) plus what came from
+/// the shared bucket ([`g4_blocks`](Self::g4_blocks), this instance's own offloads included).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InstanceStats {
+    /// Onboardings asked for.
+    pub lookups: u64,
+    /// Blocks onboarded from local G2.
+    pub local_g2_blocks: u64,
+    /// Blocks onboarded from local G3.
+    pub local_g3_blocks: u64,
+    /// Blocks onboarded from G4 (the shared bucket).
+    pub g4_blocks: u64,
+    /// Blocks pulled from another instance's G2 over the data plane and onboarded.
+    pub remote_g2_blocks: u64,
+    /// Blocks onboarded to G1 in all.
+    pub onboarded_blocks: u64,
+    /// Blocks refused because they failed verification (checksum, identity, binding) or could
+    /// not be read; never served.
+    pub refused_blocks: u64,
+    /// Blocks recomputed after a refusal ([`Instance::onboard_or_compute`]).
+    pub recomputed_blocks: u64,
+    /// Blocks computed into G2 ([`Instance::compute`]).
+    pub computed_blocks: u64,
+    /// Blocks written to G4 ([`Instance::offload_g4`]).
+    pub offloaded_g4_blocks: u64,
+    /// Blocks found by a G4 presence check (no event told of them).
+    pub presence_adopted_blocks: u64,
+}
+
+/// What one [`Instance::onboard`] did.
+#[derive(Debug, Default)]
+pub struct Onboarded {
+    /// The onboarded G1 blocks, in prefix order (empty when nothing matched or it failed).
+    pub blocks: Vec<ImmutableBlock<G1>>,
+    /// Blocks of the prefix from local G2, G3, G4 and a peer's G2.
+    pub local_g2: usize,
+    /// From local G3.
+    pub local_g3: usize,
+    /// From G4.
+    pub g4: usize,
+    /// From a peer's G2, and which peer.
+    pub remote_g2: Option<(InstanceId, usize)>,
+    /// When staging or onboarding failed: how many blocks failed and why (nothing served).
+    pub refused: Option<(usize, String)>,
+}
+
+impl Onboarded {
+    /// Blocks matched (whether or not they onboarded).
+    pub fn matched(&self) -> usize {
+        self.local_g2 + self.local_g3 + self.g4 + self.remote_g2.map_or(0, |r| r.1)
+    }
+}
+
+/// Builds an [`Instance`].
+#[derive(Debug)]
+pub struct InstanceBuilder {
+    runtime: RuntimeHandle,
+    id: Option<InstanceId>,
+    geometry: Option<BlockLayout>,
+    presence_check: bool,
+    pin: PinPolicy,
+}
+
+impl InstanceBuilder {
+    /// An instance on `runtime`, configured by its tree.
+    pub fn new(runtime: &RuntimeHandle) -> Self {
+        Self {
+            runtime: runtime.clone(),
+            id: None,
+            geometry: None,
+            presence_check: true,
+            pin: PinPolicy::Unpinned,
+        }
+    }
+
+    /// Its id. Default: derived from the process id and the data-plane port.
+    pub fn id(mut self, id: InstanceId) -> Self {
+        self.id = Some(id);
+        self
+    }
+
+    /// The block geometry (layers, page size, ...; the number of blocks is taken from
+    /// `[tiers]` per tier). Required.
+    pub fn geometry(mut self, layout: BlockLayout) -> Self {
+        self.geometry = Some(layout);
+        self
+    }
+
+    /// Whether a short lookup asks the G4 bucket itself (one header read per object) for
+    /// blocks no event told of. Default: true.
+    pub fn presence_check(mut self, on: bool) -> Self {
+        self.presence_check = on;
+        self
+    }
+
+    /// Pinning of the host G1/G2 layouts. Default: unpinned.
+    pub fn pin(mut self, pin: PinPolicy) -> Self {
+        self.pin = pin;
+        self
+    }
+
+    /// Builds the tiers and layouts, starts the data plane, connects NATS, and starts
+    /// publishing, following and the presence protocol. Returns once every subscription is in
+    /// place.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming the key: no geometry (`instance.geometry`),
+    /// `tiers.g1_blocks`/`tiers.g2_blocks` of 0, `transport.nats_url` unset, G3 without
+    /// `physical.disk`, G4 without `physical.s3`; [`EngineError::Physical`] /
+    /// [`EngineError::Offload`] when a layout, storage or mover cannot be set up;
+    /// [`EngineError::DataPlane`] when the address cannot be bound; [`EngineError::Nats`] when
+    /// the server cannot be reached; [`EngineError::ShutDown`] after shutdown.
+    pub async fn build(self) -> Result<Instance> {
+        let rt = self.runtime;
+        let config = rt.config().clone();
+        let geometry = self.geometry.ok_or_else(|| {
+            EngineError::config("instance.geometry", "a block geometry is required")
+        })?;
+        let tiers = &config.tiers;
+        if tiers.g1_blocks == 0 {
+            return Err(EngineError::config(
+                "tiers.g1_blocks",
+                "must be > 0 for an instance (onboarding needs G1)",
+            ));
+        }
+        if tiers.g2_blocks == 0 {
+            return Err(EngineError::config(
+                "tiers.g2_blocks",
+                "must be > 0 for an instance (staging and the data plane need G2)",
+            ));
+        }
+        let url = config.transport.nats_url.clone().ok_or_else(|| {
+            EngineError::config("transport.nats_url", "must be set for an instance")
+        })?;
+        let shape = |n: usize| -> Result<BlockLayout> {
+            Ok(BlockLayout::builder()
+                .config(*geometry.config())
+                .kind(geometry.kind())
+                .num_blocks(n.max(1))
+                .build()?)
+        };
+
+        let dp_config = DataPlaneConfig::from_transport(&config.transport)?;
+        let id = self.id.unwrap_or_else(default_id);
+
+        let cancel = rt.shutdown_token().child_token();
+        // Until the instance is built, an error stops whatever was started so far.
+        let started = cancel.clone().drop_guard();
+        let (client, epoch) = crate::transport::nats::connect_observed(
+            &url,
+            &format!("kvbm-{id}"),
+            Duration::from_millis(config.transport.heartbeat_interval_ms.clamp(10, 1000)),
+        )
+        .await?;
+        let bus = NatsBus::start_until(
+            &rt,
+            cancel.clone(),
+            client.clone(),
+            config.events.subject.clone(),
+            config.events.channel_capacity,
+        )
+        .await?;
+        let index = Arc::new(CrossInstanceIndex::new());
+        // Subscribed now, so nothing published after this returns is missed; applied by the
+        // presence protocol's follower (which skips departed peers).
+        let events = crate::pubsub::EventBus::subscribe(&*bus);
+        let own = Arc::new(CrossInstanceIndex::new());
+        let publisher = if config.events.enabled {
+            Some(EventPublisher::spawn_until(
+                &rt,
+                cancel.clone(),
+                id,
+                bus.clone(),
+            )?)
+        } else {
+            None
+        };
+        let sink = Arc::new(OwnEvents {
+            instance: id,
+            own: own.clone(),
+            publisher: publisher.clone(),
+        });
+        let mut leader = InstanceLeader::from_runtime_with_sink(&rt, Some(sink))?;
+        let g1 = Arc::new(
+            BlockManager::<G1>::builder()
+                .block_count(tiers.g1_blocks)
+                .config(config.logical.clone())
+                .build()?,
+        );
+        let g2 = leader
+            .g2()
+            .cloned()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+
+        let tm = Arc::new(TransferManager::new()?);
+        let g1_h = tm.register_layout(PhysicalLayout::allocate_host(
+            shape(tiers.g1_blocks)?,
+            self.pin,
+        )?)?;
+        let g2_h = tm.register_layout(PhysicalLayout::allocate_host(
+            shape(tiers.g2_blocks)?,
+            self.pin,
+        )?)?;
+        let g2_bound = BoundTier::new(tm.clone(), g2_h, g2.clone())?;
+        let g1_bound = BoundTier::new(tm.clone(), g1_h, g1.clone())?;
+        let g2_to_g1 = Arc::new(BlockMover::<G2, G1>::from_layout(g2_h, &g1_bound)?);
+
+        let g3_to_g2 = match leader.g3() {
+            None => None,
+            Some(_) => {
+                let disk = config.physical.disk.as_ref().ok_or_else(|| {
+                    EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
+                })?;
+                let g3_h = tm
+                    .register_layout(PhysicalLayout::create_disk(shape(tiers.g3_blocks)?, disk)?)?;
+                Some(Arc::new(BlockMover::<G3, G2>::from_layout(
+                    g3_h, &g2_bound,
+                )?))
+            }
+        };
+        let g4 = match leader.g4().cloned() {
+            None => None,
+            Some(g4) => {
+                let s3 = config.physical.s3.as_ref().ok_or_else(|| {
+                    EngineError::config("physical.s3", "required when tiers.g4_blocks > 0")
+                })?;
+                let storage = Arc::new(ObjectStorage::s3(s3, config.physical.object.clone())?);
+                let obj_h = tm.register_layout(PhysicalLayout::object(
+                    shape(tiers.g4_blocks)?,
+                    storage.clone(),
+                ))?;
+                let g4_to_g2 =
+                    Arc::new(BlockMover::<G4, G2>::from_layout(obj_h, &g2_bound)?.keyed_source());
+                let pipeline = {
+                    let _guard = rt.tokio().enter();
+                    ObjectPipelineBuilder::new(storage.clone())
+                        .config(config.offload.g2_to_g4.clone())
+                        .owner(id.to_string())
+                        .spawn(
+                            ObjectTransferExecutor::<G2>::new(tm.clone(), g2_h, obj_h)
+                                .with_g4_manager(g4.clone()),
+                        )?
+                };
+                Some(G4Side {
+                    checker: S3PresenceChecker::new(storage),
+                    g4_to_g2,
+                    pipeline,
+                })
+            }
+        };
+        leader.set_remote(RemoteSearch {
+            index: index.clone(),
+            this: id,
+            shared_g4: g4.is_some(),
+        });
+
+        let g2_layout = tm.layout(g2_h)?;
+        let g1_layout = tm.layout(g1_h)?;
+        let server = {
+            // Started on the runtime's tokio (its tasks live there, whoever polls `build`).
+            let start =
+                DataPlaneServer::start(dp_config.clone(), id, g2.clone(), g2_layout.clone());
+            rt.spawn(start)?.await.map_err(|e| {
+                EngineError::data_plane(dp_config.bind.to_string(), format!("start task: {e}"))
+            })??
+        };
+        let peers = Arc::new(PeerDirectory::new());
+        let client_dp = Arc::new(DataPlaneClient::new(
+            dp_config,
+            g2.clone(),
+            g2_layout.clone(),
+            peers.clone(),
+        )?);
+        let c = *geometry.config();
+        let this = PeerInfo {
+            worker: WorkerAddress::new(id, 0),
+            tiers: [TierId::G2, TierId::G3, TierId::G4]
+                .into_iter()
+                .filter(|t| leader.has_tier(*t))
+                .collect(),
+            num_blocks: tiers.g2_blocks,
+            block_bytes: c.block_bytes(),
+            data_plane: Some(server.local_addr().to_string()),
+        };
+        let presence = Presence::start(
+            &rt,
+            cancel.clone(),
+            client,
+            epoch,
+            &config.events.subject,
+            PresenceConfig::from_transport(&config.transport),
+            this,
+            index.clone(),
+            own.clone(),
+            peers.clone(),
+        )
+        .await?;
+        presence.follow(&rt, cancel.clone(), events)?;
+        started.disarm();
+        Ok(Instance {
+            id,
+            runtime: rt,
+            cancel,
+            leader,
+            g1,
+            g1_layout,
+            g2_layout,
+            g2_to_g1,
+            g3_to_g2,
+            g4,
+            server,
+            client: client_dp,
+            peers,
+            index,
+            own,
+            bus,
+            publisher,
+            presence,
+            presence_check: self.presence_check,
+            counters: Counters::default(),
+        })
+    }
+}
+
+/// A process-unique id: the process id and the time, mixed.
+fn default_id() -> InstanceId {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mixed = xxhash_rust::xxh3::xxh3_64(
+        &[
+            u64::from(std::process::id()).to_le_bytes(),
+            nanos.to_le_bytes(),
+            n.to_le_bytes(),
+        ]
+        .concat(),
+    );
+    InstanceId(mixed)
+}
+
+struct G4Side {
+    checker: S3PresenceChecker,
+    g4_to_g2: Arc<BlockMover<G4, G2>>,
+    pipeline: ObjectPipeline,
+}
+
+/// One kvbm instance: see the [module docs](self). Dropping it stops its tasks (event
+/// forwarding, NATS bus, presence, data plane; peers then expire it after their heartbeat
+/// timeout); [`shutdown`](Self::shutdown) also tells them first. The runtime keeps running.
+pub struct Instance {
+    id: InstanceId,
+    runtime: RuntimeHandle,
+    cancel: CancellationToken,
+    leader: InstanceLeader,
+    g1: Arc<BlockManager<G1>>,
+    g1_layout: Arc<PhysicalLayout>,
+    g2_layout: Arc<PhysicalLayout>,
+    g2_to_g1: Arc<BlockMover<G2, G1>>,
+    g3_to_g2: Option<Arc<BlockMover<G3, G2>>>,
+    g4: Option<G4Side>,
+    server: DataPlaneServer,
+    client: Arc<DataPlaneClient>,
+    peers: Arc<PeerDirectory>,
+    index: Arc<CrossInstanceIndex>,
+    own: Arc<CrossInstanceIndex>,
+    bus: Arc<NatsBus>,
+    publisher: Option<Arc<EventPublisher>>,
+    presence: Presence,
+    presence_check: bool,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for Instance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Instance")
+            .field("id", &self.id)
+            .field("data_plane", &self.server.local_addr())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Synthetic block content for `hash`: what a replay or test "computes" in place of real KV
+/// values, so any instance can tell whether a block it received holds exactly the bytes the
+/// computing instance wrote (bytes differ per hash and per offset).
+pub fn synthetic_block(hash: SequenceHash, buf: &mut [u8]) {
+    let seed = xxhash_rust::xxh3::xxh3_64(hash.to_string().as_bytes());
+    let mut x = seed | 1;
+    for chunk in buf.chunks_mut(8) {
+        // xorshift64: cheap, deterministic, every byte depends on the seed.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// Reads the bytes of `block` of a host `layout`, in layer order.
+fn read_host(layout: &PhysicalLayout, block: usize) -> Vec<u8> {
+    let layers = layout.layout().config().num_layers;
+    let mut out = Vec::with_capacity(layout.layout().config().block_bytes());
+    for (addr, len) in layout.block_addrs(block, 0..layers) {
+        // SAFETY: host memory owned by the layout (alive for `&layout`); callers read only
+        // registered (immutable) blocks, which nothing writes.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    out
+}
+
+impl Instance {
+    /// A builder on `runtime`.
+    pub fn builder(runtime: &RuntimeHandle) -> InstanceBuilder {
+        InstanceBuilder::new(runtime)
+    }
+
+    /// Its id.
+    pub fn id(&self) -> InstanceId {
+        self.id
+    }
+
+    /// The runtime it runs on.
+    pub fn runtime(&self) -> &RuntimeHandle {
+        &self.runtime
+    }
+
+    /// Its leader (tiers, search, sessions).
+    pub fn leader(&self) -> &InstanceLeader {
+        &self.leader
+    }
+
+    /// Its data-plane server (address, counters).
+    pub fn data_plane(&self) -> &DataPlaneServer {
+        &self.server
+    }
+
+    /// Where peers' data planes listen, as their heartbeats say.
+    pub fn peers(&self) -> &Arc<PeerDirectory> {
+        &self.peers
+    }
+
+    /// Where blocks live across instances, as events and snapshots say.
+    pub fn index(&self) -> &Arc<CrossInstanceIndex> {
+        &self.index
+    }
+
+    /// What this instance itself stores, per its own events (what it answers snapshots
+    /// from).
+    pub fn own_index(&self) -> &Arc<CrossInstanceIndex> {
+        &self.own
+    }
+
+    /// The NATS event bus (its counters: sent, dropped, received, rejected).
+    pub fn bus(&self) -> &Arc<NatsBus> {
+        &self.bus
+    }
+
+    /// The event publisher (batches queued and dropped), when events are enabled.
+    pub fn publisher(&self) -> Option<&Arc<EventPublisher>> {
+        self.publisher.as_ref()
+    }
+
+    /// The presence protocol (live peers, expiry, resyncs).
+    pub fn presence(&self) -> &Presence {
+        &self.presence
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> InstanceStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        InstanceStats {
+            lookups: l(&c.lookups),
+            local_g2_blocks: l(&c.local_g2),
+            local_g3_blocks: l(&c.local_g3),
+            g4_blocks: l(&c.g4),
+            remote_g2_blocks: l(&c.remote_g2),
+            onboarded_blocks: l(&c.onboarded),
+            refused_blocks: l(&c.refused),
+            recomputed_blocks: l(&c.recomputed),
+            computed_blocks: l(&c.computed),
+            offloaded_g4_blocks: l(&c.offloaded_g4),
+            presence_adopted_blocks: l(&c.presence_adopted),
+        }
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.g2_layout.layout().config().block_bytes()
+    }
+
+    /// The bytes of an onboarded G1 block.
+    pub fn read_g1(&self, block: &ImmutableBlock<G1>) -> Vec<u8> {
+        read_host(&self.g1_layout, block.block_id())
+    }
+
+    /// Computes `hashes` into G2: each block not already in G2 gets the bytes `fill(hash,
+    /// buffer)` writes, and is registered (its stored event published). Returns how many were
+    /// computed (those already present are skipped).
+    ///
+    /// # Errors
+    /// [`EngineError::Logical`] when G2 has no room.
+    pub fn compute(
+        &self,
+        hashes: &[SequenceHash],
+        fill: &(dyn Fn(SequenceHash, &mut [u8]) + Send + Sync),
+    ) -> Result<usize> {
+        let g2 = self
+            .leader
+            .g2()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let missing: Vec<SequenceHash> = hashes
+            .iter()
+            .filter(|h| g2.match_blocks(std::slice::from_ref(*h)).is_empty())
+            .copied()
+            .collect();
+        if missing.is_empty() {
+            return Ok(0);
+        }
+        let blocks = g2.allocate_blocks(missing.len())?;
+        let layers = self.g2_layout.layout().config().num_layers;
+        let mut buf = vec![0u8; self.block_bytes()];
+        let mut complete = Vec::with_capacity(missing.len());
+        for (b, h) in blocks.into_iter().zip(&missing) {
+            fill(*h, &mut buf);
+            let mut at = 0;
+            for (addr, len) in self.g2_layout.block_addrs(b.block_id(), 0..layers) {
+                // SAFETY: host memory of the G2 layout; the block is mutable (allocated here,
+                // not registered), so nothing else reads or writes its slot.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(buf[at..at + len].as_ptr(), addr as *mut u8, len)
+                };
+                at += len;
+            }
+            complete.push(b.complete(*h).map_err(|e| {
+                EngineError::config("instance.compute", format!("block refused: {e}"))
+            })?);
+        }
+        let n = complete.len();
+        drop(g2.register_blocks(complete));
+        self.counters
+            .computed
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Writes the G2-resident blocks of the prefix `hashes` to the shared G4 bucket (the
+    /// offload crate's object pipeline: checksummed, identity-bound objects) and records them
+    /// in G4, which publishes their stored events. Returns how many were written.
+    ///
+    /// # Errors
+    /// [`EngineError::TierMissing`] without G4; [`EngineError::Offload`] when the pipeline
+    /// refused the batch.
+    pub async fn offload_g4(&self, hashes: &[SequenceHash]) -> Result<usize> {
+        let g4 = self
+            .g4
+            .as_ref()
+            .ok_or(EngineError::TierMissing(TierId::G4))?;
+        let g2 = self
+            .leader
+            .g2()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let blocks = g2.match_blocks(hashes);
+        if blocks.is_empty() {
+            return Ok(0);
+        }
+        let result = g4.pipeline.enqueue(blocks, None).await?.wait().await?;
+        let n = result.completed_blocks.len();
+        self.counters
+            .offloaded_g4
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Where the longest prefix of `hashes` is, here or elsewhere, without moving anything
+    /// ([`Onboarded`] with no blocks; no G4 presence check). Other instances' shared-G4 blocks
+    /// found through the index are recorded in this instance's G4 as a side effect (as any
+    /// search does).
+    pub fn lookup(&self, hashes: &[SequenceHash]) -> Onboarded {
+        let matched = self.leader.find_matches(hashes);
+        Onboarded {
+            local_g2: matched.count(TierId::G2),
+            local_g3: matched.count(TierId::G3),
+            g4: matched.count(TierId::G4),
+            remote_g2: matched.remote().map(|r| (r.instance, r.hashes.len())),
+            ..Onboarded::default()
+        }
+    }
+
+    /// Finds the longest prefix of `hashes` here or elsewhere, stages and pulls it, and
+    /// onboards it to G1 (see the [module docs](self)). A verification failure is not an
+    /// error: [`Onboarded::refused`] says how many blocks failed and why, and nothing of them
+    /// is served or registered.
+    ///
+    /// # Errors
+    /// [`EngineError::Logical`] when G1 has no room for the prefix;
+    /// [`EngineError::Session`] for a session call in a wrong state.
+    pub async fn onboard(&self, hashes: &[SequenceHash]) -> Result<Onboarded> {
+        self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        let mut matched = self.leader.find_matches(hashes);
+        if matched.len() < hashes.len()
+            && self.presence_check
+            && let Some(g4) = &self.g4
+        {
+            drop(matched);
+            match self.leader.adopt_present_g4(hashes, &g4.checker).await {
+                Ok(n) => {
+                    self.counters
+                        .presence_adopted
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(error = %e, "G4 presence check failed"),
+            }
+            matched = self.leader.find_matches(hashes);
+        }
+        let mut out = Onboarded {
+            local_g2: matched.count(TierId::G2),
+            local_g3: matched.count(TierId::G3),
+            g4: matched.count(TierId::G4),
+            remote_g2: matched.remote().map(|r| (r.instance, r.hashes.len())),
+            ..Onboarded::default()
+        };
+        let n = matched.len();
+        if n == 0 {
+            return Ok(out);
+        }
+        let session = crate::leader::OnboardingSession::new(matched);
+        let movers = StagingMovers {
+            g3_to_g2: self
+                .g3_to_g2
+                .clone()
+                .map(|m| m as Arc<dyn crate::mover::BlockMove<G3, G2>>),
+            g4_to_g2: self
+                .g4
+                .as_ref()
+                .map(|g| g.g4_to_g2.clone() as Arc<dyn crate::mover::BlockMove<G4, G2>>),
+            remote_g2: Some(self.client.clone()),
+        };
+        let refused = |out: &mut Onboarded, e: SessionError| -> Result<()> {
+            match e {
+                SessionError::Failed(f) => {
+                    self.counters
+                        .refused
+                        .fetch_add(f.failed_blocks as u64, Ordering::Relaxed);
+                    metrics::counter!("kvbm_engine_refused_blocks_total")
+                        .increment(f.failed_blocks as u64);
+                    out.refused = Some((f.failed_blocks, f.message));
+                    Ok(())
+                }
+                e => Err(EngineError::Session(e)),
+            }
+        };
+        if let Err(e) = session.prepare(movers).await {
+            refused(&mut out, e)?;
+            return Ok(out);
+        }
+        let destinations = self.g1.allocate_blocks(n)?;
+        if let Err(e) = session.onboard(self.g2_to_g1.clone(), destinations).await {
+            refused(&mut out, e)?;
+            return Ok(out);
+        }
+        match session.finish() {
+            FinishOutcome::Finished(blocks) => {
+                let c = &self.counters;
+                c.local_g2.fetch_add(out.local_g2 as u64, Ordering::Relaxed);
+                c.local_g3.fetch_add(out.local_g3 as u64, Ordering::Relaxed);
+                c.g4.fetch_add(out.g4 as u64, Ordering::Relaxed);
+                c.remote_g2
+                    .fetch_add(out.remote_g2.map_or(0, |r| r.1) as u64, Ordering::Relaxed);
+                c.onboarded
+                    .fetch_add(blocks.len() as u64, Ordering::Relaxed);
+                out.blocks = blocks;
+                Ok(out)
+            }
+            FinishOutcome::Failed(f) => {
+                refused(&mut out, SessionError::Failed(f))?;
+                Ok(out)
+            }
+            other => Err(EngineError::Session(SessionError::Destinations(format!(
+                "session ended {other:?}"
+            )))),
+        }
+    }
+
+    /// [`onboard`](Self::onboard); when that refused blocks, computes the prefix's blocks
+    /// that are not in G2 ([`compute`](Self::compute), counted as recomputed) and onboards
+    /// again, now from local G2. Returns both results (the second only after a refusal).
+    ///
+    /// # Errors
+    /// As [`onboard`](Self::onboard) and [`compute`](Self::compute).
+    pub async fn onboard_or_compute(
+        &self,
+        hashes: &[SequenceHash],
+        fill: &(dyn Fn(SequenceHash, &mut [u8]) + Send + Sync),
+    ) -> Result<(Onboarded, Option<Onboarded>)> {
+        let first = self.onboard(hashes).await?;
+        if first.refused.is_none() {
+            return Ok((first, None));
+        }
+        let n = self.compute(hashes, fill)?;
+        self.counters
+            .recomputed
+            .fetch_add(n as u64, Ordering::Relaxed);
+        let second = self.onboard(hashes).await?;
+        Ok((first, Some(second)))
+    }
+
+    /// Tells peers this instance leaves, then stops its tasks and data plane. Idempotent.
+    pub async fn shutdown(&self) {
+        if !self.cancel.is_cancelled() {
+            self.presence.depart().await;
+        }
+        self.cancel.cancel();
+        self.server.shutdown();
+        if let Some(g4) = &self.g4 {
+            g4.pipeline.pipeline().shutdown();
+        }
+    }
+}
+
+/// Compile-time check: callers may spawn these futures.
+#[cfg(test)]
+fn _futures_are_send(b: InstanceBuilder, i: &Instance, h: &[SequenceHash]) {
+    fn send<T: Send>(_: T) {}
+    send(b.build());
+    send(i.onboard(h));
+    send(i.onboard_or_compute(h, &synthetic_block));
+    send(i.offload_g4(h));
+    send(i.shutdown());
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.server.shutdown();
+    }
+}

@@ -1,0 +1,808 @@
+//! [`Presence`]: who is alive, where their data plane listens, and how the cross-instance index
+//! recovers what it missed (feature `nats`).
+//!
+//! # Protocol
+//!
+//! ```text
+//!  every heartbeat_interval_ms          {subject}.peers
+//!    announce task ──publish Heartbeat { peer: PeerInfo, epoch, departing }──► all instances
+//!                                                         |
+//!    listen task  ◄───────────────────────────────────────┘
+//!      new peer / epoch changed: table += peer (synced = false), PeerDirectory += data plane
+//!      departing: expire now
+//!
+//!  every heartbeat_interval_ms
+//!    maintenance task
+//!      own client reconnected (epoch went up): every peer synced = false
+//!      peer silent > heartbeat_timeout_ms: table -= peer, PeerDirectory -= peer,
+//!                                          CrossInstanceIndex -= everything of peer
+//!      peer not synced: request {subject}.snapshot.{peer:016x} page by page ──► peer
+//!                       answer: the peer's own stored set ──► index.replace_instance(peer, set)
+//!
+//!    snapshot task ◄── {subject}.snapshot.{this:016x}: answers from this instance's own record
+//! ```
+//!
+//! The `epoch` of a heartbeat is the sender's count of (re)connections to NATS: when it goes up,
+//! the sender's client was away and its events of that time may be lost, so receivers resync it;
+//! when the receiver's own client reconnects, it resyncs every peer. A peer first seen is
+//! resynced too, so a late joiner learns what was stored before it came. The index stays a hint
+//! (what moves is verified by its reader), so a snapshot racing an event costs at most a stale or
+//! missed entry until the next resync or event.
+//!
+//! The pages of one fetch are cut from one copy of the set taken at its first page (at most
+//! [`SNAPSHOT_COPIES`] copies kept, each for 4 request timeouts; a fetch whose copy is gone
+//! fails and is retried). Snapshot answers are pages of at most [`SNAPSHOT_PAGE`] entries, each far below NATS' default
+//! payload limit. Heartbeats and answers are published from their own tasks; nothing on the
+//! data path waits for them.
+//!
+//! Heartbeats also carry how many locations the sender stores. Events dropped while both sides
+//! stay connected (a full outbox) change no epoch; they show as a difference between that
+//! count and what the index holds for the peer. Checked only once the count held still for
+//! [`DRIFT_REPEATS`] heartbeats (so events in flight are not mistaken for loss; a peer that
+//! never pauses is checked when it does), a difference resyncs the peer.
+//!
+//! A snapshot may be older than events that arrive while it is fetched: those events are
+//! logged (at most [`FETCH_LOG_CAP`] batches; beyond, the peer is resynced again) and replayed
+//! over the snapshot in one step with it, so neither an event nor the snapshot undoes the other.
+//!
+//! A peer that expired (or said it leaves) is *departed*: its event batches still in flight are
+//! ignored (counted) until it is heard from again, when it is resynced like a new peer; so a
+//! late event cannot put a dead peer back into the index. A subscriber that lagged behind the
+//! bus marks every peer for resync.
+//!
+//! Metrics: `kvbm_engine_index_drift_detected_total`, `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
+//! `kvbm_engine_index_resync_failures_total`, `kvbm_engine_departed_event_batches_ignored_total`,
+//! `kvbm_engine_presence_messages_rejected_total` (and the same counts in [`PresenceStats`]).
+//!
+//! # Locks
+//!
+//! Three `parking_lot` mutexes: the peer table, the departed set and the fetch log. The table
+//! and the departed set are each taken alone. The fetch log is held while the index is
+//! updated from events or a snapshot (order: fetch log → index), never together with the
+//! table or the departed set. None is held across an `.await`; the directory's mutex is never
+//! taken while one is held.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::Client;
+use futures::StreamExt;
+use kvbm_logical::{SequenceHash, TierId};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::dataplane::PeerDirectory;
+use crate::error::{EngineError, Result};
+use crate::pubsub::{CrossInstanceIndex, InstanceId};
+use crate::runtime::RuntimeHandle;
+use crate::transport::PeerInfo;
+
+/// Version of the heartbeat and snapshot messages.
+pub const PRESENCE_WIRE_VERSION: u32 = 1;
+
+/// A departed peer is remembered (its late events ignored) for this many heartbeat timeouts.
+pub const DEPARTED_HORIZON: u32 = 60;
+
+/// Heartbeats in a row with the same stored count after which a difference from the index is
+/// taken as lost events (see the module docs).
+pub const DRIFT_REPEATS: u32 = 2;
+
+/// Point-in-time copies a snapshot answerer keeps for fetches in progress (oldest dropped).
+pub const SNAPSHOT_COPIES: usize = 16;
+
+/// Most event batches of one peer kept while its snapshot is fetched (see the module docs).
+pub const FETCH_LOG_CAP: usize = 4096;
+
+/// Most entries in one snapshot answer, by default: JSON of this many entries is far below
+/// NATS' default payload limit (1 MiB).
+pub const SNAPSHOT_PAGE: usize = 4096;
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Heartbeat {
+    version: u32,
+    peer: PeerInfo,
+    epoch: u64,
+    departing: bool,
+    /// How many (block, tier) locations the sender stores, per its own record.
+    stored: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotRequest {
+    version: u32,
+    /// One fetch's pages share a series: they are cut from one point-in-time copy.
+    series: u64,
+    offset: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotPage {
+    version: u32,
+    instance: InstanceId,
+    entries: Vec<(SequenceHash, TierId)>,
+    next: Option<usize>,
+}
+
+/// Timing of the presence protocol (from `[transport]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PresenceConfig {
+    /// How often this instance announces itself.
+    pub interval: Duration,
+    /// A peer silent this long is dropped.
+    pub timeout: Duration,
+    /// Deadline of one snapshot request.
+    pub request_timeout: Duration,
+    /// Most entries in one snapshot answer (at least 1). Default: [`SNAPSHOT_PAGE`].
+    pub snapshot_page: usize,
+}
+
+impl PresenceConfig {
+    /// From `[transport]`'s `heartbeat_interval_ms`, `heartbeat_timeout_ms` and
+    /// `request_timeout_ms`.
+    pub fn from_transport(t: &crate::config::TransportConfig) -> Self {
+        Self {
+            interval: Duration::from_millis(t.heartbeat_interval_ms.max(1)),
+            timeout: Duration::from_millis(t.heartbeat_timeout_ms.max(2)),
+            request_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
+            snapshot_page: SNAPSHOT_PAGE,
+        }
+    }
+}
+
+struct PeerState {
+    info: PeerInfo,
+    last_seen: Instant,
+    epoch: u64,
+    synced: bool,
+    /// The `stored` of its last heartbeat, and how many heartbeats in a row said the same.
+    stored: u64,
+    stored_repeats: u32,
+}
+
+/// Counters of the presence protocol.
+#[derive(Debug, Default)]
+struct Counters {
+    heartbeats_sent: AtomicU64,
+    heartbeats_received: AtomicU64,
+    rejected: AtomicU64,
+    expired: AtomicU64,
+    resyncs: AtomicU64,
+    resync_failed: AtomicU64,
+    snapshots_served: AtomicU64,
+    ignored: AtomicU64,
+    drift: AtomicU64,
+}
+
+/// A copy of [`Presence`]'s counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PresenceStats {
+    /// Heartbeats published by this instance.
+    pub heartbeats_sent: u64,
+    /// Heartbeats received from other instances.
+    pub heartbeats_received: u64,
+    /// Messages skipped as undecodable, of another version, or with a bad address.
+    pub rejected: u64,
+    /// Peers dropped after their heartbeats stopped (or they said they were leaving).
+    pub expired: u64,
+    /// Snapshots of peers applied to the index.
+    pub resyncs: u64,
+    /// Snapshot requests that failed (retried at the next tick).
+    pub resync_failed: u64,
+    /// Snapshot pages this instance answered.
+    pub snapshots_served: u64,
+    /// Event batches of departed peers not applied.
+    pub ignored_batches: u64,
+    /// Times a quiet peer's stored count differed from the index (lost events) and it was
+    /// resynced.
+    pub drift_detected: u64,
+}
+
+struct Inner {
+    this: PeerInfo,
+    client: Client,
+    prefix: String,
+    config: PresenceConfig,
+    index: Arc<CrossInstanceIndex>,
+    own: Arc<CrossInstanceIndex>,
+    directory: Arc<PeerDirectory>,
+    table: Mutex<HashMap<InstanceId, PeerState>>,
+    /// Peers expired and not heard from since: their events are ignored until they are.
+    departed: Mutex<HashMap<InstanceId, Instant>>,
+    /// Events of peers whose snapshot is being fetched, to replay over the snapshot (`None`:
+    /// more than [`FETCH_LOG_CAP`] batches came meanwhile; the peer is resynced again).
+    during_fetch: Mutex<HashMap<InstanceId, Option<Vec<crate::pubsub::EventMessage>>>>,
+    epoch: watch::Receiver<u64>,
+    series: AtomicU64,
+    counters: Counters,
+}
+
+/// The presence protocol of one instance: see the [module docs](self). Its tasks end when
+/// `cancel` (given to [`start`](Self::start)) is cancelled. Clones share one state.
+#[derive(Clone)]
+pub struct Presence {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Presence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Presence")
+            .field("this", &self.inner.this.worker.instance)
+            .field("live_peers", &self.live_peers())
+            .finish()
+    }
+}
+
+fn heartbeat_subject(prefix: &str) -> String {
+    format!("{prefix}.peers")
+}
+
+fn snapshot_subject(prefix: &str, instance: InstanceId) -> String {
+    format!("{prefix}.snapshot.{:016x}", instance.0)
+}
+
+impl Presence {
+    /// Starts announcing `this` on `{prefix}.peers`, listening to peers, answering snapshot
+    /// requests from `own` (this instance's record of what it stores) and keeping `index` and
+    /// `directory` in step with live peers. `epoch` counts the client's (re)connections
+    /// ([`crate::transport::nats::connect_observed`]). Returns once its subscriptions are in
+    /// place.
+    ///
+    /// # Errors
+    /// [`EngineError::Nats`] when a subscription fails; [`EngineError::ShutDown`] after
+    /// shutdown.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start(
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        client: Client,
+        epoch: watch::Receiver<u64>,
+        prefix: &str,
+        config: PresenceConfig,
+        this: PeerInfo,
+        index: Arc<CrossInstanceIndex>,
+        own: Arc<CrossInstanceIndex>,
+        directory: Arc<PeerDirectory>,
+    ) -> Result<Self> {
+        let nats_err = |subject: &str, e: &dyn std::fmt::Display| EngineError::Nats {
+            url: subject.to_string(),
+            message: e.to_string(),
+        };
+        let hb_subject = heartbeat_subject(prefix);
+        let snap_subject = snapshot_subject(prefix, this.worker.instance);
+        let heartbeats = client
+            .subscribe(hb_subject.clone())
+            .await
+            .map_err(|e| nats_err(&hb_subject, &e))?;
+        let requests = client
+            .subscribe(snap_subject.clone())
+            .await
+            .map_err(|e| nats_err(&snap_subject, &e))?;
+        client
+            .flush()
+            .await
+            .map_err(|e| nats_err(&hb_subject, &e))?;
+        let inner = Arc::new(Inner {
+            this,
+            client,
+            prefix: prefix.to_string(),
+            config,
+            index,
+            own,
+            directory,
+            table: Mutex::new(HashMap::new()),
+            departed: Mutex::new(HashMap::new()),
+            during_fetch: Mutex::new(HashMap::new()),
+            epoch,
+            series: AtomicU64::new(0),
+            counters: Counters::default(),
+        });
+        let presence = Self { inner };
+        presence.spawn_announce(runtime, cancel.clone())?;
+        presence.spawn_listen(runtime, cancel.clone(), heartbeats)?;
+        presence.spawn_snapshots(runtime, cancel.clone(), requests)?;
+        presence.spawn_maintenance(runtime, cancel)?;
+        Ok(presence)
+    }
+
+    fn heartbeat(&self, departing: bool) -> bytes::Bytes {
+        let hb = Heartbeat {
+            version: PRESENCE_WIRE_VERSION,
+            peer: self.inner.this.clone(),
+            epoch: *self.inner.epoch.borrow(),
+            departing,
+            stored: self.inner.own.count_of(self.inner.this.worker.instance) as u64,
+        };
+        serde_json::to_vec(&hb)
+            .expect("heartbeats serialize")
+            .into()
+    }
+
+    fn spawn_announce(&self, runtime: &RuntimeHandle, cancel: CancellationToken) -> Result<()> {
+        let me = Self {
+            inner: self.inner.clone(),
+        };
+        runtime.spawn(async move {
+            let subject = heartbeat_subject(&me.inner.prefix);
+            let mut tick = tokio::time::interval(me.inner.config.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let payload = me.heartbeat(false);
+                // May wait while the server is away; only this task waits.
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    r = me.inner.client.publish(subject.clone(), payload) => match r {
+                        Ok(()) => {
+                            me.inner.counters.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => tracing::debug!(error = %e, "heartbeat not published"),
+                    },
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    fn spawn_listen(
+        &self,
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        mut sub: async_nats::Subscriber,
+    ) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = sub.next() => match m { Some(m) => m, None => return },
+                };
+                let hb = match serde_json::from_slice::<Heartbeat>(&message.payload) {
+                    Ok(hb) if hb.version == PRESENCE_WIRE_VERSION => hb,
+                    Ok(_) | Err(_) => {
+                        inner.reject();
+                        continue;
+                    }
+                };
+                let id = hb.peer.worker.instance;
+                if id == inner.this.worker.instance {
+                    continue;
+                }
+                inner
+                    .counters
+                    .heartbeats_received
+                    .fetch_add(1, Ordering::Relaxed);
+                if hb.departing {
+                    inner.expire(&[id]);
+                    continue;
+                }
+                let Some(addr) = hb
+                    .peer
+                    .data_plane
+                    .as_deref()
+                    .and_then(|a| a.parse::<SocketAddr>().ok())
+                else {
+                    inner.reject();
+                    continue;
+                };
+                inner.departed.lock().remove(&id);
+                {
+                    let mut table = inner.table.lock();
+                    let entry = table.entry(id).or_insert_with(|| PeerState {
+                        info: hb.peer.clone(),
+                        last_seen: Instant::now(),
+                        epoch: hb.epoch,
+                        synced: false,
+                        stored: hb.stored,
+                        stored_repeats: 0,
+                    });
+                    entry.last_seen = Instant::now();
+                    if entry.stored == hb.stored {
+                        entry.stored_repeats = entry.stored_repeats.saturating_add(1);
+                    } else {
+                        entry.stored = hb.stored;
+                        entry.stored_repeats = 0;
+                    }
+                    if entry.epoch != hb.epoch {
+                        // The peer's client was away: its events of that time may be lost.
+                        entry.epoch = hb.epoch;
+                        entry.synced = false;
+                    }
+                    entry.info = hb.peer;
+                }
+                inner.directory.insert(id, addr);
+            }
+        })?;
+        Ok(())
+    }
+
+    fn spawn_snapshots(
+        &self,
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        mut sub: async_nats::Subscriber,
+    ) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            let mut copies: std::collections::VecDeque<(u64, Instant, Arc<Vec<_>>)> =
+                std::collections::VecDeque::with_capacity(SNAPSHOT_COPIES);
+            loop {
+                let message = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = sub.next() => match m { Some(m) => m, None => return },
+                };
+                let Some(reply) = message.reply else {
+                    inner.reject();
+                    continue;
+                };
+                let (series, offset) =
+                    match serde_json::from_slice::<SnapshotRequest>(&message.payload) {
+                        Ok(r) if r.version == PRESENCE_WIRE_VERSION => (r.series, r.offset),
+                        _ => {
+                            inner.reject();
+                            continue;
+                        }
+                    };
+                let me = inner.this.worker.instance;
+                // The first page copies the set once; later pages of the series are cut from
+                // that copy (so a block removed meanwhile cannot shift another out of reach).
+                let now = Instant::now();
+                let keep = inner.config.request_timeout * 4;
+                copies.retain(|(_, at, _)| now.duration_since(*at) < keep);
+                let all = if offset == 0 {
+                    let all = Arc::new(inner.own.entries_of(me));
+                    copies.retain(|(s, _, _)| *s != series);
+                    if copies.len() == SNAPSHOT_COPIES {
+                        copies.pop_front();
+                    }
+                    copies.push_back((series, now, all.clone()));
+                    Some(all)
+                } else {
+                    copies
+                        .iter()
+                        .find(|(s, _, _)| *s == series)
+                        .map(|(_, _, a)| a.clone())
+                };
+                let page = match all {
+                    Some(all) => {
+                        let end = (offset + inner.config.snapshot_page.max(1)).min(all.len());
+                        SnapshotPage {
+                            version: PRESENCE_WIRE_VERSION,
+                            instance: me,
+                            entries: all.get(offset..end).map(<[_]>::to_vec).unwrap_or_default(),
+                            next: (end < all.len()).then_some(end),
+                        }
+                    }
+                    // The copy is gone (too old, or pushed out): the requester starts over.
+                    None => SnapshotPage {
+                        version: PRESENCE_WIRE_VERSION,
+                        instance: me,
+                        entries: Vec::new(),
+                        next: Some(0),
+                    },
+                };
+                let payload = serde_json::to_vec(&page).expect("snapshots serialize");
+                match inner.client.publish(reply, payload.into()).await {
+                    Ok(()) => {
+                        inner
+                            .counters
+                            .snapshots_served
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => tracing::debug!(error = %e, "snapshot page not sent"),
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    fn spawn_maintenance(&self, runtime: &RuntimeHandle, cancel: CancellationToken) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            let mut epoch = inner.epoch.clone();
+            epoch.borrow_and_update();
+            let mut tick = tokio::time::interval(inner.config.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                if epoch.has_changed().unwrap_or(false) {
+                    epoch.borrow_and_update();
+                    // Our own client was away: every peer's events of that time may be lost.
+                    for p in inner.table.lock().values_mut() {
+                        p.synced = false;
+                    }
+                }
+                let now = Instant::now();
+                // Drift: a synced peer whose stored count held still for DRIFT_REPEATS
+                // heartbeats (nothing in flight) but differs from what the index holds for it
+                // lost events while connected (a full outbox): resync it.
+                let quiet: Vec<(InstanceId, u64)> = inner
+                    .table
+                    .lock()
+                    .iter()
+                    .filter(|(_, p)| p.synced && p.stored_repeats >= DRIFT_REPEATS)
+                    .map(|(i, p)| (*i, p.stored))
+                    .collect();
+                for (peer, stored) in quiet {
+                    if inner.index.count_of(peer) as u64 != stored {
+                        if let Some(p) = inner.table.lock().get_mut(&peer) {
+                            p.synced = false;
+                        }
+                        inner.counters.drift.fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!("kvbm_engine_index_drift_detected_total").increment(1);
+                    }
+                }
+                let (stale, unsynced): (Vec<InstanceId>, Vec<InstanceId>) = {
+                    let table = inner.table.lock();
+                    let stale = table
+                        .iter()
+                        .filter(|(_, p)| now.duration_since(p.last_seen) > inner.config.timeout)
+                        .map(|(i, _)| *i)
+                        .collect();
+                    let unsynced = table
+                        .iter()
+                        .filter(|(_, p)| !p.synced)
+                        .map(|(i, _)| *i)
+                        .collect();
+                    (stale, unsynced)
+                };
+                inner.expire(&stale);
+                for peer in unsynced {
+                    if stale.contains(&peer) {
+                        continue;
+                    }
+                    // From now on the peer's events are also logged, to be replayed over the
+                    // snapshot (which may be older than some of them).
+                    inner.during_fetch.lock().insert(peer, Some(Vec::new()));
+                    let r = tokio::select! {
+                        () = cancel.cancelled() => return,
+                        r = inner.fetch_snapshot(peer) => r,
+                    };
+                    match r {
+                        Ok(entries) => {
+                            let live = inner.table.lock().contains_key(&peer);
+                            let complete = {
+                                let mut log = inner.during_fetch.lock();
+                                match log.remove(&peer) {
+                                    // Still a peer (not expired meanwhile)? Then apply; under
+                                    // the log's lock, so no event is applied in between.
+                                    Some(Some(events)) if live => {
+                                        inner.index.replace_instance(peer, &entries);
+                                        for m in &events {
+                                            inner.index.apply(m);
+                                        }
+                                        true
+                                    }
+                                    _ => false,
+                                }
+                            };
+                            let mut table = inner.table.lock();
+                            if let (Some(p), true) = (table.get_mut(&peer), complete) {
+                                p.synced = true;
+                                drop(table);
+                                inner.counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                                metrics::counter!("kvbm_engine_index_resyncs_total").increment(1);
+                            }
+                        }
+                        Err(e) => {
+                            inner.during_fetch.lock().remove(&peer);
+                            tracing::debug!(%peer, error = %e, "snapshot failed; retried next tick");
+                            inner.counters.resync_failed.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvbm_engine_index_resync_failures_total")
+                                .increment(1);
+                        }
+                    }
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// The peers heard from within the timeout, sorted.
+    pub fn live_peers(&self) -> Vec<InstanceId> {
+        let mut out: Vec<_> = self.inner.table.lock().keys().copied().collect();
+        out.sort();
+        out
+    }
+
+    /// What `peer` last said about itself, if it is live.
+    pub fn peer(&self, peer: InstanceId) -> Option<PeerInfo> {
+        self.inner.table.lock().get(&peer).map(|p| p.info.clone())
+    }
+
+    /// Whether `peer` is live and its snapshot has been applied since it was (re)seen.
+    pub fn is_synced(&self, peer: InstanceId) -> bool {
+        self.inner.table.lock().get(&peer).is_some_and(|p| p.synced)
+    }
+
+    /// Whether `peer` expired (or left) and has not been heard from since; its events are then
+    /// not applied to the index (see [`follow`](Self::follow)).
+    pub fn is_departed(&self, peer: InstanceId) -> bool {
+        self.inner.departed.lock().contains_key(&peer)
+    }
+
+    /// Keeps the index up to date from `events` (a subscription of the event bus) until
+    /// `cancel`, skipping events of departed peers (counted in
+    /// [`PresenceStats::ignored_batches`]). A lagging subscriber skips what it missed (the
+    /// next resync restores it).
+    ///
+    /// # Errors
+    /// [`EngineError::ShutDown`] after shutdown.
+    pub fn follow(
+        &self,
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        mut events: tokio::sync::broadcast::Receiver<crate::pubsub::EventMessage>,
+    ) -> Result<()> {
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                let m = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    m = events.recv() => m,
+                };
+                match m {
+                    Ok(m) => {
+                        if inner.departed.lock().contains_key(&m.instance) {
+                            inner.counters.ignored.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvbm_engine_departed_event_batches_ignored_total")
+                                .increment(1);
+                        } else {
+                            // Applied and logged under the log's lock: a snapshot replacing
+                            // this peer's entries either sees this batch in its log or
+                            // happens before it is applied.
+                            let mut log = inner.during_fetch.lock();
+                            inner.index.apply(&m);
+                            if let Some(slot) = log.get_mut(&m.instance) {
+                                match slot {
+                                    Some(v) if v.len() < FETCH_LOG_CAP => v.push(m),
+                                    Some(_) => *slot = None,
+                                    None => {}
+                                }
+                            }
+                        }
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "cross-instance index lagged; resyncing");
+                        for p in inner.table.lock().values_mut() {
+                            p.synced = false;
+                        }
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> PresenceStats {
+        let c = &self.inner.counters;
+        PresenceStats {
+            heartbeats_sent: c.heartbeats_sent.load(Ordering::Relaxed),
+            heartbeats_received: c.heartbeats_received.load(Ordering::Relaxed),
+            rejected: c.rejected.load(Ordering::Relaxed),
+            expired: c.expired.load(Ordering::Relaxed),
+            resyncs: c.resyncs.load(Ordering::Relaxed),
+            resync_failed: c.resync_failed.load(Ordering::Relaxed),
+            snapshots_served: c.snapshots_served.load(Ordering::Relaxed),
+            ignored_batches: c.ignored.load(Ordering::Relaxed),
+            drift_detected: c.drift.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Tells peers this instance is leaving (they drop it at once instead of after the
+    /// timeout). Best effort: waits at most the request timeout.
+    pub async fn depart(&self) {
+        let subject = heartbeat_subject(&self.inner.prefix);
+        let t = self.inner.config.request_timeout;
+        let payload = self.heartbeat(true);
+        let _ = tokio::time::timeout(t, async {
+            let _ = self.inner.client.publish(subject, payload).await;
+            let _ = self.inner.client.flush().await;
+        })
+        .await;
+    }
+}
+
+impl Inner {
+    fn reject(&self) {
+        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("kvbm_engine_presence_messages_rejected_total").increment(1);
+    }
+
+    fn expire(&self, peers: &[InstanceId]) {
+        if peers.is_empty() {
+            return;
+        }
+        let removed: Vec<InstanceId> = {
+            let mut table = self.table.lock();
+            peers
+                .iter()
+                .filter(|p| table.remove(p).is_some())
+                .copied()
+                .collect()
+        };
+        // Events still in flight from them are ignored from now on (until they are heard
+        // again, and then resynced), so they cannot re-enter the index.
+        let now = Instant::now();
+        {
+            let mut departed = self.departed.lock();
+            // Bounded: entries older than DEPARTED_HORIZON timeouts are forgotten (no event of
+            // theirs can still be in flight).
+            let horizon = self.config.timeout * DEPARTED_HORIZON;
+            departed.retain(|_, at| now.duration_since(*at) < horizon);
+            departed.extend(peers.iter().map(|p| (*p, now)));
+        }
+        for p in peers {
+            // Drop index entries even of a peer only known from events.
+            self.index.remove_instance(*p);
+        }
+        for p in &removed {
+            self.directory.remove(*p);
+            self.counters.expired.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvbm_engine_peers_expired_total").increment(1);
+            tracing::info!(peer = %p, "peer expired from the index and directory");
+        }
+    }
+
+    async fn fetch_snapshot(&self, peer: InstanceId) -> Result<Vec<(SequenceHash, TierId)>> {
+        let subject = snapshot_subject(&self.prefix, peer);
+        let fail = |m: String| EngineError::Snapshot {
+            peer: peer.to_string(),
+            message: m,
+        };
+        let mut out = Vec::new();
+        let mut offset = 0;
+        let n = self.series.fetch_add(1, Ordering::Relaxed);
+        let series = xxhash_rust::xxh3::xxh3_64(
+            &[self.this.worker.instance.0.to_le_bytes(), n.to_le_bytes()].concat(),
+        );
+        loop {
+            let req = SnapshotRequest {
+                version: PRESENCE_WIRE_VERSION,
+                series,
+                offset,
+            };
+            let payload = serde_json::to_vec(&req).expect("requests serialize");
+            let answer = tokio::time::timeout(
+                self.config.request_timeout,
+                self.client.request(subject.clone(), payload.into()),
+            )
+            .await
+            .map_err(|_| fail(format!("no answer in {:?}", self.config.request_timeout)))?
+            .map_err(|e| fail(e.to_string()))?;
+            let page: SnapshotPage =
+                serde_json::from_slice(&answer.payload).map_err(|e| fail(e.to_string()))?;
+            if page.version != PRESENCE_WIRE_VERSION || page.instance != peer {
+                return Err(fail(format!(
+                    "answer of version {} from {} refused",
+                    page.version, page.instance
+                )));
+            }
+            out.extend(page.entries);
+            match page.next {
+                Some(n) if n > offset => offset = n,
+                Some(_) => return Err(fail("snapshot page does not advance".into())),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

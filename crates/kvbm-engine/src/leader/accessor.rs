@@ -1,0 +1,153 @@
+//! [`BlockAccessor`]: the leader's read view of where blocks live, by
+//! [`LogicalLayoutHandle`], without holding anything.
+//!
+//! # Why
+//!
+//! [`find_matches`](super::InstanceLeader::find_matches) holds what it finds, which is right
+//! for onboarding but wrong for questions ("where is this block?", "how much of this prefix
+//! would a search find, and in which tiers?") asked by a router, a policy or a scheduler's
+//! lookup. The accessor answers those from the shared registry's presence markers: no block is
+//! held, nothing is touched (frequency and recency stay as they were), and no manager's store
+//! lock is taken. Its answers are a snapshot: a block present now may be evicted before it is
+//! held; only a holder ([`MatchedPrefix`]) guarantees presence.
+//!
+//! It also maps a held prefix to the block ids a worker addresses in each logical layout
+//! ([`BlockAccessor::block_ids`]), which is how the leader turns "these blocks" into a
+//! [`TransferRequest`](crate::worker::TransferRequest) for every rank.
+//!
+//! # Scan
+//!
+//! [`BlockAccessor::scan`] follows the leader's search order the way `find_matches` does (each
+//! tier extends the prefix from where the previous one stopped, one run per tier) and returns
+//! the runs as [`ScanRun`]s, the same shape a policy sees for a held prefix
+//! ([`MatchedPrefix::scan_runs`]).
+//!
+//! # Locks
+//!
+//! Only the registry's shard locks, one lookup at a time (`BlockRegistry::is_present`).
+
+use kvbm_logical::{BlockId, SequenceHash, TierId};
+
+use super::InstanceLeader;
+use super::holder::MatchedPrefix;
+use crate::layout::LogicalLayoutHandle;
+use crate::pubsub::InstanceId;
+
+/// Where a run of a prefix comes from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum RunSource {
+    /// One of this instance's layouts (G2, G3 or G4).
+    Local(LogicalLayoutHandle),
+    /// Another instance's G2, pulled over the data plane.
+    Remote(InstanceId),
+}
+
+impl RunSource {
+    /// The tier the run is read from (a remote run is another instance's G2).
+    pub fn tier(self) -> TierId {
+        match self {
+            RunSource::Local(h) => h.tier(),
+            RunSource::Remote(_) => TierId::G2,
+        }
+    }
+
+    /// Whether the run lives in another instance.
+    pub fn is_remote(self) -> bool {
+        matches!(self, RunSource::Remote(_))
+    }
+}
+
+/// A run of consecutive prefix blocks from one source.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ScanRun {
+    /// Where the run's blocks are.
+    pub source: RunSource,
+    /// Index of the run's first block in the searched hashes.
+    pub start: usize,
+    /// Blocks in the run.
+    pub len: usize,
+}
+
+impl ScanRun {
+    /// One past the run's last block.
+    pub fn end(&self) -> usize {
+        self.start + self.len
+    }
+}
+
+/// The leader's read view: see the [module docs](self).
+#[derive(Copy, Clone, Debug)]
+pub struct BlockAccessor<'a> {
+    leader: &'a InstanceLeader,
+}
+
+impl<'a> BlockAccessor<'a> {
+    pub(super) fn new(leader: &'a InstanceLeader) -> Self {
+        Self { leader }
+    }
+
+    /// Whether `hash` is registered in `layout`'s tier (G1 is the inference engine's and is
+    /// never reported present here).
+    pub fn is_present(&self, hash: SequenceHash, layout: LogicalLayoutHandle) -> bool {
+        layout != LogicalLayoutHandle::G1
+            && self.leader.has_tier(layout.tier())
+            && self.leader.registry().is_present(hash, layout.tier())
+    }
+
+    /// The first tier, in search order, where `hash` is present.
+    pub fn locate(&self, hash: SequenceHash) -> Option<LogicalLayoutHandle> {
+        self.leader
+            .search_order()
+            .iter()
+            .map(|t| LogicalLayoutHandle::from(*t))
+            .find(|h| self.is_present(hash, *h))
+    }
+
+    /// The runs a search of `hashes` would find in the local tiers now, without holding them
+    /// (see the [module docs](self#scan)).
+    pub fn scan(&self, hashes: &[SequenceHash]) -> Vec<ScanRun> {
+        let mut runs = Vec::new();
+        let mut at = 0;
+        for &tier in self.leader.search_order() {
+            if at == hashes.len() {
+                break;
+            }
+            let layout = LogicalLayoutHandle::from(tier);
+            let n = hashes[at..]
+                .iter()
+                .take_while(|h| self.is_present(**h, layout))
+                .count();
+            if n > 0 {
+                runs.push(ScanRun {
+                    source: RunSource::Local(layout),
+                    start: at,
+                    len: n,
+                });
+                at += n;
+            }
+        }
+        runs
+    }
+
+    /// The `(block id, hash)` of every block `matched` holds in `layout`'s tier, in prefix
+    /// order: the ids every rank's layout for `layout` addresses (block ids are slots, see
+    /// `kvbm_offload::BoundTier`). Empty for G1 and for a tier not in the prefix.
+    pub fn block_ids(
+        &self,
+        matched: &MatchedPrefix,
+        layout: LogicalLayoutHandle,
+    ) -> Vec<(BlockId, SequenceHash)> {
+        fn ids<T: kvbm_logical::Tier>(h: &super::BlockHolder<T>) -> Vec<(BlockId, SequenceHash)> {
+            h.blocks()
+                .iter()
+                .map(|b| (b.block_id(), b.sequence_hash()))
+                .collect()
+        }
+        match layout {
+            LogicalLayoutHandle::G1 => Vec::new(),
+            LogicalLayoutHandle::G2 => ids(matched.g2()),
+            LogicalLayoutHandle::G3 => ids(matched.g3()),
+            LogicalLayoutHandle::G4 => ids(matched.g4()),
+        }
+    }
+}

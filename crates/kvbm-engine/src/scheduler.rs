@@ -1,0 +1,848 @@
+//! [`EngineTieringManager`]: `kvbm-tiering`'s scheduler contract
+//! ([`OffloadingManager`]: lookup / prepare_load / complete_load / prepare_store /
+//! complete_store …) served over **this engine's tiers**, so a vLLM-style scheduler can drive
+//! an [`InstanceLeader`] the way it drives vLLM's offloading manager.
+//!
+//! # Mapping
+//!
+//! ```text
+//!  scheduler call            engine
+//!  ───────────────────────   ───────────────────────────────────────────────────────────────
+//!  lookup(k)                 G2 has key_hash(k)            → HIT
+//!                            a promotion of k in flight    → HIT_PENDING
+//!                            G3/G4 has it                  → start a promotion (G3/G4 → G2 through
+//!                                                            the leader's BlockMove), HIT_PENDING
+//!                            a promotion of k failed       → MISS (never a hit; until reset_cache)
+//!                            else                          → MISS
+//!  prepare_load(ks)          hold every key's G2 block for the request; CPU spec = G2 block ids
+//!  (worker)                  copies G2 slots → GPU (G1) with the spec
+//!  complete_load(ks)         release those holds
+//!  prepare_store(ks)         allocate G2 blocks for keys G2 lacks (never evicting one of ks);
+//!                            CPU spec = their block ids; evicted_keys = exactly the keys whose
+//!                            G2 blocks that allocation evicted
+//!  (worker)                  copies GPU → the G2 slots
+//!  complete_store(ks, ok)    ok: complete + register in G2 (an event); failed: slots go back
+//! ```
+//!
+//! The "CPU chunks" of the contract are the leader's G2 blocks, so what the scheduler stores is
+//! what [`InstanceLeader::find_matches`] finds (and what the engine's offload moves on to G3/G4),
+//! and what the engine staged is what the scheduler loads: one set of tiers, one block-id space
+//! (the bound G2 layout's slots).
+//!
+//! # Two ways in
+//!
+//! * [`EngineTieringManager`] (above): the contract served by the leader itself, with its G2
+//!   as the CPU tier; promotions are the engine's own moves.
+//! * [`InstanceLeader::vllm_tiering_manager`]: `kvbm-tiering`'s own
+//!   [`TieringOffloadingManager`] (vLLM's `TieringOffloadingManager`, call for call, with its
+//!   private CPU slot table as the primary), whose secondary tiers are `PhysicalTier`s over
+//!   **the leader's** bound G3/G4 tiers. What the scheduler cascades to G3 is registered in the
+//!   leader's G3 manager, so `find_matches` finds it and an onboarding session stages it.
+//!
+//! # Keys
+//!
+//! An [`OffloadKey`] (vLLM block hash + group index) is registered under [`key_hash`]: the
+//! first 128 bits of its domain-separated BLAKE3 digest ([`key_digest`]), low 4 bits replaced
+//! by `log2(block size)`, with the full digest as the block's identity, so a disk slot or
+//! object written for another key fails verification and is never served. Both ways in use
+//! `kvbm-tiering`'s functions, so both register a key under the same hash.
+//!
+//! # Evicted keys
+//!
+//! The leader's G2 manager evicts by [`SequenceHash`]; the contract reports [`OffloadKey`]s.
+//! The manager keeps a hash → key map of the blocks **it** registered in G2 (completed stores
+//! and promotions), and allocates through [`BlockManager::allocate_blocks_with`], which
+//! protects the call's own keys and names the hashes it evicted; each is mapped back (and
+//! dropped from the map). A hash the manager never registered (a block the leader staged for
+//! an onboarding session) has no scheduler key and is not reported. Evictions by a promotion's
+//! allocation go out as a removal event. Entries whose block left G2 another way (an eviction
+//! by the leader's own allocations, `reset_cache`) are pruned when the map outgrows twice G2's
+//! capacity and on `reset_cache`.
+//!
+//! # Promotions
+//!
+//! A promotion runs as a task on the runtime handle given at construction; it owns its source
+//! hold and destination until the move settled. Completions are collected by the next call
+//! (`lookup`, `on_schedule_end`, …); [`EngineTieringManager::settle`] awaits every promotion in
+//! flight. A promoted block is held for the request whose lookup started it until that request
+//! loads it or finishes.
+//!
+//! # Stats and recency
+//!
+//! [`get_stats`](OffloadingManager::get_stats) reports, since the last call, in
+//! `kvbm-tiering`'s metric names: the CPU cache gauges over G2 (used = blocks not free;
+//! write = slots reserved by `prepare_store`; read = the rest of used), each `prepare_store`'s
+//! allocation size, chunk queries and hits per tier searched by `lookup` (labels
+//! `0:primary` = G2, then `1:disk` = G3 and `N:object` = G4 as configured), active
+//! promotion jobs and failed promotions per source tier, and promotions refused for lack
+//! of G2 room. [`touch`](OffloadingManager::touch) marks the keys recently used in every
+//! tier `lookup` searches (G2, G3, G4), so each tier's eviction policy sees the reuse.
+//!
+//! # Locks
+//!
+//! The manager is `&mut self` (the scheduler's thread); the only shared state is the
+//! completion queue (one `parking_lot` mutex, held to push or drain, never across a manager
+//! call or an `.await`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kvbm_logical::{BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId};
+use kvbm_offload::BoundTier;
+use kvbm_tiering::tiering::{DiskTier, ObjectTier, PhysicalTier, SecondaryTierManager};
+use kvbm_tiering::{
+    CacheHitSource, CpuLoadStoreSpec, CpuPrimaryTier, LoadStoreSpec, LookupResult, Medium,
+    OffloadKey, OffloadingConnectorStats, OffloadingEvent, OffloadingManager, PrepareStoreOutput,
+    ReqContext, RequestOffloadingContext, ScheduleEndContext, TieringError,
+    TieringOffloadingManager, UpstreamFixes,
+};
+use parking_lot::Mutex;
+
+use crate::error::{EngineError, Result};
+use crate::layout::LogicalLayoutHandle;
+use crate::leader::InstanceLeader;
+use crate::mover::BlockMove;
+
+use kvbm_tiering::stats::names;
+pub use kvbm_tiering::tiering::{key_digest, key_hash};
+
+/// The engine's lower tiers handed to `kvbm-tiering`'s own manager
+/// ([`InstanceLeader::vllm_tiering_manager`]): each must be bound to the leader's manager of
+/// that tier, on the primary tier's transfer manager, with the primary's block geometry.
+#[derive(Default)]
+pub struct SchedulerTiers {
+    /// G3, the first secondary tier.
+    pub g3: Option<BoundTier<G3>>,
+    /// G4, after G3.
+    pub g4: Option<BoundTier<G4>>,
+}
+
+/// The movers promotions use (destination: the leader's G2).
+#[derive(Default, Clone)]
+pub struct PromotionMovers {
+    /// G3 → G2.
+    pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
+    /// G4 → G2 (a keyed source).
+    pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
+}
+
+/// Counters since the last `get_stats` (see "Stats and recency").
+#[derive(Default)]
+struct Stats {
+    /// Chunk queries per searched tier: G2, G3, G4.
+    queries: [u64; 3],
+    /// Chunk hits per searched tier: G2, G3, G4.
+    hits: [u64; 3],
+    /// Blocks allocated per `prepare_store`.
+    allocation_sizes: Vec<usize>,
+    /// Failed promotions per source tier: G3, G4.
+    promotion_failures: [u64; 2],
+    /// Promotions not started for lack of G2 room.
+    promotion_allocation_failures: u64,
+}
+
+/// Index of a searched tier in [`Stats`]' per-tier arrays.
+fn tier_slot(t: TierId) -> usize {
+    match t {
+        TierId::G3 => 1,
+        TierId::G4 => 2,
+        _ => 0,
+    }
+}
+
+type Completion = (OffloadKey, std::result::Result<ImmutableBlock<G2>, String>);
+
+struct Promotion {
+    owner: u64,
+    /// The tier it reads from (G3 or G4).
+    tier: TierId,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct ReqState {
+    req_id: String,
+    /// Holds taken by `prepare_load`, one per outstanding load of the key.
+    pins: HashMap<OffloadKey, Vec<ImmutableBlock<G2>>>,
+    /// Destinations reserved by `prepare_store`.
+    stores: HashMap<OffloadKey, MutableBlock<G2>>,
+    /// Blocks promoted for this request's lookups, held until loaded or finished.
+    promoted: HashMap<OffloadKey, ImmutableBlock<G2>>,
+    finished: bool,
+}
+
+impl ReqState {
+    fn idle(&self) -> bool {
+        self.pins.is_empty() && self.stores.is_empty()
+    }
+}
+
+/// The scheduler-facing manager over an [`InstanceLeader`]'s tiers: see the
+/// [module docs](self).
+pub struct EngineTieringManager {
+    leader: InstanceLeader,
+    g2: Arc<BlockManager<G2>>,
+    movers: PromotionMovers,
+    runtime: tokio::runtime::Handle,
+    requests: HashMap<u64, ReqState>,
+    promotions: HashMap<OffloadKey, Promotion>,
+    completions: Arc<Mutex<Vec<Completion>>>,
+    /// Keys whose promotion failed: MISS until `reset_cache`.
+    failed: HashSet<OffloadKey>,
+    /// Keys reserved by some request's `prepare_store`.
+    storing: HashSet<OffloadKey>,
+    events: Vec<OffloadingEvent>,
+    promotion_failures: u64,
+    /// Keys of the G2 blocks this manager registered (see "Evicted keys").
+    registered: HashMap<SequenceHash, OffloadKey>,
+    stats: Stats,
+    /// Metric label per searched tier (G2, G3, G4); `None` where not configured.
+    labels: [Option<String>; 3],
+}
+
+impl std::fmt::Debug for EngineTieringManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineTieringManager")
+            .field("requests", &self.requests.len())
+            .field("promotions", &self.promotions.len())
+            .field("failed", &self.failed.len())
+            .finish()
+    }
+}
+
+impl InstanceLeader {
+    /// The scheduler-facing manager over this leader's tiers (see [`crate::scheduler`]);
+    /// promotions from G3/G4 run through `movers` as tasks on `runtime`.
+    ///
+    /// # Errors
+    /// [`EngineError::TierMissing`] without a G2 manager (it is the contract's CPU tier);
+    /// [`EngineError::Config`] (key `scheduler.movers`) when a mover's destination is not this
+    /// leader's G2 manager.
+    pub fn tiering_manager(
+        &self,
+        movers: PromotionMovers,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<EngineTieringManager> {
+        EngineTieringManager::new(self.clone(), movers, runtime)
+    }
+}
+
+impl InstanceLeader {
+    /// `kvbm-tiering`'s [`TieringOffloadingManager`] over `primary` (its CPU slot table,
+    /// registered with the tiers' transfer manager) and this leader's bound G3 / G4 tiers as
+    /// its secondary tiers, in that order (see the [module docs](crate::scheduler)).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `scheduler.tiers`) when a bound tier's manager is not this
+    /// leader's manager of that tier; [`EngineError::Tiering`] when `kvbm-tiering` refuses a
+    /// tier (another transfer manager than the primary's, another block geometry).
+    pub fn vllm_tiering_manager(
+        &self,
+        primary: CpuPrimaryTier,
+        tiers: SchedulerTiers,
+        fixes: UpstreamFixes,
+    ) -> Result<TieringOffloadingManager> {
+        fn check<T: kvbm_logical::Tier>(
+            bound: &BoundTier<T>,
+            leader: Option<&Arc<BlockManager<T>>>,
+        ) -> Result<()> {
+            match leader {
+                Some(m) if Arc::ptr_eq(m, bound.manager()) => Ok(()),
+                _ => Err(EngineError::config(
+                    "scheduler.tiers",
+                    format!(
+                        "the {} tier is not bound to the leader's {} manager",
+                        T::ID,
+                        T::ID
+                    ),
+                )),
+            }
+        }
+        let mut secondary: Vec<Box<dyn SecondaryTierManager>> = Vec::new();
+        if let Some(g3) = tiers.g3 {
+            check(&g3, self.g3())?;
+            let tier: DiskTier = PhysicalTier::over(&primary, g3)?;
+            secondary.push(Box::new(tier));
+        }
+        if let Some(g4) = tiers.g4 {
+            check(&g4, self.g4())?;
+            let tier: ObjectTier = PhysicalTier::over(&primary, g4)?;
+            secondary.push(Box::new(tier));
+        }
+        Ok(TieringOffloadingManager::with_primary(
+            primary, secondary, fixes, false,
+        ))
+    }
+}
+
+fn unknown(call: &'static str, ctx: &ReqContext) -> TieringError {
+    TieringError::UnknownRequest {
+        call,
+        req_id: ctx.req_id().to_owned(),
+    }
+}
+
+impl EngineTieringManager {
+    /// See [`InstanceLeader::tiering_manager`].
+    ///
+    /// # Errors
+    /// As [`InstanceLeader::tiering_manager`].
+    pub fn new(
+        leader: InstanceLeader,
+        movers: PromotionMovers,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Self> {
+        let g2 = leader
+            .g2()
+            .cloned()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let same = |d: &Arc<BlockManager<G2>>| Arc::ptr_eq(d, &g2);
+        if movers
+            .g3_to_g2
+            .as_ref()
+            .is_some_and(|m| !same(m.destination()))
+            || movers
+                .g4_to_g2
+                .as_ref()
+                .is_some_and(|m| !same(m.destination()))
+        {
+            return Err(EngineError::config(
+                "scheduler.movers",
+                "a promotion mover's destination is not the leader's G2 manager",
+            ));
+        }
+        let mut labels: [Option<String>; 3] = [Some("0:primary".into()), None, None];
+        let mut next = 1;
+        if leader.g3().is_some() {
+            labels[1] = Some(format!("{next}:disk"));
+            next += 1;
+        }
+        if leader.g4().is_some() {
+            labels[2] = Some(format!("{next}:object"));
+        }
+        Ok(Self {
+            leader,
+            g2,
+            movers,
+            runtime,
+            requests: HashMap::new(),
+            promotions: HashMap::new(),
+            completions: Arc::new(Mutex::new(Vec::new())),
+            failed: HashSet::new(),
+            storing: HashSet::new(),
+            events: Vec::new(),
+            promotion_failures: 0,
+            registered: HashMap::new(),
+            stats: Stats::default(),
+            labels,
+        })
+    }
+
+    /// The leader whose tiers this manager serves.
+    pub fn leader(&self) -> &InstanceLeader {
+        &self.leader
+    }
+
+    /// The sequence hash `key` has in this engine's managers.
+    pub fn hash_of(&self, key: &OffloadKey) -> SequenceHash {
+        key_hash(key, self.g2.block_size())
+    }
+
+    /// Promotions in flight.
+    pub fn promotions_in_flight(&self) -> usize {
+        self.promotions.len()
+    }
+
+    /// Promotions that failed (a failed block is never reported as a hit).
+    pub fn promotion_failures(&self) -> u64 {
+        self.promotion_failures
+    }
+
+    /// Waits for every promotion in flight to settle and collects its outcome.
+    pub async fn settle(&mut self) {
+        let tasks: Vec<_> = self.promotions.values_mut().map(|p| &mut p.task).collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+        self.collect();
+    }
+
+    /// Remembers that this manager registered `key` in G2 (pruning stale entries when the
+    /// map outgrows twice G2's capacity).
+    fn remember(&mut self, key: OffloadKey) {
+        let h = self.hash_of(&key);
+        self.registered.insert(h, key);
+        if self.registered.len() > 2 * self.g2.total_blocks().max(1) {
+            self.prune_registered();
+        }
+    }
+
+    /// Drops the entries whose block is no longer in G2.
+    fn prune_registered(&mut self) {
+        let accessor = self.leader.accessor();
+        self.registered
+            .retain(|h, _| accessor.is_present(*h, LogicalLayoutHandle::G2));
+    }
+
+    /// The scheduler keys of the evicted `hashes` (dropped from the map); hashes this
+    /// manager never registered have none.
+    fn forget_evicted(&mut self, hashes: &[SequenceHash]) -> Vec<OffloadKey> {
+        hashes
+            .iter()
+            .filter_map(|h| self.registered.remove(h))
+            .collect()
+    }
+
+    /// Takes the finished promotions' outcomes (no waiting).
+    fn collect(&mut self) {
+        let done = std::mem::take(&mut *self.completions.lock());
+        for (key, outcome) in done {
+            let Some(p) = self.promotions.remove(&key) else {
+                continue;
+            };
+            match outcome {
+                Ok(block) => {
+                    self.remember(key);
+                    match self.requests.get_mut(&p.owner) {
+                        Some(r) if !r.finished => {
+                            r.promoted.insert(key, block);
+                        }
+                        // The owner is gone: the block stays registered (inactive) in G2.
+                        _ => drop(block),
+                    }
+                }
+                Err(message) => {
+                    tracing::warn!(%key, %message, "promotion to G2 failed; the key reads MISS");
+                    self.promotion_failures += 1;
+                    self.stats.promotion_failures[tier_slot(p.tier) - 1] += 1;
+                    self.failed.insert(key);
+                }
+            }
+        }
+    }
+
+    fn in_g2(&self, h: SequenceHash) -> bool {
+        self.leader
+            .accessor()
+            .is_present(h, LogicalLayoutHandle::G2)
+    }
+
+    /// Starts promoting `key` from G3 or G4; whether it started. The source is held and its
+    /// mover checked before a G2 block is allocated, so nothing is evicted for a promotion
+    /// that cannot start.
+    fn promote(&mut self, key: OffloadKey, h: SequenceHash, owner: u64) -> bool {
+        enum Source {
+            G3(Arc<dyn BlockMove<G3, G2>>, Vec<ImmutableBlock<G3>>),
+            G4(Arc<dyn BlockMove<G4, G2>>, Vec<ImmutableBlock<G4>>),
+        }
+        let source = match self.leader.accessor().locate(h) {
+            Some(LogicalLayoutHandle::G3) => {
+                let (Some(m), Some(g3)) = (self.movers.g3_to_g2.clone(), self.leader.g3()) else {
+                    return false;
+                };
+                Source::G3(m, g3.match_blocks(&[h]))
+            }
+            Some(LogicalLayoutHandle::G4) => {
+                let (Some(m), Some(g4)) = (self.movers.g4_to_g2.clone(), self.leader.g4()) else {
+                    return false;
+                };
+                Source::G4(m, g4.match_blocks(&[h]))
+            }
+            _ => return false,
+        };
+        let (tier, empty) = match &source {
+            Source::G3(_, s) => (TierId::G3, s.is_empty()),
+            Source::G4(_, s) => (TierId::G4, s.is_empty()),
+        };
+        if empty {
+            return false;
+        }
+        let alloc = match self.g2.allocate_blocks_with(1, &[h]) {
+            Ok(a) => a,
+            Err(_) => {
+                self.stats.promotion_allocation_failures += 1;
+                return false;
+            }
+        };
+        let evicted = self.forget_evicted(&alloc.evicted);
+        if !evicted.is_empty() {
+            self.events
+                .push(OffloadingEvent::new(evicted, Medium::Cpu, true));
+        }
+        let Some(dst) = alloc.blocks.into_iter().next() else {
+            return false;
+        };
+        let completions = self.completions.clone();
+        let task = match source {
+            Source::G3(m, src) => self.runtime.spawn(async move {
+                let out = m.move_blocks(&src, vec![dst]).await;
+                let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
+                completions.lock().push((key, r));
+                drop(src);
+            }),
+            Source::G4(m, src) => self.runtime.spawn(async move {
+                let out = m.move_blocks(&src, vec![dst]).await;
+                let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
+                completions.lock().push((key, r));
+                drop(src);
+            }),
+        };
+        self.promotions.insert(key, Promotion { owner, tier, task });
+        true
+    }
+
+    /// The G2 block of `key` held for `req`: its promoted block, else a fresh hold.
+    fn hold(&self, req: &ReqState, key: &OffloadKey) -> Option<ImmutableBlock<G2>> {
+        if let Some(b) = req.promoted.get(key) {
+            return Some(b.clone());
+        }
+        self.g2.match_blocks(&[self.hash_of(key)]).pop()
+    }
+
+    fn retire_if_done(&mut self, uid: u64) {
+        if self
+            .requests
+            .get(&uid)
+            .is_some_and(|r| r.finished && r.idle())
+        {
+            self.requests.remove(&uid);
+        }
+    }
+}
+
+impl OffloadingManager for EngineTieringManager {
+    fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult {
+        self.collect();
+        if self.promotions.contains_key(key) {
+            return LookupResult::HitPending;
+        }
+        if self.failed.contains(key) {
+            return LookupResult::Miss;
+        }
+        let h = self.hash_of(key);
+        self.stats.queries[0] += 1;
+        if self.in_g2(h) {
+            self.stats.hits[0] += 1;
+            return LookupResult::Hit;
+        }
+        let found = self.leader.accessor().locate(h).map(|l| l.tier());
+        for (tier, slot) in [(TierId::G3, 1), (TierId::G4, 2)] {
+            if self.labels[slot].is_none() {
+                continue;
+            }
+            self.stats.queries[slot] += 1;
+            if found == Some(tier) {
+                self.stats.hits[slot] += 1;
+                break;
+            }
+        }
+        if self.promote(*key, h, req_context.uid()) {
+            LookupResult::HitPending
+        } else {
+            LookupResult::Miss
+        }
+    }
+
+    fn prepare_load(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<LoadStoreSpec> {
+        self.collect();
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get(&uid)
+            .ok_or_else(|| unknown("prepare_load", req_context))?;
+        // Take every hold before recording any: a key that is not a HIT changes nothing.
+        let mut held = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.hold(req, k) {
+                Some(b) => held.push(b),
+                None => {
+                    return Err(TieringError::KeyState {
+                        call: "prepare_load",
+                        key: *k,
+                        state: "not a HIT in G2",
+                    });
+                }
+            }
+        }
+        let req = self.requests.get_mut(&uid).expect("checked above");
+        let chunk_ids = held.iter().map(|b| b.block_id() as i32).collect();
+        for (k, b) in keys.iter().zip(held) {
+            req.promoted.remove(k);
+            req.pins.entry(*k).or_default().push(b);
+        }
+        Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids }))
+    }
+
+    fn touch(
+        &mut self,
+        keys: &[OffloadKey],
+        _req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<()> {
+        let hashes: Vec<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
+        self.g2.touch_blocks(&hashes);
+        if let Some(g3) = self.leader.g3() {
+            g3.touch_blocks(&hashes);
+        }
+        if let Some(g4) = self.leader.g4() {
+            g4.touch_blocks(&hashes);
+        }
+        Ok(())
+    }
+
+    fn complete_load(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<()> {
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get_mut(&uid)
+            .ok_or_else(|| unknown("complete_load", req_context))?;
+        let mut need: HashMap<OffloadKey, usize> = HashMap::new();
+        for k in keys {
+            *need.entry(*k).or_default() += 1;
+        }
+        if let Some(k) = need
+            .iter()
+            .find(|(k, n)| req.pins.get(*k).map_or(0, Vec::len) < **n)
+            .map(|(k, _)| *k)
+        {
+            return Err(TieringError::KeyState {
+                call: "complete_load",
+                key: k,
+                state: "not loading for this request",
+            });
+        }
+        let mut released = Vec::with_capacity(keys.len());
+        for k in keys {
+            let pins = req.pins.get_mut(k).expect("checked above");
+            released.extend(pins.pop());
+            if pins.is_empty() {
+                req.pins.remove(k);
+            }
+        }
+        drop(released);
+        self.retire_if_done(uid);
+        Ok(())
+    }
+
+    fn prepare_store(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<Option<PrepareStoreOutput>> {
+        let uid = req_context.uid();
+        if !self.requests.contains_key(&uid) {
+            return Err(unknown("prepare_store", req_context));
+        }
+        let mut seen = HashSet::new();
+        let to_store: Vec<OffloadKey> = keys
+            .iter()
+            .filter(|k| {
+                seen.insert(**k) && !self.storing.contains(*k) && !self.in_g2(self.hash_of(k))
+            })
+            .copied()
+            .collect();
+        let (blocks, evicted_keys) = if to_store.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            // The call's own keys are never evicted to make room for the call.
+            let protect: HashSet<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
+            match self.g2.allocate_blocks_with(to_store.len(), &protect) {
+                Ok(a) => {
+                    self.stats.allocation_sizes.push(a.blocks.len());
+                    let evicted = self.forget_evicted(&a.evicted);
+                    (a.blocks, evicted)
+                }
+                Err(_) => return Ok(None),
+            }
+        };
+        if !evicted_keys.is_empty() {
+            self.events.push(OffloadingEvent::new(
+                evicted_keys.clone(),
+                Medium::Cpu,
+                true,
+            ));
+        }
+        let chunk_ids = blocks.iter().map(|b| b.block_id() as i32).collect();
+        let req = self.requests.get_mut(&uid).expect("checked above");
+        for (k, b) in to_store.iter().zip(blocks) {
+            req.stores.insert(*k, b);
+            self.storing.insert(*k);
+        }
+        Ok(Some(PrepareStoreOutput {
+            keys_to_store: to_store,
+            store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids }),
+            evicted_keys,
+        }))
+    }
+
+    fn complete_store(
+        &mut self,
+        keys: &[OffloadKey],
+        req_context: &ReqContext,
+        success: bool,
+    ) -> kvbm_tiering::Result<()> {
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get_mut(&uid)
+            .ok_or_else(|| unknown("complete_store", req_context))?;
+        if keys.iter().any(|k| !req.stores.contains_key(k)) {
+            return Err(TieringError::NoPendingStore {
+                call: "complete_store",
+                req_id: req.req_id.clone(),
+            });
+        }
+        let block_size = self.g2.block_size();
+        let mut complete = Vec::with_capacity(keys.len());
+        let mut stored = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Some(b) = req.stores.remove(k) else {
+                continue; // a key listed twice
+            };
+            self.storing.remove(k);
+            if success {
+                match b.complete_with_digest(key_hash(k, block_size), Some(key_digest(k))) {
+                    Ok(c) => {
+                        complete.push(c);
+                        stored.push(*k);
+                    }
+                    Err(e) => tracing::warn!(key = %k, error = %e.error, "cannot register in G2"),
+                }
+            }
+        }
+        let registered = self.g2.register_blocks(complete);
+        drop(registered);
+        for k in &stored {
+            self.remember(*k);
+        }
+        if !stored.is_empty() {
+            self.events
+                .push(OffloadingEvent::new(stored, Medium::Cpu, false));
+        }
+        self.retire_if_done(uid);
+        Ok(())
+    }
+
+    fn on_new_request(
+        &mut self,
+        req_context: &ReqContext,
+    ) -> kvbm_tiering::Result<RequestOffloadingContext> {
+        self.requests.insert(
+            req_context.uid(),
+            ReqState {
+                req_id: req_context.req_id().to_owned(),
+                ..ReqState::default()
+            },
+        );
+        Ok(RequestOffloadingContext::default())
+    }
+
+    fn on_request_finished(&mut self, req_context: &ReqContext) -> kvbm_tiering::Result<()> {
+        let uid = req_context.uid();
+        let req = self
+            .requests
+            .get_mut(&uid)
+            .ok_or_else(|| unknown("on_request_finished", req_context))?;
+        req.finished = true;
+        let promoted = std::mem::take(&mut req.promoted);
+        drop(promoted);
+        self.retire_if_done(uid);
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn on_schedule_end(&mut self, _context: &ScheduleEndContext) -> kvbm_tiering::Result<()> {
+        self.collect();
+        Ok(())
+    }
+
+    fn has_pending_work(&self) -> bool {
+        !self.promotions.is_empty()
+    }
+
+    fn reset_cache(&mut self) -> kvbm_tiering::Result<()> {
+        self.collect();
+        for r in self.requests.values_mut() {
+            r.promoted.clear();
+        }
+        self.failed.clear();
+        self.g2.reset_inactive_pool();
+        self.prune_registered();
+        Ok(())
+    }
+
+    fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
+        self.collect();
+        let mut out = OffloadingConnectorStats::default();
+        let total = self.g2.total_blocks();
+        let (usage, write) = if total > 0 {
+            let used = total.saturating_sub(self.g2.available_blocks());
+            (
+                used as f64 / total as f64,
+                self.storing.len() as f64 / total as f64,
+            )
+        } else {
+            (0.0, 0.0)
+        };
+        out.set_gauge(names::CPU_CACHE_USAGE_PERC, None, usage);
+        out.set_gauge(names::CPU_CACHE_WRITE_USAGE_PERC, None, write);
+        out.set_gauge(
+            names::CPU_CACHE_READ_USAGE_PERC,
+            None,
+            (usage - write).max(0.0),
+        );
+        let stats = std::mem::take(&mut self.stats);
+        for a in stats.allocation_sizes {
+            out.observe_histogram(names::CPU_ALLOCATION_SIZE, None, a as f64);
+        }
+        for slot in 0..3 {
+            let Some(l) = self.labels[slot].as_deref() else {
+                continue;
+            };
+            if stats.queries[slot] > 0 {
+                out.increase_counter(names::CHUNK_QUERIES, Some(l), stats.queries[slot] as f64);
+            }
+            if stats.hits[slot] > 0 {
+                out.increase_counter(names::CHUNK_HITS, Some(l), stats.hits[slot] as f64);
+            }
+            if slot > 0 {
+                let tier = if slot == 1 { TierId::G3 } else { TierId::G4 };
+                let active = self.promotions.values().filter(|p| p.tier == tier).count();
+                out.set_gauge(names::ACTIVE_PROMOTION_JOBS, Some(l), active as f64);
+                let failed = stats.promotion_failures[slot - 1];
+                if failed > 0 {
+                    out.increase_counter(names::PROMOTION_JOB_FAILURES, Some(l), failed as f64);
+                }
+            }
+        }
+        if stats.promotion_allocation_failures > 0 {
+            out.increase_counter(
+                names::PROMOTION_ALLOCATION_FAILURES,
+                None,
+                stats.promotion_allocation_failures as f64,
+            );
+        }
+        Some(out)
+    }
+
+    fn get_load_source(&self, key: &OffloadKey, _req_context: &ReqContext) -> CacheHitSource {
+        match self.leader.accessor().locate(self.hash_of(key)) {
+            Some(LogicalLayoutHandle::G2) => CacheHitSource::Host,
+            Some(LogicalLayoutHandle::G3) => CacheHitSource::Disk,
+            _ => CacheHitSource::ExternalUnspecified,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

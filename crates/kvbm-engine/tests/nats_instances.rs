@@ -1,0 +1,376 @@
+//! Instances composed from configuration (`kvbm_engine::instance`), in one process, over a real
+//! `nats-server` and the real S3-compatible server:
+//!
+//! * two instances find each other by heartbeat (each one's `PeerDirectory` gets the other's
+//!   data-plane address), B onboards what A offloaded to the shared G4 after A's events, pulls
+//!   a G2-only prefix from A over TCP, bytes verified; A leaves, B drops it from the index and
+//!   directory and still finds A's G4 objects (presence check);
+//! * with a `nats-server` this test restarts itself: after a short outage B resyncs A
+//!   (snapshot request) and sees what A stored while the server was away; after an outage
+//!   longer than the heartbeat timeout B has expired A, and the snapshot restores blocks whose
+//!   events were delivered before the outage and will never be sent again.
+//!
+//! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvbm_engine::KvbmRuntime;
+use kvbm_engine::instance::{Instance, synthetic_block};
+use kvbm_engine::pubsub::InstanceId;
+use kvbm_logical::{Salt, SequenceHash, TierId, TokenBlockSequence};
+
+mod common;
+
+const A: InstanceId = InstanceId(0xa1);
+const B: InstanceId = InstanceId(0xb2);
+
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(f(), "timed out waiting for: {what}");
+}
+
+fn unique(test: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{test}-{}-{nanos}", std::process::id())
+}
+
+/// A runtime for one instance: small tiers, fast heartbeats, events flushed at once.
+fn runtime(
+    nats_url: &str,
+    subject: &str,
+    s3: Option<(&kvbm_tests::services::S3Service, &str)>,
+) -> KvbmRuntime {
+    let mut b = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("logical.block_size", 4)
+        .set("logical.events.max_delay_ms", 1)
+        .set("events.idle_tick_ms", 1)
+        .set("events.subject", subject)
+        .set("tiers.g1_blocks", 16)
+        .set("tiers.g2_blocks", 16)
+        .set("transport.nats_url", nats_url)
+        .set("transport.heartbeat_interval_ms", 50)
+        .set("transport.heartbeat_timeout_ms", 400)
+        .set("transport.request_timeout_ms", 1000);
+    if let Some((s3, namespace)) = s3 {
+        b = b
+            .set("tiers.g4_blocks", 64)
+            .set("physical.s3.endpoint", &s3.endpoint)
+            .set("physical.s3.bucket", &s3.bucket)
+            .set("physical.s3.region", "us-east-1")
+            .set("physical.s3.access_key", &s3.access_key)
+            .set("physical.s3.secret_key", &s3.secret_key)
+            .set("physical.object.namespace", namespace)
+            .set("offload.g2_to_g4.use_locks", false);
+    }
+    b.build().unwrap()
+}
+
+async fn instance(rt: &KvbmRuntime, id: InstanceId) -> Instance {
+    Instance::builder(&rt.handle())
+        .id(id)
+        .geometry(common::geometry_with(32))
+        .build()
+        .await
+        .unwrap()
+}
+
+fn prefix(seed: u32, n: usize) -> Vec<SequenceHash> {
+    let tokens: Vec<u32> = (0..(n as u32 * 4)).map(|t| seed * 100_000 + t).collect();
+    TokenBlockSequence::from_tokens(&tokens, 4, Salt::NONE)
+        .unwrap()
+        .hashes()
+}
+
+/// Every onboarded block holds exactly the synthetic bytes of its hash.
+fn verified(i: &Instance, hashes: &[SequenceHash], got: &kvbm_engine::instance::Onboarded) {
+    assert_eq!(got.blocks.len(), hashes.len(), "{got:?}");
+    let mut want = vec![0u8; i.block_bytes()];
+    for (b, h) in got.blocks.iter().zip(hashes) {
+        assert_eq!(b.sequence_hash(), *h);
+        synthetic_block(*h, &mut want);
+        assert_eq!(i.read_g1(b), want, "bytes of {h:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
+    let test = "two_instances_from_config";
+    let (Some(nats), Some(s3)) = (
+        kvbm_tests::services::nats(test),
+        kvbm_tests::services::s3(test),
+    ) else {
+        return;
+    };
+    let subject = format!("kvbm.test.{}", unique("inst").replace('-', "_"));
+    let namespace = unique("engine-instances");
+    let (rt_a, rt_b) = (
+        runtime(&nats.url, &subject, Some((&s3, &namespace))),
+        runtime(&nats.url, &subject, Some((&s3, &namespace))),
+    );
+    let a = instance(&rt_a, A).await;
+    let b = instance(&rt_b, B).await;
+
+    // Heartbeats fill each one's directory with the other's data-plane address.
+    eventually("peers see each other", || {
+        b.peers().get(A) == Some(a.data_plane().local_addr())
+            && a.peers().get(B) == Some(b.data_plane().local_addr())
+    })
+    .await;
+    assert_eq!(b.presence().live_peers(), vec![A]);
+    assert_eq!(
+        b.presence().peer(A).unwrap().data_plane,
+        Some(a.data_plane().local_addr().to_string())
+    );
+
+    // A computes P1 and offloads it to the shared bucket; P2 stays in A's G2 only.
+    let (p1, p2, p3) = (prefix(1, 6), prefix(2, 4), prefix(3, 3));
+    assert_eq!(a.compute(&p1, &synthetic_block).unwrap(), 6);
+    assert_eq!(a.offload_g4(&p1).await.unwrap(), 6);
+    assert_eq!(a.compute(&p2, &synthetic_block).unwrap(), 4);
+    eventually("B's index has A's G4 and G2 blocks", || {
+        p1.iter()
+            .all(|h| b.index().locations(*h).contains(&(A, TierId::G4)))
+            && p2
+                .iter()
+                .all(|h| b.index().locations(*h) == vec![(A, TierId::G2)])
+    })
+    .await;
+
+    // P1 from the shared G4 (learnt from A's events), bytes verified.
+    let got = b.onboard(&p1).await.unwrap();
+    assert_eq!(
+        (got.g4, got.local_g2, got.remote_g2),
+        (6, 0, None),
+        "{got:?}"
+    );
+    verified(&b, &p1, &got);
+    drop(got);
+    // A lookup moves nothing: P1 is now in B's G2, P2 in A's G2.
+    let l = b.lookup(&[p1.clone(), p2.clone()].concat());
+    assert_eq!(
+        (l.local_g2, l.g4, l.remote_g2),
+        (6, 0, Some((A, 4))),
+        "{l:?}"
+    );
+    assert!(l.blocks.is_empty());
+    // P2 pulled from A's G2 over TCP, bytes verified.
+    let got = b.onboard(&p2).await.unwrap();
+    assert_eq!(got.remote_g2, Some((A, 4)), "{got:?}");
+    verified(&b, &p2, &got);
+    drop(got);
+    let s = b.stats();
+    assert_eq!(
+        (s.g4_blocks, s.remote_g2_blocks, s.refused_blocks),
+        (6, 4, 0)
+    );
+    eventually("A counted 4 served", || {
+        a.data_plane().stats().blocks_served() == 4
+    })
+    .await;
+
+    // A offloads P3 and leaves; B drops A from its index and directory ...
+    assert_eq!(a.compute(&p3, &synthetic_block).unwrap(), 3);
+    assert_eq!(a.offload_g4(&p3).await.unwrap(), 3);
+    a.shutdown().await;
+    drop(a);
+    eventually("B drops A", || {
+        b.presence().live_peers().is_empty()
+            && b.peers().get(A).is_none()
+            && !b.index().instances().contains(&A)
+    })
+    .await;
+    assert!(b.presence().stats().expired >= 1);
+    // ... and still serves P3 from the bucket, found by a presence check.
+    let got = b.onboard(&p3).await.unwrap();
+    assert_eq!((got.g4, got.remote_g2), (3, None), "{got:?}");
+    verified(&b, &p3, &got);
+    assert_eq!(b.stats().presence_adopted_blocks, 3);
+    drop(got);
+    b.shutdown().await;
+    rt_a.shutdown();
+    rt_b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_refuses_a_config_it_cannot_run_naming_the_key() {
+    // Checked before anything connects: no servers needed. (G3 without a disk and G4 without
+    // S3 are refused by the configuration's own validation.)
+    let rt = |sets: &[(&str, serde_json::Value)]| {
+        let mut b = KvbmRuntime::builder()
+            .tokio_handle(tokio::runtime::Handle::current())
+            .set("tiers.g1_blocks", 8)
+            .set("transport.nats_url", "nats://127.0.0.1:1");
+        for (k, v) in sets {
+            b = b.set(*k, v.clone());
+        }
+        b.build().unwrap()
+    };
+    let key = |r: kvbm_engine::Result<Instance>| match r {
+        Err(e) => e.config_key().map(str::to_string),
+        Ok(_) => panic!("must fail"),
+    };
+    let geometry = common::geometry_with(32);
+    let r = rt(&[]);
+    assert_eq!(
+        key(Instance::builder(&r.handle()).build().await).as_deref(),
+        Some("instance.geometry")
+    );
+    for (sets, want) in [
+        (vec![("tiers.g1_blocks", 0.into())], "tiers.g1_blocks"),
+        (vec![("tiers.g2_blocks", 0.into())], "tiers.g2_blocks"),
+    ] {
+        let r = rt(&sets);
+        let got = key(Instance::builder(&r.handle())
+            .geometry(geometry)
+            .build()
+            .await);
+        assert_eq!(got.as_deref(), Some(want));
+        r.shutdown();
+    }
+    // No NATS url at all.
+    let r = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("tiers.g1_blocks", 8)
+        .build()
+        .unwrap();
+    assert_eq!(
+        key(Instance::builder(&r.handle())
+            .geometry(geometry)
+            .build()
+            .await)
+        .as_deref(),
+        Some("transport.nats_url")
+    );
+}
+
+/// A `nats-server` this test owns, on a fixed port so it can be restarted at the same address.
+struct OwnServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl OwnServer {
+    fn start(port: u16) -> Self {
+        let mut s = Self { port, child: None };
+        s.restart();
+        s
+    }
+    fn restart(&mut self) {
+        assert!(self.child.is_none());
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server is on PATH (cargo xtask services installs it)");
+        self.child = Some(child);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "nats-server starts"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cross_instance_index_recovers_after_the_nats_server_restarts() {
+    if kvbm_tests::services::nats("index_recovers").is_none() {
+        return;
+    }
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut server = OwnServer::start(port);
+    let subject = "kvbm.test.recover";
+    let (rt_a, rt_b) = (
+        runtime(&server.url(), subject, None),
+        runtime(&server.url(), subject, None),
+    );
+    let a = instance(&rt_a, A).await;
+    let b = instance(&rt_b, B).await;
+    eventually("B synced A", || b.presence().is_synced(A)).await;
+    let (p1, p2, p3) = (prefix(1, 4), prefix(2, 4), prefix(3, 4));
+    a.compute(&p1, &synthetic_block).unwrap();
+    eventually("B learns P1 from events", || {
+        b.index().prefix_by_instance(&p1, Some(B)) == vec![(A, 4)]
+    })
+    .await;
+
+    // Short outage (below the heartbeat timeout): both clients reconnect; B resyncs A.
+    let resyncs = b.presence().stats().resyncs;
+    server.stop();
+    a.compute(&p2, &synthetic_block).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    server.restart();
+    eventually("B resynced A after the reconnect", || {
+        b.presence().stats().resyncs > resyncs && b.presence().is_synced(A)
+    })
+    .await;
+    eventually("B has P1 and P2", || {
+        b.index()
+            .prefix_by_instance(&[p1.clone(), p2.clone()].concat(), Some(B))
+            == vec![(A, 8)]
+    })
+    .await;
+
+    // Long outage: B hears no heartbeat and expires A (P1 and P2 leave its index) ...
+    server.stop();
+    eventually("B expires A", || {
+        b.presence().live_peers().is_empty() && b.index().is_empty() && b.peers().get(A).is_none()
+    })
+    .await;
+    a.compute(&p3, &synthetic_block).unwrap();
+    server.restart();
+    // ... and when the server is back, A's heartbeat makes B ask for a snapshot: P1's and
+    // P2's events were delivered before the outage and are never sent again, so only the
+    // snapshot can bring them back.
+    eventually("B has P1, P2 and P3 again", || {
+        b.index()
+            .prefix_by_instance(&[p1.clone(), p2.clone(), p3.clone()].concat(), Some(B))
+            == vec![(A, 12)]
+    })
+    .await;
+    assert_eq!(b.peers().get(A), Some(a.data_plane().local_addr()));
+    // B pulls the whole of it from A over TCP, bytes verified.
+    let all = [p1, p2, p3].concat();
+    let got = b.onboard(&all).await.unwrap();
+    assert_eq!(got.remote_g2, Some((A, 12)), "{got:?}");
+    verified(&b, &all, &got);
+    drop(got);
+    assert!(a.presence().stats().snapshots_served >= 2);
+    a.shutdown().await;
+    b.shutdown().await;
+    rt_a.shutdown();
+    rt_b.shutdown();
+}
