@@ -12,6 +12,7 @@
 
 pub mod content;
 pub mod manifest;
+pub mod onboard;
 pub mod report;
 pub mod sweep;
 pub mod tiers;
@@ -81,6 +82,7 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
         g2_to_g4: cfg.engine.offload.g2_to_g4.clone(),
         transfer: cfg.engine.physical.transfer.clone(),
         object: cfg.engine.physical.object.clone(),
+        engine: cfg.engine.clone(),
     })
 }
 

@@ -170,8 +170,13 @@ fn a_truncated_prefix_keeps_its_head_and_releases_the_rest() {
     found.truncate(1);
     assert_eq!(found.runs().len(), 1);
     assert_eq!(found.count(TierId::G2), 1);
-    let one = s.g2.allocate_blocks(1).expect("the released G2 block is evictable");
-    assert!(s.g2.allocate_blocks(1).is_err(), "the kept one is still held");
+    let one =
+        s.g2.allocate_blocks(1)
+            .expect("the released G2 block is evictable");
+    assert!(
+        s.g2.allocate_blocks(1).is_err(),
+        "the kept one is still held"
+    );
     drop(one);
     // Longer than the prefix: nothing changes.
     found.truncate(10);
