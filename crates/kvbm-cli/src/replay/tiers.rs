@@ -44,8 +44,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use kvbm_logical::{
-    BlockManager, BlockRegistry, G1, G2, G3, G4, ImmutableBlock, LogicalConfig, MutableBlock,
-    SequenceHash, Tier, TierId,
+    BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, ImmutableBlock, LogicalConfig,
+    MutableBlock, SequenceHash, Tier, TierId,
 };
 use kvbm_offload::{
     AllOfPolicy, BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, EnqueueError,
@@ -60,8 +60,11 @@ use kvbm_physical::{
 };
 use parking_lot::Mutex;
 
+use kvbm_engine::leader::RemoteSearch;
 use kvbm_engine::leader::{FinishOutcome, OnboardingSession, StagingMovers};
 use kvbm_engine::mover::BlockMove;
+use kvbm_engine::pubsub::nats::NatsBus;
+use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
 use kvbm_engine::{EventSource, InstanceLeader, KvbmConfig, KvbmRuntime, MatchedPrefix};
 
 use super::content;
@@ -122,6 +125,8 @@ pub struct TierPlan {
     /// The merged engine configuration the replay's `KvbmRuntime` is built from (its runtime,
     /// events and metrics sections, and the leader's search order).
     pub engine: KvbmConfig,
+    /// Set when this replay is one of several instances sharing G4.
+    pub sharing: Option<Sharing>,
 }
 
 /// Indexes into [`Counters::bytes`].
@@ -179,6 +184,8 @@ pub struct Served {
     pub corrupt: u64,
     /// Blocks computed in G1.
     pub computed: u64,
+    /// Of the hits, G4 blocks another instance wrote.
+    pub cross_instance: u64,
 }
 
 /// Wall time per stage, summed over requests.
@@ -340,6 +347,8 @@ pub struct Tiers {
     g1_batch: usize,
     /// Queued (weak) blocks evicted from their source tier before their lane reached them.
     pub evicted_before_offload: u64,
+    /// Set when G4 is shared with other instances.
+    shared_g4: Option<SharedG4>,
     /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
     /// everything that runs on it.
     _runtime: KvbmRuntime,
@@ -369,16 +378,79 @@ fn manager<T: Tier>(
     registry: &BlockRegistry,
     logical: &LogicalConfig,
 ) -> anyhow::Result<Arc<BlockManager<T>>> {
+    manager_with_sink(n, registry, logical, None)
+}
+
+fn manager_with_sink<T: Tier>(
+    n: usize,
+    registry: &BlockRegistry,
+    logical: &LogicalConfig,
+    sink: Option<Arc<dyn EventSink>>,
+) -> anyhow::Result<Arc<BlockManager<T>>> {
     let mut cfg = logical.clone();
     cfg.block_size = HASH_BLOCK_SIZE;
-    Ok(Arc::new(
-        BlockManager::<T>::builder()
-            .config(cfg)
-            .block_count(n)
-            .registry(registry.clone())
-            .build()
-            .with_context(|| format!("cannot build the {} block manager", T::ID))?,
-    ))
+    let mut builder = BlockManager::<T>::builder()
+        .config(cfg)
+        .block_count(n)
+        .registry(registry.clone());
+    if let Some(sink) = sink {
+        builder = builder.event_sink(sink);
+    }
+    Ok(Arc::new(builder.build().with_context(|| {
+        format!("cannot build the {} block manager", T::ID)
+    })?))
+}
+
+/// One instance of several (`kvbm replay --instances`): G4 is shared with the others, and
+/// each instance's G4 stored/removed events travel over NATS, so every instance's leader
+/// finds the others' G4 blocks (adopted into its own G4 and read from the shared store).
+#[derive(Debug, Clone)]
+pub struct Sharing {
+    /// The NATS server.
+    pub nats_url: String,
+    /// The subject every instance of this run publishes and subscribes on.
+    pub subject: String,
+    /// This instance's id (distinct per instance, not 0).
+    pub instance: u64,
+}
+
+/// What sharing G4 needs at run time.
+struct SharedG4 {
+    /// Hashes this instance wrote to G4 (or found there at start): a G4 hit on any other
+    /// hash is a block another instance wrote.
+    own: Arc<Mutex<HashSet<SequenceHash>>>,
+    _bus: Arc<NatsBus>,
+}
+
+/// Connects to NATS and starts the event bus, the publisher and the cross-instance index.
+fn start_sharing(
+    runtime: &KvbmRuntime,
+    s: &Sharing,
+) -> anyhow::Result<(Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>)> {
+    let h = runtime.handle();
+    let capacity = runtime.config().events.channel_capacity;
+    let bus = h
+        .tokio()
+        .block_on(async {
+            tokio::time::timeout(Duration::from_secs(15), async {
+                let client = kvbm_engine::transport::nats::connect(
+                    &s.nats_url,
+                    &format!("kvbm-replay-{}", s.instance),
+                    Duration::from_secs(1),
+                )
+                .await?;
+                NatsBus::start(&h, client, s.subject.clone(), capacity).await
+            })
+            .await
+        })
+        .map_err(|_| anyhow!("NATS server {} did not answer within 15 s", s.nats_url))?
+        .with_context(|| format!("cannot reach the NATS server {}", s.nats_url))?;
+    let publisher = EventPublisher::spawn(&h, InstanceId(s.instance), bus.clone())
+        .context("cannot start the event publisher")?;
+    let index = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index.clone(), &h, &*bus)
+        .context("cannot follow the cross-instance events")?;
+    Ok((bus, publisher, index))
 }
 
 fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn OffloadPolicy> {
@@ -756,6 +828,20 @@ impl Tiers {
             None
         };
 
+        // Sharing G4 with other instances: (bus, publisher, index) and the own-G4 set.
+        #[allow(clippy::type_complexity)]
+        let shared: Option<(
+            (Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>),
+            Arc<Mutex<HashSet<SequenceHash>>>,
+        )> = match &plan.sharing {
+            Some(s) => {
+                if plan.g4.is_none() {
+                    bail!("instances share G4: enable it (--g4, --g4-dir or --s3-endpoint)");
+                }
+                Some((start_sharing(&runtime, s)?, Arc::default()))
+            }
+            None => None,
+        };
         let g4 = match &plan.g4 {
             None => None,
             Some(loc) => {
@@ -802,8 +888,17 @@ impl Tiers {
                     })
                     .map_err(|_| anyhow!("listing G4 ({describe}) timed out after 60 s"))?
                     .with_context(|| format!("cannot list G4 ({describe})"))?;
-                let manager =
-                    manager::<G4>(plan.g4_capacity + listed.len(), &registry, &plan.logical)?;
+                if let Some(sh) = &shared {
+                    sh.1.lock().extend(listed.iter().copied());
+                }
+                let manager = manager_with_sink::<G4>(
+                    plan.g4_capacity + listed.len(),
+                    &registry,
+                    &plan.logical,
+                    shared
+                        .as_ref()
+                        .map(|sh| sh.0.1.clone() as Arc<dyn EventSink>),
+                )?;
                 let mut complete = Vec::with_capacity(listed.len());
                 for (blk, h) in manager
                     .allocate_blocks(listed.len())?
@@ -849,6 +944,13 @@ impl Tiers {
             if let Some(g4t) = &g4 {
                 builder = builder.g4(g4t.manager.clone());
                 events.register_event_source(&(g4t.manager.clone() as Arc<dyn EventSource>));
+            }
+            if let (Some(((_, _, index), _)), Some(s)) = (&shared, &plan.sharing) {
+                builder = builder.remote(RemoteSearch {
+                    index: index.clone(),
+                    this: InstanceId(s.instance),
+                    shared_g4: true,
+                });
             }
             leader = Some(
                 builder
@@ -926,9 +1028,13 @@ impl Tiers {
                 let exec = ObjectTransferExecutor::<G2>::new(tm.clone(), g2t.handle, g4t.handle)
                     .with_g4_manager(g4t.manager.clone());
                 let c = counters.clone();
+                let own = shared.as_ref().map(|sh| sh.1.clone());
                 let sink: kvbm_offload::CompletionSink<SequenceHash> =
                     Arc::new(move |done: Vec<SequenceHash>| {
-                        c.add_bytes(MovePath::G2ToG4, done.len(), b)
+                        c.add_bytes(MovePath::G2ToG4, done.len(), b);
+                        if let Some(own) = &own {
+                            own.lock().extend(done);
+                        }
                     });
                 let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
                     .config(plan.g2_to_g4.clone())
@@ -1011,6 +1117,7 @@ impl Tiers {
             prefetching: HashSet::new(),
             served_requests: 0,
             g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
+            shared_g4: shared.map(|((bus, _, _), own)| SharedG4 { own, _bus: bus }),
             _runtime: runtime,
         })
     }
@@ -1076,7 +1183,8 @@ impl Tiers {
         served.verified = after[1] - before[1];
         served.corrupt = after[2] - before[2];
         for s in src.iter().take(fail_at) {
-            served.hits[*s as usize] += 1;
+            served.hits[(*s as usize).min(3)] += 1;
+            served.cross_instance += u64::from(*s == 4);
         }
 
         // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
@@ -1191,7 +1299,7 @@ impl Tiers {
     /// ```
     ///
     /// Returns the prefix length reached in G1, the tier each prefix block was found in
-    /// (0..=3, fixed by the first attempt so a block moved up by a failed attempt still counts
+    /// (0..=3, 4 for a G4 block another instance wrote; fixed by the first attempt so a block moved up by a failed attempt still counts
     /// as the tier it came from), and the held G1 blocks.
     #[allow(clippy::type_complexity)]
     fn onboard_prefix(
@@ -1229,6 +1337,15 @@ impl Tiers {
                         TierId::G2 if self.prefetched.remove(&hashes[at + k]) => 2,
                         TierId::G2 => 1,
                         TierId::G3 => 2,
+                        // Written by another instance: a cross-instance hit (tier 4 here).
+                        TierId::G4
+                            if self
+                                .shared_g4
+                                .as_ref()
+                                .is_some_and(|s| !s.own.lock().contains(&hashes[at + k])) =>
+                        {
+                            4
+                        }
                         TierId::G4 => 3,
                         TierId::G1 => 0,
                     });
