@@ -1361,7 +1361,8 @@ impl Tiers {
                 movers.g2_to_g1.clone(),
             );
             let end = at + matched.len();
-            let need = matched.count(TierId::G3) + matched.count(TierId::G4);
+            let need4 = matched.count(TierId::G4);
+            let need = matched.count(TierId::G3) + need4;
             let first_staged = matched
                 .runs()
                 .iter()
@@ -1391,7 +1392,13 @@ impl Tiers {
                 let g3 = (self.onboard.g3_nanos.load(Ordering::Relaxed) - g3_before) as f64 / 1e9;
                 let all = t.elapsed().as_secs_f64() - (self.nested_time() - nested);
                 self.times.g3_to_g2 += g3;
-                self.times.g4_to_g2 += (all - g3).max(0.0);
+                // The rest is G4 staging, or, for a prefix all in G2, the session's own cost
+                // (part of bringing G2 blocks to G1).
+                if need4 > 0 {
+                    self.times.g4_to_g2 += (all - g3).max(0.0);
+                } else {
+                    self.times.g2_to_g1 += (all - g3).max(0.0);
+                }
                 if let Err(e) = staged {
                     tracing::debug!(error = %e, "staging failed; the prefix is cut");
                     limit = self.first_failed(hashes, at, end).unwrap_or(first_staged);
