@@ -441,6 +441,41 @@ fn two_instances_find_each_others_blocks_through_events_and_shared_g4() {
         return;
     };
     let dir = scratch();
+    let g4 = dir.path().join("g4");
+    two_instances(&dir, &nats.url, &["--g4-dir", g4.to_str().unwrap()], &[]);
+}
+
+/// The same with G4 on the real S3 server (s3s-fs), in a namespace of its own.
+#[test]
+fn two_instances_share_g4_on_the_s3_server() {
+    let Some(nats) = kvbm_tests::services::nats("two_instances_share_g4_on_the_s3_server") else {
+        return;
+    };
+    let Some(s3) = kvbm_tests::services::s3("two_instances_share_g4_on_the_s3_server") else {
+        return;
+    };
+    let ns = format!(
+        "cli-instances-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    two_instances(
+        &scratch(),
+        &nats.url,
+        &["--s3-endpoint", &s3.endpoint, "--s3-bucket", &s3.bucket],
+        &[
+            ("AWS_ACCESS_KEY_ID", s3.access_key.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", s3.secret_key.as_str()),
+            ("KVBM_REPLAY__G4_NAMESPACE", ns.as_str()),
+        ],
+    );
+}
+
+/// Runs the two-instance trace with `extra` G4 flags and `envs`, and checks the report.
+fn two_instances(dir: &tempfile::TempDir, nats_url: &str, extra: &[&str], envs: &[(&str, &str)]) {
     let trace = dir.path().join("trace.jsonl");
     let line = |t: u64, conv: u64, ids: std::ops::Range<u64>| {
         let ids: Vec<u64> = ids.collect();
@@ -460,7 +495,6 @@ fn two_instances_find_each_others_blocks_through_events_and_shared_g4() {
     ]
     .concat();
     std::fs::write(&trace, body).unwrap();
-    let g4 = dir.path().join("g4");
     let out = kvbm()
         .args([
             "replay",
@@ -468,14 +502,14 @@ fn two_instances_find_each_others_blocks_through_events_and_shared_g4() {
             trace.to_str().unwrap(),
             "--time-scale",
             "1",
-            "--g4-dir",
-            g4.to_str().unwrap(),
             "--instances",
             "2",
             "--nats-url",
-            &nats.url,
+            nats_url,
             "--json",
         ])
+        .args(extra)
+        .envs(envs.iter().copied())
         .output()
         .unwrap();
     let r = ok_json(out);
