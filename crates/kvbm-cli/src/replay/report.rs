@@ -73,6 +73,13 @@ pub struct Report {
     pub stage_seconds: StageTimes,
     /// Where G3 and G4 were, and G3's I/O mode.
     pub storage: BTreeMap<&'static str, String>,
+    /// With `--instances`: which instance this is (0-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance: Option<usize>,
+    /// With `--instances`: G4 hit blocks another instance wrote (found through its events and
+    /// the shared G4).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cross_instance_hit_blocks: Option<u64>,
 }
 
 fn bytes(n: u64) -> String {
