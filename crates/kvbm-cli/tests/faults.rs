@@ -656,8 +656,9 @@ fn fault_s3_killed_mid_onboard_fails_blocks_cleanly_releases_holds_and_recovers_
     };
     let bucket = s3.bucket_dir();
     let ep = s3.endpoint();
-    // A warm G4: the first run offloads every block it computes.
-    let warm = ok_json(own_s3_cmd(&ep, 3000, &[]).envs(FAST_S3).output().unwrap());
+    // A warm G4: the first run offloads every block it computes (the paced run below covers
+    // these requests first, then goes on computing).
+    let warm = ok_json(own_s3_cmd(&ep, 2000, &[]).envs(FAST_S3).output().unwrap());
     assert_nothing_wrong_served(&warm);
     assert_released_and_settled(&warm);
     let stored = object_files(&bucket).len();
@@ -754,19 +755,19 @@ fn fault_s3_slow_keeps_offload_queues_bounded_and_g2_g3_serving() {
     ) else {
         return;
     };
-    // Every S3 request waits 150-300 ms: G4 is far slower than the workload offloads.
+    // Every S3 request waits 100-200 ms: G4 is far slower than the workload offloads.
     let proxy = FaultProxy::start(
         ([127, 0, 0, 1], s3.port).into(),
         FaultConfig {
             error_fraction: 0.0,
-            latency_ms: (150, 300),
+            latency_ms: (100, 200),
             seed: 5,
         },
     );
     let g3 = dir.path().join("g3");
     let port = kvbm_tests::faults::free_port();
     let mut child = kvbm()
-        .args(replay_args(&g3, 600, &[]))
+        .args(replay_args(&g3, 400, &[]))
         .args([
             "--g4",
             "--s3-endpoint",
@@ -861,7 +862,7 @@ fn fault_s3_slow_keeps_offload_queues_bounded_and_g2_g3_serving() {
     );
     assert!(h2 + h3 > 0, "no hit from G2/G3 while G4 was slow: {r}");
     eprintln!(
-        "S3 slow (150-300 ms per request, {} requests): G2 hits {h2}, G3 hits {h3}, G4 hits {}, {} blocks in {:.1} s; G1→G2 waits for G2 room {}\n  {}",
+        "S3 slow (100-200 ms per request, {} requests): G2 hits {h2}, G3 hits {h3}, G4 hits {}, {} blocks in {:.1} s; G1→G2 waits for G2 room {}\n  {}",
         proxy
             .stats()
             .requests
