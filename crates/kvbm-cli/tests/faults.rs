@@ -710,7 +710,7 @@ fn fault_s3_killed_mid_onboard_fails_blocks_cleanly_releases_holds_and_recovers_
     // The affected blocks failed with an error naming the path and the cause.
     let failed_lines = stderr
         .lines()
-        .filter(|l| l.contains("G4→G2 transfer failed"))
+        .filter(|l| l.contains("G4→G2 transfer failed") || l.contains("G4→G2 transfer refused"))
         .count();
     assert!(
         failed_lines > 0 && u(&r, &["failed_transfers"]) > 0,
