@@ -1,7 +1,8 @@
 //! `cargo xtask soak [SECS]`: the soak test (`crates/kvbm-cli/tests/soak.rs`) for SECS seconds
-//! (default 600; `cargo xtask ci` runs [`CI_SECS`]): two `kvbm replay` processes sharing one
-//! bucket, every tier on and random S3 errors from the fault proxy, checking zero corrupt
-//! blocks, no leaked block in any pool, every transfer settled and flat resident memory.
+//! (default 600; `cargo xtask ci` runs [`CI_SECS`]): `kvbm replay --instances 2` (two instance
+//! processes sharing one bucket, G4 events over NATS), every tier on, random S3 errors from the
+//! fault proxy and NATS restarted at random, checking zero corrupt blocks, no leaked block in
+//! any pool, every transfer settled and flat resident memory.
 //!
 //! It is built with the same features as the CI test run, so after `cargo xtask ci`'s tests it
 //! rebuilds nothing.

@@ -41,12 +41,20 @@ enum Command {
         /// Serve Prometheus metrics on this address while running (e.g. 127.0.0.1:9464).
         #[arg(long, value_name = "ADDR")]
         metrics_addr: Option<String>,
-        /// Run N engine instances sharing G4 (needs kvbm-engine; not available yet).
+        /// Run N engine instances as separate processes sharing one G4 (S3, --g4-dir, or a
+        /// temporary object directory) and one NATS server; requests are assigned round-robin
+        /// by conversation.
         #[arg(long, value_name = "N")]
         instances: Option<usize>,
-        /// NATS server for --instances.
+        /// NATS server for --instances (default: the configuration's transport.nats_url).
         #[arg(long, value_name = "URL")]
         nats_url: Option<String>,
+        /// Child mode of --instances: serve this instance's share (set by the parent).
+        #[arg(long, hide = true, requires = "instances")]
+        instance_index: Option<usize>,
+        /// Child mode of --instances: the run's NATS subject (set by the parent).
+        #[arg(long, hide = true, requires = "instance_index")]
+        events_subject: Option<String>,
         /// Sweep G2 capacities instead of one replay: hit ratio per eviction policy and capacity,
         /// with Belady (offline optimum) and the infinite cache as bounds. Runs the logical-only
         /// simulation (G2 only, G1 = 0, prefix hits as in the replay, no bytes moved).
@@ -204,6 +212,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_addr,
             instances,
             nats_url,
+            instance_index,
+            events_subject,
             sweep_g2,
             sweep_policies,
             plot,
@@ -226,12 +236,48 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 return Ok(());
             }
-            if instances.is_some_and(|n| n > 1) || nats_url.is_some() {
-                anyhow::bail!(
-                    "--instances and --nats-url need the kvbm-engine runtime (leader/workers, NATS events), whose cross-process transport (NATS control, TCP data plane) is not built yet; run a single instance"
-                );
-            }
             let loaded = flags.load()?;
+            if instances.is_some() || nats_url.is_some() {
+                let count = instances.unwrap_or(1);
+                let url = nats_url
+                    .or_else(|| loaded.config.engine.transport.nats_url.clone())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--instances needs a NATS server: --nats-url URL (or transport.nats_url)"
+                        )
+                    })?;
+                if let Some(index) = instance_index {
+                    if index >= count {
+                        anyhow::bail!("--instance-index {index} is not below --instances {count}");
+                    }
+                    let subject = events_subject
+                        .unwrap_or_else(|| loaded.config.engine.events.subject.clone());
+                    let spec = replay::InstanceSpec {
+                        index,
+                        count,
+                        sharing: replay::tiers::Sharing {
+                            nats_url: url,
+                            subject,
+                            instance: index as u64 + 1,
+                        },
+                    };
+                    let report = replay::run_instance(&loaded.config, Some(&spec))?;
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                    return Ok(());
+                }
+                if let Some(addr) = &metrics_addr {
+                    anyhow::bail!(
+                        "--metrics-addr {addr} is per process; with --instances it is not served"
+                    );
+                }
+                let report = replay::instances::run_parent(&loaded.config, count, &url)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                } else {
+                    print!("{}", replay::instances::table(&report));
+                }
+                return Ok(());
+            }
             if let Some(addr) = &metrics_addr {
                 metrics_http::serve(addr)?;
             }

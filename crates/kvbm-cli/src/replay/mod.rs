@@ -11,7 +11,9 @@
 //! timestamp × scale.
 
 pub mod content;
+pub mod instances;
 pub mod manifest;
+pub mod onboard;
 pub mod report;
 pub mod sweep;
 pub mod tiers;
@@ -28,7 +30,7 @@ use kvbm_physical::S3Config;
 
 use crate::config::CliConfig;
 use report::{Report, TierReport};
-use tiers::{G4Location, PATH_NAMES, TierPlan, Tiers};
+use tiers::{G4Location, PATH_NAMES, Sharing, TierPlan, Tiers};
 
 /// Requests of the synthetic workload when `--requests` is not given.
 pub const DEFAULT_SYNTHETIC_REQUESTS: usize = 20_000;
@@ -81,6 +83,8 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
         g2_to_g4: cfg.engine.offload.g2_to_g4.clone(),
         transfer: cfg.engine.physical.transfer.clone(),
         object: cfg.engine.physical.object.clone(),
+        engine: cfg.engine.clone(),
+        sharing: None,
     })
 }
 
@@ -122,10 +126,41 @@ fn eviction_name(cfg: &CliConfig) -> String {
 /// # Errors
 /// Bad input or storage that cannot be set up; per-block failures are counted instead.
 pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
-    let wl = load_workload(cfg)?;
+    run_instance(cfg, None)
+}
+
+/// One instance of a `--instances` run: which one, of how many, and how it shares G4.
+#[derive(Debug, Clone)]
+pub struct InstanceSpec {
+    /// This instance (0-based).
+    pub index: usize,
+    /// Instances in the run.
+    pub count: usize,
+    /// The NATS server and subject, and this instance's id.
+    pub sharing: Sharing,
+}
+
+/// Runs the replay, as the only instance (`None`) or as one of several: then it serves only
+/// its requests ([`instances::assign`]) and shares G4 with the others.
+///
+/// # Errors
+/// As [`run`].
+pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Result<Report> {
+    let mut wl = load_workload(cfg)?;
+    // G4's presence index must hold every block of the whole workload (others' blocks are
+    // adopted into it), so its size comes from the whole workload.
+    let mut plan = plan(cfg, wl.unique_blocks())?;
+    if let Some(spec) = spec {
+        let owner = instances::assign(&wl.requests, spec.count);
+        let mut i = 0;
+        wl.requests.retain(|_| {
+            i += 1;
+            owner[i - 1] == spec.index
+        });
+        plan.sharing = Some(spec.sharing.clone());
+    }
     let unique = wl.unique_blocks();
     let total = wl.total_blocks();
-    let plan = plan(cfg, unique)?;
     if wl.max_request_blocks() > plan.g1_blocks {
         anyhow::bail!(
             "the longest request has {} blocks but G1 holds {}; raise --g1-blocks",
@@ -138,7 +173,11 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
 
     let pb = ProgressBar::with_draw_target(
         Some(wl.requests.len() as u64),
-        ProgressDrawTarget::stderr_with_hz(5),
+        if spec.is_some() {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr_with_hz(5)
+        },
     );
     pb.set_style(
         ProgressStyle::with_template(
@@ -150,8 +189,8 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
     let salt = Salt::new("kvbm-replay");
     let mut hashes = Vec::new();
     let mut ahead_hashes = Vec::new();
-    let (mut hits, mut onboarded, mut verified, mut corrupt, mut computed) =
-        ([0u64; 4], 0, 0, 0, 0);
+    let (mut hits, mut onboarded, mut verified, mut corrupt, mut computed, mut cross) =
+        ([0u64; 4], 0, 0, 0, 0, 0);
     let start = Instant::now();
     let t0 = wl.requests.first().map_or(0, |r| r.timestamp_ms);
     for (i, req) in wl.requests.iter().enumerate() {
@@ -186,6 +225,7 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
         verified += s.verified;
         corrupt += s.corrupt;
         computed += s.computed;
+        cross += s.cross_instance;
         if i % 64 == 63 {
             tiers.reap();
             pb.set_position(i as u64 + 1);
@@ -281,5 +321,7 @@ pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
         ]
         .into_iter()
         .collect(),
+        instance: spec.map(|s| s.index),
+        cross_instance_hit_blocks: spec.map(|_| cross),
     })
 }

@@ -80,6 +80,13 @@ pub struct Report {
     /// the settled handles. Every transfer settled when `enqueued == transferred + failed +
     /// filtered + cancelled`.
     pub offload_blocks: BTreeMap<&'static str, u64>,
+    /// With `--instances`: which instance this is (0-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance: Option<usize>,
+    /// With `--instances`: G4 hit blocks another instance wrote (found through its events and
+    /// the shared G4).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cross_instance_hit_blocks: Option<u64>,
 }
 
 fn bytes(n: u64) -> String {

@@ -1,36 +1,40 @@
-//! The tier driver: G1..G4 block managers, their storage, the offload lanes and onboarding.
+//! The tier driver: a scheduler over `kvbm-engine`, with G1..G4 storage and the offload lanes.
 //!
-//! **This module is the seam to be replaced.** The replay should drive the engine through the
-//! `kvbm-engine` runtime and the `kvbm-tiering` manager; neither exists yet, so this module
-//! wires the landed crates directly: `kvbm-logical` (one `BlockManager` per tier, one shared
-//! `BlockRegistry`), `kvbm-physical` (host memory as the G1 stand-in and as G2, an O_DIRECT
-//! io_uring `DiskStorage` file as G3, an `ObjectStorage` as G4, one `TransferManager`) and
-//! `kvbm-offload` (the G1→G2, G2→G3 and G2→G4 pipelines). Everything above it (`replay/mod.rs`)
-//! only calls [`Tiers::build`], [`Tiers::serve`] and [`Tiers::finish`]; when the engine and
-//! the tiering manager land, only this file changes.
+//! The replay runs like an inference scheduler on top of the engine: a `KvbmRuntime` built
+//! from the merged `KvbmConfig` (its tokio runtime runs the lanes; its event-flush timer
+//! covers every tier's manager), an `InstanceLeader` over the replay's G2/G3/G4
+//! `BlockManager`s (one shared `BlockRegistry`) doing the lookup (`find_matches`: the longest
+//! prefix in G2, G3, G4, held by its RAII holder), and onboarding through the leader's
+//! `OnboardingSession` (hold → prepare G3/G4→G2 → onboard G2→G1 → finish), whose movers
+//! (`onboard.rs`) are the real transfer paths with the replay's checks. G1 (host memory, the
+//! GPU's stand-in) is the inference engine's own prefix cache, matched first. The storage is
+//! `kvbm-physical` (host layouts for G1/G2, an O_DIRECT io_uring `DiskStorage` file for G3, an
+//! `ObjectStorage` for G4, one `TransferManager`); offloads are `kvbm-offload`'s G1→G2, G2→G3
+//! and G2→G4 pipelines (what the engine uses). `replay/mod.rs` only calls [`Tiers::build`],
+//! [`Tiers::serve`] and [`Tiers::finish`].
 //!
 //! ```text
-//!            lookup: longest prefix over G1, G2, G3, G4 (per position, any tier)
-//!  request ──────────────────────────────────────────────────────────────────┐
-//!     │                                                                        │
-//!     │  G3 hit ──TransferManager──► G2 ─┐   (checked: disk header + manifest checksum)
-//!     │  G4 hit ──TransferManager──► G2 ─┤   (checked: object header checksum)
-//!     │  G2 hit ─────────────────────────┴──TransferManager──► G1  (checked: expected bytes)
+//!  request ──► G1 match ──► leader.find_matches(rest) ──► cut at rejected (poisoned) blocks
+//!     │           OnboardingSession::prepare: G3 ──G3ToG2──► G2  (disk header + recorded checksum)
+//!     │                                       G4 ──G4ToG2──► G2  (object header checksum)
+//!     │           OnboardingSession::onboard: G2 ──G2ToG1──► G1  (bytes checked against the id)
+//!     │           a failed block fails the session ──► cut the prefix there, look up again
 //!     │  miss: compute in G1 ──► G1→G2 pipeline ──sink──► G2→G3 pipeline (manifest recorded)
 //!     │                                           └─────► G2→G4 object pipeline
+//!     └─ read-ahead: G3→G2 reads for the next requests (registered in G2 before their turn)
 //! ```
 //!
-//! Upward moves (G3→G2, G4→G2, G2→G1) use the `kvbm-physical` transfer manager directly:
-//! `kvbm-offload` has only downward lanes. They are synchronous from the caller's view (the
-//! request waits for its blocks, as a scheduler waits before the forward pass). G2→G1 is host to
-//! host (G1 is a host stand-in), so it is one inline copy per request on this thread
-//! (`TransferManager::execute_transfer_inline`, with the manager's claims), not a round trip
-//! through the manager's runtime.
+//! Sessions run on this thread (a current-thread runtime, `Tiers::session_rt`): the request
+//! waits for its blocks, as a scheduler waits before the forward pass, and a session's task
+//! needs no hop to another thread. G2→G1 is host to host (G1 is a host stand-in), so it is
+//! one inline copy per request (`TransferManager::execute_transfer_inline`, with the
+//! manager's claims).
 //!
 //! Ownership: a request holds strong G1 handles from lookup to the end of [`Tiers::serve`] (its
-//! "forward pass"); blocks being offloaded are held by their pipeline (strong for G1→G2, weak,
-//! upgraded at the commitment point, for the chained lanes). Lock order: the checksum map
-//! (`G3Tier::checksums`) is never held while calling a block manager or the transfer manager.
+//! "forward pass"); the matched prefix is held by its session until finished or failed; blocks
+//! being offloaded are held by their pipeline (strong for G1→G2, weak, upgraded at the
+//! commitment point, for the chained lanes). Lock order: the checksum map and the poisoned
+//! sets are leaves, never held while calling a block manager or the transfer manager.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -40,15 +44,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use kvbm_logical::{
-    BlockManager, BlockRegistry, G1, G2, G3, G4, ImmutableBlock, LogicalConfig, MutableBlock,
-    SequenceHash, Tier, TierId,
+    BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, ImmutableBlock, LogicalConfig,
+    MutableBlock, SequenceHash, Tier, TierId,
 };
 use kvbm_offload::{
     AllOfPolicy, BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, EnqueueError,
     ObjectPipeline, ObjectPipelineBuilder, ObjectPipelineConfig, ObjectTransferExecutor,
     OffloadPolicy, Pipeline, PipelineBuilder, PipelineConfig, PresenceFilter, ResolvedBatch,
     TransferExecutor, TransferHandle, TransferResult, block_identity, create_policy_from_config,
-    object_key,
 };
 use kvbm_physical::{
     Backing, BlockLayout, DiskConfig, IoEngineKind, LayoutHandle, LayoutKind, ObjectConfig,
@@ -57,8 +60,16 @@ use kvbm_physical::{
 };
 use parking_lot::Mutex;
 
+use kvbm_engine::leader::RemoteSearch;
+use kvbm_engine::leader::{FinishOutcome, OnboardingSession, StagingMovers};
+use kvbm_engine::mover::BlockMove;
+use kvbm_engine::pubsub::nats::NatsBus;
+use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
+use kvbm_engine::{EventSource, InstanceLeader, KvbmConfig, KvbmRuntime, MatchedPrefix};
+
 use super::content;
 use super::manifest::G3Index;
+use super::onboard::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 use super::workload::HASH_BLOCK_SIZE;
 
 /// How long a G1→G2 batch waits for G2 space before it fails `NoSpace` (see
@@ -111,6 +122,11 @@ pub struct TierPlan {
     pub transfer: kvbm_physical::TransferConfig,
     /// G4's settings (its namespace is replaced by `g4_namespace`).
     pub object: ObjectConfig,
+    /// The merged engine configuration the replay's `KvbmRuntime` is built from (its runtime,
+    /// events and metrics sections, and the leader's search order).
+    pub engine: KvbmConfig,
+    /// Set when this replay is one of several instances sharing G4.
+    pub sharing: Option<Sharing>,
 }
 
 /// Indexes into [`Counters::bytes`].
@@ -149,7 +165,7 @@ pub struct Counters {
 }
 
 impl Counters {
-    fn add_bytes(&self, path: MovePath, blocks: usize, block_bytes: usize) {
+    pub(super) fn add_bytes(&self, path: MovePath, blocks: usize, block_bytes: usize) {
         let b = (blocks * block_bytes) as u64;
         self.bytes[path as usize].fetch_add(b, Ordering::Relaxed);
         metrics::counter!("kvbm_replay_bytes_moved_total", "path" => PATH_NAMES[path as usize])
@@ -170,6 +186,8 @@ pub struct Served {
     pub corrupt: u64,
     /// Blocks computed in G1.
     pub computed: u64,
+    /// Of the hits, G4 blocks another instance wrote.
+    pub cross_instance: u64,
 }
 
 /// Wall time per stage, summed over requests.
@@ -207,21 +225,45 @@ impl<T: Tier> HostTier<T> {
     /// The bytes of slot `id`.
     ///
     /// # Safety
-    /// The caller must be the only writer of the slot while the slice lives (a freshly allocated
-    /// block, or a block whose transfer has completed and which no transfer writes).
+    /// As [`slot_of`].
     #[allow(clippy::mut_from_ref)]
     unsafe fn slot(&self, id: usize) -> &mut [u8] {
-        let (addr, len) = self.layout.block_addrs(id, 0..1)[0];
-        // SAFETY: host memory of the layout, `len` bytes at `addr`, exclusivity per the contract.
-        unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+        // SAFETY: per this function's contract.
+        unsafe { slot_of(&self.layout, id) }
     }
 }
 
-/// The G2→G1 path: its own transfer manager, with G2 and G1 registered in it.
-struct Onboard {
-    tm: Arc<TransferManager>,
-    src: LayoutHandle,
-    dst: LayoutHandle,
+/// The bytes of slot `id` of the host layout `layout`.
+///
+/// # Safety
+/// `layout` is host memory, and the caller must be the only writer of the slot while the slice
+/// lives (a freshly allocated block, or a block whose transfer has completed and which no
+/// transfer writes).
+#[allow(clippy::mut_from_ref)]
+pub(super) unsafe fn slot_of(layout: &PhysicalLayout, id: usize) -> &mut [u8] {
+    let (addr, len) = layout.block_addrs(id, 0..1)[0];
+    // SAFETY: host memory of the layout, `len` bytes at `addr`, exclusivity per the contract.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+/// What checking a G3 read needs: shared by the read-ahead and the onboarding mover.
+#[derive(Clone)]
+pub(super) struct G3Check {
+    pub(super) manager: Arc<BlockManager<G3>>,
+    pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(super) index: Arc<G3Index>,
+}
+
+impl G3Tier {
+    fn check(&self) -> G3Check {
+        G3Check {
+            manager: self.manager.clone(),
+            checksums: self.checksums.clone(),
+            poisoned: self.poisoned.clone(),
+            index: self.index.clone(),
+        }
+    }
 }
 
 /// A G3→G2 read started ahead of the request that needs it.
@@ -242,7 +284,7 @@ struct G3Tier {
     _temp: Option<tempfile::TempDir>,
     /// xxh3-128 of each block's payload as written to G3 (sequence hash → checksum).
     checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
-    poisoned: HashSet<SequenceHash>,
+    poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
     warm_blocks: usize,
     /// The persistent index (`<dir>/g3.journal`).
     index: Arc<G3Index>,
@@ -253,7 +295,7 @@ struct G4Tier {
     handle: LayoutHandle,
     storage: Arc<ObjectStorage>,
     _temp: Option<tempfile::TempDir>,
-    poisoned: HashSet<SequenceHash>,
+    poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
     warm_blocks: usize,
     describe: String,
 }
@@ -261,11 +303,18 @@ struct G4Tier {
 /// The tiers of one replay.
 pub struct Tiers {
     block_bytes: usize,
-    rt: tokio::runtime::Runtime,
+    /// The engine runtime's tokio handle: the offload lanes run there.
+    rt: tokio::runtime::Handle,
+    /// This thread's runtime: onboarding sessions run on the replay's own thread.
+    session_rt: tokio::runtime::Runtime,
     tm: Arc<TransferManager>,
     g1: HostTier<G1>,
     g2: Option<HostTier<G2>>,
-    onboard: Option<Onboard>,
+    /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
+    leader: Option<InstanceLeader>,
+    /// The paths sessions move blocks through, and what they report.
+    movers: Option<Movers>,
+    onboard: Arc<OnboardShared>,
     g3: Option<G3Tier>,
     g4: Option<G4Tier>,
     g1_to_g2: Option<Pipeline<G1>>,
@@ -303,6 +352,18 @@ pub struct Tiers {
     /// Outcomes of the lanes' blocks, from their settled handles: transferred, failed,
     /// filtered, cancelled (every lane).
     pub offload_settled: [u64; 4],
+    /// Set when G4 is shared with other instances.
+    shared_g4: Option<SharedG4>,
+    /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
+    /// everything that runs on it.
+    _runtime: KvbmRuntime,
+}
+
+/// The onboarding paths handed to sessions.
+struct Movers {
+    g3_to_g2: Option<Arc<G3ToG2>>,
+    g4_to_g2: Option<Arc<G4ToG2>>,
+    g2_to_g1: Arc<G2ToG1>,
 }
 
 fn geometry(num_blocks: usize, block_bytes: usize) -> anyhow::Result<BlockLayout> {
@@ -322,16 +383,79 @@ fn manager<T: Tier>(
     registry: &BlockRegistry,
     logical: &LogicalConfig,
 ) -> anyhow::Result<Arc<BlockManager<T>>> {
+    manager_with_sink(n, registry, logical, None)
+}
+
+fn manager_with_sink<T: Tier>(
+    n: usize,
+    registry: &BlockRegistry,
+    logical: &LogicalConfig,
+    sink: Option<Arc<dyn EventSink>>,
+) -> anyhow::Result<Arc<BlockManager<T>>> {
     let mut cfg = logical.clone();
     cfg.block_size = HASH_BLOCK_SIZE;
-    Ok(Arc::new(
-        BlockManager::<T>::builder()
-            .config(cfg)
-            .block_count(n)
-            .registry(registry.clone())
-            .build()
-            .with_context(|| format!("cannot build the {} block manager", T::ID))?,
-    ))
+    let mut builder = BlockManager::<T>::builder()
+        .config(cfg)
+        .block_count(n)
+        .registry(registry.clone());
+    if let Some(sink) = sink {
+        builder = builder.event_sink(sink);
+    }
+    Ok(Arc::new(builder.build().with_context(|| {
+        format!("cannot build the {} block manager", T::ID)
+    })?))
+}
+
+/// One instance of several (`kvbm replay --instances`): G4 is shared with the others, and
+/// each instance's G4 stored/removed events travel over NATS, so every instance's leader
+/// finds the others' G4 blocks (adopted into its own G4 and read from the shared store).
+#[derive(Debug, Clone)]
+pub struct Sharing {
+    /// The NATS server.
+    pub nats_url: String,
+    /// The subject every instance of this run publishes and subscribes on.
+    pub subject: String,
+    /// This instance's id (distinct per instance, not 0).
+    pub instance: u64,
+}
+
+/// What sharing G4 needs at run time.
+struct SharedG4 {
+    /// Hashes this instance wrote to G4 (or found there at start): a G4 hit on any other
+    /// hash is a block another instance wrote.
+    own: Arc<Mutex<HashSet<SequenceHash>>>,
+    _bus: Arc<NatsBus>,
+}
+
+/// Connects to NATS and starts the event bus, the publisher and the cross-instance index.
+fn start_sharing(
+    runtime: &KvbmRuntime,
+    s: &Sharing,
+) -> anyhow::Result<(Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>)> {
+    let h = runtime.handle();
+    let capacity = runtime.config().events.channel_capacity;
+    let bus = h
+        .tokio()
+        .block_on(async {
+            tokio::time::timeout(Duration::from_secs(15), async {
+                let client = kvbm_engine::transport::nats::connect(
+                    &s.nats_url,
+                    &format!("kvbm-replay-{}", s.instance),
+                    Duration::from_secs(1),
+                )
+                .await?;
+                NatsBus::start(&h, client, s.subject.clone(), capacity).await
+            })
+            .await
+        })
+        .map_err(|_| anyhow!("NATS server {} did not answer within 15 s", s.nats_url))?
+        .with_context(|| format!("cannot reach the NATS server {}", s.nats_url))?;
+    let publisher = EventPublisher::spawn(&h, InstanceId(s.instance), bus.clone())
+        .context("cannot start the event publisher")?;
+    let index = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index.clone(), &h, &*bus)
+        .context("cannot follow the cross-instance events")?;
+    Ok((bus, publisher, index))
 }
 
 fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn OffloadPolicy> {
@@ -352,9 +476,9 @@ fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn Offloa
 /// valid slot holding another block, or no record of this one, fails). Counts a rejection as a
 /// checksum failure and any other error as a failed transfer; a block that fails is poisoned in
 /// G3 and its record dropped, so it is never read again. Whether the block may be served.
-fn check_g3_read(
-    g2: &HostTier<G2>,
-    g3: &mut G3Tier,
+pub(super) fn check_g3_read(
+    g2_layout: &PhysicalLayout,
+    g3: &G3Check,
     counters: &Counters,
     dst: &MutableBlock<G2>,
     h: SequenceHash,
@@ -363,7 +487,7 @@ fn check_g3_read(
     let good = match r {
         Ok(()) => {
             // SAFETY: the transfer into this freshly allocated slot has completed.
-            let bytes = unsafe { g2.slot(dst.block_id()) };
+            let bytes = unsafe { slot_of(g2_layout, dst.block_id()) };
             let actual = xxhash_rust::xxh3::xxh3_128(bytes);
             let expected = g3.checksums.lock().get(&h.as_u128()).copied();
             if expected == Some(actual) {
@@ -385,7 +509,7 @@ fn check_g3_read(
         }
     };
     if !good {
-        g3.poisoned.insert(h);
+        g3.poisoned.lock().insert(h);
         g3.checksums.lock().remove(&h.as_u128());
         if let Some(b) = g3.manager.scan_matches(&[h]).first() {
             g3.index.dropped(b.block_id());
@@ -394,7 +518,7 @@ fn check_g3_read(
     good
 }
 
-fn is_rejection(e: &PhysicalError) -> bool {
+pub(super) fn is_rejection(e: &PhysicalError) -> bool {
     matches!(
         e,
         PhysicalError::ChecksumMismatch { .. }
@@ -630,12 +754,14 @@ impl Tiers {
                 "G3 and G4 need G2: blocks move to and from them through host memory (set --g2-blocks > 0)"
             );
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .thread_name("kvbm-replay")
+        let runtime = KvbmRuntime::builder()
+            .config(plan.engine.clone())
             .build()
-            .context("cannot start the async runtime")?;
+            .context("cannot start the kvbm runtime")?;
+        let rt = runtime.handle().tokio().clone();
+        let session_rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .context("cannot start the replay thread's runtime")?;
         let _enter = rt.enter();
         let tm = Arc::new(
             TransferManager::with_config(plan.transfer.clone())
@@ -665,18 +791,6 @@ impl Tiers {
             })
         } else {
             None
-        };
-
-        // G2→G1 onboarding runs on the shared transfer manager: a layout is registered in one
-        // manager only (kvbm-physical refuses a second view of the same memory, which could race
-        // with the first), so the claims that keep two transfers off one block cover every move.
-        let onboard = match &g2 {
-            Some(g2t) => Some(Onboard {
-                tm: tm.clone(),
-                src: g2t.handle,
-                dst: g1.handle,
-            }),
-            None => None,
         };
 
         let g3 = if plan.g3_blocks > 0 {
@@ -711,7 +825,7 @@ impl Tiers {
                 dir,
                 _temp: temp,
                 checksums: Arc::new(Mutex::new(checksums)),
-                poisoned: HashSet::new(),
+                poisoned: Arc::default(),
                 warm_blocks,
                 index: Arc::new(opened.index),
             })
@@ -719,6 +833,20 @@ impl Tiers {
             None
         };
 
+        // Sharing G4 with other instances: (bus, publisher, index) and the own-G4 set.
+        #[allow(clippy::type_complexity)]
+        let shared: Option<(
+            (Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>),
+            Arc<Mutex<HashSet<SequenceHash>>>,
+        )> = match &plan.sharing {
+            Some(s) => {
+                if plan.g4.is_none() {
+                    bail!("instances share G4: enable it (--g4, --g4-dir or --s3-endpoint)");
+                }
+                Some((start_sharing(&runtime, s)?, Arc::default()))
+            }
+            None => None,
+        };
         let g4 = match &plan.g4 {
             None => None,
             Some(loc) => {
@@ -765,8 +893,17 @@ impl Tiers {
                     })
                     .map_err(|_| anyhow!("listing G4 ({describe}) timed out after 60 s"))?
                     .with_context(|| format!("cannot list G4 ({describe})"))?;
-                let manager =
-                    manager::<G4>(plan.g4_capacity + listed.len(), &registry, &plan.logical)?;
+                if let Some(sh) = &shared {
+                    sh.1.lock().extend(listed.iter().copied());
+                }
+                let manager = manager_with_sink::<G4>(
+                    plan.g4_capacity + listed.len(),
+                    &registry,
+                    &plan.logical,
+                    shared
+                        .as_ref()
+                        .map(|sh| sh.0.1.clone() as Arc<dyn EventSink>),
+                )?;
                 let mut complete = Vec::with_capacity(listed.len());
                 for (blk, h) in manager
                     .allocate_blocks(listed.len())?
@@ -785,12 +922,84 @@ impl Tiers {
                     handle,
                     storage,
                     _temp: temp,
-                    poisoned: HashSet::new(),
+                    poisoned: Arc::default(),
                     warm_blocks,
                     describe,
                 })
             }
         };
+
+        // The leader searches the replay's own G2/G3/G4 managers (one shared registry); every
+        // onboarding move runs on the shared transfer manager: a layout is registered in one
+        // manager only (kvbm-physical refuses a second view of the same memory, which could race
+        // with the first), so the claims that keep two transfers off one block cover every move.
+        let onboard = Arc::new(OnboardShared::default());
+        let (mut leader, mut movers) = (None, None);
+        let events = runtime.handle();
+        events.register_event_source(&(g1.manager.clone() as Arc<dyn EventSource>));
+        if let Some(g2t) = &g2 {
+            let mut builder = InstanceLeader::builder()
+                .g2(g2t.manager.clone())
+                .search(plan.engine.leader.search.clone());
+            events.register_event_source(&(g2t.manager.clone() as Arc<dyn EventSource>));
+            if let Some(g3t) = &g3 {
+                builder = builder.g3(g3t.manager.clone());
+                events.register_event_source(&(g3t.manager.clone() as Arc<dyn EventSource>));
+            }
+            if let Some(g4t) = &g4 {
+                builder = builder.g4(g4t.manager.clone());
+                events.register_event_source(&(g4t.manager.clone() as Arc<dyn EventSource>));
+            }
+            if let (Some(((_, _, index), _)), Some(s)) = (&shared, &plan.sharing) {
+                builder = builder.remote(RemoteSearch {
+                    index: index.clone(),
+                    this: InstanceId(s.instance),
+                    shared_g4: true,
+                });
+            }
+            leader = Some(
+                builder
+                    .build()
+                    .context("cannot build the instance leader")?,
+            );
+            movers = Some(Movers {
+                g3_to_g2: g3.as_ref().map(|g3t| {
+                    Arc::new(G3ToG2 {
+                        tm: tm.clone(),
+                        g3: g3t.handle,
+                        g2: g2t.handle,
+                        g2_manager: g2t.manager.clone(),
+                        g2_layout: g2t.layout.clone(),
+                        check: g3t.check(),
+                        counters: counters.clone(),
+                        block_bytes: b,
+                        shared: onboard.clone(),
+                    })
+                }),
+                g4_to_g2: g4.as_ref().map(|g4t| {
+                    Arc::new(G4ToG2 {
+                        tm: tm.clone(),
+                        g4: g4t.handle,
+                        g2: g2t.handle,
+                        g2_manager: g2t.manager.clone(),
+                        poisoned: g4t.poisoned.clone(),
+                        counters: counters.clone(),
+                        block_bytes: b,
+                        shared: onboard.clone(),
+                    })
+                }),
+                g2_to_g1: Arc::new(G2ToG1 {
+                    tm: tm.clone(),
+                    g2: g2t.handle,
+                    g1: g1.handle,
+                    g1_manager: g1.manager.clone(),
+                    g1_layout: g1.layout.clone(),
+                    counters: counters.clone(),
+                    block_bytes: b,
+                    shared: onboard.clone(),
+                }),
+            });
+        }
 
         let handles: Arc<Mutex<Vec<TransferHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let g2_space_waits = Arc::new(AtomicU64::new(0));
@@ -824,9 +1033,13 @@ impl Tiers {
                 let exec = ObjectTransferExecutor::<G2>::new(tm.clone(), g2t.handle, g4t.handle)
                     .with_g4_manager(g4t.manager.clone());
                 let c = counters.clone();
+                let own = shared.as_ref().map(|sh| sh.1.clone());
                 let sink: kvbm_offload::CompletionSink<SequenceHash> =
                     Arc::new(move |done: Vec<SequenceHash>| {
-                        c.add_bytes(MovePath::G2ToG4, done.len(), b)
+                        c.add_bytes(MovePath::G2ToG4, done.len(), b);
+                        if let Some(own) = &own {
+                            own.lock().extend(done);
+                        }
                     });
                 let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
                     .config(plan.g2_to_g4.clone())
@@ -891,9 +1104,12 @@ impl Tiers {
         Ok(Tiers {
             block_bytes: b,
             rt,
+            session_rt,
             tm,
             g1,
             g2,
+            leader,
+            movers,
             onboard,
             g3,
             g4,
@@ -915,6 +1131,8 @@ impl Tiers {
             prefetching: HashSet::new(),
             served_requests: 0,
             g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
+            shared_g4: shared.map(|((bus, _, _), own)| SharedG4 { own, _bus: bus }),
+            _runtime: runtime,
         })
     }
 
@@ -971,98 +1189,16 @@ impl Tiers {
         self.served_requests += 1;
         let mut served = Served::default();
         let n = hashes.len();
-
-        // 1. Lookup: the longest prefix available in any tier, per position.
-        let t = Instant::now();
-        let mut src: Vec<u8> = Vec::with_capacity(n);
-        let mut held_g1: Vec<ImmutableBlock<G1>> = Vec::with_capacity(n);
-        let mut g2_hits: Vec<(usize, ImmutableBlock<G2>)> = Vec::new();
-        let mut g3_hits: Vec<(usize, ImmutableBlock<G3>)> = Vec::new();
-        let mut g4_hits: Vec<(usize, ImmutableBlock<G4>)> = Vec::new();
-        let mut i = 0;
-        while i < n {
-            let m = self.g1.manager.match_blocks(&hashes[i..]);
-            if !m.is_empty() {
-                src.extend(std::iter::repeat_n(0, m.len()));
-                i += m.len();
-                held_g1.extend(m);
-                continue;
-            }
-            if let Some(g2) = &self.g2 {
-                let m = g2.manager.match_blocks(&hashes[i..]);
-                if !m.is_empty() {
-                    for blk in m {
-                        // A block prefetched from G3 for this request is a G3 hit.
-                        let from_g3 = self.prefetched.remove(&blk.sequence_hash());
-                        src.push(if from_g3 { 2 } else { 1 });
-                        g2_hits.push((i, blk));
-                        i += 1;
-                    }
-                    continue;
-                }
-            }
-            if let Some(g3) = &self.g3 {
-                let before = i;
-                for blk in g3.manager.match_blocks(&hashes[i..]) {
-                    if g3.poisoned.contains(&blk.sequence_hash()) {
-                        break;
-                    }
-                    src.push(2);
-                    g3_hits.push((i, blk));
-                    i += 1;
-                }
-                if i > before {
-                    continue;
-                }
-            }
-            if let Some(g4) = &self.g4 {
-                let before = i;
-                for blk in g4.manager.match_blocks(&hashes[i..]) {
-                    if g4.poisoned.contains(&blk.sequence_hash()) {
-                        break;
-                    }
-                    src.push(3);
-                    g4_hits.push((i, blk));
-                    i += 1;
-                }
-                if i > before {
-                    continue;
-                }
-            }
-            break;
-        }
-        let found = i;
-        // Blocks from `fail_at` on are recomputed (a failed or rejected onboarding).
-        let mut fail_at = found;
-        self.times.lookup += t.elapsed().as_secs_f64();
-
-        // 2. G3 and G4 hits are staged in G2 (checked on the way).
-        let mut staged: Vec<(usize, ImmutableBlock<G2>)> = Vec::new();
-        if !g3_hits.is_empty() {
-            let t = Instant::now();
-            let nested = self.nested_time();
-            self.onboard_g3(g3_hits, &mut staged, &mut fail_at);
-            self.times.g3_to_g2 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
-        }
-        if !g4_hits.is_empty() {
-            let t = Instant::now();
-            let nested = self.nested_time();
-            self.onboard_g4(g4_hits, &mut staged, &mut fail_at);
-            self.times.g4_to_g2 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
-        }
-
-        // 3. G2 hits and staged blocks to G1 in one move; every block reaching G1 is checked
-        //    against its bytes. Blocks past a failed onboarding are recomputed, not moved.
-        let t = Instant::now();
-        let nested = self.nested_time();
-        let mut to_g1 = g2_hits;
-        to_g1.append(&mut staged);
-        to_g1.retain(|(p, _)| *p < fail_at);
-        self.onboard_g1(to_g1, &mut held_g1, &mut fail_at, &mut served)?;
-        self.times.g2_to_g1 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
-
+        let before = self.onboard_tally();
+        let (found, src, mut held_g1) = self.onboard_prefix(hashes)?;
+        let fail_at = found;
+        let after = self.onboard_tally();
+        served.onboarded = after[0] - before[0];
+        served.verified = after[1] - before[1];
+        served.corrupt = after[2] - before[2];
         for s in src.iter().take(fail_at) {
-            served.hits[*s as usize] += 1;
+            served.hits[(*s as usize).min(3)] += 1;
+            served.cross_instance += u64::from(*s == 4);
         }
 
         // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
@@ -1110,6 +1246,201 @@ impl Tiers {
         // End of the "forward pass": the request's G1 blocks become inactive (evictable).
         drop(held_g1);
         Ok(served)
+    }
+
+    /// Onboarded, verified and corrupt blocks so far.
+    fn onboard_tally(&self) -> [u64; 3] {
+        let o = &self.onboard;
+        [
+            o.onboarded.load(Ordering::Relaxed),
+            o.verified.load(Ordering::Relaxed),
+            o.corrupt.load(Ordering::Relaxed),
+        ]
+    }
+
+    /// Where `matched` must end: before its first G3 or G4 block already rejected (poisoned).
+    fn usable(&self, matched: &MatchedPrefix) -> usize {
+        let mut cut = matched.len();
+        for run in matched.runs() {
+            let first_bad = match run.tier {
+                TierId::G3 => self.g3.as_ref().and_then(|g3| {
+                    let p = g3.poisoned.lock();
+                    if p.is_empty() {
+                        return None;
+                    }
+                    matched
+                        .g3()
+                        .blocks()
+                        .iter()
+                        .position(|b| p.contains(&b.sequence_hash()))
+                }),
+                TierId::G4 => self.g4.as_ref().and_then(|g4| {
+                    let p = g4.poisoned.lock();
+                    if p.is_empty() {
+                        return None;
+                    }
+                    matched
+                        .g4()
+                        .blocks()
+                        .iter()
+                        .position(|b| p.contains(&b.sequence_hash()))
+                }),
+                _ => None,
+            };
+            if let Some(i) = first_bad {
+                cut = cut.min(run.start + i);
+            }
+        }
+        cut
+    }
+
+    /// The first block of `hashes[from..to]` a mover reported failed (and clears the reports).
+    fn first_failed(&self, hashes: &[SequenceHash], from: usize, to: usize) -> Option<usize> {
+        let failed = std::mem::take(&mut *self.onboard.failed.lock());
+        if failed.is_empty() {
+            return None;
+        }
+        let failed: HashSet<SequenceHash> = failed.into_iter().collect();
+        hashes[from..to]
+            .iter()
+            .position(|h| failed.contains(h))
+            .map(|i| from + i)
+    }
+
+    /// Lookup and onboarding of a request's prefix, like a scheduler over the engine:
+    ///
+    /// ```text
+    ///  G1 match (the inference engine's own prefix cache)
+    ///   └─► leader.find_matches(rest): G2, G3, G4 runs, held  ──► cut at rejected blocks
+    ///        └─► OnboardingSession: prepare (G3→G2, G4→G2) ──► onboard (G2→G1) ──► finish
+    ///  any block failed ──► the session fails (releasing everything); the prefix is cut at the
+    ///  first failed block and looked up again (what moved before it is found in G1/G2 now)
+    /// ```
+    ///
+    /// Returns the prefix length reached in G1, the tier each prefix block was found in
+    /// (0..=3, 4 for a G4 block another instance wrote; fixed by the first attempt so a block moved up by a failed attempt still counts
+    /// as the tier it came from), and the held G1 blocks.
+    #[allow(clippy::type_complexity)]
+    fn onboard_prefix(
+        &mut self,
+        hashes: &[SequenceHash],
+    ) -> anyhow::Result<(usize, Vec<u8>, Vec<ImmutableBlock<G1>>)> {
+        let n = hashes.len();
+        let mut src: Vec<u8> = Vec::with_capacity(n);
+        let mut held_g1: Vec<ImmutableBlock<G1>> = Vec::with_capacity(n);
+        let mut limit = n;
+        loop {
+            held_g1.clear();
+            let t = Instant::now();
+            let g1m = self.g1.manager.match_blocks(&hashes[..limit]);
+            let at = g1m.len();
+            held_g1.extend(g1m);
+            while src.len() < at {
+                src.push(0);
+            }
+            let matched = match &self.leader {
+                Some(l) if at < limit => {
+                    let mut m = l.find_matches(&hashes[at..limit]);
+                    m.truncate(self.usable(&m));
+                    m
+                }
+                _ => MatchedPrefix::default(),
+            };
+            for run in matched.runs() {
+                for k in run.start..run.start + run.len {
+                    if at + k < src.len() {
+                        continue;
+                    }
+                    src.push(match run.tier {
+                        // A block read ahead from G3 for this request is a G3 hit.
+                        TierId::G2 if self.prefetched.remove(&hashes[at + k]) => 2,
+                        TierId::G2 => 1,
+                        TierId::G3 => 2,
+                        // Written by another instance: a cross-instance hit (tier 4 here).
+                        TierId::G4
+                            if self
+                                .shared_g4
+                                .as_ref()
+                                .is_some_and(|s| !s.own.lock().contains(&hashes[at + k])) =>
+                        {
+                            4
+                        }
+                        TierId::G4 => 3,
+                        TierId::G1 => 0,
+                    });
+                }
+            }
+            self.times.lookup += t.elapsed().as_secs_f64();
+            let (Some(movers), false) = (&self.movers, matched.is_empty()) else {
+                return Ok((at, src, held_g1));
+            };
+            let (g3_to_g2, g4_to_g2, g2_to_g1) = (
+                movers.g3_to_g2.clone(),
+                movers.g4_to_g2.clone(),
+                movers.g2_to_g1.clone(),
+            );
+            let end = at + matched.len();
+            let need = matched.count(TierId::G3) + matched.count(TierId::G4);
+            let first_staged = matched
+                .runs()
+                .iter()
+                .find(|r| r.tier != TierId::G2)
+                .map_or(at, |r| at + r.start);
+            let session = OnboardingSession::new(matched);
+
+            // Stage the G3 and G4 parts in G2 (a G2-only prefix just moves to `Staged`). Reads
+            // started ahead hold G2 slots: finish them first when G2 lacks the room.
+            {
+                let t = Instant::now();
+                let nested = self.nested_time();
+                if !self.prefetches.is_empty()
+                    && self
+                        .g2
+                        .as_ref()
+                        .is_some_and(|g2| g2.manager.available_blocks() < need)
+                {
+                    self.complete_prefetches(usize::MAX);
+                }
+                let g3_before = self.onboard.g3_nanos.load(Ordering::Relaxed);
+                let staged = self.session_rt.block_on(session.prepare(StagingMovers {
+                    g3_to_g2: g3_to_g2.map(|m| m as Arc<dyn BlockMove<G3, G2>>),
+                    g4_to_g2: g4_to_g2.map(|m| m as Arc<dyn BlockMove<G4, G2>>),
+                    remote_g2: None,
+                }));
+                let g3 = (self.onboard.g3_nanos.load(Ordering::Relaxed) - g3_before) as f64 / 1e9;
+                let all = t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+                self.times.g3_to_g2 += g3;
+                self.times.g4_to_g2 += (all - g3).max(0.0);
+                if let Err(e) = staged {
+                    tracing::debug!(error = %e, "staging failed; the prefix is cut");
+                    limit = self.first_failed(hashes, at, end).unwrap_or(first_staged);
+                    continue;
+                }
+            }
+
+            // Onboard the staged prefix to G1 (every block checked against its bytes).
+            let t = Instant::now();
+            let nested = self.nested_time();
+            let len = session.prefix_len();
+            let dst = match self.g1.manager.allocate_blocks(len) {
+                Ok(d) => d,
+                Err(_) => self.allocate_g1(len)?,
+            };
+            let onboarded = self
+                .session_rt
+                .block_on(session.onboard(g2_to_g1 as Arc<dyn BlockMove<G2, G1>>, dst));
+            self.times.g2_to_g1 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+            if let Err(e) = onboarded {
+                tracing::debug!(error = %e, "onboarding failed; the prefix is cut");
+                limit = self.first_failed(hashes, at, end).unwrap_or(at);
+                continue;
+            }
+            match session.finish() {
+                FinishOutcome::Finished(blocks) => held_g1.extend(blocks),
+                other => bail!("an onboarded session did not finish: {other:?}"),
+            }
+            return Ok((end, src, held_g1));
+        }
     }
 
     /// Time of the stages that can run nested inside another (waiting for G1 room, finishing
@@ -1245,7 +1576,7 @@ impl Tiers {
                 break; // the prefix ends here
             }
             if tiers.contains(&TierId::G3)
-                && !g3.poisoned.contains(h)
+                && !g3.poisoned.lock().contains(h)
                 && !self.prefetching.contains(h)
             {
                 want.push(*h);
@@ -1307,16 +1638,17 @@ impl Tiers {
             self.times.g3_to_g2 += t.elapsed().as_secs_f64();
             metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
                 .record(p.started.elapsed().as_secs_f64());
-            let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
+            let (Some(g2), Some(g3)) = (&self.g2, &self.g3) else {
                 return;
             };
+            let check = g3.check();
             let mut ok = 0;
             let mut complete = Vec::with_capacity(p.src.len());
             for ((blk, mblk), (_, r)) in p.src.iter().zip(p.dst).zip(outcome.blocks) {
                 let h = blk.sequence_hash();
                 self.prefetching.remove(&h);
                 ok += usize::from(r.is_ok());
-                if check_g3_read(g2, g3, &self.counters, &mblk, h, r)
+                if check_g3_read(&g2.layout, &check, &self.counters, &mblk, h, r)
                     && let Ok(c) = mblk.complete(h)
                 {
                     complete.push(c);
@@ -1328,256 +1660,6 @@ impl Tiers {
                 self.prefetched.insert(b.sequence_hash());
             }
         }
-    }
-
-    /// G2 slots to stage `n` blocks from G3 or G4 into. Reads started ahead hold G2 slots, so
-    /// they are finished first when G2 lacks the room. `None` (the prefix is cut at
-    /// `first_pos`, so the blocks are recomputed) when there is no G2 or still no room.
-    fn staging_slots(
-        &mut self,
-        n: usize,
-        first_pos: usize,
-        fail_at: &mut usize,
-    ) -> Option<Vec<MutableBlock<G2>>> {
-        if !self.prefetches.is_empty()
-            && self
-                .g2
-                .as_ref()
-                .is_some_and(|g2| g2.manager.available_blocks() < n)
-        {
-            self.complete_prefetches(usize::MAX);
-        }
-        let slots = self.g2.as_ref()?.manager.allocate_blocks(n).ok();
-        if slots.is_none() {
-            *fail_at = (*fail_at).min(first_pos);
-        }
-        slots
-    }
-
-    fn onboard_g3(
-        &mut self,
-        hits: Vec<(usize, ImmutableBlock<G3>)>,
-        staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
-        fail_at: &mut usize,
-    ) {
-        let Some(dst) = self.staging_slots(hits.len(), hits[0].0, fail_at) else {
-            return;
-        };
-        let (Some(g2), Some(g3)) = (&self.g2, &mut self.g3) else {
-            return;
-        };
-        let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
-        let t = Instant::now();
-        let outcome = match self.tm.execute_transfer(
-            g3.handle,
-            &src_ids,
-            g2.handle,
-            &dst_ids,
-            TransferOptions::default().identities(
-                hits.iter()
-                    .map(|(_, blk)| block_identity(blk.sequence_hash()))
-                    .collect(),
-            ),
-        ) {
-            Ok(c) => c.wait(),
-            Err(e) => {
-                tracing::warn!(error = %e, "G3→G2 transfer refused");
-                self.counters
-                    .failed_transfers
-                    .fetch_add(hits.len() as u64, Ordering::Relaxed);
-                *fail_at = (*fail_at).min(hits[0].0);
-                return;
-            }
-        };
-        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
-            .record(t.elapsed().as_secs_f64());
-        let mut ok = 0;
-        let mut complete = Vec::with_capacity(hits.len());
-        let mut positions = Vec::with_capacity(hits.len());
-        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
-            let h = blk.sequence_hash();
-            ok += usize::from(r.is_ok());
-            if check_g3_read(g2, g3, &self.counters, &mblk, h, r) {
-                if let Ok(c) = mblk.complete(h) {
-                    complete.push(c);
-                    positions.push(*pos);
-                }
-            } else {
-                *fail_at = (*fail_at).min(*pos);
-            }
-        }
-        self.counters
-            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
-        staged.extend(
-            positions
-                .into_iter()
-                .zip(g2.manager.register_blocks(complete)),
-        );
-    }
-
-    fn onboard_g4(
-        &mut self,
-        hits: Vec<(usize, ImmutableBlock<G4>)>,
-        staged: &mut Vec<(usize, ImmutableBlock<G2>)>,
-        fail_at: &mut usize,
-    ) {
-        let Some(dst) = self.staging_slots(hits.len(), hits[0].0, fail_at) else {
-            return;
-        };
-        let (Some(g2), Some(g4)) = (&self.g2, &mut self.g4) else {
-            return;
-        };
-        let positions: Vec<usize> = (0..hits.len()).collect();
-        let keys = hits
-            .iter()
-            .map(|(_, blk)| object_key(blk.sequence_hash()))
-            .collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
-        let t = Instant::now();
-        let outcome = match self.tm.execute_transfer(
-            g4.handle,
-            &positions,
-            g2.handle,
-            &dst_ids,
-            TransferOptions::with_object_keys(keys).identities(
-                hits.iter()
-                    .map(|(_, blk)| block_identity(blk.sequence_hash()))
-                    .collect(),
-            ),
-        ) {
-            Ok(c) => c.wait(),
-            Err(e) => {
-                tracing::warn!(error = %e, "G4→G2 transfer refused");
-                self.counters
-                    .failed_transfers
-                    .fetch_add(hits.len() as u64, Ordering::Relaxed);
-                *fail_at = (*fail_at).min(hits[0].0);
-                return;
-            }
-        };
-        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
-            .record(t.elapsed().as_secs_f64());
-        let mut ok = 0;
-        let mut complete = Vec::with_capacity(hits.len());
-        let mut done_pos = Vec::with_capacity(hits.len());
-        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
-            let h = blk.sequence_hash();
-            match r {
-                Ok(()) => {
-                    ok += 1;
-                    if let Ok(c) = mblk.complete(h) {
-                        complete.push(c);
-                        done_pos.push(*pos);
-                    }
-                }
-                Err(e) => {
-                    if is_rejection(&e) {
-                        tracing::warn!(error = %e, "G4 rejected a block on read");
-                        self.counters
-                            .checksum_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        tracing::warn!(error = %e, "G4→G2 transfer failed");
-                        self.counters
-                            .failed_transfers
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    g4.poisoned.insert(h);
-                    *fail_at = (*fail_at).min(*pos);
-                }
-            }
-        }
-        self.counters
-            .add_bytes(MovePath::G4ToG2, ok, self.block_bytes);
-        staged.extend(
-            done_pos
-                .into_iter()
-                .zip(g2.manager.register_blocks(complete)),
-        );
-    }
-
-    /// Moves G2 blocks into fresh G1 slots and checks every block against the bytes it must
-    /// have. Host to host, so the copy runs on this thread
-    /// ([`TransferManager::execute_transfer_inline`]: the manager's claims and aliasing checks,
-    /// without a round trip through its runtime); one call per request.
-    fn onboard_g1(
-        &mut self,
-        mut hits: Vec<(usize, ImmutableBlock<G2>)>,
-        held_g1: &mut Vec<ImmutableBlock<G1>>,
-        fail_at: &mut usize,
-        served: &mut Served,
-    ) -> anyhow::Result<()> {
-        let Some((otm, src_h, dst_h)) = self.onboard.as_ref().map(|o| (o.tm.clone(), o.src, o.dst))
-        else {
-            return Ok(());
-        };
-        if hits.is_empty() {
-            return Ok(());
-        }
-        let n = hits.len();
-        hits.sort_by_key(|(p, _)| *p);
-        let dst = match self.g1.manager.allocate_blocks(n) {
-            Ok(d) => d,
-            Err(_) => self.allocate_g1(n)?,
-        };
-        let src_ids: Vec<usize> = hits.iter().map(|(_, blk)| blk.block_id()).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|blk| blk.block_id()).collect();
-        let started = Instant::now();
-        let outcome = match otm.execute_transfer_inline(
-            src_h,
-            &src_ids,
-            dst_h,
-            &dst_ids,
-            TransferOptions::default(),
-        ) {
-            Ok(o) => o,
-            Err(e) => {
-                tracing::warn!(error = %e, "G2→G1 transfer refused");
-                self.counters
-                    .failed_transfers
-                    .fetch_add(n as u64, Ordering::Relaxed);
-                *fail_at = (*fail_at).min(hits[0].0);
-                return Ok(());
-            }
-        };
-        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
-            .record(started.elapsed().as_secs_f64());
-        let mut complete = Vec::with_capacity(n);
-        let mut ok = 0;
-        for (((pos, blk), mblk), (_, r)) in hits.iter().zip(dst).zip(outcome.blocks) {
-            let h = blk.sequence_hash();
-            match r {
-                Ok(()) => {
-                    ok += 1;
-                    served.onboarded += 1;
-                    // SAFETY: the copy into this freshly allocated slot has completed.
-                    let bytes = unsafe { self.g1.slot(mblk.block_id()) };
-                    if content::verify(content::seed(h), bytes) {
-                        served.verified += 1;
-                        if let Ok(c) = mblk.complete(h) {
-                            complete.push(c);
-                        }
-                    } else {
-                        // Never served: the slot returns to the pool and the block is recomputed.
-                        served.corrupt += 1;
-                        tracing::error!(hash = %h, "a block reached G1 with wrong bytes");
-                        *fail_at = (*fail_at).min(*pos);
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "G2→G1 transfer failed");
-                    self.counters
-                        .failed_transfers
-                        .fetch_add(1, Ordering::Relaxed);
-                    *fail_at = (*fail_at).min(*pos);
-                }
-            }
-        }
-        self.counters
-            .add_bytes(MovePath::G2ToG1, ok, self.block_bytes);
-        held_g1.extend(self.g1.manager.register_blocks(complete));
-        Ok(())
     }
 
     /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks

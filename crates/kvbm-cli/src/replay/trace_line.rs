@@ -1,5 +1,6 @@
 //! One Mooncake trace line, parsed: `{"timestamp": ms, "input_length": n, "output_length": m,
-//! "hash_ids": [..]}`.
+//! "hash_ids": [..]}`, with an optional `"conversation_id": n` (not in the Mooncake traces;
+//! `kvbm replay --instances` assigns requests to instances by it when present).
 //!
 //! Self-contained (serde, serde_json and thiserror only) so the `fuzz/` crate includes this file
 //! as is and fuzzes the very parser the replay uses.
@@ -13,6 +14,8 @@ pub struct TraceLine {
     pub timestamp_ms: u64,
     /// Prefix-block ids of the prompt.
     pub hash_ids: Vec<u64>,
+    /// The conversation the request belongs to, when the trace says.
+    pub conversation: Option<u64>,
 }
 
 /// Why a line is not a Mooncake request.
@@ -28,6 +31,8 @@ struct Line {
     #[allow(dead_code)]
     output_length: u64,
     hash_ids: Vec<u64>,
+    #[serde(default)]
+    conversation_id: Option<u64>,
 }
 
 /// Parses one line; `Ok(None)` for a blank line.
@@ -49,6 +54,7 @@ pub fn parse_trace_line(text: &str) -> Result<Option<TraceLine>, MalformedLine> 
     Ok(Some(TraceLine {
         timestamp_ms: parsed.timestamp as u64,
         hash_ids: parsed.hash_ids,
+        conversation: parsed.conversation_id,
     }))
 }
 

@@ -21,6 +21,20 @@ pub struct Request {
     pub timestamp_ms: u64,
     /// Prefix-block ids of the prompt.
     pub hash_ids: Vec<u64>,
+    /// The conversation it belongs to (the synthetic workload's, or a trace's
+    /// `conversation_id`); `None` when unknown.
+    pub conversation: Option<u64>,
+}
+
+impl Request {
+    /// What `--instances` assigns by: the conversation, or else the first block id (a
+    /// conversation's turns share their first block).
+    pub fn assignment_key(&self) -> (bool, u64) {
+        match self.conversation {
+            Some(c) => (true, c),
+            None => (false, self.hash_ids.first().copied().unwrap_or(0)),
+        }
+    }
 }
 
 /// A whole workload, in arrival order.
@@ -110,6 +124,7 @@ pub fn load_trace(path: &Path, limit: Option<usize>) -> Result<Workload, Workloa
             requests.push(Request {
                 timestamp_ms: parsed.timestamp_ms,
                 hash_ids: parsed.hash_ids,
+                conversation: parsed.conversation,
             });
         }
     }
@@ -150,6 +165,7 @@ impl SplitMix {
 const MAX_ACTIVE: usize = 1024;
 
 struct Conversation {
+    id: u64,
     context: Vec<u64>,
     turns_left: u64,
 }
@@ -174,13 +190,16 @@ pub fn synthetic(seed: u64, requests: usize) -> Workload {
     let mut active: Vec<Conversation> = Vec::new();
     let mut out = Vec::with_capacity(requests);
     let mut now = 0u64;
+    let mut conversations = 0u64;
     while out.len() < requests {
         if active.len() < MAX_ACTIVE && (active.len() < 4 || rng.range(0, 1) == 0) {
             let sys = &systems[rng.range(0, 3) as usize];
             active.push(Conversation {
+                id: conversations,
                 context: sys.clone(),
                 turns_left: rng.range(2, 8),
             });
+            conversations += 1;
         }
         let pick = rng.range(0, active.len() as u64 - 1) as usize;
         let conv = &mut active[pick];
@@ -189,6 +208,7 @@ pub fn synthetic(seed: u64, requests: usize) -> Workload {
         out.push(Request {
             timestamp_ms: now,
             hash_ids: conv.context.clone(),
+            conversation: Some(conv.id),
         });
         let answer = fresh(rng.range(1, 2));
         conv.context.extend(answer);

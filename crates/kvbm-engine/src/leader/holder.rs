@@ -183,6 +183,31 @@ impl MatchedPrefix {
         out
     }
 
+    /// Keeps the first `len` blocks of the prefix held and releases the rest, e.g. blocks the
+    /// caller knows it must not use (a damaged copy it already rejected). No-op when `len` is
+    /// at least [`len`](Self::len).
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len() {
+            return;
+        }
+        for run in &mut self.runs {
+            let keep = len.saturating_sub(run.start).min(run.len);
+            match run.tier {
+                TierId::G2 => self.g2.truncate(keep),
+                TierId::G3 => self.g3.truncate(keep),
+                TierId::G4 => self.g4.truncate(keep),
+                TierId::G1 => {}
+            }
+            run.len = keep;
+        }
+        self.runs.retain(|r| r.len > 0);
+        let local: usize = self.runs.iter().map(|r| r.len).sum();
+        match &mut self.remote {
+            Some(r) if len > local => r.hashes.truncate(len - local),
+            _ => self.remote = None,
+        }
+    }
+
     /// Splits into the per-tier holders (each still releasing on drop); a remote run is
     /// dropped (it holds nothing here).
     pub fn into_parts(self) -> (BlockHolder<G2>, BlockHolder<G3>, BlockHolder<G4>) {

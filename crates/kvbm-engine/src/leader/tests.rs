@@ -144,6 +144,48 @@ fn a_truncated_holder_releases_the_tail_only() {
 }
 
 #[test]
+fn a_truncated_prefix_keeps_its_head_and_releases_the_rest() {
+    let s = setup();
+    let mut found = s.leader.find_matches(&s.hashes);
+    found.truncate(3);
+    assert_eq!(found.len(), 3);
+    assert_eq!(found.hashes(), s.hashes[..3].to_vec());
+    assert_eq!(
+        found.runs(),
+        &[
+            TierRun {
+                tier: TierId::G2,
+                start: 0,
+                len: 2
+            },
+            TierRun {
+                tier: TierId::G3,
+                start: 2,
+                len: 1
+            },
+        ]
+    );
+    assert_eq!((found.count(TierId::G3), found.count(TierId::G4)), (1, 0));
+    // Cutting inside G2 drops the later runs whole and releases the G2 tail.
+    found.truncate(1);
+    assert_eq!(found.runs().len(), 1);
+    assert_eq!(found.count(TierId::G2), 1);
+    let one =
+        s.g2.allocate_blocks(1)
+            .expect("the released G2 block is evictable");
+    assert!(
+        s.g2.allocate_blocks(1).is_err(),
+        "the kept one is still held"
+    );
+    drop(one);
+    // Longer than the prefix: nothing changes.
+    found.truncate(10);
+    assert_eq!(found.len(), 1);
+    found.truncate(0);
+    assert!(found.is_empty() && found.runs().is_empty());
+}
+
+#[test]
 fn search_order_is_configurable_and_skips_missing_tiers() {
     let registry = BlockRegistry::new();
     let seq = sequence(4);

@@ -1,0 +1,373 @@
+//! The replay's onboarding movers: the real transfer paths an engine [`OnboardingSession`]
+//! moves a matched prefix through, with the replay's checks on every block.
+//!
+//! ```text
+//!  InstanceLeader::find_matches ──► OnboardingSession ── prepare ──► G3ToG2 (disk header + recorded checksum)
+//!                                                    │            └─► G4ToG2 (object header checksum)
+//!                                                    └── onboard ──► G2ToG1 (bytes checked against the block id)
+//! ```
+//!
+//! Each mover implements the engine's [`BlockMove`] seam: it moves registered source blocks
+//! into caller-allocated destinations and registers a destination only when its bytes arrived
+//! and passed the check. A block that fails is reported (an `Err` outcome, which fails the
+//! session: a failed transfer never counts as a hit) and its hash is recorded in
+//! [`OnboardShared::failed`], so the replay can cut the request's prefix at the first failed
+//! block and recompute from there. G3 and G4 blocks that the tier rejected are poisoned (never
+//! matched again) and counted as checksum failures; other errors count as failed transfers.
+//!
+//! The replay drives a session on its own thread (a current-thread runtime), as a scheduler
+//! waits for its blocks before the forward pass, so a session's task needs no hop to another
+//! thread. G3→G2 and G4→G2 go through the shared `TransferManager` (its runtime does the I/O;
+//! the mover awaits the completion); G2→G1 is host to host, one inline copy inside the future.
+//!
+//! Locks: the poisoned sets and [`OnboardShared::failed`] are leaf locks, taken briefly and
+//! never while a block manager or the transfer manager is called.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use futures::future::BoxFuture;
+use kvbm_engine::mover::{BlockMove, Moved};
+use kvbm_logical::{
+    BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
+};
+use kvbm_offload::{block_identity, object_key};
+use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
+use parking_lot::Mutex;
+
+use super::content;
+use super::tiers::{Counters, G3Check, MovePath, check_g3_read, is_rejection, slot_of};
+
+/// What the movers report back to the replay.
+#[derive(Debug, Default)]
+pub struct OnboardShared {
+    /// Hashes of blocks whose move failed since the replay last drained it.
+    pub failed: Mutex<Vec<SequenceHash>>,
+    /// Blocks that reached G1 from G2.
+    pub onboarded: AtomicU64,
+    /// Of those, the ones whose bytes were right.
+    pub verified: AtomicU64,
+    /// Of those, the ones whose bytes were wrong (never served).
+    pub corrupt: AtomicU64,
+    /// Nanoseconds spent in G3→G2 moves.
+    pub g3_nanos: AtomicU64,
+}
+
+impl OnboardShared {
+    fn fail(&self, h: SequenceHash) {
+        self.failed.lock().push(h);
+    }
+}
+
+/// Registers the destinations that arrived, in one call, and returns one outcome per block in
+/// order.
+fn settle<T: Tier>(
+    manager: &BlockManager<T>,
+    parts: Vec<Result<CompleteBlock<T>, String>>,
+) -> Vec<Moved<T>> {
+    let mut complete = Vec::with_capacity(parts.len());
+    let mut errors = Vec::with_capacity(parts.len());
+    for p in parts {
+        match p {
+            Ok(c) => {
+                complete.push(c);
+                errors.push(None);
+            }
+            Err(e) => errors.push(Some(e)),
+        }
+    }
+    let mut registered = manager.register_blocks(complete).into_iter();
+    errors
+        .into_iter()
+        .map(|e| match e {
+            None => registered
+                .next()
+                .ok_or_else(|| "the block manager did not register the block".to_string()),
+            Some(e) => Err(e),
+        })
+        .collect()
+}
+
+fn complete<T: Tier>(m: MutableBlock<T>, h: SequenceHash) -> Result<CompleteBlock<T>, String> {
+    m.complete(h).map_err(|e| e.error.to_string())
+}
+
+/// G3 → G2: a disk read checked against the disk header and the checksum recorded at write.
+pub struct G3ToG2 {
+    pub(super) tm: Arc<TransferManager>,
+    pub(super) g3: LayoutHandle,
+    pub(super) g2: LayoutHandle,
+    pub(super) g2_manager: Arc<BlockManager<G2>>,
+    pub(super) g2_layout: Arc<PhysicalLayout>,
+    pub(super) check: G3Check,
+    pub(super) counters: Arc<Counters>,
+    pub(super) block_bytes: usize,
+    pub(super) shared: Arc<OnboardShared>,
+}
+
+impl G3ToG2 {
+    async fn run(&self, src: &[ImmutableBlock<G3>], dst: Vec<MutableBlock<G2>>) -> Vec<Moved<G2>> {
+        let t = Instant::now();
+        let out = self.transfer(src, dst).await;
+        self.shared
+            .g3_nanos
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    async fn transfer(
+        &self,
+        src: &[ImmutableBlock<G3>],
+        dst: Vec<MutableBlock<G2>>,
+    ) -> Vec<Moved<G2>> {
+        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let t = Instant::now();
+        let outcome = match self.tm.execute_transfer(
+            self.g3,
+            &src_ids,
+            self.g2,
+            &dst_ids,
+            TransferOptions::default().identities(
+                src.iter()
+                    .map(|b| block_identity(b.sequence_hash()))
+                    .collect(),
+            ),
+        ) {
+            Ok(c) => c.await,
+            Err(e) => {
+                tracing::warn!(error = %e, "G3→G2 transfer refused");
+                self.counters
+                    .failed_transfers
+                    .fetch_add(src.len() as u64, Ordering::Relaxed);
+                return src
+                    .iter()
+                    .map(|b| {
+                        self.shared.fail(b.sequence_hash());
+                        Err(format!("G3→G2 transfer refused: {e}"))
+                    })
+                    .collect();
+            }
+        };
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
+            .record(t.elapsed().as_secs_f64());
+        let mut ok = 0;
+        let mut parts = Vec::with_capacity(src.len());
+        for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
+            let h = blk.sequence_hash();
+            ok += usize::from(r.is_ok());
+            if check_g3_read(&self.g2_layout, &self.check, &self.counters, &mblk, h, r) {
+                parts.push(complete(mblk, h));
+            } else {
+                self.shared.fail(h);
+                parts.push(Err(format!("G3 block {h} failed its read check")));
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
+        settle(&self.g2_manager, parts)
+    }
+}
+
+impl BlockMove<G3, G2> for G3ToG2 {
+    fn destination(&self) -> &Arc<BlockManager<G2>> {
+        &self.g2_manager
+    }
+
+    fn move_blocks<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<G3>],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> BoxFuture<'a, Vec<Moved<G2>>> {
+        Box::pin(self.run(sources, destinations))
+    }
+}
+
+/// G4 → G2: object reads, checked against the object header (checksum and identity).
+pub struct G4ToG2 {
+    pub(super) tm: Arc<TransferManager>,
+    pub(super) g4: LayoutHandle,
+    pub(super) g2: LayoutHandle,
+    pub(super) g2_manager: Arc<BlockManager<G2>>,
+    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(super) counters: Arc<Counters>,
+    pub(super) block_bytes: usize,
+    pub(super) shared: Arc<OnboardShared>,
+}
+
+impl G4ToG2 {
+    async fn run(&self, src: &[ImmutableBlock<G4>], dst: Vec<MutableBlock<G2>>) -> Vec<Moved<G2>> {
+        let positions: Vec<usize> = (0..src.len()).collect();
+        let keys = src.iter().map(|b| object_key(b.sequence_hash())).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let t = Instant::now();
+        let outcome = match self.tm.execute_transfer(
+            self.g4,
+            &positions,
+            self.g2,
+            &dst_ids,
+            TransferOptions::with_object_keys(keys).identities(
+                src.iter()
+                    .map(|b| block_identity(b.sequence_hash()))
+                    .collect(),
+            ),
+        ) {
+            Ok(c) => c.await,
+            Err(e) => {
+                tracing::warn!(error = %e, "G4→G2 transfer refused");
+                self.counters
+                    .failed_transfers
+                    .fetch_add(src.len() as u64, Ordering::Relaxed);
+                return src
+                    .iter()
+                    .map(|b| {
+                        self.shared.fail(b.sequence_hash());
+                        Err(format!("G4→G2 transfer refused: {e}"))
+                    })
+                    .collect();
+            }
+        };
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
+            .record(t.elapsed().as_secs_f64());
+        let mut ok = 0;
+        let mut parts = Vec::with_capacity(src.len());
+        for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
+            let h = blk.sequence_hash();
+            match r {
+                Ok(()) => {
+                    ok += 1;
+                    parts.push(complete(mblk, h));
+                }
+                Err(e) => {
+                    if is_rejection(&e) {
+                        tracing::warn!(error = %e, "G4 rejected a block on read");
+                        self.counters
+                            .checksum_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        tracing::warn!(error = %e, "G4→G2 transfer failed");
+                        self.counters
+                            .failed_transfers
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.poisoned.lock().insert(h);
+                    self.shared.fail(h);
+                    parts.push(Err(format!("G4→G2 block {h}: {e}")));
+                }
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G4ToG2, ok, self.block_bytes);
+        settle(&self.g2_manager, parts)
+    }
+}
+
+impl BlockMove<G4, G2> for G4ToG2 {
+    fn destination(&self) -> &Arc<BlockManager<G2>> {
+        &self.g2_manager
+    }
+
+    fn move_blocks<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<G4>],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> BoxFuture<'a, Vec<Moved<G2>>> {
+        Box::pin(self.run(sources, destinations))
+    }
+}
+
+/// G2 → G1: one inline host copy per call (the transfer manager's claims and aliasing checks),
+/// every block checked against the bytes it must have.
+pub struct G2ToG1 {
+    pub(super) tm: Arc<TransferManager>,
+    pub(super) g2: LayoutHandle,
+    pub(super) g1: LayoutHandle,
+    pub(super) g1_manager: Arc<BlockManager<G1>>,
+    pub(super) g1_layout: Arc<PhysicalLayout>,
+    pub(super) counters: Arc<Counters>,
+    pub(super) block_bytes: usize,
+    pub(super) shared: Arc<OnboardShared>,
+}
+
+impl G2ToG1 {
+    fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<Moved<G1>> {
+        let n = src.len();
+        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
+        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let started = Instant::now();
+        let outcome = match self.tm.execute_transfer_inline(
+            self.g2,
+            &src_ids,
+            self.g1,
+            &dst_ids,
+            TransferOptions::default(),
+        ) {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(error = %e, "G2→G1 transfer refused");
+                self.counters
+                    .failed_transfers
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                return src
+                    .iter()
+                    .map(|b| {
+                        self.shared.fail(b.sequence_hash());
+                        Err(format!("G2→G1 transfer refused: {e}"))
+                    })
+                    .collect();
+            }
+        };
+        metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
+            .record(started.elapsed().as_secs_f64());
+        let mut parts = Vec::with_capacity(n);
+        let mut ok = 0;
+        for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
+            let h = blk.sequence_hash();
+            match r {
+                Ok(()) => {
+                    ok += 1;
+                    self.shared.onboarded.fetch_add(1, Ordering::Relaxed);
+                    // SAFETY: the copy into this freshly allocated slot has completed.
+                    let bytes = unsafe { slot_of(&self.g1_layout, mblk.block_id()) };
+                    if content::verify(content::seed(h), bytes) {
+                        self.shared.verified.fetch_add(1, Ordering::Relaxed);
+                        parts.push(complete(mblk, h));
+                    } else {
+                        // Never served: the slot returns to the pool and the block is recomputed.
+                        self.shared.corrupt.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(hash = %h, "a block reached G1 with wrong bytes");
+                        self.shared.fail(h);
+                        parts.push(Err(format!("block {h} reached G1 with wrong bytes")));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "G2→G1 transfer failed");
+                    self.counters
+                        .failed_transfers
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.shared.fail(h);
+                    parts.push(Err(format!("G2→G1 block {h}: {e}")));
+                }
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G2ToG1, ok, self.block_bytes);
+        settle(&self.g1_manager, parts)
+    }
+}
+
+impl BlockMove<G2, G1> for G2ToG1 {
+    fn destination(&self) -> &Arc<BlockManager<G1>> {
+        &self.g1_manager
+    }
+
+    fn move_blocks<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<G2>],
+        destinations: Vec<MutableBlock<G1>>,
+    ) -> BoxFuture<'a, Vec<Moved<G1>>> {
+        Box::pin(async move { self.run(sources, destinations) })
+    }
+}
