@@ -201,6 +201,11 @@ fn soak_all_tiers_two_instances_with_random_s3_errors_and_nats_restarts() {
         r["tiers"]["g4"]["hit_blocks"].as_u64().unwrap_or(0) > 0,
         "{r}"
     );
+    // The instances found each other's G4 blocks through their events, NATS restarts and all.
+    assert!(
+        r["cross_instance_hit_blocks"].as_u64().unwrap_or(0) > 0,
+        "no instance hit a block the other wrote: {r}"
+    );
     // Resident memory flat after warm-up, per instance process.
     assert_eq!(samples.len(), 2, "instance processes seen: {samples:?}");
     for (pid, s) in &samples {
