@@ -259,6 +259,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                             nats_url: url,
                             subject,
                             instance: index as u64 + 1,
+                            instances: count,
                         },
                     };
                     let report = replay::run_instance(&loaded.config, Some(&spec))?;

@@ -1,5 +1,6 @@
 //! Tests that run the `kvbm` binary: the default run, exact hit ratios, the JSON schema, bad
-//! input, G3 + G4 on the real S3 server, warm restarts, metrics and `config show`.
+//! input, G3 + G4 on the real S3 server, warm restarts, metrics, `config show`, and two
+//! instances as processes over the real NATS server.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -423,7 +424,125 @@ fn bad_input_is_one_clear_error() {
         "multiple of 4096",
     );
     fails_with(run(&["replay", "--g1-blocks", "4"]), "raise --g1-blocks");
-    fails_with(run(&["replay", "--instances", "2"]), "kvbm-engine");
+    fails_with(
+        run(&["replay", "--instances", "2"]),
+        "--instances needs a NATS server",
+    );
+}
+
+/// Two instances as processes over the real NATS server, sharing a local G4 directory. The
+/// trace has two conversations, one per instance; each is later continued in a new
+/// conversation (a fork of the same context: same prefix, new conversation id), which the
+/// round-robin assignment puts on the *other* instance. That instance has none of the prefix
+/// itself: it finds it through the first instance's G4 events and reads it from the shared G4.
+#[test]
+fn two_instances_find_each_others_blocks_through_events_and_shared_g4() {
+    let Some(nats) = kvbm_tests::services::nats("two_instances_find_each_others_blocks") else {
+        return;
+    };
+    let dir = scratch();
+    let g4 = dir.path().join("g4");
+    two_instances(&dir, &nats.url, &["--g4-dir", g4.to_str().unwrap()], &[]);
+}
+
+/// The same with G4 on the real S3 server (s3s-fs), in a namespace of its own.
+#[test]
+fn two_instances_share_g4_on_the_s3_server() {
+    let Some(nats) = kvbm_tests::services::nats("two_instances_share_g4_on_the_s3_server") else {
+        return;
+    };
+    let Some(s3) = kvbm_tests::services::s3("two_instances_share_g4_on_the_s3_server") else {
+        return;
+    };
+    let ns = format!(
+        "cli-instances-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    two_instances(
+        &scratch(),
+        &nats.url,
+        &["--s3-endpoint", &s3.endpoint, "--s3-bucket", &s3.bucket],
+        &[
+            ("AWS_ACCESS_KEY_ID", s3.access_key.as_str()),
+            ("AWS_SECRET_ACCESS_KEY", s3.secret_key.as_str()),
+            ("KVBM_REPLAY__G4_NAMESPACE", ns.as_str()),
+        ],
+    );
+}
+
+/// Runs the two-instance trace with `extra` G4 flags and `envs`, and checks the report.
+fn two_instances(dir: &tempfile::TempDir, nats_url: &str, extra: &[&str], envs: &[(&str, &str)]) {
+    let trace = dir.path().join("trace.jsonl");
+    let line = |t: u64, conv: u64, ids: std::ops::Range<u64>| {
+        let ids: Vec<u64> = ids.collect();
+        format!(
+            "{{\"timestamp\": {t}, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": {ids:?}, \"conversation_id\": {conv}}}\n",
+            ids.len() * 512
+        )
+    };
+    // conversation 1 → instance 0, conversation 2 → instance 1 (order of first appearance);
+    // conversation 3 (conversation 2's context, continued) → instance 0,
+    // conversation 4 (conversation 1's context, continued) → instance 1.
+    let body = [
+        line(0, 1, 0..16),
+        line(0, 2, 500..504),
+        line(1500, 3, 500..506),
+        line(2500, 4, 0..20),
+    ]
+    .concat();
+    std::fs::write(&trace, body).unwrap();
+    let out = kvbm()
+        .args([
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--time-scale",
+            "1",
+            "--instances",
+            "2",
+            "--nats-url",
+            nats_url,
+            "--json",
+        ])
+        .args(extra)
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    let r = ok_json(out);
+    assert_healthy(&r);
+    assert_eq!(u(&r, &["instances"]), 2, "{r}");
+    assert_eq!(u(&r, &["requests"]), 4, "{r}");
+    assert_eq!(u(&r, &["blocks"]), 16 + 4 + 6 + 20, "{r}");
+    let per = r["per_instance"].as_array().unwrap();
+    assert_eq!(per.len(), 2);
+    for p in per {
+        assert_eq!(
+            u(p, &["requests"]),
+            2,
+            "each instance serves its two conversations: {p}"
+        );
+        assert!(u(p, &["cross_instance_hit_blocks"]) > 0, "{p}");
+    }
+    let cross = u(&r, &["cross_instance_hit_blocks"]);
+    // Every block of the continued prefixes (4 + 16) came from the other instance's G4.
+    assert_eq!(cross, 20, "{r}");
+    assert!(cross <= u(&r, &["tiers", "g4", "hit_blocks"]), "{r}");
+    assert!(u(&r, &["bytes", "g4_to_g2"]) >= cross * 4096, "{r}");
+    assert_eq!(
+        u(&r, &["hit_blocks"]) + u(&r, &["computed_blocks"]),
+        u(&r, &["blocks"]),
+        "{r}"
+    );
+    assert_eq!(
+        u(&r, &["verified_blocks"]),
+        u(&r, &["onboarded_blocks"]),
+        "{r}"
+    );
+    assert!(u(&r, &["onboarded_blocks"]) >= cross, "{r}");
 }
 
 #[test]

@@ -417,6 +417,8 @@ pub struct Sharing {
     pub subject: String,
     /// This instance's id (distinct per instance, not 0).
     pub instance: u64,
+    /// Instances in the run: each waits for all of them to be subscribed before it starts.
+    pub instances: usize,
 }
 
 /// What sharing G4 needs at run time.
@@ -428,13 +430,17 @@ struct SharedG4 {
 }
 
 /// Connects to NATS and starts the event bus, the publisher and the cross-instance index.
+#[allow(clippy::type_complexity)]
 fn start_sharing(
     runtime: &KvbmRuntime,
     s: &Sharing,
-) -> anyhow::Result<(Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>)> {
+) -> anyhow::Result<(
+    (Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>),
+    async_nats::Client,
+)> {
     let h = runtime.handle();
     let capacity = runtime.config().events.channel_capacity;
-    let bus = h
+    let (bus, client) = h
         .tokio()
         .block_on(async {
             tokio::time::timeout(Duration::from_secs(15), async {
@@ -444,7 +450,8 @@ fn start_sharing(
                     Duration::from_secs(1),
                 )
                 .await?;
-                NatsBus::start(&h, client, s.subject.clone(), capacity).await
+                let bus = NatsBus::start(&h, client.clone(), s.subject.clone(), capacity).await?;
+                Ok::<_, kvbm_engine::EngineError>((bus, client))
             })
             .await
         })
@@ -455,7 +462,57 @@ fn start_sharing(
     let index = Arc::new(CrossInstanceIndex::new());
     CrossInstanceIndex::follow(index.clone(), &h, &*bus)
         .context("cannot follow the cross-instance events")?;
-    Ok((bus, publisher, index))
+    Ok(((bus, publisher, index), client))
+}
+
+/// Waits until every instance of the run is subscribed to the events (NATS does not replay
+/// what was published before a subscription, so an instance that started serving early could
+/// publish blocks a slower one never hears of). Each instance announces itself on
+/// `<subject>.ready` every 50 ms until it has heard all `count`, then once more. Why that is
+/// enough: an instance announces only after subscribing, so whoever has heard everyone knows
+/// everyone is subscribed, and its last announcement reaches them all.
+async fn ready_barrier(
+    client: &async_nats::Client,
+    subject: &str,
+    me: u64,
+    count: usize,
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let subject = format!("{subject}.ready");
+    let mut sub = client.subscribe(subject.clone()).await?;
+    client.flush().await?;
+    let mut seen = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        client
+            .publish(subject.clone(), me.to_string().into())
+            .await?;
+        client.flush().await?;
+        if seen.len() >= count {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "only {} of {count} instances announced themselves within 60 s",
+                seen.len()
+            );
+        }
+        let tick = tokio::time::sleep(Duration::from_millis(50));
+        tokio::pin!(tick);
+        loop {
+            tokio::select! {
+                m = sub.next() => match m {
+                    Some(m) => {
+                        if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<u64>() {
+                            seen.insert(id);
+                        }
+                    }
+                    None => bail!("the NATS subscription for {subject} ended"),
+                },
+                () = &mut tick => break,
+            }
+        }
+    }
 }
 
 fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn OffloadPolicy> {
@@ -834,6 +891,7 @@ impl Tiers {
         };
 
         // Sharing G4 with other instances: (bus, publisher, index) and the own-G4 set.
+        let mut barrier_client = None;
         #[allow(clippy::type_complexity)]
         let shared: Option<(
             (Arc<NatsBus>, Arc<EventPublisher>, Arc<CrossInstanceIndex>),
@@ -843,7 +901,9 @@ impl Tiers {
                 if plan.g4.is_none() {
                     bail!("instances share G4: enable it (--g4, --g4-dir or --s3-endpoint)");
                 }
-                Some((start_sharing(&runtime, s)?, Arc::default()))
+                let (started, client) = start_sharing(&runtime, s)?;
+                barrier_client = Some(client);
+                Some((started, Arc::default()))
             }
             None => None,
         };
@@ -1101,6 +1161,11 @@ impl Tiers {
             );
         }
         drop(_enter);
+        // Everything is set up: wait for the other instances before serving.
+        if let (Some(client), Some(s)) = (&barrier_client, &plan.sharing) {
+            rt.block_on(ready_barrier(client, &s.subject, s.instance, s.instances))
+                .context("waiting for the other instances")?;
+        }
         Ok(Tiers {
             block_bytes: b,
             rt,
@@ -1380,7 +1445,8 @@ impl Tiers {
                 movers.g2_to_g1.clone(),
             );
             let end = at + matched.len();
-            let need = matched.count(TierId::G3) + matched.count(TierId::G4);
+            let need4 = matched.count(TierId::G4);
+            let need = matched.count(TierId::G3) + need4;
             let first_staged = matched
                 .runs()
                 .iter()
@@ -1410,7 +1476,13 @@ impl Tiers {
                 let g3 = (self.onboard.g3_nanos.load(Ordering::Relaxed) - g3_before) as f64 / 1e9;
                 let all = t.elapsed().as_secs_f64() - (self.nested_time() - nested);
                 self.times.g3_to_g2 += g3;
-                self.times.g4_to_g2 += (all - g3).max(0.0);
+                // The rest is G4 staging, or, for a prefix all in G2, the session's own cost
+                // (part of bringing G2 blocks to G1).
+                if need4 > 0 {
+                    self.times.g4_to_g2 += (all - g3).max(0.0);
+                } else {
+                    self.times.g2_to_g1 += (all - g3).max(0.0);
+                }
                 if let Err(e) = staged {
                     tracing::debug!(error = %e, "staging failed; the prefix is cut");
                     limit = self.first_failed(hashes, at, end).unwrap_or(first_staged);
