@@ -14,10 +14,10 @@
 //! meets the fault dice, keep-alive included. It runs on its own small tokio runtime, dropped
 //! with it.
 //!
-//! [`OwnS3`] is separate from the shared server that `cargo xtask ci` starts
-//! ([`crate::services`]): killing it affects only the test that owns it. It needs `s3s-fs` on
-//! `PATH` (`cargo xtask services start` installs it); without it a test panics, or skips under
-//! `KVBM_TEST_SKIP_SERVICES=1`, as [`crate::services`] does.
+//! [`OwnS3`] and [`OwnNats`] are separate from the shared servers that `cargo xtask ci` starts
+//! ([`crate::services`]): killing one affects only the test that owns it. They need `s3s-fs` /
+//! `nats-server` on `PATH` (`cargo xtask services start` installs them); without it a test
+//! panics, or skips under `KVBM_TEST_SKIP_SERVICES=1`, as [`crate::services`] does.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -58,6 +58,97 @@ pub fn wait_listening(port: u16, limit: Duration) -> bool {
     false
 }
 
+/// `program` on `PATH`; `None` (the test skips) when missing under `KVBM_TEST_SKIP_SERVICES=1`.
+///
+/// # Panics
+/// Missing without the opt-out.
+fn find_server(test: &str, program: &str) -> Option<PathBuf> {
+    let bin = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(program))
+            .find(|c| c.is_file())
+    });
+    if bin.is_none() {
+        if std::env::var(crate::services::SKIP_SERVICES).as_deref() == Ok("1") {
+            eprintln!("{test}: skipped, needs {program} on PATH");
+            return None;
+        }
+        panic!(
+            "{test} needs {program} on PATH: run `cargo xtask services start` (it installs it), \
+             or set {}=1 to skip",
+            crate::services::SKIP_SERVICES
+        );
+    }
+    bin
+}
+
+/// A private nats-server on a fixed loopback port: killable and restartable (a restart is a
+/// new server: subscriptions and buffered messages are gone, clients must reconnect).
+#[derive(Debug)]
+pub struct OwnNats {
+    child: Option<Child>,
+    bin: PathBuf,
+    /// Its port (kept across restarts).
+    pub port: u16,
+}
+
+impl OwnNats {
+    /// Starts nats-server on a free port. `None` when it is not installed and
+    /// `KVBM_TEST_SKIP_SERVICES=1` is set.
+    ///
+    /// # Panics
+    /// nats-server missing without the opt-out, or it does not come up.
+    pub fn start(test: &str) -> Option<OwnNats> {
+        let bin = find_server(test, "nats-server")?;
+        let mut n = OwnNats {
+            child: None,
+            bin,
+            port: free_port(),
+        };
+        n.restart();
+        Some(n)
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL) and waits for it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// (Re)starts the server on the same port and waits until it listens.
+    ///
+    /// # Panics
+    /// It does not come up within 20 s.
+    pub fn restart(&mut self) {
+        self.kill();
+        let child = Command::new(&self.bin)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn nats-server");
+        self.child = Some(child);
+        assert!(
+            wait_listening(self.port, Duration::from_secs(20)),
+            "nats-server did not listen on {}",
+            self.port
+        );
+    }
+}
+
+impl Drop for OwnNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// A private s3s-fs server over `dir` on a fixed loopback port: killable and restartable.
 #[derive(Debug)]
 pub struct OwnS3 {
@@ -76,22 +167,7 @@ impl OwnS3 {
     /// # Panics
     /// s3s-fs missing without the opt-out, or it does not come up.
     pub fn start(test: &str, dir: &Path) -> Option<OwnS3> {
-        let bin = std::env::var_os("PATH").and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join("s3s-fs"))
-                .find(|c| c.is_file())
-        });
-        let Some(bin) = bin else {
-            if std::env::var(crate::services::SKIP_SERVICES).as_deref() == Ok("1") {
-                eprintln!("{test}: skipped, needs s3s-fs on PATH");
-                return None;
-            }
-            panic!(
-                "{test} needs s3s-fs on PATH: run `cargo xtask services start` (it installs it), \
-                 or set {}=1 to skip",
-                crate::services::SKIP_SERVICES
-            );
-        };
+        let bin = find_server(test, "s3s-fs")?;
         std::fs::create_dir_all(dir.join(OWN_BUCKET)).expect("create the bucket directory");
         let mut s = OwnS3 {
             child: None,

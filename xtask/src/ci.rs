@@ -2,8 +2,14 @@
 //!
 //! ```text
 //!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests [stop servers]
-//!     ─► loom model checks ─► docs
+//!     ─► loom model checks ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
 //! ```
+//!
+//! The fuzz step installs cargo-fuzz when it is missing and builds the `fuzz/` crate on nightly
+//! (its own target directory; `kvbm-physical` without the `object` feature, so only the
+//! decoders' small tree is instrumented); it fails on a crash or when libFuzzer reports no
+//! coverage growth. The soak runs two instances with every tier, random S3 errors and NATS
+//! restarts for 60 s ([`crate::soak`]).
 //!
 //! Tests run against real servers started by [`crate::services`]; they are stopped after the
 //! tests whatever the outcome. Extra feature builds (e.g. `cuda`) are listed in
@@ -24,7 +30,7 @@ const FEATURE_CHECKS: &[(&str, &str)] = &[
 
 /// Features the workspace test run turns on: those whose tests need only the servers CI
 /// starts (not a GPU), so they run against them.
-const TEST_FEATURES: &str = "kvbm-engine/nats,kvbm-engine/testing";
+pub(crate) const TEST_FEATURES: &str = "kvbm-engine/nats,kvbm-engine/testing";
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
@@ -77,6 +83,9 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     totals.passed += loomed.passed;
     totals.failed += loomed.failed;
     totals.ignored += loomed.ignored;
+
+    crate::fuzz::run_targets(crate::fuzz::CI_SECS, &crate::fuzz::TARGETS)?;
+    crate::soak::run_for(crate::soak::CI_SECS)?;
 
     run_step(
         cargo()

@@ -1,6 +1,6 @@
 //! Fault tests that drive the `kvbm` binary: `kill -9` during G3 offload and a warm restart,
-//! corruption at rest in G3 and G4, the S3 server killed or erroring mid-run, namespaces sharing
-//! a bucket, and credentials kept out of logs.
+//! corruption at rest in G3 and G4, the S3 server killed mid-offload or mid-onboard, S3 erroring
+//! or slow (queues stay bounded), namespaces sharing a bucket, and credentials kept out of logs.
 //!
 //! Each test is one fault; each asserts what kvbm did (clear error or recovery), that nothing
 //! wrong was served (`corrupt_blocks` 0, `verified == onboarded`), and what was lost.
@@ -53,6 +53,25 @@ fn assert_nothing_wrong_served(r: &Value) {
         u(r, &["verified_blocks"]),
         u(r, &["onboarded_blocks"]),
         "{r}"
+    );
+}
+
+/// No leaked hold and every offload settled: after the drain every pool is back to all blocks
+/// available, and every block the lanes accepted has an outcome.
+#[track_caller]
+fn assert_released_and_settled(r: &Value) {
+    for t in ["g1", "g2", "g3", "g4"] {
+        assert_eq!(
+            u(r, &["held_blocks_after_drain", t]),
+            0,
+            "{t} still holds blocks after the drain: {r}"
+        );
+    }
+    let o = |k: &str| u(r, &["offload_blocks", k]);
+    assert_eq!(
+        o("enqueued"),
+        o("transferred") + o("failed") + o("filtered") + o("cancelled"),
+        "an offload did not settle: {r}"
     );
 }
 
@@ -615,6 +634,245 @@ fn fault_s3_latency_and_5xx_are_retried_and_nothing_wrong_is_served() {
     }
     assert!(u(&first, &["bytes", "g2_to_g4"]) > 0, "{first}");
     assert!(u(&second, &["tiers", "g4", "hit_blocks"]) > 0, "{second}");
+}
+
+/// `kvbm_replay_bytes_moved_total{path}` of a running kvbm (0 before the first move).
+fn moved(port: u16, path: &str) -> Option<f64> {
+    let text = kvbm_tests::scrape::scrape(port)?;
+    Some(
+        kvbm_tests::scrape::sample(&text, "kvbm_replay_bytes_moved_total", &[("path", path)])
+            .unwrap_or(0.0),
+    )
+}
+
+#[test]
+fn fault_s3_killed_mid_onboard_fails_blocks_cleanly_releases_holds_and_recovers_without_restart() {
+    let dir = scratch();
+    let Some(mut s3) = kvbm_tests::faults::OwnS3::start(
+        "fault_s3_killed_mid_onboard_fails_blocks_cleanly_releases_holds_and_recovers_without_restart",
+        &dir.path().join("s3"),
+    ) else {
+        return;
+    };
+    let bucket = s3.bucket_dir();
+    let ep = s3.endpoint();
+    // A warm G4: the first run offloads every block it computes (the paced run below covers
+    // these requests first, then goes on computing).
+    let warm = ok_json(own_s3_cmd(&ep, 2000, &[]).envs(FAST_S3).output().unwrap());
+    assert_nothing_wrong_served(&warm);
+    assert_released_and_settled(&warm);
+    let stored = object_files(&bucket).len();
+    assert!(stored > 1000, "{stored} objects after the warm-up: {warm}");
+    // The same workload again, paced (a tenth of the synthetic timestamps), onboarding from G4.
+    let port = kvbm_tests::faults::free_port();
+    let log = dir.path().join("stderr.log");
+    let mut child = own_s3_cmd(
+        &ep,
+        3000,
+        &[
+            "--time-scale",
+            "0.1",
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    )
+    .envs(FAST_S3)
+    .stdout(Stdio::piped())
+    .stderr(std::fs::File::create(&log).unwrap())
+    .spawn()
+    .unwrap();
+    wait_for(
+        "G4 onboards",
+        Duration::from_secs(60),
+        || moved(port, "g4_to_g2").is_some_and(|b| b >= (50 * BLOCK) as f64),
+        &mut child,
+    );
+    s3.kill();
+    let killed_at = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    s3.restart();
+    let down = killed_at.elapsed();
+    let back = Instant::now();
+    let at_restart = moved(port, "g4_to_g2").expect("kvbm's metrics endpoint");
+    // Recovery: the first G4 onboard that lands after the server is back.
+    wait_for(
+        "a G4 onboard after the restart",
+        Duration::from_secs(60),
+        || moved(port, "g4_to_g2").is_some_and(|b| b > at_restart),
+        &mut child,
+    );
+    let recovered_in = back.elapsed();
+    let out = child.wait_with_output().unwrap();
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let r = ok_json(out);
+    assert_nothing_wrong_served(&r);
+    // The affected blocks failed with an error naming the path and the cause.
+    let failed_lines = stderr
+        .lines()
+        .filter(|l| l.contains("G4→G2 transfer failed") || l.contains("G4→G2 transfer refused"))
+        .count();
+    assert!(
+        failed_lines > 0 && u(&r, &["failed_transfers"]) > 0,
+        "the outage failed no onboard: {r}\n{stderr}"
+    );
+    // Not counted as hits: a G4 hit needs its bytes in G2, and every block was served or
+    // computed.
+    assert!(
+        u(&r, &["tiers", "g4", "hit_blocks"]) * BLOCK as u64 <= u(&r, &["bytes", "g4_to_g2"]),
+        "{r}"
+    );
+    assert_eq!(
+        u(&r, &["hit_blocks"]) + u(&r, &["computed_blocks"]),
+        u(&r, &["blocks"]),
+        "{r}"
+    );
+    // Holds released: every pool is back to all blocks available; every offload settled.
+    assert_released_and_settled(&r);
+    // Onboards succeeded again without restarting kvbm.
+    assert!(
+        u(&r, &["bytes", "g4_to_g2"]) as f64 > at_restart,
+        "no G4 onboard after the server returned: {r}"
+    );
+    eprintln!(
+        "S3 killed mid-onboard: down {down:?}; {failed_lines} onboards failed ({} failed transfers); G4 hits {} of {} blocks; first onboard {recovered_in:?} after the restart; {} of {} G4→G2 bytes moved after it",
+        u(&r, &["failed_transfers"]),
+        u(&r, &["tiers", "g4", "hit_blocks"]),
+        u(&r, &["blocks"]),
+        u(&r, &["bytes", "g4_to_g2"]) as f64 - at_restart,
+        u(&r, &["bytes", "g4_to_g2"]),
+    );
+}
+
+#[test]
+fn fault_s3_slow_keeps_offload_queues_bounded_and_g2_g3_serving() {
+    use kvbm_tests::faults::{FaultConfig, FaultProxy, OwnS3};
+    use kvbm_tests::scrape::{sample, samples, scrape};
+    let dir = scratch();
+    let Some(s3) = OwnS3::start(
+        "fault_s3_slow_keeps_offload_queues_bounded_and_g2_g3_serving",
+        &dir.path().join("s3"),
+    ) else {
+        return;
+    };
+    // Every S3 request waits 100-200 ms: G4 is far slower than the workload offloads.
+    let proxy = FaultProxy::start(
+        ([127, 0, 0, 1], s3.port).into(),
+        FaultConfig {
+            error_fraction: 0.0,
+            latency_ms: (100, 200),
+            seed: 5,
+        },
+    );
+    let g3 = dir.path().join("g3");
+    let port = kvbm_tests::faults::free_port();
+    let mut child = kvbm()
+        .args(replay_args(&g3, 400, &[]))
+        .args([
+            "--g4",
+            "--s3-endpoint",
+            &proxy.endpoint(),
+            "--s3-bucket",
+            kvbm_tests::faults::OWN_BUCKET,
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env("AWS_ACCESS_KEY_ID", kvbm_tests::faults::OWN_ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", kvbm_tests::faults::OWN_SECRET_KEY)
+        .envs(FAST_S3)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(dir.path().join("stderr.log")).unwrap())
+        .spawn()
+        .unwrap();
+    // Scrape while it runs: the in-flight gauge directly, and the high-water marks (which only
+    // rise, so the last scrape holds the run's maxima).
+    let mut last = String::new();
+    let mut in_flight_seen: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut scrapes = 0;
+    while child.try_wait().unwrap().is_none() {
+        if let Some(t) = scrape(port) {
+            for (l, v) in samples(&t, "kvbm_offload_transfers_in_flight") {
+                let e = in_flight_seen.entry(l["pipeline"].clone()).or_default();
+                *e = e.max(v);
+            }
+            last = t;
+            scrapes += 1;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let r = ok_json(out);
+    assert_nothing_wrong_served(&r);
+    assert_released_and_settled(&r);
+    assert!(scrapes > 5, "only {scrapes} scrapes");
+    // Every lane's queues and transfers stayed within their configured bounds, as exported.
+    let mut report = Vec::new();
+    for lane in ["g1_to_g2", "g2_to_g3", "g2_to_g4"] {
+        let bound = sample(
+            &last,
+            "kvbm_offload_max_concurrent_transfers",
+            &[("pipeline", lane)],
+        )
+        .unwrap_or_else(|| panic!("{lane}: no max_concurrent_transfers gauge:\n{last}"));
+        let high = sample(
+            &last,
+            "kvbm_offload_transfers_in_flight_max",
+            &[("pipeline", lane)],
+        )
+        .unwrap_or(0.0);
+        let seen = in_flight_seen.get(lane).copied().unwrap_or(0.0);
+        assert!(
+            high <= bound && seen <= bound,
+            "{lane}: {high} batches in flight (scraped {seen}), bound {bound}"
+        );
+        let mut queues = Vec::new();
+        for (labels, cap) in samples(&last, "kvbm_offload_queue_capacity")
+            .into_iter()
+            .filter(|(l, _)| l["pipeline"] == lane)
+        {
+            let q = labels["queue"].clone();
+            let hw = sample(
+                &last,
+                "kvbm_offload_queue_high_water",
+                &[("pipeline", lane), ("queue", &q)],
+            )
+            .unwrap_or(0.0);
+            assert!(hw <= cap, "{lane}: queue {q} held {hw} items, bound {cap}");
+            queues.push(format!("{q} {hw}/{cap}"));
+        }
+        assert_eq!(queues.len(), 4, "{lane}: queue gauges missing:\n{last}");
+        report.push(format!(
+            "{lane}: in flight max {high}/{bound}; {}",
+            queues.join(", ")
+        ));
+    }
+    // The slow lane was really busy (its transfers were in flight while we looked).
+    let g4_high = sample(
+        &last,
+        "kvbm_offload_transfers_in_flight_max",
+        &[("pipeline", "g2_to_g4")],
+    )
+    .unwrap_or(0.0);
+    assert!(g4_high >= 1.0, "the G2→G4 lane never ran:\n{last}");
+    assert!(u(&r, &["bytes", "g2_to_g4"]) > 0, "{r}");
+    // G2 and G3 kept serving while G4 was slow.
+    let (h2, h3) = (
+        u(&r, &["tiers", "g2", "hit_blocks"]),
+        u(&r, &["tiers", "g3", "hit_blocks"]),
+    );
+    assert!(h2 + h3 > 0, "no hit from G2/G3 while G4 was slow: {r}");
+    eprintln!(
+        "S3 slow (100-200 ms per request, {} requests): G2 hits {h2}, G3 hits {h3}, G4 hits {}, {} blocks in {:.1} s; G1→G2 waits for G2 room {}\n  {}",
+        proxy
+            .stats()
+            .requests
+            .load(std::sync::atomic::Ordering::Relaxed),
+        u(&r, &["tiers", "g4", "hit_blocks"]),
+        u(&r, &["blocks"]),
+        r["wall_seconds"].as_f64().unwrap_or(0.0),
+        u(&r, &["offload_g2_space_waits"]),
+        report.join("\n  ")
+    );
 }
 
 /// A size-limited tmpfs mounted for one test, unmounted on drop.

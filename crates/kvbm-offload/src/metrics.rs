@@ -17,6 +17,13 @@
 //! | [`POLICY_TIMEOUTS`] | counter | | policy evaluations (one per enqueued container) that exceeded `policy_timeout` |
 //! | [`TRANSFERS_IN_FLIGHT`] | gauge | | batches being executed (upgraded, not yet settled) |
 //! | [`CANCEL_CONFIRMATION_SECONDS`] | histogram | | seconds from the first cancel request of a transfer to its confirmation (every piece released) |
+//! | [`TRANSFERS_IN_FLIGHT_MAX`] | gauge | | the most batches ever in flight at once (high-water mark of [`TRANSFERS_IN_FLIGHT`]) |
+//! | [`MAX_CONCURRENT_TRANSFERS`] | gauge | | the configured bound on batches in flight (`max_concurrent_transfers`) |
+//! | [`QUEUE_HIGH_WATER`] | gauge | `queue` = `input`, `precondition`, `batch`, `transfer` | the most items ever waiting in that queue at once |
+//! | [`QUEUE_CAPACITY`] | gauge | `queue` | that queue's configured bound |
+//!
+//! The bounds are exported beside their high-water marks so a scrape alone shows that
+//! backpressure held: `*_high_water <= *_capacity` and `in_flight_max <= max_concurrent`.
 //!
 //! Every block given to `enqueue` ends in exactly one of filtered, cancelled, transferred or
 //! failed, so once the pipeline is idle
@@ -61,8 +68,19 @@ pub const TRANSFERS_IN_FLIGHT: &str = "kvbm_offload_transfers_in_flight";
 /// Seconds from a transfer's first cancel request to its confirmation (histogram).
 pub const CANCEL_CONFIRMATION_SECONDS: &str = "kvbm_offload_cancel_confirmation_seconds";
 
+/// The most batches ever in flight at once (gauge).
+pub const TRANSFERS_IN_FLIGHT_MAX: &str = "kvbm_offload_transfers_in_flight_max";
+/// The configured bound on batches in flight (gauge).
+pub const MAX_CONCURRENT_TRANSFERS: &str = "kvbm_offload_max_concurrent_transfers";
+/// The most items ever waiting in one stage queue, by `queue` (gauge).
+pub const QUEUE_HIGH_WATER: &str = "kvbm_offload_queue_high_water";
+/// A stage queue's configured bound, by `queue` (gauge).
+pub const QUEUE_CAPACITY: &str = "kvbm_offload_queue_capacity";
+/// Label carrying a stage queue's name.
+pub const QUEUE_LABEL: &str = "queue";
+
 /// Every metric name, for exporters that want to pre-register or allow-list them.
-pub const ALL: [&str; 10] = [
+pub const ALL: [&str; 14] = [
     BLOCKS_ENQUEUED,
     BLOCKS_FILTERED,
     BLOCKS_CANCELLED,
@@ -73,6 +91,10 @@ pub const ALL: [&str; 10] = [
     POLICY_TIMEOUTS,
     TRANSFERS_IN_FLIGHT,
     CANCEL_CONFIRMATION_SECONDS,
+    TRANSFERS_IN_FLIGHT_MAX,
+    MAX_CONCURRENT_TRANSFERS,
+    QUEUE_HIGH_WATER,
+    QUEUE_CAPACITY,
 ];
 
 const FAILURE_KINDS: [BlockFailureKind; 12] = [
@@ -138,6 +160,26 @@ pub fn describe() {
         Unit::Seconds,
         "Seconds from a transfer's first cancel request to its confirmation."
     );
+    describe_gauge!(
+        TRANSFERS_IN_FLIGHT_MAX,
+        Unit::Count,
+        "The most batches ever in flight at once."
+    );
+    describe_gauge!(
+        MAX_CONCURRENT_TRANSFERS,
+        Unit::Count,
+        "The configured bound on batches in flight."
+    );
+    describe_gauge!(
+        QUEUE_HIGH_WATER,
+        Unit::Count,
+        "The most items ever waiting in a stage queue (queue: its name)."
+    );
+    describe_gauge!(
+        QUEUE_CAPACITY,
+        Unit::Count,
+        "A stage queue's configured bound (queue: its name)."
+    );
 }
 
 /// Why blocks were filtered (the `reason` label of [`BLOCKS_FILTERED`]).
@@ -165,6 +207,11 @@ pub(crate) struct PipelineMetrics {
     policy_timeouts: Counter,
     in_flight: Gauge,
     cancel_confirmation: Histogram,
+    /// Batches in flight now, and the most ever (exported to `in_flight_max`).
+    in_flight_now: std::sync::atomic::AtomicU64,
+    in_flight_high: std::sync::atomic::AtomicU64,
+    in_flight_max: Gauge,
+    lane: &'static str,
 }
 
 fn failure_index(kind: BlockFailureKind) -> usize {
@@ -204,7 +251,24 @@ impl PipelineMetrics {
             policy_timeouts: counter!(POLICY_TIMEOUTS, PIPELINE_LABEL => p),
             in_flight: gauge!(TRANSFERS_IN_FLIGHT, PIPELINE_LABEL => p),
             cancel_confirmation: histogram!(CANCEL_CONFIRMATION_SECONDS, PIPELINE_LABEL => p),
+            in_flight_now: std::sync::atomic::AtomicU64::new(0),
+            in_flight_high: std::sync::atomic::AtomicU64::new(0),
+            in_flight_max: gauge!(TRANSFERS_IN_FLIGHT_MAX, PIPELINE_LABEL => p),
+            lane: p,
         }
+    }
+
+    /// Exports the lane's bounds: `max_concurrent_transfers` and each queue's capacity.
+    pub(crate) fn bounds(&self, max_concurrent: usize, queues: &[(&'static str, usize)]) {
+        gauge!(MAX_CONCURRENT_TRANSFERS, PIPELINE_LABEL => self.lane).set(max_concurrent as f64);
+        for &(q, cap) in queues {
+            gauge!(QUEUE_CAPACITY, PIPELINE_LABEL => self.lane, QUEUE_LABEL => q).set(cap as f64);
+        }
+    }
+
+    /// The gauge of `queue`'s high-water mark.
+    pub(crate) fn queue_high_water(&self, queue: &'static str) -> Gauge {
+        gauge!(QUEUE_HIGH_WATER, PIPELINE_LABEL => self.lane, QUEUE_LABEL => queue)
     }
 
     #[inline]
@@ -260,7 +324,18 @@ impl PipelineMetrics {
         self.batches.increment(1);
         self.batch_size.record(n as f64);
         self.in_flight.increment(1.0);
-        InFlight(&self.in_flight)
+        let now = self
+            .in_flight_now
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        if now
+            > self
+                .in_flight_high
+                .fetch_max(now, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.in_flight_max.set(now as f64);
+        }
+        InFlight(self)
     }
 
     #[inline]
@@ -282,10 +357,13 @@ impl FailureTally {
 }
 
 /// Keeps one batch counted in [`TRANSFERS_IN_FLIGHT`].
-pub(crate) struct InFlight<'a>(&'a Gauge);
+pub(crate) struct InFlight<'a>(&'a PipelineMetrics);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0.decrement(1.0);
+        self.0.in_flight.decrement(1.0);
+        self.0
+            .in_flight_now
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }

@@ -21,6 +21,7 @@
 //!   which pushes fail and pops drain what is left.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -38,6 +39,10 @@ pub struct CancellableQueue<T> {
     not_full: Notify,
     capacity: usize,
     name: &'static str,
+    /// The most items ever queued at once (never above `capacity`).
+    high_water: AtomicUsize,
+    /// Where [`Self::high_water`] is exported, when it is.
+    high_water_gauge: Option<metrics::Gauge>,
 }
 
 struct State<T> {
@@ -70,6 +75,30 @@ impl<T> CancellableQueue<T> {
             not_full: Notify::new(),
             capacity: capacity.max(1),
             name,
+            high_water: AtomicUsize::new(0),
+            high_water_gauge: None,
+        }
+    }
+
+    /// Exports the queue's high-water mark to `gauge` (set whenever it rises).
+    pub fn with_high_water_gauge(mut self, gauge: metrics::Gauge) -> Self {
+        self.high_water_gauge = Some(gauge);
+        self
+    }
+
+    /// The most items it ever held at once (exported through the gauge; read here by tests).
+    #[cfg(test)]
+    pub(crate) fn high_water(&self) -> usize {
+        self.high_water.load(Ordering::Relaxed)
+    }
+
+    /// Records that `n` items are queued (called after the lock is released: the gauge is
+    /// recorder code).
+    fn note_len(&self, n: usize) {
+        if n > self.high_water.fetch_max(n, Ordering::Relaxed)
+            && let Some(g) = &self.high_water_gauge
+        {
+            g.set(n as f64);
         }
     }
 
@@ -88,7 +117,9 @@ impl<T> CancellableQueue<T> {
             return Err(PushError::Full(item));
         }
         s.items.push_back(item);
+        let n = s.items.len();
         drop(s);
+        self.note_len(n);
         self.not_empty.notify_one();
         Ok(())
     }
@@ -220,7 +251,9 @@ impl<T> Reservation<'_, T> {
             return Err(item);
         }
         s.items.push_back(item);
+        let n = s.items.len();
         drop(s);
+        q.note_len(n);
         q.not_empty.notify_one();
         Ok(())
     }
@@ -332,6 +365,8 @@ mod tests {
         assert_eq!(q.sweep(), 1);
         assert!(pusher.await.unwrap());
         assert_eq!(q.len(), 3);
+        // The high-water mark saw the queue full and never above its bound.
+        assert_eq!(q.high_water(), 3);
         q.close();
         assert!(matches!(q.try_push(Flag(false)), Err(PushError::Closed(_))));
         let mut n = 0;

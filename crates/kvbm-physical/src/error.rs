@@ -83,6 +83,7 @@ pub enum PhysicalError {
         source: Arc<std::io::Error>,
     },
     /// An object-store error other than not-found / already-exists.
+    #[cfg(feature = "object")]
     #[error("object store error during {op} on {key}: {source}")]
     ObjectStore {
         /// What we were doing (`put`, `get`, …).
@@ -188,8 +189,9 @@ impl PhysicalError {
             | PhysicalError::TooLarge { .. } => ErrorKind::Corrupt,
             PhysicalError::IdentityMismatch { .. } => ErrorKind::IdentityMismatch,
             PhysicalError::NotFound { .. } => ErrorKind::NotFound,
+            #[cfg(feature = "object")]
+            PhysicalError::ObjectStore { .. } => ErrorKind::Io,
             PhysicalError::Io { .. }
-            | PhysicalError::ObjectStore { .. }
             | PhysicalError::Cuda { .. }
             | PhysicalError::FileLocked { .. } => ErrorKind::Io,
             PhysicalError::Aborted(_) => ErrorKind::Aborted,
@@ -217,6 +219,7 @@ impl PhysicalError {
         }
     }
 
+    #[cfg(feature = "object")]
     pub(crate) fn object(op: &'static str, key: &str, source: object_store::Error) -> Self {
         match source {
             object_store::Error::NotFound { .. } => PhysicalError::NotFound {

@@ -29,10 +29,11 @@ pub use layout::{
 };
 pub use storage::{
     DeviceMemory, DiskCapabilities, DiskConfig, DiskManifest, DiskStorage, HostStandInDevice,
-    HostStorage, IoEngineKind, ManifestEntry, ManifestGeometry, ManifestRecord, ObjectConfig,
-    ObjectKey, ObjectPutMode, ObjectStorage, PinPolicy, Presence, S3Config, SmallObject, Storage,
-    StorageKind, UpdateOutcome, parse_hash_key,
+    HostStorage, IoEngineKind, ManifestEntry, ManifestGeometry, ManifestRecord, ObjectKey,
+    ObjectPutMode, PinPolicy, Storage, StorageKind, parse_hash_key,
 };
+#[cfg(feature = "object")]
+pub use storage::{ObjectConfig, ObjectStorage, Presence, S3Config, SmallObject, UpdateOutcome};
 pub use transfer::{
     BlockId, BouncePoolStats, LayoutHandle, TransferCompletion, TransferConfig, TransferManager,
     TransferOptions, TransferOutcome,

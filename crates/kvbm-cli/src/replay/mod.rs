@@ -311,6 +311,16 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         block_bytes: cfg.replay.block_bytes,
         stage_seconds: tiers.times,
         storage,
+        held_blocks_after_drain: names.into_iter().zip(tiers.held_blocks()).collect(),
+        offload_blocks: [
+            ("enqueued", ld(&tiers.counters.offload_enqueued)),
+            ("transferred", tiers.offload_settled[0]),
+            ("failed", tiers.offload_settled[1]),
+            ("filtered", tiers.offload_settled[2]),
+            ("cancelled", tiers.offload_settled[3]),
+        ]
+        .into_iter()
+        .collect(),
         instance: spec.map(|s| s.index),
         cross_instance_hit_blocks: spec.map(|_| cross),
     })

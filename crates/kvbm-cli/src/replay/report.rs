@@ -73,6 +73,13 @@ pub struct Report {
     pub stage_seconds: StageTimes,
     /// Where G3 and G4 were, and G3's I/O mode.
     pub storage: BTreeMap<&'static str, String>,
+    /// Blocks still held per tier after the drain (every request done, every lane settled):
+    /// anything but 0 is a leaked hold.
+    pub held_blocks_after_drain: BTreeMap<&'static str, usize>,
+    /// The offload lanes' blocks: `enqueued` counted where they were accepted, the rest from
+    /// the settled handles. Every transfer settled when `enqueued == transferred + failed +
+    /// filtered + cancelled`.
+    pub offload_blocks: BTreeMap<&'static str, u64>,
     /// With `--instances`: which instance this is (0-based).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub instance: Option<usize>,

@@ -160,6 +160,8 @@ pub struct Counters {
     pub failed_transfers: AtomicU64,
     /// Blocks a tier rejected on read (checksum, header or identity).
     pub checksum_failures: AtomicU64,
+    /// Blocks the offload lanes accepted (`enqueue` succeeded), every lane.
+    pub offload_enqueued: AtomicU64,
 }
 
 impl Counters {
@@ -347,6 +349,9 @@ pub struct Tiers {
     g1_batch: usize,
     /// Queued (weak) blocks evicted from their source tier before their lane reached them.
     pub evicted_before_offload: u64,
+    /// Outcomes of the lanes' blocks, from their settled handles: transferred, failed,
+    /// filtered, cancelled (every lane).
+    pub offload_settled: [u64; 4],
     /// Set when G4 is shared with other instances.
     shared_g4: Option<SharedG4>,
     /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
@@ -1141,10 +1146,18 @@ impl Tiers {
                     // Strong references: a G2 block is not evicted before it reached the lower
                     // tiers (write-through). The replay loop bounds how many are in flight.
                     if let Some(p) = &next3 {
-                        enqueue_from_sink(p, |p| p, blocks.clone(), &hs, &ho, "G2→G3");
+                        enqueue_from_sink(p, |p| p, blocks.clone(), &hs, &ho, &c, "G2→G3");
                     }
                     if let Some(p) = &next4 {
-                        enqueue_from_sink(p, ObjectPipeline::pipeline, blocks, &hs, &ho, "G2→G4");
+                        enqueue_from_sink(
+                            p,
+                            ObjectPipeline::pipeline,
+                            blocks,
+                            &hs,
+                            &ho,
+                            &c,
+                            "G2→G4",
+                        );
                     }
                 });
             g1_to_g2 = Some(
@@ -1184,6 +1197,7 @@ impl Tiers {
             times: StageTimes::default(),
             filtered_blocks: 0,
             evicted_before_offload: 0,
+            offload_settled: [0; 4],
             no_space: 0,
             g2_space_waits,
             prefetches: std::collections::VecDeque::new(),
@@ -1284,7 +1298,12 @@ impl Tiers {
                 let t = Instant::now();
                 // A plain blocking enqueue: no trip through the runtime unless the queue is full.
                 match p.enqueue_blocking(registered.clone(), None) {
-                    Ok(h) => self.g1_handles.push_back(h),
+                    Ok(h) => {
+                        self.counters
+                            .offload_enqueued
+                            .fetch_add(registered.len() as u64, Ordering::Relaxed);
+                        self.g1_handles.push_back(h);
+                    }
                     Err(e) => bail!("the G1→G2 pipeline refused blocks: {e}"),
                 }
                 self.times.offload_enqueue += t.elapsed().as_secs_f64();
@@ -1748,6 +1767,35 @@ impl Tiers {
         self.evicted_before_offload += evicted;
         self.no_space += no_space;
         self.filtered_blocks += r.filtered_blocks.len() as u64;
+        for (n, len) in self.offload_settled.iter_mut().zip([
+            r.completed_blocks.len(),
+            r.failed_blocks.len(),
+            r.filtered_blocks.len(),
+            r.cancelled_blocks.len(),
+        ]) {
+            *n += len as u64;
+        }
+    }
+
+    /// Blocks held (not available) per tier now: once the replay is drained and no request
+    /// holds a block, any block still held is a leak.
+    pub fn held_blocks(&self) -> [usize; 4] {
+        let held = |total: usize, available: usize| total - available.min(total);
+        [
+            held(
+                self.g1.manager.total_blocks(),
+                self.g1.manager.available_blocks(),
+            ),
+            self.g2.as_ref().map_or(0, |t| {
+                held(t.manager.total_blocks(), t.manager.available_blocks())
+            }),
+            self.g3.as_ref().map_or(0, |t| {
+                held(t.manager.total_blocks(), t.manager.available_blocks())
+            }),
+            self.g4.as_ref().map_or(0, |t| {
+                held(t.manager.total_blocks(), t.manager.available_blocks())
+            }),
+        ]
     }
 
     /// Collects finished lane handles.
@@ -1856,15 +1904,23 @@ fn enqueue_from_sink<P: Send + Sync + 'static>(
     blocks: Vec<ImmutableBlock<G2>>,
     handles: &Arc<Mutex<Vec<TransferHandle>>>,
     handoffs: &Handoffs,
+    counters: &Arc<Counters>,
     lane: &'static str,
 ) {
+    let n = blocks.len() as u64;
     match pipeline(p).try_enqueue(blocks, None) {
-        Ok(h) => handles.lock().push(h),
+        Ok(h) => {
+            counters.offload_enqueued.fetch_add(n, Ordering::Relaxed);
+            handles.lock().push(h);
+        }
         Err(EnqueueError::Full(rejected)) => {
-            let (p, handles) = (Arc::clone(p), Arc::clone(handles));
+            let (p, handles, counters) = (Arc::clone(p), Arc::clone(handles), Arc::clone(counters));
             handoffs.lock().push(tokio::spawn(async move {
                 match pipeline(&p).enqueue(rejected.blocks, None).await {
-                    Ok(h) => handles.lock().push(h),
+                    Ok(h) => {
+                        counters.offload_enqueued.fetch_add(n, Ordering::Relaxed);
+                        handles.lock().push(h);
+                    }
                     Err(e) => tracing::debug!(error = %e, "{lane} enqueue refused"),
                 }
             }));

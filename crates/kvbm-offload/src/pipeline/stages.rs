@@ -50,18 +50,26 @@ pub(crate) fn start<Src: Tier, A: Send + 'static, E: TransferExecutor<Src, A>>(
 ) -> Pipeline<Src, A> {
     let policy = policy.unwrap_or_else(|| Arc::new(PassAllPolicy));
     let cap = cfg.queue_capacity;
+    let metrics = PipelineMetrics::new(lane);
+    let transfer_cap = cap.min(cfg.max_concurrent_transfers.max(2));
+    metrics.bounds(
+        cfg.max_concurrent_transfers,
+        &[
+            ("input", cap),
+            ("precondition", cap),
+            ("batch", cap),
+            ("transfer", transfer_cap),
+        ],
+    );
     let inner = Arc::new(Inner {
-        input: Arc::new(CancellableQueue::new("input", cap)),
-        precondition_q: Arc::new(CancellableQueue::new("precondition", cap)),
-        batch_q: Arc::new(CancellableQueue::new("batch", cap)),
-        transfer_q: Arc::new(CancellableQueue::new(
-            "transfer",
-            cap.min(cfg.max_concurrent_transfers.max(2)),
-        )),
+        input: bounded_queue(&metrics, "input", cap),
+        precondition_q: bounded_queue(&metrics, "precondition", cap),
+        batch_q: bounded_queue(&metrics, "batch", cap),
+        transfer_q: bounded_queue(&metrics, "transfer", transfer_cap),
         pending: PendingTracker::new(),
         sweep: SweepSignal::new(),
         lane: Arc::new(LaneState::new(lane)),
-        metrics: Arc::new(PipelineMetrics::new(lane)),
+        metrics: Arc::new(metrics),
         record_timing: cfg.record_timing,
         sweep_on_cancel: cfg.sweep_on_cancel,
         abort: tokio_util::sync::CancellationToken::new(),
@@ -125,6 +133,15 @@ pub(crate) fn start<Src: Tier, A: Send + 'static, E: TransferExecutor<Src, A>>(
         stop,
         runtime: runtime.clone(),
     }
+}
+
+/// A stage queue of `cap` items whose high-water mark is exported with the lane's metrics.
+fn bounded_queue<T>(
+    metrics: &PipelineMetrics,
+    name: &'static str,
+    cap: usize,
+) -> Arc<CancellableQueue<T>> {
+    Arc::new(CancellableQueue::new(name, cap).with_high_water_gauge(metrics.queue_high_water(name)))
 }
 
 /// Runs one stage: a panic fails the lane and tears it down; an `abortable` stage is dropped

@@ -4,9 +4,10 @@ use std::sync::Arc;
 
 use super::{BlockLayout, LayoutKind};
 use crate::error::{PhysicalError, Result};
+#[cfg(feature = "object")]
+use crate::storage::ObjectStorage;
 use crate::storage::{
-    DeviceMemory, DiskConfig, DiskStorage, HostStorage, ObjectStorage, PinPolicy, StorageKind,
-    allocate_device,
+    DeviceMemory, DiskConfig, DiskStorage, HostStorage, PinPolicy, StorageKind, allocate_device,
 };
 
 /// The storage behind a layout.
@@ -20,6 +21,7 @@ pub enum Backing {
     /// A disk file with one slot per block.
     Disk(Arc<DiskStorage>),
     /// An object store; blocks are addressed by [`crate::ObjectKey`]s given per transfer.
+    #[cfg(feature = "object")]
     Object(Arc<ObjectStorage>),
 }
 
@@ -67,6 +69,7 @@ impl PhysicalLayout {
     }
 
     /// Binds `layout`'s geometry to an object tier.
+    #[cfg(feature = "object")]
     pub fn object(layout: BlockLayout, storage: Arc<ObjectStorage>) -> Self {
         storage.bind_geometry(layout.config());
         PhysicalLayout {
@@ -105,6 +108,7 @@ impl PhysicalLayout {
                     ));
                 }
             }
+            #[cfg(feature = "object")]
             Backing::Object(o) => o.bind_geometry(layout.config()),
         }
         Ok(PhysicalLayout { layout, backing })
@@ -124,6 +128,7 @@ impl PhysicalLayout {
             Backing::Host(_) => StorageKind::Host,
             Backing::Device(_) => StorageKind::Device,
             Backing::Disk(_) => StorageKind::Disk,
+            #[cfg(feature = "object")]
             Backing::Object(_) => StorageKind::Object,
         }
     }

@@ -10,7 +10,7 @@
 //! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
 //! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
 //! | G3 index | [`DiskManifest`] (append-only, checksummed, replayed at open) | `manifest.rs` |
-//! | G4 | [`ObjectStorage`] (object_store: S3, local fs, in-memory) | `object.rs` |
+//! | G4 | `ObjectStorage` (object_store: S3, local fs, in-memory; the default `object` feature) | `object.rs`, keys in `object_key.rs` |
 //!
 //! Invariant shared by all: a storage object owns its allocation for its whole life and never
 //! moves it, so regions computed from a layout stay valid while the layout is alive. Callers of
@@ -20,7 +20,9 @@ mod device;
 mod disk;
 mod host;
 pub mod manifest;
+#[cfg(feature = "object")]
 mod object;
+mod object_key;
 
 pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
 pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
@@ -28,10 +30,11 @@ pub use host::{HostStorage, PinPolicy};
 pub use manifest::{
     DiskManifest, ManifestEntry, ManifestGeometry, ManifestRecord, Recovery as ManifestRecovery,
 };
+#[cfg(feature = "object")]
 pub use object::{
-    ObjectConfig, ObjectKey, ObjectPutMode, ObjectStorage, Presence, REDACTED, S3Config,
-    SmallObject, UpdateOutcome, parse_hash_key,
+    ObjectConfig, ObjectStorage, Presence, REDACTED, S3Config, SmallObject, UpdateOutcome,
 };
+pub use object_key::{ObjectKey, ObjectPutMode, parse_hash_key};
 
 /// The kind of a storage backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

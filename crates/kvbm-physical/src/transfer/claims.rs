@@ -74,6 +74,7 @@ impl Reservation {
                 let p = Arc::as_ptr(d) as usize;
                 vec![(Space::Disk, p, p + 1)]
             }
+            #[cfg(feature = "object")]
             Backing::Object(_) => Vec::new(),
         };
         let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);

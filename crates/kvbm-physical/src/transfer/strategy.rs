@@ -3,8 +3,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use futures::StreamExt;
 use futures::future::BoxFuture;
 
 use super::bounce::BouncePool;
@@ -36,7 +34,9 @@ fn run_inner(job: Job, bounce: Arc<BouncePool>) -> BoxFuture<'static, Vec<Result
             (Host | Device, Host | Device) => blocking(job, copy_memory).await,
             (Host, Disk) => blocking(job, disk_write).await,
             (Disk, Host) if full => blocking(job, disk_read).await,
+            #[cfg(feature = "object")]
             (Host, Object) => object_put(job).await,
+            #[cfg(feature = "object")]
             (Object, Host | Device) => object_get(job).await,
             _ => two_hop(job, bounce).await,
         }
@@ -144,197 +144,213 @@ fn disk_read(job: &Job) -> Vec<Result<()>> {
     unsafe { disk_of(&job.src).read_blocks(&blocks) }
 }
 
-/// Host memory of a registered layout lent to a `Bytes` without copying; keeps the layout
-/// alive until the body is sent.
-struct Lent {
-    _layout: Arc<PhysicalLayout>,
-    addr: usize,
-    len: usize,
-}
+/// Object puts and gets (the default `object` feature).
+#[cfg(feature = "object")]
+mod object_io {
+    use std::sync::Arc;
 
-impl AsRef<[u8]> for Lent {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: inside a live host allocation of `_layout`; the transfer's caller excludes
-        // writers until the completion resolves.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    use bytes::Bytes;
+    use futures::StreamExt;
+
+    use super::{Job, all_layers, copy_regions, device0};
+    use crate::error::{PhysicalError, Result};
+    use crate::layout::{Backing, PhysicalLayout};
+
+    /// Host memory of a registered layout lent to a `Bytes` without copying; keeps the layout
+    /// alive until the body is sent.
+    struct Lent {
+        _layout: Arc<PhysicalLayout>,
+        addr: usize,
+        len: usize,
     }
-}
 
-fn object_of(layout: &PhysicalLayout) -> &Arc<crate::storage::ObjectStorage> {
-    match layout.backing() {
-        Backing::Object(o) => o,
-        _ => unreachable!("strategy chosen by storage kind"),
+    impl AsRef<[u8]> for Lent {
+        fn as_ref(&self) -> &[u8] {
+            // SAFETY: inside a live host allocation of `_layout`; the transfer's caller excludes
+            // writers until the completion resolves.
+            unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+        }
     }
-}
 
-async fn object_put(job: Job) -> Vec<Result<()>> {
-    let store = Arc::clone(object_of(&job.dst));
-    let keys = Arc::clone(job.keys.as_ref().expect("validated"));
-    let conc = store.config().max_concurrency.max(1);
-    let layers = all_layers(&job);
-    let geometry = *job.src.layout().config();
-    let job = &job;
-    futures::stream::iter(job.src_ids.iter().copied().enumerate())
-        .map(|(pos, s)| {
-            let parts: Vec<Bytes> = job
-                .src
-                .block_addrs(s, layers.clone())
-                .into_iter()
-                .map(|(addr, len)| {
-                    Bytes::from_owner(Lent {
-                        _layout: Arc::clone(&job.src),
-                        addr,
-                        len,
-                    })
-                })
-                .collect();
-            let store = Arc::clone(&store);
-            let keys = Arc::clone(&keys);
-            let mode = job.put_mode;
-            let identity = job.identity(pos);
-            async move {
-                let r = store
-                    .put_block(&keys[pos], &identity, &geometry, parts, mode)
-                    .await;
-                (pos, r)
-            }
-        })
-        .buffer_unordered(conc)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .pipe(in_order)
-}
-
-/// Puts `(position, result)` pairs back in request order (unordered streams avoid head-of-line
-/// blocking behind one slow request).
-fn in_order(results: impl Iterator<Item = (usize, Result<()>)>) -> Vec<Result<()>> {
-    let mut v: Vec<(usize, Result<()>)> = results.collect();
-    v.sort_by_key(|(pos, _)| *pos);
-    v.into_iter().map(|(_, r)| r).collect()
-}
-
-trait Pipe: Sized {
-    fn pipe<T>(self, f: impl FnOnce(Self) -> T) -> T {
-        f(self)
+    fn object_of(layout: &PhysicalLayout) -> &Arc<crate::storage::ObjectStorage> {
+        match layout.backing() {
+            Backing::Object(o) => o,
+            _ => unreachable!("strategy chosen by storage kind"),
+        }
     }
-}
-impl<I: Iterator> Pipe for I {}
 
-async fn object_get(job: Job) -> Vec<Result<()>> {
-    let store = Arc::clone(object_of(&job.src));
-    let keys = Arc::clone(job.keys.as_ref().expect("validated"));
-    let conc = store.config().max_concurrency.max(1);
-    let c = *job.dst.layout().config();
-    let lb = c.layer_bytes();
-    let job = &job;
-    futures::stream::iter(job.dst_ids.iter().copied().enumerate())
-        .map(|(pos, d)| {
-            let store = Arc::clone(&store);
-            let keys = Arc::clone(&keys);
-            async move {
-                let dr = job.dst.block_addrs(d, job.layers.clone());
-                let (start, end) = (job.layers.start * lb, job.layers.end * lb);
-                let identity = job.identity(pos);
-                let r = if device0(&job.dst).is_none() {
-                    // Host destination: hash and scatter each chunk of the body as it arrives.
-                    let mut out = Scatter::new(&dr);
-                    store
-                        .get_block_into(&keys[pos], &identity, &c, |off, bytes| {
-                            let (lo, hi) = (start.max(off), end.min(off + bytes.len()));
-                            if lo < hi {
-                                // SAFETY: `dr` lies in a live host allocation of the
-                                // destination; the caller excludes other access.
-                                unsafe { out.write(&bytes[lo - off..hi - off]) };
-                            }
+    pub(super) async fn object_put(job: Job) -> Vec<Result<()>> {
+        let store = Arc::clone(object_of(&job.dst));
+        let keys = Arc::clone(job.keys.as_ref().expect("validated"));
+        let conc = store.config().max_concurrency.max(1);
+        let layers = all_layers(&job);
+        let geometry = *job.src.layout().config();
+        let job = &job;
+        futures::stream::iter(job.src_ids.iter().copied().enumerate())
+            .map(|(pos, s)| {
+                let parts: Vec<Bytes> = job
+                    .src
+                    .block_addrs(s, layers.clone())
+                    .into_iter()
+                    .map(|(addr, len)| {
+                        Bytes::from_owner(Lent {
+                            _layout: Arc::clone(&job.src),
+                            addr,
+                            len,
                         })
-                        .await
-                } else {
-                    match store.get_block(&keys[pos], &identity, &c).await {
-                        // SAFETY: `payload` is a live host buffer of `block_bytes`; `dr` lies
-                        // in a live allocation of the destination layout.
-                        Ok(payload) => unsafe {
-                            copy_regions(
-                                None,
-                                device0(&job.dst),
-                                &[(payload.as_ptr() as usize + start, end - start)],
-                                &dr,
-                            )
-                        },
-                        Err(e) => Err(e),
-                    }
-                };
-                if let Err(e) = &r {
-                    evict_if_bad(&store, &keys[pos], e).await;
+                    })
+                    .collect();
+                let store = Arc::clone(&store);
+                let keys = Arc::clone(&keys);
+                let mode = job.put_mode;
+                let identity = job.identity(pos);
+                async move {
+                    let r = store
+                        .put_block(&keys[pos], &identity, &geometry, parts, mode)
+                        .await;
+                    (pos, r)
                 }
-                (pos, r)
-            }
-        })
-        .buffer_unordered(conc)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .pipe(in_order)
-}
+            })
+            .buffer_unordered(conc)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .pipe(in_order)
+    }
 
-/// A verified read found the object corrupt or foreign: delete it (best effort), so presence
-/// probes stop counting it and the next offload of the block writes it again. Not-found and I/O
-/// errors leave the object alone.
-async fn evict_if_bad(
-    store: &crate::storage::ObjectStorage,
-    key: &crate::ObjectKey,
-    e: &PhysicalError,
-) {
-    use crate::error::ErrorKind;
-    if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch) {
-        match store.delete(key).await {
-            Ok(()) => {
-                tracing::warn!(key = %store.path(key), error = %e, "evicted a corrupt or foreign object")
+    /// Puts `(position, result)` pairs back in request order (unordered streams avoid head-of-line
+    /// blocking behind one slow request).
+    fn in_order(results: impl Iterator<Item = (usize, Result<()>)>) -> Vec<Result<()>> {
+        let mut v: Vec<(usize, Result<()>)> = results.collect();
+        v.sort_by_key(|(pos, _)| *pos);
+        v.into_iter().map(|(_, r)| r).collect()
+    }
+
+    trait Pipe: Sized {
+        fn pipe<T>(self, f: impl FnOnce(Self) -> T) -> T {
+            f(self)
+        }
+    }
+    impl<I: Iterator> Pipe for I {}
+
+    pub(super) async fn object_get(job: Job) -> Vec<Result<()>> {
+        let store = Arc::clone(object_of(&job.src));
+        let keys = Arc::clone(job.keys.as_ref().expect("validated"));
+        let conc = store.config().max_concurrency.max(1);
+        let c = *job.dst.layout().config();
+        let lb = c.layer_bytes();
+        let job = &job;
+        futures::stream::iter(job.dst_ids.iter().copied().enumerate())
+            .map(|(pos, d)| {
+                let store = Arc::clone(&store);
+                let keys = Arc::clone(&keys);
+                async move {
+                    let dr = job.dst.block_addrs(d, job.layers.clone());
+                    let (start, end) = (job.layers.start * lb, job.layers.end * lb);
+                    let identity = job.identity(pos);
+                    let r = if device0(&job.dst).is_none() {
+                        // Host destination: hash and scatter each chunk of the body as it arrives.
+                        let mut out = Scatter::new(&dr);
+                        store
+                            .get_block_into(&keys[pos], &identity, &c, |off, bytes| {
+                                let (lo, hi) = (start.max(off), end.min(off + bytes.len()));
+                                if lo < hi {
+                                    // SAFETY: `dr` lies in a live host allocation of the
+                                    // destination; the caller excludes other access.
+                                    unsafe { out.write(&bytes[lo - off..hi - off]) };
+                                }
+                            })
+                            .await
+                    } else {
+                        match store.get_block(&keys[pos], &identity, &c).await {
+                            // SAFETY: `payload` is a live host buffer of `block_bytes`; `dr` lies
+                            // in a live allocation of the destination layout.
+                            Ok(payload) => unsafe {
+                                copy_regions(
+                                    None,
+                                    device0(&job.dst),
+                                    &[(payload.as_ptr() as usize + start, end - start)],
+                                    &dr,
+                                )
+                            },
+                            Err(e) => Err(e),
+                        }
+                    };
+                    if let Err(e) = &r {
+                        evict_if_bad(&store, &keys[pos], e).await;
+                    }
+                    (pos, r)
+                }
+            })
+            .buffer_unordered(conc)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .pipe(in_order)
+    }
+
+    /// A verified read found the object corrupt or foreign: delete it (best effort), so presence
+    /// probes stop counting it and the next offload of the block writes it again. Not-found and I/O
+    /// errors leave the object alone.
+    async fn evict_if_bad(
+        store: &crate::storage::ObjectStorage,
+        key: &crate::ObjectKey,
+        e: &PhysicalError,
+    ) {
+        use crate::error::ErrorKind;
+        if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch) {
+            match store.delete(key).await {
+                Ok(()) => {
+                    tracing::warn!(key = %store.path(key), error = %e, "evicted a corrupt or foreign object")
+                }
+                Err(d) => {
+                    tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a corrupt or foreign object")
+                }
             }
-            Err(d) => {
-                tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a corrupt or foreign object")
+        }
+    }
+
+    /// Writes a byte stream into host regions in order (the streaming side of an object get).
+    struct Scatter<'a> {
+        regions: &'a [(usize, usize)],
+        i: usize,
+        off: usize,
+    }
+
+    impl<'a> Scatter<'a> {
+        fn new(regions: &'a [(usize, usize)]) -> Self {
+            Scatter {
+                regions,
+                i: 0,
+                off: 0,
+            }
+        }
+
+        /// Copies `bytes` to the next unwritten bytes of the regions (any excess is dropped).
+        ///
+        /// # Safety
+        /// The regions must be writable host memory no one else accesses meanwhile.
+        unsafe fn write(&mut self, mut bytes: &[u8]) {
+            while !bytes.is_empty() && self.i < self.regions.len() {
+                let (addr, len) = self.regions[self.i];
+                let n = (len - self.off).min(bytes.len());
+                // SAFETY: `addr + off .. + n` lies inside region `i` (per the caller, writable).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), (addr + self.off) as *mut u8, n)
+                };
+                bytes = &bytes[n..];
+                self.off += n;
+                if self.off == len {
+                    self.i += 1;
+                    self.off = 0;
+                }
             }
         }
     }
 }
 
-/// Writes a byte stream into host regions in order (the streaming side of an object get).
-struct Scatter<'a> {
-    regions: &'a [(usize, usize)],
-    i: usize,
-    off: usize,
-}
-
-impl<'a> Scatter<'a> {
-    fn new(regions: &'a [(usize, usize)]) -> Self {
-        Scatter {
-            regions,
-            i: 0,
-            off: 0,
-        }
-    }
-
-    /// Copies `bytes` to the next unwritten bytes of the regions (any excess is dropped).
-    ///
-    /// # Safety
-    /// The regions must be writable host memory no one else accesses meanwhile.
-    unsafe fn write(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() && self.i < self.regions.len() {
-            let (addr, len) = self.regions[self.i];
-            let n = (len - self.off).min(bytes.len());
-            // SAFETY: `addr + off .. + n` lies inside region `i` (per the caller, writable).
-            unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), (addr + self.off) as *mut u8, n)
-            };
-            bytes = &bytes[n..];
-            self.off += n;
-            if self.off == len {
-                self.i += 1;
-                self.off = 0;
-            }
-        }
-    }
-}
+#[cfg(feature = "object")]
+use object_io::{object_get, object_put};
 
 /// Stages through a pinned host buffer leased from the manager's pool: `src → bounce` (whole
 /// blocks), then `bounce → dst` (the requested layers), as many blocks per round as the buffer
