@@ -64,8 +64,9 @@ impl BlockHeader {
         out
     }
 
-    /// Decodes and validates magic and version. An all-zero header (a slot never written) is
-    /// [`PhysicalError::NotFound`].
+    /// Decodes and validates magic, version and the zero reserved field, so a header decodes
+    /// only from the exact bytes [`encode`](Self::encode) writes for it. An all-zero header (a
+    /// slot never written) is [`PhysicalError::NotFound`].
     pub fn decode(bytes: &[u8], location: &dyn Fn() -> String) -> Result<Self> {
         if bytes.len() < HEADER_LEN {
             return Err(PhysicalError::ShortRead {
@@ -92,6 +93,15 @@ impl BlockHeader {
             return Err(PhysicalError::CorruptHeader {
                 location: location(),
                 reason: format!("unknown version {version}"),
+            });
+        }
+        let reserved = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
+        if reserved != 0 {
+            // Every writer stores zero here: anything else is damage (or a format this reader
+            // does not know), and decoding must not accept two byte strings as one header.
+            return Err(PhysicalError::CorruptHeader {
+                location: location(),
+                reason: format!("reserved field {reserved:#010x} is not zero"),
             });
         }
         Ok(BlockHeader {

@@ -101,3 +101,26 @@ fn object_key_parser_refuses_signs_case_and_lengths() {
         assert!(e.to_string().contains("not a block key"), "{bad}: {e}");
     }
 }
+
+/// Found by `cargo xtask fuzz` (target `block_header`): a header whose reserved bytes were not
+/// zero decoded as if they were, so two byte strings read as one header. Any nonzero reserved
+/// byte is now refused as a corrupt header.
+#[test]
+fn block_header_with_nonzero_reserved_bytes_is_corrupt() {
+    let h = BlockHeader {
+        len: 4096,
+        slot: 7,
+        checksum: 0xfeed,
+        identity: BlockIdentity::from_u128(42),
+        binding: 9,
+    };
+    for i in 12..16 {
+        let mut bytes = h.to_bytes();
+        bytes[i] = 39;
+        let e = BlockHeader::decode(&bytes, &loc).unwrap_err();
+        assert!(
+            matches!(e, PhysicalError::CorruptHeader { ref reason, .. } if reason.contains("reserved")),
+            "byte {i}: {e}"
+        );
+    }
+}
