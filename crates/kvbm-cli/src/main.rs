@@ -49,6 +49,10 @@ enum Command {
         /// NATS server for --instances (default: the configuration's transport.nats_url).
         #[arg(long, value_name = "URL")]
         nats_url: Option<String>,
+        /// With --instances: spread requests round-robin by conversation (default) or by
+        /// request (consecutive turns on different instances).
+        #[arg(long, value_enum, default_value_t = replay::instances::Assign::Conversation)]
+        assign: replay::instances::Assign,
         /// Child mode of --instances: serve this instance's share (set by the parent).
         #[arg(long, hide = true, requires = "instances")]
         instance_index: Option<usize>,
@@ -213,6 +217,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_addr,
             instances,
             nats_url,
+            assign,
             instance_index,
             events_subject,
             sweep_g2,
@@ -262,6 +267,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                             instance: index as u64 + 1,
                             instances: count,
                         },
+                        assign,
                     };
                     let report = replay::run_instance(&loaded.config, Some(&spec))?;
                     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -1,4 +1,5 @@
-//! The soak: `kvbm replay --instances 2` (two engine instances as processes, G4 events over a
+//! The soak: `kvbm replay --instances 2 --assign request` (two engine instances as processes,
+//! consecutive turns on different instances, G4 events over a
 //! private NATS server) with every tier on (G1, G2, each instance's own G3 on disk, one shared
 //! G4 bucket on a private S3 server behind the fault proxy answering 5xx at random), for a
 //! bounded time, while the NATS server is killed and restarted at random moments. At the end it
@@ -78,6 +79,9 @@ fn soak_all_tiers_two_instances_with_random_s3_errors_and_nats_restarts() {
     let log = dir.path().join("stderr.log");
     let mut child = cmd
         .args(["replay", "--instances", "2", "--nats-url", &nats.url()])
+        // Consecutive turns on different instances: every turn's prefix was written by the
+        // other instance, so the cross-instance path (events, G4 adoption) runs all along.
+        .args(["--assign", "request"])
         .args(["--requests", &requests.to_string(), "--time-scale", "1"])
         .args([
             "--g1-blocks",

@@ -30,10 +30,27 @@ use serde_json::{Map, Value, json};
 use super::workload::Request;
 use crate::config::CliConfig;
 
-/// The instance (0-based) serving each request: conversations (or, without a conversation
-/// id, first block ids) in order of first appearance, round-robin over `count` instances.
-pub fn assign(requests: &[Request], count: usize) -> Vec<usize> {
+/// How `--instances` spreads requests over the instances.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Assign {
+    /// Round-robin by conversation (the default): a conversation's turns stay on one instance,
+    /// so an instance meets another's blocks only through shared prefixes.
+    #[default]
+    Conversation,
+    /// Round-robin by request: consecutive turns of a conversation land on different
+    /// instances, so each turn's prefix was computed by another instance (the cross-instance
+    /// path under the most load).
+    Request,
+}
+
+/// The instance (0-based) serving each request. [`Assign::Conversation`]: conversations (or,
+/// without a conversation id, first block ids) in order of first appearance, round-robin over
+/// `count` instances. [`Assign::Request`]: request `i` goes to instance `i % count`.
+pub fn assign(requests: &[Request], count: usize, mode: Assign) -> Vec<usize> {
     let count = count.max(1);
+    if mode == Assign::Request {
+        return (0..requests.len()).map(|i| i % count).collect();
+    }
     let mut slots: HashMap<(bool, u64), usize> = HashMap::new();
     requests
         .iter()
@@ -302,8 +319,13 @@ mod tests {
             req(None, 100),
             req(None, 200),
         ];
-        assert_eq!(assign(&rs, 2), vec![0, 1, 0, 0, 1, 1, 0]);
-        assert_eq!(assign(&rs, 1), vec![0; 7]);
+        assert_eq!(
+            assign(&rs, 2, Assign::Conversation),
+            vec![0, 1, 0, 0, 1, 1, 0]
+        );
+        assert_eq!(assign(&rs, 2, Assign::Request), vec![0, 1, 0, 1, 0, 1, 0]);
+        assert_eq!(assign(&rs, 1, Assign::Conversation), vec![0; 7]);
+        assert_eq!(assign(&rs, 1, Assign::Request), vec![0; 7]);
     }
 
     #[test]

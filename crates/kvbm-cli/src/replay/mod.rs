@@ -138,6 +138,8 @@ pub struct InstanceSpec {
     pub count: usize,
     /// The NATS server and subject, and this instance's id.
     pub sharing: Sharing,
+    /// How requests are spread over the instances (every instance computes the same).
+    pub assign: instances::Assign,
 }
 
 /// Runs the replay, as the only instance (`None`) or as one of several: then it serves only
@@ -151,7 +153,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
     // adopted into it), so its size comes from the whole workload.
     let mut plan = plan(cfg, wl.unique_blocks())?;
     if let Some(spec) = spec {
-        let owner = instances::assign(&wl.requests, spec.count);
+        let owner = instances::assign(&wl.requests, spec.count, spec.assign);
         let mut i = 0;
         wl.requests.retain(|_| {
             i += 1;
