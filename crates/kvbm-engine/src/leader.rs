@@ -316,25 +316,35 @@ impl InstanceLeader {
             requested: hashes.len(),
             ..MatchedPrefix::default()
         };
+        // Passes over the search order until one adds nothing: a prefix whose blocks sit in
+        // G4, then G3, then G4 again (an offload still in flight to G4, say) is found whole, as
+        // several runs per tier. A prefix in one tier costs one pass; a miss costs one more
+        // lookup per tier at the first missing hash.
         let mut at = 0;
-        for &tier in &self.search {
-            if at == hashes.len() {
-                break;
+        loop {
+            let pass_start = at;
+            for &tier in &self.search {
+                if at == hashes.len() {
+                    break;
+                }
+                let rest = &hashes[at..];
+                let n = match tier {
+                    TierId::G2 => extend(&self.g2, rest, &mut out.g2),
+                    TierId::G3 => extend(&self.g3, rest, &mut out.g3),
+                    TierId::G4 => extend(&self.g4, rest, &mut out.g4),
+                    TierId::G1 => 0,
+                };
+                if n > 0 {
+                    out.runs.push(TierRun {
+                        tier,
+                        start: at,
+                        len: n,
+                    });
+                    at += n;
+                }
             }
-            let rest = &hashes[at..];
-            let n = match tier {
-                TierId::G2 => extend(&self.g2, rest, &mut out.g2),
-                TierId::G3 => extend(&self.g3, rest, &mut out.g3),
-                TierId::G4 => extend(&self.g4, rest, &mut out.g4),
-                TierId::G1 => 0,
-            };
-            if n > 0 {
-                out.runs.push(TierRun {
-                    tier,
-                    start: at,
-                    len: n,
-                });
-                at += n;
+            if at == pass_start || at == hashes.len() {
+                break;
             }
         }
         if let Some(r) = &self.remote
@@ -400,7 +410,7 @@ fn extend<T: Tier>(
     };
     let blocks = manager.match_blocks(hashes);
     let n = blocks.len();
-    *holder = BlockHolder::new(blocks);
+    holder.extend(blocks);
     n
 }
 

@@ -1335,34 +1335,33 @@ impl Tiers {
     /// Where `matched` must end: before its first G3 or G4 block already rejected (poisoned).
     fn usable(&self, matched: &MatchedPrefix) -> usize {
         let mut cut = matched.len();
-        for run in matched.runs() {
-            let first_bad = match run.tier {
-                TierId::G3 => self.g3.as_ref().and_then(|g3| {
-                    let p = g3.poisoned.lock();
-                    if p.is_empty() {
-                        return None;
-                    }
-                    matched
-                        .g3()
-                        .blocks()
-                        .iter()
-                        .position(|b| p.contains(&b.sequence_hash()))
-                }),
-                TierId::G4 => self.g4.as_ref().and_then(|g4| {
-                    let p = g4.poisoned.lock();
-                    if p.is_empty() {
-                        return None;
-                    }
-                    matched
-                        .g4()
-                        .blocks()
-                        .iter()
-                        .position(|b| p.contains(&b.sequence_hash()))
-                }),
-                _ => None,
-            };
-            if let Some(i) = first_bad {
-                cut = cut.min(run.start + i);
+        // The holder's index of the first rejected block, mapped to its prefix position (a
+        // tier may hold several runs of the prefix).
+        let first_bad = |tier: TierId, i: Option<usize>| i.map(|i| matched.positions(tier)[i]);
+        if let Some(g3) = &self.g3 {
+            let p = g3.poisoned.lock();
+            if !p.is_empty() {
+                let i = matched
+                    .g3()
+                    .blocks()
+                    .iter()
+                    .position(|b| p.contains(&b.sequence_hash()));
+                if let Some(at) = first_bad(TierId::G3, i) {
+                    cut = cut.min(at);
+                }
+            }
+        }
+        if let Some(g4) = &self.g4 {
+            let p = g4.poisoned.lock();
+            if !p.is_empty() {
+                let i = matched
+                    .g4()
+                    .blocks()
+                    .iter()
+                    .position(|b| p.contains(&b.sequence_hash()));
+                if let Some(at) = first_bad(TierId::G4, i) {
+                    cut = cut.min(at);
+                }
             }
         }
         cut

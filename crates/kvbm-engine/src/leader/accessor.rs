@@ -108,22 +108,29 @@ impl<'a> BlockAccessor<'a> {
     pub fn scan(&self, hashes: &[SequenceHash]) -> Vec<ScanRun> {
         let mut runs = Vec::new();
         let mut at = 0;
-        for &tier in self.leader.search_order() {
-            if at == hashes.len() {
-                break;
+        // Passes over the search order until one adds nothing, as `find_matches` does.
+        loop {
+            let pass_start = at;
+            for &tier in self.leader.search_order() {
+                if at == hashes.len() {
+                    break;
+                }
+                let layout = LogicalLayoutHandle::from(tier);
+                let n = hashes[at..]
+                    .iter()
+                    .take_while(|h| self.is_present(**h, layout))
+                    .count();
+                if n > 0 {
+                    runs.push(ScanRun {
+                        source: RunSource::Local(layout),
+                        start: at,
+                        len: n,
+                    });
+                    at += n;
+                }
             }
-            let layout = LogicalLayoutHandle::from(tier);
-            let n = hashes[at..]
-                .iter()
-                .take_while(|h| self.is_present(**h, layout))
-                .count();
-            if n > 0 {
-                runs.push(ScanRun {
-                    source: RunSource::Local(layout),
-                    start: at,
-                    len: n,
-                });
-                at += n;
+            if at == pass_start || at == hashes.len() {
+                break;
             }
         }
         runs

@@ -127,9 +127,19 @@ impl MatchedPrefix {
         self.len() == self.requested
     }
 
-    /// The runs, in prefix order (one per tier that contributed, in search order).
+    /// The runs, in prefix order. A tier contributes one run per search pass that found some
+    /// of the prefix there (usually one).
     pub fn runs(&self) -> &[TierRun] {
         &self.runs
+    }
+
+    /// The prefix position of each block `tier`'s holder holds, in the holder's order.
+    pub fn positions(&self, tier: TierId) -> Vec<usize> {
+        self.runs
+            .iter()
+            .filter(|r| r.tier == tier)
+            .flat_map(|r| r.start..r.start + r.len)
+            .collect()
     }
 
     /// Blocks matched in `tier`.
@@ -168,14 +178,20 @@ impl MatchedPrefix {
     /// The hashes of the matched prefix, in order.
     pub fn hashes(&self) -> Vec<SequenceHash> {
         let mut out = Vec::with_capacity(self.len());
-        // Each tier contributes at most one run (the search visits a tier once).
+        // A tier may contribute several runs: walk each holder once, in prefix order.
+        let (mut i2, mut i3, mut i4) = (
+            self.g2.blocks().iter(),
+            self.g3.blocks().iter(),
+            self.g4.blocks().iter(),
+        );
         for run in &self.runs {
-            match run.tier {
-                TierId::G2 => out.extend(self.g2.blocks().iter().map(|b| b.sequence_hash())),
-                TierId::G3 => out.extend(self.g3.blocks().iter().map(|b| b.sequence_hash())),
-                TierId::G4 => out.extend(self.g4.blocks().iter().map(|b| b.sequence_hash())),
-                TierId::G1 => {}
-            }
+            let it: &mut dyn Iterator<Item = SequenceHash> = match run.tier {
+                TierId::G2 => &mut i2.by_ref().map(|b| b.sequence_hash()),
+                TierId::G3 => &mut i3.by_ref().map(|b| b.sequence_hash()),
+                TierId::G4 => &mut i4.by_ref().map(|b| b.sequence_hash()),
+                TierId::G1 => continue,
+            };
+            out.extend(it.take(run.len));
         }
         if let Some(r) = &self.remote {
             out.extend_from_slice(&r.hashes);
@@ -209,13 +225,16 @@ impl MatchedPrefix {
     /// past `len` is dropped, the run across it is shortened). `len` past the prefix changes
     /// nothing. The searched length ([`requested`](Self::requested)) is unchanged.
     pub fn truncate(&mut self, len: usize) {
+        // A tier may contribute several runs; its holder keeps its blocks in prefix order, so
+        // it keeps as many as its runs keep in all.
         let mut kept = Vec::with_capacity(self.runs.len());
+        let (mut k2, mut k3, mut k4) = (0, 0, 0);
         for mut r in std::mem::take(&mut self.runs) {
             let keep = len.saturating_sub(r.start).min(r.len);
             match r.tier {
-                TierId::G2 => self.g2.truncate(keep),
-                TierId::G3 => self.g3.truncate(keep),
-                TierId::G4 => self.g4.truncate(keep),
+                TierId::G2 => k2 += keep,
+                TierId::G3 => k3 += keep,
+                TierId::G4 => k4 += keep,
                 TierId::G1 => {}
             }
             if keep > 0 {
@@ -223,6 +242,9 @@ impl MatchedPrefix {
                 kept.push(r);
             }
         }
+        self.g2.truncate(k2);
+        self.g3.truncate(k3);
+        self.g4.truncate(k4);
         self.runs = kept;
         if let Some(r) = &mut self.remote {
             let keep = len.saturating_sub(r.start).min(r.hashes.len());

@@ -253,3 +253,66 @@ fn from_runtime_builds_configured_tiers_under_the_flush_timer() {
     store(leader.g2().unwrap(), &seq, &[0, 1, 2]);
     assert!(leader.find_matches(&seq.hashes()).is_complete());
 }
+
+/// A prefix whose tiers interleave (G4, G3, G4, G2: an offload to G4 still in flight leaves a
+/// block only in G3 between two G4 blocks) is found whole, as several runs per tier, each
+/// tier's holder in prefix order; truncating inside the second G4 run keeps exactly the blocks
+/// before the cut in every holder.
+#[test]
+fn interleaved_tiers_are_found_whole_and_truncate_per_tier() {
+    let registry = BlockRegistry::new();
+    let seq = sequence(6);
+    let g2 = manager::<G2>(4, &registry);
+    let g3 = manager::<G3>(4, &registry);
+    let g4 = manager::<G4>(4, &registry);
+    store(&g4, &seq, &[0, 2, 3]);
+    store(&g3, &seq, &[1]);
+    store(&g2, &seq, &[4]);
+    let leader = InstanceLeader::builder()
+        .g2(g2)
+        .g3(g3)
+        .g4(g4)
+        .build()
+        .unwrap();
+    let hashes = seq.hashes();
+    let mut found = leader.find_matches(&hashes);
+    assert_eq!(found.len(), 5, "h5 is nowhere");
+    let run = |tier, start, len| TierRun { tier, start, len };
+    assert_eq!(
+        found.runs(),
+        &[
+            run(TierId::G4, 0, 1),
+            run(TierId::G3, 1, 1),
+            run(TierId::G4, 2, 2),
+            run(TierId::G2, 4, 1),
+        ]
+    );
+    assert_eq!(found.hashes(), hashes[..5].to_vec());
+    assert_eq!(found.positions(TierId::G4), vec![0, 2, 3]);
+    let g4_held: Vec<_> = found
+        .g4()
+        .blocks()
+        .iter()
+        .map(|b| b.sequence_hash())
+        .collect();
+    assert_eq!(g4_held, vec![hashes[0], hashes[2], hashes[3]]);
+
+    found.truncate(3);
+    assert_eq!(found.len(), 3);
+    assert_eq!(
+        (
+            found.count(TierId::G2),
+            found.count(TierId::G3),
+            found.count(TierId::G4)
+        ),
+        (0, 1, 2)
+    );
+    let g4_held: Vec<_> = found
+        .g4()
+        .blocks()
+        .iter()
+        .map(|b| b.sequence_hash())
+        .collect();
+    assert_eq!(g4_held, vec![hashes[0], hashes[2]]);
+    assert_eq!(found.hashes(), hashes[..3].to_vec());
+}
