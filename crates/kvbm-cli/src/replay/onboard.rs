@@ -90,6 +90,27 @@ fn settle<T: Tier>(
         .collect()
 }
 
+/// Every block of a move whose transfer the manager refused as a whole: counted as failed
+/// transfers, marked failed for the session, one error each.
+fn refused<S: Tier, D: Tier>(
+    counters: &Counters,
+    shared: &OnboardShared,
+    src: &[ImmutableBlock<S>],
+    path: &str,
+    e: &dyn std::fmt::Display,
+) -> Vec<Moved<D>> {
+    tracing::warn!(error = %e, "{path} transfer refused");
+    counters
+        .failed_transfers
+        .fetch_add(src.len() as u64, Ordering::Relaxed);
+    src.iter()
+        .map(|b| {
+            shared.fail(b.sequence_hash());
+            Err(format!("{path} transfer refused: {e}"))
+        })
+        .collect()
+}
+
 fn complete<T: Tier>(m: MutableBlock<T>, h: SequenceHash) -> Result<CompleteBlock<T>, String> {
     m.complete(h).map_err(|e| e.error.to_string())
 }
@@ -142,19 +163,7 @@ impl G3ToG2 {
         };
         let outcome = match issued {
             Ok(c) => c.await,
-            Err(e) => {
-                tracing::warn!(error = %e, "G3→G2 transfer refused");
-                self.counters
-                    .failed_transfers
-                    .fetch_add(src.len() as u64, Ordering::Relaxed);
-                return src
-                    .iter()
-                    .map(|b| {
-                        self.shared.fail(b.sequence_hash());
-                        Err(format!("G3→G2 transfer refused: {e}"))
-                    })
-                    .collect();
-            }
+            Err(e) => return refused(&self.counters, &self.shared, src, "G3→G2", &e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
             .record(t.elapsed().as_secs_f64());
@@ -225,19 +234,7 @@ impl G4ToG2 {
         };
         let outcome = match issued {
             Ok(c) => c.await,
-            Err(e) => {
-                tracing::warn!(error = %e, "G4→G2 transfer refused");
-                self.counters
-                    .failed_transfers
-                    .fetch_add(src.len() as u64, Ordering::Relaxed);
-                return src
-                    .iter()
-                    .map(|b| {
-                        self.shared.fail(b.sequence_hash());
-                        Err(format!("G4→G2 transfer refused: {e}"))
-                    })
-                    .collect();
-            }
+            Err(e) => return refused(&self.counters, &self.shared, src, "G4→G2", &e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
             .record(t.elapsed().as_secs_f64());
@@ -320,19 +317,7 @@ impl G2ToG1 {
         };
         let outcome = match issued {
             Ok(o) => o,
-            Err(e) => {
-                tracing::warn!(error = %e, "G2→G1 transfer refused");
-                self.counters
-                    .failed_transfers
-                    .fetch_add(n as u64, Ordering::Relaxed);
-                return src
-                    .iter()
-                    .map(|b| {
-                        self.shared.fail(b.sequence_hash());
-                        Err(format!("G2→G1 transfer refused: {e}"))
-                    })
-                    .collect();
-            }
+            Err(e) => return refused(&self.counters, &self.shared, src, "G2→G1", &e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
             .record(started.elapsed().as_secs_f64());

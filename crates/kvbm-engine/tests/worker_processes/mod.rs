@@ -1,0 +1,200 @@
+//! The worker-process harness shared by the tests that run `kvbm-engine-worker` processes over a
+//! real `nats-server` (`nats_workers.rs`, `onboarding_layerwise_nats.rs`): spawning a worker
+//! (killed and reaped on drop), connecting a leader to two of them, and a prefix staged on
+//! their disks whose original bytes every rank knows by digest.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvbm_engine::transport::control::{
+    ControlRequest, ControlResponse, ControlledWorkers, WorkerControl, block_digest, fill_pattern,
+};
+use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
+use kvbm_engine::transport::{InstanceId, WorkerAddress};
+use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
+use kvbm_logical::{
+    BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, TierId, TokenBlockSequence,
+};
+use kvbm_physical::{PhysicalLayout, PinPolicy};
+
+use crate::common::{N, geometry, manager};
+
+pub const SEED: u8 = 0x40;
+
+/// One worker process; killed (and reaped) on drop.
+pub struct WorkerProcess {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl WorkerProcess {
+    pub fn spawn(
+        url: &str,
+        instance: InstanceId,
+        rank: u32,
+        dir: &std::path::Path,
+        extra: &[&str],
+    ) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-engine-worker"))
+            .args(["--nats", url, "--instance", &instance.0.to_string()])
+            .args(["--rank", &rank.to_string(), "--blocks", &N.to_string()])
+            .args(["--inner-dim", "64", "--announce"])
+            .args(["--fill-seed", &(SEED + rank as u8).to_string()])
+            .arg("--g3-file")
+            .arg(dir.join(format!("rank{rank}.bin")))
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvbm-engine-worker");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let w = Self { child, lines };
+        w.expect_line("ready ");
+        w
+    }
+
+    /// Waits for a line starting with `prefix` (skipping others).
+    pub fn expect_line(&self, prefix: &str) -> String {
+        loop {
+            match self.lines.recv_timeout(Duration::from_secs(30)) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => continue,
+                Err(e) => panic!("worker: no `{prefix}` line: {e}"),
+            }
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub struct Instance {
+    pub workers: Arc<ControlledWorkers>,
+    pub controls: Vec<Arc<dyn WorkerControl>>,
+    pub g1: Arc<BlockManager<G1>>,
+    pub g2: Arc<BlockManager<G2>>,
+    pub g3: Arc<BlockManager<G3>>,
+    pub hashes: Vec<kvbm_logical::SequenceHash>,
+    /// Per rank, per prefix block: the digest of its original bytes.
+    pub expected: Vec<Vec<u64>>,
+}
+
+pub async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<usize>) -> Vec<u64> {
+    match c
+        .call(ControlRequest::Digest { tier, blocks })
+        .await
+        .unwrap()
+    {
+        ControlResponse::Digests(d) => d,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Connects to both workers, computes 6 blocks in G2 on both ranks, offloads them to G3
+/// through the workers, evicts them from G2 and overwrites every rank's G2 memory, so what
+/// reaches G1 later can only come from the disks.
+pub async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -> Instance {
+    let client = connect(url, "leader", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let controls: Vec<Arc<dyn WorkerControl>> = (0..2)
+        .map(|r| {
+            Arc::new(NatsControl::new(
+                client.clone(),
+                DEFAULT_CONTROL_PREFIX,
+                WorkerAddress::new(instance, r),
+                timeout,
+            )) as Arc<dyn WorkerControl>
+        })
+        .collect();
+    let workers = Arc::new(ControlledWorkers::new(controls.clone()).unwrap());
+    let peers = workers.describe_all().await.unwrap();
+    assert_eq!(peers.len(), 2);
+    for (r, p) in peers.iter().enumerate() {
+        assert_eq!(p.worker, WorkerAddress::new(instance, r as u32));
+        assert_eq!(p.tiers, vec![TierId::G1, TierId::G2, TierId::G3]);
+        assert_eq!(p.num_blocks, N);
+    }
+
+    let registry = BlockRegistry::new();
+    let (g2, g3) = (manager::<G2>(&registry), manager::<G3>(&registry));
+    let g1 = manager::<G1>(&BlockRegistry::new());
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let complete = g2
+        .allocate_blocks(6)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    let on_g2: Vec<ImmutableBlock<G2>> = g2.register_blocks(complete);
+    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
+
+    // What each rank's G2 holds, by the worker's digest and by one computed here from the
+    // same pattern: they must agree, and the ranks must differ.
+    let mut expected = Vec::new();
+    for (r, c) in controls.iter().enumerate() {
+        let d = digests(c.as_ref(), TierId::G2, ids.clone()).await;
+        let local = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+        fill_pattern(&local, SEED + r as u8);
+        let here: Vec<u64> = ids
+            .iter()
+            .map(|&b| block_digest(&local, b).unwrap())
+            .collect();
+        assert_eq!(d, here, "rank {r}: the worker's bytes are the pattern");
+        expected.push(d);
+    }
+    assert_ne!(expected[0], expected[1]);
+
+    let pw: Arc<dyn ParallelWorkers> = workers.clone();
+    let down = SpmdMover::<G2, G3>::new(pw, g3.clone());
+    let out = down.move_from(&on_g2, g3.allocate_blocks(6).unwrap()).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    drop((out, on_g2));
+    assert_eq!(g2.reset_inactive_pool(), 6);
+    for c in &controls {
+        let r = c
+            .call(ControlRequest::Fill {
+                tier: TierId::G2,
+                seed: 0xEE,
+            })
+            .await
+            .unwrap();
+        assert_eq!(r, ControlResponse::Done);
+    }
+    Instance {
+        workers,
+        controls,
+        g1,
+        g2,
+        g3,
+        hashes: seq.hashes(),
+        expected,
+    }
+}
+
+pub fn instance_id(tag: u64) -> InstanceId {
+    InstanceId((u64::from(std::process::id()) << 8) | tag)
+}
