@@ -6,33 +6,26 @@
 //! the leader releases everything it held (pool counts back to where they were), a call to the
 //! dead worker fails as unreachable, and the remaining worker keeps serving.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
+use kvbm_engine::transport::WorkerAddress;
 use kvbm_engine::transport::control::{
-    ControlError, ControlRequest, ControlResponse, ControlledWorkers, WorkerControl, block_digest,
-    fill_pattern,
+    ControlError, ControlRequest, ControlResponse, ControlledWorkers, WorkerControl,
 };
 use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
-use kvbm_engine::transport::{InstanceId, WorkerAddress};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
-use kvbm_logical::{
-    BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, PoolCounts, Salt, TierId,
-    TokenBlockSequence,
-};
-use kvbm_physical::{PhysicalLayout, PinPolicy};
+use kvbm_logical::{G1, G2, G3, ImmutableBlock, PoolCounts, TierId};
 
 mod common;
 
-use common::{N, geometry, manager};
+use common::N;
 
 mod worker_processes;
 
-use worker_processes::{Instance, SEED, WorkerProcess, digests, instance_id, set_up};
+use worker_processes::{WorkerProcess, digests, instance_id, set_up};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_and_two_worker_processes_onboard_a_disk_prefix_bytes_verified_per_rank() {

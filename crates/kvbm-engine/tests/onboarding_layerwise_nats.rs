@@ -6,36 +6,25 @@
 //! arrived), after the last layer they equal them (digests computed by each worker); nothing
 //! is registered in G1 before the last layer. The harness is `tests/nats_workers.rs`'s.
 
-use std::io::{BufRead, BufReader};
 use std::ops::Range;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
 use kvbm_engine::mover::{LayerMove, LayerMoved};
-use kvbm_engine::transport::control::{
-    ControlRequest, ControlResponse, ControlledWorkers, WorkerControl, block_digest, fill_pattern,
-};
-use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
-use kvbm_engine::transport::{InstanceId, WorkerAddress};
+use kvbm_engine::transport::control::{ControlRequest, ControlResponse};
 use kvbm_engine::worker::{ParallelWorkers, SpmdLayerMover, SpmdMover};
-use kvbm_logical::{
-    BlockId, BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, TierId,
-    TokenBlockSequence,
-};
-use kvbm_physical::{PhysicalLayout, PinPolicy};
+use kvbm_logical::{BlockId, BlockManager, G1, G2, G3, ImmutableBlock, TierId};
 use tokio::sync::Semaphore;
 
 mod common;
 
-use common::{N, geometry, manager};
+use common::geometry;
 
 mod worker_processes;
 
-use worker_processes::{Instance, SEED, WorkerProcess, digests, instance_id, set_up};
+use worker_processes::{WorkerProcess, digests, instance_id, set_up};
 
 /// A layer mover that lets one layer through per permit.
 struct Gated {

@@ -28,7 +28,7 @@ pub const SEED: u8 = 0x40;
 /// One worker process; killed (and reaped) on drop.
 pub struct WorkerProcess {
     child: Child,
-    lines: mpsc::Receiver<String>,
+    pub lines: mpsc::Receiver<String>,
 }
 
 impl WorkerProcess {
