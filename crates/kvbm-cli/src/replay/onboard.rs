@@ -1,4 +1,4 @@
-//! The replay's onboarding movers: the real transfer paths an engine [`OnboardingSession`]
+//! The replay's onboarding movers: the real transfer paths an engine [`OnboardingSession`](kvbm_engine::leader::OnboardingSession)
 //! moves a matched prefix through, with the replay's checks on every block.
 //!
 //! ```text
