@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
+use kvbm_engine::leader::{InstanceLeader, Phase, SessionError, StagingMovers};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, Tier, TokenBlockSequence,
 };
@@ -140,22 +140,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
     assert_eq!(session.prefix_len(), 6);
     session.prepare(movers()).await.unwrap();
     assert_eq!(session.phase(), Phase::Staged);
-    session
-        .onboard(
-            Arc::new(common::mover(&tm, g2_h, g1_h, &g1)),
-            g1.allocate_blocks(6).unwrap(),
-        )
-        .await
-        .unwrap();
-    let FinishOutcome::Finished(on_g1) = session.finish() else {
-        panic!("complete");
-    };
-    let g1_layout = tm.layout(g1_h).unwrap();
-    for (i, b) in on_g1.iter().enumerate() {
-        assert_eq!(b.sequence_hash(), hashes[i]);
-        assert_eq!(bytes(&g1_layout, b.block_id()), expected[i], "block {i}");
-    }
-    drop(on_g1);
+    common::onboard_and_verify(&session, &tm, g2_h, g1_h, &g1, &hashes, &expected).await;
     drop(session);
 
     // 0..7: hash 6 is tracked in G4 but its object does not exist: the session fails and

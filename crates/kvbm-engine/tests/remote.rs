@@ -10,9 +10,7 @@ use std::time::Duration;
 
 use kvbm_engine::KvbmRuntime;
 use kvbm_engine::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory};
-use kvbm_engine::leader::{
-    FinishOutcome, InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers,
-};
+use kvbm_engine::leader::{InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers};
 use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InProcessBus, InstanceId};
 use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, Salt, SequenceHash, TokenBlockSequence,
@@ -164,22 +162,7 @@ async fn b_pulls_a_g2_prefix_over_tcp_and_onboards_it() {
         .await
         .unwrap();
     assert_eq!(session.phase(), Phase::Staged);
-    session
-        .onboard(
-            Arc::new(common::mover(&tm, g2_h, g1_h, &g1_b)),
-            g1_b.allocate_blocks(6).unwrap(),
-        )
-        .await
-        .unwrap();
-    let FinishOutcome::Finished(on_g1) = session.finish() else {
-        panic!("complete");
-    };
-    let g1_layout = tm.layout(g1_h).unwrap();
-    for (i, b) in on_g1.iter().enumerate() {
-        assert_eq!(b.sequence_hash(), hashes[i]);
-        assert_eq!(bytes(&g1_layout, b.block_id()), expected[i], "block {i}");
-    }
-    drop(on_g1);
+    common::onboard_and_verify(&session, &tm, g2_h, g1_h, &g1_b, &hashes, &expected).await;
     drop(session);
     // The pulled blocks are B's own now: the next search finds all 6 locally.
     let again = leader_b.find_matches(&hashes[..6]);

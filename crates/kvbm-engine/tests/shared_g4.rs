@@ -13,9 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvbm_engine::KvbmRuntime;
-use kvbm_engine::leader::{
-    FinishOutcome, InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers,
-};
+use kvbm_engine::leader::{InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers};
 use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InProcessBus, InstanceId};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, TierId, TokenBlockSequence,
@@ -217,26 +215,8 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
     assert_eq!(session.prefix_len(), 6);
     session.prepare(movers()).await.unwrap();
     assert_eq!(session.phase(), Phase::Staged);
-    session
-        .onboard(
-            Arc::new(common::mover(&tm_b, g2_h, g1_h, &g1_b)),
-            g1_b.allocate_blocks(6).unwrap(),
-        )
-        .await
-        .unwrap();
-    let FinishOutcome::Finished(on_g1) = session.finish() else {
-        panic!("complete");
-    };
-    let g1_layout = tm_b.layout(g1_h).unwrap();
-    for (i, b) in on_g1.iter().enumerate() {
-        assert_eq!(b.sequence_hash(), hashes[i]);
-        assert_eq!(
-            bytes(&g1_layout, b.block_id()),
-            bytes(&src_layout, i),
-            "block {i}"
-        );
-    }
-    drop(on_g1);
+    let expected: Vec<Vec<u8>> = (0..6).map(|i| bytes(&src_layout, i)).collect();
+    common::onboard_and_verify(&session, &tm_b, g2_h, g1_h, &g1_b, &hashes, &expected).await;
     drop(session);
     assert_eq!(
         g4_b.match_blocks(&hashes[..6]).len(),

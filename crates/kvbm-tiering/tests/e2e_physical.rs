@@ -176,18 +176,23 @@ fn disk_tier_evicts_oldest_when_full() {
     let _ = std::fs::remove_file(&path);
 }
 
-#[test]
-fn object_tier_round_trip_bytes_verified() {
-    let Some(s3) = kvbm_tests::services::s3("object_tier_round_trip_bytes_verified") else {
-        return;
-    };
-    let cfg = S3Config {
+/// The client configuration for the test S3 server.
+fn s3_config(s3: &kvbm_tests::services::S3Service) -> S3Config {
+    S3Config {
         endpoint: Some(s3.endpoint.clone()),
         bucket: s3.bucket.clone(),
         region: "us-east-1".into(),
         access_key: s3.access_key.clone(),
         secret_key: s3.secret_key.clone(),
+    }
+}
+
+#[test]
+fn object_tier_round_trip_bytes_verified() {
+    let Some(s3) = kvbm_tests::services::s3("object_tier_round_trip_bytes_verified") else {
+        return;
     };
+    let cfg = s3_config(&s3);
     let oc = ObjectConfig {
         namespace: format!("tiering-e2e-{}", std::process::id()),
         ..ObjectConfig::default()
@@ -384,13 +389,7 @@ fn vanished_or_swapped_object_is_a_typed_failure_and_never_served() {
     else {
         return;
     };
-    let cfg = S3Config {
-        endpoint: Some(s3.endpoint.clone()),
-        bucket: s3.bucket.clone(),
-        region: "us-east-1".into(),
-        access_key: s3.access_key.clone(),
-        secret_key: s3.secret_key.clone(),
-    };
+    let cfg = s3_config(&s3);
     let oc = ObjectConfig {
         namespace: format!("tiering-e2e-gone-{}", std::process::id()),
         ..ObjectConfig::default()

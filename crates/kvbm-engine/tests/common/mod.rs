@@ -80,3 +80,32 @@ pub fn mover<S: Tier, D: Tier>(
     let bound = kvbm_offload::BoundTier::new(tm.clone(), dst, manager.clone()).unwrap();
     kvbm_offload::BlockMover::from_layout(src, &bound).unwrap()
 }
+
+/// Onboards the staged `session` (6 or any number of blocks: one G1 block each) from `tm`'s
+/// `g2` layout into fresh blocks of `g1`, finishes it, and checks that G1 block `i` holds
+/// `hashes[i]` with the bytes `expected[i]`.
+pub async fn onboard_and_verify(
+    session: &kvbm_engine::leader::OnboardingSession,
+    tm: &Arc<kvbm_physical::TransferManager>,
+    g2: kvbm_physical::LayoutHandle,
+    g1: kvbm_physical::LayoutHandle,
+    g1_manager: &Arc<BlockManager<kvbm_logical::G1>>,
+    hashes: &[kvbm_logical::SequenceHash],
+    expected: &[Vec<u8>],
+) {
+    session
+        .onboard(
+            Arc::new(mover(tm, g2, g1, g1_manager)),
+            g1_manager.allocate_blocks(session.prefix_len()).unwrap(),
+        )
+        .await
+        .unwrap();
+    let kvbm_engine::leader::FinishOutcome::Finished(on_g1) = session.finish() else {
+        panic!("complete");
+    };
+    let g1_layout = tm.layout(g1).unwrap();
+    for (i, b) in on_g1.iter().enumerate() {
+        assert_eq!(b.sequence_hash(), hashes[i]);
+        assert_eq!(bytes(&g1_layout, b.block_id()), expected[i], "block {i}");
+    }
+}
