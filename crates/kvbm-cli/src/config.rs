@@ -91,6 +91,22 @@ pub struct ReplayConfig {
     pub g3_direct_io: bool,
     /// The S3 endpoint for G4 (and `kvbm bench object`).
     pub s3: S3Section,
+    /// How the replay's scheduler drives the engine: through the scheduler-facing tiering
+    /// manager (`tiering`, vLLM's call sequence) or the leader's onboarding sessions
+    /// (`sessions`).
+    pub scheduler: Scheduler,
+}
+
+/// The replay's scheduler front end (see `replay::tiers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheduler {
+    /// `kvbm-tiering`'s scheduler contract served by the engine (`EngineTieringManager`):
+    /// lookup → prepare_load → load → complete_load, prepare_store → store → complete_store.
+    #[default]
+    Tiering,
+    /// The engine leader's `find_matches` and `OnboardingSession`s, block runs per tier.
+    Sessions,
 }
 
 impl Default for ReplayConfig {
@@ -113,6 +129,7 @@ impl Default for ReplayConfig {
             g3_queue_depth: 128,
             g3_direct_io: true,
             s3: S3Section::default(),
+            scheduler: Scheduler::Tiering,
         }
     }
 }

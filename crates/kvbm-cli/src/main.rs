@@ -151,6 +151,10 @@ struct ReplayFlags {
     /// 0: as fast as possible; 1.0: honour the trace's timestamps.
     #[arg(long, value_name = "X")]
     time_scale: Option<f64>,
+    /// The scheduler's way into the engine: the scheduler-facing tiering manager (default) or
+    /// the leader's onboarding sessions.
+    #[arg(long, value_enum)]
+    scheduler: Option<config::Scheduler>,
 }
 
 impl ReplayFlags {
@@ -174,6 +178,7 @@ impl ReplayFlags {
         put("g3_dir", path(&self.g3_dir));
         put("g4_dir", path(&self.g4_dir));
         put("time_scale", self.time_scale.map(|v| json!(v)));
+        put("scheduler", self.scheduler.map(|v| json!(v)));
         let mut s3 = Map::new();
         if let Some(e) = &self.s3_endpoint {
             s3.insert("endpoint".into(), json!(e));

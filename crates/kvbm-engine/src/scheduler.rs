@@ -12,7 +12,10 @@
 //!                            a promotion of k in flight    → HIT_PENDING
 //!                            G3/G4 has it                  → start a promotion (G3/G4 → G2 through
 //!                                                            the leader's BlockMove), HIT_PENDING
-//!                            a promotion of k failed       → MISS (never a hit; until reset_cache)
+//!                            another instance's G4 has it  → adopted into this leader's G4 (shared
+//!                            (shared G4, from its events)    G4: see leader::remote), promoted
+//!                            a promotion of k failed       → MISS (never a hit; until reset_cache
+//!                                                            or a store of k completes)
 //!                            else                          → MISS
 //!  prepare_load(ks)          hold every key's G2 block for the request; CPU spec = G2 block ids
 //!  (worker)                  copies G2 slots → GPU (G1) with the spec
@@ -28,6 +31,13 @@
 //! what [`InstanceLeader::find_matches`] finds (and what the engine's offload moves on to G3/G4),
 //! and what the engine staged is what the scheduler loads: one set of tiers, one block-id space
 //! (the bound G2 layout's slots).
+//!
+//! # Write-through
+//!
+//! With [`EngineTieringManager::set_store_sink`], what a successful `complete_store`
+//! registered in G2 is handed on (strong handles) to the engine's offload lanes, so the
+//! blocks the scheduler stores reach G3/G4 without a second lookup; a lane that holds them
+//! strongly keeps them in G2 until written below.
 //!
 //! # Two ways in
 //!
@@ -104,7 +114,7 @@ use crate::leader::InstanceLeader;
 use crate::mover::BlockMove;
 
 use kvbm_tiering::stats::names;
-pub use kvbm_tiering::tiering::{key_digest, key_hash};
+pub use kvbm_tiering::tiering::{digest_hash, key_digest, key_hash};
 
 /// The engine's lower tiers handed to `kvbm-tiering`'s own manager
 /// ([`InstanceLeader::vllm_tiering_manager`]): each must be bound to the leader's manager of
@@ -177,10 +187,16 @@ impl ReqState {
     }
 }
 
+/// Where the G2 blocks a completed store registered go (see "Write-through" in the
+/// [module docs](self)): typically the engine's G2→G3 / G2→G4 offload lanes.
+pub type StoreSink = Box<dyn FnMut(Vec<ImmutableBlock<G2>>) + Send>;
+
 /// The scheduler-facing manager over an [`InstanceLeader`]'s tiers: see the
 /// [module docs](self).
 pub struct EngineTieringManager {
     leader: InstanceLeader,
+    /// Receives the blocks each successful `complete_store` registered.
+    store_sink: Option<StoreSink>,
     g2: Arc<BlockManager<G2>>,
     movers: PromotionMovers,
     runtime: tokio::runtime::Handle,
@@ -322,6 +338,7 @@ impl EngineTieringManager {
         }
         Ok(Self {
             leader,
+            store_sink: None,
             g2,
             movers,
             runtime,
@@ -336,6 +353,15 @@ impl EngineTieringManager {
             stats: Stats::default(),
             labels,
         })
+    }
+
+    /// Hands the G2 blocks each successful `complete_store` registers to `sink` (strong
+    /// handles, in the call's key order), so the engine's offload lanes write them through to
+    /// G3/G4 without looking them up again; without a sink they are dropped (inactive,
+    /// evictable). The sink runs on the thread calling `complete_store`, inside the call: it
+    /// must not wait for long (an enqueue that applies backpressure is fine).
+    pub fn set_store_sink(&mut self, sink: StoreSink) {
+        self.store_sink = Some(sink);
     }
 
     /// The leader whose tiers this manager serves.
@@ -369,8 +395,7 @@ impl EngineTieringManager {
 
     /// Remembers that this manager registered `key` in G2 (pruning stale entries when the
     /// map outgrows twice G2's capacity).
-    fn remember(&mut self, key: OffloadKey) {
-        let h = self.hash_of(&key);
+    fn remember(&mut self, key: OffloadKey, h: SequenceHash) {
         self.registered.insert(h, key);
         if self.registered.len() > 2 * self.g2.total_blocks().max(1) {
             self.prune_registered();
@@ -402,7 +427,8 @@ impl EngineTieringManager {
             };
             match outcome {
                 Ok(block) => {
-                    self.remember(key);
+                    let h = self.hash_of(&key);
+                    self.remember(key, h);
                     match self.requests.get_mut(&p.owner) {
                         Some(r) if !r.finished => {
                             r.promoted.insert(key, block);
@@ -435,7 +461,11 @@ impl EngineTieringManager {
             G3(Arc<dyn BlockMove<G3, G2>>, Vec<ImmutableBlock<G3>>),
             G4(Arc<dyn BlockMove<G4, G2>>, Vec<ImmutableBlock<G4>>),
         }
-        let source = match self.leader.accessor().locate(h) {
+        let mut at = self.leader.accessor().locate(h);
+        if at.is_none() && self.leader.adopt_shared_g4(h) {
+            at = Some(LogicalLayoutHandle::G4);
+        }
+        let source = match at {
             Some(LogicalLayoutHandle::G3) => {
                 let (Some(m), Some(g3)) = (self.movers.g3_to_g2.clone(), self.leader.g3()) else {
                     return false;
@@ -640,19 +670,19 @@ impl OffloadingManager for EngineTieringManager {
         if !self.requests.contains_key(&uid) {
             return Err(unknown("prepare_store", req_context));
         }
+        let hashes: Vec<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
         let mut seen = HashSet::new();
         let to_store: Vec<OffloadKey> = keys
             .iter()
-            .filter(|k| {
-                seen.insert(**k) && !self.storing.contains(*k) && !self.in_g2(self.hash_of(k))
-            })
-            .copied()
+            .zip(&hashes)
+            .filter(|(k, h)| seen.insert(**k) && !self.storing.contains(*k) && !self.in_g2(**h))
+            .map(|(k, _)| *k)
             .collect();
         let (blocks, evicted_keys) = if to_store.is_empty() {
             (Vec::new(), Vec::new())
         } else {
             // The call's own keys are never evicted to make room for the call.
-            let protect: HashSet<SequenceHash> = keys.iter().map(|k| self.hash_of(k)).collect();
+            let protect: HashSet<SequenceHash> = hashes.into_iter().collect();
             match self.g2.allocate_blocks_with(to_store.len(), &protect) {
                 Ok(a) => {
                     self.stats.allocation_sizes.push(a.blocks.len());
@@ -708,23 +738,32 @@ impl OffloadingManager for EngineTieringManager {
             };
             self.storing.remove(k);
             if success {
-                match b.complete_with_digest(key_hash(k, block_size), Some(key_digest(k))) {
+                let digest = key_digest(k);
+                let h = digest_hash(&digest, block_size);
+                match b.complete_with_digest(h, Some(digest)) {
                     Ok(c) => {
                         complete.push(c);
-                        stored.push(*k);
+                        stored.push((*k, h));
+                        // Fresh bytes for the key: an earlier failed promotion (of another
+                        // copy) no longer makes it a MISS.
+                        self.failed.remove(k);
                     }
                     Err(e) => tracing::warn!(key = %k, error = %e.error, "cannot register in G2"),
                 }
             }
         }
         let registered = self.g2.register_blocks(complete);
-        drop(registered);
-        for k in &stored {
-            self.remember(*k);
+        match &mut self.store_sink {
+            Some(sink) if !registered.is_empty() => sink(registered),
+            _ => drop(registered),
+        }
+        for (k, h) in &stored {
+            self.remember(*k, *h);
         }
         if !stored.is_empty() {
+            let keys = stored.into_iter().map(|(k, _)| k).collect();
             self.events
-                .push(OffloadingEvent::new(stored, Medium::Cpu, false));
+                .push(OffloadingEvent::new(keys, Medium::Cpu, false));
         }
         self.retire_if_done(uid);
         Ok(())

@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use kvbm_engine::leader::InstanceLeader;
 use kvbm_engine::mover::BlockMove;
-use kvbm_engine::scheduler::{EngineTieringManager, PromotionMovers, key_hash};
-use kvbm_logical::{BlockId, BlockManager, BlockRegistry, G2, G3};
+use kvbm_engine::scheduler::{EngineTieringManager, PromotionMovers, key_digest, key_hash};
+use kvbm_logical::{BlockId, BlockManager, BlockRegistry, G2, G3, ImmutableBlock};
 use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{
     DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,
@@ -135,13 +135,31 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
         assert_eq!(r.mgr.lookup(k, &ctx), LookupResult::Miss);
     }
 
-    // Store: GPU slots 0..3 → G2 chunks → registered in the leader's G2.
+    // Store: GPU slots 0..3 → G2 chunks → registered in the leader's G2, and handed to the
+    // engine's write-through (the sink).
+    let sunk: Arc<std::sync::Mutex<Vec<ImmutableBlock<G2>>>> = Arc::default();
+    let into = sunk.clone();
+    r.mgr
+        .set_store_sink(Box::new(move |b| into.lock().unwrap().extend(b)));
     let out = r.mgr.prepare_store(&keys, &ctx).unwrap().expect("room");
     assert_eq!(out.keys_to_store, keys);
     let chunks = ids(&out.store_spec);
     r.copy(r.gpu, &[0, 1, 2], r.g2_bound.layout(), &chunks)
         .await;
     r.mgr.complete_store(&keys, &ctx, true).unwrap();
+    let on_g2: Vec<ImmutableBlock<G2>> = std::mem::take(&mut *sunk.lock().unwrap());
+    assert_eq!(
+        on_g2.iter().map(|b| b.sequence_hash()).collect::<Vec<_>>(),
+        hashes,
+        "the sink gets exactly what the store registered, in key order"
+    );
+    assert!(
+        on_g2
+            .iter()
+            .zip(&keys)
+            .all(|(b, k)| b.digest() == Some(key_digest(k))),
+        "each with its key's digest as identity"
+    );
     let events = r.mgr.take_events();
     assert_eq!(events.len(), 1);
     assert_eq!(events[0].keys, keys);
@@ -157,7 +175,6 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
     let expected: Vec<Vec<u8>> = (0..3).map(|b| r.gpu_bytes(b)).collect();
 
     // The engine offloads them to G3 and evicts them from G2, wiping G2's memory.
-    let on_g2 = r.g2.match_blocks(&hashes);
     let down = BlockMover::new(&r.g2_bound, &r.g3_bound).unwrap();
     let moved = down
         .move_from(&on_g2, r.g3.allocate_blocks(3).unwrap())
@@ -292,6 +309,19 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     r.mgr.complete_store(&[key], &ctx, false).unwrap();
     assert!(r.mgr.take_events().is_empty());
     assert_eq!(r.g2.available_blocks(), N);
+    assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Miss, "still never a hit");
+
+    // The scheduler recomputes the block and stores it: the fresh bytes in G2 are a HIT (the
+    // failed promotion was of the bad G3 copy), and load back exactly.
+    let out = r.mgr.prepare_store(&[key], &ctx).unwrap().unwrap();
+    r.copy(r.gpu, &[5], r.g2_bound.layout(), &ids(&out.store_spec))
+        .await;
+    r.mgr.complete_store(&[key], &ctx, true).unwrap();
+    assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Hit);
+    let spec = r.mgr.prepare_load(&[key], &ctx).unwrap();
+    r.copy(r.g2_bound.layout(), &ids(&spec), r.gpu, &[6]).await;
+    r.mgr.complete_load(&[key], &ctx).unwrap();
+    assert_eq!(r.gpu_bytes(6), r.gpu_bytes(5));
     r.mgr.on_request_finished(&ctx).unwrap();
 }
 

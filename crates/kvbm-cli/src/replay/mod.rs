@@ -12,6 +12,7 @@
 
 pub mod content;
 pub mod instances;
+pub mod keys;
 pub mod manifest;
 pub mod onboard;
 pub mod report;
@@ -28,7 +29,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvbm_logical::Salt;
 use kvbm_physical::S3Config;
 
-use crate::config::CliConfig;
+use crate::config::{CliConfig, Scheduler};
 use report::{Report, TierReport};
 use tiers::{G4Location, PATH_NAMES, Sharing, TierPlan, Tiers};
 
@@ -85,6 +86,8 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
         object: cfg.engine.physical.object.clone(),
         engine: cfg.engine.clone(),
         sharing: None,
+        scheduler: r.scheduler,
+        digests: std::sync::Arc::default(),
     })
 }
 
@@ -161,6 +164,14 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         });
         plan.sharing = Some(spec.sharing.clone());
     }
+    let salt = Salt::new("kvbm-replay");
+    let tiering = plan.scheduler == Scheduler::Tiering && plan.g2_blocks > 0;
+    if tiering {
+        plan.digests = std::sync::Arc::new(keys::Digests::of_workload(
+            salt,
+            wl.requests.iter().map(|r| r.hash_ids.as_slice()),
+        ));
+    }
     let unique = wl.unique_blocks();
     let total = wl.total_blocks();
     if wl.max_request_blocks() > plan.g1_blocks {
@@ -188,9 +199,22 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         .expect("valid template"),
     );
 
-    let salt = Salt::new("kvbm-replay");
-    let mut hashes = Vec::new();
-    let mut ahead_hashes = Vec::new();
+    // A request's block hashes: the chained sequence hashes, or (tiering) the hashes of their
+    // keys, with the keys.
+    let mut chained = Vec::new();
+    let hash = |ids: &[u64],
+                chained: &mut Vec<kvbm_logical::SequenceHash>,
+                keys: &mut Vec<kvbm_tiering::OffloadKey>,
+                hashes: &mut Vec<kvbm_logical::SequenceHash>| {
+        if tiering {
+            workload::sequence_hashes(salt, ids, chained);
+            keys::key_request(chained, keys, hashes);
+        } else {
+            workload::sequence_hashes(salt, ids, hashes);
+        }
+    };
+    let (mut hashes, mut req_keys) = (Vec::new(), Vec::new());
+    let (mut ahead_hashes, mut ahead_keys) = (Vec::new(), Vec::new());
     let (mut hits, mut onboarded, mut verified, mut corrupt, mut computed, mut cross) =
         ([0u64; 4], 0, 0, 0, 0, 0);
     let start = Instant::now();
@@ -208,18 +232,22 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         if ahead > 0 {
             if i == 0 {
                 for j in 1..=ahead.min(wl.requests.len() - 1) {
-                    workload::sequence_hashes(salt, &wl.requests[j].hash_ids, &mut ahead_hashes);
+                    let ids = &wl.requests[j].hash_ids;
+                    hash(ids, &mut chained, &mut ahead_keys, &mut ahead_hashes);
                     tiers.prefetch(j, &ahead_hashes);
                 }
             } else if let Some(next) = wl.requests.get(i + ahead) {
-                workload::sequence_hashes(salt, &next.hash_ids, &mut ahead_hashes);
+                hash(&next.hash_ids, &mut chained, &mut ahead_keys, &mut ahead_hashes);
                 tiers.prefetch(i + ahead, &ahead_hashes);
             }
         }
-        workload::sequence_hashes(salt, &req.hash_ids, &mut hashes);
-        let s = tiers
-            .serve(&hashes)
-            .with_context(|| format!("request {} ({} blocks)", i + 1, hashes.len()))?;
+        hash(&req.hash_ids, &mut chained, &mut req_keys, &mut hashes);
+        let s = if tiering {
+            tiers.serve_scheduled(&hashes, &req_keys)
+        } else {
+            tiers.serve(&hashes)
+        }
+        .with_context(|| format!("request {} ({} blocks)", i + 1, hashes.len()))?;
         for (a, b) in hits.iter_mut().zip(s.hits) {
             *a += b;
         }

@@ -31,13 +31,15 @@ use std::time::Instant;
 use futures::future::BoxFuture;
 use kvbm_engine::mover::{BlockMove, Moved};
 use kvbm_logical::{
-    BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
+    BlockDigest, BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock,
+    SequenceHash, Tier,
 };
-use kvbm_offload::{block_identity, object_key};
+use kvbm_offload::{block_identity, identity_of, object_key};
 use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
 use parking_lot::Mutex;
 
 use super::content;
+use super::keys::Digests;
 use super::tiers::{Counters, G3Check, MovePath, check_g3_read, is_rejection, slot_of};
 
 /// What the movers report back to the replay.
@@ -92,10 +94,10 @@ fn settle<T: Tier>(
 
 /// Every block of a move whose transfer the manager refused as a whole: counted as failed
 /// transfers, marked failed for the session, one error each.
-fn refused<S: Tier, D: Tier>(
+fn refused<D: Tier>(
     counters: &Counters,
     shared: &OnboardShared,
-    src: &[ImmutableBlock<S>],
+    src: impl ExactSizeIterator<Item = SequenceHash>,
     path: &str,
     e: &dyn std::fmt::Display,
 ) -> Vec<Moved<D>> {
@@ -103,16 +105,27 @@ fn refused<S: Tier, D: Tier>(
     counters
         .failed_transfers
         .fetch_add(src.len() as u64, Ordering::Relaxed);
-    src.iter()
-        .map(|b| {
-            shared.fail(b.sequence_hash());
-            Err(format!("{path} transfer refused: {e}"))
-        })
-        .collect()
+    src.map(|h| {
+        shared.fail(h);
+        Err(format!("{path} transfer refused: {e}"))
+    })
+    .collect()
 }
 
-fn complete<T: Tier>(m: MutableBlock<T>, h: SequenceHash) -> Result<CompleteBlock<T>, String> {
-    m.complete(h).map_err(|e| e.error.to_string())
+/// The hashes of `blocks`, for [`refused`].
+fn hashes_of<T: Tier>(
+    blocks: &[ImmutableBlock<T>],
+) -> impl ExactSizeIterator<Item = SequenceHash> + '_ {
+    blocks.iter().map(|b| b.sequence_hash())
+}
+
+fn complete<T: Tier>(
+    m: MutableBlock<T>,
+    h: SequenceHash,
+    digest: Option<BlockDigest>,
+) -> Result<CompleteBlock<T>, String> {
+    m.complete_with_digest(h, digest)
+        .map_err(|e| e.error.to_string())
 }
 
 /// G3 → G2: a disk read checked against the disk header and the checksum recorded at write.
@@ -126,6 +139,8 @@ pub struct G3ToG2 {
     pub(super) counters: Arc<Counters>,
     pub(super) block_bytes: usize,
     pub(super) shared: Arc<OnboardShared>,
+    /// Identities of the workload's keyed blocks (G2 blocks are registered with them).
+    pub(super) digests: Arc<Digests>,
 }
 
 impl G3ToG2 {
@@ -163,7 +178,7 @@ impl G3ToG2 {
         };
         let outcome = match issued {
             Ok(c) => c.await,
-            Err(e) => return refused(&self.counters, &self.shared, src, "G3→G2", &e),
+            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G3→G2", &e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
             .record(t.elapsed().as_secs_f64());
@@ -173,7 +188,7 @@ impl G3ToG2 {
             let h = blk.sequence_hash();
             ok += usize::from(r.is_ok());
             if check_g3_read(&self.g2_layout, &self.check, &self.counters, &mblk, h, r) {
-                parts.push(complete(mblk, h));
+                parts.push(complete(mblk, h, self.digests.get(h)));
             } else {
                 self.shared.fail(h);
                 parts.push(Err(format!("G3 block {h} failed its read check")));
@@ -209,6 +224,9 @@ pub struct G4ToG2 {
     pub(super) counters: Arc<Counters>,
     pub(super) block_bytes: usize,
     pub(super) shared: Arc<OnboardShared>,
+    /// Identities of the workload's keyed blocks: what an object is checked against when its
+    /// G4 entry was registered without one (warm start, adopted from another instance).
+    pub(super) digests: Arc<Digests>,
 }
 
 impl G4ToG2 {
@@ -227,14 +245,17 @@ impl G4ToG2 {
                 &dst_ids,
                 TransferOptions::with_object_keys(keys).identities(
                     src.iter()
-                        .map(|b| block_identity(b.sequence_hash()))
+                        .map(|b| {
+                            let h = b.sequence_hash();
+                            identity_of(h, self.digests.expected(h, b.digest()))
+                        })
                         .collect(),
                 ),
             )
         };
         let outcome = match issued {
             Ok(c) => c.await,
-            Err(e) => return refused(&self.counters, &self.shared, src, "G4→G2", &e),
+            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G4→G2", &e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
             .record(t.elapsed().as_secs_f64());
@@ -245,7 +266,7 @@ impl G4ToG2 {
             match r {
                 Ok(()) => {
                     ok += 1;
-                    parts.push(complete(mblk, h));
+                    parts.push(complete(mblk, h, self.digests.expected(h, blk.digest())));
                 }
                 Err(e) => {
                     if is_rejection(&e) {
@@ -300,12 +321,32 @@ pub struct G2ToG1 {
 
 impl G2ToG1 {
     fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<Moved<G1>> {
+        let src: Vec<(usize, SequenceHash)> = src
+            .iter()
+            .map(|b| (b.block_id(), b.sequence_hash()))
+            .collect();
+        // SAFETY: the G2 sources are registered blocks held by the session for the copy.
+        unsafe { self.copy_slots(&src, dst) }
+    }
+
+    /// Copies G2 slots `(slot, hash)` into the G1 destinations, checks each block's bytes
+    /// against its hash and registers the good ones in G1. The scheduler's load path calls it
+    /// with the slots `prepare_load` returned.
+    ///
+    /// # Safety
+    /// Every source slot holds the registered block `hash`, and no transfer writes it until
+    /// this returns (a hold: a session's, or the tiering manager's `prepare_load` pin).
+    pub(super) unsafe fn copy_slots(
+        &self,
+        src: &[(usize, SequenceHash)],
+        dst: Vec<MutableBlock<G1>>,
+    ) -> Vec<Moved<G1>> {
         let n = src.len();
-        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
+        let src_ids: Vec<usize> = src.iter().map(|b| b.0).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
         let started = Instant::now();
         // SAFETY: the G1 destinations are `MutableBlock`s owned by this move; the G2 sources
-        // are registered blocks held by the session for the copy.
+        // are held per this function's contract.
         let issued = unsafe {
             self.tm.execute_transfer_inline(
                 self.g2,
@@ -317,14 +358,16 @@ impl G2ToG1 {
         };
         let outcome = match issued {
             Ok(o) => o,
-            Err(e) => return refused(&self.counters, &self.shared, src, "G2→G1", &e),
+            Err(e) => {
+                let hashes = src.iter().map(|b| b.1);
+                return refused(&self.counters, &self.shared, hashes, "G2→G1", &e);
+            }
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
             .record(started.elapsed().as_secs_f64());
         let mut parts = Vec::with_capacity(n);
         let mut ok = 0;
-        for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
-            let h = blk.sequence_hash();
+        for ((&(_, h), mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
             match r {
                 Ok(()) => {
                     ok += 1;
@@ -333,7 +376,7 @@ impl G2ToG1 {
                     let bytes = unsafe { slot_of(&self.g1_layout, mblk.block_id()) };
                     if content::verify(content::seed(h), bytes) {
                         self.shared.verified.fetch_add(1, Ordering::Relaxed);
-                        parts.push(complete(mblk, h));
+                        parts.push(complete(mblk, h, None));
                     } else {
                         // Never served: the slot returns to the pool and the block is recomputed.
                         self.shared.corrupt.fetch_add(1, Ordering::Relaxed);

@@ -192,7 +192,7 @@ impl Report {
             + st.drain;
         let _ = writeln!(
             s,
-            "  stages (s): lookup {:.3}  prefetch {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  enqueue {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}  other {:.3}",
+            "  stages (s): lookup {:.3}  prefetch {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  store {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}  other {:.3}",
             st.lookup,
             st.prefetch,
             st.g3_to_g2,

@@ -65,12 +65,18 @@ use kvbm_engine::leader::{FinishOutcome, OnboardingSession, StagingMovers};
 use kvbm_engine::mover::BlockMove;
 use kvbm_engine::pubsub::nats::NatsBus;
 use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
+use kvbm_engine::scheduler::{EngineTieringManager, PromotionMovers};
 use kvbm_engine::{EventSource, InstanceLeader, KvbmConfig, KvbmRuntime, MatchedPrefix};
 
+use crate::config::Scheduler;
+
 use super::content;
+use super::keys::Digests;
 use super::manifest::G3Index;
 use super::onboard::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 use super::workload::HASH_BLOCK_SIZE;
+
+mod scheduled;
 
 /// How long a G1→G2 batch waits for G2 space before it fails `NoSpace` (see
 /// [`G1ToG2Executor`]).
@@ -127,6 +133,10 @@ pub struct TierPlan {
     pub engine: KvbmConfig,
     /// Set when this replay is one of several instances sharing G4.
     pub sharing: Option<Sharing>,
+    /// The scheduler's way into the engine.
+    pub scheduler: Scheduler,
+    /// The workload's block identities (`--scheduler tiering`; empty otherwise).
+    pub digests: Arc<Digests>,
 }
 
 /// Indexes into [`Counters::bytes`].
@@ -205,7 +215,9 @@ pub struct StageTimes {
     pub g2_to_g1: f64,
     /// Computing missed blocks in G1 and registering them.
     pub compute: f64,
-    /// Handing computed blocks to the G1→G2 lane.
+    /// Handing computed blocks to G2: the G1→G2 lane's enqueue (`--scheduler sessions`), or
+    /// the scheduler's store (`tiering`: prepare_store → G1→G2 copy → complete_store → the
+    /// lower lanes' enqueue).
     pub offload_enqueue: f64,
     /// Waiting for G1 space while offloads drained.
     pub g1_backpressure: f64,
@@ -354,6 +366,12 @@ pub struct Tiers {
     pub offload_settled: [u64; 4],
     /// Set when G4 is shared with other instances.
     shared_g4: Option<SharedG4>,
+    /// The scheduler-facing manager (`--scheduler tiering`; see [`scheduled`]).
+    sched: Option<EngineTieringManager>,
+    /// Where the manager's stores go on to G3/G4 (`--scheduler tiering`).
+    write_through: Option<scheduled::WriteThrough>,
+    /// The workload's block identities (see [`Digests`]).
+    digests: Arc<Digests>,
     /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
     /// everything that runs on it.
     _runtime: KvbmRuntime,
@@ -1039,6 +1057,7 @@ impl Tiers {
                         counters: counters.clone(),
                         block_bytes: b,
                         shared: onboard.clone(),
+                        digests: plan.digests.clone(),
                     })
                 }),
                 g4_to_g2: g4.as_ref().map(|g4t| {
@@ -1051,6 +1070,7 @@ impl Tiers {
                         counters: counters.clone(),
                         block_bytes: b,
                         shared: onboard.clone(),
+                        digests: plan.digests.clone(),
                     })
                 }),
                 g2_to_g1: Arc::new(G2ToG1 {
@@ -1125,6 +1145,10 @@ impl Tiers {
                         .context("cannot start the G2→G4 pipeline")?,
                 ));
             }
+            // With the tiering scheduler, the scheduler's own store (prepare_store → copy →
+            // complete_store) is G1→G2, and the replay hands the stored blocks to the lower
+            // lanes itself ([`scheduled`]).
+            if plan.scheduler == Scheduler::Sessions {
             let exec = G1ToG2Executor {
                 tm: tm.clone(),
                 src: g1.handle,
@@ -1168,7 +1192,39 @@ impl Tiers {
                     .spawn_with_sink(exec, Some(sink))
                     .context("cannot start the G1→G2 pipeline")?,
             );
+            }
         }
+        let mut write_through = None;
+        let sched = match (&leader, &movers, plan.scheduler) {
+            (Some(l), Some(m), Scheduler::Tiering) => Some({
+                let mut sched = l.tiering_manager(
+                    PromotionMovers {
+                        g3_to_g2: m
+                            .g3_to_g2
+                            .clone()
+                            .map(|m| m as Arc<dyn BlockMove<G3, G2>>),
+                        g4_to_g2: m
+                            .g4_to_g2
+                            .clone()
+                            .map(|m| m as Arc<dyn BlockMove<G4, G2>>),
+                    },
+                    rt.clone(),
+                )
+                .context("cannot build the scheduler-facing tiering manager")?;
+                let w = scheduled::WriteThrough::new(
+                    g2_to_g3.clone(),
+                    g2_to_g4.clone(),
+                    handles.clone(),
+                    counters.clone(),
+                    // A batch is a small share of G2 (the buffer holds its blocks).
+                    (plan.g2_blocks / 32).min(256),
+                );
+                sched.set_store_sink(w.sink());
+                write_through = Some(w);
+                sched
+            }),
+            _ => None,
+        };
         drop(_enter);
         // Everything is set up: wait for the other instances before serving.
         if let (Some(client), Some(s)) = (&barrier_client, &plan.sharing) {
@@ -1206,6 +1262,9 @@ impl Tiers {
             served_requests: 0,
             g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
             shared_g4: shared.map(|((bus, _, _), own)| SharedG4 { own, _bus: bus }),
+            sched,
+            write_through,
+            digests: plan.digests.clone(),
             _runtime: runtime,
         })
     }
@@ -1559,6 +1618,13 @@ impl Tiers {
             let pending = t.lane_pending();
             pending > 0 && (pending > high || g2.available_blocks() < reserve)
         };
+        // Blocks buffered for the write-through are held in G2: hand them to the lanes before
+        // deciding (they are what the lanes must write to free G2).
+        if let Some(w) = &self.write_through
+            && g2.available_blocks() < reserve
+        {
+            w.flush(true);
+        }
         if !starved(self) {
             return;
         }
@@ -1733,7 +1799,7 @@ impl Tiers {
                 self.prefetching.remove(&h);
                 ok += usize::from(r.is_ok());
                 if check_g3_read(&g2.layout, &check, &self.counters, &mblk, h, r)
-                    && let Ok(c) = mblk.complete(h)
+                    && let Ok(c) = mblk.complete_with_digest(h, self.digests.get(h))
                 {
                     complete.push(c);
                 }
@@ -1835,6 +1901,13 @@ impl Tiers {
     /// A G3 sync or manifest write that failed.
     pub fn finish(&mut self) -> anyhow::Result<()> {
         let t = Instant::now();
+        if let Some(s) = &mut self.sched {
+            self.session_rt.block_on(s.settle());
+        }
+        if let Some(w) = &self.write_through {
+            w.flush(true);
+        }
+
         self.complete_prefetches(usize::MAX);
         while let Some(h) = self.g1_handles.pop_front() {
             match self.rt.block_on(h.wait()) {

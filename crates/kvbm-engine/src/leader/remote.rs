@@ -144,6 +144,30 @@ pub(super) fn extend(
 }
 
 impl super::InstanceLeader {
+    /// Adopts `h` into this leader's G4 when the cross-instance index places it in another
+    /// instance's G4 and G4 is shared (see "Shared G4" above): the scheduler-facing manager's
+    /// lookup of a single key. Returns whether `h` is now registered in this leader's G4 (no
+    /// bytes move; the promotion reads and verifies the object).
+    pub fn adopt_shared_g4(&self, h: SequenceHash) -> bool {
+        let (Some(r), Some(g4)) = (&self.remote, self.g4()) else {
+            return false;
+        };
+        if !r.shared_g4 || elsewhere(r, h, TierId::G4).is_empty() {
+            return false;
+        }
+        let Ok(mut blocks) = g4.allocate_blocks(1) else {
+            return false;
+        };
+        let Some(b) = blocks.pop() else {
+            return false;
+        };
+        match b.complete(h) {
+            // Registered and dropped: an inactive G4 entry, as a local G4 block is.
+            Ok(c) => !g4.register_blocks(vec![c]).is_empty(),
+            Err(_) => false,
+        }
+    }
+
     /// Asks `checker` which of `hashes` past the locally held prefix are in the shared G4,
     /// and registers the contiguous present run in this leader's G4 (no bytes move; staging
     /// verifies each object). Returns how many were adopted.

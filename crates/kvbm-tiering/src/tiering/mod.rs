@@ -15,5 +15,5 @@ pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJo
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
 pub use physical::{
-    DiskTier, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, key_digest, key_hash, key_identity,
+    DiskTier, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, digest_hash, key_digest, key_hash, key_identity,
 };

@@ -98,12 +98,21 @@ pub fn key_digest(key: &OffloadKey) -> BlockDigest {
 /// # Panics
 /// If `block_size` is not a power of two in `1..=1024` (a manager refuses any other).
 pub fn key_hash(key: &OffloadKey, block_size: u32) -> SequenceHash {
+    digest_hash(&key_digest(key), block_size)
+}
+
+/// The sequence hash of the key whose [`key_digest`] is `digest` ([`key_hash`] without
+/// hashing the key again): for a caller that keeps the digest as the block's identity and
+/// derives the hash from it.
+///
+/// # Panics
+/// As [`key_hash`].
+pub fn digest_hash(digest: &BlockDigest, block_size: u32) -> SequenceHash {
     assert!(
         block_size.is_power_of_two() && block_size <= 1024,
         "a manager's block size is a power of two in 1..=1024, not {block_size}"
     );
-    let raw = key_digest(key).as_u128();
-    SequenceHash::from_u128((raw & !0xF) | u128::from(block_size.trailing_zeros()))
+    SequenceHash::from_u128((digest.as_u128() & !0xF) | u128::from(block_size.trailing_zeros()))
 }
 
 /// The identity a chunk's header carries in a disk slot or object, and which a load requires:

@@ -1,0 +1,451 @@
+//! `--scheduler tiering`: the replay drives the engine as vLLM's scheduler drives its
+//! offloading manager, through `kvbm-tiering`'s contract served over the engine's tiers
+//! ([`EngineTieringManager`](kvbm_engine::scheduler::EngineTieringManager)).
+//!
+//! ```text
+//!  on_new_request
+//!  G1 match (the inference engine's own prefix cache)
+//!  lookup(k) for the blocks after it, until a MISS:
+//!     HIT          in G2 (a block read ahead from G3 counts as a G3 hit)
+//!     HIT_PENDING  in G3/G4 (or another instance's shared G4): the engine promotes it to G2
+//!                  ──► the request waits for the step (settle) and looks up again
+//!  prepare_load(hits) ──► the worker copies the G2 slots to G1, every block checked against its
+//!                         bytes ──► complete_load     (a failed block: the prefix ends before it)
+//!  compute the rest in G1
+//!  prepare_store(computed) ──► the worker copies them G1 → the G2 slots ──► complete_store
+//!     └─► the manager's store sink: the registered G2 blocks go to the G2→G3 and G2→G4 lanes
+//!         (write-through, held strong until written below; enqueued in batches)
+//!  on_request_finished
+//! ```
+//!
+//! What a failed promotion leaves is the manager's business: the key reads MISS (never a hit)
+//! until the block is stored again; the replay recomputes it. A G1 copy that fails or brings
+//! wrong bytes cuts the prefix there; what follows is recomputed (never served).
+//!
+//! Ownership: the manager pins the loaded G2 blocks between `prepare_load` and
+//! `complete_load`, and owns the store's G2 slots between `prepare_store` and
+//! `complete_store`, so nothing else touches those slots while the copies run. Both copies run
+//! inline on this thread (host to host: G1 is a host stand-in); started asynchronously on the
+//! transfer manager's threads, the store measured slower here (the issue, the wait and the
+//! completion cost more than the copy they overlap, on two cores). The request holds its G1
+//! blocks until the end of [`Tiers::serve_scheduled`].
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use anyhow::{Context, anyhow, bail};
+use kvbm_engine::scheduler::StoreSink;
+use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
+use kvbm_offload::{ObjectPipeline, OffloadError, Pipeline, TransferHandle};
+use kvbm_physical::TransferOptions;
+use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
+
+use parking_lot::Mutex;
+
+use super::{Counters, MovePath, Served, Tiers};
+use crate::replay::content;
+
+/// Lookup passes a request may wait through before it takes the prefix that is ready.
+const MAX_PASSES: usize = 4;
+
+impl Tiers {
+    /// Serves one request through the scheduler-facing manager (see the [module docs](self)).
+    /// `keys[i]` is the key of the block registered under `hashes[i]`.
+    ///
+    /// # Errors
+    /// Only when the request cannot be served at all (G1 too small) or the manager refused a
+    /// call it must accept (a bug); failed or rejected transfers are counted and their blocks
+    /// recomputed.
+    pub fn serve_scheduled(
+        &mut self,
+        hashes: &[SequenceHash],
+        keys: &[OffloadKey],
+    ) -> anyhow::Result<Served> {
+        debug_assert_eq!(hashes.len(), keys.len());
+        self.backpressure(hashes.len());
+        self.complete_prefetches(self.served_requests);
+        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
+            self.complete_prefetches(usize::MAX);
+        }
+        self.ensure_g1_room(hashes.len());
+        self.served_requests += 1;
+        let n = hashes.len();
+        let mut served = Served::default();
+        let before = self.onboard_tally();
+        let ctx = ReqContext::new(format!("replay-{}", self.served_requests));
+        self.sched_mut()?
+            .on_new_request(&ctx)
+            .context("on_new_request")?;
+
+        // 1. The inference engine's own prefix cache, then the manager's lookups.
+        let t = Instant::now();
+        let mut held: Vec<ImmutableBlock<G1>> = self.g1.manager.match_blocks(hashes);
+        let at = held.len();
+        served.hits[0] = at as u64;
+        self.times.lookup += t.elapsed().as_secs_f64();
+        let (ready, sources) = self.look_up(&ctx, &hashes[at..], &keys[at..])?;
+
+        // 2. Load the hits: G2 → G1, every block checked.
+        let mut end = at;
+        if ready > 0 {
+            let t = Instant::now();
+            let loaded = self.load(&ctx, &hashes[at..at + ready], &keys[at..at + ready])?;
+            end = at + loaded.len();
+            held.extend(loaded);
+            self.times.g2_to_g1 += t.elapsed().as_secs_f64();
+        }
+        let after = self.onboard_tally();
+        served.onboarded = after[0] - before[0];
+        served.verified = after[1] - before[1];
+        served.corrupt = after[2] - before[2];
+        for s in &sources[..end - at] {
+            served.hits[(*s as usize).min(3)] += 1;
+            served.cross_instance += u64::from(*s == 4);
+        }
+
+        // 3. Compute the rest in G1, then store it through the manager.
+        if end < n {
+            let t = Instant::now();
+            let computed = self.compute(&hashes[end..])?;
+            served.computed = computed.len() as u64;
+            self.times.compute += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            self.store(&ctx, &keys[end..], &computed)?;
+            if let Some(w) = &self.write_through {
+                w.flush(false);
+            }
+            self.times.offload_enqueue += t.elapsed().as_secs_f64();
+            held.extend(computed);
+        }
+        let sched = self.sched_mut()?;
+        sched
+            .on_request_finished(&ctx)
+            .context("on_request_finished")?;
+        // The replay keeps no event consumer: the engine's own events (G2's event sink) are
+        // what other instances follow.
+        drop(sched.take_events());
+        for (tier, h) in served.hits.iter().enumerate() {
+            if *h > 0 {
+                metrics::counter!("kvbm_replay_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
+                    .increment(*h);
+            }
+        }
+        metrics::counter!("kvbm_replay_computed_blocks_total").increment(served.computed);
+        // End of the "forward pass": the request's G1 blocks become inactive (evictable).
+        drop(held);
+        Ok(served)
+    }
+
+    fn sched_mut(&mut self) -> anyhow::Result<&mut kvbm_engine::scheduler::EngineTieringManager> {
+        self.sched
+            .as_mut()
+            .ok_or_else(|| anyhow!("the tiering scheduler needs G2 (--g2-blocks > 0)"))
+    }
+
+    /// Where the block `h` is before the lookup (the tier its hit counts for): 1 G2, 2 G3 (or
+    /// read ahead from G3 into G2), 3 G4, 4 another instance's G4.
+    fn source_of(&mut self, h: SequenceHash) -> u8 {
+        let registry = self.g1.manager.registry();
+        if registry.is_present(h, TierId::G2) {
+            return if self.prefetched.remove(&h) { 2 } else { 1 };
+        }
+        if registry.is_present(h, TierId::G3) {
+            return 2;
+        }
+        let own_g4 = registry.is_present(h, TierId::G4);
+        match &self.shared_g4 {
+            // Written by another instance (or adopted from its events by this lookup).
+            Some(s) if !own_g4 || !s.own.lock().contains(&h) => 4,
+            _ => 3,
+        }
+    }
+
+    /// The scheduler's lookups over `keys` until the first MISS, waiting (as a request waits
+    /// for the next step) while promotions are pending. Returns how many blocks are HITs now
+    /// and the tier each came from.
+    fn look_up(
+        &mut self,
+        ctx: &ReqContext,
+        hashes: &[SequenceHash],
+        keys: &[OffloadKey],
+    ) -> anyhow::Result<(usize, Vec<u8>)> {
+        let mut sources: Vec<u8> = Vec::with_capacity(keys.len());
+        let mut pass = 0;
+        loop {
+            let t = Instant::now();
+            let (mut ready, mut first_pending) = (0, None);
+            for (i, (k, h)) in keys.iter().zip(hashes).enumerate() {
+                if i == sources.len() {
+                    let s = self.source_of(*h);
+                    sources.push(s);
+                }
+                match self.sched_mut()?.lookup(k, ctx) {
+                    LookupResult::Hit => ready = i + 1,
+                    LookupResult::HitPending => {
+                        first_pending.get_or_insert(i);
+                        ready = i + 1;
+                    }
+                    LookupResult::Miss | LookupResult::Retry => break,
+                }
+            }
+            self.times.lookup += t.elapsed().as_secs_f64();
+            pass += 1;
+            let Some(p) = first_pending else {
+                sources.truncate(ready);
+                return Ok((ready, sources));
+            };
+            if pass == MAX_PASSES {
+                sources.truncate(p);
+                return Ok((p, sources));
+            }
+            // The step ends; the promotions settle before the request is scheduled again.
+            let t = Instant::now();
+            let from_g4 = sources[p..ready].iter().any(|s| *s >= 3);
+            let sched = self.sched.as_mut().expect("checked by sched_mut");
+            self.session_rt.block_on(sched.settle());
+            let waited = t.elapsed().as_secs_f64();
+            if from_g4 {
+                self.times.g4_to_g2 += waited;
+            } else {
+                self.times.g3_to_g2 += waited;
+            }
+        }
+    }
+
+    /// `prepare_load` → the G2 → G1 copy (bytes checked) → `complete_load`. Returns the G1
+    /// blocks of the longest prefix that arrived whole and right.
+    fn load(
+        &mut self,
+        ctx: &ReqContext,
+        hashes: &[SequenceHash],
+        keys: &[OffloadKey],
+    ) -> anyhow::Result<Vec<ImmutableBlock<G1>>> {
+        let spec = match self.sched_mut()?.prepare_load(keys, ctx) {
+            Ok(s) => s,
+            Err(e) => {
+                // Every key was a HIT in this pass and nothing allocated since: a bug.
+                bail!("prepare_load refused the request's HITs: {e}");
+            }
+        };
+        let slots = spec
+            .chunk_ids()
+            .ok_or_else(|| anyhow!("prepare_load returned a spec that is not G2 slots"))?;
+        let src: Vec<(usize, SequenceHash)> = slots
+            .iter()
+            .zip(hashes)
+            .map(|(s, h)| (*s as usize, *h))
+            .collect();
+        let dst = match self.g1.manager.allocate_blocks(src.len()) {
+            Ok(d) => d,
+            Err(_) => self.allocate_g1(src.len())?,
+        };
+        let g2_to_g1 = self
+            .movers
+            .as_ref()
+            .map(|m| m.g2_to_g1.clone())
+            .ok_or_else(|| anyhow!("no G2→G1 path"))?;
+        // SAFETY: the slots are the G2 blocks `prepare_load` pinned for this request; they stay
+        // pinned (nothing writes them) until `complete_load` below.
+        let moved = unsafe { g2_to_g1.copy_slots(&src, dst) };
+        self.sched_mut()?
+            .complete_load(keys, ctx)
+            .context("complete_load")?;
+        // The failed blocks were reported to the shared list; the prefix ends at the first.
+        drop(std::mem::take(&mut *self.onboard.failed.lock()));
+        let mut out = Vec::with_capacity(moved.len());
+        for m in moved {
+            match m {
+                Ok(b) => out.push(b),
+                Err(_) => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fills fresh G1 blocks with the bytes of `hashes` and registers them.
+    fn compute(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Vec<ImmutableBlock<G1>>> {
+        let blocks = self.allocate_g1(hashes.len())?;
+        let mut complete = Vec::with_capacity(hashes.len());
+        for (blk, h) in blocks.into_iter().zip(hashes) {
+            // SAFETY: freshly allocated slot: no transfer reads or writes it.
+            let slot = unsafe { self.g1.slot(blk.block_id()) };
+            content::fill(content::seed(*h), slot);
+            complete.push(
+                blk.complete(*h)
+                    .map_err(|e| anyhow!("cannot complete a G1 block: {}", e.error))?,
+            );
+        }
+        Ok(self.g1.manager.register_blocks(complete))
+    }
+
+    /// `prepare_store` → the G1 → G2 copy → `complete_store`; the manager hands what it
+    /// registered to the lower lanes (its store sink, [`WriteThrough`]). `blocks[i]` is
+    /// the G1 block of `keys[i]`.
+    fn store(
+        &mut self,
+        ctx: &ReqContext,
+        keys: &[OffloadKey],
+        blocks: &[ImmutableBlock<G1>],
+    ) -> anyhow::Result<()> {
+        let Some(out) = self
+            .sched_mut()?
+            .prepare_store(keys, ctx)
+            .context("prepare_store")?
+        else {
+            // G2 has no evictable block: nothing is stored (as vLLM skips the store).
+            self.no_space += keys.len() as u64;
+            return Ok(());
+        };
+        self.filtered_blocks += (keys.len() - out.keys_to_store.len()) as u64;
+        if out.keys_to_store.is_empty() {
+            return Ok(());
+        }
+        let slots = out
+            .store_spec
+            .chunk_ids()
+            .ok_or_else(|| anyhow!("prepare_store returned a spec that is not G2 slots"))?;
+        // `keys_to_store` is `keys` filtered, in order.
+        let mut src = Vec::with_capacity(slots.len());
+        let mut j = 0;
+        for k in &out.keys_to_store {
+            while j < keys.len() && keys[j] != *k {
+                j += 1;
+            }
+            let b = blocks
+                .get(j)
+                .ok_or_else(|| anyhow!("prepare_store named a key the request did not give"))?;
+            src.push(b.block_id());
+        }
+        let dst: Vec<usize> = slots.iter().map(|s| *s as usize).collect();
+        let g2 = self.g2.as_ref().expect("the scheduler needs G2");
+        // SAFETY: the G2 slots were reserved by `prepare_store` for this request (the manager
+        // owns them until `complete_store`; nothing reads them); the G1 sources are registered
+        // blocks this request holds.
+        let outcome = unsafe {
+            self.tm.execute_transfer_inline(
+                self.g1.handle,
+                &src,
+                g2.handle,
+                &dst,
+                TransferOptions::default(),
+            )
+        };
+        let (mut ok, mut failed) = (Vec::with_capacity(dst.len()), Vec::new());
+        match outcome {
+            Ok(o) => {
+                for (k, (_, r)) in out.keys_to_store.iter().zip(o.blocks) {
+                    match r {
+                        Ok(()) => ok.push(*k),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "G1→G2 store failed");
+                            failed.push(*k);
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "G1→G2 store refused");
+                failed = out.keys_to_store;
+            }
+        }
+        self.counters
+            .failed_transfers
+            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+        self.counters
+            .add_bytes(MovePath::G1ToG2, ok.len(), self.block_bytes);
+        let sched = self.sched_mut()?;
+        if !failed.is_empty() {
+            sched
+                .complete_store(&failed, ctx, false)
+                .context("complete_store")?;
+        }
+        if !ok.is_empty() {
+            sched
+                .complete_store(&ok, ctx, true)
+                .context("complete_store")?;
+        }
+        Ok(())
+    }
+}
+
+/// The write-through from the manager's store sink to the G2→G3 and G2→G4 lanes.
+///
+/// The sink only buffers what a `complete_store` registered (strong handles: a G2 block is not
+/// evicted before it reached the lower tiers); [`WriteThrough::flush`] enqueues the buffer once
+/// it holds a batch, so one enqueue (a wake-up of the lane) carries many requests' blocks.
+/// Buffered blocks are at most a batch plus one request; [`Tiers::backpressure`] flushes
+/// before it waits, and [`Tiers::finish`] before it drains. The buffer's mutex is a leaf lock.
+pub(super) struct WriteThrough {
+    buffer: Arc<Mutex<Vec<ImmutableBlock<G2>>>>,
+    g2_to_g3: Option<Arc<Pipeline<G2>>>,
+    g2_to_g4: Option<Arc<ObjectPipeline>>,
+    handles: Arc<Mutex<Vec<TransferHandle>>>,
+    counters: Arc<Counters>,
+    /// Blocks per enqueue.
+    batch: usize,
+}
+
+impl WriteThrough {
+    /// A write-through to the given lanes, enqueueing `batch` blocks at a time.
+    pub(super) fn new(
+        g2_to_g3: Option<Arc<Pipeline<G2>>>,
+        g2_to_g4: Option<Arc<ObjectPipeline>>,
+        handles: Arc<Mutex<Vec<TransferHandle>>>,
+        counters: Arc<Counters>,
+        batch: usize,
+    ) -> Self {
+        WriteThrough {
+            buffer: Arc::default(),
+            g2_to_g3,
+            g2_to_g4,
+            handles,
+            counters,
+            batch: batch.max(1),
+        }
+    }
+
+    /// The manager's store sink: buffers the registered blocks (nothing to buffer without a
+    /// lower lane).
+    pub(super) fn sink(&self) -> StoreSink {
+        let buffer = self.buffer.clone();
+        let lanes = self.g2_to_g3.is_some() || self.g2_to_g4.is_some();
+        Box::new(move |blocks: Vec<ImmutableBlock<G2>>| {
+            if lanes {
+                buffer.lock().extend(blocks);
+            }
+        })
+    }
+
+    /// Enqueues the buffer on every lower lane once it holds a batch (`all`: whatever it
+    /// holds).
+    pub(super) fn flush(&self, all: bool) {
+        let blocks = {
+            let mut b = self.buffer.lock();
+            if b.is_empty() || (!all && b.len() < self.batch) {
+                return;
+            }
+            std::mem::take(&mut *b)
+        };
+        let n = blocks.len() as u64;
+        let push = |lane: &str, r: Result<TransferHandle, OffloadError>| match r {
+            Ok(h) => {
+                self.counters
+                    .offload_enqueued
+                    .fetch_add(n, Ordering::Relaxed);
+                self.handles.lock().push(h);
+            }
+            // Only a lane that is shutting down refuses; the blocks stay in G2.
+            Err(e) => tracing::warn!(error = %e, "the {lane} lane refused stored blocks"),
+        };
+        match (&self.g2_to_g3, &self.g2_to_g4) {
+            (Some(p3), Some(p4)) => {
+                push("G2→G3", p3.enqueue_blocking(blocks.clone(), None));
+                push("G2→G4", p4.pipeline().enqueue_blocking(blocks, None));
+            }
+            (Some(p3), None) => push("G2→G3", p3.enqueue_blocking(blocks, None)),
+            (None, Some(p4)) => push("G2→G4", p4.pipeline().enqueue_blocking(blocks, None)),
+            (None, None) => drop(blocks),
+        }
+    }
+}
