@@ -297,6 +297,29 @@ fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
     expected(&r);
     assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
     assert_healthy(&r);
+    assert_eq!(r["scheduler"], "tiering", "the default front end: {r}");
+    // The same through the leader's onboarding sessions instead of the tiering manager.
+    let r = ok_json(run(&[
+        "replay",
+        "--trace",
+        t,
+        "--requests",
+        "400",
+        "--g1-blocks",
+        "256",
+        "--g2-blocks",
+        "1024",
+        "--g3-blocks",
+        "65536",
+        "--scheduler",
+        "sessions",
+        "--json",
+    ]));
+    expected(&r);
+    assert_eq!(r["scheduler"], "sessions", "{r}");
+    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
+    assert_healthy(&r);
+    assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
 }
 
 #[test]

@@ -14,8 +14,8 @@
 //!                                                            the leader's BlockMove), HIT_PENDING
 //!                            another instance's G4 has it  → adopted into this leader's G4 (shared
 //!                            (shared G4, from its events)    G4: see leader::remote), promoted
-//!                            a promotion of k failed       → MISS (never a hit; until reset_cache
-//!                                                            or a store of k completes)
+//!                            only copies whose promotion   → MISS (a copy that failed is never
+//!                            failed                          read again; until reset_cache)
 //!                            else                          → MISS
 //!  prepare_load(ks)          hold every key's G2 block for the request; CPU spec = G2 block ids
 //!  (worker)                  copies G2 slots → GPU (G1) with the spec
@@ -68,6 +68,16 @@
 //! allocation go out as a removal event. Entries whose block left G2 another way (an eviction
 //! by the leader's own allocations, `reset_cache`) are pruned when the map outgrows twice G2's
 //! capacity and on `reset_cache`.
+//!
+//! # Failed copies
+//!
+//! A promotion that fails (the copy is corrupt, another block's, or gone) is never reported
+//! as a hit, and that tier's copy is never read again: the manager remembers the (hash, tier)
+//! and a later lookup of the key is a MISS unless G2 holds fresh bytes (the scheduler
+//! recomputed and stored it) or another tier holds a copy not yet tried. The tier itself
+//! keeps its registration until its own eviction drops it (the manager cannot unregister a
+//! block another holder may still use); remembered copies are pruned once their tier no
+//! longer holds them, and all are forgotten on `reset_cache`.
 //!
 //! # Promotions
 //!
@@ -203,8 +213,8 @@ pub struct EngineTieringManager {
     requests: HashMap<u64, ReqState>,
     promotions: HashMap<OffloadKey, Promotion>,
     completions: Arc<Mutex<Vec<Completion>>>,
-    /// Keys whose promotion failed: MISS until `reset_cache`.
-    failed: HashSet<OffloadKey>,
+    /// Copies (hash, tier) whose promotion failed: never promoted again (see "Failed copies").
+    bad_copies: HashSet<(SequenceHash, TierId)>,
     /// Keys reserved by some request's `prepare_store`.
     storing: HashSet<OffloadKey>,
     events: Vec<OffloadingEvent>,
@@ -221,7 +231,7 @@ impl std::fmt::Debug for EngineTieringManager {
         f.debug_struct("EngineTieringManager")
             .field("requests", &self.requests.len())
             .field("promotions", &self.promotions.len())
-            .field("failed", &self.failed.len())
+            .field("bad_copies", &self.bad_copies.len())
             .finish()
     }
 }
@@ -291,6 +301,9 @@ impl InstanceLeader {
     }
 }
 
+/// Failed copies remembered before the set is pruned of copies their tier dropped.
+const BAD_COPIES_PRUNE_AT: usize = 4096;
+
 fn unknown(call: &'static str, ctx: &ReqContext) -> TieringError {
     TieringError::UnknownRequest {
         call,
@@ -345,7 +358,7 @@ impl EngineTieringManager {
             requests: HashMap::new(),
             promotions: HashMap::new(),
             completions: Arc::new(Mutex::new(Vec::new())),
-            failed: HashSet::new(),
+            bad_copies: HashSet::new(),
             storing: HashSet::new(),
             events: Vec::new(),
             promotion_failures: 0,
@@ -438,10 +451,18 @@ impl EngineTieringManager {
                     }
                 }
                 Err(message) => {
-                    tracing::warn!(%key, %message, "promotion to G2 failed; the key reads MISS");
+                    tracing::warn!(%key, %message, tier = %p.tier, "promotion to G2 failed; that copy is never read again");
                     self.promotion_failures += 1;
                     self.stats.promotion_failures[tier_slot(p.tier) - 1] += 1;
-                    self.failed.insert(key);
+                    let h = self.hash_of(&key);
+                    self.bad_copies.insert((h, p.tier));
+                    if self.bad_copies.len() > BAD_COPIES_PRUNE_AT {
+                        // Forget copies their tier no longer holds (evicted since).
+                        let accessor = self.leader.accessor();
+                        self.bad_copies.retain(|(h, t)| {
+                            accessor.is_present(*h, LogicalLayoutHandle::from(*t))
+                        });
+                    }
                 }
             }
         }
@@ -461,9 +482,22 @@ impl EngineTieringManager {
             G3(Arc<dyn BlockMove<G3, G2>>, Vec<ImmutableBlock<G3>>),
             G4(Arc<dyn BlockMove<G4, G2>>, Vec<ImmutableBlock<G4>>),
         }
-        let mut at = self.leader.accessor().locate(h);
+        let accessor = self.leader.accessor();
+        let mut at = accessor.locate(h);
         if at.is_none() && self.leader.adopt_shared_g4(h) {
             at = Some(LogicalLayoutHandle::G4);
+        }
+        // A copy that failed its promotion is never read again; another tier's copy may be.
+        if let Some(l) = at
+            && self.bad_copies.contains(&(h, l.tier()))
+        {
+            at = [LogicalLayoutHandle::G3, LogicalLayoutHandle::G4]
+                .into_iter()
+                .find(|o| {
+                    *o != l
+                        && accessor.is_present(h, *o)
+                        && !self.bad_copies.contains(&(h, o.tier()))
+                });
         }
         let source = match at {
             Some(LogicalLayoutHandle::G3) => {
@@ -545,9 +579,6 @@ impl OffloadingManager for EngineTieringManager {
         self.collect();
         if self.promotions.contains_key(key) {
             return LookupResult::HitPending;
-        }
-        if self.failed.contains(key) {
-            return LookupResult::Miss;
         }
         let h = self.hash_of(key);
         self.stats.queries[0] += 1;
@@ -744,9 +775,6 @@ impl OffloadingManager for EngineTieringManager {
                     Ok(c) => {
                         complete.push(c);
                         stored.push((*k, h));
-                        // Fresh bytes for the key: an earlier failed promotion (of another
-                        // copy) no longer makes it a MISS.
-                        self.failed.remove(k);
                     }
                     Err(e) => tracing::warn!(key = %k, error = %e.error, "cannot register in G2"),
                 }
@@ -814,7 +842,7 @@ impl OffloadingManager for EngineTieringManager {
         for r in self.requests.values_mut() {
             r.promoted.clear();
         }
-        self.failed.clear();
+        self.bad_copies.clear();
         self.g2.reset_inactive_pool();
         self.prune_registered();
         Ok(())

@@ -309,7 +309,11 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     r.mgr.complete_store(&[key], &ctx, false).unwrap();
     assert!(r.mgr.take_events().is_empty());
     assert_eq!(r.g2.available_blocks(), N);
-    assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Miss, "still never a hit");
+    assert_eq!(
+        r.mgr.lookup(&key, &ctx),
+        LookupResult::Miss,
+        "still never a hit"
+    );
 
     // The scheduler recomputes the block and stores it: the fresh bytes in G2 are a HIT (the
     // failed promotion was of the bad G3 copy), and load back exactly.
@@ -322,6 +326,11 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     r.copy(r.g2_bound.layout(), &ids(&spec), r.gpu, &[6]).await;
     r.mgr.complete_load(&[key], &ctx).unwrap();
     assert_eq!(r.gpu_bytes(6), r.gpu_bytes(5));
+    // Once G2 drops the fresh copy, the bad G3 copy is not read again: MISS, no promotion.
+    assert_eq!(r.g2.reset_inactive_pool(), 1);
+    assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Miss);
+    assert_eq!(r.mgr.promotions_in_flight(), 0);
+    assert_eq!(r.mgr.promotion_failures(), 1);
     r.mgr.on_request_finished(&ctx).unwrap();
 }
 

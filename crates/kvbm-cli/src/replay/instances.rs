@@ -244,7 +244,13 @@ pub fn combine(reports: &[Value], total: usize, unique: usize, wall: f64) -> Val
         "blocks_per_second".into(),
         json!(if wall > 0.0 { total_f / wall } else { 0.0 }),
     );
-    for k in ["eviction_policy", "block_bytes", "workload", "storage"] {
+    for k in [
+        "eviction_policy",
+        "scheduler",
+        "block_bytes",
+        "workload",
+        "storage",
+    ] {
         if let Some(v) = reports.first().and_then(|r| r.get(k)) {
             out.insert(k.into(), v.clone());
         }

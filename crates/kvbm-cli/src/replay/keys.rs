@@ -93,7 +93,11 @@ impl Digests {
     }
 
     /// The identity expected of `h`: the registered block's own digest, else the workload's.
-    pub fn expected(&self, h: SequenceHash, registered: Option<BlockDigest>) -> Option<BlockDigest> {
+    pub fn expected(
+        &self,
+        h: SequenceHash,
+        registered: Option<BlockDigest>,
+    ) -> Option<BlockDigest> {
         registered.or_else(|| self.get(h))
     }
 }
@@ -127,7 +131,11 @@ mod tests {
                 .len(),
             3
         );
-        assert_eq!(d.get(chained[0]), None, "a hash outside the workload has none");
+        assert_eq!(
+            d.get(chained[0]),
+            None,
+            "a hash outside the workload has none"
+        );
         let other = BlockDigest([7; 32]);
         assert_eq!(d.expected(hashes[0], Some(other)), Some(other));
     }

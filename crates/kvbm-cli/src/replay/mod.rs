@@ -225,6 +225,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
                 (req.timestamp_ms.saturating_sub(t0)) as f64 / 1000.0 * cfg.replay.time_scale,
             );
             if let Some(wait) = due.checked_sub(start.elapsed()) {
+                tiers.idle();
                 std::thread::sleep(wait);
             }
         }
@@ -237,7 +238,12 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
                     tiers.prefetch(j, &ahead_hashes);
                 }
             } else if let Some(next) = wl.requests.get(i + ahead) {
-                hash(&next.hash_ids, &mut chained, &mut ahead_keys, &mut ahead_hashes);
+                hash(
+                    &next.hash_ids,
+                    &mut chained,
+                    &mut ahead_keys,
+                    &mut ahead_hashes,
+                );
                 tiers.prefetch(i + ahead, &ahead_hashes);
             }
         }
@@ -338,6 +344,11 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         wall_seconds: wall,
         blocks_per_second: if wall > 0.0 { total as f64 / wall } else { 0.0 },
         eviction_policy: eviction_name(cfg),
+        scheduler: if tiering {
+            Scheduler::Tiering
+        } else {
+            Scheduler::Sessions
+        },
         block_bytes: cfg.replay.block_bytes,
         stage_seconds: tiers.times,
         storage,

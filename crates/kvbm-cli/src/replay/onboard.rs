@@ -112,6 +112,58 @@ fn refused<D: Tier>(
     .collect()
 }
 
+/// Runs `transfer` on the sources not already rejected (poisoned) and fails the others
+/// without reading them again (their destinations go back to the pool): a copy a tier
+/// rejected once, by a read ahead or an earlier move, is never read twice. Outcomes stay in
+/// source order.
+async fn skipping_rejected<S: Tier, F, Fut>(
+    poisoned: &Mutex<HashSet<SequenceHash>>,
+    shared: &OnboardShared,
+    src: &[ImmutableBlock<S>],
+    dst: Vec<MutableBlock<G2>>,
+    transfer: F,
+) -> Vec<Moved<G2>>
+where
+    F: FnOnce(Vec<ImmutableBlock<S>>, Vec<MutableBlock<G2>>) -> Fut,
+    Fut: std::future::Future<Output = Vec<Moved<G2>>>,
+{
+    let bad: Vec<bool> = {
+        let p = poisoned.lock();
+        if p.is_empty() {
+            Vec::new()
+        } else {
+            src.iter().map(|b| p.contains(&b.sequence_hash())).collect()
+        }
+    };
+    if !bad.iter().any(|b| *b) {
+        return transfer(src.to_vec(), dst).await;
+    }
+    let (mut good_src, mut good_dst) = (Vec::new(), Vec::new());
+    for ((b, d), is_bad) in src.iter().zip(dst).zip(&bad) {
+        if !*is_bad {
+            good_src.push(b.clone());
+            good_dst.push(d);
+        }
+    }
+    let mut moved = transfer(good_src, good_dst).await.into_iter();
+    src.iter()
+        .zip(bad)
+        .map(|(b, is_bad)| {
+            if is_bad {
+                shared.fail(b.sequence_hash());
+                Err(format!(
+                    "block {} was already rejected by its tier",
+                    b.sequence_hash()
+                ))
+            } else {
+                moved
+                    .next()
+                    .unwrap_or_else(|| Err("the move reported too few outcomes".into()))
+            }
+        })
+        .collect()
+}
+
 /// The hashes of `blocks`, for [`refused`].
 fn hashes_of<T: Tier>(
     blocks: &[ImmutableBlock<T>],
@@ -146,7 +198,14 @@ pub struct G3ToG2 {
 impl G3ToG2 {
     async fn run(&self, src: &[ImmutableBlock<G3>], dst: Vec<MutableBlock<G2>>) -> Vec<Moved<G2>> {
         let t = Instant::now();
-        let out = self.transfer(src, dst).await;
+        let out = skipping_rejected(
+            &self.check.poisoned,
+            &self.shared,
+            src,
+            dst,
+            |s, d| async move { self.transfer(&s, d).await },
+        )
+        .await;
         self.shared
             .g3_nanos
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -231,6 +290,18 @@ pub struct G4ToG2 {
 
 impl G4ToG2 {
     async fn run(&self, src: &[ImmutableBlock<G4>], dst: Vec<MutableBlock<G2>>) -> Vec<Moved<G2>> {
+        let poisoned = self.poisoned.clone();
+        skipping_rejected(&poisoned, &self.shared, src, dst, |s, d| async move {
+            self.transfer(&s, d).await
+        })
+        .await
+    }
+
+    async fn transfer(
+        &self,
+        src: &[ImmutableBlock<G4>],
+        dst: Vec<MutableBlock<G2>>,
+    ) -> Vec<Moved<G2>> {
         let positions: Vec<usize> = (0..src.len()).collect();
         let keys = src.iter().map(|b| object_key(b.sequence_hash())).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();

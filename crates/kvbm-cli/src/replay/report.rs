@@ -67,6 +67,10 @@ pub struct Report {
     pub blocks_per_second: f64,
     /// The eviction backend of every tier.
     pub eviction_policy: String,
+    /// The scheduler's way into the engine: `tiering` (the scheduler-facing manager) or
+    /// `sessions` (the leader's onboarding sessions; also when G2 is off: G1 alone needs no
+    /// manager).
+    pub scheduler: crate::config::Scheduler,
     /// Bytes per block.
     pub block_bytes: usize,
     /// Seconds per stage (summed over requests; `drain` is the end).
@@ -111,8 +115,16 @@ impl Report {
         let _ = writeln!(s, "kvbm replay: {}", self.workload);
         let _ = writeln!(
             s,
-            "  requests {}   blocks {} ({} unique, {} B each)   eviction {}",
-            self.requests, self.blocks, self.unique_blocks, self.block_bytes, self.eviction_policy
+            "  requests {}   blocks {} ({} unique, {} B each)   eviction {}   scheduler {}",
+            self.requests,
+            self.blocks,
+            self.unique_blocks,
+            self.block_bytes,
+            self.eviction_policy,
+            serde_json::to_value(self.scheduler)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default()
         );
         let _ = writeln!(
             s,

@@ -1149,68 +1149,63 @@ impl Tiers {
             // complete_store) is G1→G2, and the replay hands the stored blocks to the lower
             // lanes itself ([`scheduled`]).
             if plan.scheduler == Scheduler::Sessions {
-            let exec = G1ToG2Executor {
-                tm: tm.clone(),
-                src: g1.handle,
-                dst: g2t.handle,
-                g2: g2t.manager.clone(),
-                patience: G2_SPACE_PATIENCE,
-                waits: g2_space_waits.clone(),
-            };
-            let (next3, next4, hs, ho, c) = (
-                g2_to_g3.clone(),
-                g2_to_g4.clone(),
-                handles.clone(),
-                handoffs.clone(),
-                counters.clone(),
-            );
-            let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
-                Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
-                    c.add_bytes(MovePath::G1ToG2, blocks.len(), b);
-                    // Strong references: a G2 block is not evicted before it reached the lower
-                    // tiers (write-through). The replay loop bounds how many are in flight.
-                    if let Some(p) = &next3 {
-                        enqueue_from_sink(p, |p| p, blocks.clone(), &hs, &ho, &c, "G2→G3");
-                    }
-                    if let Some(p) = &next4 {
-                        enqueue_from_sink(
-                            p,
-                            ObjectPipeline::pipeline,
-                            blocks,
-                            &hs,
-                            &ho,
-                            &c,
-                            "G2→G4",
-                        );
-                    }
-                });
-            g1_to_g2 = Some(
-                PipelineBuilder::<G1, G2>::new()
-                    .config(plan.g1_to_g2.clone())
-                    .policy(lane_policy(&registry, &plan.g1_to_g2))
-                    .build()
-                    .spawn_with_sink(exec, Some(sink))
-                    .context("cannot start the G1→G2 pipeline")?,
-            );
+                let exec = G1ToG2Executor {
+                    tm: tm.clone(),
+                    src: g1.handle,
+                    dst: g2t.handle,
+                    g2: g2t.manager.clone(),
+                    patience: G2_SPACE_PATIENCE,
+                    waits: g2_space_waits.clone(),
+                };
+                let (next3, next4, hs, ho, c) = (
+                    g2_to_g3.clone(),
+                    g2_to_g4.clone(),
+                    handles.clone(),
+                    handoffs.clone(),
+                    counters.clone(),
+                );
+                let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
+                    Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
+                        c.add_bytes(MovePath::G1ToG2, blocks.len(), b);
+                        // Strong references: a G2 block is not evicted before it reached the lower
+                        // tiers (write-through). The replay loop bounds how many are in flight.
+                        if let Some(p) = &next3 {
+                            enqueue_from_sink(p, |p| p, blocks.clone(), &hs, &ho, &c, "G2→G3");
+                        }
+                        if let Some(p) = &next4 {
+                            enqueue_from_sink(
+                                p,
+                                ObjectPipeline::pipeline,
+                                blocks,
+                                &hs,
+                                &ho,
+                                &c,
+                                "G2→G4",
+                            );
+                        }
+                    });
+                g1_to_g2 = Some(
+                    PipelineBuilder::<G1, G2>::new()
+                        .config(plan.g1_to_g2.clone())
+                        .policy(lane_policy(&registry, &plan.g1_to_g2))
+                        .build()
+                        .spawn_with_sink(exec, Some(sink))
+                        .context("cannot start the G1→G2 pipeline")?,
+                );
             }
         }
         let mut write_through = None;
         let sched = match (&leader, &movers, plan.scheduler) {
             (Some(l), Some(m), Scheduler::Tiering) => Some({
-                let mut sched = l.tiering_manager(
-                    PromotionMovers {
-                        g3_to_g2: m
-                            .g3_to_g2
-                            .clone()
-                            .map(|m| m as Arc<dyn BlockMove<G3, G2>>),
-                        g4_to_g2: m
-                            .g4_to_g2
-                            .clone()
-                            .map(|m| m as Arc<dyn BlockMove<G4, G2>>),
-                    },
-                    rt.clone(),
-                )
-                .context("cannot build the scheduler-facing tiering manager")?;
+                let mut sched = l
+                    .tiering_manager(
+                        PromotionMovers {
+                            g3_to_g2: m.g3_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G3, G2>>),
+                            g4_to_g2: m.g4_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G4, G2>>),
+                        },
+                        rt.clone(),
+                    )
+                    .context("cannot build the scheduler-facing tiering manager")?;
                 let w = scheduled::WriteThrough::new(
                     g2_to_g3.clone(),
                     g2_to_g4.clone(),
@@ -1861,6 +1856,14 @@ impl Tiers {
                 held(t.manager.total_blocks(), t.manager.available_blocks())
             }),
         ]
+    }
+
+    /// The replay is about to wait for the next request's timestamp: hands everything buffered
+    /// on to the lanes, so the wait overlaps their work.
+    pub fn idle(&mut self) {
+        if let Some(w) = &self.write_through {
+            w.flush(true);
+        }
     }
 
     /// Collects finished lane handles.

@@ -15,5 +15,6 @@ pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJo
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
 pub use physical::{
-    DiskTier, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, digest_hash, key_digest, key_hash, key_identity,
+    DiskTier, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, digest_hash, key_digest, key_hash,
+    key_identity,
 };

@@ -32,7 +32,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use kvbm_engine::scheduler::StoreSink;
@@ -43,11 +43,14 @@ use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
 use parking_lot::Mutex;
 
-use super::{Counters, MovePath, Served, Tiers};
+use super::{Counters, G2_SPACE_PATIENCE, MovePath, Served, Tiers};
 use crate::replay::content;
 
 /// Lookup passes a request may wait through before it takes the prefix that is ready.
 const MAX_PASSES: usize = 4;
+
+/// The longest a stored block waits in the write-through buffer ([`WriteThrough`]).
+const WRITE_THROUGH_DELAY: Duration = Duration::from_millis(2);
 
 impl Tiers {
     /// Serves one request through the scheduler-facing manager (see the [module docs](self)).
@@ -279,6 +282,46 @@ impl Tiers {
         Ok(self.g1.manager.register_blocks(complete))
     }
 
+    /// `prepare_store`, waiting while G2 is full of blocks the lanes are still writing below
+    /// (as the sessions' G1→G2 lane waits for G2 room): up to [`G2_SPACE_PATIENCE`] while a
+    /// lane has work, and a short grace once it has none (a lane drops its blocks just after it
+    /// reports them done). `None`: G2 has no room to give.
+    fn prepare_store(
+        &mut self,
+        ctx: &ReqContext,
+        keys: &[OffloadKey],
+    ) -> anyhow::Result<Option<kvbm_tiering::PrepareStoreOutput>> {
+        const GRACE: Duration = Duration::from_millis(50);
+        let started = Instant::now();
+        let mut idle_since: Option<Instant> = None;
+        for round in 0.. {
+            let out = self
+                .sched_mut()?
+                .prepare_store(keys, ctx)
+                .context("prepare_store")?;
+            if out.is_some() {
+                return Ok(out);
+            }
+            if round == 0 {
+                self.g2_space_waits.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(w) = &self.write_through {
+                w.flush(true);
+            }
+            self.complete_prefetches(usize::MAX);
+            if self.lane_pending() > 0 {
+                idle_since = None;
+            } else if idle_since.get_or_insert_with(Instant::now).elapsed() > GRACE {
+                return Ok(None);
+            }
+            if started.elapsed() > G2_SPACE_PATIENCE {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        unreachable!("the loop returns")
+    }
+
     /// `prepare_store` → the G1 → G2 copy → `complete_store`; the manager hands what it
     /// registered to the lower lanes (its store sink, [`WriteThrough`]). `blocks[i]` is
     /// the G1 block of `keys[i]`.
@@ -288,11 +331,7 @@ impl Tiers {
         keys: &[OffloadKey],
         blocks: &[ImmutableBlock<G1>],
     ) -> anyhow::Result<()> {
-        let Some(out) = self
-            .sched_mut()?
-            .prepare_store(keys, ctx)
-            .context("prepare_store")?
-        else {
+        let Some(out) = self.prepare_store(ctx, keys)? else {
             // G2 has no evictable block: nothing is stored (as vLLM skips the store).
             self.no_space += keys.len() as u64;
             return Ok(());
@@ -373,11 +412,14 @@ impl Tiers {
 ///
 /// The sink only buffers what a `complete_store` registered (strong handles: a G2 block is not
 /// evicted before it reached the lower tiers); [`WriteThrough::flush`] enqueues the buffer once
-/// it holds a batch, so one enqueue (a wake-up of the lane) carries many requests' blocks.
+/// it holds a batch or its oldest block has waited [`WRITE_THROUGH_DELAY`], so one enqueue (a
+/// wake-up of the lane) carries many requests' blocks while a stored block still reaches G3/G4
+/// (and other instances, through G4) promptly; the replay flushes it whole before it idles.
 /// Buffered blocks are at most a batch plus one request; [`Tiers::backpressure`] flushes
 /// before it waits, and [`Tiers::finish`] before it drains. The buffer's mutex is a leaf lock.
 pub(super) struct WriteThrough {
-    buffer: Arc<Mutex<Vec<ImmutableBlock<G2>>>>,
+    /// The buffered blocks, and when the oldest of them was buffered.
+    buffer: Arc<Mutex<(Vec<ImmutableBlock<G2>>, Option<Instant>)>>,
     g2_to_g3: Option<Arc<Pipeline<G2>>>,
     g2_to_g4: Option<Arc<ObjectPipeline>>,
     handles: Arc<Mutex<Vec<TransferHandle>>>,
@@ -412,20 +454,25 @@ impl WriteThrough {
         let lanes = self.g2_to_g3.is_some() || self.g2_to_g4.is_some();
         Box::new(move |blocks: Vec<ImmutableBlock<G2>>| {
             if lanes {
-                buffer.lock().extend(blocks);
+                let mut b = buffer.lock();
+                b.1.get_or_insert_with(Instant::now);
+                b.0.extend(blocks);
             }
         })
     }
 
-    /// Enqueues the buffer on every lower lane once it holds a batch (`all`: whatever it
-    /// holds).
+    /// Enqueues the buffer on every lower lane once it holds a batch or has waited long
+    /// enough (`all`: whatever it holds).
     pub(super) fn flush(&self, all: bool) {
         let blocks = {
             let mut b = self.buffer.lock();
-            if b.is_empty() || (!all && b.len() < self.batch) {
+            let due =
+                b.0.len() >= self.batch || b.1.is_some_and(|t| t.elapsed() >= WRITE_THROUGH_DELAY);
+            if b.0.is_empty() || !(all || due) {
                 return;
             }
-            std::mem::take(&mut *b)
+            b.1 = None;
+            std::mem::take(&mut b.0)
         };
         let n = blocks.len() as u64;
         let push = |lane: &str, r: Result<TransferHandle, OffloadError>| match r {
