@@ -408,6 +408,9 @@ impl Tiers {
     }
 }
 
+/// The buffered blocks, and when the oldest of them was buffered.
+type Buffered = (Vec<ImmutableBlock<G2>>, Option<Instant>);
+
 /// The write-through from the manager's store sink to the G2→G3 and G2→G4 lanes.
 ///
 /// The sink only buffers what a `complete_store` registered (strong handles: a G2 block is not
@@ -418,8 +421,7 @@ impl Tiers {
 /// Buffered blocks are at most a batch plus one request; [`Tiers::backpressure`] flushes
 /// before it waits, and [`Tiers::finish`] before it drains. The buffer's mutex is a leaf lock.
 pub(super) struct WriteThrough {
-    /// The buffered blocks, and when the oldest of them was buffered.
-    buffer: Arc<Mutex<(Vec<ImmutableBlock<G2>>, Option<Instant>)>>,
+    buffer: Arc<Mutex<Buffered>>,
     g2_to_g3: Option<Arc<Pipeline<G2>>>,
     g2_to_g4: Option<Arc<ObjectPipeline>>,
     handles: Arc<Mutex<Vec<TransferHandle>>>,
