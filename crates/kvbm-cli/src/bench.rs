@@ -5,6 +5,7 @@
 //! | `host_copy` | `TransferManager` host → host | `ptr::copy_nonoverlapping` |
 //! | `g2_to_g3`, `g3_to_g2` | `TransferManager` host ↔ `DiskStorage` (header + xxh3-128) | an O_DIRECT io_uring loop, one request per block, same queue depth |
 //! | `g2_to_g4`, `g4_to_g2` | `TransferManager` host ↔ `ObjectStorage` (header + verified get) | `object_store` put/get, same concurrency |
+//! | `tiering_store`, `tiering_load`, `tiering_promote` | a scheduler request through the engine's tiering manager ([`tiering`]) | `memcpy`; raw io_uring reads |
 //!
 //! Rounds alternate which side runs first (drift within a round favours neither); each figure
 //! is the median over rounds and the ratio is the median of the per-round ratios. The ideas
@@ -31,6 +32,8 @@ use serde::Serialize;
 
 use crate::config::CliConfig;
 
+mod tiering;
+
 const MIB: usize = 1 << 20;
 const BLOCK: usize = 2 * MIB;
 
@@ -43,7 +46,7 @@ pub enum Which {
     Disk,
     /// G2 ↔ G4 (objects).
     Object,
-    /// The tiering manager (not available yet).
+    /// The scheduler-facing tiering manager over real tiers (store, load, promotion).
     Tiering,
     /// Everything.
     All,
@@ -72,33 +75,22 @@ pub struct BenchResult {
     pub note: String,
 }
 
-/// A path not measured, and why.
-#[derive(Debug, Clone, Serialize)]
-pub struct Skipped {
-    /// The path.
-    pub path: &'static str,
-    /// Why.
-    pub reason: String,
-}
-
 /// The whole output.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchOutput {
     /// Measured paths.
     pub results: Vec<BenchResult>,
-    /// Paths not measured.
-    pub skipped: Vec<Skipped>,
 }
 
 impl BenchOutput {
     /// A readable table.
     pub fn table(&self) -> String {
         let mut s = String::from(
-            "path        block     blocks  ours GiB/s  baseline GiB/s  ratio  baseline\n",
+            "path             block     blocks  ours GiB/s  baseline GiB/s  ratio  baseline\n",
         );
         for r in &self.results {
             s.push_str(&format!(
-                "{:<10}  {:>5} KiB  {:>6}  {:>10.3}  {:>14.3}  {:>5.3}  {}\n",
+                "{:<15}  {:>5} KiB  {:>6}  {:>10.3}  {:>14.3}  {:>5.3}  {}\n",
                 r.path,
                 r.block_bytes / 1024,
                 r.blocks,
@@ -107,10 +99,7 @@ impl BenchOutput {
                 r.ratio,
                 r.baseline
             ));
-            s.push_str(&format!("            ({})\n", r.note));
-        }
-        for k in &self.skipped {
-            s.push_str(&format!("{:<10}  skipped: {}\n", k.path, k.reason));
+            s.push_str(&format!("                 ({})\n", r.note));
         }
         s
     }
@@ -226,6 +215,23 @@ fn host(tm: &TransferManager, out: &mut BenchOutput) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The raw baseline's file for `n` blocks (each followed by a 4 KiB sector, as ours), with
+/// O_DIRECT when `direct` and the file system allows it.
+fn open_raw(path: &Path, direct: bool, n: usize) -> anyhow::Result<std::fs::File> {
+    let open = |direct: bool| {
+        let mut o = std::fs::OpenOptions::new();
+        o.read(true).write(true).create(true).truncate(false);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(path)
+    };
+    let f = open(direct).or_else(|_| open(false))?;
+    // SAFETY: a valid fd; fallocate has no memory preconditions.
+    unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, (n * (BLOCK + 4096)) as i64) };
+    Ok(f)
+}
+
 /// The raw baseline: an io_uring loop, one request per block, `qd` in flight.
 fn raw_uring(fd: i32, base: usize, n: usize, qd: u32, write: bool) -> anyhow::Result<f64> {
     use io_uring::{IoUring, opcode, types};
@@ -279,18 +285,7 @@ fn disk(tm: &TransferManager, dir: &Path, out: &mut BenchOutput) -> anyhow::Resu
         bail!("a disk layout without disk backing");
     };
     let caps = storage.capabilities();
-    let raw_path = scratch.path().join("raw.bin");
-    let open = |direct: bool| {
-        let mut o = std::fs::OpenOptions::new();
-        o.read(true).write(true).create(true).truncate(false);
-        if direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
-        o.open(&raw_path)
-    };
-    let raw_file = open(caps.direct_io).or_else(|_| open(false))?;
-    // SAFETY: a valid fd; fallocate has no memory preconditions.
-    unsafe { libc::fallocate(raw_file.as_raw_fd(), 0, 0, (n * (BLOCK + 4096)) as i64) };
+    let raw_file = open_raw(&scratch.path().join("raw.bin"), caps.direct_io, n)?;
     let h = PhysicalLayout::allocate_host(layout(n)?, PinPolicy::TryPin)?;
     let base = base_addr(&h);
     for i in (0..n * BLOCK).step_by(8) {
@@ -487,12 +482,11 @@ fn object(
 /// # Errors
 /// Storage that cannot be set up, a failed transfer, an unreachable S3 endpoint.
 pub fn run(which: Which, dir: Option<&Path>, cfg: &CliConfig) -> anyhow::Result<BenchOutput> {
-    let tm = TransferManager::new().context("cannot start the transfer manager")?;
+    let tm = Arc::new(TransferManager::new().context("cannot start the transfer manager")?);
     let tmp = std::env::temp_dir();
     let dir = dir.unwrap_or(&tmp);
     let mut out = BenchOutput {
         results: Vec::new(),
-        skipped: Vec::new(),
     };
     let all = which == Which::All;
     if all || which == Which::Host {
@@ -505,10 +499,7 @@ pub fn run(which: Which, dir: Option<&Path>, cfg: &CliConfig) -> anyhow::Result<
         object(&tm, cfg, dir, &mut out).context("object benchmark")?;
     }
     if all || which == Which::Tiering {
-        out.skipped.push(Skipped {
-            path: "tiering",
-            reason: "not wired into `kvbm bench` yet: the manager's benchmark is `cargo xtask bench tiering` (lookups, store+complete, a 256×64 scheduler step); `kvbm replay` measures the tiers end to end".into(),
-        });
+        tiering::run(&tm, dir, &mut out).context("tiering benchmark")?;
     }
     Ok(out)
 }

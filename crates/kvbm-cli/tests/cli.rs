@@ -835,3 +835,41 @@ fn metrics_endpoint_serves_prometheus_text() {
         assert!(body.contains(m), "{m} missing: {body}");
     }
 }
+
+/// `kvbm bench` measures each path against its raw baseline, in one JSON object: the host copy
+/// and the scheduler-facing manager's store, load and promotion (the disk paths in `--dir`).
+#[test]
+fn bench_reports_each_path_with_its_baseline_and_ratio() {
+    let dir = scratch();
+    for (which, paths) in [
+        ("host", &["host_copy"][..]),
+        (
+            "tiering",
+            &["tiering_store", "tiering_load", "tiering_promote"][..],
+        ),
+    ] {
+        let r = ok_json(run(&[
+            "bench",
+            which,
+            "--json",
+            "--dir",
+            dir.path().to_str().unwrap(),
+        ]));
+        let results = r["results"].as_array().expect("a results array");
+        let got: Vec<&str> = results
+            .iter()
+            .map(|e| e["path"].as_str().unwrap())
+            .collect();
+        assert_eq!(got, paths, "{r}");
+        for e in results {
+            for k in ["gib_per_s", "baseline_gib_per_s", "ratio"] {
+                assert!(f(e, k) > 0.0, "{k} of {e}");
+            }
+            assert_eq!(u(e, &["block_bytes"]), 2 << 20, "{e}");
+            assert!(u(e, &["blocks"]) > 0, "{e}");
+            assert!(!e["baseline"].as_str().unwrap().is_empty(), "{e}");
+            let ratio = f(e, "ratio");
+            assert!(ratio.is_finite(), "{e}");
+        }
+    }
+}
