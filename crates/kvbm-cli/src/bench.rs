@@ -148,6 +148,25 @@ fn rounds(
     Ok((median(o), median(r), median(q)))
 }
 
+/// The raw copy baseline: `n` blocks from `src` to `dst`, block by block; GiB/s.
+///
+/// # Safety
+/// `src` and `dst` are the starts of distinct allocations of at least `n` blocks each.
+unsafe fn memcpy(src: usize, dst: usize, n: usize) -> f64 {
+    let t = Instant::now();
+    for i in 0..n {
+        // SAFETY: per this function's contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (src + i * BLOCK) as *const u8,
+                (dst + i * BLOCK) as *mut u8,
+                BLOCK,
+            )
+        };
+    }
+    gib_s(n * BLOCK, t.elapsed().as_secs_f64())
+}
+
 fn base_addr(l: &PhysicalLayout) -> usize {
     l.block_addrs(0, 0..1)[0].0
 }
@@ -185,18 +204,8 @@ fn host(tm: &TransferManager, out: &mut BenchOutput) -> anyhow::Result<()> {
         r,
         || transfer(tm, ha, hb, &ids, TransferOptions::default()),
         || {
-            let t = Instant::now();
-            for i in 0..n {
-                // SAFETY: distinct allocations of n blocks each.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (pa + i * BLOCK) as *const u8,
-                        (pb + i * BLOCK) as *mut u8,
-                        BLOCK,
-                    )
-                };
-            }
-            Ok(gib_s(n * BLOCK, t.elapsed().as_secs_f64()))
+            // SAFETY: distinct allocations of n blocks each.
+            Ok(unsafe { memcpy(pa, pb, n) })
         },
     )?;
     out.results.push(BenchResult {

@@ -255,71 +255,40 @@ fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
     // staging tier of every offload (the lanes hold a G2 block until it is written below), so
     // it must absorb what is in flight: with G2 barely larger than G1 an offload can find no
     // G2 slot (`offload_no_space_blocks`), and the block is then recomputed later, not a hit.
-    let r = ok_json(run(&[
-        "replay",
-        "--trace",
-        t,
-        "--requests",
-        "400",
-        "--g1-blocks",
-        "256",
-        "--g2-blocks",
-        "1024",
-        "--g3-blocks",
-        "65536",
-        "--json",
-    ]));
-    expected(&r);
-    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
-    assert!(u(&r, &["bytes", "g3_to_g2"]) > 0, "{r}");
-    assert_healthy(&r);
-    assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
-    // The same with G3 reads only on demand (no prefetch ahead of the requests).
-    let out = kvbm()
-        .args([
-            "replay",
-            "--trace",
-            t,
-            "--requests",
-            "400",
-            "--g1-blocks",
-            "256",
-            "--g2-blocks",
-            "1024",
-            "--g3-blocks",
-            "65536",
-            "--json",
-        ])
-        .env("KVBM_REPLAY__PREFETCH_REQUESTS", "0")
-        .output()
-        .unwrap();
-    let r = ok_json(out);
-    expected(&r);
-    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
-    assert_healthy(&r);
-    assert_eq!(r["scheduler"], "tiering", "the default front end: {r}");
-    // The same through the leader's onboarding sessions instead of the tiering manager.
-    let r = ok_json(run(&[
-        "replay",
-        "--trace",
-        t,
-        "--requests",
-        "400",
-        "--g1-blocks",
-        "256",
-        "--g2-blocks",
-        "1024",
-        "--g3-blocks",
-        "65536",
-        "--scheduler",
-        "sessions",
-        "--json",
-    ]));
-    expected(&r);
-    assert_eq!(r["scheduler"], "sessions", "{r}");
-    assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
-    assert_healthy(&r);
-    assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
+    // Through the default tiering manager, with G3 read ahead and only on demand, and through
+    // the leader's onboarding sessions.
+    for (scheduler, prefetch) in [("tiering", "16"), ("tiering", "0"), ("sessions", "16")] {
+        let out = kvbm()
+            .args([
+                "replay",
+                "--trace",
+                t,
+                "--requests",
+                "400",
+                "--g1-blocks",
+                "256",
+                "--g2-blocks",
+                "1024",
+                "--g3-blocks",
+                "65536",
+                "--scheduler",
+                scheduler,
+                "--json",
+            ])
+            .env("KVBM_REPLAY__PREFETCH_REQUESTS", prefetch)
+            .output()
+            .unwrap();
+        let r = ok_json(out);
+        expected(&r);
+        assert_eq!(r["scheduler"], scheduler, "{r}");
+        assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
+        assert!(u(&r, &["bytes", "g3_to_g2"]) > 0, "{r}");
+        assert_healthy(&r);
+        assert_eq!(u(&r, &["verified_blocks"]), u(&r, &["onboarded_blocks"]));
+    }
+    // The default front end is the tiering manager.
+    let r = ok_json(run(&["replay", "--trace", t, "--requests", "50", "--json"]));
+    assert_eq!(r["scheduler"], "tiering", "{r}");
 }
 
 #[test]

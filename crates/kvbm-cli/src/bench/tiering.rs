@@ -26,7 +26,7 @@ use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager};
 use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
-use super::{BLOCK, BenchOutput, BenchResult, base_addr, gib_s, layout, raw_uring, rounds};
+use super::{BLOCK, BenchOutput, BenchResult, base_addr, gib_s, layout, memcpy, raw_uring, rounds};
 
 /// Blocks per request.
 const N: usize = 32;
@@ -158,25 +158,33 @@ fn slots(ids: Option<&[i32]>) -> anyhow::Result<Vec<usize>> {
         .collect())
 }
 
+const HOST_NOTE: &str = "EngineTieringManager over a host G2; GPU = a host layout";
+
+/// One path's entry: `(ours, baseline, ratio)` medians over `rounds` requests of `N` blocks.
+fn result(
+    path: &'static str,
+    (ours, raw, ratio): (f64, f64, f64),
+    rounds: usize,
+    baseline: &str,
+    note: String,
+) -> BenchResult {
+    BenchResult {
+        path,
+        block_bytes: BLOCK,
+        blocks: N,
+        gib_per_s: ours,
+        baseline: baseline.into(),
+        baseline_gib_per_s: raw,
+        ratio,
+        rounds,
+        note,
+    }
+}
+
 fn keys(round: u64) -> Vec<OffloadKey> {
     (0..N as u64)
         .map(|i| OffloadKey::from_u64(round << 32 | i))
         .collect()
-}
-
-fn memcpy(src: usize, dst: usize) -> f64 {
-    let t = Instant::now();
-    for i in 0..N {
-        // SAFETY: distinct N-block ranges of the bench's own allocations.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                (src + i * BLOCK) as *const u8,
-                (dst + i * BLOCK) as *mut u8,
-                BLOCK,
-            )
-        };
-    }
-    gib_s(N * BLOCK, t.elapsed().as_secs_f64())
 }
 
 /// Runs the three paths (see the module docs).
@@ -256,39 +264,32 @@ pub(super) fn run(
             rig.store(&k)?;
             Ok(gib_s(N * BLOCK, t.elapsed().as_secs_f64()))
         },
-        || Ok(memcpy(gpu_base, g2_base)),
+        // SAFETY: the GPU stand-in's and G2's allocations, N blocks each at least.
+        || Ok(unsafe { memcpy(gpu_base, g2_base, N) }),
     )?;
-    let note = "EngineTieringManager over a host G2; GPU = a host layout".to_string();
-    out.results.push(BenchResult {
-        path: "tiering_store",
-        block_bytes: BLOCK,
-        blocks: N,
-        gib_per_s: o,
-        baseline: "ptr::copy_nonoverlapping".into(),
-        baseline_gib_per_s: w,
-        ratio: q,
-        rounds: r,
-        note: format!("{note}; prepare_store → copy → complete_store"),
-    });
+    out.results.push(result(
+        "tiering_store",
+        (o, w, q),
+        r,
+        "ptr::copy_nonoverlapping",
+        format!("{HOST_NOTE}; prepare_store → copy → complete_store"),
+    ));
 
     // Load: the last stored keys, HITs in G2.
     let last = keys(round);
     let (o, w, q) = rounds(
         r,
         || Ok(gib_s(N * BLOCK, rig.load(&last, false)?)),
-        || Ok(memcpy(g2_base, gpu_base + N * BLOCK)),
+        // SAFETY: G2's allocation and blocks N..2N of the GPU stand-in's.
+        || Ok(unsafe { memcpy(g2_base, gpu_base + N * BLOCK, N) }),
     )?;
-    out.results.push(BenchResult {
-        path: "tiering_load",
-        block_bytes: BLOCK,
-        blocks: N,
-        gib_per_s: o,
-        baseline: "ptr::copy_nonoverlapping".into(),
-        baseline_gib_per_s: w,
-        ratio: q,
-        rounds: r,
-        note: format!("{note}; lookup → prepare_load → copy → complete_load, bytes checked"),
-    });
+    out.results.push(result(
+        "tiering_load",
+        (o, w, q),
+        r,
+        "ptr::copy_nonoverlapping",
+        format!("{HOST_NOTE}; lookup → prepare_load → copy → complete_load, bytes checked"),
+    ));
 
     // Promote: the engine offloads the stored keys to G3; each round G2 drops them first.
     let on_g2 = rig
@@ -314,18 +315,14 @@ pub(super) fn run(
         },
         || raw_uring(fd, gpu_base + N * BLOCK, N, QD, false),
     )?;
-    out.results.push(BenchResult {
-        path: "tiering_promote",
-        block_bytes: BLOCK,
-        blocks: N,
-        gib_per_s: o,
-        baseline: "raw io_uring reads".into(),
-        baseline_gib_per_s: w,
-        ratio: q,
-        rounds: r,
-        note: format!(
+    out.results.push(result(
+        "tiering_promote",
+        (o, w, q),
+        r,
+        "raw io_uring reads",
+        format!(
             "{caps}, queue depth {QD} per transfer; ours: {N} one-block G3 → G2 promotions in flight at once (header + xxh3-128 verified), then G2 → GPU, bytes checked"
         ),
-    });
+    ));
     Ok(())
 }

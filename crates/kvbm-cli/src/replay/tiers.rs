@@ -200,6 +200,28 @@ pub struct Served {
     pub cross_instance: u64,
 }
 
+impl Served {
+    /// Counts the prefix's hits by the tier each block came from (0..=3 for G1..G4, 4 for a G4
+    /// block another instance wrote: a G4 hit and a cross-instance one).
+    pub(super) fn count_hits(&mut self, sources: &[u8]) {
+        for s in sources {
+            self.hits[(*s as usize).min(3)] += 1;
+            self.cross_instance += u64::from(*s == 4);
+        }
+    }
+
+    /// Adds the request's hits per tier and computed blocks to the replay's metrics.
+    pub(super) fn publish(&self) {
+        for (tier, h) in self.hits.iter().enumerate() {
+            if *h > 0 {
+                metrics::counter!("kvbm_replay_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
+                    .increment(*h);
+            }
+        }
+        metrics::counter!("kvbm_replay_computed_blocks_total").increment(self.computed);
+    }
+}
+
 /// Wall time per stage, summed over requests.
 #[derive(Debug, Default, Clone, Copy, serde::Serialize)]
 pub struct StageTimes {
@@ -1299,22 +1321,27 @@ impl Tiers {
         }
     }
 
+    /// Before a request of `hashes` takes any handle: waits out offload backpressure, finishes
+    /// the reads started ahead for it (and any still reading one of its blocks: read again here,
+    /// it would be a second transfer of the same slot, and a damaged block would be rejected,
+    /// and counted, twice), and makes room in G1.
+    fn admit(&mut self, hashes: &[SequenceHash]) {
+        self.backpressure(hashes.len());
+        self.complete_prefetches(self.served_requests);
+        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
+            self.complete_prefetches(usize::MAX);
+        }
+        self.ensure_g1_room(hashes.len());
+        self.served_requests += 1;
+    }
+
     /// Serves one request: lookup, onboarding, computing the rest, offloading it.
     ///
     /// # Errors
     /// Only when the request cannot be served at all (G1 too small); failed or rejected
     /// transfers are counted and their blocks recomputed.
     pub fn serve(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Served> {
-        self.backpressure(hashes.len());
-        self.complete_prefetches(self.served_requests);
-        // A block still being read ahead for a later request is finished first: read again
-        // here, it would be a second transfer of the same slot (and a damaged block would be
-        // rejected, and counted, twice).
-        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
-            self.complete_prefetches(usize::MAX);
-        }
-        self.ensure_g1_room(hashes.len());
-        self.served_requests += 1;
+        self.admit(hashes);
         let mut served = Served::default();
         let n = hashes.len();
         let before = self.onboard_tally();
@@ -1324,28 +1351,13 @@ impl Tiers {
         served.onboarded = after[0] - before[0];
         served.verified = after[1] - before[1];
         served.corrupt = after[2] - before[2];
-        for s in src.iter().take(fail_at) {
-            served.hits[(*s as usize).min(3)] += 1;
-            served.cross_instance += u64::from(*s == 4);
-        }
+        served.count_hits(&src[..fail_at]);
 
         // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
         if fail_at < n {
             let t = Instant::now();
             let nested = self.nested_time();
-            let missing = &hashes[fail_at..];
-            let blocks = self.allocate_g1(missing.len())?;
-            let mut complete = Vec::with_capacity(missing.len());
-            for (blk, h) in blocks.into_iter().zip(missing) {
-                // SAFETY: freshly allocated slot: no transfer reads or writes it.
-                let slot = unsafe { self.g1.slot(blk.block_id()) };
-                content::fill(content::seed(*h), slot);
-                complete.push(
-                    blk.complete(*h)
-                        .map_err(|e| anyhow!("cannot complete a G1 block: {}", e.error))?,
-                );
-            }
-            let registered = self.g1.manager.register_blocks(complete);
+            let registered = self.compute(&hashes[fail_at..])?;
             served.computed = registered.len() as u64;
             self.times.compute += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
             if let Some(p) = &self.g1_to_g2 {
@@ -1364,16 +1376,26 @@ impl Tiers {
             }
             held_g1.extend(registered);
         }
-        for (tier, h) in served.hits.iter().enumerate() {
-            if *h > 0 {
-                metrics::counter!("kvbm_replay_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
-                    .increment(*h);
-            }
-        }
-        metrics::counter!("kvbm_replay_computed_blocks_total").increment(served.computed);
+        served.publish();
         // End of the "forward pass": the request's G1 blocks become inactive (evictable).
         drop(held_g1);
         Ok(served)
+    }
+
+    /// Fills fresh G1 blocks with the bytes of `hashes` and registers them.
+    fn compute(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Vec<ImmutableBlock<G1>>> {
+        let blocks = self.allocate_g1(hashes.len())?;
+        let mut complete = Vec::with_capacity(hashes.len());
+        for (blk, h) in blocks.into_iter().zip(hashes) {
+            // SAFETY: freshly allocated slot: no transfer reads or writes it.
+            let slot = unsafe { self.g1.slot(blk.block_id()) };
+            content::fill(content::seed(*h), slot);
+            complete.push(
+                blk.complete(*h)
+                    .map_err(|e| anyhow!("cannot complete a G1 block: {}", e.error))?,
+            );
+        }
+        Ok(self.g1.manager.register_blocks(complete))
     }
 
     /// Onboarded, verified and corrupt blocks so far.

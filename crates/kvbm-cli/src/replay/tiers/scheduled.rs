@@ -44,7 +44,6 @@ use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 use parking_lot::Mutex;
 
 use super::{Counters, G2_SPACE_PATIENCE, MovePath, Served, Tiers};
-use crate::replay::content;
 
 /// Lookup passes a request may wait through before it takes the prefix that is ready.
 const MAX_PASSES: usize = 4;
@@ -66,13 +65,7 @@ impl Tiers {
         keys: &[OffloadKey],
     ) -> anyhow::Result<Served> {
         debug_assert_eq!(hashes.len(), keys.len());
-        self.backpressure(hashes.len());
-        self.complete_prefetches(self.served_requests);
-        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
-            self.complete_prefetches(usize::MAX);
-        }
-        self.ensure_g1_room(hashes.len());
-        self.served_requests += 1;
+        self.admit(hashes);
         let n = hashes.len();
         let mut served = Served::default();
         let before = self.onboard_tally();
@@ -102,10 +95,7 @@ impl Tiers {
         served.onboarded = after[0] - before[0];
         served.verified = after[1] - before[1];
         served.corrupt = after[2] - before[2];
-        for s in &sources[..end - at] {
-            served.hits[(*s as usize).min(3)] += 1;
-            served.cross_instance += u64::from(*s == 4);
-        }
+        served.count_hits(&sources[..end - at]);
 
         // 3. Compute the rest in G1, then store it through the manager.
         if end < n {
@@ -128,13 +118,7 @@ impl Tiers {
         // The replay keeps no event consumer: the engine's own events (G2's event sink) are
         // what other instances follow.
         drop(sched.take_events());
-        for (tier, h) in served.hits.iter().enumerate() {
-            if *h > 0 {
-                metrics::counter!("kvbm_replay_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
-                    .increment(*h);
-            }
-        }
-        metrics::counter!("kvbm_replay_computed_blocks_total").increment(served.computed);
+        served.publish();
         // End of the "forward pass": the request's G1 blocks become inactive (evictable).
         drop(held);
         Ok(served)
@@ -264,22 +248,6 @@ impl Tiers {
             }
         }
         Ok(out)
-    }
-
-    /// Fills fresh G1 blocks with the bytes of `hashes` and registers them.
-    fn compute(&mut self, hashes: &[SequenceHash]) -> anyhow::Result<Vec<ImmutableBlock<G1>>> {
-        let blocks = self.allocate_g1(hashes.len())?;
-        let mut complete = Vec::with_capacity(hashes.len());
-        for (blk, h) in blocks.into_iter().zip(hashes) {
-            // SAFETY: freshly allocated slot: no transfer reads or writes it.
-            let slot = unsafe { self.g1.slot(blk.block_id()) };
-            content::fill(content::seed(*h), slot);
-            complete.push(
-                blk.complete(*h)
-                    .map_err(|e| anyhow!("cannot complete a G1 block: {}", e.error))?,
-            );
-        }
-        Ok(self.g1.manager.register_blocks(complete))
     }
 
     /// `prepare_store`, waiting while G2 is full of blocks the lanes are still writing below
