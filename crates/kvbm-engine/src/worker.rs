@@ -11,7 +11,7 @@
 //!
 //! ```text
 //!  SpmdMover (leader: logical blocks)
-//!     | TransferRequest {src tier, dst tier, (src id, dst id, hash)...}
+//!     | TransferRequest {src tier, dst tier, (src id, dst id, hash)..., digests}
 //!     v
 //!  SpmdParallelWorkers --submit--> rank 0: TransferManager::execute_transfer ─┐
 //!                      --submit--> rank 1: TransferManager::execute_transfer ─┤ join: all settle
@@ -27,6 +27,9 @@
 //! * [`ParallelWorkers::execute`] resolves only after every rank's transfer settled, also when
 //!   a rank failed to submit or failed a block.
 //! * A block is reported `Ok` only when every rank reported it `Ok`.
+//! * A block's identity travels with it: the request carries each source's digest (when it has
+//!   one), every rank's disk or object read requires that identity (`identity_of`, as the
+//!   offload lanes wrote it), and the destination is registered with the same digest.
 //!
 //! [`SpmdParallelWorkers`] calls in-process workers directly; workers in other processes are
 //! driven through [`transport::control::ControlledWorkers`](crate::transport::control::ControlledWorkers)
@@ -71,9 +74,9 @@ use std::sync::Arc;
 
 use futures::future::{BoxFuture, join_all};
 use kvbm_logical::{
-    BlockId, BlockManager, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
+    BlockDigest, BlockId, BlockManager, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
 };
-use kvbm_offload::{BoundTier, block_identity, object_key};
+use kvbm_offload::{BoundTier, identity_of, object_key};
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
 use crate::layout::LogicalLayoutHandle;
@@ -207,7 +210,7 @@ impl PhysicalWorker {
             object_keys,
             ..TransferOptions::default()
         }
-        .identities(request.blocks.iter().map(|b| block_identity(b.2)).collect());
+        .identities((0..n).map(|i| request.identity(i)).collect());
         // SAFETY: the leader sends a rank only slots it reserved for this request: destinations
         // are blocks it allocated (`MutableBlock`s it holds until the outcome) or objects named
         // by their block's key, sources blocks it holds registered; nothing on this rank reaches
@@ -248,7 +251,9 @@ pub struct BoundTiers {
 }
 
 /// One operation for every rank: copy `blocks` (source slot, destination slot, the block's
-/// hash, used as its identity) from tier `src` to tier `dst`.
+/// hash) from tier `src` to tier `dst`. Each block's identity, written into and required of a
+/// disk slot's or object's header, is its digest when `digests` names one, else its hash
+/// (`kvbm_offload::identity_of`), as the offload lanes write it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TransferRequest {
     /// Source tier.
@@ -261,6 +266,10 @@ pub struct TransferRequest {
     /// blocks. Absent on the wire means `None`, so older leaders' requests still decode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<Range<usize>>,
+    /// The blocks' 256-bit digests, co-indexed with `blocks`; empty when no block has one.
+    /// Absent on the wire means empty, so older leaders' requests still decode.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub digests: Vec<Option<BlockDigest>>,
 }
 
 impl TransferRequest {
@@ -271,7 +280,35 @@ impl TransferRequest {
             dst,
             blocks,
             layers: None,
+            digests: Vec::new(),
         }
+    }
+
+    /// Whole blocks from `sources` (registered: each block's hash and digest travel) into
+    /// the slots `dst_ids`.
+    pub fn from_sources<S: Tier>(
+        dst: TierId,
+        sources: &[ImmutableBlock<S>],
+        dst_ids: impl IntoIterator<Item = BlockId>,
+    ) -> Self {
+        let mut r = Self::new(
+            S::ID,
+            dst,
+            sources
+                .iter()
+                .zip(dst_ids)
+                .map(|(s, d)| (s.block_id(), d, s.sequence_hash()))
+                .collect(),
+        );
+        if sources.iter().any(|s| s.digest().is_some()) {
+            r.digests = sources.iter().map(ImmutableBlock::digest).collect();
+        }
+        r
+    }
+
+    /// The identity block `i` carries in a header.
+    pub fn identity(&self, i: usize) -> kvbm_physical::BlockIdentity {
+        identity_of(self.blocks[i].2, self.digests.get(i).copied().flatten())
     }
 }
 
@@ -490,15 +527,8 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             let m = format!("{n} sources but {} destinations", destinations.len());
             return (0..n).map(|_| Err(m.clone())).collect();
         }
-        let request = TransferRequest::new(
-            Src::ID,
-            Dst::ID,
-            sources
-                .iter()
-                .zip(&destinations)
-                .map(|(s, d)| (s.block_id(), d.block_id(), s.sequence_hash()))
-                .collect(),
-        );
+        let request =
+            TransferRequest::from_sources(Dst::ID, sources, destinations.iter().map(|d| d.block_id()));
         let outcome = self.workers.execute(request).await;
         let mut results: Vec<Option<Result<ImmutableBlock<Dst>, String>>> =
             (0..n).map(|_| None).collect();
@@ -511,7 +541,8 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             .enumerate()
         {
             match r {
-                Ok(()) => match d.complete(s.sequence_hash()) {
+                // The destination keeps the source's identity (its digest), as the lanes do.
+                Ok(()) => match d.complete_with_digest(s.sequence_hash(), s.digest()) {
                     Ok(c) => {
                         complete.push(c);
                         idx.push(i);
@@ -626,15 +657,8 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
                     &format!("layer range {layers:?} outside 0..{}", self.num_layers),
                 );
             }
-            let mut request = TransferRequest::new(
-                Src::ID,
-                Dst::ID,
-                sources
-                    .iter()
-                    .zip(destinations)
-                    .map(|(s, d)| (s.block_id(), *d, s.sequence_hash()))
-                    .collect(),
-            );
+            let mut request =
+                TransferRequest::from_sources(Dst::ID, sources, destinations.iter().copied());
             request.layers = Some(layers);
             self.workers.execute(request).await
         })

@@ -194,3 +194,76 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     drop(dst);
     assert_eq!(g1.available_blocks(), 4);
 }
+
+/// A G2 block registered with a digest goes to G3 through the offload lanes' mover (the disk
+/// header carries the digest) and comes back through the workers: the request carries the
+/// digest, the read checks it, and the G2 destination keeps it. The same slot asked for under
+/// another digest is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn digests_travel_with_worker_transfers_and_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g2 = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(4)
+            .block_size(4)
+            .build()
+            .unwrap(),
+    );
+    let g3 = Arc::new(
+        BlockManager::<kvbm_logical::G3>::builder()
+            .block_count(4)
+            .block_size(4)
+            .build()
+            .unwrap(),
+    );
+    let disk = PhysicalLayout::create_disk(
+        geometry(4),
+        &kvbm_physical::DiskConfig::new(dir.path().join("g3.bin")),
+    )
+    .unwrap();
+    let g2_bound = BoundTier::new(tm.clone(), host(&tm, 4), g2.clone()).unwrap();
+    let g3_bound = BoundTier::new(tm.clone(), tm.register_layout(disk).unwrap(), g3.clone()).unwrap();
+    let h = TokenBlockSequence::from_tokens(&[1, 2, 3, 4], 4, Salt::NONE)
+        .unwrap()
+        .hashes()[0];
+    let digest = kvbm_logical::BlockDigest([7; 32]);
+    let first = g2.allocate_blocks(1).unwrap().pop().unwrap();
+    let src = g2.register_blocks(vec![first.complete_with_digest(h, Some(digest)).unwrap()]);
+    let down = kvbm_offload::BlockMover::new(&g2_bound, &g3_bound).unwrap();
+    let on_g3: Vec<_> = down
+        .move_from(&src, g3.allocate_blocks(1).unwrap())
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(on_g3[0].digest(), Some(digest));
+    drop(src);
+    assert_eq!(g2.reset_inactive_pool(), 1);
+
+    let worker = PhysicalWorker::from_tiers(
+        0,
+        BoundTiers {
+            transfer_manager: tm.clone(),
+            g1: None,
+            g2: Some(g2_bound),
+            g3: Some(g3_bound),
+            g4: None,
+        },
+    )
+    .unwrap();
+    let workers: Arc<dyn ParallelWorkers> = Arc::new(SpmdParallelWorkers::new(vec![worker]).unwrap());
+    let up = SpmdMover::<kvbm_logical::G3, G2>::new(workers.clone(), g2.clone());
+    let back = up.move_from(&on_g3, g2.allocate_blocks(1).unwrap()).await;
+    let b = back[0].as_ref().expect("the digest travelled and the read passed");
+    assert_eq!(b.digest(), Some(digest), "the destination keeps the identity");
+    drop(back);
+
+    // The same slot under another digest fails the identity check.
+    let dst = g2.allocate_blocks(1).unwrap();
+    let mut wrong = TransferRequest::from_sources(TierId::G2, &on_g3, dst.iter().map(|d| d.block_id()));
+    assert_eq!(wrong.digests, vec![Some(digest)]);
+    wrong.digests = vec![Some(kvbm_logical::BlockDigest([8; 32]))];
+    let out = workers.execute(wrong).await;
+    assert!(out[0].is_err(), "{out:?}");
+}

@@ -57,6 +57,7 @@ fn request() -> TransferRequest {
         dst: TierId::G1,
         blocks: vec![(0, 3, h[0]), (1, 2, h[1])],
         layers: None,
+        digests: Vec::new(),
     }
 }
 
@@ -164,6 +165,14 @@ fn envelopes_round_trip_with_their_version() {
         "{json}"
     );
     let back: Envelope<ControlRequest> = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, env);
+    assert!(!json.contains("digests"), "no digests, no key: {json}");
+    // Digests travel when a block has one.
+    let mut with = request();
+    with.digests = vec![Some(kvbm_logical::BlockDigest([3; 32])), None];
+    let env = Envelope::new(ControlRequest::Transfer(with));
+    let back: Envelope<ControlRequest> =
+        serde_json::from_str(&serde_json::to_string(&env).unwrap()).unwrap();
     assert_eq!(back, env);
     let reply = Envelope::new(ControlResponse::Transferred(vec![Ok(()), Err("x".into())]));
     let back: Envelope<ControlResponse> =
