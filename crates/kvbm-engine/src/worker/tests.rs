@@ -223,7 +223,8 @@ async fn digests_travel_with_worker_transfers_and_are_checked() {
     )
     .unwrap();
     let g2_bound = BoundTier::new(tm.clone(), host(&tm, 4), g2.clone()).unwrap();
-    let g3_bound = BoundTier::new(tm.clone(), tm.register_layout(disk).unwrap(), g3.clone()).unwrap();
+    let g3_bound =
+        BoundTier::new(tm.clone(), tm.register_layout(disk).unwrap(), g3.clone()).unwrap();
     let h = TokenBlockSequence::from_tokens(&[1, 2, 3, 4], 4, Salt::NONE)
         .unwrap()
         .hashes()[0];
@@ -252,16 +253,24 @@ async fn digests_travel_with_worker_transfers_and_are_checked() {
         },
     )
     .unwrap();
-    let workers: Arc<dyn ParallelWorkers> = Arc::new(SpmdParallelWorkers::new(vec![worker]).unwrap());
+    let workers: Arc<dyn ParallelWorkers> =
+        Arc::new(SpmdParallelWorkers::new(vec![worker]).unwrap());
     let up = SpmdMover::<kvbm_logical::G3, G2>::new(workers.clone(), g2.clone());
     let back = up.move_from(&on_g3, g2.allocate_blocks(1).unwrap()).await;
-    let b = back[0].as_ref().expect("the digest travelled and the read passed");
-    assert_eq!(b.digest(), Some(digest), "the destination keeps the identity");
+    let b = back[0]
+        .as_ref()
+        .expect("the digest travelled and the read passed");
+    assert_eq!(
+        b.digest(),
+        Some(digest),
+        "the destination keeps the identity"
+    );
     drop(back);
 
     // The same slot under another digest fails the identity check.
     let dst = g2.allocate_blocks(1).unwrap();
-    let mut wrong = TransferRequest::from_sources(TierId::G2, &on_g3, dst.iter().map(|d| d.block_id()));
+    let mut wrong =
+        TransferRequest::from_sources(TierId::G2, &on_g3, dst.iter().map(|d| d.block_id()));
     assert_eq!(wrong.digests, vec![Some(digest)]);
     wrong.digests = vec![Some(kvbm_logical::BlockDigest([8; 32]))];
     let out = workers.execute(wrong).await;
