@@ -610,7 +610,16 @@ fn damaged_g3_block_is_rejected_and_recomputed_never_served() {
         0,
         "a damaged block reached G1: {second}"
     );
-    assert_eq!(u(&second, &["tiers", "g3", "hit_blocks"]), 0, "{second}");
+    // The rejected blocks are dropped from G3 and recomputed; only their fresh copies, written
+    // again in this run, can be G3 hits.
+    assert!(
+        u(&second, &["tiers", "g3", "hit_blocks"]) <= u(&second, &["bytes", "g2_to_g3"]) / 4096,
+        "{second}"
+    );
+    assert_eq!(
+        u(&second, &["verified_blocks"]),
+        u(&second, &["onboarded_blocks"])
+    );
 }
 
 #[test]

@@ -310,10 +310,12 @@ fn fault_g3_damage_at_rest_is_rejected_dropped_and_recomputed() {
         assert_nothing_wrong_served(&second);
         let rejected = u(&second, &["checksum_failures"]);
         assert!(rejected > 0, "{how:?}: nothing detected: {second}");
-        assert_eq!(
-            u(&second, &["tiers", "g3", "hit_blocks"]),
-            0,
-            "{how:?}: a damaged G3 block counted as a hit: {second}"
+        // A rejected block is dropped from G3 and recomputed; its fresh copy, written to G3
+        // again during this run, may be a hit later. Every G3 hit is such a fresh copy.
+        assert!(
+            u(&second, &["tiers", "g3", "hit_blocks"])
+                <= u(&second, &["bytes", "g2_to_g3"]) / BLOCK as u64,
+            "{how:?}: more G3 hits than blocks written to G3 in this run: {second}"
         );
         // Recomputed: every block of the run was computed or hit elsewhere.
         assert_eq!(
@@ -399,10 +401,11 @@ fn g4_damage_scenario(root: &Path, run: &dyn Fn() -> Output, clear: &dyn Fn()) {
         assert_nothing_wrong_served(&second);
         let rejected = u(&second, &["checksum_failures"]);
         assert!(rejected > 0, "{how:?}: nothing detected: {second}");
-        assert_eq!(
-            u(&second, &["tiers", "g4", "hit_blocks"]),
-            0,
-            "{how:?}: a damaged object counted as a hit: {second}"
+        // Every G4 hit is a fresh copy the recompute's offload wrote in this run.
+        assert!(
+            u(&second, &["tiers", "g4", "hit_blocks"])
+                <= u(&second, &["bytes", "g2_to_g4"]) / BLOCK as u64,
+            "{how:?}: more G4 hits than objects written in this run: {second}"
         );
         assert_eq!(
             u(&second, &["hit_blocks"]) + u(&second, &["computed_blocks"]),
@@ -1087,7 +1090,12 @@ fn namespaces_sharing_a_bucket_never_match_each_other() {
         u(&b2, &["checksum_failures"]) > 0,
         "A's planted objects were not rejected: {b2}"
     );
-    assert_eq!(u(&b2, &["tiers", "g4", "hit_blocks"]), 0, "{b2}");
+    // A rejected object is dropped from G4 and recomputed; only B's fresh uploads of this run
+    // can be G4 hits.
+    assert!(
+        u(&b2, &["tiers", "g4", "hit_blocks"]) <= u(&b2, &["bytes", "g2_to_g4"]) / BLOCK as u64,
+        "{b2}"
+    );
     // A still reads its own.
     let a2 = run("tenant-a");
     assert_nothing_wrong_served(&a2);

@@ -72,12 +72,14 @@
 //! # Failed copies
 //!
 //! A promotion that fails (the copy is corrupt, another block's, or gone) is never reported
-//! as a hit, and that tier's copy is never read again: the manager remembers the (hash, tier)
-//! and a later lookup of the key is a MISS unless G2 holds fresh bytes (the scheduler
-//! recomputed and stored it) or another tier holds a copy not yet tried. The tier itself
-//! keeps its registration until its own eviction drops it (the manager cannot unregister a
-//! block another holder may still use); remembered copies are pruned once their tier no
-//! longer holds them, and all are forgotten on `reset_cache`.
+//! as a hit, and that tier's copy is never read again: the manager drops it from the tier
+//! ([`BlockManager::discard_inactive`]: unregistered, its slot freed), so a later lookup of
+//! the key is a MISS unless G2 holds fresh bytes (the scheduler recomputed and stored it) or
+//! another tier holds a copy, and the engine's offload may write a fresh copy there. A copy
+//! another holder still uses cannot be dropped at once: the manager remembers the
+//! (hash, tier), refuses to promote it, and drops it at a later lookup once it can.
+//! Remembered copies are pruned once their tier no longer holds them, and all are forgotten on
+//! `reset_cache`.
 //!
 //! # Promotions
 //!
@@ -451,11 +453,13 @@ impl EngineTieringManager {
                     }
                 }
                 Err(message) => {
-                    tracing::warn!(%key, %message, tier = %p.tier, "promotion to G2 failed; that copy is never read again");
+                    tracing::warn!(%key, %message, tier = %p.tier, "promotion to G2 failed; that copy is dropped, never read again");
                     self.promotion_failures += 1;
                     self.stats.promotion_failures[tier_slot(p.tier) - 1] += 1;
                     let h = self.hash_of(&key);
-                    self.bad_copies.insert((h, p.tier));
+                    if !self.discard_copy(h, p.tier) {
+                        self.bad_copies.insert((h, p.tier));
+                    }
                     if self.bad_copies.len() > BAD_COPIES_PRUNE_AT {
                         // Forget copies their tier no longer holds (evicted since).
                         let accessor = self.leader.accessor();
@@ -465,6 +469,20 @@ impl EngineTieringManager {
                     }
                 }
             }
+        }
+    }
+
+    /// Drops the copy of `h` in `tier` from that tier's manager (see "Failed copies"); whether
+    /// the tier no longer holds it. A copy still held elsewhere stays registered.
+    fn discard_copy(&self, h: SequenceHash, tier: TierId) -> bool {
+        match tier {
+            TierId::G3 => self.leader.g3().is_none_or(|m| {
+                m.discard_inactive(&[h]) == 1 || !m.registry().is_present(h, TierId::G3)
+            }),
+            TierId::G4 => self.leader.g4().is_none_or(|m| {
+                m.discard_inactive(&[h]) == 1 || !m.registry().is_present(h, TierId::G4)
+            }),
+            _ => true,
         }
     }
 
@@ -488,6 +506,14 @@ impl EngineTieringManager {
             at = Some(LogicalLayoutHandle::G4);
         }
         // A copy that failed its promotion is never read again; another tier's copy may be.
+        // One that could not be dropped then (held elsewhere) is dropped now if it can be.
+        if let Some(l) = at
+            && self.bad_copies.contains(&(h, l.tier()))
+            && self.discard_copy(h, l.tier())
+        {
+            self.bad_copies.remove(&(h, l.tier()));
+            at = accessor.locate(h);
+        }
         if let Some(l) = at
             && self.bad_copies.contains(&(h, l.tier()))
         {
@@ -538,17 +564,19 @@ impl EngineTieringManager {
         };
         let completions = self.completions.clone();
         let task = match source {
+            // The source hold is released before the outcome is reported, so a failed copy is
+            // inactive (discardable) when the manager collects the failure.
             Source::G3(m, src) => self.runtime.spawn(async move {
                 let out = m.move_blocks(&src, vec![dst]).await;
+                drop(src);
                 let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
                 completions.lock().push((key, r));
-                drop(src);
             }),
             Source::G4(m, src) => self.runtime.spawn(async move {
                 let out = m.move_blocks(&src, vec![dst]).await;
+                drop(src);
                 let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
                 completions.lock().push((key, r));
-                drop(src);
             }),
         };
         self.promotions.insert(key, Promotion { owner, tier, task });

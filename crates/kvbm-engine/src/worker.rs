@@ -527,8 +527,11 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             let m = format!("{n} sources but {} destinations", destinations.len());
             return (0..n).map(|_| Err(m.clone())).collect();
         }
-        let request =
-            TransferRequest::from_sources(Dst::ID, sources, destinations.iter().map(|d| d.block_id()));
+        let request = TransferRequest::from_sources(
+            Dst::ID,
+            sources,
+            destinations.iter().map(|d| d.block_id()),
+        );
         let outcome = self.workers.execute(request).await;
         let mut results: Vec<Option<Result<ImmutableBlock<Dst>, String>>> =
             (0..n).map(|_| None).collect();

@@ -286,6 +286,11 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     );
     assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Miss, "never a hit");
     assert!(
+        r.g3.match_blocks(&[key_hash(&key, 4)]).is_empty(),
+        "the bad copy is dropped from G3"
+    );
+    assert_eq!(r.g3.available_blocks(), N, "its slot is free again");
+    assert!(
         r.g2.match_blocks(&[key_hash(&key, 4)]).is_empty(),
         "nothing registered in G2"
     );

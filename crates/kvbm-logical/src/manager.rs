@@ -447,6 +447,35 @@ impl<T: Tier> BlockManager<T> {
         n
     }
 
+    /// Drops the inactive blocks of `hashes` from this tier: a copy found bad (a checksum or
+    /// identity that failed on read) must never be matched again, and its slot is better
+    /// reused than left to age out. Each is unregistered (a `Removed` event; the registry
+    /// forgets this tier for it) and its slot returns to the reset pool. A block that is held
+    /// (active), or that the policy cannot remove now (`lineage`: a parent of registered
+    /// blocks), is left as it is: a caller that must never read it again keeps its own guard
+    /// and may retry once it is released. Returns how many were dropped.
+    pub fn discard_inactive(&self, hashes: &[SequenceHash]) -> usize {
+        let core = &self.core;
+        let emit = core.events.is_some();
+        let (n, counts, events) = {
+            let mut store = core.store.lock();
+            let n = hashes
+                .iter()
+                .filter(|h| store.discard_inactive(h, core.tier, &core.registry, emit))
+                .count();
+            let events = store.take_events();
+            if let Some(events) = &events
+                && let Some(b) = &core.events
+            {
+                b.push(events.iter().copied());
+            }
+            (n, store.counts(), events.is_some())
+        };
+        core.metrics.evictions.increment(n as u64);
+        self.after_op(counts, events);
+        n
+    }
+
     /// Blocks that `allocate_blocks` could hand out now: reset plus inactive. (With the
     /// lineage backend, inactive parents of active blocks are counted but not evictable.)
     pub fn available_blocks(&self) -> usize {

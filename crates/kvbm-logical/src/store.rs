@@ -445,6 +445,32 @@ impl Store {
         n
     }
 
+    /// Drops the inactive primary block `hash` from this tier, as if the eviction policy had
+    /// chosen it (a copy found bad: it must never be matched again): out of the policy,
+    /// unregistered (a `Removed` event), its slot back to the reset pool. `false`, changing
+    /// nothing, when `hash` is not registered here, its block is held (active), or the policy
+    /// cannot remove it now (lineage: a parent of registered blocks).
+    pub(crate) fn discard_inactive(
+        &mut self,
+        hash: &SequenceHash,
+        tier: TierId,
+        registry: &BlockRegistry,
+        emit: bool,
+    ) -> bool {
+        let Some(s) = self.lookup(hash) else {
+            return false;
+        };
+        let slot = &self.slots[s as usize];
+        if slot.state != SlotState::Inactive || !slot.primary || !self.policy.can_remove(s) {
+            return false;
+        }
+        let ctx = EvictionCtx::new(&self.hashes, registry);
+        self.policy.remove(s, &ctx);
+        self.evict(s, tier, registry, emit);
+        self.release_held(s);
+        true
+    }
+
     /// Held → Active primary under `hash` (caller checked the hash is not in the map).
     pub(crate) fn register_primary(
         &mut self,

@@ -66,6 +66,13 @@ enum Op {
     },
     /// A recency touch of `seq[..len]`.
     Touch { seq: usize, len: usize },
+    /// `discard_inactive(seq[start..start+len])`: drops exactly the inactive ones the policy
+    /// can remove; held blocks stay registered.
+    Discard {
+        seq: usize,
+        start: usize,
+        len: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -94,6 +101,11 @@ fn op() -> impl Strategy<Value = Op> {
             len: len.min(SEQ_LEN - start)
         }),
         (0..SEQS, 0..=SEQ_LEN).prop_map(|(seq, len)| Op::Touch { seq, len }),
+        (0..SEQS, 0..SEQ_LEN, 1usize..4).prop_map(|(seq, start, len)| Op::Discard {
+            seq,
+            start,
+            len: len.min(SEQ_LEN - start)
+        }),
     ]
 }
 
@@ -327,6 +339,35 @@ fn run_ops(
                 }
                 if keep {
                     model.strong.extend(got);
+                }
+            }
+            Op::Discard { seq, start, len } => {
+                let hashes = &seqs[seq][start..start + len];
+                let before = present(&m, &seqs);
+                let counts = m.pool_counts();
+                let held: HashSet<SequenceHash> =
+                    model.strong.iter().map(|b| b.sequence_hash()).collect();
+                let n = m.discard_inactive(hashes);
+                let after = present(&m, &seqs);
+                let gone: HashSet<SequenceHash> = before.difference(&after).copied().collect();
+                prop_assert_eq!(gone.len(), n, "reported vs actually dropped");
+                for h in &gone {
+                    prop_assert!(hashes.contains(h), "dropped a hash it was not given");
+                    // (with duplicates allowed, a held duplicate does not hold the primary)
+                    if dup == DuplicationPolicy::Reject {
+                        prop_assert!(!held.contains(h), "dropped a held block");
+                    }
+                }
+                let after_counts = m.pool_counts();
+                prop_assert_eq!(after_counts.reset, counts.reset + n);
+                prop_assert_eq!(after_counts.inactive + n, counts.inactive);
+                if backend != EvictionBackend::Lineage && dup == DuplicationPolicy::Reject {
+                    // every inactive one is dropped
+                    for h in hashes {
+                        if before.contains(h) && !held.contains(h) {
+                            prop_assert!(!after.contains(h), "an inactive block stayed");
+                        }
+                    }
                 }
             }
             Op::ResetInactive => {

@@ -1326,6 +1326,7 @@ impl Tiers {
     /// it would be a second transfer of the same slot, and a damaged block would be rejected,
     /// and counted, twice), and makes room in G1.
     fn admit(&mut self, hashes: &[SequenceHash]) {
+        self.discard_rejected();
         self.backpressure(hashes.len());
         self.complete_prefetches(self.served_requests);
         if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
@@ -1333,6 +1334,42 @@ impl Tiers {
         }
         self.ensure_g1_room(hashes.len());
         self.served_requests += 1;
+    }
+
+    /// Drops the G3 and G4 blocks their tier rejected on read (poisoned) from the tier's
+    /// manager once nothing holds them (`BlockManager::discard_inactive`): unregistered, their
+    /// slots free, so the lanes may write a fresh copy later. A block stays poisoned (never
+    /// read) until it is dropped or has left the tier. The poisoned sets are leaf locks: read,
+    /// released, then the manager is called, then taken again to forget the dropped ones.
+    fn discard_rejected(&mut self) {
+        fn drop_from<T: Tier>(manager: &BlockManager<T>, poisoned: &Mutex<HashSet<SequenceHash>>) {
+            let pending: Vec<SequenceHash> = {
+                let p = poisoned.lock();
+                if p.is_empty() {
+                    return;
+                }
+                p.iter().copied().collect()
+            };
+            let gone: Vec<SequenceHash> = pending
+                .into_iter()
+                .filter(|h| {
+                    manager.discard_inactive(&[*h]) == 1
+                        || !manager.registry().is_present(*h, T::ID)
+                })
+                .collect();
+            if !gone.is_empty() {
+                let mut p = poisoned.lock();
+                for h in gone {
+                    p.remove(&h);
+                }
+            }
+        }
+        if let Some(g3) = &self.g3 {
+            drop_from(&g3.manager, &g3.poisoned);
+        }
+        if let Some(g4) = &self.g4 {
+            drop_from(&g4.manager, &g4.poisoned);
+        }
     }
 
     /// Serves one request: lookup, onboarding, computing the rest, offloading it.

@@ -877,3 +877,51 @@ fn registered_blocks_carry_their_digest() {
     let plain = register(&m, &chain(9, 2));
     assert!(plain.iter().all(|b| b.digest().is_none()));
 }
+
+#[test]
+fn discard_drops_only_inactive_blocks_unregisters_them_and_frees_their_slots() {
+    let sink = Arc::new(VecSink::new());
+    let registry = BlockRegistry::new();
+    let m = BlockManager::<G3>::builder()
+        .block_count(3)
+        .block_size(BS)
+        .registry(registry.clone())
+        .event_sink(sink.clone())
+        .build()
+        .unwrap();
+    let h = chain(1, 3);
+    let mut held = register(&m, &h);
+    let kept = held.remove(0); // h[0] stays held (active)
+    drop(held); // h[1], h[2] inactive
+    let before = m.pool_counts();
+    assert_eq!(
+        m.discard_inactive(&[h[0], h[1]]),
+        1,
+        "only the inactive h[1]"
+    );
+    let after = m.pool_counts();
+    assert_eq!(
+        (after.inactive, after.reset),
+        (before.inactive - 1, before.reset + 1)
+    );
+    assert!(
+        !registry.is_present(h[1], TierId::G3),
+        "never matched again"
+    );
+    assert!(m.match_blocks(&h[1..2]).is_empty());
+    assert!(registry.is_present(h[0], TierId::G3) && registry.is_present(h[2], TierId::G3));
+    assert_eq!(m.discard_inactive(&[h[1]]), 0, "already gone");
+    m.flush_events();
+    assert_eq!(
+        sink.events().last(),
+        Some(&BlockEvent {
+            kind: BlockEventKind::Removed,
+            tier: TierId::G3,
+            hash: h[1],
+        })
+    );
+    // Once released, the held one can be dropped too.
+    drop(kept);
+    assert_eq!(m.discard_inactive(&[h[0]]), 1);
+    m.check_invariants().unwrap();
+}
