@@ -340,6 +340,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         offload_evicted_blocks: tiers.evicted_before_offload,
         offload_no_space_blocks: tiers.no_space,
         offload_g2_space_waits: ld(&tiers.g2_space_waits),
+        load_refused_requests: tiers.load_refused,
         warm_start_blocks: [("g3", w3), ("g4", w4)].into_iter().collect(),
         wall_seconds: wall,
         blocks_per_second: if wall > 0.0 { total as f64 / wall } else { 0.0 },

@@ -59,6 +59,10 @@ pub struct Report {
     /// Times a G1→G2 batch found G2 full and waited for the lower lanes to free room
     /// (backpressure instead of a `no space` failure).
     pub offload_g2_space_waits: u64,
+    /// Requests whose `prepare_load` found a looked-up HIT gone (evicted from G2 by a later
+    /// promotion of the same lookup pass) and recomputed instead (tiering scheduler; 0 with
+    /// sessions).
+    pub load_refused_requests: u64,
     /// Blocks G3 and G4 held from an earlier run.
     pub warm_start_blocks: BTreeMap<&'static str, usize>,
     /// Seconds from the first request to the end of the drain.

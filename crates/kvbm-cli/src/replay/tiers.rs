@@ -392,6 +392,8 @@ pub struct Tiers {
     sched: Option<EngineTieringManager>,
     /// Where the manager's stores go on to G3/G4 (`--scheduler tiering`).
     write_through: Option<scheduled::WriteThrough>,
+    /// Requests whose `prepare_load` found a HIT gone, and recomputed (`--scheduler tiering`).
+    pub load_refused: u64,
     /// The workload's block identities (see [`Digests`]).
     digests: Arc<Digests>,
     /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
@@ -1281,6 +1283,7 @@ impl Tiers {
             shared_g4: shared.map(|((bus, _, _), own)| SharedG4 { own, _bus: bus }),
             sched,
             write_through,
+            load_refused: 0,
             digests: plan.digests.clone(),
             _runtime: runtime,
         })

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, anyhow};
 use kvbm_engine::scheduler::StoreSink;
 use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
 use kvbm_offload::{ObjectPipeline, OffloadError, Pipeline, TransferHandle};
@@ -211,8 +211,13 @@ impl Tiers {
         let spec = match self.sched_mut()?.prepare_load(keys, ctx) {
             Ok(s) => s,
             Err(e) => {
-                // Every key was a HIT in this pass and nothing allocated since: a bug.
-                bail!("prepare_load refused the request's HITs: {e}");
+                // A HIT that is gone by now: the last lookup pass (cut after MAX_PASSES) started
+                // promotions whose G2 allocations may evict an unheld G2 hit before it. The
+                // manager took no hold; the request recomputes instead (a lost hit, never a
+                // wrong one).
+                tracing::debug!(error = %e, "prepare_load refused; the prefix is recomputed");
+                self.load_refused += 1;
+                return Ok(Vec::new());
             }
         };
         let slots = spec
@@ -260,6 +265,11 @@ impl Tiers {
         keys: &[OffloadKey],
     ) -> anyhow::Result<Option<kvbm_tiering::PrepareStoreOutput>> {
         const GRACE: Duration = Duration::from_millis(50);
+        let total = self.g2.as_ref().map_or(0, |g| g.manager.total_blocks());
+        if keys.len() > total {
+            // More than G2 holds at all: no wait can make room.
+            return Ok(None);
+        }
         let started = Instant::now();
         let mut idle_since: Option<Instant> = None;
         for round in 0.. {
