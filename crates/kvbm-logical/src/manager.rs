@@ -429,11 +429,17 @@ impl<T: Tier> BlockManager<T> {
     /// Evicts every evictable inactive block to the reset pool; returns how many were evicted.
     /// (With the lineage backend, inactive parents of active blocks stay.)
     pub fn reset_inactive_pool(&self) -> usize {
+        self.evict_with(|store, core, emit| store.reset_inactive(core.tier, &core.registry, emit))
+    }
+
+    /// Runs `evict` (which returns how many blocks it evicted) under the store's lock, then
+    /// publishes its events, counts the evictions and updates the gauges.
+    fn evict_with(&self, evict: impl FnOnce(&mut Store, &Core, bool) -> usize) -> usize {
         let core = &self.core;
         let emit = core.events.is_some();
         let (n, counts, events) = {
             let mut store = core.store.lock();
-            let n = store.reset_inactive(core.tier, &core.registry, emit);
+            let n = evict(&mut store, core, emit);
             let events = store.take_events();
             if let Some(events) = &events
                 && let Some(b) = &core.events
@@ -455,25 +461,12 @@ impl<T: Tier> BlockManager<T> {
     /// blocks), is left as it is: a caller that must never read it again keeps its own guard
     /// and may retry once it is released. Returns how many were dropped.
     pub fn discard_inactive(&self, hashes: &[SequenceHash]) -> usize {
-        let core = &self.core;
-        let emit = core.events.is_some();
-        let (n, counts, events) = {
-            let mut store = core.store.lock();
-            let n = hashes
+        self.evict_with(|store, core, emit| {
+            hashes
                 .iter()
                 .filter(|h| store.discard_inactive(h, core.tier, &core.registry, emit))
-                .count();
-            let events = store.take_events();
-            if let Some(events) = &events
-                && let Some(b) = &core.events
-            {
-                b.push(events.iter().copied());
-            }
-            (n, store.counts(), events.is_some())
-        };
-        core.metrics.evictions.increment(n as u64);
-        self.after_op(counts, events);
-        n
+                .count()
+        })
     }
 
     /// Blocks that `allocate_blocks` could hand out now: reset plus inactive. (With the

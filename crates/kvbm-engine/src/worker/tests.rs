@@ -56,21 +56,20 @@ type Fixture = (
     Vec<ImmutableBlock<G2>>,
 );
 
+/// A 4-block manager of block size 4.
+fn small<T: Tier>() -> Arc<BlockManager<T>> {
+    Arc::new(
+        BlockManager::<T>::builder()
+            .block_count(4)
+            .block_size(4)
+            .build()
+            .unwrap(),
+    )
+}
+
 fn blocks() -> Fixture {
-    let g2 = Arc::new(
-        BlockManager::<G2>::builder()
-            .block_count(4)
-            .block_size(4)
-            .build()
-            .unwrap(),
-    );
-    let g1 = Arc::new(
-        BlockManager::<G1>::builder()
-            .block_count(4)
-            .block_size(4)
-            .build()
-            .unwrap(),
-    );
+    let g2 = small::<G2>();
+    let g1 = small::<G1>();
     let seq =
         TokenBlockSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
     let complete = g2
@@ -154,13 +153,7 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     );
     let spmd = Arc::new(SpmdParallelWorkers::new(vec![w0, bound_worker(1, &g1, &g2)]).unwrap());
     spmd.check_bound(&g1).unwrap();
-    let another_g1 = Arc::new(
-        BlockManager::<G1>::builder()
-            .block_count(4)
-            .block_size(4)
-            .build()
-            .unwrap(),
-    );
+    let another_g1 = small::<G1>();
     let err = spmd.check_bound(&another_g1).unwrap_err();
     assert!(err.to_string().contains("rank 0"), "{err}");
     assert!(SpmdMover::<G2, G1>::bound(spmd.clone(), another_g1).is_err());
@@ -203,20 +196,8 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
 async fn digests_travel_with_worker_transfers_and_are_checked() {
     let dir = tempfile::tempdir().unwrap();
     let tm = Arc::new(TransferManager::new().unwrap());
-    let g2 = Arc::new(
-        BlockManager::<G2>::builder()
-            .block_count(4)
-            .block_size(4)
-            .build()
-            .unwrap(),
-    );
-    let g3 = Arc::new(
-        BlockManager::<kvbm_logical::G3>::builder()
-            .block_count(4)
-            .block_size(4)
-            .build()
-            .unwrap(),
-    );
+    let g2 = small::<G2>();
+    let g3 = small::<kvbm_logical::G3>();
     let disk = PhysicalLayout::create_disk(
         geometry(4),
         &kvbm_physical::DiskConfig::new(dir.path().join("g3.bin")),
