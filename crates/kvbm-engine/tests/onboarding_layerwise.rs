@@ -7,18 +7,15 @@
 //! the G1 destinations and the G2 holds; a rank failing a layer fails the session the same way
 //! (with the `testing` mock workers).
 
-use std::ops::Range;
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
-use kvbm_engine::mover::{LayerMove, LayerMoved};
+use kvbm_engine::mover::LayerMove;
 use kvbm_engine::worker::{
     BoundTiers, PhysicalWorker, SpmdLayerMover, SpmdMover, SpmdParallelWorkers,
 };
 use kvbm_logical::{
-    BlockId, BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, SequenceHash, TierId,
-    TokenBlockSequence,
+    BlockManager, BlockRegistry, G1, G2, G3, Salt, SequenceHash, TierId, TokenBlockSequence,
 };
 use kvbm_offload::BoundTier;
 use kvbm_physical::{
@@ -28,7 +25,7 @@ use tokio::sync::Semaphore;
 
 mod common;
 
-use common::{N, fill, manager};
+use common::{Gated, N, fill, manager};
 
 const LAYERS: usize = 4;
 
@@ -101,34 +98,6 @@ fn rank(rank: usize, dir: &std::path::Path, m: &Managers) -> PhysicalWorker {
         },
     )
     .unwrap()
-}
-
-/// A layer mover that lets one layer through per permit.
-struct Gated {
-    inner: Arc<dyn LayerMove<G2, G1>>,
-    gate: Arc<Semaphore>,
-}
-
-impl LayerMove<G2, G1> for Gated {
-    fn destination(&self) -> &Arc<BlockManager<G1>> {
-        self.inner.destination()
-    }
-
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers()
-    }
-
-    fn move_layers<'a>(
-        &'a self,
-        sources: &'a [ImmutableBlock<G2>],
-        destinations: &'a [BlockId],
-        layers: Range<usize>,
-    ) -> BoxFuture<'a, Vec<LayerMoved>> {
-        Box::pin(async move {
-            self.gate.acquire().await.unwrap().forget();
-            self.inner.move_layers(sources, destinations, layers).await
-        })
-    }
 }
 
 struct Rig {

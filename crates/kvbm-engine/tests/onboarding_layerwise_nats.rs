@@ -6,53 +6,22 @@
 //! arrived), after the last layer they equal them (digests computed by each worker); nothing
 //! is registered in G1 before the last layer. The harness is `tests/nats_workers.rs`'s.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
-use kvbm_engine::mover::{LayerMove, LayerMoved};
 use kvbm_engine::transport::control::{ControlRequest, ControlResponse};
 use kvbm_engine::worker::{ParallelWorkers, SpmdLayerMover, SpmdMover};
-use kvbm_logical::{BlockId, BlockManager, G1, G2, G3, ImmutableBlock, TierId};
+use kvbm_logical::{G2, G3, TierId};
 use tokio::sync::Semaphore;
 
 mod common;
 
-use common::geometry;
+use common::{Gated, geometry};
 
 mod worker_processes;
 
 use worker_processes::{WorkerProcess, digests, instance_id, set_up};
-
-/// A layer mover that lets one layer through per permit.
-struct Gated {
-    inner: SpmdLayerMover<G2, G1>,
-    gate: Arc<Semaphore>,
-}
-
-impl LayerMove<G2, G1> for Gated {
-    fn destination(&self) -> &Arc<BlockManager<G1>> {
-        self.inner.destination()
-    }
-
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers()
-    }
-
-    fn move_layers<'a>(
-        &'a self,
-        sources: &'a [ImmutableBlock<G2>],
-        destinations: &'a [BlockId],
-        layers: Range<usize>,
-    ) -> BoxFuture<'a, Vec<LayerMoved>> {
-        Box::pin(async move {
-            self.gate.acquire().await.unwrap().forget();
-            self.inner.move_layers(sources, destinations, layers).await
-        })
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_worker_processes_onboard_a_disk_prefix_layer_by_layer_bytes_verified() {
@@ -99,7 +68,7 @@ async fn two_worker_processes_onboard_a_disk_prefix_layer_by_layer_bytes_verifie
     let onboard = session
         .onboard_layerwise(
             Arc::new(Gated {
-                inner: SpmdLayerMover::new(pw, i.g1.clone(), layers).unwrap(),
+                inner: Arc::new(SpmdLayerMover::new(pw, i.g1.clone(), layers).unwrap()),
                 gate: gate.clone(),
             }),
             i.g1.allocate_blocks(6).unwrap(),

@@ -109,3 +109,34 @@ pub async fn onboard_and_verify(
         assert_eq!(bytes(&g1_layout, b.block_id()), expected[i], "block {i}");
     }
 }
+
+/// A layer mover that lets one layer through per permit of `gate` (a test steps a layer-wise
+/// onboarding layer by layer).
+pub struct Gated {
+    /// The mover that does the work.
+    pub inner: Arc<dyn kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1>>,
+    /// One permit per layer allowed through.
+    pub gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1> for Gated {
+    fn destination(&self) -> &Arc<BlockManager<kvbm_logical::G1>> {
+        self.inner.destination()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+
+    fn move_layers<'a>(
+        &'a self,
+        sources: &'a [kvbm_logical::ImmutableBlock<kvbm_logical::G2>],
+        destinations: &'a [kvbm_logical::BlockId],
+        layers: std::ops::Range<usize>,
+    ) -> futures::future::BoxFuture<'a, Vec<kvbm_engine::mover::LayerMoved>> {
+        Box::pin(async move {
+            self.gate.acquire().await.unwrap().forget();
+            self.inner.move_layers(sources, destinations, layers).await
+        })
+    }
+}
