@@ -87,17 +87,26 @@ fn assert_registered<T: Tier>(tier: &PhysicalTier<T>, keys: &[u64]) {
     }
 }
 
-fn round_trip<T: Tier>(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier<T>) {
+/// A tiering manager over a CPU primary tier of `chunks` chunks (on its own transfer manager)
+/// and the one secondary tier `make` builds over it.
+fn manager_over<T: Tier>(
+    chunks: usize,
+    make: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier<T>,
+) -> TieringOffloadingManager {
     let tm = Arc::new(TransferManager::new().unwrap());
     let primary =
-        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(4), CHUNK, tm).unwrap();
-    let tier = make_tier(&primary);
-    let mut m = TieringOffloadingManager::with_primary(
+        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(chunks), CHUNK, tm).unwrap();
+    let tier = make(&primary);
+    TieringOffloadingManager::with_primary(
         primary,
         vec![Box::new(tier)],
         UpstreamFixes::default(),
         false,
-    );
+    )
+}
+
+fn round_trip<T: Tier>(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier<T>) {
+    let mut m = manager_over(4, make_tier);
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1, 2, 3]);
@@ -153,16 +162,9 @@ fn disk_tier_round_trip_bytes_verified() {
 #[test]
 fn disk_tier_evicts_oldest_when_full() {
     let path = scratch("g3-small");
-    let tm = Arc::new(TransferManager::new().unwrap());
-    let primary =
-        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(4), CHUNK, tm).unwrap();
-    let tier = PhysicalTier::disk(&primary, &DiskConfig::new(&path), 2).unwrap();
-    let mut m = TieringOffloadingManager::with_primary(
-        primary,
-        vec![Box::new(tier)],
-        UpstreamFixes::default(),
-        false,
-    );
+    let mut m = manager_over(4, |primary| {
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 2).unwrap()
+    });
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1]);
@@ -204,16 +206,9 @@ fn object_tier_round_trip_bytes_verified() {
 #[test]
 fn corrupted_disk_chunk_is_never_served() {
     let path = scratch("g3-corrupt");
-    let tm = Arc::new(TransferManager::new().unwrap());
-    let primary =
-        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
-    let tier = PhysicalTier::disk(&primary, &DiskConfig::new(&path), 8).unwrap();
-    let mut m = TieringOffloadingManager::with_primary(
-        primary,
-        vec![Box::new(tier)],
-        UpstreamFixes::default(),
-        false,
-    );
+    let mut m = manager_over(2, |primary| {
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 8).unwrap()
+    });
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1]);
@@ -239,16 +234,9 @@ fn corrupted_disk_chunk_is_never_served() {
 
 /// The primary tier and a tiering manager over one disk tier of `slots` slots in `path`.
 fn disk_manager(path: &std::path::Path, slots: usize) -> TieringOffloadingManager {
-    let tm = Arc::new(TransferManager::new().unwrap());
-    let primary =
-        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
-    let tier = PhysicalTier::disk(&primary, &DiskConfig::new(path), slots).unwrap();
-    TieringOffloadingManager::with_primary(
-        primary,
-        vec![Box::new(tier)],
-        UpstreamFixes::default(),
-        false,
-    )
+    manager_over(2, |primary| {
+        PhysicalTier::disk(primary, &DiskConfig::new(path), slots).unwrap()
+    })
 }
 
 #[test]
@@ -395,16 +383,9 @@ fn vanished_or_swapped_object_is_a_typed_failure_and_never_served() {
         ..ObjectConfig::default()
     };
     let storage = Arc::new(ObjectStorage::s3(&cfg, oc).unwrap());
-    let tm = Arc::new(TransferManager::new().unwrap());
-    let primary =
-        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
-    let tier = PhysicalTier::object(&primary, storage.clone(), 64).unwrap();
-    let mut m = TieringOffloadingManager::with_primary(
-        primary,
-        vec![Box::new(tier)],
-        UpstreamFixes::default(),
-        false,
-    );
+    let mut m = manager_over(2, |primary| {
+        PhysicalTier::object(primary, storage.clone(), 64).unwrap()
+    });
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1]);
