@@ -71,8 +71,8 @@ pub use wire::binding;
 
 use crate::config::TransportConfig;
 use crate::error::{EngineError, Result};
-use crate::mover::Moved;
 use crate::pubsub::InstanceId;
+use kvbm_offload::MoveOutcome;
 
 /// Settings of the data plane (server and client).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,7 +166,7 @@ pub trait RemotePull: Send + Sync + 'static {
         instance: InstanceId,
         hashes: &'a [SequenceHash],
         destinations: Vec<MutableBlock<G2>>,
-    ) -> BoxFuture<'a, Vec<Moved<G2>>>;
+    ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>>;
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 //! (`kvbm-offload`'s [`BlockMover`]) or on every tensor-parallel rank
 //! ([`SpmdMover`](crate::worker::SpmdMover)); it needs the destination manager (to allocate
 //! destinations up front) and a per-block outcome that registers a destination only when its
-//! bytes arrived. Both implement this trait; failures are carried as their description.
+//! bytes arrived. Both implement this trait. Every failed block carries its typed
+//! [`BlockFailure`] (kind, message, the physical error behind it), so a caller tells a corrupt
+//! copy ([`BlockFailureKind::drops_copy`]) from a transient I/O failure without reading text.
 //!
 //! [`LayerMove`] is the layer-wise variant the onboard phase uses (G2→G1, one layer of every
 //! block of the prefix at a time): it copies a layer range into destination slots the *caller*
@@ -26,13 +28,12 @@ use std::sync::Arc;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use kvbm_logical::{BlockId, BlockManager, ImmutableBlock, MutableBlock, Tier};
-use kvbm_offload::{BlockMover, BoundTier, identity_of};
+use kvbm_offload::{
+    BlockFailure, BlockFailureKind, BlockMover, BoundTier, MoveOutcome, identity_of,
+};
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
 use crate::error::{EngineError, Result};
-
-/// One block move's outcome: the registered destination, or why not.
-pub type Moved<Dst> = Result<ImmutableBlock<Dst>, String>;
 
 /// Moves registered `Src` blocks into caller-allocated `Dst` blocks.
 pub trait BlockMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
@@ -44,7 +45,7 @@ pub trait BlockMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
-    ) -> BoxFuture<'a, Vec<Moved<Dst>>>;
+    ) -> BoxFuture<'a, Vec<MoveOutcome<Dst>>>;
 }
 
 impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for BlockMover<Src, Dst> {
@@ -56,14 +57,8 @@ impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for BlockMover<Src, Dst> {
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
-    ) -> BoxFuture<'a, Vec<Moved<Dst>>> {
-        self.move_from(sources, destinations)
-            .map(|out| {
-                out.into_iter()
-                    .map(|r| r.map_err(|f| f.to_string()))
-                    .collect()
-            })
-            .boxed()
+    ) -> BoxFuture<'a, Vec<MoveOutcome<Dst>>> {
+        self.move_from(sources, destinations).boxed()
     }
 }
 
@@ -76,13 +71,14 @@ impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for crate::worker::SpmdMover<Src,
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
-    ) -> BoxFuture<'a, Vec<Moved<Dst>>> {
+    ) -> BoxFuture<'a, Vec<MoveOutcome<Dst>>> {
         self.move_from(sources, destinations).boxed()
     }
 }
 
-/// One block's outcome of a layer-range move: nothing is registered either way.
-pub type LayerMoved = std::result::Result<(), String>;
+/// One block's outcome of a move that registers nothing (a layer range, one rank's part of a
+/// transfer): `Ok` when its bytes arrived.
+pub type BlockOutcome = std::result::Result<(), BlockFailure>;
 
 /// Copies layer ranges of registered `Src` blocks into destination slots the caller owns
 /// (unregistered [`MutableBlock`]s); see the [module docs](self).
@@ -99,12 +95,17 @@ pub trait LayerMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
         sources: &'a [ImmutableBlock<Src>],
         destinations: &'a [BlockId],
         layers: Range<usize>,
-    ) -> BoxFuture<'a, Vec<LayerMoved>>;
+    ) -> BoxFuture<'a, Vec<BlockOutcome>>;
 }
 
-/// Fails each of `n` blocks with `message`.
-pub(crate) fn fail_layers(n: usize, message: &str) -> Vec<LayerMoved> {
-    (0..n).map(|_| Err(message.to_owned())).collect()
+/// Fails each of `n` blocks with a failure of `kind` saying `message`.
+pub(crate) fn fail_all<T>(
+    n: usize,
+    kind: BlockFailureKind,
+    message: &str,
+) -> Vec<std::result::Result<T, BlockFailure>> {
+    let f = BlockFailure::new(kind, message);
+    (0..n).map(|_| Err(f.clone())).collect()
 }
 
 /// The in-process [`LayerMove`]: one transfer manager, a source layout and a bound
@@ -216,12 +217,13 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
         sources: &'a [ImmutableBlock<Src>],
         destinations: &'a [BlockId],
         layers: Range<usize>,
-    ) -> BoxFuture<'a, Vec<LayerMoved>> {
+    ) -> BoxFuture<'a, Vec<BlockOutcome>> {
         Box::pin(async move {
             let n = sources.len();
             if destinations.len() != n {
-                return fail_layers(
+                return fail_all(
                     n,
+                    BlockFailureKind::Refused,
                     &format!("{n} sources but {} destinations", destinations.len()),
                 );
             }
@@ -246,15 +248,23 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
             };
             let completion = match issued {
                 Ok(c) => c,
-                Err(e) => return fail_layers(n, &e.to_string()),
+                Err(e) => {
+                    let f = BlockFailure::physical(e);
+                    return (0..n).map(|_| Err(f.clone())).collect();
+                }
             };
-            let mut out: Vec<LayerMoved> = completion
+            let mut out: Vec<BlockOutcome> = completion
                 .await
                 .blocks
                 .into_iter()
-                .map(|(_, r)| r.map_err(|e| e.to_string()))
+                .map(|(_, r)| r.map_err(BlockFailure::physical))
                 .collect();
-            out.resize_with(n, || Err("transfer manager reported no outcome".into()));
+            out.resize_with(n, || {
+                Err(BlockFailure::new(
+                    BlockFailureKind::ExecutorAborted,
+                    "the transfer manager reported no outcome",
+                ))
+            });
             out
         })
     }

@@ -71,8 +71,10 @@
 //!
 //! # Failed copies
 //!
-//! A promotion that fails (the copy is corrupt, another block's, or gone) is never reported
-//! as a hit, and that tier's copy is never read again: the manager drops it from the tier
+//! A promotion that fails is never reported as a hit. What happens to the copy depends on the
+//! failure's kind ([`BlockFailureKind::drops_copy`]): a transient failure (I/O, a timeout, a
+//! refusal) says nothing about the copy, which is kept and may be promoted by a later lookup.
+//! A copy proven bad (corrupt, another block's, or gone) is never read again: the manager drops it from the tier
 //! ([`BlockManager::discard_inactive`]: unregistered, its slot freed), so a later lookup of
 //! the key is a MISS unless G2 holds fresh bytes (the scheduler recomputed and stored it) or
 //! another tier holds a copy, and the engine's offload may write a fresh copy there. A copy
@@ -110,7 +112,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_logical::{BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId};
-use kvbm_offload::BoundTier;
+use kvbm_offload::{BlockFailure, BlockFailureKind, BoundTier, MoveOutcome};
 use kvbm_tiering::tiering::{DiskTier, ObjectTier, PhysicalTier, SecondaryTierManager};
 use kvbm_tiering::{
     CacheHitSource, CpuLoadStoreSpec, CpuPrimaryTier, LoadStoreSpec, LookupResult, Medium,
@@ -163,6 +165,16 @@ struct Stats {
     promotion_allocation_failures: u64,
 }
 
+/// The one outcome of a one-block move (a mover that reported none failed it).
+fn first_outcome(out: Vec<MoveOutcome<G2>>) -> MoveOutcome<G2> {
+    out.into_iter().next().unwrap_or_else(|| {
+        Err(BlockFailure::new(
+            BlockFailureKind::ExecutorAborted,
+            "the mover reported no outcome",
+        ))
+    })
+}
+
 /// Index of a searched tier in [`Stats`]' per-tier arrays.
 fn tier_slot(t: TierId) -> usize {
     match t {
@@ -172,7 +184,7 @@ fn tier_slot(t: TierId) -> usize {
     }
 }
 
-type Completion = (OffloadKey, std::result::Result<ImmutableBlock<G2>, String>);
+type Completion = (OffloadKey, MoveOutcome<G2>);
 
 struct Promotion {
     owner: u64,
@@ -452,10 +464,16 @@ impl EngineTieringManager {
                         _ => drop(block),
                     }
                 }
-                Err(message) => {
-                    tracing::warn!(%key, %message, tier = %p.tier, "promotion to G2 failed; that copy is dropped, never read again");
+                Err(failure) => {
                     self.promotion_failures += 1;
                     self.stats.promotion_failures[tier_slot(p.tier) - 1] += 1;
+                    if !failure.kind.drops_copy() {
+                        // Transient (I/O, timeout, a refusal…): the copy is intact as far as
+                        // anyone knows; a later lookup may promote it again.
+                        tracing::warn!(%key, kind = failure.kind.as_str(), error = %failure.message, tier = %p.tier, "promotion to G2 failed; the copy is kept");
+                        continue;
+                    }
+                    tracing::warn!(%key, kind = failure.kind.as_str(), error = %failure.message, tier = %p.tier, "promotion to G2 failed; that copy is dropped, never read again");
                     let h = self.hash_of(&key);
                     if !self.discard_copy(h, p.tier) {
                         self.bad_copies.insert((h, p.tier));
@@ -569,14 +587,12 @@ impl EngineTieringManager {
             Source::G3(m, src) => self.runtime.spawn(async move {
                 let out = m.move_blocks(&src, vec![dst]).await;
                 drop(src);
-                let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
-                completions.lock().push((key, r));
+                completions.lock().push((key, first_outcome(out)));
             }),
             Source::G4(m, src) => self.runtime.spawn(async move {
                 let out = m.move_blocks(&src, vec![dst]).await;
                 drop(src);
-                let r = out.into_iter().next().unwrap_or(Err("no outcome".into()));
-                completions.lock().push((key, r));
+                completions.lock().push((key, first_outcome(out)));
             }),
         };
         self.promotions.insert(key, Promotion { owner, tier, task });

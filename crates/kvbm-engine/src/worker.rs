@@ -76,11 +76,13 @@ use futures::future::{BoxFuture, join_all};
 use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
 };
-use kvbm_offload::{BoundTier, identity_of, object_key};
+use kvbm_offload::{
+    BlockFailure, BlockFailureKind, BoundTier, MoveOutcome, identity_of, object_key,
+};
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
 use crate::layout::LogicalLayoutHandle;
-use crate::mover::{LayerMove, LayerMoved, fail_layers};
+use crate::mover::{BlockOutcome, LayerMove, fail_all};
 
 /// One rank: its transfer manager and its layout per tier (bound to the leader's manager where
 /// given as a [`BoundTier`]).
@@ -192,14 +194,18 @@ impl PhysicalWorker {
     }
 
     /// Runs `request` on this rank; one result per block, in order, once every block settled.
-    pub async fn execute(&self, request: &TransferRequest) -> Vec<Result<(), String>> {
+    /// A failure keeps its kind (a damaged copy, another block's, I/O…) and names this rank.
+    pub async fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
         let n = request.blocks.len();
-        let fail_all = |m: String| (0..n).map(|_| Err(m.clone())).collect();
         let (Some(src), Some(dst)) = (self.layout(request.src), self.layout(request.dst)) else {
-            return fail_all(format!(
-                "rank {}: no layout for {} or {}",
-                self.rank, request.src, request.dst
-            ));
+            return fail_all(
+                n,
+                BlockFailureKind::Refused,
+                &format!(
+                    "rank {}: no layout for {} or {}",
+                    self.rank, request.src, request.dst
+                ),
+            );
         };
         let src_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.0).collect();
         let dst_ids: Vec<BlockId> = request.blocks.iter().map(|b| b.1).collect();
@@ -221,16 +227,22 @@ impl PhysicalWorker {
         };
         let completion = match issued {
             Ok(c) => c,
-            Err(e) => return fail_all(format!("rank {}: {e}", self.rank)),
+            Err(e) => {
+                let f = on_rank(self.rank, BlockFailure::physical(e));
+                return (0..n).map(|_| Err(f.clone())).collect();
+            }
         };
         let outcome = completion.await;
-        let mut results: Vec<Result<(), String>> = outcome
+        let mut results: Vec<BlockOutcome> = outcome
             .blocks
             .into_iter()
-            .map(|(_, r)| r.map_err(|e| format!("rank {}: {e}", self.rank)))
+            .map(|(_, r)| r.map_err(|e| on_rank(self.rank, BlockFailure::physical(e))))
             .collect();
         results.resize_with(n, || {
-            Err(format!("rank {}: no outcome reported", self.rank))
+            Err(BlockFailure::new(
+                BlockFailureKind::ExecutorAborted,
+                format!("rank {}: no outcome reported", self.rank),
+            ))
         });
         results
     }
@@ -318,7 +330,13 @@ pub trait ParallelWorkers: Send + Sync {
     fn world_size(&self) -> usize;
     /// Runs `request` on every rank; per block `Ok` only if every rank moved it, else the
     /// first failure. Resolves only after every rank settled.
-    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<Result<(), String>>>;
+    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>>;
+}
+
+/// `f` with the rank it happened on in front of its message (the kind is kept).
+pub(crate) fn on_rank(rank: usize, mut f: BlockFailure) -> BlockFailure {
+    f.message = format!("rank {rank}: {}", f.message);
+    f
 }
 
 /// Every operation on every rank, in-process: see the [module docs](self).
@@ -462,10 +480,10 @@ impl ParallelWorkers for SpmdParallelWorkers {
         self.ranks.len()
     }
 
-    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<Result<(), String>>> {
+    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
         Box::pin(async move {
             let per_rank = join_all(self.ranks.iter().map(|w| w.execute(&request))).await;
-            let mut merged: Vec<Result<(), String>> = vec![Ok(()); request.blocks.len()];
+            let mut merged: Vec<BlockOutcome> = vec![Ok(()); request.blocks.len()];
             for rank in per_rank {
                 for (m, r) in merged.iter_mut().zip(rank) {
                     if m.is_ok() {
@@ -521,11 +539,11 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         &self,
         sources: &[ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
-    ) -> Vec<Result<ImmutableBlock<Dst>, String>> {
+    ) -> Vec<MoveOutcome<Dst>> {
         let n = sources.len();
         if destinations.len() != n {
             let m = format!("{n} sources but {} destinations", destinations.len());
-            return (0..n).map(|_| Err(m.clone())).collect();
+            return fail_all(n, BlockFailureKind::Refused, &m);
         }
         let request = TransferRequest::from_sources(
             Dst::ID,
@@ -533,8 +551,7 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             destinations.iter().map(|d| d.block_id()),
         );
         let outcome = self.workers.execute(request).await;
-        let mut results: Vec<Option<Result<ImmutableBlock<Dst>, String>>> =
-            (0..n).map(|_| None).collect();
+        let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
         let mut complete = Vec::new();
         let mut idx = Vec::new();
         for (i, ((d, s), r)) in destinations
@@ -550,7 +567,12 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
                         complete.push(c);
                         idx.push(i);
                     }
-                    Err(e) => results[i] = Some(Err(format!("cannot register: {}", e.error))),
+                    Err(e) => {
+                        results[i] = Some(Err(BlockFailure::new(
+                            BlockFailureKind::Transfer,
+                            format!("cannot register: {}", e.error),
+                        )))
+                    }
                 },
                 // Every rank has settled: the destination may go back to its pool now.
                 Err(m) => results[i] = Some(Err(m)),
@@ -561,7 +583,14 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         }
         results
             .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err("no outcome".into())))
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(BlockFailure::new(
+                        BlockFailureKind::ExecutorAborted,
+                        "the workers reported no outcome",
+                    ))
+                })
+            })
             .collect()
     }
 }
@@ -645,18 +674,20 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
         sources: &'a [ImmutableBlock<Src>],
         destinations: &'a [BlockId],
         layers: Range<usize>,
-    ) -> BoxFuture<'a, Vec<LayerMoved>> {
+    ) -> BoxFuture<'a, Vec<BlockOutcome>> {
         Box::pin(async move {
             let n = sources.len();
             if destinations.len() != n {
-                return fail_layers(
+                return fail_all(
                     n,
+                    BlockFailureKind::Refused,
                     &format!("{n} sources but {} destinations", destinations.len()),
                 );
             }
             if layers.start >= layers.end || layers.end > self.num_layers {
-                return fail_layers(
+                return fail_all(
                     n,
+                    BlockFailureKind::Refused,
                     &format!("layer range {layers:?} outside 0..{}", self.num_layers),
                 );
             }

@@ -88,7 +88,7 @@ async fn two_ranks_down_to_disk_and_back_bytes_verified_per_rank() {
         assert!(o.is_ok(), "{o:?}");
     }
     let failure = out[4].as_ref().unwrap_err();
-    assert!(failure.starts_with("rank 1:"), "{failure}");
+    assert!(failure.message.starts_with("rank 1:"), "{failure}");
     assert!(
         g1.match_blocks(&hashes[4..5]).is_empty(),
         "a block one rank lacks is never registered"

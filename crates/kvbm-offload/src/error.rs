@@ -40,6 +40,10 @@ pub enum BlockFailureKind {
     Timeout,
     /// The operation was cancelled before it finished.
     Cancelled,
+    /// The request was refused as a whole before anything moved (a worker without the tier,
+    /// a request addressed to another rank, a peer that answered with a refusal): the copy is
+    /// intact; a retry elsewhere may succeed.
+    Refused,
 }
 
 impl BlockFailureKind {
@@ -59,7 +63,48 @@ impl BlockFailureKind {
             Self::Io => "io",
             Self::Timeout => "timeout",
             Self::Cancelled => "cancelled",
+            Self::Refused => "refused",
         }
+    }
+
+    /// Every kind, in a fixed order (see [`index`](Self::index)).
+    pub const ALL: [Self; 13] = [
+        Self::Evicted,
+        Self::PreconditionFailed,
+        Self::NoSpace,
+        Self::Transfer,
+        Self::ExecutorAborted,
+        Self::PipelineFailed,
+        Self::ChecksumMismatch,
+        Self::IdentityMismatch,
+        Self::NotFound,
+        Self::Io,
+        Self::Timeout,
+        Self::Cancelled,
+        Self::Refused,
+    ];
+
+    /// This kind's position in [`ALL`](Self::ALL) (a dense index for per-kind counters).
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The kind named `name` ([`as_str`](Self::as_str)), if this build knows it: how a kind
+    /// that crossed a wire is read back.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+
+    /// Whether a failed read proves that the tier's copy must go: its bytes are damaged
+    /// ([`ChecksumMismatch`](Self::ChecksumMismatch)), it is another block's
+    /// ([`IdentityMismatch`](Self::IdentityMismatch)) or it is gone
+    /// ([`NotFound`](Self::NotFound)). Every other kind (I/O, timeout, cancellation, a refusal…)
+    /// says nothing about the copy, which is kept: a later read may succeed.
+    pub const fn drops_copy(self) -> bool {
+        matches!(
+            self,
+            Self::ChecksumMismatch | Self::IdentityMismatch | Self::NotFound
+        )
     }
 
     /// The kind of a block whose transfer failed with `e`.
@@ -248,5 +293,35 @@ impl Eq for PolicyError {}
 impl From<PhysicalError> for PolicyError {
     fn from(e: PhysicalError) -> Self {
         Self::Backend(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlockFailureKind;
+
+    #[test]
+    fn every_kind_has_its_index_and_reads_back_by_name() {
+        for (i, k) in BlockFailureKind::ALL.into_iter().enumerate() {
+            assert_eq!(k.index(), i, "{k:?}");
+            assert_eq!(BlockFailureKind::from_name(k.as_str()), Some(k));
+        }
+        assert_eq!(BlockFailureKind::from_name("no_such_kind"), None);
+    }
+
+    #[test]
+    fn only_proof_of_a_bad_copy_drops_it() {
+        let dropped: Vec<_> = BlockFailureKind::ALL
+            .into_iter()
+            .filter(|k| k.drops_copy())
+            .collect();
+        assert_eq!(
+            dropped,
+            [
+                BlockFailureKind::ChecksumMismatch,
+                BlockFailureKind::IdentityMismatch,
+                BlockFailureKind::NotFound
+            ]
+        );
     }
 }

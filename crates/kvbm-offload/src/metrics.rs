@@ -97,20 +97,7 @@ pub const ALL: [&str; 14] = [
     QUEUE_CAPACITY,
 ];
 
-const FAILURE_KINDS: [BlockFailureKind; 12] = [
-    BlockFailureKind::Evicted,
-    BlockFailureKind::PreconditionFailed,
-    BlockFailureKind::NoSpace,
-    BlockFailureKind::Transfer,
-    BlockFailureKind::ExecutorAborted,
-    BlockFailureKind::PipelineFailed,
-    BlockFailureKind::ChecksumMismatch,
-    BlockFailureKind::IdentityMismatch,
-    BlockFailureKind::NotFound,
-    BlockFailureKind::Io,
-    BlockFailureKind::Timeout,
-    BlockFailureKind::Cancelled,
-];
+const FAILURE_KINDS: [BlockFailureKind; BlockFailureKind::ALL.len()] = BlockFailureKind::ALL;
 
 /// Registers the units and descriptions of every metric with the current recorder.
 ///
@@ -215,20 +202,7 @@ pub(crate) struct PipelineMetrics {
 }
 
 fn failure_index(kind: BlockFailureKind) -> usize {
-    match kind {
-        BlockFailureKind::Evicted => 0,
-        BlockFailureKind::PreconditionFailed => 1,
-        BlockFailureKind::NoSpace => 2,
-        BlockFailureKind::Transfer => 3,
-        BlockFailureKind::ExecutorAborted => 4,
-        BlockFailureKind::PipelineFailed => 5,
-        BlockFailureKind::ChecksumMismatch => 6,
-        BlockFailureKind::IdentityMismatch => 7,
-        BlockFailureKind::NotFound => 8,
-        BlockFailureKind::Io => 9,
-        BlockFailureKind::Timeout => 10,
-        BlockFailureKind::Cancelled => 11,
-    }
+    kind.index()
 }
 
 impl PipelineMetrics {

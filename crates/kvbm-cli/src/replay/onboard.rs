@@ -9,8 +9,9 @@
 //!
 //! Each mover implements the engine's [`BlockMove`] seam: it moves registered source blocks
 //! into caller-allocated destinations and registers a destination only when its bytes arrived
-//! and passed the check. A block that fails is reported (an `Err` outcome, which fails the
-//! session: a failed transfer never counts as a hit) and its hash is recorded in
+//! and passed the check. A block that fails is reported (an `Err` outcome with its
+//! [`BlockFailureKind`], which fails the session: a failed transfer never counts as a hit) and
+//! its hash is recorded in
 //! [`OnboardShared::failed`], so the replay can cut the request's prefix at the first failed
 //! block and recompute from there. G3 and G4 blocks that the tier rejected are poisoned (never
 //! matched again) and counted as checksum failures; other errors count as failed transfers.
@@ -29,18 +30,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use futures::future::BoxFuture;
-use kvbm_engine::mover::{BlockMove, Moved};
+use kvbm_engine::mover::BlockMove;
 use kvbm_logical::{
     BlockDigest, BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock,
     SequenceHash, Tier,
 };
-use kvbm_offload::{block_identity, identity_of, object_key};
+use kvbm_offload::{
+    BlockFailure, BlockFailureKind, MoveOutcome, block_identity, identity_of, object_key,
+};
 use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
 use parking_lot::Mutex;
 
 use super::content;
 use super::keys::Digests;
-use super::tiers::{Counters, G3Check, MovePath, check_g3_read, is_rejection, slot_of};
+use super::tiers::{Counters, G3Check, MovePath, check_g3_read, count_failure, slot_of};
 
 /// What the movers report back to the replay.
 #[derive(Debug, Default)]
@@ -67,8 +70,8 @@ impl OnboardShared {
 /// order.
 fn settle<T: Tier>(
     manager: &BlockManager<T>,
-    parts: Vec<Result<CompleteBlock<T>, String>>,
-) -> Vec<Moved<T>> {
+    parts: Vec<Result<CompleteBlock<T>, BlockFailure>>,
+) -> Vec<MoveOutcome<T>> {
     let mut complete = Vec::with_capacity(parts.len());
     let mut errors = Vec::with_capacity(parts.len());
     for p in parts {
@@ -84,9 +87,12 @@ fn settle<T: Tier>(
     errors
         .into_iter()
         .map(|e| match e {
-            None => registered
-                .next()
-                .ok_or_else(|| "the block manager did not register the block".to_string()),
+            None => registered.next().ok_or_else(|| {
+                BlockFailure::new(
+                    BlockFailureKind::Transfer,
+                    "the block manager did not register the block",
+                )
+            }),
             Some(e) => Err(e),
         })
         .collect()
@@ -99,15 +105,17 @@ fn refused<D: Tier>(
     shared: &OnboardShared,
     src: impl ExactSizeIterator<Item = SequenceHash>,
     path: &str,
-    e: &dyn std::fmt::Display,
-) -> Vec<Moved<D>> {
+    e: kvbm_physical::PhysicalError,
+) -> Vec<MoveOutcome<D>> {
     tracing::warn!(error = %e, "{path} transfer refused");
     counters
         .failed_transfers
         .fetch_add(src.len() as u64, Ordering::Relaxed);
+    let mut f = BlockFailure::physical(e);
+    f.message = format!("{path} transfer refused: {}", f.message);
     src.map(|h| {
         shared.fail(h);
-        Err(format!("{path} transfer refused: {e}"))
+        Err(f.clone())
     })
     .collect()
 }
@@ -122,10 +130,10 @@ async fn skipping_rejected<S: Tier, F, Fut>(
     src: &[ImmutableBlock<S>],
     dst: Vec<MutableBlock<G2>>,
     transfer: F,
-) -> Vec<Moved<G2>>
+) -> Vec<MoveOutcome<G2>>
 where
     F: FnOnce(Vec<ImmutableBlock<S>>, Vec<MutableBlock<G2>>) -> Fut,
-    Fut: std::future::Future<Output = Vec<Moved<G2>>>,
+    Fut: std::future::Future<Output = Vec<MoveOutcome<G2>>>,
 {
     let bad: Vec<bool> = {
         let p = poisoned.lock();
@@ -151,14 +159,20 @@ where
         .map(|(b, is_bad)| {
             if is_bad {
                 shared.fail(b.sequence_hash());
-                Err(format!(
-                    "block {} was already rejected by its tier",
-                    b.sequence_hash()
+                Err(BlockFailure::new(
+                    BlockFailureKind::Refused,
+                    format!(
+                        "block {} was already rejected by its tier",
+                        b.sequence_hash()
+                    ),
                 ))
             } else {
-                moved
-                    .next()
-                    .unwrap_or_else(|| Err("the move reported too few outcomes".into()))
+                moved.next().unwrap_or_else(|| {
+                    Err(BlockFailure::new(
+                        BlockFailureKind::ExecutorAborted,
+                        "the move reported too few outcomes",
+                    ))
+                })
             }
         })
         .collect()
@@ -175,9 +189,9 @@ fn complete<T: Tier>(
     m: MutableBlock<T>,
     h: SequenceHash,
     digest: Option<BlockDigest>,
-) -> Result<CompleteBlock<T>, String> {
+) -> Result<CompleteBlock<T>, BlockFailure> {
     m.complete_with_digest(h, digest)
-        .map_err(|e| e.error.to_string())
+        .map_err(|e| BlockFailure::new(BlockFailureKind::Transfer, e.error.to_string()))
 }
 
 /// G3 → G2: a disk read checked against the disk header and the checksum recorded at write.
@@ -196,7 +210,11 @@ pub struct G3ToG2 {
 }
 
 impl G3ToG2 {
-    async fn run(&self, src: &[ImmutableBlock<G3>], dst: Vec<MutableBlock<G2>>) -> Vec<Moved<G2>> {
+    async fn run(
+        &self,
+        src: &[ImmutableBlock<G3>],
+        dst: Vec<MutableBlock<G2>>,
+    ) -> Vec<MoveOutcome<G2>> {
         let t = Instant::now();
         let out = skipping_rejected(
             &self.check.poisoned,
@@ -216,7 +234,7 @@ impl G3ToG2 {
         &self,
         src: &[ImmutableBlock<G3>],
         dst: Vec<MutableBlock<G2>>,
-    ) -> Vec<Moved<G2>> {
+    ) -> Vec<MoveOutcome<G2>> {
         let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
         let t = Instant::now();
@@ -237,7 +255,7 @@ impl G3ToG2 {
         };
         let outcome = match issued {
             Ok(c) => c.await,
-            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G3→G2", &e),
+            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G3→G2", e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
             .record(t.elapsed().as_secs_f64());
@@ -246,11 +264,12 @@ impl G3ToG2 {
         for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
             let h = blk.sequence_hash();
             ok += usize::from(r.is_ok());
-            if check_g3_read(&self.g2_layout, &self.check, &self.counters, &mblk, h, r) {
-                parts.push(complete(mblk, h, self.digests.get(h)));
-            } else {
-                self.shared.fail(h);
-                parts.push(Err(format!("G3 block {h} failed its read check")));
+            match check_g3_read(&self.g2_layout, &self.check, &self.counters, &mblk, h, r) {
+                Ok(()) => parts.push(complete(mblk, h, self.digests.get(h))),
+                Err(f) => {
+                    self.shared.fail(h);
+                    parts.push(Err(f));
+                }
             }
         }
         self.counters
@@ -268,7 +287,7 @@ impl BlockMove<G3, G2> for G3ToG2 {
         &'a self,
         sources: &'a [ImmutableBlock<G3>],
         destinations: Vec<MutableBlock<G2>>,
-    ) -> BoxFuture<'a, Vec<Moved<G2>>> {
+    ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>> {
         Box::pin(self.run(sources, destinations))
     }
 }
@@ -289,7 +308,11 @@ pub struct G4ToG2 {
 }
 
 impl G4ToG2 {
-    async fn run(&self, src: &[ImmutableBlock<G4>], dst: Vec<MutableBlock<G2>>) -> Vec<Moved<G2>> {
+    async fn run(
+        &self,
+        src: &[ImmutableBlock<G4>],
+        dst: Vec<MutableBlock<G2>>,
+    ) -> Vec<MoveOutcome<G2>> {
         let poisoned = self.poisoned.clone();
         skipping_rejected(&poisoned, &self.shared, src, dst, |s, d| async move {
             self.transfer(&s, d).await
@@ -301,7 +324,7 @@ impl G4ToG2 {
         &self,
         src: &[ImmutableBlock<G4>],
         dst: Vec<MutableBlock<G2>>,
-    ) -> Vec<Moved<G2>> {
+    ) -> Vec<MoveOutcome<G2>> {
         let positions: Vec<usize> = (0..src.len()).collect();
         let keys = src.iter().map(|b| object_key(b.sequence_hash())).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
@@ -326,7 +349,7 @@ impl G4ToG2 {
         };
         let outcome = match issued {
             Ok(c) => c.await,
-            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G4→G2", &e),
+            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G4→G2", e),
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
             .record(t.elapsed().as_secs_f64());
@@ -340,20 +363,12 @@ impl G4ToG2 {
                     parts.push(complete(mblk, h, self.digests.expected(h, blk.digest())));
                 }
                 Err(e) => {
-                    if is_rejection(&e) {
-                        tracing::warn!(error = %e, "G4 rejected a block on read");
-                        self.counters
-                            .checksum_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        tracing::warn!(error = %e, "G4→G2 transfer failed");
-                        self.counters
-                            .failed_transfers
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
+                    let mut f = BlockFailure::physical(e);
+                    count_failure(&self.counters, "G4", &f);
+                    f.message = format!("G4→G2 block {h}: {}", f.message);
                     self.poisoned.lock().insert(h);
                     self.shared.fail(h);
-                    parts.push(Err(format!("G4→G2 block {h}: {e}")));
+                    parts.push(Err(f));
                 }
             }
         }
@@ -372,7 +387,7 @@ impl BlockMove<G4, G2> for G4ToG2 {
         &'a self,
         sources: &'a [ImmutableBlock<G4>],
         destinations: Vec<MutableBlock<G2>>,
-    ) -> BoxFuture<'a, Vec<Moved<G2>>> {
+    ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>> {
         Box::pin(self.run(sources, destinations))
     }
 }
@@ -391,7 +406,7 @@ pub struct G2ToG1 {
 }
 
 impl G2ToG1 {
-    fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<Moved<G1>> {
+    fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<MoveOutcome<G1>> {
         let src: Vec<(usize, SequenceHash)> = src
             .iter()
             .map(|b| (b.block_id(), b.sequence_hash()))
@@ -411,7 +426,7 @@ impl G2ToG1 {
         &self,
         src: &[(usize, SequenceHash)],
         dst: Vec<MutableBlock<G1>>,
-    ) -> Vec<Moved<G1>> {
+    ) -> Vec<MoveOutcome<G1>> {
         let n = src.len();
         let src_ids: Vec<usize> = src.iter().map(|b| b.0).collect();
         let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
@@ -431,7 +446,7 @@ impl G2ToG1 {
             Ok(o) => o,
             Err(e) => {
                 let hashes = src.iter().map(|b| b.1);
-                return refused(&self.counters, &self.shared, hashes, "G2→G1", &e);
+                return refused(&self.counters, &self.shared, hashes, "G2→G1", e);
             }
         };
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
@@ -453,7 +468,10 @@ impl G2ToG1 {
                         self.shared.corrupt.fetch_add(1, Ordering::Relaxed);
                         tracing::error!(hash = %h, "a block reached G1 with wrong bytes");
                         self.shared.fail(h);
-                        parts.push(Err(format!("block {h} reached G1 with wrong bytes")));
+                        parts.push(Err(BlockFailure::new(
+                            BlockFailureKind::ChecksumMismatch,
+                            format!("block {h} reached G1 with wrong bytes"),
+                        )));
                     }
                 }
                 Err(e) => {
@@ -462,7 +480,9 @@ impl G2ToG1 {
                         .failed_transfers
                         .fetch_add(1, Ordering::Relaxed);
                     self.shared.fail(h);
-                    parts.push(Err(format!("G2→G1 block {h}: {e}")));
+                    let mut f = BlockFailure::physical(e);
+                    f.message = format!("G2→G1 block {h}: {}", f.message);
+                    parts.push(Err(f));
                 }
             }
         }
@@ -481,7 +501,7 @@ impl BlockMove<G2, G1> for G2ToG1 {
         &'a self,
         sources: &'a [ImmutableBlock<G2>],
         destinations: Vec<MutableBlock<G1>>,
-    ) -> BoxFuture<'a, Vec<Moved<G1>>> {
+    ) -> BoxFuture<'a, Vec<MoveOutcome<G1>>> {
         Box::pin(async move { self.run(sources, destinations) })
     }
 }

@@ -569,12 +569,12 @@ fn lane_policy(registry: &BlockRegistry, cfg: &PipelineConfig) -> Arc<dyn Offloa
     }
 }
 
-/// Whether a failed onboarding read was the tier rejecting the block (checksum, header, missing).
-/// Checks one G3→G2 read into `dst` (the outcome `r` of block `h`): the disk tier verified its
-/// header, and the bytes must also match the checksum recorded when the block was written (a
-/// valid slot holding another block, or no record of this one, fails). Counts a rejection as a
-/// checksum failure and any other error as a failed transfer; a block that fails is poisoned in
-/// G3 and its record dropped, so it is never read again. Whether the block may be served.
+/// Checks a G3→G2 read of block `h` into `dst`: the transfer's outcome `r` (header and
+/// identity), then the payload against the checksum recorded when it was written (a valid
+/// slot holding another block, or no record of this one, fails). Counts a failure that proves
+/// the copy bad ([`BlockFailureKind::drops_copy`]) as a checksum failure and any other as a
+/// failed transfer; a block that fails is poisoned in G3 and its record dropped, so it is never
+/// read again. `Ok` when the block may be served.
 pub(super) fn check_g3_read(
     g2_layout: &PhysicalLayout,
     g3: &G3Check,
@@ -582,50 +582,42 @@ pub(super) fn check_g3_read(
     dst: &MutableBlock<G2>,
     h: SequenceHash,
     r: Result<(), PhysicalError>,
-) -> bool {
-    let good = match r {
-        Ok(()) => {
-            // SAFETY: the transfer into this freshly allocated slot has completed.
-            let bytes = unsafe { slot_of(g2_layout, dst.block_id()) };
-            let actual = xxhash_rust::xxh3::xxh3_128(bytes);
-            let expected = g3.checksums.lock().get(&h.as_u128()).copied();
-            if expected == Some(actual) {
-                true
-            } else {
-                counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
-                false
-            }
+) -> Result<(), BlockFailure> {
+    let checked = r.map_err(BlockFailure::physical).and_then(|()| {
+        // SAFETY: the transfer into this freshly allocated slot has completed.
+        let bytes = unsafe { slot_of(g2_layout, dst.block_id()) };
+        let actual = xxhash_rust::xxh3::xxh3_128(bytes);
+        let expected = g3.checksums.lock().get(&h.as_u128()).copied();
+        if expected == Some(actual) {
+            Ok(())
+        } else {
+            Err(BlockFailure::new(
+                BlockFailureKind::ChecksumMismatch,
+                format!("G3 block {h} differs from the checksum recorded at write"),
+            ))
         }
-        Err(e) if is_rejection(&e) => {
-            tracing::warn!(error = %e, "G3 rejected a block on read");
-            counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
-            false
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "G3→G2 transfer failed");
-            counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
-            false
-        }
-    };
-    if !good {
+    });
+    if let Err(f) = &checked {
+        count_failure(counters, "G3", f);
         g3.poisoned.lock().insert(h);
         g3.checksums.lock().remove(&h.as_u128());
         if let Some(b) = g3.manager.scan_matches(&[h]).first() {
             g3.index.dropped(b.block_id());
         }
     }
-    good
+    checked
 }
 
-pub(super) fn is_rejection(e: &PhysicalError) -> bool {
-    matches!(
-        e,
-        PhysicalError::ChecksumMismatch { .. }
-            | PhysicalError::NotFound { .. }
-            | PhysicalError::ShortRead { .. }
-            | PhysicalError::CorruptHeader { .. }
-            | PhysicalError::IdentityMismatch { .. }
-    )
+/// Counts a failed read from `tier`: a copy proven bad as a checksum failure, anything else as
+/// a failed transfer.
+pub(super) fn count_failure(counters: &Counters, tier: &str, f: &BlockFailure) {
+    if f.kind.drops_copy() {
+        tracing::warn!(kind = f.kind.as_str(), error = %f.message, "{tier} rejected a block on read");
+        counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
+    } else {
+        tracing::warn!(kind = f.kind.as_str(), error = %f.message, "{tier}→G2 transfer failed");
+        counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// G2→G3 executor: records each block's payload checksum (for the manifest) before the
@@ -1855,7 +1847,7 @@ impl Tiers {
                 let h = blk.sequence_hash();
                 self.prefetching.remove(&h);
                 ok += usize::from(r.is_ok());
-                if check_g3_read(&g2.layout, &check, &self.counters, &mblk, h, r)
+                if check_g3_read(&g2.layout, &check, &self.counters, &mblk, h, r).is_ok()
                     && let Ok(c) = mblk.complete_with_digest(h, self.digests.get(h))
                 {
                     complete.push(c);

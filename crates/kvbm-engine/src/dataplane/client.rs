@@ -23,8 +23,8 @@ use tokio::net::TcpStream;
 use super::wire::{self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead};
 use super::{DataPlaneConfig, PeerDirectory, RemotePull};
 use crate::error::{EngineError, Result};
-use crate::mover::Moved;
 use crate::pubsub::InstanceId;
+use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
 
 /// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::dataplane).
 pub struct DataPlaneClient {
@@ -48,7 +48,7 @@ impl std::fmt::Debug for DataPlaneClient {
 
 /// Why a whole request failed (every block not yet settled fails with it).
 struct RequestFailed {
-    message: String,
+    failure: BlockFailure,
     /// Nothing of the response was read: a stale pooled connection may be the cause.
     before_response: bool,
 }
@@ -103,16 +103,19 @@ impl DataPlaneClient {
         instance: InstanceId,
         hashes: &[SequenceHash],
         destinations: Vec<MutableBlock<G2>>,
-    ) -> Vec<Moved<G2>> {
+    ) -> Vec<MoveOutcome<G2>> {
         if destinations.len() != hashes.len() {
             let m = format!(
                 "{} destinations for {} blocks",
                 destinations.len(),
                 hashes.len()
             );
-            return hashes.iter().map(|_| Err(m.clone())).collect();
+            return fail_all(
+                hashes.len(),
+                &BlockFailure::new(BlockFailureKind::Refused, m),
+            );
         }
-        let mut out: Vec<Moved<G2>> = Vec::with_capacity(hashes.len());
+        let mut out: Vec<MoveOutcome<G2>> = Vec::with_capacity(hashes.len());
         let mut dests = destinations.into_iter();
         for chunk in hashes.chunks(self.config.max_blocks_per_request.max(1)) {
             let mut part: Vec<MutableBlock<G2>> = dests.by_ref().take(chunk.len()).collect();
@@ -139,7 +142,7 @@ impl DataPlaneClient {
                             part = back;
                             continue;
                         }
-                        settled = fail_all(back.len(), &failed.message);
+                        settled = fail_all(back.len(), &failed.failure);
                         part = Vec::new();
                         break;
                     }
@@ -155,16 +158,23 @@ impl DataPlaneClient {
         &self,
         addr: SocketAddr,
         pooled_ok: bool,
-    ) -> std::result::Result<(TcpStream, bool), String> {
+    ) -> std::result::Result<(TcpStream, bool), BlockFailure> {
         if pooled_ok && let Some(s) = self.idle.lock().get_mut(&addr).and_then(|v| v.pop()) {
             return Ok((s, true));
         }
+        let io = |e: std::io::Error| {
+            BlockFailure::new(BlockFailureKind::Io, format!("connect to {addr}: {e}"))
+        };
         let s = tokio::time::timeout(self.config.io_timeout, TcpStream::connect(addr))
             .await
-            .map_err(|_| format!("connect to {addr} timed out"))?
-            .map_err(|e| format!("connect to {addr}: {e}"))?;
-        s.set_nodelay(true)
-            .map_err(|e| format!("connect to {addr}: {e}"))?;
+            .map_err(|_| {
+                BlockFailure::new(
+                    BlockFailureKind::Timeout,
+                    format!("connect to {addr} timed out"),
+                )
+            })?
+            .map_err(io)?;
+        s.set_nodelay(true).map_err(io)?;
         Ok((s, false))
     }
 
@@ -185,13 +195,18 @@ impl DataPlaneClient {
         instance: InstanceId,
         hashes: &[SequenceHash],
         destinations: Vec<MutableBlock<G2>>,
-    ) -> std::result::Result<Vec<Moved<G2>>, (RequestFailed, Vec<MutableBlock<G2>>)> {
+    ) -> std::result::Result<Vec<MoveOutcome<G2>>, (RequestFailed, Vec<MutableBlock<G2>>)> {
         let io = self.config.io_timeout;
         let peer = format!("{instance} at {addr}");
-        let fail = |message: String, before_response: bool| RequestFailed {
-            message: format!("data plane pull from {peer}: {message}"),
+        let from_peer = |mut f: BlockFailure| {
+            f.message = format!("data plane pull from {peer}: {}", f.message);
+            f
+        };
+        let fail = |f: BlockFailure, before_response: bool| RequestFailed {
+            failure: from_peer(f),
             before_response,
         };
+        let refused = |m: String| BlockFailure::new(BlockFailureKind::Refused, m);
         let request = wire::encode_request(
             RequestHead {
                 count: hashes.len() as u32,
@@ -213,18 +228,19 @@ impl DataPlaneClient {
         };
         if status != 0 {
             let m = format!("refused: {}", wire::Status::describe(status));
-            return Err((fail(m, false), destinations));
+            return Err((fail(refused(m), false), destinations));
         }
         if count as usize != hashes.len() {
             let m = format!("answered {count} frames for {} blocks", hashes.len());
-            return Err((fail(m, false), destinations));
+            let f = BlockFailure::new(BlockFailureKind::Transfer, m);
+            return Err((fail(f, false), destinations));
         }
 
         let layers = self.layout.layout().config().num_layers;
         // Per block: Ok(complete block to register) or Err(why).
-        let mut settled: Vec<std::result::Result<CompleteBlock<G2>, String>> =
+        let mut settled: Vec<std::result::Result<CompleteBlock<G2>, BlockFailure>> =
             Vec::with_capacity(hashes.len());
-        let mut broken: Option<String> = None;
+        let mut broken: Option<BlockFailure> = None;
         for (dest, &hash) in destinations.into_iter().zip(hashes) {
             if let Some(m) = &broken {
                 settled.push(Err(m.clone()));
@@ -234,18 +250,20 @@ impl DataPlaneClient {
                 .read_frame(&mut stream, instance, hash, &dest, layers)
                 .await
             {
-                Ok(true) => settled.push(
-                    dest.complete(hash)
-                        .map_err(|e| format!("completing {hash:?}: {}", e.error)),
-                ),
-                Ok(false) => settled.push(Err(format!(
-                    "block {:032x} is not held by {peer}",
-                    hash.as_u128()
+                Ok(true) => settled.push(dest.complete(hash).map_err(|e| {
+                    BlockFailure::new(
+                        BlockFailureKind::Transfer,
+                        format!("completing {hash:?}: {}", e.error),
+                    )
+                })),
+                Ok(false) => settled.push(Err(BlockFailure::new(
+                    BlockFailureKind::NotFound,
+                    format!("block {:032x} is not held by {peer}", hash.as_u128()),
                 ))),
                 Err(e) => {
-                    let m = format!("data plane pull from {peer}: {e}");
-                    settled.push(Err(m.clone()));
-                    broken = Some(m);
+                    let f = from_peer(e);
+                    settled.push(Err(f.clone()));
+                    broken = Some(f);
                 }
             }
         }
@@ -253,7 +271,7 @@ impl DataPlaneClient {
             self.give_back(addr, stream);
         }
         // Register the verified blocks in one batch, keeping the request order.
-        let mut out: Vec<Option<Moved<G2>>> = Vec::with_capacity(settled.len());
+        let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(settled.len());
         let (mut ok, mut positions) = (Vec::new(), Vec::new());
         for (i, s) in settled.into_iter().enumerate() {
             match s {
@@ -284,13 +302,13 @@ impl DataPlaneClient {
         hash: SequenceHash,
         dest: &MutableBlock<G2>,
         layers: usize,
-    ) -> std::result::Result<bool, String> {
+    ) -> std::result::Result<bool, BlockFailure> {
         let io = self.config.io_timeout;
         let mut raw = [0u8; FRAME_HEADER_LEN];
         timed(io, stream.read_exact(&mut raw)).await?;
         // Length, geometry, identity and binding are checked before any payload byte is read.
         let header = match wire::check_frame(&raw, hash, instance, self.geometry, self.block_bytes)
-            .map_err(|e| e.to_string())?
+            .map_err(BlockFailure::physical)?
         {
             Frame::Absent => return Ok(false),
             Frame::Payload(h) => h,
@@ -311,26 +329,32 @@ impl DataPlaneClient {
         let location = || format!("{instance} block {:032x}", hash.as_u128());
         header
             .verify(actual, &location)
-            .map_err(|e| e.to_string())?;
+            .map_err(BlockFailure::physical)?;
         Ok(true)
     }
 }
 
-fn fail_all(n: usize, message: &str) -> Vec<Moved<G2>> {
-    (0..n).map(|_| Err(message.to_string())).collect()
+fn fail_all(n: usize, failure: &BlockFailure) -> Vec<MoveOutcome<G2>> {
+    (0..n).map(|_| Err(failure.clone())).collect()
 }
 
+/// `f` within `limit`: a stream that ends early or errs is an I/O failure (the peer's copy is
+/// not proven bad), one that makes no progress a timeout.
 async fn timed<T>(
     limit: std::time::Duration,
     f: impl std::future::Future<Output = std::io::Result<T>>,
-) -> std::result::Result<T, String> {
+) -> std::result::Result<T, BlockFailure> {
     match tokio::time::timeout(limit, f).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            Err("stream ended early (truncated)".into())
-        }
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no progress within {limit:?}")),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(BlockFailure::new(
+            BlockFailureKind::Io,
+            "stream ended early (truncated)",
+        )),
+        Ok(Err(e)) => Err(BlockFailure::new(BlockFailureKind::Io, e.to_string())),
+        Err(_) => Err(BlockFailure::new(
+            BlockFailureKind::Timeout,
+            format!("no progress within {limit:?}"),
+        )),
     }
 }
 
@@ -344,13 +368,16 @@ impl RemotePull for DataPlaneClient {
         instance: InstanceId,
         hashes: &'a [SequenceHash],
         destinations: Vec<MutableBlock<G2>>,
-    ) -> BoxFuture<'a, Vec<Moved<G2>>> {
+    ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>> {
         async move {
             match self.peers.get(instance) {
                 Some(addr) => self.pull_from(addr, instance, hashes, destinations).await,
                 None => fail_all(
                     hashes.len(),
-                    &format!("no data plane address known for {instance}"),
+                    &BlockFailure::new(
+                        BlockFailureKind::Refused,
+                        format!("no data plane address known for {instance}"),
+                    ),
                 ),
             }
         }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_logical::{BlockManager, BlockRegistry, G2, Salt, SequenceHash, TokenBlockSequence};
+use kvbm_offload::BlockFailureKind;
 use kvbm_physical::checksum::BlockHeader;
 use kvbm_physical::identity::geometry_digest;
 use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy};
@@ -152,7 +153,8 @@ async fn pull_verifies_bytes_registers_and_releases_holds() {
         );
     }
     let err = out[4].as_ref().unwrap_err();
-    assert!(err.contains("not held"), "{err}");
+    assert!(err.message.contains("not held"), "{err}");
+    assert_eq!(err.kind, BlockFailureKind::NotFound, "{err}");
     assert_eq!(local.manager.match_blocks(&ask).len(), 4);
     assert!(local.manager.match_blocks(&[missing]).is_empty());
     drop(out);
@@ -181,7 +183,7 @@ async fn wrong_instance_and_unknown_peer_are_refused() {
         .await;
     for o in &out {
         let e = o.as_ref().unwrap_err();
-        assert!(e.contains("serving instance"), "{e}");
+        assert!(e.message.contains("serving instance"), "{e}");
     }
     drop(out);
     assert!(local.manager.match_blocks(&hs).is_empty());
@@ -192,6 +194,7 @@ async fn wrong_instance_and_unknown_peer_are_refused() {
         out[0]
             .as_ref()
             .unwrap_err()
+            .message
             .contains("no data plane address")
     );
 }
@@ -232,7 +235,7 @@ fn frame(hash: SequenceHash, payload: &[u8]) -> Vec<u8> {
     out
 }
 
-async fn pull_hostile<F>(answer: F) -> (Vec<Moved<G2>>, Side, Vec<SequenceHash>)
+async fn pull_hostile<F>(answer: F) -> (Vec<MoveOutcome<G2>>, Side, Vec<SequenceHash>)
 where
     F: FnOnce(Vec<SequenceHash>) -> Vec<u8> + Send + 'static,
 {
@@ -245,10 +248,10 @@ where
     (out, local, hs)
 }
 
-fn assert_refused(out: Vec<Moved<G2>>, local: &Side, hs: &[SequenceHash], needle: &str) {
+fn assert_refused(out: Vec<MoveOutcome<G2>>, local: &Side, hs: &[SequenceHash], needle: &str) {
     for o in &out[1..] {
         let e = o.as_ref().unwrap_err();
-        assert!(e.contains(needle), "{e} (wanted {needle})");
+        assert!(e.message.contains(needle), "{e} (wanted {needle})");
     }
     drop(out);
     assert!(local.manager.match_blocks(&hs[1..]).is_empty());

@@ -3,6 +3,7 @@
 //! [module docs](super) for the layout.
 
 use kvbm_logical::SequenceHash;
+use kvbm_offload::{BlockFailure, BlockFailureKind};
 use kvbm_physical::checksum::{BlockHeader, HEADER_LEN, checksum_slices};
 use kvbm_physical::{PhysicalError, PhysicalLayout, StorageKind};
 
@@ -104,14 +105,15 @@ pub(crate) fn encode_response(status: Status, count: u32) -> [u8; RESPONSE_HEAD_
 }
 
 /// Decodes a response head into `(status, count)`, or says what is wrong with it.
-pub(crate) fn decode_response(b: &[u8; RESPONSE_HEAD_LEN]) -> Result<(u32, u32), String> {
+pub(crate) fn decode_response(b: &[u8; RESPONSE_HEAD_LEN]) -> Result<(u32, u32), BlockFailure> {
     let magic = u64::from_le_bytes(b[0..8].try_into().expect("8 bytes"));
     let version = u32::from_le_bytes(b[8..12].try_into().expect("4 bytes"));
+    let bad = |m: String| BlockFailure::new(BlockFailureKind::Transfer, m);
     if magic != RESPONSE_MAGIC {
-        return Err(format!("bad response magic {magic:#018x}"));
+        return Err(bad(format!("bad response magic {magic:#018x}")));
     }
     if version != VERSION {
-        return Err(format!("unknown response version {version}"));
+        return Err(bad(format!("unknown response version {version}")));
     }
     Ok((
         u32::from_le_bytes(b[12..16].try_into().expect("4 bytes")),

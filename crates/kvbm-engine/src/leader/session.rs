@@ -66,12 +66,13 @@
 use std::sync::Arc;
 
 use kvbm_logical::{BlockId, G1, G2, G3, G4, ImmutableBlock, MutableBlock, TierId};
+use kvbm_offload::{BlockFailure, BlockFailureKind};
 use parking_lot::Mutex;
 use tokio::sync::{Notify, watch};
 
 use super::holder::MatchedPrefix;
 use crate::dataplane::RemotePull;
-use crate::mover::{BlockMove, LayerMove, Moved};
+use crate::mover::{BlockMove, LayerMove};
 
 /// Where a session is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -114,8 +115,22 @@ pub struct SessionFailure {
     pub phase: Phase,
     /// Blocks that failed in that phase.
     pub failed_blocks: usize,
+    /// The first failure's kind: whether the copy it read is proven bad
+    /// ([`BlockFailureKind::drops_copy`]) or the failure was transient.
+    pub kind: BlockFailureKind,
     /// The first failure's description.
     pub message: String,
+}
+
+impl SessionFailure {
+    fn new(phase: Phase, failed_blocks: usize, first: BlockFailure) -> Self {
+        Self {
+            phase,
+            failed_blocks,
+            kind: first.kind,
+            message: first.message,
+        }
+    }
 }
 
 /// Errors of session calls made in the wrong state.
@@ -226,9 +241,11 @@ impl std::fmt::Debug for OnboardingSession {
     }
 }
 
-fn first_failure<T: kvbm_logical::Tier>(outcomes: &[Moved<T>]) -> Option<(usize, String)> {
-    let failed: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
-    failed.first().map(|f| (failed.len(), (*f).clone()))
+/// How many of `outcomes` failed, and the first failure.
+fn first_failure<T>(outcomes: &[Result<T, BlockFailure>]) -> Option<(usize, BlockFailure)> {
+    let mut failed = outcomes.iter().filter_map(|o| o.as_ref().err());
+    let first = failed.next()?.clone();
+    Some((1 + failed.count(), first))
 }
 
 impl OnboardingSession {
@@ -424,12 +441,8 @@ impl OnboardingSession {
                     s.phase = Some(Phase::Aborted);
                     Err(SessionError::Aborted)
                 }
-                (_, Some((_, message))) => {
-                    let f = SessionFailure {
-                        phase: Phase::Staging,
-                        failed_blocks: failed,
-                        message,
-                    };
+                (_, Some((_, first))) => {
+                    let f = SessionFailure::new(Phase::Staging, failed, first);
                     s.failure = Some(f.clone());
                     s.phase = Some(Phase::Failed);
                     Err(SessionError::Failed(f))
@@ -505,12 +518,8 @@ impl OnboardingSession {
                     unused = out;
                     Err(SessionError::Aborted)
                 }
-                (_, Some((_, message))) => {
-                    let f = SessionFailure {
-                        phase: Phase::Onboarding,
-                        failed_blocks: failed,
-                        message,
-                    };
+                (_, Some((_, first))) => {
+                    let f = SessionFailure::new(Phase::Onboarding, failed, first);
                     s.failure = Some(f.clone());
                     s.phase = Some(Phase::Failed);
                     unused = out;
@@ -579,7 +588,7 @@ impl OnboardingSession {
         let shared = self.shared.clone();
         let task_ids = ids.clone();
         let task = tokio::spawn(async move {
-            let mut failure: Option<(usize, String)> = None;
+            let mut failure: Option<(usize, BlockFailure)> = None;
             let mut aborted = false;
             for layer in 0..num_layers {
                 // The cancellation point: between layers.
@@ -590,9 +599,9 @@ impl OnboardingSession {
                 let out = mover
                     .move_layers(&staged, &task_ids, layer..layer + 1)
                     .await;
-                let failed: Vec<&String> = out.iter().filter_map(|o| o.as_ref().err()).collect();
-                if let Some(first) = failed.first() {
-                    failure = Some((failed.len(), format!("layer {layer}: {first}")));
+                if let Some((n, mut first)) = first_failure(&out) {
+                    first.message = format!("layer {layer}: {}", first.message);
+                    failure = Some((n, first));
                     break;
                 }
                 tx.send_modify(|p| p.done = layer + 1);
@@ -616,12 +625,8 @@ impl OnboardingSession {
                     }
                     Err(SessionError::Aborted)
                 }
-                (_, Some((failed_blocks, message)), _) => {
-                    let f = SessionFailure {
-                        phase: Phase::Onboarding,
-                        failed_blocks,
-                        message,
-                    };
+                (_, Some((failed_blocks, first)), _) => {
+                    let f = SessionFailure::new(Phase::Onboarding, failed_blocks, first);
                     s.failure = Some(f.clone());
                     s.phase = Some(Phase::Failed);
                     Err(SessionError::Failed(f))
@@ -726,17 +731,18 @@ fn register_whole(
     staged: &[ImmutableBlock<G2>],
     destinations: Vec<MutableBlock<G1>>,
 ) -> Result<Vec<ImmutableBlock<G1>>, (SessionFailure, Vec<ImmutableBlock<G1>>)> {
-    let fail = |message: String| SessionFailure {
-        phase: Phase::Onboarding,
-        failed_blocks: 1,
-        message,
+    let fail = |kind, message: String| {
+        SessionFailure::new(Phase::Onboarding, 1, BlockFailure::new(kind, message))
     };
     let mut complete = Vec::with_capacity(destinations.len());
     for (d, s) in destinations.into_iter().zip(staged) {
         match d.complete_with_digest(s.sequence_hash(), s.digest()) {
             Ok(c) => complete.push(c),
             Err(e) => {
-                let f = fail(format!("cannot register in G1: {}", e.error));
+                let f = fail(
+                    BlockFailureKind::Transfer,
+                    format!("cannot register in G1: {}", e.error),
+                );
                 return Err((f, Vec::new()));
             }
         }
@@ -747,10 +753,13 @@ fn register_whole(
         .zip(staged)
         .find(|(b, s)| b.digest() != s.digest())
     {
-        let f = fail(format!(
-            "G1 already holds {} under another identity",
-            s.sequence_hash()
-        ));
+        let f = fail(
+            BlockFailureKind::IdentityMismatch,
+            format!(
+                "G1 already holds {} under another identity",
+                s.sequence_hash()
+            ),
+        );
         return Err((f, registered));
     }
     Ok(registered)

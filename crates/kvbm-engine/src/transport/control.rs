@@ -5,10 +5,23 @@
 //! # Protocol
 //!
 //! Every message is an [`Envelope`] `{ version, body }` encoded with serde (JSON on NATS).
-//! A worker answers a request of another [`PROTOCOL_VERSION`] with
-//! [`ControlResponse::Refused`]; a leader receiving a reply of another version fails the call
-//! with [`ControlError::Version`]. Nothing in a message is block data: only block ids, hashes,
-//! tiers, per-block outcomes and 64-bit digests.
+//! Nothing in a message is block data: only block ids, hashes, tiers, per-block outcomes and
+//! 64-bit digests.
+//!
+//! Versions:
+//!
+//! | version | what changed |
+//! |---|---|
+//! | 1 | per-block failures are bare text |
+//! | 2 ([`PROTOCOL_VERSION`]) | each failure carries its kind ([`WireFailure`]), so a leader tells a corrupt copy from an I/O error |
+//!
+//! Requests are the same in both. A worker serves a request of any version from
+//! [`OLDEST_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`] and answers in the request's version
+//! ([`ControlResponse::for_version`]: a version-1 leader gets its failures as text); it
+//! answers a request of any other version with [`ControlResponse::Refused`], saying which
+//! versions it speaks. A leader reads replies of every version it speaks (a version-1
+//! worker's failures decode as kind `transfer`, their text kept) and fails the call with
+//! [`ControlError::Version`] for any other.
 //!
 //! # Failure
 //!
@@ -32,11 +45,22 @@ use kvbm_logical::{BlockId, TierId};
 use kvbm_physical::PhysicalLayout;
 use serde::{Deserialize, Serialize};
 
+use kvbm_offload::{BlockFailure, BlockFailureKind};
+
 use super::{PeerInfo, WorkerAddress};
+use crate::mover::BlockOutcome;
 use crate::worker::{ParallelWorkers, PhysicalWorker, TransferRequest};
 
-/// Version of the control protocol this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version of the control protocol this build writes (see the [module docs](self)).
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest version this build still reads and answers.
+pub const OLDEST_PROTOCOL_VERSION: u32 = 1;
+
+/// Whether this build reads and answers messages of `version`.
+pub fn speaks(version: u32) -> bool {
+    (OLDEST_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version)
+}
 
 /// A message with the protocol version it was written in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,9 +75,65 @@ pub struct Envelope<T> {
 impl<T> Envelope<T> {
     /// `body` in this build's version.
     pub fn new(body: T) -> Self {
-        Self {
-            version: PROTOCOL_VERSION,
-            body,
+        Self::in_version(PROTOCOL_VERSION, body)
+    }
+
+    /// `body` marked as written in `version` (the caller made it readable there, e.g. with
+    /// [`ControlResponse::for_version`]).
+    pub fn in_version(version: u32, body: T) -> Self {
+        Self { version, body }
+    }
+}
+
+/// One block's failure as it crosses the wire.
+///
+/// Version 2 sends `{"kind": "checksum_mismatch", "message": …}` (the kind is
+/// [`BlockFailureKind::as_str`]); version 1 sent the message alone. Both decode.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WireFailure {
+    /// Version 2: the kind's name and the message.
+    Typed {
+        /// [`BlockFailureKind::as_str`].
+        kind: String,
+        /// What happened.
+        message: String,
+    },
+    /// Version 1: the message only.
+    Text(String),
+}
+
+impl From<BlockFailure> for WireFailure {
+    fn from(f: BlockFailure) -> Self {
+        WireFailure::Typed {
+            kind: f.kind.as_str().to_owned(),
+            message: f.message,
+        }
+    }
+}
+
+impl WireFailure {
+    /// The failure this message describes. Text from a version-1 peer, and a kind this build
+    /// does not know (a newer peer's), read as [`BlockFailureKind::Transfer`] with the text
+    /// kept: nothing is known about the copy, so it is not dropped.
+    pub fn into_failure(self) -> BlockFailure {
+        match self {
+            WireFailure::Typed { kind, message } => match BlockFailureKind::from_name(&kind) {
+                Some(k) => BlockFailure::new(k, message),
+                None => BlockFailure::new(
+                    BlockFailureKind::Transfer,
+                    format!("{message} (failure kind `{kind}` unknown to this build)"),
+                ),
+            },
+            WireFailure::Text(message) => BlockFailure::new(BlockFailureKind::Transfer, message),
+        }
+    }
+
+    /// This failure as a version-1 peer reads it (its text).
+    fn into_text(self) -> Self {
+        match self {
+            WireFailure::Typed { kind, message } => WireFailure::Text(format!("{kind}: {message}")),
+            text => text,
         }
     }
 }
@@ -90,7 +170,7 @@ pub enum ControlResponse {
     /// Its description.
     Described(PeerInfo),
     /// One outcome per block of the transfer, in request order.
-    Transferred(Vec<Result<(), String>>),
+    Transferred(Vec<Result<(), WireFailure>>),
     /// One digest per requested block.
     Digests(Vec<u64>),
     /// Done.
@@ -100,6 +180,28 @@ pub enum ControlResponse {
 }
 
 impl ControlResponse {
+    /// One outcome per block, as a worker sends them.
+    pub fn transferred(outcomes: Vec<BlockOutcome>) -> Self {
+        ControlResponse::Transferred(
+            outcomes
+                .into_iter()
+                .map(|o| o.map_err(WireFailure::from))
+                .collect(),
+        )
+    }
+
+    /// This reply as a peer speaking `version` reads it: for version 1, failures become text.
+    pub fn for_version(self, version: u32) -> Self {
+        match self {
+            ControlResponse::Transferred(v) if version < 2 => ControlResponse::Transferred(
+                v.into_iter()
+                    .map(|o| o.map_err(WireFailure::into_text))
+                    .collect(),
+            ),
+            other => other,
+        }
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             ControlResponse::Described(_) => "Described",
@@ -194,6 +296,22 @@ impl ControlError {
             self,
             ControlError::Timeout { .. } | ControlError::NoResponders { .. }
         )
+    }
+
+    /// The kind every block of a call that failed this way fails with: a timeout is
+    /// [`Timeout`](BlockFailureKind::Timeout), a lost transport
+    /// [`Io`](BlockFailureKind::Io), anything else a refusal. None says a copy is bad.
+    pub fn failure_kind(&self) -> BlockFailureKind {
+        match self {
+            ControlError::Timeout { .. } => BlockFailureKind::Timeout,
+            ControlError::NoResponders { .. } | ControlError::Transport { .. } => {
+                BlockFailureKind::Io
+            }
+            ControlError::Version { .. }
+            | ControlError::Decode { .. }
+            | ControlError::Refused { .. }
+            | ControlError::Unexpected { .. } => BlockFailureKind::Refused,
+        }
     }
 }
 
@@ -296,7 +414,7 @@ pub async fn serve(
                 data_plane: None,
             })
         }
-        ControlRequest::Transfer(t) => ControlResponse::Transferred(worker.execute(&t).await),
+        ControlRequest::Transfer(t) => ControlResponse::transferred(worker.execute(&t).await),
         ControlRequest::Digest { tier, blocks } => match host_layout(worker, tier) {
             Err(r) => r,
             Ok(layout) => {
@@ -446,19 +564,22 @@ impl ControlledWorkers {
     pub async fn transfer(
         &self,
         request: &TransferRequest,
-    ) -> Result<Vec<Result<(), String>>, ControlError> {
+    ) -> Result<Vec<BlockOutcome>, ControlError> {
         let n = request.blocks.len();
         let replies = self
             .call_all(&ControlRequest::Transfer(request.clone()))
             .await;
-        let mut merged: Vec<Result<(), String>> = vec![Ok(()); n];
+        let mut merged: Vec<BlockOutcome> = vec![Ok(()); n];
         let mut first_error = None;
         for (r, reply) in self.ranks.iter().zip(replies) {
-            let outcome = match reply {
-                Ok(ControlResponse::Transferred(v)) if v.len() == n => v,
+            let outcome: Vec<BlockOutcome> = match reply {
+                Ok(ControlResponse::Transferred(v)) if v.len() == n => v
+                    .into_iter()
+                    .map(|o| o.map_err(WireFailure::into_failure))
+                    .collect(),
                 Ok(ControlResponse::Transferred(v)) => {
                     let m = format!("{}: {} outcomes for {n} blocks", r.address(), v.len());
-                    vec![Err(m); n]
+                    vec![Err(BlockFailure::new(BlockFailureKind::Transfer, m)); n]
                 }
                 Ok(other) => {
                     if first_error.is_none() {
@@ -495,11 +616,14 @@ impl ParallelWorkers for ControlledWorkers {
         self.ranks.len()
     }
 
-    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<Result<(), String>>> {
+    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
         Box::pin(async move {
             match self.transfer(&request).await {
                 Ok(v) => v,
-                Err(e) => vec![Err(e.to_string()); request.blocks.len()],
+                Err(e) => {
+                    let f = BlockFailure::new(e.failure_kind(), e.to_string());
+                    vec![Err(f); request.blocks.len()]
+                }
             }
         })
     }

@@ -6,8 +6,10 @@
 //!
 //! Subject: [`WorkerAddress::control_subject`] (`kvbm.ctl.{instance}.worker.{rank}` with the
 //! default prefix). Payload: an [`Envelope`] encoded as JSON, request and reply alike. A
-//! request that cannot be decoded, or is of another version, is answered with
-//! [`ControlResponse::Refused`] in this build's version, so the leader learns why.
+//! request is answered in its own version (see [`control`](super::control) for what each
+//! version carries); one that cannot be decoded, or is of a version this build does not speak,
+//! is answered with [`ControlResponse::Refused`] in this build's version, so the leader learns
+//! why.
 //!
 //! # Failure
 //!
@@ -31,7 +33,8 @@ use kvbm_logical::TierId;
 
 use super::WorkerAddress;
 use super::control::{
-    ControlError, ControlRequest, ControlResponse, Envelope, PROTOCOL_VERSION, WorkerControl, serve,
+    ControlError, ControlRequest, ControlResponse, Envelope, OLDEST_PROTOCOL_VERSION,
+    PROTOCOL_VERSION, WorkerControl, serve, speaks,
 };
 use crate::error::{EngineError, Result};
 use crate::worker::PhysicalWorker;
@@ -105,23 +108,31 @@ struct VersionOnly {
     version: u32,
 }
 
-/// Decodes an envelope of this build's version: `Err(Ok(v))` for another version `v`,
-/// `Err(Err(why))` for an undecodable payload.
-fn decode_envelope<T: serde::de::DeserializeOwned>(
-    payload: &[u8],
-) -> std::result::Result<T, std::result::Result<u32, String>> {
-    let v: VersionOnly = serde_json::from_slice(payload).map_err(|e| Err(e.to_string()))?;
-    if v.version != PROTOCOL_VERSION {
-        return Err(Ok(v.version));
-    }
-    let env: Envelope<T> = serde_json::from_slice(payload).map_err(|e| Err(e.to_string()))?;
-    Ok(env.body)
+/// Why an envelope was not decoded.
+enum Undecoded {
+    /// Of a version this build does not speak.
+    Version(u32),
+    /// Not an envelope of its version (the decoder's complaint).
+    Malformed(String),
 }
 
-fn encode<T: serde::Serialize>(body: T) -> bytes::Bytes {
+/// Decodes an envelope of a version this build speaks ([`speaks`]): its version and body.
+fn decode_envelope<T: serde::de::DeserializeOwned>(
+    payload: &[u8],
+) -> std::result::Result<(u32, T), Undecoded> {
+    let malformed = |e: serde_json::Error| Undecoded::Malformed(e.to_string());
+    let v: VersionOnly = serde_json::from_slice(payload).map_err(malformed)?;
+    if !speaks(v.version) {
+        return Err(Undecoded::Version(v.version));
+    }
+    let env: Envelope<T> = serde_json::from_slice(payload).map_err(malformed)?;
+    Ok((env.version, env.body))
+}
+
+fn encode<T: serde::Serialize>(version: u32, body: T) -> bytes::Bytes {
     // Serializing these plain data types to JSON cannot fail (no maps with non-string keys,
     // no foreign Serialize impls).
-    serde_json::to_vec(&Envelope::new(body))
+    serde_json::to_vec(&Envelope::in_version(version, body))
         .expect("control messages serialize")
         .into()
 }
@@ -223,14 +234,20 @@ impl WorkerServer {
                 };
                 let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
                 tokio::spawn(async move {
-                    let response = match decode_envelope::<ControlRequest>(&message.payload) {
-                        Err(Err(e)) => {
-                            ControlResponse::Refused(format!("undecodable request: {e}"))
-                        }
-                        Err(Ok(v)) => ControlResponse::Refused(format!(
-                            "protocol version {v} not spoken (this worker speaks {PROTOCOL_VERSION})"
-                        )),
-                        Ok(request) => {
+                    let (version, response) = match decode_envelope::<ControlRequest>(
+                        &message.payload,
+                    ) {
+                        Err(Undecoded::Malformed(e)) => (
+                            PROTOCOL_VERSION,
+                            ControlResponse::Refused(format!("undecodable request: {e}")),
+                        ),
+                        Err(Undecoded::Version(v)) => (
+                            PROTOCOL_VERSION,
+                            ControlResponse::Refused(format!(
+                                "protocol version {v} not spoken (this worker speaks {OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION})"
+                            )),
+                        ),
+                        Ok((version, request)) => {
                             if let Some(hook) = &hook {
                                 hook(&request);
                             }
@@ -239,10 +256,11 @@ impl WorkerServer {
                             {
                                 tokio::time::sleep(d).await;
                             }
-                            serve(&worker, address, request).await
+                            let response = serve(&worker, address, request).await;
+                            (version, response.for_version(version))
                         }
                     };
-                    if let Err(e) = client.publish(reply, encode(response)).await {
+                    if let Err(e) = client.publish(reply, encode(version, response)).await {
                         tracing::warn!(%address, error = %e, "control reply not sent");
                     }
                 });
@@ -281,7 +299,9 @@ impl NatsControl {
     async fn request(&self, request: ControlRequest) -> Result<ControlResponse, ControlError> {
         let worker = self.address;
         let timeout_ms = self.timeout.as_millis() as u64;
-        let sent = self.client.request(self.subject.clone(), encode(request));
+        let sent = self
+            .client
+            .request(self.subject.clone(), encode(PROTOCOL_VERSION, request));
         let message = match tokio::time::timeout(self.timeout, sent).await {
             Err(_) => return Err(ControlError::Timeout { worker, timeout_ms }),
             Ok(Err(e)) => {
@@ -297,14 +317,16 @@ impl NatsControl {
             Ok(Ok(m)) => m,
         };
         match decode_envelope::<ControlResponse>(&message.payload) {
-            Err(Err(message)) => Err(ControlError::Decode { worker, message }),
-            Err(Ok(got)) => Err(ControlError::Version {
+            Err(Undecoded::Malformed(message)) => Err(ControlError::Decode { worker, message }),
+            Err(Undecoded::Version(got)) => Err(ControlError::Version {
                 worker,
                 expected: PROTOCOL_VERSION,
                 got,
             }),
-            Ok(ControlResponse::Refused(message)) => Err(ControlError::Refused { worker, message }),
-            Ok(r) => Ok(r),
+            Ok((_, ControlResponse::Refused(message))) => {
+                Err(ControlError::Refused { worker, message })
+            }
+            Ok((_, r)) => Ok(r),
         }
     }
 }

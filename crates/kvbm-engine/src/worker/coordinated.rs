@@ -37,6 +37,7 @@ use kvbm_physical::{Backing, LayoutHandle, ObjectConfig};
 use super::{PhysicalWorker, TransferRequest};
 use crate::error::{EngineError, Result};
 use crate::layout::LogicalLayoutHandle;
+use crate::mover::BlockOutcome;
 
 /// A rank within a tensor-parallel world of `world_size` ranks.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -183,7 +184,7 @@ impl CoordinatedWorker {
     }
 
     /// Runs `request` on this rank (see [`PhysicalWorker::execute`]).
-    pub async fn execute(&self, request: &TransferRequest) -> Vec<std::result::Result<(), String>> {
+    pub async fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
         self.worker.execute(request).await
     }
 
@@ -192,10 +193,7 @@ impl CoordinatedWorker {
     /// # Errors
     /// [`EngineError::WrongRank`] (nothing moved) when it is addressed to another rank or
     /// another world size.
-    pub async fn execute_addressed(
-        &self,
-        request: &AddressedRequest,
-    ) -> Result<Vec<std::result::Result<(), String>>> {
+    pub async fn execute_addressed(&self, request: &AddressedRequest) -> Result<Vec<BlockOutcome>> {
         self.check(request.to)?;
         Ok(self.worker.execute(&request.request).await)
     }

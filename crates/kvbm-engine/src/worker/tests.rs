@@ -106,7 +106,8 @@ async fn one_failing_rank_fails_the_block_and_returns_the_destination() {
     assert_eq!(out.len(), 2);
     for o in &out {
         let m = o.as_ref().unwrap_err();
-        assert!(m.starts_with("rank 1:"), "{m}");
+        assert!(m.message.starts_with("rank 1:"), "{m}");
+        assert_eq!(m.kind, BlockFailureKind::Refused, "{m}");
     }
     drop(out);
     assert_eq!(g1.available_blocks(), 4, "destinations went back");
@@ -176,7 +177,7 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     let out = layer_mover.move_layers(&held, &ids, 2..3).await;
     assert!(
         out.iter()
-            .all(|o| o.as_ref().unwrap_err().contains("outside")),
+            .all(|o| o.as_ref().unwrap_err().message.contains("outside")),
         "{out:?}"
     );
     assert!(

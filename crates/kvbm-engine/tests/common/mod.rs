@@ -133,7 +133,7 @@ impl kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1> for Gated
         sources: &'a [kvbm_logical::ImmutableBlock<kvbm_logical::G2>],
         destinations: &'a [kvbm_logical::BlockId],
         layers: std::ops::Range<usize>,
-    ) -> futures::future::BoxFuture<'a, Vec<kvbm_engine::mover::LayerMoved>> {
+    ) -> futures::future::BoxFuture<'a, Vec<kvbm_engine::mover::BlockOutcome>> {
         Box::pin(async move {
             self.gate.acquire().await.unwrap().forget();
             self.inner.move_layers(sources, destinations, layers).await

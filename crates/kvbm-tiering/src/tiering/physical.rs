@@ -394,12 +394,7 @@ impl<T: Tier> PhysicalTier<T> {
                         Ok(()) => ok_keys.push(*k),
                         Err(f) => {
                             self.count(&f);
-                            let drop_copy = matches!(
-                                f.kind,
-                                BlockFailureKind::ChecksumMismatch
-                                    | BlockFailureKind::IdentityMismatch
-                                    | BlockFailureKind::NotFound
-                            );
+                            let drop_copy = f.kind.drops_copy();
                             tracing::warn!(key = %k, kind = f.kind.as_str(), error = %f, drop_copy, "secondary read failed");
                             // The tier's copy is corrupt, another chunk's, or gone: never serve
                             // it again (once no other load is reading it).

@@ -233,7 +233,7 @@ mod layerwise_model {
 
     use super::super::*;
     use super::leader_with_two_g2_blocks;
-    use crate::mover::{LayerMove, LayerMoved};
+    use crate::mover::{BlockOutcome, LayerMove};
 
     struct Scripted {
         g1: Arc<BlockManager<G1>>,
@@ -256,7 +256,7 @@ mod layerwise_model {
             sources: &'a [ImmutableBlock<G2>],
             destinations: &'a [BlockId],
             layers: Range<usize>,
-        ) -> BoxFuture<'a, Vec<LayerMoved>> {
+        ) -> BoxFuture<'a, Vec<BlockOutcome>> {
             Box::pin(async move {
                 assert_eq!(layers.len(), 1, "one layer per call");
                 assert_eq!(
@@ -276,7 +276,10 @@ mod layerwise_model {
                     .enumerate()
                     .map(|(i, _)| {
                         if Some(layers.start) == self.fail_at && i == 0 {
-                            Err("scripted".to_owned())
+                            Err(kvbm_offload::BlockFailure::new(
+                                kvbm_offload::BlockFailureKind::Io,
+                                "scripted",
+                            ))
                         } else {
                             Ok(())
                         }

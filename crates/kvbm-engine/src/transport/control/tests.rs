@@ -109,7 +109,8 @@ async fn a_rank_without_the_tier_fails_every_block() {
     assert_eq!(out.len(), 2);
     for o in out {
         let m = o.unwrap_err();
-        assert!(m.starts_with("rank 1: no layout"), "{m}");
+        assert!(m.message.starts_with("rank 1: no layout"), "{m}");
+        assert_eq!(m.kind, BlockFailureKind::Refused, "{m}");
     }
 }
 
@@ -174,12 +175,109 @@ fn envelopes_round_trip_with_their_version() {
     let back: Envelope<ControlRequest> =
         serde_json::from_str(&serde_json::to_string(&env).unwrap()).unwrap();
     assert_eq!(back, env);
-    let reply = Envelope::new(ControlResponse::Transferred(vec![Ok(()), Err("x".into())]));
+    let reply = Envelope::new(ControlResponse::transferred(vec![
+        Ok(()),
+        Err(BlockFailure::new(BlockFailureKind::Io, "x")),
+    ]));
     let back: Envelope<ControlResponse> =
         serde_json::from_str(&serde_json::to_string(&reply).unwrap()).unwrap();
     assert_eq!(back, reply);
     assert_eq!(
         WorkerAddress::new(InstanceId(0xab), 3).control_subject("kvbm.ctl"),
         "kvbm.ctl.00000000000000ab.worker.3"
+    );
+}
+
+#[test]
+fn failures_keep_their_kind_on_the_wire_and_version_one_still_reads() {
+    let sent = ControlResponse::transferred(vec![
+        Ok(()),
+        Err(BlockFailure::new(
+            BlockFailureKind::ChecksumMismatch,
+            "bad bytes",
+        )),
+        Err(BlockFailure::new(BlockFailureKind::Io, "disk hiccup")),
+    ]);
+    let json = serde_json::to_string(&Envelope::new(sent.clone())).unwrap();
+    assert!(json.contains(r#""kind":"checksum_mismatch""#), "{json}");
+    let back: Envelope<ControlResponse> = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.version, PROTOCOL_VERSION);
+    let ControlResponse::Transferred(outcomes) = back.body else {
+        panic!("a Transferred reply")
+    };
+    let kinds: Vec<Option<BlockFailureKind>> = outcomes
+        .into_iter()
+        .map(|o| o.err().map(|f| f.into_failure().kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            None,
+            Some(BlockFailureKind::ChecksumMismatch),
+            Some(BlockFailureKind::Io)
+        ]
+    );
+
+    // What a version-1 worker sends: failures as bare text. They read as kind `transfer`,
+    // which drops no copy, with the text kept.
+    let v1 = r#"{"version":1,"body":{"Transferred":[{"Ok":null},{"Err":"rank 0: short read"}]}}"#;
+    let old: Envelope<ControlResponse> = serde_json::from_str(v1).unwrap();
+    let ControlResponse::Transferred(outcomes) = old.body else {
+        panic!("a Transferred reply")
+    };
+    let f = outcomes[1].clone().unwrap_err().into_failure();
+    assert_eq!(f.kind, BlockFailureKind::Transfer);
+    assert!(!f.kind.drops_copy());
+    assert_eq!(f.message, "rank 0: short read");
+
+    // A kind a newer peer knows and this build does not: kept as text, never a dropped copy.
+    let newer: WireFailure =
+        serde_json::from_str(r#"{"kind":"quantum_flux","message":"m"}"#).unwrap();
+    let f = newer.into_failure();
+    assert_eq!(f.kind, BlockFailureKind::Transfer);
+    assert!(f.message.contains("quantum_flux"), "{}", f.message);
+
+    // Answering a version-1 leader: failures go back as text it can decode.
+    let for_v1 = serde_json::to_string(&Envelope::in_version(1, sent.for_version(1))).unwrap();
+    assert!(!for_v1.contains("\"kind\""), "{for_v1}");
+    #[derive(serde::Deserialize)]
+    enum V1Response {
+        Transferred(Vec<Result<(), String>>),
+    }
+    #[derive(serde::Deserialize)]
+    struct V1Envelope {
+        version: u32,
+        body: V1Response,
+    }
+    let read: V1Envelope = serde_json::from_str(&for_v1).unwrap();
+    assert_eq!(read.version, 1);
+    let V1Response::Transferred(v) = read.body;
+    assert_eq!(v[0], Ok(()));
+    assert_eq!(v[1], Err("checksum_mismatch: bad bytes".to_string()));
+}
+
+#[test]
+fn control_errors_fail_blocks_with_a_kind_that_keeps_the_copy() {
+    let worker = WorkerAddress::new(I, 0);
+    for e in [
+        ControlError::Timeout {
+            worker,
+            timeout_ms: 5,
+        },
+        ControlError::NoResponders { worker },
+        ControlError::Refused {
+            worker,
+            message: "no".into(),
+        },
+    ] {
+        assert!(!e.failure_kind().drops_copy(), "{e}");
+    }
+    assert_eq!(
+        ControlError::Timeout {
+            worker,
+            timeout_ms: 5
+        }
+        .failure_kind(),
+        BlockFailureKind::Timeout
     );
 }
