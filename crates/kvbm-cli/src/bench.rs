@@ -364,7 +364,7 @@ fn object(
     let (store, raw, where_) = match &cfg.replay.s3.endpoint {
         Some(ep) => {
             let s3 = crate::replay::s3_config(cfg, ep)?;
-            crate::replay::tiers::probe_endpoint(ep)?;
+            kvbm_engine::stack::probe_endpoint(ep)?;
             let raw = ObjectStorage::s3_client(&s3)?;
             (
                 ObjectStorage::new(Arc::clone(&raw), ocfg),

@@ -266,7 +266,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let spec = replay::InstanceSpec {
                         index,
                         count,
-                        sharing: replay::tiers::Sharing {
+                        sharing: kvbm_engine::stack::Sharing {
                             nats_url: url,
                             subject,
                             instance: index as u64 + 1,

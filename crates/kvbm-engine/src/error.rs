@@ -11,6 +11,7 @@ pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in the engine.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// A configuration value is missing, malformed, unknown or out of range. `key` is the
     /// dotted path (`logical.block_size`), `message` what is wrong and where the value came from.
@@ -85,6 +86,16 @@ pub enum EngineError {
         /// The address the request carried.
         to: crate::worker::RankAddress,
     },
+    /// The tier stack ([`crate::stack`]) could not be built or could not go on: `what` names
+    /// the step (with the file, tier or server concerned), `source` the cause when there is one.
+    #[error("{what}{}", cause_suffix(.source))]
+    Stack {
+        /// The step that failed.
+        what: String,
+        /// Why, when another error says it.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    },
     /// The TCP block data plane could not serve or reach `peer`.
     #[error("data plane {peer}: {message}")]
     DataPlane {
@@ -95,7 +106,34 @@ pub enum EngineError {
     },
 }
 
+/// `": cause"`, or nothing without a cause.
+fn cause_suffix(source: &Option<Box<dyn std::error::Error + Send + Sync + 'static>>) -> String {
+    source
+        .as_ref()
+        .map(|s| format!(": {s}"))
+        .unwrap_or_default()
+}
+
 impl EngineError {
+    /// A [`EngineError::Stack`] for the step `what`, without a further cause.
+    pub fn stack(what: impl Into<String>) -> Self {
+        EngineError::Stack {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// A [`EngineError::Stack`] for the step `what`, caused by `source`.
+    pub fn stack_caused(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        EngineError::Stack {
+            what: what.into(),
+            source: Some(Box::new(source)),
+        }
+    }
+
     /// A [`EngineError::Config`] for `key`.
     pub fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
         EngineError::Config {

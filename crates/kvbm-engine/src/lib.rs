@@ -19,6 +19,7 @@ pub mod mover;
 pub mod pubsub;
 pub mod runtime;
 pub mod scheduler;
+pub mod stack;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;

@@ -5,6 +5,7 @@ use crate::key::OffloadKey;
 
 /// Errors of `kvbm-tiering`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TieringError {
     /// Key bytes of an unsupported length.
     #[error("offload key of {len} bytes: keys are 4..={max} bytes (hash + 4-byte group index)")]

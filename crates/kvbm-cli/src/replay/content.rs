@@ -5,6 +5,7 @@
 //! compared against these bytes, so a tier that returned the wrong block (or a damaged one) is
 //! caught before the block is served.
 
+use kvbm_engine::stack::Contents;
 use kvbm_logical::SequenceHash;
 
 /// The 64-bit seed of a block's contents.
@@ -39,6 +40,20 @@ pub fn verify(seed: u64, bytes: &[u8]) -> bool {
         .chunks_exact(8)
         .enumerate()
         .all(|(i, c)| c == word(seed, i as u64).to_le_bytes())
+}
+
+/// The replay's [`Contents`]: every block's bytes are [`fill`] of its hash's [`seed`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReplayContents;
+
+impl Contents for ReplayContents {
+    fn fill(&self, hash: SequenceHash, out: &mut [u8]) {
+        fill(seed(hash), out);
+    }
+
+    fn verify(&self, hash: SequenceHash, bytes: &[u8]) -> bool {
+        verify(seed(hash), bytes)
+    }
 }
 
 #[cfg(test)]

@@ -16,10 +16,9 @@
 //! it (the engine's `complete_store` registers it with the digest, and the lanes write it).
 //! A block G4 knows only by name (listed at a warm start, or adopted from another instance's
 //! events) is registered without it; the replay then expects the identity its own workload
-//! gives the hash ([`Digests`]), so such a read is still checked against the full digest.
+//! gives the hash ([`identities_of_workload`]), so such a read is still checked against the full digest.
 
-use std::collections::HashMap;
-
+use kvbm_engine::stack::Identities;
 use kvbm_logical::{BlockDigest, SequenceHash};
 use kvbm_tiering::OffloadKey;
 use kvbm_tiering::tiering::{digest_hash, key_digest};
@@ -57,49 +56,23 @@ pub fn key_request(
     }
 }
 
-/// The identity (digest) of every block of the workload, by tier hash: what a read of a block
-/// registered without its digest is checked against. Empty with `--scheduler sessions` (every
-/// identity is then the sequence hash).
-#[derive(Default)]
-pub struct Digests(HashMap<SequenceHash, BlockDigest>);
-
-impl std::fmt::Debug for Digests {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Digests({} blocks)", self.0.len())
+/// The identity (digest) of every block of `requests` (their `hash_ids`, chained with `salt`),
+/// by tier hash: what the stack checks a read of a block registered without its digest
+/// against (see [`Identities`]).
+pub fn identities_of_workload<'a>(
+    salt: kvbm_logical::Salt,
+    requests: impl IntoIterator<Item = &'a [u64]>,
+) -> Identities {
+    let mut blocks = Vec::new();
+    let mut chained = Vec::new();
+    for ids in requests {
+        super::workload::sequence_hashes(salt, ids, &mut chained);
+        blocks.extend(chained.iter().map(|s| {
+            let (_, d, h) = keyed(*s);
+            (h, d)
+        }));
     }
-}
-
-impl Digests {
-    /// The digests of every block of `requests` (their `hash_ids`), chained with `salt`.
-    pub fn of_workload<'a>(
-        salt: kvbm_logical::Salt,
-        requests: impl IntoIterator<Item = &'a [u64]>,
-    ) -> Self {
-        let mut map = HashMap::new();
-        let mut chained = Vec::new();
-        for ids in requests {
-            super::workload::sequence_hashes(salt, ids, &mut chained);
-            for s in &chained {
-                let (_, d, h) = keyed(*s);
-                map.insert(h, d);
-            }
-        }
-        Digests(map)
-    }
-
-    /// The digest of the block registered under `h`, when it is one of the workload's.
-    pub fn get(&self, h: SequenceHash) -> Option<BlockDigest> {
-        self.0.get(&h).copied()
-    }
-
-    /// The identity expected of `h`: the registered block's own digest, else the workload's.
-    pub fn expected(
-        &self,
-        h: SequenceHash,
-        registered: Option<BlockDigest>,
-    ) -> Option<BlockDigest> {
-        registered.or_else(|| self.get(h))
-    }
+    Identities::new(blocks)
 }
 
 #[cfg(test)]
@@ -113,7 +86,7 @@ mod tests {
     fn a_blocks_tier_hash_is_its_keys_hash_and_its_digest_is_recorded() {
         let salt = Salt::new("t");
         let ids: &[u64] = &[1, 2, 3];
-        let d = Digests::of_workload(salt, [ids]);
+        let d = identities_of_workload(salt, [ids]);
         let mut chained = Vec::new();
         super::super::workload::sequence_hashes(salt, ids, &mut chained);
         let (mut keys, mut hashes) = (Vec::new(), Vec::new());

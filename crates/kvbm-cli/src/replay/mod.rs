@@ -13,11 +13,8 @@
 pub mod content;
 pub mod instances;
 pub mod keys;
-pub mod manifest;
-pub mod onboard;
 pub mod report;
 pub mod sweep;
-pub mod tiers;
 pub mod trace_line;
 pub mod workload;
 
@@ -30,8 +27,8 @@ use kvbm_logical::Salt;
 use kvbm_physical::S3Config;
 
 use crate::config::{CliConfig, Scheduler};
+use kvbm_engine::stack::{FrontEnd, G4Location, PATH_NAMES, Sharing, StackPlan, TierStack};
 use report::{Report, TierReport};
-use tiers::{G4Location, PATH_NAMES, Sharing, TierPlan, Tiers};
 
 /// Requests of the synthetic workload when `--requests` is not given.
 pub const DEFAULT_SYNTHETIC_REQUESTS: usize = 20_000;
@@ -52,7 +49,7 @@ pub fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
 ///
 /// # Errors
 /// G4 on S3 without credentials.
-pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
+pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<StackPlan> {
     let r = &cfg.replay;
     let g4 = if r.g4 || r.s3.endpoint.is_some() {
         Some(match &r.s3.endpoint {
@@ -62,7 +59,10 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
     } else {
         None
     };
-    Ok(TierPlan {
+    // The replay's blocks are `hash_ids` of HASH_BLOCK_SIZE tokens each.
+    let mut logical = cfg.engine.logical.clone();
+    logical.block_size = workload::HASH_BLOCK_SIZE;
+    Ok(StackPlan {
         block_bytes: r.block_bytes,
         g1_blocks: r.g1_blocks,
         g2_blocks: r.g2_blocks,
@@ -78,7 +78,7 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
             r.block_bytes
         ),
         g4_capacity: unique_blocks.max(1),
-        logical: cfg.engine.logical.clone(),
+        logical,
         g1_to_g2: cfg.engine.offload.g1_to_g2.clone(),
         g2_to_g3: cfg.engine.offload.g2_to_g3.clone(),
         g2_to_g4: cfg.engine.offload.g2_to_g4.clone(),
@@ -86,8 +86,12 @@ pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<TierPlan> {
         object: cfg.engine.physical.object.clone(),
         engine: cfg.engine.clone(),
         sharing: None,
-        scheduler: r.scheduler,
-        digests: std::sync::Arc::default(),
+        front_end: match r.scheduler {
+            Scheduler::Tiering => FrontEnd::Tiering,
+            Scheduler::Sessions => FrontEnd::Sessions,
+        },
+        identities: std::sync::Arc::default(),
+        contents: std::sync::Arc::new(content::ReplayContents),
     })
 }
 
@@ -165,9 +169,9 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         plan.sharing = Some(spec.sharing.clone());
     }
     let salt = Salt::new("kvbm-replay");
-    let tiering = plan.scheduler == Scheduler::Tiering && plan.g2_blocks > 0;
+    let tiering = plan.front_end == FrontEnd::Tiering && plan.g2_blocks > 0;
     if tiering {
-        plan.digests = std::sync::Arc::new(keys::Digests::of_workload(
+        plan.identities = std::sync::Arc::new(keys::identities_of_workload(
             salt,
             wl.requests.iter().map(|r| r.hash_ids.as_slice()),
         ));
@@ -181,7 +185,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
             plan.g1_blocks
         );
     }
-    let mut tiers = Tiers::build(&plan)?;
+    let mut tiers = TierStack::build(&plan)?;
     tiers.publish_capacity();
 
     let pb = ProgressBar::with_draw_target(

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::tiers::StageTimes;
+use kvbm_engine::stack::StageTimes;
 
 /// One tier's line.
 #[derive(Debug, Clone, Serialize)]

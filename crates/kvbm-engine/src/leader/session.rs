@@ -135,6 +135,7 @@ impl SessionFailure {
 
 /// Errors of session calls made in the wrong state.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SessionError {
     /// The call needs another phase.
     #[error("onboarding session is {actual:?}, expected {expected:?}")]

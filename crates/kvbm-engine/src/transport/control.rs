@@ -215,6 +215,7 @@ impl ControlResponse {
 
 /// Why a control call failed; every variant names the worker.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ControlError {
     /// No reply within the request's deadline (the worker is gone, hung, or too slow).
     #[error("{worker}: no reply within {timeout_ms} ms")]

@@ -19,7 +19,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+use super::context::{Context, bail};
+use crate::error::Result;
 use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
 use kvbm_offload::{
     BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, ResolvedBatch,
@@ -77,7 +78,7 @@ impl Opened {
     pub fn register_listed(
         &self,
         manager: &BlockManager<G3>,
-    ) -> anyhow::Result<(HashMap<u128, u128>, usize)> {
+    ) -> Result<(HashMap<u128, u128>, usize)> {
         let total = manager.total_blocks();
         let mut all: Vec<Option<MutableBlock<G3>>> = (0..total).map(|_| None).collect();
         for blk in manager.allocate_blocks(total)? {
@@ -104,9 +105,9 @@ impl G3Index {
     ///
     /// # Errors
     /// The journal cannot be read, created or repaired.
-    pub fn open(dir: &Path, layout: &PhysicalLayout) -> anyhow::Result<Opened> {
+    pub fn open(dir: &Path, layout: &PhysicalLayout) -> Result<Opened> {
         let Backing::Disk(disk) = layout.backing() else {
-            anyhow::bail!("the G3 layout is not a disk file");
+            bail!("the G3 layout is not a disk file");
         };
         let legacy = dir.join("g3.manifest");
         if legacy.exists() {

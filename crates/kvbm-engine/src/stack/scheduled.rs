@@ -1,6 +1,6 @@
 //! `--scheduler tiering`: the replay drives the engine as vLLM's scheduler drives its
 //! offloading manager, through `kvbm-tiering`'s contract served over the engine's tiers
-//! ([`EngineTieringManager`](kvbm_engine::scheduler::EngineTieringManager)).
+//! ([`EngineTieringManager`](crate::scheduler::EngineTieringManager)).
 //!
 //! ```text
 //!  on_new_request
@@ -28,14 +28,15 @@
 //! inline on this thread (host to host: G1 is a host stand-in); started asynchronously on the
 //! transfer manager's threads, the store measured slower here (the issue, the wait and the
 //! completion cost more than the copy they overlap, on two cores). The request holds its G1
-//! blocks until the end of [`Tiers::serve_scheduled`].
+//! blocks until the end of [`TierStack::serve_scheduled`].
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, anyhow};
-use kvbm_engine::scheduler::StoreSink;
+use super::context::{Context, stack_error};
+use crate::error::Result;
+use crate::scheduler::StoreSink;
 use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
 use kvbm_offload::{ObjectPipeline, OffloadError, Pipeline, TransferHandle};
 use kvbm_physical::TransferOptions;
@@ -43,7 +44,7 @@ use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
 use parking_lot::Mutex;
 
-use super::{Counters, G2_SPACE_PATIENCE, MovePath, Served, Tiers};
+use super::{Counters, G2_SPACE_PATIENCE, MovePath, Served, TierStack};
 
 /// Lookup passes a request may wait through before it takes the prefix that is ready.
 const MAX_PASSES: usize = 4;
@@ -51,7 +52,7 @@ const MAX_PASSES: usize = 4;
 /// The longest a stored block waits in the write-through buffer ([`WriteThrough`]).
 const WRITE_THROUGH_DELAY: Duration = Duration::from_millis(2);
 
-impl Tiers {
+impl TierStack {
     /// Serves one request through the scheduler-facing manager (see the [module docs](self)).
     /// `keys[i]` is the key of the block registered under `hashes[i]`.
     ///
@@ -63,7 +64,7 @@ impl Tiers {
         &mut self,
         hashes: &[SequenceHash],
         keys: &[OffloadKey],
-    ) -> anyhow::Result<Served> {
+    ) -> Result<Served> {
         debug_assert_eq!(hashes.len(), keys.len());
         self.admit(hashes);
         let n = hashes.len();
@@ -124,10 +125,10 @@ impl Tiers {
         Ok(served)
     }
 
-    fn sched_mut(&mut self) -> anyhow::Result<&mut kvbm_engine::scheduler::EngineTieringManager> {
+    fn sched_mut(&mut self) -> Result<&mut crate::scheduler::EngineTieringManager> {
         self.sched
             .as_mut()
-            .ok_or_else(|| anyhow!("the tiering scheduler needs G2 (--g2-blocks > 0)"))
+            .ok_or_else(|| stack_error!("the tiering scheduler needs G2 (--g2-blocks > 0)"))
     }
 
     /// Where the block `h` is before the lookup (the tier its hit counts for): 1 G2, 2 G3 (or
@@ -143,7 +144,7 @@ impl Tiers {
         let own_g4 = registry.is_present(h, TierId::G4);
         match &self.shared_g4 {
             // Written by another instance (or adopted from its events by this lookup).
-            Some(s) if !own_g4 || !s.own.lock().contains(&h) => 4,
+            Some(s) if !own_g4 || !s.own().lock().contains(&h) => 4,
             _ => 3,
         }
     }
@@ -156,7 +157,7 @@ impl Tiers {
         ctx: &ReqContext,
         hashes: &[SequenceHash],
         keys: &[OffloadKey],
-    ) -> anyhow::Result<(usize, Vec<u8>)> {
+    ) -> Result<(usize, Vec<u8>)> {
         let mut sources: Vec<u8> = Vec::with_capacity(keys.len());
         let mut pass = 0;
         loop {
@@ -207,7 +208,7 @@ impl Tiers {
         ctx: &ReqContext,
         hashes: &[SequenceHash],
         keys: &[OffloadKey],
-    ) -> anyhow::Result<Vec<ImmutableBlock<G1>>> {
+    ) -> Result<Vec<ImmutableBlock<G1>>> {
         let spec = match self.sched_mut()?.prepare_load(keys, ctx) {
             Ok(s) => s,
             Err(e) => {
@@ -222,7 +223,7 @@ impl Tiers {
         };
         let slots = spec
             .chunk_ids()
-            .ok_or_else(|| anyhow!("prepare_load returned a spec that is not G2 slots"))?;
+            .ok_or_else(|| stack_error!("prepare_load returned a spec that is not G2 slots"))?;
         let src: Vec<(usize, SequenceHash)> = slots
             .iter()
             .zip(hashes)
@@ -236,7 +237,7 @@ impl Tiers {
             .movers
             .as_ref()
             .map(|m| m.g2_to_g1.clone())
-            .ok_or_else(|| anyhow!("no G2→G1 path"))?;
+            .ok_or_else(|| stack_error!("no G2→G1 path"))?;
         // SAFETY: the slots are the G2 blocks `prepare_load` pinned for this request; they stay
         // pinned (nothing writes them) until `complete_load` below.
         let moved = unsafe { g2_to_g1.copy_slots(&src, dst) };
@@ -263,7 +264,7 @@ impl Tiers {
         &mut self,
         ctx: &ReqContext,
         keys: &[OffloadKey],
-    ) -> anyhow::Result<Option<kvbm_tiering::PrepareStoreOutput>> {
+    ) -> Result<Option<kvbm_tiering::PrepareStoreOutput>> {
         const GRACE: Duration = Duration::from_millis(50);
         let total = self.g2.as_ref().map_or(0, |g| g.manager.total_blocks());
         if keys.len() > total {
@@ -308,7 +309,7 @@ impl Tiers {
         ctx: &ReqContext,
         keys: &[OffloadKey],
         blocks: &[ImmutableBlock<G1>],
-    ) -> anyhow::Result<()> {
+    ) -> Result<()> {
         let Some(out) = self.prepare_store(ctx, keys)? else {
             // G2 has no evictable block: nothing is stored (as vLLM skips the store).
             self.no_space += keys.len() as u64;
@@ -321,7 +322,7 @@ impl Tiers {
         let slots = out
             .store_spec
             .chunk_ids()
-            .ok_or_else(|| anyhow!("prepare_store returned a spec that is not G2 slots"))?;
+            .ok_or_else(|| stack_error!("prepare_store returned a spec that is not G2 slots"))?;
         // `keys_to_store` is `keys` filtered, in order.
         let mut src = Vec::with_capacity(slots.len());
         let mut j = 0;
@@ -329,9 +330,9 @@ impl Tiers {
             while j < keys.len() && keys[j] != *k {
                 j += 1;
             }
-            let b = blocks
-                .get(j)
-                .ok_or_else(|| anyhow!("prepare_store named a key the request did not give"))?;
+            let b = blocks.get(j).ok_or_else(|| {
+                stack_error!("prepare_store named a key the request did not give")
+            })?;
             src.push(b.block_id());
         }
         let dst: Vec<usize> = slots.iter().map(|s| *s as usize).collect();
@@ -396,8 +397,8 @@ type Buffered = (Vec<ImmutableBlock<G2>>, Option<Instant>);
 /// it holds a batch or its oldest block has waited [`WRITE_THROUGH_DELAY`], so one enqueue (a
 /// wake-up of the lane) carries many requests' blocks while a stored block still reaches G3/G4
 /// (and other instances, through G4) promptly; the replay flushes it whole before it idles.
-/// Buffered blocks are at most a batch plus one request; [`Tiers::backpressure`] flushes
-/// before it waits, and [`Tiers::finish`] before it drains. The buffer's mutex is a leaf lock.
+/// Buffered blocks are at most a batch plus one request; [`TierStack::backpressure`] flushes
+/// before it waits, and [`TierStack::finish`] before it drains. The buffer's mutex is a leaf lock.
 pub(super) struct WriteThrough {
     buffer: Arc<Mutex<Buffered>>,
     g2_to_g3: Option<Arc<Pipeline<G2>>>,

@@ -1,4 +1,4 @@
-//! The replay's onboarding movers: the real transfer paths an engine [`OnboardingSession`](kvbm_engine::leader::OnboardingSession)
+//! The replay's onboarding movers: the real transfer paths an engine [`OnboardingSession`](crate::leader::OnboardingSession)
 //! moves a matched prefix through, with the replay's checks on every block.
 //!
 //! ```text
@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::mover::BlockMove;
 use futures::future::BoxFuture;
-use kvbm_engine::mover::BlockMove;
 use kvbm_logical::{
     BlockDigest, BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock,
     SequenceHash, Tier,
@@ -41,9 +41,8 @@ use kvbm_offload::{
 use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
 use parking_lot::Mutex;
 
-use super::content;
-use super::keys::Digests;
-use super::tiers::{Counters, G3Check, MovePath, check_g3_read, count_failure, slot_of};
+use super::hooks::{Contents, Identities};
+use super::{Counters, G3Check, MovePath, check_g3_read, count_failure, slot_of};
 
 /// What the movers report back to the replay.
 #[derive(Debug, Default)]
@@ -206,7 +205,7 @@ pub struct G3ToG2 {
     pub(super) block_bytes: usize,
     pub(super) shared: Arc<OnboardShared>,
     /// Identities of the workload's keyed blocks (G2 blocks are registered with them).
-    pub(super) digests: Arc<Digests>,
+    pub(super) identities: Arc<Identities>,
 }
 
 impl G3ToG2 {
@@ -265,7 +264,7 @@ impl G3ToG2 {
             let h = blk.sequence_hash();
             ok += usize::from(r.is_ok());
             match check_g3_read(&self.g2_layout, &self.check, &self.counters, &mblk, h, r) {
-                Ok(()) => parts.push(complete(mblk, h, self.digests.get(h))),
+                Ok(()) => parts.push(complete(mblk, h, self.identities.get(h))),
                 Err(f) => {
                     self.shared.fail(h);
                     parts.push(Err(f));
@@ -304,7 +303,7 @@ pub struct G4ToG2 {
     pub(super) shared: Arc<OnboardShared>,
     /// Identities of the workload's keyed blocks: what an object is checked against when its
     /// G4 entry was registered without one (warm start, adopted from another instance).
-    pub(super) digests: Arc<Digests>,
+    pub(super) identities: Arc<Identities>,
 }
 
 impl G4ToG2 {
@@ -341,7 +340,7 @@ impl G4ToG2 {
                     src.iter()
                         .map(|b| {
                             let h = b.sequence_hash();
-                            identity_of(h, self.digests.expected(h, b.digest()))
+                            identity_of(h, self.identities.expected(h, b.digest()))
                         })
                         .collect(),
                 ),
@@ -360,7 +359,7 @@ impl G4ToG2 {
             match r {
                 Ok(()) => {
                     ok += 1;
-                    parts.push(complete(mblk, h, self.digests.expected(h, blk.digest())));
+                    parts.push(complete(mblk, h, self.identities.expected(h, blk.digest())));
                 }
                 Err(e) => {
                     let mut f = BlockFailure::physical(e);
@@ -403,6 +402,8 @@ pub struct G2ToG1 {
     pub(super) counters: Arc<Counters>,
     pub(super) block_bytes: usize,
     pub(super) shared: Arc<OnboardShared>,
+    /// What each block's bytes must be.
+    pub(super) contents: Arc<dyn Contents>,
 }
 
 impl G2ToG1 {
@@ -460,7 +461,7 @@ impl G2ToG1 {
                     self.shared.onboarded.fetch_add(1, Ordering::Relaxed);
                     // SAFETY: the copy into this freshly allocated slot has completed.
                     let bytes = unsafe { slot_of(&self.g1_layout, mblk.block_id()) };
-                    if content::verify(content::seed(h), bytes) {
+                    if self.contents.verify(h, bytes) {
                         self.shared.verified.fetch_add(1, Ordering::Relaxed);
                         parts.push(complete(mblk, h, None));
                     } else {

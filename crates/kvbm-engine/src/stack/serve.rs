@@ -1,0 +1,456 @@
+//! Serving a request through onboarding sessions ([`FrontEnd::Sessions`]): lookup, staging,
+//! onboarding, computing the rest, and the backpressure that keeps the lanes ahead.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvbm_logical::{
+    BlockManager, G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
+};
+use parking_lot::Mutex;
+
+use crate::MatchedPrefix;
+use crate::error::Result;
+use crate::leader::{FinishOutcome, OnboardingSession, StagingMovers};
+use crate::mover::BlockMove;
+
+use super::context::{bail, stack_error};
+
+use super::TierStack;
+use super::counters::Served;
+
+impl TierStack {
+    /// Before a request of `hashes` takes any handle: waits out offload backpressure, finishes
+    /// the reads started ahead for it (and any still reading one of its blocks: read again here,
+    /// it would be a second transfer of the same slot, and a damaged block would be rejected,
+    /// and counted, twice), and makes room in G1.
+    pub(super) fn admit(&mut self, hashes: &[SequenceHash]) {
+        self.discard_rejected();
+        self.backpressure(hashes.len());
+        self.complete_prefetches(self.served_requests);
+        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
+            self.complete_prefetches(usize::MAX);
+        }
+        self.ensure_g1_room(hashes.len());
+        self.served_requests += 1;
+    }
+
+    /// Drops the G3 and G4 blocks their tier rejected on read (poisoned) from the tier's
+    /// manager once nothing holds them (`BlockManager::discard_inactive`): unregistered, their
+    /// slots free, so the lanes may write a fresh copy later. A block stays poisoned (never
+    /// read) until it is dropped or has left the tier. The poisoned sets are leaf locks: read,
+    /// released, then the manager is called, then taken again to forget the dropped ones.
+    pub(super) fn discard_rejected(&mut self) {
+        fn drop_from<T: Tier>(manager: &BlockManager<T>, poisoned: &Mutex<HashSet<SequenceHash>>) {
+            let pending: Vec<SequenceHash> = {
+                let p = poisoned.lock();
+                if p.is_empty() {
+                    return;
+                }
+                p.iter().copied().collect()
+            };
+            let gone: Vec<SequenceHash> = pending
+                .into_iter()
+                .filter(|h| {
+                    manager.discard_inactive(&[*h]) == 1
+                        || !manager.registry().is_present(*h, T::ID)
+                })
+                .collect();
+            if !gone.is_empty() {
+                let mut p = poisoned.lock();
+                for h in gone {
+                    p.remove(&h);
+                }
+            }
+        }
+        if let Some(g3) = &self.g3 {
+            drop_from(&g3.manager, &g3.poisoned);
+        }
+        if let Some(g4) = &self.g4 {
+            drop_from(&g4.manager, &g4.poisoned);
+        }
+    }
+
+    /// Serves one request: lookup, onboarding, computing the rest, offloading it.
+    ///
+    /// # Errors
+    /// Only when the request cannot be served at all (G1 too small); failed or rejected
+    /// transfers are counted and their blocks recomputed.
+    pub fn serve(&mut self, hashes: &[SequenceHash]) -> Result<Served> {
+        self.admit(hashes);
+        let mut served = Served::default();
+        let n = hashes.len();
+        let before = self.onboard_tally();
+        let (found, src, mut held_g1) = self.onboard_prefix(hashes)?;
+        let fail_at = found;
+        let after = self.onboard_tally();
+        served.onboarded = after[0] - before[0];
+        served.verified = after[1] - before[1];
+        served.corrupt = after[2] - before[2];
+        served.count_hits(&src[..fail_at]);
+
+        // 4. Compute the rest in G1 and hand it to the G1→G2 lane.
+        if fail_at < n {
+            let t = Instant::now();
+            let nested = self.nested_time();
+            let registered = self.compute(&hashes[fail_at..])?;
+            served.computed = registered.len() as u64;
+            self.times.compute += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+            if let Some(p) = &self.g1_to_g2 {
+                let t = Instant::now();
+                // A plain blocking enqueue: no trip through the runtime unless the queue is full.
+                match p.enqueue_blocking(registered.clone(), None) {
+                    Ok(h) => {
+                        self.counters
+                            .offload_enqueued
+                            .fetch_add(registered.len() as u64, Ordering::Relaxed);
+                        self.g1_handles.push_back(h);
+                    }
+                    Err(e) => bail!("the G1→G2 pipeline refused blocks: {e}"),
+                }
+                self.times.offload_enqueue += t.elapsed().as_secs_f64();
+            }
+            held_g1.extend(registered);
+        }
+        served.publish();
+        // End of the "forward pass": the request's G1 blocks become inactive (evictable).
+        drop(held_g1);
+        Ok(served)
+    }
+
+    /// Fills fresh G1 blocks with the bytes of `hashes` and registers them.
+    pub(super) fn compute(&mut self, hashes: &[SequenceHash]) -> Result<Vec<ImmutableBlock<G1>>> {
+        let blocks = self.allocate_g1(hashes.len())?;
+        let mut complete = Vec::with_capacity(hashes.len());
+        for (blk, h) in blocks.into_iter().zip(hashes) {
+            // SAFETY: freshly allocated slot: no transfer reads or writes it.
+            let slot = unsafe { self.g1.slot(blk.block_id()) };
+            self.contents.fill(*h, slot);
+            complete.push(
+                blk.complete(*h)
+                    .map_err(|e| stack_error!("cannot complete a G1 block: {}", e.error))?,
+            );
+        }
+        Ok(self.g1.manager.register_blocks(complete))
+    }
+
+    /// Onboarded, verified and corrupt blocks so far.
+    pub(super) fn onboard_tally(&self) -> [u64; 3] {
+        let o = &self.onboard;
+        [
+            o.onboarded.load(Ordering::Relaxed),
+            o.verified.load(Ordering::Relaxed),
+            o.corrupt.load(Ordering::Relaxed),
+        ]
+    }
+
+    /// Where `matched` must end: before its first G3 or G4 block already rejected (poisoned).
+    pub(super) fn usable(&self, matched: &MatchedPrefix) -> usize {
+        let mut cut = matched.len();
+        // The holder's index of the first rejected block, mapped to its prefix position (a
+        // tier may hold several runs of the prefix).
+        let first_bad = |tier: TierId, i: Option<usize>| i.map(|i| matched.positions(tier)[i]);
+        if let Some(g3) = &self.g3 {
+            let p = g3.poisoned.lock();
+            if !p.is_empty() {
+                let i = matched
+                    .g3()
+                    .blocks()
+                    .iter()
+                    .position(|b| p.contains(&b.sequence_hash()));
+                if let Some(at) = first_bad(TierId::G3, i) {
+                    cut = cut.min(at);
+                }
+            }
+        }
+        if let Some(g4) = &self.g4 {
+            let p = g4.poisoned.lock();
+            if !p.is_empty() {
+                let i = matched
+                    .g4()
+                    .blocks()
+                    .iter()
+                    .position(|b| p.contains(&b.sequence_hash()));
+                if let Some(at) = first_bad(TierId::G4, i) {
+                    cut = cut.min(at);
+                }
+            }
+        }
+        cut
+    }
+
+    /// The first block of `hashes[from..to]` a mover reported failed (and clears the reports).
+    pub(super) fn first_failed(
+        &self,
+        hashes: &[SequenceHash],
+        from: usize,
+        to: usize,
+    ) -> Option<usize> {
+        let failed = std::mem::take(&mut *self.onboard.failed.lock());
+        if failed.is_empty() {
+            return None;
+        }
+        let failed: HashSet<SequenceHash> = failed.into_iter().collect();
+        hashes[from..to]
+            .iter()
+            .position(|h| failed.contains(h))
+            .map(|i| from + i)
+    }
+
+    /// Lookup and onboarding of a request's prefix, like a scheduler over the engine:
+    ///
+    /// ```text
+    ///  G1 match (the inference engine's own prefix cache)
+    ///   └─► leader.find_matches(rest): G2, G3, G4 runs, held  ──► cut at rejected blocks
+    ///        └─► OnboardingSession: prepare (G3→G2, G4→G2) ──► onboard (G2→G1) ──► finish
+    ///  any block failed ──► the session fails (releasing everything); the prefix is cut at the
+    ///  first failed block and looked up again (what moved before it is found in G1/G2 now)
+    /// ```
+    ///
+    /// Returns the prefix length reached in G1, the tier each prefix block was found in
+    /// (0..=3, 4 for a G4 block another instance wrote; fixed by the first attempt so a block moved up by a failed attempt still counts
+    /// as the tier it came from), and the held G1 blocks.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn onboard_prefix(
+        &mut self,
+        hashes: &[SequenceHash],
+    ) -> Result<(usize, Vec<u8>, Vec<ImmutableBlock<G1>>)> {
+        let n = hashes.len();
+        let mut src: Vec<u8> = Vec::with_capacity(n);
+        let mut held_g1: Vec<ImmutableBlock<G1>> = Vec::with_capacity(n);
+        let mut limit = n;
+        loop {
+            held_g1.clear();
+            let t = Instant::now();
+            let g1m = self.g1.manager.match_blocks(&hashes[..limit]);
+            let at = g1m.len();
+            held_g1.extend(g1m);
+            while src.len() < at {
+                src.push(0);
+            }
+            let matched = match &self.leader {
+                Some(l) if at < limit => {
+                    let mut m = l.find_matches(&hashes[at..limit]);
+                    m.truncate(self.usable(&m));
+                    m
+                }
+                _ => MatchedPrefix::default(),
+            };
+            for run in matched.runs() {
+                for k in run.start..run.start + run.len {
+                    if at + k < src.len() {
+                        continue;
+                    }
+                    src.push(match run.tier {
+                        // A block read ahead from G3 for this request is a G3 hit.
+                        TierId::G2 if self.prefetched.remove(&hashes[at + k]) => 2,
+                        TierId::G2 => 1,
+                        TierId::G3 => 2,
+                        // Written by another instance: a cross-instance hit (tier 4 here).
+                        TierId::G4
+                            if self
+                                .shared_g4
+                                .as_ref()
+                                .is_some_and(|s| !s.own().lock().contains(&hashes[at + k])) =>
+                        {
+                            4
+                        }
+                        TierId::G4 => 3,
+                        TierId::G1 => 0,
+                    });
+                }
+            }
+            self.times.lookup += t.elapsed().as_secs_f64();
+            let (Some(movers), false) = (&self.movers, matched.is_empty()) else {
+                return Ok((at, src, held_g1));
+            };
+            let (g3_to_g2, g4_to_g2, g2_to_g1) = (
+                movers.g3_to_g2.clone(),
+                movers.g4_to_g2.clone(),
+                movers.g2_to_g1.clone(),
+            );
+            let end = at + matched.len();
+            let need4 = matched.count(TierId::G4);
+            let need = matched.count(TierId::G3) + need4;
+            let first_staged = matched
+                .runs()
+                .iter()
+                .find(|r| r.tier != TierId::G2)
+                .map_or(at, |r| at + r.start);
+            let session = OnboardingSession::new(matched);
+
+            // Stage the G3 and G4 parts in G2 (a G2-only prefix just moves to `Staged`). Reads
+            // started ahead hold G2 slots: finish them first when G2 lacks the room.
+            {
+                let t = Instant::now();
+                let nested = self.nested_time();
+                if !self.prefetches.is_empty()
+                    && self
+                        .g2
+                        .as_ref()
+                        .is_some_and(|g2| g2.manager.available_blocks() < need)
+                {
+                    self.complete_prefetches(usize::MAX);
+                }
+                let g3_before = self.onboard.g3_nanos.load(Ordering::Relaxed);
+                let staged = self.session_rt.block_on(session.prepare(StagingMovers {
+                    g3_to_g2: g3_to_g2.map(|m| m as Arc<dyn BlockMove<G3, G2>>),
+                    g4_to_g2: g4_to_g2.map(|m| m as Arc<dyn BlockMove<G4, G2>>),
+                    remote_g2: None,
+                }));
+                let g3 = (self.onboard.g3_nanos.load(Ordering::Relaxed) - g3_before) as f64 / 1e9;
+                let all = t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+                self.times.g3_to_g2 += g3;
+                // The rest is G4 staging, or, for a prefix all in G2, the session's own cost
+                // (part of bringing G2 blocks to G1).
+                if need4 > 0 {
+                    self.times.g4_to_g2 += (all - g3).max(0.0);
+                } else {
+                    self.times.g2_to_g1 += (all - g3).max(0.0);
+                }
+                if let Err(e) = staged {
+                    tracing::debug!(error = %e, "staging failed; the prefix is cut");
+                    limit = self.first_failed(hashes, at, end).unwrap_or(first_staged);
+                    continue;
+                }
+            }
+
+            // Onboard the staged prefix to G1 (every block checked against its bytes).
+            let t = Instant::now();
+            let nested = self.nested_time();
+            let len = session.prefix_len();
+            let dst = match self.g1.manager.allocate_blocks(len) {
+                Ok(d) => d,
+                Err(_) => self.allocate_g1(len)?,
+            };
+            let onboarded = self
+                .session_rt
+                .block_on(session.onboard(g2_to_g1 as Arc<dyn BlockMove<G2, G1>>, dst));
+            self.times.g2_to_g1 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+            if let Err(e) = onboarded {
+                tracing::debug!(error = %e, "onboarding failed; the prefix is cut");
+                limit = self.first_failed(hashes, at, end).unwrap_or(at);
+                continue;
+            }
+            match session.finish() {
+                FinishOutcome::Finished(blocks) => held_g1.extend(blocks),
+                other => bail!("an onboarded session did not finish: {other:?}"),
+            }
+            return Ok((end, src, held_g1));
+        }
+    }
+
+    /// Time of the stages that can run nested inside another (waiting for G1 room, finishing
+    /// prefetched G3 reads): subtracted from the enclosing stage so the stages add up to the wall
+    /// time.
+    pub(super) fn nested_time(&self) -> f64 {
+        self.times.g1_backpressure + self.times.g3_to_g2
+    }
+
+    /// Blocks queued or in flight in the offload lanes.
+    pub(super) fn lane_pending(&self) -> usize {
+        self.g1_to_g2.as_ref().map_or(0, |p| p.pending_blocks())
+            + self.g2_to_g3.as_ref().map_or(0, |p| p.pending_blocks())
+            + self
+                .g2_to_g4
+                .as_ref()
+                .map_or(0, |p| p.pipeline().pending_blocks())
+    }
+
+    /// Offload backpressure. The lanes hold their G2 blocks until written below, and the
+    /// replay's "forward pass" is instant, so without a bound it would outrun them and find G2
+    /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
+    /// on a full host cache) while lanes still have work and either more than half of G2 is
+    /// queued in them or G2 has fewer than `n` + one G1→G2 batch allocatable blocks.
+    ///
+    /// While it waits, G3 reads started ahead (which hold G2 slots until their request comes
+    /// up) are finished, so their slots become evictable: a G1→G2 batch waiting for G2 room
+    /// (see [`G1ToG2Executor`]) must not wait on this thread.
+    pub(super) fn backpressure(&mut self, n: usize) {
+        let Some(g2) = self.g2.as_ref().map(|g| g.manager.clone()) else {
+            return;
+        };
+        let high = (g2.total_blocks() / 2).max(1);
+        let reserve = n + self.g1_batch;
+        let starved = |t: &Self| {
+            let pending = t.lane_pending();
+            pending > 0 && (pending > high || g2.available_blocks() < reserve)
+        };
+        // Blocks buffered for the write-through are held in G2: hand them to the lanes before
+        // deciding (they are what the lanes must write to free G2).
+        if let Some(w) = &self.write_through
+            && g2.available_blocks() < reserve
+        {
+            w.flush(true);
+        }
+        if !starved(self) {
+            return;
+        }
+        let t = Instant::now();
+        let nested = self.nested_time();
+        self.complete_prefetches(usize::MAX);
+        while starved(self) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        self.times.offload_backpressure +=
+            t.elapsed().as_secs_f64() - (self.nested_time() - nested);
+    }
+
+    /// Makes sure G1 can hand out `n` blocks before the request takes any handle: waits, holding
+    /// nothing, for G1→G2 offloads (oldest first) to release G1 slots. Waiting later, while
+    /// holding the request's G2 hits, could be a cycle: the G1→G2 lane holds G1 blocks and may
+    /// be waiting for G2 room those hits take.
+    pub(super) fn ensure_g1_room(&mut self, n: usize) {
+        if self.g1.manager.available_blocks() >= n {
+            return;
+        }
+        // The G1→G2 lane may be waiting for G2 room that reads started ahead hold.
+        self.complete_prefetches(usize::MAX);
+        let t = Instant::now();
+        while self.g1.manager.available_blocks() < n {
+            let Some(h) = self.g1_handles.pop_front() else {
+                break; // nothing left to wait for; allocation reports G1 too small
+            };
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            }
+        }
+        self.times.g1_backpressure += t.elapsed().as_secs_f64();
+    }
+
+    pub(super) fn allocate_g1(&mut self, n: usize) -> Result<Vec<MutableBlock<G1>>> {
+        if let Ok(v) = self.g1.manager.allocate_blocks(n) {
+            return Ok(v);
+        }
+        // G1 is full of blocks still being offloaded (the lanes hold them until they are
+        // written below): wait for the outstanding offloads, oldest first, retrying after each
+        // round. (A settlement token would not do: it covers only dispatched batches.) A G1→G2
+        // batch may itself be waiting for G2 room: finish the reads started ahead first, so the
+        // G2 slots they hold become evictable and cannot keep it waiting (their time counts as
+        // G3→G2). Normally [`Self::ensure_g1_room`] made room before the request took any
+        // handle, and this path is not taken.
+        self.complete_prefetches(usize::MAX);
+        let t = Instant::now();
+        while let Some(h) = self.g1_handles.pop_front() {
+            match self.rt.block_on(h.wait()) {
+                Ok(r) => self.tally(&r),
+                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
+            }
+            if let Ok(v) = self.g1.manager.allocate_blocks(n) {
+                self.times.g1_backpressure += t.elapsed().as_secs_f64();
+                return Ok(v);
+            }
+        }
+        let r = self.g1.manager.allocate_blocks(n).map_err(|e| {
+            stack_error!(
+                "G1 ({} blocks) cannot hold a request of {n} blocks: {e}; raise --g1-blocks",
+                self.g1.manager.total_blocks()
+            )
+        });
+        self.times.g1_backpressure += t.elapsed().as_secs_f64();
+        r
+    }
+}

@@ -1,0 +1,189 @@
+//! G4 shared between instances (feature `nats`): each instance's G4 stored/removed events go
+//! out over NATS, and every instance's leader finds the others' G4 blocks through its
+//! [`CrossInstanceIndex`] (adopted into its own G4, read from the shared store).
+//!
+//! ```text
+//!  build: connect ─► NatsBus ─► EventPublisher (this G4's events out)
+//!                           └─► CrossInstanceIndex::follow (the others' events in)
+//!         ... every tier built ...
+//!         ready barrier: announce on <subject>.ready until every instance is heard
+//! ```
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_logical::{EventSink, SequenceHash};
+use parking_lot::Mutex;
+
+use super::context::{Context, bail, stack_error};
+use crate::error::{EngineError, Result};
+use crate::leader::RemoteSearch;
+use crate::pubsub::nats::NatsBus;
+use crate::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
+use crate::runtime::KvbmRuntime;
+
+/// One instance of several: G4 is shared with the others (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct Sharing {
+    /// The NATS server.
+    pub nats_url: String,
+    /// The subject every instance of this run publishes and subscribes on.
+    pub subject: String,
+    /// This instance's id (distinct per instance, not 0).
+    pub instance: u64,
+    /// Instances in the run: each waits for all of them to be subscribed before it starts.
+    pub instances: usize,
+}
+
+/// A started share of G4: the bus, this instance's publisher, the others' index.
+pub(super) struct SharedG4 {
+    /// Hashes this instance wrote to G4 (or found there at start): a G4 hit on any other
+    /// hash is a block another instance wrote.
+    own: Arc<Mutex<HashSet<SequenceHash>>>,
+    /// Where this instance's G4 events go.
+    publisher: Arc<EventPublisher>,
+    /// Every instance's G4 blocks, from their events.
+    index: Arc<CrossInstanceIndex>,
+    /// This instance.
+    this: InstanceId,
+    client: async_nats::Client,
+    sharing: Sharing,
+    _bus: Arc<NatsBus>,
+}
+
+impl SharedG4 {
+    /// Connects to NATS and starts the event bus, the publisher and the cross-instance index.
+    ///
+    /// # Errors
+    /// The server does not answer within 15 s, or a subscription fails.
+    pub(super) fn start(runtime: &KvbmRuntime, s: &Sharing) -> Result<Self> {
+        let h = runtime.handle();
+        let capacity = runtime.config().events.channel_capacity;
+        let (bus, client) = h
+            .tokio()
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(15), async {
+                    let client = crate::transport::nats::connect(
+                        &s.nats_url,
+                        &format!("kvbm-replay-{}", s.instance),
+                        Duration::from_secs(1),
+                    )
+                    .await?;
+                    let bus =
+                        NatsBus::start(&h, client.clone(), s.subject.clone(), capacity).await?;
+                    Ok::<_, EngineError>((bus, client))
+                })
+                .await
+            })
+            .map_err(|_| stack_error!("NATS server {} did not answer within 15 s", s.nats_url))?
+            .with_context(|| format!("cannot reach the NATS server {}", s.nats_url))?;
+        let this = InstanceId(s.instance);
+        let publisher = EventPublisher::spawn(&h, this, bus.clone())
+            .context("cannot start the event publisher")?;
+        let index = Arc::new(CrossInstanceIndex::new());
+        CrossInstanceIndex::follow(index.clone(), &h, &*bus)
+            .context("cannot follow the cross-instance events")?;
+        Ok(SharedG4 {
+            own: Arc::default(),
+            publisher,
+            index,
+            this,
+            client,
+            sharing: s.clone(),
+            _bus: bus,
+        })
+    }
+
+    /// Hashes this instance wrote to G4 (or found there at start).
+    pub(super) fn own(&self) -> &Arc<Mutex<HashSet<SequenceHash>>> {
+        &self.own
+    }
+
+    /// How the leader searches the other instances' G4 blocks.
+    pub(super) fn remote(&self) -> RemoteSearch {
+        RemoteSearch {
+            index: self.index.clone(),
+            this: self.this,
+            shared_g4: true,
+        }
+    }
+
+    /// The sink G4's manager publishes its events to.
+    pub(super) fn sink(&self) -> Arc<dyn EventSink> {
+        self.publisher.clone()
+    }
+
+    /// Waits for every other instance of the run (see [`ready_barrier`]).
+    ///
+    /// # Errors
+    /// As [`ready_barrier`].
+    pub(super) fn wait_for_all(&self, rt: &tokio::runtime::Handle) -> Result<()> {
+        let s = &self.sharing;
+        rt.block_on(ready_barrier(
+            &self.client,
+            &s.subject,
+            s.instance,
+            s.instances,
+        ))
+        .context("waiting for the other instances")
+    }
+}
+
+/// Waits until every instance of the run is subscribed to the events (NATS does not replay
+/// what was published before a subscription, so an instance that started serving early could
+/// publish blocks a slower one never hears of). Each instance announces itself on
+/// `<subject>.ready` every 50 ms until it has heard all `count`, then once more. Why that is
+/// enough: an instance announces only after subscribing, so whoever has heard everyone knows
+/// everyone is subscribed, and its last announcement reaches them all.
+async fn ready_barrier(
+    client: &async_nats::Client,
+    subject: &str,
+    me: u64,
+    count: usize,
+) -> Result<()> {
+    use futures::StreamExt;
+    let subject = format!("{subject}.ready");
+    let nats = |e: &dyn std::fmt::Display| EngineError::Nats {
+        url: subject.clone(),
+        message: e.to_string(),
+    };
+    let mut sub = client
+        .subscribe(subject.clone())
+        .await
+        .map_err(|e| nats(&e))?;
+    client.flush().await.map_err(|e| nats(&e))?;
+    let mut seen = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        client
+            .publish(subject.clone(), me.to_string().into())
+            .await
+            .map_err(|e| nats(&e))?;
+        client.flush().await.map_err(|e| nats(&e))?;
+        if seen.len() >= count {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "only {} of {count} instances announced themselves within 60 s",
+                seen.len()
+            );
+        }
+        let tick = tokio::time::sleep(Duration::from_millis(50));
+        tokio::pin!(tick);
+        loop {
+            tokio::select! {
+                m = sub.next() => match m {
+                    Some(m) => {
+                        if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<u64>() {
+                            seen.insert(id);
+                        }
+                    }
+                    None => bail!("the NATS subscription for {subject} ended"),
+                },
+                () = &mut tick => break,
+            }
+        }
+    }
+}

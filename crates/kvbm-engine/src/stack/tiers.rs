@@ -1,0 +1,200 @@
+//! The storage of each tier: host layouts for G1/G2, the G3 disk file with its journal and
+//! checksums, the G4 object store; the block managers over them (one registry); and the check
+//! every G3 read passes.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use kvbm_logical::{
+    BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, MutableBlock, SequenceHash,
+    Tier,
+};
+use kvbm_offload::{BlockFailure, BlockFailureKind};
+use kvbm_physical::{
+    BlockLayout, LayoutHandle, LayoutKind, ObjectStorage, PhysicalError, PhysicalLayout,
+};
+use parking_lot::Mutex;
+
+use crate::error::Result;
+
+use super::context::Context;
+use super::journal::G3Index;
+
+use super::counters::Counters;
+
+pub(super) struct HostTier<T: Tier> {
+    pub(super) manager: Arc<BlockManager<T>>,
+    pub(super) handle: LayoutHandle,
+    pub(super) layout: Arc<PhysicalLayout>,
+}
+
+impl<T: Tier> HostTier<T> {
+    /// The bytes of slot `id`.
+    ///
+    /// # Safety
+    /// As [`slot_of`].
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn slot(&self, id: usize) -> &mut [u8] {
+        // SAFETY: per this function's contract.
+        unsafe { slot_of(&self.layout, id) }
+    }
+}
+
+/// The bytes of slot `id` of the host layout `layout`.
+///
+/// # Safety
+/// `layout` is host memory, and the caller must be the only writer of the slot while the slice
+/// lives (a freshly allocated block, or a block whose transfer has completed and which no
+/// transfer writes).
+#[allow(clippy::mut_from_ref)]
+pub(super) unsafe fn slot_of(layout: &PhysicalLayout, id: usize) -> &mut [u8] {
+    let (addr, len) = layout.block_addrs(id, 0..1)[0];
+    // SAFETY: host memory of the layout, `len` bytes at `addr`, exclusivity per the contract.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+/// What checking a G3 read needs: shared by the read-ahead and the onboarding mover.
+#[derive(Clone)]
+pub(super) struct G3Check {
+    pub(super) manager: Arc<BlockManager<G3>>,
+    pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(super) index: Arc<G3Index>,
+}
+
+impl G3Tier {
+    pub(super) fn check(&self) -> G3Check {
+        G3Check {
+            manager: self.manager.clone(),
+            checksums: self.checksums.clone(),
+            poisoned: self.poisoned.clone(),
+            index: self.index.clone(),
+        }
+    }
+}
+
+pub(super) struct G3Tier {
+    pub(super) manager: Arc<BlockManager<G3>>,
+    pub(super) handle: LayoutHandle,
+    pub(super) layout: Arc<PhysicalLayout>,
+    pub(super) dir: PathBuf,
+    pub(super) _temp: Option<tempfile::TempDir>,
+    /// xxh3-128 of each block's payload as written to G3 (sequence hash → checksum).
+    pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(super) warm_blocks: usize,
+    /// The persistent index (`<dir>/g3.journal`).
+    pub(super) index: Arc<G3Index>,
+}
+
+pub(super) struct G4Tier {
+    pub(super) manager: Arc<BlockManager<G4>>,
+    pub(super) handle: LayoutHandle,
+    pub(super) storage: Arc<ObjectStorage>,
+    pub(super) _temp: Option<tempfile::TempDir>,
+    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(super) warm_blocks: usize,
+    pub(super) describe: String,
+}
+
+pub(super) fn geometry(num_blocks: usize, block_bytes: usize) -> Result<BlockLayout> {
+    Ok(BlockLayout::builder()
+        .num_blocks(num_blocks.max(1))
+        .num_layers(1)
+        .outer_dim(1)
+        .page_size(1)
+        .inner_dim(block_bytes)
+        .dtype_bytes(1)
+        .kind(LayoutKind::FullyContiguous)
+        .build()?)
+}
+
+pub(super) fn manager<T: Tier>(
+    n: usize,
+    registry: &BlockRegistry,
+    logical: &LogicalConfig,
+) -> Result<Arc<BlockManager<T>>> {
+    manager_with_sink(n, registry, logical, None)
+}
+
+pub(super) fn manager_with_sink<T: Tier>(
+    n: usize,
+    registry: &BlockRegistry,
+    logical: &LogicalConfig,
+    sink: Option<Arc<dyn EventSink>>,
+) -> Result<Arc<BlockManager<T>>> {
+    let mut builder = BlockManager::<T>::builder()
+        .config(logical.clone())
+        .block_count(n)
+        .registry(registry.clone());
+    if let Some(sink) = sink {
+        builder = builder.event_sink(sink);
+    }
+    Ok(Arc::new(builder.build().with_context(|| {
+        format!("cannot build the {} block manager", T::ID)
+    })?))
+}
+
+/// Checks a G3→G2 read of block `h` into `dst`: the transfer's outcome `r` (header and
+/// identity), then the payload against the checksum recorded when it was written (a valid
+/// slot holding another block, or no record of this one, fails). Counts a failure that proves
+/// the copy bad ([`BlockFailureKind::drops_copy`]) as a checksum failure and any other as a
+/// failed transfer; a block that fails is poisoned in G3 and its record dropped, so it is never
+/// read again. `Ok` when the block may be served.
+pub(super) fn check_g3_read(
+    g2_layout: &PhysicalLayout,
+    g3: &G3Check,
+    counters: &Counters,
+    dst: &MutableBlock<G2>,
+    h: SequenceHash,
+    r: Result<(), PhysicalError>,
+) -> Result<(), BlockFailure> {
+    let checked = r.map_err(BlockFailure::physical).and_then(|()| {
+        // SAFETY: the transfer into this freshly allocated slot has completed.
+        let bytes = unsafe { slot_of(g2_layout, dst.block_id()) };
+        let actual = xxhash_rust::xxh3::xxh3_128(bytes);
+        let expected = g3.checksums.lock().get(&h.as_u128()).copied();
+        if expected == Some(actual) {
+            Ok(())
+        } else {
+            Err(BlockFailure::new(
+                BlockFailureKind::ChecksumMismatch,
+                format!("G3 block {h} differs from the checksum recorded at write"),
+            ))
+        }
+    });
+    if let Err(f) = &checked {
+        count_failure(counters, "G3", f);
+        g3.poisoned.lock().insert(h);
+        g3.checksums.lock().remove(&h.as_u128());
+        if let Some(b) = g3.manager.scan_matches(&[h]).first() {
+            g3.index.dropped(b.block_id());
+        }
+    }
+    checked
+}
+
+/// Counts a failed read from `tier`: a copy proven bad as a checksum failure, anything else as
+/// a failed transfer.
+pub(super) fn count_failure(counters: &Counters, tier: &str, f: &BlockFailure) {
+    if f.kind.drops_copy() {
+        tracing::warn!(kind = f.kind.as_str(), error = %f.message, "{tier} rejected a block on read");
+        counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
+    } else {
+        tracing::warn!(kind = f.kind.as_str(), error = %f.message, "{tier}→G2 transfer failed");
+        counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The sequence hashes of every block object under the storage's namespace (lock objects and
+/// foreign keys are skipped).
+pub(super) async fn list_blocks(storage: &ObjectStorage) -> Result<Vec<SequenceHash>> {
+    Ok(storage
+        .list_keys()
+        .await?
+        .iter()
+        .filter_map(|k| k.parse_hash().ok().map(SequenceHash::from_u128))
+        .collect())
+}
