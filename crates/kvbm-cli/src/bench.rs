@@ -11,7 +11,7 @@
 //! is the median over rounds and the ratio is the median of the per-round ratios. The ideas
 //! follow `crates/kvbm-physical/benches/physical.rs`; this is a separate, user-facing
 //! implementation (the CLI does not depend on bench files). `object` uses the configured S3
-//! endpoint (`--s3-endpoint`/`--s3-bucket` or `[replay.s3]`, AWS credentials from the
+//! endpoint (`--s3-endpoint`/`--s3-bucket` or `[physical.s3]`, AWS credentials from the
 //! environment), else a local-filesystem store under `--dir`.
 
 use std::os::fd::AsRawFd;
@@ -361,11 +361,11 @@ fn object(
     let _scratch;
     // The baseline is a bare client of the same store, outside the storage's namespace and
     // request limit (its own concurrency bound is the same `conc`).
-    let (store, raw, where_) = match &cfg.replay.s3.endpoint {
-        Some(ep) => {
-            let s3 = crate::replay::s3_config(cfg, ep)?;
+    let s3 = cfg.engine.physical.s3.as_ref();
+    let (store, raw, where_) = match s3.and_then(|s| s.endpoint.as_ref().map(|ep| (s, ep))) {
+        Some((s3, ep)) => {
             kvbm_engine::stack::probe_endpoint(ep)?;
-            let raw = ObjectStorage::s3_client(&s3)?;
+            let raw = ObjectStorage::s3_client(s3)?;
             (
                 ObjectStorage::new(Arc::clone(&raw), ocfg),
                 raw,

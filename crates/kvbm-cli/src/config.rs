@@ -1,20 +1,36 @@
 //! The command's configuration: kvbm-engine's one tree ([`KvbmConfig`]: every crate's section
-//! and the engine's own) plus this crate's `[replay]` section, merged by figment from (lowest
-//! first) the code's defaults, a `--config FILE` (TOML), `KVBM_<SECTION>__<KEY>` environment
-//! variables, the standard AWS credential variables, and command-line flags.
+//! and the engine's own) plus this crate's `[replay]` section (the workload and how it is
+//! driven), merged by figment from (lowest first) the code's defaults, a `--config FILE`
+//! (TOML), `KVBM_<SECTION>__<KEY>` environment variables, the standard AWS credential
+//! variables, and command-line flags.
 //!
-//! There is one source of truth: the engine's sections are `KvbmConfig`'s own structs (and
-//! through it each lower crate's), parsed and validated by `KvbmConfig`'s rules
-//! ([`KvbmConfig::validate`]); `[replay]` is the section `KvbmConfig` carries unparsed for this
-//! crate, parsed here into [`ReplayConfig`]. So `config/kvbm.toml`, which documents the whole
-//! tree, is a valid `--config` file, engine sections included. Every section refuses unknown
-//! keys, so a misspelt key is an error naming it and where it came from. `kvbm config show`
-//! prints every value with the provider that set it; secrets are redacted.
+//! There is one source of truth: what the tier stack is built from lives in the engine's keys
+//! and nowhere else. The flags write those keys:
 //!
-//! The replay's defaults differ from the engine's in three keys (one replay process is the only
-//! writer of its G4 namespace, so no cross-worker locks; small blocks make G2→G3 per-request
-//! bound, so several batches in flight, of up to 256 blocks): they are the lowest layer, named
-//! `default`, so a file or a variable still overrides them.
+//! ```text
+//!  --g1-blocks / --g2-blocks / --g3-blocks   tiers.g1_blocks / g2_blocks / g3_blocks
+//!  --block-bytes                             tiers.block_bytes
+//!  --g3-dir DIR                              physical.disk.path = DIR/g3.bin
+//!  --g4-dir DIR                              physical.object_dir
+//!  --s3-endpoint / --s3-bucket               physical.s3.endpoint / bucket
+//!  AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY physical.s3.access_key / secret_key (with S3 only)
+//!  --eviction                                logical.eviction
+//! ```
+//!
+//! `[replay]` holds only what is the replay's own: the workload (`trace`, `seed`, `requests`),
+//! its pace (`time_scale`), read-ahead distance, the front end (`scheduler`), and `g4`, which
+//! turns G4 on sized to the workload. The engine's sections are parsed and validated by
+//! `KvbmConfig`'s rules ([`KvbmConfig::validate`]), so `config/kvbm.toml`, which documents the
+//! whole tree, is a valid `--config` file. Every section refuses unknown keys, so a misspelt key
+//! is an error naming it and where it came from. `kvbm config show` prints every value with the
+//! provider that set it; secrets are redacted.
+//!
+//! The replay's defaults differ from the engine's in a few keys (tier sizes for a 20 000-request
+//! workload; one replay process is the only writer of its G4 namespace, so no cross-worker
+//! locks; small blocks make G2→G3 per-request bound, so several batches in flight, of up to 256
+//! blocks; G3 queue depth 128): they are the lowest layer, named `default`, so a file or a
+//! variable still overrides them. A G3 the configuration gives no file gets one in a scratch
+//! directory, removed at exit (layer `default (scratch)`).
 
 use std::path::{Path, PathBuf};
 
@@ -23,7 +39,6 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
 use kvbm_engine::KvbmConfig;
-use kvbm_physical::IoEngineKind;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -34,14 +49,53 @@ pub struct CliConfig {
     /// `leader`, `events`, `metrics`, `transport`, `tiering`): kvbm-engine's tree. Its
     /// `replay` field is left empty; the typed section is [`CliConfig::replay`].
     pub engine: KvbmConfig,
-    /// `kvbm replay` (and the tiers `kvbm bench` uses).
+    /// `kvbm replay`'s own keys.
     pub replay: ReplayConfig,
+    /// The scratch directory holding G3's file when the configuration names none (removed
+    /// when the last clone is dropped).
+    pub g3_scratch: Option<ScratchDir>,
+}
+
+/// A directory removed when the last handle is dropped.
+#[derive(Debug, Clone)]
+pub struct ScratchDir(std::sync::Arc<tempfile::TempDir>);
+
+impl ScratchDir {
+    /// A new scratch directory named `prefix…` in the system's temporary directory.
+    ///
+    /// # Errors
+    /// It cannot be created.
+    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+        let t = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir()
+            .with_context(|| format!("cannot create a scratch directory {prefix}*"))?;
+        Ok(ScratchDir(std::sync::Arc::new(t)))
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl PartialEq for ScratchDir {
+    fn eq(&self, other: &Self) -> bool {
+        self.path() == other.path()
+    }
 }
 
 /// The replay's defaults that differ from the engine's (see the module docs).
 fn replay_defaults() -> Value {
     json!({
         "replay": ReplayConfig::default(),
+        "tiers": {
+            "g1_blocks": 1024,
+            "g2_blocks": 8192,
+            "g3_blocks": 32768,
+            "block_bytes": 4096,
+        },
+        "physical": { "object": { "namespace": "kvbm-replay" } },
         "offload": {
             "g2_to_g4": { "use_locks": false },
             "g2_to_g3": {
@@ -52,7 +106,8 @@ fn replay_defaults() -> Value {
     })
 }
 
-/// The `[replay]` section.
+/// The `[replay]` section: the replay's own keys (the stack's are the engine's, see the
+/// [module docs](self)).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReplayConfig {
@@ -63,34 +118,15 @@ pub struct ReplayConfig {
     /// Requests: of the synthetic workload, or the first N of the trace. Default: 20000
     /// synthetic, the whole trace.
     pub requests: Option<usize>,
-    /// G1 capacity in blocks (host memory stands in for the GPU).
-    pub g1_blocks: usize,
-    /// G2 (host) capacity in blocks; 0 disables G2, G3 and G4.
-    pub g2_blocks: usize,
-    /// G3 (disk) capacity in blocks; 0 disables it.
-    pub g3_blocks: usize,
-    /// Enables G4 (objects): a local-filesystem store, or S3 when `s3.endpoint` is set.
+    /// Enables G4 (objects), its presence index sized to the workload: on `[physical.s3]`
+    /// when set, else in `physical.object_dir`, else in a scratch directory. Setting either of
+    /// those enables G4 too. Its objects go under `physical.object.namespace` with the block
+    /// size appended (`kvbm-replay/b4096`).
     pub g4: bool,
-    /// Bytes per block (a multiple of 4096).
-    pub block_bytes: usize,
-    /// Keep G3 here (persistent: the next run starts warm); a temporary directory when unset.
-    pub g3_dir: Option<PathBuf>,
-    /// Keep a local G4 here (persistent); a temporary directory when unset.
-    pub g4_dir: Option<PathBuf>,
-    /// Key prefix of G4 objects (the block size is appended).
-    pub g4_namespace: String,
     /// 0: as fast as possible; 1.0: honour the trace's timestamps; 0.1: ten times faster.
     pub time_scale: f64,
     /// Start G3→G2 reads this many requests ahead of their request (0: only on demand).
     pub prefetch_requests: usize,
-    /// G3 I/O engine: `auto`, `uring`, `psync`.
-    pub g3_engine: IoEngineKind,
-    /// G3 I/O requests in flight per transfer.
-    pub g3_queue_depth: u32,
-    /// Open G3 with O_DIRECT (falls back with a warning where refused).
-    pub g3_direct_io: bool,
-    /// The S3 endpoint for G4 (and `kvbm bench object`).
-    pub s3: S3Section,
     /// How the replay's scheduler drives the engine: through the scheduler-facing tiering
     /// manager (`tiering`, vLLM's call sequence) or the leader's onboarding sessions
     /// (`sessions`).
@@ -115,49 +151,10 @@ impl Default for ReplayConfig {
             trace: None,
             seed: 42,
             requests: None,
-            g1_blocks: 1024,
-            g2_blocks: 8192,
-            g3_blocks: 32768,
             g4: false,
-            block_bytes: 4096,
-            g3_dir: None,
-            g4_dir: None,
-            g4_namespace: "kvbm-replay".into(),
             time_scale: 0.0,
             prefetch_requests: 16,
-            g3_engine: IoEngineKind::Auto,
-            g3_queue_depth: 128,
-            g3_direct_io: true,
-            s3: S3Section::default(),
             scheduler: Scheduler::Tiering,
-        }
-    }
-}
-
-/// `[replay.s3]`. Credentials normally come from `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct S3Section {
-    /// `http(s)://host:port`.
-    pub endpoint: Option<String>,
-    /// Bucket.
-    pub bucket: Option<String>,
-    /// Region.
-    pub region: String,
-    /// Access key id (secret: redacted by `config show`).
-    pub access_key_id: Option<String>,
-    /// Secret access key (secret: redacted by `config show`).
-    pub secret_access_key: Option<String>,
-}
-
-impl Default for S3Section {
-    fn default() -> Self {
-        S3Section {
-            endpoint: None,
-            bucket: None,
-            region: "us-east-1".into(),
-            access_key_id: None,
-            secret_access_key: None,
         }
     }
 }
@@ -191,7 +188,8 @@ pub struct Loaded {
     figment: Figment,
 }
 
-/// Merges defaults, `file`, the environment and `flags` (a JSON tree of only the flags given).
+/// Merges defaults, `file`, the environment and `flags` (a JSON tree of only the flags given),
+/// and names a scratch G3 file when the configuration gives G3 none.
 ///
 /// # Errors
 /// An unreadable file, or a bad key or value anywhere (named, with its source).
@@ -213,10 +211,15 @@ pub fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
             .filter(|k| k.as_str().contains("__"))
             .split("__"),
     ));
+    // The AWS variables fill in [physical.s3] when S3 is configured (a bucket or an endpoint
+    // from any layer); without S3 they are not configuration.
+    let with_flags = figment.clone().merge(Serialized::defaults(flags.clone()));
+    let s3_configured = with_flags.find_value("physical.s3.bucket").is_ok()
+        || with_flags.find_value("physical.s3.endpoint").is_ok();
     let mut aws = serde_json::Map::new();
     for (var, key) in [
-        ("AWS_ACCESS_KEY_ID", "access_key_id"),
-        ("AWS_SECRET_ACCESS_KEY", "secret_access_key"),
+        ("AWS_ACCESS_KEY_ID", "access_key"),
+        ("AWS_SECRET_ACCESS_KEY", "secret_key"),
         ("AWS_REGION", "region"),
         ("AWS_ENDPOINT_URL", "endpoint"),
     ] {
@@ -226,13 +229,49 @@ pub fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
             aws.insert(key.into(), Value::String(v));
         }
     }
-    if !aws.is_empty() {
+    if s3_configured && !aws.is_empty() {
         figment = figment.merge(named(
             "env AWS_*",
-            Serialized::defaults(json!({ "replay": { "s3": aws } })),
+            Serialized::defaults(json!({ "physical": { "s3": aws } })),
         ));
     }
     figment = figment.merge(named("flag", Serialized::defaults(flags)));
+    if s3_configured {
+        const CREDENTIALS: &str = "S3 credentials missing: set AWS_ACCESS_KEY_ID and \
+            AWS_SECRET_ACCESS_KEY (or physical.s3.access_key / secret_key)";
+        for (key, missing) in [
+            (
+                "physical.s3.bucket",
+                "an S3 endpoint needs a bucket (--s3-bucket or physical.s3.bucket)",
+            ),
+            ("physical.s3.access_key", CREDENTIALS),
+            ("physical.s3.secret_key", CREDENTIALS),
+        ] {
+            if figment.find_value(key).is_err() {
+                bail!("{missing}");
+            }
+        }
+    }
+    // G3 without a file: one in a scratch directory (the lowest layer), and the replay's queue
+    // depth for whatever file G3 has.
+    let g3_blocks: usize = figment.extract_inner("tiers.g3_blocks").unwrap_or(0);
+    let mut g3_scratch = None;
+    if g3_blocks > 0 && figment.find_value("physical.disk.path").is_err() {
+        let dir = ScratchDir::new("kvbm-g3-")?;
+        figment = figment.join(named(
+            "default (scratch)",
+            Serialized::defaults(
+                json!({ "physical": { "disk": { "path": dir.path().join("g3.bin") } } }),
+            ),
+        ));
+        g3_scratch = Some(dir);
+    }
+    if figment.find_value("physical.disk.path").is_ok() {
+        figment = figment.join(named(
+            "default",
+            Serialized::defaults(json!({ "physical": { "disk": { "queue_depth": 128 } } })),
+        ));
+    }
     let bad = |e: figment::Error| {
         let msgs: Vec<String> = e.into_iter().map(|e| e.to_string()).collect();
         anyhow::anyhow!("bad configuration: {}", msgs.join("; "))
@@ -243,7 +282,11 @@ pub fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
     engine
         .validate()
         .map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
-    let config = CliConfig { engine, replay };
+    let config = CliConfig {
+        engine,
+        replay,
+        g3_scratch,
+    };
     validate(&config)?;
     Ok(Loaded { config, figment })
 }
@@ -256,22 +299,14 @@ fn validate(c: &CliConfig) -> anyhow::Result<()> {
             r.time_scale
         );
     }
-    if r.s3.endpoint.is_some() && r.s3.bucket.is_none() {
-        bail!("an S3 endpoint needs a bucket (--s3-bucket or replay.s3.bucket)");
-    }
     Ok(())
 }
 
 fn is_secret(key: &str) -> bool {
-    // [replay.s3] and the engine's [physical.s3].
-    [
-        "secret_access_key",
-        "access_key_id",
-        "secret_key",
-        "access_key",
-    ]
-    .iter()
-    .any(|k| key.ends_with(k))
+    // The engine's [physical.s3].
+    ["secret_key", "access_key"]
+        .iter()
+        .any(|k| key.ends_with(k))
 }
 
 impl Loaded {
@@ -324,14 +359,14 @@ mod tests {
     #[test]
     fn project_config_file_parses_and_flags_win() {
         let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/kvbm.toml");
-        let l = load(Some(&file), json!({"replay": {"g1_blocks": 7}})).unwrap();
-        assert_eq!(l.config.replay.g1_blocks, 7);
+        let l = load(Some(&file), json!({"tiers": {"g1_blocks": 7}})).unwrap();
+        assert_eq!(l.config.engine.tiers.g1_blocks, 7);
         let shown = l.show().unwrap();
-        assert!(shown.contains("replay.g1_blocks"), "{shown}");
+        assert!(shown.contains("tiers.g1_blocks"), "{shown}");
         assert!(
             shown
                 .lines()
-                .any(|l| l.starts_with("replay.g1_blocks") && l.ends_with("# flag"))
+                .any(|l| l.starts_with("tiers.g1_blocks") && l.ends_with("# flag"))
         );
         assert!(
             shown
@@ -351,6 +386,69 @@ mod tests {
             ReplayConfig::default(),
             "config/kvbm.toml [replay] drifted"
         );
+    }
+
+    #[test]
+    fn the_stack_is_configured_by_the_engine_keys_only() {
+        // The replay's old duplicates of engine keys are unknown keys now.
+        for old in [
+            "g1_blocks",
+            "g3_dir",
+            "block_bytes",
+            "g3_queue_depth",
+            "g4_namespace",
+        ] {
+            let e = load(None, json!({"replay": {old: 1}}))
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains(old), "{old}: {e}");
+        }
+        // The replay's sizes are the lowest layer of the engine's keys.
+        let l = load(None, json!({})).unwrap();
+        let t = &l.config.engine.tiers;
+        assert_eq!((t.g1_blocks, t.g2_blocks, t.g3_blocks), (1024, 8192, 32768));
+        // G3 without a file gets a scratch one, shown as such, with the replay's queue depth.
+        let disk = l
+            .config
+            .engine
+            .physical
+            .disk
+            .clone()
+            .expect("G3 has a file");
+        let scratch = l.config.g3_scratch.clone().expect("a scratch directory");
+        assert_eq!(disk.path, scratch.path().join("g3.bin"));
+        assert_eq!(disk.queue_depth, 128);
+        let shown = l.show().unwrap();
+        assert!(
+            shown
+                .lines()
+                .any(|l| l.starts_with("physical.disk.path") && l.ends_with("# default (scratch)")),
+            "{shown}"
+        );
+        // A named file is used as it is, and no scratch directory is made.
+        let l = load(
+            None,
+            json!({"physical": {"disk": {"path": "/tmp/x/g3.bin"}}}),
+        )
+        .unwrap();
+        assert!(l.config.g3_scratch.is_none());
+        assert_eq!(
+            l.config.engine.physical.disk.unwrap().path,
+            Path::new("/tmp/x/g3.bin")
+        );
+        // S3 named without credentials is one clear error (where the environment has none).
+        if std::env::var_os("AWS_ACCESS_KEY_ID").is_some() {
+            return;
+        }
+        let e = load(
+            None,
+            json!({"physical": {"s3": {"endpoint": "http://127.0.0.1:1", "bucket": "b"}}}),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("S3 credentials missing"), "{e}");
     }
 
     #[test]
@@ -443,7 +541,7 @@ mod tests {
     fn secrets_are_redacted() {
         let l = load(
             None,
-            json!({"replay": {"s3": {"secret_access_key": "hunter2", "endpoint": "http://x:1", "bucket": "b"}}}),
+            json!({"physical": {"s3": {"secret_key": "hunter2", "access_key": "k", "endpoint": "http://x:1", "bucket": "b"}}}),
         )
         .unwrap();
         let shown = l.show().unwrap();

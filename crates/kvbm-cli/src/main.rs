@@ -137,10 +137,10 @@ struct ReplayFlags {
     /// Bytes per block (a multiple of 4096).
     #[arg(long, value_name = "BYTES")]
     block_bytes: Option<usize>,
-    /// Keep G3 in this directory (a second run starts warm).
+    /// Keep G3 in this directory (a second run starts warm): `physical.disk.path = DIR/g3.bin`.
     #[arg(long, value_name = "DIR")]
     g3_dir: Option<PathBuf>,
-    /// Keep the local G4 store in this directory (a second run starts warm).
+    /// Keep G4 in this local directory (a second run starts warm): `physical.object_dir`.
     #[arg(long, value_name = "DIR")]
     g4_dir: Option<PathBuf>,
     /// Eviction policy of every tier: lru, multi_lru, lineage, fifo, arc, s3fifo, belady,
@@ -158,42 +158,53 @@ struct ReplayFlags {
 }
 
 impl ReplayFlags {
-    /// The flags given, as a configuration tree (for figment's "flag" layer).
+    /// The flags given, as a configuration tree (for figment's "flag" layer): the stack's
+    /// flags write the engine's keys, the workload's `[replay]` (see `config`'s module docs).
     fn to_tree(&self) -> Value {
-        let mut r = Map::new();
-        let mut put = |k: &str, v: Option<Value>| {
-            if let Some(v) = v {
-                r.insert(k.into(), v);
+        let mut tree = Map::new();
+        let mut put = |path: &[&str], v: Option<Value>| {
+            let Some(v) = v else { return };
+            let mut node = &mut tree;
+            for k in &path[..path.len() - 1] {
+                node = node
+                    .entry(*k)
+                    .or_insert_with(|| Value::Object(Map::new()))
+                    .as_object_mut()
+                    .expect("a table");
             }
+            node.insert(path[path.len() - 1].into(), v);
         };
         let path = |p: &Option<PathBuf>| p.as_ref().map(|p| json!(p));
-        put("trace", path(&self.trace));
-        put("seed", self.seed.map(|v| json!(v)));
-        put("requests", self.requests.map(|v| json!(v)));
-        put("g1_blocks", self.g1_blocks.map(|v| json!(v)));
-        put("g2_blocks", self.g2_blocks.map(|v| json!(v)));
-        put("g3_blocks", self.g3_blocks.map(|v| json!(v)));
-        put("g4", self.g4.then_some(json!(true)));
-        put("block_bytes", self.block_bytes.map(|v| json!(v)));
-        put("g3_dir", path(&self.g3_dir));
-        put("g4_dir", path(&self.g4_dir));
-        put("time_scale", self.time_scale.map(|v| json!(v)));
-        put("scheduler", self.scheduler.map(|v| json!(v)));
-        let mut s3 = Map::new();
-        if let Some(e) = &self.s3_endpoint {
-            s3.insert("endpoint".into(), json!(e));
-        }
-        if let Some(b) = &self.s3_bucket {
-            s3.insert("bucket".into(), json!(b));
-        }
-        if !s3.is_empty() {
-            r.insert("s3".into(), Value::Object(s3));
-        }
-        let mut tree = Map::new();
-        tree.insert("replay".into(), Value::Object(r));
-        if let Some(e) = &self.eviction_policy {
-            tree.insert("logical".into(), json!({ "eviction": e }));
-        }
+        put(&["replay", "trace"], path(&self.trace));
+        put(&["replay", "seed"], self.seed.map(|v| json!(v)));
+        put(&["replay", "requests"], self.requests.map(|v| json!(v)));
+        put(&["replay", "g4"], self.g4.then_some(json!(true)));
+        put(&["replay", "time_scale"], self.time_scale.map(|v| json!(v)));
+        put(&["replay", "scheduler"], self.scheduler.map(|v| json!(v)));
+        put(&["tiers", "g1_blocks"], self.g1_blocks.map(|v| json!(v)));
+        put(&["tiers", "g2_blocks"], self.g2_blocks.map(|v| json!(v)));
+        put(&["tiers", "g3_blocks"], self.g3_blocks.map(|v| json!(v)));
+        put(
+            &["tiers", "block_bytes"],
+            self.block_bytes.map(|v| json!(v)),
+        );
+        put(
+            &["physical", "disk", "path"],
+            self.g3_dir.as_ref().map(|d| json!(d.join("g3.bin"))),
+        );
+        put(&["physical", "object_dir"], path(&self.g4_dir));
+        put(
+            &["physical", "s3", "endpoint"],
+            self.s3_endpoint.as_ref().map(|v| json!(v)),
+        );
+        put(
+            &["physical", "s3", "bucket"],
+            self.s3_bucket.as_ref().map(|v| json!(v)),
+        );
+        put(
+            &["logical", "eviction"],
+            self.eviction_policy.as_ref().map(|v| json!(v)),
+        );
         Value::Object(tree)
     }
 

@@ -461,7 +461,7 @@ fn two_instances_share_g4_on_the_s3_server() {
         &[
             ("AWS_ACCESS_KEY_ID", s3.access_key.as_str()),
             ("AWS_SECRET_ACCESS_KEY", s3.secret_key.as_str()),
-            ("KVBM_REPLAY__G4_NAMESPACE", ns.as_str()),
+            ("KVBM_PHYSICAL__OBJECT__NAMESPACE", ns.as_str()),
         ],
     );
 }
@@ -689,7 +689,7 @@ fn g3_and_g4_on_the_s3_server() {
         ])
         .env("AWS_ACCESS_KEY_ID", &s3.access_key)
         .env("AWS_SECRET_ACCESS_KEY", &s3.secret_key)
-        .env("KVBM_REPLAY__G4_NAMESPACE", &ns)
+        .env("KVBM_PHYSICAL__OBJECT__NAMESPACE", &ns)
         .output()
         .unwrap();
     let r = ok_json(out);
@@ -712,7 +712,7 @@ fn g3_and_g4_on_the_s3_server() {
 fn config_show_names_sources_and_redacts_secrets() {
     let dir = scratch();
     let cfg = dir.path().join("c.toml");
-    std::fs::write(&cfg, "[replay]\ng2_blocks = 77\n").unwrap();
+    std::fs::write(&cfg, "[tiers]\ng2_blocks = 77\n").unwrap();
     let out = kvbm()
         .args([
             "config",
@@ -721,8 +721,13 @@ fn config_show_names_sources_and_redacts_secrets() {
             cfg.to_str().unwrap(),
             "--g1-blocks",
             "5",
+            "--s3-endpoint",
+            "http://127.0.0.1:9",
+            "--s3-bucket",
+            "b",
         ])
-        .env("KVBM_REPLAY__G3_BLOCKS", "99")
+        .env("KVBM_TIERS__G3_BLOCKS", "99")
+        .env("AWS_ACCESS_KEY_ID", "someone")
         .env("AWS_SECRET_ACCESS_KEY", "supersecret")
         .output()
         .unwrap();
@@ -738,18 +743,14 @@ fn config_show_names_sources_and_redacts_secrets() {
             .unwrap_or_else(|| panic!("no {k} in:\n{s}"))
             .to_string()
     };
-    assert!(
-        line("replay.g1_blocks").contains("= 5") && line("replay.g1_blocks").ends_with("# flag")
-    );
-    assert!(
-        line("replay.g2_blocks").contains("= 77") && line("replay.g2_blocks").contains("# file")
-    );
-    assert!(
-        line("replay.g3_blocks").contains("= 99") && line("replay.g3_blocks").contains("# env")
-    );
+    // One tree: the flags and every source write the engine's keys.
+    assert!(line("tiers.g1_blocks").contains("= 5") && line("tiers.g1_blocks").ends_with("# flag"));
+    assert!(line("tiers.g2_blocks").contains("= 77") && line("tiers.g2_blocks").contains("# file"));
+    assert!(line("tiers.g3_blocks").contains("= 99") && line("tiers.g3_blocks").contains("# env"));
     assert!(line("replay.seed").ends_with("# default"));
+    assert!(!s.contains("replay.g1_blocks"), "no second tree: {s}");
     assert!(!s.contains("supersecret"), "{s}");
-    assert!(line("replay.s3.secret_access_key").contains("<redacted>"));
+    assert!(line("physical.s3.secret_key").contains("<redacted>"));
 }
 
 #[test]

@@ -1059,7 +1059,7 @@ fn namespaces_sharing_a_bucket_never_match_each_other() {
     let run = |ns: &str| {
         ok_json(
             own_s3_cmd(&ep, 200, &[])
-                .env("KVBM_REPLAY__G4_NAMESPACE", ns)
+                .env("KVBM_PHYSICAL__OBJECT__NAMESPACE", ns)
                 .output()
                 .unwrap(),
         )
@@ -1160,7 +1160,9 @@ fn credentials_never_appear_in_logs_config_show_or_errors() {
     let cfg = dir.path().join("c.toml");
     std::fs::write(
         &cfg,
-        format!("[replay.s3]\nsecret_access_key = \"{OWN_SECRET_KEY}\"\n"),
+        format!(
+            "[physical.s3]\nendpoint = \"{ep}\"\nbucket = \"b\"\naccess_key = \"k\"\nsecret_key = \"{OWN_SECRET_KEY}\"\n"
+        ),
     )
     .unwrap();
     for (label, c) in [
@@ -1174,7 +1176,8 @@ fn credentials_never_appear_in_logs_config_show_or_errors() {
         (
             "environment",
             kvbm()
-                .args(["config", "show"])
+                .args(["config", "show", "--s3-endpoint", &ep, "--s3-bucket", "b"])
+                .env("AWS_ACCESS_KEY_ID", OWN_ACCESS_KEY)
                 .env("AWS_SECRET_ACCESS_KEY", OWN_SECRET_KEY)
                 .output()
                 .unwrap(),

@@ -118,8 +118,11 @@ pub struct TiersConfig {
     pub g2_blocks: usize,
     /// G3 (disk) blocks; needs `[physical.disk]`. Default: 0.
     pub g3_blocks: usize,
-    /// G4 (object) blocks tracked; needs `[physical.s3]`. Default: 0.
+    /// G4 (object) blocks tracked; needs `[physical.s3]` or `physical.object_dir`. Default: 0.
     pub g4_blocks: usize,
+    /// Bytes of one block, the same in every tier (a positive multiple of 4096: G3 is read
+    /// with O_DIRECT). Default: 4096.
+    pub block_bytes: usize,
 }
 
 impl Default for TiersConfig {
@@ -129,6 +132,7 @@ impl Default for TiersConfig {
             g2_blocks: 1024,
             g3_blocks: 0,
             g4_blocks: 0,
+            block_bytes: 4096,
         }
     }
 }
@@ -172,8 +176,11 @@ pub struct PhysicalSection {
     pub object: ObjectConfig,
     /// The disk tier's file; absent when there is no G3.
     pub disk: Option<DiskConfig>,
-    /// The object tier's server; absent when there is no G4.
+    /// The object tier's server; absent when there is no G4 or G4 is `object_dir`.
     pub s3: Option<S3Config>,
+    /// G4 in a local directory (a filesystem object store) instead of `s3`: one machine,
+    /// tests. Absent by default.
+    pub object_dir: Option<PathBuf>,
 }
 
 impl PartialEq for PhysicalSection {
@@ -187,6 +194,7 @@ impl PartialEq for PhysicalSection {
             && self.object == other.object
             && disk(&self.disk) == disk(&other.disk)
             && self.s3 == other.s3
+            && self.object_dir == other.object_dir
     }
 }
 
@@ -337,10 +345,26 @@ impl KvbmConfig {
                 "tiers.g3_blocks > 0 needs a [physical.disk] section",
             ));
         }
-        if self.tiers.g4_blocks > 0 && self.physical.s3.is_none() {
+        if self.tiers.g4_blocks > 0
+            && self.physical.s3.is_none()
+            && self.physical.object_dir.is_none()
+        {
             return Err(EngineError::config(
                 "physical.s3",
-                "tiers.g4_blocks > 0 needs a [physical.s3] section",
+                "tiers.g4_blocks > 0 needs a [physical.s3] section (or physical.object_dir)",
+            ));
+        }
+        if self.physical.s3.is_some() && self.physical.object_dir.is_some() {
+            return Err(EngineError::config(
+                "physical.object_dir",
+                "G4 is either [physical.s3] or physical.object_dir, not both",
+            ));
+        }
+        let bytes = self.tiers.block_bytes;
+        if bytes == 0 || !bytes.is_multiple_of(4096) {
+            return Err(EngineError::config(
+                "tiers.block_bytes",
+                format!("must be a positive multiple of 4096 (O_DIRECT alignment), got {bytes}"),
             ));
         }
 

@@ -1,10 +1,18 @@
-//! [`EngineError`]: the one error enum of this crate.
+//! The crate's errors: [`EngineError`], which every fallible call returns, and the two errors it
+//! wraps whole, a control call's ([`ControlError`]) and an onboarding session's
+//! ([`SessionError`], with the [`Phase`] and [`SessionFailure`] it reports).
+//!
+//! This module is at the bottom of the crate: it imports only the lower crates and
+//! [`crate::address`], so every module can return these errors without an import cycle.
 //!
 //! Configuration errors carry the dotted key they are about (`offload.g2_to_g3.queue_capacity`)
 //! so an operator can find the line to fix; errors of the crates below are wrapped, not
 //! flattened into strings, so callers can still match on them.
 
 use kvbm_logical::{LogicalError, TierId};
+use kvbm_offload::{BlockFailure, BlockFailureKind};
+
+use crate::address::{RankAddress, WorkerAddress};
 
 /// Result alias of this crate.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
@@ -50,7 +58,7 @@ pub enum EngineError {
     },
     /// A leader↔worker control call failed.
     #[error(transparent)]
-    Control(#[from] crate::transport::control::ControlError),
+    Control(#[from] ControlError),
     /// An error from `kvbm-logical`.
     #[error(transparent)]
     Logical(#[from] LogicalError),
@@ -68,7 +76,7 @@ pub enum EngineError {
     Offload(#[from] kvbm_offload::OffloadError),
     /// An onboarding session call failed.
     #[error(transparent)]
-    Session(#[from] crate::leader::SessionError),
+    Session(#[from] SessionError),
     /// A peer's snapshot request could not be answered or its answer read.
     #[error("snapshot of {peer}: {message}")]
     Snapshot {
@@ -82,11 +90,11 @@ pub enum EngineError {
     #[error("{this} refused a request addressed to {to}")]
     WrongRank {
         /// The rank that refused it.
-        this: crate::worker::RankAddress,
+        this: RankAddress,
         /// The address the request carried.
-        to: crate::worker::RankAddress,
+        to: RankAddress,
     },
-    /// The tier stack ([`crate::stack`]) could not be built or could not go on: `what` names
+    /// The tier stack (`stack::TierStack`) could not be built or could not go on: `what` names
     /// the step (with the file, tier or server concerned), `source` the cause when there is one.
     #[error("{what}{}", cause_suffix(.source))]
     Stack {
@@ -157,4 +165,195 @@ impl EngineError {
             _ => None,
         }
     }
+}
+
+/// Why a control call failed; every variant names the worker.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// No reply within the request's deadline (the worker is gone, hung, or too slow).
+    #[error("{worker}: no reply within {timeout_ms} ms")]
+    Timeout {
+        /// The worker.
+        worker: WorkerAddress,
+        /// The deadline.
+        timeout_ms: u64,
+    },
+    /// Nobody serves the worker's control subject (not started, or exited).
+    #[error("{worker}: no worker serves its control subject")]
+    NoResponders {
+        /// The worker.
+        worker: WorkerAddress,
+    },
+    /// The reply is of another protocol version.
+    #[error("{worker}: replied in protocol version {got}, this leader speaks {expected}")]
+    Version {
+        /// The worker.
+        worker: WorkerAddress,
+        /// This build's control protocol version (`transport::control::PROTOCOL_VERSION`).
+        expected: u32,
+        /// What came back.
+        got: u32,
+    },
+    /// The reply could not be decoded.
+    #[error("{worker}: undecodable reply: {message}")]
+    Decode {
+        /// The worker.
+        worker: WorkerAddress,
+        /// The decoder's complaint.
+        message: String,
+    },
+    /// The worker refused the request.
+    #[error("{worker}: refused: {message}")]
+    Refused {
+        /// The worker.
+        worker: WorkerAddress,
+        /// Its reason.
+        message: String,
+    },
+    /// The worker answered with a reply of the wrong kind.
+    #[error("{worker}: expected a {expected} reply, got {got}")]
+    Unexpected {
+        /// The worker.
+        worker: WorkerAddress,
+        /// Expected reply kind.
+        expected: &'static str,
+        /// Received reply kind.
+        got: &'static str,
+    },
+    /// The transport failed (connection lost, payload too large…).
+    #[error("{worker}: transport: {message}")]
+    Transport {
+        /// The worker.
+        worker: WorkerAddress,
+        /// What failed.
+        message: String,
+    },
+}
+
+impl ControlError {
+    /// The worker the error is about.
+    pub fn worker(&self) -> WorkerAddress {
+        match self {
+            ControlError::Timeout { worker, .. }
+            | ControlError::NoResponders { worker }
+            | ControlError::Version { worker, .. }
+            | ControlError::Decode { worker, .. }
+            | ControlError::Refused { worker, .. }
+            | ControlError::Unexpected { worker, .. }
+            | ControlError::Transport { worker, .. } => *worker,
+        }
+    }
+
+    /// Whether the worker should be considered gone (timed out or not served).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            ControlError::Timeout { .. } | ControlError::NoResponders { .. }
+        )
+    }
+
+    /// The kind every block of a call that failed this way fails with: a timeout is
+    /// [`Timeout`](BlockFailureKind::Timeout), a lost transport
+    /// [`Io`](BlockFailureKind::Io), anything else a refusal. None says a copy is bad.
+    pub fn failure_kind(&self) -> BlockFailureKind {
+        match self {
+            ControlError::Timeout { .. } => BlockFailureKind::Timeout,
+            ControlError::NoResponders { .. } | ControlError::Transport { .. } => {
+                BlockFailureKind::Io
+            }
+            ControlError::Version { .. }
+            | ControlError::Decode { .. }
+            | ControlError::Refused { .. }
+            | ControlError::Unexpected { .. } => BlockFailureKind::Refused,
+        }
+    }
+}
+
+/// Where a session is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The matched prefix is held; nothing moved yet.
+    Holding,
+    /// G3→G2 / G4→G2 staging in flight.
+    Staging,
+    /// The whole prefix is held in G2.
+    Staged,
+    /// G2→G1 in flight.
+    Onboarding,
+    /// The prefix is in G1 (held by the session until `finish`).
+    Complete,
+    /// `finish` handed the G1 blocks over (terminal).
+    Finished,
+    /// An abort arrived while an operation was in flight; it settles into `Aborted`.
+    Aborting,
+    /// Aborted; everything released (terminal).
+    Aborted,
+    /// An operation failed; everything released (terminal).
+    Failed,
+}
+
+impl Phase {
+    /// Whether no further transition can happen.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Phase::Finished | Phase::Aborted | Phase::Failed)
+    }
+
+    pub(crate) fn in_flight(self) -> bool {
+        matches!(self, Phase::Staging | Phase::Onboarding | Phase::Aborting)
+    }
+}
+
+/// Why a session failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionFailure {
+    /// The phase that failed (`Staging` or `Onboarding`).
+    pub phase: Phase,
+    /// Blocks that failed in that phase.
+    pub failed_blocks: usize,
+    /// The first failure's kind: whether the copy it read is proven bad
+    /// ([`BlockFailureKind::drops_copy`]) or the failure was transient.
+    pub kind: BlockFailureKind,
+    /// The first failure's description.
+    pub message: String,
+}
+
+impl SessionFailure {
+    pub(crate) fn new(phase: Phase, failed_blocks: usize, first: BlockFailure) -> Self {
+        Self {
+            phase,
+            failed_blocks,
+            kind: first.kind,
+            message: first.message,
+        }
+    }
+}
+
+/// Errors of session calls made in the wrong state.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionError {
+    /// The call needs another phase.
+    #[error("onboarding session is {actual:?}, expected {expected:?}")]
+    WrongPhase {
+        /// What the call needs.
+        expected: Phase,
+        /// Where the session is.
+        actual: Phase,
+    },
+    /// A mover the matched prefix needs was not given.
+    #[error("no {0}→G2 mover for the {0} part of the prefix")]
+    NoMover(TierId),
+    /// The prefix has a remote part and no remote puller (`dataplane::RemotePull`) was given.
+    #[error("no remote G2 puller for the remote part of the prefix")]
+    NoPuller,
+    /// Destinations could not be allocated, or do not match the prefix length.
+    #[error("destinations: {0}")]
+    Destinations(String),
+    /// The operation failed; the session is `Failed`.
+    #[error("{:?} failed for {} block(s): {}", .0.phase, .0.failed_blocks, .0.message)]
+    Failed(SessionFailure),
+    /// The session was aborted before or while the operation ran.
+    #[error("onboarding session aborted")]
+    Aborted,
 }

@@ -6,7 +6,7 @@
 //! layout for that tier, registered with its own transfer manager under a
 //! [`LayoutHandle`](kvbm_physical::LayoutHandle) that only that rank's manager understands. The
 //! leader therefore never names a physical handle: it names the *logical* layout (G1..G4) and
-//! each rank resolves it ([`PhysicalWorker::resolve`](crate::worker::PhysicalWorker::resolve)).
+//! each rank resolves it (`PhysicalWorker::resolve`, in `worker`).
 //! The handle encodes the layout id as one byte (`0` = G1 .. `3` = G4), so it travels in
 //! control messages as is.
 

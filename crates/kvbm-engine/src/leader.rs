@@ -45,11 +45,12 @@ use kvbm_logical::{
 };
 
 pub use accessor::{BlockAccessor, RunSource, ScanRun};
+pub use holder::RemoteRun;
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
 pub use policy::{
     AllOf, CostModel, MinRun, OnboardAll, OnboardPolicy, PrefixScan, RunKind, SourceCost,
 };
-pub use remote::{RemoteRun, RemoteSearch};
+pub use remote::RemoteSearch;
 pub use session::{
     FinishOutcome, LayerwiseOnboard, OnboardingSession, Phase, SessionError, SessionFailure,
     StagingMovers,

@@ -6,6 +6,7 @@ compile_error!(
      see the crate docs)"
 );
 
+pub mod address;
 #[cfg(feature = "collectives")]
 pub mod collectives;
 pub mod config;

@@ -2,7 +2,7 @@
 //!
 //! An onboarding session does not care whether a G3→G2 stage runs in the leader's own process
 //! (`kvbm-offload`'s [`BlockMover`]) or on every tensor-parallel rank
-//! ([`SpmdMover`](crate::worker::SpmdMover)); it needs the destination manager (to allocate
+//! (the engine's `SpmdMover`, in `worker`); it needs the destination manager (to allocate
 //! destinations up front) and a per-block outcome that registers a destination only when its
 //! bytes arrived. Both implement this trait. Every failed block carries its typed
 //! [`BlockFailure`] (kind, message, the physical error behind it), so a caller tells a corrupt
@@ -13,7 +13,7 @@
 //! owns and registers nothing, because a block is only whole once its last layer arrived; the
 //! session completes and registers the destinations itself after the last layer. In-process it
 //! is [`LayerMover`] (one transfer manager, two bound tiers); across ranks it is
-//! [`SpmdLayerMover`](crate::worker::SpmdLayerMover).
+//! the engine's `SpmdLayerMover` (in `worker`).
 //!
 //! ```text
 //!  layer 0: move_layers(sources, dst ids, 0..1) ── all ranks settled ──► layer 0 ready
@@ -51,20 +51,6 @@ pub trait BlockMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
 impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for BlockMover<Src, Dst> {
     fn destination(&self) -> &Arc<BlockManager<Dst>> {
         BlockMover::destination(self)
-    }
-
-    fn move_blocks<'a>(
-        &'a self,
-        sources: &'a [ImmutableBlock<Src>],
-        destinations: Vec<MutableBlock<Dst>>,
-    ) -> BoxFuture<'a, Vec<MoveOutcome<Dst>>> {
-        self.move_from(sources, destinations).boxed()
-    }
-}
-
-impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for crate::worker::SpmdMover<Src, Dst> {
-    fn destination(&self) -> &Arc<BlockManager<Dst>> {
-        crate::worker::SpmdMover::destination(self)
     }
 
     fn move_blocks<'a>(

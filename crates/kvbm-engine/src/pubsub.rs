@@ -45,20 +45,8 @@ use kvbm_logical::{BlockEvent, BlockEventKind, EventSink, SequenceHash, TierId};
 use parking_lot::Mutex;
 use tokio::sync::{broadcast, mpsc};
 
+pub use crate::address::InstanceId;
 use crate::runtime::RuntimeHandle;
-
-/// Identity of one kvbm instance (one leader and its workers).
-#[derive(
-    Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
-#[serde(transparent)]
-pub struct InstanceId(pub u64);
-
-impl std::fmt::Display for InstanceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "instance-{:016x}", self.0)
-    }
-}
 
 /// One published batch: the instance it came from and its events, in emission order.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -30,34 +30,7 @@ pub mod nats;
 use kvbm_logical::TierId;
 use serde::{Deserialize, Serialize};
 
-pub use crate::pubsub::InstanceId;
-
-/// One worker of one instance: the rank it serves.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct WorkerAddress {
-    /// The instance (leader) the worker belongs to.
-    pub instance: InstanceId,
-    /// Its rank, `0..world_size`.
-    pub rank: u32,
-}
-
-impl WorkerAddress {
-    /// The worker of `instance` at `rank`.
-    pub fn new(instance: InstanceId, rank: u32) -> Self {
-        Self { instance, rank }
-    }
-
-    /// The NATS subject its control requests go to: `{prefix}.{instance:016x}.worker.{rank}`.
-    pub fn control_subject(&self, prefix: &str) -> String {
-        format!("{prefix}.{:016x}.worker.{}", self.instance.0, self.rank)
-    }
-}
-
-impl std::fmt::Display for WorkerAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/rank-{}", self.instance, self.rank)
-    }
-}
+pub use crate::address::{InstanceId, WorkerAddress};
 
 /// What a worker says about itself when asked ([`control::ControlRequest::Describe`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

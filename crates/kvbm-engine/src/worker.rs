@@ -32,7 +32,7 @@
 //!   offload lanes wrote it), and the destination is registered with the same digest.
 //!
 //! [`SpmdParallelWorkers`] calls in-process workers directly; workers in other processes are
-//! driven through [`transport::control::ControlledWorkers`](crate::transport::control::ControlledWorkers)
+//! driven through `transport::control::ControlledWorkers`
 //! (NATS request/reply, feature `nats`), which implements the same [`ParallelWorkers`] seam.
 //!
 //! # Ranks
@@ -82,7 +82,7 @@ use kvbm_offload::{
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
 use crate::layout::LogicalLayoutHandle;
-use crate::mover::{BlockOutcome, LayerMove, fail_all};
+use crate::mover::{BlockMove, BlockOutcome, LayerMove, fail_all};
 
 /// One rank: its transfer manager and its layout per tier (bound to the leader's manager where
 /// given as a [`BoundTier`]).
@@ -592,6 +592,20 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
                 })
             })
             .collect()
+    }
+}
+
+impl<Src: Tier, Dst: Tier> BlockMove<Src, Dst> for SpmdMover<Src, Dst> {
+    fn destination(&self) -> &Arc<BlockManager<Dst>> {
+        SpmdMover::destination(self)
+    }
+
+    fn move_blocks<'a>(
+        &'a self,
+        sources: &'a [ImmutableBlock<Src>],
+        destinations: Vec<MutableBlock<Dst>>,
+    ) -> BoxFuture<'a, Vec<MoveOutcome<Dst>>> {
+        Box::pin(self.move_from(sources, destinations))
     }
 }
 

@@ -57,6 +57,6 @@ pub use source::{
     ExternalBlock, Precondition, PreconditionError, PreconditionTrigger, SourceBlock, SourceBlocks,
 };
 pub use transfer::{
-    BlockMover, BlockTransferExecutor, CallerAllocated, ExternalMover, MoveOutcome, MoveSource,
-    ObjectTransferExecutor,
+    ArrivalCheck, BlockMover, BlockTransferExecutor, CallerAllocated, ExternalMover, MoveOutcome,
+    MoveSource, ObjectTransferExecutor,
 };

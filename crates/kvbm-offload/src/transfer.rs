@@ -25,8 +25,8 @@ use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
 use kvbm_physical::{
-    LayoutHandle, ObjectPutMode, PhysicalError, TransferCompletion, TransferManager,
-    TransferOptions, TransferOutcome,
+    LayoutHandle, ObjectPutMode, PhysicalError, PhysicalLayout, StorageKind, TransferCompletion,
+    TransferManager, TransferOptions, TransferOutcome,
 };
 
 use crate::batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
@@ -121,6 +121,42 @@ impl<T: Tier> From<&ResolvedBlock<T>> for MoveSource {
     }
 }
 
+/// A check of one destination's bytes after they arrived and before the block is registered
+/// ([`BlockMover::with_arrival_check`]): given the source (its hash and expected identity) and
+/// the destination's regions in order (one slice per layer region of the block), `Ok` lets
+/// the block be registered; an `Err` drops the destination (its slot back to the pool, nothing
+/// registered) and becomes that block's outcome. A check against a checksum recorded at write,
+/// or against the bytes a block must have, plugs in here.
+pub type ArrivalCheck =
+    Arc<dyn Fn(&MoveSource, &[&[u8]]) -> Result<(), BlockFailure> + Send + Sync>;
+
+/// Runs `check` on every block that arrived (`blocks[i]` ok), turning a refusal into that
+/// block's failure.
+fn check_arrivals<Dst: Tier>(
+    check: &ArrivalCheck,
+    layout: &PhysicalLayout,
+    sources: &[MoveSource],
+    destinations: &[MutableBlock<Dst>],
+    blocks: &mut [Result<(), BlockFailure>],
+) {
+    let layers = layout.layout().config().num_layers;
+    for ((src, dst), r) in sources.iter().zip(destinations).zip(blocks.iter_mut()) {
+        if r.is_err() {
+            continue;
+        }
+        let regions = layout.block_addrs(dst.block_id(), 0..layers);
+        let bytes: Vec<&[u8]> = regions
+            .iter()
+            // SAFETY: the layout is host memory (checked when the check was set) owned by the
+            // transfer manager, which outlives this call; `dst` is a `MutableBlock` this move
+            // owns exclusively, and its transfer has completed, so nothing writes the slot
+            // while these slices live.
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+            .collect();
+        *r = check(src, &bytes);
+    }
+}
+
 /// Issues the transfer of `sources` into `dst_ids` now (the claims on every slot are taken
 /// here); the returned completion settles it. A keyed side is addressed by each source's
 /// [`object_key`] (its slot ids become positions); every block carries its identity
@@ -163,6 +199,35 @@ fn issue(
     // `MutableBlock` owned by the move (`BlockMover`), a position of a keyed layout named by a
     // key unique to its block, or a slot the caller of `ExternalMover::move_blocks` vouched for.
     unsafe { manager.execute_transfer(src_layout, &src_ids, dst_layout, &dst_ids, options) }
+}
+
+/// A transfer issued on the transfer manager's runtime, or already done on the caller's thread.
+enum Issued {
+    Pending(TransferCompletion),
+    Done(TransferOutcome),
+}
+
+/// [`issue`] for host to host, copied on the caller's thread now.
+fn issue_inline(
+    manager: &TransferManager,
+    src_layout: LayoutHandle,
+    dst_layout: LayoutHandle,
+    sources: &[MoveSource],
+    dst_ids: &[BlockId],
+) -> Result<TransferOutcome, PhysicalError> {
+    let src_ids: Vec<BlockId> = sources.iter().map(|s| s.block_id).collect();
+    // SAFETY: as for `issue`: every destination is a `MutableBlock` owned by the move (the only
+    // caller, `BlockMover::move_blocks`), sources are slots the caller holds; host memory only
+    // (checked by `BlockMover::inline`, and by the manager).
+    unsafe {
+        manager.execute_transfer_inline(
+            src_layout,
+            &src_ids,
+            dst_layout,
+            dst_ids,
+            TransferOptions::default(),
+        )
+    }
 }
 
 /// The per-block results of a settled transfer, in order (a block the manager reported no
@@ -216,6 +281,11 @@ pub struct BlockMover<Src: Tier, Dst: Tier> {
     dst: Arc<BlockManager<Dst>>,
     keyed_src: bool,
     keyed_dst: bool,
+    /// Copy on the caller's thread ([`inline`](Self::inline)).
+    inline: bool,
+    /// Checked before registration ([`with_arrival_check`](Self::with_arrival_check)), with
+    /// the destination's host layout.
+    check: Option<(ArrivalCheck, Arc<PhysicalLayout>)>,
     _src: std::marker::PhantomData<fn() -> Src>,
 }
 
@@ -228,6 +298,8 @@ impl<Src: Tier, Dst: Tier> Clone for BlockMover<Src, Dst> {
             dst: self.dst.clone(),
             keyed_src: self.keyed_src,
             keyed_dst: self.keyed_dst,
+            inline: self.inline,
+            check: self.check.clone(),
             _src: std::marker::PhantomData,
         }
     }
@@ -242,6 +314,8 @@ impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockMover<Src, Dst> {
             .field("dst_layout", &self.dst_layout)
             .field("keyed_src", &self.keyed_src)
             .field("keyed_dst", &self.keyed_dst)
+            .field("inline", &self.inline)
+            .field("checked", &self.check.is_some())
             .finish()
     }
 }
@@ -296,8 +370,60 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             dst: dst.manager().clone(),
             keyed_src: false,
             keyed_dst: dst.is_keyed(),
+            inline: false,
+            check: None,
             _src: std::marker::PhantomData,
         })
+    }
+
+    /// Copies on the caller's thread ([`TransferManager::execute_transfer_inline`]): for host to
+    /// host moves (G2 → G1 where host memory stands in for the device, G1 → G2), where the hop
+    /// to the transfer manager's runtime and back costs more than the copy. The future
+    /// [`move_blocks`](Self::move_blocks) returns is then ready at once.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when either side is not host memory.
+    pub fn inline(mut self) -> Result<Self, OffloadError> {
+        for (side, h) in [
+            ("source", self.src_layout),
+            ("destination", self.dst_layout),
+        ] {
+            let kind = self
+                .manager
+                .layout(h)
+                .map_err(|e| OffloadError::Setup(format!("inline mover: {side} layout: {e}")))?
+                .storage_kind();
+            if kind != StorageKind::Host || self.keyed_src || self.keyed_dst {
+                return Err(OffloadError::InvalidConfig(format!(
+                    "inline mover {:?} -> {:?}: the {side} is not host memory ({kind:?})",
+                    Src::ID,
+                    Dst::ID
+                )));
+            }
+        }
+        self.inline = true;
+        Ok(self)
+    }
+
+    /// Runs `check` on each destination's bytes after they arrived and before the block is
+    /// registered (see [`ArrivalCheck`]): a block the check refuses is never registered.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when the destination is not host memory (its bytes
+    /// cannot be read in place).
+    pub fn with_arrival_check(mut self, check: ArrivalCheck) -> Result<Self, OffloadError> {
+        let layout = self
+            .manager
+            .layout(self.dst_layout)
+            .map_err(|e| OffloadError::Setup(format!("checked mover: destination layout: {e}")))?;
+        if layout.storage_kind() != StorageKind::Host || self.keyed_dst {
+            return Err(OffloadError::InvalidConfig(format!(
+                "checked mover into {:?}: the destination is not host memory",
+                Dst::ID
+            )));
+        }
+        self.check = Some((check, layout));
+        Ok(self)
     }
 
     /// The source is an object layout (the G4 get side): each block is read from the object
@@ -331,6 +457,7 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
         let sources: Vec<MoveSource> = sources.iter().map(|s| (*s).into()).collect();
         let n = sources.len();
         let dst = self.dst.clone();
+        let check = self.check.clone();
         let issued = if destinations.len() != n {
             let m = format!("{} sources but {} destinations", n, destinations.len());
             Err(fail_all(n, BlockFailureKind::Transfer, &m))
@@ -339,22 +466,38 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             Err(fail_all(n, BlockFailureKind::Transfer, m))
         } else {
             let dst_ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
-            issue(
-                &self.manager,
-                (self.src_layout, self.keyed_src),
-                (self.dst_layout, self.keyed_dst),
-                &sources,
-                &dst_ids,
-                ObjectPutMode::Overwrite,
-            )
+            if self.inline {
+                issue_inline(
+                    &self.manager,
+                    self.src_layout,
+                    self.dst_layout,
+                    &sources,
+                    &dst_ids,
+                )
+                .map(Issued::Done)
+            } else {
+                issue(
+                    &self.manager,
+                    (self.src_layout, self.keyed_src),
+                    (self.dst_layout, self.keyed_dst),
+                    &sources,
+                    &dst_ids,
+                    ObjectPutMode::Overwrite,
+                )
+                .map(Issued::Pending)
+            }
             .map_err(|e| fail_all_physical(n, e))
         };
         async move {
-            let completion = match issued {
-                Ok(c) => c,
+            let outcome = match issued {
+                Ok(Issued::Done(outcome)) => outcome,
+                Ok(Issued::Pending(c)) => c.await,
                 Err(failed) => return failed,
             };
-            let blocks = settle(n, completion.await);
+            let mut blocks = settle(n, outcome);
+            if let Some((check, layout)) = &check {
+                check_arrivals(check, layout, &sources, &destinations, &mut blocks);
+            }
             register(&dst, &sources, destinations, blocks)
         }
     }

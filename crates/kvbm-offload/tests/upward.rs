@@ -790,3 +790,100 @@ fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
         Err(OffloadError::Setup(_))
     ));
 }
+
+/// The inline mover copies host to host on the caller's thread (its future is ready at once),
+/// and an arrival check sees each destination's bytes before registration: a refused block is
+/// never registered and its slot goes back to the pool.
+#[test]
+fn inline_mover_with_an_arrival_check_registers_only_accepted_blocks() {
+    use futures::FutureExt;
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let src_layout = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&src_layout, 0x5a);
+    let g2_h = tm.register_layout(src_layout).unwrap();
+    let g1_h = host_layout(&tm, geometry(), PinPolicy::Unpinned);
+    let g1 = Arc::new(manager::<kvbm_logical::G1>(n, None));
+    let g2 = manager::<G2>(n, None);
+    let sources = registered(&g2, 0, n as u32);
+    let src_bytes = tm.layout(g2_h).unwrap();
+    let expected: Vec<Vec<u8>> = sources
+        .iter()
+        .map(|s| bytes(&src_bytes, s.block_id()))
+        .collect();
+    // Accept a block only when its bytes are its source's (as read here) and it is not the
+    // third one; record every call.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (seen2, refused) = (seen.clone(), hash(2));
+    let check: ArrivalCheck = Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
+        let got: Vec<u8> = regions.concat();
+        seen2.lock().push((src.sequence_hash, got));
+        if src.sequence_hash == refused {
+            Err(BlockFailure::new(
+                BlockFailureKind::ChecksumMismatch,
+                "refused by the check",
+            ))
+        } else {
+            Ok(())
+        }
+    });
+    let mover =
+        BlockMover::from_layout(g2_h, &BoundTier::new(tm.clone(), g1_h, g1.clone()).unwrap())
+            .unwrap()
+            .inline()
+            .unwrap()
+            .with_arrival_check(check)
+            .unwrap();
+    let out = mover
+        .move_from(&sources, g1.allocate_blocks(n).unwrap())
+        .now_or_never()
+        .expect("an inline move is done when it returns");
+    let kinds: Vec<Option<BlockFailureKind>> = out
+        .iter()
+        .map(|o| o.as_ref().err().map(|f| f.kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [None, None, Some(BlockFailureKind::ChecksumMismatch), None]
+    );
+    // The check saw every block's arrived bytes, equal to its source's.
+    let seen = seen.lock();
+    assert_eq!(seen.len(), n);
+    for (i, (h, got)) in seen.iter().enumerate() {
+        assert_eq!(*h, hash(i as u32));
+        assert_eq!(got, &expected[i], "block {i}");
+    }
+    drop(out);
+    assert!(
+        g1.match_blocks(&[hash(2)]).is_empty(),
+        "the refused block is not registered"
+    );
+    assert_eq!(g1.match_blocks(&hashes(0, 2)).len(), 2);
+    assert_eq!(
+        g1.available_blocks(),
+        n,
+        "every slot back in a pool once nothing holds them"
+    );
+
+    // A device destination (a layout that is not host memory) can be neither inline nor checked.
+    let dev = tm
+        .register_layout(PhysicalLayout::allocate_device(geometry(), 0).unwrap())
+        .unwrap();
+    let to_dev = || {
+        BlockMover::<G2, kvbm_logical::G1>::from_layout(
+            g2_h,
+            &BoundTier::new(tm.clone(), dev, g1.clone()).unwrap(),
+        )
+        .unwrap()
+    };
+    assert!(matches!(
+        to_dev().inline(),
+        Err(OffloadError::InvalidConfig(_))
+    ));
+    let any: ArrivalCheck = Arc::new(|_: &MoveSource, _: &[&[u8]]| Ok(()));
+    assert!(matches!(
+        to_dev().with_arrival_check(any),
+        Err(OffloadError::InvalidConfig(_))
+    ));
+}

@@ -104,12 +104,12 @@ pub fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyhow::Resu
         bail!("--instances must be at least 1");
     }
     let wl = super::load_workload(cfg)?;
-    let r = &cfg.replay;
+    let physical = &cfg.engine.physical;
     // One shared G4: the S3 bucket, the given directory, or a temporary one.
     let mut temp_g4 = None;
-    let g4_dir: Option<PathBuf> = if r.s3.endpoint.is_some() {
+    let g4_dir: Option<PathBuf> = if physical.s3.is_some() {
         None
-    } else if let Some(d) = &r.g4_dir {
+    } else if let Some(d) = &physical.object_dir {
         Some(d.clone())
     } else {
         let t = tempfile::Builder::new()
@@ -145,14 +145,17 @@ pub fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyhow::Resu
             .arg(i.to_string())
             .arg("--events-subject")
             .arg(&subject);
-        if r.s3.endpoint.is_none() {
-            cmd.arg("--g4");
-        }
+        cmd.arg("--g4");
         if let Some(d) = &g4_dir {
             cmd.arg("--g4-dir").arg(d);
         }
-        if let Some(d) = &r.g3_dir {
-            cmd.arg("--g3-dir").arg(d.join(format!("instance-{i}")));
+        // A G3 file the configuration names is the parent's: each instance keeps its own
+        // beside it (a scratch G3 is each child's own anyway).
+        if cfg.g3_scratch.is_none()
+            && let Some(disk) = &physical.disk
+            && let Some(dir) = disk.path.parent()
+        {
+            cmd.arg("--g3-dir").arg(dir.join(format!("instance-{i}")));
         }
         cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
         let child = cmd

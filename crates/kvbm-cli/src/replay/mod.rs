@@ -24,10 +24,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvbm_logical::Salt;
-use kvbm_physical::S3Config;
 
-use crate::config::{CliConfig, Scheduler};
-use kvbm_engine::stack::{FrontEnd, G4Location, PATH_NAMES, Sharing, StackPlan, TierStack};
+use crate::config::{CliConfig, Scheduler, ScratchDir};
+use kvbm_engine::stack::{FrontEnd, PATH_NAMES, Sharing, StackPlan, TierStack};
 use report::{Report, TierReport};
 
 /// Requests of the synthetic workload when `--requests` is not given.
@@ -45,80 +44,45 @@ pub fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
     })
 }
 
-/// The tier plan for `cfg` and a workload with `unique_blocks` distinct blocks.
+/// The stack plan for `cfg` and a workload with `unique_blocks` distinct blocks: the engine's
+/// tree as configured, with what only the workload decides (G4's presence index holds every
+/// block of the whole workload: others' blocks are adopted into it; the block size appended to
+/// G4's namespace; the replay's blocks of `HASH_BLOCK_SIZE` tokens), and the scratch directory
+/// G4 lives in when enabled without a place (removed when dropped: it lives as long as the
+/// stack).
 ///
 /// # Errors
-/// G4 on S3 without credentials.
-pub fn plan(cfg: &CliConfig, unique_blocks: usize) -> anyhow::Result<StackPlan> {
+/// A scratch directory that cannot be made; a value the engine refuses (named by its key).
+pub fn plan(
+    cfg: &CliConfig,
+    unique_blocks: usize,
+) -> anyhow::Result<(StackPlan, Option<ScratchDir>)> {
     let r = &cfg.replay;
-    let g4 = if r.g4 || r.s3.endpoint.is_some() {
-        Some(match &r.s3.endpoint {
-            Some(ep) => G4Location::S3(s3_config(cfg, ep)?),
-            None => G4Location::Local(r.g4_dir.clone()),
-        })
+    let mut c = cfg.engine.clone();
+    c.logical.block_size = workload::HASH_BLOCK_SIZE;
+    let g4 = r.g4 || c.physical.s3.is_some() || c.physical.object_dir.is_some();
+    let mut scratch = None;
+    if g4 {
+        c.tiers.g4_blocks = unique_blocks.max(1);
+        if c.physical.s3.is_none() && c.physical.object_dir.is_none() {
+            let dir = ScratchDir::new("kvbm-g4-")?;
+            c.physical.object_dir = Some(dir.path().to_path_buf());
+            scratch = Some(dir);
+        }
     } else {
-        None
+        c.tiers.g4_blocks = 0;
+    }
+    c.physical.object.namespace = format!(
+        "{}/b{}",
+        c.physical.object.namespace.trim_end_matches('/'),
+        c.tiers.block_bytes
+    );
+    let mut plan = StackPlan::new(c, std::sync::Arc::new(content::ReplayContents))?;
+    plan.front_end = match r.scheduler {
+        Scheduler::Tiering => FrontEnd::Tiering,
+        Scheduler::Sessions => FrontEnd::Sessions,
     };
-    // The replay's blocks are `hash_ids` of HASH_BLOCK_SIZE tokens each.
-    let mut logical = cfg.engine.logical.clone();
-    logical.block_size = workload::HASH_BLOCK_SIZE;
-    Ok(StackPlan {
-        block_bytes: r.block_bytes,
-        g1_blocks: r.g1_blocks,
-        g2_blocks: r.g2_blocks,
-        g3_blocks: r.g3_blocks,
-        g3_dir: r.g3_dir.clone(),
-        g3_engine: r.g3_engine,
-        g3_queue_depth: r.g3_queue_depth,
-        g3_direct_io: r.g3_direct_io,
-        g4,
-        g4_namespace: format!(
-            "{}/b{}",
-            r.g4_namespace.trim_end_matches('/'),
-            r.block_bytes
-        ),
-        g4_capacity: unique_blocks.max(1),
-        logical,
-        g1_to_g2: cfg.engine.offload.g1_to_g2.clone(),
-        g2_to_g3: cfg.engine.offload.g2_to_g3.clone(),
-        g2_to_g4: cfg.engine.offload.g2_to_g4.clone(),
-        transfer: cfg.engine.physical.transfer.clone(),
-        object: cfg.engine.physical.object.clone(),
-        engine: cfg.engine.clone(),
-        sharing: None,
-        front_end: match r.scheduler {
-            Scheduler::Tiering => FrontEnd::Tiering,
-            Scheduler::Sessions => FrontEnd::Sessions,
-        },
-        identities: std::sync::Arc::default(),
-        contents: std::sync::Arc::new(content::ReplayContents),
-    })
-}
-
-/// The S3 settings of `cfg` for `endpoint`.
-///
-/// # Errors
-/// No bucket or no credentials.
-pub fn s3_config(cfg: &CliConfig, endpoint: &str) -> anyhow::Result<S3Config> {
-    let s = &cfg.replay.s3;
-    let bucket = s
-        .bucket
-        .clone()
-        .context("an S3 endpoint needs a bucket (--s3-bucket)")?;
-    let (Some(access_key), Some(secret_key)) =
-        (s.access_key_id.clone(), s.secret_access_key.clone())
-    else {
-        anyhow::bail!(
-            "S3 credentials missing: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or replay.s3.access_key_id / secret_access_key)"
-        );
-    };
-    Ok(S3Config {
-        endpoint: Some(endpoint.to_string()),
-        bucket,
-        region: s.region.clone(),
-        access_key,
-        secret_key,
-    })
+    Ok((plan, scratch))
 }
 
 fn eviction_name(cfg: &CliConfig) -> String {
@@ -158,7 +122,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
     let mut wl = load_workload(cfg)?;
     // G4's presence index must hold every block of the whole workload (others' blocks are
     // adopted into it), so its size comes from the whole workload.
-    let mut plan = plan(cfg, wl.unique_blocks())?;
+    let (mut plan, _scratch) = plan(cfg, wl.unique_blocks())?;
     if let Some(spec) = spec {
         let owner = instances::assign(&wl.requests, spec.count, spec.assign);
         let mut i = 0;
@@ -169,7 +133,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         plan.sharing = Some(spec.sharing.clone());
     }
     let salt = Salt::new("kvbm-replay");
-    let tiering = plan.front_end == FrontEnd::Tiering && plan.g2_blocks > 0;
+    let tiering = plan.front_end == FrontEnd::Tiering && plan.config.tiers.g2_blocks > 0;
     if tiering {
         plan.identities = std::sync::Arc::new(keys::identities_of_workload(
             salt,
@@ -178,11 +142,11 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
     }
     let unique = wl.unique_blocks();
     let total = wl.total_blocks();
-    if wl.max_request_blocks() > plan.g1_blocks {
+    if wl.max_request_blocks() > plan.config.tiers.g1_blocks {
         anyhow::bail!(
             "the longest request has {} blocks but G1 holds {}; raise --g1-blocks",
             wl.max_request_blocks(),
-            plan.g1_blocks
+            plan.config.tiers.g1_blocks
         );
     }
     let mut tiers = TierStack::build(&plan)?;
@@ -354,7 +318,7 @@ pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Res
         } else {
             Scheduler::Sessions
         },
-        block_bytes: cfg.replay.block_bytes,
+        block_bytes: cfg.engine.tiers.block_bytes,
         stage_seconds: tiers.times,
         storage,
         held_blocks_after_drain: names.into_iter().zip(tiers.held_blocks()).collect(),

@@ -208,6 +208,16 @@ fn out_of_range_values_name_the_key() {
     assert!(message.contains("nowhere"), "{message}");
     let (key, _) = err(ConfigBuilder::new().set("tiers.g3_blocks", 8).build());
     assert_eq!(key, "physical.disk");
+    let (key, _) = err(ConfigBuilder::new().set("tiers.g4_blocks", 8).build());
+    assert_eq!(key, "physical.s3");
+    ConfigBuilder::new()
+        .set("tiers.g4_blocks", 8)
+        .set("physical.object_dir", "/tmp/kvbm-g4")
+        .build()
+        .expect("G4 in a local directory");
+    let (key, message) = err(ConfigBuilder::new().set("tiers.block_bytes", 1000).build());
+    assert_eq!(key, "tiers.block_bytes");
+    assert!(message.contains("4096"), "{message}");
 }
 
 #[test]

@@ -18,6 +18,8 @@
 
 use kvbm_logical::{G2, G3, G4, ImmutableBlock, SequenceHash, Tier, TierId};
 
+use crate::address::InstanceId;
+
 /// Strong handles to blocks of one tier; dropping it releases them all.
 #[derive(Debug)]
 pub struct BlockHolder<T: Tier> {
@@ -93,7 +95,7 @@ pub struct MatchedPrefix {
     pub(crate) runs: Vec<TierRun>,
     pub(crate) requested: usize,
     /// The part held by another instance's G2 (after every local run), if any.
-    pub(crate) remote: Option<super::remote::RemoteRun>,
+    pub(crate) remote: Option<RemoteRun>,
 }
 
 impl MatchedPrefix {
@@ -108,7 +110,7 @@ impl MatchedPrefix {
     }
 
     /// The part of the prefix in another instance's G2, after every local run.
-    pub fn remote(&self) -> Option<&super::remote::RemoteRun> {
+    pub fn remote(&self) -> Option<&RemoteRun> {
         self.remote.as_ref()
     }
 
@@ -261,4 +263,15 @@ impl MatchedPrefix {
     pub fn into_parts(self) -> (BlockHolder<G2>, BlockHolder<G3>, BlockHolder<G4>) {
         (self.g2, self.g3, self.g4)
     }
+}
+
+/// A run of the prefix held in another instance's G2, to be pulled over the data plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRun {
+    /// The instance holding it.
+    pub instance: InstanceId,
+    /// Index of the run's first block in the searched hashes.
+    pub start: usize,
+    /// The run's hashes, in order.
+    pub hashes: Vec<SequenceHash>,
 }

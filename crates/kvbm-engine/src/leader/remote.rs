@@ -41,7 +41,7 @@ use std::sync::Arc;
 use kvbm_logical::{SequenceHash, TierId};
 use kvbm_offload::PresenceChecker;
 
-use super::holder::{MatchedPrefix, TierRun};
+use super::holder::{MatchedPrefix, RemoteRun, TierRun};
 use crate::error::{EngineError, Result};
 use crate::pubsub::{CrossInstanceIndex, InstanceId};
 
@@ -55,17 +55,6 @@ pub struct RemoteSearch {
     /// Whether all instances' G4 is one shared bucket and namespace (then other instances'
     /// G4 blocks are adopted into this leader's G4).
     pub shared_g4: bool,
-}
-
-/// A run of the prefix held in another instance's G2, to be pulled over the data plane.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RemoteRun {
-    /// The instance holding it.
-    pub instance: InstanceId,
-    /// Index of the run's first block in the searched hashes.
-    pub start: usize,
-    /// The run's hashes, in order.
-    pub hashes: Vec<SequenceHash>,
 }
 
 fn elsewhere(r: &RemoteSearch, h: SequenceHash, tier: TierId) -> Vec<InstanceId> {

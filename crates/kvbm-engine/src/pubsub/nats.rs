@@ -28,8 +28,8 @@
 //! and sent after the reconnect or dropped and counted. The index is a hint, never proof, so a
 //! lost batch costs a missed remote match (or a stale one, which the puller must verify), not
 //! correctness. The bus itself does not resync after a reconnect; an
-//! [`Instance`](crate::instance::Instance) does, by snapshot
-//! ([`instance::presence`](crate::instance::presence)).
+//! `instance::Instance` does, by snapshot
+//! (`instance::presence`).
 //!
 //! # Wire
 //!

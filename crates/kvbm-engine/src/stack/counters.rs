@@ -74,7 +74,7 @@ impl Served {
         }
     }
 
-    /// Adds the request's hits per tier and computed blocks to the replay's metrics.
+    /// Adds the request's hits per tier and computed blocks to the stack's metrics.
     pub(super) fn publish(&self) {
         for (tier, h) in self.hits.iter().enumerate() {
             if *h > 0 {
@@ -91,7 +91,7 @@ impl Served {
 pub struct StageTimes {
     /// Lookups over the tiers.
     pub lookup: f64,
-    /// G3→G2 onboarding (transfer + manifest check; waiting for prefetched reads).
+    /// G3→G2 onboarding (transfer + journal checksum check; waiting for prefetched reads).
     pub g3_to_g2: f64,
     /// Starting G3→G2 reads ahead of their request (presence checks, allocation, submission).
     pub prefetch: f64,
@@ -109,6 +109,6 @@ pub struct StageTimes {
     pub g1_backpressure: f64,
     /// Waiting for the offload lanes to catch up (see `TierStack::backpressure`).
     pub offload_backpressure: f64,
-    /// The end: draining every lane, syncing G3, writing its manifest.
+    /// The end: draining every lane, syncing G3 and its journal.
     pub drain: f64,
 }

@@ -12,7 +12,8 @@ use std::collections::HashMap;
 
 use kvbm_logical::{BlockDigest, SequenceHash};
 
-/// What each block's bytes are: see the [module docs](self).
+/// What each block's bytes are: filled when a block is computed, verified when one reaches G1
+/// from a lower tier (see [`crate::stack`]).
 pub trait Contents: std::fmt::Debug + Send + Sync + 'static {
     /// Writes block `hash`'s bytes into `out` (the stand-in for the forward pass that computes
     /// a missed block in G1).

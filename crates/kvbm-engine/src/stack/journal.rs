@@ -1,16 +1,16 @@
 //! The persistent index of the G3 disk tier: which block (sequence hash) lives in which slot,
 //! with the xxh3-128 of its payload as it was written.
 //!
-//! The index is `kvbm-physical`'s append-only [`DiskManifest`] (`<g3-dir>/g3.journal`), bound to
+//! The index is `kvbm-physical`'s append-only [`DiskManifest`] (`<G3 file>.journal`: `g3.bin` → `g3.journal`), bound to
 //! the G3 file's geometry and instance id; this module only maps sequence hashes to and from
 //! block identities. Its protocol (see [`kvbm_physical::storage::manifest`]) is what makes
 //! `kill -9` safe: a slot about to be overwritten is unlisted first ([`G3Index::will_write`]),
 //! and a block is listed only after its write completed ([`G3Index::written`]). A later run
-//! with the same `--g3-dir` replays the journal and starts warm with exactly the blocks that
+//! with the same G3 file (`physical.disk.path`) replays the journal and starts warm with exactly the blocks that
 //! were complete; a torn tail is discarded.
 //!
 //! On read, a block onboarded from G3 is checked twice: by the disk layer (header: slot,
-//! length, file id, identity, payload checksum) and by the replay (the payload's checksum must
+//! length, file id, identity, payload checksum) and by the stack (the payload's checksum must
 //! equal the one recorded for that hash). A block that fails is unlisted ([`G3Index::dropped`]).
 //!
 //! The older end-of-run snapshot (`g3.manifest`) is no longer written; one left by an older
@@ -38,9 +38,9 @@ pub struct Entry {
     pub checksum: u128,
 }
 
-/// The journal's path inside a G3 directory.
-pub fn path_in(dir: &Path) -> PathBuf {
-    dir.join("g3.journal")
+/// The journal of the G3 file `file`: beside it, extension `journal` (`g3.bin` → `g3.journal`).
+pub fn path_for(file: &Path) -> PathBuf {
+    file.with_extension("journal")
 }
 
 /// The sequence hash named by `identity` (the inverse of `BlockIdentity::from_u128`); `None`
@@ -59,7 +59,7 @@ pub struct G3Index {
     manifest: DiskManifest,
 }
 
-/// What opening found: the index, the blocks it lists (by sequence hash), and the replay's
+/// What opening found: the index, the blocks it lists (by sequence hash), and the stack's
 /// report.
 pub struct Opened {
     /// The index, ready for appends.
@@ -101,15 +101,15 @@ impl Opened {
 }
 
 impl G3Index {
-    /// Opens (or creates) the index of `dir` for the G3 file `disk`.
+    /// Opens (or creates) the index of the G3 file `file`, whose layout is `layout`.
     ///
     /// # Errors
     /// The journal cannot be read, created or repaired.
-    pub fn open(dir: &Path, layout: &PhysicalLayout) -> Result<Opened> {
+    pub fn open(file: &Path, layout: &PhysicalLayout) -> Result<Opened> {
         let Backing::Disk(disk) = layout.backing() else {
             bail!("the G3 layout is not a disk file");
         };
-        let legacy = dir.join("g3.manifest");
+        let legacy = file.with_extension("manifest");
         if legacy.exists() {
             std::fs::remove_file(&legacy)
                 .with_context(|| format!("cannot remove {}", legacy.display()))?;
@@ -119,7 +119,7 @@ impl G3Index {
             num_slots: disk.num_slots() as u64,
             file_id: disk.file_id(),
         };
-        let path = path_in(dir);
+        let path = path_for(file);
         let (manifest, recovery) = DiskManifest::open(&path, geometry)
             .with_context(|| format!("cannot open the G3 journal {}", path.display()))?;
         if let Some(why) = &recovery.reset {

@@ -6,18 +6,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvbm_logical::{
-    BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, MutableBlock, SequenceHash,
-};
+use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock};
 use kvbm_offload::{
-    AllOfPolicy, BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, EnqueueError,
-    OffloadPolicy, Pipeline, PipelineConfig, PresenceFilter, ResolvedBatch, TransferExecutor,
-    TransferHandle, create_policy_from_config,
+    AllOfPolicy, BatchOutcome, BlockFailure, BlockFailureKind, BlockMover, BlockTransferExecutor,
+    EnqueueError, MoveSource, OffloadPolicy, Pipeline, PipelineConfig, PresenceFilter,
+    ResolvedBatch, TransferExecutor, TransferHandle, create_policy_from_config,
 };
-use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
+use kvbm_physical::PhysicalLayout;
 use parking_lot::Mutex;
-
-use crate::error::Result;
 
 use super::journal::G3Index;
 
@@ -42,7 +38,7 @@ pub(super) fn lane_policy(
     }
 }
 
-/// G2→G3 executor: records each block's payload checksum (for the manifest) before the
+/// G2→G3 executor: records each block's payload checksum (for the journal) before the
 /// `kvbm-offload` executor writes it, and counts bytes.
 pub(super) struct RecordingG3Executor {
     pub(super) inner: BlockTransferExecutor<G2, G3>,
@@ -91,91 +87,24 @@ impl TransferExecutor<G2> for RecordingG3Executor {
 /// blocks are recomputed later: lost hits. This one retries the allocation, with a short
 /// backoff, until G2 has room — the lower lanes free slots as they finish — so no block is
 /// dropped for lack of space; the wait is backpressure on the G1→G2 lane (and so on G1, where
-/// the replay waits for it). Only a batch larger than G2, or one still without room after
+/// the stack waits for it). Only a batch larger than G2, or one still without room after
 /// `patience` (something holds G2 for good: a bug, reported, never a hang), fails `NoSpace`.
 ///
-/// G1 here is host memory (the GPU's stand-in), so the copy is host to host: one
-/// [`TransferManager::execute_transfer_inline`] (the manager's claims and checks, a `memcpy` of
-/// at most one batch on this task) instead of a round trip through the manager's runtime.
-/// Destinations are registered only after their bytes arrived, as `kvbm-offload`'s
-/// `BlockMover` does.
+/// The move itself is `kvbm-offload`'s [`BlockMover`], inline: G1 here is host memory (the
+/// GPU's stand-in), so the copy is host to host, a `memcpy` of at most one batch on this task
+/// with the transfer manager's claims and checks, instead of a round trip through the manager's
+/// runtime. Destinations are registered only after their bytes arrived.
 pub(super) struct G1ToG2Executor {
-    pub(super) tm: Arc<TransferManager>,
-    pub(super) src: LayoutHandle,
-    pub(super) dst: LayoutHandle,
-    pub(super) g2: Arc<BlockManager<G2>>,
+    /// kvbm-offload's move, inline: G1 slots into G2 destinations, registered once arrived.
+    pub(super) mover: BlockMover<G1, G2>,
     pub(super) patience: Duration,
     /// Allocation retries that found G2 full (each one backoff sleep).
     pub(super) waits: Arc<AtomicU64>,
 }
 
 impl G1ToG2Executor {
-    /// Copies `sources` into `dst` and registers the destinations whose bytes arrived.
-    pub(super) fn copy(
-        &self,
-        sources: &[(usize, SequenceHash)],
-        dst: Vec<MutableBlock<G2>>,
-    ) -> BatchOutcome<ImmutableBlock<G2>> {
-        let n = sources.len();
-        let src_ids: Vec<usize> = sources.iter().map(|(id, _)| *id).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
-        // SAFETY: the destinations are `MutableBlock`s this executor owns (freshly allocated,
-        // registered only after the copy); the G1 sources are slots the batch holds, read only.
-        let issued = unsafe {
-            self.tm.execute_transfer_inline(
-                self.src,
-                &src_ids,
-                self.dst,
-                &dst_ids,
-                TransferOptions::default(),
-            )
-        };
-        let outcome = match issued {
-            Ok(o) => o,
-            Err(e) => {
-                let e = Arc::new(e);
-                return (0..n)
-                    .map(|_| Err(BlockFailure::physical_shared(&e)))
-                    .collect();
-            }
-        };
-        let mut results: Vec<Option<Result<ImmutableBlock<G2>, BlockFailure>>> =
-            (0..n).map(|_| None).collect();
-        let (mut complete, mut at) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (i, ((m, (_, h)), (_, r))) in
-            dst.into_iter().zip(sources).zip(outcome.blocks).enumerate()
-        {
-            match r {
-                Ok(()) => match m.complete(*h) {
-                    Ok(c) => {
-                        complete.push(c);
-                        at.push(i);
-                    }
-                    Err(e) => {
-                        results[i] = Some(Err(BlockFailure::new(
-                            BlockFailureKind::Transfer,
-                            format!("cannot register in G2: {}", e.error),
-                        )))
-                    }
-                },
-                // The slot goes back to G2's reset pool; nothing is registered.
-                Err(e) => results[i] = Some(Err(BlockFailure::physical(e))),
-            }
-        }
-        for (i, b) in at.into_iter().zip(self.g2.register_blocks(complete)) {
-            results[i] = Some(Ok(b));
-        }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(BlockFailure::new(
-                        BlockFailureKind::Transfer,
-                        "G2 registered fewer blocks than it was given",
-                    ))
-                })
-            })
-            .collect()
+    fn g2(&self) -> &Arc<BlockManager<G2>> {
+        self.mover.destination()
     }
 }
 
@@ -184,27 +113,25 @@ impl TransferExecutor<G1> for G1ToG2Executor {
 
     async fn execute(&self, batch: &ResolvedBatch<G1>) -> BatchOutcome<ImmutableBlock<G2>> {
         let n = batch.len();
-        let sources: Vec<(usize, SequenceHash)> = batch
-            .blocks()
-            .iter()
-            .map(|b| (b.block_id, b.sequence_hash))
-            .collect();
+        let sources: Vec<MoveSource> = batch.blocks().iter().map(MoveSource::from).collect();
         let no_space = |why: String| -> BatchOutcome<ImmutableBlock<G2>> {
             (0..n)
                 .map(|_| Err(BlockFailure::new(BlockFailureKind::NoSpace, why.clone())))
                 .collect()
         };
-        if n > self.g2.total_blocks() {
+        let g2 = self.g2();
+        if n > g2.total_blocks() {
             return no_space(format!(
                 "a batch of {n} blocks exceeds G2 ({} blocks)",
-                self.g2.total_blocks()
+                g2.total_blocks()
             ));
         }
         let deadline = Instant::now() + self.patience;
         let mut backoff = Duration::from_micros(50);
         loop {
-            match self.g2.allocate_blocks(n) {
-                Ok(dst) => return self.copy(&sources, dst),
+            match g2.allocate_blocks(n) {
+                // Inline: the copy is done when `move_blocks` returns.
+                Ok(dst) => return self.mover.move_blocks(&sources, dst).await,
                 Err(e) if Instant::now() >= deadline => {
                     tracing::warn!(error = %e, "G2 stayed full for {:?}", self.patience);
                     return no_space(format!("G2 stayed full for {:?}: {e}", self.patience));
@@ -225,7 +152,7 @@ pub(super) type Handoffs = Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>;
 /// Hands blocks from a completion sink to the next lane. A sink runs on a pipeline's runtime
 /// thread and must not block, so this tries first and, when the next lane's input queue is full,
 /// finishes the hand-off with an awaited enqueue on a task of that runtime: backpressure delays
-/// the blocks, it never drops them. A closed or failed lane is logged (the replay's drain
+/// the blocks, it never drops them. A closed or failed lane is logged (the stack's drain
 /// reports what did not settle).
 pub(super) fn enqueue_from_sink<P: Send + Sync + 'static>(
     p: &Arc<P>,

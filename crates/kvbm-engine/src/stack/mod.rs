@@ -1,40 +1,50 @@
-//! The tier driver: a scheduler over `kvbm-engine`, with G1..G4 storage and the offload lanes.
+//! [`TierStack`]: the whole tier stack, built from the configuration tree with one call
+//! ([`TierStack::build`] over a [`StackPlan`]): what every embedder gets, the same stack the
+//! `kvbm replay` command drives.
 //!
-//! The replay runs like an inference scheduler on top of the engine: a `KvbmRuntime` built
-//! from the merged `KvbmConfig` (its tokio runtime runs the lanes; its event-flush timer
-//! covers every tier's manager), an `InstanceLeader` over the replay's G2/G3/G4
-//! `BlockManager`s (one shared `BlockRegistry`) doing the lookup (`find_matches`: the longest
-//! prefix in G2, G3, G4, held by its RAII holder), and onboarding through the leader's
-//! `OnboardingSession` (hold → prepare G3/G4→G2 → onboard G2→G1 → finish), whose movers
-//! (`onboard.rs`) are the real transfer paths with the replay's checks. G1 (host memory, the
-//! GPU's stand-in) is the inference engine's own prefix cache, matched first. The storage is
-//! `kvbm-physical` (host layouts for G1/G2, an O_DIRECT io_uring `DiskStorage` file for G3, an
-//! `ObjectStorage` for G4, one `TransferManager`); offloads are `kvbm-offload`'s G1→G2, G2→G3
-//! and G2→G4 pipelines (what the engine uses). `replay/mod.rs` only calls [`TierStack::build`],
-//! [`TierStack::serve`] and [`TierStack::finish`].
+//! # What it holds
 //!
 //! ```text
-//!  request ──► G1 match ──► leader.find_matches(rest) ──► cut at rejected (poisoned) blocks
-//!     │           OnboardingSession::prepare: G3 ──G3ToG2──► G2  (disk header + recorded checksum)
-//!     │                                       G4 ──G4ToG2──► G2  (object header checksum)
-//!     │           OnboardingSession::onboard: G2 ──G2ToG1──► G1  (bytes checked against the id)
-//!     │           a failed block fails the session ──► cut the prefix there, look up again
-//!     │  miss: compute in G1 ──► G1→G2 pipeline ──sink──► G2→G3 pipeline (manifest recorded)
-//!     │                                           └─────► G2→G4 object pipeline
-//!     └─ read-ahead: G3→G2 reads for the next requests (registered in G2 before their turn)
+//!  [tiers] [physical] [logical]      G1 host layout ─ G2 pinned host ─ G3 O_DIRECT file ─ G4 objects
+//!        │                           one BlockRegistry, one BlockManager per tier, one TransferManager
+//!        ├─► G3 journal (journal)    which block is in which slot, with its payload checksum:
+//!        │                           warm restart after a crash, torn tail discarded
+//!        ├─► G4 warm listing         every block object under the namespace is present at start
+//!        ├─► lanes (lanes)           G1→G2 (waits for G2 room) ─sink─► G2→G3 (records the journal)
+//!        │   [offload.*]                                        └──► G2→G4 (objects)
+//!        ├─► InstanceLeader          find_matches over G2, G3, G4 (and shared G4, feature nats)
+//!        ├─► movers (movers)         G3→G2, G4→G2 (every read checked, rejected copies never
+//!        │                           read again), G2→G1 (every block checked by the Contents hook)
+//!        ├─► EngineTieringManager    the scheduler-facing manager, its stores written through
+//!        │                           to the G2→G3 and G2→G4 lanes (scheduled::WriteThrough)
+//!        └─► read-ahead (read_ahead) G3→G2 reads for requests still to come
 //! ```
 //!
-//! Sessions run on this thread (a current-thread runtime, `TierStack::session_rt`): the request
-//! waits for its blocks, as a scheduler waits before the forward pass, and a session's task
-//! needs no hop to another thread. G2→G1 is host to host (G1 is a host stand-in), so it is
-//! one inline copy per request (`TransferManager::execute_transfer_inline`, with the
-//! manager's claims).
+//! # Driving it
 //!
-//! Ownership: a request holds strong G1 handles from lookup to the end of [`TierStack::serve`] (its
-//! "forward pass"); the matched prefix is held by its session until finished or failed; blocks
-//! being offloaded are held by their pipeline (strong for G1→G2, weak, upgraded at the
-//! commitment point, for the chained lanes). Lock order: the checksum map and the poisoned
-//! sets are leaves, never held while calling a block manager or the transfer manager.
+//! An inference engine drives the stack through one of two front ends ([`FrontEnd`]):
+//! [`TierStack::serve_scheduled`] makes vLLM's scheduler calls on the
+//! [`EngineTieringManager`] (lookup, prepare/complete load and store) and plays its worker's
+//! copies between G1 and G2; [`TierStack::serve`] uses the leader's `find_matches` and
+//! [`OnboardingSession`](crate::leader::OnboardingSession)s, and sends computed blocks down the G1→G2 lane. Either way a request
+//! is served on the caller's thread, as a scheduler waits for its blocks before the forward
+//! pass: a session or a promotion runs on a current-thread runtime of the stack's own
+//! (`session_rt`), the lanes on the engine runtime's workers. G1 is host memory standing in for
+//! the device, so G2↔G1 is one inline host copy per request.
+//!
+//! What the stack cannot know comes in as hooks ([`Contents`]: a block's bytes, filled when
+//! computed and verified at G1; [`Identities`]: the digests of blocks a tier knows only by
+//! name). A failure keeps its kind (`kvbm_offload::BlockFailureKind`); a failed transfer is
+//! never a hit, a block with wrong bytes is never served.
+//!
+//! # Ownership and locks
+//!
+//! A request holds strong G1 handles from lookup to the end of its serve call (its "forward
+//! pass"); a matched prefix is held by its session until finished or failed; blocks being
+//! offloaded are held by their lane (strong for G1→G2 and for the write-through, weak, upgraded
+//! at the commitment point, for the chained lanes). Lock order: the checksum map, the poisoned
+//! sets and the write-through buffer are leaf locks, never held while a block manager or the
+//! transfer manager is called.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -48,25 +58,24 @@ use kvbm_offload::{
     TransferResult, create_policy_from_config,
 };
 use kvbm_physical::{
-    Backing, DiskConfig, LayoutHandle, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy,
-    TransferManager,
+    Backing, LayoutHandle, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager,
 };
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 #[cfg(not(feature = "nats"))]
 use crate::leader::RemoteSearch;
 use crate::mover::BlockMove;
 use crate::scheduler::{EngineTieringManager, PromotionMovers};
 use crate::{EventSource, InstanceLeader, KvbmRuntime};
 
-use context::{Context, bail, stack_error};
+use context::{Context, stack_error};
 use journal::G3Index;
 use movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 
 pub use counters::{Counters, MovePath, PATH_NAMES, Served, StageTimes};
 pub use hooks::{Contents, Identities};
-pub use plan::{FrontEnd, G4Location, StackPlan, probe_endpoint};
+pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 use lanes::{
     G1ToG2Executor, G2_SPACE_PATIENCE, Handoffs, RecordingG3Executor, enqueue_from_sink,
@@ -79,7 +88,7 @@ use sharing::SharedG4;
 pub use sharing::Sharing;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, check_g3_read, count_failure, geometry, list_blocks,
-    manager, manager_with_sink, slot_of,
+    manager, manager_with_sink,
 };
 
 /// Without NATS no G4 is shared: an uninhabited type, so the build reads the same and the
@@ -114,12 +123,12 @@ mod serve;
 mod sharing;
 mod tiers;
 
-/// The tiers of one replay.
+/// The built tier stack: see the [module docs](self).
 pub struct TierStack {
     block_bytes: usize,
     /// The engine runtime's tokio handle: the offload lanes run there.
     rt: tokio::runtime::Handle,
-    /// This thread's runtime: onboarding sessions run on the replay's own thread.
+    /// The caller's runtime: sessions and promotions run on the thread that serves a request.
     session_rt: tokio::runtime::Runtime,
     tm: Arc<TransferManager>,
     g1: HostTier<G1>,
@@ -196,34 +205,42 @@ impl TierStack {
     /// # Errors
     /// Invalid sizes, storage that cannot be created, an unreachable S3 endpoint.
     pub fn build(plan: &StackPlan) -> Result<TierStack> {
-        let b = plan.block_bytes;
+        let cfg = &plan.config;
+        let tiers = &cfg.tiers;
+        let b = tiers.block_bytes;
         if b == 0 || !b.is_multiple_of(4096) {
-            bail!(
-                "--block-bytes must be a positive multiple of 4096 (O_DIRECT alignment), got {b}"
-            );
+            return Err(EngineError::config(
+                "tiers.block_bytes",
+                format!("must be a positive multiple of 4096 (O_DIRECT alignment), got {b}"),
+            ));
         }
-        if plan.g1_blocks == 0 {
-            bail!("G1 cannot be disabled: the replay computes and serves every block in G1");
+        if tiers.g1_blocks == 0 {
+            return Err(EngineError::config(
+                "tiers.g1_blocks",
+                "the stack serves every block in G1 (host memory standing in for the device): \
+                 must be > 0",
+            ));
         }
-        if plan.g2_blocks == 0 && (plan.g3_blocks > 0 || plan.g4.is_some()) {
-            bail!(
-                "G3 and G4 need G2: blocks move to and from them through host memory (set --g2-blocks > 0)"
-            );
+        if tiers.g2_blocks == 0 && (tiers.g3_blocks > 0 || tiers.g4_blocks > 0) {
+            return Err(EngineError::config(
+                "tiers.g2_blocks",
+                "G3 and G4 need G2: blocks move to and from them through host memory (must be > 0)",
+            ));
         }
         let runtime = KvbmRuntime::builder()
-            .config(plan.engine.clone())
+            .config(cfg.clone())
             .build()
             .context("cannot start the kvbm runtime")?;
         let rt = runtime.handle().tokio().clone();
         let session_rt = tokio::runtime::Builder::new_current_thread()
             .build()
-            .context("cannot start the replay thread's runtime")?;
+            .context("cannot start the serving thread's runtime")?;
         let _enter = rt.enter();
         let tm = Arc::new(
-            TransferManager::with_config(plan.transfer.clone())
+            TransferManager::with_config(cfg.physical.transfer.clone())
                 .context("cannot start the transfer manager")?,
         );
-        let registry = BlockRegistry::with_config(&plan.logical.registry);
+        let registry = BlockRegistry::with_config(&cfg.logical.registry);
         let counters = Arc::new(Counters::default());
 
         let host = |n: usize, pin: PinPolicy| -> Result<(LayoutHandle, Arc<PhysicalLayout>)> {
@@ -231,16 +248,16 @@ impl TierStack {
             let h = tm.register_layout(layout)?;
             Ok((h, tm.layout(h)?))
         };
-        let (h1, l1) = host(plan.g1_blocks, PinPolicy::Unpinned)?;
+        let (h1, l1) = host(tiers.g1_blocks, PinPolicy::Unpinned)?;
         let g1 = HostTier {
-            manager: manager::<G1>(plan.g1_blocks, &registry, &plan.logical)?,
+            manager: manager::<G1>(tiers.g1_blocks, &registry, &cfg.logical)?,
             handle: h1,
             layout: l1,
         };
-        let g2 = if plan.g2_blocks > 0 {
-            let (h, l) = host(plan.g2_blocks, PinPolicy::TryPin)?;
+        let g2 = if tiers.g2_blocks > 0 {
+            let (h, l) = host(tiers.g2_blocks, PinPolicy::TryPin)?;
             Some(HostTier {
-                manager: manager::<G2>(plan.g2_blocks, &registry, &plan.logical)?,
+                manager: manager::<G2>(tiers.g2_blocks, &registry, &cfg.logical)?,
                 handle: h,
                 layout: l,
             })
@@ -248,37 +265,29 @@ impl TierStack {
             None
         };
 
-        let g3 = if plan.g3_blocks > 0 {
-            let (dir, temp) = match &plan.g3_dir {
-                Some(d) => {
-                    std::fs::create_dir_all(d)
-                        .with_context(|| format!("cannot create G3 directory {}", d.display()))?;
-                    (d.clone(), None)
-                }
-                None => {
-                    let t = tempfile::Builder::new()
-                        .prefix("kvbm-g3-")
-                        .tempdir()
-                        .context("cannot create a temporary G3 directory")?;
-                    (t.path().to_path_buf(), Some(t))
-                }
-            };
-            let mut disk = DiskConfig::new(dir.join("g3.bin"));
-            disk.engine = plan.g3_engine;
-            disk.queue_depth = plan.g3_queue_depth;
-            disk.direct_io = plan.g3_direct_io;
-            let layout = PhysicalLayout::create_disk(geometry(plan.g3_blocks, b)?, &disk)
+        let g3 = if tiers.g3_blocks > 0 {
+            let disk = cfg.physical.disk.as_ref().ok_or_else(|| {
+                EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
+            })?;
+            let dir = disk
+                .path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."))
+                .to_path_buf();
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create G3 directory {}", dir.display()))?;
+            let layout = PhysicalLayout::create_disk(geometry(tiers.g3_blocks, b)?, disk)
                 .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
             let handle = tm.register_layout(layout)?;
-            let manager = manager::<G3>(plan.g3_blocks, &registry, &plan.logical)?;
-            let opened = G3Index::open(&dir, &*tm.layout(handle)?)?;
+            let manager = manager::<G3>(tiers.g3_blocks, &registry, &cfg.logical)?;
+            let opened = G3Index::open(&disk.path, &*tm.layout(handle)?)?;
             let (checksums, warm_blocks) = opened.register_listed(&manager)?;
             Some(G3Tier {
                 manager,
                 handle,
                 layout: tm.layout(handle)?,
                 dir,
-                _temp: temp,
                 checksums: Arc::new(Mutex::new(checksums)),
                 poisoned: Arc::default(),
                 warm_blocks,
@@ -292,8 +301,11 @@ impl TierStack {
         #[cfg(feature = "nats")]
         let shared = match &plan.sharing {
             Some(s) => {
-                if plan.g4.is_none() {
-                    bail!("instances share G4: enable it (--g4, --g4-dir or --s3-endpoint)");
+                if tiers.g4_blocks == 0 {
+                    return Err(EngineError::config(
+                        "tiers.g4_blocks",
+                        "instances share G4: must be > 0",
+                    ));
                 }
                 Some(SharedG4::start(&runtime, s)?)
             }
@@ -301,44 +313,38 @@ impl TierStack {
         };
         #[cfg(not(feature = "nats"))]
         let shared: Option<SharedG4> = None;
-        let g4 = match &plan.g4 {
-            None => None,
-            Some(loc) => {
-                let ocfg = ObjectConfig {
-                    namespace: plan.g4_namespace.clone(),
-                    ..plan.object.clone()
-                };
-                let (storage, temp, describe) = match loc {
-                    G4Location::Local(Some(dir)) => (
-                        ObjectStorage::local(dir, ocfg).with_context(|| {
-                            format!("cannot open the G4 directory {}", dir.display())
-                        })?,
-                        None,
-                        format!("local filesystem {}", dir.display()),
-                    ),
-                    G4Location::Local(None) => {
-                        let t = tempfile::Builder::new()
-                            .prefix("kvbm-g4-")
-                            .tempdir()
-                            .context("cannot create a temporary G4 directory")?;
-                        let s = ObjectStorage::local(t.path(), ocfg)?;
-                        let d = format!("local filesystem {} (temporary)", t.path().display());
-                        (s, Some(t), d)
+        let g4 = if tiers.g4_blocks == 0 {
+            None
+        } else {
+            let ocfg = cfg.physical.object.clone();
+            let (storage, describe) = match (&cfg.physical.s3, &cfg.physical.object_dir) {
+                (Some(s3), _) => {
+                    if let Some(ep) = &s3.endpoint {
+                        probe_endpoint(ep)?;
                     }
-                    G4Location::S3(s3) => {
-                        if let Some(ep) = &s3.endpoint {
-                            probe_endpoint(ep)?;
-                        }
-                        let s = ObjectStorage::s3(s3, ocfg)
-                            .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?;
-                        let d = format!(
-                            "S3 {} bucket {}",
-                            s3.endpoint.as_deref().unwrap_or("(AWS)"),
-                            s3.bucket
-                        );
-                        (s, None, d)
-                    }
-                };
+                    let s = ObjectStorage::s3(s3, ocfg)
+                        .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?;
+                    let d = format!(
+                        "S3 {} bucket {}",
+                        s3.endpoint.as_deref().unwrap_or("(AWS)"),
+                        s3.bucket
+                    );
+                    (s, d)
+                }
+                (None, Some(dir)) => (
+                    ObjectStorage::local(dir, ocfg).with_context(|| {
+                        format!("cannot open the G4 directory {}", dir.display())
+                    })?,
+                    format!("local filesystem {}", dir.display()),
+                ),
+                (None, None) => {
+                    return Err(EngineError::config(
+                        "physical.s3",
+                        "required (or physical.object_dir) when tiers.g4_blocks > 0",
+                    ));
+                }
+            };
+            {
                 let storage = Arc::new(storage);
                 // Warm start: every block object already under the namespace is present.
                 let listed = rt
@@ -351,9 +357,9 @@ impl TierStack {
                     sh.own().lock().extend(listed.iter().copied());
                 }
                 let manager = manager_with_sink::<G4>(
-                    plan.g4_capacity + listed.len(),
+                    tiers.g4_blocks + listed.len(),
                     &registry,
-                    &plan.logical,
+                    &cfg.logical,
                     shared.as_ref().map(SharedG4::sink),
                 )?;
                 let mut complete = Vec::with_capacity(listed.len());
@@ -373,7 +379,6 @@ impl TierStack {
                     manager,
                     handle,
                     storage,
-                    _temp: temp,
                     poisoned: Arc::default(),
                     warm_blocks,
                     describe,
@@ -381,7 +386,7 @@ impl TierStack {
             }
         };
 
-        // The leader searches the replay's own G2/G3/G4 managers (one shared registry); every
+        // The leader searches the stack's own G2/G3/G4 managers (one shared registry); every
         // onboarding move runs on the shared transfer manager: a layout is registered in one
         // manager only (kvbm-physical refuses a second view of the same memory, which could race
         // with the first), so the claims that keep two transfers off one block cover every move.
@@ -392,7 +397,7 @@ impl TierStack {
         if let Some(g2t) = &g2 {
             let mut builder = InstanceLeader::builder()
                 .g2(g2t.manager.clone())
-                .search(plan.engine.leader.search.clone());
+                .search(cfg.leader.search.clone());
             events.register_event_source(&(g2t.manager.clone() as Arc<dyn EventSource>));
             if let Some(g3t) = &g3 {
                 builder = builder.g3(g3t.manager.clone());
@@ -438,17 +443,14 @@ impl TierStack {
                         identities: plan.identities.clone(),
                     })
                 }),
-                g2_to_g1: Arc::new(G2ToG1 {
-                    tm: tm.clone(),
-                    g2: g2t.handle,
-                    g1: g1.handle,
-                    g1_manager: g1.manager.clone(),
-                    g1_layout: g1.layout.clone(),
-                    counters: counters.clone(),
-                    block_bytes: b,
-                    shared: onboard.clone(),
-                    contents: plan.contents.clone(),
-                }),
+                g2_to_g1: Arc::new(G2ToG1::new(
+                    g2t.handle,
+                    &kvbm_offload::BoundTier::new(tm.clone(), g1.handle, g1.manager.clone())?,
+                    plan.contents.clone(),
+                    counters.clone(),
+                    b,
+                    onboard.clone(),
+                )?),
             });
         }
 
@@ -477,8 +479,8 @@ impl TierStack {
                 };
                 g2_to_g3 = Some(Arc::new(
                     PipelineBuilder::<G2, G3>::new()
-                        .config(plan.g2_to_g3.clone())
-                        .policy(lane_policy(&registry, &plan.g2_to_g3))
+                        .config(cfg.offload.g2_to_g3.clone())
+                        .policy(lane_policy(&registry, &cfg.offload.g2_to_g3))
                         .build()
                         .spawn(exec)
                         .context("cannot start the G2→G3 pipeline")?,
@@ -497,11 +499,11 @@ impl TierStack {
                         }
                     });
                 let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
-                    .config(plan.g2_to_g4.clone())
+                    .config(cfg.offload.g2_to_g4.clone())
                     .policy(Arc::new(PresenceFilter::new(registry.clone())));
-                if !plan.g2_to_g4.pipeline.policies.is_empty() {
+                if !cfg.offload.g2_to_g4.pipeline.policies.is_empty() {
                     builder = builder.policy(create_policy_from_config(
-                        &plan.g2_to_g4.pipeline.policies,
+                        &cfg.offload.g2_to_g4.pipeline.policies,
                         &registry,
                     ));
                 }
@@ -512,14 +514,15 @@ impl TierStack {
                 ));
             }
             // With the tiering scheduler, the scheduler's own store (prepare_store → copy →
-            // complete_store) is G1→G2, and the replay hands the stored blocks to the lower
+            // complete_store) is G1→G2, and the stack hands the stored blocks to the lower
             // lanes itself ([`scheduled`]).
             if plan.front_end == FrontEnd::Sessions {
                 let exec = G1ToG2Executor {
-                    tm: tm.clone(),
-                    src: g1.handle,
-                    dst: g2t.handle,
-                    g2: g2t.manager.clone(),
+                    mover: kvbm_offload::BlockMover::from_layout(
+                        g1.handle,
+                        &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
+                    )?
+                    .inline()?,
                     patience: G2_SPACE_PATIENCE,
                     waits: g2_space_waits.clone(),
                 };
@@ -534,7 +537,7 @@ impl TierStack {
                     Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
                         c.add_bytes(MovePath::G1ToG2, blocks.len(), b);
                         // Strong references: a G2 block is not evicted before it reached the lower
-                        // tiers (write-through). The replay loop bounds how many are in flight.
+                        // tiers (write-through). Backpressure bounds how many are in flight.
                         if let Some(p) = &next3 {
                             enqueue_from_sink(p, |p| p, blocks.clone(), &hs, &ho, &c, "G2→G3");
                         }
@@ -552,8 +555,8 @@ impl TierStack {
                     });
                 g1_to_g2 = Some(
                     PipelineBuilder::<G1, G2>::new()
-                        .config(plan.g1_to_g2.clone())
-                        .policy(lane_policy(&registry, &plan.g1_to_g2))
+                        .config(cfg.offload.g1_to_g2.clone())
+                        .policy(lane_policy(&registry, &cfg.offload.g1_to_g2))
                         .build()
                         .spawn_with_sink(exec, Some(sink))
                         .context("cannot start the G1→G2 pipeline")?,
@@ -578,7 +581,7 @@ impl TierStack {
                     handles.clone(),
                     counters.clone(),
                     // A batch is a small share of G2 (the buffer holds its blocks).
-                    (plan.g2_blocks / 32).min(256),
+                    (tiers.g2_blocks / 32).min(256),
                 );
                 sched.set_store_sink(w.sink());
                 write_through = Some(w);
@@ -621,7 +624,7 @@ impl TierStack {
             prefetched: HashSet::new(),
             prefetching: HashSet::new(),
             served_requests: 0,
-            g1_batch: plan.g1_to_g2.batch_config.max_batch_size,
+            g1_batch: cfg.offload.g1_to_g2.batch_config.max_batch_size,
             shared_g4: shared,
             sched,
             write_through,
@@ -697,7 +700,7 @@ impl TierStack {
         }
     }
 
-    /// Blocks held (not available) per tier now: once the replay is drained and no request
+    /// Blocks held (not available) per tier now: once the stack is drained and no request
     /// holds a block, any block still held is a leak.
     pub fn held_blocks(&self) -> [usize; 4] {
         let held = |total: usize, available: usize| total - available.min(total);
@@ -718,7 +721,7 @@ impl TierStack {
         ]
     }
 
-    /// The replay is about to wait for the next request's timestamp: hands everything buffered
+    /// The caller is about to wait (for the next request): hands everything buffered
     /// on to the lanes, so the wait overlaps their work.
     pub fn idle(&mut self) {
         if let Some(w) = &self.write_through {
@@ -758,10 +761,10 @@ impl TierStack {
     }
 
     /// Drains every lane (G1→G2 first, so its chained blocks are enqueued before the lower
-    /// lanes are waited for), syncs G3 and writes its manifest, and stops the pipelines.
+    /// lanes are waited for), syncs G3 and its journal, and stops the pipelines.
     ///
     /// # Errors
-    /// A G3 sync or manifest write that failed.
+    /// A G3 or journal sync that failed.
     pub fn finish(&mut self) -> Result<()> {
         let t = Instant::now();
         if let Some(s) = &mut self.sched {

@@ -1,5 +1,6 @@
-//! The replay's onboarding movers: the real transfer paths an engine [`OnboardingSession`](crate::leader::OnboardingSession)
-//! moves a matched prefix through, with the replay's checks on every block.
+//! The stack's movers: the real transfer paths an [`OnboardingSession`](crate::leader::OnboardingSession)
+//! and the scheduler-facing manager's promotions move blocks through, with the stack's checks on
+//! every block.
 //!
 //! ```text
 //!  InstanceLeader::find_matches ──► OnboardingSession ── prepare ──► G3ToG2 (disk header + recorded checksum)
@@ -12,11 +13,13 @@
 //! and passed the check. A block that fails is reported (an `Err` outcome with its
 //! [`BlockFailureKind`], which fails the session: a failed transfer never counts as a hit) and
 //! its hash is recorded in
-//! [`OnboardShared::failed`], so the replay can cut the request's prefix at the first failed
-//! block and recompute from there. G3 and G4 blocks that the tier rejected are poisoned (never
-//! matched again) and counted as checksum failures; other errors count as failed transfers.
+//! [`OnboardShared::failed`], so the caller can cut the request's prefix at the first failed
+//! block and recompute from there. G3 and G4 blocks that the tier rejected (their failure
+//! [`drops_copy`](kvbm_offload::BlockFailureKind::drops_copy)) are poisoned (never
+//! matched again) and counted as checksum failures; other errors count as failed transfers and
+//! keep the copy, which a later request may read.
 //!
-//! The replay drives a session on its own thread (a current-thread runtime), as a scheduler
+//! The stack drives a session on the serving thread (a current-thread runtime), as a scheduler
 //! waits for its blocks before the forward pass, so a session's task needs no hop to another
 //! thread. G3→G2 and G4→G2 go through the shared `TransferManager` (its runtime does the I/O;
 //! the mover awaits the completion); G2→G1 is host to host, one inline copy inside the future.
@@ -30,24 +33,26 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::mover::BlockMove;
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use kvbm_logical::{
     BlockDigest, BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock,
     SequenceHash, Tier,
 };
 use kvbm_offload::{
-    BlockFailure, BlockFailureKind, MoveOutcome, block_identity, identity_of, object_key,
+    ArrivalCheck, BlockFailure, BlockFailureKind, BlockMover, BoundTier, MoveOutcome, MoveSource,
+    block_identity, identity_of, object_key,
 };
 use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
 use parking_lot::Mutex;
 
 use super::hooks::{Contents, Identities};
-use super::{Counters, G3Check, MovePath, check_g3_read, count_failure, slot_of};
+use super::{Counters, G3Check, MovePath, check_g3_read, count_failure};
 
-/// What the movers report back to the replay.
+/// What the movers report back to the stack.
 #[derive(Debug, Default)]
 pub struct OnboardShared {
-    /// Hashes of blocks whose move failed since the replay last drained it.
+    /// Hashes of blocks whose move failed since the stack last drained it.
     pub failed: Mutex<Vec<SequenceHash>>,
     /// Blocks that reached G1 from G2.
     pub onboarded: AtomicU64,
@@ -365,7 +370,10 @@ impl G4ToG2 {
                     let mut f = BlockFailure::physical(e);
                     count_failure(&self.counters, "G4", &f);
                     f.message = format!("G4→G2 block {h}: {}", f.message);
-                    self.poisoned.lock().insert(h);
+                    // Only a copy proven bad is never read again.
+                    if f.kind.drops_copy() {
+                        self.poisoned.lock().insert(h);
+                    }
                     self.shared.fail(h);
                     parts.push(Err(f));
                 }
@@ -391,111 +399,115 @@ impl BlockMove<G4, G2> for G4ToG2 {
     }
 }
 
-/// G2 → G1: one inline host copy per call (the transfer manager's claims and aliasing checks),
-/// every block checked against the bytes it must have.
+/// G2 → G1: kvbm-offload's [`BlockMover`], inline (one host copy per call on the serving
+/// thread, with the transfer manager's claims and aliasing checks) and checked: every block's
+/// bytes are verified by the [`Contents`] hook before it is registered in G1, so a block with
+/// wrong bytes is never served.
 pub struct G2ToG1 {
-    pub(super) tm: Arc<TransferManager>,
-    pub(super) g2: LayoutHandle,
-    pub(super) g1: LayoutHandle,
-    pub(super) g1_manager: Arc<BlockManager<G1>>,
-    pub(super) g1_layout: Arc<PhysicalLayout>,
-    pub(super) counters: Arc<Counters>,
-    pub(super) block_bytes: usize,
-    pub(super) shared: Arc<OnboardShared>,
-    /// What each block's bytes must be.
-    pub(super) contents: Arc<dyn Contents>,
+    mover: BlockMover<G2, G1>,
+    counters: Arc<Counters>,
+    block_bytes: usize,
+    shared: Arc<OnboardShared>,
 }
 
 impl G2ToG1 {
-    fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<MoveOutcome<G1>> {
-        let src: Vec<(usize, SequenceHash)> = src
-            .iter()
-            .map(|b| (b.block_id(), b.sequence_hash()))
-            .collect();
-        // SAFETY: the G2 sources are registered blocks held by the session for the copy.
-        unsafe { self.copy_slots(&src, dst) }
+    /// The move from the G2 layout `g2` into the bound `g1`; what arrives is counted in
+    /// `shared` (onboarded, verified, corrupt).
+    ///
+    /// # Errors
+    /// Either side is not host memory, or `g2` is not on `g1`'s transfer manager.
+    pub(super) fn new(
+        g2: LayoutHandle,
+        g1: &BoundTier<G1>,
+        contents: Arc<dyn Contents>,
+        counters: Arc<Counters>,
+        block_bytes: usize,
+        shared: Arc<OnboardShared>,
+    ) -> crate::Result<Self> {
+        let tally = shared.clone();
+        let check: ArrivalCheck = Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
+            tally.onboarded.fetch_add(1, Ordering::Relaxed);
+            let h = src.sequence_hash;
+            let right = match regions {
+                [one] => contents.verify(h, one),
+                many => contents.verify(h, &many.concat()),
+            };
+            if right {
+                tally.verified.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            } else {
+                // Never served: the slot returns to the pool and the block is recomputed.
+                tally.corrupt.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(hash = %h, "a block reached G1 with wrong bytes");
+                Err(BlockFailure::new(
+                    BlockFailureKind::ChecksumMismatch,
+                    format!("block {h} reached G1 with wrong bytes"),
+                ))
+            }
+        });
+        let mover = BlockMover::from_layout(g2, g1)?
+            .inline()?
+            .with_arrival_check(check)?;
+        Ok(G2ToG1 {
+            mover,
+            counters,
+            block_bytes,
+            shared,
+        })
     }
 
-    /// Copies G2 slots `(slot, hash)` into the G1 destinations, checks each block's bytes
-    /// against its hash and registers the good ones in G1. The scheduler's load path calls it
-    /// with the slots `prepare_load` returned.
-    ///
-    /// # Safety
-    /// Every source slot holds the registered block `hash`, and no transfer writes it until
-    /// this returns (a hold: a session's, or the tiering manager's `prepare_load` pin).
-    pub(super) unsafe fn copy_slots(
+    fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<MoveOutcome<G1>> {
+        let src: Vec<MoveSource> = src
+            .iter()
+            .map(|b| MoveSource::from((b.block_id(), b.sequence_hash())))
+            .collect();
+        self.copy_slots(&src, dst)
+    }
+
+    /// Copies the G2 slots of `src` into the G1 destinations, checks each block's bytes
+    /// against its hash ([`Contents::verify`]) and registers the good ones in G1; one outcome
+    /// per block. The scheduler's load path calls it with the slots `prepare_load` pinned; a
+    /// slot that held anything else would fail the check, never be served.
+    pub(super) fn copy_slots(
         &self,
-        src: &[(usize, SequenceHash)],
+        src: &[MoveSource],
         dst: Vec<MutableBlock<G1>>,
     ) -> Vec<MoveOutcome<G1>> {
-        let n = src.len();
-        let src_ids: Vec<usize> = src.iter().map(|b| b.0).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
         let started = Instant::now();
-        // SAFETY: the G1 destinations are `MutableBlock`s owned by this move; the G2 sources
-        // are held per this function's contract.
-        let issued = unsafe {
-            self.tm.execute_transfer_inline(
-                self.g2,
-                &src_ids,
-                self.g1,
-                &dst_ids,
-                TransferOptions::default(),
-            )
-        };
-        let outcome = match issued {
-            Ok(o) => o,
-            Err(e) => {
-                let hashes = src.iter().map(|b| b.1);
-                return refused(&self.counters, &self.shared, hashes, "G2→G1", e);
-            }
-        };
+        let out = self
+            .mover
+            .move_blocks(src, dst)
+            .now_or_never()
+            .expect("an inline move is done when it returns");
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g1")
             .record(started.elapsed().as_secs_f64());
-        let mut parts = Vec::with_capacity(n);
-        let mut ok = 0;
-        for ((&(_, h), mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
-            match r {
-                Ok(()) => {
-                    ok += 1;
-                    self.shared.onboarded.fetch_add(1, Ordering::Relaxed);
-                    // SAFETY: the copy into this freshly allocated slot has completed.
-                    let bytes = unsafe { slot_of(&self.g1_layout, mblk.block_id()) };
-                    if self.contents.verify(h, bytes) {
-                        self.shared.verified.fetch_add(1, Ordering::Relaxed);
-                        parts.push(complete(mblk, h, None));
+        let mut arrived = 0;
+        for (s, o) in src.iter().zip(&out) {
+            match o {
+                Ok(_) => arrived += 1,
+                Err(f) => {
+                    self.shared.fail(s.sequence_hash);
+                    if f.kind == BlockFailureKind::ChecksumMismatch {
+                        // Arrived, refused by the check (counted there).
+                        arrived += 1;
                     } else {
-                        // Never served: the slot returns to the pool and the block is recomputed.
-                        self.shared.corrupt.fetch_add(1, Ordering::Relaxed);
-                        tracing::error!(hash = %h, "a block reached G1 with wrong bytes");
-                        self.shared.fail(h);
-                        parts.push(Err(BlockFailure::new(
-                            BlockFailureKind::ChecksumMismatch,
-                            format!("block {h} reached G1 with wrong bytes"),
-                        )));
+                        tracing::warn!(kind = f.kind.as_str(), error = %f.message, "G2→G1 transfer failed");
+                        self.counters
+                            .failed_transfers
+                            .fetch_add(1, Ordering::Relaxed);
                     }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "G2→G1 transfer failed");
-                    self.counters
-                        .failed_transfers
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.shared.fail(h);
-                    let mut f = BlockFailure::physical(e);
-                    f.message = format!("G2→G1 block {h}: {}", f.message);
-                    parts.push(Err(f));
                 }
             }
         }
         self.counters
-            .add_bytes(MovePath::G2ToG1, ok, self.block_bytes);
-        settle(&self.g1_manager, parts)
+            .add_bytes(MovePath::G2ToG1, arrived, self.block_bytes);
+        out
     }
 }
 
 impl BlockMove<G2, G1> for G2ToG1 {
     fn destination(&self) -> &Arc<BlockManager<G1>> {
-        &self.g1_manager
+        self.mover.destination()
     }
 
     fn move_blocks<'a>(

@@ -1,12 +1,7 @@
 //! [`StackPlan`]: everything a [`TierStack`] is built from, and where its G4 lives.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-
-use kvbm_logical::LogicalConfig;
-use kvbm_offload::{ObjectPipelineConfig, PipelineConfig};
-use kvbm_physical::{IoEngineKind, ObjectConfig, S3Config};
 
 use crate::KvbmConfig;
 use crate::error::Result;
@@ -17,19 +12,11 @@ use super::hooks::{Contents, Identities};
 #[cfg(feature = "nats")]
 use super::sharing::Sharing;
 
-/// Where G4 lives.
-#[derive(Debug, Clone)]
-pub enum G4Location {
-    /// A local-filesystem object store: in `dir` (persistent), or in a temporary directory.
-    Local(Option<PathBuf>),
-    /// An S3-compatible store.
-    S3(S3Config),
-}
-
 /// How an inference engine drives the stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FrontEnd {
-    /// The scheduler-facing manager ([`EngineTieringManager`]), vLLM's call sequence:
+    /// The scheduler-facing manager
+    /// ([`EngineTieringManager`](crate::scheduler::EngineTieringManager)), vLLM's call sequence:
     /// lookup → prepare_load → load → complete_load, prepare_store → store → complete_store.
     #[default]
     Tiering,
@@ -38,46 +25,28 @@ pub enum FrontEnd {
     Sessions,
 }
 
-/// Everything the tiers are built from.
+/// Everything a [`TierStack`](super::TierStack) is built from: the configuration tree and
+/// what is not configuration (the hooks, the front end, sharing).
+///
+/// From the tree the stack reads:
+///
+/// ```text
+///  [tiers]            g1_blocks (> 0: host memory standing in for the device), g2_blocks,
+///                     g3_blocks, g4_blocks (G4's presence index), block_bytes
+///  [physical.disk]    G3's file (its journal beside it: g3.bin → g3.journal), I/O engine,
+///                     queue depth, O_DIRECT
+///  [physical.s3] | physical.object_dir     where G4 lives
+///  [physical.object]  G4's namespace and request settings
+///  [physical.transfer], [logical], [offload.*], [leader], [runtime], [events], [metrics]
+/// ```
+///
+/// A location is never invented: G3 needs `[physical.disk]` and G4 `[physical.s3]` or
+/// `physical.object_dir` ([`KvbmConfig::validate`] says which key is missing). A caller that
+/// wants scratch tiers (a replay, a test) makes the directories and names them.
 #[derive(Debug, Clone)]
 pub struct StackPlan {
-    /// Bytes per block (a multiple of 4096).
-    pub block_bytes: usize,
-    /// G1 capacity (must hold the longest request).
-    pub g1_blocks: usize,
-    /// G2 capacity; 0 disables G2 (and so G3 and G4, which are staged through it).
-    pub g2_blocks: usize,
-    /// G3 capacity; 0 disables G3.
-    pub g3_blocks: usize,
-    /// Where G3's file and manifest live (persistent); a temporary directory when `None`.
-    pub g3_dir: Option<PathBuf>,
-    /// G3 I/O settings.
-    pub g3_engine: IoEngineKind,
-    /// G3 requests in flight per transfer.
-    pub g3_queue_depth: u32,
-    /// G3 O_DIRECT.
-    pub g3_direct_io: bool,
-    /// G4, when enabled.
-    pub g4: Option<G4Location>,
-    /// Key prefix of G4 objects.
-    pub g4_namespace: String,
-    /// Blocks the G4 presence index can hold.
-    pub g4_capacity: usize,
-    /// Block managers' settings (eviction policy etc.).
-    pub logical: LogicalConfig,
-    /// G1→G2 lane.
-    pub g1_to_g2: PipelineConfig,
-    /// G2→G3 lane.
-    pub g2_to_g3: PipelineConfig,
-    /// G2→G4 lane.
-    pub g2_to_g4: ObjectPipelineConfig,
-    /// The transfer managers' settings.
-    pub transfer: kvbm_physical::TransferConfig,
-    /// G4's settings (its namespace is replaced by `g4_namespace`).
-    pub object: ObjectConfig,
-    /// The merged engine configuration the replay's `KvbmRuntime` is built from (its runtime,
-    /// events and metrics sections, and the leader's search order).
-    pub engine: KvbmConfig,
+    /// The configuration tree (see above).
+    pub config: KvbmConfig,
     /// Set when this stack is one of several instances sharing G4 (feature `nats`).
     #[cfg(feature = "nats")]
     pub sharing: Option<Sharing>,
@@ -87,6 +56,34 @@ pub struct StackPlan {
     pub identities: Arc<Identities>,
     /// What each block's bytes are: filled when computed, verified on arrival in G1.
     pub contents: Arc<dyn Contents>,
+}
+
+impl StackPlan {
+    /// A plan over `config`, driven through the scheduler-facing manager
+    /// ([`FrontEnd::Tiering`]), with no identities known beyond the blocks' own, sharing
+    /// nothing.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`](crate::EngineError::Config) naming the first offending key
+    /// ([`KvbmConfig::validate`]; and `tiers.g1_blocks`, which the stack needs > 0).
+    pub fn new(config: KvbmConfig, contents: Arc<dyn Contents>) -> Result<Self> {
+        config.validate()?;
+        if config.tiers.g1_blocks == 0 {
+            return Err(crate::EngineError::config(
+                "tiers.g1_blocks",
+                "the stack serves every block in G1 (host memory standing in for the device): \
+                 must be > 0",
+            ));
+        }
+        Ok(StackPlan {
+            config,
+            #[cfg(feature = "nats")]
+            sharing: None,
+            front_end: FrontEnd::Tiering,
+            identities: Arc::default(),
+            contents,
+        })
+    }
 }
 
 /// Fails fast, with a clear message, when nothing listens at an S3 endpoint (the object store

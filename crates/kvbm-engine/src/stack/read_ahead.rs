@@ -28,7 +28,7 @@ impl TierStack {
     ///
     /// Presence is read from the registry without taking handles; blocks are matched in G3
     /// (held until the read ends) and staged exactly as a synchronous onboarding would, with
-    /// the same checks, when the request comes up ([`Self::complete_prefetches`]). A block
+    /// the same checks, when the request comes up (`complete_prefetches`). A block
     /// evicted from G2 before then is simply read again.
     pub fn prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
         let t = Instant::now();

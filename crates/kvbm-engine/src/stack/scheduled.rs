@@ -1,4 +1,4 @@
-//! `--scheduler tiering`: the replay drives the engine as vLLM's scheduler drives its
+//! [`FrontEnd::Tiering`](super::FrontEnd::Tiering): the stack is driven as vLLM's scheduler drives its
 //! offloading manager, through `kvbm-tiering`'s contract served over the engine's tiers
 //! ([`EngineTieringManager`](crate::scheduler::EngineTieringManager)).
 //!
@@ -19,7 +19,7 @@
 //! ```
 //!
 //! What a failed promotion leaves is the manager's business: the key reads MISS (never a hit)
-//! until the block is stored again; the replay recomputes it. A G1 copy that fails or brings
+//! until the block is stored again; the caller recomputes it. A G1 copy that fails or brings
 //! wrong bytes cuts the prefix there; what follows is recomputed (never served).
 //!
 //! Ownership: the manager pins the loaded G2 blocks between `prepare_load` and
@@ -38,7 +38,7 @@ use super::context::{Context, stack_error};
 use crate::error::Result;
 use crate::scheduler::StoreSink;
 use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
-use kvbm_offload::{ObjectPipeline, OffloadError, Pipeline, TransferHandle};
+use kvbm_offload::{MoveSource, ObjectPipeline, OffloadError, Pipeline, TransferHandle};
 use kvbm_physical::TransferOptions;
 use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
@@ -53,7 +53,8 @@ const MAX_PASSES: usize = 4;
 const WRITE_THROUGH_DELAY: Duration = Duration::from_millis(2);
 
 impl TierStack {
-    /// Serves one request through the scheduler-facing manager (see the [module docs](self)).
+    /// Serves one request through the scheduler-facing manager: lookups until a miss (waiting
+    /// for promotions), the load of the hits, the store of the rest.
     /// `keys[i]` is the key of the block registered under `hashes[i]`.
     ///
     /// # Errors
@@ -116,7 +117,7 @@ impl TierStack {
         sched
             .on_request_finished(&ctx)
             .context("on_request_finished")?;
-        // The replay keeps no event consumer: the engine's own events (G2's event sink) are
+        // The stack keeps no event consumer: the engine's own events (G2's event sink) are
         // what other instances follow.
         drop(sched.take_events());
         served.publish();
@@ -224,10 +225,10 @@ impl TierStack {
         let slots = spec
             .chunk_ids()
             .ok_or_else(|| stack_error!("prepare_load returned a spec that is not G2 slots"))?;
-        let src: Vec<(usize, SequenceHash)> = slots
+        let src: Vec<MoveSource> = slots
             .iter()
             .zip(hashes)
-            .map(|(s, h)| (*s as usize, *h))
+            .map(|(s, h)| MoveSource::from((*s as usize, *h)))
             .collect();
         let dst = match self.g1.manager.allocate_blocks(src.len()) {
             Ok(d) => d,
@@ -238,9 +239,9 @@ impl TierStack {
             .as_ref()
             .map(|m| m.g2_to_g1.clone())
             .ok_or_else(|| stack_error!("no G2→G1 path"))?;
-        // SAFETY: the slots are the G2 blocks `prepare_load` pinned for this request; they stay
-        // pinned (nothing writes them) until `complete_load` below.
-        let moved = unsafe { g2_to_g1.copy_slots(&src, dst) };
+        // The slots are the G2 blocks `prepare_load` pinned for this request; they stay pinned
+        // (nothing writes them) until `complete_load` below.
+        let moved = g2_to_g1.copy_slots(&src, dst);
         self.sched_mut()?
             .complete_load(keys, ctx)
             .context("complete_load")?;
@@ -396,7 +397,7 @@ type Buffered = (Vec<ImmutableBlock<G2>>, Option<Instant>);
 /// evicted before it reached the lower tiers); [`WriteThrough::flush`] enqueues the buffer once
 /// it holds a batch or its oldest block has waited [`WRITE_THROUGH_DELAY`], so one enqueue (a
 /// wake-up of the lane) carries many requests' blocks while a stored block still reaches G3/G4
-/// (and other instances, through G4) promptly; the replay flushes it whole before it idles.
+/// (and other instances, through G4) promptly; it is flushed whole before the caller idles.
 /// Buffered blocks are at most a batch plus one request; [`TierStack::backpressure`] flushes
 /// before it waits, and [`TierStack::finish`] before it drains. The buffer's mutex is a leaf lock.
 pub(super) struct WriteThrough {

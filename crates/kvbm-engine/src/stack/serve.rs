@@ -360,7 +360,7 @@ impl TierStack {
     }
 
     /// Offload backpressure. The lanes hold their G2 blocks until written below, and the
-    /// replay's "forward pass" is instant, so without a bound it would outrun them and find G2
+    /// caller's "forward pass" is instant, so without a bound it would outrun them and find G2
     /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
     /// on a full host cache) while lanes still have work and either more than half of G2 is
     /// queued in them or G2 has fewer than `n` + one G1→G2 batch allocatable blocks.

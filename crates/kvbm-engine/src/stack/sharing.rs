@@ -23,7 +23,7 @@ use crate::pubsub::nats::NatsBus;
 use crate::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
 use crate::runtime::KvbmRuntime;
 
-/// One instance of several: G4 is shared with the others (see the [module docs](self)).
+/// One instance of several: G4 is shared with the others, its events over NATS.
 #[derive(Debug, Clone)]
 pub struct Sharing {
     /// The NATS server.

@@ -80,7 +80,6 @@ pub(super) struct G3Tier {
     pub(super) handle: LayoutHandle,
     pub(super) layout: Arc<PhysicalLayout>,
     pub(super) dir: PathBuf,
-    pub(super) _temp: Option<tempfile::TempDir>,
     /// xxh3-128 of each block's payload as written to G3 (sequence hash → checksum).
     pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
     pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
@@ -93,7 +92,6 @@ pub(super) struct G4Tier {
     pub(super) manager: Arc<BlockManager<G4>>,
     pub(super) handle: LayoutHandle,
     pub(super) storage: Arc<ObjectStorage>,
-    pub(super) _temp: Option<tempfile::TempDir>,
     pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
     pub(super) warm_blocks: usize,
     pub(super) describe: String,
@@ -141,8 +139,8 @@ pub(super) fn manager_with_sink<T: Tier>(
 /// identity), then the payload against the checksum recorded when it was written (a valid
 /// slot holding another block, or no record of this one, fails). Counts a failure that proves
 /// the copy bad ([`BlockFailureKind::drops_copy`]) as a checksum failure and any other as a
-/// failed transfer; a block that fails is poisoned in G3 and its record dropped, so it is never
-/// read again. `Ok` when the block may be served.
+/// failed transfer; a block proven bad is poisoned in G3 and its record dropped, so it is never
+/// read again, while a transient failure keeps the copy. `Ok` when the block may be served.
 pub(super) fn check_g3_read(
     g2_layout: &PhysicalLayout,
     g3: &G3Check,
@@ -167,10 +165,14 @@ pub(super) fn check_g3_read(
     });
     if let Err(f) = &checked {
         count_failure(counters, "G3", f);
-        g3.poisoned.lock().insert(h);
-        g3.checksums.lock().remove(&h.as_u128());
-        if let Some(b) = g3.manager.scan_matches(&[h]).first() {
-            g3.index.dropped(b.block_id());
+        // Only a copy proven bad is never read again; after a transient failure (I/O) it stays
+        // listed and readable.
+        if f.kind.drops_copy() {
+            g3.poisoned.lock().insert(h);
+            g3.checksums.lock().remove(&h.as_u128());
+            if let Some(b) = g3.manager.scan_matches(&[h]).first() {
+                g3.index.dropped(b.block_id());
+            }
         }
     }
     checked

@@ -48,6 +48,7 @@ use serde::{Deserialize, Serialize};
 use kvbm_offload::{BlockFailure, BlockFailureKind};
 
 use super::{PeerInfo, WorkerAddress};
+pub use crate::error::ControlError;
 use crate::mover::BlockOutcome;
 use crate::worker::{ParallelWorkers, PhysicalWorker, TransferRequest};
 
@@ -209,109 +210,6 @@ impl ControlResponse {
             ControlResponse::Digests(_) => "Digests",
             ControlResponse::Done => "Done",
             ControlResponse::Refused(_) => "Refused",
-        }
-    }
-}
-
-/// Why a control call failed; every variant names the worker.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ControlError {
-    /// No reply within the request's deadline (the worker is gone, hung, or too slow).
-    #[error("{worker}: no reply within {timeout_ms} ms")]
-    Timeout {
-        /// The worker.
-        worker: WorkerAddress,
-        /// The deadline.
-        timeout_ms: u64,
-    },
-    /// Nobody serves the worker's control subject (not started, or exited).
-    #[error("{worker}: no worker serves its control subject")]
-    NoResponders {
-        /// The worker.
-        worker: WorkerAddress,
-    },
-    /// The reply is of another protocol version.
-    #[error("{worker}: replied in protocol version {got}, this leader speaks {expected}")]
-    Version {
-        /// The worker.
-        worker: WorkerAddress,
-        /// [`PROTOCOL_VERSION`].
-        expected: u32,
-        /// What came back.
-        got: u32,
-    },
-    /// The reply could not be decoded.
-    #[error("{worker}: undecodable reply: {message}")]
-    Decode {
-        /// The worker.
-        worker: WorkerAddress,
-        /// The decoder's complaint.
-        message: String,
-    },
-    /// The worker refused the request.
-    #[error("{worker}: refused: {message}")]
-    Refused {
-        /// The worker.
-        worker: WorkerAddress,
-        /// Its reason.
-        message: String,
-    },
-    /// The worker answered with a reply of the wrong kind.
-    #[error("{worker}: expected a {expected} reply, got {got}")]
-    Unexpected {
-        /// The worker.
-        worker: WorkerAddress,
-        /// Expected reply kind.
-        expected: &'static str,
-        /// Received reply kind.
-        got: &'static str,
-    },
-    /// The transport failed (connection lost, payload too large…).
-    #[error("{worker}: transport: {message}")]
-    Transport {
-        /// The worker.
-        worker: WorkerAddress,
-        /// What failed.
-        message: String,
-    },
-}
-
-impl ControlError {
-    /// The worker the error is about.
-    pub fn worker(&self) -> WorkerAddress {
-        match self {
-            ControlError::Timeout { worker, .. }
-            | ControlError::NoResponders { worker }
-            | ControlError::Version { worker, .. }
-            | ControlError::Decode { worker, .. }
-            | ControlError::Refused { worker, .. }
-            | ControlError::Unexpected { worker, .. }
-            | ControlError::Transport { worker, .. } => *worker,
-        }
-    }
-
-    /// Whether the worker should be considered gone (timed out or not served).
-    pub fn is_unreachable(&self) -> bool {
-        matches!(
-            self,
-            ControlError::Timeout { .. } | ControlError::NoResponders { .. }
-        )
-    }
-
-    /// The kind every block of a call that failed this way fails with: a timeout is
-    /// [`Timeout`](BlockFailureKind::Timeout), a lost transport
-    /// [`Io`](BlockFailureKind::Io), anything else a refusal. None says a copy is bad.
-    pub fn failure_kind(&self) -> BlockFailureKind {
-        match self {
-            ControlError::Timeout { .. } => BlockFailureKind::Timeout,
-            ControlError::NoResponders { .. } | ControlError::Transport { .. } => {
-                BlockFailureKind::Io
-            }
-            ControlError::Version { .. }
-            | ControlError::Decode { .. }
-            | ControlError::Refused { .. }
-            | ControlError::Unexpected { .. } => BlockFailureKind::Refused,
         }
     }
 }

@@ -35,24 +35,10 @@ use std::sync::Arc;
 use kvbm_physical::{Backing, LayoutHandle, ObjectConfig};
 
 use super::{PhysicalWorker, TransferRequest};
+pub use crate::address::RankAddress;
 use crate::error::{EngineError, Result};
 use crate::layout::LogicalLayoutHandle;
 use crate::mover::BlockOutcome;
-
-/// A rank within a tensor-parallel world of `world_size` ranks.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct RankAddress {
-    /// The rank, `0..world_size`.
-    pub rank: usize,
-    /// Ranks in the world.
-    pub world_size: usize,
-}
-
-impl std::fmt::Display for RankAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "rank {} of {}", self.rank, self.world_size)
-    }
-}
 
 /// A [`TransferRequest`] for one rank.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
