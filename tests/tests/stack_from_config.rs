@@ -146,6 +146,10 @@ block_bytes = 8192
 [physical.disk]
 path = "{disk}"
 
+# A store waits for G2 room (the lanes below free it) rather than skip its blocks.
+[offload.g1_to_g2]
+room_patience_ms = 30000
+
 {g4}
 "#,
         g3 = G3_BLOCKS,

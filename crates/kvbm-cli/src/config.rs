@@ -28,7 +28,8 @@
 //! The replay's defaults differ from the engine's in a few keys (tier sizes for a 20 000-request
 //! workload; one replay process is the only writer of its G4 namespace, so no cross-worker
 //! locks; small blocks make G2→G3 per-request bound, so several batches in flight, of up to 256
-//! blocks; G3 queue depth 128): they are the lowest layer, named `default`, so a file or a
+//! blocks; G3 queue depth 128; a G1→G2 batch or store waits up to 30 s for G2 room rather than
+//! lose its blocks): they are the lowest layer, named `default`, so a file or a
 //! variable still overrides them. A G3 the configuration gives no file gets one in a scratch
 //! directory, removed at exit (layer `default (scratch)`).
 
@@ -97,6 +98,7 @@ fn replay_defaults() -> Value {
         },
         "physical": { "object": { "namespace": "kvbm-replay" } },
         "offload": {
+            "g1_to_g2": { "room_patience_ms": 30000 },
             "g2_to_g4": { "use_locks": false },
             "g2_to_g3": {
                 "max_concurrent_transfers": 4,

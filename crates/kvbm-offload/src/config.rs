@@ -110,6 +110,14 @@ pub struct PipelineConfig {
     pub sweep_on_cancel: bool,
     /// Policies, combined with AND; empty passes all. Default: empty.
     pub policies: Vec<PolicyConfig>,
+    /// How long a batch waits for room in its destination tier (every slot held, e.g. by
+    /// lanes below still writing) before its blocks fail `NoSpace`: 0 drops them at once (the
+    /// lane is best effort), more waits, retrying with a short backoff (backpressure instead of
+    /// lost blocks). A batch larger than the whole destination fails at once. Applied by
+    /// executors that allocate destinations ([`BlockTransferExecutor`](crate::BlockTransferExecutor)).
+    /// Default: 0.
+    #[serde(with = "ms", rename = "room_patience_ms")]
+    pub room_patience: Duration,
 }
 
 impl Default for PipelineConfig {
@@ -124,6 +132,7 @@ impl Default for PipelineConfig {
             record_timing: true,
             sweep_on_cancel: true,
             policies: Vec::new(),
+            room_patience: Duration::ZERO,
         }
     }
 }
@@ -229,6 +238,11 @@ impl ObjectPipelineConfig {
         }
         if self.lock_ttl <= self.pipeline.policy_timeout {
             return bad("lock_ttl_ms must exceed pipeline.policy_timeout_ms");
+        }
+        if !self.pipeline.room_patience.is_zero() {
+            return bad(
+                "pipeline.room_patience_ms must be 0: the object lane writes objects, it has no slots to wait for",
+            );
         }
         Ok(())
     }

@@ -719,12 +719,17 @@ impl<Src: Tier> ExternalMover<Src> {
 /// [`CallerAllocated`].
 pub struct BlockTransferExecutor<Src: Tier, Dst: Tier> {
     mover: BlockMover<Src, Dst>,
+    /// How long a batch waits for destination room ([`PipelineConfig::room_patience`](crate::PipelineConfig::room_patience)).
+    patience: std::time::Duration,
+    /// Allocation retries that found the destination full (each one backoff sleep).
+    waits: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockTransferExecutor<Src, Dst> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockTransferExecutor")
             .field("mover", &self.mover)
+            .field("patience", &self.patience)
             .finish()
     }
 }
@@ -738,9 +743,31 @@ impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
         Ok(Self::from_mover(BlockMover::new(src, dst)?))
     }
 
-    /// An executor over `mover`.
+    /// An executor over `mover`; a batch that finds the destination full fails `NoSpace` at
+    /// once (see [`waiting_for_room`](Self::waiting_for_room)).
     pub fn from_mover(mover: BlockMover<Src, Dst>) -> Self {
-        Self { mover }
+        Self {
+            mover,
+            patience: std::time::Duration::ZERO,
+            waits: Arc::default(),
+        }
+    }
+
+    /// A batch that finds the destination full waits up to `patience` for room, retrying the
+    /// allocation with a short backoff (50 µs doubling to 2 ms), instead of failing `NoSpace`
+    /// at once: backpressure on the lane, no block dropped while the tiers below free slots.
+    /// Only a batch larger than the whole destination, or one still without room after
+    /// `patience` (something holds the tier for good: logged, never a hang), fails `NoSpace`.
+    /// The lane's [`PipelineConfig::room_patience`](crate::PipelineConfig::room_patience);
+    /// every retry that found the destination full is counted in `waits`.
+    pub fn waiting_for_room(
+        mut self,
+        patience: std::time::Duration,
+        waits: Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
+        self.patience = patience;
+        self.waits = waits;
+        self
     }
 
     /// The mover.
@@ -759,11 +786,53 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, 
         let n = batch.len();
         let sources: Vec<MoveSource> = batch.blocks().iter().map(MoveSource::from).collect();
         async move {
-            let dst_blocks = match self.mover.destination().allocate_blocks(n) {
-                Ok(b) => b,
-                Err(e) => return fail_all(n, BlockFailureKind::NoSpace, &e.to_string()),
-            };
-            self.mover.move_blocks(&sources, dst_blocks).await
+            match self.allocate(n).await {
+                Ok(dst_blocks) => self.mover.move_blocks(&sources, dst_blocks).await,
+                Err(f) => (0..n).map(|_| Err(f.clone())).collect(),
+            }
+        }
+    }
+}
+
+impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
+    /// `n` destination blocks, waiting for room as configured
+    /// ([`waiting_for_room`](Self::waiting_for_room)).
+    ///
+    /// # Errors
+    /// A [`NoSpace`](BlockFailureKind::NoSpace) failure when `n` exceeds the destination, or
+    /// it had no room within the patience.
+    pub async fn allocate(&self, n: usize) -> Result<Vec<MutableBlock<Dst>>, BlockFailure> {
+        {
+            let dst = self.mover.destination();
+            if n > dst.total_blocks() {
+                return Err(BlockFailure::new(
+                    BlockFailureKind::NoSpace,
+                    format!(
+                        "a batch of {n} blocks exceeds {:?} ({} blocks)",
+                        Dst::ID,
+                        dst.total_blocks()
+                    ),
+                ));
+            }
+            let deadline = std::time::Instant::now() + self.patience;
+            let mut backoff = std::time::Duration::from_micros(50);
+            loop {
+                match dst.allocate_blocks(n) {
+                    Ok(b) => return Ok(b),
+                    Err(e) if std::time::Instant::now() >= deadline => {
+                        if !self.patience.is_zero() {
+                            tracing::warn!(error = %e, "{:?} stayed full for {:?}", Dst::ID, self.patience);
+                        }
+                        return Err(BlockFailure::new(BlockFailureKind::NoSpace, e.to_string()));
+                    }
+                    Err(_) => {
+                        self.waits
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(std::time::Duration::from_millis(2));
+                    }
+                }
+            }
         }
     }
 }

@@ -887,3 +887,59 @@ fn inline_mover_with_an_arrival_check_registers_only_accepted_blocks() {
         Err(OffloadError::InvalidConfig(_))
     ));
 }
+
+/// A lane's executor waits for destination room as configured (`room_patience_ms`): with
+/// patience it gets its blocks once the tier frees slots, counting each retry; without, or for
+/// a batch larger than the whole tier, it fails `NoSpace` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_transfer_executor_waits_for_room_as_configured() {
+    let n = 4;
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let g1_h = host_layout(&tm, common::geometry(n, 1, 64), PinPolicy::Unpinned);
+    let g2_h = host_layout(&tm, common::geometry(n, 1, 64), PinPolicy::Unpinned);
+    let g2 = Arc::new(manager::<G2>(n, None));
+    let mover = || {
+        BlockMover::<kvbm_logical::G1, G2>::from_layout(
+            g1_h,
+            &BoundTier::new(tm.clone(), g2_h, g2.clone()).unwrap(),
+        )
+        .unwrap()
+    };
+    let waits = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let patient = BlockTransferExecutor::from_mover(mover())
+        .waiting_for_room(Duration::from_secs(10), waits.clone());
+    let impatient = BlockTransferExecutor::from_mover(mover());
+
+    // Every G2 slot taken (held by someone else).
+    let taken = g2.allocate_blocks(n).unwrap();
+    let refused = impatient.allocate(2).await.unwrap_err();
+    assert_eq!(refused.kind, BlockFailureKind::NoSpace, "{refused}");
+    let too_big = patient.allocate(n + 1).await.unwrap_err();
+    assert_eq!(
+        too_big.kind,
+        BlockFailureKind::NoSpace,
+        "no wait can make room: {too_big}"
+    );
+    assert_eq!(waits.load(std::sync::atomic::Ordering::Relaxed), 0);
+
+    // The holder frees the slots a little later: the patient executor gets them.
+    let freed_at = std::time::Instant::now() + Duration::from_millis(50);
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(taken);
+    });
+    let got = patient
+        .allocate(2)
+        .await
+        .expect("room once the slots are freed");
+    assert!(
+        std::time::Instant::now() >= freed_at,
+        "it waited for the release"
+    );
+    assert_eq!(got.len(), 2);
+    assert!(
+        waits.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "its retries are counted"
+    );
+    release.await.unwrap();
+}

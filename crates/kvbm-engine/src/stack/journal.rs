@@ -220,9 +220,10 @@ pub async fn write_recorded(
         .map(|b| (b.block_id, b.sequence_hash))
         .collect();
     let mover = inner.mover();
-    let dst = match mover.destination().allocate_blocks(n) {
+    // G3 room: at once, or waiting as the lane's `room_patience_ms` says.
+    let dst = match inner.allocate(n).await {
         Ok(b) => b,
-        Err(e) => return fail(BlockFailureKind::NoSpace, e.to_string()),
+        Err(f) => return (0..n).map(|_| Err(f.clone())).collect(),
     };
     if let Err(e) = index.will_write(dst.iter().map(|b| b.block_id())) {
         tracing::warn!(error = %e, "G3 journal full or failing: G3 admits nothing");

@@ -1,16 +1,17 @@
-//! The offload lanes' executors and hand-offs: G1→G2 that waits for G2 room, G2→G3 that
+//! The offload lanes' pieces the stack adds to `kvbm-offload`'s: the G2→G3 executor that
 //! records each block's checksum in the journal, and the hand-off from one lane's completion
-//! sink to the next lane.
+//! sink to the next lane. (G1→G2 is `kvbm-offload`'s `BlockTransferExecutor` over an inline
+//! `BlockMover`, waiting for G2 room as `offload.g1_to_g2.room_patience_ms` says.)
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
-use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock};
+use kvbm_logical::{BlockRegistry, G2, G3, ImmutableBlock};
 use kvbm_offload::{
-    AllOfPolicy, BatchOutcome, BlockFailure, BlockFailureKind, BlockMover, BlockTransferExecutor,
-    EnqueueError, MoveSource, OffloadPolicy, Pipeline, PipelineConfig, PresenceFilter,
-    ResolvedBatch, TransferExecutor, TransferHandle, create_policy_from_config,
+    AllOfPolicy, BatchOutcome, BlockTransferExecutor, EnqueueError, OffloadPolicy, Pipeline,
+    PipelineConfig, PresenceFilter, ResolvedBatch, TransferExecutor, TransferHandle,
+    create_policy_from_config,
 };
 use kvbm_physical::PhysicalLayout;
 use parking_lot::Mutex;
@@ -18,10 +19,6 @@ use parking_lot::Mutex;
 use super::journal::G3Index;
 
 use super::counters::{Counters, MovePath};
-
-/// How long a G1→G2 batch waits for G2 space before it fails `NoSpace` (see
-/// [`G1ToG2Executor`]).
-pub(super) const G2_SPACE_PATIENCE: Duration = Duration::from_secs(30);
 
 pub(super) fn lane_policy(
     registry: &BlockRegistry,
@@ -75,74 +72,6 @@ impl TransferExecutor<G2> for RecordingG3Executor {
         self.counters
             .add_bytes(MovePath::G2ToG3, ok, self.block_bytes);
         out
-    }
-}
-
-/// The G1→G2 executor: waits for G2 space instead of failing `NoSpace`, and copies on the
-/// lane's own thread.
-///
-/// G2 stages every offload: the lower lanes hold a G2 block (strongly) until it is written to
-/// G3/G4, so with G2 barely larger than G1 a G1→G2 batch can find every G2 slot held for a
-/// moment. `kvbm-offload`'s allocate-then-move executor fails such a batch (`NoSpace`) and the
-/// blocks are recomputed later: lost hits. This one retries the allocation, with a short
-/// backoff, until G2 has room — the lower lanes free slots as they finish — so no block is
-/// dropped for lack of space; the wait is backpressure on the G1→G2 lane (and so on G1, where
-/// the stack waits for it). Only a batch larger than G2, or one still without room after
-/// `patience` (something holds G2 for good: a bug, reported, never a hang), fails `NoSpace`.
-///
-/// The move itself is `kvbm-offload`'s [`BlockMover`], inline: G1 here is host memory (the
-/// GPU's stand-in), so the copy is host to host, a `memcpy` of at most one batch on this task
-/// with the transfer manager's claims and checks, instead of a round trip through the manager's
-/// runtime. Destinations are registered only after their bytes arrived.
-pub(super) struct G1ToG2Executor {
-    /// kvbm-offload's move, inline: G1 slots into G2 destinations, registered once arrived.
-    pub(super) mover: BlockMover<G1, G2>,
-    pub(super) patience: Duration,
-    /// Allocation retries that found G2 full (each one backoff sleep).
-    pub(super) waits: Arc<AtomicU64>,
-}
-
-impl G1ToG2Executor {
-    fn g2(&self) -> &Arc<BlockManager<G2>> {
-        self.mover.destination()
-    }
-}
-
-impl TransferExecutor<G1> for G1ToG2Executor {
-    type Output = ImmutableBlock<G2>;
-
-    async fn execute(&self, batch: &ResolvedBatch<G1>) -> BatchOutcome<ImmutableBlock<G2>> {
-        let n = batch.len();
-        let sources: Vec<MoveSource> = batch.blocks().iter().map(MoveSource::from).collect();
-        let no_space = |why: String| -> BatchOutcome<ImmutableBlock<G2>> {
-            (0..n)
-                .map(|_| Err(BlockFailure::new(BlockFailureKind::NoSpace, why.clone())))
-                .collect()
-        };
-        let g2 = self.g2();
-        if n > g2.total_blocks() {
-            return no_space(format!(
-                "a batch of {n} blocks exceeds G2 ({} blocks)",
-                g2.total_blocks()
-            ));
-        }
-        let deadline = Instant::now() + self.patience;
-        let mut backoff = Duration::from_micros(50);
-        loop {
-            match g2.allocate_blocks(n) {
-                // Inline: the copy is done when `move_blocks` returns.
-                Ok(dst) => return self.mover.move_blocks(&sources, dst).await,
-                Err(e) if Instant::now() >= deadline => {
-                    tracing::warn!(error = %e, "G2 stayed full for {:?}", self.patience);
-                    return no_space(format!("G2 stayed full for {:?}: {e}", self.patience));
-                }
-                Err(_) => {
-                    self.waits.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(2));
-                }
-            }
-        }
     }
 }
 

@@ -77,10 +77,7 @@ pub use counters::{Counters, MovePath, PATH_NAMES, Served, StageTimes};
 pub use hooks::{Contents, Identities};
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
-use lanes::{
-    G1ToG2Executor, G2_SPACE_PATIENCE, Handoffs, RecordingG3Executor, enqueue_from_sink,
-    lane_policy,
-};
+use lanes::{Handoffs, RecordingG3Executor, enqueue_from_sink, lane_policy};
 use read_ahead::Prefetch;
 #[cfg(feature = "nats")]
 use sharing::SharedG4;
@@ -160,6 +157,9 @@ pub struct TierStack {
     pub no_space: u64,
     /// Times a G1→G2 batch found G2 full and waited for the lower lanes to free a slot.
     pub g2_space_waits: Arc<AtomicU64>,
+    /// How long the scheduler-path store waits for G2 room (`offload.g1_to_g2.room_patience_ms`:
+    /// it is that lane's work on the Tiering front end).
+    g2_room_patience: std::time::Duration,
     /// G3→G2 reads started ahead of their request, oldest first.
     prefetches: std::collections::VecDeque<Prefetch>,
     /// Blocks in G2 because a prefetch staged them, not yet claimed by their request.
@@ -470,7 +470,8 @@ impl TierStack {
                                 g3t.manager.clone(),
                             )?,
                         )?,
-                    ),
+                    )
+                    .waiting_for_room(cfg.offload.g2_to_g3.room_patience, Arc::default()),
                     g2_layout: g2t.layout.clone(),
                     checksums: g3t.checksums.clone(),
                     counters: counters.clone(),
@@ -517,15 +518,17 @@ impl TierStack {
             // complete_store) is G1→G2, and the stack hands the stored blocks to the lower
             // lanes itself ([`scheduled`]).
             if plan.front_end == FrontEnd::Sessions {
-                let exec = G1ToG2Executor {
-                    mover: kvbm_offload::BlockMover::from_layout(
+                // G1 is host memory here: the copy is inline (a memcpy of one batch on the
+                // lane's task, no hop to the transfer manager's runtime); a batch that finds G2
+                // full of blocks the lower lanes still write waits for room as configured.
+                let exec = BlockTransferExecutor::from_mover(
+                    kvbm_offload::BlockMover::from_layout(
                         g1.handle,
                         &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
                     )?
                     .inline()?,
-                    patience: G2_SPACE_PATIENCE,
-                    waits: g2_space_waits.clone(),
-                };
+                )
+                .waiting_for_room(cfg.offload.g1_to_g2.room_patience, g2_space_waits.clone());
                 let (next3, next4, hs, ho, c) = (
                     g2_to_g3.clone(),
                     g2_to_g4.clone(),
@@ -620,6 +623,7 @@ impl TierStack {
             offload_settled: [0; 4],
             no_space: 0,
             g2_space_waits,
+            g2_room_patience: cfg.offload.g1_to_g2.room_patience,
             prefetches: std::collections::VecDeque::new(),
             prefetched: HashSet::new(),
             prefetching: HashSet::new(),

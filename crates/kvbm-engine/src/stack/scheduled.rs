@@ -44,7 +44,7 @@ use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
 use parking_lot::Mutex;
 
-use super::{Counters, G2_SPACE_PATIENCE, MovePath, Served, TierStack};
+use super::{Counters, MovePath, Served, TierStack};
 
 /// Lookup passes a request may wait through before it takes the prefix that is ready.
 const MAX_PASSES: usize = 4;
@@ -258,7 +258,7 @@ impl TierStack {
     }
 
     /// `prepare_store`, waiting while G2 is full of blocks the lanes are still writing below
-    /// (as the sessions' G1→G2 lane waits for G2 room): up to [`G2_SPACE_PATIENCE`] while a
+    /// (as the sessions' G1→G2 lane waits for G2 room): up to `offload.g1_to_g2.room_patience_ms` while a
     /// lane has work, and a short grace once it has none (a lane drops its blocks just after it
     /// reports them done). `None`: G2 has no room to give.
     fn prepare_store(
@@ -294,7 +294,7 @@ impl TierStack {
             } else if idle_since.get_or_insert_with(Instant::now).elapsed() > GRACE {
                 return Ok(None);
             }
-            if started.elapsed() > G2_SPACE_PATIENCE {
+            if started.elapsed() >= self.g2_room_patience {
                 return Ok(None);
             }
             std::thread::sleep(Duration::from_micros(200));

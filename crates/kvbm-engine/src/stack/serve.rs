@@ -367,7 +367,7 @@ impl TierStack {
     ///
     /// While it waits, G3 reads started ahead (which hold G2 slots until their request comes
     /// up) are finished, so their slots become evictable: a G1→G2 batch waiting for G2 room
-    /// (see [`G1ToG2Executor`]) must not wait on this thread.
+    /// (`offload.g1_to_g2.room_patience_ms`) must not wait on this thread.
     pub(super) fn backpressure(&mut self, n: usize) {
         let Some(g2) = self.g2.as_ref().map(|g| g.manager.clone()) else {
             return;
