@@ -39,7 +39,7 @@ const BLOCK: usize = 2 * MIB;
 
 /// Which benchmark to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Which {
+pub(crate) enum Which {
     /// Host-to-host copies.
     Host,
     /// G2 ↔ G3 (disk).
@@ -54,7 +54,7 @@ pub enum Which {
 
 /// One measured path.
 #[derive(Debug, Clone, Serialize)]
-pub struct BenchResult {
+pub(crate) struct BenchResult {
     /// The path (`host_copy`, `g2_to_g3`, ...).
     pub path: &'static str,
     /// Bytes per block.
@@ -77,14 +77,14 @@ pub struct BenchResult {
 
 /// The whole output.
 #[derive(Debug, Clone, Serialize)]
-pub struct BenchOutput {
+pub(crate) struct BenchOutput {
     /// Measured paths.
     pub results: Vec<BenchResult>,
 }
 
 impl BenchOutput {
     /// A readable table.
-    pub fn table(&self) -> String {
+    pub(crate) fn table(&self) -> String {
         let mut s = String::from(
             "path             block     blocks  ours GiB/s  baseline GiB/s  ratio  baseline\n",
         );
@@ -490,7 +490,11 @@ fn object(
 ///
 /// # Errors
 /// Storage that cannot be set up, a failed transfer, an unreachable S3 endpoint.
-pub fn run(which: Which, dir: Option<&Path>, cfg: &CliConfig) -> anyhow::Result<BenchOutput> {
+pub(crate) fn run(
+    which: Which,
+    dir: Option<&Path>,
+    cfg: &CliConfig,
+) -> anyhow::Result<BenchOutput> {
     let tm = Arc::new(TransferManager::new().context("cannot start the transfer manager")?);
     let tmp = std::env::temp_dir();
     let dir = dir.unwrap_or(&tmp);

@@ -45,7 +45,7 @@ use serde_json::{Value, json};
 
 /// The whole configuration: the engine's tree and the `[replay]` section.
 #[derive(Debug, Clone, PartialEq)]
-pub struct CliConfig {
+pub(crate) struct CliConfig {
     /// Every section but `[replay]` (`logical`, `physical`, `offload`, `runtime`, `tiers`,
     /// `leader`, `events`, `metrics`, `transport`, `tiering`): kvbm-engine's tree. Its
     /// `replay` field is left empty; the typed section is [`CliConfig::replay`].
@@ -59,14 +59,14 @@ pub struct CliConfig {
 
 /// A directory removed when the last handle is dropped.
 #[derive(Debug, Clone)]
-pub struct ScratchDir(std::sync::Arc<tempfile::TempDir>);
+pub(crate) struct ScratchDir(std::sync::Arc<tempfile::TempDir>);
 
 impl ScratchDir {
     /// A new scratch directory named `prefix…` in the system's temporary directory.
     ///
     /// # Errors
     /// It cannot be created.
-    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+    pub(crate) fn new(prefix: &str) -> anyhow::Result<Self> {
         let t = tempfile::Builder::new()
             .prefix(prefix)
             .tempdir()
@@ -75,7 +75,7 @@ impl ScratchDir {
     }
 
     /// Where it is.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         self.0.path()
     }
 }
@@ -112,7 +112,7 @@ fn replay_defaults() -> Value {
 /// [module docs](self)).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ReplayConfig {
+pub(crate) struct ReplayConfig {
     /// Mooncake JSONL trace; the built-in synthetic workload when unset.
     pub trace: Option<PathBuf>,
     /// Seed of the synthetic workload.
@@ -138,7 +138,7 @@ pub struct ReplayConfig {
 /// The replay's scheduler front end (see `replay::tiers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum Scheduler {
+pub(crate) enum Scheduler {
     /// `kvbm-tiering`'s scheduler contract served by the engine (`EngineTieringManager`):
     /// lookup → prepare_load → load → complete_load, prepare_store → store → complete_store.
     #[default]
@@ -184,7 +184,7 @@ fn named<P: Provider>(name: impl Into<String>, inner: P) -> Named<P> {
 }
 
 /// The merged configuration and the figment that knows where each value came from.
-pub struct Loaded {
+pub(crate) struct Loaded {
     /// The configuration.
     pub config: CliConfig,
     figment: Figment,
@@ -195,7 +195,7 @@ pub struct Loaded {
 ///
 /// # Errors
 /// An unreadable file, or a bad key or value anywhere (named, with its source).
-pub fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
+pub(crate) fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> {
     let mut figment =
         Figment::new().merge(named("default", Serialized::defaults(replay_defaults())));
     if let Some(path) = file {
@@ -313,7 +313,7 @@ fn is_secret(key: &str) -> bool {
 
 impl Loaded {
     /// Every leaf `key = value  # source`, secrets redacted, as printed by `config show`.
-    pub fn show(&self) -> anyhow::Result<String> {
+    pub(crate) fn show(&self) -> anyhow::Result<String> {
         let mut tree = serde_json::to_value(&self.config.engine)?;
         tree["replay"] = serde_json::to_value(&self.config.replay)?;
         let mut leaves = Vec::new();

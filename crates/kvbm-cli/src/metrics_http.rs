@@ -16,7 +16,7 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 ///
 /// # Errors
 /// The address cannot be bound, or a recorder is already installed.
-pub fn serve(addr: &str) -> anyhow::Result<()> {
+pub(crate) fn serve(addr: &str) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr)
         .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
     let handle = PrometheusBuilder::new()

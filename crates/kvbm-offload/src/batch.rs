@@ -42,7 +42,7 @@ use crate::source::{Precondition, SourceBlock};
 
 /// The unit of cancellation flowing through the pipeline: blocks, their precondition and the
 /// token of the transfer they belong to.
-pub struct OffloadContainer<T: Tier, A = ()> {
+pub(crate) struct OffloadContainer<T: Tier, A = ()> {
     blocks: Vec<SourceBlock<T>>,
     /// Per-block destination attachment, aligned with `blocks` (`()` when the executor
     /// allocates destinations, a caller-allocated `MutableBlock` otherwise).
@@ -68,7 +68,7 @@ impl<T: Tier, A> std::fmt::Debug for OffloadContainer<T, A> {
 impl<T: Tier, A> OffloadContainer<T, A> {
     /// A container for `blocks` of the transfer owning `cancel_token`. `pending` is aligned with
     /// `blocks` (the pending-set entry each block holds, if any).
-    pub fn new(
+    pub(crate) fn new(
         blocks: Vec<SourceBlock<T>>,
         dests: Vec<A>,
         pending: Vec<Option<PendingGuard>>,
@@ -99,28 +99,28 @@ impl<T: Tier, A> OffloadContainer<T, A> {
     }
 
     /// The blocks.
-    pub fn blocks(&self) -> &[SourceBlock<T>] {
+    pub(crate) fn blocks(&self) -> &[SourceBlock<T>] {
         &self.blocks
     }
 
     /// Number of blocks.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.blocks.len()
     }
 
     /// Whether it holds no blocks.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
 
     /// The token it carries (P2).
-    pub fn cancel_token(&self) -> &CancellationToken {
+    pub(crate) fn cancel_token(&self) -> &CancellationToken {
         &self.cancel_token
     }
 
     /// Whether its transfer was cancelled.
     #[inline]
-    pub fn is_cancelled(&self) -> bool {
+    pub(crate) fn is_cancelled(&self) -> bool {
         self.cancel_token.is_cancelled()
     }
 
@@ -222,7 +222,7 @@ impl<T: Tier, A> Sweep for OffloadContainer<T, A> {
 }
 
 /// Multiple containers, each independently cancellable until [`upgrade_batch`].
-pub struct OffloadBatch<T: Tier, A = ()> {
+pub(crate) struct OffloadBatch<T: Tier, A = ()> {
     containers: Vec<OffloadContainer<T, A>>,
     total: usize,
 }
@@ -244,7 +244,7 @@ impl<T: Tier, A> Default for OffloadBatch<T, A> {
 
 impl<T: Tier, A> OffloadBatch<T, A> {
     /// An empty batch.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             containers: Vec::new(),
             total: 0,
@@ -252,18 +252,18 @@ impl<T: Tier, A> OffloadBatch<T, A> {
     }
 
     /// Adds a container.
-    pub fn push(&mut self, c: OffloadContainer<T, A>) {
+    pub(crate) fn push(&mut self, c: OffloadContainer<T, A>) {
         self.total += c.len();
         self.containers.push(c);
     }
 
     /// Total blocks.
-    pub fn total_blocks(&self) -> usize {
+    pub(crate) fn total_blocks(&self) -> usize {
         self.total
     }
 
     /// Whether it has no containers.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.containers.is_empty()
     }
 

@@ -131,13 +131,13 @@ impl CancellationToken {
 ///
 /// Held as the last field of containers and resolved batches so that it is released only after
 /// the blocks and pending-set entries it accounts for.
-pub struct OutstandingGuard {
+pub(crate) struct OutstandingGuard {
     shared: Arc<TransferShared>,
 }
 
 impl OutstandingGuard {
     /// Another guard for the same transfer (a container being split keeps both halves counted).
-    pub fn split(&self) -> OutstandingGuard {
+    pub(crate) fn split(&self) -> OutstandingGuard {
         self.shared.outstanding.fetch_add(1, Ordering::AcqRel);
         OutstandingGuard {
             shared: self.shared.clone(),

@@ -63,7 +63,7 @@ pub trait DynTransferExecutor<T: Tier, R, A = ()>: Send + Sync + 'static {
 }
 
 /// A boxed future borrowing its inputs.
-pub type BoxFutureRef<'a, O> = std::pin::Pin<Box<dyn Future<Output = O> + Send + 'a>>;
+pub(crate) type BoxFutureRef<'a, O> = std::pin::Pin<Box<dyn Future<Output = O> + Send + 'a>>;
 
 impl<T: Tier, A: Send + 'static, E: TransferExecutor<T, A>> DynTransferExecutor<T, E::Output, A>
     for E

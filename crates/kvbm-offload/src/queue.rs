@@ -27,13 +27,13 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 /// An item that may hold cancelled work.
-pub trait Sweep {
+pub(crate) trait Sweep {
     /// Removes cancelled parts; returns `true` when nothing is left and the item should be removed.
     fn sweep_cancelled(&mut self) -> bool;
 }
 
 /// A bounded multi-producer multi-consumer queue that supports active cancellation via sweeping.
-pub struct CancellableQueue<T> {
+pub(crate) struct CancellableQueue<T> {
     state: Mutex<State<T>>,
     not_empty: Notify,
     not_full: Notify,
@@ -64,7 +64,7 @@ impl<T> std::fmt::Debug for CancellableQueue<T> {
 
 impl<T> CancellableQueue<T> {
     /// A queue holding at most `capacity` items (at least 1).
-    pub fn new(name: &'static str, capacity: usize) -> Self {
+    pub(crate) fn new(name: &'static str, capacity: usize) -> Self {
         Self {
             state: Mutex::new(State {
                 items: VecDeque::new(),
@@ -81,7 +81,7 @@ impl<T> CancellableQueue<T> {
     }
 
     /// Exports the queue's high-water mark to `gauge` (set whenever it rises).
-    pub fn with_high_water_gauge(mut self, gauge: metrics::Gauge) -> Self {
+    pub(crate) fn with_high_water_gauge(mut self, gauge: metrics::Gauge) -> Self {
         self.high_water_gauge = Some(gauge);
         self
     }
@@ -103,12 +103,12 @@ impl<T> CancellableQueue<T> {
     }
 
     /// Items queued now.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.state.lock().items.len()
     }
 
     /// Pushes without waiting. Errors give the item back: `Full` or `Closed`.
-    pub fn try_push(&self, item: T) -> Result<(), PushError<T>> {
+    pub(crate) fn try_push(&self, item: T) -> Result<(), PushError<T>> {
         let mut s = self.state.lock();
         if s.closed {
             return Err(PushError::Closed(item));
@@ -153,7 +153,7 @@ impl<T> CancellableQueue<T> {
     }
 
     /// Resolves when the queue may have room (or is closed).
-    pub async fn space_available(&self) {
+    pub(crate) async fn space_available(&self) {
         loop {
             let notified = self.not_full.notified();
             tokio::pin!(notified);
@@ -169,7 +169,7 @@ impl<T> CancellableQueue<T> {
     }
 
     /// Pops without waiting.
-    pub fn try_pop(&self) -> Option<T> {
+    pub(crate) fn try_pop(&self) -> Option<T> {
         let item = self.state.lock().items.pop_front();
         if item.is_some() {
             self.not_full.notify_waiters();
@@ -178,7 +178,7 @@ impl<T> CancellableQueue<T> {
     }
 
     /// Pops, waiting for an item. `None` once the queue is closed and empty.
-    pub async fn pop(&self) -> Option<T> {
+    pub(crate) async fn pop(&self) -> Option<T> {
         loop {
             let notified = self.not_empty.notified();
             tokio::pin!(notified);
@@ -206,7 +206,7 @@ impl<T> CancellableQueue<T> {
     }
 
     /// Closes the queue: pushes fail from now on, pops drain what is left and then return `None`.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.state.lock().closed = true;
         self.not_empty.notify_waiters();
         self.not_full.notify_waiters();
@@ -279,7 +279,7 @@ impl<T: Sweep> CancellableQueue<T> {
     /// Removes cancelled work from every queued item; returns how many items were removed.
     ///
     /// Removed items are dropped after the lock is released.
-    pub fn sweep(&self) -> usize {
+    pub(crate) fn sweep(&self) -> usize {
         let mut removed = Vec::new();
         {
             let mut s = self.state.lock();
@@ -307,7 +307,7 @@ impl<T: Sweep> CancellableQueue<T> {
 
 /// Why a [`CancellableQueue::try_push`] failed; carries the item back.
 #[derive(Debug)]
-pub enum PushError<T> {
+pub(crate) enum PushError<T> {
     /// The queue is at capacity.
     Full(T),
     /// The queue is closed.
@@ -315,7 +315,7 @@ pub enum PushError<T> {
 }
 
 /// Anything the [`CancelSweeper`](crate::sweep::CancelSweeper) can sweep.
-pub trait SweepTarget: Send + Sync {
+pub(crate) trait SweepTarget: Send + Sync {
     /// Sweeps once; returns how many items were removed.
     fn sweep(&self) -> usize;
     /// Closes and drops everything held (teardown of a failed pipeline).

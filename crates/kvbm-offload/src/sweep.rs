@@ -18,7 +18,7 @@ use crate::queue::SweepTarget;
 
 /// Wakes everything that sweeps when a token is cancelled.
 #[derive(Clone, Debug)]
-pub struct SweepSignal {
+pub(crate) struct SweepSignal {
     tx: Arc<watch::Sender<u64>>,
 }
 
@@ -30,25 +30,25 @@ impl Default for SweepSignal {
 
 impl SweepSignal {
     /// A new signal.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             tx: Arc::new(watch::Sender::new(0)),
         }
     }
 
     /// Announces a cancellation.
-    pub fn signal(&self) {
+    pub(crate) fn signal(&self) {
         self.tx.send_modify(|e| *e = e.wrapping_add(1));
     }
 
     /// A receiver that sees every later signal (at least the latest).
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
         self.tx.subscribe()
     }
 }
 
 /// Periodically, and immediately on any cancellation, sweeps a set of queues.
-pub struct CancelSweeper {
+pub(crate) struct CancelSweeper {
     targets: Vec<Arc<dyn SweepTarget>>,
     signal: SweepSignal,
     interval: Duration,
@@ -65,7 +65,7 @@ impl std::fmt::Debug for CancelSweeper {
 
 impl CancelSweeper {
     /// A sweeper over `targets`, woken by `signal` and every `interval`.
-    pub fn new(
+    pub(crate) fn new(
         targets: Vec<Arc<dyn SweepTarget>>,
         signal: SweepSignal,
         interval: Duration,
@@ -78,12 +78,12 @@ impl CancelSweeper {
     }
 
     /// Sweeps every target once; returns how many items were removed.
-    pub fn sweep_once(&self) -> usize {
+    pub(crate) fn sweep_once(&self) -> usize {
         self.targets.iter().map(|t| t.sweep()).sum()
     }
 
     /// Runs until `stop` is cancelled.
-    pub async fn run(self, stop: tokio_util::sync::CancellationToken) {
+    pub(crate) async fn run(self, stop: tokio_util::sync::CancellationToken) {
         let mut rx = self.signal.subscribe();
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -34,7 +34,7 @@ use crate::bound::BoundTier;
 use crate::error::{BlockFailure, BlockFailureKind, OffloadError};
 use crate::executor::TransferExecutor;
 
-pub use crate::object::keys::{identity_of, object_key};
+pub(crate) use crate::object::keys::{identity_of, object_key};
 
 fn fail_all<R>(n: usize, kind: BlockFailureKind, message: &str) -> BatchOutcome<R> {
     (0..n)

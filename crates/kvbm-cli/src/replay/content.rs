@@ -10,7 +10,7 @@ use kvbm_logical::SequenceHash;
 
 /// The 64-bit seed of a block's contents.
 #[inline]
-pub fn seed(hash: SequenceHash) -> u64 {
+pub(crate) fn seed(hash: SequenceHash) -> u64 {
     let v = hash.as_u128();
     (v as u64) ^ ((v >> 64) as u64).rotate_left(17)
 }
@@ -25,14 +25,14 @@ fn word(seed: u64, i: u64) -> u64 {
 }
 
 /// Fills `out` (a multiple of 8 bytes) with the contents of the block with `seed`.
-pub fn fill(seed: u64, out: &mut [u8]) {
+pub(crate) fn fill(seed: u64, out: &mut [u8]) {
     for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
         chunk.copy_from_slice(&word(seed, i as u64).to_le_bytes());
     }
 }
 
 /// Whether `bytes` are exactly the contents of the block with `seed`.
-pub fn verify(seed: u64, bytes: &[u8]) -> bool {
+pub(crate) fn verify(seed: u64, bytes: &[u8]) -> bool {
     if !bytes.len().is_multiple_of(8) {
         return false;
     }
@@ -44,7 +44,7 @@ pub fn verify(seed: u64, bytes: &[u8]) -> bool {
 
 /// The replay's [`Contents`]: every block's bytes are [`fill`] of its hash's [`seed`].
 #[derive(Debug, Clone, Copy, Default)]
-pub struct ReplayContents;
+pub(crate) struct ReplayContents;
 
 impl Contents for ReplayContents {
     fn fill(&self, hash: SequenceHash, out: &mut [u8]) {

@@ -32,7 +32,7 @@ use crate::config::CliConfig;
 
 /// How `--instances` spreads requests over the instances.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Assign {
+pub(crate) enum Assign {
     /// Round-robin by conversation (the default): a conversation's turns stay on one instance,
     /// so an instance meets another's blocks only through shared prefixes.
     #[default]
@@ -46,7 +46,7 @@ pub enum Assign {
 /// The instance (0-based) serving each request. [`Assign::Conversation`]: conversations (or,
 /// without a conversation id, first block ids) in order of first appearance, round-robin over
 /// `count` instances. [`Assign::Request`]: request `i` goes to instance `i % count`.
-pub fn assign(requests: &[Request], count: usize, mode: Assign) -> Vec<usize> {
+pub(crate) fn assign(requests: &[Request], count: usize, mode: Assign) -> Vec<usize> {
     let count = count.max(1);
     if mode == Assign::Request {
         return (0..requests.len()).map(|i| i % count).collect();
@@ -99,7 +99,7 @@ fn forwarded_args(args: Vec<OsString>) -> Vec<OsString> {
 ///
 /// # Errors
 /// A child that cannot start, fails, or prints no report (its stderr was shown).
-pub fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyhow::Result<Value> {
+pub(crate) fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyhow::Result<Value> {
     if count == 0 {
         bail!("--instances must be at least 1");
     }
@@ -214,7 +214,7 @@ fn add_numbers(into: &mut Map<String, Value>, from: &Map<String, Value>) {
 /// One report from the instances' reports: counters, bytes, per-tier hits, stage times and
 /// capacities summed (G4's capacity is the shared store's index: the largest), ratios and
 /// throughput recomputed over the whole workload and the parent's wall time.
-pub fn combine(reports: &[Value], total: usize, unique: usize, wall: f64) -> Value {
+pub(crate) fn combine(reports: &[Value], total: usize, unique: usize, wall: f64) -> Value {
     let mut out = Map::new();
     for r in reports {
         if let Value::Object(m) = r {
@@ -265,7 +265,7 @@ pub fn combine(reports: &[Value], total: usize, unique: usize, wall: f64) -> Val
 }
 
 /// A readable summary of a combined report.
-pub fn table(r: &Value) -> String {
+pub(crate) fn table(r: &Value) -> String {
     let u = |p: &str| r.pointer(p).and_then(Value::as_u64).unwrap_or(0);
     let f = |p: &str| r.pointer(p).and_then(Value::as_f64).unwrap_or(0.0);
     let mut s = format!(

@@ -26,14 +26,14 @@ use kvbm_tiering::tiering::{digest_hash, key_digest};
 use super::workload::HASH_BLOCK_SIZE;
 
 /// The key of the block whose chained sequence hash is `s`.
-pub fn key_of(s: SequenceHash) -> OffloadKey {
+pub(crate) fn key_of(s: SequenceHash) -> OffloadKey {
     let mut raw = [0u8; 20];
     raw[..16].copy_from_slice(&s.as_u128().to_le_bytes());
     OffloadKey::from_bytes(&raw).expect("20 bytes is a valid key length")
 }
 
 /// A block's key, identity and the hash every tier registers it under.
-pub fn keyed(s: SequenceHash) -> (OffloadKey, BlockDigest, SequenceHash) {
+pub(crate) fn keyed(s: SequenceHash) -> (OffloadKey, BlockDigest, SequenceHash) {
     let key = key_of(s);
     let digest = key_digest(&key);
     let hash = digest_hash(&digest, HASH_BLOCK_SIZE);
@@ -42,7 +42,7 @@ pub fn keyed(s: SequenceHash) -> (OffloadKey, BlockDigest, SequenceHash) {
 
 /// Maps a request's chained sequence hashes to keys and tier hashes (`keys` and `hashes` are
 /// cleared first).
-pub fn key_request(
+pub(crate) fn key_request(
     chained: &[SequenceHash],
     keys: &mut Vec<OffloadKey>,
     hashes: &mut Vec<SequenceHash>,
@@ -59,7 +59,7 @@ pub fn key_request(
 /// The identity (digest) of every block of `requests` (their `hash_ids`, chained with `salt`),
 /// by tier hash: what the stack checks a read of a block registered without its digest
 /// against (see [`Identities`]).
-pub fn identities_of_workload<'a>(
+pub(crate) fn identities_of_workload<'a>(
     salt: kvbm_logical::Salt,
     requests: impl IntoIterator<Item = &'a [u64]>,
 ) -> Identities {

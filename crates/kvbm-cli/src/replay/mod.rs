@@ -10,13 +10,13 @@
 //! tokio runtime behind it). With `time_scale > 0` a request is not started before its
 //! timestamp × scale.
 
-pub mod content;
-pub mod instances;
-pub mod keys;
-pub mod report;
-pub mod sweep;
-pub mod trace_line;
-pub mod workload;
+pub(crate) mod content;
+pub(crate) mod instances;
+pub(crate) mod keys;
+pub(crate) mod report;
+pub(crate) mod sweep;
+pub(crate) mod trace_line;
+pub(crate) mod workload;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -30,13 +30,13 @@ use kvbm_engine::stack::{FrontEnd, PATH_NAMES, Sharing, StackPlan, TierStack};
 use report::{Report, TierReport};
 
 /// Requests of the synthetic workload when `--requests` is not given.
-pub const DEFAULT_SYNTHETIC_REQUESTS: usize = 20_000;
+pub(crate) const DEFAULT_SYNTHETIC_REQUESTS: usize = 20_000;
 
 /// Loads the workload the configuration names.
 ///
 /// # Errors
 /// An unreadable or malformed trace.
-pub fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
+pub(crate) fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
     let r = &cfg.replay;
     Ok(match &r.trace {
         Some(p) => workload::load_trace(p, r.requests)?,
@@ -53,7 +53,7 @@ pub fn load_workload(cfg: &CliConfig) -> anyhow::Result<workload::Workload> {
 ///
 /// # Errors
 /// A scratch directory that cannot be made; a value the engine refuses (named by its key).
-pub fn plan(
+pub(crate) fn plan(
     cfg: &CliConfig,
     unique_blocks: usize,
 ) -> anyhow::Result<(StackPlan, Option<ScratchDir>)> {
@@ -96,13 +96,13 @@ fn eviction_name(cfg: &CliConfig) -> String {
 ///
 /// # Errors
 /// Bad input or storage that cannot be set up; per-block failures are counted instead.
-pub fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
+pub(crate) fn run(cfg: &CliConfig) -> anyhow::Result<Report> {
     run_instance(cfg, None)
 }
 
 /// One instance of a `--instances` run: which one, of how many, and how it shares G4.
 #[derive(Debug, Clone)]
-pub struct InstanceSpec {
+pub(crate) struct InstanceSpec {
     /// This instance (0-based).
     pub index: usize,
     /// Instances in the run.
@@ -118,7 +118,7 @@ pub struct InstanceSpec {
 ///
 /// # Errors
 /// As [`run`].
-pub fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Result<Report> {
+pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyhow::Result<Report> {
     let mut wl = load_workload(cfg)?;
     // G4's presence index must hold every block of the whole workload (others' blocks are
     // adopted into it), so its size comes from the whole workload.

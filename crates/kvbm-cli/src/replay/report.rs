@@ -9,7 +9,7 @@ use kvbm_engine::stack::StageTimes;
 
 /// One tier's line.
 #[derive(Debug, Clone, Serialize)]
-pub struct TierReport {
+pub(crate) struct TierReport {
     /// Capacity in blocks (0: disabled). For G4, the size of its presence index.
     pub capacity_blocks: usize,
     /// Blocks of hit prefixes found in this tier.
@@ -18,7 +18,7 @@ pub struct TierReport {
 
 /// Everything a replay reports.
 #[derive(Debug, Clone, Serialize)]
-pub struct Report {
+pub(crate) struct Report {
     /// Where the requests came from.
     pub workload: String,
     /// Requests served.
@@ -114,7 +114,7 @@ fn bytes(n: u64) -> String {
 
 impl Report {
     /// The human-readable summary.
-    pub fn table(&self) -> String {
+    pub(crate) fn table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "kvbm replay: {}", self.workload);
         let _ = writeln!(

@@ -33,7 +33,7 @@ use crate::config::CliConfig;
 
 /// Online policies swept when none are named (Belady is always added last). `tinylfu-lineage`
 /// is left out: its probation scan skips every parent, which is slow at large capacities.
-pub const DEFAULT_POLICIES: &[&str] = &[
+pub(crate) const DEFAULT_POLICIES: &[&str] = &[
     "lru",
     "multi_lru",
     "lineage",
@@ -50,7 +50,7 @@ pub const DEFAULT_POLICIES: &[&str] = &[
 
 /// One policy's row.
 #[derive(Debug, Clone, Serialize)]
-pub struct SweepRow {
+pub(crate) struct SweepRow {
     /// The policy's name (`belady` for the offline bound).
     pub policy: String,
     /// Whether this is the default policy.
@@ -63,7 +63,7 @@ pub struct SweepRow {
 
 /// A whole sweep (`--json` prints it as one object).
 #[derive(Debug, Clone, Serialize)]
-pub struct Sweep {
+pub(crate) struct Sweep {
     /// How the hit ratios were measured.
     pub simulation: &'static str,
     /// Where the requests came from.
@@ -88,7 +88,7 @@ pub struct Sweep {
 ///
 /// # Errors
 /// An empty list, a non-number or a zero.
-pub fn parse_capacities(s: &str) -> anyhow::Result<Vec<usize>> {
+pub(crate) fn parse_capacities(s: &str) -> anyhow::Result<Vec<usize>> {
     let caps = s
         .split(',')
         .map(|c| {
@@ -110,7 +110,7 @@ pub fn parse_capacities(s: &str) -> anyhow::Result<Vec<usize>> {
 ///
 /// # Errors
 /// An unknown policy name.
-pub fn parse_policies(s: &str) -> anyhow::Result<Vec<EvictionPolicy>> {
+pub(crate) fn parse_policies(s: &str) -> anyhow::Result<Vec<EvictionPolicy>> {
     s.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
@@ -126,7 +126,7 @@ pub fn parse_policies(s: &str) -> anyhow::Result<Vec<EvictionPolicy>> {
 ///
 /// # Errors
 /// An unreadable trace, or a capacity the manager refuses.
-pub fn run(
+pub(crate) fn run(
     cfg: &CliConfig,
     capacities: &[usize],
     policies: &[EvictionPolicy],
@@ -180,7 +180,7 @@ pub fn run(
 
 impl Sweep {
     /// A markdown table: one row per policy, one column per capacity.
-    pub fn table(&self) -> String {
+    pub(crate) fn table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(
             s,
@@ -220,7 +220,7 @@ impl Sweep {
     ///
     /// # Errors
     /// The file cannot be written.
-    pub fn plot(&self, path: &Path) -> anyhow::Result<()> {
+    pub(crate) fn plot(&self, path: &Path) -> anyhow::Result<()> {
         self.draw(path)
             .map_err(|e| anyhow::anyhow!("cannot draw the plot {}: {e}", path.display()))
     }

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 /// A parsed line: arrival time (ms) and prefix-block ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceLine {
+pub(crate) struct TraceLine {
     /// Arrival time in whole milliseconds.
     pub timestamp_ms: u64,
     /// Prefix-block ids of the prompt.
@@ -21,7 +21,7 @@ pub struct TraceLine {
 /// Why a line is not a Mooncake request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct MalformedLine(pub String);
+pub(crate) struct MalformedLine(pub String);
 
 #[derive(Deserialize)]
 struct Line {
@@ -40,7 +40,7 @@ struct Line {
 /// # Errors
 /// [`MalformedLine`] saying what is wrong (bad JSON, a missing or mistyped field, a negative or
 /// non-finite timestamp).
-pub fn parse_trace_line(text: &str) -> Result<Option<TraceLine>, MalformedLine> {
+pub(crate) fn parse_trace_line(text: &str) -> Result<Option<TraceLine>, MalformedLine> {
     if text.trim().is_empty() {
         return Ok(None);
     }

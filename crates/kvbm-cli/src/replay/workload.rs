@@ -16,7 +16,7 @@ use super::trace_line::parse_trace_line;
 
 /// One request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Request {
+pub(crate) struct Request {
     /// Arrival time in milliseconds from the start of the trace.
     pub timestamp_ms: u64,
     /// Prefix-block ids of the prompt.
@@ -29,7 +29,7 @@ pub struct Request {
 impl Request {
     /// What `--instances` assigns by: the conversation, or else the first block id (a
     /// conversation's turns share their first block).
-    pub fn assignment_key(&self) -> (bool, u64) {
+    pub(crate) fn assignment_key(&self) -> (bool, u64) {
         match self.conversation {
             Some(c) => (true, c),
             None => (false, self.hash_ids.first().copied().unwrap_or(0)),
@@ -39,7 +39,7 @@ impl Request {
 
 /// A whole workload, in arrival order.
 #[derive(Debug, Clone)]
-pub struct Workload {
+pub(crate) struct Workload {
     /// Where it came from (a path, or the synthetic generator and its seed).
     pub source: String,
     /// The requests.
@@ -48,12 +48,12 @@ pub struct Workload {
 
 impl Workload {
     /// Total blocks over all requests.
-    pub fn total_blocks(&self) -> usize {
+    pub(crate) fn total_blocks(&self) -> usize {
         self.requests.iter().map(|r| r.hash_ids.len()).sum()
     }
 
     /// Distinct block ids.
-    pub fn unique_blocks(&self) -> usize {
+    pub(crate) fn unique_blocks(&self) -> usize {
         let mut seen = std::collections::HashSet::with_capacity(self.total_blocks());
         for r in &self.requests {
             seen.extend(r.hash_ids.iter().copied());
@@ -62,7 +62,7 @@ impl Workload {
     }
 
     /// The longest request, in blocks.
-    pub fn max_request_blocks(&self) -> usize {
+    pub(crate) fn max_request_blocks(&self) -> usize {
         self.requests
             .iter()
             .map(|r| r.hash_ids.len())
@@ -73,7 +73,7 @@ impl Workload {
 
 /// Why a trace could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum WorkloadError {
+pub(crate) enum WorkloadError {
     /// The file could not be opened or read.
     #[error("cannot read trace {path}: {source}")]
     Read {
@@ -101,7 +101,7 @@ pub enum WorkloadError {
 ///
 /// # Errors
 /// [`WorkloadError`] naming the file, and the line for a malformed one.
-pub fn load_trace(path: &Path, limit: Option<usize>) -> Result<Workload, WorkloadError> {
+pub(crate) fn load_trace(path: &Path, limit: Option<usize>) -> Result<Workload, WorkloadError> {
     let file = std::fs::File::open(path).map_err(|source| WorkloadError::Read {
         path: path.to_path_buf(),
         source,
@@ -140,15 +140,15 @@ pub fn load_trace(path: &Path, limit: Option<usize>) -> Result<Workload, Workloa
 /// splitmix64: a small, fast, deterministic generator (the workload must not depend on a
 /// library's stream staying stable).
 #[derive(Debug, Clone)]
-pub struct SplitMix(u64);
+pub(crate) struct SplitMix(u64);
 
 impl SplitMix {
     /// A generator from `seed`.
-    pub fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         SplitMix(seed)
     }
     /// The next value.
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -156,7 +156,7 @@ impl SplitMix {
         z ^ (z >> 31)
     }
     /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+    pub(crate) fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next_u64() % (hi - lo + 1)
     }
 }
@@ -178,7 +178,7 @@ struct Conversation {
 /// (new to the cache: answers are never part of an earlier prompt). Up to 1024 conversations are
 /// active at once and requests interleave among them, 0–50 ms apart, so a conversation's next
 /// turn often comes after its blocks have left G1. Deterministic in `seed`.
-pub fn synthetic(seed: u64, requests: usize) -> Workload {
+pub(crate) fn synthetic(seed: u64, requests: usize) -> Workload {
     let mut rng = SplitMix::new(seed);
     let mut next_id = 0u64;
     let mut fresh = |n: u64| -> Vec<u64> {
@@ -225,7 +225,7 @@ pub fn synthetic(seed: u64, requests: usize) -> Workload {
 }
 
 /// The chained sequence hashes of a request's blocks (block size 1: the id is the block's token).
-pub fn sequence_hashes(salt: Salt, hash_ids: &[u64], out: &mut Vec<SequenceHash>) {
+pub(crate) fn sequence_hashes(salt: Salt, hash_ids: &[u64], out: &mut Vec<SequenceHash>) {
     out.clear();
     let mut prev: Option<SequenceHash> = None;
     for &id in hash_ids {
@@ -241,7 +241,7 @@ pub fn sequence_hashes(salt: Salt, hash_ids: &[u64], out: &mut Vec<SequenceHash>
 }
 
 /// Tokens per logical block used for the sequence hashes (see [`sequence_hashes`]).
-pub const HASH_BLOCK_SIZE: u32 = 2;
+pub(crate) const HASH_BLOCK_SIZE: u32 = 2;
 
 #[cfg(test)]
 mod tests {

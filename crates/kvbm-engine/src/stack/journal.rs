@@ -31,7 +31,7 @@ use kvbm_physical::{
 
 /// One G3 block: its slot and payload checksum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Entry {
+pub(super) struct Entry {
     /// Slot in the disk file.
     pub slot: usize,
     /// xxh3-128 of the payload written there.
@@ -39,13 +39,13 @@ pub struct Entry {
 }
 
 /// The journal of the G3 file `file`: beside it, extension `journal` (`g3.bin` → `g3.journal`).
-pub fn path_for(file: &Path) -> PathBuf {
+pub(super) fn path_for(file: &Path) -> PathBuf {
     file.with_extension("journal")
 }
 
 /// The sequence hash named by `identity` (the inverse of `BlockIdentity::from_u128`); `None`
 /// for an identity that is not a 128-bit hash.
-pub fn hash_of(identity: &BlockIdentity) -> Option<u128> {
+pub(super) fn hash_of(identity: &BlockIdentity) -> Option<u128> {
     let b = identity.as_bytes();
     b[16..]
         .iter()
@@ -55,13 +55,13 @@ pub fn hash_of(identity: &BlockIdentity) -> Option<u128> {
 
 /// The open G3 index.
 #[derive(Debug)]
-pub struct G3Index {
+pub(super) struct G3Index {
     manifest: DiskManifest,
 }
 
 /// What opening found: the index, the blocks it lists (by sequence hash), and the stack's
 /// report.
-pub struct Opened {
+pub(super) struct Opened {
     /// The index, ready for appends.
     pub index: G3Index,
     /// Listed blocks by sequence hash.
@@ -75,7 +75,7 @@ impl Opened {
     ///
     /// # Errors
     /// The manager cannot hand out all its slots (it is not fresh).
-    pub fn register_listed(
+    pub(super) fn register_listed(
         &self,
         manager: &BlockManager<G3>,
     ) -> Result<(HashMap<u128, u128>, usize)> {
@@ -105,7 +105,7 @@ impl G3Index {
     ///
     /// # Errors
     /// The journal cannot be read, created or repaired.
-    pub fn open(file: &Path, layout: &PhysicalLayout) -> Result<Opened> {
+    pub(super) fn open(file: &Path, layout: &PhysicalLayout) -> Result<Opened> {
         let Backing::Disk(disk) = layout.backing() else {
             bail!("the G3 layout is not a disk file");
         };
@@ -155,7 +155,10 @@ impl G3Index {
     ///
     /// # Errors
     /// The journal could not be appended (e.g. the disk is full).
-    pub fn will_write(&self, slots: impl IntoIterator<Item = usize>) -> kvbm_physical::Result<()> {
+    pub(super) fn will_write(
+        &self,
+        slots: impl IntoIterator<Item = usize>,
+    ) -> kvbm_physical::Result<()> {
         let recs: Vec<ManifestRecord> = slots
             .into_iter()
             .map(|s| ManifestRecord::Removed { slot: s as u64 })
@@ -167,7 +170,7 @@ impl G3Index {
     ///
     /// # Errors
     /// The journal could not be appended (the blocks are then not persistent).
-    pub fn written(&self, blocks: &[(usize, u128, u128)]) -> kvbm_physical::Result<()> {
+    pub(super) fn written(&self, blocks: &[(usize, u128, u128)]) -> kvbm_physical::Result<()> {
         let recs: Vec<ManifestRecord> = blocks
             .iter()
             .map(|&(slot, h, checksum)| ManifestRecord::Stored {
@@ -180,7 +183,7 @@ impl G3Index {
     }
 
     /// Unlists `slot` (its block failed verification).
-    pub fn dropped(&self, slot: usize) {
+    pub(super) fn dropped(&self, slot: usize) {
         if let Err(e) = self.will_write([slot]) {
             tracing::warn!(error = %e, slot, "cannot unlist a rejected G3 block");
         }
@@ -190,7 +193,7 @@ impl G3Index {
     ///
     /// # Errors
     /// The sync failed.
-    pub fn sync(&self) -> kvbm_physical::Result<()> {
+    pub(super) fn sync(&self) -> kvbm_physical::Result<()> {
         self.manifest.sync()
     }
 }
@@ -202,7 +205,7 @@ impl G3Index {
 /// A journal that cannot unlist the slots (disk full) fails the batch with `NoSpace` before any
 /// slot is written: a listed slot is never overwritten behind the journal's back. A journal
 /// that cannot list the written blocks leaves them in G3 for this run only (logged).
-pub async fn write_recorded(
+pub(super) async fn write_recorded(
     inner: &BlockTransferExecutor<G2, G3>,
     index: &G3Index,
     batch: &ResolvedBatch<G2>,

@@ -51,7 +51,7 @@ use super::{Counters, G3Check, MovePath, check_g3_read, count_failure};
 
 /// What the movers report back to the stack.
 #[derive(Debug, Default)]
-pub struct OnboardShared {
+pub(super) struct OnboardShared {
     /// Hashes of blocks whose move failed since the stack last drained it.
     pub failed: Mutex<Vec<SequenceHash>>,
     /// Blocks that reached G1 from G2.
@@ -199,7 +199,7 @@ fn complete<T: Tier>(
 }
 
 /// G3 → G2: a disk read checked against the disk header and the checksum recorded at write.
-pub struct G3ToG2 {
+pub(super) struct G3ToG2 {
     pub(super) tm: Arc<TransferManager>,
     pub(super) g3: LayoutHandle,
     pub(super) g2: LayoutHandle,
@@ -297,7 +297,7 @@ impl BlockMove<G3, G2> for G3ToG2 {
 }
 
 /// G4 → G2: object reads, checked against the object header (checksum and identity).
-pub struct G4ToG2 {
+pub(super) struct G4ToG2 {
     pub(super) tm: Arc<TransferManager>,
     pub(super) g4: LayoutHandle,
     pub(super) g2: LayoutHandle,
@@ -403,7 +403,7 @@ impl BlockMove<G4, G2> for G4ToG2 {
 /// thread, with the transfer manager's claims and aliasing checks) and checked: every block's
 /// bytes are verified by the [`Contents`] hook before it is registered in G1, so a block with
 /// wrong bytes is never served.
-pub struct G2ToG1 {
+pub(super) struct G2ToG1 {
     mover: BlockMover<G2, G1>,
     counters: Arc<Counters>,
     block_bytes: usize,

@@ -11,10 +11,10 @@ use kvbm_logical::{BlockManager, BlockRegistry, Tier};
 use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout};
 
 /// Blocks per layout and per block manager.
-pub const N: usize = 8;
+pub(crate) const N: usize = 8;
 
 /// `N` blocks of 2 layers × 2 × 16 × `inner_dim` × 2 bytes, fully contiguous.
-pub fn geometry_with(inner_dim: usize) -> BlockLayout {
+pub(crate) fn geometry_with(inner_dim: usize) -> BlockLayout {
     BlockLayout::builder()
         .num_blocks(N)
         .num_layers(2)
@@ -28,12 +28,12 @@ pub fn geometry_with(inner_dim: usize) -> BlockLayout {
 }
 
 /// [`geometry_with`] an inner dimension of 64.
-pub fn geometry() -> BlockLayout {
+pub(crate) fn geometry() -> BlockLayout {
     geometry_with(64)
 }
 
 /// Fills every block of a host `layout` with a pattern of its block index and `seed`.
-pub fn fill(layout: &PhysicalLayout, seed: u8) {
+pub(crate) fn fill(layout: &PhysicalLayout, seed: u8) {
     let c = *layout.layout().config();
     for b in 0..c.num_blocks {
         for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
@@ -47,7 +47,7 @@ pub fn fill(layout: &PhysicalLayout, seed: u8) {
 }
 
 /// The bytes of block `b` of a host `layout`, in layer order.
-pub fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
+pub(crate) fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
     let c = *layout.layout().config();
     let mut out = Vec::new();
     for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
@@ -58,7 +58,7 @@ pub fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
 }
 
 /// A block manager of `N` blocks of 4 tokens on `registry`.
-pub fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
+pub(crate) fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
     Arc::new(
         BlockManager::<T>::builder()
             .block_count(N)
@@ -71,7 +71,7 @@ pub fn manager<T: Tier>(registry: &BlockRegistry) -> Arc<BlockManager<T>> {
 
 /// A mover from `src` (any layout `tm` knows; an object layout too, then call
 /// `keyed_source()`) into the bound tier `(dst, manager)`.
-pub fn mover<S: Tier, D: Tier>(
+pub(crate) fn mover<S: Tier, D: Tier>(
     tm: &Arc<kvbm_physical::TransferManager>,
     src: kvbm_physical::LayoutHandle,
     dst: kvbm_physical::LayoutHandle,
@@ -84,7 +84,7 @@ pub fn mover<S: Tier, D: Tier>(
 /// Onboards the staged `session` (6 or any number of blocks: one G1 block each) from `tm`'s
 /// `g2` layout into fresh blocks of `g1`, finishes it, and checks that G1 block `i` holds
 /// `hashes[i]` with the bytes `expected[i]`.
-pub async fn onboard_and_verify(
+pub(crate) async fn onboard_and_verify(
     session: &kvbm_engine::leader::OnboardingSession,
     tm: &Arc<kvbm_physical::TransferManager>,
     g2: kvbm_physical::LayoutHandle,
@@ -112,7 +112,7 @@ pub async fn onboard_and_verify(
 
 /// A layer mover that lets one layer through per permit of `gate` (a test steps a layer-wise
 /// onboarding layer by layer).
-pub struct Gated {
+pub(crate) struct Gated {
     /// The mover that does the work.
     pub inner: Arc<dyn kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1>>,
     /// One permit per layer allowed through.

@@ -23,16 +23,16 @@ use kvbm_physical::{PhysicalLayout, PinPolicy};
 
 use crate::common::{N, geometry, manager};
 
-pub const SEED: u8 = 0x40;
+pub(crate) const SEED: u8 = 0x40;
 
 /// One worker process; killed (and reaped) on drop.
-pub struct WorkerProcess {
+pub(crate) struct WorkerProcess {
     child: Child,
     pub lines: mpsc::Receiver<String>,
 }
 
 impl WorkerProcess {
-    pub fn spawn(
+    pub(crate) fn spawn(
         url: &str,
         instance: InstanceId,
         rank: u32,
@@ -67,7 +67,7 @@ impl WorkerProcess {
     }
 
     /// Waits for a line starting with `prefix` (skipping others).
-    pub fn expect_line(&self, prefix: &str) -> String {
+    pub(crate) fn expect_line(&self, prefix: &str) -> String {
         loop {
             match self.lines.recv_timeout(Duration::from_secs(30)) {
                 Ok(l) if l.starts_with(prefix) => return l,
@@ -77,7 +77,7 @@ impl WorkerProcess {
         }
     }
 
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill(); // SIGKILL
         let _ = self.child.wait();
     }
@@ -89,7 +89,7 @@ impl Drop for WorkerProcess {
     }
 }
 
-pub struct Instance {
+pub(crate) struct Instance {
     pub workers: Arc<ControlledWorkers>,
     pub controls: Vec<Arc<dyn WorkerControl>>,
     pub g1: Arc<BlockManager<G1>>,
@@ -100,7 +100,7 @@ pub struct Instance {
     pub expected: Vec<Vec<u64>>,
 }
 
-pub async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<usize>) -> Vec<u64> {
+pub(crate) async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<usize>) -> Vec<u64> {
     match c
         .call(ControlRequest::Digest { tier, blocks })
         .await
@@ -114,7 +114,7 @@ pub async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<usize>) ->
 /// Connects to both workers, computes 6 blocks in G2 on both ranks, offloads them to G3
 /// through the workers, evicts them from G2 and overwrites every rank's G2 memory, so what
 /// reaches G1 later can only come from the disks.
-pub async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -> Instance {
+pub(crate) async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -> Instance {
     let client = connect(url, "leader", Duration::from_millis(100))
         .await
         .unwrap();
@@ -195,6 +195,6 @@ pub async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -> Insta
     }
 }
 
-pub fn instance_id(tag: u64) -> InstanceId {
+pub(crate) fn instance_id(tag: u64) -> InstanceId {
     InstanceId((u64::from(std::process::id()) << 8) | tag)
 }

@@ -46,7 +46,7 @@
 //! Queue mutex, pending-set mutex, a transfer's progress mutex and a lane's settlement mutex are
 //! all leaves: none is held while taking another or while dropping blocks.
 
-pub mod builder;
+pub(crate) mod builder;
 pub(crate) mod stages;
 
 use std::sync::Arc;

@@ -23,24 +23,24 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, Semaphore};
 
 /// A distinct block-size-4 hash per `i`.
-pub fn hash(i: u32) -> SequenceHash {
+pub(crate) fn hash(i: u32) -> SequenceHash {
     SequenceHash::root(Salt::NONE, &[i, 7, 7, 7])
 }
 
 /// The hashes `start..start+n`.
-pub fn hashes(start: u32, n: u32) -> Vec<SequenceHash> {
+pub(crate) fn hashes(start: u32, n: u32) -> Vec<SequenceHash> {
     (start..start + n).map(hash).collect()
 }
 
 /// `n` external blocks with hashes `start..start+n`.
-pub fn external(start: u32, n: u32) -> Vec<ExternalBlock> {
+pub(crate) fn external(start: u32, n: u32) -> Vec<ExternalBlock> {
     (start..start + n)
         .map(|i| ExternalBlock::new(i as usize, hash(i)))
         .collect()
 }
 
 /// A manager of `n` blocks of size 4, joined to `registry` when given.
-pub fn manager<T: Tier>(n: usize, registry: Option<&BlockRegistry>) -> BlockManager<T> {
+pub(crate) fn manager<T: Tier>(n: usize, registry: Option<&BlockRegistry>) -> BlockManager<T> {
     let b = BlockManager::<T>::builder().block_count(n).block_size(4);
     match registry {
         Some(r) => b.registry(r.clone()),
@@ -51,7 +51,7 @@ pub fn manager<T: Tier>(n: usize, registry: Option<&BlockRegistry>) -> BlockMana
 }
 
 /// Spawns a G1→G2 pipeline configured by `f` over `exec`.
-pub fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
+pub(crate) fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
     exec: E,
     f: impl FnOnce(PipelineBuilder<G1, G2>) -> PipelineBuilder<G1, G2>,
 ) -> Pipeline<G1> {
@@ -62,7 +62,7 @@ pub fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
 }
 
 /// Spawns a G3→G2 onboarding pipeline (caller-allocated destinations) configured by `f`.
-pub fn spawn_g3_to_g2<E: TransferExecutor<G3, MutableBlock<G2>>>(
+pub(crate) fn spawn_g3_to_g2<E: TransferExecutor<G3, MutableBlock<G2>>>(
     exec: E,
     f: impl FnOnce(
         PipelineBuilder<G3, G2, MutableBlock<G2>>,
@@ -76,7 +76,7 @@ pub fn spawn_g3_to_g2<E: TransferExecutor<G3, MutableBlock<G2>>>(
 
 /// Asserts that `r` failed and that every failed block failed with `kind`.
 #[track_caller]
-pub fn assert_all_failed(r: &TransferResult, kind: BlockFailureKind) {
+pub(crate) fn assert_all_failed(r: &TransferResult, kind: BlockFailureKind) {
     assert!(!r.failed_blocks.is_empty(), "nothing failed: {r:?}");
     assert!(
         r.failed_blocks.iter().all(|(_, f)| f.kind == kind),
@@ -87,7 +87,7 @@ pub fn assert_all_failed(r: &TransferResult, kind: BlockFailureKind) {
 
 /// A fully contiguous layout of `n` blocks: `layers` layers, outer dim 2, page 16, `inner_dim`
 /// elements of 2 bytes.
-pub fn geometry(n: usize, layers: usize, inner_dim: usize) -> BlockLayout {
+pub(crate) fn geometry(n: usize, layers: usize, inner_dim: usize) -> BlockLayout {
     BlockLayout::builder()
         .num_blocks(n)
         .num_layers(layers)
@@ -101,13 +101,17 @@ pub fn geometry(n: usize, layers: usize, inner_dim: usize) -> BlockLayout {
 }
 
 /// Allocates host memory for `geometry` and registers it with `tm`.
-pub fn host_layout(tm: &TransferManager, geometry: BlockLayout, pin: PinPolicy) -> LayoutHandle {
+pub(crate) fn host_layout(
+    tm: &TransferManager,
+    geometry: BlockLayout,
+    pin: PinPolicy,
+) -> LayoutHandle {
     tm.register_layout(PhysicalLayout::allocate_host(geometry, pin).unwrap())
         .unwrap()
 }
 
 /// Creates the file `path` for `geometry` and registers it with `tm`.
-pub fn disk_layout(
+pub(crate) fn disk_layout(
     tm: &TransferManager,
     geometry: BlockLayout,
     path: &std::path::Path,
@@ -118,12 +122,12 @@ pub fn disk_layout(
 
 /// A scratch directory under the target directory (not /tmp: it may be tmpfs, which refuses
 /// O_DIRECT).
-pub fn scratch() -> tempfile::TempDir {
+pub(crate) fn scratch() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
 /// Registers `n` blocks with hashes `start..` in `manager`.
-pub fn registered<T: Tier>(
+pub(crate) fn registered<T: Tier>(
     manager: &BlockManager<T>,
     start: u32,
     n: u32,
@@ -140,12 +144,12 @@ pub fn registered<T: Tier>(
 /// An executor the test drives: each batch waits for one gate permit (unless the gate is
 /// open), batches are recorded, chosen hashes fail.
 #[derive(Clone, Default)]
-pub struct TestExecutor {
+pub(crate) struct TestExecutor {
     pub inner: Arc<TestExecutorInner>,
 }
 
 #[derive(Default)]
-pub struct TestExecutorInner {
+pub(crate) struct TestExecutorInner {
     pub batches: Mutex<Vec<Vec<SequenceHash>>>,
     pub gate: Option<Semaphore>,
     pub inflight: AtomicUsize,
@@ -156,12 +160,12 @@ pub struct TestExecutorInner {
 
 impl TestExecutor {
     /// Every batch completes at once.
-    pub fn open() -> Self {
+    pub(crate) fn open() -> Self {
         Self::default()
     }
 
     /// Every batch waits for [`release`](Self::release).
-    pub fn gated() -> Self {
+    pub(crate) fn gated() -> Self {
         Self {
             inner: Arc::new(TestExecutorInner {
                 gate: Some(Semaphore::new(0)),
@@ -171,22 +175,22 @@ impl TestExecutor {
     }
 
     /// Lets `n` batches finish.
-    pub fn release(&self, n: usize) {
+    pub(crate) fn release(&self, n: usize) {
         self.inner.gate.as_ref().expect("gated").add_permits(n);
     }
 
     /// Recorded batches.
-    pub fn batches(&self) -> Vec<Vec<SequenceHash>> {
+    pub(crate) fn batches(&self) -> Vec<Vec<SequenceHash>> {
         self.inner.batches.lock().clone()
     }
 
     /// Sizes of the recorded batches.
-    pub fn sizes(&self) -> Vec<usize> {
+    pub(crate) fn sizes(&self) -> Vec<usize> {
         self.batches().iter().map(Vec::len).collect()
     }
 
     /// Waits until at least `n` batches started.
-    pub async fn wait_started(&self, n: usize) {
+    pub(crate) async fn wait_started(&self, n: usize) {
         loop {
             let notified = self.inner.started.notified();
             if self.inner.batches.lock().len() >= n {
@@ -197,7 +201,7 @@ impl TestExecutor {
     }
 
     /// Makes `h` fail.
-    pub fn fail(&self, h: SequenceHash) {
+    pub(crate) fn fail(&self, h: SequenceHash) {
         self.inner.fail.lock().insert(h);
     }
 }
@@ -265,7 +269,7 @@ impl TestExecutor {
 
 /// An asynchronous policy that passes everything once its gate opens.
 #[derive(Clone)]
-pub struct GatedPolicy {
+pub(crate) struct GatedPolicy {
     pub gate: Arc<Semaphore>,
     pub asked: Arc<AtomicUsize>,
     pub released: Arc<Mutex<Vec<SequenceHash>>>,
@@ -307,7 +311,7 @@ impl OffloadPolicy for GatedPolicy {
 }
 
 /// Awaits `f` for at most `ms` milliseconds (of tokio time); `None` on timeout.
-pub async fn within<F: std::future::IntoFuture>(ms: u64, f: F) -> Option<F::Output> {
+pub(crate) async fn within<F: std::future::IntoFuture>(ms: u64, f: F) -> Option<F::Output> {
     tokio::time::timeout(Duration::from_millis(ms), f.into_future())
         .await
         .ok()
@@ -318,14 +322,14 @@ pub async fn within<F: std::future::IntoFuture>(ms: u64, f: F) -> Option<F::Outp
 /// Install it with `metrics::with_local_recorder(&rec, || spec.spawn(..))`: a pipeline resolves
 /// its handles when it is spawned, so the thread-local install only has to cover the spawn.
 #[derive(Clone, Default)]
-pub struct TestRecorder {
+pub(crate) struct TestRecorder {
     counters: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
     gauges: Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>,
     histograms: Arc<Mutex<HashMap<String, Arc<TestHistogram>>>>,
 }
 
 #[derive(Default)]
-pub struct TestHistogram(Mutex<Vec<f64>>);
+pub(crate) struct TestHistogram(Mutex<Vec<f64>>);
 
 impl metrics::HistogramFn for TestHistogram {
     fn record(&self, value: f64) {
@@ -349,7 +353,7 @@ fn key_id(key: &metrics::Key) -> String {
 
 impl TestRecorder {
     /// The counter `name` with `labels` (0 if never registered).
-    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+    pub(crate) fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
         self.counters
             .lock()
             .get(&series_id(name, labels.iter().copied()))
@@ -357,7 +361,7 @@ impl TestRecorder {
     }
 
     /// The gauge `name` with `labels` (0 if never registered).
-    pub fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+    pub(crate) fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.gauges
             .lock()
             .get(&series_id(name, labels.iter().copied()))
@@ -365,7 +369,7 @@ impl TestRecorder {
     }
 
     /// Every value recorded into the histogram `name` with `labels`.
-    pub fn histogram(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+    pub(crate) fn histogram(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
         self.histograms
             .lock()
             .get(&series_id(name, labels.iter().copied()))
@@ -373,7 +377,7 @@ impl TestRecorder {
     }
 
     /// Sum of every series of the counter `name`, whatever its labels.
-    pub fn counter_total(&self, name: &str) -> u64 {
+    pub(crate) fn counter_total(&self, name: &str) -> u64 {
         let prefix = format!("{name}{{");
         self.counters
             .lock()

@@ -39,7 +39,7 @@ use crate::io::{IoDir, IoEngine, IoRequest, PsyncEngine, UringEngine};
 use crate::storage::{HostStorage, PinPolicy, Storage, StorageKind};
 
 /// Alignment of O_DIRECT addresses, lengths and offsets used here.
-pub const DIRECT_ALIGN: usize = 4096;
+pub(super) const DIRECT_ALIGN: usize = 4096;
 const MAX_IOVECS: usize = 1000;
 
 /// Which I/O engine to use.

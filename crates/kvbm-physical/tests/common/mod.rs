@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvbm_physical::*;
 
 /// Small geometry: 4 layers × K/V × 16 tokens × 64 × 2 B = 16 KiB per block (4 KiB regions).
-pub fn small(num_blocks: usize, kind: LayoutKind) -> BlockLayout {
+pub(crate) fn small(num_blocks: usize, kind: LayoutKind) -> BlockLayout {
     BlockLayout::builder()
         .num_blocks(num_blocks)
         .num_layers(4)
@@ -20,7 +20,7 @@ pub fn small(num_blocks: usize, kind: LayoutKind) -> BlockLayout {
 }
 
 /// A registered host layout of `small(n)` blocks (unpinned), filled with `seed` when given.
-pub fn host(tm: &TransferManager, n: usize, seed: Option<u8>) -> LayoutHandle {
+pub(crate) fn host(tm: &TransferManager, n: usize, seed: Option<u8>) -> LayoutHandle {
     let l =
         PhysicalLayout::allocate_host(small(n, LayoutKind::FullyContiguous), PinPolicy::Unpinned)
             .unwrap();
@@ -31,7 +31,7 @@ pub fn host(tm: &TransferManager, n: usize, seed: Option<u8>) -> LayoutHandle {
 }
 
 /// Starts a transfer that must pass validation and awaits its outcome.
-pub async fn transfer(
+pub(crate) async fn transfer(
     tm: &TransferManager,
     src: LayoutHandle,
     src_ids: &[BlockId],
@@ -46,7 +46,7 @@ pub async fn transfer(
 }
 
 /// A disk layout at `path` with the given engine and O_DIRECT choice.
-pub fn disk(
+pub(crate) fn disk(
     layout: BlockLayout,
     path: &std::path::Path,
     engine: IoEngineKind,
@@ -59,7 +59,7 @@ pub fn disk(
 }
 
 /// Fills every block of a host/device layout with a pattern derived from (seed, block, byte).
-pub fn fill(layout: &PhysicalLayout, seed: u8) {
+pub(crate) fn fill(layout: &PhysicalLayout, seed: u8) {
     let c = *layout.layout().config();
     for b in 0..c.num_blocks {
         let mut k = 0usize;
@@ -75,12 +75,16 @@ pub fn fill(layout: &PhysicalLayout, seed: u8) {
 }
 
 /// The fill pattern byte.
-pub fn pattern(seed: u8, block: usize, k: usize) -> u8 {
+pub(crate) fn pattern(seed: u8, block: usize, k: usize) -> u8 {
     (k.wrapping_mul(31) ^ block.wrapping_mul(131) ^ (seed as usize * 7) ^ (k >> 8)) as u8
 }
 
 /// The serialized bytes of a block (for layers), read from host/stand-in memory.
-pub fn block_bytes(layout: &PhysicalLayout, b: usize, layers: std::ops::Range<usize>) -> Vec<u8> {
+pub(crate) fn block_bytes(
+    layout: &PhysicalLayout,
+    b: usize,
+    layers: std::ops::Range<usize>,
+) -> Vec<u8> {
     let mut out = Vec::new();
     for (addr, len) in layout.block_addrs(b, layers) {
         // SAFETY: as in `fill`.
@@ -90,7 +94,12 @@ pub fn block_bytes(layout: &PhysicalLayout, b: usize, layers: std::ops::Range<us
 }
 
 /// What `fill(seed)` put in block `b` for `layers`, serialized.
-pub fn expected(c: &LayoutConfig, seed: u8, b: usize, layers: std::ops::Range<usize>) -> Vec<u8> {
+pub(crate) fn expected(
+    c: &LayoutConfig,
+    seed: u8,
+    b: usize,
+    layers: std::ops::Range<usize>,
+) -> Vec<u8> {
     let lb = c.layer_bytes();
     (layers.start * lb..layers.end * lb)
         .map(|k| pattern(seed, b, k))
@@ -100,7 +109,7 @@ pub fn expected(c: &LayoutConfig, seed: u8, b: usize, layers: std::ops::Range<us
 /// The conformance suite every storage backend must pass: a layout of `backend` is written
 /// from host memory and read back into fresh host memory (of every host arrangement), with
 /// scrambled block ids, and argument errors are refused before anything starts.
-pub async fn conformance(
+pub(crate) async fn conformance(
     name: &str,
     make: &dyn Fn(BlockLayout) -> PhysicalLayout,
     keys_prefix: &str,
@@ -217,7 +226,7 @@ pub async fn conformance(
 }
 
 /// The provisioned S3 server as an object tier under `namespace` (None under the opt-out).
-pub fn s3_storage(test: &str, namespace: &str) -> Option<Arc<ObjectStorage>> {
+pub(crate) fn s3_storage(test: &str, namespace: &str) -> Option<Arc<ObjectStorage>> {
     let s = kvbm_tests::services::s3(test)?;
     let cfg = S3Config {
         endpoint: Some(s.endpoint),
@@ -240,7 +249,7 @@ pub fn s3_storage(test: &str, namespace: &str) -> Option<Arc<ObjectStorage>> {
 
 /// A client of the provisioned S3 server for the test itself (to tamper with objects behind
 /// the storage's back; the storage keeps its own store private).
-pub fn s3_raw(test: &str) -> Option<Arc<dyn object_store::ObjectStore>> {
+pub(crate) fn s3_raw(test: &str) -> Option<Arc<dyn object_store::ObjectStore>> {
     let s = kvbm_tests::services::s3(test)?;
     Some(Arc::new(
         object_store::aws::AmazonS3Builder::new()
@@ -257,7 +266,7 @@ pub fn s3_raw(test: &str) -> Option<Arc<dyn object_store::ObjectStore>> {
 }
 
 /// A namespace unique to this test run.
-pub fn unique(test: &str) -> String {
+pub(crate) fn unique(test: &str) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

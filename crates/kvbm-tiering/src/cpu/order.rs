@@ -11,7 +11,7 @@ use hashbrown::HashMap;
 use crate::key::OffloadKey;
 
 /// "No slot".
-pub const NIL: u32 = u32::MAX;
+pub(crate) const NIL: u32 = u32::MAX;
 
 #[derive(Clone, Copy)]
 struct Link {
@@ -20,13 +20,13 @@ struct Link {
 }
 
 /// Per-slot links shared by several lists.
-pub struct Links {
+pub(crate) struct Links {
     links: Vec<Link>,
 }
 
 /// One list's ends and length.
 #[derive(Clone, Copy, Debug)]
-pub struct List {
+pub(crate) struct List {
     /// First (least recent) slot.
     pub head: u32,
     /// Last (most recent) slot.
@@ -47,7 +47,7 @@ impl Default for List {
 
 impl Links {
     /// Links for `n` slots.
-    pub fn new(n: usize) -> Self {
+    pub(crate) fn new(n: usize) -> Self {
         Self {
             links: vec![
                 Link {
@@ -61,7 +61,7 @@ impl Links {
 
     /// Appends `i` (not in any list) at the back.
     #[inline]
-    pub fn push_back(&mut self, l: &mut List, i: u32) {
+    pub(crate) fn push_back(&mut self, l: &mut List, i: u32) {
         self.links[i as usize] = Link {
             prev: l.tail,
             next: NIL,
@@ -77,7 +77,7 @@ impl Links {
 
     /// Inserts `i` (not in any list) before `at` (`NIL` = at the back).
     #[inline]
-    pub fn insert_before(&mut self, l: &mut List, i: u32, at: u32) {
+    pub(crate) fn insert_before(&mut self, l: &mut List, i: u32, at: u32) {
         if at == NIL {
             return self.push_back(l, i);
         }
@@ -94,7 +94,7 @@ impl Links {
 
     /// Removes `i` from `l`.
     #[inline]
-    pub fn unlink(&mut self, l: &mut List, i: u32) {
+    pub(crate) fn unlink(&mut self, l: &mut List, i: u32) {
         let Link { prev, next } = self.links[i as usize];
         if prev == NIL {
             l.head = next;
@@ -115,7 +115,7 @@ impl Links {
 
     /// Moves `i` (in `l`) to the back.
     #[inline]
-    pub fn move_to_back(&mut self, l: &mut List, i: u32) {
+    pub(crate) fn move_to_back(&mut self, l: &mut List, i: u32) {
         if l.tail == i {
             return;
         }
@@ -125,13 +125,13 @@ impl Links {
 
     /// The slot after `i`.
     #[inline]
-    pub fn next(&self, i: u32) -> u32 {
+    pub(crate) fn next(&self, i: u32) -> u32 {
         self.links[i as usize].next
     }
 
     /// The slot before `i`.
     #[inline]
-    pub fn prev(&self, i: u32) -> u32 {
+    pub(crate) fn prev(&self, i: u32) -> u32 {
         self.links[i as usize].prev
     }
 }
@@ -145,7 +145,7 @@ struct Node {
 
 /// An insertion-ordered set of keys with a `u32` value each.
 #[derive(Default)]
-pub struct LinkedKeySet {
+pub(crate) struct LinkedKeySet {
     map: HashMap<OffloadKey, u32>,
     nodes: Vec<Node>,
     free: Vec<u32>,
@@ -155,7 +155,7 @@ pub struct LinkedKeySet {
 
 impl LinkedKeySet {
     /// Empty set.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             map: HashMap::new(),
             nodes: Vec::new(),
@@ -167,25 +167,25 @@ impl LinkedKeySet {
 
     /// Number of keys.
     #[inline]
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// Whether the key is present.
     #[inline]
-    pub fn contains(&self, k: &OffloadKey) -> bool {
+    pub(crate) fn contains(&self, k: &OffloadKey) -> bool {
         self.map.contains_key(k)
     }
 
     /// The value of a key.
     #[inline]
-    pub fn get(&self, k: &OffloadKey) -> Option<u32> {
+    pub(crate) fn get(&self, k: &OffloadKey) -> Option<u32> {
         self.map.get(k).map(|&n| self.nodes[n as usize].value)
     }
 
     /// Sets the value of a present key.
     #[inline]
-    pub fn set(&mut self, k: &OffloadKey, v: u32) {
+    pub(crate) fn set(&mut self, k: &OffloadKey, v: u32) {
         if let Some(&n) = self.map.get(k) {
             self.nodes[n as usize].value = v;
         }
@@ -218,7 +218,7 @@ impl LinkedKeySet {
 
     /// Inserts at the back; a present key keeps its place and gets the new value
     /// (`OrderedDict[key] = value`).
-    pub fn insert(&mut self, k: OffloadKey, v: u32) {
+    pub(crate) fn insert(&mut self, k: OffloadKey, v: u32) {
         if let Some(&n) = self.map.get(&k) {
             self.nodes[n as usize].value = v;
             return;
@@ -244,7 +244,7 @@ impl LinkedKeySet {
     }
 
     /// Moves a present key to the back; returns whether it was present.
-    pub fn move_to_back(&mut self, k: &OffloadKey) -> bool {
+    pub(crate) fn move_to_back(&mut self, k: &OffloadKey) -> bool {
         let Some(&n) = self.map.get(k) else {
             return false;
         };
@@ -256,7 +256,7 @@ impl LinkedKeySet {
     }
 
     /// Removes a key; returns its value.
-    pub fn remove(&mut self, k: &OffloadKey) -> Option<u32> {
+    pub(crate) fn remove(&mut self, k: &OffloadKey) -> Option<u32> {
         let n = self.map.remove(k)?;
         self.unlink(n);
         self.free.push(n);
@@ -264,7 +264,7 @@ impl LinkedKeySet {
     }
 
     /// Removes and returns the front key.
-    pub fn pop_front(&mut self) -> Option<(OffloadKey, u32)> {
+    pub(crate) fn pop_front(&mut self) -> Option<(OffloadKey, u32)> {
         if self.head == NIL {
             return None;
         }
@@ -278,7 +278,7 @@ impl LinkedKeySet {
     }
 
     /// Keys front (oldest) to back.
-    pub fn iter(&self) -> impl Iterator<Item = OffloadKey> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = OffloadKey> + '_ {
         let mut n = self.head;
         std::iter::from_fn(move || {
             if n == NIL {
@@ -291,7 +291,7 @@ impl LinkedKeySet {
     }
 
     /// Empties the set.
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.map.clear();
         self.nodes.clear();
         self.free.clear();

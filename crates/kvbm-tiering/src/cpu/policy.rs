@@ -86,7 +86,7 @@ pub(crate) enum Policy {
 }
 
 impl Policy {
-    pub fn new(kind: CachePolicyKind, capacity: usize) -> Self {
+    pub(crate) fn new(kind: CachePolicyKind, capacity: usize) -> Self {
         match kind {
             CachePolicyKind::Lru => Policy::Lru(Lru {
                 links: Links::new(capacity),
@@ -139,7 +139,7 @@ impl Policy {
 
     /// A newly allocated slot (ref_cnt -1). `position` is the key's end-token position if the
     /// scheduler recorded one.
-    pub fn insert(
+    pub(crate) fn insert(
         &mut self,
         keys: &[OffloadKey],
         s: u32,
@@ -170,7 +170,7 @@ impl Policy {
     }
 
     /// Removes a resident slot (failed write).
-    pub fn remove(&mut self, s: u32) {
+    pub(crate) fn remove(&mut self, s: u32) {
         match self {
             Policy::Lru(l) => l.links.unlink(&mut l.order, s),
             Policy::Arc(a) => {
@@ -186,7 +186,7 @@ impl Policy {
 
     /// Touch of one key (called in reverse key order by the manager): `slot` is its resident
     /// slot, if any, and `ready` whether its ref_cnt >= 0.
-    pub fn touch_one(&mut self, key: &OffloadKey, slot: Option<u32>, ready: bool) {
+    pub(crate) fn touch_one(&mut self, key: &OffloadKey, slot: Option<u32>, ready: bool) {
         match self {
             Policy::Lru(l) => {
                 if let Some(s) = slot {
@@ -214,7 +214,7 @@ impl Policy {
     }
 
     /// Store misses (keys absent from the cache), in reverse order by the caller.
-    pub fn on_store_miss_one(&mut self, key: &OffloadKey) {
+    pub(crate) fn on_store_miss_one(&mut self, key: &OffloadKey) {
         // LRU: `touch` of an absent key does nothing.
         if let Policy::Arc(a) = self {
             a.adapt_to_ghost_hit(key);
@@ -222,7 +222,7 @@ impl Policy {
     }
 
     /// New keys seen by a request (LRU: positional ranks only).
-    pub fn on_request_access(
+    pub(crate) fn on_request_access(
         &mut self,
         keys: &[OffloadKey],
         new_keys: &[(OffloadKey, Option<u32>, Option<u64>)],
@@ -247,7 +247,10 @@ impl Policy {
 
     /// Request finished: `ordered` keys (group, then position or first-seen order), with
     /// resident slot, insertion-only and reused flags. Walked in reverse.
-    pub fn on_request_finished(&mut self, ordered: &[(OffloadKey, Option<u32>, bool, bool)]) {
+    pub(crate) fn on_request_finished(
+        &mut self,
+        ordered: &[(OffloadKey, Option<u32>, bool, bool)],
+    ) {
         match self {
             Policy::Lru(l) => {
                 for &(_, slot, _, _) in ordered.iter().rev() {
@@ -284,7 +287,7 @@ impl Policy {
 
     /// Chooses `n` victims among evictable, unprotected slots; `None` (and no change) if there
     /// are fewer. On success the victims are unlinked (ARC: their keys enter the ghost lists).
-    pub fn evict(&mut self, n: usize, view: &SlotView<'_>, out: &mut Vec<u32>) -> bool {
+    pub(crate) fn evict(&mut self, n: usize, view: &SlotView<'_>, out: &mut Vec<u32>) -> bool {
         out.clear();
         if n == 0 {
             return true;
@@ -371,7 +374,7 @@ impl Policy {
     }
 
     /// Forgets everything (ARC: ghosts and target too).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         match self {
             Policy::Lru(l) => {
                 let n = l.rank.len();
@@ -392,7 +395,7 @@ impl Policy {
     }
 
     /// Resident slots in eviction order (LRU: by rank; ARC: T1 then T2). For tests/introspection.
-    pub fn order(&self) -> Vec<u32> {
+    pub(crate) fn order(&self) -> Vec<u32> {
         let mut v = Vec::new();
         let walk = |links: &Links, l: &List, v: &mut Vec<u32>| {
             let mut c = l.head;
@@ -413,7 +416,9 @@ impl Policy {
 
     /// ARC introspection: (T1 slots, T2 slots, B1 keys, B2 keys, target).
     #[allow(clippy::type_complexity)]
-    pub fn arc_state(&self) -> Option<(Vec<u32>, Vec<u32>, Vec<OffloadKey>, Vec<OffloadKey>, f64)> {
+    pub(crate) fn arc_state(
+        &self,
+    ) -> Option<(Vec<u32>, Vec<u32>, Vec<OffloadKey>, Vec<OffloadKey>, f64)> {
         let Policy::Arc(a) = self else { return None };
         let walk = |l: &List| {
             let mut v = Vec::new();
@@ -436,7 +441,7 @@ impl Policy {
 
 impl Policy {
     /// Sets ARC's `target_t1_size` (test setup); no-op for LRU.
-    pub fn set_arc_target(&mut self, t: f64) {
+    pub(crate) fn set_arc_target(&mut self, t: f64) {
         if let Policy::Arc(a) = self {
             a.target_t1_size = t;
         }

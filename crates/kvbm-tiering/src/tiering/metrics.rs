@@ -39,7 +39,11 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(tier_types: &[String], num_primary_chunks: usize, chunk_bytes: usize) -> Self {
+    pub(crate) fn new(
+        tier_types: &[String],
+        num_primary_chunks: usize,
+        chunk_bytes: usize,
+    ) -> Self {
         let mut labels = vec!["0:primary".to_string()];
         labels.extend(
             tier_types
@@ -67,7 +71,7 @@ impl Metrics {
     /// starts the asynchronous delay of (request, key) at that tier; the resolving `HIT`/`MISS`
     /// observes it.
     #[inline]
-    pub fn on_lookup(
+    pub(crate) fn on_lookup(
         &mut self,
         label: usize,
         result: LookupResult,
@@ -97,7 +101,7 @@ impl Metrics {
         }
     }
 
-    pub fn on_job_registered(&mut self, tier: usize, job: &TransferJob) {
+    pub(crate) fn on_job_registered(&mut self, tier: usize, job: &TransferJob) {
         let st = &mut self.tiers[tier];
         let n = job.chunk_ids.len() as u64;
         if job.is_promotion {
@@ -109,7 +113,7 @@ impl Metrics {
         }
     }
 
-    pub fn on_job_finished(&mut self, tier: usize, job: &TransferJob, r: &JobResult) {
+    pub(crate) fn on_job_finished(&mut self, tier: usize, job: &TransferJob, r: &JobResult) {
         let label = self.labels[tier + 1].clone();
         let mut count = job.keys.len();
         let mut record = true;
@@ -141,7 +145,7 @@ impl Metrics {
     }
 
     /// Forgets a job without an outcome (dropped as stale at reset).
-    pub fn release(&mut self, tier: usize, job: &TransferJob) {
+    pub(crate) fn release(&mut self, tier: usize, job: &TransferJob) {
         let st = &mut self.tiers[tier];
         let n = job.chunk_ids.len() as u64;
         if job.is_promotion {
@@ -153,17 +157,17 @@ impl Metrics {
         }
     }
 
-    pub fn on_promotion_allocation_failure(&mut self) {
+    pub(crate) fn on_promotion_allocation_failure(&mut self) {
         self.stats
             .increase_counter(names::PROMOTION_ALLOCATION_FAILURES, None, 1.0);
     }
 
-    pub fn on_deadline_expired(&mut self, n: usize) {
+    pub(crate) fn on_deadline_expired(&mut self, n: usize) {
         self.stats
             .increase_counter(names::HIT_PENDING_DEADLINE_EXPIRED, None, n as f64);
     }
 
-    pub fn record_backpressure(&mut self, tier: usize, ema: f64, dropped: (u64, u64)) {
+    pub(crate) fn record_backpressure(&mut self, tier: usize, ema: f64, dropped: (u64, u64)) {
         let label = self.labels[tier + 1].clone();
         self.stats
             .set_gauge(names::BACKPRESSURE_STORE_LATENCY_EMA, Some(&label), ema);
@@ -183,7 +187,7 @@ impl Metrics {
         }
     }
 
-    pub fn is_idle(&self) -> bool {
+    pub(crate) fn is_idle(&self) -> bool {
         self.tiers.iter().all(|t| {
             t.active_cascades == 0
                 && t.active_promotions == 0
@@ -192,7 +196,7 @@ impl Metrics {
         })
     }
 
-    pub fn take_stats(&mut self) -> Option<OffloadingConnectorStats> {
+    pub(crate) fn take_stats(&mut self) -> Option<OffloadingConnectorStats> {
         let mut out = OffloadingConnectorStats::default();
         let n = self.num_primary_chunks as f64;
         for (i, t) in self.tiers.iter().enumerate() {
