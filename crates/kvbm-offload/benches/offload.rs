@@ -22,6 +22,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kvbm_logical::{BlockRegistry, G1, G2, G3, SequenceHash, Tier};
+use kvbm_offload::executor::NoopExecutor;
+use kvbm_offload::pipeline::PipelineSpec;
+use kvbm_offload::transfer::CallerAllocated;
 use kvbm_offload::*;
 use kvbm_physical::{
     BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,

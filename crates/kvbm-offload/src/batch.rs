@@ -1,4 +1,4 @@
-//! Containers, batches, and the commitment boundary ([`upgrade_batch`]).
+//! Containers, batches, and the commitment boundary (`upgrade_batch`).
 //!
 //! ```text
 //!  OffloadContainer (one per enqueue, never split)           OffloadBatch
@@ -17,7 +17,7 @@
 //! * **P1** – a container is cancelled as a whole: it has one token, the sweep removes whole
 //!   containers, and the batcher never splits one (a container larger than `max_batch_size` is
 //!   a batch of its own).
-//! * **P3/P5** – [`upgrade_batch`] consumes the batch. From then on no token is consulted; the
+//! * **P3/P5** – `upgrade_batch` consumes the batch. From then on no token is consulted; the
 //!   blocks of all containers form one flat vector handed to the executor. The per-container
 //!   bookkeeping kept beside it is only used to report outcomes.
 //! * Dropping a container that still holds blocks reports them **cancelled** (the only ways a

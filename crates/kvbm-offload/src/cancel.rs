@@ -12,7 +12,7 @@
 //! # Invariants
 //!
 //! * The token is the transfer's shared state. A container carries a clone (P2) plus an
-//!   [`OutstandingGuard`]; the guard is the **last** field of everything that holds blocks, so
+//!   `OutstandingGuard`; the guard is the **last** field of everything that holds blocks, so
 //!   it is dropped after the blocks it accounts for.
 //! * `outstanding` counts live guards. It reaches zero exactly once: no guard is created for a
 //!   transfer after its last guard dropped (a guard is only ever cloned from another live one).

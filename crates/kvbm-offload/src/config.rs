@@ -10,7 +10,7 @@
 //! | `max_concurrent_transfers` | 1 | transfer batches in flight at once (1 ..= 2^20) |
 //! | `queue_capacity` | 1024 | capacity of the input queue and of each inter-stage queue (containers or batches), and most containers waiting on their precondition: the backpressure bound (`enqueue` waits, `try_enqueue` says `Full`) |
 //! | `max_concurrent_evaluations` | 64 | asynchronous policy evaluations in flight |
-//! | `record_timing` | true | record a [`TimingTrace`](crate::TimingTrace) per block |
+//! | `record_timing` | true | record a [`TimingTrace`](crate::handle::TimingTrace) per block |
 //! | `sweep_on_cancel` | true | sweep at once on every cancellation, not only periodically |
 //! | `policies` | `[]` (pass all) | policies, combined with AND, see [`PolicyConfig`] |
 //!
@@ -189,7 +189,7 @@ pub struct ObjectPipelineConfig {
     /// which is [`DEFAULT_OBJECT_POLICY_TIMEOUT`] (presence checks and locks are remote).
     pub pipeline: PipelineConfig,
     /// Delay before a freshly created lock is read back to confirm ownership (see
-    /// [`ObjectLockPresenceFilter`](crate::ObjectLockPresenceFilter)). Default: 20 ms.
+    /// [`ObjectLockPresenceFilter`](crate::object::ObjectLockPresenceFilter)). Default: 20 ms.
     #[serde(with = "ms", rename = "lock_verify_delay_ms")]
     pub lock_verify_delay: Duration,
     /// Take a per-object lock (S3 conditional create) before offloading, so several workers
@@ -202,9 +202,9 @@ pub struct ObjectPipelineConfig {
     /// Assumes loosely synchronized clocks between workers, and must exceed the longest time a
     /// lock is held: policy evaluation, queueing, batching and the transfer itself. A lock that
     /// outlives its TTL is not lost, but another worker may then upload the same block again
-    /// (identical bytes; see [`ObjectLockPresenceFilter`](crate::ObjectLockPresenceFilter)).
+    /// (identical bytes; see [`ObjectLockPresenceFilter`](crate::object::ObjectLockPresenceFilter)).
     /// Must exceed `lock_verify_delay` and `pipeline.policy_timeout`. Default: 60 s
-    /// ([`DEFAULT_LOCK_TTL`](crate::DEFAULT_LOCK_TTL)).
+    /// ([`DEFAULT_LOCK_TTL`](crate::object::DEFAULT_LOCK_TTL)).
     #[serde(with = "ms", rename = "lock_ttl_ms")]
     pub lock_ttl: Duration,
 }

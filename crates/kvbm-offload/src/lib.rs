@@ -1,62 +1,48 @@
 #![doc = include_str!("../README.md")]
 
-// What a user composes is re-exported at the root; stage internals (queues, the sweeper,
-// outstanding guards, containers and `upgrade_batch`) stay crate-private.
-mod batch;
+// The root names what other crates use: tiers and moves (`BoundTier`, `BlockMover`,
+// `ExternalMover`, `MoveSource`, `MoveOutcome`, `ArrivalCheck`), lanes (`Pipeline`,
+// `PipelineBuilder`, `ObjectPipeline`, their configs, `TransferHandle`, `TransferResult`),
+// executors, policies and failures. Everything else public is named by its module
+// (`handle::TransferStatus`, `settlement::SettlementToken`, `source::Precondition`, ...); stage
+// internals (queues, the sweeper, outstanding guards, containers, `upgrade_batch`) stay
+// crate-private.
+pub mod batch;
 mod bound;
-mod cancel;
+pub mod cancel;
 pub mod config;
-mod engine;
+pub mod engine;
 mod error;
-mod executor;
-mod handle;
+pub mod executor;
+pub mod handle;
 pub mod metrics;
 pub mod object;
-mod pending;
-mod pipeline;
-mod policy;
+pub mod pending;
+pub mod pipeline;
+pub mod policy;
 mod queue;
-mod settlement;
-mod source;
+pub mod settlement;
+pub mod source;
 mod sweep;
-mod transfer;
+pub mod transfer;
 
-pub use batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
+pub use batch::{BatchOutcome, ResolvedBatch};
 pub use bound::BoundTier;
-pub use cancel::{CancelConfirmation, CancelState, CancellationToken};
-pub use config::{
-    BatchConfig, DEFAULT_OBJECT_POLICY_TIMEOUT, MAX_CONCURRENT_TRANSFERS, ObjectPipelineConfig,
-    PipelineConfig, PolicyConfig,
-};
-pub use engine::{LaneSpec, OffloadEngine, OffloadEngineBuilder};
+pub use cancel::CancellationToken;
+pub use config::{ObjectPipelineConfig, PipelineConfig};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
-pub use executor::{ArcExecutor, DynTransferExecutor, NoopExecutor, TransferExecutor};
-pub use handle::{
-    TimingTrace, TransferHandle, TransferId, TransferProgressCounts, TransferProgressCursor,
-    TransferProgressDelta, TransferResult, TransferStatus,
-};
+pub use executor::TransferExecutor;
+pub use handle::{TransferHandle, TransferResult};
 pub use object::{
-    DEFAULT_LOCK_TTL, DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter, ObjectPipeline,
-    ObjectPipelineBuilder, ObjectPresenceFilter, PresenceChecker, S3PresenceChecker,
-    block_identity, identity_of, lock_key, object_key,
+    ObjectPipeline, ObjectPipelineBuilder, PresenceChecker, S3PresenceChecker, block_identity,
+    identity_of, object_key,
 };
-pub use pending::{PendingGuard, PendingTracker};
-pub use pipeline::{
-    CompletionSink, EnqueueError, Pipeline, PipelineBuilder, PipelineSpec, Rejected,
-};
+pub use pipeline::{CompletionSink, EnqueueError, Pipeline, PipelineBuilder};
 pub use policy::{
-    AllOfPolicy, AnyOfPolicy, BoxFuture, DEFAULT_MIN_LFU_COUNT, EvalContext, OffloadPolicy,
-    PassAllPolicy, PolicyBatchFuture, PolicyFuture, PresenceAndLFUFilter, PresenceFilter,
-    async_batch_result, async_result, create_policy_from_config, sync_batch_result, sync_result,
+    AllOfPolicy, BoxFuture, OffloadPolicy, PresenceFilter, create_policy_from_config,
 };
-pub use settlement::{
-    PipelineFailure, PipelineFailureKind, PipelineLane, PipelineStage, SettlementError,
-    SettlementTarget, SettlementToken,
-};
-pub use source::{
-    ExternalBlock, Precondition, PreconditionError, PreconditionTrigger, SourceBlock, SourceBlocks,
-};
+pub use source::ExternalBlock;
 pub use transfer::{
-    ArrivalCheck, BlockMover, BlockTransferExecutor, CallerAllocated, ExternalMover, MoveOutcome,
-    MoveSource, ObjectTransferExecutor,
+    ArrivalCheck, BlockMover, BlockTransferExecutor, ExternalMover, MoveOutcome, MoveSource,
+    ObjectTransferExecutor,
 };

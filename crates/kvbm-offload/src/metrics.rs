@@ -34,7 +34,7 @@
 //! The handles are resolved once per pipeline, when it is spawned, and shared (one `Arc`) by its
 //! stages and transfers: the hot path only bumps counters, never looks a series up or allocates.
 //! A consequence: **install the recorder before spawning pipelines** (or building the
-//! [`OffloadEngine`](crate::OffloadEngine)); a pipeline spawned before keeps reporting to the
+//! [`OffloadEngine`](crate::engine::OffloadEngine)); a pipeline spawned before keeps reporting to the
 //! recorder that was current then (the no-op one, if none).
 
 use metrics::{Counter, Gauge, Histogram, Unit, counter, gauge, histogram};

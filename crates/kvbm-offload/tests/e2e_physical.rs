@@ -8,6 +8,11 @@ use std::sync::Arc;
 use common::{disk_layout, hash, host_layout, manager, registered, scratch};
 use kvbm_logical::{BlockRegistry, G1, G2, G3, TierId};
 
+use kvbm_offload::engine::{LaneSpec, OffloadEngine};
+use kvbm_offload::handle::TransferStatus;
+use kvbm_offload::policy::PresenceAndLFUFilter;
+use kvbm_offload::settlement::PipelineLane;
+use kvbm_offload::source::Precondition;
 use kvbm_offload::*;
 use kvbm_physical::{
     Backing, BlockLayout, DiskConfig, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,

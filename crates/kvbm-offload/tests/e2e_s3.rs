@@ -8,6 +8,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::{external, hash, host_layout};
 use kvbm_logical::SequenceHash;
+use kvbm_offload::object::{ObjectLockPresenceFilter, lock_key};
+use kvbm_offload::policy::EvalContext;
 use kvbm_offload::*;
 use kvbm_physical::{
     BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager,

@@ -10,6 +10,14 @@ use std::time::Duration;
 
 use common::*;
 use kvbm_logical::{G1, G2, SequenceHash};
+use kvbm_offload::config::MAX_CONCURRENT_TRANSFERS;
+use kvbm_offload::handle::TransferStatus;
+use kvbm_offload::object::ObjectPresenceFilter;
+use kvbm_offload::policy::{
+    EvalContext, PassAllPolicy, PolicyBatchFuture, PolicyFuture, sync_result,
+};
+use kvbm_offload::settlement::{PipelineFailureKind, PipelineLane, PipelineStage};
+use kvbm_offload::source::{Precondition, PreconditionError};
 use kvbm_offload::*;
 
 /// A policy that panics when asked.

@@ -9,6 +9,8 @@ use std::time::Duration;
 use common::*;
 use kvbm_logical::{G1, G2, SequenceHash};
 use kvbm_offload::metrics::*;
+use kvbm_offload::policy::{EvalContext, PolicyFuture, sync_result};
+use kvbm_offload::source::Precondition;
 use kvbm_offload::*;
 
 const P: (&str, &str) = (PIPELINE_LABEL, "g1_to_g2");

@@ -9,6 +9,12 @@ use std::time::Duration;
 
 use common::*;
 use kvbm_logical::G1;
+use kvbm_offload::cancel::CancelState;
+use kvbm_offload::handle::{TransferProgressCursor, TransferStatus};
+use kvbm_offload::settlement::{
+    PipelineFailure, PipelineFailureKind, PipelineLane, SettlementError,
+};
+use kvbm_offload::source::Precondition;
 use kvbm_offload::*;
 
 #[tokio::test(start_paused = true)]

@@ -8,6 +8,16 @@ use std::time::Duration;
 use common::hash;
 use either::Either;
 use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, TierId};
+use kvbm_offload::config::{DEFAULT_OBJECT_POLICY_TIMEOUT, PolicyConfig};
+use kvbm_offload::engine::OffloadEngine;
+use kvbm_offload::executor::NoopExecutor;
+use kvbm_offload::object::DEFAULT_LOCK_TTL;
+use kvbm_offload::pending::PendingTracker;
+use kvbm_offload::policy::{
+    AnyOfPolicy, EvalContext, PassAllPolicy, PolicyBatchFuture, PolicyFuture, PresenceAndLFUFilter,
+    async_result, sync_result,
+};
+use kvbm_offload::settlement::SettlementToken;
 use kvbm_offload::*;
 
 fn ctx(i: u32, dst: TierId) -> EvalContext {

@@ -13,6 +13,11 @@ use kvbm_logical::{
     BlockDigest, BlockManager, BlockRegistry, G2, G3, HashAlgorithm, ImmutableBlock, MutableBlock,
     Salt, TierId, TokenBlockSequence,
 };
+use kvbm_offload::engine::{LaneSpec, OffloadEngine};
+use kvbm_offload::handle::TransferStatus;
+use kvbm_offload::settlement::PipelineLane;
+use kvbm_offload::source::Precondition;
+use kvbm_offload::transfer::CallerAllocated;
 use kvbm_offload::*;
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
 use parking_lot::Mutex;

@@ -9,6 +9,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::{external, hash, hashes, manager};
 use kvbm_logical::{G2, G4, ImmutableBlock};
+use kvbm_offload::settlement::PipelineLane;
+use kvbm_offload::transfer::CallerAllocated;
 use kvbm_offload::*;
 use kvbm_physical::{
     ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,

@@ -84,7 +84,8 @@ async fn fail_closed_oversized_lock_is_not_read() {
 #[test]
 fn object_pipeline_spawns_from_a_synchronous_caller() {
     let storage = Arc::new(ObjectStorage::in_memory(ObjectConfig::default()));
-    let refused = super::ObjectPipelineBuilder::new(storage.clone()).spawn(crate::NoopExecutor);
+    let refused =
+        super::ObjectPipelineBuilder::new(storage.clone()).spawn(crate::executor::NoopExecutor);
     assert!(matches!(refused, Err(crate::OffloadError::NoRuntime)));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -92,7 +93,7 @@ fn object_pipeline_spawns_from_a_synchronous_caller() {
         .build()
         .unwrap();
     let pipeline = super::ObjectPipelineBuilder::new(storage)
-        .spawn_on(rt.handle(), crate::NoopExecutor)
+        .spawn_on(rt.handle(), crate::executor::NoopExecutor)
         .expect("spawned on the caller's runtime");
     rt.block_on(pipeline.shutdown_and_wait());
 }

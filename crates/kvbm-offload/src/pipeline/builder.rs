@@ -48,7 +48,7 @@ impl<Src: Tier, Dst: Tier> Default for PipelineBuilder<Src, Dst> {
 }
 
 impl<Src: Tier, Dst: Tier> PipelineBuilder<Src, Dst> {
-    /// A builder with [`PipelineConfig::default`] and [`PassAllPolicy`](crate::PassAllPolicy),
+    /// A builder with [`PipelineConfig::default`] and [`PassAllPolicy`](crate::policy::PassAllPolicy),
     /// for a lane whose executor allocates the destinations.
     pub fn new() -> Self {
         Self {
@@ -81,7 +81,7 @@ impl<Src: Tier, Dst: Tier, A> PipelineBuilder<Src, Dst, A> {
         self
     }
 
-    /// The policy. Default: [`PassAllPolicy`](crate::PassAllPolicy) (or the configured
+    /// The policy. Default: [`PassAllPolicy`](crate::policy::PassAllPolicy) (or the configured
     /// `policies`, when the engine builds it).
     pub fn policy(mut self, policy: Arc<dyn OffloadPolicy>) -> Self {
         self.policy = Some(policy);

@@ -1,4 +1,4 @@
-//! A running pipeline: four stages joined by bounded [`CancellableQueue`]s.
+//! A running pipeline: four stages joined by bounded cancellable queues (`CancellableQueue`).
 //!
 //! ```text
 //!  enqueue ─► [input] ─► PolicyEvaluator ─► [precondition] ─► PreconditionAwaiter ─► [batch]
@@ -17,7 +17,7 @@
 //!  same signal.
 //! ```
 //!
-//! The builder is in [`builder`], the stage loops and their supervision in `stages`.
+//! The builder is in `builder`, the stage loops and their supervision in `stages`.
 //!
 //! # Invariants
 //!

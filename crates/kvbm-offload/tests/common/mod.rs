@@ -11,10 +11,12 @@ use std::time::Duration;
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, MutableBlock, Salt, SequenceHash, Tier,
 };
+use kvbm_offload::policy::{
+    EvalContext, PolicyBatchFuture, PolicyFuture, async_batch_result, async_result,
+};
 use kvbm_offload::{
-    BatchOutcome, BlockFailure, BlockFailureKind, EvalContext, ExternalBlock, OffloadPolicy,
-    Pipeline, PipelineBuilder, PolicyBatchFuture, PolicyFuture, ResolvedBatch, TransferExecutor,
-    TransferResult, async_batch_result, async_result,
+    BatchOutcome, BlockFailure, BlockFailureKind, ExternalBlock, OffloadPolicy, Pipeline,
+    PipelineBuilder, ResolvedBatch, TransferExecutor, TransferResult,
 };
 use kvbm_physical::{
     BlockLayout, DiskConfig, LayoutHandle, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,

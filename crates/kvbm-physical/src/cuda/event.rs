@@ -260,7 +260,7 @@ impl Future for EventFuture {
 /// Make it from the engine's compute stream right after it enqueued the forward pass
 /// ([`CudaEventPrecondition::record`]), or from an event the engine recorded itself
 /// ([`CudaEventPrecondition::from_event`]). Await it (it resolves on the completion thread, no
-/// host-side stream synchronisation); adapt it to `kvbm_offload::Precondition` with
+/// host-side stream synchronisation); adapt it to `kvbm_offload::source::Precondition` with
 /// `Precondition::new(async move { pre.await.map_err(|e| e.to_string()) })`.
 #[derive(Debug)]
 #[must_use = "futures do nothing unless awaited"]
