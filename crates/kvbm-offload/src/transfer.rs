@@ -144,16 +144,18 @@ fn check_arrivals<Dst: Tier>(
         if r.is_err() {
             continue;
         }
-        let regions = layout.block_addrs(dst.block_id(), 0..layers);
-        let bytes: Vec<&[u8]> = regions
-            .iter()
-            // SAFETY: the layout is host memory (checked when the check was set) owned by the
-            // transfer manager, which outlives this call; `dst` is a `MutableBlock` this move
-            // owns exclusively, and its transfer has completed, so nothing writes the slot
-            // while these slices live.
-            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
-            .collect();
-        *r = check(src, &bytes);
+        // SAFETY: the layout is host memory (checked when the check was set) owned by the
+        // transfer manager, which outlives this call; `dst` is a `MutableBlock` this move owns
+        // exclusively, and its transfer has completed, so nothing writes the slot while these
+        // slices live.
+        let view = |&(addr, len): &(usize, usize)| unsafe {
+            std::slice::from_raw_parts(addr as *const u8, len)
+        };
+        *r = match layout.block_addrs(dst.block_id(), 0..layers).as_slice() {
+            // One region (every fully contiguous layout): no list to build.
+            [one] => check(src, &[view(one)]),
+            many => check(src, &many.iter().map(view).collect::<Vec<_>>()),
+        };
     }
 }
 
