@@ -71,6 +71,10 @@ pub struct MoveSource {
     pub sequence_hash: SequenceHash,
     /// The content's 256-bit digest, for BLAKE3 sequences.
     pub digest: Option<BlockDigest>,
+    /// The digest the destination is registered with when it is not `digest`: for a source
+    /// tier that stores the block under its sequence hash alone (its header names the hash),
+    /// while the block's identity above it is a digest. `None`: `digest`.
+    pub registered_digest: Option<BlockDigest>,
 }
 
 impl MoveSource {
@@ -80,7 +84,20 @@ impl MoveSource {
             block_id: block.block_id(),
             sequence_hash: block.sequence_hash(),
             digest: block.digest(),
+            registered_digest: None,
         }
+    }
+
+    /// This source, its destination registered with `digest` (see
+    /// [`registered_digest`](Self::registered_digest)).
+    pub fn registered_as(mut self, digest: Option<BlockDigest>) -> Self {
+        self.registered_digest = digest;
+        self
+    }
+
+    /// The digest the destination is registered with.
+    pub fn destination_digest(&self) -> Option<BlockDigest> {
+        self.registered_digest.or(self.digest)
     }
 
     /// The identity written into and required of the header ([`identity_of`]).
@@ -95,6 +112,7 @@ impl From<(BlockId, SequenceHash)> for MoveSource {
             block_id,
             sequence_hash,
             digest: None,
+            registered_digest: None,
         }
     }
 }
@@ -107,6 +125,7 @@ impl From<(BlockId, SequenceHash, Option<BlockDigest>)> for MoveSource {
             block_id,
             sequence_hash,
             digest,
+            registered_digest: None,
         }
     }
 }
@@ -117,6 +136,7 @@ impl<T: Tier> From<&ResolvedBlock<T>> for MoveSource {
             block_id: b.block_id,
             sequence_hash: b.sequence_hash,
             digest: b.digest,
+            registered_digest: None,
         }
     }
 }
@@ -446,7 +466,7 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
     /// mismatch fails every block (nothing is moved). The transfer is issued now; the future
     /// registers the destinations whose bytes arrived.
     ///
-    /// Each destination is registered with the source's hash and digest. A source whose stored
+    /// Each destination is registered with the source's hash and digest ([`MoveSource::destination_digest`]). A source whose stored
     /// header names another identity fails with
     /// [`IdentityMismatch`](BlockFailureKind::IdentityMismatch), and so does a destination whose
     /// manager already holds the hash under another digest (policy `Reject`): a 64-bit
@@ -543,18 +563,20 @@ fn register<Dst: Tier>(
         .enumerate()
     {
         match r {
-            Ok(()) => match mutable.complete_with_digest(src.sequence_hash, src.digest) {
-                Ok(c) => {
-                    complete.push(c);
-                    complete_idx.push(i);
+            Ok(()) => {
+                match mutable.complete_with_digest(src.sequence_hash, src.destination_digest()) {
+                    Ok(c) => {
+                        complete.push(c);
+                        complete_idx.push(i);
+                    }
+                    Err(e) => {
+                        results[i] = Some(Err(BlockFailure::new(
+                            BlockFailureKind::Transfer,
+                            format!("cannot register in destination: {}", e.error),
+                        )))
+                    }
                 }
-                Err(e) => {
-                    results[i] = Some(Err(BlockFailure::new(
-                        BlockFailureKind::Transfer,
-                        format!("cannot register in destination: {}", e.error),
-                    )))
-                }
-            },
+            }
             // The slot goes back to the reset pool; nothing is registered.
             Err(e) => results[i] = Some(Err(e)),
         }
@@ -562,7 +584,7 @@ fn register<Dst: Tier>(
     for (i, registered) in complete_idx.into_iter().zip(dst.register_blocks(complete)) {
         // With duplication `Reject`, the manager hands back the block it already holds
         // under this hash: another block if its digest differs.
-        results[i] = Some(if registered.digest() == sources[i].digest {
+        results[i] = Some(if registered.digest() == sources[i].destination_digest() {
             Ok(registered)
         } else {
             Err(BlockFailure::new(

@@ -677,6 +677,7 @@ async fn fail_closed_g3_identity_is_the_full_digest() {
         block_id: slot,
         sequence_hash: h,
         digest: Some(db),
+        registered_digest: None,
     };
     let out = up.move_blocks(&[b], g2b.allocate(1).unwrap()).await;
     let err = out[0]
@@ -774,6 +775,7 @@ fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
         block_id: stored[0].block_id(),
         sequence_hash: stored[1].sequence_hash(),
         digest: None,
+        registered_digest: None,
     };
     // SAFETY: as above, slot 0.
     let out = futures::executor::block_on(unsafe { up.move_blocks(&[wrong], &[0]) });

@@ -84,8 +84,8 @@ use sharing::SharedG4;
 #[cfg(feature = "nats")]
 pub use sharing::Sharing;
 use tiers::{
-    G3Check, G3Tier, G4Tier, HostTier, check_g3_read, count_failure, geometry, list_blocks,
-    manager, manager_with_sink,
+    G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
+    list_blocks, manager, manager_with_sink,
 };
 
 /// Without NATS no G4 is shared: an uninhabited type, so the build reads the same and the
@@ -183,8 +183,6 @@ pub struct TierStack {
     write_through: Option<scheduled::WriteThrough>,
     /// Requests whose `prepare_load` found a HIT gone, and recomputed (`--scheduler tiering`).
     pub load_refused: u64,
-    /// Identities of blocks known only by name (see [`Identities`]).
-    identities: Arc<Identities>,
     /// What each block's bytes are.
     contents: Arc<dyn Contents>,
     /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
@@ -416,33 +414,30 @@ impl TierStack {
                     .context("cannot build the instance leader")?,
             );
             movers = Some(Movers {
-                g3_to_g2: g3.as_ref().map(|g3t| {
-                    Arc::new(G3ToG2 {
-                        tm: tm.clone(),
-                        g3: g3t.handle,
-                        g2: g2t.handle,
-                        g2_manager: g2t.manager.clone(),
-                        g2_layout: g2t.layout.clone(),
-                        check: g3t.check(),
-                        counters: counters.clone(),
-                        block_bytes: b,
-                        shared: onboard.clone(),
-                        identities: plan.identities.clone(),
-                    })
-                }),
-                g4_to_g2: g4.as_ref().map(|g4t| {
-                    Arc::new(G4ToG2 {
-                        tm: tm.clone(),
-                        g4: g4t.handle,
-                        g2: g2t.handle,
-                        g2_manager: g2t.manager.clone(),
-                        poisoned: g4t.poisoned.clone(),
-                        counters: counters.clone(),
-                        block_bytes: b,
-                        shared: onboard.clone(),
-                        identities: plan.identities.clone(),
-                    })
-                }),
+                g3_to_g2: match &g3 {
+                    Some(g3t) => Some(Arc::new(G3ToG2::new(
+                        &kvbm_offload::BoundTier::new(tm.clone(), g3t.handle, g3t.manager.clone())?,
+                        &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
+                        g3t.check(),
+                        counters.clone(),
+                        b,
+                        onboard.clone(),
+                        plan.identities.clone(),
+                    )?)),
+                    None => None,
+                },
+                g4_to_g2: match &g4 {
+                    Some(g4t) => Some(Arc::new(G4ToG2::new(
+                        &kvbm_offload::BoundTier::new(tm.clone(), g4t.handle, g4t.manager.clone())?,
+                        &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
+                        g4t.poisoned.clone(),
+                        counters.clone(),
+                        b,
+                        onboard.clone(),
+                        plan.identities.clone(),
+                    )?)),
+                    None => None,
+                },
                 g2_to_g1: Arc::new(G2ToG1::new(
                     g2t.handle,
                     &kvbm_offload::BoundTier::new(tm.clone(), g1.handle, g1.manager.clone())?,
@@ -633,7 +628,6 @@ impl TierStack {
             sched,
             write_through,
             load_refused: 0,
-            identities: plan.identities.clone(),
             contents: plan.contents.clone(),
             _runtime: runtime,
         })

@@ -36,18 +36,16 @@ use crate::mover::BlockMove;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use kvbm_logical::{
-    BlockDigest, BlockManager, CompleteBlock, G1, G2, G3, G4, ImmutableBlock, MutableBlock,
-    SequenceHash, Tier,
+    BlockManager, G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
 use kvbm_offload::{
     ArrivalCheck, BlockFailure, BlockFailureKind, BlockMover, BoundTier, MoveOutcome, MoveSource,
-    block_identity, identity_of, object_key,
 };
-use kvbm_physical::{LayoutHandle, PhysicalLayout, TransferManager, TransferOptions};
+use kvbm_physical::LayoutHandle;
 use parking_lot::Mutex;
 
 use super::hooks::{Contents, Identities};
-use super::{Counters, G3Check, MovePath, check_g3_read, count_failure};
+use super::{Counters, G3Check, MovePath, count_failure, g3_arrival_check, g3_read_failed};
 
 /// What the movers report back to the stack.
 #[derive(Debug, Default)]
@@ -68,60 +66,6 @@ impl OnboardShared {
     fn fail(&self, h: SequenceHash) {
         self.failed.lock().push(h);
     }
-}
-
-/// Registers the destinations that arrived, in one call, and returns one outcome per block in
-/// order.
-fn settle<T: Tier>(
-    manager: &BlockManager<T>,
-    parts: Vec<Result<CompleteBlock<T>, BlockFailure>>,
-) -> Vec<MoveOutcome<T>> {
-    let mut complete = Vec::with_capacity(parts.len());
-    let mut errors = Vec::with_capacity(parts.len());
-    for p in parts {
-        match p {
-            Ok(c) => {
-                complete.push(c);
-                errors.push(None);
-            }
-            Err(e) => errors.push(Some(e)),
-        }
-    }
-    let mut registered = manager.register_blocks(complete).into_iter();
-    errors
-        .into_iter()
-        .map(|e| match e {
-            None => registered.next().ok_or_else(|| {
-                BlockFailure::new(
-                    BlockFailureKind::Transfer,
-                    "the block manager did not register the block",
-                )
-            }),
-            Some(e) => Err(e),
-        })
-        .collect()
-}
-
-/// Every block of a move whose transfer the manager refused as a whole: counted as failed
-/// transfers, marked failed for the session, one error each.
-fn refused<D: Tier>(
-    counters: &Counters,
-    shared: &OnboardShared,
-    src: impl ExactSizeIterator<Item = SequenceHash>,
-    path: &str,
-    e: kvbm_physical::PhysicalError,
-) -> Vec<MoveOutcome<D>> {
-    tracing::warn!(error = %e, "{path} transfer refused");
-    counters
-        .failed_transfers
-        .fetch_add(src.len() as u64, Ordering::Relaxed);
-    let mut f = BlockFailure::physical(e);
-    f.message = format!("{path} transfer refused: {}", f.message);
-    src.map(|h| {
-        shared.fail(h);
-        Err(f.clone())
-    })
-    .collect()
 }
 
 /// Runs `transfer` on the sources not already rejected (poisoned) and fails the others
@@ -182,38 +126,87 @@ where
         .collect()
 }
 
-/// The hashes of `blocks`, for [`refused`].
-fn hashes_of<T: Tier>(
-    blocks: &[ImmutableBlock<T>],
-) -> impl ExactSizeIterator<Item = SequenceHash> + '_ {
-    blocks.iter().map(|b| b.sequence_hash())
-}
-
-fn complete<T: Tier>(
-    m: MutableBlock<T>,
-    h: SequenceHash,
-    digest: Option<BlockDigest>,
-) -> Result<CompleteBlock<T>, BlockFailure> {
-    m.complete_with_digest(h, digest)
-        .map_err(|e| BlockFailure::new(BlockFailureKind::Transfer, e.error.to_string()))
-}
-
-/// G3 → G2: a disk read checked against the disk header and the checksum recorded at write.
+/// G3 → G2: kvbm-offload's [`BlockMover`] over the bound tiers, each read checked by the disk
+/// layer (header: slot, length, file id, identity, payload checksum) and then, before the
+/// block is registered, against the payload checksum the journal recorded at write
+/// ([`g3_arrival_check`]). The disk headers name the sequence hash (the G2→G3 lane writes them
+/// so); the G2 copy is registered under the block's digest when [`Identities`] knows one.
 pub(super) struct G3ToG2 {
-    pub(super) tm: Arc<TransferManager>,
-    pub(super) g3: LayoutHandle,
-    pub(super) g2: LayoutHandle,
-    pub(super) g2_manager: Arc<BlockManager<G2>>,
-    pub(super) g2_layout: Arc<PhysicalLayout>,
-    pub(super) check: G3Check,
-    pub(super) counters: Arc<Counters>,
-    pub(super) block_bytes: usize,
-    pub(super) shared: Arc<OnboardShared>,
-    /// Identities of the workload's keyed blocks (G2 blocks are registered with them).
-    pub(super) identities: Arc<Identities>,
+    mover: BlockMover<G3, G2>,
+    check: G3Check,
+    counters: Arc<Counters>,
+    block_bytes: usize,
+    shared: Arc<OnboardShared>,
+    identities: Arc<Identities>,
 }
 
 impl G3ToG2 {
+    /// The move from the bound `g3` into the bound `g2`.
+    ///
+    /// # Errors
+    /// The tiers are on different transfer managers, or G2 is not host memory.
+    pub(super) fn new(
+        g3: &BoundTier<G3>,
+        g2: &BoundTier<G2>,
+        check: G3Check,
+        counters: Arc<Counters>,
+        block_bytes: usize,
+        shared: Arc<OnboardShared>,
+        identities: Arc<Identities>,
+    ) -> crate::Result<Self> {
+        let mover = BlockMover::new(g3, g2)?.with_arrival_check(g3_arrival_check(check.clone()))?;
+        Ok(G3ToG2 {
+            mover,
+            check,
+            counters,
+            block_bytes,
+            shared,
+            identities,
+        })
+    }
+
+    /// The sources of a read of `src`: their slots, read under their sequence hash, registered
+    /// in G2 under the digest the workload gives them.
+    pub(super) fn sources(&self, src: &[ImmutableBlock<G3>]) -> Vec<MoveSource> {
+        src.iter()
+            .map(|b| {
+                let h = b.sequence_hash();
+                MoveSource::from((b.block_id(), h)).registered_as(self.identities.get(h))
+            })
+            .collect()
+    }
+
+    /// The move itself (the read-ahead issues its reads through it too).
+    pub(super) fn mover(&self) -> &BlockMover<G3, G2> {
+        &self.mover
+    }
+
+    /// Accounts a finished read of `hashes`: bytes for the blocks that arrived, and for each
+    /// failure its count, the session's report (`report`: a session waits on these blocks),
+    /// and, when it proves the copy bad, the copy poisoned and unlisted from the journal
+    /// ([`g3_read_failed`]).
+    pub(super) fn settle_read(
+        &self,
+        hashes: impl Iterator<Item = SequenceHash>,
+        out: &[MoveOutcome<G2>],
+        report: bool,
+    ) {
+        let mut ok = 0;
+        for (h, o) in hashes.zip(out) {
+            match o {
+                Ok(_) => ok += 1,
+                Err(f) => {
+                    g3_read_failed(&self.check, &self.counters, h, f);
+                    if report {
+                        self.shared.fail(h);
+                    }
+                }
+            }
+        }
+        self.counters
+            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
+    }
+
     async fn run(
         &self,
         src: &[ImmutableBlock<G3>],
@@ -239,52 +232,18 @@ impl G3ToG2 {
         src: &[ImmutableBlock<G3>],
         dst: Vec<MutableBlock<G2>>,
     ) -> Vec<MoveOutcome<G2>> {
-        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
         let t = Instant::now();
-        // SAFETY: the destinations are staging `MutableBlock`s owned by this move (nothing
-        // reads them before the outcome); the G3 sources are registered blocks held for the read.
-        let issued = unsafe {
-            self.tm.execute_transfer(
-                self.g3,
-                &src_ids,
-                self.g2,
-                &dst_ids,
-                TransferOptions::default().identities(
-                    src.iter()
-                        .map(|b| block_identity(b.sequence_hash()))
-                        .collect(),
-                ),
-            )
-        };
-        let outcome = match issued {
-            Ok(c) => c.await,
-            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G3→G2", e),
-        };
+        let out = self.mover.move_blocks(&self.sources(src), dst).await;
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
             .record(t.elapsed().as_secs_f64());
-        let mut ok = 0;
-        let mut parts = Vec::with_capacity(src.len());
-        for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
-            let h = blk.sequence_hash();
-            ok += usize::from(r.is_ok());
-            match check_g3_read(&self.g2_layout, &self.check, &self.counters, &mblk, h, r) {
-                Ok(()) => parts.push(complete(mblk, h, self.identities.get(h))),
-                Err(f) => {
-                    self.shared.fail(h);
-                    parts.push(Err(f));
-                }
-            }
-        }
-        self.counters
-            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
-        settle(&self.g2_manager, parts)
+        self.settle_read(src.iter().map(|b| b.sequence_hash()), &out, true);
+        out
     }
 }
 
 impl BlockMove<G3, G2> for G3ToG2 {
     fn destination(&self) -> &Arc<BlockManager<G2>> {
-        &self.g2_manager
+        self.mover.destination()
     }
 
     fn move_blocks<'a>(
@@ -296,22 +255,42 @@ impl BlockMove<G3, G2> for G3ToG2 {
     }
 }
 
-/// G4 → G2: object reads, checked against the object header (checksum and identity).
+/// G4 → G2: kvbm-offload's [`BlockMover`] from the keyed object tier, each object checked
+/// against its header (checksum and identity: the block's digest, or, for a block G4 knows
+/// only by name, the one [`Identities`] gives it).
 pub(super) struct G4ToG2 {
-    pub(super) tm: Arc<TransferManager>,
-    pub(super) g4: LayoutHandle,
-    pub(super) g2: LayoutHandle,
-    pub(super) g2_manager: Arc<BlockManager<G2>>,
-    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
-    pub(super) counters: Arc<Counters>,
-    pub(super) block_bytes: usize,
-    pub(super) shared: Arc<OnboardShared>,
-    /// Identities of the workload's keyed blocks: what an object is checked against when its
-    /// G4 entry was registered without one (warm start, adopted from another instance).
-    pub(super) identities: Arc<Identities>,
+    mover: BlockMover<G4, G2>,
+    poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    counters: Arc<Counters>,
+    block_bytes: usize,
+    shared: Arc<OnboardShared>,
+    identities: Arc<Identities>,
 }
 
 impl G4ToG2 {
+    /// The move from the bound (keyed) `g4` into the bound `g2`.
+    ///
+    /// # Errors
+    /// The tiers are on different transfer managers.
+    pub(super) fn new(
+        g4: &BoundTier<G4>,
+        g2: &BoundTier<G2>,
+        poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+        counters: Arc<Counters>,
+        block_bytes: usize,
+        shared: Arc<OnboardShared>,
+        identities: Arc<Identities>,
+    ) -> crate::Result<Self> {
+        Ok(G4ToG2 {
+            mover: BlockMover::new(g4, g2)?,
+            poisoned,
+            counters,
+            block_bytes,
+            shared,
+            identities,
+        })
+    }
+
     async fn run(
         &self,
         src: &[ImmutableBlock<G4>],
@@ -329,45 +308,24 @@ impl G4ToG2 {
         src: &[ImmutableBlock<G4>],
         dst: Vec<MutableBlock<G2>>,
     ) -> Vec<MoveOutcome<G2>> {
-        let positions: Vec<usize> = (0..src.len()).collect();
-        let keys = src.iter().map(|b| object_key(b.sequence_hash())).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
+        let sources: Vec<MoveSource> = src
+            .iter()
+            .map(|b| {
+                let h = b.sequence_hash();
+                MoveSource::from((b.block_id(), h, self.identities.expected(h, b.digest())))
+            })
+            .collect();
         let t = Instant::now();
-        // SAFETY: the destinations are staging `MutableBlock`s owned by this move (nothing
-        // reads them before the outcome); the G4 side is keyed gets of whole objects.
-        let issued = unsafe {
-            self.tm.execute_transfer(
-                self.g4,
-                &positions,
-                self.g2,
-                &dst_ids,
-                TransferOptions::with_object_keys(keys).identities(
-                    src.iter()
-                        .map(|b| {
-                            let h = b.sequence_hash();
-                            identity_of(h, self.identities.expected(h, b.digest()))
-                        })
-                        .collect(),
-                ),
-            )
-        };
-        let outcome = match issued {
-            Ok(c) => c.await,
-            Err(e) => return refused(&self.counters, &self.shared, hashes_of(src), "G4→G2", e),
-        };
+        let out = self.mover.move_blocks(&sources, dst).await;
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g4_to_g2")
             .record(t.elapsed().as_secs_f64());
         let mut ok = 0;
-        let mut parts = Vec::with_capacity(src.len());
-        for ((blk, mblk), (_, r)) in src.iter().zip(dst).zip(outcome.blocks) {
-            let h = blk.sequence_hash();
-            match r {
-                Ok(()) => {
-                    ok += 1;
-                    parts.push(complete(mblk, h, self.identities.expected(h, blk.digest())));
-                }
-                Err(e) => {
-                    let mut f = BlockFailure::physical(e);
+        let out = out
+            .into_iter()
+            .zip(src)
+            .map(|(o, blk)| {
+                let h = blk.sequence_hash();
+                o.inspect(|_| ok += 1).map_err(|mut f| {
                     count_failure(&self.counters, "G4", &f);
                     f.message = format!("G4→G2 block {h}: {}", f.message);
                     // Only a copy proven bad is never read again.
@@ -375,19 +333,19 @@ impl G4ToG2 {
                         self.poisoned.lock().insert(h);
                     }
                     self.shared.fail(h);
-                    parts.push(Err(f));
-                }
-            }
-        }
+                    f
+                })
+            })
+            .collect();
         self.counters
             .add_bytes(MovePath::G4ToG2, ok, self.block_bytes);
-        settle(&self.g2_manager, parts)
+        out
     }
 }
 
 impl BlockMove<G4, G2> for G4ToG2 {
     fn destination(&self) -> &Arc<BlockManager<G2>> {
-        &self.g2_manager
+        self.mover.destination()
     }
 
     fn move_blocks<'a>(

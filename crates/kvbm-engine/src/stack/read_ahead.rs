@@ -4,21 +4,22 @@
 
 use std::time::Instant;
 
-use kvbm_logical::{G2, G3, ImmutableBlock, MutableBlock, SequenceHash, TierId};
-use kvbm_offload::block_identity;
-use kvbm_physical::TransferOptions;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use kvbm_logical::{G2, G3, ImmutableBlock, SequenceHash, TierId};
+use kvbm_offload::MoveOutcome;
 
 use super::TierStack;
-use super::counters::MovePath;
-use super::tiers::check_g3_read;
 
 /// A G3→G2 read started ahead of the request that needs it.
 pub(super) struct Prefetch {
     /// Index of the request it is for.
     pub(super) request: usize,
+    /// The G3 sources, held until the read ends.
     pub(super) src: Vec<ImmutableBlock<G3>>,
-    pub(super) dst: Vec<MutableBlock<G2>>,
-    pub(super) completion: kvbm_physical::TransferCompletion,
+    /// The read, issued through the stack's G3→G2 move: it registers in G2 the copies that
+    /// arrive and pass the journal check.
+    pub(super) moved: BoxFuture<'static, Vec<MoveOutcome<G2>>>,
     pub(super) started: Instant,
 }
 
@@ -37,7 +38,11 @@ impl TierStack {
     }
 
     pub(super) fn start_prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
-        let (Some(g2), Some(g3)) = (&self.g2, &self.g3) else {
+        let (Some(g2), Some(g3), Some(g3_to_g2)) = (
+            &self.g2,
+            &self.g3,
+            self.movers.as_ref().and_then(|m| m.g3_to_g2.clone()),
+        ) else {
             return;
         };
         let registry = g2.manager.registry();
@@ -73,34 +78,20 @@ impl TierStack {
         let Ok(dst) = g2.manager.allocate_blocks(src.len()) else {
             return;
         };
-        let src_ids: Vec<usize> = src.iter().map(|b| b.block_id()).collect();
-        let dst_ids: Vec<usize> = dst.iter().map(|b| b.block_id()).collect();
         let started = Instant::now();
-        // SAFETY: the destinations are `MutableBlock`s allocated for this read-ahead (nothing reads
-        // them before it completes); the sources are registered G3 blocks held by `src`.
-        if let Ok(completion) = unsafe {
-            self.tm.execute_transfer(
-                g3.handle,
-                &src_ids,
-                g2.handle,
-                &dst_ids,
-                TransferOptions::default().identities(
-                    src.iter()
-                        .map(|b| block_identity(b.sequence_hash()))
-                        .collect(),
-                ),
-            )
-        } {
-            self.prefetching
-                .extend(src.iter().map(|b| b.sequence_hash()));
-            self.prefetches.push_back(Prefetch {
-                request,
-                src,
-                dst,
-                completion,
-                started,
-            });
-        }
+        // Issued now; the future registers what arrives when the request comes up.
+        let moved = g3_to_g2
+            .mover()
+            .move_blocks(&g3_to_g2.sources(&src), dst)
+            .boxed();
+        self.prefetching
+            .extend(src.iter().map(|b| b.sequence_hash()));
+        self.prefetches.push_back(Prefetch {
+            request,
+            src,
+            moved,
+            started,
+        });
     }
 
     /// Finishes every prefetch for requests up to `request`: checks each block like a
@@ -113,29 +104,21 @@ impl TierStack {
         {
             let p = self.prefetches.pop_front().expect("checked");
             let t = Instant::now();
-            let outcome = p.completion.wait();
+            // The read runs on the transfer manager's runtime; this only waits for its end.
+            let out = futures::executor::block_on(p.moved);
             self.times.g3_to_g2 += t.elapsed().as_secs_f64();
             metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
                 .record(p.started.elapsed().as_secs_f64());
-            let (Some(g2), Some(g3)) = (&self.g2, &self.g3) else {
-                return;
-            };
-            let check = g3.check();
-            let mut ok = 0;
-            let mut complete = Vec::with_capacity(p.src.len());
-            for ((blk, mblk), (_, r)) in p.src.iter().zip(p.dst).zip(outcome.blocks) {
-                let h = blk.sequence_hash();
-                self.prefetching.remove(&h);
-                ok += usize::from(r.is_ok());
-                if check_g3_read(&g2.layout, &check, &self.counters, &mblk, h, r).is_ok()
-                    && let Ok(c) = mblk.complete_with_digest(h, self.identities.get(h))
-                {
-                    complete.push(c);
-                }
+            for b in &p.src {
+                self.prefetching.remove(&b.sequence_hash());
             }
-            self.counters
-                .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
-            for b in g2.manager.register_blocks(complete) {
+            if let Some(g3_to_g2) = self.movers.as_ref().and_then(|m| m.g3_to_g2.clone()) {
+                // No session is waiting on these blocks: failures are accounted, not reported.
+                g3_to_g2.settle_read(p.src.iter().map(|b| b.sequence_hash()), &out, false);
+            }
+            // The copies that arrived are registered; held no further, they are inactive in G2
+            // until their request finds them.
+            for b in out.into_iter().flatten() {
                 self.prefetched.insert(b.sequence_hash());
             }
         }

@@ -8,13 +8,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use kvbm_logical::{
-    BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, MutableBlock, SequenceHash,
-    Tier,
+    BlockManager, BlockRegistry, EventSink, G3, G4, LogicalConfig, SequenceHash, Tier,
 };
-use kvbm_offload::{BlockFailure, BlockFailureKind};
-use kvbm_physical::{
-    BlockLayout, LayoutHandle, LayoutKind, ObjectStorage, PhysicalError, PhysicalLayout,
-};
+use kvbm_offload::{ArrivalCheck, BlockFailure, BlockFailureKind, MoveSource};
+use kvbm_physical::{BlockLayout, LayoutHandle, LayoutKind, ObjectStorage, PhysicalLayout};
 use parking_lot::Mutex;
 
 use crate::error::Result;
@@ -135,26 +132,24 @@ pub(super) fn manager_with_sink<T: Tier>(
     })?))
 }
 
-/// Checks a G3→G2 read of block `h` into `dst`: the transfer's outcome `r` (header and
-/// identity), then the payload against the checksum recorded when it was written (a valid
-/// slot holding another block, or no record of this one, fails). Counts a failure that proves
-/// the copy bad ([`BlockFailureKind::drops_copy`]) as a checksum failure and any other as a
-/// failed transfer; a block proven bad is poisoned in G3 and its record dropped, so it is never
-/// read again, while a transient failure keeps the copy. `Ok` when the block may be served.
-pub(super) fn check_g3_read(
-    g2_layout: &PhysicalLayout,
-    g3: &G3Check,
-    counters: &Counters,
-    dst: &MutableBlock<G2>,
-    h: SequenceHash,
-    r: Result<(), PhysicalError>,
-) -> Result<(), BlockFailure> {
-    let checked = r.map_err(BlockFailure::physical).and_then(|()| {
-        // SAFETY: the transfer into this freshly allocated slot has completed.
-        let bytes = unsafe { slot_of(g2_layout, dst.block_id()) };
-        let actual = xxhash_rust::xxh3::xxh3_128(bytes);
-        let expected = g3.checksums.lock().get(&h.as_u128()).copied();
-        if expected == Some(actual) {
+/// The check every G3 read passes before its G2 copy is registered: the payload must match
+/// the xxh3-128 checksum the journal recorded when it was written (a valid slot holding
+/// another block, or no record of this one, fails `ChecksumMismatch`). The disk layer has
+/// already checked the slot's header (slot, length, file id, identity, payload checksum).
+pub(super) fn g3_arrival_check(g3: G3Check) -> ArrivalCheck {
+    Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
+        let actual = match regions {
+            [one] => xxhash_rust::xxh3::xxh3_128(one),
+            many => {
+                let mut h = xxhash_rust::xxh3::Xxh3::new();
+                for r in many {
+                    h.update(r);
+                }
+                h.digest128()
+            }
+        };
+        let h = src.sequence_hash;
+        if g3.checksums.lock().get(&h.as_u128()).copied() == Some(actual) {
             Ok(())
         } else {
             Err(BlockFailure::new(
@@ -162,20 +157,21 @@ pub(super) fn check_g3_read(
                 format!("G3 block {h} differs from the checksum recorded at write"),
             ))
         }
-    });
-    if let Err(f) = &checked {
-        count_failure(counters, "G3", f);
-        // Only a copy proven bad is never read again; after a transient failure (I/O) it stays
-        // listed and readable.
-        if f.kind.drops_copy() {
-            g3.poisoned.lock().insert(h);
-            g3.checksums.lock().remove(&h.as_u128());
-            if let Some(b) = g3.manager.scan_matches(&[h]).first() {
-                g3.index.dropped(b.block_id());
-            }
+    })
+}
+
+/// A G3 read of `h` failed with `f`: counted ([`count_failure`]); when the failure proves the
+/// copy bad ([`BlockFailureKind::drops_copy`]) the block is poisoned in G3 and unlisted from
+/// the journal, so it is never read again, while a transient failure keeps the copy.
+pub(super) fn g3_read_failed(g3: &G3Check, counters: &Counters, h: SequenceHash, f: &BlockFailure) {
+    count_failure(counters, "G3", f);
+    if f.kind.drops_copy() {
+        g3.poisoned.lock().insert(h);
+        g3.checksums.lock().remove(&h.as_u128());
+        if let Some(b) = g3.manager.scan_matches(&[h]).first() {
+            g3.index.dropped(b.block_id());
         }
     }
-    checked
 }
 
 /// Counts a failed read from `tier`: a copy proven bad as a checksum failure, anything else as

@@ -329,6 +329,7 @@ impl<T: Tier> PhysicalTier<T> {
             block_id,
             sequence_hash: key_hash(key, self.bound.manager().block_size()),
             digest: Some(key_digest(key)),
+            registered_digest: None,
         }
     }
 
