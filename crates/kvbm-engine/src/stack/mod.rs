@@ -389,10 +389,15 @@ impl TierStack {
         // manager only (kvbm-physical refuses a second view of the same memory, which could race
         // with the first), so the claims that keep two transfers off one block cover every move.
         let onboard = Arc::new(OnboardShared::default());
+        // G2 as every move into it sees it (bound once: its slots are its manager's block ids).
+        let g2_bound = g2
+            .as_ref()
+            .map(|t| kvbm_offload::BoundTier::new(tm.clone(), t.handle, t.manager.clone()))
+            .transpose()?;
         let (mut leader, mut movers) = (None, None);
         let events = runtime.handle();
         events.register_event_source(&(g1.manager.clone() as Arc<dyn EventSource>));
-        if let Some(g2t) = &g2 {
+        if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
             let mut builder = InstanceLeader::builder()
                 .g2(g2t.manager.clone())
                 .search(cfg.leader.search.clone());
@@ -417,7 +422,7 @@ impl TierStack {
                 g3_to_g2: match &g3 {
                     Some(g3t) => Some(Arc::new(G3ToG2::new(
                         &kvbm_offload::BoundTier::new(tm.clone(), g3t.handle, g3t.manager.clone())?,
-                        &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
+                        g2b,
                         g3t.check(),
                         counters.clone(),
                         b,
@@ -429,7 +434,7 @@ impl TierStack {
                 g4_to_g2: match &g4 {
                     Some(g4t) => Some(Arc::new(G4ToG2::new(
                         &kvbm_offload::BoundTier::new(tm.clone(), g4t.handle, g4t.manager.clone())?,
-                        &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
+                        g2b,
                         g4t.poisoned.clone(),
                         counters.clone(),
                         b,
@@ -453,7 +458,7 @@ impl TierStack {
         let g2_space_waits = Arc::new(AtomicU64::new(0));
         let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
         let (mut g1_to_g2, mut g2_to_g3, mut g2_to_g4) = (None, None, None);
-        if let Some(g2t) = &g2 {
+        if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
             if let Some(g3t) = &g3 {
                 let exec = RecordingG3Executor {
                     inner: BlockTransferExecutor::<G2, G3>::from_mover(
@@ -517,11 +522,7 @@ impl TierStack {
                 // lane's task, no hop to the transfer manager's runtime); a batch that finds G2
                 // full of blocks the lower lanes still write waits for room as configured.
                 let exec = BlockTransferExecutor::from_mover(
-                    kvbm_offload::BlockMover::from_layout(
-                        g1.handle,
-                        &kvbm_offload::BoundTier::new(tm.clone(), g2t.handle, g2t.manager.clone())?,
-                    )?
-                    .inline()?,
+                    kvbm_offload::BlockMover::from_layout(g1.handle, g2b)?.inline()?,
                 )
                 .waiting_for_room(cfg.offload.g1_to_g2.room_patience, g2_space_waits.clone());
                 let (next3, next4, hs, ho, c) = (

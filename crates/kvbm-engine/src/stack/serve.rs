@@ -149,34 +149,33 @@ impl TierStack {
     /// Where `matched` must end: before its first G3 or G4 block already rejected (poisoned).
     pub(super) fn usable(&self, matched: &MatchedPrefix) -> usize {
         let mut cut = matched.len();
-        // The holder's index of the first rejected block, mapped to its prefix position (a
-        // tier may hold several runs of the prefix).
-        let first_bad = |tier: TierId, i: Option<usize>| i.map(|i| matched.positions(tier)[i]);
-        if let Some(g3) = &self.g3 {
-            let p = g3.poisoned.lock();
-            if !p.is_empty() {
-                let i = matched
-                    .g3()
-                    .blocks()
-                    .iter()
-                    .position(|b| p.contains(&b.sequence_hash()));
-                if let Some(at) = first_bad(TierId::G3, i) {
-                    cut = cut.min(at);
-                }
+        // The holder's index of the first block a tier rejected, mapped to its prefix position
+        // (a tier may hold several runs of the prefix).
+        fn first_bad<T: Tier>(
+            blocks: &[ImmutableBlock<T>],
+            poisoned: &Mutex<HashSet<SequenceHash>>,
+            positions: impl FnOnce() -> Vec<usize>,
+        ) -> Option<usize> {
+            let p = poisoned.lock();
+            if p.is_empty() {
+                return None;
             }
+            let i = blocks.iter().position(|b| p.contains(&b.sequence_hash()))?;
+            Some(positions()[i])
         }
-        if let Some(g4) = &self.g4 {
-            let p = g4.poisoned.lock();
-            if !p.is_empty() {
-                let i = matched
-                    .g4()
-                    .blocks()
-                    .iter()
-                    .position(|b| p.contains(&b.sequence_hash()));
-                if let Some(at) = first_bad(TierId::G4, i) {
-                    cut = cut.min(at);
-                }
-            }
+        if let Some(g3) = &self.g3
+            && let Some(at) = first_bad(matched.g3().blocks(), &g3.poisoned, || {
+                matched.positions(TierId::G3)
+            })
+        {
+            cut = cut.min(at);
+        }
+        if let Some(g4) = &self.g4
+            && let Some(at) = first_bad(matched.g4().blocks(), &g4.poisoned, || {
+                matched.positions(TierId::G4)
+            })
+        {
+            cut = cut.min(at);
         }
         cut
     }
