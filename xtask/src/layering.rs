@@ -19,6 +19,12 @@
 //!
 //! Any other workspace member is an error until it is placed in [`LAYERS`], so a new crate cannot
 //! slip past the rule.
+//!
+//! Inside `kvbm-engine` one more rule holds, by planes ([`check_planes`]): the core (the stack,
+//! leader, sessions, manager, moves, workers, runtime, configuration) never names the cluster
+//! plane (`crate::cluster`: control, NATS, the data plane, pub/sub, presence, shared G4); the
+//! cluster plane fills the core's seams. Only `lib.rs` (which declares both), `prelude.rs`,
+//! `testing.rs`, the binaries and the cluster's own files may name it.
 
 use std::fmt;
 use std::process::Command;
@@ -150,6 +156,63 @@ fn edge_violation(from: &str, to: &str, kind: &str) -> Option<String> {
     })
 }
 
+/// The engine's source directory, relative to the workspace root.
+const ENGINE_SRC: &str = "crates/kvbm-engine/src";
+
+/// Files of `ENGINE_SRC` (relative, `/`-separated) that may name the cluster plane.
+fn may_name_cluster(rel: &str) -> bool {
+    rel == "lib.rs"
+        || rel == "prelude.rs"
+        || rel == "testing.rs"
+        || rel == "cluster.rs"
+        || rel.starts_with("cluster/")
+        || rel.starts_with("bin/")
+}
+
+/// Every line of the engine's core that names `crate::cluster`, as a violation (file and line).
+pub(crate) fn check_planes(src: &std::path::Path) -> Result<Vec<Violation>> {
+    let mut violations = Vec::new();
+    let mut stack = vec![src.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let entries =
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
+        for entry in entries {
+            let path = entry?.path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let rel = path
+                .strip_prefix(src)
+                .expect("walked from src")
+                .to_string_lossy()
+                .replace('\\', "/");
+            if may_name_cluster(&rel) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            for (n, line) in text.lines().enumerate() {
+                if line.contains("crate::cluster") || line.contains("super::cluster") {
+                    violations.push(Violation {
+                        from: format!("kvbm-engine/src/{rel}:{}", n + 1),
+                        to: "crate::cluster".to_string(),
+                        kind: "module".to_string(),
+                        why: "the engine's core must not name the cluster plane; add a seam \
+                              the cluster fills instead"
+                            .to_string(),
+                    });
+                }
+            }
+        }
+    }
+    violations.sort_by(|a, b| a.from.cmp(&b.from));
+    Ok(violations)
+}
+
 pub(crate) fn run() -> Result<()> {
     let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["metadata", "--format-version", "1", "--no-deps"])
@@ -163,9 +226,16 @@ pub(crate) fn run() -> Result<()> {
     }
     let metadata: Value =
         serde_json::from_slice(&output.stdout).context("parsing `cargo metadata` output")?;
-    let violations = check(&metadata)?;
+    let mut violations = check(&metadata)?;
+    let root = metadata["workspace_root"]
+        .as_str()
+        .context("metadata has no `workspace_root`")?;
+    violations.extend(check_planes(&std::path::Path::new(root).join(ENGINE_SRC))?);
     if violations.is_empty() {
-        eprintln!("layering: ok ({} layered crates)", LAYERS.len());
+        eprintln!(
+            "layering: ok ({} layered crates; the engine's core names no cluster plane)",
+            LAYERS.len()
+        );
         return Ok(());
     }
     for v in &violations {
@@ -300,6 +370,31 @@ mod tests {
         let v = check(&doc).unwrap();
         assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].kind, "membership");
+    }
+
+    #[test]
+    fn core_naming_the_cluster_plane_is_rejected_with_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path();
+        std::fs::create_dir_all(src.join("stack")).unwrap();
+        std::fs::create_dir_all(src.join("cluster")).unwrap();
+        std::fs::write(src.join("lib.rs"), "pub mod cluster;\npub mod stack;\n").unwrap();
+        std::fs::write(
+            src.join("cluster/pubsub.rs"),
+            "use crate::cluster::transport::X;\n",
+        )
+        .unwrap();
+        std::fs::write(src.join("stack/mod.rs"), "use crate::leader::L;\n").unwrap();
+        assert!(check_planes(src).unwrap().is_empty());
+        std::fs::write(
+            src.join("stack/mod.rs"),
+            "use crate::leader::L;\nuse crate::cluster::pubsub::Bus;\n",
+        )
+        .unwrap();
+        let v = check_planes(src).unwrap();
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].from, "kvbm-engine/src/stack/mod.rs:2");
+        assert_eq!(v[0].kind, "module");
     }
 
     #[test]

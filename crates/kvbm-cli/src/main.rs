@@ -277,7 +277,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let spec = replay::InstanceSpec {
                         index,
                         count,
-                        sharing: kvbm_engine::stack::Sharing {
+                        sharing: kvbm_engine::cluster::shared_g4::Sharing {
                             nats_url: url,
                             subject,
                             instance: index as u64 + 1,

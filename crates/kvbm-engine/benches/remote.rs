@@ -21,11 +21,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use futures::StreamExt;
-use kvbm_engine::dataplane::{
-    DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory, RemotePull,
+use kvbm_engine::InstanceId;
+use kvbm_engine::cluster::dataplane::{
+    DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory,
 };
+use kvbm_engine::cluster::pubsub::EventMessage;
+use kvbm_engine::cross_instance::CrossInstanceIndex;
+use kvbm_engine::cross_instance::RemotePull;
 use kvbm_engine::leader::{InstanceLeader, RemoteSearch, StagingMovers};
-use kvbm_engine::pubsub::{CrossInstanceIndex, EventMessage, InstanceId};
 use kvbm_logical::{
     BlockEvent, BlockEventKind, BlockManager, BlockRegistry, G2, G4, Salt, SequenceHash, Tier,
     TierId, TokenBlockSequence,

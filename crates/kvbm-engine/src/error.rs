@@ -344,7 +344,7 @@ pub enum SessionError {
     /// A mover the matched prefix needs was not given.
     #[error("no {0}→G2 mover for the {0} part of the prefix")]
     NoMover(TierId),
-    /// The prefix has a remote part and no remote puller (`dataplane::RemotePull`) was given.
+    /// The prefix has a remote part and no remote puller (`cross_instance::RemotePull`) was given.
     #[error("no remote G2 puller for the remote part of the prefix")]
     NoPuller,
     /// Destinations could not be allocated, or do not match the prefix length.

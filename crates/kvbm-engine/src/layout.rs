@@ -1,18 +1,19 @@
-//! [`LogicalLayoutHandle`]: the name of a tier's layout that means the same on every rank.
-//!
-//! # Why
-//!
-//! The leader owns one logical block-id space per tier; every rank has its own physical
-//! layout for that tier, registered with its own transfer manager under a
-//! [`LayoutHandle`](kvbm_physical::LayoutHandle) that only that rank's manager understands. The
-//! leader therefore never names a physical handle: it names the *logical* layout (G1..G4) and
-//! each rank resolves it (`PhysicalWorker::resolve`, in `worker`).
-//! The handle encodes the layout id as one byte (`0` = G1 .. `3` = G4), so it travels in
-//! control messages as is.
+//! [`LogicalLayoutHandle`]: the name of a tier's layout that means the same on every rank
+//! (the why is on the type, which the crate root exports).
 
 use kvbm_logical::TierId;
 
-/// A tier's layout, named the same on every rank; see the [module docs](self).
+/// A tier's layout, named the same on every rank.
+///
+/// # Why
+///
+/// The leader owns one logical block-id space per tier; every rank has its own physical
+/// layout for that tier, registered with its own transfer manager under a
+/// [`LayoutHandle`](kvbm_physical::LayoutHandle) that only that rank's manager understands. The
+/// leader therefore never names a physical handle: it names the *logical* layout (G1..G4) and
+/// each rank resolves it (`PhysicalWorker::resolve`, in `worker`).
+/// The handle encodes the layout id as one byte (`0` = G1 .. `3` = G4), so it travels in
+/// control messages as is.
 #[derive(
     Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]

@@ -56,9 +56,10 @@ pub use session::{
     StagingMovers,
 };
 
+use crate::address::InstanceId;
 use crate::config::KvbmConfig;
+use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
-use crate::pubsub::{CrossInstanceIndex, InstanceId};
 use crate::runtime::{EventSource, RuntimeHandle};
 
 /// The leader of one kvbm instance: see the [module docs](self).
@@ -213,7 +214,7 @@ impl InstanceLeader {
     }
 
     /// As [`from_config`](Self::from_config), every manager publishing its stored/removed
-    /// events to `sink` (e.g. a [`pubsub::EventPublisher`](crate::pubsub::EventPublisher)).
+    /// events to `sink` (e.g. the cluster plane's `EventPublisher`).
     ///
     /// # Errors
     /// As [`from_config`](Self::from_config).

@@ -6,26 +6,32 @@ compile_error!(
      see the crate docs)"
 );
 
-pub mod address;
+// The core: one instance's tiers, leader, sessions, manager and moves. Nothing here imports
+// `cluster` (checked by `cargo xtask layering`).
+mod address;
 #[cfg(feature = "collectives")]
 pub mod collectives;
 pub mod config;
-pub mod dataplane;
+pub mod cross_instance;
 mod error;
-#[cfg(feature = "nats")]
-pub mod instance;
-pub mod layout;
+mod layout;
 pub mod leader;
+pub mod manager;
 pub mod mover;
-pub mod pubsub;
 pub mod runtime;
-pub mod scheduler;
 pub mod stack;
-#[cfg(feature = "testing")]
-pub mod testing;
-pub mod transport;
 pub mod worker;
 
+// The cluster plane: control, NATS, the data plane, pub/sub, presence, shared G4, and the
+// instance the binaries run. It builds on the core, never the other way.
+pub mod cluster;
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub mod prelude;
+
+pub use address::{InstanceId, RankAddress, WorkerAddress};
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
 pub use layout::LogicalLayoutHandle;

@@ -22,12 +22,12 @@ use kvbm_logical::TierId;
 use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy, TransferManager};
 use parking_lot::Mutex;
 
-use crate::error::{EngineError, Result};
-use crate::transport::control::{
+use crate::address::{InstanceId, WorkerAddress};
+use crate::cluster::transport::control::{
     ControlError, ControlRequest, ControlResponse, ControlledWorkers, InProcessControl,
     WorkerControl,
 };
-use crate::transport::{InstanceId, WorkerAddress};
+use crate::error::{EngineError, Result};
 use crate::worker::PhysicalWorker;
 
 /// A small fully contiguous geometry: `num_blocks` blocks of 2 layers × 2 × 16 tokens × 64 ×

@@ -714,7 +714,7 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
 }
 
 pub mod coordinated;
-pub use coordinated::{AddressedRequest, CoordinatedWorker, RankAddress};
+pub use coordinated::{AddressedRequest, CoordinatedWorker};
 
 #[cfg(test)]
 mod tests;

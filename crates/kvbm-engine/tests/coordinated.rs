@@ -10,9 +10,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{bytes, fill, geometry};
+use kvbm_engine::RankAddress;
 use kvbm_engine::worker::{
-    AddressedRequest, CoordinatedWorker, ParallelWorkers, PhysicalWorker, RankAddress,
-    SpmdParallelWorkers, TransferRequest,
+    AddressedRequest, CoordinatedWorker, ParallelWorkers, PhysicalWorker, SpmdParallelWorkers,
+    TransferRequest,
 };
 use kvbm_engine::{EngineError, LogicalLayoutHandle};
 use kvbm_logical::{Salt, TierId, TokenBlockSequence};

@@ -1,4 +1,4 @@
-//! Instances composed from configuration (`kvbm_engine::instance`), in one process, over a real
+//! Instances composed from configuration (`kvbm_engine::cluster::instance`), in one process, over a real
 //! `nats-server` and the real S3-compatible server:
 //!
 //! * two instances find each other by heartbeat (each one's `PeerDirectory` gets the other's
@@ -16,9 +16,9 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
-use kvbm_engine::instance::{Instance, synthetic_block};
-use kvbm_engine::pubsub::InstanceId;
+use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_logical::{Salt, SequenceHash, TierId, TokenBlockSequence};
 
 mod common;
@@ -94,7 +94,11 @@ fn prefix(seed: u32, n: usize) -> Vec<SequenceHash> {
 }
 
 /// Every onboarded block holds exactly the synthetic bytes of its hash.
-fn verified(i: &Instance, hashes: &[SequenceHash], got: &kvbm_engine::instance::Onboarded) {
+fn verified(
+    i: &Instance,
+    hashes: &[SequenceHash],
+    got: &kvbm_engine::cluster::instance::Onboarded,
+) {
     assert_eq!(got.blocks.len(), hashes.len(), "{got:?}");
     let mut want = vec![0u8; i.block_bytes()];
     for (b, h) in got.blocks.iter().zip(hashes) {

@@ -10,9 +10,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbm_engine::pubsub::nats::NatsBus;
-use kvbm_engine::pubsub::{CrossInstanceIndex, EventBus, EventMessage, EventPublisher, InstanceId};
-use kvbm_engine::transport::nats::connect;
+use kvbm_engine::InstanceId;
+use kvbm_engine::cluster::pubsub::nats::NatsBus;
+use kvbm_engine::cluster::pubsub::{EventBus, EventMessage, EventPublisher};
+use kvbm_engine::cluster::transport::nats::connect;
+use kvbm_engine::cross_instance::CrossInstanceIndex;
 use kvbm_engine::{InstanceLeader, KvbmRuntime, RuntimeHandle};
 use kvbm_logical::{
     BlockEvent, BlockEventKind, BlockManager, G2, Salt, TierId, TokenBlockSequence,

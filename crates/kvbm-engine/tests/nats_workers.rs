@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
-use kvbm_engine::transport::WorkerAddress;
-use kvbm_engine::transport::control::{
+use kvbm_engine::WorkerAddress;
+use kvbm_engine::cluster::transport::control::{
     ControlError, ControlRequest, ControlResponse, ControlledWorkers, WorkerControl,
 };
-use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
+use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
+use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{G1, G2, G3, ImmutableBlock, PoolCounts, TierId};
 

@@ -319,7 +319,7 @@ mod with_mock_workers {
     //! A rank that fails one layer fails the session; nothing reaches G1.
 
     use super::*;
-    use kvbm_engine::pubsub::InstanceId;
+    use kvbm_engine::InstanceId;
     use kvbm_engine::testing::{MockFailure, mock_workers};
     use kvbm_engine::worker::ParallelWorkers;
 

@@ -9,8 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvbm_engine::cluster::transport::control::{ControlRequest, ControlResponse};
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
-use kvbm_engine::transport::control::{ControlRequest, ControlResponse};
 use kvbm_engine::worker::{ParallelWorkers, SpmdLayerMover, SpmdMover};
 use kvbm_logical::{G2, G3, TierId};
 use tokio::sync::Semaphore;

@@ -8,10 +8,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
-use kvbm_engine::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory};
+use kvbm_engine::cluster::dataplane::{
+    DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory,
+};
+use kvbm_engine::cluster::pubsub::{EventPublisher, InProcessBus};
+use kvbm_engine::cross_instance::CrossInstanceIndex;
 use kvbm_engine::leader::{InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers};
-use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InProcessBus, InstanceId};
 use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, Salt, SequenceHash, TokenBlockSequence,
 };

@@ -12,9 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
+use kvbm_engine::cluster::pubsub::{EventPublisher, InProcessBus};
+use kvbm_engine::cross_instance::CrossInstanceIndex;
 use kvbm_engine::leader::{InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers};
-use kvbm_engine::pubsub::{CrossInstanceIndex, EventPublisher, InProcessBus, InstanceId};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, TierId, TokenBlockSequence,
 };

@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvbm_engine::InstanceLeader;
+use kvbm_engine::manager::{EngineTieringManager, PromotionMovers};
 use kvbm_engine::mover::BlockMove;
-use kvbm_engine::scheduler::{EngineTieringManager, PromotionMovers};
 use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, Tier};
 use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager};

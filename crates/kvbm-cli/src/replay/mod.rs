@@ -26,7 +26,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvbm_logical::Salt;
 
 use crate::config::{CliConfig, Scheduler, ScratchDir};
-use kvbm_engine::stack::{FrontEnd, PATH_NAMES, Sharing, StackPlan, TierStack};
+use kvbm_engine::cluster::shared_g4::Sharing;
+use kvbm_engine::stack::{FrontEnd, PATH_NAMES, StackPlan, TierStack};
 use report::{Report, TierReport};
 
 /// Requests of the synthetic workload when `--requests` is not given.
@@ -130,7 +131,7 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
             i += 1;
             owner[i - 1] == spec.index
         });
-        plan.sharing = Some(spec.sharing.clone());
+        plan.sharing = Some(std::sync::Arc::new(spec.sharing.clone()));
     }
     let salt = Salt::new("kvbm-replay");
     let tiering = plan.front_end == FrontEnd::Tiering && plan.config.tiers.g2_blocks > 0;

@@ -1,4 +1,4 @@
-//! `kvbm-engine-instance`: one whole kvbm instance ([`kvbm_engine::instance::Instance`]) in its
+//! `kvbm-engine-instance`: one whole kvbm instance ([`kvbm_engine::cluster::instance::Instance`]) in its
 //! own process (feature `nats`), driven by line commands on standard input, so tests (and
 //! operators) can run several instances as separate processes sharing one NATS server and one
 //! S3 bucket.
@@ -33,9 +33,9 @@
 
 use std::io::{BufRead, Write};
 
+use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntimeBuilder;
-use kvbm_engine::instance::{Instance, synthetic_block};
-use kvbm_engine::pubsub::InstanceId;
+use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_logical::{Salt, SequenceHash, TokenBlockSequence};
 use kvbm_physical::{BlockLayout, LayoutKind};
 

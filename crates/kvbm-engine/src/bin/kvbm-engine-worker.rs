@@ -20,9 +20,10 @@ use std::io::{BufRead, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbm_engine::transport::control::{ControlRequest, fill_pattern};
-use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
-use kvbm_engine::transport::{InstanceId, WorkerAddress};
+use kvbm_engine::InstanceId;
+use kvbm_engine::WorkerAddress;
+use kvbm_engine::cluster::transport::control::{ControlRequest, fill_pattern};
+use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
 use kvbm_engine::worker::PhysicalWorker;
 use kvbm_logical::TierId;
 use kvbm_physical::{

@@ -30,8 +30,8 @@ use kvbm_logical::{BlockId, SequenceHash, TierId};
 
 use super::InstanceLeader;
 use super::holder::MatchedPrefix;
+use crate::address::InstanceId;
 use crate::layout::LogicalLayoutHandle;
-use crate::pubsub::InstanceId;
 
 /// Where a run of a prefix comes from.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]

@@ -42,8 +42,9 @@ use kvbm_logical::{SequenceHash, TierId};
 use kvbm_offload::PresenceChecker;
 
 use super::holder::{MatchedPrefix, RemoteRun, TierRun};
+use crate::address::InstanceId;
+use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
-use crate::pubsub::{CrossInstanceIndex, InstanceId};
 
 /// What a leader needs to search beyond its own tiers.
 #[derive(Clone, Debug)]

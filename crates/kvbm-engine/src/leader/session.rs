@@ -71,7 +71,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, watch};
 
 use super::holder::MatchedPrefix;
-use crate::dataplane::RemotePull;
+use crate::cross_instance::RemotePull;
 pub use crate::error::{Phase, SessionError, SessionFailure};
 use crate::mover::{BlockMove, LayerMove};
 

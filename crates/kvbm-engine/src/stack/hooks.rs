@@ -7,10 +7,20 @@
 //! here; a test can plug in any pattern). [`Identities`] answers for blocks registered without
 //! a digest (a G4 object listed at a warm start or adopted from another instance's events),
 //! so such a read is still checked against the full identity.
+//!
+//! [`ShareG4`] is the seam to the cluster plane: a stack that is one of several instances
+//! sharing G4 joins them through it (`cluster::shared_g4::Sharing`, feature `nats`, over
+//! NATS); the stack itself knows nothing of the network.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
-use kvbm_logical::{BlockDigest, SequenceHash};
+use kvbm_logical::{BlockDigest, EventSink, SequenceHash};
+use parking_lot::Mutex;
+
+use crate::error::Result;
+use crate::leader::RemoteSearch;
+use crate::runtime::KvbmRuntime;
 
 /// What each block's bytes are: filled when a block is computed, verified when one reaches G1
 /// from a lower tier (see [`crate::stack`]).
@@ -65,4 +75,32 @@ impl Identities {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+}
+
+/// How a stack joins the other instances it shares G4 with: set in
+/// [`StackPlan::sharing`](super::StackPlan::sharing), called once by
+/// [`TierStack::build`](super::TierStack::build) after the engine runtime started.
+pub trait ShareG4: std::fmt::Debug + Send + Sync + 'static {
+    /// Connects to the others and starts following their G4 events.
+    ///
+    /// # Errors
+    /// The cluster plane cannot be reached or started (the error names what).
+    fn join(&self, runtime: &KvbmRuntime) -> Result<Box<dyn SharedG4>>;
+}
+
+/// G4 shared with other instances, once joined: what the stack needs of it.
+pub trait SharedG4: Send + Sync + 'static {
+    /// Hashes this instance wrote to G4 (or found there at start): a G4 hit on any other hash
+    /// is a block another instance wrote.
+    fn own(&self) -> &Arc<Mutex<HashSet<SequenceHash>>>;
+    /// How the leader searches the other instances' G4 blocks.
+    fn remote(&self) -> RemoteSearch;
+    /// Where G4's manager publishes its stored/removed events.
+    fn sink(&self) -> Arc<dyn EventSink>;
+    /// Waits until every other instance is ready (called when the stack is built, before it
+    /// serves).
+    ///
+    /// # Errors
+    /// Not every instance was heard in time, or the plane went away.
+    fn wait_for_all(&self, rt: &tokio::runtime::Handle) -> Result<()>;
 }

@@ -63,10 +63,8 @@ use kvbm_physical::{
 use parking_lot::Mutex;
 
 use crate::error::{EngineError, Result};
-#[cfg(not(feature = "nats"))]
-use crate::leader::RemoteSearch;
+use crate::manager::{EngineTieringManager, PromotionMovers};
 use crate::mover::BlockMove;
-use crate::scheduler::{EngineTieringManager, PromotionMovers};
 use crate::{EventSource, InstanceLeader, KvbmRuntime};
 
 use context::{Context, stack_error};
@@ -74,39 +72,17 @@ use journal::G3Index;
 use movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 
 pub use counters::{Counters, MovePath, PATH_NAMES, Served, StageTimes};
-pub use hooks::{Contents, Identities};
+pub use hooks::{Contents, Identities, ShareG4, SharedG4};
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 use lanes::{Handoffs, RecordingG3Executor, enqueue_from_sink, lane_policy};
 use read_ahead::Prefetch;
-#[cfg(feature = "nats")]
-use sharing::SharedG4;
-#[cfg(feature = "nats")]
-pub use sharing::Sharing;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
     list_blocks, manager, manager_with_sink,
 };
 
-/// Without NATS no G4 is shared: an uninhabited type, so the build reads the same and the
-/// compiler proves every use of it unreachable.
-#[cfg(not(feature = "nats"))]
-enum SharedG4 {}
-
-#[cfg(not(feature = "nats"))]
-impl SharedG4 {
-    fn own(&self) -> &Arc<Mutex<HashSet<SequenceHash>>> {
-        match *self {}
-    }
-    fn sink(&self) -> Arc<dyn kvbm_logical::EventSink> {
-        match *self {}
-    }
-    fn remote(&self) -> RemoteSearch {
-        match *self {}
-    }
-}
-
-mod context;
+pub(crate) mod context;
 mod counters;
 mod hooks;
 mod journal;
@@ -116,8 +92,6 @@ mod plan;
 mod read_ahead;
 mod scheduled;
 mod serve;
-#[cfg(feature = "nats")]
-mod sharing;
 mod tiers;
 
 /// The built tier stack: see the [module docs](self).
@@ -176,7 +150,7 @@ pub struct TierStack {
     /// filtered, cancelled (every lane).
     pub offload_settled: [u64; 4],
     /// Set when G4 is shared with other instances.
-    shared_g4: Option<SharedG4>,
+    shared_g4: Option<Box<dyn SharedG4>>,
     /// The scheduler-facing manager (`--scheduler tiering`; see [`scheduled`]).
     sched: Option<EngineTieringManager>,
     /// Where the manager's stores go on to G3/G4 (`--scheduler tiering`).
@@ -296,7 +270,6 @@ impl TierStack {
         };
 
         // Sharing G4 with other instances (feature `nats`).
-        #[cfg(feature = "nats")]
         let shared = match &plan.sharing {
             Some(s) => {
                 if tiers.g4_blocks == 0 {
@@ -305,12 +278,10 @@ impl TierStack {
                         "instances share G4: must be > 0",
                     ));
                 }
-                Some(SharedG4::start(&runtime, s)?)
+                Some(s.join(&runtime)?)
             }
             None => None,
         };
-        #[cfg(not(feature = "nats"))]
-        let shared: Option<SharedG4> = None;
         let g4 = if tiers.g4_blocks == 0 {
             None
         } else {
@@ -358,7 +329,7 @@ impl TierStack {
                     tiers.g4_blocks + listed.len(),
                     &registry,
                     &cfg.logical,
-                    shared.as_ref().map(SharedG4::sink),
+                    shared.as_ref().map(|sh| sh.sink()),
                 )?;
                 let mut complete = Vec::with_capacity(listed.len());
                 for (blk, h) in manager
@@ -590,7 +561,6 @@ impl TierStack {
         };
         drop(_enter);
         // Everything is set up: wait for the other instances before serving.
-        #[cfg(feature = "nats")]
         if let Some(sh) = &shared {
             sh.wait_for_all(&rt)?;
         }

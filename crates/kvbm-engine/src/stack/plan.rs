@@ -8,15 +8,13 @@ use crate::error::Result;
 
 use super::context::{Context, stack_error};
 
-use super::hooks::{Contents, Identities};
-#[cfg(feature = "nats")]
-use super::sharing::Sharing;
+use super::hooks::{Contents, Identities, ShareG4};
 
 /// How an inference engine drives the stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FrontEnd {
     /// The scheduler-facing manager
-    /// ([`EngineTieringManager`](crate::scheduler::EngineTieringManager)), vLLM's call sequence:
+    /// ([`EngineTieringManager`](crate::manager::EngineTieringManager)), vLLM's call sequence:
     /// lookup → prepare_load → load → complete_load, prepare_store → store → complete_store.
     #[default]
     Tiering,
@@ -47,9 +45,9 @@ pub enum FrontEnd {
 pub struct StackPlan {
     /// The configuration tree (see above).
     pub config: KvbmConfig,
-    /// Set when this stack is one of several instances sharing G4 (feature `nats`).
-    #[cfg(feature = "nats")]
-    pub sharing: Option<Sharing>,
+    /// Set when this stack is one of several instances sharing G4 (over NATS:
+    /// `cluster::shared_g4::Sharing`, feature `nats`).
+    pub sharing: Option<Arc<dyn ShareG4>>,
     /// How the stack is driven: through the scheduler-facing manager or onboarding sessions.
     pub front_end: FrontEnd,
     /// Identities of blocks a tier may know only by name (see [`Identities`]).
@@ -77,7 +75,6 @@ impl StackPlan {
         }
         Ok(StackPlan {
             config,
-            #[cfg(feature = "nats")]
             sharing: None,
             front_end: FrontEnd::Tiering,
             identities: Arc::default(),

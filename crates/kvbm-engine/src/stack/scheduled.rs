@@ -1,6 +1,6 @@
 //! [`FrontEnd::Tiering`](super::FrontEnd::Tiering): the stack is driven as vLLM's scheduler drives its
 //! offloading manager, through `kvbm-tiering`'s contract served over the engine's tiers
-//! ([`EngineTieringManager`](crate::scheduler::EngineTieringManager)).
+//! ([`EngineTieringManager`](crate::manager::EngineTieringManager)).
 //!
 //! ```text
 //!  on_new_request
@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use super::context::{Context, stack_error};
 use crate::error::Result;
-use crate::scheduler::StoreSink;
+use crate::manager::StoreSink;
 use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
 use kvbm_offload::{MoveSource, ObjectPipeline, OffloadError, Pipeline, TransferHandle};
 use kvbm_physical::TransferOptions;
@@ -126,7 +126,7 @@ impl TierStack {
         Ok(served)
     }
 
-    fn sched_mut(&mut self) -> Result<&mut crate::scheduler::EngineTieringManager> {
+    fn sched_mut(&mut self) -> Result<&mut crate::manager::EngineTieringManager> {
         self.sched
             .as_mut()
             .ok_or_else(|| stack_error!("the tiering scheduler needs G2 (--g2-blocks > 0)"))

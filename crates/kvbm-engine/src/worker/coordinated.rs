@@ -35,7 +35,7 @@ use std::sync::Arc;
 use kvbm_physical::{Backing, LayoutHandle, ObjectConfig};
 
 use super::{PhysicalWorker, TransferRequest};
-pub use crate::address::RankAddress;
+use crate::address::RankAddress;
 use crate::error::{EngineError, Result};
 use crate::layout::LogicalLayoutHandle;
 use crate::mover::BlockOutcome;

@@ -10,11 +10,12 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvbm_engine::transport::control::{
+use kvbm_engine::InstanceId;
+use kvbm_engine::WorkerAddress;
+use kvbm_engine::cluster::transport::control::{
     ControlRequest, ControlResponse, ControlledWorkers, WorkerControl, block_digest, fill_pattern,
 };
-use kvbm_engine::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
-use kvbm_engine::transport::{InstanceId, WorkerAddress};
+use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, TierId, TokenBlockSequence,

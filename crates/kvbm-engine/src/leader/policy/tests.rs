@@ -11,9 +11,9 @@ use kvbm_logical::{
 use proptest::prelude::*;
 
 use super::*;
+use crate::address::InstanceId;
 use crate::layout::LogicalLayoutHandle;
 use crate::leader::InstanceLeader;
-use crate::pubsub::InstanceId;
 
 fn run(source: RunSource, start: usize, len: usize) -> ScanRun {
     ScanRun { source, start, len }

@@ -1,6 +1,7 @@
-//! G4 shared between instances (feature `nats`): each instance's G4 stored/removed events go
-//! out over NATS, and every instance's leader finds the others' G4 blocks through its
-//! [`CrossInstanceIndex`] (adopted into its own G4, read from the shared store).
+//! G4 shared between instances over NATS: the cluster plane's side of the stack's
+//! [`ShareG4`] seam. Each instance's G4 stored/removed events go out over NATS, and every
+//! instance's leader finds the others' G4 blocks through its [`CrossInstanceIndex`] (adopted
+//! into its own G4, read from the shared store).
 //!
 //! ```text
 //!  build: connect ─► NatsBus ─► EventPublisher (this G4's events out)
@@ -16,14 +17,18 @@ use std::time::{Duration, Instant};
 use kvbm_logical::{EventSink, SequenceHash};
 use parking_lot::Mutex;
 
-use super::context::{Context, bail, stack_error};
+use crate::address::InstanceId;
+use crate::cluster::pubsub::EventPublisher;
+use crate::cluster::pubsub::nats::NatsBus;
+use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::RemoteSearch;
-use crate::pubsub::nats::NatsBus;
-use crate::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
 use crate::runtime::KvbmRuntime;
+use crate::stack::context::{Context, bail, stack_error};
+use crate::stack::{ShareG4, SharedG4};
 
-/// One instance of several: G4 is shared with the others, its events over NATS.
+/// One instance of several: G4 is shared with the others, its events over NATS. Set it as the
+/// stack's [`StackPlan::sharing`](crate::stack::StackPlan::sharing).
 #[derive(Debug, Clone)]
 pub struct Sharing {
     /// The NATS server.
@@ -36,8 +41,14 @@ pub struct Sharing {
     pub instances: usize,
 }
 
+impl ShareG4 for Sharing {
+    fn join(&self, runtime: &KvbmRuntime) -> Result<Box<dyn SharedG4>> {
+        Ok(Box::new(NatsSharedG4::start(runtime, self)?))
+    }
+}
+
 /// A started share of G4: the bus, this instance's publisher, the others' index.
-pub(super) struct SharedG4 {
+struct NatsSharedG4 {
     /// Hashes this instance wrote to G4 (or found there at start): a G4 hit on any other
     /// hash is a block another instance wrote.
     own: Arc<Mutex<HashSet<SequenceHash>>>,
@@ -52,19 +63,19 @@ pub(super) struct SharedG4 {
     _bus: Arc<NatsBus>,
 }
 
-impl SharedG4 {
+impl NatsSharedG4 {
     /// Connects to NATS and starts the event bus, the publisher and the cross-instance index.
     ///
     /// # Errors
     /// The server does not answer within 15 s, or a subscription fails.
-    pub(super) fn start(runtime: &KvbmRuntime, s: &Sharing) -> Result<Self> {
+    fn start(runtime: &KvbmRuntime, s: &Sharing) -> Result<Self> {
         let h = runtime.handle();
         let capacity = runtime.config().events.channel_capacity;
         let (bus, client) = h
             .tokio()
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(15), async {
-                    let client = crate::transport::nats::connect(
+                    let client = crate::cluster::transport::nats::connect(
                         &s.nats_url,
                         &format!("kvbm-replay-{}", s.instance),
                         Duration::from_secs(1),
@@ -84,7 +95,7 @@ impl SharedG4 {
         let index = Arc::new(CrossInstanceIndex::new());
         CrossInstanceIndex::follow(index.clone(), &h, &*bus)
             .context("cannot follow the cross-instance events")?;
-        Ok(SharedG4 {
+        Ok(NatsSharedG4 {
             own: Arc::default(),
             publisher,
             index,
@@ -94,14 +105,15 @@ impl SharedG4 {
             _bus: bus,
         })
     }
+}
 
-    /// Hashes this instance wrote to G4 (or found there at start).
-    pub(super) fn own(&self) -> &Arc<Mutex<HashSet<SequenceHash>>> {
+impl SharedG4 for NatsSharedG4 {
+    fn own(&self) -> &Arc<Mutex<HashSet<SequenceHash>>> {
         &self.own
     }
 
     /// How the leader searches the other instances' G4 blocks.
-    pub(super) fn remote(&self) -> RemoteSearch {
+    fn remote(&self) -> RemoteSearch {
         RemoteSearch {
             index: self.index.clone(),
             this: self.this,
@@ -110,7 +122,7 @@ impl SharedG4 {
     }
 
     /// The sink G4's manager publishes its events to.
-    pub(super) fn sink(&self) -> Arc<dyn EventSink> {
+    fn sink(&self) -> Arc<dyn EventSink> {
         self.publisher.clone()
     }
 
@@ -118,7 +130,7 @@ impl SharedG4 {
     ///
     /// # Errors
     /// As [`ready_barrier`].
-    pub(super) fn wait_for_all(&self, rt: &tokio::runtime::Handle) -> Result<()> {
+    fn wait_for_all(&self, rt: &tokio::runtime::Handle) -> Result<()> {
         let s = &self.sharing;
         rt.block_on(ready_barrier(
             &self.client,

@@ -4,7 +4,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbm_logical::{BlockEvent, BlockManager, EventBatchConfig, G2, Salt, TokenBlockSequence};
+use kvbm_logical::{
+    BlockEvent, BlockEventKind, BlockManager, EventBatchConfig, G2, Salt, TierId,
+    TokenBlockSequence,
+};
 
 use super::*;
 use crate::runtime::{EventSource, KvbmRuntime};

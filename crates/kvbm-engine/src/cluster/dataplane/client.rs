@@ -21,12 +21,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::wire::{self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead};
-use super::{DataPlaneConfig, PeerDirectory, RemotePull};
+use super::{DataPlaneConfig, PeerDirectory};
+use crate::address::InstanceId;
+use crate::cross_instance::RemotePull;
 use crate::error::{EngineError, Result};
-use crate::pubsub::InstanceId;
 use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
 
-/// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::dataplane).
+/// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::cluster::dataplane).
 pub struct DataPlaneClient {
     manager: Arc<BlockManager<G2>>,
     layout: Arc<PhysicalLayout>,

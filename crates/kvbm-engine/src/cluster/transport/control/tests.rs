@@ -9,7 +9,7 @@ use kvbm_logical::{Salt, TokenBlockSequence};
 use kvbm_physical::{BlockDim, BlockLayout, LayoutKind, PinPolicy, TransferManager};
 
 use super::*;
-use crate::transport::InstanceId;
+use crate::cluster::transport::InstanceId;
 
 const I: InstanceId = InstanceId(7);
 

@@ -58,21 +58,17 @@ mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
-use kvbm_logical::{BlockManager, G2, MutableBlock, SequenceHash};
 use parking_lot::Mutex;
 
 pub use client::DataPlaneClient;
 pub use server::{DataPlaneServer, ServerStats};
 pub use wire::binding;
 
+use crate::address::InstanceId;
 use crate::config::TransportConfig;
 use crate::error::{EngineError, Result};
-use crate::pubsub::InstanceId;
-use kvbm_offload::MoveOutcome;
 
 /// Settings of the data plane (server and client).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,22 +147,6 @@ impl PeerDirectory {
     pub fn get(&self, instance: InstanceId) -> Option<SocketAddr> {
         self.peers.lock().get(&instance).copied()
     }
-}
-
-/// Pulls remote G2 blocks into local G2: the seam an onboarding session's pull phase uses
-/// ([`DataPlaneClient`] over TCP; NIXL would be another).
-pub trait RemotePull: Send + Sync + 'static {
-    /// The local G2 manager destinations are allocated from and registered in.
-    fn destination(&self) -> &Arc<BlockManager<G2>>;
-    /// Pulls `hashes[i]` from `instance` into `destinations[i]`; one outcome per block, in
-    /// order. A block is registered only if its frame verified; resolves when every block
-    /// settled (its destination is registered or dropped).
-    fn pull<'a>(
-        &'a self,
-        instance: InstanceId,
-        hashes: &'a [SequenceHash],
-        destinations: Vec<MutableBlock<G2>>,
-    ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>>;
 }
 
 #[cfg(test)]

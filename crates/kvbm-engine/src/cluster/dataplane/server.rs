@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::DataPlaneConfig;
 use super::wire::{self, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, Status};
+use crate::address::InstanceId;
 use crate::error::{EngineError, Result};
-use crate::pubsub::InstanceId;
 
 /// Counters of a running server (tests and metrics).
 #[derive(Debug, Default)]
@@ -69,7 +69,7 @@ struct Served {
     stats: Arc<ServerStats>,
 }
 
-/// A running data-plane server: see the [module docs](crate::dataplane). Stops (and drops every hold) on
+/// A running data-plane server: see the [module docs](crate::cluster::dataplane). Stops (and drops every hold) on
 /// [`shutdown`](Self::shutdown) or drop.
 #[derive(Debug)]
 pub struct DataPlaneServer {

@@ -30,7 +30,7 @@ pub mod nats;
 use kvbm_logical::TierId;
 use serde::{Deserialize, Serialize};
 
-pub use crate::address::{InstanceId, WorkerAddress};
+use crate::address::{InstanceId, WorkerAddress};
 
 /// What a worker says about itself when asked ([`control::ControlRequest::Describe`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -8,9 +8,9 @@ use std::time::Instant;
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, TokenBlockSequence};
 
 use super::*;
+use crate::address::WorkerAddress;
+use crate::cluster::transport::nats::connect_observed;
 use crate::runtime::KvbmRuntime;
-use crate::transport::WorkerAddress;
-use crate::transport::nats::connect_observed;
 
 const A: InstanceId = InstanceId(0xa);
 const B: InstanceId = InstanceId(0xb);
@@ -235,7 +235,7 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
 
     // "A" by hand: heartbeats, and a snapshot answer that is older than an event B receives
     // while it waits for the answer.
-    let ca = crate::transport::nats::connect(&nats.url, "a", Duration::from_millis(50))
+    let ca = crate::cluster::transport::nats::connect(&nats.url, "a", Duration::from_millis(50))
         .await
         .unwrap();
     let mut requests = ca.subscribe(snapshot_subject(&subject, A)).await.unwrap();
@@ -258,7 +258,7 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
         .unwrap()
         .unwrap();
     events
-        .send(crate::pubsub::EventMessage {
+        .send(crate::cluster::pubsub::EventMessage {
             instance: A,
             events: vec![BlockEvent {
                 kind: BlockEventKind::Stored,

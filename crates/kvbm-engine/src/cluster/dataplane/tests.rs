@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_logical::{BlockManager, BlockRegistry, G2, Salt, SequenceHash, TokenBlockSequence};
-use kvbm_offload::BlockFailureKind;
+use kvbm_offload::{BlockFailureKind, MoveOutcome};
 use kvbm_physical::checksum::BlockHeader;
 use kvbm_physical::identity::geometry_digest;
 use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy};
@@ -16,6 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::wire::{self, REQUEST_HEAD_LEN, RESPONSE_HEAD_LEN, RequestHead, Status};
 use super::*;
+use crate::cross_instance::RemotePull;
 
 const N: usize = 8;
 const A: InstanceId = InstanceId(0xa);

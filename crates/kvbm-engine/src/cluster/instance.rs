@@ -51,13 +51,15 @@ use kvbm_offload::{
 use kvbm_physical::{BlockLayout, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager};
 use tokio_util::sync::CancellationToken;
 
-use crate::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory};
+use crate::address::{InstanceId, WorkerAddress};
+use crate::cluster::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServer, PeerDirectory};
+use crate::cluster::pubsub::EventPublisher;
+use crate::cluster::pubsub::nats::NatsBus;
+use crate::cluster::transport::PeerInfo;
+use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::{FinishOutcome, InstanceLeader, RemoteSearch, SessionError, StagingMovers};
-use crate::pubsub::nats::NatsBus;
-use crate::pubsub::{CrossInstanceIndex, EventPublisher, InstanceId};
 use crate::runtime::RuntimeHandle;
-use crate::transport::{PeerInfo, WorkerAddress};
 
 pub use presence::{Presence, PresenceConfig, PresenceStats};
 
@@ -244,7 +246,7 @@ impl InstanceBuilder {
         let cancel = rt.shutdown_token().child_token();
         // Until the instance is built, an error stops whatever was started so far.
         let started = cancel.clone().drop_guard();
-        let (client, epoch) = crate::transport::nats::connect_observed(
+        let (client, epoch) = crate::cluster::transport::nats::connect_observed(
             &url,
             &format!("kvbm-{id}"),
             Duration::from_millis(config.transport.heartbeat_interval_ms.clamp(10, 1000)),
@@ -261,7 +263,7 @@ impl InstanceBuilder {
         let index = Arc::new(CrossInstanceIndex::new());
         // Subscribed now, so nothing published after this returns is missed; applied by the
         // presence protocol's follower (which skips departed peers).
-        let events = crate::pubsub::EventBus::subscribe(&*bus);
+        let events = crate::cluster::pubsub::EventBus::subscribe(&*bus);
         let own = Arc::new(CrossInstanceIndex::new());
         let publisher = if config.events.enabled {
             Some(EventPublisher::spawn_until(

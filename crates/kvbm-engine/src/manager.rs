@@ -251,7 +251,7 @@ impl std::fmt::Debug for EngineTieringManager {
 }
 
 impl InstanceLeader {
-    /// The scheduler-facing manager over this leader's tiers (see [`crate::scheduler`]);
+    /// The scheduler-facing manager over this leader's tiers (see [`crate::manager`]);
     /// promotions from G3/G4 run through `movers` as tasks on `runtime`.
     ///
     /// # Errors
@@ -270,7 +270,7 @@ impl InstanceLeader {
 impl InstanceLeader {
     /// `kvbm-tiering`'s [`TieringOffloadingManager`] over `primary` (its CPU slot table,
     /// registered with the tiers' transfer manager) and this leader's bound G3 / G4 tiers as
-    /// its secondary tiers, in that order (see the [module docs](crate::scheduler)).
+    /// its secondary tiers, in that order (see the [module docs](crate::manager)).
     ///
     /// # Errors
     /// [`EngineError::Config`] (key `scheduler.tiers`) when a bound tier's manager is not this

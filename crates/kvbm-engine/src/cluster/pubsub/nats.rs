@@ -23,7 +23,7 @@
 //!
 //! # Reconnect
 //!
-//! The client ([`crate::transport::nats::connect`]) reconnects on its own and re-subscribes
+//! The client ([`crate::cluster::transport::nats::connect`]) reconnects on its own and re-subscribes
 //! the subject; batches published while the server is away are either buffered by the client
 //! and sent after the reconnect or dropped and counted. The index is a hint, never proof, so a
 //! lost batch costs a missed remote match (or a stale one, which the puller must verify), not

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use kvbm_engine::leader::InstanceLeader;
+use kvbm_engine::manager::{EngineTieringManager, PromotionMovers, key_digest, key_hash};
 use kvbm_engine::mover::BlockMove;
-use kvbm_engine::scheduler::{EngineTieringManager, PromotionMovers, key_digest, key_hash};
 use kvbm_logical::{BlockId, BlockManager, BlockRegistry, G2, G3, ImmutableBlock};
 use kvbm_offload::{BlockMover, BoundTier};
 use kvbm_physical::{
@@ -345,7 +345,7 @@ mod vllm_manager {
     use std::time::{Duration, Instant};
 
     use kvbm_engine::leader::{FinishOutcome, Phase, StagingMovers};
-    use kvbm_engine::scheduler::SchedulerTiers;
+    use kvbm_engine::manager::SchedulerTiers;
     use kvbm_logical::{G1, TierId};
     use kvbm_tiering::{CpuManagerConfig, CpuPrimaryTier, TieringOffloadingManager, UpstreamFixes};
 

@@ -76,11 +76,12 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::dataplane::PeerDirectory;
+use crate::address::InstanceId;
+use crate::cluster::dataplane::PeerDirectory;
+use crate::cluster::transport::PeerInfo;
+use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
-use crate::pubsub::{CrossInstanceIndex, InstanceId};
 use crate::runtime::RuntimeHandle;
-use crate::transport::PeerInfo;
 
 /// Version of the heartbeat and snapshot messages.
 pub const PRESENCE_WIRE_VERSION: u32 = 1;
@@ -218,7 +219,7 @@ struct Inner {
     departed: Mutex<HashMap<InstanceId, Instant>>,
     /// Events of peers whose snapshot is being fetched, to replay over the snapshot (`None`:
     /// more than [`FETCH_LOG_CAP`] batches came meanwhile; the peer is resynced again).
-    during_fetch: Mutex<HashMap<InstanceId, Option<Vec<crate::pubsub::EventMessage>>>>,
+    during_fetch: Mutex<HashMap<InstanceId, Option<Vec<crate::cluster::pubsub::EventMessage>>>>,
     epoch: watch::Receiver<u64>,
     series: AtomicU64,
     counters: Counters,
@@ -252,7 +253,7 @@ impl Presence {
     /// Starts announcing `this` on `{prefix}.peers`, listening to peers, answering snapshot
     /// requests from `own` (this instance's record of what it stores) and keeping `index` and
     /// `directory` in step with live peers. `epoch` counts the client's (re)connections
-    /// ([`crate::transport::nats::connect_observed`]). Returns once its subscriptions are in
+    /// ([`crate::cluster::transport::nats::connect_observed`]). Returns once its subscriptions are in
     /// place.
     ///
     /// # Errors
@@ -645,7 +646,7 @@ impl Presence {
         &self,
         runtime: &RuntimeHandle,
         cancel: CancellationToken,
-        mut events: tokio::sync::broadcast::Receiver<crate::pubsub::EventMessage>,
+        mut events: tokio::sync::broadcast::Receiver<crate::cluster::pubsub::EventMessage>,
     ) -> Result<()> {
         let inner = self.inner.clone();
         runtime.spawn(async move {

@@ -7,7 +7,7 @@ use kvbm_offload::{BlockFailure, BlockFailureKind};
 use kvbm_physical::checksum::{BlockHeader, HEADER_LEN, checksum_slices};
 use kvbm_physical::{PhysicalError, PhysicalLayout, StorageKind};
 
-use crate::pubsub::InstanceId;
+use crate::address::InstanceId;
 
 pub(crate) const REQUEST_MAGIC: u64 = u64::from_le_bytes(*b"KVBMPUL1");
 pub(crate) const RESPONSE_MAGIC: u64 = u64::from_le_bytes(*b"KVBMRSP1");
