@@ -34,7 +34,7 @@ use kvbm_logical::{
     TierId, TokenBlockSequence,
 };
 use kvbm_offload::{
-    BlockMover, BoundTier, ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor,
+    BlockMover, BoundTier, ExternalBlock, ObjectMoveExecutor, ObjectPipelineBuilder,
 };
 use kvbm_physical::{
     BlockLayout, LayoutKind, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config,
@@ -233,7 +233,7 @@ fn shared_g4_onboard(c: &mut Criterion) {
         .unwrap();
     rt.block_on(async {
         let up = ObjectPipelineBuilder::new(storage_a.clone())
-            .spawn(ObjectTransferExecutor::<G2>::new(tm_a.clone(), src, obj_a))
+            .spawn(ObjectMoveExecutor::<G2>::new(tm_a.clone(), src, obj_a))
             .unwrap();
         let blocks: Vec<ExternalBlock> =
             (0..BLOCKS).map(|i| ExternalBlock::new(i, hs[i])).collect();

@@ -123,7 +123,6 @@ use kvbm_tiering::{
 use parking_lot::Mutex;
 
 use crate::error::{EngineError, Result};
-use crate::layout::LogicalLayoutHandle;
 use crate::leader::InstanceLeader;
 use crate::mover::BlockMove;
 
@@ -433,7 +432,7 @@ impl EngineTieringManager {
     fn prune_registered(&mut self) {
         let accessor = self.leader.accessor();
         self.registered
-            .retain(|h, _| accessor.is_present(*h, LogicalLayoutHandle::G2));
+            .retain(|h, _| accessor.is_present(*h, TierId::G2));
     }
 
     /// The scheduler keys of the evicted `hashes` (dropped from the map); hashes this
@@ -481,9 +480,7 @@ impl EngineTieringManager {
                     if self.bad_copies.len() > BAD_COPIES_PRUNE_AT {
                         // Forget copies their tier no longer holds (evicted since).
                         let accessor = self.leader.accessor();
-                        self.bad_copies.retain(|(h, t)| {
-                            accessor.is_present(*h, LogicalLayoutHandle::from(*t))
-                        });
+                        self.bad_copies.retain(|(h, t)| accessor.is_present(*h, *t));
                     }
                 }
             }
@@ -505,9 +502,7 @@ impl EngineTieringManager {
     }
 
     fn in_g2(&self, h: SequenceHash) -> bool {
-        self.leader
-            .accessor()
-            .is_present(h, LogicalLayoutHandle::G2)
+        self.leader.accessor().is_present(h, TierId::G2)
     }
 
     /// Starts promoting `key` from G3 or G4; whether it started. The source is held and its
@@ -521,36 +516,32 @@ impl EngineTieringManager {
         let accessor = self.leader.accessor();
         let mut at = accessor.locate(h);
         if at.is_none() && self.leader.adopt_shared_g4(h) {
-            at = Some(LogicalLayoutHandle::G4);
+            at = Some(TierId::G4);
         }
         // A copy that failed its promotion is never read again; another tier's copy may be.
         // One that could not be dropped then (held elsewhere) is dropped now if it can be.
         if let Some(l) = at
-            && self.bad_copies.contains(&(h, l.tier()))
-            && self.discard_copy(h, l.tier())
+            && self.bad_copies.contains(&(h, l))
+            && self.discard_copy(h, l)
         {
-            self.bad_copies.remove(&(h, l.tier()));
+            self.bad_copies.remove(&(h, l));
             at = accessor.locate(h);
         }
         if let Some(l) = at
-            && self.bad_copies.contains(&(h, l.tier()))
+            && self.bad_copies.contains(&(h, l))
         {
-            at = [LogicalLayoutHandle::G3, LogicalLayoutHandle::G4]
-                .into_iter()
-                .find(|o| {
-                    *o != l
-                        && accessor.is_present(h, *o)
-                        && !self.bad_copies.contains(&(h, o.tier()))
-                });
+            at = [TierId::G3, TierId::G4].into_iter().find(|o| {
+                *o != l && accessor.is_present(h, *o) && !self.bad_copies.contains(&(h, *o))
+            });
         }
         let source = match at {
-            Some(LogicalLayoutHandle::G3) => {
+            Some(TierId::G3) => {
                 let (Some(m), Some(g3)) = (self.movers.g3_to_g2.clone(), self.leader.g3()) else {
                     return false;
                 };
                 Source::G3(m, g3.match_blocks(&[h]))
             }
-            Some(LogicalLayoutHandle::G4) => {
+            Some(TierId::G4) => {
                 let (Some(m), Some(g4)) = (self.movers.g4_to_g2.clone(), self.leader.g4()) else {
                     return false;
                 };
@@ -630,7 +621,7 @@ impl OffloadingManager for EngineTieringManager {
             self.stats.hits[0] += 1;
             return LookupResult::Hit;
         }
-        let found = self.leader.accessor().locate(h).map(|l| l.tier());
+        let found = self.leader.accessor().locate(h);
         for (tier, slot) in [(TierId::G3, 1), (TierId::G4, 2)] {
             if self.labels[slot].is_none() {
                 continue;
@@ -948,8 +939,8 @@ impl OffloadingManager for EngineTieringManager {
 
     fn get_load_source(&self, key: &OffloadKey, _req_context: &ReqContext) -> CacheHitSource {
         match self.leader.accessor().locate(self.hash_of(key)) {
-            Some(LogicalLayoutHandle::G2) => CacheHitSource::Host,
-            Some(LogicalLayoutHandle::G3) => CacheHitSource::Disk,
+            Some(TierId::G2) => CacheHitSource::Host,
+            Some(TierId::G3) => CacheHitSource::Disk,
             _ => CacheHitSource::ExternalUnspecified,
         }
     }

@@ -15,7 +15,6 @@
 pub use crate::address::{InstanceId, RankAddress, WorkerAddress};
 pub use crate::config::{ConfigBuilder, KvbmConfig};
 pub use crate::error::{EngineError, Result};
-pub use crate::layout::LogicalLayoutHandle;
 pub use crate::leader::{
     BlockHolder, InstanceLeader, MatchedPrefix, OnboardingSession, Phase, SessionError,
     SessionFailure,
@@ -23,4 +22,5 @@ pub use crate::leader::{
 pub use crate::manager::EngineTieringManager;
 pub use crate::runtime::{KvbmRuntime, KvbmRuntimeBuilder, RuntimeHandle};
 pub use crate::stack::{Contents, FrontEnd, Identities, Served, StackPlan, TierStack};
+pub use kvbm_logical::TierId;
 pub use kvbm_offload::{BlockFailure, BlockFailureKind};

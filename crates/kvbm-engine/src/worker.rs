@@ -50,7 +50,7 @@
 //!
 //! # Layouts
 //!
-//! A worker addresses its layouts by [`LogicalLayoutHandle`] (G1..G4, the same on every rank),
+//! A worker addresses its layouts by [`TierId`] (G1..G4, the same on every rank),
 //! each mapped to the rank's own physical [`LayoutHandle`]. Where the leader's block manager is
 //! at hand (in-process ranks), a tier is added as a [`BoundTier`]
 //! ([`with_tier`](PhysicalWorker::with_tier)), which checks once that the rank's layout has
@@ -81,7 +81,6 @@ use kvbm_offload::{
 };
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
-use crate::layout::LogicalLayoutHandle;
 use crate::mover::{BlockMove, BlockOutcome, LayerMove, fail_all};
 
 /// One rank: its transfer manager and its layout per tier (bound to the leader's manager where
@@ -174,8 +173,8 @@ impl PhysicalWorker {
     }
 
     /// The physical layout this rank uses for `handle`.
-    pub fn resolve(&self, handle: LogicalLayoutHandle) -> Option<LayoutHandle> {
-        self.layouts[handle.tier().index()]
+    pub fn resolve(&self, handle: TierId) -> Option<LayoutHandle> {
+        self.layouts[handle.index()]
     }
 
     /// This worker's rank.

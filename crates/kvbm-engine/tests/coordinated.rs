@@ -10,12 +10,12 @@ mod common;
 use std::sync::Arc;
 
 use common::{bytes, fill, geometry};
+use kvbm_engine::EngineError;
 use kvbm_engine::RankAddress;
 use kvbm_engine::worker::{
     AddressedRequest, CoordinatedWorker, ParallelWorkers, PhysicalWorker, SpmdParallelWorkers,
     TransferRequest,
 };
-use kvbm_engine::{EngineError, LogicalLayoutHandle};
 use kvbm_logical::{Salt, TierId, TokenBlockSequence};
 use kvbm_physical::{ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager};
 
@@ -128,16 +128,15 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
 
     // Layout handles resolve to the rank's own layouts, only for that rank.
     assert_eq!(
-        c1.resolve_for(c1.address(), LogicalLayoutHandle::G4)
-            .unwrap(),
+        c1.resolve_for(c1.address(), TierId::G4).unwrap(),
         c1.worker().layout(TierId::G4).unwrap()
     );
     assert!(matches!(
-        c0.resolve_for(c1.address(), LogicalLayoutHandle::G2),
+        c0.resolve_for(c1.address(), TierId::G2),
         Err(EngineError::WrongRank { .. })
     ));
     assert!(matches!(
-        c0.resolve_for(c0.address(), LogicalLayoutHandle::G3),
+        c0.resolve_for(c0.address(), TierId::G3),
         Err(EngineError::TierMissing(TierId::G3))
     ));
 }

@@ -11,7 +11,7 @@ use kvbm_engine::leader::{InstanceLeader, Phase, SessionError, StagingMovers};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, Tier, TokenBlockSequence,
 };
-use kvbm_offload::{ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor};
+use kvbm_offload::{ExternalBlock, ObjectMoveExecutor, ObjectPipelineBuilder};
 use kvbm_physical::{
     LayoutHandle, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
 };
@@ -87,7 +87,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
     fill(&src, 0x5a);
     let src_h: LayoutHandle = tm.register_layout(src).unwrap();
     let up = ObjectPipelineBuilder::new(storage.clone())
-        .spawn(ObjectTransferExecutor::<G2>::new(tm.clone(), src_h, obj_h))
+        .spawn(ObjectMoveExecutor::<G2>::new(tm.clone(), src_h, obj_h))
         .unwrap();
     let written: Vec<ExternalBlock> = (2..6).map(|i| ExternalBlock::new(i, hashes[i])).collect();
     let r = up

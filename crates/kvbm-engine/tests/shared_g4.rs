@@ -21,8 +21,8 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, TierId, TokenBlockSequence,
 };
 use kvbm_offload::{
-    ExternalBlock, ObjectPipelineBuilder, ObjectTransferExecutor, S3PresenceChecker,
-    block_identity, object_key,
+    ExternalBlock, ObjectMoveExecutor, ObjectPipelineBuilder, S3PresenceChecker, block_identity,
+    object_key,
 };
 use kvbm_physical::{
     ObjectConfig, ObjectPutMode, ObjectStorage, PhysicalLayout, PinPolicy, S3Config,
@@ -123,11 +123,7 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
         .register_layout(PhysicalLayout::object(geometry(), storage_a.clone()))
         .unwrap();
     let up = ObjectPipelineBuilder::new(storage_a.clone())
-        .spawn(ObjectTransferExecutor::<G2>::new(
-            tm_a.clone(),
-            src_h,
-            obj_a_h,
-        ))
+        .spawn(ObjectMoveExecutor::<G2>::new(tm_a.clone(), src_h, obj_a_h))
         .unwrap();
     let written: Vec<ExternalBlock> = (0..6)
         .chain([7])

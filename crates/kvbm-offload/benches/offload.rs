@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use kvbm_logical::{BlockRegistry, G1, G2, G3, SequenceHash, Tier};
 use kvbm_offload::executor::NoopExecutor;
+use kvbm_offload::mover::CallerAllocated;
 use kvbm_offload::pipeline::PipelineSpec;
-use kvbm_offload::transfer::CallerAllocated;
 use kvbm_offload::*;
 use kvbm_physical::{
     BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
@@ -61,7 +61,7 @@ async fn sustained(
         next += per;
         inflight.push_back(p.enqueue(blocks, None).await.unwrap());
         if inflight.len() >= window {
-            let h: TransferHandle = inflight.pop_front().unwrap();
+            let h: OffloadHandle = inflight.pop_front().unwrap();
             let r = h.wait().await.unwrap();
             assert_eq!(r.completed_blocks.len() as u64, per);
         }
@@ -75,7 +75,7 @@ async fn sustained(
 }
 
 struct Never;
-impl<T: Tier> TransferExecutor<T> for Never {
+impl<T: Tier> MoveExecutor<T> for Never {
     type Output = ();
     fn execute(&self, _b: &ResolvedBatch<T>) -> impl Future<Output = BatchOutcome<()>> + Send {
         std::future::pending()
@@ -161,7 +161,7 @@ async fn g2_to_g3(n: usize, batch: usize) -> (Duration, Duration) {
         .batch_size(batch)
         .policy(Arc::new(PresenceFilter::new(registry)))
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+        .spawn(BlockMoveExecutor::<G2, G3>::from_mover(
             BlockMover::from_layout(
                 g2_h,
                 &BoundTier::new(tm.clone(), g3_h, g3).expect("bound G3"),

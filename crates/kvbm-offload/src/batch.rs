@@ -32,7 +32,7 @@ use kvbm_logical::{BlockId, ImmutableBlock, SequenceHash, Tier};
 
 use crate::cancel::{CancellationToken, OutstandingGuard};
 use crate::error::{BlockFailure, BlockFailureKind};
-use crate::handle::{TimingTrace, TransferStatus};
+use crate::handle::{OffloadStatus, TimingTrace};
 use crate::metrics::FailureTally;
 use crate::pending::PendingGuard;
 use crate::policy::OffloadPolicy;
@@ -58,7 +58,7 @@ pub(crate) struct OffloadContainer<T: Tier, A = ()> {
 impl<T: Tier, A> std::fmt::Debug for OffloadContainer<T, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OffloadContainer")
-            .field("transfer", &self.cancel_token.transfer_id())
+            .field("transfer", &self.cancel_token.offload_id())
             .field("blocks", &self.blocks.len())
             .field("cancelled", &self.is_cancelled())
             .finish()
@@ -560,7 +560,7 @@ pub(crate) fn upgrade_batch<T: Tier, A>(batch: OffloadBatch<T, A>) -> ResolvedBa
     let mut owners = Vec::with_capacity(batch.containers.len());
     for mut c in batch.containers {
         let shared = c.cancel_token.shared.clone();
-        shared.status.advance(TransferStatus::Transferring);
+        shared.status.advance(OffloadStatus::Transferring);
         let sources = std::mem::take(&mut c.blocks);
         let pending = std::mem::take(&mut c.pending);
         let attached = std::mem::take(&mut c.dests);

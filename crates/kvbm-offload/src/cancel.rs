@@ -5,18 +5,18 @@
 //! A plain `tokio_util` token says "stop"; it cannot say "everything you asked me to stop has
 //! stopped". The offload pipeline has to answer the second question: a caller that cancels a
 //! transfer usually wants to free or reuse the source blocks, so [`CancelConfirmation`] resolves
-//! only once **every piece of the transfer has left the pipeline** — every container dropped, every
+//! only once **every piece of the offload has left the pipeline** — every container dropped, every
 //! block reference released, every pending-set entry removed, and any transfer that had already
 //! committed (P3) finished.
 //!
 //! # Invariants
 //!
-//! * The token is the transfer's shared state. A container carries a clone (P2) plus an
+//! * The token is the offload's shared state. A container carries a clone (P2) plus an
 //!   `OutstandingGuard`; the guard is the **last** field of everything that holds blocks, so
 //!   it is dropped after the blocks it accounts for.
 //! * `outstanding` counts live guards. It reaches zero exactly once: no guard is created for a
 //!   transfer after its last guard dropped (a guard is only ever cloned from another live one).
-//! * When it reaches zero the transfer is *drained*: its status becomes terminal, its
+//! * When it reaches zero the offload is *drained*: its status becomes terminal, its
 //!   settlement slot is released and every waiter (`wait`, confirmation) is woken.
 //!
 //! # Lock order
@@ -29,15 +29,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::handle::{TransferId, TransferShared, TransferStatus};
+use crate::handle::{OffloadId, OffloadShared, OffloadStatus};
 
 /// Token for requesting and tracking cancellation of one transfer.
 ///
 /// Cloning is cheap (one `Arc`). Every clone observes the same request. Containers carry a clone
-/// from the [`TransferHandle`](crate::TransferHandle) that created them (P2).
+/// from the [`OffloadHandle`](crate::OffloadHandle) that created them (P2).
 #[derive(Clone)]
 pub struct CancellationToken {
-    pub(crate) shared: Arc<TransferShared>,
+    pub(crate) shared: Arc<OffloadShared>,
 }
 
 impl std::fmt::Debug for CancellationToken {
@@ -60,12 +60,12 @@ impl CancellationToken {
     /// A token not attached to any pipeline (useful for tests and for queues used on their own).
     pub fn new() -> Self {
         Self {
-            shared: Arc::new(TransferShared::detached()),
+            shared: Arc::new(OffloadShared::detached()),
         }
     }
 
     /// The transfer this token belongs to.
-    pub fn transfer_id(&self) -> TransferId {
+    pub fn offload_id(&self) -> OffloadId {
         self.shared.id
     }
 
@@ -86,7 +86,7 @@ impl CancellationToken {
         self.shared.cancel.cancelled().await
     }
 
-    /// Number of pieces of the transfer still inside the pipeline (outstanding guards).
+    /// Number of pieces of the offload still inside the pipeline (outstanding guards).
     pub fn outstanding(&self) -> usize {
         self.shared.outstanding.load(Ordering::Acquire)
     }
@@ -102,7 +102,7 @@ impl CancellationToken {
         })
     }
 
-    /// A guard that keeps the transfer from being considered drained while it lives.
+    /// A guard that keeps the offload from being considered drained while it lives.
     ///
     /// Pipeline-internal; public so custom stages built on [`CancellableQueue`](crate::CancellableQueue)
     /// can account for their own work.
@@ -121,18 +121,18 @@ impl CancellationToken {
         }
     }
 
-    /// Resolves once nothing of the transfer is outstanding.
+    /// Resolves once nothing of the offload is outstanding.
     pub(crate) async fn drained(&self) {
         self.shared.drained().await
     }
 }
 
-/// Keeps one piece of a transfer accounted as outstanding; dropping the last one drains it.
+/// Keeps one piece of an offload accounted as outstanding; dropping the last one drains it.
 ///
 /// Held as the last field of containers and resolved batches so that it is released only after
 /// the blocks and pending-set entries it accounts for.
 pub(crate) struct OutstandingGuard {
-    shared: Arc<TransferShared>,
+    shared: Arc<OffloadShared>,
 }
 
 impl OutstandingGuard {
@@ -165,7 +165,7 @@ impl Drop for OutstandingGuard {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CancelState {
     /// Requested and being drained: this many pieces are still inside the pipeline (queued
-    /// containers not yet swept, or a transfer that had committed before the request).
+    /// containers not yet swept, or an offload that had committed before the request).
     Draining(usize),
     /// Every block is released and nothing is outstanding.
     Confirmed,
@@ -174,8 +174,8 @@ pub enum CancelState {
 /// Future that resolves when cancellation is fully confirmed.
 ///
 /// Await it directly (`handle.cancel().await`) or through [`CancelConfirmation::wait`]. It
-/// resolves only when every block of the transfer is released and no operation on it is
-/// outstanding; a transfer that had already committed (upgraded, P3) runs to its end first.
+/// resolves only when every block of the offload is released and no operation on it is
+/// outstanding; an offload that had already committed (upgraded, P3) runs to its end first.
 #[must_use = "cancellation is requested at once; await this to know it is confirmed"]
 pub struct CancelConfirmation {
     token: CancellationToken,
@@ -217,21 +217,21 @@ impl IntoFuture for CancelConfirmation {
     }
 }
 
-/// Encodes [`TransferStatus`] into an atomic.
+/// Encodes [`OffloadStatus`] into an atomic.
 pub(crate) struct AtomicStatus(AtomicU8);
 
 impl AtomicStatus {
-    pub(crate) fn new(s: TransferStatus) -> Self {
+    pub(crate) fn new(s: OffloadStatus) -> Self {
         Self(AtomicU8::new(s as u8))
     }
-    pub(crate) fn load(&self) -> TransferStatus {
-        TransferStatus::from_u8(self.0.load(Ordering::Acquire))
+    pub(crate) fn load(&self) -> OffloadStatus {
+        OffloadStatus::from_u8(self.0.load(Ordering::Acquire))
     }
     /// Moves forward only (Evaluating < Queued < Transferring < terminal).
-    pub(crate) fn advance(&self, s: TransferStatus) {
+    pub(crate) fn advance(&self, s: OffloadStatus) {
         self.0.fetch_max(s as u8, Ordering::AcqRel);
     }
-    pub(crate) fn store(&self, s: TransferStatus) {
+    pub(crate) fn store(&self, s: OffloadStatus) {
         self.0.store(s as u8, Ordering::Release);
     }
 }

@@ -114,7 +114,7 @@ pub struct PipelineConfig {
     /// lanes below still writing) before its blocks fail `NoSpace`: 0 drops them at once (the
     /// lane is best effort), more waits, retrying with a short backoff (backpressure instead of
     /// lost blocks). A batch larger than the whole destination fails at once. Applied by
-    /// executors that allocate destinations ([`BlockTransferExecutor`](crate::BlockTransferExecutor)).
+    /// executors that allocate destinations ([`BlockMoveExecutor`](crate::BlockMoveExecutor)).
     /// Default: 0.
     #[serde(with = "ms", rename = "room_patience_ms")]
     pub room_patience: Duration,

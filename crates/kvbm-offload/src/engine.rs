@@ -18,7 +18,7 @@
 //! checked to agree), or, for a source whose slots the caller manages (G1 of the inference
 //! engine), only its layout ([`external_tier`](OffloadEngineBuilder::external_tier)); a lane
 //! built [`over_tiers`](LaneSpec::over_tiers) gets a
-//! [`BlockTransferExecutor`] (the executor allocates destinations) and one built for
+//! [`BlockMoveExecutor`] (the executor allocates destinations) and one built for
 //! [`onboarding`](LaneSpec::onboarding) a [`CallerAllocated`] executor over the same
 //! [`BlockMover`]; [`LaneSpec::with_executor`] supplies any executor (tests, custom transports,
 //! the G4 get side).
@@ -43,8 +43,9 @@ use tokio::runtime::Handle;
 
 use crate::bound::BoundTier;
 use crate::error::OffloadError;
-use crate::executor::TransferExecutor;
-use crate::handle::TransferHandle;
+use crate::executor::MoveExecutor;
+use crate::handle::OffloadHandle;
+use crate::mover::{BlockMoveExecutor, BlockMover, CallerAllocated, ObjectMoveExecutor};
 use crate::object::{ObjectPipeline, ObjectPipelineBuilder};
 use crate::pipeline::{CompletionSink, Pipeline, PipelineSpec};
 use crate::policy::create_policy_from_config;
@@ -52,7 +53,6 @@ use crate::settlement::{
     LaneState, PipelineLane, SettlementError, SettlementTarget, SettlementToken,
 };
 use crate::source::{Precondition, SourceBlocks};
-use crate::transfer::{BlockMover, BlockTransferExecutor, CallerAllocated, ObjectTransferExecutor};
 
 /// A running lane, type-erased.
 trait RunningLane: Send + Sync {
@@ -220,13 +220,13 @@ impl LaneSpec {
     }
 
     /// A lane between two bound tiers whose executor allocates the destinations
-    /// ([`BlockTransferExecutor`]): the offload lanes (G1→G2, G2→G3), or promotion.
+    /// ([`BlockMoveExecutor`]): the offload lanes (G1→G2, G2→G3), or promotion.
     pub fn over_tiers<S: Tier, D: Tier>(spec: PipelineSpec<S, D>) -> Self {
         let lane = spec.lane();
         Self {
             lane,
             spawn: Box::new(move |ctx| {
-                let exec = BlockTransferExecutor::from_mover(ctx.mover::<S, D>()?);
+                let exec = BlockMoveExecutor::from_mover(ctx.mover::<S, D>()?);
                 let spec = with_policy(spec, ctx.registry);
                 let sink = ctx.chain_sink::<D>(lane);
                 Ok(Arc::new(spec.spawn_on_with_sink(
@@ -264,7 +264,7 @@ impl LaneSpec {
         S: Tier,
         D: Tier,
         A: Send + 'static,
-        E: TransferExecutor<S, A>,
+        E: MoveExecutor<S, A>,
     {
         let lane = spec.lane();
         Self {
@@ -277,9 +277,9 @@ impl LaneSpec {
     }
 
     /// The G2→G4 object lane (presence checks and locks, see [`ObjectPipelineBuilder`]), with
-    /// `executor`, or an [`ObjectTransferExecutor`] over the bound G2 and G4 layouts (recording
+    /// `executor`, or an [`ObjectMoveExecutor`] over the bound G2 and G4 layouts (recording
     /// presence in the bound G4 manager, if any).
-    pub fn object<E: TransferExecutor<G2>>(
+    pub fn object<E: MoveExecutor<G2>>(
         builder: ObjectPipelineBuilder,
         executor: Option<E>,
     ) -> Self {
@@ -289,7 +289,7 @@ impl LaneSpec {
                 let pipeline = match executor {
                     Some(e) => builder.spawn_on(ctx.runtime, e)?,
                     None => {
-                        let mut e = ObjectTransferExecutor::<G2>::new(
+                        let mut e = ObjectMoveExecutor::<G2>::new(
                             ctx.tm()?,
                             ctx.layout(TierId::G2)?,
                             ctx.layout(TierId::G4)?,
@@ -514,7 +514,7 @@ impl OffloadEngine {
         lane: PipelineLane,
         blocks: impl Into<SourceBlocks<S>>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
+    ) -> Result<OffloadHandle, OffloadError> {
         self.pipeline::<S, ()>(lane)
             .ok_or(OffloadError::NoPipeline(lane))?
             .enqueue(blocks, precondition)
@@ -533,7 +533,7 @@ impl OffloadEngine {
         blocks: impl Into<SourceBlocks<S>>,
         destinations: Vec<MutableBlock<D>>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
+    ) -> Result<OffloadHandle, OffloadError> {
         self.pipeline::<S, MutableBlock<D>>(lane)
             .ok_or(OffloadError::NoPipeline(lane))?
             .enqueue_into(blocks, destinations, precondition)

@@ -1,11 +1,11 @@
-//! The transfer stage's seam: [`TransferExecutor`].
+//! The transfer stage's seam: [`MoveExecutor`].
 //!
 //! The pipeline owns everything up to the commitment point and the bookkeeping after it; an
 //! executor only moves bytes for a [`ResolvedBatch`] and says, per block, whether it worked and
 //! what it produced (for a tier destination, the block registered there). Keeping this a trait
 //! lets tests drive the pipeline with a controllable executor, benchmarks with [`NoopExecutor`],
-//! and production with [`BlockTransferExecutor`](crate::BlockTransferExecutor) /
-//! [`ObjectTransferExecutor`](crate::ObjectTransferExecutor) over `kvbm-physical`.
+//! and production with [`BlockMoveExecutor`](crate::BlockMoveExecutor) /
+//! [`ObjectMoveExecutor`](crate::ObjectMoveExecutor) over `kvbm-physical`.
 //!
 //! # Contract
 //!
@@ -27,7 +27,7 @@ use crate::batch::{BatchOutcome, ResolvedBatch};
 /// `A` is the per-block destination attachment the pipeline carries: `()` (the default) when
 /// the executor allocates destinations itself, a caller-allocated `MutableBlock<Dst>` when the
 /// caller chose them before the transfer ([`ResolvedBatch::take_destinations`]).
-pub trait TransferExecutor<T: Tier, A = ()>: Send + Sync + 'static {
+pub trait MoveExecutor<T: Tier, A = ()>: Send + Sync + 'static {
     /// What one successfully transferred block yields (e.g. the destination block).
     type Output: Send + 'static;
 
@@ -43,7 +43,7 @@ pub trait TransferExecutor<T: Tier, A = ()>: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoopExecutor;
 
-impl<T: Tier> TransferExecutor<T> for NoopExecutor {
+impl<T: Tier> MoveExecutor<T> for NoopExecutor {
     type Output = ();
 
     fn execute(&self, batch: &ResolvedBatch<T>) -> impl Future<Output = BatchOutcome<()>> + Send {
@@ -52,10 +52,10 @@ impl<T: Tier> TransferExecutor<T> for NoopExecutor {
     }
 }
 
-/// Object-safe form of [`TransferExecutor`], for storing executors of different types behind
+/// Object-safe form of [`MoveExecutor`], for storing executors of different types behind
 /// one `Arc<dyn …>` (costs one boxed future per batch).
-pub trait DynTransferExecutor<T: Tier, R, A = ()>: Send + Sync + 'static {
-    /// See [`TransferExecutor::execute`].
+pub trait DynMoveExecutor<T: Tier, R, A = ()>: Send + Sync + 'static {
+    /// See [`MoveExecutor::execute`].
     fn execute_boxed<'a>(
         &'a self,
         batch: &'a ResolvedBatch<T, A>,
@@ -65,9 +65,7 @@ pub trait DynTransferExecutor<T: Tier, R, A = ()>: Send + Sync + 'static {
 /// A boxed future borrowing its inputs.
 pub(crate) type BoxFutureRef<'a, O> = std::pin::Pin<Box<dyn Future<Output = O> + Send + 'a>>;
 
-impl<T: Tier, A: Send + 'static, E: TransferExecutor<T, A>> DynTransferExecutor<T, E::Output, A>
-    for E
-{
+impl<T: Tier, A: Send + 'static, E: MoveExecutor<T, A>> DynMoveExecutor<T, E::Output, A> for E {
     fn execute_boxed<'a>(
         &'a self,
         batch: &'a ResolvedBatch<T, A>,
@@ -77,7 +75,7 @@ impl<T: Tier, A: Send + 'static, E: TransferExecutor<T, A>> DynTransferExecutor<
 }
 
 /// A type-erased executor.
-pub struct ArcExecutor<T: Tier, R, A = ()>(pub Arc<dyn DynTransferExecutor<T, R, A>>);
+pub struct ArcExecutor<T: Tier, R, A = ()>(pub Arc<dyn DynMoveExecutor<T, R, A>>);
 
 impl<T: Tier, R, A> Clone for ArcExecutor<T, R, A> {
     fn clone(&self) -> Self {
@@ -93,14 +91,12 @@ impl<T: Tier, R, A> std::fmt::Debug for ArcExecutor<T, R, A> {
 
 impl<T: Tier, R: Send + 'static, A: Send + 'static> ArcExecutor<T, R, A> {
     /// Erases `executor`'s type.
-    pub fn new(executor: impl TransferExecutor<T, A, Output = R>) -> Self {
+    pub fn new(executor: impl MoveExecutor<T, A, Output = R>) -> Self {
         Self(Arc::new(executor))
     }
 }
 
-impl<T: Tier, R: Send + 'static, A: Send + 'static> TransferExecutor<T, A>
-    for ArcExecutor<T, R, A>
-{
+impl<T: Tier, R: Send + 'static, A: Send + 'static> MoveExecutor<T, A> for ArcExecutor<T, R, A> {
     type Output = R;
 
     async fn execute(&self, batch: &ResolvedBatch<T, A>) -> BatchOutcome<R> {

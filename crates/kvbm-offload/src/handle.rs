@@ -1,7 +1,7 @@
-//! Transfer handles: status, results, incremental progress and per-block timing.
+//! Offload handles: status, results, incremental progress and per-block timing.
 //!
-//! A [`TransferHandle`] is returned by every `enqueue`. It shares one state object with the
-//! [`CancellationToken`] that travels with the transfer's containers (P2), so a handle, its token
+//! A [`OffloadHandle`] is returned by every `enqueue`. It shares one state object with the
+//! [`CancellationToken`] that travels with the offload's containers (P2), so a handle, its token
 //! and the pipeline's accounting always agree.
 //!
 //! ```text
@@ -10,9 +10,9 @@
 //!       └────────────┴── cancel() before upgrade ───┘ (Cancelled)
 //! ```
 //!
-//! The terminal status is decided once, when the last piece of the transfer leaves the
+//! The terminal status is decided once, when the last piece of the offload leaves the
 //! pipeline (see [`crate::cancel`]): `Cancelled` if any block was cancelled, else `Failed` if any
-//! block failed, else `Complete` (filtered blocks do not make a transfer fail).
+//! block failed, else `Complete` (filtered blocks do not make an offload fail).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -28,15 +28,15 @@ use crate::metrics::{FailureTally, PipelineMetrics};
 use crate::settlement::LaneState;
 use crate::sweep::SweepSignal;
 
-/// Unique identifier for a transfer operation (process-wide, monotonically increasing).
+/// Unique identifier for an offload (process-wide, monotonically increasing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TransferId(u64);
+pub struct OffloadId(u64);
 
-impl TransferId {
+impl OffloadId {
     /// A fresh id.
     pub fn next() -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        TransferId(NEXT.fetch_add(1, Ordering::Relaxed))
+        OffloadId(NEXT.fetch_add(1, Ordering::Relaxed))
     }
 
     /// The raw value.
@@ -45,18 +45,18 @@ impl TransferId {
     }
 }
 
-impl std::fmt::Display for TransferId {
+impl std::fmt::Display for OffloadId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "transfer-{}", self.0)
     }
 }
 
-/// Status of a transfer operation.
+/// Status of an offload.
 ///
-/// The discriminants are ordered: a transfer only moves forward.
+/// The discriminants are ordered: an offload only moves forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u8)]
-pub enum TransferStatus {
+pub enum OffloadStatus {
     /// Blocks are being evaluated by the policy.
     Evaluating = 0,
     /// Some blocks passed the policy and wait for their precondition, a batch or a transfer slot.
@@ -71,7 +71,7 @@ pub enum TransferStatus {
     Cancelled = 5,
 }
 
-impl TransferStatus {
+impl OffloadStatus {
     pub(crate) fn from_u8(v: u8) -> Self {
         match v {
             0 => Self::Evaluating,
@@ -105,7 +105,7 @@ pub struct TimingTrace {
     pub batched: Option<Instant>,
     /// When the blocks were upgraded (the commitment point).
     pub upgraded: Option<Instant>,
-    /// When the transfer finished.
+    /// When the offload finished.
     pub finished: Option<Instant>,
 }
 
@@ -121,15 +121,15 @@ impl TimingTrace {
         }
     }
 
-    /// Time from enqueue to the end of the transfer, once finished.
+    /// Time from enqueue to the end of the offload, once finished.
     pub fn total(&self) -> Option<std::time::Duration> {
         self.finished.map(|f| f.duration_since(self.enqueued))
     }
 }
 
-/// Monotonic block counts for a transfer.
+/// Monotonic block counts for an offload.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TransferProgressCounts {
+pub struct OffloadProgressCounts {
     /// Blocks given to `enqueue`.
     pub total: usize,
     /// Blocks that passed the policy.
@@ -144,7 +144,7 @@ pub struct TransferProgressCounts {
     pub cancelled: usize,
 }
 
-impl TransferProgressCounts {
+impl OffloadProgressCounts {
     /// Blocks with no outcome yet.
     pub fn remaining(&self) -> usize {
         self.total
@@ -152,21 +152,21 @@ impl TransferProgressCounts {
     }
 }
 
-/// Per-consumer cursor for incrementally reading transfer progress.
+/// Per-consumer cursor for incrementally reading offload progress.
 ///
-/// Start from `TransferProgressCursor::default()` and pass it to
-/// [`TransferHandle::progress_since`] repeatedly; each call returns only what was appended since.
+/// Start from `OffloadProgressCursor::default()` and pass it to
+/// [`OffloadHandle::progress_since`] repeatedly; each call returns only what was appended since.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TransferProgressCursor {
+pub struct OffloadProgressCursor {
     completed: usize,
     failed: usize,
     filtered: usize,
     cancelled: usize,
 }
 
-/// Blocks appended since a [`TransferProgressCursor`] was last consumed.
+/// Blocks appended since a [`OffloadProgressCursor`] was last consumed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TransferProgressDelta {
+pub struct OffloadProgressDelta {
     /// Newly completed blocks.
     pub completed: Vec<SequenceHash>,
     /// Newly failed blocks, with why.
@@ -177,7 +177,7 @@ pub struct TransferProgressDelta {
     pub cancelled: Vec<SequenceHash>,
 }
 
-impl TransferProgressDelta {
+impl OffloadProgressDelta {
     /// Whether nothing was appended.
     pub fn is_empty(&self) -> bool {
         self.completed.is_empty()
@@ -187,13 +187,13 @@ impl TransferProgressDelta {
     }
 }
 
-/// Result of a completed transfer.
+/// Result of a completed offload.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransferResult {
+pub struct OffloadResult {
     /// The transfer.
-    pub id: TransferId,
+    pub id: OffloadId,
     /// Final status.
-    pub status: TransferStatus,
+    pub status: OffloadStatus,
     /// Blocks transferred and registered in the destination, in completion order.
     pub completed_blocks: Vec<SequenceHash>,
     /// Blocks that failed, with why. Never registered in the destination.
@@ -216,8 +216,8 @@ pub(crate) struct Progress {
 }
 
 /// The state shared by a handle, its tokens and the pipeline's containers.
-pub(crate) struct TransferShared {
-    pub(crate) id: TransferId,
+pub(crate) struct OffloadShared {
+    pub(crate) id: OffloadId,
     pub(crate) total: AtomicUsize,
     pub(crate) cancel: tokio_util::sync::CancellationToken,
     pub(crate) outstanding: AtomicUsize,
@@ -225,7 +225,7 @@ pub(crate) struct TransferShared {
     pub(crate) progress: Mutex<Progress>,
     drained_notify: Notify,
     sweep: Option<SweepSignal>,
-    /// The lane the transfer runs in (`None` for a detached token): a container dropped after
+    /// The lane the offload runs in (`None` for a detached token): a container dropped after
     /// its lane failed reports its blocks failed, not cancelled.
     pub(crate) lane: Option<Arc<LaneState>>,
     record_timing: bool,
@@ -235,7 +235,7 @@ pub(crate) struct TransferShared {
     cancel_requested_at: OnceLock<Instant>,
 }
 
-impl TransferShared {
+impl OffloadShared {
     pub(crate) fn detached() -> Self {
         Self::new(None, None, false, None)
     }
@@ -247,11 +247,11 @@ impl TransferShared {
         metrics: Option<Arc<PipelineMetrics>>,
     ) -> Self {
         Self {
-            id: TransferId::next(),
+            id: OffloadId::next(),
             total: AtomicUsize::new(0),
             cancel: tokio_util::sync::CancellationToken::new(),
             outstanding: AtomicUsize::new(0),
-            status: AtomicStatus::new(TransferStatus::Evaluating),
+            status: AtomicStatus::new(OffloadStatus::Evaluating),
             progress: Mutex::new(Progress::default()),
             drained_notify: Notify::new(),
             sweep,
@@ -283,11 +283,11 @@ impl TransferShared {
     pub(crate) fn on_drained(&self) {
         let p = self.progress.lock();
         let status = if !p.cancelled.is_empty() {
-            TransferStatus::Cancelled
+            OffloadStatus::Cancelled
         } else if !p.failed.is_empty() {
-            TransferStatus::Failed
+            OffloadStatus::Failed
         } else {
-            TransferStatus::Complete
+            OffloadStatus::Complete
         };
         drop(p);
         self.status.store(status);
@@ -315,7 +315,7 @@ impl TransferShared {
 
     pub(crate) fn report_passed(&self, n: usize) {
         self.progress.lock().passed += n;
-        self.status.advance(TransferStatus::Queued);
+        self.status.advance(OffloadStatus::Queued);
     }
 
     pub(crate) fn report_cancelled(&self, hashes: impl IntoIterator<Item = SequenceHash>) {
@@ -346,9 +346,9 @@ impl TransferShared {
         }
     }
 
-    pub(crate) fn counts(&self) -> TransferProgressCounts {
+    pub(crate) fn counts(&self) -> OffloadProgressCounts {
         let p = self.progress.lock();
-        TransferProgressCounts {
+        OffloadProgressCounts {
             total: self.total.load(Ordering::Acquire),
             passed: p.passed,
             filtered: p.filtered.len(),
@@ -359,17 +359,17 @@ impl TransferShared {
     }
 }
 
-/// Handle for tracking and controlling an offload transfer.
+/// Handle for tracking and controlling an offload.
 ///
-/// Dropping the handle does **not** cancel the transfer; call [`TransferHandle::cancel`].
+/// Dropping the handle does **not** cancel the offload; call [`OffloadHandle::cancel`].
 #[derive(Clone)]
-pub struct TransferHandle {
+pub struct OffloadHandle {
     token: CancellationToken,
 }
 
-impl std::fmt::Debug for TransferHandle {
+impl std::fmt::Debug for OffloadHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TransferHandle")
+        f.debug_struct("OffloadHandle")
             .field("id", &self.id())
             .field("status", &self.status())
             .field("counts", &self.counts())
@@ -377,46 +377,46 @@ impl std::fmt::Debug for TransferHandle {
     }
 }
 
-impl TransferHandle {
+impl OffloadHandle {
     pub(crate) fn new(token: CancellationToken) -> Self {
         Self { token }
     }
 
     /// The transfer's id.
-    pub fn id(&self) -> TransferId {
-        self.token.transfer_id()
+    pub fn id(&self) -> OffloadId {
+        self.token.offload_id()
     }
 
     /// Current status.
-    pub fn status(&self) -> TransferStatus {
+    pub fn status(&self) -> OffloadStatus {
         self.token.shared.status.load()
     }
 
-    /// Whether the transfer reached a terminal status.
+    /// Whether the offload reached a terminal status.
     pub fn is_done(&self) -> bool {
         self.status().is_terminal()
     }
 
-    /// A clone of the transfer's cancellation token.
+    /// A clone of the offload's cancellation token.
     pub fn token(&self) -> CancellationToken {
         self.token.clone()
     }
 
     /// Current monotonic counts.
-    pub fn counts(&self) -> TransferProgressCounts {
+    pub fn counts(&self) -> OffloadProgressCounts {
         self.token.shared.counts()
     }
 
     /// Outcomes appended since `cursor`; advances the cursor.
-    pub fn progress_since(&self, cursor: &mut TransferProgressCursor) -> TransferProgressDelta {
+    pub fn progress_since(&self, cursor: &mut OffloadProgressCursor) -> OffloadProgressDelta {
         let p = self.token.shared.progress.lock();
-        let delta = TransferProgressDelta {
+        let delta = OffloadProgressDelta {
             completed: p.completed[cursor.completed..].to_vec(),
             failed: p.failed[cursor.failed..].to_vec(),
             filtered: p.filtered[cursor.filtered..].to_vec(),
             cancelled: p.cancelled[cursor.cancelled..].to_vec(),
         };
-        *cursor = TransferProgressCursor {
+        *cursor = OffloadProgressCursor {
             completed: p.completed.len(),
             failed: p.failed.len(),
             filtered: p.filtered.len(),
@@ -437,28 +437,28 @@ impl TransferHandle {
         self.token.shared.progress.lock().timings.clone()
     }
 
-    /// Waits until every block has an outcome and nothing of the transfer is outstanding.
+    /// Waits until every block has an outcome and nothing of the offload is outstanding.
     ///
     /// # Errors
-    /// [`OffloadError::PipelineClosed`] is never returned once the transfer was accepted; the
+    /// [`OffloadError::PipelineClosed`] is never returned once the offload was accepted; the
     /// `Result` exists so callers can use `?` uniformly with `enqueue`.
-    pub async fn wait(&self) -> Result<TransferResult, OffloadError> {
+    pub async fn wait(&self) -> Result<OffloadResult, OffloadError> {
         self.token.drained().await;
         Ok(self.result_now())
     }
 
     /// [`wait`](Self::wait) for synchronous callers: blocks the calling thread (which must not
-    /// be driving an async runtime) until the transfer is done. Needs no runtime of its own.
+    /// be driving an async runtime) until the offload is done. Needs no runtime of its own.
     ///
     /// # Errors
     /// As [`wait`](Self::wait).
-    pub fn wait_blocking(&self) -> Result<TransferResult, OffloadError> {
+    pub fn wait_blocking(&self) -> Result<OffloadResult, OffloadError> {
         futures::executor::block_on(self.wait())
     }
 
-    fn result_now(&self) -> TransferResult {
+    fn result_now(&self) -> OffloadResult {
         let p = self.token.shared.progress.lock();
-        TransferResult {
+        OffloadResult {
             id: self.id(),
             status: self.status(),
             completed_blocks: p.completed.clone(),
@@ -468,8 +468,8 @@ impl TransferHandle {
         }
     }
 
-    /// The result so far, `None` until the transfer is done.
-    pub fn try_result(&self) -> Option<TransferResult> {
+    /// The result so far, `None` until the offload is done.
+    pub fn try_result(&self) -> Option<OffloadResult> {
         (self.token.outstanding() == 0 && self.is_done()).then(|| self.result_now())
     }
 

@@ -2,9 +2,9 @@
 
 // The root names what other crates use: tiers and moves (`BoundTier`, `BlockMover`,
 // `ExternalMover`, `MoveSource`, `MoveOutcome`, `ArrivalCheck`), lanes (`Pipeline`,
-// `PipelineBuilder`, `ObjectPipeline`, their configs, `TransferHandle`, `TransferResult`),
+// `PipelineBuilder`, `ObjectPipeline`, their configs, `OffloadHandle`, `OffloadResult`),
 // executors, policies and failures. Everything else public is named by its module
-// (`handle::TransferStatus`, `settlement::SettlementToken`, `source::Precondition`, ...); stage
+// (`handle::OffloadStatus`, `settlement::SettlementToken`, `source::Precondition`, ...); stage
 // internals (queues, the sweeper, outstanding guards, containers, `upgrade_batch`) stay
 // crate-private.
 pub mod batch;
@@ -16,6 +16,7 @@ mod error;
 pub mod executor;
 pub mod handle;
 pub mod metrics;
+pub mod mover;
 pub mod object;
 pub mod pending;
 pub mod pipeline;
@@ -24,15 +25,18 @@ mod queue;
 pub mod settlement;
 pub mod source;
 mod sweep;
-pub mod transfer;
 
 pub use batch::{BatchOutcome, ResolvedBatch};
 pub use bound::BoundTier;
 pub use cancel::CancellationToken;
 pub use config::{ObjectPipelineConfig, PipelineConfig};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
-pub use executor::TransferExecutor;
-pub use handle::{TransferHandle, TransferResult};
+pub use executor::MoveExecutor;
+pub use handle::{OffloadHandle, OffloadResult};
+pub use mover::{
+    ArrivalCheck, BlockMoveExecutor, BlockMover, ExternalMover, MoveOutcome, MoveSource,
+    ObjectMoveExecutor,
+};
 pub use object::{
     ObjectPipeline, ObjectPipelineBuilder, PresenceChecker, S3PresenceChecker, block_identity,
     identity_of, object_key,
@@ -42,7 +46,3 @@ pub use policy::{
     AllOfPolicy, BoxFuture, OffloadPolicy, PresenceFilter, create_policy_from_config,
 };
 pub use source::ExternalBlock;
-pub use transfer::{
-    ArrivalCheck, BlockMover, BlockTransferExecutor, ExternalMover, MoveOutcome, MoveSource,
-    ObjectTransferExecutor,
-};

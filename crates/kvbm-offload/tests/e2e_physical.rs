@@ -9,7 +9,7 @@ use common::{disk_layout, hash, host_layout, manager, registered, scratch};
 use kvbm_logical::{BlockRegistry, G1, G2, G3, TierId};
 
 use kvbm_offload::engine::{LaneSpec, OffloadEngine};
-use kvbm_offload::handle::TransferStatus;
+use kvbm_offload::handle::OffloadStatus;
 use kvbm_offload::policy::PresenceAndLFUFilter;
 use kvbm_offload::settlement::PipelineLane;
 use kvbm_offload::source::Precondition;
@@ -70,7 +70,7 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
     let pipeline = PipelineBuilder::<G2, G3>::new()
         .policy(Arc::new(PresenceFilter::new(registry.clone())))
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+        .spawn(BlockMoveExecutor::<G2, G3>::from_mover(
             BlockMover::from_layout(
                 g2_h,
                 &BoundTier::new(tm.clone(), g3_h, g3.clone()).expect("bound G3"),
@@ -88,7 +88,7 @@ async fn g2_to_g3_on_o_direct_file_registers_only_transferred_blocks() {
         .wait()
         .await
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    assert_eq!(r.status, OffloadStatus::Complete, "{r:?}");
     assert_eq!(r.completed_blocks.len(), n);
     for i in 0..n as u32 {
         assert!(
@@ -167,7 +167,7 @@ async fn failed_transfer_reports_why_and_registers_nothing() {
     let pipeline = PipelineBuilder::<G2, G3>::new()
         .min_batch_size(1)
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+        .spawn(BlockMoveExecutor::<G2, G3>::from_mover(
             BlockMover::from_layout(
                 g2_h,
                 &BoundTier::new(tm, g3_h, g3.clone()).expect("bound G3"),
@@ -189,7 +189,7 @@ async fn failed_transfer_reports_why_and_registers_nothing() {
         .wait()
         .await
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Failed);
+    assert_eq!(r.status, OffloadStatus::Failed);
     assert_eq!(r.failed_blocks.len(), 2);
     assert!(
         r.failed_blocks

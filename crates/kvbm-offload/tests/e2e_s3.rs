@@ -66,9 +66,7 @@ fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline
     ObjectPipelineBuilder::new(storage.clone())
         .owner(owner)
         .config(config)
-        .spawn(ObjectTransferExecutor::<kvbm_logical::G2>::new(
-            tm, g2_h, obj_h,
-        ))
+        .spawn(ObjectMoveExecutor::<kvbm_logical::G2>::new(tm, g2_h, obj_h))
         .unwrap()
 }
 
@@ -78,12 +76,7 @@ fn worker(storage: &Arc<ObjectStorage>, n: usize, owner: &str) -> ObjectPipeline
 async fn race_two_workers(
     storage: &Arc<ObjectStorage>,
     n: usize,
-) -> (
-    ObjectPipeline,
-    ObjectPipeline,
-    TransferResult,
-    TransferResult,
-) {
+) -> (ObjectPipeline, ObjectPipeline, OffloadResult, OffloadResult) {
     let a = worker(storage, n, "worker-a");
     let b = worker(storage, n, "worker-b");
     let ha = a.enqueue(external(0, n as u32), None).await.unwrap();
@@ -535,9 +528,7 @@ async fn fail_closed_shutdown_flushes_lock_releases() {
     let a = ObjectPipelineBuilder::new(storage.clone())
         .config(config)
         .owner("slow-verifier")
-        .spawn(ObjectTransferExecutor::<kvbm_logical::G2>::new(
-            tm, g2_h, obj_h,
-        ))
+        .spawn(ObjectMoveExecutor::<kvbm_logical::G2>::new(tm, g2_h, obj_h))
         .unwrap();
     let r = a
         .enqueue(external(0, n as u32), None)

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::*;
 use kvbm_logical::{G1, G2, SequenceHash};
 use kvbm_offload::config::MAX_CONCURRENT_TRANSFERS;
-use kvbm_offload::handle::TransferStatus;
+use kvbm_offload::handle::OffloadStatus;
 use kvbm_offload::object::ObjectPresenceFilter;
 use kvbm_offload::policy::{
     EvalContext, PassAllPolicy, PolicyBatchFuture, PolicyFuture, sync_result,
@@ -86,12 +86,12 @@ async fn assert_lane_failed(p: &Pipeline<G1>, kind: PipelineFailureKind) {
 }
 
 /// Waits (bounded) for `h` and asserts every block failed with `PipelineFailed`.
-async fn assert_failed_by_pipeline(h: &TransferHandle, n: usize) {
+async fn assert_failed_by_pipeline(h: &OffloadHandle, n: usize) {
     let r = within(1000, h.wait())
         .await
         .expect("the handle completes")
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Failed, "{r:?}");
+    assert_eq!(r.status, OffloadStatus::Failed, "{r:?}");
     assert_eq!(r.failed_blocks.len(), n, "{r:?}");
     assert_all_failed(&r, BlockFailureKind::PipelineFailed);
 }
@@ -181,7 +181,7 @@ async fn fail_closed_batcher_panic() {
 #[tokio::test(start_paused = true)]
 async fn fail_closed_executor_panic() {
     struct Boom;
-    impl<T: kvbm_logical::Tier> TransferExecutor<T> for Boom {
+    impl<T: kvbm_logical::Tier> MoveExecutor<T> for Boom {
         type Output = ();
         async fn execute(&self, _batch: &ResolvedBatch<T>) -> BatchOutcome<()> {
             panic!("executor blew up")

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use kvbm_logical::G1;
 use kvbm_offload::cancel::CancelState;
-use kvbm_offload::handle::{TransferProgressCursor, TransferStatus};
+use kvbm_offload::handle::{OffloadProgressCursor, OffloadStatus};
 use kvbm_offload::settlement::{
     PipelineFailure, PipelineFailureKind, PipelineLane, SettlementError,
 };
@@ -40,7 +40,7 @@ async fn p1_container_is_unit_of_cancellation() {
         cancelled, expect,
         "every block of the container is cancelled with it"
     );
-    assert_eq!(ra.status, TransferStatus::Cancelled);
+    assert_eq!(ra.status, OffloadStatus::Cancelled);
     first.wait().await.unwrap();
     let rb = b.wait().await.unwrap();
     assert_eq!(
@@ -48,7 +48,7 @@ async fn p1_container_is_unit_of_cancellation() {
         hashes(100, 2),
         "other containers are untouched"
     );
-    assert_eq!(rb.status, TransferStatus::Complete);
+    assert_eq!(rb.status, OffloadStatus::Complete);
     assert!(
         exec.batches().iter().all(|b| !b.contains(&hash(0))),
         "the cancelled container never reached the executor"
@@ -65,7 +65,7 @@ async fn p2_token_travels_with_container() {
     exec.wait_started(1).await;
     let second = p.enqueue(external(10, 2), None).await.unwrap();
     let token = second.token();
-    assert_eq!(token.transfer_id(), second.id());
+    assert_eq!(token.offload_id(), second.id());
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert!(
         token.outstanding() > 0,
@@ -76,7 +76,7 @@ async fn p2_token_travels_with_container() {
         .await
         .expect("the container saw the clone's cancel")
         .unwrap();
-    assert_eq!(second.status(), TransferStatus::Cancelled);
+    assert_eq!(second.status(), OffloadStatus::Cancelled);
     exec.release(10);
     first.wait().await.unwrap();
     assert_eq!(
@@ -92,7 +92,7 @@ async fn p3_upgrade_is_point_of_no_return() {
     let p = spawn_g1_to_g2(exec.clone(), |b| b.min_batch_size(1));
     let h = p.enqueue(external(0, 4), None).await.unwrap();
     exec.wait_started(1).await;
-    assert_eq!(h.status(), TransferStatus::Transferring);
+    assert_eq!(h.status(), OffloadStatus::Transferring);
     let mut confirm = std::pin::pin!(h.cancel().into_future());
     assert!(
         within(50, &mut confirm).await.is_none(),
@@ -110,7 +110,7 @@ async fn p3_upgrade_is_point_of_no_return() {
         "cancellation no longer applied"
     );
     assert!(r.cancelled_blocks.is_empty());
-    assert_eq!(r.status, TransferStatus::Complete);
+    assert_eq!(r.status, OffloadStatus::Complete);
 }
 
 #[tokio::test(start_paused = true)]
@@ -170,7 +170,7 @@ async fn p6_precondition_wait_selects_on_cancel() {
     let (trigger, event) = Precondition::pair();
     let h = p.enqueue(external(0, 3), Some(event)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
-    assert_eq!(h.status(), TransferStatus::Queued);
+    assert_eq!(h.status(), OffloadStatus::Queued);
     within(50, h.cancel())
         .await
         .expect("cancel interrupts the precondition wait");
@@ -198,7 +198,7 @@ async fn precondition_gates_batching_and_failure_fails_blocks() {
     bad_trigger.fail("forward pass aborted");
     assert_eq!(ok.wait().await.unwrap().completed_blocks, hashes(0, 2));
     let r = bad.wait().await.unwrap();
-    assert_eq!(r.status, TransferStatus::Failed);
+    assert_eq!(r.status, OffloadStatus::Failed);
     assert_all_failed(&r, BlockFailureKind::PreconditionFailed);
 }
 
@@ -213,7 +213,7 @@ async fn cancel_while_evaluating() {
     let h = p.enqueue(external(0, 4), None).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(policy.asked.load(Ordering::Acquire), 4);
-    assert_eq!(h.status(), TransferStatus::Evaluating);
+    assert_eq!(h.status(), OffloadStatus::Evaluating);
     within(50, h.cancel())
         .await
         .expect("cancelled during evaluation");
@@ -235,7 +235,7 @@ async fn policy_timeout_filters_blocks() {
         .expect("timeout applied")
         .unwrap();
     assert_eq!(r.filtered_blocks, hashes(0, 4));
-    assert_eq!(r.status, TransferStatus::Complete);
+    assert_eq!(r.status, OffloadStatus::Complete);
 }
 
 #[tokio::test(start_paused = true)]
@@ -246,11 +246,11 @@ async fn cancel_while_queued_does_not_wait_for_running_transfer() {
     exec.wait_started(1).await;
     let b = p.enqueue(external(10, 2), None).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
-    assert_eq!(b.status(), TransferStatus::Queued);
+    assert_eq!(b.status(), OffloadStatus::Queued);
     within(5, b.cancel())
         .await
         .expect("swept from the queue while A still runs");
-    assert_eq!(a.status(), TransferStatus::Transferring);
+    assert_eq!(a.status(), OffloadStatus::Transferring);
     exec.release(1);
     a.wait().await.unwrap();
     assert_eq!(exec.batches().len(), 1);
@@ -463,7 +463,7 @@ async fn failed_blocks_are_reported_with_reason() {
         .wait()
         .await
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Failed);
+    assert_eq!(r.status, OffloadStatus::Failed);
     assert_eq!(r.completed_blocks, vec![hash(0), hash(2)]);
     assert_eq!(r.failed_blocks.len(), 1);
     assert_eq!(r.failed_blocks[0].0, hash(1));
@@ -479,7 +479,7 @@ async fn progress_cursor_reads_incrementally_and_timing_is_recorded() {
     let mut blocks = external(0, 4);
     blocks.push(blocks[0]);
     let h = p.enqueue(blocks, None).await.unwrap();
-    let mut cursor = TransferProgressCursor::default();
+    let mut cursor = OffloadProgressCursor::default();
     exec.wait_started(1).await;
     let d0 = h.progress_since(&mut cursor);
     assert_eq!(d0.filtered, vec![hash(0)]);
@@ -552,7 +552,7 @@ async fn fail_closed_settlement_counts_transfer_batches() {
 /// Panics on the batch holding `hash(666)`, transfers the others.
 struct PanicOn666;
 
-impl<T: kvbm_logical::Tier> TransferExecutor<T> for PanicOn666 {
+impl<T: kvbm_logical::Tier> MoveExecutor<T> for PanicOn666 {
     type Output = ();
     async fn execute(&self, batch: &ResolvedBatch<T>) -> BatchOutcome<()> {
         tokio::task::yield_now().await;
@@ -594,7 +594,7 @@ async fn fail_closed_failure_does_not_poison_settled_tokens() {
 
 struct PanickingExecutor;
 
-impl<T: kvbm_logical::Tier> TransferExecutor<T> for PanickingExecutor {
+impl<T: kvbm_logical::Tier> MoveExecutor<T> for PanickingExecutor {
     type Output = ();
     async fn execute(&self, _batch: &ResolvedBatch<T>) -> BatchOutcome<()> {
         panic!("executor blew up")

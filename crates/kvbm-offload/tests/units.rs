@@ -199,7 +199,7 @@ fn pending_tracker_suppresses_duplicates_until_the_guard_drops() {
 #[test]
 fn public_types_are_send_and_sync() {
     fn check<T: Send + Sync>() {}
-    check::<TransferHandle>();
+    check::<OffloadHandle>();
     check::<CancellationToken>();
     check::<Pipeline<G2>>();
     check::<Pipeline<G3, kvbm_logical::MutableBlock<G2>>>();

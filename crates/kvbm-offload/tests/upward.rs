@@ -14,10 +14,10 @@ use kvbm_logical::{
     Salt, TierId, TokenBlockSequence,
 };
 use kvbm_offload::engine::{LaneSpec, OffloadEngine};
-use kvbm_offload::handle::TransferStatus;
+use kvbm_offload::handle::OffloadStatus;
+use kvbm_offload::mover::CallerAllocated;
 use kvbm_offload::settlement::PipelineLane;
 use kvbm_offload::source::Precondition;
-use kvbm_offload::transfer::CallerAllocated;
 use kvbm_offload::*;
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
 use parking_lot::Mutex;
@@ -82,7 +82,7 @@ async fn up_p2_token_travels_with_container() {
     tokio::time::sleep(Duration::from_millis(1)).await;
     second.token().cancel();
     within(100, second.wait()).await.expect("seen").unwrap();
-    assert_eq!(second.status(), TransferStatus::Cancelled);
+    assert_eq!(second.status(), OffloadStatus::Cancelled);
     assert_eq!(g2.available_blocks(), DST - 2);
     exec.release(10);
     first.wait().await.unwrap();
@@ -106,7 +106,7 @@ async fn up_p3_upgrade_is_point_of_no_return() {
     within(100, confirm).await.expect("confirmed at the end");
     let r = h.wait().await.unwrap();
     assert_eq!(r.completed_blocks, hashes(0, 4));
-    assert_eq!(r.status, TransferStatus::Complete);
+    assert_eq!(r.status, OffloadStatus::Complete);
 }
 
 #[tokio::test(start_paused = true)]
@@ -310,7 +310,7 @@ async fn g2_g3_g2_round_trip_on_o_direct_through_the_upward_lane() {
 
     let down = PipelineBuilder::<G2, G3>::new()
         .build()
-        .spawn(BlockTransferExecutor::<G2, G3>::from_mover(
+        .spawn(BlockMoveExecutor::<G2, G3>::from_mover(
             BlockMover::from_layout(
                 g2_h,
                 &BoundTier::new(tm.clone(), g3_h, g3.clone()).expect("bound G3"),
@@ -363,7 +363,7 @@ async fn g2_g3_g2_round_trip_on_o_direct_through_the_upward_lane() {
         .wait()
         .await
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    assert_eq!(r.status, OffloadStatus::Complete, "{r:?}");
     assert_eq!(r.completed_blocks.len(), n);
 
     // Per-block outcome: each registered ImmutableBlock<G2> sits in the slot the caller chose
@@ -508,7 +508,7 @@ fn engine_built_from_a_list_of_lanes_moves_blocks_both_ways() {
         .unwrap()
         .wait_blocking()
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    assert_eq!(r.status, OffloadStatus::Complete, "{r:?}");
     let back = g2.match_blocks(&hashes(0, n as u32));
     assert_eq!(back.len(), n, "registered in G2 again");
     let l = tm.layout(g2_h).unwrap();
@@ -588,7 +588,7 @@ async fn g2_to_g1_onboarding_lane_moves_bytes_into_caller_allocated_g1_blocks() 
         .wait()
         .await
         .unwrap();
-    assert_eq!(r.status, TransferStatus::Complete, "{r:?}");
+    assert_eq!(r.status, OffloadStatus::Complete, "{r:?}");
     let on_g1 = g1.match_blocks(&hashes(0, n as u32));
     assert_eq!(on_g1.len(), n);
     let (src, dst) = (tm.layout(g2_h).unwrap(), tm.layout(g1_h).unwrap());
@@ -913,9 +913,9 @@ async fn block_transfer_executor_waits_for_room_as_configured() {
         .unwrap()
     };
     let waits = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let patient = BlockTransferExecutor::from_mover(mover())
+    let patient = BlockMoveExecutor::from_mover(mover())
         .waiting_for_room(Duration::from_secs(10), waits.clone());
-    let impatient = BlockTransferExecutor::from_mover(mover());
+    let impatient = BlockMoveExecutor::from_mover(mover());
 
     // Every G2 slot taken (held by someone else).
     let taken = g2.allocate_blocks(n).unwrap();

@@ -9,8 +9,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::{external, hash, hashes, manager};
 use kvbm_logical::{G2, G4, ImmutableBlock};
+use kvbm_offload::mover::CallerAllocated;
 use kvbm_offload::settlement::PipelineLane;
-use kvbm_offload::transfer::CallerAllocated;
 use kvbm_offload::*;
 use kvbm_physical::{
     ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
@@ -79,7 +79,7 @@ async fn g2_g4_g2_round_trip_through_the_upward_object_lane() {
     let back_h = common::host_layout(&tm, common::geometry(n + 1, 2, 32), PinPolicy::Unpinned);
 
     let down = ObjectPipelineBuilder::new(storage.clone())
-        .spawn(ObjectTransferExecutor::<G2>::new(tm.clone(), g2_h, obj_h))
+        .spawn(ObjectMoveExecutor::<G2>::new(tm.clone(), g2_h, obj_h))
         .unwrap();
     let r = down
         .enqueue(external(0, n as u32), None)
@@ -197,9 +197,7 @@ async fn fail_closed_g4_identity_is_the_full_digest() {
     let (_, db) = block("tenant-b", 900);
 
     let down = ObjectPipelineBuilder::new(storage.clone())
-        .spawn(
-            ObjectTransferExecutor::<G2>::new(tm.clone(), g2_h, obj_h).with_g4_manager(g4.clone()),
-        )
+        .spawn(ObjectMoveExecutor::<G2>::new(tm.clone(), g2_h, obj_h).with_g4_manager(g4.clone()))
         .unwrap();
     let a = ExternalBlock::new(0, h).with_digest(Some(da));
     let r = down

@@ -33,7 +33,9 @@ pub use storage::{
     ObjectPutMode, PinPolicy, Storage, StorageKind, parse_hash_key,
 };
 #[cfg(feature = "object")]
-pub use storage::{ObjectConfig, ObjectStorage, Presence, S3Config, SmallObject, UpdateOutcome};
+pub use storage::{
+    ObjectConfig, ObjectPresence, ObjectStorage, S3Config, SmallObject, UpdateOutcome,
+};
 pub use transfer::{
     BlockId, BouncePoolStats, LayoutHandle, TransferCompletion, TransferConfig, TransferManager,
     TransferOptions, TransferOutcome,

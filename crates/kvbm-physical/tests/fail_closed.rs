@@ -252,17 +252,20 @@ async fn fail_closed_object_copied_to_another_key() {
     );
     assert_eq!(storage.get_block(&a, &id(1), &g).await.unwrap(), payload);
     // Presence does not count the copy as block 2.
-    assert_eq!(storage.probe(&a, &id(1)).await.unwrap(), Presence::Present);
+    assert_eq!(
+        storage.probe(&a, &id(1)).await.unwrap(),
+        ObjectPresence::Present
+    );
     assert!(matches!(
         storage.probe(&b, &id(2)).await.unwrap(),
-        Presence::Foreign(_)
+        ObjectPresence::Foreign(_)
     ));
     assert_eq!(
         storage
             .probe(&ObjectKey::from_u128(3), &id(3))
             .await
             .unwrap(),
-        Presence::Absent
+        ObjectPresence::Absent
     );
 
     // Another namespace over the same bucket: foreign.
@@ -313,7 +316,7 @@ async fn fail_closed_object_read_under_another_geometry() {
     let _bound = PhysicalLayout::object(layout, storage.clone());
     assert!(matches!(
         storage.probe(&k, &id(5)).await.unwrap(),
-        Presence::Foreign(_)
+        ObjectPresence::Foreign(_)
     ));
 }
 
@@ -885,7 +888,7 @@ async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
     raw.put(&path, body.into()).await.unwrap();
     assert_eq!(
         storage.probe(&key, &id(0x77)).await.unwrap(),
-        Presence::Present
+        ObjectPresence::Present
     );
     // The verified read refuses it and evicts it: no longer present, so it gets rewritten.
     let dst = tm.register_layout(host(1, None)).unwrap();
@@ -897,7 +900,7 @@ async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
     );
     assert_eq!(
         storage.probe(&key, &id(0x77)).await.unwrap(),
-        Presence::Absent
+        ObjectPresence::Absent
     );
     let out = common::transfer(&tm, src, &[0], obj, &[0], opts()).await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);

@@ -18,11 +18,11 @@ pub use manager::OffloadingManager;
 pub use spec::{OffloadingSpec, OffloadingSpecConfig};
 pub use stats::OffloadingConnectorStats;
 pub use types::*;
-pub use worker::{OffloadingWorker, TransferOffloadingWorker};
+pub use worker::{OffloadingWorker, PhysicalOffloadingWorker};
 pub mod tiering;
 
 pub use tiering::{
     AsyncLookup, BackpressureDetector, DiskTier, DropPolicy, EmaConfig, InMemoryTier, JobId,
-    JobResult, ObjectTier, ParentManager, PhysicalTier, SecondaryTierManager, TieringConfig,
-    TieringOffloadingManager, TransferJob, UpstreamFixes,
+    JobResult, ObjectTier, ParentManager, PhysicalTier, SecondaryTierManager, TierJob,
+    TieringConfig, TieringOffloadingManager, UpstreamFixes,
 };

@@ -359,7 +359,7 @@ impl LookupResult {
 
 /// How a request's chunks are offloaded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum OffloadPolicy {
+pub enum OffloadScope {
     /// Only newly computed chunks.
     #[default]
     ChunkLevel,
@@ -371,7 +371,7 @@ pub enum OffloadPolicy {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RequestOffloadingContext {
     /// The policy for this request.
-    pub policy: OffloadPolicy,
+    pub policy: OffloadScope,
 }
 
 /// Per-step scheduling info passed to `on_schedule_end`.
@@ -570,9 +570,9 @@ pub struct CanonicalKVCaches {
     pub group_data_refs: Vec<Vec<CanonicalKVCacheRef>>,
 }
 
-/// A finished worker transfer (vLLM `TransferResult`).
+/// A finished worker transfer (vLLM `WorkerJobResult`).
 #[derive(Clone, Debug, PartialEq)]
-pub struct TransferResult {
+pub struct WorkerJobResult {
     /// Job id.
     pub job_id: u64,
     /// Whether every block moved.

@@ -1,4 +1,4 @@
-//! `TransferOffloadingWorker`: the worker half (vLLM `OffloadingWorker`) over kvbm-physical's
+//! `PhysicalOffloadingWorker`: the worker half (vLLM `OffloadingWorker`) over kvbm-physical's
 //! transfer manager, moving chunks between the GPU (G1) layout and the primary tier's pinned host
 //! slots (G2).
 //!
@@ -17,7 +17,7 @@ use futures::FutureExt;
 use kvbm_physical::{BlockId, LayoutHandle, TransferCompletion, TransferManager, TransferOptions};
 
 use crate::error::{Result, TieringError};
-use crate::types::{GpuLoadStoreSpec, LoadStoreSpec, TransferResult};
+use crate::types::{GpuLoadStoreSpec, LoadStoreSpec, WorkerJobResult};
 
 /// The worker-side contract (vLLM `OffloadingWorker`).
 pub trait OffloadingWorker {
@@ -26,7 +26,7 @@ pub trait OffloadingWorker {
     /// Starts an offloaded-medium → GPU copy. `false` when it could not start.
     fn submit_load(&mut self, job_id: u64, src: &LoadStoreSpec, dst: &GpuLoadStoreSpec) -> bool;
     /// Jobs finished since the last call.
-    fn get_finished(&mut self) -> Vec<TransferResult>;
+    fn get_finished(&mut self) -> Vec<WorkerJobResult>;
     /// Blocks until the given jobs finished (they are then reported by `get_finished`).
     fn wait(&mut self, job_ids: &[u64]);
     /// Releases resources.
@@ -40,16 +40,16 @@ struct Running {
 }
 
 /// A worker over a [`TransferManager`] with the GPU layout and the primary tier's layout.
-pub struct TransferOffloadingWorker {
+pub struct PhysicalOffloadingWorker {
     tm: Arc<TransferManager>,
     gpu: LayoutHandle,
     cpu: LayoutHandle,
     block_bytes: u64,
     running: BTreeMap<u64, Running>,
-    finished: Vec<TransferResult>,
+    finished: Vec<WorkerJobResult>,
 }
 
-impl TransferOffloadingWorker {
+impl PhysicalOffloadingWorker {
     /// A worker moving whole blocks of `block_bytes` between `gpu` and `cpu` (both registered in `tm`).
     pub fn new(
         tm: Arc<TransferManager>,
@@ -122,7 +122,7 @@ impl TransferOffloadingWorker {
         outcome: kvbm_physical::TransferOutcome,
     ) {
         let ok = outcome.is_complete_success();
-        self.finished.push(TransferResult {
+        self.finished.push(WorkerJobResult {
             job_id,
             success: ok,
             transfer_size: ok.then_some(bytes),
@@ -131,7 +131,7 @@ impl TransferOffloadingWorker {
     }
 }
 
-impl OffloadingWorker for TransferOffloadingWorker {
+impl OffloadingWorker for PhysicalOffloadingWorker {
     fn submit_store(&mut self, job_id: u64, src: &GpuLoadStoreSpec, dst: &LoadStoreSpec) -> bool {
         let Ok(d) = Self::ids(dst) else { return false };
         let s = src.block_ids().iter().map(|&i| i as BlockId).collect();
@@ -144,7 +144,7 @@ impl OffloadingWorker for TransferOffloadingWorker {
         self.start(job_id, (self.cpu, s), (self.gpu, d))
     }
 
-    fn get_finished(&mut self) -> Vec<TransferResult> {
+    fn get_finished(&mut self) -> Vec<WorkerJobResult> {
         let mut ready = Vec::new();
         for (id, r) in self.running.iter_mut() {
             if let Some(o) = (&mut r.completion).now_or_never() {

@@ -792,15 +792,15 @@ fn scenario_43_request_level_policy_from_tiers() {
     let c = ctx();
     assert_eq!(
         m.on_new_request(&c).unwrap().policy,
-        OffloadPolicy::ChunkLevel
+        OffloadScope::ChunkLevel
     );
     assert!(m.request_state("r").unwrap().2.is_empty());
     m.on_request_finished(&c).unwrap();
-    t0(&mut m, 0).policy = OffloadPolicy::RequestLevel;
+    t0(&mut m, 0).policy = OffloadScope::RequestLevel;
     let c2 = ReqContext::new("r2");
     assert_eq!(
         m.on_new_request(&c2).unwrap().policy,
-        OffloadPolicy::RequestLevel
+        OffloadScope::RequestLevel
     );
     assert_eq!(m.request_state("r2").unwrap().2, vec![0]);
     m.on_request_finished(&c2).unwrap();
@@ -820,7 +820,7 @@ fn scenario_44_request_level_tier_gets_existing_keys() {
         t0(&mut m, t).stores = 0;
         t0(&mut m, t).jobs.clear();
     }
-    t0(&mut m, 0).policy = OffloadPolicy::RequestLevel;
+    t0(&mut m, 0).policy = OffloadScope::RequestLevel;
     let y = ReqContext::new("y");
     m.on_new_request(&y).unwrap();
     let o = store(&mut m, &[0, 1, 2, 3, 4], &y);
@@ -833,7 +833,7 @@ fn scenario_44_request_level_tier_gets_existing_keys() {
 #[test]
 fn scenario_45_reset_clears_jobs_promotions_and_primary() {
     let mut m = tiering(8, vec![mem(), mem()]);
-    t0(&mut m, 0).policy = OffloadPolicy::RequestLevel;
+    t0(&mut m, 0).policy = OffloadScope::RequestLevel;
     let (a, b) = (ReqContext::new("a"), ReqContext::new("b"));
     m.on_new_request(&a).unwrap();
     m.on_new_request(&b).unwrap();
@@ -984,7 +984,7 @@ fn scenario_51_two_groups_one_cascade_job() {
     // request-level cascade of 4 existing keys
     end(&mut m);
     end(&mut m);
-    t0(&mut m, 0).policy = OffloadPolicy::RequestLevel;
+    t0(&mut m, 0).policy = OffloadScope::RequestLevel;
     t0(&mut m, 0).jobs.clear();
     let c2 = ReqContext::new("r2");
     m.on_new_request(&c2).unwrap();
@@ -1229,7 +1229,7 @@ fn scenario_61_request_level_cascade_gated_promotions_not() {
     stored(&mut m, &[0, 1], &x);
     end(&mut m);
     end(&mut m);
-    t0(&mut m, 0).policy = OffloadPolicy::RequestLevel;
+    t0(&mut m, 0).policy = OffloadScope::RequestLevel;
     let y = ReqContext::new("y");
     m.on_new_request(&y).unwrap();
     let before = t0(&mut m, 0).stores;

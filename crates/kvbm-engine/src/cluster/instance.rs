@@ -45,7 +45,7 @@ use kvbm_logical::{
     BlockEvent, BlockManager, EventSink, G1, G2, G3, G4, ImmutableBlock, SequenceHash, TierId,
 };
 use kvbm_offload::{
-    BlockMover, BoundTier, ObjectPipeline, ObjectPipelineBuilder, ObjectTransferExecutor,
+    BlockMover, BoundTier, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
     S3PresenceChecker,
 };
 use kvbm_physical::{BlockLayout, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager};
@@ -337,7 +337,7 @@ impl InstanceBuilder {
                         .config(config.offload.g2_to_g4.clone())
                         .owner(id.to_string())
                         .spawn(
-                            ObjectTransferExecutor::<G2>::new(tm.clone(), g2_h, obj_h)
+                            ObjectMoveExecutor::<G2>::new(tm.clone(), g2_h, obj_h)
                                 .with_g4_manager(g4.clone()),
                         )?
                 };

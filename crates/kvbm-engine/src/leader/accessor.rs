@@ -1,5 +1,5 @@
 //! [`BlockAccessor`]: the leader's read view of where blocks live, by
-//! [`LogicalLayoutHandle`], without holding anything.
+//! [`TierId`], without holding anything.
 //!
 //! # Why
 //!
@@ -31,13 +31,12 @@ use kvbm_logical::{BlockId, SequenceHash, TierId};
 use super::InstanceLeader;
 use super::holder::MatchedPrefix;
 use crate::address::InstanceId;
-use crate::layout::LogicalLayoutHandle;
 
 /// Where a run of a prefix comes from.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum RunSource {
     /// One of this instance's layouts (G2, G3 or G4).
-    Local(LogicalLayoutHandle),
+    Local(TierId),
     /// Another instance's G2, pulled over the data plane.
     Remote(InstanceId),
 }
@@ -46,7 +45,7 @@ impl RunSource {
     /// The tier the run is read from (a remote run is another instance's G2).
     pub fn tier(self) -> TierId {
         match self {
-            RunSource::Local(h) => h.tier(),
+            RunSource::Local(h) => h,
             RunSource::Remote(_) => TierId::G2,
         }
     }
@@ -88,19 +87,19 @@ impl<'a> BlockAccessor<'a> {
 
     /// Whether `hash` is registered in `layout`'s tier (G1 is the inference engine's and is
     /// never reported present here).
-    pub fn is_present(&self, hash: SequenceHash, layout: LogicalLayoutHandle) -> bool {
-        layout != LogicalLayoutHandle::G1
-            && self.leader.has_tier(layout.tier())
-            && self.leader.registry().is_present(hash, layout.tier())
+    pub fn is_present(&self, hash: SequenceHash, layout: TierId) -> bool {
+        layout != TierId::G1
+            && self.leader.has_tier(layout)
+            && self.leader.registry().is_present(hash, layout)
     }
 
     /// The first tier, in search order, where `hash` is present.
-    pub fn locate(&self, hash: SequenceHash) -> Option<LogicalLayoutHandle> {
+    pub fn locate(&self, hash: SequenceHash) -> Option<TierId> {
         self.leader
             .search_order()
             .iter()
-            .map(|t| LogicalLayoutHandle::from(*t))
-            .find(|h| self.is_present(hash, *h))
+            .copied()
+            .find(|t| self.is_present(hash, *t))
     }
 
     /// The runs a search of `hashes` would find in the local tiers now, without holding them
@@ -115,7 +114,7 @@ impl<'a> BlockAccessor<'a> {
                 if at == hashes.len() {
                     break;
                 }
-                let layout = LogicalLayoutHandle::from(tier);
+                let layout = tier;
                 let n = hashes[at..]
                     .iter()
                     .take_while(|h| self.is_present(**h, layout))
@@ -142,7 +141,7 @@ impl<'a> BlockAccessor<'a> {
     pub fn block_ids(
         &self,
         matched: &MatchedPrefix,
-        layout: LogicalLayoutHandle,
+        layout: TierId,
     ) -> Vec<(BlockId, SequenceHash)> {
         fn ids<T: kvbm_logical::Tier>(h: &super::BlockHolder<T>) -> Vec<(BlockId, SequenceHash)> {
             h.blocks()
@@ -151,10 +150,10 @@ impl<'a> BlockAccessor<'a> {
                 .collect()
         }
         match layout {
-            LogicalLayoutHandle::G1 => Vec::new(),
-            LogicalLayoutHandle::G2 => ids(matched.g2()),
-            LogicalLayoutHandle::G3 => ids(matched.g3()),
-            LogicalLayoutHandle::G4 => ids(matched.g4()),
+            TierId::G1 => Vec::new(),
+            TierId::G2 => ids(matched.g2()),
+            TierId::G3 => ids(matched.g3()),
+            TierId::G4 => ids(matched.g4()),
         }
     }
 }

@@ -208,7 +208,7 @@ impl MatchedPrefix {
             .runs
             .iter()
             .map(|r| super::ScanRun {
-                source: super::RunSource::Local(r.tier.into()),
+                source: super::RunSource::Local(r.tier),
                 start: r.start,
                 len: r.len,
             })

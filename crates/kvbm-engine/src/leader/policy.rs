@@ -81,7 +81,7 @@ impl RunKind {
     fn matches(self, source: RunSource) -> bool {
         match (self, source) {
             (RunKind::Remote, RunSource::Remote(_)) => true,
-            (RunKind::Tier(t), RunSource::Local(h)) => h.tier() == t,
+            (RunKind::Tier(t), RunSource::Local(h)) => h == t,
             _ => false,
         }
     }
@@ -137,7 +137,7 @@ impl CostModel {
     fn cost(&self, source: RunSource) -> SourceCost {
         match source {
             RunSource::Remote(_) => self.remote,
-            RunSource::Local(h) => match h.tier() {
+            RunSource::Local(h) => match h {
                 TierId::G1 | TierId::G2 => self.g2,
                 TierId::G3 => self.g3,
                 TierId::G4 => self.g4,

@@ -180,9 +180,7 @@ fn store(m: &mut EngineTieringManager, keys: &[OffloadKey], ctx: &ReqContext) ->
 }
 
 fn in_g2(m: &EngineTieringManager, key: &OffloadKey) -> bool {
-    m.leader()
-        .accessor()
-        .is_present(m.hash_of(key), LogicalLayoutHandle::G2)
+    m.leader().accessor().is_present(m.hash_of(key), TierId::G2)
 }
 
 #[test]

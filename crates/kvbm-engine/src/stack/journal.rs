@@ -23,7 +23,7 @@ use super::context::{Context, bail};
 use crate::error::Result;
 use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
 use kvbm_offload::{
-    BatchOutcome, BlockFailure, BlockFailureKind, BlockTransferExecutor, ResolvedBatch,
+    BatchOutcome, BlockFailure, BlockFailureKind, BlockMoveExecutor, ResolvedBatch,
 };
 use kvbm_physical::{
     Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, PhysicalLayout,
@@ -206,7 +206,7 @@ impl G3Index {
 /// slot is written: a listed slot is never overwritten behind the journal's back. A journal
 /// that cannot list the written blocks leaves them in G3 for this run only (logged).
 pub(super) async fn write_recorded(
-    inner: &BlockTransferExecutor<G2, G3>,
+    inner: &BlockMoveExecutor<G2, G3>,
     index: &G3Index,
     batch: &ResolvedBatch<G2>,
     sums: &[(u128, u128)],

@@ -1,6 +1,6 @@
 //! The offload lanes' pieces the stack adds to `kvbm-offload`'s: the G2→G3 executor that
 //! records each block's checksum in the journal, and the hand-off from one lane's completion
-//! sink to the next lane. (G1→G2 is `kvbm-offload`'s `BlockTransferExecutor` over an inline
+//! sink to the next lane. (G1→G2 is `kvbm-offload`'s `BlockMoveExecutor` over an inline
 //! `BlockMover`, waiting for G2 room as `offload.g1_to_g2.room_patience_ms` says.)
 
 use std::sync::Arc;
@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use kvbm_logical::{BlockRegistry, G2, G3, ImmutableBlock};
 use kvbm_offload::{
-    AllOfPolicy, BatchOutcome, BlockTransferExecutor, EnqueueError, OffloadPolicy, Pipeline,
-    PipelineConfig, PresenceFilter, ResolvedBatch, TransferExecutor, TransferHandle,
+    AllOfPolicy, BatchOutcome, BlockMoveExecutor, EnqueueError, MoveExecutor, OffloadHandle,
+    OffloadPolicy, Pipeline, PipelineConfig, PresenceFilter, ResolvedBatch,
     create_policy_from_config,
 };
 use kvbm_physical::PhysicalLayout;
@@ -38,7 +38,7 @@ pub(super) fn lane_policy(
 /// G2→G3 executor: records each block's payload checksum (for the journal) before the
 /// `kvbm-offload` executor writes it, and counts bytes.
 pub(super) struct RecordingG3Executor {
-    pub(super) inner: BlockTransferExecutor<G2, G3>,
+    pub(super) inner: BlockMoveExecutor<G2, G3>,
     pub(super) g2_layout: Arc<PhysicalLayout>,
     pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
     pub(super) counters: Arc<Counters>,
@@ -46,7 +46,7 @@ pub(super) struct RecordingG3Executor {
     pub(super) index: Arc<G3Index>,
 }
 
-impl TransferExecutor<G2> for RecordingG3Executor {
+impl MoveExecutor<G2> for RecordingG3Executor {
     type Output = ImmutableBlock<G3>;
 
     async fn execute(&self, batch: &ResolvedBatch<G2>) -> BatchOutcome<ImmutableBlock<G3>> {
@@ -87,7 +87,7 @@ pub(super) fn enqueue_from_sink<P: Send + Sync + 'static>(
     p: &Arc<P>,
     pipeline: fn(&P) -> &Pipeline<G2>,
     blocks: Vec<ImmutableBlock<G2>>,
-    handles: &Arc<Mutex<Vec<TransferHandle>>>,
+    handles: &Arc<Mutex<Vec<OffloadHandle>>>,
     handoffs: &Handoffs,
     counters: &Arc<Counters>,
     lane: &'static str,

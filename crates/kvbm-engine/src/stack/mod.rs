@@ -53,9 +53,9 @@ use std::time::{Duration, Instant};
 
 use kvbm_logical::{BlockRegistry, G1, G2, G3, G4, ImmutableBlock, SequenceHash};
 use kvbm_offload::{
-    BlockFailureKind, BlockTransferExecutor, ObjectPipeline, ObjectPipelineBuilder,
-    ObjectTransferExecutor, Pipeline, PipelineBuilder, PresenceFilter, TransferHandle,
-    TransferResult, create_policy_from_config,
+    BlockFailureKind, BlockMoveExecutor, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
+    OffloadHandle, OffloadResult, Pipeline, PipelineBuilder, PresenceFilter,
+    create_policy_from_config,
 };
 use kvbm_physical::{
     Backing, LayoutHandle, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager,
@@ -114,10 +114,10 @@ pub struct TierStack {
     g1_to_g2: Option<Pipeline<G1>>,
     g2_to_g3: Option<Arc<Pipeline<G2>>>,
     g2_to_g4: Option<Arc<ObjectPipeline>>,
-    handles: Arc<Mutex<Vec<TransferHandle>>>,
+    handles: Arc<Mutex<Vec<OffloadHandle>>>,
     /// G1→G2 handles, oldest first: the only offloads whose end frees G1 slots, so waiting for
     /// G1 room waits for these alone ([`TierStack::allocate_g1`]).
-    g1_handles: std::collections::VecDeque<TransferHandle>,
+    g1_handles: std::collections::VecDeque<OffloadHandle>,
     /// Hand-offs from a completion sink to a full lane, still waiting for room
     /// ([`enqueue_from_sink`]); drained before the lower lanes are waited for.
     handoffs: Handoffs,
@@ -425,14 +425,14 @@ impl TierStack {
             });
         }
 
-        let handles: Arc<Mutex<Vec<TransferHandle>>> = Arc::new(Mutex::new(Vec::new()));
+        let handles: Arc<Mutex<Vec<OffloadHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let g2_space_waits = Arc::new(AtomicU64::new(0));
         let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
         let (mut g1_to_g2, mut g2_to_g3, mut g2_to_g4) = (None, None, None);
         if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
             if let Some(g3t) = &g3 {
                 let exec = RecordingG3Executor {
-                    inner: BlockTransferExecutor::<G2, G3>::from_mover(
+                    inner: BlockMoveExecutor::<G2, G3>::from_mover(
                         kvbm_offload::BlockMover::from_layout(
                             g2t.handle,
                             &kvbm_offload::BoundTier::new(
@@ -459,7 +459,7 @@ impl TierStack {
                 ));
             }
             if let Some(g4t) = &g4 {
-                let exec = ObjectTransferExecutor::<G2>::new(tm.clone(), g2t.handle, g4t.handle)
+                let exec = ObjectMoveExecutor::<G2>::new(tm.clone(), g2t.handle, g4t.handle)
                     .with_g4_manager(g4t.manager.clone());
                 let c = counters.clone();
                 let own = shared.as_ref().map(|sh| sh.own().clone());
@@ -492,7 +492,7 @@ impl TierStack {
                 // G1 is host memory here: the copy is inline (a memcpy of one batch on the
                 // lane's task, no hop to the transfer manager's runtime); a batch that finds G2
                 // full of blocks the lower lanes still write waits for room as configured.
-                let exec = BlockTransferExecutor::from_mover(
+                let exec = BlockMoveExecutor::from_mover(
                     kvbm_offload::BlockMover::from_layout(g1.handle, g2b)?.inline()?,
                 )
                 .waiting_for_room(cfg.offload.g1_to_g2.room_patience, g2_space_waits.clone());
@@ -642,7 +642,7 @@ impl TierStack {
     /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks
     /// are offloads that never started (nothing moved); every other failure is a failed
     /// transfer.
-    fn tally(&mut self, r: &TransferResult) {
+    fn tally(&mut self, r: &OffloadResult) {
         let (mut evicted, mut no_space) = (0u64, 0u64);
         for (h, f) in &r.failed_blocks {
             match f.kind {
@@ -700,7 +700,7 @@ impl TierStack {
 
     /// Collects finished lane handles.
     pub fn reap(&mut self) {
-        let done: Vec<TransferResult> = {
+        let done: Vec<OffloadResult> = {
             let mut hs = self.handles.lock();
             let mut done = Vec::new();
             hs.retain(|h| match h.try_result() {
@@ -755,7 +755,7 @@ impl TierStack {
         // which adds handles (or hand-offs) while this waits, so loop until a round finds none.
         loop {
             let waiting: Vec<_> = std::mem::take(&mut *self.handoffs.lock());
-            let pending: Vec<TransferHandle> = std::mem::take(&mut *self.handles.lock());
+            let pending: Vec<OffloadHandle> = std::mem::take(&mut *self.handles.lock());
             if waiting.is_empty() && pending.is_empty() {
                 break;
             }

@@ -38,7 +38,7 @@ use super::context::{Context, stack_error};
 use crate::error::Result;
 use crate::manager::StoreSink;
 use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
-use kvbm_offload::{MoveSource, ObjectPipeline, OffloadError, Pipeline, TransferHandle};
+use kvbm_offload::{MoveSource, ObjectPipeline, OffloadError, OffloadHandle, Pipeline};
 use kvbm_physical::TransferOptions;
 use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
@@ -404,7 +404,7 @@ pub(super) struct WriteThrough {
     buffer: Arc<Mutex<Buffered>>,
     g2_to_g3: Option<Arc<Pipeline<G2>>>,
     g2_to_g4: Option<Arc<ObjectPipeline>>,
-    handles: Arc<Mutex<Vec<TransferHandle>>>,
+    handles: Arc<Mutex<Vec<OffloadHandle>>>,
     counters: Arc<Counters>,
     /// Blocks per enqueue.
     batch: usize,
@@ -415,7 +415,7 @@ impl WriteThrough {
     pub(super) fn new(
         g2_to_g3: Option<Arc<Pipeline<G2>>>,
         g2_to_g4: Option<Arc<ObjectPipeline>>,
-        handles: Arc<Mutex<Vec<TransferHandle>>>,
+        handles: Arc<Mutex<Vec<OffloadHandle>>>,
         counters: Arc<Counters>,
         batch: usize,
     ) -> Self {
@@ -457,7 +457,7 @@ impl WriteThrough {
             std::mem::take(&mut b.0)
         };
         let n = blocks.len() as u64;
-        let push = |lane: &str, r: Result<TransferHandle, OffloadError>| match r {
+        let push = |lane: &str, r: Result<OffloadHandle, OffloadError>| match r {
             Ok(h) => {
                 self.counters
                     .offload_enqueued

@@ -12,7 +12,7 @@
 //!   runs an [`AddressedRequest`] only when its address is this rank in this world, and
 //!   otherwise refuses it with [`EngineError::WrongRank`], moving nothing.
 //! * **Layouts resolve per rank.** [`resolve_for`](CoordinatedWorker::resolve_for) maps a
-//!   [`LogicalLayoutHandle`] to this rank's physical layout, refusing a handle addressed to
+//!   [`TierId`] to this rank's physical layout, refusing a handle addressed to
 //!   another rank ([`EngineError::WrongRank`]) or a tier the rank lacks
 //!   ([`EngineError::TierMissing`]).
 //! * **G4 keys carry the rank.** With more than one rank, every object key must live under
@@ -37,8 +37,8 @@ use kvbm_physical::{Backing, LayoutHandle, ObjectConfig};
 use super::{PhysicalWorker, TransferRequest};
 use crate::address::RankAddress;
 use crate::error::{EngineError, Result};
-use crate::layout::LogicalLayoutHandle;
 use crate::mover::BlockOutcome;
+use kvbm_logical::TierId;
 
 /// A [`TransferRequest`] for one rank.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -158,15 +158,11 @@ impl CoordinatedWorker {
     /// # Errors
     /// [`EngineError::WrongRank`] when `to` is not this rank in this world;
     /// [`EngineError::TierMissing`] when this rank has no layout for the handle's tier.
-    pub fn resolve_for(
-        &self,
-        to: RankAddress,
-        handle: LogicalLayoutHandle,
-    ) -> Result<LayoutHandle> {
+    pub fn resolve_for(&self, to: RankAddress, handle: TierId) -> Result<LayoutHandle> {
         self.check(to)?;
         self.worker
             .resolve(handle)
-            .ok_or(EngineError::TierMissing(handle.tier()))
+            .ok_or(EngineError::TierMissing(handle))
     }
 
     /// Runs `request` on this rank (see [`PhysicalWorker::execute`]).

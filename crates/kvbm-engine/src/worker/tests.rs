@@ -149,7 +149,7 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     let w0 = bound_worker(0, &g1, &g2);
     assert!(w0.bound::<G1>().is_some() && w0.bound::<kvbm_logical::G3>().is_none());
     assert_eq!(
-        w0.resolve(crate::LogicalLayoutHandle::G2),
+        w0.resolve(kvbm_logical::TierId::G2),
         Some(w0.bound::<G2>().unwrap().layout())
     );
     let spmd = Arc::new(SpmdParallelWorkers::new(vec![w0, bound_worker(1, &g1, &g2)]).unwrap());

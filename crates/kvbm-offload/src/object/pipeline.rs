@@ -13,8 +13,8 @@ use super::lock::ObjectLockPresenceFilter;
 use super::presence::{ObjectPresenceFilter, S3PresenceChecker};
 use crate::config::ObjectPipelineConfig;
 use crate::error::OffloadError;
-use crate::executor::TransferExecutor;
-use crate::handle::TransferHandle;
+use crate::executor::MoveExecutor;
+use crate::handle::OffloadHandle;
 use crate::pipeline::{CompletionSink, Pipeline, PipelineBuilder};
 use crate::policy::{AllOfPolicy, OffloadPolicy};
 use crate::settlement::PipelineLane;
@@ -73,10 +73,7 @@ impl ObjectPipelineBuilder {
     /// # Errors
     /// [`OffloadError::NoRuntime`] outside a tokio runtime (use [`spawn_on`](Self::spawn_on));
     /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
-    pub fn spawn<E: TransferExecutor<G2>>(
-        self,
-        executor: E,
-    ) -> Result<ObjectPipeline, OffloadError> {
+    pub fn spawn<E: MoveExecutor<G2>>(self, executor: E) -> Result<ObjectPipeline, OffloadError> {
         self.spawn_with_sink(executor, None)
     }
 
@@ -84,7 +81,7 @@ impl ObjectPipelineBuilder {
     ///
     /// # Errors
     /// As [`spawn`](Self::spawn).
-    pub fn spawn_with_sink<E: TransferExecutor<G2>>(
+    pub fn spawn_with_sink<E: MoveExecutor<G2>>(
         self,
         executor: E,
         sink: Option<CompletionSink<E::Output>>,
@@ -100,7 +97,7 @@ impl ObjectPipelineBuilder {
     ///
     /// # Errors
     /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
-    pub fn spawn_on<E: TransferExecutor<G2>>(
+    pub fn spawn_on<E: MoveExecutor<G2>>(
         self,
         runtime: &tokio::runtime::Handle,
         executor: E,
@@ -112,7 +109,7 @@ impl ObjectPipelineBuilder {
     ///
     /// # Errors
     /// As [`spawn_on`](Self::spawn_on).
-    pub fn spawn_on_with_sink<E: TransferExecutor<G2>>(
+    pub fn spawn_on_with_sink<E: MoveExecutor<G2>>(
         self,
         runtime: &tokio::runtime::Handle,
         executor: E,
@@ -178,7 +175,7 @@ impl ObjectPipeline {
         &self,
         blocks: impl Into<SourceBlocks<G2>>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
+    ) -> Result<OffloadHandle, OffloadError> {
         self.pipeline.enqueue(blocks, precondition).await
     }
 

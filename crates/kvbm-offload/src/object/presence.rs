@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use kvbm_logical::{BlockDigest, SequenceHash};
-use kvbm_physical::{ObjectStorage, Presence};
+use kvbm_physical::{ObjectPresence, ObjectStorage};
 
 use super::CHECK_CONCURRENCY;
 use super::keys::{identity_of, object_key};
@@ -40,9 +40,9 @@ pub(crate) async fn block_present(
 ) -> Result<bool, PolicyError> {
     let key = object_key(h);
     match storage.probe(&key, &identity_of(h, digest)).await? {
-        Presence::Present => Ok(true),
-        Presence::Absent => Ok(false),
-        Presence::Foreign(why) => {
+        ObjectPresence::Present => Ok(true),
+        ObjectPresence::Absent => Ok(false),
+        ObjectPresence::Foreign(why) => {
             tracing::warn!(key = %storage.path(&key), error = %why, "foreign object counts as absent; it will be rewritten");
             Ok(false)
         }

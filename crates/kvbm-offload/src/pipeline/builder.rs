@@ -17,7 +17,7 @@ use tokio::runtime::Handle;
 use super::{CompletionSink, Pipeline};
 use crate::config::PipelineConfig;
 use crate::error::OffloadError;
-use crate::executor::TransferExecutor;
+use crate::executor::MoveExecutor;
 use crate::policy::OffloadPolicy;
 use crate::settlement::PipelineLane;
 
@@ -183,7 +183,7 @@ impl<Src: Tier, Dst: Tier, A: Send + 'static> PipelineSpec<Src, Dst, A> {
     /// # Errors
     /// [`OffloadError::NoRuntime`] outside a tokio runtime (use [`spawn_on`](Self::spawn_on));
     /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
-    pub fn spawn<E: TransferExecutor<Src, A>>(
+    pub fn spawn<E: MoveExecutor<Src, A>>(
         self,
         executor: E,
     ) -> Result<Pipeline<Src, A>, OffloadError> {
@@ -194,7 +194,7 @@ impl<Src: Tier, Dst: Tier, A: Send + 'static> PipelineSpec<Src, Dst, A> {
     ///
     /// # Errors
     /// As [`spawn`](Self::spawn).
-    pub fn spawn_with_sink<E: TransferExecutor<Src, A>>(
+    pub fn spawn_with_sink<E: MoveExecutor<Src, A>>(
         self,
         executor: E,
         sink: Option<CompletionSink<E::Output>>,
@@ -208,7 +208,7 @@ impl<Src: Tier, Dst: Tier, A: Send + 'static> PipelineSpec<Src, Dst, A> {
     ///
     /// # Errors
     /// [`OffloadError::InvalidConfig`] when the configuration does not validate.
-    pub fn spawn_on<E: TransferExecutor<Src, A>>(
+    pub fn spawn_on<E: MoveExecutor<Src, A>>(
         self,
         runtime: &Handle,
         executor: E,
@@ -221,7 +221,7 @@ impl<Src: Tier, Dst: Tier, A: Send + 'static> PipelineSpec<Src, Dst, A> {
     /// # Errors
     /// [`OffloadError::InvalidConfig`] when the configuration does not validate;
     /// [`OffloadError::LaneMismatch`] when [`PipelineBuilder::lane`] named another pair.
-    pub fn spawn_on_with_sink<E: TransferExecutor<Src, A>>(
+    pub fn spawn_on_with_sink<E: MoveExecutor<Src, A>>(
         self,
         runtime: &Handle,
         executor: E,

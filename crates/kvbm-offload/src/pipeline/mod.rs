@@ -57,7 +57,7 @@ use tokio::task::JoinSet;
 use crate::batch::{OffloadBatch, OffloadContainer};
 use crate::cancel::CancellationToken;
 use crate::error::OffloadError;
-use crate::handle::{TransferHandle, TransferShared};
+use crate::handle::{OffloadHandle, OffloadShared};
 use crate::metrics::{FilterReason, PipelineMetrics};
 use crate::pending::PendingTracker;
 use crate::queue::{CancellableQueue, Refused, SweepTarget};
@@ -205,7 +205,7 @@ impl<Src: Tier, A: Send + 'static> Inner<Src, A> {
 ///
 /// Dropping it closes its input: what is queued is still drained in the background.
 ///
-/// `A` is the per-block destination attachment (see [`TransferExecutor`](crate::TransferExecutor)):
+/// `A` is the per-block destination attachment (see [`MoveExecutor`](crate::MoveExecutor)):
 /// `()` for lanes whose executor allocates destinations ([`enqueue`](Self::enqueue)), a
 /// caller-allocated `MutableBlock<Dst>` for lanes whose caller chose them
 /// ([`enqueue_into`](Self::enqueue_into)).
@@ -239,7 +239,7 @@ impl<Src: Tier> Pipeline<Src, ()> {
         &self,
         blocks: impl Into<SourceBlocks<Src>>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
+    ) -> Result<OffloadHandle, OffloadError> {
         let blocks = blocks.into();
         let n = blocks.len();
         self.enqueue_into(blocks, vec![(); n], precondition).await
@@ -255,7 +255,7 @@ impl<Src: Tier> Pipeline<Src, ()> {
         &self,
         blocks: impl Into<SourceBlocks<Src>>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, EnqueueError<Src>> {
+    ) -> Result<OffloadHandle, EnqueueError<Src>> {
         let blocks = blocks.into();
         let n = blocks.len();
         self.try_enqueue_into(blocks, vec![(); n], precondition)
@@ -271,7 +271,7 @@ impl<Src: Tier> Pipeline<Src, ()> {
         &self,
         blocks: impl Into<SourceBlocks<Src>>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
+    ) -> Result<OffloadHandle, OffloadError> {
         futures::executor::block_on(self.enqueue(blocks, precondition))
     }
 }
@@ -290,7 +290,7 @@ impl<Src: Tier, A: Send + 'static> Pipeline<Src, A> {
         blocks: impl Into<SourceBlocks<Src>>,
         destinations: Vec<A>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, OffloadError> {
+    ) -> Result<OffloadHandle, OffloadError> {
         let blocks = blocks.into();
         if blocks.len() != destinations.len() {
             return Err(OffloadError::Mismatched {
@@ -321,7 +321,7 @@ impl<Src: Tier, A: Send + 'static> Pipeline<Src, A> {
         blocks: impl Into<SourceBlocks<Src>>,
         destinations: Vec<A>,
         precondition: Option<Precondition>,
-    ) -> Result<TransferHandle, EnqueueError<Src, A>> {
+    ) -> Result<OffloadHandle, EnqueueError<Src, A>> {
         let blocks = blocks.into();
         if blocks.len() != destinations.len() {
             return Err(EnqueueError::Mismatched(Rejected {
@@ -369,10 +369,10 @@ impl<Src: Tier, A: Send + 'static> Pipeline<Src, A> {
         blocks: SourceBlocks<Src>,
         destinations: Vec<A>,
         precondition: Option<Precondition>,
-    ) -> (TransferHandle, Option<OffloadContainer<Src, A>>) {
+    ) -> (OffloadHandle, Option<OffloadContainer<Src, A>>) {
         let inner = &self.inner;
         let blocks = blocks.into_vec();
-        let shared = Arc::new(TransferShared::new(
+        let shared = Arc::new(OffloadShared::new(
             inner.sweep_on_cancel.then(|| inner.sweep.clone()),
             Some(inner.lane.clone()),
             inner.record_timing,
@@ -383,7 +383,7 @@ impl<Src: Tier, A: Send + 'static> Pipeline<Src, A> {
             .total
             .store(blocks.len(), std::sync::atomic::Ordering::Release);
         let token = CancellationToken { shared };
-        let handle = TransferHandle::new(token.clone());
+        let handle = OffloadHandle::new(token.clone());
 
         let mut guards = inner
             .pending

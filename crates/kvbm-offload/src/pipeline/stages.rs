@@ -31,7 +31,7 @@ use super::{CompletionSink, Inner, Pipeline};
 use crate::batch::{OffloadBatch, OffloadContainer, upgrade_batch};
 use crate::config::PipelineConfig;
 use crate::error::{BlockFailure, BlockFailureKind, PolicyError};
-use crate::executor::TransferExecutor;
+use crate::executor::MoveExecutor;
 use crate::metrics::{FilterReason, PipelineMetrics};
 use crate::pending::PendingTracker;
 use crate::policy::{EvalContext, OffloadPolicy, PassAllPolicy};
@@ -40,7 +40,7 @@ use crate::settlement::{LaneState, PipelineFailureKind, PipelineLane, PipelineSt
 use crate::sweep::{CancelSweeper, SweepSignal};
 
 /// Builds the queues and spawns every stage on `runtime`.
-pub(crate) fn start<Src: Tier, A: Send + 'static, E: TransferExecutor<Src, A>>(
+pub(crate) fn start<Src: Tier, A: Send + 'static, E: MoveExecutor<Src, A>>(
     runtime: &Handle,
     cfg: PipelineConfig,
     policy: Option<Arc<dyn OffloadPolicy>>,
@@ -524,7 +524,7 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
     }
 }
 
-async fn transfer_stage<Src: Tier, A: Send + 'static, E: TransferExecutor<Src, A>>(
+async fn transfer_stage<Src: Tier, A: Send + 'static, E: MoveExecutor<Src, A>>(
     inner: Arc<Inner<Src, A>>,
     executor: E,
     sink: Option<CompletionSink<E::Output>>,

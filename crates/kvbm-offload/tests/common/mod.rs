@@ -15,8 +15,8 @@ use kvbm_offload::policy::{
     EvalContext, PolicyBatchFuture, PolicyFuture, async_batch_result, async_result,
 };
 use kvbm_offload::{
-    BatchOutcome, BlockFailure, BlockFailureKind, ExternalBlock, OffloadPolicy, Pipeline,
-    PipelineBuilder, ResolvedBatch, TransferExecutor, TransferResult,
+    BatchOutcome, BlockFailure, BlockFailureKind, ExternalBlock, MoveExecutor, OffloadPolicy,
+    OffloadResult, Pipeline, PipelineBuilder, ResolvedBatch,
 };
 use kvbm_physical::{
     BlockLayout, DiskConfig, LayoutHandle, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
@@ -53,7 +53,7 @@ pub(crate) fn manager<T: Tier>(n: usize, registry: Option<&BlockRegistry>) -> Bl
 }
 
 /// Spawns a G1→G2 pipeline configured by `f` over `exec`.
-pub(crate) fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
+pub(crate) fn spawn_g1_to_g2<E: MoveExecutor<G1>>(
     exec: E,
     f: impl FnOnce(PipelineBuilder<G1, G2>) -> PipelineBuilder<G1, G2>,
 ) -> Pipeline<G1> {
@@ -64,7 +64,7 @@ pub(crate) fn spawn_g1_to_g2<E: TransferExecutor<G1>>(
 }
 
 /// Spawns a G3→G2 onboarding pipeline (caller-allocated destinations) configured by `f`.
-pub(crate) fn spawn_g3_to_g2<E: TransferExecutor<G3, MutableBlock<G2>>>(
+pub(crate) fn spawn_g3_to_g2<E: MoveExecutor<G3, MutableBlock<G2>>>(
     exec: E,
     f: impl FnOnce(
         PipelineBuilder<G3, G2, MutableBlock<G2>>,
@@ -78,7 +78,7 @@ pub(crate) fn spawn_g3_to_g2<E: TransferExecutor<G3, MutableBlock<G2>>>(
 
 /// Asserts that `r` failed and that every failed block failed with `kind`.
 #[track_caller]
-pub(crate) fn assert_all_failed(r: &TransferResult, kind: BlockFailureKind) {
+pub(crate) fn assert_all_failed(r: &OffloadResult, kind: BlockFailureKind) {
     assert!(!r.failed_blocks.is_empty(), "nothing failed: {r:?}");
     assert!(
         r.failed_blocks.iter().all(|(_, f)| f.kind == kind),
@@ -208,7 +208,7 @@ impl TestExecutor {
     }
 }
 
-impl<T: Tier> TransferExecutor<T> for TestExecutor {
+impl<T: Tier> MoveExecutor<T> for TestExecutor {
     type Output = SequenceHash;
 
     fn execute(
@@ -221,7 +221,7 @@ impl<T: Tier> TransferExecutor<T> for TestExecutor {
 
 /// The same executor for a lane with caller-allocated destinations: it holds the batch's
 /// destinations while it runs (as a real move would) and drops them after.
-impl<T: Tier, D: Tier> TransferExecutor<T, MutableBlock<D>> for TestExecutor {
+impl<T: Tier, D: Tier> MoveExecutor<T, MutableBlock<D>> for TestExecutor {
     type Output = SequenceHash;
 
     fn execute(

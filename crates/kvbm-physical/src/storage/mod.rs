@@ -32,7 +32,7 @@ pub use manifest::{
 };
 #[cfg(feature = "object")]
 pub use object::{
-    ObjectConfig, ObjectStorage, Presence, REDACTED, S3Config, SmallObject, UpdateOutcome,
+    ObjectConfig, ObjectPresence, ObjectStorage, REDACTED, S3Config, SmallObject, UpdateOutcome,
 };
 pub use object_key::{ObjectKey, ObjectPutMode, parse_hash_key};
 

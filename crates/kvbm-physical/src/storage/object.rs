@@ -175,10 +175,10 @@ impl Default for ObjectConfig {
 
 /// What a presence probe found at a block's key.
 ///
-/// Equality compares the variant and, for [`Presence::Foreign`], the error's message.
+/// Equality compares the variant and, for [`ObjectPresence::Foreign`], the error's message.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
-pub enum Presence {
+pub enum ObjectPresence {
     /// Nothing there.
     Absent,
     /// An object whose header binds this key, namespace, rank, identity (and geometry, when
@@ -189,16 +189,19 @@ pub enum Presence {
     Foreign(PhysicalError),
 }
 
-impl PartialEq for Presence {
+impl PartialEq for ObjectPresence {
     fn eq(&self, other: &Self) -> bool {
         match (self, other) {
-            (Presence::Absent, Presence::Absent) | (Presence::Present, Presence::Present) => true,
-            (Presence::Foreign(a), Presence::Foreign(b)) => a.to_string() == b.to_string(),
+            (ObjectPresence::Absent, ObjectPresence::Absent)
+            | (ObjectPresence::Present, ObjectPresence::Present) => true,
+            (ObjectPresence::Foreign(a), ObjectPresence::Foreign(b)) => {
+                a.to_string() == b.to_string()
+            }
             _ => false,
         }
     }
 }
-impl Eq for Presence {}
+impl Eq for ObjectPresence {}
 
 /// A small object read whole by [`ObjectStorage::get_small`].
 #[derive(Debug, Clone)]
@@ -620,8 +623,8 @@ impl ObjectStorage {
     /// Whether the block `identity` is stored at `key`: reads only the object's header (one
     /// ranged GET, like a HEAD) and checks its binding (key, namespace, rank), identity and,
     /// when the storage knows its geometry, the geometry. A foreign or corrupt header is
-    /// [`Presence::Foreign`], which callers count as absent so the block is rewritten.
-    pub async fn probe(&self, key: &ObjectKey, identity: &BlockIdentity) -> Result<Presence> {
+    /// [`ObjectPresence::Foreign`], which callers count as absent so the block is rewritten.
+    pub async fn probe(&self, key: &ObjectKey, identity: &BlockIdentity) -> Result<ObjectPresence> {
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let head = {
@@ -632,13 +635,13 @@ impl ObjectStorage {
             };
             let got = match self.store.get_opts(&path, opts).await {
                 Ok(g) => g,
-                Err(object_store::Error::NotFound { .. }) => return Ok(Presence::Absent),
+                Err(object_store::Error::NotFound { .. }) => return Ok(ObjectPresence::Absent),
                 Err(e) => return Err(PhysicalError::object("get header", path.as_ref(), e)),
             };
             if let Some(g) = self.geometry.get() {
                 let want = (g.block_bytes() + HEADER_LEN) as u64;
                 if got.meta.size != want {
-                    return Ok(Presence::Foreign(PhysicalError::CorruptHeader {
+                    return Ok(ObjectPresence::Foreign(PhysicalError::CorruptHeader {
                         location: loc(),
                         reason: format!("object has {} bytes, a block {want}", got.meta.size),
                     }));
@@ -650,7 +653,7 @@ impl ObjectStorage {
         };
         let h = match BlockHeader::decode(&head, &loc) {
             Ok(h) => h,
-            Err(e) => return Ok(Presence::Foreign(e)),
+            Err(e) => return Ok(ObjectPresence::Foreign(e)),
         };
         let geometry = self.geometry.get().map(geometry_digest);
         let check = || -> Result<()> {
@@ -673,8 +676,8 @@ impl ObjectStorage {
             )
         };
         Ok(match check() {
-            Ok(()) => Presence::Present,
-            Err(e) => Presence::Foreign(e),
+            Ok(()) => ObjectPresence::Present,
+            Err(e) => ObjectPresence::Foreign(e),
         })
     }
 

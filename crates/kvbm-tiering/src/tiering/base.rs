@@ -24,7 +24,7 @@ pub type JobId = u64;
 
 /// One primary ↔ secondary transfer.
 #[derive(Clone, Debug)]
-pub struct TransferJob {
+pub struct TierJob {
     /// Id.
     pub job_id: JobId,
     /// Keys moved.
@@ -79,7 +79,7 @@ pub trait ParentManager {
         &mut self,
         keys: &[OffloadKey],
         req_context: &ReqContext,
-    ) -> Result<Arc<TransferJob>>;
+    ) -> Result<Arc<TierJob>>;
     /// The remote request finished.
     fn on_request_finished(&mut self, req_context: &ReqContext) -> Result<()>;
 }
@@ -113,9 +113,9 @@ pub trait SecondaryTierManager: Send {
     /// `Hit` present and ready, `Miss` absent, `Retry` not known yet.
     fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult;
     /// Starts copying pinned primary slots to the tier (non-blocking).
-    fn submit_store(&mut self, job: Arc<TransferJob>);
+    fn submit_store(&mut self, job: Arc<TierJob>);
     /// Starts filling reserved primary slots from the tier (non-blocking).
-    fn submit_load(&mut self, job: Arc<TransferJob>);
+    fn submit_load(&mut self, job: Arc<TierJob>);
     /// Appends every job finished since the last call.
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>);
     /// Blocks until every submitted job is finished and queued for `get_finished_jobs`.
@@ -172,8 +172,8 @@ impl SecondaryTierManager for Detached {
     fn lookup(&mut self, _: &OffloadKey, _: &ReqContext) -> LookupResult {
         LookupResult::Miss
     }
-    fn submit_store(&mut self, _: Arc<TransferJob>) {}
-    fn submit_load(&mut self, _: Arc<TransferJob>) {}
+    fn submit_store(&mut self, _: Arc<TierJob>) {}
+    fn submit_load(&mut self, _: Arc<TierJob>) {}
     fn get_finished_jobs(&mut self, _: &mut Vec<JobResult>) {}
     fn drain_jobs(&mut self) -> Result<()> {
         Ok(())

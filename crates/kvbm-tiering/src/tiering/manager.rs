@@ -44,12 +44,12 @@ use crate::key::OffloadKey;
 use crate::manager::OffloadingManager;
 use crate::stats::OffloadingConnectorStats;
 use crate::tiering::base::{
-    Detached, JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob,
+    Detached, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob,
 };
 use crate::tiering::metrics::Metrics;
 use crate::types::{
-    CacheHitSource, LoadStoreSpec, LookupResult, OffloadPolicy, OffloadingEvent,
-    PrepareStoreOutput, ReqContext, RequestOffloadingContext, ScheduleEndContext,
+    CacheHitSource, LoadStoreSpec, LookupResult, OffloadScope, OffloadingEvent, PrepareStoreOutput,
+    ReqContext, RequestOffloadingContext, ScheduleEndContext,
 };
 
 /// Switches for kvbm's fixes of upstream bugs. [`UpstreamFixes::upstream`] turns all off.
@@ -116,7 +116,7 @@ impl TieringConfig {
 }
 
 struct JobMeta {
-    job: Arc<TransferJob>,
+    job: Arc<TierJob>,
     tier: usize,
 }
 
@@ -295,7 +295,7 @@ impl TieringOffloadingManager {
         id
     }
 
-    fn register(&mut self, job: Arc<TransferJob>, tier: usize) {
+    fn register(&mut self, job: Arc<TierJob>, tier: usize) {
         self.metrics.on_job_registered(tier, &job);
         self.jobs.insert(job.job_id, JobMeta { job, tier });
     }
@@ -432,7 +432,7 @@ impl TieringOffloadingManager {
         }
     }
 
-    fn update_backpressure(&mut self, tier: usize, job: &TransferJob, r: &JobResult) {
+    fn update_backpressure(&mut self, tier: usize, job: &TierJob, r: &JobResult) {
         let bs = self.tiers[tier].block_size_bytes();
         let t = &mut self.tiers[tier];
         let ttype = t.tier_type().to_string();
@@ -579,7 +579,7 @@ impl TieringOffloadingManager {
         for (tier, entries) in pending {
             for e in entries {
                 let job_id = self.next_job_id();
-                let job = Arc::new(TransferJob {
+                let job = Arc::new(TierJob {
                     job_id,
                     keys: e.keys,
                     chunk_ids: e.chunk_ids,
@@ -631,14 +631,14 @@ impl TieringOffloadingManager {
         keys: &[OffloadKey],
         ctx: &ReqContext,
         tier: usize,
-    ) -> Result<Arc<TransferJob>> {
+    ) -> Result<Arc<TierJob>> {
         let spec = self.primary.prepare_read(keys, ctx)?;
         let chunk_ids = match spec {
             LoadStoreSpec::Cpu(c) => c.chunk_ids,
             _ => unreachable!("the primary tier returns CPU specs"),
         };
         let job_id = self.next_job_id();
-        let job = Arc::new(TransferJob {
+        let job = Arc::new(TierJob {
             job_id,
             keys: keys.to_vec(),
             chunk_ids,
@@ -717,14 +717,14 @@ impl TieringOffloadingManager {
             if Some(i) == exclude {
                 continue;
             }
-            if t.on_new_request(ctx).policy == OffloadPolicy::RequestLevel {
+            if t.on_new_request(ctx).policy == OffloadScope::RequestLevel {
                 rl.push(i);
             }
         }
         let policy = if rl.is_empty() {
-            OffloadPolicy::ChunkLevel
+            OffloadScope::ChunkLevel
         } else {
-            OffloadPolicy::RequestLevel
+            OffloadScope::RequestLevel
         };
         let seq = match self.req_state.get(ctx.req_id()) {
             Some(s) => s.seq,
@@ -804,11 +804,7 @@ impl ParentManager for TierParent<'_> {
     fn lookup(&mut self, key: &OffloadKey, ctx: &ReqContext) -> LookupResult {
         self.m.lookup_excluding(key, ctx, Some(self.origin))
     }
-    fn create_store_job(
-        &mut self,
-        keys: &[OffloadKey],
-        ctx: &ReqContext,
-    ) -> Result<Arc<TransferJob>> {
+    fn create_store_job(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<Arc<TierJob>> {
         self.m.create_store_job(keys, ctx, self.origin)
     }
     fn on_request_finished(&mut self, ctx: &ReqContext) -> Result<()> {
@@ -914,7 +910,7 @@ impl OffloadingManager for TieringOffloadingManager {
                 }
                 let chunk_ids = self.primary.prepare_read_ready(keys);
                 let job_id = self.next_job_id();
-                let job = Arc::new(TransferJob {
+                let job = Arc::new(TierJob {
                     job_id,
                     keys: keys.to_vec(),
                     chunk_ids,

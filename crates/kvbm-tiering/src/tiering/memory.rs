@@ -12,9 +12,9 @@ use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::stats::OffloadingConnectorStats;
 use crate::tiering::backpressure::BackpressureDetector;
-use crate::tiering::base::{JobResult, SecondaryTierManager, TransferJob};
+use crate::tiering::base::{JobResult, SecondaryTierManager, TierJob};
 use crate::types::{
-    Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, ReqContext,
+    Locality, LookupResult, Medium, OffloadScope, OffloadingEvent, ReqContext,
     RequestOffloadingContext,
 };
 
@@ -38,7 +38,7 @@ pub struct InMemoryTier {
     /// `drain_jobs` drops held jobs instead of reporting them (a lost job, vLLM #48102).
     pub lose_jobs_on_drain: bool,
     /// Policy answered by `on_new_request`.
-    pub policy: OffloadPolicy,
+    pub policy: OffloadScope,
     /// Keys answered with `Retry`.
     pub retry_keys: HashSet<OffloadKey>,
     /// Fail `shutdown`.
@@ -51,7 +51,7 @@ pub struct InMemoryTier {
     /// Keep the call log and submitted jobs.
     pub record_log: bool,
     /// Submitted jobs (when `record_log`).
-    pub jobs: Vec<Arc<TransferJob>>,
+    pub jobs: Vec<Arc<TierJob>>,
     /// Number of `lookup` calls.
     pub lookups: usize,
     /// Events handed out by the next `take_events`.
@@ -80,7 +80,7 @@ impl InMemoryTier {
             hold_jobs: false,
             fail_loads: false,
             lose_jobs_on_drain: false,
-            policy: OffloadPolicy::ChunkLevel,
+            policy: OffloadScope::ChunkLevel,
             retry_keys: HashSet::new(),
             fail_shutdown: false,
             shut_down: false,
@@ -199,7 +199,7 @@ impl SecondaryTierManager for InMemoryTier {
             LookupResult::Miss
         }
     }
-    fn submit_store(&mut self, job: Arc<TransferJob>) {
+    fn submit_store(&mut self, job: Arc<TierJob>) {
         self.note(|| format!("submit_store {} {}", job.job_id, job.req_context.req_id()));
         self.keys.extend(job.keys.iter().copied());
         self.stores += 1;
@@ -210,7 +210,7 @@ impl SecondaryTierManager for InMemoryTier {
         r.transfer_time = Some(0.0);
         self.finish(r);
     }
-    fn submit_load(&mut self, job: Arc<TransferJob>) {
+    fn submit_load(&mut self, job: Arc<TierJob>) {
         self.note(|| format!("submit_load {} {}", job.job_id, job.req_context.req_id()));
         self.loads += 1;
         if self.record_log {

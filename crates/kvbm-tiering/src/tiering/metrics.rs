@@ -13,7 +13,7 @@ use hashbrown::HashMap;
 use crate::key::OffloadKey;
 
 use crate::stats::{OffloadingConnectorStats, names};
-use crate::tiering::base::{JobResult, TransferJob};
+use crate::tiering::base::{JobResult, TierJob};
 use crate::types::LookupResult;
 
 #[derive(Default, Clone)]
@@ -101,7 +101,7 @@ impl Metrics {
         }
     }
 
-    pub(crate) fn on_job_registered(&mut self, tier: usize, job: &TransferJob) {
+    pub(crate) fn on_job_registered(&mut self, tier: usize, job: &TierJob) {
         let st = &mut self.tiers[tier];
         let n = job.chunk_ids.len() as u64;
         if job.is_promotion {
@@ -113,7 +113,7 @@ impl Metrics {
         }
     }
 
-    pub(crate) fn on_job_finished(&mut self, tier: usize, job: &TransferJob, r: &JobResult) {
+    pub(crate) fn on_job_finished(&mut self, tier: usize, job: &TierJob, r: &JobResult) {
         let label = self.labels[tier + 1].clone();
         let mut count = job.keys.len();
         let mut record = true;
@@ -145,7 +145,7 @@ impl Metrics {
     }
 
     /// Forgets a job without an outcome (dropped as stale at reset).
-    pub(crate) fn release(&mut self, tier: usize, job: &TransferJob) {
+    pub(crate) fn release(&mut self, tier: usize, job: &TierJob) {
         let st = &mut self.tiers[tier];
         let n = job.chunk_ids.len() as u64;
         if job.is_promotion {

@@ -11,7 +11,7 @@ pub mod physical;
 
 pub use async_lookup::AsyncLookup;
 pub use backpressure::{BackpressureDetector, DropPolicy, EmaConfig};
-pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TransferJob};
+pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TierJob};
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
 pub use physical::{

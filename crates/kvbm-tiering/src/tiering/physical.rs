@@ -72,7 +72,7 @@ use crate::cpu::order::LinkedKeySet;
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::tiering::backpressure::BackpressureDetector;
-use crate::tiering::base::{JobId, JobResult, SecondaryTierManager, TransferJob};
+use crate::tiering::base::{JobId, JobResult, SecondaryTierManager, TierJob};
 use crate::types::{Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext};
 
 /// Tokens per block of the managers this module builds: a chunk is one block, and the sequence
@@ -419,7 +419,7 @@ impl<T: Tier> PhysicalTier<T> {
         });
     }
 
-    fn meta(&self, job: &TransferJob, keys: Vec<OffloadKey>) -> JobMeta {
+    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>) -> JobMeta {
         JobMeta {
             job_id: job.job_id,
             bytes: (keys.len() * self.chunk_bytes) as u64,
@@ -491,7 +491,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             _ => LookupResult::Miss,
         }
     }
-    fn submit_store(&mut self, job: Arc<TransferJob>) {
+    fn submit_store(&mut self, job: Arc<TierJob>) {
         let (mut keys, mut sources, mut destinations) = (Vec::new(), Vec::new(), Vec::new());
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
             if self.entries.contains_key(k) {
@@ -520,7 +520,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         let meta = self.meta(&job, keys);
         self.inflight.push(Inflight { meta, mv });
     }
-    fn submit_load(&mut self, job: Arc<TransferJob>) {
+    fn submit_load(&mut self, job: Arc<TierJob>) {
         let all_ready = job
             .keys
             .iter()

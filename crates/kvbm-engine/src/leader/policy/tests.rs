@@ -12,7 +12,6 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::address::InstanceId;
-use crate::layout::LogicalLayoutHandle;
 use crate::leader::InstanceLeader;
 
 fn run(source: RunSource, start: usize, len: usize) -> ScanRun {
@@ -20,7 +19,7 @@ fn run(source: RunSource, start: usize, len: usize) -> ScanRun {
 }
 
 fn local(t: TierId) -> RunSource {
-    RunSource::Local(LogicalLayoutHandle::from(t))
+    RunSource::Local(t)
 }
 
 /// G2:2, G3:3, G4:1, remote:2.
@@ -235,11 +234,11 @@ fn the_accessor_scans_like_a_search_without_holding_anything() {
     );
     let matched = l.find_matches(&t.hashes);
     assert_eq!(matched.scan_runs(), scanned, "the same runs a search holds");
-    assert_eq!(a.locate(t.hashes[2]), Some(LogicalLayoutHandle::G3));
+    assert_eq!(a.locate(t.hashes[2]), Some(TierId::G3));
     assert_eq!(a.locate(t.hashes[4]), None);
-    assert_eq!(a.locate(t.hashes[5]), Some(LogicalLayoutHandle::G2));
-    assert!(!a.is_present(t.hashes[0], LogicalLayoutHandle::G1));
-    let g3_ids = a.block_ids(&matched, LogicalLayoutHandle::G3);
+    assert_eq!(a.locate(t.hashes[5]), Some(TierId::G2));
+    assert!(!a.is_present(t.hashes[0], TierId::G1));
+    let g3_ids = a.block_ids(&matched, TierId::G3);
     assert_eq!(
         g3_ids,
         matched
@@ -253,7 +252,7 @@ fn the_accessor_scans_like_a_search_without_holding_anything() {
         g3_ids.iter().map(|x| x.1).collect::<Vec<_>>(),
         t.hashes[1..3].to_vec()
     );
-    assert!(a.block_ids(&matched, LogicalLayoutHandle::G1).is_empty());
+    assert!(a.block_ids(&matched, TierId::G1).is_empty());
 }
 
 fn placement() -> impl Strategy<Value = Vec<Option<TierId>>> {

@@ -1,5 +1,5 @@
-//! Executors over `kvbm-physical`: tier destinations ([`BlockTransferExecutor`]) and object
-//! destinations ([`ObjectTransferExecutor`]).
+//! Executors over `kvbm-physical`: tier destinations ([`BlockMoveExecutor`]) and object
+//! destinations ([`ObjectMoveExecutor`]).
 //!
 //! ```text
 //!  ResolvedBatch ──► allocate dst blocks ──► TransferManager::execute_transfer ──► per-block outcome
@@ -32,7 +32,7 @@ use kvbm_physical::{
 use crate::batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
 use crate::bound::BoundTier;
 use crate::error::{BlockFailure, BlockFailureKind, OffloadError};
-use crate::executor::TransferExecutor;
+use crate::executor::MoveExecutor;
 
 pub(crate) use crate::object::keys::{identity_of, object_key};
 
@@ -741,7 +741,7 @@ impl<Src: Tier> ExternalMover<Src> {
 /// in `BlockManager<Dst>` right before the move (the offload lanes, where the pipeline decides
 /// what moves). For destinations allocated by the caller before the transfer, use
 /// [`CallerAllocated`].
-pub struct BlockTransferExecutor<Src: Tier, Dst: Tier> {
+pub struct BlockMoveExecutor<Src: Tier, Dst: Tier> {
     mover: BlockMover<Src, Dst>,
     /// How long a batch waits for destination room ([`PipelineConfig::room_patience`](crate::PipelineConfig::room_patience)).
     patience: std::time::Duration,
@@ -749,16 +749,16 @@ pub struct BlockTransferExecutor<Src: Tier, Dst: Tier> {
     waits: Arc<std::sync::atomic::AtomicU64>,
 }
 
-impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockTransferExecutor<Src, Dst> {
+impl<Src: Tier, Dst: Tier> std::fmt::Debug for BlockMoveExecutor<Src, Dst> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlockTransferExecutor")
+        f.debug_struct("BlockMoveExecutor")
             .field("mover", &self.mover)
             .field("patience", &self.patience)
             .finish()
     }
 }
 
-impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
+impl<Src: Tier, Dst: Tier> BlockMoveExecutor<Src, Dst> {
     /// An executor between two bound tiers (counts checked by [`BoundTier::new`]).
     ///
     /// # Errors
@@ -800,7 +800,7 @@ impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
     }
 }
 
-impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, Dst> {
+impl<Src: Tier, Dst: Tier> MoveExecutor<Src> for BlockMoveExecutor<Src, Dst> {
     type Output = ImmutableBlock<Dst>;
 
     fn execute(
@@ -818,7 +818,7 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src> for BlockTransferExecutor<Src, 
     }
 }
 
-impl<Src: Tier, Dst: Tier> BlockTransferExecutor<Src, Dst> {
+impl<Src: Tier, Dst: Tier> BlockMoveExecutor<Src, Dst> {
     /// `n` destination blocks, waiting for room as configured
     /// ([`waiting_for_room`](Self::waiting_for_room)).
     ///
@@ -888,7 +888,7 @@ impl<Src: Tier, Dst: Tier> CallerAllocated<Src, Dst> {
     }
 }
 
-impl<Src: Tier, Dst: Tier> TransferExecutor<Src, MutableBlock<Dst>> for CallerAllocated<Src, Dst> {
+impl<Src: Tier, Dst: Tier> MoveExecutor<Src, MutableBlock<Dst>> for CallerAllocated<Src, Dst> {
     type Output = ImmutableBlock<Dst>;
 
     fn execute(
@@ -905,7 +905,7 @@ impl<Src: Tier, Dst: Tier> TransferExecutor<Src, MutableBlock<Dst>> for CallerAl
 ///
 /// Optionally records presence in a `BlockManager<G4>` (the registry's view of the object
 /// tier) for successfully written blocks only.
-pub struct ObjectTransferExecutor<Src: Tier> {
+pub struct ObjectMoveExecutor<Src: Tier> {
     manager: Arc<TransferManager>,
     src_layout: LayoutHandle,
     object_layout: LayoutHandle,
@@ -914,16 +914,16 @@ pub struct ObjectTransferExecutor<Src: Tier> {
     _src: std::marker::PhantomData<fn() -> Src>,
 }
 
-impl<Src: Tier> std::fmt::Debug for ObjectTransferExecutor<Src> {
+impl<Src: Tier> std::fmt::Debug for ObjectMoveExecutor<Src> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ObjectTransferExecutor")
+        f.debug_struct("ObjectMoveExecutor")
             .field("src_layout", &self.src_layout)
             .field("object_layout", &self.object_layout)
             .finish()
     }
 }
 
-impl<Src: Tier> ObjectTransferExecutor<Src> {
+impl<Src: Tier> ObjectMoveExecutor<Src> {
     /// An executor writing from `src_layout` into the object layout `object_layout`.
     pub fn new(
         manager: Arc<TransferManager>,
@@ -968,7 +968,7 @@ impl<Src: Tier> ObjectTransferExecutor<Src> {
     }
 }
 
-impl<Src: Tier> TransferExecutor<Src> for ObjectTransferExecutor<Src> {
+impl<Src: Tier> MoveExecutor<Src> for ObjectMoveExecutor<Src> {
     type Output = SequenceHash;
 
     fn execute(
