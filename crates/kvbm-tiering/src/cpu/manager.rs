@@ -253,6 +253,18 @@ impl CpuOffloadingManager {
         self.counts.as_ref().and_then(|c| c.get(key))
     }
 
+    /// How many keys the store-threshold tracker holds (`None` when the threshold is below 2
+    /// and there is no tracker: vLLM's `counts is None`).
+    pub fn tracker_len(&self) -> Option<usize> {
+        self.counts.as_ref().map(|c| c.len())
+    }
+
+    /// Stores the threshold filter skipped since the last `stats` (vLLM's
+    /// `stores_skipped_in_current_batch`).
+    pub fn stores_skipped(&self) -> u64 {
+        self.stores_skipped
+    }
+
     /// The state of every slot id (invariant checks).
     pub fn slot_states(&self) -> Vec<SlotState> {
         let mut st = vec![SlotState::Unallocated; self.num_chunks];

@@ -88,6 +88,8 @@ PYDEPS = {
     "numpy": "numpy==2.2.6",
     "prometheus_client": "prometheus-client==0.22.0",
     "msgspec": "msgspec==0.21.1",
+    # vLLM's modules import it (`override`); a bare venv has no copy.
+    "typing_extensions": "typing_extensions==4.15.0",
 }
 
 

@@ -106,8 +106,23 @@ def main():
     ap.add_argument("--expected-failures", default=EXPECTED_FAILURES)
     ap.add_argument("--strict-xpass", action="store_true",
                     help="an expected failure that passes fails the run")
+    ap.add_argument("--classes", default=",".join(substitution.SUBSTITUTED_CLASSES),
+                    help="--impl kvbm: the classes to substitute, comma-separated (default: all "
+                         "of substitution.SUBSTITUTED_CLASSES); the others stay vLLM's, and the "
+                         "report says so")
+    ap.add_argument("--files", default=",".join(TEST_FILES),
+                    help="the upstream test files to run, comma-separated (default: all six); "
+                         "a short form like cpu/test_manager.py is accepted")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args()
+    run_files = {}
+    for f in filter(None, (x.strip() for x in args.files.split(","))):
+        full = f if f in TEST_FILES else "tests/v1/kv_offload/" + f
+        if full not in TEST_FILES:
+            print(f"error: --files: {f} is not one of {', '.join(TEST_FILES)}", file=sys.stderr)
+            return 2
+        run_files[full] = TEST_FILES[full]
+    classes = [c.strip() for c in args.classes.split(",") if c.strip()]
     report_path = os.path.abspath(args.report) if args.report else None
     t0 = time.time()
 
@@ -120,11 +135,12 @@ def main():
     except fetch.FetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    xfails = load_expected_failures(args.expected_failures, args.impl)
+    xfails = {k: v for k, v in load_expected_failures(args.expected_failures, args.impl).items()
+              if k.split("::", 1)[0] in run_files}
 
     stubs.install(src)
     try:
-        subst = substitution.apply(args.impl)
+        subst = substitution.apply(args.impl, classes)
     except substitution.SubstitutionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -132,8 +148,8 @@ def main():
     import pytest
     from plugin import UpstreamPlugin
 
-    plugin = UpstreamPlugin(TEST_FILES, xfails)
-    pytest_argv = [os.path.join(src, f) for f in TEST_FILES]
+    plugin = UpstreamPlugin(run_files, xfails)
+    pytest_argv = [os.path.join(src, f) for f in run_files]
     pytest_argv += ["-c", os.path.join(src, "pytest.ini"), "--rootdir", src,
                     "-p", "no:cacheprovider", "-v" if args.verbose else "-q", "-rfE"]
     if args.keyword:
@@ -159,6 +175,10 @@ def main():
     if int(ret) not in (0, 1):  # interrupted, internal error, usage error, no tests
         problems.append(f"pytest exit status {int(ret)}")
     print_summary(summary, args.impl, counts_ok)
+    if args.impl == "kvbm":
+        kept = [c for c in substitution.SUBSTITUTED_CLASSES if c not in classes]
+        print("substituted with kvbm's: " + (", ".join(classes) or "nothing")
+              + ("; still vLLM's: " + ", ".join(kept) if kept else ""))
     print("RESULT: " + ("ok" if not problems else "FAIL (" + "; ".join(problems) + ")"))
 
     if report_path:

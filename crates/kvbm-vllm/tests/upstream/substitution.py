@@ -45,7 +45,7 @@ class SubstitutionError(RuntimeError):
     """kvbm's classes could not be put in place."""
 
 
-def load_kvbm_classes():
+def load_kvbm_classes(names):
     try:
         compat = importlib.import_module(COMPAT_MODULE)
     except ImportError as e:
@@ -53,28 +53,34 @@ def load_kvbm_classes():
             f"--impl kvbm: cannot import {COMPAT_MODULE} ({e}). Build and install the "
             f"kvbm-vllm Python package (crates/kvbm-vllm, e.g. `maturin develop`) into "
             f"this Python ({sys.executable}), or run with --impl vllm.") from e
-    missing = [n for n in SUBSTITUTED_CLASSES if not hasattr(compat, n)]
+    unknown = [n for n in names if n not in SUBSTITUTED_CLASSES]
+    if unknown:
+        raise SubstitutionError(
+            f"--classes: {', '.join(unknown)} not in substitution.SUBSTITUTED_CLASSES "
+            f"({', '.join(SUBSTITUTED_CLASSES)})")
+    missing = [n for n in names if not hasattr(compat, n)]
     if missing:
         raise SubstitutionError(
             f"{COMPAT_MODULE} ({getattr(compat, '__file__', '?')}) does not export "
-            f"{', '.join(missing)}; it must export every name in "
-            f"substitution.SUBSTITUTED_CLASSES")
-    return {n: getattr(compat, n) for n in SUBSTITUTED_CLASSES}, compat
+            f"{', '.join(missing)}; it must export every class --classes names")
+    return {n: getattr(compat, n) for n in names}, compat
 
 
-def apply(impl):
-    """Return a description of what was substituted (for the report)."""
+def apply(impl, names=tuple(SUBSTITUTED_CLASSES)):
+    """Substitute kvbm's classes for `names` (kvbm mode); return a description of what was
+    substituted and what stayed vLLM's (for the report)."""
     for mod in PRELOAD:
         importlib.import_module(mod)
     if impl == "vllm":
         return {"impl": "vllm", "classes": {}}
     if impl != "kvbm":
         raise SubstitutionError(f"unknown --impl {impl!r} (expected vllm or kvbm)")
-    kvbm, compat = load_kvbm_classes()
+    kvbm, compat = load_kvbm_classes(names)
     originals = {}
-    for name, home in SUBSTITUTED_CLASSES.items():
+    for name in kvbm:
+        home = SUBSTITUTED_CLASSES[name]
         originals[name] = getattr(importlib.import_module(home), name)
-    rebound = {name: [] for name in SUBSTITUTED_CLASSES}
+    rebound = {name: [] for name in kvbm}
     by_id = {id(cls): name for name, cls in originals.items()}
     for modname, mod in list(sys.modules.items()):
         if not modname.startswith("vllm") or mod is None:
@@ -86,4 +92,5 @@ def apply(impl):
                 rebound[name].append(f"{modname}.{attr}")
     return {"impl": "kvbm", "module": getattr(compat, "__file__", COMPAT_MODULE),
             "classes": {n: {"kvbm": f"{c.__module__}.{c.__qualname__}",
-                            "rebound": rebound[n]} for n, c in kvbm.items()}}
+                            "rebound": rebound[n]} for n, c in kvbm.items()},
+            "still_vllm": [n for n in SUBSTITUTED_CLASSES if n not in kvbm]}

@@ -1,0 +1,134 @@
+//! What crosses the Python boundary: keys, request contexts and errors.
+//!
+//! # Why a context map
+//!
+//! vLLM's scheduler hands every manager call its own `ReqContext` object and compares them by
+//! identity; kvbm-tiering's managers do the same with their Rust [`ReqContext`] (`uid`). So one
+//! Python context must map to one Rust context for as long as the request lives: the map is keyed
+//! by the Python object's address and holds a strong reference to it, so the address cannot be
+//! reused while the entry exists. The entry goes at `on_request_finished` (and `reset_cache`
+//! keeps it: vLLM's contexts outlive a reset).
+//!
+//! Key positions (`ReqContext.set_offload_key_position`) live in the Python object's
+//! `_offload_key_positions` dict; whenever that dict grew since the last call, the new keys'
+//! positions are read through the context's own `get_offload_key_position` (a subclass may
+//! override it) and copied into the Rust context (one length check per call otherwise).
+//!
+//! # Errors
+//!
+//! A kvbm-tiering contract error (complete without prepare, unknown request, a key that is not
+//! a hit handed to `prepare_load`) is vLLM's `assert` failing: it is raised as
+//! [`ContractError`], a subclass of `AssertionError` whose message names the call and the key
+//! or request. A key that is not vLLM's `OffloadKey` shape (bytes, 4 to 39 long) is a
+//! `TypeError`/`ValueError` naming it.
+
+use std::collections::HashMap;
+
+use kvbm_tiering::{OffloadKey, ReqContext, TieringError};
+use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::{create_exception, intern};
+
+create_exception!(
+    _kvbm,
+    ContractError,
+    PyAssertionError,
+    "A call broke vLLM's OffloadingManager contract (vLLM asserts the same)."
+);
+
+/// A kvbm-tiering error as the Python exception vLLM's caller expects.
+pub(crate) fn to_py(e: TieringError) -> PyErr {
+    ContractError::new_err(e.to_string())
+}
+
+/// One `OffloadKey` (Python `bytes`).
+pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
+    let b = obj.cast::<PyBytes>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "an OffloadKey is bytes (make_offload_key), got {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })?;
+    OffloadKey::from_bytes(b.as_bytes()).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Every key of a collection (list, tuple, set, any iterable), in its order.
+pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for k in obj.try_iter()? {
+        out.push(key(&k?)?);
+    }
+    Ok(out)
+}
+
+/// `keys` as a Python list of `bytes`.
+pub(crate) fn key_list<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))
+}
+
+struct Entry {
+    /// Keeps the Python object (and so its address) alive while the entry exists.
+    _py: Py<PyAny>,
+    rust: ReqContext,
+    /// How many positions were copied from `_offload_key_positions`.
+    synced: usize,
+}
+
+/// Python `ReqContext` objects to Rust ones: see the [module docs](self).
+#[derive(Default)]
+pub(crate) struct Contexts {
+    by_addr: HashMap<usize, Entry>,
+}
+
+impl Contexts {
+    /// The Rust context of `ctx` (made on first sight), its positions up to date.
+    pub(crate) fn get(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
+        let addr = ctx.as_ptr() as usize;
+        let py = ctx.py();
+        let entry = match self.by_addr.entry(addr) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let req_id: String = ctx
+                    .getattr(intern!(py, "req_id"))
+                    .and_then(|r| r.extract())
+                    .map_err(|_| {
+                        PyTypeError::new_err(
+                            "a request context is vLLM's ReqContext (with req_id: str)",
+                        )
+                    })?;
+                v.insert(Entry {
+                    _py: ctx.clone().unbind(),
+                    rust: ReqContext::new(req_id),
+                    synced: 0,
+                })
+            }
+        };
+        if let Ok(positions) = ctx.getattr(intern!(py, "_offload_key_positions"))
+            && let Ok(positions) = positions.cast::<PyDict>()
+            && positions.len() != entry.synced
+        {
+            // Only the keys added since the last call (a dict keeps insertion order), each read
+            // through the context's own method, so a subclass that overrides it is honoured.
+            let getter = intern!(py, "get_offload_key_position");
+            for k in positions.keys().iter().skip(entry.synced) {
+                let v = ctx.call_method1(getter, (&k,))?;
+                if !v.is_none() {
+                    entry
+                        .rust
+                        .set_offload_key_position(key(&k)?, v.extract::<u64>()?);
+                }
+            }
+            entry.synced = positions.len();
+        }
+        Ok(entry.rust.clone())
+    }
+
+    /// Forgets `ctx` (its request finished).
+    pub(crate) fn forget(&mut self, ctx: &Bound<'_, PyAny>) {
+        self.by_addr.remove(&(ctx.as_ptr() as usize));
+    }
+}

@@ -1,0 +1,16 @@
+#![doc = include_str!("../README.md")]
+
+mod bridge;
+mod cpu;
+
+use pyo3::prelude::*;
+
+/// The extension module `kvbm_vllm._kvbm`. The Python package imports it lazily: vLLM's metrics
+/// front end imports the spec classes without running a manager, and must not pay for it.
+#[pymodule]
+fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("ContractError", m.py().get_type::<bridge::ContractError>())?;
+    m.add_class::<cpu::CpuManager>()?;
+    Ok(())
+}
