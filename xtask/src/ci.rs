@@ -2,7 +2,8 @@
 //!
 //! ```text
 //!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests [stop servers]
-//!     ─► loom model checks ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
+//!     ─► loom model checks ─► python (the kvbm-vllm wheel; vLLM's own tests, see
+//!     [`crate::python`]) ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
 //! ```
 //!
 //! The fuzz step installs cargo-fuzz when it is missing and builds the `fuzz/` crate on nightly
@@ -84,6 +85,8 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     totals.failed += loomed.failed;
     totals.ignored += loomed.ignored;
 
+    eprintln!("\n$ cargo xtask python");
+    crate::python::run()?;
     crate::fuzz::run_targets(crate::fuzz::CI_SECS, &crate::fuzz::TARGETS)?;
     crate::soak::run_for(crate::soak::CI_SECS)?;
 

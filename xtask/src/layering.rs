@@ -1,7 +1,7 @@
 //! `cargo xtask layering`: the crate layering rule, enforced from `cargo metadata`.
 //!
 //! ```text
-//!   layer 4   kvbm-cli
+//!   layer 4   kvbm-cli          kvbm-vllm         (siblings)
 //!   layer 3   kvbm-engine
 //!   layer 2   kvbm-tiering
 //!   layer 1   kvbm-offload
@@ -40,6 +40,7 @@ pub(crate) const LAYERS: &[(&str, u8)] = &[
     ("kvbm-tiering", 2),
     ("kvbm-engine", 3),
     ("kvbm-cli", 4),
+    ("kvbm-vllm", 4),
 ];
 
 /// The workspace test-support crate (dev-only below the top).

@@ -6,8 +6,9 @@
 //!
 //! | command | what it does |
 //! |---|---|
-//! | `ci` | the whole gate: fmt, clippy, layering, tests (with real servers), docs |
+//! | `ci` | the whole gate: fmt, clippy, layering, tests (with real servers), Python (vLLM's tests), docs |
 //! | `layering` | fails when a crate depends on one at or above its own layer |
+//! | `python` | builds the kvbm-vllm wheel, runs vLLM's own kv_offload tests against vLLM's and kvbm's classes |
 //! | `services` | `start` prints `export` lines for servers it started; `stop` stops them |
 //! | `bench [crate]` | runs the benchmarks (all, or one crate's) |
 //! | `fuzz [secs]` | runs the `fuzz/` cargo-fuzz targets (decoders of outside bytes) |
@@ -19,6 +20,7 @@ mod ci;
 mod fuzz;
 mod gpu_check;
 mod layering;
+mod python;
 mod services;
 mod soak;
 mod tidy;
@@ -34,6 +36,8 @@ usage: cargo xtask <command>
 commands:
   ci                 fmt, clippy, layering, tests against real servers, docs (the CI gate)
   layering           check the crate layering rule against `cargo metadata`
+  python             build the kvbm-vllm wheel; run vLLM's own kv_offload tests with vLLM's
+                     classes, then with kvbm's substituted (installs maturin when missing)
   services start     start the test servers and print `export` lines for them
   services stop      stop servers started by `services start`
   bench [NAME]       run benchmarks (NAME: logical, physical, offload, ...; default all)
@@ -50,6 +54,7 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci::run(rest),
         Some("layering") => layering::run(),
+        Some("python") => python::run(),
         Some("services") => services::run_command(rest),
         Some("bench") => bench::run(rest),
         Some("fuzz") => fuzz::run(rest),

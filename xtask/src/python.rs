@@ -1,0 +1,126 @@
+//! `cargo xtask python`: builds the kvbm-vllm wheel and runs vLLM's own tests against it.
+//!
+//! ```text
+//!   maturin (pip-installed when missing) ─► wheel (release, abi3) ─► venv target/pyvenv
+//!     ─► vLLM 0.33.0's kv_offload tests with vLLM's classes (all must pass: proves the harness)
+//!     ─► the same tests with kvbm's classes substituted (expected failures listed with reasons)
+//! ```
+//!
+//! The venv holds only the wheel (installed without dependencies); the harness pip-installs its
+//! pinned test dependencies (pytest, numpy, …) into `target/peer/vllm-sdist/pydeps` and fetches
+//! vLLM's source distribution pinned by sha256 (`crates/kvbm-vllm/tests/upstream`). A step that
+//! fails stops the gate with its command named.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::{project_root, run_step};
+
+/// The classes kvbm substitutes in vLLM's tests today, and the test files that exercise them.
+/// The others stay vLLM's until kvbm-vllm builds them (the harness report says which).
+const KVBM_CLASSES: &str = "CPUOffloadingManager";
+const KVBM_FILES: &str = "cpu/test_manager.py,cpu/policies/test_factory.py";
+
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// Installs maturin with pip unless `python -m maturin` already works.
+fn ensure_maturin(py: &str) -> Result<()> {
+    let has = Command::new(py)
+        .args(["-m", "maturin", "--version"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has {
+        run_step(Command::new(py).args(["-m", "pip", "install", "-q", "maturin>=1.9,<2"]))
+            .context("installing maturin (the wheel builder) with pip")?;
+    }
+    Ok(())
+}
+
+/// The venv's interpreter, creating the venv when it is missing.
+fn venv(py: &str, root: &Path) -> Result<PathBuf> {
+    let dir = root.join("target/pyvenv");
+    let bin = dir.join("bin/python");
+    if !bin.exists() {
+        run_step(Command::new(py).args(["-m", "venv"]).arg(&dir))
+            .context("creating the Python venv target/pyvenv")?;
+    }
+    Ok(bin)
+}
+
+/// The newest kvbm-vllm wheel in `dir`.
+fn wheel(dir: &Path) -> Result<PathBuf> {
+    let mut wheels: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("kvbm_vllm-") && n.ends_with(".whl"))
+        })
+        .collect();
+    wheels.sort_by_key(|p| p.metadata().and_then(|m| m.modified()).ok());
+    match wheels.pop() {
+        Some(w) => Ok(w),
+        None => bail!("maturin built no kvbm_vllm wheel into {}", dir.display()),
+    }
+}
+
+pub(crate) fn run() -> Result<()> {
+    let root = project_root();
+    let py = python();
+    ensure_maturin(&py)?;
+    let wheels = root.join("target/wheels");
+    run_step(
+        Command::new(&py)
+            .args(["-m", "maturin", "build", "--release", "-i", &py, "-o"])
+            .arg(&wheels)
+            .current_dir(root.join("crates/kvbm-vllm")),
+    )
+    .context("building the kvbm-vllm wheel")?;
+    let venv_py = venv(&py, &root)?;
+    run_step(
+        Command::new(&venv_py)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--force-reinstall",
+                "--no-deps",
+            ])
+            .arg(wheel(&wheels)?),
+    )
+    .context("installing the kvbm-vllm wheel into target/pyvenv")?;
+
+    let harness = root.join("crates/kvbm-vllm/tests/upstream/run.py");
+    let reports = root.join("target/upstream");
+    std::fs::create_dir_all(&reports)?;
+    run_step(
+        Command::new(&venv_py)
+            .arg(&harness)
+            .args(["--impl", "vllm", "--report"])
+            .arg(reports.join("vllm.json")),
+    )
+    .context("vLLM's kv_offload tests with vLLM's own classes")?;
+    run_step(
+        Command::new(&venv_py)
+            .arg(&harness)
+            .args([
+                "--impl",
+                "kvbm",
+                "--classes",
+                KVBM_CLASSES,
+                "--files",
+                KVBM_FILES,
+                "--report",
+            ])
+            .arg(reports.join("kvbm.json")),
+    )
+    .context("vLLM's kv_offload tests with kvbm's classes")?;
+    Ok(())
+}
