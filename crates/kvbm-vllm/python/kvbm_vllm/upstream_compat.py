@@ -207,6 +207,14 @@ class CPUOffloadingManager(OffloadingManager):
         self.counts = _TrackerView(self._rs) if store_threshold >= 2 else None
         view = _ArcView if policy == "arc" else _LruView
         self._policy_view = view(self._rs, num_chunks)
+        # The calls whose answer needs no wrapping go straight to Rust: an instance attribute
+        # shadows the method below (a caller may still replace it, as vLLM's tests do), and a
+        # per-chunk lookup then costs no Python frame.
+        self.lookup = self._rs.lookup
+        self.touch = self._rs.touch
+        self.complete_load = self._rs.complete_load
+        self.complete_store = self._rs.complete_store
+        self.on_request_finished = self._rs.on_request_finished
 
     @property
     def _policy(self):
