@@ -114,7 +114,7 @@ def _check_json(v, line_no):
 
 def _rust_float(f: float) -> str:
     """serde_json's float formatting (zmij): shortest round-trip digits, fixed notation for
-    decimal exponents -5..=15 (`1e15` -> `1000000000000000.0`), else `d.ddde+XX`."""
+    decimal exponents -5..=15 (`1e15` -> `1000000000000000.0`), else `d.ddde+X` / `d.ddde-X` (unpadded: `1e-7`, `1e+16`)."""
     if f == 0.0:
         return "-0.0" if math.copysign(1.0, f) < 0 else "0.0"
     sign = "-" if f < 0 else ""
@@ -135,7 +135,7 @@ def _rust_float(f: float) -> str:
             s = "0." + "0" * (-e - 1) + digits
     else:
         m = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
-        s = f"{m}e{'+' if e >= 0 else '-'}{abs(e):02d}"
+        s = f"{m}e{'+' if e >= 0 else '-'}{abs(e)}"
     return sign + s
 
 
@@ -192,7 +192,7 @@ def _truthy(v, default: bool) -> bool:
     return bool(v)
 
 
-def _key_bytes(k, line_no) -> bytes:
+def _key_bytes(k) -> bytes:
     """The block-hash bytes of one replay key (int -> 8-byte big-endian, string -> UTF-8)."""
     if isinstance(k, int) and not isinstance(k, bool):
         if not 0 <= k <= _U64_MAX:
@@ -244,7 +244,7 @@ def parse(text: str, make_offload_key):
         elif isinstance(ks, list):
             keys = []
             for k in ks:
-                ok = make_offload_key(_key_bytes(k, line_no), 0)
+                ok = make_offload_key(_key_bytes(k), 0)
                 orig[ok] = k
                 keys.append(ok)
         else:

@@ -43,8 +43,13 @@ def rust_bin():
     return path
 
 
+# Asked once, before an in-process replay installs the stubs (after which `vllm` is importable
+# here but not in a fresh interpreter).
+REAL_VLLM = importlib.util.find_spec("vllm") is not None
+
+
 def _vllm_args():
-    if importlib.util.find_spec("vllm") is not None:
+    if REAL_VLLM:
         return []
     src = os.environ.get("KVBM_VLLM_SRC",
                          os.path.join(REPO, "target", "peer", "vllm-sdist", "0.33.0"))
@@ -69,7 +74,7 @@ def _run_rust(rust_bin, calls, out, args):
     return r.returncode, r.stdout + r.stderr
 
 
-def _run_py_inproc(replay_mod, calls, out, args, capsys=None):
+def _run_py_inproc(replay_mod, calls, out, args):
     return replay_mod.main(["--calls", calls, "--out", out, *args, *_vllm_args()])
 
 
