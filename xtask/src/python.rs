@@ -4,6 +4,8 @@
 //!   maturin (pip-installed when missing) ─► wheel (release, abi3) ─► venv target/pyvenv
 //!     ─► vLLM 0.33.0's kv_offload tests with vLLM's classes (all must pass: proves the harness)
 //!     ─► the same tests with kvbm's classes substituted (expected failures listed with reasons)
+//!     ─► kvbm-vllm's own tests (`tests/python`): `python -m kvbm_vllm.replay` writes the same
+//!        lines as kvbm-tiering's Rust replay example, call for call, through the Python API
 //! ```
 //!
 //! The venv holds only the wheel (installed without dependencies); the harness pip-installs its
@@ -122,5 +124,31 @@ pub(crate) fn run() -> Result<()> {
             .arg(reports.join("kvbm.json")),
     )
     .context("vLLM's kv_offload tests with kvbm's classes")?;
+
+    // The Rust reference the Python replay is compared with.
+    run_step(
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(
+            [
+                "build",
+                "--release",
+                "-p",
+                "kvbm-tiering",
+                "--example",
+                "replay",
+            ],
+        ),
+    )?;
+    run_step(
+        Command::new(&venv_py)
+            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+            .arg(root.join("crates/kvbm-vllm/tests/python"))
+            // pytest and numpy: the harness's pinned copies (installed by the run above).
+            .env("PYTHONPATH", root.join("target/peer/vllm-sdist/pydeps"))
+            .env(
+                "KVBM_REPLAY_BIN",
+                root.join("target/release/examples/replay"),
+            ),
+    )
+    .context("kvbm-vllm's Python tests (call for call against the Rust replay)")?;
     Ok(())
 }
