@@ -2,6 +2,7 @@
 
 mod bridge;
 mod cpu;
+mod tiers;
 
 use pyo3::prelude::*;
 
@@ -12,5 +13,6 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("ContractError", m.py().get_type::<bridge::ContractError>())?;
     m.add_class::<cpu::CpuManager>()?;
+    m.add_class::<tiers::DiskTier>()?;
     Ok(())
 }

@@ -1,7 +1,14 @@
-//! G2 host memory: page-aligned anonymous mappings, pinned with `mlock` when allowed.
+//! G2 host memory: page-aligned anonymous mappings, pinned with `mlock` when allowed, or host
+//! memory someone else owns ([`HostStorage::external`]).
 //!
 //! Pinning can be refused (RLIMIT_MEMLOCK without CAP_IPC_LOCK). Then the allocation stays
 //! unpinned and one warning is logged per process, never a crash.
+//!
+//! External memory is how an inference engine's own buffer becomes a layout kvbm moves bytes
+//! in and out of without copying through a second buffer: vLLM's shared CPU offload region
+//! (a `/dev/shm` mapping its workers fill from the GPU) is the primary tier kvbm's disk and
+//! object tiers read and write. kvbm never unmaps it; an owner value kept inside the storage
+//! (e.g. the Python buffer export) keeps it alive until the storage is dropped.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -30,6 +37,9 @@ pub struct HostStorage {
     pinned: bool,
     /// Dropped before the mapping is unmapped: e.g. a CUDA host registration (`crate::cuda`).
     attachment: parking_lot::Mutex<Option<Box<dyn std::any::Any + Send + Sync>>>,
+    /// External memory: the value keeping it alive (dropped after the attachment); nothing is
+    /// unmapped. `None` for a mapping this value made.
+    owner: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: the mapping is owned exclusively by this value and is plain memory; synchronisation
@@ -83,6 +93,7 @@ impl HostStorage {
             map_len,
             pinned,
             attachment: parking_lot::Mutex::new(None),
+            owner: None,
         })
     }
 
@@ -121,6 +132,42 @@ impl HostStorage {
         Ok(true)
     }
 
+    /// `len` bytes at `ptr` that `owner` keeps alive: memory kvbm reads and writes but neither
+    /// allocated nor unmaps (see the [module docs](self)). It counts as unpinned.
+    ///
+    /// # Errors
+    /// [`PhysicalError::InvalidLayout`] for a null pointer or zero length.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid, writable host memory for as long as `owner` lives, no
+    /// other code may free or remap it meanwhile, and whoever else accesses the bytes must
+    /// synchronise with kvbm's transfers (as for any storage: the transfer caller's duty).
+    pub unsafe fn external(
+        ptr: *mut u8,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Self> {
+        if ptr.is_null() || len == 0 {
+            return Err(PhysicalError::InvalidLayout(format!(
+                "external host memory at {ptr:?} of {len} bytes: need a non-null pointer and a \
+                 non-zero length"
+            )));
+        }
+        Ok(Self {
+            ptr,
+            len,
+            map_len: 0,
+            pinned: false,
+            attachment: parking_lot::Mutex::new(None),
+            owner: Some(owner),
+        })
+    }
+
+    /// Whether this is someone else's memory ([`HostStorage::external`]).
+    pub fn is_external(&self) -> bool {
+        self.owner.is_some()
+    }
+
     /// The bytes, shared.
     ///
     /// # Safety
@@ -145,6 +192,10 @@ impl Drop for HostStorage {
     fn drop(&mut self) {
         // The attachment (a CUDA registration) must go before the mapping does.
         drop(self.attachment.get_mut().take());
+        if self.owner.take().is_some() {
+            // External memory: its owner (just dropped) decides its fate; nothing to unmap.
+            return;
+        }
         // SAFETY: unmapping the mapping this value owns; munmap also drops the lock.
         unsafe {
             libc::munmap(self.ptr.cast(), self.map_len);
@@ -170,6 +221,34 @@ pub(crate) fn page_size() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn external_memory_is_used_in_place_and_never_unmapped() {
+        let buf = std::sync::Arc::new(parking_lot::Mutex::new(vec![3u8; 8192]));
+        let ptr = buf.lock().as_mut_ptr();
+        // SAFETY: the Vec lives in `buf`, which the storage keeps alive; nothing resizes it.
+        let h = unsafe { HostStorage::external(ptr, 8192, Box::new(buf.clone())) }.unwrap();
+        assert!(h.is_external() && !h.is_pinned());
+        assert_eq!(h.as_ptr(), ptr);
+        // SAFETY: the test is the only user of the bytes here.
+        unsafe { h.as_mut_slice()[5] = 9 };
+        assert_eq!(buf.lock()[5], 9, "the caller's memory, written in place");
+        assert_eq!(
+            std::sync::Arc::strong_count(&buf),
+            2,
+            "the storage holds the owner"
+        );
+        drop(h);
+        assert_eq!(
+            std::sync::Arc::strong_count(&buf),
+            1,
+            "dropping it releases the owner"
+        );
+        assert_eq!(buf.lock()[5], 9, "and leaves the memory alone");
+        // SAFETY: a null pointer is refused before anything is touched.
+        let bad = unsafe { HostStorage::external(std::ptr::null_mut(), 8, Box::new(())) };
+        assert!(matches!(bad, Err(PhysicalError::InvalidLayout(_))));
+    }
 
     #[test]
     fn aligned_zeroed_and_writable() {

@@ -55,6 +55,34 @@ impl CpuPrimaryTier {
         })
     }
 
+    /// As [`Self::with_transfer_manager`], over host memory the caller provides (e.g. an
+    /// inference engine's own offload region, wrapped with
+    /// [`HostStorage::external`](kvbm_physical::HostStorage::external)): `memory` must be
+    /// `config.num_chunks` chunks of `chunk_bytes`, in one allocation, chunk `i` at
+    /// `i * chunk_bytes`.
+    ///
+    /// # Errors
+    /// [`TieringError::Physical`](crate::TieringError) when the memory is too small for the
+    /// chunks or cannot be registered.
+    pub fn over_memory(
+        config: CpuManagerConfig,
+        chunk_bytes: usize,
+        tm: Arc<TransferManager>,
+        memory: Arc<kvbm_physical::HostStorage>,
+    ) -> Result<Self> {
+        let layout = Self::block_layout(config.num_chunks.max(1), chunk_bytes)?;
+        let physical =
+            PhysicalLayout::from_backing(layout, kvbm_physical::Backing::Host(vec![memory]))?;
+        let handle = tm.register_layout(physical)?;
+        let memory = tm.layout(handle)?;
+        Ok(Self {
+            manager: CpuOffloadingManager::new(config),
+            memory: Some(memory),
+            chunk_bytes,
+            transfer: Some((tm, handle)),
+        })
+    }
+
     /// The geometry of `n` chunks of `chunk_bytes` (one layer, one outer slice, bytes).
     pub fn block_layout(n: usize, chunk_bytes: usize) -> Result<BlockLayout> {
         Ok(BlockLayout::builder()

@@ -1,0 +1,280 @@
+//! `DiskTier`: kvbm's G3 disk tier ([`PhysicalTier<G3>`]) as a secondary tier under vLLM's
+//! own tiering manager, moving bytes straight between vLLM's primary region and the disk.
+//!
+//! ```text
+//!  vLLM TieringOffloadingManager ─► KvbmDiskTier (Python, vLLM's SecondaryTierManager ABC)
+//!        (vLLM's Python)                 └─► DiskTier (this) ─► PhysicalTier<G3> ─► O_DIRECT file
+//!  vLLM's primary region (/dev/shm, its workers fill it from the GPU)
+//!        └── the same bytes: HostStorage::external, a kvbm layout over vLLM's memory
+//! ```
+//!
+//! # Memory
+//!
+//! vLLM hands every tier a memoryview of its primary region (`primary_kv_view`: chunk `i` at
+//! `i * strides[0]`). The tier takes a buffer export of it (the Python buffer protocol) and
+//! wraps the address as external host memory; the export is the owner that keeps the region
+//! mapped while the disk tier exists. No byte is copied through Python or a second buffer.
+//!
+//! Who may write which chunk is vLLM's manager's business, as for its own tiers: a store job
+//! reads chunks the manager pinned for the cascade, a load job writes chunks the manager
+//! reserved for the promotion, until the job is reported finished.
+//!
+//! # What the disk guarantees
+//!
+//! Bounded: `capacity` chunk slots in one file, the oldest ready key evicted for a new one.
+//! Every slot carries kvbm-physical's header (checksum, identity from the key's bytes, geometry):
+//! a read whose header or bytes do not match is a failed load, never wrong bytes.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvbm_physical::{DiskConfig, HostStorage, TransferManager};
+use kvbm_tiering::{
+    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, OffloadScope,
+    PhysicalTier, SecondaryTierManager, TierJob,
+};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::bridge::{Contexts, key, key_list, keys, to_py};
+use crate::cpu::LookupMembers;
+
+/// The buffer export of vLLM's primary region: the owner of the external memory.
+struct Region(#[allow(dead_code)] PyBuffer<u8>);
+
+/// kvbm's disk tier for vLLM's tiering manager: see the [module docs](self).
+#[pyclass(module = "kvbm_vllm._kvbm")]
+pub(crate) struct DiskTier {
+    /// `None` after `shutdown`. The mutex only makes the class `Sync` for PyO3 (the tier's
+    /// in-flight moves are `Send` futures); every method takes `&mut self`, PyO3's exclusive
+    /// borrow, and reaches it with `get_mut`, never locking.
+    tier: std::sync::Mutex<Option<RustDiskTier>>,
+    /// Holds the primary's registration (and so the region) as long as the tier lives.
+    _primary: CpuPrimaryTier,
+    contexts: Contexts,
+    results: LookupMembers,
+    finished: Vec<JobResult>,
+}
+
+impl DiskTier {
+    fn slot(&mut self) -> &mut Option<RustDiskTier> {
+        self.tier.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn tier(&mut self) -> PyResult<&mut RustDiskTier> {
+        self.slot()
+            .as_mut()
+            .ok_or_else(|| PyRuntimeError::new_err("the kvbm disk tier is shut down"))
+    }
+}
+
+#[pymethods]
+impl DiskTier {
+    /// `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes` per chunk);
+    /// `path`: the tier's file; `capacity`: chunk slots in it.
+    #[new]
+    #[pyo3(signature = (region, chunk_bytes, path, capacity, queue_depth, direct_io, lookup_results))]
+    fn new(
+        region: &Bound<'_, PyAny>,
+        chunk_bytes: usize,
+        path: std::path::PathBuf,
+        capacity: usize,
+        queue_depth: u32,
+        direct_io: bool,
+        lookup_results: &Bound<'_, PyTuple>,
+    ) -> PyResult<Self> {
+        let buf = PyBuffer::<u8>::get(region).map_err(|e| {
+            PyValueError::new_err(format!(
+                "primary_kv_view must export a byte buffer (vLLM's memoryview of its offload \
+                 region): {e}"
+            ))
+        })?;
+        if buf.readonly() || !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err(
+                "primary_kv_view must be writable and C-contiguous (vLLM's offload region)",
+            ));
+        }
+        if chunk_bytes == 0 || buf.len_bytes() % chunk_bytes != 0 {
+            return Err(PyValueError::new_err(format!(
+                "primary_kv_view of {} bytes is not whole chunks of {chunk_bytes} bytes",
+                buf.len_bytes()
+            )));
+        }
+        if capacity == 0 {
+            return Err(PyValueError::new_err(
+                "capacity: the disk tier needs at least one chunk slot",
+            ));
+        }
+        let num_chunks = buf.len_bytes() / chunk_bytes;
+        let (ptr, len) = (buf.buf_ptr().cast::<u8>(), buf.len_bytes());
+        // SAFETY: the buffer export keeps vLLM's region mapped and its address fixed until the
+        // export is released, which happens only when the HostStorage (its owner) is dropped;
+        // writes to chunks are ordered by vLLM's manager's job protocol (module docs).
+        let memory = unsafe { HostStorage::external(ptr, len, Box::new(Region(buf))) }
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let tm =
+            Arc::new(TransferManager::new().map_err(|e| PyRuntimeError::new_err(e.to_string()))?);
+        let primary = CpuPrimaryTier::over_memory(
+            CpuManagerConfig::new(num_chunks),
+            chunk_bytes,
+            tm,
+            Arc::new(memory),
+        )
+        .map_err(to_py)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                PyRuntimeError::new_err(format!("cannot create {}: {e}", dir.display()))
+            })?;
+        }
+        let mut disk = DiskConfig::new(&path);
+        disk.queue_depth = queue_depth;
+        disk.direct_io = direct_io;
+        let tier = PhysicalTier::disk(&primary, &disk, capacity).map_err(|e| {
+            PyRuntimeError::new_err(format!(
+                "cannot start the kvbm disk tier at {}: {e}",
+                path.display()
+            ))
+        })?;
+        Ok(Self {
+            tier: std::sync::Mutex::new(Some(tier.with_tier_type("kvbm_disk"))),
+            _primary: primary,
+            contexts: Contexts::default(),
+            results: LookupMembers::from_tuple(lookup_results)?,
+            finished: Vec::new(),
+        })
+    }
+
+    fn lookup(&mut self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let k = key(key_)?;
+        let c = self.contexts.get(ctx)?;
+        let r = self.tier()?.lookup(&k, &c);
+        Ok(self.results.get(key_.py(), r))
+    }
+
+    /// Starts a job: a store (cascade, primary → disk) or, with `is_promotion`, a load.
+    #[pyo3(signature = (job_id, keys_, chunk_ids, is_promotion, ctx))]
+    fn submit(
+        &mut self,
+        job_id: u64,
+        keys_: &Bound<'_, PyAny>,
+        chunk_ids: Vec<i64>,
+        is_promotion: bool,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        if ks.len() != chunk_ids.len() {
+            return Err(PyValueError::new_err(format!(
+                "job {job_id}: {} keys but {} chunk ids",
+                ks.len(),
+                chunk_ids.len()
+            )));
+        }
+        let num_chunks = self._primary.manager().num_chunks() as i64;
+        if let Some(bad) = chunk_ids.iter().find(|&&c| c < 0 || c >= num_chunks) {
+            return Err(PyValueError::new_err(format!(
+                "job {job_id}: chunk id {bad} outside the primary region's {num_chunks} chunks"
+            )));
+        }
+        let c = self.contexts.get(ctx)?;
+        let job = Arc::new(TierJob {
+            job_id,
+            keys: ks,
+            chunk_ids: chunk_ids.iter().map(|&c| c as i32).collect(),
+            is_promotion,
+            req_context: c,
+            submit_time: Instant::now(),
+        });
+        let tier = self.tier()?;
+        if is_promotion {
+            tier.submit_load(job);
+        } else {
+            tier.submit_store(job);
+        }
+        Ok(())
+    }
+
+    /// Jobs finished since the last call: `(job_id, success, successful_keys, seconds, bytes)`.
+    #[allow(clippy::type_complexity)]
+    fn get_finished_jobs<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<
+        Vec<(
+            u64,
+            bool,
+            Option<Bound<'py, pyo3::types::PyList>>,
+            Option<f64>,
+            Option<u64>,
+        )>,
+    > {
+        let mut out = std::mem::take(&mut self.finished);
+        self.tier()?.get_finished_jobs(&mut out);
+        out.into_iter()
+            .map(|r| {
+                let keys = r
+                    .successful_keys
+                    .as_deref()
+                    .map(|k| key_list(py, k))
+                    .transpose()?;
+                Ok((r.job_id, r.success, keys, r.transfer_time, r.transfer_bytes))
+            })
+            .collect()
+    }
+
+    /// Blocks until every submitted job finished (they are then reported by
+    /// `get_finished_jobs`). Releases the GIL while waiting.
+    fn drain_jobs(&mut self, py: Python<'_>) -> PyResult<()> {
+        let mut tier = self
+            .slot()
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("the kvbm disk tier is shut down"))?;
+        let r = py.detach(|| tier.drain_jobs());
+        *self.slot() = Some(tier);
+        r.map_err(to_py)
+    }
+
+    fn has_pending_work(&mut self) -> bool {
+        self.slot().as_ref().is_some_and(|t| t.has_pending_work())
+    }
+
+    /// `"chunk_level"` or `"request_level"`.
+    fn on_new_request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let c = self.contexts.get(ctx)?;
+        Ok(match self.tier()?.on_new_request(&c).policy {
+            OffloadScope::ChunkLevel => "chunk_level",
+            OffloadScope::RequestLevel => "request_level",
+        })
+    }
+
+    fn on_request_finished(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let c = self.contexts.get(ctx)?;
+        self.tier()?.on_request_finished(&c);
+        self.contexts.forget(ctx);
+        Ok(())
+    }
+
+    fn touch(&mut self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let c = self.contexts.get(ctx)?;
+        self.tier()?.touch(&ks, &c);
+        Ok(())
+    }
+
+    /// Chunks written and ready on disk.
+    fn num_ready(&mut self) -> usize {
+        self.slot().as_ref().map_or(0, |t| t.num_ready())
+    }
+
+    /// Waits for every job, then releases the file and vLLM's region. Idempotent.
+    fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
+        if let Some(mut tier) = self.slot().take() {
+            let r = py.detach(|| tier.shutdown());
+            // Jobs drained by the shutdown are still reported.
+            tier.get_finished_jobs(&mut self.finished);
+            r.map_err(to_py)?;
+        }
+        Ok(())
+    }
+}

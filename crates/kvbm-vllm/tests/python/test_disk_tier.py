@@ -1,0 +1,174 @@
+"""Bytes through vLLM's own tiering manager and kvbm's disk tier.
+
+vLLM 0.33's real ``TieringOffloadingManager`` and ``CPUPrimaryTierOffloadingManager`` run the
+scheduler side; their primary region is a numpy array standing in for the shared region vLLM's
+workers fill from the GPU. ``KvbmDiskTier`` sits below as a secondary tier. The tests play the
+worker (write a stored chunk's bytes into its primary slot) and the scheduler (steps, lookups),
+and check what a user relies on: chunks evicted from the primary come back from the disk with
+the bytes they were stored with; a damaged slot is never served; the tier stays within its
+capacity; bad configuration is refused naming the key.
+"""
+
+import os
+from unittest.mock import MagicMock
+
+import numpy as np
+import pytest
+
+from kvbm_vllm.replay import ensure_vllm
+
+ensure_vllm()
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+from kvbm_vllm.tiers import KvbmDiskTier  # noqa: E402
+
+CHUNK = 4096
+PRIMARY = 8
+
+
+class Setup:
+    def __init__(self, tmp_path, capacity=32, direct_io=True):
+        self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
+        mmap = MagicMock()
+        mmap.create_kv_memoryview.return_value = memoryview(self.region)
+        self.primary = CPUPrimaryTierOffloadingManager(num_chunks=PRIMARY, mmap_region=mmap)
+        self.path = tmp_path / "g3" / "g3.bin"
+        self.tier = KvbmDiskTier(
+            offloading_spec=MagicMock(),
+            primary_kv_view=self.primary.get_kv_memoryview(),
+            tier_type="kvbm_disk",
+            path=str(self.path),
+            capacity=capacity,
+            direct_io=direct_io,
+        )
+        self.manager = TieringOffloadingManager(primary_tier=self.primary, secondary_tiers=[self.tier])
+        self.n = 0
+
+    def step(self):
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+
+    def ctx(self):
+        self.n += 1
+        c = ReqContext(req_id=f"r{self.n}")
+        self.manager.on_new_request(c)
+        return c
+
+    def store(self, keys, fill):
+        """Stores `keys` as vLLM does: prepare, the worker writes the slots, complete."""
+        c = self.ctx()
+        out = self.manager.prepare_store(keys, c)
+        assert out is not None, "the primary has room"
+        for k, slot in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            self.region[int(slot)] = fill(k)
+        self.manager.complete_store(out.keys_to_store, c)
+        self.manager.on_request_finished(c)
+        self.settle()
+
+    def settle(self):
+        """Steps until every job of the disk tier is reported."""
+        for _ in range(50):
+            self.tier.drain_jobs()
+            self.step()
+            if not self.tier.has_pending_work():
+                self.step()
+                return
+        raise AssertionError("the disk tier never settled")
+
+    def load(self, key):
+        """Looks `key` up as a new request would, following a promotion; returns the bytes the
+        worker would copy to the GPU, or None for a miss."""
+        c = self.ctx()
+        for _ in range(50):
+            r = self.manager.lookup(key, c)
+            if r is LookupResult.HIT:
+                spec = self.manager.prepare_load([key], c)
+                data = self.region[int(spec.chunk_ids[0])].copy()
+                self.manager.complete_load([key], c)
+                self.manager.on_request_finished(c)
+                self.step()
+                return data
+            if r is LookupResult.MISS:
+                self.manager.on_request_finished(c)
+                self.step()
+                return None
+            self.tier.drain_jobs()
+            self.step()
+        raise AssertionError(f"lookup of {key!r} never resolved")
+
+
+def pattern(key):
+    seed = int.from_bytes(key[:8].ljust(8, b"\0"), "big") % (2**32)
+    return np.random.default_rng(seed).integers(-128, 128, CHUNK, dtype=np.int8)
+
+
+def keys(prefix, n):
+    return [make_offload_key(f"{prefix}-{i}".encode(), 0) for i in range(n)]
+
+
+def test_evicted_chunks_come_back_from_disk_with_their_bytes(tmp_path):
+    s = Setup(tmp_path)
+    first = keys("first", 4)
+    s.store(first, pattern)
+    assert s.tier._rs.num_ready() == 4, "every stored chunk cascaded to the disk"
+    # Push the first chunks out of the 8-slot primary.
+    for i in range(3):
+        s.store(keys(f"filler{i}", 4), pattern)
+    assert all(s.primary.lookup(k, ReqContext(req_id="probe")) is LookupResult.MISS for k in first)
+    for k in first:
+        got = s.load(k)
+        assert got is not None, "promoted back from the disk"
+        assert np.array_equal(got, pattern(k)), "with the bytes it was stored with"
+    s.manager.shutdown()
+
+
+def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path):
+    s = Setup(tmp_path)
+    victim = keys("victim", 1)
+    s.store(victim, pattern)
+    for i in range(2):
+        s.store(keys(f"filler{i}", 4), pattern)
+    # Flip bytes across the whole file: whichever slot holds the victim, its bytes are damaged.
+    data = bytearray(s.path.read_bytes())
+    for off in range(0, len(data), 1024):
+        data[off] ^= 0xFF
+    with open(s.path, "r+b") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    got = s.load(victim[0])
+    assert got is None or np.array_equal(got, pattern(victim[0])), "never wrong bytes"
+    assert got is None, "the damaged copy is refused (the request recomputes)"
+    s.manager.shutdown()
+
+
+def test_the_tier_stays_within_its_capacity(tmp_path):
+    s = Setup(tmp_path, capacity=6)
+    for i in range(5):
+        s.store(keys(f"batch{i}", 4), pattern)
+    assert s.tier._rs.num_ready() <= 6
+    size = s.path.stat().st_size
+    # 6 slots of one chunk plus kvbm's per-slot header: bounded, whatever was offered.
+    assert size < 6 * 2 * CHUNK + 1024 * 1024, size
+    s.manager.shutdown()
+
+
+def test_configuration_errors_name_the_key(tmp_path):
+    view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
+    with pytest.raises(ValueError, match="unknown key.*'capacity_gb'"):
+        KvbmDiskTier(MagicMock(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4,
+                     capacity_gb=1)
+    with pytest.raises(ValueError, match="missing required key.*capacity"):
+        KvbmDiskTier(MagicMock(), view, "kvbm_disk", path=str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="locality"):
+        KvbmDiskTier(MagicMock(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4,
+                     locality="remote")
