@@ -5,7 +5,37 @@ processes that never run a manager, so nothing here loads the Rust extension or 
 class is used. ``kvbm_vllm.upstream_compat`` holds the classes that stand where vLLM's own do.
 """
 
-__all__ = ["extension"]
+import logging
+
+__all__ = ["extension", "register", "TIER_TYPES"]
+
+_log = logging.getLogger("kvbm_vllm")
+
+#: kvbm's secondary tier types for vLLM's ``TieringOffloadingSpec``: type -> (module, class).
+TIER_TYPES = {"kvbm_disk": ("kvbm_vllm.tiers", "KvbmDiskTier")}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers kvbm's tier types with vLLM's
+    ``SecondaryTierFactory``, so ``{"type": "kvbm_disk", ...}`` works without a module path.
+
+    vLLM calls it in every process it starts; it imports only vLLM's factory (no extension, no
+    manager), and it never raises: a vLLM without the factory, or a name already registered,
+    is logged and skipped, so a broken plugin can never stop vLLM from starting.
+    """
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except Exception as e:  # noqa: BLE001 - a plugin must not stop vLLM
+        _log.warning("kvbm_vllm: vLLM's SecondaryTierFactory is not importable (%s); "
+                     "kvbm's tiers are not registered (use module_path in the tier config)", e)
+        return
+    for tier_type, (module, cls) in TIER_TYPES.items():
+        try:
+            SecondaryTierFactory.register_tier(tier_type, module, cls)
+        except ValueError:
+            _log.debug("kvbm_vllm: tier type %s already registered", tier_type)
+        except Exception as e:  # noqa: BLE001
+            _log.warning("kvbm_vllm: cannot register tier type %s: %s", tier_type, e)
 
 
 def extension():

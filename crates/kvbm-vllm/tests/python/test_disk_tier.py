@@ -172,3 +172,20 @@ def test_configuration_errors_name_the_key(tmp_path):
     with pytest.raises(ValueError, match="locality"):
         KvbmDiskTier(MagicMock(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4,
                      locality="remote")
+
+
+def test_the_plugin_registers_kvbm_disk_for_vllms_factory(tmp_path):
+    import kvbm_vllm
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    kvbm_vllm.register()
+    kvbm_vllm.register()  # vLLM loads plugins in every process; a second call is harmless
+    assert SecondaryTierFactory.get_tier_class({"type": "kvbm_disk"}) is KvbmDiskTier
+    view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "kvbm_disk", "path": str(tmp_path / "g3.bin"), "capacity": 4},
+        view,
+        MagicMock(),
+    )
+    assert isinstance(tier, KvbmDiskTier) and tier.tier_type == "kvbm_disk"
+    tier.shutdown()
