@@ -1,9 +1,9 @@
 //! `cargo xtask ci`: the whole gate, in order, stopping at the first failure.
 //!
 //! ```text
-//!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests [stop servers]
-//!     ─► loom model checks ─► python (the kvbm-vllm wheel; vLLM's own tests, see
-//!     [`crate::python`]) ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
+//!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests, python (the
+//!     kvbm-vllm wheel; vLLM's own tests, see [`crate::python`]) [stop servers] ─► loom model
+//!     checks ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
 //! ```
 //!
 //! The fuzz step installs cargo-fuzz when it is missing and builds the `fuzz/` crate on nightly
@@ -68,8 +68,18 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     test.args(["test", "--workspace", "--features", TEST_FEATURES]);
     services.export_to(&mut test);
     let tested = run_counting(&mut test);
+    // The Python step (kvbm-vllm's wheel, vLLM's own tests, the object tier on S3) while the
+    // servers are up.
+    let python = match &tested {
+        Ok(_) => {
+            eprintln!("\n$ cargo xtask python");
+            crate::python::run_with(&services)
+        }
+        Err(_) => Ok(()), // the tests' failure is the one reported
+    };
     services.stop();
     let mut totals = tested?;
+    python?;
 
     // Loom model checks of the logical crate's handle-lifetime protocol: their own cfg, so their
     // own target dir (keeps the main build cache), release for speed.
@@ -85,8 +95,6 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     totals.failed += loomed.failed;
     totals.ignored += loomed.ignored;
 
-    eprintln!("\n$ cargo xtask python");
-    crate::python::run()?;
     crate::fuzz::run_targets(crate::fuzz::CI_SECS, &crate::fuzz::TARGETS)?;
     crate::soak::run_for(crate::soak::CI_SECS)?;
 

@@ -5,7 +5,8 @@
 //!     ─► vLLM 0.33.0's kv_offload tests with vLLM's classes (all must pass: proves the harness)
 //!     ─► the same tests with kvbm's classes substituted (expected failures listed with reasons)
 //!     ─► kvbm-vllm's own tests (`tests/python`): `python -m kvbm_vllm.replay` writes the same
-//!        lines as kvbm-tiering's Rust replay example, call for call, through the Python API
+//!        lines as kvbm-tiering's Rust replay example, call for call, through the Python API;
+//!        kvbm's disk and object tiers (a real S3 server) under vLLM's own tiering manager
 //! ```
 //!
 //! The venv holds only the wheel (installed without dependencies); the harness pip-installs its
@@ -18,6 +19,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
+use crate::services::Services;
 use crate::{project_root, run_step};
 
 /// The classes kvbm substitutes in vLLM's tests today, and the test files that exercise them.
@@ -72,7 +74,17 @@ fn wheel(dir: &Path) -> Result<PathBuf> {
     }
 }
 
+/// `cargo xtask python`: starts the test servers (the object tier's S3 test needs one), runs
+/// [`run_with`], stops them whatever the outcome.
 pub(crate) fn run() -> Result<()> {
+    let services = Services::start_all()?;
+    let r = run_with(&services);
+    services.stop();
+    r
+}
+
+/// The whole Python step against servers already started (`cargo xtask ci` reuses its own).
+pub(crate) fn run_with(services: &Services) -> Result<()> {
     let root = project_root();
     let py = python();
     ensure_maturin(&py)?;
@@ -138,8 +150,10 @@ pub(crate) fn run() -> Result<()> {
             ],
         ),
     )?;
+    let mut pytest = Command::new(&venv_py);
+    services.export_to(&mut pytest);
     run_step(
-        Command::new(&venv_py)
+        pytest
             .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
             .arg(root.join("crates/kvbm-vllm/tests/python"))
             // pytest and numpy: the harness's pinned copies (installed by the run above).

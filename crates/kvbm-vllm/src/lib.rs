@@ -13,6 +13,6 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("ContractError", m.py().get_type::<bridge::ContractError>())?;
     m.add_class::<cpu::CpuManager>()?;
-    m.add_class::<tiers::DiskTier>()?;
+    m.add_class::<tiers::StorageTier>()?;
     Ok(())
 }

@@ -1,9 +1,11 @@
-//! `DiskTier`: kvbm's G3 disk tier ([`PhysicalTier<G3>`]) as a secondary tier under vLLM's
-//! own tiering manager, moving bytes straight between vLLM's primary region and the disk.
+//! `StorageTier`: kvbm's G3 disk tier and G4 object tier ([`PhysicalTier<G3>`],
+//! [`PhysicalTier<G4>`](kvbm_tiering::ObjectTier)) as secondary tiers under vLLM's own tiering
+//! manager, moving bytes straight between vLLM's primary region and the disk or object store.
 //!
 //! ```text
-//!  vLLM TieringOffloadingManager ─► KvbmDiskTier (Python, vLLM's SecondaryTierManager ABC)
-//!        (vLLM's Python)                 └─► DiskTier (this) ─► PhysicalTier<G3> ─► O_DIRECT file
+//!  vLLM TieringOffloadingManager ─► KvbmDiskTier / KvbmObjectTier (Python, vLLM's ABC)
+//!        (vLLM's Python)                 └─► StorageTier (this) ─► PhysicalTier<G3> ─► O_DIRECT file
+//!                                                                 PhysicalTier<G4> ─► S3 / directory
 //!  vLLM's primary region (/dev/shm, its workers fill it from the GPU)
 //!        └── the same bytes: HostStorage::external, a kvbm layout over vLLM's memory
 //! ```
@@ -19,19 +21,22 @@
 //! reads chunks the manager pinned for the cascade, a load job writes chunks the manager
 //! reserved for the promotion, until the job is reported finished.
 //!
-//! # What the disk guarantees
+//! # What the tiers guarantee
 //!
-//! Bounded: `capacity` chunk slots in one file, the oldest ready key evicted for a new one.
-//! Every slot carries kvbm-physical's header (checksum, identity from the key's bytes, geometry):
-//! a read whose header or bytes do not match is a failed load, never wrong bytes.
+//! Bounded: `capacity` chunk slots in one file (the disk), `capacity` keys remembered (objects),
+//! the oldest ready key evicted for a new one. Every slot and object carries kvbm-physical's
+//! header (checksum, identity from the key's bytes, geometry): a read whose header or bytes do
+//! not match is a failed load, never wrong bytes.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvbm_physical::{DiskConfig, HostStorage, TransferManager};
+use kvbm_physical::{
+    DiskConfig, HostStorage, ObjectConfig, ObjectStorage, S3Config, TransferManager,
+};
 use kvbm_tiering::{
-    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, OffloadScope,
-    PhysicalTier, SecondaryTierManager, TierJob,
+    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult,
+    ObjectTier as RustObjectTier, OffloadScope, PhysicalTier, SecondaryTierManager, TierJob,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -44,13 +49,53 @@ use crate::cpu::LookupMembers;
 /// The buffer export of vLLM's primary region: the owner of the external memory.
 struct Region(#[allow(dead_code)] PyBuffer<u8>);
 
-/// kvbm's disk tier for vLLM's tiering manager: see the [module docs](self).
+/// A kvbm tier behind the Python boundary: its `SecondaryTierManager` calls are the same for
+/// every kind.
+type AnyTier = Box<dyn SecondaryTierManager + Send>;
+
+/// vLLM's primary region as a kvbm primary tier (memory only: vLLM's manager owns the slots).
+fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<CpuPrimaryTier> {
+    let buf = PyBuffer::<u8>::get(region).map_err(|e| {
+        PyValueError::new_err(format!(
+            "primary_kv_view must export a byte buffer (vLLM's memoryview of its offload \
+             region): {e}"
+        ))
+    })?;
+    if buf.readonly() || !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err(
+            "primary_kv_view must be writable and C-contiguous (vLLM's offload region)",
+        ));
+    }
+    if chunk_bytes == 0 || buf.len_bytes() % chunk_bytes != 0 {
+        return Err(PyValueError::new_err(format!(
+            "primary_kv_view of {} bytes is not whole chunks of {chunk_bytes} bytes",
+            buf.len_bytes()
+        )));
+    }
+    let num_chunks = buf.len_bytes() / chunk_bytes;
+    let (ptr, len) = (buf.buf_ptr().cast::<u8>(), buf.len_bytes());
+    // SAFETY: the buffer export keeps vLLM's region mapped and its address fixed until the
+    // export is released, which happens only when the HostStorage (its owner) is dropped;
+    // writes to chunks are ordered by vLLM's manager's job protocol (module docs).
+    let memory = unsafe { HostStorage::external(ptr, len, Box::new(Region(buf))) }
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let tm = Arc::new(TransferManager::new().map_err(|e| PyRuntimeError::new_err(e.to_string()))?);
+    CpuPrimaryTier::over_memory(
+        CpuManagerConfig::new(num_chunks),
+        chunk_bytes,
+        tm,
+        Arc::new(memory),
+    )
+    .map_err(to_py)
+}
+
+/// kvbm's disk or object tier for vLLM's tiering manager: see the [module docs](self).
 #[pyclass(module = "kvbm_vllm._kvbm")]
-pub(crate) struct DiskTier {
+pub(crate) struct StorageTier {
     /// `None` after `shutdown`. The mutex only makes the class `Sync` for PyO3 (the tier's
     /// in-flight moves are `Send` futures); every method takes `&mut self`, PyO3's exclusive
     /// borrow, and reaches it with `get_mut`, never locking.
-    tier: std::sync::Mutex<Option<RustDiskTier>>,
+    tier: std::sync::Mutex<Option<AnyTier>>,
     /// Holds the primary's registration (and so the region) as long as the tier lives.
     _primary: CpuPrimaryTier,
     contexts: Contexts,
@@ -58,25 +103,41 @@ pub(crate) struct DiskTier {
     finished: Vec<JobResult>,
 }
 
-impl DiskTier {
-    fn slot(&mut self) -> &mut Option<RustDiskTier> {
+impl StorageTier {
+    fn slot(&mut self) -> &mut Option<AnyTier> {
         self.tier.get_mut().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn tier(&mut self) -> PyResult<&mut RustDiskTier> {
+    fn tier(&mut self) -> PyResult<&mut AnyTier> {
         self.slot()
             .as_mut()
-            .ok_or_else(|| PyRuntimeError::new_err("the kvbm disk tier is shut down"))
+            .ok_or_else(|| PyRuntimeError::new_err("the kvbm tier is shut down"))
+    }
+}
+
+impl StorageTier {
+    fn over(
+        tier: AnyTier,
+        primary: CpuPrimaryTier,
+        lookup_results: &Bound<'_, PyTuple>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            tier: std::sync::Mutex::new(Some(tier)),
+            _primary: primary,
+            contexts: Contexts::default(),
+            results: LookupMembers::from_tuple(lookup_results)?,
+            finished: Vec::new(),
+        })
     }
 }
 
 #[pymethods]
-impl DiskTier {
-    /// `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes` per chunk);
-    /// `path`: the tier's file; `capacity`: chunk slots in it.
-    #[new]
+impl StorageTier {
+    /// A disk tier. `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes`
+    /// per chunk); `path`: the tier's file; `capacity`: chunk slots in it.
+    #[staticmethod]
     #[pyo3(signature = (region, chunk_bytes, path, capacity, queue_depth, direct_io, lookup_results))]
-    fn new(
+    fn disk(
         region: &Bound<'_, PyAny>,
         chunk_bytes: usize,
         path: std::path::PathBuf,
@@ -85,44 +146,12 @@ impl DiskTier {
         direct_io: bool,
         lookup_results: &Bound<'_, PyTuple>,
     ) -> PyResult<Self> {
-        let buf = PyBuffer::<u8>::get(region).map_err(|e| {
-            PyValueError::new_err(format!(
-                "primary_kv_view must export a byte buffer (vLLM's memoryview of its offload \
-                 region): {e}"
-            ))
-        })?;
-        if buf.readonly() || !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err(
-                "primary_kv_view must be writable and C-contiguous (vLLM's offload region)",
-            ));
-        }
-        if chunk_bytes == 0 || buf.len_bytes() % chunk_bytes != 0 {
-            return Err(PyValueError::new_err(format!(
-                "primary_kv_view of {} bytes is not whole chunks of {chunk_bytes} bytes",
-                buf.len_bytes()
-            )));
-        }
         if capacity == 0 {
             return Err(PyValueError::new_err(
                 "capacity: the disk tier needs at least one chunk slot",
             ));
         }
-        let num_chunks = buf.len_bytes() / chunk_bytes;
-        let (ptr, len) = (buf.buf_ptr().cast::<u8>(), buf.len_bytes());
-        // SAFETY: the buffer export keeps vLLM's region mapped and its address fixed until the
-        // export is released, which happens only when the HostStorage (its owner) is dropped;
-        // writes to chunks are ordered by vLLM's manager's job protocol (module docs).
-        let memory = unsafe { HostStorage::external(ptr, len, Box::new(Region(buf))) }
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let tm =
-            Arc::new(TransferManager::new().map_err(|e| PyRuntimeError::new_err(e.to_string()))?);
-        let primary = CpuPrimaryTier::over_memory(
-            CpuManagerConfig::new(num_chunks),
-            chunk_bytes,
-            tm,
-            Arc::new(memory),
-        )
-        .map_err(to_py)?;
+        let primary = primary_over(region, chunk_bytes)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| {
                 PyRuntimeError::new_err(format!("cannot create {}: {e}", dir.display()))
@@ -137,13 +166,72 @@ impl DiskTier {
                 path.display()
             ))
         })?;
-        Ok(Self {
-            tier: std::sync::Mutex::new(Some(tier.with_tier_type("kvbm_disk"))),
-            _primary: primary,
-            contexts: Contexts::default(),
-            results: LookupMembers::from_tuple(lookup_results)?,
-            finished: Vec::new(),
-        })
+        Self::over(
+            Box::new(tier.with_tier_type("kvbm_disk")),
+            primary,
+            lookup_results,
+        )
+    }
+
+    /// An object tier: objects named by each key's hash under `namespace`, in the S3 bucket
+    /// `bucket` (at `endpoint`, `None` for AWS) or, with `dir`, in a local directory;
+    /// `capacity`: keys it remembers.
+    #[staticmethod]
+    #[pyo3(signature = (region, chunk_bytes, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results))]
+    #[allow(clippy::too_many_arguments)]
+    fn object(
+        region: &Bound<'_, PyAny>,
+        chunk_bytes: usize,
+        namespace: String,
+        capacity: usize,
+        bucket: Option<String>,
+        endpoint: Option<String>,
+        s3_region: String,
+        access_key: Option<String>,
+        secret_key: Option<String>,
+        dir: Option<std::path::PathBuf>,
+        lookup_results: &Bound<'_, PyTuple>,
+    ) -> PyResult<Self> {
+        if capacity == 0 {
+            return Err(PyValueError::new_err(
+                "capacity: the object tier must remember at least one key",
+            ));
+        }
+        let primary = primary_over(region, chunk_bytes)?;
+        let config = ObjectConfig {
+            namespace,
+            ..ObjectConfig::default()
+        };
+        let storage = match (bucket, dir) {
+            (Some(bucket), None) => {
+                let s3 = S3Config {
+                    endpoint,
+                    bucket: bucket.clone(),
+                    region: s3_region,
+                    access_key: access_key.unwrap_or_default(),
+                    secret_key: secret_key.unwrap_or_default(),
+                };
+                ObjectStorage::s3(&s3, config).map_err(|e| {
+                    PyRuntimeError::new_err(format!("cannot open the S3 bucket {bucket}: {e}"))
+                })?
+            }
+            (None, Some(dir)) => ObjectStorage::local(&dir, config).map_err(|e| {
+                PyRuntimeError::new_err(format!("cannot open the directory {}: {e}", dir.display()))
+            })?,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "an object tier needs exactly one of bucket (S3) and dir (a local directory)",
+                ));
+            }
+        };
+        let tier = PhysicalTier::object(&primary, Arc::new(storage), capacity).map_err(|e| {
+            PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
+        })?;
+        Self::over(
+            Box::new(tier.with_tier_type("kvbm_object")),
+            primary,
+            lookup_results,
+        )
     }
 
     fn lookup(&mut self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
@@ -229,7 +317,7 @@ impl DiskTier {
         let mut tier = self
             .slot()
             .take()
-            .ok_or_else(|| PyRuntimeError::new_err("the kvbm disk tier is shut down"))?;
+            .ok_or_else(|| PyRuntimeError::new_err("the kvbm tier is shut down"))?;
         let r = py.detach(|| tier.drain_jobs());
         *self.slot() = Some(tier);
         r.map_err(to_py)
@@ -264,7 +352,15 @@ impl DiskTier {
 
     /// Chunks written and ready on disk.
     fn num_ready(&mut self) -> usize {
-        self.slot().as_ref().map_or(0, |t| t.num_ready())
+        let Some(t) = self.slot().as_mut() else {
+            return 0;
+        };
+        let any = t.as_any_mut();
+        if let Some(d) = any.downcast_ref::<RustDiskTier>() {
+            return d.num_ready();
+        }
+        any.downcast_ref::<RustObjectTier>()
+            .map_or(0, |o| o.num_ready())
     }
 
     /// Waits for every job, then releases the file and vLLM's region. Idempotent.

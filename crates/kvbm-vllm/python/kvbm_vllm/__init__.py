@@ -12,12 +12,16 @@ __all__ = ["extension", "register", "TIER_TYPES"]
 _log = logging.getLogger("kvbm_vllm")
 
 #: kvbm's secondary tier types for vLLM's ``TieringOffloadingSpec``: type -> (module, class).
-TIER_TYPES = {"kvbm_disk": ("kvbm_vllm.tiers", "KvbmDiskTier")}
+TIER_TYPES = {
+    "kvbm_disk": ("kvbm_vllm.tiers", "KvbmDiskTier"),
+    "kvbm_object": ("kvbm_vllm.tiers", "KvbmObjectTier"),
+}
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers kvbm's tier types with vLLM's
-    ``SecondaryTierFactory``, so ``{"type": "kvbm_disk", ...}`` works without a module path.
+    ``SecondaryTierFactory``, so ``{"type": "kvbm_disk", ...}`` and ``{"type": "kvbm_object",
+    ...}`` work without a module path.
 
     vLLM calls it in every process it starts; it imports only vLLM's factory (no extension, no
     manager), and it never raises: a vLLM without the factory, or a name already registered,

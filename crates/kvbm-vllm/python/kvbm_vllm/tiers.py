@@ -23,11 +23,22 @@ Keys of a ``kvbm_disk`` tier (anything else is an error naming the key):
 ``direct_io``              O_DIRECT, default true (false for file systems without it, e.g. tmpfs)
 ``locality``               vLLM's key; only ``"local"`` fits a local file
 
-Not built yet: warm restart from the tier's journal (a restarted tier starts empty), events,
-and the ``kvbm_object`` (S3) tier.
+``KvbmObjectTier`` (tier type ``kvbm_object``) keeps each chunk as one object named by its key's
+hash under ``namespace``, in an S3 bucket or a local directory, with the same header and
+checksum: a damaged or foreign object is a failed load. Its keys: ``bucket`` (S3) or ``dir`` (a
+directory), ``endpoint``, ``region`` (default us-east-1), ``access_key_env`` /
+``secret_key_env`` (the environment variables holding the credentials; defaults
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``: secrets never sit in vLLM's configuration),
+``namespace`` (default ``kvbm``), ``capacity`` (keys remembered, default 65536), ``locality``
+(default ``"remote"``).
+
+Not built yet: warm restart from the disk tier's journal (a restarted disk tier starts empty),
+an object tier that finds objects another instance wrote (it knows only its own stores), events.
 """
 
 from __future__ import annotations
+
+import os
 
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
@@ -46,7 +57,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbm_vllm import extension
 
-__all__ = ["KvbmDiskTier", "DISK_KEYS"]
+__all__ = ["KvbmDiskTier", "KvbmObjectTier", "DISK_KEYS", "OBJECT_KEYS"]
 
 _LOOKUP_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _POLICIES = {"chunk_level": OffloadPolicy.CHUNK_LEVEL, "request_level": OffloadPolicy.REQUEST_LEVEL}
@@ -66,7 +77,7 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
     if unknown:
         raise ValueError(
             f"secondary tier {tier_type!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"a kvbm_disk tier takes {', '.join(keys)}"
+            f"it takes {', '.join(keys)}"
         )
     out = {**keys, **given}
     missing = [k for k, v in out.items() if v is None]
@@ -77,44 +88,14 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
     return out
 
 
-class KvbmDiskTier(SecondaryTierManager):
-    """A bounded, verified disk tier (kvbm's G3) under vLLM's tiering manager (see the module
-    docs for its keys and guarantees)."""
+def _flat(view: memoryview) -> memoryview:
+    """vLLM's region as flat unsigned bytes (its view may be 2-D, of any one-byte format)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
-    medium: ClassVar[Medium] = Medium.STORAGE
-    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.DISK
 
-    def __init__(
-        self,
-        offloading_spec,
-        primary_kv_view: memoryview,
-        tier_type: str = "kvbm_disk",
-        backpressure_detector=None,
-        **config: Any,
-    ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        s = _settings(tier_type, config, DISK_KEYS)
-        locality = Locality(str(s["locality"]).upper())
-        if locality is not Locality.LOCAL:
-            raise ValueError(
-                f"secondary tier {tier_type!r}: locality {s['locality']!r}, but a kvbm_disk "
-                f"file is local"
-            )
-        self.locality = locality
-        capacity = int(s["capacity"])
-        if capacity <= 0:
-            raise ValueError(f"secondary tier {tier_type!r}: capacity must be > 0, got {capacity}")
-        # The region as flat unsigned bytes (vLLM's view may be 2-D, of any one-byte format).
-        region = primary_kv_view.cast("B") if primary_kv_view.format != "B" or primary_kv_view.ndim != 1 else primary_kv_view
-        self._rs = extension().DiskTier(
-            region,
-            self.block_size_bytes,
-            str(s["path"]),
-            capacity,
-            int(s["queue_depth"]),
-            bool(s["direct_io"]),
-            _LOOKUP_RESULTS,
-        )
+class _KvbmTier(SecondaryTierManager):
+    """What kvbm's tiers share: every call goes to the Rust tier (``self._rs``), answers as
+    vLLM's objects."""
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return self._rs.lookup(key, req_context)
@@ -156,3 +137,107 @@ class KvbmDiskTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._rs.shutdown()
+
+
+class KvbmDiskTier(_KvbmTier):
+    """A bounded, verified disk tier (kvbm's G3) under vLLM's tiering manager (see the module
+    docs for its keys and guarantees)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.DISK
+
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str = "kvbm_disk",
+        backpressure_detector=None,
+        **config: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        s = _settings(tier_type, config, DISK_KEYS)
+        locality = Locality(str(s["locality"]).upper())
+        if locality is not Locality.LOCAL:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: locality {s['locality']!r}, but a kvbm_disk "
+                f"file is local"
+            )
+        self.locality = locality
+        capacity = int(s["capacity"])
+        if capacity <= 0:
+            raise ValueError(f"secondary tier {tier_type!r}: capacity must be > 0, got {capacity}")
+        self._rs = extension().StorageTier.disk(
+            _flat(primary_kv_view),
+            self.block_size_bytes,
+            str(s["path"]),
+            capacity,
+            int(s["queue_depth"]),
+            bool(s["direct_io"]),
+            _LOOKUP_RESULTS,
+        )
+
+
+#: The keys a ``kvbm_object`` tier takes, with their defaults (``None``: required).
+OBJECT_KEYS: dict[str, Any] = {
+    "bucket": "",
+    "dir": "",
+    "endpoint": "",
+    "region": "us-east-1",
+    "access_key_env": "AWS_ACCESS_KEY_ID",
+    "secret_key_env": "AWS_SECRET_ACCESS_KEY",
+    "namespace": "kvbm",
+    "capacity": 1 << 16,
+    "locality": "remote",
+}
+
+
+class KvbmObjectTier(_KvbmTier):
+    """A verified object tier (kvbm's G4) under vLLM's tiering manager: each chunk one object,
+    named by its key's hash under ``namespace``, in an S3 bucket (``bucket``, ``endpoint``,
+    ``region``; credentials from the environment variables named by ``access_key_env`` /
+    ``secret_key_env``, never from the configuration) or in a local directory (``dir``).
+    ``capacity`` is how many keys the tier remembers (the oldest forgotten beyond it)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str = "kvbm_object",
+        backpressure_detector=None,
+        **config: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        s = _settings(tier_type, config, OBJECT_KEYS)
+        if bool(s["bucket"]) == bool(s["dir"]):
+            raise ValueError(
+                f"secondary tier {tier_type!r}: give exactly one of bucket (S3) and dir (a local "
+                f"directory)"
+            )
+        self.locality = Locality(str(s["locality"]).upper())
+        capacity = int(s["capacity"])
+        if capacity <= 0:
+            raise ValueError(f"secondary tier {tier_type!r}: capacity must be > 0, got {capacity}")
+        access = secret = None
+        if s["bucket"]:
+            access = os.environ.get(s["access_key_env"])
+            secret = os.environ.get(s["secret_key_env"])
+            if not access or not secret:
+                raise ValueError(
+                    f"secondary tier {tier_type!r}: S3 credentials are read from the environment "
+                    f"variables {s['access_key_env']} and {s['secret_key_env']}; set both"
+                )
+        self._rs = extension().StorageTier.object(
+            _flat(primary_kv_view),
+            self.block_size_bytes,
+            str(s["namespace"]),
+            capacity,
+            s["bucket"] or None,
+            s["endpoint"] or None,
+            str(s["region"]),
+            access,
+            secret,
+            s["dir"] or None,
+            _LOOKUP_RESULTS,
+        )

@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
     TieringOffloadingManager,
 )
 
-from kvbm_vllm.tiers import KvbmDiskTier  # noqa: E402
+from kvbm_vllm.tiers import KvbmDiskTier, KvbmObjectTier  # noqa: E402
 
 CHUNK = 4096
 PRIMARY = 8
@@ -189,3 +189,67 @@ def test_the_plugin_registers_kvbm_disk_for_vllms_factory(tmp_path):
     )
     assert isinstance(tier, KvbmDiskTier) and tier.tier_type == "kvbm_disk"
     tier.shutdown()
+
+
+class ObjectSetup(Setup):
+    """As `Setup`, with a kvbm_object tier instead of the disk."""
+
+    def __init__(self, tmp_path, **config):
+        self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
+        mmap = MagicMock()
+        mmap.create_kv_memoryview.return_value = memoryview(self.region)
+        self.primary = CPUPrimaryTierOffloadingManager(num_chunks=PRIMARY, mmap_region=mmap)
+        self.tier = KvbmObjectTier(
+            offloading_spec=MagicMock(),
+            primary_kv_view=self.primary.get_kv_memoryview(),
+            tier_type="kvbm_object",
+            **config,
+        )
+        self.manager = TieringOffloadingManager(primary_tier=self.primary, secondary_tiers=[self.tier])
+        self.n = 0
+
+
+def _object_round_trip(s):
+    first = keys("obj", 4)
+    s.store(first, pattern)
+    assert s.tier._rs.num_ready() == 4
+    for i in range(3):
+        s.store(keys(f"objfill{i}", 4), pattern)
+    for k in first:
+        got = s.load(k)
+        assert got is not None and np.array_equal(got, pattern(k))
+    s.manager.shutdown()
+
+
+def test_object_tier_in_a_directory_round_trips_bytes(tmp_path):
+    _object_round_trip(ObjectSetup(tmp_path, dir=str(tmp_path / "objects"), namespace="t1"))
+
+
+def test_object_tier_on_s3_round_trips_bytes(tmp_path, monkeypatch):
+    endpoint = os.environ.get("KVBM_TEST_S3_ENDPOINT")
+    if not endpoint:
+        if os.environ.get("KVBM_TEST_SKIP_SERVICES") == "1":
+            pytest.skip("KVBM_TEST_SKIP_SERVICES=1: no S3 server")
+        pytest.fail("no S3 server: run through `cargo xtask python` or `cargo xtask ci`, which "
+                    "start one (or export KVBM_TEST_S3_* from `cargo xtask services start`)")
+    monkeypatch.setenv("KVBM_S3_KEY", os.environ["KVBM_TEST_S3_ACCESS_KEY"])
+    monkeypatch.setenv("KVBM_S3_SECRET", os.environ["KVBM_TEST_S3_SECRET_KEY"])
+    _object_round_trip(ObjectSetup(
+        tmp_path,
+        bucket=os.environ["KVBM_TEST_S3_BUCKET"],
+        endpoint=endpoint,
+        namespace=f"kvbm-vllm-{os.getpid()}",
+        access_key_env="KVBM_S3_KEY",
+        secret_key_env="KVBM_S3_SECRET",
+    ))
+
+
+def test_object_tier_configuration_errors(tmp_path, monkeypatch):
+    view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
+    with pytest.raises(ValueError, match="exactly one of bucket"):
+        KvbmObjectTier(MagicMock(), view, "kvbm_object")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    with pytest.raises(ValueError, match="AWS_ACCESS_KEY_ID"):
+        KvbmObjectTier(MagicMock(), view, "kvbm_object", bucket="b")
+    with pytest.raises(ValueError, match="unknown key.*'secret_key'"):
+        KvbmObjectTier(MagicMock(), view, "kvbm_object", dir=str(tmp_path), secret_key="x")
