@@ -1004,15 +1004,13 @@ impl<Src: Tier> ExternalMover<Src> {
 }
 
 /// The per-block outcomes of a move that registers nothing, once `started` settled.
-fn settled(
+async fn settled(
     n: usize,
     started: Result<Issued, Vec<Result<(), BlockFailure>>>,
-) -> impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static {
-    async move {
-        match started {
-            Ok(issued) => settle(n, issued.settled().await),
-            Err(failed) => failed,
-        }
+) -> Vec<Result<(), BlockFailure>> {
+    match started {
+        Ok(issued) => settle(n, issued.settled().await),
+        Err(failed) => failed,
     }
 }
 
