@@ -337,7 +337,9 @@ impl TierStack {
             let b = blocks.get(j).ok_or_else(|| {
                 stack_error!("prepare_store named a key the request did not give")
             })?;
-            src.push(MoveSource::of(b));
+            // Host to host, inline: no header to bind an identity into, so the source is its
+            // slot and hash (no digest read).
+            src.push(MoveSource::from((b.block_id(), b.sequence_hash())));
         }
         let dst: Vec<usize> = slots.iter().map(|s| *s as usize).collect();
         let mover = self
