@@ -12,8 +12,11 @@
 //! block of the prefix at a time): it copies a layer range into destination slots the *caller*
 //! owns and registers nothing, because a block is only whole once its last layer arrived; the
 //! session completes and registers the destinations itself after the last layer. In-process it
-//! is [`LayerMover`] (one transfer manager, two bound tiers); across ranks it is
-//! the engine's `SpmdLayerMover` (in `worker`).
+//! is [`LayerMover`] (one transfer manager, two bound tiers), whose copy is kvbm-offload's
+//! [`ExternalMover::move_layers`]: this module issues no raw transfer; the destinations'
+//! exclusivity is vouched by `LayerMove`'s contract (the session's unregistered
+//! `MutableBlock`s). Across ranks it is the engine's `SpmdLayerMover` (in `worker`), whose
+//! per-rank copy is `PhysicalWorker::execute`.
 //!
 //! ```text
 //!  layer 0: move_layers(sources, dst ids, 0..1) ── all ranks settled ──► layer 0 ready
@@ -29,9 +32,9 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use kvbm_logical::{BlockId, BlockManager, ImmutableBlock, MutableBlock, Tier};
 use kvbm_offload::{
-    BlockFailure, BlockFailureKind, BlockMover, BoundTier, MoveOutcome, identity_of,
+    BlockFailure, BlockFailureKind, BlockMover, BoundTier, ExternalMover, MoveOutcome, MoveSource,
 };
-use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
+use kvbm_physical::LayoutHandle;
 
 use crate::error::{EngineError, Result};
 
@@ -96,13 +99,13 @@ pub(crate) fn fail_all<T>(
 
 /// The in-process [`LayerMove`]: one transfer manager, a source layout and a bound
 /// destination tier (its block ids are the layout's slots, checked by [`BoundTier::new`]).
+/// The copy is kvbm-offload's ([`ExternalMover::move_layers`] into the destination layout);
+/// this type checks the configuration once and keeps the destination manager the session
+/// allocates from and registers in.
 pub struct LayerMover<Src: Tier, Dst: Tier> {
-    manager: Arc<TransferManager>,
-    src_layout: LayoutHandle,
-    dst_layout: LayoutHandle,
+    mover: ExternalMover<Src>,
     dst: Arc<BlockManager<Dst>>,
     num_layers: usize,
-    _src: std::marker::PhantomData<fn() -> Src>,
 }
 
 impl<Src: Tier, Dst: Tier> std::fmt::Debug for LayerMover<Src, Dst> {
@@ -178,13 +181,12 @@ impl<Src: Tier, Dst: Tier> LayerMover<Src, Dst> {
                 ),
             ));
         }
+        let mover = ExternalMover::from_layout(tm, src_layout, dst.layout())
+            .map_err(|e| EngineError::config(key, e.to_string()))?;
         Ok(Self {
-            manager: tm.clone(),
-            src_layout,
-            dst_layout: dst.layout(),
+            mover,
             dst: dst.manager().clone(),
             num_layers: sc.num_layers,
-            _src: std::marker::PhantomData,
         })
     }
 }
@@ -213,45 +215,11 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
                     &format!("{n} sources but {} destinations", destinations.len()),
                 );
             }
-            let src_ids: Vec<BlockId> = sources.iter().map(|b| b.block_id()).collect();
-            let options = TransferOptions::layers(layers).identities(
-                sources
-                    .iter()
-                    .map(|b| identity_of(b.sequence_hash(), b.digest()))
-                    .collect(),
-            );
+            let sources: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
             // SAFETY: per `LayerMove`'s contract the destination slots are the caller's
             // unregistered `MutableBlock`s, written only by these layer moves until the last
             // layer registers them; the sources are registered blocks held by the caller.
-            let issued = unsafe {
-                self.manager.execute_transfer(
-                    self.src_layout,
-                    &src_ids,
-                    self.dst_layout,
-                    destinations,
-                    options,
-                )
-            };
-            let completion = match issued {
-                Ok(c) => c,
-                Err(e) => {
-                    let f = BlockFailure::physical(e);
-                    return (0..n).map(|_| Err(f.clone())).collect();
-                }
-            };
-            let mut out: Vec<BlockOutcome> = completion
-                .await
-                .blocks
-                .into_iter()
-                .map(|(_, r)| r.map_err(BlockFailure::physical))
-                .collect();
-            out.resize_with(n, || {
-                Err(BlockFailure::new(
-                    BlockFailureKind::ExecutorAborted,
-                    "the transfer manager reported no outcome",
-                ))
-            });
-            out
+            unsafe { self.mover.move_layers(&sources, destinations, layers) }.await
         })
     }
 }

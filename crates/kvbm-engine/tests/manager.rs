@@ -15,11 +15,9 @@ use std::sync::Arc;
 use kvbm_engine::leader::InstanceLeader;
 use kvbm_engine::manager::{EngineTieringManager, PromotionMovers, key_digest, key_hash};
 use kvbm_engine::mover::BlockMove;
-use kvbm_logical::{BlockId, BlockManager, BlockRegistry, G2, G3, ImmutableBlock};
-use kvbm_offload::{BlockMover, BoundTier};
-use kvbm_physical::{
-    DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,
-};
+use kvbm_logical::{BlockId, BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Tier};
+use kvbm_offload::{BlockMover, BoundTier, ExternalMover};
+use kvbm_physical::{DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager};
 use kvbm_tiering::stats::names;
 use kvbm_tiering::{
     CacheHitSource, LookupResult, OffloadKey, OffloadingManager, ReqContext, ScheduleEndContext,
@@ -92,23 +90,20 @@ fn rig() -> Rig {
 }
 
 impl Rig {
-    /// The worker's copy between GPU slots and G2 chunks (as vLLM's offloading worker does).
-    async fn copy(
+    /// The worker's copy between GPU slots and G2 chunks (as vLLM's offloading worker does),
+    /// through kvbm-offload's `ExternalMover` (`Src`: the tier of the source slots).
+    async fn copy<Src: Tier>(
         &self,
         src: LayoutHandle,
         src_ids: &[BlockId],
         dst: LayoutHandle,
         dst_ids: &[BlockId],
     ) {
+        let mover = ExternalMover::<Src>::from_layout(&self.tm, src, dst).unwrap();
         // SAFETY: test-owned layouts; the scheduler reserved these slots for this copy and
         // nothing outside the manager touches them while it runs.
-        let out = unsafe {
-            self.tm
-                .execute_transfer(src, src_ids, dst, dst_ids, TransferOptions::default())
-        }
-        .unwrap()
-        .await;
-        assert!(out.is_complete_success(), "{out:?}");
+        let out = unsafe { mover.copy_slots(src_ids, dst_ids) }.unwrap().await;
+        assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
     }
 
     fn gpu_bytes(&self, b: BlockId) -> Vec<u8> {
@@ -144,7 +139,7 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
     let out = r.mgr.prepare_store(&keys, &ctx).unwrap().expect("room");
     assert_eq!(out.keys_to_store, keys);
     let chunks = ids(&out.store_spec);
-    r.copy(r.gpu, &[0, 1, 2], r.g2_bound.layout(), &chunks)
+    r.copy::<G1>(r.gpu, &[0, 1, 2], r.g2_bound.layout(), &chunks)
         .await;
     r.mgr.complete_store(&keys, &ctx, true).unwrap();
     let on_g2: Vec<ImmutableBlock<G2>> = std::mem::take(&mut *sunk.lock().unwrap());
@@ -242,7 +237,7 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
         None,
         "loading blocks are held"
     );
-    r.copy(r.g2_bound.layout(), &chunks, r.gpu, &[3, 4, 5])
+    r.copy::<G2>(r.g2_bound.layout(), &chunks, r.gpu, &[3, 4, 5])
         .await;
     for (i, want) in expected.iter().enumerate() {
         assert_eq!(&r.gpu_bytes(3 + i), want, "block {i}");
@@ -323,12 +318,13 @@ async fn a_g3_block_holding_other_bytes_is_never_a_hit_and_misuse_changes_nothin
     // The scheduler recomputes the block and stores it: the fresh bytes in G2 are a HIT (the
     // failed promotion was of the bad G3 copy), and load back exactly.
     let out = r.mgr.prepare_store(&[key], &ctx).unwrap().unwrap();
-    r.copy(r.gpu, &[5], r.g2_bound.layout(), &ids(&out.store_spec))
+    r.copy::<G1>(r.gpu, &[5], r.g2_bound.layout(), &ids(&out.store_spec))
         .await;
     r.mgr.complete_store(&[key], &ctx, true).unwrap();
     assert_eq!(r.mgr.lookup(&key, &ctx), LookupResult::Hit);
     let spec = r.mgr.prepare_load(&[key], &ctx).unwrap();
-    r.copy(r.g2_bound.layout(), &ids(&spec), r.gpu, &[6]).await;
+    r.copy::<G2>(r.g2_bound.layout(), &ids(&spec), r.gpu, &[6])
+        .await;
     r.mgr.complete_load(&[key], &ctx).unwrap();
     assert_eq!(r.gpu_bytes(6), r.gpu_bytes(5));
     // Once G2 drops the fresh copy, the bad G3 copy is not read again: MISS, no promotion.

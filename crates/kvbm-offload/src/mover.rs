@@ -1,5 +1,8 @@
-//! Executors over `kvbm-physical`: tier destinations ([`BlockMoveExecutor`]) and object
-//! destinations ([`ObjectMoveExecutor`]).
+//! The moves: the one place above kvbm-physical where bytes move between layouts.
+//! [`BlockMover`] moves blocks into destinations it registers, [`ExternalMover`] into slots the
+//! caller manages (whole blocks, a layer range, or anonymous slots between memory layouts); the
+//! lanes' executors run them over tier destinations ([`BlockMoveExecutor`],
+//! [`CallerAllocated`]) and object destinations ([`ObjectMoveExecutor`]).
 //!
 //! ```text
 //!  ResolvedBatch ──► allocate dst blocks ──► TransferManager::execute_transfer ──► per-block outcome
@@ -9,16 +12,40 @@
 //!                                                                     to the reset pool, never registered)
 //! ```
 //!
+//! # Why one seam
+//!
+//! kvbm-physical's `execute_transfer` and `execute_transfer_inline` are `unsafe`: the transfer
+//! manager checks transfers against each other, not against owners outside it, so the caller
+//! vouches that every destination is the transfer's alone. This module's private `transfer` is
+//! the only call of either in the crate, and every move of the workspace goes through it (the
+//! engine's per-rank executor, `PhysicalWorker::execute`, is the one other production caller:
+//! it runs what the leader already reserved on every rank). So the safety argument is made in
+//! one place per kind of destination:
+//!
+//! * [`BlockMover`]: each destination is a `MutableBlock` the move owns (no other writer can
+//!   reach its slot; it is registered only after its bytes arrived), or an object named by a
+//!   key unique to its block;
+//! * [`ObjectMoveExecutor`]: objects keyed by their own blocks;
+//! * [`ExternalMover`]: its methods are `unsafe` and its caller states who reserved the slots
+//!   (the scheduler-facing manager from `prepare_store` to `complete_store`, the connector for
+//!   a vLLM worker job, an onboarding session for its unregistered layer-wise destinations).
+//!
+//! # Invariants
+//!
 //! The destination block is registered only after its bytes arrived, so the registry never
 //! claims a block is present in a tier that does not hold it. Object keys are derived from the
 //! sequence hash ([`object_key`]), the same mapping the presence checks and locks use, and every
-//! transfer passes each block's identity ([`identity_of`]: its 256-bit BLAKE3 digest when it has
-//! one, else its sequence hash), so a disk slot or object holding another block (including one
-//! whose 64-bit chain value collides) is an identity mismatch, never served. The destination is
-//! registered with the source's digest, so the identity travels with the block from tier to
-//! tier.
+//! transfer that may write or read a header passes each block's identity ([`identity_of`]: its
+//! 256-bit BLAKE3 digest when it has one, else its sequence hash), so a disk slot or object
+//! holding another block (including one whose 64-bit chain value collides) is an identity
+//! mismatch, never served. The destination is registered with the source's digest, so the
+//! identity travels with the block from tier to tier. Inline moves (host to host on the
+//! caller's thread) pass no identity: host memory keeps no header.
+//!
+//! No lock is taken here: the block managers' and the transfer manager's own leaf locks only.
 
 use std::future::Future;
+use std::ops::Range;
 use std::sync::Arc;
 
 use kvbm_logical::{
@@ -179,31 +206,96 @@ fn check_arrivals<Dst: Tier>(
     }
 }
 
-/// Issues the transfer of `sources` into `dst_ids` now (the claims on every slot are taken
-/// here); the returned completion settles it. A keyed side is addressed by each source's
-/// [`object_key`] (its slot ids become positions); every block carries its identity
-/// ([`MoveSource::identity`]).
-fn issue(
+/// Where a move's transfer goes, and how it runs: the two layouts (a keyed side is addressed by
+/// each block's [`object_key`], its slot ids become positions) and whether it copies on the
+/// caller's thread.
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    src: LayoutHandle,
+    keyed_src: bool,
+    dst: LayoutHandle,
+    keyed_dst: bool,
+    /// Host to host on the caller's thread ([`TransferManager::execute_transfer_inline`]).
+    inline: bool,
+}
+
+/// A transfer issued on the transfer manager's runtime, or already done on the caller's thread.
+enum Issued {
+    Pending(TransferCompletion),
+    Done(TransferOutcome),
+}
+
+impl Issued {
+    /// The transfer's outcome, once it settled.
+    async fn settled(self) -> TransferOutcome {
+        match self {
+            Issued::Pending(c) => c.await,
+            Issued::Done(outcome) => outcome,
+        }
+    }
+}
+
+/// The raw transfer: the only call of `TransferManager::execute_transfer` and
+/// `execute_transfer_inline` in this crate, so every move of the workspace (every mover of
+/// this module; the engine's per-rank executor aside) reaches kvbm-physical here.
+///
+/// # Safety
+///
+/// `TransferManager::execute_transfer`'s contract, for the whole transfer: every slot of
+/// `dst_ids` is exclusively this transfer's to write (no owner expects its content to stay, no
+/// view made outside the manager reads or writes it) and no source is written meanwhile. Each
+/// caller says which handle or reservation vouches for that.
+unsafe fn transfer(
     manager: &TransferManager,
-    (src_layout, keyed_src): (LayoutHandle, bool),
-    (dst_layout, keyed_dst): (LayoutHandle, bool),
+    route: Route,
+    src_ids: &[BlockId],
+    dst_ids: &[BlockId],
+    options: TransferOptions,
+) -> Result<Issued, PhysicalError> {
+    if route.inline {
+        // SAFETY: this function's contract (for the duration of the call).
+        unsafe { manager.execute_transfer_inline(route.src, src_ids, route.dst, dst_ids, options) }
+            .map(Issued::Done)
+    } else {
+        // SAFETY: this function's contract (until the completion resolves).
+        unsafe { manager.execute_transfer(route.src, src_ids, route.dst, dst_ids, options) }
+            .map(Issued::Pending)
+    }
+}
+
+/// Issues the transfer of `sources` into `dst_ids` now (the claims on every slot are taken
+/// here; an inline route has copied when it returns). Every block carries its identity
+/// ([`MoveSource::identity`]) to whatever header the transfer writes or reads; an inline route
+/// is host memory on both sides, which keeps no header, so it passes none. `layers`: only that
+/// range of each block (memory destinations only; `None`: whole blocks).
+///
+/// # Safety
+///
+/// As [`transfer`], for the slots of `dst_ids` (a keyed destination's objects are named by keys
+/// unique to their blocks).
+unsafe fn issue(
+    manager: &TransferManager,
+    route: Route,
     sources: &[MoveSource],
     dst_ids: &[BlockId],
+    layers: Option<Range<usize>>,
     put_mode: ObjectPutMode,
-) -> Result<TransferCompletion, PhysicalError> {
+) -> Result<Issued, PhysicalError> {
     let n = sources.len();
     let positions = || (0..n).collect::<Vec<BlockId>>();
-    let src_ids: Vec<BlockId> = if keyed_src {
+    let src_ids: Vec<BlockId> = if route.keyed_src {
         positions()
     } else {
         sources.iter().map(|s| s.block_id).collect()
     };
-    let dst_ids: Vec<BlockId> = if keyed_dst {
-        positions()
+    let keyed_dst_ids;
+    let dst_ids: &[BlockId] = if route.keyed_dst {
+        keyed_dst_ids = positions();
+        &keyed_dst_ids
     } else {
-        dst_ids.to_vec()
+        dst_ids
     };
-    let options = if keyed_src || keyed_dst {
+    let mut options = if route.keyed_src || route.keyed_dst {
         TransferOptions::with_object_keys(
             sources
                 .iter()
@@ -213,43 +305,36 @@ fn issue(
     } else {
         TransferOptions::default()
     };
-    // Every block carries its identity (full digest or sequence hash): a disk slot or object
-    // holding another block is an identity mismatch, never served.
-    let mut options = options.identities(sources.iter().map(MoveSource::identity).collect());
-    options.object_put_mode = put_mode;
-    // SAFETY: every destination slot is exclusively the caller's for the transfer: a
-    // `MutableBlock` owned by the move (`BlockMover`), a position of a keyed layout named by a
-    // key unique to its block, or a slot the caller of `ExternalMover::move_blocks` vouched for.
-    unsafe { manager.execute_transfer(src_layout, &src_ids, dst_layout, &dst_ids, options) }
-}
-
-/// A transfer issued on the transfer manager's runtime, or already done on the caller's thread.
-enum Issued {
-    Pending(TransferCompletion),
-    Done(TransferOutcome),
-}
-
-/// [`issue`] for host to host, copied on the caller's thread now.
-fn issue_inline(
-    manager: &TransferManager,
-    src_layout: LayoutHandle,
-    dst_layout: LayoutHandle,
-    sources: &[MoveSource],
-    dst_ids: &[BlockId],
-) -> Result<TransferOutcome, PhysicalError> {
-    let src_ids: Vec<BlockId> = sources.iter().map(|s| s.block_id).collect();
-    // SAFETY: as for `issue`: every destination is a `MutableBlock` owned by the move (the only
-    // caller, `BlockMover::move_blocks`), sources are slots the caller holds; host memory only
-    // (checked by `BlockMover::inline`, and by the manager).
-    unsafe {
-        manager.execute_transfer_inline(
-            src_layout,
-            &src_ids,
-            dst_layout,
-            dst_ids,
-            TransferOptions::default(),
-        )
+    if !route.inline {
+        // A disk slot or object holding another block is an identity mismatch, never served.
+        options = options.identities(sources.iter().map(MoveSource::identity).collect());
     }
+    options.layer_range = layers;
+    options.object_put_mode = put_mode;
+    // SAFETY: this function's contract.
+    unsafe { transfer(manager, route, &src_ids, dst_ids, options) }
+}
+
+/// `Ok` when the layouts `src` and `dst` of `manager` are both host memory and neither side is
+/// keyed: what an inline mover (`label`) needs.
+fn check_inline(
+    manager: &TransferManager,
+    label: &str,
+    (src, dst): (LayoutHandle, LayoutHandle),
+    keyed: bool,
+) -> Result<(), OffloadError> {
+    for (side, h) in [("source", src), ("destination", dst)] {
+        let kind = manager
+            .layout(h)
+            .map_err(|e| OffloadError::Setup(format!("inline mover: {side} layout: {e}")))?
+            .storage_kind();
+        if kind != StorageKind::Host || keyed {
+            return Err(OffloadError::InvalidConfig(format!(
+                "inline mover {label}: the {side} is not host memory ({kind:?})"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The per-block results of a settled transfer, in order (a block the manager reported no
@@ -406,25 +491,26 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
     /// # Errors
     /// [`OffloadError::InvalidConfig`] when either side is not host memory.
     pub fn inline(mut self) -> Result<Self, OffloadError> {
-        for (side, h) in [
-            ("source", self.src_layout),
-            ("destination", self.dst_layout),
-        ] {
-            let kind = self
-                .manager
-                .layout(h)
-                .map_err(|e| OffloadError::Setup(format!("inline mover: {side} layout: {e}")))?
-                .storage_kind();
-            if kind != StorageKind::Host || self.keyed_src || self.keyed_dst {
-                return Err(OffloadError::InvalidConfig(format!(
-                    "inline mover {:?} -> {:?}: the {side} is not host memory ({kind:?})",
-                    Src::ID,
-                    Dst::ID
-                )));
-            }
-        }
+        let label = format!("{:?} -> {:?}", Src::ID, Dst::ID);
+        check_inline(
+            &self.manager,
+            &label,
+            (self.src_layout, self.dst_layout),
+            self.keyed_src || self.keyed_dst,
+        )?;
         self.inline = true;
         Ok(self)
+    }
+
+    /// The route of this mover's transfers.
+    fn route(&self) -> Route {
+        Route {
+            src: self.src_layout,
+            keyed_src: self.keyed_src,
+            dst: self.dst_layout,
+            keyed_dst: self.keyed_dst,
+            inline: self.inline,
+        }
     }
 
     /// Runs `check` on each destination's bytes after they arrived and before the block is
@@ -488,32 +574,25 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
             Err(fail_all(n, BlockFailureKind::Transfer, m))
         } else {
             let dst_ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
-            if self.inline {
-                issue_inline(
-                    &self.manager,
-                    self.src_layout,
-                    self.dst_layout,
-                    &sources,
-                    &dst_ids,
-                )
-                .map(Issued::Done)
-            } else {
+            // SAFETY: every destination is a `MutableBlock` this move owns (so no other writer
+            // or reader can reach its slot, and it is registered only after the transfer), or,
+            // for a keyed destination, an object named by a key unique to its block; the caller
+            // keeps the sources alive and registered.
+            unsafe {
                 issue(
                     &self.manager,
-                    (self.src_layout, self.keyed_src),
-                    (self.dst_layout, self.keyed_dst),
+                    self.route(),
                     &sources,
                     &dst_ids,
+                    None,
                     ObjectPutMode::Overwrite,
                 )
-                .map(Issued::Pending)
             }
             .map_err(|e| fail_all_physical(n, e))
         };
         async move {
             let outcome = match issued {
-                Ok(Issued::Done(outcome)) => outcome,
-                Ok(Issued::Pending(c)) => c.await,
+                Ok(issued) => issued.settled().await,
                 Err(failed) => return failed,
             };
             let mut blocks = settle(n, outcome);
@@ -610,21 +689,45 @@ fn register<Dst: Tier>(
         .collect()
 }
 
-/// The one move into slots the caller manages outside `kvbm-logical`: from a bound tier (keyed
-/// or not) into a layout such as G1 of the inference engine or the slot table of a vLLM-style
-/// primary tier. Same transfer, identities and typed per-block failures as [`BlockMover`];
-/// nothing is registered on the destination side (the caller records what arrived). No handle
-/// proves that a caller-managed slot is free, so the move is `unsafe`: the caller states the
-/// slot's exclusivity, as for the raw transfer.
+/// The one move into slots the caller manages outside `kvbm-logical` (G1 of the inference
+/// engine, the slot table of a vLLM-style primary tier, the destinations of a layer-wise
+/// onboarding): the same transfer, identities and typed per-block failures as [`BlockMover`],
+/// but nothing is registered on the destination side (the caller records what arrived).
 ///
 /// ```text
-///  ImmutableBlock<Src> / MoveSource ─► transfer issued at the call ─► Ok(()) | BlockFailure per slot
+///  source: a bound tier (new), or caller-managed slots too (from_layout)
+///     move_blocks / move_from   whole blocks, each with its identity ──┐
+///     move_layers               a layer range of each block ───────────┼─► transfer issued at the call
+///     copy_slots                anonymous slots, memory to memory ─────┘   (inline: done at the call)
+///                                                   Ok(()) | BlockFailure per slot
 /// ```
+///
+/// Why the three calls: a block a tier knows carries its identity into (and is checked against)
+/// a disk slot's or object's header ([`move_blocks`](Self::move_blocks)); a layer range
+/// ([`move_layers`](Self::move_layers)) leaves the block unfinished, so only the caller can say
+/// when it is whole and register it; and a caller that moves *slots*, not blocks (vLLM's
+/// worker is handed slot ids), has no identity to give ([`copy_slots`](Self::copy_slots), so
+/// only between memory layouts, which keep no header). [`inline`](Self::inline) copies host to
+/// host on the caller's thread, for all three.
+///
+/// # Safety argument
+///
+/// No handle proves that a caller-managed slot is free, so every call is `unsafe`: its caller
+/// vouches, as for the raw transfer, that each destination slot is the move's alone until the
+/// move settles (who reserved it: the scheduler-facing manager between `prepare_store` and
+/// `complete_store`, the connector for a vLLM job, an onboarding session for its unregistered
+/// destinations until the last layer). The sources are a bound tier's registered blocks the
+/// caller holds, or slots it reserved for reading.
 pub struct ExternalMover<Src: Tier> {
     manager: Arc<TransferManager>,
     src_layout: LayoutHandle,
     keyed_src: bool,
     dst_layout: LayoutHandle,
+    /// Both sides are memory (host or device) and the source is not keyed: no header to bind
+    /// an identity into, so [`copy_slots`](Self::copy_slots) may copy anonymous slots.
+    memory: bool,
+    /// Copy on the caller's thread ([`inline`](Self::inline)).
+    inline: bool,
     _src: std::marker::PhantomData<fn() -> Src>,
 }
 
@@ -635,6 +738,8 @@ impl<Src: Tier> Clone for ExternalMover<Src> {
             src_layout: self.src_layout,
             keyed_src: self.keyed_src,
             dst_layout: self.dst_layout,
+            memory: self.memory,
+            inline: self.inline,
             _src: std::marker::PhantomData,
         }
     }
@@ -647,6 +752,8 @@ impl<Src: Tier> std::fmt::Debug for ExternalMover<Src> {
             .field("src_layout", &self.src_layout)
             .field("keyed_src", &self.keyed_src)
             .field("dst_layout", &self.dst_layout)
+            .field("memory", &self.memory)
+            .field("inline", &self.inline)
             .finish()
     }
 }
@@ -659,19 +766,110 @@ impl<Src: Tier> ExternalMover<Src> {
     /// [`OffloadError::Setup`] when `dst_layout` is not registered with `src`'s transfer
     /// manager.
     pub fn new(src: &BoundTier<Src>, dst_layout: LayoutHandle) -> Result<Self, OffloadError> {
-        src.transfer_manager().layout(dst_layout).map_err(|e| {
-            OffloadError::Setup(format!(
-                "mover out of {:?}: destination layout: {e}",
-                Src::ID
-            ))
-        })?;
-        Ok(Self {
-            manager: src.transfer_manager().clone(),
-            src_layout: src.layout(),
-            keyed_src: src.is_keyed(),
+        Self::over(
+            src.transfer_manager(),
+            (src.layout(), src.is_keyed()),
             dst_layout,
+        )
+    }
+
+    /// A mover between two layouts of `manager` whose slots the caller manages on both sides
+    /// (vLLM's worker: GPU blocks and the primary tier's slots); `Src` names the tier the
+    /// source slots belong to.
+    ///
+    /// # Errors
+    /// [`OffloadError::Setup`] when either layout is not registered with `manager`.
+    pub fn from_layout(
+        manager: &Arc<TransferManager>,
+        src_layout: LayoutHandle,
+        dst_layout: LayoutHandle,
+    ) -> Result<Self, OffloadError> {
+        Self::over(manager, (src_layout, false), dst_layout)
+    }
+
+    fn over(
+        manager: &Arc<TransferManager>,
+        (src_layout, keyed_src): (LayoutHandle, bool),
+        dst_layout: LayoutHandle,
+    ) -> Result<Self, OffloadError> {
+        let kind = |side: &str, h: LayoutHandle| {
+            manager.layout(h).map(|l| l.storage_kind()).map_err(|e| {
+                OffloadError::Setup(format!("mover out of {:?}: {side} layout: {e}", Src::ID))
+            })
+        };
+        let dst_kind = kind("destination", dst_layout)?;
+        let src_kind = kind("source", src_layout)?;
+        let memory = |k: StorageKind| matches!(k, StorageKind::Host | StorageKind::Device);
+        Ok(Self {
+            manager: manager.clone(),
+            src_layout,
+            keyed_src,
+            dst_layout,
+            memory: !keyed_src && memory(src_kind) && memory(dst_kind),
+            inline: false,
             _src: std::marker::PhantomData,
         })
+    }
+
+    /// Copies on the caller's thread ([`TransferManager::execute_transfer_inline`]), as
+    /// [`BlockMover::inline`]: for host to host moves (G1 → G2 into the slots a store
+    /// reserved), where the hop to the transfer manager's runtime and back costs more than the
+    /// copy. Every future this mover returns is then ready at once.
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidConfig`] when either side is not host memory.
+    pub fn inline(mut self) -> Result<Self, OffloadError> {
+        let label = format!("{:?} -> external", Src::ID);
+        check_inline(
+            &self.manager,
+            &label,
+            (self.src_layout, self.dst_layout),
+            self.keyed_src,
+        )?;
+        self.inline = true;
+        Ok(self)
+    }
+
+    /// The route of this mover's transfers.
+    fn route(&self) -> Route {
+        Route {
+            src: self.src_layout,
+            keyed_src: self.keyed_src,
+            dst: self.dst_layout,
+            keyed_dst: false,
+            inline: self.inline,
+        }
+    }
+
+    /// Issues the transfer of `layers` (`None`: whole blocks) of `sources` into `dst_slots`
+    /// now; `Err`: every block's failure, nothing moved.
+    ///
+    /// # Safety
+    ///
+    /// As [`move_blocks`](Self::move_blocks).
+    unsafe fn start(
+        &self,
+        sources: &[MoveSource],
+        dst_slots: &[BlockId],
+        layers: Option<Range<usize>>,
+    ) -> Result<Issued, Vec<Result<(), BlockFailure>>> {
+        let n = sources.len();
+        if dst_slots.len() != n {
+            let m = format!("{} sources but {} destinations", n, dst_slots.len());
+            return Err(fail_all(n, BlockFailureKind::Transfer, &m));
+        }
+        // SAFETY: every destination slot is vouched for by this function's caller.
+        unsafe {
+            issue(
+                &self.manager,
+                self.route(),
+                sources,
+                dst_slots,
+                layers,
+                ObjectPutMode::Overwrite,
+            )
+        }
+        .map_err(|e| fail_all_physical(n, e))
     }
 
     /// Moves `sources[i]` (its slot, or its key for a keyed tier, and the identity its content
@@ -691,27 +889,95 @@ impl<Src: Tier> ExternalMover<Src> {
         dst_slots: &[BlockId],
     ) -> impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src, S> {
         let sources: Vec<MoveSource> = sources.iter().map(|s| (*s).into()).collect();
+        // SAFETY: the caller's contract for `dst_slots` is this function's own.
+        let started = unsafe { self.start(&sources, dst_slots, None) };
+        settled(sources.len(), started)
+    }
+
+    /// [`move_blocks`](Self::move_blocks) of the layers `layers` only (layer-wise onboarding:
+    /// one layer of every block at a time, into memory slots): the destinations stay
+    /// unfinished blocks until the caller's last layer arrived, so this never registers
+    /// anything either. An empty or out-of-range `layers` (the transfer manager's check), a
+    /// keyed source (objects are read whole, [`Refused`](BlockFailureKind::Refused)) or a
+    /// length mismatch fails every block without moving anything.
+    ///
+    /// # Safety
+    ///
+    /// As [`move_blocks`](Self::move_blocks): each slot of `dst_slots` is the caller's alone
+    /// (typically a `MutableBlock` it holds unregistered until the last layer).
+    pub unsafe fn move_layers<S: Into<MoveSource> + Copy>(
+        &self,
+        sources: &[S],
+        dst_slots: &[BlockId],
+        layers: Range<usize>,
+    ) -> impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src, S> {
+        let sources: Vec<MoveSource> = sources.iter().map(|s| (*s).into()).collect();
         let n = sources.len();
-        let issued = if dst_slots.len() != n {
-            let m = format!("{} sources but {} destinations", n, dst_slots.len());
-            Err(fail_all(n, BlockFailureKind::Transfer, &m))
+        let started = if self.keyed_src {
+            let m = format!(
+                "{:?} is an object tier: it is read whole, not by layer",
+                Src::ID
+            );
+            Err(fail_all(n, BlockFailureKind::Refused, &m))
         } else {
-            issue(
-                &self.manager,
-                (self.src_layout, self.keyed_src),
-                (self.dst_layout, false),
-                &sources,
-                dst_slots,
-                ObjectPutMode::Overwrite,
-            )
-            .map_err(|e| fail_all_physical(n, e))
+            // SAFETY: the caller's contract for `dst_slots` is this function's own.
+            unsafe { self.start(&sources, dst_slots, Some(layers)) }
         };
-        async move {
-            match issued {
-                Ok(c) => settle(n, c.await),
-                Err(failed) => failed,
-            }
+        settled(n, started)
+    }
+
+    /// Copies slot `src_slots[i]` into slot `dst_slots[i]`, whole, with no identity: for a
+    /// caller that moves slots rather than blocks (vLLM's worker, handed slot ids by its
+    /// scheduler). One outcome per slot, in order, from the returned future. The transfer is
+    /// issued now; unlike the block moves, a transfer that cannot start is returned here, not
+    /// folded into the outcomes, since a job-based caller must answer "not started".
+    ///
+    /// # Errors
+    /// Nothing started: [`Refused`](BlockFailureKind::Refused) when either side is not memory
+    /// (a disk slot or object binds an identity in its header: move blocks there), a
+    /// [`Transfer`](BlockFailureKind::Transfer) failure for lists of different lengths, or the
+    /// transfer manager's refusal (a slot out of range, a slot busy in another transfer, ...).
+    ///
+    /// # Safety
+    ///
+    /// As [`move_blocks`](Self::move_blocks), and no source slot is written until the future
+    /// resolves (the caller reserved both lists).
+    pub unsafe fn copy_slots(
+        &self,
+        src_slots: &[BlockId],
+        dst_slots: &[BlockId],
+    ) -> Result<
+        impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src>,
+        BlockFailure,
+    > {
+        if !self.memory {
+            return Err(BlockFailure::new(
+                BlockFailureKind::Refused,
+                format!(
+                    "slots out of {:?} copied without identities: both sides must be memory",
+                    Src::ID
+                ),
+            ));
         }
+        let n = src_slots.len();
+        if dst_slots.len() != n {
+            return Err(BlockFailure::new(
+                BlockFailureKind::Transfer,
+                format!("{} source slots but {} destinations", n, dst_slots.len()),
+            ));
+        }
+        // SAFETY: the caller's contract for both slot lists is this function's own.
+        let issued = unsafe {
+            transfer(
+                &self.manager,
+                self.route(),
+                src_slots,
+                dst_slots,
+                TransferOptions::default(),
+            )
+        }
+        .map_err(BlockFailure::physical)?;
+        Ok(async move { settle(n, issued.settled().await) })
     }
 
     /// [`move_blocks`](Self::move_blocks) from held source blocks: `sources[i]`, expected to
@@ -734,6 +1000,17 @@ impl<Src: Tier> ExternalMover<Src> {
             drop(sources);
             out
         }
+    }
+}
+
+/// The per-block outcomes of a move that registers nothing, once `started` settled.
+async fn settled(
+    n: usize,
+    started: Result<Issued, Vec<Result<(), BlockFailure>>>,
+) -> Vec<Result<(), BlockFailure>> {
+    match started {
+        Ok(issued) => settle(n, issued.settled().await),
+        Err(failed) => failed,
     }
 }
 
@@ -987,16 +1264,19 @@ impl<Src: Tier> MoveExecutor<Src> for ObjectMoveExecutor<Src> {
                 .zip(&digests)
                 .map(|((&id, &h), &d)| MoveSource::from((id, h, d)))
                 .collect();
-            let issued = issue(
-                &self.manager,
-                (self.src_layout, false),
-                (self.object_layout, true),
-                &sources,
-                &[],
-                self.put_mode,
-            );
+            let route = Route {
+                src: self.src_layout,
+                keyed_src: false,
+                dst: self.object_layout,
+                keyed_dst: true,
+                inline: false,
+            };
+            // SAFETY: the destination is keyed: each block is written to the object named by
+            // its own key ([`object_key`], unique to its block), which no slot of another
+            // owner aliases; the caller holds the sources registered.
+            let issued = unsafe { issue(&self.manager, route, &sources, &[], None, self.put_mode) };
             let blocks = match issued {
-                Ok(c) => settle(n, c.await),
+                Ok(issued) => settle(n, issued.settled().await),
                 Err(e) => return fail_all_physical(n, e),
             };
             let mut out = Vec::with_capacity(n);

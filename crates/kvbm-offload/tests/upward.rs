@@ -798,6 +798,109 @@ fn external_mover_reads_a_bound_tier_into_caller_slots_from_a_sync_caller() {
     ));
 }
 
+/// `ExternalMover` between caller-managed slots: a layer range of identified blocks (layer-wise
+/// onboarding: only those layers arrive, nothing is registered), anonymous slots between memory
+/// layouts (vLLM's worker; a transfer that cannot start is returned, not folded), both inline
+/// too; each refusal typed.
+#[test]
+fn external_mover_copies_layers_and_anonymous_slots_between_caller_slots() {
+    use futures::FutureExt;
+    use futures::executor::block_on;
+    let n = 4;
+    let geometry = || common::geometry(n, 2, 64);
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let src_layout = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+    fill(&src_layout, 9);
+    let src_h = tm.register_layout(src_layout).unwrap();
+    let dst_h = host_layout(&tm, geometry(), PinPolicy::Unpinned);
+    let (src, dst) = (tm.layout(src_h).unwrap(), tm.layout(dst_h).unwrap());
+    let layer = |l: &PhysicalLayout, b: usize, k: usize| -> Vec<u8> {
+        let (addr, len) = l.block_addrs(b, k..k + 1)[0];
+        // SAFETY: test-owned host layout; no transfer targets it while it is read.
+        unsafe { std::slice::from_raw_parts(addr as *const u8, len).to_vec() }
+    };
+    let g2 = manager::<G2>(n, None);
+    let sources = registered(&g2, 0, 2);
+    let ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
+    let m = ExternalMover::<G2>::from_layout(&tm, src_h, dst_h).unwrap();
+
+    // Layer 1 of blocks 0, 1 into slots 3, 2: that layer arrives, layer 0 stays zero.
+    zero(&dst, 2);
+    zero(&dst, 3);
+    // SAFETY: `dst_h` is this test's layout; nothing else touches slots 3 and 2.
+    let out = block_on(unsafe { m.move_layers(&ids, &[3, 2], 1..2) });
+    assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+    for (s, d) in [(sources[0].block_id(), 3), (sources[1].block_id(), 2)] {
+        assert_eq!(layer(&dst, d, 1), layer(&src, s, 1), "layer 1 of slot {d}");
+        assert!(
+            layer(&dst, d, 0).iter().all(|&x| x == 0),
+            "layer 0 of slot {d}"
+        );
+    }
+    // An empty or out-of-range layer range, or a length mismatch, fails every block.
+    for bad in [1..1, 1..3] {
+        // SAFETY: as above.
+        let out = block_on(unsafe { m.move_layers(&ids, &[3, 2], bad.clone()) });
+        assert!(out.iter().all(|r| r.is_err()), "{bad:?}: {out:?}");
+    }
+    // SAFETY: as above.
+    let out = block_on(unsafe { m.move_layers(&ids, &[3], 0..1) });
+    assert!(
+        out.iter()
+            .all(|r| r.as_ref().unwrap_err().kind == BlockFailureKind::Transfer)
+    );
+
+    // Anonymous slots, inline: copied when the call returns.
+    let inline = ExternalMover::<G2>::from_layout(&tm, src_h, dst_h)
+        .unwrap()
+        .inline()
+        .unwrap();
+    // SAFETY: as above, slots 0 and 1.
+    let moving = unsafe { inline.copy_slots(&[3, 2], &[0, 1]) }.expect("started");
+    let out = moving
+        .now_or_never()
+        .expect("an inline copy is done at the call");
+    assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+    assert_eq!(bytes(&dst, 0), bytes(&src, 3));
+    assert_eq!(bytes(&dst, 1), bytes(&src, 2));
+    // Not started, typed: lists of different lengths, a slot out of range.
+    // SAFETY: as above (nothing starts).
+    let e = unsafe { m.copy_slots(&[0, 1], &[0]) }
+        .err()
+        .expect("refused");
+    assert_eq!(e.kind, BlockFailureKind::Transfer, "{e}");
+    // SAFETY: as above (nothing starts).
+    let e = unsafe { m.copy_slots(&[0], &[n]) }.err().expect("refused");
+    assert!(
+        matches!(
+            e.physical_error(),
+            Some(kvbm_physical::PhysicalError::BlockOutOfRange { .. })
+        ),
+        "{e}"
+    );
+
+    // A disk side binds an identity in its header: no anonymous copy there, and no inline.
+    let dir = scratch();
+    let disk_h = disk_layout(&tm, geometry(), &dir.path().join("g3.bin"));
+    let to_disk = ExternalMover::<G2>::from_layout(&tm, src_h, disk_h).unwrap();
+    // SAFETY: nothing starts.
+    let e = unsafe { to_disk.copy_slots(&[0], &[0]) }
+        .err()
+        .expect("refused");
+    assert_eq!(e.kind, BlockFailureKind::Refused, "{e}");
+    assert!(matches!(
+        to_disk.inline(),
+        Err(OffloadError::InvalidConfig(_))
+    ));
+    // A layout this manager does not know is refused up front.
+    let other = TransferManager::new().unwrap();
+    let foreign = host_layout(&other, geometry(), PinPolicy::Unpinned);
+    assert!(matches!(
+        ExternalMover::<G2>::from_layout(&tm, src_h, foreign),
+        Err(OffloadError::Setup(_))
+    ));
+}
+
 /// The inline mover copies host to host on the caller's thread (its future is ready at once),
 /// and an arrival check sees each destination's bytes before registration: a refused block is
 /// never registered and its slot goes back to the pool.

@@ -8,13 +8,29 @@
 //! `i` of a spec pairs with CPU chunk `i` of the other spec (one GPU block per chunk, same block
 //! geometry: kvbm-physical validates it); specs of different lengths are refused before anything
 //! starts.
+//!
+//! ```text
+//!  submit_*  ─► ExternalMover::copy_slots (issued now) ─► Running { future }   (or `false`: not started)
+//!  get_finished: poll each future once (never blocks) ─► WorkerJobResult per settled job
+//!  wait / shutdown: block on the given futures
+//! ```
+//!
+//! Why kvbm-offload's [`ExternalMover`]: it is the one move into slots a caller manages, and
+//! vLLM hands this worker slots, not blocks (no identities: both sides are memory, so
+//! `copy_slots`). Safety: the connector reserved both slot lists for the job (the primary's
+//! chunks pending the store or load, the request's GPU blocks) until the job is reported
+//! finished, which happens only after its move settled. No lock: the worker is driven from one
+//! thread (`&mut self`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures::FutureExt;
-use kvbm_physical::{BlockId, LayoutHandle, TransferCompletion, TransferManager, TransferOptions};
+use futures::future::BoxFuture;
+use kvbm_logical::{G1, G2, Tier};
+use kvbm_offload::{BlockFailure, ExternalMover};
+use kvbm_physical::{BlockId, LayoutHandle, TransferManager};
 
 use crate::error::{Result, TieringError};
 use crate::types::{GpuLoadStoreSpec, LoadStoreSpec, WorkerJobResult};
@@ -34,7 +50,8 @@ pub trait OffloadingWorker {
 }
 
 struct Running {
-    completion: TransferCompletion,
+    /// The job's move, issued at submit: one outcome per slot.
+    moving: BoxFuture<'static, Vec<std::result::Result<(), BlockFailure>>>,
     started: Instant,
     bytes: u64,
 }
@@ -77,7 +94,9 @@ impl PhysicalOffloadingWorker {
         }
     }
 
-    fn start(
+    /// Starts the copy of `src`'s slots into `dst`'s (`Src`: the tier of the source slots).
+    /// `false` when it could not start (nothing moved).
+    fn start<Src: Tier>(
         &mut self,
         job_id: u64,
         src: (LayoutHandle, Vec<BlockId>),
@@ -88,19 +107,23 @@ impl PhysicalOffloadingWorker {
             return false;
         }
         let bytes = src.1.len() as u64 * self.block_bytes;
+        let mover = match ExternalMover::<Src>::from_layout(&self.tm, src.0, dst.0) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(job_id, error = %e, "worker: transfer refused");
+                return false;
+            }
+        };
         // SAFETY: `src` and `dst` are slot lists the connector reserved for this job (the
         // primary's slots pending a GPU load/store and the GPU blocks of the request); nothing
-        // else reads or writes them until the job is reported finished.
-        let started = unsafe {
-            self.tm
-                .execute_transfer(src.0, &src.1, dst.0, &dst.1, TransferOptions::default())
-        };
+        // else reads or writes them until the job is reported finished, after its move settled.
+        let started = unsafe { mover.copy_slots(&src.1, &dst.1) };
         match started {
-            Ok(completion) => {
+            Ok(moving) => {
                 self.running.insert(
                     job_id,
                     Running {
-                        completion,
+                        moving: moving.boxed(),
                         started: Instant::now(),
                         bytes,
                     },
@@ -108,7 +131,7 @@ impl PhysicalOffloadingWorker {
                 true
             }
             Err(e) => {
-                tracing::error!(job_id, error = %e, "worker: transfer refused");
+                tracing::error!(job_id, kind = e.kind.as_str(), error = %e.message, "worker: transfer refused");
                 false
             }
         }
@@ -119,9 +142,9 @@ impl PhysicalOffloadingWorker {
         job_id: u64,
         started: Instant,
         bytes: u64,
-        outcome: kvbm_physical::TransferOutcome,
+        outcome: Vec<std::result::Result<(), BlockFailure>>,
     ) {
-        let ok = outcome.is_complete_success();
+        let ok = outcome.iter().all(|r| r.is_ok());
         self.finished.push(WorkerJobResult {
             job_id,
             success: ok,
@@ -135,19 +158,19 @@ impl OffloadingWorker for PhysicalOffloadingWorker {
     fn submit_store(&mut self, job_id: u64, src: &GpuLoadStoreSpec, dst: &LoadStoreSpec) -> bool {
         let Ok(d) = Self::ids(dst) else { return false };
         let s = src.block_ids().iter().map(|&i| i as BlockId).collect();
-        self.start(job_id, (self.gpu, s), (self.cpu, d))
+        self.start::<G1>(job_id, (self.gpu, s), (self.cpu, d))
     }
 
     fn submit_load(&mut self, job_id: u64, src: &LoadStoreSpec, dst: &GpuLoadStoreSpec) -> bool {
         let Ok(s) = Self::ids(src) else { return false };
         let d = dst.block_ids().iter().map(|&i| i as BlockId).collect();
-        self.start(job_id, (self.cpu, s), (self.gpu, d))
+        self.start::<G2>(job_id, (self.cpu, s), (self.gpu, d))
     }
 
     fn get_finished(&mut self) -> Vec<WorkerJobResult> {
         let mut ready = Vec::new();
         for (id, r) in self.running.iter_mut() {
-            if let Some(o) = (&mut r.completion).now_or_never() {
+            if let Some(o) = (&mut r.moving).now_or_never() {
                 ready.push((*id, o));
             }
         }
@@ -161,7 +184,7 @@ impl OffloadingWorker for PhysicalOffloadingWorker {
     fn wait(&mut self, job_ids: &[u64]) {
         for id in job_ids {
             if let Some(r) = self.running.remove(id) {
-                let outcome = r.completion.wait();
+                let outcome = futures::executor::block_on(r.moving);
                 self.record(*id, r.started, r.bytes, outcome);
             }
         }

@@ -53,8 +53,8 @@ use std::time::{Duration, Instant};
 
 use kvbm_logical::{BlockRegistry, G1, G2, G3, G4, ImmutableBlock, SequenceHash};
 use kvbm_offload::{
-    BlockFailureKind, BlockMoveExecutor, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
-    OffloadHandle, OffloadResult, Pipeline, PipelineBuilder, PresenceFilter,
+    BlockFailureKind, BlockMoveExecutor, ExternalMover, ObjectMoveExecutor, ObjectPipeline,
+    ObjectPipelineBuilder, OffloadHandle, OffloadResult, Pipeline, PipelineBuilder, PresenceFilter,
     create_policy_from_config,
 };
 use kvbm_physical::{
@@ -101,7 +101,10 @@ pub struct TierStack {
     rt: tokio::runtime::Handle,
     /// The caller's runtime: sessions and promotions run on the thread that serves a request.
     session_rt: tokio::runtime::Runtime,
-    tm: Arc<TransferManager>,
+    /// The transfer manager every tier's layout is registered with, dropped with the stack
+    /// (after its runtimes, before its tiers). Nothing here calls it: every copy goes through
+    /// a mover, which holds it too.
+    _tm: Arc<TransferManager>,
     g1: HostTier<G1>,
     g2: Option<HostTier<G2>>,
     /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
@@ -155,6 +158,9 @@ pub struct TierStack {
     sched: Option<EngineTieringManager>,
     /// Where the manager's stores go on to G3/G4 (`--scheduler tiering`).
     write_through: Option<scheduled::WriteThrough>,
+    /// The scheduler-path store's copy, G1 → the G2 slots `prepare_store` reserved: an inline
+    /// [`ExternalMover`] (`--scheduler tiering`; see [`scheduled`]).
+    store_mover: Option<ExternalMover<G1>>,
     /// Requests whose `prepare_load` found a HIT gone, and recomputed (`--scheduler tiering`).
     pub load_refused: u64,
     /// What each block's bytes are.
@@ -533,9 +539,9 @@ impl TierStack {
                 );
             }
         }
-        let mut write_through = None;
-        let sched = match (&leader, &movers, plan.front_end) {
-            (Some(l), Some(m), FrontEnd::Tiering) => Some({
+        let (mut write_through, mut store_mover) = (None, None);
+        let sched = match (&leader, &movers, &g2, plan.front_end) {
+            (Some(l), Some(m), Some(g2t), FrontEnd::Tiering) => Some({
                 let mut sched = l
                     .tiering_manager(
                         PromotionMovers {
@@ -555,6 +561,14 @@ impl TierStack {
                 );
                 sched.set_store_sink(w.sink());
                 write_through = Some(w);
+                // G1 and G2 are host memory: the store copies on the serving thread.
+                store_mover = Some(
+                    ExternalMover::new(
+                        &kvbm_offload::BoundTier::new(tm.clone(), g1.handle, g1.manager.clone())?,
+                        g2t.handle,
+                    )?
+                    .inline()?,
+                );
                 sched
             }),
             _ => None,
@@ -568,7 +582,7 @@ impl TierStack {
             block_bytes: b,
             rt,
             session_rt,
-            tm,
+            _tm: tm,
             g1,
             g2,
             leader,
@@ -598,6 +612,7 @@ impl TierStack {
             shared_g4: shared,
             sched,
             write_through,
+            store_mover,
             load_refused: 0,
             contents: plan.contents.clone(),
             _runtime: runtime,

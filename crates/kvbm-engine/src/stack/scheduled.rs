@@ -24,10 +24,13 @@
 //!
 //! Ownership: the manager pins the loaded G2 blocks between `prepare_load` and
 //! `complete_load`, and owns the store's G2 slots between `prepare_store` and
-//! `complete_store`, so nothing else touches those slots while the copies run. Both copies run
-//! inline on this thread (host to host: G1 is a host stand-in); started asynchronously on the
-//! transfer manager's threads, the store measured slower here (the issue, the wait and the
-//! completion cost more than the copy they overlap, on two cores). The request holds its G1
+//! `complete_store`, so nothing else touches those slots while the copies run. Both copies are
+//! kvbm-offload moves, inline on this thread (host to host: G1 is a host stand-in): the load an
+//! inline, checked `BlockMover` (`G2ToG1`), the store an inline `ExternalMover` into the G2
+//! slots `prepare_store` reserved (the manager, not the move, registers them at
+//! `complete_store`; that reservation is the store's safety argument). Started asynchronously
+//! on the transfer manager's threads, the store measured slower here (the issue, the wait and
+//! the completion cost more than the copy they overlap, on two cores). The request holds its G1
 //! blocks until the end of [`TierStack::serve_scheduled`].
 
 use std::sync::Arc;
@@ -37,9 +40,9 @@ use std::time::{Duration, Instant};
 use super::context::{Context, stack_error};
 use crate::error::Result;
 use crate::manager::StoreSink;
+use futures::FutureExt;
 use kvbm_logical::{G1, G2, ImmutableBlock, SequenceHash, TierId};
 use kvbm_offload::{MoveSource, ObjectPipeline, OffloadError, OffloadHandle, Pipeline};
-use kvbm_physical::TransferOptions;
 use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
 use parking_lot::Mutex;
@@ -334,38 +337,29 @@ impl TierStack {
             let b = blocks.get(j).ok_or_else(|| {
                 stack_error!("prepare_store named a key the request did not give")
             })?;
-            src.push(b.block_id());
+            // Host to host, inline: no header to bind an identity into, so the source is its
+            // slot and hash (no digest read).
+            src.push(MoveSource::from((b.block_id(), b.sequence_hash())));
         }
         let dst: Vec<usize> = slots.iter().map(|s| *s as usize).collect();
-        let g2 = self.g2.as_ref().expect("the scheduler needs G2");
+        let mover = self
+            .store_mover
+            .as_ref()
+            .ok_or_else(|| stack_error!("no G1→G2 store path"))?;
         // SAFETY: the G2 slots were reserved by `prepare_store` for this request (the manager
-        // owns them until `complete_store`; nothing reads them); the G1 sources are registered
-        // blocks this request holds.
-        let outcome = unsafe {
-            self.tm.execute_transfer_inline(
-                self.g1.handle,
-                &src,
-                g2.handle,
-                &dst,
-                TransferOptions::default(),
-            )
-        };
+        // holds them as unregistered `MutableBlock`s until `complete_store`; nothing reads or
+        // writes them meanwhile); the G1 sources are registered blocks this request holds.
+        let moved = unsafe { mover.move_blocks(&src, &dst) }
+            .now_or_never()
+            .expect("an inline move is done when it returns");
         let (mut ok, mut failed) = (Vec::with_capacity(dst.len()), Vec::new());
-        match outcome {
-            Ok(o) => {
-                for (k, (_, r)) in out.keys_to_store.iter().zip(o.blocks) {
-                    match r {
-                        Ok(()) => ok.push(*k),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "G1→G2 store failed");
-                            failed.push(*k);
-                        }
-                    }
+        for (k, r) in out.keys_to_store.iter().zip(moved) {
+            match r {
+                Ok(()) => ok.push(*k),
+                Err(f) => {
+                    tracing::warn!(kind = f.kind.as_str(), error = %f.message, "G1→G2 store failed");
+                    failed.push(*k);
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "G1→G2 store refused");
-                failed = out.keys_to_store;
             }
         }
         self.counters
