@@ -15,6 +15,7 @@ pub mod engine;
 mod error;
 pub mod executor;
 pub mod handle;
+pub mod journal;
 pub mod metrics;
 pub mod mover;
 pub mod object;

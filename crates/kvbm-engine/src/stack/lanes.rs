@@ -16,7 +16,7 @@ use kvbm_offload::{
 use kvbm_physical::PhysicalLayout;
 use parking_lot::Mutex;
 
-use super::journal::G3Index;
+use kvbm_offload::journal::DiskJournal;
 
 use super::counters::{Counters, MovePath};
 
@@ -43,7 +43,7 @@ pub(super) struct RecordingG3Executor {
     pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
     pub(super) counters: Arc<Counters>,
     pub(super) block_bytes: usize,
-    pub(super) index: Arc<G3Index>,
+    pub(super) index: Arc<DiskJournal>,
 }
 
 impl MoveExecutor<G2> for RecordingG3Executor {
@@ -65,7 +65,8 @@ impl MoveExecutor<G2> for RecordingG3Executor {
             .collect();
         self.checksums.lock().extend(sums.iter().copied());
         let t = Instant::now();
-        let out = super::journal::write_recorded(&self.inner, &self.index, batch, &sums).await;
+        let out =
+            kvbm_offload::journal::write_recorded(&self.inner, &self.index, batch, &sums).await;
         metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g2_to_g3")
             .record(t.elapsed().as_secs_f64());
         let ok = out.iter().filter(|r| r.is_ok()).count();

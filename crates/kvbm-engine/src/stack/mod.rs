@@ -7,7 +7,7 @@
 //! ```text
 //!  [tiers] [physical] [logical]      G1 host layout ─ G2 pinned host ─ G3 O_DIRECT file ─ G4 objects
 //!        │                           one BlockRegistry, one BlockManager per tier, one TransferManager
-//!        ├─► G3 journal (journal)    which block is in which slot, with its payload checksum:
+//!        ├─► G3 journal (kvbm-offload) which block is in which slot, with its payload checksum:
 //!        │                           warm restart after a crash, torn tail discarded
 //!        ├─► G4 warm listing         every block object under the namespace is present at start
 //!        ├─► lanes (lanes)           G1→G2 (waits for G2 room) ─sink─► G2→G3 (records the journal)
@@ -68,7 +68,7 @@ use crate::mover::BlockMove;
 use crate::{EventSource, InstanceLeader, KvbmRuntime};
 
 use context::{Context, stack_error};
-use journal::G3Index;
+use kvbm_offload::journal::DiskJournal;
 use movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 
 pub use counters::{Counters, MovePath, PATH_NAMES, Served, StageTimes};
@@ -85,7 +85,6 @@ use tiers::{
 pub(crate) mod context;
 mod counters;
 mod hooks;
-mod journal;
 mod lanes;
 mod movers;
 mod plan;
@@ -259,7 +258,7 @@ impl TierStack {
                 .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
             let handle = tm.register_layout(layout)?;
             let manager = manager::<G3>(tiers.g3_blocks, &registry, &cfg.logical)?;
-            let opened = G3Index::open(&disk.path, &*tm.layout(handle)?)?;
+            let opened = DiskJournal::open(&disk.path, &*tm.layout(handle)?)?;
             let (checksums, warm_blocks) = opened.register_listed(&manager)?;
             Some(G3Tier {
                 manager,
@@ -269,7 +268,7 @@ impl TierStack {
                 checksums: Arc::new(Mutex::new(checksums)),
                 poisoned: Arc::default(),
                 warm_blocks,
-                index: Arc::new(opened.index),
+                index: Arc::new(opened.journal),
             })
         } else {
             None

@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use crate::error::Result;
 
 use super::context::Context;
-use super::journal::G3Index;
+use kvbm_offload::journal::DiskJournal;
 
 use super::counters::Counters;
 
@@ -58,7 +58,7 @@ pub(super) struct G3Check {
     pub(super) manager: Arc<BlockManager<G3>>,
     pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
     pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
-    pub(super) index: Arc<G3Index>,
+    pub(super) index: Arc<DiskJournal>,
 }
 
 impl G3Tier {
@@ -82,7 +82,7 @@ pub(super) struct G3Tier {
     pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
     pub(super) warm_blocks: usize,
     /// The persistent index (`<dir>/g3.journal`).
-    pub(super) index: Arc<G3Index>,
+    pub(super) index: Arc<DiskJournal>,
 }
 
 pub(super) struct G4Tier {

@@ -46,6 +46,17 @@
 //! Jobs complete asynchronously on the transfer manager's runtime; `get_finished_jobs` polls the
 //! moves without blocking, `drain_jobs` waits for all. A job is reported exactly once.
 //!
+//! # Persistence (disk)
+//!
+//! A disk tier keeps kvbm-offload's [`DiskJournal`] beside its file (`g3.bin` → `g3.journal`):
+//! a destination slot is unlisted before it is written, a chunk listed (slot, the key's hash,
+//! the xxh3-128 of the bytes read from the primary) after its write completed. A tier opened on
+//! the same file replays the journal and holds every listed block ("restored"); a restored
+//! block becomes Ready for its key the first time that key is looked up or stored (a key is
+//! known to the journal only by its hash), and every read of it is still checked against the
+//! key's identity in the slot's header. Restored blocks nobody asked for are the first given
+//! up when the tier needs room.
+//!
 //! A copy dropped for failing verification leaves the manager's view too: a manager the tier
 //! built has its inactive blocks evicted at once; a caller's manager keeps the stale block
 //! inactive until its policy evicts it, and any read of it fails verification again. Keep the
@@ -60,6 +71,7 @@ use hashbrown::HashMap;
 use kvbm_logical::{
     BlockDigest, BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
+use kvbm_offload::journal::DiskJournal;
 use kvbm_offload::{
     BlockFailure, BlockFailureKind, BlockMover, BoundTier, ExternalMover, MoveOutcome, MoveSource,
 };
@@ -130,6 +142,8 @@ struct Entry<T: Tier> {
 struct JobMeta {
     job_id: JobId,
     keys: Vec<OffloadKey>,
+    /// Store jobs of a journaled tier: (key hash, payload xxh3-128) per key, co-indexed.
+    sums: Vec<(u128, u128)>,
     bytes: u64,
     started: std::time::Instant,
 }
@@ -189,6 +203,12 @@ pub struct PhysicalTier<T: Tier> {
     done: Vec<JobResult>,
     detector: Option<BackpressureDetector>,
     failures: HashMap<BlockFailureKind, u64>,
+    /// The disk tier's journal (`None` for objects).
+    journal: Option<Arc<DiskJournal>>,
+    /// Blocks the journal listed at open that no key has claimed yet, by sequence hash.
+    restored: HashMap<SequenceHash, ImmutableBlock<T>>,
+    /// The primary's memory (checksums of what a journaled store writes).
+    primary_memory: Arc<PhysicalLayout>,
 }
 
 impl<T: Tier> PhysicalTier<T> {
@@ -224,6 +244,7 @@ impl<T: Tier> PhysicalTier<T> {
                 T::ID
             )));
         }
+        let primary_memory = tm.layout(primary_h)?;
         let store = BlockMover::<G2, T>::from_layout(primary_h, &tier)?;
         let load = ExternalMover::new(&tier, primary_h)?;
         let (tier_type, locality) = if tier.is_keyed() {
@@ -246,7 +267,44 @@ impl<T: Tier> PhysicalTier<T> {
             done: Vec::new(),
             detector: None,
             failures: HashMap::new(),
+            journal: None,
+            restored: HashMap::new(),
+            primary_memory,
         })
+    }
+
+    /// Blocks restored from the journal that no key has claimed yet.
+    pub fn num_restored(&self) -> usize {
+        self.restored.len()
+    }
+
+    /// Claims the restored block of `key`, if the journal listed one: it becomes Ready.
+    fn claim_restored(&mut self, key: &OffloadKey) -> bool {
+        if self.restored.is_empty() {
+            return false;
+        }
+        let h = key_hash(key, self.bound.manager().block_size());
+        let Some(block) = self.restored.remove(&h) else {
+            return false;
+        };
+        self.entries.insert(
+            *key,
+            Entry {
+                block: Some(block),
+                readers: 0,
+            },
+        );
+        self.ready_order.insert(*key, 0);
+        true
+    }
+
+    /// xxh3-128 of the primary's chunk `slot`.
+    fn primary_checksum(&self, slot: BlockId) -> u128 {
+        let (addr, len) = self.primary_memory.block_addrs(slot, 0..1)[0];
+        // SAFETY: host memory of the primary layout; a store job's chunks are pinned by the
+        // tiering manager for the job (nothing writes them until it is reported).
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        xxhash_rust::xxh3::xxh3_128(bytes)
     }
 
     fn owning(primary: &CpuPrimaryTier, layout: PhysicalLayout, blocks: usize) -> Result<Self> {
@@ -340,6 +398,11 @@ impl<T: Tier> PhysicalTier<T> {
             if let Ok(mut b) = self.bound.allocate(1) {
                 return b.pop();
             }
+            // Restored blocks nobody claimed go first, then the oldest ready unread key.
+            if let Some(h) = self.restored.keys().next().copied() {
+                self.restored.remove(&h);
+                continue;
+            }
             let victim = self
                 .ready_order
                 .iter()
@@ -369,9 +432,13 @@ impl<T: Tier> PhysicalTier<T> {
         let promotion = matches!(settled, Settled::Load(_));
         match settled {
             Settled::Store(outcomes) => {
-                for (k, r) in meta.keys.iter().zip(outcomes) {
+                let mut written = Vec::new();
+                for (i, (k, r)) in meta.keys.iter().zip(outcomes).enumerate() {
                     match r {
                         Ok(block) => {
+                            if let Some(&(h, sum)) = meta.sums.get(i) {
+                                written.push((block.block_id(), h, sum));
+                            }
                             if let Some(e) = self.entries.get_mut(k) {
                                 e.block = Some(block);
                                 self.ready_order.insert(*k, 0);
@@ -384,6 +451,11 @@ impl<T: Tier> PhysicalTier<T> {
                             self.entries.remove(k);
                         }
                     }
+                }
+                if let Some(j) = &self.journal
+                    && let Err(e) = j.written(&written)
+                {
+                    tracing::warn!(error = %e, blocks = written.len(), "disk journal cannot list written chunks: they are not persistent");
                 }
             }
             Settled::Load(outcomes) => {
@@ -400,6 +472,15 @@ impl<T: Tier> PhysicalTier<T> {
                             // The tier's copy is corrupt, another chunk's, or gone: never serve
                             // it again (once no other load is reading it).
                             if drop_copy && self.entries.get(k).is_some_and(|e| e.readers == 0) {
+                                if let (Some(j), Some(slot)) = (
+                                    &self.journal,
+                                    self.entries
+                                        .get(k)
+                                        .and_then(|e| e.block.as_ref())
+                                        .map(|b| b.block_id()),
+                                ) {
+                                    j.dropped(slot);
+                                }
                                 self.entries.remove(k);
                                 self.ready_order.remove(k);
                                 self.forget_dropped();
@@ -419,11 +500,12 @@ impl<T: Tier> PhysicalTier<T> {
         });
     }
 
-    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>) -> JobMeta {
+    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>, sums: Vec<(u128, u128)>) -> JobMeta {
         JobMeta {
             job_id: job.job_id,
             bytes: (keys.len() * self.chunk_bytes) as u64,
             keys,
+            sums,
             started: std::time::Instant::now(),
         }
     }
@@ -442,10 +524,22 @@ impl<T: Tier> Drop for PhysicalTier<T> {
 impl PhysicalTier<G3> {
     /// A disk tier of `capacity` chunk slots in the file `config.path`, with its own
     /// `BlockManager<G3>` of `capacity` blocks.
+    ///
+    /// The tier keeps a journal beside the file (`<path>` with extension `journal`) and starts
+    /// warm from it: every chunk a previous tier on the same file completed is restored (see the
+    /// module docs, "Persistence").
     pub fn disk(primary: &CpuPrimaryTier, config: &DiskConfig, capacity: usize) -> Result<Self> {
         let layout = CpuPrimaryTier::block_layout(capacity, primary.chunk_bytes())?;
         let disk = PhysicalLayout::create_disk(layout, config)?;
-        Self::owning(primary, disk, capacity)
+        let opened = DiskJournal::open(&config.path, &disk)?;
+        let mut tier = Self::owning(primary, disk, capacity)?;
+        let (_, blocks) = opened.listed_blocks(tier.bound.manager())?;
+        tier.restored = blocks.into_iter().map(|b| (b.sequence_hash(), b)).collect();
+        if !tier.restored.is_empty() {
+            tracing::info!(path = %config.path.display(), chunks = tier.restored.len(), "disk tier starts warm");
+        }
+        tier.journal = Some(Arc::new(opened.journal));
+        Ok(tier)
     }
 }
 
@@ -486,6 +580,9 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         self.detector.as_mut()
     }
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
+        if !self.entries.contains_key(key) {
+            self.claim_restored(key);
+        }
         match self.entries.get(key) {
             Some(e) if e.block.is_some() => LookupResult::Hit,
             _ => LookupResult::Miss,
@@ -493,8 +590,9 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     }
     fn submit_store(&mut self, job: Arc<TierJob>) {
         let (mut keys, mut sources, mut destinations) = (Vec::new(), Vec::new(), Vec::new());
+        let mut sums = Vec::new();
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
-            if self.entries.contains_key(k) {
+            if self.entries.contains_key(k) || self.claim_restored(k) {
                 continue;
             }
             let Some(block) = self.allocate() else {
@@ -508,7 +606,14 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
                     readers: 0,
                 },
             );
-            sources.push(self.source(k, c as BlockId));
+            let source = self.source(k, c as BlockId);
+            if self.journal.is_some() {
+                sums.push((
+                    source.sequence_hash.as_u128(),
+                    self.primary_checksum(c as BlockId),
+                ));
+            }
+            sources.push(source);
             destinations.push(block);
             keys.push(*k);
         }
@@ -516,11 +621,27 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             self.done.push(JobResult::new(job.job_id, true));
             return;
         }
+        // The journal protocol: the slots are unlisted before anything writes them.
+        if let Some(j) = &self.journal
+            && let Err(e) = j.will_write(destinations.iter().map(|b| b.block_id()))
+        {
+            tracing::warn!(error = %e, "disk journal cannot record the write: the store is dropped");
+            for k in &keys {
+                self.entries.remove(k);
+            }
+            self.done.push(JobResult::new(job.job_id, false));
+            return;
+        }
         let mv = Move::Store(self.store.move_blocks(&sources, destinations).boxed());
-        let meta = self.meta(&job, keys);
+        let meta = self.meta(&job, keys, sums);
         self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
+        for k in &job.keys {
+            if !self.entries.contains_key(k) {
+                self.claim_restored(k);
+            }
+        }
         let all_ready = job
             .keys
             .iter()
@@ -556,7 +677,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             }
             .boxed(),
         );
-        let meta = self.meta(&job, job.keys.clone());
+        let meta = self.meta(&job, job.keys.clone(), Vec::new());
         self.inflight.push(Inflight { meta, mv });
     }
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
@@ -587,6 +708,14 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     }
     fn shutdown(&mut self) -> Result<()> {
         self.drain_jobs()?;
+        if let Some(j) = &self.journal {
+            let layout = self.bound.transfer_manager().layout(self.bound.layout())?;
+            if let kvbm_physical::Backing::Disk(d) = layout.backing() {
+                d.sync()?;
+            }
+            j.sync()?;
+        }
+        self.restored.clear();
         // Ready keys' blocks go back to the manager (inactive).
         self.entries.clear();
         self.ready_order = LinkedKeySet::new();

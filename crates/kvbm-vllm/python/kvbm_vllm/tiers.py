@@ -1,7 +1,8 @@
 """kvbm's secondary tiers for vLLM 0.33's own tiering manager (``TieringOffloadingSpec``).
 
 ``KvbmDiskTier`` (tier type ``kvbm_disk``) keeps chunks in one O_DIRECT file kvbm owns:
-bounded (``capacity`` chunk slots; the oldest ready chunk is evicted for a new one), every slot
+bounded (``capacity`` chunk slots; the oldest ready chunk is evicted for a new one), persistent
+(a journal beside the file; a restarted tier is warm), every slot
 written with a header binding the key and a checksum of its bytes, so a damaged or foreign slot
 is a failed load (the manager recomputes), never wrong bytes. Bytes move between vLLM's primary
 region and the file in Rust, without a copy through Python.
@@ -32,8 +33,13 @@ directory), ``endpoint``, ``region`` (default us-east-1), ``access_key_env`` /
 ``namespace`` (default ``kvbm``), ``capacity`` (keys remembered, default 65536), ``locality``
 (default ``"remote"``).
 
-Not built yet: warm restart from the disk tier's journal (a restarted disk tier starts empty),
-an object tier that finds objects another instance wrote (it knows only its own stores), events.
+The disk tier is persistent: its journal (``<path>`` with extension ``journal``) lists every
+chunk whose write completed, and a tier opened on the same file starts warm with them (each
+read still checked against the key's identity and checksum). ``kill -9`` safe: a slot is
+unlisted before it is rewritten.
+
+Not built yet: an object tier that finds objects another instance wrote (it knows only its own
+stores), events.
 """
 
 from __future__ import annotations

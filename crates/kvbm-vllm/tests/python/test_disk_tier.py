@@ -131,6 +131,23 @@ def test_evicted_chunks_come_back_from_disk_with_their_bytes(tmp_path):
     s.manager.shutdown()
 
 
+def test_a_restarted_disk_tier_is_warm(tmp_path):
+    first = Setup(tmp_path)
+    stored = keys("kept", 4)
+    first.store(stored, pattern)
+    first.manager.shutdown()  # vLLM's shutdown: the tier syncs its file and journal
+    assert (tmp_path / "g3" / "g3.journal").exists()
+
+    # A new process's managers over a fresh (zeroed) primary region, the same file.
+    second = Setup(tmp_path)
+    for k in stored:
+        got = second.load(k)
+        assert got is not None, "found on disk after the restart"
+        assert np.array_equal(got, pattern(k)), "with its bytes"
+    assert second.load(keys("never", 1)[0]) is None
+    second.manager.shutdown()
+
+
 def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path):
     s = Setup(tmp_path)
     victim = keys("victim", 1)

@@ -1,37 +1,50 @@
-//! The persistent index of the G3 disk tier: which block (sequence hash) lives in which slot,
-//! with the xxh3-128 of its payload as it was written.
+//! The journal of a G3 disk tier: which block (sequence hash) lives in which slot, with the
+//! xxh3-128 of its payload as it was written. Every disk tier keeps one: the engine's tier stack
+//! and kvbm-tiering's disk tier (the one vLLM's manager drives) alike.
 //!
-//! The index is `kvbm-physical`'s append-only [`DiskManifest`] (`<G3 file>.journal`: `g3.bin` → `g3.journal`), bound to
-//! the G3 file's geometry and instance id; this module only maps sequence hashes to and from
-//! block identities. Its protocol (see [`kvbm_physical::storage::manifest`]) is what makes
-//! `kill -9` safe: a slot about to be overwritten is unlisted first ([`G3Index::will_write`]),
-//! and a block is listed only after its write completed ([`G3Index::written`]). A later run
-//! with the same G3 file (`physical.disk.path`) replays the journal and starts warm with exactly the blocks that
-//! were complete; a torn tail is discarded.
+//! The journal is `kvbm-physical`'s append-only [`DiskManifest`] (`<G3 file>.journal`: `g3.bin`
+//! → `g3.journal`), bound to the G3 file's geometry and instance id; this module only maps
+//! sequence hashes to and from block identities. Its protocol (see
+//! [`kvbm_physical::storage::manifest`]) is what makes `kill -9` safe: a slot about to be
+//! overwritten is unlisted first ([`DiskJournal::will_write`]), and a block is listed only after
+//! its write completed ([`DiskJournal::written`]). A later run with the same G3 file replays the
+//! journal and starts warm with exactly the blocks that were complete; a torn tail is discarded.
 //!
-//! On read, a block onboarded from G3 is checked twice: by the disk layer (header: slot,
-//! length, file id, identity, payload checksum) and by the stack (the payload's checksum must
-//! equal the one recorded for that hash). A block that fails is unlisted ([`G3Index::dropped`]).
+//! ```text
+//!  allocate slot ─► will_write(slot) ─► write block (O_DIRECT) ─► written(slot, hash, checksum)
+//!  restart: open ─► replay ─► Opened::register_listed: every listed block registered at its slot
+//! ```
+//!
+//! On read, a block brought up from G3 is checked by the disk layer (header: slot, length, file
+//! id, identity, payload checksum) and, where the caller keeps them, against the checksum
+//! recorded here. A block that fails is unlisted ([`DiskJournal::dropped`]).
 //!
 //! The older end-of-run snapshot (`g3.manifest`) is no longer written; one left by an older
 //! version is removed at open (its slots are not trusted).
+//!
+//! Locks: the manifest's one mutex, inside each call; nothing else.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use super::context::{Context, bail};
-use crate::error::Result;
 use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
-use kvbm_offload::{
-    BatchOutcome, BlockFailure, BlockFailureKind, BlockMoveExecutor, ResolvedBatch,
-};
 use kvbm_physical::{
     Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, PhysicalLayout,
 };
 
+use crate::batch::{BatchOutcome, ResolvedBatch};
+use crate::error::{BlockFailure, BlockFailureKind, OffloadError};
+use crate::mover::BlockMoveExecutor;
+
+type Result<T> = std::result::Result<T, OffloadError>;
+
+fn journal_error(path: &Path, e: impl std::fmt::Display) -> OffloadError {
+    OffloadError::Setup(format!("the disk journal {}: {e}", path.display()))
+}
+
 /// One G3 block: its slot and payload checksum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Entry {
+pub struct JournalEntry {
     /// Slot in the disk file.
     pub slot: usize,
     /// xxh3-128 of the payload written there.
@@ -39,13 +52,13 @@ pub(super) struct Entry {
 }
 
 /// The journal of the G3 file `file`: beside it, extension `journal` (`g3.bin` → `g3.journal`).
-pub(super) fn path_for(file: &Path) -> PathBuf {
+pub fn path_for(file: &Path) -> PathBuf {
     file.with_extension("journal")
 }
 
 /// The sequence hash named by `identity` (the inverse of `BlockIdentity::from_u128`); `None`
 /// for an identity that is not a 128-bit hash.
-pub(super) fn hash_of(identity: &BlockIdentity) -> Option<u128> {
+pub fn hash_of(identity: &BlockIdentity) -> Option<u128> {
     let b = identity.as_bytes();
     b[16..]
         .iter()
@@ -53,19 +66,22 @@ pub(super) fn hash_of(identity: &BlockIdentity) -> Option<u128> {
         .then(|| u128::from_le_bytes(b[..16].try_into().expect("16 bytes")))
 }
 
-/// The open G3 index.
+/// The blocks a journal listed, registered: their payload checksums by sequence hash, and the
+/// blocks themselves.
+pub type ListedBlocks = (HashMap<u128, u128>, Vec<ImmutableBlock<G3>>);
+
+/// An open disk journal (see the [module docs](self)).
 #[derive(Debug)]
-pub(super) struct G3Index {
+pub struct DiskJournal {
     manifest: DiskManifest,
 }
 
-/// What opening found: the index, the blocks it lists (by sequence hash), and the stack's
-/// report.
-pub(super) struct Opened {
-    /// The index, ready for appends.
-    pub index: G3Index,
+/// What opening found: the journal, and the blocks it lists (by sequence hash).
+pub struct Opened {
+    /// The journal, ready for appends.
+    pub journal: DiskJournal,
     /// Listed blocks by sequence hash.
-    pub entries: HashMap<u128, Entry>,
+    pub entries: HashMap<u128, JournalEntry>,
 }
 
 impl Opened {
@@ -75,13 +91,31 @@ impl Opened {
     ///
     /// # Errors
     /// The manager cannot hand out all its slots (it is not fresh).
-    pub(super) fn register_listed(
+    pub fn register_listed(
         &self,
         manager: &BlockManager<G3>,
     ) -> Result<(HashMap<u128, u128>, usize)> {
+        let (checksums, blocks) = self.listed_blocks(manager)?;
+        Ok((checksums, blocks.len()))
+    }
+
+    /// As [`register_listed`](Self::register_listed), handing back the registered blocks (the
+    /// caller holds them strongly, e.g. a tier that adopts each one when its key is asked for).
+    ///
+    /// # Errors
+    /// The manager cannot hand out all its slots (it is not fresh).
+    pub fn listed_blocks(
+        &self,
+        manager: &BlockManager<G3>,
+    ) -> Result<ListedBlocks> {
         let total = manager.total_blocks();
         let mut all: Vec<Option<MutableBlock<G3>>> = (0..total).map(|_| None).collect();
-        for blk in manager.allocate_blocks(total)? {
+        let fresh = manager.allocate_blocks(total).map_err(|e| {
+            OffloadError::Setup(format!(
+                "the G3 manager cannot be filled from its journal: {e}"
+            ))
+        })?;
+        for blk in fresh {
             let id = blk.block_id();
             all[id] = Some(blk);
         }
@@ -96,23 +130,26 @@ impl Opened {
             }
         }
         drop(all);
-        Ok((checksums, manager.register_blocks(complete).len()))
+        Ok((checksums, manager.register_blocks(complete)))
     }
 }
 
-impl G3Index {
-    /// Opens (or creates) the index of the G3 file `file`, whose layout is `layout`.
+impl DiskJournal {
+    /// Opens (or creates) the journal of the G3 file `file`, whose layout is `layout`.
     ///
     /// # Errors
-    /// The journal cannot be read, created or repaired.
-    pub(super) fn open(file: &Path, layout: &PhysicalLayout) -> Result<Opened> {
+    /// [`OffloadError::Setup`] naming the journal: the layout is not a disk file, or the
+    /// journal cannot be read, created or repaired.
+    pub fn open(file: &Path, layout: &PhysicalLayout) -> Result<Opened> {
         let Backing::Disk(disk) = layout.backing() else {
-            bail!("the G3 layout is not a disk file");
+            return Err(OffloadError::Setup(format!(
+                "{}: the G3 layout is not a disk file",
+                file.display()
+            )));
         };
         let legacy = file.with_extension("manifest");
         if legacy.exists() {
-            std::fs::remove_file(&legacy)
-                .with_context(|| format!("cannot remove {}", legacy.display()))?;
+            std::fs::remove_file(&legacy).map_err(|e| journal_error(&legacy, e))?;
         }
         let geometry = ManifestGeometry {
             payload_bytes: disk.payload_bytes() as u64,
@@ -120,8 +157,8 @@ impl G3Index {
             file_id: disk.file_id(),
         };
         let path = path_for(file);
-        let (manifest, recovery) = DiskManifest::open(&path, geometry)
-            .with_context(|| format!("cannot open the G3 journal {}", path.display()))?;
+        let (manifest, recovery) =
+            DiskManifest::open(&path, geometry).map_err(|e| journal_error(&path, e))?;
         if let Some(why) = &recovery.reset {
             tracing::warn!("G3 starts cold: journal reset ({why})");
         }
@@ -137,7 +174,7 @@ impl G3Index {
             if let Some(h) = hash_of(&e.identity) {
                 entries.insert(
                     h,
-                    Entry {
+                    JournalEntry {
                         slot: e.slot as usize,
                         checksum: e.checksum,
                     },
@@ -145,7 +182,7 @@ impl G3Index {
             }
         }
         Ok(Opened {
-            index: G3Index { manifest },
+            journal: DiskJournal { manifest },
             entries,
         })
     }
@@ -155,10 +192,7 @@ impl G3Index {
     ///
     /// # Errors
     /// The journal could not be appended (e.g. the disk is full).
-    pub(super) fn will_write(
-        &self,
-        slots: impl IntoIterator<Item = usize>,
-    ) -> kvbm_physical::Result<()> {
+    pub fn will_write(&self, slots: impl IntoIterator<Item = usize>) -> kvbm_physical::Result<()> {
         let recs: Vec<ManifestRecord> = slots
             .into_iter()
             .map(|s| ManifestRecord::Removed { slot: s as u64 })
@@ -170,7 +204,7 @@ impl G3Index {
     ///
     /// # Errors
     /// The journal could not be appended (the blocks are then not persistent).
-    pub(super) fn written(&self, blocks: &[(usize, u128, u128)]) -> kvbm_physical::Result<()> {
+    pub fn written(&self, blocks: &[(usize, u128, u128)]) -> kvbm_physical::Result<()> {
         let recs: Vec<ManifestRecord> = blocks
             .iter()
             .map(|&(slot, h, checksum)| ManifestRecord::Stored {
@@ -183,7 +217,7 @@ impl G3Index {
     }
 
     /// Unlists `slot` (its block failed verification).
-    pub(super) fn dropped(&self, slot: usize) {
+    pub fn dropped(&self, slot: usize) {
         if let Err(e) = self.will_write([slot]) {
             tracing::warn!(error = %e, slot, "cannot unlist a rejected G3 block");
         }
@@ -193,21 +227,21 @@ impl G3Index {
     ///
     /// # Errors
     /// The sync failed.
-    pub(super) fn sync(&self) -> kvbm_physical::Result<()> {
+    pub fn sync(&self) -> kvbm_physical::Result<()> {
         self.manifest.sync()
     }
 }
 
 /// The G2→G3 write with the journal protocol around it: allocate the destination slots,
-/// unlist them ([`G3Index::will_write`]), write the blocks, list the ones whose write completed
-/// ([`G3Index::written`]). `sums[i]` is `(sequence hash, payload xxh3-128)` of block `i`.
+/// unlist them ([`DiskJournal::will_write`]), write the blocks, list the ones whose write
+/// completed ([`DiskJournal::written`]). `sums[i]` is `(sequence hash, payload xxh3-128)` of block `i`.
 ///
 /// A journal that cannot unlist the slots (disk full) fails the batch with `NoSpace` before any
 /// slot is written: a listed slot is never overwritten behind the journal's back. A journal
 /// that cannot list the written blocks leaves them in G3 for this run only (logged).
-pub(super) async fn write_recorded(
+pub async fn write_recorded(
     inner: &BlockMoveExecutor<G2, G3>,
-    index: &G3Index,
+    index: &DiskJournal,
     batch: &ResolvedBatch<G2>,
     sums: &[(u128, u128)],
 ) -> BatchOutcome<ImmutableBlock<G3>> {
