@@ -162,6 +162,11 @@ struct Stats {
     promotion_failures: [u64; 2],
     /// Promotions not started for lack of G2 room.
     promotion_allocation_failures: u64,
+    /// Successful promotions per source tier (G3, G4): blocks and seconds reading.
+    promoted_blocks: [u64; 2],
+    promoted_seconds: [f64; 2],
+    /// Lookup time per searched tier (G2, G3, G4), when recorded.
+    lookup_seconds: [Vec<f64>; 3],
 }
 
 /// The one outcome of a one-block move (a mover that reported none failed it).
@@ -189,6 +194,8 @@ struct Promotion {
     owner: u64,
     /// The tier it reads from (G3 or G4).
     tier: TierId,
+    /// When it started (the read time of a successful promotion).
+    started: std::time::Instant,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -235,6 +242,10 @@ pub struct EngineTieringManager {
     /// Keys of the G2 blocks this manager registered (see "Evicted keys").
     registered: HashMap<SequenceHash, OffloadKey>,
     stats: Stats,
+    /// Bytes per block (promotion byte counters; 0: not reported).
+    block_bytes: u64,
+    /// Whether lookups record their time per tier.
+    record_lookup_latency: bool,
     /// Metric label per searched tier (G2, G3, G4); `None` where not configured.
     labels: [Option<String>; 3],
 }
@@ -378,7 +389,21 @@ impl EngineTieringManager {
             registered: HashMap::new(),
             stats: Stats::default(),
             labels,
+            block_bytes: 0,
+            record_lookup_latency: false,
         })
+    }
+
+    /// Bytes per block, for the promotion byte counters (`vllm:kv_offload_tiering_read_bytes`
+    /// per tier); 0 (the default) reports no bytes.
+    pub fn set_block_bytes(&mut self, bytes: usize) {
+        self.block_bytes = bytes as u64;
+    }
+
+    /// Records each lookup's time per searched tier (`vllm:kv_offload_tiering_lookup_sync_
+    /// delay_seconds`; two clock reads per tier per lookup). Off by default.
+    pub fn set_record_lookup_latency(&mut self, on: bool) {
+        self.record_lookup_latency = on;
     }
 
     /// Hands the G2 blocks each successful `complete_store` registers to `sink` (strong
@@ -453,6 +478,9 @@ impl EngineTieringManager {
             };
             match outcome {
                 Ok(block) => {
+                    let slot = tier_slot(p.tier) - 1;
+                    self.stats.promoted_blocks[slot] += 1;
+                    self.stats.promoted_seconds[slot] += p.started.elapsed().as_secs_f64();
                     let h = self.hash_of(&key);
                     self.remember(key, h);
                     match self.requests.get_mut(&p.owner) {
@@ -586,7 +614,15 @@ impl EngineTieringManager {
                 completions.lock().push((key, first_outcome(out)));
             }),
         };
-        self.promotions.insert(key, Promotion { owner, tier, task });
+        self.promotions.insert(
+            key,
+            Promotion {
+                owner,
+                tier,
+                started: std::time::Instant::now(),
+                task,
+            },
+        );
         true
     }
 
@@ -617,16 +653,27 @@ impl OffloadingManager for EngineTieringManager {
         }
         let h = self.hash_of(key);
         self.stats.queries[0] += 1;
-        if self.in_g2(h) {
+        let t0 = self.record_lookup_latency.then(std::time::Instant::now);
+        let in_g2 = self.in_g2(h);
+        if let Some(t) = t0 {
+            self.stats.lookup_seconds[0].push(t.elapsed().as_secs_f64());
+        }
+        if in_g2 {
             self.stats.hits[0] += 1;
             return LookupResult::Hit;
         }
+        let t1 = self.record_lookup_latency.then(std::time::Instant::now);
         let found = self.leader.accessor().locate(h);
+        let below = t1.map(|t| t.elapsed().as_secs_f64());
         for (tier, slot) in [(TierId::G3, 1), (TierId::G4, 2)] {
             if self.labels[slot].is_none() {
                 continue;
             }
             self.stats.queries[slot] += 1;
+            if let Some(d) = below {
+                // One search answers for every lower tier: each searched one records it.
+                self.stats.lookup_seconds[slot].push(d);
+            }
             if found == Some(tier) {
                 self.stats.hits[slot] += 1;
                 break;
@@ -917,10 +964,28 @@ impl OffloadingManager for EngineTieringManager {
             if stats.hits[slot] > 0 {
                 out.increase_counter(names::CHUNK_HITS, Some(l), stats.hits[slot] as f64);
             }
+            for d in &stats.lookup_seconds[slot] {
+                out.observe_histogram(names::LOOKUP_SYNC_DELAY, Some(l), *d);
+            }
             if slot > 0 {
                 let tier = if slot == 1 { TierId::G3 } else { TierId::G4 };
                 let active = self.promotions.values().filter(|p| p.tier == tier).count();
                 out.set_gauge(names::ACTIVE_PROMOTION_JOBS, Some(l), active as f64);
+                let promoted = stats.promoted_blocks[slot - 1];
+                if promoted > 0 {
+                    if self.block_bytes > 0 {
+                        out.increase_counter(
+                            names::READ_BYTES,
+                            Some(l),
+                            (promoted * self.block_bytes) as f64,
+                        );
+                    }
+                    out.increase_counter(
+                        names::READ_TIME,
+                        Some(l),
+                        stats.promoted_seconds[slot - 1],
+                    );
+                }
                 let failed = stats.promotion_failures[slot - 1];
                 if failed > 0 {
                     out.increase_counter(names::PROMOTION_JOB_FAILURES, Some(l), failed as f64);

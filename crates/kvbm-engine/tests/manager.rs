@@ -183,6 +183,8 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
 
     // A new request: G3-resident keys are pending while the engine promotes them to G2.
     let _ = r.mgr.get_stats(); // counters from here on
+    r.mgr.set_block_bytes(4096);
+    r.mgr.set_record_lookup_latency(true);
     let ctx2 = ReqContext::new("r2");
     r.mgr.on_new_request(&ctx2).unwrap();
     for k in &keys {
@@ -227,6 +229,28 @@ async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified(
     assert_eq!(
         stats.counter(names::PROMOTION_JOB_FAILURES, Some("1:disk")),
         None
+    );
+    // The three promotions' bytes and read time; every lookup's time per searched tier.
+    assert_eq!(
+        stats.counter(names::READ_BYTES, Some("1:disk")),
+        Some(3.0 * 4096.0)
+    );
+    assert!(
+        stats
+            .counter(names::READ_TIME, Some("1:disk"))
+            .is_some_and(|t| t > 0.0)
+    );
+    assert_eq!(
+        stats
+            .histogram(names::LOOKUP_SYNC_DELAY, Some("0:primary"))
+            .map(<[f64]>::len),
+        Some(6)
+    );
+    assert_eq!(
+        stats
+            .histogram(names::LOOKUP_SYNC_DELAY, Some("1:disk"))
+            .map(<[f64]>::len),
+        Some(3)
     );
 
     // Load: G2 chunks → other GPU slots (3..6), bytes verified.

@@ -550,6 +550,7 @@ impl TierStack {
                         rt.clone(),
                     )
                     .context("cannot build the scheduler-facing tiering manager")?;
+                sched.set_block_bytes(b);
                 let w = scheduled::WriteThrough::new(
                     g2_to_g3.clone(),
                     g2_to_g4.clone(),
