@@ -104,10 +104,7 @@ impl Opened {
     ///
     /// # Errors
     /// The manager cannot hand out all its slots (it is not fresh).
-    pub fn listed_blocks(
-        &self,
-        manager: &BlockManager<G3>,
-    ) -> Result<ListedBlocks> {
+    pub fn listed_blocks(&self, manager: &BlockManager<G3>) -> Result<ListedBlocks> {
         let total = manager.total_blocks();
         let mut all: Vec<Option<MutableBlock<G3>>> = (0..total).map(|_| None).collect();
         let fresh = manager.allocate_blocks(total).map_err(|e| {

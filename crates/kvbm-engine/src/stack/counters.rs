@@ -3,32 +3,78 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Indexes into [`Counters::bytes`].
-#[derive(Debug, Clone, Copy)]
-pub enum MovePath {
-    /// G1→G2 offload.
-    G1ToG2 = 0,
-    /// G2→G3 offload.
-    G2ToG3 = 1,
-    /// G3→G2 onboarding.
-    G3ToG2 = 2,
-    /// G2→G4 offload.
-    G2ToG4 = 3,
-    /// G4→G2 onboarding.
-    G4ToG2 = 4,
-    /// G2→G1 onboarding.
-    G2ToG1 = 5,
+use kvbm_logical::TierId;
+
+/// A path bytes move along: from one tier to another (a pair of [`TierId`]s). The stack moves
+/// along six; [`MovePath::ALL`] is their order in [`Counters::bytes`] and [`PATH_NAMES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MovePath {
+    /// Where the bytes come from.
+    pub from: TierId,
+    /// Where they go.
+    pub to: TierId,
 }
 
-/// Names of the paths, in [`MovePath`] order.
+impl MovePath {
+    /// G1→G2 offload.
+    pub const G1_TO_G2: Self = Self::new(TierId::G1, TierId::G2);
+    /// G2→G3 offload.
+    pub const G2_TO_G3: Self = Self::new(TierId::G2, TierId::G3);
+    /// G3→G2 onboarding.
+    pub const G3_TO_G2: Self = Self::new(TierId::G3, TierId::G2);
+    /// G2→G4 offload.
+    pub const G2_TO_G4: Self = Self::new(TierId::G2, TierId::G4);
+    /// G4→G2 onboarding.
+    pub const G4_TO_G2: Self = Self::new(TierId::G4, TierId::G2);
+    /// G2→G1 onboarding.
+    pub const G2_TO_G1: Self = Self::new(TierId::G2, TierId::G1);
+    /// Every path the stack moves along, in counter order.
+    pub const ALL: [Self; 6] = [
+        Self::G1_TO_G2,
+        Self::G2_TO_G3,
+        Self::G3_TO_G2,
+        Self::G2_TO_G4,
+        Self::G4_TO_G2,
+        Self::G2_TO_G1,
+    ];
+
+    const fn new(from: TierId, to: TierId) -> Self {
+        Self { from, to }
+    }
+
+    /// The path's place in [`MovePath::ALL`] (and [`Counters::bytes`]); `None` for a path the
+    /// stack never moves along.
+    pub fn index(self) -> Option<usize> {
+        Self::ALL.iter().position(|p| *p == self)
+    }
+}
+
+/// Names of the paths, in [`MovePath::ALL`] order.
 pub const PATH_NAMES: [&str; 6] = [
     "g1_to_g2", "g2_to_g3", "g3_to_g2", "g2_to_g4", "g4_to_g2", "g2_to_g1",
 ];
 
+/// Where a hit block came from, as the stack counts hits: the tier it was found in (a block
+/// read ahead from G3 counts for G3), or G4 written by another instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HitSource {
+    /// Found in this tier.
+    Tier(TierId),
+    /// In the shared G4, written by another instance (a G4 hit and a cross-instance one).
+    OtherInstance,
+}
+
+impl HitSource {
+    /// Whether the block comes from G4 (this instance's or another's).
+    pub fn is_g4(self) -> bool {
+        matches!(self, Self::Tier(TierId::G4) | Self::OtherInstance)
+    }
+}
+
 /// Counters shared with the pipelines' sinks and executors.
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Bytes moved per path ([`MovePath`] order).
+    /// Bytes moved per path ([`MovePath::ALL`] order).
     pub bytes: [AtomicU64; 6],
     /// Blocks whose transfer failed (any lane, any direction), not counting checksum rejections.
     pub failed_transfers: AtomicU64,
@@ -40,10 +86,13 @@ pub struct Counters {
 
 impl Counters {
     pub(super) fn add_bytes(&self, path: MovePath, blocks: usize, block_bytes: usize) {
+        let Some(i) = path.index() else {
+            debug_assert!(false, "the stack never moves along {path:?}");
+            return;
+        };
         let b = (blocks * block_bytes) as u64;
-        self.bytes[path as usize].fetch_add(b, Ordering::Relaxed);
-        metrics::counter!("kvbm_replay_bytes_moved_total", "path" => PATH_NAMES[path as usize])
-            .increment(b);
+        self.bytes[i].fetch_add(b, Ordering::Relaxed);
+        metrics::counter!("kvbm_replay_bytes_moved_total", "path" => PATH_NAMES[i]).increment(b);
     }
 }
 
@@ -65,12 +114,17 @@ pub struct Served {
 }
 
 impl Served {
-    /// Counts the prefix's hits by the tier each block came from (0..=3 for G1..G4, 4 for a G4
-    /// block another instance wrote: a G4 hit and a cross-instance one).
-    pub(super) fn count_hits(&mut self, sources: &[u8]) {
+    /// Counts the prefix's hits by where each block came from (a G4 block another instance
+    /// wrote is a G4 hit and a cross-instance one).
+    pub(super) fn count_hits(&mut self, sources: &[HitSource]) {
         for s in sources {
-            self.hits[(*s as usize).min(3)] += 1;
-            self.cross_instance += u64::from(*s == 4);
+            match s {
+                HitSource::Tier(t) => self.hits[t.index()] += 1,
+                HitSource::OtherInstance => {
+                    self.hits[TierId::G4.index()] += 1;
+                    self.cross_instance += 1;
+                }
+            }
         }
     }
 

@@ -71,7 +71,7 @@ impl MoveExecutor<G2> for RecordingG3Executor {
             .record(t.elapsed().as_secs_f64());
         let ok = out.iter().filter(|r| r.is_ok()).count();
         self.counters
-            .add_bytes(MovePath::G2ToG3, ok, self.block_bytes);
+            .add_bytes(MovePath::G2_TO_G3, ok, self.block_bytes);
         out
     }
 }

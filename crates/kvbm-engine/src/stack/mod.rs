@@ -71,7 +71,7 @@ use context::{Context, stack_error};
 use kvbm_offload::journal::DiskJournal;
 use movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 
-pub use counters::{Counters, MovePath, PATH_NAMES, Served, StageTimes};
+pub use counters::{Counters, HitSource, MovePath, PATH_NAMES, Served, StageTimes};
 pub use hooks::{Contents, Identities, ShareG4, SharedG4};
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
@@ -470,7 +470,7 @@ impl TierStack {
                 let own = shared.as_ref().map(|sh| sh.own().clone());
                 let sink: kvbm_offload::CompletionSink<SequenceHash> =
                     Arc::new(move |done: Vec<SequenceHash>| {
-                        c.add_bytes(MovePath::G2ToG4, done.len(), b);
+                        c.add_bytes(MovePath::G2_TO_G4, done.len(), b);
                         if let Some(own) = &own {
                             own.lock().extend(done);
                         }
@@ -510,7 +510,7 @@ impl TierStack {
                 );
                 let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
                     Arc::new(move |blocks: Vec<ImmutableBlock<G2>>| {
-                        c.add_bytes(MovePath::G1ToG2, blocks.len(), b);
+                        c.add_bytes(MovePath::G1_TO_G2, blocks.len(), b);
                         // Strong references: a G2 block is not evicted before it reached the lower
                         // tiers (write-through). Backpressure bounds how many are in flight.
                         if let Some(p) = &next3 {

@@ -204,7 +204,7 @@ impl G3ToG2 {
             }
         }
         self.counters
-            .add_bytes(MovePath::G3ToG2, ok, self.block_bytes);
+            .add_bytes(MovePath::G3_TO_G2, ok, self.block_bytes);
     }
 
     async fn run(
@@ -338,7 +338,7 @@ impl G4ToG2 {
             })
             .collect();
         self.counters
-            .add_bytes(MovePath::G4ToG2, ok, self.block_bytes);
+            .add_bytes(MovePath::G4_TO_G2, ok, self.block_bytes);
         out
     }
 }
@@ -458,7 +458,7 @@ impl G2ToG1 {
             }
         }
         self.counters
-            .add_bytes(MovePath::G2ToG1, arrived, self.block_bytes);
+            .add_bytes(MovePath::G2_TO_G1, arrived, self.block_bytes);
         out
     }
 }

@@ -47,7 +47,7 @@ use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
 use parking_lot::Mutex;
 
-use super::{Counters, MovePath, Served, TierStack};
+use super::{Counters, HitSource, MovePath, Served, TierStack};
 
 /// Lookup passes a request may wait through before it takes the prefix that is ready.
 const MAX_PASSES: usize = 4;
@@ -135,21 +135,25 @@ impl TierStack {
             .ok_or_else(|| stack_error!("the tiering scheduler needs G2 (--g2-blocks > 0)"))
     }
 
-    /// Where the block `h` is before the lookup (the tier its hit counts for): 1 G2, 2 G3 (or
-    /// read ahead from G3 into G2), 3 G4, 4 another instance's G4.
-    fn source_of(&mut self, h: SequenceHash) -> u8 {
+    /// Where the block `h` is before the lookup (the tier its hit counts for; a block read
+    /// ahead from G3 into G2 counts for G3).
+    fn source_of(&mut self, h: SequenceHash) -> HitSource {
         let registry = self.g1.manager.registry();
         if registry.is_present(h, TierId::G2) {
-            return if self.prefetched.remove(&h) { 2 } else { 1 };
+            return HitSource::Tier(if self.prefetched.remove(&h) {
+                TierId::G3
+            } else {
+                TierId::G2
+            });
         }
         if registry.is_present(h, TierId::G3) {
-            return 2;
+            return HitSource::Tier(TierId::G3);
         }
         let own_g4 = registry.is_present(h, TierId::G4);
         match &self.shared_g4 {
             // Written by another instance (or adopted from its events by this lookup).
-            Some(s) if !own_g4 || !s.own().lock().contains(&h) => 4,
-            _ => 3,
+            Some(s) if !own_g4 || !s.own().lock().contains(&h) => HitSource::OtherInstance,
+            _ => HitSource::Tier(TierId::G4),
         }
     }
 
@@ -161,8 +165,8 @@ impl TierStack {
         ctx: &ReqContext,
         hashes: &[SequenceHash],
         keys: &[OffloadKey],
-    ) -> Result<(usize, Vec<u8>)> {
-        let mut sources: Vec<u8> = Vec::with_capacity(keys.len());
+    ) -> Result<(usize, Vec<HitSource>)> {
+        let mut sources: Vec<HitSource> = Vec::with_capacity(keys.len());
         let mut pass = 0;
         loop {
             let t = Instant::now();
@@ -193,7 +197,7 @@ impl TierStack {
             }
             // The step ends; the promotions settle before the request is scheduled again.
             let t = Instant::now();
-            let from_g4 = sources[p..ready].iter().any(|s| *s >= 3);
+            let from_g4 = sources[p..ready].iter().any(|s| s.is_g4());
             let sched = self.sched.as_mut().expect("checked by sched_mut");
             self.session_rt.block_on(sched.settle());
             let waited = t.elapsed().as_secs_f64();
@@ -366,7 +370,7 @@ impl TierStack {
             .failed_transfers
             .fetch_add(failed.len() as u64, Ordering::Relaxed);
         self.counters
-            .add_bytes(MovePath::G1ToG2, ok.len(), self.block_bytes);
+            .add_bytes(MovePath::G1_TO_G2, ok.len(), self.block_bytes);
         let sched = self.sched_mut()?;
         if !failed.is_empty() {
             sched

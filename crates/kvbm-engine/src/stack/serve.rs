@@ -19,7 +19,7 @@ use crate::mover::BlockMove;
 use super::context::{bail, stack_error};
 
 use super::TierStack;
-use super::counters::Served;
+use super::counters::{HitSource, Served};
 
 impl TierStack {
     /// Before a request of `hashes` takes any handle: waits out offload backpressure, finishes
@@ -215,9 +215,9 @@ impl TierStack {
     pub(super) fn onboard_prefix(
         &mut self,
         hashes: &[SequenceHash],
-    ) -> Result<(usize, Vec<u8>, Vec<ImmutableBlock<G1>>)> {
+    ) -> Result<(usize, Vec<HitSource>, Vec<ImmutableBlock<G1>>)> {
         let n = hashes.len();
-        let mut src: Vec<u8> = Vec::with_capacity(n);
+        let mut src: Vec<HitSource> = Vec::with_capacity(n);
         let mut held_g1: Vec<ImmutableBlock<G1>> = Vec::with_capacity(n);
         let mut limit = n;
         loop {
@@ -227,7 +227,7 @@ impl TierStack {
             let at = g1m.len();
             held_g1.extend(g1m);
             while src.len() < at {
-                src.push(0);
+                src.push(HitSource::Tier(TierId::G1));
             }
             let matched = match &self.leader {
                 Some(l) if at < limit => {
@@ -244,20 +244,19 @@ impl TierStack {
                     }
                     src.push(match run.tier {
                         // A block read ahead from G3 for this request is a G3 hit.
-                        TierId::G2 if self.prefetched.remove(&hashes[at + k]) => 2,
-                        TierId::G2 => 1,
-                        TierId::G3 => 2,
-                        // Written by another instance: a cross-instance hit (tier 4 here).
+                        TierId::G2 if self.prefetched.remove(&hashes[at + k]) => {
+                            HitSource::Tier(TierId::G3)
+                        }
+                        // Written by another instance: a cross-instance hit.
                         TierId::G4
                             if self
                                 .shared_g4
                                 .as_ref()
                                 .is_some_and(|s| !s.own().lock().contains(&hashes[at + k])) =>
                         {
-                            4
+                            HitSource::OtherInstance
                         }
-                        TierId::G4 => 3,
-                        TierId::G1 => 0,
+                        t => HitSource::Tier(t),
                     });
                 }
             }
