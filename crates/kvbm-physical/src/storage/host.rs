@@ -133,7 +133,8 @@ impl HostStorage {
     }
 
     /// `len` bytes at `ptr` that `owner` keeps alive: memory kvbm reads and writes but neither
-    /// allocated nor unmaps (see the [module docs](self)). It counts as unpinned.
+    /// allocated nor unmaps (an inference engine's own buffer, e.g. vLLM's CPU offload region,
+    /// used in place). It counts as unpinned.
     ///
     /// # Errors
     /// [`PhysicalError::InvalidLayout`] for a null pointer or zero length.
