@@ -23,6 +23,6 @@ pub mod tiering;
 
 pub use tiering::{
     AsyncLookup, BackpressureDetector, DiskTier, DropPolicy, EmaConfig, InMemoryTier, JobId,
-    JobResult, ObjectTier, ParentManager, PhysicalTier, SecondaryTierManager, TierJob,
+    JobResult, ObjectProbe, ObjectTier, ParentManager, PhysicalTier, SecondaryTierManager, TierJob,
     TieringConfig, TieringOffloadingManager, UpstreamFixes,
 };

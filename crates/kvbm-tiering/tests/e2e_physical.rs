@@ -505,3 +505,62 @@ fn disk_tier_restarts_warm_from_its_journal() {
     let _ = std::fs::remove_file(&path);
     let _ = std::fs::remove_file(&journal);
 }
+
+/// Two instances share an object store: the second finds the first's chunk with an
+/// [`ObjectProbe`], adopts it, and promotes it with the writer's bytes (checked against the
+/// key's identity); a key nobody wrote probes absent.
+#[test]
+fn object_tier_adopts_what_another_instance_wrote() {
+    let dir = scratch("objects-shared").with_extension("d");
+    let oc = || ObjectConfig {
+        namespace: "shared".into(),
+        ..ObjectConfig::default()
+    };
+    let open = |d: &std::path::Path| Arc::new(ObjectStorage::local(d, oc()).unwrap());
+    {
+        let mut writer = manager_over(4, |p| PhysicalTier::object(p, open(&dir), 64).unwrap());
+        let c = ReqContext::new("writer");
+        writer.on_new_request(&c).unwrap();
+        store(&mut writer, &c, &[7]);
+        settle(&mut writer);
+        writer.on_request_finished(&c).unwrap();
+        writer.shutdown().unwrap();
+    }
+    let mut reader = manager_over(4, |p| PhysicalTier::object(p, open(&dir), 64).unwrap());
+    let c = ReqContext::new("reader");
+    reader.on_new_request(&c).unwrap();
+    assert_eq!(
+        reader.lookup(&k(7), &c),
+        LookupResult::Miss,
+        "unknown before the probe"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let tier = reader.tier_mut::<ObjectTier>(0).unwrap();
+    let probe = tier.probe().unwrap();
+    assert!(
+        rt.block_on(probe.present(&k(7))).unwrap(),
+        "the writer's object"
+    );
+    assert!(
+        !rt.block_on(probe.present(&k(8))).unwrap(),
+        "nobody wrote 8"
+    );
+    assert!(tier.adopt(&k(7)));
+    assert_eq!(
+        reader.lookup(&k(7), &c),
+        LookupResult::HitPending,
+        "promoted from the store"
+    );
+    settle(&mut reader);
+    assert_eq!(reader.lookup(&k(7), &c), LookupResult::Hit);
+    assert_eq!(
+        reader.primary().chunk(&k(7)).unwrap(),
+        pattern(7).as_slice()
+    );
+    reader.on_request_finished(&c).unwrap();
+    reader.shutdown().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,5 +14,6 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ContractError", m.py().get_type::<bridge::ContractError>())?;
     m.add_class::<cpu::CpuManager>()?;
     m.add_class::<tiers::StorageTier>()?;
+    m.add_class::<tiers::Probe>()?;
     Ok(())
 }

@@ -35,7 +35,7 @@ use kvbm_physical::{
     DiskConfig, HostStorage, ObjectConfig, ObjectStorage, S3Config, TransferManager,
 };
 use kvbm_tiering::{
-    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult,
+    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, ObjectProbe,
     ObjectTier as RustObjectTier, OffloadScope, PhysicalTier, SecondaryTierManager, TierJob,
 };
 use pyo3::buffer::PyBuffer;
@@ -363,6 +363,39 @@ impl StorageTier {
             .map_or(0, |o| o.num_ready())
     }
 
+    /// A probe of the object store (`kvbm_object` only), for a thread other than the
+    /// scheduler's: see [`Probe`].
+    fn object_probe(&mut self) -> PyResult<Probe> {
+        let t = self.tier()?;
+        let Some(o) = t.as_any_mut().downcast_ref::<RustObjectTier>() else {
+            return Err(PyValueError::new_err(
+                "only an object tier has an object probe",
+            ));
+        };
+        let probe = o.probe().map_err(to_py)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvbm-object-probe")
+            .enable_all()
+            .build()
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the probe runtime: {e}")))?;
+        Ok(Probe {
+            probe,
+            rt: Arc::new(rt),
+        })
+    }
+
+    /// Makes `key` Ready in the object tier after a [`Probe`] found its object (another
+    /// instance wrote it); whether it is Ready now.
+    fn adopt(&mut self, key_: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key(key_)?;
+        let t = self.tier()?;
+        match t.as_any_mut().downcast_mut::<RustObjectTier>() {
+            Some(o) => Ok(o.adopt(&k)),
+            None => Err(PyValueError::new_err("only an object tier adopts keys")),
+        }
+    }
+
     /// Waits for every job, then releases the file and vLLM's region. Idempotent.
     fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
         if let Some(mut tier) = self.slot().take() {
@@ -372,5 +405,26 @@ impl StorageTier {
             r.map_err(to_py)?;
         }
         Ok(())
+    }
+}
+
+/// Asks an object tier's store whether a key's object is there (one header read), off the
+/// scheduler thread: `present` blocks its caller (the GIL released) and shares nothing mutable
+/// with the tier, so the tier keeps answering the scheduler meanwhile.
+#[pyclass(module = "kvbm_vllm._kvbm", frozen)]
+pub(crate) struct Probe {
+    probe: ObjectProbe,
+    rt: Arc<tokio::runtime::Runtime>,
+}
+
+#[pymethods]
+impl Probe {
+    /// Whether `key`'s object is in the store. A store that cannot be asked raises (a
+    /// transient failure, not an absence).
+    fn present(&self, py: Python<'_>, key_: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key(key_)?;
+        let (probe, rt) = (self.probe.clone(), self.rt.clone());
+        py.detach(move || rt.block_on(probe.present(&k)))
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 }

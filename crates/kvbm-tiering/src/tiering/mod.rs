@@ -15,6 +15,6 @@ pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TierJob};
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
 pub use physical::{
-    DiskTier, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, digest_hash, key_digest, key_hash,
-    key_identity,
+    DiskTier, ObjectProbe, ObjectTier, PhysicalTier, TIER_BLOCK_SIZE, digest_hash, key_digest,
+    key_hash, key_identity,
 };

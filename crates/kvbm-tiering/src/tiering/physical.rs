@@ -563,6 +563,92 @@ impl PhysicalTier<G4> {
     }
 }
 
+/// Whether a key's object is in an object tier's store, whoever wrote it (one header read,
+/// checked against the key's identity; another key's or a damaged header counts as absent).
+/// The probe behind [`PhysicalTier::adopt`]: it is async I/O, so a caller runs it off the
+/// scheduler thread (vLLM's tier answers `RETRY` meanwhile).
+#[derive(Clone)]
+pub struct ObjectProbe {
+    storage: Arc<ObjectStorage>,
+    block_size: u32,
+}
+
+impl std::fmt::Debug for ObjectProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectProbe").finish_non_exhaustive()
+    }
+}
+
+impl ObjectProbe {
+    /// Whether `key`'s object is present in the store.
+    ///
+    /// # Errors
+    /// [`TieringError::Physical`](crate::TieringError) when the store cannot be asked (a
+    /// transient failure: the caller tries again later; it is not an absence).
+    pub async fn present(&self, key: &OffloadKey) -> Result<bool> {
+        let h = key_hash(key, self.block_size);
+        let key_name = kvbm_offload::object::object_key(h);
+        Ok(
+            match self.storage.probe(&key_name, &key_identity(key)).await? {
+                kvbm_physical::ObjectPresence::Present => true,
+                kvbm_physical::ObjectPresence::Foreign(why) => {
+                    tracing::debug!(%key, error = %why, "object of another block: absent");
+                    false
+                }
+                _ => false,
+            },
+        )
+    }
+}
+
+impl PhysicalTier<G4> {
+    /// A probe of this tier's store (see [`ObjectProbe`]).
+    ///
+    /// # Errors
+    /// [`TieringError::Config`] when the tier's layout is not an object store.
+    pub fn probe(&self) -> Result<ObjectProbe> {
+        let layout = self.bound.transfer_manager().layout(self.bound.layout())?;
+        match layout.backing() {
+            kvbm_physical::Backing::Object(storage) => Ok(ObjectProbe {
+                storage: storage.clone(),
+                block_size: self.bound.manager().block_size(),
+            }),
+            _ => Err(TieringError::Config(
+                "the object tier's layout is not an object store".into(),
+            )),
+        }
+    }
+
+    /// Registers `key` as Ready: an [`ObjectProbe`] found its object in the store (another
+    /// instance sharing the namespace wrote it). Nothing is read now; a load reads the object
+    /// and checks it against the key's identity as for any chunk. Returns whether the key is
+    /// Ready (it may already be; `false`: the tier has no block to give it).
+    pub fn adopt(&mut self, key: &OffloadKey) -> bool {
+        if let Some(e) = self.entries.get(key) {
+            return e.block.is_some();
+        }
+        let Some(block) = self.allocate() else {
+            return false;
+        };
+        let h = key_hash(key, self.bound.manager().block_size());
+        let Ok(complete) = block.complete_with_digest(h, Some(key_digest(key))) else {
+            return false;
+        };
+        let Some(registered) = self.bound.manager().register_blocks(vec![complete]).pop() else {
+            return false;
+        };
+        self.entries.insert(
+            *key,
+            Entry {
+                block: Some(registered),
+                readers: 0,
+            },
+        );
+        self.ready_order.insert(*key, 0);
+        true
+    }
+}
+
 impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     fn tier_type(&self) -> &str {
         &self.tier_type

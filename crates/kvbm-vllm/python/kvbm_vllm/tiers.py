@@ -38,13 +38,19 @@ chunk whose write completed, and a tier opened on the same file starts warm with
 read still checked against the key's identity and checksum). ``kill -9`` safe: a slot is
 unlisted before it is rewritten.
 
-Not built yet: an object tier that finds objects another instance wrote (it knows only its own
-stores), events.
+With ``shared: true`` an object tier also finds chunks other instances wrote under the same
+``namespace`` (a probe of the store off the scheduler thread; see ``KvbmObjectTier``).
+
+Not built yet: events of the tiers' contents (vLLM's KV events).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
@@ -194,7 +200,13 @@ OBJECT_KEYS: dict[str, Any] = {
     "namespace": "kvbm",
     "capacity": 1 << 16,
     "locality": "remote",
+    "shared": False,
+    "probe_threads": 4,
+    "max_probes": 256,
+    "absent_ttl_s": 5.0,
 }
+
+_log = logging.getLogger("kvbm_vllm.tiers")
 
 
 class KvbmObjectTier(_KvbmTier):
@@ -202,7 +214,15 @@ class KvbmObjectTier(_KvbmTier):
     named by its key's hash under ``namespace``, in an S3 bucket (``bucket``, ``endpoint``,
     ``region``; credentials from the environment variables named by ``access_key_env`` /
     ``secret_key_env``, never from the configuration) or in a local directory (``dir``).
-    ``capacity`` is how many keys the tier remembers (the oldest forgotten beyond it)."""
+    ``capacity`` is how many keys the tier remembers (the oldest forgotten beyond it).
+
+    With ``shared: true`` the tier also finds chunks other instances wrote under the same
+    ``namespace``: a key it does not know is probed in the store (one header read, checked
+    against the key's identity) on a worker thread (``probe_threads``, at most ``max_probes`` in
+    flight) while the lookup answers ``RETRY``; a present object is adopted and answers ``HIT``
+    (its bytes are verified when loaded, like any chunk), an absent one ``MISS`` and is not
+    probed again for ``absent_ttl_s`` seconds. A probe that fails (the store unreachable) is a
+    ``MISS``, retried on a later lookup."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -247,3 +267,47 @@ class KvbmObjectTier(_KvbmTier):
             s["dir"] or None,
             _LOOKUP_RESULTS,
         )
+        self._probe = None
+        if s["shared"]:
+            self._probe = self._rs.object_probe()
+            self._pool = ThreadPoolExecutor(
+                max_workers=int(s["probe_threads"]), thread_name_prefix="kvbm-object-probe"
+            )
+            self._probes: dict = {}
+            self._absent: OrderedDict = OrderedDict()
+            self._max_probes = int(s["max_probes"])
+            self._absent_ttl = float(s["absent_ttl_s"])
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        r = self._rs.lookup(key, req_context)
+        if r is not LookupResult.MISS or self._probe is None:
+            return r
+        fut = self._probes.get(key)
+        if fut is None:
+            seen = self._absent.get(key)
+            if seen is not None and time.monotonic() - seen < self._absent_ttl:
+                return LookupResult.MISS
+            if len(self._probes) >= self._max_probes:
+                return LookupResult.MISS
+            self._probes[key] = self._pool.submit(self._probe.present, key)
+            return LookupResult.RETRY
+        if not fut.done():
+            return LookupResult.RETRY
+        del self._probes[key]
+        try:
+            present = fut.result()
+        except Exception as e:  # noqa: BLE001 - the store went away: a miss, asked again later
+            _log.warning("kvbm_object: probing %r failed: %s", key, e)
+            return LookupResult.MISS
+        if present and self._rs.adopt(key):
+            return LookupResult.HIT
+        self._absent[key] = time.monotonic()
+        self._absent.move_to_end(key)
+        while len(self._absent) > 1 << 16:
+            self._absent.popitem(last=False)
+        return LookupResult.MISS
+
+    def shutdown(self) -> None:
+        if self._probe is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        super().shutdown()

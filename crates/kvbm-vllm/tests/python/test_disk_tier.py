@@ -10,6 +10,7 @@ capacity; bad configuration is refused naming the key.
 """
 
 import os
+import time
 from unittest.mock import MagicMock
 
 import numpy as np
@@ -103,6 +104,7 @@ class Setup:
                 return None
             self.tier.drain_jobs()
             self.step()
+            time.sleep(0.002)  # a tier answering RETRY works off the scheduler thread
         raise AssertionError(f"lookup of {key!r} never resolved")
 
 
@@ -259,6 +261,27 @@ def test_object_tier_on_s3_round_trips_bytes(tmp_path, monkeypatch):
         access_key_env="KVBM_S3_KEY",
         secret_key_env="KVBM_S3_SECRET",
     ))
+
+
+def test_shared_object_tier_finds_what_another_instance_wrote(tmp_path):
+    shared = dict(dir=str(tmp_path / "objects"), namespace="fleet")
+    writer = ObjectSetup(tmp_path, **shared)
+    stored = keys("fleet", 3)
+    writer.store(stored, pattern)
+    writer.manager.shutdown()
+
+    # Another instance (its own managers and primary region), the same store and namespace.
+    reader = ObjectSetup(tmp_path, shared=True, **shared)
+    for k in stored:
+        got = reader.load(k)
+        assert got is not None, "found in the shared store"
+        assert np.array_equal(got, pattern(k)), "with the writer's bytes"
+    assert reader.load(keys("nobody", 1)[0]) is None, "a key no instance wrote is a miss"
+    # Without `shared`, an instance finds only its own objects.
+    alone = ObjectSetup(tmp_path, **shared)
+    assert alone.load(stored[0]) is None
+    reader.manager.shutdown()
+    alone.manager.shutdown()
 
 
 def test_object_tier_configuration_errors(tmp_path, monkeypatch):
