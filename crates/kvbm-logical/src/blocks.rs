@@ -92,6 +92,11 @@ impl<T: Tier> MutableBlock<T> {
         self.id as BlockId
     }
 
+    /// Whether this block's slot belongs to the manager whose core is `core`.
+    pub(crate) fn is_of(&self, core: &Arc<Core>) -> bool {
+        Arc::ptr_eq(&self.core, core)
+    }
+
     /// Marks the block full with the given hash.
     ///
     /// # Errors
@@ -201,6 +206,11 @@ unsafe impl<T: Tier> Send for ImmutableBlock<T> {}
 unsafe impl<T: Tier> Sync for ImmutableBlock<T> {}
 
 impl<T: Tier> ImmutableBlock<T> {
+    /// Whether this block's slot belongs to the manager whose core is `core`.
+    pub(crate) fn is_of(&self, core: &Arc<Core>) -> bool {
+        std::ptr::eq(self.core.as_ptr().cast_const(), Arc::as_ptr(core))
+    }
+
     /// Wraps a slot whose refcount the caller just incremented from `previous` (pinning the
     /// core when `previous == 0`, see [`Core::pin_if_first`]).
     #[inline]

@@ -481,6 +481,18 @@ impl<T: Tier> BlockManager<T> {
         self.total
     }
 
+    /// Whether `block`'s slot is one of this manager's: a caller that writes a layout slot by
+    /// a block's id checks it first (another manager's id may lie outside the layout, or name a
+    /// slot this manager lent to someone else).
+    pub fn owns(&self, block: &MutableBlock<T>) -> bool {
+        block.is_of(&self.core)
+    }
+
+    /// Whether the registered `block` is one of this manager's (see [`owns`](Self::owns)).
+    pub fn holds(&self, block: &ImmutableBlock<T>) -> bool {
+        block.is_of(&self.core)
+    }
+
     /// A consistent snapshot of the pool sizes.
     pub fn pool_counts(&self) -> PoolCounts {
         self.core.store.lock().counts()

@@ -124,7 +124,9 @@ fn worker(a: &Args) -> Result<PhysicalWorker, String> {
     };
     let g2 = host()?;
     if let Some(seed) = a.fill_seed {
-        fill_pattern(&g2, seed);
+        if !fill_pattern(&g2, seed) {
+            return Err("the G2 layout is not host memory".into());
+        }
     }
     let reg = |l: PhysicalLayout| tm.register_layout(l).map_err(|e| e.to_string());
     let mut w = PhysicalWorker::new(a.rank as usize, tm.clone())

@@ -591,9 +591,12 @@ impl Instance {
         self.g2_layout.layout().config().block_bytes()
     }
 
-    /// The bytes of an onboarded G1 block.
-    pub fn read_g1(&self, block: &ImmutableBlock<G1>) -> Vec<u8> {
-        read_host(&self.g1_layout, block.block_id())
+    /// The bytes of an onboarded G1 block; `None` when `block` is not one of this instance's
+    /// G1 blocks (its id would name another layout's slot).
+    pub fn read_g1(&self, block: &ImmutableBlock<G1>) -> Option<Vec<u8>> {
+        self.g1
+            .holds(block)
+            .then(|| read_host(&self.g1_layout, block.block_id()))
     }
 
     /// Computes `hashes` into G2: each block not already in G2 gets the bytes `fill(hash,

@@ -159,7 +159,7 @@ pub(crate) async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -
     for (r, c) in controls.iter().enumerate() {
         let d = digests(c.as_ref(), TierId::G2, ids.clone()).await;
         let local = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
-        fill_pattern(&local, SEED + r as u8);
+        assert!(fill_pattern(&local, SEED + r as u8), "host memory");
         let here: Vec<u64> = ids
             .iter()
             .map(|&b| block_digest(&local, b).unwrap())

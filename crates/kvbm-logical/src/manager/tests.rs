@@ -925,3 +925,18 @@ fn discard_drops_only_inactive_blocks_unregisters_them_and_frees_their_slots() {
     assert_eq!(m.discard_inactive(&[h[0]]), 1);
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn a_manager_owns_and_holds_only_its_own_blocks() {
+    let (a, b) = (manager(2, EvictionBackend::Lru), manager(2, EvictionBackend::Lru));
+    let mut mine = a.allocate_blocks(1).unwrap();
+    let theirs = b.allocate_blocks(1).unwrap();
+    assert!(a.owns(&mine[0]));
+    assert!(!a.owns(&theirs[0]), "same slot id, another manager");
+    assert_eq!(mine[0].block_id(), theirs[0].block_id());
+    let h = chain(1, 1)[0];
+    let done = mine.pop().unwrap().complete(h).unwrap();
+    let registered = a.register_blocks(vec![done]).pop().unwrap();
+    assert!(a.holds(&registered));
+    assert!(!b.holds(&registered));
+}

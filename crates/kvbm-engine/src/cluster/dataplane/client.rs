@@ -116,6 +116,22 @@ impl DataPlaneClient {
                 &BlockFailure::new(BlockFailureKind::Refused, m),
             );
         }
+        // A destination of another manager may name a slot outside this client's layout, or
+        // one lent to someone else: every destination is checked before a byte is written.
+        if let Some((i, d)) = destinations
+            .iter()
+            .enumerate()
+            .find(|(_, d)| !self.manager.owns(d))
+        {
+            let m = format!(
+                "destination {i} (slot {}) is not a block of this client's G2 manager",
+                d.block_id()
+            );
+            return fail_all(
+                hashes.len(),
+                &BlockFailure::new(BlockFailureKind::Refused, m),
+            );
+        }
         let mut out: Vec<MoveOutcome<G2>> = Vec::with_capacity(hashes.len());
         let mut dests = destinations.into_iter();
         for chunk in hashes.chunks(self.config.max_blocks_per_request.max(1)) {

@@ -450,3 +450,29 @@ fn config_from_transport() {
     let e = DataPlaneConfig::from_transport(&bad).unwrap_err();
     assert_eq!(e.config_key(), Some("transport.data_plane_bind"));
 }
+
+/// A destination from another G2 manager (its slot ids name another layout) is refused before
+/// a byte is written: `pull_from` is safe to call with any blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destinations_of_another_manager_are_refused_before_any_write() {
+    let hs = hashes(2);
+    let remote = serving(&hs);
+    let srv = server(&remote).await;
+    let local = side();
+    let c = client(&local);
+    c.peers().insert(A, srv.local_addr());
+    let stranger = side();
+    let mut dests = local.manager.allocate_blocks(1).unwrap();
+    dests.extend(stranger.manager.allocate_blocks(1).unwrap());
+    let before = bytes(&local.layout, 0);
+    let out = c.pull(A, &hs, dests).await;
+    assert_eq!(out.len(), 2);
+    for o in &out {
+        let e = o.as_ref().unwrap_err();
+        assert_eq!(e.kind, BlockFailureKind::Refused, "{e}");
+        assert!(e.message.contains("not a block of this client's G2 manager"), "{e}");
+    }
+    assert_eq!(srv.stats().blocks_served(), 0, "nothing was asked of the server");
+    assert_eq!(bytes(&local.layout, 0), before, "nothing was written");
+    assert!(local.manager.match_blocks(&hs).is_empty());
+}

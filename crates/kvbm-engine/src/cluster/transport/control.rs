@@ -229,7 +229,13 @@ pub trait WorkerControl: Send + Sync {
 /// # Safety contract
 /// The caller guarantees nothing reads or writes the layout meanwhile; [`serve`] only does this
 /// for [`ControlRequest::Fill`], whose contract says so.
-pub fn fill_pattern(layout: &PhysicalLayout, seed: u8) {
+///
+/// Returns `false`, writing nothing, when `layout` is not host memory (a device address is
+/// not this process's to write).
+pub fn fill_pattern(layout: &PhysicalLayout, seed: u8) -> bool {
+    if layout.storage_kind() != kvbm_physical::StorageKind::Host {
+        return false;
+    }
     let c = *layout.layout().config();
     for b in 0..c.num_blocks {
         let mut k = 0usize;
@@ -243,13 +249,14 @@ pub fn fill_pattern(layout: &PhysicalLayout, seed: u8) {
             }
         }
     }
+    true
 }
 
 /// The xxh3-64 digest of block `b`'s serialized bytes in a host `layout` (`None` for a block
-/// out of range).
+/// out of range, or a layout that is not host memory).
 pub fn block_digest(layout: &PhysicalLayout, b: usize) -> Option<u64> {
     let c = *layout.layout().config();
-    if b >= c.num_blocks {
+    if b >= c.num_blocks || layout.storage_kind() != kvbm_physical::StorageKind::Host {
         return None;
     }
     let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -335,8 +342,14 @@ pub async fn serve(
         ControlRequest::Fill { tier, seed } => match host_layout(worker, tier) {
             Err(r) => r,
             Ok(layout) => {
-                fill_pattern(&layout, seed);
-                ControlResponse::Done
+                if fill_pattern(&layout, seed) {
+                    ControlResponse::Done
+                } else {
+                    ControlResponse::Refused(format!(
+                        "rank {}: the {tier} layout is not host memory",
+                        worker.rank()
+                    ))
+                }
             }
         },
     }
