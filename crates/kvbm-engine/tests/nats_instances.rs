@@ -104,7 +104,7 @@ fn verified(
     for (b, h) in got.blocks.iter().zip(hashes) {
         assert_eq!(b.sequence_hash(), *h);
         synthetic_block(*h, &mut want);
-        assert_eq!(i.read_g1(b), Some(want), "bytes of {h:?}");
+        assert_eq!(i.read_g1(b).as_ref(), Some(&want), "bytes of {h:?}");
     }
 }
 

@@ -123,10 +123,10 @@ fn worker(a: &Args) -> Result<PhysicalWorker, String> {
         PhysicalLayout::allocate_host(geometry, PinPolicy::Unpinned).map_err(|e| e.to_string())
     };
     let g2 = host()?;
-    if let Some(seed) = a.fill_seed {
-        if !fill_pattern(&g2, seed) {
-            return Err("the G2 layout is not host memory".into());
-        }
+    if let Some(seed) = a.fill_seed
+        && !fill_pattern(&g2, seed)
+    {
+        return Err("the G2 layout is not host memory".into());
     }
     let reg = |l: PhysicalLayout| tm.register_layout(l).map_err(|e| e.to_string());
     let mut w = PhysicalWorker::new(a.rank as usize, tm.clone())

@@ -928,7 +928,10 @@ fn discard_drops_only_inactive_blocks_unregisters_them_and_frees_their_slots() {
 
 #[test]
 fn a_manager_owns_and_holds_only_its_own_blocks() {
-    let (a, b) = (manager(2, EvictionBackend::Lru), manager(2, EvictionBackend::Lru));
+    let (a, b) = (
+        manager(2, EvictionBackend::Lru),
+        manager(2, EvictionBackend::Lru),
+    );
     let mut mine = a.allocate_blocks(1).unwrap();
     let theirs = b.allocate_blocks(1).unwrap();
     assert!(a.owns(&mine[0]));

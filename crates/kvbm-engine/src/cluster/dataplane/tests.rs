@@ -470,9 +470,17 @@ async fn destinations_of_another_manager_are_refused_before_any_write() {
     for o in &out {
         let e = o.as_ref().unwrap_err();
         assert_eq!(e.kind, BlockFailureKind::Refused, "{e}");
-        assert!(e.message.contains("not a block of this client's G2 manager"), "{e}");
+        assert!(
+            e.message
+                .contains("not a block of this client's G2 manager"),
+            "{e}"
+        );
     }
-    assert_eq!(srv.stats().blocks_served(), 0, "nothing was asked of the server");
+    assert_eq!(
+        srv.stats().blocks_served(),
+        0,
+        "nothing was asked of the server"
+    );
     assert_eq!(bytes(&local.layout, 0), before, "nothing was written");
     assert!(local.manager.match_blocks(&hs).is_empty());
 }
