@@ -437,3 +437,22 @@ async fn streamed_gets_report_short_and_overlong_bodies() {
     let c = *d.layout().config();
     assert_eq!(block_bytes(&d, 2, 0..4), expected(&c, 6, 2, 0..4));
 }
+
+/// A symlink planted at the disk file's `<file>.id.tmp` is never written through: recording
+/// the file id replaces it and the file it pointed to is untouched (issue 23, item 9).
+#[test]
+fn the_file_id_is_never_written_through_a_planted_tmp_symlink() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g3.bin");
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    std::os::unix::fs::symlink(&victim, dir.path().join("g3.bin.id.tmp")).unwrap();
+    let disk = PhysicalLayout::create_disk(
+        small(4, LayoutKind::FullyContiguous),
+        &DiskConfig::new(&path),
+    )
+    .unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    assert!(dir.path().join("g3.bin.id").exists(), "the id was recorded");
+    drop(disk);
+}

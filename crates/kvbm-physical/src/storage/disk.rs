@@ -174,12 +174,7 @@ fn record_file_id(path: &Path, file_id: u128, slot_bytes: usize, num_slots: usiz
         PathBuf::from(t)
     };
     let write = || -> std::io::Result<()> {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
+        let mut f = super::create_fresh(&tmp)?;
         writeln!(f, "kvbm-g3-id-v1 {file_id:032x} {slot_bytes} {num_slots}")?;
         f.sync_all()?;
         std::fs::rename(&tmp, &side)

@@ -380,12 +380,7 @@ fn write_snapshot(
         body.extend_from_slice(&rec);
     }
     let write = || -> std::io::Result<File> {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
+        let mut f = super::create_fresh(&tmp)?;
         f.write_all(&body)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;

@@ -36,6 +36,25 @@ pub use object::{
 };
 pub use object_key::{ObjectKey, ObjectPutMode, parse_hash_key};
 
+/// Creates the temporary file `tmp` afresh for a write-then-rename: whatever is at `tmp` (a
+/// leftover from a crash, or a symlink someone planted) is unlinked first, which never follows
+/// a link, and the file is then created exclusively with `O_NOFOLLOW`, so the write can never
+/// land in a file a link points to (a link planted again in between makes the create fail).
+pub(crate) fn create_fresh(tmp: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::remove_file(tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(tmp)
+}
+
 /// The kind of a storage backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

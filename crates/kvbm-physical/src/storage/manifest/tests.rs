@@ -233,3 +233,25 @@ proptest! {
         prop_assert_eq!(got.live, live);
     }
 }
+
+/// A symlink planted at `<journal>.tmp` is never written through: compaction replaces it and
+/// the file it pointed to is untouched (issue 23, item 9).
+#[test]
+fn compaction_never_writes_through_a_planted_tmp_symlink() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("g3.journal");
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    std::os::unix::fs::symlink(&victim, dir.path().join("g3.journal.tmp")).unwrap();
+    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    m.record(&[stored(1, 10), stored(2, 20)]).unwrap();
+    m.compact().unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    drop(m);
+    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    assert_eq!(
+        m.entries().len(),
+        2,
+        "the compacted journal is the real one"
+    );
+}
