@@ -21,8 +21,8 @@ use anyhow::{Context, bail};
 use kvbm_engine::InstanceLeader;
 use kvbm_engine::manager::{EngineTieringManager, PromotionMovers};
 use kvbm_engine::mover::BlockMove;
-use kvbm_logical::{BlockManager, BlockRegistry, G2, G3, Tier};
-use kvbm_offload::{BlockMover, BoundTier};
+use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, Tier};
+use kvbm_offload::{BlockMover, BoundTier, ExternalMover};
 use kvbm_physical::{DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager};
 use kvbm_tiering::{LookupResult, OffloadKey, OffloadingManager, ReqContext};
 
@@ -58,22 +58,25 @@ struct Rig {
 }
 
 impl Rig {
-    /// One timed copy between the GPU stand-in and G2 slots.
-    fn copy(
+    /// One timed copy between the GPU stand-in and G2 slots, through the one mover
+    /// (`ExternalMover::copy_slots`: slots the caller manages on both sides, as vLLM's worker).
+    fn copy<Src: Tier>(
         &self,
         src: LayoutHandle,
         src_ids: &[usize],
         dst: LayoutHandle,
         dst_ids: &[usize],
     ) -> anyhow::Result<()> {
+        let mover = ExternalMover::<Src>::from_layout(&self.tm, src, dst)?;
         // SAFETY: the manager reserved (store) or pinned (load) the G2 slots for this request
         // and nothing else touches the bench's GPU stand-in while the copy runs.
-        let out = unsafe {
-            self.tm
-                .execute_transfer(src, src_ids, dst, dst_ids, Default::default())
-        }?
-        .wait();
-        if let Some((id, e)) = out.failures().next() {
+        let started = unsafe { mover.copy_slots(src_ids, dst_ids) };
+        let out = futures::executor::block_on(started.map_err(|f| anyhow::anyhow!("{f}"))?);
+        if let Some((id, e)) = out
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| r.as_ref().err().map(|e| (i, e)))
+        {
             bail!("block {id} failed: {e}");
         }
         Ok(())
@@ -98,7 +101,7 @@ impl Rig {
         }
         let chunks = slots(out.store_spec.chunk_ids())?;
         let ids: Vec<usize> = (0..keys.len()).collect();
-        self.copy(self.gpu, &ids, self.g2_bound.layout(), &chunks)?;
+        self.copy::<G1>(self.gpu, &ids, self.g2_bound.layout(), &chunks)?;
         self.mgr.complete_store(keys, &ctx, true)?;
         self.mgr.on_request_finished(&ctx)?;
         Ok(())
@@ -135,7 +138,7 @@ impl Rig {
         let spec = self.mgr.prepare_load(keys, &ctx)?;
         let chunks = slots(spec.chunk_ids())?;
         let ids: Vec<usize> = (N..N + keys.len()).collect();
-        self.copy(self.g2_bound.layout(), &chunks, self.gpu, &ids)?;
+        self.copy::<G2>(self.g2_bound.layout(), &chunks, self.gpu, &ids)?;
         self.mgr.complete_load(keys, &ctx)?;
         self.mgr.on_request_finished(&ctx)?;
         let secs = t.elapsed().as_secs_f64();

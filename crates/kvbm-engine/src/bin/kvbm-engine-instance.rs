@@ -39,6 +39,9 @@ use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_logical::{Salt, SequenceHash, TokenBlockSequence};
 use kvbm_physical::{BlockLayout, LayoutKind};
 
+/// A failure of this binary: the underlying error when there is one, else its message.
+type BinError = Box<dyn std::error::Error + Send + Sync>;
+
 struct Args {
     id: Option<u64>,
     layers: usize,
@@ -47,7 +50,7 @@ struct Args {
     sets: Vec<(String, String)>,
 }
 
-fn parse() -> Result<Args, String> {
+fn parse() -> Result<Args, BinError> {
     let mut a = Args {
         id: None,
         layers: 2,
@@ -77,22 +80,22 @@ fn parse() -> Result<Args, String> {
                     .ok_or_else(|| format!("--set {v}: expected key=value"))?;
                 a.sets.push((k.to_string(), val.to_string()));
             }
-            other => return Err(format!("unknown argument {other}")),
+            other => return Err(format!("unknown argument {other}").into()),
         }
     }
     Ok(a)
 }
 
-fn prefix(seed: u32, n: usize, block_size: usize) -> Result<Vec<SequenceHash>, String> {
+fn prefix(seed: u32, n: usize, block_size: usize) -> Result<Vec<SequenceHash>, BinError> {
     let tokens: Vec<u32> = (0..(n * block_size) as u32)
         .map(|t| seed.wrapping_mul(100_000).wrapping_add(t))
         .collect();
     TokenBlockSequence::from_tokens(&tokens, block_size as u32, Salt::NONE)
         .map(|s| s.hashes())
-        .map_err(|e| format!("prefix: {e}"))
+        .map_err(|e| format!("prefix: {e}").into())
 }
 
-fn seed_n(words: &[&str]) -> Result<(u32, usize), String> {
+fn seed_n(words: &[&str]) -> Result<(u32, usize), BinError> {
     match words {
         [s, n] => Ok((
             s.parse().map_err(|e| format!("seed {s}: {e}"))?,
@@ -102,7 +105,7 @@ fn seed_n(words: &[&str]) -> Result<(u32, usize), String> {
     }
 }
 
-async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String, String> {
+async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String, BinError> {
     let words: Vec<&str> = line.split_whitespace().collect();
     let Some((&cmd, rest)) = words.split_first() else {
         return Err("empty command".into());
@@ -234,7 +237,7 @@ async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String
                 inst.data_plane().stats().blocks_served()
             ))
         }
-        other => Err(format!("unknown command {other}")),
+        other => Err(format!("unknown command {other}").into()),
     }
 }
 
@@ -320,7 +323,7 @@ fn main() {
         }
         let reply = match rt.tokio().block_on(answer(&inst, block_size, line)) {
             Ok(s) => format!("ok {s}"),
-            Err(e) => format!("err {}", e.replace('\n', " ")),
+            Err(e) => format!("err {}", e.to_string().replace('\n', " ")),
         };
         let _ = writeln!(out, "{reply}");
         let _ = out.flush();

@@ -26,6 +26,9 @@ use kvbm_engine::cluster::transport::control::{ControlRequest, fill_pattern};
 use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
 use kvbm_engine::worker::PhysicalWorker;
 use kvbm_logical::TierId;
+
+/// A failure of this binary: the underlying error when there is one, else its message.
+type BinError = Box<dyn std::error::Error + Send + Sync>;
 use kvbm_physical::{
     BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
 };
@@ -45,7 +48,7 @@ struct Args {
     delay: Option<(TierId, u64)>,
 }
 
-fn parse() -> Result<Args, String> {
+fn parse() -> Result<Args, BinError> {
     let mut a = Args {
         nats: String::new(),
         instance: 0,
@@ -90,10 +93,10 @@ fn parse() -> Result<Args, String> {
                     "G2" => TierId::G2,
                     "G3" => TierId::G3,
                     "G4" => TierId::G4,
-                    _ => return Err(format!("--delay-from: unknown tier `{value}`")),
+                    _ => return Err(format!("--delay-from: unknown tier `{value}`").into()),
                 })
             }
-            _ => return Err(format!("unknown flag `{flag}`")),
+            _ => return Err(format!("unknown flag `{flag}`").into()),
         }
     }
     if a.nats.is_empty() {
@@ -107,7 +110,7 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-fn worker(a: &Args) -> Result<PhysicalWorker, String> {
+fn worker(a: &Args) -> Result<PhysicalWorker, BinError> {
     let geometry = BlockLayout::builder()
         .num_blocks(a.blocks)
         .num_layers(a.layers)
@@ -119,8 +122,11 @@ fn worker(a: &Args) -> Result<PhysicalWorker, String> {
         .build()
         .map_err(|e| format!("layout: {e}"))?;
     let tm = Arc::new(TransferManager::new().map_err(|e| format!("transfer manager: {e}"))?);
-    let host = || -> Result<PhysicalLayout, String> {
-        PhysicalLayout::allocate_host(geometry, PinPolicy::Unpinned).map_err(|e| e.to_string())
+    let host = || -> Result<PhysicalLayout, BinError> {
+        Ok(PhysicalLayout::allocate_host(
+            geometry,
+            PinPolicy::Unpinned,
+        )?)
     };
     let g2 = host()?;
     if let Some(seed) = a.fill_seed

@@ -240,9 +240,15 @@ fn failures_keep_their_kind_on_the_wire_and_version_one_still_reads() {
     // Answering a version-1 leader: failures go back as text it can decode.
     let for_v1 = serde_json::to_string(&Envelope::in_version(1, sent.for_version(1))).unwrap();
     assert!(!for_v1.contains("\"kind\""), "{for_v1}");
+    /// Version 1's per-block outcome: `{"Ok": null}` or `{"Err": "message"}`.
+    #[derive(serde::Deserialize, Debug, PartialEq)]
+    enum V1Outcome {
+        Ok(()),
+        Err(String),
+    }
     #[derive(serde::Deserialize)]
     enum V1Response {
-        Transferred(Vec<Result<(), String>>),
+        Transferred(Vec<V1Outcome>),
     }
     #[derive(serde::Deserialize)]
     struct V1Envelope {
@@ -252,8 +258,11 @@ fn failures_keep_their_kind_on_the_wire_and_version_one_still_reads() {
     let read: V1Envelope = serde_json::from_str(&for_v1).unwrap();
     assert_eq!(read.version, 1);
     let V1Response::Transferred(v) = read.body;
-    assert_eq!(v[0], Ok(()));
-    assert_eq!(v[1], Err("checksum_mismatch: bad bytes".to_string()));
+    assert_eq!(v[0], V1Outcome::Ok(()));
+    assert_eq!(
+        v[1],
+        V1Outcome::Err("checksum_mismatch: bad bytes".to_string())
+    );
 }
 
 #[test]
