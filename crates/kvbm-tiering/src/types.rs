@@ -533,6 +533,8 @@ impl OffloadingKVEventsConfig {
 pub enum CacheHitSource {
     /// Host memory.
     Host,
+    /// Another instance's memory (vLLM's peer-to-peer tier).
+    P2p,
     /// Local disk.
     Disk,
     /// Unknown external source.

@@ -23,8 +23,11 @@
 //! `TypeError`/`ValueError` naming it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use kvbm_tiering::{OffloadKey, ReqContext, TieringError};
+use kvbm_tiering::{
+    Locality, Medium, OffloadKey, ReqContext, TierFilter, TierMatcher, TieringError,
+};
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -70,6 +73,42 @@ pub(crate) fn key_list<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bo
     PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))
 }
 
+/// The Python `ReqContext` a Rust context was made for, kept in the Rust context's state: a
+/// Python tier is handed the caller's own object back (vLLM's tests compare it by identity),
+/// for as long as the manager holds the Rust context.
+#[derive(Clone)]
+struct PyOrigin(Arc<Py<PyAny>>);
+
+/// The Python `ReqContext` of `ctx`, if it was made from one.
+pub(crate) fn origin<'py>(py: Python<'py>, ctx: &ReqContext) -> Option<Bound<'py, PyAny>> {
+    ctx.get_state::<PyOrigin>()
+        .map(|o| o.0.bind(py).clone())
+}
+
+/// vLLM's `TierFilter` (`load_tier_filter`) as kvbm-tiering's.
+fn tier_filter(f: &Bound<'_, PyAny>) -> PyResult<TierFilter> {
+    let py = f.py();
+    if f.is(f.get_type().getattr(intern!(py, "ALL"))?) {
+        return Ok(TierFilter::ALL);
+    }
+    let value = |obj: &Bound<'_, PyAny>, name: &str| -> PyResult<Option<String>> {
+        let v = obj.getattr(name)?;
+        if v.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(v.getattr(intern!(py, "value"))?.extract()?))
+    };
+    let mut matchers = Vec::new();
+    for m in f.getattr(intern!(py, "matchers"))?.try_iter()? {
+        let m = m?;
+        matchers.push(TierMatcher {
+            medium: value(&m, "medium")?.and_then(|v| Medium::parse(&v)),
+            locality: value(&m, "locality")?.and_then(|v| Locality::parse(&v)),
+        });
+    }
+    Ok(TierFilter::new(matchers))
+}
+
 struct Entry {
     /// Keeps the Python object (and so its address) alive while the entry exists.
     _py: Py<PyAny>,
@@ -100,9 +139,15 @@ impl Contexts {
                             "a request context is vLLM's ReqContext (with req_id: str)",
                         )
                     })?;
+                let mut builder = ReqContext::builder(req_id);
+                if let Ok(f) = ctx.getattr(intern!(py, "load_tier_filter")) {
+                    builder = builder.load_tier_filter(tier_filter(&f)?);
+                }
+                let rust = builder.build();
+                rust.set_state(PyOrigin(Arc::new(ctx.clone().unbind())));
                 v.insert(Entry {
                     _py: ctx.clone().unbind(),
-                    rust: ReqContext::new(req_id),
+                    rust,
                     synced: 0,
                 })
             }

@@ -14,19 +14,22 @@
 //! ```
 //!
 //! Concurrency: vLLM calls a CPU manager from the scheduler thread only (its `lock` is a
-//! no-op); the class is `Sync` for PyO3, every method takes `&mut self` through PyO3's borrow
-//! check, so a second thread calling at the same time gets a `RuntimeError` (already borrowed),
-//! never a data race.
+//! no-op), but a primary tier is also reached from a tiering manager's poll thread: the state
+//! sits in a [`Core`] (one mutex; a waiting caller releases the GIL), see [`crate::core`].
+
+use std::sync::Arc;
 
 use kvbm_tiering::{
-    CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, LookupResult, OffloadKey,
-    OffloadScope, OffloadingManager,
+    CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, LookupResult,
+    OffloadKey, OffloadScope, OffloadingManager,
 };
+use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::bridge::{Contexts, key, key_list, keys, to_py};
+use crate::core::{Core, Inner};
 
 /// The four `LookupResult` members in kvbm-tiering's order (miss, hit, hit pending, retry).
 pub(crate) struct LookupMembers([Py<PyAny>; 4]);
@@ -58,16 +61,45 @@ impl LookupMembers {
 }
 
 /// kvbm-tiering's CPU manager for Python: see the [module docs](self).
-#[pyclass(module = "kvbm_vllm._kvbm")]
+///
+/// The same class is a primary tier ([`CpuManager::primary`]): then the CPU manager lives in a
+/// [`Core`] that a tiering manager built over it takes over, and this object keeps reaching it
+/// there.
+#[pyclass(module = "kvbm_vllm._kvbm", frozen)]
 pub(crate) struct CpuManager {
-    inner: CpuOffloadingManager,
-    contexts: Contexts,
-    results: LookupMembers,
+    pub(crate) core: Arc<Core>,
+    pub(crate) contexts: Arc<Mutex<Contexts>>,
+    pub(crate) results: Arc<LookupMembers>,
 }
 
-impl CpuManager {
-    fn entry<'py>(&self, py: Python<'py>, k: &OffloadKey) -> PyResult<Bound<'py, PyTuple>> {
-        let (slot, refs) = self.inner.chunk(k).unwrap_or((0, 0));
+fn parse_config(
+    num_chunks: usize,
+    policy: &str,
+    enable_events: bool,
+    store_threshold: u32,
+    max_tracker_size: usize,
+) -> PyResult<CpuManagerConfig> {
+    let kind = match policy {
+        "lru" => CachePolicyKind::Lru,
+        "arc" => CachePolicyKind::Arc,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "kvbm's CPU manager runs the lru and arc policies; got {other:?}"
+            )));
+        }
+    };
+    Ok(CpuManagerConfig::new(num_chunks)
+        .policy(kind)
+        .events(enable_events)
+        .store_threshold(store_threshold, max_tracker_size))
+}
+
+fn entry<'py>(
+    m: &CpuOffloadingManager,
+    py: Python<'py>,
+    k: &OffloadKey,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let (slot, refs) = m.chunk(k).unwrap_or((0, 0));
         PyTuple::new(
             py,
             [
@@ -76,7 +108,6 @@ impl CpuManager {
                 refs.into_pyobject(py)?.into_any(),
             ],
         )
-    }
 }
 
 #[pymethods]
@@ -93,67 +124,101 @@ impl CpuManager {
         max_tracker_size: usize,
         lookup_results: &Bound<'_, PyTuple>,
     ) -> PyResult<Self> {
-        let kind = match policy {
-            "lru" => CachePolicyKind::Lru,
-            "arc" => CachePolicyKind::Arc,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "kvbm's CPU manager runs the lru and arc policies; got {other:?}"
-                )));
-            }
-        };
-        let config = CpuManagerConfig::new(num_chunks)
-            .policy(kind)
-            .events(enable_events)
-            .store_threshold(store_threshold, max_tracker_size);
+        let config = parse_config(
+            num_chunks,
+            policy,
+            enable_events,
+            store_threshold,
+            max_tracker_size,
+        )?;
         Ok(Self {
-            inner: CpuOffloadingManager::new(config),
-            contexts: Contexts::default(),
-            results: LookupMembers::from_tuple(lookup_results)?,
+            core: Arc::new(Core::new(Inner::Cpu(CpuOffloadingManager::new(config)))),
+            contexts: Arc::default(),
+            results: Arc::new(LookupMembers::from_tuple(lookup_results)?),
         })
     }
 
-    fn lookup(&mut self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    /// A primary tier (vLLM's `CPUPrimaryTierOffloadingManager`): the same manager, whose
+    /// `chunk_bytes`-byte chunks are vLLM's region (moved by the tiers, never by this object).
+    #[staticmethod]
+    #[pyo3(signature = (num_chunks, chunk_bytes, policy, enable_events, lookup_results))]
+    fn primary(
+        num_chunks: usize,
+        chunk_bytes: usize,
+        policy: &str,
+        enable_events: bool,
+        lookup_results: &Bound<'_, PyTuple>,
+    ) -> PyResult<Self> {
+        let config = parse_config(num_chunks, policy, enable_events, 1, 64_000)?;
+        Ok(Self {
+            core: Arc::new(Core::new(Inner::Primary(Box::new(
+                CpuPrimaryTier::without_memory(config, chunk_bytes),
+            )))),
+            contexts: Arc::default(),
+            results: Arc::new(LookupMembers::from_tuple(lookup_results)?),
+        })
+    }
+
+    /// Pins chunks for a primary → secondary copy without counting a request access
+    /// (vLLM's `prepare_read`); the chunk ids, co-indexed with `keys`.
+    fn prepare_read(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let ks = keys(keys_)?;
+        let c = self.contexts.lock().get(ctx)?;
+        let mut g = self.core.lock(keys_.py())?;
+        let spec = g.primary()?.prepare_read(&ks, &c).map_err(to_py)?;
+        Ok(spec.chunk_ids().unwrap_or_default().to_vec())
+    }
+
+    /// Unpins chunks after a primary → secondary copy (vLLM's `complete_read`).
+    fn complete_read(&self, keys_: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let mut g = self.core.lock(keys_.py())?;
+        g.primary()?.complete_read(&ks).map_err(to_py)
+    }
+
+    fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
-        let c = self.contexts.get(ctx)?;
-        let r = self.inner.lookup(&k, &c);
+        let c = self.contexts.lock().get(ctx)?;
+        let r = self.core.lock(key_.py())?.cpu()?.lookup(&k, &c);
         Ok(self.results.get(key_.py(), r))
     }
 
     /// The chunk ids to read, co-indexed with `keys`.
-    fn prepare_load(
-        &mut self,
-        keys_: &Bound<'_, PyAny>,
-        ctx: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<i32>> {
+    fn prepare_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
         let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
-        let spec = self.inner.prepare_load(&ks, &c).map_err(to_py)?;
+        let c = self.contexts.lock().get(ctx)?;
+        let spec = self
+            .core
+            .lock(keys_.py())?
+            .cpu()?
+            .prepare_load(&ks, &c)
+            .map_err(to_py)?;
         Ok(spec.chunk_ids().unwrap_or_default().to_vec())
     }
 
-    fn touch(&mut self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
-        self.inner.touch(&ks, &c).map_err(to_py)
+        let c = self.contexts.lock().get(ctx)?;
+        self.core.lock(keys_.py())?.cpu()?.touch(&ks, &c).map_err(to_py)
     }
 
-    fn complete_load(&mut self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn complete_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
-        self.inner.complete_load(&ks, &c).map_err(to_py)
+        let c = self.contexts.lock().get(ctx)?;
+        self.core.lock(keys_.py())?.cpu()?.complete_load(&ks, &c).map_err(to_py)
     }
 
     /// `None` when the store cannot be placed, else `(keys_to_store, chunk_ids, evicted_keys)`.
     fn prepare_store<'py>(
-        &mut self,
+        &self,
         keys_: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = keys_.py();
         let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
-        let Some(out) = self.inner.prepare_store(&ks, &c).map_err(to_py)? else {
+        let c = self.contexts.lock().get(ctx)?;
+        let out = self.core.lock(py)?.cpu()?.prepare_store(&ks, &c).map_err(to_py)?;
+        let Some(out) = out else {
             return Ok(None);
         };
         let ids = out.store_spec.chunk_ids().unwrap_or_default().to_vec();
@@ -169,37 +234,51 @@ impl CpuManager {
 
     #[pyo3(signature = (keys_, ctx, success = true))]
     fn complete_store(
-        &mut self,
+        &self,
         keys_: &Bound<'_, PyAny>,
         ctx: &Bound<'_, PyAny>,
         success: bool,
     ) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
-        self.inner.complete_store(&ks, &c, success).map_err(to_py)
+        let c = self.contexts.lock().get(ctx)?;
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .complete_store(&ks, &c, success)
+            .map_err(to_py)
     }
 
     /// `"chunk_level"` or `"request_level"` (vLLM's `OffloadPolicy` values).
-    fn on_new_request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        let c = self.contexts.get(ctx)?;
-        let r = self.inner.on_new_request(&c).map_err(to_py)?;
+    fn on_new_request(&self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let c = self.contexts.lock().get(ctx)?;
+        let r = self
+            .core
+            .lock(ctx.py())?
+            .cpu()?
+            .on_new_request(&c)
+            .map_err(to_py)?;
         Ok(match r.policy {
             OffloadScope::ChunkLevel => "chunk_level",
             OffloadScope::RequestLevel => "request_level",
         })
     }
 
-    fn on_request_finished(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
-        let c = self.contexts.get(ctx)?;
-        let r = self.inner.on_request_finished(&c).map_err(to_py);
-        self.contexts.forget(ctx);
+    fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let c = self.contexts.lock().get(ctx)?;
+        let r = self
+            .core
+            .lock(ctx.py())?
+            .cpu()?
+            .on_request_finished(&c)
+            .map_err(to_py);
+        self.contexts.lock().forget(ctx);
         r
     }
 
     /// Every event since the last call, as `(keys, removed, removal_expected, metadata_only)`.
-    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
-        self.inner
-            .take_events()
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        let events = self.core.lock(py)?.cpu()?.take_events();
+        events
             .into_iter()
             .map(|e| {
                 PyTuple::new(
@@ -215,69 +294,53 @@ impl CpuManager {
             .collect()
     }
 
-    fn reset_cache(&mut self) -> PyResult<()> {
-        self.inner.reset_cache().map_err(to_py)
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
+        self.core.lock(py)?.cpu()?.reset_cache().map_err(to_py)
     }
 
-    fn has_pending_work(&self) -> bool {
-        self.inner.has_pending_work()
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.core.lock(py)?.cpu()?.has_pending_work())
     }
 
     /// Metrics since the last call: `(gauges, counters, histograms)`, each a list of
     /// `(name, label or None, value)` (a histogram's value is its list of observations).
-    #[allow(clippy::type_complexity)]
-    fn stats(
-        &mut self,
-    ) -> (
-        Vec<(&'static str, Option<String>, f64)>,
-        Vec<(&'static str, Option<String>, f64)>,
-        Vec<(&'static str, Option<String>, Vec<f64>)>,
-    ) {
-        let s = self.inner.stats();
-        (
-            s.gauges.into_iter().map(|((n, l), v)| (n, l, v)).collect(),
-            s.counters
-                .into_iter()
-                .map(|((n, l), v)| (n, l, v))
-                .collect(),
-            s.histograms
-                .into_iter()
-                .map(|((n, l), v)| (n, l, v))
-                .collect(),
-        )
+    fn stats(&self, py: Python<'_>) -> PyResult<crate::core::StatsTriple> {
+        let s = self.core.lock(py)?.cpu()?.stats();
+        Ok(crate::core::triple(s))
     }
 
     /// The store-threshold tracker's count of `key` (`None`: not tracked).
     fn tracker_count(&self, key_: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
-        Ok(self.inner.tracker_count(&key(key_)?))
+        let k = key(key_)?;
+        Ok(self.core.lock(key_.py())?.cpu_ref()?.tracker_count(&k))
     }
 
     /// Keys in the store-threshold tracker (`None`: no tracker, threshold below 2).
-    fn tracker_len(&self) -> Option<usize> {
-        self.inner.tracker_len()
+    fn tracker_len(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        Ok(self.core.lock(py)?.cpu_ref()?.tracker_len())
     }
 
     /// vLLM's `stores_skipped_in_current_batch`.
     #[getter]
-    fn stores_skipped(&self) -> u64 {
-        self.inner.stores_skipped()
+    fn stores_skipped(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.core.lock(py)?.cpu_ref()?.stores_skipped())
     }
 
     /// Resident keys in eviction order, each `(key, chunk_id, ref_cnt)` (LRU: least recent
     /// first; ARC: T1 then T2). For the read-only policy view.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
-        self.inner
-            .eviction_order()
-            .iter()
-            .map(|k| self.entry(py, k))
-            .collect()
+        let g = self.core.lock(py)?;
+        let m = g.cpu_ref()?;
+        m.eviction_order().iter().map(|k| entry(m, py, k)).collect()
     }
 
     /// `(key, chunk_id, ref_cnt)` of a resident key, else `None`.
     fn chunk<'py>(&self, key_: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let k = key(key_)?;
-        match self.inner.chunk(&k) {
-            Some(_) => Ok(Some(self.entry(key_.py(), &k)?)),
+        let g = self.core.lock(key_.py())?;
+        let m = g.cpu_ref()?;
+        match m.chunk(&k) {
+            Some(_) => Ok(Some(entry(m, key_.py(), &k)?)),
             None => Ok(None),
         }
     }
@@ -297,11 +360,13 @@ impl CpuManager {
             f64,
         )>,
     > {
-        let Some((t1, t2, b1, b2, target)) = self.inner.arc_state() else {
+        let g = self.core.lock(py)?;
+        let m = g.cpu_ref()?;
+        let Some((t1, t2, b1, b2, target)) = m.arc_state() else {
             return Ok(None);
         };
         let entries = |ks: Vec<OffloadKey>| -> PyResult<Vec<Bound<'py, PyTuple>>> {
-            ks.iter().map(|k| self.entry(py, k)).collect()
+            ks.iter().map(|k| entry(m, py, k)).collect()
         };
         Ok(Some((
             entries(t1)?,
@@ -313,18 +378,24 @@ impl CpuManager {
     }
 
     /// Sets ARC's `target_t1_size` (vLLM's tests set it on the policy); no-op under LRU.
-    fn set_arc_target(&mut self, target: f64) {
-        self.inner.set_arc_target(target);
+    fn set_arc_target(&self, py: Python<'_>, target: f64) -> PyResult<()> {
+        self.core.lock(py)?.cpu()?.set_arc_target(target);
+        Ok(())
     }
 
     /// Slots in use (neither free nor evictable), pending writes, capacity: the usage facts.
-    fn usage(&self) -> (usize, usize, usize) {
-        let used =
-            self.inner.num_allocated() - self.inner.free_list().len() - self.inner.num_evictable();
-        (
-            used,
-            self.inner.num_write_pending(),
-            self.inner.num_chunks(),
-        )
+    fn usage(&self, py: Python<'_>) -> PyResult<(usize, usize, usize)> {
+        let g = self.core.lock(py)?;
+        let m = g.cpu_ref()?;
+        let used = m.num_allocated() - m.free_list().len() - m.num_evictable();
+        Ok((used, m.num_write_pending(), m.num_chunks()))
+    }
+
+    /// The primary's free slots, in allocation order, and slots ever allocated (vLLM's
+    /// `_free_list` and `_num_allocated_chunks`, for read-only views).
+    fn slots(&self, py: Python<'_>) -> PyResult<(Vec<u32>, usize)> {
+        let g = self.core.lock(py)?;
+        let m = g.cpu_ref()?;
+        Ok((m.free_list().to_vec(), m.num_allocated()))
     }
 }

@@ -1,7 +1,9 @@
 #![doc = include_str!("../README.md")]
 
 mod bridge;
+mod core;
 mod cpu;
+mod tiering;
 mod tiers;
 
 use pyo3::prelude::*;
@@ -15,5 +17,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cpu::CpuManager>()?;
     m.add_class::<tiers::StorageTier>()?;
     m.add_class::<tiers::Probe>()?;
+    m.add_class::<tiering::TieringManager>()?;
+    m.add_class::<tiering::Parent>()?;
     Ok(())
 }

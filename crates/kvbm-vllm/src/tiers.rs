@@ -101,6 +101,8 @@ pub(crate) struct StorageTier {
     contexts: Contexts,
     results: LookupMembers,
     finished: Vec<JobResult>,
+    /// Whether the tier was lent to kvbm's tiering manager.
+    lent: bool,
 }
 
 impl StorageTier {
@@ -109,13 +111,29 @@ impl StorageTier {
     }
 
     fn tier(&mut self) -> PyResult<&mut AnyTier> {
-        self.slot()
-            .as_mut()
-            .ok_or_else(|| PyRuntimeError::new_err("the kvbm tier is shut down"))
+        let lent = self.lent;
+        self.slot().as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err(if lent {
+                "the kvbm tier is driven by kvbm's tiering manager; call the manager"
+            } else {
+                "the kvbm tier is shut down"
+            })
+        })
     }
 }
 
 impl StorageTier {
+    /// Hands the tier to kvbm's tiering manager (which then drives it in Rust); this object
+    /// answers every later call with an error saying so.
+    pub(crate) fn lend(&mut self) -> PyResult<Box<dyn SecondaryTierManager>> {
+        let tier = self
+            .slot()
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("the kvbm tier is shut down or already lent"))?;
+        self.lent = true;
+        Ok(tier)
+    }
+
     fn over(
         tier: AnyTier,
         primary: CpuPrimaryTier,
@@ -127,6 +145,7 @@ impl StorageTier {
             contexts: Contexts::default(),
             results: LookupMembers::from_tuple(lookup_results)?,
             finished: Vec::new(),
+            lent: false,
         })
     }
 }

@@ -37,6 +37,18 @@ impl CpuPrimaryTier {
         })
     }
 
+    /// A primary tier that keeps the slot table only: its `chunk_bytes` chunks live in memory
+    /// the caller owns and its secondary tiers reach on their own (vLLM's region, which each of
+    /// kvbm-vllm's tiers maps itself). [`Self::memory`] is `None`.
+    pub fn without_memory(config: CpuManagerConfig, chunk_bytes: usize) -> Self {
+        Self {
+            manager: CpuOffloadingManager::new(config),
+            memory: None,
+            chunk_bytes,
+            transfer: None,
+        }
+    }
+
     /// As [`Self::new`], with the memory registered in `tm` so secondary tiers can move its bytes.
     pub fn with_transfer_manager(
         config: CpuManagerConfig,

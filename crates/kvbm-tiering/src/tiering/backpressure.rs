@@ -10,7 +10,54 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{Result, TieringError};
+use crate::tiering::base::TierJob;
 use crate::types::Locality;
+
+/// A tier's back-pressure as the tiering manager consults it (vLLM's `BackpressureDetector`
+/// protocol): asked before every cascade, told every cascade's outcome, read for metrics.
+///
+/// [`BackpressureDetector`] is kvbm's own; a tier written in another language (a Python tier
+/// under the kvbm-vllm package) answers with its own detector through this seam.
+pub trait Backpressure {
+    /// Whether a cascade of `num_blocks` should go ahead (a skip is counted when not).
+    fn should_store(&mut self, num_blocks: usize) -> bool;
+    /// A cascade finished: `num_bytes` moved since the job was submitted.
+    fn on_store_completed(&mut self, job: &TierJob, num_bytes: u64);
+    /// A cascade failed.
+    fn on_store_failed(&mut self);
+    /// Whether the tier is pressured now.
+    fn is_under_pressure(&mut self) -> bool;
+    /// The store-latency EMA (s/MiB), when the detector has one.
+    fn store_latency_ema(&mut self) -> Option<f64>;
+    /// (stores dropped, blocks dropped) since the last call.
+    fn pop_stores_dropped(&mut self) -> (u64, u64);
+    /// Back to the initial state (the manager's `reset_cache`).
+    fn reset(&mut self);
+}
+
+impl Backpressure for BackpressureDetector {
+    fn should_store(&mut self, num_blocks: usize) -> bool {
+        BackpressureDetector::should_store(self, num_blocks)
+    }
+    fn on_store_completed(&mut self, job: &TierJob, num_bytes: u64) {
+        self.update(job.submit_time, num_bytes);
+    }
+    fn on_store_failed(&mut self) {
+        BackpressureDetector::on_store_failed(self);
+    }
+    fn is_under_pressure(&mut self) -> bool {
+        BackpressureDetector::is_under_pressure(self)
+    }
+    fn store_latency_ema(&mut self) -> Option<f64> {
+        Some(BackpressureDetector::store_latency_ema(self))
+    }
+    fn pop_stores_dropped(&mut self) -> (u64, u64) {
+        BackpressureDetector::pop_stores_dropped(self)
+    }
+    fn reset(&mut self) {
+        BackpressureDetector::reset(self);
+    }
+}
 
 const MIB: f64 = (1u64 << 20) as f64;
 const HEALTHY_THRESHOLD: u32 = 10;

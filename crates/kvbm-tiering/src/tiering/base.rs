@@ -13,7 +13,7 @@ use std::time::Instant;
 use crate::error::Result;
 use crate::key::OffloadKey;
 use crate::stats::OffloadingConnectorStats;
-use crate::tiering::backpressure::BackpressureDetector;
+use crate::tiering::backpressure::Backpressure;
 use crate::types::{
     CacheHitSource, Locality, LookupResult, Medium, OffloadingEvent, ReqContext,
     RequestOffloadingContext, ScheduleEndContext,
@@ -106,8 +106,8 @@ pub trait SecondaryTierManager: Send {
     }
     /// Bytes per primary chunk (for backpressure byte counts).
     fn block_size_bytes(&self) -> usize;
-    /// The tier's backpressure detector, if any.
-    fn bp_detector(&mut self) -> Option<&mut BackpressureDetector> {
+    /// The tier's back-pressure detector, if any.
+    fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
         None
     }
     /// `Hit` present and ready, `Miss` absent, `Retry` not known yet.

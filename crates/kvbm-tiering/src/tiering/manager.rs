@@ -236,9 +236,46 @@ impl TieringOffloadingManager {
     pub fn tier_mut<T: 'static>(&mut self, idx: usize) -> Option<&mut T> {
         self.tiers.get_mut(idx)?.as_any_mut().downcast_mut::<T>()
     }
+    /// A secondary tier behind its trait (a foreign-language front end reaches its own tiers
+    /// through this, e.g. to take their events in the manager's order).
+    pub fn tier_dyn_mut(&mut self, idx: usize) -> Option<&mut dyn SecondaryTierManager> {
+        Some(self.tiers.get_mut(idx)?.as_mut())
+    }
     /// Tracked (unfinished) jobs.
     pub fn num_jobs(&self) -> usize {
         self.jobs.len()
+    }
+    /// Every tracked job with its tier, in job-id order (vLLM's `_jobs`, for read-only views).
+    pub fn jobs(&self) -> Vec<(usize, Arc<TierJob>)> {
+        let mut v: Vec<(usize, Arc<TierJob>)> =
+            self.jobs.values().map(|m| (m.tier, m.job.clone())).collect();
+        v.sort_by_key(|(_, j)| j.job_id);
+        v
+    }
+    /// Promotions staged this step, as `(tier, request context, keys, primary slots)` in
+    /// staging order (vLLM's `_pending_load_submissions`, for read-only views).
+    pub fn pending_promotions(&self) -> Vec<(usize, ReqContext, Vec<OffloadKey>, Vec<i32>)> {
+        self.pending
+            .iter()
+            .flat_map(|(tier, entries)| {
+                entries.iter().map(move |p| {
+                    (
+                        *tier,
+                        p.req_context.clone(),
+                        p.keys.clone(),
+                        p.chunk_ids.clone(),
+                    )
+                })
+            })
+            .collect()
+    }
+    /// Where each promoted key of each request was loaded from (vLLM's
+    /// `_request_load_sources`, for read-only views).
+    pub fn load_sources(&self) -> Vec<(String, Vec<(OffloadKey, CacheHitSource)>)> {
+        self.load_sources
+            .iter()
+            .map(|(req, m)| (req.to_string(), m.iter().map(|(k, s)| (*k, *s)).collect()))
+            .collect()
     }
     /// Promotions staged this step, not yet submitted.
     pub fn num_pending_promotions(&self) -> usize {
@@ -255,6 +292,11 @@ impl TieringOffloadingManager {
     /// Whether tier hits are held after `reset_cache`.
     pub fn promotions_held(&self) -> bool {
         self.promotions_held
+    }
+    /// Holds (or releases) tier hits as `reset_cache` (or `on_reset_flushed`) does (tests of
+    /// the hold).
+    pub fn set_promotions_held(&mut self, v: bool) {
+        self.promotions_held = v;
     }
     /// Requests with state.
     pub fn request_ids(&self) -> Vec<String> {
@@ -289,6 +331,26 @@ impl TieringOffloadingManager {
         self.process_finished_jobs();
     }
 
+    /// One round of vLLM 0.33's tier-poll thread (`poll_tiers`) over the tiers that opted in
+    /// (`tolerates_off_thread_polling`): their finished jobs, then their external requests,
+    /// with the once-per-step gate held shut for the round and put back untouched (a parent
+    /// lookup from the round must not poll every tier, nor make the next step skip its poll).
+    /// Pending promotions and cascades are left to the step (`on_schedule_end`).
+    pub fn poll_round(&mut self, tiers: &[usize]) {
+        let gate = self.processed_this_step;
+        self.processed_this_step = true;
+        self.process_finished_jobs_in(tiers.iter().copied());
+        for &i in tiers {
+            if i >= self.tiers.len() {
+                continue;
+            }
+            let mut tier = std::mem::replace(&mut self.tiers[i], Box::new(Detached));
+            tier.serve_external_requests(&mut TierParent { m: self, origin: i });
+            self.tiers[i] = tier;
+        }
+        self.processed_this_step = gate;
+    }
+
     fn next_job_id(&mut self) -> JobId {
         let id = self.job_counter;
         self.job_counter += 1;
@@ -311,8 +373,16 @@ impl TieringOffloadingManager {
     /// Polls every tier (vLLM `_process_finished_jobs`). A result for an unknown job or from
     /// the wrong tier is logged and dropped (vLLM asserts).
     fn process_finished_jobs(&mut self) {
+        self.process_finished_jobs_in(0..self.tiers.len());
+    }
+
+    /// [`Self::process_finished_jobs`] over some tiers only.
+    fn process_finished_jobs_in(&mut self, tiers: impl IntoIterator<Item = usize>) {
         let mut buf = std::mem::take(&mut self.finished);
-        for i in 0..self.tiers.len() {
+        for i in tiers {
+            if i >= self.tiers.len() {
+                continue;
+            }
             buf.clear();
             self.tiers[i].get_finished_jobs(&mut buf);
             for r in buf.drain(..) {
@@ -440,13 +510,13 @@ impl TieringOffloadingManager {
         let was = d.is_under_pressure();
         if r.success {
             let bytes = r.transfer_bytes.unwrap_or((job.keys.len() * bs) as u64);
-            d.update(job.submit_time, bytes);
+            d.on_store_completed(job, bytes);
         } else {
             d.on_store_failed();
         }
         let now = d.is_under_pressure();
         if now != was {
-            tracing::info!(tier, tier_type = %ttype, ema = d.store_latency_ema(),
+            tracing::info!(tier, tier_type = %ttype, ema = ?d.store_latency_ema(),
                 "back-pressure {}", if now { "activated" } else { "cleared" });
         }
     }

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::stats::OffloadingConnectorStats;
-use crate::tiering::backpressure::BackpressureDetector;
+use crate::tiering::backpressure::{Backpressure, BackpressureDetector};
 use crate::tiering::base::{JobResult, SecondaryTierManager, TierJob};
 use crate::types::{
     Locality, LookupResult, Medium, OffloadScope, OffloadingEvent, ReqContext,
@@ -184,8 +184,8 @@ impl SecondaryTierManager for InMemoryTier {
     fn block_size_bytes(&self) -> usize {
         self.block_size_bytes
     }
-    fn bp_detector(&mut self) -> Option<&mut BackpressureDetector> {
-        self.detector.as_mut()
+    fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
+        self.detector.as_mut().map(|d| d as &mut dyn Backpressure)
     }
     #[inline]
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {

@@ -167,10 +167,17 @@ impl Metrics {
             .increase_counter(names::HIT_PENDING_DEADLINE_EXPIRED, None, n as f64);
     }
 
-    pub(crate) fn record_backpressure(&mut self, tier: usize, ema: f64, dropped: (u64, u64)) {
+    pub(crate) fn record_backpressure(
+        &mut self,
+        tier: usize,
+        ema: Option<f64>,
+        dropped: (u64, u64),
+    ) {
         let label = self.labels[tier + 1].clone();
-        self.stats
-            .set_gauge(names::BACKPRESSURE_STORE_LATENCY_EMA, Some(&label), ema);
+        if let Some(ema) = ema {
+            self.stats
+                .set_gauge(names::BACKPRESSURE_STORE_LATENCY_EMA, Some(&label), ema);
+        }
         if dropped.0 > 0 {
             self.stats.increase_counter(
                 names::BACKPRESSURE_STORES_DROPPED,

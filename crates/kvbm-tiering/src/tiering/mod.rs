@@ -10,7 +10,7 @@ pub(crate) mod metrics;
 pub mod physical;
 
 pub use async_lookup::AsyncLookup;
-pub use backpressure::{BackpressureDetector, DropPolicy, EmaConfig};
+pub use backpressure::{Backpressure, BackpressureDetector, DropPolicy, EmaConfig};
 pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TierJob};
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;

@@ -83,7 +83,7 @@ use crate::cpu::CpuPrimaryTier;
 use crate::cpu::order::LinkedKeySet;
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
-use crate::tiering::backpressure::BackpressureDetector;
+use crate::tiering::backpressure::{Backpressure, BackpressureDetector};
 use crate::tiering::base::{JobId, JobResult, SecondaryTierManager, TierJob};
 use crate::types::{Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext};
 
@@ -662,8 +662,8 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     fn block_size_bytes(&self) -> usize {
         self.chunk_bytes
     }
-    fn bp_detector(&mut self) -> Option<&mut BackpressureDetector> {
-        self.detector.as_mut()
+    fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
+        self.detector.as_mut().map(|d| d as &mut dyn Backpressure)
     }
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
         if !self.entries.contains_key(key) {

@@ -19,9 +19,10 @@ TIER_TYPES = {
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: registers kvbm's tier types with vLLM's
-    ``SecondaryTierFactory``, so ``{"type": "kvbm_disk", ...}`` and ``{"type": "kvbm_object",
-    ...}`` work without a module path.
+    """The ``vllm.general_plugins`` entry point: registers ``KvbmOffloadingSpec`` with vLLM's
+    ``OffloadingSpecFactory`` (``"spec_name": "KvbmOffloadingSpec"`` without a module path) and
+    kvbm's tier types with its ``SecondaryTierFactory``, so ``{"type": "kvbm_disk", ...}`` and
+    ``{"type": "kvbm_object", ...}`` work without a module path.
 
     vLLM calls it in every process it starts; it imports only vLLM's factory (no extension, no
     manager), and it never raises: a vLLM without the factory, or a name already registered,
@@ -33,6 +34,15 @@ def register() -> None:
         _log.warning("kvbm_vllm: vLLM's SecondaryTierFactory is not importable (%s); "
                      "kvbm's tiers are not registered (use module_path in the tier config)", e)
         return
+    try:
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        OffloadingSpecFactory.register_spec("KvbmOffloadingSpec", "kvbm_vllm.spec",
+                                            "KvbmOffloadingSpec")
+    except ValueError:
+        _log.debug("kvbm_vllm: KvbmOffloadingSpec already registered")
+    except Exception as e:  # noqa: BLE001 - a plugin must not stop vLLM
+        _log.warning("kvbm_vllm: cannot register KvbmOffloadingSpec: %s", e)
     for tier_type, (module, cls) in TIER_TYPES.items():
         try:
             SecondaryTierFactory.register_tier(tier_type, module, cls)

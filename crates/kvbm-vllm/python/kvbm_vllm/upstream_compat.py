@@ -10,14 +10,18 @@ objects: the ``LookupResult`` members themselves (callers compare with ``is``),
 Importing this module imports vLLM's offloading modules and the extension; import it only
 where a manager is built (``kvbm_vllm`` itself stays cheap to import).
 
-Built so far: ``CPUOffloadingManager``. ``CPUPrimaryTierOffloadingManager`` and
-``TieringOffloadingManager`` are not yet kvbm's: they are not exported, and the upstream test
-harness substitutes only what is (``--classes``).
+Classes: ``CPUOffloadingManager``, ``CPUPrimaryTierOffloadingManager`` (the same manager over
+vLLM's shared region) and ``TieringOffloadingManager`` (kvbm-tiering's, over that primary;
+its secondary tiers are kvbm's own, driven in Rust, or any Python ``SecondaryTierManager``).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -41,9 +45,18 @@ from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
+from vllm.v1.kv_offload.base import Locality, ScheduleEndContext
+from vllm.v1.kv_offload.tiering import manager as _vllm_tiering
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+import numpy as np
+
 from kvbm_vllm import extension
 
-__all__ = ["CPUOffloadingManager"]
+__all__ = ["CPUOffloadingManager", "CPUPrimaryTierOffloadingManager", "TieringOffloadingManager"]
+
+_log = logging.getLogger("kvbm_vllm")
 
 _LOOKUP_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _POLICIES = {"chunk_level": OffloadPolicy.CHUNK_LEVEL, "request_level": OffloadPolicy.REQUEST_LEVEL}
@@ -165,8 +178,12 @@ class _ArcView(ARCCachePolicy):
 
 
 def _stats(rs) -> OffloadingConnectorStats:
+    return _stats_of(rs.stats())
+
+
+def _stats_of(triple) -> OffloadingConnectorStats:
     stats = OffloadingConnectorStats()
-    gauges, counters, histograms = rs.stats()
+    gauges, counters, histograms = triple
     for name, label, value in gauges:
         stats.set_gauge(name, value, (label,) if label else ())
     for name, label, values in histograms:
@@ -197,13 +214,19 @@ class CPUOffloadingManager(OffloadingManager):
         info=None,
     ):
         policy = _builtin_policy(cache_policy, cache_policy_module_path)
+        rs = extension().CpuManager(
+            num_chunks, policy, enable_events, store_threshold, max_tracker_size, _LOOKUP_RESULTS
+        )
+        self._bind(rs, num_chunks, policy, store_threshold, max_tracker_size, info)
+
+    def _bind(self, rs, num_chunks, policy, store_threshold, max_tracker_size, info) -> None:
+        """Attaches the Rust manager `rs` and the views and fast paths over it."""
+        self._rs = rs
+        self._num_chunks = num_chunks
         self.medium: Medium = Medium.CPU
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._config_info = info.as_config_info() if info is not None else {}
-        self._rs = extension().CpuManager(
-            num_chunks, policy, enable_events, store_threshold, max_tracker_size, _LOOKUP_RESULTS
-        )
         self.counts = _TrackerView(self._rs) if store_threshold >= 2 else None
         view = _ArcView if policy == "arc" else _LruView
         self._policy_view = view(self._rs, num_chunks)
@@ -284,3 +307,401 @@ class CPUOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         return _stats(self._rs)
+
+
+class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+    """vLLM's ``CPUPrimaryTierOffloadingManager`` over kvbm's CPU manager: the slot table of
+    vLLM's shared region (``mmap_region``), read and written by the secondary tiers.
+
+    Once a ``TieringOffloadingManager`` is built over it, its state lives in that manager
+    (one state, not a copy) and this object keeps answering from there.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        mmap_region,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        info=None,
+    ):
+        policy = _builtin_policy(cache_policy, cache_policy_module_path)
+        self._mmap_region = mmap_region
+        self._kv_memoryview = mmap_region.create_kv_memoryview()
+        strides = getattr(self._kv_memoryview, "strides", None)
+        chunk_bytes = strides[0] if isinstance(strides, tuple) and strides else 0
+        rs = extension().CpuManager.primary(
+            num_chunks, chunk_bytes, policy, enable_events, _LOOKUP_RESULTS
+        )
+        self._bind(rs, num_chunks, policy, 1, 64_000, info)
+        # read/write: a secondary tier reading or writing the primary; load/store: the GPU.
+        self.complete_read = self.complete_load
+        self.prepare_write = self.prepare_store
+        self.complete_write = self.complete_store
+
+    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        """Pins chunks for a primary-to-secondary copy (no request access is counted)."""
+        return CPULoadStoreSpec(self._rs.prepare_read(keys, req_context))
+
+    def get_kv_memoryview(self) -> memoryview:
+        return self._kv_memoryview
+
+    @property
+    def _free_list(self) -> list[int]:
+        return list(self._rs.slots()[0])
+
+    @property
+    def _num_allocated_chunks(self) -> int:
+        return self._rs.slots()[1]
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        release = getattr(self._kv_memoryview, "release", None)
+        if release is not None:
+            release()
+        self._mmap_region.cleanup()
+
+
+@dataclass
+class _RequestStateView:
+    """A copy of one request's state in vLLM's ``RequestState`` shape (``_req_state``)."""
+
+    req_context: ReqContext | None
+    pending_primary_stores: int = 0
+    is_finished: bool = False
+    request_level_tiers: set[int] | None = None
+    pending_cascade_keys: list = field(default_factory=list)
+
+
+@dataclass
+class _PendingPromotionView:
+    req_context: ReqContext
+    keys: list = field(default_factory=list)
+    chunk_ids: list = field(default_factory=list)
+
+
+def _make_job(job_id, keys, chunk_ids, is_promotion, req_context) -> TransferJob:
+    return TransferJob(
+        job_id=job_id,
+        keys=keys,
+        chunk_ids=np.array(chunk_ids, dtype=np.int32 if is_promotion else np.int64),
+        is_promotion=is_promotion,
+        req_context=req_context,
+    )
+
+
+def _make_request_context(policy: str) -> RequestOffloadingContext:
+    return RequestOffloadingContext(policy=_POLICIES[policy])
+
+
+def _native_tier(tier):
+    """kvbm's own Rust tier inside a kvbm tier object, when kvbm's manager can drive it in
+    Rust (a tier whose Python methods add nothing: disk, and object tiers not shared)."""
+    from kvbm_vllm.tiers import KvbmDiskTier, KvbmObjectTier
+
+    if type(tier) is KvbmDiskTier or (type(tier) is KvbmObjectTier and tier._probe is None):
+        # A method replaced on the instance (a test's monkeypatch) must be called: Python path.
+        if not any(name in vars(tier) for name in _TIER_METHODS):
+            return tier._rs
+    return None
+
+
+_TIER_METHODS = (
+    "lookup", "submit_store", "submit_load", "get_finished_jobs", "drain_jobs", "touch",
+    "on_new_request", "on_request_finished", "take_events", "has_pending_work", "shutdown",
+)
+
+
+class TieringOffloadingManager(OffloadingManager):
+    """vLLM's ``TieringOffloadingManager`` over kvbm-tiering's (Rust).
+
+    Same arguments as vLLM 0.33's. The job table, promotions, cascades, request state,
+    back-pressure decisions and metrics live in Rust; Python tiers are called as vLLM calls
+    them (by attribute, with vLLM's ``TransferJob`` objects and the caller's ``ReqContext``).
+    ``lock`` is a ``threading.Lock``, and a tier that sets ``tolerates_off_thread_polling``
+    is also served from a ``vllm_offload_tier_poll`` thread, as vLLM does. The private
+    attributes vLLM's tests read (``_req_state``, ``_jobs``, ...) are read-only copies.
+    """
+
+    #: vLLM's behaviour, bugs included (kvbm's spec turns kvbm's fixes on).
+    _UPSTREAM = True
+    #: Drive kvbm's own tiers in Rust (kvbm's spec may turn it off).
+    _NATIVE_TIERS = True
+
+    def __init__(
+        self,
+        primary_tier: CPUPrimaryTierOffloadingManager,
+        secondary_tiers: list[SecondaryTierManager] | None = None,
+        tier_poll_interval_s: float = _vllm_tiering.DEFAULT_TIER_POLL_INTERVAL_S,
+    ):
+        if not isinstance(primary_tier, CPUPrimaryTierOffloadingManager):
+            raise TypeError(
+                "kvbm's TieringOffloadingManager needs kvbm's CPUPrimaryTierOffloadingManager "
+                f"(kvbm_vllm.upstream_compat) as its primary tier, got {type(primary_tier).__name__}"
+            )
+        self._lock = threading.Lock()
+        self.primary_tier = primary_tier
+        self.secondary_tiers = list(secondary_tiers or [])
+        handed = []
+        for tier in self.secondary_tiers:
+            native = _native_tier(tier) if self._NATIVE_TIERS else None
+            handed.append(native if native is not None else tier)
+        self._rs = extension().TieringManager(
+            primary_tier._rs, handed, self._UPSTREAM, True, _make_job, _make_request_context
+        )
+        self._python_tier = [self._rs.is_python_tier(i) for i in range(len(self.secondary_tiers))]
+        self._tier_index = {id(t): i for i, t in enumerate(self.secondary_tiers)}
+        self.lookup = self._rs.lookup
+        self._polled_tiers = [
+            i for i, t in enumerate(self.secondary_tiers)
+            if getattr(t, "tolerates_off_thread_polling", False)
+        ]
+        self._tier_poll_interval_s = tier_poll_interval_s
+        self._tier_poll_stop = threading.Event()
+        self._tier_poll_thread: threading.Thread | None = None
+        self._start_tier_poll_thread()
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    # -- the tier-poll thread (vLLM 0.33's protocol; its module constants are read live) --
+
+    def _start_tier_poll_thread(self) -> None:
+        if not self._polled_tiers or self._tier_poll_interval_s <= 0:
+            return
+        self._tier_poll_thread = threading.Thread(
+            target=self._tier_poll_loop, name="vllm_offload_tier_poll", daemon=True
+        )
+        self._tier_poll_thread.start()
+
+    def _stop_tier_poll_thread(self) -> None:
+        self._tier_poll_stop.set()
+        thread = self._tier_poll_thread
+        if thread is None:
+            return
+        thread.join(timeout=_vllm_tiering._TIER_POLL_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            _log.error("KV offload tier-poll thread did not exit within %.1fs",
+                       _vllm_tiering._TIER_POLL_JOIN_TIMEOUT_S)
+        else:
+            self._tier_poll_thread = None
+
+    def _tier_poll_loop(self) -> None:
+        stalled_since = None
+        failing_since = None
+        last_error_log = 0.0
+        while not self._tier_poll_stop.is_set():
+            if not self._lock.acquire(timeout=_vllm_tiering._TIER_POLL_LOCK_TIMEOUT_S):
+                now = time.monotonic()
+                if stalled_since is None:
+                    stalled_since = now
+                elif now - stalled_since > _vllm_tiering._TIER_POLL_STALL_WARN_S:
+                    _log.warning("KV offload tier-poll thread has not acquired the manager "
+                                 "lock for %.0fs", now - stalled_since)
+                    stalled_since = None
+                continue
+            stalled_since = None
+            try:
+                self.poll_tiers()
+                failing_since = None
+            except Exception:
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                if now - last_error_log >= _vllm_tiering._TIER_POLL_ERROR_LOG_INTERVAL_S:
+                    last_error_log = now
+                    _log.exception("KV offload tier-poll round failed")
+            finally:
+                self._lock.release()
+            if (failing_since is not None
+                    and time.monotonic() - failing_since >= _vllm_tiering._TIER_POLL_GIVE_UP_AFTER_S):
+                _log.error("KV offload tier-poll thread stopping after %.0fs of consecutive "
+                           "failures; falling back to per-step servicing.",
+                           _vllm_tiering._TIER_POLL_GIVE_UP_AFTER_S)
+                return
+            self._tier_poll_stop.wait(self._tier_poll_interval_s)
+
+    def poll_tiers(self) -> None:
+        """One round for the tiers that opted in (the caller holds ``lock``)."""
+        self._rs.poll_round(self._polled_tiers)
+
+    # -- OffloadingManager --
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext, *, exclude_tier_idx=None):
+        if exclude_tier_idx is None:
+            return self._rs.lookup(key, req_context)
+        return self._rs.lookup_excluding(key, req_context, exclude_tier_idx)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource(self._rs.get_load_source(key, req_context))
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec(self._rs.prepare_load(keys, req_context))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._rs.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._rs.complete_load(keys, req_context)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        out = self._rs.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        keys_to_store, chunk_ids, evicted = out
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,
+            store_spec=CPULoadStoreSpec(chunk_ids),
+            evicted_keys=evicted,
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        self._rs.complete_store(keys, req_context, success)
+
+    def create_store_job(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                         tier_idx: int = 0) -> TransferJob:
+        return self._rs.create_store_job(keys, req_context, tier_idx)
+
+    def on_new_request(self, req_context: ReqContext, *, exclude_tier_idx=None):
+        return RequestOffloadingContext(
+            policy=_POLICIES[self._rs.on_new_request(req_context, exclude_tier_idx)]
+        )
+
+    def on_request_finished(self, req_context: ReqContext, *, exclude_tier_idx=None) -> None:
+        self._rs.on_request_finished(req_context, exclude_tier_idx)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._rs.on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        return self._rs.has_pending_work()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        yield from self.primary_tier.take_events()
+        for i, tier in enumerate(self.secondary_tiers):
+            if self._python_tier[i]:
+                yield from tier.take_events()
+                continue
+            for keys, removed, expected, meta, medium, locality in self._rs.take_tier_events(i):
+                yield OffloadingEvent(
+                    keys=keys,
+                    medium=Medium[medium],
+                    removed=removed,
+                    locality=Locality[locality] if locality else None,
+                    ownership=tier.tier_type,
+                    removal_expected=expected,
+                    metadata_only=meta,
+                )
+
+    def reset_cache(self) -> None:
+        self._rs.reset_cache()
+
+    def on_reset_flushed(self) -> None:
+        self._rs.on_reset_flushed()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        triple = self._rs.stats()
+        stats = _stats_of(triple) if triple is not None else None
+        for i, tier in enumerate(self.secondary_tiers):
+            if not self._python_tier[i]:
+                continue
+            tier_stats = tier.get_stats()
+            if tier_stats is None or tier_stats.is_empty():
+                continue
+            if stats is None:
+                stats = tier_stats
+            else:
+                stats.aggregate(tier_stats)
+        return stats
+
+    def config_info(self) -> Sequence[dict]:
+        labels = self._rs.labels()
+        (primary_info,) = self.primary_tier.config_info()
+        info = dict(primary_info)
+        info[TIER_LABEL] = labels[0]
+        infos = [info]
+        for i, tier in enumerate(self.secondary_tiers):
+            tier_info = dict(tier.config_info())
+            tier_info[TIER_LABEL] = labels[i + 1]
+            infos.append(tier_info)
+        return infos
+
+    def shutdown(self) -> None:
+        """Stops the poll thread, then every tier, then releases the primary region (kept
+        when a tier failed to stop: it may still touch it). Call without holding ``lock``."""
+        self._stop_tier_poll_thread()
+        if self._tier_poll_thread is not None:
+            if not self._lock.acquire(timeout=_vllm_tiering._TIER_POLL_JOIN_TIMEOUT_S):
+                raise RuntimeError(
+                    "KV offload tier-poll thread is still running and the manager lock is "
+                    "unavailable; secondary tiers were not shut down. shutdown() must be "
+                    "called without holding manager.lock."
+                )
+            try:
+                self._shutdown_tiers()
+            finally:
+                self._lock.release()
+            return
+        self._shutdown_tiers()
+
+    def _shutdown_tiers(self) -> None:
+        self._rs.shutdown()
+        self.primary_tier.shutdown()
+
+    # -- read-only views of the state vLLM's tests inspect --
+
+    @property
+    def _req_state(self) -> dict:
+        return {
+            req_id: _RequestStateView(
+                req_context=None,
+                pending_primary_stores=pending,
+                is_finished=finished,
+                request_level_tiers=set(tiers) if tiers else None,
+                pending_cascade_keys=list(parked),
+            )
+            for req_id, pending, finished, tiers, parked in self._rs.request_states()
+        }
+
+    @property
+    def _jobs(self) -> dict:
+        return {
+            job_id: _vllm_tiering.JobMetadata(job, tier)
+            for job_id, tier, job in self._rs.jobs()
+        }
+
+    @property
+    def _pending_load_submissions(self) -> dict:
+        out: dict = {}
+        for tier, req_id, ctx, keys, ids in self._rs.pending_promotions():
+            out.setdefault(tier, {})[req_id] = _PendingPromotionView(ctx, list(keys), list(ids))
+        return out
+
+    @property
+    def _request_load_sources(self) -> dict:
+        return {
+            req_id: {k: CacheHitSource(s) for k, s in sources}
+            for req_id, sources in self._rs.load_sources()
+        }
+
+    @property
+    def _processed_jobs_this_step(self) -> bool:
+        return self._rs.processed_this_step
+
+    @_processed_jobs_this_step.setter
+    def _processed_jobs_this_step(self, value: bool) -> None:
+        self._rs.processed_this_step = bool(value)
+
+    @property
+    def _promotions_held(self) -> bool:
+        return self._rs.promotions_held
+
+    @_promotions_held.setter
+    def _promotions_held(self, value: bool) -> None:
+        self._rs.promotions_held = bool(value)
+
+    def _process_finished_jobs(self, tiers=None) -> None:
+        self._rs.process_finished_jobs()

@@ -1,0 +1,1084 @@
+//! `TieringManager`: kvbm-tiering's vLLM-exact [`TieringOffloadingManager`] behind the Python
+//! boundary, over a primary tier ([`CpuManager::primary`]) and secondary tiers that are either
+//! kvbm's own (moved into Rust whole) or any Python `SecondaryTierManager` (driven through
+//! [`PyTier`]).
+//!
+//! ```text
+//!  vLLM scheduler ─► kvbm_vllm TieringOffloadingManager (Python: vLLM's ABC, its lock, the
+//!                      │                                  tier-poll thread, vLLM's objects)
+//!                      └─► TieringManager (this) ─► kvbm-tiering TieringOffloadingManager
+//!                                                     ├─ primary (the CpuManager's Core)
+//!                                                     ├─ kvbm_disk / kvbm_object: Rust tiers
+//!                                                     └─ PyTier ─► a Python tier's methods,
+//!                                                                  vLLM's TransferJob/JobResult
+//! ```
+//!
+//! # Python tiers
+//!
+//! A Python tier sees exactly what vLLM's manager would show it: its methods are looked up on
+//! the object at each call (a test's `monkeypatch.setattr(tier, "submit_store", …)` is seen),
+//! jobs are vLLM's `TransferJob` objects (made by a factory the Python side hands in) carrying
+//! the caller's own `ReqContext` object, its back-pressure detector is asked and fed through
+//! [`Backpressure`] (latency measured from the `TransferJob.submit_time` the tier holds), and
+//! `serve_external_requests` gets a [`Parent`] that calls back into the manager.
+//!
+//! A tier method that raises cannot unwind through kvbm-tiering (its calls return plain
+//! values, as vLLM's contract has them): the first exception of a manager call is kept and
+//! raised when the call returns (a lookup that raised reads as a miss meanwhile, a store that
+//! raised as not submitted). Nothing is swallowed.
+//!
+//! # The parent handle
+//!
+//! kvbm-tiering lends a tier `&mut dyn ParentManager` for the duration of
+//! `serve_external_requests` (the manager itself, that tier detached). [`Parent`] carries that
+//! borrow into Python as a raw pointer that is valid only while the call runs: it is cleared
+//! before `serve_external_requests` returns (also on error), and the class is `unsendable`, so
+//! a tier that keeps the handle and calls it later, or from another thread, gets an error,
+//! never a dangling pointer.
+
+use std::cell::{Cell, RefCell};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use std::collections::HashMap;
+use kvbm_tiering::tiering::{Backpressure, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob};
+use kvbm_tiering::{
+    CacheHitSource, Locality, LookupResult, Medium, OffloadKey, OffloadScope, OffloadingManager,
+    ReqContext, RequestOffloadingContext, ScheduleEndContext, TieringError, UpstreamFixes,
+};
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use pyo3::intern;
+
+use crate::bridge::{Contexts, key, key_list, keys, origin, to_py};
+use crate::core::{Inner, StatsTriple, triple};
+use crate::cpu::{CpuManager, LookupMembers};
+use crate::tiers::StorageTier;
+
+/// What every [`PyTier`] and [`Parent`] of one manager share with it.
+pub(crate) struct Shared {
+    contexts: Arc<Mutex<Contexts>>,
+    results: Arc<LookupMembers>,
+    /// The first exception a Python tier raised during the current call.
+    error: Mutex<Option<PyErr>>,
+    /// `make_job(job_id, keys, chunk_ids, is_promotion, req_context) -> TransferJob`.
+    make_job: Py<PyAny>,
+    /// `make_request_context(policy: str) -> RequestOffloadingContext`.
+    make_request_context: Py<PyAny>,
+    /// The Python `ScheduleEndContext` of the `on_schedule_end` in progress.
+    schedule_end: Mutex<Option<Py<PyAny>>>,
+}
+
+impl Shared {
+    /// Keeps the first error of a call.
+    fn keep(&self, e: PyErr) {
+        let mut slot = self.error.lock();
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+
+    /// The error kept during the call just made, if any.
+    fn take_error(&self) -> PyResult<()> {
+        match self.error.lock().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The Python `ReqContext` of a Rust one (every context the manager sees came from Python).
+    fn py_ctx<'py>(&self, py: Python<'py>, ctx: &ReqContext) -> PyResult<Bound<'py, PyAny>> {
+        origin(py, ctx).ok_or_else(|| {
+            PyRuntimeError::new_err(format!(
+                "request {} has no Python context (kvbm-vllm bug)",
+                ctx.req_id()
+            ))
+        })
+    }
+
+    /// vLLM's `TransferJob` for a kvbm job.
+    fn job<'py>(&self, py: Python<'py>, job: &TierJob) -> PyResult<Bound<'py, PyAny>> {
+        let ctx = self.py_ctx(py, &job.req_context)?;
+        self.make_job.bind(py).call1((
+            job.job_id,
+            key_list(py, &job.keys)?,
+            job.chunk_ids.clone(),
+            job.is_promotion,
+            ctx,
+        ))
+    }
+
+    fn lookup_result(&self, py: Python<'_>, r: &Bound<'_, PyAny>) -> PyResult<LookupResult> {
+        for (i, member) in [
+            LookupResult::Miss,
+            LookupResult::Hit,
+            LookupResult::HitPending,
+            LookupResult::Retry,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let _ = i;
+            if r.is(self.results.get(py, member).bind(py)) {
+                return Ok(member);
+            }
+        }
+        Err(PyTypeError::new_err(format!(
+            "a tier's lookup must return a LookupResult member, got {r}"
+        )))
+    }
+}
+
+fn scope_of(policy: &Bound<'_, PyAny>) -> PyResult<OffloadScope> {
+    let value: String = policy.getattr(intern!(policy.py(), "value"))?.extract()?;
+    match value.as_str() {
+        "chunk_level" => Ok(OffloadScope::ChunkLevel),
+        "request_level" => Ok(OffloadScope::RequestLevel),
+        other => Err(PyValueError::new_err(format!("unknown OffloadPolicy {other:?}"))),
+    }
+}
+
+fn scope_name(s: OffloadScope) -> &'static str {
+    match s {
+        OffloadScope::ChunkLevel => "chunk_level",
+        OffloadScope::RequestLevel => "request_level",
+    }
+}
+
+pub(crate) fn hit_source_name(s: CacheHitSource) -> &'static str {
+    match s {
+        CacheHitSource::Host => "host",
+        CacheHitSource::P2p => "p2p",
+        CacheHitSource::Disk => "disk",
+        CacheHitSource::ExternalUnspecified => "external_unspecified",
+    }
+}
+
+/// An optional enum attribute's `.value` as a string.
+fn enum_value(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<String>> {
+    let v = obj.getattr(name)?;
+    if v.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(v.getattr("value")?.extract()?))
+}
+
+/// A Python tier's back-pressure detector, fed as vLLM's manager feeds it.
+struct PyBackpressure {
+    detector: Option<Py<PyAny>>,
+    /// Store jobs reported finished in the last poll, by id: their `submit_time` is the
+    /// latency's start (the tier, or a test, may have changed it).
+    finished: HashMap<JobId, Py<PyAny>>,
+    shared: Arc<Shared>,
+}
+
+impl PyBackpressure {
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        args: impl pyo3::call::PyCallArgs<'py>,
+    ) -> Option<Bound<'py, PyAny>> {
+        let d = self.detector.as_ref()?.bind(py);
+        match d.call_method1(name, args) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.shared.keep(e);
+                None
+            }
+        }
+    }
+}
+
+impl Backpressure for PyBackpressure {
+    fn should_store(&mut self, num_blocks: usize) -> bool {
+        Python::attach(|py| {
+            self.call(py, "should_store", (num_blocks,))
+                .is_none_or(|v| v.is_truthy().unwrap_or(true))
+        })
+    }
+
+    fn on_store_completed(&mut self, job: &TierJob, num_bytes: u64) {
+        Python::attach(|py| {
+            let submit_time = match self.finished.remove(&job.job_id) {
+                Some(j) => j.bind(py).getattr("submit_time"),
+                None => {
+                    // Not a job this tier was handed as an object (cannot happen for a Python
+                    // tier): measure from the Rust job's submit instant.
+                    let now = py
+                        .import("time")
+                        .and_then(|t| t.call_method0("monotonic"))
+                        .and_then(|t| t.extract::<f64>());
+                    now.map(|n| (n - job.submit_time.elapsed().as_secs_f64()).into_pyobject(py))
+                        .and_then(|r| r.map(|b| b.into_any()).map_err(Into::into))
+                }
+            };
+            match submit_time {
+                Ok(t) => {
+                    self.call(py, "update", (t, num_bytes));
+                }
+                Err(e) => self.shared.keep(e),
+            }
+        });
+    }
+
+    fn on_store_failed(&mut self) {
+        Python::attach(|py| {
+            self.call(py, "on_store_failed", ());
+        });
+    }
+
+    fn is_under_pressure(&mut self) -> bool {
+        Python::attach(|py| {
+            self.call(py, "is_under_pressure", ())
+                .is_some_and(|v| v.is_truthy().unwrap_or(false))
+        })
+    }
+
+    fn store_latency_ema(&mut self) -> Option<f64> {
+        Python::attach(|py| {
+            let d = self.detector.as_ref()?.bind(py);
+            let v = d
+                .getattr("stats")
+                .and_then(|s| s.call_method1("get", ("store_latency_ema",)));
+            match v {
+                Ok(v) if v.is_none() => None,
+                Ok(v) => v.extract::<f64>().ok(),
+                Err(e) => {
+                    self.shared.keep(e);
+                    None
+                }
+            }
+        })
+    }
+
+    fn pop_stores_dropped(&mut self) -> (u64, u64) {
+        Python::attach(|py| {
+            let Some(d) = self.detector.as_ref() else {
+                return (0, 0);
+            };
+            match d
+                .bind(py)
+                .getattr("policy")
+                .and_then(|p| p.call_method0("pop_stores_dropped"))
+                .and_then(|r| r.extract::<(u64, u64)>())
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    self.shared.keep(e);
+                    (0, 0)
+                }
+            }
+        })
+    }
+
+    fn reset(&mut self) {
+        Python::attach(|py| {
+            self.call(py, "reset", ());
+        });
+    }
+}
+
+/// A Python `SecondaryTierManager` under kvbm's tiering manager: see the [module docs](self).
+pub(crate) struct PyTier {
+    obj: Py<PyAny>,
+    tier_type: String,
+    medium: Option<Medium>,
+    locality: Option<Locality>,
+    hit_source: CacheHitSource,
+    block_size_bytes: usize,
+    /// Jobs submitted and not yet reported, as the tier was handed them.
+    jobs: HashMap<JobId, Py<PyAny>>,
+    bp: PyBackpressure,
+    shared: Arc<Shared>,
+}
+
+impl PyTier {
+    fn new(obj: &Bound<'_, PyAny>, shared: Arc<Shared>) -> PyResult<Self> {
+        let tier_type: String = obj.getattr("tier_type")?.extract()?;
+        let medium = enum_value(obj, "medium")?.and_then(|m| Medium::parse(&m));
+        let locality = enum_value(obj, "locality")?.and_then(|l| Locality::parse(&l));
+        let hit_source = match enum_value(obj, "cache_hit_source")?.as_deref() {
+            Some("host") => CacheHitSource::Host,
+            Some("p2p") => CacheHitSource::P2p,
+            Some("disk") => CacheHitSource::Disk,
+            _ => CacheHitSource::ExternalUnspecified,
+        };
+        let block_size_bytes: usize = obj.getattr("block_size_bytes")?.extract()?;
+        Ok(Self {
+            obj: obj.clone().unbind(),
+            tier_type,
+            medium,
+            locality,
+            hit_source,
+            block_size_bytes,
+            jobs: HashMap::new(),
+            bp: PyBackpressure {
+                detector: None,
+                finished: HashMap::new(),
+                shared: shared.clone(),
+            },
+            shared,
+        })
+    }
+
+    /// Calls a method of the tier; an exception is kept for the caller (module docs).
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        args: impl pyo3::call::PyCallArgs<'py>,
+    ) -> Option<Bound<'py, PyAny>> {
+        match self.obj.bind(py).call_method1(name, args) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.shared.keep(e);
+                None
+            }
+        }
+    }
+
+    fn submit(&mut self, method: &str, job: Arc<TierJob>) {
+        Python::attach(|py| {
+            let pj = match self.shared.job(py, &job) {
+                Ok(j) => j,
+                Err(e) => return self.shared.keep(e),
+            };
+            self.jobs.insert(job.job_id, pj.clone().unbind());
+            self.call(py, method, (pj,));
+        });
+    }
+
+    /// The Python job of a tracked job (for the manager's `_jobs` view).
+    pub(crate) fn job_object(&self, py: Python<'_>, id: JobId) -> Option<Py<PyAny>> {
+        self.jobs.get(&id).map(|j| j.clone_ref(py))
+    }
+
+    /// Tracks a job the manager made for this tier outside `submit_*` (`create_store_job`).
+    pub(crate) fn track(&mut self, id: JobId, job: Py<PyAny>) {
+        self.jobs.insert(id, job);
+    }
+
+    fn finished(&mut self, py: Python<'_>, r: &Bound<'_, PyAny>) -> PyResult<JobResult> {
+        let job_id: JobId = r.getattr("job_id")?.extract()?;
+        let success: bool = r.getattr("success")?.is_truthy()?;
+        let sk = r.getattr("successful_keys")?;
+        let successful_keys = if sk.is_none() { None } else { Some(keys(&sk)?) };
+        let transfer_time: Option<f64> = r.getattr("transfer_time")?.extract()?;
+        let transfer_bytes: Option<u64> = r.getattr("transfer_bytes")?.extract()?;
+        if let Some(j) = self.jobs.remove(&job_id) {
+            let is_promotion: bool = j.bind(py).getattr("is_promotion")?.is_truthy()?;
+            if !is_promotion {
+                self.bp.finished.insert(job_id, j);
+            }
+        }
+        Ok(JobResult {
+            job_id,
+            success,
+            successful_keys,
+            transfer_time,
+            transfer_bytes,
+        })
+    }
+}
+
+impl SecondaryTierManager for PyTier {
+    fn tier_type(&self) -> &str {
+        &self.tier_type
+    }
+    fn medium(&self) -> Option<Medium> {
+        self.medium
+    }
+    fn locality(&self) -> Option<Locality> {
+        self.locality
+    }
+    fn cache_hit_source(&self) -> CacheHitSource {
+        self.hit_source
+    }
+    fn block_size_bytes(&self) -> usize {
+        self.block_size_bytes
+    }
+
+    fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
+        let d = Python::attach(|py| match self.obj.bind(py).getattr("bp_detector") {
+            Ok(d) if d.is_none() => None,
+            Ok(d) => Some(d.unbind()),
+            Err(e) => {
+                self.shared.keep(e);
+                None
+            }
+        });
+        self.bp.detector = d;
+        self.bp.detector.is_some().then_some(&mut self.bp as &mut dyn Backpressure)
+    }
+
+    fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult {
+        Python::attach(|py| {
+            let ctx = match self.shared.py_ctx(py, req_context) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.shared.keep(e);
+                    return LookupResult::Miss;
+                }
+            };
+            let k = pyo3::types::PyBytes::new(py, key.as_bytes());
+            match self.call(py, "lookup", (k, ctx)) {
+                None => LookupResult::Miss,
+                Some(r) => self.shared.lookup_result(py, &r).unwrap_or_else(|e| {
+                    self.shared.keep(e);
+                    LookupResult::Miss
+                }),
+            }
+        })
+    }
+
+    fn submit_store(&mut self, job: Arc<TierJob>) {
+        self.submit("submit_store", job);
+    }
+
+    fn submit_load(&mut self, job: Arc<TierJob>) {
+        self.submit("submit_load", job);
+    }
+
+    fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
+        Python::attach(|py| {
+            self.bp.finished.clear();
+            let Some(results) = self.call(py, "get_finished_jobs", ()) else {
+                return;
+            };
+            let iter = match results.try_iter() {
+                Ok(i) => i,
+                Err(e) => return self.shared.keep(e),
+            };
+            for r in iter {
+                match r.and_then(|r| self.finished(py, &r)) {
+                    Ok(r) => out.push(r),
+                    Err(e) => self.shared.keep(e),
+                }
+            }
+        });
+    }
+
+    fn drain_jobs(&mut self) -> kvbm_tiering::Result<()> {
+        Python::attach(|py| match self.obj.bind(py).call_method0("drain_jobs") {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let message = format!("drain_jobs: {e}");
+                self.shared.keep(e);
+                Err(TieringError::Tier {
+                    tier: 0,
+                    tier_type: self.tier_type.clone(),
+                    message,
+                })
+            }
+        })
+    }
+
+    fn on_new_request(&mut self, req_context: &ReqContext) -> RequestOffloadingContext {
+        Python::attach(|py| {
+            let policy = self
+                .shared
+                .py_ctx(py, req_context)
+                .and_then(|ctx| self.obj.bind(py).call_method1("on_new_request", (ctx,)))
+                .and_then(|r| r.getattr("policy"))
+                .and_then(|p| scope_of(&p));
+            match policy {
+                Ok(policy) => RequestOffloadingContext { policy },
+                Err(e) => {
+                    self.shared.keep(e);
+                    RequestOffloadingContext::default()
+                }
+            }
+        })
+    }
+
+    fn on_request_finished(&mut self, req_context: &ReqContext) {
+        Python::attach(|py| match self.shared.py_ctx(py, req_context) {
+            Ok(ctx) => {
+                self.call(py, "on_request_finished", (ctx,));
+            }
+            Err(e) => self.shared.keep(e),
+        });
+    }
+
+    fn touch(&mut self, keys: &[OffloadKey], req_context: &ReqContext) {
+        Python::attach(|py| {
+            let args = key_list(py, keys).and_then(|k| Ok((k, self.shared.py_ctx(py, req_context)?)));
+            match args {
+                Ok(args) => {
+                    self.call(py, "touch", args);
+                }
+                Err(e) => self.shared.keep(e),
+            }
+        });
+    }
+
+    fn has_pending_work(&self) -> bool {
+        Python::attach(|py| {
+            self.call(py, "has_pending_work", ())
+                .is_some_and(|v| v.is_truthy().unwrap_or(false))
+        })
+    }
+
+    fn on_schedule_end(&mut self, _context: &ScheduleEndContext) {
+        Python::attach(|py| {
+            let ctx = self.shared.schedule_end.lock().as_ref().map(|c| c.clone_ref(py));
+            if let Some(ctx) = ctx {
+                self.call(py, "on_schedule_end", (ctx,));
+            }
+        });
+    }
+
+    fn serve_external_requests(&mut self, parent: &mut dyn ParentManager) {
+        Python::attach(|py| {
+            // SAFETY: the pointer is only dereferenced by `Parent`'s methods while `ptr` is
+            // set, which is from here until `clear` below, within this call, while `parent` is
+            // borrowed mutably by us and used by nothing else; `Parent` is unsendable, so no
+            // other thread can reach it.
+            let raw: *mut (dyn ParentManager + '_) = parent;
+            let raw: *mut (dyn ParentManager + 'static) = unsafe { std::mem::transmute(raw) };
+            let handle = Parent {
+                ptr: Cell::new(NonNull::new(raw)),
+                created: RefCell::new(Vec::new()),
+                shared: self.shared.clone(),
+            };
+            let handle = match Bound::new(py, handle) {
+                Ok(h) => h,
+                Err(e) => return self.shared.keep(e),
+            };
+            self.call(py, "serve_external_requests", (handle.clone(),));
+            let h = handle.borrow();
+            h.ptr.set(None);
+            for (id, job) in h.created.borrow_mut().drain(..) {
+                self.jobs.insert(id, job);
+            }
+        });
+    }
+
+    fn shutdown(&mut self) -> kvbm_tiering::Result<()> {
+        Python::attach(|py| match self.obj.bind(py).call_method0("shutdown") {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let message = format!("shutdown: {e}");
+                self.shared.keep(e);
+                Err(TieringError::Tier {
+                    tier: 0,
+                    tier_type: self.tier_type.clone(),
+                    message,
+                })
+            }
+        })
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// vLLM's `ParentManager` handed to a Python tier's `serve_external_requests`: valid only
+/// during that call (module docs).
+#[pyclass(module = "kvbm_vllm._kvbm", unsendable)]
+pub(crate) struct Parent {
+    ptr: Cell<Option<NonNull<dyn ParentManager>>>,
+    /// Store jobs made through `create_store_job`, tracked by the tier after the call.
+    created: RefCell<Vec<(JobId, Py<PyAny>)>>,
+    shared: Arc<Shared>,
+}
+
+impl Parent {
+    fn with<R>(&self, f: impl FnOnce(&mut dyn ParentManager) -> R) -> PyResult<R> {
+        let Some(mut p) = self.ptr.get() else {
+            return Err(PyRuntimeError::new_err(
+                "a ParentManager is valid only during the serve_external_requests call it was \
+                 handed to",
+            ));
+        };
+        // SAFETY: set only while the borrow it came from is live (PyTier::serve_external_requests);
+        // `&self` of an unsendable class on the one thread that made it, and `with` is not
+        // re-entered (kvbm-tiering's parent calls do not call back into Python tiers' parents).
+        Ok(f(unsafe { p.as_mut() }))
+    }
+}
+
+#[pymethods]
+impl Parent {
+    fn on_new_request<'py>(&self, ctx: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.shared.contexts.lock().get(ctx)?;
+        let r = self.with(|p| p.on_new_request(&c))?;
+        self.shared.take_error()?;
+        let r = r.map_err(to_py)?;
+        self.shared
+            .make_request_context
+            .bind(ctx.py())
+            .call1((scope_name(r.policy),))
+    }
+
+    fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let k = key(key_)?;
+        let c = self.shared.contexts.lock().get(ctx)?;
+        let r = self.with(|p| p.lookup(&k, &c))?;
+        self.shared.take_error()?;
+        Ok(self.shared.results.get(key_.py(), r))
+    }
+
+    fn create_store_job<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = keys_.py();
+        let ks = keys(keys_)?;
+        let c = self.shared.contexts.lock().get(ctx)?;
+        let job = self.with(|p| p.create_store_job(&ks, &c))?;
+        self.shared.take_error()?;
+        let job = job.map_err(to_py)?;
+        let pj = self.shared.job(py, &job)?;
+        self.created
+            .borrow_mut()
+            .push((job.job_id, pj.clone().unbind()));
+        Ok(pj)
+    }
+
+    fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let c = self.shared.contexts.lock().get(ctx)?;
+        let r = self.with(|p| p.on_request_finished(&c))?;
+        self.shared.take_error()?;
+        r.map_err(to_py)
+    }
+}
+
+/// kvbm-tiering's tiering manager for Python: see the [module docs](self).
+#[pyclass(module = "kvbm_vllm._kvbm", frozen)]
+pub(crate) struct TieringManager {
+    core: Arc<crate::core::Core>,
+    shared: Arc<Shared>,
+    /// Per tier: whether it is a Python tier (else kvbm's own, in Rust).
+    python: Vec<bool>,
+}
+
+impl TieringManager {
+    /// Runs `f` on the manager, then raises the first exception a Python tier raised in it.
+    fn run<R>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut kvbm_tiering::TieringOffloadingManager) -> PyResult<R>,
+    ) -> PyResult<R> {
+        let r = {
+            let mut g = self.core.lock(py)?;
+            f(g.tiering()?)
+        };
+        self.shared.take_error()?;
+        r
+    }
+
+    fn ctx(&self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
+        self.shared.contexts.lock().get(ctx)
+    }
+}
+
+#[pymethods]
+impl TieringManager {
+    /// A tiering manager over `primary` (a [`CpuManager::primary`]; its state moves in here)
+    /// and `tiers`, each a Python tier object or, for kvbm's own tiers, the `StorageTier`
+    /// to take over. `upstream`: vLLM's behaviour exactly (else kvbm's fixes of vLLM's bugs).
+    #[new]
+    #[pyo3(signature = (primary, tiers, upstream, record_lookup_latency, make_job, make_request_context))]
+    fn new(
+        py: Python<'_>,
+        primary: &Bound<'_, CpuManager>,
+        tiers: &Bound<'_, PyList>,
+        upstream: bool,
+        record_lookup_latency: bool,
+        make_job: Py<PyAny>,
+        make_request_context: Py<PyAny>,
+    ) -> PyResult<Self> {
+        let primary = primary.get();
+        let shared = Arc::new(Shared {
+            contexts: primary.contexts.clone(),
+            results: primary.results.clone(),
+            error: Mutex::new(None),
+            make_job,
+            make_request_context,
+            schedule_end: Mutex::new(None),
+        });
+        let mut boxed: Vec<Box<dyn SecondaryTierManager>> = Vec::with_capacity(tiers.len());
+        let mut python = Vec::with_capacity(tiers.len());
+        for t in tiers.iter() {
+            if let Ok(st) = t.cast::<StorageTier>() {
+                let tier = st.borrow_mut().lend()?;
+                boxed.push(tier);
+                python.push(false);
+            } else {
+                boxed.push(Box::new(PyTier::new(&t, shared.clone())?));
+                python.push(true);
+            }
+        }
+        let fixes = if upstream {
+            UpstreamFixes::upstream()
+        } else {
+            UpstreamFixes::default()
+        };
+        {
+            let mut g = primary.core.lock(py)?;
+            let Inner::Primary(_) = &*g else {
+                return Err(PyTypeError::new_err(
+                    "a tiering manager is built over a primary tier that no other tiering \
+                     manager holds (CPUPrimaryTierOffloadingManager)",
+                ));
+            };
+            let Inner::Primary(p) = std::mem::replace(&mut *g, Inner::Moved) else {
+                unreachable!("checked above")
+            };
+            *g = Inner::Tiering(Box::new(
+                kvbm_tiering::TieringOffloadingManager::with_primary(
+                    *p,
+                    boxed,
+                    fixes,
+                    record_lookup_latency,
+                ),
+            ));
+        }
+        Ok(Self {
+            core: primary.core.clone(),
+            shared,
+            python,
+        })
+    }
+
+    fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let k = key(key_)?;
+        let c = self.ctx(ctx)?;
+        let r = self.run(key_.py(), |m| Ok(m.lookup(&k, &c)))?;
+        Ok(self.shared.results.get(key_.py(), r))
+    }
+
+    /// vLLM's `lookup(..., exclude_tier_idx=i)`.
+    fn lookup_excluding(
+        &self,
+        key_: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+        exclude: Option<usize>,
+    ) -> PyResult<Py<PyAny>> {
+        let k = key(key_)?;
+        let c = self.ctx(ctx)?;
+        let r = self.run(key_.py(), |m| Ok(m.lookup_excluding(&k, &c, exclude)))?;
+        Ok(self.shared.results.get(key_.py(), r))
+    }
+
+    fn prepare_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let ks = keys(keys_)?;
+        let c = self.ctx(ctx)?;
+        let spec = self.run(keys_.py(), |m| m.prepare_load(&ks, &c).map_err(to_py))?;
+        Ok(spec.chunk_ids().unwrap_or_default().to_vec())
+    }
+
+    fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let c = self.ctx(ctx)?;
+        self.run(keys_.py(), |m| m.touch(&ks, &c).map_err(to_py))
+    }
+
+    fn complete_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let c = self.ctx(ctx)?;
+        self.run(keys_.py(), |m| m.complete_load(&ks, &c).map_err(to_py))
+    }
+
+    /// `None` when the store cannot be placed, else `(keys_to_store, chunk_ids, evicted_keys)`.
+    fn prepare_store<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let py = keys_.py();
+        let ks = keys(keys_)?;
+        let c = self.ctx(ctx)?;
+        let Some(out) = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))? else {
+            return Ok(None);
+        };
+        let ids = out.store_spec.chunk_ids().unwrap_or_default().to_vec();
+        Ok(Some(PyTuple::new(
+            py,
+            [
+                key_list(py, &out.keys_to_store)?.into_any(),
+                PyList::new(py, ids)?.into_any(),
+                key_list(py, &out.evicted_keys)?.into_any(),
+            ],
+        )?))
+    }
+
+    #[pyo3(signature = (keys_, ctx, success = true))]
+    fn complete_store(
+        &self,
+        keys_: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+        success: bool,
+    ) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let c = self.ctx(ctx)?;
+        self.run(keys_.py(), |m| m.complete_store(&ks, &c, success).map_err(to_py))
+    }
+
+    /// vLLM's `create_store_job(keys, req_context, tier_idx)`: pins the chunks and registers a
+    /// store job for tier `tier`; the job (vLLM's `TransferJob`) is the caller's to run.
+    fn create_store_job<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+        tier: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = keys_.py();
+        let ks = keys(keys_)?;
+        let c = self.ctx(ctx)?;
+        self.run(py, |m| {
+            if tier >= m.num_tiers() {
+                return Err(PyValueError::new_err(format!(
+                    "tier_idx {tier}: the manager has {} secondary tiers",
+                    m.num_tiers()
+                )));
+            }
+            let job = m.create_store_job(&ks, &c, tier).map_err(to_py)?;
+            let pj = self.shared.job(py, &job)?;
+            if let Some(t) = m.tier_mut::<PyTier>(tier) {
+                t.track(job.job_id, pj.clone().unbind());
+            }
+            Ok(pj)
+        })
+    }
+
+    /// `"chunk_level"` or `"request_level"`.
+    #[pyo3(signature = (ctx, exclude = None))]
+    fn on_new_request(&self, ctx: &Bound<'_, PyAny>, exclude: Option<usize>) -> PyResult<&'static str> {
+        let c = self.ctx(ctx)?;
+        let r = self.run(ctx.py(), |m| Ok(m.on_new_request_excluding(&c, exclude)))?;
+        Ok(scope_name(r.policy))
+    }
+
+    #[pyo3(signature = (ctx, exclude = None))]
+    fn on_request_finished(&self, ctx: &Bound<'_, PyAny>, exclude: Option<usize>) -> PyResult<()> {
+        let c = self.ctx(ctx)?;
+        let r = self.run(ctx.py(), |m| {
+            m.on_request_finished_excluding(&c, exclude).map_err(to_py)
+        });
+        self.shared.contexts.lock().forget(ctx);
+        r
+    }
+
+    /// `context`: vLLM's `ScheduleEndContext` (handed to Python tiers as it is).
+    fn on_schedule_end(&self, context: &Bound<'_, PyAny>) -> PyResult<()> {
+        let new_req_ids: Vec<String> = context.getattr("new_req_ids")?.try_iter()?.map(|r| r?.extract()).collect::<PyResult<_>>()?;
+        let preempted_req_ids: Vec<String> = context
+            .getattr("preempted_req_ids")?
+            .try_iter()?
+            .map(|r| r?.extract())
+            .collect::<PyResult<_>>()?;
+        let rust = ScheduleEndContext {
+            new_req_ids,
+            preempted_req_ids,
+        };
+        *self.shared.schedule_end.lock() = Some(context.clone().unbind());
+        let r = self.run(context.py(), |m| m.on_schedule_end(&rust).map_err(to_py));
+        *self.shared.schedule_end.lock() = None;
+        r
+    }
+
+    /// One tier-poll round over tiers `tiers` (vLLM's `poll_tiers`).
+    fn poll_round(&self, py: Python<'_>, tiers: Vec<usize>) -> PyResult<()> {
+        self.run(py, |m| {
+            m.poll_round(&tiers);
+            Ok(())
+        })
+    }
+
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, |m| Ok(m.has_pending_work()))
+    }
+
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| m.reset_cache().map_err(to_py))
+    }
+
+    fn on_reset_flushed(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| {
+            m.on_reset_flushed();
+            Ok(())
+        })
+    }
+
+    /// Where `key`'s hit loads from, as vLLM's `CacheHitSource` value.
+    fn get_load_source(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        let k = key(key_)?;
+        let c = self.ctx(ctx)?;
+        self.run(key_.py(), |m| Ok(hit_source_name(m.get_load_source(&k, &c))))
+    }
+
+    /// Events of tier `tier` (a kvbm tier's; Python tiers answer their own), as
+    /// `(keys, removed, removal_expected, metadata_only, medium, locality)`.
+    #[allow(clippy::type_complexity)]
+    fn take_tier_events<'py>(
+        &self,
+        py: Python<'py>,
+        tier: usize,
+    ) -> PyResult<Vec<(Bound<'py, PyList>, bool, bool, bool, &'static str, Option<&'static str>)>> {
+        let events = self.run(py, |m| {
+            Ok(m.tier_dyn_mut(tier).map(|t| t.take_events()).unwrap_or_default())
+        })?;
+        events
+            .into_iter()
+            .map(|e| {
+                Ok((
+                    key_list(py, &e.keys)?,
+                    e.removed,
+                    e.removal_expected,
+                    e.metadata_only,
+                    e.medium.name(),
+                    e.locality.map(|l| match l {
+                        Locality::Local => "LOCAL",
+                        Locality::Remote => "REMOTE",
+                    }),
+                ))
+            })
+            .collect()
+    }
+
+    /// The manager's metrics since the last call (the primary's, the manager's own, kvbm
+    /// tiers'; Python tiers' are the caller's to add), as [`CpuManager`]'s `stats`.
+    fn stats(&self, py: Python<'_>) -> PyResult<Option<StatsTriple>> {
+        self.run(py, |m| Ok(m.get_stats().map(triple)))
+    }
+
+    /// Stats labels: `0:primary`, then `<idx+1>:<tier_type>`.
+    fn labels(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.run(py, |m| Ok(m.labels().to_vec()))
+    }
+
+    /// Whether tier `i` is a Python tier.
+    fn is_python_tier(&self, i: usize) -> bool {
+        self.python.get(i).copied().unwrap_or(false)
+    }
+
+    /// Stops the tiers, then releases the primary; the first failure is raised after every
+    /// tier had its attempt.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| m.shutdown().map_err(to_py))
+    }
+
+    // ---- read-only views of vLLM's private state (its tests inspect it) ----
+
+    /// The once-per-step gate (`_processed_jobs_this_step`).
+    #[getter]
+    fn processed_this_step(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, |m| Ok(m.processed_this_step()))
+    }
+
+    #[setter]
+    fn set_processed_this_step(&self, py: Python<'_>, v: bool) -> PyResult<()> {
+        self.run(py, |m| {
+            m.set_processed_this_step(v);
+            Ok(())
+        })
+    }
+
+    #[getter]
+    fn promotions_held(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, |m| Ok(m.promotions_held()))
+    }
+
+    #[setter]
+    fn set_promotions_held(&self, py: Python<'_>, v: bool) -> PyResult<()> {
+        self.run(py, |m| {
+            m.set_promotions_held(v);
+            Ok(())
+        })
+    }
+
+    /// Polls every tier's finished jobs now (vLLM's `_process_finished_jobs`).
+    fn process_finished_jobs(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| {
+            m.poll_tiers();
+            Ok(())
+        })
+    }
+
+    /// `[(req_id, pending_primary_stores, is_finished, request_level_tiers, parked keys)]`.
+    #[allow(clippy::type_complexity)]
+    fn request_states<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(String, u32, bool, Vec<usize>, Bound<'py, PyList>)>> {
+        let states = self.run(py, |m| {
+            Ok(m.request_ids()
+                .into_iter()
+                .filter_map(|r| m.request_state(&r).map(|s| (r, s)))
+                .collect::<Vec<_>>())
+        })?;
+        states
+            .into_iter()
+            .map(|(r, (pending, finished, tiers, parked))| {
+                Ok((r, pending, finished, tiers, key_list(py, &parked)?))
+            })
+            .collect()
+    }
+
+    /// `[(job_id, tier, job)]`: a Python tier's jobs as the objects it was handed, a kvbm
+    /// tier's as new `TransferJob` copies.
+    fn jobs<'py>(&self, py: Python<'py>) -> PyResult<Vec<(JobId, usize, Py<PyAny>)>> {
+        self.run(py, |m| {
+            let mut out = Vec::new();
+            for (tier, job) in m.jobs() {
+                let obj = m
+                    .tier_mut::<PyTier>(tier)
+                    .and_then(|t| t.job_object(py, job.job_id));
+                let obj = match obj {
+                    Some(o) => o,
+                    None => self.shared.job(py, &job)?.unbind(),
+                };
+                out.push((job.job_id, tier, obj));
+            }
+            Ok(out)
+        })
+    }
+
+    /// `[(tier, req_id, req_context, keys, chunk_ids)]` of promotions staged this step.
+    #[allow(clippy::type_complexity)]
+    fn pending_promotions<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(usize, String, Bound<'py, PyAny>, Bound<'py, PyList>, Vec<i32>)>> {
+        let pending = self.run(py, |m| Ok(m.pending_promotions()))?;
+        pending
+            .into_iter()
+            .map(|(tier, ctx, ks, ids)| {
+                Ok((
+                    tier,
+                    ctx.req_id().to_string(),
+                    self.shared.py_ctx(py, &ctx)?,
+                    key_list(py, &ks)?,
+                    ids,
+                ))
+            })
+            .collect()
+    }
+
+    /// `[(req_id, [(key, CacheHitSource value)])]`.
+    #[allow(clippy::type_complexity)]
+    fn load_sources<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(String, Vec<(Bound<'py, pyo3::types::PyBytes>, &'static str)>)>> {
+        let sources = self.run(py, |m| Ok(m.load_sources()))?;
+        Ok(sources
+            .into_iter()
+            .map(|(r, ks)| {
+                (
+                    r,
+                    ks.into_iter()
+                        .map(|(k, s)| (pyo3::types::PyBytes::new(py, k.as_bytes()), hit_source_name(s)))
+                        .collect(),
+                )
+            })
+            .collect())
+    }
+}
