@@ -22,10 +22,13 @@ use anyhow::{Context, Result, bail};
 use crate::services::Services;
 use crate::{project_root, run_step};
 
-/// The classes kvbm substitutes in vLLM's tests today, and the test files that exercise them.
-/// The others stay vLLM's until kvbm-vllm builds them (the harness report says which).
-const KVBM_CLASSES: &str = "CPUOffloadingManager";
-const KVBM_FILES: &str = "cpu/test_manager.py,cpu/policies/test_factory.py";
+/// The classes kvbm substitutes in vLLM's tests (every manager class they construct), and the
+/// test files that exercise them (all six run files).
+const KVBM_CLASSES: &str =
+    "CPUOffloadingManager,CPUPrimaryTierOffloadingManager,TieringOffloadingManager";
+const KVBM_FILES: &str = "cpu/test_manager.py,cpu/policies/test_factory.py,\
+tiering/test_tiering_offloading.py,tiering/test_backpressure.py,\
+tiering/test_tier_poll_thread.py,test_factory.py";
 
 fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())

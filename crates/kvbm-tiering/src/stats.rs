@@ -1,8 +1,12 @@
 //! Metrics collected since the last `get_stats` (vLLM `OffloadingConnectorStats`): gauges,
 //! counters and histogram observations, each keyed by metric name and label values
-//! (tier labels like `0:primary`, `1:disk`).
+//! (tier labels like `0:primary`, `1:disk`). A metric with several label values (the
+//! promotion latency's tier and outcome) joins them with [`LABEL_SEP`] in its one label.
 
 use std::collections::BTreeMap;
+
+/// Separates the values of a metric with several labels (`1:disk` + `success`).
+pub const LABEL_SEP: char = '\u{1f}';
 
 /// Metric names (vLLM's Prometheus names).
 pub mod names {
@@ -45,6 +49,9 @@ pub mod names {
         "vllm:kv_offload_tiering_promotion_allocation_failures";
     /// In-flight promotion jobs.
     pub const ACTIVE_PROMOTION_JOBS: &str = "vllm:kv_offload_tiering_active_promotion_jobs";
+    /// Submission to completion of a promotion job (histogram, seconds; labels: tier and
+    /// `success` / `failure`).
+    pub const PROMOTION_LATENCY: &str = "vllm:kv_offload_tiering_promotion_latency_seconds";
     /// In-flight cascade jobs.
     pub const ACTIVE_CASCADE_JOBS: &str = "vllm:kv_offload_tiering_active_cascade_jobs";
     /// Backpressure EMA (s/MiB).

@@ -169,6 +169,11 @@ impl Core {
         }
     }
 
+    /// Whether this thread holds the lock (a call made from inside one of the manager's calls).
+    pub(crate) fn held_by_this_thread(&self) -> bool {
+        self.owner.load(Ordering::Acquire) == this_thread()
+    }
+
     /// Takes the lock: at once when free; else, unless this thread holds it (refused), waits
     /// with the GIL released.
     pub(crate) fn lock(&self, py: Python<'_>) -> PyResult<CoreGuard<'_>> {

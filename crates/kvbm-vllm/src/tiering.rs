@@ -69,6 +69,10 @@ pub(crate) struct Shared {
     make_request_context: Py<PyAny>,
     /// The Python `ScheduleEndContext` of the `on_schedule_end` in progress.
     schedule_end: Mutex<Option<Py<PyAny>>>,
+    /// Jobs of Python tiers submitted and not yet reported, as the tiers were handed them:
+    /// `job_id -> (tier, TransferJob)`. Kept outside the manager's lock so a tier may read
+    /// the manager's `_jobs` while one of its own methods runs (vLLM's tests do).
+    py_jobs: Mutex<std::collections::BTreeMap<JobId, (usize, Py<PyAny>)>>,
 }
 
 impl Shared {
@@ -284,37 +288,29 @@ impl Backpressure for PyBackpressure {
 /// A Python `SecondaryTierManager` under kvbm's tiering manager: see the [module docs](self).
 pub(crate) struct PyTier {
     obj: Py<PyAny>,
+    /// This tier's index in the manager.
+    index: usize,
     tier_type: String,
     medium: Option<Medium>,
     locality: Option<Locality>,
-    hit_source: CacheHitSource,
     block_size_bytes: usize,
-    /// Jobs submitted and not yet reported, as the tier was handed them.
-    jobs: HashMap<JobId, Py<PyAny>>,
     bp: PyBackpressure,
     shared: Arc<Shared>,
 }
 
 impl PyTier {
-    fn new(obj: &Bound<'_, PyAny>, shared: Arc<Shared>) -> PyResult<Self> {
+    fn new(obj: &Bound<'_, PyAny>, index: usize, shared: Arc<Shared>) -> PyResult<Self> {
         let tier_type: String = obj.getattr("tier_type")?.extract()?;
         let medium = enum_value(obj, "medium")?.and_then(|m| Medium::parse(&m));
         let locality = enum_value(obj, "locality")?.and_then(|l| Locality::parse(&l));
-        let hit_source = match enum_value(obj, "cache_hit_source")?.as_deref() {
-            Some("host") => CacheHitSource::Host,
-            Some("p2p") => CacheHitSource::P2p,
-            Some("disk") => CacheHitSource::Disk,
-            _ => CacheHitSource::ExternalUnspecified,
-        };
         let block_size_bytes: usize = obj.getattr("block_size_bytes")?.extract()?;
         Ok(Self {
             obj: obj.clone().unbind(),
+            index,
             tier_type,
             medium,
             locality,
-            hit_source,
             block_size_bytes,
-            jobs: HashMap::new(),
             bp: PyBackpressure {
                 detector: None,
                 finished: HashMap::new(),
@@ -346,19 +342,14 @@ impl PyTier {
                 Ok(j) => j,
                 Err(e) => return self.shared.keep(e),
             };
-            self.jobs.insert(job.job_id, pj.clone().unbind());
+            self.track(job.job_id, pj.clone().unbind());
             self.call(py, method, (pj,));
         });
     }
 
-    /// The Python job of a tracked job (for the manager's `_jobs` view).
-    pub(crate) fn job_object(&self, py: Python<'_>, id: JobId) -> Option<Py<PyAny>> {
-        self.jobs.get(&id).map(|j| j.clone_ref(py))
-    }
-
-    /// Tracks a job the manager made for this tier outside `submit_*` (`create_store_job`).
+    /// Tracks a job handed to this tier (by `submit_*` or made by `create_store_job`).
     pub(crate) fn track(&mut self, id: JobId, job: Py<PyAny>) {
-        self.jobs.insert(id, job);
+        self.shared.py_jobs.lock().insert(id, (self.index, job));
     }
 
     fn finished(&mut self, py: Python<'_>, r: &Bound<'_, PyAny>) -> PyResult<JobResult> {
@@ -368,7 +359,8 @@ impl PyTier {
         let successful_keys = if sk.is_none() { None } else { Some(keys(&sk)?) };
         let transfer_time: Option<f64> = r.getattr("transfer_time")?.extract()?;
         let transfer_bytes: Option<u64> = r.getattr("transfer_bytes")?.extract()?;
-        if let Some(j) = self.jobs.remove(&job_id) {
+        let tracked = self.shared.py_jobs.lock().remove(&job_id);
+        if let Some((_, j)) = tracked {
             let is_promotion: bool = j.bind(py).getattr("is_promotion")?.is_truthy()?;
             if !is_promotion {
                 self.bp.finished.insert(job_id, j);
@@ -394,8 +386,22 @@ impl SecondaryTierManager for PyTier {
     fn locality(&self) -> Option<Locality> {
         self.locality
     }
+    /// Read at each promotion, as vLLM does (a class attribute may change meanwhile).
     fn cache_hit_source(&self) -> CacheHitSource {
-        self.hit_source
+        Python::attach(|py| {
+            match enum_value(self.obj.bind(py), "cache_hit_source") {
+                Ok(v) => match v.as_deref() {
+                    Some("host") => CacheHitSource::Host,
+                    Some("p2p") => CacheHitSource::P2p,
+                    Some("disk") => CacheHitSource::Disk,
+                    _ => CacheHitSource::ExternalUnspecified,
+                },
+                Err(e) => {
+                    self.shared.keep(e);
+                    CacheHitSource::ExternalUnspecified
+                }
+            }
+        })
     }
     fn block_size_bytes(&self) -> usize {
         self.block_size_bytes
@@ -552,7 +558,7 @@ impl SecondaryTierManager for PyTier {
             let h = handle.borrow();
             h.ptr.set(None);
             for (id, job) in h.created.borrow_mut().drain(..) {
-                self.jobs.insert(id, job);
+                self.track(id, job);
             }
         });
     }
@@ -702,16 +708,17 @@ impl TieringManager {
             make_job,
             make_request_context,
             schedule_end: Mutex::new(None),
+            py_jobs: Mutex::new(Default::default()),
         });
         let mut boxed: Vec<Box<dyn SecondaryTierManager>> = Vec::with_capacity(tiers.len());
         let mut python = Vec::with_capacity(tiers.len());
-        for t in tiers.iter() {
+        for (i, t) in tiers.iter().enumerate() {
             if let Ok(st) = t.cast::<StorageTier>() {
                 let tier = st.borrow_mut().lend()?;
                 boxed.push(tier);
                 python.push(false);
             } else {
-                boxed.push(Box::new(PyTier::new(&t, shared.clone())?));
+                boxed.push(Box::new(PyTier::new(&t, i, shared.clone())?));
                 python.push(true);
             }
         }
@@ -841,8 +848,11 @@ impl TieringManager {
             }
             let job = m.create_store_job(&ks, &c, tier).map_err(to_py)?;
             let pj = self.shared.job(py, &job)?;
-            if let Some(t) = m.tier_mut::<PyTier>(tier) {
-                t.track(job.job_id, pj.clone().unbind());
+            if self.python.get(tier).copied().unwrap_or(false) {
+                self.shared
+                    .py_jobs
+                    .lock()
+                    .insert(job.job_id, (tier, pj.clone().unbind()));
             }
             Ok(pj)
         })
@@ -1023,15 +1033,28 @@ impl TieringManager {
     }
 
     /// `[(job_id, tier, job)]`: a Python tier's jobs as the objects it was handed, a kvbm
-    /// tier's as new `TransferJob` copies.
+    /// tier's as new `TransferJob` copies. Called from inside a call of this manager (a tier's
+    /// method reading `_jobs`), it answers the Python tiers' jobs, which is all a tier can see.
     fn jobs<'py>(&self, py: Python<'py>) -> PyResult<Vec<(JobId, usize, Py<PyAny>)>> {
+        if self.core.held_by_this_thread() {
+            return Ok(self
+                .shared
+                .py_jobs
+                .lock()
+                .iter()
+                .map(|(id, (tier, j))| (*id, *tier, j.clone_ref(py)))
+                .collect());
+        }
         self.run(py, |m| {
             let mut out = Vec::new();
             for (tier, job) in m.jobs() {
-                let obj = m
-                    .tier_mut::<PyTier>(tier)
-                    .and_then(|t| t.job_object(py, job.job_id));
-                let obj = match obj {
+                let tracked = self
+                    .shared
+                    .py_jobs
+                    .lock()
+                    .get(&job.job_id)
+                    .map(|(_, j)| j.clone_ref(py));
+                let obj = match tracked {
                     Some(o) => o,
                     None => self.shared.job(py, &job)?.unbind(),
                 };

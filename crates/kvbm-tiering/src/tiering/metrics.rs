@@ -115,6 +115,15 @@ impl Metrics {
 
     pub(crate) fn on_job_finished(&mut self, tier: usize, job: &TierJob, r: &JobResult) {
         let label = self.labels[tier + 1].clone();
+        if job.is_promotion {
+            // vLLM 0.33: from submission (so tier queueing counts), failures included.
+            let outcome = if r.success { "success" } else { "failure" };
+            self.stats.observe_histogram(
+                names::PROMOTION_LATENCY,
+                Some(&format!("{label}{}{outcome}", crate::stats::LABEL_SEP)),
+                job.submit_time.elapsed().as_secs_f64(),
+            );
+        }
         let mut count = job.keys.len();
         let mut record = true;
         if !r.success {

@@ -131,6 +131,12 @@ class _LruView(LRUCachePolicy):
     def chunks(self):
         return _chunks(self._rs.entries())
 
+    @property
+    def _ranks(self):
+        """Each resident key's eviction rank (lower: evicted sooner), as vLLM's ``_ranks``
+        orders them; the values are positions, comparable only with each other."""
+        return {k: (i, 0) for i, (k, _slot, _refs) in enumerate(self._rs.entries())}
+
     def get(self, key):
         e = self._rs.chunk(key)
         return None if e is None else _chunk(e[1], e[2])
@@ -181,16 +187,24 @@ def _stats(rs) -> OffloadingConnectorStats:
     return _stats_of(rs.stats())
 
 
+#: kvbm-tiering joins the values of a metric with several labels with this character.
+_LABEL_SEP = "\x1f"
+
+
+def _labels(label) -> tuple:
+    return tuple(label.split(_LABEL_SEP)) if label else ()
+
+
 def _stats_of(triple) -> OffloadingConnectorStats:
     stats = OffloadingConnectorStats()
     gauges, counters, histograms = triple
     for name, label, value in gauges:
-        stats.set_gauge(name, value, (label,) if label else ())
+        stats.set_gauge(name, value, _labels(label))
     for name, label, values in histograms:
         for v in values:
-            stats.observe_histogram(name, v, (label,) if label else ())
+            stats.observe_histogram(name, v, _labels(label))
     for name, label, value in counters:
-        stats.increase_counter(name, value, (label,) if label else ())
+        stats.increase_counter(name, value, _labels(label))
     return stats
 
 
