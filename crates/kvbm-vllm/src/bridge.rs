@@ -81,8 +81,7 @@ struct PyOrigin(Arc<Py<PyAny>>);
 
 /// The Python `ReqContext` of `ctx`, if it was made from one.
 pub(crate) fn origin<'py>(py: Python<'py>, ctx: &ReqContext) -> Option<Bound<'py, PyAny>> {
-    ctx.get_state::<PyOrigin>()
-        .map(|o| o.0.bind(py).clone())
+    ctx.get_state::<PyOrigin>().map(|o| o.0.bind(py).clone())
 }
 
 /// vLLM's `TierFilter` (`load_tier_filter`) as kvbm-tiering's.

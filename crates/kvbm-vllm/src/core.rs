@@ -36,7 +36,7 @@ use pyo3::prelude::*;
 /// What a [`Core`] holds.
 pub(crate) enum Inner {
     /// A CPU manager on its own (vLLM's `CPUOffloadingManager`).
-    Cpu(CpuOffloadingManager),
+    Cpu(Box<CpuOffloadingManager>),
     /// A primary tier over vLLM's region, not yet under a tiering manager.
     Primary(Box<CpuPrimaryTier>),
     /// A tiering manager, the primary inside it.
@@ -102,7 +102,10 @@ pub(crate) type StatsTriple = (
 pub(crate) fn triple(s: kvbm_tiering::OffloadingConnectorStats) -> StatsTriple {
     (
         s.gauges.into_iter().map(|((n, l), v)| (n, l, v)).collect(),
-        s.counters.into_iter().map(|((n, l), v)| (n, l, v)).collect(),
+        s.counters
+            .into_iter()
+            .map(|((n, l), v)| (n, l, v))
+            .collect(),
         s.histograms
             .into_iter()
             .map(|((n, l), v)| (n, l, v))
@@ -111,7 +114,9 @@ pub(crate) fn triple(s: kvbm_tiering::OffloadingConnectorStats) -> StatsTriple {
 }
 
 fn moved() -> PyErr {
-    PyRuntimeError::new_err("the kvbm manager's state was lost when building a tiering manager failed")
+    PyRuntimeError::new_err(
+        "the kvbm manager's state was lost when building a tiering manager failed",
+    )
 }
 
 thread_local! {

@@ -100,14 +100,14 @@ fn entry<'py>(
     k: &OffloadKey,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let (slot, refs) = m.chunk(k).unwrap_or((0, 0));
-        PyTuple::new(
-            py,
-            [
-                pyo3::types::PyBytes::new(py, k.as_bytes()).into_any(),
-                slot.into_pyobject(py)?.into_any(),
-                refs.into_pyobject(py)?.into_any(),
-            ],
-        )
+    PyTuple::new(
+        py,
+        [
+            pyo3::types::PyBytes::new(py, k.as_bytes()).into_any(),
+            slot.into_pyobject(py)?.into_any(),
+            refs.into_pyobject(py)?.into_any(),
+        ],
+    )
 }
 
 #[pymethods]
@@ -132,7 +132,9 @@ impl CpuManager {
             max_tracker_size,
         )?;
         Ok(Self {
-            core: Arc::new(Core::new(Inner::Cpu(CpuOffloadingManager::new(config)))),
+            core: Arc::new(Core::new(Inner::Cpu(Box::new(CpuOffloadingManager::new(
+                config,
+            ))))),
             contexts: Arc::default(),
             results: Arc::new(LookupMembers::from_tuple(lookup_results)?),
         })
@@ -199,13 +201,21 @@ impl CpuManager {
     fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
-        self.core.lock(keys_.py())?.cpu()?.touch(&ks, &c).map_err(to_py)
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .touch(&ks, &c)
+            .map_err(to_py)
     }
 
     fn complete_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
-        self.core.lock(keys_.py())?.cpu()?.complete_load(&ks, &c).map_err(to_py)
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .complete_load(&ks, &c)
+            .map_err(to_py)
     }
 
     /// `None` when the store cannot be placed, else `(keys_to_store, chunk_ids, evicted_keys)`.
@@ -217,7 +227,12 @@ impl CpuManager {
         let py = keys_.py();
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
-        let out = self.core.lock(py)?.cpu()?.prepare_store(&ks, &c).map_err(to_py)?;
+        let out = self
+            .core
+            .lock(py)?
+            .cpu()?
+            .prepare_store(&ks, &c)
+            .map_err(to_py)?;
         let Some(out) = out else {
             return Ok(None);
         };

@@ -40,17 +40,19 @@ use std::cell::{Cell, RefCell};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use std::collections::HashMap;
-use kvbm_tiering::tiering::{Backpressure, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob};
+use kvbm_tiering::tiering::{
+    Backpressure, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob,
+};
 use kvbm_tiering::{
     CacheHitSource, Locality, LookupResult, Medium, OffloadKey, OffloadScope, OffloadingManager,
     ReqContext, RequestOffloadingContext, ScheduleEndContext, TieringError, UpstreamFixes,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
-use pyo3::intern;
+use std::collections::HashMap;
 
 use crate::bridge::{Contexts, key, key_list, keys, origin, to_py};
 use crate::core::{Inner, StatsTriple, triple};
@@ -140,7 +142,9 @@ fn scope_of(policy: &Bound<'_, PyAny>) -> PyResult<OffloadScope> {
     match value.as_str() {
         "chunk_level" => Ok(OffloadScope::ChunkLevel),
         "request_level" => Ok(OffloadScope::RequestLevel),
-        other => Err(PyValueError::new_err(format!("unknown OffloadPolicy {other:?}"))),
+        other => Err(PyValueError::new_err(format!(
+            "unknown OffloadPolicy {other:?}"
+        ))),
     }
 }
 
@@ -388,8 +392,8 @@ impl SecondaryTierManager for PyTier {
     }
     /// Read at each promotion, as vLLM does (a class attribute may change meanwhile).
     fn cache_hit_source(&self) -> CacheHitSource {
-        Python::attach(|py| {
-            match enum_value(self.obj.bind(py), "cache_hit_source") {
+        Python::attach(
+            |py| match enum_value(self.obj.bind(py), "cache_hit_source") {
                 Ok(v) => match v.as_deref() {
                     Some("host") => CacheHitSource::Host,
                     Some("p2p") => CacheHitSource::P2p,
@@ -400,8 +404,8 @@ impl SecondaryTierManager for PyTier {
                     self.shared.keep(e);
                     CacheHitSource::ExternalUnspecified
                 }
-            }
-        })
+            },
+        )
     }
     fn block_size_bytes(&self) -> usize {
         self.block_size_bytes
@@ -417,7 +421,10 @@ impl SecondaryTierManager for PyTier {
             }
         });
         self.bp.detector = d;
-        self.bp.detector.is_some().then_some(&mut self.bp as &mut dyn Backpressure)
+        self.bp
+            .detector
+            .is_some()
+            .then_some(&mut self.bp as &mut dyn Backpressure)
     }
 
     fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult {
@@ -511,7 +518,8 @@ impl SecondaryTierManager for PyTier {
 
     fn touch(&mut self, keys: &[OffloadKey], req_context: &ReqContext) {
         Python::attach(|py| {
-            let args = key_list(py, keys).and_then(|k| Ok((k, self.shared.py_ctx(py, req_context)?)));
+            let args =
+                key_list(py, keys).and_then(|k| Ok((k, self.shared.py_ctx(py, req_context)?)));
             match args {
                 Ok(args) => {
                     self.call(py, "touch", args);
@@ -530,7 +538,12 @@ impl SecondaryTierManager for PyTier {
 
     fn on_schedule_end(&mut self, _context: &ScheduleEndContext) {
         Python::attach(|py| {
-            let ctx = self.shared.schedule_end.lock().as_ref().map(|c| c.clone_ref(py));
+            let ctx = self
+                .shared
+                .schedule_end
+                .lock()
+                .as_ref()
+                .map(|c| c.clone_ref(py));
             if let Some(ctx) = ctx {
                 self.call(py, "on_schedule_end", (ctx,));
             }
@@ -539,11 +552,11 @@ impl SecondaryTierManager for PyTier {
 
     fn serve_external_requests(&mut self, parent: &mut dyn ParentManager) {
         Python::attach(|py| {
-            // SAFETY: the pointer is only dereferenced by `Parent`'s methods while `ptr` is
-            // set, which is from here until `clear` below, within this call, while `parent` is
-            // borrowed mutably by us and used by nothing else; `Parent` is unsendable, so no
-            // other thread can reach it.
             let raw: *mut (dyn ParentManager + '_) = parent;
+            // SAFETY: only the trait object's lifetime bound is erased. The pointer is
+            // dereferenced only by `Parent::with` while `ptr` is set: from here until it is
+            // cleared below, before this call returns, while `parent` is borrowed mutably by us
+            // and used by nothing else; `Parent` is unsendable, so no other thread reaches it.
             let raw: *mut (dyn ParentManager + 'static) = unsafe { std::mem::transmute(raw) };
             let handle = Parent {
                 ptr: Cell::new(NonNull::new(raw)),
@@ -714,8 +727,7 @@ impl TieringManager {
         let mut python = Vec::with_capacity(tiers.len());
         for (i, t) in tiers.iter().enumerate() {
             if let Ok(st) = t.cast::<StorageTier>() {
-                let tier = st.borrow_mut().lend()?;
-                boxed.push(tier);
+                boxed.push(Box::new(StorageTier::share(st)?));
                 python.push(false);
             } else {
                 boxed.push(Box::new(PyTier::new(&t, i, shared.clone())?));
@@ -825,7 +837,9 @@ impl TieringManager {
     ) -> PyResult<()> {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
-        self.run(keys_.py(), |m| m.complete_store(&ks, &c, success).map_err(to_py))
+        self.run(keys_.py(), |m| {
+            m.complete_store(&ks, &c, success).map_err(to_py)
+        })
     }
 
     /// vLLM's `create_store_job(keys, req_context, tier_idx)`: pins the chunks and registers a
@@ -860,7 +874,11 @@ impl TieringManager {
 
     /// `"chunk_level"` or `"request_level"`.
     #[pyo3(signature = (ctx, exclude = None))]
-    fn on_new_request(&self, ctx: &Bound<'_, PyAny>, exclude: Option<usize>) -> PyResult<&'static str> {
+    fn on_new_request(
+        &self,
+        ctx: &Bound<'_, PyAny>,
+        exclude: Option<usize>,
+    ) -> PyResult<&'static str> {
         let c = self.ctx(ctx)?;
         let r = self.run(ctx.py(), |m| Ok(m.on_new_request_excluding(&c, exclude)))?;
         Ok(scope_name(r.policy))
@@ -878,7 +896,11 @@ impl TieringManager {
 
     /// `context`: vLLM's `ScheduleEndContext` (handed to Python tiers as it is).
     fn on_schedule_end(&self, context: &Bound<'_, PyAny>) -> PyResult<()> {
-        let new_req_ids: Vec<String> = context.getattr("new_req_ids")?.try_iter()?.map(|r| r?.extract()).collect::<PyResult<_>>()?;
+        let new_req_ids: Vec<String> = context
+            .getattr("new_req_ids")?
+            .try_iter()?
+            .map(|r| r?.extract())
+            .collect::<PyResult<_>>()?;
         let preempted_req_ids: Vec<String> = context
             .getattr("preempted_req_ids")?
             .try_iter()?
@@ -918,10 +940,16 @@ impl TieringManager {
     }
 
     /// Where `key`'s hit loads from, as vLLM's `CacheHitSource` value.
-    fn get_load_source(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+    fn get_load_source(
+        &self,
+        key_: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<&'static str> {
         let k = key(key_)?;
         let c = self.ctx(ctx)?;
-        self.run(key_.py(), |m| Ok(hit_source_name(m.get_load_source(&k, &c))))
+        self.run(key_.py(), |m| {
+            Ok(hit_source_name(m.get_load_source(&k, &c)))
+        })
     }
 
     /// Events of tier `tier` (a kvbm tier's; Python tiers answer their own), as
@@ -931,9 +959,20 @@ impl TieringManager {
         &self,
         py: Python<'py>,
         tier: usize,
-    ) -> PyResult<Vec<(Bound<'py, PyList>, bool, bool, bool, &'static str, Option<&'static str>)>> {
+    ) -> PyResult<
+        Vec<(
+            Bound<'py, PyList>,
+            bool,
+            bool,
+            bool,
+            &'static str,
+            Option<&'static str>,
+        )>,
+    > {
         let events = self.run(py, |m| {
-            Ok(m.tier_dyn_mut(tier).map(|t| t.take_events()).unwrap_or_default())
+            Ok(m.tier_dyn_mut(tier)
+                .map(|t| t.take_events())
+                .unwrap_or_default())
         })?;
         events
             .into_iter()
@@ -1069,7 +1108,15 @@ impl TieringManager {
     fn pending_promotions<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<Vec<(usize, String, Bound<'py, PyAny>, Bound<'py, PyList>, Vec<i32>)>> {
+    ) -> PyResult<
+        Vec<(
+            usize,
+            String,
+            Bound<'py, PyAny>,
+            Bound<'py, PyList>,
+            Vec<i32>,
+        )>,
+    > {
         let pending = self.run(py, |m| Ok(m.pending_promotions()))?;
         pending
             .into_iter()
@@ -1090,7 +1137,12 @@ impl TieringManager {
     fn load_sources<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<Vec<(String, Vec<(Bound<'py, pyo3::types::PyBytes>, &'static str)>)>> {
+    ) -> PyResult<
+        Vec<(
+            String,
+            Vec<(Bound<'py, pyo3::types::PyBytes>, &'static str)>,
+        )>,
+    > {
         let sources = self.run(py, |m| Ok(m.load_sources()))?;
         Ok(sources
             .into_iter()
@@ -1098,7 +1150,12 @@ impl TieringManager {
                 (
                     r,
                     ks.into_iter()
-                        .map(|(k, s)| (pyo3::types::PyBytes::new(py, k.as_bytes()), hit_source_name(s)))
+                        .map(|(k, s)| {
+                            (
+                                pyo3::types::PyBytes::new(py, k.as_bytes()),
+                                hit_source_name(s),
+                            )
+                        })
                         .collect(),
                 )
             })

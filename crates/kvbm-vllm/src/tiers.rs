@@ -34,9 +34,11 @@ use std::time::Instant;
 use kvbm_physical::{
     DiskConfig, HostStorage, ObjectConfig, ObjectStorage, S3Config, TransferManager,
 };
+use kvbm_tiering::tiering::Backpressure;
 use kvbm_tiering::{
-    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, ObjectProbe,
-    ObjectTier as RustObjectTier, OffloadScope, PhysicalTier, SecondaryTierManager, TierJob,
+    CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, LookupResult,
+    ObjectProbe, ObjectTier as RustObjectTier, OffloadKey, OffloadScope, PhysicalTier, ReqContext,
+    RequestOffloadingContext, SecondaryTierManager, TierJob,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -89,49 +91,47 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<CpuPr
     .map_err(to_py)
 }
 
+/// A running tier and the registration of vLLM's region it moves bytes from and to.
+struct Live {
+    tier: AnyTier,
+    /// Holds the region's buffer export; dropped with the tier at shutdown, so vLLM can
+    /// unmap its region.
+    primary: CpuPrimaryTier,
+}
+
+/// The tier itself, shared by its Python object and (when kvbm's tiering manager drives it)
+/// that manager's [`SharedTier`]; `None` after `shutdown`. Locked for one tier call at a
+/// time, never across a call into Python.
+type TierSlot = Arc<parking_lot::Mutex<Option<Live>>>;
+
 /// kvbm's disk or object tier for vLLM's tiering manager: see the [module docs](self).
 #[pyclass(module = "kvbm_vllm._kvbm")]
 pub(crate) struct StorageTier {
-    /// `None` after `shutdown`. The mutex only makes the class `Sync` for PyO3 (the tier's
-    /// in-flight moves are `Send` futures); every method takes `&mut self`, PyO3's exclusive
-    /// borrow, and reaches it with `get_mut`, never locking.
-    tier: std::sync::Mutex<Option<AnyTier>>,
-    /// Holds the primary's registration (and so the region) as long as the tier lives.
-    _primary: CpuPrimaryTier,
+    tier: TierSlot,
     contexts: Contexts,
     results: LookupMembers,
     finished: Vec<JobResult>,
-    /// Whether the tier was lent to kvbm's tiering manager.
-    lent: bool,
 }
 
 impl StorageTier {
-    fn slot(&mut self) -> &mut Option<AnyTier> {
-        self.tier.get_mut().unwrap_or_else(|e| e.into_inner())
+    fn tier(&self) -> PyResult<parking_lot::MappedMutexGuard<'_, AnyTier>> {
+        parking_lot::MutexGuard::try_map(self.tier.lock(), |t| t.as_mut().map(|l| &mut l.tier))
+            .map_err(|_| PyRuntimeError::new_err("the kvbm tier is shut down"))
     }
+}
 
-    fn tier(&mut self) -> PyResult<&mut AnyTier> {
-        let lent = self.lent;
-        self.slot().as_mut().ok_or_else(|| {
-            PyRuntimeError::new_err(if lent {
-                "the kvbm tier is driven by kvbm's tiering manager; call the manager"
-            } else {
-                "the kvbm tier is shut down"
-            })
+impl StorageTier {
+    /// The tier for kvbm's tiering manager to drive in Rust ([`SharedTier`]); this object
+    /// keeps reaching the same tier.
+    pub(crate) fn share(this: &Bound<'_, StorageTier>) -> PyResult<SharedTier> {
+        let me = this.borrow();
+        let tier_type = me.tier()?.tier_type().to_string();
+        Ok(SharedTier {
+            slot: me.tier.clone(),
+            tier_type,
+            bp: SharedBackpressure(me.tier.clone()),
+            _owner: this.clone().unbind(),
         })
-    }
-}
-
-impl StorageTier {
-    /// Hands the tier to kvbm's tiering manager (which then drives it in Rust); this object
-    /// answers every later call with an error saying so.
-    pub(crate) fn lend(&mut self) -> PyResult<Box<dyn SecondaryTierManager>> {
-        let tier = self
-            .slot()
-            .take()
-            .ok_or_else(|| PyRuntimeError::new_err("the kvbm tier is shut down or already lent"))?;
-        self.lent = true;
-        Ok(tier)
     }
 
     fn over(
@@ -140,12 +140,10 @@ impl StorageTier {
         lookup_results: &Bound<'_, PyTuple>,
     ) -> PyResult<Self> {
         Ok(Self {
-            tier: std::sync::Mutex::new(Some(tier)),
-            _primary: primary,
+            tier: Arc::new(parking_lot::Mutex::new(Some(Live { tier, primary }))),
             contexts: Contexts::default(),
             results: LookupMembers::from_tuple(lookup_results)?,
             finished: Vec::new(),
-            lent: false,
         })
     }
 }
@@ -278,7 +276,11 @@ impl StorageTier {
                 chunk_ids.len()
             )));
         }
-        let num_chunks = self._primary.manager().num_chunks() as i64;
+        let num_chunks = self
+            .tier
+            .lock()
+            .as_ref()
+            .map_or(0, |l| l.primary.manager().num_chunks()) as i64;
         if let Some(bad) = chunk_ids.iter().find(|&&c| c < 0 || c >= num_chunks) {
             return Err(PyValueError::new_err(format!(
                 "job {job_id}: chunk id {bad} outside the primary region's {num_chunks} chunks"
@@ -293,7 +295,7 @@ impl StorageTier {
             req_context: c,
             submit_time: Instant::now(),
         });
-        let tier = self.tier()?;
+        let mut tier = self.tier()?;
         if is_promotion {
             tier.submit_load(job);
         } else {
@@ -333,17 +335,19 @@ impl StorageTier {
     /// Blocks until every submitted job finished (they are then reported by
     /// `get_finished_jobs`). Releases the GIL while waiting.
     fn drain_jobs(&mut self, py: Python<'_>) -> PyResult<()> {
-        let mut tier = self
-            .slot()
-            .take()
-            .ok_or_else(|| PyRuntimeError::new_err("the kvbm tier is shut down"))?;
-        let r = py.detach(|| tier.drain_jobs());
-        *self.slot() = Some(tier);
-        r.map_err(to_py)
+        let slot = self.tier.clone();
+        let r = py.detach(move || slot.lock().as_mut().map(|l| l.tier.drain_jobs()));
+        match r {
+            None => Err(PyRuntimeError::new_err("the kvbm tier is shut down")),
+            Some(r) => r.map_err(to_py),
+        }
     }
 
     fn has_pending_work(&mut self) -> bool {
-        self.slot().as_ref().is_some_and(|t| t.has_pending_work())
+        self.tier
+            .lock()
+            .as_ref()
+            .is_some_and(|l| l.tier.has_pending_work())
     }
 
     /// `"chunk_level"` or `"request_level"`.
@@ -371,7 +375,8 @@ impl StorageTier {
 
     /// Chunks written and ready on disk.
     fn num_ready(&mut self) -> usize {
-        let Some(t) = self.slot().as_mut() else {
+        let mut slot = self.tier.lock();
+        let Some(t) = slot.as_mut().map(|l| &mut l.tier) else {
             return 0;
         };
         let any = t.as_any_mut();
@@ -385,7 +390,7 @@ impl StorageTier {
     /// A probe of the object store (`kvbm_object` only), for a thread other than the
     /// scheduler's: see [`Probe`].
     fn object_probe(&mut self) -> PyResult<Probe> {
-        let t = self.tier()?;
+        let mut t = self.tier()?;
         let Some(o) = t.as_any_mut().downcast_ref::<RustObjectTier>() else {
             return Err(PyValueError::new_err(
                 "only an object tier has an object probe",
@@ -408,7 +413,7 @@ impl StorageTier {
     /// instance wrote it); whether it is Ready now.
     fn adopt(&mut self, key_: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = key(key_)?;
-        let t = self.tier()?;
+        let mut t = self.tier()?;
         match t.as_any_mut().downcast_mut::<RustObjectTier>() {
             Some(o) => Ok(o.adopt(&k)),
             None => Err(PyValueError::new_err("only an object tier adopts keys")),
@@ -417,7 +422,12 @@ impl StorageTier {
 
     /// Waits for every job, then releases the file and vLLM's region. Idempotent.
     fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
-        if let Some(mut tier) = self.slot().take() {
+        let taken = self.tier.lock().take();
+        if let Some(Live {
+            mut tier,
+            primary: _region,
+        }) = taken
+        {
             let r = py.detach(|| tier.shutdown());
             // Jobs drained by the shutdown are still reported.
             tier.get_finished_jobs(&mut self.finished);
@@ -445,5 +455,141 @@ impl Probe {
         let (probe, rt) = (self.probe.clone(), self.rt.clone());
         py.detach(move || rt.block_on(probe.present(&k)))
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+}
+
+/// A kvbm tier driven by kvbm's tiering manager in Rust while its Python object
+/// ([`StorageTier`]) keeps reaching it: each call locks the shared slot for that call only.
+/// A tier that was shut down answers as an empty tier (misses, no jobs).
+pub(crate) struct SharedTier {
+    slot: TierSlot,
+    tier_type: String,
+    bp: SharedBackpressure,
+    /// Keeps the Python object, and with it the primary region's registration, alive.
+    _owner: Py<StorageTier>,
+}
+
+impl SharedTier {
+    fn with<R>(&self, idle: R, f: impl FnOnce(&mut AnyTier) -> R) -> R {
+        match self.slot.lock().as_mut() {
+            Some(l) => f(&mut l.tier),
+            None => idle,
+        }
+    }
+}
+
+impl SecondaryTierManager for SharedTier {
+    fn tier_type(&self) -> &str {
+        &self.tier_type
+    }
+    fn medium(&self) -> Option<kvbm_tiering::Medium> {
+        self.with(None, |t| t.medium())
+    }
+    fn locality(&self) -> Option<kvbm_tiering::Locality> {
+        self.with(None, |t| t.locality())
+    }
+    fn cache_hit_source(&self) -> kvbm_tiering::CacheHitSource {
+        self.with(kvbm_tiering::CacheHitSource::ExternalUnspecified, |t| {
+            t.cache_hit_source()
+        })
+    }
+    fn block_size_bytes(&self) -> usize {
+        self.with(0, |t| t.block_size_bytes())
+    }
+    fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
+        let has = self.with(false, |t| t.bp_detector().is_some());
+        has.then_some(&mut self.bp as &mut dyn Backpressure)
+    }
+    fn lookup(&mut self, key: &OffloadKey, ctx: &ReqContext) -> LookupResult {
+        self.with(LookupResult::Miss, |t| t.lookup(key, ctx))
+    }
+    fn submit_store(&mut self, job: Arc<TierJob>) {
+        self.with((), |t| t.submit_store(job));
+    }
+    fn submit_load(&mut self, job: Arc<TierJob>) {
+        self.with((), |t| t.submit_load(job));
+    }
+    fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
+        self.with((), |t| t.get_finished_jobs(out));
+    }
+    fn drain_jobs(&mut self) -> kvbm_tiering::Result<()> {
+        self.with(Ok(()), |t| t.drain_jobs())
+    }
+    fn on_new_request(&mut self, ctx: &ReqContext) -> RequestOffloadingContext {
+        self.with(RequestOffloadingContext::default(), |t| {
+            t.on_new_request(ctx)
+        })
+    }
+    fn on_request_finished(&mut self, ctx: &ReqContext) {
+        self.with((), |t| t.on_request_finished(ctx));
+    }
+    fn touch(&mut self, keys: &[OffloadKey], ctx: &ReqContext) {
+        self.with((), |t| t.touch(keys, ctx));
+    }
+    fn take_events(&mut self) -> Vec<kvbm_tiering::OffloadingEvent> {
+        self.with(Vec::new(), |t| t.take_events())
+    }
+    fn has_pending_work(&self) -> bool {
+        self.with(false, |t| t.has_pending_work())
+    }
+    fn on_schedule_end(&mut self, context: &kvbm_tiering::ScheduleEndContext) {
+        self.with((), |t| t.on_schedule_end(context));
+    }
+    fn shutdown(&mut self) -> kvbm_tiering::Result<()> {
+        // The Python object shuts the tier down (it also reports the drained jobs); the
+        // manager's shutdown stops it here the same way, once.
+        let taken = self.slot.lock().take();
+        match taken {
+            // The region's registration goes with the tier, after it stopped.
+            Some(Live { mut tier, primary }) => {
+                let r = tier.shutdown();
+                drop(tier);
+                drop(primary);
+                r
+            }
+            None => Ok(()),
+        }
+    }
+    fn get_stats(&mut self) -> Option<kvbm_tiering::OffloadingConnectorStats> {
+        self.with(None, |t| t.get_stats())
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// The shared tier's back-pressure detector, reached through the slot for each call.
+struct SharedBackpressure(TierSlot);
+
+impl SharedBackpressure {
+    fn with<R>(&self, idle: R, f: impl FnOnce(&mut dyn Backpressure) -> R) -> R {
+        match self.0.lock().as_mut().and_then(|l| l.tier.bp_detector()) {
+            Some(d) => f(d),
+            None => idle,
+        }
+    }
+}
+
+impl Backpressure for SharedBackpressure {
+    fn should_store(&mut self, num_blocks: usize) -> bool {
+        self.with(true, |d| d.should_store(num_blocks))
+    }
+    fn on_store_completed(&mut self, job: &TierJob, num_bytes: u64) {
+        self.with((), |d| d.on_store_completed(job, num_bytes));
+    }
+    fn on_store_failed(&mut self) {
+        self.with((), |d| d.on_store_failed());
+    }
+    fn is_under_pressure(&mut self) -> bool {
+        self.with(false, |d| d.is_under_pressure())
+    }
+    fn store_latency_ema(&mut self) -> Option<f64> {
+        self.with(None, |d| d.store_latency_ema())
+    }
+    fn pop_stores_dropped(&mut self) -> (u64, u64) {
+        self.with((0, 0), |d| d.pop_stores_dropped())
+    }
+    fn reset(&mut self) {
+        self.with((), |d| d.reset());
     }
 }

@@ -247,8 +247,11 @@ impl TieringOffloadingManager {
     }
     /// Every tracked job with its tier, in job-id order (vLLM's `_jobs`, for read-only views).
     pub fn jobs(&self) -> Vec<(usize, Arc<TierJob>)> {
-        let mut v: Vec<(usize, Arc<TierJob>)> =
-            self.jobs.values().map(|m| (m.tier, m.job.clone())).collect();
+        let mut v: Vec<(usize, Arc<TierJob>)> = self
+            .jobs
+            .values()
+            .map(|m| (m.tier, m.job.clone()))
+            .collect();
         v.sort_by_key(|(_, j)| j.job_id);
         v
     }

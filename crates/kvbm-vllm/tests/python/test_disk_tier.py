@@ -1,6 +1,9 @@
-"""Bytes through vLLM's own tiering manager and kvbm's disk tier.
+"""Bytes through a tiering manager and kvbm's disk and object tiers.
 
-vLLM 0.33's real ``TieringOffloadingManager`` and ``CPUPrimaryTierOffloadingManager`` run the
+Every test runs three ways (the ``impl`` fixture): under vLLM 0.33's real
+``TieringOffloadingManager`` and ``CPUPrimaryTierOffloadingManager`` (``vllm``), under kvbm's
+(``kvbm``: kvbm_vllm.upstream_compat, kvbm's tiers driven in Rust), and under kvbm's with the
+tiers driven through their Python methods (``kvbm-python-tiers``). They run the
 scheduler side; their primary region is a numpy array standing in for the shared region vLLM's
 workers fill from the GPU. ``KvbmDiskTier`` sits below as a secondary tier. The tests play the
 worker (write a stored chunk's bytes into its primary slot) and the scheduler (steps, lookups),
@@ -31,18 +34,38 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
     TieringOffloadingManager,
 )
 
+from kvbm_vllm import upstream_compat  # noqa: E402
 from kvbm_vllm.tiers import KvbmDiskTier, KvbmObjectTier  # noqa: E402
+
+
+class _KvbmPythonTiers(upstream_compat.TieringOffloadingManager):
+    _NATIVE_TIERS = False
+
+
+#: impl -> (primary class, tiering manager class)
+IMPLS = {
+    "vllm": (CPUPrimaryTierOffloadingManager, TieringOffloadingManager),
+    "kvbm": (upstream_compat.CPUPrimaryTierOffloadingManager,
+             upstream_compat.TieringOffloadingManager),
+    "kvbm-python-tiers": (upstream_compat.CPUPrimaryTierOffloadingManager, _KvbmPythonTiers),
+}
+
+
+@pytest.fixture(params=list(IMPLS))
+def impl(request):
+    return request.param
 
 CHUNK = 4096
 PRIMARY = 8
 
 
 class Setup:
-    def __init__(self, tmp_path, capacity=32, direct_io=True):
+    def __init__(self, tmp_path, impl="vllm", capacity=32, direct_io=True):
+        primary_cls, manager_cls = IMPLS[impl]
         self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
         mmap = MagicMock()
         mmap.create_kv_memoryview.return_value = memoryview(self.region)
-        self.primary = CPUPrimaryTierOffloadingManager(num_chunks=PRIMARY, mmap_region=mmap)
+        self.primary = primary_cls(num_chunks=PRIMARY, mmap_region=mmap)
         self.path = tmp_path / "g3" / "g3.bin"
         self.tier = KvbmDiskTier(
             offloading_spec=MagicMock(),
@@ -52,7 +75,7 @@ class Setup:
             capacity=capacity,
             direct_io=direct_io,
         )
-        self.manager = TieringOffloadingManager(primary_tier=self.primary, secondary_tiers=[self.tier])
+        self.manager = manager_cls(primary_tier=self.primary, secondary_tiers=[self.tier])
         self.n = 0
 
     def step(self):
@@ -117,8 +140,8 @@ def keys(prefix, n):
     return [make_offload_key(f"{prefix}-{i}".encode(), 0) for i in range(n)]
 
 
-def test_evicted_chunks_come_back_from_disk_with_their_bytes(tmp_path):
-    s = Setup(tmp_path)
+def test_evicted_chunks_come_back_from_disk_with_their_bytes(tmp_path, impl):
+    s = Setup(tmp_path, impl)
     first = keys("first", 4)
     s.store(first, pattern)
     assert s.tier._rs.num_ready() == 4, "every stored chunk cascaded to the disk"
@@ -133,15 +156,15 @@ def test_evicted_chunks_come_back_from_disk_with_their_bytes(tmp_path):
     s.manager.shutdown()
 
 
-def test_a_restarted_disk_tier_is_warm(tmp_path):
-    first = Setup(tmp_path)
+def test_a_restarted_disk_tier_is_warm(tmp_path, impl):
+    first = Setup(tmp_path, impl)
     stored = keys("kept", 4)
     first.store(stored, pattern)
     first.manager.shutdown()  # vLLM's shutdown: the tier syncs its file and journal
     assert (tmp_path / "g3" / "g3.journal").exists()
 
     # A new process's managers over a fresh (zeroed) primary region, the same file.
-    second = Setup(tmp_path)
+    second = Setup(tmp_path, impl)
     for k in stored:
         got = second.load(k)
         assert got is not None, "found on disk after the restart"
@@ -150,8 +173,8 @@ def test_a_restarted_disk_tier_is_warm(tmp_path):
     second.manager.shutdown()
 
 
-def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path):
-    s = Setup(tmp_path)
+def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path, impl):
+    s = Setup(tmp_path, impl)
     victim = keys("victim", 1)
     s.store(victim, pattern)
     for i in range(2):
@@ -170,8 +193,8 @@ def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path):
     s.manager.shutdown()
 
 
-def test_the_tier_stays_within_its_capacity(tmp_path):
-    s = Setup(tmp_path, capacity=6)
+def test_the_tier_stays_within_its_capacity(tmp_path, impl):
+    s = Setup(tmp_path, impl, capacity=6)
     for i in range(5):
         s.store(keys(f"batch{i}", 4), pattern)
     assert s.tier._rs.num_ready() <= 6
@@ -213,18 +236,19 @@ def test_the_plugin_registers_kvbm_disk_for_vllms_factory(tmp_path):
 class ObjectSetup(Setup):
     """As `Setup`, with a kvbm_object tier instead of the disk."""
 
-    def __init__(self, tmp_path, **config):
+    def __init__(self, tmp_path, impl="vllm", **config):
+        primary_cls, manager_cls = IMPLS[impl]
         self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
         mmap = MagicMock()
         mmap.create_kv_memoryview.return_value = memoryview(self.region)
-        self.primary = CPUPrimaryTierOffloadingManager(num_chunks=PRIMARY, mmap_region=mmap)
+        self.primary = primary_cls(num_chunks=PRIMARY, mmap_region=mmap)
         self.tier = KvbmObjectTier(
             offloading_spec=MagicMock(),
             primary_kv_view=self.primary.get_kv_memoryview(),
             tier_type="kvbm_object",
             **config,
         )
-        self.manager = TieringOffloadingManager(primary_tier=self.primary, secondary_tiers=[self.tier])
+        self.manager = manager_cls(primary_tier=self.primary, secondary_tiers=[self.tier])
         self.n = 0
 
 
@@ -240,11 +264,11 @@ def _object_round_trip(s):
     s.manager.shutdown()
 
 
-def test_object_tier_in_a_directory_round_trips_bytes(tmp_path):
-    _object_round_trip(ObjectSetup(tmp_path, dir=str(tmp_path / "objects"), namespace="t1"))
+def test_object_tier_in_a_directory_round_trips_bytes(tmp_path, impl):
+    _object_round_trip(ObjectSetup(tmp_path, impl, dir=str(tmp_path / "objects"), namespace="t1"))
 
 
-def test_object_tier_on_s3_round_trips_bytes(tmp_path, monkeypatch):
+def test_object_tier_on_s3_round_trips_bytes(tmp_path, monkeypatch, impl):
     endpoint = os.environ.get("KVBM_TEST_S3_ENDPOINT")
     if not endpoint:
         if os.environ.get("KVBM_TEST_SKIP_SERVICES") == "1":
@@ -255,30 +279,31 @@ def test_object_tier_on_s3_round_trips_bytes(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBM_S3_SECRET", os.environ["KVBM_TEST_S3_SECRET_KEY"])
     _object_round_trip(ObjectSetup(
         tmp_path,
+        impl,
         bucket=os.environ["KVBM_TEST_S3_BUCKET"],
         endpoint=endpoint,
-        namespace=f"kvbm-vllm-{os.getpid()}",
+        namespace=f"kvbm-vllm-{os.getpid()}-{impl}",
         access_key_env="KVBM_S3_KEY",
         secret_key_env="KVBM_S3_SECRET",
     ))
 
 
-def test_shared_object_tier_finds_what_another_instance_wrote(tmp_path):
+def test_shared_object_tier_finds_what_another_instance_wrote(tmp_path, impl):
     shared = dict(dir=str(tmp_path / "objects"), namespace="fleet")
-    writer = ObjectSetup(tmp_path, **shared)
+    writer = ObjectSetup(tmp_path, impl, **shared)
     stored = keys("fleet", 3)
     writer.store(stored, pattern)
     writer.manager.shutdown()
 
     # Another instance (its own managers and primary region), the same store and namespace.
-    reader = ObjectSetup(tmp_path, shared=True, **shared)
+    reader = ObjectSetup(tmp_path, impl, shared=True, **shared)
     for k in stored:
         got = reader.load(k)
         assert got is not None, "found in the shared store"
         assert np.array_equal(got, pattern(k)), "with the writer's bytes"
     assert reader.load(keys("nobody", 1)[0]) is None, "a key no instance wrote is a miss"
     # Without `shared`, an instance finds only its own objects.
-    alone = ObjectSetup(tmp_path, **shared)
+    alone = ObjectSetup(tmp_path, impl, **shared)
     assert alone.load(stored[0]) is None
     reader.manager.shutdown()
     alone.manager.shutdown()

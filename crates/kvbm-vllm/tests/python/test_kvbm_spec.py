@@ -1,0 +1,199 @@
+"""``KvbmOffloadingSpec``: kvbm's whole scheduler-side manager, built by vLLM's own factory.
+
+The spec is created from an ``OffloadingConfig`` through vLLM's ``OffloadingSpecFactory`` (by
+module path, and by name once the plugin registered it), over a real ``SharedOffloadRegion``
+in /dev/shm, with a ``kvbm_disk`` tier below. The test plays vLLM's worker through the
+region's memoryview: stores chunks, pushes them out of the primary, and reads them back from
+the disk through kvbm's manager, bytes compared. Configuration errors name the key.
+"""
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvbm_vllm.replay import ensure_vllm
+
+ensure_vllm()
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+from kvbm_vllm import register, upstream_compat  # noqa: E402
+from kvbm_vllm.spec import KvbmOffloadingSpec  # noqa: E402
+
+
+def config(tmp_path, extra=None, by_name=False):
+    """By name: the plugin's registered names; else module paths (spec and tier class)."""
+    disk = {"path": str(tmp_path / "g3.bin"), "capacity": 512, "direct_io": False}
+    if by_name:
+        register()
+        disk["type"] = "kvbm_disk"
+    else:
+        disk.update(type="KvbmDiskTier", module_path="kvbm_vllm.tiers")
+    extra_config = {
+        "cpu_bytes_to_use": 64 * 4096,  # 64 primary chunks
+        "secondary_tiers": [disk],
+        "spec_name": "KvbmOffloadingSpec",
+        **(extra or {}),
+    }
+    if not by_name:
+        extra_config["spec_module_path"] = "kvbm_vllm.spec"
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer",), 0),),
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=False,
+        extra_config=extra_config,
+        engine_id=f"kvbm-test-{uuid.uuid4().hex}",
+        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        replicated_layout=False,
+    )
+
+
+class Driver:
+    """vLLM's scheduler and worker around a manager whose primary is a real shared region."""
+
+    def __init__(self, manager):
+        self.m = manager
+        self.view = manager.primary_tier.get_kv_memoryview()
+        self.rows = np.frombuffer(self.view, dtype=np.uint8).reshape(self.view.shape[0], -1)
+        self.n = 0
+
+    def step(self):
+        self.m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+
+    def ctx(self):
+        self.n += 1
+        c = ReqContext(req_id=f"r{self.n}")
+        self.m.on_new_request(c)
+        return c
+
+    def store(self, keys):
+        c = self.ctx()
+        out = self.m.prepare_store(keys, c)
+        assert out is not None
+        for k, slot in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            self.rows[int(slot)] = pattern(k, self.rows.shape[1])
+        self.m.complete_store(out.keys_to_store, c)
+        self.m.on_request_finished(c)
+        self.settle()
+
+    def settle(self):
+        """Steps until the tiers' jobs are reported (their I/O runs off this thread)."""
+        for _ in range(5000):
+            self.step()
+            if not self.m.has_pending_work():
+                return
+            time.sleep(0.001)
+        raise AssertionError("the manager never settled")
+
+    def load(self, key):
+        c = self.ctx()
+        for _ in range(5000):
+            r = self.m.lookup(key, c)
+            if r is LookupResult.HIT:
+                spec = self.m.prepare_load([key], c)
+                data = self.rows[int(spec.chunk_ids[0])].copy()
+                self.m.complete_load([key], c)
+                self.m.on_request_finished(c)
+                self.step()
+                return data
+            if r is LookupResult.MISS:
+                self.m.on_request_finished(c)
+                self.step()
+                return None
+            self.step()
+            time.sleep(0.001)
+        raise AssertionError("the lookup never resolved")
+
+
+def pattern(key, n):
+    seed = int.from_bytes(key[:8].ljust(8, b"\0"), "big") % (2**32)
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def keys(prefix, n):
+    return [make_offload_key(f"{prefix}-{i}".encode(), 0) for i in range(n)]
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_the_spec_builds_kvbms_manager_and_round_trips_bytes_through_the_disk(tmp_path, by_name):
+    spec = OffloadingSpecFactory.create_spec(config(tmp_path, by_name=by_name))
+    assert isinstance(spec, KvbmOffloadingSpec)
+    manager = spec.get_manager()
+    try:
+        assert isinstance(manager, upstream_compat.TieringOffloadingManager)
+        assert isinstance(manager.primary_tier, upstream_compat.CPUPrimaryTierOffloadingManager)
+        assert manager._python_tier == [False], "kvbm's disk tier is driven in Rust"
+        (primary, disk) = manager.config_info()
+        assert primary["tier"] == "0:primary" and disk["tier"] == "1:kvbm_disk"
+        d = Driver(manager)
+        capacity = d.rows.shape[0]
+        first = keys("first", 2)
+        d.store(first)
+        # Push the first chunks out of the primary, then read them back from the disk.
+        for i in range(capacity):
+            d.store(keys(f"fill{i}", 1))
+        assert all(
+            manager.primary_tier.lookup(k, ReqContext(req_id="probe")) is LookupResult.MISS
+            for k in first
+        ), "the primary evicted them"
+        for k in first:
+            got = d.load(k)
+            assert got is not None, "promoted from the disk"
+            assert np.array_equal(got, pattern(k, d.rows.shape[1])), "with the stored bytes"
+    finally:
+        manager.shutdown()
+
+
+def test_kvbm_fixes_are_on_unless_asked_for_upstream_behaviour(tmp_path):
+    spec = OffloadingSpecFactory.create_spec(config(tmp_path))
+    assert spec.get_manager()._UPSTREAM is False
+    spec.get_manager().shutdown()
+    spec = OffloadingSpecFactory.create_spec(config(tmp_path, {"kvbm_upstream_bugs": True}))
+    assert spec.get_manager()._UPSTREAM is True
+    spec.get_manager().shutdown()
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"kvbm_no_such_key": 1}, "kvbm_no_such_key"),
+        ({"kvbm_native_tiers": "yes"}, "kvbm_native_tiers"),
+        ({"store_threshold": 2}, "store_threshold"),
+    ],
+)
+def test_configuration_errors_name_the_key(tmp_path, extra, named):
+    with pytest.raises(ValueError, match=named):
+        spec = OffloadingSpecFactory.create_spec(config(tmp_path, extra))
+        spec.get_manager()
+
+
+def test_a_tier_that_cannot_start_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = config(tmp_path)
+    cfg.extra_config["secondary_tiers"][0]["path"] = str(blocker / "g3.bin")
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    with pytest.raises(Exception, match="g3.bin|file"):
+        spec.get_manager()
+    assert spec._scheduler_mmap is None, "the shared region was cleaned up"
