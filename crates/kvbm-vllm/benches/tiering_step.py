@@ -1,0 +1,214 @@
+"""Benchmark: one scheduler step on the tiering manager, driven from Python, kvbm's vs vLLM's.
+
+Not a test: it prints figures. The step is the one ``../shared/tools/vllm-manager-replay.py``
+times for vLLM (and ``cargo xtask bench tiering`` for kvbm-tiering in Rust): under
+``manager.lock``, 256 requests x 64 chunks, each request ``on_new_request``, a ``lookup`` of
+every chunk, ``prepare_load``/``complete_load`` of the hits, ``prepare_store``/
+``complete_store`` of the misses (which cascade to the tier), ``on_request_finished``; then
+``on_schedule_end`` and ``get_stats``. Primary: 16384 chunks, LRU. Scenarios:
+
+  cold     every chunk new: MISS everywhere, store + cascade, the primary evicts
+  warm     every chunk resident in the primary: HIT, load
+  promote  two sets alternate; the one asked for was pushed out of the primary but is in the
+           tier: HIT_PENDING, promotion at on_schedule_end, completed at the next step's poll
+
+Managers, each in the same process, alternating step by step so all see the same machine:
+
+  vllm                vLLM 0.33's Python TieringOffloadingManager over a Python in-memory
+                      tier (vllm-manager-replay.py's ``MemTier``: a set of keys, every job
+                      reported finished at the next poll)
+  kvbm+python-tier    kvbm's TieringOffloadingManager over the same Python tier (a vLLM user
+                      who keeps their own Python tiers)
+  kvbm+disk           kvbm's TieringOffloadingManager over kvbm's ``kvbm_disk`` tier driven in
+                      Rust (real writes and reads of a file in a temporary directory, off the
+                      scheduler thread)
+
+Usage (after ``cargo xtask python`` built the wheel into target/pyvenv and fetched vLLM's
+sources):
+
+  target/pyvenv/bin/python crates/kvbm-vllm/benches/tiering_step.py [--steps 6]
+"""
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from unittest.mock import MagicMock
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import cpu_step  # noqa: E402  (load_vllm: vLLM's sources and the stubs)
+
+REQUESTS = 256
+CHUNKS = 64
+CAPACITY = 16384
+ROW = 64  # bytes per primary chunk (the managers only read the row stride)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=6, help="measured steps per scenario")
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    cpu_step.load_vllm()
+
+    import numpy as np
+    from vllm.v1.kv_offload import base as B
+    from vllm.v1.kv_offload.tiering import base as TB
+    from vllm.v1.kv_offload.tiering import manager as VM
+
+    from kvbm_vllm import upstream_compat as K
+    from kvbm_vllm.tiers import KvbmDiskTier
+
+    class MemTier(TB.SecondaryTierManager):
+        medium = B.Medium.CPU
+
+        def __init__(self, view):
+            super().__init__(offloading_spec=None, primary_kv_view=view, tier_type="mem")
+            self.keys = set()
+            self.done = []
+
+        def lookup(self, key, req_context):
+            return B.LookupResult.HIT if key in self.keys else B.LookupResult.MISS
+
+        def submit_store(self, job):
+            self.keys.update(job.keys)
+            self.done.append(TB.JobResult(job_id=job.job_id, success=True, transfer_time=0.0))
+
+        def submit_load(self, job):
+            ok = all(k in self.keys for k in job.keys)
+            self.done.append(TB.JobResult(job_id=job.job_id, success=ok, transfer_time=0.0))
+
+        def get_finished_jobs(self):
+            done, self.done = self.done, []
+            return done
+
+        def on_new_request(self, req_context):
+            return B.RequestOffloadingContext()
+
+        def drain_jobs(self):
+            return
+
+    tmp = tempfile.mkdtemp(prefix="kvbm-tiering-step-")
+
+    def build(kind):
+        region = np.zeros((CAPACITY, ROW), dtype=np.int8)
+        mmap = MagicMock()
+        mmap.create_kv_memoryview.return_value = memoryview(region)
+        if kind == "vllm":
+            primary = VM.CPUPrimaryTierOffloadingManager(num_chunks=CAPACITY, mmap_region=mmap)
+            tier = MemTier(primary.get_kv_memoryview())
+            return VM.TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+        primary = K.CPUPrimaryTierOffloadingManager(num_chunks=CAPACITY, mmap_region=mmap)
+        if kind == "kvbm+python-tier":
+            tier = MemTier(primary.get_kv_memoryview())
+        else:
+            tier = KvbmDiskTier(
+                offloading_spec=MagicMock(), primary_kv_view=primary.get_kv_memoryview(),
+                tier_type="kvbm_disk", path=os.path.join(tmp, f"{kind}-{time.monotonic_ns()}.bin"),
+                capacity=4 * CAPACITY, direct_io=False,
+            )
+        return K.TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+
+    HIT, MISS = B.LookupResult.HIT, B.LookupResult.MISS
+    step_no = [0]
+
+    def run_step(m, reqs, counts):
+        new_ids = []
+        with m.lock:
+            for i, keys in enumerate(reqs):
+                rid = f"s{step_no[0]}r{i}"
+                ctx = B.ReqContext(req_id=rid)
+                m.on_new_request(ctx)
+                new_ids.append(rid)
+                hits, misses = [], []
+                for k in keys:
+                    r = m.lookup(k, ctx)
+                    counts[r.name] = counts.get(r.name, 0) + 1
+                    if r is HIT:
+                        hits.append(k)
+                    elif r is MISS:
+                        misses.append(k)
+                if hits:
+                    m.prepare_load(hits, ctx)
+                    m.complete_load(hits, ctx)
+                if misses:
+                    out = m.prepare_store(misses, ctx)
+                    if out is not None and out.keys_to_store:
+                        m.complete_store(out.keys_to_store, ctx, True)
+                m.on_request_finished(ctx)
+            m.on_schedule_end(B.ScheduleEndContext(new_req_ids=new_ids, preempted_req_ids=()))
+            m.get_stats()
+        step_no[0] += 1
+
+    def keyset(tag, n):
+        return [B.make_offload_key(f"{tag}-{i}".encode(), 0) for i in range(n)]
+
+    def split(keys):
+        return [keys[i * CHUNKS:(i + 1) * CHUNKS] for i in range(REQUESTS)]
+
+    def settle(m):
+        """Lets the disk tier's writes land (off the clock), as a step or two would."""
+        for _ in range(2000):
+            if not m.has_pending_work():
+                return
+            m.on_schedule_end(B.ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+            time.sleep(0.001)
+
+    per_step = REQUESTS * CHUNKS
+    kinds = ("vllm", "kvbm+python-tier", "kvbm+disk")
+    results = {}
+    for scenario in ("cold", "warm", "promote"):
+        managers = {k: build(k) for k in kinds}
+        counts = {k: {} for k in kinds}
+        times = {k: [] for k in kinds}
+        sets = {}
+        for k, m in managers.items():
+            if scenario == "warm":
+                sets[k] = keyset("warm", per_step)
+                run_step(m, split(sets[k]), {})
+            elif scenario == "promote":
+                a, b = keyset("pa", per_step), keyset("pb", per_step)
+                sets[k] = (a, b)
+                run_step(m, split(a), {})
+                settle(m)
+                run_step(m, split(b), {})
+                settle(m)
+        for s in range(args.warmup + args.steps):
+            for k, m in managers.items():
+                if scenario == "cold":
+                    keys = keyset(f"cold{s}", per_step)
+                elif scenario == "warm":
+                    keys = sets[k]
+                else:
+                    keys = sets[k][s % 2]
+                c = counts[k] if s >= args.warmup else {}
+                gc.collect()
+                t0 = time.perf_counter()
+                run_step(m, split(keys), c)
+                dt = time.perf_counter() - t0
+                if s >= args.warmup:
+                    times[k].append(dt)
+                settle(m)
+        for m in managers.values():
+            m.shutdown()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        results[scenario] = med
+        v = med["vllm"]
+        print(f"{scenario:8s} " + "  ".join(
+            f"{k} {med[k] * 1e3:8.2f} ms" + ("" if k == "vllm" else f" ({v / med[k]:5.1f}x)")
+            for k in kinds
+        ))
+        print("         lookups: " + "; ".join(
+            f"{k} {dict(sorted(counts[k].items()))}" for k in kinds
+        ))
+    print(f"(median of {args.steps} steps after {args.warmup} warm-up; "
+          f"{REQUESTS}x{CHUNKS} chunks per step; ratio = vLLM / kvbm)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
