@@ -35,9 +35,9 @@
 //! Nothing here writes G3 (no G2→G3 lane): an instance's G3 serves what its journal lists
 //! from an earlier run of the same file.
 //!
-//! Every lower tier's (G2, G3, G4) stored/removed events go through one sink ([`OwnEvents`]) that records them in
-//! this instance's own index (the source of its snapshot answers) and hands them to the
-//! never-blocking publisher (bounded queue, drops counted).
+//! Every lower tier's (G2, G3, G4) stored/removed events go through one sink ([`OwnEvents`])
+//! that records them in this instance's own index (the source of its snapshot answers) and
+//! hands them to the never-blocking publisher (bounded queue, drops counted).
 //!
 //! # Lookup and onboarding
 //!
@@ -218,9 +218,8 @@ impl InstanceBuilder {
     }
 
     /// Builds the tiers (`stack::Tiers::build`, see the [module docs](self)), starts the data
-    /// plane, connects NATS, and starts
-    /// publishing, following and the presence protocol. Returns once every subscription is in
-    /// place.
+    /// plane, connects NATS, and starts publishing, following and the presence protocol.
+    /// Returns once every subscription is in place.
     ///
     /// # Errors
     /// [`EngineError::Config`] naming the key: no geometry (`instance.geometry`),

@@ -21,7 +21,7 @@
 //! ```
 //!
 //! The tiers, the journal, the warm listing, the leader, the movers and the G2→G4 lane are
-//! built by [`tiers`] (`Tiers::build`, crate-private): the one builder of tiers, which the
+//! built by `tiers` (`Tiers::build`, crate-private): the one builder of tiers, which the
 //! cluster plane's instance (`cluster::instance::InstanceBuilder::build`, feature `nats`) calls
 //! too, with its own geometry, pinning and event sink. What is the stack's alone (the G1→G2 and
 //! G2→G3 lanes, the front ends, the read-ahead, the runtimes) is built here.
