@@ -10,15 +10,22 @@
 //!   longer than the heartbeat timeout B has expired A, and the snapshot restores blocks whose
 //!   events were delivered before the outage and will never be sent again.
 //!
+//! * an instance's tiers are the tier stack's (one builder): an instance opened on the G3 file
+//!   a `TierStack` wrote starts warm from its journal and onboards those blocks from local G3,
+//!   bytes verified.
+//!
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
 use kvbm_engine::cluster::instance::{Instance, synthetic_block};
+use kvbm_engine::config::ConfigBuilder;
+use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
 use kvbm_logical::{Salt, SequenceHash, TierId, TokenBlockSequence};
 
 mod common;
@@ -205,6 +212,86 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     b.shutdown().await;
     rt_a.shutdown();
     rt_b.shutdown();
+}
+
+/// The instance's synthetic bytes as the stack's [`Contents`]: what the stack computes is what
+/// an instance expects to read.
+#[derive(Debug)]
+struct Synthetic;
+
+impl Contents for Synthetic {
+    fn fill(&self, hash: SequenceHash, out: &mut [u8]) {
+        synthetic_block(hash, out);
+    }
+
+    fn verify(&self, hash: SequenceHash, bytes: &[u8]) -> bool {
+        let mut want = vec![0u8; bytes.len()];
+        synthetic_block(hash, &mut want);
+        want == bytes
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
+    let Some(nats) = kvbm_tests::services::nats("instance_g3_warm") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("g3").join("g3.bin");
+    let block_bytes = common::geometry_with(32).config().block_bytes();
+    let p = prefix(7, 6);
+
+    // A tier stack computes P and writes it down to G3 (slots and journal), then finishes and
+    // closes the file. It runs its own runtimes: off this test's async context.
+    let (file, hashes) = (disk.clone(), p.clone());
+    std::thread::spawn(move || {
+        let config = ConfigBuilder::new()
+            .set("logical.block_size", 4)
+            .set("tiers.g1_blocks", 16)
+            .set("tiers.g2_blocks", 8)
+            .set("tiers.g3_blocks", 16)
+            .set("tiers.block_bytes", block_bytes)
+            .set("physical.disk.path", file.display().to_string())
+            .build()
+            .unwrap();
+        let mut plan = StackPlan::new(config, Arc::new(Synthetic)).unwrap();
+        plan.front_end = FrontEnd::Sessions;
+        let mut stack = TierStack::build(&plan).unwrap();
+        assert_eq!(stack.serve(&hashes).unwrap().computed, 6);
+        stack.finish().unwrap();
+    })
+    .join()
+    .unwrap();
+
+    // An instance on the same file: the journal lists P, so it is in the instance's G3 at
+    // start and onboards from there, every block with the bytes the stack computed.
+    let rt = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("logical.block_size", 4)
+        .set(
+            "events.subject",
+            format!("kvbm.test.{}", unique("g3warm").replace('-', "_")),
+        )
+        .set("tiers.g1_blocks", 16)
+        .set("tiers.g2_blocks", 16)
+        .set("tiers.g3_blocks", 16)
+        .set("physical.disk.path", disk.display().to_string())
+        .set("transport.nats_url", &nats.url)
+        .build()
+        .unwrap();
+    let i = instance(&rt, A).await;
+    assert_eq!(i.lookup(&p).local_g3, 6, "G3 is warm from the journal");
+    let got = i.onboard(&p).await.unwrap();
+    assert_eq!(
+        (got.local_g3, got.local_g2, got.refused.as_ref()),
+        (6, 0, None),
+        "{got:?}"
+    );
+    verified(&i, &p, &got);
+    drop(got);
+    assert_eq!(i.stats().local_g3_blocks, 6);
+    i.shutdown().await;
+    rt.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

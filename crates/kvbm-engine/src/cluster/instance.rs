@@ -2,12 +2,28 @@
 //! leader's tiers and layouts, the TCP data plane, block events and the cross-instance index
 //! over NATS, and the presence protocol that fills the peer directory and recovers the index.
 //!
-//! # What is built from what
+//! # What is built from what, and where
+//!
+//! The tiers are not built here: [`InstanceBuilder::build`] calls the core's one tier builder
+//! (`stack::Tiers::build`, `stack/tiers.rs`), the same code the `TierStack` is built by, with
+//! the caller's block geometry and pinning, this instance's event sink on G2..G4 and its
+//! cross-instance search. What that builds, and what this module adds on top of it:
 //!
 //! ```text
-//!  [tiers]  g1/g2/g3/g4_blocks ─► BlockManagers (one registry) + host G1/G2 layouts,
-//!  [physical.disk] (G3)            a disk G3 layout, an object G4 layout on [physical.s3]
-//!  [physical.object.namespace]     (one bucket + namespace shared by every instance)
+//!  built by stack::Tiers::build (core):
+//!  [tiers]  g1/g2/g3/g4_blocks ─► BlockManagers (one registry, G2..G4 publishing to OwnEvents)
+//!  [physical.disk] (G3)            host G1/G2 layouts, a disk G3 layout with its journal (the
+//!  [physical.s3] | object_dir (G4) blocks it lists are present again at start: warm restart),
+//!  [physical.object.namespace]     an object G4 layout (one bucket + namespace shared by every
+//!                                  instance; the block objects listed at start are present),
+//!                                  all on one TransferManager; the InstanceLeader (G2, G3, G4,
+//!                                  then other instances through the index); the movers:
+//!                                  G3→G2 (journal checksum), G4→G2 (object header), G2→G1; a
+//!                                  copy a tier rejected is poisoned, never read again, and
+//!                                  dropped from its tier before the next onboarding
+//!  [offload.g2_to_g4] ───────────► the G2→G4 lane (Tiers::g2_to_g4_lane; owner: this id)
+//!
+//!  added here (cluster plane):
 //!  [transport] data_plane_bind ──► DataPlaneServer (this instance's G2) + DataPlaneClient
 //!  [transport] nats_url ─────────► one NATS client (reconnects; counts reconnections)
 //!  [events] subject, capacity ───► EventPublisher ─► NatsBus ─► peers' CrossInstanceIndex
@@ -16,9 +32,12 @@
 //!                                  snapshot resync after reconnects (see [`presence`])
 //! ```
 //!
-//! Every tier's stored/removed events go through one sink ([`OwnEvents`]) that records them in
-//! this instance's own index (the source of its snapshot answers) and hands them to the
-//! never-blocking publisher (bounded queue, drops counted).
+//! Nothing here writes G3 (no G2→G3 lane): an instance's G3 serves what its journal lists
+//! from an earlier run of the same file.
+//!
+//! Every lower tier's (G2, G3, G4) stored/removed events go through one sink ([`OwnEvents`])
+//! that records them in this instance's own index (the source of its snapshot answers) and
+//! hands them to the never-blocking publisher (bounded queue, drops counted).
 //!
 //! # Lookup and onboarding
 //!
@@ -28,7 +47,10 @@
 //! session stages G3/G4 to G2, pulls the remote run over TCP (every frame's checksum, identity
 //! and binding verified) and onboards G2→G1. A block that fails verification fails the session:
 //! it is counted as refused ([`InstanceStats::refused_blocks`]) and never served; the caller
-//! recomputes ([`Instance::onboard_or_compute`] does it in one call).
+//! recomputes ([`Instance::onboard_or_compute`] does it in one call). A G3 or G4 copy whose
+//! failure proves it bad (`BlockFailureKind::drops_copy`) is poisoned by the tier's mover:
+//! refused without being read again, and dropped from its tier (its removed event published)
+//! at the start of the next [`Instance::onboard`]; a transient failure keeps the copy.
 //!
 //! # Locks
 //!
@@ -41,14 +63,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvbm_logical::{
-    BlockEvent, BlockManager, EventSink, G1, G2, G3, G4, ImmutableBlock, SequenceHash, TierId,
-};
-use kvbm_offload::{
-    BlockMover, BoundTier, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
-    S3PresenceChecker,
-};
-use kvbm_physical::{BlockLayout, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager};
+use kvbm_logical::{BlockEvent, EventSink, G1, ImmutableBlock, SequenceHash, TierId};
+use kvbm_offload::{ObjectPipeline, S3PresenceChecker};
+use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy};
 use tokio_util::sync::CancellationToken;
 
 use crate::address::{InstanceId, WorkerAddress};
@@ -60,6 +77,7 @@ use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::{FinishOutcome, InstanceLeader, RemoteSearch, SessionError, StagingMovers};
 use crate::runtime::RuntimeHandle;
+use crate::stack::{Movers, TierPlan, TierSinks, Tiers, discard_rejected};
 
 pub use presence::{Presence, PresenceConfig, PresenceStats};
 
@@ -199,15 +217,17 @@ impl InstanceBuilder {
         self
     }
 
-    /// Builds the tiers and layouts, starts the data plane, connects NATS, and starts
-    /// publishing, following and the presence protocol. Returns once every subscription is in
-    /// place.
+    /// Builds the tiers (`stack::Tiers::build`, see the [module docs](self)), starts the data
+    /// plane, connects NATS, and starts publishing, following and the presence protocol.
+    /// Returns once every subscription is in place.
     ///
     /// # Errors
     /// [`EngineError::Config`] naming the key: no geometry (`instance.geometry`),
     /// `tiers.g1_blocks`/`tiers.g2_blocks` of 0, `transport.nats_url` unset, G3 without
-    /// `physical.disk`, G4 without `physical.s3`; [`EngineError::Physical`] /
-    /// [`EngineError::Offload`] when a layout, storage or mover cannot be set up;
+    /// `physical.disk`, G4 without `physical.s3` (or `physical.object_dir`);
+    /// [`EngineError::Stack`] naming the step when G3's file or journal, or G4's store, cannot
+    /// be created, opened, reached or listed; [`EngineError::Physical`] /
+    /// [`EngineError::Offload`] when a layout or mover cannot be set up;
     /// [`EngineError::DataPlane`] when the address cannot be bound; [`EngineError::Nats`] when
     /// the server cannot be reached; [`EngineError::ShutDown`] after shutdown.
     pub async fn build(self) -> Result<Instance> {
@@ -232,14 +252,6 @@ impl InstanceBuilder {
         let url = config.transport.nats_url.clone().ok_or_else(|| {
             EngineError::config("transport.nats_url", "must be set for an instance")
         })?;
-        let shape = |n: usize| -> Result<BlockLayout> {
-            Ok(BlockLayout::builder()
-                .config(*geometry.config())
-                .kind(geometry.kind())
-                .num_blocks(n.max(1))
-                .build()?)
-        };
-
         let dp_config = DataPlaneConfig::from_transport(&config.transport)?;
         let id = self.id.unwrap_or_else(default_id);
 
@@ -280,82 +292,57 @@ impl InstanceBuilder {
             own: own.clone(),
             publisher: publisher.clone(),
         });
-        let mut leader = InstanceLeader::from_runtime_with_sink(&rt, Some(sink))?;
-        let g1 = Arc::new(
-            BlockManager::<G1>::builder()
-                .block_count(tiers.g1_blocks)
-                .config(config.logical.clone())
-                .build()?,
-        );
-        let g2 = leader
-            .g2()
-            .cloned()
+        // The tiers, as every composition builds them (`stack::Tiers::build`): layouts on one
+        // transfer manager, managers on one registry publishing through `sink`, the G3 journal
+        // (warm restart), the G4 listing, the leader, the checked movers.
+        let shared_g4 = tiers.g4_blocks > 0;
+        let mut built = Tiers::build(TierPlan {
+            config: &config,
+            runtime: &rt,
+            shape: Box::new(move |n: usize| -> Result<BlockLayout> {
+                Ok(BlockLayout::builder()
+                    .config(*geometry.config())
+                    .kind(geometry.kind())
+                    .num_blocks(n.max(1))
+                    .build()?)
+            }),
+            pin: [self.pin, self.pin],
+            sinks: TierSinks::all(sink),
+            contents: None,
+            identities: Arc::default(),
+            remote: Some(RemoteSearch {
+                index: index.clone(),
+                this: id,
+                shared_g4,
+            }),
+        })
+        .await?;
+        let leader = built
+            .leader
+            .take()
             .ok_or(EngineError::TierMissing(TierId::G2))?;
-
-        let tm = Arc::new(TransferManager::new()?);
-        let g1_h = tm.register_layout(PhysicalLayout::allocate_host(
-            shape(tiers.g1_blocks)?,
-            self.pin,
-        )?)?;
-        let g2_h = tm.register_layout(PhysicalLayout::allocate_host(
-            shape(tiers.g2_blocks)?,
-            self.pin,
-        )?)?;
-        let g2_bound = BoundTier::new(tm.clone(), g2_h, g2.clone())?;
-        let g1_bound = BoundTier::new(tm.clone(), g1_h, g1.clone())?;
-        let g2_to_g1 = Arc::new(BlockMover::<G2, G1>::from_layout(g2_h, &g1_bound)?);
-
-        let g3_to_g2 = match leader.g3() {
-            None => None,
-            Some(_) => {
-                let disk = config.physical.disk.as_ref().ok_or_else(|| {
-                    EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
-                })?;
-                let g3_h = tm
-                    .register_layout(PhysicalLayout::create_disk(shape(tiers.g3_blocks)?, disk)?)?;
-                Some(Arc::new(BlockMover::<G3, G2>::from_layout(
-                    g3_h, &g2_bound,
-                )?))
-            }
+        let movers = built
+            .movers
+            .take()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let (g2, g2_layout) = match &built.g2 {
+            Some(t) => (t.manager.clone(), t.layout.clone()),
+            None => return Err(EngineError::TierMissing(TierId::G2)),
         };
-        let g4 = match leader.g4().cloned() {
+        let g4 = match &built.g4 {
             None => None,
-            Some(g4) => {
-                let s3 = config.physical.s3.as_ref().ok_or_else(|| {
-                    EngineError::config("physical.s3", "required when tiers.g4_blocks > 0")
-                })?;
-                let storage = Arc::new(ObjectStorage::s3(s3, config.physical.object.clone())?);
-                let obj_h = tm.register_layout(PhysicalLayout::object(
-                    shape(tiers.g4_blocks)?,
-                    storage.clone(),
-                ))?;
-                let g4_to_g2 =
-                    Arc::new(BlockMover::<G4, G2>::from_layout(obj_h, &g2_bound)?.keyed_source());
+            Some(g4t) => {
                 let pipeline = {
                     let _guard = rt.tokio().enter();
-                    ObjectPipelineBuilder::new(storage.clone())
-                        .config(config.offload.g2_to_g4.clone())
-                        .owner(id.to_string())
-                        .spawn(
-                            ObjectMoveExecutor::<G2>::new(tm.clone(), g2_h, obj_h)
-                                .with_g4_manager(g4.clone()),
-                        )?
+                    built.g2_to_g4_lane(&config.offload.g2_to_g4, Some(id.to_string()), None)?
                 };
-                Some(G4Side {
-                    checker: S3PresenceChecker::new(storage),
-                    g4_to_g2,
+                pipeline.map(|pipeline| G4Side {
+                    checker: S3PresenceChecker::new(g4t.storage.clone()),
                     pipeline,
                 })
             }
         };
-        leader.set_remote(RemoteSearch {
-            index: index.clone(),
-            this: id,
-            shared_g4: g4.is_some(),
-        });
 
-        let g2_layout = tm.layout(g2_h)?;
-        let g1_layout = tm.layout(g1_h)?;
         let server = {
             // Started on the runtime's tokio (its tasks live there, whoever polls `build`).
             let start =
@@ -371,7 +358,6 @@ impl InstanceBuilder {
             g2_layout.clone(),
             peers.clone(),
         )?);
-        let c = *geometry.config();
         let this = PeerInfo {
             worker: WorkerAddress::new(id, 0),
             tiers: [TierId::G2, TierId::G3, TierId::G4]
@@ -379,7 +365,7 @@ impl InstanceBuilder {
                 .filter(|t| leader.has_tier(*t))
                 .collect(),
             num_blocks: tiers.g2_blocks,
-            block_bytes: c.block_bytes(),
+            block_bytes: g2_layout.layout().config().block_bytes(),
             data_plane: Some(server.local_addr().to_string()),
         };
         let presence = Presence::start(
@@ -402,11 +388,9 @@ impl InstanceBuilder {
             runtime: rt,
             cancel,
             leader,
-            g1,
-            g1_layout,
+            tiers: built,
+            movers,
             g2_layout,
-            g2_to_g1,
-            g3_to_g2,
             g4,
             server,
             client: client_dp,
@@ -440,9 +424,9 @@ fn default_id() -> InstanceId {
     InstanceId(mixed)
 }
 
+/// What the instance adds to its G4: the bucket presence check and the G2→G4 lane.
 struct G4Side {
     checker: S3PresenceChecker,
-    g4_to_g2: Arc<BlockMover<G4, G2>>,
     pipeline: ObjectPipeline,
 }
 
@@ -454,11 +438,10 @@ pub struct Instance {
     runtime: RuntimeHandle,
     cancel: CancellationToken,
     leader: InstanceLeader,
-    g1: Arc<BlockManager<G1>>,
-    g1_layout: Arc<PhysicalLayout>,
+    /// Every tier, built as the stack builds them (the leader and movers taken out).
+    tiers: Tiers,
+    movers: Movers,
     g2_layout: Arc<PhysicalLayout>,
-    g2_to_g1: Arc<BlockMover<G2, G1>>,
-    g3_to_g2: Option<Arc<BlockMover<G3, G2>>>,
     g4: Option<G4Side>,
     server: DataPlaneServer,
     client: Arc<DataPlaneClient>,
@@ -594,9 +577,10 @@ impl Instance {
     /// The bytes of an onboarded G1 block; `None` when `block` is not one of this instance's
     /// G1 blocks (its id would name another layout's slot).
     pub fn read_g1(&self, block: &ImmutableBlock<G1>) -> Option<Vec<u8>> {
-        self.g1
+        let g1 = &self.tiers.g1;
+        g1.manager
             .holds(block)
-            .then(|| read_host(&self.g1_layout, block.block_id()))
+            .then(|| read_host(&g1.layout, block.block_id()))
     }
 
     /// Computes `hashes` into G2: each block not already in G2 gets the bytes `fill(hash,
@@ -702,6 +686,16 @@ impl Instance {
     /// [`EngineError::Session`] for a session call in a wrong state.
     pub async fn onboard(&self, hashes: &[SequenceHash]) -> Result<Onboarded> {
         self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        // Copies a tier rejected on an earlier read leave it before this search.
+        discard_rejected(self.tiers.g3.as_ref(), self.tiers.g4.as_ref());
+        let out = self.onboard_matched(hashes).await;
+        // The movers record failed hashes for a caller that recomputes from the first one;
+        // an instance reports refusals through the session instead, so nothing reads them.
+        self.tiers.onboard.failed.lock().clear();
+        out
+    }
+
+    async fn onboard_matched(&self, hashes: &[SequenceHash]) -> Result<Onboarded> {
         let mut matched = self.leader.find_matches(hashes);
         if matched.len() < hashes.len()
             && self.presence_check
@@ -731,14 +725,8 @@ impl Instance {
         }
         let session = crate::leader::OnboardingSession::new(matched);
         let movers = StagingMovers {
-            g3_to_g2: self
-                .g3_to_g2
-                .clone()
-                .map(|m| m as Arc<dyn crate::mover::BlockMove<G3, G2>>),
-            g4_to_g2: self
-                .g4
-                .as_ref()
-                .map(|g| g.g4_to_g2.clone() as Arc<dyn crate::mover::BlockMove<G4, G2>>),
+            g3_to_g2: self.movers.g3_to_g2(),
+            g4_to_g2: self.movers.g4_to_g2(),
             remote_g2: Some(self.client.clone()),
         };
         let refused = |out: &mut Onboarded, e: SessionError| -> Result<()> {
@@ -759,8 +747,8 @@ impl Instance {
             refused(&mut out, e)?;
             return Ok(out);
         }
-        let destinations = self.g1.allocate_blocks(n)?;
-        if let Err(e) = session.onboard(self.g2_to_g1.clone(), destinations).await {
+        let destinations = self.tiers.g1.manager.allocate_blocks(n)?;
+        if let Err(e) = session.onboard(self.movers.g2_to_g1(), destinations).await {
             refused(&mut out, e)?;
             return Ok(out);
         }

@@ -20,6 +20,12 @@
 //!        └─► read-ahead (read_ahead) G3→G2 reads for requests still to come
 //! ```
 //!
+//! The tiers, the journal, the warm listing, the leader, the movers and the G2→G4 lane are
+//! built by `tiers` (`Tiers::build`, crate-private): the one builder of tiers, which the
+//! cluster plane's instance (`cluster::instance::InstanceBuilder::build`, feature `nats`) calls
+//! too, with its own geometry, pinning and event sink. What is the stack's alone (the G1→G2 and
+//! G2→G3 lanes, the front ends, the read-ahead, the runtimes) is built here.
+//!
 //! # Driving it
 //!
 //! An inference engine drives the stack through one of two front ends ([`FrontEnd`]):
@@ -49,27 +55,23 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvbm_logical::{BlockRegistry, G1, G2, G3, G4, ImmutableBlock, SequenceHash};
+use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, SequenceHash};
 use kvbm_offload::{
-    BlockFailureKind, BlockMoveExecutor, ExternalMover, ObjectMoveExecutor, ObjectPipeline,
-    ObjectPipelineBuilder, OffloadHandle, OffloadResult, Pipeline, PipelineBuilder, PresenceFilter,
-    create_policy_from_config,
+    BlockFailureKind, BlockMoveExecutor, ExternalMover, ObjectPipeline, OffloadHandle,
+    OffloadResult, Pipeline, PipelineBuilder,
 };
-use kvbm_physical::{
-    Backing, LayoutHandle, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager,
-};
+use kvbm_physical::{Backing, PinPolicy, TransferManager};
 use parking_lot::Mutex;
 
 use crate::error::{EngineError, Result};
 use crate::manager::{EngineTieringManager, PromotionMovers};
 use crate::mover::BlockMove;
-use crate::{EventSource, InstanceLeader, KvbmRuntime};
+use crate::{InstanceLeader, KvbmRuntime};
 
-use context::{Context, stack_error};
-use kvbm_offload::journal::DiskJournal;
-use movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
+use context::Context;
+use movers::OnboardShared;
 
 pub use counters::{Counters, HitSource, MovePath, PATH_NAMES, Served, StageTimes};
 pub use hooks::{Contents, Identities, ShareG4, SharedG4};
@@ -79,8 +81,8 @@ use lanes::{Handoffs, RecordingG3Executor, enqueue_from_sink, lane_policy};
 use read_ahead::Prefetch;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
-    list_blocks, manager, manager_with_sink,
 };
+pub(crate) use tiers::{Movers, TierPlan, TierSinks, Tiers, discard_rejected};
 
 pub(crate) mod context;
 mod counters;
@@ -169,13 +171,6 @@ pub struct TierStack {
     _runtime: KvbmRuntime,
 }
 
-/// The onboarding paths handed to sessions.
-struct Movers {
-    g3_to_g2: Option<Arc<G3ToG2>>,
-    g4_to_g2: Option<Arc<G4ToG2>>,
-    g2_to_g1: Arc<G2ToG1>,
-}
-
 impl TierStack {
     /// Builds every enabled tier, loads what persistent G3/G4 hold, and starts the lanes.
     ///
@@ -198,12 +193,6 @@ impl TierStack {
                  must be > 0",
             ));
         }
-        if tiers.g2_blocks == 0 && (tiers.g3_blocks > 0 || tiers.g4_blocks > 0) {
-            return Err(EngineError::config(
-                "tiers.g2_blocks",
-                "G3 and G4 need G2: blocks move to and from them through host memory (must be > 0)",
-            ));
-        }
         let runtime = KvbmRuntime::builder()
             .config(cfg.clone())
             .build()
@@ -213,68 +202,8 @@ impl TierStack {
             .build()
             .context("cannot start the serving thread's runtime")?;
         let _enter = rt.enter();
-        let tm = Arc::new(
-            TransferManager::with_config(cfg.physical.transfer.clone())
-                .context("cannot start the transfer manager")?,
-        );
-        let registry = BlockRegistry::with_config(&cfg.logical.registry);
-        let counters = Arc::new(Counters::default());
-
-        let host = |n: usize, pin: PinPolicy| -> Result<(LayoutHandle, Arc<PhysicalLayout>)> {
-            let layout = PhysicalLayout::allocate_host(geometry(n, b)?, pin)?;
-            let h = tm.register_layout(layout)?;
-            Ok((h, tm.layout(h)?))
-        };
-        let (h1, l1) = host(tiers.g1_blocks, PinPolicy::Unpinned)?;
-        let g1 = HostTier {
-            manager: manager::<G1>(tiers.g1_blocks, &registry, &cfg.logical)?,
-            handle: h1,
-            layout: l1,
-        };
-        let g2 = if tiers.g2_blocks > 0 {
-            let (h, l) = host(tiers.g2_blocks, PinPolicy::TryPin)?;
-            Some(HostTier {
-                manager: manager::<G2>(tiers.g2_blocks, &registry, &cfg.logical)?,
-                handle: h,
-                layout: l,
-            })
-        } else {
-            None
-        };
-
-        let g3 = if tiers.g3_blocks > 0 {
-            let disk = cfg.physical.disk.as_ref().ok_or_else(|| {
-                EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
-            })?;
-            let dir = disk
-                .path
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .unwrap_or(std::path::Path::new("."))
-                .to_path_buf();
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("cannot create G3 directory {}", dir.display()))?;
-            let layout = PhysicalLayout::create_disk(geometry(tiers.g3_blocks, b)?, disk)
-                .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
-            let handle = tm.register_layout(layout)?;
-            let manager = manager::<G3>(tiers.g3_blocks, &registry, &cfg.logical)?;
-            let opened = DiskJournal::open(&disk.path, &*tm.layout(handle)?)?;
-            let (checksums, warm_blocks) = opened.register_listed(&manager)?;
-            Some(G3Tier {
-                manager,
-                handle,
-                layout: tm.layout(handle)?,
-                dir,
-                checksums: Arc::new(Mutex::new(checksums)),
-                poisoned: Arc::default(),
-                warm_blocks,
-                index: Arc::new(opened.journal),
-            })
-        } else {
-            None
-        };
-
-        // Sharing G4 with other instances (feature `nats`).
+        // Sharing G4 with other instances (feature `nats`): joined first, so G4's manager
+        // publishes to it and the leader searches the others' blocks.
         let shared = match &plan.sharing {
             Some(s) => {
                 if tiers.g4_blocks == 0 {
@@ -287,153 +216,57 @@ impl TierStack {
             }
             None => None,
         };
-        let g4 = if tiers.g4_blocks == 0 {
-            None
-        } else {
-            let ocfg = cfg.physical.object.clone();
-            let (storage, describe) = match (&cfg.physical.s3, &cfg.physical.object_dir) {
-                (Some(s3), _) => {
-                    if let Some(ep) = &s3.endpoint {
-                        probe_endpoint(ep)?;
-                    }
-                    let s = ObjectStorage::s3(s3, ocfg)
-                        .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?;
-                    let d = format!(
-                        "S3 {} bucket {}",
-                        s3.endpoint.as_deref().unwrap_or("(AWS)"),
-                        s3.bucket
-                    );
-                    (s, d)
-                }
-                (None, Some(dir)) => (
-                    ObjectStorage::local(dir, ocfg).with_context(|| {
-                        format!("cannot open the G4 directory {}", dir.display())
-                    })?,
-                    format!("local filesystem {}", dir.display()),
-                ),
-                (None, None) => {
-                    return Err(EngineError::config(
-                        "physical.s3",
-                        "required (or physical.object_dir) when tiers.g4_blocks > 0",
-                    ));
-                }
-            };
-            {
-                let storage = Arc::new(storage);
-                // Warm start: every block object already under the namespace is present.
-                let listed = rt
-                    .block_on(async {
-                        tokio::time::timeout(Duration::from_secs(60), list_blocks(&storage)).await
-                    })
-                    .map_err(|_| stack_error!("listing G4 ({describe}) timed out after 60 s"))?
-                    .with_context(|| format!("cannot list G4 ({describe})"))?;
-                if let Some(sh) = &shared {
-                    sh.own().lock().extend(listed.iter().copied());
-                }
-                let manager = manager_with_sink::<G4>(
-                    tiers.g4_blocks + listed.len(),
-                    &registry,
-                    &cfg.logical,
-                    shared.as_ref().map(|sh| sh.sink()),
-                )?;
-                let mut complete = Vec::with_capacity(listed.len());
-                for (blk, h) in manager
-                    .allocate_blocks(listed.len())?
-                    .into_iter()
-                    .zip(&listed)
-                {
-                    if let Ok(c) = blk.complete(*h) {
-                        complete.push(c);
-                    }
-                }
-                let warm_blocks = manager.register_blocks(complete).len();
-                let handle =
-                    tm.register_layout(PhysicalLayout::object(geometry(1, b)?, storage.clone()))?;
-                Some(G4Tier {
-                    manager,
-                    handle,
-                    storage,
-                    poisoned: Arc::default(),
-                    warm_blocks,
-                    describe,
-                })
-            }
-        };
-
-        // The leader searches the stack's own G2/G3/G4 managers (one shared registry); every
-        // onboarding move runs on the shared transfer manager: a layout is registered in one
-        // manager only (kvbm-physical refuses a second view of the same memory, which could race
-        // with the first), so the claims that keep two transfers off one block cover every move.
-        let onboard = Arc::new(OnboardShared::default());
-        // G2 as every move into it sees it (bound once: its slots are its manager's block ids).
-        let g2_bound = g2
-            .as_ref()
-            .map(|t| kvbm_offload::BoundTier::new(tm.clone(), t.handle, t.manager.clone()))
-            .transpose()?;
-        let (mut leader, mut movers) = (None, None);
+        // Every tier, its journal and warm listing, the leader and the movers: built as every
+        // composition builds them ([`Tiers::build`]).
         let events = runtime.handle();
-        events.register_event_source(&(g1.manager.clone() as Arc<dyn EventSource>));
-        if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
-            let mut builder = InstanceLeader::builder()
-                .g2(g2t.manager.clone())
-                .search(cfg.leader.search.clone());
-            events.register_event_source(&(g2t.manager.clone() as Arc<dyn EventSource>));
-            if let Some(g3t) = &g3 {
-                builder = builder.g3(g3t.manager.clone());
-                events.register_event_source(&(g3t.manager.clone() as Arc<dyn EventSource>));
-            }
-            if let Some(g4t) = &g4 {
-                builder = builder.g4(g4t.manager.clone());
-                events.register_event_source(&(g4t.manager.clone() as Arc<dyn EventSource>));
-            }
-            if let Some(sh) = &shared {
-                builder = builder.remote(sh.remote());
-            }
-            leader = Some(
-                builder
-                    .build()
-                    .context("cannot build the instance leader")?,
-            );
-            movers = Some(Movers {
-                g3_to_g2: match &g3 {
-                    Some(g3t) => Some(Arc::new(G3ToG2::new(
-                        &kvbm_offload::BoundTier::new(tm.clone(), g3t.handle, g3t.manager.clone())?,
-                        g2b,
-                        g3t.check(),
-                        counters.clone(),
-                        b,
-                        onboard.clone(),
-                        plan.identities.clone(),
-                    )?)),
-                    None => None,
-                },
-                g4_to_g2: match &g4 {
-                    Some(g4t) => Some(Arc::new(G4ToG2::new(
-                        &kvbm_offload::BoundTier::new(tm.clone(), g4t.handle, g4t.manager.clone())?,
-                        g2b,
-                        g4t.poisoned.clone(),
-                        counters.clone(),
-                        b,
-                        onboard.clone(),
-                        plan.identities.clone(),
-                    )?)),
-                    None => None,
-                },
-                g2_to_g1: Arc::new(G2ToG1::new(
-                    g2t.handle,
-                    &kvbm_offload::BoundTier::new(tm.clone(), g1.handle, g1.manager.clone())?,
-                    plan.contents.clone(),
-                    counters.clone(),
-                    b,
-                    onboard.clone(),
-                )?),
-            });
+        let built = rt.block_on(Tiers::build(TierPlan {
+            config: cfg,
+            runtime: &events,
+            shape: Box::new(move |n| geometry(n, b)),
+            pin: [PinPolicy::Unpinned, PinPolicy::TryPin],
+            sinks: TierSinks {
+                g4: shared.as_ref().map(|sh| sh.sink()),
+                ..TierSinks::default()
+            },
+            contents: Some(plan.contents.clone()),
+            identities: plan.identities.clone(),
+            remote: shared.as_ref().map(|sh| sh.remote()),
+        }))?;
+        if let Some(sh) = &shared {
+            sh.own().lock().extend(built.g4_listed.iter().copied());
         }
-
+        let g2_to_g4 = {
+            let c = built.counters.clone();
+            let own = shared.as_ref().map(|sh| sh.own().clone());
+            let sink: kvbm_offload::CompletionSink<SequenceHash> =
+                Arc::new(move |done: Vec<SequenceHash>| {
+                    c.add_bytes(MovePath::G2_TO_G4, done.len(), b);
+                    if let Some(own) = &own {
+                        own.lock().extend(done);
+                    }
+                });
+            built
+                .g2_to_g4_lane(&cfg.offload.g2_to_g4, None, Some(sink))?
+                .map(Arc::new)
+        };
+        let Tiers {
+            tm,
+            registry,
+            counters,
+            onboard,
+            g1,
+            g2,
+            g2_bound,
+            g3,
+            g4,
+            leader,
+            movers,
+            ..
+        } = built;
         let handles: Arc<Mutex<Vec<OffloadHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let g2_space_waits = Arc::new(AtomicU64::new(0));
         let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
-        let (mut g1_to_g2, mut g2_to_g3, mut g2_to_g4) = (None, None, None);
+        let (mut g1_to_g2, mut g2_to_g3) = (None, None);
         if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
             if let Some(g3t) = &g3 {
                 let exec = RecordingG3Executor {
@@ -461,33 +294,6 @@ impl TierStack {
                         .build()
                         .spawn(exec)
                         .context("cannot start the G2→G3 pipeline")?,
-                ));
-            }
-            if let Some(g4t) = &g4 {
-                let exec = ObjectMoveExecutor::<G2>::new(tm.clone(), g2t.handle, g4t.handle)
-                    .with_g4_manager(g4t.manager.clone());
-                let c = counters.clone();
-                let own = shared.as_ref().map(|sh| sh.own().clone());
-                let sink: kvbm_offload::CompletionSink<SequenceHash> =
-                    Arc::new(move |done: Vec<SequenceHash>| {
-                        c.add_bytes(MovePath::G2_TO_G4, done.len(), b);
-                        if let Some(own) = &own {
-                            own.lock().extend(done);
-                        }
-                    });
-                let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
-                    .config(cfg.offload.g2_to_g4.clone())
-                    .policy(Arc::new(PresenceFilter::new(registry.clone())));
-                if !cfg.offload.g2_to_g4.pipeline.policies.is_empty() {
-                    builder = builder.policy(create_policy_from_config(
-                        &cfg.offload.g2_to_g4.pipeline.policies,
-                        &registry,
-                    ));
-                }
-                g2_to_g4 = Some(Arc::new(
-                    builder
-                        .spawn_with_sink(exec, Some(sink))
-                        .context("cannot start the G2→G4 pipeline")?,
                 ));
             }
             // With the tiering scheduler, the scheduler's own store (prepare_store → copy →

@@ -49,7 +49,7 @@ use super::{Counters, G3Check, MovePath, count_failure, g3_arrival_check, g3_rea
 
 /// What the movers report back to the stack.
 #[derive(Debug, Default)]
-pub(super) struct OnboardShared {
+pub(crate) struct OnboardShared {
     /// Hashes of blocks whose move failed since the stack last drained it.
     pub failed: Mutex<Vec<SequenceHash>>,
     /// Blocks that reached G1 from G2.
@@ -131,7 +131,7 @@ where
 /// block is registered, against the payload checksum the journal recorded at write
 /// ([`g3_arrival_check`]). The disk headers name the sequence hash (the G2→G3 lane writes them
 /// so); the G2 copy is registered under the block's digest when [`Identities`] knows one.
-pub(super) struct G3ToG2 {
+pub(crate) struct G3ToG2 {
     mover: BlockMover<G3, G2>,
     check: G3Check,
     counters: Arc<Counters>,
@@ -258,7 +258,7 @@ impl BlockMove<G3, G2> for G3ToG2 {
 /// G4 → G2: kvbm-offload's [`BlockMover`] from the keyed object tier, each object checked
 /// against its header (checksum and identity: the block's digest, or, for a block G4 knows
 /// only by name, the one [`Identities`] gives it).
-pub(super) struct G4ToG2 {
+pub(crate) struct G4ToG2 {
     mover: BlockMover<G4, G2>,
     poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
     counters: Arc<Counters>,
@@ -361,7 +361,7 @@ impl BlockMove<G4, G2> for G4ToG2 {
 /// thread, with the transfer manager's claims and aliasing checks) and checked: every block's
 /// bytes are verified by the [`Contents`] hook before it is registered in G1, so a block with
 /// wrong bytes is never served.
-pub(super) struct G2ToG1 {
+pub(crate) struct G2ToG1 {
     mover: BlockMover<G2, G1>,
     counters: Arc<Counters>,
     block_bytes: usize,
@@ -369,19 +369,30 @@ pub(super) struct G2ToG1 {
 }
 
 impl G2ToG1 {
-    /// The move from the G2 layout `g2` into the bound `g1`; what arrives is counted in
-    /// `shared` (onboarded, verified, corrupt).
+    /// The move from the G2 layout `g2` into the bound `g1`. With `contents`, every block is
+    /// checked by it before it is registered, and what arrives is counted in `shared`
+    /// (onboarded, verified, corrupt); without, blocks are copied unchecked (the tiers below
+    /// checked their reads) and not counted there.
     ///
     /// # Errors
     /// Either side is not host memory, or `g2` is not on `g1`'s transfer manager.
     pub(super) fn new(
         g2: LayoutHandle,
         g1: &BoundTier<G1>,
-        contents: Arc<dyn Contents>,
+        contents: Option<Arc<dyn Contents>>,
         counters: Arc<Counters>,
         block_bytes: usize,
         shared: Arc<OnboardShared>,
     ) -> crate::Result<Self> {
+        let mover = BlockMover::from_layout(g2, g1)?.inline()?;
+        let Some(contents) = contents else {
+            return Ok(G2ToG1 {
+                mover,
+                counters,
+                block_bytes,
+                shared,
+            });
+        };
         let tally = shared.clone();
         let check: ArrivalCheck = Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
             tally.onboarded.fetch_add(1, Ordering::Relaxed);
@@ -403,9 +414,7 @@ impl G2ToG1 {
                 ))
             }
         });
-        let mover = BlockMover::from_layout(g2, g1)?
-            .inline()?
-            .with_arrival_check(check)?;
+        let mover = mover.with_arrival_check(check)?;
         Ok(G2ToG1 {
             mover,
             counters,

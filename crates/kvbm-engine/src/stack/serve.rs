@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvbm_logical::{
-    BlockManager, G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
-};
+use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId};
 use parking_lot::Mutex;
 
 use crate::MatchedPrefix;
@@ -43,34 +41,7 @@ impl TierStack {
     /// read) until it is dropped or has left the tier. The poisoned sets are leaf locks: read,
     /// released, then the manager is called, then taken again to forget the dropped ones.
     pub(super) fn discard_rejected(&mut self) {
-        fn drop_from<T: Tier>(manager: &BlockManager<T>, poisoned: &Mutex<HashSet<SequenceHash>>) {
-            let pending: Vec<SequenceHash> = {
-                let p = poisoned.lock();
-                if p.is_empty() {
-                    return;
-                }
-                p.iter().copied().collect()
-            };
-            let gone: Vec<SequenceHash> = pending
-                .into_iter()
-                .filter(|h| {
-                    manager.discard_inactive(&[*h]) == 1
-                        || !manager.registry().is_present(*h, T::ID)
-                })
-                .collect();
-            if !gone.is_empty() {
-                let mut p = poisoned.lock();
-                for h in gone {
-                    p.remove(&h);
-                }
-            }
-        }
-        if let Some(g3) = &self.g3 {
-            drop_from(&g3.manager, &g3.poisoned);
-        }
-        if let Some(g4) = &self.g4 {
-            drop_from(&g4.manager, &g4.poisoned);
-        }
+        super::tiers::discard_rejected(self.g3.as_ref(), self.g4.as_ref());
     }
 
     /// Serves one request: lookup, onboarding, computing the rest, offloading it.

@@ -1,30 +1,480 @@
-//! The storage of each tier: host layouts for G1/G2, the G3 disk file with its journal and
-//! checksums, the G4 object store; the block managers over them (one registry); and the check
-//! every G3 read passes.
+//! The tiers of one instance, and the one way they are built ([`Tiers::build`]): the host
+//! layouts of G1/G2, the G3 disk file with its journal (warm restart) and checksums, the G4
+//! object store with its warm listing, all registered on one `TransferManager`; the block
+//! managers over them (one registry); the [`InstanceLeader`] over G2..G4; and the movers
+//! G3→G2, G4→G2, G2→G1 with their checks. Both compositions call it: the
+//! [`TierStack`](super::TierStack) (`TierStack::build`) and the cluster plane's instance
+//! (`cluster::instance::InstanceBuilder::build`, feature `nats`); each adds what is its own
+//! on top (the stack its lanes, front end and read-ahead; the instance its data plane, events
+//! and presence).
+//!
+//! ```text
+//!  TierPlan: [tiers] [physical] [logical] [leader]   one TransferManager, one BlockRegistry
+//!            shape (geometry of n blocks), pins  ──► G1 host ─ G2 host ─ G3 disk ─ G4 objects
+//!            sinks (G2..G4 events)                   G3: DiskJournal::open → listed blocks
+//!            contents, identities, remote                registered, their checksums kept
+//!                                                    G4: every block object listed, present
+//!                                                ──► InstanceLeader (G2..G4, remote search)
+//!                                                ──► Movers: G3ToG2 (journal checksum),
+//!                                                    G4ToG2 (header), G2ToG1 (Contents)
+//!                                                ──► g2_to_g4_lane (the object pipeline)
+//! ```
+//!
+//! The check every G3 read passes, and what a rejected copy becomes (poisoned, never read
+//! again, [`discard_rejected`] from its tier), are here too.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use kvbm_logical::{
-    BlockManager, BlockRegistry, EventSink, G3, G4, LogicalConfig, SequenceHash, Tier,
+    BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, LogicalConfig, SequenceHash, Tier,
 };
-use kvbm_offload::{ArrivalCheck, BlockFailure, BlockFailureKind, MoveSource};
-use kvbm_physical::{BlockLayout, LayoutHandle, LayoutKind, ObjectStorage, PhysicalLayout};
+use kvbm_offload::{
+    ArrivalCheck, BlockFailure, BlockFailureKind, BoundTier, CompletionSink, MoveSource,
+    ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder, ObjectPipelineConfig,
+    PresenceFilter, create_policy_from_config,
+};
+use kvbm_physical::{
+    BlockLayout, LayoutHandle, LayoutKind, ObjectStorage, PhysicalLayout, PinPolicy,
+    TransferManager,
+};
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::config::KvbmConfig;
+use crate::error::{EngineError, Result};
+use crate::leader::{InstanceLeader, RemoteSearch};
+use crate::mover::BlockMove;
+use crate::runtime::{EventSource, RuntimeHandle};
 
-use super::context::Context;
+use super::context::{Context, stack_error};
+use super::hooks::{Contents, Identities};
+use super::movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
+use super::plan::probe_endpoint;
 use kvbm_offload::journal::DiskJournal;
 
 use super::counters::Counters;
 
-pub(super) struct HostTier<T: Tier> {
-    pub(super) manager: Arc<BlockManager<T>>,
-    pub(super) handle: LayoutHandle,
-    pub(super) layout: Arc<PhysicalLayout>,
+/// Where each lower tier's block manager publishes its stored/removed events (none: not
+/// published). G1 publishes nothing.
+#[derive(Default, Clone)]
+pub(crate) struct TierSinks {
+    pub(crate) g2: Option<Arc<dyn EventSink>>,
+    pub(crate) g3: Option<Arc<dyn EventSink>>,
+    pub(crate) g4: Option<Arc<dyn EventSink>>,
+}
+
+impl TierSinks {
+    /// The same sink for G2, G3 and G4.
+    pub(crate) fn all(sink: Arc<dyn EventSink>) -> Self {
+        TierSinks {
+            g2: Some(sink.clone()),
+            g3: Some(sink.clone()),
+            g4: Some(sink),
+        }
+    }
+}
+
+/// How a tier of `n` blocks is laid out (the geometry of one block, `n` of them).
+pub(crate) type Shape = Box<dyn Fn(usize) -> Result<BlockLayout> + Send + Sync>;
+
+/// What [`Tiers::build`] builds from: the configuration tree and what is not configuration.
+pub(crate) struct TierPlan<'a> {
+    /// `[tiers]` (blocks per tier; 0: no such tier), `[physical]` (G3's file, G4's store,
+    /// the transfer manager), `[logical]`, `[leader]`.
+    pub(crate) config: &'a KvbmConfig,
+    /// The runtime whose event-flush timer every manager is put under.
+    pub(crate) runtime: &'a RuntimeHandle,
+    /// The layout of a tier of `n` blocks.
+    pub(crate) shape: Shape,
+    /// Pinning of the G1 and G2 host layouts.
+    pub(crate) pin: [PinPolicy; 2],
+    /// Where G2..G4 publish their events.
+    pub(crate) sinks: TierSinks,
+    /// Checks every block reaching G1 (none: G2→G1 copies unchecked; the tiers below have
+    /// checked their reads already).
+    pub(crate) contents: Option<Arc<dyn Contents>>,
+    /// Identities of blocks a tier knows only by name.
+    pub(crate) identities: Arc<Identities>,
+    /// How the leader searches beyond this instance's tiers.
+    pub(crate) remote: Option<RemoteSearch>,
+}
+
+/// The onboarding paths: what sessions and promotions move blocks through.
+pub(crate) struct Movers {
+    pub(crate) g3_to_g2: Option<Arc<G3ToG2>>,
+    pub(crate) g4_to_g2: Option<Arc<G4ToG2>>,
+    pub(crate) g2_to_g1: Arc<G2ToG1>,
+}
+
+impl Movers {
+    /// G3→G2 as the engine's move seam.
+    pub(crate) fn g3_to_g2(&self) -> Option<Arc<dyn BlockMove<G3, G2>>> {
+        self.g3_to_g2
+            .clone()
+            .map(|m| m as Arc<dyn BlockMove<G3, G2>>)
+    }
+
+    /// G4→G2 as the engine's move seam.
+    pub(crate) fn g4_to_g2(&self) -> Option<Arc<dyn BlockMove<G4, G2>>> {
+        self.g4_to_g2
+            .clone()
+            .map(|m| m as Arc<dyn BlockMove<G4, G2>>)
+    }
+
+    /// G2→G1 as the engine's move seam.
+    pub(crate) fn g2_to_g1(&self) -> Arc<dyn BlockMove<G2, G1>> {
+        self.g2_to_g1.clone()
+    }
+}
+
+/// Every tier of one instance, built by [`Tiers::build`] (see the [module docs](self)).
+pub(crate) struct Tiers {
+    /// The transfer manager every tier's layout is registered with (a layout is registered in
+    /// one manager only, so its claims keep two transfers off one block across every move).
+    pub(crate) tm: Arc<TransferManager>,
+    /// The registry every tier's manager shares.
+    pub(crate) registry: BlockRegistry,
+    /// What the movers count (bytes per path, failures).
+    pub(crate) counters: Arc<Counters>,
+    /// What the movers report (failed hashes, onboarded and verified blocks).
+    pub(crate) onboard: Arc<OnboardShared>,
+    pub(crate) g1: HostTier<G1>,
+    pub(crate) g2: Option<HostTier<G2>>,
+    /// G2 as every move into it sees it (its slots are its manager's block ids).
+    pub(crate) g2_bound: Option<BoundTier<G2>>,
+    pub(crate) g3: Option<G3Tier>,
+    pub(crate) g4: Option<G4Tier>,
+    /// The block objects G4 listed at start (registered present).
+    pub(crate) g4_listed: Vec<SequenceHash>,
+    /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
+    pub(crate) leader: Option<InstanceLeader>,
+    /// The onboarding movers (none without G2).
+    pub(crate) movers: Option<Movers>,
+}
+
+impl Tiers {
+    /// Builds every tier with blocks in `[tiers]`, loads what persistent G3 (its journal) and
+    /// G4 (a listing, 60 s at most) hold, and builds the leader and the movers over them.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming the key: `tiers.g2_blocks` of 0 with G3 or G4,
+    /// `physical.disk` for G3, `physical.s3` (or `physical.object_dir`) for G4;
+    /// [`EngineError::Stack`] naming the step for storage that cannot be created, opened,
+    /// listed or reached; [`EngineError::Physical`] / [`EngineError::Offload`] when a layout or
+    /// mover cannot be set up.
+    pub(crate) async fn build(plan: TierPlan<'_>) -> Result<Tiers> {
+        let cfg = plan.config;
+        let tiers = &cfg.tiers;
+        if tiers.g2_blocks == 0 && (tiers.g3_blocks > 0 || tiers.g4_blocks > 0) {
+            return Err(EngineError::config(
+                "tiers.g2_blocks",
+                "G3 and G4 need G2: blocks move to and from them through host memory (must be > 0)",
+            ));
+        }
+        let tm = Arc::new(
+            TransferManager::with_config(cfg.physical.transfer.clone())
+                .context("cannot start the transfer manager")?,
+        );
+        let registry = BlockRegistry::with_config(&cfg.logical.registry);
+        let counters = Arc::new(Counters::default());
+        let shape = &plan.shape;
+
+        let host = |n: usize, pin: PinPolicy| -> Result<(LayoutHandle, Arc<PhysicalLayout>)> {
+            let layout = PhysicalLayout::allocate_host(shape(n)?, pin)?;
+            let h = tm.register_layout(layout)?;
+            Ok((h, tm.layout(h)?))
+        };
+        let (h1, l1) = host(tiers.g1_blocks, plan.pin[0])?;
+        let g1 = HostTier {
+            manager: manager::<G1>(tiers.g1_blocks, &registry, &cfg.logical)?,
+            handle: h1,
+            layout: l1,
+        };
+        let g2 = if tiers.g2_blocks > 0 {
+            let (h, l) = host(tiers.g2_blocks, plan.pin[1])?;
+            Some(HostTier {
+                manager: manager_with_sink::<G2>(
+                    tiers.g2_blocks,
+                    &registry,
+                    &cfg.logical,
+                    plan.sinks.g2.clone(),
+                )?,
+                handle: h,
+                layout: l,
+            })
+        } else {
+            None
+        };
+
+        let g3 = if tiers.g3_blocks > 0 {
+            let disk = cfg.physical.disk.as_ref().ok_or_else(|| {
+                EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
+            })?;
+            let dir = disk
+                .path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."))
+                .to_path_buf();
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create G3 directory {}", dir.display()))?;
+            let layout = PhysicalLayout::create_disk(shape(tiers.g3_blocks)?, disk)
+                .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
+            let handle = tm.register_layout(layout)?;
+            let manager = manager_with_sink::<G3>(
+                tiers.g3_blocks,
+                &registry,
+                &cfg.logical,
+                plan.sinks.g3.clone(),
+            )?;
+            let opened = DiskJournal::open(&disk.path, &*tm.layout(handle)?)?;
+            let (checksums, warm_blocks) = opened.register_listed(&manager)?;
+            Some(G3Tier {
+                manager,
+                handle,
+                layout: tm.layout(handle)?,
+                dir,
+                checksums: Arc::new(Mutex::new(checksums)),
+                poisoned: Arc::default(),
+                warm_blocks,
+                index: Arc::new(opened.journal),
+            })
+        } else {
+            None
+        };
+
+        let (g4, g4_listed) = if tiers.g4_blocks == 0 {
+            (None, Vec::new())
+        } else {
+            let ocfg = cfg.physical.object.clone();
+            let (storage, describe) = match (&cfg.physical.s3, &cfg.physical.object_dir) {
+                (Some(s3), _) => {
+                    if let Some(ep) = s3.endpoint.clone() {
+                        // A blocking connect (3 s at most per address): off the async workers.
+                        tokio::task::spawn_blocking(move || probe_endpoint(&ep))
+                            .await
+                            .context("the S3 endpoint probe did not finish")??;
+                    }
+                    let s = ObjectStorage::s3(s3, ocfg)
+                        .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?;
+                    let d = format!(
+                        "S3 {} bucket {}",
+                        s3.endpoint.as_deref().unwrap_or("(AWS)"),
+                        s3.bucket
+                    );
+                    (s, d)
+                }
+                (None, Some(dir)) => (
+                    ObjectStorage::local(dir, ocfg).with_context(|| {
+                        format!("cannot open the G4 directory {}", dir.display())
+                    })?,
+                    format!("local filesystem {}", dir.display()),
+                ),
+                (None, None) => {
+                    return Err(EngineError::config(
+                        "physical.s3",
+                        "required (or physical.object_dir) when tiers.g4_blocks > 0",
+                    ));
+                }
+            };
+            let storage = Arc::new(storage);
+            // Warm start: every block object already under the namespace is present.
+            let listed = tokio::time::timeout(Duration::from_secs(60), list_blocks(&storage))
+                .await
+                .map_err(|_| stack_error!("listing G4 ({describe}) timed out after 60 s"))?
+                .with_context(|| format!("cannot list G4 ({describe})"))?;
+            let manager = manager_with_sink::<G4>(
+                tiers.g4_blocks + listed.len(),
+                &registry,
+                &cfg.logical,
+                plan.sinks.g4.clone(),
+            )?;
+            let mut complete = Vec::with_capacity(listed.len());
+            for (blk, h) in manager
+                .allocate_blocks(listed.len())?
+                .into_iter()
+                .zip(&listed)
+            {
+                if let Ok(c) = blk.complete(*h) {
+                    complete.push(c);
+                }
+            }
+            let warm_blocks = manager.register_blocks(complete).len();
+            // Objects are keyed by block: the layout's one slot only carries the geometry.
+            let handle = tm.register_layout(PhysicalLayout::object(shape(1)?, storage.clone()))?;
+            let g4 = G4Tier {
+                manager,
+                handle,
+                storage,
+                poisoned: Arc::default(),
+                warm_blocks,
+                describe,
+            };
+            (Some(g4), listed)
+        };
+
+        // The leader searches the G2/G3/G4 managers (one shared registry); every onboarding
+        // move runs on the shared transfer manager.
+        let onboard = Arc::new(OnboardShared::default());
+        let g2_bound = g2
+            .as_ref()
+            .map(|t| BoundTier::new(tm.clone(), t.handle, t.manager.clone()))
+            .transpose()?;
+        let events = plan.runtime;
+        events.register_event_source(&(g1.manager.clone() as Arc<dyn EventSource>));
+        let (mut leader, mut movers) = (None, None);
+        if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
+            let b = g2t.layout.layout().config().block_bytes();
+            let mut builder = InstanceLeader::builder()
+                .g2(g2t.manager.clone())
+                .search(cfg.leader.search.clone());
+            events.register_event_source(&(g2t.manager.clone() as Arc<dyn EventSource>));
+            if let Some(g3t) = &g3 {
+                builder = builder.g3(g3t.manager.clone());
+                events.register_event_source(&(g3t.manager.clone() as Arc<dyn EventSource>));
+            }
+            if let Some(g4t) = &g4 {
+                builder = builder.g4(g4t.manager.clone());
+                events.register_event_source(&(g4t.manager.clone() as Arc<dyn EventSource>));
+            }
+            if let Some(r) = plan.remote.clone() {
+                builder = builder.remote(r);
+            }
+            leader = Some(
+                builder
+                    .build()
+                    .context("cannot build the instance leader")?,
+            );
+            movers = Some(Movers {
+                g3_to_g2: match &g3 {
+                    Some(g3t) => Some(Arc::new(G3ToG2::new(
+                        &BoundTier::new(tm.clone(), g3t.handle, g3t.manager.clone())?,
+                        g2b,
+                        g3t.check(),
+                        counters.clone(),
+                        b,
+                        onboard.clone(),
+                        plan.identities.clone(),
+                    )?)),
+                    None => None,
+                },
+                g4_to_g2: match &g4 {
+                    Some(g4t) => Some(Arc::new(G4ToG2::new(
+                        &BoundTier::new(tm.clone(), g4t.handle, g4t.manager.clone())?,
+                        g2b,
+                        g4t.poisoned.clone(),
+                        counters.clone(),
+                        b,
+                        onboard.clone(),
+                        plan.identities.clone(),
+                    )?)),
+                    None => None,
+                },
+                g2_to_g1: Arc::new(G2ToG1::new(
+                    g2t.handle,
+                    &BoundTier::new(tm.clone(), g1.handle, g1.manager.clone())?,
+                    plan.contents.clone(),
+                    counters.clone(),
+                    b,
+                    onboard.clone(),
+                )?),
+            });
+        }
+        Ok(Tiers {
+            tm,
+            registry,
+            counters,
+            onboard,
+            g1,
+            g2,
+            g2_bound,
+            g3,
+            g4,
+            g4_listed,
+            leader,
+            movers,
+        })
+    }
+
+    /// The G2→G4 lane (none without G2 or G4): kvbm-offload's object pipeline, configured by
+    /// `config` (`[offload.g2_to_g4]`), blocks already present in G4 filtered out, then the
+    /// configured policies; every written block is recorded in G4's manager (which publishes
+    /// its stored event) and handed to `sink`. `owner` names the writer in lock objects.
+    /// Spawns on the current tokio runtime.
+    ///
+    /// # Errors
+    /// [`EngineError::Stack`] when the pipeline cannot be started.
+    pub(crate) fn g2_to_g4_lane(
+        &self,
+        config: &ObjectPipelineConfig,
+        owner: Option<String>,
+        sink: Option<CompletionSink<SequenceHash>>,
+    ) -> Result<Option<ObjectPipeline>> {
+        let (Some(g2t), Some(g4t)) = (&self.g2, &self.g4) else {
+            return Ok(None);
+        };
+        let exec = ObjectMoveExecutor::<G2>::new(self.tm.clone(), g2t.handle, g4t.handle)
+            .with_g4_manager(g4t.manager.clone());
+        let mut builder = ObjectPipelineBuilder::new(g4t.storage.clone())
+            .config(config.clone())
+            .policy(Arc::new(PresenceFilter::new(self.registry.clone())));
+        if !config.pipeline.policies.is_empty() {
+            builder = builder.policy(create_policy_from_config(
+                &config.pipeline.policies,
+                &self.registry,
+            ));
+        }
+        if let Some(owner) = owner {
+            builder = builder.owner(owner);
+        }
+        Ok(Some(
+            builder
+                .spawn_with_sink(exec, sink)
+                .context("cannot start the G2→G4 pipeline")?,
+        ))
+    }
+}
+
+/// Drops every poisoned block (a copy its tier rejected on read) from G3 and G4 when nothing
+/// holds it any more (G3 also unlisted it from the journal when it was poisoned), so it is
+/// neither matched nor read again; a block still held stays poisoned until a later call.
+pub(crate) fn discard_rejected(g3: Option<&G3Tier>, g4: Option<&G4Tier>) {
+    fn drop_from<T: Tier>(manager: &BlockManager<T>, poisoned: &Mutex<HashSet<SequenceHash>>) {
+        let pending: Vec<SequenceHash> = {
+            let p = poisoned.lock();
+            if p.is_empty() {
+                return;
+            }
+            p.iter().copied().collect()
+        };
+        let gone: Vec<SequenceHash> = pending
+            .into_iter()
+            .filter(|h| {
+                manager.discard_inactive(&[*h]) == 1 || !manager.registry().is_present(*h, T::ID)
+            })
+            .collect();
+        if !gone.is_empty() {
+            let mut p = poisoned.lock();
+            for h in gone {
+                p.remove(&h);
+            }
+        }
+    }
+    if let Some(g3) = g3 {
+        drop_from(&g3.manager, &g3.poisoned);
+    }
+    if let Some(g4) = g4 {
+        drop_from(&g4.manager, &g4.poisoned);
+    }
+}
+
+pub(crate) struct HostTier<T: Tier> {
+    pub(crate) manager: Arc<BlockManager<T>>,
+    pub(crate) handle: LayoutHandle,
+    pub(crate) layout: Arc<PhysicalLayout>,
 }
 
 impl<T: Tier> HostTier<T> {
@@ -33,7 +483,7 @@ impl<T: Tier> HostTier<T> {
     /// # Safety
     /// As [`slot_of`].
     #[allow(clippy::mut_from_ref)]
-    pub(super) unsafe fn slot(&self, id: usize) -> &mut [u8] {
+    pub(crate) unsafe fn slot(&self, id: usize) -> &mut [u8] {
         // SAFETY: per this function's contract.
         unsafe { slot_of(&self.layout, id) }
     }
@@ -54,15 +504,15 @@ pub(super) unsafe fn slot_of(layout: &PhysicalLayout, id: usize) -> &mut [u8] {
 
 /// What checking a G3 read needs: shared by the read-ahead and the onboarding mover.
 #[derive(Clone)]
-pub(super) struct G3Check {
-    pub(super) manager: Arc<BlockManager<G3>>,
-    pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
-    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
-    pub(super) index: Arc<DiskJournal>,
+pub(crate) struct G3Check {
+    pub(crate) manager: Arc<BlockManager<G3>>,
+    pub(crate) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    pub(crate) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(crate) index: Arc<DiskJournal>,
 }
 
 impl G3Tier {
-    pub(super) fn check(&self) -> G3Check {
+    pub(crate) fn check(&self) -> G3Check {
         G3Check {
             manager: self.manager.clone(),
             checksums: self.checksums.clone(),
@@ -72,26 +522,26 @@ impl G3Tier {
     }
 }
 
-pub(super) struct G3Tier {
-    pub(super) manager: Arc<BlockManager<G3>>,
-    pub(super) handle: LayoutHandle,
-    pub(super) layout: Arc<PhysicalLayout>,
-    pub(super) dir: PathBuf,
+pub(crate) struct G3Tier {
+    pub(crate) manager: Arc<BlockManager<G3>>,
+    pub(crate) handle: LayoutHandle,
+    pub(crate) layout: Arc<PhysicalLayout>,
+    pub(crate) dir: PathBuf,
     /// xxh3-128 of each block's payload as written to G3 (sequence hash → checksum).
-    pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
-    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
-    pub(super) warm_blocks: usize,
+    pub(crate) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    pub(crate) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(crate) warm_blocks: usize,
     /// The persistent index (`<dir>/g3.journal`).
-    pub(super) index: Arc<DiskJournal>,
+    pub(crate) index: Arc<DiskJournal>,
 }
 
-pub(super) struct G4Tier {
-    pub(super) manager: Arc<BlockManager<G4>>,
-    pub(super) handle: LayoutHandle,
-    pub(super) storage: Arc<ObjectStorage>,
-    pub(super) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
-    pub(super) warm_blocks: usize,
-    pub(super) describe: String,
+pub(crate) struct G4Tier {
+    pub(crate) manager: Arc<BlockManager<G4>>,
+    pub(crate) handle: LayoutHandle,
+    pub(crate) storage: Arc<ObjectStorage>,
+    pub(crate) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    pub(crate) warm_blocks: usize,
+    pub(crate) describe: String,
 }
 
 pub(super) fn geometry(num_blocks: usize, block_bytes: usize) -> Result<BlockLayout> {
