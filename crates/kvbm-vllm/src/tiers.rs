@@ -153,7 +153,8 @@ impl StorageTier {
     /// A disk tier. `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes`
     /// per chunk); `path`: the tier's file; `capacity`: chunk slots in it.
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, path, capacity, queue_depth, direct_io, lookup_results))]
+    #[pyo3(signature = (region, chunk_bytes, path, capacity, queue_depth, direct_io, lookup_results, events = false))]
+    #[allow(clippy::too_many_arguments)]
     fn disk(
         region: &Bound<'_, PyAny>,
         chunk_bytes: usize,
@@ -162,6 +163,7 @@ impl StorageTier {
         queue_depth: u32,
         direct_io: bool,
         lookup_results: &Bound<'_, PyTuple>,
+        events: bool,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -184,7 +186,7 @@ impl StorageTier {
             ))
         })?;
         Self::over(
-            Box::new(tier.with_tier_type("kvbm_disk")),
+            Box::new(tier.with_tier_type("kvbm_disk").with_events(events)),
             primary,
             lookup_results,
         )
@@ -194,7 +196,7 @@ impl StorageTier {
     /// `bucket` (at `endpoint`, `None` for AWS) or, with `dir`, in a local directory;
     /// `capacity`: keys it remembers.
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results))]
+    #[pyo3(signature = (region, chunk_bytes, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false))]
     #[allow(clippy::too_many_arguments)]
     fn object(
         region: &Bound<'_, PyAny>,
@@ -208,6 +210,7 @@ impl StorageTier {
         secret_key: Option<String>,
         dir: Option<std::path::PathBuf>,
         lookup_results: &Bound<'_, PyTuple>,
+        events: bool,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -245,7 +248,7 @@ impl StorageTier {
             PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
         })?;
         Self::over(
-            Box::new(tier.with_tier_type("kvbm_object")),
+            Box::new(tier.with_tier_type("kvbm_object").with_events(events)),
             primary,
             lookup_results,
         )
@@ -371,6 +374,19 @@ impl StorageTier {
         let c = self.contexts.get(ctx)?;
         self.tier()?.touch(&ks, &c);
         Ok(())
+    }
+
+    /// Events of the tier's contents since the last call (when built with `events`), as
+    /// `(keys, removed)`.
+    fn take_events<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(Bound<'py, pyo3::types::PyList>, bool)>> {
+        let events = self.tier()?.take_events();
+        events
+            .into_iter()
+            .map(|e| Ok((key_list(py, &e.keys)?, e.removed)))
+            .collect()
     }
 
     /// Chunks written and ready on disk.

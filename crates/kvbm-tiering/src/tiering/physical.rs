@@ -85,7 +85,9 @@ use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::tiering::backpressure::{Backpressure, BackpressureDetector};
 use crate::tiering::base::{JobId, JobResult, SecondaryTierManager, TierJob};
-use crate::types::{Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext};
+use crate::types::{
+    Locality, LookupResult, Medium, OffloadingEvent, ReqContext, RequestOffloadingContext,
+};
 
 /// Tokens per block of the managers this module builds: a chunk is one block, and the sequence
 /// hashes of [`key_hash`] carry no token geometry.
@@ -209,6 +211,9 @@ pub struct PhysicalTier<T: Tier> {
     restored: HashMap<SequenceHash, ImmutableBlock<T>>,
     /// The primary's memory (checksums of what a journaled store writes).
     primary_memory: Arc<PhysicalLayout>,
+    /// vLLM-format events of this tier's contents (`None`: events off): a chunk stored, a
+    /// chunk evicted for room, a copy dropped because a read proved it bad.
+    events: Option<Vec<OffloadingEvent>>,
 }
 
 impl<T: Tier> PhysicalTier<T> {
@@ -270,6 +275,7 @@ impl<T: Tier> PhysicalTier<T> {
             journal: None,
             restored: HashMap::new(),
             primary_memory,
+            events: None,
         })
     }
 
@@ -348,6 +354,31 @@ impl<T: Tier> PhysicalTier<T> {
         self
     }
 
+    /// Records vLLM-format events of the tier's contents for `take_events` (vLLM's
+    /// `enable_kv_events`): stored when a chunk's write completes, removed when a chunk is
+    /// evicted for room or its copy is dropped as bad.
+    pub fn with_events(mut self, on: bool) -> Self {
+        self.events = on.then(Vec::new);
+        self
+    }
+
+    fn event(&mut self, keys: Vec<OffloadKey>, removed: bool) {
+        if keys.is_empty() {
+            return;
+        }
+        if let Some(ev) = &mut self.events {
+            ev.push(OffloadingEvent {
+                keys,
+                medium: self.medium,
+                removed,
+                locality: Some(self.locality),
+                ownership: Some(self.tier_type.clone()),
+                removal_expected: false,
+                metadata_only: false,
+            });
+        }
+    }
+
     /// Attaches a backpressure detector.
     pub fn with_backpressure(mut self, d: BackpressureDetector) -> Self {
         self.detector = Some(d);
@@ -409,6 +440,7 @@ impl<T: Tier> PhysicalTier<T> {
                 .find(|k| self.entries.get(k).is_some_and(|e| e.readers == 0))?;
             self.ready_order.remove(&victim);
             self.entries.remove(&victim);
+            self.event(vec![victim], true);
         }
     }
 
@@ -429,6 +461,7 @@ impl<T: Tier> PhysicalTier<T> {
 
     fn finish(&mut self, meta: JobMeta, settled: Settled<T>) {
         let mut ok_keys = Vec::new();
+        let mut dropped = Vec::new();
         let promotion = matches!(settled, Settled::Load(_));
         match settled {
             Settled::Store(outcomes) => {
@@ -457,6 +490,7 @@ impl<T: Tier> PhysicalTier<T> {
                 {
                     tracing::warn!(error = %e, blocks = written.len(), "disk journal cannot list written chunks: they are not persistent");
                 }
+                self.event(ok_keys.clone(), false);
             }
             Settled::Load(outcomes) => {
                 for (k, r) in meta.keys.iter().zip(outcomes) {
@@ -484,12 +518,14 @@ impl<T: Tier> PhysicalTier<T> {
                                 self.entries.remove(k);
                                 self.ready_order.remove(k);
                                 self.forget_dropped();
+                                dropped.push(*k);
                             }
                         }
                     }
                 }
             }
         }
+        self.event(dropped, true);
         let success = ok_keys.len() == meta.keys.len();
         self.done.push(JobResult {
             job_id: meta.job_id,
@@ -765,6 +801,9 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         );
         let meta = self.meta(&job, job.keys.clone(), Vec::new());
         self.inflight.push(Inflight { meta, mv });
+    }
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
         let mut i = 0;

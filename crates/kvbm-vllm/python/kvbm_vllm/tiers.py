@@ -41,7 +41,10 @@ unlisted before it is rewritten.
 With ``shared: true`` an object tier also finds chunks other instances wrote under the same
 ``namespace`` (a probe of the store off the scheduler thread; see ``KvbmObjectTier``).
 
-Not built yet: events of the tiers' contents (vLLM's KV events).
+With ``enable_kv_events: true`` (and KV cache events on in vLLM's ``kv_events_config``) a tier
+reports its contents as vLLM's ``OffloadingEvent``s (``ownership`` its tier type, medium
+``STORAGE``): stored when a chunk's write completed, removed when a chunk was evicted for room
+or its copy was dropped because a read proved it bad.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
     Locality,
+    OffloadingEvent,
     LookupResult,
     Medium,
     OffloadKey,
@@ -81,6 +85,7 @@ DISK_KEYS: dict[str, Any] = {
     "queue_depth": 64,
     "direct_io": True,
     "locality": "local",
+    "enable_kv_events": False,
 }
 
 
@@ -98,6 +103,19 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
             f"secondary tier {tier_type!r}: missing required key(s) {', '.join(missing)}"
         )
     return out
+
+
+def _events_on(tier_type: str, spec, asked: bool) -> bool:
+    """vLLM's rule: a tier emits KV events when its ``enable_kv_events`` is set and KV cache
+    events are on globally (``kv_events_config``); set but off globally is a warning."""
+    if not asked:
+        return False
+    config = getattr(spec, "kv_events_config", None)
+    if config is not None and not getattr(config, "enable_kv_cache_events", False):
+        _log.warning("enable_kv_events is set on secondary tier %r but KV cache events are "
+                     "disabled (kv_events_config): no events", tier_type)
+        return False
+    return True
 
 
 def _flat(view: memoryview) -> memoryview:
@@ -150,6 +168,11 @@ class _KvbmTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._rs.shutdown()
 
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for keys, removed in self._rs.take_events():
+            yield OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
+                                  locality=self.locality, ownership=self.tier_type)
+
 
 class KvbmDiskTier(_KvbmTier):
     """A bounded, verified disk tier (kvbm's G3) under vLLM's tiering manager (see the module
@@ -186,6 +209,7 @@ class KvbmDiskTier(_KvbmTier):
             int(s["queue_depth"]),
             bool(s["direct_io"]),
             _LOOKUP_RESULTS,
+            _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
         )
 
 
@@ -204,6 +228,7 @@ OBJECT_KEYS: dict[str, Any] = {
     "probe_threads": 4,
     "max_probes": 256,
     "absent_ttl_s": 5.0,
+    "enable_kv_events": False,
 }
 
 _log = logging.getLogger("kvbm_vllm.tiers")
@@ -266,6 +291,7 @@ class KvbmObjectTier(_KvbmTier):
             secret,
             s["dir"] or None,
             _LOOKUP_RESULTS,
+            _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
         )
         self._probe = None
         if s["shared"]:

@@ -201,8 +201,14 @@ def _stats_of(triple) -> OffloadingConnectorStats:
     for name, label, value in gauges:
         stats.set_gauge(name, value, _labels(label))
     for name, label, values in histograms:
-        for v in values:
-            stats.observe_histogram(name, v, _labels(label))
+        if not values:
+            continue
+        labels = _labels(label)
+        # The first observation through the public call (it records the metric's type), the
+        # rest appended in bulk to the same series (metric_sections: vLLM's mutable view for
+        # a manager filling its own payload).
+        stats.observe_histogram(name, values[0], labels)
+        stats.metric_sections()[1][name][labels].extend(values[1:])
     for name, label, value in counters:
         stats.increase_counter(name, value, _labels(label))
     return stats
@@ -604,7 +610,8 @@ class TieringOffloadingManager(OffloadingManager):
                     keys=keys,
                     medium=Medium[medium],
                     removed=removed,
-                    locality=Locality[locality] if locality else None,
+                    locality=getattr(tier, "locality", None)
+                    or (Locality[locality] if locality else None),
                     ownership=tier.tier_type,
                     removal_expected=expected,
                     metadata_only=meta,

@@ -60,7 +60,7 @@ PRIMARY = 8
 
 
 class Setup:
-    def __init__(self, tmp_path, impl="vllm", capacity=32, direct_io=True):
+    def __init__(self, tmp_path, impl="vllm", capacity=32, direct_io=True, **extra):
         primary_cls, manager_cls = IMPLS[impl]
         self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
         mmap = MagicMock()
@@ -74,6 +74,7 @@ class Setup:
             path=str(self.path),
             capacity=capacity,
             direct_io=direct_io,
+            **extra,
         )
         self.manager = manager_cls(primary_tier=self.primary, secondary_tiers=[self.tier])
         self.n = 0
@@ -201,6 +202,23 @@ def test_the_tier_stays_within_its_capacity(tmp_path, impl):
     size = s.path.stat().st_size
     # 6 slots of one chunk plus kvbm's per-slot header: bounded, whatever was offered.
     assert size < 6 * 2 * CHUNK + 1024 * 1024, size
+    s.manager.shutdown()
+
+
+def test_the_disk_tier_reports_its_contents_as_vllm_events(tmp_path, impl):
+    s = Setup(tmp_path, impl, capacity=6, enable_kv_events=True)
+    first = keys("ev", 4)
+    s.store(first, pattern)
+    mine = [e for e in s.manager.take_events() if e.ownership == "kvbm_disk"]
+    assert [(set(e.keys), e.removed) for e in mine] == [(set(first), False)]
+    assert all(e.medium.name == "STORAGE" for e in mine)
+    s.store(keys("ev2", 4), pattern)  # 8 chunks into 6 slots: the two oldest are evicted
+    mine = [e for e in s.manager.take_events() if e.ownership == "kvbm_disk"]
+    removed = [k for e in mine if e.removed for k in e.keys]
+    stored = [k for e in mine if not e.removed for k in e.keys]
+    assert set(stored) == set(keys("ev2", 4))
+    assert len(removed) == 2 and set(removed) <= set(first), "the oldest chunks were evicted"
+    assert list(s.manager.take_events()) == [], "each event is handed out once"
     s.manager.shutdown()
 
 
