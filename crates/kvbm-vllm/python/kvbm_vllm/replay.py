@@ -26,7 +26,10 @@ on the same arguments, byte for byte, so the two files can be compared with ``cm
 
 Options beyond the Rust example's:
 
-* ``--manager tiering`` is not built in Python yet (``kvbm_vllm`` has no tiering manager): exit 2.
+* ``--manager tiering``: kvbm's ``TieringOffloadingManager`` (``upstream_compat``) over a
+  primary of ``--capacity`` 64-byte chunks and one in-memory Python tier with the Rust replay's
+  ``InMemoryTier`` semantics (a set of keys, type ``mem``, medium CPU, every job reported at the
+  next poll, a load succeeding iff the tier holds every key), as the Rust replay builds it.
 * ``--upstream-compatible`` turns off kvbm's upstream-bug fixes; kvbm's CPU manager has none
   (the Rust replay applies the flag to the tiering manager only), so for ``cpu`` it is accepted
   and changes nothing, exactly as in the Rust replay.
@@ -507,14 +510,8 @@ def main(argv=None) -> int:
             return _usage()
     if calls_path is None:
         return _usage()
-    if manager == "tiering":
-        print("kvbm_vllm.replay: --manager tiering is not built in Python yet (kvbm_vllm has no "
-              "tiering manager); only --manager cpu replays through the Python API. The Rust "
-              "replay (cargo run -p kvbm-tiering --example replay) has it.", file=sys.stderr)
-        return 2
     # --upstream-compatible: kvbm's CPU manager has no upstream-fix toggles (the Rust replay
     # applies the flag to the tiering manager only), so for cpu it changes nothing, as there.
-    del upstream_compatible
     try:
         with open(calls_path, encoding="utf-8", newline="") as f:
             text = f.read()
@@ -536,7 +533,10 @@ def main(argv=None) -> int:
     except ReplayInputError as e:
         print(f"replay failed: {e}", file=sys.stderr)
         return 1
-    m = CPUOffloadingManager(capacity, cache_policy=policy, enable_events=True)
+    if manager == "tiering":
+        m = _tiering(capacity, policy, upstream_compatible, V)
+    else:
+        m = CPUOffloadingManager(capacity, cache_policy=policy, enable_events=True)
     lines, s = replay_on(m, calls, orig, follow_prepare, V)
     dt = time.perf_counter() - t0
     if out_path is not None:
@@ -546,13 +546,64 @@ def main(argv=None) -> int:
         except OSError as e:
             print(f"cannot write {out_path}: {e}", file=sys.stderr)
             return 1
-    print(f"replay {calls_path} on Cpu manager (Python API, vLLM {how}): {s['calls']} calls in "
+    label = "Tiering" if manager == "tiering" else "Cpu"
+    print(f"replay {calls_path} on {label} manager (Python API, vLLM {how}): {s['calls']} calls in "
           f"{dt * 1e3:.1f} ms, errors {s['errors']}, implicit on_new_request "
           f"{s['implicit_new_requests']}, lookups {s['lookup_results']}, rejected stores "
           f"{s['prepare_store_rejected']}, complete_store skipped {s['complete_store_skipped']}")
     for e in s["first_errors"]:
         print(f"  error: {e}")
     return 0
+
+
+def _tiering(capacity, policy, upstream_compatible, V):
+    """The Rust replay's tiering manager, through the Python API (module docs)."""
+    from unittest.mock import MagicMock
+
+    import numpy as np
+    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+    from kvbm_vllm import upstream_compat
+
+    class MemTier(SecondaryTierManager):
+        medium = V.Medium.CPU
+
+        def __init__(self, view):
+            super().__init__(offloading_spec=None, primary_kv_view=view, tier_type="mem")
+            self.keys = set()
+            self.done = []
+
+        def lookup(self, key, req_context):
+            return V.LookupResult.HIT if key in self.keys else V.LookupResult.MISS
+
+        def submit_store(self, job):
+            self.keys.update(job.keys)
+            self.done.append(JobResult(job_id=job.job_id, success=True, transfer_time=0.0))
+
+        def submit_load(self, job):
+            ok = all(k in self.keys for k in job.keys)
+            self.done.append(JobResult(job_id=job.job_id, success=ok, transfer_time=0.0))
+
+        def get_finished_jobs(self):
+            done, self.done = self.done, []
+            return done
+
+        def on_new_request(self, req_context):
+            return V.RequestOffloadingContext()
+
+        def drain_jobs(self):
+            return
+
+    class Manager(upstream_compat.TieringOffloadingManager):
+        _UPSTREAM = upstream_compatible
+
+    region = np.zeros((max(capacity, 1), 64), dtype=np.int8)
+    mmap = MagicMock()
+    mmap.create_kv_memoryview.return_value = memoryview(region)
+    primary = upstream_compat.CPUPrimaryTierOffloadingManager(
+        num_chunks=capacity, mmap_region=mmap, cache_policy=policy, enable_events=True
+    )
+    return Manager(primary_tier=primary, secondary_tiers=[MemTier(primary.get_kv_memoryview())])
 
 
 if __name__ == "__main__":

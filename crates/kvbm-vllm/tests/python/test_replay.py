@@ -104,13 +104,15 @@ def _compare(rust_bin, replay_mod, tmp_path, text, args, name="calls"):
     return a
 
 
+@pytest.mark.parametrize("manager", ["cpu", "tiering"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("capacity", CAPACITIES)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_generated_sequences_match(rust_bin, replay_mod, tmp_path, seed, capacity, policy):
+def test_generated_sequences_match(rust_bin, replay_mod, tmp_path, seed, capacity, policy,
+                                   manager):
     text = gencalls.dumps(gencalls.generate(seed))
     out = _compare(rust_bin, replay_mod, tmp_path, text,
-                   ["--manager", "cpu", "--capacity", str(capacity), "--policy", policy])
+                   ["--manager", manager, "--capacity", str(capacity), "--policy", policy])
     lines = [json.loads(x) for x in out.splitlines()]
     assert len(lines) == len(text.splitlines())
     # the sequences exercise what they are meant to: evictions at small capacities, errors
@@ -119,20 +121,22 @@ def test_generated_sequences_match(rust_bin, replay_mod, tmp_path, seed, capacit
     assert any(not x["ok"] for x in lines)
 
 
+@pytest.mark.parametrize("manager", ["cpu", "tiering"])
 @pytest.mark.parametrize("extra", [["--follow-prepare"], ["--upstream-compatible"],
                                    ["--follow-prepare", "--upstream-compatible"]])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_flags_match(rust_bin, replay_mod, tmp_path, policy, extra):
+def test_flags_match(rust_bin, replay_mod, tmp_path, policy, extra, manager):
     text = gencalls.dumps(gencalls.generate(11))
     _compare(rust_bin, replay_mod, tmp_path, text,
-             ["--manager", "cpu", "--capacity", "16", "--policy", policy, *extra])
+             ["--manager", manager, "--capacity", "16", "--policy", policy, *extra])
 
 
+@pytest.mark.parametrize("manager", ["cpu", "tiering"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_plain_scheduler_workload_matches(rust_bin, replay_mod, tmp_path, policy):
+def test_plain_scheduler_workload_matches(rust_bin, replay_mod, tmp_path, policy, manager):
     text = gencalls.dumps(gencalls.generate(21, steps=200, extras=False))
     _compare(rust_bin, replay_mod, tmp_path, text,
-             ["--manager", "cpu", "--capacity", "32", "--policy", policy])
+             ["--manager", manager, "--capacity", "32", "--policy", policy])
 
 
 # Odd but accepted input: req values of every JSON type (the replay's str()), CRLF, blank and
@@ -226,14 +230,16 @@ def test_cli_matches(rust_bin, tmp_path):
     assert _read(tmp_path / "rs.jsonl") == _read(tmp_path / "py.jsonl")
 
 
-def test_cli_tiering_is_refused(tmp_path):
-    calls = tmp_path / "calls.jsonl"
-    calls.write_text('{"method": "take_events"}\n', encoding="utf-8")
-    out = tmp_path / "out.jsonl"
-    rc, log = _run_py_cli(str(calls), str(out), ["--manager", "tiering", "--capacity", "4"])
-    assert rc == 2, log
-    assert "tiering is not built in Python yet" in log
-    assert not out.exists()
+def test_cli_tiering_matches(rust_bin, tmp_path):
+    text = gencalls.dumps(gencalls.generate(5))
+    (tmp_path / "calls.jsonl").write_text(text, encoding="utf-8")
+    args = ["--manager", "tiering", "--capacity", "16", "--policy", "lru"]
+    rc, log = _run_py_cli(str(tmp_path / "calls.jsonl"), str(tmp_path / "py.jsonl"), args)
+    assert rc == 0, log
+    assert "on Tiering manager" in log
+    subprocess.run([rust_bin, "--calls", str(tmp_path / "calls.jsonl"), *args,
+                    "--out", str(tmp_path / "rs.jsonl")], check=True, capture_output=True)
+    assert _read(tmp_path / "rs.jsonl") == _read(tmp_path / "py.jsonl")
 
 
 def test_cli_usage_errors(tmp_path):
