@@ -22,7 +22,6 @@
 //! or request. A key that is not vLLM's `OffloadKey` shape (bytes, 4 to 39 long) is a
 //! `TypeError`/`ValueError` naming it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvbm_tiering::{
@@ -112,6 +111,8 @@ struct Entry {
     /// Keeps the Python object (and so its address) alive while the entry exists.
     _py: Py<PyAny>,
     rust: ReqContext,
+    /// The context's `_offload_key_positions` dict (vLLM never rebinds it), read once.
+    positions: Option<Py<PyDict>>,
     /// How many positions were copied from `_offload_key_positions`.
     synced: usize,
 }
@@ -119,7 +120,7 @@ struct Entry {
 /// Python `ReqContext` objects to Rust ones: see the [module docs](self).
 #[derive(Default)]
 pub(crate) struct Contexts {
-    by_addr: HashMap<usize, Entry>,
+    by_addr: hashbrown::HashMap<usize, Entry>,
 }
 
 impl Contexts {
@@ -128,8 +129,8 @@ impl Contexts {
         let addr = ctx.as_ptr() as usize;
         let py = ctx.py();
         let entry = match self.by_addr.entry(addr) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
+            hashbrown::hash_map::Entry::Occupied(o) => o.into_mut(),
+            hashbrown::hash_map::Entry::Vacant(v) => {
                 let req_id: String = ctx
                     .getattr(intern!(py, "req_id"))
                     .and_then(|r| r.extract())
@@ -144,15 +145,21 @@ impl Contexts {
                 }
                 let rust = builder.build();
                 rust.set_state(PyOrigin(Arc::new(ctx.clone().unbind())));
+                let positions = ctx
+                    .getattr(intern!(py, "_offload_key_positions"))
+                    .ok()
+                    .and_then(|p| p.cast_into::<PyDict>().ok())
+                    .map(Bound::unbind);
                 v.insert(Entry {
                     _py: ctx.clone().unbind(),
                     rust,
+                    positions,
                     synced: 0,
                 })
             }
         };
-        if let Ok(positions) = ctx.getattr(intern!(py, "_offload_key_positions"))
-            && let Ok(positions) = positions.cast::<PyDict>()
+        if let Some(positions) = &entry.positions
+            && let positions = positions.bind(py)
             && positions.len() != entry.synced
         {
             // Only the keys added since the last call (a dict keeps insertion order), each read
