@@ -245,6 +245,12 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Address the exporter serves `/metrics` on. Default: `127.0.0.1:6880`.
     pub bind: String,
+    /// A scrape connection must send its whole request, and take the whole answer, within this
+    /// long (ms); then it is closed (counted). Default: 5000. At least 1.
+    pub read_timeout_ms: u64,
+    /// Scrape connections served at once; one more is closed at once (counted). Default: 16.
+    /// At least 1.
+    pub max_connections: usize,
 }
 
 impl Default for MetricsConfig {
@@ -252,6 +258,8 @@ impl Default for MetricsConfig {
         Self {
             enabled: false,
             bind: "127.0.0.1:6880".into(),
+            read_timeout_ms: 5000,
+            max_connections: 16,
         }
     }
 }
@@ -272,6 +280,32 @@ pub struct TransportConfig {
     /// A peer not heard from for this long is dropped from the cross-instance index and the
     /// peer directory (ms). Default: 5000. More than `heartbeat_interval_ms`.
     pub heartbeat_timeout_ms: u64,
+    /// Data-plane server: connections served at once; one more is closed at once (counted in
+    /// `ServerStats::connections_refused`). Default: 256. At least 1.
+    pub max_connections: usize,
+    /// Data-plane server: the whole of one response (every frame of one request) must be
+    /// written within this long (ms), or the connection is dropped with every block it held
+    /// (counted in `ServerStats::responses_timed_out`). Default: 60000. At least 1.
+    pub response_deadline_ms: u64,
+    /// Data-plane client: the whole of one pull request (connect, request, every frame) must
+    /// complete within this long (ms), or its blocks fail `Timeout` and the connection is
+    /// dropped (counted in `ClientStats::deadlines_exceeded`). Default: 60000. At least 1.
+    pub pull_deadline_ms: u64,
+    /// Data-plane client: peers (addresses) with idle connections kept; a connection to one
+    /// more evicts the least recently used peer's (counted). Default: 64. At least 1.
+    pub max_idle_peers: usize,
+    /// Data-plane client: an idle pooled connection older than this is closed (ms).
+    /// Default: 30000. At least 1.
+    pub idle_expiry_ms: u64,
+    /// Presence: most pages one snapshot fetch reads before it is refused (counted in
+    /// `PresenceStats::snapshots_over_limit`). Default: 4096. At least 1.
+    pub snapshot_max_pages: usize,
+    /// Presence: most entries one snapshot fetch accepts before it is refused (counted).
+    /// Default: 4194304. At least 1.
+    pub snapshot_max_entries: usize,
+    /// Worker control server: requests served at once; one more is answered `Refused`
+    /// (counted in `WorkerServerStats::refused_busy`). Default: 256. At least 1.
+    pub worker_max_in_flight: usize,
 }
 
 impl Default for TransportConfig {
@@ -282,6 +316,14 @@ impl Default for TransportConfig {
             data_plane_bind: "127.0.0.1:0".into(),
             heartbeat_interval_ms: 1000,
             heartbeat_timeout_ms: 5000,
+            max_connections: 256,
+            response_deadline_ms: 60_000,
+            pull_deadline_ms: 60_000,
+            max_idle_peers: 64,
+            idle_expiry_ms: 30_000,
+            snapshot_max_pages: 4096,
+            snapshot_max_entries: 4 << 20,
+            worker_max_in_flight: 256,
         }
     }
 }
@@ -473,6 +515,11 @@ impl KvbmConfig {
         positive("events.idle_tick_ms", e.idle_tick_ms)?;
 
         socket_addr("metrics.bind", &self.metrics.bind)?;
+        positive("metrics.read_timeout_ms", self.metrics.read_timeout_ms)?;
+        positive(
+            "metrics.max_connections",
+            self.metrics.max_connections as u64,
+        )?;
 
         let t = &self.transport;
         positive("transport.request_timeout_ms", t.request_timeout_ms)?;
@@ -487,6 +534,20 @@ impl KvbmConfig {
                 ),
             ));
         }
+        positive("transport.max_connections", t.max_connections as u64)?;
+        positive("transport.response_deadline_ms", t.response_deadline_ms)?;
+        positive("transport.pull_deadline_ms", t.pull_deadline_ms)?;
+        positive("transport.max_idle_peers", t.max_idle_peers as u64)?;
+        positive("transport.idle_expiry_ms", t.idle_expiry_ms)?;
+        positive("transport.snapshot_max_pages", t.snapshot_max_pages as u64)?;
+        positive(
+            "transport.snapshot_max_entries",
+            t.snapshot_max_entries as u64,
+        )?;
+        positive(
+            "transport.worker_max_in_flight",
+            t.worker_max_in_flight as u64,
+        )?;
         if let Some(url) = &t.nats_url
             && url.is_empty()
         {

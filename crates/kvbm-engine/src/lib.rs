@@ -34,4 +34,6 @@ pub use address::{InstanceId, RankAddress, WorkerAddress};
 pub use config::{ConfigBuilder, KvbmConfig};
 pub use error::{EngineError, Result};
 pub use leader::{BlockHolder, InstanceLeader, MatchedPrefix};
-pub use runtime::{EventSource, KvbmRuntime, KvbmRuntimeBuilder, Role, RuntimeHandle};
+pub use runtime::{
+    EventSource, KvbmRuntime, KvbmRuntimeBuilder, MetricsEndpointStats, Role, RuntimeHandle,
+};

@@ -27,6 +27,15 @@
 //! oldest event even when its tier is idle. Sources are held weakly: dropping a manager
 //! unregisters it.
 //!
+//! # Metrics endpoint bounds
+//!
+//! One accept task; each connection is answered in its own task, at most
+//! `metrics.max_connections` (default 16) at once: one more is closed as soon as it is
+//! accepted ([`MetricsEndpointStats::refused`]). A connection must send its request and take
+//! its answer within `metrics.read_timeout_ms` (default 5 s), or it is closed
+//! ([`MetricsEndpointStats::timed_out`]); so an idle or slow client holds one task for at most
+//! that long and never stops the endpoint.
+//!
 //! # Shutdown
 //!
 //! [`KvbmRuntime::shutdown`] is idempotent and orderly: stop the timer and the exporter, flush
@@ -43,7 +52,7 @@
 //! They are never held together.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -99,6 +108,26 @@ struct Inner {
     cancel: CancellationToken,
     shut_down: AtomicBool,
     metrics_addr: Option<SocketAddr>,
+    metrics_stats: Arc<MetricsCounters>,
+}
+
+/// Counters of the metrics endpoint.
+#[derive(Debug, Default)]
+struct MetricsCounters {
+    answered: AtomicU64,
+    refused: AtomicU64,
+    timed_out: AtomicU64,
+}
+
+/// A copy of the metrics endpoint's counters (see the [module docs](self)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MetricsEndpointStats {
+    /// Requests answered (`/metrics` or 404).
+    pub answered: u64,
+    /// Connections closed at once: `metrics.max_connections` were being served.
+    pub refused: u64,
+    /// Connections closed for not completing within `metrics.read_timeout_ms`.
+    pub timed_out: u64,
 }
 
 impl Inner {
@@ -185,6 +214,16 @@ impl RuntimeHandle {
     /// Where the Prometheus exporter listens, when enabled.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.inner.metrics_addr
+    }
+
+    /// The metrics endpoint's counters (all 0 when it is not enabled).
+    pub fn metrics_stats(&self) -> MetricsEndpointStats {
+        let c = &self.inner.metrics_stats;
+        MetricsEndpointStats {
+            answered: c.answered.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            timed_out: c.timed_out.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -317,6 +356,7 @@ impl KvbmRuntimeBuilder {
             cancel: CancellationToken::new(),
             shut_down: AtomicBool::new(false),
             metrics_addr: metrics.as_ref().map(|(_, a)| *a),
+            metrics_stats: Arc::new(MetricsCounters::default()),
         });
 
         let timer = inner.handle.spawn(flush_timer(Arc::downgrade(&inner)));
@@ -331,10 +371,17 @@ impl KvbmRuntimeBuilder {
                     source,
                 }
             })?;
+            let bounds = MetricsBounds {
+                read_timeout: Duration::from_millis(inner.config.metrics.read_timeout_ms.max(1)),
+                permits: Arc::new(tokio::sync::Semaphore::new(
+                    inner.config.metrics.max_connections.max(1),
+                )),
+                counters: inner.metrics_stats.clone(),
+            };
             tasks.push(
                 inner
                     .handle
-                    .spawn(serve_metrics(listener, prometheus, cancel)),
+                    .spawn(serve_metrics(listener, prometheus, cancel, bounds)),
             );
         }
         tracing::debug!(role = ?inner.role, "kvbm runtime started");
@@ -491,10 +538,18 @@ fn prometheus_handle() -> PrometheusHandle {
         .clone()
 }
 
+/// The metrics endpoint's bounds (see the module docs).
+struct MetricsBounds {
+    read_timeout: Duration,
+    permits: Arc<tokio::sync::Semaphore>,
+    counters: Arc<MetricsCounters>,
+}
+
 async fn serve_metrics(
     listener: tokio::net::TcpListener,
     prometheus: PrometheusHandle,
     cancel: CancellationToken,
+    bounds: MetricsBounds,
 ) {
     loop {
         let stream = tokio::select! {
@@ -503,14 +558,34 @@ async fn serve_metrics(
                 Ok((stream, _)) => stream,
                 Err(e) => {
                     tracing::warn!(error = %e, "metrics exporter accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 }
             },
         };
+        let Ok(permit) = bounds.permits.clone().try_acquire_owned() else {
+            bounds.counters.refused.fetch_add(1, Ordering::Relaxed);
+            drop(stream);
+            continue;
+        };
         let prometheus = prometheus.clone();
+        let counters = bounds.counters.clone();
+        let limit = bounds.read_timeout;
+        let cancel = cancel.clone();
         tokio::spawn(async move {
-            if let Err(e) = answer(stream, &prometheus).await {
-                tracing::debug!(error = %e, "metrics request failed");
+            let _permit = permit;
+            tokio::select! {
+                () = cancel.cancelled() => {}
+                r = tokio::time::timeout(limit, answer(stream, &prometheus)) => match r {
+                    Ok(Ok(())) => {
+                        counters.answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Err(e)) => tracing::debug!(error = %e, "metrics request failed"),
+                    Err(_) => {
+                        counters.timed_out.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!("metrics connection closed: not done within {limit:?}");
+                    }
+                },
             }
         });
     }

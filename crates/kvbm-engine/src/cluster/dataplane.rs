@@ -45,6 +45,23 @@
 //!   have is refused.
 //! * Every read and write of a frame must progress within [`DataPlaneConfig::io_timeout`];
 //!   an idle server connection is closed after [`DataPlaneConfig::idle_timeout`].
+//! * **Server connections**: at most [`DataPlaneConfig::max_connections`]
+//!   (`transport.max_connections`, default 256) are served at once; one more is closed as soon
+//!   as it is accepted ([`ServerStats::connections_refused`]).
+//! * **Server response deadline**: writing one whole response (every frame of one request)
+//!   must finish within [`DataPlaneConfig::response_deadline`]
+//!   (`transport.response_deadline_ms`, default 60 s), so a reader that takes each write just
+//!   in time cannot keep blocks held for hours: past it the connection is dropped and every
+//!   hold released ([`ServerStats::responses_timed_out`]).
+//! * **Client request deadline**: one whole request (connect, request, every frame) must finish
+//!   within [`DataPlaneConfig::pull_deadline`] (`transport.pull_deadline_ms`, default 60 s);
+//!   past it the request's unsettled blocks fail `Timeout`, their destinations are dropped, and
+//!   the connection with them ([`ClientStats::deadlines_exceeded`]).
+//! * **Client pool**: idle connections are kept for at most [`DataPlaneConfig::max_idle_peers`]
+//!   addresses (`transport.max_idle_peers`, default 64; the least recently used peer's are
+//!   evicted, [`ClientStats::pool_evictions`]), at most
+//!   [`DataPlaneConfig::max_idle_per_peer`] each, and none older than
+//!   [`DataPlaneConfig::idle_expiry`] (`transport.idle_expiry_ms`, default 30 s) is reused.
 //!
 //! # Locks
 //!
@@ -62,7 +79,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-pub use client::DataPlaneClient;
+pub use client::{ClientStats, DataPlaneClient};
 pub use server::{DataPlaneServer, ServerStats};
 pub use wire::binding;
 
@@ -83,23 +100,49 @@ pub struct DataPlaneConfig {
     pub idle_timeout: Duration,
     /// Idle connections the client keeps per peer. Default: 4.
     pub max_idle_per_peer: usize,
+    /// Connections the server serves at once; one more is closed at once (counted in
+    /// [`ServerStats::connections_refused`]). Default: 256 (`transport.max_connections`).
+    pub max_connections: usize,
+    /// Longest time the server spends writing one whole response; then the connection is
+    /// dropped with every hold (counted in [`ServerStats::responses_timed_out`]). Default:
+    /// 60 s (`transport.response_deadline_ms`).
+    pub response_deadline: Duration,
+    /// Longest time the client spends on one whole request (connect, request, every frame);
+    /// then its blocks fail `Timeout` (counted in [`ClientStats::deadlines_exceeded`]).
+    /// Default: 60 s (`transport.pull_deadline_ms`).
+    pub pull_deadline: Duration,
+    /// Peers (addresses) the client keeps idle connections for; a connection to one more
+    /// evicts the least recently used peer's (counted in [`ClientStats::pool_evictions`]).
+    /// Default: 64 (`transport.max_idle_peers`).
+    pub max_idle_peers: usize,
+    /// A pooled idle connection older than this is closed, not reused. Default: 30 s
+    /// (`transport.idle_expiry_ms`).
+    pub idle_expiry: Duration,
 }
 
 impl Default for DataPlaneConfig {
     fn default() -> Self {
+        // The `[transport]` defaults are the one source of the bounds' defaults.
+        let t = TransportConfig::default();
         Self {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             max_blocks_per_request: 4096,
             io_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
             max_idle_per_peer: 4,
+            max_connections: t.max_connections,
+            response_deadline: Duration::from_millis(t.response_deadline_ms),
+            pull_deadline: Duration::from_millis(t.pull_deadline_ms),
+            max_idle_peers: t.max_idle_peers,
+            idle_expiry: Duration::from_millis(t.idle_expiry_ms),
         }
     }
 }
 
 impl DataPlaneConfig {
-    /// From `[transport]`: `data_plane_bind` and `request_timeout_ms` (as the I/O timeout);
-    /// the rest default.
+    /// From `[transport]`: `data_plane_bind`, `request_timeout_ms` (as the I/O timeout),
+    /// `max_connections`, `response_deadline_ms`, `pull_deadline_ms`, `max_idle_peers` and
+    /// `idle_expiry_ms`; the rest default.
     ///
     /// # Errors
     /// [`EngineError::Config`] (key `transport.data_plane_bind`) for an address that does not
@@ -114,6 +157,11 @@ impl DataPlaneConfig {
         Ok(Self {
             bind,
             io_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
+            max_connections: t.max_connections.max(1),
+            response_deadline: Duration::from_millis(t.response_deadline_ms.max(1)),
+            pull_deadline: Duration::from_millis(t.pull_deadline_ms.max(1)),
+            max_idle_peers: t.max_idle_peers.max(1),
+            idle_expiry: Duration::from_millis(t.idle_expiry_ms.max(1)),
             ..Self::default()
         })
     }

@@ -231,3 +231,59 @@ fn prometheus_endpoint_serves_metrics() {
         "the exporter stops with the runtime"
     );
 }
+
+/// Attack: clients that connect to the metrics endpoint and send nothing. Connections over
+/// `metrics.max_connections` are closed at once (counted), idle ones are closed after
+/// `metrics.read_timeout_ms` (counted), and a scrape is then served.
+#[test]
+fn security_idle_metrics_connections_are_bounded_and_timed_out() {
+    let runtime = KvbmRuntime::builder()
+        .set("metrics.enabled", true)
+        .set("metrics.bind", "127.0.0.1:0")
+        .set("metrics.max_connections", 2)
+        .set("metrics.read_timeout_ms", 500)
+        .build()
+        .unwrap();
+    let h = runtime.handle();
+    let addr = h.metrics_addr().expect("exporter bound");
+    let idle: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    // Both idle connections hold their slot; the next is closed at once.
+    std::thread::sleep(Duration::from_millis(100));
+    let mut extra = std::net::TcpStream::connect(addr).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    match extra.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the connection over the cap is not closed: {other:?}"),
+    }
+    assert!(
+        wait_until(Duration::from_secs(2), || h.metrics_stats().refused >= 1),
+        "{:?}",
+        h.metrics_stats()
+    );
+    // The idle ones are closed by the read timeout, counted.
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        assert!(
+            matches!(s.read(&mut buf), Ok(0)),
+            "an idle connection is closed after the read timeout"
+        );
+    }
+    assert!(wait_until(Duration::from_secs(2), || h
+        .metrics_stats()
+        .timed_out
+        == 2));
+    // Members are still served.
+    let response = http_get(addr, "/metrics");
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    assert!(wait_until(Duration::from_secs(2), || h
+        .metrics_stats()
+        .answered
+        >= 1));
+    runtime.shutdown();
+}

@@ -5,10 +5,19 @@
 //! checksummed against the frame header; only verified blocks are completed and registered.
 //! Connections are reused: one returns to a small per-peer idle pool only after a response
 //! was read in full and verified; any failure drops it.
+//!
+//! Bounds: the pool keeps connections of at most `max_idle_peers` addresses (least recently
+//! used evicted, [`ClientStats::pool_evictions`]), `max_idle_per_peer` each, none reused once
+//! older than `idle_expiry` (expired ones are closed whenever the pool is touched); one whole
+//! request must finish within `pull_deadline` ([`ClientStats::deadlines_exceeded`]). The pool's
+//! one mutex is taken only inside `connection` / `give_back` / `stats`, never across an
+//! `.await`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -35,7 +44,39 @@ pub struct DataPlaneClient {
     config: DataPlaneConfig,
     geometry: u64,
     block_bytes: usize,
-    idle: Mutex<HashMap<SocketAddr, Vec<TcpStream>>>,
+    idle: Mutex<Pool>,
+    deadlines_exceeded: AtomicU64,
+    pool_evictions: AtomicU64,
+}
+
+/// Idle connections by peer address: each with when it was given back; per peer, when it
+/// was last used (for the least-recently-used eviction).
+#[derive(Default)]
+struct Pool {
+    peers: HashMap<SocketAddr, (Instant, Vec<(TcpStream, Instant)>)>,
+}
+
+impl Pool {
+    /// Closes the connections idle longer than `expiry`, and forgets peers left with none.
+    fn prune(&mut self, now: Instant, expiry: std::time::Duration) {
+        self.peers.retain(|_, (_, v)| {
+            v.retain(|(_, at)| now.duration_since(*at) < expiry);
+            !v.is_empty()
+        });
+    }
+}
+
+/// A copy of a [`DataPlaneClient`]'s counters and pool size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Requests that did not finish within the pull deadline (their blocks failed `Timeout`).
+    pub deadlines_exceeded: u64,
+    /// Peers whose idle connections were closed to make room for another peer's.
+    pub pool_evictions: u64,
+    /// Peers with idle connections in the pool now.
+    pub idle_peers: usize,
+    /// Idle connections in the pool now.
+    pub idle_connections: usize,
 }
 
 impl std::fmt::Debug for DataPlaneClient {
@@ -86,8 +127,28 @@ impl DataPlaneClient {
             layout,
             peers,
             config,
-            idle: Mutex::new(HashMap::new()),
+            idle: Mutex::new(Pool::default()),
+            deadlines_exceeded: AtomicU64::new(0),
+            pool_evictions: AtomicU64::new(0),
         })
+    }
+
+    /// The counters, and the pool's size (after closing expired connections).
+    pub fn stats(&self) -> ClientStats {
+        let (idle_peers, idle_connections) = {
+            let mut pool = self.idle.lock();
+            pool.prune(Instant::now(), self.config.idle_expiry);
+            (
+                pool.peers.len(),
+                pool.peers.values().map(|(_, v)| v.len()).sum(),
+            )
+        };
+        ClientStats {
+            deadlines_exceeded: self.deadlines_exceeded.load(Ordering::Relaxed),
+            pool_evictions: self.pool_evictions.load(Ordering::Relaxed),
+            idle_peers,
+            idle_connections,
+        }
     }
 
     /// The peer directory it resolves instances in.
@@ -148,7 +209,32 @@ impl DataPlaneClient {
                         break;
                     }
                 };
-                match self.request(stream, addr, instance, chunk, part).await {
+                let n = part.len();
+                // The whole request within the deadline; past it the future is dropped with
+                // the destinations it holds (back to their pool, never registered) and the
+                // connection.
+                let r = tokio::time::timeout(
+                    self.config.pull_deadline,
+                    self.request(stream, addr, instance, chunk, part),
+                )
+                .await;
+                let Ok(r) = r else {
+                    self.deadlines_exceeded.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("kvbm_engine_dataplane_pull_deadlines_exceeded_total")
+                        .increment(1);
+                    let f = BlockFailure::new(
+                        BlockFailureKind::Timeout,
+                        format!(
+                            "data plane pull from {instance} at {addr}: not done within {:?} \
+                             (transport.pull_deadline_ms)",
+                            self.config.pull_deadline
+                        ),
+                    );
+                    settled = fail_all(n, &f);
+                    part = Vec::new();
+                    break;
+                };
+                match r {
                     Ok(done) => {
                         settled = done;
                         part = Vec::new();
@@ -176,8 +262,15 @@ impl DataPlaneClient {
         addr: SocketAddr,
         pooled_ok: bool,
     ) -> std::result::Result<(TcpStream, bool), BlockFailure> {
-        if pooled_ok && let Some(s) = self.idle.lock().get_mut(&addr).and_then(|v| v.pop()) {
-            return Ok((s, true));
+        if pooled_ok {
+            let mut pool = self.idle.lock();
+            pool.prune(Instant::now(), self.config.idle_expiry);
+            if let Some((used, v)) = pool.peers.get_mut(&addr)
+                && let Some((s, _)) = v.pop()
+            {
+                *used = Instant::now();
+                return Ok((s, true));
+            }
         }
         let io = |e: std::io::Error| {
             BlockFailure::new(BlockFailureKind::Io, format!("connect to {addr}: {e}"))
@@ -196,10 +289,26 @@ impl DataPlaneClient {
     }
 
     fn give_back(&self, addr: SocketAddr, stream: TcpStream) {
-        let mut idle = self.idle.lock();
-        let v = idle.entry(addr).or_default();
+        let now = Instant::now();
+        let mut pool = self.idle.lock();
+        pool.prune(now, self.config.idle_expiry);
+        if !pool.peers.contains_key(&addr) && pool.peers.len() >= self.config.max_idle_peers {
+            // Full of other peers: the least recently used one's connections are closed.
+            let lru = pool
+                .peers
+                .iter()
+                .min_by_key(|(_, (used, _))| *used)
+                .map(|(a, _)| *a);
+            if let Some(lru) = lru {
+                pool.peers.remove(&lru);
+                self.pool_evictions.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvbm_engine_dataplane_pool_evictions_total").increment(1);
+            }
+        }
+        let (used, v) = pool.peers.entry(addr).or_insert_with(|| (now, Vec::new()));
+        *used = now;
         if v.len() < self.config.max_idle_per_peer {
-            v.push(stream);
+            v.push((stream, now));
         }
     }
 

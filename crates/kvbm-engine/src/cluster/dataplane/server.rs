@@ -5,6 +5,11 @@
 //! [`Holds`] guard that lives on the task's stack, so the holds end when the response is
 //! written, when a write fails or times out, or when the task is cancelled (server shutdown):
 //! in every case by the guard's drop. A failing connection never affects the accept loop.
+//!
+//! Bounds: at most `max_connections` connection tasks at once (one more is closed as soon as it
+//! is accepted, counted in [`ServerStats::connections_refused`]); each response is written
+//! within `response_deadline` or the connection is dropped with its holds (counted in
+//! [`ServerStats::responses_timed_out`]). No lock is taken here.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -31,6 +36,8 @@ pub struct ServerStats {
     requests: AtomicU64,
     blocks_served: AtomicU64,
     refused: AtomicU64,
+    connections_refused: AtomicU64,
+    responses_timed_out: AtomicU64,
     /// Fault injection (feature `testing`): frames still to be sent with a damaged payload.
     corrupt_next: AtomicU64,
 }
@@ -55,6 +62,15 @@ impl ServerStats {
     /// Requests refused (bad head, too many blocks, wrong geometry).
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed as soon as accepted: `max_connections` were already served.
+    pub fn connections_refused(&self) -> u64 {
+        self.connections_refused.load(Ordering::Relaxed)
+    }
+    /// Responses not written within the response deadline (their connection was dropped with
+    /// every hold).
+    pub fn responses_timed_out(&self) -> u64 {
+        self.responses_timed_out.load(Ordering::Relaxed)
     }
 }
 
@@ -157,9 +173,22 @@ impl DataPlaneServer {
                         }
                     },
                 };
+                // The cap: counted up first, so two accepts cannot both pass it.
+                let open = served.stats.connections.fetch_add(1, Ordering::AcqRel);
+                if open >= served.config.max_connections.max(1) {
+                    served.stats.connections.fetch_sub(1, Ordering::AcqRel);
+                    served
+                        .stats
+                        .connections_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("kvbm_engine_dataplane_connections_refused_total")
+                        .increment(1);
+                    tracing::debug!(%peer, "data plane connection refused: at the connection cap");
+                    drop(stream);
+                    continue;
+                }
                 let served = served.clone();
                 let cancel = accept_cancel.child_token();
-                served.stats.connections.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
                     let _guard = ConnectionGuard(served.stats.clone());
                     tokio::select! {
@@ -283,10 +312,45 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
             blocks,
             stats: &s.stats,
         };
-        let r = wire::encode_response(Status::Ok, head.count);
+        // The whole response within the deadline: a reader that takes each write just in time
+        // cannot keep the holds for longer (they drop with this function's frame).
+        match tokio::time::timeout(
+            s.config.response_deadline,
+            write_response(s, &mut stream, head.count, &hashes, &holds),
+        )
+        .await
+        {
+            Ok(r) => r?,
+            Err(_) => {
+                s.stats.responses_timed_out.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvbm_engine_dataplane_responses_timed_out_total").increment(1);
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "response not written within {:?} (transport.response_deadline_ms)",
+                        s.config.response_deadline
+                    ),
+                ));
+            }
+        }
+        drop(holds);
+    }
+}
+
+/// Writes one response: its head, then one frame per hash (the held block, or an absent frame).
+async fn write_response(
+    s: &Served,
+    stream: &mut TcpStream,
+    count: u32,
+    hashes: &[SequenceHash],
+    holds: &Holds<'_>,
+) -> std::io::Result<()> {
+    let io = s.config.io_timeout;
+    {
+        let r = wire::encode_response(Status::Ok, count);
         timed("write", io, stream.write_all(&r)).await?;
         let layers = s.layout.layout().config().num_layers;
-        for h in &hashes {
+        for h in hashes {
             let Some(block) = holds.blocks.get(h) else {
                 timed("write", io, stream.write_all(&[0u8; FRAME_HEADER_LEN])).await?;
                 continue;
@@ -324,6 +388,6 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
             s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
         }
         timed("flush", io, stream.flush()).await?;
-        drop(holds);
     }
+    Ok(())
 }

@@ -484,3 +484,222 @@ async fn destinations_of_another_manager_are_refused_before_any_write() {
     assert_eq!(bytes(&local.layout, 0), before, "nothing was written");
     assert!(local.manager.match_blocks(&hs).is_empty());
 }
+
+async fn eventually_for(limit: Duration, what: &str, f: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(f(), "never within {limit:?}: {what}");
+}
+
+/// A pull of every hash of `hs` from `srv` into a fresh side: all must arrive.
+async fn assert_serves(srv: &DataPlaneServer, hs: &[SequenceHash]) {
+    let local = side();
+    let c = client(&local);
+    let dests = local.manager.allocate_blocks(hs.len()).unwrap();
+    let out = c.pull_from(srv.local_addr(), A, hs, dests).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+/// Attack: more connections than the cap, held idle. The one over the cap is closed at once
+/// and counted; members are still served once a slot frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_connections_over_the_cap_are_refused_and_counted() {
+    let hs = hashes(4);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        max_connections: 2,
+        ..DataPlaneConfig::default()
+    };
+    let srv = DataPlaneServer::start(config, A, remote.manager.clone(), remote.layout.clone())
+        .await
+        .unwrap();
+    let idle1 = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let idle2 = TcpStream::connect(srv.local_addr()).await.unwrap();
+    eventually("two connections served", || srv.stats().connections() == 2).await;
+    let mut extra = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let mut buf = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
+        .await
+        .expect("the connection over the cap is closed at once");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    assert_eq!(srv.stats().connections_refused(), 1);
+    assert_eq!(srv.stats().connections(), 2);
+    drop(idle1);
+    eventually("a slot freed", || srv.stats().connections() == 1).await;
+    assert_serves(&srv, &hs).await;
+    drop(idle2);
+}
+
+/// Attack: a reader that takes each write just in time (so no per-write timeout fires) asks
+/// for 4,096 frames of held blocks. Past the response deadline the server drops the
+/// connection and every hold, counted; it keeps serving others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_slow_reader_loses_its_holds_at_the_response_deadline() {
+    let hs = hashes(N);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        response_deadline: Duration::from_millis(1500),
+        io_timeout: Duration::from_secs(5),
+        ..DataPlaneConfig::default()
+    };
+    let srv = DataPlaneServer::start(config, A, remote.manager.clone(), remote.layout.clone())
+        .await
+        .unwrap();
+    // 4,096 frames naming the 8 held blocks over and over: 32 MiB of response.
+    let asked: Vec<SequenceHash> = (0..4096).map(|i| hs[i % N]).collect();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut slow = socket.connect(srv.local_addr()).await.unwrap();
+    let head = RequestHead {
+        count: asked.len() as u32,
+        geometry: geometry_digest(geometry().config()),
+        block_bytes: block_bytes() as u64,
+    };
+    slow.write_all(&wire::encode_request(head, &asked))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let reader = tokio::spawn(async move {
+        // 4 KiB every 50 ms: every write of the server progresses well within its timeout.
+        let mut buf = vec![0u8; 4096];
+        loop {
+            match slow.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    });
+    eventually("the blocks are held", || srv.stats().held() == N).await;
+    eventually_for(
+        Duration::from_secs(10),
+        "holds released at the deadline",
+        || srv.stats().held() == 0,
+    )
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(8));
+    assert_eq!(srv.stats().responses_timed_out(), 1);
+    // The server dropped its end (what the kernel buffered may still trickle to the reader).
+    eventually("connection gone", || srv.stats().connections() == 0).await;
+    reader.abort();
+    assert_serves(&srv, &hs).await;
+}
+
+/// Attack: a server that answers a response head, then one byte every 50 ms (each read
+/// progresses, so no per-read timeout fires). The client gives up at its pull deadline, fails
+/// the blocks `Timeout` (registering nothing), counts it, and still pulls from a real server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_trickling_server_is_cut_off_at_the_pull_deadline() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut head = [0u8; REQUEST_HEAD_LEN];
+        s.read_exact(&mut head).await.unwrap();
+        let h = wire::decode_request(&head).unwrap();
+        let mut raw = vec![0u8; h.count as usize * 16];
+        s.read_exact(&mut raw).await.unwrap();
+        let hs = wire::decode_hashes(&raw);
+        let mut out = wire::encode_response(Status::Ok, h.count).to_vec();
+        out.extend(frame(hs[0], &vec![1u8; block_bytes()]));
+        for b in out {
+            if s.write_all(&[b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let local = side();
+    let config = DataPlaneConfig {
+        io_timeout: Duration::from_secs(2),
+        pull_deadline: Duration::from_secs(1),
+        ..DataPlaneConfig::default()
+    };
+    let c = DataPlaneClient::new(
+        config,
+        local.manager.clone(),
+        local.layout.clone(),
+        Arc::new(PeerDirectory::new()),
+    )
+    .unwrap();
+    let hs = hashes(2);
+    let dests = local.manager.allocate_blocks(2).unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(10), c.pull_from(addr, A, &hs, dests))
+        .await
+        .expect("the pull ends at its deadline");
+    for o in &out {
+        let e = o.as_ref().unwrap_err();
+        assert_eq!(e.kind, BlockFailureKind::Timeout, "{e}");
+        assert!(e.message.contains("pull_deadline_ms"), "{e}");
+    }
+    drop(out);
+    assert_eq!(c.stats().deadlines_exceeded, 1);
+    assert!(local.manager.match_blocks(&hs).is_empty());
+    assert_eq!(local.manager.available_blocks(), N);
+    assert_eq!(c.stats().idle_connections, 0);
+
+    // The same client still pulls from a member.
+    let remote = serving(&hs);
+    let srv = server(&remote).await;
+    let dests = local.manager.allocate_blocks(2).unwrap();
+    let out = c.pull_from(srv.local_addr(), A, &hs, dests).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+/// Attack: peers announcing many addresses (here: one real server reached through five
+/// loopback addresses) fill the client's idle pool. It keeps at most `max_idle_peers`
+/// peers (evictions counted) and closes connections idle past `idle_expiry`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_client_pool_is_bounded_and_expires() {
+    let hs = hashes(5);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        bind: "0.0.0.0:0".parse().unwrap(),
+        ..DataPlaneConfig::default()
+    };
+    let srv = DataPlaneServer::start(config, A, remote.manager.clone(), remote.layout.clone())
+        .await
+        .unwrap();
+    let port = srv.local_addr().port();
+    let local = side();
+    let config = DataPlaneConfig {
+        io_timeout: Duration::from_secs(2),
+        max_idle_peers: 2,
+        idle_expiry: Duration::from_millis(500),
+        ..DataPlaneConfig::default()
+    };
+    let c = DataPlaneClient::new(
+        config,
+        local.manager.clone(),
+        local.layout.clone(),
+        Arc::new(PeerDirectory::new()),
+    )
+    .unwrap();
+    for (i, h) in hs.iter().enumerate() {
+        let addr: SocketAddr = format!("127.0.0.{}:{port}", i + 1).parse().unwrap();
+        let dests = local.manager.allocate_blocks(1).unwrap();
+        let out = c.pull_from(addr, A, &[*h], dests).await;
+        assert!(out.iter().all(Result::is_ok), "{addr}: {out:?}");
+        let s = c.stats();
+        assert!(s.idle_peers <= 2, "{s:?}");
+    }
+    let s = c.stats();
+    assert_eq!((s.idle_peers, s.idle_connections), (2, 2), "{s:?}");
+    assert_eq!(s.pool_evictions, 3);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(c.stats().idle_connections, 0, "expired connections closed");
+    eventually("the server saw them close", || {
+        srv.stats().connections() == 0
+    })
+    .await;
+    // Still pulls (on a fresh connection).
+    let fresh = side();
+    let c2 = client(&fresh);
+    let dests = fresh.manager.allocate_blocks(1).unwrap();
+    let out = c2.pull_from(srv.local_addr(), A, &hs[..1], dests).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}

@@ -50,14 +50,32 @@
 //! late event cannot put a dead peer back into the index. A subscriber that lagged behind the
 //! bus marks every peer for resync.
 //!
+//! # Bounds
+//!
+//! * A snapshot fetch reads at most [`PresenceConfig::max_pages`] pages
+//!   (`transport.snapshot_max_pages`, default 4096) and accepts at most
+//!   [`PresenceConfig::max_entries`] entries (`transport.snapshot_max_entries`, default
+//!   4 Mi); a peer answering more is refused, nothing of its answer applied
+//!   ([`PresenceStats::snapshots_over_limit`]), and retried at the next tick.
+//! * A snapshot request whose `offset` would overflow the page's end is rejected
+//!   ([`PresenceStats::rejected`]); the answering task keeps serving.
+//! * Event batches of an instance that is not live (never heard by heartbeat, or expired) are
+//!   not applied ([`PresenceStats::unjoined_event_batches`]), so the index holds entries only of
+//!   live peers (and of this instance); a peer that joins later is resynced from its snapshot.
+//! * The departed set forgets entries after [`DEPARTED_HORIZON`] timeouts; the fetch log keeps
+//!   at most [`FETCH_LOG_CAP`] batches per peer; the answerer at most [`SNAPSHOT_COPIES`] copies.
+//!
 //! Metrics: `kvbm_engine_index_drift_detected_total`, `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
 //! `kvbm_engine_index_resync_failures_total`, `kvbm_engine_departed_event_batches_ignored_total`,
-//! `kvbm_engine_presence_messages_rejected_total` (and the same counts in [`PresenceStats`]).
+//! `kvbm_engine_presence_messages_rejected_total`, `kvbm_engine_snapshots_over_limit_total`,
+//! `kvbm_engine_unjoined_event_batches_ignored_total` (and the same counts in
+//! [`PresenceStats`]).
 //!
 //! # Locks
 //!
 //! Three `parking_lot` mutexes: the peer table, the departed set and the fetch log. The table
-//! and the departed set are each taken alone. The fetch log is held while the index is
+//! and the departed set are each taken alone (the follower checks membership in the table,
+//! then in the departed set, releasing each before the next). The fetch log is held while the index is
 //! updated from events or a snapshot (order: fetch log → index), never together with the
 //! table or the departed set. None is held across an `.await`; the directory's mutex is never
 //! taken while one is held.
@@ -143,17 +161,25 @@ pub struct PresenceConfig {
     pub request_timeout: Duration,
     /// Most entries in one snapshot answer (at least 1). Default: [`SNAPSHOT_PAGE`].
     pub snapshot_page: usize,
+    /// Most pages one snapshot fetch reads; a peer whose snapshot needs more is refused
+    /// (`transport.snapshot_max_pages`).
+    pub max_pages: usize,
+    /// Most entries one snapshot fetch accepts; a peer whose snapshot holds more is refused
+    /// (`transport.snapshot_max_entries`).
+    pub max_entries: usize,
 }
 
 impl PresenceConfig {
-    /// From `[transport]`'s `heartbeat_interval_ms`, `heartbeat_timeout_ms` and
-    /// `request_timeout_ms`.
+    /// From `[transport]`'s `heartbeat_interval_ms`, `heartbeat_timeout_ms`,
+    /// `request_timeout_ms`, `snapshot_max_pages` and `snapshot_max_entries`.
     pub fn from_transport(t: &crate::config::TransportConfig) -> Self {
         Self {
             interval: Duration::from_millis(t.heartbeat_interval_ms.max(1)),
             timeout: Duration::from_millis(t.heartbeat_timeout_ms.max(2)),
             request_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
             snapshot_page: SNAPSHOT_PAGE,
+            max_pages: t.snapshot_max_pages.max(1),
+            max_entries: t.snapshot_max_entries.max(1),
         }
     }
 }
@@ -180,6 +206,8 @@ struct Counters {
     snapshots_served: AtomicU64,
     ignored: AtomicU64,
     drift: AtomicU64,
+    over_limit: AtomicU64,
+    unjoined: AtomicU64,
 }
 
 /// A copy of [`Presence`]'s counters.
@@ -204,6 +232,11 @@ pub struct PresenceStats {
     /// Times a quiet peer's stored count differed from the index (lost events) and it was
     /// resynced.
     pub drift_detected: u64,
+    /// Snapshot fetches refused for needing more than `max_pages` pages or holding more than
+    /// `max_entries` entries (nothing of them applied).
+    pub snapshots_over_limit: u64,
+    /// Event batches of instances that have not joined by heartbeat (not live) not applied.
+    pub unjoined_event_batches: u64,
 }
 
 struct Inner {
@@ -454,6 +487,11 @@ impl Presence {
                             continue;
                         }
                     };
+                // A hostile offset must not overflow the page's end (checked below too).
+                let Some(page_end) = offset.checked_add(inner.config.snapshot_page.max(1)) else {
+                    inner.reject();
+                    continue;
+                };
                 let me = inner.this.worker.instance;
                 // The first page copies the set once; later pages of the series are cut from
                 // that copy (so a block removed meanwhile cannot shift another out of reach).
@@ -476,7 +514,7 @@ impl Presence {
                 };
                 let page = match all {
                     Some(all) => {
-                        let end = (offset + inner.config.snapshot_page.max(1)).min(all.len());
+                        let end = page_end.min(all.len());
                         SnapshotPage {
                             version: PRESENCE_WIRE_VERSION,
                             instance: me,
@@ -658,9 +696,18 @@ impl Presence {
                 };
                 match m {
                     Ok(m) => {
+                        let joined = m.instance == inner.this.worker.instance
+                            || inner.table.lock().contains_key(&m.instance);
                         if inner.departed.lock().contains_key(&m.instance) {
                             inner.counters.ignored.fetch_add(1, Ordering::Relaxed);
                             metrics::counter!("kvbm_engine_departed_event_batches_ignored_total")
+                                .increment(1);
+                        } else if !joined {
+                            // Never heard by heartbeat (or expired): its events could grow the
+                            // index without bound. A peer that joins later is resynced from
+                            // its snapshot, so nothing of a real peer is lost.
+                            inner.counters.unjoined.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvbm_engine_unjoined_event_batches_ignored_total")
                                 .increment(1);
                         } else {
                             // Applied and logged under the log's lock: a snapshot replacing
@@ -703,6 +750,8 @@ impl Presence {
             snapshots_served: c.snapshots_served.load(Ordering::Relaxed),
             ignored_batches: c.ignored.load(Ordering::Relaxed),
             drift_detected: c.drift.load(Ordering::Relaxed),
+            snapshots_over_limit: c.over_limit.load(Ordering::Relaxed),
+            unjoined_event_batches: c.unjoined.load(Ordering::Relaxed),
         }
     }
 
@@ -769,6 +818,12 @@ impl Inner {
         };
         let mut out = Vec::new();
         let mut offset = 0;
+        let mut pages = 0usize;
+        let over = |m: String| {
+            self.counters.over_limit.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvbm_engine_snapshots_over_limit_total").increment(1);
+            fail(m)
+        };
         let n = self.series.fetch_add(1, Ordering::Relaxed);
         let series = xxhash_rust::xxh3::xxh3_64(
             &[self.this.worker.instance.0.to_le_bytes(), n.to_le_bytes()].concat(),
@@ -795,7 +850,20 @@ impl Inner {
                     page.version, page.instance
                 )));
             }
+            pages += 1;
+            if out.len().saturating_add(page.entries.len()) > self.config.max_entries {
+                return Err(over(format!(
+                    "snapshot holds more than {} entries (transport.snapshot_max_entries)",
+                    self.config.max_entries
+                )));
+            }
             out.extend(page.entries);
+            if page.next.is_some() && pages >= self.config.max_pages {
+                return Err(over(format!(
+                    "snapshot needs more than {} pages (transport.snapshot_max_pages)",
+                    self.config.max_pages
+                )));
+            }
             match page.next {
                 Some(n) if n > offset => offset = n,
                 Some(_) => return Err(fail("snapshot page does not advance".into())),

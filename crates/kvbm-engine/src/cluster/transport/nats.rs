@@ -21,9 +21,13 @@
 //! # Concurrency
 //!
 //! A worker handles each request in its own task, so a long transfer does not hold up a
-//! `Describe`. No lock is taken here.
+//! `Describe`. At most [`WorkerServer::max_in_flight`] requests are served at once
+//! (`transport.worker_max_in_flight`, default 256; a semaphore): one more is answered
+//! [`ControlResponse::Refused`] at once, without a task, and counted in
+//! [`WorkerServerStats::refused_busy`]. No lock is taken here.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::{Client, RequestErrorKind};
@@ -140,6 +144,29 @@ fn encode<T: serde::Serialize>(version: u32, body: T) -> bytes::Bytes {
 /// Called with each request a [`WorkerServer`] receives, before it is served.
 pub type RequestHook = Arc<dyn Fn(&ControlRequest) + Send + Sync>;
 
+/// Counters of a [`WorkerServer`].
+#[derive(Debug, Default)]
+pub struct WorkerServerStats {
+    served: AtomicU64,
+    refused_busy: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+impl WorkerServerStats {
+    /// Requests answered by serving them (including undecodable ones, answered `Refused`).
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+    /// Requests answered `Refused` without being served: `max_in_flight` were in flight.
+    pub fn refused_busy(&self) -> u64 {
+        self.refused_busy.load(Ordering::Relaxed)
+    }
+    /// Requests being served now.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+}
+
 /// Answers control requests for one worker: see the [module docs](self).
 pub struct WorkerServer {
     client: Client,
@@ -148,6 +175,8 @@ pub struct WorkerServer {
     worker: Arc<PhysicalWorker>,
     on_request: Option<RequestHook>,
     delay: Option<(TierId, Duration)>,
+    max_in_flight: usize,
+    stats: Arc<WorkerServerStats>,
 }
 
 impl std::fmt::Debug for WorkerServer {
@@ -175,7 +204,21 @@ impl WorkerServer {
             worker,
             on_request: None,
             delay: None,
+            max_in_flight: crate::config::TransportConfig::default().worker_max_in_flight,
+            stats: Arc::new(WorkerServerStats::default()),
         }
+    }
+
+    /// Serves at most `n` requests at once (at least 1); one more is answered `Refused` and
+    /// counted. Default: `transport.worker_max_in_flight`'s default (256).
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n.max(1);
+        self
+    }
+
+    /// Its counters (shared with the serving task once started).
+    pub fn stats(&self) -> Arc<WorkerServerStats> {
+        self.stats.clone()
     }
 
     /// Calls `hook` with each decoded request before serving it (logging, tests).
@@ -208,7 +251,10 @@ impl WorkerServer {
             worker,
             on_request,
             delay,
+            max_in_flight,
+            stats,
         } = self;
+        let permits = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
         let subject = address.control_subject(&prefix);
         let nats_err = |e: &dyn std::fmt::Display| EngineError::Nats {
             url: subject.clone(),
@@ -232,8 +278,27 @@ impl WorkerServer {
                     tracing::warn!(%address, "control message without a reply subject ignored");
                     continue;
                 };
+                // The bound: a request beyond it is refused here, without a task of its own.
+                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                    stats.refused_busy.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("kvbm_engine_worker_requests_refused_busy_total")
+                        .increment(1);
+                    let version = decode_envelope::<serde::de::IgnoredAny>(&message.payload)
+                        .map_or(PROTOCOL_VERSION, |(v, _)| v);
+                    let response = ControlResponse::Refused(format!(
+                        "worker busy: {max_in_flight} requests in flight \
+                         (transport.worker_max_in_flight)"
+                    ));
+                    if let Err(e) = client.publish(reply, encode(version, response)).await {
+                        tracing::warn!(%address, error = %e, "control reply not sent");
+                    }
+                    continue;
+                };
                 let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
+                let stats = stats.clone();
+                stats.in_flight.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
+                    let _permit = permit;
                     let (version, response) = match decode_envelope::<ControlRequest>(
                         &message.payload,
                     ) {
@@ -263,6 +328,8 @@ impl WorkerServer {
                     if let Err(e) = client.publish(reply, encode(version, response)).await {
                         tracing::warn!(%address, error = %e, "control reply not sent");
                     }
+                    stats.served.fetch_add(1, Ordering::Relaxed);
+                    stats.in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
         }))

@@ -52,6 +52,8 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
         timeout: Duration::from_millis(300),
         request_timeout: Duration::from_secs(2),
         snapshot_page: 3,
+        max_pages: 1024,
+        max_entries: 1 << 20,
     };
     let hashes = TokenBlockSequence::from_tokens(&(0..40).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
@@ -205,6 +207,8 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
         timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(5),
         snapshot_page: SNAPSHOT_PAGE,
+        max_pages: 1024,
+        max_entries: 1 << 20,
     };
     let hashes = TokenBlockSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
@@ -307,6 +311,8 @@ async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
         timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(2),
         snapshot_page: SNAPSHOT_PAGE,
+        max_pages: 1024,
+        max_entries: 1 << 20,
     };
     let hashes = TokenBlockSequence::from_tokens(&(0..48).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
@@ -362,5 +368,326 @@ async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
     .await;
     assert!(b.stats().drift_detected >= 1);
     assert!(b.stats().resyncs >= 2);
+    runtime.shutdown();
+}
+
+fn bounded_config() -> PresenceConfig {
+    PresenceConfig {
+        interval: Duration::from_millis(30),
+        timeout: Duration::from_secs(10),
+        request_timeout: Duration::from_secs(2),
+        snapshot_page: SNAPSHOT_PAGE,
+        max_pages: 4,
+        max_entries: 20,
+    }
+}
+
+fn heartbeat_of(id: InstanceId) -> bytes::Bytes {
+    let hb = Heartbeat {
+        version: PRESENCE_WIRE_VERSION,
+        peer: info(id, "127.0.0.1:7009"),
+        epoch: 1,
+        departing: false,
+        stored: 0,
+    };
+    serde_json::to_vec(&hb).unwrap().into()
+}
+
+/// A fake peer `id` (heartbeats by hand) answering every snapshot request with what `page`
+/// makes of the request's offset.
+async fn fake_peer(
+    nats: &str,
+    subject: &str,
+    id: InstanceId,
+    page: impl Fn(usize) -> SnapshotPage + Send + 'static,
+) -> CancellationToken {
+    let c = crate::cluster::transport::nats::connect(nats, "fake", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let mut requests = c.subscribe(snapshot_subject(subject, id)).await.unwrap();
+    c.flush().await.unwrap();
+    let stop = CancellationToken::new();
+    let (s, hb_subject) = (stop.clone(), heartbeat_subject(subject));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(30));
+        loop {
+            tokio::select! {
+                () = s.cancelled() => return,
+                _ = tick.tick() => {
+                    let _ = c.publish(hb_subject.clone(), heartbeat_of(id)).await;
+                }
+                r = requests.next() => {
+                    let Some(r) = r else { return };
+                    let req: SnapshotRequest = serde_json::from_slice(&r.payload).unwrap();
+                    let answer = serde_json::to_vec(&page(req.offset)).unwrap();
+                    let _ = c.publish(r.reply.unwrap(), answer.into()).await;
+                }
+            }
+        }
+    });
+    stop
+}
+
+/// Attack: fake peers whose snapshot never ends (a page of one entry, `next` always one further)
+/// or holds far more entries than allowed. Each fetch is refused at the cap and counted, nothing
+/// of it reaches the index, and a real peer is still synced by the same instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_endless_or_oversized_snapshots_are_refused_and_counted() {
+    let Some(nats) = kvbm_tests::services::nats("security_snapshot_caps") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_snap.{}", std::process::id());
+    let hs = TokenBlockSequence::from_tokens(&(0..400).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let (endless, huge) = (InstanceId(0xe1), InstanceId(0xe2));
+    let h1 = hs.clone();
+    let stop_endless = fake_peer(&nats.url, &subject, endless, move |offset| SnapshotPage {
+        version: PRESENCE_WIRE_VERSION,
+        instance: endless,
+        entries: vec![(h1[offset % h1.len()], TierId::G2)],
+        next: Some(offset + 1),
+    })
+    .await;
+    let h2 = hs.clone();
+    let stop_huge = fake_peer(&nats.url, &subject, huge, move |_| SnapshotPage {
+        version: PRESENCE_WIRE_VERSION,
+        instance: huge,
+        entries: h2.iter().map(|h| (*h, TierId::G2)).collect(),
+        next: None,
+    })
+    .await;
+
+    let (cb, eb) = connect_observed(&nats.url, "b", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    let b = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        cb,
+        eb,
+        &subject,
+        bounded_config(),
+        info(B, "127.0.0.1:7002"),
+        index_b.clone(),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    eventually("both fetches refused at the caps", || {
+        b.stats().snapshots_over_limit >= 2
+    })
+    .await;
+    assert!(!b.is_synced(endless) && !b.is_synced(huge));
+    assert_eq!(index_b.count_of(endless), 0);
+    assert_eq!(index_b.count_of(huge), 0);
+
+    // B keeps serving its members: a real peer with a snapshot within the caps is synced.
+    let own_a = Arc::new(CrossInstanceIndex::new());
+    let events: Vec<BlockEvent> = hs[..10]
+        .iter()
+        .map(|h| BlockEvent {
+            kind: BlockEventKind::Stored,
+            tier: TierId::G2,
+            hash: *h,
+        })
+        .collect();
+    own_a.apply_events(A, &events);
+    let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let _a = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        ca,
+        ea,
+        &subject,
+        bounded_config(),
+        info(A, "127.0.0.1:7001"),
+        Arc::new(CrossInstanceIndex::new()),
+        own_a.clone(),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    eventually("B synced the real peer", || b.is_synced(A)).await;
+    assert_eq!(index_b.entries_of(A), own_a.entries_of(A));
+    stop_endless.cancel();
+    stop_huge.cancel();
+    runtime.shutdown();
+}
+
+/// Attack: a snapshot request whose offset overflows `offset + snapshot_page`. It is rejected
+/// and counted, and the answering task keeps answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_hostile_snapshot_offset_is_rejected_and_the_answerer_keeps_serving() {
+    let Some(nats) = kvbm_tests::services::nats("security_snapshot_offset") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_offset.{}", std::process::id());
+    let hs = TokenBlockSequence::from_tokens(&(0..20).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let own_a = Arc::new(CrossInstanceIndex::new());
+    let events: Vec<BlockEvent> = hs
+        .iter()
+        .map(|h| BlockEvent {
+            kind: BlockEventKind::Stored,
+            tier: TierId::G2,
+            hash: *h,
+        })
+        .collect();
+    own_a.apply_events(A, &events);
+    let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let a = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        ca,
+        ea,
+        &subject,
+        bounded_config(),
+        info(A, "127.0.0.1:7001"),
+        Arc::new(CrossInstanceIndex::new()),
+        own_a.clone(),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    let attacker =
+        crate::cluster::transport::nats::connect(&nats.url, "x", Duration::from_millis(50))
+            .await
+            .unwrap();
+    let ask = |series: u64, offset: usize| {
+        let c = attacker.clone();
+        let subject = snapshot_subject(&subject, A);
+        async move {
+            let req = SnapshotRequest {
+                version: PRESENCE_WIRE_VERSION,
+                series,
+                offset,
+            };
+            tokio::time::timeout(
+                Duration::from_secs(3),
+                c.request(subject, serde_json::to_vec(&req).unwrap().into()),
+            )
+            .await
+        }
+    };
+    // A series with a copy, so the hostile offset reaches the page arithmetic.
+    let first = ask(5, 0).await.unwrap().unwrap();
+    let first: SnapshotPage = serde_json::from_slice(&first.payload).unwrap();
+    assert_eq!(first.entries.len(), 5);
+    let rejected = a.stats().rejected;
+    assert!(
+        ask(5, usize::MAX).await.is_err(),
+        "no answer to a hostile offset"
+    );
+    assert_eq!(a.stats().rejected, rejected + 1);
+    // The answerer still serves.
+    let again = ask(6, 0)
+        .await
+        .expect("the answerer still answers")
+        .unwrap();
+    let again: SnapshotPage = serde_json::from_slice(&again.payload).unwrap();
+    assert_eq!(again.entries, own_a.entries_of(A));
+    runtime.shutdown();
+}
+
+/// Attack: event batches under instance ids that never sent a heartbeat (each would add index
+/// entries forever). They are ignored and counted; a joined peer's events are applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_events_of_instances_that_never_joined_are_ignored_and_counted() {
+    let Some(nats) = kvbm_tests::services::nats("security_unjoined_events") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_unjoined.{}", std::process::id());
+    let hs = TokenBlockSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let (cb, eb) = connect_observed(&nats.url, "b", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    let b = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        cb,
+        eb,
+        &subject,
+        bounded_config(),
+        info(B, "127.0.0.1:7002"),
+        index_b.clone(),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    let (events, rx) = tokio::sync::broadcast::channel(1024);
+    b.follow(&rt, CancellationToken::new(), rx).unwrap();
+    let stored = |instance: InstanceId| crate::cluster::pubsub::EventMessage {
+        instance,
+        events: vec![BlockEvent {
+            kind: BlockEventKind::Stored,
+            tier: TierId::G2,
+            hash: hs[0],
+        }]
+        .into(),
+    };
+    for i in 0..200u64 {
+        events.send(stored(InstanceId(0x1000 + i))).unwrap();
+    }
+    eventually("every forged batch ignored", || {
+        b.stats().unjoined_event_batches == 200
+    })
+    .await;
+    assert!(
+        index_b.is_empty(),
+        "nothing of an unjoined instance indexed"
+    );
+
+    // A joined peer (a real one, heard by heartbeat) still has its events applied.
+    let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let _a = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        ca,
+        ea,
+        &subject,
+        bounded_config(),
+        info(A, "127.0.0.1:7001"),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    eventually("B synced A", || b.is_synced(A)).await;
+    events.send(stored(A)).unwrap();
+    eventually("A's event applied", || {
+        index_b.locations(hs[0]) == vec![(A, TierId::G2)]
+    })
+    .await;
+    assert_eq!(b.stats().unjoined_event_batches, 200);
     runtime.shutdown();
 }

@@ -290,3 +290,52 @@ fn control_errors_fail_blocks_with_a_kind_that_keeps_the_copy() {
         BlockFailureKind::Timeout
     );
 }
+
+/// Attack: a flood of control requests, each of which would get a task of its own. At most
+/// `max_in_flight` are served at once; the rest are answered `Refused` at once and counted,
+/// and the worker serves again once the flood has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
+    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
+    use std::time::Duration;
+    let Some(nats) = kvbm_tests::services::nats("security_worker_in_flight") else {
+        return;
+    };
+    let client = connect(&nats.url, "worker", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let prefix = format!("kvbm.test.security_worker.{}", std::process::id());
+    let address = WorkerAddress::new(I, 0);
+    let server = WorkerServer::new(client, &prefix, address, worker(0, true))
+        .max_in_flight(2)
+        .delay_transfers_from(TierId::G2, Duration::from_millis(1500));
+    let stats = server.stats();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _task = server.start(cancel.clone()).await.unwrap();
+
+    let leader = connect(&nats.url, "leader", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let control = NatsControl::new(leader, &prefix, address, Duration::from_secs(10));
+    let calls = (0..8).map(|_| control.call(ControlRequest::Transfer(request())));
+    let answers = futures::future::join_all(calls).await;
+    let busy = answers
+        .iter()
+        .filter(|a| matches!(a, Err(ControlError::Refused { message, .. }) if message.contains("worker busy")))
+        .count();
+    assert_eq!(busy, 6, "{answers:?}");
+    assert_eq!(
+        answers.iter().filter(|a| a.is_ok()).count(),
+        2,
+        "{answers:?}"
+    );
+    assert_eq!(stats.refused_busy(), 6);
+    assert_eq!(stats.served(), 2);
+    assert_eq!(stats.in_flight(), 0);
+    // The flood has passed: the worker serves again.
+    assert!(matches!(
+        control.call(ControlRequest::Describe).await.unwrap(),
+        ControlResponse::Described(_)
+    ));
+    cancel.cancel();
+}
