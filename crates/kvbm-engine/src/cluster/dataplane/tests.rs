@@ -589,9 +589,10 @@ async fn security_slow_reader_loses_its_holds_at_the_response_deadline() {
     assert_serves(&srv, &hs).await;
 }
 
-/// Attack: a server that answers a response head, then one byte every 50 ms (each read
-/// progresses, so no per-read timeout fires). The client gives up at its pull deadline, fails
-/// the blocks `Timeout` (registering nothing), counts it, and still pulls from a real server.
+/// Attack: a server that answers every frame correctly, but each payload only just before
+/// the client's per-read timeout (so none fires): 8 blocks take 12 s. The client gives
+/// up at its pull deadline, fails the blocks `Timeout` (registering nothing), counts it, and
+/// still pulls from a real server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_trickling_server_is_cut_off_at_the_pull_deadline() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -604,13 +605,20 @@ async fn security_trickling_server_is_cut_off_at_the_pull_deadline() {
         let mut raw = vec![0u8; h.count as usize * 16];
         s.read_exact(&mut raw).await.unwrap();
         let hs = wire::decode_hashes(&raw);
-        let mut out = wire::encode_response(Status::Ok, h.count).to_vec();
-        out.extend(frame(hs[0], &vec![1u8; block_bytes()]));
-        for b in out {
-            if s.write_all(&[b]).await.is_err() {
+        let head = wire::encode_response(Status::Ok, h.count);
+        if s.write_all(&head).await.is_err() {
+            return;
+        }
+        for hash in hs {
+            let f = frame(hash, &vec![1u8; block_bytes()]);
+            let (header, payload) = f.split_at(wire::FRAME_HEADER_LEN);
+            if s.write_all(header).await.is_err() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            if s.write_all(payload).await.is_err() {
+                return;
+            }
         }
     });
     let local = side();
@@ -626,11 +634,13 @@ async fn security_trickling_server_is_cut_off_at_the_pull_deadline() {
         Arc::new(PeerDirectory::new()),
     )
     .unwrap();
-    let hs = hashes(2);
-    let dests = local.manager.allocate_blocks(2).unwrap();
-    let out = tokio::time::timeout(Duration::from_secs(10), c.pull_from(addr, A, &hs, dests))
+    let hs = hashes(N);
+    let dests = local.manager.allocate_blocks(N).unwrap();
+    let started = std::time::Instant::now();
+    let out = tokio::time::timeout(Duration::from_secs(15), c.pull_from(addr, A, &hs, dests))
         .await
         .expect("the pull ends at its deadline");
+    assert!(started.elapsed() < Duration::from_secs(5));
     for o in &out {
         let e = o.as_ref().unwrap_err();
         assert_eq!(e.kind, BlockFailureKind::Timeout, "{e}");
@@ -645,7 +655,7 @@ async fn security_trickling_server_is_cut_off_at_the_pull_deadline() {
     // The same client still pulls from a member.
     let remote = serving(&hs);
     let srv = server(&remote).await;
-    let dests = local.manager.allocate_blocks(2).unwrap();
+    let dests = local.manager.allocate_blocks(N).unwrap();
     let out = c.pull_from(srv.local_addr(), A, &hs, dests).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
 }
