@@ -14,6 +14,9 @@
 //!   a `TierStack` wrote starts warm from its journal and onboards those blocks from local G3,
 //!   bytes verified.
 //!
+//! * events forged under instance ids that never joined are ignored and counted by both
+//!   instances, which keep serving each other.
+//!
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
 use std::net::TcpListener;
@@ -210,6 +213,85 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     assert_eq!(b.stats().presence_adopted_blocks, 3);
     drop(got);
     b.shutdown().await;
+    rt_a.shutdown();
+    rt_b.shutdown();
+}
+
+/// Attack: anyone on the NATS server publishes event batches under instance ids that never
+/// sent a heartbeat, each naming a block (without the bound every one adds index entries for
+/// good). Both instances ignore and count them, their indexes hold only each other, and B still
+/// pulls A's G2 blocks over TCP, bytes verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
+    use kvbm_engine::cluster::pubsub::nats::NatsBus;
+    use kvbm_engine::cluster::pubsub::{EventBus, EventMessage};
+    use kvbm_logical::{BlockEvent, BlockEventKind};
+    let test = "security_forged_events";
+    let Some(nats) = kvbm_tests::services::nats(test) else {
+        return;
+    };
+    let subject = format!("kvbm.test.{}", unique("forged").replace('-', "_"));
+    let (rt_a, rt_b) = (
+        runtime(&nats.url, &subject, None),
+        runtime(&nats.url, &subject, None),
+    );
+    let a = instance(&rt_a, A).await;
+    let b = instance(&rt_b, B).await;
+    eventually("peers see each other", || {
+        b.presence().is_synced(A) && a.presence().is_synced(B)
+    })
+    .await;
+
+    let attacker = kvbm_engine::cluster::transport::nats::connect(
+        &nats.url,
+        "attacker",
+        Duration::from_millis(100),
+    )
+    .await
+    .unwrap();
+    let bus = NatsBus::start(&rt_a.handle(), attacker, subject.clone(), 1024)
+        .await
+        .unwrap();
+    let forged = prefix(9, 500);
+    for (i, h) in forged.iter().enumerate() {
+        bus.send(EventMessage {
+            instance: InstanceId(0x5000 + i as u64),
+            events: vec![BlockEvent {
+                kind: BlockEventKind::Stored,
+                tier: TierId::G2,
+                hash: *h,
+            }]
+            .into(),
+        });
+        if i % 64 == 63 {
+            // The bus never waits: pace the attack so none of it is dropped before it is sent.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    eventually("both instances ignored every forged batch", || {
+        a.presence().stats().unjoined_event_batches == 500
+            && b.presence().stats().unjoined_event_batches == 500
+    })
+    .await;
+    assert!(forged.iter().all(|h| b.index().locations(*h).is_empty()));
+    let known = b.index().instances();
+    assert!(known.iter().all(|i| *i == A || *i == B), "{known:?}");
+
+    // B still serves its members: A's G2 blocks are indexed and pulled over TCP.
+    let p = prefix(10, 4);
+    assert_eq!(a.compute(&p, &synthetic_block).unwrap(), 4);
+    eventually("B's index has A's G2 blocks", || {
+        p.iter()
+            .all(|h| b.index().locations(*h) == vec![(A, TierId::G2)])
+    })
+    .await;
+    let got = b.onboard(&p).await.unwrap();
+    assert_eq!(got.remote_g2, Some((A, 4)), "{got:?}");
+    verified(&b, &p, &got);
+    drop(got);
+    assert_eq!(b.stats().refused_blocks, 0);
+    b.shutdown().await;
+    a.shutdown().await;
     rt_a.shutdown();
     rt_b.shutdown();
 }

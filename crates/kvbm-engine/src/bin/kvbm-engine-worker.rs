@@ -9,12 +9,14 @@
 //! ```text
 //! kvbm-engine-worker --nats URL --instance ID --rank R [--blocks N] [--layers L]
 //!     [--page-size P] [--inner-dim D] [--g3-file PATH] [--fill-seed S] [--prefix P]
-//!     [--announce] [--delay-from TIER --delay-ms MS]
+//!     [--announce] [--delay-from TIER --delay-ms MS] [--max-in-flight N]
 //! ```
 //!
 //! It prints `ready <subject>` on standard output once it serves; with `--announce`, a line
 //! `request <kind>` for each request it receives. `--delay-from`/`--delay-ms` delay every
-//! transfer out of a tier (fault-injection tests kill the process meanwhile).
+//! transfer out of a tier (fault-injection tests kill the process meanwhile). `--max-in-flight`
+//! bounds the requests served at once (default: `transport.worker_max_in_flight`'s, 256; one
+//! more is answered `Refused`, see `WorkerServer::max_in_flight`).
 
 use std::io::{BufRead, Write};
 use std::sync::Arc;
@@ -46,6 +48,7 @@ struct Args {
     prefix: String,
     announce: bool,
     delay: Option<(TierId, u64)>,
+    max_in_flight: usize,
 }
 
 fn parse() -> Result<Args, BinError> {
@@ -62,6 +65,7 @@ fn parse() -> Result<Args, BinError> {
         prefix: DEFAULT_CONTROL_PREFIX.to_string(),
         announce: false,
         delay: None,
+        max_in_flight: kvbm_engine::config::TransportConfig::default().worker_max_in_flight,
     };
     let (mut delay_from, mut delay_ms) = (None, None);
     let mut it = std::env::args().skip(1);
@@ -86,6 +90,10 @@ fn parse() -> Result<Args, BinError> {
             "--g3-file" => a.g3_file = Some(value),
             "--fill-seed" => a.fill_seed = Some(num(&value)? as u8),
             "--prefix" => a.prefix = value,
+            "--max-in-flight" => match num(&value)? {
+                0 => return Err("--max-in-flight: must be > 0".into()),
+                n => a.max_in_flight = n as usize,
+            },
             "--delay-ms" => delay_ms = Some(num(&value)?),
             "--delay-from" => {
                 delay_from = Some(match value.to_ascii_uppercase().as_str() {
@@ -190,7 +198,8 @@ fn main() {
             }
         };
         let address = WorkerAddress::new(InstanceId(args.instance), args.rank);
-        let mut server = WorkerServer::new(client, &args.prefix, address, worker);
+        let mut server = WorkerServer::new(client, &args.prefix, address, worker)
+            .max_in_flight(args.max_in_flight);
         if args.announce {
             server = server.on_request(Arc::new(|r: &ControlRequest| {
                 let kind = match r {

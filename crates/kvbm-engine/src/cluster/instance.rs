@@ -39,6 +39,16 @@
 //! that records them in this instance's own index (the source of its snapshot answers) and
 //! hands them to the never-blocking publisher (bounded queue, drops counted).
 //!
+//! # Bounds
+//!
+//! What a peer (or anyone on the NATS server) can make an instance hold is bounded, each
+//! bound a `[transport]` key and each refusal counted: the data-plane server's connections
+//! (`max_connections`) and response deadline (`response_deadline_ms`), the client's request
+//! deadline (`pull_deadline_ms`) and idle pool (`max_idle_peers`, `idle_expiry_ms`) (see
+//! [`crate::cluster::dataplane`], [`Instance::data_plane_client_stats`]); snapshot fetches
+//! (`snapshot_max_pages`, `snapshot_max_entries`), snapshot offsets, and the index (events of
+//! instances that have not joined by heartbeat are ignored) (see [`presence`]).
+//!
 //! # Lookup and onboarding
 //!
 //! [`Instance::onboard`] searches local G2, G3, G4, then other instances (the shared G4 bucket
@@ -517,6 +527,11 @@ impl Instance {
     /// Its data-plane server (address, counters).
     pub fn data_plane(&self) -> &DataPlaneServer {
         &self.server
+    }
+
+    /// Its data-plane client's counters and idle pool (deadlines exceeded, pool evictions).
+    pub fn data_plane_client_stats(&self) -> crate::cluster::dataplane::ClientStats {
+        self.client.stats()
     }
 
     /// Where peers' data planes listen, as their heartbeats say.

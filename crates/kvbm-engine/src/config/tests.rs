@@ -322,3 +322,30 @@ fn heartbeat_timeout_must_exceed_the_interval() {
         (100, 300)
     );
 }
+
+#[test]
+fn bounds_of_the_cluster_plane_are_validated_naming_their_key() {
+    for key in [
+        "metrics.read_timeout_ms",
+        "metrics.max_connections",
+        "transport.max_connections",
+        "transport.response_deadline_ms",
+        "transport.pull_deadline_ms",
+        "transport.max_idle_peers",
+        "transport.idle_expiry_ms",
+        "transport.snapshot_max_pages",
+        "transport.snapshot_max_entries",
+        "transport.worker_max_in_flight",
+    ] {
+        let (k, message) = err(ConfigBuilder::new().set(key, 0).build());
+        assert_eq!(k, key, "{message}");
+        assert!(message.contains("> 0"), "{key}: {message}");
+    }
+    let config = ConfigBuilder::new()
+        .set("transport.max_connections", 3)
+        .set("transport.pull_deadline_ms", 1500)
+        .build()
+        .unwrap();
+    assert_eq!(config.transport.max_connections, 3);
+    assert_eq!(config.transport.pull_deadline_ms, 1500);
+}

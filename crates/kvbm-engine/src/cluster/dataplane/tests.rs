@@ -1,6 +1,8 @@
 //! Tests of the data plane over loopback TCP: verified pulls, refused frames (corrupt payload,
 //! wrong identity, wrong binding, hostile length, truncated stream) registering nothing,
-//! refused requests, and holds released when a client dies.
+//! refused requests, and holds released when a client dies. The `security_*` tests attack the
+//! bounds: connections over the cap, a slow reader past the response deadline, a trickling
+//! server past the pull deadline, and a client pool filled from many addresses.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -443,6 +445,34 @@ fn config_from_transport() {
     let c = DataPlaneConfig::from_transport(&t).unwrap();
     assert_eq!(c.bind.port(), 7000);
     assert_eq!(c.io_timeout, Duration::from_millis(250));
+    // The bounds come from `[transport]`, and the defaults agree with it.
+    let d = DataPlaneConfig::default();
+    assert_eq!(
+        (c.max_connections, c.max_idle_peers),
+        (t.max_connections, t.max_idle_peers)
+    );
+    assert_eq!(
+        c.response_deadline,
+        Duration::from_millis(t.response_deadline_ms)
+    );
+    assert_eq!(c.pull_deadline, Duration::from_millis(t.pull_deadline_ms));
+    assert_eq!(c.idle_expiry, Duration::from_millis(t.idle_expiry_ms));
+    assert_eq!(
+        (
+            d.max_connections,
+            d.response_deadline,
+            d.pull_deadline,
+            d.max_idle_peers,
+            d.idle_expiry
+        ),
+        (
+            c.max_connections,
+            c.response_deadline,
+            c.pull_deadline,
+            c.max_idle_peers,
+            c.idle_expiry
+        )
+    );
     let bad = crate::config::TransportConfig {
         data_plane_bind: "nowhere".into(),
         ..Default::default()

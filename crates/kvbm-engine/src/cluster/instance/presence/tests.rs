@@ -1,7 +1,9 @@
 //! The presence protocol over a real `nats-server`, without instances around it: a snapshot
 //! answered in several pages restores everything a peer stores, the peer's data-plane address
 //! reaches the directory, garbage on the heartbeat subject is skipped and counted, and a peer
-//! that falls silent (no departure message) expires from the index and the directory.
+//! that falls silent (no departure message) expires from the index and the directory. The
+//! `security_*` tests attack the bounds: endless and oversized snapshots, a hostile snapshot
+//! offset, and events of instances that never joined.
 
 use std::time::Instant;
 
