@@ -197,3 +197,16 @@ def test_a_tier_that_cannot_start_is_a_clear_error_and_leaves_nothing_behind(tmp
     with pytest.raises(Exception, match="g3.bin|file"):
         spec.get_manager()
     assert spec._scheduler_mmap is None, "the shared region was cleaned up"
+
+
+@pytest.mark.parametrize("version, ok", [("0.33.0", True), ("0.33.2rc1", True),
+                                         ("0.34.0", False), ("0.32.1", False), ("1.0", False)])
+def test_an_unsupported_vllm_version_is_refused_by_name(tmp_path, monkeypatch, version, ok):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version, raising=False)
+    if ok:
+        OffloadingSpecFactory.create_spec(config(tmp_path))
+    else:
+        with pytest.raises(RuntimeError, match=f"this is vLLM {version}"):
+            OffloadingSpecFactory.create_spec(config(tmp_path))
