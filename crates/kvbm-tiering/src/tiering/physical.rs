@@ -805,6 +805,13 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
         self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
+    /// Recency: a touched ready chunk goes to the back of the eviction order (the oldest
+    /// untouched ready chunk gives way first).
+    fn touch(&mut self, keys: &[OffloadKey], _: &ReqContext) {
+        for k in keys {
+            self.ready_order.move_to_back(k);
+        }
+    }
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
         let mut i = 0;
         while i < self.inflight.len() {

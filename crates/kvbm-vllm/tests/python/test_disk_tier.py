@@ -222,6 +222,21 @@ def test_the_disk_tier_reports_its_contents_as_vllm_events(tmp_path, impl):
     s.manager.shutdown()
 
 
+def test_touch_keeps_a_chunk_from_eviction(tmp_path, impl):
+    s = Setup(tmp_path, impl, capacity=6)
+    first = keys("touch", 4)
+    s.store(first, pattern)
+    c = s.ctx()
+    s.manager.touch([first[0]], c)  # vLLM forwards touch to every tier
+    s.manager.on_request_finished(c)
+    s.store(keys("touch2", 4), pattern)  # 8 chunks into 6 slots: two give way
+    probe = ReqContext(req_id="probe")
+    present = [k for k in first if s.tier.lookup(k, probe) is LookupResult.HIT]
+    assert first[0] in present, "the touched chunk was kept"
+    assert present == [first[0], first[3]], "the two oldest untouched gave way"
+    s.manager.shutdown()
+
+
 def test_configuration_errors_name_the_key(tmp_path):
     view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
     with pytest.raises(ValueError, match="unknown key.*'capacity_gb'"):
