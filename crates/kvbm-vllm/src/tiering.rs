@@ -662,7 +662,11 @@ impl Parent {
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let c = self.shared.contexts.lock().get(ctx)?;
-        let r = self.with(|p| p.on_request_finished(&c))?;
+        let r = self.with(|p| p.on_request_finished(&c));
+        // The remote request is over: its Python context is not kept (the manager's Rust
+        // context keeps the object for as long as it needs it).
+        self.shared.contexts.lock().forget(ctx);
+        let r = r?;
         self.shared.take_error()?;
         r.map_err(to_py)
     }
@@ -929,7 +933,15 @@ impl TieringManager {
     }
 
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, |m| m.reset_cache().map_err(to_py))
+        self.run(py, |m| {
+            let r = m.reset_cache().map_err(to_py);
+            // Jobs the reset dropped unreported (kvbm's fix of vLLM #48102) are forgotten here
+            // too, so the Python jobs map holds only jobs the manager still tracks.
+            let live: std::collections::HashSet<JobId> =
+                m.jobs().iter().map(|(_, j)| j.job_id).collect();
+            self.shared.py_jobs.lock().retain(|id, _| live.contains(id));
+            r
+        })
     }
 
     fn on_reset_flushed(&self, py: Python<'_>) -> PyResult<()> {
