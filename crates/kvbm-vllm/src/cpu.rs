@@ -94,6 +94,22 @@ fn parse_config(
         .store_threshold(store_threshold, max_tracker_size))
 }
 
+/// A `prepare_store` answer as `(keys_to_store, chunk_ids, evicted_keys)`.
+pub(crate) fn store_output<'py>(
+    py: Python<'py>,
+    out: &kvbm_tiering::PrepareStoreOutput,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let ids = out.store_spec.chunk_ids().unwrap_or_default().to_vec();
+    PyTuple::new(
+        py,
+        [
+            key_list(py, &out.keys_to_store)?.into_any(),
+            PyList::new(py, ids)?.into_any(),
+            key_list(py, &out.evicted_keys)?.into_any(),
+        ],
+    )
+}
+
 fn entry<'py>(
     m: &CpuOffloadingManager,
     py: Python<'py>,
@@ -233,18 +249,7 @@ impl CpuManager {
             .cpu()?
             .prepare_store(&ks, &c)
             .map_err(to_py)?;
-        let Some(out) = out else {
-            return Ok(None);
-        };
-        let ids = out.store_spec.chunk_ids().unwrap_or_default().to_vec();
-        Ok(Some(PyTuple::new(
-            py,
-            [
-                key_list(py, &out.keys_to_store)?.into_any(),
-                PyList::new(py, ids)?.into_any(),
-                key_list(py, &out.evicted_keys)?.into_any(),
-            ],
-        )?))
+        out.map(|o| store_output(py, &o)).transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]

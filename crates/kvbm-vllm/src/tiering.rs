@@ -340,6 +340,23 @@ impl PyTier {
         }
     }
 
+    /// A tier method whose failure kvbm-tiering sees as a tier error (the exception itself
+    /// is kept for the caller).
+    fn fallible(&self, method: &str) -> kvbm_tiering::Result<()> {
+        Python::attach(|py| match self.obj.bind(py).call_method0(method) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let message = format!("{method}: {e}");
+                self.shared.keep(e);
+                Err(TieringError::Tier {
+                    tier: self.index,
+                    tier_type: self.tier_type.clone(),
+                    message,
+                })
+            }
+        })
+    }
+
     fn submit(&mut self, method: &str, job: Arc<TierJob>) {
         Python::attach(|py| {
             let pj = match self.shared.job(py, &job) {
@@ -475,18 +492,7 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn drain_jobs(&mut self) -> kvbm_tiering::Result<()> {
-        Python::attach(|py| match self.obj.bind(py).call_method0("drain_jobs") {
-            Ok(_) => Ok(()),
-            Err(e) => {
-                let message = format!("drain_jobs: {e}");
-                self.shared.keep(e);
-                Err(TieringError::Tier {
-                    tier: 0,
-                    tier_type: self.tier_type.clone(),
-                    message,
-                })
-            }
-        })
+        self.fallible("drain_jobs")
     }
 
     fn on_new_request(&mut self, req_context: &ReqContext) -> RequestOffloadingContext {
@@ -577,18 +583,7 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn shutdown(&mut self) -> kvbm_tiering::Result<()> {
-        Python::attach(|py| match self.obj.bind(py).call_method0("shutdown") {
-            Ok(_) => Ok(()),
-            Err(e) => {
-                let message = format!("shutdown: {e}");
-                self.shared.keep(e);
-                Err(TieringError::Tier {
-                    tier: 0,
-                    tier_type: self.tier_type.clone(),
-                    message,
-                })
-            }
-        })
+        self.fallible("shutdown")
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
@@ -818,18 +813,8 @@ impl TieringManager {
         let py = keys_.py();
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
-        let Some(out) = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))? else {
-            return Ok(None);
-        };
-        let ids = out.store_spec.chunk_ids().unwrap_or_default().to_vec();
-        Ok(Some(PyTuple::new(
-            py,
-            [
-                key_list(py, &out.keys_to_store)?.into_any(),
-                PyList::new(py, ids)?.into_any(),
-                key_list(py, &out.evicted_keys)?.into_any(),
-            ],
-        )?))
+        let out = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))?;
+        out.map(|o| crate::cpu::store_output(py, &o)).transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]

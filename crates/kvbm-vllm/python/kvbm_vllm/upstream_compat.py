@@ -80,6 +80,18 @@ def _builtin_policy(cache_policy: str, module_path: str | None) -> str:
     )
 
 
+def _store_output(out) -> PrepareStoreOutput | None:
+    """vLLM's ``PrepareStoreOutput`` of a Rust ``prepare_store`` answer (``None``: no room)."""
+    if out is None:
+        return None
+    keys_to_store, chunk_ids, evicted = out
+    return PrepareStoreOutput(
+        keys_to_store=keys_to_store,
+        store_spec=CPULoadStoreSpec(chunk_ids),
+        evicted_keys=evicted,
+    )
+
+
 class _TrackerView:
     """Read-only view of the store-threshold tracker (vLLM's ``counts``: key -> offers)."""
 
@@ -283,15 +295,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        out = self._rs.prepare_store(keys, req_context)
-        if out is None:
-            return None
-        keys_to_store, chunk_ids, evicted = out
-        return PrepareStoreOutput(
-            keys_to_store=keys_to_store,
-            store_spec=CPULoadStoreSpec(chunk_ids),
-            evicted_keys=evicted,
-        )
+        return _store_output(self._rs.prepare_store(keys, req_context))
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -567,15 +571,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._rs.complete_load(keys, req_context)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext):
-        out = self._rs.prepare_store(keys, req_context)
-        if out is None:
-            return None
-        keys_to_store, chunk_ids, evicted = out
-        return PrepareStoreOutput(
-            keys_to_store=keys_to_store,
-            store_spec=CPULoadStoreSpec(chunk_ids),
-            evicted_keys=evicted,
-        )
+        return _store_output(self._rs.prepare_store(keys, req_context))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
