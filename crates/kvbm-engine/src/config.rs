@@ -84,6 +84,8 @@ pub struct KvbmConfig {
     pub metrics: MetricsConfig,
     /// Leader/worker control plane and block data plane.
     pub transport: TransportConfig,
+    /// `[security]`: the trust root, this member's credential, and the insecure opt-out.
+    pub security: crate::security::SecurityConfig,
     /// `[replay]`: owned by `kvbm-cli` (a layer above this crate), which parses and validates
     /// it; carried here unparsed so one file configures both. Absent by default.
     pub replay: Option<Value>,
@@ -418,6 +420,9 @@ impl KvbmConfig {
             ));
         }
         positive("logical.events.max_batch", l.events.max_batch as u64)?;
+        self.security
+            .validate()
+            .map_err(|(key, message)| EngineError::config(key, message))?;
 
         let p = &self.physical;
         positive(

@@ -77,6 +77,10 @@ pub enum EngineError {
     /// An onboarding session call failed.
     #[error(transparent)]
     Session(#[from] SessionError),
+    /// A credential, key or security setting was refused, or a cluster without credentials
+    /// was asked to run off loopback.
+    #[error("security: {0}")]
+    Security(#[from] crate::security::SecurityError),
     /// A peer's snapshot request could not be answered or its answer read.
     #[error("snapshot of {peer}: {message}")]
     Snapshot {

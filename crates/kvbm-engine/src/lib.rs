@@ -18,6 +18,7 @@ pub mod leader;
 pub mod manager;
 pub mod mover;
 pub mod runtime;
+pub mod security;
 pub mod stack;
 pub mod worker;
 
