@@ -881,12 +881,16 @@ pub enum Security {
     /// `security.insecure = true`).
     Off,
     /// Every message sealed and verified.
-    On {
-        /// Seals this member's messages.
-        signer: Signer,
-        /// Opens everyone else's.
-        verifier: Verifier,
-    },
+    On(Box<Sealing>),
+}
+
+/// A member's two halves: what seals its own messages and what opens everyone else's.
+#[derive(Debug)]
+pub struct Sealing {
+    /// Seals this member's messages.
+    pub signer: Signer,
+    /// Opens everyone else's.
+    pub verifier: Verifier,
 }
 
 /// The `[security]` configuration section (see `docs/security.md`).
@@ -994,22 +998,38 @@ impl Security {
                 max_senders: config.max_senders,
             },
         );
-        Security::On {
+        Security::On(Box::new(Sealing {
             signer: Signer::new(credential),
             verifier,
-        }
+        }))
     }
 
     /// Whether messages are sealed.
     pub fn is_on(&self) -> bool {
-        matches!(self, Security::On { .. })
+        matches!(self, Security::On(_))
+    }
+
+    /// This member's signer (none when off).
+    pub fn signer(&self) -> Option<&Signer> {
+        match self {
+            Security::Off => None,
+            Security::On(s) => Some(&s.signer),
+        }
+    }
+
+    /// The verifier of everyone else's messages (none when off).
+    pub fn verifier(&self) -> Option<&Verifier> {
+        match self {
+            Security::Off => None,
+            Security::On(s) => Some(&s.verifier),
+        }
     }
 
     /// Seals `payload` for `context`, or returns it as is when off.
     pub fn seal(&self, context: &[u8], payload: &[u8]) -> Vec<u8> {
         match self {
             Security::Off => payload.to_vec(),
-            Security::On { signer, .. } => signer.seal(context, payload),
+            Security::On(s) => s.signer.seal(context, payload),
         }
     }
 
@@ -1025,7 +1045,8 @@ impl Security {
     ) -> Result<(Option<Arc<MemberCert>>, &'a [u8]), Rejection> {
         match self {
             Security::Off => Ok((None, bytes)),
-            Security::On { verifier, .. } => verifier
+            Security::On(s) => s
+                .verifier
                 .open(context, bytes)
                 .map(|o| (Some(o.sender), o.payload)),
         }
@@ -1035,7 +1056,7 @@ impl Security {
     pub fn stats(&self) -> Option<&Arc<SecurityStats>> {
         match self {
             Security::Off => None,
-            Security::On { verifier, .. } => Some(verifier.stats()),
+            Security::On(s) => Some(s.verifier.stats()),
         }
     }
 
