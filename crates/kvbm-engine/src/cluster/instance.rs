@@ -87,6 +87,7 @@ use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::{FinishOutcome, InstanceLeader, RemoteSearch, SessionError, StagingMovers};
 use crate::runtime::RuntimeHandle;
+use crate::security::{Role as SecurityRole, Security};
 use crate::stack::{Movers, TierPlan, TierSinks, Tiers, discard_rejected};
 
 pub use presence::{Presence, PresenceConfig, PresenceStats};
@@ -187,6 +188,7 @@ pub struct InstanceBuilder {
     geometry: Option<BlockLayout>,
     presence_check: bool,
     pin: PinPolicy,
+    security: Option<Security>,
 }
 
 impl InstanceBuilder {
@@ -198,7 +200,15 @@ impl InstanceBuilder {
             geometry: None,
             presence_check: true,
             pin: PinPolicy::Unpinned,
+            security: None,
         }
+    }
+
+    /// This member's security (a credential and the trust root). Default: built from
+    /// `[security]` ([`Security::from_config`]); without credentials there, off.
+    pub fn security(mut self, security: Security) -> Self {
+        self.security = Some(security);
+        self
     }
 
     /// Its id. Default: derived from the process id and the data-plane port.
@@ -263,7 +273,35 @@ impl InstanceBuilder {
             EngineError::config("transport.nats_url", "must be set for an instance")
         })?;
         let dp_config = DataPlaneConfig::from_transport(&config.transport)?;
-        let id = self.id.unwrap_or_else(default_id);
+        let security = Arc::new(match self.security {
+            Some(s) => s,
+            None => Security::from_config(&config.security)?,
+        });
+        // Off loopback, no cluster runs without credentials unless the operator says so.
+        security.require_for(
+            config.security.insecure,
+            [dp_config.bind.to_string().as_str(), url.as_str()],
+        )?;
+        let id = match security.signer() {
+            // With a credential, the instance is the one its certificate names.
+            Some(signer) => {
+                let cert = signer.cert();
+                if cert.role != SecurityRole::Leader {
+                    return Err(EngineError::config(
+                        "security.credential_file",
+                        format!("an instance needs a leader's credential, got a {cert}"),
+                    ));
+                }
+                if let Some(asked) = self.id.filter(|i| *i != cert.instance) {
+                    return Err(EngineError::config(
+                        "security.credential_file",
+                        format!("the credential is for {}, not {asked}", cert.instance),
+                    ));
+                }
+                cert.instance
+            }
+            None => self.id.unwrap_or_else(default_id),
+        };
 
         let cancel = rt.shutdown_token().child_token();
         // Until the instance is built, an error stops whatever was started so far.
@@ -412,6 +450,7 @@ impl InstanceBuilder {
             presence,
             presence_check: self.presence_check,
             counters: Counters::default(),
+            security,
         })
     }
 }
@@ -463,6 +502,7 @@ pub struct Instance {
     presence: Presence,
     presence_check: bool,
     counters: Counters,
+    security: Arc<Security>,
 }
 
 impl std::fmt::Debug for Instance {
@@ -512,6 +552,11 @@ impl Instance {
     /// Its id.
     pub fn id(&self) -> InstanceId {
         self.id
+    }
+
+    /// This member's security: its signer and verifier, or off.
+    pub fn security(&self) -> &Arc<Security> {
+        &self.security
     }
 
     /// The runtime it runs on.
