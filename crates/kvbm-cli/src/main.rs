@@ -13,6 +13,7 @@ mod bench;
 mod config;
 mod metrics_http;
 mod replay;
+mod security;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -84,6 +85,11 @@ enum Command {
         dir: Option<PathBuf>,
         #[command(flatten)]
         flags: ReplayFlags,
+    },
+    /// Cluster credentials: make the trust root, issue member credentials, show one.
+    Security {
+        #[command(subcommand)]
+        command: security::SecurityCommand,
     },
     /// Configuration commands.
     Config {
@@ -326,6 +332,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 print!("{}", out.table());
             }
+            Ok(())
+        }
+        Command::Security { command } => {
+            print!("{}", security::run(command)?);
             Ok(())
         }
         Command::Config {

@@ -852,3 +852,107 @@ fn bench_reports_each_path_with_its_baseline_and_ratio() {
         }
     }
 }
+
+#[test]
+fn security_init_issue_show_make_a_credential_and_never_overwrite_or_print_a_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root.key");
+    let cred = dir.path().join("a.cred");
+    let p = |x: &Path| x.to_str().unwrap().to_owned();
+
+    let out = run(&["security", "init", "--out", &p(&root)]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    let trust_root = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("security.trust_root = \""))
+        .and_then(|l| l.strip_suffix('"'))
+        .expect("prints the trust root")
+        .to_owned();
+    assert_eq!(trust_root.len(), 64);
+    fails_with(run(&["security", "init", "--out", &p(&root)]), "root.key");
+
+    let out = run(&[
+        "security",
+        "issue",
+        "--root",
+        &p(&root),
+        "--instance",
+        "0x2a",
+        "--role",
+        "worker",
+        "--rank",
+        "3",
+        "--namespace",
+        "tenant-a",
+        "--out",
+        &p(&cred),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["security", "show", &p(&cred)]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shown = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(shown.contains("worker rank 3"), "{shown}");
+    assert!(shown.contains("instance = 0x2a"), "{shown}");
+    assert!(shown.contains("\"tenant-a\""), "{shown}");
+    // The secret key (the credential file's last line) is never printed.
+    let text = std::fs::read_to_string(&cred).unwrap();
+    let secret = text.lines().last().unwrap();
+    assert!(!shown.contains(secret));
+
+    // The credential is what the engine accepts under that root, and refuses under another.
+    let key = kvbm_engine::security::Credential::load(
+        &cred,
+        Some(&kvbm_engine::security::TrustRoot::from_hex(&trust_root).unwrap()),
+    )
+    .unwrap();
+    assert_eq!(key.cert().rank, 3);
+    fails_with(
+        run(&[
+            "security",
+            "issue",
+            "--root",
+            &p(&root),
+            "--instance",
+            "7",
+            "--role",
+            "leader",
+            "--rank",
+            "1",
+            "--namespace",
+            "t",
+            "--out",
+            &p(&dir.path().join("b.cred")),
+        ]),
+        "a leader has no rank",
+    );
+    fails_with(
+        run(&[
+            "security",
+            "issue",
+            "--root",
+            &p(&root),
+            "--instance",
+            "zz",
+            "--role",
+            "leader",
+            "--namespace",
+            "t",
+            "--out",
+            &p(&dir.path().join("c.cred")),
+        ]),
+        "--instance \"zz\"",
+    );
+}
