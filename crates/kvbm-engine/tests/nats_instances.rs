@@ -29,7 +29,13 @@ use kvbm_engine::KvbmRuntime;
 use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_engine::config::ConfigBuilder;
 use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
-use kvbm_logical::{Salt, SequenceHash, TierId, TokenBlockSequence};
+use kvbm_engine::WorkerAddress;
+use kvbm_engine::cluster::pubsub::nats::NatsBus;
+use kvbm_engine::cluster::pubsub::{EventBus, EventMessage};
+use kvbm_engine::cluster::transport::PeerInfo;
+use kvbm_engine::cluster::transport::nats::{connect, reply_context};
+use kvbm_engine::security::{Credential, Rejection, Role, RootKey, Security, SecurityConfig};
+use kvbm_logical::{BlockEvent, BlockEventKind, Salt, SequenceHash, TierId, TokenBlockSequence};
 
 mod common;
 
@@ -61,6 +67,17 @@ fn runtime(
     subject: &str,
     s3: Option<(&kvbm_tests::services::S3Service, &str)>,
 ) -> KvbmRuntime {
+    runtime_with(nats_url, subject, s3, 50, &[])
+}
+
+/// As [`runtime`], heartbeats every `interval_ms` (timeout 8 intervals), with `sets`.
+fn runtime_with(
+    nats_url: &str,
+    subject: &str,
+    s3: Option<(&kvbm_tests::services::S3Service, &str)>,
+    interval_ms: u64,
+    sets: &[(&str, String)],
+) -> KvbmRuntime {
     let mut b = KvbmRuntime::builder()
         .tokio_handle(tokio::runtime::Handle::current())
         .set("logical.block_size", 4)
@@ -70,9 +87,12 @@ fn runtime(
         .set("tiers.g1_blocks", 16)
         .set("tiers.g2_blocks", 16)
         .set("transport.nats_url", nats_url)
-        .set("transport.heartbeat_interval_ms", 50)
-        .set("transport.heartbeat_timeout_ms", 400)
+        .set("transport.heartbeat_interval_ms", interval_ms)
+        .set("transport.heartbeat_timeout_ms", interval_ms * 8)
         .set("transport.request_timeout_ms", 1000);
+    for (k, v) in sets {
+        b = b.set(*k, v.as_str());
+    }
     if let Some((s3, namespace)) = s3 {
         b = b
             .set("tiers.g4_blocks", 64)
@@ -120,6 +140,18 @@ fn verified(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
+    two_instances_share_g4_and_g2(false).await;
+}
+
+/// The same with authentication on: each instance's `[security]` names the trust root and its
+/// own leader credential (a file written by `Credential::save`); every heartbeat, event batch
+/// and snapshot page is sealed, and none of the genuine ones is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_from_config_share_g4_and_g2_authenticated() {
+    two_instances_share_g4_and_g2(true).await;
+}
+
+async fn two_instances_share_g4_and_g2(secure: bool) {
     let test = "two_instances_from_config";
     let (Some(nats), Some(s3)) = (
         kvbm_tests::services::nats(test),
@@ -129,12 +161,21 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     };
     let subject = format!("kvbm.test.{}", unique("inst").replace('-', "_"));
     let namespace = unique("engine-instances");
-    let (rt_a, rt_b) = (
-        runtime(&nats.url, &subject, Some((&s3, &namespace))),
-        runtime(&nats.url, &subject, Some((&s3, &namespace))),
-    );
+    let members = Members::new();
+    let (rt_a, rt_b) = if secure {
+        (
+            members.runtime(A, &nats.url, &subject, Some((&s3, &namespace)), 50),
+            members.runtime(B, &nats.url, &subject, Some((&s3, &namespace)), 50),
+        )
+    } else {
+        (
+            runtime(&nats.url, &subject, Some((&s3, &namespace))),
+            runtime(&nats.url, &subject, Some((&s3, &namespace))),
+        )
+    };
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;
+    assert_eq!(a.security().is_on(), secure);
 
     // Heartbeats fill each one's directory with the other's data-plane address.
     eventually("peers see each other", || {
@@ -212,6 +253,12 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     verified(&b, &p3, &got);
     assert_eq!(b.stats().presence_adopted_blocks, 3);
     drop(got);
+    if secure {
+        let s = b.security().stats().unwrap();
+        assert!(s.accepted() > 0);
+        assert_eq!(s.rejected_total(), 0, "no genuine message was refused");
+        assert_eq!(b.presence().stats().unauthenticated, 0);
+    }
     b.shutdown().await;
     rt_a.shutdown();
     rt_b.shutdown();
@@ -223,9 +270,6 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
 /// pulls A's G2 blocks over TCP, bytes verified.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
-    use kvbm_engine::cluster::pubsub::nats::NatsBus;
-    use kvbm_engine::cluster::pubsub::{EventBus, EventMessage};
-    use kvbm_logical::{BlockEvent, BlockEventKind};
     let test = "security_forged_events";
     let Some(nats) = kvbm_tests::services::nats(test) else {
         return;
@@ -290,6 +334,256 @@ async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
     verified(&b, &p, &got);
     drop(got);
     assert_eq!(b.stats().refused_blocks, 0);
+    b.shutdown().await;
+    a.shutdown().await;
+    rt_a.shutdown();
+    rt_b.shutdown();
+}
+
+/// A trust root and leader credentials written to files (`Credential::save`), as an operator
+/// issues them.
+struct Members {
+    root: RootKey,
+    dir: tempfile::TempDir,
+}
+
+impl Members {
+    fn new() -> Self {
+        Self {
+            root: RootKey::generate().unwrap(),
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn issue(&self, id: InstanceId, role: Role) -> Credential {
+        self.root
+            .issue(id, role, 0, "ns", Duration::from_secs(3600))
+            .unwrap()
+    }
+
+    /// Security of another key for `id`'s `role` (a second credential the root issued).
+    fn security(&self, id: InstanceId, role: Role) -> Arc<Security> {
+        Arc::new(Security::with_credential(
+            self.root.trust_root(),
+            Arc::new(self.issue(id, role)),
+            &SecurityConfig::default(),
+        ))
+    }
+
+    /// A runtime whose `[security]` names the root and `id`'s leader credential file.
+    fn runtime(
+        &self,
+        id: InstanceId,
+        nats_url: &str,
+        subject: &str,
+        s3: Option<(&kvbm_tests::services::S3Service, &str)>,
+        interval_ms: u64,
+    ) -> KvbmRuntime {
+        let path = self.dir.path().join(format!("{:x}.cred", id.0));
+        self.issue(id, Role::Leader).save(&path).unwrap();
+        runtime_with(
+            nats_url,
+            subject,
+            s3,
+            interval_ms,
+            &[
+                ("security.trust_root", self.root.trust_root().to_hex()),
+                ("security.credential_file", path.display().to_string()),
+            ],
+        )
+    }
+}
+
+fn stored(instance: InstanceId, hashes: &[SequenceHash]) -> EventMessage {
+    EventMessage {
+        instance,
+        events: hashes
+            .iter()
+            .map(|h| BlockEvent {
+                kind: BlockEventKind::Stored,
+                tier: TierId::G2,
+                hash: *h,
+            })
+            .collect::<Vec<_>>()
+            .into(),
+    }
+}
+
+/// Attack (issue 23, items 2 and 4), authenticated instances A and B (heartbeats every 500 ms,
+/// so a forgery that was believed would still show): a client without a credential, and a
+/// member holding another leader credential of B, each
+/// * answer A's snapshot requests first with a page claiming A stores forged blocks;
+/// * publish a heartbeat naming A with another data-plane address, and one saying A departs;
+/// * publish `Stored` events under A's id;
+/// and a genuine heartbeat of A is replayed. B drops and counts every one (a replay as
+/// `Replayed`): A's entry and address are unchanged, A never expired, no forged block is in
+/// B's index or steers its lookup, and B still pulls A's G2 blocks, bytes verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
+    use futures::StreamExt;
+    let Some(nats) = kvbm_tests::services::nats("security_forged_presence") else {
+        return;
+    };
+    let subject = format!("kvbm.test.{}", unique("forgedhb").replace('-', "_"));
+    let members = Members::new();
+    let forged = prefix(9, 4);
+    let plain = connect(&nats.url, "attacker", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let forger = members.security(B, Role::Leader);
+
+    // Forged snapshot pages, in place before the instances start (so B's first fetch of A
+    // meets them): one unsealed, one sealed by the other B key and bound to the request.
+    let page = serde_json::to_vec(&serde_json::json!({
+        "version": 1,
+        "instance": A,
+        "entries": forged.iter().map(|h| (*h, TierId::G2)).collect::<Vec<_>>(),
+        "next": null,
+    }))
+    .unwrap();
+    let mut snap = plain
+        .subscribe(format!("{subject}.snapshot.{:016x}", A.0))
+        .await
+        .unwrap();
+    plain.flush().await.unwrap();
+    let (p2, f2, page2) = (plain.clone(), forger.clone(), page.clone());
+    let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let n = answered.clone();
+    let pages = tokio::spawn(async move {
+        while let Some(m) = snap.next().await {
+            let Some(reply) = m.reply else { continue };
+            let sealed = f2.seal(&reply_context("snapshot-reply", &m.payload), &page2);
+            let _ = p2.publish(reply.clone(), page2.clone().into()).await;
+            let _ = p2.publish(reply, sealed.into()).await;
+            let _ = p2.flush().await;
+            n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    // A genuine heartbeat of A, captured for a replay.
+    let mut hbs = plain.subscribe(format!("{subject}.peers")).await.unwrap();
+    plain.flush().await.unwrap();
+
+    let (rt_a, rt_b) = (
+        members.runtime(A, &nats.url, &subject, None, 500),
+        members.runtime(B, &nats.url, &subject, None, 500),
+    );
+    let a = instance(&rt_a, A).await;
+    let b = instance(&rt_b, B).await;
+    let a_addr = a.data_plane().local_addr();
+    eventually("B synced A", || {
+        b.presence().is_synced(A) && b.peers().get(A) == Some(a_addr)
+    })
+    .await;
+    let observer = members.security(InstanceId(0xc3), Role::Leader);
+    let genuine = loop {
+        let m = hbs.next().await.unwrap();
+        if let Ok((Some(sender), _)) = observer.open(
+            format!("kvbm/heartbeat/{subject}.peers").as_bytes(),
+            &m.payload,
+        ) && sender.instance == A
+        {
+            break m.payload;
+        }
+    };
+    drop(hbs);
+    let bs = b.security().stats().unwrap().clone();
+    let before = (bs.rejected(Rejection::Malformed), bs.rejected(Rejection::NotAllowed));
+    let presence_before = b.presence().stats();
+
+    // Heartbeats naming A: another address, and a departure.
+    let hb = |departing: bool| {
+        serde_json::to_vec(&serde_json::json!({
+            "version": 1,
+            "peer": PeerInfo {
+                worker: WorkerAddress::new(A, 0),
+                tiers: vec![TierId::G2],
+                num_blocks: 16,
+                block_bytes: 4096,
+                data_plane: Some("127.0.0.1:9".into()),
+            },
+            "epoch": 1,
+            "departing": departing,
+            "stored": 0,
+        }))
+        .unwrap()
+    };
+    let hb_subject = format!("{subject}.peers");
+    let hb_ctx = format!("kvbm/heartbeat/{hb_subject}");
+    for departing in [false, true] {
+        plain
+            .publish(hb_subject.clone(), hb(departing).into())
+            .await
+            .unwrap();
+        plain
+            .publish(
+                hb_subject.clone(),
+                forger.seal(hb_ctx.as_bytes(), &hb(departing)).into(),
+            )
+            .await
+            .unwrap();
+    }
+    // The replay.
+    plain.publish(hb_subject.clone(), genuine).await.unwrap();
+    // Stored events under A's id: unsealed, and sealed by the other B key.
+    let open_bus = NatsBus::start(&rt_a.handle(), plain.clone(), subject.clone(), 16)
+        .await
+        .unwrap();
+    let member_bus = NatsBus::start_secured(
+        &rt_a.handle(),
+        rt_a.handle().shutdown_token(),
+        plain.clone(),
+        subject.clone(),
+        16,
+        forger.clone(),
+    )
+    .await
+    .unwrap();
+    open_bus.send(stored(A, &forged));
+    member_bus.send(stored(A, &forged));
+    plain.flush().await.unwrap();
+
+    eventually("B dropped every forgery", || {
+        bs.rejected(Rejection::Malformed) >= before.0 + 3
+            && bs.rejected(Rejection::NotAllowed) >= before.1 + 3
+            && bs.rejected(Rejection::Replayed) >= 1
+    })
+    .await;
+    // Well within A's next heartbeat (500 ms): a believed forgery would still show.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(b.peers().get(A), Some(a_addr), "A's address unchanged");
+    assert_eq!(b.presence().live_peers(), vec![A]);
+    assert_eq!(
+        b.presence().peer(A).unwrap().data_plane,
+        Some(a_addr.to_string())
+    );
+    let p = b.presence().stats();
+    assert_eq!(p.expired, 0, "A was never removed");
+    assert!(!b.presence().is_departed(A));
+    assert!(p.unauthenticated >= presence_before.unauthenticated + 5, "{p:?}");
+    // The forged pages were dropped too (B's fetch took A's real one).
+    assert!(answered.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert!(p.unauthenticated >= 7, "{p:?}");
+    for h in &forged {
+        assert!(b.index().locations(*h).is_empty(), "forged {h:?} indexed");
+    }
+    let l = b.lookup(&forged);
+    assert_eq!((l.remote_g2, l.matched()), (None, 0), "{l:?}");
+    assert_eq!(a.presence().stats().expired, 0);
+
+    // B still serves its members: A's G2 blocks are indexed and pulled, bytes verified.
+    let real = prefix(10, 4);
+    assert_eq!(a.compute(&real, &synthetic_block).unwrap(), 4);
+    eventually("B's index has A's G2 blocks", || {
+        real.iter()
+            .all(|h| b.index().locations(*h) == vec![(A, TierId::G2)])
+    })
+    .await;
+    let got = b.onboard(&real).await.unwrap();
+    assert_eq!(got.remote_g2, Some((A, 4)), "{got:?}");
+    verified(&b, &real, &got);
+    drop(got);
+    assert_eq!(b.stats().refused_blocks, 0);
+    pages.abort();
     b.shutdown().await;
     a.shutdown().await;
     rt_a.shutdown();

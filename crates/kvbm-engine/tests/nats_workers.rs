@@ -25,19 +25,46 @@ use common::N;
 
 mod worker_processes;
 
-use worker_processes::{WorkerProcess, digests, instance_id, set_up};
+use kvbm_engine::security::{Role, Security};
+use worker_processes::{Members, WorkerProcess, digests, instance_id, set_up, set_up_secured};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_and_two_worker_processes_onboard_a_disk_prefix_bytes_verified_per_rank() {
+    onboard_a_disk_prefix_through_two_workers(false).await;
+}
+
+/// The same with authentication on: each worker process loads its own worker credential
+/// (`--trust-root`, `--credential`, a file written by `Credential::save`) and obeys only the
+/// leader's sealed requests; the leader takes only their sealed replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_and_two_worker_processes_onboard_a_disk_prefix_authenticated() {
+    onboard_a_disk_prefix_through_two_workers(true).await;
+}
+
+async fn onboard_a_disk_prefix_through_two_workers(secure: bool) {
     let Some(nats) = kvbm_tests::services::nats("leader_and_two_worker_processes") else {
         return;
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let instance = instance_id(1);
+    let instance = instance_id(if secure { 5 } else { 1 });
+    let members = Members::new();
     let _w: Vec<WorkerProcess> = (0..2)
-        .map(|r| WorkerProcess::spawn(&nats.url, instance, r, dir.path(), &[]))
+        .map(|r| {
+            let flags = if secure {
+                members.worker_flags(instance, r)
+            } else {
+                Vec::new()
+            };
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            WorkerProcess::spawn(&nats.url, instance, r, dir.path(), &flags)
+        })
         .collect();
-    let i = set_up(&nats.url, instance, Duration::from_secs(30)).await;
+    let security = if secure {
+        members.security(instance, Role::Leader, 0)
+    } else {
+        Arc::new(Security::Off)
+    };
+    let i = set_up_secured(&nats.url, instance, Duration::from_secs(30), security.clone()).await;
     let pw: Arc<dyn ParallelWorkers> = i.workers.clone();
 
     let leader = InstanceLeader::builder()
@@ -76,6 +103,11 @@ async fn leader_and_two_worker_processes_onboard_a_disk_prefix_bytes_verified_pe
             i.expected[r],
             "rank {r}: G1 holds its own original bytes"
         );
+    }
+    if secure {
+        let s = security.stats().unwrap();
+        assert!(s.accepted() > 0);
+        assert_eq!(s.rejected_total(), 0, "no genuine reply was refused");
     }
 }
 

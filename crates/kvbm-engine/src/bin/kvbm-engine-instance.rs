@@ -26,7 +26,7 @@
 //! | `index SEED N` | what the cross-instance index says | `prefix=<hex>:<len>,... g2= g4=` (leading blocks another instance holds in that tier) |
 //! | `peers` | live peers and their data planes | `live=<hex>@addr,...` |
 //! | `corrupt-served N` | (feature `testing`) the next N served frames are damaged | `corrupt=N` |
-//! | `stats` | instance and presence counters | |
+//! | `stats` | instance, presence and security counters | `... secured= sec_accepted= sec_rejected= unauthenticated=` |
 //! | `quit` | departs and exits | `bye` |
 //!
 //! It exits when its standard input closes (its parent went away).
@@ -224,9 +224,10 @@ async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String
         "stats" => {
             let s = inst.stats();
             let p = inst.presence().stats();
+            let sec = inst.security().stats();
             Ok(format!(
                 "onboarded={} g4={} remote={} refused={} recomputed={} expired={} resyncs={} \
-                 served={}",
+                 served={} secured={} sec_accepted={} sec_rejected={} unauthenticated={}",
                 s.onboarded_blocks,
                 s.g4_blocks,
                 s.remote_g2_blocks,
@@ -234,7 +235,11 @@ async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String
                 s.recomputed_blocks,
                 p.expired,
                 p.resyncs,
-                inst.data_plane().stats().blocks_served()
+                inst.data_plane().stats().blocks_served(),
+                inst.security().is_on(),
+                sec.map_or(0, |s| s.accepted()),
+                sec.map_or(0, |s| s.rejected_total()),
+                p.unauthenticated,
             ))
         }
         other => Err(format!("unknown command {other}").into()),

@@ -10,6 +10,7 @@
 //! kvbm-engine-worker --nats URL --instance ID --rank R [--blocks N] [--layers L]
 //!     [--page-size P] [--inner-dim D] [--g3-file PATH] [--fill-seed S] [--prefix P]
 //!     [--announce] [--delay-from TIER --delay-ms MS] [--max-in-flight N]
+//!     [--trust-root HEX --credential FILE] [--insecure]
 //! ```
 //!
 //! It prints `ready <subject>` on standard output once it serves; with `--announce`, a line
@@ -17,6 +18,12 @@
 //! transfer out of a tier (fault-injection tests kill the process meanwhile). `--max-in-flight`
 //! bounds the requests served at once (default: `transport.worker_max_in_flight`'s, 256; one
 //! more is answered `Refused`, see `WorkerServer::max_in_flight`).
+//!
+//! Security: `[security]` of the configuration tree (`KVBM_CONFIG_PATH`, `KVBM_SECURITY__*`),
+//! each of `--trust-root`, `--credential` and `--insecure` overriding its key. With a credential
+//! (which must be a worker's, of `--instance` at `--rank`), only requests sealed by that
+//! instance's leader are obeyed and replies are sealed (`WorkerServer::security`); without one
+//! it refuses to start off loopback unless `security.insecure` (see `docs/security.md`).
 
 use std::io::{BufRead, Write};
 use std::sync::Arc;
@@ -26,6 +33,7 @@ use kvbm_engine::InstanceId;
 use kvbm_engine::WorkerAddress;
 use kvbm_engine::cluster::transport::control::{ControlRequest, fill_pattern};
 use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
+use kvbm_engine::security::{Role, Security, SecurityConfig};
 use kvbm_engine::worker::PhysicalWorker;
 use kvbm_logical::TierId;
 
@@ -49,6 +57,7 @@ struct Args {
     announce: bool,
     delay: Option<(TierId, u64)>,
     max_in_flight: usize,
+    security: SecurityConfig,
 }
 
 fn parse() -> Result<Args, BinError> {
@@ -66,12 +75,20 @@ fn parse() -> Result<Args, BinError> {
         announce: false,
         delay: None,
         max_in_flight: kvbm_engine::config::TransportConfig::default().worker_max_in_flight,
+        security: kvbm_engine::config::ConfigBuilder::from_process_env()
+            .and_then(|b| b.build())
+            .map_err(|e| format!("configuration: {e}"))?
+            .security,
     };
     let (mut delay_from, mut delay_ms) = (None, None);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--announce" {
             a.announce = true;
+            continue;
+        }
+        if flag == "--insecure" {
+            a.security.insecure = true;
             continue;
         }
         let value = it.next().ok_or_else(|| format!("{flag}: missing value"))?;
@@ -90,6 +107,8 @@ fn parse() -> Result<Args, BinError> {
             "--g3-file" => a.g3_file = Some(value),
             "--fill-seed" => a.fill_seed = Some(num(&value)? as u8),
             "--prefix" => a.prefix = value,
+            "--trust-root" => a.security.trust_root = Some(value),
+            "--credential" => a.security.credential_file = Some(value.into()),
             "--max-in-flight" => match num(&value)? {
                 0 => return Err("--max-in-flight: must be > 0".into()),
                 n => a.max_in_flight = n as usize,
@@ -116,6 +135,28 @@ fn parse() -> Result<Args, BinError> {
         _ => return Err("--delay-from and --delay-ms go together".into()),
     };
     Ok(a)
+}
+
+/// This worker's security from `[security]` and the flags: off, or its own worker credential
+/// (of `--instance` at `--rank`). Off loopback without one, refused unless insecure.
+fn security(a: &Args) -> Result<Security, BinError> {
+    let security = Security::from_config(&a.security)?;
+    security.require_for(a.security.insecure, [a.nats.as_str()])?;
+    if let Some(signer) = security.signer() {
+        let cert = signer.cert();
+        if cert.role != Role::Worker
+            || cert.instance != InstanceId(a.instance)
+            || cert.rank != a.rank
+        {
+            return Err(format!(
+                "the credential is for {cert}, not worker rank {} of {}",
+                a.rank,
+                InstanceId(a.instance)
+            )
+            .into());
+        }
+    }
+    Ok(security)
 }
 
 fn worker(a: &Args) -> Result<PhysicalWorker, BinError> {
@@ -162,6 +203,13 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let security = match security(&args) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            eprintln!("kvbm-engine-worker: security: {e}");
+            std::process::exit(2);
+        }
+    };
     let worker = match worker(&args) {
         Ok(w) => Arc::new(w),
         Err(e) => {
@@ -199,7 +247,8 @@ fn main() {
         };
         let address = WorkerAddress::new(InstanceId(args.instance), args.rank);
         let mut server = WorkerServer::new(client, &args.prefix, address, worker)
-            .max_in_flight(args.max_in_flight);
+            .max_in_flight(args.max_in_flight)
+            .security(security);
         if args.announce {
             server = server.on_request(Arc::new(|r: &ControlRequest| {
                 let kind = match r {

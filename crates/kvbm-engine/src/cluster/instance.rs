@@ -312,12 +312,13 @@ impl InstanceBuilder {
             Duration::from_millis(config.transport.heartbeat_interval_ms.clamp(10, 1000)),
         )
         .await?;
-        let bus = NatsBus::start_until(
+        let bus = NatsBus::start_secured(
             &rt,
             cancel.clone(),
             client.clone(),
             config.events.subject.clone(),
             config.events.channel_capacity,
+            security.clone(),
         )
         .await?;
         let index = Arc::new(CrossInstanceIndex::new());
@@ -416,7 +417,7 @@ impl InstanceBuilder {
             block_bytes: g2_layout.layout().config().block_bytes(),
             data_plane: Some(server.local_addr().to_string()),
         };
-        let presence = Presence::start(
+        let presence = Presence::start_secured(
             &rt,
             cancel.clone(),
             client,
@@ -427,6 +428,7 @@ impl InstanceBuilder {
             index.clone(),
             own.clone(),
             peers.clone(),
+            security.clone(),
         )
         .await?;
         presence.follow(&rt, cancel.clone(), events)?;

@@ -16,6 +16,7 @@ use kvbm_engine::cluster::transport::control::{
     ControlRequest, ControlResponse, ControlledWorkers, WorkerControl, block_digest, fill_pattern,
 };
 use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
+use kvbm_engine::security::{Credential, RootKey, Role, Security, SecurityConfig};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, TierId, TokenBlockSequence,
@@ -116,17 +117,30 @@ pub(crate) async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<usi
 /// through the workers, evicts them from G2 and overwrites every rank's G2 memory, so what
 /// reaches G1 later can only come from the disks.
 pub(crate) async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -> Instance {
+    set_up_secured(url, instance, timeout, Arc::new(Security::Off)).await
+}
+
+/// As [`set_up`], the leader sealing its requests with `security` (its leader credential).
+pub(crate) async fn set_up_secured(
+    url: &str,
+    instance: InstanceId,
+    timeout: Duration,
+    security: Arc<Security>,
+) -> Instance {
     let client = connect(url, "leader", Duration::from_millis(100))
         .await
         .unwrap();
     let controls: Vec<Arc<dyn WorkerControl>> = (0..2)
         .map(|r| {
-            Arc::new(NatsControl::new(
-                client.clone(),
-                DEFAULT_CONTROL_PREFIX,
-                WorkerAddress::new(instance, r),
-                timeout,
-            )) as Arc<dyn WorkerControl>
+            Arc::new(
+                NatsControl::new(
+                    client.clone(),
+                    DEFAULT_CONTROL_PREFIX,
+                    WorkerAddress::new(instance, r),
+                    timeout,
+                )
+                .with_security(security.clone()),
+            ) as Arc<dyn WorkerControl>
         })
         .collect();
     let workers = Arc::new(ControlledWorkers::new(controls.clone()).unwrap());
@@ -198,4 +212,64 @@ pub(crate) async fn set_up(url: &str, instance: InstanceId, timeout: Duration) -
 
 pub(crate) fn instance_id(tag: u64) -> InstanceId {
     InstanceId((u64::from(std::process::id()) << 8) | tag)
+}
+
+/// A trust root and its credentials, each written to a file (mode 0600) as an operator's
+/// `kvbm security issue` would.
+pub(crate) struct Members {
+    pub root: RootKey,
+    pub dir: tempfile::TempDir,
+}
+
+impl Members {
+    pub(crate) fn new() -> Self {
+        Self {
+            root: RootKey::generate().unwrap(),
+            dir: tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap(),
+        }
+    }
+
+    /// The trust root's hex (`security.trust_root`).
+    pub(crate) fn trust_root(&self) -> String {
+        self.root.trust_root().to_hex()
+    }
+
+    /// A credential for `role` of `instance` at `rank`, saved; its path.
+    pub(crate) fn save(&self, instance: InstanceId, role: Role, rank: u32) -> std::path::PathBuf {
+        let cred = self.issue(instance, role, rank);
+        let path = self
+            .dir
+            .path()
+            .join(format!("{:x}-{role}-{rank}.cred", instance.0));
+        cred.save(&path).unwrap();
+        path
+    }
+
+    pub(crate) fn issue(&self, instance: InstanceId, role: Role, rank: u32) -> Credential {
+        self.root
+            .issue(instance, role, rank, "ns", Duration::from_secs(3600))
+            .unwrap()
+    }
+
+    /// Security for `role` of `instance` at `rank`, loaded from its saved file.
+    pub(crate) fn security(&self, instance: InstanceId, role: Role, rank: u32) -> Arc<Security> {
+        let config = SecurityConfig {
+            trust_root: Some(self.trust_root()),
+            credential_file: Some(self.save(instance, role, rank)),
+            ..SecurityConfig::default()
+        };
+        Arc::new(Security::from_config(&config).unwrap())
+    }
+
+    /// The worker flags for rank `rank` of `instance`.
+    pub(crate) fn worker_flags(&self, instance: InstanceId, rank: u32) -> Vec<String> {
+        vec![
+            "--trust-root".into(),
+            self.trust_root(),
+            "--credential".into(),
+            self.save(instance, Role::Worker, rank)
+                .display()
+                .to_string(),
+        ]
+    }
 }

@@ -71,6 +71,20 @@
 //! `kvbm_engine_unjoined_event_batches_ignored_total` (and the same counts in
 //! [`PresenceStats`]).
 //!
+//! # Authentication
+//!
+//! With [`Security::On`] every heartbeat (the `departing` one included) is sealed by the
+//! leader for `kvbm/heartbeat/<subject>` and believed only if it opens and its sender is the
+//! leader of the instance it names; every snapshot request is sealed for
+//! `kvbm/snapshot/<subject>` and answered only to a member's leader; every page is sealed for
+//! `kvbm/snapshot-reply/` ‖ BLAKE3(the sealed request) and accepted only from the leader of
+//! the instance whose snapshot was asked (a forged page is dropped and the fetch keeps reading
+//! its inbox until the real one, or the deadline). What does not open is counted by kind in
+//! the verifier's [`SecurityStats`](crate::security::SecurityStats) (a replayed heartbeat as
+//! `Replayed`), a member speaking for another as [`Rejection::NotAllowed`], and every drop in
+//! [`PresenceStats::unauthenticated`]. So no one can move another instance's data-plane
+//! address, make it depart, or answer for its snapshot. Off: plain JSON as before.
+//!
 //! # Locks
 //!
 //! Three `parking_lot` mutexes: the peer table, the departed set and the fetch log. The table
@@ -100,6 +114,7 @@ use crate::cluster::transport::PeerInfo;
 use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::runtime::RuntimeHandle;
+use crate::security::{MemberCert, Rejection, Role, Security};
 
 /// Version of the heartbeat and snapshot messages.
 pub const PRESENCE_WIRE_VERSION: u32 = 1;
@@ -208,6 +223,7 @@ struct Counters {
     drift: AtomicU64,
     over_limit: AtomicU64,
     unjoined: AtomicU64,
+    unauthenticated: AtomicU64,
 }
 
 /// A copy of [`Presence`]'s counters.
@@ -237,6 +253,9 @@ pub struct PresenceStats {
     pub snapshots_over_limit: u64,
     /// Event batches of instances that have not joined by heartbeat (not live) not applied.
     pub unjoined_event_batches: u64,
+    /// Heartbeats, snapshot requests and snapshot pages dropped (security on) because they
+    /// did not open or their sender may not say what they say (see the module docs).
+    pub unauthenticated: u64,
 }
 
 struct Inner {
@@ -256,6 +275,7 @@ struct Inner {
     epoch: watch::Receiver<u64>,
     series: AtomicU64,
     counters: Counters,
+    security: Arc<Security>,
 }
 
 /// The presence protocol of one instance: see the [module docs](self). Its tasks end when
@@ -282,6 +302,19 @@ fn snapshot_subject(prefix: &str, instance: InstanceId) -> String {
     format!("{prefix}.snapshot.{:016x}", instance.0)
 }
 
+fn heartbeat_context(prefix: &str) -> Vec<u8> {
+    format!("kvbm/heartbeat/{}", heartbeat_subject(prefix)).into_bytes()
+}
+
+fn snapshot_context(subject: &str) -> Vec<u8> {
+    format!("kvbm/snapshot/{subject}").into_bytes()
+}
+
+/// Whether `sender` (none: security off) may speak for `instance`: its leader.
+fn speaks_for(sender: Option<&MemberCert>, instance: InstanceId) -> bool {
+    sender.is_none_or(|s| s.role == Role::Leader && s.instance == instance)
+}
+
 impl Presence {
     /// Starts announcing `this` on `{prefix}.peers`, listening to peers, answering snapshot
     /// requests from `own` (this instance's record of what it stores) and keeping `index` and
@@ -304,6 +337,41 @@ impl Presence {
         index: Arc<CrossInstanceIndex>,
         own: Arc<CrossInstanceIndex>,
         directory: Arc<PeerDirectory>,
+    ) -> Result<Self> {
+        Self::start_secured(
+            runtime,
+            cancel,
+            client,
+            epoch,
+            prefix,
+            config,
+            this,
+            index,
+            own,
+            directory,
+            Arc::new(Security::Off),
+        )
+        .await
+    }
+
+    /// As [`start`](Self::start), every message sealed and checked with `security` (see the
+    /// [module docs](self)).
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start_secured(
+        runtime: &RuntimeHandle,
+        cancel: CancellationToken,
+        client: Client,
+        epoch: watch::Receiver<u64>,
+        prefix: &str,
+        config: PresenceConfig,
+        this: PeerInfo,
+        index: Arc<CrossInstanceIndex>,
+        own: Arc<CrossInstanceIndex>,
+        directory: Arc<PeerDirectory>,
+        security: Arc<Security>,
     ) -> Result<Self> {
         let nats_err = |subject: &str, e: &dyn std::fmt::Display| EngineError::Nats {
             url: subject.to_string(),
@@ -337,6 +405,7 @@ impl Presence {
             epoch,
             series: AtomicU64::new(0),
             counters: Counters::default(),
+            security,
         });
         let presence = Self { inner };
         presence.spawn_announce(runtime, cancel.clone())?;
@@ -354,8 +423,10 @@ impl Presence {
             departing,
             stored: self.inner.own.count_of(self.inner.this.worker.instance) as u64,
         };
-        serde_json::to_vec(&hb)
-            .expect("heartbeats serialize")
+        let json = serde_json::to_vec(&hb).expect("heartbeats serialize");
+        self.inner
+            .security
+            .seal(&heartbeat_context(&self.inner.prefix), &json)
             .into()
     }
 
@@ -396,12 +467,16 @@ impl Presence {
     ) -> Result<()> {
         let inner = self.inner.clone();
         runtime.spawn(async move {
+            let context = heartbeat_context(&inner.prefix);
             loop {
                 let message = tokio::select! {
                     () = cancel.cancelled() => return,
                     m = sub.next() => match m { Some(m) => m, None => return },
                 };
-                let hb = match serde_json::from_slice::<Heartbeat>(&message.payload) {
+                let Some((sender, payload)) = inner.open(&context, &message.payload) else {
+                    continue;
+                };
+                let hb = match serde_json::from_slice::<Heartbeat>(payload) {
                     Ok(hb) if hb.version == PRESENCE_WIRE_VERSION => hb,
                     Ok(_) | Err(_) => {
                         inner.reject();
@@ -409,6 +484,11 @@ impl Presence {
                     }
                 };
                 let id = hb.peer.worker.instance;
+                if !speaks_for(sender.as_deref(), id) {
+                    // A member speaking for another instance (its address, its departure).
+                    inner.not_allowed(sender.as_deref(), id, "heartbeat");
+                    continue;
+                }
                 if id == inner.this.worker.instance {
                     continue;
                 }
@@ -468,6 +548,8 @@ impl Presence {
     ) -> Result<()> {
         let inner = self.inner.clone();
         runtime.spawn(async move {
+            let request_ctx =
+                snapshot_context(&snapshot_subject(&inner.prefix, inner.this.worker.instance));
             let mut copies: std::collections::VecDeque<(u64, Instant, Arc<Vec<_>>)> =
                 std::collections::VecDeque::with_capacity(SNAPSHOT_COPIES);
             loop {
@@ -479,8 +561,22 @@ impl Presence {
                     inner.reject();
                     continue;
                 };
+                // Answered only to a member's leader; the page is bound to this request.
+                let Some((sender, payload)) = inner.open(&request_ctx, &message.payload) else {
+                    continue;
+                };
+                if let Some(s) = sender.as_deref()
+                    && s.role != Role::Leader
+                {
+                    inner.not_allowed(Some(s), s.instance, "snapshot request");
+                    continue;
+                }
+                let page_ctx = crate::cluster::transport::nats::reply_context(
+                    "snapshot-reply",
+                    &message.payload,
+                );
                 let (series, offset) =
-                    match serde_json::from_slice::<SnapshotRequest>(&message.payload) {
+                    match serde_json::from_slice::<SnapshotRequest>(payload) {
                         Ok(r) if r.version == PRESENCE_WIRE_VERSION => (r.series, r.offset),
                         _ => {
                             inner.reject();
@@ -531,6 +627,7 @@ impl Presence {
                     },
                 };
                 let payload = serde_json::to_vec(&page).expect("snapshots serialize");
+                let payload = inner.security.seal(&page_ctx, &payload);
                 match inner.client.publish(reply, payload.into()).await {
                     Ok(()) => {
                         inner
@@ -752,6 +849,7 @@ impl Presence {
             drift_detected: c.drift.load(Ordering::Relaxed),
             snapshots_over_limit: c.over_limit.load(Ordering::Relaxed),
             unjoined_event_batches: c.unjoined.load(Ordering::Relaxed),
+            unauthenticated: c.unauthenticated.load(Ordering::Relaxed),
         }
     }
 
@@ -770,6 +868,34 @@ impl Presence {
 }
 
 impl Inner {
+    /// Opens a message sealed for `context` (as is when security is off); `None` when it does
+    /// not open (counted by the verifier and in `unauthenticated`).
+    fn open<'a>(
+        &self,
+        context: &[u8],
+        bytes: &'a [u8],
+    ) -> Option<(Option<Arc<MemberCert>>, &'a [u8])> {
+        match self.security.open(context, bytes) {
+            Ok(o) => Some(o),
+            Err(why) => {
+                self.counters.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%why, "presence message that does not open dropped");
+                None
+            }
+        }
+    }
+
+    /// Counts a message whose sender may not say it (for `claimed`).
+    fn not_allowed(&self, sender: Option<&MemberCert>, claimed: InstanceId, what: &str) {
+        self.security.count(Rejection::NotAllowed);
+        self.counters.unauthenticated.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            sender = ?sender.map(ToString::to_string),
+            claimed = %claimed,
+            "{what} from a member that may not say it dropped"
+        );
+    }
+
     fn reject(&self) {
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("kvbm_engine_presence_messages_rejected_total").increment(1);
@@ -835,15 +961,52 @@ impl Inner {
                 offset,
             };
             let payload = serde_json::to_vec(&req).expect("requests serialize");
-            let answer = tokio::time::timeout(
-                self.config.request_timeout,
-                self.client.request(subject.clone(), payload.into()),
-            )
-            .await
-            .map_err(|_| fail(format!("no answer in {:?}", self.config.request_timeout)))?
-            .map_err(|e| fail(e.to_string()))?;
+            let answer: Vec<u8> = if self.security.is_on() {
+                let sealed = self.security.seal(&snapshot_context(&subject), &payload);
+                let ctx = crate::cluster::transport::nats::reply_context("snapshot-reply", &sealed);
+                // Read until the asked instance's leader answers: a forged page published
+                // first is dropped and counted, never taken.
+                let got = crate::cluster::transport::nats::request_first_valid(
+                    &self.client,
+                    subject.clone(),
+                    sealed.into(),
+                    self.config.request_timeout,
+                    |bytes| {
+                        let (sender, payload) = self.open(&ctx, bytes)?;
+                        if speaks_for(sender.as_deref(), peer) {
+                            Some(payload.to_vec())
+                        } else {
+                            self.not_allowed(sender.as_deref(), peer, "snapshot page");
+                            None
+                        }
+                    },
+                )
+                .await;
+                use crate::cluster::transport::nats::InboxReply;
+                match got {
+                    InboxReply::Valid(p) => p,
+                    InboxReply::TimedOut => {
+                        return Err(fail(format!(
+                            "no answer in {:?}",
+                            self.config.request_timeout
+                        )));
+                    }
+                    InboxReply::NoResponders => return Err(fail("no responders".into())),
+                    InboxReply::Transport(m) => return Err(fail(m)),
+                }
+            } else {
+                tokio::time::timeout(
+                    self.config.request_timeout,
+                    self.client.request(subject.clone(), payload.into()),
+                )
+                .await
+                .map_err(|_| fail(format!("no answer in {:?}", self.config.request_timeout)))?
+                .map_err(|e| fail(e.to_string()))?
+                .payload
+                .to_vec()
+            };
             let page: SnapshotPage =
-                serde_json::from_slice(&answer.payload).map_err(|e| fail(e.to_string()))?;
+                serde_json::from_slice(&answer).map_err(|e| fail(e.to_string()))?;
             if page.version != PRESENCE_WIRE_VERSION || page.instance != peer {
                 return Err(fail(format!(
                     "answer of version {} from {} refused",

@@ -37,6 +37,16 @@
 //! another version, or one that cannot be decoded, is skipped and counted
 //! ([`NatsBus::rejected`]).
 //!
+//! # Authentication
+//!
+//! With [`Security::On`] each batch is sealed by the instance's leader credential for the
+//! context `kvbm/events/<subject>`. A received batch is applied only if it opens (a member of
+//! this namespace, fresh, not replayed; refusals counted by kind in the verifier's
+//! [`SecurityStats`](crate::security::SecurityStats)) and its sender is the leader of the
+//! instance the batch names ([`Rejection::NotAllowed`] otherwise): no member can publish
+//! events under another instance's id, and a non-member none at all. Dropped batches are
+//! also counted in [`NatsBus::rejected`]. Off: plain JSON as before.
+//!
 //! # Locks
 //!
 //! None; counters are atomics.
@@ -53,6 +63,7 @@ use tokio::sync::{broadcast, mpsc};
 use super::{EventBus, EventMessage, InstanceId};
 use crate::error::{EngineError, Result};
 use crate::runtime::RuntimeHandle;
+use crate::security::{Rejection, Role, Security};
 
 /// Version of the event wire format.
 pub const EVENT_WIRE_VERSION: u32 = 1;
@@ -102,8 +113,7 @@ impl NatsBus {
         Self::start_until(runtime, runtime.shutdown_token(), client, subject, capacity).await
     }
 
-    /// As [`start`](Self::start), its tasks ending when `cancel` is cancelled (e.g. a child
-    /// of the runtime's shutdown token owned by one instance).
+    /// As [`start_secured`](Self::start_secured) with security off.
     ///
     /// # Errors
     /// As [`start`](Self::start).
@@ -114,7 +124,33 @@ impl NatsBus {
         subject: impl Into<String>,
         capacity: usize,
     ) -> Result<Arc<Self>> {
+        Self::start_secured(
+            runtime,
+            cancel,
+            client,
+            subject,
+            capacity,
+            Arc::new(Security::Off),
+        )
+        .await
+    }
+
+    /// As [`start`](Self::start), its tasks ending when `cancel` is cancelled (e.g. a child
+    /// of the runtime's shutdown token owned by one instance), batches sealed and checked
+    /// with `security` (see the [module docs](self)).
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub async fn start_secured(
+        runtime: &RuntimeHandle,
+        cancel: tokio_util::sync::CancellationToken,
+        client: Client,
+        subject: impl Into<String>,
+        capacity: usize,
+        security: Arc<Security>,
+    ) -> Result<Arc<Self>> {
         let subject = subject.into();
+        let context = format!("kvbm/events/{subject}").into_bytes();
         let stop = cancel;
         let capacity = capacity.max(1);
         let nats_err = |e: &dyn std::fmt::Display| EngineError::Nats {
@@ -138,6 +174,7 @@ impl NatsBus {
 
         let cancel = stop.clone();
         let (c, pub_subject, pub_counters) = (client.clone(), subject.clone(), counters.clone());
+        let (pub_security, pub_context) = (security.clone(), context.clone());
         runtime.spawn(async move {
             loop {
                 let m = tokio::select! {
@@ -150,6 +187,7 @@ impl NatsBus {
                     events: m.events.to_vec(),
                 };
                 let payload = serde_json::to_vec(&wire).expect("block events serialize");
+                let payload = pub_security.seal(&pub_context, &payload);
                 // Waits while the client's own buffer is full (e.g. during a reconnect); the
                 // outbox in front of it then fills and drops, the data path never waits.
                 match c.publish(pub_subject.clone(), payload.into()).await {
@@ -169,7 +207,29 @@ impl NatsBus {
                     () = cancel.cancelled() => return,
                     m = sub.next() => match m { Some(m) => m, None => return },
                 };
-                match serde_json::from_slice::<WireBatch>(&message.payload) {
+                let (sender, payload) = match security.open(&context, &message.payload) {
+                    Ok(o) => o,
+                    Err(why) => {
+                        tracing::debug!(%why, "event batch that does not open dropped");
+                        counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                match serde_json::from_slice::<WireBatch>(payload) {
+                    Ok(w)
+                        if sender.as_ref().is_some_and(|s| {
+                            s.role != Role::Leader || s.instance != InstanceId(w.instance)
+                        }) =>
+                    {
+                        // A member speaking for another instance.
+                        security.count(Rejection::NotAllowed);
+                        tracing::warn!(
+                            claimed = %InstanceId(w.instance),
+                            sender = ?sender.map(|s| s.to_string()),
+                            "event batch under another instance's id dropped"
+                        );
+                        counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    }
                     Ok(w) if w.version == EVENT_WIRE_VERSION => {
                         counters.received.fetch_add(1, Ordering::Relaxed);
                         // No subscriber is not an error.
@@ -220,7 +280,8 @@ impl NatsBus {
         self.counters.received.load(Ordering::Relaxed)
     }
 
-    /// Received messages skipped as undecodable or of another version.
+    /// Received messages skipped as undecodable or of another version, or (security on) that
+    /// did not open or came from a member other than the named instance's leader.
     pub fn rejected(&self) -> u64 {
         self.counters.rejected.load(Ordering::Relaxed)
     }

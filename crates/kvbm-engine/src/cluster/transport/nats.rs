@@ -11,6 +11,27 @@
 //! is answered with [`ControlResponse::Refused`] in this build's version, so the leader learns
 //! why.
 //!
+//! # Authentication
+//!
+//! With [`Security::On`] (a credential and the trust root) every request is sealed by the
+//! leader for the context `kvbm/ctl/<control subject>`, and every reply by the worker for
+//! `kvbm/ctl-reply/` ‖ BLAKE3(the sealed request's bytes), so a reply answers exactly one
+//! request ([`reply_context`]). A worker obeys only a request that opens and comes from
+//! [`Role::Leader`] of its own instance; anything else is dropped without an answer and
+//! counted ([`WorkerServerStats::rejected`], and the verifier's [`SecurityStats`] by kind,
+//! [`Rejection::NotAllowed`] for a member that may not drive it). The leader reads its reply
+//! inbox until the first reply that opens and comes from [`Role::Worker`] of its own instance
+//! at the addressed rank (or the deadline): a forged answer published first is dropped and
+//! counted ([`NatsControl::rejected`]), never taken. With [`Security::Off`] the wire is the
+//! plain JSON envelope, as before.
+//!
+//! The server's "no responders" status (a reply header, not a sealed message) still ends a
+//! request at once: at worst a client that can publish to the leader's inbox makes a request
+//! fail early (denial of service, never a wrong answer); operators deny `_INBOX.>` publishes
+//! to non-members (`docs/security.md`).
+//!
+//! [`SecurityStats`]: crate::security::SecurityStats
+//!
 //! # Failure
 //!
 //! Each request has its own deadline ([`NatsControl::with_timeout`], default
@@ -36,6 +57,7 @@ use futures::future::BoxFuture;
 use kvbm_logical::TierId;
 
 use super::WorkerAddress;
+use crate::security::{MemberCert, Rejection, Role, Security};
 use super::control::{
     ControlError, ControlRequest, ControlResponse, Envelope, OLDEST_PROTOCOL_VERSION,
     PROTOCOL_VERSION, WorkerControl, serve, speaks,
@@ -141,6 +163,79 @@ fn encode<T: serde::Serialize>(version: u32, body: T) -> bytes::Bytes {
         .into()
 }
 
+/// The context a control request to `subject` is sealed for.
+pub fn control_context(subject: &str) -> Vec<u8> {
+    format!("kvbm/ctl/{subject}").into_bytes()
+}
+
+/// The context of an answer to the sealed request `request`: `kvbm/<kind>/` followed by the
+/// BLAKE3 hash of the request's bytes, so an answer opens only for the request it answers
+/// (`kind`: `ctl-reply` for control, `snapshot-reply` for snapshot pages).
+pub fn reply_context(kind: &str, request: &[u8]) -> Vec<u8> {
+    let mut c = format!("kvbm/{kind}/").into_bytes();
+    c.extend_from_slice(blake3::hash(request).as_bytes());
+    c
+}
+
+/// How a request read on its own inbox ended ([`request_first_valid`]).
+#[derive(Debug)]
+pub(crate) enum InboxReply<T> {
+    /// The first answer `accept` took.
+    Valid(T),
+    /// The server said nobody subscribes the subject.
+    NoResponders,
+    /// No acceptable answer before the deadline.
+    TimedOut,
+    /// The client failed (subscribe or publish).
+    Transport(String),
+}
+
+/// Publishes `payload` on `subject` with a fresh inbox as its reply subject and reads that
+/// inbox until `accept` takes an answer (it returns `None` for one it drops, and counts it), or
+/// `timeout` passes. Unlike a plain request, a forged answer published first does not win.
+pub(crate) async fn request_first_valid<T>(
+    client: &Client,
+    subject: String,
+    payload: bytes::Bytes,
+    timeout: Duration,
+    mut accept: impl FnMut(&[u8]) -> Option<T>,
+) -> InboxReply<T> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let inbox = client.new_inbox();
+    let mut sub = match client.subscribe(inbox.clone()).await {
+        Ok(s) => s,
+        Err(e) => return InboxReply::Transport(e.to_string()),
+    };
+    if let Err(e) = client.publish_with_reply(subject, inbox, payload).await {
+        return InboxReply::Transport(e.to_string());
+    }
+    loop {
+        let m = match tokio::time::timeout_at(deadline, sub.next()).await {
+            Err(_) => return InboxReply::TimedOut,
+            Ok(None) => return InboxReply::Transport("reply subscription closed".into()),
+            Ok(Some(m)) => m,
+        };
+        if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+            return InboxReply::NoResponders;
+        }
+        if let Some(t) = accept(&m.payload) {
+            return InboxReply::Valid(t);
+        }
+    }
+}
+
+/// Whether `sender` may drive the worker at `address`: its own instance's leader.
+fn may_drive(sender: &MemberCert, address: WorkerAddress) -> bool {
+    sender.role == Role::Leader && sender.instance == address.instance
+}
+
+/// Whether `sender` may answer for the worker at `address`: that very worker.
+fn may_answer(sender: &MemberCert, address: WorkerAddress) -> bool {
+    sender.role == Role::Worker
+        && sender.instance == address.instance
+        && sender.rank == address.rank
+}
+
 /// Called with each request a [`WorkerServer`] receives, before it is served.
 pub type RequestHook = Arc<dyn Fn(&ControlRequest) + Send + Sync>;
 
@@ -150,6 +245,7 @@ pub struct WorkerServerStats {
     served: AtomicU64,
     refused_busy: AtomicU64,
     in_flight: AtomicU64,
+    rejected: AtomicU64,
 }
 
 impl WorkerServerStats {
@@ -165,6 +261,11 @@ impl WorkerServerStats {
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Acquire)
     }
+    /// Requests dropped unanswered because they did not open (security on) or came from a
+    /// member that may not drive this worker (see the [module docs](self)).
+    pub fn rejected(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
 }
 
 /// Answers control requests for one worker: see the [module docs](self).
@@ -177,6 +278,7 @@ pub struct WorkerServer {
     delay: Option<(TierId, Duration)>,
     max_in_flight: usize,
     stats: Arc<WorkerServerStats>,
+    security: Arc<Security>,
 }
 
 impl std::fmt::Debug for WorkerServer {
@@ -206,7 +308,16 @@ impl WorkerServer {
             delay: None,
             max_in_flight: crate::config::TransportConfig::default().worker_max_in_flight,
             stats: Arc::new(WorkerServerStats::default()),
+            security: Arc::new(Security::Off),
         }
+    }
+
+    /// This worker's security (its worker credential and the trust root): requests must then
+    /// be sealed by its own instance's leader, and replies are sealed (see the
+    /// [module docs](self)). Default: off.
+    pub fn security(mut self, security: Arc<Security>) -> Self {
+        self.security = security;
+        self
     }
 
     /// Serves at most `n` requests at once (at least 1); one more is answered `Refused` and
@@ -253,6 +364,7 @@ impl WorkerServer {
             delay,
             max_in_flight,
             stats,
+            security,
         } = self;
         let permits = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
         let subject = address.control_subject(&prefix);
@@ -265,6 +377,7 @@ impl WorkerServer {
             .await
             .map_err(|e| nats_err(&e))?;
         client.flush().await.map_err(|e| nats_err(&e))?;
+        let control_ctx = control_context(&subject);
         Ok(tokio::spawn(async move {
             loop {
                 let message = tokio::select! {
@@ -278,30 +391,49 @@ impl WorkerServer {
                     tracing::warn!(%address, "control message without a reply subject ignored");
                     continue;
                 };
+                // Security on: only this instance's leader is obeyed; anything else is
+                // dropped unanswered (before it takes a permit) and counted.
+                let (payload, reply_ctx) = match security.open(&control_ctx, &message.payload) {
+                    Err(_) => {
+                        stats.rejected.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%address, "control request that does not open dropped");
+                        continue;
+                    }
+                    Ok((Some(sender), _)) if !may_drive(&sender, address) => {
+                        security.count(Rejection::NotAllowed);
+                        stats.rejected.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%address, sender = %sender, "control request from a member that may not drive this worker dropped");
+                        continue;
+                    }
+                    Ok((Some(_), p)) => (
+                        bytes::Bytes::copy_from_slice(p),
+                        reply_context("ctl-reply", &message.payload),
+                    ),
+                    Ok((None, _)) => (message.payload.clone(), Vec::new()),
+                };
                 // The bound: a request beyond it is refused here, without a task of its own.
                 let Ok(permit) = permits.clone().try_acquire_owned() else {
                     stats.refused_busy.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("kvbm_engine_worker_requests_refused_busy_total")
                         .increment(1);
-                    let version = decode_envelope::<serde::de::IgnoredAny>(&message.payload)
+                    let version = decode_envelope::<serde::de::IgnoredAny>(&payload)
                         .map_or(PROTOCOL_VERSION, |(v, _)| v);
                     let response = ControlResponse::Refused(format!(
                         "worker busy: {max_in_flight} requests in flight \
                          (transport.worker_max_in_flight)"
                     ));
-                    if let Err(e) = client.publish(reply, encode(version, response)).await {
+                    let answer = security.seal(&reply_ctx, &encode(version, response));
+                    if let Err(e) = client.publish(reply, answer.into()).await {
                         tracing::warn!(%address, error = %e, "control reply not sent");
                     }
                     continue;
                 };
                 let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
-                let stats = stats.clone();
+                let (stats, security) = (stats.clone(), security.clone());
                 stats.in_flight.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
                     let _permit = permit;
-                    let (version, response) = match decode_envelope::<ControlRequest>(
-                        &message.payload,
-                    ) {
+                    let (version, response) = match decode_envelope::<ControlRequest>(&payload) {
                         Err(Undecoded::Malformed(e)) => (
                             PROTOCOL_VERSION,
                             ControlResponse::Refused(format!("undecodable request: {e}")),
@@ -325,7 +457,8 @@ impl WorkerServer {
                             (version, response.for_version(version))
                         }
                     };
-                    if let Err(e) = client.publish(reply, encode(version, response)).await {
+                    let answer = security.seal(&reply_ctx, &encode(version, response));
+                    if let Err(e) = client.publish(reply, answer.into()).await {
                         tracing::warn!(%address, error = %e, "control reply not sent");
                     }
                     stats.served.fetch_add(1, Ordering::Relaxed);
@@ -343,6 +476,8 @@ pub struct NatsControl {
     client: Client,
     subject: String,
     timeout: Duration,
+    security: Arc<Security>,
+    rejected: Arc<AtomicU64>,
 }
 
 impl NatsControl {
@@ -354,7 +489,23 @@ impl NatsControl {
             address,
             client,
             timeout,
+            security: Arc::new(Security::Off),
+            rejected: Arc::default(),
         }
+    }
+
+    /// The leader's security (its leader credential and the trust root): requests are then
+    /// sealed, and only the addressed worker's sealed reply is taken (see the
+    /// [module docs](self)). Default: off.
+    pub fn with_security(mut self, security: Arc<Security>) -> Self {
+        self.security = security;
+        self
+    }
+
+    /// Replies dropped (security on) because they did not open, or came from another member
+    /// than the addressed worker; shared by clones.
+    pub fn rejected(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
     }
 
     /// The same worker with another per-request deadline.
@@ -366,6 +517,42 @@ impl NatsControl {
     async fn request(&self, request: ControlRequest) -> Result<ControlResponse, ControlError> {
         let worker = self.address;
         let timeout_ms = self.timeout.as_millis() as u64;
+        if self.security.is_on() {
+            let sealed = self.security.seal(
+                &control_context(&self.subject),
+                &encode(PROTOCOL_VERSION, request),
+            );
+            let ctx = reply_context("ctl-reply", &sealed);
+            let got = request_first_valid(
+                &self.client,
+                self.subject.clone(),
+                sealed.into(),
+                self.timeout,
+                |bytes| match self.security.open(&ctx, bytes) {
+                    Ok((Some(sender), payload)) if may_answer(&sender, worker) => {
+                        Some(payload.to_vec())
+                    }
+                    Ok((sender, _)) => {
+                        self.security.count(Rejection::NotAllowed);
+                        self.rejected.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%worker, sender = ?sender.map(|s| s.to_string()), "control reply from another member dropped");
+                        None
+                    }
+                    Err(_) => {
+                        self.rejected.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%worker, "control reply that does not open dropped");
+                        None
+                    }
+                },
+            )
+            .await;
+            return match got {
+                InboxReply::Valid(payload) => Self::decode_reply(worker, &payload),
+                InboxReply::NoResponders => Err(ControlError::NoResponders { worker }),
+                InboxReply::TimedOut => Err(ControlError::Timeout { worker, timeout_ms }),
+                InboxReply::Transport(message) => Err(ControlError::Transport { worker, message }),
+            };
+        }
         let sent = self
             .client
             .request(self.subject.clone(), encode(PROTOCOL_VERSION, request));
@@ -383,7 +570,14 @@ impl NatsControl {
             }
             Ok(Ok(m)) => m,
         };
-        match decode_envelope::<ControlResponse>(&message.payload) {
+        Self::decode_reply(worker, &message.payload)
+    }
+
+    fn decode_reply(
+        worker: WorkerAddress,
+        payload: &[u8],
+    ) -> Result<ControlResponse, ControlError> {
+        match decode_envelope::<ControlResponse>(payload) {
             Err(Undecoded::Malformed(message)) => Err(ControlError::Decode { worker, message }),
             Err(Undecoded::Version(got)) => Err(ControlError::Version {
                 worker,

@@ -339,3 +339,229 @@ async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
     ));
     cancel.cancel();
 }
+
+/// Security for `instance`'s `role` at `rank`, issued by `root` in namespace `ns`.
+fn member(
+    root: &crate::security::RootKey,
+    instance: InstanceId,
+    role: crate::security::Role,
+    rank: u32,
+) -> Arc<crate::security::Security> {
+    let cred = root
+        .issue(
+            instance,
+            role,
+            rank,
+            "ns",
+            std::time::Duration::from_secs(3600),
+        )
+        .unwrap();
+    Arc::new(crate::security::Security::with_credential(
+        root.trust_root(),
+        Arc::new(cred),
+        &crate::security::SecurityConfig::default(),
+    ))
+}
+
+fn plain(request: ControlRequest) -> bytes::Bytes {
+    serde_json::to_vec(&Envelope::new(request)).unwrap().into()
+}
+
+/// Attack (issue 23, item 1): a client on the NATS server without a credential sends
+/// `Transfer`, `Fill` and `Digest` to a worker's control subject, and the leader of another
+/// instance (same trust root) sends a `Fill`. The worker answers none of them, counts each,
+/// its blocks are unchanged, and its own leader still drives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_worker_obeys_only_its_own_leader() {
+    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
+    use crate::security::{Rejection, Role, RootKey};
+    use std::time::Duration;
+    let Some(nats) = kvbm_tests::services::nats("security_worker_own_leader") else {
+        return;
+    };
+    let root = RootKey::generate().unwrap();
+    let other = InstanceId(8);
+    let worker_sec = member(&root, I, Role::Worker, 0);
+    let prefix = format!("kvbm.test.security_own_leader.{}", std::process::id());
+    let address = WorkerAddress::new(I, 0);
+    let subject = address.control_subject(&prefix);
+    let client = connect(&nats.url, "worker", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let server =
+        WorkerServer::new(client, &prefix, address, worker(0, true)).security(worker_sec.clone());
+    let stats = server.stats();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _task = server.start(cancel.clone()).await.unwrap();
+
+    let leader_client = connect(&nats.url, "leader", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let leader = NatsControl::new(
+        leader_client.clone(),
+        &prefix,
+        address,
+        Duration::from_secs(5),
+    )
+    .with_security(member(&root, I, Role::Leader, 0));
+    // The leader fills G2 and G1 and reads their digests: the worker as it must stay.
+    for tier in [TierId::G2, TierId::G1] {
+        let r = leader
+            .call(ControlRequest::Fill { tier, seed: 3 })
+            .await
+            .unwrap();
+        assert_eq!(r, ControlResponse::Done);
+    }
+    let all: Vec<BlockId> = (0..4).collect();
+    let before = (
+        digests(&leader, TierId::G2, all.clone()).await,
+        digests(&leader, TierId::G1, all.clone()).await,
+    );
+
+    // A non-member: plain requests, as anyone on the server could send them.
+    let attacker = connect(&nats.url, "attacker", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let forged = [
+        ControlRequest::Transfer(TransferRequest {
+            src: TierId::G2,
+            dst: TierId::G1,
+            blocks: vec![(0, 1, request().blocks[0].2)],
+            layers: None,
+            digests: Vec::new(),
+        }),
+        ControlRequest::Fill {
+            tier: TierId::G1,
+            seed: 9,
+        },
+        ControlRequest::Digest {
+            tier: TierId::G2,
+            blocks: all.clone(),
+        },
+    ];
+    for r in forged {
+        let answer = tokio::time::timeout(
+            Duration::from_millis(500),
+            attacker.request(subject.clone(), plain(r)),
+        )
+        .await;
+        assert!(answer.is_err(), "a non-member got an answer: {answer:?}");
+    }
+    // A member of the cluster, but another instance's leader.
+    let intruder = NatsControl::new(
+        attacker.clone(),
+        &prefix,
+        address,
+        Duration::from_millis(500),
+    )
+    .with_security(member(&root, other, Role::Leader, 0));
+    let r = intruder
+        .call(ControlRequest::Fill {
+            tier: TierId::G2,
+            seed: 9,
+        })
+        .await;
+    assert!(matches!(r, Err(ControlError::Timeout { .. })), "{r:?}");
+
+    let s = worker_sec.stats().unwrap();
+    assert_eq!(stats.rejected(), 4);
+    assert_eq!(s.rejected(Rejection::Malformed), 3);
+    assert_eq!(s.rejected(Rejection::NotAllowed), 1);
+    // Unchanged, and still driven by its own leader.
+    let after = (
+        digests(&leader, TierId::G2, all.clone()).await,
+        digests(&leader, TierId::G1, all.clone()).await,
+    );
+    assert_eq!(before, after);
+    let r = leader.call(ControlRequest::Transfer(request())).await.unwrap();
+    assert!(
+        matches!(&r, ControlResponse::Transferred(v) if v.iter().all(Result::is_ok)),
+        "{r:?}"
+    );
+    assert!(matches!(
+        leader.call(ControlRequest::Describe).await.unwrap(),
+        ControlResponse::Described(_)
+    ));
+    assert_eq!(leader.rejected(), 0);
+    cancel.cancel();
+}
+
+/// Attack (issue 23, item 1): subscribers of a worker's control subject answer every request
+/// at once with `Transferred(Ok…)`, one unsealed, one sealed by another worker of the same
+/// instance and bound to the very request. The leader drops both (counted) and takes the real
+/// worker's later answer: the transfer failed, so nothing would be registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_forged_early_reply_does_not_win() {
+    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect, reply_context};
+    use crate::security::{Rejection, Role, RootKey};
+    use futures::StreamExt;
+    use std::time::Duration;
+    let Some(nats) = kvbm_tests::services::nats("security_forged_reply") else {
+        return;
+    };
+    let root = RootKey::generate().unwrap();
+    let prefix = format!("kvbm.test.security_forged_reply.{}", std::process::id());
+    let address = WorkerAddress::new(I, 0);
+    let subject = address.control_subject(&prefix);
+    let client = connect(&nats.url, "worker", Duration::from_millis(50))
+        .await
+        .unwrap();
+    // No G1: the real transfer fails for every block, after a delay the forgers beat.
+    let server = WorkerServer::new(client, &prefix, address, worker(0, false))
+        .security(member(&root, I, Role::Worker, 0))
+        .delay_transfers_from(TierId::G2, Duration::from_millis(300));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _task = server.start(cancel.clone()).await.unwrap();
+    let forger_sec = member(&root, I, Role::Worker, 1);
+    let forger = connect(&nats.url, "forger", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let mut sub = forger.subscribe(subject.clone()).await.unwrap();
+    forger.flush().await.unwrap();
+    let lie: bytes::Bytes =
+        plain_response(ControlResponse::Transferred(vec![Ok(()), Ok(())])).into();
+    let (f, fs) = (forger.clone(), forger_sec.clone());
+    let forging = tokio::spawn(async move {
+        let mut n = 0;
+        while let Some(m) = sub.next().await {
+            let reply = m.reply.clone().unwrap();
+            f.publish(reply.clone(), lie.clone()).await.unwrap();
+            let sealed = fs.seal(&reply_context("ctl-reply", &m.payload), &lie);
+            f.publish(reply, sealed.into()).await.unwrap();
+            f.flush().await.unwrap();
+            n += 1;
+            if n == 1 {
+                return n;
+            }
+        }
+        n
+    });
+
+    let leader_sec = member(&root, I, Role::Leader, 0);
+    let leader = NatsControl::new(
+        connect(&nats.url, "leader", Duration::from_millis(50))
+            .await
+            .unwrap(),
+        &prefix,
+        address,
+        Duration::from_secs(5),
+    )
+    .with_security(leader_sec.clone());
+    // The real answer: every block failed (no G1), whichever way the worker says it.
+    let r = leader.call(ControlRequest::Transfer(request())).await;
+    assert!(
+        matches!(&r, Ok(ControlResponse::Transferred(v)) if v.len() == 2 && v.iter().all(Result::is_err))
+            || matches!(&r, Err(ControlError::Refused { .. })),
+        "the forged answer won: {r:?}"
+    );
+    assert_eq!(forging.await.unwrap(), 1);
+    cancel.cancel();
+    assert_eq!(leader.rejected(), 2);
+    let s = leader_sec.stats().unwrap();
+    assert_eq!(s.rejected(Rejection::Malformed), 1);
+    assert_eq!(s.rejected(Rejection::NotAllowed), 1);
+}
+
+fn plain_response(r: ControlResponse) -> Vec<u8> {
+    serde_json::to_vec(&Envelope::new(r)).unwrap()
+}
