@@ -434,12 +434,20 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
 
     // Forged snapshot pages, in place before the instances start (so B's first fetch of A
     // meets them): one unsealed, one sealed by the other B key and bound to the request.
-    let page = serde_json::to_vec(&serde_json::json!({
-        "version": 1,
-        "instance": A,
-        "entries": forged.iter().map(|h| (*h, TierId::G2)).collect::<Vec<_>>(),
-        "next": null,
-    }))
+    // The page's wire shape (128-bit hashes do not fit a `serde_json::Value`).
+    #[derive(serde::Serialize)]
+    struct Page {
+        version: u32,
+        instance: InstanceId,
+        entries: Vec<(SequenceHash, TierId)>,
+        next: Option<usize>,
+    }
+    let page = serde_json::to_vec(&Page {
+        version: 1,
+        instance: A,
+        entries: forged.iter().map(|h| (*h, TierId::G2)).collect(),
+        next: None,
+    })
     .unwrap();
     let mut snap = plain
         .subscribe(format!("{subject}.snapshot.{:016x}", A.0))
@@ -459,9 +467,6 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
             n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     });
-    // A genuine heartbeat of A, captured for a replay.
-    let mut hbs = plain.subscribe(format!("{subject}.peers")).await.unwrap();
-    plain.flush().await.unwrap();
 
     let (rt_a, rt_b) = (
         members.runtime(A, &nats.url, &subject, None, 500),
@@ -474,6 +479,9 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
         b.presence().is_synced(A) && b.peers().get(A) == Some(a_addr)
     })
     .await;
+    // A genuine heartbeat of A that B received too, captured for a replay.
+    let mut hbs = plain.subscribe(format!("{subject}.peers")).await.unwrap();
+    plain.flush().await.unwrap();
     let observer = members.security(InstanceId(0xc3), Role::Leader);
     let genuine = loop {
         let m = hbs.next().await.unwrap();
@@ -486,6 +494,8 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
         }
     };
     drop(hbs);
+    // B's copy was delivered when this one was.
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let bs = b.security().stats().unwrap().clone();
     let before = (bs.rejected(Rejection::Malformed), bs.rejected(Rejection::NotAllowed));
     let presence_before = b.presence().stats();
@@ -560,9 +570,9 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     assert_eq!(p.expired, 0, "A was never removed");
     assert!(!b.presence().is_departed(A));
     assert!(p.unauthenticated >= presence_before.unauthenticated + 5, "{p:?}");
-    // The forged pages were dropped too (B's fetch took A's real one).
+    // The forgers answered B's fetch of A (whether before or after A's real page, which
+    // alone was taken: the page race is pinned down in `presence::tests`).
     assert!(answered.load(std::sync::atomic::Ordering::Relaxed) >= 1);
-    assert!(p.unauthenticated >= 7, "{p:?}");
     for h in &forged {
         assert!(b.index().locations(*h).is_empty(), "forged {h:?} indexed");
     }
