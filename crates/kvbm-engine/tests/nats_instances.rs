@@ -26,15 +26,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
-use kvbm_engine::cluster::instance::{Instance, synthetic_block};
-use kvbm_engine::config::ConfigBuilder;
-use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
 use kvbm_engine::WorkerAddress;
+use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_engine::cluster::pubsub::nats::NatsBus;
 use kvbm_engine::cluster::pubsub::{EventBus, EventMessage};
 use kvbm_engine::cluster::transport::PeerInfo;
 use kvbm_engine::cluster::transport::nats::{connect, reply_context};
+use kvbm_engine::config::ConfigBuilder;
 use kvbm_engine::security::{Credential, Rejection, Role, RootKey, Security, SecurityConfig};
+use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, SequenceHash, TierId, TokenBlockSequence};
 
 mod common;
@@ -497,7 +497,10 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     // B's copy was delivered when this one was.
     tokio::time::sleep(Duration::from_millis(50)).await;
     let bs = b.security().stats().unwrap().clone();
-    let before = (bs.rejected(Rejection::Malformed), bs.rejected(Rejection::NotAllowed));
+    let before = (
+        bs.rejected(Rejection::Malformed),
+        bs.rejected(Rejection::NotAllowed),
+    );
     let presence_before = b.presence().stats();
 
     // Heartbeats naming A: another address, and a departure.
@@ -569,7 +572,10 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     let p = b.presence().stats();
     assert_eq!(p.expired, 0, "A was never removed");
     assert!(!b.presence().is_departed(A));
-    assert!(p.unauthenticated >= presence_before.unauthenticated + 5, "{p:?}");
+    assert!(
+        p.unauthenticated >= presence_before.unauthenticated + 5,
+        "{p:?}"
+    );
     // The forgers answered B's fetch of A (whether before or after A's real page, which
     // alone was taken: the page race is pinned down in `presence::tests`).
     assert!(answered.load(std::sync::atomic::Ordering::Relaxed) >= 1);

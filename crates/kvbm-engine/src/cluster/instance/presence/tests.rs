@@ -830,7 +830,11 @@ async fn security_forged_snapshot_pages_do_not_win_and_non_members_get_none() {
     assert!(s.rejected(crate::security::Rejection::Malformed) >= 1);
     assert!(s.rejected(crate::security::Rejection::NotAllowed) >= 1);
     assert!(b.stats().unauthenticated >= 2, "{:?}", b.stats());
-    assert_eq!(b.stats().resync_failed, 0, "the forged pages did not fail the fetch");
+    assert_eq!(
+        b.stats().resync_failed,
+        0,
+        "the forged pages did not fail the fetch"
+    );
 
     // A non-member asks B for its snapshot: no answer, counted.
     let before = b.stats().unauthenticated;
