@@ -64,7 +64,13 @@ async fn onboard_a_disk_prefix_through_two_workers(secure: bool) {
     } else {
         Arc::new(Security::Off)
     };
-    let i = set_up_secured(&nats.url, instance, Duration::from_secs(30), security.clone()).await;
+    let i = set_up_secured(
+        &nats.url,
+        instance,
+        Duration::from_secs(30),
+        security.clone(),
+    )
+    .await;
     let pw: Arc<dyn ParallelWorkers> = i.workers.clone();
 
     let leader = InstanceLeader::builder()

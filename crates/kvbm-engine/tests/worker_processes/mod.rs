@@ -16,7 +16,7 @@ use kvbm_engine::cluster::transport::control::{
     ControlRequest, ControlResponse, ControlledWorkers, WorkerControl, block_digest, fill_pattern,
 };
 use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
-use kvbm_engine::security::{Credential, RootKey, Role, Security, SecurityConfig};
+use kvbm_engine::security::{Credential, Role, RootKey, Security, SecurityConfig};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, TierId, TokenBlockSequence,

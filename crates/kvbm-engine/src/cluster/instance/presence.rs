@@ -575,14 +575,13 @@ impl Presence {
                     "snapshot-reply",
                     &message.payload,
                 );
-                let (series, offset) =
-                    match serde_json::from_slice::<SnapshotRequest>(payload) {
-                        Ok(r) if r.version == PRESENCE_WIRE_VERSION => (r.series, r.offset),
-                        _ => {
-                            inner.reject();
-                            continue;
-                        }
-                    };
+                let (series, offset) = match serde_json::from_slice::<SnapshotRequest>(payload) {
+                    Ok(r) if r.version == PRESENCE_WIRE_VERSION => (r.series, r.offset),
+                    _ => {
+                        inner.reject();
+                        continue;
+                    }
+                };
                 // A hostile offset must not overflow the page's end (checked below too).
                 let Some(page_end) = offset.checked_add(inner.config.snapshot_page.max(1)) else {
                     inner.reject();
@@ -878,7 +877,9 @@ impl Inner {
         match self.security.open(context, bytes) {
             Ok(o) => Some(o),
             Err(why) => {
-                self.counters.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .unauthenticated
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%why, "presence message that does not open dropped");
                 None
             }
@@ -888,7 +889,9 @@ impl Inner {
     /// Counts a message whose sender may not say it (for `claimed`).
     fn not_allowed(&self, sender: Option<&MemberCert>, claimed: InstanceId, what: &str) {
         self.security.count(Rejection::NotAllowed);
-        self.counters.unauthenticated.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .unauthenticated
+            .fetch_add(1, Ordering::Relaxed);
         tracing::warn!(
             sender = ?sender.map(ToString::to_string),
             claimed = %claimed,

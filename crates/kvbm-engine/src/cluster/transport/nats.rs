@@ -57,12 +57,12 @@ use futures::future::BoxFuture;
 use kvbm_logical::TierId;
 
 use super::WorkerAddress;
-use crate::security::{MemberCert, Rejection, Role, Security};
 use super::control::{
     ControlError, ControlRequest, ControlResponse, Envelope, OLDEST_PROTOCOL_VERSION,
     PROTOCOL_VERSION, WorkerControl, serve, speaks,
 };
 use crate::error::{EngineError, Result};
+use crate::security::{MemberCert, Rejection, Role, Security};
 use crate::worker::PhysicalWorker;
 
 /// Default prefix of control subjects.

@@ -693,3 +693,166 @@ async fn security_events_of_instances_that_never_joined_are_ignored_and_counted(
     assert_eq!(b.stats().unjoined_event_batches, 200);
     runtime.shutdown();
 }
+
+fn member(root: &crate::security::RootKey, id: InstanceId) -> Arc<Security> {
+    let cred = root
+        .issue(id, Role::Leader, 0, "ns", Duration::from_secs(3600))
+        .unwrap();
+    Arc::new(Security::with_credential(
+        root.trust_root(),
+        Arc::new(cred),
+        &crate::security::SecurityConfig::default(),
+    ))
+}
+
+/// Attack (issue 23, items 2 and 4): B fetches the snapshot of A (played by this test, with
+/// A's credential), and before A's real page a client without a credential and a member with
+/// another instance's key answer with pages claiming A stores forged blocks (the member's bound
+/// to the very request). B drops both (counted) and takes A's page; nothing forged is indexed.
+/// And a snapshot request from a non-member is not answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_forged_snapshot_pages_do_not_win_and_non_members_get_none() {
+    use crate::cluster::transport::nats::reply_context;
+    let Some(nats) = kvbm_tests::services::nats("security_forged_pages") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_pages.{}", std::process::id());
+    let config = PresenceConfig {
+        interval: Duration::from_millis(30),
+        timeout: Duration::from_millis(3000),
+        request_timeout: Duration::from_secs(2),
+        snapshot_page: 64,
+        max_pages: 16,
+        max_entries: 1024,
+    };
+    let root = crate::security::RootKey::generate().unwrap();
+    let (sec_a, sec_b, forger) = (
+        member(&root, A),
+        member(&root, B),
+        member(&root, InstanceId(0xc)),
+    );
+    let hashes = |seed: u32| {
+        TokenBlockSequence::from_tokens(
+            &(seed * 1000..seed * 1000 + 16).collect::<Vec<u32>>(),
+            4,
+            Salt::NONE,
+        )
+        .unwrap()
+        .hashes()
+    };
+    let (real, forged) = (hashes(1), hashes(2));
+    let page = |hs: &[SequenceHash]| {
+        serde_json::to_vec(&SnapshotPage {
+            version: PRESENCE_WIRE_VERSION,
+            instance: A,
+            entries: hs.iter().map(|h| (*h, TierId::G2)).collect(),
+            next: None,
+        })
+        .unwrap()
+    };
+    let (true_page, false_page) = (page(&real), page(&forged));
+
+    // "A": answers its snapshot requests, forgers first, itself 100 ms later.
+    let ca = crate::cluster::transport::nats::connect(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let mut requests = ca.subscribe(snapshot_subject(&subject, A)).await.unwrap();
+    ca.flush().await.unwrap();
+    let (c, sa, f) = (ca.clone(), sec_a.clone(), forger.clone());
+    tokio::spawn(async move {
+        while let Some(m) = requests.next().await {
+            let reply = m.reply.clone().unwrap();
+            let ctx = reply_context("snapshot-reply", &m.payload);
+            let _ = c.publish(reply.clone(), false_page.clone().into()).await;
+            let _ = c
+                .publish(reply.clone(), f.seal(&ctx, &false_page).into())
+                .await;
+            let _ = c.flush().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = c.publish(reply, sa.seal(&ctx, &true_page).into()).await;
+            let _ = c.flush().await;
+        }
+    });
+    // "A"'s heartbeats, sealed with its credential.
+    let (c, sa, s) = (ca.clone(), sec_a.clone(), subject.clone());
+    let beat = tokio::spawn(async move {
+        loop {
+            let hb = Heartbeat {
+                version: PRESENCE_WIRE_VERSION,
+                peer: info(A, "127.0.0.1:7001"),
+                epoch: 1,
+                departing: false,
+                stored: 4,
+            };
+            let json = serde_json::to_vec(&hb).unwrap();
+            let _ = c
+                .publish(
+                    heartbeat_subject(&s),
+                    sa.seal(&heartbeat_context(&s), &json).into(),
+                )
+                .await;
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    });
+
+    let (cb, eb) = connect_observed(&nats.url, "b", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    let b = Presence::start_secured(
+        &rt,
+        CancellationToken::new(),
+        cb,
+        eb,
+        &subject,
+        config,
+        info(B, "127.0.0.1:7002"),
+        index_b.clone(),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+        sec_b.clone(),
+    )
+    .await
+    .unwrap();
+    eventually("B synced A", || b.is_synced(A)).await;
+    let mut got: Vec<SequenceHash> = index_b.entries_of(A).into_iter().map(|e| e.0).collect();
+    got.sort();
+    let mut want = real.clone();
+    want.sort();
+    assert_eq!(got, want, "B holds A's real snapshot");
+    assert!(forged.iter().all(|h| index_b.locations(*h).is_empty()));
+    let s = sec_b.stats().unwrap();
+    assert!(s.rejected(crate::security::Rejection::Malformed) >= 1);
+    assert!(s.rejected(crate::security::Rejection::NotAllowed) >= 1);
+    assert!(b.stats().unauthenticated >= 2, "{:?}", b.stats());
+    assert_eq!(
+        b.stats().resync_failed,
+        0,
+        "the forged pages did not fail the fetch"
+    );
+
+    // A non-member asks B for its snapshot: no answer, counted.
+    let before = b.stats().unauthenticated;
+    let req = SnapshotRequest {
+        version: PRESENCE_WIRE_VERSION,
+        series: 1,
+        offset: 0,
+    };
+    let answer = tokio::time::timeout(
+        Duration::from_millis(300),
+        ca.request(
+            snapshot_subject(&subject, B),
+            serde_json::to_vec(&req).unwrap().into(),
+        ),
+    )
+    .await;
+    assert!(answer.is_err(), "a non-member got a snapshot: {answer:?}");
+    assert_eq!(b.stats().unauthenticated, before + 1);
+    assert_eq!(b.stats().snapshots_served, 0);
+    beat.abort();
+}

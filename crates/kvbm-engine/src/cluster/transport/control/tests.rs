@@ -473,7 +473,10 @@ async fn security_a_worker_obeys_only_its_own_leader() {
         digests(&leader, TierId::G1, all.clone()).await,
     );
     assert_eq!(before, after);
-    let r = leader.call(ControlRequest::Transfer(request())).await.unwrap();
+    let r = leader
+        .call(ControlRequest::Transfer(request()))
+        .await
+        .unwrap();
     assert!(
         matches!(&r, ControlResponse::Transferred(v) if v.iter().all(Result::is_ok)),
         "{r:?}"
