@@ -68,8 +68,12 @@ struct Conn {
 /// back; per peer, when it was last used (for the least-recently-used eviction).
 #[derive(Default)]
 struct Pool {
-    peers: HashMap<(SocketAddr, InstanceId), (Instant, Vec<(Conn, Instant)>)>,
+    peers: HashMap<(SocketAddr, InstanceId), PeerIdle>,
 }
+
+/// One peer's entry: when it was last used, and its idle connections with when each was
+/// given back.
+type PeerIdle = (Instant, Vec<(Conn, Instant)>);
 
 impl Pool {
     /// Closes the connections idle longer than `expiry`, and forgets peers left with none.

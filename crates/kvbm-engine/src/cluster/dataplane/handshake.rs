@@ -3,7 +3,7 @@
 //!
 //! Both functions run under the caller's deadline (the whole handshake within
 //! `io_timeout`) and read only bounded lengths: a hello head is 16 bytes, its body at most
-//! [`MAX_CERT_LEN`] + 64. They count nothing themselves: a [`Refused`] names the
+//! [`wire::MAX_CERT_LEN`] + 64. They count nothing themselves: a [`Refused`] names the
 //! [`Rejection`] the caller counts in the [`SecurityStats`](crate::security::SecurityStats)
 //! and in its own stats.
 
