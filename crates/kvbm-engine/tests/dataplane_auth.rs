@@ -53,8 +53,11 @@ async fn member(rt: &KvbmRuntime, root: &RootKey, id: InstanceId, ns: &str) -> I
     let cred = root
         .issue(id, Role::Leader, 0, ns, Duration::from_secs(3600))
         .unwrap();
-    let security =
-        Security::with_credential(root.trust_root(), Arc::new(cred), &SecurityConfig::default());
+    let security = Security::with_credential(
+        root.trust_root(),
+        Arc::new(cred),
+        &SecurityConfig::default(),
+    );
     Instance::builder(&rt.handle())
         .geometry(common::geometry_with(32))
         .security(security)
