@@ -4,6 +4,9 @@
 //! - `remote_g2_pull/dataplane_64`: `DataPlaneClient` pulls 64 blocks of 256 KiB from a
 //!   `DataPlaneServer` on loopback into freshly allocated G2 blocks (framing, checksums on both
 //!   sides, identity checks, registration).
+//! - `remote_g2_pull/dataplane_64_auth`: the same pull with security on (issue 23): both
+//!   ends hold leader credentials of one namespace, the connection is authenticated once
+//!   (pooled), every head and frame header carries its keyed tag. Goal ≥ 0.8 of raw too.
 //! - `remote_g2_pull/raw_tcp_64`: the same bytes as one raw TCP stream (a 1-byte request, then
 //!   64 × 256 KiB written from one buffer and read into one buffer). Issue 12's goal: the data
 //!   plane's throughput ≥ 0.8 of this.
@@ -29,6 +32,7 @@ use kvbm_engine::cluster::pubsub::EventMessage;
 use kvbm_engine::cross_instance::CrossInstanceIndex;
 use kvbm_engine::cross_instance::RemotePull;
 use kvbm_engine::leader::{InstanceLeader, RemoteSearch, StagingMovers};
+use kvbm_engine::security::{Role, RootKey, Security, SecurityConfig};
 use kvbm_logical::{
     BlockEvent, BlockEventKind, BlockManager, BlockRegistry, G2, G4, Salt, SequenceHash, Tier,
     TierId, TokenBlockSequence,
@@ -126,6 +130,39 @@ fn remote_g2_pull(c: &mut Criterion) {
     let client =
         DataPlaneClient::new(DataPlaneConfig::default(), g2_b.clone(), host(), peers).unwrap();
 
+    // The authenticated pair: A's leader serves, C's leader pulls, one namespace.
+    let root = RootKey::generate().unwrap();
+    let secured = |id: InstanceId| {
+        let cred = root
+            .issue(id, Role::Leader, 0, "bench", Duration::from_secs(3600))
+            .unwrap();
+        Arc::new(Security::with_credential(
+            root.trust_root(),
+            Arc::new(cred),
+            &SecurityConfig::default(),
+        ))
+    };
+    let server_auth = rt
+        .block_on(DataPlaneServer::start_secured(
+            DataPlaneConfig::default(),
+            A,
+            g2_a.clone(),
+            host(),
+            secured(A),
+        ))
+        .unwrap();
+    let g2_c = manager::<G2>();
+    let peers_auth = Arc::new(PeerDirectory::new());
+    peers_auth.insert(A, server_auth.local_addr());
+    let client_auth = DataPlaneClient::new_secured(
+        DataPlaneConfig::default(),
+        g2_c.clone(),
+        host(),
+        peers_auth,
+        secured(InstanceId(0xc)),
+    )
+    .unwrap();
+
     // Raw baseline: a server writing `total` bytes per 1-byte request.
     let listener = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
@@ -170,6 +207,23 @@ fn remote_g2_pull(c: &mut Criterion) {
             })
         })
     });
+    group.bench_function("dataplane_64_auth", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    let dests = g2_c.allocate_blocks(BLOCKS).unwrap();
+                    let t = Instant::now();
+                    let out = client_auth.pull(A, &hs, dests).await;
+                    spent += t.elapsed();
+                    assert!(out.iter().all(Result::is_ok));
+                    drop(out);
+                    g2_c.reset_inactive_pool();
+                }
+                spent
+            })
+        })
+    });
     group.bench_function("raw_tcp_64", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
@@ -184,6 +238,7 @@ fn remote_g2_pull(c: &mut Criterion) {
     });
     group.finish();
     server.shutdown();
+    server_auth.shutdown();
 }
 
 fn s3() -> Option<(S3Config, String)> {

@@ -272,7 +272,10 @@ impl InstanceBuilder {
         let url = config.transport.nats_url.clone().ok_or_else(|| {
             EngineError::config("transport.nats_url", "must be set for an instance")
         })?;
-        let dp_config = DataPlaneConfig::from_transport(&config.transport)?;
+        let dp_config = DataPlaneConfig {
+            payload_mac: config.security.dataplane_payload_mac,
+            ..DataPlaneConfig::from_transport(&config.transport)?
+        };
         let security = Arc::new(match self.security {
             Some(s) => s,
             None => Security::from_config(&config.security)?,
@@ -394,18 +397,24 @@ impl InstanceBuilder {
 
         let server = {
             // Started on the runtime's tokio (its tasks live there, whoever polls `build`).
-            let start =
-                DataPlaneServer::start(dp_config.clone(), id, g2.clone(), g2_layout.clone());
+            let start = DataPlaneServer::start_secured(
+                dp_config.clone(),
+                id,
+                g2.clone(),
+                g2_layout.clone(),
+                security.clone(),
+            );
             rt.spawn(start)?.await.map_err(|e| {
                 EngineError::data_plane(dp_config.bind.to_string(), format!("start task: {e}"))
             })??
         };
         let peers = Arc::new(PeerDirectory::new());
-        let client_dp = Arc::new(DataPlaneClient::new(
+        let client_dp = Arc::new(DataPlaneClient::new_secured(
             dp_config,
             g2.clone(),
             g2_layout.clone(),
             peers.clone(),
+            security.clone(),
         )?);
         let this = PeerInfo {
             worker: WorkerAddress::new(id, 0),

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use kvbm_logical::{BlockManager, CompleteBlock, G2, MutableBlock, SequenceHash};
+use kvbm_logical::{BlockDigest, BlockManager, CompleteBlock, G2, MutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
 use kvbm_physical::checksum::checksum_slices;
 use kvbm_physical::identity::geometry_digest;
@@ -29,11 +29,15 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::wire::{self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead};
+use super::handshake::{self, Session};
+use super::wire::{
+    self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead, TAG_LEN, VERSION, VERSION_AUTH,
+};
 use super::{DataPlaneConfig, PeerDirectory};
 use crate::address::InstanceId;
 use crate::cross_instance::RemotePull;
 use crate::error::{EngineError, Result};
+use crate::security::{Rejection, Security};
 use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
 
 /// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::cluster::dataplane).
@@ -47,14 +51,29 @@ pub struct DataPlaneClient {
     idle: Mutex<Pool>,
     deadlines_exceeded: AtomicU64,
     pool_evictions: AtomicU64,
+    security: Arc<Security>,
+    handshakes_refused: AtomicU64,
+    tags_refused: AtomicU64,
 }
 
-/// Idle connections by peer address: each with when it was given back; per peer, when it
-/// was last used (for the least-recently-used eviction).
+/// One connection to a peer: authenticated (a session with the leader of the instance it
+/// is pooled under) or not.
+struct Conn {
+    stream: TcpStream,
+    session: Option<Session>,
+}
+
+/// Idle connections by peer (address and the instance pulled from there: an authenticated
+/// connection is reused only for the instance it proved to be): each with when it was given
+/// back; per peer, when it was last used (for the least-recently-used eviction).
 #[derive(Default)]
 struct Pool {
-    peers: HashMap<SocketAddr, (Instant, Vec<(TcpStream, Instant)>)>,
+    peers: HashMap<(SocketAddr, InstanceId), PeerIdle>,
 }
+
+/// One peer's entry: when it was last used, and its idle connections with when each was
+/// given back.
+type PeerIdle = (Instant, Vec<(Conn, Instant)>);
 
 impl Pool {
     /// Closes the connections idle longer than `expiry`, and forgets peers left with none.
@@ -77,6 +96,13 @@ pub struct ClientStats {
     pub idle_peers: usize,
     /// Idle connections in the pool now.
     pub idle_connections: usize,
+    /// Connections refused during the authenticated handshake (security on): the server is
+    /// not a member of this namespace, not the instance asked for, did not prove its key, or
+    /// does not speak the authenticated protocol. Nothing was requested from it.
+    pub handshakes_refused: u64,
+    /// Response heads and frames whose tag did not verify (tampered, replayed or reordered):
+    /// the request failed, nothing of it after the bad frame was registered.
+    pub tags_refused: u64,
 }
 
 impl std::fmt::Debug for DataPlaneClient {
@@ -108,6 +134,22 @@ impl DataPlaneClient {
         layout: Arc<PhysicalLayout>,
         peers: Arc<PeerDirectory>,
     ) -> Result<Self> {
+        Self::new_secured(config, manager, layout, peers, Arc::new(Security::Off))
+    }
+
+    /// [`new`](Self::new) with this member's `security`: when on, each new connection runs
+    /// the authenticated handshake first and pulls only from a leader of this namespace that
+    /// proves to be the instance asked for; every head and frame is tagged.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn new_secured(
+        config: DataPlaneConfig,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+        peers: Arc<PeerDirectory>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
         wire::check_host(&layout)?;
         let c = *layout.layout().config();
         if c.num_blocks < manager.total_blocks() {
@@ -130,6 +172,9 @@ impl DataPlaneClient {
             idle: Mutex::new(Pool::default()),
             deadlines_exceeded: AtomicU64::new(0),
             pool_evictions: AtomicU64::new(0),
+            security,
+            handshakes_refused: AtomicU64::new(0),
+            tags_refused: AtomicU64::new(0),
         })
     }
 
@@ -148,6 +193,8 @@ impl DataPlaneClient {
             pool_evictions: self.pool_evictions.load(Ordering::Relaxed),
             idle_peers,
             idle_connections,
+            handshakes_refused: self.handshakes_refused.load(Ordering::Relaxed),
+            tags_refused: self.tags_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -201,7 +248,7 @@ impl DataPlaneClient {
             // of the response was read, try once more on a fresh one.
             let mut settled = Vec::new();
             for attempt in 0..2 {
-                let (stream, pooled) = match self.connection(addr, attempt == 0).await {
+                let (stream, pooled) = match self.connection(addr, instance, attempt == 0).await {
                     Ok(s) => s,
                     Err(e) => {
                         settled = fail_all(part.len(), &e);
@@ -260,12 +307,13 @@ impl DataPlaneClient {
     async fn connection(
         &self,
         addr: SocketAddr,
+        instance: InstanceId,
         pooled_ok: bool,
-    ) -> std::result::Result<(TcpStream, bool), BlockFailure> {
+    ) -> std::result::Result<(Conn, bool), BlockFailure> {
         if pooled_ok {
             let mut pool = self.idle.lock();
             pool.prune(Instant::now(), self.config.idle_expiry);
-            if let Some((used, v)) = pool.peers.get_mut(&addr)
+            if let Some((used, v)) = pool.peers.get_mut(&(addr, instance))
                 && let Some((s, _)) = v.pop()
             {
                 *used = Instant::now();
@@ -285,10 +333,50 @@ impl DataPlaneClient {
             })?
             .map_err(io)?;
         s.set_nodelay(true).map_err(io)?;
-        Ok((s, false))
+        let Security::On(sealing) = &*self.security else {
+            return Ok((
+                Conn {
+                    stream: s,
+                    session: None,
+                },
+                false,
+            ));
+        };
+        let mut s = s;
+        let r = tokio::time::timeout(
+            self.config.io_timeout,
+            handshake::client(&mut s, sealing, self.config.payload_mac, instance),
+        )
+        .await;
+        let refused = |m: String, rejection: Option<Rejection>| {
+            self.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvbm_engine_dataplane_handshakes_refused_total").increment(1);
+            if let Some(r) = rejection {
+                sealing.verifier.stats().count(r);
+            }
+            BlockFailure::new(
+                BlockFailureKind::Refused,
+                format!("authenticated handshake with {addr} (pulling from {instance}): {m}"),
+            )
+        };
+        match r {
+            Ok(Ok(session)) => Ok((
+                Conn {
+                    stream: s,
+                    session: Some(session),
+                },
+                false,
+            )),
+            Ok(Err(e)) => Err(refused(e.message, e.rejection)),
+            Err(_) => Err(refused(
+                format!("not finished within {:?}", self.config.io_timeout),
+                None,
+            )),
+        }
     }
 
-    fn give_back(&self, addr: SocketAddr, stream: TcpStream) {
+    fn give_back(&self, addr: SocketAddr, instance: InstanceId, stream: Conn) {
+        let addr = (addr, instance);
         let now = Instant::now();
         let mut pool = self.idle.lock();
         pool.prune(now, self.config.idle_expiry);
@@ -316,7 +404,7 @@ impl DataPlaneClient {
     /// retry), or, after a failure mid-response, the unsettled rest is failed here.
     async fn request(
         &self,
-        mut stream: TcpStream,
+        mut conn: Conn,
         addr: SocketAddr,
         instance: InstanceId,
         hashes: &[SequenceHash],
@@ -333,14 +421,30 @@ impl DataPlaneClient {
             before_response,
         };
         let refused = |m: String| BlockFailure::new(BlockFailureKind::Refused, m);
-        let request = wire::encode_request(
+        let version = if conn.session.is_some() {
+            VERSION_AUTH
+        } else {
+            VERSION
+        };
+        let mut request = wire::encode_request_version(
             RequestHead {
                 count: hashes.len() as u32,
                 geometry: self.geometry,
                 block_bytes: self.block_bytes as u64,
             },
             hashes,
+            version,
         );
+        if let Some(sess) = &mut conn.session {
+            // Authenticated: the head and the hash list each carry their tag.
+            let hash_list = request.split_off(wire::REQUEST_HEAD_LEN);
+            let head_tag = sess.tag(&[&request]);
+            let list_tag = sess.tag(&[&hash_list]);
+            request.extend_from_slice(&head_tag);
+            request.extend_from_slice(&hash_list);
+            request.extend_from_slice(&list_tag);
+        }
+        let stream = &mut conn.stream;
         if let Err(e) = timed(io, stream.write_all(&request)).await {
             return Err((fail(e, true), destinations));
         }
@@ -348,7 +452,18 @@ impl DataPlaneClient {
         if let Err(e) = timed(io, stream.read_exact(&mut head)).await {
             return Err((fail(e, true), destinations));
         }
-        let (status, count) = match wire::decode_response(&head) {
+        if let Some(sess) = &mut conn.session {
+            // The head's tag before any of its fields is believed.
+            let mut tag = [0u8; TAG_LEN];
+            if let Err(e) = timed(io, conn.stream.read_exact(&mut tag)).await {
+                return Err((fail(e, false), destinations));
+            }
+            if !sess.check(&[&head], &tag) {
+                let f = self.tag_refused("response head");
+                return Err((fail(f, false), destinations));
+            }
+        }
+        let (status, count) = match wire::decode_response_version(&head, version) {
             Ok(v) => v,
             Err(e) => return Err((fail(e, false), destinations)),
         };
@@ -373,16 +488,20 @@ impl DataPlaneClient {
                 continue;
             }
             match self
-                .read_frame(&mut stream, instance, hash, &dest, layers)
+                .read_frame(&mut conn, instance, hash, &dest, layers)
                 .await
             {
-                Ok(true) => settled.push(dest.complete(hash).map_err(|e| {
-                    BlockFailure::new(
-                        BlockFailureKind::Transfer,
-                        format!("completing {hash:?}: {}", e.error),
-                    )
-                })),
-                Ok(false) => settled.push(Err(BlockFailure::new(
+                // Registered with the digest the server recorded (bound by the frame), so it
+                // travels on with the block (to G3/G4 headers, to the next pull).
+                Ok(Some(digest)) => {
+                    settled.push(dest.complete_with_digest(hash, digest).map_err(|e| {
+                        BlockFailure::new(
+                            BlockFailureKind::Transfer,
+                            format!("completing {hash:?}: {}", e.error),
+                        )
+                    }))
+                }
+                Ok(None) => settled.push(Err(BlockFailure::new(
                     BlockFailureKind::NotFound,
                     format!("block {:032x} is not held by {peer}", hash.as_u128()),
                 ))),
@@ -394,7 +513,7 @@ impl DataPlaneClient {
             }
         }
         if broken.is_none() {
-            self.give_back(addr, stream);
+            self.give_back(addr, instance, conn);
         }
         // Register the verified blocks in one batch, keeping the request order.
         let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(settled.len());
@@ -419,26 +538,53 @@ impl DataPlaneClient {
         Ok(out)
     }
 
-    /// Reads one frame into `dest`: `Ok(true)` verified, `Ok(false)` absent on the server,
-    /// `Err` a frame that must not be trusted (the stream is then unusable).
+    /// Counts a head or frame whose tag did not verify, and says so.
+    fn tag_refused(&self, what: &str) -> BlockFailure {
+        self.tags_refused.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("kvbm_engine_dataplane_tags_refused_total").increment(1);
+        self.security.count(Rejection::BadSignature);
+        BlockFailure::new(
+            BlockFailureKind::IdentityMismatch,
+            format!("{what} failed its tag (tampered, replayed or reordered)"),
+        )
+    }
+
+    /// Reads one frame into `dest`: `Ok(Some(digest))` verified (with the digest the server
+    /// recorded for the block, if any), `Ok(None)` absent on the server, `Err` a frame that
+    /// must not be trusted (the stream is then unusable).
     async fn read_frame(
         &self,
-        stream: &mut TcpStream,
+        conn: &mut Conn,
         instance: InstanceId,
         hash: SequenceHash,
         dest: &MutableBlock<G2>,
         layers: usize,
-    ) -> std::result::Result<bool, BlockFailure> {
+    ) -> std::result::Result<Option<Option<BlockDigest>>, BlockFailure> {
         let io = self.config.io_timeout;
-        let mut raw = [0u8; FRAME_HEADER_LEN];
-        timed(io, stream.read_exact(&mut raw)).await?;
-        // Length, geometry, identity and binding are checked before any payload byte is read.
-        let header = match wire::check_frame(&raw, hash, instance, self.geometry, self.block_bytes)
-            .map_err(BlockFailure::physical)?
-        {
-            Frame::Absent => return Ok(false),
-            Frame::Payload(h) => h,
+        let stream = &mut conn.stream;
+        let mut raw = [0u8; FRAME_HEADER_LEN + TAG_LEN];
+        let header_len = if conn.session.is_some() {
+            FRAME_HEADER_LEN + TAG_LEN
+        } else {
+            FRAME_HEADER_LEN
         };
+        timed(io, stream.read_exact(&mut raw[..header_len])).await?;
+        let (raw, tag) = raw.split_at(FRAME_HEADER_LEN);
+        let raw: &[u8; FRAME_HEADER_LEN] = raw.try_into().expect("header length");
+        if let Some(sess) = &mut conn.session
+            && !sess.check(&[raw], tag.try_into().expect("16 bytes"))
+        {
+            // Authenticated: nothing in the header is believed before its tag verifies.
+            return Err(self.tag_refused(&format!("frame of block {:032x}", hash.as_u128())));
+        }
+        // Length, geometry, identity and binding are checked before any payload byte is read.
+        let (header, digest) =
+            match wire::check_frame(raw, hash, instance, self.geometry, self.block_bytes)
+                .map_err(BlockFailure::physical)?
+            {
+                Frame::Absent => return Ok(None),
+                Frame::Payload(h, d) => (h, d),
+            };
         let regions = self.layout.block_addrs(dest.block_id(), 0..layers);
         for &(p, l) in &regions {
             // SAFETY: host memory of our layout (kept alive by `self`); `dest` is a mutable
@@ -456,7 +602,21 @@ impl DataPlaneClient {
         header
             .verify(actual, &location)
             .map_err(BlockFailure::physical)?;
-        Ok(true)
+        if let Some(sess) = &mut conn.session
+            && sess.payload_mac
+        {
+            let mut tag = [0u8; TAG_LEN];
+            timed(io, stream.read_exact(&mut tag)).await?;
+            // SAFETY: as above.
+            let slices: Vec<&[u8]> = regions
+                .iter()
+                .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+                .collect();
+            if !sess.check(&slices, &tag) {
+                return Err(self.tag_refused(&format!("payload of block {:032x}", hash.as_u128())));
+            }
+        }
+        Ok(Some(digest))
     }
 }
 

@@ -24,9 +24,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::DataPlaneConfig;
-use super::wire::{self, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, Status};
+use super::handshake::{self, Session};
+use super::wire::{
+    self, CLIENT_HELLO_MAGIC, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, REQUEST_MAGIC, Status,
+    TAG_LEN, VERSION, VERSION_AUTH,
+};
 use crate::address::InstanceId;
 use crate::error::{EngineError, Result};
+use crate::security::{Rejection, Role, Security};
 
 /// Counters of a running server (tests and metrics).
 #[derive(Debug, Default)]
@@ -38,6 +43,9 @@ pub struct ServerStats {
     refused: AtomicU64,
     connections_refused: AtomicU64,
     responses_timed_out: AtomicU64,
+    handshakes: AtomicU64,
+    handshakes_refused: AtomicU64,
+    tags_refused: AtomicU64,
     /// Fault injection (feature `testing`): frames still to be sent with a damaged payload.
     corrupt_next: AtomicU64,
 }
@@ -72,6 +80,21 @@ impl ServerStats {
     pub fn responses_timed_out(&self) -> u64 {
         self.responses_timed_out.load(Ordering::Relaxed)
     }
+    /// Authenticated handshakes completed (security on).
+    pub fn handshakes(&self) -> u64 {
+        self.handshakes.load(Ordering::Relaxed)
+    }
+    /// Connections refused before any request was served (security on): a client that is
+    /// not a member of this namespace, offered no or a broken handshake, spoke the
+    /// unauthenticated protocol, or did not finish within the deadline. It got nothing.
+    pub fn handshakes_refused(&self) -> u64 {
+        self.handshakes_refused.load(Ordering::Relaxed)
+    }
+    /// Requests whose tag did not verify (tampered, replayed or reordered): the connection
+    /// was dropped unanswered.
+    pub fn tags_refused(&self) -> u64 {
+        self.tags_refused.load(Ordering::Relaxed)
+    }
 }
 
 /// What the server serves from.
@@ -83,6 +106,7 @@ struct Served {
     block_bytes: usize,
     config: DataPlaneConfig,
     stats: Arc<ServerStats>,
+    security: Arc<Security>,
 }
 
 /// A running data-plane server: see the [module docs](crate::cluster::dataplane). Stops (and drops every hold) on
@@ -130,6 +154,36 @@ impl DataPlaneServer {
         manager: Arc<BlockManager<G2>>,
         layout: Arc<PhysicalLayout>,
     ) -> Result<Self> {
+        Self::start_secured(config, instance, manager, layout, Arc::new(Security::Off)).await
+    }
+
+    /// [`start`](Self::start) with this member's `security`: when on, every connection must
+    /// complete the authenticated handshake as a leader of this namespace before any request
+    /// is read, and every head and frame is tagged (protocol version 2); when off, the
+    /// unauthenticated protocol (version 1) as [`start`](Self::start).
+    ///
+    /// # Errors
+    /// As [`start`](Self::start); also [`EngineError::Config`] when the credential is not the
+    /// leader of `instance`.
+    pub async fn start_secured(
+        config: DataPlaneConfig,
+        instance: InstanceId,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
+        if let Some(signer) = security.signer()
+            && (signer.cert().instance != instance || signer.cert().role != Role::Leader)
+        {
+            return Err(EngineError::config(
+                "security.credential_file",
+                format!(
+                    "the data plane of {instance} needs that instance's leader credential, not \
+                     {}",
+                    signer.cert()
+                ),
+            ));
+        }
         wire::check_host(&layout)?;
         let c = *layout.layout().config();
         if c.num_blocks < manager.total_blocks() {
@@ -157,6 +211,7 @@ impl DataPlaneServer {
             layout,
             config,
             stats: stats.clone(),
+            security,
         });
         let cancel = CancellationToken::new();
         let accept_cancel = cancel.clone();
@@ -259,9 +314,138 @@ async fn timed<T>(
     }
 }
 
+/// The connection's first bytes under security: the authenticated handshake, or a refusal.
+/// `Ok(None)`: refused (counted; the client got nothing but a refusal status), or the client
+/// left before saying anything.
+async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Option<Session>> {
+    let Security::On(sealing) = &*s.security else {
+        return Ok(None);
+    };
+    let io = s.config.io_timeout;
+    let refused = |rejection: Option<Rejection>, message: &str| {
+        s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("kvbm_engine_dataplane_handshakes_refused_total").increment(1);
+        if let Some(r) = rejection {
+            sealing.verifier.stats().count(r);
+        }
+        tracing::debug!(error = message, "data plane handshake refused");
+    };
+    // The whole handshake within one deadline: a connection that dawdles is dropped.
+    let r = tokio::time::timeout(io, async {
+        let mut first = [0u8; 8];
+        match stream.read_exact(&mut first).await {
+            Ok(_) => {}
+            // Connected and left (a health check, a port scan): nothing to count.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Err(None)),
+            Err(e) => return Err(e),
+        }
+        let magic = u64::from_le_bytes(first);
+        if magic == REQUEST_MAGIC {
+            // A client with security off: drain its (bounded) request so the refusal is not
+            // lost to a reset, and tell it why.
+            let mut rest = [0u8; REQUEST_HEAD_LEN - 8];
+            stream.read_exact(&mut rest).await?;
+            let count = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes")) as usize;
+            if count <= s.config.max_blocks_per_request {
+                let mut raw = vec![0u8; count * HASH_LEN];
+                stream.read_exact(&mut raw).await?;
+            }
+            let r = wire::encode_response(Status::AuthRequired, 0);
+            stream.write_all(&r).await?;
+            return Ok(Err(Some((
+                Some(Rejection::NotMember),
+                "a client without credentials (security off) asked for blocks".to_owned(),
+            ))));
+        }
+        if magic != CLIENT_HELLO_MAGIC {
+            return Ok(Err(Some((
+                Some(Rejection::Malformed),
+                format!("not a data plane hello: {magic:#018x}"),
+            ))));
+        }
+        match handshake::server(stream, sealing, s.config.payload_mac, first).await {
+            Ok(session) => Ok(Ok(session)),
+            Err(refused) => {
+                // Best effort: tell the client it was refused (nothing else).
+                let r = wire::encode_response(Status::AuthRequired, 0);
+                let _ = stream.write_all(&r).await;
+                Ok(Err(Some((refused.rejection, refused.message))))
+            }
+        }
+    })
+    .await;
+    match r {
+        Ok(Ok(Ok(session))) => {
+            s.stats.handshakes.fetch_add(1, Ordering::Relaxed);
+            Ok(Some(session))
+        }
+        Ok(Ok(Err(None))) => Ok(None),
+        Ok(Ok(Err(Some((rejection, message))))) => {
+            refused(rejection, &message);
+            Ok(None)
+        }
+        Ok(Err(e)) => {
+            refused(None, &e.to_string());
+            Err(e)
+        }
+        Err(_) => {
+            refused(None, "handshake not finished within the I/O timeout");
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("handshake not finished within {io:?}"),
+            ))
+        }
+    }
+}
+
+/// Writes `bytes` (one head or frame header), followed by its tag when authenticated.
+async fn write_tagged(
+    stream: &mut TcpStream,
+    session: &mut Option<Session>,
+    io: std::time::Duration,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    match session {
+        None => timed("write", io, stream.write_all(bytes)).await,
+        Some(sess) => {
+            let tag = sess.tag(&[bytes]);
+            let mut out = Vec::with_capacity(bytes.len() + TAG_LEN);
+            out.extend_from_slice(bytes);
+            out.extend_from_slice(&tag);
+            timed("write", io, stream.write_all(&out)).await
+        }
+    }
+}
+
+fn tag_refused(s: &Served, session: &Session) -> std::io::Error {
+    s.stats.tags_refused.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!("kvbm_engine_dataplane_tags_refused_total").increment(1);
+    s.security.count(Rejection::BadSignature);
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!(
+            "request from {} failed its tag (tampered, replayed or reordered)",
+            session.peer
+        ),
+    )
+}
+
 async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let io = s.config.io_timeout;
+    let mut session = if s.security.is_on() {
+        match authenticate(s, &mut stream).await? {
+            Some(session) => Some(session),
+            None => return Ok(()),
+        }
+    } else {
+        None
+    };
+    let version = if session.is_some() {
+        VERSION_AUTH
+    } else {
+        VERSION
+    };
     loop {
         let mut head = [0u8; REQUEST_HEAD_LEN];
         // Waiting for the next request: the idle timeout; a clean EOF here ends the connection.
@@ -271,32 +455,63 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
             Ok(Err(e)) => return Err(e),
             Ok(Ok(_)) => {}
         }
+        // Authenticated: the head's tag is checked before any of its fields is believed.
+        if let Some(sess) = &mut session {
+            let mut tag = [0u8; TAG_LEN];
+            timed("read", io, stream.read_exact(&mut tag)).await?;
+            if !sess.check(&[&head], &tag) {
+                return Err(tag_refused(s, sess));
+            }
+        }
         s.stats.requests.fetch_add(1, Ordering::Relaxed);
         let refuse = |status: Status| {
             s.stats.refused.fetch_add(1, Ordering::Relaxed);
-            wire::encode_response(status, 0)
+            wire::encode_response_version(status, 0, version)
         };
-        let head = match wire::decode_request(&head) {
+        let head = match wire::decode_request_version(&head, version) {
             Ok(h) => h,
+            Err(Status::AuthUnavailable) => {
+                // An authenticated client's hello to this unauthenticated server: drain the
+                // (bounded) rest of it so the refusal is not lost to a reset, and name the
+                // mismatch.
+                let cert_len = u16::from_le_bytes([head[14], head[15]]) as usize;
+                let rest = (wire::HELLO_HEAD_LEN + cert_len.min(wire::MAX_CERT_LEN) + 64)
+                    .saturating_sub(REQUEST_HEAD_LEN);
+                let mut sink = vec![0u8; rest];
+                let _ = timed("read", io, stream.read_exact(&mut sink)).await;
+                s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvbm_engine_dataplane_handshakes_refused_total").increment(1);
+                let r = refuse(Status::AuthUnavailable);
+                timed("write", io, stream.write_all(&r)).await?;
+                return Ok(());
+            }
             Err(status) => {
                 let r = refuse(status);
-                timed("write", io, stream.write_all(&r)).await?;
+                write_tagged(&mut stream, &mut session, io, &r).await?;
                 return Ok(());
             }
         };
         // Refused before the hash list is read or any buffer sized by it is allocated.
         if head.count as usize > s.config.max_blocks_per_request {
             let r = refuse(Status::TooMany);
-            timed("write", io, stream.write_all(&r)).await?;
+            write_tagged(&mut stream, &mut session, io, &r).await?;
             return Ok(());
         }
         // Bounded by the check above; read before answering so a refusal is not lost to a
         // reset caused by unread data.
-        let mut raw = vec![0u8; head.count as usize * HASH_LEN];
+        let tag_len = if session.is_some() { TAG_LEN } else { 0 };
+        let mut raw = vec![0u8; head.count as usize * HASH_LEN + tag_len];
         timed("read", io, stream.read_exact(&mut raw)).await?;
+        if let Some(sess) = &mut session {
+            let (hashes, tag) = raw.split_at(raw.len() - TAG_LEN);
+            if !sess.check(&[hashes], tag.try_into().expect("16 bytes")) {
+                return Err(tag_refused(s, sess));
+            }
+            raw.truncate(raw.len() - TAG_LEN);
+        }
         if head.geometry != s.geometry || head.block_bytes != s.block_bytes as u64 {
             let r = refuse(Status::Geometry);
-            timed("write", io, stream.write_all(&r)).await?;
+            write_tagged(&mut stream, &mut session, io, &r).await?;
             return Ok(());
         }
         let hashes = wire::decode_hashes(&raw);
@@ -316,7 +531,15 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
         // cannot keep the holds for longer (they drop with this function's frame).
         match tokio::time::timeout(
             s.config.response_deadline,
-            write_response(s, &mut stream, head.count, &hashes, &holds),
+            write_response(
+                s,
+                &mut stream,
+                &mut session,
+                version,
+                head.count,
+                &hashes,
+                &holds,
+            ),
         )
         .await
         {
@@ -338,56 +561,65 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
 }
 
 /// Writes one response: its head, then one frame per hash (the held block, or an absent frame).
+/// Authenticated, the head and every frame header carry their tag, and with `payload_mac`
+/// every payload is followed by one.
 async fn write_response(
     s: &Served,
     stream: &mut TcpStream,
+    session: &mut Option<Session>,
+    version: u32,
     count: u32,
     hashes: &[SequenceHash],
     holds: &Holds<'_>,
 ) -> std::io::Result<()> {
     let io = s.config.io_timeout;
-    {
-        let r = wire::encode_response(Status::Ok, count);
-        timed("write", io, stream.write_all(&r)).await?;
-        let layers = s.layout.layout().config().num_layers;
-        for h in hashes {
-            let Some(block) = holds.blocks.get(h) else {
-                timed("write", io, stream.write_all(&[0u8; FRAME_HEADER_LEN])).await?;
-                continue;
-            };
-            let regions = s.layout.block_addrs(block.block_id(), 0..layers);
-            // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
-            // (registered, immutable), so nothing writes its slot while it is read.
-            let header = unsafe { wire::frame_header(*h, s.instance, s.geometry, &regions) };
-            timed("write", io, stream.write_all(&header)).await?;
-            let corrupt = s
-                .stats
-                .corrupt_next
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                .is_ok();
-            if corrupt && let Some(&(p, l)) = regions.first() {
-                // SAFETY: as below; a copy is damaged, never the served block itself.
-                let mut bad = unsafe { std::slice::from_raw_parts(p as *const u8, l) }.to_vec();
+    let r = wire::encode_response_version(Status::Ok, count, version);
+    write_tagged(stream, session, io, &r).await?;
+    let layers = s.layout.layout().config().num_layers;
+    for h in hashes {
+        let Some(block) = holds.blocks.get(h) else {
+            write_tagged(stream, session, io, &[0u8; FRAME_HEADER_LEN]).await?;
+            continue;
+        };
+        let regions = s.layout.block_addrs(block.block_id(), 0..layers);
+        // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
+        // (registered, immutable), so nothing writes its slot while it is read.
+        let header = unsafe {
+            wire::frame_header_with(*h, block.digest(), s.instance, s.geometry, &regions)
+        };
+        write_tagged(stream, session, io, &header).await?;
+        // SAFETY: as above.
+        let slices: Vec<&[u8]> = regions
+            .iter()
+            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+            .collect();
+        let payload_tag = match session {
+            Some(sess) if sess.payload_mac => Some(sess.tag(&slices)),
+            _ => None,
+        };
+        let corrupt = s
+            .stats
+            .corrupt_next
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        for (i, bytes) in slices.iter().enumerate() {
+            if corrupt && i == 0 {
+                // A copy is damaged (after its checksum and tags were computed), never the
+                // served block itself.
+                let mut bad = bytes.to_vec();
                 if let Some(b) = bad.first_mut() {
                     *b ^= 0xff;
                 }
                 timed("write", io, stream.write_all(&bad)).await?;
-                for &(p, l) in &regions[1..] {
-                    // SAFETY: as below.
-                    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, l) };
-                    timed("write", io, stream.write_all(bytes)).await?;
-                }
-                s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            for &(p, l) in &regions {
-                // SAFETY: as above.
-                let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, l) };
-                timed("write", io, stream.write_all(bytes)).await?;
-            }
-            s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
+            timed("write", io, stream.write_all(bytes)).await?;
         }
-        timed("flush", io, stream.flush()).await?;
+        if let Some(tag) = payload_tag {
+            timed("write", io, stream.write_all(&tag)).await?;
+        }
+        s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
     }
+    timed("flush", io, stream.flush()).await?;
     Ok(())
 }

@@ -16,7 +16,9 @@ use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::wire::{self, REQUEST_HEAD_LEN, RESPONSE_HEAD_LEN, RequestHead, Status};
+use super::wire::{
+    self, FRAME_HEADER_LEN, REQUEST_HEAD_LEN, RESPONSE_HEAD_LEN, RequestHead, Status,
+};
 use super::*;
 use crate::cross_instance::RemotePull;
 
@@ -742,4 +744,617 @@ async fn security_client_pool_is_bounded_and_expires() {
     let dests = fresh.manager.allocate_blocks(1).unwrap();
     let out = c2.pull_from(srv.local_addr(), A, &hs[..1], dests).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+// ---- The authenticated data plane (security on) ----
+
+use crate::security::{Rejection, Role, RootKey, Security, SecurityConfig, TrustRoot};
+use kvbm_logical::{HashAlgorithm, TokenBlock};
+
+const B: InstanceId = InstanceId(0xb);
+
+/// `id`'s leader credential in namespace `ns` under `root`.
+fn credential(root: &RootKey, id: InstanceId, ns: &str) -> Arc<crate::security::Credential> {
+    Arc::new(
+        root.issue(id, Role::Leader, 0, ns, Duration::from_secs(3600))
+            .unwrap(),
+    )
+}
+
+/// Security for `id`'s leader in `ns`, trusting `trust`.
+fn member_of(trust: TrustRoot, root: &RootKey, id: InstanceId, ns: &str) -> Arc<Security> {
+    Arc::new(Security::with_credential(
+        trust,
+        credential(root, id, ns),
+        &SecurityConfig::default(),
+    ))
+}
+
+fn member(root: &RootKey, id: InstanceId, ns: &str) -> Arc<Security> {
+    member_of(root.trust_root(), root, id, ns)
+}
+
+fn stats(sec: &Security) -> &crate::security::SecurityStats {
+    sec.stats().unwrap()
+}
+
+/// BLAKE3 blocks (each with its 256-bit digest).
+fn digest_blocks(n: usize) -> Vec<TokenBlock> {
+    let tokens: Vec<u32> = (0..(n as u32 * 4)).map(|t| t + 1000).collect();
+    TokenBlockSequence::from_tokens_with(&tokens, 4, Salt::NONE, HashAlgorithm::Blake3)
+        .unwrap()
+        .blocks()
+        .to_vec()
+}
+
+/// A serving side holding `blocks` in G2, registered with their digests.
+fn serving_digests(blocks: &[TokenBlock]) -> Side {
+    let hs: Vec<SequenceHash> = blocks.iter().map(TokenBlock::sequence_hash).collect();
+    let s = serving(&[]);
+    let dests = s.manager.allocate_blocks(blocks.len()).unwrap();
+    for (b, h) in dests.iter().zip(&hs) {
+        for (p, l) in s.layout.block_addrs(b.block_id(), 0..2) {
+            // SAFETY: as in `bytes`; the block is ours (mutable).
+            let m = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) };
+            for (k, x) in m.iter_mut().enumerate() {
+                *x = (k as u8).wrapping_mul(13) ^ (h.as_u128() as u8);
+            }
+        }
+    }
+    let complete = dests
+        .into_iter()
+        .zip(blocks)
+        .map(|(d, b)| d.complete_token_block(b).unwrap())
+        .collect();
+    drop(s.manager.register_blocks(complete));
+    s
+}
+
+async fn secured_server(s: &Side, id: InstanceId, sec: Arc<Security>) -> DataPlaneServer {
+    DataPlaneServer::start_secured(
+        DataPlaneConfig::default(),
+        id,
+        s.manager.clone(),
+        s.layout.clone(),
+        sec,
+    )
+    .await
+    .unwrap()
+}
+
+fn secured_client(s: &Side, sec: Arc<Security>, payload_mac: bool) -> DataPlaneClient {
+    let config = DataPlaneConfig {
+        io_timeout: Duration::from_secs(2),
+        payload_mac,
+        ..DataPlaneConfig::default()
+    };
+    DataPlaneClient::new_secured(
+        config,
+        s.manager.clone(),
+        s.layout.clone(),
+        Arc::new(PeerDirectory::new()),
+        sec,
+    )
+    .unwrap()
+}
+
+/// Pulls `hs` from `addr` as `instance` into fresh blocks of `local`.
+async fn pull_into(
+    c: &DataPlaneClient,
+    local: &Side,
+    addr: SocketAddr,
+    instance: InstanceId,
+    hs: &[SequenceHash],
+) -> Vec<MoveOutcome<G2>> {
+    let dests = local.manager.allocate_blocks(hs.len()).unwrap();
+    c.pull_from(addr, instance, hs, dests).await
+}
+
+/// Asserts every outcome failed (with `needle` in the message) and nothing was registered.
+fn assert_none_registered(
+    out: Vec<MoveOutcome<G2>>,
+    local: &Side,
+    hs: &[SequenceHash],
+    needle: &str,
+) {
+    for o in &out {
+        let e = o.as_ref().unwrap_err();
+        assert!(e.message.contains(needle), "{e} (wanted {needle:?})");
+    }
+    drop(out);
+    assert!(local.manager.match_blocks(hs).is_empty());
+    assert_eq!(local.manager.available_blocks(), N);
+}
+
+/// A member of the namespace pulls `hs` from `srv` (the server still serves members).
+async fn assert_member_pulls(
+    root: &RootKey,
+    srv: &DataPlaneServer,
+    remote: &Side,
+    hs: &[SequenceHash],
+) {
+    let local = side();
+    let c = secured_client(&local, member(root, B, "ns"), false);
+    let out = pull_into(&c, &local, srv.local_addr(), srv.instance(), hs).await;
+    for (o, h) in out.iter().zip(hs) {
+        let b = o.as_ref().unwrap();
+        assert_eq!(bytes(&local.layout, b.block_id()), expected(remote, *h));
+    }
+}
+
+/// Members pull verified bytes over the authenticated protocol, and the digest the server
+/// recorded travels with each block (both protocols); with `payload_mac` too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_authenticated_pull_verifies_and_carries_the_digest() {
+    let root = RootKey::generate().unwrap();
+    let blocks = digest_blocks(4);
+    let hs: Vec<SequenceHash> = blocks.iter().map(TokenBlock::sequence_hash).collect();
+    let remote = serving_digests(&blocks);
+    let srv_sec = member(&root, A, "ns");
+    let srv = secured_server(&remote, A, srv_sec.clone()).await;
+    for payload_mac in [false, true] {
+        let local = side();
+        let sec = member(&root, B, "ns");
+        let c = secured_client(&local, sec.clone(), payload_mac);
+        let out = pull_into(&c, &local, srv.local_addr(), A, &hs[..3]).await;
+        for (i, o) in out.iter().enumerate() {
+            let b = o.as_ref().unwrap();
+            assert_eq!(bytes(&local.layout, b.block_id()), expected(&remote, hs[i]));
+            assert_eq!(b.digest(), blocks[i].digest(), "the digest travelled");
+        }
+        drop(out);
+        // The connection was pooled and is reused (one handshake for both requests).
+        let out = pull_into(&c, &local, srv.local_addr(), A, &hs[3..]).await;
+        assert_eq!(out[0].as_ref().unwrap().digest(), blocks[3].digest());
+        assert_eq!(stats(&sec).rejected_total(), 0);
+        assert_eq!(c.stats().handshakes_refused, 0);
+    }
+    assert_eq!(srv.stats().handshakes(), 2);
+    assert_eq!(srv.stats().handshakes_refused(), 0);
+    assert_eq!(stats(&srv_sec).rejected_total(), 0);
+
+    // Security off: the plain protocol carries the digest too.
+    let plain = DataPlaneServer::start(
+        DataPlaneConfig::default(),
+        A,
+        remote.manager.clone(),
+        remote.layout.clone(),
+    )
+    .await
+    .unwrap();
+    let local = side();
+    let c = client(&local);
+    let out = pull_into(&c, &local, plain.local_addr(), A, &hs).await;
+    for (o, b) in out.iter().zip(&blocks) {
+        assert_eq!(o.as_ref().unwrap().digest(), b.digest());
+    }
+}
+
+/// A frame whose identity is a digest the requested hash was not derived from is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_digest_that_does_not_match_the_hash_is_refused() {
+    let (out, local, hs) = pull_hostile(|hs| {
+        let payload = vec![3u8; block_bytes()];
+        let g = geometry_digest(geometry().config());
+        let mut reply = wire::encode_response(Status::Ok, 2).to_vec();
+        // A well-formed header naming a made-up digest for hs[0].
+        let bogus = kvbm_logical::BlockDigest([0x77; 32]);
+        // SAFETY: `payload` is readable for the call.
+        let header = unsafe {
+            wire::frame_header_with(
+                hs[0],
+                Some(bogus),
+                A,
+                g,
+                &[(payload.as_ptr() as usize, payload.len())],
+            )
+        };
+        reply.extend_from_slice(&header);
+        reply.extend_from_slice(&payload);
+        reply
+    })
+    .await;
+    let e = out[0].as_ref().unwrap_err();
+    assert!(e.message.contains("block identity"), "{e}");
+    drop(out);
+    assert!(local.manager.match_blocks(&hs).is_empty());
+}
+
+/// Attack: clients that are not members of the server's namespace — no credential (security
+/// off), a certificate of another root, a member of another namespace under the same root —
+/// connect to an authenticated server. Each gets nothing, is counted, and the server keeps
+/// serving members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_non_members_and_other_tenants_get_nothing() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(3);
+    let remote = serving(&hs);
+    let srv_sec = member(&root, A, "ns");
+    let srv = secured_server(&remote, A, srv_sec.clone()).await;
+    let addr = srv.local_addr();
+
+    // No credential: the plain protocol is refused, and the mismatch is named.
+    let local = side();
+    let out = pull_into(&client(&local), &local, addr, A, &hs).await;
+    assert_none_registered(out, &local, &hs, "requires an authenticated member");
+    assert_eq!(srv.stats().handshakes_refused(), 1);
+    assert_eq!(stats(&srv_sec).rejected(Rejection::NotMember), 1);
+
+    // A certificate of another root (same instance id and namespace).
+    let other_root = RootKey::generate().unwrap();
+    let outsider = member(&other_root, B, "ns");
+    let c = secured_client(&local, outsider.clone(), false);
+    let out = pull_into(&c, &local, addr, A, &hs).await;
+    assert_none_registered(out, &local, &hs, "refused");
+    assert_eq!(srv.stats().handshakes_refused(), 2);
+    assert_eq!(stats(&srv_sec).rejected(Rejection::NotMember), 2);
+    assert_eq!(c.stats().handshakes_refused, 1);
+
+    // Another tenant: a member of namespace "other" under the same root.
+    let tenant = member(&root, B, "other");
+    let c = secured_client(&local, tenant, false);
+    let out = pull_into(&c, &local, addr, A, &hs).await;
+    assert_none_registered(out, &local, &hs, "refused");
+    assert_eq!(srv.stats().handshakes_refused(), 3);
+    assert_eq!(stats(&srv_sec).rejected(Rejection::OtherNamespace), 1);
+
+    // A worker's credential of the right namespace is not a data-plane peer either.
+    let worker = Arc::new(Security::with_credential(
+        root.trust_root(),
+        Arc::new(
+            root.issue(B, Role::Worker, 0, "ns", Duration::from_secs(3600))
+                .unwrap(),
+        ),
+        &SecurityConfig::default(),
+    ));
+    let c = secured_client(&local, worker, false);
+    let out = pull_into(&c, &local, addr, A, &hs).await;
+    assert_none_registered(out, &local, &hs, "refused");
+    assert_eq!(stats(&srv_sec).rejected(Rejection::NotAllowed), 1);
+
+    // Nothing was served or held for any of them.
+    assert_eq!(srv.stats().requests(), 0);
+    assert_eq!(srv.stats().blocks_served(), 0);
+    assert_eq!(srv.stats().held(), 0);
+    assert_member_pulls(&root, &srv, &remote, &hs).await;
+    assert_eq!(srv.stats().handshakes(), 1);
+}
+
+/// Attack: a server at the address the client means to pull instance A from is not A — a
+/// member B answering (a forged heartbeat), a server of another root claiming to be A, or a
+/// server with security off. The client refuses each before asking for anything; nothing is
+/// registered and each refusal is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_server_impersonating_another_instance_is_refused() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(3);
+    let remote = serving(&hs);
+    let local = side();
+    let sec = member(&root, InstanceId(0xc), "ns");
+    let c = secured_client(&local, sec.clone(), false);
+
+    // Member B's server, pulled from as A.
+    let b = secured_server(&remote, B, member(&root, B, "ns")).await;
+    let out = pull_into(&c, &local, b.local_addr(), A, &hs).await;
+    assert_none_registered(out, &local, &hs, "not the instance asked for");
+    assert_eq!(stats(&sec).rejected(Rejection::NotAllowed), 1);
+    assert_eq!(b.stats().requests(), 0);
+
+    // A server of another root whose credential claims A.
+    let other = RootKey::generate().unwrap();
+    let forged = secured_server(&remote, A, member(&other, A, "ns")).await;
+    let out = pull_into(&c, &local, forged.local_addr(), A, &hs).await;
+    assert_none_registered(out, &local, &hs, "refused");
+    assert_eq!(forged.stats().requests(), 0);
+
+    // A server with no credential (security off): the mismatch is named and counted.
+    let off = server(&remote).await;
+    let out = pull_into(&c, &local, off.local_addr(), A, &hs).await;
+    assert_none_registered(out, &local, &hs, "not authenticated (security off)");
+    assert_eq!(off.stats().blocks_served(), 0);
+    assert_eq!(c.stats().handshakes_refused, 3);
+    assert_eq!(c.stats().idle_connections, 0);
+
+    // A real A still serves this client.
+    let a = secured_server(&remote, A, member(&root, A, "ns")).await;
+    let out = pull_into(&c, &local, a.local_addr(), A, &hs).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+/// A proxy for one connection to `server`: forwards both directions, but hands the `hold`
+/// bytes after the first `pass` bytes of the direction `to_client` (or to the server) to
+/// `mutate` before forwarding them.
+async fn proxy(
+    server: SocketAddr,
+    to_client: bool,
+    pass: usize,
+    hold: usize,
+    mutate: impl FnOnce(&mut Vec<u8>) + Send + 'static,
+) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (c, _) = l.accept().await.unwrap();
+        let s = TcpStream::connect(server).await.unwrap();
+        c.set_nodelay(true).unwrap();
+        s.set_nodelay(true).unwrap();
+        let (cr, cw) = c.into_split();
+        let (sr, sw) = s.into_split();
+        let (mut from, mut to, mut other_from, mut other_to) = if to_client {
+            (sr, cw, cr, sw)
+        } else {
+            (cr, sw, sr, cw)
+        };
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut other_from, &mut other_to).await;
+            let _ = other_to.shutdown().await;
+        });
+        // The first `pass` bytes as they come (the handshake needs its round trips).
+        let mut first = (&mut from).take(pass as u64);
+        match tokio::io::copy(&mut first, &mut to).await {
+            Ok(n) if n == pass as u64 => {}
+            _ => return,
+        }
+        let mut held = vec![0u8; hold];
+        if from.read_exact(&mut held).await.is_err() {
+            return;
+        }
+        mutate(&mut held);
+        let _ = to.write_all(&held).await;
+        let _ = tokio::io::copy(&mut from, &mut to).await;
+        let _ = to.shutdown().await;
+    });
+    addr
+}
+
+/// Attack: an on-path party changes the server's frames — a header field (the checksum the
+/// tag covers), a tag, a replayed frame in place of the next one, two frames swapped — or
+/// changes the client's request. Each fails the request from that frame on: nothing of it
+/// after the bad frame is registered, the tag failure is counted, and the server keeps
+/// serving members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_tampered_replayed_and_reordered_frames_are_refused() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(3);
+    let remote = serving(&hs);
+    let srv_cred = credential(&root, A, "ns");
+    let cert_len = srv_cred.cert().encode().len();
+    let srv_sec = Arc::new(Security::with_credential(
+        root.trust_root(),
+        srv_cred,
+        &SecurityConfig::default(),
+    ));
+    let srv = secured_server(&remote, A, srv_sec.clone()).await;
+    // Server → client: its hello (head, certificate, key, nonce, signature), the response head
+    // and its tag, then frames of header + tag + payload.
+    let server_hello = wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
+    let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes();
+    type Mutation = Box<dyn FnOnce(&mut Vec<u8>) + Send>;
+    let attacks: Vec<(&str, usize, Mutation)> = vec![
+        (
+            "a flipped checksum bit in the second frame's header",
+            1,
+            Box::new(move |b| b[frame + 32] ^= 1),
+        ),
+        (
+            "a flipped bit in the second frame's tag",
+            1,
+            Box::new(move |b| b[frame + FRAME_HEADER_LEN] ^= 0x80),
+        ),
+        (
+            "the first frame replayed in place of the second",
+            1,
+            Box::new(move |b| {
+                let first = b[..frame].to_vec();
+                b[frame..2 * frame].copy_from_slice(&first);
+            }),
+        ),
+        (
+            "the first two frames swapped",
+            0,
+            Box::new(move |b| {
+                let first = b[..frame].to_vec();
+                b.copy_within(frame..2 * frame, 0);
+                b[frame..].copy_from_slice(&first);
+            }),
+        ),
+    ];
+    let mut refused = 0;
+    for (what, good, mutate) in attacks {
+        let addr = proxy(
+            srv.local_addr(),
+            true,
+            server_hello + head,
+            2 * frame,
+            mutate,
+        )
+        .await;
+        let local = side();
+        let sec = member(&root, B, "ns");
+        let c = secured_client(&local, sec.clone(), false);
+        let out = pull_into(&c, &local, addr, A, &hs).await;
+        for (i, o) in out.iter().enumerate() {
+            if i < good {
+                assert!(o.is_ok(), "{what}: block {i} came before the attack: {o:?}");
+            } else {
+                let e = o.as_ref().unwrap_err();
+                assert!(e.message.contains("failed its tag"), "{what}: {e}");
+            }
+        }
+        drop(out);
+        assert_eq!(local.manager.match_blocks(&hs).len(), good, "{what}");
+        assert_eq!(c.stats().tags_refused, 1, "{what}");
+        assert_eq!(stats(&sec).rejected(Rejection::BadSignature), 1, "{what}");
+        assert_eq!(
+            c.stats().idle_connections,
+            0,
+            "{what}: the connection was dropped"
+        );
+        refused += 1;
+    }
+    assert_eq!(refused, 4);
+
+    // Client → server: a flipped bit in the request's hash list. The server drops the
+    // connection unanswered and counts it; the client's blocks fail and nothing registers.
+    let client_hello = wire::HELLO_HEAD_LEN + cert_len + 64;
+    let before_list = client_hello + wire::SIG_LEN + REQUEST_HEAD_LEN + wire::TAG_LEN;
+    let addr = proxy(srv.local_addr(), false, before_list, 1, |b| b[0] ^= 1).await;
+    let local = side();
+    let c = secured_client(&local, member(&root, B, "ns"), false);
+    let out = pull_into(&c, &local, addr, A, &hs).await;
+    assert_none_registered(out, &local, &hs, "");
+    eventually("the server counted the bad request tag", || {
+        srv.stats().tags_refused() == 1
+    })
+    .await;
+    assert_eq!(stats(&srv_sec).rejected(Rejection::BadSignature), 1);
+
+    // A corrupt payload (the tagged header's checksum no longer matches) is refused too.
+    srv.corrupt_next_frames(1);
+    let local = side();
+    let c = secured_client(&local, member(&root, B, "ns"), false);
+    let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
+    assert!(out.iter().all(Result::is_err), "{out:?}");
+    drop(out);
+    assert!(local.manager.match_blocks(&hs).is_empty());
+
+    eventually("holds released", || srv.stats().held() == 0).await;
+    assert_member_pulls(&root, &srv, &remote, &hs).await;
+}
+
+/// With `payload_mac`, a payload changed on the way (checksum fixed up by the attacker in
+/// the header is impossible without the key, so here only the payload changes) fails its
+/// payload tag before the checksum would be trusted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_payload_mac_refuses_a_changed_payload() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(2);
+    let remote = serving(&hs);
+    let srv_cred = credential(&root, A, "ns");
+    let cert_len = srv_cred.cert().encode().len();
+    let srv_sec = Arc::new(Security::with_credential(
+        root.trust_root(),
+        srv_cred,
+        &SecurityConfig::default(),
+    ));
+    let srv = secured_server(&remote, A, srv_sec).await;
+    let server_hello = wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
+    let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes() + wire::TAG_LEN;
+    // The payload tag of the first frame is flipped.
+    let addr = proxy(
+        srv.local_addr(),
+        true,
+        server_hello + head,
+        frame,
+        move |b| b[frame - 1] ^= 1,
+    )
+    .await;
+    let local = side();
+    let c = secured_client(&local, member(&root, B, "ns"), true);
+    let out = pull_into(&c, &local, addr, A, &hs).await;
+    assert_none_registered(out, &local, &hs, "failed its tag");
+    assert_eq!(c.stats().tags_refused, 1);
+}
+
+/// A server whose credential is not its instance's leader refuses to start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_needs_its_own_leader_credential() {
+    let root = RootKey::generate().unwrap();
+    let s = side();
+    let err = DataPlaneServer::start_secured(
+        DataPlaneConfig::default(),
+        A,
+        s.manager.clone(),
+        s.layout.clone(),
+        member(&root, B, "ns"),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("leader credential"), "{err}");
+}
+
+mod decoders {
+    use super::super::wire::{self, HELLO_HEAD_LEN, Hello, RESPONSE_HEAD_LEN};
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn hello_round_trips_and_bounds_its_lengths() {
+        let h = Hello {
+            flags: wire::FLAG_PAYLOAD_MAC,
+            cert: vec![7; 190],
+            ephemeral: [1; 32],
+            nonce: [2; 32],
+        };
+        let b = h.encode(wire::CLIENT_HELLO_MAGIC);
+        let head: [u8; HELLO_HEAD_LEN] = b[..HELLO_HEAD_LEN].try_into().unwrap();
+        let (flags, len) = Hello::decode_head(&head, wire::CLIENT_HELLO_MAGIC).unwrap();
+        assert_eq!(len, b.len() - HELLO_HEAD_LEN);
+        assert_eq!(Hello::decode_body(flags, &b[HELLO_HEAD_LEN..]).unwrap(), h);
+        // The other side's magic, an unknown version, flag or a long certificate.
+        assert!(Hello::decode_head(&head, wire::SERVER_HELLO_MAGIC).is_err());
+        let mut bad = head;
+        bad[8] = 9;
+        assert!(matches!(
+            Hello::decode_head(&bad, wire::CLIENT_HELLO_MAGIC),
+            Err(wire::HelloError::Version(9))
+        ));
+        let mut bad = head;
+        bad[12] = 0x02;
+        assert!(Hello::decode_head(&bad, wire::CLIENT_HELLO_MAGIC).is_err());
+        let mut bad = head;
+        bad[14..16].copy_from_slice(&(wire::MAX_CERT_LEN as u16 + 1).to_le_bytes());
+        assert!(matches!(
+            Hello::decode_head(&bad, wire::CLIENT_HELLO_MAGIC),
+            Err(wire::HelloError::CertLen(_))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_without_panic(b in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let mut head = [0u8; HELLO_HEAD_LEN];
+            let n = b.len().min(HELLO_HEAD_LEN);
+            head[..n].copy_from_slice(&b[..n]);
+            for magic in [wire::CLIENT_HELLO_MAGIC, wire::SERVER_HELLO_MAGIC] {
+                if let Ok((flags, len)) = Hello::decode_head(&head, magic) {
+                    prop_assert!(len <= wire::MAX_CERT_LEN + 64);
+                    let _ = Hello::decode_body(flags, &b[n..]);
+                }
+            }
+            let _ = Hello::decode_body(0, &b);
+            let mut req = [0u8; REQUEST_HEAD_LEN];
+            let n = b.len().min(REQUEST_HEAD_LEN);
+            req[..n].copy_from_slice(&b[..n]);
+            let _ = wire::decode_request_version(&req, wire::VERSION);
+            let _ = wire::decode_request_version(&req, wire::VERSION_AUTH);
+            let mut resp = [0u8; RESPONSE_HEAD_LEN];
+            let n = b.len().min(RESPONSE_HEAD_LEN);
+            resp[..n].copy_from_slice(&b[..n]);
+            let _ = wire::decode_response_version(&resp, wire::VERSION);
+            let _ = wire::decode_response_version(&resp, wire::VERSION_AUTH);
+            let mut frame = [0u8; FRAME_HEADER_LEN];
+            let n = b.len().min(FRAME_HEADER_LEN);
+            frame[..n].copy_from_slice(&b[..n]);
+            let h = hashes(1)[0];
+            let _ = wire::check_frame(&frame, h, A, 1, block_bytes());
+            let _ = wire::decode_hashes(&b);
+        }
+
+        #[test]
+        fn a_frame_header_binds_its_digest(raw in any::<[u8; 32]>()) {
+            let h = hashes(1)[0];
+            let d = kvbm_logical::BlockDigest(raw);
+            let id = kvbm_physical::identity::BlockIdentity::from_bytes(raw);
+            // Only a digest the hash was derived from is accepted as the block's.
+            let consistent = u64::from_be_bytes(raw[..8].try_into().unwrap()) == h.current();
+            match wire::digest_of(&id, h) {
+                Some(Some(got)) => prop_assert!(consistent && got == d),
+                Some(None) => prop_assert!(id == kvbm_offload::block_identity(h)),
+                None => prop_assert!(!consistent),
+            }
+        }
+    }
 }
