@@ -7,7 +7,7 @@
 //! away) or it is killed.
 //!
 //! ```text
-//! kvbm-engine-worker --nats URL --instance ID --rank R [--blocks N] [--layers L]
+//! kvbm-engine-worker [--nats URL] --instance ID --rank R [--blocks N] [--layers L]
 //!     [--page-size P] [--inner-dim D] [--g3-file PATH] [--fill-seed S] [--prefix P]
 //!     [--announce] [--delay-from TIER --delay-ms MS] [--max-in-flight N]
 //! ```
@@ -17,15 +17,25 @@
 //! transfer out of a tier (fault-injection tests kill the process meanwhile). `--max-in-flight`
 //! bounds the requests served at once (default: `transport.worker_max_in_flight`'s, 256; one
 //! more is answered `Refused`, see `WorkerServer::max_in_flight`).
+//!
+//! Configuration is the usual tree (`KVBM_CONFIG_PATH`, `KVBM_*__*` variables): `--nats`
+//! defaults to `transport.nats_url`, and the NATS credentials and TLS files come from
+//! `[transport.nats_auth]` only, never from the command line (which `ps` shows); a url with
+//! userinfo is refused. Secure by default: a NATS server off loopback is refused without
+//! member credentials (`[security]`) and without NATS credentials, unless
+//! `security.insecure = true` (logged loudly).
 
 use std::io::{BufRead, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_engine::InstanceId;
+use kvbm_engine::KvbmConfig;
 use kvbm_engine::WorkerAddress;
 use kvbm_engine::cluster::transport::control::{ControlRequest, fill_pattern};
-use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
+use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect_with};
+use kvbm_engine::config::{ConfigBuilder, check_nats_url};
+use kvbm_engine::security::Security;
 use kvbm_engine::worker::PhysicalWorker;
 use kvbm_logical::TierId;
 
@@ -107,9 +117,6 @@ fn parse() -> Result<Args, BinError> {
             _ => return Err(format!("unknown flag `{flag}`").into()),
         }
     }
-    if a.nats.is_empty() {
-        return Err("--nats URL is required".into());
-    }
     a.delay = match (delay_from, delay_ms) {
         (Some(t), Some(ms)) => Some((t, ms)),
         (None, None) => None,
@@ -154,12 +161,38 @@ fn worker(a: &Args) -> Result<PhysicalWorker, BinError> {
     Ok(w)
 }
 
+/// The configuration tree (process environment), with `--nats` defaulted from
+/// `transport.nats_url` and checked: no userinfo, and off loopback neither without member nor
+/// without NATS credentials unless `security.insecure`.
+fn cluster_config(a: &mut Args) -> Result<KvbmConfig, BinError> {
+    let config = ConfigBuilder::from_process_env()?.build()?;
+    if a.nats.is_empty() {
+        a.nats = config
+            .transport
+            .nats_url
+            .clone()
+            .ok_or("--nats URL (or transport.nats_url) is required")?;
+    }
+    check_nats_url("--nats", &a.nats)?;
+    let insecure = config.security.insecure;
+    Security::from_config(&config.security)?.require_for(insecure, [a.nats.as_str()])?;
+    config.transport.nats_auth.require_for(&a.nats, insecure)?;
+    Ok(config)
+}
+
 fn main() {
-    let args = match parse() {
+    let mut args = match parse() {
         Ok(a) => a,
         Err(e) => {
             eprintln!("kvbm-engine-worker: {e}");
             std::process::exit(2);
+        }
+    };
+    let config = match cluster_config(&mut args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvbm-engine-worker: {e}");
+            std::process::exit(1);
         }
     };
     let worker = match worker(&args) {
@@ -190,7 +223,8 @@ fn main() {
     });
     let code = runtime.block_on(async move {
         let name = format!("kvbm-worker-{}-{}", args.instance, args.rank);
-        let client = match connect(&args.nats, &name, Duration::from_millis(500)).await {
+        let auth = &config.transport.nats_auth;
+        let client = match connect_with(&args.nats, auth, &name, Duration::from_millis(500)).await {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("kvbm-engine-worker: {e}");
