@@ -362,6 +362,14 @@ impl Drop for Worker {
     }
 }
 
+/// Whether the worker behind `c` answers a `Describe`.
+async fn describe(c: &NatsControl) -> bool {
+    matches!(
+        c.call(ControlRequest::Describe).await,
+        Ok(ControlResponse::Described(_))
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_worker_user_cannot_publish_to_another_instance_or_forge_events() {
     let Some(svc) = nats_auth("security_worker_permissions") else {
@@ -392,10 +400,6 @@ async fn security_worker_user_cannot_publish_to_another_instance_or_forge_events
         address,
         Duration::from_secs(5),
     );
-    let describe = |c: &NatsControl| {
-        let f = c.call(ControlRequest::Describe);
-        async move { matches!(f.await, Ok(ControlResponse::Described(_))) }
-    };
     assert!(describe(&control).await, "the leader reaches its worker");
 
     // An observer in the same tenant, allowed to read events.
@@ -618,10 +622,11 @@ async fn security_off_loopback_without_credentials_is_refused_naming_the_key_unl
             Duration::from_secs(3600),
         )
         .unwrap();
+    let cred = std::sync::Arc::new(cred);
     let secured = || {
         kvbm_engine::security::Security::with_credential(
             root.trust_root(),
-            std::sync::Arc::new(cred.clone()),
+            cred.clone(),
             &kvbm_engine::security::SecurityConfig::default(),
         )
     };
@@ -716,7 +721,7 @@ fn security_secrets_never_appear_in_debug_serialization_or_config_errors() {
     for (sets, key) in [
         (
             vec![("user", "u"), ("password", "p-1"), ("token", "t-1")],
-            "transport.nats_auth.token",
+            "transport.nats_auth.user",
         ),
         (vec![("user", "u")], "transport.nats_auth.password_file"),
         (vec![("password", "p-2-secret")], "transport.nats_auth.user"),

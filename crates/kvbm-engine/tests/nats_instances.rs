@@ -61,6 +61,16 @@ fn runtime(
     subject: &str,
     s3: Option<(&kvbm_tests::services::S3Service, &str)>,
 ) -> KvbmRuntime {
+    runtime_with(nats_url, subject, s3, &[])
+}
+
+/// As [`runtime`], with more keys set (NATS credentials).
+fn runtime_with(
+    nats_url: &str,
+    subject: &str,
+    s3: Option<(&kvbm_tests::services::S3Service, &str)>,
+    extra: &[(&str, String)],
+) -> KvbmRuntime {
     let mut b = KvbmRuntime::builder()
         .tokio_handle(tokio::runtime::Handle::current())
         .set("logical.block_size", 4)
@@ -83,6 +93,9 @@ fn runtime(
             .set("physical.s3.secret_key", &s3.secret_key)
             .set("physical.object.namespace", namespace)
             .set("offload.g2_to_g4.use_locks", false);
+    }
+    for (k, v) in extra {
+        b = b.set(*k, v);
     }
     b.build().unwrap()
 }
@@ -127,11 +140,41 @@ async fn two_instances_from_config_share_g4_and_g2_and_drop_a_peer_that_left() {
     ) else {
         return;
     };
+    share_g4_and_g2_and_drop_a_peer_that_left(&nats.url, &s3, &[]).await;
+}
+
+/// The same two instances on the NATS server with accounts, each logged in as tenant A's
+/// `instance_a` user (password file): events, heartbeats, snapshots and the G2 pull all work
+/// within the instance role's permissions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_two_instances_on_an_authenticated_nats_server() {
+    let test = "two_instances_authenticated";
+    let (Some(auth), Some(s3)) = (
+        kvbm_tests::services::nats_auth(test),
+        kvbm_tests::services::s3(test),
+    ) else {
+        return;
+    };
+    let creds = [
+        ("transport.nats_auth.user", "instance_a".to_string()),
+        (
+            "transport.nats_auth.password_file",
+            auth.password_file("instance_a").display().to_string(),
+        ),
+    ];
+    share_g4_and_g2_and_drop_a_peer_that_left(&auth.url, &s3, &creds).await;
+}
+
+async fn share_g4_and_g2_and_drop_a_peer_that_left(
+    nats_url: &str,
+    s3: &kvbm_tests::services::S3Service,
+    extra: &[(&str, String)],
+) {
     let subject = format!("kvbm.test.{}", unique("inst").replace('-', "_"));
     let namespace = unique("engine-instances");
     let (rt_a, rt_b) = (
-        runtime(&nats.url, &subject, Some((&s3, &namespace))),
-        runtime(&nats.url, &subject, Some((&s3, &namespace))),
+        runtime_with(nats_url, &subject, Some((s3, &namespace)), extra),
+        runtime_with(nats_url, &subject, Some((s3, &namespace)), extra),
     );
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;

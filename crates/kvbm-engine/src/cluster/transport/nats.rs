@@ -158,6 +158,12 @@ async fn client_options(
             ))
         }
     };
+    // Two rustls providers are linked (ring for async-nats, aws-lc-rs for the S3 client), so
+    // rustls cannot pick one itself and would panic at the first TLS handshake: pick ring,
+    // unless the process already chose.
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
     let cap = max_reconnect_delay.max(Duration::from_millis(10));
     let mut options = async_nats::ConnectOptions::new()
         .name(name)
@@ -233,6 +239,9 @@ fn connect_error(
     for s in secrets {
         message = message.replace(s.as_str(), crate::config::REDACTED);
     }
+    // A refused certificate comes as an IO error of the handshake.
+    let lower = message.to_ascii_lowercase();
+    let tls = matches!(e.kind(), K::Tls) || lower.contains("certificate") || lower.contains("tls");
     let hint = match (e.kind(), auth.method()) {
         (K::AuthorizationViolation | K::Authentication, None) => {
             " (the server requires credentials and none are configured: set \
@@ -244,11 +253,11 @@ fn connect_error(
             " (the server refused the credentials of transport.nats_auth.{method}, or this \
              user may not connect)"
         ),
-        (K::Tls, _) if auth.ca_file.is_none() => " (TLS: set transport.nats_auth.ca_file to \
+        _ if tls && auth.ca_file.is_none() => " (TLS: set transport.nats_auth.ca_file to \
              the CA that signed the server's certificate, and cert_file with key_file when the \
              server verifies clients)"
             .to_string(),
-        (K::Tls, _) => " (TLS: check transport.nats_auth.ca_file, and cert_file with \
+        _ if tls => " (TLS: check transport.nats_auth.ca_file, and cert_file with \
              key_file when the server verifies clients)"
             .to_string(),
         _ => String::new(),
