@@ -323,22 +323,27 @@ fn secret_env_tree(vars: impl IntoIterator<Item = (String, String)>) -> Value {
             continue;
         }
         let segments: Vec<&str> = key.split('.').collect();
-        let mut node = &mut tree;
-        for s in &segments[..segments.len() - 1] {
-            node = match node
-                .entry(s.to_string())
-                .or_insert_with(|| Value::Object(serde_json::Map::new()))
-            {
-                Value::Object(m) => m,
-                _ => break,
-            };
-        }
-        node.insert(
-            segments[segments.len() - 1].to_string(),
-            Value::String(value),
-        );
+        insert_at(&mut tree, &segments, Value::String(value));
     }
     Value::Object(tree)
+}
+
+/// Sets `path` (segments) in `map` to `v`, making the tables on the way.
+fn insert_at(map: &mut serde_json::Map<String, Value>, path: &[&str], v: Value) {
+    match path {
+        [] => {}
+        [last] => {
+            map.insert(last.to_string(), v);
+        }
+        [first, rest @ ..] => {
+            if let Value::Object(m) = map
+                .entry(first.to_string())
+                .or_insert_with(|| Value::Object(serde_json::Map::new()))
+            {
+                insert_at(m, rest, v);
+            }
+        }
+    }
 }
 
 fn is_secret(key: &str) -> bool {

@@ -591,7 +591,7 @@ async fn security_off_loopback_without_credentials_is_refused_naming_the_key_unl
     // A data plane bound to every interface, no member credentials: refused, naming the keys.
     let open_bind = [("transport.data_plane_bind", "0.0.0.0:0".into())];
     let rt = runtime(&nats.url, &open_bind);
-    let e = build(&rt).await.err().expect("refused").to_string();
+    let e = build(&rt).await.expect_err("refused").to_string();
     assert!(
         e.contains("security.credential_file") && e.contains("security.insecure"),
         "{e}"
@@ -636,8 +636,7 @@ async fn security_off_loopback_without_credentials_is_refused_naming_the_key_unl
         .geometry(common::geometry_with(32))
         .build()
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(e.config_key(), Some("transport.nats_auth"), "{e}");
     assert!(e.to_string().contains("security.insecure"), "{e}");
     rt.shutdown();
