@@ -22,6 +22,14 @@ pub const S3_ACCESS_KEY: &str = "KVBM_TEST_S3_ACCESS_KEY";
 pub const S3_SECRET_KEY: &str = "KVBM_TEST_S3_SECRET_KEY";
 /// Environment variable naming the NATS url, e.g. `nats://127.0.0.1:4222`.
 pub const NATS_URL: &str = "KVBM_TEST_NATS_URL";
+/// Environment variable naming the NATS server with accounts and users (see
+/// `xtask/src/services.rs`), e.g. `nats://127.0.0.1:4223`.
+pub const NATS_AUTH_URL: &str = "KVBM_TEST_NATS_AUTH_URL";
+/// Environment variable naming the NATS server that demands TLS, a client certificate and a
+/// token, e.g. `tls://127.0.0.1:4224`.
+pub const NATS_TLS_URL: &str = "KVBM_TEST_NATS_TLS_URL";
+/// Environment variable naming the directory of those servers' secrets and certificates.
+pub const NATS_AUTH_DIR: &str = "KVBM_TEST_NATS_AUTH_DIR";
 /// Set to `1` to let tests that need a server skip when none is provisioned.
 pub const SKIP_SERVICES: &str = "KVBM_TEST_SKIP_SERVICES";
 
@@ -43,6 +51,83 @@ pub struct S3Service {
 pub struct NatsService {
     /// `nats://host:port`.
     pub url: String,
+}
+
+/// Where the authenticated NATS servers are, and their secrets' files.
+///
+/// The server at [`url`](Self::url) has two accounts (tenants): `TENANT_A` with the users
+/// `instance_a`, `leader_a` and `worker_a` (role permissions of `docs/security-nats.md`;
+/// `leader_a`/`worker_a` for instance [`CONTROL_INSTANCE`]'s control subjects) and an nkey
+/// user with the instance role, and `TENANT_B` with `instance_b`. The server at
+/// [`tls_url`](Self::tls_url) demands TLS with a client certificate, and a token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsAuthService {
+    /// `nats://host:port` of the server with accounts.
+    pub url: String,
+    /// `tls://host:port` of the TLS server.
+    pub tls_url: String,
+    /// The directory of the files below.
+    pub dir: std::path::PathBuf,
+}
+
+/// The instance whose control subjects `leader_a` may publish to and `worker_a` serve.
+pub const CONTROL_INSTANCE: u64 = 0xa1;
+
+impl NatsAuthService {
+    /// The password file of `user` (`instance_a`, `leader_a`, `worker_a`, `instance_b`).
+    pub fn password_file(&self, user: &str) -> std::path::PathBuf {
+        self.dir.join(format!("{user}.password"))
+    }
+    /// The nkey seed file of `TENANT_A`'s nkey user (instance role).
+    pub fn nkey_file(&self) -> std::path::PathBuf {
+        self.dir.join("nkey_a.seed")
+    }
+    /// The TLS server's token file.
+    pub fn token_file(&self) -> std::path::PathBuf {
+        self.dir.join("token")
+    }
+    /// The CA that signed both servers' and the client's certificates.
+    pub fn ca_file(&self) -> std::path::PathBuf {
+        self.dir.join("ca.pem")
+    }
+    /// The client certificate the TLS server accepts.
+    pub fn cert_file(&self) -> std::path::PathBuf {
+        self.dir.join("client-cert.pem")
+    }
+    /// Its private key.
+    pub fn key_file(&self) -> std::path::PathBuf {
+        self.dir.join("client-key.pem")
+    }
+    /// The secret in `file` (one line).
+    ///
+    /// # Panics
+    /// When the file cannot be read.
+    pub fn read(&self, file: &std::path::Path) -> String {
+        std::fs::read_to_string(file)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+            .trim()
+            .to_string()
+    }
+}
+
+/// The authenticated NATS servers provisioned by `cargo xtask ci`, `None` only under the
+/// explicit opt-out.
+///
+/// # Panics
+/// When no server is provisioned and the opt-out is not set.
+pub fn nats_auth(test: &str) -> Option<NatsAuthService> {
+    resolve(
+        test,
+        "the authenticated NATS servers",
+        &|k| std::env::var(k).ok(),
+        |get| {
+            Some(NatsAuthService {
+                url: get(NATS_AUTH_URL)?,
+                tls_url: get(NATS_TLS_URL)?,
+                dir: get(NATS_AUTH_DIR)?.into(),
+            })
+        },
+    )
 }
 
 /// The S3 server provisioned by `cargo xtask ci`, `None` only under the explicit opt-out.

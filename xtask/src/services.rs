@@ -7,6 +7,25 @@
 //!        └─ nats-server: `apt-get install -y nats-server`          export KVBM_TEST_* to tests
 //! ```
 //!
+//! Besides the open NATS server, two authenticated ones (the `security_*` tests' servers,
+//! [`Services::start_nats_auth`]): one with two accounts (two tenants) whose users have the
+//! subject permissions of the roles in `docs/security-nats.md` (user/password and nkey users),
+//! and one that demands TLS with a client certificate and a token. Their CA, certificates
+//! (made with the `openssl` CLI, installed with apt-get when missing), passwords, nkey seed
+//! and token are written at start, mode 0600, to one directory exported as
+//! `KVBM_TEST_NATS_AUTH_DIR`:
+//!
+//! ```text
+//!  KVBM_TEST_NATS_AUTH_URL  nats://127.0.0.1:P  accounts TENANT_A (users instance_a, leader_a,
+//!                                                worker_a: password files <user>.password; an
+//!                                                nkey user: nkey_a.seed) and TENANT_B
+//!                                                (instance_b)
+//!  KVBM_TEST_NATS_TLS_URL   tls://127.0.0.1:Q   TLS (ca.pem), client certificate required
+//!                                                (client-cert.pem, client-key.pem), token
+//!                                                (token)
+//!  KVBM_TEST_NATS_AUTH_DIR  the files above, and the servers' configurations
+//! ```
+//!
 //! Installation is idempotent: a tool already on PATH (or in `~/.cargo/bin`) is used as is.
 //! Every server gets a fresh data directory under `target/kvbm-services/<pid>/` and its output
 //! goes to a log file there, printed when the server fails to come up.
@@ -35,6 +54,16 @@ pub(crate) const S3_ACCESS_KEY: &str = "KVBM_TEST_S3_ACCESS_KEY";
 pub(crate) const S3_SECRET_KEY: &str = "KVBM_TEST_S3_SECRET_KEY";
 /// NATS url variable (`nats://127.0.0.1:PORT`).
 pub(crate) const NATS_URL: &str = "KVBM_TEST_NATS_URL";
+/// The NATS server with accounts and users (`nats://127.0.0.1:PORT`).
+pub(crate) const NATS_AUTH_URL: &str = "KVBM_TEST_NATS_AUTH_URL";
+/// The NATS server that demands TLS, a client certificate and a token (`tls://127.0.0.1:PORT`).
+pub(crate) const NATS_TLS_URL: &str = "KVBM_TEST_NATS_TLS_URL";
+/// The directory of the authenticated servers' secrets and certificates.
+pub(crate) const NATS_AUTH_DIR: &str = "KVBM_TEST_NATS_AUTH_DIR";
+
+/// The instance id whose control subjects the test users `leader_a` and `worker_a` may use
+/// (`kvbm.ctl.{TEST_INSTANCE:016x}.>`).
+const TEST_INSTANCE: u64 = 0xa1;
 
 const S3S_FS_VERSION: &str = "0.14.1";
 const BUCKET: &str = "kvbm-test";
@@ -61,6 +90,7 @@ impl Services {
     pub(crate) fn start_all() -> Result<Self> {
         ensure_s3s_fs()?;
         ensure_nats_server()?;
+        ensure_openssl()?;
         let dir = crate::project_root()
             .join("target/kvbm-services")
             .join(std::process::id().to_string());
@@ -75,6 +105,7 @@ impl Services {
         };
         services.start_s3()?;
         services.start_nats()?;
+        services.start_nats_auth()?;
         Ok(services)
     }
 
@@ -132,6 +163,80 @@ impl Services {
         self.spawn("nats-server", cmd, port)?;
         self.env
             .push((NATS_URL, format!("nats://127.0.0.1:{port}")));
+        Ok(())
+    }
+
+    /// The two authenticated NATS servers (see the module docs).
+    fn start_nats_auth(&mut self) -> Result<()> {
+        let dir = self.dir.join("nats-auth");
+        fs::create_dir_all(&dir).context("creating the NATS auth directory")?;
+        make_certificates(&dir)?;
+        let bin = find_on_path("nats-server").context("nats-server is not installed")?;
+
+        // Accounts = tenants; users per role with the permissions of docs/security-nats.md
+        // (the instance role also gets `kvbm.test.>`, the subjects tests publish events on).
+        let ctl = format!("kvbm.ctl.{TEST_INSTANCE:016x}.>");
+        let instance = r#"{ publish: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>"] }, subscribe: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>", "_INBOX.>"] }, allow_responses: true }"#;
+        let leader = format!(
+            r#"{{ publish: {{ allow: ["{ctl}"] }}, subscribe: {{ allow: ["_INBOX.>"] }} }}"#
+        );
+        let worker = format!(r#"{{ subscribe: {{ allow: ["{ctl}"] }}, allow_responses: true }}"#);
+        let mut users_a = Vec::new();
+        for (user, perms) in [
+            ("instance_a", instance.to_string()),
+            ("leader_a", leader),
+            ("worker_a", worker),
+        ] {
+            let password = secret_file(&dir, &format!("{user}.password"))?;
+            users_a.push(format!(
+                r#"      {{ user: "{user}", password: "{password}", permissions: {perms} }}"#
+            ));
+        }
+        let nkey = nkeys::KeyPair::new_user();
+        write_secret(
+            &dir.join("nkey_a.seed"),
+            &nkey.seed().map_err(|e| anyhow::anyhow!("nkey seed: {e}"))?,
+        )?;
+        users_a.push(format!(
+            r#"      {{ nkey: "{}", permissions: {instance} }}"#,
+            nkey.public_key()
+        ));
+        let password_b = secret_file(&dir, "instance_b.password")?;
+        let port = free_port()?;
+        let conf = format!(
+            "# Written by `cargo xtask services` (xtask/src/services.rs).\n\
+             listen: \"127.0.0.1:{port}\"\n\
+             accounts {{\n  TENANT_A {{\n    users = [\n{}\n    ]\n  }}\n  TENANT_B {{\n    \
+             users = [\n      {{ user: \"instance_b\", password: \"{password_b}\", \
+             permissions: {instance} }}\n    ]\n  }}\n}}\n",
+            users_a.join("\n")
+        );
+        let conf_path = dir.join("nats-auth.conf");
+        write_secret(&conf_path, &conf)?;
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c").arg(&conf_path);
+        self.spawn("nats-server-auth", cmd, port)?;
+        self.env
+            .push((NATS_AUTH_URL, format!("nats://127.0.0.1:{port}")));
+
+        let token = secret_file(&dir, "token")?;
+        let port = free_port()?;
+        let d = dir.display();
+        let conf = format!(
+            "# Written by `cargo xtask services` (xtask/src/services.rs).\n\
+             listen: \"127.0.0.1:{port}\"\n\
+             tls {{\n  cert_file: \"{d}/server-cert.pem\"\n  key_file: \"{d}/server-key.pem\"\n  \
+             ca_file: \"{d}/ca.pem\"\n  verify: true\n  timeout: 5\n}}\n\
+             authorization {{\n  token: \"{token}\"\n}}\n"
+        );
+        let conf_path = dir.join("nats-tls.conf");
+        write_secret(&conf_path, &conf)?;
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c").arg(&conf_path);
+        self.spawn("nats-server-tls", cmd, port)?;
+        self.env
+            .push((NATS_TLS_URL, format!("tls://127.0.0.1:{port}")));
+        self.env.push((NATS_AUTH_DIR, dir.display().to_string()));
         Ok(())
     }
 
@@ -195,6 +300,135 @@ fn read_log(path: &Path) -> String {
 fn free_port() -> Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("finding a free loopback port")?;
     Ok(listener.local_addr()?.port())
+}
+
+/// 32 random bytes, hex: a password or token (no quoting needed in the server's config).
+fn random_hex() -> Result<String> {
+    let mut bytes = [0u8; 32];
+    use std::io::Read;
+    fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("reading /dev/urandom")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Writes `text` to `path`, readable by its owner only.
+fn write_secret(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// A new random secret, written to `dir/name` (0600) and returned.
+fn secret_file(dir: &Path, name: &str) -> Result<String> {
+    let secret = random_hex()?;
+    write_secret(&dir.join(name), &format!("{secret}\n"))?;
+    Ok(secret)
+}
+
+/// A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by
+/// the CA, made with the `openssl` CLI in `dir` (valid two days; made anew at each start).
+fn make_certificates(dir: &Path) -> Result<()> {
+    let openssl = |args: &[&str]| -> Result<()> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .context("running openssl")?;
+        if !out.status.success() {
+            bail!(
+                "openssl {} failed ({}): {}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    };
+    fs::write(
+        dir.join("openssl.cnf"),
+        "[req]\ndistinguished_name = dn\nprompt = no\nx509_extensions = v3_ca\n\
+         [dn]\nCN = kvbm test CA\n\
+         [v3_ca]\nbasicConstraints = critical,CA:TRUE\nkeyUsage = critical,keyCertSign,cRLSign\n\
+         subjectKeyIdentifier = hash\n\
+         [server]\nbasicConstraints = CA:FALSE\nkeyUsage = critical,digitalSignature\n\
+         extendedKeyUsage = serverAuth\nsubjectAltName = IP:127.0.0.1,DNS:localhost\n\
+         [client]\nbasicConstraints = CA:FALSE\nkeyUsage = critical,digitalSignature\n\
+         extendedKeyUsage = clientAuth\n",
+    )?;
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509", "-config", "openssl.cnf", "-days", "2"];
+    ca.extend(ec);
+    ca.extend(["-keyout", "ca-key.pem", "-out", "ca.pem"]);
+    openssl(&ca)?;
+    for (name, cn, serial) in [
+        ("server", "localhost", "2"),
+        ("client", "kvbm-test-client", "3"),
+    ] {
+        let (key, csr, cert) = (
+            format!("{name}-key.pem"),
+            format!("{name}.csr"),
+            format!("{name}-cert.pem"),
+        );
+        let subj = format!("/CN={cn}");
+        let mut req = vec!["req", "-new", "-config", "openssl.cnf", "-subj", &subj];
+        req.extend(ec);
+        req.extend(["-keyout", &key, "-out", &csr]);
+        openssl(&req)?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-set_serial",
+            serial,
+            "-days",
+            "2",
+            "-extfile",
+            "openssl.cnf",
+            "-extensions",
+            name,
+            "-out",
+            &cert,
+        ])?;
+    }
+    for key in ["ca-key.pem", "server-key.pem", "client-key.pem"] {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(dir.join(key), fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(())
+}
+
+fn ensure_openssl() -> Result<()> {
+    if on_path("openssl") {
+        return Ok(());
+    }
+    if !on_path("apt-get") {
+        bail!("openssl is missing and apt-get is not available to install it; install openssl");
+    }
+    eprintln!("services: installing openssl from Debian packages");
+    run_step(Command::new("apt-get").arg("update").arg("-qq"))?;
+    run_step(Command::new("apt-get").args(["install", "-y", "-qq", "openssl"]))
+        .context("installing openssl")
 }
 
 fn ensure_s3s_fs() -> Result<()> {

@@ -207,12 +207,19 @@ pub(crate) fn load(file: Option<&Path>, flags: Value) -> anyhow::Result<Loaded> 
         ));
     }
     // KVBM_<SECTION>__<KEY>; variables without "__" (KVBM_TEST_*, KVBM_LOG) are not config.
+    // A secret (`..__TOKEN`, `..__PASSWORD`) is taken as the text given, never parsed ("0123"
+    // stays "0123").
+    let secret_var = |k: &str| kvbm_engine::config::is_secret_key(&k.replace("__", "."));
     figment = figment.merge(named(
         "env KVBM_*",
         Env::prefixed("KVBM_")
-            .filter(|k| k.as_str().contains("__"))
+            .filter(move |k| k.as_str().contains("__") && !secret_var(k.as_str()))
             .split("__"),
     ));
+    let secrets = secret_env_tree(std::env::vars());
+    if secrets.as_object().is_some_and(|m| !m.is_empty()) {
+        figment = figment.merge(named("env KVBM_*", Serialized::defaults(secrets)));
+    }
     // The AWS variables fill in [physical.s3] when S3 is configured (a bucket or an endpoint
     // from any layer); without S3 they are not configuration.
     let with_flags = figment.clone().merge(Serialized::defaults(flags.clone()));
@@ -304,11 +311,44 @@ fn validate(c: &CliConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The `KVBM_*__*` variables among `vars` that set a secret key, as a tree of raw strings.
+fn secret_env_tree(vars: impl IntoIterator<Item = (String, String)>) -> Value {
+    let mut tree = serde_json::Map::new();
+    for (name, value) in vars {
+        let Some(rest) = name.strip_prefix("KVBM_") else {
+            continue;
+        };
+        let key = rest.to_ascii_lowercase().replace("__", ".");
+        if !rest.contains("__") || !kvbm_engine::config::is_secret_key(&key) {
+            continue;
+        }
+        let segments: Vec<&str> = key.split('.').collect();
+        insert_at(&mut tree, &segments, Value::String(value));
+    }
+    Value::Object(tree)
+}
+
+/// Sets `path` (segments) in `map` to `v`, making the tables on the way.
+fn insert_at(map: &mut serde_json::Map<String, Value>, path: &[&str], v: Value) {
+    match path {
+        [] => {}
+        [last] => {
+            map.insert(last.to_string(), v);
+        }
+        [first, rest @ ..] => {
+            if let Value::Object(m) = map
+                .entry(first.to_string())
+                .or_insert_with(|| Value::Object(serde_json::Map::new()))
+            {
+                insert_at(m, rest, v);
+            }
+        }
+    }
+}
+
 fn is_secret(key: &str) -> bool {
-    // The engine's [physical.s3].
-    ["secret_key", "access_key"]
-        .iter()
-        .any(|k| key.ends_with(k))
+    // The engine's [physical.s3] keys, and every secret key (NATS token, password).
+    kvbm_engine::config::is_secret_key(key) || key.ends_with("access_key")
 }
 
 impl Loaded {
@@ -537,6 +577,43 @@ mod tests {
         assert!(!shown.contains("hunter3"), "{shown}");
         assert!(!shown.contains("AKIDEXAMPLE"), "{shown}");
         assert!(shown.contains("physical.s3.secret_key"), "{shown}");
+    }
+
+    #[test]
+    fn security_nats_secrets_are_redacted_and_read_raw() {
+        let l = load(
+            None,
+            json!({"transport": {"nats_auth": {"user": "u", "password": "pw-5ecret-0123"}}}),
+        )
+        .unwrap();
+        let auth = &l.config.engine.transport.nats_auth;
+        assert_eq!(auth.password.as_ref().unwrap().expose(), "pw-5ecret-0123");
+        let shown = l.show().unwrap();
+        assert!(shown.contains("transport.nats_auth.password"), "{shown}");
+        assert!(!shown.contains("pw-5ecret"), "{shown}");
+        assert!(!format!("{:?}", l.config).contains("pw-5ecret"));
+        // From the environment, a secret is the text given: a leading zero is kept.
+        let tree = secret_env_tree([
+            (
+                "KVBM_TRANSPORT__NATS_AUTH__TOKEN".to_string(),
+                "0123".to_string(),
+            ),
+            (
+                "KVBM_TRANSPORT__REQUEST_TIMEOUT_MS".to_string(),
+                "7".to_string(),
+            ),
+        ]);
+        assert_eq!(tree, json!({"transport": {"nats_auth": {"token": "0123"}}}));
+        // A url with userinfo is refused naming the key, without the secret.
+        let e = load(
+            None,
+            json!({"transport": {"nats_url": "nats://u:pw-5ecret-0123@127.0.0.1:4222"}}),
+        )
+        .err()
+        .unwrap();
+        let e = format!("{e:#}");
+        assert!(e.contains("transport.nats_url"), "{e}");
+        assert!(!e.contains("pw-5ecret"), "{e}");
     }
 
     #[test]

@@ -231,6 +231,18 @@ fn init_logging() {
         .try_init();
 }
 
+/// Before a cluster starts: the NATS url carries no credentials (it is printed and passed on
+/// the children's command lines; they go in `[transport.nats_auth]`, which children inherit
+/// through the environment or the `--config` file), and off loopback neither member nor NATS
+/// credentials are missing unless `security.insecure` (see `kvbm_engine::security`).
+fn cluster_checks(engine: &kvbm_engine::KvbmConfig, key: &str, url: &str) -> anyhow::Result<()> {
+    kvbm_engine::config::check_nats_url(key, url)?;
+    let insecure = engine.security.insecure;
+    kvbm_engine::security::Security::from_config(&engine.security)?.require_for(insecure, [url])?;
+    engine.transport.nats_auth.require_for(url, insecure)?;
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Replay {
@@ -267,6 +279,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let loaded = flags.load()?;
             if instances.is_some() || nats_url.is_some() {
                 let count = instances.unwrap_or(1);
+                let key = if nats_url.is_some() {
+                    "--nats-url"
+                } else {
+                    "transport.nats_url"
+                };
                 let url = nats_url
                     .or_else(|| loaded.config.engine.transport.nats_url.clone())
                     .ok_or_else(|| {
@@ -274,6 +291,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                             "--instances needs a NATS server: --nats-url URL (or transport.nats_url)"
                         )
                     })?;
+                cluster_checks(&loaded.config.engine, key, &url)?;
                 if let Some(index) = instance_index {
                     if index >= count {
                         anyhow::bail!("--instance-index {index} is not below --instances {count}");

@@ -26,7 +26,8 @@
 //! ```
 //!
 //! Environment values are parsed like figment's `Env` provider: `64` is a number, `true` a
-//! bool, `[G2,G3]` an array, anything else a string. A `KVBM_*` variable without `__` cannot
+//! bool, `[G2,G3]` an array, anything else a string; the value of a secret key
+//! ([`is_secret_key`]: `token`, `password`) is kept as the text given. A `KVBM_*` variable without `__` cannot
 //! name a key (every key lives in a section) and is not configuration: `KVBM_CONFIG_PATH`
 //! itself, and the test harness's `KVBM_TEST_*`, are of that kind and are ignored.
 //!
@@ -35,6 +36,18 @@
 //! Only in [`ConfigBuilder::from_process_env`] (used by the runtime builder's `from_env_*`).
 //! Tests pass an explicit variable list to [`ConfigBuilder::from_env_vars`] instead, so they
 //! never race on the process environment.
+//!
+//! # Secrets
+//!
+//! A secret (a NATS token or password) is a [`Secret`]: its `Debug`, `Display` and
+//! `Serialize` print `"<redacted>"`, so a derived `Debug` of this tree, `kvbm config show` and
+//! every error built from it show no secret; only the NATS connect call reads
+//! [`Secret::expose`]. A NATS url carrying userinfo (`nats://user:pw@host`) is refused by
+//! [`KvbmConfig::validate`] ([`check_nats_url`]) with an error naming the key and not the url:
+//! urls are printed in errors, logs and child command lines, so credentials live only in
+//! `[transport.nats_auth]`, preferably as files (`token_file`, `password_file`, `nkey_file`,
+//! `creds_file`). Off loopback, a NATS server without NATS credentials is refused unless
+//! `security.insecure` ([`NatsAuthConfig::require_for`]).
 //!
 //! # Invariants
 //!
@@ -308,6 +321,10 @@ pub struct TransportConfig {
     /// Worker control server: requests served at once; one more is answered `Refused`
     /// (counted in `WorkerServerStats::refused_busy`). Default: 256. At least 1.
     pub worker_max_in_flight: usize,
+    /// `[transport.nats_auth]`: how this process authenticates to the NATS server (credentials
+    /// file, nkey seed, token, user and password, TLS). Default: none (a loopback server
+    /// without authentication).
+    pub nats_auth: NatsAuthConfig,
 }
 
 impl Default for TransportConfig {
@@ -326,8 +343,331 @@ impl Default for TransportConfig {
             snapshot_max_pages: 4096,
             snapshot_max_entries: 4 << 20,
             worker_max_in_flight: 256,
+            nats_auth: NatsAuthConfig::default(),
         }
     }
+}
+
+/// What a [`Secret`] (and every other secret kvbm holds) prints instead of its value.
+pub const REDACTED: &str = "<redacted>";
+
+/// A secret configuration value (a NATS token or password): `Debug`, `Display` and
+/// `Serialize` print [`REDACTED`]; only [`Secret::expose`] gives the value, to the one call
+/// that hands it to the client library. Deserializes from a string (a number or a bool, as an
+/// environment variable may be parsed, is taken as its text); a value of any other type is
+/// refused without being echoed.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The value itself. Never log or format it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Secret;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string (a secret; its value is not shown)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_string<E: serde::de::Error>(
+                self,
+                v: String,
+            ) -> std::result::Result<Secret, E> {
+                Ok(Secret(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> std::result::Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> std::result::Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+/// The keys whose values are secrets: read from the environment as raw text (never parsed as
+/// a number, which would drop a leading zero) and never printed. Each is the last segment of
+/// a dotted key.
+pub const SECRET_KEYS: [&str; 2] = ["token", "password"];
+
+/// Whether the dotted `key` holds a secret ([`SECRET_KEYS`], and S3's `secret_key`).
+pub fn is_secret_key(key: &str) -> bool {
+    let last = key.rsplit('.').next().unwrap_or(key);
+    SECRET_KEYS.contains(&last) || last == "secret_key"
+}
+
+/// `[transport.nats_auth]`: how this process authenticates to the NATS server and checks the
+/// server's certificate. Every key maps onto one `async_nats::ConnectOptions` call (see
+/// `docs/security-nats.md`).
+///
+/// At most one way to authenticate: `creds_file` (a `.creds` file: user JWT and nkey seed),
+/// `nkey_file` (an nkey seed), `token`/`token_file`, or `user` with `password`/
+/// `password_file`; a client certificate (`cert_file` + `key_file`) may come with any of them.
+/// Prefer the `*_file` keys: a file (mode 0600) keeps the secret out of the configuration,
+/// the environment and `ps`. Secrets are [`Secret`]s, never printed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsAuthConfig {
+    /// A NATS credentials file (`.creds`: a user JWT and its nkey seed; `nsc` writes them).
+    pub creds_file: Option<PathBuf>,
+    /// A file holding an nkey seed (`SU...`) of a user the server lists by public key.
+    pub nkey_file: Option<PathBuf>,
+    /// An authorization token. Prefer `token_file`.
+    pub token: Option<Secret>,
+    /// A file holding the authorization token (trailing newline ignored).
+    pub token_file: Option<PathBuf>,
+    /// A user name; needs `password` or `password_file`.
+    pub user: Option<String>,
+    /// The user's password. Prefer `password_file`.
+    pub password: Option<Secret>,
+    /// A file holding the user's password (trailing newline ignored).
+    pub password_file: Option<PathBuf>,
+    /// PEM file of the CA(s) that signed the server's certificate (added to the trusted roots).
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate, for a server that verifies clients (mutual TLS); needs
+    /// `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of `cert_file`.
+    pub key_file: Option<PathBuf>,
+    /// Refuse a connection that is not TLS. Default: false (TLS when the server asks for it or
+    /// the url is `tls://`).
+    pub require_tls: bool,
+}
+
+impl NatsAuthConfig {
+    /// The key of the way this configuration authenticates, if any: `creds_file`,
+    /// `nkey_file`, `token`/`token_file`, `user`, or (only a client certificate) `cert_file`.
+    pub fn method(&self) -> Option<&'static str> {
+        if self.creds_file.is_some() {
+            Some("creds_file")
+        } else if self.nkey_file.is_some() {
+            Some("nkey_file")
+        } else if self.token_file.is_some() {
+            Some("token_file")
+        } else if self.token.is_some() {
+            Some("token")
+        } else if self.user.is_some() {
+            Some("user")
+        } else if self.cert_file.is_some() {
+            Some("cert_file")
+        } else {
+            None
+        }
+    }
+
+    /// Whether any credential is configured (a client certificate counts).
+    pub fn has_credentials(&self) -> bool {
+        self.method().is_some()
+    }
+
+    /// Checks the section: at most one way to authenticate, a user with a password (and a
+    /// password with a user), a certificate with its key.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming the key (never a value).
+    pub fn validate(&self) -> Result<()> {
+        const P: &str = "transport.nats_auth";
+        let ways: Vec<&str> = [
+            ("creds_file", self.creds_file.is_some()),
+            ("nkey_file", self.nkey_file.is_some()),
+            ("token", self.token.is_some() || self.token_file.is_some()),
+            ("user", self.user.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(k, on)| on.then_some(k))
+        .collect();
+        if ways.len() > 1 {
+            return Err(EngineError::config(
+                format!("{P}.{}", ways[1]),
+                format!(
+                    "one way to authenticate at a time, got {}",
+                    ways.iter()
+                        .map(|k| format!("{P}.{k}"))
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                ),
+            ));
+        }
+        if self.token.is_some() && self.token_file.is_some() {
+            return Err(EngineError::config(
+                format!("{P}.token_file"),
+                format!("{P}.token and {P}.token_file are both set; keep one (the file)"),
+            ));
+        }
+        if self.password.is_some() && self.password_file.is_some() {
+            return Err(EngineError::config(
+                format!("{P}.password_file"),
+                format!("{P}.password and {P}.password_file are both set; keep one (the file)"),
+            ));
+        }
+        let has_password = self.password.is_some() || self.password_file.is_some();
+        match (&self.user, has_password) {
+            (Some(u), _) if u.is_empty() => {
+                return Err(EngineError::config(
+                    format!("{P}.user"),
+                    "must not be empty",
+                ));
+            }
+            (Some(_), false) => {
+                return Err(EngineError::config(
+                    format!("{P}.password_file"),
+                    format!("{P}.user is set but no {P}.password_file (or password)"),
+                ));
+            }
+            (None, true) => {
+                return Err(EngineError::config(
+                    format!("{P}.user"),
+                    format!("a password is set but no {P}.user"),
+                ));
+            }
+            _ => {}
+        }
+        match (&self.cert_file, &self.key_file) {
+            (Some(_), None) => Err(EngineError::config(
+                format!("{P}.key_file"),
+                format!("{P}.cert_file is set but no key_file"),
+            )),
+            (None, Some(_)) => Err(EngineError::config(
+                format!("{P}.cert_file"),
+                format!("{P}.key_file is set but no cert_file"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Refuses to use a NATS server off the loopback interface without NATS credentials
+    /// (anyone who reaches it could read and publish every subject), unless `insecure`
+    /// (`security.insecure`), which is logged loudly instead. `urls` may list several servers
+    /// separated by commas. Also warns when a token or password would cross the network
+    /// without TLS being required.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming `transport.nats_auth` and the server (never a secret).
+    pub fn require_for(&self, urls: &str, insecure: bool) -> Result<()> {
+        let servers = || urls.split(',').map(str::trim).filter(|u| !u.is_empty());
+        let Some(open) = servers().find(|u| !crate::security::is_loopback(u)) else {
+            return Ok(());
+        };
+        let open = redact_url(open);
+        if self.has_credentials() {
+            let in_clear = matches!(self.method(), Some("token" | "token_file" | "user"));
+            let tls = self.require_tls
+                || self.ca_file.is_some()
+                || servers().all(|u| u.starts_with("tls://"));
+            if in_clear && !tls {
+                tracing::warn!(
+                    server = %open,
+                    "transport.nats_auth: a token or password goes to {open} without \
+                     transport.nats_auth.require_tls; it crosses the network in clear unless \
+                     the server itself demands TLS"
+                );
+            }
+            return Ok(());
+        }
+        if insecure {
+            tracing::warn!(
+                server = %open,
+                "SECURITY OFF: security.insecure = true; NATS server {open} is used without \
+                 credentials: whoever reaches it can read and publish every kvbm subject"
+            );
+            return Ok(());
+        }
+        Err(EngineError::config(
+            "transport.nats_auth",
+            format!(
+                "NATS server {open} is not on the loopback interface and no NATS credentials \
+                 are configured: set transport.nats_auth.creds_file (or nkey_file, token_file, \
+                 user with password_file, or cert_file with key_file), or security.insecure = \
+                 true to run unauthenticated"
+            ),
+        ))
+    }
+}
+
+/// Whether any server of `urls` (comma-separated) carries userinfo (`nats://user:pw@host`).
+pub fn url_has_userinfo(urls: &str) -> bool {
+    urls.split(',').any(|u| {
+        let rest = u.trim().split_once("://").map_or(u.trim(), |(_, r)| r);
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+        authority.contains('@')
+    })
+}
+
+/// `urls` with any userinfo replaced by [`REDACTED`], for messages and logs.
+pub fn redact_url(urls: &str) -> String {
+    urls.split(',')
+        .map(|u| {
+            let (scheme, rest) = match u.split_once("://") {
+                Some((s, r)) => (format!("{s}://"), r),
+                None => (String::new(), u),
+            };
+            let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            match rest[..end].rfind('@') {
+                Some(at) => format!("{scheme}{REDACTED}@{}", &rest[at + 1..]),
+                None => u.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Refuses a NATS url (the value of `key`) that carries credentials in its userinfo: they
+/// would be printed wherever the url is (errors, logs, a child's command line). The message
+/// names `key` and never echoes the url.
+///
+/// # Errors
+/// [`EngineError::Config`] naming `key`.
+pub fn check_nats_url(key: &str, urls: &str) -> Result<()> {
+    if urls.trim().is_empty() {
+        return Err(EngineError::config(key, "must not be empty"));
+    }
+    if url_has_userinfo(urls) {
+        return Err(EngineError::config(
+            key,
+            "carries credentials in its userinfo (user:password@ or token@); the url is \
+             printed in logs and errors, so credentials go in [transport.nats_auth] \
+             (user with password_file, token_file, nkey_file or creds_file)",
+        ));
+    }
+    Ok(())
 }
 
 fn prefixed(prefix: &str, message: &str) -> EngineError {
@@ -553,14 +893,10 @@ impl KvbmConfig {
             "transport.worker_max_in_flight",
             t.worker_max_in_flight as u64,
         )?;
-        if let Some(url) = &t.nats_url
-            && url.is_empty()
-        {
-            return Err(EngineError::config(
-                "transport.nats_url",
-                "must not be empty",
-            ));
+        if let Some(url) = &t.nats_url {
+            check_nats_url("transport.nats_url", url)?;
         }
+        t.nats_auth.validate()?;
         Ok(())
     }
 
@@ -655,10 +991,14 @@ impl ConfigBuilder {
                     format!("environment variable {name} has an empty key segment"),
                 ));
             }
-            let parsed: Value = value.parse().unwrap_or_else(|_| Value::from(value));
-            builder
-                .env
-                .push((segments.join("."), name.to_string(), parsed));
+            let key = segments.join(".");
+            // A secret is text as given: parsing "0123" as a number would change it.
+            let parsed: Value = if is_secret_key(&key) {
+                Value::from(value)
+            } else {
+                value.parse().unwrap_or_else(|_| Value::from(value))
+            };
+            builder.env.push((key, name.to_string(), parsed));
         }
         // Deterministic order regardless of the process environment's.
         builder.env.sort_by(|a, b| a.1.cmp(&b.1));

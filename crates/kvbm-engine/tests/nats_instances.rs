@@ -159,18 +159,49 @@ async fn two_instances_share_g4_and_g2(secure: bool) {
     ) else {
         return;
     };
+    share_g4_and_g2_and_drop_a_peer_that_left(&nats.url, &s3, &[], secure).await;
+}
+
+/// The same two instances on the NATS server with accounts, each logged in as tenant A's
+/// `instance_a` user (password file): events, heartbeats, snapshots and the G2 pull all work
+/// within the instance role's permissions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_two_instances_on_an_authenticated_nats_server() {
+    let test = "two_instances_authenticated";
+    let (Some(auth), Some(s3)) = (
+        kvbm_tests::services::nats_auth(test),
+        kvbm_tests::services::s3(test),
+    ) else {
+        return;
+    };
+    let creds = [
+        ("transport.nats_auth.user", "instance_a".to_string()),
+        (
+            "transport.nats_auth.password_file",
+            auth.password_file("instance_a").display().to_string(),
+        ),
+    ];
+    share_g4_and_g2_and_drop_a_peer_that_left(&auth.url, &s3, &creds, false).await;
+}
+
+async fn share_g4_and_g2_and_drop_a_peer_that_left(
+    nats_url: &str,
+    s3: &kvbm_tests::services::S3Service,
+    extra: &[(&str, String)],
+    secure: bool,
+) {
     let subject = format!("kvbm.test.{}", unique("inst").replace('-', "_"));
     let namespace = unique("engine-instances");
     let members = Members::new();
     let (rt_a, rt_b) = if secure {
         (
-            members.runtime(A, &nats.url, &subject, Some((&s3, &namespace)), 50),
-            members.runtime(B, &nats.url, &subject, Some((&s3, &namespace)), 50),
+            members.runtime(A, nats_url, &subject, Some((s3, &namespace)), 50),
+            members.runtime(B, nats_url, &subject, Some((s3, &namespace)), 50),
         )
     } else {
         (
-            runtime(&nats.url, &subject, Some((&s3, &namespace))),
-            runtime(&nats.url, &subject, Some((&s3, &namespace))),
+            runtime_with(nats_url, &subject, Some((s3, &namespace)), 50, extra),
+            runtime_with(nats_url, &subject, Some((s3, &namespace)), 50, extra),
         )
     };
     let a = instance(&rt_a, A).await;

@@ -7,7 +7,7 @@
 //! away) or it is killed.
 //!
 //! ```text
-//! kvbm-engine-worker --nats URL --instance ID --rank R [--blocks N] [--layers L]
+//! kvbm-engine-worker [--nats URL] --instance ID --rank R [--blocks N] [--layers L]
 //!     [--page-size P] [--inner-dim D] [--g3-file PATH] [--fill-seed S] [--prefix P]
 //!     [--announce] [--delay-from TIER --delay-ms MS] [--max-in-flight N]
 //!     [--trust-root HEX --credential FILE] [--insecure]
@@ -18,6 +18,12 @@
 //! transfer out of a tier (fault-injection tests kill the process meanwhile). `--max-in-flight`
 //! bounds the requests served at once (default: `transport.worker_max_in_flight`'s, 256; one
 //! more is answered `Refused`, see `WorkerServer::max_in_flight`).
+//!
+//! Configuration is the usual tree (`KVBM_CONFIG_PATH`, `KVBM_*__*` variables): `--nats`
+//! defaults to `transport.nats_url`, and the NATS credentials and TLS files come from
+//! `[transport.nats_auth]` only, never from the command line (which `ps` shows); a url with
+//! userinfo is refused. A NATS server off loopback is also refused without NATS credentials
+//! unless `security.insecure = true` (logged loudly).
 //!
 //! Security: `[security]` of the configuration tree (`KVBM_CONFIG_PATH`, `KVBM_SECURITY__*`),
 //! each of `--trust-root`, `--credential` and `--insecure` overriding its key. With a credential
@@ -30,9 +36,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_engine::InstanceId;
+use kvbm_engine::KvbmConfig;
 use kvbm_engine::WorkerAddress;
 use kvbm_engine::cluster::transport::control::{ControlRequest, fill_pattern};
-use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect};
+use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect_with};
+use kvbm_engine::config::{ConfigBuilder, check_nats_url};
 use kvbm_engine::security::{Role, Security, SecurityConfig};
 use kvbm_engine::worker::PhysicalWorker;
 use kvbm_logical::TierId;
@@ -58,6 +66,7 @@ struct Args {
     delay: Option<(TierId, u64)>,
     max_in_flight: usize,
     security: SecurityConfig,
+    config: KvbmConfig,
 }
 
 fn parse() -> Result<Args, BinError> {
@@ -75,11 +84,12 @@ fn parse() -> Result<Args, BinError> {
         announce: false,
         delay: None,
         max_in_flight: kvbm_engine::config::TransportConfig::default().worker_max_in_flight,
-        security: kvbm_engine::config::ConfigBuilder::from_process_env()
+        security: SecurityConfig::default(),
+        config: ConfigBuilder::from_process_env()
             .and_then(|b| b.build())
-            .map_err(|e| format!("configuration: {e}"))?
-            .security,
+            .map_err(|e| format!("configuration: {e}"))?,
     };
+    a.security = a.config.security.clone();
     let (mut delay_from, mut delay_ms) = (None, None);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -127,8 +137,14 @@ fn parse() -> Result<Args, BinError> {
         }
     }
     if a.nats.is_empty() {
-        return Err("--nats URL is required".into());
+        a.nats = a
+            .config
+            .transport
+            .nats_url
+            .clone()
+            .ok_or("--nats URL (or transport.nats_url) is required")?;
     }
+    check_nats_url("--nats", &a.nats)?;
     a.delay = match (delay_from, delay_ms) {
         (Some(t), Some(ms)) => Some((t, ms)),
         (None, None) => None,
@@ -142,6 +158,10 @@ fn parse() -> Result<Args, BinError> {
 fn security(a: &Args) -> Result<Security, BinError> {
     let security = Security::from_config(&a.security)?;
     security.require_for(a.security.insecure, [a.nats.as_str()])?;
+    a.config
+        .transport
+        .nats_auth
+        .require_for(&a.nats, a.security.insecure)?;
     if let Some(signer) = security.signer() {
         let cert = signer.cert();
         if cert.role != Role::Worker
@@ -238,7 +258,8 @@ fn main() {
     });
     let code = runtime.block_on(async move {
         let name = format!("kvbm-worker-{}-{}", args.instance, args.rank);
-        let client = match connect(&args.nats, &name, Duration::from_millis(500)).await {
+        let auth = &args.config.transport.nats_auth;
+        let client = match connect_with(&args.nats, auth, &name, Duration::from_millis(500)).await {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("kvbm-engine-worker: {e}");

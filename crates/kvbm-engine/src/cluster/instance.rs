@@ -285,6 +285,11 @@ impl InstanceBuilder {
             config.security.insecure,
             [dp_config.bind.to_string().as_str(), url.as_str()],
         )?;
+        // ... nor uses a NATS server off loopback without NATS credentials.
+        config
+            .transport
+            .nats_auth
+            .require_for(&url, config.security.insecure)?;
         let id = match security.signer() {
             // With a credential, the instance is the one its certificate names.
             Some(signer) => {
@@ -309,8 +314,9 @@ impl InstanceBuilder {
         let cancel = rt.shutdown_token().child_token();
         // Until the instance is built, an error stops whatever was started so far.
         let started = cancel.clone().drop_guard();
-        let (client, epoch) = crate::cluster::transport::nats::connect_observed(
+        let (client, epoch) = crate::cluster::transport::nats::connect_observed_with(
             &url,
+            &config.transport.nats_auth,
             &format!("kvbm-{id}"),
             Duration::from_millis(config.transport.heartbeat_interval_ms.clamp(10, 1000)),
         )

@@ -20,10 +20,12 @@ use parking_lot::Mutex;
 use crate::address::InstanceId;
 use crate::cluster::pubsub::EventPublisher;
 use crate::cluster::pubsub::nats::NatsBus;
+use crate::config::{check_nats_url, redact_url};
 use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::RemoteSearch;
 use crate::runtime::KvbmRuntime;
+use crate::security::Security;
 use crate::stack::context::{Context, bail, stack_error};
 use crate::stack::{ShareG4, SharedG4};
 
@@ -70,13 +72,25 @@ impl NatsSharedG4 {
     /// The server does not answer within 15 s, or a subscription fails.
     fn start(runtime: &KvbmRuntime, s: &Sharing) -> Result<Self> {
         let h = runtime.handle();
-        let capacity = runtime.config().events.channel_capacity;
+        let config = runtime.config();
+        let capacity = config.events.channel_capacity;
+        // Secure by default: off loopback, neither without member credentials nor without
+        // NATS credentials, unless `security.insecure`.
+        check_nats_url("transport.nats_url", &s.nats_url)?;
+        Security::from_config(&config.security)?
+            .require_for(config.security.insecure, [s.nats_url.as_str()])?;
+        config
+            .transport
+            .nats_auth
+            .require_for(&s.nats_url, config.security.insecure)?;
+        let server = redact_url(&s.nats_url);
         let (bus, client) = h
             .tokio()
             .block_on(async {
                 tokio::time::timeout(Duration::from_secs(15), async {
-                    let client = crate::cluster::transport::nats::connect(
+                    let client = crate::cluster::transport::nats::connect_with(
                         &s.nats_url,
+                        &runtime.config().transport.nats_auth,
                         &format!("kvbm-replay-{}", s.instance),
                         Duration::from_secs(1),
                     )
@@ -87,8 +101,8 @@ impl NatsSharedG4 {
                 })
                 .await
             })
-            .map_err(|_| stack_error!("NATS server {} did not answer within 15 s", s.nats_url))?
-            .with_context(|| format!("cannot reach the NATS server {}", s.nats_url))?;
+            .map_err(|_| stack_error!("NATS server {server} did not answer within 15 s"))?
+            .with_context(|| format!("cannot reach the NATS server {server}"))?;
         let this = InstanceId(s.instance);
         let publisher = EventPublisher::spawn(&h, this, bus.clone())
             .context("cannot start the event publisher")?;

@@ -61,6 +61,7 @@ use super::control::{
     ControlError, ControlRequest, ControlResponse, Envelope, OLDEST_PROTOCOL_VERSION,
     PROTOCOL_VERSION, WorkerControl, serve, speaks,
 };
+use crate::config::{NatsAuthConfig, check_nats_url, redact_url};
 use crate::error::{EngineError, Result};
 use crate::security::{MemberCert, Rejection, Role, Security};
 use crate::worker::PhysicalWorker;
@@ -70,24 +71,38 @@ pub const DEFAULT_CONTROL_PREFIX: &str = "kvbm.ctl";
 
 /// Opens a NATS client named `name` on `url`, returning once it is connected (so what it
 /// subscribes next is in place before anything else is published); after a loss it reconnects
-/// forever, waiting at most `max_reconnect_delay` between attempts.
+/// forever, waiting at most `max_reconnect_delay` between attempts. No credentials: a loopback
+/// server without authentication (tests); a cluster connects with [`connect_with`].
 ///
 /// # Errors
-/// [`EngineError::Nats`] when the url is malformed or the server cannot be reached now.
+/// As [`connect_with`].
 pub async fn connect(url: &str, name: &str, max_reconnect_delay: Duration) -> Result<Client> {
-    let cap = max_reconnect_delay.max(Duration::from_millis(10));
-    async_nats::ConnectOptions::new()
-        .name(name)
-        .max_reconnects(None)
-        .reconnect_delay_callback(move |attempts| {
-            (Duration::from_millis(20) * attempts.min(50) as u32).min(cap)
-        })
+    connect_with(url, &NatsAuthConfig::default(), name, max_reconnect_delay).await
+}
+
+/// As [`connect`], authenticating with `auth` (`[transport.nats_auth]`: credentials file, nkey
+/// seed, token, user and password, CA, client certificate, TLS required). Secret files are
+/// read here, at each connect, so a rotated file is picked up by the next process.
+///
+/// No error names a secret: the url's userinfo is refused ([`check_nats_url`]), the url is
+/// printed redacted, and the client library's message is scrubbed of every secret read.
+///
+/// # Errors
+/// [`EngineError::Config`] naming the key when the url carries userinfo, `auth` is invalid or
+/// a file it names cannot be read; [`EngineError::Nats`] when the server cannot be reached
+/// now or refuses the connection (the message says what is missing: no credentials, which
+/// credential the server refused, or the CA to check its certificate with).
+pub async fn connect_with(
+    url: &str,
+    auth: &NatsAuthConfig,
+    name: &str,
+    max_reconnect_delay: Duration,
+) -> Result<Client> {
+    let (options, secrets) = client_options(url, auth, name, max_reconnect_delay).await?;
+    options
         .connect(url)
         .await
-        .map_err(|e| EngineError::Nats {
-            url: url.to_string(),
-            message: e.to_string(),
-        })
+        .map_err(|e| connect_error(url, auth, &secrets, &e))
 }
 
 /// As [`connect`], also returning a counter of (re)connections: it is 1 once connected and
@@ -95,21 +110,29 @@ pub async fn connect(url: &str, name: &str, max_reconnect_delay: Duration) -> Re
 /// it may have missed while the server was away.
 ///
 /// # Errors
-/// As [`connect`].
+/// As [`connect_with`].
 pub async fn connect_observed(
     url: &str,
     name: &str,
     max_reconnect_delay: Duration,
 ) -> Result<(Client, tokio::sync::watch::Receiver<u64>)> {
-    let cap = max_reconnect_delay.max(Duration::from_millis(10));
+    connect_observed_with(url, &NatsAuthConfig::default(), name, max_reconnect_delay).await
+}
+
+/// As [`connect_observed`], authenticating with `auth` (see [`connect_with`]).
+///
+/// # Errors
+/// As [`connect_with`].
+pub async fn connect_observed_with(
+    url: &str,
+    auth: &NatsAuthConfig,
+    name: &str,
+    max_reconnect_delay: Duration,
+) -> Result<(Client, tokio::sync::watch::Receiver<u64>)> {
     let (tx, rx) = tokio::sync::watch::channel(0u64);
     let tx = Arc::new(tx);
-    let client = async_nats::ConnectOptions::new()
-        .name(name)
-        .max_reconnects(None)
-        .reconnect_delay_callback(move |attempts| {
-            (Duration::from_millis(20) * attempts.min(50) as u32).min(cap)
-        })
+    let (options, secrets) = client_options(url, auth, name, max_reconnect_delay).await?;
+    let client = options
         .event_callback(move |event| {
             let tx = tx.clone();
             async move {
@@ -120,11 +143,151 @@ pub async fn connect_observed(
         })
         .connect(url)
         .await
-        .map_err(|e| EngineError::Nats {
-            url: url.to_string(),
-            message: e.to_string(),
-        })?;
+        .map_err(|e| connect_error(url, auth, &secrets, &e))?;
     Ok((client, rx))
+}
+
+/// The client's options for `auth`, and every secret it read (to scrub from messages).
+async fn client_options(
+    url: &str,
+    auth: &NatsAuthConfig,
+    name: &str,
+    max_reconnect_delay: Duration,
+) -> Result<(async_nats::ConnectOptions, Vec<String>)> {
+    const P: &str = "transport.nats_auth";
+    check_nats_url("transport.nats_url", url)?;
+    auth.validate()?;
+    let read = |key: &str, path: &std::path::Path| -> Result<String> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            EngineError::config(format!("{P}.{key}"), format!("{}: {e}", path.display()))
+        })?;
+        let text = text.trim_end_matches(['\r', '\n']).to_string();
+        if text.is_empty() {
+            return Err(EngineError::config(
+                format!("{P}.{key}"),
+                format!("{} is empty", path.display()),
+            ));
+        }
+        Ok(text)
+    };
+    let exists = |key: &str, path: &std::path::Path| -> Result<()> {
+        if path.is_file() {
+            Ok(())
+        } else {
+            Err(EngineError::config(
+                format!("{P}.{key}"),
+                format!("{} is not a readable file", path.display()),
+            ))
+        }
+    };
+    // Two rustls providers are linked (ring for async-nats, aws-lc-rs for the S3 client), so
+    // rustls cannot pick one itself and would panic at the first TLS handshake: pick ring,
+    // unless the process already chose.
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    let cap = max_reconnect_delay.max(Duration::from_millis(10));
+    let mut options = async_nats::ConnectOptions::new()
+        .name(name)
+        .max_reconnects(None)
+        .reconnect_delay_callback(move |attempts| {
+            (Duration::from_millis(20) * attempts.min(50) as u32).min(cap)
+        });
+    let mut secrets = Vec::new();
+    if let Some(path) = &auth.creds_file {
+        let creds = read("creds_file", path)?;
+        options = options.credentials(&creds).map_err(|e| {
+            EngineError::config(
+                format!("{P}.creds_file"),
+                format!(
+                    "{}: not a NATS credentials file ({})",
+                    path.display(),
+                    e.kind()
+                ),
+            )
+        })?;
+        secrets.extend(creds.lines().map(str::trim).map(str::to_string));
+    }
+    if let Some(path) = &auth.nkey_file {
+        let seed = read("nkey_file", path)?;
+        secrets.push(seed.clone());
+        options = options.nkey(seed);
+    }
+    let token = match (&auth.token, &auth.token_file) {
+        (Some(t), _) => Some(t.expose().to_string()),
+        (None, Some(path)) => Some(read("token_file", path)?),
+        (None, None) => None,
+    };
+    if let Some(token) = token {
+        secrets.push(token.clone());
+        options = options.token(token);
+    }
+    if let Some(user) = &auth.user {
+        let password = match (&auth.password, &auth.password_file) {
+            (Some(p), _) => p.expose().to_string(),
+            (None, Some(path)) => read("password_file", path)?,
+            (None, None) => unreachable!("validate: a user has a password"),
+        };
+        secrets.push(password.clone());
+        options = options.user_and_password(user.clone(), password);
+    }
+    if let Some(ca) = &auth.ca_file {
+        exists("ca_file", ca)?;
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&auth.cert_file, &auth.key_file) {
+        exists("cert_file", cert)?;
+        exists("key_file", key)?;
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    if auth.require_tls {
+        options = options.require_tls(true);
+    }
+    // Short secrets would scrub ordinary words from messages; they are not echoed anyway.
+    secrets.retain(|s| s.len() >= 4);
+    Ok((options, secrets))
+}
+
+/// The error of a failed connect: the url without userinfo, the client's message without any
+/// secret, and what to do about it.
+fn connect_error(
+    url: &str,
+    auth: &NatsAuthConfig,
+    secrets: &[String],
+    e: &async_nats::ConnectError,
+) -> EngineError {
+    use async_nats::ConnectErrorKind as K;
+    let mut message = e.to_string();
+    for s in secrets {
+        message = message.replace(s.as_str(), crate::config::REDACTED);
+    }
+    // A refused certificate comes as an IO error of the handshake.
+    let lower = message.to_ascii_lowercase();
+    let tls = matches!(e.kind(), K::Tls) || lower.contains("certificate") || lower.contains("tls");
+    let hint = match (e.kind(), auth.method()) {
+        (K::AuthorizationViolation | K::Authentication, None) => {
+            " (the server requires credentials and none are configured: set \
+             transport.nats_auth.creds_file, nkey_file, token_file, user with password_file, \
+             or cert_file with key_file)"
+                .to_string()
+        }
+        (K::AuthorizationViolation | K::Authentication, Some(method)) => format!(
+            " (the server refused the credentials of transport.nats_auth.{method}, or this \
+             user may not connect)"
+        ),
+        _ if tls && auth.ca_file.is_none() => " (TLS: set transport.nats_auth.ca_file to \
+             the CA that signed the server's certificate, and cert_file with key_file when the \
+             server verifies clients)"
+            .to_string(),
+        _ if tls => " (TLS: check transport.nats_auth.ca_file, and cert_file with \
+             key_file when the server verifies clients)"
+            .to_string(),
+        _ => String::new(),
+    };
+    EngineError::Nats {
+        url: redact_url(url),
+        message: format!("{message}{hint}"),
+    }
 }
 
 /// The version of an envelope, read before its body: a body of another version may not
