@@ -121,7 +121,8 @@ async fn security_instances_pull_only_from_members_of_their_namespace() {
     // Told anyway (as a NATS-only attacker could not: the messages are sealed), C is refused by
     // A's data plane: nothing pulled, nothing registered, counted on both sides.
     c.peers().insert(A, a.data_plane().local_addr());
-    c.index().replace_instance(A, &p.iter().map(|h| (*h, TierId::G2)).collect::<Vec<_>>());
+    c.index()
+        .replace_instance(A, &p.iter().map(|h| (*h, TierId::G2)).collect::<Vec<_>>());
     let got = c.onboard(&p).await.unwrap();
     assert!(got.blocks.is_empty(), "{got:?}");
     assert_eq!(c.lookup(&p).local_g2, 0);

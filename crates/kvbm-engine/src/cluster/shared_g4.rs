@@ -77,8 +77,22 @@ impl NatsSharedG4 {
         // Secure by default: off loopback, neither without member credentials nor without
         // NATS credentials, unless `security.insecure`.
         check_nats_url("transport.nats_url", &s.nats_url)?;
-        Security::from_config(&config.security)?
-            .require_for(config.security.insecure, [s.nats_url.as_str()])?;
+        let security = Arc::new(Security::from_config(&config.security)?);
+        security.require_for(config.security.insecure, [s.nats_url.as_str()])?;
+        // With a credential, this instance is the one it names: its event batches are sealed
+        // as that leader's, and every batch it follows must be sealed by the instance it names.
+        if let Some(signer) = security.signer()
+            && signer.cert().instance != InstanceId(s.instance)
+        {
+            return Err(EngineError::config(
+                "security.credential_file",
+                format!(
+                    "the credential is for {}, this instance is {}",
+                    signer.cert(),
+                    InstanceId(s.instance)
+                ),
+            ));
+        }
         config
             .transport
             .nats_auth
@@ -95,8 +109,15 @@ impl NatsSharedG4 {
                         Duration::from_secs(1),
                     )
                     .await?;
-                    let bus =
-                        NatsBus::start(&h, client.clone(), s.subject.clone(), capacity).await?;
+                    let bus = NatsBus::start_secured(
+                        &h,
+                        h.shutdown_token(),
+                        client.clone(),
+                        s.subject.clone(),
+                        capacity,
+                        security.clone(),
+                    )
+                    .await?;
                     Ok::<_, EngineError>((bus, client))
                 })
                 .await
