@@ -56,7 +56,7 @@ pub struct NatsService {
 /// Where the authenticated NATS servers are, and their secrets' files.
 ///
 /// The server at [`url`](Self::url) has two accounts (tenants): `TENANT_A` with the users
-/// `instance_a`, `leader_a` and `worker_a` (role permissions of `docs/security-nats.md`;
+/// `instance_a`, `leader_a` and `worker_a` (role permissions of `docs/security.md`;
 /// `leader_a`/`worker_a` for instance [`CONTROL_INSTANCE`]'s control subjects) and an nkey
 /// user with the instance role, and `TENANT_B` with `instance_b`. The server at
 /// [`tls_url`](Self::tls_url) demands TLS with a client certificate, and a token.

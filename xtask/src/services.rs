@@ -9,7 +9,7 @@
 //!
 //! Besides the open NATS server, two authenticated ones (the `security_*` tests' servers,
 //! [`Services::start_nats_auth`]): one with two accounts (two tenants) whose users have the
-//! subject permissions of the roles in `docs/security-nats.md` (user/password and nkey users),
+//! subject permissions of the roles in `docs/security.md` (user/password and nkey users),
 //! and one that demands TLS with a client certificate and a token. Their CA, certificates
 //! (made with the `openssl` CLI, installed with apt-get when missing), passwords, nkey seed
 //! and token are written at start, mode 0600, to one directory exported as
@@ -173,7 +173,7 @@ impl Services {
         make_certificates(&dir)?;
         let bin = find_on_path("nats-server").context("nats-server is not installed")?;
 
-        // Accounts = tenants; users per role with the permissions of docs/security-nats.md
+        // Accounts = tenants; users per role with the permissions of docs/security.md
         // (the instance role also gets `kvbm.test.>`, the subjects tests publish events on).
         let ctl = format!("kvbm.ctl.{TEST_INSTANCE:016x}.>");
         let instance = r#"{ publish: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>"] }, subscribe: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>", "_INBOX.>"] }, allow_responses: true }"#;

@@ -436,7 +436,7 @@ pub fn is_secret_key(key: &str) -> bool {
 
 /// `[transport.nats_auth]`: how this process authenticates to the NATS server and checks the
 /// server's certificate. Every key maps onto one `async_nats::ConnectOptions` call (see
-/// `docs/security-nats.md`).
+/// `docs/security.md`).
 ///
 /// At most one way to authenticate: `creds_file` (a `.creds` file: user JWT and nkey seed),
 /// `nkey_file` (an nkey seed), `token`/`token_file`, or `user` with `password`/

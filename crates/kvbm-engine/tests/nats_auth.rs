@@ -1,7 +1,7 @@
 //! NATS authentication, TLS and the secure-by-default rule against real servers: the
 //! authenticated `nats-server`s `cargo xtask services` starts (one with two accounts, two
 //! tenants, and users per role; one demanding TLS, a client certificate and a token; see
-//! `xtask/src/services.rs` and `docs/security-nats.md`), real worker processes and real
+//! `xtask/src/services.rs` and `docs/security.md`), real worker processes and real
 //! instances.
 //!
 //! * Without credentials, with wrong ones, or without the CA, a connect fails with an error
