@@ -289,22 +289,30 @@ mod object_io {
             .pipe(in_order)
     }
 
-    /// A verified read found the object corrupt or foreign: delete it (best effort), so presence
-    /// probes stop counting it and the next offload of the block writes it again. Not-found and I/O
-    /// errors leave the object alone.
+    /// A complete, verified read proved the object damaged: its payload's checksum differs
+    /// from the one its own header records. Delete it (best effort, counted in
+    /// [`ObjectStorage::evicted_objects`](crate::storage::ObjectStorage::evicted_objects)), so
+    /// presence probes stop counting it and the next offload of the block writes it again.
+    ///
+    /// Nothing else deletes: a short read, an I/O error or a timeout is transient (the object
+    /// may be whole), and a header naming another identity, key or geometry proves only that
+    /// the object is not the block the *reader* expected, which may be the reader's mistake
+    /// or a forged hint (an event, a presence answer) — deleting on it would let anyone who
+    /// can name a hash destroy a valid shared object. Such an object is foreign to presence
+    /// probes, which count it absent, so the next offload of that block overwrites it anyway.
     async fn evict_if_bad(
         store: &crate::storage::ObjectStorage,
         key: &crate::ObjectKey,
         e: &PhysicalError,
     ) {
-        use crate::error::ErrorKind;
-        if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch) {
+        if matches!(e, PhysicalError::ChecksumMismatch { .. }) {
             match store.delete(key).await {
                 Ok(()) => {
-                    tracing::warn!(key = %store.path(key), error = %e, "evicted a corrupt or foreign object")
+                    store.count_evicted();
+                    tracing::warn!(key = %store.path(key), error = %e, "evicted a damaged object")
                 }
                 Err(d) => {
-                    tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a corrupt or foreign object")
+                    tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a damaged object")
                 }
             }
         }
