@@ -290,7 +290,15 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
 
 /// A BLAKE3 sequence of 8 blocks (each with its 256-bit digest).
 fn digested() -> TokenBlockSequence {
-    TokenBlockSequence::from_tokens(&(100..132).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap()
+    let seq = TokenBlockSequence::from_tokens_with(
+        &(100..132).collect::<Vec<u32>>(),
+        4,
+        Salt::NONE,
+        kvbm_logical::HashAlgorithm::Blake3,
+    )
+    .unwrap();
+    assert!(seq.blocks().iter().all(|b| b.digest().is_some()));
+    seq
 }
 
 /// Instance A's side: a host layout filled with a pattern, its blocks `0..n` offloaded to the
