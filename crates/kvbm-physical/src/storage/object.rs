@@ -18,13 +18,15 @@
 //! `max_concurrency` request permits for its whole duration (body streaming included), in the
 //! manner of `object_store`'s `PrefixStore` and `LimitStore`. No caller can skip either.
 //!
-//! A transfer whose complete, verified read proves an object damaged (its payload's checksum
-//! differs from its header's) deletes it after reporting the error, so presence probes stop
-//! counting it and the next offload of that block writes it again
-//! ([`ObjectStorage::evicted_objects`] counts them). Nothing else deletes a block object: a
-//! short read, an I/O error or a timeout may be transient, and a header naming another
-//! identity, key or geometry is foreign to presence probes (counted absent, so overwritten by
-//! the next offload) but may be a valid object the reader misnamed.
+//! A transfer whose verified read proves an object damaged from the object alone (a complete
+//! read whose checksum differs from its header's, a header that does not decode or disagrees
+//! with the body, a body the store says has the wrong size, a header bound to another key,
+//! namespace or rank, or naming an identity that is not its key's block) deletes it after
+//! reporting the error, so presence probes stop counting it and the next offload of that block
+//! writes it again ([`ObjectStorage::evicted_objects`] counts them). Nothing else deletes a
+//! block object: a short read, an I/O error or a timeout may be transient, and a header naming
+//! another identity of the same key, or another geometry, may be a valid object the reader
+//! misnamed (presence probes count it foreign, so the next offload overwrites it).
 //!
 //! Bodies are size-checked from the store's metadata before they are read: a block body must be
 //! exactly header + payload, a small object at most the caller's limit. Bodies above
@@ -313,10 +315,9 @@ impl ObjectStorage {
         }
     }
 
-    /// How many objects this storage deleted because a complete, verified read proved them
-    /// damaged (the payload's checksum differs from the one its header records). Nothing
-    /// else deletes a block object: a short read, an I/O error, a timeout or a header naming
-    /// another identity leaves it in place.
+    /// How many objects this storage deleted because a verified read proved them damaged
+    /// from the object alone (see the [module docs](self)). A short read, an I/O error, a
+    /// timeout or a header naming another identity of the same key leaves an object in place.
     pub fn evicted_objects(&self) -> u64 {
         self.evicted.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -817,6 +818,18 @@ impl ObjectStorage {
                 path.as_ref(),
                 e,
             )),
+        }
+    }
+
+    /// The size the store records for the object at `key` (a HEAD), `None` when absent: how a
+    /// short read is told from a short object (the store itself says it is short).
+    pub async fn object_size(&self, key: &ObjectKey) -> Result<Option<u64>> {
+        let path = self.path(key);
+        let _permit = self.permit().await?;
+        match self.store.head(&path).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(PhysicalError::object("head", path.as_ref(), e)),
         }
     }
 
