@@ -71,7 +71,7 @@
 
 mod client;
 mod server;
-mod wire;
+pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
