@@ -203,9 +203,8 @@ impl PhysicalWorker {
     /// reserved for this request by the leader that owns the tier (a block it allocated and
     /// holds unregistered until the outcome, or an object named by its block's key), every
     /// source is a block it holds registered, and nothing on this rank reads or writes them
-    /// outside the transfer manager meanwhile. Across processes the one caller is
-    /// [`control::serve`](crate::cluster::transport::control::serve), whose request comes from
-    /// this worker's leader (see there).
+    /// outside the transfer manager meanwhile. Across processes the one caller is the cluster
+    /// plane's `control::serve`, whose request comes from this worker's leader (see there).
     pub async unsafe fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
         let n = request.blocks.len();
         let (Some(src), Some(dst)) = (self.layout(request.src), self.layout(request.dst)) else {
