@@ -316,8 +316,11 @@ impl ObjectStorage {
     }
 
     /// How many objects this storage deleted because a verified read proved them damaged
-    /// from the object alone (see the [module docs](self)). A short read, an I/O error, a
-    /// timeout or a header naming another identity of the same key leaves an object in place.
+    /// from the object alone: a complete read whose checksum differs from its header's, a
+    /// header that does not decode or disagrees with the body, a size the store confirms
+    /// wrong, a header bound to another key, namespace or rank, or naming an identity that is
+    /// not its key's block. A short read, an I/O error, a timeout or a header naming another
+    /// identity of the same key leaves an object in place.
     pub fn evicted_objects(&self) -> u64 {
         self.evicted.load(std::sync::atomic::Ordering::Relaxed)
     }
