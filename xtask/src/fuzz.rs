@@ -27,7 +27,19 @@ use anyhow::{Context, Result, bail};
 use crate::{on_path, run_step};
 
 /// Every target of `fuzz/`.
-pub(crate) const TARGETS: [&str; 4] = ["trace_line", "manifest", "block_header", "object_key"];
+pub(crate) const TARGETS: [&str; 11] = [
+    "trace_line",
+    "manifest",
+    "block_header",
+    "object_key",
+    "control_envelope",
+    "presence",
+    "event_batch",
+    "dataplane_request",
+    "dataplane_response",
+    "member_cert",
+    "sealed",
+];
 
 /// Installs cargo-fuzz when it is missing (idempotent).
 pub(crate) fn ensure_cargo_fuzz() -> Result<()> {

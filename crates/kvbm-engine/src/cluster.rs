@@ -15,6 +15,8 @@
 //! the block's identity before a byte is served.
 
 pub mod dataplane;
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(feature = "nats")]
 pub mod instance;
 pub mod pubsub;

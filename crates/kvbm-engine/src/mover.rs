@@ -79,7 +79,15 @@ pub trait LayerMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
     /// Copies `layers` of `sources[i]` into slot `destinations[i]`; one outcome per block, in
     /// order; resolves only after every block (on every rank) settled. A length mismatch or an
     /// empty or out-of-range `layers` fails every block without moving anything.
-    fn move_layers<'a>(
+    ///
+    /// # Safety
+    ///
+    /// Slot ids prove nothing about who owns a slot, so the caller vouches for
+    /// `TransferManager::execute_transfer`'s contract on every rank: each slot of
+    /// `destinations` is one of the destination manager's blocks the caller holds unregistered
+    /// (a `MutableBlock` it keeps until the future resolved), written by nothing else and read
+    /// by no view outside the transfer manager meanwhile; the sources stay registered and held.
+    unsafe fn move_layers<'a>(
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
         destinations: &'a [BlockId],
@@ -200,7 +208,7 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
         self.num_layers
     }
 
-    fn move_layers<'a>(
+    unsafe fn move_layers<'a>(
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
         destinations: &'a [BlockId],
@@ -216,9 +224,9 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
                 );
             }
             let sources: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
-            // SAFETY: per `LayerMove`'s contract the destination slots are the caller's
-            // unregistered `MutableBlock`s, written only by these layer moves until the last
-            // layer registers them; the sources are registered blocks held by the caller.
+            // SAFETY: `LayerMove::move_layers`'s contract (this fn's caller): the destination
+            // slots are the caller's unregistered `MutableBlock`s, written only by these layer
+            // moves until the last layer registers them; the sources are registered and held.
             unsafe { self.mover.move_layers(&sources, destinations, layers) }.await
         })
     }

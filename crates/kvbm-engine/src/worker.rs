@@ -194,7 +194,18 @@ impl PhysicalWorker {
 
     /// Runs `request` on this rank; one result per block, in order, once every block settled.
     /// A failure keeps its kind (a damaged copy, another block's, I/O…) and names this rank.
-    pub async fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
+    /// Slots out of range of their layout fail with a refusal (nothing moves).
+    ///
+    /// # Safety
+    ///
+    /// A request names slots by id, which proves nothing about who owns them, so the caller
+    /// vouches for `TransferManager::execute_transfer`'s contract: every destination slot is
+    /// reserved for this request by the leader that owns the tier (a block it allocated and
+    /// holds unregistered until the outcome, or an object named by its block's key), every
+    /// source is a block it holds registered, and nothing on this rank reads or writes them
+    /// outside the transfer manager meanwhile. Across processes the one caller is the cluster
+    /// plane's `control::serve`, whose request comes from this worker's leader (see there).
+    pub async unsafe fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
         let n = request.blocks.len();
         let (Some(src), Some(dst)) = (self.layout(request.src), self.layout(request.dst)) else {
             return fail_all(
@@ -216,10 +227,10 @@ impl PhysicalWorker {
             ..TransferOptions::default()
         }
         .identities((0..n).map(|i| request.identity(i)).collect());
-        // SAFETY: the leader sends a rank only slots it reserved for this request: destinations
-        // are blocks it allocated (`MutableBlock`s it holds until the outcome) or objects named
-        // by their block's key, sources blocks it holds registered; nothing on this rank reaches
-        // them outside the manager.
+        // SAFETY: this fn's contract: the leader reserved every slot for this request
+        // (destinations it allocated and holds until the outcome, or objects named by their
+        // block's key; sources it holds registered); nothing on this rank reaches them outside
+        // the manager.
         let issued = unsafe {
             self.manager
                 .execute_transfer(src, &src_ids, dst, &dst_ids, options)
@@ -329,7 +340,13 @@ pub trait ParallelWorkers: Send + Sync {
     fn world_size(&self) -> usize;
     /// Runs `request` on every rank; per block `Ok` only if every rank moved it, else the
     /// first failure. Resolves only after every rank settled.
-    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>>;
+    ///
+    /// # Safety
+    ///
+    /// As [`PhysicalWorker::execute`], on every rank: the caller reserved every slot the
+    /// request names (destinations it holds unregistered until the future resolved, sources
+    /// it holds registered).
+    unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>>;
 }
 
 /// `f` with the rank it happened on in front of its message (the kind is kept).
@@ -479,9 +496,11 @@ impl ParallelWorkers for SpmdParallelWorkers {
         self.ranks.len()
     }
 
-    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
+    unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
         Box::pin(async move {
-            let per_rank = join_all(self.ranks.iter().map(|w| w.execute(&request))).await;
+            // SAFETY: `ParallelWorkers::execute`'s contract (this fn's caller), for every rank.
+            let per_rank =
+                join_all(self.ranks.iter().map(|w| unsafe { w.execute(&request) })).await;
             let mut merged: Vec<BlockOutcome> = vec![Ok(()); request.blocks.len()];
             for rank in per_rank {
                 for (m, r) in merged.iter_mut().zip(rank) {
@@ -549,7 +568,10 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             sources,
             destinations.iter().map(|d| d.block_id()),
         );
-        let outcome = self.workers.execute(request).await;
+        // SAFETY: every destination is a `MutableBlock` this move owns (allocated from the
+        // destination manager the ranks are bound to, registered only after every rank
+        // settled); the caller holds the sources registered for the call.
+        let outcome = unsafe { self.workers.execute(request) }.await;
         let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
         let mut complete = Vec::new();
         let mut idx = Vec::new();
@@ -682,7 +704,7 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
         self.num_layers
     }
 
-    fn move_layers<'a>(
+    unsafe fn move_layers<'a>(
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
         destinations: &'a [BlockId],
@@ -707,7 +729,9 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
             let mut request =
                 TransferRequest::from_sources(Dst::ID, sources, destinations.iter().copied());
             request.layers = Some(layers);
-            self.workers.execute(request).await
+            // SAFETY: `LayerMove::move_layers`'s contract (this fn's caller) is
+            // `ParallelWorkers::execute`'s for these slots.
+            unsafe { self.workers.execute(request) }.await
         })
     }
 }

@@ -69,13 +69,15 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
         TokenBlockSequence::from_tokens(&(0..4).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
     let h = seq.hashes()[0];
     // G2 slot 0 → G4 on both ranks (same hash, same relative key).
-    let out = spmd
-        .execute(TransferRequest::new(
+    // SAFETY: test-owned layouts; nothing else reads or writes the slots.
+    let out = unsafe {
+        spmd.execute(TransferRequest::new(
             TierId::G2,
             TierId::G4,
             vec![(0, 0, h)],
         ))
-        .await;
+    }
+    .await;
     assert_eq!(out, vec![Ok(())]);
     let key = format!("{:032x}", h.as_u128());
     for r in 0..2 {
@@ -83,13 +85,15 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
         assert!(path.exists(), "rank {r}'s object at {}", path.display());
     }
     // G4 → G2 slot 1: every rank reads back its own bytes, not the other rank's.
-    let out = spmd
-        .execute(TransferRequest::new(
+    // SAFETY: as above.
+    let out = unsafe {
+        spmd.execute(TransferRequest::new(
             TierId::G4,
             TierId::G2,
             vec![(0, 1, h)],
         ))
-        .await;
+    }
+    .await;
     assert_eq!(out, vec![Ok(())]);
     assert_eq!(g2_bytes(c0.worker(), 1), written[0]);
     assert_eq!(g2_bytes(c1.worker(), 1), written[1]);
@@ -101,7 +105,8 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
         TierId::G2,
         vec![(0, 2, h)],
     ));
-    match c0.execute_addressed(&to_rank1).await {
+    // SAFETY: as above.
+    match unsafe { c0.execute_addressed(&to_rank1) }.await {
         Err(EngineError::WrongRank { this, to }) => {
             assert_eq!(this, c0.address());
             assert_eq!(to, c1.address());
@@ -118,11 +123,13 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
         request: to_rank1.request.clone(),
     };
     assert!(matches!(
-        c0.execute_addressed(&other_world).await,
+        // SAFETY: as above.
+        unsafe { c0.execute_addressed(&other_world) }.await,
         Err(EngineError::WrongRank { .. })
     ));
     // Addressed to itself it runs.
-    let mine = c1.execute_addressed(&to_rank1).await.unwrap();
+    // SAFETY: as above.
+    let mine = unsafe { c1.execute_addressed(&to_rank1) }.await.unwrap();
     assert_eq!(mine, vec![Ok(())]);
     assert_eq!(g2_bytes(c1.worker(), 2), written[1]);
 

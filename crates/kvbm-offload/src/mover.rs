@@ -52,8 +52,9 @@ use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
 use kvbm_physical::{
-    LayoutHandle, ObjectPutMode, PhysicalError, PhysicalLayout, StorageKind, TransferCompletion,
-    TransferManager, TransferOptions, TransferOutcome,
+    Backing, LayoutHandle, ObjectPutMode, ObjectStorage, PhysicalError, PhysicalLayout,
+    StorageKind, StoredIdentity, TransferCompletion, TransferManager, TransferOptions,
+    TransferOutcome,
 };
 
 use crate::batch::{BatchOutcome, ResolvedBatch, ResolvedBlock};
@@ -607,18 +608,70 @@ impl<Src: Tier, Dst: Tier> BlockMover<Src, Dst> {
     /// until the move settles, each expected to have the identity it was registered with
     /// ([`MoveSource::of`]). To verify a read against the identity a request asked for, pass
     /// [`MoveSource`]s built from the request to [`move_blocks`](Self::move_blocks).
+    ///
+    /// A keyed source block registered without a digest (adopted by name: another instance's
+    /// event, a lookup that found the object) is first asked its identity: one header read
+    /// ([`ObjectStorage::stored_identity`](kvbm_physical::ObjectStorage::stored_identity), on
+    /// the transfer manager's runtime), and when the header names the block
+    /// ([`digest_named`](crate::digest_named)) the read expects, and the destination is
+    /// registered with, the digest it records. The transfer of such a move is issued once those
+    /// reads are done, not at the call. A header that is absent, foreign or unreadable leaves
+    /// the source as it was: its read then fails (and deletes nothing).
     pub fn move_from(
         &self,
         sources: &[ImmutableBlock<Src>],
         destinations: Vec<MutableBlock<Dst>>,
     ) -> impl Future<Output = Vec<MoveOutcome<Dst>>> + Send + 'static + use<Src, Dst> {
-        let ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
+        let mut ids: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
         let held: Vec<ImmutableBlock<Src>> = sources.to_vec();
-        let moved = self.move_blocks(&ids, destinations);
+        let named = self.named_only(&ids);
+        let moved = match named {
+            None => futures::future::Either::Left(self.move_blocks(&ids, destinations)),
+            Some(storage) => {
+                let this = self.clone();
+                let manager = self.manager.clone();
+                futures::future::Either::Right(async move {
+                    let asked: Vec<(usize, SequenceHash)> = ids
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| s.digest.is_none())
+                        .map(|(i, s)| (i, s.sequence_hash))
+                        .collect();
+                    let read = manager.spawn_io(async move {
+                        let mut out = Vec::with_capacity(asked.len());
+                        for (i, h) in asked {
+                            if let Ok(StoredIdentity::Bound(id)) =
+                                storage.stored_identity(&object_key(h)).await
+                                && let Some(digest) = crate::object::digest_named(h, &id)
+                            {
+                                out.push((i, digest));
+                            }
+                        }
+                        out
+                    });
+                    for (i, digest) in read.await.unwrap_or_default() {
+                        ids[i].digest = digest;
+                    }
+                    this.move_blocks(&ids, destinations).await
+                })
+            }
+        };
         async move {
             let out = moved.await;
             drop(held);
             out
+        }
+    }
+
+    /// The object storage of a keyed source when some of `sources` carry no digest (blocks
+    /// known only by name, whose identity [`move_from`](Self::move_from) reads first).
+    fn named_only(&self, sources: &[MoveSource]) -> Option<Arc<ObjectStorage>> {
+        if !self.keyed_src || self.keyed_dst || sources.iter().all(|s| s.digest.is_some()) {
+            return None;
+        }
+        match self.manager.layout(self.src_layout).ok()?.backing() {
+            Backing::Object(o) => Some(o.clone()),
+            _ => None,
         }
     }
 }

@@ -34,7 +34,8 @@ pub use storage::{
 };
 #[cfg(feature = "object")]
 pub use storage::{
-    ObjectConfig, ObjectPresence, ObjectStorage, S3Config, SmallObject, UpdateOutcome,
+    ObjectConfig, ObjectPresence, ObjectStorage, S3Config, SmallObject, StoredIdentity,
+    UpdateOutcome,
 };
 pub use transfer::{
     BlockId, BouncePoolStats, LayoutHandle, TransferCompletion, TransferConfig, TransferManager,

@@ -902,6 +902,7 @@ async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
         storage.probe(&key, &id(0x77)).await.unwrap(),
         ObjectPresence::Absent
     );
+    assert_eq!(storage.evicted_objects(), 1);
     let out = common::transfer(&tm, src, &[0], obj, &[0], opts()).await;
     assert!(out.is_complete_success(), "{:?}", out.blocks);
     let out = common::transfer(&tm, obj, &[0], dst, &[0], opts()).await;

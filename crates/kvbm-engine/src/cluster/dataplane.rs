@@ -133,7 +133,7 @@
 mod client;
 mod handshake;
 mod server;
-mod wire;
+pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -28,8 +28,22 @@
 //! * **G4 presence check.** Without events (a late joiner, or lost events),
 //!   [`InstanceLeader::adopt_present_g4`](super::InstanceLeader::adopt_present_g4) asks a
 //!   [`PresenceChecker`] (e.g. `kvbm_offload::S3PresenceChecker`: one header read per object,
-//!   identity and binding verified, a foreign object counts as absent) about the hashes past
-//!   the local prefix and adopts the present contiguous run the same way.
+//!   binding verified, a foreign object counts as absent) about the hashes past the local
+//!   prefix and adopts the present contiguous run the same way, each block registered with
+//!   the digest its object's header records ([`PresenceChecker::stored_blocks`]).
+//!
+//! # Digests travel
+//!
+//! A block adopted by name has only its sequence hash; its object's header records its
+//! identity (for a BLAKE3 sequence, the 256-bit digest). The presence check registers the
+//! block with that digest. A block adopted from an event (which names only the hash) is
+//! registered without one, and the G4 mover (`BlockMover::move_from`) reads its header first
+//! and expects, and registers the G2 copy with, the digest it records when that digest names
+//! the hash (`kvbm_offload::digest_named`). So a valid shared object onboards with its digest,
+//! and a forged event can at worst make this leader read an object that is really there.
+//! A failed read never deletes an object except a complete read whose checksum differs from
+//! the header's (proven damage; `ObjectStorage::evicted_objects` counts them): a short read,
+//! an I/O error, a timeout or an identity the reader did not expect leaves it in place.
 //!
 //! # Locks
 //!
@@ -39,7 +53,7 @@
 use std::sync::Arc;
 
 use kvbm_logical::{SequenceHash, TierId};
-use kvbm_offload::PresenceChecker;
+use kvbm_offload::{PresenceChecker, StoredBlock};
 
 use super::holder::{MatchedPrefix, RemoteRun, TierRun};
 use crate::address::InstanceId;
@@ -179,22 +193,29 @@ impl super::InstanceLeader {
             return Ok(0);
         }
         let rest = hashes[at..].to_vec();
-        // Engine sequences carry no BLAKE3 digest yet, so the probe checks the sequence-hash
-        // identity; staging verifies each object's header again before anything is served.
-        let present = checker
-            .has_blocks(rest.iter().map(|h| (*h, None)).collect())
+        // Engine lookups carry no BLAKE3 digest, so the probe reads the digest each object's
+        // header records (checked to name its hash) and the block is registered with it: the
+        // digest travels into G2 and G1, and staging's verified read expects it.
+        let stored = checker
+            .stored_blocks(rest.clone())
             .await
             .map_err(EngineError::Presence)?;
-        let run = present.iter().take_while(|p| **p).count();
-        let n = run.min(g4.available_blocks());
+        let run: Vec<Option<kvbm_logical::BlockDigest>> = stored
+            .iter()
+            .map_while(|s| match s {
+                StoredBlock::Present(d) => Some(*d),
+                StoredBlock::Absent => None,
+            })
+            .collect();
+        let n = run.len().min(g4.available_blocks());
         if n == 0 {
             return Ok(0);
         }
         let blocks = g4.allocate_blocks(n)?;
         let complete: Vec<_> = blocks
             .into_iter()
-            .zip(&rest)
-            .map_while(|(b, h)| b.complete(*h).ok())
+            .zip(rest.iter().zip(&run))
+            .map_while(|(b, (h, d))| b.complete_with_digest(*h, *d).ok())
             .collect();
         Ok(g4.register_blocks(complete).len())
     }

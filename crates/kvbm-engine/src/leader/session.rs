@@ -510,9 +510,11 @@ impl OnboardingSession {
                     aborted = true;
                     break;
                 }
-                let out = mover
-                    .move_layers(&staged, &task_ids, layer..layer + 1)
-                    .await;
+                // SAFETY: `task_ids` are the slots of `destinations`, this task's unregistered
+                // `MutableBlock`s of the mover's destination manager, held until they are
+                // registered after the last layer (or dropped on failure); `staged` holds the
+                // sources registered.
+                let out = unsafe { mover.move_layers(&staged, &task_ids, layer..layer + 1) }.await;
                 if let Some((n, mut first)) = first_failure(&out) {
                     first.message = format!("layer {layer}: {}", first.message);
                     failure = Some((n, first));

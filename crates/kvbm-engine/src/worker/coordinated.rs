@@ -166,8 +166,12 @@ impl CoordinatedWorker {
     }
 
     /// Runs `request` on this rank (see [`PhysicalWorker::execute`]).
-    pub async fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
-        self.worker.execute(request).await
+    ///
+    /// # Safety
+    /// As [`PhysicalWorker::execute`].
+    pub async unsafe fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
+        // SAFETY: this fn's contract.
+        unsafe { self.worker.execute(request) }.await
     }
 
     /// Runs `request` when it is addressed to this rank; one result per block.
@@ -175,8 +179,15 @@ impl CoordinatedWorker {
     /// # Errors
     /// [`EngineError::WrongRank`] (nothing moved) when it is addressed to another rank or
     /// another world size.
-    pub async fn execute_addressed(&self, request: &AddressedRequest) -> Result<Vec<BlockOutcome>> {
+    ///
+    /// # Safety
+    /// As [`PhysicalWorker::execute`], for `request.request`.
+    pub async unsafe fn execute_addressed(
+        &self,
+        request: &AddressedRequest,
+    ) -> Result<Vec<BlockOutcome>> {
         self.check(request.to)?;
-        Ok(self.worker.execute(&request.request).await)
+        // SAFETY: this fn's contract.
+        Ok(unsafe { self.worker.execute(&request.request) }.await)
     }
 }

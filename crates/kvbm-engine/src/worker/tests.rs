@@ -171,10 +171,12 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     let dst = g1.allocate_blocks(2).unwrap();
     let ids: Vec<BlockId> = dst.iter().map(|b| b.block_id()).collect();
     for l in 0..2 {
-        let out = layer_mover.move_layers(&held, &ids, l..l + 1).await;
+        // SAFETY: `ids` are the slots of `dst`, unregistered blocks of `g1` held here.
+        let out = unsafe { layer_mover.move_layers(&held, &ids, l..l + 1) }.await;
         assert_eq!(out, vec![Ok(()), Ok(())]);
     }
-    let out = layer_mover.move_layers(&held, &ids, 2..3).await;
+    // SAFETY: as above.
+    let out = unsafe { layer_mover.move_layers(&held, &ids, 2..3) }.await;
     assert!(
         out.iter()
             .all(|o| o.as_ref().unwrap_err().message.contains("outside")),
@@ -255,6 +257,7 @@ async fn digests_travel_with_worker_transfers_and_are_checked() {
         TransferRequest::from_sources(TierId::G2, &on_g3, dst.iter().map(|d| d.block_id()));
     assert_eq!(wrong.digests, vec![Some(digest)]);
     wrong.digests = vec![Some(kvbm_logical::BlockDigest([8; 32]))];
-    let out = workers.execute(wrong).await;
+    // SAFETY: test-owned layouts; nothing else touches the slots.
+    let out = unsafe { workers.execute(wrong) }.await;
     assert!(out[0].is_err(), "{out:?}");
 }

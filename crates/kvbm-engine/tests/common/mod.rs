@@ -128,7 +128,7 @@ impl kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1> for Gated
         self.inner.num_layers()
     }
 
-    fn move_layers<'a>(
+    unsafe fn move_layers<'a>(
         &'a self,
         sources: &'a [kvbm_logical::ImmutableBlock<kvbm_logical::G2>],
         destinations: &'a [kvbm_logical::BlockId],
@@ -136,7 +136,8 @@ impl kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1> for Gated
     ) -> futures::future::BoxFuture<'a, Vec<kvbm_engine::mover::BlockOutcome>> {
         Box::pin(async move {
             self.gate.acquire().await.unwrap().forget();
-            self.inner.move_layers(sources, destinations, layers).await
+            // SAFETY: this fn's contract, passed on.
+            unsafe { self.inner.move_layers(sources, destinations, layers) }.await
         })
     }
 }

@@ -38,3 +38,21 @@ pub fn identity_of(hash: SequenceHash, digest: Option<BlockDigest>) -> BlockIden
         None => block_identity(hash),
     }
 }
+
+/// What an object's header identity says of the block named `hash`: its digest (`Some(None)`:
+/// the block has none, the identity is the hash itself), or `None` when the identity is not
+/// `hash`'s — a 256-bit digest names `hash` only when its first 8 bytes are `hash`'s chain
+/// value ([`SequenceHash::current`], how a BLAKE3 sequence derives its hashes).
+///
+/// A reader that knows a block only by name (adopted from another instance's event or a
+/// presence check) registers it with what this returns, so the digest travels with the
+/// block; it cannot tell two blocks whose 64-bit chain values collide (only a requester that
+/// holds the digest can), which is no weaker than the name it was given.
+pub fn digest_named(hash: SequenceHash, identity: &BlockIdentity) -> Option<Option<BlockDigest>> {
+    if *identity == block_identity(hash) {
+        return Some(None);
+    }
+    let bytes = *identity.as_bytes();
+    let current = u64::from_be_bytes(bytes[..8].try_into().expect("8 bytes"));
+    (current == hash.current()).then_some(Some(BlockDigest(bytes)))
+}

@@ -10,15 +10,25 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use kvbm_logical::{BlockDigest, SequenceHash};
-use kvbm_physical::{ObjectPresence, ObjectStorage};
+use kvbm_physical::{ObjectPresence, ObjectStorage, StoredIdentity};
 
 use super::CHECK_CONCURRENCY;
-use super::keys::{identity_of, object_key};
+use super::keys::{digest_named, identity_of, object_key};
 use crate::error::PolicyError;
 use crate::policy::{
     BoxFuture, EvalContext, OffloadPolicy, PolicyBatchFuture, PolicyFuture, async_batch_result,
     async_result,
 };
+
+/// What a presence check by name found of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredBlock {
+    /// Nothing there, or an object that is not this block (foreign, corrupt header).
+    Absent,
+    /// An object whose header names this block, with its digest (`None`: the identity is the
+    /// sequence hash): what a reader that knows the block only by name registers it with.
+    Present(Option<BlockDigest>),
+}
 
 /// Async presence checker for object storage or other external destinations.
 pub trait PresenceChecker: Send + Sync + 'static {
@@ -28,6 +38,52 @@ pub trait PresenceChecker: Send + Sync + 'static {
         &self,
         blocks: Vec<(SequenceHash, Option<BlockDigest>)>,
     ) -> BoxFuture<Result<Vec<bool>, PolicyError>>;
+
+    /// For blocks known only by name: whether each is present and the digest its stored copy
+    /// records ([`digest_named`]), in order. The default asks
+    /// [`has_blocks`](Self::has_blocks) with no digest (blocks without one).
+    fn stored_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> BoxFuture<Result<Vec<StoredBlock>, PolicyError>> {
+        let asked = self.has_blocks(hashes.into_iter().map(|h| (h, None)).collect());
+        Box::pin(async move {
+            Ok(asked
+                .await?
+                .into_iter()
+                .map(|p| {
+                    if p {
+                        StoredBlock::Present(None)
+                    } else {
+                        StoredBlock::Absent
+                    }
+                })
+                .collect())
+        })
+    }
+}
+
+/// What the object at `h`'s key says of the block `h` (see [`StoredBlock`]): its header read
+/// and bound to the key, its identity checked to name `h` ([`digest_named`]).
+pub(crate) async fn stored_block(
+    storage: &ObjectStorage,
+    h: SequenceHash,
+) -> Result<StoredBlock, PolicyError> {
+    let key = object_key(h);
+    Ok(match storage.stored_identity(&key).await? {
+        StoredIdentity::Bound(identity) => match digest_named(h, &identity) {
+            Some(digest) => StoredBlock::Present(digest),
+            None => {
+                tracing::warn!(key = %storage.path(&key), identity = %identity.to_hex(), "an object whose header names another block counts as absent");
+                StoredBlock::Absent
+            }
+        },
+        StoredIdentity::Foreign(why) => {
+            tracing::warn!(key = %storage.path(&key), error = %why, "foreign object counts as absent; it will be rewritten");
+            StoredBlock::Absent
+        }
+        _ => StoredBlock::Absent,
+    })
 }
 
 /// Whether the block `h` (with `digest`, if any) is stored in `storage`: its header verified
@@ -74,6 +130,25 @@ impl PresenceChecker for S3PresenceChecker {
                 .map(|(h, d)| {
                     let storage = storage.clone();
                     async move { block_present(&storage, h, d).await }
+                })
+                .buffered(CHECK_CONCURRENCY)
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect()
+        })
+    }
+
+    fn stored_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> BoxFuture<Result<Vec<StoredBlock>, PolicyError>> {
+        let storage = self.storage.clone();
+        Box::pin(async move {
+            futures::stream::iter(hashes)
+                .map(|h| {
+                    let storage = storage.clone();
+                    async move { stored_block(&storage, h).await }
                 })
                 .buffered(CHECK_CONCURRENCY)
                 .collect::<Vec<_>>()

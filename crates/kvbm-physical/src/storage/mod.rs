@@ -32,7 +32,8 @@ pub use manifest::{
 };
 #[cfg(feature = "object")]
 pub use object::{
-    ObjectConfig, ObjectPresence, ObjectStorage, REDACTED, S3Config, SmallObject, UpdateOutcome,
+    ObjectConfig, ObjectPresence, ObjectStorage, REDACTED, S3Config, SmallObject, StoredIdentity,
+    UpdateOutcome,
 };
 pub use object_key::{ObjectKey, ObjectPutMode, parse_hash_key};
 

@@ -18,9 +18,15 @@
 //! `max_concurrency` request permits for its whole duration (body streaming included), in the
 //! manner of `object_store`'s `PrefixStore` and `LimitStore`. No caller can skip either.
 //!
-//! A transfer whose verified read finds an object corrupt (checksum, length, header) or foreign
-//! (identity, key, namespace, rank, geometry) deletes it after reporting the error, so presence
-//! probes stop counting it and the next offload of that block writes it again.
+//! A transfer whose verified read proves an object damaged from the object alone (a complete
+//! read whose checksum differs from its header's, a header that does not decode or disagrees
+//! with the body, a body the store says has the wrong size, a header bound to another key,
+//! namespace or rank, or naming an identity that is not its key's block) deletes it after
+//! reporting the error, so presence probes stop counting it and the next offload of that block
+//! writes it again ([`ObjectStorage::evicted_objects`] counts them). Nothing else deletes a
+//! block object: a short read, an I/O error or a timeout may be transient, and a header naming
+//! another identity of the same key, or another geometry, may be a valid object the reader
+//! misnamed (presence probes count it foreign, so the next offload overwrites it).
 //!
 //! Bodies are size-checked from the store's metadata before they are read: a block body must be
 //! exactly header + payload, a small object at most the caller's limit. Bodies above
@@ -203,6 +209,19 @@ impl PartialEq for ObjectPresence {
 }
 impl Eq for ObjectPresence {}
 
+/// What [`ObjectStorage::stored_identity`] found at a block's key.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoredIdentity {
+    /// Nothing there.
+    Absent,
+    /// An intact header bound to this key, namespace, rank (and geometry, when known),
+    /// recording this identity. Its payload is verified only when it is read.
+    Bound(BlockIdentity),
+    /// A corrupt header, or one bound elsewhere: not a block of this key.
+    Foreign(PhysicalError),
+}
+
 /// A small object read whole by [`ObjectStorage::get_small`].
 #[derive(Debug, Clone)]
 pub struct SmallObject {
@@ -234,6 +253,8 @@ pub struct ObjectStorage {
     geometry: OnceLock<LayoutConfig>,
     /// Set when `config` failed [`ObjectConfig::validate`]: every request is refused with it.
     invalid: Option<PhysicalError>,
+    /// Objects a verified read proved damaged and deleted ([`evicted_objects`](Self::evicted_objects)).
+    evicted: std::sync::atomic::AtomicU64,
 }
 
 /// Aborts a multipart upload whose `put_block` future is dropped before it finished (a failed
@@ -290,7 +311,24 @@ impl ObjectStorage {
             config,
             permits,
             geometry: OnceLock::new(),
+            evicted: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// How many objects this storage deleted because a verified read proved them damaged
+    /// from the object alone: a complete read whose checksum differs from its header's, a
+    /// header that does not decode or disagrees with the body, a size the store confirms
+    /// wrong, a header bound to another key, namespace or rank, or naming an identity that is
+    /// not its key's block. A short read, an I/O error, a timeout or a header naming another
+    /// identity of the same key leaves an object in place.
+    pub fn evicted_objects(&self) -> u64 {
+        self.evicted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts one object deleted as damaged (see [`evicted_objects`](Self::evicted_objects)).
+    pub(crate) fn count_evicted(&self) {
+        self.evicted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// [`new`](Self::new), refusing a `config` that fails [`ObjectConfig::validate`].
@@ -625,6 +663,28 @@ impl ObjectStorage {
     /// when the storage knows its geometry, the geometry. A foreign or corrupt header is
     /// [`ObjectPresence::Foreign`], which callers count as absent so the block is rewritten.
     pub async fn probe(&self, key: &ObjectKey, identity: &BlockIdentity) -> Result<ObjectPresence> {
+        Ok(match self.stored_identity(key).await? {
+            StoredIdentity::Absent => ObjectPresence::Absent,
+            StoredIdentity::Foreign(e) => ObjectPresence::Foreign(e),
+            StoredIdentity::Bound(found) if found == *identity => ObjectPresence::Present,
+            StoredIdentity::Bound(found) => {
+                ObjectPresence::Foreign(PhysicalError::IdentityMismatch {
+                    location: format!("object:{}", self.path(key)),
+                    what: "block identity",
+                    expected: identity.to_hex(),
+                    found: found.to_hex(),
+                })
+            }
+        })
+    }
+
+    /// The identity the header of the object at `key` records, when the header is intact and
+    /// binds this key, namespace, rank (and geometry, when known): one ranged GET of the
+    /// header, like [`probe`](Self::probe), but the identity is read, not required. What a
+    /// reader that knows a block only by name (adopted from another instance's event or a
+    /// presence check) registers it with, so its later verified read expects what the object
+    /// says (the caller still checks that identity against the block's name).
+    pub async fn stored_identity(&self, key: &ObjectKey) -> Result<StoredIdentity> {
         let path = self.path(key);
         let loc = || format!("object:{path}");
         let head = {
@@ -635,13 +695,13 @@ impl ObjectStorage {
             };
             let got = match self.store.get_opts(&path, opts).await {
                 Ok(g) => g,
-                Err(object_store::Error::NotFound { .. }) => return Ok(ObjectPresence::Absent),
+                Err(object_store::Error::NotFound { .. }) => return Ok(StoredIdentity::Absent),
                 Err(e) => return Err(PhysicalError::object("get header", path.as_ref(), e)),
             };
             if let Some(g) = self.geometry.get() {
                 let want = (g.block_bytes() + HEADER_LEN) as u64;
                 if got.meta.size != want {
-                    return Ok(ObjectPresence::Foreign(PhysicalError::CorruptHeader {
+                    return Ok(StoredIdentity::Foreign(PhysicalError::CorruptHeader {
                         location: loc(),
                         reason: format!("object has {} bytes, a block {want}", got.meta.size),
                     }));
@@ -653,7 +713,7 @@ impl ObjectStorage {
         };
         let h = match BlockHeader::decode(&head, &loc) {
             Ok(h) => h,
-            Err(e) => return Ok(ObjectPresence::Foreign(e)),
+            Err(e) => return Ok(StoredIdentity::Foreign(e)),
         };
         let geometry = self.geometry.get().map(geometry_digest);
         let check = || -> Result<()> {
@@ -671,13 +731,13 @@ impl ObjectStorage {
                 h.len as usize,
                 h.slot,
                 ("object binding", self.binding(key)),
-                identity,
+                &h.identity,
                 &loc,
             )
         };
         Ok(match check() {
-            Ok(()) => ObjectPresence::Present,
-            Err(e) => ObjectPresence::Foreign(e),
+            Ok(()) => StoredIdentity::Bound(h.identity),
+            Err(e) => StoredIdentity::Foreign(e),
         })
     }
 
@@ -761,6 +821,18 @@ impl ObjectStorage {
                 path.as_ref(),
                 e,
             )),
+        }
+    }
+
+    /// The size the store records for the object at `key` (a HEAD), `None` when absent: how a
+    /// short read is told from a short object (the store itself says it is short).
+    pub async fn object_size(&self, key: &ObjectKey) -> Result<Option<u64>> {
+        let path = self.path(key);
+        let _permit = self.permit().await?;
+        match self.store.head(&path).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(PhysicalError::object("head", path.as_ref(), e)),
         }
     }
 

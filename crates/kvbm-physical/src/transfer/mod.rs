@@ -345,6 +345,20 @@ impl TransferManager {
             .ok_or(PhysicalError::UnknownLayout(handle))
     }
 
+    /// Runs `io` on the manager's runtime (where object I/O has its reactor) and returns its
+    /// handle, which any executor may await: for the small reads a mover makes before it
+    /// issues a transfer (e.g. an object's header), from a future that may be polled anywhere.
+    pub fn spawn_io<F>(&self, io: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.runtime
+            .as_ref()
+            .expect("runtime lives until drop")
+            .spawn(io)
+    }
+
     /// Counters of the bounce-buffer pool behind two-hop transfers (allocations, reuses,
     /// waits, one-off allocations).
     pub fn bounce_stats(&self) -> BouncePoolStats {

@@ -289,25 +289,77 @@ mod object_io {
             .pipe(in_order)
     }
 
-    /// A verified read found the object corrupt or foreign: delete it (best effort), so presence
-    /// probes stop counting it and the next offload of the block writes it again. Not-found and I/O
-    /// errors leave the object alone.
+    /// A verified read proved the object damaged from the object alone: delete it (best
+    /// effort, counted in
+    /// [`ObjectStorage::evicted_objects`](crate::storage::ObjectStorage::evicted_objects)), so
+    /// presence probes stop counting it and the next offload of the block writes it again.
+    ///
+    /// Proof is what the object says of itself, whoever asked: a complete read whose payload
+    /// checksum differs from its header's; a complete header that does not decode, or whose
+    /// length disagrees with the body; a body the store says is too long, or too short (a short
+    /// read is checked with a HEAD: a cut connection is not damage); a
+    /// header bound to another key, namespace or rank (a copy at the wrong place); a header
+    /// identity that does not name the block of its own key (see [`names_key`]).
+    ///
+    /// Nothing else deletes: a short read, an I/O error or a timeout is transient (the object
+    /// may be whole), and a header naming another identity *of this key* or another geometry
+    /// proves only that the object is not what the reader expected, which may be the reader's
+    /// mistake or a forged hint (an event, a presence answer) — deleting on it would let anyone
+    /// who can name a hash destroy a valid shared object.
     async fn evict_if_bad(
         store: &crate::storage::ObjectStorage,
         key: &crate::ObjectKey,
         e: &PhysicalError,
     ) {
-        use crate::error::ErrorKind;
-        if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch) {
+        let proven = match e {
+            PhysicalError::ChecksumMismatch { .. }
+            | PhysicalError::CorruptHeader { .. }
+            | PhysicalError::TooLarge { .. } => true,
+            // A body that ended early is damage only when the store itself says the object is
+            // that short (a fresh HEAD); otherwise the connection was cut: transient.
+            PhysicalError::ShortRead { expected, .. } => matches!(
+                store.object_size(key).await,
+                Ok(Some(size)) if size < *expected as u64
+            ),
+            PhysicalError::IdentityMismatch { what, found, .. } => {
+                what.starts_with("object binding")
+                    || (*what == "block identity" && !names_key(key, found))
+            }
+            _ => false,
+        };
+        if proven {
             match store.delete(key).await {
                 Ok(()) => {
-                    tracing::warn!(key = %store.path(key), error = %e, "evicted a corrupt or foreign object")
+                    store.count_evicted();
+                    tracing::warn!(key = %store.path(key), error = %e, "evicted a damaged object")
                 }
                 Err(d) => {
-                    tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a corrupt or foreign object")
+                    tracing::warn!(key = %store.path(key), error = %e, delete_error = %d, "cannot evict a damaged object")
                 }
             }
         }
+    }
+
+    /// Whether a header identity (`found`, as [`BlockIdentity::to_hex`](crate::BlockIdentity::to_hex)
+    /// writes it) names the block of a block key (a 128-bit sequence hash): the hash itself, or
+    /// a 256-bit digest whose first 8 bytes are the hash's chain value (its top 64 bits), as a
+    /// BLAKE3 sequence derives its hashes. A key that is not a block key names anything.
+    fn names_key(key: &crate::ObjectKey, found: &str) -> bool {
+        let Ok(hash) = crate::storage::parse_hash_key(key.as_str()) else {
+            return true;
+        };
+        let bytes: Option<Vec<u8>> = (0..found.len() / 2)
+            .map(|i| {
+                found
+                    .get(2 * i..2 * i + 2)
+                    .and_then(|b| u8::from_str_radix(b, 16).ok())
+            })
+            .collect();
+        let Some(id) = bytes.and_then(|b| crate::BlockIdentity::from_slice(&b)) else {
+            return true;
+        };
+        id == crate::BlockIdentity::from_u128(hash)
+            || id.as_bytes()[..8] == ((hash >> 64) as u64).to_be_bytes()
     }
 
     /// Writes a byte stream into host regions in order (the streaming side of an object get).

@@ -1041,3 +1041,16 @@ impl Inner {
 
 #[cfg(test)]
 mod tests;
+
+/// Decodes `data` as each presence message (the fuzz target's entry, see
+/// [`cluster::fuzzing`](crate::cluster::fuzzing)), with the arithmetic a receiver does on it.
+#[doc(hidden)]
+pub(crate) fn fuzz_decode(data: &[u8]) {
+    let _ = serde_json::from_slice::<Heartbeat>(data);
+    if let Ok(r) = serde_json::from_slice::<SnapshotRequest>(data) {
+        let _ = r.offset.checked_add(SNAPSHOT_PAGE);
+    }
+    if let Ok(p) = serde_json::from_slice::<SnapshotPage>(data) {
+        let _ = p.next.map(|n| n.checked_add(p.entries.len()));
+    }
+}

@@ -299,3 +299,10 @@ impl EventBus for NatsBus {
         self.local.subscribe()
     }
 }
+
+/// Decodes `data` as an event batch (the fuzz target's entry, see
+/// [`cluster::fuzzing`](crate::cluster::fuzzing)).
+#[doc(hidden)]
+pub(crate) fn fuzz_decode(data: &[u8]) {
+    let _ = serde_json::from_slice::<WireBatch>(data);
+}

@@ -320,7 +320,20 @@ pub async fn serve(
                 data_plane: None,
             })
         }
-        ControlRequest::Transfer(t) => ControlResponse::transferred(worker.execute(&t).await),
+        ControlRequest::Transfer(t) => {
+            // SAFETY: the trust boundary of the control plane. A worker's slots are owned by its
+            // leader's block managers, in another process: no check here can prove a slot free, so
+            // a `Transfer` is executed for the leader alone. It arrives on this worker's control
+            // subject, which only its leader may publish to (with `[security]` on, the request is
+            // sealed by the leader's credential and opened, sender checked, before this call; the
+            // operator's NATS permissions say the same), or in process from the leader's own
+            // `ControlledWorkers`, whose requests name only slots its movers reserved
+            // (`ParallelWorkers::execute`'s contract). Slot ids out of range are refused by the
+            // transfer manager; nothing else on a worker reads or writes its layouts except
+            // `Fill`/`Digest`, test requests of the same leader.
+            let out = unsafe { worker.execute(&t) }.await;
+            ControlResponse::transferred(out)
+        }
         ControlRequest::Digest { tier, blocks } => match host_layout(worker, tier) {
             Err(r) => r,
             Ok(layout) => {
@@ -528,7 +541,7 @@ impl ParallelWorkers for ControlledWorkers {
         self.ranks.len()
     }
 
-    fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
+    unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
         Box::pin(async move {
             match self.transfer(&request).await {
                 Ok(v) => v,

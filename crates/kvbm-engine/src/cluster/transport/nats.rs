@@ -767,3 +767,10 @@ impl WorkerControl for NatsControl {
         Box::pin(self.request(request))
     }
 }
+
+/// [`decode_envelope`] for the fuzz target (see [`cluster::fuzzing`](crate::cluster::fuzzing)):
+/// whether `payload` decoded.
+#[doc(hidden)]
+pub(crate) fn fuzz_decode_envelope<T: serde::de::DeserializeOwned>(payload: &[u8]) -> bool {
+    decode_envelope::<T>(payload).is_ok()
+}

@@ -251,7 +251,7 @@ mod layerwise_model {
         fn num_layers(&self) -> usize {
             self.layers
         }
-        fn move_layers<'a>(
+        unsafe fn move_layers<'a>(
             &'a self,
             sources: &'a [ImmutableBlock<G2>],
             destinations: &'a [BlockId],

@@ -105,7 +105,8 @@ async fn every_rank_moves_and_digests_match_per_rank() {
 #[tokio::test]
 async fn a_rank_without_the_tier_fails_every_block() {
     let all = controlled(&[worker(0, true), worker(1, false)]);
-    let out = ParallelWorkers::execute(&all, request()).await;
+    // SAFETY: test-owned layouts; nothing else reads or writes the slots.
+    let out = unsafe { ParallelWorkers::execute(&all, request()) }.await;
     assert_eq!(out.len(), 2);
     for o in out {
         let m = o.unwrap_err();
@@ -567,4 +568,45 @@ async fn security_a_forged_early_reply_does_not_win() {
 
 fn plain_response(r: ControlResponse) -> Vec<u8> {
     serde_json::to_vec(&Envelope::new(r)).unwrap()
+}
+
+/// What a worker can check of a control request itself is refused with an error, never
+/// reaches memory (issue 23, item 7): a transfer naming slots beyond the layout fails every
+/// block and moves nothing; a digest of a slot beyond the layout is a refusal.
+#[tokio::test]
+async fn security_serve_refuses_slots_out_of_range() {
+    let w = worker(0, true);
+    let address = WorkerAddress::new(I, 0);
+    let before = digests(
+        &InProcessControl::new(I, w.clone()),
+        TierId::G1,
+        vec![0, 1, 2, 3],
+    )
+    .await;
+    let mut bad = request();
+    bad.blocks[0].1 = 4; // one past the last G1 slot
+    bad.blocks[1].0 = usize::MAX; // a source far out of range
+    let ControlResponse::Transferred(out) = serve(&w, address, ControlRequest::Transfer(bad)).await
+    else {
+        panic!("a transfer is answered with outcomes");
+    };
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|o| o.is_err()), "{out:?}");
+    let after = digests(
+        &InProcessControl::new(I, w.clone()),
+        TierId::G1,
+        vec![0, 1, 2, 3],
+    )
+    .await;
+    assert_eq!(before, after, "nothing moved");
+    let r = serve(
+        &w,
+        address,
+        ControlRequest::Digest {
+            tier: TierId::G1,
+            blocks: vec![4],
+        },
+    )
+    .await;
+    assert!(matches!(r, ControlResponse::Refused(_)), "{r:?}");
 }

@@ -1,0 +1,6 @@
+//! Fuzzes the control envelopes (requests and responses) as decoded from NATS.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    kvbm_engine::cluster::fuzzing::control_envelope(data);
+});

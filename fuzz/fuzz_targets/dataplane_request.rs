@@ -1,0 +1,6 @@
+//! Fuzzes the data plane's request head and hashes (what a server reads).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    kvbm_engine::cluster::fuzzing::dataplane_request(data);
+});

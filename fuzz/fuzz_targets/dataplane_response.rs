@@ -1,0 +1,6 @@
+//! Fuzzes the data plane's response head and frame header (what a client reads).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    kvbm_engine::cluster::fuzzing::dataplane_response(data);
+});
