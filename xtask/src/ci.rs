@@ -7,9 +7,9 @@
 //! ```
 //!
 //! The fuzz step installs cargo-fuzz when it is missing and builds the `fuzz/` crate on nightly
-//! (its own target directory; `kvbm-physical` without the `object` feature, so only the
-//! decoders' small tree is instrumented); it fails on a crash or when libFuzzer reports no
-//! coverage growth. The soak runs two instances with every tier, random S3 errors and NATS
+//! (its own target directory; the physical decoders, and the cluster plane's through
+//! `kvbm_engine::cluster::fuzzing`); it fails on a crash or when libFuzzer reports no coverage
+//! growth. The soak runs two instances with every tier, random S3 errors and NATS
 //! restarts for 60 s ([`crate::soak`]).
 //!
 //! Tests run against real servers started by [`crate::services`]; they are stopped after the

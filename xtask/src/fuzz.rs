@@ -7,12 +7,20 @@
 //! | `manifest` | the G3 manifest header, record and replay decoders |
 //! | `block_header` | the block header of disk slots and object bodies |
 //! | `object_key` | the block object key parser |
+//! | `control_envelope` | leader↔worker control requests and responses (JSON over NATS) |
+//! | `presence` | heartbeats, snapshot requests and snapshot pages |
+//! | `event_batch` | cross-instance block event batches |
+//! | `dataplane_request` | the data plane's request heads and hash lists (both versions), hellos |
+//! | `dataplane_response` | the data plane's response heads and frame headers |
+//! | `member_cert` | member certificates, and the verifier's check of one |
+//! | `sealed` | sealed messages: arbitrary bytes, and genuine ones partly overwritten |
 //!
 //! cargo-fuzz is installed once (`cargo install cargo-fuzz --locked`) when it is not on PATH.
-//! The fuzz crate builds `kvbm-physical` without its default `object` feature, so only the
-//! decoders and their small dependency tree are instrumented (no object_store, HTTP or TLS
-//! stack): a cold build takes a few minutes. `cargo xtask ci` runs every target for
-//! [`CI_SECS`] seconds; this command is the longer run.
+//! The cluster plane's targets reach the engine through `kvbm_engine::cluster::fuzzing`
+//! (hidden), so the fuzz crate builds kvbm-engine with `nats` and its whole tree (object_store,
+//! HTTP, TLS, NATS client) instrumented: a cold build takes many minutes on two cores; the
+//! target directory is kept between runs. `cargo xtask ci` runs every target for [`CI_SECS`]
+//! seconds; this command is the longer run.
 //!
 //! Each run's libFuzzer output is passed through and read: a target that reports no covered
 //! edges (`cov: 0`) was not instrumented (no feedback, so not guided fuzzing) and fails the

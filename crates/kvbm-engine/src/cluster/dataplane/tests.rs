@@ -1211,13 +1211,16 @@ async fn security_tampered_replayed_and_reordered_frames_are_refused() {
     assert_eq!(stats(&srv_sec).rejected(Rejection::BadSignature), 1);
 
     // A corrupt payload (the tagged header's checksum no longer matches) is refused too.
-    srv.corrupt_next_frames(1);
-    let local = side();
-    let c = secured_client(&local, member(&root, B, "ns"), false);
-    let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
-    assert!(out.iter().all(Result::is_err), "{out:?}");
-    drop(out);
-    assert!(local.manager.match_blocks(&hs).is_empty());
+    #[cfg(feature = "testing")]
+    {
+        srv.corrupt_next_frames(1);
+        let local = side();
+        let c = secured_client(&local, member(&root, B, "ns"), false);
+        let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
+        assert!(out.iter().all(Result::is_err), "{out:?}");
+        drop(out);
+        assert!(local.manager.match_blocks(&hs).is_empty());
+    }
 
     eventually("holds released", || srv.stats().held() == 0).await;
     assert_member_pulls(&root, &srv, &remote, &hs).await;
