@@ -1,6 +1,6 @@
 //! The soak: `kvbm replay --instances 2 --assign request` (two engine instances as processes,
-//! consecutive turns on different instances, G4 events over a
-//! private NATS server) with every tier on (G1, G2, each instance's own G3 on disk, one shared
+//! consecutive turns on different instances, G4 events sealed with each instance's credential
+//! over a private NATS server) with every tier on (G1, G2, each instance's own G3 on disk, one shared
 //! G4 bucket on a private S3 server behind the fault proxy answering 5xx at random), for a
 //! bounded time, while the NATS server is killed and restarted at random moments. At the end it
 //! checks, for each instance and for the run:
@@ -68,6 +68,24 @@ fn soak_all_tiers_two_instances_with_random_s3_errors_and_nats_restarts() {
             seed: 11,
         },
     );
+    // Authenticated (issue 23): one trust root, a leader credential per instance (ids 1 and 2,
+    // as `--instances` numbers them), named by one `{instance}` path in the shared config; every
+    // G4 event batch between the instances is sealed and checked.
+    let root = kvbm_engine::security::RootKey::generate().unwrap();
+    let creds = dir.path().join("creds");
+    std::fs::create_dir(&creds).unwrap();
+    for id in 1..=2u64 {
+        root.issue(
+            kvbm_engine::InstanceId(id),
+            kvbm_engine::security::Role::Leader,
+            0,
+            "soak",
+            Duration::from_secs(86_400),
+        )
+        .unwrap()
+        .save(&creds.join(format!("{id:016x}.cred")))
+        .unwrap();
+    }
     // The synthetic workload arrives ~40 requests/s at time scale 1: enough for `secs`.
     let requests = (secs * 40).max(400);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvbm"));
@@ -105,6 +123,11 @@ fn soak_all_tiers_two_instances_with_random_s3_errors_and_nats_restarts() {
         .env("KVBM_PHYSICAL__OBJECT__RETRY_TIMEOUT_MS", "3000")
         // Two writers share the bucket: take the object locks.
         .env("KVBM_OFFLOAD__G2_TO_G4__USE_LOCKS", "true")
+        .env("KVBM_SECURITY__TRUST_ROOT", root.trust_root().to_hex())
+        .env(
+            "KVBM_SECURITY__CREDENTIAL_FILE",
+            creds.join("{instance}.cred").to_str().unwrap(),
+        )
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()

@@ -899,7 +899,9 @@ pub struct Sealing {
 pub struct SecurityConfig {
     /// The cluster's trust root: 64 hex digits (`kvbm security init` prints them).
     pub trust_root: Option<String>,
-    /// This member's credential file (`kvbm security issue` writes it; mode 0600).
+    /// This member's credential file (`kvbm security issue` writes it; mode 0600). Where one
+    /// configuration serves several instances (`kvbm replay --instances`), `{instance}` in the
+    /// path is replaced by each instance's id in 16 hex digits ([`SecurityConfig::for_instance`]).
     pub credential_file: Option<PathBuf>,
     /// Run a cluster off loopback without credentials. Logged loudly at start.
     pub insecure: bool,
@@ -929,6 +931,26 @@ impl Default for SecurityConfig {
 }
 
 impl SecurityConfig {
+    /// This configuration for instance `id`: `{instance}` in `credential_file` replaced by the
+    /// id in 16 hex digits (`/etc/kvbm/{instance}.cred` → `/etc/kvbm/000000000000002a.cred`).
+    pub fn for_instance(&self, id: InstanceId) -> Self {
+        let mut c = self.clone();
+        if let Some(f) = &self.credential_file {
+            let path = f.to_string_lossy();
+            if path.contains("{instance}") {
+                c.credential_file =
+                    Some(path.replace("{instance}", &format!("{:016x}", id.0)).into());
+            }
+        }
+        c
+    }
+
+    /// Whether a trust root and a credential are named (the credential itself is loaded, per
+    /// instance, when a member starts).
+    pub fn has_credentials(&self) -> bool {
+        self.trust_root.is_some() && self.credential_file.is_some()
+    }
+
     /// Checks the values (both of `trust_root` and `credential_file`, or neither).
     ///
     /// # Errors

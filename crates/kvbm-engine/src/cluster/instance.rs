@@ -278,7 +278,12 @@ impl InstanceBuilder {
         };
         let security = Arc::new(match self.security {
             Some(s) => s,
-            None => Security::from_config(&config.security)?,
+            // A `{instance}` in the credential path names this instance's file when its id is
+            // given (one configuration for several instances).
+            None => Security::from_config(&match self.id {
+                Some(id) => config.security.for_instance(id),
+                None => config.security.clone(),
+            })?,
         });
         // Off loopback, no cluster runs without credentials unless the operator says so.
         security.require_for(

@@ -77,7 +77,9 @@ impl NatsSharedG4 {
         // Secure by default: off loopback, neither without member credentials nor without
         // NATS credentials, unless `security.insecure`.
         check_nats_url("transport.nats_url", &s.nats_url)?;
-        let security = Arc::new(Security::from_config(&config.security)?);
+        let security = Arc::new(Security::from_config(
+            &config.security.for_instance(InstanceId(s.instance)),
+        )?);
         security.require_for(config.security.insecure, [s.nats_url.as_str()])?;
         // With a credential, this instance is the one it names: its event batches are sealed
         // as that leader's, and every batch it follows must be sealed by the instance it names.

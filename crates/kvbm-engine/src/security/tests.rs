@@ -1,3 +1,7 @@
+//! The security core's tests: sealing and opening, every forgery refused by kind, the replay
+//! window against a reference, credentials through files, the loopback rule, and the data
+//! plane's key agreement.
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -285,4 +289,21 @@ fn both_ends_agree_on_session_keys_and_tags_bind_everything() {
             .is_err(),
         "low-order point refused"
     );
+}
+
+#[test]
+fn one_config_names_each_instances_credential() {
+    let c = SecurityConfig {
+        credential_file: Some("/etc/kvbm/{instance}.cred".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        c.for_instance(InstanceId(0x2a)).credential_file.unwrap(),
+        std::path::PathBuf::from("/etc/kvbm/000000000000002a.cred")
+    );
+    let plain = SecurityConfig {
+        credential_file: Some("/etc/kvbm/a.cred".into()),
+        ..Default::default()
+    };
+    assert_eq!(plain.for_instance(InstanceId(7)), plain);
 }
