@@ -108,6 +108,34 @@ fn check_peer(sealing: &Sealing, cert: &[u8], who: &str) -> Result<Arc<MemberCer
     Ok(cert)
 }
 
+/// Reads the rest of a hello whose first 8 bytes (`first`) were already read: its head (the
+/// body's length bounded before anything is read for it), then its body. Returns the hello's
+/// bytes as sent (for the transcript) and the decoded hello.
+async fn read_hello(
+    stream: &mut TcpStream,
+    first: [u8; 8],
+    magic: u64,
+    what: &str,
+) -> Result<(Vec<u8>, Hello), Refused> {
+    let mut head = [0u8; HELLO_HEAD_LEN];
+    head[..8].copy_from_slice(&first);
+    stream
+        .read_exact(&mut head[8..])
+        .await
+        .map_err(Refused::io)?;
+    let (flags, body_len) = Hello::decode_head(&head, magic)
+        .map_err(|e| Refused::rejected(Rejection::Malformed, format!("{what}: {e}")))?;
+    let mut bytes = vec![0u8; HELLO_HEAD_LEN + body_len];
+    bytes[..HELLO_HEAD_LEN].copy_from_slice(&head);
+    stream
+        .read_exact(&mut bytes[HELLO_HEAD_LEN..])
+        .await
+        .map_err(Refused::io)?;
+    let hello = Hello::decode_body(flags, &bytes[HELLO_HEAD_LEN..])
+        .map_err(|e| Refused::rejected(Rejection::Malformed, format!("{what}: {e}")))?;
+    Ok((bytes, hello))
+}
+
 /// The server's side, after it read the client hello's first 8 bytes (`first`, the hello
 /// magic).
 pub(crate) async fn server(
@@ -116,22 +144,8 @@ pub(crate) async fn server(
     payload_mac: bool,
     first: [u8; 8],
 ) -> Result<Session, Refused> {
-    let mut head = [0u8; HELLO_HEAD_LEN];
-    head[..8].copy_from_slice(&first);
-    stream
-        .read_exact(&mut head[8..])
-        .await
-        .map_err(Refused::io)?;
-    let (flags, body_len) = Hello::decode_head(&head, CLIENT_HELLO_MAGIC)
-        .map_err(|e| Refused::rejected(Rejection::Malformed, format!("client hello: {e}")))?;
-    let mut client_hello = vec![0u8; HELLO_HEAD_LEN + body_len];
-    client_hello[..HELLO_HEAD_LEN].copy_from_slice(&head);
-    stream
-        .read_exact(&mut client_hello[HELLO_HEAD_LEN..])
-        .await
-        .map_err(Refused::io)?;
-    let theirs = Hello::decode_body(flags, &client_hello[HELLO_HEAD_LEN..])
-        .map_err(|e| Refused::rejected(Rejection::Malformed, format!("client hello: {e}")))?;
+    let (client_hello, theirs) =
+        read_hello(stream, first, CLIENT_HELLO_MAGIC, "client hello").await?;
     // The tenant check: a client of another namespace (or no member) gets nothing.
     let peer = check_peer(sealing, &theirs.cert, "the client")?;
 
@@ -200,22 +214,11 @@ pub(crate) async fn client(
             message,
         });
     }
-    stream
-        .read_exact(&mut head[8..])
-        .await
-        .map_err(Refused::io)?;
-    let (flags, body_len) = Hello::decode_head(&head, SERVER_HELLO_MAGIC)
-        .map_err(|e| Refused::rejected(Rejection::Malformed, format!("server hello: {e}")))?;
-    let mut server_hello = vec![0u8; HELLO_HEAD_LEN + body_len];
-    server_hello[..HELLO_HEAD_LEN].copy_from_slice(&head);
-    stream
-        .read_exact(&mut server_hello[HELLO_HEAD_LEN..])
-        .await
-        .map_err(Refused::io)?;
+    let first: [u8; 8] = head[..8].try_into().expect("8 bytes");
+    let (server_hello, theirs) =
+        read_hello(stream, first, SERVER_HELLO_MAGIC, "server hello").await?;
     let mut sig = [0u8; SIG_LEN];
     stream.read_exact(&mut sig).await.map_err(Refused::io)?;
-    let theirs = Hello::decode_body(flags, &server_hello[HELLO_HEAD_LEN..])
-        .map_err(|e| Refused::rejected(Rejection::Malformed, format!("server hello: {e}")))?;
     let peer = check_peer(sealing, &theirs.cert, "the server")?;
     // The server must be the instance we mean to pull from: a member answering at another's
     // address (a forged heartbeat, a reused port) is refused here, before any request.
