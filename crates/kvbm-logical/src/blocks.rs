@@ -254,6 +254,15 @@ impl<T: Tier> ImmutableBlock<T> {
         self.core().digest(self.id)
     }
 
+    /// Which registration of its slot this handle belongs to: the slot's generation, bumped
+    /// (wrapping) each time the slot is registered. While any handle of a registration exists
+    /// the slot's bytes cannot change (nothing writes a registered block), and a match of the
+    /// inactive block keeps the registration; so a value derived from the bytes (a checksum)
+    /// may be memoised under `(block_id, registration)`.
+    pub fn registration(&self) -> u32 {
+        self.generation
+    }
+
     /// A weak reference to this block.
     pub fn downgrade(&self) -> WeakBlock<T> {
         ghost::assert_alive(self.core.as_ptr());

@@ -60,7 +60,7 @@ impl MoveExecutor<G2> for RecordingG3Executor {
                 // SAFETY: host memory of the G2 layout; the source block is held by the batch
                 // and nothing writes a registered block.
                 let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                (h.as_u128(), xxhash_rust::xxh3::xxh3_128(bytes))
+                (h.as_u128(), kvbm_physical::checksum::checksum(bytes))
             })
             .collect();
         self.checksums.lock().extend(sums.iter().copied());

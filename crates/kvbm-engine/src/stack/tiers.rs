@@ -588,16 +588,7 @@ pub(super) fn manager_with_sink<T: Tier>(
 /// already checked the slot's header (slot, length, file id, identity, payload checksum).
 pub(super) fn g3_arrival_check(g3: G3Check) -> ArrivalCheck {
     Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
-        let actual = match regions {
-            [one] => xxhash_rust::xxh3::xxh3_128(one),
-            many => {
-                let mut h = xxhash_rust::xxh3::Xxh3::new();
-                for r in many {
-                    h.update(r);
-                }
-                h.digest128()
-            }
-        };
+        let actual = kvbm_physical::checksum::checksum_slices(regions.iter().copied());
         let h = src.sequence_hash;
         if g3.checksums.lock().get(&h.as_u128()).copied() == Some(actual) {
             Ok(())

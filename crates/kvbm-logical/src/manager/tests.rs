@@ -302,6 +302,28 @@ fn weak_blocks_upgrade_until_evicted() {
     assert!(weak.upgrade().is_none());
 }
 
+/// A registration lasts while the block is active or inactive (a match keeps it); the slot's
+/// next registration, after eviction, is another.
+#[test]
+fn registration_survives_matches_and_changes_after_eviction() {
+    let m = manager(1, EvictionBackend::Lru);
+    let h = chain(3, 1);
+    let first = register(&m, &h);
+    let (slot, reg) = (first[0].block_id(), first[0].registration());
+    assert_eq!(first[0].clone().registration(), reg);
+    drop(first);
+    let matched = m.match_blocks(&h);
+    assert_eq!(
+        (matched[0].block_id(), matched[0].registration()),
+        (slot, reg)
+    );
+    drop(matched);
+    // evicted and registered again under the same hash, in the same (only) slot
+    let again = register(&m, &h);
+    assert_eq!(again[0].block_id(), slot);
+    assert_ne!(again[0].registration(), reg);
+}
+
 #[test]
 fn blocks_keep_the_manager_alive() {
     let m = manager(2, EvictionBackend::Lru);

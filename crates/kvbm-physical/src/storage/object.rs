@@ -44,7 +44,6 @@ use object_store::{
     PutOptions, PutPayload, UpdateVersion,
 };
 use tokio::sync::Semaphore;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::checksum::{BlockHeader, HEADER_LEN, checksum_slices};
 use crate::error::{PhysicalError, Result};
@@ -625,7 +624,7 @@ impl ObjectStorage {
         let mut head_len = 0;
         let mut decoded: Option<BlockHeader> = None;
         let mut payload_len = 0usize;
-        let mut hasher = Xxh3::new();
+        let mut hasher = crate::checksum::Checksummer::new();
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(body_err)?;
             let mut rest = &chunk[..];
@@ -655,7 +654,7 @@ impl ObjectStorage {
             None => BlockHeader::decode(&header[..head_len], &loc)?,
         };
         check_payload(&h, &expect, payload_len, &loc)?;
-        h.verify(hasher.digest128(), &loc)
+        h.verify(hasher.finish(), &loc)
     }
 
     /// Whether the block `identity` is stored at `key`: reads only the object's header (one

@@ -310,7 +310,7 @@ impl<T: Tier> PhysicalTier<T> {
         // SAFETY: host memory of the primary layout; a store job's chunks are pinned by the
         // tiering manager for the job (nothing writes them until it is reported).
         let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-        xxhash_rust::xxh3::xxh3_128(bytes)
+        kvbm_physical::checksum::checksum(bytes)
     }
 
     fn owning(primary: &CpuPrimaryTier, layout: PhysicalLayout, blocks: usize) -> Result<Self> {

@@ -9,7 +9,17 @@
 //! Bounds: at most `max_connections` connection tasks at once (one more is closed as soon as it
 //! is accepted, counted in [`ServerStats::connections_refused`]); each response is written
 //! within `response_deadline` or the connection is dropped with its holds (counted in
-//! [`ServerStats::responses_timed_out`]). No lock is taken here.
+//! [`ServerStats::responses_timed_out`]).
+//!
+//! Checksums: a frame header carries the payload's xxh3-128, which costs as much CPU as the
+//! kernel's copy of the payload. A registered block's bytes cannot change while its
+//! registration lasts, so the server computes each block's checksum once per registration and
+//! keeps it in a [`ChecksumMemo`] (one entry per slot, keyed by `(registration, hash)`): a
+//! popular prefix served to many peers is hashed once. The client still hashes every payload
+//! it receives, so a stale or wrong memo can only make a pull fail, never pass wrong bytes.
+//!
+//! Locks: the memo's mutex is a leaf, held only to read or write one entry (never across an
+//! await or a hash).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -19,6 +29,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
 use kvbm_physical::identity::geometry_digest;
+use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
@@ -97,11 +108,63 @@ impl ServerStats {
     }
 }
 
+/// The payload checksums of served blocks, one entry per G2 slot, valid for the registration
+/// (and hash) it was computed under: see the [module docs](self).
+struct ChecksumMemo {
+    slots: Mutex<Vec<Option<Memo>>>,
+}
+
+#[derive(Clone, Copy)]
+struct Memo {
+    registration: u32,
+    hash: SequenceHash,
+    checksum: u128,
+}
+
+impl ChecksumMemo {
+    fn new(slots: usize) -> Self {
+        Self {
+            slots: Mutex::new(vec![None; slots]),
+        }
+    }
+
+    /// The checksum of `block`'s payload (its `regions`): the memoised one when this
+    /// registration was hashed before, else computed now and kept.
+    ///
+    /// # Safety
+    /// `regions` must be readable host memory holding `block`'s bytes, for the call.
+    unsafe fn checksum(&self, block: &ImmutableBlock<G2>, regions: &[(usize, usize)]) -> u128 {
+        let (slot, registration, hash) = (
+            block.block_id(),
+            block.registration(),
+            block.sequence_hash(),
+        );
+        let known = self.slots.lock().get(slot).copied().flatten();
+        if let Some(m) = known
+            && m.registration == registration
+            && m.hash == hash
+        {
+            return m.checksum;
+        }
+        // SAFETY: guaranteed by the caller.
+        let checksum = unsafe { wire::payload_checksum(regions) };
+        if let Some(entry) = self.slots.lock().get_mut(slot) {
+            *entry = Some(Memo {
+                registration,
+                hash,
+                checksum,
+            });
+        }
+        checksum
+    }
+}
+
 /// What the server serves from.
 struct Served {
     instance: InstanceId,
     manager: Arc<BlockManager<G2>>,
     layout: Arc<PhysicalLayout>,
+    checksums: ChecksumMemo,
     geometry: u64,
     block_bytes: usize,
     config: DataPlaneConfig,
@@ -208,6 +271,7 @@ impl DataPlaneServer {
             manager,
             geometry: geometry_digest(&c),
             block_bytes: c.block_bytes(),
+            checksums: ChecksumMemo::new(c.num_blocks),
             layout,
             config,
             stats: stats.clone(),
@@ -584,9 +648,15 @@ async fn write_response(
         let regions = s.layout.block_addrs(block.block_id(), 0..layers);
         // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
         // (registered, immutable), so nothing writes its slot while it is read.
-        let header = unsafe {
-            wire::frame_header_with(*h, block.digest(), s.instance, s.geometry, &regions)
-        };
+        let checksum = unsafe { s.checksums.checksum(block, &regions) };
+        let header = wire::frame_header_with(
+            *h,
+            block.digest(),
+            s.instance,
+            s.geometry,
+            &regions,
+            checksum,
+        );
         write_tagged(stream, session, io, &header).await?;
         // SAFETY: as above.
         let slices: Vec<&[u8]> = regions

@@ -174,6 +174,57 @@ async fn pull_verifies_bytes_registers_and_releases_holds() {
     assert!(local.manager.check_invariants().is_ok());
 }
 
+/// The server memoises a block's checksum per registration: after the slot is evicted and
+/// registered again (same hash, other bytes), the next pull is served with the new bytes'
+/// checksum, not the remembered one, and verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_served_again_after_reuse_is_checksummed_afresh() {
+    let hs = hashes(1);
+    let remote = serving(&hs);
+    let srv = server(&remote).await;
+    let slot = remote.manager.match_blocks(&hs)[0].block_id();
+    let addr = srv.local_addr();
+    let pull = |local: Side| {
+        let c = client(&local);
+        c.peers().insert(A, addr);
+        let hs = hs.clone();
+        async move {
+            let dests = local.manager.allocate_blocks(1).unwrap();
+            let out = c.pull(A, &hs, dests).await;
+            let b = out[0].as_ref().expect("pulled and verified");
+            bytes(&local.layout, b.block_id())
+        }
+    };
+    assert_eq!(pull(side()).await, expected(&remote, hs[0]));
+    assert_eq!(
+        pull(side()).await,
+        expected(&remote, hs[0]),
+        "served from the memo"
+    );
+
+    // Evict, then register the same hash in the same slot with other bytes.
+    remote.manager.reset_inactive_pool();
+    let all = remote.manager.allocate_blocks(N).unwrap();
+    let mut again = None;
+    for b in all {
+        if b.block_id() == slot {
+            for (p, l) in remote.layout.block_addrs(slot, 0..2) {
+                // SAFETY: as in `serving`; the block is ours (mutable).
+                unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) }.fill(0xa5);
+            }
+            again = Some(b.complete(hs[0]).unwrap());
+        }
+    }
+    let again = remote
+        .manager
+        .register_blocks(vec![again.expect("the slot")]);
+    assert_eq!(again[0].block_id(), slot);
+    drop(again);
+    let fresh = pull(side()).await;
+    assert!(fresh.iter().all(|&x| x == 0xa5), "the new bytes, verified");
+    assert_eq!(srv.stats().blocks_served(), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_instance_and_unknown_peer_are_refused() {
     let hs = hashes(2);
@@ -939,16 +990,10 @@ async fn a_digest_that_does_not_match_the_hash_is_refused() {
         let mut reply = wire::encode_response(Status::Ok, 2).to_vec();
         // A well-formed header naming a made-up digest for hs[0].
         let bogus = kvbm_logical::BlockDigest([0x77; 32]);
+        let region = [(payload.as_ptr() as usize, payload.len())];
         // SAFETY: `payload` is readable for the call.
-        let header = unsafe {
-            wire::frame_header_with(
-                hs[0],
-                Some(bogus),
-                A,
-                g,
-                &[(payload.as_ptr() as usize, payload.len())],
-            )
-        };
+        let checksum = unsafe { wire::payload_checksum(&region) };
+        let header = wire::frame_header_with(hs[0], Some(bogus), A, g, &region, checksum);
         reply.extend_from_slice(&header);
         reply.extend_from_slice(&payload);
         reply

@@ -198,28 +198,34 @@ pub(crate) unsafe fn frame_header(
     regions: &[(usize, usize)],
 ) -> [u8; FRAME_HEADER_LEN] {
     // SAFETY: forwarded from the caller.
-    unsafe { frame_header_with(hash, None, instance, geometry, regions) }
+    let checksum = unsafe { payload_checksum(regions) };
+    frame_header_with(hash, None, instance, geometry, regions, checksum)
 }
 
-/// [`frame_header`] of a block registered with `digest`: the header's identity is the digest
-/// (as G3/G4 headers, [`kvbm_offload::identity_of`]), so the frame binds it as well as the hash.
+/// The payload checksum of a block given as host regions (what a frame header carries).
 ///
 /// # Safety
-/// As [`frame_header`].
-pub(crate) unsafe fn frame_header_with(
+/// Every region must be readable host memory for the call.
+pub(crate) unsafe fn payload_checksum(regions: &[(usize, usize)]) -> u128 {
+    checksum_slices(
+        regions
+            .iter()
+            // SAFETY: guaranteed by the caller.
+            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) }),
+    )
+}
+
+/// The frame header of a block whose payload (`regions`, only their lengths are read) has
+/// `checksum`, bound to the serving `instance` and its `geometry`.
+pub(crate) fn frame_header_with(
     hash: SequenceHash,
     digest: Option<BlockDigest>,
     instance: InstanceId,
     geometry: u64,
     regions: &[(usize, usize)],
+    checksum: u128,
 ) -> [u8; FRAME_HEADER_LEN] {
     let len: usize = regions.iter().map(|r| r.1).sum();
-    // SAFETY: the caller guarantees the regions are readable.
-    let checksum = checksum_slices(
-        regions
-            .iter()
-            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) }),
-    );
     BlockHeader {
         len: len as u64,
         slot: geometry,
