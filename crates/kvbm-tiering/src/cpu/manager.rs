@@ -35,6 +35,9 @@
 
 use std::sync::Arc as StdArc;
 
+mod phases;
+pub use phases::{FinishedAccess, StorePlan};
+
 use hashbrown::HashMap;
 
 use crate::cpu::order::LinkedKeySet;
@@ -144,6 +147,8 @@ pub struct CpuOffloadingManager {
     requests: HashMap<StdArc<str>, RequestAccess>,
     scratch: Vec<u32>,
     scratch_class: Vec<u8>,
+    /// Slots handed out by `allocate_slots` and not yet inserted (see `phases`).
+    reserved: Vec<u32>,
 }
 
 impl CpuOffloadingManager {
@@ -172,6 +177,7 @@ impl CpuOffloadingManager {
             requests: HashMap::new(),
             scratch: Vec::new(),
             scratch_class: Vec::new(),
+            reserved: Vec::new(),
         }
     }
 
@@ -293,6 +299,9 @@ impl CpuOffloadingManager {
             }
             seen[s as usize] += 1;
         }
+        for &s in &self.reserved {
+            seen[s as usize] += 1;
+        }
         let (mut ev, mut wp) = (0, 0);
         for (k, &s) in &self.index {
             if s as usize >= self.num_allocated {
@@ -404,6 +413,55 @@ impl CpuOffloadingManager {
                 *f |= REUSED;
             }
         }
+    }
+
+    /// vLLM's `on_request_finished` grouping: keys by KV-cache group (groups by index), each
+    /// group sorted by position when every key of it has one, else in first-seen order.
+    fn key_groups(order: &[OffloadKey], ctx: &ReqContext) -> Vec<Vec<OffloadKey>> {
+        let positional = ctx.has_positions();
+        let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
+        for k in order {
+            let g = get_offload_group_idx(k);
+            match groups.iter_mut().find(|(gg, _)| *gg == g) {
+                Some((_, v)) => v.push(*k),
+                None => groups.push((g, vec![*k])),
+            }
+        }
+        groups.sort_by_key(|(g, _)| *g);
+        groups
+            .into_iter()
+            .map(|(_, mut v)| {
+                if positional {
+                    let pos: Vec<Option<u64>> =
+                        v.iter().map(|k| ctx.get_offload_key_position(k)).collect();
+                    if pos.iter().all(Option::is_some) {
+                        let mut z: Vec<(u64, OffloadKey)> =
+                            pos.into_iter().flatten().zip(v.iter().copied()).collect();
+                        z.sort_by_key(|(p, _)| *p);
+                        v = z.into_iter().map(|(_, k)| k).collect();
+                    }
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// vLLM's `order_request_keys`: the groups concatenated, sorted again by position when
+    /// every key has one.
+    fn order_request_keys(groups: &[Vec<OffloadKey>], ctx: &ReqContext) -> Vec<OffloadKey> {
+        let mut ordered: Vec<OffloadKey> = groups.iter().flatten().copied().collect();
+        if ctx.has_positions() {
+            let all: Option<Vec<u64>> = ordered
+                .iter()
+                .map(|k| ctx.get_offload_key_position(k))
+                .collect();
+            if let Some(p) = all {
+                let mut z: Vec<(u64, OffloadKey)> = p.into_iter().zip(ordered).collect();
+                z.sort_by_key(|(p, _)| *p);
+                ordered = z.into_iter().map(|(_, k)| k).collect();
+            }
+        }
+        ordered
     }
 
     /// vLLM `_record_accesses` (store-threshold tracker).
@@ -821,43 +879,8 @@ impl OffloadingManager for CpuOffloadingManager {
             return Ok(());
         }
         let state = self.requests.remove(ctx.req_id()).expect("present");
-        let positional = ctx.has_positions();
-        // Group order (stable), then positions when every key of a group has one.
-        let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
-        for k in &state.order {
-            let g = get_offload_group_idx(k);
-            match groups.iter_mut().find(|(gg, _)| *gg == g) {
-                Some((_, v)) => v.push(*k),
-                None => groups.push((g, vec![*k])),
-            }
-        }
-        groups.sort_by_key(|(g, _)| *g);
-        let mut ordered: Vec<OffloadKey> = Vec::with_capacity(state.order.len());
-        for (_, mut v) in groups {
-            if positional {
-                let pos: Vec<Option<u64>> =
-                    v.iter().map(|k| ctx.get_offload_key_position(k)).collect();
-                if pos.iter().all(Option::is_some) {
-                    let mut z: Vec<(u64, OffloadKey)> =
-                        pos.into_iter().flatten().zip(v.iter().copied()).collect();
-                    z.sort_by_key(|(p, _)| *p);
-                    v = z.into_iter().map(|(_, k)| k).collect();
-                }
-            }
-            ordered.extend(v);
-        }
-        // vLLM's order_request_keys sorts the concatenation again when every key has a position.
-        if positional {
-            let all: Option<Vec<u64>> = ordered
-                .iter()
-                .map(|k| ctx.get_offload_key_position(k))
-                .collect();
-            if let Some(p) = all {
-                let mut z: Vec<(u64, OffloadKey)> = p.into_iter().zip(ordered).collect();
-                z.sort_by_key(|(p, _)| *p);
-                ordered = z.into_iter().map(|(_, k)| k).collect();
-            }
-        }
+        let groups = Self::key_groups(&state.order, ctx);
+        let ordered = Self::order_request_keys(&groups, ctx);
         let info: Vec<(OffloadKey, Option<u32>, bool, bool)> = ordered
             .iter()
             .map(|k| {
@@ -896,6 +919,7 @@ impl OffloadingManager for CpuOffloadingManager {
         self.num_evictable = 0;
         self.num_write_pending = 0;
         self.free_list.clear();
+        self.reserved.clear();
         self.num_allocated = 0;
         Ok(())
     }
