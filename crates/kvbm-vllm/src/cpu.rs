@@ -49,6 +49,20 @@ impl LookupMembers {
         ]))
     }
 
+    /// Which member `obj` is (by identity, as vLLM's callers compare).
+    pub(crate) fn which(&self, obj: &Bound<'_, PyAny>) -> Option<LookupResult> {
+        let p = obj.as_ptr();
+        [
+            LookupResult::Miss,
+            LookupResult::Hit,
+            LookupResult::HitPending,
+            LookupResult::Retry,
+        ]
+        .into_iter()
+        .zip(&self.0)
+        .find_map(|(r, m)| (m.as_ptr() == p).then_some(r))
+    }
+
     pub(crate) fn get(&self, py: Python<'_>, r: LookupResult) -> Py<PyAny> {
         let i = match r {
             LookupResult::Miss => 0,
