@@ -100,7 +100,10 @@ pub(crate) fn caller_key<'py>(py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyA
         // SAFETY: a `CallerKey` guard set `p` from a reference the call it guards holds for
         // the guard's whole life, on this thread (the GIL is held: `py`).
         let obj = unsafe { Bound::from_borrowed_ptr(py, p) };
-        if obj.cast::<PyBytes>().is_ok_and(|b| b.as_bytes() == k.as_bytes()) {
+        if obj
+            .cast::<PyBytes>()
+            .is_ok_and(|b| b.as_bytes() == k.as_bytes())
+        {
             return obj;
         }
     }

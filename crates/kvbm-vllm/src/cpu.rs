@@ -479,7 +479,10 @@ impl CpuManager {
     fn mark_store_misses(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
-        self.core.lock(keys_.py())?.cpu()?.mark_store_misses(&ks, &c);
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .mark_store_misses(&ks, &c);
         Ok(())
     }
 
@@ -568,7 +571,8 @@ impl CpuManager {
             .iter()
             .map(|g| PyTuple::new(py, g.iter().map(|k| PyBytes::new(py, k.as_bytes()))))
             .collect::<PyResult<Vec<_>>>()?;
-        let set = |ks: &[OffloadKey]| PySet::new(py, ks.iter().map(|k| PyBytes::new(py, k.as_bytes())));
+        let set =
+            |ks: &[OffloadKey]| PySet::new(py, ks.iter().map(|k| PyBytes::new(py, k.as_bytes())));
         Ok(Some((
             PyTuple::new(py, groups)?,
             set(&f.insertion_only)?,

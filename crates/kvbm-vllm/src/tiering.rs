@@ -516,7 +516,11 @@ impl SecondaryTierManager for PyTier {
             let policy = self
                 .shared
                 .py_ctx(py, req_context)
-                .and_then(|ctx| self.obj.bind(py).call_method1(intern!(py, "on_new_request"), (ctx,)))
+                .and_then(|ctx| {
+                    self.obj
+                        .bind(py)
+                        .call_method1(intern!(py, "on_new_request"), (ctx,))
+                })
                 .and_then(|r| r.getattr(intern!(py, "policy")))
                 .and_then(|p| scope_of(&p));
             match policy {
@@ -589,7 +593,11 @@ impl SecondaryTierManager for PyTier {
                 Ok(h) => h,
                 Err(e) => return self.shared.keep(e),
             };
-            self.call(py, intern!(py, "serve_external_requests"), (handle.clone(),));
+            self.call(
+                py,
+                intern!(py, "serve_external_requests"),
+                (handle.clone(),),
+            );
             let h = handle.borrow();
             h.ptr.set(None);
             for (id, job) in h.created.borrow_mut().drain(..) {

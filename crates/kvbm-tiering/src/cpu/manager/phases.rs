@@ -90,7 +90,7 @@ impl CpuOffloadingManager {
         }
         let state = Self::access(&mut self.requests, ctx);
         for k in &plan.keys_to_store {
-            if !state.flags.get(k).is_some_and(|f| f & STORE_MISS != 0) {
+            if state.flags.get(k).is_none_or(|f| f & STORE_MISS == 0) {
                 plan.new_store_misses.push(*k);
             }
         }
@@ -327,5 +327,137 @@ impl CpuOffloadingManager {
             })
             .collect();
         self.policy.on_request_finished(&info);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::{CachePolicyKind, CpuManagerConfig};
+    use crate::manager::OffloadingManager;
+
+    fn keys(r: std::ops::Range<u64>) -> Vec<OffloadKey> {
+        r.map(OffloadKey::from_u64).collect()
+    }
+
+    fn manager(n: usize, policy: CachePolicyKind) -> CpuOffloadingManager {
+        CpuOffloadingManager::new(CpuManagerConfig::new(n).policy(policy).events(true))
+    }
+
+    /// A store's `(keys_to_store, chunk ids, evicted keys)`.
+    type Stored = (Vec<OffloadKey>, Vec<u32>, Vec<OffloadKey>);
+
+    /// Drives `prepare_store` through the steps with every default hook, as kvbm-vllm's
+    /// Python driver does.
+    fn phased_store(
+        m: &mut CpuOffloadingManager,
+        offer: &[OffloadKey],
+        ctx: &ReqContext,
+    ) -> Result<Option<Stored>> {
+        let plan = m.store_plan(offer, ctx);
+        m.policy_store_miss(&plan.new_store_misses);
+        m.mark_store_misses(&plan.new_store_misses, ctx);
+        m.record_request_access(&plan.recorded, ctx, &[], &plan.ready_existing);
+        if plan.keys_to_store.is_empty() {
+            return Ok(Some(Default::default()));
+        }
+        m.record_allocation(plan.keys_to_store.len());
+        let need = plan.keys_to_store.len().saturating_sub(m.num_free_slots());
+        let mut evicted = Vec::new();
+        if need > 0 {
+            if need > m.num_evictable() {
+                return Ok(None);
+            }
+            let Some(v) = m.evict_now(need, offer) else {
+                return Ok(None);
+            };
+            evicted = v.into_iter().map(|(k, _)| k).collect();
+            m.record_eviction_event(evicted.clone());
+        }
+        let slots = m.allocate_slots(plan.keys_to_store.len())?;
+        m.insert_allocated(&plan.keys_to_store, &slots, ctx)?;
+        Ok(Some((plan.keys_to_store, slots, evicted)))
+    }
+
+    #[test]
+    fn phased_store_matches_the_one_call() {
+        for policy in [CachePolicyKind::Lru, CachePolicyKind::Arc] {
+            let (mut a, mut b) = (manager(6, policy), manager(6, policy));
+            for (i, offer) in [0..4, 2..7, 7..9, 0..3, 9..16, 3..6]
+                .into_iter()
+                .enumerate()
+            {
+                let offer = keys(offer);
+                let ctx = ReqContext::new(format!("r{i}"));
+                let fast = a.prepare_store(&offer, &ctx).unwrap();
+                let phased = phased_store(&mut b, &offer, &ctx).unwrap();
+                match (fast, phased) {
+                    (None, None) => {}
+                    (Some(f), Some(p)) => {
+                        let ids: Vec<u32> = f
+                            .store_spec
+                            .chunk_ids()
+                            .unwrap_or_default()
+                            .iter()
+                            .map(|&s| s as u32)
+                            .collect();
+                        assert_eq!((f.keys_to_store, ids, f.evicted_keys), p, "{policy:?} {i}");
+                        a.complete_store(&p.0, &ctx, true).unwrap();
+                        b.complete_store(&p.0, &ctx, true).unwrap();
+                    }
+                    (f, p) => panic!("{policy:?} {i}: {:?} vs {:?}", f.is_some(), p.is_some()),
+                }
+                a.on_request_finished(&ctx).unwrap();
+                let acc = b.finish_request_access(&ctx).expect("recorded");
+                let ins: HashSet<_> = acc.insertion_only.iter().copied().collect();
+                let re: HashSet<_> = acc.reused.iter().copied().collect();
+                b.policy_request_finished(&acc.key_groups, &ins, &re, &ctx);
+                assert_eq!(a.eviction_order(), b.eviction_order(), "{policy:?} {i}");
+                assert_eq!(a.take_events(), b.take_events(), "{policy:?} {i}");
+                b.check_invariants().unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn evict_now_is_atomic_and_frees_its_victims() {
+        let mut m = manager(4, CachePolicyKind::Lru);
+        let ctx = ReqContext::new("r");
+        let ks = keys(0..4);
+        m.prepare_store(&ks, &ctx).unwrap();
+        m.complete_store(&ks, &ctx, true).unwrap();
+        assert!(m.evict_now(2, &ks[1..]).is_none());
+        assert_eq!(m.len(), 4);
+        m.check_invariants().unwrap();
+        let v = m.evict_now(1, &ks[1..]).unwrap();
+        assert_eq!(v.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![ks[0]]);
+        assert_eq!((m.len(), m.num_free_slots(), m.num_evictable()), (3, 1, 3));
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn insert_allocated_takes_only_slots_the_pool_handed_out() {
+        let mut m = manager(4, CachePolicyKind::Arc);
+        let ctx = ReqContext::new("r");
+        let ks = keys(0..2);
+        assert!(matches!(
+            m.insert_allocated(&ks, &[0, 1], &ctx),
+            Err(TieringError::Contract { .. })
+        ));
+        let slots = m.allocate_slots(2).unwrap();
+        assert!(
+            m.insert_allocated(&ks, &[slots[0], slots[0]], &ctx)
+                .is_err()
+        );
+        assert!(m.allocate_slots(3).is_err());
+        m.check_invariants().unwrap();
+        // A hook that raised between allocation and insertion: the next store takes them back.
+        m.store_plan(&ks, &ctx);
+        assert_eq!(m.num_free_slots(), 4);
+        m.check_invariants().unwrap();
+        let slots = m.allocate_slots(2).unwrap();
+        m.insert_allocated(&ks, &slots, &ctx).unwrap();
+        assert_eq!(m.num_write_pending(), 2);
+        m.check_invariants().unwrap();
     }
 }
