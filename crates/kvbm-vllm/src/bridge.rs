@@ -60,6 +60,21 @@ pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
 
 /// Every key of a collection (list, tuple, set, any iterable), in its order.
 pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
+    // Lists and tuples (what vLLM's scheduler passes) by index, without an iterator object.
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for k in list.iter() {
+            out.push(key(&k)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<pyo3::types::PyTuple>() {
+        let mut out = Vec::with_capacity(tuple.len());
+        for k in tuple.iter() {
+            out.push(key(&k)?);
+        }
+        return Ok(out);
+    }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for k in obj.try_iter()? {
         out.push(key(&k?)?);

@@ -65,6 +65,8 @@ pub(crate) struct Shared {
     results: Arc<LookupMembers>,
     /// The first exception a Python tier raised during the current call.
     error: Mutex<Option<PyErr>>,
+    /// Whether `error` may hold one (read without the lock on every call).
+    has_error: std::sync::atomic::AtomicBool,
     /// `make_job(job_id, keys, chunk_ids, is_promotion, req_context) -> TransferJob`.
     make_job: Py<PyAny>,
     /// `make_request_context(policy: str) -> RequestOffloadingContext`.
@@ -83,12 +85,20 @@ impl Shared {
         let mut slot = self.error.lock();
         if slot.is_none() {
             *slot = Some(e);
+            self.has_error
+                .store(true, std::sync::atomic::Ordering::Release);
         }
     }
 
     /// The error kept during the call just made, if any.
     fn take_error(&self) -> PyResult<()> {
-        match self.error.lock().take() {
+        if !self.has_error.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut slot = self.error.lock();
+        self.has_error
+            .store(false, std::sync::atomic::Ordering::Release);
+        match slot.take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -741,6 +751,7 @@ impl TieringManager {
             contexts: primary.contexts.clone(),
             results: primary.results.clone(),
             error: Mutex::new(None),
+            has_error: std::sync::atomic::AtomicBool::new(false),
             make_job,
             make_request_context,
             schedule_end: Mutex::new(None),

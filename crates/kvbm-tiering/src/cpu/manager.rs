@@ -493,7 +493,16 @@ impl CpuOffloadingManager {
         }
     }
 
-    fn validate_load(&self, call: &'static str, keys: &[OffloadKey]) -> Result<()> {
+    /// Pins chunks for reading; `record_access` false for cascade reads (no request recency).
+    pub(crate) fn prepare_load_inner(
+        &mut self,
+        call: &'static str,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        record_access: bool,
+    ) -> Result<LoadStoreSpec> {
+        // One probe per key: the slots found while validating are the ones pinned.
+        let mut ids = Vec::with_capacity(keys.len());
         for k in keys {
             match self.index.get(k) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
@@ -504,30 +513,15 @@ impl CpuOffloadingManager {
                         state: "not ready (write in flight)",
                     });
                 }
-                _ => {}
+                Some(&s) => ids.push(s as i32),
             }
         }
-        Ok(())
-    }
-
-    /// Pins chunks for reading; `record_access` false for cascade reads (no request recency).
-    pub(crate) fn prepare_load_inner(
-        &mut self,
-        call: &'static str,
-        keys: &[OffloadKey],
-        ctx: &ReqContext,
-        record_access: bool,
-    ) -> Result<LoadStoreSpec> {
-        self.validate_load(call, keys)?;
-        let mut ids = Vec::with_capacity(keys.len());
-        for k in keys {
-            let s = self.index[k];
+        for &s in &ids {
             let rc = &mut self.ref_cnt[s as usize];
             if *rc == 0 {
                 self.num_evictable -= 1;
             }
             *rc += 1;
-            ids.push(s as i32);
         }
         if record_access {
             self.record_access(keys.iter().copied(), ctx, keys);
@@ -576,6 +570,8 @@ impl CpuOffloadingManager {
         call: &'static str,
         keys: &[OffloadKey],
     ) -> Result<()> {
+        // One probe per key: the slots found while validating are the ones released.
+        let mut slots: Vec<u32> = Vec::with_capacity(keys.len());
         for k in keys {
             match self.index.get(k) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
@@ -586,11 +582,10 @@ impl CpuOffloadingManager {
                         state: "not being read (ref_cnt is already 0)",
                     });
                 }
-                _ => {}
+                Some(&s) => slots.push(s),
             }
         }
-        for k in keys {
-            let s = self.index[k];
+        for s in slots {
             let rc = &mut self.ref_cnt[s as usize];
             *rc -= 1;
             if *rc == 0 {
