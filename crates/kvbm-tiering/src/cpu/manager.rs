@@ -449,7 +449,10 @@ impl CpuOffloadingManager {
     /// vLLM's `order_request_keys`: the groups concatenated, sorted again by position when
     /// every key has one.
     fn order_request_keys(groups: &[Vec<OffloadKey>], ctx: &ReqContext) -> Vec<OffloadKey> {
-        let mut ordered: Vec<OffloadKey> = groups.iter().flatten().copied().collect();
+        let mut ordered: Vec<OffloadKey> = Vec::with_capacity(groups.iter().map(Vec::len).sum());
+        for g in groups {
+            ordered.extend_from_slice(g);
+        }
         if ctx.has_positions() {
             let all: Option<Vec<u64>> = ordered
                 .iter()
