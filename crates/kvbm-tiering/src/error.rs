@@ -34,6 +34,16 @@ pub enum TieringError {
         /// What was wrong with the key.
         state: &'static str,
     },
+    /// A step of a call driven phase by phase (a host language honouring overridden hooks)
+    /// was handed something the manager did not give out, e.g. a chunk id the pool did not
+    /// allocate.
+    #[error("{call}: {what}")]
+    Contract {
+        /// The call that was misused.
+        call: &'static str,
+        /// What was wrong.
+        what: String,
+    },
     /// A request the manager has no state for (no `on_new_request`, or already finalised).
     #[error("{call}: unknown request {req_id:?} (on_new_request not called, or already finalised)")]
     UnknownRequest {

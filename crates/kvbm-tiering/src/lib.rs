@@ -11,7 +11,10 @@ pub mod stats;
 pub mod types;
 pub mod worker;
 
-pub use cpu::{CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, SlotState};
+pub use cpu::{
+    CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, FinishedAccess,
+    SlotState, StorePlan,
+};
 pub use error::{Result, TieringError};
 pub use key::{OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key};
 pub use manager::OffloadingManager;

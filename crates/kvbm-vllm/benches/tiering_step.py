@@ -52,6 +52,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="measured steps per scenario")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--kinds", default="vllm,kvbm+python-tier,kvbm+disk",
+                    help="managers to run, comma-separated (ratios need vllm)")
+    ap.add_argument("--scenarios", default="cold,warm,promote")
     args = ap.parse_args()
     cpu_step.load_vllm()
 
@@ -165,9 +168,9 @@ def main():
             time.sleep(0.001)
 
     per_step = REQUESTS * CHUNKS
-    kinds = ("vllm", "kvbm+python-tier", "kvbm+disk")
+    kinds = tuple(args.kinds.split(","))
     results = {}
-    for scenario in ("cold", "warm", "promote"):
+    for scenario in args.scenarios.split(","):
         managers = {k: build(k) for k in kinds}
         counts = {k: {} for k in kinds}
         times = {k: [] for k in kinds}
@@ -204,9 +207,9 @@ def main():
             m.shutdown()
         med = {k: statistics.median(v) for k, v in times.items()}
         results[scenario] = med
-        v = med["vllm"]
+        v = med.get("vllm")
         print(f"{scenario:8s} " + "  ".join(
-            f"{k} {med[k] * 1e3:8.2f} ms" + ("" if k == "vllm" else f" ({v / med[k]:5.1f}x)")
+            f"{k} {med[k] * 1e3:8.2f} ms" + ("" if k == "vllm" or v is None else f" ({v / med[k]:5.1f}x)")
             for k in kinds
         ))
         print("         lookups: " + "; ".join(

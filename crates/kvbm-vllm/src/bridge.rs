@@ -60,11 +60,79 @@ pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
 
 /// Every key of a collection (list, tuple, set, any iterable), in its order.
 pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
+    // Lists and tuples (what vLLM's scheduler passes) by index, without an iterator object.
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for k in list.iter() {
+            out.push(key(&k)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.cast::<pyo3::types::PyTuple>() {
+        let mut out = Vec::with_capacity(tuple.len());
+        for k in tuple.iter() {
+            out.push(key(&k)?);
+        }
+        return Ok(out);
+    }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for k in obj.try_iter()? {
         out.push(key(&k?)?);
     }
     Ok(out)
+}
+
+thread_local! {
+    /// The key and context objects of the manager call in progress on this thread, and the
+    /// Rust context's uid (see [`CallerKey`]).
+    static CALLER: std::cell::Cell<(*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject, u64)> =
+        const { std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0)) };
+}
+
+/// While alive, makes `key` and `ctx` (the Python objects a manager call was handed; `ctx` is
+/// the Python side of the Rust context `uid`) the ones [`caller_key`] and [`caller_ctx`] hand
+/// back: vLLM passes its tiers the caller's own key object (a Python tier's set then finds it
+/// by identity: no hashing, no compare), and a tier call needs no context-map probe.
+pub(crate) struct CallerKey((*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject, u64));
+
+impl CallerKey {
+    pub(crate) fn set(key: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>, uid: u64) -> Self {
+        Self(CALLER.replace((key.as_ptr(), ctx.as_ptr(), uid)))
+    }
+}
+
+impl Drop for CallerKey {
+    fn drop(&mut self) {
+        CALLER.set(self.0);
+    }
+}
+
+/// `k` as a Python `bytes`: the caller's own object when it holds these bytes (see
+/// [`CallerKey`]), else a new one.
+pub(crate) fn caller_key<'py>(py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyAny> {
+    let p = CALLER.get().0;
+    if !p.is_null() {
+        // SAFETY: a `CallerKey` guard set `p` from a reference the call it guards holds for
+        // the guard's whole life, on this thread (the GIL is held: `py`).
+        let obj = unsafe { Bound::from_borrowed_ptr(py, p) };
+        if obj
+            .cast::<PyBytes>()
+            .is_ok_and(|b| b.as_bytes() == k.as_bytes())
+        {
+            return obj;
+        }
+    }
+    PyBytes::new(py, k.as_bytes()).into_any()
+}
+
+/// The Python context of the Rust context `uid` when it is the caller's (see [`CallerKey`]).
+pub(crate) fn caller_ctx(py: Python<'_>, uid: u64) -> Option<Bound<'_, PyAny>> {
+    let (_, p, u) = CALLER.get();
+    if p.is_null() || u != uid {
+        return None;
+    }
+    // SAFETY: as in `caller_key`.
+    Some(unsafe { Bound::from_borrowed_ptr(py, p) })
 }
 
 /// `keys` as a Python list of `bytes`.

@@ -26,7 +26,7 @@ use kvbm_tiering::{
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
 
 use crate::bridge::{Contexts, key, key_list, keys, to_py};
 use crate::core::{Core, Inner};
@@ -47,6 +47,20 @@ impl LookupMembers {
             t.get_item(2)?.unbind(),
             t.get_item(3)?.unbind(),
         ]))
+    }
+
+    /// Which member `obj` is (by identity, as vLLM's callers compare).
+    pub(crate) fn which(&self, obj: &Bound<'_, PyAny>) -> Option<LookupResult> {
+        let p = obj.as_ptr();
+        [
+            LookupResult::Miss,
+            LookupResult::Hit,
+            LookupResult::HitPending,
+            LookupResult::Retry,
+        ]
+        .into_iter()
+        .zip(&self.0)
+        .find_map(|(r, m)| (m.as_ptr() == p).then_some(r))
     }
 
     pub(crate) fn get(&self, py: Python<'_>, r: LookupResult) -> Py<PyAny> {
@@ -400,6 +414,197 @@ impl CpuManager {
     /// Sets ARC's `target_t1_size` (vLLM's tests set it on the policy); no-op under LRU.
     fn set_arc_target(&self, py: Python<'_>, target: f64) -> PyResult<()> {
         self.core.lock(py)?.cpu()?.set_arc_target(target);
+        Ok(())
+    }
+
+    // --- The steps of a call, for the Python hooks (see kvbm_tiering's `cpu::manager::phases`).
+
+    /// vLLM's `_num_evictable_cache_chunks`: resident chunks with `ref_cnt == 0`.
+    #[getter]
+    fn num_evictable(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.core.lock(py)?.cpu_ref()?.num_evictable())
+    }
+
+    /// The policy's `evict(n, protected)`: `[(key, chunk_id)]` removed from the cache (their
+    /// slots freed, no event), or `None` with nothing changed.
+    #[allow(clippy::type_complexity)]
+    fn evict<'py>(
+        &self,
+        n: usize,
+        protected: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Vec<(Bound<'py, PyBytes>, u32)>>> {
+        let py = protected.py();
+        let ps = keys(protected)?;
+        let out = self.core.lock(py)?.cpu()?.evict_now(n, &ps);
+        Ok(out.map(|v| {
+            v.into_iter()
+                .map(|(k, s)| (PyBytes::new(py, k.as_bytes()), s))
+                .collect()
+        }))
+    }
+
+    /// `prepare_store`'s first step: `(keys_to_store, ready_existing, recorded,
+    /// new_store_misses)`.
+    #[allow(clippy::type_complexity)]
+    fn store_plan<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<(
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+    )> {
+        let py = keys_.py();
+        let ks = keys(keys_)?;
+        let c = self.contexts.lock().get(ctx)?;
+        let plan = self.core.lock(py)?.cpu()?.store_plan(&ks, &c);
+        Ok((
+            key_list(py, &plan.keys_to_store)?,
+            key_list(py, &plan.ready_existing)?,
+            key_list(py, &plan.recorded)?,
+            key_list(py, &plan.new_store_misses)?,
+        ))
+    }
+
+    /// The policy's own `on_store_miss(keys)`.
+    fn policy_store_miss(&self, keys_: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        self.core.lock(keys_.py())?.cpu()?.policy_store_miss(&ks);
+        Ok(())
+    }
+
+    /// Notes store misses as reported for the request.
+    fn mark_store_misses(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let c = self.contexts.lock().get(ctx)?;
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .mark_store_misses(&ks, &c);
+        Ok(())
+    }
+
+    /// vLLM's `_record_request_cache_access(keys, req_context, inserted_keys, reused_keys)`.
+    fn record_access(
+        &self,
+        keys_: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+        inserted: &Bound<'_, PyAny>,
+        reused: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (ks, ins, re) = (keys(keys_)?, keys(inserted)?, keys(reused)?);
+        let c = self.contexts.lock().get(ctx)?;
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .record_request_access(&ks, &c, &ins, &re);
+        Ok(())
+    }
+
+    /// Records an allocation size for the histogram.
+    fn record_allocation(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        self.core.lock(py)?.cpu()?.record_allocation(n);
+        Ok(())
+    }
+
+    /// Slots free without eviction.
+    fn num_free(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.core.lock(py)?.cpu_ref()?.num_free_slots())
+    }
+
+    /// Records the removal event of evicted keys.
+    fn record_eviction_event(&self, keys_: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        self.core.lock(keys_.py())?.cpu()?.record_eviction_event(ks);
+        Ok(())
+    }
+
+    /// vLLM's `_allocate_chunks`: `n` chunk ids.
+    fn allocate_slots(&self, py: Python<'_>, n: usize) -> PyResult<Vec<u32>> {
+        self.core.lock(py)?.cpu()?.allocate_slots(n).map_err(to_py)
+    }
+
+    /// `prepare_store`'s last step: `keys` enter the cache in `slots`.
+    fn insert_allocated(
+        &self,
+        keys_: &Bound<'_, PyAny>,
+        slots: Vec<u32>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ks = keys(keys_)?;
+        let c = self.contexts.lock().get(ctx)?;
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .insert_allocated(&ks, &slots, &c)
+            .map_err(to_py)
+    }
+
+    /// `prepare_load` without recording the request's access; the chunk ids.
+    fn pin_for_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let ks = keys(keys_)?;
+        let c = self.contexts.lock().get(ctx)?;
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .pin_for_load(&ks, &c)
+            .map_err(to_py)
+    }
+
+    /// `on_request_finished`'s first step: `(key_groups, insertion_only_keys, reused_keys)` as
+    /// vLLM hands them to the policy (a tuple of tuples, two sets), or `None`. The context is
+    /// kept (see [`CpuManager::forget`]).
+    #[allow(clippy::type_complexity)]
+    fn finish_request<'py>(
+        &self,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<(Bound<'py, PyTuple>, Bound<'py, PySet>, Bound<'py, PySet>)>> {
+        let py = ctx.py();
+        let c = self.contexts.lock().get(ctx)?;
+        let Some(f) = self.core.lock(py)?.cpu()?.finish_request_access(&c) else {
+            return Ok(None);
+        };
+        let groups = f
+            .key_groups
+            .iter()
+            .map(|g| PyTuple::new(py, g.iter().map(|k| PyBytes::new(py, k.as_bytes()))))
+            .collect::<PyResult<Vec<_>>>()?;
+        let set =
+            |ks: &[OffloadKey]| PySet::new(py, ks.iter().map(|k| PyBytes::new(py, k.as_bytes())));
+        Ok(Some((
+            PyTuple::new(py, groups)?,
+            set(&f.insertion_only)?,
+            set(&f.reused)?,
+        )))
+    }
+
+    /// Forgets a finished request's context.
+    fn forget(&self, ctx: &Bound<'_, PyAny>) {
+        self.contexts.lock().forget(ctx);
+    }
+
+    /// The policy's own `on_request_finished(key_groups, insertion_only_keys, reused_keys,
+    /// req_context)`.
+    fn policy_request_finished(
+        &self,
+        key_groups: &Bound<'_, PyAny>,
+        insertion_only: &Bound<'_, PyAny>,
+        reused: &Bound<'_, PyAny>,
+        ctx: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let groups = key_groups
+            .try_iter()?
+            .map(|g| keys(&g?))
+            .collect::<PyResult<Vec<_>>>()?;
+        let ins: hashbrown::HashSet<OffloadKey> = keys(insertion_only)?.into_iter().collect();
+        let re: hashbrown::HashSet<OffloadKey> = keys(reused)?.into_iter().collect();
+        let c = self.contexts.lock().get(ctx)?;
+        self.core
+            .lock(ctx.py())?
+            .cpu()?
+            .policy_request_finished(&groups, &ins, &re, &c);
         Ok(())
     }
 

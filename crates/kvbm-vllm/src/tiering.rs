@@ -65,6 +65,8 @@ pub(crate) struct Shared {
     results: Arc<LookupMembers>,
     /// The first exception a Python tier raised during the current call.
     error: Mutex<Option<PyErr>>,
+    /// Whether `error` may hold one (read without the lock on every call).
+    has_error: std::sync::atomic::AtomicBool,
     /// `make_job(job_id, keys, chunk_ids, is_promotion, req_context) -> TransferJob`.
     make_job: Py<PyAny>,
     /// `make_request_context(policy: str) -> RequestOffloadingContext`.
@@ -83,12 +85,20 @@ impl Shared {
         let mut slot = self.error.lock();
         if slot.is_none() {
             *slot = Some(e);
+            self.has_error
+                .store(true, std::sync::atomic::Ordering::Release);
         }
     }
 
     /// The error kept during the call just made, if any.
     fn take_error(&self) -> PyResult<()> {
-        match self.error.lock().take() {
+        if !self.has_error.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut slot = self.error.lock();
+        self.has_error
+            .store(false, std::sync::atomic::Ordering::Release);
+        match slot.take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -96,6 +106,9 @@ impl Shared {
 
     /// The Python `ReqContext` of a Rust one (every context the manager sees came from Python).
     fn py_ctx<'py>(&self, py: Python<'py>, ctx: &ReqContext) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(c) = crate::bridge::caller_ctx(py, ctx.uid()) {
+            return Ok(c);
+        }
         origin(py, ctx).ok_or_else(|| {
             PyRuntimeError::new_err(format!(
                 "request {} has no Python context (kvbm-vllm bug)",
@@ -116,20 +129,9 @@ impl Shared {
         ))
     }
 
-    fn lookup_result(&self, py: Python<'_>, r: &Bound<'_, PyAny>) -> PyResult<LookupResult> {
-        for (i, member) in [
-            LookupResult::Miss,
-            LookupResult::Hit,
-            LookupResult::HitPending,
-            LookupResult::Retry,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let _ = i;
-            if r.is(self.results.get(py, member).bind(py)) {
-                return Ok(member);
-            }
+    fn lookup_result(&self, _py: Python<'_>, r: &Bound<'_, PyAny>) -> PyResult<LookupResult> {
+        if let Some(member) = self.results.which(r) {
+            return Ok(member);
         }
         Err(PyTypeError::new_err(format!(
             "a tier's lookup must return a LookupResult member, got {r}"
@@ -186,7 +188,7 @@ impl PyBackpressure {
     fn call<'py>(
         &self,
         py: Python<'py>,
-        name: &str,
+        name: &Bound<'py, pyo3::types::PyString>,
         args: impl pyo3::call::PyCallArgs<'py>,
     ) -> Option<Bound<'py, PyAny>> {
         let d = self.detector.as_ref()?.bind(py);
@@ -203,7 +205,7 @@ impl PyBackpressure {
 impl Backpressure for PyBackpressure {
     fn should_store(&mut self, num_blocks: usize) -> bool {
         Python::attach(|py| {
-            self.call(py, "should_store", (num_blocks,))
+            self.call(py, intern!(py, "should_store"), (num_blocks,))
                 .is_none_or(|v| v.is_truthy().unwrap_or(true))
         })
     }
@@ -225,7 +227,7 @@ impl Backpressure for PyBackpressure {
             };
             match submit_time {
                 Ok(t) => {
-                    self.call(py, "update", (t, num_bytes));
+                    self.call(py, intern!(py, "update"), (t, num_bytes));
                 }
                 Err(e) => self.shared.keep(e),
             }
@@ -234,13 +236,13 @@ impl Backpressure for PyBackpressure {
 
     fn on_store_failed(&mut self) {
         Python::attach(|py| {
-            self.call(py, "on_store_failed", ());
+            self.call(py, intern!(py, "on_store_failed"), ());
         });
     }
 
     fn is_under_pressure(&mut self) -> bool {
         Python::attach(|py| {
-            self.call(py, "is_under_pressure", ())
+            self.call(py, intern!(py, "is_under_pressure"), ())
                 .is_some_and(|v| v.is_truthy().unwrap_or(false))
         })
     }
@@ -284,7 +286,7 @@ impl Backpressure for PyBackpressure {
 
     fn reset(&mut self) {
         Python::attach(|py| {
-            self.call(py, "reset", ());
+            self.call(py, intern!(py, "reset"), ());
         });
     }
 }
@@ -324,11 +326,12 @@ impl PyTier {
         })
     }
 
-    /// Calls a method of the tier; an exception is kept for the caller (module docs).
+    /// Calls a method of the tier (by an interned name); an exception is kept for the caller
+    /// (module docs).
     fn call<'py>(
         &self,
         py: Python<'py>,
-        name: &str,
+        name: &Bound<'py, pyo3::types::PyString>,
         args: impl pyo3::call::PyCallArgs<'py>,
     ) -> Option<Bound<'py, PyAny>> {
         match self.obj.bind(py).call_method1(name, args) {
@@ -364,7 +367,7 @@ impl PyTier {
                 Err(e) => return self.shared.keep(e),
             };
             self.track(job.job_id, pj.clone().unbind());
-            self.call(py, method, (pj,));
+            self.call(py, &pyo3::types::PyString::new(py, method), (pj,));
         });
     }
 
@@ -374,12 +377,12 @@ impl PyTier {
     }
 
     fn finished(&mut self, py: Python<'_>, r: &Bound<'_, PyAny>) -> PyResult<JobResult> {
-        let job_id: JobId = r.getattr("job_id")?.extract()?;
-        let success: bool = r.getattr("success")?.is_truthy()?;
-        let sk = r.getattr("successful_keys")?;
+        let job_id: JobId = r.getattr(intern!(py, "job_id"))?.extract()?;
+        let success: bool = r.getattr(intern!(py, "success"))?.is_truthy()?;
+        let sk = r.getattr(intern!(py, "successful_keys"))?;
         let successful_keys = if sk.is_none() { None } else { Some(keys(&sk)?) };
-        let transfer_time: Option<f64> = r.getattr("transfer_time")?.extract()?;
-        let transfer_bytes: Option<u64> = r.getattr("transfer_bytes")?.extract()?;
+        let transfer_time: Option<f64> = r.getattr(intern!(py, "transfer_time"))?.extract()?;
+        let transfer_bytes: Option<u64> = r.getattr(intern!(py, "transfer_bytes"))?.extract()?;
         let tracked = self.shared.py_jobs.lock().remove(&job_id);
         if let Some((_, j)) = tracked {
             let is_promotion: bool = j.bind(py).getattr("is_promotion")?.is_truthy()?;
@@ -453,10 +456,33 @@ impl SecondaryTierManager for PyTier {
                     return LookupResult::Miss;
                 }
             };
-            let k = pyo3::types::PyBytes::new(py, key.as_bytes());
-            match self.call(py, "lookup", (k, ctx)) {
-                None => LookupResult::Miss,
-                Some(r) => self.shared.lookup_result(py, &r).unwrap_or_else(|e| {
+            // The caller's own key object when this lookup comes from one (vLLM hands its
+            // tiers the key it was asked about; a set of keys then matches it by identity).
+            let k = crate::bridge::caller_key(py, key);
+            // `obj.lookup(k, ctx)` without a bound method or an argument tuple (the stable
+            // ABI of 3.11 has no PyObject_VectorcallMethod; this one calls it inside).
+            let name = intern!(py, "lookup");
+            // SAFETY: every pointer is a live object held by this frame (GIL held); the
+            // argument list ends with NULL; the result is a new reference or NULL with an
+            // exception set, which `from_owned_ptr_or_err` takes.
+            let r = unsafe {
+                Bound::from_owned_ptr_or_err(
+                    py,
+                    pyo3::ffi::PyObject_CallMethodObjArgs(
+                        self.obj.as_ptr(),
+                        name.as_ptr(),
+                        k.as_ptr(),
+                        ctx.as_ptr(),
+                        std::ptr::null_mut::<pyo3::ffi::PyObject>(),
+                    ),
+                )
+            };
+            match r {
+                Err(e) => {
+                    self.shared.keep(e);
+                    LookupResult::Miss
+                }
+                Ok(r) => self.shared.lookup_result(py, &r).unwrap_or_else(|e| {
                     self.shared.keep(e);
                     LookupResult::Miss
                 }),
@@ -475,7 +501,7 @@ impl SecondaryTierManager for PyTier {
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
         Python::attach(|py| {
             self.bp.finished.clear();
-            let Some(results) = self.call(py, "get_finished_jobs", ()) else {
+            let Some(results) = self.call(py, intern!(py, "get_finished_jobs"), ()) else {
                 return;
             };
             let iter = match results.try_iter() {
@@ -500,8 +526,12 @@ impl SecondaryTierManager for PyTier {
             let policy = self
                 .shared
                 .py_ctx(py, req_context)
-                .and_then(|ctx| self.obj.bind(py).call_method1("on_new_request", (ctx,)))
-                .and_then(|r| r.getattr("policy"))
+                .and_then(|ctx| {
+                    self.obj
+                        .bind(py)
+                        .call_method1(intern!(py, "on_new_request"), (ctx,))
+                })
+                .and_then(|r| r.getattr(intern!(py, "policy")))
                 .and_then(|p| scope_of(&p));
             match policy {
                 Ok(policy) => RequestOffloadingContext { policy },
@@ -516,7 +546,7 @@ impl SecondaryTierManager for PyTier {
     fn on_request_finished(&mut self, req_context: &ReqContext) {
         Python::attach(|py| match self.shared.py_ctx(py, req_context) {
             Ok(ctx) => {
-                self.call(py, "on_request_finished", (ctx,));
+                self.call(py, intern!(py, "on_request_finished"), (ctx,));
             }
             Err(e) => self.shared.keep(e),
         });
@@ -528,7 +558,7 @@ impl SecondaryTierManager for PyTier {
                 key_list(py, keys).and_then(|k| Ok((k, self.shared.py_ctx(py, req_context)?)));
             match args {
                 Ok(args) => {
-                    self.call(py, "touch", args);
+                    self.call(py, intern!(py, "touch"), args);
                 }
                 Err(e) => self.shared.keep(e),
             }
@@ -537,7 +567,7 @@ impl SecondaryTierManager for PyTier {
 
     fn has_pending_work(&self) -> bool {
         Python::attach(|py| {
-            self.call(py, "has_pending_work", ())
+            self.call(py, intern!(py, "has_pending_work"), ())
                 .is_some_and(|v| v.is_truthy().unwrap_or(false))
         })
     }
@@ -551,7 +581,7 @@ impl SecondaryTierManager for PyTier {
                 .as_ref()
                 .map(|c| c.clone_ref(py));
             if let Some(ctx) = ctx {
-                self.call(py, "on_schedule_end", (ctx,));
+                self.call(py, intern!(py, "on_schedule_end"), (ctx,));
             }
         });
     }
@@ -573,7 +603,11 @@ impl SecondaryTierManager for PyTier {
                 Ok(h) => h,
                 Err(e) => return self.shared.keep(e),
             };
-            self.call(py, "serve_external_requests", (handle.clone(),));
+            self.call(
+                py,
+                intern!(py, "serve_external_requests"),
+                (handle.clone(),),
+            );
             let h = handle.borrow();
             h.ptr.set(None);
             for (id, job) in h.created.borrow_mut().drain(..) {
@@ -717,6 +751,7 @@ impl TieringManager {
             contexts: primary.contexts.clone(),
             results: primary.results.clone(),
             error: Mutex::new(None),
+            has_error: std::sync::atomic::AtomicBool::new(false),
             make_job,
             make_request_context,
             schedule_end: Mutex::new(None),
@@ -768,6 +803,7 @@ impl TieringManager {
     fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
         let c = self.ctx(ctx)?;
+        let _caller = crate::bridge::CallerKey::set(key_, ctx, c.uid());
         let r = self.run(key_.py(), |m| Ok(m.lookup(&k, &c)))?;
         Ok(self.shared.results.get(key_.py(), r))
     }
@@ -781,6 +817,7 @@ impl TieringManager {
     ) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
         let c = self.ctx(ctx)?;
+        let _caller = crate::bridge::CallerKey::set(key_, ctx, c.uid());
         let r = self.run(key_.py(), |m| Ok(m.lookup_excluding(&k, &c, exclude)))?;
         Ok(self.shared.results.get(key_.py(), r))
     }

@@ -35,6 +35,9 @@
 
 use std::sync::Arc as StdArc;
 
+mod phases;
+pub use phases::{FinishedAccess, StorePlan};
+
 use hashbrown::HashMap;
 
 use crate::cpu::order::LinkedKeySet;
@@ -144,6 +147,8 @@ pub struct CpuOffloadingManager {
     requests: HashMap<StdArc<str>, RequestAccess>,
     scratch: Vec<u32>,
     scratch_class: Vec<u8>,
+    /// Slots handed out by `allocate_slots` and not yet inserted (see `phases`).
+    reserved: Vec<u32>,
 }
 
 impl CpuOffloadingManager {
@@ -172,6 +177,7 @@ impl CpuOffloadingManager {
             requests: HashMap::new(),
             scratch: Vec::new(),
             scratch_class: Vec::new(),
+            reserved: Vec::new(),
         }
     }
 
@@ -293,6 +299,9 @@ impl CpuOffloadingManager {
             }
             seen[s as usize] += 1;
         }
+        for &s in &self.reserved {
+            seen[s as usize] += 1;
+        }
         let (mut ev, mut wp) = (0, 0);
         for (k, &s) in &self.index {
             if s as usize >= self.num_allocated {
@@ -406,6 +415,58 @@ impl CpuOffloadingManager {
         }
     }
 
+    /// vLLM's `on_request_finished` grouping: keys by KV-cache group (groups by index), each
+    /// group sorted by position when every key of it has one, else in first-seen order.
+    fn key_groups(order: &[OffloadKey], ctx: &ReqContext) -> Vec<Vec<OffloadKey>> {
+        let positional = ctx.has_positions();
+        let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
+        for k in order {
+            let g = get_offload_group_idx(k);
+            match groups.iter_mut().find(|(gg, _)| *gg == g) {
+                Some((_, v)) => v.push(*k),
+                None => groups.push((g, vec![*k])),
+            }
+        }
+        groups.sort_by_key(|(g, _)| *g);
+        groups
+            .into_iter()
+            .map(|(_, mut v)| {
+                if positional {
+                    let pos: Vec<Option<u64>> =
+                        v.iter().map(|k| ctx.get_offload_key_position(k)).collect();
+                    if pos.iter().all(Option::is_some) {
+                        let mut z: Vec<(u64, OffloadKey)> =
+                            pos.into_iter().flatten().zip(v.iter().copied()).collect();
+                        z.sort_by_key(|(p, _)| *p);
+                        v = z.into_iter().map(|(_, k)| k).collect();
+                    }
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// vLLM's `order_request_keys`: the groups concatenated, sorted again by position when
+    /// every key has one.
+    fn order_request_keys(groups: &[Vec<OffloadKey>], ctx: &ReqContext) -> Vec<OffloadKey> {
+        let mut ordered: Vec<OffloadKey> = Vec::with_capacity(groups.iter().map(Vec::len).sum());
+        for g in groups {
+            ordered.extend_from_slice(g);
+        }
+        if ctx.has_positions() {
+            let all: Option<Vec<u64>> = ordered
+                .iter()
+                .map(|k| ctx.get_offload_key_position(k))
+                .collect();
+            if let Some(p) = all {
+                let mut z: Vec<(u64, OffloadKey)> = p.into_iter().zip(ordered).collect();
+                z.sort_by_key(|(p, _)| *p);
+                ordered = z.into_iter().map(|(_, k)| k).collect();
+            }
+        }
+        ordered
+    }
+
     /// vLLM `_record_accesses` (store-threshold tracker).
     fn record_tracker(&mut self, keys: &[OffloadKey]) {
         let Some(counts) = self.counts.as_mut() else {
@@ -435,7 +496,16 @@ impl CpuOffloadingManager {
         }
     }
 
-    fn validate_load(&self, call: &'static str, keys: &[OffloadKey]) -> Result<()> {
+    /// Pins chunks for reading; `record_access` false for cascade reads (no request recency).
+    pub(crate) fn prepare_load_inner(
+        &mut self,
+        call: &'static str,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        record_access: bool,
+    ) -> Result<LoadStoreSpec> {
+        // One probe per key: the slots found while validating are the ones pinned.
+        let mut ids = Vec::with_capacity(keys.len());
         for k in keys {
             match self.index.get(k) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
@@ -446,30 +516,15 @@ impl CpuOffloadingManager {
                         state: "not ready (write in flight)",
                     });
                 }
-                _ => {}
+                Some(&s) => ids.push(s as i32),
             }
         }
-        Ok(())
-    }
-
-    /// Pins chunks for reading; `record_access` false for cascade reads (no request recency).
-    pub(crate) fn prepare_load_inner(
-        &mut self,
-        call: &'static str,
-        keys: &[OffloadKey],
-        ctx: &ReqContext,
-        record_access: bool,
-    ) -> Result<LoadStoreSpec> {
-        self.validate_load(call, keys)?;
-        let mut ids = Vec::with_capacity(keys.len());
-        for k in keys {
-            let s = self.index[k];
+        for &s in &ids {
             let rc = &mut self.ref_cnt[s as usize];
             if *rc == 0 {
                 self.num_evictable -= 1;
             }
             *rc += 1;
-            ids.push(s as i32);
         }
         if record_access {
             self.record_access(keys.iter().copied(), ctx, keys);
@@ -518,6 +573,8 @@ impl CpuOffloadingManager {
         call: &'static str,
         keys: &[OffloadKey],
     ) -> Result<()> {
+        // One probe per key: the slots found while validating are the ones released.
+        let mut slots: Vec<u32> = Vec::with_capacity(keys.len());
         for k in keys {
             match self.index.get(k) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
@@ -528,11 +585,10 @@ impl CpuOffloadingManager {
                         state: "not being read (ref_cnt is already 0)",
                     });
                 }
-                _ => {}
+                Some(&s) => slots.push(s),
             }
         }
-        for k in keys {
-            let s = self.index[k];
+        for s in slots {
             let rc = &mut self.ref_cnt[s as usize];
             *rc -= 1;
             if *rc == 0 {
@@ -821,43 +877,8 @@ impl OffloadingManager for CpuOffloadingManager {
             return Ok(());
         }
         let state = self.requests.remove(ctx.req_id()).expect("present");
-        let positional = ctx.has_positions();
-        // Group order (stable), then positions when every key of a group has one.
-        let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
-        for k in &state.order {
-            let g = get_offload_group_idx(k);
-            match groups.iter_mut().find(|(gg, _)| *gg == g) {
-                Some((_, v)) => v.push(*k),
-                None => groups.push((g, vec![*k])),
-            }
-        }
-        groups.sort_by_key(|(g, _)| *g);
-        let mut ordered: Vec<OffloadKey> = Vec::with_capacity(state.order.len());
-        for (_, mut v) in groups {
-            if positional {
-                let pos: Vec<Option<u64>> =
-                    v.iter().map(|k| ctx.get_offload_key_position(k)).collect();
-                if pos.iter().all(Option::is_some) {
-                    let mut z: Vec<(u64, OffloadKey)> =
-                        pos.into_iter().flatten().zip(v.iter().copied()).collect();
-                    z.sort_by_key(|(p, _)| *p);
-                    v = z.into_iter().map(|(_, k)| k).collect();
-                }
-            }
-            ordered.extend(v);
-        }
-        // vLLM's order_request_keys sorts the concatenation again when every key has a position.
-        if positional {
-            let all: Option<Vec<u64>> = ordered
-                .iter()
-                .map(|k| ctx.get_offload_key_position(k))
-                .collect();
-            if let Some(p) = all {
-                let mut z: Vec<(u64, OffloadKey)> = p.into_iter().zip(ordered).collect();
-                z.sort_by_key(|(p, _)| *p);
-                ordered = z.into_iter().map(|(_, k)| k).collect();
-            }
-        }
+        let groups = Self::key_groups(&state.order, ctx);
+        let ordered = Self::order_request_keys(&groups, ctx);
         let info: Vec<(OffloadKey, Option<u32>, bool, bool)> = ordered
             .iter()
             .map(|k| {
@@ -896,6 +917,7 @@ impl OffloadingManager for CpuOffloadingManager {
         self.num_evictable = 0;
         self.num_write_pending = 0;
         self.free_list.clear();
+        self.reserved.clear();
         self.num_allocated = 0;
         Ok(())
     }

@@ -6,6 +6,6 @@ pub(crate) mod order;
 pub mod policy;
 pub mod primary;
 
-pub use manager::{CpuManagerConfig, CpuOffloadingManager, SlotState};
+pub use manager::{CpuManagerConfig, CpuOffloadingManager, FinishedAccess, SlotState, StorePlan};
 pub use policy::CachePolicyKind;
 pub use primary::CpuPrimaryTier;

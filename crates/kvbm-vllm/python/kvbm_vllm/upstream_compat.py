@@ -123,25 +123,116 @@ def _chunk(chunk_id: int, ref_cnt: int) -> ChunkStatus:
     return c
 
 
-def _chunks(entries) -> OrderedDict:
-    return OrderedDict((k, _chunk(slot, refs)) for k, slot, refs in entries)
+#: The policy hooks a caller may replace on ``manager._policy`` (vLLM's manager calls them
+#: through its policy object, so a replacement is called in their place).
+_POLICY_HOOKS = frozenset({"touch", "on_store_miss", "evict", "on_request_finished"})
+#: The manager's own hooks a caller may replace (vLLM's manager calls them through ``self``).
+_MANAGER_HOOKS = frozenset({"_allocate_chunks", "_record_request_cache_access"})
 
 
-class _LruView(LRUCachePolicy):
-    """Read-only view of kvbm's LRU state in vLLM's policy shape (``manager._policy``).
+def _overridden(obj, name: str) -> bool:
+    """Whether ``obj.name`` was replaced: an instance attribute other than ``obj``'s own method
+    (``monkeypatch`` restores a method by setting the bound original back)."""
+    v = obj.__dict__.get(name)
+    if v is None:
+        return False
+    return not (
+        getattr(v, "__self__", None) is obj
+        and getattr(v, "__func__", None) is getattr(type(obj), name, None)
+    )
 
-    Every attribute is computed from the Rust manager when read; the ``ChunkStatus`` objects
-    are copies, so writing to them changes nothing. vLLM's own methods are not kvbm's: calling
-    or patching them does not reach the Rust manager.
+
+class _PolicyView:
+    """What kvbm's LRU and ARC views share: ``ChunkStatus`` objects of stable identity, and
+    vLLM's policy hooks, each a real method on the Rust policy that a caller may replace.
+
+    The ``ChunkStatus`` objects are snapshots refreshed whenever the state is read (one per
+    resident key and chunk id, so reading the same state twice gives the same objects, as
+    vLLM's own lists do); writing to them changes nothing in the Rust manager (pin through
+    ``prepare_load``).
+
+    Replacing ``touch``, ``on_store_miss``, ``evict`` or ``on_request_finished`` on the view
+    (``monkeypatch.setattr(manager._policy, "touch", spy)``) makes the manager call the
+    replacement where vLLM's manager calls its policy, with vLLM's arguments; with nothing
+    replaced the manager never comes through here (one Rust call per manager call).
     """
 
+    def _attach(self, rs, cache_capacity: int) -> None:
+        object.__setattr__(self, "_rs", rs)
+        object.__setattr__(self, "cache_capacity", cache_capacity)
+        object.__setattr__(self, "_objs", {})
+        object.__setattr__(self, "_manager", None)
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name in _POLICY_HOOKS and self._manager is not None:
+            self._manager._refresh_hooks()
+
+    def __delattr__(self, name):
+        object.__delattr__(self, name)
+        if name in _POLICY_HOOKS and self._manager is not None:
+            self._manager._refresh_hooks()
+
+    def _obj(self, key, chunk_id: int, ref_cnt: int, objs: dict) -> ChunkStatus:
+        c = self._objs.get(key)
+        if c is None or c.chunk_id != chunk_id:
+            c = ChunkStatus(chunk_id)
+        c.ref_cnt = ref_cnt
+        objs[key] = c
+        return c
+
+    def _chunks(self, entries) -> OrderedDict:
+        objs = {}
+        out = OrderedDict((k, self._obj(k, slot, refs, objs)) for k, slot, refs in entries)
+        return out
+
+    def _refresh(self, *lists) -> None:
+        """Keeps the objects of the keys just read (a full read: every resident key)."""
+        merged = {}
+        for d in lists:
+            merged.update(d)
+        object.__setattr__(self, "_objs", merged)
+
+    def get(self, key):
+        e = self._rs.chunk(key)
+        if e is None:
+            return None
+        objs = self._objs
+        return self._obj(key, e[1], e[2], objs)
+
+    # --- vLLM's policy hooks, on the Rust policy ---
+
+    def touch(self, keys, req_context) -> None:
+        self._rs.touch(keys, req_context)
+
+    def evict(self, n: int, protected):
+        """``n`` idle, unprotected victims as ``[(key, ChunkStatus)]``, removed from the cache,
+        or ``None`` with nothing changed (atomic, as vLLM's). Unlike vLLM's policy (whose
+        manager frees the chunks), kvbm frees the victims' chunks here too."""
+        out = self._rs.evict(n, protected)
+        if out is None:
+            return None
+        return [(k, _chunk(slot, 0)) for k, slot in out]
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        self._rs.policy_request_finished(
+            key_groups, insertion_only_keys, reused_keys, req_context
+        )
+
+
+class _LruView(_PolicyView, LRUCachePolicy):
+    """kvbm's LRU in vLLM's policy shape (``manager._policy``): its state read from the Rust
+    manager when accessed, its hooks (see ``_PolicyView``) on the Rust policy. ``on_store_miss``
+    is vLLM's base one (it calls ``touch``)."""
+
     def __init__(self, rs, cache_capacity: int):  # noqa: D107 - no vLLM state is built
-        self._rs = rs
-        self.cache_capacity = cache_capacity
+        self._attach(rs, cache_capacity)
 
     @property
     def chunks(self):
-        return _chunks(self._rs.entries())
+        d = self._chunks(self._rs.entries())
+        self._refresh(d)
+        return d
 
     @property
     def _ranks(self):
@@ -149,50 +240,81 @@ class _LruView(LRUCachePolicy):
         orders them; the values are positions, comparable only with each other."""
         return {k: (i, 0) for i, (k, _slot, _refs) in enumerate(self._rs.entries())}
 
-    def get(self, key):
-        e = self._rs.chunk(key)
-        return None if e is None else _chunk(e[1], e[2])
+    @property
+    def _heap(self):
+        """The evictable keys as vLLM's heap entries ``(rank, key)``, in eviction order (a
+        sorted list is a heap). kvbm's LRU keeps exactly one entry per idle key: it has no
+        stale entries to compact."""
+        entries = self._rs.entries()
+        return [((i, 0), k) for i, (k, _slot, refs) in enumerate(entries) if refs == 0]
 
 
-class _ArcView(ARCCachePolicy):
-    """Read-only view of kvbm's ARC state in vLLM's policy shape (``manager._policy``): T1, T2
-    (key -> ``ChunkStatus`` copies, in order), the ghost lists B1, B2, and ``target_t1_size``,
-    which may be set (vLLM's tests set it) and reaches the Rust policy."""
+class _ArcView(_PolicyView, ARCCachePolicy):
+    """kvbm's ARC in vLLM's policy shape (``manager._policy``): T1, T2 (key -> ``ChunkStatus``,
+    in order), the ghost lists B1, B2, and ``target_t1_size``, which may be set (vLLM's tests
+    set it) and reaches the Rust policy; hooks as ``_PolicyView``.
+
+    T1 and T2 may be assigned a mapping equal to what they hold (the same keys in the same
+    order, the same chunk ids and ref counts: vLLM's tests wrap them in counting dicts); the
+    Rust lists are kept, so kvbm's scans never iterate the assigned object. Any other
+    assignment is a ValueError: kvbm's lists live in Rust.
+    """
 
     def __init__(self, rs, cache_capacity: int):  # noqa: D107 - no vLLM state is built
-        self._rs = rs
-        self.cache_capacity = cache_capacity
+        self._attach(rs, cache_capacity)
 
-    def _state(self):
-        return self._rs.arc_state()
+    def _lists(self):
+        st = self._rs.arc_state()
+        t1, t2 = self._chunks(st[0]), self._chunks(st[1])
+        self._refresh(t1, t2)
+        return t1, t2, st
 
     @property
     def t1(self):
-        return _chunks(self._state()[0])
+        return self._lists()[0]
+
+    @t1.setter
+    def t1(self, value) -> None:
+        self._assign("t1", 0, value)
 
     @property
     def t2(self):
-        return _chunks(self._state()[1])
+        return self._lists()[1]
+
+    @t2.setter
+    def t2(self, value) -> None:
+        self._assign("t2", 1, value)
+
+    def _assign(self, name: str, i: int, value) -> None:
+        current = self._lists()[i]
+        same = list(current) == list(value) and all(
+            value[k].chunk_id == c.chunk_id and value[k].ref_cnt == c.ref_cnt
+            for k, c in current.items()
+        )
+        if not same:
+            raise ValueError(
+                f"kvbm's ARC {name.upper()} lives in Rust: it may be assigned only what it "
+                f"holds (pin chunks with prepare_load, reorder them with touch)"
+            )
 
     @property
     def b1(self):
-        return OrderedDict.fromkeys(self._state()[2])
+        return OrderedDict.fromkeys(self._rs.arc_state()[2])
 
     @property
     def b2(self):
-        return OrderedDict.fromkeys(self._state()[3])
+        return OrderedDict.fromkeys(self._rs.arc_state()[3])
 
     @property
     def target_t1_size(self) -> float:
-        return self._state()[4]
+        return self._rs.arc_state()[4]
 
     @target_t1_size.setter
     def target_t1_size(self, value: float) -> None:
         self._rs.set_arc_target(float(value))
 
-    def get(self, key):
-        e = self._rs.chunk(key)
-        return None if e is None else _chunk(e[1], e[2])
+    def on_store_miss(self, keys, req_context) -> None:
+        self._rs.policy_store_miss(keys)
 
 
 def _stats(rs) -> OffloadingConnectorStats:
@@ -266,10 +388,114 @@ class CPUOffloadingManager(OffloadingManager):
         # shadows the method below (a caller may still replace it, as vLLM's tests do), and a
         # per-chunk lookup then costs no Python frame.
         self.lookup = self._rs.lookup
-        self.touch = self._rs.touch
         self.complete_load = self._rs.complete_load
         self.complete_store = self._rs.complete_store
-        self.on_request_finished = self._rs.on_request_finished
+        # touch and on_request_finished go straight to Rust too while the policy's hook of the
+        # same name is not replaced (`_refresh_hooks`).
+        self._fast = {"touch": self._rs.touch, "on_request_finished": self._rs.on_request_finished}
+        self._hooked_store = False
+        self._hooked_record = False
+        self._hooked_finish = False
+        self._policy_view._manager = self
+        self._refresh_hooks()
+
+    # --- hooks a caller may replace (vLLM's seams) ---
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name in _MANAGER_HOOKS:
+            self._refresh_hooks()
+
+    def __delattr__(self, name):
+        object.__delattr__(self, name)
+        if name in _MANAGER_HOOKS:
+            self._refresh_hooks()
+
+    def _refresh_hooks(self) -> None:
+        """Chooses, per call, the one-Rust-call path (nothing replaced) or the step-by-step
+        path that calls the replaced hooks where vLLM's manager calls them. Run whenever a hook
+        is set or deleted, so the calls themselves test one flag."""
+        pol = self._policy_view
+        d = self.__dict__
+        record = _overridden(self, "_record_request_cache_access")
+        d["_hooked_record"] = record
+        d["_hooked_store"] = (
+            record
+            or _overridden(self, "_allocate_chunks")
+            or any(_overridden(pol, n) for n in ("touch", "on_store_miss", "evict"))
+        )
+        d["_hooked_finish"] = _overridden(pol, "on_request_finished")
+        for name, hooked in (
+            ("touch", _overridden(pol, "touch")),
+            ("on_request_finished", d["_hooked_finish"]),
+        ):
+            fast = d["_fast"][name]
+            if hooked:
+                if d.get(name) is fast:
+                    del d[name]  # the method below, which goes through the policy
+            elif name not in d:
+                d[name] = fast
+
+    def _allocate_chunks(self, keys: list[OffloadKey]) -> list[ChunkStatus]:
+        """vLLM's chunk pool: one chunk per key, fresh ids first, then freed ones (LIFO)."""
+        return [ChunkStatus(i) for i in self._rs.allocate_slots(len(keys))]
+
+    def _record_request_cache_access(
+        self, keys, req_context: ReqContext, inserted_keys=(), reused_keys=()
+    ) -> None:
+        """vLLM's record of a request's cache accesses (first-seen order, per group; which
+        keys it inserted and which it reused), kept in Rust for ``on_request_finished``."""
+        self._rs.record_access(keys, req_context, inserted_keys, reused_keys)
+
+    @property
+    def _num_evictable_cache_chunks(self) -> int:
+        """Cached chunks with ``ref_cnt == 0`` (read-only)."""
+        return self._rs.num_evictable
+
+    def _prepare_store_hooked(self, keys, req_context: ReqContext) -> PrepareStoreOutput | None:
+        """``prepare_store`` step by step (kvbm_tiering's ``phases``), calling the policy's and
+        the manager's hooks (replaced or not) where vLLM's manager calls them."""
+        rs = self._rs
+        policy = self._policy_view
+        keys = list(keys)
+        keys_to_store, ready_existing, recorded, new_misses = rs.store_plan(keys, req_context)
+        if new_misses:
+            policy.on_store_miss(new_misses, req_context)
+            rs.mark_store_misses(new_misses, req_context)
+        self._record_request_cache_access(
+            (k for k in recorded), req_context, reused_keys=ready_existing
+        )
+        if not keys_to_store:
+            return PrepareStoreOutput(
+                keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[]
+            )
+        rs.record_allocation(len(keys_to_store))
+        need = len(keys_to_store) - rs.num_free()
+        to_evict: list[OffloadKey] = []
+        if need > 0:
+            if need > rs.num_evictable:
+                return None
+            evicted = policy.evict(need, set(keys))
+            if evicted is None:
+                return None
+            to_evict = [k for k, _chunk in evicted]
+            for k in to_evict:
+                assert rs.chunk(k) is None, (
+                    f"evict returned {k!r}, which is still cached: a replacement evict must "
+                    f"evict through the policy it replaces"
+                )
+            rs.record_eviction_event(to_evict)
+        chunks = self._allocate_chunks(keys_to_store)
+        assert len(chunks) == len(keys_to_store), (
+            "Chunk pool did not allocate the expected number of chunks"
+        )
+        chunk_ids = [c.chunk_id for c in chunks]
+        rs.insert_allocated(keys_to_store, chunk_ids, req_context)
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,
+            store_spec=CPULoadStoreSpec(chunk_ids),
+            evicted_keys=to_evict,
+        )
 
     @property
     def _policy(self):
@@ -284,10 +510,15 @@ class CPUOffloadingManager(OffloadingManager):
         return self._rs.lookup(key, req_context)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        if self._hooked_record:
+            keys = list(keys)
+            spec = CPULoadStoreSpec(self._rs.pin_for_load(keys, req_context))
+            self._record_request_cache_access(keys, req_context, reused_keys=keys)
+            return spec
         return CPULoadStoreSpec(self._rs.prepare_load(keys, req_context))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._rs.touch(keys, req_context)
+        self._policy_view.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._rs.complete_load(keys, req_context)
@@ -295,6 +526,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._hooked_store:
+            return self._prepare_store_hooked(keys, req_context)
         return _store_output(self._rs.prepare_store(keys, req_context))
 
     def complete_store(
@@ -306,7 +539,18 @@ class CPUOffloadingManager(OffloadingManager):
         return RequestOffloadingContext(policy=_POLICIES[self._rs.on_new_request(req_context)])
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._rs.on_request_finished(req_context)
+        if not self._hooked_finish:
+            self._rs.on_request_finished(req_context)
+            return
+        try:
+            accesses = self._rs.finish_request(req_context)
+            if accesses is not None:
+                key_groups, insertion_only_keys, reused_keys = accesses
+                self._policy_view.on_request_finished(
+                    key_groups, insertion_only_keys, reused_keys, req_context
+                )
+        finally:
+            self._rs.forget(req_context)
 
     def reset_cache(self) -> None:
         self._rs.reset_cache()
