@@ -235,7 +235,12 @@ impl FingerprintBuilder {
     }
 }
 
-fn check_name(what: &str, s: &str) -> Result<()> {
+/// Checks a model id, dtype or KV layout name as [`FingerprintBuilder::build`] does: 1 to
+/// [`MAX_NAME_LEN`] bytes, no control character.
+///
+/// # Errors
+/// [`PhysicalError::InvalidArgument`] naming `what`.
+pub fn check_name(what: &str, s: &str) -> Result<()> {
     if s.is_empty() || s.len() > MAX_NAME_LEN || s.chars().any(char::is_control) {
         return Err(PhysicalError::InvalidArgument(format!(
             "model fingerprint: the {what} must be 1..={MAX_NAME_LEN} bytes without control \
