@@ -63,8 +63,7 @@ use figment::value::Value;
 use kvbm_logical::{LogicalConfig, TierId};
 use kvbm_offload::{ObjectPipelineConfig, PipelineConfig};
 use kvbm_physical::{
-    DiskConfig, LayoutConfig, ModelFingerprint, ObjectConfig, Parallelism, S3Config,
-    TransferConfig,
+    DiskConfig, LayoutConfig, ModelFingerprint, ObjectConfig, Parallelism, S3Config, TransferConfig,
 };
 use kvbm_tiering::{OffloadingSpec, OffloadingSpecConfig};
 use serde::{Deserialize, Serialize};

@@ -350,18 +350,34 @@ async fn fail_closed_object_under_another_fingerprint_is_never_served() {
         storage(Some(fp("model-a"))),
         storage(None),
     );
-    assert!(a.path(&ObjectKey::from_u128(1)).as_ref().contains(&fp("model-a").key_segment()));
+    assert!(
+        a.path(&ObjectKey::from_u128(1))
+            .as_ref()
+            .contains(&fp("model-a").key_segment())
+    );
     let payload = Bytes::from(vec![3u8; g.block_bytes()]);
     let k = ObjectKey::from_u128(1);
-    a.put_block(&k, &id(1), &g, vec![payload.clone()], ObjectPutMode::Overwrite)
-        .await
-        .unwrap();
+    a.put_block(
+        &k,
+        &id(1),
+        &g,
+        vec![payload.clone()],
+        ObjectPutMode::Overwrite,
+    )
+    .await
+    .unwrap();
     // Another fingerprint (or none): not listed, absent, not found.
     for other in [&b, &plain] {
         assert!(other.list_keys().await.unwrap().is_empty());
-        assert_eq!(other.probe(&k, &id(1)).await.unwrap(), ObjectPresence::Absent);
+        assert_eq!(
+            other.probe(&k, &id(1)).await.unwrap(),
+            ObjectPresence::Absent
+        );
         let got = other.get_block(&k, &id(1), &g).await;
-        assert!(matches!(got, Err(PhysicalError::NotFound { .. })), "{got:?}");
+        assert!(
+            matches!(got, Err(PhysicalError::NotFound { .. })),
+            "{got:?}"
+        );
     }
     // The same fingerprint: listed, present, read.
     assert_eq!(a2.list_keys().await.unwrap(), vec![k.clone()]);
@@ -369,9 +385,15 @@ async fn fail_closed_object_under_another_fingerprint_is_never_served() {
     assert_eq!(a2.get_block(&k, &id(1), &g).await.unwrap(), payload);
     // Copied into the other fingerprint's scope, it is foreign there, never served.
     raw.copy(&a.path(&k), &b.path(&k)).await.unwrap();
-    assert!(matches!(b.probe(&k, &id(1)).await.unwrap(), ObjectPresence::Foreign(_)));
+    assert!(matches!(
+        b.probe(&k, &id(1)).await.unwrap(),
+        ObjectPresence::Foreign(_)
+    ));
     let got = b.get_block(&k, &id(1), &g).await;
-    assert!(matches!(got, Err(PhysicalError::IdentityMismatch { .. })), "{got:?}");
+    assert!(
+        matches!(got, Err(PhysicalError::IdentityMismatch { .. })),
+        "{got:?}"
+    );
 }
 
 /// Bodies are size-checked before they are read.

@@ -242,7 +242,8 @@ impl Tiers {
                 &cfg.logical,
                 plan.sinks.g3.clone(),
             )?;
-            let opened = DiskJournal::open_for(&disk.path, &*tm.layout(handle)?, Some(&fingerprint))?;
+            let opened =
+                DiskJournal::open_for(&disk.path, &*tm.layout(handle)?, Some(&fingerprint))?;
             let (checksums, warm_blocks) = opened.register_listed(&manager)?;
             Some(G3Tier {
                 manager,
@@ -282,9 +283,7 @@ impl Tiers {
                 }
                 (None, Some(dir)) => (
                     ObjectStorage::local(dir, ocfg)
-                        .with_context(|| {
-                            format!("cannot open the G4 directory {}", dir.display())
-                        })?
+                        .with_context(|| format!("cannot open the G4 directory {}", dir.display()))?
                         .with_fingerprint(fingerprint),
                     format!("local filesystem {}", dir.display()),
                 ),

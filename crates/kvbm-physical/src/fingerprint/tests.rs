@@ -111,10 +111,8 @@ fn name() -> impl Strategy<Value = String> {
 fn parallelism() -> impl Strategy<Value = Parallelism> {
     prop_oneof![
         Just(Parallelism::Canonical),
-        (1usize..9).prop_flat_map(|w| (0..w).prop_map(move |r| Parallelism::Rank {
-            rank: r,
-            world: w
-        })),
+        (1usize..9)
+            .prop_flat_map(|w| (0..w).prop_map(move |r| Parallelism::Rank { rank: r, world: w })),
     ]
 }
 
@@ -180,21 +178,23 @@ fn inputs() -> impl Strategy<Value = Inputs> {
         any::<u32>(),
         parallelism(),
     )
-        .prop_map(|(model, dtype, kv_layout, (l, o, p, i, d), group, par)| Inputs {
-            model,
-            dtype,
-            kv_layout,
-            g: LayoutConfig {
-                num_blocks: 1,
-                num_layers: l,
-                outer_dim: o,
-                page_size: p,
-                inner_dim: i,
-                dtype_bytes: d,
+        .prop_map(
+            |(model, dtype, kv_layout, (l, o, p, i, d), group, par)| Inputs {
+                model,
+                dtype,
+                kv_layout,
+                g: LayoutConfig {
+                    num_blocks: 1,
+                    num_layers: l,
+                    outer_dim: o,
+                    page_size: p,
+                    inner_dim: i,
+                    dtype_bytes: d,
+                },
+                group,
+                p: par,
             },
-            group,
-            p: par,
-        })
+        )
 }
 
 fn change() -> impl Strategy<Value = Change> {

@@ -145,7 +145,14 @@ fn another_fingerprint_starts_cold_and_the_same_one_warm() {
     assert!(m.is_empty());
     drop(m);
     // ... and a manifest from before fingerprints (field 0) is another fingerprint too.
-    let (m, _) = DiskManifest::open(&p, ManifestGeometry { fingerprint: 0, ..geo() }).unwrap();
+    let (m, _) = DiskManifest::open(
+        &p,
+        ManifestGeometry {
+            fingerprint: 0,
+            ..geo()
+        },
+    )
+    .unwrap();
     m.record(&[stored(3, 30)]).unwrap();
     drop(m);
     let (m, r) = DiskManifest::open(&p, geo()).unwrap();
