@@ -143,7 +143,8 @@ pub struct ModelConfig {
     pub name: String,
     /// KV cache dtype (`bfloat16`, `float16`, `float32`, `fp8_e4m3`, ...); a known name must
     /// agree with the geometry's bytes per element. Default: `auto` (only the element size,
-    /// from the geometry, is bound).
+    /// from the geometry, is bound). The tier stack (`kvbm replay`) stores opaque
+    /// `tiers.block_bytes` bytes (1-byte elements): there a named dtype must be a 1-byte one.
     pub dtype: String,
     /// Element order within a `[tokens × inner]` region (`NHD`, `HND`, ...). Default: `NHD`.
     pub kv_layout: String,
