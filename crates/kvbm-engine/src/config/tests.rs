@@ -367,11 +367,12 @@ fn model_keys_make_the_fingerprint_and_bad_ones_name_the_key() {
         ("model.name", "m"),
         ("model.dtype", "bfloat16"),
         ("model.kv_layout", "HND"),
-        ("model.kv_group", "1"),
     ] {
         let fp = with(k, v).unwrap().fingerprint(&g).unwrap();
         assert_ne!(fp, base, "{k}");
     }
+    let grouped = ConfigBuilder::new().set("model.kv_group", 1).build().unwrap();
+    assert_ne!(grouped.fingerprint(&g).unwrap(), base);
     let ranked = ConfigBuilder::new()
         .set("physical.object.tp_world_size", 2)
         .set("physical.object.tp_rank", 1)
