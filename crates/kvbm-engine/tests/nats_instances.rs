@@ -112,6 +112,15 @@ fn runtime_with(
     b.build().unwrap()
 }
 
+/// The subject an instance of these tests (default `[model]`, rank 0 of 1, the geometry of
+/// [`instance`]) speaks on: `configured` scoped by its model fingerprint.
+fn scoped(configured: &str) -> String {
+    let fp = kvbm_engine::config::KvbmConfig::default()
+        .fingerprint(common::geometry_with(32).config())
+        .unwrap();
+    format!("{configured}.{}", fp.key_segment())
+}
+
 async fn instance(rt: &KvbmRuntime, id: InstanceId) -> Instance {
     Instance::builder(&rt.handle())
         .id(id)
@@ -329,9 +338,15 @@ async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
     )
     .await
     .unwrap();
-    let bus = NatsBus::start(&rt_a.handle(), attacker, subject.clone(), 1024)
-        .await
-        .unwrap();
+    // On the subject the instances speak on (the configured one scoped by their fingerprint).
+    let bus = NatsBus::start(
+        &rt_a.handle(),
+        attacker,
+        a.events_subject().to_string(),
+        1024,
+    )
+    .await
+    .unwrap();
     let forged = prefix(9, 500);
     for (i, h) in forged.iter().enumerate() {
         bus.send(EventMessage {
@@ -460,7 +475,9 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     let Some(nats) = kvbm_tests::services::nats("security_forged_presence") else {
         return;
     };
-    let subject = format!("kvbm.test.{}", unique("forgedhb").replace('-', "_"));
+    let configured = format!("kvbm.test.{}", unique("forgedhb").replace('-', "_"));
+    // What the instances speak on: the configured subject scoped by their fingerprint.
+    let subject = scoped(&configured);
     let members = Members::new();
     let forged = prefix(9, 4);
     let plain = connect(&nats.url, "attacker", Duration::from_millis(100))
@@ -505,11 +522,12 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     });
 
     let (rt_a, rt_b) = (
-        members.runtime(A, &nats.url, &subject, None, 500),
-        members.runtime(B, &nats.url, &subject, None, 500),
+        members.runtime(A, &nats.url, &configured, None, 500),
+        members.runtime(B, &nats.url, &configured, None, 500),
     );
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;
+    assert_eq!(a.events_subject(), subject);
     let a_addr = a.data_plane().local_addr();
     eventually("B synced A", || {
         b.presence().is_synced(A) && b.peers().get(A) == Some(a_addr)

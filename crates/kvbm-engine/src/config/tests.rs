@@ -371,7 +371,10 @@ fn model_keys_make_the_fingerprint_and_bad_ones_name_the_key() {
         let fp = with(k, v).unwrap().fingerprint(&g).unwrap();
         assert_ne!(fp, base, "{k}");
     }
-    let grouped = ConfigBuilder::new().set("model.kv_group", 1).build().unwrap();
+    let grouped = ConfigBuilder::new()
+        .set("model.kv_group", 1)
+        .build()
+        .unwrap();
     assert_ne!(grouped.fingerprint(&g).unwrap(), base);
     let ranked = ConfigBuilder::new()
         .set("physical.object.tp_world_size", 2)
