@@ -928,7 +928,7 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
     let on_stack_geometry = |rt: &KvbmRuntime| {
         Instance::builder(&rt.handle())
             .id(A)
-            .geometry(stack_geometry.clone())
+            .geometry(stack_geometry)
             .build()
     };
     let rt = runtime("unnamed");
