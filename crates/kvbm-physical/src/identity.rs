@@ -94,6 +94,22 @@ pub fn geometry_digest(g: &LayoutConfig) -> u64 {
     h.digest().max(1)
 }
 
+/// [`geometry_digest`] scoped by `scope`, the 64-bit form of a model fingerprint
+/// ([`ModelFingerprint::short`]; 0: unscoped, the plain geometry digest). Peers that compare
+/// geometry values (the data plane's requests and frames) then also refuse one another's
+/// blocks when their fingerprints differ. Never zero.
+pub fn scoped_geometry_digest(g: &LayoutConfig, scope: u64) -> u64 {
+    let plain = geometry_digest(g);
+    if scope == 0 {
+        return plain;
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"kvbm-geometry-scope-v1");
+    h.update(&plain.to_le_bytes());
+    h.update(&scope.to_le_bytes());
+    h.digest().max(1)
+}
+
 /// Where an object is, besides its identity: namespace, key, tensor-parallel rank, and the
 /// fingerprint of the model it belongs to.
 #[derive(Debug, Clone, Copy)]
@@ -156,6 +172,13 @@ mod tests {
         assert_eq!(
             geometry_digest(&g),
             geometry_digest(&LayoutConfig { num_blocks: 9, ..g })
+        );
+        assert_eq!(scoped_geometry_digest(&g, 0), geometry_digest(&g));
+        assert_ne!(scoped_geometry_digest(&g, 1), geometry_digest(&g));
+        assert_ne!(scoped_geometry_digest(&g, 1), scoped_geometry_digest(&g, 2));
+        assert_ne!(
+            scoped_geometry_digest(&g, 1),
+            scoped_geometry_digest(&g2, 1)
         );
         let base = ObjectBinding {
             namespace: "ns",

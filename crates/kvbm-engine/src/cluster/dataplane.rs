@@ -185,6 +185,12 @@ pub struct DataPlaneConfig {
     /// off by default (`security.dataplane_payload_mac`); either end asking turns it on for the
     /// connection.
     pub payload_mac: bool,
+    /// The model fingerprint's 64-bit form ([`ModelFingerprint::short`](kvbm_physical::ModelFingerprint::short)),
+    /// folded into the geometry value every request and frame carries
+    /// ([`scoped_geometry_digest`](kvbm_physical::identity::scoped_geometry_digest)): a
+    /// client and a server of different fingerprints refuse each other's blocks as a
+    /// geometry mismatch. 0: unscoped. Default: 0 (an `Instance` sets its own).
+    pub scope: u64,
 }
 
 impl Default for DataPlaneConfig {
@@ -203,6 +209,7 @@ impl Default for DataPlaneConfig {
             max_idle_peers: t.max_idle_peers,
             idle_expiry: Duration::from_millis(t.idle_expiry_ms),
             payload_mac: false,
+            scope: 0,
         }
     }
 }

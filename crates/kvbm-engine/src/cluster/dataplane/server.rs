@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
-use kvbm_physical::identity::geometry_digest;
+use kvbm_physical::identity::scoped_geometry_digest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
@@ -206,7 +206,7 @@ impl DataPlaneServer {
         let served = Arc::new(Served {
             instance,
             manager,
-            geometry: geometry_digest(&c),
+            geometry: scoped_geometry_digest(&c, config.scope),
             block_bytes: c.block_bytes(),
             layout,
             config,
