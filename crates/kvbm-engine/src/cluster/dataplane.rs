@@ -26,7 +26,8 @@
 //! ```
 //!
 //! Header fields on this path: `len` = block bytes, `slot` = the layout's
-//! [`geometry_digest`](kvbm_physical::identity::geometry_digest) (as objects do), `identity` =
+//! [`geometry_digest`](kvbm_physical::identity::geometry_digest) (as objects do), scoped by the
+//! model fingerprint ([`DataPlaneConfig::scope`]; so is the request's geometry), `identity` =
 //! the sequence hash ([`kvbm_offload::block_identity`], as G3/G4), `binding` = a digest of the
 //! serving [`InstanceId`] ([`binding`]). The client checks all of them **before reading the
 //! payload** (a hostile or corrupt length is refused before anything is read or allocated;
