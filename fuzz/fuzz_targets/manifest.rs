@@ -13,7 +13,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         assert_eq!(&again[..], &data[..MANIFEST_RECORD_LEN], "a record decodes to what encodes it");
     }
     let _ = decode_header(data);
-    let g = ManifestGeometry { payload_bytes: 4096, num_slots: 64, file_id: 7 };
+    let g = ManifestGeometry { payload_bytes: 4096, num_slots: 64, file_id: 7, fingerprint: 9 };
     if let Ok(r) = replay(data, &g) {
         assert!(r.good_len as usize <= data.len());
         assert!(r.live.keys().all(|s| *s < 64));

@@ -108,6 +108,14 @@ fn replay_args(g3: &Path, requests: usize, extra: &[&str]) -> Vec<String> {
 }
 
 /// The G3 file's instance id, from its sidecar (`kvbm-g3-id-v1 <hex> <slot_bytes> <slots>`).
+/// The model fingerprint the journal's header records (the replay's own, from its config).
+fn journal_fingerprint(journal: &Path) -> u64 {
+    let bytes = std::fs::read(journal).unwrap();
+    kvbm_physical::storage::manifest::decode_header(&bytes)
+        .unwrap()
+        .fingerprint
+}
+
 fn g3_file_id(g3: &Path) -> u128 {
     let text = std::fs::read_to_string(g3.join("g3.bin.id")).unwrap();
     let id = text.split_whitespace().nth(1).unwrap();
@@ -180,6 +188,7 @@ fn fault_kill9_mid_g3_offload_restarts_warm_with_only_complete_blocks() {
         payload_bytes: BLOCK as u64,
         num_slots: G3_SLOTS as u64,
         file_id: g3_file_id(&g3),
+        fingerprint: journal_fingerprint(&journal),
     };
     let listed = DiskManifest::read_entries(&journal, &geometry).unwrap();
     assert!(!listed.is_empty());
@@ -265,6 +274,7 @@ fn damage_g3(g3: &Path, how: Damage) -> usize {
         payload_bytes: BLOCK as u64,
         num_slots: 4096,
         file_id: g3_file_id(g3),
+        fingerprint: journal_fingerprint(&g3.join("g3.journal")),
     };
     let listed = DiskManifest::read_entries(&g3.join("g3.journal"), &geometry).unwrap();
     assert!(listed.len() >= 4, "{} blocks listed", listed.len());

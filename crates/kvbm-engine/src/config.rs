@@ -62,7 +62,9 @@ use figment::providers::{Format, Serialized, Toml};
 use figment::value::Value;
 use kvbm_logical::{LogicalConfig, TierId};
 use kvbm_offload::{ObjectPipelineConfig, PipelineConfig};
-use kvbm_physical::{DiskConfig, ObjectConfig, S3Config, TransferConfig};
+use kvbm_physical::{
+    DiskConfig, LayoutConfig, ModelFingerprint, ObjectConfig, Parallelism, S3Config, TransferConfig,
+};
 use kvbm_tiering::{OffloadingSpec, OffloadingSpecConfig};
 use serde::{Deserialize, Serialize};
 
@@ -79,6 +81,8 @@ pub const CONFIG_PATH_ENV: &str = "KVBM_CONFIG_PATH";
 pub struct KvbmConfig {
     /// Tokio runtime of the engine.
     pub runtime: RuntimeConfig,
+    /// `[model]`: what the stored blocks are KV of (part of the model fingerprint).
+    pub model: ModelConfig,
     /// Block counts per tier (0: the tier is absent).
     pub tiers: TiersConfig,
     /// The leader's search.
@@ -119,6 +123,42 @@ impl Default for RuntimeConfig {
         Self {
             worker_threads: 2,
             shutdown_timeout_ms: 5000,
+        }
+    }
+}
+
+/// `[model]`: what the stored blocks are KV of. With the block geometry and the tensor-parallel
+/// rank (`physical.object.tp_rank` / `tp_world_size`) it makes the instance's
+/// [`ModelFingerprint`] ([`KvbmConfig::fingerprint`]), which scopes every key a block leaves
+/// the process under: G4 object paths and bindings, the G3 journal, and the cluster plane's
+/// event, heartbeat and snapshot subjects. Instances whose fingerprints differ share a bucket
+/// and a NATS server without ever matching each other's blocks. Set `name` and `dtype` for a
+/// real model: left at their defaults, instances are told apart only by geometry, KV layout,
+/// group and rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Model id, with its revision where it has one (e.g.
+    /// `meta-llama/Llama-3.1-8B-Instruct@0e9e39f`). Default: `unnamed`.
+    pub name: String,
+    /// KV cache dtype (`bfloat16`, `float16`, `float32`, `fp8_e4m3`, ...); a known name must
+    /// agree with the geometry's bytes per element. Default: `auto` (only the element size,
+    /// from the geometry, is bound). The tier stack (`kvbm replay`) stores opaque
+    /// `tiers.block_bytes` bytes (1-byte elements): there a named dtype must be a 1-byte one.
+    pub dtype: String,
+    /// Element order within a `[tokens × inner]` region (`NHD`, `HND`, ...). Default: `NHD`.
+    pub kv_layout: String,
+    /// The KV cache group these blocks belong to (hybrid models have several). Default: 0.
+    pub kv_group: u32,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            name: "unnamed".into(),
+            dtype: "auto".into(),
+            kv_layout: "NHD".into(),
+            kv_group: 0,
         }
     }
 }
@@ -700,12 +740,44 @@ fn socket_addr(key: &str, value: &str) -> Result<SocketAddr> {
 }
 
 impl KvbmConfig {
+    /// The model fingerprint of blocks of `geometry` under this tree: `[model]`, the geometry
+    /// (its block count aside) and this process's tensor-parallel rank
+    /// (`physical.object.tp_rank` of `tp_world_size`). See [`ModelConfig`].
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming `model` when a part is invalid (e.g. `model.dtype` is a
+    /// known dtype of another size than the geometry's elements).
+    pub fn fingerprint(&self, geometry: &LayoutConfig) -> Result<ModelFingerprint> {
+        let m = &self.model;
+        let o = &self.physical.object;
+        ModelFingerprint::builder()
+            .model(&m.name)
+            .dtype(&m.dtype)
+            .kv_layout(&m.kv_layout)
+            .kv_group(m.kv_group)
+            .geometry(*geometry)
+            .parallelism(Parallelism::Rank {
+                rank: o.tp_rank,
+                world: o.tp_world_size,
+            })
+            .build()
+            .map_err(|e| EngineError::config("model", e.to_string()))
+    }
+
     /// Checks ranges and cross-field rules of every section.
     ///
     /// # Errors
     /// [`EngineError::Config`] naming the first offending key.
     pub fn validate(&self) -> Result<()> {
         positive("runtime.worker_threads", self.runtime.worker_threads as u64)?;
+        for (key, what, v) in [
+            ("model.name", "model id", &self.model.name),
+            ("model.dtype", "dtype", &self.model.dtype),
+            ("model.kv_layout", "KV layout", &self.model.kv_layout),
+        ] {
+            kvbm_physical::fingerprint::check_name(what, v)
+                .map_err(|e| EngineError::config(key, e.to_string()))?;
+        }
 
         let mut seen = Vec::with_capacity(self.leader.search.len());
         for tier in &self.leader.search {

@@ -34,6 +34,8 @@ struct Proc {
     lines: mpsc::Receiver<String>,
     id: String,
     addr: String,
+    /// The model fingerprint its G4 paths are scoped by (`fp-<hex>`).
+    fingerprint: String,
 }
 
 impl Proc {
@@ -88,6 +90,7 @@ impl Proc {
         Self {
             id: f["id"].clone(),
             addr: f["addr"].clone(),
+            fingerprint: f["fingerprint"].clone(),
             child,
             stdin,
             lines,
@@ -268,6 +271,19 @@ fn b_never_serves_a_block_that_fails_its_checksum_or_identity_it_refuses_counts_
     assert_eq!(a.num("compute 4 2", "computed"), 2);
     assert_eq!(a.num("offload 4 2", "offloaded"), 2);
     let hashes = prefix(4, 2);
+    // The instances' objects live under their model fingerprint (default `[model]`, rank 0 of
+    // 1, the binary's default geometry): this storage reaches them only scoped by it.
+    let fingerprint = kvbm_engine::config::KvbmConfig::default()
+        .fingerprint(&kvbm_physical::LayoutConfig {
+            num_blocks: 1,
+            num_layers: 2,
+            outer_dim: 2,
+            page_size: 16,
+            inner_dim: 32,
+            dtype_bytes: 2,
+        })
+        .unwrap();
+    assert_eq!(fingerprint.key_segment(), a.fingerprint);
     let storage = ObjectStorage::s3(
         &s.s3,
         ObjectConfig {
@@ -275,7 +291,8 @@ fn b_never_serves_a_block_that_fails_its_checksum_or_identity_it_refuses_counts_
             ..Default::default()
         },
     )
-    .unwrap();
+    .unwrap()
+    .with_fingerprint(fingerprint);
     let raw = ObjectStorage::s3_client(&s.s3).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {

@@ -17,6 +17,11 @@
 //! * events forged under instance ids that never joined are ignored and counted by both
 //!   instances, which keep serving each other.
 //!
+//! * model fingerprints: four instances, two per model fingerprint, on one bucket, namespace
+//!   and NATS subject: zero cross matches (no peer, no index entry, no G4 hit, listed or
+//!   probed, across fingerprints), while the same fingerprint matches (G4 and a peer's G2);
+//!   and an instance restarted on a G3 file under another fingerprint starts cold.
+//!
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
 use std::net::TcpListener;
@@ -105,6 +110,15 @@ fn runtime_with(
             .set("offload.g2_to_g4.use_locks", false);
     }
     b.build().unwrap()
+}
+
+/// The subject an instance of these tests (default `[model]`, rank 0 of 1, the geometry of
+/// [`instance`]) speaks on: `configured` scoped by its model fingerprint.
+fn scoped(configured: &str) -> String {
+    let fp = kvbm_engine::config::KvbmConfig::default()
+        .fingerprint(common::geometry_with(32).config())
+        .unwrap();
+    format!("{configured}.{}", fp.key_segment())
 }
 
 async fn instance(rt: &KvbmRuntime, id: InstanceId) -> Instance {
@@ -324,9 +338,15 @@ async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
     )
     .await
     .unwrap();
-    let bus = NatsBus::start(&rt_a.handle(), attacker, subject.clone(), 1024)
-        .await
-        .unwrap();
+    // On the subject the instances speak on (the configured one scoped by their fingerprint).
+    let bus = NatsBus::start(
+        &rt_a.handle(),
+        attacker,
+        a.events_subject().to_string(),
+        1024,
+    )
+    .await
+    .unwrap();
     let forged = prefix(9, 500);
     for (i, h) in forged.iter().enumerate() {
         bus.send(EventMessage {
@@ -455,7 +475,9 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     let Some(nats) = kvbm_tests::services::nats("security_forged_presence") else {
         return;
     };
-    let subject = format!("kvbm.test.{}", unique("forgedhb").replace('-', "_"));
+    let configured = format!("kvbm.test.{}", unique("forgedhb").replace('-', "_"));
+    // What the instances speak on: the configured subject scoped by their fingerprint.
+    let subject = scoped(&configured);
     let members = Members::new();
     let forged = prefix(9, 4);
     let plain = connect(&nats.url, "attacker", Duration::from_millis(100))
@@ -500,11 +522,12 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     });
 
     let (rt_a, rt_b) = (
-        members.runtime(A, &nats.url, &subject, None, 500),
-        members.runtime(B, &nats.url, &subject, None, 500),
+        members.runtime(A, &nats.url, &configured, None, 500),
+        members.runtime(B, &nats.url, &configured, None, 500),
     );
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;
+    assert_eq!(a.events_subject(), subject);
     let a_addr = a.data_plane().local_addr();
     eventually("B synced A", || {
         b.presence().is_synced(A) && b.peers().get(A) == Some(a_addr)
@@ -662,6 +685,184 @@ impl Contents for Synthetic {
     }
 }
 
+/// An instance of model `model` (`model.name`) sharing `subject` and the bucket namespace.
+async fn of_model(
+    nats_url: &str,
+    subject: &str,
+    s3: &kvbm_tests::services::S3Service,
+    namespace: &str,
+    model: &str,
+    id: InstanceId,
+) -> (KvbmRuntime, Instance) {
+    let rt = runtime_with(
+        nats_url,
+        subject,
+        Some((s3, namespace)),
+        50,
+        &[("model.name", model.to_string())],
+    );
+    let i = instance(&rt, id).await;
+    (rt, i)
+}
+
+/// Issue 24, item 3: two instances per model fingerprint (models X and Y) on one bucket, one
+/// namespace, one configured subject and one NATS server. Within a fingerprint, blocks match:
+/// from the shared G4 (by event, and by a late joiner's listing) and from a peer's G2 over TCP,
+/// bytes verified. Across fingerprints, zero matches: no peer, no index entry, no G4 hit (by
+/// event, listing or presence check), although both models store the very same sequence
+/// hashes in the same bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_of_different_model_fingerprints_never_match_on_one_bucket_and_server() {
+    let test = "fingerprints";
+    let (Some(nats), Some(s3)) = (
+        kvbm_tests::services::nats(test),
+        kvbm_tests::services::s3(test),
+    ) else {
+        return;
+    };
+    let subject = format!("kvbm.test.{}", unique("fp").replace('-', "_"));
+    let namespace = unique("engine-fingerprints");
+    let (x1, x2, y1, y2) = (
+        InstanceId(0x11),
+        InstanceId(0x12),
+        InstanceId(0x21),
+        InstanceId(0x22),
+    );
+    let (rt_x1, a) = of_model(&nats.url, &subject, &s3, &namespace, "model-x", x1).await;
+    let (rt_x2, b) = of_model(&nats.url, &subject, &s3, &namespace, "model-x", x2).await;
+    let (rt_y1, c) = of_model(&nats.url, &subject, &s3, &namespace, "model-y", y1).await;
+    let (rt_y2, d) = of_model(&nats.url, &subject, &s3, &namespace, "model-y", y2).await;
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    assert_eq!(c.fingerprint(), d.fingerprint());
+    assert_ne!(a.fingerprint(), c.fingerprint());
+    assert_ne!(a.events_subject(), c.events_subject());
+    assert!(a.events_subject().starts_with(&subject));
+
+    // Each sees only the peer of its own fingerprint.
+    eventually("peers of one fingerprint see each other", || {
+        a.peers().get(x2).is_some()
+            && b.peers().get(x1).is_some()
+            && c.peers().get(y2).is_some()
+            && d.peers().get(y1).is_some()
+    })
+    .await;
+
+    // Both models store the same prefixes: P1 to the shared bucket, P2 in G2 only.
+    let (p1, p2) = (prefix(11, 6), prefix(12, 4));
+    for w in [&a, &c] {
+        assert_eq!(w.compute(&p1, &synthetic_block).unwrap(), 6);
+        assert_eq!(w.offload_g4(&p1).await.unwrap(), 6);
+        assert_eq!(w.compute(&p2, &synthetic_block).unwrap(), 4);
+    }
+    // The reader of each fingerprint learns of its writer's blocks (the positive control:
+    // every writer's events went out) ...
+    for (reader, writer) in [(&b, x1), (&d, y1)] {
+        eventually("the same fingerprint's events arrive", || {
+            p1.iter()
+                .all(|h| reader.index().locations(*h).contains(&(writer, TierId::G4)))
+                && p2
+                    .iter()
+                    .all(|h| reader.index().locations(*h) == vec![(writer, TierId::G2)])
+        })
+        .await;
+    }
+    // ... and of nothing else: no peer, no index entry of the other fingerprint.
+    for (i, others) in [
+        (&a, [y1, y2]),
+        (&b, [y1, y2]),
+        (&c, [x1, x2]),
+        (&d, [x1, x2]),
+    ] {
+        for o in others {
+            assert!(
+                i.peers().get(o).is_none(),
+                "{o} is a peer across fingerprints"
+            );
+            assert!(
+                !i.index().instances().contains(&o),
+                "{o} indexed across fingerprints"
+            );
+            assert!(!i.presence().live_peers().contains(&o));
+        }
+    }
+
+    // The same fingerprint matches: P1 from G4, P2 from the writer's G2, bytes verified.
+    for (reader, writer) in [(&b, x1), (&d, y1)] {
+        let got = reader.onboard(&p1).await.unwrap();
+        assert_eq!((got.g4, got.remote_g2), (6, None), "{got:?}");
+        verified(reader, &p1, &got);
+        drop(got);
+        let got = reader.onboard(&p2).await.unwrap();
+        assert_eq!(got.remote_g2, Some((writer, 4)), "{got:?}");
+        verified(reader, &p2, &got);
+        drop(got);
+        let s = reader.stats();
+        assert_eq!(
+            (s.g4_blocks, s.remote_g2_blocks, s.refused_blocks),
+            (6, 4, 0)
+        );
+    }
+
+    // A late joiner of each fingerprint lists the bucket at start: it finds its own
+    // fingerprint's P1 and only that (both models wrote the same hashes).
+    let (rt_y3, e) = of_model(
+        &nats.url,
+        &subject,
+        &s3,
+        &namespace,
+        "model-y",
+        InstanceId(0x23),
+    )
+    .await;
+    let (rt_z, f) = of_model(
+        &nats.url,
+        &subject,
+        &s3,
+        &namespace,
+        "model-z",
+        InstanceId(0x31),
+    )
+    .await;
+    assert_eq!(
+        e.lookup(&p1).g4,
+        6,
+        "the same fingerprint's objects are listed"
+    );
+    let l = f.lookup(&[p1.clone(), p2.clone()].concat());
+    assert_eq!((l.matched(), l.blocks.len()), (0, 0), "{l:?}");
+    // Asking the bucket itself (presence check) finds nothing of another fingerprint either,
+    // and nothing is refused or deleted: the other model's objects are simply not there.
+    let got = f.onboard(&p1).await.unwrap();
+    assert_eq!(
+        (got.matched(), got.blocks.len(), got.refused.as_ref()),
+        (0, 0, None),
+        "{got:?}"
+    );
+    let s = f.stats();
+    assert_eq!(
+        (
+            s.g4_blocks,
+            s.remote_g2_blocks,
+            s.presence_adopted_blocks,
+            s.refused_blocks
+        ),
+        (0, 0, 0, 0)
+    );
+    assert!(f.peers().get(x1).is_none() && f.peers().get(y1).is_none());
+    // The other fingerprints' objects are still there for their own readers.
+    let got = e.onboard(&p1).await.unwrap();
+    assert_eq!(got.g4, 6, "{got:?}");
+    verified(&e, &p1, &got);
+    drop(got);
+
+    for i in [a, b, c, d, e, f] {
+        i.shutdown().await;
+    }
+    for rt in [rt_x1, rt_x2, rt_y1, rt_y2, rt_y3, rt_z] {
+        rt.shutdown();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
     let Some(nats) = kvbm_tests::services::nats("instance_g3_warm") else {
@@ -670,6 +871,17 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
     let dir = tempfile::tempdir().unwrap();
     let disk = dir.path().join("g3").join("g3.bin");
     let block_bytes = common::geometry_with(32).config().block_bytes();
+    // A block's fingerprint binds its geometry: the instance takes the stack's (the stack's
+    // blocks are `tiers.block_bytes` opaque bytes: 1 layer × 1 token × block_bytes bytes).
+    let stack_geometry = kvbm_physical::BlockLayout::builder()
+        .num_blocks(1)
+        .num_layers(1)
+        .outer_dim(1)
+        .page_size(1)
+        .inner_dim(block_bytes)
+        .dtype_bytes(1)
+        .build()
+        .unwrap();
     let p = prefix(7, 6);
 
     // A tier stack computes P and writes it down to G3 (slots and journal), then finishes and
@@ -696,21 +908,31 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
 
     // An instance on the same file: the journal lists P, so it is in the instance's G3 at
     // start and onboards from there, every block with the bytes the stack computed.
-    let rt = KvbmRuntime::builder()
-        .tokio_handle(tokio::runtime::Handle::current())
-        .set("logical.block_size", 4)
-        .set(
-            "events.subject",
-            format!("kvbm.test.{}", unique("g3warm").replace('-', "_")),
-        )
-        .set("tiers.g1_blocks", 16)
-        .set("tiers.g2_blocks", 16)
-        .set("tiers.g3_blocks", 16)
-        .set("physical.disk.path", disk.display().to_string())
-        .set("transport.nats_url", &nats.url)
-        .build()
-        .unwrap();
-    let i = instance(&rt, A).await;
+    let runtime = |model: &str| {
+        KvbmRuntime::builder()
+            .tokio_handle(tokio::runtime::Handle::current())
+            .set("logical.block_size", 4)
+            .set(
+                "events.subject",
+                format!("kvbm.test.{}", unique("g3warm").replace('-', "_")),
+            )
+            .set("model.name", model)
+            .set("tiers.g1_blocks", 16)
+            .set("tiers.g2_blocks", 16)
+            .set("tiers.g3_blocks", 16)
+            .set("physical.disk.path", disk.display().to_string())
+            .set("transport.nats_url", &nats.url)
+            .build()
+            .unwrap()
+    };
+    let on_stack_geometry = |rt: &KvbmRuntime| {
+        Instance::builder(&rt.handle())
+            .id(A)
+            .geometry(stack_geometry)
+            .build()
+    };
+    let rt = runtime("unnamed");
+    let i = on_stack_geometry(&rt).await.unwrap();
     assert_eq!(i.lookup(&p).local_g3, 6, "G3 is warm from the journal");
     let got = i.onboard(&p).await.unwrap();
     assert_eq!(
@@ -721,6 +943,26 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
     verified(&i, &p, &got);
     drop(got);
     assert_eq!(i.stats().local_g3_blocks, 6);
+    i.shutdown().await;
+    drop(i);
+    rt.shutdown();
+
+    // Restarted on the same file under another model fingerprint: G3 starts cold. The blocks
+    // written for the other model are a miss, never a hit (nothing served, nothing refused).
+    let rt = runtime("another-model");
+    let i = on_stack_geometry(&rt).await.unwrap();
+    assert_eq!(
+        i.lookup(&p).matched(),
+        0,
+        "G3 is cold under another fingerprint"
+    );
+    let got = i.onboard(&p).await.unwrap();
+    assert_eq!(
+        (got.matched(), got.blocks.len(), got.refused.as_ref()),
+        (0, 0, None),
+        "{got:?}"
+    );
+    assert_eq!(i.stats().local_g3_blocks, 0);
     i.shutdown().await;
     rt.shutdown();
 }

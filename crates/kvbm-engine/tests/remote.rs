@@ -256,3 +256,120 @@ async fn a_pull_answered_by_another_instance_fails_and_registers_nothing() {
     assert_eq!(g2_b.available_blocks(), N);
     runtime.shutdown();
 }
+
+/// B pulls A's first four G2 blocks with the data plane scoped by `server_scope` (A) and
+/// `client_scope` (B): `Ok` with the blocks staged in B's G2, or the session's failure
+/// message (nothing registered in B's G2).
+async fn pull_scoped(server_scope: u64, client_scope: u64) -> Result<(), String> {
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let bus = Arc::new(InProcessBus::new(64));
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..32).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let hashes = seq.hashes();
+    let pub_a = EventPublisher::spawn(&rt, A, bus.clone()).unwrap();
+    let g2_a = g2_with_sink(pub_a);
+    let layout_a =
+        Arc::new(PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap());
+    fill(&layout_a, 0xa0);
+    let server_a = DataPlaneServer::start(
+        DataPlaneConfig {
+            scope: server_scope,
+            ..DataPlaneConfig::default()
+        },
+        A,
+        g2_a.clone(),
+        layout_a.clone(),
+    )
+    .await
+    .unwrap();
+    let index_b = Arc::new(CrossInstanceIndex::new());
+    CrossInstanceIndex::follow(index_b.clone(), &rt, &*bus).unwrap();
+    let g2_b = common::manager::<G2>(&BlockRegistry::new());
+    let layout_b =
+        Arc::new(PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap());
+    let peers = Arc::new(PeerDirectory::new());
+    peers.insert(A, server_a.local_addr());
+    let client_b = Arc::new(
+        DataPlaneClient::new(
+            DataPlaneConfig {
+                scope: client_scope,
+                ..DataPlaneConfig::default()
+            },
+            g2_b.clone(),
+            layout_b,
+            peers,
+        )
+        .unwrap(),
+    );
+    let leader_b = InstanceLeader::builder()
+        .g2(g2_b.clone())
+        .remote(RemoteSearch {
+            index: index_b.clone(),
+            this: B,
+            shared_g4: false,
+        })
+        .build()
+        .unwrap();
+    store(&g2_a, &hashes[..4]);
+    g2_a.flush_events();
+    for _ in 0..500 {
+        if index_b.len() == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let session = leader_b.begin_onboarding(&hashes[..4]);
+    assert_eq!(session.prefix_len(), 4);
+    let out = session
+        .prepare(StagingMovers {
+            remote_g2: Some(client_b),
+            ..StagingMovers::default()
+        })
+        .await;
+    let result = match out {
+        Ok(_) => {
+            assert_eq!(session.phase(), Phase::Staged);
+            assert_eq!(g2_b.match_blocks(&hashes[..4]).len(), 4);
+            Ok(())
+        }
+        Err(SessionError::Failed(f)) => {
+            assert_eq!(f.failed_blocks, 4);
+            assert_eq!(session.phase(), Phase::Failed);
+            assert!(g2_b.match_blocks(&hashes[..1]).is_empty());
+            assert_eq!(g2_b.available_blocks(), N);
+            Err(f.message)
+        }
+        Err(e) => panic!("{e}"),
+    };
+    drop(session);
+    runtime.shutdown();
+    result
+}
+
+/// The data plane folds the model fingerprint (`DataPlaneConfig::scope`) into the geometry
+/// value of every request and frame: a client of another fingerprint is refused before any
+/// block moves, and registers nothing; the same fingerprint pulls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_across_model_fingerprints_is_refused_and_the_same_fingerprint_pulls() {
+    let fp = |model: &str| {
+        kvbm_physical::ModelFingerprint::builder()
+            .model(model)
+            .dtype("auto")
+            .kv_layout("NHD")
+            .geometry(*geometry().config())
+            .parallelism(kvbm_physical::Parallelism::Rank { rank: 0, world: 1 })
+            .build()
+            .unwrap()
+            .short()
+    };
+    let (x, y) = (fp("model-x"), fp("model-y"));
+    pull_scoped(x, x).await.unwrap();
+    for (server, client) in [(x, y), (x, 0), (0, y)] {
+        let why = pull_scoped(server, client).await.unwrap_err();
+        assert!(why.contains("geometry"), "{why}");
+    }
+}

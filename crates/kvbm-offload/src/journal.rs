@@ -10,6 +10,12 @@
 //! its write completed ([`DiskJournal::written`]). A later run with the same G3 file replays the
 //! journal and starts warm with exactly the blocks that were complete; a torn tail is discarded.
 //!
+//! A journal opened with a [`ModelFingerprint`] ([`DiskJournal::open_for`]) records it; a later
+//! run under another fingerprint (another model, dtype, KV layout, group or rank) starts G3
+//! cold: every block of the old run is a miss, never a hit, and its slot is reused (not
+//! counted as damage). [`DiskJournal::open`] records none, so it also starts cold over a
+//! journal that has one, and the other way round.
+//!
 //! ```text
 //!  allocate slot ─► will_write(slot) ─► write block (O_DIRECT) ─► written(slot, hash, checksum)
 //!  restart: open ─► replay ─► Opened::register_listed: every listed block registered at its slot
@@ -29,7 +35,8 @@ use std::path::{Path, PathBuf};
 
 use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
 use kvbm_physical::{
-    Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, PhysicalLayout,
+    Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, ModelFingerprint,
+    PhysicalLayout,
 };
 
 use crate::batch::{BatchOutcome, ResolvedBatch};
@@ -138,6 +145,19 @@ impl DiskJournal {
     /// [`OffloadError::Setup`] naming the journal: the layout is not a disk file, or the
     /// journal cannot be read, created or repaired.
     pub fn open(file: &Path, layout: &PhysicalLayout) -> Result<Opened> {
+        Self::open_for(file, layout, None)
+    }
+
+    /// [`open`](Self::open), the journal bound to `fingerprint`: one written under another
+    /// fingerprint (or none) is reset, and G3 starts cold (see the [module docs](self)).
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_for(
+        file: &Path,
+        layout: &PhysicalLayout,
+        fingerprint: Option<&ModelFingerprint>,
+    ) -> Result<Opened> {
         let Backing::Disk(disk) = layout.backing() else {
             return Err(OffloadError::Setup(format!(
                 "{}: the G3 layout is not a disk file",
@@ -152,6 +172,7 @@ impl DiskJournal {
             payload_bytes: disk.payload_bytes() as u64,
             num_slots: disk.num_slots() as u64,
             file_id: disk.file_id(),
+            fingerprint: fingerprint.map_or(0, ModelFingerprint::short),
         };
         let path = path_for(file);
         let (manifest, recovery) =

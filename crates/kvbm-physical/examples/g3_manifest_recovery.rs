@@ -23,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         payload_bytes: 131_072,
         num_slots: blocks,
         file_id: 0x1234_5678_9abc_def0,
+        fingerprint: 1,
     };
     for (label, compact_min) in [("never compacted", u64::MAX), ("compacting", 4096)] {
         let dir = tempfile::tempdir()?;

@@ -12,12 +12,13 @@
 //!   an anonymous read never accepts a block written with an identity;
 //! * the **binding**: for a disk slot, the per-file id drawn when the file was opened (a slot
 //!   written by another file instance, or before a restart, is foreign); for an object, a
-//!   digest of the namespace, the key and the tensor-parallel rank and world size
-//!   ([`ObjectBinding`]), so an object copied to another key, under another namespace or read
-//!   by another rank is foreign. An object header also records its layout geometry
+//!   digest of the namespace, the key, the tensor-parallel rank and world size and the
+//!   [`ModelFingerprint`] when there is one ([`ObjectBinding`]), so an object copied to
+//!   another key, under another namespace or fingerprint, or read by another rank is foreign. An object header also records its layout geometry
 //!   ([`geometry_digest`], in the header's slot field), so a block written as 2 layers × 2048
 //!   never reads back as 4 × 1024.
 
+use crate::fingerprint::ModelFingerprint;
 use crate::layout::LayoutConfig;
 
 /// Encoded length of a [`BlockIdentity`].
@@ -93,7 +94,24 @@ pub fn geometry_digest(g: &LayoutConfig) -> u64 {
     h.digest().max(1)
 }
 
-/// Where an object is, besides its identity: namespace, key, tensor-parallel rank.
+/// [`geometry_digest`] scoped by `scope`, the 64-bit form of a model fingerprint
+/// ([`ModelFingerprint::short`]; 0: unscoped, the plain geometry digest). Peers that compare
+/// geometry values (the data plane's requests and frames) then also refuse one another's
+/// blocks when their fingerprints differ. Never zero.
+pub fn scoped_geometry_digest(g: &LayoutConfig, scope: u64) -> u64 {
+    let plain = geometry_digest(g);
+    if scope == 0 {
+        return plain;
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"kvbm-geometry-scope-v1");
+    h.update(&plain.to_le_bytes());
+    h.update(&scope.to_le_bytes());
+    h.digest().max(1)
+}
+
+/// Where an object is, besides its identity: namespace, key, tensor-parallel rank, and the
+/// fingerprint of the model it belongs to.
 #[derive(Debug, Clone, Copy)]
 pub struct ObjectBinding<'a> {
     /// The storage's namespace (key prefix).
@@ -104,6 +122,9 @@ pub struct ObjectBinding<'a> {
     pub rank: usize,
     /// Tensor-parallel world size.
     pub world_size: usize,
+    /// The storage's model fingerprint (none: an unscoped storage; its digest is then the
+    /// one before fingerprints).
+    pub fingerprint: Option<&'a ModelFingerprint>,
 }
 
 impl ObjectBinding<'_> {
@@ -118,6 +139,10 @@ impl ObjectBinding<'_> {
         }
         for v in [self.rank, self.world_size] {
             h.update(&(v as u64).to_le_bytes());
+        }
+        if let Some(fp) = self.fingerprint {
+            h.update(b"fp");
+            h.update(fp.as_bytes());
         }
         h.digest128()
     }
@@ -148,19 +173,42 @@ mod tests {
             geometry_digest(&g),
             geometry_digest(&LayoutConfig { num_blocks: 9, ..g })
         );
+        assert_eq!(scoped_geometry_digest(&g, 0), geometry_digest(&g));
+        assert_ne!(scoped_geometry_digest(&g, 1), geometry_digest(&g));
+        assert_ne!(scoped_geometry_digest(&g, 1), scoped_geometry_digest(&g, 2));
+        assert_ne!(
+            scoped_geometry_digest(&g, 1),
+            scoped_geometry_digest(&g2, 1)
+        );
         let base = ObjectBinding {
             namespace: "ns",
             key: "k",
             rank: 0,
             world_size: 1,
+            fingerprint: None,
         };
         let d = base.digest();
+        let fp = |model: &str| {
+            ModelFingerprint::builder()
+                .model(model)
+                .dtype("bfloat16")
+                .kv_layout("NHD")
+                .geometry(g)
+                .parallelism(crate::fingerprint::Parallelism::Rank { rank: 0, world: 1 })
+                .build()
+                .unwrap()
+        };
+        let (fa, fb) = (fp("a"), fp("b"));
         let variants = [
             ObjectBinding {
                 namespace: "ns2",
                 ..base
             },
             ObjectBinding { key: "k2", ..base },
+            ObjectBinding {
+                fingerprint: Some(&fa),
+                ..base
+            },
             ObjectBinding {
                 rank: 1,
                 world_size: 2,
@@ -180,6 +228,12 @@ mod tests {
         for v in variants {
             assert_ne!(v.digest(), d, "{v:?}");
         }
+        let scoped = |f| ObjectBinding {
+            fingerprint: Some(f),
+            ..base
+        };
+        assert_ne!(scoped(&fa).digest(), scoped(&fb).digest());
+        assert_eq!(scoped(&fa).digest(), scoped(&fp("a")).digest());
         assert_eq!(base.digest(), d);
     }
 

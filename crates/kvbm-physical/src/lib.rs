@@ -8,11 +8,13 @@
 //! * [`transfer`]: the transfer manager;
 //! * [`checksum`]: the header and checksum stored with every block leaving the process;
 //! * [`identity`]: what a stored block must prove it is (identity, file id, object binding);
+//! * [`fingerprint`]: the model fingerprint every stored block's identity is scoped by;
 //! * [`cuda`] and [`nixl`]: optional accelerators, probed before use.
 
 pub mod checksum;
 pub mod cuda;
 mod error;
+pub mod fingerprint;
 pub mod identity;
 pub mod io;
 pub mod layout;
@@ -21,6 +23,7 @@ pub mod storage;
 pub mod transfer;
 
 pub use error::{ErrorKind, PhysicalError, Result};
+pub use fingerprint::{FingerprintBuilder, ModelFingerprint, Parallelism};
 pub use identity::{BlockIdentity, ObjectBinding};
 pub use io::IoEngine;
 pub use layout::canonical::{CanonicalPageMapping, CopyRun};

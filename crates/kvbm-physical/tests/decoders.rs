@@ -43,7 +43,7 @@ proptest! {
 
     #[test]
     fn manifest_decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
-        let g = ManifestGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1 };
+        let g = ManifestGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1, fingerprint: 7 };
         if let Ok(r) = decode_record(&bytes) {
             let mut again = [0u8; MANIFEST_RECORD_LEN];
             encode_record(&r, &mut again);
@@ -63,7 +63,7 @@ proptest! {
         tail in proptest::collection::vec(any::<u8>(), 0..400),
         slot in 0u64..32,
     ) {
-        let g = ManifestGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1 };
+        let g = ManifestGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1, fingerprint: 7 };
         let mut img = encode_header(&g).to_vec();
         let mut rec = [0u8; MANIFEST_RECORD_LEN];
         encode_record(&ManifestRecord::Removed { slot }, &mut rec);

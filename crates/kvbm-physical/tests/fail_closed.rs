@@ -320,6 +320,82 @@ async fn fail_closed_object_read_under_another_geometry() {
     ));
 }
 
+/// Two storages of different model fingerprints on one bucket and namespace: each lists,
+/// probes and reads only its own blocks; an object copied into the other's scope is foreign
+/// (its binding names the writer's fingerprint); the same fingerprint finds it.
+#[tokio::test]
+async fn fail_closed_object_under_another_fingerprint_is_never_served() {
+    let raw: Arc<dyn object_store::ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+    let g = geometry(2, 2048);
+    let fp = |model: &str| {
+        ModelFingerprint::builder()
+            .model(model)
+            .dtype("bfloat16")
+            .kv_layout("NHD")
+            .geometry(g)
+            .parallelism(Parallelism::Rank { rank: 0, world: 1 })
+            .build()
+            .unwrap()
+    };
+    let storage = |f: Option<ModelFingerprint>| {
+        let s = ObjectStorage::new(raw.clone(), ObjectConfig::default());
+        match f {
+            Some(f) => s.with_fingerprint(f),
+            None => s,
+        }
+    };
+    let (a, b, a2, plain) = (
+        storage(Some(fp("model-a"))),
+        storage(Some(fp("model-b"))),
+        storage(Some(fp("model-a"))),
+        storage(None),
+    );
+    assert!(
+        a.path(&ObjectKey::from_u128(1))
+            .as_ref()
+            .contains(&fp("model-a").key_segment())
+    );
+    let payload = Bytes::from(vec![3u8; g.block_bytes()]);
+    let k = ObjectKey::from_u128(1);
+    a.put_block(
+        &k,
+        &id(1),
+        &g,
+        vec![payload.clone()],
+        ObjectPutMode::Overwrite,
+    )
+    .await
+    .unwrap();
+    // Another fingerprint (or none): not listed, absent, not found.
+    for other in [&b, &plain] {
+        assert!(other.list_keys().await.unwrap().is_empty());
+        assert_eq!(
+            other.probe(&k, &id(1)).await.unwrap(),
+            ObjectPresence::Absent
+        );
+        let got = other.get_block(&k, &id(1), &g).await;
+        assert!(
+            matches!(got, Err(PhysicalError::NotFound { .. })),
+            "{got:?}"
+        );
+    }
+    // The same fingerprint: listed, present, read.
+    assert_eq!(a2.list_keys().await.unwrap(), vec![k.clone()]);
+    assert_eq!(a2.probe(&k, &id(1)).await.unwrap(), ObjectPresence::Present);
+    assert_eq!(a2.get_block(&k, &id(1), &g).await.unwrap(), payload);
+    // Copied into the other fingerprint's scope, it is foreign there, never served.
+    raw.copy(&a.path(&k), &b.path(&k)).await.unwrap();
+    assert!(matches!(
+        b.probe(&k, &id(1)).await.unwrap(),
+        ObjectPresence::Foreign(_)
+    ));
+    let got = b.get_block(&k, &id(1), &g).await;
+    assert!(
+        matches!(got, Err(PhysicalError::IdentityMismatch { .. })),
+        "{got:?}"
+    );
+}
+
 /// Bodies are size-checked before they are read.
 #[tokio::test]
 async fn fail_closed_oversized_object_body_refused() {

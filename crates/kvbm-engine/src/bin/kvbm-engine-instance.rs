@@ -13,7 +13,8 @@
 //! `transport.nats_url`, `tiers.g1_blocks` and `tiers.g2_blocks` (and `[physical.s3]` with
 //! `tiers.g4_blocks` for a shared G4).
 //!
-//! Once started it prints `ready id=<hex> addr=<data-plane address>`. Each command line gets one
+//! Once started it prints `ready id=<hex> addr=<data-plane address> fingerprint=fp-<hex>` (the
+//! model fingerprint its G4 paths and NATS subjects are scoped by). Each command line gets one
 //! answer line, `ok key=value ...` or `err <why>`. A prefix `SEED N` is the `N` blocks (4
 //! tokens each, `logical.block_size` permitting) of the tokens `SEED*100000..`; block bytes are
 //! [`synthetic_block`], so any instance can verify what it received.
@@ -309,9 +310,10 @@ fn main() {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "ready id={:x} addr={}",
+        "ready id={:x} addr={} fingerprint={}",
         inst.id().0,
-        inst.data_plane().local_addr()
+        inst.data_plane().local_addr(),
+        inst.fingerprint()
     );
     let _ = out.flush();
     for line in std::io::stdin().lock().lines() {

@@ -26,7 +26,8 @@
 //! ```
 //!
 //! Header fields on this path: `len` = block bytes, `slot` = the layout's
-//! [`geometry_digest`](kvbm_physical::identity::geometry_digest) (as objects do), `identity` =
+//! [`geometry_digest`](kvbm_physical::identity::geometry_digest) (as objects do), scoped by the
+//! model fingerprint ([`DataPlaneConfig::scope`]; so is the request's geometry), `identity` =
 //! the sequence hash ([`kvbm_offload::block_identity`], as G3/G4), `binding` = a digest of the
 //! serving [`InstanceId`] ([`binding`]). The client checks all of them **before reading the
 //! payload** (a hostile or corrupt length is refused before anything is read or allocated;
@@ -185,6 +186,12 @@ pub struct DataPlaneConfig {
     /// off by default (`security.dataplane_payload_mac`); either end asking turns it on for the
     /// connection.
     pub payload_mac: bool,
+    /// The model fingerprint's 64-bit form ([`ModelFingerprint::short`](kvbm_physical::ModelFingerprint::short)),
+    /// folded into the geometry value every request and frame carries
+    /// ([`scoped_geometry_digest`](kvbm_physical::identity::scoped_geometry_digest)): a
+    /// client and a server of different fingerprints refuse each other's blocks as a
+    /// geometry mismatch. 0: unscoped. Default: 0 (an `Instance` sets its own).
+    pub scope: u64,
 }
 
 impl Default for DataPlaneConfig {
@@ -203,6 +210,7 @@ impl Default for DataPlaneConfig {
             max_idle_peers: t.max_idle_peers,
             idle_expiry: Duration::from_millis(t.idle_expiry_ms),
             payload_mac: false,
+            scope: 0,
         }
     }
 }

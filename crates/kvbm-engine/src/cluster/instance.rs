@@ -32,6 +32,16 @@
 //!                                  snapshot resync after reconnects (see [`presence`])
 //! ```
 //!
+//! # Fingerprint
+//!
+//! Every subject is `events.subject` scoped by the instance's model fingerprint
+//! ([`Instance::events_subject`], `<subject>.fp-<hex>`), as its G3 journal and G4 object paths
+//! are: instances of another model, dtype, KV layout, group or rank share the NATS server and
+//! the bucket without ever hearing, indexing, matching or pulling each other's blocks. The
+//! data plane folds the fingerprint into the geometry value its requests and frames carry
+//! (`DataPlaneConfig::scope`), so even a peer reached by address refuses a pull across
+//! fingerprints.
+//!
 //! Nothing here writes G3 (no G2→G3 lane): an instance's G3 serves what its journal lists
 //! from an earlier run of the same file.
 //!
@@ -272,8 +282,16 @@ impl InstanceBuilder {
         let url = config.transport.nats_url.clone().ok_or_else(|| {
             EngineError::config("transport.nats_url", "must be set for an instance")
         })?;
+        // Every subject this instance speaks on (events, heartbeats, snapshots) is scoped by its
+        // model fingerprint, as its G3 journal and G4 paths are (`stack::Tiers::build` derives
+        // the same one): peers of another fingerprint are never heard, so their blocks are
+        // never indexed, matched or pulled; and the data plane folds it into the geometry
+        // value of every request and frame, so a pull across fingerprints is refused anyway.
+        let fingerprint = config.fingerprint(geometry.config())?;
+        let subject = format!("{}.{}", config.events.subject, fingerprint.key_segment());
         let dp_config = DataPlaneConfig {
             payload_mac: config.security.dataplane_payload_mac,
+            scope: fingerprint.short(),
             ..DataPlaneConfig::from_transport(&config.transport)?
         };
         let security = Arc::new(match self.security {
@@ -330,7 +348,7 @@ impl InstanceBuilder {
             &rt,
             cancel.clone(),
             client.clone(),
-            config.events.subject.clone(),
+            subject.clone(),
             config.events.channel_capacity,
             security.clone(),
         )
@@ -442,7 +460,7 @@ impl InstanceBuilder {
             cancel.clone(),
             client,
             epoch,
-            &config.events.subject,
+            &subject,
             PresenceConfig::from_transport(&config.transport),
             this,
             index.clone(),
@@ -625,6 +643,18 @@ impl Instance {
     /// The event publisher (batches queued and dropped), when events are enabled.
     pub fn publisher(&self) -> Option<&Arc<EventPublisher>> {
         self.publisher.as_ref()
+    }
+
+    /// The model fingerprint every key and subject of this instance is scoped by (see
+    /// [`KvbmConfig::fingerprint`](crate::config::KvbmConfig::fingerprint)).
+    pub fn fingerprint(&self) -> kvbm_physical::ModelFingerprint {
+        self.tiers.fingerprint
+    }
+
+    /// The NATS subject its events go out on: `events.subject` scoped by the fingerprint
+    /// (`<events.subject>.fp-<hex>`); heartbeats and snapshots live under it.
+    pub fn events_subject(&self) -> &str {
+        self.bus.subject()
     }
 
     /// The presence protocol (live peers, expiry, resyncs).

@@ -9,6 +9,11 @@
 //!         ... every tier built ...
 //!         ready barrier: announce on <subject>.ready until every instance is heard
 //! ```
+//!
+//! Every subject is the configured one scoped by the stack's model fingerprint
+//! (`<subject>.fp-<hex>`): instances of another model, dtype, layout or rank are never heard
+//! (their G4 objects live under another prefix too), and a run whose instances disagree on it
+//! fails its ready barrier instead of sharing.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -35,7 +40,8 @@ use crate::stack::{ShareG4, SharedG4};
 pub struct Sharing {
     /// The NATS server.
     pub nats_url: String,
-    /// The subject every instance of this run publishes and subscribes on.
+    /// The subject every instance of this run publishes and subscribes on (scoped by the
+    /// model fingerprint when joined).
     pub subject: String,
     /// This instance's id (distinct per instance, not 0).
     pub instance: u64,
@@ -44,8 +50,16 @@ pub struct Sharing {
 }
 
 impl ShareG4 for Sharing {
-    fn join(&self, runtime: &KvbmRuntime) -> Result<Box<dyn SharedG4>> {
-        Ok(Box::new(NatsSharedG4::start(runtime, self)?))
+    fn join(
+        &self,
+        runtime: &KvbmRuntime,
+        fingerprint: &kvbm_physical::ModelFingerprint,
+    ) -> Result<Box<dyn SharedG4>> {
+        let scoped = Sharing {
+            subject: format!("{}.{}", self.subject, fingerprint.key_segment()),
+            ..self.clone()
+        };
+        Ok(Box::new(NatsSharedG4::start(runtime, &scoped)?))
     }
 }
 

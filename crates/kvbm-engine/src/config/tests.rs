@@ -349,3 +349,48 @@ fn bounds_of_the_cluster_plane_are_validated_naming_their_key() {
     assert_eq!(config.transport.max_connections, 3);
     assert_eq!(config.transport.pull_deadline_ms, 1500);
 }
+
+#[test]
+fn model_keys_make_the_fingerprint_and_bad_ones_name_the_key() {
+    let g = kvbm_physical::LayoutConfig {
+        num_blocks: 4,
+        num_layers: 2,
+        outer_dim: 2,
+        page_size: 16,
+        inner_dim: 64,
+        dtype_bytes: 2,
+    };
+    let with = |k: &str, v: &str| ConfigBuilder::new().set(k, v).build();
+    let base = KvbmConfig::default().fingerprint(&g).unwrap();
+    // Each key of [model], and the rank, changes the fingerprint; the block count does not.
+    for (k, v) in [
+        ("model.name", "m"),
+        ("model.dtype", "bfloat16"),
+        ("model.kv_layout", "HND"),
+    ] {
+        let fp = with(k, v).unwrap().fingerprint(&g).unwrap();
+        assert_ne!(fp, base, "{k}");
+    }
+    let grouped = ConfigBuilder::new()
+        .set("model.kv_group", 1)
+        .build()
+        .unwrap();
+    assert_ne!(grouped.fingerprint(&g).unwrap(), base);
+    let ranked = ConfigBuilder::new()
+        .set("physical.object.tp_world_size", 2)
+        .set("physical.object.tp_rank", 1)
+        .build()
+        .unwrap();
+    assert_ne!(ranked.fingerprint(&g).unwrap(), base);
+    let more = kvbm_physical::LayoutConfig { num_blocks: 9, ..g };
+    assert_eq!(KvbmConfig::default().fingerprint(&more).unwrap(), base);
+    // Invalid names are refused at build, naming the key.
+    assert_eq!(err(with("model.name", "")).0, "model.name");
+    assert_eq!(err(with("model.dtype", "a\tb")).0, "model.dtype");
+    assert_eq!(err(with("model.kv_layout", "")).0, "model.kv_layout");
+    // A known dtype of another element size than the geometry's: refused naming [model].
+    let c = with("model.dtype", "float32").unwrap();
+    let (key, message) = err(c.fingerprint(&g).map(|_| c.clone()));
+    assert_eq!(key, "model");
+    assert!(message.contains("float32"), "{message}");
+}

@@ -81,11 +81,17 @@ impl Identities {
 /// [`StackPlan::sharing`](super::StackPlan::sharing), called once by
 /// [`TierStack::build`](super::TierStack::build) after the engine runtime started.
 pub trait ShareG4: std::fmt::Debug + Send + Sync + 'static {
-    /// Connects to the others and starts following their G4 events.
+    /// Connects to the others and starts following their G4 events, scoped by the stack's
+    /// model `fingerprint` (only instances of the same fingerprint are heard; see
+    /// [`KvbmConfig::fingerprint`](crate::config::KvbmConfig::fingerprint)).
     ///
     /// # Errors
     /// The cluster plane cannot be reached or started (the error names what).
-    fn join(&self, runtime: &KvbmRuntime) -> Result<Box<dyn SharedG4>>;
+    fn join(
+        &self,
+        runtime: &KvbmRuntime,
+        fingerprint: &kvbm_physical::ModelFingerprint,
+    ) -> Result<Box<dyn SharedG4>>;
 }
 
 /// G4 shared with other instances, once joined: what the stack needs of it.

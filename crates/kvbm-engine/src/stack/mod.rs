@@ -212,7 +212,8 @@ impl TierStack {
                         "instances share G4: must be > 0",
                     ));
                 }
-                Some(s.join(&runtime)?)
+                let fingerprint = cfg.fingerprint(geometry(1, b)?.config())?;
+                Some(s.join(&runtime, &fingerprint)?)
             }
             None => None,
         };

@@ -20,6 +20,12 @@
 //!                                                ──► g2_to_g4_lane (the object pipeline)
 //! ```
 //!
+//! Every key a block leaves the process under is scoped by the instance's model fingerprint
+//! ([`KvbmConfig::fingerprint`] of the tiers' geometry; see [`kvbm_physical::fingerprint`]):
+//! G4's object paths and header bindings, and G3's journal (one written under another
+//! fingerprint starts G3 cold). So a block written for another model, dtype, KV layout, group
+//! or rank is never listed at start and never read: a miss, never a hit.
+//!
 //! The check every G3 read passes, and what a rejected copy becomes (poisoned, never read
 //! again, [`discard_rejected`] from its tier), are here too.
 
@@ -38,8 +44,8 @@ use kvbm_offload::{
     PresenceFilter, create_policy_from_config,
 };
 use kvbm_physical::{
-    BlockLayout, LayoutHandle, LayoutKind, ObjectStorage, PhysicalLayout, PinPolicy,
-    TransferManager,
+    BlockLayout, LayoutHandle, LayoutKind, ModelFingerprint, ObjectStorage, PhysicalLayout,
+    PinPolicy, TransferManager,
 };
 use parking_lot::Mutex;
 
@@ -149,6 +155,9 @@ pub(crate) struct Tiers {
     pub(crate) g4: Option<G4Tier>,
     /// The block objects G4 listed at start (registered present).
     pub(crate) g4_listed: Vec<SequenceHash>,
+    /// The model fingerprint G3's journal and G4's paths are scoped by
+    /// ([`KvbmConfig::fingerprint`] of the tiers' geometry).
+    pub(crate) fingerprint: ModelFingerprint,
     /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
     pub(crate) leader: Option<InstanceLeader>,
     /// The onboarding movers (none without G2).
@@ -181,6 +190,9 @@ impl Tiers {
         let registry = BlockRegistry::with_config(&cfg.logical.registry);
         let counters = Arc::new(Counters::default());
         let shape = &plan.shape;
+        // What every stored block's key is scoped by: a block written under another model,
+        // dtype, layout, group or rank is never listed or read here.
+        let fingerprint = cfg.fingerprint(shape(1)?.config())?;
 
         let host = |n: usize, pin: PinPolicy| -> Result<(LayoutHandle, Arc<PhysicalLayout>)> {
             let layout = PhysicalLayout::allocate_host(shape(n)?, pin)?;
@@ -230,7 +242,8 @@ impl Tiers {
                 &cfg.logical,
                 plan.sinks.g3.clone(),
             )?;
-            let opened = DiskJournal::open(&disk.path, &*tm.layout(handle)?)?;
+            let opened =
+                DiskJournal::open_for(&disk.path, &*tm.layout(handle)?, Some(&fingerprint))?;
             let (checksums, warm_blocks) = opened.register_listed(&manager)?;
             Some(G3Tier {
                 manager,
@@ -259,7 +272,8 @@ impl Tiers {
                             .context("the S3 endpoint probe did not finish")??;
                     }
                     let s = ObjectStorage::s3(s3, ocfg)
-                        .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?;
+                        .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?
+                        .with_fingerprint(fingerprint);
                     let d = format!(
                         "S3 {} bucket {}",
                         s3.endpoint.as_deref().unwrap_or("(AWS)"),
@@ -268,9 +282,9 @@ impl Tiers {
                     (s, d)
                 }
                 (None, Some(dir)) => (
-                    ObjectStorage::local(dir, ocfg).with_context(|| {
-                        format!("cannot open the G4 directory {}", dir.display())
-                    })?,
+                    ObjectStorage::local(dir, ocfg)
+                        .with_context(|| format!("cannot open the G4 directory {}", dir.display()))?
+                        .with_fingerprint(fingerprint),
                     format!("local filesystem {}", dir.display()),
                 ),
                 (None, None) => {
@@ -394,6 +408,7 @@ impl Tiers {
             g3,
             g4,
             g4_listed,
+            fingerprint,
             leader,
             movers,
         })

@@ -20,7 +20,7 @@
 //!
 //! ```text
 //!  header  [0..64):  "KVBMG3J1" | version u32 (1) | reserved u32 | payload_bytes u64
-//!                    | num_slots u64 | file_id u128 | reserved u64 | xxh3-64 of [0..56)
+//!                    | num_slots u64 | file_id u128 | fingerprint u64 | xxh3-64 of [0..56)
 //!  record  [0..72):  tag u32 (1 stored, 2 removed) | reserved u32 | slot u64
 //!                    | identity [32] | payload xxh3-128 u128 | xxh3-64 of [0..64)
 //! ```
@@ -31,6 +31,14 @@
 //! there, and what was cut is reported in [`Recovery::discarded_bytes`]. A header for another
 //! geometry or another disk file instance (its `file_id`) resets the manifest: those slots are
 //! foreign to this file ([`Recovery::reset`] says why).
+//!
+//! The header's `fingerprint` is the 64-bit [`ModelFingerprint::short`](crate::ModelFingerprint::short)
+//! of the model the blocks were written for (0: none given; the field was reserved, zero,
+//! before fingerprints). A manifest written under another fingerprint resets too: the disk
+//! tier starts cold, so a block written for another model, dtype, layout or rank is a miss,
+//! never a hit. Its slots are not counted as damage (nothing in them is proven damaged) and
+//! are simply free again: the file belongs to one opener (`flock`), and its next writes
+//! reuse them.
 //!
 //! Records are written with one positioned `write(2)` per call at the end of the last good
 //! record; a failed (e.g. `ENOSPC`) or short write is cut off again, so later records never sit
@@ -77,6 +85,9 @@ pub struct ManifestGeometry {
     pub num_slots: u64,
     /// The disk file instance's id ([`DiskStorage::file_id`](crate::DiskStorage::file_id)).
     pub file_id: u128,
+    /// [`ModelFingerprint::short`](crate::ModelFingerprint::short) of the model the blocks
+    /// belong to; 0 for none.
+    pub fingerprint: u64,
 }
 
 /// One manifest record.
@@ -145,6 +156,7 @@ pub fn encode_header(g: &ManifestGeometry) -> [u8; MANIFEST_HEADER_LEN] {
     out[16..24].copy_from_slice(&g.payload_bytes.to_le_bytes());
     out[24..32].copy_from_slice(&g.num_slots.to_le_bytes());
     out[32..48].copy_from_slice(&g.file_id.to_le_bytes());
+    out[48..56].copy_from_slice(&g.fingerprint.to_le_bytes());
     let sum = xxh64(&out[..56]);
     out[56..64].copy_from_slice(&sum.to_le_bytes());
     out
@@ -180,6 +192,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<ManifestGeometry> {
         payload_bytes: u64::from_le_bytes(h[16..24].try_into().expect("8 bytes")),
         num_slots: u64::from_le_bytes(h[24..32].try_into().expect("8 bytes")),
         file_id: u128::from_le_bytes(h[32..48].try_into().expect("16 bytes")),
+        fingerprint: u64::from_le_bytes(h[48..56].try_into().expect("8 bytes")),
     })
 }
 
@@ -264,6 +277,16 @@ pub struct Replayed {
 /// A header that fails to decode or names another geometry or file instance.
 pub fn replay(bytes: &[u8], expected: &ManifestGeometry) -> Result<Replayed> {
     let g = decode_header(bytes)?;
+    if g.fingerprint != expected.fingerprint {
+        return Err(corrupt(
+            &|| "manifest header".to_string(),
+            format!(
+                "written under model fingerprint {:016x}, this tier's is {:016x}: its blocks \
+                 are another model's (or dtype's, layout's, rank's), never served here",
+                g.fingerprint, expected.fingerprint
+            ),
+        ));
+    }
     if g != *expected {
         return Err(corrupt(
             &|| "manifest header".to_string(),

@@ -1,10 +1,13 @@
 //! G4 objects: one object per block, through `object_store` (S3, local filesystem, in-memory).
 //!
 //! An object's path is `{namespace}/{key}` (with tensor parallelism, `{namespace}/tp{world}.r{rank}/{key}`,
-//! so each rank stores its own heads); the body is a [`BlockHeader`] followed by the block's
+//! so each rank stores its own heads; with a [`ModelFingerprint`]
+//! ([`ObjectStorage::with_fingerprint`]), `{namespace}/fp-{fingerprint}/[tp{world}.r{rank}/]{key}`,
+//! so storages of different models, dtypes, layouts or ranks share a bucket and never list,
+//! probe or read each other's blocks); the body is a [`BlockHeader`] followed by the block's
 //! serialized payload, so a truncated body is a short read, an overwritten one a checksum
 //! mismatch and a deleted one not-found. The header binds the block to its
-//! [`BlockIdentity`], its namespace, key and rank ([`ObjectBinding`]) and its layout geometry
+//! [`BlockIdentity`], its namespace, key, rank and fingerprint ([`ObjectBinding`]) and its layout geometry
 //! ([`geometry_digest`]): an object copied to another key, written under another namespace or
 //! geometry, or by another rank is [`PhysicalError::IdentityMismatch`], never served.
 //!
@@ -47,6 +50,7 @@ use tokio::sync::Semaphore;
 
 use crate::checksum::{BlockHeader, HEADER_LEN, checksum_slices};
 use crate::error::{PhysicalError, Result};
+use crate::fingerprint::ModelFingerprint;
 use crate::identity::{BlockIdentity, ObjectBinding, geometry_digest};
 use crate::layout::LayoutConfig;
 use crate::storage::{ObjectKey, ObjectPutMode, Storage, StorageKind};
@@ -250,6 +254,9 @@ pub struct ObjectStorage {
     /// The block geometry of the first object layout bound to this storage (presence probes
     /// check it when known).
     geometry: OnceLock<LayoutConfig>,
+    /// The fingerprint every path and binding is scoped by (none: unscoped, the layout before
+    /// fingerprints).
+    fingerprint: Option<ModelFingerprint>,
     /// Set when `config` failed [`ObjectConfig::validate`]: every request is refused with it.
     invalid: Option<PhysicalError>,
     /// Objects a verified read proved damaged and deleted ([`evicted_objects`](Self::evicted_objects)).
@@ -310,6 +317,7 @@ impl ObjectStorage {
             config,
             permits,
             geometry: OnceLock::new(),
+            fingerprint: None,
             evicted: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -416,6 +424,19 @@ impl ObjectStorage {
         &self.config
     }
 
+    /// Scopes every path (`{namespace}/fp-{fingerprint}/…`) and every header binding by
+    /// `fingerprint`: objects written under another fingerprint are never listed, probed or
+    /// read here (see [`crate::fingerprint`]).
+    pub fn with_fingerprint(mut self, fingerprint: ModelFingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// The fingerprint this storage is scoped by, if any.
+    pub fn fingerprint(&self) -> Option<&ModelFingerprint> {
+        self.fingerprint.as_ref()
+    }
+
     /// Records the block geometry of an object layout bound to this storage (the first one
     /// wins); presence probes then check it too.
     pub(crate) fn bind_geometry(&self, geometry: &LayoutConfig) {
@@ -439,16 +460,19 @@ impl ObjectStorage {
     /// logs; every request computes it itself.
     pub fn path(&self, key: &ObjectKey) -> ObjectPath {
         let c = &self.config;
+        let scope = match &self.fingerprint {
+            Some(fp) => format!("{}/{}", c.namespace, fp.key_segment()),
+            None => c.namespace.clone(),
+        };
         if c.tp_world_size > 1 {
             ObjectPath::from(format!(
-                "{}/tp{}.r{}/{}",
-                c.namespace,
+                "{scope}/tp{}.r{}/{}",
                 c.tp_world_size,
                 c.tp_rank,
                 key.as_str()
             ))
         } else {
-            ObjectPath::from(format!("{}/{}", c.namespace, key.as_str()))
+            ObjectPath::from(format!("{scope}/{}", key.as_str()))
         }
     }
 
@@ -458,6 +482,7 @@ impl ObjectStorage {
             key: key.as_str(),
             rank: self.config.tp_rank,
             world_size: self.config.tp_world_size.max(1),
+            fingerprint: self.fingerprint.as_ref(),
         }
         .digest()
     }

@@ -24,7 +24,7 @@ use futures::future::BoxFuture;
 use kvbm_logical::{BlockDigest, BlockManager, CompleteBlock, G2, MutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
 use kvbm_physical::checksum::checksum_slices;
-use kvbm_physical::identity::geometry_digest;
+use kvbm_physical::identity::scoped_geometry_digest;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -164,7 +164,7 @@ impl DataPlaneClient {
         }
         Ok(Self {
             manager,
-            geometry: geometry_digest(&c),
+            geometry: scoped_geometry_digest(&c, config.scope),
             block_bytes: c.block_bytes(),
             layout,
             peers,

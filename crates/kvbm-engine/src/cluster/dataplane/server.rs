@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
-use kvbm_physical::identity::geometry_digest;
+use kvbm_physical::identity::scoped_geometry_digest;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -269,7 +269,7 @@ impl DataPlaneServer {
         let served = Arc::new(Served {
             instance,
             manager,
-            geometry: geometry_digest(&c),
+            geometry: scoped_geometry_digest(&c, config.scope),
             block_bytes: c.block_bytes(),
             checksums: ChecksumMemo::new(c.num_blocks),
             layout,

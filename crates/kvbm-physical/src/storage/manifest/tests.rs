@@ -9,6 +9,7 @@ fn geo() -> ManifestGeometry {
         payload_bytes: 4096,
         num_slots: 64,
         file_id: 0xfeed,
+        fingerprint: 0x5eed,
     }
 }
 
@@ -116,6 +117,44 @@ fn another_geometry_or_file_instance_resets() {
         b"not a manifest at all, but long enough to hold a header......",
     )
     .unwrap();
+    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    assert!(r.reset.is_some());
+    assert!(m.is_empty());
+}
+
+#[test]
+fn another_fingerprint_starts_cold_and_the_same_one_warm() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("g3.journal");
+    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    m.record(&[stored(1, 10), stored(2, 20)]).unwrap();
+    drop(m);
+    // The same fingerprint: warm.
+    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    assert!(r.reset.is_none(), "{r:?}");
+    assert_eq!(m.entries().len(), 2);
+    drop(m);
+    // Another fingerprint (same file, same geometry): cold, with the reason.
+    let other = ManifestGeometry {
+        fingerprint: 0xbad,
+        ..geo()
+    };
+    let (m, r) = DiskManifest::open(&p, other).unwrap();
+    let why = r.reset.as_deref().unwrap();
+    assert!(why.contains("model fingerprint"), "{why}");
+    assert!(m.is_empty());
+    drop(m);
+    // ... and a manifest from before fingerprints (field 0) is another fingerprint too.
+    let (m, _) = DiskManifest::open(
+        &p,
+        ManifestGeometry {
+            fingerprint: 0,
+            ..geo()
+        },
+    )
+    .unwrap();
+    m.record(&[stored(3, 30)]).unwrap();
+    drop(m);
     let (m, r) = DiskManifest::open(&p, geo()).unwrap();
     assert!(r.reset.is_some());
     assert!(m.is_empty());
