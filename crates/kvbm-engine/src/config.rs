@@ -338,6 +338,10 @@ pub struct TransportConfig {
     /// Data-plane server: connections served at once; one more is closed at once (counted in
     /// `ServerStats::connections_refused`). Default: 256. At least 1.
     pub max_connections: usize,
+    /// Data-plane server: connections served at once from one peer address (one more is closed
+    /// at once, counted in `ServerStats::peer_connections_refused`); the client keeps at most
+    /// this many requests in flight to one peer, the rest wait. Default: 32. At least 1.
+    pub max_connections_per_peer: usize,
     /// Data-plane server: the whole of one response (every frame of one request) must be
     /// written within this long (ms), or the connection is dropped with every block it held
     /// (counted in `ServerStats::responses_timed_out`). Default: 60000. At least 1.
@@ -376,6 +380,7 @@ impl Default for TransportConfig {
             heartbeat_interval_ms: 1000,
             heartbeat_timeout_ms: 5000,
             max_connections: 256,
+            max_connections_per_peer: 32,
             response_deadline_ms: 60_000,
             pull_deadline_ms: 60_000,
             max_idle_peers: 64,
@@ -952,6 +957,10 @@ impl KvbmConfig {
             ));
         }
         positive("transport.max_connections", t.max_connections as u64)?;
+        positive(
+            "transport.max_connections_per_peer",
+            t.max_connections_per_peer as u64,
+        )?;
         positive("transport.response_deadline_ms", t.response_deadline_ms)?;
         positive("transport.pull_deadline_ms", t.pull_deadline_ms)?;
         positive("transport.max_idle_peers", t.max_idle_peers as u64)?;

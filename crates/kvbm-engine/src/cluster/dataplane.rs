@@ -166,6 +166,11 @@ pub struct DataPlaneConfig {
     /// Connections the server serves at once; one more is closed at once (counted in
     /// [`ServerStats::connections_refused`]). Default: 256 (`transport.max_connections`).
     pub max_connections: usize,
+    /// Connections the server serves at once from one peer address, and requests the client
+    /// has in flight to one peer (more wait for one to finish); one more connection from the
+    /// same address is closed at once (counted in [`ServerStats::peer_connections_refused`]).
+    /// Default: 32 (`transport.max_connections_per_peer`).
+    pub max_connections_per_peer: usize,
     /// Longest time the server spends writing one whole response; then the connection is
     /// dropped with every hold (counted in [`ServerStats::responses_timed_out`]). Default:
     /// 60 s (`transport.response_deadline_ms`).
@@ -205,6 +210,7 @@ impl Default for DataPlaneConfig {
             idle_timeout: Duration::from_secs(60),
             max_idle_per_peer: 4,
             max_connections: t.max_connections,
+            max_connections_per_peer: t.max_connections_per_peer,
             response_deadline: Duration::from_millis(t.response_deadline_ms),
             pull_deadline: Duration::from_millis(t.pull_deadline_ms),
             max_idle_peers: t.max_idle_peers,
@@ -234,6 +240,7 @@ impl DataPlaneConfig {
             bind,
             io_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
             max_connections: t.max_connections.max(1),
+            max_connections_per_peer: t.max_connections_per_peer.max(1),
             response_deadline: Duration::from_millis(t.response_deadline_ms.max(1)),
             pull_deadline: Duration::from_millis(t.pull_deadline_ms.max(1)),
             max_idle_peers: t.max_idle_peers.max(1),

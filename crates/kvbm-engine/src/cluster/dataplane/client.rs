@@ -9,12 +9,14 @@
 //! Bounds: the pool keeps connections of at most `max_idle_peers` addresses (least recently
 //! used evicted, [`ClientStats::pool_evictions`]), `max_idle_per_peer` each, none reused once
 //! older than `idle_expiry` (expired ones are closed whenever the pool is touched); one whole
-//! request must finish within `pull_deadline` ([`ClientStats::deadlines_exceeded`]). The pool's
-//! one mutex is taken only inside `connection` / `give_back` / `stats`, never across an
-//! `.await`.
+//! request must finish within `pull_deadline` ([`ClientStats::deadlines_exceeded`]). At most
+//! `max_connections_per_peer` pulls run at once against one peer address (the server's
+//! per-peer cap, so a well-behaved client queues rather than being refused); the rest wait for
+//! a permit. The pool's mutex and the permits' mutex are leaves, each taken only briefly and
+//! never across an `.await` (a permit is awaited after its mutex is released).
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -28,6 +30,7 @@ use kvbm_physical::identity::scoped_geometry_digest;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::handshake::{self, Session};
 use super::wire::{
@@ -49,6 +52,9 @@ pub struct DataPlaneClient {
     geometry: u64,
     block_bytes: usize,
     idle: Mutex<Pool>,
+    /// Permits for pulls in flight per peer address; an entry nobody holds or awaits is
+    /// removed when the map is next touched.
+    in_flight: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
     deadlines_exceeded: AtomicU64,
     pool_evictions: AtomicU64,
     security: Arc<Security>,
@@ -170,6 +176,7 @@ impl DataPlaneClient {
             peers,
             config,
             idle: Mutex::new(Pool::default()),
+            in_flight: Mutex::new(HashMap::new()),
             deadlines_exceeded: AtomicU64::new(0),
             pool_evictions: AtomicU64::new(0),
             security,
@@ -240,6 +247,8 @@ impl DataPlaneClient {
                 &BlockFailure::new(BlockFailureKind::Refused, m),
             );
         }
+        // Held until every part is settled: at most `max_connections_per_peer` pulls per peer.
+        let _permit = self.permit(addr.ip()).await;
         let mut out: Vec<MoveOutcome<G2>> = Vec::with_capacity(hashes.len());
         let mut dests = destinations.into_iter();
         for chunk in hashes.chunks(self.config.max_blocks_per_request.max(1)) {
@@ -302,6 +311,23 @@ impl DataPlaneClient {
             out.extend(settled);
         }
         out
+    }
+
+    /// A permit to pull from `peer` (waits while `max_connections_per_peer` pulls run there).
+    async fn permit(&self, peer: IpAddr) -> OwnedSemaphorePermit {
+        let sem = {
+            let mut m = self.in_flight.lock();
+            // Entries only this map refers to are neither held nor awaited.
+            m.retain(|_, s| Arc::strong_count(s) > 1);
+            m.entry(peer)
+                .or_insert_with(|| {
+                    Arc::new(Semaphore::new(self.config.max_connections_per_peer.max(1)))
+                })
+                .clone()
+        };
+        sem.acquire_owned()
+            .await
+            .expect("the semaphore is never closed")
     }
 
     async fn connection(

@@ -7,7 +7,11 @@
 //! in every case by the guard's drop. A failing connection never affects the accept loop.
 //!
 //! Bounds: at most `max_connections` connection tasks at once (one more is closed as soon as it
-//! is accepted, counted in [`ServerStats::connections_refused`]); each response is written
+//! is accepted, counted in [`ServerStats::connections_refused`]), and at most
+//! `max_connections_per_peer` from one peer address (counted in
+//! [`ServerStats::peer_connections_refused`]; a connection serves one request at a time, so
+//! this also bounds a peer's requests in flight, and one peer cannot take every connection
+//! from the others); each response is written
 //! within `response_deadline` or the connection is dropped with its holds (counted in
 //! [`ServerStats::responses_timed_out`]).
 //!
@@ -18,11 +22,11 @@
 //! popular prefix served to many peers is hashed once. The client still hashes every payload
 //! it receives, so a stale or wrong memo can only make a pull fail, never pass wrong bytes.
 //!
-//! Locks: the memo's mutex is a leaf, held only to read or write one entry (never across an
+//! Locks: the memo's mutex and the per-peer counts' mutex are leaves (never both held), held only to read or write one entry (never across an
 //! await or a hash).
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -53,6 +57,7 @@ pub struct ServerStats {
     blocks_served: AtomicU64,
     refused: AtomicU64,
     connections_refused: AtomicU64,
+    peer_connections_refused: AtomicU64,
     responses_timed_out: AtomicU64,
     handshakes: AtomicU64,
     handshakes_refused: AtomicU64,
@@ -85,6 +90,11 @@ impl ServerStats {
     /// Connections closed as soon as accepted: `max_connections` were already served.
     pub fn connections_refused(&self) -> u64 {
         self.connections_refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed as soon as accepted: their peer address already had
+    /// `max_connections_per_peer` connections served.
+    pub fn peer_connections_refused(&self) -> u64 {
+        self.peer_connections_refused.load(Ordering::Relaxed)
     }
     /// Responses not written within the response deadline (their connection was dropped with
     /// every hold).
@@ -165,6 +175,8 @@ struct Served {
     manager: Arc<BlockManager<G2>>,
     layout: Arc<PhysicalLayout>,
     checksums: ChecksumMemo,
+    /// Connections served per peer address (only peers with at least one).
+    per_peer: Mutex<HashMap<IpAddr, usize>>,
     geometry: u64,
     block_bytes: usize,
     config: DataPlaneConfig,
@@ -196,11 +208,22 @@ impl Drop for Holds<'_> {
     }
 }
 
-struct ConnectionGuard(Arc<ServerStats>);
+/// One served connection: counted in the total and under its peer's address until dropped.
+struct ConnectionGuard {
+    served: Arc<Served>,
+    peer: IpAddr,
+}
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.served.stats.connections.fetch_sub(1, Ordering::AcqRel);
+        let mut per_peer = self.served.per_peer.lock();
+        if let Some(n) = per_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                per_peer.remove(&self.peer);
+            }
+        }
     }
 }
 
@@ -272,6 +295,7 @@ impl DataPlaneServer {
             geometry: scoped_geometry_digest(&c, config.scope),
             block_bytes: c.block_bytes(),
             checksums: ChecksumMemo::new(c.num_blocks),
+            per_peer: Mutex::new(HashMap::new()),
             layout,
             config,
             stats: stats.clone(),
@@ -306,10 +330,37 @@ impl DataPlaneServer {
                     drop(stream);
                     continue;
                 }
+                // The per-peer cap (the map holds only peers with a connection served, so it is
+                // bounded by the cap above).
+                {
+                    let mut per_peer = served.per_peer.lock();
+                    let n = per_peer.entry(peer.ip()).or_insert(0);
+                    if *n >= served.config.max_connections_per_peer.max(1) {
+                        if *n == 0 {
+                            per_peer.remove(&peer.ip());
+                        }
+                        drop(per_peer);
+                        served.stats.connections.fetch_sub(1, Ordering::AcqRel);
+                        served
+                            .stats
+                            .peer_connections_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!("kvbm_engine_dataplane_peer_connections_refused_total")
+                            .increment(1);
+                        tracing::debug!(%peer, "data plane connection refused: at the per-peer cap");
+                        drop(stream);
+                        continue;
+                    }
+                    *n += 1;
+                }
+                let guard = ConnectionGuard {
+                    served: served.clone(),
+                    peer: peer.ip(),
+                };
                 let served = served.clone();
                 let cancel = accept_cancel.child_token();
                 tokio::spawn(async move {
-                    let _guard = ConnectionGuard(served.stats.clone());
+                    let _guard = guard;
                     tokio::select! {
                         () = cancel.cancelled() => {}
                         r = serve_connection(&served, stream) => {

@@ -618,6 +618,96 @@ async fn security_connections_over_the_cap_are_refused_and_counted() {
     drop(idle2);
 }
 
+/// Attack: one peer opens connections up to the per-peer cap and holds them idle. Its next
+/// connection is closed at once and counted (not as the global cap); another peer address is
+/// still served, and the first peer is served again once it frees a connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_one_peer_cannot_take_every_connection() {
+    let hs = hashes(4);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        max_connections: 8,
+        max_connections_per_peer: 2,
+        ..DataPlaneConfig::default()
+    };
+    let srv = DataPlaneServer::start(config, A, remote.manager.clone(), remote.layout.clone())
+        .await
+        .unwrap();
+    let idle1 = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let idle2 = TcpStream::connect(srv.local_addr()).await.unwrap();
+    eventually("two connections served", || srv.stats().connections() == 2).await;
+    let mut extra = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let mut buf = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
+        .await
+        .expect("the connection over the per-peer cap is closed at once");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    assert_eq!(srv.stats().peer_connections_refused(), 1);
+    assert_eq!(srv.stats().connections_refused(), 0);
+
+    // Another address (127.0.0.2 is loopback too) is its own peer: served.
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let other = other.connect(srv.local_addr()).await.unwrap();
+    eventually("the other peer's connection served", || {
+        srv.stats().connections() == 3
+    })
+    .await;
+    assert_eq!(srv.stats().peer_connections_refused(), 1);
+
+    drop(idle1);
+    eventually("a slot of the first peer freed", || {
+        srv.stats().connections() == 2
+    })
+    .await;
+    assert_serves(&srv, &hs).await;
+    drop((idle2, other));
+}
+
+/// A client keeps at most `max_connections_per_peer` pulls in flight to one peer: many
+/// concurrent pulls against a server with the same per-peer cap all arrive, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_pulls_queue_at_the_per_peer_cap_instead_of_being_refused() {
+    let hs = hashes(8);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        max_connections_per_peer: 2,
+        ..DataPlaneConfig::default()
+    };
+    let srv = DataPlaneServer::start(
+        config.clone(),
+        A,
+        remote.manager.clone(),
+        remote.layout.clone(),
+    )
+    .await
+    .unwrap();
+    let local = side();
+    let c = Arc::new(
+        DataPlaneClient::new(
+            config,
+            local.manager.clone(),
+            local.layout.clone(),
+            Arc::new(PeerDirectory::new()),
+        )
+        .unwrap(),
+    );
+    let addr = srv.local_addr();
+    let pulls = (0..8).map(|i| {
+        let (c, m, h) = (c.clone(), local.manager.clone(), hs[i]);
+        tokio::spawn(async move {
+            let dests = m.allocate_blocks(1).unwrap();
+            c.pull_from(addr, A, &[h], dests).await
+        })
+    });
+    for p in futures::future::join_all(pulls).await {
+        let out = p.unwrap();
+        assert!(out.iter().all(Result::is_ok), "{out:?}");
+    }
+    assert_eq!(srv.stats().peer_connections_refused(), 0);
+    assert!(srv.stats().connections() <= 2);
+}
+
 /// Attack: a reader that takes each write just in time (so no per-write timeout fires) asks
 /// for 4,096 frames of held blocks. Past the response deadline the server drops the
 /// connection and every hold, counted; it keeps serving others.
