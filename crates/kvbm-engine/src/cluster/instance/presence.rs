@@ -64,6 +64,11 @@
 //!   live peers (and of this instance); a peer that joins later is resynced from its snapshot.
 //! * The departed set forgets entries after [`DEPARTED_HORIZON`] timeouts; the fetch log keeps
 //!   at most [`FETCH_LOG_CAP`] batches per peer; the answerer at most [`SNAPSHOT_COPIES`] copies.
+//! * The answerer makes at most [`SNAPSHOT_COPIES`] full copies (a series' first page copies
+//!   this instance's whole set) per `request_timeout`: a first-page request past that is not
+//!   answered ([`PresenceStats::snapshots_throttled`]), so a flood of them costs one decode
+//!   each, not a copy of the set each. The requester's fetch times out and is retried at its
+//!   next tick, which also spreads a cluster-wide resync (after a NATS outage) over time.
 //!
 //! Metrics: `kvbm_engine_index_drift_detected_total`, `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
 //! `kvbm_engine_index_resync_failures_total`, `kvbm_engine_departed_event_batches_ignored_total`,
@@ -219,6 +224,7 @@ struct Counters {
     resyncs: AtomicU64,
     resync_failed: AtomicU64,
     snapshots_served: AtomicU64,
+    snapshots_throttled: AtomicU64,
     ignored: AtomicU64,
     drift: AtomicU64,
     over_limit: AtomicU64,
@@ -243,6 +249,9 @@ pub struct PresenceStats {
     pub resync_failed: u64,
     /// Snapshot pages this instance answered.
     pub snapshots_served: u64,
+    /// First-page snapshot requests left unanswered: [`SNAPSHOT_COPIES`] full copies were
+    /// already made within the last `request_timeout` (see the module docs).
+    pub snapshots_throttled: u64,
     /// Event batches of departed peers not applied.
     pub ignored_batches: u64,
     /// Times a quiet peer's stored count differed from the index (lost events) and it was
@@ -552,6 +561,9 @@ impl Presence {
                 snapshot_context(&snapshot_subject(&inner.prefix, inner.this.worker.instance));
             let mut copies: std::collections::VecDeque<(u64, Instant, Arc<Vec<_>>)> =
                 std::collections::VecDeque::with_capacity(SNAPSHOT_COPIES);
+            // When each of the latest full copies was made (at most SNAPSHOT_COPIES).
+            let mut made: std::collections::VecDeque<Instant> =
+                std::collections::VecDeque::with_capacity(SNAPSHOT_COPIES);
             loop {
                 let message = tokio::select! {
                     () = cancel.cancelled() => return,
@@ -594,6 +606,18 @@ impl Presence {
                 let keep = inner.config.request_timeout * 4;
                 copies.retain(|(_, at, _)| now.duration_since(*at) < keep);
                 let all = if offset == 0 {
+                    // The rate limit on full copies (see the module docs).
+                    made.retain(|at| now.duration_since(*at) < inner.config.request_timeout);
+                    if made.len() >= SNAPSHOT_COPIES {
+                        inner
+                            .counters
+                            .snapshots_throttled
+                            .fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!("kvbm_engine_presence_snapshots_throttled_total")
+                            .increment(1);
+                        continue;
+                    }
+                    made.push_back(now);
                     let all = Arc::new(inner.own.entries_of(me));
                     copies.retain(|(s, _, _)| *s != series);
                     if copies.len() == SNAPSHOT_COPIES {
@@ -844,6 +868,7 @@ impl Presence {
             resyncs: c.resyncs.load(Ordering::Relaxed),
             resync_failed: c.resync_failed.load(Ordering::Relaxed),
             snapshots_served: c.snapshots_served.load(Ordering::Relaxed),
+            snapshots_throttled: c.snapshots_throttled.load(Ordering::Relaxed),
             ignored_batches: c.ignored.load(Ordering::Relaxed),
             drift_detected: c.drift.load(Ordering::Relaxed),
             snapshots_over_limit: c.over_limit.load(Ordering::Relaxed),

@@ -609,6 +609,95 @@ async fn security_hostile_snapshot_offset_is_rejected_and_the_answerer_keeps_ser
     runtime.shutdown();
 }
 
+/// Attack: a flood of first-page snapshot requests (each would copy the whole set). At most
+/// `SNAPSHOT_COPIES` are answered per request timeout, the rest are dropped and counted; once
+/// the window has passed the answerer serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_flood_of_snapshot_requests_is_throttled_and_counted() {
+    let Some(nats) = kvbm_tests::services::nats("security_snapshot_flood") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_flood.{}", std::process::id());
+    let hs = TokenBlockSequence::from_tokens(&(0..20).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let own_a = Arc::new(CrossInstanceIndex::new());
+    let events: Vec<BlockEvent> = hs
+        .iter()
+        .map(|h| BlockEvent {
+            kind: BlockEventKind::Stored,
+            tier: TierId::G2,
+            hash: *h,
+        })
+        .collect();
+    own_a.apply_events(A, &events);
+    let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let config = bounded_config();
+    let window = config.request_timeout;
+    let a = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        ca,
+        ea,
+        &subject,
+        config,
+        info(A, "127.0.0.1:7001"),
+        Arc::new(CrossInstanceIndex::new()),
+        own_a.clone(),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    let attacker =
+        crate::cluster::transport::nats::connect(&nats.url, "x", Duration::from_millis(50))
+            .await
+            .unwrap();
+    let ask = |series: u64| {
+        let c = attacker.clone();
+        let subject = snapshot_subject(&subject, A);
+        async move {
+            let req = SnapshotRequest {
+                version: PRESENCE_WIRE_VERSION,
+                series,
+                offset: 0,
+            };
+            tokio::time::timeout(
+                Duration::from_millis(1500),
+                c.request(subject, serde_json::to_vec(&req).unwrap().into()),
+            )
+            .await
+            .ok()
+            .and_then(Result::ok)
+        }
+    };
+    let flood = 3 * SNAPSHOT_COPIES;
+    let answers = futures::future::join_all((0..flood as u64).map(ask)).await;
+    let answered = answers.iter().filter(|a| a.is_some()).count();
+    assert!(answered >= 1, "the answerer serves within the limit");
+    assert!(
+        answered <= SNAPSHOT_COPIES,
+        "{answered} full copies answered"
+    );
+    let s = a.stats();
+    assert_eq!(s.snapshots_throttled as usize, flood - answered);
+    assert_eq!(s.snapshots_served as usize, answered);
+    // Past the window, a first page is answered again, whole.
+    tokio::time::sleep(window).await;
+    let page = ask(1000)
+        .await
+        .expect("answered once the window has passed");
+    let page: SnapshotPage = serde_json::from_slice(&page.payload).unwrap();
+    assert_eq!(page.entries, own_a.entries_of(A));
+    runtime.shutdown();
+}
+
 /// Attack: event batches under instance ids that never sent a heartbeat (each would add index
 /// entries forever). They are ignored and counted; a joined peer's events are applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
