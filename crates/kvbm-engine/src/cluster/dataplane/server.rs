@@ -675,6 +675,22 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
     }
 }
 
+/// Writes every byte of `parts`, each write within `io`.
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    io: std::time::Duration,
+    mut parts: &mut [std::io::IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !parts.is_empty() {
+        let n = timed("write", io, stream.write_vectored(parts)).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut parts, n);
+    }
+    Ok(())
+}
+
 /// Writes one response: its head, then one frame per hash (the held block, or an absent frame).
 /// Authenticated, the head and every frame header carry their tag, and with `payload_mac`
 /// every payload is followed by one.
@@ -708,7 +724,14 @@ async fn write_response(
             &regions,
             checksum,
         );
-        write_tagged(stream, session, io, &header).await?;
+        // The header (and its tag, authenticated) goes out with the payload in one vectored
+        // write: a separate small write is pushed on its own (TCP_NODELAY) and costs the
+        // loopback stack a segment and an ACK per frame.
+        let mut head = Vec::with_capacity(FRAME_HEADER_LEN + TAG_LEN);
+        head.extend_from_slice(&header);
+        if let Some(sess) = session.as_mut() {
+            head.extend_from_slice(&sess.tag(&[&header]));
+        }
         // SAFETY: as above.
         let slices: Vec<&[u8]> = regions
             .iter()
@@ -723,22 +746,26 @@ async fn write_response(
             .corrupt_next
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
             .is_ok();
-        for (i, bytes) in slices.iter().enumerate() {
-            if corrupt && i == 0 {
-                // A copy is damaged (after its checksum and tags were computed), never the
-                // served block itself.
-                let mut bad = bytes.to_vec();
-                if let Some(b) = bad.first_mut() {
-                    *b ^= 0xff;
-                }
-                timed("write", io, stream.write_all(&bad)).await?;
-                continue;
+        // A damaged copy (after its checksum and tags were computed), never the served block.
+        let bad: Option<Vec<u8>> = (corrupt && !slices.is_empty()).then(|| {
+            let mut bad = slices[0].to_vec();
+            if let Some(b) = bad.first_mut() {
+                *b ^= 0xff;
             }
-            timed("write", io, stream.write_all(bytes)).await?;
+            bad
+        });
+        let mut parts: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(slices.len() + 2);
+        parts.push(std::io::IoSlice::new(&head));
+        for (i, bytes) in slices.iter().enumerate() {
+            match (&bad, i) {
+                (Some(bad), 0) => parts.push(std::io::IoSlice::new(bad)),
+                _ => parts.push(std::io::IoSlice::new(bytes)),
+            }
         }
-        if let Some(tag) = payload_tag {
-            timed("write", io, stream.write_all(&tag)).await?;
+        if let Some(tag) = &payload_tag {
+            parts.push(std::io::IoSlice::new(tag));
         }
+        write_all_vectored(stream, io, &mut parts).await?;
         s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
     }
     timed("flush", io, stream.flush()).await?;
