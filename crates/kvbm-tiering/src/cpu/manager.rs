@@ -152,6 +152,17 @@ pub struct CpuOffloadingManager {
 }
 
 impl CpuOffloadingManager {
+    /// Whether a key not yet stored has been requested often enough to store
+    /// (`store_threshold`; always, without a tracker). One rule for the one-call store and
+    /// the step-by-step one ([`phases`]).
+    #[inline]
+    fn passes_store_threshold(&self, k: &OffloadKey) -> bool {
+        match &self.counts {
+            Some(c) => c.get(k).unwrap_or(0) >= self.store_threshold,
+            None => true,
+        }
+    }
+
     /// A manager of `config.num_chunks` slots.
     pub fn new(config: CpuManagerConfig) -> Self {
         let n = config.num_chunks;
@@ -618,10 +629,7 @@ impl CpuOffloadingManager {
             match self.index.get(k) {
                 None => {
                     candidates += 1;
-                    let pass = match &self.counts {
-                        Some(c) => c.get(k).unwrap_or(0) >= self.store_threshold,
-                        None => true,
-                    };
+                    let pass = self.passes_store_threshold(k);
                     if pass {
                         keys_to_store.push(*k);
                         class.push(1);

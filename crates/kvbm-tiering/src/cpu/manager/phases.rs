@@ -69,10 +69,7 @@ impl CpuOffloadingManager {
             match self.index.get(k) {
                 None => {
                     candidates += 1;
-                    let pass = match &self.counts {
-                        Some(c) => c.get(k).unwrap_or(0) >= self.store_threshold,
-                        None => true,
-                    };
+                    let pass = self.passes_store_threshold(k);
                     if pass {
                         plan.keys_to_store.push(*k);
                         plan.recorded.push(*k);
