@@ -31,7 +31,14 @@
 //! | `k` | KV layout within a region (e.g. `NHD`, `HND`) | u64 length + UTF-8 |
 //! | `g` | per-block geometry: layers, outer dim, page size, inner dim, dtype bytes | 5 × u64 |
 //! | `q` | KV group | u32 |
-//! | `p` | parallelism: `0` canonical, or `1`, world u64, rank u64 | |
+//! | `p` | parallelism: `0` canonical; `1`, world u64, rank u64; or `2`, tp, pp, pcp, dcp u64 | |
+//! | `x` | engine parts, only when any is given: count u64, then per part (sorted by name) name and value, each u64 length + UTF-8 | |
+//!
+//! The `x` field is absent when no engine part is given, so adding the field left every
+//! digest without parts unchanged. Engine parts carry what an engine's own configuration
+//! says about the bytes that the fields above do not (vLLM: `tokens_per_hash`,
+//! `blocks_per_chunk`, the KV groups' `tokens_per_block` and layer names, the canonical
+//! format; see kvbm-vllm).
 //!
 //! The block count and the memory arrangement ([`LayoutKind`](crate::LayoutKind)) are not
 //! bound: a stored payload is serialized region by region in (layer, outer) order whatever the
@@ -50,6 +57,9 @@ pub const FINGERPRINT_CONTEXT: &str = "kvbm 2026-12 model fingerprint v1";
 /// Longest model id, dtype or KV layout name accepted (bytes).
 pub const MAX_NAME_LEN: usize = 256;
 
+/// Longest engine part value accepted (bytes; a KV group's layer names can be long).
+pub const MAX_PART_VALUE_LEN: usize = 64 << 10;
+
 /// How the stored bytes relate to tensor parallelism.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Parallelism {
@@ -61,6 +71,19 @@ pub enum Parallelism {
         rank: usize,
         /// Tensor-parallel world size (at least 1).
         world: usize,
+    },
+    /// Every worker's bytes of an engine of this parallel shape, side by side in rank order:
+    /// the rows of a node-shared offload region, as vLLM's scheduler-side tiers store them.
+    /// Readable by any engine of the same shape, whatever its rank.
+    Engine {
+        /// Tensor-parallel size (at least 1).
+        tp: usize,
+        /// Pipeline-parallel size (at least 1).
+        pp: usize,
+        /// Prefill context-parallel size (at least 1).
+        pcp: usize,
+        /// Decode context-parallel size (at least 1).
+        dcp: usize,
     },
 }
 
@@ -118,6 +141,7 @@ pub struct FingerprintBuilder {
     geometry: Option<LayoutConfig>,
     kv_group: u32,
     parallelism: Option<Parallelism>,
+    parts: std::collections::BTreeMap<String, String>,
 }
 
 impl FingerprintBuilder {
@@ -158,13 +182,22 @@ impl FingerprintBuilder {
         self
     }
 
+    /// An engine part: something the engine's configuration says about the bytes that the
+    /// other fields do not (e.g. vLLM's `tokens_per_hash`). Parts are bound by name, in name
+    /// order; giving a name again replaces its value. Default: none.
+    pub fn part(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.parts.insert(name.into(), value.into());
+        self
+    }
+
     /// The fingerprint.
     ///
     /// # Errors
     /// [`PhysicalError::InvalidArgument`] naming the part: a missing part; a model id, dtype
     /// or KV layout that is empty, longer than [`MAX_NAME_LEN`] or holds a control character;
     /// a known dtype whose size differs from `dtype_bytes`; a geometry dimension of 0; a
-    /// world size of 0 or a rank not below it.
+    /// world size of 0 or a rank not below it; an engine parallel size of 0; an engine part
+    /// whose name is not a valid name (as a model id) or whose value is longer than 64 KiB.
     pub fn build(self) -> Result<ModelFingerprint> {
         let missing = |what: &str| {
             PhysicalError::InvalidArgument(format!("model fingerprint: no {what} given"))
@@ -205,6 +238,24 @@ impl FingerprintBuilder {
                 "model fingerprint: tensor-parallel rank {rank} is not below world size {world}"
             )));
         }
+        if let Parallelism::Engine { tp, pp, pcp, dcp } = parallelism
+            && let Some((what, _)) = [("tp", tp), ("pp", pp), ("pcp", pcp), ("dcp", dcp)]
+                .into_iter()
+                .find(|(_, v)| *v == 0)
+        {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "model fingerprint: engine parallel size {what} must be at least 1"
+            )));
+        }
+        for (name, value) in &self.parts {
+            check_name("engine part name", name)?;
+            if value.len() > MAX_PART_VALUE_LEN {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "model fingerprint: engine part {name} is {} bytes, more than {MAX_PART_VALUE_LEN}",
+                    value.len()
+                )));
+            }
+        }
 
         let mut h = blake3::Hasher::new_derive_key(FINGERPRINT_CONTEXT);
         for (tag, s) in [(b'm', &model), (b'd', &dtype), (b'k', &kv_layout)] {
@@ -227,6 +278,22 @@ impl FingerprintBuilder {
                 h.update(&[1]);
                 h.update(&(world as u64).to_le_bytes());
                 h.update(&(rank as u64).to_le_bytes());
+            }
+            Parallelism::Engine { tp, pp, pcp, dcp } => {
+                h.update(&[2]);
+                for v in [tp, pp, pcp, dcp] {
+                    h.update(&(v as u64).to_le_bytes());
+                }
+            }
+        }
+        if !self.parts.is_empty() {
+            h.update(b"x");
+            h.update(&(self.parts.len() as u64).to_le_bytes());
+            for (name, value) in &self.parts {
+                for s in [name, value] {
+                    h.update(&(s.len() as u64).to_le_bytes());
+                    h.update(s.as_bytes());
+                }
             }
         }
         let mut out = [0u8; FINGERPRINT_LEN];

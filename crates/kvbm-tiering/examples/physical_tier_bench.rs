@@ -47,7 +47,7 @@ fn main() {
     let tm = Arc::new(TransferManager::new().unwrap());
     let primary =
         CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(PRIMARY), CHUNK, tm).unwrap();
-    let tier = PhysicalTier::disk(&primary, &DiskConfig::new(&path), 4 * PRIMARY).unwrap();
+    let tier = PhysicalTier::disk(&primary, &DiskConfig::new(&path), 4 * PRIMARY, None).unwrap();
     let mut m = TieringOffloadingManager::with_primary(
         primary,
         vec![Box::new(tier)],

@@ -146,7 +146,7 @@ fn round_trip<T: Tier>(make_tier: impl FnOnce(&CpuPrimaryTier) -> PhysicalTier<T
 fn disk_tier_round_trip_bytes_verified() {
     let path = scratch("g3");
     round_trip(|p| {
-        let t = PhysicalTier::disk(p, &DiskConfig::new(&path), 16).unwrap();
+        let t = PhysicalTier::disk(p, &DiskConfig::new(&path), 16, None).unwrap();
         let tm = t.bound().transfer_manager();
         if let Backing::Disk(d) = tm.layout(t.bound().layout()).unwrap().backing() {
             assert!(
@@ -163,7 +163,7 @@ fn disk_tier_round_trip_bytes_verified() {
 fn disk_tier_evicts_oldest_when_full() {
     let path = scratch("g3-small");
     let mut m = manager_over(4, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(&path), 2).unwrap()
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 2, None).unwrap()
     });
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
@@ -207,7 +207,7 @@ fn object_tier_round_trip_bytes_verified() {
 fn corrupted_disk_chunk_is_never_served() {
     let path = scratch("g3-corrupt");
     let mut m = manager_over(2, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(&path), 8).unwrap()
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 8, None).unwrap()
     });
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
@@ -235,7 +235,7 @@ fn corrupted_disk_chunk_is_never_served() {
 /// The primary tier and a tiering manager over one disk tier of `slots` slots in `path`.
 fn disk_manager(path: &std::path::Path, slots: usize) -> TieringOffloadingManager {
     manager_over(2, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(path), slots).unwrap()
+        PhysicalTier::disk(primary, &DiskConfig::new(path), slots, None).unwrap()
     })
 }
 

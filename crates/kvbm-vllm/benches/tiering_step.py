@@ -64,7 +64,7 @@ def main():
     from vllm.v1.kv_offload.tiering import manager as VM
 
     from kvbm_vllm import upstream_compat as K
-    from kvbm_vllm.tiers import KvbmDiskTier
+    from kvbm_vllm.tiers import KvbmDiskTier, standalone_spec
 
     class MemTier(TB.SecondaryTierManager):
         medium = B.Medium.CPU
@@ -110,7 +110,8 @@ def main():
             tier = MemTier(primary.get_kv_memoryview())
         else:
             tier = KvbmDiskTier(
-                offloading_spec=MagicMock(), primary_kv_view=primary.get_kv_memoryview(),
+                offloading_spec=standalone_spec("bench-model", "int8", ROW),
+                primary_kv_view=primary.get_kv_memoryview(),
                 tier_type="kvbm_disk", path=os.path.join(tmp, f"{kind}-{time.monotonic_ns()}.bin"),
                 capacity=4 * CAPACITY, direct_io=False,
             )

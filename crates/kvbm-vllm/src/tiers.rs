@@ -27,12 +27,22 @@
 //! the oldest ready key evicted for a new one. Every slot and object carries kvbm-physical's
 //! header (checksum, identity from the key's bytes, geometry): a read whose header or bytes do
 //! not match is a failed load, never wrong bytes.
+//!
+//! Bound to the model: every tier is given the [`ModelFingerprint`] of vLLM's
+//! `OffloadingConfig` ([`fingerprint_of`]; the Python side reads the config): the model, KV
+//! dtype, KV cache layout, chunk size, the parallel shape the region's rows depend on (or
+//! canonical, when vLLM says the bytes are parallelism-agnostic or replicated), and vLLM's own
+//! parts (`tokens_per_hash`, `blocks_per_chunk`, the KV groups). A disk tier's journal written
+//! under another fingerprint is reset (the tier starts cold); an object tier's objects live
+//! under `{namespace}/fp-{hex}/`, so instances of other models share a bucket without ever
+//! matching.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvbm_physical::{
-    DiskConfig, HostStorage, ObjectConfig, ObjectStorage, S3Config, TransferManager,
+    DiskConfig, HostStorage, LayoutConfig, ModelFingerprint, ObjectConfig, ObjectStorage,
+    Parallelism, S3Config, TransferManager,
 };
 use kvbm_tiering::tiering::Backpressure;
 use kvbm_tiering::{
@@ -43,7 +53,7 @@ use kvbm_tiering::{
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::bridge::{Contexts, key, key_list, keys, to_py};
 use crate::cpu::LookupMembers;
@@ -89,6 +99,71 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<CpuPr
         Arc::new(memory),
     )
     .map_err(to_py)
+}
+
+/// The [`ModelFingerprint`] of a vLLM tier's chunks, from the description the Python side
+/// reads off vLLM's `OffloadingConfig` (`kvbm_vllm.tiers._fingerprint`): `model`, `dtype`,
+/// `kv_layout` (str), `parallelism` (`("canonical",)` or `("engine", tp, pp, pcp, dcp)`) and
+/// `parts` (a dict of str → str). The geometry is one chunk row of `chunk_bytes` bytes (in
+/// elements of the dtype when kvbm knows its size).
+pub(crate) fn fingerprint_of(
+    d: &Bound<'_, PyDict>,
+    chunk_bytes: usize,
+) -> PyResult<ModelFingerprint> {
+    fn item<'py>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<Bound<'py, PyAny>> {
+        d.get_item(k)?
+            .ok_or_else(|| PyValueError::new_err(format!("model fingerprint: no {k:?} given")))
+    }
+    let text = |k: &str| -> PyResult<String> {
+        item(d, k)?
+            .extract::<String>()
+            .map_err(|_| PyValueError::new_err(format!("model fingerprint: {k:?} must be a str")))
+    };
+    let (model, dtype, kv_layout) = (text("model")?, text("dtype")?, text("kv_layout")?);
+    let par = item(d, "parallelism")?;
+    let parallelism = match par.extract::<(String,)>() {
+        Ok((k,)) if k == "canonical" => Parallelism::Canonical,
+        _ => match par.extract::<(String, usize, usize, usize, usize)>() {
+            Ok((k, tp, pp, pcp, dcp)) if k == "engine" => Parallelism::Engine { tp, pp, pcp, dcp },
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "model fingerprint: parallelism must be (\"canonical\",) or (\"engine\", tp, \
+                     pp, pcp, dcp), got {par}"
+                )));
+            }
+        },
+    };
+    let parts: std::collections::BTreeMap<String, String> =
+        item(d, "parts")?.extract().map_err(|_| {
+            PyValueError::new_err("model fingerprint: parts must be a dict of str to str")
+        })?;
+    let elem = kvbm_physical::fingerprint::dtype_size(&dtype).unwrap_or(1);
+    if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(elem) {
+        return Err(PyValueError::new_err(format!(
+            "model fingerprint: a chunk of {chunk_bytes} bytes is not whole {dtype} elements"
+        )));
+    }
+    let geometry = LayoutConfig {
+        num_blocks: 1,
+        num_layers: 1,
+        outer_dim: 1,
+        page_size: chunk_bytes / elem,
+        inner_dim: 1,
+        dtype_bytes: elem,
+    };
+    parts
+        .into_iter()
+        .fold(
+            ModelFingerprint::builder()
+                .model(model)
+                .dtype(dtype)
+                .kv_layout(kv_layout)
+                .geometry(geometry)
+                .parallelism(parallelism),
+            |b, (k, v)| b.part(k, v),
+        )
+        .build()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A running tier and the registration of vLLM's region it moves bytes from and to.
@@ -151,13 +226,15 @@ impl StorageTier {
 #[pymethods]
 impl StorageTier {
     /// A disk tier. `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes`
-    /// per chunk); `path`: the tier's file; `capacity`: chunk slots in it.
+    /// per chunk); `fingerprint`: what the chunks' bytes mean ([`fingerprint_of`]); `path`: the
+    /// tier's file; `capacity`: chunk slots in it.
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, path, capacity, queue_depth, direct_io, lookup_results, events = false))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, lookup_results, events = false))]
     #[allow(clippy::too_many_arguments)]
     fn disk(
         region: &Bound<'_, PyAny>,
         chunk_bytes: usize,
+        fingerprint: &Bound<'_, PyDict>,
         path: std::path::PathBuf,
         capacity: usize,
         queue_depth: u32,
@@ -170,6 +247,7 @@ impl StorageTier {
                 "capacity: the disk tier needs at least one chunk slot",
             ));
         }
+        let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
         let primary = primary_over(region, chunk_bytes)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| {
@@ -179,12 +257,13 @@ impl StorageTier {
         let mut disk = DiskConfig::new(&path);
         disk.queue_depth = queue_depth;
         disk.direct_io = direct_io;
-        let tier = PhysicalTier::disk(&primary, &disk, capacity).map_err(|e| {
-            PyRuntimeError::new_err(format!(
-                "cannot start the kvbm disk tier at {}: {e}",
-                path.display()
-            ))
-        })?;
+        let tier =
+            PhysicalTier::disk(&primary, &disk, capacity, Some(&fingerprint)).map_err(|e| {
+                PyRuntimeError::new_err(format!(
+                    "cannot start the kvbm disk tier at {}: {e}",
+                    path.display()
+                ))
+            })?;
         Self::over(
             Box::new(tier.with_tier_type("kvbm_disk").with_events(events)),
             primary,
@@ -194,13 +273,15 @@ impl StorageTier {
 
     /// An object tier: objects named by each key's hash under `namespace`, in the S3 bucket
     /// `bucket` (at `endpoint`, `None` for AWS) or, with `dir`, in a local directory;
-    /// `capacity`: keys it remembers.
+    /// `capacity`: keys it remembers; `fingerprint` as for [`disk`](Self::disk) (objects live
+    /// under `{namespace}/fp-{hex}/`).
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false))]
     #[allow(clippy::too_many_arguments)]
     fn object(
         region: &Bound<'_, PyAny>,
         chunk_bytes: usize,
+        fingerprint: &Bound<'_, PyDict>,
         namespace: String,
         capacity: usize,
         bucket: Option<String>,
@@ -217,6 +298,7 @@ impl StorageTier {
                 "capacity: the object tier must remember at least one key",
             ));
         }
+        let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
         let primary = primary_over(region, chunk_bytes)?;
         let config = ObjectConfig {
             namespace,
@@ -244,6 +326,7 @@ impl StorageTier {
                 ));
             }
         };
+        let storage = storage.with_fingerprint(fingerprint);
         let tier = PhysicalTier::object(&primary, Arc::new(storage), capacity).map_err(|e| {
             PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
         })?;

@@ -41,6 +41,20 @@ fn digest_is_pinned() {
 }
 
 #[test]
+fn engine_parts_are_bound_by_name_whatever_the_order_given() {
+    let a = base().part("b", "2").part("a", "1").build().unwrap();
+    let b = base().part("a", "1").part("b", "2").build().unwrap();
+    assert_eq!(a, b);
+    // No parts is the pinned digest; a part with an empty value is a part.
+    assert_ne!(base().part("a", "").build().unwrap().to_hex(), PINNED);
+    // A name and value do not run together across parts.
+    assert_ne!(
+        base().part("ab", "c").build().unwrap(),
+        base().part("a", "bc").build().unwrap()
+    );
+}
+
+#[test]
 fn block_count_is_not_bound() {
     let a = base().build().unwrap();
     let b = base()
@@ -79,6 +93,20 @@ fn missing_and_invalid_parts_are_refused() {
             base().parallelism(Parallelism::Rank { rank: 0, world: 0 }),
             "world size 0",
         ),
+        (
+            base().parallelism(Parallelism::Engine {
+                tp: 2,
+                pp: 0,
+                pcp: 1,
+                dcp: 1,
+            }),
+            "pp must be at least 1",
+        ),
+        (base().part("", "1"), "engine part name"),
+        (
+            base().part("layers", "x".repeat(MAX_PART_VALUE_LEN + 1)),
+            "engine part layers",
+        ),
     ];
     for (b, needle) in cases {
         let e = b.build().expect_err(needle).to_string();
@@ -102,6 +130,8 @@ enum Change {
     DtypeBytes(usize),
     Group(u32),
     Parallelism(Parallelism),
+    /// Sets (or adds) one engine part.
+    Part(String, String),
 }
 
 fn name() -> impl Strategy<Value = String> {
@@ -113,6 +143,8 @@ fn parallelism() -> impl Strategy<Value = Parallelism> {
         Just(Parallelism::Canonical),
         (1usize..9)
             .prop_flat_map(|w| (0..w).prop_map(move |r| Parallelism::Rank { rank: r, world: w })),
+        (1usize..9, 1usize..5, 1usize..3, 1usize..3)
+            .prop_map(|(tp, pp, pcp, dcp)| Parallelism::Engine { tp, pp, pcp, dcp }),
     ]
 }
 
@@ -124,17 +156,21 @@ struct Inputs {
     g: LayoutConfig,
     group: u32,
     p: Parallelism,
+    parts: std::collections::BTreeMap<String, String>,
 }
 
 impl Inputs {
     fn build(&self) -> ModelFingerprint {
-        ModelFingerprint::builder()
+        let b = ModelFingerprint::builder()
             .model(&self.model)
             .dtype(&self.dtype)
             .kv_layout(&self.kv_layout)
             .geometry(self.g)
             .kv_group(self.group)
-            .parallelism(self.p)
+            .parallelism(self.p);
+        self.parts
+            .iter()
+            .fold(b, |b, (k, v)| b.part(k, v))
             .build()
             .unwrap()
     }
@@ -152,6 +188,9 @@ impl Inputs {
             Change::DtypeBytes(v) => o.g.dtype_bytes = v,
             Change::Group(v) => o.group = v,
             Change::Parallelism(p) => o.p = p,
+            Change::Part(k, v) => {
+                o.parts.insert(k, v);
+            }
         }
         o
     }
@@ -165,6 +204,7 @@ impl Inputs {
             && o.g == self.g
             && o.group == self.group
             && o.p == self.p
+            && o.parts == self.parts
     }
 }
 
@@ -177,9 +217,10 @@ fn inputs() -> impl Strategy<Value = Inputs> {
         (1usize..128, 1usize..3, 1usize..257, 1usize..4097, 1usize..5),
         any::<u32>(),
         parallelism(),
+        proptest::collection::btree_map(name(), "[ -~]{0,12}", 0..3),
     )
         .prop_map(
-            |(model, dtype, kv_layout, (l, o, p, i, d), group, par)| Inputs {
+            |(model, dtype, kv_layout, (l, o, p, i, d), group, par, parts)| Inputs {
                 model,
                 dtype,
                 kv_layout,
@@ -193,6 +234,7 @@ fn inputs() -> impl Strategy<Value = Inputs> {
                 },
                 group,
                 p: par,
+                parts,
             },
         )
 }
@@ -209,6 +251,7 @@ fn change() -> impl Strategy<Value = Change> {
         (1usize..5).prop_map(Change::DtypeBytes),
         any::<u32>().prop_map(Change::Group),
         parallelism().prop_map(Change::Parallelism),
+        (name(), "[ -~]{0,12}").prop_map(|(k, v)| Change::Part(k, v)),
     ]
 }
 
@@ -240,6 +283,7 @@ proptest! {
             g: geometry(),
             group: 0,
             p: Parallelism::Canonical,
+            parts: Default::default(),
         };
         let j = Inputs { model: m.to_string(), dtype: format!("x-{d}"), ..i.clone() };
         if (m, d) != (a.as_str(), b.as_str()) {

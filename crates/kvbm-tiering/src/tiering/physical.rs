@@ -76,7 +76,8 @@ use kvbm_offload::{
     BlockFailure, BlockFailureKind, BlockMover, BoundTier, ExternalMover, MoveOutcome, MoveSource,
 };
 use kvbm_physical::{
-    BlockId, BlockIdentity, DiskConfig, LayoutHandle, ObjectStorage, PhysicalLayout,
+    BlockId, BlockIdentity, DiskConfig, LayoutHandle, ModelFingerprint, ObjectStorage,
+    PhysicalLayout,
 };
 
 use crate::cpu::CpuPrimaryTier;
@@ -564,10 +565,20 @@ impl PhysicalTier<G3> {
     /// The tier keeps a journal beside the file (`<path>` with extension `journal`) and starts
     /// warm from it: every chunk a previous tier on the same file completed is restored (see the
     /// module docs, "Persistence").
-    pub fn disk(primary: &CpuPrimaryTier, config: &DiskConfig, capacity: usize) -> Result<Self> {
+    ///
+    /// `fingerprint` binds the journal to what the chunks' bytes mean (the model, dtype,
+    /// layout and parallelism that produced them; [`kvbm_physical::fingerprint`]): a journal
+    /// written under another fingerprint (or none) is reset, so the tier starts cold and never
+    /// serves another model's chunks. `None` binds none (tests, single-model tools).
+    pub fn disk(
+        primary: &CpuPrimaryTier,
+        config: &DiskConfig,
+        capacity: usize,
+        fingerprint: Option<&ModelFingerprint>,
+    ) -> Result<Self> {
         let layout = CpuPrimaryTier::block_layout(capacity, primary.chunk_bytes())?;
         let disk = PhysicalLayout::create_disk(layout, config)?;
-        let opened = DiskJournal::open(&config.path, &disk)?;
+        let opened = DiskJournal::open_for(&config.path, &disk, fingerprint)?;
         let mut tier = Self::owning(primary, disk, capacity)?;
         let (_, blocks) = opened.listed_blocks(tier.bound.manager())?;
         tier.restored = blocks.into_iter().map(|b| (b.sequence_hash(), b)).collect();

@@ -41,6 +41,13 @@ unlisted before it is rewritten.
 With ``shared: true`` an object tier also finds chunks other instances wrote under the same
 ``namespace`` (a probe of the store off the scheduler thread; see ``KvbmObjectTier``).
 
+Both tiers are bound to the model: their chunks carry the fingerprint of vLLM's
+``OffloadingConfig`` (model name, KV dtype, KV cache layout, chunk size, ``tokens_per_hash``,
+``blocks_per_chunk``, the KV groups, and the TP/PP/PCP/DCP shape unless vLLM says the bytes are
+parallelism-agnostic or replicated). A disk file written under another fingerprint starts cold;
+object tiers keep each fingerprint's objects under ``<namespace>/fp-<hex>/``, so engines serving
+other models (or another layout) can share one bucket and never read each other's chunks.
+
 With ``enable_kv_events: true`` (and KV cache events on in vLLM's ``kv_events_config``) a tier
 reports its contents as vLLM's ``OffloadingEvent``s (``ownership`` its tier type, medium
 ``STORAGE``): stored when a chunk's write completed, removed when a chunk was evicted for room
@@ -49,6 +56,7 @@ or its copy was dropped because a read proved it bad.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -68,12 +76,13 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbm_vllm import extension
 
-__all__ = ["KvbmDiskTier", "KvbmObjectTier", "DISK_KEYS", "OBJECT_KEYS"]
+__all__ = ["KvbmDiskTier", "KvbmObjectTier", "DISK_KEYS", "OBJECT_KEYS", "standalone_spec"]
 
 _LOOKUP_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _POLICIES = {"chunk_level": OffloadPolicy.CHUNK_LEVEL, "request_level": OffloadPolicy.REQUEST_LEVEL}
@@ -116,6 +125,90 @@ def _events_on(tier_type: str, spec, asked: bool) -> bool:
                      "disabled (kv_events_config): no events", tier_type)
         return False
     return True
+
+
+def _fingerprint(tier_type: str, spec) -> dict[str, Any]:
+    """What the tier's chunks mean, from vLLM's ``OffloadingConfig`` (``spec.config``), for
+    kvbm's model fingerprint (see the module docs). A tier without vLLM's config cannot tell
+    which model its bytes belong to, so it refuses to start."""
+    config = getattr(spec, "config", None)
+    if not isinstance(config, OffloadingConfig):
+        raise ValueError(
+            f"secondary tier {tier_type!r}: offloading_spec.config must be vLLM's OffloadingConfig "
+            f"(kvbm binds every stored chunk to the model, dtype and layout it describes), got "
+            f"{type(config).__name__}"
+        )
+    p = config.parallel
+    if p.is_parallelism_agnostic or config.replicated_layout:
+        parallelism: tuple = ("canonical",)
+    else:
+        parallelism = ("engine", p.tp_size, p.pp_size, p.pcp_size, p.dcp_size)
+    parts = {
+        "engine": "vllm",
+        "tokens_per_hash": str(config.cache.tokens_per_hash),
+        "blocks_per_chunk": str(config.cache.blocks_per_chunk),
+        "kv_groups": json.dumps(
+            [[g.tokens_per_block, list(g.layer_names)] for g in config.groups],
+            separators=(",", ":"),
+        ),
+    }
+    if config.canonical_layout:
+        parts["canonical_layout"] = "1"
+    if config.replicated_layout:
+        parts["replicated_layout"] = "1"
+    return {
+        "model": str(config.model.name),
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "kv_layout": str(config.kv_cache_layout or "default"),
+        "parallelism": parallelism,
+        "parts": parts,
+    }
+
+
+def standalone_spec(
+    model: str,
+    dtype: str,
+    chunk_bytes: int,
+    *,
+    tp: int = 1,
+    parallelism_agnostic: bool = False,
+    tokens_per_hash: int = 16,
+    blocks_per_chunk: int = 1,
+    layer_names: tuple[str, ...] = ("layer",),
+    kv_events: bool = False,
+):
+    """An offloading spec for a kvbm tier run outside a vLLM engine (tools, benchmarks, tests):
+    vLLM's own ``OffloadingConfig`` for ``model`` / ``dtype`` (one KV group; TP ``tp``), which
+    the tier reads its model fingerprint from, and KV events on or off. A tier built from it
+    shares stored chunks with an engine whose config agrees on every fingerprinted field."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_hash, tuple(layer_names), 0),),
+        worker_kv_bytes_per_block=chunk_bytes // (tp * blocks_per_chunk),
+        enable_kv_cache_events=kv_events,
+        extra_config={},
+        engine_id=f"kvbm-standalone-{os.getpid()}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_hash,
+                                    blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=parallelism_agnostic,
+        ),
+    )
+    return SimpleNamespace(
+        config=config,
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=kv_events),
+    )
 
 
 def _flat(view: memoryview) -> memoryview:
@@ -204,6 +297,7 @@ class KvbmDiskTier(_KvbmTier):
         self._rs = extension().StorageTier.disk(
             _flat(primary_kv_view),
             self.block_size_bytes,
+            _fingerprint(tier_type, offloading_spec),
             str(s["path"]),
             capacity,
             int(s["queue_depth"]),
@@ -282,6 +376,7 @@ class KvbmObjectTier(_KvbmTier):
         self._rs = extension().StorageTier.object(
             _flat(primary_kv_view),
             self.block_size_bytes,
+            _fingerprint(tier_type, offloading_spec),
             str(s["namespace"]),
             capacity,
             s["bucket"] or None,

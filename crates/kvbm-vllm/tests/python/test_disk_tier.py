@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
 )
 
 from kvbm_vllm import upstream_compat  # noqa: E402
-from kvbm_vllm.tiers import KvbmDiskTier, KvbmObjectTier  # noqa: E402
+from kvbm_vllm.tiers import KvbmDiskTier, KvbmObjectTier, standalone_spec  # noqa: E402
 
 
 class _KvbmPythonTiers(upstream_compat.TieringOffloadingManager):
@@ -59,8 +59,15 @@ CHUNK = 4096
 PRIMARY = 8
 
 
+def vllm_spec(model="test-model", dtype="float16", tp=1, agnostic=False, tokens_per_hash=16):
+    """A spec carrying vLLM's real ``OffloadingConfig``, what the tiers read their model
+    fingerprint from (events on, as vLLM's global switch; each test asks its tier for them)."""
+    return standalone_spec(model, dtype, CHUNK, tp=tp, parallelism_agnostic=agnostic,
+                           tokens_per_hash=tokens_per_hash, kv_events=True)
+
+
 class Setup:
-    def __init__(self, tmp_path, impl="vllm", capacity=32, direct_io=True, **extra):
+    def __init__(self, tmp_path, impl="vllm", capacity=32, direct_io=True, spec=None, **extra):
         primary_cls, manager_cls = IMPLS[impl]
         self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
         mmap = MagicMock()
@@ -68,7 +75,7 @@ class Setup:
         self.primary = primary_cls(num_chunks=PRIMARY, mmap_region=mmap)
         self.path = tmp_path / "g3" / "g3.bin"
         self.tier = KvbmDiskTier(
-            offloading_spec=MagicMock(),
+            offloading_spec=spec or vllm_spec(),
             primary_kv_view=self.primary.get_kv_memoryview(),
             tier_type="kvbm_disk",
             path=str(self.path),
@@ -174,6 +181,37 @@ def test_a_restarted_disk_tier_is_warm(tmp_path, impl):
     second.manager.shutdown()
 
 
+def test_a_disk_file_written_for_another_model_starts_cold(tmp_path, impl):
+    first = Setup(tmp_path, impl, spec=vllm_spec(model="model-a"))
+    stored = keys("model-a", 4)
+    first.store(stored, pattern)
+    first.manager.shutdown()
+
+    # Another model, dtype, hash size or TP shape on the same file: nothing of it is served.
+    for other in (vllm_spec(model="model-b"), vllm_spec(model="model-a", dtype="bfloat16"),
+                  vllm_spec(model="model-a", tokens_per_hash=32),
+                  vllm_spec(model="model-a", tp=2)):
+        s = Setup(tmp_path, impl, spec=other)
+        assert all(s.load(k) is None for k in stored), "another fingerprint is a miss"
+        s.manager.shutdown()
+    # Each of those reset the journal; model A's restart is cold too, and stores afresh.
+    again = Setup(tmp_path, impl, spec=vllm_spec(model="model-a"))
+    assert again.load(stored[0]) is None
+    again.store(stored, pattern)
+    again.manager.shutdown()
+    warm = Setup(tmp_path, impl, spec=vllm_spec(model="model-a"))
+    assert np.array_equal(warm.load(stored[0]), pattern(stored[0])), "the same model is warm"
+    warm.manager.shutdown()
+
+
+def test_a_tier_without_vllms_config_refuses_to_start(tmp_path):
+    view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
+    with pytest.raises(ValueError, match="offloading_spec.config must be vLLM's OffloadingConfig"):
+        KvbmDiskTier(MagicMock(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4)
+    with pytest.raises(ValueError, match="offloading_spec.config must be vLLM's OffloadingConfig"):
+        KvbmObjectTier(MagicMock(), view, "kvbm_object", dir=str(tmp_path / "o"))
+
+
 def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path, impl):
     s = Setup(tmp_path, impl)
     victim = keys("victim", 1)
@@ -260,7 +298,7 @@ def test_the_plugin_registers_kvbm_disk_for_vllms_factory(tmp_path):
     tier = SecondaryTierFactory.create_secondary_tier(
         {"type": "kvbm_disk", "path": str(tmp_path / "g3.bin"), "capacity": 4},
         view,
-        MagicMock(),
+        vllm_spec(),
     )
     assert isinstance(tier, KvbmDiskTier) and tier.tier_type == "kvbm_disk"
     tier.shutdown()
@@ -269,14 +307,14 @@ def test_the_plugin_registers_kvbm_disk_for_vllms_factory(tmp_path):
 class ObjectSetup(Setup):
     """As `Setup`, with a kvbm_object tier instead of the disk."""
 
-    def __init__(self, tmp_path, impl="vllm", **config):
+    def __init__(self, tmp_path, impl="vllm", spec=None, **config):
         primary_cls, manager_cls = IMPLS[impl]
         self.region = np.zeros((PRIMARY, CHUNK), dtype=np.int8)
         mmap = MagicMock()
         mmap.create_kv_memoryview.return_value = memoryview(self.region)
         self.primary = primary_cls(num_chunks=PRIMARY, mmap_region=mmap)
         self.tier = KvbmObjectTier(
-            offloading_spec=MagicMock(),
+            offloading_spec=spec or vllm_spec(),
             primary_kv_view=self.primary.get_kv_memoryview(),
             tier_type="kvbm_object",
             **config,
@@ -340,6 +378,43 @@ def test_shared_object_tier_finds_what_another_instance_wrote(tmp_path, impl):
     assert alone.load(stored[0]) is None
     reader.manager.shutdown()
     alone.manager.shutdown()
+
+
+def test_object_tiers_of_other_models_share_a_store_without_matching(tmp_path, impl):
+    shared = dict(dir=str(tmp_path / "objects"), namespace="fleet")
+    writer = ObjectSetup(tmp_path, impl, spec=vllm_spec(model="model-a"), **shared)
+    stored = keys("fleet", 3)
+    writer.store(stored, pattern)
+    writer.manager.shutdown()
+
+    other = ObjectSetup(tmp_path, impl, spec=vllm_spec(model="model-b"), shared=True, **shared)
+    assert all(other.load(k) is None for k in stored), "another model's objects are not seen"
+    other.manager.shutdown()
+    # TP=2 rows differ from TP=1 rows, unless vLLM says the bytes are parallelism-agnostic.
+    tp2 = ObjectSetup(tmp_path, impl, spec=vllm_spec(model="model-a", tp=2), shared=True,
+                      **shared)
+    assert tp2.load(stored[0]) is None
+    tp2.manager.shutdown()
+    same = ObjectSetup(tmp_path, impl, spec=vllm_spec(model="model-a"), shared=True, **shared)
+    for k in stored:
+        assert np.array_equal(same.load(k), pattern(k)), "the same model finds them"
+    same.manager.shutdown()
+    # Each fingerprint's objects sit in their own folder of the namespace.
+    folders = os.listdir(tmp_path / "objects" / "fleet")
+    assert len(folders) == 1 and folders[0].startswith("fp-"), folders
+
+
+def test_parallelism_agnostic_rows_are_shared_across_tp_shapes(tmp_path, impl):
+    shared = dict(dir=str(tmp_path / "objects"), namespace="fleet")
+    writer = ObjectSetup(tmp_path, impl, spec=vllm_spec(tp=2, agnostic=True), **shared)
+    stored = keys("agnostic", 2)
+    writer.store(stored, pattern)
+    writer.manager.shutdown()
+    reader = ObjectSetup(tmp_path, impl, spec=vllm_spec(tp=4, agnostic=True), shared=True,
+                         **shared)
+    for k in stored:
+        assert np.array_equal(reader.load(k), pattern(k)), "TP=4 reads what TP=2 wrote"
+    reader.manager.shutdown()
 
 
 def test_object_tier_configuration_errors(tmp_path, monkeypatch):
