@@ -968,6 +968,58 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_writes_g3_through_its_lane_and_restarts_warm_from_it() {
+    let Some(nats) = kvbm_tests::services::nats("instance_g3_lane") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("g3").join("g3.bin");
+    let subject = format!("kvbm.test.{}", unique("g3lane").replace('-', "_"));
+    let runtime = || {
+        KvbmRuntime::builder()
+            .tokio_handle(tokio::runtime::Handle::current())
+            .set("logical.block_size", 4)
+            .set("events.subject", &subject)
+            .set("tiers.g1_blocks", 16)
+            .set("tiers.g2_blocks", 8)
+            .set("tiers.g3_blocks", 16)
+            .set("physical.disk.path", disk.display().to_string())
+            .set("transport.nats_url", &nats.url)
+            .build()
+            .unwrap()
+    };
+    let p = prefix(11, 6);
+
+    // The instance computes P into G2 and writes it to its own G3 through the G2→G3 lane.
+    let rt = runtime();
+    let i = instance(&rt, A).await;
+    assert_eq!(i.compute(&p, &synthetic_block).unwrap(), 6);
+    assert_eq!(i.offload_g3(&p).await.unwrap(), 6);
+    assert_eq!(i.stats().offloaded_g3_blocks, 6);
+    let l = i.lookup(&p);
+    assert_eq!((l.local_g2, l.local_g3), (6, 0), "G2 is searched first");
+    // Asked again, the lane filters out what G3 already holds: nothing is written twice.
+    assert_eq!(i.offload_g3(&p).await.unwrap(), 0);
+    i.shutdown().await;
+    drop(i);
+    rt.shutdown();
+
+    // The next instance on the same file: G2 starts empty, G3 warm from the journal the lane
+    // wrote; P onboards from G3 with the bytes the first instance computed.
+    let rt = runtime();
+    let i = instance(&rt, A).await;
+    let l = i.lookup(&p);
+    assert_eq!((l.local_g2, l.local_g3), (0, 6), "{l:?}");
+    let got = i.onboard(&p).await.unwrap();
+    assert_eq!((got.local_g3, got.refused.as_ref()), (6, None), "{got:?}");
+    verified(&i, &p, &got);
+    drop(got);
+    assert_eq!(i.stats().local_g3_blocks, 6);
+    i.shutdown().await;
+    rt.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_refuses_a_config_it_cannot_run_naming_the_key() {
     // Checked before anything connects: no servers needed. (G3 without a disk and G4 without
     // S3 are refused by the configuration's own validation.)

@@ -21,6 +21,7 @@
 //!                                  G3→G2 (journal checksum), G4→G2 (object header), G2→G1; a
 //!                                  copy a tier rejected is poisoned, never read again, and
 //!                                  dropped from its tier before the next onboarding
+//!  [offload.g2_to_g3] ───────────► the G2→G3 lane (Tiers::g2_to_g3_lane: journal-recorded)
 //!  [offload.g2_to_g4] ───────────► the G2→G4 lane (Tiers::g2_to_g4_lane; owner: this id)
 //!
 //!  added here (cluster plane):
@@ -42,8 +43,11 @@
 //! (`DataPlaneConfig::scope`), so even a peer reached by address refuses a pull across
 //! fingerprints.
 //!
-//! Nothing here writes G3 (no G2→G3 lane): an instance's G3 serves what its journal lists
-//! from an earlier run of the same file.
+//! [`Instance::offload_g3`] writes G2-resident blocks to G3 through the stack's own G2→G3
+//! lane: each written block is listed in G3's journal with the checksum of its bytes, so this
+//! instance (or the next one on the same file) serves it, every read checked; its stored event
+//! goes to the index like any tier's. [`Instance::offload_g4`] does the same for the shared
+//! bucket.
 //!
 //! Every lower tier's (G2, G3, G4) stored/removed events go through one sink ([`OwnEvents`])
 //! that records them in this instance's own index (the source of its snapshot answers) and
@@ -83,8 +87,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvbm_logical::{BlockEvent, EventSink, G1, ImmutableBlock, SequenceHash, TierId};
-use kvbm_offload::{ObjectPipeline, S3PresenceChecker};
+use kvbm_logical::{BlockEvent, EventSink, G1, G2, ImmutableBlock, SequenceHash, TierId};
+use kvbm_offload::{ObjectPipeline, Pipeline, S3PresenceChecker};
 use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy};
 use tokio_util::sync::CancellationToken;
 
@@ -132,6 +136,7 @@ struct Counters {
     refused: AtomicU64,
     recomputed: AtomicU64,
     computed: AtomicU64,
+    offloaded_g3: AtomicU64,
     offloaded_g4: AtomicU64,
     presence_adopted: AtomicU64,
 }
@@ -160,6 +165,8 @@ pub struct InstanceStats {
     pub recomputed_blocks: u64,
     /// Blocks computed into G2 ([`Instance::compute`]).
     pub computed_blocks: u64,
+    /// Blocks written to G3 ([`Instance::offload_g3`]).
+    pub offloaded_g3_blocks: u64,
     /// Blocks written to G4 ([`Instance::offload_g4`]).
     pub offloaded_g4_blocks: u64,
     /// Blocks found by a G4 presence check (no event told of them).
@@ -410,6 +417,10 @@ impl InstanceBuilder {
             Some(t) => (t.manager.clone(), t.layout.clone()),
             None => return Err(EngineError::TierMissing(TierId::G2)),
         };
+        let g3_lane = {
+            let _guard = rt.tokio().enter();
+            built.g2_to_g3_lane(&config.offload.g2_to_g3)?
+        };
         let g4 = match &built.g4 {
             None => None,
             Some(g4t) => {
@@ -479,6 +490,7 @@ impl InstanceBuilder {
             tiers: built,
             movers,
             g2_layout,
+            g3_lane,
             g4,
             server,
             client: client_dp,
@@ -531,6 +543,8 @@ pub struct Instance {
     tiers: Tiers,
     movers: Movers,
     g2_layout: Arc<PhysicalLayout>,
+    /// The G2→G3 lane (with G3).
+    g3_lane: Option<Pipeline<G2>>,
     g4: Option<G4Side>,
     server: DataPlaneServer,
     client: Arc<DataPlaneClient>,
@@ -676,6 +690,7 @@ impl Instance {
             refused_blocks: l(&c.refused),
             recomputed_blocks: l(&c.recomputed),
             computed_blocks: l(&c.computed),
+            offloaded_g3_blocks: l(&c.offloaded_g3),
             offloaded_g4_blocks: l(&c.offloaded_g4),
             presence_adopted_blocks: l(&c.presence_adopted),
         }
@@ -741,6 +756,37 @@ impl Instance {
         drop(g2.register_blocks(complete));
         self.counters
             .computed
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Writes the G2-resident blocks of the prefix `hashes` to this instance's G3 through the
+    /// G2→G3 lane (`[offload.g2_to_g3]`; blocks already in G3 are filtered out) and waits
+    /// until they settled. Each written block is listed in G3's journal with its checksum, so
+    /// it is served from G3 (every read checked) by this instance and by the next one started
+    /// on the same file; G3's manager publishes its stored event. Returns how many were
+    /// written.
+    ///
+    /// # Errors
+    /// [`EngineError::TierMissing`] without G3; [`EngineError::Offload`] when the lane refused
+    /// the batch.
+    pub async fn offload_g3(&self, hashes: &[SequenceHash]) -> Result<usize> {
+        let lane = self
+            .g3_lane
+            .as_ref()
+            .ok_or(EngineError::TierMissing(TierId::G3))?;
+        let g2 = self
+            .leader
+            .g2()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let blocks = g2.match_blocks(hashes);
+        if blocks.is_empty() {
+            return Ok(0);
+        }
+        let result = lane.enqueue(blocks, None).await?.wait().await?;
+        let n = result.completed_blocks.len();
+        self.counters
+            .offloaded_g3
             .fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
@@ -917,6 +963,9 @@ impl Instance {
         }
         self.cancel.cancel();
         self.server.shutdown();
+        if let Some(lane) = &self.g3_lane {
+            lane.shutdown();
+        }
         if let Some(g4) = &self.g4 {
             g4.pipeline.pipeline().shutdown();
         }
@@ -930,6 +979,7 @@ fn _futures_are_send(b: InstanceBuilder, i: &Instance, h: &[SequenceHash]) {
     send(b.build());
     send(i.onboard(h));
     send(i.onboard_or_compute(h, &synthetic_block));
+    send(i.offload_g3(h));
     send(i.offload_g4(h));
     send(i.shutdown());
 }

@@ -56,11 +56,20 @@ impl MoveExecutor<G2> for RecordingG3Executor {
             .into_iter()
             .zip(batch.sequence_hashes())
             .map(|(id, h)| {
-                let (addr, len) = self.g2_layout.block_addrs(id, 0..1)[0];
+                // Every layer's regions, in (layer, outer) order: the bytes the arrival check
+                // hashes when the block is read back (a block has several regions unless its
+                // layout is one layer of one region).
+                let layers = self.g2_layout.layout().config().num_layers;
+                let regions = self.g2_layout.block_addrs(id, 0..layers);
                 // SAFETY: host memory of the G2 layout; the source block is held by the batch
                 // and nothing writes a registered block.
-                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                (h.as_u128(), kvbm_physical::checksum::checksum(bytes))
+                let slices = regions.iter().map(|&(addr, len)| unsafe {
+                    std::slice::from_raw_parts(addr as *const u8, len)
+                });
+                (
+                    h.as_u128(),
+                    kvbm_physical::checksum::checksum_slices(slices),
+                )
             })
             .collect();
         self.checksums.lock().extend(sums.iter().copied());

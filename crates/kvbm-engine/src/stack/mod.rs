@@ -77,7 +77,7 @@ pub use counters::{Counters, HitSource, MovePath, PATH_NAMES, Served, StageTimes
 pub use hooks::{Contents, Identities, ShareG4, SharedG4};
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
-use lanes::{Handoffs, RecordingG3Executor, enqueue_from_sink, lane_policy};
+use lanes::{Handoffs, enqueue_from_sink, lane_policy};
 use read_ahead::Prefetch;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
@@ -250,6 +250,10 @@ impl TierStack {
                 .g2_to_g4_lane(&cfg.offload.g2_to_g4, None, Some(sink))?
                 .map(Arc::new)
         };
+        let g2_to_g3 = {
+            let _guard = rt.enter();
+            built.g2_to_g3_lane(&cfg.offload.g2_to_g3)?.map(Arc::new)
+        };
         let Tiers {
             tm,
             registry,
@@ -267,36 +271,8 @@ impl TierStack {
         let handles: Arc<Mutex<Vec<OffloadHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let g2_space_waits = Arc::new(AtomicU64::new(0));
         let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
-        let (mut g1_to_g2, mut g2_to_g3) = (None, None);
-        if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
-            if let Some(g3t) = &g3 {
-                let exec = RecordingG3Executor {
-                    inner: BlockMoveExecutor::<G2, G3>::from_mover(
-                        kvbm_offload::BlockMover::from_layout(
-                            g2t.handle,
-                            &kvbm_offload::BoundTier::new(
-                                tm.clone(),
-                                g3t.handle,
-                                g3t.manager.clone(),
-                            )?,
-                        )?,
-                    )
-                    .waiting_for_room(cfg.offload.g2_to_g3.room_patience, Arc::default()),
-                    g2_layout: g2t.layout.clone(),
-                    checksums: g3t.checksums.clone(),
-                    counters: counters.clone(),
-                    block_bytes: b,
-                    index: g3t.index.clone(),
-                };
-                g2_to_g3 = Some(Arc::new(
-                    PipelineBuilder::<G2, G3>::new()
-                        .config(cfg.offload.g2_to_g3.clone())
-                        .policy(lane_policy(&registry, &cfg.offload.g2_to_g3))
-                        .build()
-                        .spawn(exec)
-                        .context("cannot start the G2→G3 pipeline")?,
-                ));
-            }
+        let mut g1_to_g2 = None;
+        if let Some(g2b) = &g2_bound {
             // With the tiering scheduler, the scheduler's own store (prepare_store → copy →
             // complete_store) is G1→G2, and the stack hands the stored blocks to the lower
             // lanes itself ([`scheduled`]).

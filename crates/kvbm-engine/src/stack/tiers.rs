@@ -39,9 +39,10 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, LogicalConfig, SequenceHash, Tier,
 };
 use kvbm_offload::{
-    ArrivalCheck, BlockFailure, BlockFailureKind, BoundTier, CompletionSink, MoveSource,
-    ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder, ObjectPipelineConfig,
-    PresenceFilter, create_policy_from_config,
+    ArrivalCheck, BlockFailure, BlockFailureKind, BlockMoveExecutor, BlockMover, BoundTier,
+    CompletionSink, MoveSource, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
+    ObjectPipelineConfig, Pipeline, PipelineBuilder, PipelineConfig, PresenceFilter,
+    create_policy_from_config,
 };
 use kvbm_physical::{
     BlockLayout, LayoutHandle, LayoutKind, ModelFingerprint, ObjectStorage, PhysicalLayout,
@@ -57,6 +58,7 @@ use crate::runtime::{EventSource, RuntimeHandle};
 
 use super::context::{Context, stack_error};
 use super::hooks::{Contents, Identities};
+use super::lanes::{RecordingG3Executor, lane_policy};
 use super::movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 use super::plan::probe_endpoint;
 use kvbm_offload::journal::DiskJournal;
@@ -412,6 +414,42 @@ impl Tiers {
             leader,
             movers,
         })
+    }
+
+    /// The G2→G3 lane (none without G2 or G3): kvbm-offload's pipeline over the block move
+    /// into G3's bound tier, configured by `config` (`[offload.g2_to_g3]`: blocks already
+    /// present below filtered out, then the configured policies; a batch that finds G3 full of
+    /// held blocks waits `room_patience` for room, then drops). Each written block is listed in
+    /// G3's journal with the checksum of the bytes read from G2 ([`RecordingG3Executor`]), so
+    /// a restart finds it and a read checks it; its bytes are counted on `G2_TO_G3`. Spawns on
+    /// the current tokio runtime.
+    ///
+    /// # Errors
+    /// [`EngineError::Stack`] when the pipeline cannot be started.
+    pub(crate) fn g2_to_g3_lane(&self, config: &PipelineConfig) -> Result<Option<Pipeline<G2>>> {
+        let (Some(g2t), Some(g3t)) = (&self.g2, &self.g3) else {
+            return Ok(None);
+        };
+        let exec = RecordingG3Executor {
+            inner: BlockMoveExecutor::<G2, G3>::from_mover(BlockMover::from_layout(
+                g2t.handle,
+                &BoundTier::new(self.tm.clone(), g3t.handle, g3t.manager.clone())?,
+            )?)
+            .waiting_for_room(config.room_patience, Arc::default()),
+            g2_layout: g2t.layout.clone(),
+            checksums: g3t.checksums.clone(),
+            counters: self.counters.clone(),
+            block_bytes: g2t.layout.layout().config().block_bytes(),
+            index: g3t.index.clone(),
+        };
+        Ok(Some(
+            PipelineBuilder::<G2, G3>::new()
+                .config(config.clone())
+                .policy(lane_policy(&self.registry, config))
+                .build()
+                .spawn(exec)
+                .context("cannot start the G2→G3 pipeline")?,
+        ))
     }
 
     /// The G2→G4 lane (none without G2 or G4): kvbm-offload's object pipeline, configured by
