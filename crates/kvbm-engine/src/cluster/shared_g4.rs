@@ -10,6 +10,11 @@
 //!         ready barrier: announce on <subject>.ready until every instance is heard
 //! ```
 //!
+//! The ready announcements are sealed like every other message (context `ready:<subject>`):
+//! with security on, an announcement counts only when a leader's certificate sealed it and
+//! names the instance it announces, so a non-member (or a member speaking for another
+//! instance) cannot start a run before every instance is subscribed.
+//!
 //! Every subject is the configured one scoped by the stack's model fingerprint
 //! (`<subject>.fp-<hex>`): instances of another model, dtype, layout or rank are never heard
 //! (their G4 objects live under another prefix too), and a run whose instances disagree on it
@@ -30,7 +35,7 @@ use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::RemoteSearch;
 use crate::runtime::KvbmRuntime;
-use crate::security::Security;
+use crate::security::{Rejection, Role, Security};
 use crate::stack::context::{Context, bail, stack_error};
 use crate::stack::{ShareG4, SharedG4};
 
@@ -76,6 +81,8 @@ struct NatsSharedG4 {
     this: InstanceId,
     client: async_nats::Client,
     sharing: Sharing,
+    /// Seals and opens the ready announcements.
+    security: Arc<Security>,
     _bus: Arc<NatsBus>,
 }
 
@@ -153,6 +160,7 @@ impl NatsSharedG4 {
             this,
             client,
             sharing: s.clone(),
+            security,
             _bus: bus,
         })
     }
@@ -188,10 +196,15 @@ impl SharedG4 for NatsSharedG4 {
             &s.subject,
             s.instance,
             s.instances,
+            &self.security,
+            READY_DEADLINE,
         ))
         .context("waiting for the other instances")
     }
 }
+
+/// How long [`ready_barrier`] waits for every instance.
+const READY_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Waits until every instance of the run is subscribed to the events (NATS does not replay
 /// what was published before a subscription, so an instance that started serving early could
@@ -199,11 +212,17 @@ impl SharedG4 for NatsSharedG4 {
 /// `<subject>.ready` every 50 ms until it has heard all `count`, then once more. Why that is
 /// enough: an instance announces only after subscribing, so whoever has heard everyone knows
 /// everyone is subscribed, and its last announcement reaches them all.
+///
+/// Announcements are sealed by `security` (context `ready:<subject>`); one that does not open,
+/// or whose sealing certificate is not a leader of the instance it names, is dropped and
+/// counted ([`Rejection::NotAllowed`](crate::security::Rejection::NotAllowed) for the latter).
 async fn ready_barrier(
     client: &async_nats::Client,
     subject: &str,
     me: u64,
     count: usize,
+    security: &Security,
+    deadline: Duration,
 ) -> Result<()> {
     use futures::StreamExt;
     let subject = format!("{subject}.ready");
@@ -216,21 +235,24 @@ async fn ready_barrier(
         .await
         .map_err(|e| nats(&e))?;
     client.flush().await.map_err(|e| nats(&e))?;
+    let context = format!("ready:{subject}");
+    let announcement = security.seal(context.as_bytes(), me.to_string().as_bytes());
     let mut seen = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let until = Instant::now() + deadline;
     loop {
         client
-            .publish(subject.clone(), me.to_string().into())
+            .publish(subject.clone(), announcement.clone().into())
             .await
             .map_err(|e| nats(&e))?;
         client.flush().await.map_err(|e| nats(&e))?;
         if seen.len() >= count {
             return Ok(());
         }
-        if Instant::now() > deadline {
+        if Instant::now() > until {
             bail!(
-                "only {} of {count} instances announced themselves within 60 s",
-                seen.len()
+                "only {} of {count} instances announced themselves within {} s",
+                seen.len(),
+                deadline.as_secs_f64()
             );
         }
         let tick = tokio::time::sleep(Duration::from_millis(50));
@@ -239,7 +261,7 @@ async fn ready_barrier(
             tokio::select! {
                 m = sub.next() => match m {
                     Some(m) => {
-                        if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<u64>() {
+                        if let Some(id) = announced(security, context.as_bytes(), &m.payload) {
                             seen.insert(id);
                         }
                     }
@@ -250,3 +272,20 @@ async fn ready_barrier(
         }
     }
 }
+
+/// The instance a ready announcement names, if it opens under `security` and (security on) a
+/// leader of that instance sealed it; else `None` (counted when security refused it).
+fn announced(security: &Security, context: &[u8], bytes: &[u8]) -> Option<u64> {
+    let (sender, payload) = security.open(context, bytes).ok()?;
+    let id = std::str::from_utf8(payload).ok()?.parse::<u64>().ok()?;
+    match sender {
+        Some(cert) if cert.instance != InstanceId(id) || cert.role != Role::Leader => {
+            security.count(Rejection::NotAllowed);
+            None
+        }
+        _ => Some(id),
+    }
+}
+
+#[cfg(test)]
+mod tests;
