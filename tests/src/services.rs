@@ -28,6 +28,9 @@ pub const NATS_AUTH_URL: &str = "KVBM_TEST_NATS_AUTH_URL";
 /// Environment variable naming the NATS server that demands TLS, a client certificate and a
 /// token, e.g. `tls://127.0.0.1:4224`.
 pub const NATS_TLS_URL: &str = "KVBM_TEST_NATS_TLS_URL";
+/// Environment variable naming the NATS server in operator mode (JWT accounts; users log in
+/// with `.creds` files), e.g. `nats://127.0.0.1:4225`.
+pub const NATS_JWT_URL: &str = "KVBM_TEST_NATS_JWT_URL";
 /// Environment variable naming the directory of those servers' secrets and certificates.
 pub const NATS_AUTH_DIR: &str = "KVBM_TEST_NATS_AUTH_DIR";
 /// Set to `1` to let tests that need a server skip when none is provisioned.
@@ -66,6 +69,8 @@ pub struct NatsAuthService {
     pub url: String,
     /// `tls://host:port` of the TLS server.
     pub tls_url: String,
+    /// `nats://host:port` of the server in operator mode.
+    pub jwt_url: String,
     /// The directory of the files below.
     pub dir: std::path::PathBuf,
 }
@@ -81,6 +86,15 @@ impl NatsAuthService {
     /// The nkey seed file of `TENANT_A`'s nkey user (instance role).
     pub fn nkey_file(&self) -> std::path::PathBuf {
         self.dir.join("nkey_a.seed")
+    }
+    /// The `.creds` file (user JWT and nkey seed) of a user of the account the operator-mode
+    /// server trusts.
+    pub fn creds_file(&self) -> std::path::PathBuf {
+        self.dir.join("user_jwt.creds")
+    }
+    /// A well-formed `.creds` file of a user of an account the operator never signed.
+    pub fn foreign_creds_file(&self) -> std::path::PathBuf {
+        self.dir.join("foreign_jwt.creds")
     }
     /// The TLS server's token file.
     pub fn token_file(&self) -> std::path::PathBuf {
@@ -124,6 +138,7 @@ pub fn nats_auth(test: &str) -> Option<NatsAuthService> {
             Some(NatsAuthService {
                 url: get(NATS_AUTH_URL)?,
                 tls_url: get(NATS_TLS_URL)?,
+                jwt_url: get(NATS_JWT_URL)?,
                 dir: get(NATS_AUTH_DIR)?.into(),
             })
         },

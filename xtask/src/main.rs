@@ -20,6 +20,7 @@ mod ci;
 mod fuzz;
 mod gpu_check;
 mod layering;
+mod nats_jwt;
 mod python;
 mod services;
 mod soak;

@@ -7,10 +7,11 @@
 //!        └─ nats-server: `apt-get install -y nats-server`          export KVBM_TEST_* to tests
 //! ```
 //!
-//! Besides the open NATS server, two authenticated ones (the `security_*` tests' servers,
+//! Besides the open NATS server, three authenticated ones (the `security_*` tests' servers,
 //! [`Services::start_nats_auth`]): one with two accounts (two tenants) whose users have the
 //! subject permissions of the roles in `docs/security.md` (user/password and nkey users),
-//! and one that demands TLS with a client certificate and a token. Their CA, certificates
+//! one that demands TLS with a client certificate and a token, and one in operator mode
+//! whose users log in with `.creds` files. Their CA, certificates
 //! (made with the `openssl` CLI, installed with apt-get when missing), passwords, nkey seed
 //! and token are written at start, mode 0600, to one directory exported as
 //! `KVBM_TEST_NATS_AUTH_DIR`:
@@ -23,6 +24,10 @@
 //!  KVBM_TEST_NATS_TLS_URL   tls://127.0.0.1:Q   TLS (ca.pem), client certificate required
 //!                                                (client-cert.pem, client-key.pem), token
 //!                                                (token)
+//!  KVBM_TEST_NATS_JWT_URL   nats://127.0.0.1:R  operator mode (JWTs, memory resolver): a user
+//!                                                of the trusted account (user_jwt.creds), a
+//!                                                user of an account it never signed
+//!                                                (foreign_jwt.creds; see `nats_jwt`)
 //!  KVBM_TEST_NATS_AUTH_DIR  the files above, and the servers' configurations
 //! ```
 //!
@@ -58,6 +63,8 @@ pub(crate) const NATS_URL: &str = "KVBM_TEST_NATS_URL";
 pub(crate) const NATS_AUTH_URL: &str = "KVBM_TEST_NATS_AUTH_URL";
 /// The NATS server that demands TLS, a client certificate and a token (`tls://127.0.0.1:PORT`).
 pub(crate) const NATS_TLS_URL: &str = "KVBM_TEST_NATS_TLS_URL";
+/// The NATS server in operator mode (JWT accounts; `.creds` logins).
+pub(crate) const NATS_JWT_URL: &str = "KVBM_TEST_NATS_JWT_URL";
 /// The directory of the authenticated servers' secrets and certificates.
 pub(crate) const NATS_AUTH_DIR: &str = "KVBM_TEST_NATS_AUTH_DIR";
 
@@ -236,6 +243,24 @@ impl Services {
         self.spawn("nats-server-tls", cmd, port)?;
         self.env
             .push((NATS_TLS_URL, format!("tls://127.0.0.1:{port}")));
+
+        // Operator mode (decentralized JWT authentication): `.creds` logins.
+        let jwt = crate::nats_jwt::operator_setup()?;
+        write_secret(&dir.join("user_jwt.creds"), &jwt.user_creds)?;
+        write_secret(&dir.join("foreign_jwt.creds"), &jwt.foreign_creds)?;
+        let port = free_port()?;
+        let conf = format!(
+            "# Written by `cargo xtask services` (xtask/src/services.rs).\n\
+             listen: \"127.0.0.1:{port}\"\n{}",
+            jwt.server_conf
+        );
+        let conf_path = dir.join("nats-jwt.conf");
+        write_secret(&conf_path, &conf)?;
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c").arg(&conf_path);
+        self.spawn("nats-server-jwt", cmd, port)?;
+        self.env
+            .push((NATS_JWT_URL, format!("nats://127.0.0.1:{port}")));
         self.env.push((NATS_AUTH_DIR, dir.display().to_string()));
         Ok(())
     }

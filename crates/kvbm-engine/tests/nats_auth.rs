@@ -70,6 +70,15 @@ fn secrets(svc: &NatsAuthService) -> Vec<String> {
         .collect();
     s.push(svc.read(&svc.token_file()));
     s.push(svc.read(&svc.nkey_file()));
+    // The user nkey seeds inside the `.creds` files.
+    for f in [svc.creds_file(), svc.foreign_creds_file()] {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let seed = text
+            .lines()
+            .find(|l| l.starts_with("SU"))
+            .expect("a user seed");
+        s.push(seed.to_string());
+    }
     s
 }
 
@@ -175,6 +184,43 @@ async fn security_connect_without_or_with_wrong_credentials_fails_naming_what_is
     let e = refused(&url, &NatsAuthConfig::default()).await;
     assert!(e.contains("userinfo"), "{e}");
     assert!(!e.contains("pw-in-url-0f9e"), "{e}");
+
+    // Operator mode: no credentials, then a well-formed `.creds` of an account the operator
+    // never signed: refused naming the key, the seed never echoed.
+    let e = refused(&svc.jwt_url, &NatsAuthConfig::default()).await;
+    assert!(e.contains("none are configured"), "{e}");
+    let foreign = NatsAuthConfig {
+        creds_file: Some(svc.foreign_creds_file()),
+        ..NatsAuthConfig::default()
+    };
+    let e = refused(&svc.jwt_url, &foreign).await;
+    assert!(e.contains("transport.nats_auth.creds_file"), "{e}");
+    assert_no_secret("foreign creds", &e, &secrets);
+    // The trusted user's `.creds` with its JWT's signature damaged: refused the same way.
+    let dir = tempfile::tempdir().unwrap();
+    let damaged = dir.path().join("damaged.creds");
+    let text = std::fs::read_to_string(svc.creds_file()).unwrap();
+    let jwt = text.lines().nth(1).unwrap();
+    let flipped = format!(
+        "{}{}",
+        &jwt[..jwt.len() - 4],
+        if jwt.ends_with("AAAA") {
+            "BBBB"
+        } else {
+            "AAAA"
+        }
+    );
+    std::fs::write(&damaged, text.replace(jwt, &flipped)).unwrap();
+    let e = refused(
+        &svc.jwt_url,
+        &NatsAuthConfig {
+            creds_file: Some(damaged),
+            ..NatsAuthConfig::default()
+        },
+    )
+    .await;
+    assert!(e.contains("transport.nats_auth.creds_file"), "{e}");
+    assert_no_secret("damaged creds", &e, &secrets);
 }
 
 /// Publishes on a fresh subject and reads it back over one client.
@@ -222,6 +268,14 @@ async fn security_each_nats_credential_kind_connects_and_carries_messages() {
             tls(&svc),
         ),
         ("TLS: inline token", &svc.tls_url, inline_token),
+        (
+            "creds file (user JWT and nkey seed, operator mode)",
+            &svc.jwt_url,
+            NatsAuthConfig {
+                creds_file: Some(svc.creds_file()),
+                ..NatsAuthConfig::default()
+            },
+        ),
     ] {
         let c = connect_with(url, &auth, what, MS50)
             .await
