@@ -137,6 +137,13 @@ impl MockWorker {
         self.calls.load(Ordering::Relaxed)
     }
 
+    /// Counts a call and takes the failure scripted for it, if any.
+    fn scripted(&self) -> Option<ControlError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let scripted = self.script.lock().pop_front().or(*self.always.lock());
+        scripted.map(|f| self.error(f))
+    }
+
     fn error(&self, f: MockFailure) -> ControlError {
         let worker: WorkerAddress = self.inner.address();
         match f {
@@ -158,14 +165,20 @@ impl WorkerControl for MockWorker {
         &self,
         request: ControlRequest,
     ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        let scripted = self.script.lock().pop_front().or(*self.always.lock());
-        match scripted {
-            Some(f) => {
-                let e = self.error(f);
-                Box::pin(async move { Err(e) })
-            }
+        match self.scripted() {
+            Some(e) => Box::pin(async move { Err(e) }),
             None => self.inner.call(request),
+        }
+    }
+
+    unsafe fn call_unchecked(
+        &self,
+        request: ControlRequest,
+    ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
+        match self.scripted() {
+            Some(e) => Box::pin(async move { Err(e) }),
+            // SAFETY: forwarded from the caller.
+            None => unsafe { self.inner.call_unchecked(request) },
         }
     }
 }
@@ -196,7 +209,8 @@ mod tests {
         // SAFETY: mock workers: no memory is touched.
         assert_eq!(unsafe { workers.execute(req.clone()) }.await, vec![Ok(())]);
         mocks[1].fail_next(MockFailure::Gone);
-        let e = workers.transfer(&req).await.unwrap_err();
+        // SAFETY: mock workers over their own layouts; nothing else uses them.
+        let e = unsafe { workers.transfer(&req) }.await.unwrap_err();
         assert_eq!(
             e,
             ControlError::NoResponders {

@@ -199,7 +199,8 @@ fn worker(a: &Args) -> Result<PhysicalWorker, BinError> {
     };
     let g2 = host()?;
     if let Some(seed) = a.fill_seed
-        && !fill_pattern(&g2, seed)
+        // SAFETY: `g2` was just allocated and is not registered yet: nothing else uses it.
+        && !unsafe { fill_pattern(&g2, seed) }
     {
         return Err("the G2 layout is not host memory".into());
     }

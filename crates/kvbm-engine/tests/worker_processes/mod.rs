@@ -173,10 +173,13 @@ pub(crate) async fn set_up_secured(
     for (r, c) in controls.iter().enumerate() {
         let d = digests(c.as_ref(), TierId::G2, ids.clone()).await;
         let local = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
-        assert!(fill_pattern(&local, SEED + r as u8), "host memory");
+        // SAFETY: `local` is this test's own layout; nothing else uses it.
+        let filled = unsafe { fill_pattern(&local, SEED + r as u8) };
+        assert!(filled, "host memory");
         let here: Vec<u64> = ids
             .iter()
-            .map(|&b| block_digest(&local, b).unwrap())
+            // SAFETY: as above.
+            .map(|&b| unsafe { block_digest(&local, b) }.unwrap())
             .collect();
         assert_eq!(d, here, "rank {r}: the worker's bytes are the pattern");
         expected.push(d);

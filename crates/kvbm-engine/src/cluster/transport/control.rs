@@ -34,6 +34,17 @@
 //! merely slow may still write them, which is why the timeout must exceed the longest
 //! transfer, see `transport.request_timeout_ms`).
 //!
+//! # Safety at the seam
+//!
+//! `Transfer`, `Fill` and `Digest` read or write a worker's slots, which its leader's block
+//! managers own; nothing in a request can prove them free. So the one function that executes
+//! requests, [`serve`], is `unsafe`, and so are the ways in process to reach it:
+//! [`WorkerControl::call_unchecked`] and [`ControlledWorkers::transfer`] (whose caller, the
+//! leader's mover through [`ParallelWorkers::execute`], reserved the slots). The safe
+//! [`WorkerControl::call`] of an [`InProcessControl`] answers only `Describe` and refuses the
+//! rest, naming the unsafe way. A remote worker's server calls `serve` at the trust boundary:
+//! the request came sealed from its own leader (see `transport::nats`).
+//!
 //! # Locks
 //!
 //! None: the types here are immutable after construction.
@@ -165,6 +176,18 @@ pub enum ControlRequest {
     },
 }
 
+impl ControlRequest {
+    /// The request's name (for errors and logs).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ControlRequest::Describe => "Describe",
+            ControlRequest::Transfer(_) => "Transfer",
+            ControlRequest::Digest { .. } => "Digest",
+            ControlRequest::Fill { .. } => "Fill",
+        }
+    }
+}
+
 /// What a worker answers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ControlResponse {
@@ -218,21 +241,38 @@ impl ControlResponse {
 pub trait WorkerControl: Send + Sync {
     /// The worker.
     fn address(&self) -> WorkerAddress;
-    /// Sends `request` and waits for the reply (or the request's deadline).
+    /// Sends `request` and waits for the reply (or the request's deadline). A worker in this
+    /// process answers only requests that touch no slot ([`ControlRequest::Describe`]) here
+    /// and refuses the others: they go through [`call_unchecked`](Self::call_unchecked).
     fn call(&self, request: ControlRequest)
     -> BoxFuture<'_, Result<ControlResponse, ControlError>>;
+
+    /// [`call`](Self::call) for any request, slot-touching ones included. The default (a
+    /// worker in another process, which checks the request came from its own leader) is
+    /// `call`.
+    ///
+    /// # Safety
+    /// For a worker in this process, the caller guarantees what [`serve`] requires: the slots
+    /// a `Transfer` names are reserved for it until the call returns, and nothing else writes
+    /// (for `Fill`, reads or writes) the layouts a `Fill` or `Digest` names meanwhile.
+    unsafe fn call_unchecked(
+        &self,
+        request: ControlRequest,
+    ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
+        self.call(request)
+    }
 }
 
 /// Fills every block of a host `layout` with a pattern of the block index and `seed` (byte
 /// `k` of block `b`'s serialized bytes is `k*31 ^ b*131 ^ seed`, wrapping).
 ///
-/// # Safety contract
-/// The caller guarantees nothing reads or writes the layout meanwhile; [`serve`] only does this
-/// for [`ControlRequest::Fill`], whose contract says so.
-///
 /// Returns `false`, writing nothing, when `layout` is not host memory (a device address is
 /// not this process's to write).
-pub fn fill_pattern(layout: &PhysicalLayout, seed: u8) -> bool {
+///
+/// # Safety
+/// The caller guarantees nothing reads or writes the layout meanwhile ([`serve`] does this
+/// for [`ControlRequest::Fill`], under its own contract).
+pub unsafe fn fill_pattern(layout: &PhysicalLayout, seed: u8) -> bool {
     if layout.storage_kind() != kvbm_physical::StorageKind::Host {
         return false;
     }
@@ -254,7 +294,10 @@ pub fn fill_pattern(layout: &PhysicalLayout, seed: u8) -> bool {
 
 /// The xxh3-64 digest of block `b`'s serialized bytes in a host `layout` (`None` for a block
 /// out of range, or a layout that is not host memory).
-pub fn block_digest(layout: &PhysicalLayout, b: usize) -> Option<u64> {
+///
+/// # Safety
+/// The caller guarantees nothing writes block `b` meanwhile.
+pub unsafe fn block_digest(layout: &PhysicalLayout, b: usize) -> Option<u64> {
     let c = *layout.layout().config();
     if b >= c.num_blocks || layout.storage_kind() != kvbm_physical::StorageKind::Host {
         return None;
@@ -289,7 +332,15 @@ fn host_layout(
 }
 
 /// Answers `request` on `worker` (what a worker does for in-process and NATS calls alike).
-pub async fn serve(
+/// Slot ids and layouts are checked (out of range or not host memory: refused), but nothing
+/// here can prove a slot free (see the [module docs](self)).
+///
+/// # Safety
+/// The slots a `Transfer` names are reserved for it by the worker's leader until this returns
+/// (its movers' contract, [`ParallelWorkers::execute`]); nothing else writes the layout a
+/// `Digest` reads, nor reads or writes the one a `Fill` writes, meanwhile. A worker serving
+/// the network upholds this by obeying only its own leader (the trust boundary).
+pub async unsafe fn serve(
     worker: &PhysicalWorker,
     address: WorkerAddress,
     request: ControlRequest,
@@ -321,16 +372,8 @@ pub async fn serve(
             })
         }
         ControlRequest::Transfer(t) => {
-            // SAFETY: the trust boundary of the control plane. A worker's slots are owned by its
-            // leader's block managers, in another process: no check here can prove a slot free, so
-            // a `Transfer` is executed for the leader alone. It arrives on this worker's control
-            // subject, which only its leader may publish to (with `[security]` on, the request is
-            // sealed by the leader's credential and opened, sender checked, before this call; the
-            // operator's NATS permissions say the same), or in process from the leader's own
-            // `ControlledWorkers`, whose requests name only slots its movers reserved
-            // (`ParallelWorkers::execute`'s contract). Slot ids out of range are refused by the
-            // transfer manager; nothing else on a worker reads or writes its layouts except
-            // `Fill`/`Digest`, test requests of the same leader.
+            // SAFETY: the slots are reserved for this request (this function's contract); slot
+            // ids out of range are refused by the transfer manager.
             let out = unsafe { worker.execute(&t) }.await;
             ControlResponse::transferred(out)
         }
@@ -339,7 +382,8 @@ pub async fn serve(
             Ok(layout) => {
                 let mut out = Vec::with_capacity(blocks.len());
                 for b in blocks {
-                    match block_digest(&layout, b) {
+                    // SAFETY: nothing writes the layout meanwhile (this function's contract).
+                    match unsafe { block_digest(&layout, b) } {
                         Some(d) => out.push(d),
                         None => {
                             return ControlResponse::Refused(format!(
@@ -355,7 +399,8 @@ pub async fn serve(
         ControlRequest::Fill { tier, seed } => match host_layout(worker, tier) {
             Err(r) => r,
             Ok(layout) => {
-                if fill_pattern(&layout, seed) {
+                // SAFETY: nothing else uses the layout meanwhile (this function's contract).
+                if unsafe { fill_pattern(&layout, seed) } {
                     ControlResponse::Done
                 } else {
                     ControlResponse::Refused(format!(
@@ -390,12 +435,33 @@ impl WorkerControl for InProcessControl {
         self.address
     }
 
+    /// Answers `Describe`; refuses a request that reads or writes slots, which in process goes
+    /// through the unsafe [`call_unchecked`](WorkerControl::call_unchecked).
     fn call(
         &self,
         request: ControlRequest,
     ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
+        if !matches!(request, ControlRequest::Describe) {
+            let message = format!(
+                "{} reads or writes this process's slots: in process it goes through \
+                 WorkerControl::call_unchecked or ControlledWorkers::transfer (unsafe: the caller \
+                 reserves the slots)",
+                request.kind()
+            );
+            let worker = self.address;
+            return Box::pin(async move { Err(ControlError::Refused { worker, message }) });
+        }
+        // SAFETY: a `Describe` reads no slot.
+        unsafe { self.call_unchecked(request) }
+    }
+
+    unsafe fn call_unchecked(
+        &self,
+        request: ControlRequest,
+    ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
         Box::pin(async move {
-            match serve(&self.worker, self.address, request).await {
+            // SAFETY: forwarded from the caller (`call_unchecked`'s contract is `serve`'s).
+            match unsafe { serve(&self.worker, self.address, request) }.await {
                 ControlResponse::Refused(message) => Err(ControlError::Refused {
                     worker: self.address,
                     message,
@@ -486,14 +552,20 @@ impl ControlledWorkers {
     /// # Errors
     /// When a rank could not be driven at all (its call failed): the first such rank's
     /// [`ControlError`], after every rank settled; no block of the request counts as moved.
-    pub async fn transfer(
+    ///
+    /// # Safety
+    /// As [`ParallelWorkers::execute`]: the request's slots are reserved for it on every rank
+    /// until this returns.
+    pub async unsafe fn transfer(
         &self,
         request: &TransferRequest,
     ) -> Result<Vec<BlockOutcome>, ControlError> {
         let n = request.blocks.len();
-        let replies = self
-            .call_all(&ControlRequest::Transfer(request.clone()))
-            .await;
+        let replies = join_all(self.ranks.iter().map(|r| {
+            // SAFETY: the slots are reserved for this request (this function's contract).
+            unsafe { r.call_unchecked(ControlRequest::Transfer(request.clone())) }
+        }))
+        .await;
         let mut merged: Vec<BlockOutcome> = vec![Ok(()); n];
         let mut first_error = None;
         for (r, reply) in self.ranks.iter().zip(replies) {
@@ -543,7 +615,8 @@ impl ParallelWorkers for ControlledWorkers {
 
     unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
         Box::pin(async move {
-            match self.transfer(&request).await {
+            // SAFETY: forwarded from the caller (`execute`'s contract is `transfer`'s).
+            match unsafe { self.transfer(&request) }.await {
                 Ok(v) => v,
                 Err(e) => {
                     let f = BlockFailure::new(e.failure_kind(), e.to_string());

@@ -616,7 +616,16 @@ impl WorkerServer {
                             {
                                 tokio::time::sleep(d).await;
                             }
-                            let response = serve(&worker, address, request).await;
+                            // SAFETY: the trust boundary of the control plane. A worker's slots
+                            // are owned by its leader's block managers, in another process: no
+                            // check here can prove a slot free, so a request is executed for the
+                            // leader alone. It arrived on this worker's control subject, which
+                            // only its leader may publish to (with `[security]` on, it was sealed
+                            // by the leader's credential and opened, sender checked, above; the
+                            // operator's NATS permissions say the same); the leader's movers
+                            // reserved the slots it names (`ParallelWorkers::execute`), and
+                            // `Fill`/`Digest` are its test requests, sent while nothing moves.
+                            let response = unsafe { serve(&worker, address, request) }.await;
                             (version, response.for_version(version))
                         }
                     };

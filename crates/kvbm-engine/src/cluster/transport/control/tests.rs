@@ -62,8 +62,8 @@ fn request() -> TransferRequest {
 }
 
 async fn digests(c: &dyn WorkerControl, tier: TierId, blocks: Vec<BlockId>) -> Vec<u64> {
-    match c
-        .call(ControlRequest::Digest { tier, blocks })
+    // SAFETY: test-owned layouts; no transfer runs while a test reads digests.
+    match unsafe { c.call_unchecked(ControlRequest::Digest { tier, blocks }) }
         .await
         .unwrap()
     {
@@ -77,16 +77,20 @@ async fn every_rank_moves_and_digests_match_per_rank() {
     let ws = [worker(0, true), worker(1, true)];
     let all = controlled(&ws);
     for (r, c) in all.ranks().iter().enumerate() {
-        let filled = c
-            .call(ControlRequest::Fill {
+        // SAFETY: test-owned layouts; nothing else uses them.
+        let filled = unsafe {
+            c.call_unchecked(ControlRequest::Fill {
                 tier: TierId::G2,
                 seed: 0x10 + r as u8,
             })
-            .await
-            .unwrap();
+        }
+        .await
+        .unwrap();
         assert_eq!(filled, ControlResponse::Done);
     }
-    let out = all.transfer(&request()).await.unwrap();
+    let req = request();
+    // SAFETY: test-owned layouts; nothing else reads or writes the slots.
+    let out = unsafe { all.transfer(&req) }.await.unwrap();
     assert_eq!(out, vec![Ok(()), Ok(())]);
     let mut per_rank = Vec::new();
     for c in all.ranks() {
@@ -118,27 +122,68 @@ async fn a_rank_without_the_tier_fails_every_block() {
 #[tokio::test]
 async fn refusals_are_typed_and_name_the_worker() {
     let c = InProcessControl::new(I, worker(0, false));
-    let e = c
-        .call(ControlRequest::Digest {
+    // SAFETY: test-owned layouts; nothing else uses them.
+    let e = unsafe {
+        c.call_unchecked(ControlRequest::Digest {
             tier: TierId::G1,
             blocks: vec![0],
         })
-        .await
-        .unwrap_err();
+    }
+    .await
+    .unwrap_err();
     assert!(
         matches!(&e, ControlError::Refused { worker, message }
             if *worker == WorkerAddress::new(I, 0) && message.contains("no G1 layout")),
         "{e:?}"
     );
-    let e = c
-        .call(ControlRequest::Digest {
+    // SAFETY: as above.
+    let e = unsafe {
+        c.call_unchecked(ControlRequest::Digest {
             tier: TierId::G2,
             blocks: vec![4],
         })
-        .await
-        .unwrap_err();
+    }
+    .await
+    .unwrap_err();
     assert!(e.to_string().contains("block 4 is out of range"), "{e}");
     assert!(!e.is_unreachable());
+}
+
+/// In process, the safe `call` reaches no slot: it answers `Describe` and refuses `Transfer`,
+/// `Fill` and `Digest` naming the unsafe way, moving and reading nothing (issue 23).
+#[tokio::test]
+async fn security_in_process_safe_calls_touch_no_slot() {
+    let w = worker(0, true);
+    let c = InProcessControl::new(I, w.clone());
+    let before = digests(&c, TierId::G1, vec![0, 1, 2, 3]).await;
+    for r in [
+        ControlRequest::Transfer(request()),
+        ControlRequest::Fill {
+            tier: TierId::G1,
+            seed: 7,
+        },
+        ControlRequest::Digest {
+            tier: TierId::G1,
+            blocks: vec![0],
+        },
+    ] {
+        let kind = r.kind();
+        let e = c.call(r).await.unwrap_err();
+        assert!(
+            matches!(&e, ControlError::Refused { message, .. }
+                if message.starts_with(kind) && message.contains("call_unchecked")),
+            "{e:?}"
+        );
+    }
+    assert_eq!(digests(&c, TierId::G1, vec![0, 1, 2, 3]).await, before);
+    // Through the safe `call_all`, every rank refuses a transfer too.
+    let all = controlled(&[w]);
+    let replies = all.call_all(&ControlRequest::Transfer(request())).await;
+    assert!(replies.iter().all(|r| r.is_err()), "{replies:?}");
+    assert!(matches!(
+        c.call(ControlRequest::Describe).await,
+        Ok(ControlResponse::Described(_))
+    ));
 }
 
 #[test]
@@ -586,7 +631,10 @@ async fn security_serve_refuses_slots_out_of_range() {
     let mut bad = request();
     bad.blocks[0].1 = 4; // one past the last G1 slot
     bad.blocks[1].0 = usize::MAX; // a source far out of range
-    let ControlResponse::Transferred(out) = serve(&w, address, ControlRequest::Transfer(bad)).await
+    // SAFETY: test-owned layouts; nothing else uses them (the request's slots are out of
+    // range, which `serve` refuses).
+    let ControlResponse::Transferred(out) =
+        unsafe { serve(&w, address, ControlRequest::Transfer(bad)) }.await
     else {
         panic!("a transfer is answered with outcomes");
     };
@@ -599,14 +647,17 @@ async fn security_serve_refuses_slots_out_of_range() {
     )
     .await;
     assert_eq!(before, after, "nothing moved");
-    let r = serve(
-        &w,
-        address,
-        ControlRequest::Digest {
-            tier: TierId::G1,
-            blocks: vec![4],
-        },
-    )
+    // SAFETY: as above.
+    let r = unsafe {
+        serve(
+            &w,
+            address,
+            ControlRequest::Digest {
+                tier: TierId::G1,
+                blocks: vec![4],
+            },
+        )
+    }
     .await;
     assert!(matches!(r, ControlResponse::Refused(_)), "{r:?}");
 }
