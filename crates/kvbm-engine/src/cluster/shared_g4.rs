@@ -236,12 +236,14 @@ async fn ready_barrier(
         .map_err(|e| nats(&e))?;
     client.flush().await.map_err(|e| nats(&e))?;
     let context = format!("ready:{subject}");
-    let announcement = security.seal(context.as_bytes(), me.to_string().as_bytes());
     let mut seen = HashSet::new();
     let until = Instant::now() + deadline;
     loop {
+        // Sealed afresh each time: a receiver takes each sequence number once and only within
+        // the clock-skew window, and an instance may join the run late.
+        let announcement = security.seal(context.as_bytes(), me.to_string().as_bytes());
         client
-            .publish(subject.clone(), announcement.clone().into())
+            .publish(subject.clone(), announcement.into())
             .await
             .map_err(|e| nats(&e))?;
         client.flush().await.map_err(|e| nats(&e))?;

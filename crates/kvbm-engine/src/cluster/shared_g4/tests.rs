@@ -77,14 +77,18 @@ async fn security_forged_ready_announcements_do_not_start_a_run() {
     let (o1, o2) = (one.clone(), two.clone());
     let a =
         tokio::spawn(
-            async move { ready_barrier(&c1, &s1, 1, 2, &o1, Duration::from_secs(10)).await },
+            async move { ready_barrier(&c1, &s1, 1, 2, &o1, Duration::from_secs(30)).await },
         );
     let b =
         tokio::spawn(
-            async move { ready_barrier(&c2, &s2, 2, 2, &o2, Duration::from_secs(10)).await },
+            async move { ready_barrier(&c2, &s2, 2, 2, &o2, Duration::from_secs(30)).await },
         );
-    a.await.unwrap().unwrap();
-    b.await.unwrap().unwrap();
+    if let Err(e) = a.await.unwrap() {
+        panic!("instance 1: {e}");
+    }
+    if let Err(e) = b.await.unwrap() {
+        panic!("instance 2: {e}");
+    }
     forging.abort();
 }
 
