@@ -3,6 +3,9 @@
 //! Each payload is read straight into the destination block's host memory (the caller
 //! allocated it, so the slot is exclusively ours until it is registered or dropped), then
 //! checksummed against the frame header; only verified blocks are completed and registered.
+//! A payload is read in one vectored read together with the next frame's header (its size is
+//! fixed and a response's frame count known), so a frame costs the kernel one receive, not
+//! two; that header is still checked, tag first, before any byte of its own payload is read.
 //! Connections are reused: one returns to a small per-peer idle pool only after a response
 //! was read in full and verified; any failure drops it.
 //!
@@ -61,6 +64,9 @@ pub struct DataPlaneClient {
     handshakes_refused: AtomicU64,
     tags_refused: AtomicU64,
 }
+
+/// A frame header, and its tag when authenticated.
+type RawHeader = [u8; FRAME_HEADER_LEN + TAG_LEN];
 
 /// One connection to a peer: authenticated (a session with the leader of the instance it
 /// is pooled under) or not.
@@ -508,13 +514,17 @@ impl DataPlaneClient {
         let mut settled: Vec<std::result::Result<CompleteBlock<G2>, BlockFailure>> =
             Vec::with_capacity(hashes.len());
         let mut broken: Option<BlockFailure> = None;
-        for (dest, &hash) in destinations.into_iter().zip(hashes) {
+        // The next frame's header, read with the previous payload.
+        let mut ahead: Option<RawHeader> = None;
+        let n = hashes.len();
+        for (i, (dest, &hash)) in destinations.into_iter().zip(hashes).enumerate() {
             if let Some(m) = &broken {
                 settled.push(Err(m.clone()));
                 continue;
             }
+            let more = i + 1 < n;
             match self
-                .read_frame(&mut conn, instance, hash, &dest, layers)
+                .read_frame(&mut conn, instance, hash, &dest, layers, &mut ahead, more)
                 .await
             {
                 // Registered with the digest the server recorded (bound by the frame), so it
@@ -577,7 +587,10 @@ impl DataPlaneClient {
 
     /// Reads one frame into `dest`: `Ok(Some(digest))` verified (with the digest the server
     /// recorded for the block, if any), `Ok(None)` absent on the server, `Err` a frame that
-    /// must not be trusted (the stream is then unusable).
+    /// must not be trusted (the stream is then unusable). Its header is `ahead`'s when the
+    /// previous frame read it; with `more` (another frame follows), the next header is read
+    /// with this payload into `ahead`.
+    #[allow(clippy::too_many_arguments)]
     async fn read_frame(
         &self,
         conn: &mut Conn,
@@ -585,16 +598,23 @@ impl DataPlaneClient {
         hash: SequenceHash,
         dest: &MutableBlock<G2>,
         layers: usize,
+        ahead: &mut Option<RawHeader>,
+        more: bool,
     ) -> std::result::Result<Option<Option<BlockDigest>>, BlockFailure> {
         let io = self.config.io_timeout;
-        let stream = &mut conn.stream;
-        let mut raw = [0u8; FRAME_HEADER_LEN + TAG_LEN];
         let header_len = if conn.session.is_some() {
             FRAME_HEADER_LEN + TAG_LEN
         } else {
             FRAME_HEADER_LEN
         };
-        timed(io, stream.read_exact(&mut raw[..header_len])).await?;
+        let raw = match ahead.take() {
+            Some(raw) => raw,
+            None => {
+                let mut raw = [0u8; FRAME_HEADER_LEN + TAG_LEN];
+                timed(io, conn.stream.read_exact(&mut raw[..header_len])).await?;
+                raw
+            }
+        };
         let (raw, tag) = raw.split_at(FRAME_HEADER_LEN);
         let raw: &[u8; FRAME_HEADER_LEN] = raw.try_into().expect("header length");
         if let Some(sess) = &mut conn.session
@@ -612,11 +632,26 @@ impl DataPlaneClient {
                 Frame::Payload(h, d) => (h, d),
             };
         let regions = self.layout.block_addrs(dest.block_id(), 0..layers);
-        for &(p, l) in &regions {
-            // SAFETY: host memory of our layout (kept alive by `self`); `dest` is a mutable
-            // block we own exclusively, so nothing else reads or writes its slot meanwhile.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) };
-            timed(io, stream.read_exact(bytes)).await?;
+        let payload_mac = conn.session.as_ref().is_some_and(|s| s.payload_mac);
+        let mut payload_tag = [0u8; TAG_LEN];
+        let mut next = [0u8; FRAME_HEADER_LEN + TAG_LEN];
+        {
+            let mut bufs: Vec<&mut [u8]> = regions
+                .iter()
+                // SAFETY: host memory of our layout (kept alive by `self`); `dest` is a mutable
+                // block we own exclusively, so nothing else reads or writes its slot meanwhile.
+                .map(|&(p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
+                .collect();
+            if payload_mac {
+                bufs.push(&mut payload_tag);
+            }
+            if more {
+                bufs.push(&mut next[..header_len]);
+            }
+            read_exact_vectored(&conn.stream, &mut bufs, io).await?;
+        }
+        if more {
+            *ahead = Some(next);
         }
         // SAFETY: as above; the payload was just written.
         let actual = checksum_slices(
@@ -629,16 +664,14 @@ impl DataPlaneClient {
             .verify(actual, &location)
             .map_err(BlockFailure::physical)?;
         if let Some(sess) = &mut conn.session
-            && sess.payload_mac
+            && payload_mac
         {
-            let mut tag = [0u8; TAG_LEN];
-            timed(io, stream.read_exact(&mut tag)).await?;
             // SAFETY: as above.
             let slices: Vec<&[u8]> = regions
                 .iter()
                 .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
                 .collect();
-            if !sess.check(&slices, &tag) {
+            if !sess.check(&slices, &payload_tag) {
                 return Err(self.tag_refused(&format!("payload of block {:032x}", hash.as_u128())));
             }
         }
@@ -648,6 +681,36 @@ impl DataPlaneClient {
 
 fn fail_all(n: usize, failure: &BlockFailure) -> Vec<MoveOutcome<G2>> {
     (0..n).map(|_| Err(failure.clone())).collect()
+}
+
+/// Fills `bufs` in order from `stream` with as few receives as the kernel allows (one, when
+/// the bytes are there), each wait for data bounded by `limit`; failures as [`timed`]'s.
+async fn read_exact_vectored(
+    stream: &TcpStream,
+    bufs: &mut [&mut [u8]],
+    limit: std::time::Duration,
+) -> std::result::Result<(), BlockFailure> {
+    let mut slices: Vec<std::io::IoSliceMut<'_>> = bufs
+        .iter_mut()
+        .filter(|b| !b.is_empty())
+        .map(|b| std::io::IoSliceMut::new(b))
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = timed(limit, async {
+            loop {
+                stream.readable().await?;
+                match stream.try_read_vectored(rest) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    r => return r,
+                }
+            }
+        })
+        .await?;
+        std::io::IoSliceMut::advance_slices(&mut rest, n);
+    }
+    Ok(())
 }
 
 /// `f` within `limit`: a stream that ends early or errs is an I/O failure (the peer's copy is
