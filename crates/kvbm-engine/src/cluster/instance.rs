@@ -775,20 +775,8 @@ impl Instance {
             .g3_lane
             .as_ref()
             .ok_or(EngineError::TierMissing(TierId::G3))?;
-        let g2 = self
-            .leader
-            .g2()
-            .ok_or(EngineError::TierMissing(TierId::G2))?;
-        let blocks = g2.match_blocks(hashes);
-        if blocks.is_empty() {
-            return Ok(0);
-        }
-        let result = lane.enqueue(blocks, None).await?.wait().await?;
-        let n = result.completed_blocks.len();
-        self.counters
-            .offloaded_g3
-            .fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
+        self.offload_through(lane, hashes, &self.counters.offloaded_g3)
+            .await
     }
 
     /// Writes the G2-resident blocks of the prefix `hashes` to the shared G4 bucket (the
@@ -803,6 +791,18 @@ impl Instance {
             .g4
             .as_ref()
             .ok_or(EngineError::TierMissing(TierId::G4))?;
+        self.offload_through(g4.pipeline.pipeline(), hashes, &self.counters.offloaded_g4)
+            .await
+    }
+
+    /// Enqueues the G2-resident blocks of `hashes` on `lane`, waits until they settled and
+    /// counts the written ones on `written`.
+    async fn offload_through(
+        &self,
+        lane: &Pipeline<G2>,
+        hashes: &[SequenceHash],
+        written: &AtomicU64,
+    ) -> Result<usize> {
         let g2 = self
             .leader
             .g2()
@@ -811,11 +811,9 @@ impl Instance {
         if blocks.is_empty() {
             return Ok(0);
         }
-        let result = g4.pipeline.enqueue(blocks, None).await?.wait().await?;
+        let result = lane.enqueue(blocks, None).await?.wait().await?;
         let n = result.completed_blocks.len();
-        self.counters
-            .offloaded_g4
-            .fetch_add(n as u64, Ordering::Relaxed);
+        written.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
 
