@@ -233,6 +233,23 @@ pub enum ControlError {
         /// What failed.
         message: String,
     },
+    /// The rank has not joined (no heartbeat yet) or was lost (its heartbeats stopped): the
+    /// leader sends it nothing.
+    #[error("{worker}: not joined (no live heartbeat)")]
+    NotJoined {
+        /// The worker.
+        worker: WorkerAddress,
+    },
+    /// The rank restarted (a heartbeat of a new incarnation) and has not been brought back in
+    /// step yet: its memory is empty, so nothing is sent to it until the leader declared its
+    /// state empty and acknowledged it (`Membership::acknowledge`).
+    #[error("{worker}: restarted as incarnation {epoch:016x}; not yet brought back in step")]
+    Rejoining {
+        /// The worker.
+        worker: WorkerAddress,
+        /// Its new incarnation.
+        epoch: u64,
+    },
 }
 
 impl ControlError {
@@ -245,7 +262,9 @@ impl ControlError {
             | ControlError::Decode { worker, .. }
             | ControlError::Refused { worker, .. }
             | ControlError::Unexpected { worker, .. }
-            | ControlError::Transport { worker, .. } => *worker,
+            | ControlError::Transport { worker, .. }
+            | ControlError::NotJoined { worker }
+            | ControlError::Rejoining { worker, .. } => *worker,
         }
     }
 
@@ -253,7 +272,10 @@ impl ControlError {
     pub fn is_unreachable(&self) -> bool {
         matches!(
             self,
-            ControlError::Timeout { .. } | ControlError::NoResponders { .. }
+            ControlError::Timeout { .. }
+                | ControlError::NoResponders { .. }
+                | ControlError::NotJoined { .. }
+                | ControlError::Rejoining { .. }
         )
     }
 
@@ -263,9 +285,10 @@ impl ControlError {
     pub fn failure_kind(&self) -> BlockFailureKind {
         match self {
             ControlError::Timeout { .. } => BlockFailureKind::Timeout,
-            ControlError::NoResponders { .. } | ControlError::Transport { .. } => {
-                BlockFailureKind::Io
-            }
+            ControlError::NoResponders { .. }
+            | ControlError::Transport { .. }
+            | ControlError::NotJoined { .. }
+            | ControlError::Rejoining { .. } => BlockFailureKind::Io,
             ControlError::Version { .. }
             | ControlError::Decode { .. }
             | ControlError::Refused { .. }

@@ -25,6 +25,8 @@
 
 pub mod control;
 #[cfg(feature = "nats")]
+pub mod membership;
+#[cfg(feature = "nats")]
 pub mod nats;
 
 use kvbm_logical::TierId;

@@ -13,9 +13,10 @@
 //! | version | what changed |
 //! |---|---|
 //! | 1 | per-block failures are bare text |
-//! | 2 ([`PROTOCOL_VERSION`]) | each failure carries its kind ([`WireFailure`]), so a leader tells a corrupt copy from an I/O error |
+//! | 2 | each failure carries its kind ([`WireFailure`]), so a leader tells a corrupt copy from an I/O error |
+//! | 3 ([`PROTOCOL_VERSION`]) | a request may name its rank and that rank's incarnation ([`Envelope::to`], a [`RankTarget`]): a worker refuses one meant for another rank or an earlier incarnation of itself (it restarted), so work sent before a restart never runs on the new, empty rank |
 //!
-//! Requests are the same in both. A worker serves a request of any version from
+//! Requests are otherwise the same in all three. A worker serves a request of any version from
 //! [`OLDEST_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`] and answers in the request's version
 //! ([`ControlResponse::for_version`]: a version-1 leader gets its failures as text); it
 //! answers a request of any other version with [`ControlResponse::Refused`], saying which
@@ -64,7 +65,7 @@ use crate::mover::BlockOutcome;
 use crate::worker::{ParallelWorkers, PhysicalWorker, TransferRequest};
 
 /// Version of the control protocol this build writes (see the [module docs](self)).
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The oldest version this build still reads and answers.
 pub const OLDEST_PROTOCOL_VERSION: u32 = 1;
@@ -80,8 +81,22 @@ pub fn speaks(version: u32) -> bool {
 pub struct Envelope<T> {
     /// The sender's [`PROTOCOL_VERSION`].
     pub version: u32,
+    /// Version 3, requests: the rank the request is for and the incarnation the leader knows
+    /// (from its heartbeats, [`Membership`](super::membership::Membership)). Absent: any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<RankTarget>,
     /// The message.
     pub body: T,
+}
+
+/// A rank and one incarnation of it (its worker process's epoch, new at each start).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankTarget {
+    /// The rank.
+    pub address: WorkerAddress,
+    /// Its incarnation.
+    pub epoch: u64,
 }
 
 impl<T> Envelope<T> {
@@ -93,7 +108,20 @@ impl<T> Envelope<T> {
     /// `body` marked as written in `version` (the caller made it readable there, e.g. with
     /// [`ControlResponse::for_version`]).
     pub fn in_version(version: u32, body: T) -> Self {
-        Self { version, body }
+        Self {
+            version,
+            to: None,
+            body,
+        }
+    }
+
+    /// `body` for incarnation `to` of a rank, in this build's version.
+    pub fn addressed(body: T, to: RankTarget) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            to: Some(to),
+            body,
+        }
     }
 }
 

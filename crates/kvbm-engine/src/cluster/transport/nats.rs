@@ -59,8 +59,9 @@ use kvbm_logical::TierId;
 use super::WorkerAddress;
 use super::control::{
     ControlError, ControlRequest, ControlResponse, Envelope, OLDEST_PROTOCOL_VERSION,
-    PROTOCOL_VERSION, WorkerControl, serve, speaks,
+    PROTOCOL_VERSION, RankTarget, WorkerControl, serve, speaks,
 };
+use super::membership::Membership;
 use crate::config::{NatsAuthConfig, check_nats_url, redact_url};
 use crate::error::{EngineError, Result};
 use crate::security::{MemberCert, Rejection, Role, Security};
@@ -305,17 +306,16 @@ enum Undecoded {
     Malformed(String),
 }
 
-/// Decodes an envelope of a version this build speaks ([`speaks`]): its version and body.
+/// Decodes an envelope of a version this build speaks ([`speaks`]).
 fn decode_envelope<T: serde::de::DeserializeOwned>(
     payload: &[u8],
-) -> std::result::Result<(u32, T), Undecoded> {
+) -> std::result::Result<Envelope<T>, Undecoded> {
     let malformed = |e: serde_json::Error| Undecoded::Malformed(e.to_string());
     let v: VersionOnly = serde_json::from_slice(payload).map_err(malformed)?;
     if !speaks(v.version) {
         return Err(Undecoded::Version(v.version));
     }
-    let env: Envelope<T> = serde_json::from_slice(payload).map_err(malformed)?;
-    Ok((env.version, env.body))
+    serde_json::from_slice(payload).map_err(malformed)
 }
 
 fn encode<T: serde::Serialize>(version: u32, body: T) -> bytes::Bytes {
@@ -324,6 +324,20 @@ fn encode<T: serde::Serialize>(version: u32, body: T) -> bytes::Bytes {
     serde_json::to_vec(&Envelope::in_version(version, body))
         .expect("control messages serialize")
         .into()
+}
+
+/// A fresh incarnation number (never 0).
+fn new_epoch() -> u64 {
+    let bytes = crate::security::random32().unwrap_or_else(|_| {
+        // No random source: the clock still tells incarnations of one machine apart.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos());
+        let mut b = [0u8; 32];
+        b[..16].copy_from_slice(&nanos.to_le_bytes());
+        b
+    });
+    u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")).max(1)
 }
 
 /// The context a control request to `subject` is sealed for.
@@ -442,6 +456,9 @@ pub struct WorkerServer {
     max_in_flight: usize,
     stats: Arc<WorkerServerStats>,
     security: Arc<Security>,
+    /// This process's incarnation of the rank (drawn at construction).
+    epoch: u64,
+    heartbeat: Duration,
 }
 
 impl std::fmt::Debug for WorkerServer {
@@ -472,7 +489,24 @@ impl WorkerServer {
             max_in_flight: crate::config::TransportConfig::default().worker_max_in_flight,
             stats: Arc::new(WorkerServerStats::default()),
             security: Arc::new(Security::Off),
+            epoch: new_epoch(),
+            heartbeat: Duration::from_millis(
+                crate::config::TransportConfig::default().heartbeat_interval_ms,
+            ),
         }
+    }
+
+    /// This process's incarnation of the rank: drawn at construction, so a restarted worker
+    /// process is a new one (see [`membership`](super::membership)).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Announces the rank every `interval` (`transport.heartbeat_interval_ms`; default its
+    /// default, 1 s).
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = interval.max(Duration::from_millis(1));
+        self
     }
 
     /// This worker's security (its worker credential and the trust root): requests must then
@@ -528,6 +562,8 @@ impl WorkerServer {
             max_in_flight,
             stats,
             security,
+            epoch,
+            heartbeat,
         } = self;
         let permits = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
         let subject = address.control_subject(&prefix);
@@ -541,6 +577,15 @@ impl WorkerServer {
             .map_err(|e| nats_err(&e))?;
         client.flush().await.map_err(|e| nats_err(&e))?;
         let control_ctx = control_context(&subject);
+        // Subscribed: announce the rank (a leader that hears it can reach it).
+        let _beats = super::membership::spawn_beats(
+            client.clone(),
+            super::membership::members_subject(&prefix, address.instance),
+            RankTarget { address, epoch },
+            heartbeat,
+            security.clone(),
+            cancel.clone(),
+        );
         Ok(tokio::spawn(async move {
             loop {
                 let message = tokio::select! {
@@ -580,7 +625,7 @@ impl WorkerServer {
                     metrics::counter!("kvbm_engine_worker_requests_refused_busy_total")
                         .increment(1);
                     let version = decode_envelope::<serde::de::IgnoredAny>(&payload)
-                        .map_or(PROTOCOL_VERSION, |(v, _)| v);
+                        .map_or(PROTOCOL_VERSION, |e| e.version);
                     let response = ControlResponse::Refused(format!(
                         "worker busy: {max_in_flight} requests in flight \
                          (transport.worker_max_in_flight)"
@@ -607,7 +652,30 @@ impl WorkerServer {
                                 "protocol version {v} not spoken (this worker speaks {OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION})"
                             )),
                         ),
-                        Ok((version, request)) => {
+                        Ok(Envelope {
+                            version,
+                            to: Some(to),
+                            ..
+                        }) if to.address != address || to.epoch != epoch => (
+                            version,
+                            ControlResponse::Refused(if to.address != address {
+                                format!(
+                                    "misrouted: the request is for {}, this is {address}",
+                                    to.address
+                                )
+                            } else {
+                                format!(
+                                    "stale: the request is for incarnation {:016x} of {address}, \
+                                     this is {epoch:016x} (the rank restarted)",
+                                    to.epoch
+                                )
+                            }),
+                        ),
+                        Ok(Envelope {
+                            version,
+                            body: request,
+                            ..
+                        }) => {
                             if let Some(hook) = &hook {
                                 hook(&request);
                             }
@@ -650,6 +718,7 @@ pub struct NatsControl {
     timeout: Duration,
     security: Arc<Security>,
     rejected: Arc<AtomicU64>,
+    membership: Option<Membership>,
 }
 
 impl NatsControl {
@@ -663,7 +732,18 @@ impl NatsControl {
             timeout,
             security: Arc::new(Security::Off),
             rejected: Arc::default(),
+            membership: None,
         }
+    }
+
+    /// Sends only to the incarnation of the worker `membership` says is in step, and names it
+    /// in every request ([`Envelope::to`]): a rank not joined, lost or restarted (and not yet
+    /// acknowledged) fails the call at once ([`ControlError::NotJoined`],
+    /// [`ControlError::Rejoining`]); a request that reaches another incarnation is refused by
+    /// it. Default: none (any incarnation, no address in the request).
+    pub fn with_membership(mut self, membership: Membership) -> Self {
+        self.membership = Some(membership);
+        self
     }
 
     /// The leader's security (its leader credential and the trust root): requests are then
@@ -689,11 +769,16 @@ impl NatsControl {
     async fn request(&self, request: ControlRequest) -> Result<ControlResponse, ControlError> {
         let worker = self.address;
         let timeout_ms = self.timeout.as_millis() as u64;
+        let encoded: bytes::Bytes = match &self.membership {
+            None => encode(PROTOCOL_VERSION, request),
+            Some(m) => serde_json::to_vec(&Envelope::addressed(request, m.target(worker)?))
+                .expect("control messages serialize")
+                .into(),
+        };
         if self.security.is_on() {
-            let sealed = self.security.seal(
-                &control_context(&self.subject),
-                &encode(PROTOCOL_VERSION, request),
-            );
+            let sealed = self
+                .security
+                .seal(&control_context(&self.subject), &encoded);
             let ctx = reply_context("ctl-reply", &sealed);
             let got = request_first_valid(
                 &self.client,
@@ -725,9 +810,7 @@ impl NatsControl {
                 InboxReply::Transport(message) => Err(ControlError::Transport { worker, message }),
             };
         }
-        let sent = self
-            .client
-            .request(self.subject.clone(), encode(PROTOCOL_VERSION, request));
+        let sent = self.client.request(self.subject.clone(), encoded);
         let message = match tokio::time::timeout(self.timeout, sent).await {
             Err(_) => return Err(ControlError::Timeout { worker, timeout_ms }),
             Ok(Err(e)) => {
@@ -756,10 +839,11 @@ impl NatsControl {
                 expected: PROTOCOL_VERSION,
                 got,
             }),
-            Ok((_, ControlResponse::Refused(message))) => {
-                Err(ControlError::Refused { worker, message })
-            }
-            Ok((_, r)) => Ok(r),
+            Ok(Envelope {
+                body: ControlResponse::Refused(message),
+                ..
+            }) => Err(ControlError::Refused { worker, message }),
+            Ok(e) => Ok(e.body),
         }
     }
 }
