@@ -301,6 +301,30 @@ impl InstanceLeader {
         self.g2.as_ref()
     }
 
+    /// A worker rank lost its memory (it restarted): every G2 block this leader placed is no
+    /// longer the bytes it names on that rank, and in SPMD a block is only whole on every
+    /// rank. Drops every inactive G2 block (unregistered: never matched again) and says
+    /// whether G2 is now empty: `false` while blocks are still held or being filled (sessions
+    /// in flight, which fail because the rank refuses their work), so the caller asks again
+    /// later and brings the rank back in step only once this is `true`
+    /// ([`Membership::keep_in_step`](crate::cluster::transport::membership::Membership)).
+    /// G3 and G4 are the leader's own storage and are kept.
+    pub fn forget_worker_memory(&self) -> bool {
+        match &self.g2 {
+            None => true,
+            Some(g2) => {
+                let dropped = g2.reset_inactive_pool();
+                if dropped > 0 {
+                    tracing::warn!(
+                        blocks = dropped,
+                        "G2 declared empty: a worker rank lost its memory"
+                    );
+                }
+                g2.available_blocks() == g2.total_blocks()
+            }
+        }
+    }
+
     /// The G3 manager.
     pub fn g3(&self) -> Option<&Arc<BlockManager<G3>>> {
         self.g3.as_ref()

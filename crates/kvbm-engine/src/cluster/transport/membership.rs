@@ -11,7 +11,8 @@
 //!       │  Joined(e) ──no beat for heartbeat_timeout / departing──► Lost
 //!       │  Joined(e) / Lost ──beat of epoch e' ≠ e──► Rejoining(e'): calls refused
 //!       │       (ControlError::Rejoining) until the leader declared the rank's G1/G2 state
-//!       │       empty and called acknowledge(r) ──► Joined(e')
+//!       │       empty and called acknowledge(r) ──► Joined(e')   (keep_in_step does both:
+//!       │       InstanceLeader::forget_worker_memory until nothing old is held, then ack)
 //!  WorkerServer: a request whose `to` names another rank or another epoch is refused
 //! ```
 //!
@@ -263,6 +264,50 @@ impl Membership {
                 Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             }
         }
+    }
+
+    /// Brings restarted ranks back in step until `cancel`: while a rank is rejoining, calls
+    /// `declare_empty` (the leader drops what it placed on the rank's lost memory, e.g.
+    /// [`InstanceLeader::forget_worker_memory`](crate::InstanceLeader::forget_worker_memory))
+    /// at each restart and then every `timeout / 4`; once it answers `true` (nothing of the
+    /// old incarnation is held any more), [`acknowledge`](Self::acknowledge)s the rank, and
+    /// work goes to it again.
+    pub fn keep_in_step(
+        &self,
+        mut declare_empty: impl FnMut(RankTarget) -> bool + Send + 'static,
+        cancel: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        let mut events = self.events();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(me.timeout / 4);
+            loop {
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    _ = tick.tick() => {}
+                    e = events.recv() => {
+                        if let Err(broadcast::error::RecvError::Closed) = e {
+                            return;
+                        }
+                    }
+                }
+                let rejoining: Vec<RankTarget> = me
+                    .ranks
+                    .lock()
+                    .iter()
+                    .filter(|(_, s)| !s.lost && s.in_step != Some(s.heard))
+                    .map(|(&rank, s)| RankTarget {
+                        address: WorkerAddress::new(me.instance, rank),
+                        epoch: s.heard,
+                    })
+                    .collect();
+                for t in rejoining {
+                    if declare_empty(t) && me.acknowledge(t.address) == Some(t) {
+                        tracing::info!(worker = %t.address, epoch = t.epoch, "worker rank back in step");
+                    }
+                }
+            }
+        })
     }
 
     /// Changes from now on (a receiver that falls behind misses the oldest; the rank table

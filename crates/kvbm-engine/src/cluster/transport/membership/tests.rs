@@ -262,3 +262,110 @@ async fn security_forged_beats_neither_join_restart_nor_remove_a_rank() {
     assert_eq!(members.stats().rejected(), 6);
     cancel.cancel();
 }
+
+/// Issue 24, item 4: a restarted rank is brought back in step only once the leader's G2 holds
+/// nothing it placed before: inactive blocks are dropped at once (never matched again), a block
+/// a session still holds delays the rank's return until it is released (and dropped too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_in_step_acknowledges_a_restart_once_the_leaders_g2_is_empty() {
+    use kvbm_logical::{BlockManager, BlockRegistry, G2, Salt, TokenBlockSequence};
+
+    let Some(nats) = kvbm_tests::services::nats("membership_keep_in_step") else {
+        return;
+    };
+    let prefix = format!("kvbm.test.members_keep.{}", std::process::id());
+    let subject = members_subject(&prefix, I);
+    let address = WorkerAddress::new(I, 0);
+    let client = connect(&nats.url, "leader", MS50).await.unwrap();
+    let cancel = CancellationToken::new();
+    let members = Membership::follow(
+        &client,
+        &prefix,
+        I,
+        Duration::from_millis(400),
+        Arc::new(Security::Off),
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
+    let beat = |epoch: u64| {
+        let (client, subject) = (client.clone(), subject.clone());
+        async move {
+            let body = serde_json::to_vec(&RankBeat {
+                version: BEAT_VERSION,
+                rank: RankTarget { address, epoch },
+                departing: false,
+            })
+            .unwrap();
+            client.publish(subject, body.into()).await.unwrap();
+            client.flush().await.unwrap();
+        }
+    };
+
+    // The leader's G2: four blocks placed on the rank, one still held by a session.
+    let registry = BlockRegistry::new();
+    let g2 = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(4)
+            .block_size(4)
+            .registry(registry)
+            .build()
+            .unwrap(),
+    );
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..16).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let complete = g2
+        .allocate_blocks(4)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    let mut placed = g2.register_blocks(complete);
+    let held = placed.pop().unwrap();
+    drop(placed);
+    let leader = Arc::new(
+        crate::InstanceLeader::builder()
+            .g2(g2.clone())
+            .build()
+            .unwrap(),
+    );
+    let _keeper = {
+        let leader = leader.clone();
+        members.keep_in_step(move |_| leader.forget_worker_memory(), cancel.clone())
+    };
+
+    beat(1).await;
+    members.wait_for(1, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(leader.find_matches(&seq.hashes()).count(TierId::G2), 4);
+
+    // The rank restarts: what the leader placed is dropped, and the rank waits for the held
+    // block.
+    beat(2).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(matches!(
+        members.target(address),
+        Err(ControlError::Rejoining { epoch: 2, .. })
+    ));
+    assert_eq!(
+        leader.find_matches(&seq.hashes()[..3]).count(TierId::G2),
+        0,
+        "inactive blocks of the lost memory are never matched again"
+    );
+    // Released: dropped in turn, and the rank is in step again.
+    drop(held);
+    for _ in 0..100 {
+        beat(2).await;
+        if members.target(address).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        members.target(address).unwrap(),
+        RankTarget { address, epoch: 2 }
+    );
+    assert_eq!(leader.find_matches(&seq.hashes()).count(TierId::G2), 0);
+    assert_eq!(g2.available_blocks(), 4);
+    cancel.cancel();
+}
