@@ -4,7 +4,8 @@
 //! bytes (checked by digests the workers compute, and against digests computed here). Then a
 //! worker killed (SIGKILL) in the middle of a transfer: the session fails with a typed error,
 //! the leader releases everything it held (pool counts back to where they were), a call to the
-//! dead worker fails as unreachable, and the remaining worker keeps serving.
+//! dead worker fails as unreachable, and the remaining worker keeps serving. And a worker killed
+//! and restarted rejoins through the leader's membership, nothing of its lost memory served.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -273,4 +274,199 @@ async fn a_request_of_another_protocol_version_is_refused_with_the_reason() {
         c.call(ControlRequest::Describe).await.unwrap(),
         ControlResponse::Described(_)
     ));
+}
+
+/// Issue 24, item 4, with real processes: rank 1 is killed (SIGKILL, no goodbye) and restarted
+/// as a new process on the same disk, its memory refilled with other bytes. During the gap a
+/// session fails at once with a typed error (the leader sends the lost rank nothing) and
+/// releases what it held; when the rank comes back, the leader declares its G2 empty (the
+/// blocks placed on the old process are never matched again) and brings it back in step; the
+/// next session finds the prefix on the disks and onboards it, every rank's G1 holding its own
+/// original bytes, none of the restarted process's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_memory_is_served() {
+    use kvbm_engine::cluster::transport::control::{block_digest, fill_pattern};
+    use kvbm_engine::cluster::transport::membership::{MemberEvent, Membership};
+    use kvbm_logical::{BlockRegistry, Salt, TokenBlockSequence};
+    use kvbm_physical::{PhysicalLayout, PinPolicy};
+
+    let Some(nats) = kvbm_tests::services::nats("a_worker_process_restarted_rejoins") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(6);
+    let client = connect(&nats.url, "leader", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let members = Membership::follow(
+        &client,
+        DEFAULT_CONTROL_PREFIX,
+        instance,
+        Duration::from_secs(3),
+        Arc::new(Security::Off),
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
+    let mut events = members.events();
+    let w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    let mut w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &[]);
+    members.wait_for(2, Duration::from_secs(30)).await.unwrap();
+    let controls: Vec<Arc<dyn WorkerControl>> = (0..2)
+        .map(|r| {
+            Arc::new(
+                NatsControl::new(
+                    client.clone(),
+                    DEFAULT_CONTROL_PREFIX,
+                    WorkerAddress::new(instance, r),
+                    Duration::from_secs(10),
+                )
+                .with_membership(members.clone()),
+            ) as Arc<dyn WorkerControl>
+        })
+        .collect();
+    let workers = Arc::new(ControlledWorkers::new(controls.clone()).unwrap());
+    let pw: Arc<dyn ParallelWorkers> = workers.clone();
+
+    // Six blocks computed in G2 on both ranks (their fill pattern), written to both disks, and
+    // kept in G2 (inactive, matchable).
+    let registry = BlockRegistry::new();
+    let (g2, g3) = (
+        common::manager::<G2>(&registry),
+        common::manager::<G3>(&registry),
+    );
+    let g1 = common::manager::<G1>(&BlockRegistry::new());
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let hashes = seq.hashes();
+    let complete = g2
+        .allocate_blocks(6)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    let on_g2: Vec<ImmutableBlock<G2>> = g2.register_blocks(complete);
+    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
+    let expected: Vec<Vec<u64>> = (0..2u8)
+        .map(|r| {
+            let local =
+                PhysicalLayout::allocate_host(common::geometry(), PinPolicy::Unpinned).unwrap();
+            // SAFETY: `local` is this test's own layout; nothing else uses it.
+            let filled = unsafe { fill_pattern(&local, worker_processes::SEED + r) };
+            assert!(filled);
+            ids.iter()
+                // SAFETY: as above.
+                .map(|&b| unsafe { block_digest(&local, b) }.unwrap())
+                .collect()
+        })
+        .collect();
+    let down = SpmdMover::<G2, G3>::new(pw.clone(), g3.clone());
+    let out = down.move_from(&on_g2, g3.allocate_blocks(6).unwrap()).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    drop((out, on_g2));
+    let leader = Arc::new(
+        InstanceLeader::builder()
+            .g2(g2.clone())
+            .g3(g3.clone())
+            .build()
+            .unwrap(),
+    );
+    let _keeper = {
+        let leader = leader.clone();
+        members.keep_in_step(move |_| leader.forget_worker_memory(), cancel.clone())
+    };
+    assert_eq!(leader.find_matches(&hashes).count(TierId::G2), 6);
+
+    // Rank 1 dies without a goodbye: lost when its heartbeats stop.
+    w1.kill();
+    let dead = WorkerAddress::new(instance, 1);
+    loop {
+        match tokio::time::timeout(Duration::from_secs(15), events.recv())
+            .await
+            .expect("rank 1 lost within 15 s")
+            .unwrap()
+        {
+            MemberEvent::Lost(t) if t.address == dead => break,
+            _ => continue,
+        }
+    }
+    // A session in the gap: it matches G2, fails at once naming the rank, releases everything.
+    let session = leader.begin_onboarding(&hashes);
+    assert_eq!(session.prefix_len(), 6);
+    session
+        .prepare(StagingMovers {
+            g3_to_g2: None,
+            g4_to_g2: None,
+            remote_g2: None,
+        })
+        .await
+        .unwrap();
+    let err = session
+        .onboard(
+            Arc::new(SpmdMover::<G2, G1>::new(pw.clone(), g1.clone())),
+            g1.allocate_blocks(6).unwrap(),
+        )
+        .await
+        .unwrap_err();
+    let SessionError::Failed(failure) = err else {
+        panic!("expected a failed session, got {err:?}");
+    };
+    assert_eq!(
+        failure.message,
+        ControlError::NotJoined { worker: dead }.to_string()
+    );
+    drop(session);
+    assert!(idle(g1.pool_counts()), "{:?}", g1.pool_counts());
+
+    // Rank 1 restarts: a new process on the same disk, its memory other bytes.
+    let _w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &["--fill-seed", "153"]);
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("rank 1 back within 30 s")
+            .unwrap()
+        {
+            MemberEvent::Restarted { now, .. } if now.address == dead => break,
+            _ => continue,
+        }
+    }
+    // Brought back in step once the leader declared G2 empty: nothing of the old process's
+    // memory is matched again.
+    members.wait_for(2, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(leader.find_matches(&hashes).count(TierId::G2), 0);
+
+    // The next session finds the prefix on the disks, stages and onboards it: every rank's G1
+    // holds its own original bytes.
+    let session = leader.begin_onboarding(&hashes);
+    assert_eq!(session.prefix_len(), 6);
+    session
+        .prepare(StagingMovers {
+            g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), g2.clone()))),
+            g4_to_g2: None,
+            remote_g2: None,
+        })
+        .await
+        .unwrap();
+    session
+        .onboard(
+            Arc::new(SpmdMover::<G2, G1>::new(pw, g1.clone())),
+            g1.allocate_blocks(6).unwrap(),
+        )
+        .await
+        .unwrap();
+    let FinishOutcome::Finished(on_g1) = session.finish() else {
+        panic!("complete");
+    };
+    let ids: Vec<usize> = on_g1.iter().map(|b| b.block_id()).collect();
+    for (r, c) in controls.iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G1, ids.clone()).await,
+            expected[r],
+            "rank {r}: G1 holds its own original bytes"
+        );
+    }
+    cancel.cancel();
+    drop(w0);
 }
