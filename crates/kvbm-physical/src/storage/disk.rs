@@ -465,6 +465,7 @@ impl DiskStorage {
                 let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(regions.len() + 1);
                 if let Some(staging) = &bufs.staging {
                     // Aligned staging buffer for payload (+ padding).
+                    debug_assert_eq!(staging.len(), padded, "the pool's staging class");
                     if dir == IoDir::Write {
                         let mut off = 0;
                         for &(p, l) in regions {
