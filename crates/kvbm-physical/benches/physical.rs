@@ -212,7 +212,7 @@ fn disk_case(
     let mut cfg = DiskConfig::new(dir.path().join("ours.bin"));
     cfg.queue_depth = qd;
     cfg.engine = IoEngineKind::Uring;
-    let disk = PhysicalLayout::create_disk(geometry.clone(), &cfg).unwrap();
+    let disk = PhysicalLayout::create_disk(geometry, &cfg).unwrap();
     let Backing::Disk(d) = disk.backing() else {
         unreachable!()
     };

@@ -54,7 +54,7 @@ impl Blocks {
     /// Block k as two regions: the first `split` bytes and the rest.
     fn regions(&self, k: usize) -> Vec<(usize, usize)> {
         let base = self.mem.as_ptr() as usize + k * self.payload;
-        let split = if self.payload % DIRECT_ALIGN == 0 {
+        let split = if self.payload.is_multiple_of(DIRECT_ALIGN) {
             DIRECT_ALIGN
         } else {
             3000
@@ -281,7 +281,7 @@ fn jobs_after_failed_ones_still_work() {
         v
     };
     other
-        .write_all_at(&vec![0x5A; 100], d.slot_offset(3) + 10)
+        .write_all_at(&[0x5A; 100], d.slot_offset(3) + 10)
         .unwrap();
     other.sync_all().unwrap();
     let r = read(&d, &dst, &slots, 1);
