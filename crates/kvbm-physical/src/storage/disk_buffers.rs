@@ -60,7 +60,7 @@ pub struct DiskBufferPoolStats {
     /// Most bytes the pool keeps idle
     /// ([`DiskConfig::buffer_pool_bytes`](super::DiskConfig::buffer_pool_bytes)).
     pub bound_bytes: usize,
-    /// Bytes of a staging buffer (the payload rounded up to [`DIRECT_ALIGN`]).
+    /// Bytes of a staging buffer (the payload rounded up to 4 KiB, the O_DIRECT alignment).
     pub staging_bytes: usize,
     /// Leases served by an idle buffer (no allocation).
     pub hits: u64,
