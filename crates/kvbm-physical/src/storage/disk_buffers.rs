@@ -31,8 +31,10 @@
 //! Waiting was rejected: a job takes its buffers one request at a time while its earlier
 //! requests are still in flight, and the engine reaps those only between prepares, so jobs
 //! waiting for each other's buffers could deadlock. The memory lent out at once is bounded by
-//! the jobs in flight (each has at most `queue_depth` requests, each with one header and at
-//! most one staging buffer), as it was before the pool; the pool adds at most the bound.
+//! the jobs in flight: a job lends buffers to at most twice its `queue_depth` requests at once
+//! (those in flight plus those reaped whose completion is being handled), each one header and
+//! at most one staging buffer — less than before the pool, when a job mapped every block's
+//! header at once. The pool adds at most the bound.
 //!
 //! **Locking.** One `parking_lot::Mutex` over the idle lists, held only to push or pop a
 //! buffer and update the idle byte count: never while allocating, freeing, copying or doing
