@@ -115,8 +115,18 @@ fn physical_examples_parse() {
         .expect("[physical.disk] parses");
     let defaults = kvbm_physical::DiskConfig::new(&disk.path);
     assert_eq!(
-        (disk.engine, disk.queue_depth, disk.direct_io),
-        (defaults.engine, defaults.queue_depth, defaults.direct_io),
+        (
+            disk.engine,
+            disk.queue_depth,
+            disk.direct_io,
+            disk.buffer_pool_bytes
+        ),
+        (
+            defaults.engine,
+            defaults.queue_depth,
+            defaults.direct_io,
+            defaults.buffer_pool_bytes
+        ),
         "[physical.disk] shows the defaults"
     );
     let s3: kvbm_physical::S3Config = toml::Value::Table(commented_section("physical.s3"))

@@ -23,7 +23,10 @@
 //! → `preadv`/`pwritev`.
 //!
 //! When the memory regions of a block are not [`DIRECT_ALIGN`]-aligned (or too many for one
-//! request), the block goes through an aligned staging buffer instead.
+//! request), the block goes through an aligned staging buffer instead. Header sectors and
+//! staging buffers come from the storage's buffer pool (`disk_buffers.rs`): lent to one request,
+//! kept alive by it until it completes, then returned for the next job, so steady-state jobs
+//! map and unmap no memory.
 
 use std::cell::RefCell;
 use std::fs::{File, OpenOptions};
@@ -36,7 +39,10 @@ use crate::checksum::{BlockHeader, HEADER_LEN, checksum_regions};
 use crate::error::{PhysicalError, Result};
 use crate::identity::BlockIdentity;
 use crate::io::{IoDir, IoEngine, IoRequest, PsyncEngine, UringEngine};
-use crate::storage::{HostStorage, PinPolicy, Storage, StorageKind};
+use crate::storage::disk_buffers::{
+    BufClass, BufferPool, DEFAULT_BUFFER_POOL_BYTES, DiskBufferPoolStats, PooledBuf,
+};
+use crate::storage::{Storage, StorageKind};
 
 /// Alignment of O_DIRECT addresses, lengths and offsets used here.
 pub(super) const DIRECT_ALIGN: usize = 4096;
@@ -70,6 +76,15 @@ pub struct DiskConfig {
     /// Try O_DIRECT. Default: true.
     #[serde(default = "default_true")]
     pub direct_io: bool,
+    /// Most bytes of I/O buffers (header sectors, staging buffers) the storage keeps idle for
+    /// reuse across jobs; past it, returned buffers are freed. Never a limit on I/O: a job that
+    /// finds no idle buffer allocates one. 0 keeps none. Default: 64 MiB.
+    #[serde(default = "default_buffer_pool_bytes")]
+    pub buffer_pool_bytes: usize,
+}
+
+fn default_buffer_pool_bytes() -> usize {
+    DEFAULT_BUFFER_POOL_BYTES
 }
 
 fn default_qd() -> u32 {
@@ -87,6 +102,7 @@ impl DiskConfig {
             engine: IoEngineKind::Auto,
             queue_depth: default_qd(),
             direct_io: true,
+            buffer_pool_bytes: default_buffer_pool_bytes(),
         }
     }
 }
@@ -113,6 +129,17 @@ pub struct DiskStorage {
     caps: DiskCapabilities,
     engine: Box<dyn IoEngine>,
     file_id: u128,
+    buffers: BufferPool,
+}
+
+/// The pooled buffers one request uses: its header sector and, for a staged block, its staging
+/// buffer. Held by the request's `keep_alive` (until the engine is done with the request) and
+/// by the job's table (until the request's completion is handled); returned to the pool when
+/// both are gone.
+#[derive(Debug)]
+struct RequestBuffers {
+    header: PooledBuf,
+    staging: Option<PooledBuf>,
 }
 
 /// One block of a disk read or write: its slot, its identity and its host memory regions (in
@@ -301,6 +328,10 @@ impl DiskStorage {
             caps,
             engine,
             file_id,
+            buffers: BufferPool::new(
+                config.buffer_pool_bytes,
+                round_up(payload_bytes, DIRECT_ALIGN),
+            ),
         })
     }
 
@@ -337,6 +368,10 @@ impl DiskStorage {
     /// The name of the I/O engine in use (`io_uring`, `psync`).
     pub fn engine_name(&self) -> &'static str {
         self.engine.name()
+    }
+    /// The counters of the I/O buffer pool (reuse across jobs, allocations, buffers lent now).
+    pub fn buffer_pool_stats(&self) -> DiskBufferPoolStats {
+        self.buffers.stats()
     }
 
     fn location(&self, slot: usize) -> String {
@@ -391,72 +426,73 @@ impl DiskStorage {
         let valid: Vec<usize> = (0..n)
             .filter(|&i| matches!(&results[i], Err(PhysicalError::Aborted(_))))
             .collect();
-        let headers = match HostStorage::new(valid.len() * DIRECT_ALIGN, PinPolicy::Unpinned) {
-            Ok(h) => h,
-            Err(e) => {
-                let msg = e.to_string();
-                for &i in &valid {
-                    results[i] = Err(PhysicalError::Aborted(msg.clone()));
-                }
-                return results;
-            }
-        };
         let padded = round_up(self.payload_bytes, DIRECT_ALIGN);
-        let staged: RefCell<Vec<Option<Arc<HostStorage>>>> = RefCell::new(vec![None; valid.len()]);
+        // Request k's pooled buffers, from its prepare to its completion. The request's
+        // `keep_alive` holds them too, so they stay lent until the engine is done with it.
+        let lent: RefCell<Vec<Option<Arc<RequestBuffers>>>> = RefCell::new(vec![None; valid.len()]);
         let results = RefCell::new(results);
         let engine_result = {
             let results = &results;
-            let staged = &staged;
-            let headers = &headers;
+            let lent = &lent;
+            let lease = |direct: bool| -> Result<RequestBuffers> {
+                Ok(RequestBuffers {
+                    header: self.buffers.lease(BufClass::Header)?,
+                    staging: if direct {
+                        None
+                    } else {
+                        Some(self.buffers.lease(BufClass::Staging)?)
+                    },
+                })
+            };
             let mut prepare = |k: usize| -> IoRequest {
                 let i = valid[k];
                 let (slot, identity, regions) = &blocks[i];
-                let header_ptr = headers.as_ptr() as usize + k * DIRECT_ALIGN;
                 let direct = self.direct_ok(regions) && padded == self.payload_bytes;
+                let bufs = match lease(direct) {
+                    Ok(b) => Arc::new(b),
+                    Err(e) => {
+                        results.borrow_mut()[i] = Err(e);
+                        // Submit a zero-length read of nothing; completion is ignored.
+                        return IoRequest {
+                            dir: IoDir::Read,
+                            offset: 0,
+                            iovecs: Vec::new(),
+                            keep_alive: None,
+                        };
+                    }
+                };
+                let header_ptr = bufs.header.as_ptr();
                 let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(regions.len() + 1);
-                let mut keep: Option<Box<dyn std::any::Any + Send>> = None;
-                if direct {
+                if let Some(staging) = &bufs.staging {
+                    // Aligned staging buffer for payload (+ padding).
+                    debug_assert_eq!(staging.len(), padded, "the pool's staging class");
+                    if dir == IoDir::Write {
+                        let mut off = 0;
+                        for &(p, l) in regions {
+                            // SAFETY: caller guarantees regions readable; the staging buffer is
+                            // lent to this request alone and `padded` bytes long.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    p as *const u8,
+                                    staging.as_ptr().add(off),
+                                    l,
+                                )
+                            };
+                            off += l;
+                        }
+                        // A reused buffer holds an earlier block's bytes: zero the padding.
+                        // SAFETY: `off == payload_bytes <= padded`, inside the buffer.
+                        unsafe { staging.as_ptr().add(off).write_bytes(0, padded - off) };
+                    }
+                    iovecs.push(libc::iovec {
+                        iov_base: staging.as_ptr().cast(),
+                        iov_len: padded,
+                    });
+                } else {
                     iovecs.extend(regions.iter().map(|&(p, l)| libc::iovec {
                         iov_base: p as *mut libc::c_void,
                         iov_len: l,
                     }));
-                } else {
-                    // Aligned staging buffer for payload (+ padding).
-                    match HostStorage::new(padded, PinPolicy::Unpinned) {
-                        Ok(buf) => {
-                            let buf = Arc::new(buf);
-                            if dir == IoDir::Write {
-                                let mut off = 0;
-                                for &(p, l) in regions {
-                                    // SAFETY: caller guarantees regions readable; buf is ours.
-                                    unsafe {
-                                        std::ptr::copy_nonoverlapping(
-                                            p as *const u8,
-                                            buf.as_ptr().add(off),
-                                            l,
-                                        )
-                                    };
-                                    off += l;
-                                }
-                            }
-                            iovecs.push(libc::iovec {
-                                iov_base: buf.as_ptr().cast(),
-                                iov_len: padded,
-                            });
-                            staged.borrow_mut()[k] = Some(Arc::clone(&buf));
-                            keep = Some(Box::new(buf));
-                        }
-                        Err(e) => {
-                            results.borrow_mut()[i] = Err(e);
-                            // Submit a zero-length read of nothing; completion is ignored.
-                            return IoRequest {
-                                dir: IoDir::Read,
-                                offset: 0,
-                                iovecs: Vec::new(),
-                                keep_alive: None,
-                            };
-                        }
-                    }
                 }
                 if dir == IoDir::Write {
                     // SAFETY: caller guarantees the regions are readable.
@@ -468,28 +504,35 @@ impl DiskStorage {
                         identity: *identity,
                         binding: self.file_id,
                     };
-                    // SAFETY: header sector k belongs to this request only.
-                    let sector = unsafe {
-                        std::slice::from_raw_parts_mut(header_ptr as *mut u8, DIRECT_ALIGN)
-                    };
+                    // SAFETY: the header sector is lent to this request alone, DIRECT_ALIGN long.
+                    let sector =
+                        unsafe { std::slice::from_raw_parts_mut(header_ptr, DIRECT_ALIGN) };
+                    // A reused sector holds an earlier header: the whole sector is rewritten.
+                    sector.fill(0);
                     h.encode(&mut sector[..HEADER_LEN]);
                 }
                 iovecs.push(libc::iovec {
-                    iov_base: header_ptr as *mut libc::c_void,
+                    iov_base: header_ptr.cast(),
                     iov_len: DIRECT_ALIGN,
                 });
+                lent.borrow_mut()[k] = Some(Arc::clone(&bufs));
                 IoRequest {
                     dir,
                     offset: self.slot_offset(*slot),
                     iovecs,
-                    keep_alive: keep,
+                    keep_alive: Some(Box::new(bufs)),
                 }
             };
             let mut complete = |k: usize, res: std::io::Result<usize>| {
                 let i = valid[k];
+                // This job's hold on the request's buffers ends with this call.
+                let bufs = lent.borrow_mut()[k].take();
                 if !matches!(&results.borrow()[i], Err(PhysicalError::Aborted(_))) {
                     return; // failed in prepare
                 }
+                let Some(bufs) = bufs else {
+                    return; // unreachable: prepare lent buffers to every request it did not fail
+                };
                 let (slot, identity, regions) = &blocks[i];
                 let loc = || self.location(*slot);
                 let outcome = (|| {
@@ -514,10 +557,9 @@ impl DiskStorage {
                     if dir == IoDir::Write {
                         return Ok(());
                     }
-                    let header_ptr = headers.as_ptr() as usize + k * DIRECT_ALIGN;
-                    // SAFETY: the read into header sector k completed.
+                    // SAFETY: the read into the header sector completed.
                     let sector =
-                        unsafe { std::slice::from_raw_parts(header_ptr as *const u8, HEADER_LEN) };
+                        unsafe { std::slice::from_raw_parts(bufs.header.as_ptr(), HEADER_LEN) };
                     let h = BlockHeader::decode(sector, &loc)?;
                     h.expect_bound(
                         self.payload_bytes,
@@ -526,10 +568,11 @@ impl DiskStorage {
                         identity,
                         &loc,
                     )?;
-                    let buf = staged.borrow_mut()[k].take();
-                    if let Some(buf) = buf {
+                    if let Some(staging) = &bufs.staging {
                         // SAFETY: the read into the staging buffer completed.
-                        let data = unsafe { &buf.as_slice()[..self.payload_bytes] };
+                        let data = unsafe {
+                            std::slice::from_raw_parts(staging.as_ptr(), self.payload_bytes)
+                        };
                         h.verify(crate::checksum::checksum_slices([data]), &loc)?;
                         let mut off = 0;
                         for &(p, l) in regions {
@@ -552,9 +595,10 @@ impl DiskStorage {
                 results.borrow_mut()[i] = outcome;
             };
             // SAFETY: every request's iovecs point at the caller's regions (valid per this
-            // function's contract), at a header sector of `headers`, or at a staging buffer the
-            // request keeps alive; all outlive `run`, which returns only after every request
-            // completed (or, on an engine failure, after waiting for or leaking them).
+            // function's contract) or at pooled buffers lent to that request alone and held by
+            // its `keep_alive`, so they live until the engine is done with it (and are never
+            // lent again if the engine leaks the request); `run` returns only after every
+            // request completed (or, on an engine failure, after waiting for or leaking them).
             unsafe {
                 self.engine.run(
                     self.file.as_raw_fd(),
@@ -592,3 +636,6 @@ impl Storage for DiskStorage {
         self.num_slots * self.slot_bytes
     }
 }
+
+#[cfg(test)]
+mod tests;

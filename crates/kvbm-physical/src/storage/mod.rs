@@ -9,6 +9,7 @@
 //! | G1 | [`DeviceMemory`] ([`HostStandInDevice`] without a GPU; `crate::cuda` with one) | `device.rs` |
 //! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
 //! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
+//! | G3 I/O buffers | the disk's pool of header sectors and staging buffers ([`DiskBufferPoolStats`]) | `disk_buffers.rs` |
 //! | G3 index | [`DiskManifest`] (append-only, checksummed, replayed at open) | `manifest.rs` |
 //! | G4 | `ObjectStorage` (object_store: S3, local fs, in-memory; the default `object` feature) | `object.rs`, keys in `object_key.rs` |
 //!
@@ -18,6 +19,7 @@
 
 mod device;
 mod disk;
+mod disk_buffers;
 mod host;
 pub mod manifest;
 #[cfg(feature = "object")]
@@ -26,6 +28,7 @@ mod object_key;
 
 pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
 pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
+pub use disk_buffers::{DEFAULT_BUFFER_POOL_BYTES, DiskBufferPoolStats};
 pub use host::{HostStorage, PinPolicy};
 pub use manifest::{
     DiskManifest, ManifestEntry, ManifestGeometry, ManifestRecord, Recovery as ManifestRecovery,
