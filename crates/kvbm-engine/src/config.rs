@@ -242,8 +242,15 @@ impl PartialEq for PhysicalSection {
     fn eq(&self, other: &Self) -> bool {
         // DiskConfig has no PartialEq of its own; compare its fields.
         let disk = |d: &Option<DiskConfig>| {
-            d.as_ref()
-                .map(|d| (d.path.clone(), d.engine, d.queue_depth, d.direct_io))
+            d.as_ref().map(|d| {
+                (
+                    d.path.clone(),
+                    d.engine,
+                    d.queue_depth,
+                    d.direct_io,
+                    d.buffer_pool_bytes,
+                )
+            })
         };
         self.transfer == other.transfer
             && self.object == other.object
