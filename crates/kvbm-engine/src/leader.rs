@@ -306,8 +306,8 @@ impl InstanceLeader {
     /// rank. Drops every inactive G2 block (unregistered: never matched again) and says
     /// whether G2 is now empty: `false` while blocks are still held or being filled (sessions
     /// in flight, which fail because the rank refuses their work), so the caller asks again
-    /// later and brings the rank back in step only once this is `true`
-    /// ([`Membership::keep_in_step`](crate::cluster::transport::membership::Membership)).
+    /// later and brings the rank back in step only once this is `true` (the cluster plane's
+    /// `Membership::keep_in_step` does).
     /// G3 and G4 are the leader's own storage and are kept.
     pub fn forget_worker_memory(&self) -> bool {
         match &self.g2 {
