@@ -35,7 +35,7 @@ use anyhow::{Context, Result, bail};
 use crate::{on_path, run_step};
 
 /// Every target of `fuzz/`.
-pub(crate) const TARGETS: [&str; 11] = [
+pub(crate) const TARGETS: [&str; 12] = [
     "trace_line",
     "manifest",
     "block_header",
@@ -47,6 +47,7 @@ pub(crate) const TARGETS: [&str; 11] = [
     "dataplane_response",
     "member_cert",
     "sealed",
+    "rank_beat",
 ];
 
 /// Installs cargo-fuzz when it is missing (idempotent).

@@ -68,6 +68,12 @@ pub fn control_envelope(data: &[u8]) {
     let _ = super::transport::nats::fuzz_decode_envelope::<ControlResponse>(data);
 }
 
+/// Worker rank heartbeats as a leader's membership takes them off the wire.
+#[cfg(feature = "nats")]
+pub fn rank_beat(data: &[u8]) {
+    super::transport::membership::fuzz_beats(data);
+}
+
 /// A heartbeat, snapshot request or snapshot page as the presence protocol decodes it.
 #[cfg(feature = "nats")]
 pub fn presence(data: &[u8]) {

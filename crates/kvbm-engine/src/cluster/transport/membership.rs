@@ -207,6 +207,17 @@ impl Membership {
         Ok(me)
     }
 
+    /// A view fed only by [`take`](Self::take) (the fuzz target's; nothing follows NATS).
+    fn detached(instance: InstanceId, timeout: Duration) -> Self {
+        Self {
+            instance,
+            ranks: Arc::default(),
+            events: broadcast::channel(16).0,
+            timeout,
+            stats: Arc::default(),
+        }
+    }
+
     /// The incarnation `address` is in step with: what a call to it carries. A rank not
     /// joined, lost, or restarted and not yet acknowledged is an error naming why.
     ///
@@ -417,6 +428,25 @@ impl Membership {
             let _ = self.events.send(MemberEvent::Lost(t));
         }
     }
+}
+
+/// Feeds `data`, split at newlines, to a membership view as beats off the wire, then asks
+/// it about every rank (the `rank_beat` fuzz target; see
+/// [`cluster::fuzzing`](crate::cluster::fuzzing)): no input may panic, and a restart is only
+/// ever counted for a beat taken.
+#[doc(hidden)]
+pub(crate) fn fuzz_beats(data: &[u8]) {
+    let instance = InstanceId(1);
+    let m = Membership::detached(instance, Duration::from_secs(5));
+    for beat in data.split(|&b| b == b'\n') {
+        m.take(&Security::Off, b"fuzz", beat);
+    }
+    for rank in 0..8 {
+        let _ = m.target(WorkerAddress::new(instance, rank));
+        let _ = m.acknowledge(WorkerAddress::new(instance, rank));
+    }
+    let s = m.stats();
+    assert!(s.restarts() <= s.beats());
 }
 
 /// A worker's heartbeat task: announces `rank` on `subject` every `interval` until `cancel`,
