@@ -192,7 +192,7 @@ impl Membership {
         let task = me.clone();
         let context = beat_context(&subject);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(timeout / 4);
+            let mut tick = tokio::time::interval(tick_of(timeout));
             loop {
                 tokio::select! {
                     () = cancel.cancelled() => return,
@@ -291,7 +291,7 @@ impl Membership {
         let me = self.clone();
         let mut events = self.events();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(me.timeout / 4);
+            let mut tick = tokio::time::interval(tick_of(me.timeout));
             loop {
                 tokio::select! {
                     () = cancel.cancelled() => return,
@@ -428,6 +428,12 @@ impl Membership {
             let _ = self.events.send(MemberEvent::Lost(t));
         }
     }
+}
+
+/// How often a membership of `timeout` looks for silent and rejoining ranks: a quarter of it
+/// (at least a millisecond).
+fn tick_of(timeout: Duration) -> Duration {
+    (timeout / 4).max(Duration::from_millis(1))
 }
 
 /// Feeds `data`, split at newlines, to a membership view as beats off the wire, then asks
