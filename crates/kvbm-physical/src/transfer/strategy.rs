@@ -121,6 +121,19 @@ fn sub_regions(regions: &[(usize, usize)], mut offset: usize, mut len: usize) ->
     out
 }
 
+/// The address of `[offset, offset + len)` of a block's serialized bytes when it lies inside
+/// one of its regions `regions`.
+#[inline]
+fn within(regions: &[(usize, usize)], mut offset: usize, len: usize) -> Option<usize> {
+    for &(addr, rlen) in regions {
+        if offset < rlen {
+            return (offset + len <= rlen).then_some(addr + offset);
+        }
+        offset -= rlen;
+    }
+    None
+}
+
 /// Runs the range copies of `job` in order (the strided fragments of each through the one
 /// region copy, [`copy_regions`]); one result per copy.
 pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
@@ -147,27 +160,41 @@ pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
             regions(&mut dst_cache, &job.dst, c.dst_block, &dl);
             let sr = &src_cache.as_ref().expect("just set").1;
             let dr = &dst_cache.as_ref().expect("just set").1;
+            // The whole strided span inside one region on each side (the usual case: a
+            // tensor's row): one lookup per copy, then plain pointer steps.
+            let span = |stride: usize| (c.count - 1) * stride + c.len;
+            if let (Some(s0), Some(d0)) = (
+                within(sr, c.src_offset, span(c.src_stride)),
+                within(dr, c.dst_offset, span(c.dst_stride)),
+            ) {
+                for i in 0..c.count {
+                    let (s, d) = (s0 + i * c.src_stride, d0 + i * c.dst_stride);
+                    // SAFETY: the fragment lies inside one region of its block on each side
+                    // (validated, and `within` above), hence in live memory of the job's
+                    // registered layouts; the job's claims and the caller exclude other writers
+                    // (and readers of the destination).
+                    unsafe {
+                        if sdev.is_none() && ddev.is_none() {
+                            std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, c.len)
+                        } else {
+                            copy_regions(sdev, ddev, &[(s, c.len)], &[(d, c.len)])?
+                        }
+                    }
+                }
+                return Ok(());
+            }
             for i in 0..c.count {
                 let (so, dof) = (c.src_offset + i * c.src_stride, c.dst_offset + i * c.dst_stride);
                 // SAFETY: the fragment lies inside its block on each side (validated), hence in
                 // live memory of the job's registered layouts; the job's claims and the caller
                 // exclude other writers (and readers of the destination).
                 unsafe {
-                    match (sr.as_slice(), dr.as_slice()) {
-                        // One region per block (every fully contiguous layout): no list to build.
-                        ([s], [d]) => copy_regions(
-                            sdev,
-                            ddev,
-                            &[(s.0 + so, c.len)],
-                            &[(d.0 + dof, c.len)],
-                        )?,
-                        _ => copy_regions(
-                            sdev,
-                            ddev,
-                            &sub_regions(sr, so, c.len),
-                            &sub_regions(dr, dof, c.len),
-                        )?,
-                    }
+                    copy_regions(
+                        sdev,
+                        ddev,
+                        &sub_regions(sr, so, c.len),
+                        &sub_regions(dr, dof, c.len),
+                    )?
                 }
             }
             Ok(())
