@@ -53,8 +53,8 @@ use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
 use kvbm_physical::{
-    Backing, LayoutHandle, ObjectPutMode, ObjectStorage, PhysicalError, PhysicalLayout,
-    RangeCopy, StorageKind, StoredIdentity, TransferCompletion, TransferManager, TransferOptions,
+    Backing, LayoutHandle, ObjectPutMode, ObjectStorage, PhysicalError, PhysicalLayout, RangeCopy,
+    StorageKind, StoredIdentity, TransferCompletion, TransferManager, TransferOptions,
     TransferOutcome,
 };
 

@@ -63,7 +63,10 @@ fn copies() -> Vec<RangeCopy> {
 fn model(src: &[Vec<u8>], dst: &mut [Vec<u8>], copies: &[RangeCopy]) {
     for c in copies {
         for i in 0..c.count {
-            let (s, d) = (c.src_offset + i * c.src_stride, c.dst_offset + i * c.dst_stride);
+            let (s, d) = (
+                c.src_offset + i * c.src_stride,
+                c.dst_offset + i * c.dst_stride,
+            );
             let bytes = src[c.src_block][s..s + c.len].to_vec();
             dst[c.dst_block][d..d + c.len].copy_from_slice(&bytes);
         }
@@ -74,11 +77,28 @@ fn model(src: &[Vec<u8>], dst: &mut [Vec<u8>], copies: &[RangeCopy]) {
 fn strided_range_copies_match_the_model_across_arrangements() {
     let tm = Arc::new(TransferManager::new().unwrap());
     for (sk, dk, inline) in [
-        (LayoutKind::FullyContiguous, LayoutKind::LayerSeparate(BlockDim::OuterContiguous), false),
-        (LayoutKind::LayerSeparate(BlockDim::BlockContiguous), LayoutKind::FullyContiguous, true),
+        (
+            LayoutKind::FullyContiguous,
+            LayoutKind::LayerSeparate(BlockDim::OuterContiguous),
+            false,
+        ),
+        (
+            LayoutKind::LayerSeparate(BlockDim::BlockContiguous),
+            LayoutKind::FullyContiguous,
+            true,
+        ),
     ] {
         let src = PhysicalLayout::allocate_host(layout(sk), PinPolicy::Unpinned).unwrap();
-        let dst = PhysicalLayout::allocate_device(layout(dk), 0).unwrap();
+        // The host stand-in of device memory (its addresses are host addresses, which the test
+        // reads; real GPU memory under feature `cuda` would not be).
+        let dl = layout(dk);
+        let allocs = (0..dl.num_allocations())
+            .map(|_| {
+                Arc::new(HostStandInDevice::new(dl.allocation_bytes()).unwrap())
+                    as Arc<dyn DeviceMemory>
+            })
+            .collect();
+        let dst = PhysicalLayout::from_backing(dl, Backing::Device(allocs)).unwrap();
         let (sh, dh) = (
             tm.register_layout(src).unwrap(),
             tm.register_layout(dst).unwrap(),
@@ -113,12 +133,20 @@ fn strided_range_copies_match_the_model_across_arrangements() {
             count: 5,
             ..copies()[0]
         };
-        assert!(bad(vec![past_end]).to_string().contains("leave block 2 of 48 bytes"));
+        assert!(
+            bad(vec![past_end])
+                .to_string()
+                .contains("leave block 2 of 48 bytes")
+        );
         assert!(matches!(
             bad(vec![RangeCopy::contiguous((3, 0), (0, 0), 1)]),
             PhysicalError::BlockOutOfRange { block_id: 3, .. }
         ));
-        assert!(bad(vec![RangeCopy::contiguous((0, 0), (0, 0), 0)]).to_string().contains("empty"));
+        assert!(
+            bad(vec![RangeCopy::contiguous((0, 0), (0, 0), 0)])
+                .to_string()
+                .contains("empty")
+        );
         // SAFETY: as above.
         let same = unsafe { tm.execute_copies_inline(sh, sh, copies()) }.unwrap_err();
         assert!(same.to_string().contains("two layouts"), "{same}");

@@ -194,7 +194,9 @@ fn main() {
     };
     for _ in 0..21 {
         td.push(warm3(&mut || bytes = round(&mut direct, &mut job)));
-        tc.push(warm3(&mut || assert_eq!(round(&mut canon, &mut job), bytes)));
+        tc.push(warm3(&mut || {
+            assert_eq!(round(&mut canon, &mut job), bytes)
+        }));
         rd.push(warm3(&mut || raw_round(&direct)));
         rc.push(warm3(&mut || raw_round(&canon)));
     }

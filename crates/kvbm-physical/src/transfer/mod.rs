@@ -564,17 +564,16 @@ impl TransferManager {
         let runtime = self.runtime.as_ref().expect("runtime lives until drop");
         let ids = dst_ids.clone();
         runtime.spawn(async move {
-            let results = match tokio::task::spawn_blocking(move || strategy::copy_ranges(&job))
-                .await
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    let msg = format!("copy task failed: {e}");
-                    (0..ids.len())
-                        .map(|_| Err(PhysicalError::Aborted(msg.clone())))
-                        .collect()
-                }
-            };
+            let results =
+                match tokio::task::spawn_blocking(move || strategy::copy_ranges(&job)).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let msg = format!("copy task failed: {e}");
+                        (0..ids.len())
+                            .map(|_| Err(PhysicalError::Aborted(msg.clone())))
+                            .collect()
+                    }
+                };
             let blocks = ids.into_iter().zip(results).collect();
             let _ = tx.send(TransferOutcome { blocks });
         });
@@ -599,7 +598,12 @@ impl TransferManager {
     ) -> Result<TransferOutcome, PhysicalError> {
         let job = self.validate_copies(src, dst, copies)?;
         let results = strategy::copy_ranges(&job);
-        let blocks = job.copies.iter().map(|c| c.dst_block).zip(results).collect();
+        let blocks = job
+            .copies
+            .iter()
+            .map(|c| c.dst_block)
+            .zip(results)
+            .collect();
         drop(job);
         Ok(TransferOutcome { blocks })
     }
@@ -635,8 +639,22 @@ impl TransferManager {
                 )));
             }
             for (side, block, offset, stride, cfg, ids) in [
-                ("source", c.src_block, c.src_offset, c.src_stride, &sc, &mut src_ids),
-                ("destination", c.dst_block, c.dst_offset, c.dst_stride, &dc, &mut dst_ids),
+                (
+                    "source",
+                    c.src_block,
+                    c.src_offset,
+                    c.src_stride,
+                    &sc,
+                    &mut src_ids,
+                ),
+                (
+                    "destination",
+                    c.dst_block,
+                    c.dst_offset,
+                    c.dst_stride,
+                    &dc,
+                    &mut dst_ids,
+                ),
             ] {
                 if block >= cfg.num_blocks {
                     return Err(PhysicalError::BlockOutOfRange {
@@ -662,9 +680,10 @@ impl TransferManager {
             ids.sort_unstable();
             ids.dedup();
         }
-        let claims = self
-            .claims
-            .claim([(src_h, &src_ids, false, false), (dst_h, &dst_ids, true, false)])?;
+        let claims = self.claims.claim([
+            (src_h, &src_ids, false, false),
+            (dst_h, &dst_ids, true, false),
+        ])?;
         Ok(CopyJob {
             src,
             dst,

@@ -103,7 +103,11 @@ pub(super) fn copy_memory(job: &Job) -> Vec<Result<()>> {
 
 /// The part `[offset, offset + len)` of a block's serialized bytes, as address ranges of its
 /// regions `regions` (validated: it lies inside the block).
-fn sub_regions(regions: &[(usize, usize)], mut offset: usize, mut len: usize) -> Vec<(usize, usize)> {
+fn sub_regions(
+    regions: &[(usize, usize)],
+    mut offset: usize,
+    mut len: usize,
+) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     for &(addr, rlen) in regions {
         if len == 0 {
@@ -146,9 +150,9 @@ pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
     let mut src_cache: Option<(BlockId, Vec<(usize, usize)>)> = None;
     let mut dst_cache: Option<(BlockId, Vec<(usize, usize)>)> = None;
     let regions = |cache: &mut Option<(BlockId, Vec<(usize, usize)>)>,
-                       layout: &PhysicalLayout,
-                       block: BlockId,
-                       layers: &std::ops::Range<usize>| {
+                   layout: &PhysicalLayout,
+                   block: BlockId,
+                   layers: &std::ops::Range<usize>| {
         if cache.as_ref().is_none_or(|(b, _)| *b != block) {
             *cache = Some((block, layout.block_addrs(block, layers.clone())));
         }
@@ -184,7 +188,10 @@ pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
                 return Ok(());
             }
             for i in 0..c.count {
-                let (so, dof) = (c.src_offset + i * c.src_stride, c.dst_offset + i * c.dst_stride);
+                let (so, dof) = (
+                    c.src_offset + i * c.src_stride,
+                    c.dst_offset + i * c.dst_stride,
+                );
                 // SAFETY: the fragment lies inside its block on each side (validated), hence in
                 // live memory of the job's registered layouts; the job's claims and the caller
                 // exclude other writers (and readers of the destination).

@@ -344,10 +344,7 @@ impl WorkerLayout {
             c += n_chunks;
         }
         if c != chunks.len() {
-            return Err(format!(
-                "{} chunk ids but the groups use {c}",
-                chunks.len()
-            ));
+            return Err(format!("{} chunk ids but the groups use {c}", chunks.len()));
         }
         Ok(copies)
     }

@@ -6,7 +6,7 @@
 //! ids); the worker moves the bytes: `submit_store` GPU → CPU, `submit_load` CPU → GPU, both
 //! non-blocking; `get_finished` reports each job once; `wait` blocks on given jobs.
 //!
-//! What moves where is the worker's [`layout`] (built and validated once by
+//! What moves where is the worker's layout (`worker/layout.rs`, built and validated once by
 //! [`PhysicalOffloadingWorker::builder`]): KV groups, each with its data refs (a tensor, i.e. a
 //! layer of both layouts, and an un-padded page size), `blocks_per_chunk` GPU blocks per chunk
 //! (a group's first chunk may be entered at sub-block `block_indices[g] % blocks_per_chunk`),
@@ -142,13 +142,22 @@ impl PhysicalOffloadingWorker {
     }
 
     /// Plans and starts a job; `false` when it could not start (nothing moved).
-    fn start(&mut self, job_id: u64, gpu: &GpuLoadStoreSpec, other: &LoadStoreSpec, dir: Direction) -> bool {
+    fn start(
+        &mut self,
+        job_id: u64,
+        gpu: &GpuLoadStoreSpec,
+        other: &LoadStoreSpec,
+        dir: Direction,
+    ) -> bool {
         if self.running.contains_key(&job_id) {
             tracing::error!(job_id, "worker: duplicate job id");
             return false;
         }
         let Some(chunks) = Self::chunk_ids(other) else {
-            tracing::error!(job_id, "worker: the offloaded side of a transfer cannot be a GPU spec");
+            tracing::error!(
+                job_id,
+                "worker: the offloaded side of a transfer cannot be a GPU spec"
+            );
             return false;
         };
         let copies = match self.layout.plan(gpu, chunks, dir) {

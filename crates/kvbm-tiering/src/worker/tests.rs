@@ -97,32 +97,36 @@ fn direct_ref(t: usize, page: usize) -> CanonicalKVCacheRef {
     }
 }
 
+/// A generated group: refs `(tensor, page)`, blocks in the job, first logical block index.
+type GroupCase = (Vec<(usize, usize)>, usize, usize);
+
 /// One generated direct-layout case.
 #[derive(Debug, Clone)]
 struct Case {
     tensors: usize,
     gpu_row: usize,
     bpc: usize,
-    /// Per group: refs `(tensor, page)`, blocks in the job, first logical block index.
-    groups: Vec<(Vec<(usize, usize)>, usize, usize)>,
+    groups: Vec<GroupCase>,
     seed: u64,
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..=3, 4usize..=24, 1usize..=4, any::<u64>()).prop_flat_map(|(tensors, gpu_row, bpc, seed)| {
-        let group = (
-            prop::collection::vec((0..tensors, 1..=gpu_row), 1..=2),
-            0usize..=5,
-            0usize..=9,
-        );
-        prop::collection::vec(group, 1..=3).prop_map(move |groups| Case {
-            tensors,
-            gpu_row,
-            bpc,
-            groups,
-            seed,
-        })
-    })
+    (1usize..=3, 4usize..=24, 1usize..=4, any::<u64>()).prop_flat_map(
+        |(tensors, gpu_row, bpc, seed)| {
+            let group = (
+                prop::collection::vec((0..tensors, 1..=gpu_row), 1..=2),
+                0usize..=5,
+                0usize..=9,
+            );
+            prop::collection::vec(group, 1..=3).prop_map(move |groups| Case {
+                tensors,
+                gpu_row,
+                bpc,
+                groups,
+                seed,
+            })
+        },
+    )
 }
 
 /// A deterministic shuffle of `0..n` (the ids a scheduler would hand out).
@@ -234,7 +238,14 @@ struct Rank {
     worker: PhysicalOffloadingWorker,
 }
 
-fn rank(tm: &Arc<TransferManager>, cpu_h: LayoutHandle, heads: usize, tp: usize, r: usize, blocks: usize) -> Rank {
+fn rank(
+    tm: &Arc<TransferManager>,
+    cpu_h: LayoutHandle,
+    heads: usize,
+    tp: usize,
+    r: usize,
+    blocks: usize,
+) -> Rank {
     let map = tp_map(heads, tp, r);
     let gpu = layout(tm, blocks, TENSORS, map.local_page_size_bytes + PAD);
     let refs = (0..TENSORS)
@@ -284,7 +295,10 @@ fn load_and_check(tm: &Arc<TransferManager>, cpu_h: LayoutHandle, heads: usize, 
         let mut x = rank(tm, cpu_h, heads, tp, r, 6);
         fill(tm, x.gpu, |_, _, _| 0x33);
         let ids = [2, 5, 0, 4, 1];
-        assert!(x.worker.submit_load(10, &cpu(&CHUNKS), &gpu_spec(&ids, &[5], &[FIRST])));
+        assert!(
+            x.worker
+                .submit_load(10, &cpu(&CHUNKS), &gpu_spec(&ids, &[5], &[FIRST]))
+        );
         let done = run_ok(&mut x.worker, 10);
         let local = x.map.local_page_size_bytes;
         assert_eq!(done.transfer_size, Some((5 * TENSORS * local) as u64));
@@ -293,7 +307,8 @@ fn load_and_check(tm: &Arc<TransferManager>, cpu_h: LayoutHandle, heads: usize, 
                 let got = row(tm, x.gpu, b, t).to_vec();
                 let mut want = vec![0x33u8; local + PAD];
                 if let Some(j) = ids.iter().position(|&i| i == b) {
-                    x.map.from_canonical(&full_page(heads, t, FIRST + j), &mut want[..local]);
+                    x.map
+                        .from_canonical(&full_page(heads, t, FIRST + j), &mut want[..local]);
                 }
                 assert_eq!(got, want, "tp {tp} rank {r} block {b} tensor {t}");
             }
@@ -323,7 +338,10 @@ fn canonical_layout_is_tp_independent() {
     for r in 0..2 {
         let mut x = rank(&tm, cpu_h, heads, 2, r, 5);
         compute(&tm, &x, heads);
-        assert!(x.worker.submit_store(1, &gpu_spec(&GPU_IDS, &[5], &[FIRST]), &cpu(&CHUNKS)));
+        assert!(
+            x.worker
+                .submit_store(1, &gpu_spec(&GPU_IDS, &[5], &[FIRST]), &cpu(&CHUNKS))
+        );
         run_ok(&mut x.worker, 1);
     }
     // …which then holds the full pages (and poison in the skipped sub-block)…
@@ -331,10 +349,17 @@ fn canonical_layout_is_tp_independent() {
     for j in 0..5 {
         for t in 0..TENSORS {
             let (chunk, range) = canonical_slot(j, page);
-            assert_eq!(&row(&tm, cpu_h, chunk, t)[range], &full_page(heads, t, FIRST + j)[..]);
+            assert_eq!(
+                &row(&tm, cpu_h, chunk, t)[range],
+                &full_page(heads, t, FIRST + j)[..]
+            );
         }
     }
-    assert!(row(&tm, cpu_h, CHUNKS[0], 0)[..page].iter().all(|&b| b == 0xAA));
+    assert!(
+        row(&tm, cpu_h, CHUNKS[0], 0)[..page]
+            .iter()
+            .all(|&b| b == 0xAA)
+    );
     // …and TP=1 and TP=4 ranks each load exactly what their layout needs.
     load_and_check(&tm, cpu_h, heads, 1);
     load_and_check(&tm, cpu_h, heads, 4);
@@ -355,7 +380,10 @@ fn replicated_bytes_are_written_by_one_rank_each() {
         compute(&tm, x, heads);
         // Poison, store this rank alone, count the canonical bytes it wrote.
         fill(&tm, cpu_h, |_, _, _| 0xAA);
-        assert!(x.worker.submit_store(1, &gpu_spec(&GPU_IDS, &[5], &[FIRST]), &cpu(&CHUNKS)));
+        assert!(
+            x.worker
+                .submit_store(1, &gpu_spec(&GPU_IDS, &[5], &[FIRST]), &cpu(&CHUNKS))
+        );
         let done = run_ok(&mut x.worker, 1);
         let mut wrote = 0;
         for (j, w) in writes.iter_mut().enumerate() {
@@ -372,11 +400,17 @@ fn replicated_bytes_are_written_by_one_rank_each() {
         assert_eq!(done.transfer_size, Some(wrote));
     }
     // Every byte of every stored canonical page written by exactly one rank.
-    assert!(writes.iter().flatten().flatten().all(|&w| w == 1), "{writes:?}");
+    assert!(
+        writes.iter().flatten().flatten().all(|&w| w == 1),
+        "{writes:?}"
+    );
     // All four stores together complete the pages; TP=4 and TP=1 loads read them whole.
     fill(&tm, cpu_h, |_, _, _| 0xAA);
     for x in &mut ranks {
-        assert!(x.worker.submit_store(2, &gpu_spec(&GPU_IDS, &[5], &[FIRST]), &cpu(&CHUNKS)));
+        assert!(
+            x.worker
+                .submit_store(2, &gpu_spec(&GPU_IDS, &[5], &[FIRST]), &cpu(&CHUNKS))
+        );
         run_ok(&mut x.worker, 2);
     }
     load_and_check(&tm, cpu_h, heads, 4);
@@ -434,7 +468,10 @@ fn hybrid_full_and_sliding_window_groups() {
     let after: Vec<Vec<u8>> = (0..2).map(|t| gpu_page(9, t, swa_p)).collect();
     fill(&tm, gpu_h, |_, _, _| 0x11);
     assert!(w.submit_load(2, &cpu(&[5]), &gpu_spec(&[0, 1], &[0, 2], &[0, 4])));
-    assert_eq!(run_ok(&mut w, 2).transfer_size, Some((2 * 2 * swa_p) as u64));
+    assert_eq!(
+        run_ok(&mut w, 2).transfer_size,
+        Some((2 * 2 * swa_p) as u64)
+    );
     for b in 0..10 {
         for t in 0..2 {
             let got = row(&tm, gpu_h, b, t).to_vec();
@@ -476,29 +513,65 @@ fn builder_refuses_layouts_it_cannot_serve() {
     let e = refusal(b().blocks_per_chunk(5).group(vec![direct_ref(0, 8)]));
     assert!(e.contains("does not split into 5"), "{e}");
     // Direct: 2 blocks per chunk leave 48-byte sub-pages, too small for 64-byte pages.
-    let e = refusal(b().blocks_per_chunk(2).group(vec![direct_ref(0, 8)]).group(vec![direct_ref(1, 64)]));
-    assert!(e.contains("group 1 ref 0 (tensor 1)") && e.contains("CPU rows too small"), "{e}");
+    let e = refusal(
+        b().blocks_per_chunk(2)
+            .group(vec![direct_ref(0, 8)])
+            .group(vec![direct_ref(1, 64)]),
+    );
+    assert!(
+        e.contains("group 1 ref 0 (tensor 1)") && e.contains("CPU rows too small"),
+        "{e}"
+    );
     // Canonical with an uncertified ref.
     let e = refusal(
-        big().layout(ChunkLayout::Canonical)
+        big()
+            .layout(ChunkLayout::Canonical)
             .group(vec![canon(0, Some(m.clone()))])
             .group(vec![canon(1, Some(m.clone())), canon(0, None)]),
     );
-    assert!(e.contains("group 1 ref 1 (tensor 0)") && e.contains("uncertified"), "{e}");
+    assert!(
+        e.contains("group 1 ref 1 (tensor 0)") && e.contains("uncertified"),
+        "{e}"
+    );
     // Canonical pages (128 bytes) do not fit 96-byte rows.
-    let e = refusal(b().layout(ChunkLayout::Canonical).group(vec![canon(0, Some(m.clone()))]));
-    assert!(e.contains("CPU rows too small") && e.contains("canonical page of 128"), "{e}");
+    let e = refusal(
+        b().layout(ChunkLayout::Canonical)
+            .group(vec![canon(0, Some(m.clone()))]),
+    );
+    assert!(
+        e.contains("CPU rows too small") && e.contains("canonical page of 128"),
+        "{e}"
+    );
     // A mapping for another page size, a tensor that does not exist, a page past the row.
-    let e = refusal(big().layout(ChunkLayout::Canonical).group(vec![CanonicalKVCacheRef { page_size_bytes: 32, ..canon(0, Some(m.clone())) }]));
-    assert!(e.contains("local page is 64 bytes, the ref's page 32"), "{e}");
+    let e = refusal(
+        big()
+            .layout(ChunkLayout::Canonical)
+            .group(vec![CanonicalKVCacheRef {
+                page_size_bytes: 32,
+                ..canon(0, Some(m.clone()))
+            }]),
+    );
+    assert!(
+        e.contains("local page is 64 bytes, the ref's page 32"),
+        "{e}"
+    );
     let e = refusal(b().group(vec![direct_ref(2, 8)]));
-    assert!(e.contains("group 0 ref 0 (tensor 2): no such tensor"), "{e}");
+    assert!(
+        e.contains("group 0 ref 0 (tensor 2): no such tensor"),
+        "{e}"
+    );
     let e = refusal(b().group(vec![direct_ref(0, 65)]));
     assert!(e.contains("page of 65 bytes"), "{e}");
     let e = refusal(b());
     assert!(e.contains("no KV group"), "{e}");
     // The same canonical layout with rows that fit is served.
-    assert!(big().layout(ChunkLayout::Canonical).group(vec![canon(0, Some(m.clone()))]).build().is_ok());
+    assert!(
+        big()
+            .layout(ChunkLayout::Canonical)
+            .group(vec![canon(0, Some(m.clone()))])
+            .build()
+            .is_ok()
+    );
     // The simple constructor checks its block size.
     assert!(PhysicalOffloadingWorker::new(tm.clone(), gpu_h, cpu_h, 100).is_err());
 }
