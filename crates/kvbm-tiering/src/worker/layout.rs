@@ -18,7 +18,8 @@
 //! Planning a job (store or load) walks the groups in order: group `g` takes the next
 //! `group_sizes[g]` GPU ids and the next `ceil((group_sizes[g] + skip) / blocks_per_chunk)`
 //! chunk ids, `skip = block_indices[g] % blocks_per_chunk` sub-blocks of its first chunk being
-//! left alone; every id must be consumed exactly. A canonical store copies a block only where
+//! left alone; every id must be consumed exactly, and no destination id (chunks of a store,
+//! GPU blocks of a load) named twice. A canonical store copies a block only where
 //! the ref's mapping says this rank writes the canonical page `chunk * blocks_per_chunk + sub`.
 
 use std::sync::Arc;
@@ -345,6 +346,15 @@ impl WorkerLayout {
         }
         if c != chunks.len() {
             return Err(format!("{} chunk ids but the groups use {c}", chunks.len()));
+        }
+        // Each destination named once: two writes to one slot would leave whichever came last.
+        let (what, dst): (&str, &[i32]) = match dir {
+            Direction::Store => ("chunk", chunks),
+            Direction::Load => ("GPU block", ids),
+        };
+        let mut seen = std::collections::HashSet::with_capacity(dst.len());
+        if let Some(dup) = dst.iter().find(|&&i| !seen.insert(i)) {
+            return Err(format!("destination {what} {dup} named twice"));
         }
         Ok(copies)
     }

@@ -12,7 +12,7 @@ use kvbm_physical::{
 use proptest::prelude::*;
 
 use super::*;
-use crate::types::{CpuLoadStoreSpec, GpuLoadStoreSpec, LoadStoreSpec};
+use crate::types::{CanonicalKVCaches, CpuLoadStoreSpec, GpuLoadStoreSpec, LoadStoreSpec};
 
 /// A host layout of `tensors` rows of `row` bytes per block (vLLM's per-tensor
 /// `(num_blocks, page)` shape: layer-separate, block-contiguous).
@@ -148,7 +148,7 @@ proptest! {
     /// Store GPU → CPU then load CPU → fresh GPU memory gives back exactly each group's pages
     /// (reference model: per group, logical block `skip + j` lands in chunk `(skip+j)/bpc`,
     /// sub-block `(skip+j)%bpc`), touching no other byte; specs with a chunk id too many or
-    /// too few are refused before anything moves.
+    /// too few, or a destination named twice, are refused before anything moves.
     #[test]
     fn groups_chunks_and_unaligned_heads_round_trip(c in case()) {
         let tm = Arc::new(TransferManager::new().unwrap());
@@ -185,6 +185,11 @@ proptest! {
         if n_chunks > 0 {
             prop_assert!(!wa.submit_store(2, &gpu_spec(&store_ids, &sizes, &indices), &cpu(&chunks[1..])));
         }
+        if n_chunks > 1 {
+            let mut twice = chunks.clone();
+            twice[1] = twice[0];
+            prop_assert!(!wa.submit_store(5, &gpu_spec(&store_ids, &sizes, &indices), &cpu(&twice)));
+        }
         prop_assert_eq!(&snapshot(&tm, cpu_h), &before);
 
         prop_assert!(wa.submit_store(3, &gpu_spec(&store_ids, &sizes, &indices), &cpu(&chunks)));
@@ -211,6 +216,12 @@ proptest! {
         prop_assert_eq!(stored.transfer_size, Some(bytes));
         prop_assert_eq!(snapshot(&tm, cpu_h), want_cpu.concat().concat());
 
+        if n_blocks > 1 {
+            let mut twice = load_ids.clone();
+            twice[1] = twice[0];
+            prop_assert!(!wb.submit_load(6, &cpu(&chunks), &gpu_spec(&twice, &sizes, &indices)));
+            prop_assert!(snapshot(&tm, gpu_b).iter().all(|&b| b == 0xEE));
+        }
         prop_assert!(wb.submit_load(4, &cpu(&chunks), &gpu_spec(&load_ids, &sizes, &indices)));
         let loaded = run_ok(&mut wb, 4);
         prop_assert_eq!(loaded.transfer_size, Some(bytes));
@@ -574,4 +585,42 @@ fn builder_refuses_layouts_it_cannot_serve() {
     );
     // The simple constructor checks its block size.
     assert!(PhysicalOffloadingWorker::new(tm.clone(), gpu_h, cpu_h, 100).is_err());
+}
+
+#[test]
+fn caches_description_must_match_the_gpu_layout() {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let gpu_h = layout(&tm, 4, 2, 64);
+    let cpu_h = layout(&tm, 4, 2, 64);
+    let g = tm.layout(gpu_h).unwrap();
+    let tensors: Vec<crate::types::CanonicalKVCacheTensor> = (0..2)
+        .map(|t| crate::types::CanonicalKVCacheTensor {
+            ptr: g.block_addrs(0, t..t + 1)[0].0,
+            num_blocks: 4,
+            page_size_bytes: 64,
+        })
+        .collect();
+    let caches = |tensors: Vec<crate::types::CanonicalKVCacheTensor>| CanonicalKVCaches {
+        tensors,
+        group_data_refs: vec![vec![direct_ref(0, 64), direct_ref(1, 48)]],
+    };
+    let b = || PhysicalOffloadingWorker::builder(tm.clone(), gpu_h, cpu_h);
+    let mut w = b()
+        .caches(&caches(tensors.clone()))
+        .unwrap()
+        .build()
+        .unwrap();
+    fill(&tm, gpu_h, |b, t, i| (b + t + i) as u8);
+    assert!(w.submit_store(1, &gpu_spec(&[2], &[1], &[0]), &cpu(&[3])));
+    assert_eq!(run_ok(&mut w, 1).transfer_size, Some(64 + 48));
+    assert_eq!(row(&tm, cpu_h, 3, 1)[..48], row(&tm, gpu_h, 2, 1)[..48]);
+    // Another tensor address, block count or page size is refused.
+    let mut moved = tensors.clone();
+    moved[1].ptr += 64;
+    let e = b().caches(&caches(moved)).unwrap_err().to_string();
+    assert!(e.contains("tensor 1: at"), "{e}");
+    let mut fewer = tensors.clone();
+    fewer[0].num_blocks = 3;
+    assert!(b().caches(&caches(fewer)).is_err());
+    assert!(b().caches(&caches(tensors[..1].to_vec())).is_err());
 }
