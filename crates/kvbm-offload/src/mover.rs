@@ -17,7 +17,8 @@
 //! kvbm-physical's `execute_transfer` and `execute_transfer_inline` are `unsafe`: the transfer
 //! manager checks transfers against each other, not against owners outside it, so the caller
 //! vouches that every destination is the transfer's alone. This module's private `transfer` is
-//! the only call of either in the crate, and every move of the workspace goes through it (the
+//! the only call of either in the crate (its twin `transfer_ranges`, for the range copies
+//! `execute_copies` / `execute_copies_inline`, the only call of those), and every move of the workspace goes through it (the
 //! engine's per-rank executor, `PhysicalWorker::execute`, is the one other production caller:
 //! it runs what the leader already reserved on every rank). So the safety argument is made in
 //! one place per kind of destination:
@@ -52,7 +53,7 @@ use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
 use kvbm_physical::{
-    Backing, LayoutHandle, ObjectPutMode, ObjectStorage, PhysicalError, PhysicalLayout,
+    Backing, LayoutHandle, ObjectPutMode, ObjectStorage, PhysicalError, PhysicalLayout, RangeCopy,
     StorageKind, StoredIdentity, TransferCompletion, TransferManager, TransferOptions,
     TransferOutcome,
 };
@@ -261,6 +262,27 @@ unsafe fn transfer(
         // SAFETY: this function's contract (until the completion resolves).
         unsafe { manager.execute_transfer(route.src, src_ids, route.dst, dst_ids, options) }
             .map(Issued::Pending)
+    }
+}
+
+/// The raw range copy: the only call of `TransferManager::execute_copies` and
+/// `execute_copies_inline` in this crate (see [`transfer`]).
+///
+/// # Safety
+///
+/// As [`transfer`], for every block a copy of `copies` writes (and no block it reads is
+/// written meanwhile).
+unsafe fn transfer_ranges(
+    manager: &TransferManager,
+    route: Route,
+    copies: Vec<RangeCopy>,
+) -> Result<Issued, PhysicalError> {
+    if route.inline {
+        // SAFETY: this function's contract (for the duration of the call).
+        unsafe { manager.execute_copies_inline(route.src, route.dst, copies) }.map(Issued::Done)
+    } else {
+        // SAFETY: this function's contract (until the completion resolves).
+        unsafe { manager.execute_copies(route.src, route.dst, copies) }.map(Issued::Pending)
     }
 }
 
@@ -1030,6 +1052,44 @@ impl<Src: Tier> ExternalMover<Src> {
             )
         }
         .map_err(BlockFailure::physical)?;
+        Ok(async move { settle(n, issued.settled().await) })
+    }
+
+    /// Runs `copies` (each a strided run of byte fragments from a source slot into a
+    /// destination slot, [`RangeCopy`]) in order, with no identity: for a caller that moves
+    /// parts of slots (vLLM's worker: a KV group's page within a GPU block, a sub-block of a
+    /// CPU chunk, the fragments of a canonical page). One outcome per copy, in order, from the
+    /// returned future. Issued now; a copy list that cannot start is returned here, as for
+    /// [`copy_slots`](Self::copy_slots).
+    ///
+    /// # Errors
+    /// Nothing started: [`Refused`](BlockFailureKind::Refused) when either side is not memory,
+    /// or the transfer manager's refusal (a fragment outside its slot, a slot out of range or
+    /// busy in another transfer, ...).
+    ///
+    /// # Safety
+    ///
+    /// As [`copy_slots`](Self::copy_slots), for every slot a copy reads or writes.
+    pub unsafe fn copy_ranges(
+        &self,
+        copies: Vec<RangeCopy>,
+    ) -> Result<
+        impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src>,
+        BlockFailure,
+    > {
+        if !self.memory {
+            return Err(BlockFailure::new(
+                BlockFailureKind::Refused,
+                format!(
+                    "ranges out of {:?} copied without identities: both sides must be memory",
+                    Src::ID
+                ),
+            ));
+        }
+        let n = copies.len();
+        // SAFETY: the caller's contract for every slot the copies touch is this function's own.
+        let issued = unsafe { transfer_ranges(&self.manager, self.route(), copies) }
+            .map_err(BlockFailure::physical)?;
         Ok(async move { settle(n, issued.settled().await) })
     }
 

@@ -21,7 +21,7 @@ pub use manager::OffloadingManager;
 pub use spec::{OffloadingSpec, OffloadingSpecConfig};
 pub use stats::OffloadingConnectorStats;
 pub use types::*;
-pub use worker::{OffloadingWorker, PhysicalOffloadingWorker};
+pub use worker::{ChunkLayout, OffloadingWorker, PhysicalOffloadingWorker, WorkerLayoutBuilder};
 pub mod tiering;
 
 pub use tiering::{

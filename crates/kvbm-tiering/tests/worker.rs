@@ -31,7 +31,7 @@ fn store_then_load_round_trip_through_the_primary() {
     fill(0, 0x11);
     fill(1, 0x22);
     let (_, cpu) = primary.transfer().unwrap();
-    let mut w = PhysicalOffloadingWorker::new(tm.clone(), gpu, cpu, CHUNK);
+    let mut w = PhysicalOffloadingWorker::new(tm.clone(), gpu, cpu, CHUNK).unwrap();
 
     // scheduler: store two chunks; worker: GPU blocks 0,1 -> the CPU slots handed out
     let c = ReqContext::new("r");

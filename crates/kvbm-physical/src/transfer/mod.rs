@@ -42,6 +42,14 @@
 //! Lock order: `layouts` → `claims` → the global reservation table; each is a leaf
 //! `parking_lot` lock held for a lookup or insert only, never across I/O or an `.await`.
 //!
+//! **Range copies.** [`TransferManager::execute_copies`] (and its inline twin) is the same copy
+//! below whole blocks: a list of [`RangeCopy`]s, each a strided run of byte fragments from one
+//! block of the source to one block of the destination, offsets counted in the block's
+//! serialized bytes (its regions concatenated, as everywhere). Vetted the same way (both layouts
+//! registered and memory, every fragment inside its block, claims on every block touched, all
+//! or nothing) and run through the same region copy as whole blocks; it serves vLLM's worker,
+//! which moves pages of KV groups, sub-blocks of chunks and canonical-page fragments.
+//!
 //! Strategies (`strategy.rs`), chosen by the storage kinds of the two sides:
 //!
 //! | src → dst | strategy |
@@ -138,6 +146,74 @@ impl TransferOptions {
         self.identities = Some(identities);
         self
     }
+}
+
+/// A strided run of byte copies from one block of a source layout to one block of a
+/// destination layout: fragment `i` copies `len` bytes from serialized offset
+/// `src_offset + i * src_stride` of `src_block` to `dst_offset + i * dst_stride` of `dst_block`,
+/// for `i` in `0..count`. Offsets count the block's serialized bytes (its regions concatenated
+/// in `(layer, outer)` order, [`PhysicalLayout::block_addrs`](crate::PhysicalLayout::block_addrs)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RangeCopy {
+    /// Source block.
+    pub src_block: BlockId,
+    /// First source byte within the block.
+    pub src_offset: usize,
+    /// Destination block.
+    pub dst_block: BlockId,
+    /// First destination byte within the block.
+    pub dst_offset: usize,
+    /// Bytes per fragment.
+    pub len: usize,
+    /// Number of fragments.
+    pub count: usize,
+    /// Source distance between fragments.
+    pub src_stride: usize,
+    /// Destination distance between fragments.
+    pub dst_stride: usize,
+}
+
+impl RangeCopy {
+    /// One contiguous fragment of `len` bytes.
+    pub fn contiguous(
+        (src_block, src_offset): (BlockId, usize),
+        (dst_block, dst_offset): (BlockId, usize),
+        len: usize,
+    ) -> Self {
+        RangeCopy {
+            src_block,
+            src_offset,
+            dst_block,
+            dst_offset,
+            len,
+            count: 1,
+            src_stride: len,
+            dst_stride: len,
+        }
+    }
+
+    /// Bytes this copy moves.
+    pub fn bytes(&self) -> u64 {
+        self.len as u64 * self.count as u64
+    }
+
+    /// One past the last byte touched at `offset` with `stride`, or `None` on overflow.
+    fn end(&self, offset: usize, stride: usize) -> Option<usize> {
+        (self.count - 1)
+            .checked_mul(stride)?
+            .checked_add(offset)?
+            .checked_add(self.len)
+    }
+}
+
+/// A validated batch of [`RangeCopy`]s, ready to run.
+#[derive(Debug)]
+pub(crate) struct CopyJob {
+    pub(crate) src: Arc<PhysicalLayout>,
+    pub(crate) dst: Arc<PhysicalLayout>,
+    pub(crate) copies: Vec<RangeCopy>,
+    /// Claims and layout reservations, released when the job is dropped.
+    pub(crate) _guard: JobGuard,
 }
 
 /// Per-block results of a transfer.
@@ -460,6 +536,160 @@ impl TransferManager {
         let blocks = job.dst_ids.iter().copied().zip(results).collect();
         drop(job);
         Ok(TransferOutcome { blocks })
+    }
+
+    /// Runs `copies` (each a strided run of fragments from a block of `src` to a block of `dst`,
+    /// see [`RangeCopy`]) on the manager's runtime, in order; the outcome has one entry per copy
+    /// (its destination block). Both layouts must be memory (host or device).
+    ///
+    /// Errors returned here are argument errors and nothing started: an unknown layout, a side
+    /// that is not memory ([`PhysicalError::NotSupported`]), `src == dst`, an empty copy, a block
+    /// out of range, a fragment outside its block, or a block busy in another in-flight transfer
+    /// ([`PhysicalError::BlockBusy`]: every source block is claimed shared, every destination
+    /// block exclusive, all or none). Copies whose destinations overlap run in order (the later
+    /// wins).
+    ///
+    /// # Safety
+    ///
+    /// As [`execute_transfer`](Self::execute_transfer), for every block a copy reads or writes.
+    pub unsafe fn execute_copies(
+        &self,
+        src: LayoutHandle,
+        dst: LayoutHandle,
+        copies: Vec<RangeCopy>,
+    ) -> Result<TransferCompletion, PhysicalError> {
+        let job = self.validate_copies(src, dst, copies)?;
+        let (tx, rx) = oneshot::channel();
+        let dst_ids: Vec<BlockId> = job.copies.iter().map(|c| c.dst_block).collect();
+        let runtime = self.runtime.as_ref().expect("runtime lives until drop");
+        let ids = dst_ids.clone();
+        runtime.spawn(async move {
+            let results =
+                match tokio::task::spawn_blocking(move || strategy::copy_ranges(&job)).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let msg = format!("copy task failed: {e}");
+                        (0..ids.len())
+                            .map(|_| Err(PhysicalError::Aborted(msg.clone())))
+                            .collect()
+                    }
+                };
+            let blocks = ids.into_iter().zip(results).collect();
+            let _ = tx.send(TransferOutcome { blocks });
+        });
+        Ok(TransferCompletion { rx, dst_ids })
+    }
+
+    /// [`execute_copies`](Self::execute_copies) on the calling thread (as
+    /// [`execute_transfer_inline`](Self::execute_transfer_inline) is to
+    /// [`execute_transfer`](Self::execute_transfer)); the claims are released before it returns.
+    ///
+    /// # Errors
+    /// As [`execute_copies`](Self::execute_copies).
+    ///
+    /// # Safety
+    ///
+    /// As [`execute_copies`](Self::execute_copies) (for the duration of the call).
+    pub unsafe fn execute_copies_inline(
+        &self,
+        src: LayoutHandle,
+        dst: LayoutHandle,
+        copies: Vec<RangeCopy>,
+    ) -> Result<TransferOutcome, PhysicalError> {
+        let job = self.validate_copies(src, dst, copies)?;
+        let results = strategy::copy_ranges(&job);
+        let blocks = job
+            .copies
+            .iter()
+            .map(|c| c.dst_block)
+            .zip(results)
+            .collect();
+        drop(job);
+        Ok(TransferOutcome { blocks })
+    }
+
+    fn validate_copies(
+        &self,
+        src_h: LayoutHandle,
+        dst_h: LayoutHandle,
+        copies: Vec<RangeCopy>,
+    ) -> Result<CopyJob> {
+        let (src, src_res) = self.entry(src_h)?;
+        let (dst, dst_res) = self.entry(dst_h)?;
+        if src_h == dst_h {
+            return Err(PhysicalError::InvalidArgument(
+                "range copies run between two layouts (source and destination are one)".into(),
+            ));
+        }
+        for (side, l) in [("source", &src), ("destination", &dst)] {
+            if !l.is_memory() {
+                return Err(PhysicalError::NotSupported(format!(
+                    "range copies need memory on both sides; the {side} is {:?}",
+                    l.storage_kind()
+                )));
+            }
+        }
+        let (sc, dc) = (*src.layout().config(), *dst.layout().config());
+        let (mut src_ids, mut dst_ids) = (Vec::new(), Vec::new());
+        for (i, c) in copies.iter().enumerate() {
+            if c.len == 0 || c.count == 0 {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "range copy {i} is empty ({} fragments of {} bytes)",
+                    c.count, c.len
+                )));
+            }
+            for (side, block, offset, stride, cfg, ids) in [
+                (
+                    "source",
+                    c.src_block,
+                    c.src_offset,
+                    c.src_stride,
+                    &sc,
+                    &mut src_ids,
+                ),
+                (
+                    "destination",
+                    c.dst_block,
+                    c.dst_offset,
+                    c.dst_stride,
+                    &dc,
+                    &mut dst_ids,
+                ),
+            ] {
+                if block >= cfg.num_blocks {
+                    return Err(PhysicalError::BlockOutOfRange {
+                        block_id: block,
+                        num_blocks: cfg.num_blocks,
+                    });
+                }
+                match c.end(offset, stride) {
+                    Some(end) if end <= cfg.block_bytes() => {}
+                    _ => {
+                        return Err(PhysicalError::InvalidArgument(format!(
+                            "range copy {i}: {side} fragments (offset {offset}, stride {stride}, {} x {} bytes) leave block {block} of {} bytes",
+                            c.count,
+                            c.len,
+                            cfg.block_bytes()
+                        )));
+                    }
+                }
+                ids.push(block);
+            }
+        }
+        for ids in [&mut src_ids, &mut dst_ids] {
+            ids.sort_unstable();
+            ids.dedup();
+        }
+        let claims = self.claims.claim([
+            (src_h, &src_ids, false, false),
+            (dst_h, &dst_ids, true, false),
+        ])?;
+        Ok(CopyJob {
+            src,
+            dst,
+            copies,
+            _guard: JobGuard::new(claims, [src_res, dst_res]),
+        })
     }
 
     fn validate(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 
 use super::bounce::BouncePool;
-use super::{BlockId, Job};
+use super::{BlockId, CopyJob, Job};
 use crate::error::{PhysicalError, Result};
 use crate::layout::{Backing, PhysicalLayout, region_pairs};
 use crate::storage::{DeviceMemory, StorageKind};
@@ -97,6 +97,114 @@ pub(super) fn copy_memory(job: &Job) -> Vec<Result<()>> {
             let dr = job.dst.block_addrs(d, job.layers.clone());
             // SAFETY: regions of the job's registered layouts; the caller excludes writers.
             unsafe { copy_regions(device0(&job.src), device0(&job.dst), &sr, &dr) }
+        })
+        .collect()
+}
+
+/// The part `[offset, offset + len)` of a block's serialized bytes, as address ranges of its
+/// regions `regions` (validated: it lies inside the block).
+fn sub_regions(
+    regions: &[(usize, usize)],
+    mut offset: usize,
+    mut len: usize,
+) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for &(addr, rlen) in regions {
+        if len == 0 {
+            break;
+        }
+        if offset >= rlen {
+            offset -= rlen;
+            continue;
+        }
+        let n = (rlen - offset).min(len);
+        out.push((addr + offset, n));
+        len -= n;
+        offset = 0;
+    }
+    out
+}
+
+/// The address of `[offset, offset + len)` of a block's serialized bytes when it lies inside
+/// one of its regions `regions`.
+#[inline]
+fn within(regions: &[(usize, usize)], mut offset: usize, len: usize) -> Option<usize> {
+    for &(addr, rlen) in regions {
+        if offset < rlen {
+            return (offset + len <= rlen).then_some(addr + offset);
+        }
+        offset -= rlen;
+    }
+    None
+}
+
+/// Runs the range copies of `job` in order (the strided fragments of each through the one
+/// region copy, [`copy_regions`]); one result per copy.
+pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
+    let (sdev, ddev) = (device0(&job.src), device0(&job.dst));
+    let (sl, dl) = (
+        0..job.src.layout().config().num_layers,
+        0..job.dst.layout().config().num_layers,
+    );
+    // Block regions of the last block seen on each side (copies come grouped by block).
+    let mut src_cache: Option<(BlockId, Vec<(usize, usize)>)> = None;
+    let mut dst_cache: Option<(BlockId, Vec<(usize, usize)>)> = None;
+    let regions = |cache: &mut Option<(BlockId, Vec<(usize, usize)>)>,
+                   layout: &PhysicalLayout,
+                   block: BlockId,
+                   layers: &std::ops::Range<usize>| {
+        if cache.as_ref().is_none_or(|(b, _)| *b != block) {
+            *cache = Some((block, layout.block_addrs(block, layers.clone())));
+        }
+    };
+    job.copies
+        .iter()
+        .map(|c| {
+            regions(&mut src_cache, &job.src, c.src_block, &sl);
+            regions(&mut dst_cache, &job.dst, c.dst_block, &dl);
+            let sr = &src_cache.as_ref().expect("just set").1;
+            let dr = &dst_cache.as_ref().expect("just set").1;
+            // The whole strided span inside one region on each side (the usual case: a
+            // tensor's row): one lookup per copy, then plain pointer steps.
+            let span = |stride: usize| (c.count - 1) * stride + c.len;
+            if let (Some(s0), Some(d0)) = (
+                within(sr, c.src_offset, span(c.src_stride)),
+                within(dr, c.dst_offset, span(c.dst_stride)),
+            ) {
+                for i in 0..c.count {
+                    let (s, d) = (s0 + i * c.src_stride, d0 + i * c.dst_stride);
+                    // SAFETY: the fragment lies inside one region of its block on each side
+                    // (validated, and `within` above), hence in live memory of the job's
+                    // registered layouts; the job's claims and the caller exclude other writers
+                    // (and readers of the destination).
+                    unsafe {
+                        if sdev.is_none() && ddev.is_none() {
+                            std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, c.len)
+                        } else {
+                            copy_regions(sdev, ddev, &[(s, c.len)], &[(d, c.len)])?
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            for i in 0..c.count {
+                let (so, dof) = (
+                    c.src_offset + i * c.src_stride,
+                    c.dst_offset + i * c.dst_stride,
+                );
+                // SAFETY: the fragment lies inside its block on each side (validated), hence in
+                // live memory of the job's registered layouts; the job's claims and the caller
+                // exclude other writers (and readers of the destination).
+                unsafe {
+                    copy_regions(
+                        sdev,
+                        ddev,
+                        &sub_regions(sr, so, c.len),
+                        &sub_regions(dr, dof, c.len),
+                    )?
+                }
+            }
+            Ok(())
         })
         .collect()
 }
