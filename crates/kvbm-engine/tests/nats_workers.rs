@@ -285,10 +285,8 @@ async fn a_request_of_another_protocol_version_is_refused_with_the_reason() {
 /// original bytes, none of the restarted process's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_memory_is_served() {
-    use kvbm_engine::cluster::transport::control::{block_digest, fill_pattern};
     use kvbm_engine::cluster::transport::membership::{MemberEvent, Membership};
-    use kvbm_logical::{BlockRegistry, Salt, TokenBlockSequence};
-    use kvbm_physical::{PhysicalLayout, PinPolicy};
+    use kvbm_logical::BlockRegistry;
 
     let Some(nats) = kvbm_tests::services::nats("a_worker_process_restarted_rejoins") else {
         return;
@@ -337,31 +335,9 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
         common::manager::<G3>(&registry),
     );
     let g1 = common::manager::<G1>(&BlockRegistry::new());
-    let seq =
-        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
-    let hashes = seq.hashes();
-    let complete = g2
-        .allocate_blocks(6)
-        .unwrap()
-        .into_iter()
-        .zip(seq.blocks())
-        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
-        .collect();
-    let on_g2: Vec<ImmutableBlock<G2>> = g2.register_blocks(complete);
+    let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
     let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
-    let expected: Vec<Vec<u64>> = (0..2u8)
-        .map(|r| {
-            let local =
-                PhysicalLayout::allocate_host(common::geometry(), PinPolicy::Unpinned).unwrap();
-            // SAFETY: `local` is this test's own layout; nothing else uses it.
-            let filled = unsafe { fill_pattern(&local, worker_processes::SEED + r) };
-            assert!(filled);
-            ids.iter()
-                // SAFETY: as above.
-                .map(|&b| unsafe { block_digest(&local, b) }.unwrap())
-                .collect()
-        })
-        .collect();
+    let expected = worker_processes::pattern_digests(&ids);
     let down = SpmdMover::<G2, G3>::new(pw.clone(), g3.clone());
     let out = down.move_from(&on_g2, g3.allocate_blocks(6).unwrap()).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");

@@ -1001,6 +1001,20 @@ impl<Src: Tier> ExternalMover<Src> {
         settled(n, started)
     }
 
+    /// Refuses a copy of `what` without identities unless both sides are memory.
+    fn require_memory(&self, what: &str) -> Result<(), BlockFailure> {
+        if self.memory {
+            return Ok(());
+        }
+        Err(BlockFailure::new(
+            BlockFailureKind::Refused,
+            format!(
+                "{what} out of {:?} copied without identities: both sides must be memory",
+                Src::ID
+            ),
+        ))
+    }
+
     /// Copies slot `src_slots[i]` into slot `dst_slots[i]`, whole, with no identity: for a
     /// caller that moves slots rather than blocks (vLLM's worker, handed slot ids by its
     /// scheduler). One outcome per slot, in order, from the returned future. The transfer is
@@ -1025,15 +1039,7 @@ impl<Src: Tier> ExternalMover<Src> {
         impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src>,
         BlockFailure,
     > {
-        if !self.memory {
-            return Err(BlockFailure::new(
-                BlockFailureKind::Refused,
-                format!(
-                    "slots out of {:?} copied without identities: both sides must be memory",
-                    Src::ID
-                ),
-            ));
-        }
+        self.require_memory("slots")?;
         let n = src_slots.len();
         if dst_slots.len() != n {
             return Err(BlockFailure::new(
@@ -1077,15 +1083,7 @@ impl<Src: Tier> ExternalMover<Src> {
         impl Future<Output = Vec<Result<(), BlockFailure>>> + Send + 'static + use<Src>,
         BlockFailure,
     > {
-        if !self.memory {
-            return Err(BlockFailure::new(
-                BlockFailureKind::Refused,
-                format!(
-                    "ranges out of {:?} copied without identities: both sides must be memory",
-                    Src::ID
-                ),
-            ));
-        }
+        self.require_memory("ranges")?;
         let n = copies.len();
         // SAFETY: the caller's contract for every slot the copies touch is this function's own.
         let issued = unsafe { transfer_ranges(&self.manager, self.route(), copies) }

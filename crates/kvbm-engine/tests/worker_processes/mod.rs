@@ -19,7 +19,8 @@ use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl,
 use kvbm_engine::security::{Credential, Role, RootKey, Security, SecurityConfig};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{
-    BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, TierId, TokenBlockSequence,
+    BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Salt, SequenceHash, TierId,
+    TokenBlockSequence,
 };
 use kvbm_physical::{PhysicalLayout, PinPolicy};
 
@@ -155,34 +156,18 @@ pub(crate) async fn set_up_secured(
     let registry = BlockRegistry::new();
     let (g2, g3) = (manager::<G2>(&registry), manager::<G3>(&registry));
     let g1 = manager::<G1>(&BlockRegistry::new());
-    let seq =
-        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
-    let complete = g2
-        .allocate_blocks(6)
-        .unwrap()
-        .into_iter()
-        .zip(seq.blocks())
-        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
-        .collect();
-    let on_g2: Vec<ImmutableBlock<G2>> = g2.register_blocks(complete);
+    let (on_g2, hashes) = compute_prefix(&g2);
     let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
 
     // What each rank's G2 holds, by the worker's digest and by one computed here from the
     // same pattern: they must agree, and the ranks must differ.
-    let mut expected = Vec::new();
+    let expected = pattern_digests(&ids);
     for (r, c) in controls.iter().enumerate() {
         let d = digests(c.as_ref(), TierId::G2, ids.clone()).await;
-        let local = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
-        // SAFETY: `local` is this test's own layout; nothing else uses it.
-        let filled = unsafe { fill_pattern(&local, SEED + r as u8) };
-        assert!(filled, "host memory");
-        let here: Vec<u64> = ids
-            .iter()
-            // SAFETY: as above.
-            .map(|&b| unsafe { block_digest(&local, b) }.unwrap())
-            .collect();
-        assert_eq!(d, here, "rank {r}: the worker's bytes are the pattern");
-        expected.push(d);
+        assert_eq!(
+            d, expected[r],
+            "rank {r}: the worker's bytes are the pattern"
+        );
     }
     assert_ne!(expected[0], expected[1]);
 
@@ -208,9 +193,43 @@ pub(crate) async fn set_up_secured(
         g1,
         g2,
         g3,
-        hashes: seq.hashes(),
+        hashes,
         expected,
     }
+}
+
+/// Six blocks of one fixed prefix computed in `g2` (registered and held): their handles and
+/// the prefix's hashes. The workers' G2 holds their fill pattern there.
+pub(crate) fn compute_prefix(
+    g2: &BlockManager<G2>,
+) -> (Vec<ImmutableBlock<G2>>, Vec<SequenceHash>) {
+    let seq =
+        TokenBlockSequence::from_tokens(&(0..24).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
+    let complete = g2
+        .allocate_blocks(6)
+        .unwrap()
+        .into_iter()
+        .zip(seq.blocks())
+        .map(|(b, tb)| b.complete_token_block(tb).unwrap())
+        .collect();
+    (g2.register_blocks(complete), seq.hashes())
+}
+
+/// Per rank (0 and 1), the digests of blocks `ids` of the rank's fill pattern, computed here
+/// from the same pattern the worker process filled its G2 with.
+pub(crate) fn pattern_digests(ids: &[usize]) -> Vec<Vec<u64>> {
+    (0..2u8)
+        .map(|r| {
+            let local = PhysicalLayout::allocate_host(geometry(), PinPolicy::Unpinned).unwrap();
+            // SAFETY: `local` is this test's own layout; nothing else uses it.
+            let filled = unsafe { fill_pattern(&local, SEED + r) };
+            assert!(filled, "host memory");
+            ids.iter()
+                // SAFETY: as above.
+                .map(|&b| unsafe { block_digest(&local, b) }.unwrap())
+                .collect()
+        })
+        .collect()
 }
 
 pub(crate) fn instance_id(tag: u64) -> InstanceId {
