@@ -337,10 +337,12 @@ pub struct TransportConfig {
     /// Address of the TCP block data plane (port 0: any free port). Default: `127.0.0.1:0`.
     pub data_plane_bind: String,
     /// How often an instance announces itself (instance id, data-plane address) to its peers
-    /// over NATS (ms). Default: 1000. At least 1.
+    /// over NATS, and a worker rank its incarnation to its leader (ms). Default: 1000. At
+    /// least 1.
     pub heartbeat_interval_ms: u64,
     /// A peer not heard from for this long is dropped from the cross-instance index and the
-    /// peer directory (ms). Default: 5000. More than `heartbeat_interval_ms`.
+    /// peer directory, and a worker rank counts as lost to its leader's `Membership` (ms).
+    /// Default: 5000. More than `heartbeat_interval_ms`.
     pub heartbeat_timeout_ms: u64,
     /// Data-plane server: connections served at once; one more is closed at once (counted in
     /// `ServerStats::connections_refused`). Default: 256. At least 1.

@@ -19,6 +19,9 @@
 //! bounds the requests served at once (default: `transport.worker_max_in_flight`'s, 256; one
 //! more is answered `Refused`, see `WorkerServer::max_in_flight`).
 //!
+//! It announces its rank and incarnation every `transport.heartbeat_interval_ms` (see
+//! `cluster::transport::membership`), and once more as departing when it stops.
+//!
 //! Configuration is the usual tree (`KVBM_CONFIG_PATH`, `KVBM_*__*` variables): `--nats`
 //! defaults to `transport.nats_url`, and the NATS credentials and TLS files come from
 //! `[transport.nats_auth]` only, never from the command line (which `ps` shows); a url with
@@ -270,6 +273,9 @@ fn main() {
         let address = WorkerAddress::new(InstanceId(args.instance), args.rank);
         let mut server = WorkerServer::new(client, &args.prefix, address, worker)
             .max_in_flight(args.max_in_flight)
+            .heartbeat(std::time::Duration::from_millis(
+                args.config.transport.heartbeat_interval_ms,
+            ))
             .security(security);
         if args.announce {
             server = server.on_request(Arc::new(|r: &ControlRequest| {
