@@ -227,9 +227,10 @@ impl StorageTier {
 impl StorageTier {
     /// A disk tier. `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes`
     /// per chunk); `fingerprint`: what the chunks' bytes mean ([`fingerprint_of`]); `path`: the
-    /// tier's file; `capacity`: chunk slots in it.
+    /// tier's file; `capacity`: chunk slots in it; `buffer_pool_bytes`: aligned I/O buffers the
+    /// file keeps idle between jobs (`DiskConfig::buffer_pool_bytes`).
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, lookup_results, events = false))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, buffer_pool_bytes, lookup_results, events = false))]
     #[allow(clippy::too_many_arguments)]
     fn disk(
         region: &Bound<'_, PyAny>,
@@ -239,6 +240,7 @@ impl StorageTier {
         capacity: usize,
         queue_depth: u32,
         direct_io: bool,
+        buffer_pool_bytes: usize,
         lookup_results: &Bound<'_, PyTuple>,
         events: bool,
     ) -> PyResult<Self> {
@@ -257,6 +259,7 @@ impl StorageTier {
         let mut disk = DiskConfig::new(&path);
         disk.queue_depth = queue_depth;
         disk.direct_io = direct_io;
+        disk.buffer_pool_bytes = buffer_pool_bytes;
         let tier =
             PhysicalTier::disk(&primary, &disk, capacity, Some(&fingerprint)).map_err(|e| {
                 PyRuntimeError::new_err(format!(

@@ -22,6 +22,7 @@ Keys of a ``kvbm_disk`` tier (anything else is an error naming the key):
 ``capacity`` (required)    chunk slots in the file (each ``primary_kv_view.strides[0]`` bytes)
 ``queue_depth``            io_uring submission depth, default 64
 ``direct_io``              O_DIRECT, default true (false for file systems without it, e.g. tmpfs)
+``buffer_pool_mb``         aligned I/O buffers kept idle between jobs, default 64 (0: none kept)
 ``locality``               vLLM's key; only ``"local"`` fits a local file
 
 ``KvbmObjectTier`` (tier type ``kvbm_object``) keeps each chunk as one object named by its key's
@@ -93,6 +94,7 @@ DISK_KEYS: dict[str, Any] = {
     "capacity": None,
     "queue_depth": 64,
     "direct_io": True,
+    "buffer_pool_mb": 64,
     "locality": "local",
     "enable_kv_events": False,
 }
@@ -294,6 +296,12 @@ class KvbmDiskTier(_KvbmTier):
         capacity = int(s["capacity"])
         if capacity <= 0:
             raise ValueError(f"secondary tier {tier_type!r}: capacity must be > 0, got {capacity}")
+        pool_mb = s["buffer_pool_mb"]
+        if isinstance(pool_mb, bool) or not isinstance(pool_mb, int) or pool_mb < 0:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: buffer_pool_mb must be an integer >= 0, "
+                f"got {pool_mb!r}"
+            )
         self._rs = extension().StorageTier.disk(
             _flat(primary_kv_view),
             self.block_size_bytes,
@@ -302,6 +310,7 @@ class KvbmDiskTier(_KvbmTier):
             capacity,
             int(s["queue_depth"]),
             bool(s["direct_io"]),
+            pool_mb << 20,
             _LOOKUP_RESULTS,
             _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
         )

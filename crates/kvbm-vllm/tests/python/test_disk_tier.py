@@ -232,6 +232,19 @@ def test_a_damaged_slot_is_a_miss_never_wrong_bytes(tmp_path, impl):
     s.manager.shutdown()
 
 
+def test_a_disk_tier_without_an_idle_buffer_pool_round_trips_bytes(tmp_path, impl):
+    s = Setup(tmp_path, impl, buffer_pool_mb=0)
+    first = keys("nopool", 4)
+    s.store(first, pattern)
+    for i in range(3):
+        s.store(keys(f"nopoolfill{i}", 4), pattern)
+    assert all(s.primary.lookup(k, ReqContext(req_id="probe")) is LookupResult.MISS for k in first)
+    for k in first:
+        got = s.load(k)
+        assert got is not None and np.array_equal(got, pattern(k)), "from the disk, its bytes"
+    s.manager.shutdown()
+
+
 def test_the_tier_stays_within_its_capacity(tmp_path, impl):
     s = Setup(tmp_path, impl, capacity=6)
     for i in range(5):
@@ -285,6 +298,10 @@ def test_configuration_errors_name_the_key(tmp_path):
     with pytest.raises(ValueError, match="locality"):
         KvbmDiskTier(MagicMock(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4,
                      locality="remote")
+    for bad in (-1, 1.5, "64", True):
+        with pytest.raises(ValueError, match="buffer_pool_mb must be an integer >= 0"):
+            KvbmDiskTier(vllm_spec(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4,
+                         buffer_pool_mb=bad)
 
 
 def test_the_plugin_registers_kvbm_disk_for_vllms_factory(tmp_path):
