@@ -311,19 +311,10 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     let w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
     let mut w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &[]);
     members.wait_for(2, Duration::from_secs(30)).await.unwrap();
-    let controls: Vec<Arc<dyn WorkerControl>> = (0..2)
-        .map(|r| {
-            Arc::new(
-                NatsControl::new(
-                    client.clone(),
-                    DEFAULT_CONTROL_PREFIX,
-                    WorkerAddress::new(instance, r),
-                    Duration::from_secs(10),
-                )
-                .with_membership(members.clone()),
-            ) as Arc<dyn WorkerControl>
-        })
-        .collect();
+    let controls =
+        worker_processes::nats_controls(&client, instance, Duration::from_secs(10), |c| {
+            c.with_membership(members.clone())
+        });
     let workers = Arc::new(ControlledWorkers::new(controls.clone()).unwrap());
     let pw: Arc<dyn ParallelWorkers> = workers.clone();
 

@@ -51,6 +51,29 @@ fn store(m: &BlockManager<G2>, hashes: &[SequenceHash]) {
     drop(m.register_blocks(complete));
 }
 
+/// Instance B's leader: its G2, then other instances' G2 through `index`.
+fn leader_b(g2: &Arc<BlockManager<G2>>, index: &Arc<CrossInstanceIndex>) -> InstanceLeader {
+    InstanceLeader::builder()
+        .g2(g2.clone())
+        .remote(RemoteSearch {
+            index: index.clone(),
+            this: B,
+            shared_g4: false,
+        })
+        .build()
+        .unwrap()
+}
+
+/// Waits (up to 5 s) until `f` holds; the caller asserts what it needs afterwards.
+async fn eventually(mut f: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b_pulls_a_g2_prefix_over_tcp_and_onboards_it() {
     let runtime = KvbmRuntime::builder()
@@ -104,26 +127,13 @@ async fn b_pulls_a_g2_prefix_over_tcp_and_onboards_it() {
         )
         .unwrap(),
     );
-    let leader_b = InstanceLeader::builder()
-        .g2(g2_b.clone())
-        .remote(RemoteSearch {
-            index: index_b.clone(),
-            this: B,
-            shared_g4: false,
-        })
-        .build()
-        .unwrap();
+    let leader_b = leader_b(&g2_b, &index_b);
 
     store(&g2_b, &hashes[..2]);
     store(&g2_a, &hashes[..6]);
     g2_a.flush_events();
     g2_b.flush_events();
-    for _ in 0..500 {
-        if index_b.prefix_by_instance(&hashes[..6], Some(B)) == vec![(A, 6)] {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(|| index_b.prefix_by_instance(&hashes[..6], Some(B)) == vec![(A, 6)]).await;
     assert_eq!(
         index_b.prefix_by_instance(&hashes[..6], Some(B)),
         vec![(A, 6)]
@@ -220,23 +230,10 @@ async fn a_pull_answered_by_another_instance_fails_and_registers_nothing() {
     let client_b = Arc::new(
         DataPlaneClient::new(DataPlaneConfig::default(), g2_b.clone(), layout_b, peers).unwrap(),
     );
-    let leader_b = InstanceLeader::builder()
-        .g2(g2_b.clone())
-        .remote(RemoteSearch {
-            index: index_b.clone(),
-            this: B,
-            shared_g4: false,
-        })
-        .build()
-        .unwrap();
+    let leader_b = leader_b(&g2_b, &index_b);
     store(&g2_a, &hashes[..4]);
     g2_a.flush_events();
-    for _ in 0..500 {
-        if index_b.len() == 4 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(|| index_b.len() == 4).await;
     let session = leader_b.begin_onboarding(&hashes[..4]);
     assert_eq!(session.prefix_len(), 4);
     let err = session
@@ -305,23 +302,10 @@ async fn pull_scoped(server_scope: u64, client_scope: u64) -> Result<(), String>
         )
         .unwrap(),
     );
-    let leader_b = InstanceLeader::builder()
-        .g2(g2_b.clone())
-        .remote(RemoteSearch {
-            index: index_b.clone(),
-            this: B,
-            shared_g4: false,
-        })
-        .build()
-        .unwrap();
+    let leader_b = leader_b(&g2_b, &index_b);
     store(&g2_a, &hashes[..4]);
     g2_a.flush_events();
-    for _ in 0..500 {
-        if index_b.len() == 4 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(|| index_b.len() == 4).await;
     let session = leader_b.begin_onboarding(&hashes[..4]);
     assert_eq!(session.prefix_len(), 4);
     let out = session

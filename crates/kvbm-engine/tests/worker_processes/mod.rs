@@ -131,19 +131,9 @@ pub(crate) async fn set_up_secured(
     let client = connect(url, "leader", Duration::from_millis(100))
         .await
         .unwrap();
-    let controls: Vec<Arc<dyn WorkerControl>> = (0..2)
-        .map(|r| {
-            Arc::new(
-                NatsControl::new(
-                    client.clone(),
-                    DEFAULT_CONTROL_PREFIX,
-                    WorkerAddress::new(instance, r),
-                    timeout,
-                )
-                .with_security(security.clone()),
-            ) as Arc<dyn WorkerControl>
-        })
-        .collect();
+    let controls = nats_controls(&client, instance, timeout, |c| {
+        c.with_security(security.clone())
+    });
     let workers = Arc::new(ControlledWorkers::new(controls.clone()).unwrap());
     let peers = workers.describe_all().await.unwrap();
     assert_eq!(peers.len(), 2);
@@ -196,6 +186,27 @@ pub(crate) async fn set_up_secured(
         hashes,
         expected,
     }
+}
+
+/// The leader's controls of ranks 0 and 1 of `instance` over `client` (default prefix, each
+/// request timing out after `timeout`), each finished by `with`.
+pub(crate) fn nats_controls(
+    client: &async_nats::Client,
+    instance: InstanceId,
+    timeout: Duration,
+    with: impl Fn(NatsControl) -> NatsControl,
+) -> Vec<Arc<dyn WorkerControl>> {
+    (0..2)
+        .map(|r| {
+            let c = NatsControl::new(
+                client.clone(),
+                DEFAULT_CONTROL_PREFIX,
+                WorkerAddress::new(instance, r),
+                timeout,
+            );
+            Arc::new(with(c)) as Arc<dyn WorkerControl>
+        })
+        .collect()
 }
 
 /// Six blocks of one fixed prefix computed in `g2` (registered and held): their handles and

@@ -588,6 +588,24 @@ async fn assert_serves(srv: &DataPlaneServer, hs: &[SequenceHash]) {
     assert!(out.iter().all(Result::is_ok), "{out:?}");
 }
 
+/// Two idle connections to `srv`, once it serves both.
+async fn hold_two(srv: &DataPlaneServer) -> (TcpStream, TcpStream) {
+    let idle1 = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let idle2 = TcpStream::connect(srv.local_addr()).await.unwrap();
+    eventually("two connections served", || srv.stats().connections() == 2).await;
+    (idle1, idle2)
+}
+
+/// Opens one more connection to `srv` and asserts the server closes it at once.
+async fn assert_closed_at_once(srv: &DataPlaneServer, what: &str) {
+    let mut extra = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let mut buf = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
+        .await
+        .unwrap_or_else(|_| panic!("{what}"));
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+}
+
 /// Attack: more connections than the cap, held idle. The one over the cap is closed at once
 /// and counted; members are still served once a slot frees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -601,15 +619,8 @@ async fn security_connections_over_the_cap_are_refused_and_counted() {
     let srv = DataPlaneServer::start(config, A, remote.manager.clone(), remote.layout.clone())
         .await
         .unwrap();
-    let idle1 = TcpStream::connect(srv.local_addr()).await.unwrap();
-    let idle2 = TcpStream::connect(srv.local_addr()).await.unwrap();
-    eventually("two connections served", || srv.stats().connections() == 2).await;
-    let mut extra = TcpStream::connect(srv.local_addr()).await.unwrap();
-    let mut buf = [0u8; 1];
-    let r = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
-        .await
-        .expect("the connection over the cap is closed at once");
-    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    let (idle1, idle2) = hold_two(&srv).await;
+    assert_closed_at_once(&srv, "the connection over the cap is closed at once").await;
     assert_eq!(srv.stats().connections_refused(), 1);
     assert_eq!(srv.stats().connections(), 2);
     drop(idle1);
@@ -633,15 +644,12 @@ async fn security_one_peer_cannot_take_every_connection() {
     let srv = DataPlaneServer::start(config, A, remote.manager.clone(), remote.layout.clone())
         .await
         .unwrap();
-    let idle1 = TcpStream::connect(srv.local_addr()).await.unwrap();
-    let idle2 = TcpStream::connect(srv.local_addr()).await.unwrap();
-    eventually("two connections served", || srv.stats().connections() == 2).await;
-    let mut extra = TcpStream::connect(srv.local_addr()).await.unwrap();
-    let mut buf = [0u8; 1];
-    let r = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
-        .await
-        .expect("the connection over the per-peer cap is closed at once");
-    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    let (idle1, idle2) = hold_two(&srv).await;
+    assert_closed_at_once(
+        &srv,
+        "the connection over the per-peer cap is closed at once",
+    )
+    .await;
     assert_eq!(srv.stats().peer_connections_refused(), 1);
     assert_eq!(srv.stats().connections_refused(), 0);
 

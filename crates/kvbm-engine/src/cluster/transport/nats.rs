@@ -319,9 +319,13 @@ fn decode_envelope<T: serde::de::DeserializeOwned>(
 }
 
 fn encode<T: serde::Serialize>(version: u32, body: T) -> bytes::Bytes {
+    encode_envelope(&Envelope::in_version(version, body))
+}
+
+fn encode_envelope<T: serde::Serialize>(envelope: &Envelope<T>) -> bytes::Bytes {
     // Serializing these plain data types to JSON cannot fail (no maps with non-string keys,
     // no foreign Serialize impls).
-    serde_json::to_vec(&Envelope::in_version(version, body))
+    serde_json::to_vec(envelope)
         .expect("control messages serialize")
         .into()
 }
@@ -771,9 +775,7 @@ impl NatsControl {
         let timeout_ms = self.timeout.as_millis() as u64;
         let encoded: bytes::Bytes = match &self.membership {
             None => encode(PROTOCOL_VERSION, request),
-            Some(m) => serde_json::to_vec(&Envelope::addressed(request, m.target(worker)?))
-                .expect("control messages serialize")
-                .into(),
+            Some(m) => encode_envelope(&Envelope::addressed(request, m.target(worker)?)),
         };
         if self.security.is_on() {
             let sealed = self

@@ -27,6 +27,25 @@ fn info(id: InstanceId, addr: &str) -> PeerInfo {
     }
 }
 
+/// G2 events of `kind` for `hashes`.
+fn g2_events(hashes: &[SequenceHash], kind: BlockEventKind) -> Vec<BlockEvent> {
+    hashes
+        .iter()
+        .map(|h| BlockEvent {
+            kind,
+            tier: TierId::G2,
+            hash: *h,
+        })
+        .collect()
+}
+
+/// An instance's own index holding `hashes` as stored in its G2 (what its snapshot answers).
+fn own_index(id: InstanceId, hashes: &[SequenceHash]) -> Arc<CrossInstanceIndex> {
+    let own = Arc::new(CrossInstanceIndex::new());
+    own.apply_events(id, &g2_events(hashes, BlockEventKind::Stored));
+    own
+}
+
 async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(15) {
@@ -60,16 +79,7 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
     let hashes = TokenBlockSequence::from_tokens(&(0..40).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
         .hashes();
-    let own_a = Arc::new(CrossInstanceIndex::new());
-    let events: Vec<BlockEvent> = hashes
-        .iter()
-        .map(|h| BlockEvent {
-            kind: BlockEventKind::Stored,
-            tier: TierId::G2,
-            hash: *h,
-        })
-        .collect();
-    own_a.apply_events(A, &events);
+    let own_a = own_index(A, &hashes);
     assert_eq!(own_a.entries_of(A).len(), 10);
 
     let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
@@ -160,7 +170,7 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
     // A series the answerer has no copy of starts over (the fetch fails and is retried).
     let unknown = ask(8, 3).await;
     assert_eq!((unknown.entries.len(), unknown.next), (0, Some(0)));
-    own_a.apply_events(A, &events[..2]);
+    own_a.apply_events(A, &g2_events(&hashes[..2], BlockEventKind::Stored));
 
     // Garbage and another version on the heartbeat subject are skipped and counted.
     ca.publish(format!("{subject}.peers"), "garbage".into())
@@ -319,17 +329,7 @@ async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
     let hashes = TokenBlockSequence::from_tokens(&(0..48).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
         .hashes();
-    let stored = |hs: &[SequenceHash], kind| -> Vec<BlockEvent> {
-        hs.iter()
-            .map(|h| BlockEvent {
-                kind,
-                tier: TierId::G2,
-                hash: *h,
-            })
-            .collect()
-    };
-    let own_a = Arc::new(CrossInstanceIndex::new());
-    own_a.apply_events(A, &stored(&hashes[..10], BlockEventKind::Stored));
+    let own_a = own_index(A, &hashes[..10]);
     let start = |name: &'static str, id, own: Arc<CrossInstanceIndex>, index| {
         let rt = rt.clone();
         let (url, subject) = (nats.url.clone(), subject.clone());
@@ -362,8 +362,8 @@ async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
 
     // Lost Stored events: A stores 2 blocks B never hears of; B's index also lost 3 of the
     // blocks it knew (as if their events never came). No reconnect, no new epoch.
-    own_a.apply_events(A, &stored(&hashes[10..12], BlockEventKind::Stored));
-    index_b.apply_events(A, &stored(&hashes[..3], BlockEventKind::Removed));
+    own_a.apply_events(A, &g2_events(&hashes[10..12], BlockEventKind::Stored));
+    index_b.apply_events(A, &g2_events(&hashes[..3], BlockEventKind::Removed));
     eventually("B repaired its index", || {
         index_b.entries_of(A) == own_a.entries_of(A)
     })
@@ -492,16 +492,7 @@ async fn security_endless_or_oversized_snapshots_are_refused_and_counted() {
     assert_eq!(index_b.count_of(huge), 0);
 
     // B keeps serving its members: a real peer with a snapshot within the caps is synced.
-    let own_a = Arc::new(CrossInstanceIndex::new());
-    let events: Vec<BlockEvent> = hs[..10]
-        .iter()
-        .map(|h| BlockEvent {
-            kind: BlockEventKind::Stored,
-            tier: TierId::G2,
-            hash: *h,
-        })
-        .collect();
-    own_a.apply_events(A, &events);
+    let own_a = own_index(A, &hs[..10]);
     let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
         .await
         .unwrap();
@@ -542,16 +533,7 @@ async fn security_hostile_snapshot_offset_is_rejected_and_the_answerer_keeps_ser
     let hs = TokenBlockSequence::from_tokens(&(0..20).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
         .hashes();
-    let own_a = Arc::new(CrossInstanceIndex::new());
-    let events: Vec<BlockEvent> = hs
-        .iter()
-        .map(|h| BlockEvent {
-            kind: BlockEventKind::Stored,
-            tier: TierId::G2,
-            hash: *h,
-        })
-        .collect();
-    own_a.apply_events(A, &events);
+    let own_a = own_index(A, &hs);
     let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
         .await
         .unwrap();
@@ -626,16 +608,7 @@ async fn security_a_flood_of_snapshot_requests_is_throttled_and_counted() {
     let hs = TokenBlockSequence::from_tokens(&(0..20).collect::<Vec<u32>>(), 4, Salt::NONE)
         .unwrap()
         .hashes();
-    let own_a = Arc::new(CrossInstanceIndex::new());
-    let events: Vec<BlockEvent> = hs
-        .iter()
-        .map(|h| BlockEvent {
-            kind: BlockEventKind::Stored,
-            tier: TierId::G2,
-            hash: *h,
-        })
-        .collect();
-    own_a.apply_events(A, &events);
+    let own_a = own_index(A, &hs);
     let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
         .await
         .unwrap();
