@@ -275,7 +275,7 @@ fn main() {
     let rounds = 7;
     // lookups
     let ks = keys(1, N);
-    let mut cpu = CpuOffloadingManager::new(CpuManagerConfig::new(N));
+    let mut cpu = TieringOffloadingManager::cpu(CpuManagerConfig::new(N));
     fill(&mut cpu, &ks);
     let cpu_rate = lookup_rate(&mut cpu, &ks, rounds);
     let raw_rate = raw_probe_rate(&ks, rounds);
@@ -283,7 +283,7 @@ fn main() {
     fill(&mut t2, &ks);
     let tier_rate = lookup_rate(&mut t2, &ks, rounds);
     // store + complete, one chunk at a time, into a full primary
-    let mut cpu = CpuOffloadingManager::new(CpuManagerConfig::new(N));
+    let mut cpu = TieringOffloadingManager::cpu(CpuManagerConfig::new(N));
     fill(&mut cpu, &ks);
     let cpu_store = store_rate(&mut cpu, 1 << 40, rounds, 0);
     let mut t2 = tiering(N, 2);

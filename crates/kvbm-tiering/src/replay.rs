@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 
 use serde_json::Value;
 
-use crate::cpu::{CachePolicyKind, CpuManagerConfig, CpuOffloadingManager};
+use crate::cpu::{CachePolicyKind, CpuManagerConfig};
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::manager::OffloadingManager;
@@ -280,7 +280,7 @@ pub fn build_manager(opts: &ReplayOptions) -> Result<Box<dyn OffloadingManager>>
         .policy(opts.policy)
         .events(true);
     Ok(match opts.manager {
-        ReplayManager::Cpu => Box::new(CpuOffloadingManager::new(cpu)),
+        ReplayManager::Cpu => Box::new(TieringOffloadingManager::cpu(cpu)),
         ReplayManager::Tiering => {
             let mut cfg = TieringConfig::new(opts.capacity, 64);
             cfg.primary = cpu;

@@ -6,9 +6,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::cpu::{CachePolicyKind, CpuManagerConfig, CpuOffloadingManager};
+use crate::cpu::{CachePolicyKind, CpuManagerConfig};
 use crate::error::{Result, TieringError};
 use crate::manager::OffloadingManager;
+use crate::tiering::TieringOffloadingManager;
 use crate::types::OffloadingKVEventsConfig;
 
 fn default_policy() -> String {
@@ -123,7 +124,7 @@ impl OffloadingSpec {
 
     /// The scheduler-side manager.
     pub fn get_manager(&self) -> Box<dyn OffloadingManager> {
-        Box::new(CpuOffloadingManager::new(
+        Box::new(TieringOffloadingManager::cpu(
             CpuManagerConfig::new(self.num_chunks)
                 .policy(self.policy)
                 .events(self.kv_events_config.capture())

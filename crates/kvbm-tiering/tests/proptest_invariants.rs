@@ -218,7 +218,8 @@ proptest! {
     #[test]
     fn cpu_invariants(ops in prop::collection::vec(op(), 1..120), arc in any::<bool>()) {
         let policy = if arc { CachePolicyKind::Arc } else { CachePolicyKind::Lru };
-        let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(8).policy(policy).events(true));
-        run(&mut m, &ops, |m: &CpuOffloadingManager| m, |_: &mut CpuOffloadingManager| {}, |_: &mut CpuOffloadingManager| {});
+        // vLLM's CPU-only manager: the scheduler-facing manager whose primary answers alone.
+        let mut m = TieringOffloadingManager::cpu(CpuManagerConfig::new(8).policy(policy).events(true));
+        run(&mut m, &ops, |m: &TieringOffloadingManager| m.primary().manager(), |_: &mut TieringOffloadingManager| {}, |_: &mut TieringOffloadingManager| {});
     }
 }

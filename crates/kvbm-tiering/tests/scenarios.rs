@@ -16,8 +16,9 @@ fn k(i: u64) -> OffloadKey {
 fn ks(v: &[u64]) -> Vec<OffloadKey> {
     v.iter().map(|&i| k(i)).collect()
 }
-fn cpu(n: usize, p: CachePolicyKind) -> CpuOffloadingManager {
-    CpuOffloadingManager::new(CpuManagerConfig::new(n).policy(p).events(true))
+/// vLLM's CPU-only manager: the scheduler-facing manager whose primary answers alone.
+fn cpu(n: usize, p: CachePolicyKind) -> TieringOffloadingManager {
+    TieringOffloadingManager::cpu(CpuManagerConfig::new(n).policy(p).events(true))
 }
 fn ctx() -> ReqContext {
     ReqContext::new("r")
@@ -66,7 +67,7 @@ fn primary_lookup(m: &mut TieringOffloadingManager, i: u64) -> LookupResult {
 
 // ---------------------------------------------------------------- CPU manager (capacity 4, LRU)
 
-fn cpu_after_s3() -> CpuOffloadingManager {
+fn cpu_after_s3() -> TieringOffloadingManager {
     let mut m = cpu(4, CachePolicyKind::Lru);
     stored(&mut m, &[1, 2], &ctx());
     m
@@ -99,7 +100,7 @@ fn scenario_03_complete_store_emits_one_stored_event() {
     assert_eq!(m.lookup(&k(3), &ctx()), LookupResult::Miss);
 }
 
-fn cpu_after_s4() -> (CpuOffloadingManager, PrepareStoreOutput) {
+fn cpu_after_s4() -> (TieringOffloadingManager, PrepareStoreOutput) {
     let mut m = cpu_after_s3();
     m.take_events();
     let o = store(&mut m, &[2, 3, 4, 5], &ctx());
@@ -118,17 +119,25 @@ fn scenario_04_store_skips_present_and_evicts_lru_unprotected() {
 #[test]
 fn scenario_05_no_room_returns_none_and_changes_nothing() {
     let (mut m, _) = cpu_after_s4();
-    let before = (m.slot_states(), m.eviction_order(), m.free_list().to_vec());
+    let before = (
+        m.primary().manager().slot_states(),
+        m.primary().manager().eviction_order(),
+        m.primary().manager().free_list().to_vec(),
+    );
     assert!(m.prepare_store(&ks(&[1, 6]), &ctx()).unwrap().is_none());
     assert_eq!(
         before,
-        (m.slot_states(), m.eviction_order(), m.free_list().to_vec())
+        (
+            m.primary().manager().slot_states(),
+            m.primary().manager().eviction_order(),
+            m.primary().manager().free_list().to_vec()
+        )
     );
     assert_eq!(m.lookup(&k(2), &ctx()), LookupResult::Hit);
     assert_eq!(m.lookup(&k(6), &ctx()), LookupResult::Miss);
 }
 
-fn cpu_after_s6() -> CpuOffloadingManager {
+fn cpu_after_s6() -> TieringOffloadingManager {
     let (mut m, _) = cpu_after_s4();
     m.complete_store(&ks(&[3, 4, 5]), &ctx(), true).unwrap();
     let spec = m.prepare_load(&ks(&[2, 3]), &ctx()).unwrap();
@@ -142,7 +151,7 @@ fn scenario_06_pinned_blocks_are_not_evicted() {
     assert!(m.prepare_store(&ks(&[6, 7, 8]), &ctx()).unwrap().is_none());
 }
 
-fn cpu_after_s7() -> (CpuOffloadingManager, PrepareStoreOutput) {
+fn cpu_after_s7() -> (TieringOffloadingManager, PrepareStoreOutput) {
     let mut m = cpu_after_s6();
     m.complete_load(&ks(&[2, 3]), &ctx()).unwrap();
     let o = store(&mut m, &[6, 7, 8], &ctx());
@@ -156,7 +165,7 @@ fn scenario_07_released_blocks_evicted_and_ids_reused_lifo() {
     assert_eq!(ids(&o), vec![3, 2, 1]);
 }
 
-fn cpu_after_s8() -> (CpuOffloadingManager, PrepareStoreOutput) {
+fn cpu_after_s8() -> (TieringOffloadingManager, PrepareStoreOutput) {
     let (mut m, _) = cpu_after_s7();
     m.complete_store(&ks(&[6, 7, 8]), &ctx(), true).unwrap();
     m.touch(&ks(&[5, 6, 7]), &ctx()).unwrap();
@@ -218,7 +227,7 @@ fn scenario_11_load_ids_follow_input_order() {
     stored(&mut m, &[10, 11, 12], &ctx());
     let slot: std::collections::HashMap<u64, i32> = [10, 11, 12]
         .iter()
-        .map(|&x| (x, m.chunk(&k(x)).unwrap().0 as i32))
+        .map(|&x| (x, m.primary().manager().chunk(&k(x)).unwrap().0 as i32))
         .collect();
     let want = |p: &[u64]| p.iter().map(|x| slot[x]).collect::<Vec<_>>();
     let perms: [[u64; 3]; 6] = [
@@ -240,23 +249,23 @@ fn scenario_11_load_ids_follow_input_order() {
 /// vLLM 0.33 counts offers in `prepare_store` (older versions counted lookups).
 #[test]
 fn scenario_12_store_threshold_with_bounded_tracker() {
-    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(8).store_threshold(2, 3));
+    let mut m = TieringOffloadingManager::cpu(CpuManagerConfig::new(8).store_threshold(2, 3));
     let c = ctx();
     assert!(store(&mut m, &[1, 2], &c).keys_to_store.is_empty());
     assert_eq!(store(&mut m, &[1], &c).keys_to_store, ks(&[1]));
     assert!(store(&mut m, &[3, 4], &c).keys_to_store.is_empty());
     assert_eq!(
-        m.tracker_count(&k(2)),
+        m.primary().manager().tracker_count(&k(2)),
         None,
         "2 dropped from the full tracker"
     );
     assert!(store(&mut m, &[2], &c).keys_to_store.is_empty());
-    assert_eq!(m.tracker_count(&k(2)), Some(1));
+    assert_eq!(m.primary().manager().tracker_count(&k(2)), Some(1));
 }
 
 #[test]
 fn scenario_13_threshold_counts_skipped_stores() {
-    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(8).store_threshold(2, 64_000));
+    let mut m = TieringOffloadingManager::cpu(CpuManagerConfig::new(8).store_threshold(2, 64_000));
     let o = store(&mut m, &[1, 2, 3], &ctx());
     assert!(o.keys_to_store.is_empty());
     let s = m.get_stats().unwrap();
@@ -267,7 +276,7 @@ fn scenario_13_threshold_counts_skipped_stores() {
 
 #[test]
 fn scenario_14_usage_gauge() {
-    let g = |m: &mut CpuOffloadingManager| {
+    let g = |m: &mut TieringOffloadingManager| {
         m.get_stats()
             .unwrap()
             .gauge(names::CPU_CACHE_USAGE_PERC, None)
@@ -287,26 +296,26 @@ fn scenario_15_evictable_counter() {
     let mut m = cpu(4, CachePolicyKind::Lru);
     let c = ctx();
     stored(&mut m, &[1, 2, 3], &c);
-    assert_eq!(m.num_evictable(), 3);
+    assert_eq!(m.primary().manager().num_evictable(), 3);
     m.prepare_load(&ks(&[1]), &c).unwrap();
     m.prepare_load(&ks(&[1]), &c).unwrap();
-    assert_eq!(m.num_evictable(), 2);
+    assert_eq!(m.primary().manager().num_evictable(), 2);
     m.complete_load(&ks(&[1]), &c).unwrap();
-    assert_eq!(m.num_evictable(), 2);
+    assert_eq!(m.primary().manager().num_evictable(), 2);
     m.complete_load(&ks(&[1]), &c).unwrap();
-    assert_eq!(m.num_evictable(), 3);
+    assert_eq!(m.primary().manager().num_evictable(), 3);
     let o = store(&mut m, &[4, 5, 6], &c);
     assert_eq!(o.evicted_keys.len(), 2);
-    assert_eq!(m.num_evictable(), 1);
+    assert_eq!(m.primary().manager().num_evictable(), 1);
     m.complete_store(&o.keys_to_store, &c, false).unwrap();
-    assert_eq!(m.num_evictable(), 1);
+    assert_eq!(m.primary().manager().num_evictable(), 1);
     m.reset_cache().unwrap();
-    assert_eq!(m.num_evictable(), 0);
+    assert_eq!(m.primary().manager().num_evictable(), 0);
     stored(&mut m, &[1, 2, 3, 4], &c);
     m.prepare_load(&ks(&[1, 2, 3, 4]), &c).unwrap();
-    let before = m.slot_states();
+    let before = m.primary().manager().slot_states();
     assert!(m.prepare_store(&ks(&[5, 6]), &c).unwrap().is_none());
-    assert_eq!(before, m.slot_states());
+    assert_eq!(before, m.primary().manager().slot_states());
     m.complete_load(&ks(&[1, 2, 3, 4]), &c).unwrap();
     assert_eq!(store(&mut m, &[5, 6], &c).evicted_keys.len(), 2);
 }
@@ -314,7 +323,7 @@ fn scenario_15_evictable_counter() {
 // ---------------------------------------------------------------- ARC
 
 fn arc_sets(
-    m: &CpuOffloadingManager,
+    m: &TieringOffloadingManager,
 ) -> (
     Vec<OffloadKey>,
     Vec<OffloadKey>,
@@ -322,7 +331,7 @@ fn arc_sets(
     Vec<OffloadKey>,
     f64,
 ) {
-    m.arc_state().unwrap()
+    m.primary().manager().arc_state().unwrap()
 }
 
 #[test]
@@ -372,7 +381,7 @@ fn scenario_20_arc_evicts_t1_when_above_target() {
     let mut m = cpu(4, CachePolicyKind::Arc);
     stored(&mut m, &[1, 2, 3, 4], &ctx());
     m.touch(&ks(&[3, 4]), &ctx()).unwrap();
-    m.set_arc_target(1.0);
+    m.primary_mut().manager_mut().set_arc_target(1.0);
     let o = store(&mut m, &[5], &ctx());
     assert_eq!(o.evicted_keys, ks(&[1]));
     let (t1, _, b1, ..) = arc_sets(&m);
@@ -1370,7 +1379,7 @@ struct Calls {
 }
 
 struct Counting {
-    inner: CpuOffloadingManager,
+    inner: TieringOffloadingManager,
     calls: Arc<Mutex<Calls>>,
 }
 

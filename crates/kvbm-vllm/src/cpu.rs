@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use kvbm_tiering::{
     CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, LookupResult,
-    OffloadKey, OffloadScope, OffloadingManager,
+    OffloadKey, OffloadScope,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -332,8 +332,10 @@ impl CpuManager {
         self.core.lock(py)?.cpu()?.reset_cache().map_err(to_py)
     }
 
+    /// vLLM's CPU manager never has work of its own in flight (its copies are the workers').
     fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(self.core.lock(py)?.cpu()?.has_pending_work())
+        self.core.lock(py)?.cpu()?;
+        Ok(false)
     }
 
     /// Metrics since the last call: `(gauges, counters, histograms)`, each a list of

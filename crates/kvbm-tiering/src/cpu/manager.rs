@@ -44,7 +44,6 @@ use crate::cpu::order::LinkedKeySet;
 use crate::cpu::policy::{CachePolicyKind, Policy, SlotView};
 use crate::error::{Result, TieringError};
 use crate::key::{OffloadKey, get_offload_group_idx};
-use crate::manager::OffloadingManager;
 use crate::stats::{OffloadingConnectorStats, names};
 use crate::types::{
     CacheHitSource, CpuLoadStoreSpec, LoadStoreSpec, LookupResult, Medium, OffloadingEvent,
@@ -827,9 +826,15 @@ impl CpuOffloadingManager {
     }
 }
 
-impl OffloadingManager for CpuOffloadingManager {
+/// vLLM's `CPUOffloadingManager` calls, one method per upstream method. The scheduler reaches
+/// them through [`TieringOffloadingManager`](crate::TieringOffloadingManager), the one
+/// scheduler-facing manager of this crate: with no secondary tier
+/// ([`TieringOffloadingManager::cpu`](crate::TieringOffloadingManager::cpu)) each call is this
+/// table's alone, exactly as vLLM's CPU-only spec answers; with tiers, this table is its primary.
+impl CpuOffloadingManager {
+    /// As vLLM's `lookup`: `Hit`, `HitPending` (write in flight) or `Miss`.
     #[inline]
-    fn lookup(&mut self, key: &OffloadKey, _req_context: &ReqContext) -> LookupResult {
+    pub fn lookup(&mut self, key: &OffloadKey, _req_context: &ReqContext) -> LookupResult {
         match self.index.get(key) {
             None => LookupResult::Miss,
             Some(&s) if self.ref_cnt[s as usize] < 0 => LookupResult::HitPending,
@@ -837,11 +842,13 @@ impl OffloadingManager for CpuOffloadingManager {
         }
     }
 
-    fn prepare_load(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<LoadStoreSpec> {
+    /// As vLLM's `prepare_load`: pins every key (all must be ready) for a GPU read.
+    pub fn prepare_load(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<LoadStoreSpec> {
         self.prepare_load_inner("prepare_load", keys, ctx, true)
     }
 
-    fn touch(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
+    /// As vLLM's `touch`: the keys become most recent (the head of the prefix last).
+    pub fn touch(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
         for k in keys.iter().rev() {
             let slot = self.index.get(k).copied();
             let ready = slot.is_some_and(|s| self.ref_cnt[s as usize] >= 0);
@@ -850,11 +857,13 @@ impl OffloadingManager for CpuOffloadingManager {
         Ok(())
     }
 
-    fn complete_load(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
+    /// As vLLM's `complete_load`: unpins what `prepare_load` pinned.
+    pub fn complete_load(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
         self.complete_load_inner("complete_load", keys)
     }
 
-    fn prepare_store(
+    /// As vLLM's `prepare_store`: slots for the keys not yet stored, evicting exactly the shortfall, or `None` having changed nothing.
+    pub fn prepare_store(
         &mut self,
         keys: &[OffloadKey],
         ctx: &ReqContext,
@@ -862,7 +871,8 @@ impl OffloadingManager for CpuOffloadingManager {
         Ok(self.store_inner(keys, ctx))
     }
 
-    fn complete_store(
+    /// As vLLM's `complete_store`: the prepared keys become loadable, or are dropped on failure.
+    pub fn complete_store(
         &mut self,
         keys: &[OffloadKey],
         _ctx: &ReqContext,
@@ -872,12 +882,14 @@ impl OffloadingManager for CpuOffloadingManager {
         Ok(())
     }
 
-    fn on_new_request(&mut self, ctx: &ReqContext) -> Result<RequestOffloadingContext> {
+    /// As vLLM's `on_new_request`: starts the request's access record (chunk-level).
+    pub fn on_new_request(&mut self, ctx: &ReqContext) -> Result<RequestOffloadingContext> {
         Self::access(&mut self.requests, ctx);
         Ok(RequestOffloadingContext::default())
     }
 
-    fn on_request_finished(&mut self, ctx: &ReqContext) -> Result<()> {
+    /// As vLLM's `on_request_finished`: hands the request's accesses to the policy in order.
+    pub fn on_request_finished(&mut self, ctx: &ReqContext) -> Result<()> {
         let Some(state) = self.requests.get(ctx.req_id()) else {
             return Ok(());
         };
@@ -900,7 +912,8 @@ impl OffloadingManager for CpuOffloadingManager {
         Ok(())
     }
 
-    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+    /// As vLLM's `take_events`: stored/removed events since the last call (metadata-only removals of keys stored again are dropped).
+    pub fn take_events(&mut self) -> Vec<OffloadingEvent> {
         let Some(ev) = self.events.as_mut() else {
             return Vec::new();
         };
@@ -918,7 +931,8 @@ impl OffloadingManager for CpuOffloadingManager {
         out
     }
 
-    fn reset_cache(&mut self) -> Result<()> {
+    /// As vLLM's `reset_cache`: forgets every chunk and request.
+    pub fn reset_cache(&mut self) -> Result<()> {
         self.policy.clear();
         self.index.clear();
         self.requests.clear();
@@ -930,11 +944,13 @@ impl OffloadingManager for CpuOffloadingManager {
         Ok(())
     }
 
-    fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
+    /// As vLLM's `get_stats`: the CPU gauges and counters since the last call.
+    pub fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
         Some(self.stats())
     }
 
-    fn get_load_source(&self, _key: &OffloadKey, _ctx: &ReqContext) -> CacheHitSource {
+    /// Where a hit loads from: host memory.
+    pub fn get_load_source(&self, _key: &OffloadKey, _ctx: &ReqContext) -> CacheHitSource {
         CacheHitSource::Host
     }
 }

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use hashbrown::{HashMap, HashSet};
 
-use crate::cpu::{CpuManagerConfig, CpuPrimaryTier};
+use crate::cpu::{CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier};
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::manager::OffloadingManager;
@@ -160,6 +160,8 @@ pub struct TieringOffloadingManager {
     promotions_this_step: usize,
     stale_below: JobId,
     shut_down: bool,
+    /// The primary answers alone: vLLM's CPU-only manager ([`Self::cpu`]).
+    alone: bool,
 }
 
 impl TieringOffloadingManager {
@@ -217,6 +219,33 @@ impl TieringOffloadingManager {
             promotions_this_step: 0,
             stale_below: 0,
             shut_down: false,
+            alone: false,
+        }
+    }
+
+    /// vLLM's CPU-only manager (`CPUOffloadingSpec.get_manager()`, vLLM's
+    /// `CPUOffloadingManager`): the primary's slot table with no secondary tier, answering every
+    /// call alone, exactly as vLLM's CPU manager does (no request bookkeeping of the tiering
+    /// layer: `prepare_store` needs no `on_new_request`, stats are the CPU table's). The slots'
+    /// bytes live where the caller's workers put them (no memory is allocated here).
+    pub fn cpu(config: CpuManagerConfig) -> Self {
+        let mut m = Self::with_primary(
+            CpuPrimaryTier::without_memory(config, 0),
+            Vec::new(),
+            UpstreamFixes::upstream(),
+            false,
+        );
+        m.alone = true;
+        m
+    }
+
+    /// The primary's table when it answers alone ([`Self::cpu`]).
+    #[inline]
+    fn alone(&mut self) -> Option<&mut CpuOffloadingManager> {
+        if self.alone {
+            Some(self.primary.manager_mut())
+        } else {
+            None
         }
     }
 
@@ -888,15 +917,24 @@ impl ParentManager for TierParent<'_> {
 impl OffloadingManager for TieringOffloadingManager {
     #[inline]
     fn lookup(&mut self, key: &OffloadKey, ctx: &ReqContext) -> LookupResult {
+        if let Some(cpu) = self.alone() {
+            return cpu.lookup(key, ctx);
+        }
         self.lookup_excluding(key, ctx, None)
     }
 
     fn prepare_load(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<LoadStoreSpec> {
+        if let Some(cpu) = self.alone() {
+            return cpu.prepare_load(keys, ctx);
+        }
         self.check_live("prepare_load")?;
         self.primary.manager_mut().prepare_load(keys, ctx)
     }
 
     fn touch(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<()> {
+        if let Some(cpu) = self.alone() {
+            return cpu.touch(keys, ctx);
+        }
         self.primary.manager_mut().touch(keys, ctx)?;
         for t in &mut self.tiers {
             t.touch(keys, ctx);
@@ -905,6 +943,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn complete_load(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<()> {
+        if let Some(cpu) = self.alone() {
+            return cpu.complete_load(keys, ctx);
+        }
         self.primary.manager_mut().complete_load(keys, ctx)
     }
 
@@ -913,6 +954,9 @@ impl OffloadingManager for TieringOffloadingManager {
         keys: &[OffloadKey],
         ctx: &ReqContext,
     ) -> Result<Option<PrepareStoreOutput>> {
+        if let Some(cpu) = self.alone() {
+            return cpu.prepare_store(keys, ctx);
+        }
         self.check_live("prepare_store")?;
         if !self.req_state.contains_key(ctx.req_id()) {
             return Err(TieringError::UnknownRequest {
@@ -949,6 +993,9 @@ impl OffloadingManager for TieringOffloadingManager {
         ctx: &ReqContext,
         success: bool,
     ) -> Result<()> {
+        if let Some(cpu) = self.alone() {
+            return cpu.complete_store(keys, ctx, success);
+        }
         let call = "complete_store";
         match self.req_state.get(ctx.req_id()) {
             None => {
@@ -1003,15 +1050,24 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn on_new_request(&mut self, ctx: &ReqContext) -> Result<RequestOffloadingContext> {
+        if let Some(cpu) = self.alone() {
+            return cpu.on_new_request(ctx);
+        }
         self.check_live("on_new_request")?;
         Ok(self.on_new_request_excluding(ctx, None))
     }
 
     fn on_request_finished(&mut self, ctx: &ReqContext) -> Result<()> {
+        if let Some(cpu) = self.alone() {
+            return cpu.on_request_finished(ctx);
+        }
         self.on_request_finished_excluding(ctx, None)
     }
 
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        if let Some(cpu) = self.alone() {
+            return cpu.take_events();
+        }
         let mut v = self.primary.manager_mut().take_events();
         for t in &mut self.tiers {
             v.extend(t.take_events());
@@ -1020,6 +1076,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn on_schedule_end(&mut self, context: &ScheduleEndContext) -> Result<()> {
+        if self.alone {
+            return Ok(());
+        }
         self.maybe_process_finished_jobs();
         for i in 0..self.tiers.len() {
             let mut tier = std::mem::replace(&mut self.tiers[i], Box::new(Detached));
@@ -1038,6 +1097,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn has_pending_work(&self) -> bool {
+        if self.alone {
+            return false;
+        }
         !self.jobs.is_empty()
             || self
                 .req_state
@@ -1047,6 +1109,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn reset_cache(&mut self) -> Result<()> {
+        if let Some(cpu) = self.alone() {
+            return cpu.reset_cache();
+        }
         for (i, t) in self.tiers.iter_mut().enumerate() {
             t.drain_jobs().map_err(|e| TieringError::Tier {
                 tier: i,
@@ -1123,6 +1188,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn get_stats(&mut self) -> Option<OffloadingConnectorStats> {
+        if let Some(cpu) = self.alone() {
+            return cpu.get_stats();
+        }
         let mut stats = Some(self.primary.manager_mut().stats()).filter(|s| !s.is_empty());
         for i in 0..self.tiers.len() {
             if let Some(d) = self.tiers[i].bp_detector() {
@@ -1149,6 +1217,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn shutdown(&mut self) -> Result<()> {
+        if self.alone {
+            return Ok(());
+        }
         let mut err = None;
         for (i, t) in self.tiers.iter_mut().enumerate() {
             if let Err(e) = t.shutdown() {
@@ -1169,6 +1240,9 @@ impl OffloadingManager for TieringOffloadingManager {
     }
 
     fn get_load_source(&self, key: &OffloadKey, ctx: &ReqContext) -> CacheHitSource {
+        if self.alone {
+            return CacheHitSource::Host;
+        }
         if let Some(src) = self.load_sources.get(ctx.req_id()).and_then(|m| m.get(key)) {
             return *src;
         }

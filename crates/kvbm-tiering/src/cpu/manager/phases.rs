@@ -331,7 +331,6 @@ impl CpuOffloadingManager {
 mod tests {
     use super::*;
     use crate::cpu::{CachePolicyKind, CpuManagerConfig};
-    use crate::manager::OffloadingManager;
 
     fn keys(r: std::ops::Range<u64>) -> Vec<OffloadKey> {
         r.map(OffloadKey::from_u64).collect()
