@@ -270,6 +270,33 @@ pub struct OffloadSection {
     pub g2_to_g3: PipelineConfig,
     /// G2 → G4.
     pub g2_to_g4: ObjectPipelineConfig,
+    /// How what the scheduler stores goes on from G2 to the G2→G3 and G2→G4 lanes.
+    pub write_through: WriteThroughConfig,
+}
+
+/// `[offload.write_through]`: how the blocks the scheduler-facing manager stores in G2 go on to
+/// the lower lanes (the `Tiering` front end; see the manager's "Write-through").
+///
+/// Every lane takes what each `complete_store` registered (chunk level). A request-level lane
+/// also takes, when a request stores, that request's blocks already in G2 (its prefix hits,
+/// blocks other requests stored, blocks promoted for it): vLLM's `REQUEST_LEVEL` tiers. With
+/// back-pressure, a lane whose writes slow down drops stores instead of queueing them (vLLM's
+/// `EMABackpressureDetector` and throttled drop policy, with vLLM's watermarks: G3 local
+/// 0.005 / 0.001 s per MiB, G4 network 0.020 / 0.005); promotions are never gated.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WriteThroughConfig {
+    /// Request-level lanes: any of `"G3"`, `"G4"`. Default: none.
+    pub request_level: Vec<TierId>,
+    /// Back-pressure on each lower lane. Default: false.
+    pub backpressure: bool,
+    /// The G3 lane's watermarks `[high, low]`, seconds per MiB written: pressured above
+    /// `high`, clear below `low` (`0 < low <= high`). Default: vLLM's local preset,
+    /// `[0.005, 0.001]`.
+    pub g3_watermarks: Option<[f64; 2]>,
+    /// The G4 lane's watermarks, as `g3_watermarks`. Default: vLLM's network preset,
+    /// `[0.020, 0.005]`.
+    pub g4_watermarks: Option<[f64; 2]>,
 }
 
 /// `[events]`: publishing of stored/removed block events.
@@ -926,6 +953,54 @@ impl KvbmConfig {
         o.g2_to_g4
             .validate()
             .map_err(|e| prefixed("offload.g2_to_g4", &invalid_message(e)))?;
+        for (key, w) in [
+            (
+                "offload.write_through.g3_watermarks",
+                o.write_through.g3_watermarks,
+            ),
+            (
+                "offload.write_through.g4_watermarks",
+                o.write_through.g4_watermarks,
+            ),
+        ] {
+            if let Some([high, low]) = w
+                && !(low.is_finite() && high.is_finite() && 0.0 < low && low <= high)
+            {
+                return Err(EngineError::config(
+                    key,
+                    format!("[{high}, {low}]: must be [high, low] with 0 < low <= high"),
+                ));
+            }
+        }
+        let mut lanes = std::collections::HashSet::new();
+        for t in &o.write_through.request_level {
+            if !matches!(t, TierId::G3 | TierId::G4) {
+                return Err(EngineError::config(
+                    "offload.write_through.request_level",
+                    format!("{t:?} has no lane from G2: only G3 and G4 can be request level"),
+                ));
+            }
+            if !lanes.insert(*t) {
+                return Err(EngineError::config(
+                    "offload.write_through.request_level",
+                    format!("{t:?} listed twice"),
+                ));
+            }
+            let blocks = if *t == TierId::G3 {
+                self.tiers.g3_blocks
+            } else {
+                self.tiers.g4_blocks
+            };
+            if blocks == 0 {
+                return Err(EngineError::config(
+                    "offload.write_through.request_level",
+                    format!(
+                        "{t:?} is request level, but tiers.{}_blocks is 0 (no such tier)",
+                        if *t == TierId::G3 { "g3" } else { "g4" }
+                    ),
+                ));
+            }
+        }
 
         if let Some(spec) = &self.tiering {
             OffloadingSpec::new(spec.clone()).map_err(|e| {

@@ -37,7 +37,37 @@
 //! With [`EngineTieringManager::set_store_sink`], what a successful `complete_store`
 //! registered in G2 is handed on (strong handles) to the engine's offload lanes, so the
 //! blocks the scheduler stores reach G3/G4 without a second lookup; a lane that holds them
-//! strongly keeps them in G2 until written below.
+//! strongly keeps them in G2 until written below. The sink is a [`StoreSink`] (the stack's
+//! write-through, configured by `[offload.write_through]`); what its lanes did comes back
+//! through [`StoreSink::lane_stats`] into `get_stats`.
+//!
+//! # Request-level lanes
+//!
+//! vLLM's `REQUEST_LEVEL` tiers, over the engine's lanes. When the sink has a request-level
+//! lane, `on_new_request` answers [`OffloadScope::RequestLevel`] (the scheduler then offers
+//! every block of the request to `prepare_store`, prefix hits included), and `prepare_store`
+//! hands the offered keys it does not store on to the request-level lanes:
+//!
+//! ```text
+//!  prepare_store(keys) of a request-level request
+//!    keys G2 lacks            → keys_to_store (as for any request; every lane at complete_store)
+//!    resident in G2           → StoreSink::request_level (strong holds), now
+//!    being written (promoted,
+//!    or another request's store) → parked; at each on_schedule_end: written → handed on,
+//!                                 gone → dropped; the request retires once none is parked
+//!    (has_pending_work while any is parked; reset_cache forgets them)
+//! ```
+//!
+//! A request-level lane so gets what a tier added later, or a tier that dropped stores under
+//! back-pressure, would otherwise never see: the prefixes the upper tiers serve.
+//!
+//! # Back-pressure
+//!
+//! A lane's back-pressure is its own (the stack's write-through: vLLM's EMA detector per
+//! lane, which drops an enqueue while the lane's writes are slow); the manager never gates a
+//! promotion. It reports each lane's [`LaneStats`] in vLLM's names under the lane's tier label:
+//! write bytes and time, cascade failures, active cascades, the latency EMA, stores and blocks
+//! dropped.
 //!
 //! # Two ways in
 //!
@@ -116,8 +146,8 @@ use kvbm_offload::{BlockFailure, BlockFailureKind, BoundTier, MoveOutcome};
 use kvbm_tiering::tiering::{DiskTier, ObjectTier, PhysicalTier, SecondaryTierManager};
 use kvbm_tiering::{
     CacheHitSource, CpuLoadStoreSpec, CpuPrimaryTier, LoadStoreSpec, LookupResult, Medium,
-    OffloadKey, OffloadingConnectorStats, OffloadingEvent, OffloadingManager, PrepareStoreOutput,
-    ReqContext, RequestOffloadingContext, ScheduleEndContext, TieringError,
+    OffloadKey, OffloadScope, OffloadingConnectorStats, OffloadingEvent, OffloadingManager,
+    PrepareStoreOutput, ReqContext, RequestOffloadingContext, ScheduleEndContext, TieringError,
     TieringOffloadingManager, UpstreamFixes,
 };
 use parking_lot::Mutex;
@@ -188,6 +218,45 @@ fn tier_slot(t: TierId) -> usize {
     }
 }
 
+/// One lane's [`LaneStats`] in vLLM's metric names, under the lane's tier label.
+fn report_lane(
+    out: &mut OffloadingConnectorStats,
+    label: &str,
+    lane: &LaneStats,
+    block_bytes: u64,
+) {
+    let l = Some(label);
+    if lane.written_blocks > 0 {
+        if block_bytes > 0 {
+            out.increase_counter(
+                names::WRITE_BYTES,
+                l,
+                (lane.written_blocks * block_bytes) as f64,
+            );
+        }
+        out.increase_counter(names::WRITE_TIME, l, lane.write_seconds);
+    }
+    if lane.failed_enqueues > 0 {
+        out.increase_counter(names::CASCADE_JOB_FAILURES, l, lane.failed_enqueues as f64);
+    }
+    out.set_gauge(names::ACTIVE_CASCADE_JOBS, l, lane.in_flight as f64);
+    if let Some(ema) = lane.latency_ema {
+        out.set_gauge(names::BACKPRESSURE_STORE_LATENCY_EMA, l, ema);
+    }
+    if lane.stores_dropped > 0 {
+        out.increase_counter(
+            names::BACKPRESSURE_STORES_DROPPED,
+            l,
+            lane.stores_dropped as f64,
+        );
+        out.increase_counter(
+            names::BACKPRESSURE_BLOCKS_DROPPED,
+            l,
+            lane.blocks_dropped as f64,
+        );
+    }
+}
+
 type Completion = (OffloadKey, MoveOutcome<G2>);
 
 struct Promotion {
@@ -208,25 +277,84 @@ struct ReqState {
     stores: HashMap<OffloadKey, MutableBlock<G2>>,
     /// Blocks promoted for this request's lookups, held until loaded or finished.
     promoted: HashMap<OffloadKey, ImmutableBlock<G2>>,
+    /// The request's resident blocks go to the request-level lanes when it stores.
+    request_level: bool,
+    /// Request-level keys whose G2 block was still being written (a promotion, another
+    /// request's store) when the request stored: handed on once written, at a step's end.
+    parked: Vec<OffloadKey>,
     finished: bool,
 }
 
 impl ReqState {
     fn idle(&self) -> bool {
-        self.pins.is_empty() && self.stores.is_empty()
+        self.pins.is_empty() && self.stores.is_empty() && self.parked.is_empty()
     }
 }
 
-/// Where the G2 blocks a completed store registered go (see "Write-through" in the
-/// [module docs](self)): typically the engine's G2→G3 / G2→G4 offload lanes.
-pub type StoreSink = Box<dyn FnMut(Vec<ImmutableBlock<G2>>) + Send>;
+/// Where the G2 blocks the scheduler stores go on (see "Write-through" and "Request-level
+/// lanes" in the [module docs](self)): typically the engine's G2→G3 / G2→G4 offload lanes
+/// (the stack's write-through). Its calls run on the scheduler's thread, inside the manager's
+/// call: they buffer or enqueue, never wait for long.
+///
+/// A closure `FnMut(Vec<ImmutableBlock<G2>>)` is a sink with every lane chunk level.
+pub trait StoreSink: Send {
+    /// The blocks a successful `complete_store` registered in G2 (strong handles, in the call's
+    /// key order): for every lane.
+    fn stored(&mut self, blocks: Vec<ImmutableBlock<G2>>);
+
+    /// A request-level request's blocks that were already in G2 when it stored (strong
+    /// handles): for the request-level lanes only. Default: dropped.
+    fn request_level(&mut self, blocks: Vec<ImmutableBlock<G2>>) {
+        drop(blocks);
+    }
+
+    /// Whether some lane is request level: then the manager answers `on_new_request` with
+    /// [`OffloadScope::RequestLevel`] and hands such requests' resident blocks on. Default:
+    /// false.
+    fn has_request_level(&self) -> bool {
+        false
+    }
+
+    /// What each lane did since the last call, reported by the manager's `get_stats` under
+    /// the lane's tier label. Default: nothing.
+    fn lane_stats(&mut self) -> Vec<(TierId, LaneStats)> {
+        Vec::new()
+    }
+}
+
+impl<F: FnMut(Vec<ImmutableBlock<G2>>) + Send> StoreSink for F {
+    fn stored(&mut self, blocks: Vec<ImmutableBlock<G2>>) {
+        self(blocks)
+    }
+}
+
+/// What one lower lane did since the last [`StoreSink::lane_stats`] (reported in vLLM's
+/// metric names: write bytes and time, cascade failures, active cascades, back-pressure).
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct LaneStats {
+    /// Blocks the lane wrote to its tier.
+    pub written_blocks: u64,
+    /// Seconds the lane's finished enqueues took, from enqueue to their last block's outcome.
+    pub write_seconds: f64,
+    /// Finished enqueues with at least one failed block.
+    pub failed_enqueues: u64,
+    /// Enqueues not finished yet (a gauge).
+    pub in_flight: usize,
+    /// The back-pressure EMA of write latency, seconds per MiB (with back-pressure on).
+    pub latency_ema: Option<f64>,
+    /// Enqueues dropped under back-pressure.
+    pub stores_dropped: u64,
+    /// Blocks those enqueues carried.
+    pub blocks_dropped: u64,
+}
 
 /// The scheduler-facing manager over an [`InstanceLeader`]'s tiers: see the
 /// [module docs](self).
 pub struct EngineTieringManager {
     leader: InstanceLeader,
     /// Receives the blocks each successful `complete_store` registered.
-    store_sink: Option<StoreSink>,
+    store_sink: Option<Box<dyn StoreSink>>,
     g2: Arc<BlockManager<G2>>,
     movers: PromotionMovers,
     runtime: tokio::runtime::Handle,
@@ -411,7 +539,7 @@ impl EngineTieringManager {
     /// G3/G4 without looking them up again; without a sink they are dropped (inactive,
     /// evictable). The sink runs on the thread calling `complete_store`, inside the call: it
     /// must not wait for long (an enqueue that applies backpressure is fine).
-    pub fn set_store_sink(&mut self, sink: StoreSink) {
+    pub fn set_store_sink(&mut self, sink: Box<dyn StoreSink>) {
         self.store_sink = Some(sink);
     }
 
@@ -626,6 +754,50 @@ impl EngineTieringManager {
         true
     }
 
+    /// Hands a request-level request's `keys` that it did not store on to the request-level
+    /// lanes (vLLM's cascade of existing chunks): a key resident in G2 goes now (a strong
+    /// hold: not evicted before written below); a key whose G2 block is still being written
+    /// (a promotion, another request's store) is parked until a step's end finds it written;
+    /// a key not in G2 (evicted, never stored) is dropped.
+    fn hand_on_resident(&mut self, uid: u64, keys: Vec<OffloadKey>) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut resident = Vec::new();
+        let mut parked = Vec::new();
+        for k in keys {
+            if self.promotions.contains_key(&k) || self.storing.contains(&k) {
+                parked.push(k);
+            } else if let Some(b) = self.g2.match_blocks(&[self.hash_of(&k)]).pop() {
+                resident.push(b);
+            }
+        }
+        if let Some(r) = self.requests.get_mut(&uid) {
+            r.parked.extend(parked);
+        }
+        if let Some(sink) = &mut self.store_sink
+            && !resident.is_empty()
+        {
+            sink.request_level(resident);
+        }
+    }
+
+    /// Retries the parked request-level keys (each resolves once its write settled), then
+    /// retires requests that finished meanwhile.
+    fn flush_parked(&mut self) {
+        let waiting: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| !r.parked.is_empty())
+            .map(|(uid, _)| *uid)
+            .collect();
+        for uid in waiting {
+            let keys = std::mem::take(&mut self.requests.get_mut(&uid).expect("listed").parked);
+            self.hand_on_resident(uid, keys);
+            self.retire_if_done(uid);
+        }
+    }
+
     /// The G2 block of `key` held for `req`: its promoted block, else a fresh hold.
     fn hold(&self, req: &ReqState, key: &OffloadKey) -> Option<ImmutableBlock<G2>> {
         if let Some(b) = req.promoted.get(key) {
@@ -818,6 +990,14 @@ impl OffloadingManager for EngineTieringManager {
             req.stores.insert(*k, b);
             self.storing.insert(*k);
         }
+        if req.request_level {
+            // The keys this call does not store are resident (or being written): the
+            // request-level lanes get them too.
+            let mut seen: HashSet<OffloadKey> = to_store.iter().copied().collect();
+            let existing: Vec<OffloadKey> =
+                keys.iter().copied().filter(|k| seen.insert(*k)).collect();
+            self.hand_on_resident(uid, existing);
+        }
         Ok(Some(PrepareStoreOutput {
             keys_to_store: to_store,
             store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids }),
@@ -864,7 +1044,7 @@ impl OffloadingManager for EngineTieringManager {
         }
         let registered = self.g2.register_blocks(complete);
         match &mut self.store_sink {
-            Some(sink) if !registered.is_empty() => sink(registered),
+            Some(sink) if !registered.is_empty() => sink.stored(registered),
             _ => drop(registered),
         }
         for (k, h) in &stored {
@@ -883,14 +1063,25 @@ impl OffloadingManager for EngineTieringManager {
         &mut self,
         req_context: &ReqContext,
     ) -> kvbm_tiering::Result<RequestOffloadingContext> {
+        let request_level = self
+            .store_sink
+            .as_ref()
+            .is_some_and(|s| s.has_request_level());
         self.requests.insert(
             req_context.uid(),
             ReqState {
                 req_id: req_context.req_id().to_owned(),
+                request_level,
                 ..ReqState::default()
             },
         );
-        Ok(RequestOffloadingContext::default())
+        Ok(RequestOffloadingContext {
+            policy: if request_level {
+                OffloadScope::RequestLevel
+            } else {
+                OffloadScope::ChunkLevel
+            },
+        })
     }
 
     fn on_request_finished(&mut self, req_context: &ReqContext) -> kvbm_tiering::Result<()> {
@@ -912,17 +1103,23 @@ impl OffloadingManager for EngineTieringManager {
 
     fn on_schedule_end(&mut self, _context: &ScheduleEndContext) -> kvbm_tiering::Result<()> {
         self.collect();
+        self.flush_parked();
         Ok(())
     }
 
     fn has_pending_work(&self) -> bool {
-        !self.promotions.is_empty()
+        !self.promotions.is_empty() || self.requests.values().any(|r| !r.parked.is_empty())
     }
 
     fn reset_cache(&mut self) -> kvbm_tiering::Result<()> {
         self.collect();
         for r in self.requests.values_mut() {
             r.promoted.clear();
+            r.parked.clear();
+        }
+        let done: Vec<u64> = self.requests.keys().copied().collect();
+        for uid in done {
+            self.retire_if_done(uid);
         }
         self.bad_copies.clear();
         self.g2.reset_inactive_pool();
@@ -990,6 +1187,14 @@ impl OffloadingManager for EngineTieringManager {
                 if failed > 0 {
                     out.increase_counter(names::PROMOTION_JOB_FAILURES, Some(l), failed as f64);
                 }
+            }
+        }
+        if let Some(sink) = &mut self.store_sink {
+            for (tier, lane) in sink.lane_stats() {
+                let Some(l) = self.labels[tier_slot(tier)].as_deref() else {
+                    continue;
+                };
+                report_lane(&mut out, l, &lane, self.block_bytes);
             }
         }
         if stats.promotion_allocation_failures > 0 {

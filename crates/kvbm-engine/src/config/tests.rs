@@ -394,3 +394,60 @@ fn model_keys_make_the_fingerprint_and_bad_ones_name_the_key() {
     assert_eq!(key, "model");
     assert!(message.contains("float32"), "{message}");
 }
+
+#[test]
+fn write_through_keys_are_validated_naming_their_key() {
+    let with_g3 = || {
+        ConfigBuilder::new()
+            .set("tiers.g3_blocks", 8)
+            .set("physical.disk.path", "/tmp/kvbm-g3/g3.bin")
+    };
+    let config = with_g3()
+        .set("offload.write_through.request_level", vec!["G3"])
+        .set("offload.write_through.backpressure", true)
+        .set("offload.write_through.g3_watermarks", vec![0.01, 0.002])
+        .build()
+        .expect("a request-level G3 lane with back-pressure");
+    assert_eq!(config.offload.write_through.request_level, vec![TierId::G3]);
+    assert_eq!(
+        config.offload.write_through.g3_watermarks,
+        Some([0.01, 0.002])
+    );
+    let cases: Vec<(ConfigBuilder, &str, &str)> = vec![
+        (
+            with_g3().set("offload.write_through.request_level", vec!["G2"]),
+            "offload.write_through.request_level",
+            "only G3 and G4",
+        ),
+        (
+            with_g3().set("offload.write_through.request_level", vec!["G3", "G3"]),
+            "offload.write_through.request_level",
+            "twice",
+        ),
+        (
+            with_g3().set("offload.write_through.request_level", vec!["G4"]),
+            "offload.write_through.request_level",
+            "tiers.g4_blocks is 0",
+        ),
+        (
+            with_g3().set("offload.write_through.g3_watermarks", vec![0.001, 0.005]),
+            "offload.write_through.g3_watermarks",
+            "0 < low <= high",
+        ),
+        (
+            with_g3().set("offload.write_through.g4_watermarks", vec![0.01, 0.0]),
+            "offload.write_through.g4_watermarks",
+            "0 < low <= high",
+        ),
+        (
+            with_g3().set("offload.write_through.spill", true),
+            "offload.write_through.spill",
+            "",
+        ),
+    ];
+    for (builder, want, says) in cases {
+        let (key, message) = err(builder.build());
+        assert!(key.starts_with(want), "{key}: {message}");
+        assert!(message.contains(says), "{key}: {message}");
+    }
+}

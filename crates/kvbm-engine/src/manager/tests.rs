@@ -411,3 +411,128 @@ proptest! {
         }
     }
 }
+
+/// A sink recording, by hash, what the manager handed on: for every lane, and for the
+/// request-level lanes only.
+#[derive(Clone, Default)]
+struct Recording {
+    request_level: bool,
+    stored: Arc<parking_lot::Mutex<Vec<SequenceHash>>>,
+    resident: Arc<parking_lot::Mutex<Vec<SequenceHash>>>,
+}
+
+impl StoreSink for Recording {
+    fn stored(&mut self, blocks: Vec<ImmutableBlock<G2>>) {
+        self.stored
+            .lock()
+            .extend(blocks.iter().map(|b| b.sequence_hash()));
+    }
+    fn request_level(&mut self, blocks: Vec<ImmutableBlock<G2>>) {
+        self.resident
+            .lock()
+            .extend(blocks.iter().map(|b| b.sequence_hash()));
+    }
+    fn has_request_level(&self) -> bool {
+        self.request_level
+    }
+}
+
+fn g2_manager(rt: &tokio::runtime::Runtime, blocks: usize) -> EngineTieringManager {
+    let g2 = Arc::new(
+        BlockManager::<G2>::builder()
+            .block_count(blocks)
+            .block_size(4)
+            .registry(BlockRegistry::new())
+            .build()
+            .unwrap(),
+    );
+    InstanceLeader::builder()
+        .g2(g2)
+        .build()
+        .unwrap()
+        .tiering_manager(PromotionMovers::default(), rt.handle().clone())
+        .unwrap()
+}
+
+fn stored(m: &mut EngineTieringManager, ctx: &ReqContext, ks: &[u64]) {
+    let keys: Vec<OffloadKey> = ks.iter().map(|x| k(*x)).collect();
+    let out = m.prepare_store(&keys, ctx).unwrap().expect("room");
+    m.complete_store(&out.keys_to_store, ctx, true).unwrap();
+}
+
+/// A request-level request's store hands its resident blocks to the request-level lanes (not
+/// what it stores itself: that goes to every lane); a key whose G2 block another request is
+/// still writing waits, keeping the manager's work pending, and goes on at the first step end
+/// after it was written; a chunk-level sink makes every request chunk level.
+#[test]
+fn request_level_lanes_get_a_requests_resident_blocks_and_written_ones_once_settled() {
+    use kvbm_tiering::{OffloadScope, ScheduleEndContext};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut m = g2_manager(&rt, 16);
+    let rec = Recording {
+        request_level: true,
+        ..Recording::default()
+    };
+    m.set_store_sink(Box::new(rec.clone()));
+    let h = |m: &EngineTieringManager, ks: &[u64]| -> Vec<SequenceHash> {
+        ks.iter().map(|x| m.hash_of(&k(*x))).collect()
+    };
+    let end = ScheduleEndContext::default();
+
+    let r1 = ReqContext::new("r1");
+    assert_eq!(
+        m.on_new_request(&r1).unwrap().policy,
+        OffloadScope::RequestLevel
+    );
+    stored(&mut m, &r1, &[0, 1, 2, 3]);
+    assert_eq!(*rec.stored.lock(), h(&m, &[0, 1, 2, 3]));
+    assert!(rec.resident.lock().is_empty(), "nothing was resident");
+
+    // r2 is writing k4 (prepared, not completed).
+    let r2 = ReqContext::new("r2");
+    m.on_new_request(&r2).unwrap();
+    let w = m.prepare_store(&[k(4)], &r2).unwrap().expect("room");
+    assert_eq!(w.keys_to_store, vec![k(4)]);
+
+    // r3 offers its whole request: k0, k1 resident; k4 being written; k5 new.
+    let r3 = ReqContext::new("r3");
+    m.on_new_request(&r3).unwrap();
+    let out = m
+        .prepare_store(&[k(0), k(1), k(4), k(5)], &r3)
+        .unwrap()
+        .expect("room");
+    assert_eq!(out.keys_to_store, vec![k(5)]);
+    assert_eq!(*rec.resident.lock(), h(&m, &[0, 1]));
+    assert!(m.has_pending_work(), "k4 waits for its write");
+    m.on_schedule_end(&end).unwrap();
+    assert_eq!(
+        *rec.resident.lock(),
+        h(&m, &[0, 1]),
+        "still being written: k4 waits"
+    );
+    m.complete_store(&out.keys_to_store, &r3, true).unwrap();
+    m.on_request_finished(&r3).unwrap();
+
+    m.complete_store(&[k(4)], &r2, true).unwrap();
+    m.on_schedule_end(&end).unwrap();
+    assert_eq!(*rec.resident.lock(), h(&m, &[0, 1, 4]));
+    assert!(!m.has_pending_work());
+    assert_eq!(*rec.stored.lock(), h(&m, &[0, 1, 2, 3, 5, 4]));
+
+    // A chunk-level sink: requests are chunk level and hand nothing resident on.
+    let mut m = g2_manager(&rt, 16);
+    let chunk = Recording::default();
+    m.set_store_sink(Box::new(chunk.clone()));
+    let r = ReqContext::new("r");
+    assert_eq!(
+        m.on_new_request(&r).unwrap().policy,
+        OffloadScope::ChunkLevel
+    );
+    stored(&mut m, &r, &[0, 1]);
+    let out = m.prepare_store(&[k(0), k(1), k(2)], &r).unwrap().unwrap();
+    assert_eq!(out.keys_to_store, vec![k(2)]);
+    assert!(chunk.resident.lock().is_empty());
+}

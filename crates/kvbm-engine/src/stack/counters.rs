@@ -161,7 +161,7 @@ pub struct StageTimes {
     pub offload_enqueue: f64,
     /// Waiting for G1 space while offloads drained.
     pub g1_backpressure: f64,
-    /// Waiting for the offload lanes to catch up (see `TierStack::backpressure`).
+    /// Waiting for the offload lanes to catch up (see `TierStack::wait_for_room`).
     pub offload_backpressure: f64,
     /// The end: draining every lane, syncing G3 and its journal.
     pub drain: f64,

@@ -337,11 +337,13 @@ impl TierStack {
                 let w = scheduled::WriteThrough::new(
                     g2_to_g3.clone(),
                     g2_to_g4.clone(),
+                    &cfg.offload.write_through,
                     handles.clone(),
                     counters.clone(),
                     // A batch is a small share of G2 (the buffer holds its blocks).
                     (tiers.g2_blocks / 32).min(256),
-                );
+                    b,
+                )?;
                 sched.set_store_sink(w.sink());
                 write_through = Some(w);
                 // G1 and G2 are host memory: the store copies on the serving thread.
@@ -410,6 +412,17 @@ impl TierStack {
             self.g3.as_ref().map_or(0, |t| t.manager.total_blocks()),
             self.g4.as_ref().map_or(0, |t| t.manager.total_blocks()),
         ]
+    }
+
+    /// The scheduler-facing manager's stats since the last call, in vLLM's metric names
+    /// (`OffloadingManager::get_stats`: G2 gauges, lookups and hits per tier, promotions, and
+    /// per lane the write-through's writes and back-pressure); `None` without the `Tiering`
+    /// front end. Settles the lanes' finished writes first.
+    pub fn scheduler_stats(&mut self) -> Option<kvbm_tiering::OffloadingConnectorStats> {
+        if let Some(w) = &self.write_through {
+            w.flush(false);
+        }
+        kvbm_tiering::OffloadingManager::get_stats(self.sched.as_mut()?)
     }
 
     /// Blocks G3 and G4 held at start (from a previous run).

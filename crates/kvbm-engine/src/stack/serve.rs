@@ -26,7 +26,7 @@ impl TierStack {
     /// and counted, twice), and makes room in G1.
     pub(super) fn admit(&mut self, hashes: &[SequenceHash]) {
         self.discard_rejected();
-        self.backpressure(hashes.len());
+        self.wait_for_room(hashes.len());
         self.complete_prefetches(self.served_requests);
         if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
             self.complete_prefetches(usize::MAX);
@@ -328,7 +328,8 @@ impl TierStack {
                 .map_or(0, |p| p.pipeline().pending_blocks())
     }
 
-    /// Offload backpressure. The lanes hold their G2 blocks until written below, and the
+    /// Waits for room: the caller's back-pressure (not the lanes' own, which drops stores:
+    /// `offload.write_through.backpressure`). The lanes hold their G2 blocks until written below, and the
     /// caller's "forward pass" is instant, so without a bound it would outrun them and find G2
     /// full of pinned blocks. Before a request of `n` blocks it waits (as a scheduler stalls
     /// on a full host cache) while lanes still have work and either more than half of G2 is
@@ -337,7 +338,7 @@ impl TierStack {
     /// While it waits, G3 reads started ahead (which hold G2 slots until their request comes
     /// up) are finished, so their slots become evictable: a G1→G2 batch waiting for G2 room
     /// (`offload.g1_to_g2.room_patience_ms`) must not wait on this thread.
-    pub(super) fn backpressure(&mut self, n: usize) {
+    pub(super) fn wait_for_room(&mut self, n: usize) {
         let Some(g2) = self.g2.as_ref().map(|g| g.manager.clone()) else {
             return;
         };
