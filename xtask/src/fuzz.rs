@@ -4,7 +4,7 @@
 //! | target | decoder |
 //! |---|---|
 //! | `trace_line` | the Mooncake trace line parser of `kvbm replay` |
-//! | `manifest` | the G3 manifest header, record and replay decoders |
+//! | `journal` | the G3 journal's header, record and replay decoders |
 //! | `block_header` | the block header of disk slots and object bodies |
 //! | `object_key` | the block object key parser |
 //! | `control_envelope` | leader↔worker control requests and responses (JSON over NATS) |
@@ -37,7 +37,7 @@ use crate::{on_path, run_step};
 /// Every target of `fuzz/`.
 pub(crate) const TARGETS: [&str; 12] = [
     "trace_line",
-    "manifest",
+    "journal",
     "block_header",
     "object_key",
     "control_envelope",

@@ -128,7 +128,7 @@ pub(crate) struct ReplayConfig {
     /// 0: as fast as possible; 1.0: honour the trace's timestamps; 0.1: ten times faster.
     pub time_scale: f64,
     /// Start G3→G2 reads this many requests ahead of their request (0: only on demand).
-    pub prefetch_requests: usize,
+    pub read_ahead_requests: usize,
     /// How the replay's scheduler drives the engine: through the scheduler-facing tiering
     /// manager (`tiering`, vLLM's call sequence) or the leader's onboarding sessions
     /// (`sessions`).
@@ -155,7 +155,7 @@ impl Default for ReplayConfig {
             requests: None,
             g4: false,
             time_scale: 0.0,
-            prefetch_requests: 16,
+            read_ahead_requests: 16,
             scheduler: Scheduler::Tiering,
         }
     }

@@ -257,7 +257,7 @@ fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
     // G2 slot (`offload_no_space_blocks`), and the block is then recomputed later, not a hit.
     // Through the default tiering manager, with G3 read ahead and only on demand, and through
     // the leader's onboarding sessions.
-    for (scheduler, prefetch) in [("tiering", "16"), ("tiering", "0"), ("sessions", "16")] {
+    for (scheduler, read_ahead) in [("tiering", "16"), ("tiering", "0"), ("sessions", "16")] {
         let out = kvbm()
             .args([
                 "replay",
@@ -275,7 +275,7 @@ fn trace_slice_hit_ratio_is_one_minus_unique_over_total() {
                 scheduler,
                 "--json",
             ])
-            .env("KVBM_REPLAY__PREFETCH_REQUESTS", prefetch)
+            .env("KVBM_REPLAY__READ_AHEAD_REQUESTS", read_ahead)
             .output()
             .unwrap();
         let r = ok_json(out);
@@ -313,7 +313,7 @@ fn g2_as_small_as_g1_drops_no_offload_and_keeps_the_exact_hit_ratio() {
     let (total, unique) = trace_counts(trace, requests);
     let t = trace.to_str().unwrap();
     let n = requests.to_string();
-    for prefetch in ["16", "0"] {
+    for read_ahead in ["16", "0"] {
         let out = kvbm()
             .args([
                 "replay",
@@ -329,20 +329,20 @@ fn g2_as_small_as_g1_drops_no_offload_and_keeps_the_exact_hit_ratio() {
                 "65536",
                 "--json",
             ])
-            .env("KVBM_REPLAY__PREFETCH_REQUESTS", prefetch)
+            .env("KVBM_REPLAY__READ_AHEAD_REQUESTS", read_ahead)
             .output()
             .unwrap();
         let r = ok_json(out);
         assert_eq!(
             u(&r, &["offload_no_space_blocks"]),
             0,
-            "prefetch {prefetch}: {r}"
+            "read_ahead {read_ahead}: {r}"
         );
         assert_eq!(u(&r, &["blocks"]), total, "{r}");
         assert_eq!(
             u(&r, &["hit_blocks"]),
             total - unique,
-            "prefetch {prefetch}: every repeated block is a hit: {r}"
+            "read_ahead {read_ahead}: every repeated block is a hit: {r}"
         );
         assert!((f(&r, "hit_ratio") - (1.0 - unique as f64 / total as f64)).abs() < 1e-12);
         assert!(u(&r, &["tiers", "g3", "hit_blocks"]) > 0, "{r}");
@@ -791,9 +791,9 @@ fn metrics_endpoint_serves_prometheus_text() {
             let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
             body.clear();
             let _ = s.read_to_string(&mut body);
-            if body.contains("kvbm_replay_hit_blocks_total")
+            if body.contains("kvbm_stack_hit_blocks_total")
                 && body.contains("kvbm_logical_evicted_blocks_total")
-                && body.contains("kvbm_replay_transfer_seconds")
+                && body.contains("kvbm_stack_transfer_seconds")
             {
                 break;
             }
@@ -802,11 +802,11 @@ fn metrics_endpoint_serves_prometheus_text() {
     let _ = child.kill();
     let _ = child.wait();
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-    assert!(body.contains("kvbm_replay_hit_blocks_total"), "{body}");
+    assert!(body.contains("kvbm_stack_hit_blocks_total"), "{body}");
     for m in [
-        "kvbm_replay_bytes_moved_total",
-        "kvbm_replay_transfer_seconds",
-        "kvbm_replay_tier_capacity_blocks",
+        "kvbm_stack_bytes_moved_total",
+        "kvbm_stack_transfer_seconds",
+        "kvbm_stack_tier_capacity_blocks",
         "kvbm_logical_evicted_blocks_total",
         "kvbm_logical_active_blocks",
         "kvbm_offload_blocks_transferred_total",

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kvbm_physical::checksum::{BlockHeader, checksum_slices};
-use kvbm_physical::{BlockIdentity, DiskManifest, ManifestGeometry};
+use kvbm_physical::{BlockIdentity, JournalFile, JournalGeometry};
 use serde_json::Value;
 
 fn kvbm() -> Command {
@@ -111,7 +111,7 @@ fn replay_args(g3: &Path, requests: usize, extra: &[&str]) -> Vec<String> {
 /// The model fingerprint the journal's header records (the replay's own, from its config).
 fn journal_fingerprint(journal: &Path) -> u64 {
     let bytes = std::fs::read(journal).unwrap();
-    kvbm_physical::storage::manifest::decode_header(&bytes)
+    kvbm_physical::storage::journal::decode_header(&bytes)
         .unwrap()
         .fingerprint
 }
@@ -184,13 +184,13 @@ fn fault_kill9_mid_g3_offload_restarts_warm_with_only_complete_blocks() {
 
     // What was on disk at the kill, read independently of kvbm.
     let complete = complete_slots(&g3);
-    let geometry = ManifestGeometry {
+    let geometry = JournalGeometry {
         payload_bytes: BLOCK as u64,
         num_slots: G3_SLOTS as u64,
         file_id: g3_file_id(&g3),
         fingerprint: journal_fingerprint(&journal),
     };
-    let listed = DiskManifest::read_entries(&journal, &geometry).unwrap();
+    let listed = JournalFile::read_entries(&journal, &geometry).unwrap();
     assert!(!listed.is_empty());
     // Every listed slot holds exactly the complete block the journal names: no partial block
     // is listed.
@@ -270,13 +270,13 @@ fn g3_small_args(g3: &Path) -> Vec<String> {
 /// Damages every slot the G3 journal lists (so the next run's G3 reads all meet it); returns
 /// how many blocks were damaged.
 fn damage_g3(g3: &Path, how: Damage) -> usize {
-    let geometry = ManifestGeometry {
+    let geometry = JournalGeometry {
         payload_bytes: BLOCK as u64,
         num_slots: 4096,
         file_id: g3_file_id(g3),
         fingerprint: journal_fingerprint(&g3.join("g3.journal")),
     };
-    let listed = DiskManifest::read_entries(&g3.join("g3.journal"), &geometry).unwrap();
+    let listed = JournalFile::read_entries(&g3.join("g3.journal"), &geometry).unwrap();
     assert!(listed.len() >= 4, "{} blocks listed", listed.len());
     let file = g3.join("g3.bin");
     let mut data = std::fs::read(&file).unwrap();
@@ -649,11 +649,11 @@ fn fault_s3_latency_and_5xx_are_retried_and_nothing_wrong_is_served() {
     assert!(u(&second, &["tiers", "g4", "hit_blocks"]) > 0, "{second}");
 }
 
-/// `kvbm_replay_bytes_moved_total{path}` of a running kvbm (0 before the first move).
+/// `kvbm_stack_bytes_moved_total{path}` of a running kvbm (0 before the first move).
 fn moved(port: u16, path: &str) -> Option<f64> {
     let text = kvbm_tests::scrape::scrape(port)?;
     Some(
-        kvbm_tests::scrape::sample(&text, "kvbm_replay_bytes_moved_total", &[("path", path)])
+        kvbm_tests::scrape::sample(&text, "kvbm_stack_bytes_moved_total", &[("path", path)])
             .unwrap_or(0.0),
     )
 }

@@ -37,7 +37,7 @@ use kvbm_engine::cluster::dataplane::{
 use kvbm_engine::cluster::pubsub::EventMessage;
 use kvbm_engine::cross_instance::CrossInstanceIndex;
 use kvbm_engine::cross_instance::RemotePull;
-use kvbm_engine::leader::{InstanceLeader, RemoteSearch, StagingMovers};
+use kvbm_engine::leader::{InstanceLeader, MoversToG2, RemoteSearch};
 use kvbm_engine::security::{Role, RootKey, Security, SecurityConfig};
 use kvbm_logical::{
     BlockEvent, BlockEventKind, BlockManager, BlockRegistry, G2, G4, Salt, SequenceHash, Tier,
@@ -459,9 +459,9 @@ fn shared_g4_onboard(c: &mut Criterion) {
                     let session = leader.begin_onboarding(&hs);
                     assert_eq!(session.prefix_len(), BLOCKS);
                     session
-                        .prepare(StagingMovers {
+                        .prepare(MoversToG2 {
                             g4_to_g2: Some(mover.clone()),
-                            ..StagingMovers::default()
+                            ..MoversToG2::default()
                         })
                         .await
                         .unwrap();

@@ -52,8 +52,8 @@ pub use policy::{
 };
 pub use remote::RemoteSearch;
 pub use session::{
-    FinishOutcome, LayerwiseOnboard, OnboardingSession, Phase, SessionError, SessionFailure,
-    StagingMovers,
+    FinishOutcome, LayerwiseOnboard, MoversToG2, OnboardingSession, Phase, SessionError,
+    SessionFailure,
 };
 
 use crate::address::InstanceId;

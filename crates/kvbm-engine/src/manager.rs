@@ -153,7 +153,7 @@ use kvbm_tiering::{
 use parking_lot::Mutex;
 
 use crate::error::{EngineError, Result};
-use crate::leader::InstanceLeader;
+use crate::leader::{InstanceLeader, MoversToG2};
 use crate::mover::BlockMove;
 
 use kvbm_tiering::stats::names;
@@ -170,33 +170,55 @@ pub struct SchedulerTiers {
     pub g4: Option<BoundTier<G4>>,
 }
 
-/// The movers promotions use (destination: the leader's G2).
-#[derive(Default, Clone)]
-pub struct PromotionMovers {
-    /// G3 → G2.
-    pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
-    /// G4 → G2 (a keyed source).
-    pub g4_to_g2: Option<Arc<dyn BlockMove<G4, G2>>>,
+/// One value per tier `lookup` searches (G2, then G3 and G4 below it), indexed by its
+/// [`TierId`]. G1 is the inference engine's and is never searched.
+#[derive(Clone, Debug, Default)]
+struct PerTier<T>([T; 3]);
+
+impl<T> PerTier<T> {
+    /// The searched tiers, in search order.
+    const TIERS: [TierId; 3] = [TierId::G2, TierId::G3, TierId::G4];
+
+    fn at(t: TierId) -> usize {
+        match t {
+            TierId::G3 => 1,
+            TierId::G4 => 2,
+            _ => 0,
+        }
+    }
+}
+
+impl<T> std::ops::Index<TierId> for PerTier<T> {
+    type Output = T;
+    fn index(&self, t: TierId) -> &T {
+        &self.0[Self::at(t)]
+    }
+}
+
+impl<T> std::ops::IndexMut<TierId> for PerTier<T> {
+    fn index_mut(&mut self, t: TierId) -> &mut T {
+        &mut self.0[Self::at(t)]
+    }
 }
 
 /// Counters since the last `get_stats` (see "Stats and recency").
 #[derive(Default)]
 struct Stats {
-    /// Chunk queries per searched tier: G2, G3, G4.
-    queries: [u64; 3],
-    /// Chunk hits per searched tier: G2, G3, G4.
-    hits: [u64; 3],
+    /// Chunk queries per searched tier.
+    queries: PerTier<u64>,
+    /// Chunk hits per searched tier.
+    hits: PerTier<u64>,
     /// Blocks allocated per `prepare_store`.
     allocation_sizes: Vec<usize>,
-    /// Failed promotions per source tier: G3, G4.
-    promotion_failures: [u64; 2],
+    /// Failed promotions per source tier (G3, G4).
+    promotion_failures: PerTier<u64>,
     /// Promotions not started for lack of G2 room.
     promotion_allocation_failures: u64,
     /// Successful promotions per source tier (G3, G4): blocks and seconds reading.
-    promoted_blocks: [u64; 2],
-    promoted_seconds: [f64; 2],
-    /// Lookup time per searched tier (G2, G3, G4), when recorded.
-    lookup_seconds: [Vec<f64>; 3],
+    promoted_blocks: PerTier<u64>,
+    promoted_seconds: PerTier<f64>,
+    /// Lookup time per searched tier, when recorded.
+    lookup_seconds: PerTier<Vec<f64>>,
 }
 
 /// The one outcome of a one-block move (a mover that reported none failed it).
@@ -207,15 +229,6 @@ fn first_outcome(out: Vec<MoveOutcome<G2>>) -> MoveOutcome<G2> {
             "the mover reported no outcome",
         ))
     })
-}
-
-/// Index of a searched tier in [`Stats`]' per-tier arrays.
-fn tier_slot(t: TierId) -> usize {
-    match t {
-        TierId::G3 => 1,
-        TierId::G4 => 2,
-        _ => 0,
-    }
 }
 
 /// One lane's [`LaneStats`] in vLLM's metric names, under the lane's tier label.
@@ -356,7 +369,7 @@ pub struct EngineTieringManager {
     /// Receives the blocks each successful `complete_store` registered.
     store_sink: Option<Box<dyn StoreSink>>,
     g2: Arc<BlockManager<G2>>,
-    movers: PromotionMovers,
+    movers: MoversToG2,
     runtime: tokio::runtime::Handle,
     requests: HashMap<u64, ReqState>,
     promotions: HashMap<OffloadKey, Promotion>,
@@ -375,7 +388,7 @@ pub struct EngineTieringManager {
     /// Whether lookups record their time per tier.
     record_lookup_latency: bool,
     /// Metric label per searched tier (G2, G3, G4); `None` where not configured.
-    labels: [Option<String>; 3],
+    labels: PerTier<Option<String>>,
 }
 
 impl std::fmt::Debug for EngineTieringManager {
@@ -390,7 +403,9 @@ impl std::fmt::Debug for EngineTieringManager {
 
 impl InstanceLeader {
     /// The scheduler-facing manager over this leader's tiers (see [`crate::manager`]);
-    /// promotions from G3/G4 run through `movers` as tasks on `runtime`.
+    /// promotions from G3/G4 run through `movers` (their G3 and G4 movers; another instance's
+    /// blocks reach the manager through the shared G4, not a remote pull) as tasks on
+    /// `runtime`.
     ///
     /// # Errors
     /// [`EngineError::TierMissing`] without a G2 manager (it is the contract's CPU tier);
@@ -398,7 +413,7 @@ impl InstanceLeader {
     /// leader's G2 manager.
     pub fn tiering_manager(
         &self,
-        movers: PromotionMovers,
+        movers: MoversToG2,
         runtime: tokio::runtime::Handle,
     ) -> Result<EngineTieringManager> {
         EngineTieringManager::new(self.clone(), movers, runtime)
@@ -470,7 +485,7 @@ impl EngineTieringManager {
     /// As [`InstanceLeader::tiering_manager`].
     pub fn new(
         leader: InstanceLeader,
-        movers: PromotionMovers,
+        movers: MoversToG2,
         runtime: tokio::runtime::Handle,
     ) -> Result<Self> {
         let g2 = leader
@@ -492,14 +507,14 @@ impl EngineTieringManager {
                 "a promotion mover's destination is not the leader's G2 manager",
             ));
         }
-        let mut labels: [Option<String>; 3] = [Some("0:primary".into()), None, None];
+        let mut labels = PerTier([Some("0:primary".to_string()), None, None]);
         let mut next = 1;
         if leader.g3().is_some() {
-            labels[1] = Some(format!("{next}:disk"));
+            labels[TierId::G3] = Some(format!("{next}:disk"));
             next += 1;
         }
         if leader.g4().is_some() {
-            labels[2] = Some(format!("{next}:object"));
+            labels[TierId::G4] = Some(format!("{next}:object"));
         }
         Ok(Self {
             leader,
@@ -606,9 +621,8 @@ impl EngineTieringManager {
             };
             match outcome {
                 Ok(block) => {
-                    let slot = tier_slot(p.tier) - 1;
-                    self.stats.promoted_blocks[slot] += 1;
-                    self.stats.promoted_seconds[slot] += p.started.elapsed().as_secs_f64();
+                    self.stats.promoted_blocks[p.tier] += 1;
+                    self.stats.promoted_seconds[p.tier] += p.started.elapsed().as_secs_f64();
                     let h = self.hash_of(&key);
                     self.remember(key, h);
                     match self.requests.get_mut(&p.owner) {
@@ -621,7 +635,7 @@ impl EngineTieringManager {
                 }
                 Err(failure) => {
                     self.promotion_failures += 1;
-                    self.stats.promotion_failures[tier_slot(p.tier) - 1] += 1;
+                    self.stats.promotion_failures[p.tier] += 1;
                     if !failure.kind.drops_copy() {
                         // Transient (I/O, timeout, a refusal…): the copy is intact as far as
                         // anyone knows; a later lookup may promote it again.
@@ -824,30 +838,30 @@ impl OffloadingManager for EngineTieringManager {
             return LookupResult::HitPending;
         }
         let h = self.hash_of(key);
-        self.stats.queries[0] += 1;
+        self.stats.queries[TierId::G2] += 1;
         let t0 = self.record_lookup_latency.then(std::time::Instant::now);
         let in_g2 = self.in_g2(h);
         if let Some(t) = t0 {
-            self.stats.lookup_seconds[0].push(t.elapsed().as_secs_f64());
+            self.stats.lookup_seconds[TierId::G2].push(t.elapsed().as_secs_f64());
         }
         if in_g2 {
-            self.stats.hits[0] += 1;
+            self.stats.hits[TierId::G2] += 1;
             return LookupResult::Hit;
         }
         let t1 = self.record_lookup_latency.then(std::time::Instant::now);
         let found = self.leader.accessor().locate(h);
         let below = t1.map(|t| t.elapsed().as_secs_f64());
-        for (tier, slot) in [(TierId::G3, 1), (TierId::G4, 2)] {
-            if self.labels[slot].is_none() {
+        for tier in [TierId::G3, TierId::G4] {
+            if self.labels[tier].is_none() {
                 continue;
             }
-            self.stats.queries[slot] += 1;
+            self.stats.queries[tier] += 1;
             if let Some(d) = below {
                 // One search answers for every lower tier: each searched one records it.
-                self.stats.lookup_seconds[slot].push(d);
+                self.stats.lookup_seconds[tier].push(d);
             }
             if found == Some(tier) {
-                self.stats.hits[slot] += 1;
+                self.stats.hits[tier] += 1;
                 break;
             }
         }
@@ -1151,24 +1165,23 @@ impl OffloadingManager for EngineTieringManager {
         for a in stats.allocation_sizes {
             out.observe_histogram(names::CPU_ALLOCATION_SIZE, None, a as f64);
         }
-        for slot in 0..3 {
-            let Some(l) = self.labels[slot].as_deref() else {
+        for tier in PerTier::<()>::TIERS {
+            let Some(l) = self.labels[tier].as_deref() else {
                 continue;
             };
-            if stats.queries[slot] > 0 {
-                out.increase_counter(names::CHUNK_QUERIES, Some(l), stats.queries[slot] as f64);
+            if stats.queries[tier] > 0 {
+                out.increase_counter(names::CHUNK_QUERIES, Some(l), stats.queries[tier] as f64);
             }
-            if stats.hits[slot] > 0 {
-                out.increase_counter(names::CHUNK_HITS, Some(l), stats.hits[slot] as f64);
+            if stats.hits[tier] > 0 {
+                out.increase_counter(names::CHUNK_HITS, Some(l), stats.hits[tier] as f64);
             }
-            for d in &stats.lookup_seconds[slot] {
+            for d in &stats.lookup_seconds[tier] {
                 out.observe_histogram(names::LOOKUP_SYNC_DELAY, Some(l), *d);
             }
-            if slot > 0 {
-                let tier = if slot == 1 { TierId::G3 } else { TierId::G4 };
+            if tier != TierId::G2 {
                 let active = self.promotions.values().filter(|p| p.tier == tier).count();
                 out.set_gauge(names::ACTIVE_PROMOTION_JOBS, Some(l), active as f64);
-                let promoted = stats.promoted_blocks[slot - 1];
+                let promoted = stats.promoted_blocks[tier];
                 if promoted > 0 {
                     if self.block_bytes > 0 {
                         out.increase_counter(
@@ -1177,13 +1190,9 @@ impl OffloadingManager for EngineTieringManager {
                             (promoted * self.block_bytes) as f64,
                         );
                     }
-                    out.increase_counter(
-                        names::READ_TIME,
-                        Some(l),
-                        stats.promoted_seconds[slot - 1],
-                    );
+                    out.increase_counter(names::READ_TIME, Some(l), stats.promoted_seconds[tier]);
                 }
-                let failed = stats.promotion_failures[slot - 1];
+                let failed = stats.promotion_failures[tier];
                 if failed > 0 {
                     out.increase_counter(names::PROMOTION_JOB_FAILURES, Some(l), failed as f64);
                 }
@@ -1191,7 +1200,7 @@ impl OffloadingManager for EngineTieringManager {
         }
         if let Some(sink) = &mut self.store_sink {
             for (tier, lane) in sink.lane_stats() {
-                let Some(l) = self.labels[tier_slot(tier)].as_deref() else {
+                let Some(l) = self.labels[tier].as_deref() else {
                     continue;
                 };
                 report_lane(&mut out, l, &lane, self.block_bytes);

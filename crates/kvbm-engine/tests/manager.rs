@@ -13,7 +13,8 @@
 use std::sync::Arc;
 
 use kvbm_engine::leader::InstanceLeader;
-use kvbm_engine::manager::{EngineTieringManager, PromotionMovers, key_digest, key_hash};
+use kvbm_engine::leader::MoversToG2;
+use kvbm_engine::manager::{EngineTieringManager, key_digest, key_hash};
 use kvbm_engine::mover::BlockMove;
 use kvbm_logical::{BlockId, BlockManager, BlockRegistry, G1, G2, G3, ImmutableBlock, Tier};
 use kvbm_offload::{BlockMover, BoundTier, ExternalMover};
@@ -69,9 +70,9 @@ fn rig() -> Rig {
     let up: Arc<dyn BlockMove<G3, G2>> = Arc::new(BlockMover::new(&g3_bound, &g2_bound).unwrap());
     let mgr = leader
         .tiering_manager(
-            PromotionMovers {
+            MoversToG2 {
                 g3_to_g2: Some(up),
-                g4_to_g2: None,
+                ..MoversToG2::default()
             },
             tokio::runtime::Handle::current(),
         )
@@ -364,7 +365,7 @@ mod vllm_manager {
 
     use std::time::{Duration, Instant};
 
-    use kvbm_engine::leader::{FinishOutcome, Phase, StagingMovers};
+    use kvbm_engine::leader::{FinishOutcome, MoversToG2, Phase};
     use kvbm_engine::manager::SchedulerTiers;
     use kvbm_logical::{G1, TierId};
     use kvbm_tiering::{CpuManagerConfig, CpuPrimaryTier, TieringOffloadingManager, UpstreamFixes};
@@ -484,9 +485,9 @@ mod vllm_manager {
         drop(found);
         let session = leader.begin_onboarding(&hashes);
         session
-            .prepare(StagingMovers {
+            .prepare(MoversToG2 {
                 g3_to_g2: Some(Arc::new(BlockMover::new(&g3_bound, &g2_bound).unwrap())),
-                ..StagingMovers::default()
+                ..MoversToG2::default()
             })
             .await
             .unwrap();

@@ -16,7 +16,7 @@ use kvbm_engine::cluster::transport::control::{
     ControlError, ControlRequest, ControlResponse, ControlledWorkers, WorkerControl,
 };
 use kvbm_engine::cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, NatsControl, connect};
-use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
+use kvbm_engine::leader::{FinishOutcome, InstanceLeader, MoversToG2, Phase, SessionError};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{G1, G2, G3, ImmutableBlock, PoolCounts, TierId};
 
@@ -82,7 +82,7 @@ async fn onboard_a_disk_prefix_through_two_workers(secure: bool) {
     let session = leader.begin_onboarding(&i.hashes);
     assert_eq!(session.prefix_len(), 6);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), i.g2.clone()))),
             g4_to_g2: None,
             remote_g2: None,
@@ -160,7 +160,7 @@ async fn a_worker_killed_mid_transfer_fails_cleanly_and_the_other_keeps_serving(
         let (session, pw, g2) = (session.clone(), pw.clone(), i.g2.clone());
         tokio::spawn(async move {
             session
-                .prepare(StagingMovers {
+                .prepare(MoversToG2 {
                     g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw, g2))),
                     g4_to_g2: None,
                     remote_g2: None,
@@ -363,7 +363,7 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     let session = leader.begin_onboarding(&hashes);
     assert_eq!(session.prefix_len(), 6);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             g3_to_g2: None,
             g4_to_g2: None,
             remote_g2: None,
@@ -409,7 +409,7 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     let session = leader.begin_onboarding(&hashes);
     assert_eq!(session.prefix_len(), 6);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), g2.clone()))),
             g4_to_g2: None,
             remote_g2: None,

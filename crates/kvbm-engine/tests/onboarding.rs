@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_engine::leader::{
-    FinishOutcome, InstanceLeader, OnboardingSession, Phase, SessionError, StagingMovers,
+    FinishOutcome, InstanceLeader, MoversToG2, OnboardingSession, Phase, SessionError,
 };
 use kvbm_engine::mover::BlockMove;
 use kvbm_logical::{
@@ -120,8 +120,8 @@ async fn rig() -> Rig {
 }
 
 impl Rig {
-    fn movers(&self) -> StagingMovers {
-        StagingMovers {
+    fn movers(&self) -> MoversToG2 {
+        MoversToG2 {
             g3_to_g2: Some(Arc::new(common::mover(
                 &self.tm, self.g3_h, self.g2_h, &self.g2,
             ))),

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, SessionError, StagingMovers};
+use kvbm_engine::leader::{FinishOutcome, InstanceLeader, MoversToG2, Phase, SessionError};
 use kvbm_engine::mover::LayerMove;
 use kvbm_engine::worker::{
     BoundTiers, PhysicalWorker, SpmdLayerMover, SpmdMover, SpmdParallelWorkers,
@@ -188,11 +188,11 @@ impl Rig {
         let session = self.leader.begin_onboarding(&self.hashes);
         assert_eq!(session.prefix_len(), 6, "block 6 is nowhere");
         session
-            .prepare(StagingMovers {
+            .prepare(MoversToG2 {
                 g3_to_g2: Some(Arc::new(
                     SpmdMover::<G3, G2>::bound(self.spmd.clone(), self.m.g2.clone()).unwrap(),
                 )),
-                ..StagingMovers::default()
+                ..MoversToG2::default()
             })
             .await
             .unwrap();
@@ -343,7 +343,7 @@ mod with_mock_workers {
         drop(g2.register_blocks(complete));
         let leader = InstanceLeader::builder().g2(g2.clone()).build().unwrap();
         let session = leader.begin_onboarding(&seq.hashes());
-        session.prepare(StagingMovers::default()).await.unwrap();
+        session.prepare(MoversToG2::default()).await.unwrap();
         let gate = Arc::new(Semaphore::new(1));
         let mover = Arc::new(Gated {
             inner: Arc::new(SpmdLayerMover::<G2, G1>::new(workers, g1.clone(), LAYERS).unwrap()),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_engine::cluster::transport::control::{ControlRequest, ControlResponse};
-use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
+use kvbm_engine::leader::{FinishOutcome, InstanceLeader, MoversToG2, Phase};
 use kvbm_engine::worker::{ParallelWorkers, SpmdLayerMover, SpmdMover};
 use kvbm_logical::{G2, G3, TierId};
 use tokio::sync::Semaphore;
@@ -46,9 +46,9 @@ async fn two_worker_processes_onboard_a_disk_prefix_layer_by_layer_bytes_verifie
     let session = leader.begin_onboarding(&i.hashes);
     assert_eq!(session.prefix_len(), 6);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), i.g2.clone()))),
-            ..StagingMovers::default()
+            ..MoversToG2::default()
         })
         .await
         .unwrap();

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvbm_engine::leader::{InstanceLeader, Phase, SessionError, StagingMovers};
+use kvbm_engine::leader::{InstanceLeader, MoversToG2, Phase, SessionError};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, Tier, TokenBlockSequence,
 };
@@ -127,7 +127,7 @@ async fn g2_and_g4_prefix_staged_and_onboarded_bytes_verified() {
         .g4(g4.clone())
         .build()
         .unwrap();
-    let movers = || StagingMovers {
+    let movers = || MoversToG2 {
         g3_to_g2: None,
         g4_to_g2: Some(Arc::new(
             common::mover(&tm, obj_h, g2_h, &g2).keyed_source(),

@@ -15,7 +15,7 @@ use kvbm_engine::cluster::dataplane::{
 };
 use kvbm_engine::cluster::pubsub::{EventPublisher, InProcessBus};
 use kvbm_engine::cross_instance::CrossInstanceIndex;
-use kvbm_engine::leader::{InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers};
+use kvbm_engine::leader::{InstanceLeader, MoversToG2, Phase, RemoteSearch, SessionError};
 use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, Salt, SequenceHash, TokenBlockSequence,
 };
@@ -164,14 +164,14 @@ async fn b_pulls_a_g2_prefix_over_tcp_and_onboards_it() {
     // Without a puller the session refuses to prepare and stays Holding.
     let session = leader_b.begin_onboarding(&hashes[..6]);
     assert!(matches!(
-        session.prepare(StagingMovers::default()).await,
+        session.prepare(MoversToG2::default()).await,
         Err(SessionError::NoPuller)
     ));
     assert_eq!(session.phase(), Phase::Holding);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             remote_g2: Some(client_b.clone()),
-            ..StagingMovers::default()
+            ..MoversToG2::default()
         })
         .await
         .unwrap();
@@ -237,9 +237,9 @@ async fn a_pull_answered_by_another_instance_fails_and_registers_nothing() {
     let session = leader_b.begin_onboarding(&hashes[..4]);
     assert_eq!(session.prefix_len(), 4);
     let err = session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             remote_g2: Some(client_b),
-            ..StagingMovers::default()
+            ..MoversToG2::default()
         })
         .await
         .unwrap_err();
@@ -309,9 +309,9 @@ async fn pull_scoped(server_scope: u64, client_scope: u64) -> Result<(), String>
     let session = leader_b.begin_onboarding(&hashes[..4]);
     assert_eq!(session.prefix_len(), 4);
     let out = session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             remote_g2: Some(client_b),
-            ..StagingMovers::default()
+            ..MoversToG2::default()
         })
         .await;
     let result = match out {

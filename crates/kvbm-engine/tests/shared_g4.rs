@@ -16,7 +16,7 @@ use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
 use kvbm_engine::cluster::pubsub::{EventPublisher, InProcessBus};
 use kvbm_engine::cross_instance::CrossInstanceIndex;
-use kvbm_engine::leader::{InstanceLeader, Phase, RemoteSearch, SessionError, StagingMovers};
+use kvbm_engine::leader::{InstanceLeader, MoversToG2, Phase, RemoteSearch, SessionError};
 use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G4, Salt, SequenceHash, TierId, TokenBlockSequence,
 };
@@ -201,11 +201,11 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(index_b.locations(hashes[0]), vec![(A, TierId::G4)]);
-    let movers = || StagingMovers {
+    let movers = || MoversToG2 {
         g4_to_g2: Some(Arc::new(
             common::mover(&tm_b, obj_b_h, g2_h, &g2_b).keyed_source(),
         )),
-        ..StagingMovers::default()
+        ..MoversToG2::default()
     };
 
     // B has nothing locally; the search adopts A's G4 run.
@@ -266,11 +266,11 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
     let session = leader_c.begin_onboarding(&hashes[..8]);
     assert_eq!(session.prefix_len(), 6);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             g4_to_g2: Some(Arc::new(
                 common::mover(&tm_b, obj_c_h, g2_c_h, &g2_c).keyed_source(),
             )),
-            ..StagingMovers::default()
+            ..MoversToG2::default()
         })
         .await
         .unwrap();
@@ -397,12 +397,12 @@ impl Reader {
     }
 
     /// The engine's default G4→G2 mover (kvbm-offload's `BlockMover`, keyed source).
-    fn movers(&self) -> StagingMovers {
-        StagingMovers {
+    fn movers(&self) -> MoversToG2 {
+        MoversToG2 {
             g4_to_g2: Some(Arc::new(
                 common::mover(&self.tm, self.obj_h, self.g2_h, &self.g2).keyed_source(),
             )),
-            ..StagingMovers::default()
+            ..MoversToG2::default()
         }
     }
 

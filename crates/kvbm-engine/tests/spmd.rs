@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use kvbm_engine::leader::{FinishOutcome, InstanceLeader, Phase, StagingMovers};
+use kvbm_engine::leader::{FinishOutcome, InstanceLeader, MoversToG2, Phase};
 use kvbm_engine::worker::{ParallelWorkers, PhysicalWorker, SpmdMover, SpmdParallelWorkers};
 use kvbm_logical::{BlockRegistry, G1, G2, G3, Salt, TierId, TokenBlockSequence};
 use kvbm_physical::{DiskConfig, PhysicalLayout, PinPolicy, TransferManager};
@@ -183,7 +183,7 @@ async fn leader_and_two_workers_onboard_a_disk_prefix_bytes_verified_per_rank() 
     let session = leader.begin_onboarding(&hashes);
     assert_eq!(session.prefix_len(), 6);
     session
-        .prepare(StagingMovers {
+        .prepare(MoversToG2 {
             g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(
                 workers.clone(),
                 g2.clone(),

@@ -2,10 +2,10 @@
 //! xxh3-128 of its payload as it was written. Every disk tier keeps one: the engine's tier stack
 //! and kvbm-tiering's disk tier (the one vLLM's manager drives) alike.
 //!
-//! The journal is `kvbm-physical`'s append-only [`DiskManifest`] (`<G3 file>.journal`: `g3.bin`
+//! The journal is `kvbm-physical`'s append-only [`JournalFile`] (`<G3 file>.journal`: `g3.bin`
 //! → `g3.journal`), bound to the G3 file's geometry and instance id; this module only maps
 //! sequence hashes to and from block identities. Its protocol (see
-//! [`kvbm_physical::storage::manifest`]) is what makes `kill -9` safe: a slot about to be
+//! [`kvbm_physical::storage::journal`]) is what makes `kill -9` safe: a slot about to be
 //! overwritten is unlisted first ([`DiskJournal::will_write`]), and a block is listed only after
 //! its write completed ([`DiskJournal::written`]). A later run with the same G3 file replays the
 //! journal and starts warm with exactly the blocks that were complete; a torn tail is discarded.
@@ -28,14 +28,14 @@
 //! The older end-of-run snapshot (`g3.manifest`) is no longer written; one left by an older
 //! version is removed at open (its slots are not trusted).
 //!
-//! Locks: the manifest's one mutex, inside each call; nothing else.
+//! Locks: the journal file's one mutex, inside each call; nothing else.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
 use kvbm_physical::{
-    Backing, BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord, ModelFingerprint,
+    Backing, BlockIdentity, JournalFile, JournalGeometry, JournalRecord, ModelFingerprint,
     PhysicalLayout,
 };
 
@@ -80,7 +80,7 @@ pub type ListedBlocks = (HashMap<u128, u128>, Vec<ImmutableBlock<G3>>);
 /// An open disk journal (see the [module docs](self)).
 #[derive(Debug)]
 pub struct DiskJournal {
-    manifest: DiskManifest,
+    file: JournalFile,
 }
 
 /// What opening found: the journal, and the blocks it lists (by sequence hash).
@@ -168,15 +168,15 @@ impl DiskJournal {
         if legacy.exists() {
             std::fs::remove_file(&legacy).map_err(|e| journal_error(&legacy, e))?;
         }
-        let geometry = ManifestGeometry {
+        let geometry = JournalGeometry {
             payload_bytes: disk.payload_bytes() as u64,
             num_slots: disk.num_slots() as u64,
             file_id: disk.file_id(),
             fingerprint: fingerprint.map_or(0, ModelFingerprint::short),
         };
         let path = path_for(file);
-        let (manifest, recovery) =
-            DiskManifest::open(&path, geometry).map_err(|e| journal_error(&path, e))?;
+        let (file, recovery) =
+            JournalFile::open(&path, geometry).map_err(|e| journal_error(&path, e))?;
         if let Some(why) = &recovery.reset {
             tracing::warn!("G3 starts cold: journal reset ({why})");
         }
@@ -188,7 +188,7 @@ impl DiskJournal {
             "G3 journal replayed"
         );
         let mut entries = HashMap::with_capacity(recovery.live);
-        for e in manifest.entries() {
+        for e in file.entries() {
             if let Some(h) = hash_of(&e.identity) {
                 entries.insert(
                     h,
@@ -200,7 +200,7 @@ impl DiskJournal {
             }
         }
         Ok(Opened {
-            journal: DiskJournal { manifest },
+            journal: DiskJournal { file },
             entries,
         })
     }
@@ -211,11 +211,11 @@ impl DiskJournal {
     /// # Errors
     /// The journal could not be appended (e.g. the disk is full).
     pub fn will_write(&self, slots: impl IntoIterator<Item = usize>) -> kvbm_physical::Result<()> {
-        let recs: Vec<ManifestRecord> = slots
+        let recs: Vec<JournalRecord> = slots
             .into_iter()
-            .map(|s| ManifestRecord::Removed { slot: s as u64 })
+            .map(|s| JournalRecord::Removed { slot: s as u64 })
             .collect();
-        self.manifest.record(&recs)
+        self.file.record(&recs)
     }
 
     /// Lists `(slot, hash, checksum)` blocks whose writes completed.
@@ -223,15 +223,15 @@ impl DiskJournal {
     /// # Errors
     /// The journal could not be appended (the blocks are then not persistent).
     pub fn written(&self, blocks: &[(usize, u128, u128)]) -> kvbm_physical::Result<()> {
-        let recs: Vec<ManifestRecord> = blocks
+        let recs: Vec<JournalRecord> = blocks
             .iter()
-            .map(|&(slot, h, checksum)| ManifestRecord::Stored {
+            .map(|&(slot, h, checksum)| JournalRecord::Stored {
                 slot: slot as u64,
                 identity: BlockIdentity::from_u128(h),
                 checksum,
             })
             .collect();
-        self.manifest.record(&recs)
+        self.file.record(&recs)
     }
 
     /// Unlists `slot` (its block failed verification).
@@ -246,7 +246,7 @@ impl DiskJournal {
     /// # Errors
     /// The sync failed.
     pub fn sync(&self) -> kvbm_physical::Result<()> {
-        self.manifest.sync()
+        self.file.sync()
     }
 }
 

@@ -9,9 +9,9 @@
 //!   digest covers the fingerprint ([`ObjectStorage::with_fingerprint`](crate::ObjectStorage::with_fingerprint)),
 //!   so instances with different fingerprints share a bucket and never list, probe or read
 //!   each other's blocks;
-//! * the G3 journal's header records it ([`ManifestGeometry::fingerprint`](crate::ManifestGeometry)):
+//! * the G3 journal's header records it ([`JournalGeometry::fingerprint`](crate::JournalGeometry)):
 //!   a journal written under another fingerprint starts the disk tier cold (a miss, never a
-//!   hit; see [`crate::storage::manifest`]);
+//!   hit; see [`crate::storage::journal`]);
 //! * the cluster plane (kvbm-engine) scopes its event, heartbeat and snapshot subjects by it,
 //!   so peers with another fingerprint are never seen.
 //!

@@ -31,9 +31,9 @@ pub use layout::{
     Backing, BlockDim, BlockLayout, LayoutBuilder, LayoutConfig, LayoutKind, PhysicalLayout, Region,
 };
 pub use storage::{
-    DeviceMemory, DiskBufferPoolStats, DiskCapabilities, DiskConfig, DiskManifest, DiskStorage,
-    HostStandInDevice, HostStorage, IoEngineKind, ManifestEntry, ManifestGeometry, ManifestRecord,
-    ObjectKey, ObjectPutMode, PinPolicy, Storage, StorageKind, parse_hash_key,
+    DeviceMemory, DiskBufferPoolStats, DiskCapabilities, DiskConfig, DiskStorage,
+    HostStandInDevice, HostStorage, IoEngineKind, JournalEntry, JournalFile, JournalGeometry,
+    JournalRecord, ObjectKey, ObjectPutMode, PinPolicy, Storage, StorageKind, parse_hash_key,
 };
 #[cfg(feature = "object")]
 pub use storage::{

@@ -1,17 +1,17 @@
 //! Property tests of every decoder that reads bytes from outside the process: the block header
-//! (disk slots and object bodies), the G3 manifest header and records, and the block object key.
+//! (disk slots and object bodies), the G3 journal header and records, and the block object key.
 //!
 //! These run in `cargo xtask ci` in place of the `fuzz/` targets (which `cargo xtask fuzz`
 //! runs): same functions, bounded time. Each decoder must never panic, must round-trip what
 //! its encoder writes, and must refuse what it did not write with a typed error.
 
 use kvbm_physical::checksum::{BlockHeader, HEADER_LEN};
-use kvbm_physical::storage::manifest::{
-    MANIFEST_HEADER_LEN, MANIFEST_RECORD_LEN, decode_header, decode_record, encode_header,
+use kvbm_physical::storage::journal::{
+    JOURNAL_HEADER_LEN, JOURNAL_RECORD_LEN, decode_header, decode_record, encode_header,
     encode_record, replay,
 };
 use kvbm_physical::{
-    BlockIdentity, ManifestGeometry, ManifestRecord, ObjectKey, PhysicalError, parse_hash_key,
+    BlockIdentity, JournalGeometry, JournalRecord, ObjectKey, PhysicalError, parse_hash_key,
 };
 use proptest::prelude::*;
 
@@ -42,15 +42,15 @@ proptest! {
     }
 
     #[test]
-    fn manifest_decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
-        let g = ManifestGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1, fingerprint: 7 };
+    fn journal_decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+        let g = JournalGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1, fingerprint: 7 };
         if let Ok(r) = decode_record(&bytes) {
-            let mut again = [0u8; MANIFEST_RECORD_LEN];
+            let mut again = [0u8; JOURNAL_RECORD_LEN];
             encode_record(&r, &mut again);
-            prop_assert_eq!(&again[..], &bytes[..MANIFEST_RECORD_LEN]);
+            prop_assert_eq!(&again[..], &bytes[..JOURNAL_RECORD_LEN]);
         }
         if let Ok(h) = decode_header(&bytes) {
-            prop_assert_eq!(&encode_header(&h)[..], &bytes[..MANIFEST_HEADER_LEN]);
+            prop_assert_eq!(&encode_header(&h)[..], &bytes[..JOURNAL_HEADER_LEN]);
         }
         if let Ok(r) = replay(&bytes, &g) {
             prop_assert!(r.good_len as usize <= bytes.len());
@@ -59,14 +59,14 @@ proptest! {
     }
 
     #[test]
-    fn manifest_records_on_a_valid_header_replay_or_stop(
+    fn journal_records_on_a_valid_header_replay_or_stop(
         tail in proptest::collection::vec(any::<u8>(), 0..400),
         slot in 0u64..32,
     ) {
-        let g = ManifestGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1, fingerprint: 7 };
+        let g = JournalGeometry { payload_bytes: 4096, num_slots: 16, file_id: 1, fingerprint: 7 };
         let mut img = encode_header(&g).to_vec();
-        let mut rec = [0u8; MANIFEST_RECORD_LEN];
-        encode_record(&ManifestRecord::Removed { slot }, &mut rec);
+        let mut rec = [0u8; JOURNAL_RECORD_LEN];
+        encode_record(&JournalRecord::Removed { slot }, &mut rec);
         img.extend_from_slice(&rec);
         img.extend_from_slice(&tail);
         let r = replay(&img, &g).unwrap();

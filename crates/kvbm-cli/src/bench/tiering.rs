@@ -19,7 +19,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvbm_engine::InstanceLeader;
-use kvbm_engine::manager::{EngineTieringManager, PromotionMovers};
+use kvbm_engine::leader::MoversToG2;
+use kvbm_engine::manager::EngineTieringManager;
 use kvbm_engine::mover::BlockMove;
 use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, Tier};
 use kvbm_offload::{BlockMover, BoundTier, ExternalMover};
@@ -236,9 +237,9 @@ pub(super) fn run(
         .build()?;
     let up: Arc<dyn BlockMove<G3, G2>> = Arc::new(BlockMover::new(&g3_bound, &g2_bound)?);
     let mgr = leader.tiering_manager(
-        PromotionMovers {
+        MoversToG2 {
             g3_to_g2: Some(up),
-            g4_to_g2: None,
+            ..MoversToG2::default()
         },
         rt.handle().clone(),
     )?;

@@ -198,13 +198,13 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
                 std::thread::sleep(wait);
             }
         }
-        let ahead = cfg.replay.prefetch_requests;
+        let ahead = cfg.replay.read_ahead_requests;
         if ahead > 0 {
             if i == 0 {
                 for j in 1..=ahead.min(wl.requests.len() - 1) {
                     let ids = &wl.requests[j].hash_ids;
                     hash(ids, &mut chained, &mut ahead_keys, &mut ahead_hashes);
-                    tiers.prefetch(j, &ahead_hashes);
+                    tiers.read_ahead(j, &ahead_hashes);
                 }
             } else if let Some(next) = wl.requests.get(i + ahead) {
                 hash(
@@ -213,7 +213,7 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
                     &mut ahead_keys,
                     &mut ahead_hashes,
                 );
-                tiers.prefetch(i + ahead, &ahead_hashes);
+                tiers.read_ahead(i + ahead, &ahead_hashes);
             }
         }
         hash(&req.hash_ids, &mut chained, &mut req_keys, &mut hashes);

@@ -198,7 +198,7 @@ impl Report {
         let st = &self.stage_seconds;
         let staged = st.lookup
             + st.g3_to_g2
-            + st.prefetch
+            + st.read_ahead
             + st.g4_to_g2
             + st.g2_to_g1
             + st.compute
@@ -208,9 +208,9 @@ impl Report {
             + st.drain;
         let _ = writeln!(
             s,
-            "  stages (s): lookup {:.3}  prefetch {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  store {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}  other {:.3}",
+            "  stages (s): lookup {:.3}  read-ahead {:.3}  g3->g2 {:.3}  g4->g2 {:.3}  g2->g1 {:.3}  compute {:.3}  store {:.3}  g1 wait {:.3}  offload wait {:.3}  drain {:.3}  other {:.3}",
             st.lookup,
-            st.prefetch,
+            st.read_ahead,
             st.g3_to_g2,
             st.g4_to_g2,
             st.g2_to_g1,

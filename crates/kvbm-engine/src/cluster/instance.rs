@@ -99,7 +99,7 @@ use crate::cluster::pubsub::nats::NatsBus;
 use crate::cluster::transport::PeerInfo;
 use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
-use crate::leader::{FinishOutcome, InstanceLeader, RemoteSearch, SessionError, StagingMovers};
+use crate::leader::{FinishOutcome, InstanceLeader, MoversToG2, RemoteSearch, SessionError};
 use crate::runtime::RuntimeHandle;
 use crate::security::{Role as SecurityRole, Security};
 use crate::stack::{Movers, TierPlan, TierSinks, Tiers, discard_rejected};
@@ -880,7 +880,7 @@ impl Instance {
             return Ok(out);
         }
         let session = crate::leader::OnboardingSession::new(matched);
-        let movers = StagingMovers {
+        let movers = MoversToG2 {
             g3_to_g2: self.movers.g3_to_g2(),
             g4_to_g2: self.movers.g4_to_g2(),
             remote_g2: Some(self.client.clone()),

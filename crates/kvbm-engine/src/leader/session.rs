@@ -90,11 +90,12 @@ pub enum FinishOutcome {
     NotReady(Phase),
 }
 
-/// The movers staging needs: one per lower tier present in the prefix, in-process
-/// (`kvbm_offload::BlockMover`) or across ranks (`SpmdMover`). Their destination must be the
-/// leader's G2 manager.
-#[derive(Default)]
-pub struct StagingMovers {
+/// The movers that bring blocks into G2: a session's staging (one per lower tier present in
+/// the prefix) and the scheduler-facing manager's promotions (G3 and G4; the remote pull is the
+/// sessions'). In-process (`kvbm_offload::BlockMover`) or across ranks (`SpmdMover`). Their
+/// destination must be the leader's G2 manager.
+#[derive(Default, Clone)]
+pub struct MoversToG2 {
     /// G3 → G2.
     pub g3_to_g2: Option<Arc<dyn BlockMove<G3, G2>>>,
     /// G4 → G2 (for an object layout, a keyed source).
@@ -237,7 +238,7 @@ impl OnboardingSession {
     /// [`SessionError::NoMover`] / [`SessionError::Destinations`] (the session stays
     /// `Holding`); [`SessionError::Failed`] when a block failed to stage (the session is
     /// `Failed`, everything released); [`SessionError::Aborted`] when aborted meanwhile.
-    pub async fn prepare(&self, movers: StagingMovers) -> Result<(), SessionError> {
+    pub async fn prepare(&self, movers: MoversToG2) -> Result<(), SessionError> {
         self.begin(Phase::Holding, Phase::Staging)?;
         // Check and allocate before anything moves; on error go back to Holding.
         let prepared = {

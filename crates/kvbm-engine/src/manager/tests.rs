@@ -55,7 +55,7 @@ proptest! {
         );
         let leader = InstanceLeader::builder().g2(g2.clone()).build().unwrap();
         let mut m = leader
-            .tiering_manager(PromotionMovers::default(), rt.handle().clone())
+            .tiering_manager(MoversToG2::default(), rt.handle().clone())
             .unwrap();
         let ctx = [ReqContext::new("r0"), ReqContext::new("r1")];
         for c in &ctx {
@@ -192,7 +192,7 @@ fn prepare_store_on_a_full_g2_returns_exactly_the_evicted_keys_never_its_own() {
     let g2 = lru::<G2>(4, &reg);
     let leader = InstanceLeader::builder().g2(g2.clone()).build().unwrap();
     let mut m = leader
-        .tiering_manager(PromotionMovers::default(), rt.handle().clone())
+        .tiering_manager(MoversToG2::default(), rt.handle().clone())
         .unwrap();
     let ctx = ReqContext::new("r");
     m.on_new_request(&ctx).unwrap();
@@ -253,7 +253,7 @@ fn touch_reaches_g2_g3_and_g4_recency() {
             .build()
             .unwrap();
         let mut m = leader
-            .tiering_manager(PromotionMovers::default(), rt.handle().clone())
+            .tiering_manager(MoversToG2::default(), rt.handle().clone())
             .unwrap();
         let ctx = ReqContext::new("r");
         m.on_new_request(&ctx).unwrap();
@@ -308,7 +308,7 @@ fn get_stats_reports_g2_usage_allocations_and_per_tier_queries() {
         .unwrap();
     // No promotion movers: a G3 hit reads MISS (it cannot be promoted) but is counted.
     let mut m = leader
-        .tiering_manager(PromotionMovers::default(), rt.handle().clone())
+        .tiering_manager(MoversToG2::default(), rt.handle().clone())
         .unwrap();
     let ctx = ReqContext::new("r");
     m.on_new_request(&ctx).unwrap();
@@ -373,7 +373,7 @@ proptest! {
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let g2 = lru::<G2>(BLOCKS, &BlockRegistry::new());
         let leader = InstanceLeader::builder().g2(g2).build().unwrap();
-        let mut m = leader.tiering_manager(PromotionMovers::default(), rt.handle().clone()).unwrap();
+        let mut m = leader.tiering_manager(MoversToG2::default(), rt.handle().clone()).unwrap();
         let ctx = ReqContext::new("r");
         m.on_new_request(&ctx).unwrap();
         let mut present: HashSet<u64> = HashSet::new();
@@ -450,7 +450,7 @@ fn g2_manager(rt: &tokio::runtime::Runtime, blocks: usize) -> EngineTieringManag
         .g2(g2)
         .build()
         .unwrap()
-        .tiering_manager(PromotionMovers::default(), rt.handle().clone())
+        .tiering_manager(MoversToG2::default(), rt.handle().clone())
         .unwrap()
 }
 

@@ -92,7 +92,7 @@ impl Counters {
         };
         let b = (blocks * block_bytes) as u64;
         self.bytes[i].fetch_add(b, Ordering::Relaxed);
-        metrics::counter!("kvbm_replay_bytes_moved_total", "path" => PATH_NAMES[i]).increment(b);
+        metrics::counter!("kvbm_stack_bytes_moved_total", "path" => PATH_NAMES[i]).increment(b);
     }
 }
 
@@ -132,11 +132,11 @@ impl Served {
     pub(super) fn publish(&self) {
         for (tier, h) in self.hits.iter().enumerate() {
             if *h > 0 {
-                metrics::counter!("kvbm_replay_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
+                metrics::counter!("kvbm_stack_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
                     .increment(*h);
             }
         }
-        metrics::counter!("kvbm_replay_computed_blocks_total").increment(self.computed);
+        metrics::counter!("kvbm_stack_computed_blocks_total").increment(self.computed);
     }
 }
 
@@ -145,10 +145,10 @@ impl Served {
 pub struct StageTimes {
     /// Lookups over the tiers.
     pub lookup: f64,
-    /// G3→G2 onboarding (transfer + journal checksum check; waiting for prefetched reads).
+    /// G3→G2 onboarding (transfer + journal checksum check; waiting for read_ahead_staged reads).
     pub g3_to_g2: f64,
     /// Starting G3→G2 reads ahead of their request (presence checks, allocation, submission).
-    pub prefetch: f64,
+    pub read_ahead: f64,
     /// G4→G2 onboarding.
     pub g4_to_g2: f64,
     /// G2→G1 onboarding, with the byte check.

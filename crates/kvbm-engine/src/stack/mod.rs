@@ -66,7 +66,8 @@ use kvbm_physical::{Backing, PinPolicy, TransferManager};
 use parking_lot::Mutex;
 
 use crate::error::{EngineError, Result};
-use crate::manager::{EngineTieringManager, PromotionMovers};
+use crate::leader::MoversToG2;
+use crate::manager::EngineTieringManager;
 use crate::mover::BlockMove;
 use crate::{InstanceLeader, KvbmRuntime};
 
@@ -78,7 +79,7 @@ pub use hooks::{Contents, Identities, ShareG4, SharedG4};
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 use lanes::{Handoffs, enqueue_from_sink, lane_policy};
-use read_ahead::Prefetch;
+use read_ahead::ReadAhead;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
 };
@@ -139,12 +140,12 @@ pub struct TierStack {
     /// it is that lane's work on the Tiering front end).
     g2_room_patience: std::time::Duration,
     /// G3→G2 reads started ahead of their request, oldest first.
-    prefetches: std::collections::VecDeque<Prefetch>,
-    /// Blocks in G2 because a prefetch staged them, not yet claimed by their request.
-    prefetched: HashSet<SequenceHash>,
-    /// Blocks with a prefetch in flight.
-    prefetching: HashSet<SequenceHash>,
-    /// Requests served so far (prefetches are tagged with the request they are for).
+    reads_ahead: std::collections::VecDeque<ReadAhead>,
+    /// Blocks in G2 because a read-ahead staged them, not yet claimed by their request.
+    read_ahead_staged: HashSet<SequenceHash>,
+    /// Blocks with a read-ahead in flight.
+    reading_ahead: HashSet<SequenceHash>,
+    /// Requests served so far (reads_ahead are tagged with the request they are for).
     served_requests: usize,
     /// Largest G1→G2 batch (G2 space one batch needs).
     g1_batch: usize,
@@ -326,9 +327,10 @@ impl TierStack {
             (Some(l), Some(m), Some(g2t), FrontEnd::Tiering) => Some({
                 let mut sched = l
                     .tiering_manager(
-                        PromotionMovers {
+                        MoversToG2 {
                             g3_to_g2: m.g3_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G3, G2>>),
                             g4_to_g2: m.g4_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G4, G2>>),
+                            remote_g2: None,
                         },
                         rt.clone(),
                     )
@@ -389,9 +391,9 @@ impl TierStack {
             no_space: 0,
             g2_space_waits,
             g2_room_patience: cfg.offload.g1_to_g2.room_patience,
-            prefetches: std::collections::VecDeque::new(),
-            prefetched: HashSet::new(),
-            prefetching: HashSet::new(),
+            reads_ahead: std::collections::VecDeque::new(),
+            read_ahead_staged: HashSet::new(),
+            reading_ahead: HashSet::new(),
             served_requests: 0,
             g1_batch: cfg.offload.g1_to_g2.batch_config.max_batch_size,
             shared_g4: shared,
@@ -536,7 +538,7 @@ impl TierStack {
     /// own `kvbm_logical_{active,inactive,reset}_blocks` and `kvbm_logical_evicted_blocks_total`).
     pub fn publish_capacity(&self) {
         for (tier, cap) in ["g1", "g2", "g3", "g4"].into_iter().zip(self.capacities()) {
-            metrics::gauge!("kvbm_replay_tier_capacity_blocks", "tier" => tier).set(cap as f64);
+            metrics::gauge!("kvbm_stack_tier_capacity_blocks", "tier" => tier).set(cap as f64);
         }
     }
 
@@ -554,7 +556,7 @@ impl TierStack {
             w.flush(true);
         }
 
-        self.complete_prefetches(usize::MAX);
+        self.complete_read_aheads(usize::MAX);
         while let Some(h) = self.g1_handles.pop_front() {
             match self.rt.block_on(h.wait()) {
                 Ok(r) => self.tally(&r),

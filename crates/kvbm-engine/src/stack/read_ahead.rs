@@ -12,7 +12,7 @@ use kvbm_offload::MoveOutcome;
 use super::TierStack;
 
 /// A G3→G2 read started ahead of the request that needs it.
-pub(super) struct Prefetch {
+pub(super) struct ReadAhead {
     /// Index of the request it is for.
     pub(super) request: usize,
     /// The G3 sources, held until the read ends.
@@ -29,15 +29,15 @@ impl TierStack {
     ///
     /// Presence is read from the registry without taking handles; blocks are matched in G3
     /// (held until the read ends) and staged exactly as a synchronous onboarding would, with
-    /// the same checks, when the request comes up (`complete_prefetches`). A block
+    /// the same checks, when the request comes up (`complete_read_aheads`). A block
     /// evicted from G2 before then is simply read again.
-    pub fn prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
+    pub fn read_ahead(&mut self, request: usize, hashes: &[SequenceHash]) {
         let t = Instant::now();
-        self.start_prefetch(request, hashes);
-        self.times.prefetch += t.elapsed().as_secs_f64();
+        self.start_read_ahead(request, hashes);
+        self.times.read_ahead += t.elapsed().as_secs_f64();
     }
 
-    pub(super) fn start_prefetch(&mut self, request: usize, hashes: &[SequenceHash]) {
+    pub(super) fn start_read_ahead(&mut self, request: usize, hashes: &[SequenceHash]) {
         let (Some(g2), Some(g3), Some(g3_to_g2)) = (
             &self.g2,
             &self.g3,
@@ -57,7 +57,7 @@ impl TierStack {
             }
             if tiers.contains(&TierId::G3)
                 && !g3.poisoned.lock().contains(h)
-                && !self.prefetching.contains(h)
+                && !self.reading_ahead.contains(h)
             {
                 want.push(*h);
             }
@@ -66,7 +66,7 @@ impl TierStack {
             return;
         }
         // Reads in flight hold G2 slots: keep them to a quarter of G2.
-        let budget = (g2.manager.total_blocks() / 4).saturating_sub(self.prefetching.len());
+        let budget = (g2.manager.total_blocks() / 4).saturating_sub(self.reading_ahead.len());
         want.truncate(budget);
         if want.is_empty() {
             return;
@@ -84,9 +84,9 @@ impl TierStack {
             .mover()
             .move_blocks(&g3_to_g2.sources(&src), dst)
             .boxed();
-        self.prefetching
+        self.reading_ahead
             .extend(src.iter().map(|b| b.sequence_hash()));
-        self.prefetches.push_back(Prefetch {
+        self.reads_ahead.push_back(ReadAhead {
             request,
             src,
             moved,
@@ -94,23 +94,23 @@ impl TierStack {
         });
     }
 
-    /// Finishes every prefetch for requests up to `request`: checks each block like a
+    /// Finishes every read-ahead for requests up to `request`: checks each block like a
     /// synchronous G3→G2 onboarding and registers the good ones in G2.
-    pub(super) fn complete_prefetches(&mut self, request: usize) {
+    pub(super) fn complete_read_aheads(&mut self, request: usize) {
         while self
-            .prefetches
+            .reads_ahead
             .front()
             .is_some_and(|p| p.request <= request)
         {
-            let p = self.prefetches.pop_front().expect("checked");
+            let p = self.reads_ahead.pop_front().expect("checked");
             let t = Instant::now();
             // The read runs on the transfer manager's runtime; this only waits for its end.
             let out = futures::executor::block_on(p.moved);
             self.times.g3_to_g2 += t.elapsed().as_secs_f64();
-            metrics::histogram!("kvbm_replay_transfer_seconds", "path" => "g3_to_g2")
+            metrics::histogram!("kvbm_stack_transfer_seconds", "path" => "g3_to_g2")
                 .record(p.started.elapsed().as_secs_f64());
             for b in &p.src {
-                self.prefetching.remove(&b.sequence_hash());
+                self.reading_ahead.remove(&b.sequence_hash());
             }
             if let Some(g3_to_g2) = self.movers.as_ref().and_then(|m| m.g3_to_g2.clone()) {
                 // No session is waiting on these blocks: failures are accounted, not reported.
@@ -119,7 +119,7 @@ impl TierStack {
             // The copies that arrived are registered; held no further, they are inactive in G2
             // until their request finds them.
             for b in out.into_iter().flatten() {
-                self.prefetched.insert(b.sequence_hash());
+                self.read_ahead_staged.insert(b.sequence_hash());
             }
         }
     }

@@ -150,7 +150,7 @@ impl TierStack {
     fn source_of(&mut self, h: SequenceHash) -> HitSource {
         let registry = self.g1.manager.registry();
         if registry.is_present(h, TierId::G2) {
-            return HitSource::Tier(if self.prefetched.remove(&h) {
+            return HitSource::Tier(if self.read_ahead_staged.remove(&h) {
                 TierId::G3
             } else {
                 TierId::G2
@@ -305,7 +305,7 @@ impl TierStack {
             if let Some(w) = &self.write_through {
                 w.flush(true);
             }
-            self.complete_prefetches(usize::MAX);
+            self.complete_read_aheads(usize::MAX);
             if self.lane_pending() > 0 {
                 idle_since = None;
             } else if idle_since.get_or_insert_with(Instant::now).elapsed() > GRACE {

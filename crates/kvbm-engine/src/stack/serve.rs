@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use crate::MatchedPrefix;
 use crate::error::Result;
-use crate::leader::{FinishOutcome, OnboardingSession, StagingMovers};
+use crate::leader::{FinishOutcome, MoversToG2, OnboardingSession};
 use crate::mover::BlockMove;
 
 use super::context::{bail, stack_error};
@@ -27,9 +27,9 @@ impl TierStack {
     pub(super) fn admit(&mut self, hashes: &[SequenceHash]) {
         self.discard_rejected();
         self.wait_for_room(hashes.len());
-        self.complete_prefetches(self.served_requests);
-        if !self.prefetching.is_empty() && hashes.iter().any(|h| self.prefetching.contains(h)) {
-            self.complete_prefetches(usize::MAX);
+        self.complete_read_aheads(self.served_requests);
+        if !self.reading_ahead.is_empty() && hashes.iter().any(|h| self.reading_ahead.contains(h)) {
+            self.complete_read_aheads(usize::MAX);
         }
         self.ensure_g1_room(hashes.len());
         self.served_requests += 1;
@@ -215,7 +215,7 @@ impl TierStack {
                     }
                     src.push(match run.tier {
                         // A block read ahead from G3 for this request is a G3 hit.
-                        TierId::G2 if self.prefetched.remove(&hashes[at + k]) => {
+                        TierId::G2 if self.read_ahead_staged.remove(&hashes[at + k]) => {
                             HitSource::Tier(TierId::G3)
                         }
                         // Written by another instance: a cross-instance hit.
@@ -255,16 +255,16 @@ impl TierStack {
             {
                 let t = Instant::now();
                 let nested = self.nested_time();
-                if !self.prefetches.is_empty()
+                if !self.reads_ahead.is_empty()
                     && self
                         .g2
                         .as_ref()
                         .is_some_and(|g2| g2.manager.available_blocks() < need)
                 {
-                    self.complete_prefetches(usize::MAX);
+                    self.complete_read_aheads(usize::MAX);
                 }
                 let g3_before = self.onboard.g3_nanos.load(Ordering::Relaxed);
-                let staged = self.session_rt.block_on(session.prepare(StagingMovers {
+                let staged = self.session_rt.block_on(session.prepare(MoversToG2 {
                     g3_to_g2: g3_to_g2.map(|m| m as Arc<dyn BlockMove<G3, G2>>),
                     g4_to_g2: g4_to_g2.map(|m| m as Arc<dyn BlockMove<G4, G2>>),
                     remote_g2: None,
@@ -312,7 +312,7 @@ impl TierStack {
     }
 
     /// Time of the stages that can run nested inside another (waiting for G1 room, finishing
-    /// prefetched G3 reads): subtracted from the enclosing stage so the stages add up to the wall
+    /// read_ahead_staged G3 reads): subtracted from the enclosing stage so the stages add up to the wall
     /// time.
     pub(super) fn nested_time(&self) -> f64 {
         self.times.g1_backpressure + self.times.g3_to_g2
@@ -360,7 +360,7 @@ impl TierStack {
         }
         let t = Instant::now();
         let nested = self.nested_time();
-        self.complete_prefetches(usize::MAX);
+        self.complete_read_aheads(usize::MAX);
         while starved(self) {
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -377,7 +377,7 @@ impl TierStack {
             return;
         }
         // The G1→G2 lane may be waiting for G2 room that reads started ahead hold.
-        self.complete_prefetches(usize::MAX);
+        self.complete_read_aheads(usize::MAX);
         let t = Instant::now();
         while self.g1.manager.available_blocks() < n {
             let Some(h) = self.g1_handles.pop_front() else {
@@ -402,7 +402,7 @@ impl TierStack {
         // G2 slots they hold become evictable and cannot keep it waiting (their time counts as
         // G3→G2). Normally [`Self::ensure_g1_room`] made room before the request took any
         // handle, and this path is not taken.
-        self.complete_prefetches(usize::MAX);
+        self.complete_read_aheads(usize::MAX);
         let t = Instant::now();
         while let Some(h) = self.g1_handles.pop_front() {
             match self.rt.block_on(h.wait()) {

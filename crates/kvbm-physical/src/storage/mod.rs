@@ -10,7 +10,7 @@
 //! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
 //! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
 //! | G3 I/O buffers | the disk's pool of header sectors and staging buffers ([`DiskBufferPoolStats`]) | `disk_buffers.rs` |
-//! | G3 index | [`DiskManifest`] (append-only, checksummed, replayed at open) | `manifest.rs` |
+//! | G3 index | [`JournalFile`] (append-only, checksummed, replayed at open) | `journal.rs` |
 //! | G4 | `ObjectStorage` (object_store: S3, local fs, in-memory; the default `object` feature) | `object.rs`, keys in `object_key.rs` |
 //!
 //! Invariant shared by all: a storage object owns its allocation for its whole life and never
@@ -21,7 +21,7 @@ mod device;
 mod disk;
 mod disk_buffers;
 mod host;
-pub mod manifest;
+pub mod journal;
 #[cfg(feature = "object")]
 mod object;
 mod object_key;
@@ -30,8 +30,8 @@ pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
 pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
 pub use disk_buffers::{DEFAULT_BUFFER_POOL_BYTES, DiskBufferPoolStats};
 pub use host::{HostStorage, PinPolicy};
-pub use manifest::{
-    DiskManifest, ManifestEntry, ManifestGeometry, ManifestRecord, Recovery as ManifestRecovery,
+pub use journal::{
+    JournalEntry, JournalFile, JournalGeometry, JournalRecord, Recovery as JournalRecovery,
 };
 #[cfg(feature = "object")]
 pub use object::{

@@ -75,10 +75,10 @@ async fn calls_in_the_wrong_phase_are_refused() {
     let (leader, _g2, hashes) = leader_with_two_g2_blocks();
     let session = leader.begin_onboarding(&hashes);
     // A G2-only prefix needs no mover: staging is immediate.
-    session.prepare(StagingMovers::default()).await.unwrap();
+    session.prepare(MoversToG2::default()).await.unwrap();
     assert_eq!(session.phase(), Phase::Staged);
     assert_eq!(session.staged().len(), 2);
-    let again = session.prepare(StagingMovers::default()).await.unwrap_err();
+    let again = session.prepare(MoversToG2::default()).await.unwrap_err();
     assert_eq!(
         again,
         SessionError::WrongPhase {
@@ -88,7 +88,7 @@ async fn calls_in_the_wrong_phase_are_refused() {
     );
     assert_eq!(session.abort(), Phase::Aborted);
     assert_eq!(
-        session.prepare(StagingMovers::default()).await.unwrap_err(),
+        session.prepare(MoversToG2::default()).await.unwrap_err(),
         SessionError::Aborted
     );
     assert_eq!(session.settled().await, Phase::Aborted);
@@ -158,7 +158,7 @@ mod model {
             for op in ops {
                 match op {
                     Op::Prepare => {
-                        let r = rt.block_on(session.prepare(StagingMovers::default()));
+                        let r = rt.block_on(session.prepare(MoversToG2::default()));
                         match model {
                             Phase::Holding => { prop_assert!(r.is_ok()); model = Phase::Staged; }
                             Phase::Aborted => prop_assert_eq!(r, Err(SessionError::Aborted)),
@@ -302,7 +302,7 @@ mod layerwise_model {
             let (leader, g2, hashes) = leader_with_two_g2_blocks();
             let g1 = Arc::new(BlockManager::<G1>::builder().block_count(2).block_size(4).build().unwrap());
             let session = Arc::new(leader.begin_onboarding(&hashes));
-            rt.block_on(session.prepare(StagingMovers::default())).unwrap();
+            rt.block_on(session.prepare(MoversToG2::default())).unwrap();
             let mover = Arc::new(Scripted {
                 g1: g1.clone(),
                 layers,

@@ -1,11 +1,11 @@
-//! Tests of the disk-tier manifest: replay, torn tails, damage, resets, compaction, and
+//! Tests of the disk-tier journal: replay, torn tails, damage, resets, compaction, and
 //! proptests that the decoders never panic and round-trip.
 
 use super::*;
 use proptest::prelude::*;
 
-fn geo() -> ManifestGeometry {
-    ManifestGeometry {
+fn geo() -> JournalGeometry {
+    JournalGeometry {
         payload_bytes: 4096,
         num_slots: 64,
         file_id: 0xfeed,
@@ -13,8 +13,8 @@ fn geo() -> ManifestGeometry {
     }
 }
 
-fn stored(slot: u64, id: u128) -> ManifestRecord {
-    ManifestRecord::Stored {
+fn stored(slot: u64, id: u128) -> JournalRecord {
+    JournalRecord::Stored {
         slot,
         identity: BlockIdentity::from_u128(id),
         checksum: id * 7 + 1,
@@ -25,21 +25,21 @@ fn stored(slot: u64, id: u128) -> ManifestRecord {
 fn records_survive_reopen_and_later_records_win() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert!(r.created);
     m.record(&[stored(1, 10), stored(2, 20), stored(3, 30)])
         .unwrap();
-    m.record(&[ManifestRecord::Removed { slot: 2 }, stored(3, 31)])
+    m.record(&[JournalRecord::Removed { slot: 2 }, stored(3, 31)])
         .unwrap();
     // Removing a slot that is not listed is recorded (a no-op at replay).
     let before = m.records_in_file();
-    m.record(&[ManifestRecord::Removed { slot: 9 }]).unwrap();
+    m.record(&[JournalRecord::Removed { slot: 9 }]).unwrap();
     assert_eq!(m.records_in_file(), before + 1);
     // Listed and unlisted in one call: the unlisting is written too.
-    m.record(&[stored(7, 70), ManifestRecord::Removed { slot: 7 }])
+    m.record(&[stored(7, 70), JournalRecord::Removed { slot: 7 }])
         .unwrap();
     drop(m);
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert!(!r.created && r.reset.is_none());
     assert_eq!(r.discarded_bytes, 0);
     assert_eq!(r.records, 8);
@@ -56,23 +56,23 @@ fn records_survive_reopen_and_later_records_win() {
 fn torn_tail_is_discarded_and_appends_continue_after_the_good_prefix() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     m.record(&[stored(1, 10), stored(2, 20)]).unwrap();
     drop(m);
     // A torn append: half a record.
-    let mut rec = [0u8; MANIFEST_RECORD_LEN];
+    let mut rec = [0u8; JOURNAL_RECORD_LEN];
     encode_record(&stored(4, 40), &mut rec);
     let mut data = std::fs::read(&p).unwrap();
     let good = data.len();
     data.extend_from_slice(&rec[..30]);
     std::fs::write(&p, &data).unwrap();
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert_eq!(r.discarded_bytes, 30);
     assert_eq!(std::fs::metadata(&p).unwrap().len() as usize, good);
     assert_eq!(m.len(), 2);
     m.record(&[stored(5, 50)]).unwrap();
     drop(m);
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert_eq!(r.discarded_bytes, 0);
     assert_eq!(
         m.entries().iter().map(|e| e.slot).collect::<Vec<_>>(),
@@ -84,16 +84,16 @@ fn torn_tail_is_discarded_and_appends_continue_after_the_good_prefix() {
 fn a_damaged_record_cuts_the_replay_there() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     m.record(&[stored(1, 10), stored(2, 20), stored(3, 30)])
         .unwrap();
     drop(m);
     let mut data = std::fs::read(&p).unwrap();
-    data[MANIFEST_HEADER_LEN + MANIFEST_RECORD_LEN + 20] ^= 1; // inside record 2
+    data[JOURNAL_HEADER_LEN + JOURNAL_RECORD_LEN + 20] ^= 1; // inside record 2
     std::fs::write(&p, &data).unwrap();
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert_eq!(r.records, 1);
-    assert_eq!(r.discarded_bytes, 2 * MANIFEST_RECORD_LEN as u64);
+    assert_eq!(r.discarded_bytes, 2 * JOURNAL_RECORD_LEN as u64);
     assert_eq!(m.entries().len(), 1);
 }
 
@@ -101,23 +101,23 @@ fn a_damaged_record_cuts_the_replay_there() {
 fn another_geometry_or_file_instance_resets() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     m.record(&[stored(1, 10)]).unwrap();
     drop(m);
-    let other = ManifestGeometry {
+    let other = JournalGeometry {
         file_id: 0xbeef,
         ..geo()
     };
-    let (m, r) = DiskManifest::open(&p, other).unwrap();
+    let (m, r) = JournalFile::open(&p, other).unwrap();
     assert!(r.reset.as_deref().unwrap().contains("written for"), "{r:?}");
     assert!(m.is_empty());
     // Garbage is reset too, with a reason.
     std::fs::write(
         &p,
-        b"not a manifest at all, but long enough to hold a header......",
+        b"not a journal at all, but long enough to hold a header......",
     )
     .unwrap();
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert!(r.reset.is_some());
     assert!(m.is_empty());
 }
@@ -126,28 +126,28 @@ fn another_geometry_or_file_instance_resets() {
 fn another_fingerprint_starts_cold_and_the_same_one_warm() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     m.record(&[stored(1, 10), stored(2, 20)]).unwrap();
     drop(m);
     // The same fingerprint: warm.
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert!(r.reset.is_none(), "{r:?}");
     assert_eq!(m.entries().len(), 2);
     drop(m);
     // Another fingerprint (same file, same geometry): cold, with the reason.
-    let other = ManifestGeometry {
+    let other = JournalGeometry {
         fingerprint: 0xbad,
         ..geo()
     };
-    let (m, r) = DiskManifest::open(&p, other).unwrap();
+    let (m, r) = JournalFile::open(&p, other).unwrap();
     let why = r.reset.as_deref().unwrap();
     assert!(why.contains("model fingerprint"), "{why}");
     assert!(m.is_empty());
     drop(m);
-    // ... and a manifest from before fingerprints (field 0) is another fingerprint too.
-    let (m, _) = DiskManifest::open(
+    // ... and a journal from before fingerprints (field 0) is another fingerprint too.
+    let (m, _) = JournalFile::open(
         &p,
-        ManifestGeometry {
+        JournalGeometry {
             fingerprint: 0,
             ..geo()
         },
@@ -155,7 +155,7 @@ fn another_fingerprint_starts_cold_and_the_same_one_warm() {
     .unwrap();
     m.record(&[stored(3, 30)]).unwrap();
     drop(m);
-    let (m, r) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, r) = JournalFile::open(&p, geo()).unwrap();
     assert!(r.reset.is_some());
     assert!(m.is_empty());
 }
@@ -164,7 +164,7 @@ fn another_fingerprint_starts_cold_and_the_same_one_warm() {
 fn out_of_range_slots_are_refused_and_nothing_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     let err = m.record(&[stored(1, 10), stored(64, 20)]).unwrap_err();
     assert!(
         matches!(err, PhysicalError::BlockOutOfRange { .. }),
@@ -178,18 +178,18 @@ fn out_of_range_slots_are_refused_and_nothing_is_written() {
 fn compaction_keeps_the_live_set_and_bounds_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open_with(&p, geo(), 32).unwrap();
+    let (m, _) = JournalFile::open_with(&p, geo(), 32).unwrap();
     for round in 0..100u128 {
         let slot = (round % 8) as u64;
-        m.record(&[ManifestRecord::Removed { slot }, stored(slot, round)])
+        m.record(&[JournalRecord::Removed { slot }, stored(slot, round)])
             .unwrap();
     }
     assert!(m.records_in_file() <= 40, "{}", m.records_in_file());
     let len = std::fs::metadata(&p).unwrap().len();
-    assert!(len <= (MANIFEST_HEADER_LEN + 40 * MANIFEST_RECORD_LEN) as u64);
+    assert!(len <= (JOURNAL_HEADER_LEN + 40 * JOURNAL_RECORD_LEN) as u64);
     let live = m.entries();
     drop(m);
-    let (m, r) = DiskManifest::open_with(&p, geo(), 32).unwrap();
+    let (m, r) = JournalFile::open_with(&p, geo(), 32).unwrap();
     assert_eq!(r.discarded_bytes, 0);
     assert_eq!(m.entries(), live);
     assert_eq!(live.len(), 8);
@@ -200,41 +200,41 @@ fn compaction_keeps_the_live_set_and_bounds_the_file() {
 fn read_entries_does_not_change_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g3.journal");
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     m.record(&[stored(1, 10)]).unwrap();
     drop(m);
     let mut data = std::fs::read(&p).unwrap();
     data.extend_from_slice(&[1, 2, 3]);
     std::fs::write(&p, &data).unwrap();
-    let e = DiskManifest::read_entries(&p, &geo()).unwrap();
+    let e = JournalFile::read_entries(&p, &geo()).unwrap();
     assert_eq!(e.len(), 1);
     assert_eq!(std::fs::read(&p).unwrap(), data);
 }
 
-fn arb_record() -> impl Strategy<Value = ManifestRecord> {
+fn arb_record() -> impl Strategy<Value = JournalRecord> {
     prop_oneof![
         (0u64..64, any::<u128>(), any::<u128>()).prop_map(|(slot, id, checksum)| {
-            ManifestRecord::Stored {
+            JournalRecord::Stored {
                 slot,
                 identity: BlockIdentity::from_u128(id),
                 checksum,
             }
         }),
-        (0u64..64).prop_map(|slot| ManifestRecord::Removed { slot }),
+        (0u64..64).prop_map(|slot| JournalRecord::Removed { slot }),
     ]
 }
 
 proptest! {
     #[test]
     fn record_round_trips(r in arb_record()) {
-        let mut b = [0u8; MANIFEST_RECORD_LEN];
+        let mut b = [0u8; JOURNAL_RECORD_LEN];
         encode_record(&r, &mut b);
         prop_assert_eq!(decode_record(&b).unwrap(), r);
     }
 
     #[test]
-    fn any_single_bit_flip_in_a_record_is_detected(r in arb_record(), bit in 0usize..MANIFEST_RECORD_LEN * 8) {
-        let mut b = [0u8; MANIFEST_RECORD_LEN];
+    fn any_single_bit_flip_in_a_record_is_detected(r in arb_record(), bit in 0usize..JOURNAL_RECORD_LEN * 8) {
+        let mut b = [0u8; JOURNAL_RECORD_LEN];
         encode_record(&r, &mut b);
         b[bit / 8] ^= 1 << (bit % 8);
         prop_assert!(decode_record(&b).is_err());
@@ -253,20 +253,20 @@ proptest! {
         cut in 0usize..4000,
     ) {
         let mut img = encode_header(&geo()).to_vec();
-        let mut b = [0u8; MANIFEST_RECORD_LEN];
+        let mut b = [0u8; JOURNAL_RECORD_LEN];
         for r in &recs {
             encode_record(r, &mut b);
             img.extend_from_slice(&b);
         }
-        let cut = (MANIFEST_HEADER_LEN + cut).min(img.len());
+        let cut = (JOURNAL_HEADER_LEN + cut).min(img.len());
         let got = replay(&img[..cut], &geo()).unwrap();
-        let whole = (cut - MANIFEST_HEADER_LEN) / MANIFEST_RECORD_LEN;
+        let whole = (cut - JOURNAL_HEADER_LEN) / JOURNAL_RECORD_LEN;
         prop_assert_eq!(got.records as usize, whole);
         let mut live = HashMap::new();
         for r in &recs[..whole] {
             match *r {
-                ManifestRecord::Stored { slot, identity, checksum } => { live.insert(slot, (identity, checksum)); }
-                ManifestRecord::Removed { slot } => { live.remove(&slot); }
+                JournalRecord::Stored { slot, identity, checksum } => { live.insert(slot, (identity, checksum)); }
+                JournalRecord::Removed { slot } => { live.remove(&slot); }
             }
         }
         prop_assert_eq!(got.live, live);
@@ -282,12 +282,12 @@ fn compaction_never_writes_through_a_planted_tmp_symlink() {
     let victim = dir.path().join("victim");
     std::fs::write(&victim, b"precious").unwrap();
     std::os::unix::fs::symlink(&victim, dir.path().join("g3.journal.tmp")).unwrap();
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     m.record(&[stored(1, 10), stored(2, 20)]).unwrap();
     m.compact().unwrap();
     assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     drop(m);
-    let (m, _) = DiskManifest::open(&p, geo()).unwrap();
+    let (m, _) = JournalFile::open(&p, geo()).unwrap();
     assert_eq!(
         m.entries().len(),
         2,

@@ -1,4 +1,4 @@
-//! Restart cost and recovered fraction of the G3 manifest ([`DiskManifest`]) for 100 k blocks.
+//! Restart cost and recovered fraction of the G3 journal ([`JournalFile`]) for 100 k blocks.
 //!
 //! Writes 100 000 blocks' records the way the G2→G3 lane does (`Removed` before each write,
 //! `Stored` after it, in batches of 64), then simulates `kill -9` in the middle of an append (a
@@ -6,12 +6,12 @@
 //! recovered fraction is the share of completed blocks found again. Two shapes are measured: a
 //! file that was never compacted (200 k records to replay) and the compacted steady state.
 //!
-//! `cargo run --release -p kvbm-physical --example g3_manifest_recovery [blocks]`
+//! `cargo run --release -p kvbm-physical --example g3_journal_recovery [blocks]`
 
 use std::time::Instant;
 
-use kvbm_physical::storage::manifest::{MANIFEST_RECORD_LEN, encode_record};
-use kvbm_physical::{BlockIdentity, DiskManifest, ManifestGeometry, ManifestRecord};
+use kvbm_physical::storage::journal::{JOURNAL_RECORD_LEN, encode_record};
+use kvbm_physical::{BlockIdentity, JournalFile, JournalGeometry, JournalRecord};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let blocks: u64 = std::env::args()
@@ -19,7 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|a| a.parse())
         .transpose()?
         .unwrap_or(100_000);
-    let geometry = ManifestGeometry {
+    let geometry = JournalGeometry {
         payload_bytes: 131_072,
         num_slots: blocks,
         file_id: 0x1234_5678_9abc_def0,
@@ -28,16 +28,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (label, compact_min) in [("never compacted", u64::MAX), ("compacting", 4096)] {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("g3.journal");
-        let (m, _) = DiskManifest::open_with(&path, geometry, compact_min)?;
+        let (m, _) = JournalFile::open_with(&path, geometry, compact_min)?;
         let t = Instant::now();
         for start in (0..blocks).step_by(64) {
             let end = (start + 64).min(blocks);
             let removed: Vec<_> = (start..end)
-                .map(|slot| ManifestRecord::Removed { slot })
+                .map(|slot| JournalRecord::Removed { slot })
                 .collect();
             m.record(&removed)?;
             let stored: Vec<_> = (start..end)
-                .map(|slot| ManifestRecord::Stored {
+                .map(|slot| JournalRecord::Stored {
                     slot,
                     identity: BlockIdentity::from_u128(u128::from(slot) * 0x9e37_79b9 + 1),
                     checksum: u128::from(slot),
@@ -50,14 +50,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let records = m.records_in_file();
         drop(m);
         // kill -9 mid-append: half a record at the end.
-        let mut torn = [0u8; MANIFEST_RECORD_LEN];
-        encode_record(&ManifestRecord::Removed { slot: 0 }, &mut torn);
+        let mut torn = [0u8; JOURNAL_RECORD_LEN];
+        encode_record(&JournalRecord::Removed { slot: 0 }, &mut torn);
         let mut data = std::fs::read(&path)?;
         let size = data.len();
-        data.extend_from_slice(&torn[..MANIFEST_RECORD_LEN / 2]);
+        data.extend_from_slice(&torn[..JOURNAL_RECORD_LEN / 2]);
         std::fs::write(&path, &data)?;
         let t = Instant::now();
-        let (m, r) = DiskManifest::open_with(&path, geometry, compact_min)?;
+        let (m, r) = JournalFile::open_with(&path, geometry, compact_min)?;
         let reopen = t.elapsed();
         println!(
             "{label}: {blocks} blocks, {records} records ({:.1} MiB); append {:.0} ms ({:.2} µs/block); \

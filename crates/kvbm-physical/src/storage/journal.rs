@@ -1,15 +1,15 @@
-//! The persistent index of a disk tier: an append-only manifest of which block lives in which
+//! The persistent index of a disk tier: an append-only journal of which block lives in which
 //! slot, replayed at open, so a restart (even after `kill -9`) finds every completed block.
 //!
 //! The disk file ([`DiskStorage`](crate::DiskStorage)) holds bytes and a per-slot header, but
 //! it cannot say which slots a crashed writer had finished: a slot being overwritten when the
-//! process died holds a torn mix. The manifest says it. Its writer follows one rule:
+//! process died holds a torn mix. The journal says it. Its writer follows one rule:
 //!
-//! * a slot is listed ([`ManifestRecord::Stored`]) only **after** the write of its block
+//! * a slot is listed ([`JournalRecord::Stored`]) only **after** the write of its block
 //!   completed, and
-//! * a listed slot is unlisted ([`ManifestRecord::Removed`]) **before** anything writes it again.
+//! * a listed slot is unlisted ([`JournalRecord::Removed`]) **before** anything writes it again.
 //!
-//! So a slot listed in the manifest never holds a partial block, whenever the process dies.
+//! So a slot listed in the journal never holds a partial block, whenever the process dies.
 //!
 //! ```text
 //!  allocate slot ─► record Removed(slot) ─► write block (O_DIRECT) ─► record Stored(slot, id, sum)
@@ -25,16 +25,16 @@
 //!                    | identity [32] | payload xxh3-128 u128 | xxh3-64 of [0..64)
 //! ```
 //!
-//! Records are fixed-size and each carries its own checksum. Replay at [`DiskManifest::open`]
+//! Records are fixed-size and each carries its own checksum. Replay at [`JournalFile::open`]
 //! applies records in order (a later record for a slot replaces the earlier one) and stops at
 //! the first record that is short (a torn append) or fails its checksum; the file is truncated
 //! there, and what was cut is reported in [`Recovery::discarded_bytes`]. A header for another
-//! geometry or another disk file instance (its `file_id`) resets the manifest: those slots are
+//! geometry or another disk file instance (its `file_id`) resets the journal: those slots are
 //! foreign to this file ([`Recovery::reset`] says why).
 //!
 //! The header's `fingerprint` is the 64-bit [`ModelFingerprint::short`](crate::ModelFingerprint::short)
 //! of the model the blocks were written for (0: none given; the field was reserved, zero,
-//! before fingerprints). A manifest written under another fingerprint resets too: the disk
+//! before fingerprints). A journal written under another fingerprint resets too: the disk
 //! tier starts cold, so a block written for another model, dtype, layout or rank is a miss,
 //! never a hit. Its slots are not counted as damage (nothing in them is proven damaged) and
 //! are simply free again: the file belongs to one opener (`flock`), and its next writes
@@ -43,15 +43,15 @@
 //! Records are written with one positioned `write(2)` per call at the end of the last good
 //! record; a failed (e.g. `ENOSPC`) or short write is cut off again, so later records never sit
 //! behind a torn one. A write is durable against process death as soon as it returns;
-//! [`DiskManifest::sync`] makes it durable against power loss (sync the disk file first). A
+//! [`JournalFile::sync`] makes it durable against power loss (sync the disk file first). A
 //! record that reaches stable storage before its slot's bytes can only list a slot whose header
 //! then fails its checksum on read: rejected, never served.
 //!
 //! Compaction: once the file holds more than `max(compact_min, 2 × live)` records, the live
-//! set is written to `<path>.tmp`, synced and renamed over the manifest (a crash leaves the old
+//! set is written to `<path>.tmp`, synced and renamed over the journal (a crash leaves the old
 //! file or the new one).
 //!
-//! Lock order: one mutex ([`DiskManifest`]'s state) held across each append or compaction; no
+//! Lock order: one mutex ([`JournalFile`]'s state) held across each append or compaction; no
 //! other lock is taken while holding it.
 
 use std::collections::HashMap;
@@ -65,10 +65,10 @@ use parking_lot::Mutex;
 use crate::error::{PhysicalError, Result};
 use crate::identity::{BlockIdentity, IDENTITY_LEN};
 
-/// Bytes of the manifest header.
-pub const MANIFEST_HEADER_LEN: usize = 64;
-/// Bytes of one manifest record.
-pub const MANIFEST_RECORD_LEN: usize = 72;
+/// Bytes of the journal header.
+pub const JOURNAL_HEADER_LEN: usize = 64;
+/// Bytes of one journal record.
+pub const JOURNAL_RECORD_LEN: usize = 72;
 const MAGIC: &[u8; 8] = b"KVBMG3J1";
 const VERSION: u32 = 1;
 const TAG_STORED: u32 = 1;
@@ -76,9 +76,9 @@ const TAG_REMOVED: u32 = 2;
 /// Default minimum record count before compaction is considered.
 pub const DEFAULT_COMPACT_MIN: u64 = 4096;
 
-/// What a manifest is bound to: the disk file's geometry and instance.
+/// What a journal is bound to: the disk file's geometry and instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ManifestGeometry {
+pub struct JournalGeometry {
     /// Payload bytes per slot.
     pub payload_bytes: u64,
     /// Slots in the disk file.
@@ -90,9 +90,9 @@ pub struct ManifestGeometry {
     pub fingerprint: u64,
 }
 
-/// One manifest record.
+/// One journal record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ManifestRecord {
+pub enum JournalRecord {
     /// `slot` holds the complete block `identity`, whose payload has xxh3-128 `checksum`.
     Stored {
         /// The slot.
@@ -111,7 +111,7 @@ pub enum ManifestRecord {
 
 /// A live entry: a slot and the block it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ManifestEntry {
+pub struct JournalEntry {
     /// The slot.
     pub slot: u64,
     /// The block's identity.
@@ -120,7 +120,7 @@ pub struct ManifestEntry {
     pub checksum: u128,
 }
 
-/// What [`DiskManifest::open`] found.
+/// What [`JournalFile::open`] found.
 #[derive(Debug, Clone, Default)]
 pub struct Recovery {
     /// Good records replayed.
@@ -129,7 +129,7 @@ pub struct Recovery {
     pub live: usize,
     /// Bytes cut from the end (a torn or damaged tail).
     pub discarded_bytes: u64,
-    /// Why the manifest was started afresh (missing file: `None` and `created`).
+    /// Why the journal was started afresh (missing file: `None` and `created`).
     pub reset: Option<String>,
     /// The file did not exist (first run).
     pub created: bool,
@@ -148,9 +148,9 @@ fn xxh64(b: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(b)
 }
 
-/// Encodes a manifest header.
-pub fn encode_header(g: &ManifestGeometry) -> [u8; MANIFEST_HEADER_LEN] {
-    let mut out = [0u8; MANIFEST_HEADER_LEN];
+/// Encodes a journal header.
+pub fn encode_header(g: &JournalGeometry) -> [u8; JOURNAL_HEADER_LEN] {
+    let mut out = [0u8; JOURNAL_HEADER_LEN];
     out[0..8].copy_from_slice(MAGIC);
     out[8..12].copy_from_slice(&VERSION.to_le_bytes());
     out[16..24].copy_from_slice(&g.payload_bytes.to_le_bytes());
@@ -162,23 +162,23 @@ pub fn encode_header(g: &ManifestGeometry) -> [u8; MANIFEST_HEADER_LEN] {
     out
 }
 
-/// Decodes a manifest header (the first [`MANIFEST_HEADER_LEN`] bytes of `bytes`).
+/// Decodes a journal header (the first [`JOURNAL_HEADER_LEN`] bytes of `bytes`).
 ///
 /// # Errors
 /// [`PhysicalError::ShortRead`] when `bytes` is shorter than a header,
 /// [`PhysicalError::CorruptHeader`] for a bad magic, version or checksum.
-pub fn decode_header(bytes: &[u8]) -> Result<ManifestGeometry> {
-    let loc = || "manifest header".to_string();
-    if bytes.len() < MANIFEST_HEADER_LEN {
+pub fn decode_header(bytes: &[u8]) -> Result<JournalGeometry> {
+    let loc = || "journal header".to_string();
+    if bytes.len() < JOURNAL_HEADER_LEN {
         return Err(PhysicalError::ShortRead {
             location: loc(),
-            expected: MANIFEST_HEADER_LEN,
+            expected: JOURNAL_HEADER_LEN,
             actual: bytes.len(),
         });
     }
-    let h = &bytes[..MANIFEST_HEADER_LEN];
+    let h = &bytes[..JOURNAL_HEADER_LEN];
     if &h[0..8] != MAGIC {
-        return Err(corrupt(&loc, "not a kvbm G3 manifest (bad magic)".into()));
+        return Err(corrupt(&loc, "not a kvbm G3 journal (bad magic)".into()));
     }
     let sum = u64::from_le_bytes(h[56..64].try_into().expect("8 bytes"));
     if xxh64(&h[..56]) != sum {
@@ -188,7 +188,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<ManifestGeometry> {
     if version != VERSION {
         return Err(corrupt(&loc, format!("unknown version {version}")));
     }
-    Ok(ManifestGeometry {
+    Ok(JournalGeometry {
         payload_bytes: u64::from_le_bytes(h[16..24].try_into().expect("8 bytes")),
         num_slots: u64::from_le_bytes(h[24..32].try_into().expect("8 bytes")),
         file_id: u128::from_le_bytes(h[32..48].try_into().expect("16 bytes")),
@@ -196,17 +196,17 @@ pub fn decode_header(bytes: &[u8]) -> Result<ManifestGeometry> {
     })
 }
 
-/// Encodes one record into `out` (at least [`MANIFEST_RECORD_LEN`] bytes).
-pub fn encode_record(r: &ManifestRecord, out: &mut [u8]) {
-    let out = &mut out[..MANIFEST_RECORD_LEN];
+/// Encodes one record into `out` (at least [`JOURNAL_RECORD_LEN`] bytes).
+pub fn encode_record(r: &JournalRecord, out: &mut [u8]) {
+    let out = &mut out[..JOURNAL_RECORD_LEN];
     out.fill(0);
     let (tag, slot, identity, checksum) = match *r {
-        ManifestRecord::Stored {
+        JournalRecord::Stored {
             slot,
             identity,
             checksum,
         } => (TAG_STORED, slot, identity, checksum),
-        ManifestRecord::Removed { slot } => (TAG_REMOVED, slot, BlockIdentity::ANONYMOUS, 0),
+        JournalRecord::Removed { slot } => (TAG_REMOVED, slot, BlockIdentity::ANONYMOUS, 0),
     };
     out[0..4].copy_from_slice(&tag.to_le_bytes());
     out[8..16].copy_from_slice(&slot.to_le_bytes());
@@ -216,21 +216,21 @@ pub fn encode_record(r: &ManifestRecord, out: &mut [u8]) {
     out[64..72].copy_from_slice(&sum.to_le_bytes());
 }
 
-/// Decodes one record (the first [`MANIFEST_RECORD_LEN`] bytes of `bytes`).
+/// Decodes one record (the first [`JOURNAL_RECORD_LEN`] bytes of `bytes`).
 ///
 /// # Errors
 /// [`PhysicalError::ShortRead`] for a short (torn) record, [`PhysicalError::CorruptHeader`] for
 /// a checksum mismatch, an unknown tag or non-zero reserved bytes.
-pub fn decode_record(bytes: &[u8]) -> Result<ManifestRecord> {
-    let loc = || "manifest record".to_string();
-    if bytes.len() < MANIFEST_RECORD_LEN {
+pub fn decode_record(bytes: &[u8]) -> Result<JournalRecord> {
+    let loc = || "journal record".to_string();
+    if bytes.len() < JOURNAL_RECORD_LEN {
         return Err(PhysicalError::ShortRead {
             location: loc(),
-            expected: MANIFEST_RECORD_LEN,
+            expected: JOURNAL_RECORD_LEN,
             actual: bytes.len(),
         });
     }
-    let r = &bytes[..MANIFEST_RECORD_LEN];
+    let r = &bytes[..JOURNAL_RECORD_LEN];
     let sum = u64::from_le_bytes(r[64..72].try_into().expect("8 bytes"));
     if xxh64(&r[..64]) != sum {
         return Err(corrupt(&loc, "record checksum mismatch".into()));
@@ -241,7 +241,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<ManifestRecord> {
     let tag = u32::from_le_bytes(r[0..4].try_into().expect("4 bytes"));
     let slot = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
     match tag {
-        TAG_STORED => Ok(ManifestRecord::Stored {
+        TAG_STORED => Ok(JournalRecord::Stored {
             slot,
             identity: BlockIdentity::from_bytes(
                 r[16..16 + IDENTITY_LEN].try_into().expect("32 bytes"),
@@ -252,13 +252,13 @@ pub fn decode_record(bytes: &[u8]) -> Result<ManifestRecord> {
             if r[16..64].iter().any(|b| *b != 0) {
                 return Err(corrupt(&loc, "removed record carries a block".into()));
             }
-            Ok(ManifestRecord::Removed { slot })
+            Ok(JournalRecord::Removed { slot })
         }
         t => Err(corrupt(&loc, format!("unknown record tag {t}"))),
     }
 }
 
-/// The result of replaying a manifest image: live entries by slot, good records, and where the
+/// The result of replaying a journal image: live entries by slot, good records, and where the
 /// good prefix ends.
 #[derive(Debug, Clone, Default)]
 pub struct Replayed {
@@ -270,16 +270,16 @@ pub struct Replayed {
     pub good_len: u64,
 }
 
-/// Replays a whole manifest image `bytes` for `expected` (pure: no file access). Stops at the
-/// first bad record, as [`DiskManifest::open`] does.
+/// Replays a whole journal image `bytes` for `expected` (pure: no file access). Stops at the
+/// first bad record, as [`JournalFile::open`] does.
 ///
 /// # Errors
 /// A header that fails to decode or names another geometry or file instance.
-pub fn replay(bytes: &[u8], expected: &ManifestGeometry) -> Result<Replayed> {
+pub fn replay(bytes: &[u8], expected: &JournalGeometry) -> Result<Replayed> {
     let g = decode_header(bytes)?;
     if g.fingerprint != expected.fingerprint {
         return Err(corrupt(
-            &|| "manifest header".to_string(),
+            &|| "journal header".to_string(),
             format!(
                 "written under model fingerprint {:016x}, this tier's is {:016x}: its blocks \
                  are another model's (or dtype's, layout's, rank's), never served here",
@@ -289,7 +289,7 @@ pub fn replay(bytes: &[u8], expected: &ManifestGeometry) -> Result<Replayed> {
     }
     if g != *expected {
         return Err(corrupt(
-            &|| "manifest header".to_string(),
+            &|| "journal header".to_string(),
             format!(
                 "written for {} slots of {} bytes of disk file {:032x}, this file has {} slots of {} bytes, id {:032x}",
                 g.num_slots,
@@ -302,26 +302,26 @@ pub fn replay(bytes: &[u8], expected: &ManifestGeometry) -> Result<Replayed> {
         ));
     }
     let mut out = Replayed {
-        good_len: MANIFEST_HEADER_LEN as u64,
+        good_len: JOURNAL_HEADER_LEN as u64,
         ..Replayed::default()
     };
-    for rec in bytes[MANIFEST_HEADER_LEN..].chunks(MANIFEST_RECORD_LEN) {
+    for rec in bytes[JOURNAL_HEADER_LEN..].chunks(JOURNAL_RECORD_LEN) {
         let Ok(r) = decode_record(rec) else { break };
         match r {
-            ManifestRecord::Stored {
+            JournalRecord::Stored {
                 slot,
                 identity,
                 checksum,
             } if slot < g.num_slots => {
                 out.live.insert(slot, (identity, checksum));
             }
-            ManifestRecord::Removed { slot } if slot < g.num_slots => {
+            JournalRecord::Removed { slot } if slot < g.num_slots => {
                 out.live.remove(&slot);
             }
             _ => break, // a slot out of range: not this file's record
         }
         out.records += 1;
-        out.good_len += MANIFEST_RECORD_LEN as u64;
+        out.good_len += JOURNAL_RECORD_LEN as u64;
     }
     Ok(out)
 }
@@ -335,17 +335,17 @@ struct State {
     buf: Vec<u8>,
 }
 
-/// An open, append-only disk-tier manifest (see the module docs).
-pub struct DiskManifest {
+/// An open, append-only disk-tier journal (see the module docs).
+pub struct JournalFile {
     path: PathBuf,
-    geometry: ManifestGeometry,
+    geometry: JournalGeometry,
     compact_min: u64,
     state: Mutex<State>,
 }
 
-impl std::fmt::Debug for DiskManifest {
+impl std::fmt::Debug for JournalFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DiskManifest")
+        f.debug_struct("JournalFile")
             .field("path", &self.path)
             .field("geometry", &self.geometry)
             .finish()
@@ -381,19 +381,19 @@ fn sync_parent(path: &Path) {
 /// `path`. Returns the new file, its length and record count.
 fn write_snapshot(
     path: &Path,
-    geometry: &ManifestGeometry,
+    geometry: &JournalGeometry,
     live: &HashMap<u64, (BlockIdentity, u128)>,
 ) -> Result<(File, u64, u64)> {
     use std::io::Write;
     let tmp = tmp_path(path);
-    let mut body = Vec::with_capacity(MANIFEST_HEADER_LEN + live.len() * MANIFEST_RECORD_LEN);
+    let mut body = Vec::with_capacity(JOURNAL_HEADER_LEN + live.len() * JOURNAL_RECORD_LEN);
     body.extend_from_slice(&encode_header(geometry));
     let mut slots: Vec<_> = live.iter().collect();
     slots.sort_unstable_by_key(|(s, _)| **s);
-    let mut rec = [0u8; MANIFEST_RECORD_LEN];
+    let mut rec = [0u8; JOURNAL_RECORD_LEN];
     for (slot, (identity, checksum)) in slots {
         encode_record(
-            &ManifestRecord::Stored {
+            &JournalRecord::Stored {
                 slot: *slot,
                 identity: *identity,
                 checksum: *checksum,
@@ -414,18 +414,18 @@ fn write_snapshot(
         Ok(f) => Ok((f, body.len() as u64, live.len() as u64)),
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
-            Err(PhysicalError::io("write manifest snapshot", Some(path), e))
+            Err(PhysicalError::io("write journal snapshot", Some(path), e))
         }
     }
 }
 
-impl DiskManifest {
-    /// Opens (or creates) the manifest at `path` for a disk file of `geometry`, replaying it as
+impl JournalFile {
+    /// Opens (or creates) the journal at `path` for a disk file of `geometry`, replaying it as
     /// the module docs describe.
     ///
     /// # Errors
     /// The file cannot be read, created or truncated.
-    pub fn open(path: &Path, geometry: ManifestGeometry) -> Result<(Self, Recovery)> {
+    pub fn open(path: &Path, geometry: JournalGeometry) -> Result<(Self, Recovery)> {
         Self::open_with(path, geometry, DEFAULT_COMPACT_MIN)
     }
 
@@ -436,7 +436,7 @@ impl DiskManifest {
     /// As [`open`](Self::open).
     pub fn open_with(
         path: &Path,
-        geometry: ManifestGeometry,
+        geometry: JournalGeometry,
         compact_min: u64,
     ) -> Result<(Self, Recovery)> {
         let started = Instant::now();
@@ -444,7 +444,7 @@ impl DiskManifest {
         let data = match std::fs::read(path) {
             Ok(d) => Some(d),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(PhysicalError::io("read manifest", Some(path), e)),
+            Err(e) => return Err(PhysicalError::io("read journal", Some(path), e)),
         };
         let (file, good_len, records, live) = match data {
             None => {
@@ -455,7 +455,7 @@ impl DiskManifest {
             Some(data) => match replay(&data, &geometry) {
                 Err(e) => {
                     recovery.reset = Some(e.to_string());
-                    tracing::warn!(path = %path.display(), error = %e, "G3 manifest reset: its slots are not trusted");
+                    tracing::warn!(path = %path.display(), error = %e, "G3 journal reset: its slots are not trusted");
                     let (f, len, n) = write_snapshot(path, &geometry, &HashMap::new())?;
                     (f, len, n, HashMap::new())
                 }
@@ -467,10 +467,10 @@ impl DiskManifest {
                         tracing::warn!(
                             path = %path.display(),
                             bytes = recovery.discarded_bytes,
-                            "G3 manifest: torn or damaged tail discarded"
+                            "G3 journal: torn or damaged tail discarded"
                         );
                         file.set_len(r.good_len)
-                            .map_err(|e| PhysicalError::io("truncate manifest", Some(path), e))?;
+                            .map_err(|e| PhysicalError::io("truncate journal", Some(path), e))?;
                     }
                     (file, r.good_len, r.records, r.live)
                 }
@@ -478,7 +478,7 @@ impl DiskManifest {
         };
         recovery.records = records;
         recovery.live = live.len();
-        let m = DiskManifest {
+        let m = JournalFile {
             path: path.to_path_buf(),
             geometry,
             compact_min: compact_min.max(1),
@@ -498,29 +498,29 @@ impl DiskManifest {
         Ok((m, recovery))
     }
 
-    /// The live entries of the manifest at `path` for `geometry`, read without changing the
+    /// The live entries of the journal at `path` for `geometry`, read without changing the
     /// file (inspection, tests).
     ///
     /// # Errors
     /// The file cannot be read, or its header fails to decode or names another geometry.
-    pub fn read_entries(path: &Path, geometry: &ManifestGeometry) -> Result<Vec<ManifestEntry>> {
+    pub fn read_entries(path: &Path, geometry: &JournalGeometry) -> Result<Vec<JournalEntry>> {
         let data = std::fs::read(path).map_err(|e| PhysicalError::io("read", Some(path), e))?;
         let r = replay(&data, geometry)?;
         Ok(to_entries(&r.live))
     }
 
-    /// The manifest's path.
+    /// The journal's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
     /// The geometry it is bound to.
-    pub fn geometry(&self) -> ManifestGeometry {
+    pub fn geometry(&self) -> JournalGeometry {
         self.geometry
     }
 
     /// Live entries, by slot order.
-    pub fn entries(&self) -> Vec<ManifestEntry> {
+    pub fn entries(&self) -> Vec<JournalEntry> {
         to_entries(&self.state.lock().live)
     }
 
@@ -548,10 +548,10 @@ impl DiskManifest {
     /// A slot out of range ([`PhysicalError::BlockOutOfRange`], nothing written), or the write
     /// failed (e.g. the disk is full): nothing of this call is recorded and the file is cut back
     /// to its last good record.
-    pub fn record(&self, records: &[ManifestRecord]) -> Result<()> {
+    pub fn record(&self, records: &[JournalRecord]) -> Result<()> {
         for r in records {
             let slot = match r {
-                ManifestRecord::Stored { slot, .. } | ManifestRecord::Removed { slot } => *slot,
+                JournalRecord::Stored { slot, .. } | JournalRecord::Removed { slot } => *slot,
             };
             if slot >= self.geometry.num_slots {
                 return Err(PhysicalError::BlockOutOfRange {
@@ -564,7 +564,7 @@ impl DiskManifest {
         let st = &mut *st;
         st.buf.clear();
         let mut n = 0u64;
-        let mut rec = [0u8; MANIFEST_RECORD_LEN];
+        let mut rec = [0u8; JOURNAL_RECORD_LEN];
         for r in records {
             encode_record(r, &mut rec);
             st.buf.extend_from_slice(&rec);
@@ -576,32 +576,32 @@ impl DiskManifest {
         if let Err(e) = st.file.write_all_at(&st.buf, st.good_len) {
             // Cut a partial write off so later records never sit behind a torn one.
             let _ = st.file.set_len(st.good_len);
-            return Err(PhysicalError::io("append manifest", Some(&self.path), e));
+            return Err(PhysicalError::io("append journal", Some(&self.path), e));
         }
         st.good_len += st.buf.len() as u64;
         st.records += n;
         for r in records {
             match *r {
-                ManifestRecord::Stored {
+                JournalRecord::Stored {
                     slot,
                     identity,
                     checksum,
                 } => {
                     st.live.insert(slot, (identity, checksum));
                 }
-                ManifestRecord::Removed { slot } => {
+                JournalRecord::Removed { slot } => {
                     st.live.remove(&slot);
                 }
             }
         }
         if let Err(e) = self.maybe_compact(st) {
             // The appended records are in the file; compaction retries on a later append.
-            tracing::warn!(error = %e, "G3 manifest compaction failed");
+            tracing::warn!(error = %e, "G3 journal compaction failed");
         }
         Ok(())
     }
 
-    /// Rewrites the manifest with only its live entries (see the module docs).
+    /// Rewrites the journal with only its live entries (see the module docs).
     ///
     /// # Errors
     /// The snapshot could not be written; the old file is left as it was.
@@ -634,14 +634,14 @@ impl DiskManifest {
             .lock()
             .file
             .sync_data()
-            .map_err(|e| PhysicalError::io("fdatasync manifest", Some(&self.path), e))
+            .map_err(|e| PhysicalError::io("fdatasync journal", Some(&self.path), e))
     }
 }
 
-fn to_entries(live: &HashMap<u64, (BlockIdentity, u128)>) -> Vec<ManifestEntry> {
-    let mut v: Vec<ManifestEntry> = live
+fn to_entries(live: &HashMap<u64, (BlockIdentity, u128)>) -> Vec<JournalEntry> {
+    let mut v: Vec<JournalEntry> = live
         .iter()
-        .map(|(slot, (identity, checksum))| ManifestEntry {
+        .map(|(slot, (identity, checksum))| JournalEntry {
             slot: *slot,
             identity: *identity,
             checksum: *checksum,
