@@ -1,0 +1,283 @@
+//! The config-driven [`Instance`] with its worker ranks in separate processes (issue 24, item
+//! 4; feature `nats`): `[workers] mode = "processes"`, `ranks = 2`, two `kvbm-engine-worker`
+//! processes over a real `nats-server`. The instance waits for the ranks, stores a prefix on
+//! their disks and onboards it through them, every rank's G1 holding its own original bytes;
+//! a rank killed (SIGKILL) makes every call fail at once with a typed error naming it; once
+//! restarted it is brought back in step and the instance serves again, nothing of the lost
+//! memory served. Building also fails, naming the key or the rank, when a rank is missing or
+//! does not fit the configuration.
+
+use std::time::Duration;
+
+use kvbm_engine::cluster::instance::{Instance, synthetic_block};
+use kvbm_engine::cluster::transport::control::{ControlError, ControlRequest, ControlResponse};
+use kvbm_engine::cluster::transport::membership::MemberEvent;
+use kvbm_engine::{EngineError, InstanceId, KvbmRuntime, WorkerAddress};
+use kvbm_logical::{PoolCounts, TierId};
+
+mod common;
+mod worker_processes;
+
+use common::N;
+use worker_processes::{WorkerProcess, digests, instance_id};
+
+/// A runtime whose instance drives `ranks` worker processes: tiers of `g2_blocks` (G1 and G3
+/// of `N`), the workers' default heartbeat (1 s) and a 3 s timeout, `join_ms` to join.
+fn runtime(url: &str, ranks: u32, g2_blocks: usize, join_ms: u64) -> KvbmRuntime {
+    KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("logical.block_size", 4)
+        .set("logical.events.max_delay_ms", 1)
+        .set("events.idle_tick_ms", 1)
+        .set("tiers.g1_blocks", N as i64)
+        .set("tiers.g2_blocks", g2_blocks as i64)
+        .set("tiers.g3_blocks", N as i64)
+        .set("transport.nats_url", url)
+        .set("transport.heartbeat_timeout_ms", 3000)
+        .set("transport.request_timeout_ms", 10_000)
+        .set("workers.mode", "processes")
+        .set("workers.ranks", i64::from(ranks))
+        .set("workers.join_timeout_ms", join_ms as i64)
+        .build()
+        .unwrap()
+}
+
+fn idle(c: PoolCounts) -> bool {
+    c.held == 0 && c.active == 0
+}
+
+/// Waits (30 s at most) for a membership event about `rank` that `is` accepts.
+async fn event_about(
+    events: &mut tokio::sync::broadcast::Receiver<MemberEvent>,
+    rank: WorkerAddress,
+    is: impl Fn(&MemberEvent) -> bool,
+) {
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("a membership event within 30 s")
+            .unwrap();
+        let about = match e {
+            MemberEvent::Joined(t) | MemberEvent::Lost(t) => t.address,
+            MemberEvent::Restarted { now, .. } => now.address,
+        };
+        if about == rank && is(&e) {
+            return;
+        }
+    }
+}
+
+async fn fill_g2(inst: &Instance, seed: u8) {
+    for c in inst.workers().unwrap().ranks() {
+        let r = c
+            .call(ControlRequest::Fill {
+                tier: TierId::G2,
+                seed,
+            })
+            .await
+            .unwrap();
+        assert_eq!(r, ControlResponse::Done);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_with_two_worker_process_ranks_serves_and_a_restarted_rank_rejoins_clean() {
+    let Some(nats) = kvbm_tests::services::nats("instance_with_worker_processes") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(7);
+    let w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    let mut w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &[]);
+    let rt = runtime(&nats.url, 2, N, 30_000);
+    let inst = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap();
+    assert!(inst.data_plane().is_none(), "the ranks' G2 is not served");
+    let workers = inst.workers().unwrap().clone();
+    assert_eq!(workers.ranks().len(), 2);
+    let membership = inst.membership().unwrap().clone();
+    let mut events = membership.events();
+
+    // The ranks computed a prefix into their G2 (their fill pattern at the slots the
+    // instance's G2 allocated); the instance itself refuses to write G2 bytes.
+    let e = inst.compute(&[], &synthetic_block).unwrap_err();
+    assert_eq!(e.config_key(), Some("workers.mode"), "{e}");
+    let g2 = inst.leader().g2().unwrap().clone();
+    let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
+    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
+    let expected = worker_processes::pattern_digests(&ids);
+    for (r, c) in workers.ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G2, ids.clone()).await,
+            expected[r]
+        );
+    }
+    drop(on_g2);
+
+    // Stored on the ranks' disks through the instance; G2 evicted and every rank's G2
+    // overwritten, so what reaches G1 can only come from the disks.
+    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 6);
+    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 0, "already in G3");
+    assert_eq!(g2.reset_inactive_pool(), 6);
+    fill_g2(&inst, 0xEE).await;
+
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert_eq!((on.local_g2, on.local_g3), (0, 6));
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!(on.blocks.len(), 6);
+    let g1_ids: Vec<usize> = on.blocks.iter().map(|b| b.block_id()).collect();
+    for (r, c) in workers.ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G1, g1_ids.clone()).await,
+            expected[r],
+            "rank {r}: G1 holds its own original bytes"
+        );
+    }
+    assert!(
+        inst.read_g1(&on.blocks[0]).is_none(),
+        "bytes are the ranks'"
+    );
+    drop(on);
+    assert_eq!(
+        inst.lookup(&hashes).local_g2,
+        6,
+        "staged into the ranks' G2"
+    );
+
+    // Rank 1 dies without a goodbye; once it is lost, every call fails at once naming it,
+    // holding nothing.
+    let dead = WorkerAddress::new(instance, 1);
+    w1.kill();
+    event_about(&mut events, dead, |e| matches!(e, MemberEvent::Lost(_))).await;
+    let not_joined = EngineError::Control(ControlError::NotJoined { worker: dead });
+    let e = inst.onboard(&hashes).await.unwrap_err();
+    assert_eq!(e.to_string(), not_joined.to_string());
+    assert!(
+        matches!(e, EngineError::Control(ControlError::NotJoined { worker }) if worker == dead)
+    );
+    let e = inst.offload_g3(&hashes).await.unwrap_err();
+    assert!(
+        matches!(e, EngineError::Control(ControlError::NotJoined { .. })),
+        "{e}"
+    );
+    assert!(idle(g2.pool_counts()), "{:?}", g2.pool_counts());
+
+    // Rank 1 restarts: a new process on the same disk, its memory other bytes. The instance
+    // declares what it placed on the old process empty and brings it back in step.
+    let _w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &["--fill-seed", "153"]);
+    event_about(&mut events, dead, |e| {
+        matches!(e, MemberEvent::Restarted { .. })
+    })
+    .await;
+    membership
+        .wait_for(2, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let after = inst.lookup(&hashes);
+    assert_eq!(
+        (after.local_g2, after.local_g3),
+        (0, 6),
+        "nothing of the lost G2 is matched; the disks still hold the prefix"
+    );
+
+    // The instance serves again: the prefix from the disks, every rank its own original bytes.
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.local_g2, on.local_g3, on.blocks.len()), (0, 6, 6));
+    let g1_ids: Vec<usize> = on.blocks.iter().map(|b| b.block_id()).collect();
+    for (r, c) in workers.ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G1, g1_ids.clone()).await,
+            expected[r],
+            "rank {r}: G1 holds its own original bytes after the restart"
+        );
+    }
+    assert_eq!(inst.stats().onboarded_blocks, 12);
+    drop(on);
+    inst.shutdown().await;
+    drop(w0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit() {
+    let Some(nats) = kvbm_tests::services::nats("instance_with_a_missing_rank") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(8);
+    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+
+    // Two ranks configured, one running: the build waits its bound, then names rank 1.
+    let rt = runtime(&nats.url, 2, N, 2500);
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    let EngineError::RanksMissing {
+        instance: i,
+        missing,
+        waited_ms,
+        why,
+    } = &e
+    else {
+        panic!("expected RanksMissing, got {e}");
+    };
+    assert_eq!(
+        (*i, missing.as_slice(), *waited_ms),
+        (instance, &[1][..], 2500)
+    );
+    assert_eq!(
+        *why,
+        ControlError::NotJoined {
+            worker: WorkerAddress::new(instance, 1)
+        }
+    );
+    assert!(e.to_string().contains("--rank R"), "{e}");
+
+    // One rank, but more G2 blocks than the rank registered: the key and the rank are named.
+    let rt = runtime(&nats.url, 1, 2 * N, 10_000);
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(e.config_key(), Some("tiers.g2_blocks"), "{e}");
+    assert!(e.to_string().contains("rank"), "{e}");
+
+    // Another geometry than the rank's: refused, naming it.
+    let rt = runtime(&nats.url, 1, N, 10_000);
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry_with(32))
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(e.config_key(), Some("instance.geometry"), "{e}");
+
+    // Ranks of another instance do not count.
+    let rt = runtime(&nats.url, 1, N, 1500);
+    let e = Instance::builder(&rt.handle())
+        .id(InstanceId(instance.0 ^ 0xff))
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EngineError::RanksMissing { .. }), "{e}");
+
+    // And it fits: built.
+    let inst = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(inst.workers().unwrap().ranks().len(), 1);
+    inst.shutdown().await;
+}
