@@ -33,6 +33,27 @@
 //!                                  snapshot resync after reconnects (see [`presence`])
 //! ```
 //!
+//! # Worker ranks: this process, or processes
+//!
+//! `[workers] mode` says where the blocks' bytes are. `in_process` (the default): one rank,
+//! this process, everything above. `processes`: `workers.ranks` `kvbm-engine-worker`
+//! processes, which the operator starts (one per rank, `--instance` this id); the instance
+//! does not start them, it waits for them (see `ranks.rs` for the whole of it):
+//!
+//! ```text
+//!  [workers] mode = "processes", ranks = N
+//!    control_prefix ─────────────► Membership::follow (<prefix>.<id>.members heartbeats)
+//!    join_timeout_ms ────────────► wait for ranks 0..N in step, else RanksMissing{missing}
+//!                                  NatsControl(r).with_membership ×N ─► ControlledWorkers
+//!                                  each rank's G1/G2/G3 checked against [tiers], geometry
+//!  [tiers] g1/g2/g3_blocks ──────► RankTiers::build: managers + leader, no layouts here
+//!                                  SpmdMovers through the ranks: G3→G2, G2→G1, G2→G3
+//!  [transport] heartbeat_timeout ► a silent rank is lost: calls fail NotJoined naming it
+//!                                  keep_in_step until shutdown: a restarted rank's G2/G1
+//!                                  declared empty, then it gets work again
+//!  not built: data plane (G2 not served or pulled: G2 events unpublished), G4, G3 journal
+//! ```
+//!
 //! # Fingerprint
 //!
 //! Every subject is `events.subject` scoped by the instance's model fingerprint
