@@ -285,7 +285,10 @@ impl InstanceBuilder {
 
     /// Builds the tiers (`stack::Tiers::build`, see the [module docs](self)), starts the data
     /// plane, connects NATS, and starts publishing, following and the presence protocol.
-    /// Returns once every subscription is in place.
+    /// Returns once every subscription is in place. With worker processes, instead of the
+    /// tiers' layouts and the data plane: waits for every rank to join, checks their layouts,
+    /// and builds the managers and the moves through the ranks (see `ranks.rs`); returns once
+    /// every rank is in step.
     ///
     /// # Errors
     /// [`EngineError::Config`] naming the key: no geometry (`instance.geometry`),
@@ -295,7 +298,11 @@ impl InstanceBuilder {
     /// be created, opened, reached or listed; [`EngineError::Physical`] /
     /// [`EngineError::Offload`] when a layout or mover cannot be set up;
     /// [`EngineError::DataPlane`] when the address cannot be bound; [`EngineError::Nats`] when
-    /// the server cannot be reached; [`EngineError::ShutDown`] after shutdown.
+    /// the server cannot be reached; [`EngineError::ShutDown`] after shutdown. With worker
+    /// processes (`[workers] mode = "processes"`): [`EngineError::RanksMissing`] naming the
+    /// ranks not in step within `workers.join_timeout_ms`; [`EngineError::Config`] naming
+    /// `tiers.g1_blocks`..`tiers.g3_blocks` or `instance.geometry` and the rank whose layouts
+    /// do not fit; [`EngineError::Control`] when a rank cannot be described.
     pub async fn build(self) -> Result<Instance> {
         let rt = self.runtime;
         let config = rt.config().clone();
