@@ -7,6 +7,7 @@
 //! memory served. Building also fails, naming the key or the rank, when a rank is missing or
 //! does not fit the configuration.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvbm_engine::cluster::instance::{Instance, synthetic_block};
@@ -19,13 +20,34 @@ mod common;
 mod worker_processes;
 
 use common::N;
-use worker_processes::{WorkerProcess, digests, instance_id};
+use kvbm_engine::security::Role;
+use worker_processes::{Members, WorkerProcess, digests, instance_id};
 
 /// A runtime whose instance drives `ranks` worker processes: tiers of `g2_blocks` (G1 and G3
 /// of `N`), the workers' default heartbeat (1 s) and a 3 s timeout, `join_ms` to join.
 fn runtime(url: &str, ranks: u32, g2_blocks: usize, join_ms: u64) -> KvbmRuntime {
-    KvbmRuntime::builder()
+    runtime_with(url, ranks, g2_blocks, join_ms, &[])
+}
+
+/// As [`runtime`], with `sets` on top.
+fn runtime_with(
+    url: &str,
+    ranks: u32,
+    g2_blocks: usize,
+    join_ms: u64,
+    sets: &[(&str, String)],
+) -> KvbmRuntime {
+    // Each instance its own events subject: the tests of this binary run at once on one
+    // server, and an instance counts another's unsealed heartbeats as rejected.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let subject = format!(
+        "kvbm.test.workers.{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut b = KvbmRuntime::builder()
         .tokio_handle(tokio::runtime::Handle::current())
+        .set("events.subject", subject)
         .set("logical.block_size", 4)
         .set("logical.events.max_delay_ms", 1)
         .set("events.idle_tick_ms", 1)
@@ -37,9 +59,11 @@ fn runtime(url: &str, ranks: u32, g2_blocks: usize, join_ms: u64) -> KvbmRuntime
         .set("transport.request_timeout_ms", 10_000)
         .set("workers.mode", "processes")
         .set("workers.ranks", i64::from(ranks))
-        .set("workers.join_timeout_ms", join_ms as i64)
-        .build()
-        .unwrap()
+        .set("workers.join_timeout_ms", join_ms as i64);
+    for (k, v) in sets {
+        b = b.set(*k, v.as_str());
+    }
+    b.build().unwrap()
 }
 
 fn idle(c: PoolCounts) -> bool {
@@ -82,14 +106,61 @@ async fn fill_g2(inst: &Instance, seed: u8) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_with_two_worker_process_ranks_serves_and_a_restarted_rank_rejoins_clean() {
+    serve_and_rejoin(false).await;
+}
+
+/// The same with authentication on, all of it from configuration: the instance's leader
+/// credential and the trust root are `[security]` keys; each worker process loads its own
+/// worker credential; heartbeats, requests and replies are sealed, none refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authenticated_instance_with_worker_process_ranks_serves_and_rejoins() {
+    serve_and_rejoin(true).await;
+}
+
+async fn serve_and_rejoin(secure: bool) {
     let Some(nats) = kvbm_tests::services::nats("instance_with_worker_processes") else {
         return;
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let instance = instance_id(7);
-    let w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
-    let mut w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &[]);
-    let rt = runtime(&nats.url, 2, N, 30_000);
+    let instance = instance_id(if secure { 9 } else { 7 });
+    let members = Members::new();
+    // Each rank's credential, saved once (a restarted rank loads the same file).
+    let credentials: Vec<Vec<String>> = (0..2)
+        .map(|r| {
+            if secure {
+                members.worker_flags(instance, r)
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let flags = |rank: u32, extra: &[&str]| -> Vec<String> {
+        let mut f: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        f.extend(credentials[rank as usize].iter().cloned());
+        f
+    };
+    let spawn = |rank: u32, extra: &[&str]| {
+        let f = flags(rank, extra);
+        let f: Vec<&str> = f.iter().map(String::as_str).collect();
+        WorkerProcess::spawn(&nats.url, instance, rank, dir.path(), &f)
+    };
+    let w0 = spawn(0, &[]);
+    let mut w1 = spawn(1, &[]);
+    let sets = if secure {
+        vec![
+            ("security.trust_root", members.trust_root()),
+            (
+                "security.credential_file",
+                members
+                    .save(instance, Role::Leader, 0)
+                    .display()
+                    .to_string(),
+            ),
+        ]
+    } else {
+        Vec::new()
+    };
+    let rt = runtime_with(&nats.url, 2, N, 30_000, &sets);
     let inst = Instance::builder(&rt.handle())
         .id(instance)
         .geometry(common::geometry())
@@ -168,7 +239,7 @@ async fn an_instance_with_two_worker_process_ranks_serves_and_a_restarted_rank_r
 
     // Rank 1 restarts: a new process on the same disk, its memory other bytes. The instance
     // declares what it placed on the old process empty and brings it back in step.
-    let _w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &["--fill-seed", "153"]);
+    let _w1 = spawn(1, &["--fill-seed", "153"]);
     event_about(&mut events, dead, |e| {
         matches!(e, MemberEvent::Restarted { .. })
     })
@@ -197,6 +268,14 @@ async fn an_instance_with_two_worker_process_ranks_serves_and_a_restarted_rank_r
         );
     }
     assert_eq!(inst.stats().onboarded_blocks, 12);
+    assert_eq!(membership.stats().rejected(), 0, "no genuine beat refused");
+    if secure {
+        let s = inst.security().stats().unwrap();
+        assert!(s.accepted() > 0);
+        assert_eq!(s.rejected_total(), 0, "no genuine reply refused: {s:?}");
+    } else {
+        assert!(!inst.security().is_on());
+    }
     drop(on);
     inst.shutdown().await;
     drop(w0);
