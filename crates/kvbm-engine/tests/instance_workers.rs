@@ -212,7 +212,8 @@ async fn serve_and_rejoin(secure: bool) {
         inst.read_g1(&on.blocks[0]).is_none(),
         "bytes are the ranks'"
     );
-    drop(on);
+    // The caller keeps these G1 blocks (of the ranks' memory) across what follows.
+    let held = on;
     assert_eq!(
         inst.lookup(&hashes).local_g2,
         6,
@@ -244,6 +245,19 @@ async fn serve_and_rejoin(secure: bool) {
         matches!(e, MemberEvent::Restarted { .. })
     })
     .await;
+    // While the caller still holds G1 blocks placed on the old process, the rank is not
+    // brought back: calls fail naming it as rejoining.
+    let e = inst.onboard(&hashes).await.unwrap_err();
+    assert!(
+        matches!(e, EngineError::Control(ControlError::Rejoining { worker, .. }) if worker == dead),
+        "{e}"
+    );
+    let e = membership
+        .wait_for(2, Duration::from_millis(1500))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ControlError::Rejoining { .. }), "{e}");
+    drop(held);
     membership
         .wait_for(2, Duration::from_secs(30))
         .await
