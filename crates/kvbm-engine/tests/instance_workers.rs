@@ -111,7 +111,10 @@ async fn an_instance_with_two_worker_process_ranks_serves_and_a_restarted_rank_r
 
 /// The same with authentication on, all of it from configuration: the instance's leader
 /// credential and the trust root are `[security]` keys; each worker process loads its own
-/// worker credential; heartbeats, requests and replies are sealed, none refused.
+/// worker credential; heartbeats, requests and replies are sealed, none refused. And with
+/// `logical.duplication = "reject"`: a G1 block of the old incarnation still registered would
+/// be handed out in place of a newly onboarded one (its slot on the restarted rank holds none
+/// of the prefix), so this also proves the restart dropped them from G1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_authenticated_instance_with_worker_process_ranks_serves_and_rejoins() {
     serve_and_rejoin(true).await;
@@ -148,6 +151,7 @@ async fn serve_and_rejoin(secure: bool) {
     let mut w1 = spawn(1, &[]);
     let sets = if secure {
         vec![
+            ("logical.duplication", "reject".to_string()),
             ("security.trust_root", members.trust_root()),
             (
                 "security.credential_file",
