@@ -368,7 +368,16 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
         .unwrap_err();
     assert!(matches!(e, EngineError::RanksMissing { .. }), "{e}");
 
-    // And it fits: built.
+    // And it fits: built. An in-process peer on the same subject sees it live, without a
+    // data plane to pull from, and refuses none of its heartbeats.
+    let subject = format!("kvbm.test.workers.peer-{}", std::process::id());
+    let rt = runtime_with(
+        &nats.url,
+        1,
+        N,
+        10_000,
+        &[("events.subject", subject.clone())],
+    );
     let inst = Instance::builder(&rt.handle())
         .id(instance)
         .geometry(common::geometry())
@@ -376,5 +385,36 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
         .await
         .unwrap();
     assert_eq!(inst.workers().unwrap().ranks().len(), 1);
+    let peer_rt = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("logical.block_size", 4)
+        .set("tiers.g1_blocks", N as i64)
+        .set("tiers.g2_blocks", N as i64)
+        .set("transport.nats_url", nats.url.as_str())
+        .set("events.subject", subject)
+        .build()
+        .unwrap();
+    let peer = Instance::builder(&peer_rt.handle())
+        .id(InstanceId(instance.0 ^ 0xee))
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !peer.presence().live_peers().contains(&instance) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the peer never saw the instance: {:?}",
+            peer.presence().stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        peer.peers().get(instance),
+        None,
+        "no data plane to pull from"
+    );
+    assert_eq!(peer.presence().stats().rejected, 0);
+    peer.shutdown().await;
     inst.shutdown().await;
 }
