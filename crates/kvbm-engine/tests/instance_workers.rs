@@ -306,7 +306,9 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let instance = instance_id(8);
-    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    // Its id given as `kvbm-engine-instance` prints one (hex), overriding the decimal.
+    let hex = format!("0x{:x}", instance.0);
+    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &["--instance", &hex]);
 
     // Two ranks configured, one running: the build waits its bound, then names rank 1.
     let rt = runtime(&nats.url, 2, N, 2500);

@@ -15,7 +15,8 @@
 //!
 //! With `workers.mode = "processes"` (`--set workers.mode=processes --set workers.ranks=N`)
 //! its blocks live in `N` `kvbm-engine-worker` processes the operator starts (`--instance
-//! <its id, decimal>`, `--rank 0..N`, the same geometry flags); it waits for them
+//! 0x<its --id>`, `--rank 0..N`, the same geometry flags, `--blocks` at least `[tiers]`'s);
+//! it does not start them (a supervisor does, and restarts one that dies); it waits for them
 //! (`workers.join_timeout_ms`) before `ready`, has no data plane (`addr=-`), and `compute`
 //! is refused (the ranks write their own memory).
 //!
