@@ -4,17 +4,21 @@
 //! their disks and onboards it through them, every rank's G1 holding its own original bytes;
 //! a rank killed (SIGKILL) makes every call fail at once with a typed error naming it; once
 //! restarted it is brought back in step and the instance serves again, nothing of the lost
-//! memory served. Building also fails, naming the key or the rank, when a rank is missing or
-//! does not fit the configuration.
+//! memory served (also with authentication on). A rank killed in the middle of an onboarding
+//! fails that call cleanly (refused, nothing served or held). Building fails, naming the key
+//! or the rank, when a rank is missing or does not fit the configuration; peers see the
+//! instance live, with no data plane to pull from.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::time::Duration;
 
 use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_engine::cluster::transport::control::{ControlError, ControlRequest, ControlResponse};
 use kvbm_engine::cluster::transport::membership::MemberEvent;
 use kvbm_engine::{EngineError, InstanceId, KvbmRuntime, WorkerAddress};
-use kvbm_logical::{PoolCounts, TierId};
+use kvbm_logical::{G1, ImmutableBlock, PoolCounts, SequenceHash, TierId};
 
 mod common;
 mod worker_processes;
@@ -26,15 +30,16 @@ use worker_processes::{Members, WorkerProcess, digests, instance_id};
 /// A runtime whose instance drives `ranks` worker processes: tiers of `g2_blocks` (G1 and G3
 /// of `N`), the workers' default heartbeat (1 s) and a 3 s timeout, `join_ms` to join.
 fn runtime(url: &str, ranks: u32, g2_blocks: usize, join_ms: u64) -> KvbmRuntime {
-    runtime_with(url, ranks, g2_blocks, join_ms, &[])
+    runtime_with(url, ranks, g2_blocks, join_ms, 10_000, &[])
 }
 
-/// As [`runtime`], with `sets` on top.
+/// As [`runtime`], each control request timing out after `request_ms`, with `sets` on top.
 fn runtime_with(
     url: &str,
     ranks: u32,
     g2_blocks: usize,
     join_ms: u64,
+    request_ms: u64,
     sets: &[(&str, String)],
 ) -> KvbmRuntime {
     // Each instance its own events subject: the tests of this binary run at once on one
@@ -56,7 +61,7 @@ fn runtime_with(
         .set("tiers.g3_blocks", N as i64)
         .set("transport.nats_url", url)
         .set("transport.heartbeat_timeout_ms", 3000)
-        .set("transport.request_timeout_ms", 10_000)
+        .set("transport.request_timeout_ms", request_ms as i64)
         .set("workers.mode", "processes")
         .set("workers.ranks", i64::from(ranks))
         .set("workers.join_timeout_ms", join_ms as i64);
@@ -88,6 +93,42 @@ async fn event_about(
         if about == rank && is(&e) {
             return;
         }
+    }
+}
+
+/// The ranks computed a prefix of 6 blocks into their G2 (their fill pattern at the slots the
+/// instance's G2 allocated), checked by digest; the instance stores it on the ranks' disks;
+/// G2 is then evicted and every rank's G2 overwritten, so what reaches G1 later can only come
+/// from the disks. Returns the prefix and, per rank, the digests of its original bytes.
+async fn store_prefix(inst: &Instance) -> (Vec<SequenceHash>, Vec<Vec<u64>>) {
+    let workers = inst.workers().unwrap();
+    let g2 = inst.leader().g2().unwrap();
+    let (on_g2, hashes) = worker_processes::compute_prefix(g2);
+    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
+    let expected = worker_processes::pattern_digests(&ids);
+    for (r, c) in workers.ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G2, ids.clone()).await,
+            expected[r]
+        );
+    }
+    drop(on_g2);
+    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 6);
+    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 0, "already in G3");
+    assert_eq!(g2.reset_inactive_pool(), 6);
+    fill_g2(inst, 0xEE).await;
+    (hashes, expected)
+}
+
+/// Every rank's G1 at `blocks` holds `expected` (per rank).
+async fn assert_g1_holds(inst: &Instance, blocks: &[ImmutableBlock<G1>], expected: &[Vec<u64>]) {
+    let ids: Vec<usize> = blocks.iter().map(|b| b.block_id()).collect();
+    for (r, c) in inst.workers().unwrap().ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G1, ids.clone()).await,
+            expected[r],
+            "rank {r}: G1 holds its own original bytes"
+        );
     }
 }
 
@@ -164,7 +205,7 @@ async fn serve_and_rejoin(secure: bool) {
     } else {
         Vec::new()
     };
-    let rt = runtime_with(&nats.url, 2, N, 30_000, &sets);
+    let rt = runtime_with(&nats.url, 2, N, 30_000, 10_000, &sets);
     let inst = Instance::builder(&rt.handle())
         .id(instance)
         .geometry(common::geometry())
@@ -172,8 +213,7 @@ async fn serve_and_rejoin(secure: bool) {
         .await
         .unwrap();
     assert!(inst.data_plane().is_none(), "the ranks' G2 is not served");
-    let workers = inst.workers().unwrap().clone();
-    assert_eq!(workers.ranks().len(), 2);
+    assert_eq!(inst.workers().unwrap().ranks().len(), 2);
     let membership = inst.membership().unwrap().clone();
     let mut events = membership.events();
 
@@ -182,36 +222,13 @@ async fn serve_and_rejoin(secure: bool) {
     let e = inst.compute(&[], &synthetic_block).unwrap_err();
     assert_eq!(e.config_key(), Some("workers.mode"), "{e}");
     let g2 = inst.leader().g2().unwrap().clone();
-    let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
-    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
-    let expected = worker_processes::pattern_digests(&ids);
-    for (r, c) in workers.ranks().iter().enumerate() {
-        assert_eq!(
-            digests(c.as_ref(), TierId::G2, ids.clone()).await,
-            expected[r]
-        );
-    }
-    drop(on_g2);
-
-    // Stored on the ranks' disks through the instance; G2 evicted and every rank's G2
-    // overwritten, so what reaches G1 can only come from the disks.
-    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 6);
-    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 0, "already in G3");
-    assert_eq!(g2.reset_inactive_pool(), 6);
-    fill_g2(&inst, 0xEE).await;
+    let (hashes, expected) = store_prefix(&inst).await;
 
     let on = inst.onboard(&hashes).await.unwrap();
     assert_eq!((on.local_g2, on.local_g3), (0, 6));
     assert!(on.refused.is_none(), "{:?}", on.refused);
     assert_eq!(on.blocks.len(), 6);
-    let g1_ids: Vec<usize> = on.blocks.iter().map(|b| b.block_id()).collect();
-    for (r, c) in workers.ranks().iter().enumerate() {
-        assert_eq!(
-            digests(c.as_ref(), TierId::G1, g1_ids.clone()).await,
-            expected[r],
-            "rank {r}: G1 holds its own original bytes"
-        );
-    }
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
     assert!(
         inst.read_g1(&on.blocks[0]).is_none(),
         "bytes are the ranks'"
@@ -277,14 +294,7 @@ async fn serve_and_rejoin(secure: bool) {
     let on = inst.onboard(&hashes).await.unwrap();
     assert!(on.refused.is_none(), "{:?}", on.refused);
     assert_eq!((on.local_g2, on.local_g3, on.blocks.len()), (0, 6, 6));
-    let g1_ids: Vec<usize> = on.blocks.iter().map(|b| b.block_id()).collect();
-    for (r, c) in workers.ranks().iter().enumerate() {
-        assert_eq!(
-            digests(c.as_ref(), TierId::G1, g1_ids.clone()).await,
-            expected[r],
-            "rank {r}: G1 holds its own original bytes after the restart"
-        );
-    }
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
     assert_eq!(inst.stats().onboarded_blocks, 12);
     assert_eq!(membership.stats().rejected(), 0, "no genuine beat refused");
     if secure {
@@ -378,6 +388,7 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
         1,
         N,
         10_000,
+        10_000,
         &[("events.subject", subject.clone())],
     );
     let inst = Instance::builder(&rt.handle())
@@ -418,5 +429,89 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
     );
     assert_eq!(peer.presence().stats().rejected, 0);
     peer.shutdown().await;
+    inst.shutdown().await;
+}
+
+/// A rank killed while it moves a session's blocks (its G3→G2 reads sit on a delay): the
+/// instance's call fails cleanly, as a refusal naming the rank (its request timed out), nothing
+/// served or left held; once the rank is restarted (without the delay) and brought back in
+/// step, the instance serves the prefix from the disks, every rank its own original bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_killed_mid_onboarding_fails_the_call_cleanly_and_serves_again_restarted() {
+    let Some(nats) = kvbm_tests::services::nats("instance_rank_killed_mid_onboarding") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(10);
+    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    let mut w1 = WorkerProcess::spawn(
+        &nats.url,
+        instance,
+        1,
+        dir.path(),
+        &["--delay-from", "G3", "--delay-ms", "60000"],
+    );
+    let rt = runtime_with(&nats.url, 2, N, 30_000, 3000, &[]);
+    let inst = Arc::new(
+        Instance::builder(&rt.handle())
+            .id(instance)
+            .geometry(common::geometry())
+            .build()
+            .await
+            .unwrap(),
+    );
+    let membership = inst.membership().unwrap().clone();
+    let mut events = membership.events();
+    let (hashes, expected) = store_prefix(&inst).await;
+    let g2 = inst.leader().g2().unwrap().clone();
+    let g3 = inst.leader().g3().unwrap().clone();
+
+    let onboarding = {
+        let (inst, hashes) = (inst.clone(), hashes.clone());
+        tokio::spawn(async move { inst.onboard(&hashes).await })
+    };
+    // Rank 1 has its part of the staging (and sits on it): kill it now.
+    let w1_lines = std::mem::replace(&mut w1.lines, mpsc::channel().1);
+    tokio::task::spawn_blocking(move || {
+        loop {
+            let l = w1_lines.recv_timeout(Duration::from_secs(30)).unwrap();
+            if l.starts_with("request transfer G3->G2") {
+                return;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    w1.kill();
+    let dead = WorkerAddress::new(instance, 1);
+    let on = onboarding.await.unwrap().unwrap();
+    assert!(on.blocks.is_empty(), "nothing served");
+    let (failed, why) = on.refused.expect("the call failed");
+    assert_eq!(failed, 6);
+    assert_eq!(
+        why,
+        ControlError::Timeout {
+            worker: dead,
+            timeout_ms: 3000
+        }
+        .to_string()
+    );
+    assert_eq!(inst.stats().refused_blocks, 6);
+    assert!(idle(g2.pool_counts()), "{:?}", g2.pool_counts());
+    assert!(idle(g3.pool_counts()), "{:?}", g3.pool_counts());
+    assert!(g2.match_blocks(&hashes).is_empty(), "nothing half-staged");
+
+    // Restarted without the delay, brought back in step: served again from the disks.
+    event_about(&mut events, dead, |e| matches!(e, MemberEvent::Lost(_))).await;
+    let _w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &["--fill-seed", "153"]);
+    membership
+        .wait_for(2, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.local_g3, on.blocks.len()), (6, 6));
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
+    drop(on);
     inst.shutdown().await;
 }
