@@ -101,6 +101,9 @@ pub struct KvbmConfig {
     pub metrics: MetricsConfig,
     /// Leader/worker control plane and block data plane.
     pub transport: TransportConfig,
+    /// `[workers]`: where an instance's worker ranks run (in its own process, or as
+    /// `kvbm-engine-worker` processes it drives over NATS).
+    pub workers: WorkersConfig,
     /// `[security]`: the trust root, this member's credential, and the insecure opt-out.
     pub security: crate::security::SecurityConfig,
     /// `[replay]`: owned by `kvbm-cli` (a layer above this crate), which parses and validates
@@ -217,6 +220,100 @@ impl Default for LeaderConfig {
     fn default() -> Self {
         Self {
             search: vec![TierId::G2, TierId::G3, TierId::G4],
+        }
+    }
+}
+
+/// Where an instance's worker ranks (the memory its G1/G2/G3 blocks live in) run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkersMode {
+    /// One rank: the instance's own process holds G1/G2 (host memory) and G3 (its
+    /// `[physical.disk]` file). Today's behaviour, the default.
+    #[default]
+    InProcess,
+    /// `workers.ranks` ranks, each a `kvbm-engine-worker` process started by the operator
+    /// (or a test), driven over NATS control: the instance holds only the block managers and
+    /// waits for the ranks to join (`workers.join_timeout_ms`).
+    Processes,
+}
+
+/// The control prefix `kvbm-engine-worker` serves on by default (its `--prefix`).
+pub const DEFAULT_WORKER_CONTROL_PREFIX: &str = "kvbm.ctl";
+
+/// `[workers]`: where an instance's worker ranks run. The instance binary and
+/// `cluster::instance::InstanceBuilder::build` (feature `nats`) read it; the tier stack
+/// (`stack::TierStack`) has no worker ranks of its own and ignores it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkersConfig {
+    /// `"in_process"` (default) or `"processes"` (see [`WorkersMode`]).
+    pub mode: WorkersMode,
+    /// Number of ranks (tensor-parallel world size). Exactly 1 in process; at least 1 as
+    /// processes, whose ranks are `0..ranks`. Default: 1.
+    pub ranks: u32,
+    /// Processes: how long building the instance waits for every rank to join (heartbeat)
+    /// before it fails naming the missing ones (ms). Default: 60000. At least 1.
+    pub join_timeout_ms: u64,
+    /// Processes: the NATS subject prefix the ranks serve control on and heartbeat under (the
+    /// workers' `--prefix`). Default: `kvbm.ctl`.
+    pub control_prefix: String,
+}
+
+impl Default for WorkersConfig {
+    fn default() -> Self {
+        Self {
+            mode: WorkersMode::InProcess,
+            ranks: 1,
+            join_timeout_ms: 60_000,
+            control_prefix: DEFAULT_WORKER_CONTROL_PREFIX.into(),
+        }
+    }
+}
+
+impl WorkersConfig {
+    /// Checks the section against itself and the tiers (called by [`KvbmConfig::validate`]).
+    fn validate(&self, config: &KvbmConfig) -> Result<()> {
+        positive("workers.ranks", u64::from(self.ranks))?;
+        positive("workers.join_timeout_ms", self.join_timeout_ms)?;
+        let p = &self.control_prefix;
+        if p.is_empty()
+            || p.starts_with('.')
+            || p.ends_with('.')
+            || p.contains("..")
+            || p.chars().any(|c| c.is_whitespace() || c == '*' || c == '>')
+        {
+            return Err(EngineError::config(
+                "workers.control_prefix",
+                format!(
+                    "{p:?} is not a NATS subject prefix (dot-separated tokens, no wildcards or spaces)"
+                ),
+            ));
+        }
+        match self.mode {
+            WorkersMode::InProcess if self.ranks != 1 => Err(EngineError::config(
+                "workers.ranks",
+                format!(
+                    "an in-process instance has exactly one rank (its own memory), got {}; set workers.mode = \"processes\" for more",
+                    self.ranks
+                ),
+            )),
+            WorkersMode::InProcess => Ok(()),
+            WorkersMode::Processes => {
+                if config.tiers.g4_blocks > 0 {
+                    return Err(EngineError::config(
+                        "tiers.g4_blocks",
+                        "must be 0 with workers.mode = \"processes\": G4 is written from and read into the instance's own G2 memory, which worker processes do not share",
+                    ));
+                }
+                if config.transport.nats_url.is_none() {
+                    return Err(EngineError::config(
+                        "transport.nats_url",
+                        "must be set with workers.mode = \"processes\": the ranks are driven over NATS",
+                    ));
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -836,7 +933,11 @@ impl KvbmConfig {
             }
             seen.push(*tier);
         }
-        if self.tiers.g3_blocks > 0 && self.physical.disk.is_none() {
+        // With worker processes, G3 is each rank's own file (`kvbm-engine-worker --g3-file`).
+        if self.tiers.g3_blocks > 0
+            && self.physical.disk.is_none()
+            && self.workers.mode == WorkersMode::InProcess
+        {
             return Err(EngineError::config(
                 "physical.disk",
                 "tiers.g3_blocks > 0 needs a [physical.disk] section",
@@ -1062,6 +1163,7 @@ impl KvbmConfig {
             check_nats_url("transport.nats_url", url)?;
         }
         t.nats_auth.validate()?;
+        self.workers.validate(self)?;
         Ok(())
     }
 

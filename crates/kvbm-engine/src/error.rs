@@ -108,6 +108,25 @@ pub enum EngineError {
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
+    /// Worker ranks an instance drives as processes (`workers.mode = "processes"`) did not
+    /// all join (heartbeat, in step) within `workers.join_timeout_ms`; `missing` are their
+    /// ranks, `why` the first one's [`ControlError`].
+    #[error(
+        "worker ranks {missing:?} of {instance} did not join within {waited_ms} ms \
+         (is a kvbm-engine-worker --instance {id} --rank R running for each, on the same \
+         NATS server and prefix?): {why}",
+        id = instance.0
+    )]
+    RanksMissing {
+        /// The instance whose ranks were awaited.
+        instance: crate::address::InstanceId,
+        /// The ranks not in step at the deadline.
+        missing: Vec<u32>,
+        /// How long it waited.
+        waited_ms: u64,
+        /// The first missing rank's reason (not joined, or rejoining).
+        why: ControlError,
+    },
     /// The TCP block data plane could not serve or reach `peer`.
     #[error("data plane {peer}: {message}")]
     DataPlane {

@@ -97,7 +97,7 @@ async fn security_instances_pull_only_from_members_of_their_namespace() {
     assert_eq!((a.id(), b.id(), c.id()), (A, B, C));
 
     eventually("B knows where A serves", || {
-        b.peers().get(A) == Some(a.data_plane().local_addr())
+        b.peers().get(A) == Some(a.data_plane().unwrap().local_addr())
     })
     .await;
     let p = prefix(7, 4);
@@ -120,15 +120,15 @@ async fn security_instances_pull_only_from_members_of_their_namespace() {
 
     // Told anyway (as a NATS-only attacker could not: the messages are sealed), C is refused by
     // A's data plane: nothing pulled, nothing registered, counted on both sides.
-    c.peers().insert(A, a.data_plane().local_addr());
+    c.peers().insert(A, a.data_plane().unwrap().local_addr());
     c.index()
         .replace_instance(A, &p.iter().map(|h| (*h, TierId::G2)).collect::<Vec<_>>());
     let got = c.onboard(&p).await.unwrap();
     assert!(got.blocks.is_empty(), "{got:?}");
     assert_eq!(c.lookup(&p).local_g2, 0);
-    assert!(a.data_plane().stats().handshakes_refused() >= 1);
-    assert!(c.data_plane_client_stats().handshakes_refused >= 1);
-    assert_eq!(a.data_plane().stats().blocks_served(), 0);
+    assert!(a.data_plane().unwrap().stats().handshakes_refused() >= 1);
+    assert!(c.data_plane_client_stats().unwrap().handshakes_refused >= 1);
+    assert_eq!(a.data_plane().unwrap().stats().blocks_served(), 0);
 
     // B, a member, pulls over the authenticated protocol; bytes verified.
     let got = b.onboard(&p).await.unwrap();
@@ -139,9 +139,9 @@ async fn security_instances_pull_only_from_members_of_their_namespace() {
         assert_eq!(b.read_g1(blk).as_ref(), Some(&want));
     }
     drop(got);
-    assert!(a.data_plane().stats().handshakes() >= 1);
-    assert_eq!(a.data_plane().stats().blocks_served(), 4);
-    assert_eq!(b.data_plane_client_stats().handshakes_refused, 0);
+    assert!(a.data_plane().unwrap().stats().handshakes() >= 1);
+    assert_eq!(a.data_plane().unwrap().stats().blocks_served(), 4);
+    assert_eq!(b.data_plane_client_stats().unwrap().handshakes_refused, 0);
 
     for i in [a, b, c] {
         i.shutdown().await;

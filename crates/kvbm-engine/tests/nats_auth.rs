@@ -655,7 +655,7 @@ async fn security_off_loopback_without_credentials_is_refused_naming_the_key_unl
     let insecure = [open_bind[0].clone(), ("security.insecure", true.into())];
     let rt = runtime(&nats.url, &insecure);
     let i = build(&rt).await.expect("insecure = true runs");
-    assert!(i.data_plane().local_addr().ip().is_unspecified());
+    assert!(i.data_plane().unwrap().local_addr().ip().is_unspecified());
     i.shutdown().await;
     rt.shutdown();
 

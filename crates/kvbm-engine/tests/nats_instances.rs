@@ -224,14 +224,14 @@ async fn share_g4_and_g2_and_drop_a_peer_that_left(
 
     // Heartbeats fill each one's directory with the other's data-plane address.
     eventually("peers see each other", || {
-        b.peers().get(A) == Some(a.data_plane().local_addr())
-            && a.peers().get(B) == Some(b.data_plane().local_addr())
+        b.peers().get(A) == Some(a.data_plane().unwrap().local_addr())
+            && a.peers().get(B) == Some(b.data_plane().unwrap().local_addr())
     })
     .await;
     assert_eq!(b.presence().live_peers(), vec![A]);
     assert_eq!(
         b.presence().peer(A).unwrap().data_plane,
-        Some(a.data_plane().local_addr().to_string())
+        Some(a.data_plane().unwrap().local_addr().to_string())
     );
 
     // A computes P1 and offloads it to the shared bucket; P2 stays in A's G2 only.
@@ -276,7 +276,7 @@ async fn share_g4_and_g2_and_drop_a_peer_that_left(
         (6, 4, 0)
     );
     eventually("A counted 4 served", || {
-        a.data_plane().stats().blocks_served() == 4
+        a.data_plane().unwrap().stats().blocks_served() == 4
     })
     .await;
 
@@ -528,7 +528,7 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;
     assert_eq!(a.events_subject(), subject);
-    let a_addr = a.data_plane().local_addr();
+    let a_addr = a.data_plane().unwrap().local_addr();
     eventually("B synced A", || {
         b.presence().is_synced(A) && b.peers().get(A) == Some(a_addr)
     })
@@ -1177,7 +1177,7 @@ async fn the_cross_instance_index_recovers_after_the_nats_server_restarts() {
             == vec![(A, 12)]
     })
     .await;
-    assert_eq!(b.peers().get(A), Some(a.data_plane().local_addr()));
+    assert_eq!(b.peers().get(A), Some(a.data_plane().unwrap().local_addr()));
     // B pulls the whole of it from A over TCP, bytes verified.
     let all = [p1, p2, p3].concat();
     let got = b.onboard(&all).await.unwrap();

@@ -13,6 +13,13 @@
 //! `transport.nats_url`, `tiers.g1_blocks` and `tiers.g2_blocks` (and `[physical.s3]` with
 //! `tiers.g4_blocks` for a shared G4).
 //!
+//! With `workers.mode = "processes"` (`--set workers.mode=processes --set workers.ranks=N`)
+//! its blocks live in `N` `kvbm-engine-worker` processes the operator starts (`--instance
+//! 0x<its --id>`, `--rank 0..N`, the same geometry flags, `--blocks` at least `[tiers]`'s);
+//! it does not start them (a supervisor does, and restarts one that dies); it waits for them
+//! (`workers.join_timeout_ms`) before `ready`, has no data plane (`addr=-`), and `compute`
+//! is refused (the ranks write their own memory).
+//!
 //! Once started it prints `ready id=<hex> addr=<data-plane address> fingerprint=fp-<hex>` (the
 //! model fingerprint its G4 paths and NATS subjects are scoped by). Each command line gets one
 //! answer line, `ok key=value ...` or `err <why>`. A prefix `SEED N` is the `N` blocks (4
@@ -219,7 +226,9 @@ async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String
                 .ok_or("expected N")?
                 .parse()
                 .map_err(|e| format!("{e}"))?;
-            inst.data_plane().corrupt_next_frames(n);
+            inst.data_plane()
+                .ok_or("no data plane (workers.mode = \"processes\")")?
+                .corrupt_next_frames(n);
             Ok(format!("corrupt={n}"))
         }
         "stats" => {
@@ -236,7 +245,7 @@ async fn answer(inst: &Instance, block_size: usize, line: &str) -> Result<String
                 s.recomputed_blocks,
                 p.expired,
                 p.resyncs,
-                inst.data_plane().stats().blocks_served(),
+                inst.data_plane().map_or(0, |d| d.stats().blocks_served()),
                 inst.security().is_on(),
                 sec.map_or(0, |s| s.accepted()),
                 sec.map_or(0, |s| s.rejected_total()),
@@ -312,7 +321,8 @@ fn main() {
         out,
         "ready id={:x} addr={} fingerprint={}",
         inst.id().0,
-        inst.data_plane().local_addr(),
+        inst.data_plane()
+            .map_or_else(|| "-".to_string(), |d| d.local_addr().to_string()),
         inst.fingerprint()
     );
     let _ = out.flush();

@@ -13,6 +13,9 @@
 //!     [--trust-root HEX --credential FILE] [--insecure]
 //! ```
 //!
+//! `--instance` is the id of the instance whose rank this is, decimal or `0x`-hex (the
+//! instance's `[workers] mode = "processes"` waits for its ranks; see `config/kvbm.toml`).
+//!
 //! It prints `ready <subject>` on standard output once it serves; with `--announce`, a line
 //! `request <kind>` for each request it receives. `--delay-from`/`--delay-ms` delay every
 //! transfer out of a tier (fault-injection tests kill the process meanwhile). `--max-in-flight`
@@ -111,7 +114,14 @@ fn parse() -> Result<Args, BinError> {
         };
         match flag.as_str() {
             "--nats" => a.nats = value,
-            "--instance" => a.instance = num(&value)?,
+            // Decimal, or hex with `0x` (as `kvbm-engine-instance` prints its id).
+            "--instance" => {
+                a.instance = match value.strip_prefix("0x") {
+                    Some(hex) => u64::from_str_radix(hex, 16)
+                        .map_err(|e| format!("{flag}: `{value}` is not a hex id ({e})"))?,
+                    None => num(&value)?,
+                }
+            }
             "--rank" => a.rank = num(&value)? as u32,
             "--blocks" => a.blocks = num(&value)? as usize,
             "--layers" => a.layers = num(&value)? as usize,

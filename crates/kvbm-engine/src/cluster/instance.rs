@@ -33,6 +33,27 @@
 //!                                  snapshot resync after reconnects (see [`presence`])
 //! ```
 //!
+//! # Worker ranks: this process, or processes
+//!
+//! `[workers] mode` says where the blocks' bytes are. `in_process` (the default): one rank,
+//! this process, everything above. `processes`: `workers.ranks` `kvbm-engine-worker`
+//! processes, which the operator starts (one per rank, `--instance` this id); the instance
+//! does not start them, it waits for them (see `ranks.rs` for the whole of it):
+//!
+//! ```text
+//!  [workers] mode = "processes", ranks = N
+//!    control_prefix ─────────────► Membership::follow (<prefix>.<id>.members heartbeats)
+//!    join_timeout_ms ────────────► wait for ranks 0..N in step, else RanksMissing{missing}
+//!                                  NatsControl(r).with_membership ×N ─► ControlledWorkers
+//!                                  each rank's G1/G2/G3 checked against [tiers], geometry
+//!  [tiers] g1/g2/g3_blocks ──────► RankTiers::build: managers + leader, no layouts here
+//!                                  SpmdMovers through the ranks: G3→G2, G2→G1, G2→G3
+//!  [transport] heartbeat_timeout ► a silent rank is lost: calls fail NotJoined naming it
+//!                                  keep_in_step until shutdown: a restarted rank's G2/G1
+//!                                  declared empty, then it gets work again
+//!  not built: data plane (G2 not served or pulled: G2 events unpublished), G4, G3 journal
+//! ```
+//!
 //! # Fingerprint
 //!
 //! Every subject is `events.subject` scoped by the instance's model fingerprint
@@ -82,12 +103,15 @@
 //! index and presence each document theirs; none is held while another is taken here.
 
 pub mod presence;
+mod ranks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvbm_logical::{BlockEvent, EventSink, G1, G2, ImmutableBlock, SequenceHash, TierId};
+use kvbm_logical::{
+    BlockEvent, BlockManager, EventSink, G1, G2, G3, ImmutableBlock, SequenceHash, TierId,
+};
 use kvbm_offload::{ObjectPipeline, Pipeline, S3PresenceChecker};
 use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy};
 use tokio_util::sync::CancellationToken;
@@ -97,12 +121,17 @@ use crate::cluster::dataplane::{DataPlaneClient, DataPlaneConfig, DataPlaneServe
 use crate::cluster::pubsub::EventPublisher;
 use crate::cluster::pubsub::nats::NatsBus;
 use crate::cluster::transport::PeerInfo;
+use crate::cluster::transport::control::ControlledWorkers;
+use crate::cluster::transport::membership::Membership;
+use crate::config::{KvbmConfig, WorkersMode};
 use crate::cross_instance::CrossInstanceIndex;
 use crate::error::{EngineError, Result};
 use crate::leader::{FinishOutcome, InstanceLeader, MoversToG2, RemoteSearch, SessionError};
+use crate::mover::BlockMove;
 use crate::runtime::RuntimeHandle;
 use crate::security::{Role as SecurityRole, Security};
 use crate::stack::{Movers, TierPlan, TierSinks, Tiers, discard_rejected};
+use ranks::Ranks;
 
 pub use presence::{Presence, PresenceConfig, PresenceStats};
 
@@ -256,7 +285,10 @@ impl InstanceBuilder {
 
     /// Builds the tiers (`stack::Tiers::build`, see the [module docs](self)), starts the data
     /// plane, connects NATS, and starts publishing, following and the presence protocol.
-    /// Returns once every subscription is in place.
+    /// Returns once every subscription is in place. With worker processes, instead of the
+    /// tiers' layouts and the data plane: waits for every rank to join, checks their layouts,
+    /// and builds the managers and the moves through the ranks (see `ranks.rs`); returns once
+    /// every rank is in step.
     ///
     /// # Errors
     /// [`EngineError::Config`] naming the key: no geometry (`instance.geometry`),
@@ -266,7 +298,11 @@ impl InstanceBuilder {
     /// be created, opened, reached or listed; [`EngineError::Physical`] /
     /// [`EngineError::Offload`] when a layout or mover cannot be set up;
     /// [`EngineError::DataPlane`] when the address cannot be bound; [`EngineError::Nats`] when
-    /// the server cannot be reached; [`EngineError::ShutDown`] after shutdown.
+    /// the server cannot be reached; [`EngineError::ShutDown`] after shutdown. With worker
+    /// processes (`[workers] mode = "processes"`): [`EngineError::RanksMissing`] naming the
+    /// ranks not in step within `workers.join_timeout_ms`; [`EngineError::Config`] naming
+    /// `tiers.g1_blocks`..`tiers.g3_blocks` or `instance.geometry` and the rank whose layouts
+    /// do not fit; [`EngineError::Control`] when a rank cannot be described.
     pub async fn build(self) -> Result<Instance> {
         let rt = self.runtime;
         let config = rt.config().clone();
@@ -380,13 +416,135 @@ impl InstanceBuilder {
             own: own.clone(),
             publisher: publisher.clone(),
         });
-        // The tiers, as every composition builds them (`stack::Tiers::build`): layouts on one
-        // transfer manager, managers on one registry publishing through `sink`, the G3 journal
-        // (warm restart), the G4 listing, the leader, the checked movers.
-        let shared_g4 = tiers.g4_blocks > 0;
+        let (leader, memory, this) = match config.workers.mode {
+            WorkersMode::InProcess => {
+                let (leader, here) = Here::build(HerePlan {
+                    config: &config,
+                    rt: &rt,
+                    id,
+                    geometry,
+                    pin: self.pin,
+                    sink,
+                    index: index.clone(),
+                    dp_config,
+                    security: security.clone(),
+                })
+                .await?;
+                let this = PeerInfo {
+                    worker: WorkerAddress::new(id, 0),
+                    tiers: [TierId::G2, TierId::G3, TierId::G4]
+                        .into_iter()
+                        .filter(|t| leader.has_tier(*t))
+                        .collect(),
+                    num_blocks: tiers.g2_blocks,
+                    block_bytes: here.g2_layout.layout().config().block_bytes(),
+                    data_plane: Some(here.server.local_addr().to_string()),
+                };
+                (leader, Memory::Here(Box::new(here)), this)
+            }
+            WorkersMode::Processes => {
+                // The ranks' G2 is not served to peers (no data plane reads it), so its events
+                // are not published: no peer is sent to a G2 it cannot pull from.
+                let sinks = TierSinks {
+                    g2: None,
+                    g3: Some(sink.clone() as Arc<dyn EventSink>),
+                    g4: None,
+                };
+                let ranks = Ranks::start(
+                    &config,
+                    &rt,
+                    id,
+                    &geometry,
+                    &client,
+                    security.clone(),
+                    sinks,
+                    &cancel,
+                )
+                .await?;
+                let this = PeerInfo {
+                    worker: WorkerAddress::new(id, 0),
+                    tiers: ranks.tiers.g3.iter().map(|_| TierId::G3).collect(),
+                    num_blocks: tiers.g2_blocks,
+                    block_bytes: ranks.block_bytes,
+                    data_plane: None,
+                };
+                let leader = ranks.tiers.leader.clone();
+                (leader, Memory::Ranks(Box::new(ranks)), this)
+            }
+        };
+        let peers = match &memory {
+            Memory::Here(h) => h.peers.clone(),
+            Memory::Ranks(_) => Arc::new(PeerDirectory::new()),
+        };
+        let presence = Presence::start_secured(
+            &rt,
+            cancel.clone(),
+            client,
+            epoch,
+            &subject,
+            PresenceConfig::from_transport(&config.transport),
+            this,
+            index.clone(),
+            own.clone(),
+            peers.clone(),
+            security.clone(),
+        )
+        .await?;
+        presence.follow(&rt, cancel.clone(), events)?;
+        started.disarm();
+        Ok(Instance {
+            id,
+            runtime: rt,
+            cancel,
+            leader,
+            memory,
+            peers,
+            index,
+            own,
+            bus,
+            publisher,
+            presence,
+            presence_check: self.presence_check,
+            counters: Counters::default(),
+            security,
+        })
+    }
+}
+
+/// What [`Here::build`] builds from.
+struct HerePlan<'a> {
+    config: &'a KvbmConfig,
+    rt: &'a RuntimeHandle,
+    id: InstanceId,
+    geometry: BlockLayout,
+    pin: PinPolicy,
+    sink: Arc<OwnEvents>,
+    index: Arc<CrossInstanceIndex>,
+    dp_config: DataPlaneConfig,
+    security: Arc<Security>,
+}
+
+impl Here {
+    /// The tiers in this process, as every composition builds them (`stack::Tiers::build`):
+    /// layouts on one transfer manager, managers on one registry publishing through the sink,
+    /// the G3 journal (warm restart), the G4 listing, the leader, the checked movers; the
+    /// lanes; and the data plane over G2.
+    async fn build(plan: HerePlan<'_>) -> Result<(InstanceLeader, Here)> {
+        let HerePlan {
+            config,
+            rt,
+            id,
+            geometry,
+            pin,
+            sink,
+            index,
+            dp_config,
+            security,
+        } = plan;
+        let shared_g4 = config.tiers.g4_blocks > 0;
         let mut built = Tiers::build(TierPlan {
-            config: &config,
-            runtime: &rt,
+            config,
+            runtime: rt,
             shape: Box::new(move |n: usize| -> Result<BlockLayout> {
                 Ok(BlockLayout::builder()
                     .config(*geometry.config())
@@ -394,12 +552,12 @@ impl InstanceBuilder {
                     .num_blocks(n.max(1))
                     .build()?)
             }),
-            pin: [self.pin, self.pin],
+            pin: [pin, pin],
             sinks: TierSinks::all(sink),
             contents: None,
             identities: Arc::default(),
             remote: Some(RemoteSearch {
-                index: index.clone(),
+                index,
                 this: id,
                 shared_g4,
             }),
@@ -449,61 +607,26 @@ impl InstanceBuilder {
             })??
         };
         let peers = Arc::new(PeerDirectory::new());
-        let client_dp = Arc::new(DataPlaneClient::new_secured(
+        let client = Arc::new(DataPlaneClient::new_secured(
             dp_config,
             g2.clone(),
             g2_layout.clone(),
             peers.clone(),
-            security.clone(),
-        )?);
-        let this = PeerInfo {
-            worker: WorkerAddress::new(id, 0),
-            tiers: [TierId::G2, TierId::G3, TierId::G4]
-                .into_iter()
-                .filter(|t| leader.has_tier(*t))
-                .collect(),
-            num_blocks: tiers.g2_blocks,
-            block_bytes: g2_layout.layout().config().block_bytes(),
-            data_plane: Some(server.local_addr().to_string()),
-        };
-        let presence = Presence::start_secured(
-            &rt,
-            cancel.clone(),
-            client,
-            epoch,
-            &subject,
-            PresenceConfig::from_transport(&config.transport),
-            this,
-            index.clone(),
-            own.clone(),
-            peers.clone(),
-            security.clone(),
-        )
-        .await?;
-        presence.follow(&rt, cancel.clone(), events)?;
-        started.disarm();
-        Ok(Instance {
-            id,
-            runtime: rt,
-            cancel,
-            leader,
-            tiers: built,
-            movers,
-            g2_layout,
-            g3_lane,
-            g4,
-            server,
-            client: client_dp,
-            peers,
-            index,
-            own,
-            bus,
-            publisher,
-            presence,
-            presence_check: self.presence_check,
-            counters: Counters::default(),
             security,
-        })
+        )?);
+        Ok((
+            leader,
+            Here {
+                tiers: built,
+                movers,
+                g2_layout,
+                g3_lane,
+                g4,
+                server,
+                client,
+                peers,
+            },
+        ))
     }
 }
 
@@ -539,15 +662,8 @@ pub struct Instance {
     runtime: RuntimeHandle,
     cancel: CancellationToken,
     leader: InstanceLeader,
-    /// Every tier, built as the stack builds them (the leader and movers taken out).
-    tiers: Tiers,
-    movers: Movers,
-    g2_layout: Arc<PhysicalLayout>,
-    /// The G2→G3 lane (with G3).
-    g3_lane: Option<Pipeline<G2>>,
-    g4: Option<G4Side>,
-    server: DataPlaneServer,
-    client: Arc<DataPlaneClient>,
+    /// Where the blocks' bytes are: this process, or its worker ranks' processes.
+    memory: Memory,
     peers: Arc<PeerDirectory>,
     index: Arc<CrossInstanceIndex>,
     own: Arc<CrossInstanceIndex>,
@@ -559,11 +675,33 @@ pub struct Instance {
     security: Arc<Security>,
 }
 
+/// Where an instance's blocks' bytes are (`workers.mode`), and how they move.
+enum Memory {
+    /// `in_process`: this process's layouts, the data plane over its G2.
+    Here(Box<Here>),
+    /// `processes`: the worker ranks' processes (see [`ranks`]).
+    Ranks(Box<Ranks>),
+}
+
+/// The tiers of an instance whose one rank is its own process.
+struct Here {
+    /// Every tier, built as the stack builds them (the leader and movers taken out).
+    tiers: Tiers,
+    movers: Movers,
+    g2_layout: Arc<PhysicalLayout>,
+    /// The G2→G3 lane (with G3).
+    g3_lane: Option<Pipeline<G2>>,
+    g4: Option<G4Side>,
+    server: DataPlaneServer,
+    client: Arc<DataPlaneClient>,
+    peers: Arc<PeerDirectory>,
+}
+
 impl std::fmt::Debug for Instance {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Instance")
             .field("id", &self.id)
-            .field("data_plane", &self.server.local_addr())
+            .field("data_plane", &self.data_plane().map(|s| s.local_addr()))
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -623,14 +761,40 @@ impl Instance {
         &self.leader
     }
 
-    /// Its data-plane server (address, counters).
-    pub fn data_plane(&self) -> &DataPlaneServer {
-        &self.server
+    /// Its data-plane server (address, counters); none when its worker ranks are processes
+    /// (`workers.mode = "processes"`: their G2 is not served to peers).
+    pub fn data_plane(&self) -> Option<&DataPlaneServer> {
+        match &self.memory {
+            Memory::Here(h) => Some(&h.server),
+            Memory::Ranks(_) => None,
+        }
     }
 
-    /// Its data-plane client's counters and idle pool (deadlines exceeded, pool evictions).
-    pub fn data_plane_client_stats(&self) -> crate::cluster::dataplane::ClientStats {
-        self.client.stats()
+    /// Its data-plane client's counters and idle pool (deadlines exceeded, pool evictions);
+    /// none when its worker ranks are processes (it pulls nothing from peers).
+    pub fn data_plane_client_stats(&self) -> Option<crate::cluster::dataplane::ClientStats> {
+        match &self.memory {
+            Memory::Here(h) => Some(h.client.stats()),
+            Memory::Ranks(_) => None,
+        }
+    }
+
+    /// Its worker ranks when they are processes (`workers.mode = "processes"`): every rank's
+    /// control (in rank order), as the instance drives them; none in process.
+    pub fn workers(&self) -> Option<&Arc<ControlledWorkers>> {
+        match &self.memory {
+            Memory::Here(_) => None,
+            Memory::Ranks(r) => Some(&r.workers),
+        }
+    }
+
+    /// Its view of its worker ranks when they are processes (who joined, was lost, restarted;
+    /// [`Membership::events`], [`Membership::wait_for`]); none in process.
+    pub fn membership(&self) -> Option<&Membership> {
+        match &self.memory {
+            Memory::Here(_) => None,
+            Memory::Ranks(r) => Some(&r.membership),
+        }
     }
 
     /// Where peers' data planes listen, as their heartbeats say.
@@ -662,7 +826,10 @@ impl Instance {
     /// The model fingerprint every key and subject of this instance is scoped by (see
     /// [`KvbmConfig::fingerprint`](crate::config::KvbmConfig::fingerprint)).
     pub fn fingerprint(&self) -> kvbm_physical::ModelFingerprint {
-        self.tiers.fingerprint
+        match &self.memory {
+            Memory::Here(h) => h.tiers.fingerprint,
+            Memory::Ranks(r) => r.tiers.fingerprint,
+        }
     }
 
     /// The NATS subject its events go out on: `events.subject` scoped by the fingerprint
@@ -698,13 +865,38 @@ impl Instance {
 
     /// Bytes of one block.
     pub fn block_bytes(&self) -> usize {
-        self.g2_layout.layout().config().block_bytes()
+        match &self.memory {
+            Memory::Here(h) => h.g2_layout.layout().config().block_bytes(),
+            Memory::Ranks(r) => r.block_bytes,
+        }
+    }
+
+    /// The G1 manager (where onboarded blocks land).
+    fn g1(&self) -> &Arc<BlockManager<G1>> {
+        match &self.memory {
+            Memory::Here(h) => &h.tiers.g1.manager,
+            Memory::Ranks(r) => &r.tiers.g1,
+        }
+    }
+
+    /// With worker processes: every rank in step, or the first one's error (a call then fails
+    /// before anything is held or moved). In process: always.
+    fn ranks_in_step(&self) -> Result<()> {
+        match &self.memory {
+            Memory::Here(_) => Ok(()),
+            Memory::Ranks(r) => Ok(r.in_step()?),
+        }
     }
 
     /// The bytes of an onboarded G1 block; `None` when `block` is not one of this instance's
-    /// G1 blocks (its id would name another layout's slot).
+    /// G1 blocks (its id would name another layout's slot), or when its worker ranks are
+    /// processes (each rank holds its own bytes: ask them, e.g. a `ControlRequest::Digest`
+    /// through [`workers`](Self::workers)).
     pub fn read_g1(&self, block: &ImmutableBlock<G1>) -> Option<Vec<u8>> {
-        let g1 = &self.tiers.g1;
+        let Memory::Here(h) = &self.memory else {
+            return None;
+        };
+        let g1 = &h.tiers.g1;
         g1.manager
             .holds(block)
             .then(|| read_host(&g1.layout, block.block_id()))
@@ -715,12 +907,21 @@ impl Instance {
     /// computed (those already present are skipped).
     ///
     /// # Errors
-    /// [`EngineError::Logical`] when G2 has no room.
+    /// [`EngineError::Logical`] when G2 has no room; [`EngineError::Config`] (key
+    /// `workers.mode`) when the worker ranks are processes: their G2 is theirs to write (the
+    /// caller allocates blocks from [`leader`](Self::leader)'s G2, has every rank write those
+    /// slots, and registers them).
     pub fn compute(
         &self,
         hashes: &[SequenceHash],
         fill: &(dyn Fn(SequenceHash, &mut [u8]) + Send + Sync),
     ) -> Result<usize> {
+        let Memory::Here(here) = &self.memory else {
+            return Err(EngineError::config(
+                "workers.mode",
+                "compute writes G2 in this process; with worker processes each rank writes its own G2 slots (allocate from leader().g2(), have the ranks write them, register)",
+            ));
+        };
         let g2 = self
             .leader
             .g2()
@@ -734,13 +935,13 @@ impl Instance {
             return Ok(0);
         }
         let blocks = g2.allocate_blocks(missing.len())?;
-        let layers = self.g2_layout.layout().config().num_layers;
+        let layers = here.g2_layout.layout().config().num_layers;
         let mut buf = vec![0u8; self.block_bytes()];
         let mut complete = Vec::with_capacity(missing.len());
         for (b, h) in blocks.into_iter().zip(&missing) {
             fill(*h, &mut buf);
             let mut at = 0;
-            for (addr, len) in self.g2_layout.block_addrs(b.block_id(), 0..layers) {
+            for (addr, len) in here.g2_layout.block_addrs(b.block_id(), 0..layers) {
                 // SAFETY: host memory of the G2 layout; the block is mutable (allocated here,
                 // not registered), so nothing else reads or writes its slot.
                 unsafe {
@@ -767,16 +968,60 @@ impl Instance {
     /// on the same file; G3's manager publishes its stored event. Returns how many were
     /// written.
     ///
+    /// With worker processes, every rank writes its G2 copies to its own G3 file through
+    /// the ranks (`SpmdMover`); no journal is kept in this process (a restarted instance
+    /// starts G3 cold).
+    ///
     /// # Errors
     /// [`EngineError::TierMissing`] without G3; [`EngineError::Offload`] when the lane refused
-    /// the batch.
+    /// the batch; with worker processes, [`EngineError::Control`] when a rank is not in step
+    /// (nothing moved), [`EngineError::Stack`] naming the first failed block when a rank could
+    /// not write it (the others are written and counted).
     pub async fn offload_g3(&self, hashes: &[SequenceHash]) -> Result<usize> {
-        let lane = self
-            .g3_lane
-            .as_ref()
-            .ok_or(EngineError::TierMissing(TierId::G3))?;
-        self.offload_through(lane, hashes, &self.counters.offloaded_g3)
-            .await
+        match &self.memory {
+            Memory::Here(h) => {
+                let lane = h
+                    .g3_lane
+                    .as_ref()
+                    .ok_or(EngineError::TierMissing(TierId::G3))?;
+                self.offload_through(lane, hashes, &self.counters.offloaded_g3)
+                    .await
+            }
+            Memory::Ranks(r) => {
+                r.in_step()?;
+                let (Some(g3), Some(down)) = (&r.tiers.g3, &r.g2_to_g3) else {
+                    return Err(EngineError::TierMissing(TierId::G3));
+                };
+                let registry = r.tiers.g2.registry();
+                let blocks: Vec<ImmutableBlock<G2>> = r
+                    .tiers
+                    .g2
+                    .match_blocks(hashes)
+                    .into_iter()
+                    .filter(|b| !registry.is_present(b.sequence_hash(), TierId::G3))
+                    .collect();
+                if blocks.is_empty() {
+                    return Ok(0);
+                }
+                let out = down
+                    .move_from(&blocks, g3.allocate_blocks(blocks.len())?)
+                    .await;
+                let n = out.iter().filter(|o| o.is_ok()).count();
+                self.counters
+                    .offloaded_g3
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                match out.into_iter().find_map(|o| o.err()) {
+                    None => Ok(n),
+                    Some(f) => Err(EngineError::stack_caused(
+                        format!(
+                            "the worker ranks wrote {n} of {} blocks to G3",
+                            blocks.len()
+                        ),
+                        f,
+                    )),
+                }
+            }
+        }
     }
 
     /// Writes the G2-resident blocks of the prefix `hashes` to the shared G4 bucket (the
@@ -787,10 +1032,10 @@ impl Instance {
     /// [`EngineError::TierMissing`] without G4; [`EngineError::Offload`] when the pipeline
     /// refused the batch.
     pub async fn offload_g4(&self, hashes: &[SequenceHash]) -> Result<usize> {
-        let g4 = self
-            .g4
-            .as_ref()
-            .ok_or(EngineError::TierMissing(TierId::G4))?;
+        let Memory::Here(h) = &self.memory else {
+            return Err(EngineError::TierMissing(TierId::G4));
+        };
+        let g4 = h.g4.as_ref().ok_or(EngineError::TierMissing(TierId::G4))?;
         self.offload_through(g4.pipeline.pipeline(), hashes, &self.counters.offloaded_g4)
             .await
     }
@@ -837,17 +1082,26 @@ impl Instance {
     /// error: [`Onboarded::refused`] says how many blocks failed and why, and nothing of them
     /// is served or registered.
     ///
+    /// With worker processes, a rank lost mid-session fails the session (refused, nothing
+    /// served); one that is not in step when the call starts fails the call.
+    ///
     /// # Errors
     /// [`EngineError::Logical`] when G1 has no room for the prefix;
-    /// [`EngineError::Session`] for a session call in a wrong state.
+    /// [`EngineError::Session`] for a session call in a wrong state; with worker processes,
+    /// [`EngineError::Control`] (`ControlError::NotJoined` or `ControlError::Rejoining`,
+    /// naming the rank) when a rank is not in step: nothing is held, moved or served.
     pub async fn onboard(&self, hashes: &[SequenceHash]) -> Result<Onboarded> {
+        self.ranks_in_step()?;
         self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        let Memory::Here(h) = &self.memory else {
+            return self.onboard_matched(hashes).await;
+        };
         // Copies a tier rejected on an earlier read leave it before this search.
-        discard_rejected(self.tiers.g3.as_ref(), self.tiers.g4.as_ref());
+        discard_rejected(h.tiers.g3.as_ref(), h.tiers.g4.as_ref());
         let out = self.onboard_matched(hashes).await;
         // The movers record failed hashes for a caller that recomputes from the first one;
         // an instance reports refusals through the session instead, so nothing reads them.
-        self.tiers.onboard.failed.lock().clear();
+        h.tiers.onboard.failed.lock().clear();
         out
     }
 
@@ -855,7 +1109,8 @@ impl Instance {
         let mut matched = self.leader.find_matches(hashes);
         if matched.len() < hashes.len()
             && self.presence_check
-            && let Some(g4) = &self.g4
+            && let Memory::Here(h) = &self.memory
+            && let Some(g4) = &h.g4
         {
             drop(matched);
             match self.leader.adopt_present_g4(hashes, &g4.checker).await {
@@ -880,10 +1135,23 @@ impl Instance {
             return Ok(out);
         }
         let session = crate::leader::OnboardingSession::new(matched);
-        let movers = MoversToG2 {
-            g3_to_g2: self.movers.g3_to_g2(),
-            g4_to_g2: self.movers.g4_to_g2(),
-            remote_g2: Some(self.client.clone()),
+        let (movers, g2_to_g1): (MoversToG2, Arc<dyn BlockMove<G2, G1>>) = match &self.memory {
+            Memory::Here(h) => (
+                MoversToG2 {
+                    g3_to_g2: h.movers.g3_to_g2(),
+                    g4_to_g2: h.movers.g4_to_g2(),
+                    remote_g2: Some(h.client.clone()),
+                },
+                h.movers.g2_to_g1(),
+            ),
+            Memory::Ranks(r) => (
+                MoversToG2 {
+                    g3_to_g2: r.g3_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G3, G2>>),
+                    g4_to_g2: None,
+                    remote_g2: None,
+                },
+                r.g2_to_g1.clone(),
+            ),
         };
         let refused = |out: &mut Onboarded, e: SessionError| -> Result<()> {
             match e {
@@ -903,8 +1171,8 @@ impl Instance {
             refused(&mut out, e)?;
             return Ok(out);
         }
-        let destinations = self.tiers.g1.manager.allocate_blocks(n)?;
-        if let Err(e) = session.onboard(self.movers.g2_to_g1(), destinations).await {
+        let destinations = self.g1().allocate_blocks(n)?;
+        if let Err(e) = session.onboard(g2_to_g1, destinations).await {
             refused(&mut out, e)?;
             return Ok(out);
         }
@@ -960,12 +1228,14 @@ impl Instance {
             self.presence.depart().await;
         }
         self.cancel.cancel();
-        self.server.shutdown();
-        if let Some(lane) = &self.g3_lane {
-            lane.shutdown();
-        }
-        if let Some(g4) = &self.g4 {
-            g4.pipeline.pipeline().shutdown();
+        if let Memory::Here(h) = &self.memory {
+            h.server.shutdown();
+            if let Some(lane) = &h.g3_lane {
+                lane.shutdown();
+            }
+            if let Some(g4) = &h.g4 {
+                g4.pipeline.pipeline().shutdown();
+            }
         }
     }
 }
@@ -985,6 +1255,8 @@ fn _futures_are_send(b: InstanceBuilder, i: &Instance, h: &[SequenceHash]) {
 impl Drop for Instance {
     fn drop(&mut self) {
         self.cancel.cancel();
-        self.server.shutdown();
+        if let Memory::Here(h) = &self.memory {
+            h.server.shutdown();
+        }
     }
 }

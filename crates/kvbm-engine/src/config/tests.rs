@@ -451,3 +451,69 @@ fn write_through_keys_are_validated_naming_their_key() {
         assert!(message.contains(says), "{key}: {message}");
     }
 }
+
+#[test]
+fn workers_keys_are_validated_naming_the_key() {
+    let default = ConfigBuilder::new().build().unwrap();
+    assert_eq!(default.workers.mode, WorkersMode::InProcess);
+    assert_eq!(default.workers.ranks, 1);
+
+    let processes = || {
+        ConfigBuilder::new()
+            .set("workers.mode", "processes")
+            .set("transport.nats_url", "nats://127.0.0.1:4222")
+    };
+    let config = processes().set("workers.ranks", 4).build().unwrap();
+    assert_eq!(config.workers.mode, WorkersMode::Processes);
+    assert_eq!(config.workers.ranks, 4);
+    // With worker processes, G3 is each rank's own file: no [physical.disk] needed.
+    processes().set("tiers.g3_blocks", 8).build().unwrap();
+    let (key, _) = err(ConfigBuilder::new().set("tiers.g3_blocks", 8).build());
+    assert_eq!(key, "physical.disk");
+
+    let (key, message) = err(ConfigBuilder::new().set("workers.mode", "threads").build());
+    assert_eq!(key, "workers.mode", "{message}");
+    assert!(message.contains("processes"), "lists the modes: {message}");
+    let (key, message) = err(ConfigBuilder::new().set("workers.rank", 2).build());
+    assert_eq!(key, "workers.rank", "{message}");
+    assert!(message.contains("unknown key"), "{message}");
+    for (key, builder, says) in [
+        ("workers.ranks", processes().set("workers.ranks", 0), "> 0"),
+        (
+            "workers.ranks",
+            ConfigBuilder::new().set("workers.ranks", 2),
+            "exactly one rank",
+        ),
+        (
+            "workers.join_timeout_ms",
+            processes().set("workers.join_timeout_ms", 0),
+            "> 0",
+        ),
+        (
+            "workers.control_prefix",
+            processes().set("workers.control_prefix", "kvbm.*"),
+            "wildcards",
+        ),
+        (
+            "workers.control_prefix",
+            processes().set("workers.control_prefix", ""),
+            "subject prefix",
+        ),
+        (
+            "tiers.g4_blocks",
+            processes()
+                .set("tiers.g4_blocks", 8)
+                .set("physical.object_dir", "/tmp/g4"),
+            "must be 0",
+        ),
+        (
+            "transport.nats_url",
+            ConfigBuilder::new().set("workers.mode", "processes"),
+            "over NATS",
+        ),
+    ] {
+        let (k, message) = err(builder.build());
+        assert_eq!(k, key, "{message}");
+        assert!(message.contains(says), "{key}: {message}");
+    }
+}

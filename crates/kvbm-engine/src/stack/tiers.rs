@@ -491,6 +491,90 @@ impl Tiers {
     }
 }
 
+/// The tiers of an instance whose block memory is its worker ranks' (`workers.mode =
+/// "processes"`): only the block managers (one registry, G2 and G3 publishing to their sinks)
+/// and the leader over them. Every block's bytes live in each rank's layout of its tier under
+/// the block's id (a rank resolves the tier id to its own layout,
+/// [`PhysicalWorker::resolve`](crate::worker::PhysicalWorker::resolve)), so these managers'
+/// block ids are slots of every rank, and blocks move by the ranks
+/// ([`SpmdMover`](crate::worker::SpmdMover)). No layout is allocated here; G3 is each rank's
+/// own file (no journal in this process: it starts cold), and there is no G4.
+pub(crate) struct RankTiers {
+    pub(crate) g1: Arc<BlockManager<G1>>,
+    pub(crate) g2: Arc<BlockManager<G2>>,
+    pub(crate) g3: Option<Arc<BlockManager<G3>>>,
+    /// The model fingerprint of `geometry` ([`KvbmConfig::fingerprint`]), as [`Tiers`] has.
+    pub(crate) fingerprint: ModelFingerprint,
+    /// The leader over G2 and G3.
+    pub(crate) leader: InstanceLeader,
+}
+
+impl RankTiers {
+    /// The managers of `[tiers]` (G1 and G2 required, G3 optional, G4 refused) on one
+    /// registry, their events flushed by `runtime`, and the leader over G2 and G3 searching in
+    /// `[leader]`'s order (and beyond, through `remote`).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming `tiers.g1_blocks`/`tiers.g2_blocks` (0) or
+    /// `tiers.g4_blocks` (not 0); [`EngineError::Stack`] when a manager or the leader cannot be
+    /// built.
+    pub(crate) fn build(
+        cfg: &KvbmConfig,
+        runtime: &RuntimeHandle,
+        geometry: &BlockLayout,
+        sinks: TierSinks,
+        remote: Option<RemoteSearch>,
+    ) -> Result<RankTiers> {
+        let tiers = &cfg.tiers;
+        for (key, n) in [
+            ("tiers.g1_blocks", tiers.g1_blocks),
+            ("tiers.g2_blocks", tiers.g2_blocks),
+        ] {
+            if n == 0 {
+                return Err(EngineError::config(
+                    key,
+                    "must be > 0 when the worker ranks hold the blocks",
+                ));
+            }
+        }
+        if tiers.g4_blocks > 0 {
+            return Err(EngineError::config(
+                "tiers.g4_blocks",
+                "must be 0 when the worker ranks hold the blocks (G4 moves through this process's G2)",
+            ));
+        }
+        let fingerprint = cfg.fingerprint(geometry.config())?;
+        let registry = BlockRegistry::with_config(&cfg.logical.registry);
+        let g1 = manager::<G1>(tiers.g1_blocks, &registry, &cfg.logical)?;
+        let g2 = manager_with_sink::<G2>(tiers.g2_blocks, &registry, &cfg.logical, sinks.g2)?;
+        let g3 = (tiers.g3_blocks > 0)
+            .then(|| manager_with_sink::<G3>(tiers.g3_blocks, &registry, &cfg.logical, sinks.g3))
+            .transpose()?;
+        runtime.register_event_source(&(g1.clone() as Arc<dyn EventSource>));
+        runtime.register_event_source(&(g2.clone() as Arc<dyn EventSource>));
+        let mut builder = InstanceLeader::builder()
+            .g2(g2.clone())
+            .search(cfg.leader.search.clone());
+        if let Some(g3) = &g3 {
+            runtime.register_event_source(&(g3.clone() as Arc<dyn EventSource>));
+            builder = builder.g3(g3.clone());
+        }
+        if let Some(r) = remote {
+            builder = builder.remote(r);
+        }
+        let leader = builder
+            .build()
+            .context("cannot build the instance leader")?;
+        Ok(RankTiers {
+            g1,
+            g2,
+            g3,
+            fingerprint,
+            leader,
+        })
+    }
+}
+
 /// Drops every poisoned block (a copy its tier rejected on read) from G3 and G4 when nothing
 /// holds it any more (G3 also unlisted it from the journal when it was poisoned), so it is
 /// neither matched nor read again; a block still held stays poisoned until a later call.

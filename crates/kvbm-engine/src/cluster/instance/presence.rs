@@ -9,6 +9,8 @@
 //!                                                         |
 //!    listen task  ◄───────────────────────────────────────┘
 //!      new peer / epoch changed: table += peer (synced = false), PeerDirectory += data plane
+//!        (a heartbeat naming no data plane: a live peer that serves no G2, e.g. an instance
+//!        whose worker ranks are processes; never in the directory, so never pulled from)
 //!      departing: expire now
 //!
 //!  every heartbeat_interval_ms
@@ -509,14 +511,17 @@ impl Presence {
                     inner.expire(&[id]);
                     continue;
                 }
-                let Some(addr) = hb
-                    .peer
-                    .data_plane
-                    .as_deref()
-                    .and_then(|a| a.parse::<SocketAddr>().ok())
-                else {
-                    inner.reject();
-                    continue;
+                // No data plane: a live peer that serves no G2 (its worker ranks are
+                // processes), kept out of the directory. An unreadable one is refused.
+                let addr = match hb.peer.data_plane.as_deref() {
+                    None => None,
+                    Some(a) => match a.parse::<SocketAddr>() {
+                        Ok(addr) => Some(addr),
+                        Err(_) => {
+                            inner.reject();
+                            continue;
+                        }
+                    },
                 };
                 inner.departed.lock().remove(&id);
                 {
@@ -543,7 +548,9 @@ impl Presence {
                     }
                     entry.info = hb.peer;
                 }
-                inner.directory.insert(id, addr);
+                if let Some(addr) = addr {
+                    inner.directory.insert(id, addr);
+                }
             }
         })?;
         Ok(())

@@ -1,0 +1,231 @@
+//! An instance's worker ranks as separate processes (`[workers] mode = "processes"`): the
+//! instance's block memory is the ranks' (`kvbm-engine-worker`), the instance holds only the
+//! block managers and drives the ranks over NATS control.
+//!
+//! ```text
+//!  build:  Membership::follow(<control_prefix>.<instance>.members)
+//!          wait_for(ranks, join_timeout_ms) ──timeout──► EngineError::RanksMissing{missing}
+//!          NatsControl(rank r).with_membership.with_security  ×ranks ─► ControlledWorkers
+//!          describe_all: every rank has G1, G2 (G3 when tiers.g3_blocks > 0), at least
+//!            [tiers] blocks each, and blocks of the instance's geometry's bytes, else
+//!            EngineError::Config naming the key and the rank
+//!          RankTiers::build (managers + leader; no layouts) ─► SpmdMovers G3→G2, G2→G1, G2→G3
+//!          keep_in_step(forget G2 (leader) and G1 until nothing old is held) until shutdown
+//!  calls:  every rank in step, or the call fails with ControlError::{NotJoined, Rejoining}
+//!          before anything is held or moved; a rank lost mid-call fails that call's session
+//!          (refused, nothing served)
+//! ```
+//!
+//! The processes are not started here: an operator (or a test, or a supervisor) starts one
+//! `kvbm-engine-worker` per rank with this instance's id, and restarts one that died; the
+//! instance waits for them at build, refuses work while one is missing, and brings a restarted
+//! one back in step (see [`Membership`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::Client;
+use kvbm_logical::{G1, G2, G3, TierId};
+use kvbm_physical::BlockLayout;
+use tokio_util::sync::CancellationToken;
+
+use crate::address::{InstanceId, WorkerAddress};
+use crate::cluster::transport::control::{ControlledWorkers, WorkerControl};
+use crate::cluster::transport::membership::Membership;
+use crate::cluster::transport::nats::NatsControl;
+use crate::config::KvbmConfig;
+use crate::error::{ControlError, EngineError, Result};
+use crate::runtime::RuntimeHandle;
+use crate::security::Security;
+use crate::stack::{RankTiers, TierSinks};
+use crate::worker::{ParallelWorkers, SpmdMover};
+
+/// The ranks of an instance run as processes, the instance's view of them, and the moves
+/// through them.
+pub(super) struct Ranks {
+    pub(super) tiers: RankTiers,
+    pub(super) workers: Arc<ControlledWorkers>,
+    pub(super) membership: Membership,
+    pub(super) world: u32,
+    pub(super) instance: InstanceId,
+    pub(super) block_bytes: usize,
+    pub(super) g3_to_g2: Option<Arc<SpmdMover<G3, G2>>>,
+    pub(super) g2_to_g3: Option<SpmdMover<G2, G3>>,
+    pub(super) g2_to_g1: Arc<SpmdMover<G2, G1>>,
+}
+
+impl Ranks {
+    /// Follows the ranks of `id`, waits for all of them, checks what they registered against
+    /// `geometry` and `[tiers]`, builds the managers and movers, and keeps restarted ranks in
+    /// step until `cancel`. See the [module docs](self).
+    ///
+    /// # Errors
+    /// [`EngineError::RanksMissing`] when a rank is not in step within
+    /// `workers.join_timeout_ms`; [`EngineError::Control`] when a rank cannot be described;
+    /// [`EngineError::Config`] naming the key when a rank's layouts do not fit this instance;
+    /// [`EngineError::Nats`] when the membership subject cannot be subscribed.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn start(
+        config: &KvbmConfig,
+        rt: &RuntimeHandle,
+        id: InstanceId,
+        geometry: &BlockLayout,
+        client: &Client,
+        security: Arc<Security>,
+        sinks: TierSinks,
+        cancel: &CancellationToken,
+    ) -> Result<Ranks> {
+        let w = &config.workers;
+        let world = w.ranks;
+        // Followed on the runtime's tokio, whoever polls `build`: its task lives there.
+        let membership = {
+            let (client, prefix, security, cancel) = (
+                client.clone(),
+                w.control_prefix.clone(),
+                security.clone(),
+                cancel.clone(),
+            );
+            let timeout = Duration::from_millis(config.transport.heartbeat_timeout_ms);
+            rt.spawn(async move {
+                Membership::follow(&client, &prefix, id, timeout, security, cancel).await
+            })?
+            .await
+            .map_err(|e| EngineError::Nats {
+                url: w.control_prefix.clone(),
+                message: format!("membership task: {e}"),
+            })??
+        };
+        if let Err(why) = membership
+            .wait_for(world, Duration::from_millis(w.join_timeout_ms))
+            .await
+        {
+            let missing = (0..world)
+                .filter(|r| membership.target(WorkerAddress::new(id, *r)).is_err())
+                .collect();
+            return Err(EngineError::RanksMissing {
+                instance: id,
+                missing,
+                waited_ms: w.join_timeout_ms,
+                why,
+            });
+        }
+        let timeout = Duration::from_millis(config.transport.request_timeout_ms);
+        let controls: Vec<Arc<dyn WorkerControl>> = (0..world)
+            .map(|r| {
+                let c = NatsControl::new(
+                    client.clone(),
+                    &w.control_prefix,
+                    WorkerAddress::new(id, r),
+                    timeout,
+                )
+                .with_membership(membership.clone())
+                .with_security(security.clone());
+                Arc::new(c) as Arc<dyn WorkerControl>
+            })
+            .collect();
+        let workers = Arc::new(ControlledWorkers::new(controls)?);
+        let block_bytes = geometry.config().block_bytes();
+        check_ranks(config, block_bytes, &workers).await?;
+
+        let tiers = RankTiers::build(config, rt, geometry, sinks, None)?;
+        let pw: Arc<dyn ParallelWorkers> = workers.clone();
+        let g3_to_g2 = tiers
+            .g3
+            .as_ref()
+            .map(|_| Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), tiers.g2.clone())));
+        let g2_to_g3 = tiers
+            .g3
+            .as_ref()
+            .map(|g3| SpmdMover::<G2, G3>::new(pw.clone(), g3.clone()));
+        let g2_to_g1 = Arc::new(SpmdMover::<G2, G1>::new(pw, tiers.g1.clone()));
+
+        // A restarted rank's memory is empty: what this instance placed on the old process is
+        // dropped (G2 through the leader, G1 here) before the rank gets work again; it stays
+        // rejoining while a caller still holds blocks of the old incarnation.
+        let (leader, g1) = (tiers.leader.clone(), tiers.g1.clone());
+        let _guard = rt.tokio().enter();
+        membership.keep_in_step(
+            move |t| {
+                let g2_empty = leader.forget_worker_memory();
+                let dropped = g1.reset_inactive_pool();
+                if dropped > 0 {
+                    tracing::warn!(worker = %t.address, blocks = dropped, "G1 declared empty: a worker rank lost its memory");
+                }
+                g2_empty && g1.available_blocks() == g1.total_blocks()
+            },
+            cancel.clone(),
+        );
+        Ok(Ranks {
+            tiers,
+            workers,
+            membership,
+            world,
+            instance: id,
+            block_bytes,
+            g3_to_g2,
+            g2_to_g3,
+            g2_to_g1,
+        })
+    }
+
+    /// Whether every rank is in step now: the first one that is not, as its error.
+    ///
+    /// # Errors
+    /// [`ControlError::NotJoined`] (absent or lost) or [`ControlError::Rejoining`] (restarted,
+    /// not yet brought back in step).
+    pub(super) fn in_step(&self) -> std::result::Result<(), ControlError> {
+        (0..self.world).try_for_each(|r| {
+            self.membership
+                .target(WorkerAddress::new(self.instance, r))
+                .map(|_| ())
+        })
+    }
+}
+
+/// Every rank's layouts fit this instance: G1 and G2 (and G3 with `tiers.g3_blocks`), each of
+/// at least `[tiers]`'s blocks (this instance's block ids are slots of every rank's layout),
+/// blocks of `block_bytes` bytes (the geometry each rank registered is this instance's).
+async fn check_ranks(
+    config: &KvbmConfig,
+    block_bytes: usize,
+    workers: &ControlledWorkers,
+) -> Result<()> {
+    let t = &config.tiers;
+    for p in workers.describe_all().await? {
+        let r = p.worker;
+        for (tier, key, n) in [
+            (TierId::G1, "tiers.g1_blocks", t.g1_blocks),
+            (TierId::G2, "tiers.g2_blocks", t.g2_blocks),
+            (TierId::G3, "tiers.g3_blocks", t.g3_blocks),
+        ] {
+            if n == 0 {
+                continue;
+            }
+            if !p.tiers.contains(&tier) {
+                return Err(EngineError::config(
+                    key,
+                    format!("{n} blocks of {tier}, but rank {r} registered no {tier} layout"),
+                ));
+            }
+            if p.num_blocks < n {
+                return Err(EngineError::config(
+                    key,
+                    format!(
+                        "{n} blocks of {tier}, but rank {r} registered only {} (its --blocks)",
+                        p.num_blocks
+                    ),
+                ));
+            }
+        }
+        if p.block_bytes != block_bytes {
+            return Err(EngineError::config(
+                "instance.geometry",
+                format!(
+                    "blocks of {block_bytes} bytes, but rank {r} registered blocks of {} bytes (its --layers, --page-size, --inner-dim)",
+                    p.block_bytes
+                ),
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,517 @@
+//! The config-driven [`Instance`] with its worker ranks in separate processes (issue 24, item
+//! 4; feature `nats`): `[workers] mode = "processes"`, `ranks = 2`, two `kvbm-engine-worker`
+//! processes over a real `nats-server`. The instance waits for the ranks, stores a prefix on
+//! their disks and onboards it through them, every rank's G1 holding its own original bytes;
+//! a rank killed (SIGKILL) makes every call fail at once with a typed error naming it; once
+//! restarted it is brought back in step and the instance serves again, nothing of the lost
+//! memory served (also with authentication on). A rank killed in the middle of an onboarding
+//! fails that call cleanly (refused, nothing served or held). Building fails, naming the key
+//! or the rank, when a rank is missing or does not fit the configuration; peers see the
+//! instance live, with no data plane to pull from.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvbm_engine::cluster::instance::{Instance, synthetic_block};
+use kvbm_engine::cluster::transport::control::{ControlError, ControlRequest, ControlResponse};
+use kvbm_engine::cluster::transport::membership::MemberEvent;
+use kvbm_engine::{EngineError, InstanceId, KvbmRuntime, WorkerAddress};
+use kvbm_logical::{G1, ImmutableBlock, PoolCounts, SequenceHash, TierId};
+
+mod common;
+mod worker_processes;
+
+use common::N;
+use kvbm_engine::security::Role;
+use worker_processes::{Members, WorkerProcess, digests, instance_id};
+
+/// A runtime whose instance drives `ranks` worker processes: tiers of `g2_blocks` (G1 and G3
+/// of `N`), the workers' default heartbeat (1 s) and a 3 s timeout, `join_ms` to join.
+fn runtime(url: &str, ranks: u32, g2_blocks: usize, join_ms: u64) -> KvbmRuntime {
+    runtime_with(url, ranks, g2_blocks, join_ms, 10_000, &[])
+}
+
+/// As [`runtime`], each control request timing out after `request_ms`, with `sets` on top.
+fn runtime_with(
+    url: &str,
+    ranks: u32,
+    g2_blocks: usize,
+    join_ms: u64,
+    request_ms: u64,
+    sets: &[(&str, String)],
+) -> KvbmRuntime {
+    // Each instance its own events subject: the tests of this binary run at once on one
+    // server, and an instance counts another's unsealed heartbeats as rejected.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let subject = format!(
+        "kvbm.test.workers.{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut b = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("events.subject", subject)
+        .set("logical.block_size", 4)
+        .set("logical.events.max_delay_ms", 1)
+        .set("events.idle_tick_ms", 1)
+        .set("tiers.g1_blocks", N as i64)
+        .set("tiers.g2_blocks", g2_blocks as i64)
+        .set("tiers.g3_blocks", N as i64)
+        .set("transport.nats_url", url)
+        .set("transport.heartbeat_timeout_ms", 3000)
+        .set("transport.request_timeout_ms", request_ms as i64)
+        .set("workers.mode", "processes")
+        .set("workers.ranks", i64::from(ranks))
+        .set("workers.join_timeout_ms", join_ms as i64);
+    for (k, v) in sets {
+        b = b.set(*k, v.as_str());
+    }
+    b.build().unwrap()
+}
+
+fn idle(c: PoolCounts) -> bool {
+    c.held == 0 && c.active == 0
+}
+
+/// Waits (30 s at most) for a membership event about `rank` that `is` accepts.
+async fn event_about(
+    events: &mut tokio::sync::broadcast::Receiver<MemberEvent>,
+    rank: WorkerAddress,
+    is: impl Fn(&MemberEvent) -> bool,
+) {
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("a membership event within 30 s")
+            .unwrap();
+        let about = match e {
+            MemberEvent::Joined(t) | MemberEvent::Lost(t) => t.address,
+            MemberEvent::Restarted { now, .. } => now.address,
+        };
+        if about == rank && is(&e) {
+            return;
+        }
+    }
+}
+
+/// The ranks computed a prefix of 6 blocks into their G2 (their fill pattern at the slots the
+/// instance's G2 allocated), checked by digest; the instance stores it on the ranks' disks;
+/// G2 is then evicted and every rank's G2 overwritten, so what reaches G1 later can only come
+/// from the disks. Returns the prefix and, per rank, the digests of its original bytes.
+async fn store_prefix(inst: &Instance) -> (Vec<SequenceHash>, Vec<Vec<u64>>) {
+    let workers = inst.workers().unwrap();
+    let g2 = inst.leader().g2().unwrap();
+    let (on_g2, hashes) = worker_processes::compute_prefix(g2);
+    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
+    let expected = worker_processes::pattern_digests(&ids);
+    for (r, c) in workers.ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G2, ids.clone()).await,
+            expected[r]
+        );
+    }
+    drop(on_g2);
+    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 6);
+    assert_eq!(inst.offload_g3(&hashes).await.unwrap(), 0, "already in G3");
+    assert_eq!(g2.reset_inactive_pool(), 6);
+    fill_g2(inst, 0xEE).await;
+    (hashes, expected)
+}
+
+/// Every rank's G1 at `blocks` holds `expected` (per rank).
+async fn assert_g1_holds(inst: &Instance, blocks: &[ImmutableBlock<G1>], expected: &[Vec<u64>]) {
+    let ids: Vec<usize> = blocks.iter().map(|b| b.block_id()).collect();
+    for (r, c) in inst.workers().unwrap().ranks().iter().enumerate() {
+        assert_eq!(
+            digests(c.as_ref(), TierId::G1, ids.clone()).await,
+            expected[r],
+            "rank {r}: G1 holds its own original bytes"
+        );
+    }
+}
+
+async fn fill_g2(inst: &Instance, seed: u8) {
+    for c in inst.workers().unwrap().ranks() {
+        let r = c
+            .call(ControlRequest::Fill {
+                tier: TierId::G2,
+                seed,
+            })
+            .await
+            .unwrap();
+        assert_eq!(r, ControlResponse::Done);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_with_two_worker_process_ranks_serves_and_a_restarted_rank_rejoins_clean() {
+    serve_and_rejoin(false).await;
+}
+
+/// The same with authentication on, all of it from configuration: the instance's leader
+/// credential and the trust root are `[security]` keys; each worker process loads its own
+/// worker credential; heartbeats, requests and replies are sealed, none refused. And with
+/// `logical.duplication = "reject"`: a G1 block of the old incarnation still registered would
+/// be handed out in place of a newly onboarded one (its slot on the restarted rank holds none
+/// of the prefix), so this also proves the restart dropped them from G1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authenticated_instance_with_worker_process_ranks_serves_and_rejoins() {
+    serve_and_rejoin(true).await;
+}
+
+async fn serve_and_rejoin(secure: bool) {
+    let Some(nats) = kvbm_tests::services::nats("instance_with_worker_processes") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(if secure { 9 } else { 7 });
+    let members = Members::new();
+    // Each rank's credential, saved once (a restarted rank loads the same file).
+    let credentials: Vec<Vec<String>> = (0..2)
+        .map(|r| {
+            if secure {
+                members.worker_flags(instance, r)
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let flags = |rank: u32, extra: &[&str]| -> Vec<String> {
+        let mut f: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        f.extend(credentials[rank as usize].iter().cloned());
+        f
+    };
+    let spawn = |rank: u32, extra: &[&str]| {
+        let f = flags(rank, extra);
+        let f: Vec<&str> = f.iter().map(String::as_str).collect();
+        WorkerProcess::spawn(&nats.url, instance, rank, dir.path(), &f)
+    };
+    let w0 = spawn(0, &[]);
+    let mut w1 = spawn(1, &[]);
+    let sets = if secure {
+        vec![
+            ("logical.duplication", "reject".to_string()),
+            ("security.trust_root", members.trust_root()),
+            (
+                "security.credential_file",
+                members
+                    .save(instance, Role::Leader, 0)
+                    .display()
+                    .to_string(),
+            ),
+        ]
+    } else {
+        Vec::new()
+    };
+    let rt = runtime_with(&nats.url, 2, N, 30_000, 10_000, &sets);
+    let inst = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap();
+    assert!(inst.data_plane().is_none(), "the ranks' G2 is not served");
+    assert_eq!(inst.workers().unwrap().ranks().len(), 2);
+    let membership = inst.membership().unwrap().clone();
+    let mut events = membership.events();
+
+    // The ranks computed a prefix into their G2 (their fill pattern at the slots the
+    // instance's G2 allocated); the instance itself refuses to write G2 bytes.
+    let e = inst.compute(&[], &synthetic_block).unwrap_err();
+    assert_eq!(e.config_key(), Some("workers.mode"), "{e}");
+    let g2 = inst.leader().g2().unwrap().clone();
+    let (hashes, expected) = store_prefix(&inst).await;
+
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert_eq!((on.local_g2, on.local_g3), (0, 6));
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!(on.blocks.len(), 6);
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
+    assert!(
+        inst.read_g1(&on.blocks[0]).is_none(),
+        "bytes are the ranks'"
+    );
+    // The caller keeps these G1 blocks (of the ranks' memory) across what follows.
+    let held = on;
+    assert_eq!(
+        inst.lookup(&hashes).local_g2,
+        6,
+        "staged into the ranks' G2"
+    );
+
+    // Rank 1 dies without a goodbye; once it is lost, every call fails at once naming it,
+    // holding nothing.
+    let dead = WorkerAddress::new(instance, 1);
+    w1.kill();
+    event_about(&mut events, dead, |e| matches!(e, MemberEvent::Lost(_))).await;
+    let not_joined = EngineError::Control(ControlError::NotJoined { worker: dead });
+    let e = inst.onboard(&hashes).await.unwrap_err();
+    assert_eq!(e.to_string(), not_joined.to_string());
+    assert!(
+        matches!(e, EngineError::Control(ControlError::NotJoined { worker }) if worker == dead)
+    );
+    let e = inst.offload_g3(&hashes).await.unwrap_err();
+    assert!(
+        matches!(e, EngineError::Control(ControlError::NotJoined { .. })),
+        "{e}"
+    );
+    assert!(idle(g2.pool_counts()), "{:?}", g2.pool_counts());
+
+    // Rank 1 restarts: a new process on the same disk, its memory other bytes. The instance
+    // declares what it placed on the old process empty and brings it back in step.
+    let _w1 = spawn(1, &["--fill-seed", "153"]);
+    event_about(&mut events, dead, |e| {
+        matches!(e, MemberEvent::Restarted { .. })
+    })
+    .await;
+    // While the caller still holds G1 blocks placed on the old process, the rank is not
+    // brought back: calls fail naming it as rejoining.
+    let e = inst.onboard(&hashes).await.unwrap_err();
+    assert!(
+        matches!(e, EngineError::Control(ControlError::Rejoining { worker, .. }) if worker == dead),
+        "{e}"
+    );
+    let e = membership
+        .wait_for(2, Duration::from_millis(1500))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ControlError::Rejoining { .. }), "{e}");
+    drop(held);
+    membership
+        .wait_for(2, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let after = inst.lookup(&hashes);
+    assert_eq!(
+        (after.local_g2, after.local_g3),
+        (0, 6),
+        "nothing of the lost G2 is matched; the disks still hold the prefix"
+    );
+
+    // The instance serves again: the prefix from the disks, every rank its own original bytes.
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.local_g2, on.local_g3, on.blocks.len()), (0, 6, 6));
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
+    assert_eq!(inst.stats().onboarded_blocks, 12);
+    assert_eq!(membership.stats().rejected(), 0, "no genuine beat refused");
+    if secure {
+        let s = inst.security().stats().unwrap();
+        assert!(s.accepted() > 0);
+        assert_eq!(s.rejected_total(), 0, "no genuine reply refused: {s:?}");
+    } else {
+        assert!(!inst.security().is_on());
+    }
+    drop(on);
+    inst.shutdown().await;
+    drop(w0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit() {
+    let Some(nats) = kvbm_tests::services::nats("instance_with_a_missing_rank") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(8);
+    // Its id given as `kvbm-engine-instance` prints one (hex), overriding the decimal.
+    let hex = format!("0x{:x}", instance.0);
+    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &["--instance", &hex]);
+
+    // Two ranks configured, one running: the build waits its bound, then names rank 1.
+    let rt = runtime(&nats.url, 2, N, 2500);
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    let EngineError::RanksMissing {
+        instance: i,
+        missing,
+        waited_ms,
+        why,
+    } = &e
+    else {
+        panic!("expected RanksMissing, got {e}");
+    };
+    assert_eq!(
+        (*i, missing.as_slice(), *waited_ms),
+        (instance, &[1][..], 2500)
+    );
+    assert_eq!(
+        *why,
+        ControlError::NotJoined {
+            worker: WorkerAddress::new(instance, 1)
+        }
+    );
+    assert!(e.to_string().contains("--rank R"), "{e}");
+
+    // One rank, but more G2 blocks than the rank registered: the key and the rank are named.
+    let rt = runtime(&nats.url, 1, 2 * N, 10_000);
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(e.config_key(), Some("tiers.g2_blocks"), "{e}");
+    assert!(e.to_string().contains("rank"), "{e}");
+
+    // Another geometry than the rank's: refused, naming it.
+    let rt = runtime(&nats.url, 1, N, 10_000);
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry_with(32))
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(e.config_key(), Some("instance.geometry"), "{e}");
+
+    // Ranks of another instance do not count.
+    let rt = runtime(&nats.url, 1, N, 1500);
+    let e = Instance::builder(&rt.handle())
+        .id(InstanceId(instance.0 ^ 0xff))
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EngineError::RanksMissing { .. }), "{e}");
+
+    // And it fits: built. An in-process peer on the same subject sees it live, without a
+    // data plane to pull from, and refuses none of its heartbeats.
+    let subject = format!("kvbm.test.workers.peer-{}", std::process::id());
+    let rt = runtime_with(
+        &nats.url,
+        1,
+        N,
+        10_000,
+        10_000,
+        &[("events.subject", subject.clone())],
+    );
+    let inst = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(inst.workers().unwrap().ranks().len(), 1);
+    let peer_rt = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .set("logical.block_size", 4)
+        .set("tiers.g1_blocks", N as i64)
+        .set("tiers.g2_blocks", N as i64)
+        .set("transport.nats_url", nats.url.as_str())
+        .set("events.subject", subject)
+        .build()
+        .unwrap();
+    let peer = Instance::builder(&peer_rt.handle())
+        .id(InstanceId(instance.0 ^ 0xee))
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !peer.presence().live_peers().contains(&instance) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the peer never saw the instance: {:?}",
+            peer.presence().stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        peer.peers().get(instance),
+        None,
+        "no data plane to pull from"
+    );
+    assert_eq!(peer.presence().stats().rejected, 0);
+    peer.shutdown().await;
+    inst.shutdown().await;
+}
+
+/// A rank killed while it moves a session's blocks (its G3→G2 reads sit on a delay): the
+/// instance's call fails cleanly, as a refusal naming the rank (its request timed out), nothing
+/// served or left held; once the rank is restarted (without the delay) and brought back in
+/// step, the instance serves the prefix from the disks, every rank its own original bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_killed_mid_onboarding_fails_the_call_cleanly_and_serves_again_restarted() {
+    let Some(nats) = kvbm_tests::services::nats("instance_rank_killed_mid_onboarding") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(10);
+    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    let mut w1 = WorkerProcess::spawn(
+        &nats.url,
+        instance,
+        1,
+        dir.path(),
+        &["--delay-from", "G3", "--delay-ms", "60000"],
+    );
+    let rt = runtime_with(&nats.url, 2, N, 30_000, 3000, &[]);
+    let inst = Arc::new(
+        Instance::builder(&rt.handle())
+            .id(instance)
+            .geometry(common::geometry())
+            .build()
+            .await
+            .unwrap(),
+    );
+    let membership = inst.membership().unwrap().clone();
+    let mut events = membership.events();
+    let (hashes, expected) = store_prefix(&inst).await;
+    let g2 = inst.leader().g2().unwrap().clone();
+    let g3 = inst.leader().g3().unwrap().clone();
+
+    let onboarding = {
+        let (inst, hashes) = (inst.clone(), hashes.clone());
+        tokio::spawn(async move { inst.onboard(&hashes).await })
+    };
+    // Rank 1 has its part of the staging (and sits on it): kill it now.
+    let w1_lines = std::mem::replace(&mut w1.lines, mpsc::channel().1);
+    tokio::task::spawn_blocking(move || {
+        loop {
+            let l = w1_lines.recv_timeout(Duration::from_secs(30)).unwrap();
+            if l.starts_with("request transfer G3->G2") {
+                return;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    w1.kill();
+    let dead = WorkerAddress::new(instance, 1);
+    let on = onboarding.await.unwrap().unwrap();
+    assert!(on.blocks.is_empty(), "nothing served");
+    let (failed, why) = on.refused.expect("the call failed");
+    assert_eq!(failed, 6);
+    assert_eq!(
+        why,
+        ControlError::Timeout {
+            worker: dead,
+            timeout_ms: 3000
+        }
+        .to_string()
+    );
+    assert_eq!(inst.stats().refused_blocks, 6);
+    assert!(idle(g2.pool_counts()), "{:?}", g2.pool_counts());
+    assert!(idle(g3.pool_counts()), "{:?}", g3.pool_counts());
+    assert!(g2.match_blocks(&hashes).is_empty(), "nothing half-staged");
+
+    // Restarted without the delay, brought back in step: served again from the disks.
+    event_about(&mut events, dead, |e| matches!(e, MemberEvent::Lost(_))).await;
+    let _w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &["--fill-seed", "153"]);
+    membership
+        .wait_for(2, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.local_g3, on.blocks.len()), (6, 6));
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
+    drop(on);
+    inst.shutdown().await;
+}
