@@ -420,3 +420,25 @@ fn a_g3_lane_under_back_pressure_drops_stores_and_restarts_warm_with_what_it_wro
     assert_eq!(warm.totals.verified, warm.totals.onboarded);
     assert_eq!(warm.totals.corrupt, 0);
 }
+
+/// The tier stack serves from its own process's memory: a file that puts the ranks in worker
+/// processes is refused naming the key, not served from memory no rank has.
+#[test]
+fn the_stack_refuses_worker_process_ranks_naming_the_key() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let file = write_through_config(
+        dir.path(),
+        BLOCKS_PER_REQUEST,
+        "[workers]\nmode = \"processes\"\nranks = 2\n\n[transport]\nnats_url = \"nats://127.0.0.1:4222\"\n",
+    );
+    let config = ConfigBuilder::new()
+        .file(&file)
+        .expect("the file is read")
+        .build()
+        .expect("a valid configuration for an instance");
+    let plan = StackPlan::new(config, Arc::new(Pattern)).expect("a plan");
+    match TierStack::build(&plan) {
+        Err(e) => assert_eq!(e.config_key(), Some("workers.mode"), "{e}"),
+        Ok(_) => panic!("a stack with worker-process ranks was built"),
+    }
+}

@@ -187,6 +187,13 @@ impl TierStack {
                 format!("must be a positive multiple of 4096 (O_DIRECT alignment), got {b}"),
             ));
         }
+        if cfg.workers.mode == crate::config::WorkersMode::Processes {
+            return Err(EngineError::config(
+                "workers.mode",
+                "the tier stack serves from this process's memory (its G1 stands in for the \
+                 device): worker processes serve through the cluster plane's Instance",
+            ));
+        }
         if tiers.g1_blocks == 0 {
             return Err(EngineError::config(
                 "tiers.g1_blocks",
