@@ -259,6 +259,16 @@ pub enum ControlError {
         /// The worker.
         worker: WorkerAddress,
     },
+    /// The rank the call was addressed to was lost while the call was in flight (it departed,
+    /// its heartbeats stopped, or it came back as another incarnation): the call ends then,
+    /// not at its deadline. What it did is unknown; the leader treats its memory as lost.
+    #[error("{worker}: lost while the call to incarnation {epoch:016x} was in flight")]
+    Lost {
+        /// The worker.
+        worker: WorkerAddress,
+        /// The incarnation the call was addressed to.
+        epoch: u64,
+    },
     /// The rank restarted (a heartbeat of a new incarnation) and has not been brought back in
     /// step yet: its memory is empty, so nothing is sent to it until the leader declared its
     /// state empty and acknowledged it (`Membership::acknowledge`).
@@ -283,6 +293,7 @@ impl ControlError {
             | ControlError::Unexpected { worker, .. }
             | ControlError::Transport { worker, .. }
             | ControlError::NotJoined { worker }
+            | ControlError::Lost { worker, .. }
             | ControlError::Rejoining { worker, .. } => *worker,
         }
     }
@@ -294,6 +305,7 @@ impl ControlError {
             ControlError::Timeout { .. }
                 | ControlError::NoResponders { .. }
                 | ControlError::NotJoined { .. }
+                | ControlError::Lost { .. }
                 | ControlError::Rejoining { .. }
         )
     }
@@ -307,6 +319,7 @@ impl ControlError {
             ControlError::NoResponders { .. }
             | ControlError::Transport { .. }
             | ControlError::NotJoined { .. }
+            | ControlError::Lost { .. }
             | ControlError::Rejoining { .. } => BlockFailureKind::Io,
             ControlError::Version { .. }
             | ControlError::Decode { .. }

@@ -437,3 +437,92 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     cancel.cancel();
     drop(w0);
 }
+
+/// A rank lost while a call to it is in flight ends that call then, typed `Lost` naming the
+/// rank and the incarnation it was for, not at the call's deadline (two minutes here): the
+/// leader learns of the loss from the rank's heartbeats. The blocks fail, nothing is
+/// registered, and every destination goes back to its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_lost_mid_call_fails_the_call_then_not_at_its_deadline() {
+    use kvbm_engine::cluster::transport::membership::Membership;
+    use kvbm_logical::BlockRegistry;
+
+    let Some(nats) = kvbm_tests::services::nats("a_rank_lost_mid_call") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(7);
+    let client = connect(&nats.url, "leader", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let members = Membership::follow(
+        &client,
+        DEFAULT_CONTROL_PREFIX,
+        instance,
+        Duration::from_secs(3),
+        Arc::new(Security::Off),
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
+    let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
+    // Rank 1 sits on every transfer out of G2, long past the call's deadline.
+    let mut w1 = WorkerProcess::spawn(
+        &nats.url,
+        instance,
+        1,
+        dir.path(),
+        &["--delay-from", "G2", "--delay-ms", "600000"],
+    );
+    members.wait_for(2, Duration::from_secs(30)).await.unwrap();
+    let dead = WorkerAddress::new(instance, 1);
+    let epoch = members.target(dead).unwrap().epoch;
+    let controls =
+        worker_processes::nats_controls(&client, instance, Duration::from_secs(120), |c| {
+            c.with_membership(members.clone())
+        });
+    let pw: Arc<dyn ParallelWorkers> = Arc::new(ControlledWorkers::new(controls).unwrap());
+
+    let registry = BlockRegistry::new();
+    let g2 = common::manager::<G2>(&registry);
+    let g1 = common::manager::<G1>(&BlockRegistry::new());
+    let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
+    let moving = {
+        let up = SpmdMover::<G2, G1>::new(pw.clone(), g1.clone());
+        let dst = g1.allocate_blocks(6).unwrap();
+        tokio::spawn(async move { up.move_from(&on_g2, dst).await })
+    };
+    // Rank 1 has the request and sits on it: kill it.
+    let w1_lines = std::mem::replace(&mut w1.lines, mpsc::channel().1);
+    tokio::task::spawn_blocking(move || {
+        loop {
+            let l = w1_lines.recv_timeout(Duration::from_secs(30)).unwrap();
+            if l.starts_with("request transfer G2->G1") {
+                return;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    w1.kill();
+
+    let out = moving.await.unwrap();
+    let lost = ControlError::Lost {
+        worker: dead,
+        epoch,
+    }
+    .to_string();
+    assert_eq!(out.len(), 6);
+    for r in &out {
+        let f = r
+            .as_ref()
+            .expect_err("no block moved by a lost rank counts");
+        assert_eq!(f.message, lost, "the call ends when the rank is lost");
+    }
+    drop(out);
+    assert!(g1.match_blocks(&hashes).is_empty(), "nothing registered");
+    assert!(idle(g1.pool_counts()), "{:?}", g1.pool_counts());
+    assert_eq!(g1.available_blocks(), N);
+    cancel.cancel();
+}

@@ -744,7 +744,9 @@ impl NatsControl {
     /// in every request ([`Envelope::to`]): a rank not joined, lost or restarted (and not yet
     /// acknowledged) fails the call at once ([`ControlError::NotJoined`],
     /// [`ControlError::Rejoining`]); a request that reaches another incarnation is refused by
-    /// it. Default: none (any incarnation, no address in the request).
+    /// it; a call in flight when its rank is lost or restarts ends then
+    /// ([`ControlError::Lost`]), not at its deadline. Default: none (any incarnation, no
+    /// address in the request).
     pub fn with_membership(mut self, membership: Membership) -> Self {
         self.membership = Some(membership);
         self
@@ -772,11 +774,26 @@ impl NatsControl {
 
     async fn request(&self, request: ControlRequest) -> Result<ControlResponse, ControlError> {
         let worker = self.address;
-        let timeout_ms = self.timeout.as_millis() as u64;
-        let encoded: bytes::Bytes = match &self.membership {
-            None => encode(PROTOCOL_VERSION, request),
-            Some(m) => encode_envelope(&Envelope::addressed(request, m.target(worker)?)),
+        let Some(m) = &self.membership else {
+            return self.send(encode(PROTOCOL_VERSION, request)).await;
         };
+        // Subscribed before the target is read: a loss after it is seen.
+        let mut events = m.events();
+        let target = m.target(worker)?;
+        let call = self.send(encode_envelope(&Envelope::addressed(request, target)));
+        tokio::select! {
+            r = call => r,
+            () = lost(m, &mut events, target) => Err(ControlError::Lost {
+                worker,
+                epoch: target.epoch,
+            }),
+        }
+    }
+
+    /// Sends one encoded request and waits for its reply (see [`Self::request`]).
+    async fn send(&self, encoded: bytes::Bytes) -> Result<ControlResponse, ControlError> {
+        let worker = self.address;
+        let timeout_ms = self.timeout.as_millis() as u64;
         if self.security.is_on() {
             let sealed = self
                 .security
@@ -846,6 +863,32 @@ impl NatsControl {
                 ..
             }) => Err(ControlError::Refused { worker, message }),
             Ok(e) => Ok(e.body),
+        }
+    }
+}
+
+/// Resolves once `target` is no longer the incarnation `membership` is in step with: the rank
+/// was lost or came back as another incarnation. Never resolves while it stays in step (nor
+/// once the membership view stopped: the call's deadline then ends it).
+async fn lost(
+    membership: &Membership,
+    events: &mut tokio::sync::broadcast::Receiver<super::membership::MemberEvent>,
+    target: RankTarget,
+) {
+    use super::membership::MemberEvent;
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        match events.recv().await {
+            Ok(MemberEvent::Lost(t)) if t.address == target.address => return,
+            Ok(MemberEvent::Restarted { now, .. }) if now.address == target.address => return,
+            Ok(_) => {}
+            // Events were missed: ask the view itself.
+            Err(RecvError::Lagged(_)) => {
+                if membership.target(target.address) != Ok(target) {
+                    return;
+                }
+            }
+            Err(RecvError::Closed) => std::future::pending::<()>().await,
         }
     }
 }
