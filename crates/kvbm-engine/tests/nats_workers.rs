@@ -285,7 +285,7 @@ async fn a_request_of_another_protocol_version_is_refused_with_the_reason() {
 /// original bytes, none of the restarted process's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_memory_is_served() {
-    use kvbm_engine::cluster::transport::membership::{MemberEvent, Membership};
+    use kvbm_engine::cluster::transport::membership::MemberEvent;
     use kvbm_logical::BlockRegistry;
 
     let Some(nats) = kvbm_tests::services::nats("a_worker_process_restarted_rejoins") else {
@@ -293,20 +293,7 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let instance = instance_id(6);
-    let client = connect(&nats.url, "leader", Duration::from_millis(100))
-        .await
-        .unwrap();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let members = Membership::follow(
-        &client,
-        DEFAULT_CONTROL_PREFIX,
-        instance,
-        Duration::from_secs(3),
-        Arc::new(Security::Off),
-        cancel.clone(),
-    )
-    .await
-    .unwrap();
+    let (client, members, cancel) = worker_processes::follow_ranks(&nats.url, instance).await;
     let mut events = members.events();
     let w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
     let mut w1 = WorkerProcess::spawn(&nats.url, instance, 1, dir.path(), &[]);
@@ -444,28 +431,14 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
 /// registered, and every destination goes back to its pool.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_lost_mid_call_fails_the_call_then_not_at_its_deadline() {
-    use kvbm_engine::cluster::transport::membership::Membership;
     use kvbm_logical::BlockRegistry;
 
     let Some(nats) = kvbm_tests::services::nats("a_rank_lost_mid_call") else {
         return;
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let instance = instance_id(7);
-    let client = connect(&nats.url, "leader", Duration::from_millis(100))
-        .await
-        .unwrap();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let members = Membership::follow(
-        &client,
-        DEFAULT_CONTROL_PREFIX,
-        instance,
-        Duration::from_secs(3),
-        Arc::new(Security::Off),
-        cancel.clone(),
-    )
-    .await
-    .unwrap();
+    let instance = instance_id(11);
+    let (client, members, cancel) = worker_processes::follow_ranks(&nats.url, instance).await;
     let _w0 = WorkerProcess::spawn(&nats.url, instance, 0, dir.path(), &[]);
     // Rank 1 sits on every transfer out of G2, long past the call's deadline.
     let mut w1 = WorkerProcess::spawn(

@@ -28,6 +28,33 @@ use crate::common::{N, geometry, manager};
 
 pub(crate) const SEED: u8 = 0x40;
 
+/// A leader's NATS client at `url` and its membership view of `instance`'s ranks (heartbeat
+/// timeout 3 s, security off), followed until the returned token is cancelled.
+pub(crate) async fn follow_ranks(
+    url: &str,
+    instance: InstanceId,
+) -> (
+    async_nats::Client,
+    kvbm_engine::cluster::transport::membership::Membership,
+    tokio_util::sync::CancellationToken,
+) {
+    let client = connect(url, "leader", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let members = kvbm_engine::cluster::transport::membership::Membership::follow(
+        &client,
+        DEFAULT_CONTROL_PREFIX,
+        instance,
+        Duration::from_secs(3),
+        Arc::new(Security::Off),
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
+    (client, members, cancel)
+}
+
 /// One worker process; killed (and reaped) on drop.
 pub(crate) struct WorkerProcess {
     child: Child,
