@@ -135,6 +135,61 @@ pub(crate) fn caller_ctx(py: Python<'_>, uid: u64) -> Option<Bound<'_, PyAny>> {
     Some(unsafe { Bound::from_borrowed_ptr(py, p) })
 }
 
+/// Chunk ids as the bytes of a native-order `int32` array: the Python side views them with
+/// `numpy.frombuffer` and vLLM's spec copies that view (`np.array(ids, dtype=np.int32)`), the
+/// same array as from a list, without a Python `int` per id.
+pub(crate) fn chunk_ids<'py>(py: Python<'py>, ids: &[i32]) -> Bound<'py, PyBytes> {
+    let mut raw = Vec::with_capacity(std::mem::size_of_val(ids));
+    for id in ids {
+        raw.extend_from_slice(&id.to_ne_bytes());
+    }
+    PyBytes::new(py, &raw)
+}
+
+/// The keys `out` picked from the caller's `keys` (same order, a subsequence: vLLM's
+/// `keys_to_store`) as a Python list of the caller's own key objects, as vLLM's manager answers
+/// (a key found out of order or no longer in the caller's list, or a caller's collection that
+/// is not a list or tuple, is a new `bytes` of the same value).
+pub(crate) fn picked_keys<'py>(
+    py: Python<'py>,
+    caller: &Bound<'py, PyAny>,
+    keys: &[OffloadKey],
+    out: &[OffloadKey],
+) -> PyResult<Bound<'py, PyList>> {
+    let items = if let Ok(l) = caller.cast::<PyList>() {
+        Some(l.as_sequence().clone())
+    } else if let Ok(t) = caller.cast::<pyo3::types::PyTuple>() {
+        Some(t.as_sequence().clone())
+    } else {
+        None
+    };
+    let Some(items) = items.filter(|s| s.len().ok() == Some(keys.len())) else {
+        return key_list(py, out);
+    };
+    let mut next = 0;
+    let mut objs = Vec::with_capacity(out.len());
+    for k in out {
+        match keys[next..].iter().position(|c| c == k) {
+            Some(at) => {
+                next += at + 1;
+                // Still these bytes (a tier's Python code ran meanwhile and could have
+                // changed the caller's list).
+                let obj = items.get_item(next - 1)?;
+                if obj
+                    .cast::<PyBytes>()
+                    .is_ok_and(|b| b.as_bytes() == k.as_bytes())
+                {
+                    objs.push(obj);
+                } else {
+                    objs.push(PyBytes::new(py, k.as_bytes()).into_any());
+                }
+            }
+            None => objs.push(PyBytes::new(py, k.as_bytes()).into_any()),
+        }
+    }
+    PyList::new(py, objs)
+}
+
 /// `keys` as a Python list of `bytes`.
 pub(crate) fn key_list<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))

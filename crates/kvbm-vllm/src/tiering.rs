@@ -51,10 +51,10 @@ use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::collections::HashMap;
 
-use crate::bridge::{Contexts, key, key_list, keys, origin, to_py};
+use crate::bridge::{Contexts, chunk_ids, key, key_list, keys, origin, to_py};
 use crate::core::{Inner, StatsTriple, triple};
 use crate::cpu::{CpuManager, LookupMembers};
 use crate::tiers::StorageTier;
@@ -123,7 +123,7 @@ impl Shared {
         self.make_job.bind(py).call1((
             job.job_id,
             key_list(py, &job.keys)?,
-            job.chunk_ids.clone(),
+            chunk_ids(py, &job.chunk_ids),
             job.is_promotion,
             ctx,
         ))
@@ -822,11 +822,15 @@ impl TieringManager {
         Ok(self.shared.results.get(key_.py(), r))
     }
 
-    fn prepare_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    fn prepare_load<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
         let spec = self.run(keys_.py(), |m| m.prepare_load(&ks, &c).map_err(to_py))?;
-        Ok(spec.chunk_ids().unwrap_or_default().to_vec())
+        Ok(chunk_ids(keys_.py(), spec.chunk_ids().unwrap_or_default()))
     }
 
     fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -851,7 +855,8 @@ impl TieringManager {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
         let out = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))?;
-        out.map(|o| crate::cpu::store_output(py, &o)).transpose()
+        out.map(|o| crate::cpu::store_output(py, keys_, &ks, &o))
+            .transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]

@@ -258,6 +258,10 @@ impl<T: Tier> PhysicalTier<T> {
         } else {
             ("disk", Locality::Local)
         };
+        // Sized for a full tier up front (up to a million keys, tens of MiB): a tier filling
+        // up, every deployment's first steps, would otherwise grow its maps on the scheduler
+        // thread, a rehash of everything so far at a time.
+        let capacity = tier.manager().total_blocks().min(1 << 20);
         Ok(Self {
             tier_type: tier_type.into(),
             medium: Medium::Storage,
@@ -267,8 +271,8 @@ impl<T: Tier> PhysicalTier<T> {
             store,
             load,
             owned_layout: None,
-            entries: HashMap::new(),
-            ready_order: LinkedKeySet::new(),
+            entries: HashMap::with_capacity(capacity),
+            ready_order: LinkedKeySet::with_capacity(capacity),
             inflight: Vec::new(),
             done: Vec::new(),
             detector: None,
