@@ -302,6 +302,9 @@ pub(crate) struct PyTier {
     block_size_bytes: usize,
     bp: PyBackpressure,
     shared: Arc<Shared>,
+    /// The last `cache_hit_source` enum member read and what it names: the attribute is read
+    /// at every promotion (as vLLM does), its `.value` only when it is another object.
+    hit_source: Mutex<Option<(Py<PyAny>, CacheHitSource)>>,
 }
 
 impl PyTier {
@@ -317,6 +320,7 @@ impl PyTier {
             medium,
             locality,
             block_size_bytes,
+            hit_source: Mutex::new(None),
             bp: PyBackpressure {
                 detector: None,
                 finished: HashMap::new(),
@@ -412,20 +416,40 @@ impl SecondaryTierManager for PyTier {
     }
     /// Read at each promotion, as vLLM does (a class attribute may change meanwhile).
     fn cache_hit_source(&self) -> CacheHitSource {
-        Python::attach(
-            |py| match enum_value(self.obj.bind(py), "cache_hit_source") {
-                Ok(v) => match v.as_deref() {
-                    Some("host") => CacheHitSource::Host,
-                    Some("p2p") => CacheHitSource::P2p,
-                    Some("disk") => CacheHitSource::Disk,
-                    _ => CacheHitSource::ExternalUnspecified,
-                },
-                Err(e) => {
-                    self.shared.keep(e);
-                    CacheHitSource::ExternalUnspecified
-                }
-            },
-        )
+        Python::attach(|py| {
+            let named = |v: Option<&str>| match v {
+                Some("host") => CacheHitSource::Host,
+                Some("p2p") => CacheHitSource::P2p,
+                Some("disk") => CacheHitSource::Disk,
+                _ => CacheHitSource::ExternalUnspecified,
+            };
+            let read = self
+                .obj
+                .bind(py)
+                .getattr(intern!(py, "cache_hit_source"))
+                .and_then(|obj| {
+                    let mut last = self.hit_source.lock();
+                    if let Some((o, s)) = &*last
+                        && o.is(&obj)
+                    {
+                        return Ok(*s);
+                    }
+                    let s = if obj.is_none() {
+                        named(None)
+                    } else {
+                        let v: String = obj.getattr(intern!(py, "value"))?.extract()?;
+                        named(Some(&v))
+                    };
+                    // Only an enum member is known to keep its value.
+                    let member = py.import("enum")?.getattr("Enum")?;
+                    *last = obj.is_instance(&member)?.then(|| (obj.unbind(), s));
+                    Ok(s)
+                });
+            read.unwrap_or_else(|e| {
+                self.shared.keep(e);
+                CacheHitSource::ExternalUnspecified
+            })
+        })
     }
     fn block_size_bytes(&self) -> usize {
         self.block_size_bytes
