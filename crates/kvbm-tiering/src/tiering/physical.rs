@@ -717,12 +717,18 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         self.detector.as_mut().map(|d| d as &mut dyn Backpressure)
     }
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
-        if !self.entries.contains_key(key) {
-            self.claim_restored(key);
+        // One probe for a key the tier knows (the scheduler's every lookup that reaches here).
+        if let Some(e) = self.entries.get(key) {
+            return if e.block.is_some() {
+                LookupResult::Hit
+            } else {
+                LookupResult::Miss
+            };
         }
-        match self.entries.get(key) {
-            Some(e) if e.block.is_some() => LookupResult::Hit,
-            _ => LookupResult::Miss,
+        if self.claim_restored(key) {
+            LookupResult::Hit
+        } else {
+            LookupResult::Miss
         }
     }
     fn submit_store(&mut self, job: Arc<TierJob>) {
@@ -774,15 +780,15 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
+        // Every key ready (a restored block claimed now counts), one probe per key known.
+        let mut all_ready = true;
         for k in &job.keys {
-            if !self.entries.contains_key(k) {
-                self.claim_restored(k);
-            }
+            let ready = match self.entries.get(k) {
+                Some(e) => e.block.is_some(),
+                None => self.claim_restored(k),
+            };
+            all_ready &= ready;
         }
-        let all_ready = job
-            .keys
-            .iter()
-            .all(|k| self.entries.get(k).is_some_and(|e| e.block.is_some()));
         if !all_ready {
             self.done.push(JobResult::new(job.job_id, false));
             return;
