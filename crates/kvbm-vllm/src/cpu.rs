@@ -112,14 +112,13 @@ fn parse_config(
 pub(crate) fn store_output<'py>(
     py: Python<'py>,
     caller: &Bound<'py, PyAny>,
-    keys: &[OffloadKey],
     out: &kvbm_tiering::PrepareStoreOutput,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let ids = out.store_spec.chunk_ids().unwrap_or_default();
     PyTuple::new(
         py,
         [
-            picked_keys(py, caller, keys, &out.keys_to_store)?.into_any(),
+            picked_keys(py, caller, &out.keys_to_store)?.into_any(),
             chunk_ids(py, ids).into_any(),
             key_list(py, &out.evicted_keys)?.into_any(),
         ],
@@ -273,7 +272,7 @@ impl CpuManager {
             .cpu()?
             .prepare_store(&ks, &c)
             .map_err(to_py)?;
-        out.map(|o| store_output(py, keys_, &ks, &o)).transpose()
+        out.map(|o| store_output(py, keys_, &o)).transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]

@@ -54,7 +54,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::collections::HashMap;
 
-use crate::bridge::{Contexts, chunk_ids, key, key_list, keys, origin, to_py};
+use crate::bridge::{
+    CallerKeys, Contexts, chunk_ids, job_keys, key, key_list, keys, origin, to_py,
+};
 use crate::core::{Inner, StatsTriple, triple};
 use crate::cpu::{CpuManager, LookupMembers};
 use crate::tiers::StorageTier;
@@ -122,7 +124,7 @@ impl Shared {
         let ctx = self.py_ctx(py, &job.req_context)?;
         self.make_job.bind(py).call1((
             job.job_id,
-            key_list(py, &job.keys)?,
+            job_keys(py, &job.keys)?,
             chunk_ids(py, &job.chunk_ids),
             job.is_promotion,
             ctx,
@@ -706,6 +708,7 @@ impl Parent {
         let job = self.with(|p| p.create_store_job(&ks, &c))?;
         self.shared.take_error()?;
         let job = job.map_err(to_py)?;
+        let _caller = CallerKeys::set(keys_);
         let pj = self.shared.job(py, &job)?;
         self.created
             .borrow_mut()
@@ -878,8 +881,10 @@ impl TieringManager {
         let py = keys_.py();
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
+        // A request-level tier's cascade of keys already stored carries the caller's objects.
+        let _caller = CallerKeys::set(keys_);
         let out = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))?;
-        out.map(|o| crate::cpu::store_output(py, keys_, &ks, &o))
+        out.map(|o| crate::cpu::store_output(py, keys_, &o))
             .transpose()
     }
 
@@ -892,6 +897,8 @@ impl TieringManager {
     ) -> PyResult<()> {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
+        // The cascades' jobs carry the caller's key objects.
+        let _caller = CallerKeys::set(keys_);
         self.run(keys_.py(), |m| {
             m.complete_store(&ks, &c, success).map_err(to_py)
         })
@@ -916,6 +923,7 @@ impl TieringManager {
                 )));
             }
             let job = m.create_store_job(&ks, &c, tier).map_err(to_py)?;
+            let _caller = CallerKeys::set(keys_);
             let pj = self.shared.job(py, &job)?;
             if self.python.get(tier).copied().unwrap_or(false) {
                 self.shared
