@@ -100,6 +100,23 @@ impl OffloadingConnectorStats {
             .or_default()
             .push(v);
     }
+    /// Records histogram observations in order, as many [`Self::observe_histogram`] calls
+    /// would (no series is made when there are none), looking the series up once.
+    pub fn observe_histogram_all(
+        &mut self,
+        name: &'static str,
+        label: Option<&str>,
+        values: impl IntoIterator<Item = f64>,
+    ) {
+        let mut values = values.into_iter().peekable();
+        if values.peek().is_none() {
+            return;
+        }
+        self.histograms
+            .entry((name, label.map(str::to_owned)))
+            .or_default()
+            .extend(values);
+    }
     /// Whether nothing was recorded.
     pub fn is_empty(&self) -> bool {
         self.gauges.is_empty() && self.counters.is_empty() && self.histograms.is_empty()

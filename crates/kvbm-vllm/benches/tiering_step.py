@@ -32,6 +32,7 @@ sources):
 import argparse
 import gc
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -49,6 +50,15 @@ ROW = 64  # bytes per primary chunk (the managers only read the row stride)
 
 
 def main():
+    tmp = tempfile.mkdtemp(prefix="kvbm-tiering-step-")
+    try:
+        return run(tmp)
+    finally:
+        # Each kvbm_disk tier's file is its whole capacity (half a GiB here): never left behind.
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(tmp):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="measured steps per scenario")
     ap.add_argument("--warmup", type=int, default=2)
@@ -94,8 +104,6 @@ def main():
 
         def drain_jobs(self):
             return
-
-    tmp = tempfile.mkdtemp(prefix="kvbm-tiering-step-")
 
     def build(kind):
         region = np.zeros((CAPACITY, ROW), dtype=np.int8)

@@ -135,6 +135,99 @@ pub(crate) fn caller_ctx(py: Python<'_>, uid: u64) -> Option<Bound<'_, PyAny>> {
     Some(unsafe { Bound::from_borrowed_ptr(py, p) })
 }
 
+/// Chunk ids as the bytes of a native-order `int32` array: the Python side views them with
+/// `numpy.frombuffer` and vLLM's spec copies that view (`np.array(ids, dtype=np.int32)`), the
+/// same array as from a list, without a Python `int` per id.
+pub(crate) fn chunk_ids<'py>(py: Python<'py>, ids: &[i32]) -> Bound<'py, PyBytes> {
+    let mut raw = Vec::with_capacity(std::mem::size_of_val(ids));
+    for id in ids {
+        raw.extend_from_slice(&id.to_ne_bytes());
+    }
+    PyBytes::new(py, &raw)
+}
+
+/// The keys `out` picked from the caller's collection `caller` (same order, a subsequence:
+/// vLLM's `keys_to_store`, a cascade's keys) as a Python list of the caller's own key objects,
+/// as vLLM's manager hands them on. A key not found in order, or a collection that is not a list
+/// or tuple, is a new `bytes` of the same value; the search gives up (new `bytes` for the rest)
+/// after a few comparisons per key, so it stays linear whatever the caller passed.
+pub(crate) fn picked_keys<'py>(
+    py: Python<'py>,
+    caller: &Bound<'py, PyAny>,
+    out: &[OffloadKey],
+) -> PyResult<Bound<'py, PyList>> {
+    let items: Vec<Bound<'py, PyAny>> = if let Ok(l) = caller.cast::<PyList>() {
+        l.iter().collect()
+    } else if let Ok(t) = caller.cast::<pyo3::types::PyTuple>() {
+        t.iter().collect()
+    } else {
+        return key_list(py, out);
+    };
+    let mut budget = 4 * (items.len() + out.len());
+    let mut next = 0;
+    let mut objs = Vec::with_capacity(out.len());
+    for k in out {
+        let mut found = None;
+        let mut i = next;
+        while i < items.len() && budget > 0 {
+            budget -= 1;
+            if items[i]
+                .cast::<PyBytes>()
+                .is_ok_and(|b| b.as_bytes() == k.as_bytes())
+            {
+                found = Some(i);
+                break;
+            }
+            i += 1;
+        }
+        match found {
+            Some(at) => {
+                next = at + 1;
+                objs.push(items[at].clone());
+            }
+            None => objs.push(PyBytes::new(py, k.as_bytes()).into_any()),
+        }
+    }
+    PyList::new(py, objs)
+}
+
+thread_local! {
+    /// The key collection of the manager call in progress on this thread (see
+    /// [`CallerKeys`]).
+    static CALLER_KEYS: std::cell::Cell<*mut pyo3::ffi::PyObject> =
+        const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+/// While alive, makes `keys` (the collection a manager call was handed) the one [`caller_keys`]
+/// hands back: a job made during the call (a cascade from `complete_store`) carries the caller's
+/// key objects, as vLLM's does.
+pub(crate) struct CallerKeys(*mut pyo3::ffi::PyObject);
+
+impl CallerKeys {
+    pub(crate) fn set(keys: &Bound<'_, PyAny>) -> Self {
+        Self(CALLER_KEYS.replace(keys.as_ptr()))
+    }
+}
+
+impl Drop for CallerKeys {
+    fn drop(&mut self) {
+        CALLER_KEYS.set(self.0);
+    }
+}
+
+/// `keys` as a Python list, the caller's own objects where the call in progress was handed
+/// them (see [`CallerKeys`]), else new `bytes`.
+pub(crate) fn job_keys<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
+    let p = CALLER_KEYS.get();
+    if p.is_null() {
+        return key_list(py, keys);
+    }
+    // SAFETY: a `CallerKeys` guard set `p` from a reference the call it guards holds for the
+    // guard's whole life, on this thread (the GIL is held: `py`).
+    let caller = unsafe { Bound::from_borrowed_ptr(py, p) };
+    picked_keys(py, &caller, keys)
+}
+
 /// `keys` as a Python list of `bytes`.
 pub(crate) fn key_list<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))

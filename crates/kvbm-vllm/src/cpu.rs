@@ -28,7 +28,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
 
-use crate::bridge::{Contexts, key, key_list, keys, to_py};
+use crate::bridge::{Contexts, chunk_ids, key, key_list, keys, picked_keys, to_py};
 use crate::core::{Core, Inner};
 
 /// The four `LookupResult` members in kvbm-tiering's order (miss, hit, hit pending, retry).
@@ -111,14 +111,15 @@ fn parse_config(
 /// A `prepare_store` answer as `(keys_to_store, chunk_ids, evicted_keys)`.
 pub(crate) fn store_output<'py>(
     py: Python<'py>,
+    caller: &Bound<'py, PyAny>,
     out: &kvbm_tiering::PrepareStoreOutput,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let ids = out.store_spec.chunk_ids().unwrap_or_default().to_vec();
+    let ids = out.store_spec.chunk_ids().unwrap_or_default();
     PyTuple::new(
         py,
         [
-            key_list(py, &out.keys_to_store)?.into_any(),
-            PyList::new(py, ids)?.into_any(),
+            picked_keys(py, caller, &out.keys_to_store)?.into_any(),
+            chunk_ids(py, ids).into_any(),
             key_list(py, &out.evicted_keys)?.into_any(),
         ],
     )
@@ -193,12 +194,16 @@ impl CpuManager {
 
     /// Pins chunks for a primary → secondary copy without counting a request access
     /// (vLLM's `prepare_read`); the chunk ids, co-indexed with `keys`.
-    fn prepare_read(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    fn prepare_read<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
         let mut g = self.core.lock(keys_.py())?;
         let spec = g.primary()?.prepare_read(&ks, &c).map_err(to_py)?;
-        Ok(spec.chunk_ids().unwrap_or_default().to_vec())
+        Ok(chunk_ids(keys_.py(), spec.chunk_ids().unwrap_or_default()))
     }
 
     /// Unpins chunks after a primary → secondary copy (vLLM's `complete_read`).
@@ -216,7 +221,11 @@ impl CpuManager {
     }
 
     /// The chunk ids to read, co-indexed with `keys`.
-    fn prepare_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    fn prepare_load<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
         let spec = self
@@ -225,7 +234,7 @@ impl CpuManager {
             .cpu()?
             .prepare_load(&ks, &c)
             .map_err(to_py)?;
-        Ok(spec.chunk_ids().unwrap_or_default().to_vec())
+        Ok(chunk_ids(keys_.py(), spec.chunk_ids().unwrap_or_default()))
     }
 
     fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -263,7 +272,7 @@ impl CpuManager {
             .cpu()?
             .prepare_store(&ks, &c)
             .map_err(to_py)?;
-        out.map(|o| store_output(py, &o)).transpose()
+        out.map(|o| store_output(py, keys_, &o)).transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]
@@ -545,14 +554,20 @@ impl CpuManager {
     }
 
     /// `prepare_load` without recording the request's access; the chunk ids.
-    fn pin_for_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    fn pin_for_load<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
         let c = self.contexts.lock().get(ctx)?;
-        self.core
+        let ids = self
+            .core
             .lock(keys_.py())?
             .cpu()?
             .pin_for_load(&ks, &c)
-            .map_err(to_py)
+            .map_err(to_py)?;
+        Ok(chunk_ids(keys_.py(), &ids))
     }
 
     /// `on_request_finished`'s first step: `(key_groups, insertion_only_keys, reused_keys)` as

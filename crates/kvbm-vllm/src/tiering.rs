@@ -51,10 +51,12 @@ use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::collections::HashMap;
 
-use crate::bridge::{Contexts, key, key_list, keys, origin, to_py};
+use crate::bridge::{
+    CallerKeys, Contexts, chunk_ids, job_keys, key, key_list, keys, origin, to_py,
+};
 use crate::core::{Inner, StatsTriple, triple};
 use crate::cpu::{CpuManager, LookupMembers};
 use crate::tiers::StorageTier;
@@ -122,8 +124,8 @@ impl Shared {
         let ctx = self.py_ctx(py, &job.req_context)?;
         self.make_job.bind(py).call1((
             job.job_id,
-            key_list(py, &job.keys)?,
-            job.chunk_ids.clone(),
+            job_keys(py, &job.keys)?,
+            chunk_ids(py, &job.chunk_ids),
             job.is_promotion,
             ctx,
         ))
@@ -302,6 +304,9 @@ pub(crate) struct PyTier {
     block_size_bytes: usize,
     bp: PyBackpressure,
     shared: Arc<Shared>,
+    /// The last `cache_hit_source` enum member read and what it names: the attribute is read
+    /// at every promotion (as vLLM does), its `.value` only when it is another object.
+    hit_source: Mutex<Option<(Py<PyAny>, CacheHitSource)>>,
 }
 
 impl PyTier {
@@ -317,6 +322,7 @@ impl PyTier {
             medium,
             locality,
             block_size_bytes,
+            hit_source: Mutex::new(None),
             bp: PyBackpressure {
                 detector: None,
                 finished: HashMap::new(),
@@ -412,20 +418,40 @@ impl SecondaryTierManager for PyTier {
     }
     /// Read at each promotion, as vLLM does (a class attribute may change meanwhile).
     fn cache_hit_source(&self) -> CacheHitSource {
-        Python::attach(
-            |py| match enum_value(self.obj.bind(py), "cache_hit_source") {
-                Ok(v) => match v.as_deref() {
-                    Some("host") => CacheHitSource::Host,
-                    Some("p2p") => CacheHitSource::P2p,
-                    Some("disk") => CacheHitSource::Disk,
-                    _ => CacheHitSource::ExternalUnspecified,
-                },
-                Err(e) => {
-                    self.shared.keep(e);
-                    CacheHitSource::ExternalUnspecified
-                }
-            },
-        )
+        Python::attach(|py| {
+            let named = |v: Option<&str>| match v {
+                Some("host") => CacheHitSource::Host,
+                Some("p2p") => CacheHitSource::P2p,
+                Some("disk") => CacheHitSource::Disk,
+                _ => CacheHitSource::ExternalUnspecified,
+            };
+            let read = self
+                .obj
+                .bind(py)
+                .getattr(intern!(py, "cache_hit_source"))
+                .and_then(|obj| {
+                    let mut last = self.hit_source.lock();
+                    if let Some((o, s)) = &*last
+                        && o.is(&obj)
+                    {
+                        return Ok(*s);
+                    }
+                    let s = if obj.is_none() {
+                        named(None)
+                    } else {
+                        let v: String = obj.getattr(intern!(py, "value"))?.extract()?;
+                        named(Some(&v))
+                    };
+                    // Only an enum member is known to keep its value.
+                    let member = py.import("enum")?.getattr("Enum")?;
+                    *last = obj.is_instance(&member)?.then(|| (obj.unbind(), s));
+                    Ok(s)
+                });
+            read.unwrap_or_else(|e| {
+                self.shared.keep(e);
+                CacheHitSource::ExternalUnspecified
+            })
+        })
     }
     fn block_size_bytes(&self) -> usize {
         self.block_size_bytes
@@ -682,6 +708,7 @@ impl Parent {
         let job = self.with(|p| p.create_store_job(&ks, &c))?;
         self.shared.take_error()?;
         let job = job.map_err(to_py)?;
+        let _caller = CallerKeys::set(keys_);
         let pj = self.shared.job(py, &job)?;
         self.created
             .borrow_mut()
@@ -822,11 +849,15 @@ impl TieringManager {
         Ok(self.shared.results.get(key_.py(), r))
     }
 
-    fn prepare_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    fn prepare_load<'py>(
+        &self,
+        keys_: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
         let spec = self.run(keys_.py(), |m| m.prepare_load(&ks, &c).map_err(to_py))?;
-        Ok(spec.chunk_ids().unwrap_or_default().to_vec())
+        Ok(chunk_ids(keys_.py(), spec.chunk_ids().unwrap_or_default()))
     }
 
     fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -850,8 +881,11 @@ impl TieringManager {
         let py = keys_.py();
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
+        // A request-level tier's cascade of keys already stored carries the caller's objects.
+        let _caller = CallerKeys::set(keys_);
         let out = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))?;
-        out.map(|o| crate::cpu::store_output(py, &o)).transpose()
+        out.map(|o| crate::cpu::store_output(py, keys_, &o))
+            .transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]
@@ -863,6 +897,8 @@ impl TieringManager {
     ) -> PyResult<()> {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
+        // The cascades' jobs carry the caller's key objects.
+        let _caller = CallerKeys::set(keys_);
         self.run(keys_.py(), |m| {
             m.complete_store(&ks, &c, success).map_err(to_py)
         })
@@ -887,6 +923,7 @@ impl TieringManager {
                 )));
             }
             let job = m.create_store_job(&ks, &c, tier).map_err(to_py)?;
+            let _caller = CallerKeys::set(keys_);
             let pj = self.shared.job(py, &job)?;
             if self.python.get(tier).copied().unwrap_or(false) {
                 self.shared

@@ -804,9 +804,11 @@ impl CpuOffloadingManager {
             0.0
         };
         stats.set_gauge(names::CPU_CACHE_USAGE_PERC, None, usage);
-        for a in self.allocation_sizes.drain(..) {
-            stats.observe_histogram(names::CPU_ALLOCATION_SIZE, None, a as f64);
-        }
+        stats.observe_histogram_all(
+            names::CPU_ALLOCATION_SIZE,
+            None,
+            self.allocation_sizes.drain(..).map(|a| a as f64),
+        );
         let write = if self.num_chunks > 0 {
             self.num_write_pending as f64 / n
         } else {

@@ -165,6 +165,17 @@ impl LinkedKeySet {
         }
     }
 
+    /// Empty set with room for `n` keys.
+    pub(crate) fn with_capacity(n: usize) -> Self {
+        Self {
+            map: HashMap::with_capacity(n),
+            nodes: Vec::with_capacity(n),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+        }
+    }
+
     /// Number of keys.
     #[inline]
     pub(crate) fn len(&self) -> usize {

@@ -258,6 +258,10 @@ impl<T: Tier> PhysicalTier<T> {
         } else {
             ("disk", Locality::Local)
         };
+        // Sized for a full tier up front (up to a million keys, tens of MiB): a tier filling
+        // up, every deployment's first steps, would otherwise grow its maps on the scheduler
+        // thread, a rehash of everything so far at a time.
+        let capacity = tier.manager().total_blocks().min(1 << 20);
         Ok(Self {
             tier_type: tier_type.into(),
             medium: Medium::Storage,
@@ -267,8 +271,8 @@ impl<T: Tier> PhysicalTier<T> {
             store,
             load,
             owned_layout: None,
-            entries: HashMap::new(),
-            ready_order: LinkedKeySet::new(),
+            entries: HashMap::with_capacity(capacity),
+            ready_order: LinkedKeySet::with_capacity(capacity),
             inflight: Vec::new(),
             done: Vec::new(),
             detector: None,
@@ -713,12 +717,18 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         self.detector.as_mut().map(|d| d as &mut dyn Backpressure)
     }
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
-        if !self.entries.contains_key(key) {
-            self.claim_restored(key);
+        // One probe for a key the tier knows (the scheduler's every lookup that reaches here).
+        if let Some(e) = self.entries.get(key) {
+            return if e.block.is_some() {
+                LookupResult::Hit
+            } else {
+                LookupResult::Miss
+            };
         }
-        match self.entries.get(key) {
-            Some(e) if e.block.is_some() => LookupResult::Hit,
-            _ => LookupResult::Miss,
+        if self.claim_restored(key) {
+            LookupResult::Hit
+        } else {
+            LookupResult::Miss
         }
     }
     fn submit_store(&mut self, job: Arc<TierJob>) {
@@ -770,15 +780,15 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
+        // Every key ready (a restored block claimed now counts), one probe per key known.
+        let mut all_ready = true;
         for k in &job.keys {
-            if !self.entries.contains_key(k) {
-                self.claim_restored(k);
-            }
+            let ready = match self.entries.get(k) {
+                Some(e) => e.block.is_some(),
+                None => self.claim_restored(k),
+            };
+            all_ready &= ready;
         }
-        let all_ready = job
-            .keys
-            .iter()
-            .all(|k| self.entries.get(k).is_some_and(|e| e.block.is_some()));
         if !all_ready {
             self.done.push(JobResult::new(job.job_id, false));
             return;

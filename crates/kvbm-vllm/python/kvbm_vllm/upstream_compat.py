@@ -80,6 +80,12 @@ def _builtin_policy(cache_policy: str, module_path: str | None) -> str:
     )
 
 
+#: Chunk ids from Rust are the bytes of an ``int32`` array (``bridge::chunk_ids``); vLLM's
+#: specs and jobs copy this view into their own array, as they would a list of ints.
+_ids = np.frombuffer
+_I32 = np.int32
+
+
 def _store_output(out) -> PrepareStoreOutput | None:
     """vLLM's ``PrepareStoreOutput`` of a Rust ``prepare_store`` answer (``None``: no room)."""
     if out is None:
@@ -87,7 +93,7 @@ def _store_output(out) -> PrepareStoreOutput | None:
     keys_to_store, chunk_ids, evicted = out
     return PrepareStoreOutput(
         keys_to_store=keys_to_store,
-        store_spec=CPULoadStoreSpec(chunk_ids),
+        store_spec=CPULoadStoreSpec(_ids(chunk_ids, _I32)),
         evicted_keys=evicted,
     )
 
@@ -512,10 +518,10 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         if self._hooked_record:
             keys = list(keys)
-            spec = CPULoadStoreSpec(self._rs.pin_for_load(keys, req_context))
+            spec = CPULoadStoreSpec(_ids(self._rs.pin_for_load(keys, req_context), _I32))
             self._record_request_cache_access(keys, req_context, reused_keys=keys)
             return spec
-        return CPULoadStoreSpec(self._rs.prepare_load(keys, req_context))
+        return CPULoadStoreSpec(_ids(self._rs.prepare_load(keys, req_context), _I32))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy_view.touch(keys, req_context)
@@ -610,7 +616,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         """Pins chunks for a primary-to-secondary copy (no request access is counted)."""
-        return CPULoadStoreSpec(self._rs.prepare_read(keys, req_context))
+        return CPULoadStoreSpec(_ids(self._rs.prepare_read(keys, req_context), _I32))
 
     def get_kv_memoryview(self) -> memoryview:
         return self._kv_memoryview
@@ -653,7 +659,7 @@ def _make_job(job_id, keys, chunk_ids, is_promotion, req_context) -> TransferJob
     return TransferJob(
         job_id=job_id,
         keys=keys,
-        chunk_ids=np.array(chunk_ids, dtype=np.int32 if is_promotion else np.int64),
+        chunk_ids=np.array(_ids(chunk_ids, _I32), dtype=np.int32 if is_promotion else np.int64),
         is_promotion=is_promotion,
         req_context=req_context,
     )
@@ -806,7 +812,7 @@ class TieringOffloadingManager(OffloadingManager):
         return CacheHitSource(self._rs.get_load_source(key, req_context))
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec(self._rs.prepare_load(keys, req_context))
+        return CPULoadStoreSpec(_ids(self._rs.prepare_load(keys, req_context), _I32))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._rs.touch(keys, req_context)
