@@ -1175,9 +1175,11 @@ impl OffloadingManager for EngineTieringManager {
             if stats.hits[tier] > 0 {
                 out.increase_counter(names::CHUNK_HITS, Some(l), stats.hits[tier] as f64);
             }
-            for d in &stats.lookup_seconds[tier] {
-                out.observe_histogram(names::LOOKUP_SYNC_DELAY, Some(l), *d);
-            }
+            out.observe_histogram_all(
+                names::LOOKUP_SYNC_DELAY,
+                Some(l),
+                stats.lookup_seconds[tier].iter().copied(),
+            );
             if tier != TierId::G2 {
                 let active = self.promotions.values().filter(|p| p.tier == tier).count();
                 out.set_gauge(names::ACTIVE_PROMOTION_JOBS, Some(l), active as f64);
