@@ -383,7 +383,6 @@ fn heads_sharded(dir: &Path) {
     for tp in [1, 4, 2] {
         ranks("load", &path, heads, tp);
     }
-    println!("heads sharded: stored at TP=2 by 2 processes, loaded at TP=1, 4, 2: ok");
 }
 
 /// A replicated layout (one head held whole by every rank, as MLA's latent KV): TP=2
@@ -407,7 +406,6 @@ fn replicated(dir: &Path) {
     for tp in [1, 4] {
         ranks("load", &path, heads, tp);
     }
-    println!("replicated: one copy from 2 processes ({stored:?} bytes), loaded at TP=1, 4: ok");
 }
 
 fn arg(args: &[String], name: &str) -> String {
@@ -432,15 +430,42 @@ fn main() {
         );
         return;
     }
-    // `cargo test -- --list` and filters: this file is one test.
+    let cases: [(&str, fn(&Path)); 2] = [
+        (
+            "heads_sharded_tp2_processes_read_at_tp1_tp2_tp4",
+            heads_sharded,
+        ),
+        ("replicated_layout_stored_once_by_two_processes", replicated),
+    ];
+    // `cargo test -- --list` (what libtest would print).
     if args.iter().any(|a| a == "--list") {
-        println!("canonical_processes: test");
+        for (name, _) in &cases {
+            println!("{name}: test");
+        }
         return;
     }
     let dir = tempdir();
-    heads_sharded(&dir);
-    replicated(&dir);
+    println!("\nrunning {} tests", cases.len());
+    let mut failed = Vec::new();
+    for (name, case) in cases {
+        let ok = std::panic::catch_unwind(|| case(&dir)).is_ok();
+        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
+        if !ok {
+            failed.push(name);
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
+    // libtest's summary line, which `cargo xtask ci` counts.
+    println!(
+        "\ntest result: {}. {} passed; {} failed; 0 ignored; 0 measured; 0 filtered out\n",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        cases.len() - failed.len(),
+        failed.len()
+    );
+    if !failed.is_empty() {
+        eprintln!("failed: {failed:?}");
+        std::process::exit(101);
+    }
 }
 
 fn tempdir() -> PathBuf {
