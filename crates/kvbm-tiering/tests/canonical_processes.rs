@@ -416,6 +416,9 @@ fn arg(args: &[String], name: &str) -> String {
         .clone()
 }
 
+/// A named case of this file.
+type Case = (&'static str, fn(&Path));
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--role") {
@@ -430,7 +433,7 @@ fn main() {
         );
         return;
     }
-    let cases: [(&str, fn(&Path)); 2] = [
+    let cases: [Case; 2] = [
         (
             "heads_sharded_tp2_processes_read_at_tp1_tp2_tp4",
             heads_sharded,
