@@ -312,6 +312,19 @@ impl WorkersConfig {
                         "must be set with workers.mode = \"processes\": the ranks are driven over NATS",
                     ));
                 }
+                // Several ranks are the instance's own tensor-parallel group: their number is
+                // `workers.ranks`, and `physical.object.tp_rank` / `tp_world_size` (one rank of
+                // a group whose other ranks are other instances) cannot also say it.
+                let o = &config.physical.object;
+                if self.ranks > 1 && (o.tp_world_size != 1 || o.tp_rank != 0) {
+                    return Err(EngineError::config(
+                        "physical.object.tp_world_size",
+                        format!(
+                            "must stay 1 (tp_rank 0) with workers.ranks = {}: the instance's worker processes are its whole tensor-parallel group, got rank {} of {}",
+                            self.ranks, o.tp_rank, o.tp_world_size
+                        ),
+                    ));
+                }
                 Ok(())
             }
         }
@@ -879,27 +892,45 @@ fn socket_addr(key: &str, value: &str) -> Result<SocketAddr> {
 
 impl KvbmConfig {
     /// The model fingerprint of blocks of `geometry` under this tree: `[model]`, the geometry
-    /// (its block count aside) and this process's tensor-parallel rank
-    /// (`physical.object.tp_rank` of `tp_world_size`). See [`ModelConfig`].
+    /// (its block count aside) and whose bytes a block holds ([`KvbmConfig::parallelism`]:
+    /// this process's tensor-parallel rank, `physical.object.tp_rank` of `tp_world_size`, or
+    /// the whole group of `workers.ranks` worker processes). See [`ModelConfig`].
     ///
     /// # Errors
     /// [`EngineError::Config`] naming `model` when a part is invalid (e.g. `model.dtype` is a
     /// known dtype of another size than the geometry's elements).
     pub fn fingerprint(&self, geometry: &LayoutConfig) -> Result<ModelFingerprint> {
         let m = &self.model;
-        let o = &self.physical.object;
         ModelFingerprint::builder()
             .model(&m.name)
             .dtype(&m.dtype)
             .kv_layout(&m.kv_layout)
             .kv_group(m.kv_group)
             .geometry(*geometry)
-            .parallelism(Parallelism::Rank {
-                rank: o.tp_rank,
-                world: o.tp_world_size,
-            })
+            .parallelism(self.parallelism())
             .build()
             .map_err(|e| EngineError::config("model", e.to_string()))
+    }
+
+    /// Whose bytes a block of this instance holds, for its [`ModelFingerprint`]: one rank's
+    /// (`physical.object.tp_rank` of `tp_world_size`) when the instance has one rank, in its
+    /// own process or as one worker process; with `workers.ranks` > 1 worker processes, every
+    /// rank's bytes of an engine of that tensor-parallel size ([`Parallelism::Engine`]), so
+    /// instances of other rank counts never match its blocks.
+    pub fn parallelism(&self) -> Parallelism {
+        let o = &self.physical.object;
+        match self.workers.mode {
+            WorkersMode::Processes if self.workers.ranks > 1 => Parallelism::Engine {
+                tp: self.workers.ranks as usize,
+                pp: 1,
+                pcp: 1,
+                dcp: 1,
+            },
+            _ => Parallelism::Rank {
+                rank: o.tp_rank,
+                world: o.tp_world_size,
+            },
+        }
     }
 
     /// Checks ranges and cross-field rules of every section.

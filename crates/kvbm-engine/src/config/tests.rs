@@ -384,6 +384,22 @@ fn model_keys_make_the_fingerprint_and_bad_ones_name_the_key() {
     assert_ne!(ranked.fingerprint(&g).unwrap(), base);
     let more = kvbm_physical::LayoutConfig { num_blocks: 9, ..g };
     assert_eq!(KvbmConfig::default().fingerprint(&more).unwrap(), base);
+    // Worker processes: one rank holds the same bytes as an in-process instance (the same
+    // fingerprint); several hold every rank's bytes, told apart by their number.
+    let processes = |ranks: u32| {
+        ConfigBuilder::new()
+            .set("workers.mode", "processes")
+            .set("workers.ranks", ranks)
+            .set("transport.nats_url", "nats://127.0.0.1:4222")
+            .build()
+            .unwrap()
+            .fingerprint(&g)
+            .unwrap()
+    };
+    assert_eq!(processes(1), base);
+    let (two, four) = (processes(2), processes(4));
+    assert!(two != base && four != base && two != four);
+    assert_ne!(two, ranked.fingerprint(&g).unwrap());
     // Invalid names are refused at build, naming the key.
     assert_eq!(err(with("model.name", "")).0, "model.name");
     assert_eq!(err(with("model.dtype", "a\tb")).0, "model.dtype");
@@ -466,6 +482,12 @@ fn workers_keys_are_validated_naming_the_key() {
     let config = processes().set("workers.ranks", 4).build().unwrap();
     assert_eq!(config.workers.mode, WorkersMode::Processes);
     assert_eq!(config.workers.ranks, 4);
+    // One worker process may still be one rank of a wider group (its others other instances).
+    processes()
+        .set("physical.object.tp_world_size", 2)
+        .set("physical.object.tp_rank", 1)
+        .build()
+        .unwrap();
     // With worker processes, G3 is each rank's own file: no [physical.disk] needed.
     processes().set("tiers.g3_blocks", 8).build().unwrap();
     let (key, _) = err(ConfigBuilder::new().set("tiers.g3_blocks", 8).build());
@@ -510,6 +532,21 @@ fn workers_keys_are_validated_naming_the_key() {
             "transport.nats_url",
             ConfigBuilder::new().set("workers.mode", "processes"),
             "over NATS",
+        ),
+        (
+            "physical.object.tp_world_size",
+            processes()
+                .set("workers.ranks", 2)
+                .set("physical.object.tp_world_size", 2),
+            "whole tensor-parallel group",
+        ),
+        (
+            "physical.object.tp_world_size",
+            processes()
+                .set("workers.ranks", 2)
+                .set("physical.object.tp_world_size", 4)
+                .set("physical.object.tp_rank", 1),
+            "rank 1 of 4",
         ),
     ] {
         let (k, message) = err(builder.build());
