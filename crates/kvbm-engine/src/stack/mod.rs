@@ -83,7 +83,9 @@ use read_ahead::ReadAhead;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
 };
-pub(crate) use tiers::{Movers, RankTiers, TierPlan, TierSinks, Tiers, discard_rejected};
+pub(crate) use tiers::{Movers, TierPlan, TierSinks, Tiers};
+#[cfg(feature = "nats")]
+pub(crate) use tiers::{RankTiers, discard_rejected};
 
 pub(crate) mod context;
 mod counters;

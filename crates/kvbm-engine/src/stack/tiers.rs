@@ -53,6 +53,7 @@ use parking_lot::Mutex;
 use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
 use crate::leader::{InstanceLeader, RemoteSearch};
+#[cfg(feature = "nats")]
 use crate::mover::BlockMove;
 use crate::runtime::{EventSource, RuntimeHandle};
 
@@ -76,6 +77,7 @@ pub(crate) struct TierSinks {
 
 impl TierSinks {
     /// The same sink for G2, G3 and G4.
+    #[cfg(feature = "nats")]
     pub(crate) fn all(sink: Arc<dyn EventSink>) -> Self {
         TierSinks {
             g2: Some(sink.clone()),
@@ -117,6 +119,9 @@ pub(crate) struct Movers {
     pub(crate) g2_to_g1: Arc<G2ToG1>,
 }
 
+/// The movers as the engine's move seams: what the cluster plane's instance hands its
+/// sessions (the in-process stack uses the concrete types).
+#[cfg(feature = "nats")]
 impl Movers {
     /// G3→G2 as the engine's move seam.
     pub(crate) fn g3_to_g2(&self) -> Option<Arc<dyn BlockMove<G3, G2>>> {
@@ -158,7 +163,9 @@ pub(crate) struct Tiers {
     /// The block objects G4 listed at start (registered present).
     pub(crate) g4_listed: Vec<SequenceHash>,
     /// The model fingerprint G3's journal and G4's paths are scoped by
-    /// ([`KvbmConfig::fingerprint`] of the tiers' geometry).
+    /// ([`KvbmConfig::fingerprint`] of the tiers' geometry). Read by the cluster plane's
+    /// instance (its data plane's scope).
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) fingerprint: ModelFingerprint,
     /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
     pub(crate) leader: Option<InstanceLeader>,
@@ -499,6 +506,7 @@ impl Tiers {
 /// block ids are slots of every rank, and blocks move by the ranks
 /// ([`SpmdMover`](crate::worker::SpmdMover)). No layout is allocated here; G3 is each rank's
 /// own file (no journal in this process: it starts cold), and there is no G4.
+#[cfg(feature = "nats")]
 pub(crate) struct RankTiers {
     pub(crate) g1: Arc<BlockManager<G1>>,
     pub(crate) g2: Arc<BlockManager<G2>>,
@@ -509,6 +517,7 @@ pub(crate) struct RankTiers {
     pub(crate) leader: InstanceLeader,
 }
 
+#[cfg(feature = "nats")]
 impl RankTiers {
     /// The managers of `[tiers]` (G1 and G2 required, G3 optional, G4 refused) on one
     /// registry, their events flushed by `runtime`, and the leader over G2 and G3 searching in

@@ -340,6 +340,7 @@ fn control_errors_fail_blocks_with_a_kind_that_keeps_the_copy() {
 /// Attack: a flood of control requests, each of which would get a task of its own. At most
 /// `max_in_flight` are served at once; the rest are answered `Refused` at once and counted,
 /// and the worker serves again once the flood has passed.
+#[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
     use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
@@ -386,6 +387,7 @@ async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
     cancel.cancel();
 }
 
+#[cfg(feature = "nats")]
 /// Security for `instance`'s `role` at `rank`, issued by `root` in namespace `ns`.
 fn member(
     root: &crate::security::RootKey,
@@ -409,6 +411,7 @@ fn member(
     ))
 }
 
+#[cfg(feature = "nats")]
 fn plain(request: ControlRequest) -> bytes::Bytes {
     serde_json::to_vec(&Envelope::new(request)).unwrap().into()
 }
@@ -417,6 +420,7 @@ fn plain(request: ControlRequest) -> bytes::Bytes {
 /// `Transfer`, `Fill` and `Digest` to a worker's control subject, and the leader of another
 /// instance (same trust root) sends a `Fill`. The worker answers none of them, counts each,
 /// its blocks are unchanged, and its own leader still drives it.
+#[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_a_worker_obeys_only_its_own_leader() {
     use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
@@ -539,6 +543,7 @@ async fn security_a_worker_obeys_only_its_own_leader() {
 /// at once with `Transferred(Ok…)`, one unsealed, one sealed by another worker of the same
 /// instance and bound to the very request. The leader drops both (counted) and takes the real
 /// worker's later answer: the transfer failed, so nothing would be registered.
+#[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_a_forged_early_reply_does_not_win() {
     use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect, reply_context};
@@ -611,6 +616,7 @@ async fn security_a_forged_early_reply_does_not_win() {
     assert_eq!(s.rejected(Rejection::NotAllowed), 1);
 }
 
+#[cfg(feature = "nats")]
 fn plain_response(r: ControlResponse) -> Vec<u8> {
     serde_json::to_vec(&Envelope::new(r)).unwrap()
 }
