@@ -1,7 +1,7 @@
 //! Worker tests against reference models written here: multi-group direct layouts with
 //! `blocks_per_chunk` and unaligned heads (proptest), the canonical layout across TP sizes,
-//! writer rotation for replicated bytes, a hybrid (full + sliding-window) model, and the
-//! builder's refusals.
+//! writer rotation for replicated bytes, hybrid models (full + sliding-window; attention +
+//! Mamba-style state), and the builder's refusals.
 
 use std::sync::Arc;
 
@@ -497,6 +497,98 @@ fn hybrid_full_and_sliding_window_groups() {
     }
     // The wrong number of groups is refused.
     assert!(!w.submit_load(3, &cpu(&[5]), &gpu_spec(&[0, 1], &[2], &[4])));
+}
+
+#[test]
+fn hybrid_attention_and_mamba_state_groups() {
+    // vLLM 0.33's hybrid (Mamba + attention) model as its offloading config describes it: a
+    // Mamba group is a group whose window is one chunk ("Mamba depends on a single state":
+    // `get_sliding_window_size_in_chunks(MambaSpec) == 1`), each of its GPU blocks the state
+    // after that block's tokens, and its ref page the *un-padded* state size
+    // (`replace(spec, page_size_padded=None).page_size_bytes`), smaller than the padded row.
+    // Tensors 0, 1: attention layers (full group); tensor 2: a Mamba layer (state group).
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let (row_b, state_p) = (64, 44);
+    let gpu_h = layout(&tm, 12, 3, row_b);
+    let cpu_h = layout(&tm, 8, 3, row_b * 2);
+    let mut w = PhysicalOffloadingWorker::builder(tm.clone(), gpu_h, cpu_h)
+        .blocks_per_chunk(2)
+        .group(vec![direct_ref(0, row_b), direct_ref(1, row_b)])
+        .group(vec![direct_ref(2, state_p)])
+        .build()
+        .unwrap();
+    // The state after logical block k, and attention page (k, tensor t).
+    let state = |k: usize, i: usize| (k * 31 + i) as u8 | 0x80;
+    let attn = |k: usize, t: usize, i: usize| (k * 13 + t * 7 + i) as u8 & 0x7f;
+    fill(&tm, cpu_h, |_, _, _| 0);
+    fill(&tm, gpu_h, |b, t, i| match t {
+        2 => 0x55,
+        _ => attn(b, t, i),
+    });
+    // A 6-block request computed in three steps; each step stores its newly complete chunk:
+    // the full group's two pages (GPU blocks 2s, 2s+1 → chunk s) and the state group's window
+    // of one chunk. The request's two Mamba GPU blocks (10, 11) are reused step after step, so
+    // each step's states are only in GPU memory until the next step: the store is what keeps
+    // them, at block boundaries (chunk 3 + s).
+    for s in 0..3 {
+        for (j, b) in [10, 11].into_iter().enumerate() {
+            for (i, x) in row(&tm, gpu_h, b, 2).iter_mut().enumerate() {
+                *x = if i < state_p {
+                    state(2 * s + j, i)
+                } else {
+                    0xEE
+                };
+            }
+        }
+        let spec = gpu_spec(&[2 * s, 2 * s + 1, 10, 11], &[2, 2], &[2 * s, 2 * s]);
+        assert!(w.submit_store(s as u64, &spec, &cpu(&[s, 3 + s])));
+        assert_eq!(
+            run_ok(&mut w, s as u64).transfer_size,
+            Some((2 * 2 * row_b + 2 * state_p) as u64),
+            "step {s}: padding is never copied"
+        );
+    }
+    for s in 0..3 {
+        let c = row(&tm, cpu_h, 3 + s, 2).to_vec();
+        for j in 0..2 {
+            let page = &c[j * row_b..][..row_b];
+            assert!(
+                page[..state_p]
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == state(2 * s + j, i))
+            );
+            assert!(page[state_p..].iter().all(|&x| x == 0), "padding stored");
+        }
+        // The state chunk holds no attention rows, the attention chunk no state row.
+        assert!(row(&tm, cpu_h, 3 + s, 0).iter().all(|&x| x == 0));
+        assert!(row(&tm, cpu_h, s, 2).iter().all(|&x| x == 0));
+    }
+    // A later request shares the first 4 blocks (a hit of 2 chunks). Attention loads the whole
+    // prefix (chunks 0, 1 → GPU 0..4); the state group loads the single state at the hit's
+    // boundary: logical block 3, the second sub-block of state chunk 4 (entered at index 3),
+    // into the new request's Mamba block 9. Nothing else moves: not the state after block 2,
+    // not the padding, not the states past the hit.
+    fill(&tm, gpu_h, |_, _, _| 0x11);
+    let spec = gpu_spec(&[0, 1, 2, 3, 9], &[4, 1], &[0, 3]);
+    assert!(w.submit_load(7, &cpu(&[0, 1, 4]), &spec));
+    assert_eq!(
+        run_ok(&mut w, 7).transfer_size,
+        Some((4 * 2 * row_b + state_p) as u64)
+    );
+    for b in 0..12 {
+        for t in 0..3 {
+            let got = row(&tm, gpu_h, b, t).to_vec();
+            let want: Vec<u8> = (0..row_b)
+                .map(|i| match (b, t) {
+                    (0..4, 0 | 1) => attn(b, t, i),
+                    (9, 2) if i < state_p => state(3, i),
+                    _ => 0x11,
+                })
+                .collect();
+            assert_eq!(got, want, "GPU block {b} tensor {t}");
+        }
+    }
 }
 
 fn refusal(b: WorkerLayoutBuilder) -> String {
