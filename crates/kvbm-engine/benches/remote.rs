@@ -21,7 +21,8 @@
 //!   onboarding session (checksum, identity, binding checked) and releases it.
 //! - `shared_g4_onboard/raw_get_64`: the 64 objects fetched with plain `object_store` GETs at
 //!   the same concurrency (`ObjectConfig::max_concurrency`), bodies collected, nothing checked.
-//!   Goal ≥ 0.8. Needs the S3 server (`cargo xtask bench engine` starts it); skipped without.
+//!   Goal ≥ 0.8. Needs the S3 server (`cargo xtask bench engine` starts it); run alone, it
+//!   stops naming the missing server unless `KVBM_TEST_SKIP_SERVICES=1` (then it is skipped).
 //!
 //! Run: `cargo xtask bench engine` (or `cargo bench -p kvbm-engine --bench remote`).
 
