@@ -82,7 +82,8 @@ pub struct Envelope<T> {
     /// The sender's [`PROTOCOL_VERSION`].
     pub version: u32,
     /// Version 3, requests: the rank the request is for and the incarnation the leader knows
-    /// (from its heartbeats, [`Membership`](super::membership::Membership)). Absent: any.
+    /// (from its heartbeats, the `nats` feature's `transport::membership::Membership`). Absent:
+    /// any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to: Option<RankTarget>,
     /// The message.

@@ -429,6 +429,24 @@ pub struct WorkerServerStats {
     rejected: AtomicU64,
 }
 
+/// One request counted in [`WorkerServerStats::in_flight`] for as long as this lives: the
+/// serving task holds it, so the count falls when the task ends however it ends (a panic
+/// included), never leaving a request counted that nothing serves.
+struct InFlight(Arc<WorkerServerStats>);
+
+impl InFlight {
+    fn enter(stats: &Arc<WorkerServerStats>) -> Self {
+        stats.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(stats.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl WorkerServerStats {
     /// Requests answered by serving them (including undecodable ones, answered `Refused`).
     pub fn served(&self) -> u64 {
@@ -642,9 +660,9 @@ impl WorkerServer {
                 };
                 let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
                 let (stats, security) = (stats.clone(), security.clone());
-                stats.in_flight.fetch_add(1, Ordering::AcqRel);
+                let counted = InFlight::enter(&stats);
                 tokio::spawn(async move {
-                    let _permit = permit;
+                    let (_permit, _counted) = (permit, counted);
                     let (version, response) = match decode_envelope::<ControlRequest>(&payload) {
                         Err(Undecoded::Malformed(e)) => (
                             PROTOCOL_VERSION,
@@ -706,7 +724,6 @@ impl WorkerServer {
                         tracing::warn!(%address, error = %e, "control reply not sent");
                     }
                     stats.served.fetch_add(1, Ordering::Relaxed);
-                    stats.in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
         }))

@@ -387,6 +387,54 @@ async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
     cancel.cancel();
 }
 
+/// A serving task that panics (here: the request hook, which runs inside it) answers nothing,
+/// but leaves neither its permit nor its count behind: `in_flight` falls back to 0 and the
+/// worker serves the next request.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serving_task_that_panics_is_not_left_counted_in_flight() {
+    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
+    use std::time::Duration;
+    let Some(nats) = kvbm_tests::services::nats("worker_task_panics") else {
+        return;
+    };
+    let client = connect(&nats.url, "worker", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let prefix = format!("kvbm.test.worker_panics.{}", std::process::id());
+    let address = WorkerAddress::new(I, 0);
+    let server = WorkerServer::new(client, &prefix, address, worker(0, true))
+        .max_in_flight(1)
+        .on_request(Arc::new(|r: &ControlRequest| {
+            if matches!(r, ControlRequest::Transfer(_)) {
+                panic!("a serving task panics");
+            }
+        }));
+    let stats = server.stats();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _task = server.start(cancel.clone()).await.unwrap();
+    let leader = connect(&nats.url, "leader", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let control = NatsControl::new(leader, &prefix, address, Duration::from_millis(500));
+    for _ in 0..2 {
+        let answer = control.call(ControlRequest::Transfer(request())).await;
+        assert!(answer.is_err(), "{answer:?}");
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while stats.in_flight() != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(stats.in_flight(), 0);
+    // The one permit came back too: the next request is served, not refused as busy.
+    assert!(matches!(
+        control.call(ControlRequest::Describe).await.unwrap(),
+        ControlResponse::Described(_)
+    ));
+    assert_eq!(stats.refused_busy(), 0);
+    cancel.cancel();
+}
+
 #[cfg(feature = "nats")]
 /// Security for `instance`'s `role` at `rank`, issued by `root` in namespace `ns`.
 fn member(
