@@ -26,7 +26,7 @@ pub use error::{ErrorKind, PhysicalError, Result};
 pub use fingerprint::{FingerprintBuilder, ModelFingerprint, Parallelism};
 pub use identity::{BlockIdentity, ObjectBinding};
 pub use io::IoEngine;
-pub use layout::canonical::{CanonicalPageMapping, CopyRun};
+pub use layout::canonical::{CanonicalPageMapping, CopyRun, PageOrder};
 pub use layout::{
     Backing, BlockDim, BlockLayout, LayoutBuilder, LayoutConfig, LayoutKind, PhysicalLayout, Region,
 };

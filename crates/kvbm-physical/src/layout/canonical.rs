@@ -9,6 +9,22 @@
 //!
 //! Invariant (tested): the runs of a mapping cover the local page exactly once and stay inside
 //! the canonical page.
+//!
+//! # Page order decides the fragment size
+//!
+//! How big each copied fragment is depends on where the heads sit in a page ([`PageOrder`],
+//! vLLM's `kv_cache_layout`). Token-major pages (`NHD`) interleave the heads of every token, so
+//! a rank's part is one small fragment per token (its heads of that token, e.g. 4 heads × 256 B
+//! = 1 KiB) at the canonical token stride. Head-major pages (`HND`) keep each head's tokens
+//! together, so a rank's part is one fragment per K/V half (all its heads' tokens, 16 KiB in the
+//! same example): canonical conversion is then nearly a plain copy.
+//!
+//! ```text
+//!  NHD  canonical [tok0: h0 h1 h2 h3 | tok1: h0 h1 h2 h3 | …]   rank 0 of TP=2: h0 h1 of each token
+//!                  ^^^^^            ^^^^^                       tokens × small fragments
+//!  HND  canonical [h0: tok0..15 | h1: tok0..15 | h2 … | h3 …]   rank 0 of TP=2: h0 h1, all tokens
+//!                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^                  one large fragment
+//! ```
 
 use crate::error::{PhysicalError, Result};
 
@@ -29,6 +45,15 @@ pub struct CopyRun {
     pub local_stride: usize,
     /// Canonical distance between fragments.
     pub canonical_stride: usize,
+}
+
+/// Where the heads sit in a KV page (vLLM's `kv_cache_layout`): see the [module docs](self).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PageOrder {
+    /// `[outer, tokens, heads, head_bytes]`: vLLM's `NHD` (its default, FlashAttention's).
+    Nhd,
+    /// `[outer, heads, tokens, head_bytes]`: vLLM's `HND` (FlashInfer's).
+    Hnd,
 }
 
 /// How a worker's page maps into the canonical page.
@@ -68,9 +93,39 @@ impl CanonicalPageMapping {
         }
     }
 
-    /// Head-sharded tensor parallelism over a page shaped `[outer, tokens, heads, head_bytes]`
-    /// (canonically all `num_kv_heads`; locally `max(1, num_kv_heads / tp_size)` heads).
+    /// Head-sharded tensor parallelism over a token-major page shaped
+    /// `[outer, tokens, heads, head_bytes]` (canonically all `num_kv_heads`; locally
+    /// `max(1, num_kv_heads / tp_size)` heads): [`tensor_parallel_in`](Self::tensor_parallel_in)
+    /// with [`PageOrder::Nhd`].
     pub fn tensor_parallel(
+        outer_dim: usize,
+        tokens: usize,
+        num_kv_heads: usize,
+        head_bytes: usize,
+        tp_size: usize,
+        tp_rank: usize,
+    ) -> Result<Self> {
+        Self::tensor_parallel_in(
+            PageOrder::Nhd,
+            outer_dim,
+            tokens,
+            num_kv_heads,
+            head_bytes,
+            tp_size,
+            tp_rank,
+        )
+    }
+
+    /// Head-sharded tensor parallelism over a page in `order` (canonically all
+    /// `num_kv_heads`; locally `max(1, num_kv_heads / tp_size)` heads, in the same order). With
+    /// `tp_size > num_kv_heads` the heads are replicated and the ranks holding one head take
+    /// turns storing it ([`is_writer`](Self::is_writer)).
+    ///
+    /// # Errors
+    /// [`PhysicalError::InvalidArgument`] for a zero dimension, `tp_rank >= tp_size`, or heads
+    /// and TP size that do not divide one another.
+    pub fn tensor_parallel_in(
+        order: PageOrder,
         outer_dim: usize,
         tokens: usize,
         num_kv_heads: usize,
@@ -101,21 +156,38 @@ impl CanonicalPageMapping {
             let replicas = tp_size / num_kv_heads;
             (1, tp_rank / replicas, replicas, tp_rank % replicas)
         };
-        let frag = local_heads * head_bytes;
-        let canon_token = num_kv_heads * head_bytes;
-        let runs = (0..outer_dim)
-            .map(|o| CopyRun {
-                local_offset: o * tokens * frag,
-                canonical_offset: o * tokens * canon_token + first_head * head_bytes,
-                fragment_size: frag,
-                num_fragments: tokens,
-                local_stride: frag,
-                canonical_stride: canon_token,
-            })
-            .collect();
+        let (local_half, canonical_half) = (
+            tokens * local_heads * head_bytes,
+            tokens * num_kv_heads * head_bytes,
+        );
+        let runs = match order {
+            // Per outer half: one fragment per token (this rank's heads of it).
+            PageOrder::Nhd => {
+                let frag = local_heads * head_bytes;
+                (0..outer_dim)
+                    .map(|o| CopyRun {
+                        local_offset: o * local_half,
+                        canonical_offset: o * canonical_half + first_head * head_bytes,
+                        fragment_size: frag,
+                        num_fragments: tokens,
+                        local_stride: frag,
+                        canonical_stride: num_kv_heads * head_bytes,
+                    })
+                    .collect()
+            }
+            // One fragment per outer half: this rank's heads, every token of each.
+            PageOrder::Hnd => vec![CopyRun {
+                local_offset: 0,
+                canonical_offset: first_head * tokens * head_bytes,
+                fragment_size: local_half,
+                num_fragments: outer_dim,
+                local_stride: local_half,
+                canonical_stride: canonical_half,
+            }],
+        };
         Ok(CanonicalPageMapping {
-            canonical_page_size_bytes: outer_dim * tokens * canon_token,
-            local_page_size_bytes: outer_dim * tokens * frag,
+            canonical_page_size_bytes: outer_dim * canonical_half,
+            local_page_size_bytes: outer_dim * local_half,
             runs,
             num_writers,
             writer_index,
@@ -173,11 +245,61 @@ mod tests {
         (seen, in_bounds)
     }
 
+    /// The reference model: byte `b` of head `h`, token `t`, outer half `o` of a page holding
+    /// `heads` heads, at its offset in `order`.
+    fn offset(
+        order: PageOrder,
+        dims: (usize, usize, usize),
+        at: (usize, usize, usize, usize),
+    ) -> usize {
+        let (tokens, heads, head_bytes) = dims;
+        let (o, t, h, b) = at;
+        match order {
+            PageOrder::Nhd => ((o * tokens + t) * heads + h) * head_bytes + b,
+            PageOrder::Hnd => ((o * heads + h) * tokens + t) * head_bytes + b,
+        }
+    }
+
+    fn order() -> impl Strategy<Value = PageOrder> {
+        prop_oneof![Just(PageOrder::Nhd), Just(PageOrder::Hnd)]
+    }
+
     proptest! {
+        /// Each rank's page, read from a canonical page, is exactly the heads TP gives it (head
+        /// `tp_rank * local` on, or the one replicated head), in the page's own order.
+        #[test]
+        fn a_ranks_page_holds_its_heads_in_its_order(
+            order in order(), outer in 1usize..3, tokens in 1usize..5, heads_pow in 0u32..4,
+            head_bytes in 1usize..5, tp_pow in 0u32..5,
+        ) {
+            let (heads, tp) = (1usize << heads_pow, 1usize << tp_pow);
+            let canon_len = outer * tokens * heads * head_bytes;
+            let canonical: Vec<u8> = (0..canon_len).map(|i| (i * 131 + 7) as u8).collect();
+            for rank in 0..tp {
+                let m = CanonicalPageMapping::tensor_parallel_in(
+                    order, outer, tokens, heads, head_bytes, tp, rank,
+                ).unwrap();
+                let (local_heads, first) = if tp <= heads {
+                    (heads / tp, rank * (heads / tp))
+                } else {
+                    (1, rank / (tp / heads))
+                };
+                prop_assert_eq!(m.canonical_page_size_bytes, canon_len);
+                prop_assert_eq!(m.local_page_size_bytes, outer * tokens * local_heads * head_bytes);
+                let mut local = vec![0u8; m.local_page_size_bytes];
+                m.from_canonical(&canonical, &mut local);
+                for o in 0..outer { for t in 0..tokens { for h in 0..local_heads { for b in 0..head_bytes {
+                    let want = canonical[offset(order, (tokens, heads, head_bytes), (o, t, first + h, b))];
+                    let got = local[offset(order, (tokens, local_heads, head_bytes), (o, t, h, b))];
+                    prop_assert_eq!(got, want, "rank {} o {} t {} h {} b {}", rank, o, t, h, b);
+                }}}}
+            }
+        }
+
         #[test]
         fn tp_mappings_cover_local_page_once_and_reshard(
-            outer in 1usize..3, tokens in 1usize..5, heads_pow in 0u32..4, head_bytes in 1usize..5,
-            tp_a_pow in 0u32..5, tp_b_pow in 0u32..5,
+            order in order(), outer in 1usize..3, tokens in 1usize..5, heads_pow in 0u32..4,
+            head_bytes in 1usize..5, tp_a_pow in 0u32..5, tp_b_pow in 0u32..5,
         ) {
             let heads = 1usize << heads_pow;
             let canon_len = outer * tokens * heads * head_bytes;
@@ -189,7 +311,7 @@ mod tests {
                 rebuilt.iter_mut().for_each(|b| *b = 0);
                 let mut writers_per_byte = vec![0u32; canon_len];
                 for rank in 0..tp_a {
-                    let m = CanonicalPageMapping::tensor_parallel(outer, tokens, heads, head_bytes, tp_a, rank).unwrap();
+                    let m = CanonicalPageMapping::tensor_parallel_in(order, outer, tokens, heads, head_bytes, tp_a, rank).unwrap();
                     let (seen, in_bounds) = cover(&m);
                     prop_assert!(in_bounds);
                     prop_assert!(seen.iter().all(|c| *c == 1));
@@ -208,7 +330,7 @@ mod tests {
                 prop_assert_eq!(&rebuilt, &canonical);
                 let tp_b = 1usize << tp_b_pow;
                 for rank in 0..tp_b {
-                    let m = CanonicalPageMapping::tensor_parallel(outer, tokens, heads, head_bytes, tp_b, rank).unwrap();
+                    let m = CanonicalPageMapping::tensor_parallel_in(order, outer, tokens, heads, head_bytes, tp_b, rank).unwrap();
                     let mut from_rebuilt = vec![0u8; m.local_page_size_bytes];
                     let mut from_orig = vec![0u8; m.local_page_size_bytes];
                     m.from_canonical(&rebuilt, &mut from_rebuilt);

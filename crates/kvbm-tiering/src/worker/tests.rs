@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use kvbm_physical::{
-    BlockDim, BlockLayout, CanonicalPageMapping, LayoutHandle, PhysicalLayout, PinPolicy,
-    TransferManager,
+    BlockDim, BlockLayout, CanonicalPageMapping, LayoutHandle, PageOrder, PhysicalLayout,
+    PinPolicy, TransferManager,
 };
 use proptest::prelude::*;
 
@@ -238,8 +238,9 @@ const BPC: usize = 2;
 /// GPU rows are padded past the local page (vLLM pads pages).
 const PAD: usize = 8;
 
-fn tp_map(heads: usize, tp: usize, rank: usize) -> CanonicalPageMapping {
-    CanonicalPageMapping::tensor_parallel(OUTER, TOKENS, heads, HEAD_BYTES, tp, rank).unwrap()
+fn tp_map(order: PageOrder, heads: usize, tp: usize, rank: usize) -> CanonicalPageMapping {
+    CanonicalPageMapping::tensor_parallel_in(order, OUTER, TOKENS, heads, HEAD_BYTES, tp, rank)
+        .unwrap()
 }
 
 /// A rank of a TP config: its GPU layout and worker over the shared canonical CPU layout.
@@ -252,12 +253,13 @@ struct Rank {
 fn rank(
     tm: &Arc<TransferManager>,
     cpu_h: LayoutHandle,
+    order: PageOrder,
     heads: usize,
     tp: usize,
     r: usize,
     blocks: usize,
 ) -> Rank {
-    let map = tp_map(heads, tp, r);
+    let map = tp_map(order, heads, tp, r);
     let gpu = layout(tm, blocks, TENSORS, map.local_page_size_bytes + PAD);
     let refs = (0..TENSORS)
         .map(|t| CanonicalKVCacheRef {
@@ -301,9 +303,15 @@ fn compute(tm: &TransferManager, r: &Rank, heads: usize) {
 
 /// Loads the job into a fresh rank of `tp` and checks every byte of its GPU layout: its share
 /// of the full pages in the named blocks, the padding and every other block untouched.
-fn load_and_check(tm: &Arc<TransferManager>, cpu_h: LayoutHandle, heads: usize, tp: usize) {
+fn load_and_check(
+    tm: &Arc<TransferManager>,
+    cpu_h: LayoutHandle,
+    order: PageOrder,
+    heads: usize,
+    tp: usize,
+) {
     for r in 0..tp {
-        let mut x = rank(tm, cpu_h, heads, tp, r, 6);
+        let mut x = rank(tm, cpu_h, order, heads, tp, r, 6);
         fill(tm, x.gpu, |_, _, _| 0x33);
         let ids = [2, 5, 0, 4, 1];
         assert!(
@@ -321,7 +329,7 @@ fn load_and_check(tm: &Arc<TransferManager>, cpu_h: LayoutHandle, heads: usize, 
                     x.map
                         .from_canonical(&full_page(heads, t, FIRST + j), &mut want[..local]);
                 }
-                assert_eq!(got, want, "tp {tp} rank {r} block {b} tensor {t}");
+                assert_eq!(got, want, "{order:?} tp {tp} rank {r} block {b} tensor {t}");
             }
         }
     }
@@ -341,13 +349,21 @@ fn canonical_slot(j: usize, page: usize) -> (usize, std::ops::Range<usize>) {
 
 #[test]
 fn canonical_layout_is_tp_independent() {
+    for order in [PageOrder::Nhd, PageOrder::Hnd] {
+        canonical_layout_is_tp_independent_in(order);
+    }
+}
+
+/// Token-major pages move one small fragment per token, head-major ones one large fragment
+/// per K/V half: the worker follows the mapping's runs either way.
+fn canonical_layout_is_tp_independent_in(order: PageOrder) {
     let heads = 4;
     let tm = Arc::new(TransferManager::new().unwrap());
     let cpu_h = canonical_cpu(&tm, heads);
     fill(&tm, cpu_h, |_, _, _| 0xAA);
     // TP=2 ranks each store their half into the one canonical buffer…
     for r in 0..2 {
-        let mut x = rank(&tm, cpu_h, heads, 2, r, 5);
+        let mut x = rank(&tm, cpu_h, order, heads, 2, r, 5);
         compute(&tm, &x, heads);
         assert!(
             x.worker
@@ -372,9 +388,9 @@ fn canonical_layout_is_tp_independent() {
             .all(|&b| b == 0xAA)
     );
     // …and TP=1 and TP=4 ranks each load exactly what their layout needs.
-    load_and_check(&tm, cpu_h, heads, 1);
-    load_and_check(&tm, cpu_h, heads, 4);
-    load_and_check(&tm, cpu_h, heads, 2);
+    load_and_check(&tm, cpu_h, order, heads, 1);
+    load_and_check(&tm, cpu_h, order, heads, 4);
+    load_and_check(&tm, cpu_h, order, heads, 2);
 }
 
 #[test]
@@ -385,7 +401,9 @@ fn replicated_bytes_are_written_by_one_rank_each() {
     let cpu_h = canonical_cpu(&tm, heads);
     let page = OUTER * TOKENS * heads * HEAD_BYTES;
     let mut writes = vec![vec![vec![0u32; page]; TENSORS]; 5];
-    let mut ranks: Vec<Rank> = (0..4).map(|r| rank(&tm, cpu_h, heads, 4, r, 5)).collect();
+    let mut ranks: Vec<Rank> = (0..4)
+        .map(|r| rank(&tm, cpu_h, PageOrder::Nhd, heads, 4, r, 5))
+        .collect();
     assert!(ranks.iter().all(|r| r.map.num_writers == 2));
     for x in &mut ranks {
         compute(&tm, x, heads);
@@ -424,8 +442,8 @@ fn replicated_bytes_are_written_by_one_rank_each() {
         );
         run_ok(&mut x.worker, 2);
     }
-    load_and_check(&tm, cpu_h, heads, 4);
-    load_and_check(&tm, cpu_h, heads, 1);
+    load_and_check(&tm, cpu_h, PageOrder::Nhd, heads, 4);
+    load_and_check(&tm, cpu_h, PageOrder::Nhd, heads, 1);
 }
 
 #[test]
@@ -606,7 +624,7 @@ fn builder_refuses_layouts_it_cannot_serve() {
     let cpu_big = layout(&tm, 4, 2, 128);
     let b = || PhysicalOffloadingWorker::builder(tm.clone(), gpu_h, cpu_h);
     let big = || PhysicalOffloadingWorker::builder(tm.clone(), gpu_h, cpu_big);
-    let m = tp_map(4, 2, 0); // local page 64, canonical 128
+    let m = tp_map(PageOrder::Nhd, 4, 2, 0); // local page 64, canonical 128
     let canon = |t: usize, mapping: Option<CanonicalPageMapping>| CanonicalKVCacheRef {
         tensor_idx: t,
         page_size_bytes: 64,
