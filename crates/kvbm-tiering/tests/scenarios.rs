@@ -1064,19 +1064,23 @@ fn scenario_53_promotion_sync_delay_and_retry_async_delay() {
     assert_eq!(m.lookup(&k(2), &c), LookupResult::Retry);
     t0(&mut m, 0).retry_keys.clear();
     m.get_stats();
+    // The async delay runs from the RETRY to the HIT; each sync delay is one lookup's own.
+    let waited = std::time::Duration::from_millis(30);
+    std::thread::sleep(waited);
     assert_eq!(m.lookup(&k(2), &c), LookupResult::HitPending);
     let s = m.get_stats().unwrap();
-    assert_eq!(
-        s.histogram(names::LOOKUP_SYNC_DELAY, Some("1:example"))
-            .unwrap()
-            .len(),
-        1
-    );
-    assert_eq!(
-        s.histogram(names::LOOKUP_ASYNC_DELAY, Some("1:example"))
-            .unwrap()
-            .len(),
-        1
+    let sync = s
+        .histogram(names::LOOKUP_SYNC_DELAY, Some("1:example"))
+        .unwrap();
+    assert_eq!(sync.len(), 1);
+    assert!((0.0..waited.as_secs_f64()).contains(&sync[0]), "{sync:?}");
+    let delay = s
+        .histogram(names::LOOKUP_ASYNC_DELAY, Some("1:example"))
+        .unwrap();
+    assert_eq!(delay.len(), 1);
+    assert!(
+        (waited.as_secs_f64()..10.0).contains(&delay[0]),
+        "{delay:?}"
     );
 }
 

@@ -561,8 +561,7 @@ impl TieringOffloadingManager {
         exclude: Option<usize>,
     ) -> LookupResult {
         self.maybe_process_finished_jobs();
-        let timing = self.metrics.record_latency;
-        let t0 = timing.then(Instant::now);
+        let t0 = self.metrics.start();
         let primary = self.primary.manager_mut().lookup(key, ctx);
         self.metrics.on_lookup(0, primary, t0, ctx.uid(), key);
         match primary {
@@ -596,7 +595,7 @@ impl TieringOffloadingManager {
             {
                 continue;
             }
-            let t0 = timing.then(Instant::now);
+            let t0 = self.metrics.start();
             let r = tier.lookup(key, ctx);
             if r == LookupResult::Hit {
                 self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
