@@ -49,16 +49,41 @@
 //!
 //! Compaction: once the file holds more than `max(compact_min, 2 × live)` records, the live
 //! set is written to `<path>.tmp`, synced and renamed over the journal (a crash leaves the old
-//! file or the new one).
+//! file or the new one). An append that crosses the threshold does not do that work: it notes
+//! where the file ends and hands a second descriptor of it to a compaction thread, so the
+//! caller (a scheduler's thread, for kvbm's vLLM disk tier) waits for neither the snapshot
+//! nor its `fsync`s. The file up to that end never changes again, so the thread replays it
+//! into the live set, writes the snapshot, and copies what was appended since (records in
+//! order: replayed after the snapshot they give the same live set), most of it without the
+//! lock; under the lock it copies the last few records, renames the new file over the old
+//! one and swaps it in. The old file is closed after the lock is released.
 //!
-//! Lock order: one mutex ([`JournalFile`]'s state) held across each append or compaction; no
-//! other lock is taken while holding it.
+//! ```text
+//!  record ─► threshold ─► note the end E, dup the fd ─► spawn ──┐      (record returns)
+//!  record, record … (appended to the old file past E)            │
+//!  compaction thread: replay old[..E] ─► snapshot ─► <path>.tmp ─► fsync
+//!                     ─► copy old[E..] to the tmp while appends go on (unlocked, a few rounds)
+//!                     ─► lock ─► copy the rest ─► (fsync if a sync() covered records past E)
+//!                     ─► rename ─► swap ─► unlock ─► close the old file ─► fsync the directory
+//! ```
+//!
+//! A compaction whose file was replaced meanwhile (an explicit [`JournalFile::compact`]) is
+//! dropped; one that fails (a full disk) is retried after `compact_min` more records. At most
+//! one runs at a time; [`JournalFile::wait_for_compaction`] and dropping the journal wait for
+//! it.
+//!
+//! Lock order: one mutex ([`JournalFile`]'s state) held across each append, each swap and each
+//! explicit compaction; no other lock is taken while holding it, and a compaction thread is
+//! joined only with it released.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
@@ -333,6 +358,17 @@ struct State {
     records: u64,
     live: HashMap<u64, (BlockIdentity, u128)>,
     buf: Vec<u8>,
+    /// Bumped whenever another file is swapped in: a compaction that started from an older
+    /// file is dropped.
+    generation: u64,
+    /// The compaction thread, while one runs (or has run and not been joined).
+    compacting: Option<JoinHandle<()>>,
+    /// No compaction starts before the file holds this many records (after a failed one).
+    retry_at: u64,
+    /// The end of what the last [`JournalFile::sync`] made durable.
+    synced_len: u64,
+    /// A file was renamed over the journal since the directory was last synced.
+    dir_dirty: bool,
 }
 
 /// An open, append-only disk-tier journal (see the module docs).
@@ -340,8 +376,25 @@ pub struct JournalFile {
     path: PathBuf,
     geometry: JournalGeometry,
     compact_min: u64,
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
+    /// Tests hold a compaction thread between its snapshot and its swap here.
+    #[cfg(test)]
+    gate: Option<Arc<std::sync::Barrier>>,
 }
+
+/// What a compaction thread starts from: a descriptor of the journal file, where the file
+/// ended then (nothing before it changes again), and which file that was.
+struct CompactionStart {
+    file: File,
+    base: u64,
+    generation: u64,
+}
+
+/// Under the lock, a compaction copies at most this much of what was appended beside it; the
+/// rest it copies in rounds without the lock first.
+const LOCKED_TAIL_BYTES: u64 = 64 * JOURNAL_RECORD_LEN as u64;
+/// Unlocked copy rounds before a compaction copies the rest under the lock anyway.
+const TAIL_ROUNDS: usize = 8;
 
 impl std::fmt::Debug for JournalFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -384,6 +437,30 @@ fn write_snapshot(
     geometry: &JournalGeometry,
     live: &HashMap<u64, (BlockIdentity, u128)>,
 ) -> Result<(File, u64, u64)> {
+    let (tmp_file, len, n) = write_tmp(path, geometry, live)?;
+    drop(tmp_file);
+    let tmp = tmp_path(path);
+    let install = || -> std::io::Result<File> {
+        std::fs::rename(&tmp, path)?;
+        sync_parent(path);
+        open_rw(path)
+    };
+    match install() {
+        Ok(f) => Ok((f, len, n)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(PhysicalError::io("write journal snapshot", Some(path), e))
+        }
+    }
+}
+
+/// Writes `header` + `live` as Stored records to a fresh `<path>.tmp` and syncs it. Returns the
+/// open tmp file, its length and record count; on an error the tmp file is gone.
+fn write_tmp(
+    path: &Path,
+    geometry: &JournalGeometry,
+    live: &HashMap<u64, (BlockIdentity, u128)>,
+) -> Result<(File, u64, u64)> {
     use std::io::Write;
     let tmp = tmp_path(path);
     let mut body = Vec::with_capacity(JOURNAL_HEADER_LEN + live.len() * JOURNAL_RECORD_LEN);
@@ -406,9 +483,7 @@ fn write_snapshot(
         let mut f = super::create_fresh(&tmp)?;
         f.write_all(&body)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        sync_parent(path);
-        open_rw(path)
+        Ok(f)
     };
     match write() {
         Ok(f) => Ok((f, body.len() as u64, live.len() as u64)),
@@ -482,17 +557,27 @@ impl JournalFile {
             path: path.to_path_buf(),
             geometry,
             compact_min: compact_min.max(1),
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 file,
                 good_len,
                 records,
                 live,
                 buf: Vec::new(),
-            }),
+                generation: 0,
+                compacting: None,
+                retry_at: 0,
+                synced_len: 0,
+                dir_dirty: false,
+            })),
+            #[cfg(test)]
+            gate: None,
         };
         {
+            // At open, in place: nothing is waiting on the journal yet.
             let mut st = m.state.lock();
-            m.maybe_compact(&mut st)?;
+            if m.due(&st) {
+                m.compact_locked(&mut st)?;
+            }
         }
         recovery.elapsed = started.elapsed();
         Ok((m, recovery))
@@ -594,27 +679,44 @@ impl JournalFile {
                 }
             }
         }
-        if let Err(e) = self.maybe_compact(st) {
-            // The appended records are in the file; compaction retries on a later append.
-            tracing::warn!(error = %e, "G3 journal compaction failed");
+        if self.due(st) {
+            self.start_compaction(st);
         }
         Ok(())
     }
 
-    /// Rewrites the journal with only its live entries (see the module docs).
+    /// Rewrites the journal with only its live entries now, on this thread (see the module
+    /// docs); a compaction running in the background is waited for first.
     ///
     /// # Errors
     /// The snapshot could not be written; the old file is left as it was.
     pub fn compact(&self) -> Result<()> {
-        let mut st = self.state.lock();
-        self.compact_locked(&mut st)
+        loop {
+            self.wait_for_compaction();
+            let mut st = self.state.lock();
+            // Checked under the lock: no compaction thread exists (only an append under this
+            // lock starts one), so none writes `<path>.tmp` beside this one.
+            if st.compacting.is_none() {
+                return self.compact_locked(&mut st);
+            }
+        }
     }
 
-    fn maybe_compact(&self, st: &mut State) -> Result<()> {
-        if st.records >= self.compact_min.max(2 * st.live.len() as u64) && st.records > 0 {
-            self.compact_locked(st)?;
+    /// Waits for the compaction running in the background, if any, to finish (its swap done,
+    /// or dropped).
+    pub fn wait_for_compaction(&self) {
+        let running = self.state.lock().compacting.take();
+        if let Some(thread) = running {
+            // A panic in it left the old file in place: nothing to recover here.
+            let _ = thread.join();
         }
-        Ok(())
+    }
+
+    /// Whether the file holds enough superseded records to compact.
+    fn due(&self, st: &State) -> bool {
+        st.records > 0
+            && st.records >= self.compact_min.max(2 * st.live.len() as u64)
+            && st.records >= st.retry_at
     }
 
     fn compact_locked(&self, st: &mut State) -> Result<()> {
@@ -622,7 +724,73 @@ impl JournalFile {
         st.file = file;
         st.good_len = len;
         st.records = n;
+        st.generation += 1;
         Ok(())
+    }
+
+    /// Hands a copy of the live set to a compaction thread, unless one is still running.
+    fn start_compaction(&self, st: &mut State) {
+        if let Some(thread) = &st.compacting {
+            if !thread.is_finished() {
+                return;
+            }
+            if let Some(done) = st.compacting.take() {
+                let _ = done.join();
+            }
+        }
+        let file = match st.file.try_clone() {
+            Ok(f) => f,
+            Err(e) => {
+                st.retry_at = st.records + self.compact_min;
+                tracing::warn!(error = %e, "G3 journal: cannot start a compaction");
+                return;
+            }
+        };
+        let start = CompactionStart {
+            file,
+            base: st.good_len,
+            generation: st.generation,
+        };
+        let (state, path, geometry, retry) = (
+            self.state.clone(),
+            self.path.clone(),
+            self.geometry,
+            self.compact_min,
+        );
+        #[cfg(test)]
+        let gate = self.gate.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvbm-journal-compact".into())
+            .spawn(move || {
+                let written = snapshot_of(&path, &geometry, &start);
+                #[cfg(test)]
+                if let Some(gate) = gate {
+                    gate.wait();
+                }
+                match finish_compaction(&state, &path, start, written) {
+                    // The old file is closed here, after the lock is released (closing the
+                    // last descriptor of a replaced file frees its blocks: not on anyone's
+                    // time), then the rename made durable against power loss (`sync` does it
+                    // too, if it comes first).
+                    Ok(Some(old)) => {
+                        drop(old);
+                        sync_parent(&path);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        let mut st = state.lock();
+                        st.retry_at = st.records + retry;
+                        tracing::warn!(error = %e, "G3 journal compaction failed; the old file is kept");
+                    }
+                }
+            });
+        match spawned {
+            Ok(thread) => st.compacting = Some(thread),
+            Err(e) => {
+                st.retry_at = st.records + self.compact_min;
+                tracing::warn!(error = %e, "G3 journal: cannot start a compaction thread");
+            }
+        }
     }
 
     /// Flushes appended records to stable storage (`fdatasync`). Sync the disk file first.
@@ -630,12 +798,127 @@ impl JournalFile {
     /// # Errors
     /// The sync failed.
     pub fn sync(&self) -> Result<()> {
-        self.state
-            .lock()
-            .file
+        let mut st = self.state.lock();
+        st.file
             .sync_data()
-            .map_err(|e| PhysicalError::io("fdatasync journal", Some(&self.path), e))
+            .map_err(|e| PhysicalError::io("fdatasync journal", Some(&self.path), e))?;
+        st.synced_len = st.good_len;
+        if std::mem::take(&mut st.dir_dirty) {
+            sync_parent(&self.path);
+        }
+        Ok(())
     }
+
+    /// Holds every compaction thread between its snapshot and its swap at `gate` (tests).
+    #[cfg(test)]
+    pub(crate) fn gate_compactions(&mut self, gate: Arc<std::sync::Barrier>) {
+        self.gate = Some(gate);
+    }
+}
+
+impl Drop for JournalFile {
+    fn drop(&mut self) {
+        self.wait_for_compaction();
+    }
+}
+
+/// The compaction thread's snapshot: the journal file up to `start.base` replayed into its live
+/// set (that part never changes again), written to `<path>.tmp` and synced.
+fn snapshot_of(
+    path: &Path,
+    geometry: &JournalGeometry,
+    start: &CompactionStart,
+) -> Result<(File, u64, u64)> {
+    let mut image = vec![0u8; start.base as usize];
+    start
+        .file
+        .read_exact_at(&mut image, 0)
+        .map_err(|e| PhysicalError::io("read journal for compaction", Some(path), e))?;
+    let replayed = replay(&image, geometry)?;
+    if replayed.good_len != start.base {
+        return Err(corrupt(
+            &|| path.display().to_string(),
+            format!(
+                "its first {} bytes replay to {} good bytes while compacting",
+                start.base, replayed.good_len
+            ),
+        ));
+    }
+    write_tmp(path, geometry, &replayed.live)
+}
+
+/// Copies `file[from..to]` to `tmp` at `at`.
+fn copy_range(file: &File, tmp: &File, from: u64, to: u64, at: u64) -> std::io::Result<()> {
+    let mut buf = vec![0u8; (to - from) as usize];
+    file.read_exact_at(&mut buf, from)?;
+    tmp.write_all_at(&buf, at)
+}
+
+/// The compaction thread's swap: what was appended since `start` copied behind the snapshot
+/// (in rounds without the lock, the rest under it), then, under the lock, the tmp file renamed
+/// over the journal and swapped in. Returns the old file for the caller to close once the
+/// lock is released, or `None` when the file was replaced meanwhile (nothing done). On an
+/// error the tmp file is removed and the old file kept.
+fn finish_compaction(
+    state: &Mutex<State>,
+    path: &Path,
+    start: CompactionStart,
+    written: Result<(File, u64, u64)>,
+) -> Result<Option<File>> {
+    let tmp = tmp_path(path);
+    let fail = |e: std::io::Error| {
+        let _ = std::fs::remove_file(&tmp);
+        PhysicalError::io("compact journal", Some(path), e)
+    };
+    let (tmp_file, len, n) = written?;
+    // Catch up with the appends without the lock, a few rounds at most.
+    let mut copied = start.base;
+    for _ in 0..TAIL_ROUNDS {
+        let end = state.lock().good_len;
+        if end - copied <= LOCKED_TAIL_BYTES {
+            break;
+        }
+        copy_range(
+            &start.file,
+            &tmp_file,
+            copied,
+            end,
+            len + (copied - start.base),
+        )
+        .map_err(fail)?;
+        copied = end;
+    }
+    let mut st = state.lock();
+    if st.generation != start.generation {
+        let _ = std::fs::remove_file(&tmp);
+        return Ok(None);
+    }
+    let tail = st.good_len - start.base;
+    // A `sync` promised records past the snapshot's end: they stay durable in the new file.
+    let resync = st.synced_len > start.base;
+    let swap = || -> std::io::Result<File> {
+        copy_range(
+            &start.file,
+            &tmp_file,
+            copied,
+            st.good_len,
+            len + (copied - start.base),
+        )?;
+        if resync {
+            tmp_file.sync_data()?;
+        }
+        std::fs::rename(&tmp, path)?;
+        open_rw(path)
+    };
+    let file = swap().map_err(fail)?;
+    let old = std::mem::replace(&mut st.file, file);
+    st.good_len = len + tail;
+    st.records = n + tail / JOURNAL_RECORD_LEN as u64;
+    st.generation += 1;
+    // The snapshot was synced by `write_tmp`; the tail too when a sync covered it.
+    st.synced_len = if resync { len + tail } else { len };
+    st.dir_dirty = true;
+    Ok(Some(old))
 }
 
 fn to_entries(live: &HashMap<u64, (BlockIdentity, u128)>) -> Vec<JournalEntry> {
