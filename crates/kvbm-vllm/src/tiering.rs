@@ -32,11 +32,11 @@
 //! kvbm-tiering lends a tier `&mut dyn ParentManager` for the duration of
 //! `serve_external_requests` (the manager itself, that tier detached). [`Parent`] carries that
 //! borrow into Python as a raw pointer that is valid only while the call runs: it is cleared
-//! before `serve_external_requests` returns (also on error), and the class is `unsendable`, so
-//! a tier that keeps the handle and calls it later, or from another thread, gets an error,
-//! never a dangling pointer.
+//! before `serve_external_requests` returns (also on error), and only the thread that lent it
+//! may use it, so a tier that keeps the handle and calls it later, or from another thread,
+//! gets an error, never a dangling pointer. The handle itself may be dropped on any thread (a
+//! traceback that keeps it, freed later elsewhere, is fine).
 
-use std::cell::{Cell, RefCell};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -618,11 +618,12 @@ impl SecondaryTierManager for PyTier {
             // SAFETY: only the trait object's lifetime bound is erased. The pointer is
             // dereferenced only by `Parent::with` while `ptr` is set: from here until it is
             // cleared below, before this call returns, while `parent` is borrowed mutably by us
-            // and used by nothing else; `Parent` is unsendable, so no other thread reaches it.
+            // and used by nothing else; `with` refuses every thread but this one.
             let raw: *mut (dyn ParentManager + 'static) = unsafe { std::mem::transmute(raw) };
             let handle = Parent {
-                ptr: Cell::new(NonNull::new(raw)),
-                created: RefCell::new(Vec::new()),
+                ptr: Mutex::new(NonNull::new(raw).map(Lent)),
+                owner: std::thread::current().id(),
+                created: Mutex::new(Vec::new()),
                 shared: self.shared.clone(),
             };
             let handle = match Bound::new(py, handle) {
@@ -634,9 +635,10 @@ impl SecondaryTierManager for PyTier {
                 intern!(py, "serve_external_requests"),
                 (handle.clone(),),
             );
-            let h = handle.borrow();
-            h.ptr.set(None);
-            for (id, job) in h.created.borrow_mut().drain(..) {
+            let h = handle.get();
+            *h.ptr.lock() = None;
+            let created = std::mem::take(&mut *h.created.lock());
+            for (id, job) in created {
                 self.track(id, job);
             }
         });
@@ -651,28 +653,48 @@ impl SecondaryTierManager for PyTier {
     }
 }
 
+/// The `&mut dyn ParentManager` a `serve_external_requests` call lends, as a raw pointer.
+struct Lent(NonNull<dyn ParentManager>);
+
+// SAFETY: moving the pointer between threads dereferences nothing; it is dereferenced only by
+// `Parent::with`, on the thread that lent it, while the call that lent it runs.
+unsafe impl Send for Lent {}
+
 /// vLLM's `ParentManager` handed to a Python tier's `serve_external_requests`: valid only
-/// during that call (module docs).
-#[pyclass(module = "kvbm_vllm._kvbm", unsendable)]
+/// during that call, on its thread (module docs).
+#[pyclass(module = "kvbm_vllm._kvbm", frozen)]
 pub(crate) struct Parent {
-    ptr: Cell<Option<NonNull<dyn ParentManager>>>,
+    /// The lent manager while the call runs; `with` takes it out for the length of one
+    /// manager call (a re-entrant call finds none).
+    ptr: Mutex<Option<Lent>>,
+    /// The thread that lent it: the only one that may use it.
+    owner: std::thread::ThreadId,
     /// Store jobs made through `create_store_job`, tracked by the tier after the call.
-    created: RefCell<Vec<(JobId, Py<PyAny>)>>,
+    created: Mutex<Vec<(JobId, Py<PyAny>)>>,
     shared: Arc<Shared>,
 }
 
 impl Parent {
     fn with<R>(&self, f: impl FnOnce(&mut dyn ParentManager) -> R) -> PyResult<R> {
-        let Some(mut p) = self.ptr.get() else {
+        if std::thread::current().id() != self.owner {
+            return Err(PyRuntimeError::new_err(
+                "a ParentManager may be used only on the thread whose serve_external_requests \
+                 call it was handed to",
+            ));
+        }
+        let Some(mut p) = self.ptr.lock().take() else {
             return Err(PyRuntimeError::new_err(
                 "a ParentManager is valid only during the serve_external_requests call it was \
                  handed to",
             ));
         };
-        // SAFETY: set only while the borrow it came from is live (PyTier::serve_external_requests);
-        // `&self` of an unsendable class on the one thread that made it, and `with` is not
-        // re-entered (kvbm-tiering's parent calls do not call back into Python tiers' parents).
-        Ok(f(unsafe { p.as_mut() }))
+        // SAFETY: `ptr` is set only while the borrow it came from is live
+        // (`PyTier::serve_external_requests`, which clears it before returning), on this
+        // thread (checked above), and taken out for this call, so no other `with` reaches it
+        // meanwhile.
+        let r = f(unsafe { p.0.as_mut() });
+        *self.ptr.lock() = Some(p);
+        Ok(r)
     }
 }
 
@@ -710,9 +732,7 @@ impl Parent {
         let job = job.map_err(to_py)?;
         let _caller = CallerKeys::set(keys_);
         let pj = self.shared.job(py, &job)?;
-        self.created
-            .borrow_mut()
-            .push((job.job_id, pj.clone().unbind()));
+        self.created.lock().push((job.job_id, pj.clone().unbind()));
         Ok(pj)
     }
 
