@@ -67,10 +67,10 @@
 //!                     ─► rename ─► swap ─► unlock ─► close the old file ─► fsync the directory
 //! ```
 //!
-//! A compaction whose file was replaced meanwhile (an explicit [`JournalFile::compact`]) is
-//! dropped; one that fails (a full disk) is retried after `compact_min` more records. At most
-//! one runs at a time; [`JournalFile::wait_for_compaction`] and dropping the journal wait for
-//! it.
+//! At most one runs at a time, and no other compaction with it: an explicit
+//! [`JournalFile::compact`] and dropping the journal wait for it
+//! ([`JournalFile::wait_for_compaction`]), so the file it swaps out is the one it copied. One
+//! that fails (a full disk) is retried after `compact_min` more records.
 //!
 //! Lock order: one mutex ([`JournalFile`]'s state) held across each append, each swap and each
 //! explicit compaction; no other lock is taken while holding it, and a compaction thread is
@@ -358,9 +358,6 @@ struct State {
     records: u64,
     live: HashMap<u64, (BlockIdentity, u128)>,
     buf: Vec<u8>,
-    /// Bumped whenever another file is swapped in: a compaction that started from an older
-    /// file is dropped.
-    generation: u64,
     /// The compaction thread, while one runs (or has run and not been joined).
     compacting: Option<JoinHandle<()>>,
     /// No compaction starts before the file holds this many records (after a failed one).
@@ -382,12 +379,11 @@ pub struct JournalFile {
     gate: Option<Arc<std::sync::Barrier>>,
 }
 
-/// What a compaction thread starts from: a descriptor of the journal file, where the file
-/// ended then (nothing before it changes again), and which file that was.
+/// What a compaction thread starts from: a descriptor of the journal file and where the file
+/// ended then (nothing before it changes again).
 struct CompactionStart {
     file: File,
     base: u64,
-    generation: u64,
 }
 
 /// Under the lock, a compaction copies at most this much of what was appended beside it; the
@@ -563,7 +559,6 @@ impl JournalFile {
                 records,
                 live,
                 buf: Vec::new(),
-                generation: 0,
                 compacting: None,
                 retry_at: 0,
                 synced_len: 0,
@@ -724,11 +719,10 @@ impl JournalFile {
         st.file = file;
         st.good_len = len;
         st.records = n;
-        st.generation += 1;
         Ok(())
     }
 
-    /// Hands a copy of the live set to a compaction thread, unless one is still running.
+    /// Hands the file as it is now to a compaction thread, unless one is still running.
     fn start_compaction(&self, st: &mut State) {
         if let Some(thread) = &st.compacting {
             if !thread.is_finished() {
@@ -749,7 +743,6 @@ impl JournalFile {
         let start = CompactionStart {
             file,
             base: st.good_len,
-            generation: st.generation,
         };
         let (state, path, geometry, retry) = (
             self.state.clone(),
@@ -772,11 +765,10 @@ impl JournalFile {
                     // last descriptor of a replaced file frees its blocks: not on anyone's
                     // time), then the rename made durable against power loss (`sync` does it
                     // too, if it comes first).
-                    Ok(Some(old)) => {
+                    Ok(old) => {
                         drop(old);
                         sync_parent(&path);
                     }
-                    Ok(None) => {}
                     Err(e) => {
                         let mut st = state.lock();
                         st.retry_at = st.records + retry;
@@ -857,14 +849,13 @@ fn copy_range(file: &File, tmp: &File, from: u64, to: u64, at: u64) -> std::io::
 /// The compaction thread's swap: what was appended since `start` copied behind the snapshot
 /// (in rounds without the lock, the rest under it), then, under the lock, the tmp file renamed
 /// over the journal and swapped in. Returns the old file for the caller to close once the
-/// lock is released, or `None` when the file was replaced meanwhile (nothing done). On an
-/// error the tmp file is removed and the old file kept.
+/// lock is released. On an error the tmp file is removed and the old file kept.
 fn finish_compaction(
     state: &Mutex<State>,
     path: &Path,
     start: CompactionStart,
     written: Result<(File, u64, u64)>,
-) -> Result<Option<File>> {
+) -> Result<File> {
     let tmp = tmp_path(path);
     let fail = |e: std::io::Error| {
         let _ = std::fs::remove_file(&tmp);
@@ -889,10 +880,6 @@ fn finish_compaction(
         copied = end;
     }
     let mut st = state.lock();
-    if st.generation != start.generation {
-        let _ = std::fs::remove_file(&tmp);
-        return Ok(None);
-    }
     let tail = st.good_len - start.base;
     // A `sync` promised records past the snapshot's end: they stay durable in the new file.
     let resync = st.synced_len > start.base;
@@ -914,11 +901,10 @@ fn finish_compaction(
     let old = std::mem::replace(&mut st.file, file);
     st.good_len = len + tail;
     st.records = n + tail / JOURNAL_RECORD_LEN as u64;
-    st.generation += 1;
     // The snapshot was synced by `write_tmp`; the tail too when a sync covered it.
     st.synced_len = if resync { len + tail } else { len };
     st.dir_dirty = true;
-    Ok(Some(old))
+    Ok(old)
 }
 
 fn to_entries(live: &HashMap<u64, (BlockIdentity, u128)>) -> Vec<JournalEntry> {
