@@ -337,33 +337,72 @@ fn control_errors_fail_blocks_with_a_kind_that_keeps_the_copy() {
     );
 }
 
+/// A plain worker (rank 0 of `I`, no security) served over NATS under a fresh subject prefix,
+/// its server built by `configure`, and a leader's control of it with `deadline`.
+#[cfg(feature = "nats")]
+struct Served {
+    control: crate::cluster::transport::nats::NatsControl,
+    stats: Arc<crate::cluster::transport::nats::WorkerServerStats>,
+    cancel: tokio_util::sync::CancellationToken,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+#[cfg(feature = "nats")]
+async fn served_worker(
+    url: &str,
+    tag: &str,
+    configure: impl FnOnce(
+        crate::cluster::transport::nats::WorkerServer,
+    ) -> crate::cluster::transport::nats::WorkerServer,
+    deadline: std::time::Duration,
+) -> Served {
+    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
+    use std::time::Duration;
+    let client = connect(url, "worker", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let prefix = format!("kvbm.test.{tag}.{}", std::process::id());
+    let address = WorkerAddress::new(I, 0);
+    let server = configure(WorkerServer::new(client, &prefix, address, worker(0, true)));
+    let stats = server.stats();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let _task = server.start(cancel.clone()).await.unwrap();
+    let leader = connect(url, "leader", Duration::from_millis(50))
+        .await
+        .unwrap();
+    Served {
+        control: NatsControl::new(leader, &prefix, address, deadline),
+        stats,
+        cancel,
+        _task,
+    }
+}
+
 /// Attack: a flood of control requests, each of which would get a task of its own. At most
 /// `max_in_flight` are served at once; the rest are answered `Refused` at once and counted,
 /// and the worker serves again once the flood has passed.
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
-    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
     use std::time::Duration;
     let Some(nats) = kvbm_tests::services::nats("security_worker_in_flight") else {
         return;
     };
-    let client = connect(&nats.url, "worker", Duration::from_millis(50))
-        .await
-        .unwrap();
-    let prefix = format!("kvbm.test.security_worker.{}", std::process::id());
-    let address = WorkerAddress::new(I, 0);
-    let server = WorkerServer::new(client, &prefix, address, worker(0, true))
-        .max_in_flight(2)
-        .delay_transfers_from(TierId::G2, Duration::from_millis(1500));
-    let stats = server.stats();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let _task = server.start(cancel.clone()).await.unwrap();
-
-    let leader = connect(&nats.url, "leader", Duration::from_millis(50))
-        .await
-        .unwrap();
-    let control = NatsControl::new(leader, &prefix, address, Duration::from_secs(10));
+    let Served {
+        control,
+        stats,
+        cancel,
+        _task,
+    } = served_worker(
+        &nats.url,
+        "security_worker",
+        |s| {
+            s.max_in_flight(2)
+                .delay_transfers_from(TierId::G2, Duration::from_millis(1500))
+        },
+        Duration::from_secs(10),
+    )
+    .await;
     let calls = (0..8).map(|_| control.call(ControlRequest::Transfer(request())));
     let answers = futures::future::join_all(calls).await;
     let busy = answers
@@ -393,30 +432,29 @@ async fn security_worker_requests_beyond_the_cap_are_refused_and_counted() {
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_serving_task_that_panics_is_not_left_counted_in_flight() {
-    use crate::cluster::transport::nats::{NatsControl, WorkerServer, connect};
     use std::time::Duration;
     let Some(nats) = kvbm_tests::services::nats("worker_task_panics") else {
         return;
     };
-    let client = connect(&nats.url, "worker", Duration::from_millis(50))
-        .await
-        .unwrap();
-    let prefix = format!("kvbm.test.worker_panics.{}", std::process::id());
-    let address = WorkerAddress::new(I, 0);
-    let server = WorkerServer::new(client, &prefix, address, worker(0, true))
-        .max_in_flight(1)
-        .on_request(Arc::new(|r: &ControlRequest| {
-            if matches!(r, ControlRequest::Transfer(_)) {
-                panic!("a serving task panics");
-            }
-        }));
-    let stats = server.stats();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let _task = server.start(cancel.clone()).await.unwrap();
-    let leader = connect(&nats.url, "leader", Duration::from_millis(50))
-        .await
-        .unwrap();
-    let control = NatsControl::new(leader, &prefix, address, Duration::from_millis(500));
+    let Served {
+        control,
+        stats,
+        cancel,
+        _task,
+    } = served_worker(
+        &nats.url,
+        "worker_panics",
+        |s| {
+            s.max_in_flight(1)
+                .on_request(Arc::new(|r: &ControlRequest| {
+                    if matches!(r, ControlRequest::Transfer(_)) {
+                        panic!("a serving task panics");
+                    }
+                }))
+        },
+        Duration::from_millis(500),
+    )
+    .await;
     for _ in 0..2 {
         let answer = control.call(ControlRequest::Transfer(request())).await;
         assert!(answer.is_err(), "{answer:?}");
