@@ -430,6 +430,7 @@ fn shared_g4_onboard(c: &mut Criterion) {
             index,
             this: B,
             shared_g4: true,
+            remote_g2: true,
         })
         .build()
         .unwrap();

@@ -300,12 +300,6 @@ impl WorkersConfig {
             )),
             WorkersMode::InProcess => Ok(()),
             WorkersMode::Processes => {
-                if config.tiers.g4_blocks > 0 {
-                    return Err(EngineError::config(
-                        "tiers.g4_blocks",
-                        "must be 0 with workers.mode = \"processes\": G4 is written from and read into the instance's own G2 memory, which worker processes do not share",
-                    ));
-                }
                 if config.transport.nats_url.is_none() {
                     return Err(EngineError::config(
                         "transport.nats_url",
@@ -931,6 +925,29 @@ impl KvbmConfig {
                 world: o.tp_world_size,
             },
         }
+    }
+
+    /// The object-tier settings (`physical.object`) of worker rank `rank`: with
+    /// `workers.ranks` > 1 worker processes, each rank's objects live under its own
+    /// `tp{ranks}.r{rank}/` (`tp_rank = rank`, `tp_world_size = ranks`), since each holds only
+    /// its slice of every block; with one rank, `physical.object` as configured.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] naming `workers.ranks` when `rank` is not below it.
+    pub fn rank_object_config(&self, rank: u32) -> Result<ObjectConfig> {
+        let ranks = self.workers.ranks;
+        if rank >= ranks {
+            return Err(EngineError::config(
+                "workers.ranks",
+                format!("rank {rank} is not below workers.ranks = {ranks}"),
+            ));
+        }
+        let mut o = self.physical.object.clone();
+        if self.workers.mode == WorkersMode::Processes && ranks > 1 {
+            o.tp_rank = rank as usize;
+            o.tp_world_size = ranks as usize;
+        }
+        Ok(o)
     }
 
     /// Checks ranges and cross-field rules of every section.

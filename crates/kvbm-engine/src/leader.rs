@@ -106,6 +106,7 @@ impl InstanceLeaderBuilder {
             index,
             this,
             shared_g4: false,
+            remote_g2: true,
         })
     }
 

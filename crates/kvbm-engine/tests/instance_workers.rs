@@ -515,3 +515,200 @@ async fn a_rank_killed_mid_onboarding_fails_the_call_cleanly_and_serves_again_re
     drop(on);
     inst.shutdown().await;
 }
+
+/// G4 with worker-process ranks: one configuration file for the instance and both of its
+/// `kvbm-engine-worker` ranks (the real S3 server, a fresh namespace), each rank opening its own
+/// directory of the bucket from it. The instance writes a prefix to G4 through the ranks, every
+/// rank its own slice; a second instance of the same file (a restart: another id, new rank
+/// processes whose memory holds other bytes) finds the prefix at start by listing every rank's
+/// directory, and serves it from G4, every rank's G1 holding its own original bytes. A block
+/// one rank's slice of is missing is not found (never half a block), and a damaged slice is
+/// refused, never served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_process_ranks_keep_their_g4_slices_and_a_restarted_instance_serves_them() {
+    let Some(nats) = kvbm_tests::services::nats("instance_workers_g4") else {
+        return;
+    };
+    let Some(s3) = kvbm_tests::services::s3("instance_workers_g4") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let file = dir.path().join("kvbm.toml");
+    std::fs::write(
+        &file,
+        format!(
+            r#"
+[logical]
+block_size = 4
+[tiers]
+g1_blocks = {N}
+g2_blocks = {N}
+g4_blocks = 64
+[workers]
+mode = "processes"
+ranks = 2
+join_timeout_ms = 30000
+[transport]
+nats_url = "{url}"
+heartbeat_timeout_ms = 3000
+request_timeout_ms = 10000
+[physical.s3]
+endpoint = "{endpoint}"
+bucket = "{bucket}"
+region = "us-east-1"
+access_key = "{access}"
+secret_key = "{secret}"
+[physical.object]
+namespace = "instance-workers-g4-{pid}-{nanos}"
+"#,
+            url = nats.url,
+            endpoint = s3.endpoint,
+            bucket = s3.bucket,
+            access = s3.access_key,
+            secret = s3.secret_key,
+            pid = std::process::id(),
+        ),
+    )
+    .unwrap();
+    let env = [("KVBM_CONFIG_PATH", file.as_os_str())];
+    let spawn = |instance: InstanceId, rank: u32, extra: &[&str]| {
+        WorkerProcess::spawn_with_env(&nats.url, instance, rank, dir.path(), extra, &env)
+    };
+    let build = |instance: InstanceId| {
+        let rt = KvbmRuntime::builder()
+            .tokio_handle(tokio::runtime::Handle::current())
+            .config_builder(kvbm_engine::ConfigBuilder::new().file(&file).unwrap())
+            .set(
+                "events.subject",
+                format!("kvbm.test.workers.g4-{}-{}", std::process::id(), instance.0),
+            )
+            .set("logical.events.max_delay_ms", 1)
+            .set("events.idle_tick_ms", 1)
+            .build()
+            .unwrap();
+        async move {
+            let inst = Instance::builder(&rt.handle())
+                .id(instance)
+                .geometry(common::geometry())
+                .build()
+                .await
+                .unwrap();
+            (rt, inst)
+        }
+    };
+
+    // The first instance: the ranks computed a prefix into their G2; it goes to G4 through
+    // them, each rank's slice under its own directory of the bucket.
+    let a = instance_id(11);
+    let (w0, w1) = (spawn(a, 0, &[]), spawn(a, 1, &[]));
+    let (rt_a, inst) = build(a).await;
+    let g2 = inst.leader().g2().unwrap().clone();
+    let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
+    let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
+    let expected = worker_processes::pattern_digests(&ids);
+    drop(on_g2);
+    assert_eq!(inst.offload_g4(&hashes).await.unwrap(), 6);
+    assert_eq!(inst.offload_g4(&hashes).await.unwrap(), 0, "already in G4");
+    assert_eq!(inst.stats().offloaded_g4_blocks, 6);
+    let config = rt_a.config().clone();
+    let fingerprint = inst.fingerprint();
+    let mut storages = Vec::new();
+    for r in 0..2 {
+        let (storage, _) = kvbm_engine::stack::open_g4_storage(
+            &config,
+            fingerprint,
+            config.rank_object_config(r).unwrap(),
+        )
+        .await
+        .unwrap();
+        let keys = storage.list_keys().await.unwrap();
+        assert_eq!(keys.len(), 6, "rank {r} wrote its slice of every block");
+        let path = storage.path(&keys[0]).to_string();
+        assert!(path.contains(&format!("/tp2.r{r}/")), "{path}");
+        storages.push(storage);
+    }
+    // Served from G4 (G2 evicted and every rank's G2 overwritten meanwhile).
+    assert_eq!(g2.reset_inactive_pool(), 6);
+    fill_g2(&inst, 0xEE).await;
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.local_g2, on.g4, on.blocks.len()), (0, 6, 6));
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
+    drop(on);
+    inst.shutdown().await;
+    drop((inst, w0, w1));
+
+    // A restart: another instance of the same file, new rank processes (their G2 other bytes).
+    // Every rank's directory lists the prefix: found at start, served from G4.
+    let b = instance_id(12);
+    let (w0, w1) = (
+        spawn(b, 0, &["--fill-seed", "7"]),
+        spawn(b, 1, &["--fill-seed", "8"]),
+    );
+    let (_rt_b, inst) = build(b).await;
+    assert_eq!(
+        inst.lookup(&hashes).g4,
+        6,
+        "warm: every rank holds every slice"
+    );
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.g4, on.blocks.len()), (6, 6));
+    assert_g1_holds(&inst, &on.blocks, &expected).await;
+    drop(on);
+    inst.shutdown().await;
+    drop((inst, w0, w1));
+
+    // Rank 1's slice of the last block is gone, and rank 0's slice of block 2 is damaged at
+    // rest (one payload byte flipped). The next instance finds blocks 0..5 (the last is no
+    // block without rank 1's slice), and its onboarding of them is refused as a whole at the
+    // damaged slice: nothing served.
+    storages[1]
+        .delete(&kvbm_offload::object_key(hashes[5]))
+        .await
+        .unwrap();
+    use object_store::ObjectStoreExt;
+    let raw =
+        kvbm_physical::ObjectStorage::s3_client(config.physical.s3.as_ref().unwrap()).unwrap();
+    let path = storages[0].path(&kvbm_offload::object_key(hashes[2]));
+    let mut body = raw
+        .get(&path)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    let last = body.len() - 1;
+    body[last] ^= 0x01;
+    raw.put(&path, body.into()).await.unwrap();
+    let c = instance_id(13);
+    let (_w0, _w1) = (spawn(c, 0, &[]), spawn(c, 1, &[]));
+    let (_rt_c, inst) = build(c).await;
+    assert_eq!(inst.lookup(&hashes).g4, 5, "never half a block");
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert_eq!(
+        on.g4, 5,
+        "the presence check finds no more: rank 1 lacks the last slice"
+    );
+    assert_eq!(inst.stats().presence_adopted_blocks, 0);
+    assert!(on.blocks.is_empty(), "nothing served");
+    let (failed, why) = on.refused.expect("the damaged slice is refused");
+    assert!(failed >= 1, "{failed}: {why}");
+    assert!(why.contains("checksum"), "{why}");
+    // A block reaches G2 only when every rank moved its slice: the damaged one never does.
+    let g2 = inst.leader().g2().unwrap();
+    assert!(g2.match_blocks(&hashes[2..3]).is_empty(), "never staged");
+    // The whole blocks before it are served on their own, every rank its original bytes.
+    let on = inst.onboard(&hashes[..2]).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!(on.blocks.len(), 2);
+    let first_two: Vec<Vec<u64>> = expected.iter().map(|e| e[..2].to_vec()).collect();
+    assert_g1_holds(&inst, &on.blocks, &first_two).await;
+    drop(on);
+    inst.shutdown().await;
+}

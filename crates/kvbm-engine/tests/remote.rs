@@ -59,6 +59,7 @@ fn leader_b(g2: &Arc<BlockManager<G2>>, index: &Arc<CrossInstanceIndex>) -> Inst
             index: index.clone(),
             this: B,
             shared_g4: false,
+            remote_g2: true,
         })
         .build()
         .unwrap()

@@ -191,6 +191,7 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
             index: index_b.clone(),
             this: B,
             shared_g4: true,
+            remote_g2: true,
         })
         .build()
         .unwrap();
@@ -382,6 +383,7 @@ impl Reader {
                 index,
                 this: B,
                 shared_g4: true,
+                remote_g2: true,
             });
         }
         Reader {

@@ -39,8 +39,8 @@ pub use mover::{
     ObjectMoveExecutor,
 };
 pub use object::{
-    ObjectPipeline, ObjectPipelineBuilder, PresenceChecker, S3PresenceChecker, StoredBlock,
-    block_identity, digest_named, identity_of, object_key,
+    EveryChecker, ObjectPipeline, ObjectPipelineBuilder, PresenceChecker, S3PresenceChecker,
+    StoredBlock, block_identity, digest_named, identity_of, object_key,
 };
 pub use pipeline::{CompletionSink, EnqueueError, Pipeline, PipelineBuilder};
 pub use policy::{

@@ -1,8 +1,9 @@
 //! `kvbm-engine-worker`: one rank of a kvbm instance in its own process (feature `nats`).
 //!
 //! It owns a transfer manager and its layouts (G1 and G2 in host memory, G3 an O_DIRECT file
-//! when `--g3-file` is given; G1 is host memory standing in for the GPU in builds without
-//! CUDA) and answers the leader's control requests over NATS request/reply on
+//! when `--g3-file` is given, G4 its rank's directory of the object store when the
+//! configuration tree has `tiers.g4_blocks` > 0; G1 is host memory standing in for the GPU in
+//! builds without CUDA) and answers the leader's control requests over NATS request/reply on
 //! `{prefix}.{instance:016x}.worker.{rank}` until its standard input closes (its parent went
 //! away) or it is killed.
 //!
@@ -25,8 +26,12 @@
 //! It announces its rank and incarnation every `transport.heartbeat_interval_ms` (see
 //! `cluster::transport::membership`), and once more as departing when it stops.
 //!
-//! Configuration is the usual tree (`KVBM_CONFIG_PATH`, `KVBM_*__*` variables): `--nats`
-//! defaults to `transport.nats_url`, and the NATS credentials and TLS files come from
+//! Configuration is the usual tree (`KVBM_CONFIG_PATH`, `KVBM_*__*` variables), the instance's
+//! own: G4 is `[physical.s3]` (or `physical.object_dir`) with `[physical.object]`, this rank's
+//! objects under `tp{workers.ranks}.r{rank}/` when there are several ranks, every path and
+//! header scoped by the model fingerprint of `[model]`, this rank's geometry and the ranks
+//! (`KvbmConfig::fingerprint`, as the instance computes it: a worker process is always a rank
+//! of a `workers.mode = "processes"` instance). `--nats` defaults to `transport.nats_url`, and the NATS credentials and TLS files come from
 //! `[transport.nats_auth]` only, never from the command line (which `ps` shows); a url with
 //! userinfo is refused. A NATS server off loopback is also refused without NATS credentials
 //! unless `security.insecure = true` (logged loudly).
@@ -192,7 +197,38 @@ fn security(a: &Args) -> Result<Security, BinError> {
     Ok(security)
 }
 
-fn worker(a: &Args) -> Result<PhysicalWorker, BinError> {
+/// This rank's G4 (with `tiers.g4_blocks` > 0): its directory of the configured object store,
+/// scoped by the instance's fingerprint of `geometry`.
+fn g4_layout(
+    a: &Args,
+    geometry: &BlockLayout,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Option<PhysicalLayout>, BinError> {
+    if a.config.tiers.g4_blocks == 0 {
+        return Ok(None);
+    }
+    // The instance this process is a rank of runs its ranks as processes: its fingerprint
+    // binds them so (`KvbmConfig::parallelism`), whatever mode this tree says.
+    let mut config = a.config.clone();
+    config.workers.mode = kvbm_engine::config::WorkersMode::Processes;
+    let fingerprint = config.fingerprint(geometry.config())?;
+    let object = config.rank_object_config(a.rank)?;
+    let (storage, _) = runtime.block_on(kvbm_engine::stack::open_g4_storage(
+        &config,
+        fingerprint,
+        object,
+    ))?;
+    // Objects are named by block: the layout's one slot only carries the geometry.
+    let one = BlockLayout::builder()
+        .config(*geometry.config())
+        .kind(geometry.kind())
+        .num_blocks(1)
+        .build()
+        .map_err(|e| format!("layout: {e}"))?;
+    Ok(Some(PhysicalLayout::object(one, storage)))
+}
+
+fn worker(a: &Args, runtime: &tokio::runtime::Runtime) -> Result<PhysicalWorker, BinError> {
     let geometry = BlockLayout::builder()
         .num_blocks(a.blocks)
         .num_layers(a.layers)
@@ -226,6 +262,9 @@ fn worker(a: &Args) -> Result<PhysicalWorker, BinError> {
             .map_err(|e| format!("--g3-file {path}: {e}"))?;
         w = w.with_layout(TierId::G3, reg(disk)?);
     }
+    if let Some(objects) = g4_layout(a, &geometry, runtime).map_err(|e| format!("G4: {e}"))? {
+        w = w.with_layout(TierId::G4, reg(objects)?);
+    }
     Ok(w)
 }
 
@@ -244,18 +283,18 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let worker = match worker(&args) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let worker = match worker(&args, &runtime) {
         Ok(w) => Arc::new(w),
         Err(e) => {
             eprintln!("kvbm-engine-worker: {e}");
             std::process::exit(1);
         }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
     let cancel = tokio_util::sync::CancellationToken::new();
     // Standard input closing means the parent is gone: stop serving.
     let on_eof = cancel.clone();

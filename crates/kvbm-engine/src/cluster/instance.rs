@@ -46,12 +46,13 @@
 //!    join_timeout_ms ────────────► wait for ranks 0..N in step, else RanksMissing{missing}
 //!                                  NatsControl(r).with_membership ×N ─► ControlledWorkers
 //!                                  each rank's G1/G2/G3 checked against [tiers], geometry
-//!  [tiers] g1/g2/g3_blocks ──────► RankTiers::build: managers + leader, no layouts here
-//!                                  SpmdMovers through the ranks: G3→G2, G2→G1, G2→G3
+//!  [tiers] g1..g4_blocks ────────► RankTiers::build: managers + leader, no layouts here
+//!                                  SpmdMovers through the ranks: G3→G2, G4→G2, G2→G1,
+//!                                  G2→G3, G2→G4 (each rank its slice, its own directory)
 //!  [transport] heartbeat_timeout ► a silent rank is lost: calls fail NotJoined naming it
 //!                                  keep_in_step until shutdown: a restarted rank's G2/G1
 //!                                  declared empty, then it gets work again
-//!  not built: data plane (G2 not served or pulled: G2 events unpublished), G4, G3 journal
+//!  not built: data plane (G2 not served or pulled: G2 events unpublished), G3 journal
 //! ```
 //!
 //! # Fingerprint
@@ -110,9 +111,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvbm_logical::{
-    BlockEvent, BlockManager, EventSink, G1, G2, G3, ImmutableBlock, SequenceHash, TierId,
+    BlockEvent, BlockManager, EventSink, G1, G2, G3, G4, ImmutableBlock, SequenceHash, TierId,
 };
-use kvbm_offload::{ObjectPipeline, Pipeline, S3PresenceChecker};
+use kvbm_offload::{ObjectPipeline, Pipeline, PresenceChecker, S3PresenceChecker};
 use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy};
 use tokio_util::sync::CancellationToken;
 
@@ -444,11 +445,19 @@ impl InstanceBuilder {
             }
             WorkersMode::Processes => {
                 // The ranks' G2 is not served to peers (no data plane reads it), so its events
-                // are not published: no peer is sent to a G2 it cannot pull from.
+                // are not published: no peer is sent to a G2 it cannot pull from. G4 is the
+                // shared bucket: its events are (peers of this fingerprint, so of this rank
+                // count, read the same objects through their own ranks).
                 let sinks = TierSinks {
                     g2: None,
                     g3: Some(sink.clone() as Arc<dyn EventSink>),
-                    g4: None,
+                    g4: Some(sink.clone() as Arc<dyn EventSink>),
+                };
+                let remote = RemoteSearch {
+                    index: index.clone(),
+                    this: id,
+                    shared_g4: true,
+                    remote_g2: false,
                 };
                 let ranks = Ranks::start(
                     &config,
@@ -458,17 +467,21 @@ impl InstanceBuilder {
                     &client,
                     security.clone(),
                     sinks,
+                    remote,
                     &cancel,
                 )
                 .await?;
+                let leader = ranks.tiers.leader.clone();
                 let this = PeerInfo {
                     worker: WorkerAddress::new(id, 0),
-                    tiers: ranks.tiers.g3.iter().map(|_| TierId::G3).collect(),
+                    tiers: [TierId::G3, TierId::G4]
+                        .into_iter()
+                        .filter(|t| leader.has_tier(*t))
+                        .collect(),
                     num_blocks: tiers.g2_blocks,
                     block_bytes: ranks.block_bytes,
                     data_plane: None,
                 };
-                let leader = ranks.tiers.leader.clone();
                 (leader, Memory::Ranks(Box::new(ranks)), this)
             }
         };
@@ -560,6 +573,7 @@ impl Here {
                 index,
                 this: id,
                 shared_g4,
+                remote_g2: true,
             }),
         })
         .await?;
@@ -879,6 +893,15 @@ impl Instance {
         }
     }
 
+    /// The G4 presence check: the bucket's (in process), every rank's directory of it (worker
+    /// processes); none without G4.
+    fn g4_checker(&self) -> Option<&dyn PresenceChecker> {
+        match &self.memory {
+            Memory::Here(h) => h.g4.as_ref().map(|g4| &g4.checker as &dyn PresenceChecker),
+            Memory::Ranks(r) => r.g4_checker(),
+        }
+    }
+
     /// With worker processes: every rank in step, or the first one's error (a call then fails
     /// before anything is held or moved). In process: always.
     fn ranks_in_step(&self) -> Result<()> {
@@ -988,38 +1011,11 @@ impl Instance {
                     .await
             }
             Memory::Ranks(r) => {
-                r.in_step()?;
-                let (Some(g3), Some(down)) = (&r.tiers.g3, &r.g2_to_g3) else {
-                    return Err(EngineError::TierMissing(TierId::G3));
-                };
-                let registry = r.tiers.g2.registry();
-                let blocks: Vec<ImmutableBlock<G2>> = r
-                    .tiers
-                    .g2
-                    .match_blocks(hashes)
-                    .into_iter()
-                    .filter(|b| !registry.is_present(b.sequence_hash(), TierId::G3))
-                    .collect();
-                if blocks.is_empty() {
-                    return Ok(0);
-                }
-                let out = down
-                    .move_from(&blocks, g3.allocate_blocks(blocks.len())?)
-                    .await;
-                let n = out.iter().filter(|o| o.is_ok()).count();
-                self.counters
-                    .offloaded_g3
-                    .fetch_add(n as u64, Ordering::Relaxed);
-                match out.into_iter().find_map(|o| o.err()) {
-                    None => Ok(n),
-                    Some(f) => Err(EngineError::stack_caused(
-                        format!(
-                            "the worker ranks wrote {n} of {} blocks to G3",
-                            blocks.len()
-                        ),
-                        f,
-                    )),
-                }
+                let down = r
+                    .g2_to_g3
+                    .as_ref()
+                    .ok_or(EngineError::TierMissing(TierId::G3))?;
+                r.offload(down, hashes, &self.counters.offloaded_g3).await
             }
         }
     }
@@ -1028,16 +1024,28 @@ impl Instance {
     /// offload crate's object pipeline: checksummed, identity-bound objects) and records them
     /// in G4, which publishes their stored events. Returns how many were written.
     ///
+    /// With worker processes, every rank writes its slice of each block to its own directory
+    /// of the bucket through the ranks (`SpmdMover`, blocks already in G4 skipped); a block is
+    /// recorded (and its event published) only when every rank wrote it.
+    ///
     /// # Errors
     /// [`EngineError::TierMissing`] without G4; [`EngineError::Offload`] when the pipeline
-    /// refused the batch.
+    /// refused the batch; with worker processes, as [`offload_g3`](Self::offload_g3).
     pub async fn offload_g4(&self, hashes: &[SequenceHash]) -> Result<usize> {
-        let Memory::Here(h) = &self.memory else {
-            return Err(EngineError::TierMissing(TierId::G4));
-        };
-        let g4 = h.g4.as_ref().ok_or(EngineError::TierMissing(TierId::G4))?;
-        self.offload_through(g4.pipeline.pipeline(), hashes, &self.counters.offloaded_g4)
-            .await
+        match &self.memory {
+            Memory::Here(h) => {
+                let g4 = h.g4.as_ref().ok_or(EngineError::TierMissing(TierId::G4))?;
+                self.offload_through(g4.pipeline.pipeline(), hashes, &self.counters.offloaded_g4)
+                    .await
+            }
+            Memory::Ranks(r) => {
+                let down = r
+                    .g2_to_g4
+                    .as_ref()
+                    .ok_or(EngineError::TierMissing(TierId::G4))?;
+                r.offload(down, hashes, &self.counters.offloaded_g4).await
+            }
+        }
     }
 
     /// Enqueues the G2-resident blocks of `hashes` on `lane`, waits until they settled and
@@ -1109,11 +1117,10 @@ impl Instance {
         let mut matched = self.leader.find_matches(hashes);
         if matched.len() < hashes.len()
             && self.presence_check
-            && let Memory::Here(h) = &self.memory
-            && let Some(g4) = &h.g4
+            && let Some(checker) = self.g4_checker()
         {
             drop(matched);
-            match self.leader.adopt_present_g4(hashes, &g4.checker).await {
+            match self.leader.adopt_present_g4(hashes, checker).await {
                 Ok(n) => {
                     self.counters
                         .presence_adopted
@@ -1147,7 +1154,7 @@ impl Instance {
             Memory::Ranks(r) => (
                 MoversToG2 {
                     g3_to_g2: r.g3_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G3, G2>>),
-                    g4_to_g2: None,
+                    g4_to_g2: r.g4_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G4, G2>>),
                     remote_g2: None,
                 },
                 r.g2_to_g1.clone(),

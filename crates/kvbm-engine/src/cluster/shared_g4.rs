@@ -177,6 +177,7 @@ impl SharedG4 for NatsSharedG4 {
             index: self.index.clone(),
             this: self.this,
             shared_g4: true,
+            remote_g2: true,
         }
     }
 

@@ -490,6 +490,28 @@ fn workers_keys_are_validated_naming_the_key() {
         .unwrap();
     // With worker processes, G3 is each rank's own file: no [physical.disk] needed.
     processes().set("tiers.g3_blocks", 8).build().unwrap();
+    // G4 with worker processes: one bucket, each rank's slices under its own directory.
+    let g4 = processes()
+        .set("workers.ranks", 2)
+        .set("tiers.g4_blocks", 8)
+        .set("physical.object_dir", "/tmp/g4")
+        .build()
+        .unwrap();
+    for r in 0..2 {
+        let o = g4.rank_object_config(r).unwrap();
+        assert_eq!((o.tp_rank, o.tp_world_size), (r as usize, 2));
+    }
+    let e = g4.rank_object_config(2).unwrap_err();
+    assert_eq!(e.config_key(), Some("workers.ranks"), "{e}");
+    // One rank keeps `physical.object` as configured (it may be one rank of a wider group).
+    let one = processes()
+        .set("physical.object.tp_world_size", 2)
+        .set("physical.object.tp_rank", 1)
+        .build()
+        .unwrap()
+        .rank_object_config(0)
+        .unwrap();
+    assert_eq!((one.tp_rank, one.tp_world_size), (1, 2));
     let (key, _) = err(ConfigBuilder::new().set("tiers.g3_blocks", 8).build());
     assert_eq!(key, "physical.disk");
 
@@ -522,11 +544,9 @@ fn workers_keys_are_validated_naming_the_key() {
             "subject prefix",
         ),
         (
-            "tiers.g4_blocks",
-            processes()
-                .set("tiers.g4_blocks", 8)
-                .set("physical.object_dir", "/tmp/g4"),
-            "must be 0",
+            "physical.s3",
+            processes().set("tiers.g4_blocks", 8),
+            "needs a [physical.s3] section",
         ),
         (
             "transport.nats_url",

@@ -20,7 +20,8 @@
 //!   so each tier still contributes one run). Staging then reads the objects through the G4
 //!   mover, which checks checksum, identity and binding: an object that is missing or fails
 //!   is a failed block, never a served one.
-//! * **Remote G2.** Blocks in another instance's host memory are not held by the search (a
+//! * **Remote G2** (with [`RemoteSearch::remote_g2`]: the instance has a data plane to pull
+//!   over). Blocks in another instance's host memory are not held by the search (a
 //!   hold would need a round trip); the serving side holds them for the duration of the pull,
 //!   and the pull verifies every frame. The index is a hint: a block evicted meanwhile is a
 //!   failed pull, never a hit.
@@ -70,6 +71,9 @@ pub struct RemoteSearch {
     /// Whether all instances' G4 is one shared bucket and namespace (then other instances'
     /// G4 blocks are adopted into this leader's G4).
     pub shared_g4: bool,
+    /// Whether other instances' G2 is searched: this instance can pull a remote run over a
+    /// data plane (an instance whose worker ranks are processes has none).
+    pub remote_g2: bool,
 }
 
 fn elsewhere(r: &RemoteSearch, h: SequenceHash, tier: TierId) -> Vec<InstanceId> {
@@ -121,7 +125,7 @@ pub(super) fn extend(
             at += got;
         }
     }
-    if at < hashes.len() {
+    if r.remote_g2 && at < hashes.len() {
         // The instance with the longest contiguous G2 run from `at`.
         let mut alive = elsewhere(r, hashes[at], TierId::G2);
         let mut len = 0;

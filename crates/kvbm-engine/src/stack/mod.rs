@@ -80,12 +80,13 @@ pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 use lanes::{Handoffs, enqueue_from_sink, lane_policy};
 use read_ahead::ReadAhead;
+pub use tiers::open_g4_storage;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
 };
 pub(crate) use tiers::{Movers, TierPlan, TierSinks, Tiers};
 #[cfg(feature = "nats")]
-pub(crate) use tiers::{RankTiers, discard_rejected};
+pub(crate) use tiers::{RankTiers, discard_rejected, list_g4};
 
 pub(crate) mod context;
 mod counters;

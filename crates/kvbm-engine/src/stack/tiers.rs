@@ -45,8 +45,8 @@ use kvbm_offload::{
     create_policy_from_config,
 };
 use kvbm_physical::{
-    BlockLayout, LayoutHandle, LayoutKind, ModelFingerprint, ObjectStorage, PhysicalLayout,
-    PinPolicy, TransferManager,
+    BlockLayout, LayoutHandle, LayoutKind, ModelFingerprint, ObjectConfig, ObjectStorage,
+    PhysicalLayout, PinPolicy, TransferManager,
 };
 use parking_lot::Mutex;
 
@@ -271,61 +271,17 @@ impl Tiers {
         let (g4, g4_listed) = if tiers.g4_blocks == 0 {
             (None, Vec::new())
         } else {
-            let ocfg = cfg.physical.object.clone();
-            let (storage, describe) = match (&cfg.physical.s3, &cfg.physical.object_dir) {
-                (Some(s3), _) => {
-                    if let Some(ep) = s3.endpoint.clone() {
-                        // A blocking connect (3 s at most per address): off the async workers.
-                        tokio::task::spawn_blocking(move || probe_endpoint(&ep))
-                            .await
-                            .context("the S3 endpoint probe did not finish")??;
-                    }
-                    let s = ObjectStorage::s3(s3, ocfg)
-                        .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?
-                        .with_fingerprint(fingerprint);
-                    let d = format!(
-                        "S3 {} bucket {}",
-                        s3.endpoint.as_deref().unwrap_or("(AWS)"),
-                        s3.bucket
-                    );
-                    (s, d)
-                }
-                (None, Some(dir)) => (
-                    ObjectStorage::local(dir, ocfg)
-                        .with_context(|| format!("cannot open the G4 directory {}", dir.display()))?
-                        .with_fingerprint(fingerprint),
-                    format!("local filesystem {}", dir.display()),
-                ),
-                (None, None) => {
-                    return Err(EngineError::config(
-                        "physical.s3",
-                        "required (or physical.object_dir) when tiers.g4_blocks > 0",
-                    ));
-                }
-            };
-            let storage = Arc::new(storage);
+            let (storage, describe) =
+                open_g4_storage(cfg, fingerprint, cfg.physical.object.clone()).await?;
             // Warm start: every block object already under the namespace is present.
-            let listed = tokio::time::timeout(Duration::from_secs(60), list_blocks(&storage))
-                .await
-                .map_err(|_| stack_error!("listing G4 ({describe}) timed out after 60 s"))?
-                .with_context(|| format!("cannot list G4 ({describe})"))?;
+            let listed = list_g4(&storage, &describe).await?;
             let manager = manager_with_sink::<G4>(
                 tiers.g4_blocks + listed.len(),
                 &registry,
                 &cfg.logical,
                 plan.sinks.g4.clone(),
             )?;
-            let mut complete = Vec::with_capacity(listed.len());
-            for (blk, h) in manager
-                .allocate_blocks(listed.len())?
-                .into_iter()
-                .zip(&listed)
-            {
-                if let Ok(c) = blk.complete(*h) {
-                    complete.push(c);
-                }
-            }
-            let warm_blocks = manager.register_blocks(complete).len();
+            let warm_blocks = register_listed(&manager, &listed)?;
             // Objects are keyed by block: the layout's one slot only carries the geometry.
             let handle = tm.register_layout(PhysicalLayout::object(shape(1)?, storage.clone()))?;
             let g4 = G4Tier {
@@ -505,34 +461,40 @@ impl Tiers {
 /// [`PhysicalWorker::resolve`](crate::worker::PhysicalWorker::resolve)), so these managers'
 /// block ids are slots of every rank, and blocks move by the ranks
 /// ([`SpmdMover`](crate::worker::SpmdMover)). No layout is allocated here; G3 is each rank's
-/// own file (no journal in this process: it starts cold), and there is no G4.
+/// own file (no journal in this process: it starts cold); G4 is one bucket in which each rank
+/// keeps its slice of every block under its own directory
+/// ([`KvbmConfig::rank_object_config`]), named by the block, so G4's block ids are bookkeeping
+/// only, as in the stack.
 #[cfg(feature = "nats")]
 pub(crate) struct RankTiers {
     pub(crate) g1: Arc<BlockManager<G1>>,
     pub(crate) g2: Arc<BlockManager<G2>>,
     pub(crate) g3: Option<Arc<BlockManager<G3>>>,
+    /// G4's bookkeeping (with `tiers.g4_blocks`), the blocks listed at start registered.
+    pub(crate) g4: Option<Arc<BlockManager<G4>>>,
     /// The model fingerprint of `geometry` ([`KvbmConfig::fingerprint`]), as [`Tiers`] has.
     pub(crate) fingerprint: ModelFingerprint,
-    /// The leader over G2 and G3.
+    /// The leader over G2, G3 and G4.
     pub(crate) leader: InstanceLeader,
 }
 
 #[cfg(feature = "nats")]
 impl RankTiers {
-    /// The managers of `[tiers]` (G1 and G2 required, G3 optional, G4 refused) on one
-    /// registry, their events flushed by `runtime`, and the leader over G2 and G3 searching in
+    /// The managers of `[tiers]` (G1 and G2 required, G3 and G4 optional) on one registry,
+    /// their events flushed by `runtime`, G4 holding `g4_listed` (the blocks every rank's
+    /// directory of the bucket holds at start), and the leader over G2..G4 searching in
     /// `[leader]`'s order (and beyond, through `remote`).
     ///
     /// # Errors
-    /// [`EngineError::Config`] naming `tiers.g1_blocks`/`tiers.g2_blocks` (0) or
-    /// `tiers.g4_blocks` (not 0); [`EngineError::Stack`] when a manager or the leader cannot be
-    /// built.
+    /// [`EngineError::Config`] naming `tiers.g1_blocks`/`tiers.g2_blocks` (0);
+    /// [`EngineError::Stack`] when a manager or the leader cannot be built.
     pub(crate) fn build(
         cfg: &KvbmConfig,
         runtime: &RuntimeHandle,
         geometry: &BlockLayout,
         sinks: TierSinks,
         remote: Option<RemoteSearch>,
+        g4_listed: &[SequenceHash],
     ) -> Result<RankTiers> {
         let tiers = &cfg.tiers;
         for (key, n) in [
@@ -545,12 +507,6 @@ impl RankTiers {
                     "must be > 0 when the worker ranks hold the blocks",
                 ));
             }
-        }
-        if tiers.g4_blocks > 0 {
-            return Err(EngineError::config(
-                "tiers.g4_blocks",
-                "must be 0 when the worker ranks hold the blocks (G4 moves through this process's G2)",
-            ));
         }
         let fingerprint = cfg.fingerprint(geometry.config())?;
         let registry = BlockRegistry::with_config(&cfg.logical.registry);
@@ -568,6 +524,20 @@ impl RankTiers {
             runtime.register_event_source(&(g3.clone() as Arc<dyn EventSource>));
             builder = builder.g3(g3.clone());
         }
+        let g4 = if tiers.g4_blocks > 0 {
+            let g4 = manager_with_sink::<G4>(
+                tiers.g4_blocks + g4_listed.len(),
+                &registry,
+                &cfg.logical,
+                sinks.g4,
+            )?;
+            register_listed(&g4, g4_listed)?;
+            runtime.register_event_source(&(g4.clone() as Arc<dyn EventSource>));
+            builder = builder.g4(g4.clone());
+            Some(g4)
+        } else {
+            None
+        };
         if let Some(r) = remote {
             builder = builder.remote(r);
         }
@@ -578,6 +548,7 @@ impl RankTiers {
             g1,
             g2,
             g3,
+            g4,
             fingerprint,
             leader,
         })
@@ -771,6 +742,79 @@ pub(super) fn count_failure(counters: &Counters, tier: &str, f: &BlockFailure) {
         tracing::warn!(kind = f.kind.as_str(), error = %f.message, "{tier}→G2 transfer failed");
         counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// G4's object storage as `[physical]` says (`physical.s3`, else `physical.object_dir`), with
+/// the object settings `object` (`physical.object`, or one worker rank's,
+/// [`KvbmConfig::rank_object_config`]), scoped by `fingerprint`; and its description for
+/// errors and logs. An S3 endpoint is probed first (3 s at most per address), so a server that
+/// is not there fails here, naming it, not at the first write. The one way every composition
+/// (the stack, an instance, a worker process) opens G4.
+///
+/// # Errors
+/// [`EngineError::Config`] naming `physical.s3` when neither store is configured;
+/// [`EngineError::Stack`] when the endpoint does not answer or the store cannot be opened.
+pub async fn open_g4_storage(
+    cfg: &KvbmConfig,
+    fingerprint: ModelFingerprint,
+    object: ObjectConfig,
+) -> Result<(Arc<ObjectStorage>, String)> {
+    let (storage, describe) = match (&cfg.physical.s3, &cfg.physical.object_dir) {
+        (Some(s3), _) => {
+            if let Some(ep) = s3.endpoint.clone() {
+                // A blocking connect (3 s at most per address): off the async workers.
+                tokio::task::spawn_blocking(move || probe_endpoint(&ep))
+                    .await
+                    .context("the S3 endpoint probe did not finish")??;
+            }
+            let s = ObjectStorage::s3(s3, object)
+                .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?
+                .with_fingerprint(fingerprint);
+            let d = format!(
+                "S3 {} bucket {}",
+                s3.endpoint.as_deref().unwrap_or("(AWS)"),
+                s3.bucket
+            );
+            (s, d)
+        }
+        (None, Some(dir)) => (
+            ObjectStorage::local(dir, object)
+                .with_context(|| format!("cannot open the G4 directory {}", dir.display()))?
+                .with_fingerprint(fingerprint),
+            format!("local filesystem {}", dir.display()),
+        ),
+        (None, None) => {
+            return Err(EngineError::config(
+                "physical.s3",
+                "required (or physical.object_dir) when tiers.g4_blocks > 0",
+            ));
+        }
+    };
+    Ok((Arc::new(storage), describe))
+}
+
+/// Every block object under `storage`'s namespace (60 s at most): what a warm start finds.
+pub(crate) async fn list_g4(storage: &ObjectStorage, describe: &str) -> Result<Vec<SequenceHash>> {
+    tokio::time::timeout(Duration::from_secs(60), list_blocks(storage))
+        .await
+        .map_err(|_| stack_error!("listing G4 ({describe}) timed out after 60 s"))?
+        .with_context(|| format!("cannot list G4 ({describe})"))
+}
+
+/// Registers `listed` (block objects found at start) in G4's `manager` as present; returns
+/// how many were registered.
+fn register_listed(manager: &BlockManager<G4>, listed: &[SequenceHash]) -> Result<usize> {
+    let mut complete = Vec::with_capacity(listed.len());
+    for (blk, h) in manager
+        .allocate_blocks(listed.len())?
+        .into_iter()
+        .zip(listed)
+    {
+        if let Ok(c) = blk.complete(*h) {
+            complete.push(c);
+        }
+    }
+    Ok(manager.register_blocks(complete).len())
 }
 
 /// The sequence hashes of every block object under the storage's namespace (lock objects and

@@ -69,7 +69,20 @@ impl WorkerProcess {
         dir: &std::path::Path,
         extra: &[&str],
     ) -> Self {
+        Self::spawn_with_env(url, instance, rank, dir, extra, &[])
+    }
+
+    /// As [`spawn`](Self::spawn), with `env` set for the process (e.g. `KVBM_CONFIG_PATH`).
+    pub(crate) fn spawn_with_env(
+        url: &str,
+        instance: InstanceId,
+        rank: u32,
+        dir: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-engine-worker"))
+            .envs(env.iter().copied())
             .args(["--nats", url, "--instance", &instance.0.to_string()])
             .args(["--rank", &rank.to_string(), "--blocks", &N.to_string()])
             .args(["--inner-dim", "64", "--announce"])

@@ -46,7 +46,9 @@ pub mod presence;
 pub use keys::{block_identity, digest_named, identity_of, lock_key, object_key};
 pub use lock::{DEFAULT_LOCK_TTL, DEFAULT_LOCK_VERIFY_DELAY, ObjectLockPresenceFilter};
 pub use pipeline::{ObjectPipeline, ObjectPipelineBuilder};
-pub use presence::{ObjectPresenceFilter, PresenceChecker, S3PresenceChecker, StoredBlock};
+pub use presence::{
+    EveryChecker, ObjectPresenceFilter, PresenceChecker, S3PresenceChecker, StoredBlock,
+};
 
 /// Requests in flight per presence batch.
 pub(crate) const CHECK_CONCURRENCY: usize = 64;

@@ -3,8 +3,9 @@
 //! [`S3PresenceChecker`] reads each block object's header
 //! ([`ObjectStorage::probe`](kvbm_physical::ObjectStorage::probe)); a foreign object (another
 //! key's, namespace's, rank's or geometry's, or a corrupt header) counts as absent, so the block
-//! is offloaded again and overwrites it. [`ObjectPresenceFilter`] turns any checker into a
-//! policy that passes absent blocks.
+//! is offloaded again and overwrites it. [`EveryChecker`] combines checkers (one per
+//! tensor-parallel rank): present only where all of them agree. [`ObjectPresenceFilter`] turns
+//! any checker into a policy that passes absent blocks.
 
 use std::sync::Arc;
 
@@ -155,6 +156,81 @@ impl PresenceChecker for S3PresenceChecker {
                 .await
                 .into_iter()
                 .collect()
+        })
+    }
+}
+
+/// Presence across several checkers: a block is present only where **every** one finds it,
+/// with the same digest. Tensor-parallel ranks keep their slices of a block in their own
+/// directories of one bucket (`tp{world}.r{rank}/`), so a block can be read back only when
+/// every rank's slice is there: one checker per rank, combined with this. A block some rank
+/// lacks, or whose slices record different identities, is absent (offloaded again, never
+/// served half).
+pub struct EveryChecker {
+    checkers: Vec<Arc<dyn PresenceChecker>>,
+}
+
+impl std::fmt::Debug for EveryChecker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EveryChecker")
+            .field("checkers", &self.checkers.len())
+            .finish()
+    }
+}
+
+impl EveryChecker {
+    /// Present where every one of `checkers` finds the block. With none, nothing is present.
+    pub fn new(checkers: Vec<Arc<dyn PresenceChecker>>) -> Self {
+        Self { checkers }
+    }
+}
+
+impl PresenceChecker for EveryChecker {
+    fn has_blocks(
+        &self,
+        blocks: Vec<(SequenceHash, Option<BlockDigest>)>,
+    ) -> BoxFuture<Result<Vec<bool>, PolicyError>> {
+        let n = blocks.len();
+        let asked: Vec<_> = self
+            .checkers
+            .iter()
+            .map(|c| c.has_blocks(blocks.clone()))
+            .collect();
+        Box::pin(async move {
+            let mut all = vec![!asked.is_empty(); n];
+            for answer in futures::future::join_all(asked).await {
+                for (a, p) in all.iter_mut().zip(answer?) {
+                    *a &= p;
+                }
+            }
+            Ok(all)
+        })
+    }
+
+    fn stored_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> BoxFuture<Result<Vec<StoredBlock>, PolicyError>> {
+        let n = hashes.len();
+        let asked: Vec<_> = self
+            .checkers
+            .iter()
+            .map(|c| c.stored_blocks(hashes.clone()))
+            .collect();
+        Box::pin(async move {
+            let mut answers = futures::future::join_all(asked).await.into_iter();
+            let Some(first) = answers.next() else {
+                return Ok(vec![StoredBlock::Absent; n]);
+            };
+            let mut all = first?;
+            for answer in answers {
+                for (a, s) in all.iter_mut().zip(answer?) {
+                    if *a != s {
+                        *a = StoredBlock::Absent;
+                    }
+                }
+            }
+            Ok(all)
         })
     }
 }

@@ -97,3 +97,80 @@ fn object_pipeline_spawns_from_a_synchronous_caller() {
         .expect("spawned on the caller's runtime");
     rt.block_on(pipeline.shutdown_and_wait());
 }
+
+/// A checker answering from a table (hash → stored digest): presence logic only.
+struct Table(std::collections::HashMap<SequenceHash, Option<kvbm_logical::BlockDigest>>);
+
+impl super::PresenceChecker for Table {
+    fn has_blocks(
+        &self,
+        blocks: Vec<(SequenceHash, Option<kvbm_logical::BlockDigest>)>,
+    ) -> crate::policy::BoxFuture<Result<Vec<bool>, crate::error::PolicyError>> {
+        let out = blocks
+            .iter()
+            .map(|(h, d)| self.0.get(h).is_some_and(|s| d.is_none() || s == d))
+            .collect();
+        Box::pin(async move { Ok(out) })
+    }
+
+    fn stored_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> crate::policy::BoxFuture<Result<Vec<super::StoredBlock>, crate::error::PolicyError>> {
+        let out = hashes
+            .iter()
+            .map(|h| match self.0.get(h) {
+                Some(d) => super::StoredBlock::Present(*d),
+                None => super::StoredBlock::Absent,
+            })
+            .collect();
+        Box::pin(async move { Ok(out) })
+    }
+}
+
+#[tokio::test]
+async fn every_checker_finds_a_block_only_where_every_rank_holds_it_alike() {
+    use super::{EveryChecker, PresenceChecker, StoredBlock};
+    let h = |i: u128| SequenceHash::from_u128(i);
+    let (d1, d2) = (
+        Some(kvbm_logical::BlockDigest([1; 32])),
+        Some(kvbm_logical::BlockDigest([2; 32])),
+    );
+    // Block 1 on both ranks; 2 on rank 0 only; 3 on both with different identities; 4 on
+    // both with one digest.
+    let r0 = Table([(h(1), None), (h(2), None), (h(3), d1), (h(4), d2)].into());
+    let r1 = Table([(h(1), None), (h(3), d2), (h(4), d2)].into());
+    let every = EveryChecker::new(vec![Arc::new(r0), Arc::new(r1)]);
+    let asked = vec![h(1), h(2), h(3), h(4), h(5)];
+    assert_eq!(
+        every.stored_blocks(asked.clone()).await.unwrap(),
+        vec![
+            StoredBlock::Present(None),
+            StoredBlock::Absent,
+            StoredBlock::Absent,
+            StoredBlock::Present(d2),
+            StoredBlock::Absent,
+        ]
+    );
+    let by_digest: Vec<_> = asked.iter().map(|x| (*x, None)).collect();
+    assert_eq!(
+        every.has_blocks(by_digest).await.unwrap(),
+        vec![true, false, true, true, false],
+        "by name alone, block 3 is on both ranks"
+    );
+    assert_eq!(
+        every.has_blocks(vec![(h(3), d1)]).await.unwrap(),
+        vec![false],
+        "rank 1's block 3 has another identity"
+    );
+    // No checker: nothing is present.
+    let none = EveryChecker::new(Vec::new());
+    assert_eq!(
+        none.has_blocks(vec![(h(1), None)]).await.unwrap(),
+        vec![false]
+    );
+    assert_eq!(
+        none.stored_blocks(vec![h(1)]).await.unwrap(),
+        vec![StoredBlock::Absent]
+    );
+}
