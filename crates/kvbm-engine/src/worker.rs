@@ -514,11 +514,16 @@ impl ParallelWorkers for SpmdParallelWorkers {
     }
 }
 
+/// Sequence hashes of source copies a tier rejected on read (see
+/// [`SpmdMover::with_rejected`]).
+pub type Rejected = Arc<parking_lot::Mutex<std::collections::HashSet<SequenceHash>>>;
+
 /// The leader's side of a move across all ranks: destination blocks are allocated by the
 /// caller; a block is completed and registered only when every rank moved it.
 pub struct SpmdMover<Src: Tier, Dst: Tier> {
     workers: Arc<dyn ParallelWorkers>,
     dst: Arc<BlockManager<Dst>>,
+    rejected: Option<Rejected>,
     _src: std::marker::PhantomData<Src>,
 }
 
@@ -528,8 +533,18 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         Self {
             workers,
             dst,
+            rejected: None,
             _src: std::marker::PhantomData,
         }
+    }
+
+    /// Records in `rejected` every source whose read a rank's tier rejected as proof that its
+    /// copy is bad ([`BlockFailureKind::drops_copy`]: a checksum or identity that does not
+    /// match), so the owner drops it from the source tier instead of reading it again; a
+    /// transient failure (I/O, timeout, a lost rank) keeps the copy.
+    pub fn with_rejected(mut self, rejected: Rejected) -> Self {
+        self.rejected = Some(rejected);
+        self
     }
 
     /// As [`new`](Self::new) over in-process ranks whose `Dst` tier is bound to `dst` on
@@ -596,7 +611,14 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
                     }
                 },
                 // Every rank has settled: the destination may go back to its pool now.
-                Err(m) => results[i] = Some(Err(m)),
+                Err(m) => {
+                    if m.kind.drops_copy()
+                        && let Some(rejected) = &self.rejected
+                    {
+                        rejected.lock().insert(s.sequence_hash());
+                    }
+                    results[i] = Some(Err(m))
+                }
             }
         }
         for (i, b) in idx.into_iter().zip(self.dst.register_blocks(complete)) {

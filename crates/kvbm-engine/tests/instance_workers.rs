@@ -710,5 +710,14 @@ namespace = "instance-workers-g4-{pid}-{nanos}"
     let first_two: Vec<Vec<u64>> = expected.iter().map(|e| e[..2].to_vec()).collect();
     assert_g1_holds(&inst, &on.blocks, &first_two).await;
     drop(on);
+    // The rejected copy left G4 (the rank deleted its slice; the instance dropped the block
+    // when this onboarding began): it is not matched or read again.
+    let g4 = inst.leader().g4().unwrap();
+    assert!(g4.match_blocks(&hashes[2..3]).is_empty(), "dropped from G4");
+    assert_eq!(
+        g4.match_blocks(&hashes[3..5]).len(),
+        2,
+        "the whole ones stay"
+    );
     inst.shutdown().await;
 }

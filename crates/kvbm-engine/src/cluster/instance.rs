@@ -1101,10 +1101,14 @@ impl Instance {
     pub async fn onboard(&self, hashes: &[SequenceHash]) -> Result<Onboarded> {
         self.ranks_in_step()?;
         self.counters.lookups.fetch_add(1, Ordering::Relaxed);
-        let Memory::Here(h) = &self.memory else {
-            return self.onboard_matched(hashes).await;
-        };
         // Copies a tier rejected on an earlier read leave it before this search.
+        let h = match &self.memory {
+            Memory::Ranks(r) => {
+                r.discard_rejected();
+                return self.onboard_matched(hashes).await;
+            }
+            Memory::Here(h) => h,
+        };
         discard_rejected(h.tiers.g3.as_ref(), h.tiers.g4.as_ref());
         let out = self.onboard_matched(hashes).await;
         // The movers record failed hashes for a caller that recomputes from the first one;

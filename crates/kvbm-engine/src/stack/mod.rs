@@ -86,7 +86,7 @@ use tiers::{
 };
 pub(crate) use tiers::{Movers, TierPlan, TierSinks, Tiers};
 #[cfg(feature = "nats")]
-pub(crate) use tiers::{RankTiers, discard_rejected, list_g4};
+pub(crate) use tiers::{RankTiers, discard_poisoned, discard_rejected, list_g4};
 
 pub(crate) mod context;
 mod counters;

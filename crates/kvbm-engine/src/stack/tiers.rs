@@ -559,32 +559,38 @@ impl RankTiers {
 /// holds it any more (G3 also unlisted it from the journal when it was poisoned), so it is
 /// neither matched nor read again; a block still held stays poisoned until a later call.
 pub(crate) fn discard_rejected(g3: Option<&G3Tier>, g4: Option<&G4Tier>) {
-    fn drop_from<T: Tier>(manager: &BlockManager<T>, poisoned: &Mutex<HashSet<SequenceHash>>) {
-        let pending: Vec<SequenceHash> = {
-            let p = poisoned.lock();
-            if p.is_empty() {
-                return;
-            }
-            p.iter().copied().collect()
-        };
-        let gone: Vec<SequenceHash> = pending
-            .into_iter()
-            .filter(|h| {
-                manager.discard_inactive(&[*h]) == 1 || !manager.registry().is_present(*h, T::ID)
-            })
-            .collect();
-        if !gone.is_empty() {
-            let mut p = poisoned.lock();
-            for h in gone {
-                p.remove(&h);
-            }
-        }
-    }
     if let Some(g3) = g3 {
-        drop_from(&g3.manager, &g3.poisoned);
+        discard_poisoned(&g3.manager, &g3.poisoned);
     }
     if let Some(g4) = g4 {
-        drop_from(&g4.manager, &g4.poisoned);
+        discard_poisoned(&g4.manager, &g4.poisoned);
+    }
+}
+
+/// Drops each of `poisoned` from `manager` once nothing holds it (then forgets it); one still
+/// held stays poisoned for a later call.
+pub(crate) fn discard_poisoned<T: Tier>(
+    manager: &BlockManager<T>,
+    poisoned: &Mutex<HashSet<SequenceHash>>,
+) {
+    let pending: Vec<SequenceHash> = {
+        let p = poisoned.lock();
+        if p.is_empty() {
+            return;
+        }
+        p.iter().copied().collect()
+    };
+    let gone: Vec<SequenceHash> = pending
+        .into_iter()
+        .filter(|h| {
+            manager.discard_inactive(&[*h]) == 1 || !manager.registry().is_present(*h, T::ID)
+        })
+        .collect();
+    if !gone.is_empty() {
+        let mut p = poisoned.lock();
+        for h in gone {
+            p.remove(&h);
+        }
     }
 }
 

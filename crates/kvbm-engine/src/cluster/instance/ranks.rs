@@ -57,8 +57,8 @@ use crate::error::{ControlError, EngineError, Result};
 use crate::leader::RemoteSearch;
 use crate::runtime::RuntimeHandle;
 use crate::security::Security;
-use crate::stack::{RankTiers, TierSinks, list_g4, open_g4_storage};
-use crate::worker::{ParallelWorkers, SpmdMover};
+use crate::stack::{RankTiers, TierSinks, discard_poisoned, list_g4, open_g4_storage};
+use crate::worker::{ParallelWorkers, Rejected, SpmdMover};
 
 /// The ranks of an instance run as processes, the instance's view of them, and the moves
 /// through them.
@@ -76,6 +76,10 @@ pub(super) struct Ranks {
     pub(super) g2_to_g4: Option<SpmdMover<G2, G4>>,
     /// Whether a block is in every rank's directory of the bucket (with G4).
     pub(super) g4_checker: Option<EveryChecker>,
+    /// G3 and G4 copies a rank rejected on read (proven bad), dropped from their managers
+    /// before the next onboarding ([`discard_rejected`](Self::discard_rejected)).
+    g3_rejected: Rejected,
+    g4_rejected: Rejected,
 }
 
 impl Ranks {
@@ -160,18 +164,23 @@ impl Ranks {
         };
         let tiers = RankTiers::build(config, rt, geometry, sinks, Some(remote), &g4_listed)?;
         let pw: Arc<dyn ParallelWorkers> = workers.clone();
-        let g4_to_g2 = tiers
-            .g4
-            .as_ref()
-            .map(|_| Arc::new(SpmdMover::<G4, G2>::new(pw.clone(), tiers.g2.clone())));
+        let (g3_rejected, g4_rejected) = (Rejected::default(), Rejected::default());
+        let g4_to_g2 = tiers.g4.as_ref().map(|_| {
+            Arc::new(
+                SpmdMover::<G4, G2>::new(pw.clone(), tiers.g2.clone())
+                    .with_rejected(g4_rejected.clone()),
+            )
+        });
         let g2_to_g4 = tiers
             .g4
             .as_ref()
             .map(|g4| SpmdMover::<G2, G4>::new(pw.clone(), g4.clone()));
-        let g3_to_g2 = tiers
-            .g3
-            .as_ref()
-            .map(|_| Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), tiers.g2.clone())));
+        let g3_to_g2 = tiers.g3.as_ref().map(|_| {
+            Arc::new(
+                SpmdMover::<G3, G2>::new(pw.clone(), tiers.g2.clone())
+                    .with_rejected(g3_rejected.clone()),
+            )
+        });
         let g2_to_g3 = tiers
             .g3
             .as_ref()
@@ -207,7 +216,22 @@ impl Ranks {
             g4_to_g2,
             g2_to_g4,
             g4_checker,
+            g3_rejected,
+            g4_rejected,
         })
+    }
+
+    /// Drops from G3 and G4 every copy a rank rejected on an earlier read (once nothing holds
+    /// it), so it is neither matched nor read again, as an in-process instance does (a rank
+    /// already deleted a G4 slice whose checksum failed; a bad G3 slot is overwritten when
+    /// its slot is reused).
+    pub(super) fn discard_rejected(&self) {
+        if let Some(g3) = &self.tiers.g3 {
+            discard_poisoned(g3, &self.g3_rejected);
+        }
+        if let Some(g4) = &self.tiers.g4 {
+            discard_poisoned(g4, &self.g4_rejected);
+        }
     }
 
     /// Writes the G2-resident blocks of `hashes` not yet in `Dst` through `down` (every rank
