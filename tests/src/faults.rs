@@ -1,5 +1,6 @@
 //! Fault injection for the reliability tests: a private S3 server a test may kill and restart,
-//! and an HTTP fault proxy that adds latency and answers 500/503 for a fraction of requests.
+//! an HTTP fault proxy that adds latency and answers 500/503 for a fraction of requests, and
+//! damage at rest ([`flip_last_byte`]: an object's payload changed behind kvbm's back).
 //!
 //! ```text
 //!  kvbm (object_store client) ──► FaultProxy 127.0.0.1:P ──► OwnS3 (s3s-fs) 127.0.0.1:Q ──► dir/
@@ -474,4 +475,33 @@ async fn handle(mut client: tokio::net::TcpStream, s: &Shared) -> std::io::Resul
     let _ = cw.shutdown().await;
     up.abort();
     Ok(())
+}
+
+/// Damages the object at `path` at rest, behind kvbm's back: its last byte (payload, never the
+/// header) XORed with `mask` (not 0), the length kept. A reader must then refuse it on its
+/// checksum.
+///
+/// # Panics
+/// When the object cannot be read or written back, or `mask` is 0 (no damage).
+pub async fn flip_last_byte(
+    store: &dyn object_store::ObjectStore,
+    path: &object_store::path::Path,
+    mask: u8,
+) {
+    use object_store::ObjectStoreExt;
+    assert_ne!(mask, 0, "a zero mask damages nothing");
+    let mut body = store
+        .get(path)
+        .await
+        .unwrap_or_else(|e| panic!("read {path}: {e}"))
+        .bytes()
+        .await
+        .unwrap_or_else(|e| panic!("read {path}: {e}"))
+        .to_vec();
+    let last = body.len() - 1;
+    body[last] ^= mask;
+    store
+        .put(path, body.into())
+        .await
+        .unwrap_or_else(|e| panic!("write {path}: {e}"));
 }

@@ -671,21 +671,10 @@ namespace = "instance-workers-g4-{pid}-{nanos}"
         .delete(&kvbm_offload::object_key(hashes[5]))
         .await
         .unwrap();
-    use object_store::ObjectStoreExt;
     let raw =
         kvbm_physical::ObjectStorage::s3_client(config.physical.s3.as_ref().unwrap()).unwrap();
     let path = storages[0].path(&kvbm_offload::object_key(hashes[2]));
-    let mut body = raw
-        .get(&path)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let last = body.len() - 1;
-    body[last] ^= 0x01;
-    raw.put(&path, body.into()).await.unwrap();
+    kvbm_tests::faults::flip_last_byte(&*raw, &path, 0x01).await;
     let c = instance_id(13);
     let (_w0, _w1) = (spawn(c, 0, &[]), spawn(c, 1, &[]));
     let (_rt_c, inst) = build(c).await;

@@ -297,17 +297,7 @@ fn b_never_serves_a_block_that_fails_its_checksum_or_identity_it_refuses_counts_
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let path = storage.path(&object_key(hashes[1]));
-        let mut body = raw
-            .get(&path)
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap()
-            .to_vec();
-        let last = body.len() - 1;
-        body[last] ^= 0xff;
-        raw.put(&path, body.into()).await.unwrap();
+        kvbm_tests::faults::flip_last_byte(&*raw, &path, 0xff).await;
     });
     eventually("B learns prefix 4 in G4", || {
         b.cmd("index 4 2")["g4"] == "2"

@@ -151,17 +151,7 @@ async fn b_onboards_what_a_offloaded_to_g4_and_never_serves_a_bad_object() {
         .unwrap();
     let raw = ObjectStorage::s3_client(&cfg).unwrap();
     let path = storage_a.path(&object_key(hashes[7]));
-    let mut body = raw
-        .get(&path)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let last = body.len() - 1;
-    body[last] ^= 0xff;
-    raw.put(&path, body.into()).await.unwrap();
+    kvbm_tests::faults::flip_last_byte(&*raw, &path, 0xff).await;
     // A's G4 bookkeeping, published on the bus.
     let pub_a = EventPublisher::spawn(&rt, A, bus.clone()).unwrap();
     let g4_a = manager::<G4>(&BlockRegistry::new(), Some(pub_a));
@@ -661,17 +651,7 @@ async fn security_shared_g4_damaged_object_deleted_and_counted() {
     let src = offload_with_digests(&storage_a, &seq, 3).await;
     let raw = ObjectStorage::s3_client(&cfg).unwrap();
     let path = storage_a.path(&object_key(hashes[2]));
-    let mut body = raw
-        .get(&path)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let last = body.len() - 1;
-    body[last] ^= 0x01;
-    raw.put(&path, body.into()).await.unwrap();
+    kvbm_tests::faults::flip_last_byte(&*raw, &path, 0x01).await;
 
     let storage_b = storage(&cfg, &namespace);
     let b = Reader::new(storage_b.clone(), None);

@@ -951,17 +951,7 @@ async fn fail_closed_corrupt_object_evicted_by_a_verified_read() {
     assert!(out.is_complete_success(), "{:?}", out.blocks);
     // One payload byte flipped behind our back: the header (and so presence) still looks right.
     let path = storage.path(&key);
-    let mut body = raw
-        .get(&path)
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
-        .to_vec();
-    let last = body.len() - 1;
-    body[last] ^= 1;
-    raw.put(&path, body.into()).await.unwrap();
+    kvbm_tests::faults::flip_last_byte(&*raw, &path, 1).await;
     assert_eq!(
         storage.probe(&key, &id(0x77)).await.unwrap(),
         ObjectPresence::Present

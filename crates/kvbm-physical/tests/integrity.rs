@@ -220,10 +220,7 @@ async fn s3_overwritten_truncated_and_deleted_objects_are_block_errors() {
     // key 2, delete key 3.
     let raw = s3_raw("s3_overwritten_truncated_and_deleted_objects_are_block_errors").unwrap();
     let p1 = store.path(&keys[1]);
-    let mut body = raw.get(&p1).await.unwrap().bytes().await.unwrap().to_vec();
-    let last = body.len() - 1;
-    body[last] ^= 0x5a;
-    raw.put(&p1, PutPayload::from(body)).await.unwrap();
+    kvbm_tests::faults::flip_last_byte(&*raw, &p1, 0x5a).await;
     let p2 = store.path(&keys[2]);
     let body = raw.get(&p2).await.unwrap().bytes().await.unwrap();
     raw.put(&p2, PutPayload::from(body.slice(..body.len() / 2)))
