@@ -370,6 +370,25 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
         .unwrap_err();
     assert_eq!(e.config_key(), Some("instance.geometry"), "{e}");
 
+    // G4 here but not in the rank's configuration (it opened none): refused, naming the key
+    // and the rank, before anything is listed or moved.
+    let mut with_g4 = runtime(&nats.url, 1, N, 10_000).config().as_ref().clone();
+    with_g4.tiers.g4_blocks = 8;
+    with_g4.physical.object_dir = Some(dir.path().join("g4"));
+    let rt = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .config(with_g4)
+        .build()
+        .unwrap();
+    let e = Instance::builder(&rt.handle())
+        .id(instance)
+        .geometry(common::geometry())
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(e.config_key(), Some("tiers.g4_blocks"), "{e}");
+    assert!(e.to_string().contains("rank-0 registered no G4"), "{e}");
+
     // Ranks of another instance do not count.
     let rt = runtime(&nats.url, 1, N, 1500);
     let e = Instance::builder(&rt.handle())

@@ -38,9 +38,8 @@
 //! ranks.
 
 use std::sync::Arc;
-use std::time::Duration;
-
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use async_nats::Client;
 use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, SequenceHash, Tier, TierId};
@@ -296,9 +295,9 @@ impl Ranks {
 }
 
 /// Every rank's layouts fit this instance: G1 and G2 (and G3 with `tiers.g3_blocks`), each of
-/// at least `[tiers]`'s blocks, and G4 with `tiers.g4_blocks` (objects are named by block, so
-/// any count) (this instance's block ids are slots of every rank's layout),
-/// blocks of `block_bytes` bytes (the geometry each rank registered is this instance's).
+/// at least `[tiers]`'s blocks (this instance's block ids are slots of every rank's layout),
+/// with blocks of `block_bytes` bytes (the geometry each rank registered is this instance's);
+/// and G4 with `tiers.g4_blocks` (its objects are named by block, so any slot count does).
 async fn check_ranks(
     config: &KvbmConfig,
     block_bytes: usize,
