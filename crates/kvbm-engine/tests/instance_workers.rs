@@ -19,6 +19,7 @@ use kvbm_engine::cluster::transport::control::{ControlError, ControlRequest, Con
 use kvbm_engine::cluster::transport::membership::MemberEvent;
 use kvbm_engine::{EngineError, InstanceId, KvbmRuntime, WorkerAddress};
 use kvbm_logical::{G1, ImmutableBlock, PoolCounts, SequenceHash, TierId};
+use kvbm_physical::BlockLayout;
 
 mod common;
 mod worker_processes;
@@ -69,6 +70,16 @@ fn runtime_with(
         b = b.set(*k, v.as_str());
     }
     b.build().unwrap()
+}
+
+/// Builds instance `id` of `geometry` on `rt`, which must fail: its error.
+async fn refused(rt: &KvbmRuntime, id: InstanceId, geometry: BlockLayout) -> EngineError {
+    Instance::builder(&rt.handle())
+        .id(id)
+        .geometry(geometry)
+        .build()
+        .await
+        .unwrap_err()
 }
 
 fn idle(c: PoolCounts) -> bool {
@@ -322,12 +333,7 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
 
     // Two ranks configured, one running: the build waits its bound, then names rank 1.
     let rt = runtime(&nats.url, 2, N, 2500);
-    let e = Instance::builder(&rt.handle())
-        .id(instance)
-        .geometry(common::geometry())
-        .build()
-        .await
-        .unwrap_err();
+    let e = refused(&rt, instance, common::geometry()).await;
     let EngineError::RanksMissing {
         instance: i,
         missing,
@@ -351,23 +357,13 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
 
     // One rank, but more G2 blocks than the rank registered: the key and the rank are named.
     let rt = runtime(&nats.url, 1, 2 * N, 10_000);
-    let e = Instance::builder(&rt.handle())
-        .id(instance)
-        .geometry(common::geometry())
-        .build()
-        .await
-        .unwrap_err();
+    let e = refused(&rt, instance, common::geometry()).await;
     assert_eq!(e.config_key(), Some("tiers.g2_blocks"), "{e}");
     assert!(e.to_string().contains("rank"), "{e}");
 
     // Another geometry than the rank's: refused, naming it.
     let rt = runtime(&nats.url, 1, N, 10_000);
-    let e = Instance::builder(&rt.handle())
-        .id(instance)
-        .geometry(common::geometry_with(32))
-        .build()
-        .await
-        .unwrap_err();
+    let e = refused(&rt, instance, common::geometry_with(32)).await;
     assert_eq!(e.config_key(), Some("instance.geometry"), "{e}");
 
     // G4 here but not in the rank's configuration (it opened none): refused, naming the key
@@ -380,23 +376,13 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
         .config(with_g4)
         .build()
         .unwrap();
-    let e = Instance::builder(&rt.handle())
-        .id(instance)
-        .geometry(common::geometry())
-        .build()
-        .await
-        .unwrap_err();
+    let e = refused(&rt, instance, common::geometry()).await;
     assert_eq!(e.config_key(), Some("tiers.g4_blocks"), "{e}");
     assert!(e.to_string().contains("rank-0 registered no G4"), "{e}");
 
     // Ranks of another instance do not count.
     let rt = runtime(&nats.url, 1, N, 1500);
-    let e = Instance::builder(&rt.handle())
-        .id(InstanceId(instance.0 ^ 0xff))
-        .geometry(common::geometry())
-        .build()
-        .await
-        .unwrap_err();
+    let e = refused(&rt, InstanceId(instance.0 ^ 0xff), common::geometry()).await;
     assert!(matches!(e, EngineError::RanksMissing { .. }), "{e}");
 
     // And it fits: built. An in-process peer on the same subject sees it live, without a
