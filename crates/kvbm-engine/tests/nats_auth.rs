@@ -319,31 +319,59 @@ async fn security_accounts_isolate_tenants_events() {
         .unwrap();
     let mut a_sub = a.subscribe("kvbm.events").await.unwrap();
     let mut b_sub = b.subscribe("kvbm.events").await.unwrap();
-    a.flush().await.unwrap();
-    b.flush().await.unwrap();
-    // Tenant B publishes first, then tenant A (another user of A's account).
-    let (from_b, from_a) = (format!("from-b-{nonce}"), format!("from-a-{nonce}"));
-    b.publish("kvbm.events", from_b.clone().into())
-        .await
-        .unwrap();
-    b.flush().await.unwrap();
-    a2.publish("kvbm.events", from_a.clone().into())
-        .await
-        .unwrap();
-    a2.flush().await.unwrap();
-    let seen_a: Vec<String> = drain(&mut a_sub, Duration::from_millis(500))
-        .await
-        .into_iter()
-        .filter(|p| p.ends_with(&nonce))
-        .collect();
-    let seen_b: Vec<String> = drain(&mut b_sub, Duration::from_millis(200))
-        .await
-        .into_iter()
-        .filter(|p| p.ends_with(&nonce))
-        .collect();
+    // A flush only puts bytes on the socket, and two connections reach the server in no set
+    // order: the one proof that the server has processed a publish is a later message of the
+    // same connection coming back. So every step ends with such a marker, read back; the
+    // server delivers to one connection in the order it processed, so an event leaked to the
+    // other tenant reaches its subscriber before that tenant's next marker.
+    let from = |p: &str| format!("from-{p}-{nonce}");
+    let marker = |p: &str| format!("marker-{p}-{nonce}");
+    // Both subscriptions are live before anything is published.
+    let mut seen_a = round_trip(&a, &mut a_sub, &marker("a-ready"), &nonce).await;
+    let mut seen_b = round_trip(&b, &mut b_sub, &marker("b-ready"), &nonce).await;
+    // Tenant B publishes; then tenant A, through another user of A's account; then B closes.
+    publish(&b, &from("b")).await;
+    seen_b.extend(round_trip(&b, &mut b_sub, &marker("b-sent"), &nonce).await);
+    publish(&a2, &from("a")).await;
+    seen_a.extend(round_trip(&a2, &mut a_sub, &marker("a-sent"), &nonce).await);
+    seen_b.extend(round_trip(&b, &mut b_sub, &marker("b-end"), &nonce).await);
     // Each tenant sees its own account's event (the subscription works) and never the other's.
-    assert_eq!(seen_a, vec![from_a], "tenant A's subscriber");
-    assert_eq!(seen_b, vec![from_b], "tenant B's subscriber");
+    assert_eq!(seen_a, vec![from("a")], "tenant A's subscriber");
+    assert_eq!(seen_b, vec![from("b")], "tenant B's subscriber");
+}
+
+async fn publish(client: &async_nats::Client, payload: &str) {
+    client
+        .publish("kvbm.events", payload.to_string().into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+}
+
+/// Publishes `marker` on `client` and reads `sub` up to it (within 10 s); returns the events
+/// (`from-…` payloads ending in `nonce`) received before it.
+async fn round_trip(
+    client: &async_nats::Client,
+    sub: &mut async_nats::Subscriber,
+    marker: &str,
+    nonce: &str,
+) -> Vec<String> {
+    publish(client, marker).await;
+    let mut got = Vec::new();
+    let end = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = tokio::time::timeout_at(end, sub.next())
+            .await
+            .unwrap_or_else(|_| panic!("`{marker}` within 10 s; before it: {got:?}"))
+            .expect("subscription open");
+        let p = String::from_utf8_lossy(&m.payload).into_owned();
+        if p == marker {
+            return got;
+        }
+        if p.starts_with("from-") && p.ends_with(nonce) {
+            got.push(p);
+        }
+    }
 }
 
 /// A `kvbm-engine-worker` process configured through the environment (its NATS credentials
