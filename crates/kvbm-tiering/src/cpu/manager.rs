@@ -2,8 +2,9 @@
 //!
 //! # Slot table (why not kvbm-logical)
 //!
-//! Chunks live in a flat table of `num_chunks` slots indexed by chunk id. A hashbrown map
-//! `OffloadKey → slot` is the only per-key probe on every call (lookup is one probe and one
+//! Chunks live in a flat table of `num_chunks` slots indexed by chunk id. An index
+//! `OffloadKey → slot` ([`SlotIndex`](crate::cpu::index), slot ids only, compared against the
+//! table's `keys`) is the only per-key probe on every call (lookup is one probe and one
 //! load). vLLM's semantics are integer reference counts on chunks, not block lifetimes:
 //!
 //! | `ref_cnt` | state | evictable |
@@ -40,6 +41,7 @@ pub use phases::{FinishedAccess, StorePlan};
 
 use hashbrown::HashMap;
 
+use crate::cpu::index::SlotIndex;
 use crate::cpu::order::LinkedKeySet;
 use crate::cpu::policy::{CachePolicyKind, Policy, SlotView};
 use crate::error::{Result, TieringError};
@@ -128,7 +130,7 @@ pub struct CpuOffloadingManager {
     num_chunks: usize,
     num_allocated: usize,
     free_list: Vec<u32>,
-    index: HashMap<OffloadKey, u32>,
+    index: SlotIndex,
     keys: Vec<OffloadKey>,
     ref_cnt: Vec<i32>,
     protect: Vec<u64>,
@@ -169,7 +171,7 @@ impl CpuOffloadingManager {
             num_chunks: n,
             num_allocated: 0,
             free_list: Vec::with_capacity(n),
-            index: HashMap::with_capacity(n),
+            index: SlotIndex::with_capacity(n),
             keys: vec![OffloadKey::from_u64(0); n],
             ref_cnt: vec![0; n],
             protect: vec![0; n],
@@ -225,7 +227,9 @@ impl CpuOffloadingManager {
     }
     /// Slot and ref count of a key.
     pub fn chunk(&self, key: &OffloadKey) -> Option<(u32, i32)> {
-        self.index.get(key).map(|&s| (s, self.ref_cnt[s as usize]))
+        self.index
+            .get(&self.keys, key)
+            .map(|s| (s, self.ref_cnt[s as usize]))
     }
     /// Resident keys in eviction order (LRU: least recent first; ARC: T1 then T2).
     pub fn eviction_order(&self) -> Vec<OffloadKey> {
@@ -287,7 +291,7 @@ impl CpuOffloadingManager {
         for &s in &self.free_list {
             st[s as usize] = SlotState::Free;
         }
-        for &s in self.index.values() {
+        for s in self.index.slots() {
             st[s as usize] = match self.ref_cnt[s as usize] {
                 -1 => SlotState::WritePending,
                 0 => SlotState::Evictable,
@@ -313,11 +317,12 @@ impl CpuOffloadingManager {
             seen[s as usize] += 1;
         }
         let (mut ev, mut wp) = (0, 0);
-        for (k, &s) in &self.index {
+        for s in self.index.slots() {
             if s as usize >= self.num_allocated {
                 return Err(format!("resident slot {s} above high-water"));
             }
-            if self.keys[s as usize] != *k {
+            // The slot's key finds the slot (not a stale key, not a second slot of the key).
+            if self.index.get(&self.keys, &self.keys[s as usize]) != Some(s) {
                 return Err(format!("slot {s} key mismatch"));
             }
             seen[s as usize] += 1;
@@ -407,7 +412,7 @@ impl CpuOffloadingManager {
             if positional {
                 new_keys.push((
                     k,
-                    self.index.get(&k).copied(),
+                    self.index.get(&self.keys, &k),
                     ctx.get_offload_key_position(&k),
                 ));
             }
@@ -517,16 +522,16 @@ impl CpuOffloadingManager {
         // One probe per key: the slots found while validating are the ones pinned.
         let mut ids = Vec::with_capacity(keys.len());
         for k in keys {
-            match self.index.get(k) {
+            match self.index.get(&self.keys, k) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
-                Some(&s) if self.ref_cnt[s as usize] < 0 => {
+                Some(s) if self.ref_cnt[s as usize] < 0 => {
                     return Err(TieringError::KeyState {
                         call,
                         key: *k,
                         state: "not ready (write in flight)",
                     });
                 }
-                Some(&s) => ids.push(s as i32),
+                Some(s) => ids.push(s as i32),
             }
         }
         for &s in &ids {
@@ -547,7 +552,7 @@ impl CpuOffloadingManager {
     pub(crate) fn pin_ready(&mut self, keys: &[OffloadKey]) -> Vec<i32> {
         let mut ids = Vec::with_capacity(keys.len());
         for k in keys {
-            let s = self.index[k];
+            let s = self.index.get(&self.keys, k).expect("resident");
             let rc = &mut self.ref_cnt[s as usize];
             debug_assert!(*rc >= 0, "pin_ready of a key still being written");
             if *rc == 0 {
@@ -564,8 +569,8 @@ impl CpuOffloadingManager {
     pub(crate) fn unpin_reads(&mut self, keys: &[OffloadKey]) -> usize {
         let mut skipped = 0;
         for k in keys {
-            match self.index.get(k) {
-                Some(&s) if self.ref_cnt[s as usize] > 0 => {
+            match self.index.get(&self.keys, k) {
+                Some(s) if self.ref_cnt[s as usize] > 0 => {
                     let rc = &mut self.ref_cnt[s as usize];
                     *rc -= 1;
                     if *rc == 0 {
@@ -586,16 +591,16 @@ impl CpuOffloadingManager {
         // One probe per key: the slots found while validating are the ones released.
         let mut slots: Vec<u32> = Vec::with_capacity(keys.len());
         for k in keys {
-            match self.index.get(k) {
+            match self.index.get(&self.keys, k) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
-                Some(&s) if self.ref_cnt[s as usize] <= 0 => {
+                Some(s) if self.ref_cnt[s as usize] <= 0 => {
                     return Err(TieringError::KeyState {
                         call,
                         key: *k,
                         state: "not being read (ref_cnt is already 0)",
                     });
                 }
-                Some(&s) => slots.push(s),
+                Some(s) => slots.push(s),
             }
         }
         for s in slots {
@@ -625,7 +630,7 @@ impl CpuOffloadingManager {
         let mut ready_existing: Vec<OffloadKey> = Vec::new();
         let mut candidates = 0usize;
         for k in keys {
-            match self.index.get(k) {
+            match self.index.get(&self.keys, k) {
                 None => {
                     candidates += 1;
                     let pass = self.passes_store_threshold(k);
@@ -636,7 +641,7 @@ impl CpuOffloadingManager {
                         class.push(0);
                     }
                 }
-                Some(&s) if self.ref_cnt[s as usize] >= 0 => {
+                Some(s) if self.ref_cnt[s as usize] >= 0 => {
                     ready_existing.push(*k);
                     class.push(2);
                 }
@@ -693,7 +698,7 @@ impl CpuOffloadingManager {
             }
             self.stamp += 1;
             for k in keys {
-                if let Some(&s) = self.index.get(k) {
+                if let Some(s) = self.index.get(&self.keys, k) {
                     self.protect[s as usize] = self.stamp;
                 }
             }
@@ -712,7 +717,7 @@ impl CpuOffloadingManager {
             evicted_keys.reserve(victims.len());
             for &s in &victims {
                 let k = self.keys[s as usize];
-                self.index.remove(&k);
+                self.index.remove(&self.keys, &k);
                 self.free_list.push(s);
                 evicted_keys.push(k);
             }
@@ -740,8 +745,8 @@ impl CpuOffloadingManager {
             } else {
                 self.free_list.pop().expect("room was made above")
             };
-            self.index.insert(*k, s);
             self.keys[s as usize] = *k;
+            self.index.insert(&self.keys, k, s);
             self.ref_cnt[s as usize] = -1;
             let pos = if positional {
                 ctx.get_offload_key_position(k)
@@ -763,7 +768,7 @@ impl CpuOffloadingManager {
     pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {
         let mut done: Vec<OffloadKey> = Vec::new();
         for k in keys {
-            let Some(&s) = self.index.get(k) else {
+            let Some(s) = self.index.get(&self.keys, k) else {
                 continue;
             };
             if self.ref_cnt[s as usize] >= 0 {
@@ -775,7 +780,7 @@ impl CpuOffloadingManager {
                 self.num_evictable += 1;
             } else {
                 self.policy.remove(s);
-                self.index.remove(k);
+                self.index.remove(&self.keys, k);
                 self.free_list.push(s);
             }
             if self.events.is_some() {
@@ -837,9 +842,9 @@ impl CpuOffloadingManager {
     /// As vLLM's `lookup`: `Hit`, `HitPending` (write in flight) or `Miss`.
     #[inline]
     pub fn lookup(&mut self, key: &OffloadKey, _req_context: &ReqContext) -> LookupResult {
-        match self.index.get(key) {
+        match self.index.get(&self.keys, key) {
             None => LookupResult::Miss,
-            Some(&s) if self.ref_cnt[s as usize] < 0 => LookupResult::HitPending,
+            Some(s) if self.ref_cnt[s as usize] < 0 => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
         }
     }
@@ -852,7 +857,7 @@ impl CpuOffloadingManager {
     /// As vLLM's `touch`: the keys become most recent (the head of the prefix last).
     pub fn touch(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
         for k in keys.iter().rev() {
-            let slot = self.index.get(k).copied();
+            let slot = self.index.get(&self.keys, k);
             let ready = slot.is_some_and(|s| self.ref_cnt[s as usize] >= 0);
             self.policy.touch_one(k, slot, ready);
         }
@@ -907,7 +912,12 @@ impl CpuOffloadingManager {
                 let f = state.flags.get(k).copied().unwrap_or(0);
                 let inserted = f & INSERTED != 0;
                 let reused = f & REUSED != 0;
-                (*k, self.index.get(k).copied(), inserted && !reused, reused)
+                (
+                    *k,
+                    self.index.get(&self.keys, k),
+                    inserted && !reused,
+                    reused,
+                )
             })
             .collect();
         self.policy.on_request_finished(&info);
@@ -923,7 +933,7 @@ impl CpuOffloadingManager {
         let mut out = Vec::with_capacity(evs.len());
         for mut e in evs {
             if e.metadata_only {
-                e.keys.retain(|k| !self.index.contains_key(k));
+                e.keys.retain(|k| !self.index.contains(&self.keys, k));
                 if e.keys.is_empty() {
                     continue;
                 }

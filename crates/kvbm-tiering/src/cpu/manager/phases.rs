@@ -66,7 +66,7 @@ impl CpuOffloadingManager {
         let mut plan = StorePlan::default();
         let mut candidates = 0usize;
         for k in keys {
-            match self.index.get(k) {
+            match self.index.get(&self.keys, k) {
                 None => {
                     candidates += 1;
                     let pass = self.passes_store_threshold(k);
@@ -75,7 +75,7 @@ impl CpuOffloadingManager {
                         plan.recorded.push(*k);
                     }
                 }
-                Some(&s) if self.ref_cnt[s as usize] >= 0 => {
+                Some(s) if self.ref_cnt[s as usize] >= 0 => {
                     plan.ready_existing.push(*k);
                     plan.recorded.push(*k);
                 }
@@ -152,7 +152,7 @@ impl CpuOffloadingManager {
     ) -> Option<Vec<(OffloadKey, u32)>> {
         self.stamp += 1;
         for k in protected {
-            if let Some(&s) = self.index.get(k) {
+            if let Some(s) = self.index.get(&self.keys, k) {
                 self.protect[s as usize] = self.stamp;
             }
         }
@@ -170,7 +170,7 @@ impl CpuOffloadingManager {
         let mut out = Vec::with_capacity(victims.len());
         for s in victims {
             let k = self.keys[s as usize];
-            self.index.remove(&k);
+            self.index.remove(&self.keys, &k);
             self.free_list.push(s);
             out.push((k, s));
         }
@@ -241,7 +241,7 @@ impl CpuOffloadingManager {
         }
         let mut fresh: HashSet<OffloadKey> = HashSet::with_capacity(keys.len());
         for k in keys {
-            if self.index.contains_key(k) || !fresh.insert(*k) {
+            if self.index.contains(&self.keys, k) || !fresh.insert(*k) {
                 return Err(TieringError::KeyState {
                     call,
                     key: *k,
@@ -253,8 +253,8 @@ impl CpuOffloadingManager {
         let positional = ctx.has_positions();
         let state = Self::access(&mut self.requests, ctx);
         for (k, &s) in keys.iter().zip(slots) {
-            self.index.insert(*k, s);
             self.keys[s as usize] = *k;
+            self.index.insert(&self.keys, k, s);
             self.ref_cnt[s as usize] = -1;
             let pos = if positional {
                 ctx.get_offload_key_position(k)
@@ -317,7 +317,7 @@ impl CpuOffloadingManager {
             .map(|k| {
                 (
                     *k,
-                    self.index.get(k).copied(),
+                    self.index.get(&self.keys, k),
                     insertion_only.contains(k),
                     reused.contains(k),
                 )
