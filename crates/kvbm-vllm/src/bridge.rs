@@ -59,26 +59,78 @@ pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
 }
 
 /// Every key of a collection (list, tuple, set, any iterable), in its order.
+///
+/// A list or tuple holding the very objects of the last one converted on this thread is
+/// answered from [`LAST_KEYS`] without reading a key object: vLLM hands `complete_load` the
+/// keys it handed `prepare_load`, and `complete_store` the `keys_to_store` that
+/// `prepare_store` returned (the caller's own objects), and each key object read is a likely
+/// cache miss in a step over thousands of keys.
 pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
     // Lists and tuples (what vLLM's scheduler passes) by index, without an iterator object.
     if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for k in list.iter() {
-            out.push(key(&k)?);
-        }
-        return Ok(out);
+        // SAFETY: `i < len` of a list the GIL keeps unchanged for this call (converting a key
+        // runs no Python code); `PyList_GetItem` returns a borrowed reference, live while the
+        // list holds it.
+        return remembered(obj.py(), list.len(), |i| unsafe {
+            pyo3::ffi::PyList_GetItem(obj.as_ptr(), i as pyo3::ffi::Py_ssize_t)
+        });
     }
     if let Ok(tuple) = obj.cast::<pyo3::types::PyTuple>() {
-        let mut out = Vec::with_capacity(tuple.len());
-        for k in tuple.iter() {
-            out.push(key(&k)?);
-        }
-        return Ok(out);
+        // SAFETY: as for a list (a tuple is immutable).
+        return remembered(obj.py(), tuple.len(), |i| unsafe {
+            pyo3::ffi::PyTuple_GetItem(obj.as_ptr(), i as pyo3::ffi::Py_ssize_t)
+        });
     }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for k in obj.try_iter()? {
         out.push(key(&k?)?);
     }
+    Ok(out)
+}
+
+/// The last list or tuple of keys converted on this thread: strong references to its key
+/// objects (so an address seen again is the same immutable `bytes`, never a new object reusing
+/// a freed one's memory) and the keys they hold.
+#[derive(Default)]
+struct LastKeys {
+    objs: Vec<Py<PyAny>>,
+    keys: Vec<OffloadKey>,
+}
+
+thread_local! {
+    /// See [`keys`].
+    static LAST_KEYS: std::cell::RefCell<LastKeys> = std::cell::RefCell::default();
+}
+
+/// The keys of the `len` borrowed objects `item(0..len)`: from [`LAST_KEYS`] when they are
+/// its objects in its order, else converted (and remembered).
+fn remembered(
+    py: Python<'_>,
+    len: usize,
+    item: impl Fn(usize) -> *mut pyo3::ffi::PyObject,
+) -> PyResult<Vec<OffloadKey>> {
+    let hit = LAST_KEYS.with_borrow(|last| {
+        (last.objs.len() == len && (0..len).all(|i| item(i) == last.objs[i].as_ptr()))
+            .then(|| last.keys.clone())
+    });
+    if let Some(keys) = hit {
+        return Ok(keys);
+    }
+    let mut fresh = LastKeys {
+        objs: Vec::with_capacity(len),
+        keys: Vec::with_capacity(len),
+    };
+    for i in 0..len {
+        // SAFETY: `item` hands a live borrowed reference (see the callers).
+        let obj = unsafe { Bound::from_borrowed_ptr(py, item(i)) };
+        fresh.keys.push(key(&obj)?);
+        fresh.objs.push(obj.unbind());
+    }
+    let out = fresh.keys.clone();
+    // The objects remembered before are released after the borrow ends (dropping one may run
+    // Python code, which may convert keys again).
+    let previous = LAST_KEYS.replace(fresh);
+    drop(previous);
     Ok(out)
 }
 
