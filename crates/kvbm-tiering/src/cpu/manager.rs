@@ -3,7 +3,7 @@
 //! # Slot table (why not kvbm-logical)
 //!
 //! Chunks live in a flat table of `num_chunks` slots indexed by chunk id. An index
-//! `OffloadKey → slot` ([`SlotIndex`](crate::cpu::index), slot ids only, compared against the
+//! `OffloadKey → slot` (`cpu::index::SlotIndex`, slot ids only, compared against the
 //! table's `keys`) is the only per-key probe on every call (lookup is one probe and one
 //! load). vLLM's semantics are integer reference counts on chunks, not block lifetimes:
 //!
