@@ -27,11 +27,7 @@ MANAGER_HOOKS = ("_allocate_chunks", "_record_request_cache_access")
 
 @pytest.fixture(scope="module")
 def env():
-    from kvbm_vllm import replay
-
-    args = test_replay._vllm_args()
-    opts = dict(zip(args[::2], args[1::2]))
-    replay.ensure_vllm(opts.get("--vllm-src"), opts.get("--stubs"), None)
+    replay = test_replay.ensure_vllm()
     from vllm.v1.kv_offload import base as V
 
     from kvbm_vllm.upstream_compat import CPUOffloadingManager

@@ -21,11 +21,7 @@ import test_replay  # noqa: E402
 
 @pytest.fixture(scope="module")
 def env():
-    from kvbm_vllm import replay
-
-    args = test_replay._vllm_args()
-    opts = dict(zip(args[::2], args[1::2]))
-    replay.ensure_vllm(opts.get("--vllm-src"), opts.get("--stubs"), None)
+    test_replay.ensure_vllm()
     import numpy as np
     from vllm.v1.kv_offload import base as B
     from vllm.v1.kv_offload.tiering import base as TB

@@ -61,6 +61,17 @@ def _vllm_args():
             os.path.join(REPO, "crates", "kvbm-vllm", "tests", "upstream", "stubs.py")]
 
 
+def ensure_vllm():
+    """Makes vLLM importable in this process, as the replay does (a real vLLM, else its
+    sources and the stubs), for tests that drive kvbm's managers in process."""
+    from kvbm_vllm import replay
+
+    args = _vllm_args()
+    opts = dict(zip(args[::2], args[1::2]))
+    replay.ensure_vllm(opts.get("--vllm-src"), opts.get("--stubs"), None)
+    return replay
+
+
 @pytest.fixture(scope="session")
 def replay_mod():
     from kvbm_vllm import replay
