@@ -37,6 +37,8 @@
 use std::sync::Arc as StdArc;
 
 mod phases;
+#[cfg(test)]
+mod tests;
 pub use phases::{FinishedAccess, StorePlan};
 
 use hashbrown::HashMap;
@@ -148,6 +150,9 @@ pub struct CpuOffloadingManager {
     requests: HashMap<StdArc<str>, RequestAccess>,
     scratch: Vec<u32>,
     scratch_class: Vec<u8>,
+    /// Scratch of `store_into`: keys already ready, store misses not yet reported.
+    scratch_ready: Vec<OffloadKey>,
+    scratch_misses: Vec<OffloadKey>,
     /// Slots handed out by `allocate_slots` and not yet inserted (see `phases`).
     reserved: Vec<u32>,
 }
@@ -189,6 +194,8 @@ impl CpuOffloadingManager {
             requests: HashMap::new(),
             scratch: Vec::new(),
             scratch_class: Vec::new(),
+            scratch_ready: Vec::new(),
+            scratch_misses: Vec::new(),
             reserved: Vec::new(),
         }
     }
@@ -620,14 +627,39 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         ctx: &ReqContext,
     ) -> Option<PrepareStoreOutput> {
+        let mut out = PrepareStoreOutput {
+            keys_to_store: Vec::new(),
+            store_spec: Self::spec(std::iter::empty()),
+            evicted_keys: Vec::new(),
+        };
+        self.store_into(keys, ctx, &mut out).then_some(out)
+    }
+
+    /// [`store_inner`](Self::store_inner) into `out`, whose vectors are cleared and refilled
+    /// (their capacity kept: a caller storing one key at a time, as a promotion does, then
+    /// allocates nothing); `false` where `store_inner` answers `None`.
+    pub(crate) fn store_into(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        out: &mut PrepareStoreOutput,
+    ) -> bool {
+        let mut ids = match std::mem::replace(&mut out.store_spec, Self::spec(std::iter::empty())) {
+            LoadStoreSpec::Cpu(c) => c.chunk_ids,
+            _ => Vec::new(),
+        };
+        ids.clear();
+        out.keys_to_store.clear();
+        out.evicted_keys.clear();
         if self.counts.is_some() {
             self.record_tracker(keys);
         }
         // Classify: 1 = to store, 2 = ready existing, 0 = pending existing / filtered.
         let mut class = std::mem::take(&mut self.scratch_class);
         class.clear();
-        let mut keys_to_store: Vec<OffloadKey> = Vec::new();
-        let mut ready_existing: Vec<OffloadKey> = Vec::new();
+        let keys_to_store = &mut out.keys_to_store;
+        let mut ready_existing = std::mem::take(&mut self.scratch_ready);
+        ready_existing.clear();
         let mut candidates = 0usize;
         for k in keys {
             match self.index.get(&self.keys, k) {
@@ -655,8 +687,9 @@ impl CpuOffloadingManager {
         {
             let state = Self::access(&mut self.requests, ctx);
             state.flags.reserve(keys.len());
-            let mut misses: Vec<OffloadKey> = Vec::new();
-            for k in &keys_to_store {
+            let mut misses = std::mem::take(&mut self.scratch_misses);
+            misses.clear();
+            for k in keys_to_store.iter() {
                 let f = state.flags.entry(*k).or_insert(0);
                 if *f & STORE_MISS == 0 {
                     misses.push(*k);
@@ -670,6 +703,7 @@ impl CpuOffloadingManager {
                     *state.flags.get_mut(k).expect("inserted above") |= STORE_MISS;
                 }
             }
+            self.scratch_misses = misses;
         }
         // `class` was taken out of `self`, so the filter borrows no part of the manager.
         let recorded = keys
@@ -679,22 +713,20 @@ impl CpuOffloadingManager {
             .map(|(k, _)| *k);
         self.record_access(recorded, ctx, &ready_existing);
         self.scratch_class = class;
+        self.scratch_ready = ready_existing;
 
         if keys_to_store.is_empty() {
-            return Some(PrepareStoreOutput {
-                keys_to_store,
-                store_spec: Self::spec(std::iter::empty()),
-                evicted_keys: Vec::new(),
-            });
+            out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+            return true;
         }
         self.allocation_sizes.push(keys_to_store.len());
         let n = keys_to_store.len();
         let free = self.num_free();
-        let mut evicted_keys = Vec::new();
+        let evicted_keys = &mut out.evicted_keys;
         if n > free {
             let need = n - free;
             if need > self.num_evictable {
-                return None;
+                return false;
             }
             self.stamp += 1;
             for k in keys {
@@ -711,7 +743,7 @@ impl CpuOffloadingManager {
             };
             if !self.policy.evict(need, &view, &mut victims) {
                 self.scratch = victims;
-                return None;
+                return false;
             }
             self.num_evictable -= victims.len();
             evicted_keys.reserve(victims.len());
@@ -735,10 +767,10 @@ impl CpuOffloadingManager {
             }
         }
         // Fresh ids first, then the free list LIFO.
-        let mut ids = Vec::with_capacity(n);
+        ids.reserve(n);
         let positional = ctx.has_positions();
         let state = Self::access(&mut self.requests, ctx);
-        for k in &keys_to_store {
+        for k in out.keys_to_store.iter() {
             let s = if self.num_allocated < self.num_chunks {
                 self.num_allocated += 1;
                 (self.num_allocated - 1) as u32
@@ -758,11 +790,8 @@ impl CpuOffloadingManager {
             ids.push(s as i32);
         }
         self.num_write_pending += n;
-        Some(PrepareStoreOutput {
-            keys_to_store,
-            store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }),
-            evicted_keys,
-        })
+        out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+        true
     }
 
     pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {

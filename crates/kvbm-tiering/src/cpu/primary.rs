@@ -211,6 +211,17 @@ impl CpuPrimaryTier {
         self.manager.store_inner(keys, ctx)
     }
 
+    /// [`prepare_write`](Self::prepare_write) into `out` (its vectors cleared and refilled,
+    /// their capacity kept); `false` where `prepare_write` answers `None`.
+    pub fn prepare_write_into(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        out: &mut PrepareStoreOutput,
+    ) -> bool {
+        self.manager.store_into(keys, ctx, out)
+    }
+
     /// Completes a promotion write (success makes the keys loadable, failure frees the slots).
     pub fn complete_write(&mut self, keys: &[OffloadKey], success: bool) {
         self.manager.complete_store_inner(keys, success)

@@ -146,6 +146,8 @@ pub struct TieringOffloadingManager {
     pending_index: HashMap<(usize, Arc<str>), usize>,
     /// Fast path: (tier, context uid) → (position in `pending`, entry) of the last promotion.
     last_pending: Option<(usize, u64, usize, usize)>,
+    /// The one-key store of the promotion in progress, its buffers kept between promotions.
+    promotion_out: PrepareStoreOutput,
     processed_this_step: bool,
     req_state: HashMap<Arc<str>, RequestState>,
     req_seq: u64,
@@ -162,6 +164,17 @@ pub struct TieringOffloadingManager {
     shut_down: bool,
     /// The primary answers alone: vLLM's CPU-only manager ([`Self::cpu`]).
     alone: bool,
+}
+
+/// A store output with nothing in it (buffers to be filled by `prepare_write_into`).
+fn empty_store_output() -> PrepareStoreOutput {
+    PrepareStoreOutput {
+        keys_to_store: Vec::new(),
+        store_spec: LoadStoreSpec::Cpu(crate::types::CpuLoadStoreSpec {
+            chunk_ids: Vec::new(),
+        }),
+        evicted_keys: Vec::new(),
+    }
 }
 
 impl TieringOffloadingManager {
@@ -205,6 +218,7 @@ impl TieringOffloadingManager {
             pending: Vec::new(),
             pending_index: HashMap::new(),
             last_pending: None,
+            promotion_out: empty_store_output(),
             processed_this_step: false,
             req_state: HashMap::new(),
             req_seq: 0,
@@ -623,10 +637,22 @@ impl TieringOffloadingManager {
     }
 
     fn initiate_promotion(&mut self, tier: usize, key: &OffloadKey, ctx: &ReqContext) -> bool {
-        let Some(out) = self.primary.prepare_write(std::slice::from_ref(key), ctx) else {
+        // One key at a time (as vLLM does), into buffers kept between promotions.
+        let mut out = std::mem::replace(&mut self.promotion_out, empty_store_output());
+        let placed = self
+            .primary
+            .prepare_write_into(std::slice::from_ref(key), ctx, &mut out);
+        if placed {
+            self.pend_promotion(tier, ctx, &out);
+        } else {
             self.metrics.on_promotion_allocation_failure();
-            return false;
-        };
+        }
+        self.promotion_out = out;
+        placed
+    }
+
+    /// Records a placed promotion (`out`: its one-key store) as pending for `tier`.
+    fn pend_promotion(&mut self, tier: usize, ctx: &ReqContext, out: &PrepareStoreOutput) {
         let src = self.tiers[tier].cache_hit_source();
         let ls = self.load_sources.entry_ref(ctx.req_id()).or_default();
         for k in &out.keys_to_store {
@@ -666,7 +692,6 @@ impl TieringOffloadingManager {
         let e = &mut self.pending[t].1[slot];
         e.keys.extend_from_slice(&out.keys_to_store);
         e.chunk_ids.extend_from_slice(ids);
-        true
     }
 
     fn flush_pending_promotions(&mut self) {
