@@ -479,11 +479,14 @@ fn two_instances(dir: &tempfile::TempDir, nats_url: &str, extra: &[&str], envs: 
     // conversation 1 → instance 0, conversation 2 → instance 1 (order of first appearance);
     // conversation 3 (conversation 2's context, continued) → instance 0,
     // conversation 4 (conversation 1's context, continued) → instance 1.
+    // The continued conversations come 4 s later (trace time, at time-scale 1): the other
+    // instance's G4 writes and their events must have landed by then. 1.5 s was too little
+    // once in a CI run with every test binary's tests in parallel on two cores.
     let body = [
         line(0, 1, 0..16),
         line(0, 2, 500..504),
-        line(1500, 3, 500..506),
-        line(2500, 4, 0..20),
+        line(4000, 3, 500..506),
+        line(5000, 4, 0..20),
     ]
     .concat();
     std::fs::write(&trace, body).unwrap();
