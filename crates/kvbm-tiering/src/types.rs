@@ -478,6 +478,19 @@ pub struct PrepareStoreOutput {
     pub evicted_keys: Vec<OffloadKey>,
 }
 
+impl Default for PrepareStoreOutput {
+    /// Nothing to store: no keys, an empty CPU spec, nothing evicted (no allocation).
+    fn default() -> Self {
+        Self {
+            keys_to_store: Vec::new(),
+            store_spec: LoadStoreSpec::Cpu(CpuLoadStoreSpec {
+                chunk_ids: Vec::new(),
+            }),
+            evicted_keys: Vec::new(),
+        }
+    }
+}
+
 /// A stored or removed set of keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OffloadingEvent {

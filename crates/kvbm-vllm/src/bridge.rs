@@ -129,8 +129,7 @@ fn remembered(
     let out = fresh.keys.clone();
     // The objects remembered before are released after the borrow ends (dropping one may run
     // Python code, which may convert keys again).
-    let previous = LAST_KEYS.replace(fresh);
-    drop(previous);
+    drop(LAST_KEYS.replace(fresh));
     Ok(out)
 }
 

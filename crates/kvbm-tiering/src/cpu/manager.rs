@@ -627,11 +627,7 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         ctx: &ReqContext,
     ) -> Option<PrepareStoreOutput> {
-        let mut out = PrepareStoreOutput {
-            keys_to_store: Vec::new(),
-            store_spec: Self::spec(std::iter::empty()),
-            evicted_keys: Vec::new(),
-        };
+        let mut out = PrepareStoreOutput::default();
         self.store_into(keys, ctx, &mut out).then_some(out)
     }
 

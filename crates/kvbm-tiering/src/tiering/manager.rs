@@ -166,17 +166,6 @@ pub struct TieringOffloadingManager {
     alone: bool,
 }
 
-/// A store output with nothing in it (buffers to be filled by `prepare_write_into`).
-fn empty_store_output() -> PrepareStoreOutput {
-    PrepareStoreOutput {
-        keys_to_store: Vec::new(),
-        store_spec: LoadStoreSpec::Cpu(crate::types::CpuLoadStoreSpec {
-            chunk_ids: Vec::new(),
-        }),
-        evicted_keys: Vec::new(),
-    }
-}
-
 impl TieringOffloadingManager {
     /// A manager over a primary tier and secondary tiers (consulted in order).
     pub fn new(config: TieringConfig, tiers: Vec<Box<dyn SecondaryTierManager>>) -> Result<Self> {
@@ -218,7 +207,7 @@ impl TieringOffloadingManager {
             pending: Vec::new(),
             pending_index: HashMap::new(),
             last_pending: None,
-            promotion_out: empty_store_output(),
+            promotion_out: PrepareStoreOutput::default(),
             processed_this_step: false,
             req_state: HashMap::new(),
             req_seq: 0,
@@ -638,7 +627,7 @@ impl TieringOffloadingManager {
 
     fn initiate_promotion(&mut self, tier: usize, key: &OffloadKey, ctx: &ReqContext) -> bool {
         // One key at a time (as vLLM does), into buffers kept between promotions.
-        let mut out = std::mem::replace(&mut self.promotion_out, empty_store_output());
+        let mut out = std::mem::take(&mut self.promotion_out);
         let placed = self
             .primary
             .prepare_write_into(std::slice::from_ref(key), ctx, &mut out);
