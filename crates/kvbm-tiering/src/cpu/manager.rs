@@ -31,21 +31,19 @@
 //! which it reused, and which store misses were already reported to the policy; at
 //! `on_request_finished` the policy gets them in order (LRU: all become most recent, head of the
 //! prefix last; ARC: insert-only keys move to the back of their list, reused keys to T2). The
-//! same state lives here in a map keyed by request id, dropped at `on_request_finished` and at
-//! `reset_cache` (vLLM's generation counter).
-
-use std::sync::Arc as StdArc;
+//! same state lives here in a table by request id (`cpu::requests::Requests`: found by context
+//! without a string hash on most calls, recycled once finished), dropped at
+//! `on_request_finished` and at `reset_cache` (vLLM's generation counter).
 
 mod phases;
 #[cfg(test)]
 mod tests;
 pub use phases::{FinishedAccess, StorePlan};
 
-use hashbrown::HashMap;
-
 use crate::cpu::index::SlotIndex;
 use crate::cpu::order::LinkedKeySet;
 use crate::cpu::policy::{CachePolicyKind, Policy, SlotView};
+use crate::cpu::requests::Requests;
 use crate::error::{Result, TieringError};
 use crate::key::{OffloadKey, get_offload_group_idx};
 use crate::stats::{OffloadingConnectorStats, names};
@@ -103,15 +101,6 @@ const INSERTED: u8 = 2;
 const REUSED: u8 = 4;
 const STORE_MISS: u8 = 8;
 
-struct RequestAccess {
-    ctx_uid: u64,
-    /// Keys in first-seen order.
-    order: Vec<OffloadKey>,
-    flags: HashMap<OffloadKey, u8>,
-    /// LRU request rank (positional recency).
-    req_rank: Option<u64>,
-}
-
 /// State of one slot as seen from outside (tests, invariants).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SlotState {
@@ -147,7 +136,7 @@ pub struct CpuOffloadingManager {
     counts: Option<LinkedKeySet>,
     stores_skipped: u64,
     allocation_sizes: Vec<usize>,
-    requests: HashMap<StdArc<str>, RequestAccess>,
+    requests: Requests,
     scratch: Vec<u32>,
     scratch_class: Vec<u8>,
     /// Scratch of `store_into`: keys already ready, store misses not yet reported.
@@ -191,7 +180,7 @@ impl CpuOffloadingManager {
             counts: (config.store_threshold >= 2).then(LinkedKeySet::new),
             stores_skipped: 0,
             allocation_sizes: Vec::new(),
-            requests: HashMap::new(),
+            requests: Requests::default(),
             scratch: Vec::new(),
             scratch_class: Vec::new(),
             scratch_ready: Vec::new(),
@@ -373,29 +362,6 @@ impl CpuOffloadingManager {
         })
     }
 
-    fn access<'a>(
-        requests: &'a mut HashMap<StdArc<str>, RequestAccess>,
-        ctx: &ReqContext,
-    ) -> &'a mut RequestAccess {
-        let e = requests
-            .entry_ref(ctx.req_id())
-            .or_insert_with(|| RequestAccess {
-                ctx_uid: ctx.uid(),
-                order: Vec::new(),
-                flags: HashMap::new(),
-                req_rank: None,
-            });
-        if e.ctx_uid != ctx.uid() {
-            *e = RequestAccess {
-                ctx_uid: ctx.uid(),
-                order: Vec::new(),
-                flags: HashMap::new(),
-                req_rank: None,
-            };
-        }
-        e
-    }
-
     /// vLLM `_record_request_cache_access`.
     fn record_access(
         &mut self,
@@ -403,7 +369,7 @@ impl CpuOffloadingManager {
         ctx: &ReqContext,
         reused: &[OffloadKey],
     ) {
-        let state = Self::access(&mut self.requests, ctx);
+        let state = self.requests.access(ctx);
         state.flags.reserve(reused.len());
         let positional = ctx.has_positions();
         let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
@@ -681,7 +647,7 @@ impl CpuOffloadingManager {
         }
         // Store misses not yet reported for this request, reported in reverse.
         {
-            let state = Self::access(&mut self.requests, ctx);
+            let state = self.requests.access(ctx);
             state.flags.reserve(keys.len());
             let mut misses = std::mem::take(&mut self.scratch_misses);
             misses.clear();
@@ -765,7 +731,7 @@ impl CpuOffloadingManager {
         // Fresh ids first, then the free list LIFO.
         ids.reserve(n);
         let positional = ctx.has_positions();
-        let state = Self::access(&mut self.requests, ctx);
+        let state = self.requests.access(ctx);
         for k in out.keys_to_store.iter() {
             let s = if self.num_allocated < self.num_chunks {
                 self.num_allocated += 1;
@@ -916,19 +882,15 @@ impl CpuOffloadingManager {
 
     /// As vLLM's `on_new_request`: starts the request's access record (chunk-level).
     pub fn on_new_request(&mut self, ctx: &ReqContext) -> Result<RequestOffloadingContext> {
-        Self::access(&mut self.requests, ctx);
+        self.requests.access(ctx);
         Ok(RequestOffloadingContext::default())
     }
 
     /// As vLLM's `on_request_finished`: hands the request's accesses to the policy in order.
     pub fn on_request_finished(&mut self, ctx: &ReqContext) -> Result<()> {
-        let Some(state) = self.requests.get(ctx.req_id()) else {
+        let Some(state) = self.requests.take(ctx) else {
             return Ok(());
         };
-        if state.ctx_uid != ctx.uid() {
-            return Ok(());
-        }
-        let state = self.requests.remove(ctx.req_id()).expect("present");
         let groups = Self::key_groups(&state.order, ctx);
         let ordered = Self::order_request_keys(&groups, ctx);
         let info: Vec<(OffloadKey, Option<u32>, bool, bool)> = ordered
@@ -946,6 +908,7 @@ impl CpuOffloadingManager {
             })
             .collect();
         self.policy.on_request_finished(&info);
+        self.requests.recycle(state);
         Ok(())
     }
 

@@ -6,6 +6,7 @@ pub mod manager;
 pub(crate) mod order;
 pub mod policy;
 pub mod primary;
+pub(crate) mod requests;
 
 pub use manager::{CpuManagerConfig, CpuOffloadingManager, FinishedAccess, SlotState, StorePlan};
 pub use policy::CachePolicyKind;

@@ -85,7 +85,7 @@ impl CpuOffloadingManager {
         if self.counts.is_some() {
             self.stores_skipped += (candidates - plan.keys_to_store.len()) as u64;
         }
-        let state = Self::access(&mut self.requests, ctx);
+        let state = self.requests.access(ctx);
         for k in &plan.keys_to_store {
             if state.flags.get(k).is_none_or(|f| f & STORE_MISS == 0) {
                 plan.new_store_misses.push(*k);
@@ -103,7 +103,7 @@ impl CpuOffloadingManager {
 
     /// Notes `keys` as store misses already reported for the request.
     pub fn mark_store_misses(&mut self, keys: &[OffloadKey], ctx: &ReqContext) {
-        let state = Self::access(&mut self.requests, ctx);
+        let state = self.requests.access(ctx);
         for k in keys {
             *state.flags.entry(*k).or_insert(0) |= STORE_MISS;
         }
@@ -120,7 +120,7 @@ impl CpuOffloadingManager {
         reused: &[OffloadKey],
     ) {
         self.record_access(keys.iter().copied(), ctx, &[]);
-        let state = Self::access(&mut self.requests, ctx);
+        let state = self.requests.access(ctx);
         for k in inserted {
             *state.flags.entry(*k).or_insert(0) |= INSERTED;
         }
@@ -251,7 +251,7 @@ impl CpuOffloadingManager {
         }
         self.reserved.retain(|s| !taken.contains(s));
         let positional = ctx.has_positions();
-        let state = Self::access(&mut self.requests, ctx);
+        let state = self.requests.access(ctx);
         for (k, &s) in keys.iter().zip(slots) {
             self.keys[s as usize] = *k;
             self.index.insert(&self.keys, k, s);
@@ -280,11 +280,7 @@ impl CpuOffloadingManager {
     /// `on_request_finished`'s first step: the request's accesses, its record dropped; `None`
     /// when there is none (never seen, already finished, or from before a `reset_cache`).
     pub fn finish_request_access(&mut self, ctx: &ReqContext) -> Option<FinishedAccess> {
-        let state = self.requests.get(ctx.req_id())?;
-        if state.ctx_uid != ctx.uid() {
-            return None;
-        }
-        let state = self.requests.remove(ctx.req_id()).expect("present");
+        let state = self.requests.take(ctx)?;
         let key_groups = Self::key_groups(&state.order, ctx);
         let mut insertion_only = Vec::new();
         let mut reused = Vec::new();
@@ -296,6 +292,7 @@ impl CpuOffloadingManager {
                 insertion_only.push(*k);
             }
         }
+        self.requests.recycle(state);
         Some(FinishedAccess {
             key_groups,
             insertion_only,
