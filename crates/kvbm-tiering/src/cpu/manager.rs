@@ -407,14 +407,25 @@ impl CpuOffloadingManager {
     /// group sorted by position when every key of it has one, else in first-seen order.
     fn key_groups(order: &[OffloadKey], ctx: &ReqContext) -> Vec<Vec<OffloadKey>> {
         let positional = ctx.has_positions();
-        let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
-        for k in order {
-            let g = get_offload_group_idx(k);
-            match groups.iter_mut().find(|(gg, _)| *gg == g) {
-                Some((_, v)) => v.push(*k),
-                None => groups.push((g, vec![*k])),
+        // One KV-cache group (the usual case): the order as it is, without a push per key.
+        let single = order
+            .first()
+            .map(get_offload_group_idx)
+            .filter(|&g| order.iter().all(|k| get_offload_group_idx(k) == g));
+        let mut groups: Vec<(u32, Vec<OffloadKey>)> = match single {
+            Some(g) => vec![(g, order.to_vec())],
+            None => {
+                let mut groups: Vec<(u32, Vec<OffloadKey>)> = Vec::new();
+                for k in order {
+                    let g = get_offload_group_idx(k);
+                    match groups.iter_mut().find(|(gg, _)| *gg == g) {
+                        Some((_, v)) => v.push(*k),
+                        None => groups.push((g, vec![*k])),
+                    }
+                }
+                groups
             }
-        }
+        };
         groups.sort_by_key(|(g, _)| *g);
         groups
             .into_iter()
@@ -520,14 +531,30 @@ impl CpuOffloadingManager {
         Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }))
     }
 
-    /// Pins chunks known to be resident and ready (cascade of keys `complete_store` just made
-    /// ready); one probe per key. Returns the chunk ids co-indexed with `keys`.
-    pub(crate) fn pin_ready(&mut self, keys: &[OffloadKey]) -> Vec<i32> {
-        let mut ids = Vec::with_capacity(keys.len());
+    /// The slots of `keys`, co-indexed, into `out` (cleared first): one probe per key, for a
+    /// caller that then completes and pins them by slot ([`complete_store_at`](Self::complete_store_at),
+    /// [`pin_slots`](Self::pin_slots)) without probing again. `Err` names the first key that is
+    /// not resident (`out` then holds the slots before it).
+    pub(crate) fn resident_slots(
+        &self,
+        keys: &[OffloadKey],
+        out: &mut Vec<u32>,
+    ) -> std::result::Result<(), OffloadKey> {
+        out.clear();
+        out.reserve(keys.len());
         for k in keys {
-            let s = self.index.get(&self.keys, k).expect("resident");
+            out.push(self.index.get(&self.keys, k).ok_or(*k)?);
+        }
+        Ok(())
+    }
+
+    /// Pins resident, ready chunks by slot (the cascade of keys `complete_store_at` just made
+    /// ready). Returns the chunk ids, co-indexed with `slots`.
+    pub(crate) fn pin_slots(&mut self, slots: &[u32]) -> Vec<i32> {
+        let mut ids = Vec::with_capacity(slots.len());
+        for &s in slots {
             let rc = &mut self.ref_cnt[s as usize];
-            debug_assert!(*rc >= 0, "pin_ready of a key still being written");
+            debug_assert!(*rc >= 0, "pin_slots of a chunk still being written");
             if *rc == 0 {
                 self.num_evictable -= 1;
             }
@@ -759,33 +786,52 @@ impl CpuOffloadingManager {
     pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {
         let mut done: Vec<OffloadKey> = Vec::new();
         for k in keys {
-            let Some(s) = self.index.get(&self.keys, k) else {
-                continue;
-            };
-            if self.ref_cnt[s as usize] >= 0 {
-                continue;
-            }
-            self.num_write_pending -= 1;
-            if success {
-                self.ref_cnt[s as usize] = 0;
-                self.num_evictable += 1;
-            } else {
-                self.policy.remove(s);
-                self.index.remove(&self.keys, k);
-                self.free_list.push(s);
-            }
-            if self.events.is_some() {
-                done.push(*k);
+            if let Some(s) = self.index.get(&self.keys, k) {
+                self.complete_slot(k, s, success, &mut done);
             }
         }
+        self.completed_event(done, success);
+    }
+
+    /// A successful `complete_store` of `keys` whose slots the caller holds (co-indexed,
+    /// [`resident_slots`](Self::resident_slots) just before): no probe.
+    pub(crate) fn complete_store_at(&mut self, keys: &[OffloadKey], slots: &[u32]) {
+        debug_assert_eq!(keys.len(), slots.len());
+        let mut done: Vec<OffloadKey> = Vec::new();
+        for (k, &s) in keys.iter().zip(slots) {
+            self.complete_slot(k, s, true, &mut done);
+        }
+        self.completed_event(done, true);
+    }
+
+    /// One key of `complete_store`, resident in slot `s`: a write in flight becomes ready
+    /// (`success`) or is dropped; anything else (already ready, a key given twice) is left.
+    #[inline]
+    fn complete_slot(&mut self, k: &OffloadKey, s: u32, success: bool, done: &mut Vec<OffloadKey>) {
+        if self.ref_cnt[s as usize] >= 0 {
+            return;
+        }
+        self.num_write_pending -= 1;
+        if success {
+            self.ref_cnt[s as usize] = 0;
+            self.num_evictable += 1;
+        } else {
+            self.policy.remove(s);
+            self.index.remove(&self.keys, k);
+            self.free_list.push(s);
+        }
+        if self.events.is_some() {
+            done.push(*k);
+        }
+    }
+
+    fn completed_event(&mut self, done: Vec<OffloadKey>, success: bool) {
         if let Some(ev) = self.events.as_mut()
             && !done.is_empty()
         {
-            {
-                let mut e = OffloadingEvent::new(done, Medium::Cpu, !success);
-                e.metadata_only = !success;
-                ev.push(e);
-            }
+            let mut e = OffloadingEvent::new(done, Medium::Cpu, !success);
+            e.metadata_only = !success;
+            ev.push(e);
         }
     }
 

@@ -186,9 +186,9 @@ impl CpuPrimaryTier {
             .prepare_load_inner("prepare_read", keys, ctx, false)
     }
 
-    /// `prepare_read` of keys already checked resident and ready (one probe per key).
-    pub(crate) fn prepare_read_ready(&mut self, keys: &[OffloadKey]) -> Vec<i32> {
-        self.manager.pin_ready(keys)
+    /// `prepare_read` of chunks already known resident and ready, by slot (no probe).
+    pub(crate) fn prepare_read_slots(&mut self, slots: &[u32]) -> Vec<i32> {
+        self.manager.pin_slots(slots)
     }
 
     /// Unpins chunks after a primary → secondary copy.

@@ -52,6 +52,11 @@ use crate::types::{
     ReqContext, RequestOffloadingContext, ScheduleEndContext,
 };
 
+/// Finished requests' load-source maps kept for reuse, at most.
+const MAX_SPARE_SOURCES: usize = 64;
+/// A load-source map grown past this many keys is dropped rather than kept.
+const MAX_SPARE_SOURCE_KEYS: usize = 4096;
+
 /// Switches for kvbm's fixes of upstream bugs. [`UpstreamFixes::upstream`] turns all off.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UpstreamFixes {
@@ -152,6 +157,12 @@ pub struct TieringOffloadingManager {
     req_state: HashMap<Arc<str>, RequestState>,
     req_seq: u64,
     load_sources: HashMap<Arc<str>, HashMap<OffloadKey, CacheHitSource>>,
+    /// Finished requests' load-source maps, cleared, for the next requests that promote (a
+    /// request's map would otherwise grow from empty, a rehash at a time, one promotion at a
+    /// time).
+    spare_sources: Vec<HashMap<OffloadKey, CacheHitSource>>,
+    /// `complete_store`'s slots of the keys it completes (kept between calls).
+    scratch_slots: Vec<u32>,
     metrics: Metrics,
     finished: Vec<JobResult>,
     fixes: UpstreamFixes,
@@ -212,6 +223,8 @@ impl TieringOffloadingManager {
             req_state: HashMap::new(),
             req_seq: 0,
             load_sources: HashMap::new(),
+            spare_sources: Vec::new(),
+            scratch_slots: Vec::new(),
             metrics,
             finished: Vec::new(),
             fixes,
@@ -643,7 +656,11 @@ impl TieringOffloadingManager {
     /// Records a placed promotion (`out`: its one-key store) as pending for `tier`.
     fn pend_promotion(&mut self, tier: usize, ctx: &ReqContext, out: &PrepareStoreOutput) {
         let src = self.tiers[tier].cache_hit_source();
-        let ls = self.load_sources.entry_ref(ctx.req_id()).or_default();
+        let spare = &mut self.spare_sources;
+        let ls = self
+            .load_sources
+            .entry_ref(ctx.req_id())
+            .or_insert_with(|| spare.pop().unwrap_or_default());
         for k in &out.keys_to_store {
             ls.insert(*k, src);
         }
@@ -663,10 +680,12 @@ impl TieringOffloadingManager {
                     Some(&j) => j,
                     None => {
                         let v = &mut self.pending[t].1;
+                        // Room for a few promotions: a request promotes its chunks one
+                        // lookup at a time.
                         v.push(PendingPromotion {
                             req_context: ctx.clone(),
-                            keys: Vec::new(),
-                            chunk_ids: Vec::new(),
+                            keys: Vec::with_capacity(16),
+                            chunk_ids: Vec::with_capacity(16),
                         });
                         let j = v.len() - 1;
                         self.pending_index
@@ -896,7 +915,13 @@ impl TieringOffloadingManager {
             }
             t.on_request_finished(&s.req_context);
         }
-        self.load_sources.remove(req);
+        if let Some(mut sources) = self.load_sources.remove(req)
+            && self.spare_sources.len() < MAX_SPARE_SOURCES
+            && sources.capacity() <= MAX_SPARE_SOURCE_KEYS
+        {
+            sources.clear();
+            self.spare_sources.push(sources);
+        }
     }
 
     fn check_live(&self, call: &'static str) -> Result<()> {
@@ -1025,23 +1050,26 @@ impl OffloadingManager for TieringOffloadingManager {
             }
             _ => {}
         }
+        // One probe per key: the slots found here are completed and pinned below.
+        let mut slots = std::mem::take(&mut self.scratch_slots);
         if success {
-            for k in keys {
-                if self.primary.manager().chunk(k).is_none() {
-                    return Err(TieringError::UnknownKey { call, key: *k });
-                }
+            if let Err(key) = self.primary.manager().resident_slots(keys, &mut slots) {
+                self.scratch_slots = slots;
+                return Err(TieringError::UnknownKey { call, key });
             }
+            self.primary.manager_mut().complete_store_at(keys, &slots);
+        } else {
+            self.primary
+                .manager_mut()
+                .complete_store(keys, ctx, success)?;
         }
-        self.primary
-            .manager_mut()
-            .complete_store(keys, ctx, success)?;
         if success {
             // Every key is resident (checked above) and ready after complete_store.
             for i in 0..self.tiers.len() {
                 if !self.should_store_to_tier(i, keys.len()) {
                     continue;
                 }
-                let chunk_ids = self.primary.prepare_read_ready(keys);
+                let chunk_ids = self.primary.prepare_read_slots(&slots);
                 let job_id = self.next_job_id();
                 let job = Arc::new(TierJob {
                     job_id,
@@ -1055,6 +1083,7 @@ impl OffloadingManager for TieringOffloadingManager {
                 self.tiers[i].submit_store(job);
             }
         }
+        self.scratch_slots = slots;
         let req = ctx.req_id_arc().clone();
         let s = self.req_state.get_mut(&req).expect("checked");
         s.pending_primary_stores -= 1;
