@@ -455,6 +455,22 @@ fn disk_tier_restarts_warm_from_its_journal() {
         m.shutdown().unwrap();
     }
     assert!(journal.exists(), "the journal sits beside the file");
+    {
+        // Each listed chunk's checksum is its payload's (computed off the scheduler thread,
+        // beside the move, from the primary's bytes).
+        let layout = CpuPrimaryTier::block_layout(8, CHUNK).unwrap();
+        let disk = PhysicalLayout::create_disk(layout, &DiskConfig::new(&path)).unwrap();
+        let opened = kvbm_offload::journal::DiskJournal::open(&path, &disk).unwrap();
+        assert_eq!(opened.entries.len(), 4);
+        for i in 0..4 {
+            let e = opened.entries[&key_hash(&k(i), TIER_BLOCK_SIZE).as_u128()];
+            assert_eq!(
+                e.checksum,
+                kvbm_physical::checksum::checksum(&pattern(i)),
+                "chunk {i}'s listed checksum"
+            );
+        }
+    }
 
     let mut m = disk_manager(&path, 8);
     let t = m.tier_mut::<DiskTier>(0).unwrap();

@@ -435,6 +435,20 @@ impl TransferManager {
             .spawn(io)
     }
 
+    /// Runs `work`, CPU-bound work that belongs with a transfer (e.g. checksumming what a move
+    /// writes), on the manager's runtime's blocking pool, off the runtime's I/O workers and off
+    /// the caller's thread; returns its handle, which any executor may await.
+    pub fn spawn_blocking<F, R>(&self, work: F) -> tokio::task::JoinHandle<R>
+    where
+        F: FnOnce() -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        self.runtime
+            .as_ref()
+            .expect("runtime lives until drop")
+            .spawn_blocking(work)
+    }
+
     /// Counters of the bounce-buffer pool behind two-hop transfers (allocations, reuses,
     /// waits, one-off allocations).
     pub fn bounce_stats(&self) -> BouncePoolStats {

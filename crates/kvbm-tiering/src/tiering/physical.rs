@@ -25,6 +25,10 @@
 //!               (the future holds the source blocks) ─► readers-1
 //! ```
 //!
+//! The bookkeeping is the scheduler thread's; no work that grows with a chunk's bytes is: the
+//! moves run on the transfer manager, and a disk tier's journal checksums (the xxh3-128 of each
+//! chunk stored) are computed on its blocking pool beside the move and come back with it.
+//!
 //! A key is Ready while the tier holds its `ImmutableBlock<T>`; dropping it (eviction, a copy
 //! that failed verification) returns the block to the manager's inactive pool, from which the
 //! manager reuses it. The tier's key map is the source of truth for presence; the manager is
@@ -145,14 +149,16 @@ struct Entry<T: Tier> {
 struct JobMeta {
     job_id: JobId,
     keys: Vec<OffloadKey>,
-    /// Store jobs of a journaled tier: (key hash, payload xxh3-128) per key, co-indexed.
-    sums: Vec<(u128, u128)>,
+    /// Store jobs of a journaled tier: each key's sequence hash, co-indexed (the payload
+    /// checksums come with the settled move).
+    hashes: Vec<u128>,
     bytes: u64,
     started: std::time::Instant,
 }
 
 enum Move<T: Tier> {
-    Store(BoxFuture<'static, Vec<MoveOutcome<T>>>),
+    /// The move's outcomes, and (journaled tiers) the xxh3-128 of each chunk it wrote.
+    Store(BoxFuture<'static, (Vec<MoveOutcome<T>>, Vec<u128>)>),
     Load(BoxFuture<'static, Vec<std::result::Result<(), BlockFailure>>>),
 }
 
@@ -162,21 +168,24 @@ struct Inflight<T: Tier> {
 }
 
 enum Settled<T: Tier> {
-    Store(Vec<MoveOutcome<T>>),
+    Store(Vec<MoveOutcome<T>>, Vec<u128>),
     Load(Vec<std::result::Result<(), BlockFailure>>),
 }
 
 impl<T: Tier> Inflight<T> {
     fn poll_now(&mut self) -> Option<Settled<T>> {
         match &mut self.mv {
-            Move::Store(f) => f.now_or_never().map(Settled::Store),
+            Move::Store(f) => f.now_or_never().map(|(o, sums)| Settled::Store(o, sums)),
             Move::Load(f) => f.now_or_never().map(Settled::Load),
         }
     }
 
     fn wait(self) -> (JobMeta, Settled<T>) {
         let settled = match self.mv {
-            Move::Store(f) => Settled::Store(futures::executor::block_on(f)),
+            Move::Store(f) => {
+                let (o, sums) = futures::executor::block_on(f);
+                Settled::Store(o, sums)
+            }
             Move::Load(f) => Settled::Load(futures::executor::block_on(f)),
         };
         (self.meta, settled)
@@ -309,13 +318,48 @@ impl<T: Tier> PhysicalTier<T> {
         true
     }
 
-    /// xxh3-128 of the primary's chunk `slot`.
-    fn primary_checksum(&self, slot: BlockId) -> u128 {
-        let (addr, len) = self.primary_memory.block_addrs(slot, 0..1)[0];
-        // SAFETY: host memory of the primary layout; a store job's chunks are pinned by the
-        // tiering manager for the job (nothing writes them until it is reported).
-        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-        kvbm_physical::checksum::checksum(bytes)
+    /// The store move of a job, with the journal's payload checksums when the tier keeps one:
+    /// the xxh3-128 of each source chunk (`slots` of the primary), computed on the transfer
+    /// manager's blocking pool beside the move, never on the caller's (the scheduler's) thread,
+    /// where it would cost the scheduler step the time to read every byte stored.
+    fn store_move(
+        &self,
+        sources: &[MoveSource],
+        destinations: Vec<MutableBlock<T>>,
+        slots: Vec<BlockId>,
+    ) -> Move<T> {
+        let mv = self.store.move_blocks(sources, destinations);
+        if self.journal.is_none() {
+            return Move::Store(mv.map(|o| (o, Vec::new())).boxed());
+        }
+        let regions: Vec<(usize, usize)> = slots
+            .iter()
+            .map(|&s| self.primary_memory.block_addrs(s, 0..1)[0])
+            .collect();
+        let sums = self.bound.transfer_manager().spawn_blocking(move || {
+            regions
+                .into_iter()
+                .map(|(addr, len)| {
+                    // SAFETY: host memory of the primary layout, which outlives the tier; the
+                    // job's chunks are pinned by the tiering manager (nothing writes them)
+                    // until the job is reported, which waits for this task: the move's future
+                    // awaits it, and a job is reported only once that future settled
+                    // (`get_finished_jobs`, `drain_jobs`; dropping the tier waits for it too).
+                    let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                    kvbm_physical::checksum::checksum(bytes)
+                })
+                .collect::<Vec<u128>>()
+        });
+        Move::Store(
+            async move {
+                let out = mv.await;
+                // A task that could not run (the runtime going away) lists nothing: the
+                // chunks stay readable for this run, as when the journal cannot be appended.
+                let sums = sums.await.unwrap_or_default();
+                (out, sums)
+            }
+            .boxed(),
+        )
     }
 
     fn owning(primary: &CpuPrimaryTier, layout: PhysicalLayout, blocks: usize) -> Result<Self> {
@@ -469,12 +513,12 @@ impl<T: Tier> PhysicalTier<T> {
         let mut dropped = Vec::new();
         let promotion = matches!(settled, Settled::Load(_));
         match settled {
-            Settled::Store(outcomes) => {
+            Settled::Store(outcomes, sums) => {
                 let mut written = Vec::new();
                 for (i, (k, r)) in meta.keys.iter().zip(outcomes).enumerate() {
                     match r {
                         Ok(block) => {
-                            if let Some(&(h, sum)) = meta.sums.get(i) {
+                            if let (Some(&h), Some(&sum)) = (meta.hashes.get(i), sums.get(i)) {
                                 written.push((block.block_id(), h, sum));
                             }
                             if let Some(e) = self.entries.get_mut(k) {
@@ -541,12 +585,12 @@ impl<T: Tier> PhysicalTier<T> {
         });
     }
 
-    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>, sums: Vec<(u128, u128)>) -> JobMeta {
+    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>, hashes: Vec<u128>) -> JobMeta {
         JobMeta {
             job_id: job.job_id,
             bytes: (keys.len() * self.chunk_bytes) as u64,
             keys,
-            sums,
+            hashes,
             started: std::time::Instant::now(),
         }
     }
@@ -733,7 +777,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     }
     fn submit_store(&mut self, job: Arc<TierJob>) {
         let (mut keys, mut sources, mut destinations) = (Vec::new(), Vec::new(), Vec::new());
-        let mut sums = Vec::new();
+        let (mut hashes, mut slots) = (Vec::new(), Vec::new());
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
             if self.entries.contains_key(k) || self.claim_restored(k) {
                 continue;
@@ -751,10 +795,8 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             );
             let source = self.source(k, c as BlockId);
             if self.journal.is_some() {
-                sums.push((
-                    source.sequence_hash.as_u128(),
-                    self.primary_checksum(c as BlockId),
-                ));
+                hashes.push(source.sequence_hash.as_u128());
+                slots.push(c as BlockId);
             }
             sources.push(source);
             destinations.push(block);
@@ -775,8 +817,8 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             self.done.push(JobResult::new(job.job_id, false));
             return;
         }
-        let mv = Move::Store(self.store.move_blocks(&sources, destinations).boxed());
-        let meta = self.meta(&job, keys, sums);
+        let mv = self.store_move(&sources, destinations, slots);
+        let meta = self.meta(&job, keys, hashes);
         self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
