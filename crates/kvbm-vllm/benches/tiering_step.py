@@ -12,7 +12,8 @@ every chunk, ``prepare_load``/``complete_load`` of the hits, ``prepare_store``/
   promote  two sets alternate; the one asked for was pushed out of the primary but is in the
            tier: HIT_PENDING, promotion at on_schedule_end, completed at the next step's poll
 
-Managers, each in the same process, alternating step by step so all see the same machine:
+Managers, each in the same process, alternating step by step so all see the same machine (in
+an order that rotates each step, so none always runs right after the same other one):
 
   vllm                vLLM 0.33's Python TieringOffloadingManager over a Python in-memory
                       tier (vllm-manager-replay.py's ``MemTier``: a set of keys, every job
@@ -60,7 +61,9 @@ def main():
 
 def run(tmp):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6, help="measured steps per scenario")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="measured steps per scenario (a multiple of the number of managers "
+                         "gives each the same share of each position in the rotation)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--kinds", default="vllm,kvbm+python-tier,kvbm+disk",
                     help="managers to run, comma-separated (ratios need vllm)")
@@ -197,7 +200,12 @@ def run(tmp):
                 run_step(m, split(b), {})
                 settle(m)
         for s in range(args.warmup + args.steps):
-            for k, m in managers.items():
+            # The order rotates each step: a manager's step finds the caches as the one before
+            # it left them (vLLM's step leaves them full of its own objects), so each manager
+            # follows each of the others equally often rather than always the same one.
+            order = kinds[s % len(kinds):] + kinds[:s % len(kinds)]
+            for k in order:
+                m = managers[k]
                 if scenario == "cold":
                     keys = keyset(f"cold{s}", per_step)
                 elif scenario == "warm":
