@@ -463,10 +463,12 @@ impl<T: Tier> PhysicalTier<T> {
     }
 
     fn source(&self, key: &OffloadKey, block_id: BlockId) -> MoveSource {
+        // One digest of the key: its identity, and the hash derived from it.
+        let digest = key_digest(key);
         MoveSource {
             block_id,
-            sequence_hash: key_hash(key, self.bound.manager().block_size()),
-            digest: Some(key_digest(key)),
+            sequence_hash: digest_hash(&digest, self.bound.manager().block_size()),
+            digest: Some(digest),
             registered_digest: None,
         }
     }
@@ -725,8 +727,9 @@ impl PhysicalTier<G4> {
         let Some(block) = self.allocate() else {
             return false;
         };
-        let h = key_hash(key, self.bound.manager().block_size());
-        let Ok(complete) = block.complete_with_digest(h, Some(key_digest(key))) else {
+        let digest = key_digest(key);
+        let h = digest_hash(&digest, self.bound.manager().block_size());
+        let Ok(complete) = block.complete_with_digest(h, Some(digest)) else {
             return false;
         };
         let Some(registered) = self.bound.manager().register_blocks(vec![complete]).pop() else {
