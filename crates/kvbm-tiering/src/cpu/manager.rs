@@ -142,6 +142,8 @@ pub struct CpuOffloadingManager {
     /// Scratch of `store_into`: keys already ready, store misses not yet reported.
     scratch_ready: Vec<OffloadKey>,
     scratch_misses: Vec<OffloadKey>,
+    /// Scratch of `store_into`: the slots of the keys already resident.
+    scratch_resident: Vec<u32>,
     /// Slots handed out by `allocate_slots` and not yet inserted (see `phases`).
     reserved: Vec<u32>,
 }
@@ -185,6 +187,7 @@ impl CpuOffloadingManager {
             scratch_class: Vec::new(),
             scratch_ready: Vec::new(),
             scratch_misses: Vec::new(),
+            scratch_resident: Vec::new(),
             reserved: Vec::new(),
         }
     }
@@ -649,6 +652,9 @@ impl CpuOffloadingManager {
         let keys_to_store = &mut out.keys_to_store;
         let mut ready_existing = std::mem::take(&mut self.scratch_ready);
         ready_existing.clear();
+        // The slots of the keys already resident: protected from this call's eviction below
+        // (nothing between here and there changes the index).
+        self.scratch_resident.clear();
         let mut candidates = 0usize;
         for k in keys {
             match self.index.get(&self.keys, k) {
@@ -664,9 +670,13 @@ impl CpuOffloadingManager {
                 }
                 Some(s) if self.ref_cnt[s as usize] >= 0 => {
                     ready_existing.push(*k);
+                    self.scratch_resident.push(s);
                     class.push(2);
                 }
-                Some(_) => class.push(0),
+                Some(s) => {
+                    self.scratch_resident.push(s);
+                    class.push(0);
+                }
             }
         }
         if self.counts.is_some() {
@@ -718,10 +728,8 @@ impl CpuOffloadingManager {
                 return false;
             }
             self.stamp += 1;
-            for k in keys {
-                if let Some(s) = self.index.get(&self.keys, k) {
-                    self.protect[s as usize] = self.stamp;
-                }
+            for &s in &self.scratch_resident {
+                self.protect[s as usize] = self.stamp;
             }
             let mut victims = std::mem::take(&mut self.scratch);
             let view = SlotView {
