@@ -487,34 +487,47 @@ impl TieringOffloadingManager {
 
     fn complete_promotion(&mut self, meta: &JobMeta, r: &JobResult) {
         let job = &meta.job;
-        let (ok, failed): (Vec<OffloadKey>, Vec<OffloadKey>) = if r.success {
-            (job.keys.clone(), Vec::new())
+        if r.success {
+            // Every key landed (the usual case): the job's own keys, not a copy of them.
+            self.primary.complete_write(&job.keys, true);
         } else {
-            match &r.successful_keys {
-                Some(s) if !s.is_empty() => {
-                    let sset: HashSet<OffloadKey> = s.iter().copied().collect();
-                    if !s.iter().all(|k| job.keys.contains(k)) {
-                        tracing::error!(
-                            job_id = r.job_id,
-                            "promotion reported unknown successful keys"
-                        );
-                    }
-                    let failed = job
-                        .keys
-                        .iter()
-                        .copied()
-                        .filter(|k| !sset.contains(k))
-                        .collect();
-                    let ok = job
-                        .keys
-                        .iter()
-                        .copied()
-                        .filter(|k| sset.contains(k))
-                        .collect();
-                    (ok, failed)
-                }
-                _ => (Vec::new(), job.keys.clone()),
+            self.complete_failed_promotion(meta, r);
+        }
+        if self.expired_jobs.remove(&job.job_id) {
+            for k in &job.keys {
+                self.expired_keys.remove(k);
             }
+        }
+    }
+
+    /// A promotion that failed in part or whole: the keys that landed complete, the others are
+    /// released (their load source forgotten, and marked when the fix is on).
+    fn complete_failed_promotion(&mut self, meta: &JobMeta, r: &JobResult) {
+        let job = &meta.job;
+        let (ok, failed): (Vec<OffloadKey>, Vec<OffloadKey>) = match &r.successful_keys {
+            Some(s) if !s.is_empty() => {
+                let sset: HashSet<OffloadKey> = s.iter().copied().collect();
+                if !s.iter().all(|k| job.keys.contains(k)) {
+                    tracing::error!(
+                        job_id = r.job_id,
+                        "promotion reported unknown successful keys"
+                    );
+                }
+                let failed = job
+                    .keys
+                    .iter()
+                    .copied()
+                    .filter(|k| !sset.contains(k))
+                    .collect();
+                let ok = job
+                    .keys
+                    .iter()
+                    .copied()
+                    .filter(|k| sset.contains(k))
+                    .collect();
+                (ok, failed)
+            }
+            _ => (Vec::new(), job.keys.clone()),
         };
         if let Some(ls) = self.load_sources.get_mut(job.req_context.req_id()) {
             let src = self.tiers[meta.tier].cache_hit_source();
@@ -534,11 +547,6 @@ impl TieringOffloadingManager {
                 for k in &failed {
                     *self.failed_marks.entry(*k).or_insert(0) |= bit;
                 }
-            }
-        }
-        if self.expired_jobs.remove(&job.job_id) {
-            for k in &job.keys {
-                self.expired_keys.remove(k);
             }
         }
     }
