@@ -73,11 +73,18 @@ pub(crate) struct Requests {
 }
 
 impl Requests {
+    /// The remembered slot, when it is `ctx`'s live record (see the invariants).
+    #[inline]
+    fn last_hit(&self, ctx: &ReqContext) -> Option<u32> {
+        let (uid, i) = self.last;
+        (uid == ctx.uid() && self.slab.get(i as usize).is_some_and(|r| r.ctx_uid == uid))
+            .then_some(i)
+    }
+
     /// The slab slot of `ctx`'s live record, if it has one.
     #[inline]
     fn find(&self, ctx: &ReqContext) -> Option<u32> {
-        let (uid, i) = self.last;
-        if uid == ctx.uid() && self.slab.get(i as usize).is_some_and(|r| r.ctx_uid == uid) {
+        if let Some(i) = self.last_hit(ctx) {
             return Some(i);
         }
         let &i = self.by_id.get(ctx.req_id())?;
@@ -88,14 +95,10 @@ impl Requests {
     /// it has belongs to another context of the same id (vLLM keys its state by request id
     /// and a new context replaces the old one's).
     pub(crate) fn access(&mut self, ctx: &ReqContext) -> &mut RequestAccess {
-        let uid = ctx.uid();
-        let (luid, li) = self.last;
-        if luid == uid
-            && let Some(r) = self.slab.get(li as usize)
-            && r.ctx_uid == uid
-        {
-            return &mut self.slab[li as usize];
+        if let Some(i) = self.last_hit(ctx) {
+            return &mut self.slab[i as usize];
         }
+        let uid = ctx.uid();
         let i = match self.by_id.get(ctx.req_id()) {
             Some(&i) => {
                 let r = &mut self.slab[i as usize];

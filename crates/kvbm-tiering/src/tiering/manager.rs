@@ -1058,21 +1058,15 @@ impl OffloadingManager for TieringOffloadingManager {
             }
             _ => {}
         }
-        // One probe per key: the slots found here are completed and pinned below.
-        let mut slots = std::mem::take(&mut self.scratch_slots);
         if success {
+            // One probe per key: the slots found here are completed, then pinned for each
+            // tier's cascade (every key is resident, checked here, and ready once completed).
+            let mut slots = std::mem::take(&mut self.scratch_slots);
             if let Err(key) = self.primary.manager().resident_slots(keys, &mut slots) {
                 self.scratch_slots = slots;
                 return Err(TieringError::UnknownKey { call, key });
             }
             self.primary.manager_mut().complete_store_at(keys, &slots);
-        } else {
-            self.primary
-                .manager_mut()
-                .complete_store(keys, ctx, success)?;
-        }
-        if success {
-            // Every key is resident (checked above) and ready after complete_store.
             for i in 0..self.tiers.len() {
                 if !self.should_store_to_tier(i, keys.len()) {
                     continue;
@@ -1090,8 +1084,12 @@ impl OffloadingManager for TieringOffloadingManager {
                 self.register(job.clone(), i);
                 self.tiers[i].submit_store(job);
             }
+            self.scratch_slots = slots;
+        } else {
+            self.primary
+                .manager_mut()
+                .complete_store(keys, ctx, success)?;
         }
-        self.scratch_slots = slots;
         let req = ctx.req_id_arc().clone();
         let s = self.req_state.get_mut(&req).expect("checked");
         s.pending_primary_stores -= 1;
