@@ -137,6 +137,23 @@ impl PhysicalLayout {
         matches!(self.backing, Backing::Host(_) | Backing::Device(_))
     }
 
+    /// The one span `(addr, len)` of host or device memory that holds all of `block` in a fully
+    /// contiguous layout, found without allocating (a caller that walks many blocks, e.g. to
+    /// checksum them); `None` for another layout kind, disk or objects
+    /// ([`block_addrs`](Self::block_addrs) answers those).
+    pub fn block_span(&self, block: usize) -> Option<(usize, usize)> {
+        if self.layout.kind() != LayoutKind::FullyContiguous {
+            return None;
+        }
+        let base = match &self.backing {
+            Backing::Host(a) => a.first()?.as_ptr() as usize,
+            Backing::Device(a) => a.first()?.device_addr() as usize,
+            _ => return None,
+        };
+        let c = self.layout.config();
+        Some((base + block * c.block_bytes(), c.block_bytes()))
+    }
+
     /// Absolute addresses `(addr, len)` of `block`'s regions for `layers`, in serialized order,
     /// with adjacent regions merged. Host addresses for host memory, device addresses for
     /// device memory; empty for disk and objects.

@@ -103,3 +103,25 @@ fn region_pairs_split_at_both_sides_boundaries() {
     );
     assert_eq!(super::region_pairs(&src, &[]).count(), 0);
 }
+
+proptest! {
+    /// A block's span is where `block_addrs` puts all of it (one merged range) in host memory,
+    /// for a fully contiguous layout; any other kind has none.
+    #[test]
+    fn block_span_is_the_whole_block_of_a_contiguous_layout(layout in any_layout()) {
+        let c = *layout.config();
+        let contiguous = layout.kind() == LayoutKind::FullyContiguous;
+        let p = PhysicalLayout::allocate_host(layout, crate::storage::PinPolicy::Unpinned).unwrap();
+        for b in 0..c.num_blocks {
+            let addrs = p.block_addrs(b, 0..c.num_layers);
+            match p.block_span(b) {
+                Some(span) => {
+                    prop_assert!(contiguous);
+                    prop_assert_eq!(addrs, vec![span]);
+                    prop_assert_eq!(span.1, c.block_bytes());
+                }
+                None => prop_assert!(!contiguous),
+            }
+        }
+    }
+}

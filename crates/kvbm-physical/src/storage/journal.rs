@@ -76,7 +76,6 @@
 //! explicit compaction; no other lock is taken while holding it, and a compaction thread is
 //! joined only with it released.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -89,6 +88,18 @@ use parking_lot::Mutex;
 
 use crate::error::{PhysicalError, Result};
 use crate::identity::{BlockIdentity, IDENTITY_LEN};
+
+/// A journal's live entries by slot: the block identity and payload checksum each slot holds.
+///
+/// hashbrown's default hasher, not std's SipHash: a slot number is nothing an attacker
+/// chooses, and an append probes the map once per record (a store appends a `Removed` before
+/// its write and a `Stored` after), where SipHash cost about a third of the append besides
+/// the write itself.
+pub type LiveEntries = hashbrown::HashMap<u64, (BlockIdentity, u128)>;
+
+/// Most live entries an open journal reserves room for up front (a full tier of up to a
+/// million slots grows no map on the scheduler thread; a larger one grows past it).
+const LIVE_RESERVE_MAX: u64 = 1 << 20;
 
 /// Bytes of the journal header.
 pub const JOURNAL_HEADER_LEN: usize = 64;
@@ -288,7 +299,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<JournalRecord> {
 #[derive(Debug, Clone, Default)]
 pub struct Replayed {
     /// Live entries by slot.
-    pub live: HashMap<u64, (BlockIdentity, u128)>,
+    pub live: LiveEntries,
     /// Good records applied.
     pub records: u64,
     /// Length of the good prefix (header + good records).
@@ -356,7 +367,7 @@ struct State {
     /// End of the last good record: the next append goes here.
     good_len: u64,
     records: u64,
-    live: HashMap<u64, (BlockIdentity, u128)>,
+    live: LiveEntries,
     buf: Vec<u8>,
     /// The compaction thread, while one runs (or has run and not been joined).
     compacting: Option<JoinHandle<()>>,
@@ -431,7 +442,7 @@ fn sync_parent(path: &Path) {
 fn write_snapshot(
     path: &Path,
     geometry: &JournalGeometry,
-    live: &HashMap<u64, (BlockIdentity, u128)>,
+    live: &LiveEntries,
 ) -> Result<(File, u64, u64)> {
     let (tmp_file, len, n) = write_tmp(path, geometry, live)?;
     drop(tmp_file);
@@ -455,7 +466,7 @@ fn write_snapshot(
 fn write_tmp(
     path: &Path,
     geometry: &JournalGeometry,
-    live: &HashMap<u64, (BlockIdentity, u128)>,
+    live: &LiveEntries,
 ) -> Result<(File, u64, u64)> {
     use std::io::Write;
     let tmp = tmp_path(path);
@@ -520,15 +531,15 @@ impl JournalFile {
         let (file, good_len, records, live) = match data {
             None => {
                 recovery.created = true;
-                let (f, len, n) = write_snapshot(path, &geometry, &HashMap::new())?;
-                (f, len, n, HashMap::new())
+                let (f, len, n) = write_snapshot(path, &geometry, &LiveEntries::new())?;
+                (f, len, n, LiveEntries::new())
             }
             Some(data) => match replay(&data, &geometry) {
                 Err(e) => {
                     recovery.reset = Some(e.to_string());
                     tracing::warn!(path = %path.display(), error = %e, "G3 journal reset: its slots are not trusted");
-                    let (f, len, n) = write_snapshot(path, &geometry, &HashMap::new())?;
-                    (f, len, n, HashMap::new())
+                    let (f, len, n) = write_snapshot(path, &geometry, &LiveEntries::new())?;
+                    (f, len, n, LiveEntries::new())
                 }
                 Ok(r) => {
                     let file =
@@ -549,6 +560,9 @@ impl JournalFile {
         };
         recovery.records = records;
         recovery.live = live.len();
+        let mut live = live;
+        let room = geometry.num_slots.min(LIVE_RESERVE_MAX) as usize;
+        live.reserve(room.saturating_sub(live.len()));
         let m = JournalFile {
             path: path.to_path_buf(),
             geometry,
@@ -907,7 +921,7 @@ fn finish_compaction(
     Ok(old)
 }
 
-fn to_entries(live: &HashMap<u64, (BlockIdentity, u128)>) -> Vec<JournalEntry> {
+fn to_entries(live: &LiveEntries) -> Vec<JournalEntry> {
     let mut v: Vec<JournalEntry> = live
         .iter()
         .map(|(slot, (identity, checksum))| JournalEntry {

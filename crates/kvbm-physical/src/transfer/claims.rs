@@ -14,7 +14,7 @@
 //! Locks: the global table and each manager's claim map are leaf `parking_lot::Mutex`es held
 //! for a scan or an insert only.
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -109,7 +109,9 @@ impl Drop for Reservation {
     }
 }
 
-/// Per-manager claims: `> 0` readers, `-1` one writer.
+/// Per-manager claims: `> 0` readers, `-1` one writer. (hashbrown's hasher, not std's SipHash:
+/// the keys are our own layout handles and block ids, claimed and released once per block of
+/// every transfer.)
 #[derive(Debug, Default)]
 pub(crate) struct Claims {
     map: Mutex<HashMap<(u64, BlockId), i64>>,

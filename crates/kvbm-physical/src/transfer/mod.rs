@@ -742,7 +742,9 @@ impl TransferManager {
                 });
             }
         }
-        let mut seen = std::collections::HashSet::with_capacity(dst_ids.len());
+        // hashbrown's hasher, not std's SipHash: block ids are ours, and this runs once per
+        // block of every transfer.
+        let mut seen = hashbrown::HashSet::with_capacity(dst_ids.len());
         if dk != StorageKind::Object {
             if let Some(dup) = dst_ids.iter().find(|id| !seen.insert(**id)) {
                 return Err(PhysicalError::InvalidArgument(format!(

@@ -59,6 +59,19 @@ impl Links {
         }
     }
 
+    /// Room for slots `0..n` (new slots are in no list); never shrinks.
+    pub(crate) fn grow_to(&mut self, n: usize) {
+        if n > self.links.len() {
+            self.links.resize(
+                n,
+                Link {
+                    prev: NIL,
+                    next: NIL,
+                },
+            );
+        }
+    }
+
     /// Appends `i` (not in any list) at the back.
     #[inline]
     pub(crate) fn push_back(&mut self, l: &mut List, i: u32) {
@@ -159,17 +172,6 @@ impl LinkedKeySet {
         Self {
             map: HashMap::new(),
             nodes: Vec::new(),
-            free: Vec::new(),
-            head: NIL,
-            tail: NIL,
-        }
-    }
-
-    /// Empty set with room for `n` keys.
-    pub(crate) fn with_capacity(n: usize) -> Self {
-        Self {
-            map: HashMap::with_capacity(n),
-            nodes: Vec::with_capacity(n),
             free: Vec::new(),
             head: NIL,
             tail: NIL,

@@ -17,21 +17,25 @@
 //! # Bookkeeping (scheduler thread only)
 //!
 //! ```text
-//! submit_store: key absent → MutableBlock<T> allocated from the bound tier (when the manager has
-//!               none to give, the oldest ready unread key is dropped and allocation retried; a
-//!               tier full of busy keys drops the store) → Writing ─ BlockMover ─┬ ok: Ready
-//!               (holds the registered ImmutableBlock<T>)                        └ failed: forgotten
+//! submit_store: keys absent → Writing; their MutableBlock<T>s allocated from the bound tier
+//!               in one call (when the manager has too few to give, the oldest ready unread
+//!               keys give way first; keys a tier full of busy ones has no block for are not
+//!               stored) ─ BlockMover ─┬ ok: Ready (holds the registered ImmutableBlock<T>)
+//!                                     └ failed: forgotten
 //! submit_load:  every key Ready → readers+1 ─ ExternalMover into the reserved primary slots
 //!               (the future holds the source blocks) ─► readers-1
 //! ```
 //!
 //! The bookkeeping is the scheduler thread's; no work that grows with a chunk's bytes is: the
 //! moves run on the transfer manager, and a disk tier's journal checksums (the xxh3-128 of each
-//! chunk stored) are computed on its blocking pool beside the move and come back with it.
+//! chunk stored) are computed on its blocking pool beside the move and come back with it. What
+//! it costs per chunk is a few probes: the keys' state and their eviction order share one slab
+//! (`TierKeys`), probed once per call that names a key, and a job keeps its keys' places in
+//! it, so its completion probes nothing.
 //!
 //! A key is Ready while the tier holds its `ImmutableBlock<T>`; dropping it (eviction, a copy
 //! that failed verification) returns the block to the manager's inactive pool, from which the
-//! manager reuses it. The tier's key map is the source of truth for presence; the manager is
+//! manager reuses it. The tier's keys are the source of truth for presence; the manager is
 //! never asked by hash, so a block it still holds inactive is never served again.
 //!
 //! # Failures
@@ -85,7 +89,6 @@ use kvbm_physical::{
 };
 
 use crate::cpu::CpuPrimaryTier;
-use crate::cpu::order::LinkedKeySet;
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::tiering::backpressure::{Backpressure, BackpressureDetector};
@@ -140,15 +143,16 @@ pub fn key_identity(key: &OffloadKey) -> BlockIdentity {
     BlockIdentity::from_bytes(key_digest(key).0)
 }
 
-struct Entry<T: Tier> {
-    /// The registered block while the key is Ready; `None` while it is being written.
-    block: Option<ImmutableBlock<T>>,
-    readers: u32,
-}
+mod keys;
+
+use keys::TierKeys;
 
 struct JobMeta {
     job_id: JobId,
     keys: Vec<OffloadKey>,
+    /// Each key's node in the tier's [`TierKeys`], co-indexed (a job's nodes stay its keys'
+    /// until it is finished: see `keys`'s invariants).
+    nodes: Vec<u32>,
     /// Store jobs of a journaled tier: each key's sequence hash, co-indexed (the payload
     /// checksums come with the settled move).
     hashes: Vec<u128>,
@@ -209,8 +213,8 @@ pub struct PhysicalTier<T: Tier> {
     load: ExternalMover<T>,
     /// Registered by this tier's own constructor (unregistered at shutdown).
     owned_layout: Option<LayoutHandle>,
-    entries: HashMap<OffloadKey, Entry<T>>,
-    ready_order: LinkedKeySet,
+    /// Every key the tier knows (Writing or Ready) and the Ready keys' eviction order.
+    keys: TierKeys<ImmutableBlock<T>>,
     inflight: Vec<Inflight<T>>,
     done: Vec<JobResult>,
     detector: Option<BackpressureDetector>,
@@ -280,8 +284,7 @@ impl<T: Tier> PhysicalTier<T> {
             store,
             load,
             owned_layout: None,
-            entries: HashMap::with_capacity(capacity),
-            ready_order: LinkedKeySet::with_capacity(capacity),
+            keys: TierKeys::with_capacity(capacity),
             inflight: Vec::new(),
             done: Vec::new(),
             detector: None,
@@ -298,24 +301,15 @@ impl<T: Tier> PhysicalTier<T> {
         self.restored.len()
     }
 
-    /// Claims the restored block of `key`, if the journal listed one: it becomes Ready.
-    fn claim_restored(&mut self, key: &OffloadKey) -> bool {
+    /// Claims the restored block of `key` (which the tier does not know), if the journal
+    /// listed one: it becomes Ready. Returns its node.
+    fn claim_restored(&mut self, key: &OffloadKey) -> Option<u32> {
         if self.restored.is_empty() {
-            return false;
+            return None;
         }
         let h = key_hash(key, self.bound.manager().block_size());
-        let Some(block) = self.restored.remove(&h) else {
-            return false;
-        };
-        self.entries.insert(
-            *key,
-            Entry {
-                block: Some(block),
-                readers: 0,
-            },
-        );
-        self.ready_order.insert(*key, 0);
-        true
+        let block = self.restored.remove(&h)?;
+        Some(self.keys.insert(*key, Some(block)))
     }
 
     /// The store move of a job, with the journal's payload checksums when the tier keeps one:
@@ -332,9 +326,14 @@ impl<T: Tier> PhysicalTier<T> {
         if self.journal.is_none() {
             return Move::Store(mv.map(|o| (o, Vec::new())).boxed());
         }
+        let memory = &self.primary_memory;
         let regions: Vec<(usize, usize)> = slots
             .iter()
-            .map(|&s| self.primary_memory.block_addrs(s, 0..1)[0])
+            .map(|&s| {
+                memory
+                    .block_span(s)
+                    .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0])
+            })
             .collect();
         let sums = self.bound.transfer_manager().spawn_blocking(move || {
             regions
@@ -373,9 +372,13 @@ impl<T: Tier> PhysicalTier<T> {
                         .into(),
                 )
             })?;
+        // Plain LRU: the tier picks its own victims (`give_way`), so the manager's inactive
+        // pool only holds what the tier gave up, and any order of reusing it will do; an
+        // adaptive policy's frequency sketch would be updated per chunk stored for nothing.
         let manager = BlockManager::<T>::builder()
             .block_count(blocks)
             .block_size(TIER_BLOCK_SIZE)
+            .eviction(kvbm_logical::EvictionBackend::Lru)
             .build()
             .map_err(|e| TieringError::Config(format!("tier {:?} manager: {e}", T::ID)))?;
         let h = tm.register_layout(layout)?;
@@ -441,7 +444,7 @@ impl<T: Tier> PhysicalTier<T> {
 
     /// Keys readable from the tier.
     pub fn num_ready(&self) -> usize {
-        self.ready_order.len()
+        self.keys.num_ready()
     }
 
     /// Jobs not yet finished.
@@ -451,10 +454,8 @@ impl<T: Tier> PhysicalTier<T> {
 
     /// The block (slot of a disk tier) holding `key`, when it is Ready.
     pub fn block_id(&self, key: &OffloadKey) -> Option<BlockId> {
-        self.entries
-            .get(key)
-            .and_then(|e| e.block.as_ref())
-            .map(|b| b.block_id())
+        let n = self.keys.find(key)?;
+        self.keys.node(n).block.as_ref().map(|b| b.block_id())
     }
 
     /// Blocks whose move failed with `kind` (loads and stores) since the tier was built.
@@ -473,26 +474,48 @@ impl<T: Tier> PhysicalTier<T> {
         }
     }
 
-    /// One destination block; when the manager has none to give, drops the oldest ready key
-    /// nobody is reading (its block goes inactive, the manager reuses it) and retries.
-    fn allocate(&mut self) -> Option<MutableBlock<T>> {
-        loop {
-            if let Ok(mut b) = self.bound.allocate(1) {
-                return b.pop();
-            }
-            // Restored blocks nobody claimed go first, then the oldest ready unread key.
-            if let Some(h) = self.restored.keys().next().copied() {
-                self.restored.remove(&h);
-                continue;
-            }
-            let victim = self
-                .ready_order
-                .iter()
-                .find(|k| self.entries.get(k).is_some_and(|e| e.readers == 0))?;
-            self.ready_order.remove(&victim);
-            self.entries.remove(&victim);
-            self.event(vec![victim], true);
+    /// `n` destination blocks, in one allocation, or as many as the tier can give (fewer
+    /// when the rest of it is busy: being written or read). When the manager has too few to
+    /// give, blocks give way first ([`give_way`](Self::give_way)).
+    fn allocate(&mut self, n: usize) -> Vec<MutableBlock<T>> {
+        if n == 0 {
+            return Vec::new();
         }
+        let mut room = self.bound.manager().available_blocks();
+        while room < n && self.give_way() {
+            room += 1;
+        }
+        let want = n.min(room);
+        if let Ok(blocks) = self.bound.allocate(want) {
+            return blocks;
+        }
+        // The manager counted a block it could not give yet (a release still in flight, or a
+        // caller's manager shared with someone else): one at a time, as many as it gives.
+        let mut out = Vec::with_capacity(want);
+        while out.len() < want {
+            match self.bound.allocate(1) {
+                Ok(mut b) => out.append(&mut b),
+                Err(_) if self.give_way() => {}
+                Err(_) => break,
+            }
+        }
+        out
+    }
+
+    /// Frees one block for the manager to reuse: a restored block nobody claimed, else the
+    /// oldest ready key nobody is reading (its block goes inactive). `false`: none can go.
+    fn give_way(&mut self) -> bool {
+        if let Some(h) = self.restored.keys().next().copied() {
+            self.restored.remove(&h);
+            return true;
+        }
+        let Some(victim) = self.keys.oldest_unread() else {
+            return false;
+        };
+        let key = *self.keys.key(victim);
+        drop(self.keys.remove(victim));
+        self.event(vec![key], true);
+        true
     }
 
     /// After a copy was dropped for failing verification: a manager this tier built holds no
@@ -517,22 +540,21 @@ impl<T: Tier> PhysicalTier<T> {
         match settled {
             Settled::Store(outcomes, sums) => {
                 let mut written = Vec::new();
-                for (i, (k, r)) in meta.keys.iter().zip(outcomes).enumerate() {
+                for (i, ((k, &n), r)) in meta.keys.iter().zip(&meta.nodes).zip(outcomes).enumerate()
+                {
+                    debug_assert!(self.keys.key(n) == k, "a Writing node is its store's");
                     match r {
                         Ok(block) => {
                             if let (Some(&h), Some(&sum)) = (meta.hashes.get(i), sums.get(i)) {
                                 written.push((block.block_id(), h, sum));
                             }
-                            if let Some(e) = self.entries.get_mut(k) {
-                                e.block = Some(block);
-                                self.ready_order.insert(*k, 0);
-                                ok_keys.push(*k);
-                            }
+                            self.keys.set_ready(n, block);
+                            ok_keys.push(*k);
                         }
                         Err(f) => {
                             tracing::warn!(key = %k, kind = f.kind.as_str(), error = %f, "secondary write failed");
                             self.count(&f);
-                            self.entries.remove(k);
+                            self.keys.remove(n);
                         }
                     }
                 }
@@ -544,10 +566,13 @@ impl<T: Tier> PhysicalTier<T> {
                 self.event(ok_keys.clone(), false);
             }
             Settled::Load(outcomes) => {
-                for (k, r) in meta.keys.iter().zip(outcomes) {
-                    if let Some(e) = self.entries.get_mut(k) {
-                        e.readers -= 1;
-                    }
+                for ((k, &n), r) in meta.keys.iter().zip(&meta.nodes).zip(outcomes) {
+                    debug_assert!(self.keys.key(n) == k, "a node being read is its load's");
+                    // A node with readers stays live; one this job's own failed read dropped
+                    // had no other reader, so it was the key's last occurrence here.
+                    let node = self.keys.node_mut(n);
+                    node.readers -= 1;
+                    let unread = node.readers == 0;
                     match r {
                         Ok(()) => ok_keys.push(*k),
                         Err(f) => {
@@ -556,18 +581,12 @@ impl<T: Tier> PhysicalTier<T> {
                             tracing::warn!(key = %k, kind = f.kind.as_str(), error = %f, drop_copy, "secondary read failed");
                             // The tier's copy is corrupt, another chunk's, or gone: never serve
                             // it again (once no other load is reading it).
-                            if drop_copy && self.entries.get(k).is_some_and(|e| e.readers == 0) {
-                                if let (Some(j), Some(slot)) = (
-                                    &self.journal,
-                                    self.entries
-                                        .get(k)
-                                        .and_then(|e| e.block.as_ref())
-                                        .map(|b| b.block_id()),
-                                ) {
-                                    j.dropped(slot);
+                            if drop_copy && unread {
+                                let gone = self.keys.remove(n);
+                                if let (Some(j), Some(b)) = (&self.journal, &gone.block) {
+                                    j.dropped(b.block_id());
                                 }
-                                self.entries.remove(k);
-                                self.ready_order.remove(k);
+                                drop(gone);
                                 self.forget_dropped();
                                 dropped.push(*k);
                             }
@@ -587,11 +606,18 @@ impl<T: Tier> PhysicalTier<T> {
         });
     }
 
-    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>, hashes: Vec<u128>) -> JobMeta {
+    fn meta(
+        &self,
+        job: &TierJob,
+        keys: Vec<OffloadKey>,
+        nodes: Vec<u32>,
+        hashes: Vec<u128>,
+    ) -> JobMeta {
         JobMeta {
             job_id: job.job_id,
             bytes: (keys.len() * self.chunk_bytes) as u64,
             keys,
+            nodes,
             hashes,
             started: std::time::Instant::now(),
         }
@@ -721,10 +747,10 @@ impl PhysicalTier<G4> {
     /// and checks it against the key's identity as for any chunk. Returns whether the key is
     /// Ready (it may already be; `false`: the tier has no block to give it).
     pub fn adopt(&mut self, key: &OffloadKey) -> bool {
-        if let Some(e) = self.entries.get(key) {
-            return e.block.is_some();
+        if let Some(n) = self.keys.find(key) {
+            return self.keys.node(n).block.is_some();
         }
-        let Some(block) = self.allocate() else {
+        let Some(block) = self.allocate(1).pop() else {
             return false;
         };
         let digest = key_digest(key);
@@ -735,14 +761,7 @@ impl PhysicalTier<G4> {
         let Some(registered) = self.bound.manager().register_blocks(vec![complete]).pop() else {
             return false;
         };
-        self.entries.insert(
-            *key,
-            Entry {
-                block: Some(registered),
-                readers: 0,
-            },
-        );
-        self.ready_order.insert(*key, 0);
+        self.keys.insert(*key, Some(registered));
         true
     }
 }
@@ -765,45 +784,44 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     }
     fn lookup(&mut self, key: &OffloadKey, _: &ReqContext) -> LookupResult {
         // One probe for a key the tier knows (the scheduler's every lookup that reaches here).
-        if let Some(e) = self.entries.get(key) {
-            return if e.block.is_some() {
+        if let Some(n) = self.keys.find(key) {
+            return if self.keys.node(n).block.is_some() {
                 LookupResult::Hit
             } else {
                 LookupResult::Miss
             };
         }
-        if self.claim_restored(key) {
+        if self.claim_restored(key).is_some() {
             LookupResult::Hit
         } else {
             LookupResult::Miss
         }
     }
     fn submit_store(&mut self, job: Arc<TierJob>) {
-        let (mut keys, mut sources, mut destinations) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut hashes, mut slots) = (Vec::new(), Vec::new());
+        // The keys the tier does not know yet (a key twice in the job counts once), Writing
+        // from here on: each gets a destination block, all in one allocation.
+        let (mut keys, mut nodes, mut chunks) = (Vec::new(), Vec::new(), Vec::new());
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
-            if self.entries.contains_key(k) || self.claim_restored(k) {
+            if self.keys.find(k).is_some() || self.claim_restored(k).is_some() {
                 continue;
             }
-            let Some(block) = self.allocate() else {
-                tracing::debug!(key = %k, "secondary tier full of busy keys; store dropped");
-                continue;
-            };
-            self.entries.insert(
-                *k,
-                Entry {
-                    block: None,
-                    readers: 0,
-                },
-            );
-            let source = self.source(k, c as BlockId);
-            if self.journal.is_some() {
-                hashes.push(source.sequence_hash.as_u128());
-                slots.push(c as BlockId);
-            }
-            sources.push(source);
-            destinations.push(block);
+            nodes.push(self.keys.insert(*k, None));
             keys.push(*k);
+            chunks.push(c as BlockId);
+        }
+        let destinations = self.allocate(keys.len());
+        if destinations.len() < keys.len() {
+            // The rest of the tier is busy (being written or read): the keys without a
+            // block are not stored.
+            tracing::debug!(
+                dropped = keys.len() - destinations.len(),
+                "secondary tier full of busy keys; stores dropped"
+            );
+            for n in nodes.drain(destinations.len()..) {
+                self.keys.remove(n);
+            }
+            keys.truncate(destinations.len());
+            chunks.truncate(destinations.len());
         }
         if keys.is_empty() {
             self.done.push(JobResult::new(job.job_id, true));
@@ -814,25 +832,38 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             && let Err(e) = j.will_write(destinations.iter().map(|b| b.block_id()))
         {
             tracing::warn!(error = %e, "disk journal cannot record the write: the store is dropped");
-            for k in &keys {
-                self.entries.remove(k);
+            for &n in &nodes {
+                self.keys.remove(n);
             }
             self.done.push(JobResult::new(job.job_id, false));
             return;
         }
+        let sources: Vec<MoveSource> = keys
+            .iter()
+            .zip(&chunks)
+            .map(|(k, &c)| self.source(k, c))
+            .collect();
+        let (hashes, slots) = if self.journal.is_some() {
+            (
+                sources.iter().map(|s| s.sequence_hash.as_u128()).collect(),
+                chunks,
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let mv = self.store_move(&sources, destinations, slots);
-        let meta = self.meta(&job, keys, hashes);
+        let meta = self.meta(&job, keys, nodes, hashes);
         self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
-        // Every key ready (a restored block claimed now counts), one probe per key known.
+        // Every key ready (a restored block claimed now counts), one probe per key.
+        let mut nodes = Vec::with_capacity(job.keys.len());
         let mut all_ready = true;
         for k in &job.keys {
-            let ready = match self.entries.get(k) {
-                Some(e) => e.block.is_some(),
-                None => self.claim_restored(k),
-            };
-            all_ready &= ready;
+            match self.keys.find(k).or_else(|| self.claim_restored(k)) {
+                Some(n) if self.keys.node(n).block.is_some() => nodes.push(n),
+                _ => all_ready = false,
+            }
         }
         if !all_ready {
             self.done.push(JobResult::new(job.job_id, false));
@@ -840,10 +871,10 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         }
         let mut sources = Vec::with_capacity(job.keys.len());
         let mut held = Vec::with_capacity(job.keys.len());
-        for k in &job.keys {
-            let e = self.entries.get_mut(k).expect("checked");
-            e.readers += 1;
-            let block = e.block.clone().expect("checked");
+        for (k, &n) in job.keys.iter().zip(&nodes) {
+            let node = self.keys.node_mut(n);
+            node.readers += 1;
+            let block = node.block.clone().expect("checked");
             let id = block.block_id();
             held.push(block);
             sources.push(self.source(k, id));
@@ -865,7 +896,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             }
             .boxed(),
         );
-        let meta = self.meta(&job, job.keys.clone(), Vec::new());
+        let meta = self.meta(&job, job.keys.clone(), nodes, Vec::new());
         self.inflight.push(Inflight { meta, mv });
     }
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
@@ -875,7 +906,9 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     /// untouched ready chunk gives way first).
     fn touch(&mut self, keys: &[OffloadKey], _: &ReqContext) {
         for k in keys {
-            self.ready_order.move_to_back(k);
+            if let Some(n) = self.keys.find(k) {
+                self.keys.touch(n);
+            }
         }
     }
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
@@ -915,8 +948,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         }
         self.restored.clear();
         // Ready keys' blocks go back to the manager (inactive).
-        self.entries.clear();
-        self.ready_order = LinkedKeySet::new();
+        self.keys.clear();
         if let Some(h) = self.owned_layout.take() {
             self.bound.transfer_manager().unregister_layout(h)?;
         }

@@ -267,7 +267,7 @@ proptest! {
         let got = replay(&img[..cut], &geo()).unwrap();
         let whole = (cut - JOURNAL_HEADER_LEN) / JOURNAL_RECORD_LEN;
         prop_assert_eq!(got.records as usize, whole);
-        let mut live = HashMap::new();
+        let mut live = LiveEntries::new();
         for r in &recs[..whole] {
             match *r {
                 JournalRecord::Stored { slot, identity, checksum } => { live.insert(slot, (identity, checksum)); }
