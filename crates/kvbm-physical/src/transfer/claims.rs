@@ -128,7 +128,12 @@ impl Claims {
         sides: [(LayoutHandle, &[BlockId], bool, bool); 2],
     ) -> Result<(Arc<Claims>, Vec<Claimed>)> {
         let mut map = self.map.lock();
-        let mut taken: Vec<Claimed> = Vec::new();
+        let mut taken: Vec<Claimed> = Vec::with_capacity(
+            sides
+                .iter()
+                .map(|(_, ids, _, skip)| if *skip { 0 } else { ids.len() })
+                .sum(),
+        );
         for (h, ids, write, skip) in sides {
             if skip {
                 continue;

@@ -649,7 +649,9 @@ impl CpuOffloadingManager {
         // Classify: 1 = to store, 2 = ready existing, 0 = pending existing / filtered.
         let mut class = std::mem::take(&mut self.scratch_class);
         class.clear();
+        class.reserve(keys.len());
         let keys_to_store = &mut out.keys_to_store;
+        keys_to_store.reserve(keys.len());
         let mut ready_existing = std::mem::take(&mut self.scratch_ready);
         ready_existing.clear();
         // The slots of the keys already resident: protected from this call's eviction below

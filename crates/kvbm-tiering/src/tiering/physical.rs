@@ -534,12 +534,12 @@ impl<T: Tier> PhysicalTier<T> {
     }
 
     fn finish(&mut self, meta: JobMeta, settled: Settled<T>) {
-        let mut ok_keys = Vec::new();
+        let mut ok_keys = Vec::with_capacity(meta.keys.len());
         let mut dropped = Vec::new();
         let promotion = matches!(settled, Settled::Load(_));
         match settled {
             Settled::Store(outcomes, sums) => {
-                let mut written = Vec::new();
+                let mut written = Vec::with_capacity(meta.hashes.len());
                 for (i, ((k, &n), r)) in meta.keys.iter().zip(&meta.nodes).zip(outcomes).enumerate()
                 {
                     debug_assert!(self.keys.key(n) == k, "a Writing node is its store's");
@@ -800,7 +800,12 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     fn submit_store(&mut self, job: Arc<TierJob>) {
         // The keys the tier does not know yet (a key twice in the job counts once), Writing
         // from here on: each gets a destination block, all in one allocation.
-        let (mut keys, mut nodes, mut chunks) = (Vec::new(), Vec::new(), Vec::new());
+        let n = job.keys.len();
+        let (mut keys, mut nodes, mut chunks) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
             if self.keys.find(k).is_some() || self.claim_restored(k).is_some() {
                 continue;
