@@ -307,9 +307,10 @@ impl<T: Tier> PhysicalTier<T> {
         if self.restored.is_empty() {
             return None;
         }
-        let h = key_hash(key, self.bound.manager().block_size());
+        let digest = key_digest(key);
+        let h = digest_hash(&digest, self.bound.manager().block_size());
         let block = self.restored.remove(&h)?;
-        Some(self.keys.insert(*key, Some(block)))
+        Some(self.keys.insert(*key, digest, Some(block)))
     }
 
     /// The store move of a job, with the journal's payload checksums when the tier keeps one:
@@ -463,9 +464,9 @@ impl<T: Tier> PhysicalTier<T> {
         self.failures.get(&kind).copied().unwrap_or(0)
     }
 
-    fn source(&self, key: &OffloadKey, block_id: BlockId) -> MoveSource {
-        // One digest of the key: its identity, and the hash derived from it.
-        let digest = key_digest(key);
+    /// The move source of `block_id` for the key whose digest is `digest`: its identity, and
+    /// the hash derived from it.
+    fn source(&self, digest: BlockDigest, block_id: BlockId) -> MoveSource {
         MoveSource {
             block_id,
             sequence_hash: digest_hash(&digest, self.bound.manager().block_size()),
@@ -761,7 +762,7 @@ impl PhysicalTier<G4> {
         let Some(registered) = self.bound.manager().register_blocks(vec![complete]).pop() else {
             return false;
         };
-        self.keys.insert(*key, Some(registered));
+        self.keys.insert(*key, digest, Some(registered));
         true
     }
 }
@@ -810,7 +811,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             if self.keys.find(k).is_some() || self.claim_restored(k).is_some() {
                 continue;
             }
-            nodes.push(self.keys.insert(*k, None));
+            nodes.push(self.keys.insert(*k, key_digest(k), None));
             keys.push(*k);
             chunks.push(c as BlockId);
         }
@@ -843,10 +844,10 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             self.done.push(JobResult::new(job.job_id, false));
             return;
         }
-        let sources: Vec<MoveSource> = keys
+        let sources: Vec<MoveSource> = nodes
             .iter()
             .zip(&chunks)
-            .map(|(k, &c)| self.source(k, c))
+            .map(|(&n, &c)| self.source(self.keys.node(n).digest, c))
             .collect();
         let (hashes, slots) = if self.journal.is_some() {
             (
@@ -876,13 +877,13 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         }
         let mut sources = Vec::with_capacity(job.keys.len());
         let mut held = Vec::with_capacity(job.keys.len());
-        for (k, &n) in job.keys.iter().zip(&nodes) {
+        for &n in &nodes {
             let node = self.keys.node_mut(n);
             node.readers += 1;
             let block = node.block.clone().expect("checked");
-            let id = block.block_id();
+            let (id, digest) = (block.block_id(), node.digest);
             held.push(block);
-            sources.push(self.source(k, id));
+            sources.push(self.source(digest, id));
         }
         let slots: Vec<BlockId> = job.chunk_ids.iter().map(|&c| c as BlockId).collect();
         // The identity each read must have comes from the key asked for, not from the

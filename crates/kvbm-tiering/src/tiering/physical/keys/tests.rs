@@ -3,6 +3,8 @@
 
 use proptest::prelude::*;
 
+use kvbm_logical::BlockDigest;
+
 use super::TierKeys;
 use crate::key::OffloadKey;
 
@@ -66,7 +68,7 @@ proptest! {
             match op {
                 Op::Insert(k, v) => {
                     if m.pos(k).is_none() {
-                        let n = t.insert(key(k), v);
+                        let n = t.insert(key(k), BlockDigest([k; 32]), v);
                         prop_assert_eq!(t.key(n), &key(k));
                         m.entries.push((k, v, 0));
                         if v.is_some() {
@@ -128,6 +130,7 @@ proptest! {
                         prop_assert_eq!(t.key(n), &key(i));
                         prop_assert_eq!(t.node(n).block, m.entries[p].1);
                         prop_assert_eq!(t.node(n).readers, m.entries[p].2);
+                        prop_assert_eq!(t.node(n).digest, BlockDigest([i; 32]));
                     }
                     (None, None) => {}
                     (want, got) => prop_assert!(false, "key {i}: model {want:?}, tier keys {got:?}"),
