@@ -105,11 +105,16 @@ pub const TIER_BLOCK_SIZE: u32 = 1;
 /// index; a key may be up to 39 bytes, more than a 32-byte identity holds, so it is digested,
 /// not copied).
 pub fn key_digest(key: &OffloadKey) -> BlockDigest {
-    let mut h = blake3::Hasher::new();
-    h.update(b"kvbm-tiering-offload-key-v1");
-    h.update(&[key.as_bytes().len() as u8]);
-    h.update(key.as_bytes());
-    BlockDigest(*h.finalize().as_bytes())
+    // The domain, the key's length and its bytes, hashed as one input (the same bytes as
+    // feeding them to a `blake3::Hasher` in turn, without its incremental bookkeeping: this
+    // runs once per chunk a tier learns, on the scheduler thread).
+    const DOMAIN: &[u8] = b"kvbm-tiering-offload-key-v1";
+    let k = key.as_bytes();
+    let mut buf = [0u8; DOMAIN.len() + 1 + OffloadKey::MAX_LEN];
+    buf[..DOMAIN.len()].copy_from_slice(DOMAIN);
+    buf[DOMAIN.len()] = k.len() as u8;
+    buf[DOMAIN.len() + 1..DOMAIN.len() + 1 + k.len()].copy_from_slice(k);
+    BlockDigest(*blake3::hash(&buf[..DOMAIN.len() + 1 + k.len()]).as_bytes())
 }
 
 /// The sequence hash a key is registered under in a tier's `BlockManager` of `block_size`
@@ -968,6 +973,26 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The digest is BLAKE3 of the domain, the key's length byte and the key's bytes, as
+    /// tiers written before it was computed in one call defined it (their disk headers and
+    /// object names carry it).
+    #[test]
+    fn key_digest_is_blake3_of_domain_length_and_key() {
+        for len in 4..=OffloadKey::MAX_LEN {
+            let bytes: Vec<u8> = (0..len as u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+            let key = OffloadKey::from_bytes(&bytes).unwrap();
+            let mut h = blake3::Hasher::new();
+            h.update(b"kvbm-tiering-offload-key-v1");
+            h.update(&[len as u8]);
+            h.update(&bytes);
+            assert_eq!(
+                key_digest(&key),
+                BlockDigest(*h.finalize().as_bytes()),
+                "len {len}"
+            );
+        }
+    }
 
     #[test]
     fn key_identity_is_a_digest_of_every_key_byte() {
