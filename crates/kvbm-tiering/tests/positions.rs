@@ -8,12 +8,15 @@ fn k(i: u64) -> OffloadKey {
     OffloadKey::from_u64(i)
 }
 
-fn victims(policy: CachePolicyKind, finish_a: bool) -> Vec<OffloadKey> {
+/// `reversed`: the keys stored first end latest in the prompt (positions opposite to the
+/// order of the calls), so only a manager that orders by position gets vLLM's victims.
+fn victims(policy: CachePolicyKind, finish_a: bool, reversed: bool) -> Vec<OffloadKey> {
     let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(8).policy(policy));
     let a = ReqContext::new("a");
     let ka = [k(1), k(2), k(3), k(4)];
     for (i, key) in ka.iter().enumerate() {
-        a.set_offload_key_position(*key, (i as u64 + 1) * 16);
+        let rank = if reversed { 4 - i as u64 } else { i as u64 + 1 };
+        a.set_offload_key_position(*key, rank * 16);
     }
     m.on_new_request(&a).unwrap();
     let o = m.prepare_store(&ka, &a).unwrap().unwrap();
@@ -37,8 +40,40 @@ fn victims(policy: CachePolicyKind, finish_a: bool) -> Vec<OffloadKey> {
 #[test]
 fn positional_recency_matches_vllm_0_33() {
     let ks = |v: &[u64]| v.iter().map(|&i| k(i)).collect::<Vec<_>>();
-    assert_eq!(victims(CachePolicyKind::Lru, false), ks(&[4, 3, 1, 2]));
-    assert_eq!(victims(CachePolicyKind::Lru, true), ks(&[4, 3, 1, 2]));
-    assert_eq!(victims(CachePolicyKind::Arc, false), ks(&[1, 3, 4, 11]));
-    assert_eq!(victims(CachePolicyKind::Arc, true), ks(&[4, 3, 1, 11]));
+    assert_eq!(
+        victims(CachePolicyKind::Lru, false, false),
+        ks(&[4, 3, 1, 2])
+    );
+    assert_eq!(
+        victims(CachePolicyKind::Lru, true, false),
+        ks(&[4, 3, 1, 2])
+    );
+    assert_eq!(
+        victims(CachePolicyKind::Arc, false, false),
+        ks(&[1, 3, 4, 11])
+    );
+    assert_eq!(
+        victims(CachePolicyKind::Arc, true, false),
+        ks(&[4, 3, 1, 11])
+    );
+}
+
+/// Positions opposite to the order of the calls: a finished request's keys are ranked by
+/// position, not by when they were stored (vLLM 0.33.0's victims on the same calls).
+#[test]
+fn positions_against_call_order_match_vllm_0_33() {
+    let ks = |v: &[u64]| v.iter().map(|&i| k(i)).collect::<Vec<_>>();
+    assert_eq!(
+        victims(CachePolicyKind::Lru, false, true),
+        ks(&[1, 3, 4, 2])
+    );
+    assert_eq!(victims(CachePolicyKind::Lru, true, true), ks(&[1, 3, 4, 2]));
+    assert_eq!(
+        victims(CachePolicyKind::Arc, false, true),
+        ks(&[1, 3, 4, 11])
+    );
+    assert_eq!(
+        victims(CachePolicyKind::Arc, true, true),
+        ks(&[1, 3, 4, 11])
+    );
 }

@@ -142,6 +142,8 @@ pub struct CpuOffloadingManager {
     /// Scratch of `store_into`: keys already ready, store misses not yet reported.
     scratch_ready: Vec<OffloadKey>,
     scratch_misses: Vec<OffloadKey>,
+    /// `on_request_finished`'s per-key facts for the policy, refilled per request.
+    scratch_finished: Vec<(OffloadKey, Option<u32>, bool, bool)>,
     /// Scratch of `store_into`: the slots of the keys already resident.
     scratch_resident: Vec<u32>,
     /// Slots handed out by `allocate_slots` and not yet inserted (see `phases`).
@@ -187,6 +189,7 @@ impl CpuOffloadingManager {
             scratch_class: Vec::new(),
             scratch_ready: Vec::new(),
             scratch_misses: Vec::new(),
+            scratch_finished: Vec::new(),
             scratch_resident: Vec::new(),
             reserved: Vec::new(),
         }
@@ -947,23 +950,41 @@ impl CpuOffloadingManager {
         let Some(state) = self.requests.take(ctx) else {
             return Ok(());
         };
-        let groups = Self::key_groups(&state.order, ctx);
-        let ordered = Self::order_request_keys(&groups, ctx);
-        let info: Vec<(OffloadKey, Option<u32>, bool, bool)> = ordered
-            .iter()
-            .map(|k| {
-                let f = state.flags.get(k).copied().unwrap_or(0);
-                let inserted = f & INSERTED != 0;
-                let reused = f & REUSED != 0;
-                (
-                    *k,
-                    self.index.get(&self.keys, k),
-                    inserted && !reused,
-                    reused,
-                )
-            })
-            .collect();
+        // One KV-cache group without positions (the usual case): vLLM's grouping and ordering
+        // give the request's order as it is, so it is read in place instead of copied twice.
+        let single_group = state
+            .order
+            .first()
+            .map(get_offload_group_idx)
+            .is_some_and(|g| state.order.iter().all(|k| get_offload_group_idx(k) == g));
+        let regrouped;
+        let ordered: &[OffloadKey] = if single_group && !ctx.has_positions() {
+            &state.order
+        } else {
+            regrouped = Self::order_request_keys(&Self::key_groups(&state.order, ctx), ctx);
+            &regrouped
+        };
+        // LRU reads only each key's slot; ARC also its insertion and reuse flags.
+        let flags_read = matches!(self.policy, Policy::Arc(_));
+        let mut info = std::mem::take(&mut self.scratch_finished);
+        info.clear();
+        info.extend(ordered.iter().map(|k| {
+            let f = if flags_read {
+                state.flags.get(k).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            let inserted = f & INSERTED != 0;
+            let reused = f & REUSED != 0;
+            (
+                *k,
+                self.index.get(&self.keys, k),
+                inserted && !reused,
+                reused,
+            )
+        }));
         self.policy.on_request_finished(&info);
+        self.scratch_finished = info;
         self.requests.recycle(state);
         Ok(())
     }
