@@ -344,11 +344,12 @@ def _stats_of(triple) -> OffloadingConnectorStats:
         if not values:
             continue
         labels = _labels(label)
-        # The first observation through the public call (it records the metric's type), the
-        # rest appended in bulk to the same series (metric_sections: vLLM's mutable view for
-        # a manager filling its own payload).
+        # The first observation through the public call (it records the metric's type and
+        # appends the value last), then that last element replaced by every value in one
+        # slice assignment, with no copy of the list (metric_sections: vLLM's mutable view
+        # for a manager filling its own payload).
         stats.observe_histogram(name, values[0], labels)
-        stats.metric_sections()[1][name][labels].extend(values[1:])
+        stats.metric_sections()[1][name][labels][-1:] = values
     for name, label, value in counters:
         stats.increase_counter(name, value, _labels(label))
     return stats
