@@ -37,24 +37,30 @@ fn victims(policy: CachePolicyKind, finish_a: bool, reversed: bool) -> Vec<Offlo
     m.prepare_store(&keys, &c).unwrap().unwrap().evicted_keys
 }
 
+/// Checks each `(policy, finish_a, expected victims)` case with positions in call order or
+/// `reversed`.
+fn check(reversed: bool, cases: [(CachePolicyKind, bool, [u64; 4]); 4]) {
+    for (policy, finish_a, want) in cases {
+        let want: Vec<OffloadKey> = want.iter().map(|&i| k(i)).collect();
+        assert_eq!(
+            victims(policy, finish_a, reversed),
+            want,
+            "{policy:?}, finish_a {finish_a}, reversed {reversed}"
+        );
+    }
+}
+
 #[test]
 fn positional_recency_matches_vllm_0_33() {
-    let ks = |v: &[u64]| v.iter().map(|&i| k(i)).collect::<Vec<_>>();
-    assert_eq!(
-        victims(CachePolicyKind::Lru, false, false),
-        ks(&[4, 3, 1, 2])
-    );
-    assert_eq!(
-        victims(CachePolicyKind::Lru, true, false),
-        ks(&[4, 3, 1, 2])
-    );
-    assert_eq!(
-        victims(CachePolicyKind::Arc, false, false),
-        ks(&[1, 3, 4, 11])
-    );
-    assert_eq!(
-        victims(CachePolicyKind::Arc, true, false),
-        ks(&[4, 3, 1, 11])
+    use CachePolicyKind::{Arc, Lru};
+    check(
+        false,
+        [
+            (Lru, false, [4, 3, 1, 2]),
+            (Lru, true, [4, 3, 1, 2]),
+            (Arc, false, [1, 3, 4, 11]),
+            (Arc, true, [4, 3, 1, 11]),
+        ],
     );
 }
 
@@ -62,18 +68,14 @@ fn positional_recency_matches_vllm_0_33() {
 /// position, not by when they were stored (vLLM 0.33.0's victims on the same calls).
 #[test]
 fn positions_against_call_order_match_vllm_0_33() {
-    let ks = |v: &[u64]| v.iter().map(|&i| k(i)).collect::<Vec<_>>();
-    assert_eq!(
-        victims(CachePolicyKind::Lru, false, true),
-        ks(&[1, 3, 4, 2])
-    );
-    assert_eq!(victims(CachePolicyKind::Lru, true, true), ks(&[1, 3, 4, 2]));
-    assert_eq!(
-        victims(CachePolicyKind::Arc, false, true),
-        ks(&[1, 3, 4, 11])
-    );
-    assert_eq!(
-        victims(CachePolicyKind::Arc, true, true),
-        ks(&[1, 3, 4, 11])
+    use CachePolicyKind::{Arc, Lru};
+    check(
+        true,
+        [
+            (Lru, false, [1, 3, 4, 2]),
+            (Lru, true, [1, 3, 4, 2]),
+            (Arc, false, [1, 3, 4, 11]),
+            (Arc, true, [1, 3, 4, 11]),
+        ],
     );
 }

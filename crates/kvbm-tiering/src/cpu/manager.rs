@@ -411,13 +411,18 @@ impl CpuOffloadingManager {
 
     /// vLLM's `on_request_finished` grouping: keys by KV-cache group (groups by index), each
     /// group sorted by position when every key of it has one, else in first-seen order.
+    /// The KV-cache group of every key of `order`, when they all share one (the usual case).
+    fn single_group(order: &[OffloadKey]) -> Option<u32> {
+        order
+            .first()
+            .map(get_offload_group_idx)
+            .filter(|&g| order.iter().all(|k| get_offload_group_idx(k) == g))
+    }
+
     fn key_groups(order: &[OffloadKey], ctx: &ReqContext) -> Vec<Vec<OffloadKey>> {
         let positional = ctx.has_positions();
         // One KV-cache group (the usual case): the order as it is, without a push per key.
-        let single = order
-            .first()
-            .map(get_offload_group_idx)
-            .filter(|&g| order.iter().all(|k| get_offload_group_idx(k) == g));
+        let single = Self::single_group(order);
         let mut groups: Vec<(u32, Vec<OffloadKey>)> = match single {
             Some(g) => vec![(g, order.to_vec())],
             None => {
@@ -952,18 +957,14 @@ impl CpuOffloadingManager {
         };
         // One KV-cache group without positions (the usual case): vLLM's grouping and ordering
         // give the request's order as it is, so it is read in place instead of copied twice.
-        let single_group = state
-            .order
-            .first()
-            .map(get_offload_group_idx)
-            .is_some_and(|g| state.order.iter().all(|k| get_offload_group_idx(k) == g));
         let regrouped;
-        let ordered: &[OffloadKey] = if single_group && !ctx.has_positions() {
-            &state.order
-        } else {
-            regrouped = Self::order_request_keys(&Self::key_groups(&state.order, ctx), ctx);
-            &regrouped
-        };
+        let ordered: &[OffloadKey] =
+            if !ctx.has_positions() && Self::single_group(&state.order).is_some() {
+                &state.order
+            } else {
+                regrouped = Self::order_request_keys(&Self::key_groups(&state.order, ctx), ctx);
+                &regrouped
+            };
         // LRU reads only each key's slot; ARC also its insertion and reuse flags.
         let flags_read = matches!(self.policy, Policy::Arc(_));
         let mut info = std::mem::take(&mut self.scratch_finished);

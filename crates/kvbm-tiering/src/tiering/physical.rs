@@ -312,7 +312,14 @@ impl<T: Tier> PhysicalTier<T> {
         if self.restored.is_empty() {
             return None;
         }
-        let digest = key_digest(key);
+        self.claim_restored_digest(key, key_digest(key))
+    }
+
+    /// [`claim_restored`](Self::claim_restored) for a caller that already has the key's digest.
+    fn claim_restored_digest(&mut self, key: &OffloadKey, digest: BlockDigest) -> Option<u32> {
+        if self.restored.is_empty() {
+            return None;
+        }
         let h = digest_hash(&digest, self.bound.manager().block_size());
         let block = self.restored.remove(&h)?;
         Some(self.keys.insert(*key, digest, Some(block)))
@@ -813,10 +820,15 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             Vec::with_capacity(n),
         );
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
-            if self.keys.find(k).is_some() || self.claim_restored(k).is_some() {
+            if self.keys.find(k).is_some() {
                 continue;
             }
-            nodes.push(self.keys.insert(*k, key_digest(k), None));
+            // One digest of the key, whether a restored block is claimed for it or it is new.
+            let digest = key_digest(k);
+            if self.claim_restored_digest(k, digest).is_some() {
+                continue;
+            }
+            nodes.push(self.keys.insert(*k, digest, None));
             keys.push(*k);
             chunks.push(c as BlockId);
         }
