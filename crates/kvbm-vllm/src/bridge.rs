@@ -22,6 +22,7 @@
 //! or request. A key that is not vLLM's `OffloadKey` shape (bytes, 4 to 39 long) is a
 //! `TypeError`/`ValueError` naming it.
 
+use std::rc::Rc;
 use std::sync::Arc;
 
 use kvbm_tiering::{
@@ -46,26 +47,59 @@ pub(crate) fn to_py(e: TieringError) -> PyErr {
 
 /// One `OffloadKey` (Python `bytes`).
 pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
-    let b = obj.cast::<PyBytes>().map_err(|_| {
-        PyTypeError::new_err(format!(
+    let mut data: *mut std::os::raw::c_char = std::ptr::null_mut();
+    let mut len: pyo3::ffi::Py_ssize_t = 0;
+    // One call that checks the type and reads the buffer (a key is read per lookup; the
+    // stable ABI makes `PyBytes_Check`, `PyBytes_AsString` and `PyBytes_Size` a call each).
+    // SAFETY: `obj` is a live object (GIL held); on success `data` points at `len` bytes the
+    // object owns and never changes (`bytes` is immutable), read before this frame ends.
+    let raw = unsafe {
+        if pyo3::ffi::PyBytes_AsStringAndSize(obj.as_ptr(), &mut data, &mut len) != 0 {
+            None
+        } else {
+            Some(std::slice::from_raw_parts(data as *const u8, len as usize))
+        }
+    };
+    let Some(raw) = raw else {
+        // Not bytes: the TypeError it set is replaced by one naming what a key is.
+        drop(PyErr::take(obj.py()));
+        return Err(PyTypeError::new_err(format!(
             "an OffloadKey is bytes (make_offload_key), got {}",
             obj.get_type()
                 .name()
                 .map(|n| n.to_string())
                 .unwrap_or_default()
-        ))
-    })?;
-    OffloadKey::from_bytes(b.as_bytes()).map_err(|e| PyValueError::new_err(e.to_string()))
+        )));
+    };
+    OffloadKey::from_bytes(raw).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// Every key of a collection (list, tuple, set, any iterable), in its order.
+/// The keys of a caller's collection and the very objects they were read from (strong
+/// references: an object is never freed, nor its address reused, while this is alive).
+///
+/// Derefs to the keys. The objects let a call hand the caller's own key objects back (vLLM's
+/// `keys_to_store`, a cascade job's keys) by matching keys in Rust ([`picked_keys`]), without
+/// reading a Python object again.
+pub(crate) struct Keys {
+    keys: Vec<OffloadKey>,
+    objs: Vec<Py<PyAny>>,
+}
+
+impl std::ops::Deref for Keys {
+    type Target = [OffloadKey];
+    fn deref(&self) -> &[OffloadKey] {
+        &self.keys
+    }
+}
+
+/// Every key of a collection (list, tuple, set, any iterable), in its order, with its object.
 ///
 /// A list or tuple holding the very objects of the last one converted on this thread is
 /// answered from [`LAST_KEYS`] without reading a key object: vLLM hands `complete_load` the
 /// keys it handed `prepare_load`, and `complete_store` the `keys_to_store` that
 /// `prepare_store` returned (the caller's own objects), and each key object read is a likely
 /// cache miss in a step over thousands of keys.
-pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
+pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Rc<Keys>> {
     // Lists and tuples (what vLLM's scheduler passes) by index, without an iterator object.
     if let Ok(list) = obj.cast::<PyList>() {
         // SAFETY: `i < len` of a list the GIL keeps unchanged for this call (converting a key
@@ -81,25 +115,22 @@ pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
             pyo3::ffi::PyTuple_GetItem(obj.as_ptr(), i as pyo3::ffi::Py_ssize_t)
         });
     }
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    let n = obj.len().unwrap_or(0);
+    let mut out = Keys {
+        keys: Vec::with_capacity(n),
+        objs: Vec::with_capacity(n),
+    };
     for k in obj.try_iter()? {
-        out.push(key(&k?)?);
+        let k = k?;
+        out.keys.push(key(&k)?);
+        out.objs.push(k.unbind());
     }
-    Ok(out)
-}
-
-/// The last list or tuple of keys converted on this thread: strong references to its key
-/// objects (so an address seen again is the same immutable `bytes`, never a new object reusing
-/// a freed one's memory) and the keys they hold.
-#[derive(Default)]
-struct LastKeys {
-    objs: Vec<Py<PyAny>>,
-    keys: Vec<OffloadKey>,
+    Ok(Rc::new(out))
 }
 
 thread_local! {
-    /// See [`keys`].
-    static LAST_KEYS: std::cell::RefCell<LastKeys> = std::cell::RefCell::default();
+    /// The last list or tuple of keys converted on this thread (see [`keys`]).
+    static LAST_KEYS: std::cell::RefCell<Option<Rc<Keys>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The keys of the `len` borrowed objects `item(0..len)`: from [`LAST_KEYS`] when they are
@@ -108,17 +139,18 @@ fn remembered(
     py: Python<'_>,
     len: usize,
     item: impl Fn(usize) -> *mut pyo3::ffi::PyObject,
-) -> PyResult<Vec<OffloadKey>> {
+) -> PyResult<Rc<Keys>> {
     let hit = LAST_KEYS.with_borrow(|last| {
-        (last.objs.len() == len && (0..len).all(|i| item(i) == last.objs[i].as_ptr()))
-            .then(|| last.keys.clone())
+        last.as_ref()
+            .filter(|l| l.objs.len() == len && (0..len).all(|i| item(i) == l.objs[i].as_ptr()))
+            .cloned()
     });
     if let Some(keys) = hit {
         return Ok(keys);
     }
-    let mut fresh = LastKeys {
-        objs: Vec::with_capacity(len),
+    let mut fresh = Keys {
         keys: Vec::with_capacity(len),
+        objs: Vec::with_capacity(len),
     };
     for i in 0..len {
         // SAFETY: `item` hands a live borrowed reference (see the callers).
@@ -126,11 +158,11 @@ fn remembered(
         fresh.keys.push(key(&obj)?);
         fresh.objs.push(obj.unbind());
     }
-    let out = fresh.keys.clone();
+    let fresh = Rc::new(fresh);
     // The objects remembered before are released after the borrow ends (dropping one may run
     // Python code, which may convert keys again).
-    drop(LAST_KEYS.replace(fresh));
-    Ok(out)
+    drop(LAST_KEYS.replace(Some(fresh.clone())));
+    Ok(fresh)
 }
 
 thread_local! {
@@ -139,7 +171,6 @@ thread_local! {
     static CALLER: std::cell::Cell<(*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject, u64)> =
         const { std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0)) };
 }
-
 /// While alive, makes `key` and `ctx` (the Python objects a manager call was handed; `ctx` is
 /// the Python side of the Rust context `uid`) the ones [`caller_key`] and [`caller_ctx`] hand
 /// back: vLLM passes its tiers the caller's own key object (a Python tier's set then finds it
@@ -197,35 +228,29 @@ pub(crate) fn chunk_ids<'py>(py: Python<'py>, ids: &[i32]) -> Bound<'py, PyBytes
     PyBytes::new(py, &raw)
 }
 
-/// The keys `out` picked from the caller's collection `caller` (same order, a subsequence:
-/// vLLM's `keys_to_store`, a cascade's keys) as a Python list of the caller's own key objects,
-/// as vLLM's manager hands them on. A key not found in order, or a collection that is not a list
-/// or tuple, is a new `bytes` of the same value; the search gives up (new `bytes` for the rest)
-/// after a few comparisons per key, so it stays linear whatever the caller passed.
+/// The keys `out` picked from the caller's keys `caller` (same order, a subsequence: vLLM's
+/// `keys_to_store`, a cascade's keys) as a Python list of the caller's own key objects, as
+/// vLLM's manager hands them on. Keys are matched in Rust; a key not found in order is a new
+/// `bytes` of the same value, and the search gives up (new `bytes` for the rest) after a few
+/// comparisons per key, so it stays linear whatever the caller passed.
 pub(crate) fn picked_keys<'py>(
     py: Python<'py>,
-    caller: &Bound<'py, PyAny>,
+    caller: &Keys,
     out: &[OffloadKey],
 ) -> PyResult<Bound<'py, PyList>> {
-    let items: Vec<Bound<'py, PyAny>> = if let Ok(l) = caller.cast::<PyList>() {
-        l.iter().collect()
-    } else if let Ok(t) = caller.cast::<pyo3::types::PyTuple>() {
-        t.iter().collect()
-    } else {
-        return key_list(py, out);
-    };
-    let mut budget = 4 * (items.len() + out.len());
+    // Every key picked (a cold store, a whole request's cascade): the objects as they are.
+    if out == caller.keys.as_slice() {
+        return PyList::new(py, caller.objs.iter().map(|o| o.bind(py)));
+    }
+    let mut budget = 4 * (caller.keys.len() + out.len());
     let mut next = 0;
     let mut objs = Vec::with_capacity(out.len());
     for k in out {
         let mut found = None;
         let mut i = next;
-        while i < items.len() && budget > 0 {
+        while i < caller.keys.len() && budget > 0 {
             budget -= 1;
-            if items[i]
-                .cast::<PyBytes>()
-                .is_ok_and(|b| b.as_bytes() == k.as_bytes())
-            {
+            if caller.keys[i] == *k {
                 found = Some(i);
                 break;
             }
@@ -234,7 +259,7 @@ pub(crate) fn picked_keys<'py>(
         match found {
             Some(at) => {
                 next = at + 1;
-                objs.push(items[at].clone());
+                objs.push(caller.objs[at].bind(py).clone());
             }
             None => objs.push(PyBytes::new(py, k.as_bytes()).into_any()),
         }
@@ -243,40 +268,35 @@ pub(crate) fn picked_keys<'py>(
 }
 
 thread_local! {
-    /// The key collection of the manager call in progress on this thread (see
-    /// [`CallerKeys`]).
-    static CALLER_KEYS: std::cell::Cell<*mut pyo3::ffi::PyObject> =
-        const { std::cell::Cell::new(std::ptr::null_mut()) };
+    /// The keys of the manager call in progress on this thread (see [`CallerKeys`]).
+    static CALLER_KEYS: std::cell::RefCell<Option<Rc<Keys>>> = const { std::cell::RefCell::new(None) };
 }
 
-/// While alive, makes `keys` (the collection a manager call was handed) the one [`caller_keys`]
-/// hands back: a job made during the call (a cascade from `complete_store`) carries the caller's
-/// key objects, as vLLM's does.
-pub(crate) struct CallerKeys(*mut pyo3::ffi::PyObject);
+/// While alive, makes `keys` (the collection a manager call was handed, converted) the one
+/// [`job_keys`] picks from: a job made during the call (a cascade from `complete_store`)
+/// carries the caller's key objects, as vLLM's does.
+pub(crate) struct CallerKeys(Option<Rc<Keys>>);
 
 impl CallerKeys {
-    pub(crate) fn set(keys: &Bound<'_, PyAny>) -> Self {
-        Self(CALLER_KEYS.replace(keys.as_ptr()))
+    pub(crate) fn set(keys: &Rc<Keys>) -> Self {
+        Self(CALLER_KEYS.replace(Some(keys.clone())))
     }
 }
 
 impl Drop for CallerKeys {
     fn drop(&mut self) {
-        CALLER_KEYS.set(self.0);
+        // The keys of this call are dropped after the borrow ends (as in `remembered`).
+        drop(CALLER_KEYS.replace(self.0.take()));
     }
 }
 
 /// `keys` as a Python list, the caller's own objects where the call in progress was handed
 /// them (see [`CallerKeys`]), else new `bytes`.
 pub(crate) fn job_keys<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
-    let p = CALLER_KEYS.get();
-    if p.is_null() {
-        return key_list(py, keys);
+    match CALLER_KEYS.with_borrow(|c| c.clone()) {
+        Some(caller) => picked_keys(py, &caller, keys),
+        None => key_list(py, keys),
     }
-    // SAFETY: a `CallerKeys` guard set `p` from a reference the call it guards holds for the
-    // guard's whole life, on this thread (the GIL is held: `py`).
-    let caller = unsafe { Bound::from_borrowed_ptr(py, p) };
-    picked_keys(py, &caller, keys)
 }
 
 /// `keys` as a Python list of `bytes`.

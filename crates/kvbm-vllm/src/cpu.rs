@@ -111,7 +111,7 @@ fn parse_config(
 /// A `prepare_store` answer as `(keys_to_store, chunk_ids, evicted_keys)`.
 pub(crate) fn store_output<'py>(
     py: Python<'py>,
-    caller: &Bound<'py, PyAny>,
+    caller: &crate::bridge::Keys,
     out: &kvbm_tiering::PrepareStoreOutput,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let ids = out.store_spec.chunk_ids().unwrap_or_default();
@@ -272,7 +272,7 @@ impl CpuManager {
             .cpu()?
             .prepare_store(&ks, &c)
             .map_err(to_py)?;
-        out.map(|o| store_output(py, keys_, &o)).transpose()
+        out.map(|o| store_output(py, &ks, &o)).transpose()
     }
 
     #[pyo3(signature = (keys_, ctx, success = true))]
@@ -528,7 +528,10 @@ impl CpuManager {
     /// Records the removal event of evicted keys.
     fn record_eviction_event(&self, keys_: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
-        self.core.lock(keys_.py())?.cpu()?.record_eviction_event(ks);
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .record_eviction_event(ks.to_vec());
         Ok(())
     }
 
@@ -613,10 +616,10 @@ impl CpuManager {
     ) -> PyResult<()> {
         let groups = key_groups
             .try_iter()?
-            .map(|g| keys(&g?))
+            .map(|g| keys(&g?).map(|k| k.to_vec()))
             .collect::<PyResult<Vec<_>>>()?;
-        let ins: hashbrown::HashSet<OffloadKey> = keys(insertion_only)?.into_iter().collect();
-        let re: hashbrown::HashSet<OffloadKey> = keys(reused)?.into_iter().collect();
+        let ins: hashbrown::HashSet<OffloadKey> = keys(insertion_only)?.iter().copied().collect();
+        let re: hashbrown::HashSet<OffloadKey> = keys(reused)?.iter().copied().collect();
         let c = self.contexts.lock().get(ctx)?;
         self.core
             .lock(ctx.py())?

@@ -386,7 +386,11 @@ impl PyTier {
         let job_id: JobId = r.getattr(intern!(py, "job_id"))?.extract()?;
         let success: bool = r.getattr(intern!(py, "success"))?.is_truthy()?;
         let sk = r.getattr(intern!(py, "successful_keys"))?;
-        let successful_keys = if sk.is_none() { None } else { Some(keys(&sk)?) };
+        let successful_keys = if sk.is_none() {
+            None
+        } else {
+            Some(keys(&sk)?.to_vec())
+        };
         let transfer_time: Option<f64> = r.getattr(intern!(py, "transfer_time"))?.extract()?;
         let transfer_bytes: Option<u64> = r.getattr(intern!(py, "transfer_bytes"))?.extract()?;
         let tracked = self.shared.py_jobs.lock().remove(&job_id);
@@ -730,7 +734,7 @@ impl Parent {
         let job = self.with(|p| p.create_store_job(&ks, &c))?;
         self.shared.take_error()?;
         let job = job.map_err(to_py)?;
-        let _caller = CallerKeys::set(keys_);
+        let _caller = CallerKeys::set(&ks);
         let pj = self.shared.job(py, &job)?;
         self.created.lock().push((job.job_id, pj.clone().unbind()));
         Ok(pj)
@@ -902,9 +906,9 @@ impl TieringManager {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
         // A request-level tier's cascade of keys already stored carries the caller's objects.
-        let _caller = CallerKeys::set(keys_);
+        let _caller = CallerKeys::set(&ks);
         let out = self.run(py, |m| m.prepare_store(&ks, &c).map_err(to_py))?;
-        out.map(|o| crate::cpu::store_output(py, keys_, &o))
+        out.map(|o| crate::cpu::store_output(py, &ks, &o))
             .transpose()
     }
 
@@ -918,7 +922,7 @@ impl TieringManager {
         let ks = keys(keys_)?;
         let c = self.ctx(ctx)?;
         // The cascades' jobs carry the caller's key objects.
-        let _caller = CallerKeys::set(keys_);
+        let _caller = CallerKeys::set(&ks);
         self.run(keys_.py(), |m| {
             m.complete_store(&ks, &c, success).map_err(to_py)
         })
@@ -943,7 +947,7 @@ impl TieringManager {
                 )));
             }
             let job = m.create_store_job(&ks, &c, tier).map_err(to_py)?;
-            let _caller = CallerKeys::set(keys_);
+            let _caller = CallerKeys::set(&ks);
             let pj = self.shared.job(py, &job)?;
             if self.python.get(tier).copied().unwrap_or(false) {
                 self.shared

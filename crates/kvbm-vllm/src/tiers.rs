@@ -378,7 +378,7 @@ impl StorageTier {
         let c = self.contexts.get(ctx)?;
         let job = Arc::new(TierJob {
             job_id,
-            keys: ks,
+            keys: ks.to_vec(),
             chunk_ids: chunk_ids.iter().map(|&c| c as i32).collect(),
             is_promotion,
             req_context: c,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array as _array
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -340,9 +341,11 @@ def _stats_of(triple) -> OffloadingConnectorStats:
     gauges, counters, histograms = triple
     for name, label, value in gauges:
         stats.set_gauge(name, value, _labels(label))
-    for name, label, values in histograms:
-        if not values:
+    for name, label, raw in histograms:
+        if not raw:
             continue
+        # The observations cross as float64 bytes (``core::F64s``): one C loop makes the list.
+        values = _array("d", raw).tolist()
         labels = _labels(label)
         # The first observation through the public call (it records the metric's type and
         # appends the value last), then that last element replaced by every value in one

@@ -88,3 +88,103 @@ def test_the_same_objects_in_a_new_list_pin_and_unpin_the_same_chunks(env):
     # Unpinned twice, pinned twice: a third complete is refused.
     with pytest.raises(AssertionError, match="not being read"):
         m.complete_load([k["a"], k["b"]], ctx)
+
+
+def test_a_key_that_is_not_bytes_is_a_type_error_naming_it(env):
+    V, Manager = env
+    m = Manager(num_chunks=4)
+    ctx = V.ReqContext(req_id="r")
+    m.on_new_request(ctx)
+    with pytest.raises(TypeError, match="an OffloadKey is bytes.*str"):
+        m.lookup("not-bytes", ctx)
+    with pytest.raises(TypeError, match="an OffloadKey is bytes.*bytearray"):
+        m.prepare_store([V.make_offload_key(b"a", 0), bytearray(b"abcdefgh")], ctx)
+    with pytest.raises(ValueError, match="key"):
+        m.lookup(b"x" * 64, ctx)
+
+    # A bytes subclass is bytes: its value is the key.
+    class Key(bytes):
+        pass
+
+    k = V.make_offload_key(b"sub", 0)
+    out = m.prepare_store([Key(k)], ctx)
+    m.complete_store(out.keys_to_store, ctx)
+    assert m.lookup(k, ctx) is V.LookupResult.HIT
+
+
+def test_keys_to_store_are_the_callers_own_objects(env):
+    V, _ = env
+    m, ctx, k = _stored(env, ["a", "b"])
+    # Every key new: the very objects handed in, in their order.
+    fresh = [V.make_offload_key(f"f{i}".encode(), 0) for i in range(3)]
+    out = m.prepare_store(fresh, ctx)
+    assert len(out.keys_to_store) == 3
+    assert all(got is want for got, want in zip(out.keys_to_store, fresh))
+    m.complete_store(out.keys_to_store, ctx)
+    # Some already stored: the others, still the caller's objects, in their order.
+    mixed = [k["a"], V.make_offload_key(b"g0", 0), k["b"], V.make_offload_key(b"g1", 0)]
+    out = m.prepare_store(mixed, ctx)
+    assert [x for x in out.keys_to_store] == [mixed[1], mixed[3]]
+    assert out.keys_to_store[0] is mixed[1] and out.keys_to_store[1] is mixed[3]
+    # A new list object, not the caller's (vLLM's is a new list too).
+    assert out.keys_to_store is not mixed
+
+
+def test_a_cascade_job_carries_the_callers_key_objects(env):
+    """``complete_store`` cascades to a Python tier with a job whose keys are the objects the
+    caller passed (vLLM's manager hands them on as they are), a partial list included."""
+    from unittest.mock import MagicMock
+
+    import numpy as np
+    from vllm.v1.kv_offload import base as B
+    from vllm.v1.kv_offload.tiering import base as TB
+
+    from kvbm_vllm import upstream_compat as K
+
+    jobs = []
+
+    class Tier(TB.SecondaryTierManager):
+        medium = B.Medium.CPU
+
+        def lookup(self, key, req_context):
+            return B.LookupResult.MISS
+
+        def submit_store(self, job):
+            jobs.append(job)
+
+        def submit_load(self, job):
+            pass
+
+        def get_finished_jobs(self):
+            return ()
+
+        def on_new_request(self, req_context):
+            return B.RequestOffloadingContext()
+
+        def drain_jobs(self):
+            pass
+
+    region = np.zeros((8, 64), dtype=np.int8)
+    mmap = MagicMock()
+    mmap.create_kv_memoryview.return_value = memoryview(region)
+    primary = K.CPUPrimaryTierOffloadingManager(num_chunks=8, mmap_region=mmap)
+    tier = Tier(offloading_spec=MagicMock(), primary_kv_view=primary.get_kv_memoryview(),
+                tier_type="t")
+    m = K.TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+    try:
+        with m.lock:
+            ctx = B.ReqContext(req_id="c")
+            m.on_new_request(ctx)
+            ks = [B.make_offload_key(f"c{i}".encode(), 0) for i in range(4)]
+            out = m.prepare_store(ks, ctx)
+            m.complete_store(out.keys_to_store, ctx, True)
+            # Half of them again (already stored) beside two new ones: only the new ones go.
+            more = [ks[0], B.make_offload_key(b"d0", 0), ks[1], B.make_offload_key(b"d1", 0)]
+            out2 = m.prepare_store(more, ctx)
+            m.complete_store(out2.keys_to_store, ctx, True)
+        stored = [list(j.keys) for j in jobs]
+        assert stored == [ks, [more[1], more[3]]]
+        assert all(a is b for a, b in zip(stored[0], ks))
+        assert stored[1][0] is more[1] and stored[1][1] is more[3]
+    finally:
+        m.shutdown()
