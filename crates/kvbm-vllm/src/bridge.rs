@@ -165,21 +165,37 @@ fn remembered(
     Ok(fresh)
 }
 
+/// What [`CallerKey`] keeps: the key object, the context object, the Rust context's uid and
+/// the key the object was read as.
+type Caller = (
+    *mut pyo3::ffi::PyObject,
+    *mut pyo3::ffi::PyObject,
+    u64,
+    Option<OffloadKey>,
+);
+
 thread_local! {
-    /// The key and context objects of the manager call in progress on this thread, and the
-    /// Rust context's uid (see [`CallerKey`]).
-    static CALLER: std::cell::Cell<(*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject, u64)> =
-        const { std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0)) };
+    /// The key and context objects of the manager call in progress on this thread, the Rust
+    /// context's uid, and the key (see [`CallerKey`]).
+    static CALLER: std::cell::Cell<Caller> =
+        const { std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0, None)) };
 }
+
 /// While alive, makes `key` and `ctx` (the Python objects a manager call was handed; `ctx` is
-/// the Python side of the Rust context `uid`) the ones [`caller_key`] and [`caller_ctx`] hand
-/// back: vLLM passes its tiers the caller's own key object (a Python tier's set then finds it
-/// by identity: no hashing, no compare), and a tier call needs no context-map probe.
-pub(crate) struct CallerKey((*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject, u64));
+/// the Python side of the Rust context `uid`; `key` was read as `k`) the ones [`caller_key`]
+/// and [`caller_ctx`] hand back: vLLM passes its tiers the caller's own key object (a Python
+/// tier's set then finds it by identity: no hashing, no compare), and a tier call needs no
+/// context-map probe.
+pub(crate) struct CallerKey(Caller);
 
 impl CallerKey {
-    pub(crate) fn set(key: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>, uid: u64) -> Self {
-        Self(CALLER.replace((key.as_ptr(), ctx.as_ptr(), uid)))
+    pub(crate) fn set(
+        key: &Bound<'_, PyAny>,
+        k: &OffloadKey,
+        ctx: &Bound<'_, PyAny>,
+        uid: u64,
+    ) -> Self {
+        Self(CALLER.replace((key.as_ptr(), ctx.as_ptr(), uid, Some(*k))))
     }
 }
 
@@ -189,27 +205,21 @@ impl Drop for CallerKey {
     }
 }
 
-/// `k` as a Python `bytes`: the caller's own object when it holds these bytes (see
-/// [`CallerKey`]), else a new one.
+/// `k` as a Python `bytes`: the caller's own object when it was read as `k` (see
+/// [`CallerKey`]; compared in Rust, the object is not read again), else a new one.
 pub(crate) fn caller_key<'py>(py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyAny> {
-    let p = CALLER.get().0;
-    if !p.is_null() {
+    let (p, _, _, read) = CALLER.get();
+    if !p.is_null() && read.as_ref() == Some(k) {
         // SAFETY: a `CallerKey` guard set `p` from a reference the call it guards holds for
         // the guard's whole life, on this thread (the GIL is held: `py`).
-        let obj = unsafe { Bound::from_borrowed_ptr(py, p) };
-        if obj
-            .cast::<PyBytes>()
-            .is_ok_and(|b| b.as_bytes() == k.as_bytes())
-        {
-            return obj;
-        }
+        return unsafe { Bound::from_borrowed_ptr(py, p) };
     }
     PyBytes::new(py, k.as_bytes()).into_any()
 }
 
 /// The Python context of the Rust context `uid` when it is the caller's (see [`CallerKey`]).
 pub(crate) fn caller_ctx(py: Python<'_>, uid: u64) -> Option<Bound<'_, PyAny>> {
-    let (_, p, u) = CALLER.get();
+    let (_, p, u, _) = CALLER.get();
     if p.is_null() || u != uid {
         return None;
     }

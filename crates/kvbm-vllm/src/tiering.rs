@@ -854,7 +854,7 @@ impl TieringManager {
     fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
         let c = self.ctx(ctx)?;
-        let _caller = crate::bridge::CallerKey::set(key_, ctx, c.uid());
+        let _caller = crate::bridge::CallerKey::set(key_, &k, ctx, c.uid());
         let r = self.run(key_.py(), |m| Ok(m.lookup(&k, &c)))?;
         Ok(self.shared.results.get(key_.py(), r))
     }
@@ -868,7 +868,7 @@ impl TieringManager {
     ) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
         let c = self.ctx(ctx)?;
-        let _caller = crate::bridge::CallerKey::set(key_, ctx, c.uid());
+        let _caller = crate::bridge::CallerKey::set(key_, &k, ctx, c.uid());
         let r = self.run(key_.py(), |m| Ok(m.lookup_excluding(&k, &c, exclude)))?;
         Ok(self.shared.results.get(key_.py(), r))
     }
