@@ -23,6 +23,13 @@ an order that rotates each step, so none always runs right after the same other 
   kvbm+disk           kvbm's TieringOffloadingManager over kvbm's ``kvbm_disk`` tier driven in
                       Rust (real writes and reads of a file in a temporary directory, off the
                       scheduler thread)
+  floor               no manager: the bench's own loop around a stand-in that only makes the
+                      Python tier's own calls as a tiering manager makes them (its on_new_request
+                      and on_request_finished per request, its lookup per chunk the primary
+                      misses, a store job per request cascaded, a load job per promoting
+                      request, get_finished_jobs per prepare_store and step) with the least
+                      glue: what every manager over this Python tier pays, so vLLM / floor is
+                      the most any such manager's ratio can be
 
 Usage (after ``cargo xtask python`` built the wheel into target/pyvenv and fetched vLLM's
 sources):
@@ -37,6 +44,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from unittest.mock import MagicMock
 
@@ -65,7 +73,7 @@ def run(tmp):
                     help="measured steps per scenario (a multiple of the number of managers "
                          "gives each the same share of each position in the rotation)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--kinds", default="vllm,kvbm+python-tier,kvbm+disk",
+    ap.add_argument("--kinds", default="vllm,kvbm+python-tier,kvbm+disk,floor",
                     help="managers to run, comma-separated (ratios need vllm)")
     ap.add_argument("--scenarios", default="cold,warm,promote")
     args = ap.parse_args()
@@ -108,8 +116,68 @@ def run(tmp):
         def drain_jobs(self):
             return
 
-    def build(kind):
+    class Floor:
+        """The ``floor`` kind (module docs): the Python tier's own calls, nothing else."""
+
+        def __init__(self, scenario, view):
+            self.lock = threading.Lock()
+            self.tier = MemTier(view)
+            self.scenario = scenario
+            self.job_id = 0
+            self.loads = []
+            # A chunk the primary holds is answered without the tier (C-level: the loop's own
+            # cost); otherwise the tier's own lookup answers (MISS, or HIT where a manager
+            # answers HIT_PENDING and promotes).
+            self.warm = {}
+            self.lookup = self.warm.get if scenario == "warm" else self.tier.lookup
+
+        def _job(self, keys, ctx, promotion):
+            self.job_id += 1
+            return TB.TransferJob(job_id=self.job_id, keys=keys,
+                                  chunk_ids=np.empty(len(keys), dtype=np.int64),
+                                  is_promotion=promotion, req_context=ctx)
+
+        def on_new_request(self, ctx):
+            return self.tier.on_new_request(ctx)
+
+        def prepare_load(self, keys, ctx):
+            if self.scenario == "promote":
+                self.loads.append(self._job(keys, ctx, True))
+
+        def complete_load(self, keys, ctx):
+            pass
+
+        def prepare_store(self, keys, ctx):
+            self.tier.get_finished_jobs()
+            return B.PrepareStoreOutput(keys_to_store=keys, store_spec=None, evicted_keys=[])
+
+        def complete_store(self, keys, ctx, success=True):
+            self.tier.submit_store(self._job(keys, ctx, False))
+
+        def on_request_finished(self, ctx):
+            self.tier.on_request_finished(ctx)
+
+        def on_schedule_end(self, ctx):
+            for job in self.loads:
+                self.tier.submit_load(job)
+            self.loads = []
+            self.tier.get_finished_jobs()
+            self.tier.on_schedule_end(ctx)
+
+        def get_stats(self):
+            return self.tier.get_stats()
+
+        def has_pending_work(self):
+            return False
+
+        def shutdown(self):
+            pass
+
+    def build(kind, scenario):
         region = np.zeros((CAPACITY, ROW), dtype=np.int8)
+        if kind == "floor":
+            f = Floor(scenario, memoryview(region))
+            return f
         mmap = MagicMock()
         mmap.create_kv_memoryview.return_value = memoryview(region)
         if kind == "vllm":
@@ -183,7 +251,7 @@ def run(tmp):
     kinds = tuple(args.kinds.split(","))
     results = {}
     for scenario in args.scenarios.split(","):
-        managers = {k: build(k) for k in kinds}
+        managers = {k: build(k, scenario) for k in kinds}
         counts = {k: {} for k in kinds}
         times = {k: [] for k in kinds}
         cpu = {k: [] for k in kinds}
@@ -191,6 +259,8 @@ def run(tmp):
         for k, m in managers.items():
             if scenario == "warm":
                 sets[k] = keyset("warm", per_step)
+                if k == "floor":
+                    m.warm.update((key, HIT) for key in sets[k])
                 run_step(m, split(sets[k]), {})
             elif scenario == "promote":
                 a, b = keyset("pa", per_step), keyset("pb", per_step)
