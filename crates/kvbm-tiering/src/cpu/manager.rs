@@ -139,8 +139,7 @@ pub struct CpuOffloadingManager {
     requests: Requests,
     scratch: Vec<u32>,
     scratch_class: Vec<u8>,
-    /// Scratch of `store_into`: keys already ready, store misses not yet reported.
-    scratch_ready: Vec<OffloadKey>,
+    /// Scratch of `store_into`: store misses not yet reported.
     scratch_misses: Vec<OffloadKey>,
     /// `on_request_finished`'s per-key facts for the policy, refilled per request.
     scratch_finished: Vec<(OffloadKey, Option<u32>, bool, bool)>,
@@ -187,7 +186,6 @@ impl CpuOffloadingManager {
             requests: Requests::default(),
             scratch: Vec::new(),
             scratch_class: Vec::new(),
-            scratch_ready: Vec::new(),
             scratch_misses: Vec::new(),
             scratch_finished: Vec::new(),
             scratch_resident: Vec::new(),
@@ -368,20 +366,23 @@ impl CpuOffloadingManager {
         })
     }
 
-    /// vLLM `_record_request_cache_access`.
-    fn record_access(
-        &mut self,
-        keys: impl Iterator<Item = OffloadKey>,
-        ctx: &ReqContext,
-        reused: &[OffloadKey],
-    ) {
+    /// vLLM `_record_request_cache_access(keys, reused_keys=...)`: each key with whether it is
+    /// also one of the reused keys (vLLM passes those as a second list; every caller here has
+    /// them among `keys`, in the same order, so each key takes one flags probe, not two).
+    ///
+    /// Same flags as vLLM's two passes: a first access (no `SEEN` yet) is recorded in order and
+    /// told to the policy; a reused key the request did not insert is `REUSED`. The policy call
+    /// reads no flags, so setting `REUSED` in the first pass changes nothing it sees.
+    fn record_access(&mut self, keys: impl Iterator<Item = (OffloadKey, bool)>, ctx: &ReqContext) {
         let state = self.requests.access(ctx);
-        state.flags.reserve(reused.len());
         let positional = ctx.has_positions();
         let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
         let mut any_new = false;
-        for k in keys {
+        for (k, reused) in keys {
             let f = state.flags.entry(k).or_insert(0);
+            if reused && *f & INSERTED == 0 {
+                *f |= REUSED;
+            }
             if *f & SEEN != 0 {
                 continue;
             }
@@ -400,12 +401,6 @@ impl CpuOffloadingManager {
             // Without positions only the request rank is allocated (LRU); no key moves.
             self.policy
                 .on_request_access(&self.keys, &new_keys, &mut state.req_rank);
-        }
-        for k in reused {
-            let f = state.flags.entry(*k).or_insert(0);
-            if *f & INSERTED == 0 {
-                *f |= REUSED;
-            }
         }
     }
 
@@ -537,7 +532,7 @@ impl CpuOffloadingManager {
             *rc += 1;
         }
         if record_access {
-            self.record_access(keys.iter().copied(), ctx, keys);
+            self.record_access(keys.iter().map(|k| (*k, true)), ctx);
         }
         Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }))
     }
@@ -660,8 +655,6 @@ impl CpuOffloadingManager {
         class.reserve(keys.len());
         let keys_to_store = &mut out.keys_to_store;
         keys_to_store.reserve(keys.len());
-        let mut ready_existing = std::mem::take(&mut self.scratch_ready);
-        ready_existing.clear();
         // The slots of the keys already resident: protected from this call's eviction below
         // (nothing between here and there changes the index).
         self.scratch_resident.clear();
@@ -679,7 +672,6 @@ impl CpuOffloadingManager {
                     }
                 }
                 Some(s) if self.ref_cnt[s as usize] >= 0 => {
-                    ready_existing.push(*k);
                     self.scratch_resident.push(s);
                     class.push(2);
                 }
@@ -714,15 +706,15 @@ impl CpuOffloadingManager {
             }
             self.scratch_misses = misses;
         }
-        // `class` was taken out of `self`, so the filter borrows no part of the manager.
+        // `class` was taken out of `self`, so the filter borrows no part of the manager. The
+        // ready existing keys (class 2) are the reused ones, in the same order.
         let recorded = keys
             .iter()
             .zip(class.iter())
             .filter(|(_, c)| **c != 0)
-            .map(|(k, _)| *k);
-        self.record_access(recorded, ctx, &ready_existing);
+            .map(|(k, c)| (*k, *c == 2));
+        self.record_access(recorded, ctx);
         self.scratch_class = class;
-        self.scratch_ready = ready_existing;
 
         if keys_to_store.is_empty() {
             out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });

@@ -119,7 +119,7 @@ impl CpuOffloadingManager {
         inserted: &[OffloadKey],
         reused: &[OffloadKey],
     ) {
-        self.record_access(keys.iter().copied(), ctx, &[]);
+        self.record_access(keys.iter().map(|k| (*k, false)), ctx);
         let state = self.requests.access(ctx);
         for k in inserted {
             *state.flags.entry(*k).or_insert(0) |= INSERTED;
