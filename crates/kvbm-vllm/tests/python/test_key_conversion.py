@@ -132,45 +132,18 @@ def test_keys_to_store_are_the_callers_own_objects(env):
 
 def test_a_cascade_job_carries_the_callers_key_objects(env):
     """``complete_store`` cascades to a Python tier with a job whose keys are the objects the
-    caller passed (vLLM's manager hands them on as they are), a partial list included."""
-    from unittest.mock import MagicMock
-
+    caller passed (vLLM's manager hands them on as they are), a partial list included. (`env`
+    makes vLLM's sources importable.)"""
     import numpy as np
     from vllm.v1.kv_offload import base as B
     from vllm.v1.kv_offload.tiering import base as TB
 
     from kvbm_vllm import upstream_compat as K
 
+    import test_parent_handle
+
     jobs = []
-
-    class Tier(TB.SecondaryTierManager):
-        medium = B.Medium.CPU
-
-        def lookup(self, key, req_context):
-            return B.LookupResult.MISS
-
-        def submit_store(self, job):
-            jobs.append(job)
-
-        def submit_load(self, job):
-            pass
-
-        def get_finished_jobs(self):
-            return ()
-
-        def on_new_request(self, req_context):
-            return B.RequestOffloadingContext()
-
-        def drain_jobs(self):
-            pass
-
-    region = np.zeros((8, 64), dtype=np.int8)
-    mmap = MagicMock()
-    mmap.create_kv_memoryview.return_value = memoryview(region)
-    primary = K.CPUPrimaryTierOffloadingManager(num_chunks=8, mmap_region=mmap)
-    tier = Tier(offloading_spec=MagicMock(), primary_kv_view=primary.get_kv_memoryview(),
-                tier_type="t")
-    m = K.TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+    B, m = test_parent_handle._manager((np, B, TB, K), lambda parent: None, jobs)
     try:
         with m.lock:
             ctx = B.ReqContext(req_id="c")

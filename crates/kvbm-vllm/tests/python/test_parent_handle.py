@@ -31,7 +31,9 @@ def env():
     return np, B, TB, K
 
 
-def _manager(env, on_serve):
+def _manager(env, on_serve, jobs=None):
+    """A tiering manager over a Python tier that misses every lookup, calls `on_serve` with the
+    parent handle, and appends each store job to `jobs` when given."""
     np, B, TB, K = env
 
     class Tier(TB.SecondaryTierManager):
@@ -41,7 +43,8 @@ def _manager(env, on_serve):
             return B.LookupResult.MISS
 
         def submit_store(self, job):
-            pass
+            if jobs is not None:
+                jobs.append(job)
 
         def submit_load(self, job):
             pass
