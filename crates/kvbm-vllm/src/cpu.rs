@@ -348,7 +348,8 @@ impl CpuManager {
     }
 
     /// Metrics since the last call: `(gauges, counters, histograms)`, each a list of
-    /// `(name, label or None, value)` (a histogram's value is its list of observations).
+    /// `(name, label or None, value)` (a histogram's value is its observations as `float64`
+    /// bytes, `core::F64s`).
     fn stats(&self, py: Python<'_>) -> PyResult<crate::core::StatsTriple> {
         let s = self.core.lock(py)?.cpu()?.stats();
         Ok(crate::core::triple(s))
