@@ -17,6 +17,13 @@
 //! wraps the address as external host memory; the export is the owner that keeps the region
 //! mapped while the disk tier exists. No byte is copied through Python or a second buffer.
 //!
+//! kvbm-physical refuses two live layouts over the same memory (its process-wide reservation
+//! table), and vLLM hands the same region to every secondary tier. So the region is
+//! registered once, by the first kvbm tier over it, and the others share that registration
+//! (one `CpuPrimaryTier` and its `TransferManager`, each tier's own layout beside it, as
+//! kvbm-tiering's tiers share one primary): `primary_over`. A `kvbm_disk` and a
+//! `kvbm_object` under one manager is the configuration this makes work.
+//!
 //! Who may write which chunk is vLLM's manager's business, as for its own tiers: a store job
 //! reads chunks the manager pinned for the cascade, a load job writes chunks the manager
 //! reserved for the promotion, until the job is reported finished.
@@ -37,7 +44,7 @@
 //! under `{namespace}/fp-{hex}/`, so instances of other models share a bucket without ever
 //! matching.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use kvbm_physical::{
@@ -65,8 +72,26 @@ struct Region(#[allow(dead_code)] PyBuffer<u8>);
 /// every kind.
 type AnyTier = Box<dyn SecondaryTierManager + Send>;
 
-/// vLLM's primary region as a kvbm primary tier (memory only: vLLM's manager owns the slots).
-fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<CpuPrimaryTier> {
+/// vLLM's region registered for kvbm's tiers: one per region, shared by every kvbm tier over
+/// it (see "Memory" in the module docs). It holds the buffer export; the last tier over the
+/// region releases it.
+type SharedPrimary = Arc<parking_lot::Mutex<CpuPrimaryTier>>;
+
+/// The live registrations: `(address, length, chunk bytes, registration)`. Locked while a
+/// tier finds or makes its region's registration, before kvbm-physical's reservation table
+/// (taken inside the registration), never the other way round.
+static REGIONS: parking_lot::Mutex<
+    Vec<(
+        usize,
+        usize,
+        usize,
+        Weak<parking_lot::Mutex<CpuPrimaryTier>>,
+    )>,
+> = parking_lot::Mutex::new(Vec::new());
+
+/// vLLM's primary region as a kvbm primary tier (memory only: vLLM's manager owns the slots):
+/// the registration another kvbm tier over the same region made, else a new one.
+fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<SharedPrimary> {
     let buf = PyBuffer::<u8>::get(region).map_err(|e| {
         PyValueError::new_err(format!(
             "primary_kv_view must export a byte buffer (vLLM's memoryview of its offload \
@@ -86,19 +111,37 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<CpuPr
     }
     let num_chunks = buf.len_bytes() / chunk_bytes;
     let (ptr, len) = (buf.buf_ptr().cast::<u8>(), buf.len_bytes());
+    let mut live = REGIONS.lock();
+    live.retain(|e| e.3.strong_count() > 0);
+    if let Some((_, _, registered, shared)) =
+        live.iter().find(|e| e.0 == ptr as usize && e.1 == len)
+    {
+        if *registered != chunk_bytes {
+            return Err(PyValueError::new_err(format!(
+                "primary_kv_view: another kvbm tier over this region moves chunks of                  {registered} bytes, this one {chunk_bytes}"
+            )));
+        }
+        if let Some(shared) = shared.upgrade() {
+            // This export is released here; the registration holds the first tier's.
+            return Ok(shared);
+        }
+    }
     // SAFETY: the buffer export keeps vLLM's region mapped and its address fixed until the
     // export is released, which happens only when the HostStorage (its owner) is dropped;
     // writes to chunks are ordered by vLLM's manager's job protocol (module docs).
     let memory = unsafe { HostStorage::external(ptr, len, Box::new(Region(buf))) }
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let tm = Arc::new(TransferManager::new().map_err(|e| PyRuntimeError::new_err(e.to_string()))?);
-    CpuPrimaryTier::over_memory(
+    let primary = CpuPrimaryTier::over_memory(
         CpuManagerConfig::new(num_chunks),
         chunk_bytes,
         tm,
         Arc::new(memory),
     )
-    .map_err(to_py)
+    .map_err(to_py)?;
+    let shared = Arc::new(parking_lot::Mutex::new(primary));
+    live.push((ptr as usize, len, chunk_bytes, Arc::downgrade(&shared)));
+    Ok(shared)
 }
 
 /// The [`ModelFingerprint`] of a vLLM tier's chunks, from the description the Python side
@@ -169,9 +212,11 @@ pub(crate) fn fingerprint_of(
 /// A running tier and the registration of vLLM's region it moves bytes from and to.
 struct Live {
     tier: AnyTier,
-    /// Holds the region's buffer export; dropped with the tier at shutdown, so vLLM can
-    /// unmap its region.
-    primary: CpuPrimaryTier,
+    /// Holds the region's buffer export; dropped with the tier at shutdown (the export is
+    /// released with the last kvbm tier over the region), so vLLM can unmap its region.
+    primary: SharedPrimary,
+    /// Chunks in the region.
+    num_chunks: usize,
 }
 
 /// The tier itself, shared by its Python object and (when kvbm's tiering manager drives it)
@@ -211,11 +256,16 @@ impl StorageTier {
 
     fn over(
         tier: AnyTier,
-        primary: CpuPrimaryTier,
+        primary: SharedPrimary,
         lookup_results: &Bound<'_, PyTuple>,
     ) -> PyResult<Self> {
+        let num_chunks = primary.lock().manager().num_chunks();
         Ok(Self {
-            tier: Arc::new(parking_lot::Mutex::new(Some(Live { tier, primary }))),
+            tier: Arc::new(parking_lot::Mutex::new(Some(Live {
+                tier,
+                primary,
+                num_chunks,
+            }))),
             contexts: Contexts::default(),
             results: LookupMembers::from_tuple(lookup_results)?,
             finished: Vec::new(),
@@ -260,8 +310,8 @@ impl StorageTier {
         disk.queue_depth = queue_depth;
         disk.direct_io = direct_io;
         disk.buffer_pool_bytes = buffer_pool_bytes;
-        let tier =
-            PhysicalTier::disk(&primary, &disk, capacity, Some(&fingerprint)).map_err(|e| {
+        let tier = PhysicalTier::disk(&primary.lock(), &disk, capacity, Some(&fingerprint))
+            .map_err(|e| {
                 PyRuntimeError::new_err(format!(
                     "cannot start the kvbm disk tier at {}: {e}",
                     path.display()
@@ -330,9 +380,10 @@ impl StorageTier {
             }
         };
         let storage = storage.with_fingerprint(fingerprint);
-        let tier = PhysicalTier::object(&primary, Arc::new(storage), capacity).map_err(|e| {
-            PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
-        })?;
+        let tier =
+            PhysicalTier::object(&primary.lock(), Arc::new(storage), capacity).map_err(|e| {
+                PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
+            })?;
         Self::over(
             Box::new(tier.with_tier_type("kvbm_object").with_events(events)),
             primary,
@@ -365,11 +416,7 @@ impl StorageTier {
                 chunk_ids.len()
             )));
         }
-        let num_chunks = self
-            .tier
-            .lock()
-            .as_ref()
-            .map_or(0, |l| l.primary.manager().num_chunks()) as i64;
+        let num_chunks = self.tier.lock().as_ref().map_or(0, |l| l.num_chunks) as i64;
         if let Some(bad) = chunk_ids.iter().find(|&&c| c < 0 || c >= num_chunks) {
             return Err(PyValueError::new_err(format!(
                 "job {job_id}: chunk id {bad} outside the primary region's {num_chunks} chunks"
@@ -528,6 +575,7 @@ impl StorageTier {
         if let Some(Live {
             mut tier,
             primary: _region,
+            ..
         }) = taken
         {
             let r = py.detach(|| tier.shutdown());
@@ -643,7 +691,9 @@ impl SecondaryTierManager for SharedTier {
         let taken = self.slot.lock().take();
         match taken {
             // The region's registration goes with the tier, after it stopped.
-            Some(Live { mut tier, primary }) => {
+            Some(Live {
+                mut tier, primary, ..
+            }) => {
                 let r = tier.shutdown();
                 drop(tier);
                 drop(primary);

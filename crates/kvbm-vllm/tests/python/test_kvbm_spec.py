@@ -210,3 +210,47 @@ def test_an_unsupported_vllm_version_is_refused_by_name(tmp_path, monkeypatch, v
     else:
         with pytest.raises(RuntimeError, match=f"this is vLLM {version}"):
             OffloadingSpecFactory.create_spec(config(tmp_path))
+
+
+@pytest.mark.parametrize("spec_name", ["KvbmOffloadingSpec", "TieringOffloadingSpec"])
+def test_a_disk_and_an_object_tier_under_one_manager_round_trip_bytes(tmp_path, spec_name):
+    """The README's configuration: kvbm_disk and kvbm_object under one manager (kvbm's, and
+    vLLM's own), both over vLLM's one region. A second instance with an empty disk finds the
+    chunks in the shared object store."""
+
+    def manager(disk_name):
+        cfg = config(tmp_path, by_name=True)
+        cfg.extra_config["secondary_tiers"][0]["path"] = str(tmp_path / disk_name)
+        cfg.extra_config["secondary_tiers"].append(
+            {"type": "kvbm_object", "dir": str(tmp_path / "objects"), "namespace": "both",
+             "shared": True})
+        if spec_name == "TieringOffloadingSpec":
+            cfg.extra_config["spec_name"] = spec_name
+            cfg.extra_config["spec_module_path"] = "vllm.v1.kv_offload.tiering.spec"
+        spec = OffloadingSpecFactory.create_spec(cfg)
+        assert type(spec).__name__ == spec_name
+        return spec.get_manager()
+
+    m = manager("g3.bin")
+    try:
+        assert [c["tier"].split(":")[1] for c in m.config_info()] == \
+            ["primary", "kvbm_disk", "kvbm_object"]
+        d = Driver(m)
+        first = keys("both", 3)
+        d.store(first)
+        for i in range(d.rows.shape[0]):
+            d.store(keys(f"fill{i}", 1))
+        for k in first:
+            got = d.load(k)
+            assert got is not None and np.array_equal(got, pattern(k, d.rows.shape[1]))
+    finally:
+        m.shutdown()
+    m = manager("empty.bin")
+    try:
+        d = Driver(m)
+        for k in first:
+            got = d.load(k)
+            assert got is not None, "found in the shared object store"
+            assert np.array_equal(got, pattern(k, d.rows.shape[1]))
+    finally:
+        m.shutdown()
