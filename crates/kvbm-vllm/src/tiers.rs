@@ -77,17 +77,18 @@ type AnyTier = Box<dyn SecondaryTierManager + Send>;
 /// region releases it.
 type SharedPrimary = Arc<parking_lot::Mutex<CpuPrimaryTier>>;
 
-/// The live registrations: `(address, length, chunk bytes, registration)`. Locked while a
-/// tier finds or makes its region's registration, before kvbm-physical's reservation table
-/// (taken inside the registration), never the other way round.
-static REGIONS: parking_lot::Mutex<
-    Vec<(
-        usize,
-        usize,
-        usize,
-        Weak<parking_lot::Mutex<CpuPrimaryTier>>,
-    )>,
-> = parking_lot::Mutex::new(Vec::new());
+/// A live registration of a region: its address range, its chunk size, the registration.
+struct Registered {
+    addr: usize,
+    len: usize,
+    chunk_bytes: usize,
+    primary: Weak<parking_lot::Mutex<CpuPrimaryTier>>,
+}
+
+/// The live registrations. Locked while a tier finds or makes its region's registration,
+/// before kvbm-physical's reservation table (taken inside the registration), never the other
+/// way round.
+static REGIONS: parking_lot::Mutex<Vec<Registered>> = parking_lot::Mutex::new(Vec::new());
 
 /// vLLM's primary region as a kvbm primary tier (memory only: vLLM's manager owns the slots):
 /// the registration another kvbm tier over the same region made, else a new one.
@@ -112,16 +113,16 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<Share
     let num_chunks = buf.len_bytes() / chunk_bytes;
     let (ptr, len) = (buf.buf_ptr().cast::<u8>(), buf.len_bytes());
     let mut live = REGIONS.lock();
-    live.retain(|e| e.3.strong_count() > 0);
-    if let Some((_, _, registered, shared)) =
-        live.iter().find(|e| e.0 == ptr as usize && e.1 == len)
-    {
-        if *registered != chunk_bytes {
+    live.retain(|r| r.primary.strong_count() > 0);
+    if let Some(r) = live.iter().find(|r| r.addr == ptr as usize && r.len == len) {
+        let registered = r.chunk_bytes;
+        if registered != chunk_bytes {
             return Err(PyValueError::new_err(format!(
-                "primary_kv_view: another kvbm tier over this region moves chunks of                  {registered} bytes, this one {chunk_bytes}"
+                "primary_kv_view: another kvbm tier over this region moves chunks of \
+                 {registered} bytes, this one {chunk_bytes}"
             )));
         }
-        if let Some(shared) = shared.upgrade() {
+        if let Some(shared) = r.primary.upgrade() {
             // This export is released here; the registration holds the first tier's.
             return Ok(shared);
         }
@@ -140,7 +141,12 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<Share
     )
     .map_err(to_py)?;
     let shared = Arc::new(parking_lot::Mutex::new(primary));
-    live.push((ptr as usize, len, chunk_bytes, Arc::downgrade(&shared)));
+    live.push(Registered {
+        addr: ptr as usize,
+        len,
+        chunk_bytes,
+        primary: Arc::downgrade(&shared),
+    });
     Ok(shared)
 }
 

@@ -38,8 +38,8 @@ impl CpuPrimaryTier {
     }
 
     /// A primary tier that keeps the slot table only: its `chunk_bytes` chunks live in memory
-    /// the caller owns and its secondary tiers reach on their own (vLLM's region, which each of
-    /// kvbm-vllm's tiers maps itself). [`Self::memory`] is `None`.
+    /// the caller owns and its secondary tiers reach on their own (vLLM's region, which
+    /// kvbm-vllm's tiers register once and share). [`Self::memory`] is `None`.
     pub fn without_memory(config: CpuManagerConfig, chunk_bytes: usize) -> Self {
         Self {
             manager: CpuOffloadingManager::new(config),
