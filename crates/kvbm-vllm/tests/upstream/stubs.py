@@ -315,12 +315,15 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             fill(module)
 
 
-def install(src_dir, extra_prefixes=()):
+def install(src_dir, extra_prefixes=(), real=()):
     """Put the extracted vLLM tree first on sys.path and the stub finder first in
     sys.meta_path. Refuses if a real vllm or torch was already imported, since the
-    stubs would then be mixed with real modules."""
+    stubs would then be mixed with real modules.
+
+    `real` names prefixes left to the real packages (the GPU check keeps the machine's torch
+    and Triton, and puts its own CUDA stand-ins for vLLM's compiled parts in sys.modules)."""
     for name in ("vllm", "torch"):
-        if name in sys.modules:
+        if name in sys.modules and name not in real:
             raise RuntimeError(f"{name} was imported before the stubs were installed "
                                f"({getattr(sys.modules[name], '__file__', '?')})")
     if src_dir not in sys.path:
@@ -329,4 +332,5 @@ def install(src_dir, extra_prefixes=()):
         if isinstance(f, StubFinder):
             del sys.meta_path[i]
             break
-    sys.meta_path.insert(0, StubFinder(STUB_PREFIXES + tuple(extra_prefixes)))
+    prefixes = tuple(p for p in STUB_PREFIXES + tuple(extra_prefixes) if p not in real)
+    sys.meta_path.insert(0, StubFinder(prefixes))
