@@ -284,9 +284,11 @@ impl StorageTier {
     /// A disk tier. `region`: vLLM's `primary_kv_view` (writable, C-contiguous, `chunk_bytes`
     /// per chunk); `fingerprint`: what the chunks' bytes mean ([`fingerprint_of`]); `path`: the
     /// tier's file; `capacity`: chunk slots in it; `buffer_pool_bytes`: aligned I/O buffers the
-    /// file keeps idle between jobs (`DiskConfig::buffer_pool_bytes`).
+    /// file keeps idle between jobs (`DiskConfig::buffer_pool_bytes`); `tier_type`: the name
+    /// vLLM gave the tier (its configured `type`, in labels and events' ownership; default
+    /// `kvbm_disk`), so the tier reads the same under kvbm's manager and vLLM's.
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, buffer_pool_bytes, lookup_results, events = false))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, buffer_pool_bytes, lookup_results, events = false, tier_type = None))]
     #[allow(clippy::too_many_arguments)]
     fn disk(
         region: &Bound<'_, PyAny>,
@@ -299,6 +301,7 @@ impl StorageTier {
         buffer_pool_bytes: usize,
         lookup_results: &Bound<'_, PyTuple>,
         events: bool,
+        tier_type: Option<String>,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -324,7 +327,10 @@ impl StorageTier {
                 ))
             })?;
         Self::over(
-            Box::new(tier.with_tier_type("kvbm_disk").with_events(events)),
+            Box::new(
+                tier.with_tier_type(tier_type.as_deref().unwrap_or("kvbm_disk"))
+                    .with_events(events),
+            ),
             primary,
             lookup_results,
         )
@@ -333,9 +339,10 @@ impl StorageTier {
     /// An object tier: objects named by each key's hash under `namespace`, in the S3 bucket
     /// `bucket` (at `endpoint`, `None` for AWS) or, with `dir`, in a local directory;
     /// `capacity`: keys it remembers; `fingerprint` as for [`disk`](Self::disk) (objects live
-    /// under `{namespace}/fp-{hex}/`).
+    /// under `{namespace}/fp-{hex}/`); `tier_type` as for [`disk`](Self::disk) (default
+    /// `kvbm_object`).
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false, tier_type = None))]
     #[allow(clippy::too_many_arguments)]
     fn object(
         region: &Bound<'_, PyAny>,
@@ -351,6 +358,7 @@ impl StorageTier {
         dir: Option<std::path::PathBuf>,
         lookup_results: &Bound<'_, PyTuple>,
         events: bool,
+        tier_type: Option<String>,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -391,7 +399,10 @@ impl StorageTier {
                 PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
             })?;
         Self::over(
-            Box::new(tier.with_tier_type("kvbm_object").with_events(events)),
+            Box::new(
+                tier.with_tier_type(tier_type.as_deref().unwrap_or("kvbm_object"))
+                    .with_events(events),
+            ),
             primary,
             lookup_results,
         )

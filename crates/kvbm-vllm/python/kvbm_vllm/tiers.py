@@ -313,6 +313,7 @@ class KvbmDiskTier(_KvbmTier):
             pool_mb << 20,
             _LOOKUP_RESULTS,
             _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
+            tier_type,
         )
 
 
@@ -396,6 +397,7 @@ class KvbmObjectTier(_KvbmTier):
             s["dir"] or None,
             _LOOKUP_RESULTS,
             _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
+            tier_type,
         )
         self._probe = None
         if s["shared"]:

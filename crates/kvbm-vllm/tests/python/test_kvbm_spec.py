@@ -145,7 +145,9 @@ def test_the_spec_builds_kvbms_manager_and_round_trips_bytes_through_the_disk(tm
         assert isinstance(manager.primary_tier, upstream_compat.CPUPrimaryTierOffloadingManager)
         assert manager._python_tier == [False], "kvbm's disk tier is driven in Rust"
         (primary, disk) = manager.config_info()
-        assert primary["tier"] == "0:primary" and disk["tier"] == "1:kvbm_disk"
+        # The tier is named as configured (vLLM's tier_type), as under vLLM's own manager.
+        named = "kvbm_disk" if by_name else "KvbmDiskTier"
+        assert primary["tier"] == "0:primary" and disk["tier"] == f"1:{named}"
         d = Driver(manager)
         capacity = d.rows.shape[0]
         first = keys("first", 2)
@@ -254,3 +256,23 @@ def test_a_disk_and_an_object_tier_under_one_manager_round_trip_bytes(tmp_path, 
             assert np.array_equal(got, pattern(k, d.rows.shape[1]))
     finally:
         m.shutdown()
+
+
+def test_kvbm_tiers_are_named_alike_under_kvbms_manager_and_vllms(tmp_path):
+    """A tier configured by class (``module_path``) is named by that class under either
+    manager: in config_info's labels and in its events' ownership."""
+
+    def labels(spec_name, module_path, sub):
+        cfg = config(tmp_path / sub, {"spec_name": spec_name, "spec_module_path": module_path})
+        cfg.extra_config["secondary_tiers"].append(
+            {"type": "KvbmObjectTier", "module_path": "kvbm_vllm.tiers",
+             "dir": str(tmp_path / sub / "objects"), "namespace": "names"})
+        m = OffloadingSpecFactory.create_spec(cfg).get_manager()
+        try:
+            return [c["tier"] for c in m.config_info()]
+        finally:
+            m.shutdown()
+
+    kvbm = labels("KvbmOffloadingSpec", "kvbm_vllm.spec", "a")
+    vllm = labels("TieringOffloadingSpec", "vllm.v1.kv_offload.tiering.spec", "b")
+    assert kvbm == vllm == ["0:primary", "1:KvbmDiskTier", "2:KvbmObjectTier"]
