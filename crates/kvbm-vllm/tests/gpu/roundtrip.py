@@ -38,6 +38,7 @@ Every check that fails is printed and makes the exit status 1.
 
 import argparse
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -140,31 +141,16 @@ def install_cuda_standins(torch, rt, stubs, counts):
 
     plat = types.ModuleType("vllm.platforms")
 
-    class CudaPlatform:
-        device_name = "cuda"
-        device_type = "cuda"
+    class CudaPlatform(stubs._StubPlatform):
+        """The CPU harness's CUDA platform, with torch.cuda's streams."""
+
         Stream = torch.cuda.Stream
-
-        def is_cuda_alike(self):
-            return True
-
-        def is_cuda(self):
-            return True
-
-        def is_rocm(self):
-            return False
-
-        def is_xpu(self):
-            return False
 
         def current_stream(self):
             return torch.cuda.current_stream()
 
         def stream(self, s):
             return torch.cuda.stream(s)
-
-        def __getattr__(self, name):
-            raise AttributeError(f"the GPU check's vllm.platforms stand-in has no {name!r}")
 
     plat.current_platform = CudaPlatform()
     sys.modules["vllm.platforms"] = plat
@@ -285,18 +271,12 @@ def main():
         ScheduleEndContext,
         make_offload_key,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
     from vllm.v1.kv_offload.cpu import gpu_worker, swap_blocks_triton
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     import kvbm_vllm
     from kvbm_vllm.spec import KvbmOffloadingSpec
+    from kvbm_vllm.tiers import standalone_spec
 
     results["kvbm_vllm"] = getattr(kvbm_vllm, "__version__", "?")
 
@@ -319,11 +299,13 @@ def main():
     print(f"disk tier in {workdir}, O_DIRECT {mode}", flush=True)
     layer_names = tuple(f"layer{i}" for i in range(LAYERS))
 
+    # vLLM's OffloadingConfig for one KV group of LAYERS layers, a chunk a block of each.
+    base_config = standalone_spec("gpu-check", "bfloat16", LAYERS * PAGE,
+                                  layer_names=layer_names).config
+
     def make_config(disk):
-        return OffloadingConfig(
-            groups=(OffloadingGroupConfig(16, layer_names, 0),),
-            worker_kv_bytes_per_block=LAYERS * PAGE,
-            enable_kv_cache_events=False,
+        return dataclasses.replace(
+            base_config,
             extra_config={
                 "spec_name": "KvbmOffloadingSpec",
                 "spec_module_path": "kvbm_vllm.spec",
@@ -336,15 +318,6 @@ def main():
                 ],
             },
             engine_id=f"kvbm-gpu-check-{uuid.uuid4().hex}",
-            model=OffloadingModelConfig(name="gpu-check", dtype="bfloat16",
-                                        max_model_len=65536),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=False,
-            ),
-            replicated_layout=False,
         )
 
     # The KV cache: one int8 tensor per layer, (blocks, page bytes), random on the GPU.
