@@ -33,7 +33,9 @@
 //! prefix last; ARC: insert-only keys move to the back of their list, reused keys to T2). The
 //! same state lives here in a table by request id (`cpu::requests::Requests`: found by context
 //! without a string hash on most calls, recycled once finished), dropped at
-//! `on_request_finished` and at `reset_cache` (vLLM's generation counter).
+//! `on_request_finished` and at `reset_cache` (vLLM's generation counter). A key's flags have a
+//! place in the record found by one probe: `prepare_store` finds each key's place once and
+//! keeps it through its passes (store misses, accesses, insertions).
 
 mod phases;
 #[cfg(test)]
@@ -141,6 +143,10 @@ pub struct CpuOffloadingManager {
     scratch_class: Vec<u8>,
     /// Scratch of `store_into`: store misses not yet reported.
     scratch_misses: Vec<OffloadKey>,
+    /// `store_into`'s places of the keys in the request's flags (`u32::MAX`: not recorded).
+    scratch_places: Vec<u32>,
+    /// `store_into`'s places of the keys to store, in their order.
+    scratch_store_places: Vec<u32>,
     /// `on_request_finished`'s per-key facts for the policy, refilled per request.
     scratch_finished: Vec<(OffloadKey, Option<u32>, bool, bool)>,
     /// Scratch of `store_into`: the slots of the keys already resident.
@@ -187,6 +193,8 @@ impl CpuOffloadingManager {
             scratch: Vec::new(),
             scratch_class: Vec::new(),
             scratch_misses: Vec::new(),
+            scratch_places: Vec::new(),
+            scratch_store_places: Vec::new(),
             scratch_finished: Vec::new(),
             scratch_resident: Vec::new(),
             reserved: Vec::new(),
@@ -374,12 +382,25 @@ impl CpuOffloadingManager {
     /// told to the policy; a reused key the request did not insert is `REUSED`. The policy call
     /// reads no flags, so setting `REUSED` in the first pass changes nothing it sees.
     fn record_access(&mut self, keys: impl Iterator<Item = (OffloadKey, bool)>, ctx: &ReqContext) {
+        self.record_access_at(keys.map(|(k, reused)| (k, None, reused)), ctx);
+    }
+
+    /// As [`record_access`](Self::record_access), each key with its place in the request's
+    /// flags when the caller found it already (`None`: found here).
+    fn record_access_at(
+        &mut self,
+        keys: impl Iterator<Item = (OffloadKey, Option<usize>, bool)>,
+        ctx: &ReqContext,
+    ) {
         let state = self.requests.access(ctx);
         let positional = ctx.has_positions();
         let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
         let mut any_new = false;
-        for (k, reused) in keys {
-            let f = state.flags.entry(k).or_insert(0);
+        for (k, place, reused) in keys {
+            let f = match place {
+                Some(p) => state.at(p),
+                None => state.flags_mut(k),
+            };
             if reused && *f & INSERTED == 0 {
                 *f |= REUSED;
             }
@@ -684,40 +705,68 @@ impl CpuOffloadingManager {
         if self.counts.is_some() {
             self.stores_skipped += (candidates - keys_to_store.len()) as u64;
         }
-        // Store misses not yet reported for this request, reported in reverse.
+        // Each recorded key's place in the request's flags, found once for the passes below
+        // (after the `reserve`, no key of this call grows the table, so the places stay
+        // valid: `RequestAccess`).
+        let mut places = std::mem::take(&mut self.scratch_places);
+        places.clear();
         {
             let state = self.requests.access(ctx);
-            state.flags.reserve(keys.len());
-            let mut misses = std::mem::take(&mut self.scratch_misses);
-            misses.clear();
-            for k in keys_to_store.iter() {
-                let f = state.flags.entry(*k).or_insert(0);
-                if *f & STORE_MISS == 0 {
-                    misses.push(*k);
+            state.reserve(keys.len());
+            places.extend(keys.iter().zip(class.iter()).map(|(k, &c)| {
+                if c == 0 {
+                    u32::MAX
+                } else {
+                    state.place(*k) as u32
                 }
-            }
-            if !misses.is_empty() {
+            }));
+            // Store misses not yet reported for this request (all read before any is
+            // marked: a key given twice is a miss twice, as in vLLM), reported in reverse.
+            // Only ARC's policy hears them; the flags are kept for either.
+            if matches!(self.policy, Policy::Arc(_)) {
+                let mut misses = std::mem::take(&mut self.scratch_misses);
+                misses.clear();
+                for ((k, &c), &p) in keys.iter().zip(class.iter()).zip(places.iter()) {
+                    if c == 1 && *state.at(p as usize) & STORE_MISS == 0 {
+                        misses.push(*k);
+                    }
+                }
                 for k in misses.iter().rev() {
                     self.policy.on_store_miss_one(k);
                 }
-                for k in &misses {
-                    *state.flags.get_mut(k).expect("inserted above") |= STORE_MISS;
+                self.scratch_misses = misses;
+            }
+            for (&c, &p) in class.iter().zip(places.iter()) {
+                if c == 1 {
+                    *state.at(p as usize) |= STORE_MISS;
                 }
             }
-            self.scratch_misses = misses;
         }
-        // `class` was taken out of `self`, so the filter borrows no part of the manager. The
-        // ready existing keys (class 2) are the reused ones, in the same order.
+        // `class` and `places` were taken out of `self`, so the filter borrows no part of the
+        // manager. The ready existing keys (class 2) are the reused ones, in the same order.
         let recorded = keys
             .iter()
             .zip(class.iter())
-            .filter(|(_, c)| **c != 0)
-            .map(|(k, c)| (*k, *c == 2));
-        self.record_access(recorded, ctx);
+            .zip(places.iter())
+            .filter(|((_, c), _)| **c != 0)
+            .map(|((k, c), &p)| (*k, Some(p as usize), *c == 2));
+        self.record_access_at(recorded, ctx);
+        // The places of the keys to store, in their order, for the insertions below.
+        let mut store_places = std::mem::take(&mut self.scratch_store_places);
+        store_places.clear();
+        store_places.extend(
+            class
+                .iter()
+                .zip(places.iter())
+                .filter(|(c, _)| **c == 1)
+                .map(|(_, &p)| p),
+        );
         self.scratch_class = class;
+        self.scratch_places = places;
 
         if keys_to_store.is_empty() {
             out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+            self.scratch_store_places = store_places;
             return true;
         }
         self.allocation_sizes.push(keys_to_store.len());
@@ -727,6 +776,7 @@ impl CpuOffloadingManager {
         if n > free {
             let need = n - free;
             if need > self.num_evictable {
+                self.scratch_store_places = store_places;
                 return false;
             }
             self.stamp += 1;
@@ -742,6 +792,7 @@ impl CpuOffloadingManager {
             };
             if !self.policy.evict(need, &view, &mut victims) {
                 self.scratch = victims;
+                self.scratch_store_places = store_places;
                 return false;
             }
             self.num_evictable -= victims.len();
@@ -769,7 +820,8 @@ impl CpuOffloadingManager {
         ids.reserve(n);
         let positional = ctx.has_positions();
         let state = self.requests.access(ctx);
-        for k in out.keys_to_store.iter() {
+        debug_assert_eq!(store_places.len(), out.keys_to_store.len());
+        for (k, &p) in out.keys_to_store.iter().zip(store_places.iter()) {
             let s = if self.num_allocated < self.num_chunks {
                 self.num_allocated += 1;
                 (self.num_allocated - 1) as u32
@@ -785,9 +837,10 @@ impl CpuOffloadingManager {
                 None
             };
             self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
-            *state.flags.entry(*k).or_insert(0) |= INSERTED;
+            *state.at(p as usize) |= INSERTED;
             ids.push(s as i32);
         }
+        self.scratch_store_places = store_places;
         self.num_write_pending += n;
         out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
         true
@@ -962,11 +1015,7 @@ impl CpuOffloadingManager {
         let mut info = std::mem::take(&mut self.scratch_finished);
         info.clear();
         info.extend(ordered.iter().map(|k| {
-            let f = if flags_read {
-                state.flags.get(k).copied().unwrap_or(0)
-            } else {
-                0
-            };
+            let f = if flags_read { state.flags_of(k) } else { 0 };
             let inserted = f & INSERTED != 0;
             let reused = f & REUSED != 0;
             (

@@ -25,9 +25,10 @@
 //! - A record handed out by [`Requests::take`] is no longer reachable here; [`Requests::recycle`]
 //!   clears it before keeping it, so no key or flag of a finished request reaches another.
 
+use std::hash::BuildHasher;
 use std::sync::Arc as StdArc;
 
-use hashbrown::HashMap;
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 
 use crate::key::OffloadKey;
 use crate::types::ReqContext;
@@ -42,13 +43,20 @@ const MAX_SPARE: usize = 64;
 const MAX_SPARE_KEYS: usize = 4096;
 
 /// One request's accesses (vLLM 0.33's per-request bookkeeping; see the manager's docs).
+///
+/// A key's flags sit in a hash table whose bucket a call can keep: after
+/// [`reserve(n)`](Self::reserve), the next `n` new keys do not grow the table, so the
+/// [`place`](Self::place)s found for them and for the keys already there stay where they are
+/// until a key beyond the reserved room is added. `prepare_store` finds each key's place once
+/// and reaches its flags through it in every later pass (store misses, accesses, insertions).
 #[derive(Default)]
 pub(crate) struct RequestAccess {
     pub(crate) ctx_uid: u64,
     /// Keys in first-seen order.
     pub(crate) order: Vec<OffloadKey>,
-    /// `SEEN | INSERTED | REUSED | STORE_MISS` per key.
-    pub(crate) flags: HashMap<OffloadKey, u8>,
+    /// `(key, SEEN | INSERTED | REUSED | STORE_MISS)`; a key not here has no flags.
+    flags: HashTable<(OffloadKey, u8)>,
+    hasher: DefaultHashBuilder,
     /// LRU request rank (positional recency).
     pub(crate) req_rank: Option<u64>,
 }
@@ -59,6 +67,71 @@ impl RequestAccess {
         self.order.clear();
         self.flags.clear();
         self.req_rank = None;
+    }
+
+    /// `k`'s flags, made empty when it has none (one probe).
+    #[inline]
+    pub(crate) fn flags_mut(&mut self, k: OffloadKey) -> &mut u8 {
+        let hasher = &self.hasher;
+        let h = hasher.hash_one(k);
+        &mut self
+            .flags
+            .entry(h, |e| e.0 == k, |e| hasher.hash_one(e.0))
+            .or_insert((k, 0))
+            .into_mut()
+            .1
+    }
+
+    /// `k`'s flags (none when it has none).
+    #[inline]
+    pub(crate) fn flags_of(&self, k: &OffloadKey) -> u8 {
+        self.flags
+            .find(self.hasher.hash_one(k), |e| e.0 == *k)
+            .map_or(0, |e| e.1)
+    }
+
+    /// Sets `bits` in `k`'s flags.
+    #[inline]
+    pub(crate) fn set(&mut self, k: OffloadKey, bits: u8) {
+        *self.flags_mut(k) |= bits;
+    }
+
+    /// Room for `n` more keys without growing the table (see the type's docs).
+    pub(crate) fn reserve(&mut self, n: usize) {
+        let hasher = &self.hasher;
+        self.flags.reserve(n, |e| hasher.hash_one(e.0));
+    }
+
+    /// `k`'s place (its flags made empty when it has none), valid while the table does not
+    /// grow: after [`reserve`](Self::reserve) for it and the other new keys of the call.
+    #[inline]
+    pub(crate) fn place(&mut self, k: OffloadKey) -> usize {
+        let hasher = &self.hasher;
+        let h = hasher.hash_one(k);
+        self.flags
+            .entry(h, |e| e.0 == k, |e| hasher.hash_one(e.0))
+            .or_insert((k, 0))
+            .bucket_index()
+    }
+
+    /// The flags at a [`place`](Self::place) found in this call.
+    ///
+    /// # Panics
+    /// When the place is stale (the table grew past the reserved room since): a bug in the
+    /// caller, never a wrong key's flags.
+    #[inline]
+    pub(crate) fn at(&mut self, place: usize) -> &mut u8 {
+        &mut self
+            .flags
+            .get_bucket_mut(place)
+            .expect("a place found in this call, with room reserved for its keys")
+            .1
+    }
+
+    /// Keys with flags.
+    #[cfg(test)]
+    pub(crate) fn num_flagged(&self) -> usize {
+        self.flags.len()
     }
 }
 

@@ -87,7 +87,7 @@ impl CpuOffloadingManager {
         }
         let state = self.requests.access(ctx);
         for k in &plan.keys_to_store {
-            if state.flags.get(k).is_none_or(|f| f & STORE_MISS == 0) {
+            if state.flags_of(k) & STORE_MISS == 0 {
                 plan.new_store_misses.push(*k);
             }
         }
@@ -105,7 +105,7 @@ impl CpuOffloadingManager {
     pub fn mark_store_misses(&mut self, keys: &[OffloadKey], ctx: &ReqContext) {
         let state = self.requests.access(ctx);
         for k in keys {
-            *state.flags.entry(*k).or_insert(0) |= STORE_MISS;
+            state.set(*k, STORE_MISS);
         }
     }
 
@@ -122,10 +122,10 @@ impl CpuOffloadingManager {
         self.record_access(keys.iter().map(|k| (*k, false)), ctx);
         let state = self.requests.access(ctx);
         for k in inserted {
-            *state.flags.entry(*k).or_insert(0) |= INSERTED;
+            state.set(*k, INSERTED);
         }
         for k in reused {
-            let f = state.flags.entry(*k).or_insert(0);
+            let f = state.flags_mut(*k);
             if *f & INSERTED == 0 {
                 *f |= REUSED;
             }
@@ -262,7 +262,7 @@ impl CpuOffloadingManager {
                 None
             };
             self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
-            *state.flags.entry(*k).or_insert(0) |= INSERTED;
+            state.set(*k, INSERTED);
         }
         self.num_write_pending += keys.len();
         Ok(())
@@ -285,7 +285,7 @@ impl CpuOffloadingManager {
         let mut insertion_only = Vec::new();
         let mut reused = Vec::new();
         for k in &state.order {
-            let f = state.flags.get(k).copied().unwrap_or(0);
+            let f = state.flags_of(k);
             if f & REUSED != 0 {
                 reused.push(*k);
             } else if f & INSERTED != 0 {

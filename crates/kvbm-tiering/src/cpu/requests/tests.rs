@@ -73,7 +73,8 @@ proptest! {
                     let key = OffloadKey::from_u64(k);
                     let r = t.access(&ctxs[c]);
                     prop_assert_eq!(r.ctx_uid, ctxs[c].uid());
-                    if r.flags.insert(key, 1).is_none() {
+                    if r.flags_of(&key) == 0 {
+                        r.set(key, 1);
                         r.order.push(key);
                     }
                     let keys = m.access(&ctxs[c]);
@@ -94,7 +95,7 @@ proptest! {
                     let theirs = m.take(&ctxs[c]);
                     prop_assert_eq!(ours.as_ref().map(|r| r.order.clone()), theirs);
                     if let Some(r) = ours {
-                        prop_assert_eq!(r.flags.len(), r.order.len());
+                        prop_assert_eq!(r.num_flagged(), r.order.len());
                         t.recycle(r);
                     }
                 }
@@ -115,7 +116,7 @@ fn a_recycled_record_starts_empty_and_keeps_its_capacity() {
     let a = ReqContext::new("a");
     let r = t.access(&a);
     for k in 0..64 {
-        r.flags.insert(OffloadKey::from_u64(k), 3);
+        r.set(OffloadKey::from_u64(k), 3);
         r.order.push(OffloadKey::from_u64(k));
     }
     r.req_rank = Some(7);
@@ -136,7 +137,7 @@ fn a_large_record_is_not_kept() {
     let a = ReqContext::new("a");
     let r = t.access(&a);
     for k in 0..(MAX_SPARE_KEYS as u64 + 1) {
-        r.flags.insert(OffloadKey::from_u64(k), 1);
+        r.set(OffloadKey::from_u64(k), 1);
     }
     let done = t.take(&a).expect("a's record");
     t.recycle(done);
@@ -167,4 +168,33 @@ fn a_freed_slot_reused_by_another_request_is_not_the_last_contexts() {
         t.get(&b).map(|r| r.order.clone()),
         Some(vec![OffloadKey::from_u64(2)])
     );
+}
+
+#[test]
+fn a_keys_place_reaches_its_flags_while_the_table_has_room() {
+    let mut t = Requests::default();
+    let a = ReqContext::new("a");
+    let r = t.access(&a);
+    let keys: Vec<OffloadKey> = (0..100).map(OffloadKey::from_u64).collect();
+    assert_eq!(r.flags_of(&keys[0]), 0, "a key without flags");
+    r.reserve(keys.len());
+    let places: Vec<usize> = keys.iter().map(|&k| r.place(k)).collect();
+    for (i, &p) in places.iter().enumerate() {
+        *r.at(p) |= (i % 8) as u8 + 1;
+    }
+    assert_eq!(r.place(keys[7]), places[7], "the same key, the same place");
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(r.flags_of(k), (i % 8) as u8 + 1, "each key's own flags");
+    }
+    assert_eq!(
+        r.num_flagged(),
+        keys.len(),
+        "a key once, however often it is placed"
+    );
+    r.set(keys[3], 8);
+    assert_eq!(r.flags_of(&keys[3]), 4 | 8);
+    let done = t.take(&a).expect("a's record");
+    t.recycle(done);
+    let r = t.access(&ReqContext::new("b"));
+    assert_eq!(r.flags_of(&keys[3]), 0, "a restarted record has no flags");
 }
