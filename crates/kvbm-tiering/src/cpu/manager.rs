@@ -145,8 +145,6 @@ pub struct CpuOffloadingManager {
     scratch_misses: Vec<OffloadKey>,
     /// `store_into`'s places of the keys in the request's flags (`u32::MAX`: not recorded).
     scratch_places: Vec<u32>,
-    /// `store_into`'s places of the keys to store, in their order.
-    scratch_store_places: Vec<u32>,
     /// `on_request_finished`'s per-key facts for the policy, refilled per request.
     scratch_finished: Vec<(OffloadKey, Option<u32>, bool, bool)>,
     /// Scratch of `store_into`: the slots of the keys already resident.
@@ -194,7 +192,6 @@ impl CpuOffloadingManager {
             scratch_class: Vec::new(),
             scratch_misses: Vec::new(),
             scratch_places: Vec::new(),
-            scratch_store_places: Vec::new(),
             scratch_finished: Vec::new(),
             scratch_resident: Vec::new(),
             reserved: Vec::new(),
@@ -660,6 +657,27 @@ impl CpuOffloadingManager {
         ctx: &ReqContext,
         out: &mut PrepareStoreOutput,
     ) -> bool {
+        // The per-key scratches are taken out of `self` for the call (so passes over them
+        // borrow no part of the manager) and put back once, whatever the outcome.
+        let mut class = std::mem::take(&mut self.scratch_class);
+        let mut places = std::mem::take(&mut self.scratch_places);
+        let stored = self.store_with(keys, ctx, out, &mut class, &mut places);
+        self.scratch_class = class;
+        self.scratch_places = places;
+        stored
+    }
+
+    /// [`store_into`](Self::store_into)'s body. `class`: each key's class (1 = to store,
+    /// 2 = ready existing, 0 = pending existing / filtered); `places`: each recorded key's
+    /// place in the request's flags (`u32::MAX`: not recorded). Both are refilled here.
+    fn store_with(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        out: &mut PrepareStoreOutput,
+        class: &mut Vec<u8>,
+        places: &mut Vec<u32>,
+    ) -> bool {
         let mut ids = match std::mem::replace(&mut out.store_spec, Self::spec(std::iter::empty())) {
             LoadStoreSpec::Cpu(c) => c.chunk_ids,
             _ => Vec::new(),
@@ -671,7 +689,6 @@ impl CpuOffloadingManager {
             self.record_tracker(keys);
         }
         // Classify: 1 = to store, 2 = ready existing, 0 = pending existing / filtered.
-        let mut class = std::mem::take(&mut self.scratch_class);
         class.clear();
         class.reserve(keys.len());
         let keys_to_store = &mut out.keys_to_store;
@@ -708,7 +725,6 @@ impl CpuOffloadingManager {
         // Each recorded key's place in the request's flags, found once for the passes below
         // (after the `reserve`, no key of this call grows the table, so the places stay
         // valid: `RequestAccess`).
-        let mut places = std::mem::take(&mut self.scratch_places);
         places.clear();
         {
             let state = self.requests.access(ctx);
@@ -742,8 +758,7 @@ impl CpuOffloadingManager {
                 }
             }
         }
-        // `class` and `places` were taken out of `self`, so the filter borrows no part of the
-        // manager. The ready existing keys (class 2) are the reused ones, in the same order.
+        // The ready existing keys (class 2) are the reused ones, in the same order.
         let recorded = keys
             .iter()
             .zip(class.iter())
@@ -751,22 +766,9 @@ impl CpuOffloadingManager {
             .filter(|((_, c), _)| **c != 0)
             .map(|((k, c), &p)| (*k, Some(p as usize), *c == 2));
         self.record_access_at(recorded, ctx);
-        // The places of the keys to store, in their order, for the insertions below.
-        let mut store_places = std::mem::take(&mut self.scratch_store_places);
-        store_places.clear();
-        store_places.extend(
-            class
-                .iter()
-                .zip(places.iter())
-                .filter(|(c, _)| **c == 1)
-                .map(|(_, &p)| p),
-        );
-        self.scratch_class = class;
-        self.scratch_places = places;
 
         if keys_to_store.is_empty() {
             out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
-            self.scratch_store_places = store_places;
             return true;
         }
         self.allocation_sizes.push(keys_to_store.len());
@@ -776,7 +778,6 @@ impl CpuOffloadingManager {
         if n > free {
             let need = n - free;
             if need > self.num_evictable {
-                self.scratch_store_places = store_places;
                 return false;
             }
             self.stamp += 1;
@@ -792,7 +793,6 @@ impl CpuOffloadingManager {
             };
             if !self.policy.evict(need, &view, &mut victims) {
                 self.scratch = victims;
-                self.scratch_store_places = store_places;
                 return false;
             }
             self.num_evictable -= victims.len();
@@ -820,8 +820,13 @@ impl CpuOffloadingManager {
         ids.reserve(n);
         let positional = ctx.has_positions();
         let state = self.requests.access(ctx);
-        debug_assert_eq!(store_places.len(), out.keys_to_store.len());
-        for (k, &p) in out.keys_to_store.iter().zip(store_places.iter()) {
+        // The keys to store are the class-1 keys, in order: their places come the same way.
+        let store_places = class
+            .iter()
+            .zip(places.iter())
+            .filter(|(c, _)| **c == 1)
+            .map(|(_, &p)| p);
+        for (k, p) in out.keys_to_store.iter().zip(store_places) {
             let s = if self.num_allocated < self.num_chunks {
                 self.num_allocated += 1;
                 (self.num_allocated - 1) as u32
@@ -840,7 +845,6 @@ impl CpuOffloadingManager {
             *state.at(p as usize) |= INSERTED;
             ids.push(s as i32);
         }
-        self.scratch_store_places = store_places;
         self.num_write_pending += n;
         out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
         true

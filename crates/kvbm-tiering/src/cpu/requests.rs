@@ -28,7 +28,7 @@
 use std::hash::BuildHasher;
 use std::sync::Arc as StdArc;
 
-use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable, hash_table};
 
 use crate::key::OffloadKey;
 use crate::types::ReqContext;
@@ -69,17 +69,19 @@ impl RequestAccess {
         self.req_rank = None;
     }
 
+    /// `k`'s entry, made with no flags when it has none (one probe).
+    #[inline]
+    fn entry(&mut self, k: OffloadKey) -> hash_table::OccupiedEntry<'_, (OffloadKey, u8)> {
+        let hasher = &self.hasher;
+        self.flags
+            .entry(hasher.hash_one(k), |e| e.0 == k, |e| hasher.hash_one(e.0))
+            .or_insert((k, 0))
+    }
+
     /// `k`'s flags, made empty when it has none (one probe).
     #[inline]
     pub(crate) fn flags_mut(&mut self, k: OffloadKey) -> &mut u8 {
-        let hasher = &self.hasher;
-        let h = hasher.hash_one(k);
-        &mut self
-            .flags
-            .entry(h, |e| e.0 == k, |e| hasher.hash_one(e.0))
-            .or_insert((k, 0))
-            .into_mut()
-            .1
+        &mut self.entry(k).into_mut().1
     }
 
     /// `k`'s flags (none when it has none).
@@ -106,12 +108,7 @@ impl RequestAccess {
     /// grow: after [`reserve`](Self::reserve) for it and the other new keys of the call.
     #[inline]
     pub(crate) fn place(&mut self, k: OffloadKey) -> usize {
-        let hasher = &self.hasher;
-        let h = hasher.hash_one(k);
-        self.flags
-            .entry(h, |e| e.0 == k, |e| hasher.hash_one(e.0))
-            .or_insert((k, 0))
-            .bucket_index()
+        self.entry(k).bucket_index()
     }
 
     /// The flags at a [`place`](Self::place) found in this call.

@@ -341,7 +341,6 @@ def main():
             self.w = self.spec.get_worker(kv_caches)
             self.jobs = 0
             self.n = 0
-            self.transfer_s = []
 
         def step(self):
             self.m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
@@ -363,7 +362,6 @@ def main():
                     if r.job_id == job:
                         if not r.success:
                             raise Failed(f"job {job} failed on the worker")
-                        self.transfer_s.append(r.transfer_time)
                         return
                 time.sleep(0.0005)
             raise Failed(f"job {job} never finished")
@@ -506,7 +504,6 @@ def main():
 
         traceback.print_exc()
         check("the flow ran to the end", False, f"{type(e).__name__}: {e}")
-    results["counts"] = counts
     check("vLLM's Triton kernel ran", counts["triton_batches"] > 0,
           f"{counts['triton_batches']} batches")
     check("the DMA stand-in ran", counts["dma_batches"] > 0,
