@@ -36,10 +36,24 @@ impl OffloadKey {
                 max: Self::MAX_LEN,
             });
         }
+        let n = raw.len();
         let mut bytes = [0u8; Self::MAX_LEN];
-        bytes[..raw.len()].copy_from_slice(raw);
+        // Two fixed-width copies, the second ending at `n`, cover any length from the width
+        // to twice it: constant-size moves where `copy_from_slice` of `n` bytes is a `memcpy`
+        // call (a key is read per lookup). Bytes past `n` stay zero (`words`).
+        fn two<const W: usize>(dst: &mut [u8; OffloadKey::MAX_LEN], src: &[u8]) {
+            let n = src.len();
+            dst[..W].copy_from_slice(&src[..W]);
+            dst[n - W..n].copy_from_slice(&src[n - W..]);
+        }
+        match n {
+            32.. => two::<32>(&mut bytes, raw),
+            16.. => two::<16>(&mut bytes, raw),
+            8.. => two::<8>(&mut bytes, raw),
+            _ => two::<4>(&mut bytes, raw),
+        }
         Ok(Self {
-            len: raw.len() as u8,
+            len: n as u8,
             bytes,
         })
     }
@@ -168,5 +182,25 @@ mod tests {
         let a = OffloadKey::from_bytes(&[1, 2, 3, 4, 0]).unwrap();
         let b = OffloadKey::from_bytes(&[1, 2, 3, 4]).unwrap();
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn from_bytes_reads_every_length_exactly() {
+        // Each width's two copies, at both ends of its range: the bytes read back, nothing
+        // past the length set (equal to the packed key), and one length too long refused.
+        for n in 4..=OffloadKey::MAX_LEN {
+            let raw: Vec<u8> = (1..=n as u8).collect();
+            let k = OffloadKey::from_bytes(&raw).unwrap();
+            assert_eq!(k.as_bytes(), &raw[..], "length {n}");
+            let packed = make_offload_key(
+                &raw[..n - 4],
+                u32::from_be_bytes(raw[n - 4..].try_into().unwrap()),
+            )
+            .unwrap();
+            assert_eq!(k, packed, "length {n}");
+            assert!(k.bytes[n..].iter().all(|&b| b == 0), "length {n}");
+        }
+        assert!(OffloadKey::from_bytes(&[7; OffloadKey::MAX_LEN + 1]).is_err());
+        assert!(OffloadKey::from_bytes(&[7; 3]).is_err());
     }
 }

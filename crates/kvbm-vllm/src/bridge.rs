@@ -22,13 +22,14 @@
 //! or request. A key that is not vLLM's `OffloadKey` shape (bytes, 4 to 39 long) is a
 //! `TypeError`/`ValueError` naming it.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use kvbm_tiering::{
     Locality, Medium, OffloadKey, ReqContext, TierFilter, TierMatcher, TieringError,
 };
-use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::{create_exception, intern};
@@ -359,69 +360,124 @@ struct Entry {
     synced: usize,
 }
 
-/// Python `ReqContext` objects to Rust ones: see the [module docs](self).
+/// Python `ReqContext` objects to Rust ones: see the [module docs](self). Shared by a
+/// manager's Python objects (`&self`: any of them, any thread).
+///
+/// # Guarded by the GIL, not a lock
+///
+/// Every call holds the GIL (each takes a `Bound`, which proves it), and the map is borrowed
+/// only for stretches that run no Python code: a context's own Python (its attributes on first
+/// sight, `get_offload_key_position` for new positions) runs between borrows. Python code may
+/// hand the GIL to another thread mid-call (the interpreter's switch interval); that thread
+/// then finds the map free, where a lock held across the call would have blocked it while it
+/// held the GIL: a deadlock. The GIL exists: the extension is built for the stable ABI, which
+/// free-threaded interpreters do not load. A borrow found taken anyway (a bug) is a
+/// `RuntimeError`, never a wait.
 #[derive(Default)]
 pub(crate) struct Contexts {
-    by_addr: hashbrown::HashMap<usize, Entry>,
+    by_addr: RefCell<hashbrown::HashMap<usize, Entry>>,
+}
+
+// SAFETY: the map is touched only with the GIL held, which serialises the threads that reach
+// it, and no borrow outlives a method or spans Python code (see the type's docs).
+unsafe impl Sync for Contexts {}
+
+fn busy() -> PyErr {
+    PyRuntimeError::new_err("kvbm's request-context map was re-entered (kvbm-vllm bug)")
 }
 
 impl Contexts {
     /// The Rust context of `ctx` (made on first sight), its positions up to date.
-    pub(crate) fn get(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
+    pub(crate) fn get(&self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
         let addr = ctx.as_ptr() as usize;
         let py = ctx.py();
-        let entry = match self.by_addr.entry(addr) {
-            hashbrown::hash_map::Entry::Occupied(o) => o.into_mut(),
-            hashbrown::hash_map::Entry::Vacant(v) => {
-                let req_id: String = ctx
-                    .getattr(intern!(py, "req_id"))
-                    .and_then(|r| r.extract())
-                    .map_err(|_| {
-                        PyTypeError::new_err(
-                            "a request context is vLLM's ReqContext (with req_id: str)",
-                        )
-                    })?;
-                let mut builder = ReqContext::builder(req_id);
-                if let Ok(f) = ctx.getattr(intern!(py, "load_tier_filter")) {
-                    builder = builder.load_tier_filter(tier_filter(&f)?);
-                }
-                let rust = builder.build();
-                rust.set_state(PyOrigin(Arc::new(ctx.clone().unbind())));
-                let positions = ctx
-                    .getattr(intern!(py, "_offload_key_positions"))
-                    .ok()
-                    .and_then(|p| p.cast_into::<PyDict>().ok())
-                    .map(Bound::unbind);
-                v.insert(Entry {
-                    _py: ctx.clone().unbind(),
-                    rust,
-                    positions,
-                    synced: 0,
-                })
+        // Known, and no position added since: the common case, one probe.
+        let known = {
+            let map = self.by_addr.try_borrow().map_err(|_| busy())?;
+            match map.get(&addr) {
+                Some(e) => match &e.positions {
+                    Some(p) if p.bind(py).len() != e.synced => {
+                        Some((e.rust.clone(), Some(p.clone_ref(py)), e.synced))
+                    }
+                    _ => return Ok(e.rust.clone()),
+                },
+                None => None,
             }
         };
-        if let Some(positions) = &entry.positions
+        let (rust, positions, synced) = match known {
+            Some(k) => k,
+            None => {
+                let made = Self::make(ctx)?;
+                let mut map = self.by_addr.try_borrow_mut().map_err(|_| busy())?;
+                // Another thread may have made it while this one ran the context's Python.
+                let e = map.entry(addr).or_insert(made);
+                let known = (
+                    e.rust.clone(),
+                    e.positions.as_ref().map(|p| p.clone_ref(py)),
+                    e.synced,
+                );
+                drop(map);
+                known
+            }
+        };
+        if let Some(positions) = positions
             && let positions = positions.bind(py)
-            && positions.len() != entry.synced
+            && positions.len() != synced
         {
             // Only the keys added since the last call (a dict keeps insertion order), each read
             // through the context's own method, so a subclass that overrides it is honoured.
             let getter = intern!(py, "get_offload_key_position");
-            for k in positions.keys().iter().skip(entry.synced) {
+            let n = positions.len();
+            for k in positions.keys().iter().skip(synced) {
                 let v = ctx.call_method1(getter, (&k,))?;
                 if !v.is_none() {
-                    entry
-                        .rust
-                        .set_offload_key_position(key(&k)?, v.extract::<u64>()?);
+                    rust.set_offload_key_position(key(&k)?, v.extract::<u64>()?);
                 }
             }
-            entry.synced = positions.len();
+            let mut map = self.by_addr.try_borrow_mut().map_err(|_| busy())?;
+            if let Some(e) = map.get_mut(&addr) {
+                e.synced = e.synced.max(n);
+            }
         }
-        Ok(entry.rust.clone())
+        Ok(rust)
     }
 
-    /// Forgets `ctx` (its request finished).
-    pub(crate) fn forget(&mut self, ctx: &Bound<'_, PyAny>) {
-        self.by_addr.remove(&(ctx.as_ptr() as usize));
+    /// A new entry for `ctx`, from its attributes (Python code: called with no borrow).
+    fn make(ctx: &Bound<'_, PyAny>) -> PyResult<Entry> {
+        let py = ctx.py();
+        let req_id: String = ctx
+            .getattr(intern!(py, "req_id"))
+            .and_then(|r| r.extract())
+            .map_err(|_| {
+                PyTypeError::new_err("a request context is vLLM's ReqContext (with req_id: str)")
+            })?;
+        let mut builder = ReqContext::builder(req_id);
+        if let Ok(f) = ctx.getattr(intern!(py, "load_tier_filter")) {
+            builder = builder.load_tier_filter(tier_filter(&f)?);
+        }
+        let rust = builder.build();
+        rust.set_state(PyOrigin(Arc::new(ctx.clone().unbind())));
+        let positions = ctx
+            .getattr(intern!(py, "_offload_key_positions"))
+            .ok()
+            .and_then(|p| p.cast_into::<PyDict>().ok())
+            .map(Bound::unbind);
+        Ok(Entry {
+            _py: ctx.clone().unbind(),
+            rust,
+            positions,
+            synced: 0,
+        })
+    }
+
+    /// Forgets `ctx` (its request finished). The entry is dropped after the borrow ends.
+    pub(crate) fn forget(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let gone = self
+            .by_addr
+            .try_borrow_mut()
+            .map_err(|_| busy())?
+            .remove(&(ctx.as_ptr() as usize));
+        drop(gone);
+        Ok(())
     }
 }

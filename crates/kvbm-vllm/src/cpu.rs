@@ -23,7 +23,6 @@ use kvbm_tiering::{
     CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, LookupResult,
     OffloadKey, OffloadScope,
 };
-use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
@@ -82,7 +81,7 @@ impl LookupMembers {
 #[pyclass(module = "kvbm_vllm._kvbm", frozen)]
 pub(crate) struct CpuManager {
     pub(crate) core: Arc<Core>,
-    pub(crate) contexts: Arc<Mutex<Contexts>>,
+    pub(crate) contexts: Arc<Contexts>,
     pub(crate) results: Arc<LookupMembers>,
 }
 
@@ -200,7 +199,7 @@ impl CpuManager {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let mut g = self.core.lock(keys_.py())?;
         let spec = g.primary()?.prepare_read(&ks, &c).map_err(to_py)?;
         Ok(chunk_ids(keys_.py(), spec.chunk_ids().unwrap_or_default()))
@@ -215,7 +214,7 @@ impl CpuManager {
 
     fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let r = self.core.lock(key_.py())?.cpu()?.lookup(&k, &c);
         Ok(self.results.get(key_.py(), r))
     }
@@ -227,7 +226,7 @@ impl CpuManager {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let spec = self
             .core
             .lock(keys_.py())?
@@ -239,7 +238,7 @@ impl CpuManager {
 
     fn touch(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(keys_.py())?
             .cpu()?
@@ -249,7 +248,7 @@ impl CpuManager {
 
     fn complete_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(keys_.py())?
             .cpu()?
@@ -265,7 +264,7 @@ impl CpuManager {
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = keys_.py();
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let out = self
             .core
             .lock(py)?
@@ -283,7 +282,7 @@ impl CpuManager {
         success: bool,
     ) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(keys_.py())?
             .cpu()?
@@ -293,7 +292,7 @@ impl CpuManager {
 
     /// `"chunk_level"` or `"request_level"` (vLLM's `OffloadPolicy` values).
     fn on_new_request(&self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let r = self
             .core
             .lock(ctx.py())?
@@ -307,14 +306,14 @@ impl CpuManager {
     }
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let r = self
             .core
             .lock(ctx.py())?
             .cpu()?
             .on_request_finished(&c)
             .map_err(to_py);
-        self.contexts.lock().forget(ctx);
+        self.contexts.forget(ctx)?;
         r
     }
 
@@ -348,8 +347,8 @@ impl CpuManager {
     }
 
     /// Metrics since the last call: `(gauges, counters, histograms)`, each a list of
-    /// `(name, label or None, value)` (a histogram's value is its observations as `float64`
-    /// bytes, `core::F64s`).
+    /// `(name, label or None, value)` (a histogram's value is the list of its observations,
+    /// `core::F64s`).
     fn stats(&self, py: Python<'_>) -> PyResult<crate::core::StatsTriple> {
         let s = self.core.lock(py)?.cpu()?.stats();
         Ok(crate::core::triple(s))
@@ -470,7 +469,7 @@ impl CpuManager {
     )> {
         let py = keys_.py();
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let plan = self.core.lock(py)?.cpu()?.store_plan(&ks, &c);
         Ok((
             key_list(py, &plan.keys_to_store)?,
@@ -490,7 +489,7 @@ impl CpuManager {
     /// Notes store misses as reported for the request.
     fn mark_store_misses(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(keys_.py())?
             .cpu()?
@@ -507,7 +506,7 @@ impl CpuManager {
         reused: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (ks, ins, re) = (keys(keys_)?, keys(inserted)?, keys(reused)?);
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(keys_.py())?
             .cpu()?
@@ -549,7 +548,7 @@ impl CpuManager {
         ctx: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(keys_.py())?
             .cpu()?
@@ -564,7 +563,7 @@ impl CpuManager {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let ks = keys(keys_)?;
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let ids = self
             .core
             .lock(keys_.py())?
@@ -583,7 +582,7 @@ impl CpuManager {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<(Bound<'py, PyTuple>, Bound<'py, PySet>, Bound<'py, PySet>)>> {
         let py = ctx.py();
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         let Some(f) = self.core.lock(py)?.cpu()?.finish_request_access(&c) else {
             return Ok(None);
         };
@@ -602,8 +601,8 @@ impl CpuManager {
     }
 
     /// Forgets a finished request's context.
-    fn forget(&self, ctx: &Bound<'_, PyAny>) {
-        self.contexts.lock().forget(ctx);
+    fn forget(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.contexts.forget(ctx)
     }
 
     /// The policy's own `on_request_finished(key_groups, insertion_only_keys, reused_keys,
@@ -621,7 +620,7 @@ impl CpuManager {
             .collect::<PyResult<Vec<_>>>()?;
         let ins: hashbrown::HashSet<OffloadKey> = keys(insertion_only)?.iter().copied().collect();
         let re: hashbrown::HashSet<OffloadKey> = keys(reused)?.iter().copied().collect();
-        let c = self.contexts.lock().get(ctx)?;
+        let c = self.contexts.get(ctx)?;
         self.core
             .lock(ctx.py())?
             .cpu()?

@@ -63,7 +63,7 @@ use crate::tiers::StorageTier;
 
 /// What every [`PyTier`] and [`Parent`] of one manager share with it.
 pub(crate) struct Shared {
-    contexts: Arc<Mutex<Contexts>>,
+    contexts: Arc<Contexts>,
     results: Arc<LookupMembers>,
     /// The first exception a Python tier raised during the current call.
     error: Mutex<Option<PyErr>>,
@@ -705,7 +705,7 @@ impl Parent {
 #[pymethods]
 impl Parent {
     fn on_new_request<'py>(&self, ctx: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let c = self.shared.contexts.lock().get(ctx)?;
+        let c = self.shared.contexts.get(ctx)?;
         let r = self.with(|p| p.on_new_request(&c))?;
         self.shared.take_error()?;
         let r = r.map_err(to_py)?;
@@ -717,7 +717,7 @@ impl Parent {
 
     fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let k = key(key_)?;
-        let c = self.shared.contexts.lock().get(ctx)?;
+        let c = self.shared.contexts.get(ctx)?;
         let r = self.with(|p| p.lookup(&k, &c))?;
         self.shared.take_error()?;
         Ok(self.shared.results.get(key_.py(), r))
@@ -730,7 +730,7 @@ impl Parent {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = keys_.py();
         let ks = keys(keys_)?;
-        let c = self.shared.contexts.lock().get(ctx)?;
+        let c = self.shared.contexts.get(ctx)?;
         let job = self.with(|p| p.create_store_job(&ks, &c))?;
         self.shared.take_error()?;
         let job = job.map_err(to_py)?;
@@ -741,11 +741,11 @@ impl Parent {
     }
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
-        let c = self.shared.contexts.lock().get(ctx)?;
+        let c = self.shared.contexts.get(ctx)?;
         let r = self.with(|p| p.on_request_finished(&c));
         // The remote request is over: its Python context is not kept (the manager's Rust
         // context keeps the object for as long as it needs it).
-        self.shared.contexts.lock().forget(ctx);
+        self.shared.contexts.forget(ctx)?;
         let r = r?;
         self.shared.take_error()?;
         r.map_err(to_py)
@@ -777,7 +777,7 @@ impl TieringManager {
     }
 
     fn ctx(&self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
-        self.shared.contexts.lock().get(ctx)
+        self.shared.contexts.get(ctx)
     }
 }
 
@@ -977,7 +977,7 @@ impl TieringManager {
         let r = self.run(ctx.py(), |m| {
             m.on_request_finished_excluding(&c, exclude).map_err(to_py)
         });
-        self.shared.contexts.lock().forget(ctx);
+        self.shared.contexts.forget(ctx)?;
         r
     }
 

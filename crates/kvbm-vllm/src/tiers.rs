@@ -515,7 +515,7 @@ impl StorageTier {
     fn on_request_finished(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
         let c = self.contexts.get(ctx)?;
         self.tier()?.on_request_finished(&c);
-        self.contexts.forget(ctx);
+        self.contexts.forget(ctx)?;
         Ok(())
     }
 

@@ -587,7 +587,8 @@ impl TieringOffloadingManager {
         self.maybe_process_finished_jobs();
         let t0 = self.metrics.start();
         let primary = self.primary.manager_mut().lookup(key, ctx);
-        self.metrics.on_lookup(0, primary, t0, ctx.uid(), key);
+        // The reading that ended one timed lookup starts the next (see `Metrics::on_lookup`).
+        let mut ended = self.metrics.on_lookup(0, primary, t0, ctx.uid(), key);
         match primary {
             LookupResult::Hit => return LookupResult::Hit,
             LookupResult::HitPending => {
@@ -619,7 +620,10 @@ impl TieringOffloadingManager {
             {
                 continue;
             }
-            let t0 = self.metrics.start();
+            let t0 = match ended.take() {
+                Some(t) => Some(t),
+                None => self.metrics.start(),
+            };
             let r = tier.lookup(key, ctx);
             if r == LookupResult::Hit {
                 self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
@@ -637,7 +641,7 @@ impl TieringOffloadingManager {
             if r == LookupResult::Retry {
                 any_retry = true;
             }
-            self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
+            ended = self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
         }
         if any_retry {
             LookupResult::Retry

@@ -88,6 +88,9 @@ impl Metrics {
     /// A lookup answered by `label`; `start` is set when latency is recorded. A `RETRY`
     /// starts the asynchronous delay of (request, key) at that tier; the resolving `HIT`/`MISS`
     /// observes it.
+    ///
+    /// Returns the clock reading that ended the lookup, if one was made: the start of the next
+    /// tier's lookup asked right after (one reading between two timed lookups, not two).
     #[inline]
     pub(crate) fn on_lookup(
         &mut self,
@@ -96,7 +99,7 @@ impl Metrics {
         start: Option<u64>,
         ctx_uid: u64,
         key: &OffloadKey,
-    ) {
+    ) -> Option<u64> {
         if matches!(result, LookupResult::Hit | LookupResult::Miss) {
             self.queries[label] += 1;
             if result == LookupResult::Hit {
@@ -112,6 +115,7 @@ impl Metrics {
                     let d = self.seconds(t, now);
                     self.async_delays[label].push(d);
                 }
+                return Some(now);
             }
         } else if result == LookupResult::Retry
             && let Some(s) = start
@@ -120,6 +124,7 @@ impl Metrics {
                 .entry((label, ctx_uid, *key))
                 .or_insert(s);
         }
+        None
     }
 
     pub(crate) fn on_job_registered(&mut self, tier: usize, job: &TierJob) {

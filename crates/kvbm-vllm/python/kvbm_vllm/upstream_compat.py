@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from array import array as _array
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -341,11 +340,10 @@ def _stats_of(triple) -> OffloadingConnectorStats:
     gauges, counters, histograms = triple
     for name, label, value in gauges:
         stats.set_gauge(name, value, _labels(label))
-    for name, label, raw in histograms:
-        if not raw:
+    for name, label, values in histograms:
+        # The observations cross as a list of floats, equal values one object (``core::F64s``).
+        if not values:
             continue
-        # The observations cross as float64 bytes (``core::F64s``): one C loop makes the list.
-        values = _array("d", raw).tolist()
         labels = _labels(label)
         # The first observation through the public call (it records the metric's type and
         # appends the value last), then that last element replaced by every value in one
