@@ -212,11 +212,17 @@ impl CpuManager {
         g.primary()?.complete_read(&ks).map_err(to_py)
     }
 
-    fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let k = key(key_)?;
-        let c = self.contexts.get(ctx)?;
-        let r = self.core.lock(key_.py())?.cpu()?.lookup(&k, &c);
-        Ok(self.results.get(key_.py(), r))
+    /// vLLM's `lookup(key, req_context)`, its argument names: bound on the Python manager's
+    /// instance (`upstream_compat._bind_direct`).
+    fn lookup(
+        &self,
+        key: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let k = crate::bridge::key(key)?;
+        let c = self.contexts.get(req_context)?;
+        let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
+        Ok(self.results.get(key.py(), r))
     }
 
     /// The chunk ids to read, co-indexed with `keys`.
@@ -246,11 +252,16 @@ impl CpuManager {
             .map_err(to_py)
     }
 
-    fn complete_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
+    /// vLLM's `complete_load(keys, req_context)`, its argument names (bound as `lookup`).
+    fn complete_load(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ks = crate::bridge::keys(keys)?;
+        let c = self.contexts.get(req_context)?;
         self.core
-            .lock(keys_.py())?
+            .lock(keys.py())?
             .cpu()?
             .complete_load(&ks, &c)
             .map_err(to_py)
@@ -274,17 +285,19 @@ impl CpuManager {
         out.map(|o| store_output(py, &ks, &o)).transpose()
     }
 
-    #[pyo3(signature = (keys_, ctx, success = true))]
+    /// vLLM's `complete_store(keys, req_context, success=True)`, its argument names (bound as
+    /// `lookup`).
+    #[pyo3(signature = (keys, req_context, success = true))]
     fn complete_store(
         &self,
-        keys_: &Bound<'_, PyAny>,
-        ctx: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
         success: bool,
     ) -> PyResult<()> {
-        let ks = keys(keys_)?;
-        let c = self.contexts.get(ctx)?;
+        let ks = crate::bridge::keys(keys)?;
+        let c = self.contexts.get(req_context)?;
         self.core
-            .lock(keys_.py())?
+            .lock(keys.py())?
             .cpu()?
             .complete_store(&ks, &c, success)
             .map_err(to_py)

@@ -851,26 +851,26 @@ impl TieringManager {
         })
     }
 
-    fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let k = key(key_)?;
-        let c = self.ctx(ctx)?;
-        let _caller = crate::bridge::CallerKey::set(key_, &k, ctx, c.uid());
-        let r = self.run(key_.py(), |m| Ok(m.lookup(&k, &c)))?;
-        Ok(self.shared.results.get(key_.py(), r))
-    }
-
-    /// vLLM's `lookup(..., exclude_tier_idx=i)`.
-    fn lookup_excluding(
+    /// vLLM's `lookup(key, req_context, *, exclude_tier_idx=None)`, its argument names and
+    /// all: the Python manager binds this method on the instance, where vLLM's caller reaches
+    /// it directly.
+    #[pyo3(signature = (key, req_context, *, exclude_tier_idx = None))]
+    fn lookup(
         &self,
-        key_: &Bound<'_, PyAny>,
-        ctx: &Bound<'_, PyAny>,
-        exclude: Option<usize>,
+        key: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+        exclude_tier_idx: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
-        let k = key(key_)?;
-        let c = self.ctx(ctx)?;
-        let _caller = crate::bridge::CallerKey::set(key_, &k, ctx, c.uid());
-        let r = self.run(key_.py(), |m| Ok(m.lookup_excluding(&k, &c, exclude)))?;
-        Ok(self.shared.results.get(key_.py(), r))
+        let k = crate::bridge::key(key)?;
+        let c = self.ctx(req_context)?;
+        let _caller = crate::bridge::CallerKey::set(key, &k, req_context, c.uid());
+        let r = self.run(key.py(), |m| {
+            Ok(match exclude_tier_idx {
+                None => m.lookup(&k, &c),
+                Some(i) => m.lookup_excluding(&k, &c, Some(i)),
+            })
+        })?;
+        Ok(self.shared.results.get(key.py(), r))
     }
 
     fn prepare_load<'py>(
@@ -890,10 +890,16 @@ impl TieringManager {
         self.run(keys_.py(), |m| m.touch(&ks, &c).map_err(to_py))
     }
 
-    fn complete_load(&self, keys_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ks = keys(keys_)?;
-        let c = self.ctx(ctx)?;
-        self.run(keys_.py(), |m| m.complete_load(&ks, &c).map_err(to_py))
+    /// vLLM's `complete_load(keys, req_context)` (its argument names: bound on the instance,
+    /// as `lookup`).
+    fn complete_load(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ks = crate::bridge::keys(keys)?;
+        let c = self.ctx(req_context)?;
+        self.run(keys.py(), |m| m.complete_load(&ks, &c).map_err(to_py))
     }
 
     /// `None` when the store cannot be placed, else `(keys_to_store, chunk_ids, evicted_keys)`.
@@ -912,18 +918,20 @@ impl TieringManager {
             .transpose()
     }
 
-    #[pyo3(signature = (keys_, ctx, success = true))]
+    /// vLLM's `complete_store(keys, req_context, success=True)` (its argument names: bound on
+    /// the instance, as `lookup`).
+    #[pyo3(signature = (keys, req_context, success = true))]
     fn complete_store(
         &self,
-        keys_: &Bound<'_, PyAny>,
-        ctx: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
         success: bool,
     ) -> PyResult<()> {
-        let ks = keys(keys_)?;
-        let c = self.ctx(ctx)?;
+        let ks = crate::bridge::keys(keys)?;
+        let c = self.ctx(req_context)?;
         // The cascades' jobs carry the caller's key objects.
         let _caller = CallerKeys::set(&ks);
-        self.run(keys_.py(), |m| {
+        self.run(keys.py(), |m| {
             m.complete_store(&ks, &c, success).map_err(to_py)
         })
     }

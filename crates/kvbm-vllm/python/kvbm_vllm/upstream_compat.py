@@ -98,6 +98,22 @@ def _store_output(out) -> PrepareStoreOutput | None:
     )
 
 
+#: The calls whose answer needs no wrapping in Python: a per-chunk lookup, a request's
+#: load and store completions.
+_DIRECT = ("lookup", "complete_load", "complete_store")
+
+
+def _bind_direct(manager, base, names) -> None:
+    """Binds each of ``names`` of ``manager._rs`` (its Rust object) on ``manager``, where its
+    class does not override ``base``'s method: the instance attribute shadows the method (a
+    caller may still replace it, as vLLM's tests do), so a call costs no Python frame. The
+    Rust methods take vLLM's argument names and defaults."""
+    cls = type(manager)
+    for name in names:
+        if getattr(cls, name) is getattr(base, name):
+            setattr(manager, name, getattr(manager._rs, name))
+
+
 class _TrackerView:
     """Read-only view of the store-threshold tracker (vLLM's ``counts``: key -> offers)."""
 
@@ -392,12 +408,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.counts = _TrackerView(self._rs) if store_threshold >= 2 else None
         view = _ArcView if policy == "arc" else _LruView
         self._policy_view = view(self._rs, num_chunks)
-        # The calls whose answer needs no wrapping go straight to Rust: an instance attribute
-        # shadows the method below (a caller may still replace it, as vLLM's tests do), and a
-        # per-chunk lookup then costs no Python frame.
-        self.lookup = self._rs.lookup
-        self.complete_load = self._rs.complete_load
-        self.complete_store = self._rs.complete_store
+        _bind_direct(self, CPUOffloadingManager, _DIRECT)
         # touch and on_request_finished go straight to Rust too while the policy's hook of the
         # same name is not replaced (`_refresh_hooks`).
         self._fast = {"touch": self._rs.touch, "on_request_finished": self._rs.on_request_finished}
@@ -728,7 +739,7 @@ class TieringOffloadingManager(OffloadingManager):
         )
         self._python_tier = [self._rs.is_python_tier(i) for i in range(len(self.secondary_tiers))]
         self._tier_index = {id(t): i for i, t in enumerate(self.secondary_tiers)}
-        self.lookup = self._rs.lookup
+        _bind_direct(self, TieringOffloadingManager, _DIRECT)
         self._polled_tiers = [
             i for i, t in enumerate(self.secondary_tiers)
             if getattr(t, "tolerates_off_thread_polling", False)
@@ -806,9 +817,7 @@ class TieringOffloadingManager(OffloadingManager):
     # -- OffloadingManager --
 
     def lookup(self, key: OffloadKey, req_context: ReqContext, *, exclude_tier_idx=None):
-        if exclude_tier_idx is None:
-            return self._rs.lookup(key, req_context)
-        return self._rs.lookup_excluding(key, req_context, exclude_tier_idx)
+        return self._rs.lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource(self._rs.get_load_source(key, req_context))

@@ -56,13 +56,16 @@ def env():
         def drain_jobs(self):
             return
 
-    def manager(chunks=64):
+    def manager(chunks=64, cls=K.TieringOffloadingManager):
+        """kvbm's tiering manager (or subclass `cls`) over a `SetTier`."""
         region = np.zeros((chunks, 16), dtype=np.int8)
         mmap = MagicMock()
         mmap.create_kv_memoryview.return_value = memoryview(region)
         primary = K.CPUPrimaryTierOffloadingManager(num_chunks=chunks, mmap_region=mmap)
         tier = SetTier(primary.get_kv_memoryview())
-        return K.TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+        return cls(primary_tier=primary, secondary_tiers=[tier])
+
+    manager.base = K.TieringOffloadingManager
 
     return B, manager
 
