@@ -26,6 +26,13 @@ impl OffloadKey {
     /// Longest key in bytes (hash of up to 35 bytes plus the 4-byte group index).
     pub const MAX_LEN: usize = 39;
 
+    /// The key of a slot that holds none: length 0, so never equal to a key (4 bytes at
+    /// least), and it hashes and compares like any other.
+    pub(crate) const VACANT: OffloadKey = OffloadKey {
+        bytes: [0; Self::MAX_LEN],
+        len: 0,
+    };
+
     /// Wraps raw key bytes (already including the group suffix).
     ///
     /// Errors when `raw` is shorter than the 4-byte group suffix or longer than [`Self::MAX_LEN`].
@@ -139,6 +146,45 @@ impl Hash for OffloadKey {
     }
 }
 
+/// A seeded hash of whole keys for the CPU manager's per-key tables (its slot index, a
+/// request's flags), which probe several times per chunk per step.
+///
+/// Four folded multiplies over the key's five words (unused bytes are zero, so equal keys hash
+/// equal), inlined where the table probes: `Hash` through a general `Hasher` was a call and a
+/// state machine per probe. The seeds are drawn from hashbrown's randomly seeded default
+/// hasher when the table is made, so the hash is keyed per table, as foldhash's (on which this
+/// is modelled) is: keys chosen to collide in one process do not in another.
+#[derive(Clone)]
+pub(crate) struct KeyHasher {
+    seeds: [u64; 7],
+}
+
+impl Default for KeyHasher {
+    fn default() -> Self {
+        use std::hash::BuildHasher;
+        let random = hashbrown::DefaultHashBuilder::default();
+        Self {
+            seeds: std::array::from_fn(|i| random.hash_one(i as u64) | 1),
+        }
+    }
+}
+
+impl KeyHasher {
+    #[inline(always)]
+    pub(crate) fn hash(&self, k: &OffloadKey) -> u64 {
+        #[inline(always)]
+        fn fold(a: u64, b: u64) -> u64 {
+            let p = (a as u128).wrapping_mul(b as u128);
+            (p as u64) ^ ((p >> 64) as u64)
+        }
+        let (w, s) = (k.words(), &self.seeds);
+        let a = fold(w[0] ^ s[0], w[1] ^ s[1]);
+        let b = fold(w[2] ^ s[2], w[3] ^ s[3]);
+        let c = fold(w[4] ^ s[4], a ^ s[5]);
+        fold(b ^ c, s[6])
+    }
+}
+
 impl fmt::Debug for OffloadKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "OffloadKey(")?;
@@ -202,5 +248,45 @@ mod tests {
         }
         assert!(OffloadKey::from_bytes(&[7; OffloadKey::MAX_LEN + 1]).is_err());
         assert!(OffloadKey::from_bytes(&[7; 3]).is_err());
+    }
+
+    #[test]
+    fn key_hash_is_equal_for_equal_keys_and_spreads_near_ones() {
+        let h = KeyHasher::default();
+        let a = make_offload_key(b"block-1", 0).unwrap();
+        assert_eq!(
+            h.hash(&a),
+            h.hash(&make_offload_key(b"block-1", 0).unwrap())
+        );
+        // Keys one bit apart, in every byte of every length class: their hashes differ, and
+        // the top 7 bits (hashbrown's tag) and low bits (its bucket) both vary across them.
+        let mut hashes = std::collections::HashSet::new();
+        let (mut tags, mut lows) = (
+            std::collections::HashSet::new(),
+            std::collections::HashSet::new(),
+        );
+        for n in [4usize, 12, 20, 36, 39] {
+            for byte in 0..n {
+                for bit in 0..8 {
+                    let mut raw = vec![0x5au8; n];
+                    raw[byte] ^= 1 << bit;
+                    let x = h.hash(&OffloadKey::from_bytes(&raw).unwrap());
+                    assert!(
+                        hashes.insert(x),
+                        "length {n}, byte {byte}, bit {bit} collides"
+                    );
+                    tags.insert(x >> 57);
+                    lows.insert(x & 0xff);
+                }
+            }
+        }
+        assert!(
+            tags.len() > 100 && lows.len() > 200,
+            "{} tags, {} low bytes",
+            tags.len(),
+            lows.len()
+        );
+        // Another table's hasher keys differently.
+        assert_ne!(h.hash(&a), KeyHasher::default().hash(&a));
     }
 }

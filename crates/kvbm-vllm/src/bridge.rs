@@ -167,40 +167,44 @@ fn remembered(
 }
 
 /// What [`CallerKey`] keeps: the key object, the context object, the Rust context's uid and
-/// the key the object was read as.
+/// the key the object was read as (null pointers: no call in progress).
 type Caller = (
     *mut pyo3::ffi::PyObject,
     *mut pyo3::ffi::PyObject,
     u64,
-    Option<OffloadKey>,
+    *const OffloadKey,
 );
 
 thread_local! {
     /// The key and context objects of the manager call in progress on this thread, the Rust
     /// context's uid, and the key (see [`CallerKey`]).
-    static CALLER: std::cell::Cell<Caller> =
-        const { std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0, None)) };
+    static CALLER: std::cell::Cell<Caller> = const {
+        std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0, std::ptr::null()))
+    };
 }
 
 /// While alive, makes `key` and `ctx` (the Python objects a manager call was handed; `ctx` is
 /// the Python side of the Rust context `uid`; `key` was read as `k`) the ones [`caller_key`]
 /// and [`caller_ctx`] hand back: vLLM passes its tiers the caller's own key object (a Python
 /// tier's set then finds it by identity: no hashing, no compare), and a tier call needs no
-/// context-map probe.
-pub(crate) struct CallerKey(Caller);
+/// context-map probe. The guard borrows `k` (kept by address, not copied, per lookup).
+pub(crate) struct CallerKey<'a>(Caller, std::marker::PhantomData<&'a OffloadKey>);
 
-impl CallerKey {
+impl<'a> CallerKey<'a> {
     pub(crate) fn set(
         key: &Bound<'_, PyAny>,
-        k: &OffloadKey,
+        k: &'a OffloadKey,
         ctx: &Bound<'_, PyAny>,
         uid: u64,
     ) -> Self {
-        Self(CALLER.replace((key.as_ptr(), ctx.as_ptr(), uid, Some(*k))))
+        Self(
+            CALLER.replace((key.as_ptr(), ctx.as_ptr(), uid, k)),
+            std::marker::PhantomData,
+        )
     }
 }
 
-impl Drop for CallerKey {
+impl Drop for CallerKey<'_> {
     fn drop(&mut self) {
         CALLER.set(self.0);
     }
@@ -210,9 +214,11 @@ impl Drop for CallerKey {
 /// [`CallerKey`]; compared in Rust, the object is not read again), else a new one.
 pub(crate) fn caller_key<'py>(py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyAny> {
     let (p, _, _, read) = CALLER.get();
-    if !p.is_null() && read.as_ref() == Some(k) {
-        // SAFETY: a `CallerKey` guard set `p` from a reference the call it guards holds for
-        // the guard's whole life, on this thread (the GIL is held: `py`).
+    // SAFETY: a `CallerKey` guard set `read` (with `p`) from a key it borrows for its whole
+    // life, on this thread; a dropped guard restores the pointers set before it.
+    if !p.is_null() && unsafe { *read == *k } {
+        // SAFETY: the guard set `p` from a reference the call it guards holds for the guard's
+        // whole life, on this thread (the GIL is held: `py`).
         return unsafe { Bound::from_borrowed_ptr(py, p) };
     }
     PyBytes::new(py, k.as_bytes()).into_any()

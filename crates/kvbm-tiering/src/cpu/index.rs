@@ -24,17 +24,15 @@
 //! (a removed slot's `keys[s]` may go stale: it is no longer in the index). A key is inserted
 //! only while absent ([`SlotIndex::insert`] checks it in debug builds).
 
-use hashbrown::DefaultHashBuilder;
 use hashbrown::HashTable;
-use std::hash::BuildHasher;
 
-use crate::key::OffloadKey;
+use crate::key::{KeyHasher, OffloadKey};
 
 /// `OffloadKey → slot` over the slot table's `keys`: see the [module docs](self).
 #[derive(Default)]
 pub(crate) struct SlotIndex {
     table: HashTable<u32>,
-    hasher: DefaultHashBuilder,
+    hasher: KeyHasher,
 }
 
 impl SlotIndex {
@@ -42,13 +40,13 @@ impl SlotIndex {
     pub(crate) fn with_capacity(n: usize) -> Self {
         Self {
             table: HashTable::with_capacity(n),
-            hasher: DefaultHashBuilder::default(),
+            hasher: KeyHasher::default(),
         }
     }
 
     #[inline]
     fn hash(&self, k: &OffloadKey) -> u64 {
-        self.hasher.hash_one(k)
+        self.hasher.hash(k)
     }
 
     /// The slot of `k`.
@@ -74,9 +72,8 @@ impl SlotIndex {
             "a key is inserted only while absent"
         );
         let hasher = &self.hasher;
-        self.table.insert_unique(self.hasher.hash_one(k), s, |&t| {
-            hasher.hash_one(keys[t as usize])
-        });
+        self.table
+            .insert_unique(self.hasher.hash(k), s, |&t| hasher.hash(&keys[t as usize]));
     }
 
     /// Removes `k`; its slot, if it was resident.

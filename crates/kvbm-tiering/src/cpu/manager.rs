@@ -173,7 +173,7 @@ impl CpuOffloadingManager {
             num_allocated: 0,
             free_list: Vec::with_capacity(n),
             index: SlotIndex::with_capacity(n),
-            keys: vec![OffloadKey::from_u64(0); n],
+            keys: vec![OffloadKey::VACANT; n],
             ref_cnt: vec![0; n],
             protect: vec![0; n],
             stamp: 0,
@@ -320,6 +320,20 @@ impl CpuOffloadingManager {
         }
         for &s in &self.reserved {
             seen[s as usize] += 1;
+        }
+        // A slot holds a key exactly when it is resident (the slot hints rely on it).
+        for (s, k) in self.keys.iter().enumerate() {
+            if seen[s] > 0 && *k != OffloadKey::VACANT {
+                return Err(format!("free or reserved slot {s} still holds {k}"));
+            }
+            if s >= self.num_allocated && *k != OffloadKey::VACANT {
+                return Err(format!("unallocated slot {s} holds {k}"));
+            }
+        }
+        for s in self.index.slots() {
+            if self.keys[s as usize] == OffloadKey::VACANT {
+                return Err(format!("resident slot {s} holds no key"));
+            }
         }
         let (mut ev, mut wp) = (0, 0);
         for s in self.index.slots() {
@@ -551,6 +565,8 @@ impl CpuOffloadingManager {
         }
         if record_access {
             self.record_access(keys.iter().map(|k| (*k, true)), ctx);
+            let known = &mut self.requests.access(ctx).known;
+            known.extend(keys.iter().zip(&ids).map(|(k, &s)| (*k, s as u32)));
         }
         Ok(LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids }))
     }
@@ -607,15 +623,26 @@ impl CpuOffloadingManager {
         skipped
     }
 
+    /// Unpins `keys`, each found once (validated first: an error changes nothing). With the
+    /// request's context, the slots its last `prepare_load` of these very keys pinned are
+    /// the hints (`RequestAccess::known`), so the usual completion probes nothing.
     pub(crate) fn complete_load_inner(
         &mut self,
         call: &'static str,
         keys: &[OffloadKey],
+        ctx: Option<&ReqContext>,
     ) -> Result<()> {
-        // One probe per key: the slots found while validating are the ones released.
+        let known = ctx
+            .and_then(|c| self.requests.get(c))
+            .map_or(&[][..], |r| &r.known[..]);
+        let hints = known
+            .len()
+            .checked_sub(keys.len())
+            .map_or(&[][..], |from| &known[from..]);
         let mut slots: Vec<u32> = Vec::with_capacity(keys.len());
-        for k in keys {
-            match self.index.get(&self.keys, k) {
+        for (i, k) in keys.iter().enumerate() {
+            let hint = hints.get(i).filter(|(h, _)| h == k).map(|&(_, s)| s);
+            match self.hinted_slot(k, hint) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
                 Some(s) if self.ref_cnt[s as usize] <= 0 => {
                     return Err(TieringError::KeyState {
@@ -800,7 +827,7 @@ impl CpuOffloadingManager {
             for &s in &victims {
                 let k = self.keys[s as usize];
                 self.index.remove(&self.keys, &k);
-                self.free_list.push(s);
+                self.vacate(s);
                 evicted_keys.push(k);
             }
             self.scratch = victims;
@@ -843,6 +870,7 @@ impl CpuOffloadingManager {
             };
             self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
             *state.at(p as usize) |= INSERTED;
+            state.known.push((*k, s));
             ids.push(s as i32);
         }
         self.num_write_pending += n;
@@ -885,7 +913,7 @@ impl CpuOffloadingManager {
         } else {
             self.policy.remove(s);
             self.index.remove(&self.keys, k);
-            self.free_list.push(s);
+            self.vacate(s);
         }
         if self.events.is_some() {
             done.push(*k);
@@ -969,8 +997,8 @@ impl CpuOffloadingManager {
     }
 
     /// As vLLM's `complete_load`: unpins what `prepare_load` pinned.
-    pub fn complete_load(&mut self, keys: &[OffloadKey], _ctx: &ReqContext) -> Result<()> {
-        self.complete_load_inner("complete_load", keys)
+    pub fn complete_load(&mut self, keys: &[OffloadKey], ctx: &ReqContext) -> Result<()> {
+        self.complete_load_inner("complete_load", keys, Some(ctx))
     }
 
     /// As vLLM's `prepare_store`: slots for the keys not yet stored, evicting exactly the shortfall, or `None` having changed nothing.
@@ -1018,21 +1046,44 @@ impl CpuOffloadingManager {
         let flags_read = matches!(self.policy, Policy::Arc(_));
         let mut info = std::mem::take(&mut self.scratch_finished);
         info.clear();
+        // The request's pins and stores came in its keys' order (the usual case): walking
+        // both, each key's slot is the hint its call left, where it still holds the key.
+        let mut next = 0;
         info.extend(ordered.iter().map(|k| {
             let f = if flags_read { state.flags_of(k) } else { 0 };
             let inserted = f & INSERTED != 0;
             let reused = f & REUSED != 0;
-            (
-                *k,
-                self.index.get(&self.keys, k),
-                inserted && !reused,
-                reused,
-            )
+            let hint = match state.known.get(next) {
+                Some(&(h, s)) if h == *k => {
+                    next += 1;
+                    Some(s)
+                }
+                _ => None,
+            };
+            (*k, self.hinted_slot(k, hint), inserted && !reused, reused)
         }));
         self.policy.on_request_finished(&info);
         self.scratch_finished = info;
         self.requests.recycle(state);
         Ok(())
+    }
+
+    /// The slot of `k`: `hint` when that slot still holds `k` (a freed slot holds
+    /// [`OffloadKey::VACANT`], and a key is in one slot at most, so that is the slot the index
+    /// would answer), else the index's answer.
+    #[inline]
+    fn hinted_slot(&self, k: &OffloadKey, hint: Option<u32>) -> Option<u32> {
+        match hint {
+            Some(s) if self.keys[s as usize] == *k => Some(s),
+            _ => self.index.get(&self.keys, k),
+        }
+    }
+
+    /// Frees slot `s` (already out of the index and the policy): it holds no key from now on.
+    #[inline]
+    fn vacate(&mut self, s: u32) {
+        self.keys[s as usize] = OffloadKey::VACANT;
+        self.free_list.push(s);
     }
 
     /// As vLLM's `take_events`: stored/removed events since the last call (metadata-only removals of keys stored again are dropped).
@@ -1063,6 +1114,7 @@ impl CpuOffloadingManager {
         self.num_write_pending = 0;
         self.free_list.clear();
         self.reserved.clear();
+        self.keys[..self.num_allocated].fill(OffloadKey::VACANT);
         self.num_allocated = 0;
         Ok(())
     }

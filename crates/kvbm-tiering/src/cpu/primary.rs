@@ -193,7 +193,8 @@ impl CpuPrimaryTier {
 
     /// Unpins chunks after a primary → secondary copy.
     pub fn complete_read(&mut self, keys: &[OffloadKey]) -> Result<()> {
-        self.manager.complete_load_inner("complete_read", keys)
+        self.manager
+            .complete_load_inner("complete_read", keys, None)
     }
 
     /// Unpins cascade reads the tiering manager pinned itself (one probe per key); returns how

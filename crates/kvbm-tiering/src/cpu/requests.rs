@@ -25,12 +25,11 @@
 //! - A record handed out by [`Requests::take`] is no longer reachable here; [`Requests::recycle`]
 //!   clears it before keeping it, so no key or flag of a finished request reaches another.
 
-use std::hash::BuildHasher;
 use std::sync::Arc as StdArc;
 
-use hashbrown::{DefaultHashBuilder, HashMap, HashTable, hash_table};
+use hashbrown::{HashMap, HashTable, hash_table};
 
-use crate::key::OffloadKey;
+use crate::key::{KeyHasher, OffloadKey};
 use crate::types::ReqContext;
 
 /// The uid of a free slab slot (context uids count from 1 and never reach it).
@@ -54,9 +53,15 @@ pub(crate) struct RequestAccess {
     pub(crate) ctx_uid: u64,
     /// Keys in first-seen order.
     pub(crate) order: Vec<OffloadKey>,
+    /// Keys this request's calls pinned or stored, with the slot each had then, in call order
+    /// (`prepare_load`'s pins, `prepare_store`'s new slots): hints that spare a later call of
+    /// the same request (`complete_load`, `on_request_finished`) a probe of the slot index,
+    /// each used only while the slot still holds its key
+    /// (`CpuOffloadingManager::hinted_slot`).
+    pub(crate) known: Vec<(OffloadKey, u32)>,
     /// `(key, SEEN | INSERTED | REUSED | STORE_MISS)`; a key not here has no flags.
     flags: HashTable<(OffloadKey, u8)>,
-    hasher: DefaultHashBuilder,
+    hasher: KeyHasher,
     /// LRU request rank (positional recency).
     pub(crate) req_rank: Option<u64>,
 }
@@ -65,6 +70,7 @@ impl RequestAccess {
     fn restart(&mut self, uid: u64) {
         self.ctx_uid = uid;
         self.order.clear();
+        self.known.clear();
         self.flags.clear();
         self.req_rank = None;
     }
@@ -74,7 +80,7 @@ impl RequestAccess {
     fn entry(&mut self, k: OffloadKey) -> hash_table::OccupiedEntry<'_, (OffloadKey, u8)> {
         let hasher = &self.hasher;
         self.flags
-            .entry(hasher.hash_one(k), |e| e.0 == k, |e| hasher.hash_one(e.0))
+            .entry(hasher.hash(&k), |e| e.0 == k, |e| hasher.hash(&e.0))
             .or_insert((k, 0))
     }
 
@@ -88,7 +94,7 @@ impl RequestAccess {
     #[inline]
     pub(crate) fn flags_of(&self, k: &OffloadKey) -> u8 {
         self.flags
-            .find(self.hasher.hash_one(k), |e| e.0 == *k)
+            .find(self.hasher.hash(k), |e| e.0 == *k)
             .map_or(0, |e| e.1)
     }
 
@@ -101,7 +107,7 @@ impl RequestAccess {
     /// Room for `n` more keys without growing the table (see the type's docs).
     pub(crate) fn reserve(&mut self, n: usize) {
         let hasher = &self.hasher;
-        self.flags.reserve(n, |e| hasher.hash_one(e.0));
+        self.flags.reserve(n, |e| hasher.hash(&e.0));
     }
 
     /// `k`'s place (its flags made empty when it has none), valid while the table does not
@@ -199,7 +205,6 @@ impl Requests {
     }
 
     /// `ctx`'s record, when it has a live one (started by this very context).
-    #[cfg(test)]
     pub(crate) fn get(&self, ctx: &ReqContext) -> Option<&RequestAccess> {
         self.find(ctx).map(|i| &self.slab[i as usize])
     }
@@ -219,7 +224,10 @@ impl Requests {
     /// Keeps a finished record's allocations for a later request (cleared now), within the
     /// bounds of the [module docs](self).
     pub(crate) fn recycle(&mut self, mut r: RequestAccess) {
-        if self.spare.len() < MAX_SPARE && r.flags.capacity() <= MAX_SPARE_KEYS {
+        if self.spare.len() < MAX_SPARE
+            && r.flags.capacity() <= MAX_SPARE_KEYS
+            && r.known.capacity() <= MAX_SPARE_KEYS
+        {
             r.restart(FREE);
             self.spare.push(r);
         }

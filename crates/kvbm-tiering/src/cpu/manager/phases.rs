@@ -171,7 +171,7 @@ impl CpuOffloadingManager {
         for s in victims {
             let k = self.keys[s as usize];
             self.index.remove(&self.keys, &k);
-            self.free_list.push(s);
+            self.vacate(s);
             out.push((k, s));
         }
         Some(out)

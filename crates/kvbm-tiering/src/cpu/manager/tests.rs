@@ -90,3 +90,70 @@ fn a_reused_output_answers_as_a_fresh_one() {
         assert_eq!(fresh.take_events(), reused.take_events());
     }
 }
+
+/// A request's slot hints (`RequestAccess::known`) whose slots were freed and given to other
+/// keys are not used: a second `complete_load` of an evicted key is refused as a probe would
+/// refuse it (the key now in its old slot keeps its pin), and `on_request_finished` moves none
+/// of the keys now in those slots.
+#[test]
+fn stale_slot_hints_fall_back_to_the_index() {
+    let k = OffloadKey::from_u64;
+    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4));
+    let (a, b, c) = (
+        ReqContext::new("a"),
+        ReqContext::new("b"),
+        ReqContext::new("c"),
+    );
+    for ctx in [&a, &b, &c] {
+        m.on_new_request(ctx).unwrap();
+    }
+    let store = |m: &mut CpuOffloadingManager, keys: &[OffloadKey], ctx: &ReqContext| {
+        let out = m.prepare_store(keys, ctx).unwrap().expect("room");
+        m.complete_store(&out.keys_to_store, ctx, true).unwrap();
+        out
+    };
+    store(&mut m, &[k(1), k(2)], &a);
+    m.prepare_load(&[k(1)], &a).unwrap();
+    m.complete_load(&[k(1)], &a).unwrap();
+    let (slot1, slot2) = (m.chunk(&k(1)).unwrap().0, m.chunk(&k(2)).unwrap().0);
+    store(&mut m, &[k(3), k(4)], &b);
+    // Keys 1 and 2 are the least recent: keys 5 and 6 take their slots.
+    let out = store(&mut m, &[k(5), k(6)], &c);
+    assert_eq!(out.evicted_keys, vec![k(1), k(2)]);
+    let now_in = |m: &CpuOffloadingManager, slot| {
+        [k(5), k(6)]
+            .into_iter()
+            .find(|x| m.chunk(x).unwrap().0 == slot)
+            .expect("a new key took the slot")
+    };
+    let in_slot1 = now_in(&m, slot1);
+    m.prepare_load(&[in_slot1], &c).unwrap();
+    // Request a's hint for key 1 names the slot of the key just pinned.
+    assert!(m.complete_load(&[k(1)], &a).is_err());
+    assert_eq!(
+        m.chunk(&in_slot1).unwrap().1,
+        1,
+        "the pin in key 1's old slot is untouched"
+    );
+    m.on_request_finished(&c).unwrap();
+    m.on_request_finished(&b).unwrap();
+    let order = m.eviction_order();
+    assert_eq!(
+        order.last(),
+        Some(&k(3)),
+        "b's finish made its head the most recent"
+    );
+    // a's hints name slot1 and slot2, now keys 5 and 6: neither moves.
+    assert_eq!(
+        now_in(&m, slot2),
+        [k(5), k(6)].into_iter().find(|x| *x != in_slot1).unwrap()
+    );
+    m.on_request_finished(&a).unwrap();
+    assert_eq!(
+        m.eviction_order(),
+        order,
+        "a's finish moved none of the keys now resident"
+    );
+    m.complete_load(&[in_slot1], &c).unwrap();
+    m.check_invariants().unwrap();
+}
