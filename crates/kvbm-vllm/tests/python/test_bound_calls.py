@@ -16,14 +16,12 @@ sys.path.insert(0, HERE)
 import test_stats  # noqa: E402  (its manager over a Python tier)
 
 env = test_stats.env
+started = test_stats.started
 
 
 def test_bound_calls_take_vllms_argument_names(env):
-    B, manager = env
-    m = manager()
-    ctx = B.ReqContext(req_id="r")
-    m.on_new_request(ctx)
-    keys = [B.make_offload_key(f"k{i}".encode(), 0) for i in range(4)]
+    B, _ = env
+    m, ctx, keys = started(env, "k", 4)
     out = m.prepare_store(keys=keys, req_context=ctx)
     m.complete_store(keys=out.keys_to_store, req_context=ctx)  # success defaults to True
     assert m.lookup(key=keys[0], req_context=ctx) is B.LookupResult.HIT
@@ -59,10 +57,7 @@ def test_a_subclass_override_is_called_not_shadowed(env):
             calls.append(("lookup", exclude_tier_idx))
             return super().lookup(key, req_context, exclude_tier_idx=exclude_tier_idx)
 
-    m = manager(cls=Counting)
-    ctx = B.ReqContext(req_id="r")
-    m.on_new_request(ctx)
-    k = B.make_offload_key(b"x", 0)
+    m, ctx, (k,) = started(env, "x", 1, cls=Counting)
     assert m.lookup(k, ctx) is B.LookupResult.MISS
     out = m.prepare_store([k], ctx)
     m.complete_store(out.keys_to_store, ctx)

@@ -70,6 +70,15 @@ def env():
     return B, manager
 
 
+def started(env, tag, n, **kw):
+    """A manager (``manager(**kw)``), a started request ``r``, and ``n`` keys named ``tag``."""
+    B, manager = env
+    m = manager(**kw)
+    ctx = B.ReqContext(req_id="r")
+    m.on_new_request(ctx)
+    return m, ctx, [B.make_offload_key(f"{tag}{i}".encode(), 0) for i in range(n)]
+
+
 def _delays(stats):
     types, values = stats.metric_sections()
     assert types[DELAY] == "histogram"
@@ -77,11 +86,8 @@ def _delays(stats):
 
 
 def test_each_lookup_is_one_float_observation_per_tier_asked(env):
-    B, manager = env
-    m = manager()
-    ctx = B.ReqContext(req_id="r")
-    m.on_new_request(ctx)
-    stored = [B.make_offload_key(f"s{i}".encode(), 0) for i in range(10)]
+    B, _ = env
+    m, ctx, stored = started(env, "s", 10)
     out = m.prepare_store(stored, ctx)
     m.complete_store(out.keys_to_store, ctx, True)
     m.get_stats()  # drains what the store did
@@ -103,11 +109,8 @@ def test_each_lookup_is_one_float_observation_per_tier_asked(env):
 
 
 def test_the_payload_is_the_callers_and_vllms_aggregate_and_reduce_take_it(env):
-    B, manager = env
-    m = manager()
-    ctx = B.ReqContext(req_id="r")
-    m.on_new_request(ctx)
-    keys = [B.make_offload_key(f"k{i}".encode(), 0) for i in range(200)]
+    B, _ = env
+    m, ctx, keys = started(env, "k", 200)
     for k in keys:
         m.lookup(k, ctx)
     first = m.get_stats()
