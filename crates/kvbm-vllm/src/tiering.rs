@@ -73,6 +73,8 @@ pub(crate) struct Shared {
     make_job: Py<PyAny>,
     /// `make_request_context(policy: str) -> RequestOffloadingContext`.
     make_request_context: Py<PyAny>,
+    /// vLLM's `OffloadPolicy.CHUNK_LEVEL` and `REQUEST_LEVEL` (see `scope_of`).
+    policies: [Py<PyAny>; 2],
     /// The Python `ScheduleEndContext` of the `on_schedule_end` in progress.
     schedule_end: Mutex<Option<Py<PyAny>>>,
     /// Jobs of Python tiers submitted and not yet reported, as the tiers were handed them:
@@ -141,7 +143,16 @@ impl Shared {
     }
 }
 
-fn scope_of(policy: &Bound<'_, PyAny>) -> PyResult<OffloadScope> {
+/// vLLM's `OffloadPolicy` member `policy` as kvbm's scope: by identity with the members the
+/// manager was built with (`members`: `CHUNK_LEVEL`, `REQUEST_LEVEL`), else by its `.value`
+/// (an enum member's `value` is a Python-level property: a call, once per tier per request).
+fn scope_of(policy: &Bound<'_, PyAny>, members: &[Py<PyAny>; 2]) -> PyResult<OffloadScope> {
+    if policy.is(&members[0]) {
+        return Ok(OffloadScope::ChunkLevel);
+    }
+    if policy.is(&members[1]) {
+        return Ok(OffloadScope::RequestLevel);
+    }
     let value: String = policy.getattr(intern!(policy.py(), "value"))?.extract()?;
     match value.as_str() {
         "chunk_level" => Ok(OffloadScope::ChunkLevel),
@@ -562,7 +573,7 @@ impl SecondaryTierManager for PyTier {
                         .call_method1(intern!(py, "on_new_request"), (ctx,))
                 })
                 .and_then(|r| r.getattr(intern!(py, "policy")))
-                .and_then(|p| scope_of(&p));
+                .and_then(|p| scope_of(&p, &self.shared.policies));
             match policy {
                 Ok(policy) => RequestOffloadingContext { policy },
                 Err(e) => {
@@ -786,8 +797,11 @@ impl TieringManager {
     /// A tiering manager over `primary` (a [`CpuManager::primary`]; its state moves in here)
     /// and `tiers`, each a Python tier object or, for kvbm's own tiers, the `StorageTier`
     /// to take over. `upstream`: vLLM's behaviour exactly (else kvbm's fixes of vLLM's bugs).
+    /// `make_job`, `make_request_context` and `policies` (`OffloadPolicy.CHUNK_LEVEL`,
+    /// `REQUEST_LEVEL`) are vLLM's Python objects the manager makes or compares against.
     #[new]
-    #[pyo3(signature = (primary, tiers, upstream, record_lookup_latency, make_job, make_request_context))]
+    #[pyo3(signature = (primary, tiers, upstream, record_lookup_latency, make_job, make_request_context, policies))]
+    #[allow(clippy::too_many_arguments)] // Python's positional constructor, called in one place
     fn new(
         py: Python<'_>,
         primary: &Bound<'_, CpuManager>,
@@ -796,6 +810,7 @@ impl TieringManager {
         record_lookup_latency: bool,
         make_job: Py<PyAny>,
         make_request_context: Py<PyAny>,
+        policies: (Py<PyAny>, Py<PyAny>),
     ) -> PyResult<Self> {
         let primary = primary.get();
         let shared = Arc::new(Shared {
@@ -805,6 +820,7 @@ impl TieringManager {
             has_error: std::sync::atomic::AtomicBool::new(false),
             make_job,
             make_request_context,
+            policies: [policies.0, policies.1],
             schedule_end: Mutex::new(None),
             py_jobs: Mutex::new(Default::default()),
         });

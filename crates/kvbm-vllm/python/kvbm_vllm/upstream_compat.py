@@ -735,7 +735,8 @@ class TieringOffloadingManager(OffloadingManager):
             native = _native_tier(tier) if self._NATIVE_TIERS else None
             handed.append(native if native is not None else tier)
         self._rs = extension().TieringManager(
-            primary_tier._rs, handed, self._UPSTREAM, True, _make_job, _make_request_context
+            primary_tier._rs, handed, self._UPSTREAM, True, _make_job, _make_request_context,
+            (OffloadPolicy.CHUNK_LEVEL, OffloadPolicy.REQUEST_LEVEL),
         )
         self._python_tier = [self._rs.is_python_tier(i) for i in range(len(self.secondary_tiers))]
         self._tier_index = {id(t): i for i, t in enumerate(self.secondary_tiers)}

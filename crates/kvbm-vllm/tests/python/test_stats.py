@@ -50,8 +50,13 @@ def env():
         def get_finished_jobs(self):
             return []
 
+        #: What ``on_new_request`` answers (its ``policy``); vLLM's default when None.
+        policy = None
+
         def on_new_request(self, req_context):
-            return B.RequestOffloadingContext()
+            if self.policy is None:
+                return B.RequestOffloadingContext()
+            return B.RequestOffloadingContext(policy=self.policy)
 
         def drain_jobs(self):
             return
