@@ -120,7 +120,11 @@ fn ids(spec: &kvbm_tiering::LoadStoreSpec) -> Vec<BlockId> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// A current-thread runtime: the manager spawns its promotions on it, so they run only when
+// this test awaits, and a key is still pending (deterministically) when the test asks
+// `prepare_load` for it right after the lookup that started its promotion. On worker threads
+// the promotion could finish first (a few hundred microseconds), and the refusal be skipped.
+#[tokio::test(flavor = "current_thread")]
 async fn a_scheduler_stores_then_loads_through_the_engines_tiers_bytes_verified() {
     let mut r = rig();
     let keys: Vec<OffloadKey> = (100..103).map(OffloadKey::from_u64).collect();
