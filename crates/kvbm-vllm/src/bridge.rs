@@ -224,6 +224,56 @@ pub(crate) fn caller_key<'py>(py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyA
     PyBytes::new(py, k.as_bytes()).into_any()
 }
 
+unsafe extern "C" {
+    /// CPython's `PyObject_VectorcallMethod` (`Objects/call.c`): exported by every CPython
+    /// since 3.9 and part of the stable ABI since 3.12. pyo3 declares it for abi3 builds only
+    /// from 3.12; this wheel's oldest interpreter, 3.11, exports it too (`nm -D
+    /// libpython3.11.so`), so it is declared here.
+    fn PyObject_VectorcallMethod(
+        name: *mut pyo3::ffi::PyObject,
+        args: *const *mut pyo3::ffi::PyObject,
+        nargsf: usize,
+        kwnames: *mut pyo3::ffi::PyObject,
+    ) -> *mut pyo3::ffi::PyObject;
+}
+
+/// `args[0].name(*args[1..])`: the method is looked up on the object at each call, as
+/// Python's own `obj.name(...)` does (an attribute set on the instance or its class is seen),
+/// and called without a bound-method object or an argument tuple. A Python tier's `lookup` is
+/// called once per key the primary misses, where the varargs call it replaces
+/// (`PyObject_CallMethodObjArgs`) spent a tenth of its cost collecting its arguments.
+pub(crate) fn vectorcall_method<'py>(
+    py: Python<'py>,
+    name: &Bound<'py, pyo3::types::PyString>,
+    args: &[&Bound<'py, PyAny>],
+) -> PyResult<Bound<'py, PyAny>> {
+    const MAX: usize = 4;
+    assert!(
+        !args.is_empty() && args.len() <= MAX,
+        "self and at most three arguments"
+    );
+    let mut raw = [std::ptr::null_mut(); MAX];
+    for (r, a) in raw.iter_mut().zip(args) {
+        *r = a.as_ptr();
+    }
+    // SAFETY: every pointer is a live object the caller borrows for this call (GIL held:
+    // `py`); `nargsf` is the count of `raw`'s leading entries set, without
+    // `PY_VECTORCALL_ARGUMENTS_OFFSET` (so the callee writes nothing before `raw[0]`); the
+    // result is a new reference or NULL with an exception set, which `from_owned_ptr_or_err`
+    // takes.
+    unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            PyObject_VectorcallMethod(
+                name.as_ptr(),
+                raw.as_ptr(),
+                args.len(),
+                std::ptr::null_mut(),
+            ),
+        )
+    }
+}
+
 /// The Python context of the Rust context `uid` when it is the caller's (see [`CallerKey`]).
 pub(crate) fn caller_ctx(py: Python<'_>, uid: u64) -> Option<Bound<'_, PyAny>> {
     let (_, p, u, _) = CALLER.get();

@@ -500,24 +500,13 @@ impl SecondaryTierManager for PyTier {
             // The caller's own key object when this lookup comes from one (vLLM hands its
             // tiers the key it was asked about; a set of keys then matches it by identity).
             let k = crate::bridge::caller_key(py, key);
-            // `obj.lookup(k, ctx)` without a bound method or an argument tuple (the stable
-            // ABI of 3.11 has no PyObject_VectorcallMethod; this one calls it inside).
-            let name = intern!(py, "lookup");
-            // SAFETY: every pointer is a live object held by this frame (GIL held); the
-            // argument list ends with NULL; the result is a new reference or NULL with an
-            // exception set, which `from_owned_ptr_or_err` takes.
-            let r = unsafe {
-                Bound::from_owned_ptr_or_err(
-                    py,
-                    pyo3::ffi::PyObject_CallMethodObjArgs(
-                        self.obj.as_ptr(),
-                        name.as_ptr(),
-                        k.as_ptr(),
-                        ctx.as_ptr(),
-                        std::ptr::null_mut::<pyo3::ffi::PyObject>(),
-                    ),
-                )
-            };
+            // `obj.lookup(k, ctx)`, the method looked up on the object at each call (a patched
+            // one is seen), without a bound method or an argument list (`vectorcall_method`).
+            let r = crate::bridge::vectorcall_method(
+                py,
+                intern!(py, "lookup"),
+                &[self.obj.bind(py).as_any(), &k, &ctx],
+            );
             match r {
                 Err(e) => {
                     self.shared.keep(e);

@@ -578,14 +578,29 @@ impl CpuOffloadingManager {
     pub(crate) fn resident_slots(
         &self,
         keys: &[OffloadKey],
+        ctx: &ReqContext,
         out: &mut Vec<u32>,
     ) -> std::result::Result<(), OffloadKey> {
         out.clear();
         out.reserve(keys.len());
-        for k in keys {
-            out.push(self.index.get(&self.keys, k).ok_or(*k)?);
+        // The slots the request's last `prepare_store` assigned these very keys (the usual
+        // `complete_store` of its `keys_to_store`) are the hints, as for `complete_load`.
+        let hints = self.tail_hints(ctx, keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            let hint = hints.get(i).filter(|(h, _)| h == k).map(|&(_, s)| s);
+            out.push(self.hinted_slot(k, hint).ok_or(*k)?);
         }
         Ok(())
+    }
+
+    /// The last `n` slot hints of `ctx`'s request (`RequestAccess::known`), empty where it
+    /// has fewer: the slots its last call of `n` keys pinned or assigned, in that call's order.
+    fn tail_hints(&self, ctx: &ReqContext, n: usize) -> &[(OffloadKey, u32)] {
+        let known = self.requests.get(ctx).map_or(&[][..], |r| &r.known[..]);
+        known
+            .len()
+            .checked_sub(n)
+            .map_or(&[][..], |from| &known[from..])
     }
 
     /// Pins resident, ready chunks by slot (the cascade of keys `complete_store_at` just made
@@ -632,13 +647,7 @@ impl CpuOffloadingManager {
         keys: &[OffloadKey],
         ctx: Option<&ReqContext>,
     ) -> Result<()> {
-        let known = ctx
-            .and_then(|c| self.requests.get(c))
-            .map_or(&[][..], |r| &r.known[..]);
-        let hints = known
-            .len()
-            .checked_sub(keys.len())
-            .map_or(&[][..], |from| &known[from..]);
+        let hints = ctx.map_or(&[][..], |c| self.tail_hints(c, keys.len()));
         let mut slots: Vec<u32> = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
             let hint = hints.get(i).filter(|(h, _)| h == k).map(|&(_, s)| s);

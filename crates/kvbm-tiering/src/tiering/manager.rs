@@ -1063,10 +1063,11 @@ impl OffloadingManager for TieringOffloadingManager {
             _ => {}
         }
         if success {
-            // One probe per key: the slots found here are completed, then pinned for each
-            // tier's cascade (every key is resident, checked here, and ready once completed).
+            // The slots found here (the request's hints from its `prepare_store`, else one
+            // probe per key) are completed, then pinned for each tier's cascade (every key is
+            // resident, checked here, and ready once completed).
             let mut slots = std::mem::take(&mut self.scratch_slots);
-            if let Err(key) = self.primary.manager().resident_slots(keys, &mut slots) {
+            if let Err(key) = self.primary.manager().resident_slots(keys, ctx, &mut slots) {
                 self.scratch_slots = slots;
                 return Err(TieringError::UnknownKey { call, key });
             }

@@ -146,3 +146,19 @@ def test_the_payload_is_the_callers_and_vllms_aggregate_and_reduce_take_it(env):
         assert reduced[f"{key}_count"] == len(values)
         assert reduced[f"{key}_sum"] == pytest.approx(sum(values))
     m.shutdown()
+
+
+def test_equal_observations_are_one_float_and_distinct_ones_are_not(env):
+    B, _ = env
+    m, ctx, keys = started(env, "e", 2000)
+    with m.lock:
+        for k in keys:
+            m.lookup(k, ctx)
+    for values in _delays(m.get_stats()).values():
+        assert len(values) == 2000
+        # One object per distinct value (Rust's table: by whole nanoseconds, else by bits).
+        by_value = {}
+        for v in values:
+            assert by_value.setdefault(v, v) is v
+        assert len({id(v) for v in values}) == len(by_value)
+    m.shutdown()

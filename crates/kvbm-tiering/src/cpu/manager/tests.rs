@@ -157,3 +157,35 @@ fn stale_slot_hints_fall_back_to_the_index() {
     m.complete_load(&[in_slot1], &c).unwrap();
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn resident_slots_take_a_request_s_store_hints_only_where_they_hold() {
+    let k = OffloadKey::from_u64;
+    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4));
+    let (a, b, c) = (
+        ReqContext::new("a"),
+        ReqContext::new("b"),
+        ReqContext::new("c"),
+    );
+    for ctx in [&a, &b, &c] {
+        m.on_new_request(ctx).unwrap();
+    }
+    for (keys, ctx) in [([k(1), k(2)], &a), ([k(3), k(4)], &b), ([k(5), k(6)], &c)] {
+        let out = m.prepare_store(&keys, ctx).unwrap().expect("room");
+        m.complete_store(&out.keys_to_store, ctx, true).unwrap();
+    }
+    let slot = |m: &CpuOffloadingManager, key| m.chunk(&key).unwrap().0;
+    let mut out = Vec::new();
+    // Keys 5 and 6 took the slots of keys 1 and 2, which request a's hints still name.
+    assert_eq!(m.resident_slots(&[k(1), k(2)], &a, &mut out), Err(k(1)));
+    // a's hints are for other keys: the index answers.
+    m.resident_slots(&[k(6), k(5)], &a, &mut out).unwrap();
+    assert_eq!(out, vec![slot(&m, k(6)), slot(&m, k(5))]);
+    // c's own hints, and a request with none.
+    m.resident_slots(&[k(5), k(6)], &c, &mut out).unwrap();
+    assert_eq!(out, vec![slot(&m, k(5)), slot(&m, k(6))]);
+    m.resident_slots(&[k(3)], &ReqContext::new("unknown"), &mut out)
+        .unwrap();
+    assert_eq!(out, vec![slot(&m, k(3))]);
+    m.check_invariants().unwrap();
+}
