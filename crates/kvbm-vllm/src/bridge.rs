@@ -101,18 +101,24 @@ impl std::ops::Deref for Keys {
 /// `prepare_store` returned (the caller's own objects), and each key object read is a likely
 /// cache miss in a step over thousands of keys.
 pub(crate) fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Rc<Keys>> {
+    keys_with(obj, &mut Vec::new())
+}
+
+/// [`keys`], where a key object found in `looked_up` (in its order: see
+/// [`Contexts::keys_after_lookups`]) is taken with the key it was read as, not read again.
+fn keys_with(obj: &Bound<'_, PyAny>, looked_up: &mut LookedUp) -> PyResult<Rc<Keys>> {
     // Lists and tuples (what vLLM's scheduler passes) by index, without an iterator object.
     if let Ok(list) = obj.cast::<PyList>() {
         // SAFETY: `i < len` of a list the GIL keeps unchanged for this call (converting a key
         // runs no Python code); `PyList_GetItem` returns a borrowed reference, live while the
         // list holds it.
-        return remembered(obj.py(), list.len(), |i| unsafe {
+        return remembered(obj.py(), list.len(), looked_up, |i| unsafe {
             pyo3::ffi::PyList_GetItem(obj.as_ptr(), i as pyo3::ffi::Py_ssize_t)
         });
     }
     if let Ok(tuple) = obj.cast::<pyo3::types::PyTuple>() {
         // SAFETY: as for a list (a tuple is immutable).
-        return remembered(obj.py(), tuple.len(), |i| unsafe {
+        return remembered(obj.py(), tuple.len(), looked_up, |i| unsafe {
             pyo3::ffi::PyTuple_GetItem(obj.as_ptr(), i as pyo3::ffi::Py_ssize_t)
         });
     }
@@ -135,10 +141,12 @@ thread_local! {
 }
 
 /// The keys of the `len` borrowed objects `item(0..len)`: from [`LAST_KEYS`] when they are
-/// its objects in its order, else converted (and remembered).
+/// its objects in its order, else converted (and remembered), each object found in
+/// `looked_up` taken from there instead (see [`Contexts::keys_after_lookups`]).
 fn remembered(
     py: Python<'_>,
     len: usize,
+    looked_up: &mut LookedUp,
     item: impl Fn(usize) -> *mut pyo3::ffi::PyObject,
 ) -> PyResult<Rc<Keys>> {
     let hit = LAST_KEYS.with_borrow(|last| {
@@ -153,9 +161,25 @@ fn remembered(
         keys: Vec::with_capacity(len),
         objs: Vec::with_capacity(len),
     };
+    // The next entry of `looked_up` to compare; a few entries are skipped at most per key
+    // (lookups whose keys the caller left out), so the walk stays linear.
+    let mut next = 0;
     for i in 0..len {
+        let p = item(i);
+        let found = looked_up
+            .iter_mut()
+            .enumerate()
+            .skip(next)
+            .take(LOOKED_UP_SKIP + 1)
+            .find(|(_, (o, _))| o.as_ref().is_some_and(|o| o.as_ptr() == p));
+        if let Some((j, (o, k))) = found {
+            next = j + 1;
+            fresh.keys.push(*k);
+            fresh.objs.push(o.take().expect("matched a present object"));
+            continue;
+        }
         // SAFETY: `item` hands a live borrowed reference (see the callers).
-        let obj = unsafe { Bound::from_borrowed_ptr(py, item(i)) };
+        let obj = unsafe { Bound::from_borrowed_ptr(py, p) };
         fresh.keys.push(key(&obj)?);
         fresh.objs.push(obj.unbind());
     }
@@ -175,53 +199,95 @@ type Caller = (
     *const OffloadKey,
 );
 
-thread_local! {
-    /// The key and context objects of the manager call in progress on this thread, the Rust
-    /// context's uid, and the key (see [`CallerKey`]).
-    static CALLER: std::cell::Cell<Caller> = const {
-        std::cell::Cell::new((std::ptr::null_mut(), std::ptr::null_mut(), 0, std::ptr::null()))
-    };
-}
+const NO_CALLER: Caller = (
+    std::ptr::null_mut(),
+    std::ptr::null_mut(),
+    0,
+    std::ptr::null(),
+);
 
-/// While alive, makes `key` and `ctx` (the Python objects a manager call was handed; `ctx` is
-/// the Python side of the Rust context `uid`; `key` was read as `k`) the ones [`caller_key`]
-/// and [`caller_ctx`] hand back: vLLM passes its tiers the caller's own key object (a Python
-/// tier's set then finds it by identity: no hashing, no compare), and a tier call needs no
-/// context-map probe. The guard borrows `k` (kept by address, not copied, per lookup).
-pub(crate) struct CallerKey<'a>(Caller, std::marker::PhantomData<&'a OffloadKey>);
+/// A manager's record of the key and context objects of its lookup in progress, the Rust
+/// context's uid, and the key (see [`CallerKey`]).
+///
+/// # Guarded by the manager's lock
+///
+/// Set and read only by the thread holding the manager's [`Core`](crate::core::Core) lock:
+/// set inside a locked call, read by that call's tier calls (and a tier's calls back through
+/// its `ParentManager`, which only the lending thread may make). A per-manager cell rather
+/// than a thread-local: a thread-local costs a `__tls_get_addr` call per access from an
+/// extension module, and a lookup made four.
+#[derive(Default)]
+pub(crate) struct CallerSlot(std::cell::Cell<Option<Caller>>);
 
-impl<'a> CallerKey<'a> {
-    pub(crate) fn set(
+// SAFETY: only the thread holding the manager's lock touches the cell (see the type's docs),
+// so no two threads reach it at once.
+unsafe impl Sync for CallerSlot {}
+// SAFETY: the pointers are dereferenced only by the thread whose guard set them, while that
+// guard lives (it restores the cell before the locked call ends); sending the slot to another
+// thread dereferences nothing.
+unsafe impl Send for CallerSlot {}
+
+impl CallerSlot {
+    /// While the guard is alive, makes `key` and `ctx` (the Python objects a manager call was
+    /// handed; `ctx` is the Python side of the Rust context `uid`; `key` was read as `k`) the
+    /// ones [`key`](Self::key) and [`ctx`](Self::ctx) hand back: vLLM passes its tiers the
+    /// caller's own key object (a Python tier's set then finds it by identity: no hashing, no
+    /// compare), and a tier call needs no context-map probe. The guard borrows `k` (kept by
+    /// address, not copied, per lookup). Called with the manager's lock held.
+    pub(crate) fn set<'a>(
+        &'a self,
         key: &Bound<'_, PyAny>,
         k: &'a OffloadKey,
         ctx: &Bound<'_, PyAny>,
         uid: u64,
-    ) -> Self {
-        Self(
-            CALLER.replace((key.as_ptr(), ctx.as_ptr(), uid, k)),
-            std::marker::PhantomData,
-        )
+    ) -> CallerKey<'a> {
+        CallerKey {
+            slot: self,
+            prev: self.0.replace(Some((key.as_ptr(), ctx.as_ptr(), uid, k))),
+            _k: std::marker::PhantomData,
+        }
     }
+
+    fn get(&self) -> Caller {
+        self.0.get().unwrap_or(NO_CALLER)
+    }
+
+    /// `k` as a Python `bytes`: the caller's own object when it was read as `k` (compared in
+    /// Rust, the object is not read again), else a new one.
+    pub(crate) fn key<'py>(&self, py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyAny> {
+        let (p, _, _, read) = self.get();
+        // SAFETY: a `CallerKey` guard set `read` (with `p`) from a key it borrows for its whole
+        // life, on this thread; a dropped guard restores what was set before it.
+        if !p.is_null() && unsafe { *read == *k } {
+            // SAFETY: the guard set `p` from a reference the call it guards holds for the
+            // guard's whole life, on this thread (the GIL is held: `py`).
+            return unsafe { Bound::from_borrowed_ptr(py, p) };
+        }
+        PyBytes::new(py, k.as_bytes()).into_any()
+    }
+
+    /// The Python context of the Rust context `uid` when it is the caller's.
+    pub(crate) fn ctx<'py>(&self, py: Python<'py>, uid: u64) -> Option<Bound<'py, PyAny>> {
+        let (_, p, u, _) = self.get();
+        if p.is_null() || u != uid {
+            return None;
+        }
+        // SAFETY: as in `key`.
+        Some(unsafe { Bound::from_borrowed_ptr(py, p) })
+    }
+}
+
+/// See [`CallerSlot::set`]; restores what was set before it when dropped.
+pub(crate) struct CallerKey<'a> {
+    slot: &'a CallerSlot,
+    prev: Option<Caller>,
+    _k: std::marker::PhantomData<&'a OffloadKey>,
 }
 
 impl Drop for CallerKey<'_> {
     fn drop(&mut self) {
-        CALLER.set(self.0);
+        self.slot.0.set(self.prev);
     }
-}
-
-/// `k` as a Python `bytes`: the caller's own object when it was read as `k` (see
-/// [`CallerKey`]; compared in Rust, the object is not read again), else a new one.
-pub(crate) fn caller_key<'py>(py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyAny> {
-    let (p, _, _, read) = CALLER.get();
-    // SAFETY: a `CallerKey` guard set `read` (with `p`) from a key it borrows for its whole
-    // life, on this thread; a dropped guard restores the pointers set before it.
-    if !p.is_null() && unsafe { *read == *k } {
-        // SAFETY: the guard set `p` from a reference the call it guards holds for the guard's
-        // whole life, on this thread (the GIL is held: `py`).
-        return unsafe { Bound::from_borrowed_ptr(py, p) };
-    }
-    PyBytes::new(py, k.as_bytes()).into_any()
 }
 
 unsafe extern "C" {
@@ -272,16 +338,6 @@ pub(crate) fn vectorcall_method<'py>(
             ),
         )
     }
-}
-
-/// The Python context of the Rust context `uid` when it is the caller's (see [`CallerKey`]).
-pub(crate) fn caller_ctx(py: Python<'_>, uid: u64) -> Option<Bound<'_, PyAny>> {
-    let (_, p, u, _) = CALLER.get();
-    if p.is_null() || u != uid {
-        return None;
-    }
-    // SAFETY: as in `caller_key`.
-    Some(unsafe { Bound::from_borrowed_ptr(py, p) })
 }
 
 /// Chunk ids as the bytes of a native-order `int32` array: the Python side views them with
@@ -406,6 +462,18 @@ fn tier_filter(f: &Bound<'_, PyAny>) -> PyResult<TierFilter> {
     Ok(TierFilter::new(matchers))
 }
 
+/// Key objects a manager's lookups read, each with the key it was read as (`None` once taken):
+/// see [`Contexts::keys_after_lookups`].
+type LookedUp = Vec<(Option<Py<PyAny>>, OffloadKey)>;
+
+/// Most lookups kept between two calls that take them (a caller that looks keys up and never
+/// loads or stores them makes the log start over).
+const LOOKED_UP_MAX: usize = 4096;
+
+/// Most logged lookups skipped to find one key (the caller's list is a subsequence of its
+/// lookups: vLLM's hits, or its misses).
+const LOOKED_UP_SKIP: usize = 4;
+
 struct Entry {
     /// Keeps the Python object (and so its address) alive while the entry exists.
     _py: Py<PyAny>,
@@ -432,6 +500,9 @@ struct Entry {
 #[derive(Default)]
 pub(crate) struct Contexts {
     by_addr: RefCell<hashbrown::HashMap<usize, Entry>>,
+    /// The key objects of the lookups since the last `prepare_load` or `prepare_store`
+    /// ([`Contexts::keys_after_lookups`]), strong references: guarded by the GIL as `by_addr`.
+    looked_up: RefCell<LookedUp>,
 }
 
 // SAFETY: the map is touched only with the GIL held, which serialises the threads that reach
@@ -443,6 +514,45 @@ fn busy() -> PyErr {
 }
 
 impl Contexts {
+    /// Notes that a lookup read `obj` as `k` ([`keys_after_lookups`](Self::keys_after_lookups)).
+    pub(crate) fn looked_up(&self, obj: &Bound<'_, PyAny>, k: &OffloadKey) {
+        // Only an optimisation: a busy log (a bug) is passed by.
+        let Ok(mut log) = self.looked_up.try_borrow_mut() else {
+            return;
+        };
+        if log.len() >= LOOKED_UP_MAX {
+            // Released after the borrow ends (a key object's release may run Python code).
+            let old = std::mem::take(&mut *log);
+            drop(log);
+            drop(old);
+            return;
+        }
+        log.push((Some(obj.clone().unbind()), *k));
+    }
+
+    /// [`keys`] of the collection a `prepare_load` or `prepare_store` was handed, where each
+    /// object the lookups since the last such call read is taken with the key it was read as
+    /// (vLLM loads a request's hits and stores its misses, the very objects it looked up:
+    /// reading each again was a likely cache miss and a conversion per key). The log starts
+    /// over. Sound because the log holds each object (its address cannot be reused) and a
+    /// key object is immutable `bytes`.
+    pub(crate) fn keys_after_lookups(&self, obj: &Bound<'_, PyAny>) -> PyResult<Rc<Keys>> {
+        let mut log = self
+            .looked_up
+            .try_borrow_mut()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default();
+        let out = keys_with(obj, &mut log);
+        // What was not taken is released with no borrow held; the emptied buffer goes back.
+        log.clear();
+        if let Ok(mut l) = self.looked_up.try_borrow_mut()
+            && l.capacity() == 0
+        {
+            *l = log;
+        }
+        out
+    }
+
     /// The Rust context of `ctx` (made on first sight), its positions up to date.
     pub(crate) fn get(&self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
         let addr = ctx.as_ptr() as usize;

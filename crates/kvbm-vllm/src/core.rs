@@ -25,7 +25,6 @@
 //! mutex. The request-context map takes no lock: the GIL guards it, and it is borrowed only
 //! where no Python code runs (`bridge::Contexts`).
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvbm_tiering::{CpuOffloadingManager, CpuPrimaryTier, TieringOffloadingManager};
@@ -161,19 +160,15 @@ fn moved() -> PyErr {
     )
 }
 
-thread_local! {
-    /// This thread's number for [`Core`]'s re-entrancy check (0: not yet drawn).
-    static THREAD: Cell<u64> = const { Cell::new(0) };
-}
-static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
-
+/// This thread's identity for [`Core`]'s re-entrancy check: its `pthread_t` (unique among
+/// live threads, and a thread holding the lock is live), read without the `__tls_get_addr`
+/// call a thread-local costs an extension module on every manager call.
 fn this_thread() -> u64 {
-    THREAD.with(|t| {
-        if t.get() == 0 {
-            t.set(NEXT_THREAD.fetch_add(1, Ordering::Relaxed));
-        }
-        t.get()
-    })
+    // SAFETY: `pthread_self` has no preconditions and cannot fail.
+    let t = unsafe { libc::pthread_self() } as u64;
+    // 0 means "no holder" in `Core::owner`. glibc's `pthread_t` is the address of the
+    // thread's descriptor, never 0; `max` keeps that true on any other libc.
+    t.max(1)
 }
 
 /// One manager's state and its lock: see the [module docs](self).

@@ -221,6 +221,7 @@ impl CpuManager {
     ) -> PyResult<Py<PyAny>> {
         let k = crate::bridge::key(key)?;
         let c = self.contexts.get(req_context)?;
+        self.contexts.looked_up(key, &k);
         let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
         Ok(self.results.get(key.py(), r))
     }
@@ -231,7 +232,7 @@ impl CpuManager {
         keys_: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let ks = keys(keys_)?;
+        let ks = self.contexts.keys_after_lookups(keys_)?;
         let c = self.contexts.get(ctx)?;
         let spec = self
             .core
@@ -274,7 +275,7 @@ impl CpuManager {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = keys_.py();
-        let ks = keys(keys_)?;
+        let ks = self.contexts.keys_after_lookups(keys_)?;
         let c = self.contexts.get(ctx)?;
         let out = self
             .core

@@ -64,6 +64,8 @@ use crate::tiers::StorageTier;
 /// What every [`PyTier`] and [`Parent`] of one manager share with it.
 pub(crate) struct Shared {
     contexts: Arc<Contexts>,
+    /// The objects of the lookup in progress, handed back to a Python tier's `lookup`.
+    caller: crate::bridge::CallerSlot,
     results: Arc<LookupMembers>,
     /// The first exception a Python tier raised during the current call.
     error: Mutex<Option<PyErr>>,
@@ -110,7 +112,7 @@ impl Shared {
 
     /// The Python `ReqContext` of a Rust one (every context the manager sees came from Python).
     fn py_ctx<'py>(&self, py: Python<'py>, ctx: &ReqContext) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(c) = crate::bridge::caller_ctx(py, ctx.uid()) {
+        if let Some(c) = self.caller.ctx(py, ctx.uid()) {
             return Ok(c);
         }
         origin(py, ctx).ok_or_else(|| {
@@ -499,7 +501,7 @@ impl SecondaryTierManager for PyTier {
             };
             // The caller's own key object when this lookup comes from one (vLLM hands its
             // tiers the key it was asked about; a set of keys then matches it by identity).
-            let k = crate::bridge::caller_key(py, key);
+            let k = self.shared.caller.key(py, key);
             // `obj.lookup(k, ctx)`, the method looked up on the object at each call (a patched
             // one is seen), without a bound method or an argument list (`vectorcall_method`).
             let r = crate::bridge::vectorcall_method(
@@ -804,6 +806,7 @@ impl TieringManager {
         let primary = primary.get();
         let shared = Arc::new(Shared {
             contexts: primary.contexts.clone(),
+            caller: Default::default(),
             results: primary.results.clone(),
             error: Mutex::new(None),
             has_error: std::sync::atomic::AtomicBool::new(false),
@@ -868,8 +871,10 @@ impl TieringManager {
     ) -> PyResult<Py<PyAny>> {
         let k = crate::bridge::key(key)?;
         let c = self.ctx(req_context)?;
-        let _caller = crate::bridge::CallerKey::set(key, &k, req_context, c.uid());
+        self.shared.contexts.looked_up(key, &k);
         let r = self.run(key.py(), |m| {
+            // Set under the lock, which the slot needs (`CallerSlot`).
+            let _caller = self.shared.caller.set(key, &k, req_context, c.uid());
             Ok(match exclude_tier_idx {
                 None => m.lookup(&k, &c),
                 Some(i) => m.lookup_excluding(&k, &c, Some(i)),
@@ -883,7 +888,7 @@ impl TieringManager {
         keys_: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let ks = keys(keys_)?;
+        let ks = self.shared.contexts.keys_after_lookups(keys_)?;
         let c = self.ctx(ctx)?;
         let spec = self.run(keys_.py(), |m| m.prepare_load(&ks, &c).map_err(to_py))?;
         Ok(chunk_ids(keys_.py(), spec.chunk_ids().unwrap_or_default()))
@@ -914,7 +919,7 @@ impl TieringManager {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = keys_.py();
-        let ks = keys(keys_)?;
+        let ks = self.shared.contexts.keys_after_lookups(keys_)?;
         let c = self.ctx(ctx)?;
         // A request-level tier's cascade of keys already stored carries the caller's objects.
         let _caller = CallerKeys::set(&ks);
