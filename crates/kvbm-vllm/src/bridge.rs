@@ -27,7 +27,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use kvbm_tiering::{
-    Locality, Medium, OffloadKey, ReqContext, TierFilter, TierMatcher, TieringError,
+    Locality, LookupResult, Medium, OffloadKey, ReqContext, TierFilter, TierMatcher, TieringError,
 };
 use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -514,8 +514,13 @@ fn busy() -> PyErr {
 }
 
 impl Contexts {
-    /// Notes that a lookup read `obj` as `k` ([`keys_after_lookups`](Self::keys_after_lookups)).
-    pub(crate) fn looked_up(&self, obj: &Bound<'_, PyAny>, k: &OffloadKey) {
+    /// Notes that a lookup read `obj` as `k` and answered `r`
+    /// ([`keys_after_lookups`](Self::keys_after_lookups)): kept for a `HIT` (vLLM loads it) or a
+    /// `MISS` (it stores it); a key still pending is asked again, not loaded or stored.
+    pub(crate) fn looked_up(&self, obj: &Bound<'_, PyAny>, k: &OffloadKey, r: LookupResult) {
+        if !matches!(r, LookupResult::Hit | LookupResult::Miss) {
+            return;
+        }
         // Only an optimisation: a busy log (a bug) is passed by.
         let Ok(mut log) = self.looked_up.try_borrow_mut() else {
             return;

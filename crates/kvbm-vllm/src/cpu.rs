@@ -221,8 +221,8 @@ impl CpuManager {
     ) -> PyResult<Py<PyAny>> {
         let k = crate::bridge::key(key)?;
         let c = self.contexts.get(req_context)?;
-        self.contexts.looked_up(key, &k);
         let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
+        self.contexts.looked_up(key, &k, r);
         Ok(self.results.get(key.py(), r))
     }
 

@@ -871,7 +871,6 @@ impl TieringManager {
     ) -> PyResult<Py<PyAny>> {
         let k = crate::bridge::key(key)?;
         let c = self.ctx(req_context)?;
-        self.shared.contexts.looked_up(key, &k);
         let r = self.run(key.py(), |m| {
             // Set under the lock, which the slot needs (`CallerSlot`).
             let _caller = self.shared.caller.set(key, &k, req_context, c.uid());
@@ -880,6 +879,7 @@ impl TieringManager {
                 Some(i) => m.lookup_excluding(&k, &c, Some(i)),
             })
         })?;
+        self.shared.contexts.looked_up(key, &k, r);
         Ok(self.shared.results.get(key.py(), r))
     }
 
