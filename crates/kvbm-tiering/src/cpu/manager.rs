@@ -151,7 +151,18 @@ pub struct CpuOffloadingManager {
     scratch_resident: Vec<u32>,
     /// Slots handed out by `allocate_slots` and not yet inserted (see `phases`).
     reserved: Vec<u32>,
+    /// The slots of the `HIT`s answered since the last `prepare_load` (at most
+    /// [`HIT_HINTS_MAX`]): its hints, used only where `keys[slot]` is the key (see
+    /// [`slot_of_hit`](Self::slot_of_hit)).
+    hit_hints: Vec<u32>,
 }
+
+/// Most `HIT` slots kept between two `prepare_load`s (a caller that looks keys up and loads
+/// none makes the list start over).
+const HIT_HINTS_MAX: usize = 1024;
+
+/// Most hints skipped to find one key's (vLLM loads a subsequence of its lookups: the hits).
+const HIT_HINTS_SKIP: usize = 4;
 
 impl CpuOffloadingManager {
     /// Whether a key not yet stored has been requested often enough to store
@@ -195,6 +206,7 @@ impl CpuOffloadingManager {
             scratch_finished: Vec::new(),
             scratch_resident: Vec::new(),
             reserved: Vec::new(),
+            hit_hints: Vec::new(),
         }
     }
 
@@ -541,10 +553,13 @@ impl CpuOffloadingManager {
         ctx: &ReqContext,
         record_access: bool,
     ) -> Result<LoadStoreSpec> {
-        // One probe per key: the slots found while validating are the ones pinned.
+        // The slots found while validating are the ones pinned: the lookups' hints where they
+        // hold, else one probe per key.
+        let hints = std::mem::take(&mut self.hit_hints);
+        let mut next = 0;
         let mut ids = Vec::with_capacity(keys.len());
         for k in keys {
-            match self.index.get(&self.keys, k) {
+            match self.slot_of_hit(k, &hints, &mut next) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
                 Some(s) if self.ref_cnt[s as usize] < 0 => {
                     return Err(TieringError::KeyState {
@@ -556,6 +571,7 @@ impl CpuOffloadingManager {
                 Some(s) => ids.push(s as i32),
             }
         }
+        self.recycle_hit_hints(hints);
         for &s in &ids {
             let rc = &mut self.ref_cnt[s as usize];
             if *rc == 0 {
@@ -986,7 +1002,41 @@ impl CpuOffloadingManager {
         match self.index.get(&self.keys, key) {
             None => LookupResult::Miss,
             Some(s) if self.ref_cnt[s as usize] < 0 => LookupResult::HitPending,
-            Some(_) => LookupResult::Hit,
+            Some(s) => {
+                // A hint for the `prepare_load` of the hits that usually follows.
+                if self.hit_hints.len() >= HIT_HINTS_MAX {
+                    self.hit_hints.clear();
+                }
+                self.hit_hints.push(s);
+                LookupResult::Hit
+            }
+        }
+    }
+
+    /// The slot of `k` for a `prepare_load`: the first of the next few `hints` (the `HIT`
+    /// lookups' slots, in their order; `next` is where to look, moved past a hint taken) whose
+    /// slot holds `k` now, else a probe of the index. A hint is a slot, never trusted: a slot
+    /// holds a key exactly while the index maps the key to it (`check_invariants`), so a slot
+    /// whose key is `k` is `k`'s slot, whatever happened since the lookup.
+    #[inline]
+    fn slot_of_hit(&self, k: &OffloadKey, hints: &[u32], next: &mut usize) -> Option<u32> {
+        let window = hints.get(*next..).unwrap_or_default();
+        if let Some(i) = window
+            .iter()
+            .take(HIT_HINTS_SKIP + 1)
+            .position(|&s| self.keys[s as usize] == *k)
+        {
+            *next += i + 1;
+            return Some(window[i]);
+        }
+        self.index.get(&self.keys, k)
+    }
+
+    /// Puts the emptied hint buffer back (its capacity kept), unless lookups refilled it.
+    fn recycle_hit_hints(&mut self, mut hints: Vec<u32>) {
+        if self.hit_hints.is_empty() {
+            hints.clear();
+            self.hit_hints = hints;
         }
     }
 
@@ -1123,6 +1173,7 @@ impl CpuOffloadingManager {
         self.num_write_pending = 0;
         self.free_list.clear();
         self.reserved.clear();
+        self.hit_hints.clear();
         self.keys[..self.num_allocated].fill(OffloadKey::VACANT);
         self.num_allocated = 0;
         Ok(())

@@ -4,8 +4,9 @@
 
 use super::{CpuManagerConfig, CpuOffloadingManager, PrepareStoreOutput};
 use crate::cpu::CachePolicyKind;
+use crate::error::TieringError;
 use crate::key::OffloadKey;
-use crate::types::{CpuLoadStoreSpec, LoadStoreSpec, ReqContext};
+use crate::types::{CpuLoadStoreSpec, LoadStoreSpec, LookupResult, ReqContext};
 
 fn pair(policy: CachePolicyKind) -> (CpuOffloadingManager, CpuOffloadingManager) {
     let mut c = CpuManagerConfig::new(8);
@@ -187,5 +188,53 @@ fn resident_slots_take_a_request_s_store_hints_only_where_they_hold() {
     m.resident_slots(&[k(3)], &ReqContext::new("unknown"), &mut out)
         .unwrap();
     assert_eq!(out, vec![slot(&m, k(3))]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn prepare_load_takes_the_lookups_slots_only_where_they_hold() {
+    let k = OffloadKey::from_u64;
+    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4));
+    let (a, b) = (ReqContext::new("a"), ReqContext::new("b"));
+    m.on_new_request(&a).unwrap();
+    m.on_new_request(&b).unwrap();
+    let out = m
+        .prepare_store(&[k(1), k(2), k(3), k(4)], &a)
+        .unwrap()
+        .expect("room");
+    m.complete_store(&out.keys_to_store, &a, true).unwrap();
+    let slot = |m: &CpuOffloadingManager, key| m.chunk(&key).unwrap().0;
+    let ids = |spec: LoadStoreSpec| spec.chunk_ids().unwrap().to_vec();
+    assert_eq!(m.lookup(&k(1), &a), LookupResult::Hit);
+    assert_eq!(m.lookup(&k(2), &a), LookupResult::Hit);
+    // Key 5 takes key 1's slot (the least recent), which the first lookup's hint names.
+    let slot1 = slot(&m, k(1));
+    let out = m.prepare_store(&[k(5)], &b).unwrap().expect("room");
+    assert_eq!(out.evicted_keys, vec![k(1)]);
+    m.complete_store(&out.keys_to_store, &b, true).unwrap();
+    assert_eq!(slot(&m, k(5)), slot1);
+    assert!(matches!(
+        m.prepare_load(&[k(1)], &a),
+        Err(TieringError::UnknownKey { .. })
+    ));
+    assert_eq!(
+        m.chunk(&k(5)).unwrap().1,
+        0,
+        "key 5 was not pinned for key 1"
+    );
+    // Hints in another order than the load's, and a key never looked up.
+    for key in [k(4), k(3), k(5)] {
+        assert_eq!(m.lookup(&key, &a), LookupResult::Hit);
+    }
+    let got = ids(m.prepare_load(&[k(3), k(4), k(2), k(5)], &a).unwrap());
+    let want: Vec<i32> = [k(3), k(4), k(2), k(5)]
+        .into_iter()
+        .map(|key| slot(&m, key) as i32)
+        .collect();
+    assert_eq!(got, want);
+    for key in [k(2), k(3), k(4), k(5)] {
+        assert_eq!(m.chunk(&key).unwrap().1, 1, "each key pinned once");
+    }
+    m.complete_load(&[k(3), k(4), k(2), k(5)], &a).unwrap();
     m.check_invariants().unwrap();
 }
