@@ -92,6 +92,16 @@ fn a_reused_output_answers_as_a_fresh_one() {
     }
 }
 
+/// A 4-slot manager and three started requests, `a`, `b` and `c`.
+fn four_slots_three_requests() -> (CpuOffloadingManager, [ReqContext; 3]) {
+    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4));
+    let ctxs = ["a", "b", "c"].map(ReqContext::new);
+    for ctx in &ctxs {
+        m.on_new_request(ctx).unwrap();
+    }
+    (m, ctxs)
+}
+
 /// A request's slot hints (`RequestAccess::known`) whose slots were freed and given to other
 /// keys are not used: a second `complete_load` of an evicted key is refused as a probe would
 /// refuse it (the key now in its old slot keeps its pin), and `on_request_finished` moves none
@@ -99,15 +109,7 @@ fn a_reused_output_answers_as_a_fresh_one() {
 #[test]
 fn stale_slot_hints_fall_back_to_the_index() {
     let k = OffloadKey::from_u64;
-    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4));
-    let (a, b, c) = (
-        ReqContext::new("a"),
-        ReqContext::new("b"),
-        ReqContext::new("c"),
-    );
-    for ctx in [&a, &b, &c] {
-        m.on_new_request(ctx).unwrap();
-    }
+    let (mut m, [a, b, c]) = four_slots_three_requests();
     let store = |m: &mut CpuOffloadingManager, keys: &[OffloadKey], ctx: &ReqContext| {
         let out = m.prepare_store(keys, ctx).unwrap().expect("room");
         m.complete_store(&out.keys_to_store, ctx, true).unwrap();
@@ -162,15 +164,7 @@ fn stale_slot_hints_fall_back_to_the_index() {
 #[test]
 fn resident_slots_take_a_request_s_store_hints_only_where_they_hold() {
     let k = OffloadKey::from_u64;
-    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4));
-    let (a, b, c) = (
-        ReqContext::new("a"),
-        ReqContext::new("b"),
-        ReqContext::new("c"),
-    );
-    for ctx in [&a, &b, &c] {
-        m.on_new_request(ctx).unwrap();
-    }
+    let (mut m, [a, b, c]) = four_slots_three_requests();
     for (keys, ctx) in [([k(1), k(2)], &a), ([k(3), k(4)], &b), ([k(5), k(6)], &c)] {
         let out = m.prepare_store(&keys, ctx).unwrap().expect("room");
         m.complete_store(&out.keys_to_store, ctx, true).unwrap();
