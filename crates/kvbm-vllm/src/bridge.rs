@@ -307,7 +307,8 @@ unsafe extern "C" {
 /// Python's own `obj.name(...)` does (an attribute set on the instance or its class is seen),
 /// and called without a bound-method object or an argument tuple. A Python tier's `lookup` is
 /// called once per key the primary misses, where the varargs call it replaces
-/// (`PyObject_CallMethodObjArgs`) spent a tenth of its cost collecting its arguments.
+/// (`PyObject_CallMethodObjArgs`) first collected its arguments into an array: about 150
+/// instructions a call.
 pub(crate) fn vectorcall_method<'py>(
     py: Python<'py>,
     name: &Bound<'py, pyo3::types::PyString>,
