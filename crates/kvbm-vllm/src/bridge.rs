@@ -191,19 +191,12 @@ fn remembered(
 }
 
 /// What [`CallerKey`] keeps: the key object, the context object, the Rust context's uid and
-/// the key the object was read as (null pointers: no call in progress).
+/// the key the object was read as.
 type Caller = (
     *mut pyo3::ffi::PyObject,
     *mut pyo3::ffi::PyObject,
     u64,
     *const OffloadKey,
-);
-
-const NO_CALLER: Caller = (
-    std::ptr::null_mut(),
-    std::ptr::null_mut(),
-    0,
-    std::ptr::null(),
 );
 
 /// A manager's record of the key and context objects of its lookup in progress, the Rust
@@ -248,17 +241,14 @@ impl CallerSlot {
         }
     }
 
-    fn get(&self) -> Caller {
-        self.0.get().unwrap_or(NO_CALLER)
-    }
-
     /// `k` as a Python `bytes`: the caller's own object when it was read as `k` (compared in
     /// Rust, the object is not read again), else a new one.
     pub(crate) fn key<'py>(&self, py: Python<'py>, k: &OffloadKey) -> Bound<'py, PyAny> {
-        let (p, _, _, read) = self.get();
-        // SAFETY: a `CallerKey` guard set `read` (with `p`) from a key it borrows for its whole
-        // life, on this thread; a dropped guard restores what was set before it.
-        if !p.is_null() && unsafe { *read == *k } {
+        if let Some((p, _, _, read)) = self.0.get()
+            // SAFETY: a `CallerKey` guard set `read` (with `p`) from a key it borrows for its
+            // whole life, on this thread; a dropped guard restores what was set before it.
+            && unsafe { *read == *k }
+        {
             // SAFETY: the guard set `p` from a reference the call it guards holds for the
             // guard's whole life, on this thread (the GIL is held: `py`).
             return unsafe { Bound::from_borrowed_ptr(py, p) };
@@ -268,10 +258,7 @@ impl CallerSlot {
 
     /// The Python context of the Rust context `uid` when it is the caller's.
     pub(crate) fn ctx<'py>(&self, py: Python<'py>, uid: u64) -> Option<Bound<'py, PyAny>> {
-        let (_, p, u, _) = self.get();
-        if p.is_null() || u != uid {
-            return None;
-        }
+        let (_, p, _, _) = self.0.get().filter(|c| c.2 == uid)?;
         // SAFETY: as in `key`.
         Some(unsafe { Bound::from_borrowed_ptr(py, p) })
     }

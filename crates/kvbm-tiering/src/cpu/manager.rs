@@ -157,6 +157,13 @@ pub struct CpuOffloadingManager {
     hit_hints: Vec<u32>,
 }
 
+/// The slot `hints[i]` names for `k` (from [`CpuOffloadingManager::tail_hints`]), if it is
+/// `k`'s hint: still to be checked against the slot table (`hinted_slot`).
+#[inline]
+fn tail_hint(hints: &[(OffloadKey, u32)], i: usize, k: &OffloadKey) -> Option<u32> {
+    hints.get(i).filter(|(h, _)| h == k).map(|&(_, s)| s)
+}
+
 /// Most `HIT` slots kept between two `prepare_load`s (a caller that looks keys up and loads
 /// none makes the list start over).
 const HIT_HINTS_MAX: usize = 1024;
@@ -603,8 +610,7 @@ impl CpuOffloadingManager {
         // `complete_store` of its `keys_to_store`) are the hints, as for `complete_load`.
         let hints = self.tail_hints(ctx, keys.len());
         for (i, k) in keys.iter().enumerate() {
-            let hint = hints.get(i).filter(|(h, _)| h == k).map(|&(_, s)| s);
-            out.push(self.hinted_slot(k, hint).ok_or(*k)?);
+            out.push(self.hinted_slot(k, tail_hint(hints, i, k)).ok_or(*k)?);
         }
         Ok(())
     }
@@ -666,8 +672,7 @@ impl CpuOffloadingManager {
         let hints = ctx.map_or(&[][..], |c| self.tail_hints(c, keys.len()));
         let mut slots: Vec<u32> = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
-            let hint = hints.get(i).filter(|(h, _)| h == k).map(|&(_, s)| s);
-            match self.hinted_slot(k, hint) {
+            match self.hinted_slot(k, tail_hint(hints, i, k)) {
                 None => return Err(TieringError::UnknownKey { call, key: *k }),
                 Some(s) if self.ref_cnt[s as usize] <= 0 => {
                     return Err(TieringError::KeyState {
