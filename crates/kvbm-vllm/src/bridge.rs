@@ -256,6 +256,16 @@ impl CallerSlot {
         PyBytes::new(py, k.as_bytes()).into_any()
     }
 
+    /// Whether a lookup is in progress. When it is, the thread asking is attached to the
+    /// interpreter (may take its `Python` token with `Python::assume_attached`): only the
+    /// holder of the manager's lock reads the slot (the type's docs), and a set slot means that
+    /// thread is inside the manager call from Python that set it (CPython returns from a
+    /// tier's Python code with the thread attached). Saves a tier call from a manager lookup
+    /// pyo3's attach, a thread-local read and write each way.
+    pub(crate) fn in_lookup(&self) -> bool {
+        self.0.get().is_some()
+    }
+
     /// The Python context of the Rust context `uid` when it is the caller's.
     pub(crate) fn ctx<'py>(&self, py: Python<'py>, uid: u64) -> Option<Bound<'py, PyAny>> {
         let (_, p, _, _) = self.0.get().filter(|c| c.2 == uid)?;
@@ -282,7 +292,7 @@ unsafe extern "C" {
     /// since 3.9 and part of the stable ABI since 3.12. pyo3 declares it for abi3 builds only
     /// from 3.12; this wheel's oldest interpreter, 3.11, exports it too (`nm -D
     /// libpython3.11.so`), so it is declared here.
-    fn PyObject_VectorcallMethod(
+    pub(crate) fn PyObject_VectorcallMethod(
         name: *mut pyo3::ffi::PyObject,
         args: *const *mut pyo3::ffi::PyObject,
         nargsf: usize,

@@ -140,6 +140,29 @@ fn entry<'py>(
     )
 }
 
+impl CpuManager {
+    /// `lookup`'s body (the pyo3 method's and the fast entry's).
+    fn lookup_now(
+        &self,
+        key: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let k = crate::bridge::key(key)?;
+        let c = self.contexts.get(req_context)?;
+        let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
+        self.contexts.looked_up(key, &k, r);
+        Ok(self.results.get(key.py(), r))
+    }
+}
+
+crate::entry::two_argument_entry!(
+    LOOKUP_ENTRY,
+    CpuManager,
+    c"lookup",
+    c"lookup(key, req_context)",
+    |m: &CpuManager, key, ctx| m.lookup_now(key, ctx)
+);
+
 #[pymethods]
 impl CpuManager {
     /// `policy` is `"lru"` or `"arc"`; `lookup_results` is vLLM's `(LookupResult.MISS, HIT,
@@ -219,11 +242,13 @@ impl CpuManager {
         key: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        let k = crate::bridge::key(key)?;
-        let c = self.contexts.get(req_context)?;
-        let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
-        self.contexts.looked_up(key, &k, r);
-        Ok(self.results.get(key.py(), r))
+        self.lookup_now(key, req_context)
+    }
+
+    /// `lookup` as a function object bound to this manager whose positional calls skip pyo3's
+    /// trampoline (`crate::entry`); the Python manager binds it in `lookup`'s place.
+    fn lookup_entry<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        LOOKUP_ENTRY.bind(slf.as_any())
     }
 
     /// The chunk ids to read, co-indexed with `keys`.

@@ -3,6 +3,7 @@
 mod bridge;
 mod core;
 mod cpu;
+mod entry;
 mod tiering;
 mod tiers;
 

@@ -423,6 +423,44 @@ impl PyTier {
     }
 }
 
+impl PyTier {
+    /// The tier's Python `lookup` of `key` (see `SecondaryTierManager::lookup`).
+    fn lookup_in(
+        &mut self,
+        py: Python<'_>,
+        key: &OffloadKey,
+        req_context: &ReqContext,
+    ) -> LookupResult {
+        let ctx = match self.shared.py_ctx(py, req_context) {
+            Ok(c) => c,
+            Err(e) => {
+                self.shared.keep(e);
+                return LookupResult::Miss;
+            }
+        };
+        // The caller's own key object when this lookup comes from one (vLLM hands its
+        // tiers the key it was asked about; a set of keys then matches it by identity).
+        let k = self.shared.caller.key(py, key);
+        // `obj.lookup(k, ctx)`, the method looked up on the object at each call (a patched
+        // one is seen), without a bound method or an argument list (`vectorcall_method`).
+        let r = crate::bridge::vectorcall_method(
+            py,
+            intern!(py, "lookup"),
+            &[self.obj.bind(py).as_any(), &k, &ctx],
+        );
+        match r {
+            Err(e) => {
+                self.shared.keep(e);
+                LookupResult::Miss
+            }
+            Ok(r) => self.shared.lookup_result(py, &r).unwrap_or_else(|e| {
+                self.shared.keep(e);
+                LookupResult::Miss
+            }),
+        }
+    }
+}
+
 impl SecondaryTierManager for PyTier {
     fn tier_type(&self) -> &str {
         &self.tier_type
@@ -491,35 +529,15 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult {
-        Python::attach(|py| {
-            let ctx = match self.shared.py_ctx(py, req_context) {
-                Ok(c) => c,
-                Err(e) => {
-                    self.shared.keep(e);
-                    return LookupResult::Miss;
-                }
-            };
-            // The caller's own key object when this lookup comes from one (vLLM hands its
-            // tiers the key it was asked about; a set of keys then matches it by identity).
-            let k = self.shared.caller.key(py, key);
-            // `obj.lookup(k, ctx)`, the method looked up on the object at each call (a patched
-            // one is seen), without a bound method or an argument list (`vectorcall_method`).
-            let r = crate::bridge::vectorcall_method(
-                py,
-                intern!(py, "lookup"),
-                &[self.obj.bind(py).as_any(), &k, &ctx],
-            );
-            match r {
-                Err(e) => {
-                    self.shared.keep(e);
-                    LookupResult::Miss
-                }
-                Ok(r) => self.shared.lookup_result(py, &r).unwrap_or_else(|e| {
-                    self.shared.keep(e);
-                    LookupResult::Miss
-                }),
-            }
-        })
+        // Inside a manager lookup (the usual case) the thread is attached already: its token,
+        // without pyo3's attach (a thread-local read and write each way).
+        if self.shared.caller.in_lookup() {
+            // SAFETY: the thread is attached while a lookup is in progress (`in_lookup`).
+            let py = unsafe { Python::assume_attached() };
+            self.lookup_in(py, key, req_context)
+        } else {
+            Python::attach(|py| self.lookup_in(py, key, req_context))
+        }
     }
 
     fn submit_store(&mut self, job: Arc<TierJob>) {
@@ -781,7 +799,36 @@ impl TieringManager {
     fn ctx(&self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
         self.shared.contexts.get(ctx)
     }
+
+    /// `lookup`'s body (the pyo3 method's and the fast entry's).
+    fn lookup_now(
+        &self,
+        key: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+        exclude_tier_idx: Option<usize>,
+    ) -> PyResult<Py<PyAny>> {
+        let k = crate::bridge::key(key)?;
+        let c = self.ctx(req_context)?;
+        let r = self.run(key.py(), |m| {
+            // Set under the lock, which the slot needs (`CallerSlot`).
+            let _caller = self.shared.caller.set(key, &k, req_context, c.uid());
+            Ok(match exclude_tier_idx {
+                None => m.lookup(&k, &c),
+                Some(i) => m.lookup_excluding(&k, &c, Some(i)),
+            })
+        })?;
+        self.shared.contexts.looked_up(key, &k, r);
+        Ok(self.shared.results.get(key.py(), r))
+    }
 }
+
+crate::entry::two_argument_entry!(
+    LOOKUP_ENTRY,
+    TieringManager,
+    c"lookup",
+    c"lookup(key, req_context, *, exclude_tier_idx=None)",
+    |m: &TieringManager, key, ctx| m.lookup_now(key, ctx, None)
+);
 
 #[pymethods]
 impl TieringManager {
@@ -869,20 +916,14 @@ impl TieringManager {
         req_context: &Bound<'_, PyAny>,
         exclude_tier_idx: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
-        let k = crate::bridge::key(key)?;
-        let c = self.ctx(req_context)?;
-        let r = self.run(key.py(), |m| {
-            // Set under the lock, which the slot needs (`CallerSlot`).
-            let _caller = self.shared.caller.set(key, &k, req_context, c.uid());
-            Ok(match exclude_tier_idx {
-                None => m.lookup(&k, &c),
-                Some(i) => m.lookup_excluding(&k, &c, Some(i)),
-            })
-        })?;
-        self.shared.contexts.looked_up(key, &k, r);
-        Ok(self.shared.results.get(key.py(), r))
+        self.lookup_now(key, req_context, exclude_tier_idx)
     }
 
+    /// `lookup` as a function object bound to this manager whose positional calls skip pyo3's
+    /// trampoline (`crate::entry`); the Python manager binds it in `lookup`'s place.
+    fn lookup_entry<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        LOOKUP_ENTRY.bind(slf.as_any())
+    }
     fn prepare_load<'py>(
         &self,
         keys_: &Bound<'py, PyAny>,

@@ -111,7 +111,10 @@ def _bind_direct(manager, base, names) -> None:
     cls = type(manager)
     for name in names:
         if getattr(cls, name) is getattr(base, name):
-            setattr(manager, name, getattr(manager._rs, name))
+            # A Rust object's ``NAME_entry()``, where it has one, is the same method as a
+            # function object whose positional calls skip pyo3's argument parsing.
+            entry = getattr(manager._rs, name + "_entry", None)
+            setattr(manager, name, entry() if entry is not None else getattr(manager._rs, name))
 
 
 class _TrackerView:
