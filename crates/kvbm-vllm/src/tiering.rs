@@ -228,7 +228,7 @@ impl Backpressure for PyBackpressure {
     fn on_store_completed(&mut self, job: &TierJob, num_bytes: u64) {
         Python::attach(|py| {
             let submit_time = match self.finished.remove(&job.job_id) {
-                Some(j) => j.bind(py).getattr("submit_time"),
+                Some(j) => j.bind(py).getattr(intern!(py, "submit_time")),
                 None => {
                     // Not a job this tier was handed as an object (cannot happen for a Python
                     // tier): measure from the Rust job's submit instant.
@@ -379,14 +379,20 @@ impl PyTier {
         })
     }
 
-    fn submit(&mut self, method: &str, job: Arc<TierJob>) {
+    /// Hands `job` to the tier's `submit_load` (`load`) or `submit_store`.
+    fn submit(&mut self, load: bool, job: Arc<TierJob>) {
         Python::attach(|py| {
+            let method = if load {
+                intern!(py, "submit_load")
+            } else {
+                intern!(py, "submit_store")
+            };
             let pj = match self.shared.job(py, &job) {
                 Ok(j) => j,
                 Err(e) => return self.shared.keep(e),
             };
             self.track(job.job_id, pj.clone().unbind());
-            self.call(py, &pyo3::types::PyString::new(py, method), (pj,));
+            self.call(py, method, (pj,));
         });
     }
 
@@ -408,7 +414,10 @@ impl PyTier {
         let transfer_bytes: Option<u64> = r.getattr(intern!(py, "transfer_bytes"))?.extract()?;
         let tracked = self.shared.py_jobs.lock().remove(&job_id);
         if let Some((_, j)) = tracked {
-            let is_promotion: bool = j.bind(py).getattr("is_promotion")?.is_truthy()?;
+            let is_promotion: bool = j
+                .bind(py)
+                .getattr(intern!(py, "is_promotion"))?
+                .is_truthy()?;
             if !is_promotion {
                 self.bp.finished.insert(job_id, j);
             }
@@ -513,14 +522,16 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
-        let d = Python::attach(|py| match self.obj.bind(py).getattr("bp_detector") {
-            Ok(d) if d.is_none() => None,
-            Ok(d) => Some(d.unbind()),
-            Err(e) => {
-                self.shared.keep(e);
-                None
-            }
-        });
+        let d = Python::attach(
+            |py| match self.obj.bind(py).getattr(intern!(py, "bp_detector")) {
+                Ok(d) if d.is_none() => None,
+                Ok(d) => Some(d.unbind()),
+                Err(e) => {
+                    self.shared.keep(e);
+                    None
+                }
+            },
+        );
         self.bp.detector = d;
         self.bp
             .detector
@@ -541,11 +552,11 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn submit_store(&mut self, job: Arc<TierJob>) {
-        self.submit("submit_store", job);
+        self.submit(false, job);
     }
 
     fn submit_load(&mut self, job: Arc<TierJob>) {
-        self.submit("submit_load", job);
+        self.submit(true, job);
     }
 
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {

@@ -561,7 +561,6 @@ impl TieringOffloadingManager {
     fn update_backpressure(&mut self, tier: usize, job: &TierJob, r: &JobResult) {
         let bs = self.tiers[tier].block_size_bytes();
         let t = &mut self.tiers[tier];
-        let ttype = t.tier_type().to_string();
         let Some(d) = t.bp_detector() else { return };
         let was = d.is_under_pressure();
         if r.success {
@@ -572,7 +571,8 @@ impl TieringOffloadingManager {
         }
         let now = d.is_under_pressure();
         if now != was {
-            tracing::info!(tier, tier_type = %ttype, ema = ?d.store_latency_ema(),
+            let ema = d.store_latency_ema();
+            tracing::info!(tier, tier_type = %t.tier_type(), ema = ?ema,
                 "back-pressure {}", if now { "activated" } else { "cleared" });
         }
     }
