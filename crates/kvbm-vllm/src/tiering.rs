@@ -165,6 +165,22 @@ fn scope_of(policy: &Bound<'_, PyAny>, members: &[Py<PyAny>; 2]) -> PyResult<Off
     }
 }
 
+/// Runs `f` attached to the interpreter: a Python tier's method and a back-pressure detector's
+/// are called this way. With the token of the manager lookup in progress when there is one
+/// (`in_lookup`: [`CallerSlot::in_lookup`](crate::bridge::CallerSlot::in_lookup), which says
+/// the thread is attached), else through `Python::attach`. A lookup that came in through its C
+/// entry (`crate::entry`) has not raised pyo3's attach count, so `Python::attach` there would
+/// take CPython's `PyGILState_Ensure` route: a tier's `lookup`, and a promotion's read of its
+/// `cache_hit_source`, once per chunk.
+fn attached<R>(in_lookup: bool, f: impl for<'py> FnOnce(Python<'py>) -> R) -> R {
+    if in_lookup {
+        // SAFETY: the thread is attached while a lookup is in progress (`in_lookup`).
+        f(unsafe { Python::assume_attached() })
+    } else {
+        Python::attach(f)
+    }
+}
+
 fn scope_name(s: OffloadScope) -> &'static str {
     match s {
         OffloadScope::ChunkLevel => "chunk_level",
@@ -219,14 +235,14 @@ impl PyBackpressure {
 
 impl Backpressure for PyBackpressure {
     fn should_store(&mut self, num_blocks: usize) -> bool {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             self.call(py, intern!(py, "should_store"), (num_blocks,))
                 .is_none_or(|v| v.is_truthy().unwrap_or(true))
         })
     }
 
     fn on_store_completed(&mut self, job: &TierJob, num_bytes: u64) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let submit_time = match self.finished.remove(&job.job_id) {
                 Some(j) => j.bind(py).getattr(intern!(py, "submit_time")),
                 None => {
@@ -250,20 +266,20 @@ impl Backpressure for PyBackpressure {
     }
 
     fn on_store_failed(&mut self) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             self.call(py, intern!(py, "on_store_failed"), ());
         });
     }
 
     fn is_under_pressure(&mut self) -> bool {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             self.call(py, intern!(py, "is_under_pressure"), ())
                 .is_some_and(|v| v.is_truthy().unwrap_or(false))
         })
     }
 
     fn store_latency_ema(&mut self) -> Option<f64> {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let d = self.detector.as_ref()?.bind(py);
             let v = d
                 .getattr("stats")
@@ -280,7 +296,7 @@ impl Backpressure for PyBackpressure {
     }
 
     fn pop_stores_dropped(&mut self) -> (u64, u64) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let Some(d) = self.detector.as_ref() else {
                 return (0, 0);
             };
@@ -300,7 +316,7 @@ impl Backpressure for PyBackpressure {
     }
 
     fn reset(&mut self) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             self.call(py, intern!(py, "reset"), ());
         });
     }
@@ -365,23 +381,25 @@ impl PyTier {
     /// A tier method whose failure kvbm-tiering sees as a tier error (the exception itself
     /// is kept for the caller).
     fn fallible(&self, method: &str) -> kvbm_tiering::Result<()> {
-        Python::attach(|py| match self.obj.bind(py).call_method0(method) {
-            Ok(_) => Ok(()),
-            Err(e) => {
-                let message = format!("{method}: {e}");
-                self.shared.keep(e);
-                Err(TieringError::Tier {
-                    tier: self.index,
-                    tier_type: self.tier_type.clone(),
-                    message,
-                })
+        attached(self.shared.caller.in_lookup(), |py| {
+            match self.obj.bind(py).call_method0(method) {
+                Ok(_) => Ok(()),
+                Err(e) => {
+                    let message = format!("{method}: {e}");
+                    self.shared.keep(e);
+                    Err(TieringError::Tier {
+                        tier: self.index,
+                        tier_type: self.tier_type.clone(),
+                        message,
+                    })
+                }
             }
         })
     }
 
     /// Hands `job` to the tier's `submit_load` (`load`) or `submit_store`.
     fn submit(&mut self, load: bool, job: Arc<TierJob>) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let method = if load {
                 intern!(py, "submit_load")
             } else {
@@ -482,7 +500,7 @@ impl SecondaryTierManager for PyTier {
     }
     /// Read at each promotion, as vLLM does (a class attribute may change meanwhile).
     fn cache_hit_source(&self) -> CacheHitSource {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let named = |v: Option<&str>| match v {
                 Some("host") => CacheHitSource::Host,
                 Some("p2p") => CacheHitSource::P2p,
@@ -522,16 +540,16 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
-        let d = Python::attach(
-            |py| match self.obj.bind(py).getattr(intern!(py, "bp_detector")) {
+        let d = attached(self.shared.caller.in_lookup(), |py| {
+            match self.obj.bind(py).getattr(intern!(py, "bp_detector")) {
                 Ok(d) if d.is_none() => None,
                 Ok(d) => Some(d.unbind()),
                 Err(e) => {
                     self.shared.keep(e);
                     None
                 }
-            },
-        );
+            }
+        });
         self.bp.detector = d;
         self.bp
             .detector
@@ -542,13 +560,9 @@ impl SecondaryTierManager for PyTier {
     fn lookup(&mut self, key: &OffloadKey, req_context: &ReqContext) -> LookupResult {
         // Inside a manager lookup (the usual case) the thread is attached already: its token,
         // without pyo3's attach (a thread-local read and write each way).
-        if self.shared.caller.in_lookup() {
-            // SAFETY: the thread is attached while a lookup is in progress (`in_lookup`).
-            let py = unsafe { Python::assume_attached() };
+        attached(self.shared.caller.in_lookup(), |py| {
             self.lookup_in(py, key, req_context)
-        } else {
-            Python::attach(|py| self.lookup_in(py, key, req_context))
-        }
+        })
     }
 
     fn submit_store(&mut self, job: Arc<TierJob>) {
@@ -560,7 +574,7 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             self.bp.finished.clear();
             let Some(results) = self.call(py, intern!(py, "get_finished_jobs"), ()) else {
                 return;
@@ -583,7 +597,7 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn on_new_request(&mut self, req_context: &ReqContext) -> RequestOffloadingContext {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let policy = self
                 .shared
                 .py_ctx(py, req_context)
@@ -605,16 +619,18 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn on_request_finished(&mut self, req_context: &ReqContext) {
-        Python::attach(|py| match self.shared.py_ctx(py, req_context) {
-            Ok(ctx) => {
-                self.call(py, intern!(py, "on_request_finished"), (ctx,));
+        attached(self.shared.caller.in_lookup(), |py| {
+            match self.shared.py_ctx(py, req_context) {
+                Ok(ctx) => {
+                    self.call(py, intern!(py, "on_request_finished"), (ctx,));
+                }
+                Err(e) => self.shared.keep(e),
             }
-            Err(e) => self.shared.keep(e),
         });
     }
 
     fn touch(&mut self, keys: &[OffloadKey], req_context: &ReqContext) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let args =
                 key_list(py, keys).and_then(|k| Ok((k, self.shared.py_ctx(py, req_context)?)));
             match args {
@@ -627,14 +643,14 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn has_pending_work(&self) -> bool {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             self.call(py, intern!(py, "has_pending_work"), ())
                 .is_some_and(|v| v.is_truthy().unwrap_or(false))
         })
     }
 
     fn on_schedule_end(&mut self, _context: &ScheduleEndContext) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let ctx = self
                 .shared
                 .schedule_end
@@ -648,7 +664,7 @@ impl SecondaryTierManager for PyTier {
     }
 
     fn serve_external_requests(&mut self, parent: &mut dyn ParentManager) {
-        Python::attach(|py| {
+        attached(self.shared.caller.in_lookup(), |py| {
             let raw: *mut (dyn ParentManager + '_) = parent;
             // SAFETY: only the trait object's lifetime bound is erased. The pointer is
             // dereferenced only by `Parent::with` while `ptr` is set: from here until it is
