@@ -29,8 +29,9 @@
 //! * pyo3's attach count is not raised. Where pyo3 reads it the outcome is still correct,
 //!   only slower: a `Py<T>` dropped in the body is released at pyo3's next entry instead of
 //!   at once, and a `Python::attach` in the body takes CPython's `PyGILState_Ensure` route.
-//!   The lookup path does neither where it is hot (it holds `Bound`s, and a Python tier's
-//!   `lookup` takes the token of the manager call in progress: `CallerSlot::attached`).
+//!   The lookup path does neither where it is hot: it holds `Bound`s, and a Python tier's
+//!   method called during a lookup takes the token of that lookup (`tiering.rs`'s `attached`,
+//!   through `CallerSlot::in_lookup`).
 //! * A panic in the body is caught (unwinding into CPython is undefined behaviour) and raised
 //!   as pyo3's `PanicException`, as pyo3's trampoline does.
 
