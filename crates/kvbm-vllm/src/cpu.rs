@@ -159,7 +159,7 @@ crate::entry::two_argument_entry!(
     LOOKUP_ENTRY,
     CpuManager,
     c"lookup",
-    c"lookup(key, req_context)",
+    c"lookup($self, key, req_context)\n--\n\nvLLM's lookup: HIT, MISS or HIT_PENDING.",
     |m: &CpuManager, key, ctx| m.lookup_now(key, ctx)
 );
 

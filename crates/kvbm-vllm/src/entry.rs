@@ -52,7 +52,9 @@ pub(crate) struct MethodDef(ffi::PyMethodDef);
 unsafe impl Sync for MethodDef {}
 
 impl MethodDef {
-    /// A fast-call definition named `name` (also the pyo3 method its fallback calls).
+    /// A fast-call definition named `name` (also the pyo3 method its fallback calls). `doc`
+    /// starts with CPython's text signature, `name($self, ...)\n--\n\n`, from which
+    /// `inspect.signature` reads the bound function's parameters.
     pub(crate) const fn new(
         name: &'static CStr,
         doc: &'static CStr,

@@ -853,7 +853,7 @@ crate::entry::two_argument_entry!(
     LOOKUP_ENTRY,
     TieringManager,
     c"lookup",
-    c"lookup(key, req_context, *, exclude_tier_idx=None)",
+    c"lookup($self, key, req_context, *, exclude_tier_idx=None)\n--\n\nvLLM's lookup: HIT, MISS, HIT_PENDING or RETRY.",
     |m: &TieringManager, key, ctx| m.lookup_now(key, ctx, None)
 );
 

@@ -9,6 +9,7 @@ the caller's own objects), for the tiering manager and the CPU manager.
 Needs what ``test_replay.py`` needs (vLLM's sources or a real vLLM; no Rust binary).
 """
 
+import inspect
 import os
 import sys
 
@@ -76,6 +77,10 @@ def test_positional_and_keyword_calls_answer_alike(env):
     # The bound attribute is the entry, not the pyo3 method (a plain positional call takes it).
     assert m.lookup.__name__ == "lookup"
     assert m.lookup is not m._rs.lookup
+    # Its signature is vLLM's, as introspection reads it.
+    params = inspect.signature(m.lookup).parameters
+    assert list(params) == ["key", "req_context", "exclude_tier_idx"]
+    assert params["exclude_tier_idx"].kind is inspect.Parameter.KEYWORD_ONLY
     out = m.prepare_store(keys[:3], ctx)
     m.complete_store(out.keys_to_store, ctx, True)
     tier = m.secondary_tiers[0]
@@ -148,6 +153,7 @@ def test_the_cpu_manager_s_entry_answers_as_its_method(env):
 
     m = K.CPUOffloadingManager(num_chunks=4)
     assert m.lookup is not m._rs.lookup
+    assert list(inspect.signature(m.lookup).parameters) == ["key", "req_context"]
     ctx = B.ReqContext(req_id="c")
     m.on_new_request(ctx)
     keys = [B.make_offload_key(f"c{i}".encode(), 0) for i in range(2)]
