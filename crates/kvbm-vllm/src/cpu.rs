@@ -140,27 +140,12 @@ fn entry<'py>(
     )
 }
 
-impl CpuManager {
-    /// `lookup`'s body (the pyo3 method's and the fast entry's).
-    fn lookup_now(
-        &self,
-        key: &Bound<'_, PyAny>,
-        req_context: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
-        let k = crate::bridge::key(key)?;
-        let c = self.contexts.get(req_context)?;
-        let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
-        self.contexts.looked_up(key, &k, r);
-        Ok(self.results.get(key.py(), r))
-    }
-}
-
 crate::entry::two_argument_entry!(
     LOOKUP_ENTRY,
     CpuManager,
     c"lookup",
     c"lookup($self, key, req_context)\n--\n\nvLLM's lookup: HIT, MISS or HIT_PENDING.",
-    |m: &CpuManager, key, ctx| m.lookup_now(key, ctx)
+    |m: &CpuManager, key, ctx| m.lookup(key, ctx)
 );
 
 #[pymethods]
@@ -242,7 +227,11 @@ impl CpuManager {
         key: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        self.lookup_now(key, req_context)
+        let k = crate::bridge::key(key)?;
+        let c = self.contexts.get(req_context)?;
+        let r = self.core.lock(key.py())?.cpu()?.lookup(&k, &c);
+        self.contexts.looked_up(key, &k, r);
+        Ok(self.results.get(key.py(), r))
     }
 
     /// `lookup` as a function object bound to this manager whose positional calls skip pyo3's

@@ -448,9 +448,7 @@ impl PyTier {
             transfer_bytes,
         })
     }
-}
 
-impl PyTier {
     /// The tier's Python `lookup` of `key` (see `SecondaryTierManager::lookup`).
     fn lookup_in(
         &mut self,
@@ -826,27 +824,6 @@ impl TieringManager {
     fn ctx(&self, ctx: &Bound<'_, PyAny>) -> PyResult<ReqContext> {
         self.shared.contexts.get(ctx)
     }
-
-    /// `lookup`'s body (the pyo3 method's and the fast entry's).
-    fn lookup_now(
-        &self,
-        key: &Bound<'_, PyAny>,
-        req_context: &Bound<'_, PyAny>,
-        exclude_tier_idx: Option<usize>,
-    ) -> PyResult<Py<PyAny>> {
-        let k = crate::bridge::key(key)?;
-        let c = self.ctx(req_context)?;
-        let r = self.run(key.py(), |m| {
-            // Set under the lock, which the slot needs (`CallerSlot`).
-            let _caller = self.shared.caller.set(key, &k, req_context, c.uid());
-            Ok(match exclude_tier_idx {
-                None => m.lookup(&k, &c),
-                Some(i) => m.lookup_excluding(&k, &c, Some(i)),
-            })
-        })?;
-        self.shared.contexts.looked_up(key, &k, r);
-        Ok(self.shared.results.get(key.py(), r))
-    }
 }
 
 crate::entry::two_argument_entry!(
@@ -854,7 +831,7 @@ crate::entry::two_argument_entry!(
     TieringManager,
     c"lookup",
     c"lookup($self, key, req_context, *, exclude_tier_idx=None)\n--\n\nvLLM's lookup: HIT, MISS, HIT_PENDING or RETRY.",
-    |m: &TieringManager, key, ctx| m.lookup_now(key, ctx, None)
+    |m: &TieringManager, key, ctx| m.lookup(key, ctx, None)
 );
 
 #[pymethods]
@@ -943,7 +920,18 @@ impl TieringManager {
         req_context: &Bound<'_, PyAny>,
         exclude_tier_idx: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
-        self.lookup_now(key, req_context, exclude_tier_idx)
+        let k = crate::bridge::key(key)?;
+        let c = self.ctx(req_context)?;
+        let r = self.run(key.py(), |m| {
+            // Set under the lock, which the slot needs (`CallerSlot`).
+            let _caller = self.shared.caller.set(key, &k, req_context, c.uid());
+            Ok(match exclude_tier_idx {
+                None => m.lookup(&k, &c),
+                Some(i) => m.lookup_excluding(&k, &c, Some(i)),
+            })
+        })?;
+        self.shared.contexts.looked_up(key, &k, r);
+        Ok(self.shared.results.get(key.py(), r))
     }
 
     /// `lookup` as a function object bound to this manager whose positional calls skip pyo3's
@@ -951,6 +939,7 @@ impl TieringManager {
     fn lookup_entry<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         LOOKUP_ENTRY.bind(slf.as_any())
     }
+
     fn prepare_load<'py>(
         &self,
         keys_: &Bound<'py, PyAny>,
