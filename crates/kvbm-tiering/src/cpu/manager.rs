@@ -36,6 +36,14 @@
 //! `on_request_finished` and at `reset_cache` (vLLM's generation counter). A key's flags have a
 //! place in the record found by one probe: `prepare_store` finds each key's place once and
 //! keeps it through its passes (store misses, accesses, insertions).
+//!
+//! # One store, two shapes
+//!
+//! A store of several keys (`prepare_store`) runs its steps as passes over the keys, with
+//! per-key scratch vectors (`store_general`). A one-key store (a promotion's, once per
+//! promoted chunk, from the tiering manager's lookup) runs the same steps for its key alone
+//! (`store_one`), without those vectors. The two must agree on every outcome and every piece
+//! of state; `tests.rs` drives both with the same calls and compares them.
 
 mod phases;
 #[cfg(test)]
@@ -714,6 +722,22 @@ impl CpuOffloadingManager {
         ctx: &ReqContext,
         out: &mut PrepareStoreOutput,
     ) -> bool {
+        // One key (a promotion's store, once per promoted chunk): the same steps without the
+        // per-key passes.
+        if let [k] = keys {
+            return self.store_one(k, ctx, out);
+        }
+        self.store_general(keys, ctx, out)
+    }
+
+    /// [`store_into`](Self::store_into) for any number of keys (the one-key case included:
+    /// the tests hold [`store_one`](Self::store_one) to it).
+    fn store_general(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        out: &mut PrepareStoreOutput,
+    ) -> bool {
         // The per-key scratches are taken out of `self` for the call (so passes over them
         // borrow no part of the manager) and put back once, whatever the outcome.
         let mut class = std::mem::take(&mut self.scratch_class);
@@ -724,7 +748,126 @@ impl CpuOffloadingManager {
         stored
     }
 
-    /// [`store_into`](Self::store_into)'s body. `class`: each key's class (1 = to store,
+    /// [`store_with`](Self::store_with) for the one key `k`, step for step: the same
+    /// classification, request flags, policy calls, eviction, event and slot, and the same
+    /// `out` on either outcome, without the scratch vectors of its per-key passes (a one-key
+    /// store is a promotion's, once per promoted chunk). `tests.rs` holds the two together.
+    fn store_one(
+        &mut self,
+        k: &OffloadKey,
+        ctx: &ReqContext,
+        out: &mut PrepareStoreOutput,
+    ) -> bool {
+        let mut ids = match std::mem::replace(&mut out.store_spec, Self::spec(std::iter::empty())) {
+            LoadStoreSpec::Cpu(c) => c.chunk_ids,
+            _ => Vec::new(),
+        };
+        ids.clear();
+        out.keys_to_store.clear();
+        out.evicted_keys.clear();
+        if self.counts.is_some() {
+            self.record_tracker(std::slice::from_ref(k));
+        }
+        // Classify: to store, ready existing (reused), or neither (pending, or filtered out).
+        let (to_store, reused) = match self.index.get(&self.keys, k) {
+            None => {
+                let pass = self.passes_store_threshold(k);
+                if !pass && self.counts.is_some() {
+                    self.stores_skipped += 1;
+                }
+                (pass, false)
+            }
+            Some(s) => (false, self.ref_cnt[s as usize] >= 0),
+        };
+        if !to_store && !reused {
+            // Neither recorded nor stored (`store_with`'s class 0); the request's record is
+            // started all the same, as there.
+            self.requests.access(ctx);
+            out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+            return true;
+        }
+        let place = {
+            let arc = matches!(self.policy, Policy::Arc(_));
+            let state = self.requests.access(ctx);
+            state.reserve(1);
+            let p = state.place(*k);
+            if to_store {
+                let flags = state.at(p);
+                let first_miss = *flags & STORE_MISS == 0;
+                *flags |= STORE_MISS;
+                if arc && first_miss {
+                    self.policy.on_store_miss_one(k);
+                }
+            }
+            p
+        };
+        self.record_access_at(std::iter::once((*k, Some(place), reused)), ctx);
+        if !to_store {
+            out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+            return true;
+        }
+        out.keys_to_store.push(*k);
+        self.allocation_sizes.push(1);
+        if self.num_free() == 0 {
+            if self.num_evictable == 0 {
+                return false;
+            }
+            // A new stamp protects nothing: the key is not resident.
+            self.stamp += 1;
+            let mut victims = std::mem::take(&mut self.scratch);
+            let view = SlotView {
+                keys: &self.keys,
+                ref_cnt: &self.ref_cnt,
+                protect: &self.protect,
+                stamp: self.stamp,
+            };
+            if !self.policy.evict(1, &view, &mut victims) {
+                self.scratch = victims;
+                return false;
+            }
+            self.num_evictable -= victims.len();
+            for &s in &victims {
+                let v = self.keys[s as usize];
+                self.index.remove(&self.keys, &v);
+                self.vacate(s);
+                out.evicted_keys.push(v);
+            }
+            self.scratch = victims;
+            if !out.evicted_keys.is_empty()
+                && let Some(ev) = self.events.as_mut()
+            {
+                ev.push(OffloadingEvent::new(
+                    out.evicted_keys.clone(),
+                    Medium::Cpu,
+                    true,
+                ));
+            }
+        }
+        let s = if self.num_allocated < self.num_chunks {
+            self.num_allocated += 1;
+            (self.num_allocated - 1) as u32
+        } else {
+            self.free_list.pop().expect("room was made above")
+        };
+        self.keys[s as usize] = *k;
+        self.index.insert(&self.keys, k, s);
+        self.ref_cnt[s as usize] = -1;
+        let pos = if ctx.has_positions() {
+            ctx.get_offload_key_position(k)
+        } else {
+            None
+        };
+        let state = self.requests.access(ctx);
+        self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
+        *state.at(place) |= INSERTED;
+        state.known.push((*k, s));
+        ids.push(s as i32);
+        self.num_write_pending += 1;
+        out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+        true
+    }
+
+    /// [`store_general`](Self::store_general)'s body. `class`: each key's class (1 = to store,
     /// 2 = ready existing, 0 = pending existing / filtered); `places`: each recorded key's
     /// place in the request's flags (`u32::MAX`: not recorded). Both are refilled here.
     fn store_with(

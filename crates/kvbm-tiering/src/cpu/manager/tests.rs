@@ -232,3 +232,163 @@ fn prepare_load_takes_the_lookups_slots_only_where_they_hold() {
     m.complete_load(&[k(3), k(4), k(2), k(5)], &a).unwrap();
     m.check_invariants().unwrap();
 }
+
+/// Everything a store can change, for comparing two managers.
+#[allow(clippy::type_complexity)]
+fn observable(
+    m: &CpuOffloadingManager,
+) -> (
+    Vec<super::SlotState>,
+    Vec<OffloadKey>,
+    Vec<OffloadKey>,
+    Option<(
+        Vec<OffloadKey>,
+        Vec<OffloadKey>,
+        Vec<OffloadKey>,
+        Vec<OffloadKey>,
+        f64,
+    )>,
+    [u64; 4],
+    Option<usize>,
+) {
+    (
+        m.slot_states(),
+        m.eviction_order(),
+        m.evictable_order(),
+        m.arc_state(),
+        [
+            m.stores_skipped(),
+            m.num_write_pending() as u64,
+            m.num_evictable() as u64,
+            m.requests.len() as u64,
+        ],
+        m.tracker_len(),
+    )
+}
+
+/// A one-key store (`store_one`, a promotion's path) against the general path given the same
+/// one key: two managers given the same calls (stores that fit, evict, cannot be placed, find
+/// the key ready, pending or pinned, are filtered by the store threshold; lookups, loads,
+/// completions that succeed and fail, requests with and without positions that finish and
+/// start again) answer the same and keep the same state, for either policy.
+#[test]
+fn one_key_stores_match_the_general_path() {
+    for policy in [CachePolicyKind::Lru, CachePolicyKind::Arc] {
+        for threshold in [1u32, 2] {
+            let mut c = CpuManagerConfig::new(6).policy(policy).events(true);
+            if threshold > 1 {
+                c = c.store_threshold(threshold, 16);
+            }
+            let (mut one, mut general) = (
+                CpuOffloadingManager::new(c.clone()),
+                CpuOffloadingManager::new(c),
+            );
+            let fresh_ctx = |i: usize, epoch: u64| {
+                let ctx = ReqContext::new(format!("r{i}"));
+                if i == 2 {
+                    for k in 0..20u64 {
+                        ctx.set_offload_key_position(OffloadKey::from_u64(k), 1000 - epoch * 7 - k);
+                    }
+                }
+                ctx
+            };
+            let mut ctxs: Vec<ReqContext> = (0..3).map(|i| fresh_ctx(i, 0)).collect();
+            for ctx in &ctxs {
+                one.on_new_request(ctx).unwrap();
+                general.on_new_request(ctx).unwrap();
+            }
+            let (mut out_one, mut out_general) =
+                (PrepareStoreOutput::default(), PrepareStoreOutput::default());
+            let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+            let mut pending: Vec<(OffloadKey, usize)> = Vec::new();
+            let mut pinned: Vec<(OffloadKey, usize)> = Vec::new();
+            let (mut placed, mut unplaced, mut evicting) = (0, 0, 0);
+            for step in 0..600u64 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let r = (x >> 3) as usize % 3;
+                let k = OffloadKey::from_u64((x >> 16) % 20);
+                match x % 16 {
+                    0..=7 => {
+                        let a = one.store_into(&[k], &ctxs[r], &mut out_one);
+                        let b = general.store_general(&[k], &ctxs[r], &mut out_general);
+                        assert_eq!(a, b, "step {step}: placed");
+                        assert_eq!(
+                            out_one.keys_to_store, out_general.keys_to_store,
+                            "step {step}"
+                        );
+                        assert_eq!(
+                            out_one.evicted_keys, out_general.evicted_keys,
+                            "step {step}"
+                        );
+                        assert_eq!(
+                            out_one.store_spec.chunk_ids(),
+                            out_general.store_spec.chunk_ids(),
+                            "step {step}"
+                        );
+                        if a {
+                            placed += 1;
+                            evicting += usize::from(!out_one.evicted_keys.is_empty());
+                            pending.extend(out_one.keys_to_store.iter().map(|k| (*k, r)));
+                        } else {
+                            unplaced += 1;
+                        }
+                    }
+                    8 | 9 => {
+                        assert_eq!(one.lookup(&k, &ctxs[r]), general.lookup(&k, &ctxs[r]));
+                    }
+                    10 | 11 if !pending.is_empty() => {
+                        let (k, r) = pending.remove((x >> 24) as usize % pending.len());
+                        let ok = !x.is_multiple_of(7);
+                        one.complete_store(&[k], &ctxs[r], ok).unwrap();
+                        general.complete_store(&[k], &ctxs[r], ok).unwrap();
+                    }
+                    12 => {
+                        let hit = one.lookup(&k, &ctxs[r]);
+                        assert_eq!(hit, general.lookup(&k, &ctxs[r]), "step {step}");
+                        if hit == LookupResult::Hit {
+                            let a = one.prepare_load(&[k], &ctxs[r]).unwrap();
+                            let b = general.prepare_load(&[k], &ctxs[r]).unwrap();
+                            assert_eq!(a.chunk_ids(), b.chunk_ids(), "step {step}");
+                            pinned.push((k, r));
+                        }
+                    }
+                    13 if !pinned.is_empty() => {
+                        let (k, r) = pinned.remove(0);
+                        one.complete_load(&[k], &ctxs[r]).unwrap();
+                        general.complete_load(&[k], &ctxs[r]).unwrap();
+                    }
+                    14 => {
+                        // The request finishes and starts again with a new context (its
+                        // pinned and pending keys completed first, as vLLM's scheduler does).
+                        for (k, _) in pinned.iter().filter(|(_, q)| *q == r) {
+                            one.complete_load(&[*k], &ctxs[r]).unwrap();
+                            general.complete_load(&[*k], &ctxs[r]).unwrap();
+                        }
+                        pinned.retain(|(_, q)| *q != r);
+                        one.on_request_finished(&ctxs[r]).unwrap();
+                        general.on_request_finished(&ctxs[r]).unwrap();
+                        ctxs[r] = fresh_ctx(r, step);
+                        // Now and then the new context is not announced: its first store
+                        // starts its record.
+                        if !x.is_multiple_of(3) {
+                            one.on_new_request(&ctxs[r]).unwrap();
+                            general.on_new_request(&ctxs[r]).unwrap();
+                        }
+                    }
+                    _ => {}
+                }
+                assert_eq!(observable(&one), observable(&general), "step {step}");
+                one.check_invariants().unwrap();
+            }
+            assert!(
+                placed > 50 && unplaced > 5 && evicting > 20,
+                "{policy:?}/{threshold}: every outcome is exercised \
+                 ({placed} placed, {evicting} of them evicting, {unplaced} not placed)"
+            );
+            assert_eq!(one.take_events(), general.take_events());
+            assert_eq!(one.stats(), general.stats());
+        }
+    }
+}
