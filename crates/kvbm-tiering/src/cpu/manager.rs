@@ -650,11 +650,13 @@ impl CpuOffloadingManager {
     }
 
     /// Unpins cascade reads in one pass (the manager pinned them itself); a key that is not
-    /// pinned (only possible after a misreported job) is skipped and counted.
-    pub(crate) fn unpin_reads(&mut self, keys: &[OffloadKey]) -> usize {
+    /// pinned (only possible after a misreported job) is skipped and counted. `hints`: the
+    /// slot each key was pinned in (the job's chunk ids, co-indexed with `keys`; empty for
+    /// none), taken where it still holds its key, so the usual completion probes nothing.
+    pub(crate) fn unpin_reads(&mut self, keys: &[OffloadKey], hints: &[i32]) -> usize {
         let mut skipped = 0;
-        for k in keys {
-            match self.index.get(&self.keys, k) {
+        for (i, k) in keys.iter().enumerate() {
+            match self.hinted_slot(k, slot_hint(hints, i)) {
                 Some(s) if self.ref_cnt[s as usize] > 0 => {
                     let rc = &mut self.ref_cnt[s as usize];
                     *rc -= 1;
@@ -1052,9 +1054,21 @@ impl CpuOffloadingManager {
     }
 
     pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {
+        self.complete_store_hinted(keys, &[], success);
+    }
+
+    /// [`complete_store_inner`](Self::complete_store_inner) with `hints`: the slot each key
+    /// was placed in (a promotion job's chunk ids, co-indexed with `keys`; empty for none),
+    /// taken where it still holds its key.
+    pub(crate) fn complete_store_hinted(
+        &mut self,
+        keys: &[OffloadKey],
+        hints: &[i32],
+        success: bool,
+    ) {
         let mut done: Vec<OffloadKey> = Vec::new();
-        for k in keys {
-            if let Some(s) = self.index.get(&self.keys, k) {
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(s) = self.hinted_slot(k, slot_hint(hints, i)) {
                 self.complete_slot(k, s, success, &mut done);
             }
         }
@@ -1281,7 +1295,7 @@ impl CpuOffloadingManager {
     #[inline]
     fn hinted_slot(&self, k: &OffloadKey, hint: Option<u32>) -> Option<u32> {
         match hint {
-            Some(s) if self.keys[s as usize] == *k => Some(s),
+            Some(s) if self.keys.get(s as usize) == Some(k) => Some(s),
             _ => self.index.get(&self.keys, k),
         }
     }
@@ -1336,4 +1350,10 @@ impl CpuOffloadingManager {
     pub fn get_load_source(&self, _key: &OffloadKey, _ctx: &ReqContext) -> CacheHitSource {
         CacheHitSource::Host
     }
+}
+
+/// The `i`th slot hint of `hints` (a job's chunk ids), if it has one that can be a slot.
+#[inline]
+fn slot_hint(hints: &[i32], i: usize) -> Option<u32> {
+    hints.get(i).and_then(|&h| u32::try_from(h).ok())
 }

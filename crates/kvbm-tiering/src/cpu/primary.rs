@@ -197,10 +197,10 @@ impl CpuPrimaryTier {
             .complete_load_inner("complete_read", keys, None)
     }
 
-    /// Unpins cascade reads the tiering manager pinned itself (one probe per key); returns how
-    /// many keys were not pinned.
-    pub(crate) fn complete_read_pinned(&mut self, keys: &[OffloadKey]) -> usize {
-        self.manager.unpin_reads(keys)
+    /// Unpins cascade reads the tiering manager pinned itself (`chunk_ids`: the job's, each
+    /// key's slot, checked before use); returns how many keys were not pinned.
+    pub(crate) fn complete_read_pinned(&mut self, keys: &[OffloadKey], chunk_ids: &[i32]) -> usize {
+        self.manager.unpin_reads(keys, chunk_ids)
     }
 
     /// Reserves slots for a secondary → primary copy (promotion); `None` when full.
@@ -226,6 +226,17 @@ impl CpuPrimaryTier {
     /// Completes a promotion write (success makes the keys loadable, failure frees the slots).
     pub fn complete_write(&mut self, keys: &[OffloadKey], success: bool) {
         self.manager.complete_store_inner(keys, success)
+    }
+
+    /// [`complete_write`](Self::complete_write) of a whole promotion job (`chunk_ids`: its
+    /// slots, each checked before use, so the usual completion probes nothing).
+    pub(crate) fn complete_write_job(
+        &mut self,
+        keys: &[OffloadKey],
+        chunk_ids: &[i32],
+        success: bool,
+    ) {
+        self.manager.complete_store_hinted(keys, chunk_ids, success)
     }
 
     /// Releases the memory (after every secondary tier stopped touching it).

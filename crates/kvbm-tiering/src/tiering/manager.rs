@@ -459,7 +459,9 @@ impl TieringOffloadingManager {
                 if meta.job.is_promotion {
                     self.complete_promotion(&meta, &r);
                 } else {
-                    let skipped = self.primary.complete_read_pinned(&meta.job.keys);
+                    let skipped = self
+                        .primary
+                        .complete_read_pinned(&meta.job.keys, &meta.job.chunk_ids);
                     if skipped > 0 {
                         tracing::error!(
                             job_id = r.job_id,
@@ -488,8 +490,10 @@ impl TieringOffloadingManager {
     fn complete_promotion(&mut self, meta: &JobMeta, r: &JobResult) {
         let job = &meta.job;
         if r.success {
-            // Every key landed (the usual case): the job's own keys, not a copy of them.
-            self.primary.complete_write(&job.keys, true);
+            // Every key landed (the usual case): the job's own keys, not a copy of them, in
+            // the slots the job holds.
+            self.primary
+                .complete_write_job(&job.keys, &job.chunk_ids, true);
         } else {
             self.complete_failed_promotion(meta, r);
         }
@@ -652,21 +656,22 @@ impl TieringOffloadingManager {
 
     fn initiate_promotion(&mut self, tier: usize, key: &OffloadKey, ctx: &ReqContext) -> bool {
         // One key at a time (as vLLM does), into buffers kept between promotions.
-        let mut out = std::mem::take(&mut self.promotion_out);
-        let placed = self
-            .primary
-            .prepare_write_into(std::slice::from_ref(key), ctx, &mut out);
+        let placed = self.primary.prepare_write_into(
+            std::slice::from_ref(key),
+            ctx,
+            &mut self.promotion_out,
+        );
         if placed {
-            self.pend_promotion(tier, ctx, &out);
+            self.pend_promotion(tier, ctx);
         } else {
             self.metrics.on_promotion_allocation_failure();
         }
-        self.promotion_out = out;
         placed
     }
 
-    /// Records a placed promotion (`out`: its one-key store) as pending for `tier`.
-    fn pend_promotion(&mut self, tier: usize, ctx: &ReqContext, out: &PrepareStoreOutput) {
+    /// Records a placed promotion (its one-key store, in `promotion_out`) as pending for `tier`.
+    fn pend_promotion(&mut self, tier: usize, ctx: &ReqContext) {
+        let out = &self.promotion_out;
         let src = self.tiers[tier].cache_hit_source();
         let spare = &mut self.spare_sources;
         let ls = self

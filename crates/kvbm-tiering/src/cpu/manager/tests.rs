@@ -392,3 +392,40 @@ fn one_key_stores_match_the_general_path() {
         }
     }
 }
+
+/// A job's chunk ids as slot hints (`unpin_reads`, `complete_store_hinted`): taken where the
+/// slot holds the key, and otherwise (another key's slot, a slot out of range, a negative id,
+/// too few ids) the key is found through the index, so every hint list gives the answer no
+/// hints give.
+#[test]
+fn job_slot_hints_are_checked_against_the_slot_s_key() {
+    let k = OffloadKey::from_u64;
+    let keys = [k(1), k(2), k(3)];
+    let bad_hints: [&[i32]; 5] = [&[], &[2, 0, 1], &[99, -1, 4], &[0], &[-7, -7, -7]];
+    for hints in bad_hints {
+        let (mut m, [a, _, _]) = four_slots_three_requests();
+        let out = m.prepare_store(&keys, &a).unwrap().expect("room");
+        let slots: Vec<i32> = out.store_spec.chunk_ids().unwrap().to_vec();
+        // A failed write of key 2 frees its slot; 1 and 3 land (hinted by `hints`).
+        m.complete_store_hinted(&[k(2)], hints.get(1..2).unwrap_or(&[]), false);
+        m.complete_store_hinted(&[k(1), k(3)], &[slots[0], slots[2]], true);
+        assert_eq!(m.chunk(&k(2)), None, "{hints:?}: the failed key is gone");
+        assert_eq!(m.num_write_pending(), 0, "{hints:?}");
+        // Pin 1 and 3 twice each (two cascades), then unpin them with the hints under test:
+        // each unpin finds its key's own slot.
+        let (s1, s3) = (m.chunk(&k(1)).unwrap().0, m.chunk(&k(3)).unwrap().0);
+        m.pin_slots(&[s1, s3, s1, s3]);
+        let skipped = m.unpin_reads(&[k(1), k(3)], hints);
+        assert_eq!(skipped, 0, "{hints:?}");
+        assert_eq!(m.chunk(&k(1)).unwrap().1, 1, "{hints:?}");
+        assert_eq!(m.chunk(&k(3)).unwrap().1, 1, "{hints:?}");
+        // A key not resident is skipped whatever its hint says.
+        assert_eq!(m.unpin_reads(&[k(2)], &[s1 as i32]), 1, "{hints:?}");
+        assert_eq!(
+            m.chunk(&k(1)).unwrap().1,
+            1,
+            "{hints:?}: key 1 kept its pin"
+        );
+        m.check_invariants().unwrap();
+    }
+}
