@@ -388,19 +388,31 @@ pub(crate) fn picked_keys<'py>(
     PyList::new(py, objs)
 }
 
+/// What [`job_keys`] picks from on this thread: the caller's keys, and where picking is in
+/// order across jobs (see [`CallerKeys::in_order`]), the place the last job's keys ended.
+type Picking = Option<(Rc<Keys>, Option<usize>)>;
+
 thread_local! {
     /// The keys of the manager call in progress on this thread (see [`CallerKeys`]).
-    static CALLER_KEYS: std::cell::RefCell<Option<Rc<Keys>>> = const { std::cell::RefCell::new(None) };
+    static CALLER_KEYS: std::cell::RefCell<Picking> = const { std::cell::RefCell::new(None) };
 }
 
 /// While alive, makes `keys` (the collection a manager call was handed, converted) the one
 /// [`job_keys`] picks from: a job made during the call (a cascade from `complete_store`)
 /// carries the caller's key objects, as vLLM's does.
-pub(crate) struct CallerKeys(Option<Rc<Keys>>);
+pub(crate) struct CallerKeys(Picking);
 
 impl CallerKeys {
     pub(crate) fn set(keys: &Rc<Keys>) -> Self {
-        Self(CALLER_KEYS.replace(Some(keys.clone())))
+        Self(CALLER_KEYS.replace(Some((keys.clone(), None))))
+    }
+
+    /// [`set`](Self::set) for jobs whose keys follow `keys`' order from one job to the next
+    /// (the promotions of a step, in the order their lookups started them: see
+    /// [`Contexts::promoting`]): each job's keys are looked for from where the last job's
+    /// ended ([`picked_in_order`]).
+    pub(crate) fn in_order(keys: &Rc<Keys>) -> Self {
+        Self(CALLER_KEYS.replace(Some((keys.clone(), Some(0)))))
     }
 }
 
@@ -415,9 +427,47 @@ impl Drop for CallerKeys {
 /// them (see [`CallerKeys`]), else new `bytes`.
 pub(crate) fn job_keys<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
     match CALLER_KEYS.with_borrow(|c| c.clone()) {
-        Some(caller) => picked_keys(py, &caller, keys),
+        Some((caller, None)) => picked_keys(py, &caller, keys),
+        Some((caller, Some(mut cursor))) => {
+            let list = picked_in_order(py, &caller, keys, &mut cursor);
+            // Making the list ran no Python code: the picking set is the one read above.
+            CALLER_KEYS.with_borrow_mut(|c| {
+                if let Some((_, at)) = c {
+                    *at = Some(cursor);
+                }
+            });
+            list
+        }
         None => key_list(py, keys),
     }
+}
+
+/// How far past the cursor [`picked_in_order`] looks for a key: a lookup of a key whose
+/// promotion was already pending is logged too, and sits between the keys of the jobs.
+const PICK_AHEAD: usize = 8;
+
+/// [`picked_keys`] for a run of jobs whose keys follow `caller`'s order across calls: each
+/// key is looked for in the [`PICK_AHEAD`] places from `*cursor` on, the cursor moving past
+/// each key found; a key not found there is a new `bytes` (linear whatever the jobs hold).
+fn picked_in_order<'py>(
+    py: Python<'py>,
+    caller: &Keys,
+    out: &[OffloadKey],
+    cursor: &mut usize,
+) -> PyResult<Bound<'py, PyList>> {
+    let mut objs = Vec::with_capacity(out.len());
+    for k in out {
+        let from = (*cursor).min(caller.keys.len());
+        let to = (from + PICK_AHEAD).min(caller.keys.len());
+        match caller.keys[from..to].iter().position(|c| c == k) {
+            Some(at) => {
+                *cursor = from + at + 1;
+                objs.push(caller.objs[from + at].bind(py).clone());
+            }
+            None => objs.push(PyBytes::new(py, k.as_bytes()).into_any()),
+        }
+    }
+    PyList::new(py, objs)
 }
 
 /// `keys` as a Python list of `bytes`.
@@ -468,6 +518,10 @@ type LookedUp = Vec<(Option<Py<PyAny>>, OffloadKey)>;
 /// loads or stores them makes the log start over).
 const LOOKED_UP_MAX: usize = 4096;
 
+/// Most promotion lookups kept between two `on_schedule_end` calls (a step of vLLM's promotes
+/// at most its lookups' worth: 16384 in the bench).
+const PROMOTED_MAX: usize = 1 << 17;
+
 /// Most logged lookups skipped to find one key (the caller's list is a subsequence of its
 /// lookups: vLLM's hits, or its misses).
 const LOOKED_UP_SKIP: usize = 4;
@@ -501,6 +555,10 @@ pub(crate) struct Contexts {
     /// The key objects of the lookups since the last `prepare_load` or `prepare_store`
     /// ([`Contexts::keys_after_lookups`]), strong references: guarded by the GIL as `by_addr`.
     looked_up: RefCell<LookedUp>,
+    /// The key objects of the lookups that answered `HIT_PENDING` since the last
+    /// `on_schedule_end` ([`Contexts::promoting`]), strong references, and their keys:
+    /// guarded by the GIL as `by_addr`.
+    promoted: RefCell<(Vec<OffloadKey>, Vec<Py<PyAny>>)>,
 }
 
 // SAFETY: the map is touched only with the GIL held, which serialises the threads that reach
@@ -531,6 +589,29 @@ impl Contexts {
             return;
         }
         log.push((Some(obj.clone().unbind()), *k));
+    }
+
+    /// Notes that a tiering manager's lookup read `obj` as `k` and answered `HIT_PENDING`: a
+    /// promotion the lookup started (or one already pending). vLLM's promotion jobs carry the
+    /// key objects its lookups were handed; `on_schedule_end`, which submits them, takes this
+    /// log ([`take_promoted`](Self::take_promoted)) for [`CallerKeys::in_order`].
+    pub(crate) fn promoting(&self, obj: &Bound<'_, PyAny>, k: &OffloadKey) {
+        // Only an optimisation: a busy log (a bug) or a full one (no `on_schedule_end` for a
+        // long while) is passed by.
+        let Ok(mut log) = self.promoted.try_borrow_mut() else {
+            return;
+        };
+        if log.0.len() < PROMOTED_MAX {
+            log.0.push(*k);
+            log.1.push(obj.clone().unbind());
+        }
+    }
+
+    /// The promotion log since the last call (see [`promoting`](Self::promoting)), as
+    /// [`Keys`]; `None` when it is empty.
+    pub(crate) fn take_promoted(&self) -> Option<Rc<Keys>> {
+        let (keys, objs) = std::mem::take(&mut *self.promoted.try_borrow_mut().ok()?);
+        (!keys.is_empty()).then(|| Rc::new(Keys { keys, objs }))
     }
 
     /// [`keys`] of the collection a `prepare_load` or `prepare_store` was handed, where each

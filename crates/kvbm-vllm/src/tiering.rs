@@ -930,7 +930,11 @@ impl TieringManager {
                 Some(i) => m.lookup_excluding(&k, &c, Some(i)),
             })
         })?;
-        self.shared.contexts.looked_up(key, &k, r);
+        if r == LookupResult::HitPending {
+            self.shared.contexts.promoting(key, &k);
+        } else {
+            self.shared.contexts.looked_up(key, &k, r);
+        }
         Ok(self.shared.results.get(key.py(), r))
     }
 
@@ -1073,6 +1077,10 @@ impl TieringManager {
             preempted_req_ids,
         };
         *self.shared.schedule_end.lock() = Some(context.clone().unbind());
+        // The promotion jobs submitted here carry the key objects the lookups that started
+        // them were handed (vLLM's do), picked in the order they were started.
+        let promoted = self.shared.contexts.take_promoted();
+        let _picking = promoted.as_ref().map(CallerKeys::in_order);
         let r = self.run(context.py(), |m| m.on_schedule_end(&rust).map_err(to_py));
         *self.shared.schedule_end.lock() = None;
         r

@@ -147,6 +147,32 @@ def test_a_python_tier_is_handed_the_caller_s_objects_and_its_errors_come_back(e
     m.shutdown()
 
 
+def test_a_promotion_job_carries_the_key_objects_its_lookups_were_handed(env):
+    """vLLM's promotion jobs hold the keys its lookups were handed; kvbm's hand the tier those
+    very objects too (a set then finds them by identity), in each job's order, with a lookup of
+    a key already pending and a second request's promotions in between."""
+    B, _ = env
+    m, ctx, keys = started(env, "p", 6, chunks=64)
+    tier = m.secondary_tiers[0]
+    tier.keys.update(keys)  # every lookup is a HIT there: a promotion
+    jobs = []
+    tier.submit_load = jobs.append
+    other = B.ReqContext(req_id="r2")
+    m.on_new_request(other)
+    pending = B.LookupResult.HIT_PENDING
+    with m.lock:
+        for k in keys[:3]:
+            assert m.lookup(k, ctx) is pending
+        assert m.lookup(keys[0], ctx) is pending  # already pending: no second promotion
+        for k in keys[3:]:
+            assert m.lookup(k, other) is pending
+        m.on_schedule_end(B.ScheduleEndContext(new_req_ids=["r", "r2"], preempted_req_ids=()))
+    assert [[k for k in j.keys] for j in jobs] == [keys[:3], keys[3:]]
+    got = [k for j in jobs for k in j.keys]
+    assert [g is k for g, k in zip(got, keys)] == [True] * 6
+    m.shutdown()
+
+
 def test_the_cpu_manager_s_entry_answers_as_its_method(env):
     B, _ = env
     from kvbm_vllm import upstream_compat as K
