@@ -14,6 +14,19 @@
 //! positions are read through the context's own `get_offload_key_position` (a subclass may
 //! override it) and copied into the Rust context (one length check per call otherwise).
 //!
+//! # The caller's key objects, handed back
+//!
+//! vLLM hands its tiers, and returns to its caller, the very key objects it was handed
+//! (`keys_to_store`, a cascade's and a promotion's job keys): a Python tier's set then finds
+//! them by identity, without hashing. kvbm's Rust keys are values, so each call keeps the
+//! objects it converted ([`Keys`], strong references) and picks from them by key
+//! ([`picked_keys`]) while it is in progress ([`CallerKeys`]). A promotion is started by one
+//! lookup and submitted by a later `on_schedule_end`, so a tiering manager logs the object of
+//! each lookup that answered `HIT_PENDING` ([`Contexts::promoting`]) and `on_schedule_end`
+//! picks each job's keys from that log in the order the lookups started them
+//! ([`CallerKeys::in_order`]). A key not found where it is looked for is a new `bytes` of the
+//! same value: the answer stays right, only slower.
+//!
 //! # Errors
 //!
 //! A kvbm-tiering contract error (complete without prepare, unknown request, a key that is not
