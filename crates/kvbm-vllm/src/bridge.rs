@@ -44,7 +44,7 @@ use kvbm_tiering::{
 };
 use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 use pyo3::{create_exception, intern};
 
 create_exception!(
@@ -360,6 +360,17 @@ pub(crate) fn chunk_ids<'py>(py: Python<'py>, ids: &[i32]) -> Bound<'py, PyBytes
         raw.extend_from_slice(&id.to_ne_bytes());
     }
     PyBytes::new(py, &raw)
+}
+
+/// A job's chunk ids as a `bytearray` of native-endian `i32`s: `np.frombuffer` over it is the
+/// job's writable `int32` array, as vLLM's own job arrays are (`upstream_compat._make_job`: one
+/// numpy call, where copying a read-only view of [`chunk_ids`]' bytes took two).
+pub(crate) fn job_chunk_ids<'py>(py: Python<'py>, ids: &[i32]) -> Bound<'py, PyByteArray> {
+    let mut raw = Vec::with_capacity(std::mem::size_of_val(ids));
+    for id in ids {
+        raw.extend_from_slice(&id.to_ne_bytes());
+    }
+    PyByteArray::new(py, &raw)
 }
 
 /// The keys `out` picked from the caller's keys `caller` (same order, a subsequence: vLLM's

@@ -55,7 +55,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::collections::HashMap;
 
 use crate::bridge::{
-    CallerKeys, Contexts, chunk_ids, job_keys, key, key_list, keys, origin, to_py,
+    CallerKeys, Contexts, chunk_ids, job_chunk_ids, job_keys, key, key_list, keys, origin, to_py,
 };
 use crate::core::{Inner, StatsTriple, triple};
 use crate::cpu::{CpuManager, LookupMembers};
@@ -129,7 +129,7 @@ impl Shared {
         self.make_job.bind(py).call1((
             job.job_id,
             job_keys(py, &job.keys)?,
-            chunk_ids(py, &job.chunk_ids),
+            job_chunk_ids(py, &job.chunk_ids),
             job.is_promotion,
             ctx,
         ))

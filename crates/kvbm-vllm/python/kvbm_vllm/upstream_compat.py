@@ -672,10 +672,13 @@ class _PendingPromotionView:
 
 
 def _make_job(job_id, keys, chunk_ids, is_promotion, req_context) -> TransferJob:
+    # ``chunk_ids``: a bytearray of ``int32``s (``bridge::job_chunk_ids``), so the array over
+    # it is writable ``int32``, as vLLM's own job arrays are (a promotion's
+    # ``np.array(..., dtype=np.int32)``, a cascade's ``CPULoadStoreSpec.block_ids``).
     return TransferJob(
         job_id=job_id,
         keys=keys,
-        chunk_ids=np.array(_ids(chunk_ids, _I32), dtype=np.int32 if is_promotion else np.int64),
+        chunk_ids=_ids(chunk_ids, _I32),
         is_promotion=is_promotion,
         req_context=req_context,
     )

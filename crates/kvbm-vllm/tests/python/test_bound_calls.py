@@ -170,6 +170,28 @@ def test_a_promotion_job_carries_the_key_objects_its_lookups_were_handed(env):
     assert [[k for k in j.keys] for j in jobs] == [keys[:3], keys[3:]]
     got = [k for j in jobs for k in j.keys]
     assert [g is k for g, k in zip(got, keys)] == [True] * 6
+    # Each job's chunk ids: a writable int32 array (vLLM's promotion jobs build one with
+    # np.array(..., dtype=np.int32)), one distinct primary slot per key.
+    ids = [int(c) for j in jobs for c in j.chunk_ids]
+    assert all(j.chunk_ids.dtype == "int32" and j.chunk_ids.flags.writeable for j in jobs)
+    assert len(set(ids)) == 6 and all(0 <= c < 64 for c in ids)
+    m.shutdown()
+
+
+def test_a_cascade_job_carries_the_stored_key_objects_and_int32_chunk_ids(env):
+    """vLLM's cascade (store) job: the keys complete_store was handed and the primary's
+    chunk ids as ``CPULoadStoreSpec.block_ids`` holds them (int32), writable."""
+    B, _ = env
+    m, ctx, keys = started(env, "c", 5, chunks=64)
+    tier = m.secondary_tiers[0]
+    jobs = []
+    tier.submit_store = jobs.append
+    out = m.prepare_store(keys, ctx)
+    m.complete_store(out.keys_to_store, ctx, True)
+    (job,) = jobs
+    assert [k is o for k, o in zip(job.keys, keys)] == [True] * 5
+    assert job.chunk_ids.dtype == "int32" and job.chunk_ids.flags.writeable
+    assert list(job.chunk_ids) == list(out.store_spec.chunk_ids)
     m.shutdown()
 
 
