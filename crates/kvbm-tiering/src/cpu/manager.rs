@@ -760,13 +760,7 @@ impl CpuOffloadingManager {
         ctx: &ReqContext,
         out: &mut PrepareStoreOutput,
     ) -> bool {
-        let mut ids = match std::mem::replace(&mut out.store_spec, Self::spec(std::iter::empty())) {
-            LoadStoreSpec::Cpu(c) => c.chunk_ids,
-            _ => Vec::new(),
-        };
-        ids.clear();
-        out.keys_to_store.clear();
-        out.evicted_keys.clear();
+        let mut ids = Self::reset_store_output(out);
         if self.counts.is_some() {
             self.record_tracker(std::slice::from_ref(k));
         }
@@ -811,46 +805,17 @@ impl CpuOffloadingManager {
         out.keys_to_store.push(*k);
         self.allocation_sizes.push(1);
         if self.num_free() == 0 {
-            if self.num_evictable == 0 {
+            // The key is not resident: nothing of this call is protected.
+            self.scratch_resident.clear();
+            if !self.make_room(1, &mut out.evicted_keys) {
                 return false;
-            }
-            // A new stamp protects nothing: the key is not resident.
-            self.stamp += 1;
-            let mut victims = std::mem::take(&mut self.scratch);
-            let view = SlotView {
-                keys: &self.keys,
-                ref_cnt: &self.ref_cnt,
-                protect: &self.protect,
-                stamp: self.stamp,
-            };
-            if !self.policy.evict(1, &view, &mut victims) {
-                self.scratch = victims;
-                return false;
-            }
-            self.num_evictable -= victims.len();
-            for &s in &victims {
-                let v = self.keys[s as usize];
-                self.index.remove(&self.keys, &v);
-                self.vacate(s);
-                out.evicted_keys.push(v);
-            }
-            self.scratch = victims;
-            if !out.evicted_keys.is_empty()
-                && let Some(ev) = self.events.as_mut()
-            {
-                ev.push(OffloadingEvent::new(
-                    out.evicted_keys.clone(),
-                    Medium::Cpu,
-                    true,
-                ));
             }
         }
-        let s = if self.num_allocated < self.num_chunks {
-            self.num_allocated += 1;
-            (self.num_allocated - 1) as u32
-        } else {
-            self.free_list.pop().expect("room was made above")
-        };
+        let s = next_free_slot(
+            &mut self.num_allocated,
+            self.num_chunks,
+            &mut self.free_list,
+        );
         self.keys[s as usize] = *k;
         self.index.insert(&self.keys, k, s);
         self.ref_cnt[s as usize] = -1;
@@ -880,13 +845,7 @@ impl CpuOffloadingManager {
         class: &mut Vec<u8>,
         places: &mut Vec<u32>,
     ) -> bool {
-        let mut ids = match std::mem::replace(&mut out.store_spec, Self::spec(std::iter::empty())) {
-            LoadStoreSpec::Cpu(c) => c.chunk_ids,
-            _ => Vec::new(),
-        };
-        ids.clear();
-        out.keys_to_store.clear();
-        out.evicted_keys.clear();
+        let mut ids = Self::reset_store_output(out);
         if self.counts.is_some() {
             self.record_tracker(keys);
         }
@@ -976,49 +935,9 @@ impl CpuOffloadingManager {
         self.allocation_sizes.push(keys_to_store.len());
         let n = keys_to_store.len();
         let free = self.num_free();
-        let evicted_keys = &mut out.evicted_keys;
-        if n > free {
-            let need = n - free;
-            if need > self.num_evictable {
-                return false;
-            }
-            self.stamp += 1;
-            for &s in &self.scratch_resident {
-                self.protect[s as usize] = self.stamp;
-            }
-            let mut victims = std::mem::take(&mut self.scratch);
-            let view = SlotView {
-                keys: &self.keys,
-                ref_cnt: &self.ref_cnt,
-                protect: &self.protect,
-                stamp: self.stamp,
-            };
-            if !self.policy.evict(need, &view, &mut victims) {
-                self.scratch = victims;
-                return false;
-            }
-            self.num_evictable -= victims.len();
-            evicted_keys.reserve(victims.len());
-            for &s in &victims {
-                let k = self.keys[s as usize];
-                self.index.remove(&self.keys, &k);
-                self.vacate(s);
-                evicted_keys.push(k);
-            }
-            self.scratch = victims;
+        if n > free && !self.make_room(n - free, &mut out.evicted_keys) {
+            return false;
         }
-        if !evicted_keys.is_empty()
-            && let Some(ev) = self.events.as_mut()
-        {
-            {
-                ev.push(OffloadingEvent::new(
-                    evicted_keys.clone(),
-                    Medium::Cpu,
-                    true,
-                ));
-            }
-        }
-        // Fresh ids first, then the free list LIFO.
         ids.reserve(n);
         let positional = ctx.has_positions();
         let state = self.requests.access(ctx);
@@ -1029,12 +948,11 @@ impl CpuOffloadingManager {
             .filter(|(c, _)| **c == 1)
             .map(|(_, &p)| p);
         for (k, p) in out.keys_to_store.iter().zip(store_places) {
-            let s = if self.num_allocated < self.num_chunks {
-                self.num_allocated += 1;
-                (self.num_allocated - 1) as u32
-            } else {
-                self.free_list.pop().expect("room was made above")
-            };
+            let s = next_free_slot(
+                &mut self.num_allocated,
+                self.num_chunks,
+                &mut self.free_list,
+            );
             self.keys[s as usize] = *k;
             self.index.insert(&self.keys, k, s);
             self.ref_cnt[s as usize] = -1;
@@ -1050,6 +968,61 @@ impl CpuOffloadingManager {
         }
         self.num_write_pending += n;
         out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
+        true
+    }
+
+    /// A store's `out` emptied for refilling (its vectors' capacity kept), and its chunk-id
+    /// vector taken out of it to be filled and put back.
+    #[inline]
+    fn reset_store_output(out: &mut PrepareStoreOutput) -> Vec<i32> {
+        let mut ids = match std::mem::replace(&mut out.store_spec, Self::spec(std::iter::empty())) {
+            LoadStoreSpec::Cpu(c) => c.chunk_ids,
+            _ => Vec::new(),
+        };
+        ids.clear();
+        out.keys_to_store.clear();
+        out.evicted_keys.clear();
+        ids
+    }
+
+    /// Evicts `need` chunks for a store, none of the slots in `scratch_resident` (the store's
+    /// own resident keys): each victim leaves the index, its slot is freed and its key pushed
+    /// to `evicted`, with one eviction event for them all. `false`, with nothing evicted,
+    /// where the policy cannot find that many.
+    #[inline]
+    fn make_room(&mut self, need: usize, evicted: &mut Vec<OffloadKey>) -> bool {
+        if need > self.num_evictable {
+            return false;
+        }
+        self.stamp += 1;
+        for &s in &self.scratch_resident {
+            self.protect[s as usize] = self.stamp;
+        }
+        let mut victims = std::mem::take(&mut self.scratch);
+        let view = SlotView {
+            keys: &self.keys,
+            ref_cnt: &self.ref_cnt,
+            protect: &self.protect,
+            stamp: self.stamp,
+        };
+        if !self.policy.evict(need, &view, &mut victims) {
+            self.scratch = victims;
+            return false;
+        }
+        self.num_evictable -= victims.len();
+        evicted.reserve(victims.len());
+        for &s in &victims {
+            let k = self.keys[s as usize];
+            self.index.remove(&self.keys, &k);
+            self.vacate(s);
+            evicted.push(k);
+        }
+        self.scratch = victims;
+        if !evicted.is_empty()
+            && let Some(ev) = self.events.as_mut()
+        {
+            ev.push(OffloadingEvent::new(evicted.clone(), Medium::Cpu, true));
+        }
         true
     }
 
@@ -1356,4 +1329,17 @@ impl CpuOffloadingManager {
 #[inline]
 fn slot_hint(hints: &[i32], i: usize) -> Option<u32> {
     hints.get(i).and_then(|&h| u32::try_from(h).ok())
+}
+
+/// A free slot for a new key: fresh ids first, then the free list LIFO (the caller made room).
+/// Over the manager's fields, not `&mut self`, so a store holding a request's record can call
+/// it.
+#[inline]
+fn next_free_slot(num_allocated: &mut usize, num_chunks: usize, free_list: &mut Vec<u32>) -> u32 {
+    if *num_allocated < num_chunks {
+        *num_allocated += 1;
+        (*num_allocated - 1) as u32
+    } else {
+        free_list.pop().expect("room was made above")
+    }
 }
