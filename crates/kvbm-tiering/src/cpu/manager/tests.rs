@@ -287,7 +287,7 @@ fn one_key_stores_match_the_general_path() {
                 let ctx = ReqContext::new(format!("r{i}"));
                 if i == 2 {
                     for k in 0..20u64 {
-                        ctx.set_offload_key_position(OffloadKey::from_u64(k), 1000 - epoch * 7 - k);
+                        ctx.set_offload_key_position(OffloadKey::from_u64(k), 1000 + epoch * 7 - k);
                     }
                 }
                 ctx
