@@ -424,12 +424,14 @@ impl CpuOffloadingManager {
     }
 
     /// As [`record_access`](Self::record_access), each key with its place in the request's
-    /// flags when the caller found it already (`None`: found here).
+    /// flags when the caller found it already (`None`: found here). Returns the request's
+    /// rank as it leaves it: a store inserting its keys next hands it to
+    /// [`insert_new`](Self::insert_new) without finding the record again.
     fn record_access_at(
         &mut self,
         keys: impl Iterator<Item = (OffloadKey, Option<usize>, bool)>,
         ctx: &ReqContext,
-    ) {
+    ) -> Option<u64> {
         let state = self.requests.access(ctx);
         let positional = ctx.has_positions();
         let mut new_keys: Vec<(OffloadKey, Option<u32>, Option<u64>)> = Vec::new();
@@ -461,6 +463,7 @@ impl CpuOffloadingManager {
             self.policy
                 .on_request_access(&self.keys, &new_keys, &mut state.req_rank);
         }
+        state.req_rank
     }
 
     /// vLLM's `on_request_finished` grouping: keys by KV-cache group (groups by index), each
@@ -797,7 +800,7 @@ impl CpuOffloadingManager {
             }
             p
         };
-        self.record_access_at(std::iter::once((*k, Some(place), reused)), ctx);
+        let mut rank = self.record_access_at(std::iter::once((*k, Some(place), reused)), ctx);
         if !to_store {
             out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
             return true;
@@ -811,21 +814,10 @@ impl CpuOffloadingManager {
                 return false;
             }
         }
-        let s = next_free_slot(
-            &mut self.num_allocated,
-            self.num_chunks,
-            &mut self.free_list,
-        );
-        self.keys[s as usize] = *k;
-        self.index.insert(&self.keys, k, s);
-        self.ref_cnt[s as usize] = -1;
-        let pos = if ctx.has_positions() {
-            ctx.get_offload_key_position(k)
-        } else {
-            None
-        };
+        let s = self.next_free_slot();
+        self.insert_new(k, s, ctx, ctx.has_positions(), &mut rank);
         let state = self.requests.access(ctx);
-        self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
+        state.req_rank = rank;
         *state.at(place) |= INSERTED;
         state.known.push((*k, s));
         ids.push(s as i32);
@@ -926,7 +918,7 @@ impl CpuOffloadingManager {
             .zip(places.iter())
             .filter(|((_, c), _)| **c != 0)
             .map(|((k, c), &p)| (*k, Some(p as usize), *c == 2));
-        self.record_access_at(recorded, ctx);
+        let mut rank = self.record_access_at(recorded, ctx);
 
         if keys_to_store.is_empty() {
             out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
@@ -940,31 +932,23 @@ impl CpuOffloadingManager {
         }
         ids.reserve(n);
         let positional = ctx.has_positions();
+        for k in &out.keys_to_store {
+            let s = self.next_free_slot();
+            self.insert_new(k, s, ctx, positional, &mut rank);
+            ids.push(s as i32);
+        }
+        // The request's record (the places found above stay valid: no key was added to it).
         let state = self.requests.access(ctx);
+        state.req_rank = rank;
         // The keys to store are the class-1 keys, in order: their places come the same way.
         let store_places = class
             .iter()
             .zip(places.iter())
             .filter(|(c, _)| **c == 1)
             .map(|(_, &p)| p);
-        for (k, p) in out.keys_to_store.iter().zip(store_places) {
-            let s = next_free_slot(
-                &mut self.num_allocated,
-                self.num_chunks,
-                &mut self.free_list,
-            );
-            self.keys[s as usize] = *k;
-            self.index.insert(&self.keys, k, s);
-            self.ref_cnt[s as usize] = -1;
-            let pos = if positional {
-                ctx.get_offload_key_position(k)
-            } else {
-                None
-            };
-            self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
+        for ((k, p), &s) in out.keys_to_store.iter().zip(store_places).zip(&ids) {
             *state.at(p as usize) |= INSERTED;
-            state.known.push((*k, s));
-            ids.push(s as i32);
+            state.known.push((*k, s as u32));
         }
         self.num_write_pending += n;
         out.store_spec = LoadStoreSpec::Cpu(CpuLoadStoreSpec { chunk_ids: ids });
@@ -998,6 +982,23 @@ impl CpuOffloadingManager {
         for &s in &self.scratch_resident {
             self.protect[s as usize] = self.stamp;
         }
+        evicted.reserve(need);
+        if !self.evict_unprotected(need, |k, _| evicted.push(k)) {
+            return false;
+        }
+        if !evicted.is_empty()
+            && let Some(ev) = self.events.as_mut()
+        {
+            ev.push(OffloadingEvent::new(evicted.clone(), Medium::Cpu, true));
+        }
+        true
+    }
+
+    /// Evicts the `n` victims the policy chooses among idle slots not stamped with the current
+    /// `stamp` (the caller stamps the slots it protects first): each leaves the index, its slot
+    /// is freed, and `each` hears its key and slot. `false`, with nothing changed, when fewer
+    /// than `n` can go. The one eviction of every store shape and of `evict_now`.
+    fn evict_unprotected(&mut self, n: usize, mut each: impl FnMut(OffloadKey, u32)) -> bool {
         let mut victims = std::mem::take(&mut self.scratch);
         let view = SlotView {
             keys: &self.keys,
@@ -1005,25 +1006,55 @@ impl CpuOffloadingManager {
             protect: &self.protect,
             stamp: self.stamp,
         };
-        if !self.policy.evict(need, &view, &mut victims) {
-            self.scratch = victims;
-            return false;
-        }
-        self.num_evictable -= victims.len();
-        evicted.reserve(victims.len());
-        for &s in &victims {
-            let k = self.keys[s as usize];
-            self.index.remove(&self.keys, &k);
-            self.vacate(s);
-            evicted.push(k);
+        let evicted = self.policy.evict(n, &view, &mut victims);
+        if evicted {
+            self.num_evictable -= victims.len();
+            for &s in &victims {
+                let k = self.keys[s as usize];
+                self.index.remove(&self.keys, &k);
+                self.vacate(s);
+                each(k, s);
+            }
         }
         self.scratch = victims;
-        if !evicted.is_empty()
-            && let Some(ev) = self.events.as_mut()
-        {
-            ev.push(OffloadingEvent::new(evicted.clone(), Medium::Cpu, true));
+        evicted
+    }
+
+    /// A free slot for a new key: fresh ids first, then the free list LIFO (the caller made
+    /// room).
+    #[inline]
+    fn next_free_slot(&mut self) -> u32 {
+        if self.num_allocated < self.num_chunks {
+            self.num_allocated += 1;
+            (self.num_allocated - 1) as u32
+        } else {
+            self.free_list.pop().expect("room was made above")
         }
-        true
+    }
+
+    /// Key `k` into the free slot `s`: indexed, its write in flight, handed to the policy at
+    /// its position in `ctx` (when `positional`) with the request's rank `rank`, which the
+    /// caller reads from the request's record and writes back (a store holds the record's
+    /// places across its insertions). The one insertion of every store shape; the caller
+    /// sets the key's `INSERTED` flag and counts the write.
+    #[inline(always)]
+    fn insert_new(
+        &mut self,
+        k: &OffloadKey,
+        s: u32,
+        ctx: &ReqContext,
+        positional: bool,
+        rank: &mut Option<u64>,
+    ) {
+        self.keys[s as usize] = *k;
+        self.index.insert(&self.keys, k, s);
+        self.ref_cnt[s as usize] = -1;
+        let pos = if positional {
+            ctx.get_offload_key_position(k)
+        } else {
+            None
+        };
+        self.policy.insert(&self.keys, s, pos, rank);
     }
 
     pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {
@@ -1329,17 +1360,4 @@ impl CpuOffloadingManager {
 #[inline]
 fn slot_hint(hints: &[i32], i: usize) -> Option<u32> {
     hints.get(i).and_then(|&h| u32::try_from(h).ok())
-}
-
-/// A free slot for a new key: fresh ids first, then the free list LIFO (the caller made room).
-/// Over the manager's fields, not `&mut self`, so a store holding a request's record can call
-/// it.
-#[inline]
-fn next_free_slot(num_allocated: &mut usize, num_chunks: usize, free_list: &mut Vec<u32>) -> u32 {
-    if *num_allocated < num_chunks {
-        *num_allocated += 1;
-        (*num_allocated - 1) as u32
-    } else {
-        free_list.pop().expect("room was made above")
-    }
 }

@@ -24,7 +24,6 @@
 use hashbrown::HashSet;
 
 use super::{CpuOffloadingManager, INSERTED, REUSED, STORE_MISS};
-use crate::cpu::policy::SlotView;
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::types::{Medium, OffloadingEvent, ReqContext};
@@ -156,25 +155,9 @@ impl CpuOffloadingManager {
                 self.protect[s as usize] = self.stamp;
             }
         }
-        let mut victims = Vec::new();
-        let view = SlotView {
-            keys: &self.keys,
-            ref_cnt: &self.ref_cnt,
-            protect: &self.protect,
-            stamp: self.stamp,
-        };
-        if !self.policy.evict(n, &view, &mut victims) {
-            return None;
-        }
-        self.num_evictable -= victims.len();
-        let mut out = Vec::with_capacity(victims.len());
-        for s in victims {
-            let k = self.keys[s as usize];
-            self.index.remove(&self.keys, &k);
-            self.vacate(s);
-            out.push((k, s));
-        }
-        Some(out)
+        let mut out = Vec::with_capacity(n);
+        self.evict_unprotected(n, |k, s| out.push((k, s)))
+            .then_some(out)
     }
 
     /// Records the removal event of evicted keys (when events are on).
@@ -251,17 +234,13 @@ impl CpuOffloadingManager {
         }
         self.reserved.retain(|s| !taken.contains(s));
         let positional = ctx.has_positions();
-        let state = self.requests.access(ctx);
+        let mut rank = self.requests.access(ctx).req_rank;
         for (k, &s) in keys.iter().zip(slots) {
-            self.keys[s as usize] = *k;
-            self.index.insert(&self.keys, k, s);
-            self.ref_cnt[s as usize] = -1;
-            let pos = if positional {
-                ctx.get_offload_key_position(k)
-            } else {
-                None
-            };
-            self.policy.insert(&self.keys, s, pos, &mut state.req_rank);
+            self.insert_new(k, s, ctx, positional, &mut rank);
+        }
+        let state = self.requests.access(ctx);
+        state.req_rank = rank;
+        for k in keys {
             state.set(*k, INSERTED);
         }
         self.num_write_pending += keys.len();
