@@ -33,7 +33,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash};
+use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash, Tier};
 use kvbm_physical::{
     Backing, BlockIdentity, JournalFile, JournalGeometry, JournalRecord, ModelFingerprint,
     PhysicalLayout,
@@ -41,7 +41,7 @@ use kvbm_physical::{
 
 use crate::batch::{BatchOutcome, ResolvedBatch};
 use crate::error::{BlockFailure, BlockFailureKind, OffloadError};
-use crate::mover::BlockMoveExecutor;
+use crate::mover::{BlockMoveExecutor, BlockMover, MoveSource};
 
 type Result<T> = std::result::Result<T, OffloadError>;
 
@@ -251,12 +251,7 @@ impl DiskJournal {
 }
 
 /// The G2→G3 write with the journal protocol around it: allocate the destination slots,
-/// unlist them ([`DiskJournal::will_write`]), write the blocks, list the ones whose write
-/// completed ([`DiskJournal::written`]). `sums[i]` is `(sequence hash, payload xxh3-128)` of block `i`.
-///
-/// A journal that cannot unlist the slots (disk full) fails the batch with `NoSpace` before any
-/// slot is written: a listed slot is never overwritten behind the journal's back. A journal
-/// that cannot list the written blocks leaves them in G3 for this run only (logged).
+/// then [`move_recorded`]. `sums[i]` is `(sequence hash, payload xxh3-128)` of block `i`.
 pub async fn write_recorded(
     inner: &BlockMoveExecutor<G2, G3>,
     index: &DiskJournal,
@@ -264,34 +259,52 @@ pub async fn write_recorded(
     sums: &[(u128, u128)],
 ) -> BatchOutcome<ImmutableBlock<G3>> {
     let n = batch.len();
-    let fail = |kind: BlockFailureKind, msg: String| -> BatchOutcome<ImmutableBlock<G3>> {
-        (0..n)
-            .map(|_| Err(BlockFailure::new(kind, msg.clone())))
-            .collect()
-    };
     let sources: Vec<(usize, SequenceHash)> = batch
         .blocks()
         .iter()
         .map(|b| (b.block_id, b.sequence_hash))
         .collect();
-    let mover = inner.mover();
     // G3 room: at once, or waiting as the lane's `room_patience_ms` says.
     let dst = match inner.allocate(n).await {
         Ok(b) => b,
         Err(f) => return (0..n).map(|_| Err(f.clone())).collect(),
     };
+    move_recorded(inner.mover(), index, &sources, dst, async { sums.to_vec() }).await
+}
+
+/// A move into journaled slots, the journal's protocol around it: unlist the destination
+/// slots ([`DiskJournal::will_write`]), move, list the blocks whose write completed
+/// ([`DiskJournal::written`]) with `sums`: `(sequence hash, payload xxh3-128)` per source,
+/// co-indexed, awaited only once the move settled (a caller computes them beside the move).
+///
+/// A journal that cannot unlist the slots (disk full) fails the batch with `NoSpace` before any
+/// slot is written (the destinations go back to their manager): a listed slot is never
+/// overwritten behind the journal's back. A journal that cannot list the written blocks leaves
+/// them in the tier for this run only (logged); so do sums that did not come (an empty list).
+///
+/// The journal calls are short appends to a buffered file; a caller that must not wait on
+/// them runs this on the transfer manager's runtime, off its own thread.
+pub async fn move_recorded<T: Tier, S: Into<MoveSource> + Copy>(
+    mover: &BlockMover<G2, T>,
+    index: &DiskJournal,
+    sources: &[S],
+    dst: Vec<MutableBlock<T>>,
+    sums: impl Future<Output = Vec<(u128, u128)>>,
+) -> BatchOutcome<ImmutableBlock<T>> {
+    let n = sources.len();
     if let Err(e) = index.will_write(dst.iter().map(|b| b.block_id())) {
         tracing::warn!(error = %e, "G3 journal full or failing: G3 admits nothing");
         metrics::counter!("kvbm_g3_journal_errors_total").increment(1);
-        return fail(
-            BlockFailureKind::NoSpace,
-            format!("the G3 journal cannot record the write: {e}"),
-        );
+        let msg = format!("the G3 journal cannot record the write: {e}");
+        return (0..n)
+            .map(|_| Err(BlockFailure::new(BlockFailureKind::NoSpace, msg.clone())))
+            .collect();
     }
-    let out = mover.move_blocks(&sources, dst).await;
+    let out = mover.move_blocks(sources, dst).await;
+    let sums = sums.await;
     let written: Vec<(usize, u128, u128)> = out
         .iter()
-        .zip(sums)
+        .zip(&sums)
         .filter_map(|(r, (h, c))| r.as_ref().ok().map(|b| (b.block_id(), *h, *c)))
         .collect();
     if let Err(e) = index.written(&written) {

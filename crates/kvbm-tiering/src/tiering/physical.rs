@@ -26,12 +26,15 @@
 //!               (the future holds the source blocks) ─► readers-1
 //! ```
 //!
-//! The bookkeeping is the scheduler thread's; no work that grows with a chunk's bytes is: the
-//! moves run on the transfer manager, and a disk tier's journal checksums (the xxh3-128 of each
-//! chunk stored) are computed on its blocking pool beside the move and come back with it. What
-//! it costs per chunk is a few probes: the keys' state and their eviction order share one slab
-//! (`TierKeys`), probed once per call that names a key, and a job keeps its keys' places in
-//! it, so its completion probes nothing.
+//! The bookkeeping is the scheduler thread's; no work that grows with a chunk's bytes is, nor
+//! the per-chunk work of a store beyond the bookkeeping: a store's move runs whole as one task
+//! on the transfer manager's runtime (the transfer's issue and validation, the destinations'
+//! registration in the tier's manager, and a disk tier's journal records around the write,
+//! with the xxh3-128 of each chunk stored computed on the runtime's blocking pool beside it);
+//! the scheduler thread polls its handle. What a chunk costs the scheduler thread is a few
+//! probes: the keys' state and their eviction order share one slab (`TierKeys`), probed once
+//! per call that names a key, and a job keeps its keys' places in it, so its completion probes
+//! nothing.
 //!
 //! A key is Ready while the tier holds its `ImmutableBlock<T>`; dropping it (eviction, a copy
 //! that failed verification) returns the block to the manager's inactive pool, from which the
@@ -158,16 +161,13 @@ struct JobMeta {
     /// Each key's node in the tier's [`TierKeys`], co-indexed (a job's nodes stay its keys'
     /// until it is finished: see `keys`'s invariants).
     nodes: Vec<u32>,
-    /// Store jobs of a journaled tier: each key's sequence hash, co-indexed (the payload
-    /// checksums come with the settled move).
-    hashes: Vec<u128>,
     bytes: u64,
     started: std::time::Instant,
 }
 
 enum Move<T: Tier> {
-    /// The move's outcomes, and (journaled tiers) the xxh3-128 of each chunk it wrote.
-    Store(BoxFuture<'static, (Vec<MoveOutcome<T>>, Vec<u128>)>),
+    /// The move's outcomes (a task on the transfer manager's runtime: see `store_move`).
+    Store(BoxFuture<'static, Vec<MoveOutcome<T>>>),
     Load(BoxFuture<'static, Vec<std::result::Result<(), BlockFailure>>>),
 }
 
@@ -177,24 +177,21 @@ struct Inflight<T: Tier> {
 }
 
 enum Settled<T: Tier> {
-    Store(Vec<MoveOutcome<T>>, Vec<u128>),
+    Store(Vec<MoveOutcome<T>>),
     Load(Vec<std::result::Result<(), BlockFailure>>),
 }
 
 impl<T: Tier> Inflight<T> {
     fn poll_now(&mut self) -> Option<Settled<T>> {
         match &mut self.mv {
-            Move::Store(f) => f.now_or_never().map(|(o, sums)| Settled::Store(o, sums)),
+            Move::Store(f) => f.now_or_never().map(Settled::Store),
             Move::Load(f) => f.now_or_never().map(Settled::Load),
         }
     }
 
     fn wait(self) -> (JobMeta, Settled<T>) {
         let settled = match self.mv {
-            Move::Store(f) => {
-                let (o, sums) = futures::executor::block_on(f);
-                Settled::Store(o, sums)
-            }
+            Move::Store(f) => Settled::Store(futures::executor::block_on(f)),
             Move::Load(f) => Settled::Load(futures::executor::block_on(f)),
         };
         (self.meta, settled)
@@ -325,51 +322,82 @@ impl<T: Tier> PhysicalTier<T> {
         Some(self.keys.insert(*key, digest, Some(block)))
     }
 
-    /// The store move of a job, with the journal's payload checksums when the tier keeps one:
-    /// the xxh3-128 of each source chunk (`slots` of the primary), computed on the transfer
-    /// manager's blocking pool beside the move, never on the caller's (the scheduler's) thread,
-    /// where it would cost the scheduler step the time to read every byte stored.
+    /// The store move of a job, run whole as one task on the transfer manager's runtime: the
+    /// transfer's issue and validation, the destinations' registration in the tier's manager
+    /// and, for a journaled tier, the journal's protocol around the write
+    /// ([`move_recorded`](kvbm_offload::journal::move_recorded): unlist the slots, write, list
+    /// what was written) with the xxh3-128 of each source chunk (`slots` of the primary)
+    /// computed on the runtime's blocking pool beside the move. None of it runs on the
+    /// caller's (the scheduler's) thread, where a job of many small chunks would cost the
+    /// step a journal append, a claim and a registration per chunk; the caller polls the
+    /// task's handle.
     fn store_move(
         &self,
-        sources: &[MoveSource],
+        sources: Vec<MoveSource>,
         destinations: Vec<MutableBlock<T>>,
         slots: Vec<BlockId>,
     ) -> Move<T> {
-        let mv = self.store.move_blocks(sources, destinations);
-        if self.journal.is_none() {
-            return Move::Store(mv.map(|o| (o, Vec::new())).boxed());
-        }
-        let memory = &self.primary_memory;
-        let regions: Vec<(usize, usize)> = slots
-            .iter()
-            .map(|&s| {
-                memory
-                    .block_span(s)
-                    .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0])
-            })
-            .collect();
-        let sums = self.bound.transfer_manager().spawn_blocking(move || {
-            regions
-                .into_iter()
-                .map(|(addr, len)| {
-                    // SAFETY: host memory of the primary layout, which outlives the tier; the
-                    // job's chunks are pinned by the tiering manager (nothing writes them)
-                    // until the job is reported, which waits for this task: the move's future
-                    // awaits it, and a job is reported only once that future settled
-                    // (`get_finished_jobs`, `drain_jobs`; dropping the tier waits for it too).
-                    let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                    kvbm_physical::checksum::checksum(bytes)
+        let tm = self.bound.transfer_manager();
+        let mover = self.store.clone();
+        let n = sources.len();
+        let task = match &self.journal {
+            None => tm.spawn_io(async move { mover.move_blocks(&sources, destinations).await }),
+            Some(journal) => {
+                let memory = &self.primary_memory;
+                let regions: Vec<(u128, (usize, usize))> = sources
+                    .iter()
+                    .zip(&slots)
+                    .map(|(src, &s)| {
+                        let span = memory
+                            .block_span(s)
+                            .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0]);
+                        (src.sequence_hash.as_u128(), span)
+                    })
+                    .collect();
+                let sums = tm.spawn_blocking(move || {
+                    regions
+                        .into_iter()
+                        .map(|(h, (addr, len))| {
+                            // SAFETY: host memory of the primary layout, which outlives the
+                            // tier; the job's chunks are pinned by the tiering manager
+                            // (nothing writes them) until the job is reported, which waits
+                            // for this task: the move's task awaits it, and a job is reported
+                            // only once that task settled (`get_finished_jobs`, `drain_jobs`;
+                            // dropping the tier waits for it too).
+                            let bytes =
+                                unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                            (h, kvbm_physical::checksum::checksum(bytes))
+                        })
+                        .collect::<Vec<(u128, u128)>>()
+                });
+                let journal = journal.clone();
+                tm.spawn_io(async move {
+                    // A checksum task that could not run (the runtime going away) lists
+                    // nothing: the chunks stay readable for this run, as when the journal
+                    // cannot be appended.
+                    let sums = async { sums.await.unwrap_or_default() };
+                    kvbm_offload::journal::move_recorded(
+                        &mover,
+                        &journal,
+                        &sources,
+                        destinations,
+                        sums,
+                    )
+                    .await
                 })
-                .collect::<Vec<u128>>()
-        });
-        Move::Store(
-            async move {
-                let out = mv.await;
-                // A task that could not run (the runtime going away) lists nothing: the
-                // chunks stay readable for this run, as when the journal cannot be appended.
-                let sums = sums.await.unwrap_or_default();
-                (out, sums)
             }
+        };
+        Move::Store(
+            task.map(move |r| {
+                // The task could not finish (the runtime shut down under it): its
+                // destinations went back unregistered, so every chunk failed.
+                r.unwrap_or_else(|e| {
+                    let m = format!("the store's task did not finish: {e}");
+                    (0..n)
+                        .map(|_| Err(BlockFailure::new(BlockFailureKind::Cancelled, m.clone())))
+                        .collect()
+                })
+            })
             .boxed(),
         )
     }
@@ -551,16 +579,11 @@ impl<T: Tier> PhysicalTier<T> {
         let mut dropped = Vec::new();
         let promotion = matches!(settled, Settled::Load(_));
         match settled {
-            Settled::Store(outcomes, sums) => {
-                let mut written = Vec::with_capacity(meta.hashes.len());
-                for (i, ((k, &n), r)) in meta.keys.iter().zip(&meta.nodes).zip(outcomes).enumerate()
-                {
+            Settled::Store(outcomes) => {
+                for ((k, &n), r) in meta.keys.iter().zip(&meta.nodes).zip(outcomes) {
                     debug_assert!(self.keys.key(n) == k, "a Writing node is its store's");
                     match r {
                         Ok(block) => {
-                            if let (Some(&h), Some(&sum)) = (meta.hashes.get(i), sums.get(i)) {
-                                written.push((block.block_id(), h, sum));
-                            }
                             self.keys.set_ready(n, block);
                             ok_keys.push(*k);
                         }
@@ -570,11 +593,6 @@ impl<T: Tier> PhysicalTier<T> {
                             self.keys.remove(n);
                         }
                     }
-                }
-                if let Some(j) = &self.journal
-                    && let Err(e) = j.written(&written)
-                {
-                    tracing::warn!(error = %e, blocks = written.len(), "disk journal cannot list written chunks: they are not persistent");
                 }
                 self.event(ok_keys.clone(), false);
             }
@@ -619,19 +637,12 @@ impl<T: Tier> PhysicalTier<T> {
         });
     }
 
-    fn meta(
-        &self,
-        job: &TierJob,
-        keys: Vec<OffloadKey>,
-        nodes: Vec<u32>,
-        hashes: Vec<u128>,
-    ) -> JobMeta {
+    fn meta(&self, job: &TierJob, keys: Vec<OffloadKey>, nodes: Vec<u32>) -> JobMeta {
         JobMeta {
             job_id: job.job_id,
             bytes: (keys.len() * self.chunk_bytes) as u64,
             keys,
             nodes,
-            hashes,
             started: std::time::Instant::now(),
         }
     }
@@ -850,32 +861,15 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             self.done.push(JobResult::new(job.job_id, true));
             return;
         }
-        // The journal protocol: the slots are unlisted before anything writes them.
-        if let Some(j) = &self.journal
-            && let Err(e) = j.will_write(destinations.iter().map(|b| b.block_id()))
-        {
-            tracing::warn!(error = %e, "disk journal cannot record the write: the store is dropped");
-            for &n in &nodes {
-                self.keys.remove(n);
-            }
-            self.done.push(JobResult::new(job.job_id, false));
-            return;
-        }
         let sources: Vec<MoveSource> = nodes
             .iter()
             .zip(&chunks)
             .map(|(&n, &c)| self.source(self.keys.node(n).digest, c))
             .collect();
-        let (hashes, slots) = if self.journal.is_some() {
-            (
-                sources.iter().map(|s| s.sequence_hash.as_u128()).collect(),
-                chunks,
-            )
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let mv = self.store_move(&sources, destinations, slots);
-        let meta = self.meta(&job, keys, nodes, hashes);
+        // The journal's protocol, the transfer and the registration run with the move's task
+        // (`store_move`); the keys stay Writing until it settled.
+        let mv = self.store_move(sources, destinations, chunks);
+        let meta = self.meta(&job, keys, nodes);
         self.inflight.push(Inflight { meta, mv });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
@@ -919,7 +913,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             }
             .boxed(),
         );
-        let meta = self.meta(&job, job.keys.clone(), nodes, Vec::new());
+        let meta = self.meta(&job, job.keys.clone(), nodes);
         self.inflight.push(Inflight { meta, mv });
     }
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
