@@ -145,6 +145,17 @@ pub fn digest_hash(digest: &BlockDigest, block_size: u32) -> SequenceHash {
     SequenceHash::from_u128((digest.as_u128() & !0xF) | u128::from(block_size.trailing_zeros()))
 }
 
+/// The move source of the key whose digest is `digest`, at `block_id`: its identity, and the
+/// hash derived from it for a manager of `block_size` tokens per block.
+fn move_source(digest: BlockDigest, block_id: BlockId, block_size: u32) -> MoveSource {
+    MoveSource {
+        block_id,
+        sequence_hash: digest_hash(&digest, block_size),
+        digest: Some(digest),
+        registered_digest: None,
+    }
+}
+
 /// The identity a chunk's header carries in a disk slot or object, and which a load requires:
 /// [`key_digest`] as a `BlockIdentity` (kvbm-offload's `identity_of(hash, Some(digest))`).
 pub fn key_identity(key: &OffloadKey) -> BlockIdentity {
@@ -154,6 +165,14 @@ pub fn key_identity(key: &OffloadKey) -> BlockIdentity {
 mod keys;
 
 use keys::TierKeys;
+
+/// What the tier keeps with a Ready key: its registered block, and the key's digest (its
+/// identity in every move: a load's source expects the identity of the key asked for, not
+/// whatever the stored block was registered with).
+struct Held<T: Tier> {
+    block: ImmutableBlock<T>,
+    digest: BlockDigest,
+}
 
 struct JobMeta {
     job_id: JobId,
@@ -216,7 +235,7 @@ pub struct PhysicalTier<T: Tier> {
     /// Registered by this tier's own constructor (unregistered at shutdown).
     owned_layout: Option<LayoutHandle>,
     /// Every key the tier knows (Writing or Ready) and the Ready keys' eviction order.
-    keys: TierKeys<ImmutableBlock<T>>,
+    keys: TierKeys<Held<T>>,
     inflight: Vec<Inflight<T>>,
     done: Vec<JobResult>,
     detector: Option<BackpressureDetector>,
@@ -309,84 +328,79 @@ impl<T: Tier> PhysicalTier<T> {
         if self.restored.is_empty() {
             return None;
         }
-        self.claim_restored_digest(key, key_digest(key))
-    }
-
-    /// [`claim_restored`](Self::claim_restored) for a caller that already has the key's digest.
-    fn claim_restored_digest(&mut self, key: &OffloadKey, digest: BlockDigest) -> Option<u32> {
-        if self.restored.is_empty() {
-            return None;
-        }
+        let digest = key_digest(key);
         let h = digest_hash(&digest, self.bound.manager().block_size());
         let block = self.restored.remove(&h)?;
-        Some(self.keys.insert(*key, digest, Some(block)))
+        Some(self.keys.insert(*key, Some(Held { block, digest })))
     }
 
-    /// The store move of a job, run whole as one task on the transfer manager's runtime: the
-    /// transfer's issue and validation, the destinations' registration in the tier's manager
-    /// and, for a journaled tier, the journal's protocol around the write
+    /// The store move of a job (`keys` from the primary's `slots`, co-indexed), run whole as
+    /// one task on the transfer manager's runtime: the keys' digests, the transfer's issue and
+    /// validation, the destinations' registration in the tier's manager and, for a journaled
+    /// tier, the journal's protocol around the write
     /// ([`move_recorded`](kvbm_offload::journal::move_recorded): unlist the slots, write, list
-    /// what was written) with the xxh3-128 of each source chunk (`slots` of the primary)
-    /// computed on the runtime's blocking pool beside the move. None of it runs on the
-    /// caller's (the scheduler's) thread, where a job of many small chunks would cost the
-    /// step a journal append, a claim and a registration per chunk; the caller polls the
-    /// task's handle.
+    /// what was written) with the xxh3-128 of each source chunk computed on the runtime's
+    /// blocking pool beside the move. None of it runs on the caller's (the scheduler's)
+    /// thread, where a job of many small chunks would cost the step a digest, a journal
+    /// record, a claim and a registration per chunk; the caller polls the task's handle.
     fn store_move(
         &self,
-        sources: Vec<MoveSource>,
+        keys: Vec<OffloadKey>,
         destinations: Vec<MutableBlock<T>>,
         slots: Vec<BlockId>,
     ) -> Move<T> {
-        let tm = self.bound.transfer_manager();
+        let tm = self.bound.transfer_manager().clone();
         let mover = self.store.clone();
-        let n = sources.len();
-        let task = match &self.journal {
-            None => tm.spawn_io(async move { mover.move_blocks(&sources, destinations).await }),
-            Some(journal) => {
+        let block_size = self.bound.manager().block_size();
+        let n = keys.len();
+        // Where each source chunk's bytes are (journaled tiers: for their checksums).
+        let regions: Vec<(usize, usize)> = match &self.journal {
+            None => Vec::new(),
+            Some(_) => {
                 let memory = &self.primary_memory;
-                let regions: Vec<(u128, (usize, usize))> = sources
+                slots
                     .iter()
-                    .zip(&slots)
-                    .map(|(src, &s)| {
-                        let span = memory
+                    .map(|&s| {
+                        memory
                             .block_span(s)
-                            .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0]);
-                        (src.sequence_hash.as_u128(), span)
+                            .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0])
                     })
-                    .collect();
-                let sums = tm.spawn_blocking(move || {
-                    regions
-                        .into_iter()
-                        .map(|(h, (addr, len))| {
-                            // SAFETY: host memory of the primary layout, which outlives the
-                            // tier; the job's chunks are pinned by the tiering manager
-                            // (nothing writes them) until the job is reported, which waits
-                            // for this task: the move's task awaits it, and a job is reported
-                            // only once that task settled (`get_finished_jobs`, `drain_jobs`;
-                            // dropping the tier waits for it too).
-                            let bytes =
-                                unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                            (h, kvbm_physical::checksum::checksum(bytes))
-                        })
-                        .collect::<Vec<(u128, u128)>>()
-                });
-                let journal = journal.clone();
-                tm.spawn_io(async move {
-                    // A checksum task that could not run (the runtime going away) lists
-                    // nothing: the chunks stay readable for this run, as when the journal
-                    // cannot be appended.
-                    let sums = async { sums.await.unwrap_or_default() };
-                    kvbm_offload::journal::move_recorded(
-                        &mover,
-                        &journal,
-                        &sources,
-                        destinations,
-                        sums,
-                    )
-                    .await
-                })
+                    .collect()
             }
         };
+        let journal = self.journal.clone();
+        let task = tm.clone().spawn_io(async move {
+            let sources: Vec<MoveSource> = keys
+                .iter()
+                .zip(&slots)
+                .map(|(k, &c)| move_source(key_digest(k), c, block_size))
+                .collect();
+            let Some(journal) = journal else {
+                return mover.move_blocks(&sources, destinations).await;
+            };
+            let hashes: Vec<u128> = sources.iter().map(|s| s.sequence_hash.as_u128()).collect();
+            let sums = tm.spawn_blocking(move || {
+                hashes
+                    .into_iter()
+                    .zip(regions)
+                    .map(|(h, (addr, len))| {
+                        // SAFETY: host memory of the primary layout, which outlives the tier;
+                        // the job's chunks are pinned by the tiering manager (nothing writes
+                        // them) until the job is reported, which waits for this task: the
+                        // move's task awaits it, and a job is reported only once that task
+                        // settled (`get_finished_jobs`, `drain_jobs`; dropping the tier waits
+                        // for it too).
+                        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                        (h, kvbm_physical::checksum::checksum(bytes))
+                    })
+                    .collect::<Vec<(u128, u128)>>()
+            });
+            // A checksum task that could not run (the runtime going away) lists nothing: the
+            // chunks stay readable for this run, as when the journal cannot be appended.
+            let sums = async { sums.await.unwrap_or_default() };
+            kvbm_offload::journal::move_recorded(&mover, &journal, &sources, destinations, sums)
+                .await
+        });
         Move::Store(
             task.map(move |r| {
                 // The task could not finish (the runtime shut down under it): its
@@ -496,7 +510,7 @@ impl<T: Tier> PhysicalTier<T> {
     /// The block (slot of a disk tier) holding `key`, when it is Ready.
     pub fn block_id(&self, key: &OffloadKey) -> Option<BlockId> {
         let n = self.keys.find(key)?;
-        self.keys.node(n).block.as_ref().map(|b| b.block_id())
+        self.keys.node(n).block.as_ref().map(|h| h.block.block_id())
     }
 
     /// Blocks whose move failed with `kind` (loads and stores) since the tier was built.
@@ -507,12 +521,7 @@ impl<T: Tier> PhysicalTier<T> {
     /// The move source of `block_id` for the key whose digest is `digest`: its identity, and
     /// the hash derived from it.
     fn source(&self, digest: BlockDigest, block_id: BlockId) -> MoveSource {
-        MoveSource {
-            block_id,
-            sequence_hash: digest_hash(&digest, self.bound.manager().block_size()),
-            digest: Some(digest),
-            registered_digest: None,
-        }
+        move_source(digest, block_id, self.bound.manager().block_size())
     }
 
     /// `n` destination blocks, in one allocation, or as many as the tier can give (fewer
@@ -584,7 +593,10 @@ impl<T: Tier> PhysicalTier<T> {
                     debug_assert!(self.keys.key(n) == k, "a Writing node is its store's");
                     match r {
                         Ok(block) => {
-                            self.keys.set_ready(n, block);
+                            // The digest the move's task registered the block with, the key's
+                            // (derived again only for a block registered without one).
+                            let digest = block.digest().unwrap_or_else(|| key_digest(k));
+                            self.keys.set_ready(n, Held { block, digest });
                             ok_keys.push(*k);
                         }
                         Err(f) => {
@@ -614,8 +626,8 @@ impl<T: Tier> PhysicalTier<T> {
                             // it again (once no other load is reading it).
                             if drop_copy && unread {
                                 let gone = self.keys.remove(n);
-                                if let (Some(j), Some(b)) = (&self.journal, &gone.block) {
-                                    j.dropped(b.block_id());
+                                if let (Some(j), Some(h)) = (&self.journal, &gone.block) {
+                                    j.dropped(h.block.block_id());
                                 }
                                 drop(gone);
                                 self.forget_dropped();
@@ -785,7 +797,13 @@ impl PhysicalTier<G4> {
         let Some(registered) = self.bound.manager().register_blocks(vec![complete]).pop() else {
             return false;
         };
-        self.keys.insert(*key, digest, Some(registered));
+        self.keys.insert(
+            *key,
+            Some(Held {
+                block: registered,
+                digest,
+            }),
+        );
         true
     }
 }
@@ -831,15 +849,10 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             Vec::with_capacity(n),
         );
         for (k, &c) in job.keys.iter().zip(&job.chunk_ids) {
-            if self.keys.find(k).is_some() {
+            if self.keys.find(k).is_some() || self.claim_restored(k).is_some() {
                 continue;
             }
-            // One digest of the key, whether a restored block is claimed for it or it is new.
-            let digest = key_digest(k);
-            if self.claim_restored_digest(k, digest).is_some() {
-                continue;
-            }
-            nodes.push(self.keys.insert(*k, digest, None));
+            nodes.push(self.keys.insert(*k, None));
             keys.push(*k);
             chunks.push(c as BlockId);
         }
@@ -861,14 +874,9 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             self.done.push(JobResult::new(job.job_id, true));
             return;
         }
-        let sources: Vec<MoveSource> = nodes
-            .iter()
-            .zip(&chunks)
-            .map(|(&n, &c)| self.source(self.keys.node(n).digest, c))
-            .collect();
-        // The journal's protocol, the transfer and the registration run with the move's task
-        // (`store_move`); the keys stay Writing until it settled.
-        let mv = self.store_move(sources, destinations, chunks);
+        // The keys' digests, the journal's protocol, the transfer and the registration run
+        // with the move's task (`store_move`); the keys stay Writing until it settled.
+        let mv = self.store_move(keys.clone(), destinations, chunks);
         let meta = self.meta(&job, keys, nodes);
         self.inflight.push(Inflight { meta, mv });
     }
@@ -891,9 +899,9 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         for &n in &nodes {
             let node = self.keys.node_mut(n);
             node.readers += 1;
-            let block = node.block.clone().expect("checked");
-            let (id, digest) = (block.block_id(), node.digest);
-            held.push(block);
+            let h = node.block.as_ref().expect("checked");
+            let (id, digest) = (h.block.block_id(), h.digest);
+            held.push(h.block.clone());
             sources.push(self.source(digest, id));
         }
         let slots: Vec<BlockId> = job.chunk_ids.iter().map(|&c| c as BlockId).collect();

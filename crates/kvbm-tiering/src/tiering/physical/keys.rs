@@ -9,13 +9,13 @@
 //! 40-byte key), a chunk stored cost about eight probes of two tables of a full tier's size,
 //! nearly all of them cache misses. Here a key is probed once per call that names it; the
 //! node it finds holds the state, the eviction order is threaded through the nodes, and a job
-//! keeps its keys' nodes, so its completion probes nothing. A node also keeps its key's
-//! digest (the block identity every move of the key carries), so a key is digested once when
-//! the tier learns it, not again at each load:
+//! keeps its keys' nodes, so its completion probes nothing. A Ready node's `B` is whatever the
+//! tier keeps with a readable key (the tier's block and the key's digest, the identity every
+//! move of the key carries, so a key is digested once, not again at each load):
 //!
 //! ```text
 //!   key ─► SlotIndex (4-byte node ids) ─► keys[n] == key ?
-//!                                          nodes[n] { block, readers, digest }
+//!                                          nodes[n] { block, readers }
 //!                                          links[n] ─ ready order: oldest ◄──► newest
 //! ```
 //!
@@ -28,8 +28,6 @@
 //!   start, and a node with readers only once they are gone: so the node ids a job keeps stay
 //!   the job's keys' until the job is finished.
 
-use kvbm_logical::BlockDigest;
-
 use crate::cpu::index::SlotIndex;
 use crate::cpu::order::{Links, List, NIL};
 use crate::key::OffloadKey;
@@ -40,8 +38,6 @@ pub(super) struct Node<B> {
     pub block: Option<B>,
     /// Loads in flight reading the key's block (it is not evicted or dropped meanwhile).
     pub readers: u32,
-    /// The key's digest (`key_digest`): its identity in every move.
-    pub digest: BlockDigest,
 }
 
 /// The keys of a physical tier, each Ready one holding a block `B` (the tier's
@@ -98,19 +94,15 @@ impl<B> TierKeys<B> {
         &self.keys[n as usize]
     }
 
-    /// Adds `k` (whose digest is `digest`), which the tier does not know: Writing when `block`
+    /// Adds `k`, which the tier does not know: Writing when `block`
     /// is `None`, else Ready (the newest in the eviction order). Returns its node.
-    pub(super) fn insert(&mut self, k: OffloadKey, digest: BlockDigest, block: Option<B>) -> u32 {
+    pub(super) fn insert(&mut self, k: OffloadKey, block: Option<B>) -> u32 {
         debug_assert!(
             self.find(&k).is_none(),
             "a key is inserted only while absent"
         );
         let ready = block.is_some();
-        let node = Node {
-            block,
-            readers: 0,
-            digest,
-        };
+        let node = Node { block, readers: 0 };
         let n = match self.free.pop() {
             Some(n) => {
                 self.keys[n as usize] = k;

@@ -3,8 +3,6 @@
 
 use proptest::prelude::*;
 
-use kvbm_logical::BlockDigest;
-
 use super::TierKeys;
 use crate::key::OffloadKey;
 
@@ -68,7 +66,7 @@ proptest! {
             match op {
                 Op::Insert(k, v) => {
                     if m.pos(k).is_none() {
-                        let n = t.insert(key(k), BlockDigest([k; 32]), v);
+                        let n = t.insert(key(k), v);
                         prop_assert_eq!(t.key(n), &key(k));
                         m.entries.push((k, v, 0));
                         if v.is_some() {
@@ -130,7 +128,6 @@ proptest! {
                         prop_assert_eq!(t.key(n), &key(i));
                         prop_assert_eq!(t.node(n).block, m.entries[p].1);
                         prop_assert_eq!(t.node(n).readers, m.entries[p].2);
-                        prop_assert_eq!(t.node(n).digest, BlockDigest([i; 32]));
                     }
                     (None, None) => {}
                     (want, got) => prop_assert!(false, "key {i}: model {want:?}, tier keys {got:?}"),
