@@ -23,15 +23,16 @@
 //!               stored) ─ BlockMover ─┬ ok: Ready (holds the registered ImmutableBlock<T>)
 //!                                     └ failed: forgotten
 //! submit_load:  every key Ready → readers+1 ─ ExternalMover into the reserved primary slots
-//!               (the future holds the source blocks) ─► readers-1
+//!               (its task holds the source blocks) ─► readers-1
 //! ```
 //!
 //! The bookkeeping is the scheduler thread's; no work that grows with a chunk's bytes is, nor
-//! the per-chunk work of a store beyond the bookkeeping: a store's move runs whole as one task
-//! on the transfer manager's runtime (the transfer's issue and validation, the destinations'
-//! registration in the tier's manager, and a disk tier's journal records around the write,
-//! with the xxh3-128 of each chunk stored computed on the runtime's blocking pool beside it);
-//! the scheduler thread polls its handle. What a chunk costs the scheduler thread is a few
+//! the per-chunk work of a move beyond the bookkeeping: each move runs whole as one task on the
+//! transfer manager's runtime (a store's: the keys' digests, the transfer's issue and
+//! validation, the destinations' registration in the tier's manager, and a disk tier's journal
+//! records around the write, with the xxh3-128 of each chunk stored computed on the runtime's
+//! blocking pool beside it; a load's: the transfer's issue, validation and settling); the
+//! scheduler thread polls its handle. What a chunk costs the scheduler thread is a few
 //! probes: the keys' state and their eviction order share one slab (`TierKeys`), probed once
 //! per call that names a key, and a job keeps its keys' places in it, so its completion probes
 //! nothing.
@@ -906,19 +907,34 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         }
         let slots: Vec<BlockId> = job.chunk_ids.iter().map(|&c| c as BlockId).collect();
         // The identity each read must have comes from the key asked for, not from the
-        // stored block; the future holds the source blocks until the move settles.
-        // SAFETY: `slots` are the primary's slots the tiering manager reserved for this
-        // promotion (`prepare_write`: write pending, so `CpuPrimaryTier::chunk` refuses them;
-        // `chunk_mut` is the GPU-store path, which the manager's contract never uses for a key
-        // under promotion) until the job is reported, which happens only after this move
-        // settled (`get_finished_jobs`, `drain_jobs`; dropping the tier waits for it too).
-        let moved = unsafe { self.load.move_blocks(&sources, &slots) };
+        // stored block. The move is issued and settled by one task on the transfer manager's
+        // runtime (its validation and claims off the scheduler's thread, as a store's), which
+        // holds the source blocks until the move settled.
+        let mover = self.load.clone();
+        let n = sources.len();
+        let task = self.bound.transfer_manager().spawn_io(async move {
+            // SAFETY: `slots` are the primary's slots the tiering manager reserved for this
+            // promotion (`prepare_write`: write pending, so `CpuPrimaryTier::chunk` refuses
+            // them; `chunk_mut` is the GPU-store path, which the manager's contract never uses
+            // for a key under promotion) until the job is reported, which happens only after
+            // this task settled (`get_finished_jobs`, `drain_jobs`; dropping the tier waits
+            // for it too).
+            let moved = unsafe { mover.move_blocks(&sources, &slots) };
+            let out = moved.await;
+            drop(held);
+            out
+        });
         let mv = Move::Load(
-            async move {
-                let out = moved.await;
-                drop(held);
-                out
-            }
+            task.map(move |r| {
+                // The task could not finish (the runtime shut down under it): no chunk counts
+                // as read.
+                r.unwrap_or_else(|e| {
+                    let m = format!("the load's task did not finish: {e}");
+                    (0..n)
+                        .map(|_| Err(BlockFailure::new(BlockFailureKind::Cancelled, m.clone())))
+                        .collect()
+                })
+            })
             .boxed(),
         );
         let meta = self.meta(&job, job.keys.clone(), nodes);
