@@ -191,6 +191,27 @@ enum Move<T: Tier> {
     Load(BoxFuture<'static, Vec<std::result::Result<(), BlockFailure>>>),
 }
 
+/// The outcomes of a move's `n` chunks from its task's handle. A task that could not finish
+/// (the runtime shut down under it, or it panicked) fails every chunk `Cancelled`: none counts
+/// as moved.
+fn task_outcomes<R, E: std::fmt::Display>(
+    task: impl Future<Output = std::result::Result<Vec<std::result::Result<R, BlockFailure>>, E>>
+    + Send
+    + 'static,
+    n: usize,
+    what: &'static str,
+) -> BoxFuture<'static, Vec<std::result::Result<R, BlockFailure>>> {
+    task.map(move |r| {
+        r.unwrap_or_else(|e| {
+            let m = format!("the {what}'s task did not finish: {e}");
+            (0..n)
+                .map(|_| Err(BlockFailure::new(BlockFailureKind::Cancelled, m.clone())))
+                .collect()
+        })
+    })
+    .boxed()
+}
+
 struct Inflight<T: Tier> {
     meta: JobMeta,
     mv: Move<T>,
@@ -402,19 +423,8 @@ impl<T: Tier> PhysicalTier<T> {
             kvbm_offload::journal::move_recorded(&mover, &journal, &sources, destinations, sums)
                 .await
         });
-        Move::Store(
-            task.map(move |r| {
-                // The task could not finish (the runtime shut down under it): its
-                // destinations went back unregistered, so every chunk failed.
-                r.unwrap_or_else(|e| {
-                    let m = format!("the store's task did not finish: {e}");
-                    (0..n)
-                        .map(|_| Err(BlockFailure::new(BlockFailureKind::Cancelled, m.clone())))
-                        .collect()
-                })
-            })
-            .boxed(),
-        )
+        // A store's task that could not finish dropped its destinations unregistered.
+        Move::Store(task_outcomes(task, n, "store"))
     }
 
     fn owning(primary: &CpuPrimaryTier, layout: PhysicalLayout, blocks: usize) -> Result<Self> {
@@ -924,19 +934,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             drop(held);
             out
         });
-        let mv = Move::Load(
-            task.map(move |r| {
-                // The task could not finish (the runtime shut down under it): no chunk counts
-                // as read.
-                r.unwrap_or_else(|e| {
-                    let m = format!("the load's task did not finish: {e}");
-                    (0..n)
-                        .map(|_| Err(BlockFailure::new(BlockFailureKind::Cancelled, m.clone())))
-                        .collect()
-                })
-            })
-            .boxed(),
-        );
+        let mv = Move::Load(task_outcomes(task, n, "load"));
         let meta = self.meta(&job, job.keys.clone(), nodes);
         self.inflight.push(Inflight { meta, mv });
     }
