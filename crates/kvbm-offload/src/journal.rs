@@ -275,7 +275,8 @@ pub async fn write_recorded(
 /// A move into journaled slots, the journal's protocol around it: unlist the destination
 /// slots ([`DiskJournal::will_write`]), move, list the blocks whose write completed
 /// ([`DiskJournal::written`]) with `sums`: `(sequence hash, payload xxh3-128)` per source,
-/// co-indexed, awaited only once the move settled (a caller computes them beside the move).
+/// co-indexed, awaited once the move settled (a caller computes them beside the move), and
+/// awaited whatever happens: the outcome is returned only after they are done.
 ///
 /// A journal that cannot unlist the slots (disk full) fails the batch with `NoSpace` before any
 /// slot is written (the destinations go back to their manager): a listed slot is never
@@ -296,6 +297,9 @@ pub async fn move_recorded<T: Tier, S: Into<MoveSource> + Copy>(
         tracing::warn!(error = %e, "G3 journal full or failing: G3 admits nothing");
         metrics::counter!("kvbm_g3_journal_errors_total").increment(1);
         let msg = format!("the G3 journal cannot record the write: {e}");
+        // The sums may be reading the sources (a caller's task beside the move): the batch is
+        // reported, and its sources released, only once they are done.
+        drop(sums.await);
         return (0..n)
             .map(|_| Err(BlockFailure::new(BlockFailureKind::NoSpace, msg.clone())))
             .collect();
