@@ -375,22 +375,8 @@ impl<T: Tier> PhysicalTier<T> {
         let mover = self.store.clone();
         let block_size = self.bound.manager().block_size();
         let n = keys.len();
-        // Where each source chunk's bytes are (journaled tiers: for their checksums).
-        let regions: Vec<(usize, usize)> = match &self.journal {
-            None => Vec::new(),
-            Some(_) => {
-                let memory = &self.primary_memory;
-                slots
-                    .iter()
-                    .map(|&s| {
-                        memory
-                            .block_span(s)
-                            .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0])
-                    })
-                    .collect()
-            }
-        };
         let journal = self.journal.clone();
+        let memory = self.primary_memory.clone();
         let task = tm.clone().spawn_io(async move {
             let sources: Vec<MoveSource> = keys
                 .iter()
@@ -404,8 +390,11 @@ impl<T: Tier> PhysicalTier<T> {
             let sums = tm.spawn_blocking(move || {
                 hashes
                     .into_iter()
-                    .zip(regions)
-                    .map(|(h, (addr, len))| {
+                    .zip(slots)
+                    .map(|(h, s)| {
+                        let (addr, len) = memory
+                            .block_span(s)
+                            .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0]);
                         // SAFETY: host memory of the primary layout, which outlives the tier;
                         // the job's chunks are pinned by the tiering manager (nothing writes
                         // them) until the job is reported, which waits for this task: the
@@ -527,12 +516,6 @@ impl<T: Tier> PhysicalTier<T> {
     /// Blocks whose move failed with `kind` (loads and stores) since the tier was built.
     pub fn failures(&self, kind: BlockFailureKind) -> u64 {
         self.failures.get(&kind).copied().unwrap_or(0)
-    }
-
-    /// The move source of `block_id` for the key whose digest is `digest`: its identity, and
-    /// the hash derived from it.
-    fn source(&self, digest: BlockDigest, block_id: BlockId) -> MoveSource {
-        move_source(digest, block_id, self.bound.manager().block_size())
     }
 
     /// `n` destination blocks, in one allocation, or as many as the tier can give (fewer
@@ -907,13 +890,14 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         }
         let mut sources = Vec::with_capacity(job.keys.len());
         let mut held = Vec::with_capacity(job.keys.len());
+        let block_size = self.bound.manager().block_size();
         for &n in &nodes {
             let node = self.keys.node_mut(n);
             node.readers += 1;
             let h = node.block.as_ref().expect("checked");
             let (id, digest) = (h.block.block_id(), h.digest);
             held.push(h.block.clone());
-            sources.push(self.source(digest, id));
+            sources.push(move_source(digest, id, block_size));
         }
         let slots: Vec<BlockId> = job.chunk_ids.iter().map(|&c| c as BlockId).collect();
         // The identity each read must have comes from the key asked for, not from the
