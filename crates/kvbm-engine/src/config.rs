@@ -1039,6 +1039,16 @@ impl KvbmConfig {
             "physical.transfer.bounce_buffer_bytes",
             p.transfer.bounce_buffer_bytes as u64,
         )?;
+        if p.transfer.worker_nice > kvbm_physical::MAX_NICE {
+            return Err(EngineError::config(
+                "physical.transfer.worker_nice",
+                format!(
+                    "must be in 0..={} (Linux's niceness range), got {}",
+                    kvbm_physical::MAX_NICE,
+                    p.transfer.worker_nice
+                ),
+            ));
+        }
         positive(
             "physical.object.max_concurrency",
             p.object.max_concurrency as u64,

@@ -41,6 +41,6 @@ pub use storage::{
     UpdateOutcome,
 };
 pub use transfer::{
-    BlockId, BouncePoolStats, LayoutHandle, RangeCopy, TransferCompletion, TransferConfig,
-    TransferManager, TransferOptions, TransferOutcome,
+    BlockId, BouncePoolStats, LayoutHandle, MAX_NICE, RangeCopy, TransferCompletion,
+    TransferConfig, TransferManager, TransferOptions, TransferOutcome,
 };

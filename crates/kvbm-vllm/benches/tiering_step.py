@@ -22,7 +22,9 @@ an order that rotates each step, so none always runs right after the same other 
                       who keeps their own Python tiers)
   kvbm+disk           kvbm's TieringOffloadingManager over kvbm's ``kvbm_disk`` tier driven in
                       Rust (real writes and reads of a file in a temporary directory, off the
-                      scheduler thread)
+                      scheduler thread, on I/O threads at the tier's ``io_nice``; they run
+                      during the step too, so on a machine with few cores its wall time counts
+                      what they take from the scheduler thread)
   floor               no manager: the bench's own loop around a stand-in that only makes the
                       Python tier's own calls as a tiering manager makes them (its on_new_request
                       and on_request_finished per request, its lookup per chunk the primary
@@ -76,6 +78,9 @@ def run(tmp):
     ap.add_argument("--kinds", default="vllm,kvbm+python-tier,kvbm+disk,floor",
                     help="managers to run, comma-separated (ratios need vllm)")
     ap.add_argument("--scenarios", default="cold,warm,promote")
+    ap.add_argument("--io-nice", type=int, default=None,
+                    help="kvbm+disk's io_nice key (default: the tier's own default, 10; 0 runs "
+                         "its I/O threads at the scheduler's priority)")
     args = ap.parse_args()
     cpu_step.load_vllm()
 
@@ -193,6 +198,7 @@ def run(tmp):
                 primary_kv_view=primary.get_kv_memoryview(),
                 tier_type="kvbm_disk", path=os.path.join(tmp, f"{kind}-{time.monotonic_ns()}.bin"),
                 capacity=4 * CAPACITY, direct_io=False,
+                **({} if args.io_nice is None else {"io_nice": args.io_nice}),
             )
         return K.TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
 

@@ -24,6 +24,11 @@
 //! kvbm-tiering's tiers share one primary): `primary_over`. A `kvbm_disk` and a
 //! `kvbm_object` under one manager is the configuration this makes work.
 //!
+//! The moves run on that `TransferManager`'s threads, `io_nice` nicer than the thread that
+//! made the first tier (vLLM's scheduler): on a machine short of cores the scheduler's step
+//! runs ahead of the tiers' background writes, which take every idle moment instead. Tiers
+//! sharing a region share its threads, so they must agree on `io_nice`.
+//!
 //! Who may write which chunk is vLLM's manager's business, as for its own tiers: a store job
 //! reads chunks the manager pinned for the cascade, a load job writes chunks the manager
 //! reserved for the promotion, until the job is reported finished.
@@ -49,7 +54,7 @@ use std::time::Instant;
 
 use kvbm_physical::{
     DiskConfig, HostStorage, LayoutConfig, ModelFingerprint, ObjectConfig, ObjectStorage,
-    Parallelism, S3Config, TransferManager,
+    Parallelism, S3Config, TransferConfig, TransferManager,
 };
 use kvbm_tiering::tiering::Backpressure;
 use kvbm_tiering::{
@@ -82,6 +87,7 @@ struct Registered {
     addr: usize,
     len: usize,
     chunk_bytes: usize,
+    io_nice: u8,
     primary: Weak<parking_lot::Mutex<CpuPrimaryTier>>,
 }
 
@@ -91,8 +97,13 @@ struct Registered {
 static REGIONS: parking_lot::Mutex<Vec<Registered>> = parking_lot::Mutex::new(Vec::new());
 
 /// vLLM's primary region as a kvbm primary tier (memory only: vLLM's manager owns the slots):
-/// the registration another kvbm tier over the same region made, else a new one.
-fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<SharedPrimary> {
+/// the registration another kvbm tier over the same region made, else a new one, whose moves
+/// run `io_nice` nicer than the caller (see "Memory" in the module docs).
+fn primary_over(
+    region: &Bound<'_, PyAny>,
+    chunk_bytes: usize,
+    io_nice: u8,
+) -> PyResult<SharedPrimary> {
     let buf = PyBuffer::<u8>::get(region).map_err(|e| {
         PyValueError::new_err(format!(
             "primary_kv_view must export a byte buffer (vLLM's memoryview of its offload \
@@ -122,6 +133,14 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<Share
                  {registered} bytes, this one {chunk_bytes}"
             )));
         }
+        if r.io_nice != io_nice {
+            return Err(PyValueError::new_err(format!(
+                "io_nice: another kvbm tier over this region runs its moves at io_nice {}, \
+                 this one asks {io_nice}; tiers over one region share their I/O threads, so \
+                 give them the same value",
+                r.io_nice
+            )));
+        }
         if let Some(shared) = r.primary.upgrade() {
             // This export is released here; the registration holds the first tier's.
             return Ok(shared);
@@ -132,7 +151,12 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<Share
     // writes to chunks are ordered by vLLM's manager's job protocol (module docs).
     let memory = unsafe { HostStorage::external(ptr, len, Box::new(Region(buf))) }
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let tm = Arc::new(TransferManager::new().map_err(|e| PyRuntimeError::new_err(e.to_string()))?);
+    let tm = TransferManager::with_config(TransferConfig {
+        worker_nice: io_nice,
+        ..TransferConfig::default()
+    })
+    .map_err(|e| PyValueError::new_err(format!("io_nice: {e}")))?;
+    let tm = Arc::new(tm);
     let primary = CpuPrimaryTier::over_memory(
         CpuManagerConfig::new(num_chunks),
         chunk_bytes,
@@ -145,6 +169,7 @@ fn primary_over(region: &Bound<'_, PyAny>, chunk_bytes: usize) -> PyResult<Share
         addr: ptr as usize,
         len,
         chunk_bytes,
+        io_nice,
         primary: Arc::downgrade(&shared),
     });
     Ok(shared)
@@ -287,8 +312,10 @@ impl StorageTier {
     /// file keeps idle between jobs (`DiskConfig::buffer_pool_bytes`); `tier_type`: the name
     /// vLLM gave the tier (its configured `type`, in labels and events' ownership; default
     /// `kvbm_disk`), so the tier reads the same under kvbm's manager and vLLM's.
+    /// `io_nice`: how much nicer than the caller the region's move threads run (0..=19; see
+    /// "Memory" in the module docs; every tier over one region must give the same).
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, buffer_pool_bytes, lookup_results, events = false, tier_type = None))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, path, capacity, queue_depth, direct_io, buffer_pool_bytes, lookup_results, events = false, tier_type = None, io_nice = 0))]
     #[allow(clippy::too_many_arguments)]
     fn disk(
         region: &Bound<'_, PyAny>,
@@ -302,6 +329,7 @@ impl StorageTier {
         lookup_results: &Bound<'_, PyTuple>,
         events: bool,
         tier_type: Option<String>,
+        io_nice: u8,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -309,7 +337,7 @@ impl StorageTier {
             ));
         }
         let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
-        let primary = primary_over(region, chunk_bytes)?;
+        let primary = primary_over(region, chunk_bytes, io_nice)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| {
                 PyRuntimeError::new_err(format!("cannot create {}: {e}", dir.display()))
@@ -339,10 +367,10 @@ impl StorageTier {
     /// An object tier: objects named by each key's hash under `namespace`, in the S3 bucket
     /// `bucket` (at `endpoint`, `None` for AWS) or, with `dir`, in a local directory;
     /// `capacity`: keys it remembers; `fingerprint` as for [`disk`](Self::disk) (objects live
-    /// under `{namespace}/fp-{hex}/`); `tier_type` as for [`disk`](Self::disk) (default
-    /// `kvbm_object`).
+    /// under `{namespace}/fp-{hex}/`); `tier_type` and `io_nice` as for [`disk`](Self::disk)
+    /// (default type `kvbm_object`).
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false, tier_type = None))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false, tier_type = None, io_nice = 0))]
     #[allow(clippy::too_many_arguments)]
     fn object(
         region: &Bound<'_, PyAny>,
@@ -359,6 +387,7 @@ impl StorageTier {
         lookup_results: &Bound<'_, PyTuple>,
         events: bool,
         tier_type: Option<String>,
+        io_nice: u8,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -366,7 +395,7 @@ impl StorageTier {
             ));
         }
         let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
-        let primary = primary_over(region, chunk_bytes)?;
+        let primary = primary_over(region, chunk_bytes, io_nice)?;
         let config = ObjectConfig {
             namespace,
             ..ObjectConfig::default()

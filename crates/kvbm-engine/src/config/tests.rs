@@ -191,6 +191,11 @@ fn out_of_range_values_name_the_key() {
         ),
         ("logical.block_size", 24, "logical.block_size"),
         ("runtime.worker_threads", 0, "runtime.worker_threads"),
+        (
+            "physical.transfer.worker_nice",
+            20,
+            "physical.transfer.worker_nice",
+        ),
         ("events.channel_capacity", 0, "events.channel_capacity"),
         ("physical.object.tp_rank", 1, "physical.object.tp_rank"),
         (

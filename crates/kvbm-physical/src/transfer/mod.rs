@@ -68,6 +68,8 @@
 mod bounce;
 mod claims;
 mod strategy;
+#[cfg(test)]
+mod tests;
 
 pub use bounce::{BouncePoolStats, ONE_OFF_BLOCKS};
 
@@ -310,6 +312,14 @@ pub struct TransferConfig {
     /// (32 blocks of 2 MiB).
     #[serde(default = "default_bounce_buffer_bytes")]
     pub bounce_buffer_bytes: usize,
+    /// How much nicer than the thread that builds the manager its runtime's threads run (each
+    /// lowers its own CPU priority as it starts; threads they start inherit it: io_uring's
+    /// kernel workers, a G3 journal compaction a move starts). Moves are background work: at a
+    /// positive value they give way to the process's latency-critical threads (an inference
+    /// engine's scheduler step) when cores are short, and still run in every idle moment.
+    /// 0..=19 (a thread never goes past 19); default 0 (the builder's own priority).
+    #[serde(default)]
+    pub worker_nice: u8,
 }
 
 fn default_worker_threads() -> usize {
@@ -328,8 +338,36 @@ impl Default for TransferConfig {
             worker_threads: default_worker_threads(),
             bounce_buffers: default_bounce_buffers(),
             bounce_buffer_bytes: default_bounce_buffer_bytes(),
+            worker_nice: 0,
         }
     }
+}
+
+/// The highest niceness Linux gives a thread.
+pub const MAX_NICE: u8 = 19;
+
+/// The calling thread's nice value.
+fn own_nice() -> std::io::Result<i32> {
+    // SAFETY: errno is this thread's; getpriority names the calling thread (0).
+    unsafe {
+        *libc::__errno_location() = 0;
+        let now = libc::getpriority(libc::PRIO_PROCESS, 0);
+        if now == -1 && *libc::__errno_location() != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(now)
+    }
+}
+
+/// Sets the calling thread's nice value. On Linux the nice value is the thread's own
+/// (`setpriority(PRIO_PROCESS, 0, ..)` changes the caller only) and threads it starts inherit
+/// it; raising one's own niceness needs no privilege.
+fn set_own_nice(nice: i32) -> std::io::Result<()> {
+    // SAFETY: setpriority names the calling thread (0).
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// A registered layout and the reservation of its memory.
@@ -375,10 +413,40 @@ impl TransferManager {
     }
 
     /// A manager with `config`.
+    ///
+    /// # Errors
+    /// [`PhysicalError::InvalidArgument`] naming `worker_nice` when it is above [`MAX_NICE`];
+    /// [`PhysicalError::Io`] when the runtime cannot start.
     pub fn with_config(config: TransferConfig) -> Result<Self> {
+        let by = config.worker_nice;
+        if by > MAX_NICE {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "worker_nice must be in 0..={MAX_NICE}, got {by}"
+            )));
+        }
+        // One absolute value for every runtime thread, whichever thread starts it (tokio starts
+        // blocking-pool threads from its workers, which would otherwise add `by` twice).
+        let nice = match by {
+            0 => None,
+            _ => Some(
+                (own_nice()
+                    .map_err(|e| PhysicalError::io("read the thread's priority", None, e))?
+                    + i32::from(by))
+                .min(i32::from(MAX_NICE)),
+            ),
+        };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads.max(1))
             .thread_name("kvbm-transfer")
+            .on_thread_start(move || {
+                if let Some(nice) = nice
+                    && let Err(e) = set_own_nice(nice)
+                {
+                    // The thread still works, at its starter's priority: worth a line, not a
+                    // failed move.
+                    tracing::warn!(error = %e, nice, "transfer thread keeps its priority");
+                }
+            })
             .enable_all()
             .build()
             .map_err(|e| PhysicalError::io("start transfer runtime", None, e))?;

@@ -23,6 +23,9 @@ Keys of a ``kvbm_disk`` tier (anything else is an error naming the key):
 ``queue_depth``            io_uring submission depth, default 64
 ``direct_io``              O_DIRECT, default true (false for file systems without it, e.g. tmpfs)
 ``buffer_pool_mb``         aligned I/O buffers kept idle between jobs, default 64 (0: none kept)
+``io_nice``                how much nicer than vLLM's scheduler the tier's I/O threads run
+                           (0..19), default 10: when cores are short the scheduler's step goes
+                           first and the writes take the idle moments (0: same priority)
 ``locality``               vLLM's key; only ``"local"`` fits a local file
 
 ``KvbmObjectTier`` (tier type ``kvbm_object``) keeps each chunk as one object named by its key's
@@ -32,7 +35,8 @@ directory), ``endpoint``, ``region`` (default us-east-1), ``access_key_env`` /
 ``secret_key_env`` (the environment variables holding the credentials; defaults
 ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``: secrets never sit in vLLM's configuration),
 ``namespace`` (default ``kvbm``), ``capacity`` (keys remembered, default 65536), ``locality``
-(default ``"remote"``).
+(default ``"remote"``), ``io_nice`` (as for the disk; tiers over one primary share their I/O
+threads and must agree on it).
 
 The disk tier is persistent: its journal (``<path>`` with extension ``journal``) lists every
 chunk whose write completed, and a tier opened on the same file starts warm with them (each
@@ -95,6 +99,7 @@ DISK_KEYS: dict[str, Any] = {
     "queue_depth": 64,
     "direct_io": True,
     "buffer_pool_mb": 64,
+    "io_nice": 10,
     "locality": "local",
     "enable_kv_events": False,
 }
@@ -114,6 +119,16 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
             f"secondary tier {tier_type!r}: missing required key(s) {', '.join(missing)}"
         )
     return out
+
+
+def _io_nice(tier_type: str, s: dict[str, Any]) -> int:
+    """The ``io_nice`` key: an integer in 0..19 (Linux's niceness range)."""
+    v = s["io_nice"]
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 19:
+        raise ValueError(
+            f"secondary tier {tier_type!r}: io_nice must be an integer in 0..19, got {v!r}"
+        )
+    return v
 
 
 def _events_on(tier_type: str, spec, asked: bool) -> bool:
@@ -314,6 +329,7 @@ class KvbmDiskTier(_KvbmTier):
             _LOOKUP_RESULTS,
             _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
             tier_type,
+            _io_nice(tier_type, s),
         )
 
 
@@ -332,6 +348,7 @@ OBJECT_KEYS: dict[str, Any] = {
     "probe_threads": 4,
     "max_probes": 256,
     "absent_ttl_s": 5.0,
+    "io_nice": 10,
     "enable_kv_events": False,
 }
 
@@ -398,6 +415,7 @@ class KvbmObjectTier(_KvbmTier):
             _LOOKUP_RESULTS,
             _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
             tier_type,
+            _io_nice(tier_type, s),
         )
         self._probe = None
         if s["shared"]:

@@ -443,3 +443,45 @@ def test_object_tier_configuration_errors(tmp_path, monkeypatch):
         KvbmObjectTier(MagicMock(), view, "kvbm_object", bucket="b")
     with pytest.raises(ValueError, match="unknown key.*'secret_key'"):
         KvbmObjectTier(MagicMock(), view, "kvbm_object", dir=str(tmp_path), secret_key="x")
+
+
+def _transfer_threads():
+    """This process's kvbm move threads: {thread id: nice value}."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("kvbm-transfer"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                # Field 19 is the nice value; the command name (field 2) may hold spaces.
+                out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+    return out
+
+
+def test_the_tiers_moves_run_io_nice_nicer_than_the_scheduler(tmp_path):
+    before = set(_transfer_threads())
+    s = Setup(tmp_path, io_nice=3)
+    s.store(keys("nice", 4), pattern)  # the store's move ran on those threads
+    mine = {t: n for t, n in _transfer_threads().items() if t not in before}
+    assert mine, "the tier started its own move threads"
+    want = min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
+    assert set(mine.values()) == {want}, mine
+    s.manager.shutdown()
+
+
+def test_io_nice_is_checked_and_shared_by_the_tiers_over_one_region(tmp_path):
+    view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
+    for bad in (-1, 20, 1.5, "10", True):
+        with pytest.raises(ValueError, match="io_nice must be an integer in 0..19"):
+            KvbmDiskTier(vllm_spec(), view, "kvbm_disk", path=str(tmp_path / "x"), capacity=4,
+                         io_nice=bad)
+    disk = KvbmDiskTier(vllm_spec(), view, "kvbm_disk", path=str(tmp_path / "d"), capacity=4,
+                        io_nice=5)
+    with pytest.raises(ValueError, match="another kvbm tier over this region.*io_nice 5"):
+        KvbmObjectTier(vllm_spec(), view, "kvbm_object", dir=str(tmp_path / "o"), io_nice=6)
+    same = KvbmObjectTier(vllm_spec(), view, "kvbm_object", dir=str(tmp_path / "o"), io_nice=5)
+    same.shutdown()
+    disk.shutdown()
