@@ -178,6 +178,86 @@ fn disk_tier_evicts_oldest_when_full() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A step's cascaded stores are booked when submitted and start together at the step's end
+/// (`on_schedule_end`), one move for the step's jobs: nothing of them is written before, every
+/// job is reported after, and each key ends up with its own bytes.
+#[test]
+fn a_steps_stores_start_at_its_end_as_one_move() {
+    let path = scratch("g3-step-end");
+    let mut m = manager_over(8, |primary| {
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 16, None).unwrap()
+    });
+    let (a, b) = (ReqContext::new("a"), ReqContext::new("b"));
+    m.on_new_request(&a).unwrap();
+    m.on_new_request(&b).unwrap();
+    store(&mut m, &a, &[0, 1, 2]);
+    store(&mut m, &b, &[3, 4]);
+    std::thread::sleep(Duration::from_millis(50));
+    {
+        let t = m.tier_mut::<DiskTier>(0).unwrap();
+        assert!(t.has_pending_work(), "two store jobs booked");
+        let mut out = Vec::new();
+        t.get_finished_jobs(&mut out);
+        assert!(
+            out.is_empty(),
+            "no store ran before the step's end: {out:?}"
+        );
+        assert_eq!(t.num_ready(), 0);
+        assert_eq!(t.num_inflight(), 2);
+    }
+    settle(&mut m);
+    let keys = [0, 1, 2, 3, 4];
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    assert_eq!(t.num_ready(), 5);
+    assert_registered(t, &keys);
+    // Each key's own bytes come back: evict them from the primary, promote them.
+    let c = ReqContext::new("c");
+    m.on_new_request(&c).unwrap();
+    store(&mut m, &c, &[10, 11, 12, 13, 14, 15, 16, 17]);
+    settle(&mut m);
+    for &i in &keys {
+        assert_eq!(
+            m.lookup(&k(i), &c),
+            LookupResult::HitPending,
+            "{i} in the tier"
+        );
+    }
+    settle(&mut m);
+    for &i in &keys {
+        assert_eq!(m.lookup(&k(i), &c), LookupResult::Hit);
+        assert_eq!(
+            m.primary().chunk(&k(i)).unwrap(),
+            pattern(i).as_slice(),
+            "bytes of {i}"
+        );
+    }
+    m.shutdown().unwrap();
+    let _ = std::fs::remove_file(&path);
+}
+
+/// `drain_jobs` starts the stores still waiting for the step's end before it waits, so a
+/// caller that drains (a cache reset, a shutdown) never waits for a move that was not started.
+#[test]
+fn drain_starts_booked_stores() {
+    let path = scratch("g3-drain");
+    let mut m = manager_over(8, |primary| {
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 16, None).unwrap()
+    });
+    let c = ReqContext::new("r");
+    m.on_new_request(&c).unwrap();
+    store(&mut m, &c, &[0, 1, 2]);
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    t.drain_jobs().unwrap();
+    assert!(!t.has_pending_work());
+    let mut out = Vec::new();
+    t.get_finished_jobs(&mut out);
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert!(out[0].success);
+    assert_eq!(t.num_ready(), 3);
+    assert_registered(t, &[0, 1, 2]);
+    let _ = std::fs::remove_file(&path);
+}
+
 /// The client configuration for the test S3 server.
 fn s3_config(s3: &kvbm_tests::services::S3Service) -> S3Config {
     S3Config {

@@ -532,6 +532,15 @@ impl StorageTier {
             .is_some_and(|l| l.tier.has_pending_work())
     }
 
+    /// The end of a scheduler step: the tier starts the step's stores (kvbm-tiering's
+    /// `PhysicalTier`, "Stores start at the step's end"). vLLM's context is not read.
+    fn on_schedule_end(&mut self) {
+        if let Some(l) = self.tier.lock().as_mut() {
+            l.tier
+                .on_schedule_end(&kvbm_tiering::ScheduleEndContext::default());
+        }
+    }
+
     /// `"chunk_level"` or `"request_level"`.
     fn on_new_request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let c = self.contexts.get(ctx)?;

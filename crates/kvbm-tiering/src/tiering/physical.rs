@@ -20,8 +20,9 @@
 //! submit_store: keys absent → Writing; their MutableBlock<T>s allocated from the bound tier
 //!               in one call (when the manager has too few to give, the oldest ready unread
 //!               keys give way first; keys a tier full of busy ones has no block for are not
-//!               stored) ─ BlockMover ─┬ ok: Ready (holds the registered ImmutableBlock<T>)
-//!                                     └ failed: forgotten
+//!               stored) ─ queued ─ on_schedule_end: the step's stores, one BlockMover move
+//!                                   ─┬ ok: Ready (holds the registered ImmutableBlock<T>)
+//!                                    └ failed: forgotten
 //! submit_load:  every key Ready → readers+1 ─ ExternalMover into the reserved primary slots
 //!               (its task holds the source blocks) ─► readers-1
 //! ```
@@ -36,6 +37,19 @@
 //! probes: the keys' state and their eviction order share one slab (`TierKeys`), probed once
 //! per call that names a key, and a job keeps its keys' places in it, so its completion probes
 //! nothing.
+//!
+//! # Stores start at the step's end
+//!
+//! A store job is booked when it is submitted (its keys Writing, its destination blocks
+//! allocated) but its move starts at the scheduler step's end (`on_schedule_end`), one move
+//! for all the jobs of the step, as vLLM's manager batches a step's promotions. A cascade is
+//! background work whose bytes sit pinned in the primary either way; started mid-step, its
+//! I/O threads took cores from the step itself (on a machine short of cores, several times
+//! the step's own time), and per-job moves paid a task, a checksum task and two journal
+//! appends per request. `drain_jobs` (and so `shutdown`) starts what is queued before it
+//! waits; `has_pending_work` counts queued jobs, so a caller keeps stepping until they ran.
+//! Loads start when submitted: vLLM's manager already submits them at the step's end, and a
+//! request waits for them.
 //!
 //! A key is Ready while the tier holds its `ImmutableBlock<T>`; dropping it (eviction, a copy
 //! that failed verification) returns the block to the manager's inactive pool, from which the
@@ -212,9 +226,19 @@ fn task_outcomes<R, E: std::fmt::Display>(
     .boxed()
 }
 
+/// A move in flight and the jobs it serves: one load, or a step's stores, whose chunks the
+/// move's outcomes list job after job.
 struct Inflight<T: Tier> {
-    meta: JobMeta,
+    jobs: Vec<JobMeta>,
     mv: Move<T>,
+}
+
+/// A store job booked but not started (see "Stores start at the step's end").
+struct Queued<T: Tier> {
+    meta: JobMeta,
+    destinations: Vec<MutableBlock<T>>,
+    /// The primary's chunks, co-indexed with `meta.keys`.
+    slots: Vec<BlockId>,
 }
 
 enum Settled<T: Tier> {
@@ -230,12 +254,12 @@ impl<T: Tier> Inflight<T> {
         }
     }
 
-    fn wait(self) -> (JobMeta, Settled<T>) {
+    fn wait(self) -> (Vec<JobMeta>, Settled<T>) {
         let settled = match self.mv {
             Move::Store(f) => Settled::Store(futures::executor::block_on(f)),
             Move::Load(f) => Settled::Load(futures::executor::block_on(f)),
         };
-        (self.meta, settled)
+        (self.jobs, settled)
     }
 }
 
@@ -259,6 +283,8 @@ pub struct PhysicalTier<T: Tier> {
     /// Every key the tier knows (Writing or Ready) and the Ready keys' eviction order.
     keys: TierKeys<Held<T>>,
     inflight: Vec<Inflight<T>>,
+    /// Store jobs booked this step, started at its end.
+    queued: Vec<Queued<T>>,
     done: Vec<JobResult>,
     detector: Option<BackpressureDetector>,
     failures: HashMap<BlockFailureKind, u64>,
@@ -329,6 +355,7 @@ impl<T: Tier> PhysicalTier<T> {
             owned_layout: None,
             keys: TierKeys::with_capacity(capacity),
             inflight: Vec::new(),
+            queued: Vec::new(),
             done: Vec::new(),
             detector: None,
             failures: HashMap::new(),
@@ -504,7 +531,7 @@ impl<T: Tier> PhysicalTier<T> {
 
     /// Jobs not yet finished.
     pub fn num_inflight(&self) -> usize {
-        self.inflight.len()
+        self.inflight.len() + self.queued.len()
     }
 
     /// The block (slot of a disk tier) holding `key`, when it is Ready.
@@ -575,6 +602,57 @@ impl<T: Tier> PhysicalTier<T> {
 
     fn count(&mut self, f: &BlockFailure) {
         *self.failures.entry(f.kind).or_default() += 1;
+    }
+
+    /// Starts the queued store jobs as one move (see "Stores start at the step's end").
+    fn start_queued(&mut self) {
+        if self.queued.is_empty() {
+            return;
+        }
+        let n: usize = self.queued.iter().map(|q| q.meta.keys.len()).sum();
+        let (mut keys, mut destinations, mut slots) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let mut jobs = Vec::with_capacity(self.queued.len());
+        for q in std::mem::take(&mut self.queued) {
+            keys.extend_from_slice(&q.meta.keys);
+            destinations.extend(q.destinations);
+            slots.extend(q.slots);
+            jobs.push(q.meta);
+        }
+        let mv = self.store_move(keys, destinations, slots);
+        self.inflight.push(Inflight { jobs, mv });
+    }
+
+    /// Reports every job of a settled move: a store's outcomes are its jobs' chunks, job after
+    /// job.
+    fn settle(&mut self, jobs: Vec<JobMeta>, settled: Settled<T>) {
+        match settled {
+            Settled::Store(outcomes) => {
+                let mut outcomes = outcomes.into_iter();
+                for meta in jobs {
+                    let mut mine: Vec<MoveOutcome<T>> =
+                        outcomes.by_ref().take(meta.keys.len()).collect();
+                    // A move reports one outcome per chunk; should one be missing, its chunk
+                    // counts as not stored rather than staying Writing forever.
+                    while mine.len() < meta.keys.len() {
+                        mine.push(Err(BlockFailure::new(
+                            BlockFailureKind::Cancelled,
+                            "the store's move reported no outcome for this chunk",
+                        )));
+                    }
+                    self.finish(meta, Settled::Store(mine));
+                }
+            }
+            Settled::Load(outcomes) => {
+                debug_assert!(jobs.len() == 1, "a load moves for one job");
+                if let Some(meta) = jobs.into_iter().next() {
+                    self.finish(meta, Settled::Load(outcomes));
+                }
+            }
+        }
     }
 
     fn finish(&mut self, meta: JobMeta, settled: Settled<T>) {
@@ -868,11 +946,15 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             self.done.push(JobResult::new(job.job_id, true));
             return;
         }
-        // The keys' digests, the journal's protocol, the transfer and the registration run
-        // with the move's task (`store_move`); the keys stay Writing until it settled.
-        let mv = self.store_move(keys.clone(), destinations, chunks);
+        // The move starts at the step's end with the step's other stores (`start_queued`);
+        // the keys' digests, the journal's protocol, the transfer and the registration run
+        // with its task (`store_move`); the keys stay Writing until it settled.
         let meta = self.meta(&job, keys, nodes);
-        self.inflight.push(Inflight { meta, mv });
+        self.queued.push(Queued {
+            meta,
+            destinations,
+            slots: chunks,
+        });
     }
     fn submit_load(&mut self, job: Arc<TierJob>) {
         // Every key ready (a restored block claimed now counts), one probe per key.
@@ -920,7 +1002,10 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         });
         let mv = Move::Load(task_outcomes(task, n, "load"));
         let meta = self.meta(&job, job.keys.clone(), nodes);
-        self.inflight.push(Inflight { meta, mv });
+        self.inflight.push(Inflight {
+            jobs: vec![meta],
+            mv,
+        });
     }
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
         self.events.as_mut().map(std::mem::take).unwrap_or_default()
@@ -940,7 +1025,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             match self.inflight[i].poll_now() {
                 Some(settled) => {
                     let f = self.inflight.swap_remove(i);
-                    self.finish(f.meta, settled);
+                    self.settle(f.jobs, settled);
                 }
                 None => i += 1,
             }
@@ -948,9 +1033,10 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         out.append(&mut self.done);
     }
     fn drain_jobs(&mut self) -> Result<()> {
+        self.start_queued();
         for f in std::mem::take(&mut self.inflight) {
-            let (meta, settled) = f.wait();
-            self.finish(meta, settled);
+            let (jobs, settled) = f.wait();
+            self.settle(jobs, settled);
         }
         Ok(())
     }
@@ -958,7 +1044,11 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         RequestOffloadingContext::default()
     }
     fn has_pending_work(&self) -> bool {
-        !self.inflight.is_empty()
+        !self.inflight.is_empty() || !self.queued.is_empty()
+    }
+    /// Starts the step's store jobs (see "Stores start at the step's end").
+    fn on_schedule_end(&mut self, _: &crate::types::ScheduleEndContext) {
+        self.start_queued();
     }
     fn shutdown(&mut self) -> Result<()> {
         self.drain_jobs()?;

@@ -266,6 +266,11 @@ class _KvbmTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return self._rs.has_pending_work()
 
+    def on_schedule_end(self, context) -> None:
+        # The step's stores start here, after the step (kvbm's tiers batch them: see
+        # kvbm-tiering's PhysicalTier, "Stores start at the step's end").
+        self._rs.on_schedule_end()
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext(policy=_POLICIES[self._rs.on_new_request(req_context)])
 
