@@ -235,6 +235,39 @@ fn a_steps_stores_start_at_its_end_as_one_move() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A tier that owns its manager books its room itself and lets the move's task free the
+/// victims and allocate: with steps whose moves overlap (each started before the last ones
+/// finished) on a full tier, every booked key still finds its block.
+#[test]
+fn an_owned_tier_finds_a_block_for_every_key_it_booked_across_overlapping_steps() {
+    let path = scratch("g3-overlap");
+    let mut m = manager_over(64, |primary| {
+        PhysicalTier::disk(primary, &DiskConfig::new(&path), 24, None).unwrap()
+    });
+    let c = ReqContext::new("r");
+    m.on_new_request(&c).unwrap();
+    let rounds = 60u64;
+    for r in 0..rounds {
+        store(&mut m, &c, &[r * 4, r * 4 + 1, r * 4 + 2, r * 4 + 3]);
+        end(&mut m); // starts this step's move; the last ones may still be running
+    }
+    settle(&mut m);
+    let t = m.tier_mut::<DiskTier>(0).unwrap();
+    assert_eq!(
+        t.failures(BlockFailureKind::NoSpace),
+        0,
+        "a booked key found no block"
+    );
+    assert!(t.num_ready() <= 24, "{} ready in 24 slots", t.num_ready());
+    let newest: Vec<u64> = ((rounds - 1) * 4..rounds * 4).collect();
+    for &i in &newest {
+        assert_eq!(t.lookup(&k(i), &c), LookupResult::Hit, "newest key {i}");
+    }
+    assert_registered(t, &newest);
+    m.shutdown().unwrap();
+    let _ = std::fs::remove_file(&path);
+}
+
 /// `drain_jobs` starts the stores still waiting for the step's end before it waits, so a
 /// caller that drains (a cache reset, a shutdown) never waits for a move that was not started.
 #[test]

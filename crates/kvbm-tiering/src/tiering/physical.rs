@@ -51,6 +51,19 @@
 //! Loads start when submitted: vLLM's manager already submits them at the step's end, and a
 //! request waits for them.
 //!
+//! # Where a store's blocks come from
+//!
+//! A tier built with its own manager ([`disk`](PhysicalTier::disk),
+//! [`object`](PhysicalTier::object)) counts its room itself: the manager's blocks are its
+//! keys' (Ready or Writing) and its restored ones, so a store books its keys as long as those
+//! fit the manager's size, after the oldest unread keys gave way. The blocks are freed and
+//! allocated by the move's task (dropping the victims, then allocating: kvbm-logical's
+//! eviction and registry work, a cache miss or two per chunk, off the scheduler thread).
+//! Every task finds what its booking counted: a booking never counts another job's victims,
+//! and a task frees its own before it allocates. A tier over a caller's manager, which others
+//! may share, allocates at submission instead, where the manager says what is free; a key
+//! the move finds no block for (a shared manager) is not stored.
+//!
 //! A key is Ready while the tier holds its `ImmutableBlock<T>`; dropping it (eviction, a copy
 //! that failed verification) returns the block to the manager's inactive pool, from which the
 //! manager reuses it. The tier's keys are the source of truth for presence; the manager is
@@ -228,6 +241,65 @@ fn task_outcomes<R, E: std::fmt::Display>(
 
 /// A move in flight and the jobs it serves: one load, or a step's stores, whose chunks the
 /// move's outcomes list job after job.
+/// Up to `n` blocks from `bound`'s manager (fewer when the rest of it is busy, or the manager
+/// is shared and others hold the rest).
+fn allocate_upto<T: Tier>(bound: &BoundTier<T>, n: usize) -> Vec<MutableBlock<T>> {
+    if n == 0 {
+        return Vec::new();
+    }
+    if let Ok(blocks) = bound.allocate(n) {
+        return blocks;
+    }
+    // Short of `n`: as many as the manager gives, one at a time.
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        match bound.allocate(1) {
+            Ok(mut b) => out.append(&mut b),
+            Err(_) => break,
+        }
+    }
+    out
+}
+
+/// A journaled store's move ([`move_recorded`](kvbm_offload::journal::move_recorded): unlist
+/// the slots, write, list what was written), with the xxh3-128 of each source chunk (the
+/// primary's `slots`, co-indexed with `sources`) computed on the runtime's blocking pool
+/// beside it.
+async fn store_recorded<T: Tier>(
+    tm: &Arc<kvbm_physical::TransferManager>,
+    mover: &BlockMover<G2, T>,
+    journal: &DiskJournal,
+    memory: &Arc<PhysicalLayout>,
+    sources: &[MoveSource],
+    destinations: Vec<MutableBlock<T>>,
+    slots: Vec<BlockId>,
+) -> Vec<MoveOutcome<T>> {
+    let hashes: Vec<u128> = sources.iter().map(|s| s.sequence_hash.as_u128()).collect();
+    let memory = memory.clone();
+    let sums = tm.spawn_blocking(move || {
+        hashes
+            .into_iter()
+            .zip(slots)
+            .map(|(h, s)| {
+                let (addr, len) = memory
+                    .block_span(s)
+                    .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0]);
+                // SAFETY: host memory of the primary layout, which outlives the tier; the
+                // job's chunks are pinned by the tiering manager (nothing writes them) until
+                // the job is reported, which waits for this task: the move's task awaits it,
+                // and a job is reported only once that task settled (`get_finished_jobs`,
+                // `drain_jobs`; dropping the tier waits for it too).
+                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                (h, kvbm_physical::checksum::checksum(bytes))
+            })
+            .collect::<Vec<(u128, u128)>>()
+    });
+    // A checksum task that could not run (the runtime going away) lists nothing: the chunks
+    // stay readable for this run, as when the journal cannot be appended.
+    let sums = async { sums.await.unwrap_or_default() };
+    kvbm_offload::journal::move_recorded(mover, journal, sources, destinations, sums).await
+}
+
 struct Inflight<T: Tier> {
     jobs: Vec<JobMeta>,
     mv: Move<T>,
@@ -236,7 +308,11 @@ struct Inflight<T: Tier> {
 /// A store job booked but not started (see "Stores start at the step's end").
 struct Queued<T: Tier> {
     meta: JobMeta,
+    /// The blocks of the first keys, allocated at submission (a caller's manager); the move's
+    /// task allocates the rest (see "Where a store's blocks come from").
     destinations: Vec<MutableBlock<T>>,
+    /// Blocks of keys that gave way for this job's, dropped by the move's task.
+    victims: Vec<ImmutableBlock<T>>,
     /// The primary's chunks, co-indexed with `meta.keys`.
     slots: Vec<BlockId>,
 }
@@ -392,52 +468,60 @@ impl<T: Tier> PhysicalTier<T> {
     /// blocking pool beside the move. None of it runs on the caller's (the scheduler's)
     /// thread, where a job of many small chunks would cost the step a digest, a journal
     /// record, a claim and a registration per chunk; the caller polls the task's handle.
+    ///
+    /// `destinations` are the first keys' blocks; the task allocates the rest from the tier's
+    /// manager after dropping `victims` (the blocks of the keys that gave way for them: see
+    /// "Where a store's blocks come from"). A key left without a block is not stored: its
+    /// outcome is a `NoSpace` failure, which [`finish`](Self::finish) forgets quietly.
     fn store_move(
         &self,
         keys: Vec<OffloadKey>,
-        destinations: Vec<MutableBlock<T>>,
-        slots: Vec<BlockId>,
+        mut destinations: Vec<MutableBlock<T>>,
+        victims: Vec<ImmutableBlock<T>>,
+        mut slots: Vec<BlockId>,
     ) -> Move<T> {
         let tm = self.bound.transfer_manager().clone();
         let mover = self.store.clone();
+        let bound = self.bound.clone();
         let block_size = self.bound.manager().block_size();
         let n = keys.len();
         let journal = self.journal.clone();
         let memory = self.primary_memory.clone();
         let task = tm.clone().spawn_io(async move {
-            let sources: Vec<MoveSource> = keys
+            // Victims first: their blocks go inactive, where the allocation finds them.
+            drop(victims);
+            if destinations.len() < n {
+                destinations.extend(allocate_upto(&bound, n - destinations.len()));
+            }
+            let m = destinations.len();
+            slots.truncate(m);
+            let sources: Vec<MoveSource> = keys[..m]
                 .iter()
                 .zip(&slots)
                 .map(|(k, &c)| move_source(key_digest(k), c, block_size))
                 .collect();
-            let Some(journal) = journal else {
-                return mover.move_blocks(&sources, destinations).await;
+            let mut outcomes = match journal {
+                None => mover.move_blocks(&sources, destinations).await,
+                Some(journal) => {
+                    store_recorded(
+                        &tm,
+                        &mover,
+                        &journal,
+                        &memory,
+                        &sources,
+                        destinations,
+                        slots,
+                    )
+                    .await
+                }
             };
-            let hashes: Vec<u128> = sources.iter().map(|s| s.sequence_hash.as_u128()).collect();
-            let sums = tm.spawn_blocking(move || {
-                hashes
-                    .into_iter()
-                    .zip(slots)
-                    .map(|(h, s)| {
-                        let (addr, len) = memory
-                            .block_span(s)
-                            .unwrap_or_else(|| memory.block_addrs(s, 0..1)[0]);
-                        // SAFETY: host memory of the primary layout, which outlives the tier;
-                        // the job's chunks are pinned by the tiering manager (nothing writes
-                        // them) until the job is reported, which waits for this task: the
-                        // move's task awaits it, and a job is reported only once that task
-                        // settled (`get_finished_jobs`, `drain_jobs`; dropping the tier waits
-                        // for it too).
-                        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                        (h, kvbm_physical::checksum::checksum(bytes))
-                    })
-                    .collect::<Vec<(u128, u128)>>()
-            });
-            // A checksum task that could not run (the runtime going away) lists nothing: the
-            // chunks stay readable for this run, as when the journal cannot be appended.
-            let sums = async { sums.await.unwrap_or_default() };
-            kvbm_offload::journal::move_recorded(&mover, &journal, &sources, destinations, sums)
-                .await
+            outcomes.extend((m..n).map(|_| {
+                Err(BlockFailure::new(
+                    BlockFailureKind::NoSpace,
+                    "no block of the tier was free for it",
+                ))
+            }));
+            outcomes
         });
         // A store's task that could not finish dropped its destinations unregistered.
         Move::Store(task_outcomes(task, n, "store"))
@@ -553,7 +637,7 @@ impl<T: Tier> PhysicalTier<T> {
             return Vec::new();
         }
         let mut room = self.bound.manager().available_blocks();
-        while room < n && self.give_way() {
+        while room < n && self.give_way(None) {
             room += 1;
         }
         let want = n.min(room);
@@ -566,26 +650,50 @@ impl<T: Tier> PhysicalTier<T> {
         while out.len() < want {
             match self.bound.allocate(1) {
                 Ok(mut b) => out.append(&mut b),
-                Err(_) if self.give_way() => {}
+                Err(_) if self.give_way(None) => {}
                 Err(_) => break,
             }
         }
         out
     }
 
-    /// Frees one block for the manager to reuse: a restored block nobody claimed, else the
-    /// oldest ready key nobody is reading (its block goes inactive). `false`: none can go.
-    fn give_way(&mut self) -> bool {
-        if let Some(h) = self.restored.keys().next().copied() {
-            self.restored.remove(&h);
-            return true;
+    /// Room for the `n` keys a store just made Writing (already among the tier's keys): how
+    /// many of them get a block; their blocks where they are allocated now (a caller's
+    /// manager); and the blocks of the keys that gave way for them, which the move's task
+    /// drops before it allocates (the tier's own manager). See "Where a store's blocks come
+    /// from".
+    fn book(&mut self, n: usize) -> (usize, Vec<MutableBlock<T>>, Vec<ImmutableBlock<T>>) {
+        if self.owned_layout.is_none() {
+            let blocks = self.allocate(n);
+            return (blocks.len(), blocks, Vec::new());
         }
-        let Some(victim) = self.keys.oldest_unread() else {
-            return false;
+        // The manager is the tier's alone: its blocks are the keys' (Ready or Writing) and the
+        // restored ones, so the room is counted here, with no probe of the manager.
+        let cap = self.bound.manager().total_blocks();
+        let mut victims = Vec::new();
+        while self.keys.len() + self.restored.len() > cap && self.give_way(Some(&mut victims)) {}
+        let over = (self.keys.len() + self.restored.len()).saturating_sub(cap);
+        (n.saturating_sub(over), Vec::new(), victims)
+    }
+
+    /// Frees one block for the manager to reuse: a restored block nobody claimed, else the
+    /// oldest ready key nobody is reading (its block goes inactive when dropped: here, or,
+    /// given `victims`, by whoever drops that). `false`: none can go.
+    fn give_way(&mut self, victims: Option<&mut Vec<ImmutableBlock<T>>>) -> bool {
+        let block = if let Some(h) = self.restored.keys().next().copied() {
+            self.restored.remove(&h)
+        } else {
+            let Some(victim) = self.keys.oldest_unread() else {
+                return false;
+            };
+            let key = *self.keys.key(victim);
+            let node = self.keys.remove(victim);
+            self.event(vec![key], true);
+            node.block.map(|h| h.block)
         };
-        let key = *self.keys.key(victim);
-        drop(self.keys.remove(victim));
-        self.event(vec![key], true);
+        if let (Some(v), Some(b)) = (victims, block) {
+            v.push(b);
+        }
         true
     }
 
@@ -615,14 +723,20 @@ impl<T: Tier> PhysicalTier<T> {
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
+        let mut victims = Vec::new();
         let mut jobs = Vec::with_capacity(self.queued.len());
+        // A tier's jobs all allocate at submission (a caller's manager: every key has its
+        // block) or all in the move (its own manager: none has), so the blocks stay the first
+        // keys' when concatenated.
         for q in std::mem::take(&mut self.queued) {
+            debug_assert!(q.destinations.is_empty() || q.destinations.len() == q.meta.keys.len());
             keys.extend_from_slice(&q.meta.keys);
             destinations.extend(q.destinations);
+            victims.extend(q.victims);
             slots.extend(q.slots);
             jobs.push(q.meta);
         }
-        let mv = self.store_move(keys, destinations, slots);
+        let mv = self.store_move(keys, destinations, victims, slots);
         self.inflight.push(Inflight { jobs, mv });
     }
 
@@ -658,6 +772,9 @@ impl<T: Tier> PhysicalTier<T> {
     fn finish(&mut self, meta: JobMeta, settled: Settled<T>) {
         let mut ok_keys = Vec::with_capacity(meta.keys.len());
         let mut dropped = Vec::new();
+        // Keys a store found no block for (a caller's manager others filled): not stored, as
+        // a key the booking had no room for, and no failure of the job.
+        let mut not_stored = 0;
         let promotion = matches!(settled, Settled::Load(_));
         match settled {
             Settled::Store(outcomes) => {
@@ -670,6 +787,12 @@ impl<T: Tier> PhysicalTier<T> {
                             let digest = block.digest().unwrap_or_else(|| key_digest(k));
                             self.keys.set_ready(n, Held { block, digest });
                             ok_keys.push(*k);
+                        }
+                        Err(f) if f.kind == BlockFailureKind::NoSpace => {
+                            tracing::debug!(key = %k, "no block of the tier was free; not stored");
+                            self.count(&f);
+                            not_stored += 1;
+                            self.keys.remove(n);
                         }
                         Err(f) => {
                             tracing::warn!(key = %k, kind = f.kind.as_str(), error = %f, "secondary write failed");
@@ -711,7 +834,7 @@ impl<T: Tier> PhysicalTier<T> {
             }
         }
         self.event(dropped, true);
-        let success = ok_keys.len() == meta.keys.len();
+        let success = ok_keys.len() + not_stored == meta.keys.len();
         self.done.push(JobResult {
             job_id: meta.job_id,
             success,
@@ -928,21 +1051,22 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
             keys.push(*k);
             chunks.push(c as BlockId);
         }
-        let destinations = self.allocate(keys.len());
-        if destinations.len() < keys.len() {
+        let (booked, destinations, victims) = self.book(keys.len());
+        if booked < keys.len() {
             // The rest of the tier is busy (being written or read): the keys without a
             // block are not stored.
             tracing::debug!(
-                dropped = keys.len() - destinations.len(),
+                dropped = keys.len() - booked,
                 "secondary tier full of busy keys; stores dropped"
             );
-            for n in nodes.drain(destinations.len()..) {
+            for n in nodes.drain(booked..) {
                 self.keys.remove(n);
             }
-            keys.truncate(destinations.len());
-            chunks.truncate(destinations.len());
+            keys.truncate(booked);
+            chunks.truncate(booked);
         }
         if keys.is_empty() {
+            drop(victims);
             self.done.push(JobResult::new(job.job_id, true));
             return;
         }
@@ -953,6 +1077,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         self.queued.push(Queued {
             meta,
             destinations,
+            victims,
             slots: chunks,
         });
     }

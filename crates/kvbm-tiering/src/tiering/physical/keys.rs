@@ -164,6 +164,11 @@ impl<B> TierKeys<B> {
         None
     }
 
+    /// Keys the tier knows (Ready or Writing).
+    pub(super) fn len(&self) -> usize {
+        self.index.len()
+    }
+
     /// Ready keys.
     pub(super) fn num_ready(&self) -> usize {
         self.ready.len as usize
