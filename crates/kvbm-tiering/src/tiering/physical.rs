@@ -17,10 +17,10 @@
 //! # Bookkeeping (scheduler thread only)
 //!
 //! ```text
-//! submit_store: keys absent → Writing; their MutableBlock<T>s allocated from the bound tier
-//!               in one call (when the manager has too few to give, the oldest ready unread
-//!               keys give way first; keys a tier full of busy ones has no block for are not
-//!               stored) ─ queued ─ on_schedule_end: the step's stores, one BlockMover move
+//! submit_store: keys absent → Writing, room found for them (the oldest ready unread keys give
+//!               way first; keys a tier full of busy ones has no room for are not stored)
+//!               ─ booked ─ on_schedule_end: the step's stores, one task: victims dropped,
+//!               MutableBlock<T>s allocated, one BlockMover move
 //!                                   ─┬ ok: Ready (holds the registered ImmutableBlock<T>)
 //!                                    └ failed: forgotten
 //! submit_load:  every key Ready → readers+1 ─ ExternalMover into the reserved primary slots
@@ -40,8 +40,8 @@
 //!
 //! # Stores start at the step's end
 //!
-//! A store job is booked when it is submitted (its keys Writing, its destination blocks
-//! allocated) but its move starts at the scheduler step's end (`on_schedule_end`), one move
+//! A store job is booked when it is submitted (its keys Writing, its room found: see "Where a
+//! store's blocks come from") but its move starts at the scheduler step's end (`on_schedule_end`), one move
 //! for all the jobs of the step, as vLLM's manager batches a step's promotions. A cascade is
 //! background work whose bytes sit pinned in the primary either way; started mid-step, its
 //! I/O threads took cores from the step itself (on a machine short of cores, several times
@@ -239,8 +239,6 @@ fn task_outcomes<R, E: std::fmt::Display>(
     .boxed()
 }
 
-/// A move in flight and the jobs it serves: one load, or a step's stores, whose chunks the
-/// move's outcomes list job after job.
 /// Up to `n` blocks from `bound`'s manager (fewer when the rest of it is busy, or the manager
 /// is shared and others hold the rest).
 fn allocate_upto<T: Tier>(bound: &BoundTier<T>, n: usize) -> Vec<MutableBlock<T>> {
@@ -300,6 +298,8 @@ async fn store_recorded<T: Tier>(
     kvbm_offload::journal::move_recorded(mover, journal, sources, destinations, sums).await
 }
 
+/// A move in flight and the jobs it serves: one load, or a step's stores, whose chunks the
+/// move's outcomes list job after job.
 struct Inflight<T: Tier> {
     jobs: Vec<JobMeta>,
     mv: Move<T>,
