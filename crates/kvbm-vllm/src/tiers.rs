@@ -155,7 +155,12 @@ fn primary_over(
         worker_nice: io_nice,
         ..TransferConfig::default()
     })
-    .map_err(|e| PyValueError::new_err(format!("io_nice: {e}")))?;
+    .map_err(|e| match e {
+        kvbm_physical::PhysicalError::InvalidArgument(m) => {
+            PyValueError::new_err(format!("io_nice: {m}"))
+        }
+        other => PyRuntimeError::new_err(format!("cannot start kvbm's I/O threads: {other}")),
+    })?;
     let tm = Arc::new(tm);
     let primary = CpuPrimaryTier::over_memory(
         CpuManagerConfig::new(num_chunks),
