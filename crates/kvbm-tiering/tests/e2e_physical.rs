@@ -162,9 +162,7 @@ fn disk_tier_round_trip_bytes_verified() {
 #[test]
 fn disk_tier_evicts_oldest_when_full() {
     let path = scratch("g3-small");
-    let mut m = manager_over(4, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(&path), 2, None).unwrap()
-    });
+    let mut m = disk_manager(&path, 4, 2);
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1]);
@@ -184,11 +182,10 @@ fn disk_tier_evicts_oldest_when_full() {
 #[test]
 fn a_steps_stores_start_at_its_end_as_one_move() {
     let path = scratch("g3-step-end");
-    let mut m = manager_over(8, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(&path), 16, None).unwrap()
-    });
-    let (a, b) = (ReqContext::new("a"), ReqContext::new("b"));
+    let mut m = disk_manager(&path, 8, 16);
+    let a = ReqContext::new("a");
     m.on_new_request(&a).unwrap();
+    let b = ReqContext::new("b");
     m.on_new_request(&b).unwrap();
     store(&mut m, &a, &[0, 1, 2]);
     store(&mut m, &b, &[3, 4]);
@@ -241,9 +238,7 @@ fn a_steps_stores_start_at_its_end_as_one_move() {
 #[test]
 fn an_owned_tier_finds_a_block_for_every_key_it_booked_across_overlapping_steps() {
     let path = scratch("g3-overlap");
-    let mut m = manager_over(64, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(&path), 24, None).unwrap()
-    });
+    let mut m = disk_manager(&path, 64, 24);
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     let rounds = 60u64;
@@ -273,9 +268,7 @@ fn an_owned_tier_finds_a_block_for_every_key_it_booked_across_overlapping_steps(
 #[test]
 fn drain_starts_booked_stores() {
     let path = scratch("g3-drain");
-    let mut m = manager_over(8, |primary| {
-        PhysicalTier::disk(primary, &DiskConfig::new(&path), 16, None).unwrap()
-    });
+    let mut m = disk_manager(&path, 8, 16);
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1, 2]);
@@ -345,9 +338,10 @@ fn corrupted_disk_chunk_is_never_served() {
     let _ = std::fs::remove_file(&path);
 }
 
-/// The primary tier and a tiering manager over one disk tier of `slots` slots in `path`.
-fn disk_manager(path: &std::path::Path, slots: usize) -> TieringOffloadingManager {
-    manager_over(2, |primary| {
+/// A tiering manager over a primary of `chunks` chunks and one disk tier of `slots` slots in
+/// `path`.
+fn disk_manager(path: &std::path::Path, chunks: usize, slots: usize) -> TieringOffloadingManager {
+    manager_over(chunks, |primary| {
         PhysicalTier::disk(primary, &DiskConfig::new(path), slots, None).unwrap()
     })
 }
@@ -355,7 +349,7 @@ fn disk_manager(path: &std::path::Path, slots: usize) -> TieringOffloadingManage
 #[test]
 fn corrupt_slot_is_a_checksum_failure_that_drops_only_that_copy() {
     let path = scratch("g3-one-corrupt");
-    let mut m = disk_manager(&path, 8);
+    let mut m = disk_manager(&path, 2, 8);
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     store(&mut m, &c, &[0, 1]);
@@ -556,7 +550,7 @@ fn disk_tier_restarts_warm_from_its_journal() {
     let journal = path.with_extension("journal");
     let _ = std::fs::remove_file(&journal);
     {
-        let mut m = disk_manager(&path, 8);
+        let mut m = disk_manager(&path, 2, 8);
         let c = ReqContext::new("first run");
         m.on_new_request(&c).unwrap();
         store(&mut m, &c, &[0, 1]); // the primary holds two chunks
@@ -585,7 +579,7 @@ fn disk_tier_restarts_warm_from_its_journal() {
         }
     }
 
-    let mut m = disk_manager(&path, 8);
+    let mut m = disk_manager(&path, 2, 8);
     let t = m.tier_mut::<DiskTier>(0).unwrap();
     assert_eq!(t.num_restored(), 4, "every completed chunk is listed");
     assert_eq!(
@@ -619,7 +613,7 @@ fn disk_tier_restarts_warm_from_its_journal() {
     // never served (the journal unlists them).
     let len = std::fs::metadata(&path).unwrap().len() as usize;
     std::fs::write(&path, vec![0x5Au8; len]).unwrap();
-    let mut m = disk_manager(&path, 8);
+    let mut m = disk_manager(&path, 2, 8);
     let c = ReqContext::new("third run");
     m.on_new_request(&c).unwrap();
     assert_eq!(m.lookup(&k(1), &c), LookupResult::HitPending);

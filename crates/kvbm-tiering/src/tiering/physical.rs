@@ -41,8 +41,9 @@
 //! # Stores start at the step's end
 //!
 //! A store job is booked when it is submitted (its keys Writing, its room found: see "Where a
-//! store's blocks come from") but its move starts at the scheduler step's end (`on_schedule_end`), one move
-//! for all the jobs of the step, as vLLM's manager batches a step's promotions. A cascade is
+//! store's blocks come from") but its move starts at the scheduler step's end
+//! (`on_schedule_end`), one move for all the jobs of the step, as vLLM's manager batches a
+//! step's promotions. A cascade is
 //! background work whose bytes sit pinned in the primary either way; started mid-step, its
 //! I/O threads took cores from the step itself (on a machine short of cores, several times
 //! the step's own time), and per-job moves paid a task, a checksum task and two journal
@@ -641,18 +642,12 @@ impl<T: Tier> PhysicalTier<T> {
             room += 1;
         }
         let want = n.min(room);
-        if let Ok(blocks) = self.bound.allocate(want) {
-            return blocks;
-        }
-        // The manager counted a block it could not give yet (a release still in flight, or a
-        // caller's manager shared with someone else): one at a time, as many as it gives.
-        let mut out = Vec::with_capacity(want);
-        while out.len() < want {
-            match self.bound.allocate(1) {
-                Ok(mut b) => out.append(&mut b),
-                Err(_) if self.give_way(None) => {}
-                Err(_) => break,
-            }
+        // The manager may have counted a block it could not give yet (a release still in
+        // flight, or a caller's manager shared with someone else): another key gives way each
+        // time it falls short.
+        let mut out = allocate_upto(&self.bound, want);
+        while out.len() < want && self.give_way(None) {
+            out.extend(allocate_upto(&self.bound, want - out.len()));
         }
         out
     }
