@@ -614,7 +614,7 @@ impl<T: Tier> PhysicalTier<T> {
         self.keys.num_ready()
     }
 
-    /// Jobs not yet finished.
+    /// Jobs not yet finished: moving, or booked for the step's end.
     pub fn num_inflight(&self) -> usize {
         self.inflight.len() + self.queued.len()
     }
@@ -1164,7 +1164,7 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
         RequestOffloadingContext::default()
     }
     fn has_pending_work(&self) -> bool {
-        !self.inflight.is_empty() || !self.queued.is_empty()
+        self.num_inflight() > 0
     }
     /// Starts the step's store jobs (see "Stores start at the step's end").
     fn on_schedule_end(&mut self, _: &crate::types::ScheduleEndContext) {
