@@ -235,6 +235,11 @@ fn a_steps_stores_start_at_its_end_as_one_move() {
 /// A tier that owns its manager books its room itself and lets the move's task free the
 /// victims and allocate: with steps whose moves overlap (each started before the last ones
 /// finished) on a full tier, every booked key still finds its block.
+///
+/// How many of the overlapping rounds are stored depends on the machine: a round booked while
+/// the tier is full of keys still being written is not stored (by design: see `submit_store`).
+/// The last round is booked once the others settled, so the tier has room for it whatever
+/// the timing, and its keys must be readable.
 #[test]
 fn an_owned_tier_finds_a_block_for_every_key_it_booked_across_overlapping_steps() {
     let path = scratch("g3-overlap");
@@ -242,10 +247,18 @@ fn an_owned_tier_finds_a_block_for_every_key_it_booked_across_overlapping_steps(
     let c = ReqContext::new("r");
     m.on_new_request(&c).unwrap();
     let rounds = 60u64;
-    for r in 0..rounds {
-        store(&mut m, &c, &[r * 4, r * 4 + 1, r * 4 + 2, r * 4 + 3]);
+    let round = |r: u64| [r * 4, r * 4 + 1, r * 4 + 2, r * 4 + 3];
+    for r in 0..rounds - 1 {
+        store(&mut m, &c, &round(r));
         end(&mut m); // starts this step's move; the last ones may still be running
     }
+    settle(&mut m);
+    {
+        let t = m.tier_mut::<DiskTier>(0).unwrap();
+        assert_eq!(t.num_inflight(), 0, "settled");
+        assert!(t.num_ready() <= 24, "{} ready in 24 slots", t.num_ready());
+    }
+    store(&mut m, &c, &round(rounds - 1));
     settle(&mut m);
     let t = m.tier_mut::<DiskTier>(0).unwrap();
     assert_eq!(
