@@ -5,11 +5,11 @@ processes that never run a manager, so nothing here loads the Rust extension or 
 class is used. ``kvbm_vllm.upstream_compat`` holds the classes that stand where vLLM's own do.
 """
 
-import logging
+from kvbm_vllm.log import logger
 
 __all__ = ["extension", "register", "TIER_TYPES"]
 
-_log = logging.getLogger("kvbm_vllm")
+_log = logger
 
 #: kvbm's secondary tier types for vLLM's ``TieringOffloadingSpec``: type -> (module, class).
 TIER_TYPES = {

@@ -38,47 +38,27 @@ from typing import Any
 
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvbm_vllm.contract import SUPPORTED, installed
+from kvbm_vllm.log import logger
+
 __all__ = ["KvbmOffloadingSpec", "KVBM_KEYS", "SUPPORTED_VLLM", "check_vllm_version"]
 
-#: The vLLM release line whose OffloadingManager contract kvbm's managers follow.
-SUPPORTED_VLLM = (0, 33)
+#: The vLLM release lines whose offloading contract kvbm's managers follow (``contract``).
+SUPPORTED_VLLM = SUPPORTED
 
 
 def check_vllm_version() -> str | None:
-    """The running vLLM's version; a RuntimeError naming it when it is not the supported
-    release line (kvbm's managers follow vLLM 0.33's contract call for call, another line's
-    may differ). ``None`` when vLLM carries no version (a source tree without its package
-    metadata, as the test harness extracts): the contract cannot be checked then, which is
-    logged."""
-    import vllm
+    """The running vLLM's version; :class:`~kvbm_vllm.contract.UnsupportedVllm` (a
+    RuntimeError) naming it and the supported versions when kvbm does not follow its release
+    line. ``None`` when vLLM carries no version (a source tree without its package metadata,
+    as vLLM's own tests run from): the contract is then read from vLLM's API, and logged."""
+    contract = installed()
+    if contract.version is None:
+        logger.info(
+            "vLLM's version is unknown (no vllm.__version__ or package metadata); its "
+            "modules implement the %s offloading contract, which kvbm follows", contract.name)
+    return contract.version
 
-    version = getattr(vllm, "__version__", None)
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("vllm")
-        except Exception:  # noqa: BLE001 - no distribution metadata
-            version = None
-    if version is None:
-        import logging
-
-        logging.getLogger("kvbm_vllm").info(
-            "kvbm_vllm: vLLM's version is unknown (no vllm.__version__ or package metadata); "
-            "assuming its %d.%d offloading contract", *SUPPORTED_VLLM)
-        return None
-    parts = version.split(".")
-    try:
-        line = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        line = None
-    if line != SUPPORTED_VLLM:
-        raise RuntimeError(
-            f"kvbm-vllm follows vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}'s offloading "
-            f"contract; this is vLLM {version}. Install vllm=={SUPPORTED_VLLM[0]}."
-            f"{SUPPORTED_VLLM[1]}.* or a kvbm-vllm built for {version}."
-        )
-    return version
 
 #: kvbm's own keys in ``kv_connector_extra_config``, with their defaults.
 KVBM_KEYS: dict[str, Any] = {

@@ -62,7 +62,6 @@ or its copy was dropped because a read proved it bad.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections import OrderedDict
@@ -86,6 +85,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbm_vllm import extension
+from kvbm_vllm.log import child
 
 __all__ = ["KvbmDiskTier", "KvbmObjectTier", "DISK_KEYS", "OBJECT_KEYS", "standalone_spec"]
 
@@ -357,7 +357,7 @@ OBJECT_KEYS: dict[str, Any] = {
     "enable_kv_events": False,
 }
 
-_log = logging.getLogger("kvbm_vllm.tiers")
+_log = child("tiers")
 
 
 class KvbmObjectTier(_KvbmTier):

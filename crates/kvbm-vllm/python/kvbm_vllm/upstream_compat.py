@@ -17,7 +17,6 @@ its secondary tiers are kvbm's own, driven in Rust, or any Python ``SecondaryTie
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -53,10 +52,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import numpy as np
 
 from kvbm_vllm import extension
+from kvbm_vllm.contract import installed
+from kvbm_vllm.log import logger
 
 __all__ = ["CPUOffloadingManager", "CPUPrimaryTierOffloadingManager", "TieringOffloadingManager"]
 
-_log = logging.getLogger("kvbm_vllm")
+_log = logger
 
 _LOOKUP_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _POLICIES = {"chunk_level": OffloadPolicy.CHUNK_LEVEL, "request_level": OffloadPolicy.REQUEST_LEVEL}
@@ -578,6 +579,14 @@ class CPUOffloadingManager(OffloadingManager):
         self._rs.reset_cache()
 
     def has_pending_work(self) -> bool:
+        if self._polled_tiers and self._contract.poll_backs_off:
+            # 0.34: what a live poll thread finishes by itself does not keep the engine
+            # stepping; without one, or with another tier a peer's lookup can promote from,
+            # only a step makes progress.
+            thread = self._tier_poll_thread
+            if thread is None or not thread.is_alive() or len(self.secondary_tiers) > 1:
+                return True
+            return any(parked for *_, parked in self._rs.request_states())
         return self._rs.has_pending_work()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -733,6 +742,7 @@ class TieringOffloadingManager(OffloadingManager):
                 "kvbm's TieringOffloadingManager needs kvbm's CPUPrimaryTierOffloadingManager "
                 f"(kvbm_vllm.upstream_compat) as its primary tier, got {type(primary_tier).__name__}"
             )
+        self._contract = installed()
         self._lock = threading.Lock()
         self.primary_tier = primary_tier
         self.secondary_tiers = list(secondary_tiers or [])
@@ -783,38 +793,71 @@ class TieringOffloadingManager(OffloadingManager):
             self._tier_poll_thread = None
 
     def _tier_poll_loop(self) -> None:
+        """vLLM's tier-poll loop, as the installed release runs it: a round under ``lock``
+        every ``tier_poll_interval_s``; after sustained failure 0.33 stops (``on_schedule_end``
+        still serves the tiers), 0.34 backs off to ``max(interval, 1 s)`` and keeps serving
+        peers, logging one traceback per failure run and one-line summaries after. vLLM's
+        module constants and ``logger`` are read live (its tests patch them)."""
+        backs_off = self._contract.poll_backs_off
         stalled_since = None
         failing_since = None
+        failures = 0
         last_error_log = 0.0
+        backing_off = False
+        if backs_off:
+            backoff_s = max(self._tier_poll_interval_s, _vllm_tiering._TIER_POLL_BACKOFF_S)
         while not self._tier_poll_stop.is_set():
             if not self._lock.acquire(timeout=_vllm_tiering._TIER_POLL_LOCK_TIMEOUT_S):
                 now = time.monotonic()
                 if stalled_since is None:
                     stalled_since = now
                 elif now - stalled_since > _vllm_tiering._TIER_POLL_STALL_WARN_S:
-                    _log.warning("KV offload tier-poll thread has not acquired the manager "
-                                 "lock for %.0fs", now - stalled_since)
+                    _vllm_tiering.logger.warning(
+                        "KV offload tier-poll thread has not acquired the manager lock for "
+                        "%.0fs", now - stalled_since)
                     stalled_since = None
                 continue
             stalled_since = None
             try:
                 self.poll_tiers()
                 failing_since = None
+                failures = 0
             except Exception:
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
+                failures += 1
                 if now - last_error_log >= _vllm_tiering._TIER_POLL_ERROR_LOG_INTERVAL_S:
                     last_error_log = now
-                    _log.exception("KV offload tier-poll round failed")
+                    if not backs_off or failures == 1:
+                        _vllm_tiering.logger.exception("KV offload tier-poll round failed")
+                    else:
+                        _vllm_tiering.logger.warning(
+                            "KV offload tier-poll thread has failed %d consecutive rounds "
+                            "(%.0fs); still retrying so peers are served while the engine is "
+                            "idle.", failures, now - failing_since)
             finally:
                 self._lock.release()
-            if (failing_since is not None
-                    and time.monotonic() - failing_since >= _vllm_tiering._TIER_POLL_GIVE_UP_AFTER_S):
-                _log.error("KV offload tier-poll thread stopping after %.0fs of consecutive "
-                           "failures; falling back to per-step servicing.",
-                           _vllm_tiering._TIER_POLL_GIVE_UP_AFTER_S)
-                return
+            if not backs_off:
+                if (failing_since is not None and time.monotonic() - failing_since
+                        >= _vllm_tiering._TIER_POLL_GIVE_UP_AFTER_S):
+                    _vllm_tiering.logger.error(
+                        "KV offload tier-poll thread stopping after %.0fs of consecutive "
+                        "failures; falling back to per-step servicing.",
+                        _vllm_tiering._TIER_POLL_GIVE_UP_AFTER_S)
+                    return
+            elif (failing_since is not None and time.monotonic() - failing_since
+                    >= _vllm_tiering._TIER_POLL_BACK_OFF_AFTER_S):
+                if not backing_off:
+                    _vllm_tiering.logger.error(
+                        "KV offload tier-poll thread backing off to %.1fs after %.0fs of "
+                        "consecutive failures; it keeps retrying so peers are still served "
+                        "while the engine is idle.",
+                        backoff_s, _vllm_tiering._TIER_POLL_BACK_OFF_AFTER_S)
+                    backing_off = True
+                self._tier_poll_stop.wait(backoff_s)
+                continue
+            backing_off = False
             self._tier_poll_stop.wait(self._tier_poll_interval_s)
 
     def poll_tiers(self) -> None:
@@ -861,6 +904,14 @@ class TieringOffloadingManager(OffloadingManager):
         self._rs.on_schedule_end(context)
 
     def has_pending_work(self) -> bool:
+        if self._polled_tiers and self._contract.poll_backs_off:
+            # 0.34: what a live poll thread finishes by itself does not keep the engine
+            # stepping; without one, or with another tier a peer's lookup can promote from,
+            # only a step makes progress.
+            thread = self._tier_poll_thread
+            if thread is None or not thread.is_alive() or len(self.secondary_tiers) > 1:
+                return True
+            return any(parked for *_, parked in self._rs.request_states())
         return self._rs.has_pending_work()
 
     def take_events(self) -> Iterable[OffloadingEvent]:

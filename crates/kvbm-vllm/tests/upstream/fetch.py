@@ -1,4 +1,4 @@
-"""Fetch vLLM's source distribution, pinned by sha256, and extract the few files we run.
+"""Fetch vLLM's source distributions, pinned by sha256, and extract the few files we run.
 
 Why an sdist and not the wheel: the wheel carries no tests. The sdist
 (`vllm-<version>.tar.gz` on the Python package index) carries both the package
@@ -39,19 +39,36 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-# --- the pin ----------------------------------------------------------------------------
-VLLM_VERSION = "0.33.0"
-SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
-# sha256 of vllm-0.33.0.tar.gz as published on pypi.org (simple API, 47101396 bytes,
-# uploaded 2026-11-02). Verified on download and on every run against the cached copy.
-SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
-SDIST_SIZE = 47101396
+# --- the pins ---------------------------------------------------------------------------
+# kvbm supports the current and the previous vLLM minor release; each has its sdist pinned
+# here by sha256 and size as published on pypi.org (simple API). Verified on download and on
+# every run against the cached copy.
+PINS = {
+    # uploaded 2026-11-02
+    "0.33.0": ("f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112", 47101396),
+    # uploaded 2026-11-16
+    "0.34.0": ("fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113", 50892813),
+}
+#: The version a call without one means (the older supported line, the one the Python
+#: replay and the GPU check were written against).
+DEFAULT_VERSION = "0.33.0"
 DEFAULT_INDEX = "https://pypi.org/simple"
+
+
+def sdist_name(version):
+    return f"vllm-{version}.tar.gz"
+
+
+def pin(version):
+    """(sha256, size) of `version`'s sdist; FetchError for a version with no pin."""
+    try:
+        return PINS[version]
+    except KeyError:
+        raise FetchError(f"no pin for vLLM {version}; pinned: {', '.join(PINS)}") from None
 
 # Bump when the extraction set below changes, so that a cached extraction is redone.
 EXTRACT_LAYOUT = 3
 
-_TOP = f"vllm-{VLLM_VERSION}/"
 EXTRACT_PREFIXES = (
     "vllm/v1/kv_offload/",
     "vllm/v1/kv_hints/",
@@ -128,7 +145,7 @@ def _open(url, accept=None, timeout=60):
         raise FetchError(f"network failure fetching {url}: {e}") from e
 
 
-def _locate(index_url):
+def _locate(index_url, name):
     """Find the sdist's download URL (and the index's sha256) via the simple API."""
     url = f"{index_url.rstrip('/')}/vllm/"
     with _open(url, accept="application/vnd.pypi.simple.v1+json") as r:
@@ -137,34 +154,36 @@ def _locate(index_url):
         except ValueError as e:
             raise FetchError(f"{url} did not return PEP 691 JSON (is it a simple index?)") from e
     for f in page.get("files", []):
-        if f.get("filename") == SDIST_NAME:
+        if f.get("filename") == name:
             file_url = urllib.parse.urljoin(url, f["url"])
             return file_url, f.get("hashes", {}).get("sha256")
-    raise FetchError(f"{url} lists no {SDIST_NAME}")
+    raise FetchError(f"{url} lists no {name}")
 
 
-def fetch_sdist(cache_dir, index_url=DEFAULT_INDEX, offline=False):
-    """Return the path of the verified sdist, downloading it into cache_dir if needed."""
-    path = os.path.join(cache_dir, SDIST_NAME)
+def fetch_sdist(cache_dir, index_url=DEFAULT_INDEX, offline=False, version=DEFAULT_VERSION):
+    """Return the path of `version`'s verified sdist, downloading it into cache_dir if needed."""
+    sha, size = pin(version)
+    name = sdist_name(version)
+    path = os.path.join(cache_dir, name)
     if os.path.exists(path):
         got = _sha256(path)
-        if got != SDIST_SHA256:
+        if got != sha:
             raise FetchError(
-                f"cached {path} has sha256 {got}, pin is {SDIST_SHA256}: the file is "
-                f"corrupt or not vLLM {VLLM_VERSION}'s sdist; delete it to download again")
+                f"cached {path} has sha256 {got}, pin is {sha}: the file is "
+                f"corrupt or not vLLM {version}'s sdist; delete it to download again")
         return path
     if offline:
         raise FetchError(f"--offline given and {path} is missing (no cached sdist)")
     os.makedirs(cache_dir, exist_ok=True)
     try:
-        file_url, index_sha = _locate(index_url)
+        file_url, index_sha = _locate(index_url, name)
     except FetchError as e:
         raise FetchError(f"{e}; and no cached copy at {path}") from e
-    if index_sha and index_sha != SDIST_SHA256:
+    if index_sha and index_sha != sha:
         raise FetchError(
-            f"the index reports sha256 {index_sha} for {SDIST_NAME}, pin is {SDIST_SHA256}: "
+            f"the index reports sha256 {index_sha} for {name}, pin is {sha}: "
             f"the published file changed or the index is not pypi.org; refusing it")
-    log(f"downloading {file_url} ({SDIST_SIZE / 2**20:.0f} MiB) into {cache_dir}")
+    log(f"downloading {file_url} ({size / 2**20:.0f} MiB) into {cache_dir}")
     part = path + ".part"
     h = hashlib.sha256()
     try:
@@ -174,10 +193,10 @@ def fetch_sdist(cache_dir, index_url=DEFAULT_INDEX, offline=False):
                 out.write(block)
     except OSError as e:  # socket errors mid-stream
         raise FetchError(f"network failure downloading {file_url}: {e}") from e
-    if h.hexdigest() != SDIST_SHA256:
+    if h.hexdigest() != sha:
         os.unlink(part)
-        raise FetchError(f"downloaded {SDIST_NAME} has sha256 {h.hexdigest()}, "
-                         f"pin is {SDIST_SHA256}; discarded")
+        raise FetchError(f"downloaded {name} has sha256 {h.hexdigest()}, "
+                         f"pin is {sha}; discarded")
     os.replace(part, path)
     return path
 
@@ -188,10 +207,11 @@ def _wanted(rel):
     return rel.endswith(".py") and rel.startswith(EXTRACT_PREFIXES)
 
 
-def extract(sdist, dest):
+def extract(sdist, dest, version=DEFAULT_VERSION):
     """Extract the wanted members into dest (idempotent; keyed by pin and layout)."""
     marker = os.path.join(dest, ".extracted.json")
-    stamp = {"sdist": SDIST_NAME, "sha256": SDIST_SHA256, "layout": EXTRACT_LAYOUT}
+    stamp = {"sdist": sdist_name(version), "sha256": pin(version)[0], "layout": EXTRACT_LAYOUT}
+    top = f"vllm-{version}/"
     if os.path.exists(marker):
         try:
             info = json.load(open(marker))
@@ -205,9 +225,9 @@ def extract(sdist, dest):
     names = []
     with tarfile.open(sdist, "r:gz") as tar:
         for m in tar:
-            if not m.isfile() or not m.name.startswith(_TOP):
+            if not m.isfile() or not m.name.startswith(top):
                 continue
-            rel = m.name[len(_TOP):]
+            rel = m.name[len(top):]
             if not _wanted(rel):
                 continue
             target = os.path.join(dest, rel)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Run vLLM 0.33.0's own kv_offload manager tests against vLLM's or kvbm's managers.
+"""Run vLLM's own kv_offload manager tests (0.33.0 or 0.34.0) against vLLM's or kvbm's managers.
 
-    python3 crates/kvbm-vllm/tests/upstream/run.py --impl vllm [--report F] [-k EXPR]
-    python3 crates/kvbm-vllm/tests/upstream/run.py --impl kvbm [--report F] [-k EXPR]
+    python3 crates/kvbm-vllm/tests/upstream/run.py [--vllm 0.34.0] --impl vllm [--report F] [-k EXPR]
+    python3 crates/kvbm-vllm/tests/upstream/run.py [--vllm 0.34.0] --impl kvbm [--report F] [-k EXPR]
 
 Why: kvbm_vllm (crates/kvbm-vllm) is meant to be a drop-in for vLLM's scheduler-side
 offloading managers. The strongest statement of "drop-in" is vLLM's own test suite
@@ -37,21 +37,32 @@ import fetch  # noqa: E402
 import stubs  # noqa: E402
 import substitution  # noqa: E402
 
-# The upstream test files run, with the number of tests each collects in vLLM 0.33.0.
+# The upstream test files run, per supported vLLM version, with the number of tests each
+# collects there (a different number means a different archive or a broken extraction).
 TEST_FILES = {
-    "tests/v1/kv_offload/cpu/test_manager.py": 68,
-    "tests/v1/kv_offload/cpu/policies/test_factory.py": 8,
-    "tests/v1/kv_offload/tiering/test_tiering_offloading.py": 72,
-    "tests/v1/kv_offload/tiering/test_backpressure.py": 60,
-    "tests/v1/kv_offload/tiering/test_tier_poll_thread.py": 15,
-    "tests/v1/kv_offload/test_factory.py": 61,
+    "0.33.0": {
+        "tests/v1/kv_offload/cpu/test_manager.py": 68,
+        "tests/v1/kv_offload/cpu/policies/test_factory.py": 8,
+        "tests/v1/kv_offload/tiering/test_tiering_offloading.py": 72,
+        "tests/v1/kv_offload/tiering/test_backpressure.py": 60,
+        "tests/v1/kv_offload/tiering/test_tier_poll_thread.py": 15,
+        "tests/v1/kv_offload/test_factory.py": 61,
+    },
+    "0.34.0": {
+        "tests/v1/kv_offload/cpu/test_manager.py": 72,
+        "tests/v1/kv_offload/cpu/policies/test_factory.py": 8,
+        "tests/v1/kv_offload/tiering/test_tiering_offloading.py": 77,
+        "tests/v1/kv_offload/tiering/test_backpressure.py": 60,
+        "tests/v1/kv_offload/tiering/test_tier_poll_thread.py": 23,
+        "tests/v1/kv_offload/test_factory.py": 66,
+    },
 }
 
 EXPECTED_FAILURES = os.path.join(HERE, "expected_failures.toml")
 
 
-def load_expected_failures(path, impl):
-    """Return {node id: reason} for impl from the TOML file ([kvbm] / [vllm] tables)."""
+def load_expected_failures(path, impl, version, files):
+    """Return {node id: reason} for impl from the TOML file (["VERSION".kvbm] / .vllm tables)."""
     import tomllib
     if not os.path.exists(path):
         raise SystemExit(f"error: expected-failures file {path} does not exist")
@@ -60,20 +71,25 @@ def load_expected_failures(path, impl):
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise SystemExit(f"error: {path} is not valid TOML: {e}")
-    table = data.get(impl, {})
+    unknown = [k for k in data if k not in TEST_FILES]
+    if unknown:
+        raise SystemExit(f"error: {path} has tables for unsupported versions {unknown}; "
+                         f"supported: {', '.join(TEST_FILES)}")
+    table = data.get(version, {}).get(impl, {})
+    where = f'["{version}".{impl}]'
     if not isinstance(table, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
-        raise SystemExit(f"error: [{impl}] in {path} must map test node ids to reason strings")
-    bad = [k for k in table if k.split("::", 1)[0] not in TEST_FILES]
+        raise SystemExit(f"error: {where} in {path} must map test node ids to reason strings")
+    bad = [k for k in table if k.split("::", 1)[0] not in files]
     if bad:
-        raise SystemExit(f"error: {path} [{impl}] names tests outside the run files: {bad[:3]}")
+        raise SystemExit(f"error: {path} {where} names tests outside the run files: {bad[:3]}")
     return table
 
 
-def print_summary(summary, impl, counts_ok):
+def print_summary(summary, impl, counts_ok, version):
     cols = ("collected", "passed", "failed", "error", "xfailed", "xpassed", "skipped",
             "not_run")
-    print(f"\nvLLM {fetch.VLLM_VERSION} kv_offload tests, --impl {impl}")
+    print(f"\nvLLM {version} kv_offload tests, --impl {impl}")
     print(f"{'file':58s} " + " ".join(f"{c:>9s}" for c in cols))
     for f, row in summary["files"].items():
         exp = row.get("expected_collected")
@@ -93,6 +109,9 @@ def print_summary(summary, impl, counts_ok):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm", dest="version", choices=tuple(TEST_FILES),
+                    default=fetch.DEFAULT_VERSION,
+                    help=f"the vLLM release whose tests run (default {fetch.DEFAULT_VERSION})")
     ap.add_argument("--impl", choices=("vllm", "kvbm"), default="vllm",
                     help="whose manager classes the tests run against (default vllm)")
     ap.add_argument("--report", help="write a JSON report to this file")
@@ -110,18 +129,21 @@ def main():
                     help="--impl kvbm: the classes to substitute, comma-separated (default: all "
                          "of substitution.SUBSTITUTED_CLASSES); the others stay vLLM's, and the "
                          "report says so")
-    ap.add_argument("--files", default=",".join(TEST_FILES),
-                    help="the upstream test files to run, comma-separated (default: all six); "
+    ap.add_argument("--files", default=None,
+                    help="the upstream test files to run, comma-separated (default: all of the "
+                         "version's); "
                          "a short form like cpu/test_manager.py is accepted")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args()
+    version = args.version
+    files = TEST_FILES[version]
     run_files = {}
-    for f in filter(None, (x.strip() for x in args.files.split(","))):
-        full = f if f in TEST_FILES else "tests/v1/kv_offload/" + f
-        if full not in TEST_FILES:
-            print(f"error: --files: {f} is not one of {', '.join(TEST_FILES)}", file=sys.stderr)
+    for f in filter(None, (x.strip() for x in (args.files or ",".join(files)).split(","))):
+        full = f if f in files else "tests/v1/kv_offload/" + f
+        if full not in files:
+            print(f"error: --files: {f} is not one of {', '.join(files)}", file=sys.stderr)
             return 2
-        run_files[full] = TEST_FILES[full]
+        run_files[full] = files[full]
     classes = [c.strip() for c in args.classes.split(",") if c.strip()]
     report_path = os.path.abspath(args.report) if args.report else None
     t0 = time.time()
@@ -129,13 +151,15 @@ def main():
     try:
         installed = fetch.ensure_pydeps(os.path.join(args.cache_dir, "pydeps"),
                                         offline=args.offline)
-        sdist = fetch.fetch_sdist(args.cache_dir, args.index_url, offline=args.offline)
-        src = os.path.join(args.cache_dir, fetch.VLLM_VERSION)
-        info = fetch.extract(sdist, src)
+        sdist = fetch.fetch_sdist(args.cache_dir, args.index_url, offline=args.offline,
+                                  version=version)
+        src = os.path.join(args.cache_dir, version)
+        info = fetch.extract(sdist, src, version=version)
     except fetch.FetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    xfails = {k: v for k, v in load_expected_failures(args.expected_failures, args.impl).items()
+    xfails = {k: v for k, v in load_expected_failures(
+                  args.expected_failures, args.impl, version, files).items()
               if k.split("::", 1)[0] in run_files}
 
     stubs.install(src)
@@ -174,7 +198,7 @@ def main():
         problems.append("stale entries in expected_failures.toml")
     if int(ret) not in (0, 1):  # interrupted, internal error, usage error, no tests
         problems.append(f"pytest exit status {int(ret)}")
-    print_summary(summary, args.impl, counts_ok)
+    print_summary(summary, args.impl, counts_ok, version)
     if args.impl == "kvbm":
         kept = [c for c in substitution.SUBSTITUTED_CLASSES if c not in classes]
         print("substituted with kvbm's: " + (", ".join(classes) or "nothing")
@@ -183,8 +207,8 @@ def main():
 
     if report_path:
         out = {
-            "vllm_version": fetch.VLLM_VERSION, "sdist": fetch.SDIST_NAME,
-            "sdist_sha256": fetch.SDIST_SHA256, "extracted": info, "src": src,
+            "vllm_version": version, "sdist": fetch.sdist_name(version),
+            "sdist_sha256": fetch.pin(version)[0], "extracted": info, "src": src,
             "impl": args.impl, "substitution": subst, "keyword": args.keyword,
             "python": sys.version.split()[0], "pydeps_installed": installed,
             "stubbed_modules": sorted(stubs.STUBS_USED),
