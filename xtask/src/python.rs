@@ -2,8 +2,9 @@
 //!
 //! ```text
 //!   maturin (pip-installed when missing) ─► wheel (release, abi3) ─► venv target/pyvenv
-//!     ─► vLLM 0.33.0's kv_offload tests with vLLM's classes (all must pass: proves the harness)
-//!     ─► the same tests with kvbm's classes substituted (expected failures listed with reasons)
+//!     ─► for each supported vLLM (0.33.0, 0.34.0): its kv_offload tests with vLLM's classes
+//!        (all must pass: proves the harness), then with kvbm's classes substituted (expected
+//!        failures listed with reasons)
 //!     ─► kvbm-vllm's own tests (`tests/python`): `python -m kvbm_vllm.replay` writes the same
 //!        lines as kvbm-tiering's Rust replay example, call for call, through the Python API;
 //!        kvbm's disk and object tiers (a real S3 server) under vLLM's own tiering manager
@@ -22,13 +23,12 @@ use anyhow::{Context, Result, bail};
 use crate::services::Services;
 use crate::{project_root, run_step};
 
-/// The classes kvbm substitutes in vLLM's tests (every manager class they construct), and the
-/// test files that exercise them (all six run files).
+/// The classes kvbm substitutes in vLLM's tests (every manager class they construct); the
+/// harness runs every test file it pins for the version.
 const KVBM_CLASSES: &str =
     "CPUOffloadingManager,CPUPrimaryTierOffloadingManager,TieringOffloadingManager";
-const KVBM_FILES: &str = "cpu/test_manager.py,cpu/policies/test_factory.py,\
-tiering/test_tiering_offloading.py,tiering/test_backpressure.py,\
-tiering/test_tier_poll_thread.py,test_factory.py";
+/// The vLLM releases kvbm supports (the current and the previous minor), whose tests run.
+const VLLM_VERSIONS: [&str; 2] = ["0.33.0", "0.34.0"];
 
 fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
@@ -117,28 +117,30 @@ pub(crate) fn run_with(services: &Services) -> Result<()> {
     let harness = root.join("crates/kvbm-vllm/tests/upstream/run.py");
     let reports = root.join("target/upstream");
     std::fs::create_dir_all(&reports)?;
-    run_step(
-        Command::new(&venv_py)
-            .arg(&harness)
-            .args(["--impl", "vllm", "--report"])
-            .arg(reports.join("vllm.json")),
-    )
-    .context("vLLM's kv_offload tests with vLLM's own classes")?;
-    run_step(
-        Command::new(&venv_py)
-            .arg(&harness)
-            .args([
-                "--impl",
-                "kvbm",
-                "--classes",
-                KVBM_CLASSES,
-                "--files",
-                KVBM_FILES,
-                "--report",
-            ])
-            .arg(reports.join("kvbm.json")),
-    )
-    .context("vLLM's kv_offload tests with kvbm's classes")?;
+    for version in VLLM_VERSIONS {
+        run_step(
+            Command::new(&venv_py)
+                .arg(&harness)
+                .args(["--vllm", version, "--impl", "vllm", "--report"])
+                .arg(reports.join(format!("vllm-{version}.json"))),
+        )
+        .with_context(|| format!("vLLM {version}'s kv_offload tests with vLLM's own classes"))?;
+        run_step(
+            Command::new(&venv_py)
+                .arg(&harness)
+                .args([
+                    "--vllm",
+                    version,
+                    "--impl",
+                    "kvbm",
+                    "--classes",
+                    KVBM_CLASSES,
+                    "--report",
+                ])
+                .arg(reports.join(format!("kvbm-{version}.json"))),
+        )
+        .with_context(|| format!("vLLM {version}'s kv_offload tests with kvbm's classes"))?;
+    }
 
     // The Rust reference the Python replay is compared with.
     run_step(

@@ -25,7 +25,8 @@ pub use worker::{ChunkLayout, OffloadingWorker, PhysicalOffloadingWorker, Worker
 pub mod tiering;
 
 pub use tiering::{
-    AsyncLookup, BackpressureDetector, DiskTier, DropPolicy, EmaConfig, InMemoryTier, JobId,
-    JobResult, ObjectProbe, ObjectTier, ParentManager, PhysicalTier, SecondaryTierManager, TierJob,
-    TieringConfig, TieringOffloadingManager, UpstreamFixes,
+    AsyncLookup, BackpressureDetector, DeferredRelease, DiskTier, DropPolicy, EmaConfig,
+    InMemoryTier, JobId, JobResult, ObjectProbe, ObjectTier, ParentManager, PhysicalTier,
+    ReleaseFlag, SecondaryTierManager, TierJob, TieringConfig, TieringOffloadingManager,
+    UpstreamFixes,
 };

@@ -52,6 +52,10 @@ pub mod names {
     /// Submission to completion of a promotion job (histogram, seconds; labels: tier and
     /// `success` / `failure`).
     pub const PROMOTION_LATENCY: &str = "vllm:kv_offload_tiering_promotion_latency_seconds";
+    /// Primary chunks held by failed promotions' deferred releases (vLLM 0.34).
+    pub const DEFERRED_RELEASE_CHUNKS: &str = "vllm:kv_offload_tiering_deferred_release_chunks";
+    /// How long a deferred release held its chunks, seconds (vLLM 0.34).
+    pub const DEFERRED_RELEASE_HOLD: &str = "vllm:kv_offload_tiering_deferred_release_hold_seconds";
     /// In-flight cascade jobs.
     pub const ACTIVE_CASCADE_JOBS: &str = "vllm:kv_offload_tiering_active_cascade_jobs";
     /// Backpressure EMA (s/MiB).

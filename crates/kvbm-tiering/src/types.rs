@@ -15,6 +15,47 @@ use parking_lot::Mutex;
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 
+/// The vLLM release line whose offloading contract a manager follows, call for call.
+///
+/// kvbm follows the current and the previous vLLM minor release. What differs (0.34 against
+/// 0.33), and where each difference is acted on:
+/// - the store threshold counts a key once per request, and a skipped store once per
+///   request (`CpuOffloadingManager::prepare_store`);
+/// - a stored event carries the request context that completed the store, with
+///   `removal_expected` set ([`OffloadingEvent::req_context`]);
+/// - a failed promotion may defer the release of its primary chunks until its tier says its
+///   I/O can no longer touch them (`TieringOffloadingManager`, `JobResult::deferred_release`);
+/// - `touch` is gone (kept for 0.33 callers; a 0.34 caller never calls it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Contract {
+    /// vLLM 0.33.x.
+    #[default]
+    V0_33,
+    /// vLLM 0.34.x.
+    V0_34,
+}
+
+impl Contract {
+    /// The contract of vLLM `major.minor`, when kvbm follows that line.
+    pub fn of_line(major: u32, minor: u32) -> Option<Self> {
+        match (major, minor) {
+            (0, 33) => Some(Contract::V0_33),
+            (0, 34) => Some(Contract::V0_34),
+            _ => None,
+        }
+    }
+
+    /// The store threshold counts a key once per request (0.34).
+    pub fn counts_once_per_request(self) -> bool {
+        self >= Contract::V0_34
+    }
+
+    /// A stored event carries its request context and expects a removal (0.34).
+    pub fn stored_event_context(self) -> bool {
+        self >= Contract::V0_34
+    }
+}
+
 /// Storage medium of an offloading tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Medium {
@@ -492,7 +533,10 @@ impl Default for PrepareStoreOutput {
 }
 
 /// A stored or removed set of keys.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Equality leaves [`req_context`](Self::req_context) out, as vLLM's dataclass does
+/// (`compare=False`): two events of the same keys and kind are equal whoever caused them.
+#[derive(Clone, Debug)]
 pub struct OffloadingEvent {
     /// Keys.
     pub keys: Vec<OffloadKey>,
@@ -508,7 +552,24 @@ pub struct OffloadingEvent {
     pub removal_expected: bool,
     /// Bookkeeping-only removal (failed write): dropped at `take_events` for keys present again.
     pub metadata_only: bool,
+    /// The request whose completed store this stored event announces ([`Contract::V0_34`]);
+    /// `None` for removals and under 0.33.
+    pub req_context: Option<ReqContext>,
 }
+
+impl PartialEq for OffloadingEvent {
+    fn eq(&self, o: &Self) -> bool {
+        self.keys == o.keys
+            && self.medium == o.medium
+            && self.removed == o.removed
+            && self.locality == o.locality
+            && self.ownership == o.ownership
+            && self.removal_expected == o.removal_expected
+            && self.metadata_only == o.metadata_only
+    }
+}
+
+impl Eq for OffloadingEvent {}
 
 impl OffloadingEvent {
     /// A primary-tier event.
@@ -521,6 +582,7 @@ impl OffloadingEvent {
             ownership: None,
             removal_expected: false,
             metadata_only: false,
+            req_context: None,
         }
     }
 }

@@ -20,8 +20,8 @@
 use std::sync::Arc;
 
 use kvbm_tiering::{
-    CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, LookupResult,
-    OffloadKey, OffloadScope,
+    CachePolicyKind, Contract, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier,
+    LookupResult, OffloadKey, OffloadScope,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -85,12 +85,25 @@ pub(crate) struct CpuManager {
     pub(crate) results: Arc<LookupMembers>,
 }
 
+/// kvbm-tiering's [`Contract`] of a vLLM release line named `"0.33"` or `"0.34"`
+/// (`kvbm_vllm.contract.Contract.name`).
+pub(crate) fn parse_contract(line: &str) -> PyResult<Contract> {
+    line.split_once('.')
+        .and_then(|(a, b)| Contract::of_line(a.parse().ok()?, b.parse().ok()?))
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "kvbm follows vLLM 0.33's and 0.34's offloading contracts; got {line:?}"
+            ))
+        })
+}
+
 fn parse_config(
     num_chunks: usize,
     policy: &str,
     enable_events: bool,
     store_threshold: u32,
     max_tracker_size: usize,
+    contract: &str,
 ) -> PyResult<CpuManagerConfig> {
     let kind = match policy {
         "lru" => CachePolicyKind::Lru,
@@ -104,7 +117,8 @@ fn parse_config(
     Ok(CpuManagerConfig::new(num_chunks)
         .policy(kind)
         .events(enable_events)
-        .store_threshold(store_threshold, max_tracker_size))
+        .store_threshold(store_threshold, max_tracker_size)
+        .contract(parse_contract(contract)?))
 }
 
 /// A `prepare_store` answer as `(keys_to_store, chunk_ids, evicted_keys)`.
@@ -151,9 +165,9 @@ crate::entry::two_argument_entry!(
 #[pymethods]
 impl CpuManager {
     /// `policy` is `"lru"` or `"arc"`; `lookup_results` is vLLM's `(LookupResult.MISS, HIT,
-    /// HIT_PENDING, RETRY)`.
+    /// HIT_PENDING, RETRY)`; `contract` the vLLM line followed (`"0.33"` or `"0.34"`).
     #[new]
-    #[pyo3(signature = (num_chunks, policy, enable_events, store_threshold, max_tracker_size, lookup_results))]
+    #[pyo3(signature = (num_chunks, policy, enable_events, store_threshold, max_tracker_size, lookup_results, contract = "0.33"))]
     fn new(
         num_chunks: usize,
         policy: &str,
@@ -161,6 +175,7 @@ impl CpuManager {
         store_threshold: u32,
         max_tracker_size: usize,
         lookup_results: &Bound<'_, PyTuple>,
+        contract: &str,
     ) -> PyResult<Self> {
         let config = parse_config(
             num_chunks,
@@ -168,6 +183,7 @@ impl CpuManager {
             enable_events,
             store_threshold,
             max_tracker_size,
+            contract,
         )?;
         Ok(Self {
             core: Arc::new(Core::new(Inner::Cpu(Box::new(CpuOffloadingManager::new(
@@ -181,15 +197,16 @@ impl CpuManager {
     /// A primary tier (vLLM's `CPUPrimaryTierOffloadingManager`): the same manager, whose
     /// `chunk_bytes`-byte chunks are vLLM's region (moved by the tiers, never by this object).
     #[staticmethod]
-    #[pyo3(signature = (num_chunks, chunk_bytes, policy, enable_events, lookup_results))]
+    #[pyo3(signature = (num_chunks, chunk_bytes, policy, enable_events, lookup_results, contract = "0.33"))]
     fn primary(
         num_chunks: usize,
         chunk_bytes: usize,
         policy: &str,
         enable_events: bool,
         lookup_results: &Bound<'_, PyTuple>,
+        contract: &str,
     ) -> PyResult<Self> {
-        let config = parse_config(num_chunks, policy, enable_events, 1, 64_000)?;
+        let config = parse_config(num_chunks, policy, enable_events, 1, 64_000, contract)?;
         Ok(Self {
             core: Arc::new(Core::new(Inner::Primary(Box::new(
                 CpuPrimaryTier::without_memory(config, chunk_bytes),
@@ -345,12 +362,19 @@ impl CpuManager {
         r
     }
 
-    /// Every event since the last call, as `(keys, removed, removal_expected, metadata_only)`.
+    /// Every event since the last call, as `(keys, removed, removal_expected, metadata_only,
+    /// req_context)`: the caller's own `ReqContext` object of a stored event (vLLM 0.34),
+    /// else `None`.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = self.core.lock(py)?.cpu()?.take_events();
         events
             .into_iter()
             .map(|e| {
+                let origin = e
+                    .req_context
+                    .as_ref()
+                    .and_then(|c| crate::bridge::origin(py, c))
+                    .unwrap_or_else(|| py.None().into_bound(py));
                 PyTuple::new(
                     py,
                     [
@@ -358,6 +382,7 @@ impl CpuManager {
                         e.removed.into_pyobject(py)?.to_owned().into_any(),
                         e.removal_expected.into_pyobject(py)?.to_owned().into_any(),
                         e.metadata_only.into_pyobject(py)?.to_owned().into_any(),
+                        origin,
                     ],
                 )
             })
@@ -546,6 +571,32 @@ impl CpuManager {
     fn record_allocation(&self, py: Python<'_>, n: usize) -> PyResult<()> {
         self.core.lock(py)?.cpu()?.record_allocation(n);
         Ok(())
+    }
+
+    /// vLLM 0.34's `defer_write_release`: the held chunk ids (a `ContractError`, an
+    /// `AssertionError`, naming a key that is not a pending write).
+    fn defer_write_release(&self, keys_: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let ks = keys(keys_)?;
+        self.core
+            .lock(keys_.py())?
+            .cpu()?
+            .defer_write_release(&ks)
+            .map_err(to_py)
+    }
+
+    /// vLLM 0.34's `release_deferred_write`.
+    fn release_deferred_write(&self, py: Python<'_>, chunk_ids: Vec<u32>) -> PyResult<()> {
+        self.core
+            .lock(py)?
+            .cpu()?
+            .release_deferred_write(&chunk_ids)
+            .map_err(to_py)
+    }
+
+    /// Chunks held by deferred releases.
+    #[getter]
+    fn num_deferred_release_chunks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.core.lock(py)?.cpu_ref()?.num_deferred_release_chunks())
     }
 
     /// Slots free without eviction.

@@ -41,7 +41,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use kvbm_tiering::tiering::{
-    Backpressure, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob,
+    Backpressure, DeferredRelease, JobId, JobResult, ParentManager, ReleaseFlag,
+    SecondaryTierManager, TierJob,
 };
 use kvbm_tiering::{
     CacheHitSource, Locality, LookupResult, Medium, OffloadKey, OffloadScope, OffloadingManager,
@@ -178,6 +179,31 @@ fn attached<R>(in_lookup: bool, f: impl for<'py> FnOnce(Python<'py>) -> R) -> R 
         f(unsafe { Python::assume_attached() })
     } else {
         Python::attach(f)
+    }
+}
+
+/// A Python tier's `JobResult.deferred_release` (vLLM 0.34, a `threading.Event`), read by the
+/// manager on its polling path. An event whose `is_set` raises is taken as not set (its chunks
+/// stay held: never released under a writer), and logged.
+struct PyReleaseFlag(Py<PyAny>);
+
+impl ReleaseFlag for PyReleaseFlag {
+    fn is_set(&self) -> bool {
+        Python::attach(
+            |py| match self.0.bind(py).call_method0(intern!(py, "is_set")) {
+                Ok(v) => v.is_truthy().unwrap_or(false),
+                Err(e) => {
+                    let msg = format!(
+                        "a tier's deferred_release.is_set() raised ({e}); its chunks stay held"
+                    );
+                    let _ = py
+                        .import("logging")
+                        .and_then(|l| l.call_method1("getLogger", ("vllm.kvbm_vllm",)))
+                        .and_then(|lg| lg.call_method1("error", (msg,)));
+                    false
+                }
+            },
+        )
     }
 }
 
@@ -430,6 +456,13 @@ impl PyTier {
         };
         let transfer_time: Option<f64> = r.getattr(intern!(py, "transfer_time"))?.extract()?;
         let transfer_bytes: Option<u64> = r.getattr(intern!(py, "transfer_bytes"))?.extract()?;
+        // vLLM 0.34's field; a 0.33 result has none.
+        let deferred_release = match r.getattr_opt(intern!(py, "deferred_release"))? {
+            Some(ev) if !ev.is_none() => {
+                Some(DeferredRelease(Arc::new(PyReleaseFlag(ev.unbind()))))
+            }
+            _ => None,
+        };
         let tracked = self.shared.py_jobs.lock().remove(&job_id);
         if let Some((_, j)) = tracked {
             let is_promotion: bool = j
@@ -446,6 +479,7 @@ impl PyTier {
             successful_keys,
             transfer_time,
             transfer_bytes,
+            deferred_release,
         })
     }
 
@@ -1279,6 +1313,12 @@ impl TieringManager {
             }
             Ok(out)
         })
+    }
+
+    /// `[(job_id, tier, chunk_ids)]` of failed promotions whose chunks await their tier's
+    /// `deferred_release` (vLLM 0.34 `_deferred_releases`).
+    fn deferred_releases(&self, py: Python<'_>) -> PyResult<Vec<(JobId, usize, Vec<u32>)>> {
+        self.run(py, |m| Ok(m.deferred_releases()))
     }
 
     /// `[(tier, req_id, req_context, keys, chunk_ids)]` of promotions staged this step.

@@ -58,8 +58,8 @@ use crate::error::{Result, TieringError};
 use crate::key::{OffloadKey, get_offload_group_idx};
 use crate::stats::{OffloadingConnectorStats, names};
 use crate::types::{
-    CacheHitSource, CpuLoadStoreSpec, LoadStoreSpec, LookupResult, Medium, OffloadingEvent,
-    PrepareStoreOutput, ReqContext, RequestOffloadingContext,
+    CacheHitSource, Contract, CpuLoadStoreSpec, LoadStoreSpec, LookupResult, Medium,
+    OffloadingEvent, PrepareStoreOutput, ReqContext, RequestOffloadingContext,
 };
 
 /// Configuration of a CPU tier.
@@ -75,6 +75,8 @@ pub struct CpuManagerConfig {
     pub store_threshold: u32,
     /// Capacity of the store-threshold tracker.
     pub max_tracker_size: usize,
+    /// The vLLM release line whose contract the manager follows (default 0.33).
+    pub contract: Contract,
 }
 
 impl CpuManagerConfig {
@@ -86,7 +88,13 @@ impl CpuManagerConfig {
             enable_events: false,
             store_threshold: 1,
             max_tracker_size: 64_000,
+            contract: Contract::V0_33,
         }
+    }
+    /// Sets the vLLM contract followed.
+    pub fn contract(mut self, c: Contract) -> Self {
+        self.contract = c;
+        self
     }
     /// Sets the policy.
     pub fn policy(mut self, p: CachePolicyKind) -> Self {
@@ -110,6 +118,8 @@ const SEEN: u8 = 1;
 const INSERTED: u8 = 2;
 const REUSED: u8 = 4;
 const STORE_MISS: u8 = 8;
+/// The key counted toward the store threshold in this request (vLLM 0.34's `counted_keys`).
+const COUNTED: u8 = 16;
 
 /// State of one slot as seen from outside (tests, invariants).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,6 +155,14 @@ pub struct CpuOffloadingManager {
     max_tracker_size: usize,
     counts: Option<LinkedKeySet>,
     stores_skipped: u64,
+    contract: Contract,
+    /// Slots of failed writes whose release waits for their writer (vLLM 0.34
+    /// `defer_write_release`): out of the index, the policy and the free list, still counted
+    /// as write-pending.
+    deferred: hashbrown::HashSet<u32>,
+    /// Per key of the offer being stored: whether its request had counted it before
+    /// ([`record_offer`](Self::record_offer); empty unless 0.34 counts once per request).
+    scratch_counted: Vec<bool>,
     allocation_sizes: Vec<usize>,
     requests: Requests,
     scratch: Vec<u32>,
@@ -212,6 +230,9 @@ impl CpuOffloadingManager {
             max_tracker_size: config.max_tracker_size,
             counts: (config.store_threshold >= 2).then(LinkedKeySet::new),
             stores_skipped: 0,
+            contract: config.contract,
+            deferred: hashbrown::HashSet::new(),
+            scratch_counted: Vec::new(),
             allocation_sizes: Vec::new(),
             requests: Requests::default(),
             scratch: Vec::new(),
@@ -534,16 +555,51 @@ impl CpuOffloadingManager {
         ordered
     }
 
-    /// vLLM `_record_accesses` (store-threshold tracker).
-    fn record_tracker(&mut self, keys: &[OffloadKey]) {
+    /// The store-threshold pass of an offer (vLLM `_record_accesses`), with a tracker. Under
+    /// 0.34 a key its request already counted moves to the back without counting again, and
+    /// [`scratch_counted`](Self::scratch_counted) is left holding, per key, whether it had
+    /// been counted before this offer (read by [`skip_counts`](Self::skip_counts));
+    /// [`mark_counted`](Self::mark_counted) then counts the offer's keys for the request.
+    fn record_offer(&mut self, keys: &[OffloadKey], ctx: &ReqContext) {
+        let mut counted = std::mem::take(&mut self.scratch_counted);
+        counted.clear();
+        if self.contract.counts_once_per_request() {
+            let state = self.requests.access(ctx);
+            counted.extend(keys.iter().map(|k| state.flags_of(k) & COUNTED != 0));
+        }
+        self.record_tracker(keys, &counted);
+        self.scratch_counted = counted;
+    }
+
+    /// Whether the skipped store of the offer's `i`th key counts (0.34: once per request).
+    #[inline]
+    fn skip_counts(&self, i: usize) -> bool {
+        !self.scratch_counted.get(i).copied().unwrap_or(false)
+    }
+
+    /// 0.34: the offer's keys are counted for the request (vLLM `counted_keys.update`).
+    fn mark_counted(&mut self, keys: &[OffloadKey], ctx: &ReqContext) {
+        if self.counts.is_some() && self.contract.counts_once_per_request() {
+            let state = self.requests.access(ctx);
+            for k in keys {
+                state.set(*k, COUNTED);
+            }
+        }
+    }
+
+    /// vLLM `_record_accesses` (store-threshold tracker); `counted[i]`: the `i`th key was
+    /// counted by its request before (it moves to the back without a count; empty: none was).
+    fn record_tracker(&mut self, keys: &[OffloadKey], counted: &[bool]) {
         let Some(counts) = self.counts.as_mut() else {
             return;
         };
         let mut protected: hashbrown::HashSet<OffloadKey> = hashbrown::HashSet::new();
-        for k in keys {
+        for (i, k) in keys.iter().enumerate() {
             if let Some(c) = counts.get(k) {
                 counts.move_to_back(k);
-                counts.set(k, c + 1);
+                if !counted.get(i).copied().unwrap_or(false) {
+                    counts.set(k, c + 1);
+                }
                 protected.insert(*k);
             }
         }
@@ -765,19 +821,20 @@ impl CpuOffloadingManager {
     ) -> bool {
         let mut ids = Self::reset_store_output(out);
         if self.counts.is_some() {
-            self.record_tracker(std::slice::from_ref(k));
+            self.record_offer(std::slice::from_ref(k), ctx);
         }
         // Classify: to store, ready existing (reused), or neither (pending, or filtered out).
         let (to_store, reused) = match self.index.get(&self.keys, k) {
             None => {
                 let pass = self.passes_store_threshold(k);
-                if !pass && self.counts.is_some() {
+                if !pass && self.counts.is_some() && self.skip_counts(0) {
                     self.stores_skipped += 1;
                 }
                 (pass, false)
             }
             Some(s) => (false, self.ref_cnt[s as usize] >= 0),
         };
+        self.mark_counted(std::slice::from_ref(k), ctx);
         if !to_store && !reused {
             // Neither recorded nor stored (`store_with`'s class 0); the request's record is
             // started all the same, as there.
@@ -839,7 +896,7 @@ impl CpuOffloadingManager {
     ) -> bool {
         let mut ids = Self::reset_store_output(out);
         if self.counts.is_some() {
-            self.record_tracker(keys);
+            self.record_offer(keys, ctx);
         }
         // Classify: 1 = to store, 2 = ready existing, 0 = pending existing / filtered.
         class.clear();
@@ -849,16 +906,16 @@ impl CpuOffloadingManager {
         // The slots of the keys already resident: protected from this call's eviction below
         // (nothing between here and there changes the index).
         self.scratch_resident.clear();
-        let mut candidates = 0usize;
-        for k in keys {
+        let mut skipped = 0u64;
+        for (i, k) in keys.iter().enumerate() {
             match self.index.get(&self.keys, k) {
                 None => {
-                    candidates += 1;
                     let pass = self.passes_store_threshold(k);
                     if pass {
                         keys_to_store.push(*k);
                         class.push(1);
                     } else {
+                        skipped += u64::from(self.skip_counts(i));
                         class.push(0);
                     }
                 }
@@ -873,7 +930,8 @@ impl CpuOffloadingManager {
             }
         }
         if self.counts.is_some() {
-            self.stores_skipped += (candidates - keys_to_store.len()) as u64;
+            self.stores_skipped += skipped;
+            self.mark_counted(keys, ctx);
         }
         // Each recorded key's place in the request's flags, found once for the passes below
         // (after the `reserve`, no key of this call grows the table, so the places stay
@@ -1057,8 +1115,13 @@ impl CpuOffloadingManager {
         self.policy.insert(&self.keys, s, pos, rank);
     }
 
-    pub(crate) fn complete_store_inner(&mut self, keys: &[OffloadKey], success: bool) {
-        self.complete_store_hinted(keys, &[], success);
+    pub(crate) fn complete_store_inner(
+        &mut self,
+        keys: &[OffloadKey],
+        ctx: &ReqContext,
+        success: bool,
+    ) {
+        self.complete_store_hinted(keys, &[], ctx, success);
     }
 
     /// [`complete_store_inner`](Self::complete_store_inner) with `hints`: the slot each key
@@ -1068,6 +1131,7 @@ impl CpuOffloadingManager {
         &mut self,
         keys: &[OffloadKey],
         hints: &[i32],
+        ctx: &ReqContext,
         success: bool,
     ) {
         let mut done: Vec<OffloadKey> = Vec::new();
@@ -1076,18 +1140,23 @@ impl CpuOffloadingManager {
                 self.complete_slot(k, s, success, &mut done);
             }
         }
-        self.completed_event(done, success);
+        self.completed_event(done, ctx, success);
     }
 
     /// A successful `complete_store` of `keys` whose slots the caller holds (co-indexed,
     /// [`resident_slots`](Self::resident_slots) just before): no probe.
-    pub(crate) fn complete_store_at(&mut self, keys: &[OffloadKey], slots: &[u32]) {
+    pub(crate) fn complete_store_at(
+        &mut self,
+        keys: &[OffloadKey],
+        slots: &[u32],
+        ctx: &ReqContext,
+    ) {
         debug_assert_eq!(keys.len(), slots.len());
         let mut done: Vec<OffloadKey> = Vec::new();
         for (k, &s) in keys.iter().zip(slots) {
             self.complete_slot(k, s, true, &mut done);
         }
-        self.completed_event(done, true);
+        self.completed_event(done, ctx, true);
     }
 
     /// One key of `complete_store`, resident in slot `s`: a write in flight becomes ready
@@ -1111,12 +1180,18 @@ impl CpuOffloadingManager {
         }
     }
 
-    fn completed_event(&mut self, done: Vec<OffloadKey>, success: bool) {
+    /// The event of a completed store: stored keys (under 0.34 with the completing request's
+    /// context, a removal expected), or the failed ones' bookkeeping removal.
+    fn completed_event(&mut self, done: Vec<OffloadKey>, ctx: &ReqContext, success: bool) {
         if let Some(ev) = self.events.as_mut()
             && !done.is_empty()
         {
             let mut e = OffloadingEvent::new(done, Medium::Cpu, !success);
             e.metadata_only = !success;
+            if success && self.contract.stored_event_context() {
+                e.removal_expected = true;
+                e.req_context = Some(ctx.clone());
+            }
             ev.push(e);
         }
     }
@@ -1239,10 +1314,10 @@ impl CpuOffloadingManager {
     pub fn complete_store(
         &mut self,
         keys: &[OffloadKey],
-        _ctx: &ReqContext,
+        ctx: &ReqContext,
         success: bool,
     ) -> Result<()> {
-        self.complete_store_inner(keys, success);
+        self.complete_store_inner(keys, ctx, success);
         Ok(())
     }
 
@@ -1304,6 +1379,79 @@ impl CpuOffloadingManager {
         }
     }
 
+    /// The vLLM contract followed.
+    pub fn contract(&self) -> Contract {
+        self.contract
+    }
+
+    /// vLLM 0.34's `defer_write_release`: fails pending writes as `complete_store(false)` does
+    /// (the keys leave the cache: lookups miss, a later store gets a fresh slot) but keeps
+    /// their slots out of the free pool, still write-pending, until
+    /// [`release_deferred_write`](Self::release_deferred_write). Returns the held slots.
+    ///
+    /// # Errors
+    /// [`TieringError::KeyState`] when a key is not a pending write (a ready or missing key
+    /// would leave a slot its writer may still fill unheld), before anything changes.
+    pub fn defer_write_release(&mut self, keys: &[OffloadKey]) -> Result<Vec<u32>> {
+        const CALL: &str = "defer_write_release";
+        for k in keys {
+            match self.index.get(&self.keys, k) {
+                Some(s) if self.ref_cnt[s as usize] < 0 => {}
+                _ => {
+                    return Err(TieringError::KeyState {
+                        call: CALL,
+                        key: *k,
+                        state: "not a pending write",
+                    });
+                }
+            }
+        }
+        let mut held = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Some(s) = self.index.get(&self.keys, k) else {
+                continue; // the same key twice: held once
+            };
+            self.policy.remove(s);
+            self.index.remove(&self.keys, k);
+            self.keys[s as usize] = OffloadKey::VACANT;
+            self.deferred.insert(s);
+            held.push(s);
+        }
+        if !held.is_empty()
+            && let Some(ev) = self.events.as_mut()
+        {
+            let mut e = OffloadingEvent::new(keys.to_vec(), Medium::Cpu, true);
+            e.metadata_only = true;
+            ev.push(e);
+        }
+        Ok(held)
+    }
+
+    /// Ends a deferred release: the slots go back to the free pool.
+    ///
+    /// # Errors
+    /// [`TieringError::Contract`] naming a slot that is not held, before anything changes.
+    pub fn release_deferred_write(&mut self, slots: &[u32]) -> Result<()> {
+        if let Some(s) = slots.iter().find(|s| !self.deferred.contains(*s)) {
+            return Err(TieringError::Contract {
+                call: "release_deferred_write",
+                what: format!("chunk {s} is not held by a deferred release"),
+            });
+        }
+        for &s in slots {
+            if self.deferred.remove(&s) {
+                self.num_write_pending -= 1;
+                self.free_list.push(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// Slots held by deferred releases.
+    pub fn num_deferred_release_chunks(&self) -> usize {
+        self.deferred.len()
+    }
+
     /// Frees slot `s` (already out of the index and the policy): it holds no key from now on.
     #[inline]
     fn vacate(&mut self, s: u32) {
@@ -1332,6 +1480,15 @@ impl CpuOffloadingManager {
 
     /// As vLLM's `reset_cache`: forgets every chunk and request.
     pub fn reset_cache(&mut self) -> Result<()> {
+        if !self.deferred.is_empty() {
+            return Err(TieringError::Contract {
+                call: "reset_cache",
+                what: format!(
+                    "{} chunks await a deferred release: a tier may still write to them",
+                    self.deferred.len()
+                ),
+            });
+        }
         self.policy.clear();
         self.index.clear();
         self.requests.clear();

@@ -224,8 +224,8 @@ impl CpuPrimaryTier {
     }
 
     /// Completes a promotion write (success makes the keys loadable, failure frees the slots).
-    pub fn complete_write(&mut self, keys: &[OffloadKey], success: bool) {
-        self.manager.complete_store_inner(keys, success)
+    pub fn complete_write(&mut self, keys: &[OffloadKey], ctx: &ReqContext, success: bool) {
+        self.manager.complete_store_inner(keys, ctx, success)
     }
 
     /// [`complete_write`](Self::complete_write) of a whole promotion job (`chunk_ids`: its
@@ -234,9 +234,11 @@ impl CpuPrimaryTier {
         &mut self,
         keys: &[OffloadKey],
         chunk_ids: &[i32],
+        ctx: &ReqContext,
         success: bool,
     ) {
-        self.manager.complete_store_hinted(keys, chunk_ids, success)
+        self.manager
+            .complete_store_hinted(keys, chunk_ids, ctx, success)
     }
 
     /// Releases the memory (after every secondary tier stopped touching it).

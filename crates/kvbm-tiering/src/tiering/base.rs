@@ -39,6 +39,47 @@ pub struct TierJob {
     pub submit_time: Instant,
 }
 
+/// What a tier's I/O can still touch: set once the primary chunks of a failed promotion are
+/// out of the writer's reach (vLLM 0.34 `JobResult.deferred_release`, a `threading.Event`).
+/// The tier may set it from any thread; the manager reads it on its own polling path.
+pub trait ReleaseFlag: Send + Sync {
+    /// Whether the chunks may be released now.
+    fn is_set(&self) -> bool;
+}
+
+impl ReleaseFlag for std::sync::atomic::AtomicBool {
+    fn is_set(&self) -> bool {
+        self.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// A failed promotion's deferred release ([`ReleaseFlag`]): the manager fails the keys at once
+/// and keeps their primary chunks out of the free pool until the flag is set. Two are equal
+/// when they are the same flag.
+#[derive(Clone)]
+pub struct DeferredRelease(pub Arc<dyn ReleaseFlag>);
+
+impl DeferredRelease {
+    /// Whether the chunks may be released now.
+    pub fn is_set(&self) -> bool {
+        self.0.is_set()
+    }
+}
+
+impl std::fmt::Debug for DeferredRelease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DeferredRelease")
+            .field(&self.is_set())
+            .finish()
+    }
+}
+
+impl PartialEq for DeferredRelease {
+    fn eq(&self, o: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &o.0)
+    }
+}
+
 /// Outcome of a job.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobResult {
@@ -52,6 +93,9 @@ pub struct JobResult {
     pub transfer_time: Option<f64>,
     /// Bytes moved.
     pub transfer_bytes: Option<u64>,
+    /// Failed promotions only (vLLM 0.34): the tier's I/O may still write into the failed
+    /// keys' primary chunks until this is set ([`DeferredRelease`]).
+    pub deferred_release: Option<DeferredRelease>,
 }
 
 impl JobResult {
@@ -63,6 +107,7 @@ impl JobResult {
             successful_keys: None,
             transfer_time: None,
             transfer_bytes: None,
+            deferred_release: None,
         }
     }
 }

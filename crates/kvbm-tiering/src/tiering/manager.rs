@@ -44,12 +44,12 @@ use crate::key::OffloadKey;
 use crate::manager::OffloadingManager;
 use crate::stats::OffloadingConnectorStats;
 use crate::tiering::base::{
-    Detached, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob,
+    DeferredRelease, Detached, JobId, JobResult, ParentManager, SecondaryTierManager, TierJob,
 };
 use crate::tiering::metrics::Metrics;
 use crate::types::{
-    CacheHitSource, LoadStoreSpec, LookupResult, OffloadScope, OffloadingEvent, PrepareStoreOutput,
-    ReqContext, RequestOffloadingContext, ScheduleEndContext,
+    CacheHitSource, Contract, LoadStoreSpec, LookupResult, OffloadScope, OffloadingEvent,
+    PrepareStoreOutput, ReqContext, RequestOffloadingContext, ScheduleEndContext,
 };
 
 /// Finished requests' load-source maps kept for reuse, at most.
@@ -140,6 +140,15 @@ struct RequestState {
     pending_cascade_keys: Vec<OffloadKey>,
 }
 
+/// A failed promotion's primary chunks, held until its tier's flag is set.
+struct DeferredHold {
+    job_id: JobId,
+    tier: usize,
+    flag: DeferredRelease,
+    slots: Vec<u32>,
+    since: Instant,
+}
+
 /// vLLM's `TieringOffloadingManager`.
 pub struct TieringOffloadingManager {
     primary: CpuPrimaryTier,
@@ -172,6 +181,9 @@ pub struct TieringOffloadingManager {
     expired_jobs: HashSet<JobId>,
     promotions_this_step: usize,
     stale_below: JobId,
+    /// Failed promotions whose primary chunks wait for their tier's flag (vLLM 0.34
+    /// `_deferred_releases`), in the order they were deferred.
+    deferred: Vec<DeferredHold>,
     shut_down: bool,
     /// The primary answers alone: vLLM's CPU-only manager ([`Self::cpu`]).
     alone: bool,
@@ -209,6 +221,7 @@ impl TieringOffloadingManager {
             primary.chunk_bytes(),
         );
         metrics.record_latency = record_lookup_latency;
+        metrics.deferred_release = primary.manager().contract() >= Contract::V0_34;
         Self {
             primary,
             tiers,
@@ -234,6 +247,7 @@ impl TieringOffloadingManager {
             expired_jobs: HashSet::new(),
             promotions_this_step: 0,
             stale_below: 0,
+            deferred: Vec::new(),
             shut_down: false,
             alone: false,
         }
@@ -469,6 +483,13 @@ impl TieringOffloadingManager {
                             "cascade completion of unpinned keys"
                         );
                     }
+                    if r.deferred_release.is_some() {
+                        tracing::error!(
+                            job_id = r.job_id,
+                            tier = i,
+                            "a cascade's result defers a release (only failed promotions may)"
+                        );
+                    }
                     self.update_backpressure(i, &meta.job, &r);
                     if r.success && !self.failed_marks.is_empty() {
                         let bit = 1u64 << i;
@@ -483,8 +504,43 @@ impl TieringOffloadingManager {
                     }
                 }
             }
+            if !self.deferred.is_empty() {
+                self.complete_deferred_releases(i);
+            }
         }
         self.finished = buf;
+    }
+
+    /// The deferred releases of `tier` whose flag is set: their chunks go back to the primary's
+    /// free pool (vLLM 0.34 `_complete_deferred_releases`).
+    fn complete_deferred_releases(&mut self, tier: usize) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.deferred.len() {
+            let d = &self.deferred[i];
+            if d.tier != tier || !d.flag.is_set() {
+                i += 1;
+                continue;
+            }
+            let d = self.deferred.remove(i);
+            if let Err(e) = self.primary.manager_mut().release_deferred_write(&d.slots) {
+                tracing::error!(job_id = d.job_id, "deferred release: {e}");
+            }
+            self.metrics.on_deferred_release_done(
+                tier,
+                d.slots.len(),
+                now.duration_since(d.since).as_secs_f64(),
+            );
+        }
+    }
+
+    /// Failed promotions holding primary chunks (vLLM 0.34 `_deferred_releases`): `(job id,
+    /// tier, chunk ids)`, in the order they were deferred.
+    pub fn deferred_releases(&self) -> Vec<(JobId, usize, Vec<u32>)> {
+        self.deferred
+            .iter()
+            .map(|d| (d.job_id, d.tier, d.slots.clone()))
+            .collect()
     }
 
     fn complete_promotion(&mut self, meta: &JobMeta, r: &JobResult) {
@@ -493,7 +549,7 @@ impl TieringOffloadingManager {
             // Every key landed (the usual case): the job's own keys, not a copy of them, in
             // the slots the job holds.
             self.primary
-                .complete_write_job(&job.keys, &job.chunk_ids, true);
+                .complete_write_job(&job.keys, &job.chunk_ids, &job.req_context, true);
         } else {
             self.complete_failed_promotion(meta, r);
         }
@@ -542,10 +598,33 @@ impl TieringOffloadingManager {
             }
         }
         if !ok.is_empty() {
-            self.primary.complete_write(&ok, true);
+            self.primary.complete_write(&ok, &job.req_context, true);
         }
         if !failed.is_empty() {
-            self.primary.complete_write(&failed, false);
+            let deferred = r.deferred_release.as_ref().and_then(|flag| {
+                match self.primary.manager_mut().defer_write_release(&failed) {
+                    Ok(slots) => Some((flag.clone(), slots)),
+                    Err(e) => {
+                        tracing::error!(job_id = r.job_id, "deferred release refused: {e}");
+                        None
+                    }
+                }
+            });
+            match deferred {
+                Some((flag, slots)) => {
+                    self.metrics.on_release_deferred(meta.tier, slots.len());
+                    self.deferred.push(DeferredHold {
+                        job_id: r.job_id,
+                        tier: meta.tier,
+                        flag,
+                        slots,
+                        since: Instant::now(),
+                    });
+                }
+                None => self
+                    .primary
+                    .complete_write(&failed, &job.req_context, false),
+            }
             if self.fixes.failed_load_reads_miss {
                 let bit = 1u64 << meta.tier;
                 for k in &failed {
@@ -1076,7 +1155,9 @@ impl OffloadingManager for TieringOffloadingManager {
                 self.scratch_slots = slots;
                 return Err(TieringError::UnknownKey { call, key });
             }
-            self.primary.manager_mut().complete_store_at(keys, &slots);
+            self.primary
+                .manager_mut()
+                .complete_store_at(keys, &slots, ctx);
             for i in 0..self.tiers.len() {
                 if !self.should_store_to_tier(i, keys.len()) {
                     continue;
@@ -1159,6 +1240,7 @@ impl OffloadingManager for TieringOffloadingManager {
             return false;
         }
         !self.jobs.is_empty()
+            || !self.deferred.is_empty()
             || self
                 .req_state
                 .values()
@@ -1178,6 +1260,19 @@ impl OffloadingManager for TieringOffloadingManager {
             })?;
         }
         self.process_finished_jobs();
+        if !self.deferred.is_empty() {
+            // A tier's drain_jobs must set every deferred-release flag before it returns.
+            let d = &self.deferred[0];
+            return Err(TieringError::Tier {
+                tier: d.tier,
+                tier_type: self.tiers[d.tier].tier_type().to_string(),
+                message: format!(
+                    "reset_cache: {} deferred releases still pending after drain_jobs (a tier \
+                     must set each deferred_release before drain_jobs returns)",
+                    self.deferred.len()
+                ),
+            });
+        }
         if !self.jobs.is_empty() {
             if !self.fixes.reset_drops_stale_jobs {
                 return Err(TieringError::Tier {

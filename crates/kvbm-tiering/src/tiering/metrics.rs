@@ -25,6 +25,7 @@ struct TierState {
     active_cascades: u64,
     write_chunks: u64,
     read_chunks: u64,
+    deferred_chunks: u64,
 }
 
 pub(crate) struct Metrics {
@@ -41,6 +42,8 @@ pub(crate) struct Metrics {
     /// When a `RETRY` started, in `clock`'s raw ticks.
     retry_started: HashMap<(usize, u64, OffloadKey), u64>,
     stats: OffloadingConnectorStats,
+    /// Report the deferred-release gauge (vLLM 0.34's tracker has it, 0.33's does not).
+    pub deferred_release: bool,
 }
 
 impl Metrics {
@@ -70,6 +73,7 @@ impl Metrics {
             async_delays: vec![Vec::new(); n],
             retry_started: HashMap::new(),
             stats: OffloadingConnectorStats::default(),
+            deferred_release: false,
         }
     }
 
@@ -192,6 +196,21 @@ impl Metrics {
         }
     }
 
+    /// A failed promotion of `tier` holds `chunks` primary chunks (vLLM `on_release_deferred`).
+    pub(crate) fn on_release_deferred(&mut self, tier: usize, chunks: usize) {
+        self.tiers[tier].deferred_chunks += chunks as u64;
+    }
+
+    /// A deferred release of `chunks` ended after `held` seconds (vLLM
+    /// `on_deferred_release_done`).
+    pub(crate) fn on_deferred_release_done(&mut self, tier: usize, chunks: usize, held: f64) {
+        let st = &mut self.tiers[tier];
+        st.deferred_chunks = st.deferred_chunks.saturating_sub(chunks as u64);
+        let label = self.labels[tier + 1].clone();
+        self.stats
+            .observe_histogram(names::DEFERRED_RELEASE_HOLD, Some(&label), held);
+    }
+
     pub(crate) fn on_promotion_allocation_failure(&mut self) {
         self.stats
             .increase_counter(names::PROMOTION_ALLOCATION_FAILURES, None, 1.0);
@@ -235,6 +254,7 @@ impl Metrics {
                 && t.active_promotions == 0
                 && t.read_chunks == 0
                 && t.write_chunks == 0
+                && t.deferred_chunks == 0
         })
     }
 
@@ -252,6 +272,9 @@ impl Metrics {
             out.set_gauge(names::PRIMARY_READ_USAGE_PERC, l, r);
             out.set_gauge(names::ACTIVE_PROMOTION_JOBS, l, t.active_promotions as f64);
             out.set_gauge(names::ACTIVE_CASCADE_JOBS, l, t.active_cascades as f64);
+            if self.deferred_release {
+                out.set_gauge(names::DEFERRED_RELEASE_CHUNKS, l, t.deferred_chunks as f64);
+            }
         }
         for i in 0..self.labels.len() {
             let l = Some(self.labels[i].as_str());

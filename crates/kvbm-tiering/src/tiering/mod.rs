@@ -11,7 +11,9 @@ pub mod physical;
 
 pub use async_lookup::AsyncLookup;
 pub use backpressure::{Backpressure, BackpressureDetector, DropPolicy, EmaConfig};
-pub use base::{JobId, JobResult, ParentManager, SecondaryTierManager, TierJob};
+pub use base::{
+    DeferredRelease, JobId, JobResult, ParentManager, ReleaseFlag, SecondaryTierManager, TierJob,
+};
 pub use manager::{TieringConfig, TieringOffloadingManager, UpstreamFixes};
 pub use memory::InMemoryTier;
 pub use physical::{

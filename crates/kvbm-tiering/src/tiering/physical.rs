@@ -594,6 +594,7 @@ impl<T: Tier> PhysicalTier<T> {
                 ownership: Some(self.tier_type.clone()),
                 removal_expected: false,
                 metadata_only: false,
+                req_context: None,
             });
         }
     }
@@ -836,6 +837,8 @@ impl<T: Tier> PhysicalTier<T> {
             successful_keys: (!success && promotion).then_some(ok_keys),
             transfer_time: Some(meta.started.elapsed().as_secs_f64()),
             transfer_bytes: Some(meta.bytes),
+            // A finished move touches the primary no more: nothing to defer.
+            deferred_release: None,
         });
     }
 

@@ -1,4 +1,4 @@
-"""kvbm's secondary tiers for vLLM 0.33's own tiering manager (``TieringOffloadingSpec``).
+"""kvbm's secondary tiers for vLLM's own tiering manager (``TieringOffloadingSpec``), 0.34 or 0.33.
 
 ``KvbmDiskTier`` (tier type ``kvbm_disk``) keeps chunks in one O_DIRECT file kvbm owns:
 bounded (``capacity`` chunk slots; the oldest ready chunk is evicted for a new one), persistent
@@ -85,6 +85,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbm_vllm import extension
+from kvbm_vllm.contract import installed
 from kvbm_vllm.log import child
 
 __all__ = ["KvbmDiskTier", "KvbmObjectTier", "DISK_KEYS", "OBJECT_KEYS", "standalone_spec"]
@@ -119,6 +120,20 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
             f"secondary tier {tier_type!r}: missing required key(s) {', '.join(missing)}"
         )
     return out
+
+
+def _flag(tier_type: str, s: dict[str, Any], key: str) -> bool:
+    """A boolean key, strictly: JSON's true/false, or the strings "true"/"false" (any case).
+    Anything else (``"no"``, ``1``, ``"0"``) is a ValueError naming the key: ``bool("false")``
+    is True, and a tier must never take a "false" for on."""
+    v = s[key]
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    raise ValueError(
+        f"secondary tier {tier_type!r}: {key} must be true or false, got {v!r}"
+    )
 
 
 def _io_nice(tier_type: str, s: dict[str, Any]) -> int:
@@ -278,6 +293,7 @@ class _KvbmTier(SecondaryTierManager):
         self._rs.on_request_finished(req_context)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM 0.33's recency hint (0.34 has no ``touch``; its manager never calls it)."""
         self._rs.touch(keys, req_context)
 
     def shutdown(self) -> None:
@@ -304,8 +320,11 @@ class KvbmDiskTier(_KvbmTier):
         backpressure_detector=None,
         **config: Any,
     ) -> None:
+        contract = installed()  # refuses a vLLM whose contract kvbm does not follow
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         s = _settings(tier_type, config, DISK_KEYS)
+        direct_io = _flag(tier_type, s, "direct_io")
+        events = _flag(tier_type, s, "enable_kv_events")
         locality = Locality(str(s["locality"]).upper())
         if locality is not Locality.LOCAL:
             raise ValueError(
@@ -329,13 +348,19 @@ class KvbmDiskTier(_KvbmTier):
             str(s["path"]),
             capacity,
             int(s["queue_depth"]),
-            bool(s["direct_io"]),
+            direct_io,
             pool_mb << 20,
             _LOOKUP_RESULTS,
-            _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
+            _events_on(tier_type, offloading_spec, events),
             tier_type,
             _io_nice(tier_type, s),
         )
+        _log.info(
+            "kvbm tier %r (kvbm_disk): file %s, %d chunk slots of %d bytes, %d chunks warm "
+            "from its journal, O_DIRECT %s, io_nice %d, KV events %s (vLLM %s contract)",
+            tier_type, s["path"], capacity, self.block_size_bytes, self._rs.num_ready(),
+            "on" if direct_io else "off", s["io_nice"], "on" if events else "off",
+            contract.name)
 
 
 #: The keys a ``kvbm_object`` tier takes, with their defaults (``None``: required).
@@ -385,8 +410,11 @@ class KvbmObjectTier(_KvbmTier):
         backpressure_detector=None,
         **config: Any,
     ) -> None:
+        contract = installed()  # refuses a vLLM whose contract kvbm does not follow
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         s = _settings(tier_type, config, OBJECT_KEYS)
+        events = _flag(tier_type, s, "enable_kv_events")
+        shared = _flag(tier_type, s, "shared")
         if bool(s["bucket"]) == bool(s["dir"]):
             raise ValueError(
                 f"secondary tier {tier_type!r}: give exactly one of bucket (S3) and dir (a local "
@@ -418,12 +446,19 @@ class KvbmObjectTier(_KvbmTier):
             secret,
             s["dir"] or None,
             _LOOKUP_RESULTS,
-            _events_on(tier_type, offloading_spec, bool(s["enable_kv_events"])),
+            _events_on(tier_type, offloading_spec, events),
             tier_type,
             _io_nice(tier_type, s),
         )
+        where = (f"S3 bucket {s['bucket']!r} at {s['endpoint'] or 'the default endpoint'}"
+                 if s["bucket"] else f"directory {s['dir']}")
+        _log.info(
+            "kvbm tier %r (kvbm_object): %s, namespace %r, %d keys remembered, %s, KV events "
+            "%s (vLLM %s contract)", tier_type, where, s["namespace"], capacity,
+            "shared (probes other instances' objects)" if shared else "not shared",
+            "on" if events else "off", contract.name)
         self._probe = None
-        if s["shared"]:
+        if shared:
             self._probe = self._rs.object_probe()
             self._pool = ThreadPoolExecutor(
                 max_workers=int(s["probe_threads"]), thread_name_prefix="kvbm-object-probe"
@@ -466,3 +501,11 @@ class KvbmObjectTier(_KvbmTier):
         if self._probe is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         super().shutdown()
+
+
+#: The short tier names as module attributes: vLLM's ``SecondaryTierFactory`` resolves a tier
+#: given with ``module_path`` by looking its ``type`` up in that module, so
+#: ``{"type": "kvbm_disk", "module_path": "kvbm_vllm.tiers"}`` works without the plugin (as do
+#: the class names).
+kvbm_disk = KvbmDiskTier
+kvbm_object = KvbmObjectTier

@@ -397,7 +397,8 @@ class CPUOffloadingManager(OffloadingManager):
     ):
         policy = _builtin_policy(cache_policy, cache_policy_module_path)
         rs = extension().CpuManager(
-            num_chunks, policy, enable_events, store_threshold, max_tracker_size, _LOOKUP_RESULTS
+            num_chunks, policy, enable_events, store_threshold, max_tracker_size, _LOOKUP_RESULTS,
+            installed().name,
         )
         self._bind(rs, num_chunks, policy, store_threshold, max_tracker_size, info)
 
@@ -592,14 +593,24 @@ class CPUOffloadingManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         # A generator, as vLLM's: the batch is detached when iteration starts, so a caller that
         # stops early drops the rest rather than seeing it again.
-        for keys, removed, removal_expected, metadata_only in self._rs.take_events():
-            yield OffloadingEvent(
-                keys=keys,
-                medium=self.medium,
-                removed=removed,
-                removal_expected=removal_expected,
-                metadata_only=metadata_only,
-            )
+        for keys, removed, removal_expected, metadata_only, ctx in self._rs.take_events():
+            if ctx is None:
+                yield OffloadingEvent(
+                    keys=keys,
+                    medium=self.medium,
+                    removed=removed,
+                    removal_expected=removal_expected,
+                    metadata_only=metadata_only,
+                )
+            else:  # vLLM 0.34: a stored event names the request that stored it
+                yield OffloadingEvent(
+                    keys=keys,
+                    medium=self.medium,
+                    removed=removed,
+                    removal_expected=removal_expected,
+                    metadata_only=metadata_only,
+                    req_context=ctx,
+                )
 
     def config_info(self) -> Sequence[dict]:
         return [self._config_info]
@@ -631,7 +642,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         strides = getattr(self._kv_memoryview, "strides", None)
         chunk_bytes = strides[0] if isinstance(strides, tuple) and strides else 0
         rs = extension().CpuManager.primary(
-            num_chunks, chunk_bytes, policy, enable_events, _LOOKUP_RESULTS
+            num_chunks, chunk_bytes, policy, enable_events, _LOOKUP_RESULTS, installed().name
         )
         self._bind(rs, num_chunks, policy, 1, 64_000, info)
         # read/write: a secondary tier reading or writing the primary; load/store: the GPU.
@@ -645,6 +656,29 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
 
     def get_kv_memoryview(self) -> memoryview:
         return self._kv_memoryview
+
+    # -- vLLM 0.34: a failed promotion's deferred release --
+
+    def defer_write_release(self, keys: Collection[OffloadKey]) -> list[int]:
+        """Fails pending writes as ``complete_write(False)`` does but keeps their chunks out of
+        the free pool until :meth:`release_deferred_write`; returns the held chunk ids. A key
+        that is not a pending write is an ``AssertionError`` naming it, nothing changed."""
+        return self._rs.defer_write_release(keys)
+
+    def release_deferred_write(self, chunk_ids: Iterable[int]) -> None:
+        """Returns held chunks to the free pool."""
+        self._rs.release_deferred_write([int(c) for c in chunk_ids])
+
+    @property
+    def num_deferred_release_chunks(self) -> int:
+        return self._rs.num_deferred_release_chunks
+
+    @property
+    def _num_write_pending_chunks(self) -> int:
+        return self._rs.usage()[1]
+
+    def _get_num_free_chunks(self) -> int:
+        return self._rs.num_free()
 
     @property
     def _free_list(self) -> list[int]:
@@ -671,6 +705,28 @@ class _RequestStateView:
     is_finished: bool = False
     request_level_tiers: set[int] | None = None
     pending_cascade_keys: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _MetricsLabels:
+    """vLLM's metric labels of a manager's tiers (``tier_label``, ``primary_tier_label``)."""
+
+    labels: tuple
+
+    def tier_label(self, tier_idx: int) -> tuple:
+        return (self.labels[tier_idx + 1],)
+
+    @property
+    def primary_tier_label(self) -> tuple:
+        return (self.labels[0],)
+
+
+@dataclass
+class _DeferredReleaseView:
+    """One failed promotion's held chunks (vLLM 0.34 ``_DeferredRelease``), a copy."""
+
+    tier_idx: int
+    chunk_ids: list = field(default_factory=list)
 
 
 @dataclass
@@ -1007,6 +1063,18 @@ class TieringOffloadingManager(OffloadingManager):
         return {
             job_id: _vllm_tiering.JobMetadata(job, tier)
             for job_id, tier, job in self._rs.jobs()
+        }
+
+    @property
+    def _metrics(self) -> "_MetricsLabels":
+        """The label half of vLLM's ``TieringMetricsTracker`` (its series live in Rust)."""
+        return _MetricsLabels(tuple(self._rs.labels()))
+
+    @property
+    def _deferred_releases(self) -> dict:
+        return {
+            job_id: _DeferredReleaseView(tier, list(ids))
+            for job_id, tier, ids in self._rs.deferred_releases()
         }
 
     @property

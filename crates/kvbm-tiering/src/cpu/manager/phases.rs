@@ -60,18 +60,19 @@ impl CpuOffloadingManager {
         let reserved = std::mem::take(&mut self.reserved);
         self.free_list.extend(reserved);
         if self.counts.is_some() {
-            self.record_tracker(keys);
+            self.record_offer(keys, ctx);
         }
         let mut plan = StorePlan::default();
-        let mut candidates = 0usize;
-        for k in keys {
+        let mut skipped = 0u64;
+        for (i, k) in keys.iter().enumerate() {
             match self.index.get(&self.keys, k) {
                 None => {
-                    candidates += 1;
                     let pass = self.passes_store_threshold(k);
                     if pass {
                         plan.keys_to_store.push(*k);
                         plan.recorded.push(*k);
+                    } else {
+                        skipped += u64::from(self.skip_counts(i));
                     }
                 }
                 Some(s) if self.ref_cnt[s as usize] >= 0 => {
@@ -82,7 +83,8 @@ impl CpuOffloadingManager {
             }
         }
         if self.counts.is_some() {
-            self.stores_skipped += (candidates - plan.keys_to_store.len()) as u64;
+            self.stores_skipped += skipped;
+            self.mark_counted(keys, ctx);
         }
         let state = self.requests.access(ctx);
         for k in &plan.keys_to_store {

@@ -407,8 +407,8 @@ fn job_slot_hints_are_checked_against_the_slot_s_key() {
         let out = m.prepare_store(&keys, &a).unwrap().expect("room");
         let slots: Vec<i32> = out.store_spec.chunk_ids().unwrap().to_vec();
         // A failed write of key 2 frees its slot; 1 and 3 land (hinted by `hints`).
-        m.complete_store_hinted(&[k(2)], hints.get(1..2).unwrap_or(&[]), false);
-        m.complete_store_hinted(&[k(1), k(3)], &[slots[0], slots[2]], true);
+        m.complete_store_hinted(&[k(2)], hints.get(1..2).unwrap_or(&[]), &a, false);
+        m.complete_store_hinted(&[k(1), k(3)], &[slots[0], slots[2]], &a, true);
         assert_eq!(m.chunk(&k(2)), None, "{hints:?}: the failed key is gone");
         assert_eq!(m.num_write_pending(), 0, "{hints:?}");
         // Pin 1 and 3 twice each (two cascades), then unpin them with the hints under test:
