@@ -432,12 +432,15 @@ def ensure_vllm(vllm_src=None, stubs_path=None, pydeps=None):
             raise SetupError(
                 "vLLM is not importable and no --vllm-src was given (and no kvbm checkout with "
                 "the upstream harness was found to take the default from)")
-        vllm_src = os.path.join(root, "target", "peer", "vllm-sdist", "0.33.0")
+        # The harness's extraction of the version asked for (KVBM_VLLM_VERSION, the test
+        # suites' switch), else of 0.33.0.
+        version = os.environ.get("KVBM_VLLM_VERSION", "0.33.0")
+        vllm_src = os.path.join(root, "target", "peer", "vllm-sdist", version)
     if not os.path.isfile(os.path.join(vllm_src, "vllm", "v1", "kv_offload", "base.py")):
         raise SetupError(
             f"vLLM is not importable and {vllm_src} holds no extracted vllm/v1/kv_offload: run "
-            "`python3 crates/kvbm-vllm/tests/upstream/run.py --impl vllm` once (it fetches and "
-            "extracts vLLM 0.33.0's sdist), or pass --vllm-src")
+            "`python3 crates/kvbm-vllm/tests/upstream/run.py --impl vllm [--vllm VERSION]` once "
+            "(it fetches and extracts that vLLM's sdist), or pass --vllm-src")
     if stubs_path is None:
         if root is None:
             raise SetupError("vLLM is not importable: --stubs FILE (the harness's stubs.py) "

@@ -201,17 +201,54 @@ def test_a_tier_that_cannot_start_is_a_clear_error_and_leaves_nothing_behind(tmp
     assert spec._scheduler_mmap is None, "the shared region was cleaned up"
 
 
-@pytest.mark.parametrize("version, ok", [("0.33.0", True), ("0.33.2rc1", True),
-                                         ("0.34.0", False), ("0.32.1", False), ("1.0", False)])
-def test_an_unsupported_vllm_version_is_refused_by_name(tmp_path, monkeypatch, version, ok):
+def _installed_line():
+    from kvbm_vllm.contract import installed
+
+    return installed().name
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.35.0", "1.0", "nightly"])
+def test_an_unsupported_vllm_version_is_refused_by_name(tmp_path, monkeypatch, version):
+    """Any release line but 0.33 and 0.34 is refused by the spec, naming the version and
+    the supported ones."""
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", version, raising=False)
-    if ok:
+    with pytest.raises(RuntimeError, match=rf"this is vLLM {version}.*") as e:
         OffloadingSpecFactory.create_spec(config(tmp_path))
-    else:
-        with pytest.raises(RuntimeError, match=f"this is vLLM {version}"):
-            OffloadingSpecFactory.create_spec(config(tmp_path))
+    assert "0.34.x" in str(e.value) and "0.33.x" in str(e.value)
+
+
+@pytest.mark.parametrize("patch", ["0", "2rc1"])
+def test_the_installed_release_line_is_followed_whatever_its_patch(tmp_path, monkeypatch, patch):
+    import vllm
+
+    line = _installed_line()
+    monkeypatch.setattr(vllm, "__version__", f"{line}.{patch}", raising=False)
+    OffloadingSpecFactory.create_spec(config(tmp_path))
+
+
+def test_a_version_that_disagrees_with_the_modules_is_a_mixed_installation(tmp_path, monkeypatch):
+    """vLLM's version says one supported line, its modules implement the other: refused."""
+    import vllm
+
+    other = {"0.33": "0.34.0", "0.34": "0.33.0"}[_installed_line()]
+    monkeypatch.setattr(vllm, "__version__", other, raising=False)
+    with pytest.raises(RuntimeError, match="mixed installation"):
+        OffloadingSpecFactory.create_spec(config(tmp_path))
+
+
+def test_a_kvbm_tier_under_vllm_s_own_spec_refuses_an_unsupported_vllm(tmp_path, monkeypatch):
+    """The check is the tiers' too: kvbm_disk under vLLM's TieringOffloadingSpec."""
+    import vllm
+
+    cfg = config(tmp_path, by_name=True)
+    cfg.extra_config["spec_name"] = "TieringOffloadingSpec"
+    cfg.extra_config["spec_module_path"] = "vllm.v1.kv_offload.tiering.spec"
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    monkeypatch.setattr(vllm, "__version__", "0.35.1", raising=False)
+    with pytest.raises(RuntimeError, match="this is vLLM 0.35.1"):
+        spec.get_manager()
 
 
 @pytest.mark.parametrize("spec_name", ["KvbmOffloadingSpec", "TieringOffloadingSpec"])
@@ -276,3 +313,57 @@ def test_kvbm_tiers_are_named_alike_under_kvbms_manager_and_vllms(tmp_path):
     kvbm = labels("KvbmOffloadingSpec", "kvbm_vllm.spec", "a")
     vllm = labels("TieringOffloadingSpec", "vllm.v1.kv_offload.tiering.spec", "b")
     assert kvbm == vllm == ["0:primary", "1:KvbmDiskTier", "2:KvbmObjectTier"]
+
+
+def test_the_module_path_form_takes_the_short_tier_names(tmp_path):
+    """The README's form without the plugin: {"type": "kvbm_disk", "module_path":
+    "kvbm_vllm.tiers"} (vLLM looks the type up as an attribute of the module)."""
+    cfg = config(tmp_path)
+    cfg.extra_config["secondary_tiers"][0]["type"] = "kvbm_disk"
+    cfg.extra_config["secondary_tiers"][0]["path"] = str(tmp_path / "short.bin")
+    m = OffloadingSpecFactory.create_spec(cfg).get_manager()
+    try:
+        assert [c["tier"].split(":")[1] for c in m.config_info()] == ["primary", "kvbm_disk"]
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("value, on", [(True, True), (False, False), ("false", False),
+                                       ("False", False), ("true", True), ("no", None),
+                                       (1, None), ("0", None)])
+def test_tier_booleans_are_strict(tmp_path, value, on):
+    """``"false"`` is false, never on; anything but true/false is an error naming the key."""
+    cfg = config(tmp_path)
+    cfg.extra_config["secondary_tiers"][0]["enable_kv_events"] = value
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    if on is None:
+        with pytest.raises(ValueError, match="enable_kv_events must be true or false"):
+            spec.get_manager()
+        return
+    spec.get_manager().shutdown()
+
+
+def test_a_tier_says_what_it_is_at_start_through_vllm_s_logger_tree(tmp_path):
+    """kvbm logs under vLLM's ``vllm`` logger (its handler, format and level): a tier's start
+    names its file, capacity, warm chunks and O_DIRECT."""
+    import logging
+
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    vllm_logger = logging.getLogger("vllm")
+    h = Keep(level=logging.INFO)
+    old = vllm_logger.level
+    vllm_logger.addHandler(h)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        OffloadingSpecFactory.create_spec(config(tmp_path)).get_manager().shutdown()
+    finally:
+        vllm_logger.removeHandler(h)
+        vllm_logger.setLevel(old)
+    lines = [r.getMessage() for r in seen if r.name.startswith("vllm.kvbm_vllm")]
+    assert any("kvbm_disk" in m and str(tmp_path / "g3.bin") in m and "512 chunk slots" in m
+               and "warm" in m and "O_DIRECT off" in m for m in lines), lines

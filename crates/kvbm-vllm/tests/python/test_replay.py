@@ -51,8 +51,8 @@ REAL_VLLM = importlib.util.find_spec("vllm") is not None
 def _vllm_args():
     if REAL_VLLM:
         return []
-    src = os.environ.get("KVBM_VLLM_SRC",
-                         os.path.join(REPO, "target", "peer", "vllm-sdist", "0.33.0"))
+    src = os.environ.get("KVBM_VLLM_SRC", os.path.join(
+        REPO, "target", "peer", "vllm-sdist", os.environ.get("KVBM_VLLM_VERSION", "0.33.0")))
     if not os.path.isdir(src):
         pytest.fail(f"vLLM is not importable and {src} is missing: run `python3 "
                     f"crates/kvbm-vllm/tests/upstream/run.py --impl vllm` once (or set "

@@ -429,3 +429,124 @@ fn job_slot_hints_are_checked_against_the_slot_s_key() {
         m.check_invariants().unwrap();
     }
 }
+
+/// vLLM 0.34's store threshold, on both store shapes (a batch, and the one-key store):
+/// a request that offers the same keys again (a retry of a failed offer, a re-offer after
+/// preemption) counts each key once and its skip once; another request's offer counts.
+/// Under 0.33 every offer counts.
+#[test]
+fn under_0_34_the_store_threshold_counts_a_key_once_per_request() {
+    use crate::types::Contract;
+    let k = OffloadKey::from_u64;
+    for contract in [Contract::V0_33, Contract::V0_34] {
+        for keys in [vec![k(1), k(2)], vec![k(2)]] {
+            let mut m = CpuOffloadingManager::new(
+                CpuManagerConfig::new(4)
+                    .store_threshold(3, 64)
+                    .contract(contract),
+            );
+            let a = ReqContext::new("a");
+            let mut out = PrepareStoreOutput::default();
+            for _ in 0..3 {
+                assert!(m.store_into(&keys, &a, &mut out));
+            }
+            let once = contract == Contract::V0_34;
+            assert_eq!(
+                m.tracker_count(&k(2)),
+                Some(if once { 1 } else { 3 }),
+                "{contract:?}"
+            );
+            assert_eq!(
+                m.stores_skipped(),
+                if once {
+                    keys.len() as u64
+                } else {
+                    2 * keys.len() as u64
+                },
+                "{contract:?} {keys:?}: the third offer passes under 0.33 only"
+            );
+            assert_eq!(out.keys_to_store.is_empty(), once, "{contract:?}");
+            let b = ReqContext::new("b");
+            assert!(m.store_into(&keys, &b, &mut out));
+            assert_eq!(m.tracker_count(&k(2)), Some(if once { 2 } else { 4 }));
+        }
+    }
+}
+
+/// vLLM 0.34: a stored event names the request that completed the store and expects a
+/// removal; under 0.33 it carries neither.
+#[test]
+fn under_0_34_a_stored_event_carries_its_request() {
+    use crate::types::Contract;
+    let k = OffloadKey::from_u64;
+    for contract in [Contract::V0_33, Contract::V0_34] {
+        let mut m =
+            CpuOffloadingManager::new(CpuManagerConfig::new(2).events(true).contract(contract));
+        let w = ReqContext::new("writer");
+        m.prepare_store(&[k(1)], &w).unwrap().expect("room");
+        m.complete_store(&[k(1)], &w, true).unwrap();
+        let ev = m.take_events();
+        assert_eq!(ev.len(), 1);
+        let v34 = contract == Contract::V0_34;
+        assert_eq!(ev[0].removal_expected, v34);
+        assert_eq!(
+            ev[0].req_context.as_ref().map(|c| c.uid()),
+            v34.then(|| w.uid())
+        );
+    }
+}
+
+/// A deferred release (vLLM 0.34): the failed keys miss at once, their slots stay out of
+/// the free pool (still write-pending) until released; a key stored again gets a fresh slot;
+/// a key that is not a pending write is refused before anything changes; reset_cache refuses
+/// while slots are held.
+#[test]
+fn a_deferred_release_holds_its_slots_until_released() {
+    let k = OffloadKey::from_u64;
+    let mut m = CpuOffloadingManager::new(CpuManagerConfig::new(4).events(true));
+    let a = ReqContext::new("a");
+    m.prepare_store(&[k(1), k(2), k(3)], &a)
+        .unwrap()
+        .expect("room");
+    m.complete_store(&[k(3)], &a, true).unwrap();
+    let free_before = m.num_free();
+    assert!(matches!(
+        m.defer_write_release(&[k(1), k(3)]),
+        Err(TieringError::KeyState {
+            state: "not a pending write",
+            ..
+        })
+    ));
+    assert!(matches!(
+        m.defer_write_release(&[k(9)]),
+        Err(TieringError::KeyState { .. })
+    ));
+    assert_eq!(
+        m.chunk(&k(1)).map(|c| c.1),
+        Some(-1),
+        "a refused call changes nothing"
+    );
+    let held = m.defer_write_release(&[k(1), k(2)]).unwrap();
+    assert_eq!(held.len(), 2);
+    assert_eq!(m.num_deferred_release_chunks(), 2);
+    assert_eq!(m.lookup(&k(1), &a), LookupResult::Miss);
+    assert_eq!(m.num_free(), free_before, "held slots are not free");
+    assert_eq!(m.num_write_pending(), 2);
+    let again = m.prepare_store(&[k(1)], &a).unwrap().expect("room");
+    let slot = again.store_spec.chunk_ids().unwrap()[0] as u32;
+    assert!(
+        !held.contains(&slot),
+        "a fresh slot, out of the late writer's reach"
+    );
+    m.complete_store(&[k(1)], &a, true).unwrap();
+    assert!(
+        m.reset_cache().is_err(),
+        "reset_cache while a tier may still write"
+    );
+    assert!(m.release_deferred_write(&[99]).is_err());
+    m.release_deferred_write(&held).unwrap();
+    assert_eq!(m.num_deferred_release_chunks(), 0);
+    assert_eq!(m.num_write_pending(), 0);
+    assert_eq!(m.lookup(&k(1), &a), LookupResult::Hit);
+    m.reset_cache().unwrap();
+}
