@@ -671,7 +671,7 @@ impl TieringOffloadingManager {
         let t0 = self.metrics.start();
         let primary = self.primary.manager_mut().lookup(key, ctx);
         // The reading that ended one timed lookup starts the next (see `Metrics::on_lookup`).
-        let mut ended = self.metrics.on_lookup(0, primary, t0, ctx.uid(), key);
+        let mut ended = self.metrics.on_lookup(0, primary, t0, ctx, key);
         match primary {
             LookupResult::Hit => return LookupResult::Hit,
             LookupResult::HitPending => {
@@ -709,7 +709,7 @@ impl TieringOffloadingManager {
             };
             let r = tier.lookup(key, ctx);
             if r == LookupResult::Hit {
-                self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
+                self.metrics.on_lookup(i + 1, r, t0, ctx, key);
                 if let Some(cap) = self.fixes.max_promotions_per_step
                     && self.promotions_this_step >= cap
                 {
@@ -724,7 +724,7 @@ impl TieringOffloadingManager {
             if r == LookupResult::Retry {
                 any_retry = true;
             }
-            ended = self.metrics.on_lookup(i + 1, r, t0, ctx.uid(), key);
+            ended = self.metrics.on_lookup(i + 1, r, t0, ctx, key);
         }
         if any_retry {
             LookupResult::Retry
@@ -956,6 +956,7 @@ impl TieringOffloadingManager {
         } else {
             OffloadScope::RequestLevel
         };
+        self.metrics.on_new_request(ctx);
         let seq = match self.req_state.get(ctx.req_id()) {
             Some(s) => s.seq,
             None => {
@@ -1011,6 +1012,7 @@ impl TieringOffloadingManager {
             }
             t.on_request_finished(&s.req_context);
         }
+        self.metrics.on_request_finished(req);
         if let Some(mut sources) = self.load_sources.remove(req)
             && self.spare_sources.len() < MAX_SPARE_SOURCES
             && sources.capacity() <= MAX_SPARE_SOURCE_KEYS
@@ -1231,6 +1233,11 @@ impl OffloadingManager for TieringOffloadingManager {
         for t in &mut self.tiers {
             t.on_schedule_end(context);
         }
+        for req in &context.new_req_ids {
+            if self.req_state.contains_key(req.as_str()) {
+                self.metrics.on_request_allocated(req);
+            }
+        }
         self.promotions_this_step = 0;
         Ok(())
     }
@@ -1319,6 +1326,7 @@ impl OffloadingManager for TieringOffloadingManager {
             for t in &mut self.tiers {
                 t.on_request_finished(&ctx);
             }
+            self.metrics.on_request_finished(ctx.req_id());
             finished.push(req);
         }
         self.primary.manager_mut().reset_cache()?;

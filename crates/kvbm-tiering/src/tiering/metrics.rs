@@ -1,15 +1,22 @@
 //! Tiering metrics (vLLM `tiering/metrics.py`), labelled `0:primary` and `<idx+1>:<tier_type>`.
 //!
 //! Counters live in per-label arrays so the lookup path only bumps integers; they are turned
-//! into an [`OffloadingConnectorStats`] at `get_stats`. Simplification against vLLM: a key looked
-//! up again by the same request is counted again (vLLM counts it once until the request is
-//! allocated), and lookup latency histograms are recorded only when enabled (two clock reads per
-//! tier per lookup).
+//! into an [`OffloadingConnectorStats`] at `get_stats`.
+//!
+//! Lookups are counted as vLLM's `TieringMetricsTracker.on_lookup` counts them, so a dashboard
+//! built on vLLM's series means the same over kvbm ([`Observed`]): per request, tier and key,
+//! once, when it resolves (`HIT` or `MISS`), and only until the request is allocated (the step
+//! that first schedules it); a `RETRY` starts the key's asynchronous wait, and its resolution
+//! is counted even after an earlier one. `HIT_PENDING` is never counted. The one difference:
+//! lookup latency histograms are recorded only when enabled (two clock reads per tier per
+//! lookup).
 //!
 //! The clock is [`quanta`]'s: the CPU's invariant time-stamp counter, calibrated against the
 //! monotonic clock once per process (and that clock itself where the CPU has no invariant
 //! counter). A primary lookup is a hash probe of about 100 ns, and vLLM times every one: two
 //! `clock_gettime` calls cost half as much again here, two counter reads a tenth.
+
+use std::sync::Arc;
 
 use hashbrown::HashMap;
 
@@ -17,7 +24,114 @@ use crate::key::OffloadKey;
 
 use crate::stats::{OffloadingConnectorStats, names};
 use crate::tiering::base::{JobResult, TierJob};
-use crate::types::LookupResult;
+use crate::types::{LookupResult, ReqContext};
+
+/// What vLLM's tracker remembers of one (tier, key) a request looked up.
+#[derive(Clone, Copy)]
+enum Seen {
+    /// Resolved (`HIT` or `MISS`) and counted: a later resolution is not counted again.
+    Counted,
+    /// Answered `RETRY`: the resolution is counted; the wait started at this clock reading
+    /// (when latency is recorded).
+    Waiting(Option<u64>),
+}
+
+/// One request's lookups as vLLM's tracker sees them (`_RequestMetricsState`); `seen: None`
+/// once the request was allocated (nothing more is counted for it).
+struct RequestLookups {
+    uid: u64,
+    seen: Option<HashMap<(u8, OffloadKey), Seen>>,
+}
+
+/// The requests' [`RequestLookups`] by request id, in a slab, with the last one used
+/// remembered by its context's uid: nearly every lookup is the same request's as the one
+/// before, and then finds its record without hashing the request id.
+///
+/// Invariant: `by_id[id] = i` exactly when `slab[i]` is live for `id`; `last = (uid, i)` is
+/// used only while `slab[i].uid == uid` (context uids are unique and never [`FREE`]).
+#[derive(Default)]
+struct Observed {
+    by_id: HashMap<Arc<str>, u32>,
+    slab: Vec<RequestLookups>,
+    free: Vec<u32>,
+    last: (u64, u32),
+}
+
+/// The uid of a free slab slot.
+const FREE: u64 = u64::MAX;
+
+impl Observed {
+    fn fresh(uid: u64) -> RequestLookups {
+        RequestLookups {
+            uid,
+            seen: Some(HashMap::new()),
+        }
+    }
+
+    /// `ctx`'s record, started when it has none (vLLM's `on_lookup` does the same), or
+    /// restarted when the record is another context's of the same id.
+    #[inline]
+    fn of(&mut self, ctx: &ReqContext) -> &mut RequestLookups {
+        let uid = ctx.uid();
+        let (last_uid, i) = self.last;
+        if last_uid == uid && self.slab.get(i as usize).is_some_and(|r| r.uid == uid) {
+            return &mut self.slab[i as usize];
+        }
+        let i = match self.by_id.get(ctx.req_id()) {
+            Some(&i) => {
+                if self.slab[i as usize].uid != uid {
+                    self.slab[i as usize] = Self::fresh(uid);
+                }
+                i
+            }
+            None => self.insert(ctx),
+        };
+        self.last = (uid, i);
+        &mut self.slab[i as usize]
+    }
+
+    fn insert(&mut self, ctx: &ReqContext) -> u32 {
+        let r = Self::fresh(ctx.uid());
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = r;
+                i
+            }
+            None => {
+                self.slab.push(r);
+                (self.slab.len() - 1) as u32
+            }
+        };
+        self.by_id.insert(ctx.req_id_arc().clone(), i);
+        i
+    }
+
+    /// A new request: its record starts afresh.
+    fn start(&mut self, ctx: &ReqContext) {
+        match self.by_id.get(ctx.req_id()) {
+            Some(&i) => self.slab[i as usize] = Self::fresh(ctx.uid()),
+            None => {
+                self.insert(ctx);
+            }
+        }
+    }
+
+    fn allocated(&mut self, req_id: &str) {
+        if let Some(&i) = self.by_id.get(req_id) {
+            self.slab[i as usize].seen = None;
+        }
+    }
+
+    fn finished(&mut self, req_id: &str) {
+        if let Some(i) = self.by_id.remove(req_id) {
+            self.slab[i as usize] = RequestLookups {
+                uid: FREE,
+                seen: None,
+            };
+            self.free.push(i);
+        }
+    }
+}
 
 #[derive(Default, Clone)]
 struct TierState {
@@ -39,8 +153,8 @@ pub(crate) struct Metrics {
     hits: Vec<u64>,
     delays: Vec<Vec<f64>>,
     async_delays: Vec<Vec<f64>>,
-    /// When a `RETRY` started, in `clock`'s raw ticks.
-    retry_started: HashMap<(usize, u64, OffloadKey), u64>,
+    /// Each request's lookups, counted as vLLM counts them (module docs).
+    observed: Observed,
     stats: OffloadingConnectorStats,
     /// Report the deferred-release gauge (vLLM 0.34's tracker has it, 0.33's does not).
     pub deferred_release: bool,
@@ -71,7 +185,7 @@ impl Metrics {
             hits: vec![0; n],
             delays: vec![Vec::new(); n],
             async_delays: vec![Vec::new(); n],
-            retry_started: HashMap::new(),
+            observed: Observed::default(),
             stats: OffloadingConnectorStats::default(),
             deferred_release: false,
         }
@@ -89,9 +203,23 @@ impl Metrics {
         self.clock.delta_as_nanos(start, end) as f64 * 1e-9
     }
 
-    /// A lookup answered by `label`; `start` is set when latency is recorded. A `RETRY`
-    /// starts the asynchronous delay of (request, key) at that tier; the resolving `HIT`/`MISS`
-    /// observes it.
+    /// A new request (vLLM `on_new_request`): its lookups start being counted afresh.
+    pub(crate) fn on_new_request(&mut self, ctx: &ReqContext) {
+        self.observed.start(ctx);
+    }
+
+    /// The request was scheduled (vLLM `on_request_allocated`): its lookups count no more.
+    pub(crate) fn on_request_allocated(&mut self, req_id: &str) {
+        self.observed.allocated(req_id);
+    }
+
+    /// The request is gone (vLLM `on_request_finished`).
+    pub(crate) fn on_request_finished(&mut self, req_id: &str) {
+        self.observed.finished(req_id);
+    }
+
+    /// A lookup answered by `label` for `ctx` (vLLM `on_lookup`, see the module docs); `start`
+    /// is set when latency is recorded.
     ///
     /// Returns the clock reading that ended the lookup, if one was made: the start of the next
     /// tier's lookup asked right after (one reading between two timed lookups, not two).
@@ -101,34 +229,40 @@ impl Metrics {
         label: usize,
         result: LookupResult,
         start: Option<u64>,
-        ctx_uid: u64,
+        ctx: &ReqContext,
         key: &OffloadKey,
     ) -> Option<u64> {
-        if matches!(result, LookupResult::Hit | LookupResult::Miss) {
-            self.queries[label] += 1;
-            if result == LookupResult::Hit {
-                self.hits[label] += 1;
-            }
-            if let Some(s) = start {
-                let now = self.clock.raw();
-                let d = self.seconds(s, now);
-                self.delays[label].push(d);
-                if !self.retry_started.is_empty()
-                    && let Some(t) = self.retry_started.remove(&(label, ctx_uid, *key))
-                {
-                    let d = self.seconds(t, now);
-                    self.async_delays[label].push(d);
-                }
-                return Some(now);
-            }
-        } else if result == LookupResult::Retry
-            && let Some(s) = start
-        {
-            self.retry_started
-                .entry((label, ctx_uid, *key))
-                .or_insert(s);
+        let resolved = matches!(result, LookupResult::Hit | LookupResult::Miss);
+        if !resolved && result != LookupResult::Retry {
+            return None;
         }
-        None
+        let Some(seen) = self.observed.of(ctx).seen.as_mut() else {
+            return None; // allocated: vLLM counts nothing more for the request
+        };
+        let slot = (label as u8, *key);
+        if !resolved {
+            // RETRY: the wait starts at the first one (vLLM's `setdefault`).
+            seen.entry(slot).or_insert(Seen::Waiting(start));
+            return None;
+        }
+        let waited = match seen.insert(slot, Seen::Counted) {
+            None => None,
+            Some(Seen::Waiting(t)) => Some(t),
+            Some(Seen::Counted) => return None,
+        };
+        self.queries[label] += 1;
+        if result == LookupResult::Hit {
+            self.hits[label] += 1;
+        }
+        let s = start?;
+        let now = self.clock.raw();
+        let d = self.seconds(s, now);
+        self.delays[label].push(d);
+        if let Some(Some(t)) = waited {
+            let d = self.seconds(t, now);
+            self.async_delays[label].push(d);
+        }
+        Some(now)
     }
 
     pub(crate) fn on_job_registered(&mut self, tier: usize, job: &TierJob) {

@@ -124,8 +124,12 @@ def test_the_payload_is_the_callers_and_vllms_aggregate_and_reduce_take_it(env):
     # vLLM's own merge: it asserts list, copies the first payload's lists and extends them.
     total = type(first)()
     total.aggregate(first)
+    # Another request (vLLM counts a request's lookup of a key once: a second look of the
+    # same request observes nothing).
+    ctx2 = B.ReqContext(req_id="r2")
+    m.on_new_request(ctx2)
     for k in keys[:50]:
-        m.lookup(k, ctx)
+        m.lookup(k, ctx2)
     second = m.get_stats()
     total.aggregate(second)
     merged = _delays(total)
@@ -137,8 +141,10 @@ def test_the_payload_is_the_callers_and_vllms_aggregate_and_reduce_take_it(env):
         values.append(-1.0)
         values[0] = -2.0
     assert all(v >= 0 for vs in merged.values() for v in vs)
+    ctx3 = B.ReqContext(req_id="r3")
+    m.on_new_request(ctx3)
     for k in keys[:5]:
-        m.lookup(k, ctx)
+        m.lookup(k, ctx3)
     assert all(v >= 0 for vs in _delays(m.get_stats()).values() for v in vs)
     reduced = total.reduce()
     for labels, values in merged.items():
