@@ -18,7 +18,9 @@ Use it from ``--kv-transfer-config``::
 
 Keys of a ``kvbm_disk`` tier (anything else is an error naming the key):
 
-``path`` (required)        the tier's file (its directory is created)
+``path`` (required)        the tier's file (its directory is created); ``{dp_rank}``,
+                           ``{dp_size}`` and ``{engine_id}`` are filled per engine core, and
+                           with vLLM's data parallelism one of the first and last is required
 ``capacity`` (required)    chunk slots in the file (each ``primary_kv_view.strides[0]`` bytes)
 ``queue_depth``            io_uring submission depth, default 64
 ``direct_io``              O_DIRECT, default true (false for file systems without it, e.g. tmpfs)
@@ -120,6 +122,36 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
             f"secondary tier {tier_type!r}: missing required key(s) {', '.join(missing)}"
         )
     return out
+
+
+#: The placeholders a ``kvbm_disk`` path may hold, filled per engine core (data parallelism).
+PATH_PLACEHOLDERS = ("dp_rank", "dp_size", "engine_id")
+
+
+def _replica_path(tier_type: str, path: str, spec) -> str:
+    """``path`` with ``{dp_rank}`` (vLLM's data-parallel replica index), ``{dp_size}`` and
+    ``{engine_id}`` filled in. Every data-parallel engine core gets the same configuration, so
+    with more than one replica the path must name the replica (one file per engine core: two
+    cores on one file would corrupt each other's slots, which the file's lock refuses); a
+    placeholder other than these is an error naming it."""
+    config = spec.config
+    p = config.parallel
+    values = {"dp_rank": p.data_parallel_index, "dp_size": p.data_parallel_size,
+              "engine_id": config.engine_id}
+    try:
+        filled = path.format(**values)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"secondary tier {tier_type!r}: path {path!r} has a placeholder kvbm does not fill "
+            f"({e}); it fills {', '.join('{' + k + '}' for k in PATH_PLACEHOLDERS)}"
+        ) from None
+    if p.data_parallel_size > 1 and "{dp_rank}" not in path and "{engine_id}" not in path:
+        raise ValueError(
+            f"secondary tier {tier_type!r}: vLLM runs {p.data_parallel_size} data-parallel "
+            f"engine cores with this configuration, and each needs its own kvbm_disk file: put "
+            f"{{dp_rank}} (or {{engine_id}}) in path, e.g. {path + '.dp{dp_rank}'!r}"
+        )
+    return filled
 
 
 def _flag(tier_type: str, s: dict[str, Any], key: str) -> bool:
@@ -325,6 +357,8 @@ class KvbmDiskTier(_KvbmTier):
         s = _settings(tier_type, config, DISK_KEYS)
         direct_io = _flag(tier_type, s, "direct_io")
         events = _flag(tier_type, s, "enable_kv_events")
+        fingerprint = _fingerprint(tier_type, offloading_spec)  # checks spec.config first
+        path = _replica_path(tier_type, str(s["path"]), offloading_spec)
         locality = Locality(str(s["locality"]).upper())
         if locality is not Locality.LOCAL:
             raise ValueError(
@@ -344,8 +378,8 @@ class KvbmDiskTier(_KvbmTier):
         self._rs = extension().StorageTier.disk(
             _flat(primary_kv_view),
             self.block_size_bytes,
-            _fingerprint(tier_type, offloading_spec),
-            str(s["path"]),
+            fingerprint,
+            path,
             capacity,
             int(s["queue_depth"]),
             direct_io,
@@ -358,7 +392,7 @@ class KvbmDiskTier(_KvbmTier):
         _log.info(
             "kvbm tier %r (kvbm_disk): file %s, %d chunk slots of %d bytes, %d chunks warm "
             "from its journal, O_DIRECT %s, io_nice %d, KV events %s (vLLM %s contract)",
-            tier_type, s["path"], capacity, self.block_size_bytes, self._rs.num_ready(),
+            tier_type, path, capacity, self.block_size_bytes, self._rs.num_ready(),
             "on" if direct_io else "off", s["io_nice"], "on" if events else "off",
             contract.name)
 

@@ -367,3 +367,40 @@ def test_a_tier_says_what_it_is_at_start_through_vllm_s_logger_tree(tmp_path):
     lines = [r.getMessage() for r in seen if r.name.startswith("vllm.kvbm_vllm")]
     assert any("kvbm_disk" in m and str(tmp_path / "g3.bin") in m and "512 chunk slots" in m
                and "warm" in m and "O_DIRECT off" in m for m in lines), lines
+
+
+def _dp_config(tmp_path, path, index, size):
+    import dataclasses
+
+    cfg = config(tmp_path)
+    cfg.extra_config["secondary_tiers"][0]["path"] = path
+    parallel = dataclasses.replace(cfg.parallel, data_parallel_index=index,
+                                   data_parallel_size=size)
+    return dataclasses.replace(cfg, parallel=parallel,
+                               engine_id=f"kvbm-dp{index}-{uuid.uuid4().hex}")
+
+
+def test_data_parallel_engine_cores_each_get_their_own_disk_file(tmp_path):
+    """vLLM hands every DP engine core the same configuration: {dp_rank} in the path gives
+    each its own file, and the cores run side by side."""
+    path = str(tmp_path / "g3.dp{dp_rank}.bin")
+    managers = [OffloadingSpecFactory.create_spec(_dp_config(tmp_path, path, i, 2)).get_manager()
+                for i in range(2)]
+    try:
+        assert (tmp_path / "g3.dp0.bin").exists() and (tmp_path / "g3.dp1.bin").exists()
+    finally:
+        for m in managers:
+            m.shutdown()
+
+
+def test_data_parallel_without_a_replica_placeholder_is_refused_by_name(tmp_path):
+    cfg = _dp_config(tmp_path, str(tmp_path / "g3.bin"), 1, 2)
+    with pytest.raises(ValueError, match=r"2 data-parallel engine cores.*\{dp_rank\}"):
+        OffloadingSpecFactory.create_spec(cfg).get_manager()
+
+
+def test_an_unknown_path_placeholder_is_refused_by_name(tmp_path):
+    cfg = config(tmp_path)
+    cfg.extra_config["secondary_tiers"][0]["path"] = str(tmp_path / "g3.{rank}.bin")
+    with pytest.raises(ValueError, match=r"placeholder kvbm does not fill.*\{dp_rank\}"):
+        OffloadingSpecFactory.create_spec(cfg).get_manager()
