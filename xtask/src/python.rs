@@ -34,19 +34,37 @@ fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
-/// Installs maturin with pip unless `python -m maturin` already works.
+/// Installs maturin and zig (`ziglang`, the linker that targets an older glibc) with pip
+/// unless `python -m maturin` / `python -m ziglang` already work.
 fn ensure_maturin(py: &str) -> Result<()> {
-    let has = Command::new(py)
-        .args(["-m", "maturin", "--version"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !has {
+    let has = |module: &str, arg: &str| {
+        Command::new(py)
+            .args(["-m", module, arg])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    if !has("maturin", "--version") {
         run_step(Command::new(py).args(["-m", "pip", "install", "-q", "maturin>=1.9,<2"]))
             .context("installing maturin (the wheel builder) with pip")?;
     }
+    if !has("ziglang", "version") {
+        run_step(Command::new(py).args(["-m", "pip", "install", "-q", "ziglang>=0.13,<0.15"]))
+            .context("installing zig (ziglang, the wheel's manylinux_2_28 linker) with pip")?;
+    }
     Ok(())
 }
+
+/// The wheel operators install: release, abi3, linked against glibc 2.28 through zig (vLLM's
+/// own wheels are manylinux_2_28, so wherever vLLM installs, this does) and stripped.
+const WHEEL_ARGS: [&str; 6] = [
+    "build",
+    "--release",
+    "--zig",
+    "--compatibility",
+    "manylinux_2_28",
+    "--strip",
+];
 
 /// The venv's interpreter, creating the venv when it is missing.
 fn venv(py: &str, root: &Path) -> Result<PathBuf> {
@@ -57,6 +75,30 @@ fn venv(py: &str, root: &Path) -> Result<PathBuf> {
             .context("creating the Python venv target/pyvenv")?;
     }
     Ok(bin)
+}
+
+/// The wheel as an operator installs it: `pip install` (its dependencies from the index) into
+/// a venv made afresh, then the package, its extension and its plugin entry point load there.
+fn fresh_install(py: &str, root: &Path, wheel: &Path) -> Result<()> {
+    let name = wheel.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    if !name.contains("manylinux_2_28") || !name.contains("abi3") {
+        bail!("the kvbm-vllm wheel is {name}: expected an abi3 manylinux_2_28 wheel");
+    }
+    let dir = root.join("target/pyvenv-fresh");
+    let _ = std::fs::remove_dir_all(&dir);
+    run_step(Command::new(py).args(["-m", "venv"]).arg(&dir))
+        .context("creating the fresh venv target/pyvenv-fresh")?;
+    let bin = dir.join("bin/python");
+    run_step(Command::new(&bin).args(["-m", "pip", "install", "-q"]).arg(wheel))
+        .context("pip install of the kvbm-vllm wheel into a fresh venv")?;
+    run_step(Command::new(&bin).args([
+        "-c",
+        "import importlib.metadata as md, kvbm_vllm, kvbm_vllm._kvbm as ext; \
+         eps = [e for e in md.entry_points(group='vllm.general_plugins') if e.name == 'kvbm']; \
+         assert eps and eps[0].value == 'kvbm_vllm:register', eps; \
+         print('fresh venv: kvbm_vllm', md.version('kvbm-vllm'), 'loads, plugin', eps[0].value)",
+    ]))
+    .context("loading kvbm_vllm in the fresh venv")
 }
 
 /// The newest kvbm-vllm wheel in `dir`.
@@ -92,13 +134,18 @@ pub(crate) fn run_with(services: &Services) -> Result<()> {
     let py = python();
     ensure_maturin(&py)?;
     let wheels = root.join("target/wheels");
+    // Only this build's wheel is found below.
+    let _ = std::fs::remove_dir_all(&wheels);
     run_step(
         Command::new(&py)
-            .args(["-m", "maturin", "build", "--release", "-i", &py, "-o"])
+            .args(["-m", "maturin"])
+            .args(WHEEL_ARGS)
+            .args(["-i", &py, "-o"])
             .arg(&wheels)
             .current_dir(root.join("crates/kvbm-vllm")),
     )
     .context("building the kvbm-vllm wheel")?;
+    fresh_install(&py, &root, &wheel(&wheels)?)?;
     let venv_py = venv(&py, &root)?;
     run_step(
         Command::new(&venv_py)
