@@ -1,11 +1,14 @@
 //! `cargo xtask python`: builds the kvbm-vllm wheel and runs vLLM's own tests against it.
 //!
 //! ```text
-//!   maturin (pip-installed when missing) ─► wheel (release, abi3) ─► venv target/pyvenv
+//!   maturin and zig (pip-installed when missing) ─► wheel (release, abi3, manylinux_2_28,
+//!     stripped) ─► pip install into a fresh venv (target/pyvenv-fresh): it must load there
+//!     ─► venv target/pyvenv
 //!     ─► for each supported vLLM (0.33.0, 0.34.0): its kv_offload tests with vLLM's classes
 //!        (all must pass: proves the harness), then with kvbm's classes substituted (expected
 //!        failures listed with reasons)
-//!     ─► kvbm-vllm's own tests (`tests/python`): `python -m kvbm_vllm.replay` writes the same
+//!     ─► kvbm-vllm's own tests (`tests/python`), under each supported vLLM:
+//!        `python -m kvbm_vllm.replay` writes the same
 //!        lines as kvbm-tiering's Rust replay example, call for call, through the Python API;
 //!        kvbm's disk and object tiers (a real S3 server) under vLLM's own tiering manager
 //! ```
@@ -80,7 +83,10 @@ fn venv(py: &str, root: &Path) -> Result<PathBuf> {
 /// The wheel as an operator installs it: `pip install` (its dependencies from the index) into
 /// a venv made afresh, then the package, its extension and its plugin entry point load there.
 fn fresh_install(py: &str, root: &Path, wheel: &Path) -> Result<()> {
-    let name = wheel.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let name = wheel
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
     if !name.contains("manylinux_2_28") || !name.contains("abi3") {
         bail!("the kvbm-vllm wheel is {name}: expected an abi3 manylinux_2_28 wheel");
     }
@@ -89,8 +95,12 @@ fn fresh_install(py: &str, root: &Path, wheel: &Path) -> Result<()> {
     run_step(Command::new(py).args(["-m", "venv"]).arg(&dir))
         .context("creating the fresh venv target/pyvenv-fresh")?;
     let bin = dir.join("bin/python");
-    run_step(Command::new(&bin).args(["-m", "pip", "install", "-q"]).arg(wheel))
-        .context("pip install of the kvbm-vllm wheel into a fresh venv")?;
+    run_step(
+        Command::new(&bin)
+            .args(["-m", "pip", "install", "-q"])
+            .arg(wheel),
+    )
+    .context("pip install of the kvbm-vllm wheel into a fresh venv")?;
     run_step(Command::new(&bin).args([
         "-c",
         "import importlib.metadata as md, kvbm_vllm, kvbm_vllm._kvbm as ext; \
@@ -202,19 +212,25 @@ pub(crate) fn run_with(services: &Services) -> Result<()> {
             ],
         ),
     )?;
-    let mut pytest = Command::new(&venv_py);
-    services.export_to(&mut pytest);
-    run_step(
-        pytest
-            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
-            .arg(root.join("crates/kvbm-vllm/tests/python"))
-            // pytest and numpy: the harness's pinned copies (installed by the run above).
-            .env("PYTHONPATH", root.join("target/peer/vllm-sdist/pydeps"))
-            .env(
-                "KVBM_REPLAY_BIN",
-                root.join("target/release/examples/replay"),
-            ),
-    )
-    .context("kvbm-vllm's Python tests (call for call against the Rust replay)")?;
+    // kvbm-vllm's own tests, under each supported vLLM (the harness extracted both above).
+    for version in VLLM_VERSIONS {
+        let mut pytest = Command::new(&venv_py);
+        services.export_to(&mut pytest);
+        run_step(
+            pytest
+                .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+                .arg(root.join("crates/kvbm-vllm/tests/python"))
+                // pytest and numpy: the harness's pinned copies (installed by the run above).
+                .env("PYTHONPATH", root.join("target/peer/vllm-sdist/pydeps"))
+                .env("KVBM_VLLM_VERSION", version)
+                .env(
+                    "KVBM_REPLAY_BIN",
+                    root.join("target/release/examples/replay"),
+                ),
+        )
+        .with_context(|| {
+            format!("kvbm-vllm's Python tests under vLLM {version} (call for call against the Rust replay)")
+        })?;
+    }
     Ok(())
 }

@@ -663,6 +663,10 @@ impl SecondaryTierManager for PyTier {
 
     fn touch(&mut self, keys: &[OffloadKey], req_context: &ReqContext) {
         attached(self.shared.caller.in_lookup(), |py| {
+            // vLLM 0.34's tiers have no `touch` (its contract dropped it): nothing to tell.
+            if !self.obj.bind(py).hasattr(intern!(py, "touch")).unwrap_or(false) {
+                return;
+            }
             let args =
                 key_list(py, keys).and_then(|k| Ok((k, self.shared.py_ctx(py, req_context)?)));
             match args {

@@ -357,8 +357,6 @@ class KvbmDiskTier(_KvbmTier):
         s = _settings(tier_type, config, DISK_KEYS)
         direct_io = _flag(tier_type, s, "direct_io")
         events = _flag(tier_type, s, "enable_kv_events")
-        fingerprint = _fingerprint(tier_type, offloading_spec)  # checks spec.config first
-        path = _replica_path(tier_type, str(s["path"]), offloading_spec)
         locality = Locality(str(s["locality"]).upper())
         if locality is not Locality.LOCAL:
             raise ValueError(
@@ -375,6 +373,8 @@ class KvbmDiskTier(_KvbmTier):
                 f"secondary tier {tier_type!r}: buffer_pool_mb must be an integer >= 0, "
                 f"got {pool_mb!r}"
             )
+        fingerprint = _fingerprint(tier_type, offloading_spec)  # checks spec.config first
+        path = _replica_path(tier_type, str(s["path"]), offloading_spec)
         self._rs = extension().StorageTier.disk(
             _flat(primary_kv_view),
             self.block_size_bytes,
