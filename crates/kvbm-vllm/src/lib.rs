@@ -4,6 +4,7 @@ mod bridge;
 mod core;
 mod cpu;
 mod entry;
+mod logbridge;
 mod tiering;
 mod tiers;
 
@@ -14,6 +15,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    logbridge::install();
     m.add("ContractError", m.py().get_type::<bridge::ContractError>())?;
     m.add_class::<cpu::CpuManager>()?;
     m.add_class::<tiers::StorageTier>()?;

@@ -664,7 +664,12 @@ impl SecondaryTierManager for PyTier {
     fn touch(&mut self, keys: &[OffloadKey], req_context: &ReqContext) {
         attached(self.shared.caller.in_lookup(), |py| {
             // vLLM 0.34's tiers have no `touch` (its contract dropped it): nothing to tell.
-            if !self.obj.bind(py).hasattr(intern!(py, "touch")).unwrap_or(false) {
+            if !self
+                .obj
+                .bind(py)
+                .hasattr(intern!(py, "touch"))
+                .unwrap_or(false)
+            {
                 return;
             }
             let args =

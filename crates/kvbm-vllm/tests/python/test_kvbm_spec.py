@@ -19,6 +19,7 @@ ensure_vllm()
 
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
+    Medium,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -404,3 +405,75 @@ def test_an_unknown_path_placeholder_is_refused_by_name(tmp_path):
     cfg.extra_config["secondary_tiers"][0]["path"] = str(tmp_path / "g3.{rank}.bin")
     with pytest.raises(ValueError, match=r"placeholder kvbm does not fill.*\{dp_rank\}"):
         OffloadingSpecFactory.create_spec(cfg).get_manager()
+
+
+def test_kvbm_s_rust_log_lines_reach_vllm_s_log(tmp_path):
+    """What kvbm's Rust code logs (kvbm-physical's I/O fallbacks, kvbm-tiering's refusals)
+    reaches Python's logging under ``vllm.kvbm_vllm.<crate>.<module>`` at its level, through
+    the extension's log bridge. Here: a Python tier reports a job the manager never gave it,
+    which kvbm-tiering logs as an error and drops."""
+    import logging
+    from unittest.mock import MagicMock
+
+    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+    class Stray(SecondaryTierManager):
+        medium = Medium.CPU
+
+        def __init__(self, view):
+            super().__init__(offloading_spec=None, primary_kv_view=view, tier_type="stray")
+            self.sent = False
+
+        def lookup(self, key, req_context):
+            return LookupResult.MISS
+
+        def submit_store(self, job):
+            pass
+
+        def submit_load(self, job):
+            pass
+
+        def get_finished_jobs(self):
+            if self.sent:
+                return []
+            self.sent = True
+            return [JobResult(job_id=424242, success=True)]
+
+        def on_new_request(self, req_context):
+            from vllm.v1.kv_offload.base import RequestOffloadingContext
+
+            return RequestOffloadingContext()
+
+        def drain_jobs(self):
+            return
+
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    vllm_logger = logging.getLogger("vllm")
+    h = Keep(level=logging.WARNING)
+    vllm_logger.addHandler(h)
+    region = np.zeros((8, 64), dtype=np.int8)
+    mmap = MagicMock()
+    mmap.create_kv_memoryview.return_value = memoryview(region)
+    primary = upstream_compat.CPUPrimaryTierOffloadingManager(num_chunks=8, mmap_region=mmap)
+    m = upstream_compat.TieringOffloadingManager(
+        primary_tier=primary, secondary_tiers=[Stray(primary.get_kv_memoryview())])
+    try:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        m.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any("424242" in r.getMessage() for r in seen):
+            time.sleep(0.02)
+        hits = [r for r in seen if "424242" in r.getMessage()]
+        assert hits, f"kvbm-tiering's error did not reach vLLM's logger: {seen}"
+        assert hits[0].levelno == logging.ERROR
+        assert hits[0].name.startswith("vllm.kvbm_vllm.kvbm_tiering"), hits[0].name
+        assert "not tracked" in hits[0].getMessage()
+    finally:
+        vllm_logger.removeHandler(h)
+        m.shutdown()
