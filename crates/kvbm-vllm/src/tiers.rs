@@ -658,6 +658,14 @@ pub(crate) struct Probe {
 
 #[pymethods]
 impl Probe {
+    /// Whether the store answers under the tier's namespace (one listing request, bounded by
+    /// the store's timeouts and retries); a RuntimeError with the store's answer when not.
+    fn check_access(&self, py: Python<'_>) -> PyResult<()> {
+        let (probe, rt) = (self.probe.clone(), self.rt.clone());
+        py.detach(move || rt.block_on(probe.check_access()))
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
     /// Whether `key`'s object is in the store. A store that cannot be asked raises (a
     /// transient failure, not an absence).
     fn present(&self, py: Python<'_>, key_: &Bound<'_, PyAny>) -> PyResult<bool> {

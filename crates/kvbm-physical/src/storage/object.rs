@@ -899,6 +899,26 @@ impl ObjectStorage {
         Ok(out)
     }
 
+    /// Whether the store answers under this storage's prefix: one listing request, reading at
+    /// most its first entry (a bucket of any size answers in one round trip). For a tier's
+    /// start: an unreachable endpoint, a bucket that does not exist or credentials it refuses
+    /// are an error here, not a silent miss on every later lookup.
+    ///
+    /// # Errors
+    /// The store's answer ([`PhysicalError::Object`]), after the configured retries.
+    pub async fn check_access(&self) -> Result<()> {
+        use futures::StreamExt;
+        let prefix = self.path(&ObjectKey::new(""));
+        let prefix_str = prefix.as_ref().trim_end_matches('/').to_string();
+        let prefix = ObjectPath::from(prefix_str.as_str());
+        let _permit = self.permit().await?;
+        let mut stream = self.store.list(Some(&prefix));
+        match stream.next().await {
+            None | Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(PhysicalError::object("list", &prefix_str, e)),
+        }
+    }
+
     /// Deletes the object at `key` (absent is fine).
     pub async fn delete(&self, key: &ObjectKey) -> Result<()> {
         let path = self.path(key);

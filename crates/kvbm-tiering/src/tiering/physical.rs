@@ -953,6 +953,17 @@ impl ObjectProbe {
     }
 }
 
+impl ObjectProbe {
+    /// Whether the store answers at all (see `ObjectStorage::check_access`): for a tier's
+    /// start, so that an unreachable endpoint or a missing bucket is an error there.
+    ///
+    /// # Errors
+    /// [`TieringError::Physical`](crate::TieringError) with the store's answer.
+    pub async fn check_access(&self) -> Result<()> {
+        Ok(self.storage.check_access().await?)
+    }
+}
+
 impl PhysicalTier<G4> {
     /// A probe of this tier's store (see [`ObjectProbe`]).
     ///

@@ -486,6 +486,19 @@ class KvbmObjectTier(_KvbmTier):
         )
         where = (f"S3 bucket {s['bucket']!r} at {s['endpoint'] or 'the default endpoint'}"
                  if s["bucket"] else f"directory {s['dir']}")
+        if s["bucket"]:
+            # An unreachable endpoint, a missing bucket or refused credentials is an error now,
+            # not a miss on every lookup from here on.
+            try:
+                self._rs.object_probe().check_access()
+            except RuntimeError as e:
+                self._rs.shutdown()
+                _log.error("kvbm tier %r (kvbm_object): %s cannot be used: %s",
+                           tier_type, where, e)
+                raise RuntimeError(
+                    f"secondary tier {tier_type!r}: {where} cannot be used (unreachable, no "
+                    f"such bucket, or credentials refused): {e}"
+                ) from e
         _log.info(
             "kvbm tier %r (kvbm_object): %s, namespace %r, %d keys remembered, %s, KV events "
             "%s (vLLM %s contract)", tier_type, where, s["namespace"], capacity,

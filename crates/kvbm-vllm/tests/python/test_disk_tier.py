@@ -489,3 +489,48 @@ def test_io_nice_is_checked_and_shared_by_the_tiers_over_one_region(tmp_path):
     same = KvbmObjectTier(vllm_spec(), view, "kvbm_object", dir=str(tmp_path / "o"), io_nice=5)
     same.shutdown()
     disk.shutdown()
+
+
+def _s3_env(monkeypatch):
+    endpoint = os.environ.get("KVBM_TEST_S3_ENDPOINT")
+    if not endpoint:
+        if os.environ.get("KVBM_TEST_SKIP_SERVICES") == "1":
+            pytest.skip("KVBM_TEST_SKIP_SERVICES=1: no S3 server")
+        pytest.fail("no S3 server: run through `cargo xtask python` or `cargo xtask ci`")
+    monkeypatch.setenv("KVBM_S3_KEY", os.environ["KVBM_TEST_S3_ACCESS_KEY"])
+    monkeypatch.setenv("KVBM_S3_SECRET", os.environ["KVBM_TEST_S3_SECRET_KEY"])
+    return endpoint
+
+
+def _object_tier(**cfg):
+    view = memoryview(np.zeros((PRIMARY, CHUNK), dtype=np.int8))
+    return KvbmObjectTier(vllm_spec(), view, "kvbm_object", access_key_env="KVBM_S3_KEY",
+                          secret_key_env="KVBM_S3_SECRET", **cfg)
+
+
+def test_an_unreachable_s3_endpoint_is_an_error_at_start(monkeypatch):
+    """Nothing listens on the endpoint: the tier refuses to start, naming bucket and endpoint,
+    instead of missing on every lookup (bounded by the store's retries)."""
+    import socket
+
+    monkeypatch.setenv("KVBM_S3_KEY", "k")
+    monkeypatch.setenv("KVBM_S3_SECRET", "s")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.raises(RuntimeError, match=rf"S3 bucket 'kv' at {endpoint} cannot be used"):
+        _object_tier(bucket="kv", endpoint=endpoint)
+
+
+def test_a_missing_s3_bucket_is_an_error_at_start(monkeypatch):
+    endpoint = _s3_env(monkeypatch)
+    with pytest.raises(RuntimeError, match="'kvbm-no-such-bucket' .* cannot be used"):
+        _object_tier(bucket="kvbm-no-such-bucket", endpoint=endpoint)
+
+
+def test_an_s3_tier_with_refused_credentials_is_an_error_at_start(monkeypatch):
+    endpoint = _s3_env(monkeypatch)
+    monkeypatch.setenv("KVBM_S3_SECRET", "not-the-secret")
+    with pytest.raises(RuntimeError, match="cannot be used"):
+        _object_tier(bucket=os.environ["KVBM_TEST_S3_BUCKET"], endpoint=endpoint)
