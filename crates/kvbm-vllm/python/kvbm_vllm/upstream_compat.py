@@ -1066,6 +1066,11 @@ class TieringOffloadingManager(OffloadingManager):
         }
 
     @property
+    def _transfer_jobs(self) -> dict:
+        """vLLM's alias of ``_jobs`` (a copy here too)."""
+        return self._jobs
+
+    @property
     def _metrics(self) -> "_MetricsLabels":
         """The label half of vLLM's ``TieringMetricsTracker`` (its series live in Rust)."""
         return _MetricsLabels(tuple(self._rs.labels()))

@@ -107,6 +107,9 @@ PYDEPS = {
     "msgspec": "msgspec==0.21.1",
     # vLLM's modules import it (`override`); a bare venv has no copy.
     "typing_extensions": "typing_extensions==4.15.0",
+    # The p2p tier's control plane imports it, and tiering/test_factory.py imports every
+    # registered tier (vLLM's requirements/test pin, both releases).
+    "zmq": "pyzmq==27.1.0",
 }
 
 

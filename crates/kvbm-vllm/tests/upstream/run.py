@@ -47,6 +47,8 @@ TEST_FILES = {
         "tests/v1/kv_offload/tiering/test_backpressure.py": 60,
         "tests/v1/kv_offload/tiering/test_tier_poll_thread.py": 15,
         "tests/v1/kv_offload/test_factory.py": 61,
+        "tests/v1/kv_offload/tiering/test_factory.py": 13,
+        "tests/v1/kv_offload/tiering/test_obj_tier.py": 39,
     },
     "0.34.0": {
         "tests/v1/kv_offload/cpu/test_manager.py": 72,
@@ -55,6 +57,8 @@ TEST_FILES = {
         "tests/v1/kv_offload/tiering/test_backpressure.py": 60,
         "tests/v1/kv_offload/tiering/test_tier_poll_thread.py": 23,
         "tests/v1/kv_offload/test_factory.py": 66,
+        "tests/v1/kv_offload/tiering/test_factory.py": 13,
+        "tests/v1/kv_offload/tiering/test_obj_tier.py": 42,
     },
 }
 

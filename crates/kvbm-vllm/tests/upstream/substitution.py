@@ -90,7 +90,15 @@ def apply(impl, names=tuple(SUBSTITUTED_CLASSES)):
             if name is not None and val is originals[name]:
                 setattr(mod, attr, kvbm[name])
                 rebound[name].append(f"{modname}.{attr}")
-    return {"impl": "kvbm", "module": getattr(compat, "__file__", COMPAT_MODULE),
+    # The wheel's `vllm.general_plugins` entry point, as vLLM calls it in every process when
+    # the plug-in is installed: kvbm's spec and tier types are registered with vLLM's
+    # factories, so vLLM's factory tests run with them there (loading the plug-in must break
+    # no test of vLLM's that passes without it, but for the expected failures listed).
+    import kvbm_vllm
+
+    kvbm_vllm.register()
+    return {"impl": "kvbm", "plugin": "kvbm_vllm:register called",
+            "module": getattr(compat, "__file__", COMPAT_MODULE),
             "classes": {n: {"kvbm": f"{c.__module__}.{c.__qualname__}",
                             "rebound": rebound[n]} for n, c in kvbm.items()},
             "still_vllm": [n for n in SUBSTITUTED_CLASSES if n not in kvbm]}
