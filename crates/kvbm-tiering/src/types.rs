@@ -552,8 +552,9 @@ pub struct OffloadingEvent {
     pub removal_expected: bool,
     /// Bookkeeping-only removal (failed write): dropped at `take_events` for keys present again.
     pub metadata_only: bool,
-    /// The request whose completed store this stored event announces ([`Contract::V0_34`]);
-    /// `None` for removals and under 0.33.
+    /// The request whose completed store this stored event announces (vLLM 0.34's
+    /// `req_context`): set by the CPU manager under [`Contract::V0_34`] and by a physical tier
+    /// always (a 0.33 host leaves it out); `None` for removals.
     pub req_context: Option<ReqContext>,
 }
 

@@ -1188,6 +1188,7 @@ impl TieringManager {
             bool,
             &'static str,
             Option<&'static str>,
+            Option<Bound<'py, PyAny>>,
         )>,
     > {
         let events = self.run(py, |m| {
@@ -1208,6 +1209,9 @@ impl TieringManager {
                         Locality::Local => "LOCAL",
                         Locality::Remote => "REMOTE",
                     }),
+                    e.req_context
+                        .as_ref()
+                        .and_then(|c| crate::bridge::origin(py, c)),
                 ))
             })
             .collect()

@@ -570,15 +570,29 @@ impl StorageTier {
     }
 
     /// Events of the tier's contents since the last call (when built with `events`), as
-    /// `(keys, removed)`.
+    /// `(keys, removed, req_context)`: a stored event's request is the caller's own
+    /// `ReqContext` object (vLLM 0.34 puts it on the event), else `None`.
+    #[allow(clippy::type_complexity)]
     fn take_events<'py>(
         &mut self,
         py: Python<'py>,
-    ) -> PyResult<Vec<(Bound<'py, pyo3::types::PyList>, bool)>> {
+    ) -> PyResult<
+        Vec<(
+            Bound<'py, pyo3::types::PyList>,
+            bool,
+            Option<Bound<'py, PyAny>>,
+        )>,
+    > {
         let events = self.tier()?.take_events();
         events
             .into_iter()
-            .map(|e| Ok((key_list(py, &e.keys)?, e.removed)))
+            .map(|e| {
+                let ctx = e
+                    .req_context
+                    .as_ref()
+                    .and_then(|c| crate::bridge::origin(py, c));
+                Ok((key_list(py, &e.keys)?, e.removed, ctx))
+            })
             .collect()
     }
 

@@ -211,6 +211,8 @@ struct JobMeta {
     nodes: Vec<u32>,
     bytes: u64,
     started: std::time::Instant,
+    /// The request the job serves: a store's stored event names it (vLLM 0.34).
+    req_context: ReqContext,
 }
 
 enum Move<T: Tier> {
@@ -581,7 +583,8 @@ impl<T: Tier> PhysicalTier<T> {
         self
     }
 
-    fn event(&mut self, keys: Vec<OffloadKey>, removed: bool) {
+    /// An event of `keys`; a stored one names the request whose store wrote them (`ctx`).
+    fn event(&mut self, keys: Vec<OffloadKey>, removed: bool, ctx: Option<&ReqContext>) {
         if keys.is_empty() {
             return;
         }
@@ -594,7 +597,7 @@ impl<T: Tier> PhysicalTier<T> {
                 ownership: Some(self.tier_type.clone()),
                 removal_expected: false,
                 metadata_only: false,
-                req_context: None,
+                req_context: ctx.cloned(),
             });
         }
     }
@@ -684,7 +687,7 @@ impl<T: Tier> PhysicalTier<T> {
             };
             let key = *self.keys.key(victim);
             let node = self.keys.remove(victim);
-            self.event(vec![key], true);
+            self.event(vec![key], true, None);
             node.block.map(|h| h.block)
         };
         if let (Some(v), Some(b)) = (victims, block) {
@@ -797,7 +800,7 @@ impl<T: Tier> PhysicalTier<T> {
                         }
                     }
                 }
-                self.event(ok_keys.clone(), false);
+                self.event(ok_keys.clone(), false, Some(&meta.req_context));
             }
             Settled::Load(outcomes) => {
                 for ((k, &n), r) in meta.keys.iter().zip(&meta.nodes).zip(outcomes) {
@@ -829,7 +832,7 @@ impl<T: Tier> PhysicalTier<T> {
                 }
             }
         }
-        self.event(dropped, true);
+        self.event(dropped, true, None);
         let success = ok_keys.len() + not_stored == meta.keys.len();
         self.done.push(JobResult {
             job_id: meta.job_id,
@@ -849,6 +852,7 @@ impl<T: Tier> PhysicalTier<T> {
             keys,
             nodes,
             started: std::time::Instant::now(),
+            req_context: job.req_context.clone(),
         }
     }
 }

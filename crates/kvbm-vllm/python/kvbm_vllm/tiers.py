@@ -332,9 +332,11 @@ class _KvbmTier(SecondaryTierManager):
         self._rs.shutdown()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        for keys, removed in self._rs.take_events():
+        with_ctx = installed().stored_event_context  # vLLM 0.34's events name their request
+        for keys, removed, ctx in self._rs.take_events():
+            extra = {"req_context": ctx} if with_ctx and ctx is not None else {}
             yield OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
-                                  locality=self.locality, ownership=self.tier_type)
+                                  locality=self.locality, ownership=self.tier_type, **extra)
 
 
 class KvbmDiskTier(_KvbmTier):

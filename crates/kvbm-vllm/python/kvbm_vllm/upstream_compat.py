@@ -976,7 +976,10 @@ class TieringOffloadingManager(OffloadingManager):
             if self._python_tier[i]:
                 yield from tier.take_events()
                 continue
-            for keys, removed, expected, meta, medium, locality in self._rs.take_tier_events(i):
+            for keys, removed, expected, meta, medium, locality, ctx in \
+                    self._rs.take_tier_events(i):
+                extra = ({"req_context": ctx}
+                         if ctx is not None and self._contract.stored_event_context else {})
                 yield OffloadingEvent(
                     keys=keys,
                     medium=Medium[medium],
@@ -986,6 +989,7 @@ class TieringOffloadingManager(OffloadingManager):
                     ownership=tier.tier_type,
                     removal_expected=expected,
                     metadata_only=meta,
+                    **extra,
                 )
 
     def reset_cache(self) -> None:

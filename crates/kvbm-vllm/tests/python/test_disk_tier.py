@@ -260,9 +260,19 @@ def test_the_disk_tier_reports_its_contents_as_vllm_events(tmp_path, impl):
     s = Setup(tmp_path, impl, capacity=6, enable_kv_events=True)
     first = keys("ev", 4)
     s.store(first, pattern)
-    mine = [e for e in s.manager.take_events() if e.ownership == "kvbm_disk"]
+    events = list(s.manager.take_events())
+    mine = [e for e in events if e.ownership == "kvbm_disk"]
     assert [(set(e.keys), e.removed) for e in mine] == [(set(first), False)]
     assert all(e.medium.name == "STORAGE" for e in mine)
+    from kvbm_vllm.contract import installed
+
+    if installed().stored_event_context:
+        # vLLM 0.34: a stored event names the request that stored it, the caller's own
+        # object, on the primary's event and on the tier's alike (as vLLM's fs and obj tiers).
+        stored = [e for e in events if not e.removed]
+        assert all(e.req_context is not None for e in stored)
+        assert len({id(e.req_context) for e in stored}) == 1, "one request stored them"
+        assert stored[0].req_context.req_id == "r1"
     s.store(keys("ev2", 4), pattern)  # 8 chunks into 6 slots: the two oldest are evicted
     mine = [e for e in s.manager.take_events() if e.ownership == "kvbm_disk"]
     removed = [k for e in mine if e.removed for k in e.keys]
