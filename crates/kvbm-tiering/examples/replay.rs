@@ -10,13 +10,13 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use kvbm_tiering::CachePolicyKind;
 use kvbm_tiering::replay::{ReplayManager, ReplayOptions, replay};
+use kvbm_tiering::{CachePolicyKind, Contract};
 
 fn usage() -> ExitCode {
     eprintln!(
         "usage: replay --calls FILE --manager cpu|tiering --capacity N --policy lru|arc \
-         --out FILE [--upstream-compatible] [--follow-prepare]"
+         --out FILE [--upstream-compatible] [--follow-prepare] [--vllm 0.33|0.34]"
     );
     ExitCode::from(2)
 }
@@ -30,6 +30,7 @@ fn main() -> ExitCode {
         policy: CachePolicyKind::Lru,
         upstream_compatible: false,
         follow_prepare: false,
+        contract: Contract::V0_33,
     };
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -52,6 +53,11 @@ fn main() -> ExitCode {
             },
             "--upstream-compatible" => opts.upstream_compatible = true,
             "--follow-prepare" => opts.follow_prepare = true,
+            "--vllm" => match args.next().as_deref() {
+                Some("0.33") => opts.contract = Contract::V0_33,
+                Some("0.34") => opts.contract = Contract::V0_34,
+                _ => return usage(),
+            },
             _ => return usage(),
         }
     }

@@ -20,7 +20,7 @@ use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
 use crate::manager::OffloadingManager;
 use crate::tiering::{InMemoryTier, TieringConfig, TieringOffloadingManager, UpstreamFixes};
-use crate::types::{LookupResult, ReqContext, ScheduleEndContext};
+use crate::types::{Contract, LookupResult, ReqContext, ScheduleEndContext};
 
 /// Which manager answers the calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +44,8 @@ pub struct ReplayOptions {
     pub upstream_compatible: bool,
     /// `complete_store` completes the keys of this manager's oldest unmatched `prepare_store`.
     pub follow_prepare: bool,
+    /// The vLLM contract the managers follow (a 0.34 sequence has no `touch`).
+    pub contract: Contract,
 }
 
 /// Counts of a replay.
@@ -278,7 +280,8 @@ fn parse(text: &str) -> Result<(Vec<Call>, StdHashMap<OffloadKey, Value>)> {
 pub fn build_manager(opts: &ReplayOptions) -> Result<Box<dyn OffloadingManager>> {
     let cpu = CpuManagerConfig::new(opts.capacity)
         .policy(opts.policy)
-        .events(true);
+        .events(true)
+        .contract(opts.contract);
     Ok(match opts.manager {
         ReplayManager::Cpu => Box::new(TieringOffloadingManager::cpu(cpu)),
         ReplayManager::Tiering => {

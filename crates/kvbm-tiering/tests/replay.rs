@@ -1,10 +1,11 @@
-//! Replay regression: kvbm's managers answer recorded call sequences exactly as vLLM 0.33's
-//! Python managers did (outputs in `tests/data/`, produced by `vllm-manager-replay.py`).
+//! Replay regression: kvbm's managers answer recorded call sequences exactly as vLLM's Python
+//! managers did, 0.33's and 0.34's (outputs in `tests/data/`, produced by
+//! `vllm-manager-replay.py`; 0.34's sequences are 0.33's without `touch`, which 0.34 dropped).
 
 use std::path::Path;
 
-use kvbm_tiering::CachePolicyKind;
 use kvbm_tiering::replay::{ReplayManager, ReplayOptions, replay};
+use kvbm_tiering::{CachePolicyKind, Contract};
 
 fn data() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data")
@@ -16,7 +17,12 @@ fn replay_matches_vllm_line_for_line() {
     for entry in std::fs::read_dir(data()).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_str().unwrap().to_string();
-        let Some(stem) = name.strip_suffix(".vllm.jsonl") else {
+        // vLLM 0.33's outputs replay `seedN.jsonl`; 0.34's replay `seedN.no-touch.jsonl`.
+        let (stem, contract, calls_suffix) = if let Some(s) = name.strip_suffix(".vllm.jsonl") {
+            (s, Contract::V0_33, "jsonl")
+        } else if let Some(s) = name.strip_suffix(".vllm-0.34.jsonl") {
+            (s, Contract::V0_34, "no-touch.jsonl")
+        } else {
             continue;
         };
         let parts: Vec<&str> = stem.split('.').collect();
@@ -33,8 +39,9 @@ fn replay_matches_vllm_line_for_line() {
             policy: CachePolicyKind::parse(policy).unwrap(),
             upstream_compatible: true,
             follow_prepare: false,
+            contract,
         };
-        let calls = std::fs::read_to_string(data().join(format!("{seed}.jsonl"))).unwrap();
+        let calls = std::fs::read_to_string(data().join(format!("{seed}.{calls_suffix}"))).unwrap();
         let want = std::fs::read_to_string(&path).unwrap();
         let (got, sum) = replay(&calls, &opts).unwrap();
         assert_eq!(sum.errors, 0, "{name}: {:?}", sum.first_errors);
@@ -44,7 +51,10 @@ fn replay_matches_vllm_line_for_line() {
         assert_eq!(got.lines().count(), want.lines().count(), "{name}");
         checked += 1;
     }
-    assert_eq!(checked, 8, "every recorded output was checked");
+    assert_eq!(
+        checked, 16,
+        "every recorded output (8 per vLLM release) was checked"
+    );
 }
 
 #[test]
@@ -57,6 +67,7 @@ fn replay_with_fixes_on_runs_clean() {
             policy: CachePolicyKind::Lru,
             upstream_compatible: false,
             follow_prepare: false,
+            contract: Default::default(),
         };
         let (out, sum) = replay(&calls, &opts).unwrap();
         assert_eq!(sum.errors, 0, "{:?}", sum.first_errors);

@@ -72,7 +72,7 @@ _RUST_WS = (
 _HARNESS = os.path.join("crates", "kvbm-vllm", "tests", "upstream")
 _USAGE = (
     "usage: python -m kvbm_vllm.replay --calls FILE --manager cpu|tiering --capacity N "
-    "--policy lru|arc --out FILE [--upstream-compatible] [--follow-prepare] "
+    "--policy lru|arc --out FILE [--upstream-compatible] [--follow-prepare] [--vllm 0.33|0.34] "
     "[--vllm-src DIR] [--stubs FILE] [--pydeps DIR]"
 )
 
@@ -476,6 +476,7 @@ def main(argv=None) -> int:
     calls_path = out_path = vllm_src = stubs_path = pydeps = None
     manager, capacity, policy = "cpu", 16384, "lru"
     upstream_compatible = follow_prepare = False
+    line = None
     it = iter(args)
     for a in it:
         if a == "--calls":
@@ -500,6 +501,10 @@ def main(argv=None) -> int:
             upstream_compatible = True
         elif a == "--follow-prepare":
             follow_prepare = True
+        elif a == "--vllm":
+            line = next(it, None)
+            if line not in ("0.33", "0.34"):
+                return _usage()
         elif a == "--vllm-src":
             vllm_src = next(it, None)
         elif a == "--stubs":
@@ -528,7 +533,15 @@ def main(argv=None) -> int:
         return 2
     from vllm.v1.kv_offload import base as V
 
+    from kvbm_vllm.contract import installed
     from kvbm_vllm.upstream_compat import CPUOffloadingManager
+
+    # The Rust example's --vllm picks the contract; here it is the installed vLLM's, and a
+    # different one asked for is an error, never a replay under the wrong contract.
+    if line is not None and line != installed().name:
+        print(f"kvbm_vllm.replay: --vllm {line}, but the vLLM here follows the "
+              f"{installed().name} contract", file=sys.stderr)
+        return 2
 
     t0 = time.perf_counter()
     try:

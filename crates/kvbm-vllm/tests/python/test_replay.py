@@ -118,6 +118,8 @@ def _read(path):
 
 
 def _compare(rust_bin, replay_mod, tmp_path, text, args, name="calls"):
+    # Both replays follow the same vLLM contract: the Rust one is told which.
+    args = [*args, "--vllm", "{}.{}".format(*_vllm_line())]
     calls = tmp_path / f"{name}.jsonl"
     calls.write_bytes(text.encode("utf-8"))
     rs_out, py_out = tmp_path / f"{name}.rs.jsonl", tmp_path / f"{name}.py.jsonl"
