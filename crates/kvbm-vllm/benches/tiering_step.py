@@ -15,7 +15,7 @@ every chunk, ``prepare_load``/``complete_load`` of the hits, ``prepare_store``/
 Managers, each in the same process, alternating step by step so all see the same machine (in
 an order that rotates each step, so none always runs right after the same other one):
 
-  vllm                vLLM 0.33's Python TieringOffloadingManager over a Python in-memory
+  vllm                vLLM's Python TieringOffloadingManager (KVBM_VLLM_VERSION: 0.33.0 or 0.34.0) over a Python in-memory
                       tier (vllm-manager-replay.py's ``MemTier``: a set of keys, every job
                       reported finished at the next poll)
   kvbm+python-tier    kvbm's TieringOffloadingManager over the same Python tier (a vLLM user

@@ -20,6 +20,7 @@ import os, sys
 sys.path.insert(0, "crates/kvbm-vllm/tests/upstream")
 import fetch
 cache = os.path.join("target", "peer", "vllm-sdist")
-fetch.extract(fetch.fetch_sdist(cache), os.path.join(".gpu", "vllm-" + fetch.VLLM_VERSION))
+v = fetch.DEFAULT_VERSION  # run.sh's --vllm-src names this version's extraction
+fetch.extract(fetch.fetch_sdist(cache, version=v), os.path.join(".gpu", "vllm-" + v), version=v)
 PY
 du -sh .gpu
