@@ -7,6 +7,7 @@ region's memoryview: stores chunks, pushes them out of the primary, and reads th
 the disk through kvbm's manager, bytes compared. Configuration errors name the key.
 """
 
+import os
 import time
 import uuid
 
@@ -476,4 +477,60 @@ def test_kvbm_s_rust_log_lines_reach_vllm_s_log(tmp_path):
         assert "not tracked" in hits[0].getMessage()
     finally:
         vllm_logger.removeHandler(h)
+        m.shutdown()
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+
+
+def _readme_configs():
+    """Every ``--kv-transfer-config '...'`` of the kvbm-vllm README, parsed as it is written."""
+    import json
+    import re
+
+    text = open(README, encoding="utf-8").read()
+    found = re.findall(r"--kv-transfer-config '(\{.*?\})'", text, flags=re.S)
+    assert len(found) >= 2, "the README's vllm serve examples"
+    return [json.loads(c) for c in found]
+
+
+@pytest.mark.parametrize("form", ["plugin", "module_path"])
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_readme_s_configurations_start_as_written(tmp_path, monkeypatch, index, form):
+    """The README's ``--kv-transfer-config`` JSON, verbatim but for where it points (its file
+    moved under a temporary directory, its S3 bucket to a local directory): by the plug-in's
+    registered names, and in the README's no-plug-in form (``module_path`` with the short tier
+    names, ``spec_module_path``)."""
+    import copy
+
+    cfg_json = copy.deepcopy(_readme_configs()[index])
+    assert cfg_json["kv_connector"] == "OffloadingConnector"
+    extra = cfg_json["kv_connector_extra_config"]
+    for i, tier in enumerate(extra["secondary_tiers"]):
+        if tier["type"] == "kvbm_disk":
+            tier["path"] = str(tmp_path / f"g3-{i}.bin")
+            tier["direct_io"] = False  # a temporary directory may be tmpfs
+        elif tier["type"] == "kvbm_object":
+            for k in ("bucket", "endpoint"):
+                tier.pop(k, None)
+            tier["dir"] = str(tmp_path / "objects")
+        if form == "module_path":
+            tier["module_path"] = "kvbm_vllm.tiers"
+    if form == "plugin":
+        register()
+    elif extra["spec_name"] == "KvbmOffloadingSpec":
+        extra["spec_module_path"] = "kvbm_vllm.spec"
+    elif extra["spec_name"] == "TieringOffloadingSpec":
+        extra["spec_module_path"] = "vllm.v1.kv_offload.tiering.spec"
+    extra["cpu_bytes_to_use"] = 64 * 4096  # 64 primary chunks, not the README's 32 GiB
+    import dataclasses
+
+    cfg = dataclasses.replace(config(tmp_path), extra_config=extra)
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    assert type(spec).__name__ == extra["spec_name"]
+    m = spec.get_manager()
+    try:
+        types = [c["tier"].split(":", 1)[1] for c in m.config_info()]
+        assert types == ["primary"] + [t["type"] for t in extra["secondary_tiers"]]
+    finally:
         m.shutdown()
