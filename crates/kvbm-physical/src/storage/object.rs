@@ -905,7 +905,7 @@ impl ObjectStorage {
     /// are an error here, not a silent miss on every later lookup.
     ///
     /// # Errors
-    /// The store's answer ([`PhysicalError::Object`]), after the configured retries.
+    /// The store's answer ([`PhysicalError::ObjectStore`]), after the configured retries.
     pub async fn check_access(&self) -> Result<()> {
         use futures::StreamExt;
         let prefix = self.path(&ObjectKey::new(""));
