@@ -18,29 +18,50 @@
 
 use std::sync::Arc;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashTable};
 
-use crate::key::OffloadKey;
+use crate::key::{KeyHasher, OffloadKey};
 
 use crate::stats::{OffloadingConnectorStats, names};
 use crate::tiering::base::{JobResult, TierJob};
 use crate::types::{LookupResult, ReqContext};
 
-/// What vLLM's tracker remembers of one (tier, key) a request looked up.
-#[derive(Clone, Copy)]
-enum Seen {
-    /// Resolved (`HIT` or `MISS`) and counted: a later resolution is not counted again.
-    Counted,
-    /// Answered `RETRY`: the resolution is counted; the wait started at this clock reading
-    /// (when latency is recorded).
-    Waiting(Option<u64>),
+/// What vLLM's tracker remembers of a request's lookups (`observed_lookups`), in one probe per
+/// lookup: per key, a bit per label whose lookup of it was counted, in a table hashed with the
+/// crate's [`KeyHasher`] (keys are digests already); the `RETRY` waits not yet resolved, rare,
+/// apart.
+///
+/// A (label, key) is counted at its first resolution (`HIT` or `MISS`); a later one is not,
+/// whatever came between. A `RETRY` before the first resolution starts the key's wait at that
+/// label (its first `RETRY` only), which the resolution observes.
+#[derive(Default)]
+struct Seen {
+    /// `(key, labels counted)`: bit `label` of the mask.
+    counted: HashTable<(OffloadKey, u128)>,
+    hasher: KeyHasher,
+    /// `(label, key)` → when its first `RETRY` started (when latency is recorded).
+    waiting: HashMap<(u8, OffloadKey), Option<u64>>,
+}
+
+impl Seen {
+    /// `key`'s mask of counted labels, made empty when it has none (one probe).
+    #[inline]
+    fn mask(&mut self, key: &OffloadKey) -> &mut u128 {
+        let h = &self.hasher;
+        &mut self
+            .counted
+            .entry(h.hash(key), |e| e.0 == *key, |e| h.hash(&e.0))
+            .or_insert((*key, 0))
+            .into_mut()
+            .1
+    }
 }
 
 /// One request's lookups as vLLM's tracker sees them (`_RequestMetricsState`); `seen: None`
 /// once the request was allocated (nothing more is counted for it).
 struct RequestLookups {
     uid: u64,
-    seen: Option<HashMap<(u8, OffloadKey), Seen>>,
+    seen: Option<Box<Seen>>,
 }
 
 /// The requests' [`RequestLookups`] by request id, in a slab, with the last one used
@@ -64,7 +85,7 @@ impl Observed {
     fn fresh(uid: u64) -> RequestLookups {
         RequestLookups {
             uid,
-            seen: Some(HashMap::new()),
+            seen: Some(Box::default()),
         }
     }
 
@@ -239,16 +260,21 @@ impl Metrics {
         let Some(seen) = self.observed.of(ctx).seen.as_mut() else {
             return None; // allocated: vLLM counts nothing more for the request
         };
-        let slot = (label as u8, *key);
+        let bit = 1u128 << label;
+        let mask = seen.mask(key);
+        if *mask & bit != 0 {
+            return None; // counted already (a later RETRY or resolution changes nothing)
+        }
         if !resolved {
             // RETRY: the wait starts at the first one (vLLM's `setdefault`).
-            seen.entry(slot).or_insert(Seen::Waiting(start));
+            seen.waiting.entry((label as u8, *key)).or_insert(start);
             return None;
         }
-        let waited = match seen.insert(slot, Seen::Counted) {
-            None => None,
-            Some(Seen::Waiting(t)) => Some(t),
-            Some(Seen::Counted) => return None,
+        *mask |= bit;
+        let waited = if seen.waiting.is_empty() {
+            None
+        } else {
+            seen.waiting.remove(&(label as u8, *key))
         };
         self.queries[label] += 1;
         if result == LookupResult::Hit {
