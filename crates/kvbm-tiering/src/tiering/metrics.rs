@@ -61,7 +61,7 @@ impl Seen {
 /// once the request was allocated (nothing more is counted for it).
 struct RequestLookups {
     uid: u64,
-    seen: Option<Box<Seen>>,
+    seen: Option<Seen>,
 }
 
 /// The requests' [`RequestLookups`] by request id, in a slab, with the last one used
@@ -76,17 +76,44 @@ struct Observed {
     slab: Vec<RequestLookups>,
     free: Vec<u32>,
     last: (u64, u32),
+    /// Cleared [`Seen`] tables of allocated or finished requests, kept for new ones (their
+    /// capacity with them: a new request's table would otherwise grow from empty, a rehash at
+    /// a time, on the lookup path).
+    spare: Vec<Seen>,
 }
+
+/// Cleared tables kept, at most, and the largest kept.
+const MAX_SPARE_SEEN: usize = 64;
+const MAX_SPARE_SEEN_KEYS: usize = 4096;
 
 /// The uid of a free slab slot.
 const FREE: u64 = u64::MAX;
 
 impl Observed {
-    fn fresh(uid: u64) -> RequestLookups {
+    fn fresh(&mut self, uid: u64) -> RequestLookups {
         RequestLookups {
             uid,
-            seen: Some(Box::default()),
+            seen: Some(self.spare.pop().unwrap_or_default()),
         }
+    }
+
+    /// Keeps a request's table for a later request, cleared, within the bounds above.
+    fn recycle(&mut self, seen: Option<Seen>) {
+        if let Some(mut seen) = seen
+            && self.spare.len() < MAX_SPARE_SEEN
+            && seen.counted.capacity() <= MAX_SPARE_SEEN_KEYS
+        {
+            seen.counted.clear();
+            seen.waiting.clear();
+            self.spare.push(seen);
+        }
+    }
+
+    /// Starts slot `i` afresh for a context `uid`, its old table recycled.
+    fn restart(&mut self, i: u32, uid: u64) {
+        let fresh = self.fresh(uid);
+        let old = std::mem::replace(&mut self.slab[i as usize], fresh);
+        self.recycle(old.seen);
     }
 
     /// `ctx`'s record, started when it has none (vLLM's `on_lookup` does the same), or
@@ -101,7 +128,7 @@ impl Observed {
         let i = match self.by_id.get(ctx.req_id()) {
             Some(&i) => {
                 if self.slab[i as usize].uid != uid {
-                    self.slab[i as usize] = Self::fresh(uid);
+                    self.restart(i, uid);
                 }
                 i
             }
@@ -112,7 +139,7 @@ impl Observed {
     }
 
     fn insert(&mut self, ctx: &ReqContext) -> u32 {
-        let r = Self::fresh(ctx.uid());
+        let r = self.fresh(ctx.uid());
         let i = match self.free.pop() {
             Some(i) => {
                 self.slab[i as usize] = r;
@@ -130,7 +157,7 @@ impl Observed {
     /// A new request: its record starts afresh.
     fn start(&mut self, ctx: &ReqContext) {
         match self.by_id.get(ctx.req_id()) {
-            Some(&i) => self.slab[i as usize] = Self::fresh(ctx.uid()),
+            Some(&i) => self.restart(i, ctx.uid()),
             None => {
                 self.insert(ctx);
             }
@@ -139,16 +166,21 @@ impl Observed {
 
     fn allocated(&mut self, req_id: &str) {
         if let Some(&i) = self.by_id.get(req_id) {
-            self.slab[i as usize].seen = None;
+            let seen = self.slab[i as usize].seen.take();
+            self.recycle(seen);
         }
     }
 
     fn finished(&mut self, req_id: &str) {
         if let Some(i) = self.by_id.remove(req_id) {
-            self.slab[i as usize] = RequestLookups {
-                uid: FREE,
-                seen: None,
-            };
+            let old = std::mem::replace(
+                &mut self.slab[i as usize],
+                RequestLookups {
+                    uid: FREE,
+                    seen: None,
+                },
+            );
+            self.recycle(old.seen);
             self.free.push(i);
         }
     }
