@@ -594,23 +594,16 @@ class CPUOffloadingManager(OffloadingManager):
         # A generator, as vLLM's: the batch is detached when iteration starts, so a caller that
         # stops early drops the rest rather than seeing it again.
         for keys, removed, removal_expected, metadata_only, ctx in self._rs.take_events():
-            if ctx is None:
-                yield OffloadingEvent(
-                    keys=keys,
-                    medium=self.medium,
-                    removed=removed,
-                    removal_expected=removal_expected,
-                    metadata_only=metadata_only,
-                )
-            else:  # vLLM 0.34: a stored event names the request that stored it
-                yield OffloadingEvent(
-                    keys=keys,
-                    medium=self.medium,
-                    removed=removed,
-                    removal_expected=removal_expected,
-                    metadata_only=metadata_only,
-                    req_context=ctx,
-                )
+            # vLLM 0.34: a stored event names the request that stored it (0.33's has no field).
+            extra = {} if ctx is None else {"req_context": ctx}
+            yield OffloadingEvent(
+                keys=keys,
+                medium=self.medium,
+                removed=removed,
+                removal_expected=removal_expected,
+                metadata_only=metadata_only,
+                **extra,
+            )
 
     def config_info(self) -> Sequence[dict]:
         return [self._config_info]

@@ -345,28 +345,42 @@ def test_tier_booleans_are_strict(tmp_path, value, on):
     spec.get_manager().shutdown()
 
 
+class _VllmLog:
+    """Records what reaches vLLM's ``vllm`` logger at ``level`` and above, while in use."""
+
+    def __init__(self, level):
+        import logging
+
+        self.records: list = []
+        self._logger = logging.getLogger("vllm")
+        self._level = level
+        outer = self
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                outer.records.append(record)
+
+        self._handler = Keep(level=level)
+
+    def __enter__(self):
+        self._old = self._logger.level
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(min(self._old or self._level, self._level))
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._old)
+
+
 def test_a_tier_says_what_it_is_at_start_through_vllm_s_logger_tree(tmp_path):
     """kvbm logs under vLLM's ``vllm`` logger (its handler, format and level): a tier's start
     names its file, capacity, warm chunks and O_DIRECT."""
     import logging
 
-    seen: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record)
-
-    vllm_logger = logging.getLogger("vllm")
-    h = Keep(level=logging.INFO)
-    old = vllm_logger.level
-    vllm_logger.addHandler(h)
-    vllm_logger.setLevel(logging.INFO)
-    try:
+    with _VllmLog(logging.INFO) as log:
         OffloadingSpecFactory.create_spec(config(tmp_path)).get_manager().shutdown()
-    finally:
-        vllm_logger.removeHandler(h)
-        vllm_logger.setLevel(old)
-    lines = [r.getMessage() for r in seen if r.name.startswith("vllm.kvbm_vllm")]
+    lines = [r.getMessage() for r in log.records if r.name.startswith("vllm.kvbm_vllm")]
     assert any("kvbm_disk" in m and str(tmp_path / "g3.bin") in m and "512 chunk slots" in m
                and "warm" in m and "O_DIRECT off" in m for m in lines), lines
 
@@ -448,15 +462,6 @@ def test_kvbm_s_rust_log_lines_reach_vllm_s_log(tmp_path):
         def drain_jobs(self):
             return
 
-    seen: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record)
-
-    vllm_logger = logging.getLogger("vllm")
-    h = Keep(level=logging.WARNING)
-    vllm_logger.addHandler(h)
     region = np.zeros((8, 64), dtype=np.int8)
     mmap = MagicMock()
     mmap.create_kv_memoryview.return_value = memoryview(region)
@@ -464,19 +469,19 @@ def test_kvbm_s_rust_log_lines_reach_vllm_s_log(tmp_path):
     m = upstream_compat.TieringOffloadingManager(
         primary_tier=primary, secondary_tiers=[Stray(primary.get_kv_memoryview())])
     try:
-        from vllm.v1.kv_offload.base import ScheduleEndContext
-
-        m.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any("424242" in r.getMessage() for r in seen):
-            time.sleep(0.02)
+        with _VllmLog(logging.WARNING) as log:
+            m.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                    "424242" in r.getMessage() for r in log.records):
+                time.sleep(0.02)
+        seen = log.records
         hits = [r for r in seen if "424242" in r.getMessage()]
         assert hits, f"kvbm-tiering's error did not reach vLLM's logger: {seen}"
         assert hits[0].levelno == logging.ERROR
         assert hits[0].name.startswith("vllm.kvbm_vllm.kvbm_tiering"), hits[0].name
         assert "not tracked" in hits[0].getMessage()
     finally:
-        vllm_logger.removeHandler(h)
         m.shutdown()
 
 
