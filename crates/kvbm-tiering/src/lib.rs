@@ -2,6 +2,7 @@
 
 pub mod connector;
 pub mod cpu;
+pub mod direct;
 pub mod error;
 pub mod key;
 pub mod manager;
@@ -14,6 +15,9 @@ pub mod worker;
 pub use cpu::{
     CachePolicyKind, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier, FinishedAccess,
     SlotState, StorePlan,
+};
+pub use direct::{
+    DevicePointers, DirectDisk, DirectDiskConfig, DirectDiskManager, DirectDiskWorker,
 };
 pub use error::{Result, TieringError};
 pub use key::{OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key};

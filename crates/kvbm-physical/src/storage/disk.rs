@@ -28,7 +28,7 @@
 //! kept alive by it until it completes, then returned for the next job, so steady-state jobs
 //! map and unmap no memory.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -386,13 +386,21 @@ impl DiskStorage {
     }
 
     /// Writes each block's payload (given as host memory regions, in serialized order) to its
-    /// slot with a header binding its identity and this file's id. Returns one result per block.
+    /// slot with a header binding its identity and this file's id. Returns one result per block:
+    /// the xxh3-128 of the payload written (the checksum in its header), for a caller that
+    /// journals it.
     ///
     /// # Safety
     /// Every region must be readable host memory, unchanged until this returns.
-    pub unsafe fn write_blocks(&self, blocks: &[DiskBlock]) -> Vec<Result<()>> {
+    pub unsafe fn write_blocks(&self, blocks: &[DiskBlock]) -> Vec<Result<u128>> {
+        let sums: Vec<Cell<u128>> = (0..blocks.len()).map(|_| Cell::new(0)).collect();
         // SAFETY: forwarded from the caller.
-        unsafe { self.run(IoDir::Write, blocks) }
+        let results = unsafe { self.run(IoDir::Write, blocks, &sums) };
+        results
+            .into_iter()
+            .zip(sums)
+            .map(|(r, sum)| r.map(|()| sum.get()))
+            .collect()
     }
 
     /// Reads each block's slot into its regions and verifies it (length, slot, file id, the
@@ -403,13 +411,15 @@ impl DiskStorage {
     /// Every region must be writable host memory no one else touches until this returns.
     pub unsafe fn read_blocks(&self, blocks: &[DiskBlock]) -> Vec<Result<()>> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.run(IoDir::Read, blocks) }
+        unsafe { self.run(IoDir::Read, blocks, &[]) }
     }
 
+    /// `sums`: for writes, one cell per block, given the checksum written into its header.
+    ///
     /// # Safety
     /// As [`write_blocks`](Self::write_blocks) for writes, [`read_blocks`](Self::read_blocks)
     /// for reads.
-    unsafe fn run(&self, dir: IoDir, blocks: &[DiskBlock]) -> Vec<Result<()>> {
+    unsafe fn run(&self, dir: IoDir, blocks: &[DiskBlock], sums: &[Cell<u128>]) -> Vec<Result<()>> {
         let n = blocks.len();
         let mut results: Vec<Result<()>> = (0..n)
             .map(|_| Err(PhysicalError::Aborted("not executed".into())))
@@ -497,6 +507,9 @@ impl DiskStorage {
                 if dir == IoDir::Write {
                     // SAFETY: caller guarantees the regions are readable.
                     let checksum = unsafe { checksum_regions(regions) };
+                    if let Some(sum) = sums.get(i) {
+                        sum.set(checksum);
+                    }
                     let h = BlockHeader {
                         len: self.payload_bytes as u64,
                         slot: *slot as u64,

@@ -232,6 +232,9 @@ fn disk_write(job: &Job) -> Vec<Result<()>> {
         .collect();
     // SAFETY: host regions of a registered layout; the caller excludes concurrent writers.
     unsafe { disk_of(&job.dst).write_blocks(&blocks) }
+        .into_iter()
+        .map(|r| r.map(drop))
+        .collect()
 }
 
 fn disk_read(job: &Job) -> Vec<Result<()>> {

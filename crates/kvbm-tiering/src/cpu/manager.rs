@@ -77,6 +77,9 @@ pub struct CpuManagerConfig {
     pub max_tracker_size: usize,
     /// The vLLM release line whose contract the manager follows (default 0.33).
     pub contract: Contract,
+    /// The medium its events name (`CPU`; `STORAGE` for a manager of disk slots, as the
+    /// direct disk path's).
+    pub medium: Medium,
 }
 
 impl CpuManagerConfig {
@@ -89,7 +92,13 @@ impl CpuManagerConfig {
             store_threshold: 1,
             max_tracker_size: 64_000,
             contract: Contract::V0_33,
+            medium: Medium::Cpu,
         }
+    }
+    /// Sets the medium its events name.
+    pub fn medium(mut self, m: Medium) -> Self {
+        self.medium = m;
+        self
     }
     /// Sets the vLLM contract followed.
     pub fn contract(mut self, c: Contract) -> Self {
@@ -156,6 +165,12 @@ pub struct CpuOffloadingManager {
     counts: Option<LinkedKeySet>,
     stores_skipped: u64,
     contract: Contract,
+    /// The medium its events name.
+    medium: Medium,
+    /// Slots that hold bytes whose keys this manager does not know (a disk's blocks restored
+    /// from its journal: [`hold_slots`](Self::hold_slots)): out of the index, the policy and the
+    /// free list until adopted by their key or released for room.
+    held: hashbrown::HashSet<u32>,
     /// Slots of failed writes whose release waits for their writer (vLLM 0.34
     /// `defer_write_release`): out of the index, the policy and the free list, still counted
     /// as write-pending.
@@ -231,6 +246,8 @@ impl CpuOffloadingManager {
             counts: (config.store_threshold >= 2).then(LinkedKeySet::new),
             stores_skipped: 0,
             contract: config.contract,
+            medium: config.medium,
+            held: hashbrown::HashSet::new(),
             deferred: hashbrown::HashSet::new(),
             scratch_counted: Vec::new(),
             allocation_sizes: Vec::new(),
@@ -366,13 +383,13 @@ impl CpuOffloadingManager {
             }
             seen[s as usize] += 1;
         }
-        for &s in &self.reserved {
+        for &s in self.reserved.iter().chain(&self.held) {
             seen[s as usize] += 1;
         }
         // A slot holds a key exactly when it is resident (the slot hints rely on it).
         for (s, k) in self.keys.iter().enumerate() {
             if seen[s] > 0 && *k != OffloadKey::VACANT {
-                return Err(format!("free or reserved slot {s} still holds {k}"));
+                return Err(format!("free, reserved or held slot {s} still holds {k}"));
             }
             if s >= self.num_allocated && *k != OffloadKey::VACANT {
                 return Err(format!("unallocated slot {s} holds {k}"));
@@ -1047,7 +1064,7 @@ impl CpuOffloadingManager {
         if !evicted.is_empty()
             && let Some(ev) = self.events.as_mut()
         {
-            ev.push(OffloadingEvent::new(evicted.clone(), Medium::Cpu, true));
+            ev.push(OffloadingEvent::new(evicted.clone(), self.medium, true));
         }
         true
     }
@@ -1186,7 +1203,7 @@ impl CpuOffloadingManager {
         if let Some(ev) = self.events.as_mut()
             && !done.is_empty()
         {
-            let mut e = OffloadingEvent::new(done, Medium::Cpu, !success);
+            let mut e = OffloadingEvent::new(done, self.medium, !success);
             e.metadata_only = !success;
             if success && self.contract.stored_event_context() {
                 e.removal_expected = true;
@@ -1420,7 +1437,7 @@ impl CpuOffloadingManager {
         if !held.is_empty()
             && let Some(ev) = self.events.as_mut()
         {
-            let mut e = OffloadingEvent::new(keys.to_vec(), Medium::Cpu, true);
+            let mut e = OffloadingEvent::new(keys.to_vec(), self.medium, true);
             e.metadata_only = true;
             ev.push(e);
         }
@@ -1478,6 +1495,95 @@ impl CpuOffloadingManager {
         out
     }
 
+    /// Marks `slots` as holding bytes whose keys this manager does not know yet (a disk's
+    /// blocks restored from its journal, known there by a digest of the key): they are neither
+    /// free nor resident until [`adopt_held`](Self::adopt_held) names the key of one or
+    /// [`release_held`](Self::release_held) gives it back for room. Only on a manager that has
+    /// handed out no slot; a slot out of range or given twice is refused and nothing changes.
+    pub fn hold_slots(&mut self, slots: &[u32]) -> Result<()> {
+        let refuse = |what: String| TieringError::Contract {
+            call: "hold_slots",
+            what,
+        };
+        if self.num_allocated != 0 || !self.held.is_empty() {
+            return Err(refuse("the manager already hands out slots".into()));
+        }
+        let mut held = hashbrown::HashSet::with_capacity(slots.len());
+        for &s in slots {
+            if s as usize >= self.num_chunks || !held.insert(s) {
+                return Err(refuse(format!(
+                    "slot {s} is out of range (0..{}) or given twice",
+                    self.num_chunks
+                )));
+            }
+        }
+        if held.is_empty() {
+            return Ok(());
+        }
+        // Every slot counts as handed out; the free list holds the others, lowest popped first
+        // (the order fresh ids would have come in).
+        self.num_allocated = self.num_chunks;
+        self.free_list = (0..self.num_chunks as u32)
+            .rev()
+            .filter(|s| !held.contains(s))
+            .collect();
+        self.held = held;
+        Ok(())
+    }
+
+    /// Slots held (restored, not yet adopted or released).
+    pub fn num_held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Gives up to `n` held slots back to the free list (their bytes are no longer wanted: a
+    /// store needs the room); returns them.
+    pub fn release_held(&mut self, n: usize) -> Vec<u32> {
+        let out: Vec<u32> = self.held.iter().copied().take(n).collect();
+        for s in &out {
+            self.held.remove(s);
+            self.free_list.push(*s);
+        }
+        out
+    }
+
+    /// The held slot `slot` holds `key`'s bytes (its caller matched the key's digest): the key
+    /// becomes resident and ready there, the most recent in the policy, with a stored event.
+    /// `false`, with nothing changed, where the slot is not held or the key is already known.
+    pub fn adopt_held(&mut self, key: &OffloadKey, slot: u32) -> bool {
+        if !self.held.contains(&slot) || self.index.get(&self.keys, key).is_some() {
+            return false;
+        }
+        self.held.remove(&slot);
+        self.keys[slot as usize] = *key;
+        self.index.insert(&self.keys, key, slot);
+        self.ref_cnt[slot as usize] = 0;
+        self.num_evictable += 1;
+        self.policy.insert(&self.keys, slot, None, &mut None);
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(OffloadingEvent::new(vec![*key], self.medium, false));
+        }
+        true
+    }
+
+    /// Forgets the ready, unpinned `key` (its bytes proved bad): out of the index and the
+    /// policy, its slot freed, with a removed event. `None`, with nothing changed, where the
+    /// key is absent, being written or pinned by a read.
+    pub fn discard(&mut self, key: &OffloadKey) -> Option<u32> {
+        let s = self.index.get(&self.keys, key)?;
+        if self.ref_cnt[s as usize] != 0 {
+            return None;
+        }
+        self.policy.remove(s);
+        self.index.remove(&self.keys, key);
+        self.vacate(s);
+        self.num_evictable -= 1;
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(OffloadingEvent::new(vec![*key], self.medium, true));
+        }
+        Some(s)
+    }
+
     /// As vLLM's `reset_cache`: forgets every chunk and request.
     pub fn reset_cache(&mut self) -> Result<()> {
         if !self.deferred.is_empty() {
@@ -1496,6 +1602,7 @@ impl CpuOffloadingManager {
         self.num_write_pending = 0;
         self.free_list.clear();
         self.reserved.clear();
+        self.held.clear();
         self.hit_hints.clear();
         self.keys[..self.num_allocated].fill(OffloadKey::VACANT);
         self.num_allocated = 0;

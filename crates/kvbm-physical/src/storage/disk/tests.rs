@@ -82,8 +82,22 @@ impl Blocks {
 }
 
 fn write(d: &DiskStorage, b: &Blocks, slots: &[usize], round: usize) -> Vec<Result<()>> {
+    let jobs = b.jobs(slots, round);
     // SAFETY: `b`'s memory is alive and unchanged during the call.
-    unsafe { d.write_blocks(&b.jobs(slots, round)) }
+    let written = unsafe { d.write_blocks(&jobs) };
+    // Each block written reports the checksum of the payload it was given.
+    jobs.iter()
+        .zip(written)
+        .map(|((_, _, regions), r)| {
+            r.map(|sum| {
+                let parts = regions.iter().map(|&(p, l)| {
+                    // SAFETY: `b`'s memory is alive during the call.
+                    unsafe { std::slice::from_raw_parts(p as *const u8, l) }
+                });
+                assert_eq!(sum, crate::checksum::checksum_slices(parts));
+            })
+        })
+        .collect()
 }
 
 fn read(d: &DiskStorage, b: &Blocks, slots: &[usize], round: usize) -> Vec<Result<()>> {
@@ -91,7 +105,7 @@ fn read(d: &DiskStorage, b: &Blocks, slots: &[usize], round: usize) -> Vec<Resul
     unsafe { d.read_blocks(&b.jobs(slots, round)) }
 }
 
-fn all_ok(r: &[Result<()>]) {
+fn all_ok<T: std::fmt::Debug>(r: &[Result<T>]) {
     for (k, x) in r.iter().enumerate() {
         assert!(x.is_ok(), "block {k}: {x:?}");
     }

@@ -26,7 +26,7 @@ use hashbrown::HashSet;
 use super::{CpuOffloadingManager, INSERTED, REUSED, STORE_MISS};
 use crate::error::{Result, TieringError};
 use crate::key::OffloadKey;
-use crate::types::{Medium, OffloadingEvent, ReqContext};
+use crate::types::{OffloadingEvent, ReqContext};
 
 /// What `prepare_store` decides before it touches the policy ([`CpuOffloadingManager::store_plan`]).
 #[derive(Clone, Debug, Default)]
@@ -167,7 +167,7 @@ impl CpuOffloadingManager {
         if let Some(ev) = self.events.as_mut()
             && !keys.is_empty()
         {
-            ev.push(OffloadingEvent::new(keys, Medium::Cpu, true));
+            ev.push(OffloadingEvent::new(keys, self.medium, true));
         }
     }
 
