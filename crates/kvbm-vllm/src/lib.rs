@@ -3,6 +3,7 @@
 mod bridge;
 mod core;
 mod cpu;
+mod direct;
 mod entry;
 mod logbridge;
 mod tiering;
@@ -22,5 +23,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tiers::Probe>()?;
     m.add_class::<tiering::TieringManager>()?;
     m.add_class::<tiering::Parent>()?;
+    m.add_class::<direct::DirectManager>()?;
+    m.add_class::<direct::DirectWorker>()?;
     Ok(())
 }

@@ -7,9 +7,16 @@ class is used. ``kvbm_vllm.upstream_compat`` holds the classes that stand where 
 
 from kvbm_vllm.log import logger
 
-__all__ = ["extension", "register", "TIER_TYPES"]
+__all__ = ["extension", "register", "SPECS", "TIER_TYPES"]
 
 _log = logger
+
+#: kvbm's offloading specs for vLLM's ``OffloadingSpecFactory``: name -> module.
+SPECS = {
+    "KvbmOffloadingSpec": "kvbm_vllm.spec",
+    # vLLM 0.34's direct file path (refused under 0.33 when built, not when registered).
+    "KvbmDiskDirectSpec": "kvbm_vllm.direct",
+}
 
 #: kvbm's secondary tier types for vLLM's ``TieringOffloadingSpec``: type -> (module, class).
 TIER_TYPES = {
@@ -19,10 +26,10 @@ TIER_TYPES = {
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: registers ``KvbmOffloadingSpec`` with vLLM's
-    ``OffloadingSpecFactory`` (``"spec_name": "KvbmOffloadingSpec"`` without a module path) and
-    kvbm's tier types with its ``SecondaryTierFactory``, so ``{"type": "kvbm_disk", ...}`` and
-    ``{"type": "kvbm_object", ...}`` work without a module path.
+    """The ``vllm.general_plugins`` entry point: registers ``KvbmOffloadingSpec`` and
+    ``KvbmDiskDirectSpec`` with vLLM's ``OffloadingSpecFactory`` (``"spec_name": ...`` without a
+    module path) and kvbm's tier types with its ``SecondaryTierFactory``, so
+    ``{"type": "kvbm_disk", ...}`` and ``{"type": "kvbm_object", ...}`` work without one.
 
     vLLM calls it in every process it starts; it imports only vLLM's factory (no extension, no
     manager), and it never raises: a vLLM without the factory, or a name already registered,
@@ -36,13 +43,17 @@ def register() -> None:
         return
     try:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-        OffloadingSpecFactory.register_spec("KvbmOffloadingSpec", "kvbm_vllm.spec",
-                                            "KvbmOffloadingSpec")
-    except ValueError:
-        _log.debug("kvbm_vllm: KvbmOffloadingSpec already registered")
     except Exception as e:  # noqa: BLE001 - a plugin must not stop vLLM
-        _log.warning("kvbm_vllm: cannot register KvbmOffloadingSpec: %s", e)
+        _log.warning("kvbm_vllm: vLLM's OffloadingSpecFactory is not importable (%s); kvbm's "
+                     "specs are not registered (use spec_module_path)", e)
+        OffloadingSpecFactory = None
+    for name, module in SPECS.items() if OffloadingSpecFactory is not None else ():
+        try:
+            OffloadingSpecFactory.register_spec(name, module, name)
+        except ValueError:
+            _log.debug("kvbm_vllm: %s already registered", name)
+        except Exception as e:  # noqa: BLE001 - a plugin must not stop vLLM
+            _log.warning("kvbm_vllm: cannot register %s: %s", name, e)
     for tier_type, (module, cls) in TIER_TYPES.items():
         try:
             SecondaryTierFactory.register_tier(tier_type, module, cls)

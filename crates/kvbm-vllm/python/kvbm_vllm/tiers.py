@@ -108,18 +108,18 @@ DISK_KEYS: dict[str, Any] = {
 }
 
 
-def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
+def _settings(who: str, given: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(given) - set(keys))
     if unknown:
         raise ValueError(
-            f"secondary tier {tier_type!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"{who}: unknown key(s) {', '.join(map(repr, unknown))}; "
             f"it takes {', '.join(keys)}"
         )
     out = {**keys, **given}
     missing = [k for k, v in out.items() if v is None]
     if missing:
         raise ValueError(
-            f"secondary tier {tier_type!r}: missing required key(s) {', '.join(missing)}"
+            f"{who}: missing required key(s) {', '.join(missing)}"
         )
     return out
 
@@ -128,7 +128,7 @@ def _settings(tier_type: str, given: dict[str, Any], keys: dict[str, Any]) -> di
 PATH_PLACEHOLDERS = ("dp_rank", "dp_size", "engine_id")
 
 
-def _replica_path(tier_type: str, path: str, spec) -> str:
+def _replica_path(who: str, path: str, spec) -> str:
     """``path`` with ``{dp_rank}`` (vLLM's data-parallel replica index), ``{dp_size}`` and
     ``{engine_id}`` filled in. Every data-parallel engine core gets the same configuration, so
     with more than one replica the path must name the replica (one file per engine core: two
@@ -142,19 +142,19 @@ def _replica_path(tier_type: str, path: str, spec) -> str:
         filled = path.format(**values)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(
-            f"secondary tier {tier_type!r}: path {path!r} has a placeholder kvbm does not fill "
+            f"{who}: path {path!r} has a placeholder kvbm does not fill "
             f"({e}); it fills {', '.join('{' + k + '}' for k in PATH_PLACEHOLDERS)}"
         ) from None
     if p.data_parallel_size > 1 and "{dp_rank}" not in path and "{engine_id}" not in path:
         raise ValueError(
-            f"secondary tier {tier_type!r}: vLLM runs {p.data_parallel_size} data-parallel "
+            f"{who}: vLLM runs {p.data_parallel_size} data-parallel "
             f"engine cores with this configuration, and each needs its own kvbm_disk file: put "
             f"{{dp_rank}} (or {{engine_id}}) in path, e.g. {path + '.dp{dp_rank}'!r}"
         )
     return filled
 
 
-def _flag(tier_type: str, s: dict[str, Any], key: str) -> bool:
+def _flag(who: str, s: dict[str, Any], key: str) -> bool:
     """A boolean key, strictly: JSON's true/false, or the strings "true"/"false" (any case).
     Anything else (``"no"``, ``1``, ``"0"``) is a ValueError naming the key: ``bool("false")``
     is True, and a tier must never take a "false" for on."""
@@ -164,41 +164,41 @@ def _flag(tier_type: str, s: dict[str, Any], key: str) -> bool:
     if isinstance(v, str) and v.strip().lower() in ("true", "false"):
         return v.strip().lower() == "true"
     raise ValueError(
-        f"secondary tier {tier_type!r}: {key} must be true or false, got {v!r}"
+        f"{who}: {key} must be true or false, got {v!r}"
     )
 
 
-def _io_nice(tier_type: str, s: dict[str, Any]) -> int:
+def _io_nice(who: str, s: dict[str, Any]) -> int:
     """The ``io_nice`` key: an integer in 0..19 (Linux's niceness range)."""
     v = s["io_nice"]
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 19:
         raise ValueError(
-            f"secondary tier {tier_type!r}: io_nice must be an integer in 0..19, got {v!r}"
+            f"{who}: io_nice must be an integer in 0..19, got {v!r}"
         )
     return v
 
 
-def _events_on(tier_type: str, spec, asked: bool) -> bool:
+def _events_on(who: str, spec, asked: bool) -> bool:
     """vLLM's rule: a tier emits KV events when its ``enable_kv_events`` is set and KV cache
     events are on globally (``kv_events_config``); set but off globally is a warning."""
     if not asked:
         return False
     config = getattr(spec, "kv_events_config", None)
     if config is not None and not getattr(config, "enable_kv_cache_events", False):
-        _log.warning("enable_kv_events is set on secondary tier %r but KV cache events are "
-                     "disabled (kv_events_config): no events", tier_type)
+        _log.warning("enable_kv_events is set on %s but KV cache events are "
+                     "disabled (kv_events_config): no events", who)
         return False
     return True
 
 
-def _fingerprint(tier_type: str, spec) -> dict[str, Any]:
+def _fingerprint(who: str, spec) -> dict[str, Any]:
     """What the tier's chunks mean, from vLLM's ``OffloadingConfig`` (``spec.config``), for
     kvbm's model fingerprint (see the module docs). A tier without vLLM's config cannot tell
     which model its bytes belong to, so it refuses to start."""
     config = getattr(spec, "config", None)
     if not isinstance(config, OffloadingConfig):
         raise ValueError(
-            f"secondary tier {tier_type!r}: offloading_spec.config must be vLLM's OffloadingConfig "
+            f"{who}: offloading_spec.config must be vLLM's OffloadingConfig "
             f"(kvbm binds every stored chunk to the model, dtype and layout it describes), got "
             f"{type(config).__name__}"
         )
@@ -356,9 +356,10 @@ class KvbmDiskTier(_KvbmTier):
     ) -> None:
         contract = installed()  # refuses a vLLM whose contract kvbm does not follow
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        s = _settings(tier_type, config, DISK_KEYS)
-        direct_io = _flag(tier_type, s, "direct_io")
-        events = _flag(tier_type, s, "enable_kv_events")
+        who = f"secondary tier {tier_type!r}"
+        s = _settings(who, config, DISK_KEYS)
+        direct_io = _flag(who, s, "direct_io")
+        events = _flag(who, s, "enable_kv_events")
         locality = Locality(str(s["locality"]).upper())
         if locality is not Locality.LOCAL:
             raise ValueError(
@@ -375,8 +376,8 @@ class KvbmDiskTier(_KvbmTier):
                 f"secondary tier {tier_type!r}: buffer_pool_mb must be an integer >= 0, "
                 f"got {pool_mb!r}"
             )
-        fingerprint = _fingerprint(tier_type, offloading_spec)  # checks spec.config first
-        path = _replica_path(tier_type, str(s["path"]), offloading_spec)
+        fingerprint = _fingerprint(who, offloading_spec)  # checks spec.config first
+        path = _replica_path(who, str(s["path"]), offloading_spec)
         self._rs = extension().StorageTier.disk(
             _flat(primary_kv_view),
             self.block_size_bytes,
@@ -387,9 +388,9 @@ class KvbmDiskTier(_KvbmTier):
             direct_io,
             pool_mb << 20,
             _LOOKUP_RESULTS,
-            _events_on(tier_type, offloading_spec, events),
+            _events_on(who, offloading_spec, events),
             tier_type,
-            _io_nice(tier_type, s),
+            _io_nice(who, s),
         )
         _log.info(
             "kvbm tier %r (kvbm_disk): file %s, %d chunk slots of %d bytes, %d chunks warm "
@@ -448,9 +449,10 @@ class KvbmObjectTier(_KvbmTier):
     ) -> None:
         contract = installed()  # refuses a vLLM whose contract kvbm does not follow
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        s = _settings(tier_type, config, OBJECT_KEYS)
-        events = _flag(tier_type, s, "enable_kv_events")
-        shared = _flag(tier_type, s, "shared")
+        who = f"secondary tier {tier_type!r}"
+        s = _settings(who, config, OBJECT_KEYS)
+        events = _flag(who, s, "enable_kv_events")
+        shared = _flag(who, s, "shared")
         if bool(s["bucket"]) == bool(s["dir"]):
             raise ValueError(
                 f"secondary tier {tier_type!r}: give exactly one of bucket (S3) and dir (a local "
@@ -472,7 +474,7 @@ class KvbmObjectTier(_KvbmTier):
         self._rs = extension().StorageTier.object(
             _flat(primary_kv_view),
             self.block_size_bytes,
-            _fingerprint(tier_type, offloading_spec),
+            _fingerprint(who, offloading_spec),
             str(s["namespace"]),
             capacity,
             s["bucket"] or None,
@@ -482,9 +484,9 @@ class KvbmObjectTier(_KvbmTier):
             secret,
             s["dir"] or None,
             _LOOKUP_RESULTS,
-            _events_on(tier_type, offloading_spec, events),
+            _events_on(who, offloading_spec, events),
             tier_type,
-            _io_nice(tier_type, s),
+            _io_nice(who, s),
         )
         where = (f"S3 bucket {s['bucket']!r} at {s['endpoint'] or 'the default endpoint'}"
                  if s["bucket"] else f"directory {s['dir']}")
