@@ -275,6 +275,9 @@ impl DirectManager {
     }
 }
 
+/// A settled job: `(job_id, success, bytes, seconds)`.
+type Finished = (u64, bool, Option<u64>, Option<f64>);
+
 /// The worker half (module docs).
 #[pyclass(module = "kvbm_vllm._kvbm", frozen)]
 pub(crate) struct DirectWorker {
@@ -421,7 +424,7 @@ impl DirectWorker {
     }
 
     /// `(job_id, success, bytes, seconds)` of each job settled since the last call.
-    fn get_finished(&self) -> PyResult<Vec<(u64, bool, Option<u64>, Option<f64>)>> {
+    fn get_finished(&self) -> PyResult<Vec<Finished>> {
         Ok(locked(&self.inner)?
             .get_finished()
             .into_iter()
