@@ -916,6 +916,19 @@ impl TieringManager {
             if let Ok(st) = t.cast::<StorageTier>() {
                 boxed.push(Box::new(StorageTier::share(st)?));
                 python.push(false);
+            } else if let Ok((st, detector)) =
+                t.extract::<(Bound<'_, StorageTier>, Bound<'_, PyAny>)>()
+            {
+                // A kvbm tier driven in Rust with the detector vLLM's factory gave its object.
+                let bp = PyBackpressure {
+                    detector: Some(detector.unbind()),
+                    finished: HashMap::new(),
+                    shared: shared.clone(),
+                };
+                boxed.push(Box::new(
+                    StorageTier::share(&st)?.with_detector(Box::new(bp)),
+                ));
+                python.push(false);
             } else {
                 boxed.push(Box::new(PyTier::new(&t, i, shared.clone())?));
                 python.push(true);

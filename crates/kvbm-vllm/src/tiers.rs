@@ -286,6 +286,7 @@ impl StorageTier {
             slot: me.tier.clone(),
             tier_type,
             bp: SharedBackpressure(me.tier.clone()),
+            py_bp: None,
             _owner: this.clone().unbind(),
         })
     }
@@ -697,11 +698,20 @@ pub(crate) struct SharedTier {
     slot: TierSlot,
     tier_type: String,
     bp: SharedBackpressure,
+    /// The detector vLLM's factory gave the tier's Python object (its `bp_detector`), asked and
+    /// fed as vLLM's manager would; before the Rust tier's own.
+    py_bp: Option<Box<dyn Backpressure + Send>>,
     /// Keeps the Python object, and with it the primary region's registration, alive.
     _owner: Py<StorageTier>,
 }
 
 impl SharedTier {
+    /// Asks `detector` (the tier's Python detector) whether to store and feeds it completions.
+    pub(crate) fn with_detector(mut self, detector: Box<dyn Backpressure + Send>) -> Self {
+        self.py_bp = Some(detector);
+        self
+    }
+
     fn with<R>(&self, idle: R, f: impl FnOnce(&mut AnyTier) -> R) -> R {
         match self.slot.lock().as_mut() {
             Some(l) => f(&mut l.tier),
@@ -729,6 +739,12 @@ impl SecondaryTierManager for SharedTier {
         self.with(0, |t| t.block_size_bytes())
     }
     fn bp_detector(&mut self) -> Option<&mut dyn Backpressure> {
+        if self.py_bp.is_some() {
+            return self
+                .py_bp
+                .as_deref_mut()
+                .map(|d| d as &mut dyn Backpressure);
+        }
         let has = self.with(false, |t| t.bp_detector().is_some());
         has.then_some(&mut self.bp as &mut dyn Backpressure)
     }

@@ -798,6 +798,9 @@ class TieringOffloadingManager(OffloadingManager):
         handed = []
         for tier in self.secondary_tiers:
             native = _native_tier(tier) if self._NATIVE_TIERS else None
+            if native is not None and getattr(tier, "bp_detector", None) is not None:
+                # Driven in Rust, asked and fed as vLLM asks and feeds the tier's detector.
+                native = (native, tier.bp_detector)
             handed.append(native if native is not None else tier)
         self._rs = extension().TieringManager(
             primary_tier._rs, handed, self._UPSTREAM, True, _make_job, _make_request_context,

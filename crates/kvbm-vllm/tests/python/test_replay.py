@@ -60,9 +60,19 @@ def rust_bin():
     return path
 
 
-# Asked once, before an in-process replay installs the stubs (after which `vllm` is importable
-# here but not in a fresh interpreter).
-REAL_VLLM = importlib.util.find_spec("vllm") is not None
+# Whether a fresh interpreter (the replay's command line) imports vLLM too: only when it was
+# installed before any module of this suite installed the harness's stubs, after which `vllm`
+# is importable here but not there. `ensure_vllm` remembers how it was first made importable,
+# whichever test module asked first.
+def _installed_vllm() -> bool:
+    from kvbm_vllm import replay
+
+    if replay._STUBBED is not None:  # how the first ensure_vllm made it importable
+        return replay._STUBBED == "installed"
+    return importlib.util.find_spec("vllm") is not None
+
+
+REAL_VLLM = _installed_vllm()
 
 
 def _vllm_args():
