@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use kvbm_tiering::{
     CachePolicyKind, Contract, CpuManagerConfig, CpuOffloadingManager, CpuPrimaryTier,
-    LookupResult, OffloadKey, OffloadScope,
+    LookupResult, OffloadKey,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -136,6 +136,34 @@ pub(crate) fn store_output<'py>(
             key_list(py, &out.evicted_keys)?.into_any(),
         ],
     )
+}
+
+/// Events as `(keys, removed, removal_expected, metadata_only, req_context)`: the caller's own
+/// `ReqContext` object of a stored event (vLLM 0.34), else `None`.
+pub(crate) fn events_py<'py>(
+    py: Python<'py>,
+    events: Vec<kvbm_tiering::OffloadingEvent>,
+) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    events
+        .into_iter()
+        .map(|e| {
+            let origin = e
+                .req_context
+                .as_ref()
+                .and_then(|c| crate::bridge::origin(py, c))
+                .unwrap_or_else(|| py.None().into_bound(py));
+            PyTuple::new(
+                py,
+                [
+                    key_list(py, &e.keys)?.into_any(),
+                    e.removed.into_pyobject(py)?.to_owned().into_any(),
+                    e.removal_expected.into_pyobject(py)?.to_owned().into_any(),
+                    e.metadata_only.into_pyobject(py)?.to_owned().into_any(),
+                    origin,
+                ],
+            )
+        })
+        .collect()
 }
 
 fn entry<'py>(
@@ -344,10 +372,7 @@ impl CpuManager {
             .cpu()?
             .on_new_request(&c)
             .map_err(to_py)?;
-        Ok(match r.policy {
-            OffloadScope::ChunkLevel => "chunk_level",
-            OffloadScope::RequestLevel => "request_level",
-        })
+        Ok(crate::tiering::scope_name(r.policy))
     }
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -367,26 +392,7 @@ impl CpuManager {
     /// else `None`.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = self.core.lock(py)?.cpu()?.take_events();
-        events
-            .into_iter()
-            .map(|e| {
-                let origin = e
-                    .req_context
-                    .as_ref()
-                    .and_then(|c| crate::bridge::origin(py, c))
-                    .unwrap_or_else(|| py.None().into_bound(py));
-                PyTuple::new(
-                    py,
-                    [
-                        key_list(py, &e.keys)?.into_any(),
-                        e.removed.into_pyobject(py)?.to_owned().into_any(),
-                        e.removal_expected.into_pyobject(py)?.to_owned().into_any(),
-                        e.metadata_only.into_pyobject(py)?.to_owned().into_any(),
-                        origin,
-                    ],
-                )
-            })
-            .collect()
+        events_py(py, events)
     }
 
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {

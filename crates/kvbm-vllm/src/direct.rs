@@ -19,10 +19,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvbm_physical::DiskConfig;
 use kvbm_tiering::{
     CachePolicyKind, CpuManagerConfig, DevicePointers, DirectDisk, DirectDiskConfig,
-    DirectDiskManager, DirectDiskWorker, OffloadScope,
+    DirectDiskManager, DirectDiskWorker,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -30,31 +29,27 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::bridge::{Contexts, key, key_list, keys, picked_keys, to_py};
 use crate::cpu::{LookupMembers, parse_contract};
-use crate::tiers::fingerprint_of;
+use crate::tiers::{disk_config, fingerprint_of};
 
-/// The direct disk at `path` shared by this process's manager and worker.
-#[allow(clippy::too_many_arguments)]
-fn disk(
-    path: std::path::PathBuf,
-    capacity: usize,
-    chunk_bytes: usize,
-    fingerprint: &Bound<'_, PyDict>,
-    queue_depth: u32,
-    direct_io: bool,
-    buffer_pool_bytes: usize,
-) -> PyResult<Arc<DirectDisk>> {
-    let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            PyRuntimeError::new_err(format!("cannot create {}: {e}", dir.display()))
-        })?;
-    }
-    let mut d = DiskConfig::new(&path);
-    d.queue_depth = queue_depth;
-    d.direct_io = direct_io;
-    d.buffer_pool_bytes = buffer_pool_bytes;
+/// Where and how the direct disk is opened, as the Python spec hands it over:
+/// `(path, capacity, chunk_bytes, fingerprint, queue_depth, direct_io, buffer_pool_bytes)`.
+#[derive(FromPyObject)]
+pub(crate) struct DiskArgs<'py>(
+    std::path::PathBuf,
+    usize,
+    usize,
+    Bound<'py, PyDict>,
+    u32,
+    bool,
+    usize,
+);
+
+/// The direct disk `args` name, shared by this process's manager and worker.
+fn disk(args: DiskArgs<'_>) -> PyResult<Arc<DirectDisk>> {
+    let DiskArgs(path, capacity, chunk_bytes, fingerprint, queue_depth, direct_io, pool) = args;
+    let fingerprint = fingerprint_of(&fingerprint, chunk_bytes)?;
     DirectDisk::shared(DirectDiskConfig {
-        disk: d,
+        disk: disk_config(&path, queue_depth, direct_io, pool)?,
         capacity,
         chunk_bytes,
         fingerprint: Some(fingerprint),
@@ -99,18 +94,12 @@ pub(crate) struct DirectManager {
 
 #[pymethods]
 impl DirectManager {
-    /// `policy` `"lru"` or `"arc"`; `lookup_results` vLLM's `(MISS, HIT, HIT_PENDING, RETRY)`.
+    /// `disk`: [`DiskArgs`]; `policy` `"lru"` or `"arc"`; `lookup_results` vLLM's `(MISS, HIT,
+    /// HIT_PENDING, RETRY)`.
     #[new]
-    #[pyo3(signature = (path, capacity, chunk_bytes, fingerprint, queue_depth, direct_io, buffer_pool_bytes, policy, enable_events, lookup_results, contract = "0.34"))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (disk, policy, enable_events, lookup_results, contract = "0.34"))]
     fn new(
-        path: std::path::PathBuf,
-        capacity: usize,
-        chunk_bytes: usize,
-        fingerprint: &Bound<'_, PyDict>,
-        queue_depth: u32,
-        direct_io: bool,
-        buffer_pool_bytes: usize,
+        disk: DiskArgs<'_>,
         policy: &str,
         enable_events: bool,
         lookup_results: &Bound<'_, PyTuple>,
@@ -121,15 +110,8 @@ impl DirectManager {
                 "eviction_policy: kvbm's direct disk runs lru and arc; got {policy:?}"
             ))
         })?;
-        let d = disk(
-            path,
-            capacity,
-            chunk_bytes,
-            fingerprint,
-            queue_depth,
-            direct_io,
-            buffer_pool_bytes,
-        )?;
+        let capacity = disk.1;
+        let d = self::disk(disk)?;
         let config = CpuManagerConfig::new(capacity)
             .policy(kind)
             .events(enable_events)
@@ -206,10 +188,7 @@ impl DirectManager {
     fn on_new_request(&self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let c = self.contexts.get(ctx)?;
         let r = locked(&self.inner)?.on_new_request(&c).map_err(to_py)?;
-        Ok(match r.policy {
-            OffloadScope::ChunkLevel => "chunk_level",
-            OffloadScope::RequestLevel => "request_level",
-        })
+        Ok(crate::tiering::scope_name(r.policy))
     }
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -223,26 +202,7 @@ impl DirectManager {
     /// req_context)` (the caller's own `ReqContext` of a stored event under 0.34, else None).
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = locked(&self.inner)?.take_events();
-        events
-            .into_iter()
-            .map(|e| {
-                let origin = e
-                    .req_context
-                    .as_ref()
-                    .and_then(|c| crate::bridge::origin(py, c))
-                    .unwrap_or_else(|| py.None().into_bound(py));
-                PyTuple::new(
-                    py,
-                    [
-                        key_list(py, &e.keys)?.into_any(),
-                        e.removed.into_pyobject(py)?.to_owned().into_any(),
-                        e.removal_expected.into_pyobject(py)?.to_owned().into_any(),
-                        e.metadata_only.into_pyobject(py)?.to_owned().into_any(),
-                        origin,
-                    ],
-                )
-            })
-            .collect()
+        crate::cpu::events_py(py, events)
     }
 
     fn has_pending_work(&self) -> PyResult<bool> {
@@ -323,31 +283,11 @@ impl DirectWorker {
 
 #[pymethods]
 impl DirectWorker {
-    /// `memory`: the `(address, bytes)` of every KV cache tensor (host memory) the pages may
-    /// lie in; the rest as for the manager.
+    /// `disk`: [`DiskArgs`]; `memory`: the `(address, bytes)` of every KV cache tensor (host
+    /// memory) the pages may lie in.
     #[new]
-    #[pyo3(signature = (path, capacity, chunk_bytes, fingerprint, queue_depth, direct_io, buffer_pool_bytes, blocks_per_chunk, memory))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        path: std::path::PathBuf,
-        capacity: usize,
-        chunk_bytes: usize,
-        fingerprint: &Bound<'_, PyDict>,
-        queue_depth: u32,
-        direct_io: bool,
-        buffer_pool_bytes: usize,
-        blocks_per_chunk: usize,
-        memory: Vec<(u64, u64)>,
-    ) -> PyResult<Self> {
-        let d = disk(
-            path,
-            capacity,
-            chunk_bytes,
-            fingerprint,
-            queue_depth,
-            direct_io,
-            buffer_pool_bytes,
-        )?;
+    fn new(disk: DiskArgs<'_>, blocks_per_chunk: usize, memory: Vec<(u64, u64)>) -> PyResult<Self> {
+        let d = self::disk(disk)?;
         let mut ranges: Vec<(u64, u64)> = memory
             .into_iter()
             .map(|(p, n)| {

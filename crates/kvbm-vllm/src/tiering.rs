@@ -207,7 +207,8 @@ impl ReleaseFlag for PyReleaseFlag {
     }
 }
 
-fn scope_name(s: OffloadScope) -> &'static str {
+/// vLLM's `OffloadPolicy` value of a scope (`"chunk_level"` or `"request_level"`).
+pub(crate) fn scope_name(s: OffloadScope) -> &'static str {
     match s {
         OffloadScope::ChunkLevel => "chunk_level",
         OffloadScope::RequestLevel => "request_level",

@@ -59,7 +59,7 @@ use kvbm_physical::{
 use kvbm_tiering::tiering::Backpressure;
 use kvbm_tiering::{
     CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, LookupResult,
-    ObjectProbe, ObjectTier as RustObjectTier, OffloadKey, OffloadScope, PhysicalTier, ReqContext,
+    ObjectProbe, ObjectTier as RustObjectTier, OffloadKey, PhysicalTier, ReqContext,
     RequestOffloadingContext, SecondaryTierManager, TierJob,
 };
 use pyo3::buffer::PyBuffer;
@@ -178,6 +178,25 @@ fn primary_over(
         primary: Arc::downgrade(&shared),
     });
     Ok(shared)
+}
+
+/// The disk file at `path` as kvbm-physical opens it (its directory created first).
+pub(crate) fn disk_config(
+    path: &std::path::Path,
+    queue_depth: u32,
+    direct_io: bool,
+    buffer_pool_bytes: usize,
+) -> PyResult<DiskConfig> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            PyRuntimeError::new_err(format!("cannot create {}: {e}", dir.display()))
+        })?;
+    }
+    let mut disk = DiskConfig::new(path);
+    disk.queue_depth = queue_depth;
+    disk.direct_io = direct_io;
+    disk.buffer_pool_bytes = buffer_pool_bytes;
+    Ok(disk)
 }
 
 /// The [`ModelFingerprint`] of a vLLM tier's chunks, from the description the Python side
@@ -344,15 +363,7 @@ impl StorageTier {
         }
         let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
         let primary = primary_over(region, chunk_bytes, io_nice)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                PyRuntimeError::new_err(format!("cannot create {}: {e}", dir.display()))
-            })?;
-        }
-        let mut disk = DiskConfig::new(&path);
-        disk.queue_depth = queue_depth;
-        disk.direct_io = direct_io;
-        disk.buffer_pool_bytes = buffer_pool_bytes;
+        let disk = disk_config(&path, queue_depth, direct_io, buffer_pool_bytes)?;
         let tier = PhysicalTier::disk(&primary.lock(), &disk, capacity, Some(&fingerprint))
             .map_err(|e| {
                 PyRuntimeError::new_err(format!(
@@ -550,10 +561,9 @@ impl StorageTier {
     /// `"chunk_level"` or `"request_level"`.
     fn on_new_request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let c = self.contexts.get(ctx)?;
-        Ok(match self.tier()?.on_new_request(&c).policy {
-            OffloadScope::ChunkLevel => "chunk_level",
-            OffloadScope::RequestLevel => "request_level",
-        })
+        Ok(crate::tiering::scope_name(
+            self.tier()?.on_new_request(&c).policy,
+        ))
     }
 
     fn on_request_finished(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -27,7 +27,7 @@
 //!
 //! # Slots and keys
 //!
-//! The manager is kvbm-tiering's [`CpuOffloadingManager`] over `capacity` slots (the one vLLM
+//! The manager is kvbm-tiering's [`CpuOffloadingManager`](crate::CpuOffloadingManager) over `capacity` slots (the one vLLM
 //! manager contract kvbm keeps: the same policies, request hooks, events and stats), its chunk
 //! ids the disk's slots, its events naming the `STORAGE` medium. A slot handed out by
 //! `prepare_store` is unlisted in the journal before the spec leaves the manager (the journal's
@@ -36,7 +36,7 @@
 //!
 //! A chunk is identified in its slot's header and in the journal by the key's digest
 //! ([`key_identity`]), which does not give the key back. So a restart holds the journal's slots
-//! ([`CpuOffloadingManager::hold_slots`]) until a lookup of a key whose digest one of them
+//! ([`CpuOffloadingManager::hold_slots`](crate::CpuOffloadingManager::hold_slots)) until a lookup of a key whose digest one of them
 //! carries adopts it (a `HIT`, the chunk ready at the policy's most recent end). Restored slots
 //! nobody asked for are the first given up when a store needs room. The journal's header binds
 //! the file to the [`ModelFingerprint`]: a file written for another model, dtype, layout or

@@ -281,7 +281,7 @@ class KvbmDiskDirectSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             events = bool(self.kv_events_config.enable_kv_cache_events)
-            rs = extension().DirectManager(*self._disk_args(), self._policy, events,
+            rs = extension().DirectManager(self._disk_args(), self._policy, events,
                                            _LOOKUP_RESULTS, self._contract.name)
             restored, reset, direct, engine = rs.opened()
             _log.info(
@@ -308,5 +308,5 @@ class KvbmDiskDirectSpec(OffloadingSpec):
                     f"copies device pages to its CPU region and kvbm's tiers take them from "
                     f"there")
             memory.append(_host_extent(tensor))
-        rs = extension().DirectWorker(*self._disk_args(), int(self.blocks_per_chunk), memory)
+        rs = extension().DirectWorker(self._disk_args(), int(self.blocks_per_chunk), memory)
         return KvbmDiskDirectWorker(rs)

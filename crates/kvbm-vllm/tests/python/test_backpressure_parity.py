@@ -15,10 +15,8 @@ slow); the latency EMA (wall-clock) within the jitter of two runs.
 from __future__ import annotations
 
 import time
-import uuid
 
 import numpy as np
-import pytest
 
 from kvbm_vllm.replay import ensure_vllm
 
@@ -30,14 +28,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_config import offloading_config  # noqa: E402
 
 SLOW_S = 0.03
 ROUNDS = 9
@@ -60,21 +52,7 @@ def config(tmp_path, spec):
              "tier_poll_interval_s": 0}
     if spec == "KvbmOffloadingSpec":
         extra.update(spec_module_path="kvbm_vllm.spec", kvbm_upstream_bugs=True)
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer",), 0),),
-        worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=f"kvbm-bp-{uuid.uuid4().hex}",
-        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-        replicated_layout=False,
-    )
+    return offloading_config(extra)
 
 
 def _backpressure_series(stats) -> dict:

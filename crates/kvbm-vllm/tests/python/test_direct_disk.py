@@ -8,7 +8,6 @@ refusal of the whole spec.
 
 import logging
 import os
-import uuid
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,14 +23,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_config import offloading_config  # noqa: E402
 
 from kvbm_vllm import register  # noqa: E402
 from kvbm_vllm.contract import UnsupportedVllm, installed  # noqa: E402
@@ -46,27 +39,16 @@ BLOCKS = 16
 
 
 def config(tmp_path, extra=None, world_size=1, bpc=BPC, events=False):
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=PAGE * LAYERS,
-        enable_kv_cache_events=events,
-        extra_config={
+    return offloading_config(
+        {
             "spec_name": "KvbmDiskDirectSpec",
             "kvbm_path": str(tmp_path / "direct.bin"),
             "kvbm_capacity": 8,
             "kvbm_direct_io": False,
             **(extra or {}),
         },
-        engine_id=f"kvbm-direct-{uuid.uuid4().hex}",
-        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1,
-            dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-            data_parallel_rank_local=None, is_parallelism_agnostic=False,
-        ),
-        replicated_layout=False,
-    )
+        layers=("l0", "l1"), worker_kv_bytes_per_block=PAGE * LAYERS, blocks_per_chunk=bpc,
+        world_size=world_size, events=events)
 
 
 class HostTensor:

@@ -20,6 +20,8 @@ members are extracted into `target/peer/vllm-sdist/<version>/`:
     the kv_connector metrics and `kv_connector/v1/offloading/*.py`, which holds the
     connector stats object the managers fill and `_parse_tier_filter` a test calls)
   * `tests/__init__.py`, `tests/v1/__init__.py`, `tests/v1/kv_offload/**.py`
+  * vLLM's plugin loader (`vllm/plugins/__init__.py`) and `vllm/envs.py`, which kvbm-vllm's
+    own tests run to load the kvbm plugin as vLLM does (`VLLM_PLUGINS`)
 
 Every package directory of the extracted tree gets an *empty* `__init__.py` when the
 member set has none (vLLM's real `vllm/__init__.py` imports the whole engine). A
@@ -67,7 +69,7 @@ def pin(version):
         raise FetchError(f"no pin for vLLM {version}; pinned: {', '.join(PINS)}") from None
 
 # Bump when the extraction set below changes, so that a cached extraction is redone.
-EXTRACT_LAYOUT = 3
+EXTRACT_LAYOUT = 4
 
 EXTRACT_PREFIXES = (
     "vllm/v1/kv_offload/",
@@ -78,7 +80,14 @@ EXTRACT_PREFIXES = (
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/",
     "tests/v1/kv_offload/",
 )
-EXTRACT_FILES = ("tests/__init__.py", "tests/v1/__init__.py")
+EXTRACT_FILES = (
+    "tests/__init__.py",
+    "tests/v1/__init__.py",
+    # vLLM's plugin loader and the environment it reads (VLLM_PLUGINS): kvbm-vllm's tests load
+    # the kvbm plugin through them (stdlib-only modules; the tests' processes keep the stub).
+    "vllm/plugins/__init__.py",
+    "vllm/envs.py",
+)
 # Files the harness cannot work without; their absence means a wrong or broken archive.
 REQUIRED = (
     "vllm/v1/kv_offload/cpu/manager.py",
