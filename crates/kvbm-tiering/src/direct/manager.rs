@@ -83,18 +83,23 @@ impl DirectDiskManager {
     /// chunk carrying the key's digest, adopted (a `HIT`).
     pub fn lookup(&mut self, key: &OffloadKey, ctx: &ReqContext) -> LookupResult {
         let r = self.inner.lookup(key, ctx);
-        if r != LookupResult::Miss || self.restored.is_empty() {
-            return r;
-        }
-        let Some(slot) = self.restored.remove(&key_identity(key)) else {
-            return r;
-        };
-        self.restored_at.remove(&slot);
-        if self.inner.adopt_held(key, slot) {
+        if r == LookupResult::Miss && self.adopt_restored(key) {
             self.inner.lookup(key, ctx)
         } else {
             r
         }
+    }
+
+    /// Whether `key`, unknown to the slot table, has a restored chunk, now adopted (ready).
+    fn adopt_restored(&mut self, key: &OffloadKey) -> bool {
+        if self.restored.is_empty() {
+            return false;
+        }
+        let Some(slot) = self.restored.remove(&key_identity(key)) else {
+            return false;
+        };
+        self.restored_at.remove(&slot);
+        self.inner.adopt_held(key, slot)
     }
 
     /// vLLM's `prepare_load`: the keys' slots, pinned until `complete_load`.
@@ -132,8 +137,8 @@ impl DirectDiskManager {
         }
     }
 
-    /// vLLM's `prepare_store`: slots for the keys not yet stored (restored chunks nobody asked
-    /// for give way first, then the policy's victims), each unlisted in the journal before the
+    /// vLLM's `prepare_store`: slots for the keys not yet stored (a key with a restored chunk
+    /// adopts it; restored chunks nobody asked for give way first, then the policy's victims), each unlisted in the journal before the
     /// spec is handed out. `None`, having changed nothing, where there is no room.
     ///
     /// # Errors
@@ -144,6 +149,13 @@ impl DirectDiskManager {
         ctx: &ReqContext,
     ) -> Result<Option<(PrepareStoreOutput, Vec<u32>)>> {
         if !self.restored_at.is_empty() {
+            // A key whose chunk was restored is stored already: adopted, not written again
+            // (and never left behind as a second, older copy under the same key).
+            for k in keys {
+                if self.inner.chunk(k).is_none() {
+                    self.adopt_restored(k);
+                }
+            }
             let new = keys
                 .iter()
                 .filter(|k| self.inner.chunk(k).is_none())

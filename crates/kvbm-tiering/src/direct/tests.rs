@@ -373,3 +373,105 @@ fn one_process_shares_one_disk_by_path_and_refuses_another_geometry() {
     // Gone when nobody holds it: reopened with another capacity.
     DirectDisk::shared(config(&path, 8)).unwrap();
 }
+
+mod model {
+    //! Random sequences of stores (some reported failed), loads and restarts against a model of
+    //! what was stored: the slot table's invariants hold after every call, a key never stored
+    //! is never a hit, and every hit loads the bytes last stored under its key.
+
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Store(Vec<u8>, bool),
+        Load(u8),
+        Restart,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (prop::collection::hash_set(0u8..12, 1..4), prop::bool::weighted(0.8))
+                .prop_map(|(k, ok)| Op::Store(k.into_iter().collect(), ok)),
+            4 => (0u8..14).prop_map(Op::Load),
+            1 => Just(Op::Restart),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        #[test]
+        fn hits_load_the_bytes_last_stored(ops in prop::collection::vec(op(), 1..40)) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("g3.bin");
+            let (mut m, mut w) = open(&path, 5);
+            let mut kv = Kv::new(2 * BPC * 4);
+            // key -> the fill seed of the bytes stored under it
+            let mut model: HashMap<u8, u8> = HashMap::new();
+            let mut job = 0u64;
+            for (n, op) in ops.into_iter().enumerate() {
+                let seed = n as u8;
+                match op {
+                    Op::Store(ids, ok) => {
+                        let keys: Vec<OffloadKey> = ids.iter().map(|&i| key(i)).collect();
+                        let c = ctx("s");
+                        let Some((out, slots)) = m.prepare_store(&keys, &c).unwrap() else {
+                            continue;
+                        };
+                        for e in &out.evicted_keys {
+                            model.retain(|&i, _| key(i) != *e);
+                        }
+                        kv.fill(seed);
+                        let blocks: Vec<usize> = (0..out.keys_to_store.len() * BPC).collect();
+                        job += 1;
+                        if !out.keys_to_store.is_empty() {
+                            let p = kv.pointers(&blocks, 0);
+                            // SAFETY: `kv` outlives the job, waited for just below.
+                            unsafe { w.submit_store(job, &p, &out.keys_to_store, &slots) }
+                                .unwrap();
+                            w.wait(&[job]);
+                            let r = w.get_finished();
+                            prop_assert!(r[0].success);
+                        }
+                        m.complete_store(&out.keys_to_store, &c, ok).unwrap();
+                        if ok {
+                            for (j, k) in out.keys_to_store.iter().enumerate() {
+                                let i = ids.iter().copied().find(|&i| key(i) == *k).unwrap();
+                                // The chunk's bytes: blocks j*BPC.. of this fill.
+                                model.insert(i, seed.wrapping_add((j * BPC * PAGE * 7) as u8));
+                            }
+                        }
+                    }
+                    Op::Load(i) => {
+                        let k = key(i);
+                        let c = ctx("l");
+                        if m.lookup(&k, &c) != LookupResult::Hit {
+                            continue;
+                        }
+                        prop_assert!(model.contains_key(&i), "key {} was never stored", i);
+                        let slots = m.prepare_load(&[k], &c).unwrap();
+                        let mut dst = Kv::new(BPC);
+                        let p = dst.pointers(&(0..BPC).collect::<Vec<_>>(), 0);
+                        job += 1;
+                        // SAFETY: `dst` outlives the job, waited for just below.
+                        unsafe { w.submit_load(job, &[k], &slots, &p, false) }.unwrap();
+                        w.wait(&[job]);
+                        prop_assert!(w.get_finished()[0].success);
+                        m.complete_load(&[k], &c).unwrap();
+                        let mut want = Kv::new(BPC);
+                        want.fill(model[&i]);
+                        prop_assert_eq!(&dst.tensors, &want.tensors, "key {}", i);
+                    }
+                    Op::Restart => {
+                        drop((m, w));
+                        (m, w) = open(&path, 5);
+                    }
+                }
+                m.slots().check_invariants().map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+}
