@@ -6,6 +6,8 @@
 //!     checks ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
 //! ```
 //!
+//! Each step's wall time is printed when the run ends, passed or not (`ci: step times`).
+//!
 //! The fuzz step installs cargo-fuzz when it is missing and builds the `fuzz/` crate on nightly
 //! (its own target directory; the physical decoders, and the cluster plane's through
 //! `kvbm_engine::cluster::fuzzing`); it fails on a crash or when libFuzzer reports no coverage
@@ -17,6 +19,7 @@
 //! [`FEATURE_CHECKS`] so the code behind them cannot rot even though CI has no GPU.
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
@@ -40,39 +43,92 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-pub(crate) fn run(_args: &[String]) -> Result<()> {
-    run_step(cargo().args(["fmt", "--all", "--check"]))?;
-    run_step(cargo().args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))?;
-    for (package, features) in FEATURE_CHECKS {
-        let mut clippy = cargo();
-        clippy.args(["clippy", "-p", package, "--all-targets"]);
-        if !features.is_empty() {
-            clippy.args(["--features", features]);
-        }
-        run_step(clippy.args(["--", "-D", "warnings"]))?;
-    }
-    eprintln!("\n$ cargo xtask layering");
-    layering::run()?;
+/// Each step's wall time, printed when the run ends (passed or not): where the minutes go.
+struct Clock {
+    start: Instant,
+    steps: Vec<(&'static str, Duration)>,
+    reported: bool,
+}
 
-    let services = Services::start_all()?;
+impl Clock {
+    fn new() -> Self {
+        Clock {
+            start: Instant::now(),
+            steps: Vec::new(),
+            reported: false,
+        }
+    }
+
+    /// Runs `f` as the step `name`, timing it.
+    fn step<T>(&mut self, name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t = Instant::now();
+        let r = f();
+        self.steps.push((name, t.elapsed()));
+        r
+    }
+
+    fn report(&mut self) {
+        self.reported = true;
+        eprintln!("\nci: step times");
+        for (name, d) in &self.steps {
+            eprintln!("ci: {:>8.1} s  {name}", d.as_secs_f64());
+        }
+        eprintln!("ci: {:>8.1} s  in all", self.start.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for Clock {
+    /// A run that stopped at a failure still says where its time went.
+    fn drop(&mut self) {
+        if !self.reported {
+            self.report();
+        }
+    }
+}
+
+pub(crate) fn run(_args: &[String]) -> Result<()> {
+    let mut clock = Clock::new();
+    clock.step("fmt", || {
+        run_step(cargo().args(["fmt", "--all", "--check"]))
+    })?;
+    clock.step("clippy (workspace)", || {
+        run_step(cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    clock.step("clippy (feature sets)", || {
+        for (package, features) in FEATURE_CHECKS {
+            let mut clippy = cargo();
+            clippy.args(["clippy", "-p", package, "--all-targets"]);
+            if !features.is_empty() {
+                clippy.args(["--features", features]);
+            }
+            run_step(clippy.args(["--", "-D", "warnings"]))?;
+        }
+        Ok(())
+    })?;
+    clock.step("layering", || {
+        eprintln!("\n$ cargo xtask layering");
+        layering::run()
+    })?;
+
+    let services = clock.step("services", Services::start_all)?;
     let mut test = cargo();
     test.args(["test", "--workspace", "--features", TEST_FEATURES]);
     services.export_to(&mut test);
-    let tested = run_counting(&mut test);
+    let tested = clock.step("tests (build and run)", || Ok(run_counting(&mut test)))?;
     // The Python step (kvbm-vllm's wheel, vLLM's own tests, the object tier on S3) while the
     // servers are up.
     let python = match &tested {
-        Ok(_) => {
+        Ok(_) => clock.step("python (wheel, vLLM's tests, kvbm-vllm's)", || {
             eprintln!("\n$ cargo xtask python");
-            crate::python::run_with(&services)
-        }
+            Ok(crate::python::run_with(&services))
+        })?,
         Err(_) => Ok(()), // the tests' failure is the one reported
     };
     services.stop();
@@ -81,35 +137,43 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
 
     // Loom model checks of the logical crate's handle-lifetime protocol: their own cfg, so their
     // own target dir (keeps the main build cache), release for speed.
-    let mut loom = cargo();
-    loom.args(["test", "-p", "kvbm-logical", "--release", "--lib", "loom"])
-        .env("RUSTFLAGS", "--cfg loom")
-        .env(
-            "CARGO_TARGET_DIR",
-            crate::project_root().join("target/loom"),
-        );
-    let loomed = run_counting(&mut loom)?;
+    let loomed = clock.step("loom", || {
+        let mut loom = cargo();
+        loom.args(["test", "-p", "kvbm-logical", "--release", "--lib", "loom"])
+            .env("RUSTFLAGS", "--cfg loom")
+            .env(
+                "CARGO_TARGET_DIR",
+                crate::project_root().join("target/loom"),
+            );
+        run_counting(&mut loom)
+    })?;
     totals.passed += loomed.passed;
     totals.failed += loomed.failed;
     totals.ignored += loomed.ignored;
 
-    crate::fuzz::run_targets(crate::fuzz::CI_SECS, &crate::fuzz::TARGETS)?;
-    crate::soak::run_for(crate::soak::CI_SECS)?;
+    clock.step("fuzz (build and run)", || {
+        crate::fuzz::run_targets(crate::fuzz::CI_SECS, &crate::fuzz::TARGETS)
+    })?;
+    clock.step("soak", || crate::soak::run_for(crate::soak::CI_SECS))?;
 
-    run_step(
-        cargo()
-            .args(["doc", "--workspace", "--no-deps"])
-            .env("RUSTDOCFLAGS", "-D warnings"),
-    )?;
-    for (package, features) in FEATURE_CHECKS {
-        let mut doc = cargo();
-        doc.args(["doc", "--no-deps", "-p", package]);
-        if !features.is_empty() {
-            doc.args(["--features", features]);
+    clock.step("docs", || {
+        run_step(
+            cargo()
+                .args(["doc", "--workspace", "--no-deps"])
+                .env("RUSTDOCFLAGS", "-D warnings"),
+        )?;
+        for (package, features) in FEATURE_CHECKS {
+            let mut doc = cargo();
+            doc.args(["doc", "--no-deps", "-p", package]);
+            if !features.is_empty() {
+                doc.args(["--features", features]);
+            }
+            run_step(doc.env("RUSTDOCFLAGS", "-D warnings"))?;
         }
-        run_step(doc.env("RUSTDOCFLAGS", "-D warnings"))?;
-    }
+        Ok(())
+    })?;
     eprintln!("\nci: all steps passed");
+    clock.report();
     // The last line is the whole run's tally, so nobody has to add up per-binary results.
     println!(
         "ci: {} passed, {} failed, {} skipped",
