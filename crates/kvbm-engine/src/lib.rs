@@ -38,3 +38,13 @@ pub use leader::{BlockHolder, InstanceLeader, MatchedPrefix};
 pub use runtime::{
     EventSource, KvbmRuntime, KvbmRuntimeBuilder, MetricsEndpointStats, Role, RuntimeHandle,
 };
+
+/// The seed's `LogicalLayoutHandle` (`shared/seeds/003_*`: the layout ID every rank resolves to
+/// its own layout): now the tier's [`TierId`](kvbm_logical::TierId), which
+/// [`PhysicalWorker::resolve`](worker::PhysicalWorker::resolve) maps to the rank's
+/// `LayoutHandle` (the glossary's "Layout of a tier on a rank").
+///
+/// ```
+/// assert_eq!(kvbm_engine::LogicalLayoutHandle::G2, kvbm_logical::TierId::G2);
+/// ```
+pub type LogicalLayoutHandle = kvbm_logical::TierId;

@@ -47,3 +47,27 @@ pub use policy::{
     AllOfPolicy, BoxFuture, OffloadPolicy, PresenceFilter, create_policy_from_config,
 };
 pub use source::ExternalBlock;
+
+// The seed's names (`shared/seeds/000_*`) for what the glossary now calls an offload
+// (`docs/architecture.md`, "Offload"), importable where the seed put them. Each is the type
+// it names now; new code uses the new name.
+
+/// The seed's `TransferHandle`: now [`OffloadHandle`].
+pub type TransferHandle = OffloadHandle;
+/// The seed's `TransferId`: now [`OffloadId`](handle::OffloadId).
+pub type TransferId = handle::OffloadId;
+/// The seed's `TransferStatus`: now [`OffloadStatus`](handle::OffloadStatus).
+pub type TransferStatus = handle::OffloadStatus;
+/// The seed's `TransferResult`: now [`OffloadResult`].
+pub type TransferResult = OffloadResult;
+/// The seed's `TransferProgressCounts`: now
+/// [`OffloadProgressCounts`](handle::OffloadProgressCounts).
+pub type TransferProgressCounts = handle::OffloadProgressCounts;
+/// The seed's `TransferProgressCursor`: now
+/// [`OffloadProgressCursor`](handle::OffloadProgressCursor).
+pub type TransferProgressCursor = handle::OffloadProgressCursor;
+/// The seed's `TransferProgressDelta`: now
+/// [`OffloadProgressDelta`](handle::OffloadProgressDelta).
+pub type TransferProgressDelta = handle::OffloadProgressDelta;
+/// The seed's `TransferExecutor` (a pipeline's last stage): now the [`MoveExecutor`] trait.
+pub use executor::MoveExecutor as TransferExecutor;
