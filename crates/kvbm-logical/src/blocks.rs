@@ -123,7 +123,7 @@ impl<T: Tier> MutableBlock<T> {
     ) -> Result<CompleteBlock<T>, BlockError<MutableBlock<T>>> {
         if hash.block_size() != self.core.block_size {
             let error = LogicalError::BlockSizeMismatch {
-                hash,
+                hash: hash.as_u128(),
                 expected: self.core.block_size,
                 actual: hash.block_size(),
             };

@@ -1,6 +1,6 @@
 //! The crate's error type, and [`BlockError`], which hands a block back on a failed transition.
+//! At the bottom of the crate: it names no module above it but `tier` (ids).
 
-use crate::hash::SequenceHash;
 use crate::tier::TierId;
 
 /// Errors of `kvbm-logical`.
@@ -32,7 +32,8 @@ pub enum LogicalError {
     /// The builder was given an invalid or missing setting.
     #[error("invalid block manager configuration: {0}")]
     InvalidConfig(String),
-    /// A token sequence would exceed the positions a [`SequenceHash`] can carry.
+    /// A token sequence would exceed the positions a
+    /// [`SequenceHash`](crate::hash::SequenceHash) can carry.
     #[error("token sequence too long: {blocks} blocks, at most {max_blocks} fit a sequence hash")]
     SequenceTooLong {
         /// Complete blocks the sequence would have held.
@@ -41,10 +42,11 @@ pub enum LogicalError {
         max_blocks: usize,
     },
     /// A hash computed for another block size was offered to a manager.
-    #[error("sequence hash {hash:?} is for block size {actual}, the manager uses {expected}")]
+    #[error("sequence hash {hash:032x} is for block size {actual}, the manager uses {expected}")]
     BlockSizeMismatch {
-        /// The hash offered.
-        hash: SequenceHash,
+        /// The hash offered (`SequenceHash::as_u128`: the error module sits below the hash
+        /// module and names no type of it).
+        hash: u128,
         /// The manager's block size.
         expected: u32,
         /// The block size encoded in the hash.

@@ -30,8 +30,8 @@ use std::time::Instant;
 
 use kvbm_logical::{BlockId, ImmutableBlock, SequenceHash, Tier};
 
-use crate::cancel::{CancellationToken, OutstandingGuard};
 use crate::error::{BlockFailure, BlockFailureKind};
+use crate::handle::cancel::{CancellationToken, OutstandingGuard};
 use crate::handle::{OffloadStatus, TimingTrace};
 use crate::metrics::FailureTally;
 use crate::pending::PendingGuard;

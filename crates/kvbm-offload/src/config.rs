@@ -76,8 +76,15 @@ pub enum PolicyConfig {
     },
 }
 
+/// Default frequency threshold of the G2→G3 LFU filter
+/// ([`PresenceAndLFUFilter`](crate::policy::PresenceAndLFUFilter)).
+pub const DEFAULT_MIN_LFU_COUNT: u32 = 1;
+
+/// Default lifetime of a G4 lock object; see [`ObjectPipelineConfig::lock_ttl`].
+pub const DEFAULT_LOCK_TTL: Duration = Duration::from_secs(60);
+
 fn default_min_lfu() -> u32 {
-    crate::policy::DEFAULT_MIN_LFU_COUNT
+    DEFAULT_MIN_LFU_COUNT
 }
 
 /// Configuration for a pipeline.
@@ -204,7 +211,7 @@ pub struct ObjectPipelineConfig {
     /// outlives its TTL is not lost, but another worker may then upload the same block again
     /// (identical bytes; see [`ObjectLockPresenceFilter`](crate::object::ObjectLockPresenceFilter)).
     /// Must exceed `lock_verify_delay` and `pipeline.policy_timeout`. Default: 60 s
-    /// ([`DEFAULT_LOCK_TTL`](crate::object::DEFAULT_LOCK_TTL)).
+    /// ([`DEFAULT_LOCK_TTL`]).
     #[serde(with = "ms", rename = "lock_ttl_ms")]
     pub lock_ttl: Duration,
 }
@@ -218,7 +225,7 @@ impl Default for ObjectPipelineConfig {
             },
             lock_verify_delay: Duration::from_millis(20),
             use_locks: true,
-            lock_ttl: crate::object::DEFAULT_LOCK_TTL,
+            lock_ttl: DEFAULT_LOCK_TTL,
         }
     }
 }

@@ -14,6 +14,8 @@
 //! pipeline (see [`crate::cancel`]): `Cancelled` if any block was cancelled, else `Failed` if any
 //! block failed, else `Complete` (filtered blocks do not make an offload fail).
 
+pub mod cancel;
+
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -22,7 +24,7 @@ use kvbm_logical::SequenceHash;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use crate::cancel::{AtomicStatus, CancelConfirmation, CancelState, CancellationToken};
+use self::cancel::{AtomicStatus, CancelConfirmation, CancelState, CancellationToken};
 use crate::error::{BlockFailure, OffloadError};
 use crate::metrics::{FailureTally, PipelineMetrics};
 use crate::settlement::LaneState;

@@ -9,7 +9,6 @@
 // crate-private.
 pub mod batch;
 mod bound;
-pub mod cancel;
 pub mod config;
 pub mod engine;
 mod error;
@@ -29,10 +28,12 @@ mod sweep;
 
 pub use batch::{BatchOutcome, ResolvedBatch};
 pub use bound::BoundTier;
-pub use cancel::CancellationToken;
 pub use config::{ObjectPipelineConfig, PipelineConfig};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 pub use executor::MoveExecutor;
+/// The cancellation of an offload (its token, confirmation and queue), part of the handle.
+pub use handle::cancel;
+pub use handle::cancel::CancellationToken;
 pub use handle::{OffloadHandle, OffloadResult};
 pub use mover::{
     ArrivalCheck, BlockMoveExecutor, BlockMover, ExternalMover, MoveOutcome, MoveSource,

@@ -185,8 +185,9 @@ impl OffloadPolicy for PresenceFilter {
     }
 }
 
-/// Default frequency threshold of [`PresenceAndLFUFilter`].
-pub const DEFAULT_MIN_LFU_COUNT: u32 = 1;
+/// Default frequency threshold of [`PresenceAndLFUFilter`] (a configuration default, kept with
+/// the others).
+pub use crate::config::DEFAULT_MIN_LFU_COUNT;
 
 /// G2→G3 filter: presence check + LFU count threshold.
 ///

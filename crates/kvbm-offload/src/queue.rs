@@ -4,9 +4,9 @@
 //!
 //! A queued container holds resources: strong block references (which keep the source tier from
 //! evicting them), pending-set entries (which suppress re-enqueues) and the outstanding guard that
-//! a [`CancelConfirmation`](crate::cancel::CancelConfirmation) waits on. Letting a cancelled container sit
-//! in a queue until a stage happens to pop it would delay confirmation by however long the
-//! queue takes to drain (seconds, behind a slow transfer). The [`CancelSweeper`](crate::CancelSweeper)
+//! a [`CancelConfirmation`](crate::handle::cancel::CancelConfirmation) waits on. Letting a
+//! cancelled container sit in a queue until a stage happens to pop it would delay confirmation
+//! by however long the queue takes to drain (seconds, behind a slow transfer). The [`CancelSweeper`](crate::CancelSweeper)
 //! instead calls [`CancellableQueue::sweep`] as soon as any token is cancelled (and every
 //! `sweep_interval` as a backstop), which removes and drops cancelled items at once.
 //!

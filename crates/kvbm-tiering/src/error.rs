@@ -1,7 +1,7 @@
 //! The crate's one error type. Every misuse of the manager contract names the call and the key
 //! (or request) and is returned before any state changes.
 
-use crate::key::OffloadKey;
+use crate::key::{InvalidKey, OffloadKey};
 
 /// Errors of `kvbm-tiering`.
 #[derive(Debug, thiserror::Error)]
@@ -99,3 +99,12 @@ pub enum TieringError {
 
 /// Result alias.
 pub type Result<T, E = TieringError> = std::result::Result<T, E>;
+
+impl From<InvalidKey> for TieringError {
+    fn from(e: InvalidKey) -> Self {
+        TieringError::InvalidKey {
+            len: e.len,
+            max: e.max,
+        }
+    }
+}

@@ -9,7 +9,16 @@
 use std::fmt;
 use std::hash::{Hash, Hasher};
 
-use crate::error::TieringError;
+/// Key bytes of an unsupported length (the key's own error, so this module needs nothing of
+/// the crate's; [`TieringError::InvalidKey`](crate::TieringError::InvalidKey) carries it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("offload key of {len} bytes: keys are 4..={max} bytes (hash + 4-byte group index)")]
+pub struct InvalidKey {
+    /// Length given.
+    pub len: usize,
+    /// Longest supported key.
+    pub max: usize,
+}
 
 /// Identifies an offloaded chunk: block-hash bytes followed by the 4-byte big-endian group index.
 // 40 bytes, 8-aligned: equality compares five words (see `words`).
@@ -36,9 +45,9 @@ impl OffloadKey {
     /// Wraps raw key bytes (already including the group suffix).
     ///
     /// Errors when `raw` is shorter than the 4-byte group suffix or longer than [`Self::MAX_LEN`].
-    pub fn from_bytes(raw: &[u8]) -> Result<Self, TieringError> {
+    pub fn from_bytes(raw: &[u8]) -> Result<Self, InvalidKey> {
         if raw.len() < 4 || raw.len() > Self::MAX_LEN {
-            return Err(TieringError::InvalidKey {
+            return Err(InvalidKey {
                 len: raw.len(),
                 max: Self::MAX_LEN,
             });
@@ -89,10 +98,10 @@ impl OffloadKey {
 }
 
 /// Packs a block hash and group index into an [`OffloadKey`] (vLLM `make_offload_key`).
-pub fn make_offload_key(block_hash: &[u8], group_idx: u32) -> Result<OffloadKey, TieringError> {
+pub fn make_offload_key(block_hash: &[u8], group_idx: u32) -> Result<OffloadKey, InvalidKey> {
     let len = block_hash.len() + 4;
     if len > OffloadKey::MAX_LEN {
-        return Err(TieringError::InvalidKey {
+        return Err(InvalidKey {
             len,
             max: OffloadKey::MAX_LEN,
         });

@@ -20,7 +20,9 @@ pub use direct::{
     DevicePointers, DirectDisk, DirectDiskConfig, DirectDiskManager, DirectDiskWorker,
 };
 pub use error::{Result, TieringError};
-pub use key::{OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key};
+pub use key::{
+    InvalidKey, OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key,
+};
 pub use manager::OffloadingManager;
 pub use spec::{OffloadingSpec, OffloadingSpecConfig};
 pub use stats::OffloadingConnectorStats;

@@ -85,7 +85,7 @@ pub fn to_key(v: &Value) -> Result<OffloadKey> {
             })?;
             Ok(OffloadKey::from_u64(id))
         }
-        Value::String(s) => crate::key::make_offload_key(s.as_bytes(), 0),
+        Value::String(s) => Ok(crate::key::make_offload_key(s.as_bytes(), 0)?),
         other => Err(TieringError::Config(format!(
             "replay key {other} is neither an integer nor a string"
         ))),

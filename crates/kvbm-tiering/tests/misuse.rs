@@ -149,7 +149,11 @@ fn complete_store_without_prepare_is_refused() {
 #[test]
 fn keys_longer_than_supported_are_refused() {
     let e = make_offload_key(&[7u8; 36], 0).unwrap_err();
-    assert!(matches!(e, TieringError::InvalidKey { len: 40, .. }), "{e}");
+    assert_eq!((e.len, e.max), (40, OffloadKey::MAX_LEN), "{e}");
+    // The crate's error carries it, with the same message.
+    let t = TieringError::from(e);
+    assert!(matches!(t, TieringError::InvalidKey { len: 40, .. }), "{t}");
+    assert_eq!(t.to_string(), e.to_string());
     assert!(
         make_offload_key(&[7u8; 32], 3).is_ok(),
         "sha-256 hashes fit"

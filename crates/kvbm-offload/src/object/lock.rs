@@ -122,9 +122,8 @@ use crate::policy::{
 /// Default delay before a new lock is read back to confirm ownership.
 pub const DEFAULT_LOCK_VERIFY_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Default lifetime of a lock object; see
-/// [`ObjectPipelineConfig::lock_ttl`](crate::ObjectPipelineConfig::lock_ttl).
-pub const DEFAULT_LOCK_TTL: std::time::Duration = std::time::Duration::from_secs(60);
+/// Default lifetime of a lock object (a configuration default, kept with the others).
+pub use crate::config::DEFAULT_LOCK_TTL;
 
 /// The largest lock object read (a lock record is ~150 bytes); a larger object at a lock key is
 /// refused unread and treated as an unparseable lock.

@@ -55,8 +55,8 @@ use kvbm_logical::{SequenceHash, Tier, TierId};
 use tokio::task::JoinSet;
 
 use crate::batch::{OffloadBatch, OffloadContainer};
-use crate::cancel::CancellationToken;
 use crate::error::OffloadError;
+use crate::handle::cancel::CancellationToken;
 use crate::handle::{OffloadHandle, OffloadShared};
 use crate::metrics::{FilterReason, PipelineMetrics};
 use crate::pending::PendingTracker;

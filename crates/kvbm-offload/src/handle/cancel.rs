@@ -29,7 +29,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::handle::{OffloadId, OffloadShared, OffloadStatus};
+use super::{OffloadId, OffloadShared, OffloadStatus};
 
 /// Token for requesting and tracking cancellation of one transfer.
 ///
