@@ -3,8 +3,10 @@
 //! The tests live in `tests/tests/*.rs`, named by area (`offload_*`, `tiering_*`, ...). This
 //! library holds shared helpers for them, most importantly how a test finds the real servers that
 //! `cargo xtask ci` starts (see [`services`]), and the fault injectors of the reliability tests
-//! (see [`faults`]), and a reader of kvbm's Prometheus endpoint (see [`scrape`]).
+//! (see [`faults`]), a reader of kvbm's Prometheus endpoint (see [`scrape`]), and waiting for
+//! a condition in a way that fails the test on timeout (see [`wait`]).
 
 pub mod faults;
 pub mod scrape;
 pub mod services;
+pub mod wait;

@@ -8,30 +8,20 @@
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
 use kvbm_engine::cluster::instance::{Instance, synthetic_block};
 use kvbm_engine::security::{Role, RootKey, Security, SecurityConfig};
 use kvbm_logical::{Salt, SequenceHash, TierId, TokenBlockSequence};
+use kvbm_tests::wait::eventually_async;
 
 mod common;
 
 const A: InstanceId = InstanceId(0xa1);
 const B: InstanceId = InstanceId(0xb2);
 const C: InstanceId = InstanceId(0xc3);
-
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(f(), "timed out waiting for: {what}");
-}
 
 fn runtime(nats_url: &str, subject: &str) -> KvbmRuntime {
     KvbmRuntime::builder()
@@ -96,13 +86,13 @@ async fn security_instances_pull_only_from_members_of_their_namespace() {
     let c = member(&rt_c, &root, C, "other").await;
     assert_eq!((a.id(), b.id(), c.id()), (A, B, C));
 
-    eventually("B knows where A serves", || {
+    eventually_async("B knows where A serves", || {
         b.peers().get(A) == Some(a.data_plane().unwrap().local_addr())
     })
     .await;
     let p = prefix(7, 4);
     assert_eq!(a.compute(&p, &synthetic_block).unwrap(), 4);
-    eventually("B's index has A's G2 blocks", || {
+    eventually_async("B's index has A's G2 blocks", || {
         p.iter()
             .all(|h| b.index().locations(*h) == vec![(A, TierId::G2)])
     })
@@ -111,7 +101,7 @@ async fn security_instances_pull_only_from_members_of_their_namespace() {
     // C, of another namespace, believes none of A's sealed heartbeats or events: it never
     // learns where A serves nor what A holds.
     let other_ns = kvbm_engine::security::Rejection::OtherNamespace;
-    eventually("C drops A's messages as another namespace's", || {
+    eventually_async("C drops A's messages as another namespace's", || {
         c.security().stats().unwrap().rejected(other_ns) >= 2
     })
     .await;

@@ -17,11 +17,12 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvbm_logical::{Salt, SequenceHash, TokenBlockSequence};
 use kvbm_offload::object_key;
 use kvbm_physical::{ObjectConfig, ObjectStorage, S3Config};
+use kvbm_tests::wait::eventually;
 use object_store::ObjectStoreExt;
 
 /// Bytes of one block at the binary's default geometry: 2 layers × 2 × 16 × 32 × 2.
@@ -136,17 +137,6 @@ fn fields(line: &str) -> HashMap<String, String> {
         .filter_map(|w| w.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
-}
-
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(f(), "timed out waiting for: {what}");
 }
 
 struct Setup {

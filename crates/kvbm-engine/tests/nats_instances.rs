@@ -41,22 +41,12 @@ use kvbm_engine::config::ConfigBuilder;
 use kvbm_engine::security::{Credential, Rejection, Role, RootKey, Security, SecurityConfig};
 use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, SequenceHash, TierId, TokenBlockSequence};
+use kvbm_tests::wait::eventually_async;
 
 mod common;
 
 const A: InstanceId = InstanceId(0xa1);
 const B: InstanceId = InstanceId(0xb2);
-
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(f(), "timed out waiting for: {what}");
-}
 
 fn unique(test: &str) -> String {
     let nanos = SystemTime::now()
@@ -223,7 +213,7 @@ async fn share_g4_and_g2_and_drop_a_peer_that_left(
     assert_eq!(a.security().is_on(), secure);
 
     // Heartbeats fill each one's directory with the other's data-plane address.
-    eventually("peers see each other", || {
+    eventually_async("peers see each other", || {
         b.peers().get(A) == Some(a.data_plane().unwrap().local_addr())
             && a.peers().get(B) == Some(b.data_plane().unwrap().local_addr())
     })
@@ -239,7 +229,7 @@ async fn share_g4_and_g2_and_drop_a_peer_that_left(
     assert_eq!(a.compute(&p1, &synthetic_block).unwrap(), 6);
     assert_eq!(a.offload_g4(&p1).await.unwrap(), 6);
     assert_eq!(a.compute(&p2, &synthetic_block).unwrap(), 4);
-    eventually("B's index has A's G4 and G2 blocks", || {
+    eventually_async("B's index has A's G4 and G2 blocks", || {
         p1.iter()
             .all(|h| b.index().locations(*h).contains(&(A, TierId::G4)))
             && p2
@@ -275,7 +265,7 @@ async fn share_g4_and_g2_and_drop_a_peer_that_left(
         (s.g4_blocks, s.remote_g2_blocks, s.refused_blocks),
         (6, 4, 0)
     );
-    eventually("A counted 4 served", || {
+    eventually_async("A counted 4 served", || {
         a.data_plane().unwrap().stats().blocks_served() == 4
     })
     .await;
@@ -285,7 +275,7 @@ async fn share_g4_and_g2_and_drop_a_peer_that_left(
     assert_eq!(a.offload_g4(&p3).await.unwrap(), 3);
     a.shutdown().await;
     drop(a);
-    eventually("B drops A", || {
+    eventually_async("B drops A", || {
         b.presence().live_peers().is_empty()
             && b.peers().get(A).is_none()
             && !b.index().instances().contains(&A)
@@ -326,7 +316,7 @@ async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
     );
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;
-    eventually("peers see each other", || {
+    eventually_async("peers see each other", || {
         b.presence().is_synced(A) && a.presence().is_synced(B)
     })
     .await;
@@ -363,7 +353,7 @@ async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    eventually("both instances ignored every forged batch", || {
+    eventually_async("both instances ignored every forged batch", || {
         a.presence().stats().unjoined_event_batches == 500
             && b.presence().stats().unjoined_event_batches == 500
     })
@@ -375,7 +365,7 @@ async fn security_forged_events_of_unjoined_instances_do_not_grow_the_index() {
     // B still serves its members: A's G2 blocks are indexed and pulled over TCP.
     let p = prefix(10, 4);
     assert_eq!(a.compute(&p, &synthetic_block).unwrap(), 4);
-    eventually("B's index has A's G2 blocks", || {
+    eventually_async("B's index has A's G2 blocks", || {
         p.iter()
             .all(|h| b.index().locations(*h) == vec![(A, TierId::G2)])
     })
@@ -529,7 +519,7 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     let b = instance(&rt_b, B).await;
     assert_eq!(a.events_subject(), subject);
     let a_addr = a.data_plane().unwrap().local_addr();
-    eventually("B synced A", || {
+    eventually_async("B synced A", || {
         b.presence().is_synced(A) && b.peers().get(A) == Some(a_addr)
     })
     .await;
@@ -614,7 +604,7 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     plain.flush().await.unwrap();
 
     // Every forgery has reached B (the unsealed ones and the replay are counted as they come).
-    eventually("B has seen every forgery", || {
+    eventually_async("B has seen every forgery", || {
         bs.rejected(Rejection::Malformed) >= before.0 + 3 && bs.rejected(Rejection::Replayed) >= 1
     })
     .await;
@@ -643,7 +633,7 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     assert_eq!((l.remote_g2, l.matched()), (None, 0), "{l:?}");
     assert_eq!(a.presence().stats().expired, 0);
     // The member's forgeries (two heartbeats, one event batch) were refused as not allowed.
-    eventually("B refused the member's forgeries", || {
+    eventually_async("B refused the member's forgeries", || {
         bs.rejected(Rejection::NotAllowed) >= before.1 + 3
     })
     .await;
@@ -651,7 +641,7 @@ async fn security_forged_heartbeats_departures_events_and_pages_are_dropped() {
     // B still serves its members: A's G2 blocks are indexed and pulled, bytes verified.
     let real = prefix(10, 4);
     assert_eq!(a.compute(&real, &synthetic_block).unwrap(), 4);
-    eventually("B's index has A's G2 blocks", || {
+    eventually_async("B's index has A's G2 blocks", || {
         real.iter()
             .all(|h| b.index().locations(*h) == vec![(A, TierId::G2)])
     })
@@ -739,7 +729,7 @@ async fn instances_of_different_model_fingerprints_never_match_on_one_bucket_and
     assert!(a.events_subject().starts_with(&subject));
 
     // Each sees only the peer of its own fingerprint.
-    eventually("peers of one fingerprint see each other", || {
+    eventually_async("peers of one fingerprint see each other", || {
         a.peers().get(x2).is_some()
             && b.peers().get(x1).is_some()
             && c.peers().get(y2).is_some()
@@ -757,7 +747,7 @@ async fn instances_of_different_model_fingerprints_never_match_on_one_bucket_and
     // The reader of each fingerprint learns of its writer's blocks (the positive control:
     // every writer's events went out) ...
     for (reader, writer) in [(&b, x1), (&d, y1)] {
-        eventually("the same fingerprint's events arrive", || {
+        eventually_async("the same fingerprint's events arrive", || {
             p1.iter()
                 .all(|h| reader.index().locations(*h).contains(&(writer, TierId::G4)))
                 && p2
@@ -1135,10 +1125,10 @@ async fn the_cross_instance_index_recovers_after_the_nats_server_restarts() {
     );
     let a = instance(&rt_a, A).await;
     let b = instance(&rt_b, B).await;
-    eventually("B synced A", || b.presence().is_synced(A)).await;
+    eventually_async("B synced A", || b.presence().is_synced(A)).await;
     let (p1, p2, p3) = (prefix(1, 4), prefix(2, 4), prefix(3, 4));
     a.compute(&p1, &synthetic_block).unwrap();
-    eventually("B learns P1 from events", || {
+    eventually_async("B learns P1 from events", || {
         b.index().prefix_by_instance(&p1, Some(B)) == vec![(A, 4)]
     })
     .await;
@@ -1149,11 +1139,11 @@ async fn the_cross_instance_index_recovers_after_the_nats_server_restarts() {
     a.compute(&p2, &synthetic_block).unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     server.restart();
-    eventually("B resynced A after the reconnect", || {
+    eventually_async("B resynced A after the reconnect", || {
         b.presence().stats().resyncs > resyncs && b.presence().is_synced(A)
     })
     .await;
-    eventually("B has P1 and P2", || {
+    eventually_async("B has P1 and P2", || {
         b.index()
             .prefix_by_instance(&[p1.clone(), p2.clone()].concat(), Some(B))
             == vec![(A, 8)]
@@ -1162,7 +1152,7 @@ async fn the_cross_instance_index_recovers_after_the_nats_server_restarts() {
 
     // Long outage: B hears no heartbeat and expires A (P1 and P2 leave its index) ...
     server.stop();
-    eventually("B expires A", || {
+    eventually_async("B expires A", || {
         b.presence().live_peers().is_empty() && b.index().is_empty() && b.peers().get(A).is_none()
     })
     .await;
@@ -1171,7 +1161,7 @@ async fn the_cross_instance_index_recovers_after_the_nats_server_restarts() {
     // ... and when the server is back, A's heartbeat makes B ask for a snapshot: P1's and
     // P2's events were delivered before the outage and are never sent again, so only the
     // snapshot can bring them back.
-    eventually("B has P1, P2 and P3 again", || {
+    eventually_async("B has P1, P2 and P3 again", || {
         b.index()
             .prefix_by_instance(&[p1.clone(), p2.clone(), p3.clone()].concat(), Some(B))
             == vec![(A, 12)]

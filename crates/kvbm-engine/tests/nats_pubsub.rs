@@ -19,17 +19,7 @@ use kvbm_engine::{InstanceLeader, KvbmRuntime, RuntimeHandle};
 use kvbm_logical::{
     BlockEvent, BlockEventKind, BlockManager, G2, Salt, TierId, TokenBlockSequence,
 };
-
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(15) {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(f(), "timed out waiting for: {what}");
-}
+use kvbm_tests::wait::eventually;
 
 fn runtime() -> KvbmRuntime {
     KvbmRuntime::builder()

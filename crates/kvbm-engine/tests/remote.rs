@@ -24,6 +24,7 @@ use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
 mod common;
 
 use common::{N, bytes, fill, geometry};
+use kvbm_tests::wait::eventually_async;
 
 const A: InstanceId = InstanceId(0xa);
 const B: InstanceId = InstanceId(0xb);
@@ -63,16 +64,6 @@ fn leader_b(g2: &Arc<BlockManager<G2>>, index: &Arc<CrossInstanceIndex>) -> Inst
         })
         .build()
         .unwrap()
-}
-
-/// Waits (up to 5 s) until `f` holds; the caller asserts what it needs afterwards.
-async fn eventually(mut f: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,7 +125,10 @@ async fn b_pulls_a_g2_prefix_over_tcp_and_onboards_it() {
     store(&g2_a, &hashes[..6]);
     g2_a.flush_events();
     g2_b.flush_events();
-    eventually(|| index_b.prefix_by_instance(&hashes[..6], Some(B)) == vec![(A, 6)]).await;
+    eventually_async("B's index: A holds the 6-block prefix", || {
+        index_b.prefix_by_instance(&hashes[..6], Some(B)) == vec![(A, 6)]
+    })
+    .await;
     assert_eq!(
         index_b.prefix_by_instance(&hashes[..6], Some(B)),
         vec![(A, 6)]
@@ -234,7 +228,7 @@ async fn a_pull_answered_by_another_instance_fails_and_registers_nothing() {
     let leader_b = leader_b(&g2_b, &index_b);
     store(&g2_a, &hashes[..4]);
     g2_a.flush_events();
-    eventually(|| index_b.len() == 4).await;
+    eventually_async("B's index holds A's 4 blocks", || index_b.len() == 4).await;
     let session = leader_b.begin_onboarding(&hashes[..4]);
     assert_eq!(session.prefix_len(), 4);
     let err = session
@@ -306,7 +300,7 @@ async fn pull_scoped(server_scope: u64, client_scope: u64) -> Result<(), String>
     let leader_b = leader_b(&g2_b, &index_b);
     store(&g2_a, &hashes[..4]);
     g2_a.flush_events();
-    eventually(|| index_b.len() == 4).await;
+    eventually_async("B's index holds A's 4 blocks", || index_b.len() == 4).await;
     let session = leader_b.begin_onboarding(&hashes[..4]);
     assert_eq!(session.prefix_len(), 4);
     let out = session

@@ -125,16 +125,6 @@ async fn server(s: &Side) -> DataPlaneServer {
     .unwrap()
 }
 
-async fn eventually(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..200 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("never: {what}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_verifies_bytes_registers_and_releases_holds() {
     let hs = hashes(6);
@@ -163,7 +153,7 @@ async fn pull_verifies_bytes_registers_and_releases_holds() {
     assert_eq!(local.manager.match_blocks(&ask).len(), 4);
     assert!(local.manager.match_blocks(&[missing]).is_empty());
     drop(out);
-    eventually("holds released", || srv.stats().held() == 0).await;
+    eventually_async("holds released", || srv.stats().held() == 0).await;
     assert_eq!(srv.stats().blocks_served(), 4);
 
     // The connection was pooled and is reused for a second pull.
@@ -448,11 +438,11 @@ async fn server_refuses_bad_requests_and_survives_dead_clients() {
     let mut one = [0u8; 1];
     s.read_exact(&mut one).await.unwrap();
     drop(s);
-    eventually("holds released after the client died", || {
+    eventually_async("holds released after the client died", || {
         srv.stats().held() == 0
     })
     .await;
-    eventually("connections closed", || srv.stats().connections() == 0).await;
+    eventually_async("connections closed", || srv.stats().connections() == 0).await;
 
     // ... and it keeps serving.
     let local = side();
@@ -568,17 +558,6 @@ async fn destinations_of_another_manager_are_refused_before_any_write() {
     assert!(local.manager.match_blocks(&hs).is_empty());
 }
 
-async fn eventually_for(limit: Duration, what: &str, f: impl Fn() -> bool) {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(f(), "never within {limit:?}: {what}");
-}
-
 /// A pull of every hash of `hs` from `srv` into a fresh side: all must arrive.
 async fn assert_serves(srv: &DataPlaneServer, hs: &[SequenceHash]) {
     let local = side();
@@ -592,7 +571,7 @@ async fn assert_serves(srv: &DataPlaneServer, hs: &[SequenceHash]) {
 async fn hold_two(srv: &DataPlaneServer) -> (TcpStream, TcpStream) {
     let idle1 = TcpStream::connect(srv.local_addr()).await.unwrap();
     let idle2 = TcpStream::connect(srv.local_addr()).await.unwrap();
-    eventually("two connections served", || srv.stats().connections() == 2).await;
+    eventually_async("two connections served", || srv.stats().connections() == 2).await;
     (idle1, idle2)
 }
 
@@ -624,7 +603,7 @@ async fn security_connections_over_the_cap_are_refused_and_counted() {
     assert_eq!(srv.stats().connections_refused(), 1);
     assert_eq!(srv.stats().connections(), 2);
     drop(idle1);
-    eventually("a slot freed", || srv.stats().connections() == 1).await;
+    eventually_async("a slot freed", || srv.stats().connections() == 1).await;
     assert_serves(&srv, &hs).await;
     drop(idle2);
 }
@@ -657,14 +636,14 @@ async fn security_one_peer_cannot_take_every_connection() {
     let other = tokio::net::TcpSocket::new_v4().unwrap();
     other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
     let other = other.connect(srv.local_addr()).await.unwrap();
-    eventually("the other peer's connection served", || {
+    eventually_async("the other peer's connection served", || {
         srv.stats().connections() == 3
     })
     .await;
     assert_eq!(srv.stats().peer_connections_refused(), 1);
 
     drop(idle1);
-    eventually("a slot of the first peer freed", || {
+    eventually_async("a slot of the first peer freed", || {
         srv.stats().connections() == 2
     })
     .await;
@@ -755,8 +734,8 @@ async fn security_slow_reader_loses_its_holds_at_the_response_deadline() {
             }
         }
     });
-    eventually("the blocks are held", || srv.stats().held() == N).await;
-    eventually_for(
+    eventually_async("the blocks are held", || srv.stats().held() == N).await;
+    eventually_async_within(
         Duration::from_secs(10),
         "holds released at the deadline",
         || srv.stats().held() == 0,
@@ -765,7 +744,7 @@ async fn security_slow_reader_loses_its_holds_at_the_response_deadline() {
     assert!(started.elapsed() < Duration::from_secs(8));
     assert_eq!(srv.stats().responses_timed_out(), 1);
     // The server dropped its end (what the kernel buffered may still trickle to the reader).
-    eventually("connection gone", || srv.stats().connections() == 0).await;
+    eventually_async("connection gone", || srv.stats().connections() == 0).await;
     reader.abort();
     assert_serves(&srv, &hs).await;
 }
@@ -883,7 +862,7 @@ async fn security_client_pool_is_bounded_and_expires() {
     assert_eq!(s.pool_evictions, 3);
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(c.stats().idle_connections, 0, "expired connections closed");
-    eventually("the server saw them close", || {
+    eventually_async("the server saw them close", || {
         srv.stats().connections() == 0
     })
     .await;
@@ -899,6 +878,7 @@ async fn security_client_pool_is_bounded_and_expires() {
 
 use crate::security::{Rejection, Role, RootKey, Security, SecurityConfig, TrustRoot};
 use kvbm_logical::{HashAlgorithm, TokenBlock};
+use kvbm_tests::wait::{eventually_async, eventually_async_within};
 
 const B: InstanceId = InstanceId(0xb);
 
@@ -1347,7 +1327,7 @@ async fn security_tampered_replayed_and_reordered_frames_are_refused() {
     let c = secured_client(&local, member(&root, B, "ns"), false);
     let out = pull_into(&c, &local, addr, A, &hs).await;
     assert_none_registered(out, &local, &hs, "");
-    eventually("the server counted the bad request tag", || {
+    eventually_async("the server counted the bad request tag", || {
         srv.stats().tags_refused() == 1
     })
     .await;
@@ -1365,7 +1345,7 @@ async fn security_tampered_replayed_and_reordered_frames_are_refused() {
         assert!(local.manager.match_blocks(&hs).is_empty());
     }
 
-    eventually("holds released", || srv.stats().held() == 0).await;
+    eventually_async("holds released", || srv.stats().held() == 0).await;
     assert_member_pulls(&root, &srv, &remote, &hs).await;
 }
 

@@ -2,7 +2,6 @@
 //! instances' block managers feeding one cross-instance index through the in-process bus.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use kvbm_logical::{
     BlockEvent, BlockEventKind, BlockManager, EventBatchConfig, G2, Salt, TierId,
@@ -11,6 +10,7 @@ use kvbm_logical::{
 
 use super::*;
 use crate::runtime::{EventSource, KvbmRuntime};
+use kvbm_tests::wait::eventually;
 
 fn event(i: u8) -> BlockEvent {
     let seq = TokenBlockSequence::from_tokens(&[u32::from(i); 4], 4, Salt::NONE).unwrap();
@@ -73,17 +73,6 @@ fn store(m: &BlockManager<G2>, seq: &TokenBlockSequence, n: usize) {
     drop(m.register_blocks(complete));
 }
 
-fn eventually(mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(5) {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    f()
-}
-
 #[test]
 fn two_instances_feed_one_index() {
     let runtime = KvbmRuntime::builder()
@@ -102,11 +91,9 @@ fn two_instances_feed_one_index() {
     let hashes = seq.hashes();
     store(&a, &seq, 4);
     store(&b, &seq, 2);
-    assert!(
-        eventually(|| index.prefix_by_instance(&hashes, None)
-            == vec![(InstanceId(1), 4), (InstanceId(2), 2)]),
-        "{:?}",
-        index.prefix_by_instance(&hashes, None)
+    eventually(
+        "instance 1 holds 4 of the prefix, instance 2 holds 2",
+        || index.prefix_by_instance(&hashes, None) == vec![(InstanceId(1), 4), (InstanceId(2), 2)],
     );
     assert_eq!(
         index.prefix_by_instance(&hashes, Some(InstanceId(1))),
@@ -119,11 +106,9 @@ fn two_instances_feed_one_index() {
 
     // B evicts: its Removed events take it out of the index.
     assert_eq!(b.reset_inactive_pool(), 2);
-    assert!(
-        eventually(|| index.prefix_by_instance(&hashes, None) == vec![(InstanceId(1), 4)]),
-        "{:?}",
-        index.prefix_by_instance(&hashes, None)
-    );
+    eventually("instance 1 alone holds 4 of the prefix", || {
+        index.prefix_by_instance(&hashes, None) == vec![(InstanceId(1), 4)]
+    });
     assert_eq!(pb.dropped_batches(), 0);
     runtime.shutdown();
 }
@@ -147,11 +132,9 @@ fn a_leader_built_from_the_runtime_publishes_its_tiers_events() {
         TokenBlockSequence::from_tokens(&(0..12).collect::<Vec<u32>>(), 4, Salt::NONE).unwrap();
     store(leader.g2().unwrap(), &seq, 3);
     // Nothing else touches the tier: only the runtime's timer can flush the partial batch.
-    assert!(
-        eventually(|| index.prefix_by_instance(&seq.hashes(), None) == vec![(InstanceId(3), 3)]),
-        "{:?}",
-        index.prefix_by_instance(&seq.hashes(), None)
-    );
+    eventually("instance 3 holds 3 of the sequence", || {
+        index.prefix_by_instance(&seq.hashes(), None) == vec![(InstanceId(3), 3)]
+    });
     runtime.shutdown();
 }
 

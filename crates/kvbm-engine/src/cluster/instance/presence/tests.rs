@@ -5,7 +5,6 @@
 //! `security_*` tests attack the bounds: endless and oversized snapshots, a hostile snapshot
 //! offset, and events of instances that never joined.
 
-use std::time::Instant;
 
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, TokenBlockSequence};
 
@@ -13,6 +12,7 @@ use super::*;
 use crate::address::WorkerAddress;
 use crate::cluster::transport::nats::connect_observed;
 use crate::runtime::KvbmRuntime;
+use kvbm_tests::wait::eventually_async;
 
 const A: InstanceId = InstanceId(0xa);
 const B: InstanceId = InstanceId(0xb);
@@ -44,17 +44,6 @@ fn own_index(id: InstanceId, hashes: &[SequenceHash]) -> Arc<CrossInstanceIndex>
     let own = Arc::new(CrossInstanceIndex::new());
     own.apply_events(id, &g2_events(hashes, BlockEventKind::Stored));
     own
-}
-
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(15) {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(f(), "timed out waiting for: {what}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +111,7 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
     .await
     .unwrap();
 
-    eventually("B synced A", || b.is_synced(A)).await;
+    eventually_async("B synced A", || b.is_synced(A)).await;
     assert_eq!(index_b.entries_of(A), own_a.entries_of(A));
     // 10 entries in pages of 3: 4 answers, cut from one copy.
     assert_eq!(a.stats().snapshots_served, 4);
@@ -189,12 +178,12 @@ async fn a_paged_snapshot_restores_a_peer_and_a_silent_peer_expires() {
     )
     .await
     .unwrap();
-    eventually("B rejected both", || b.stats().rejected == 2).await;
+    eventually_async("B rejected both", || b.stats().rejected == 2).await;
     assert_eq!(b.live_peers(), vec![A]);
 
     // A falls silent without a departure message: B expires it after the timeout.
     stop_a.cancel();
-    eventually("B expires A", || {
+    eventually_async("B expires A", || {
         b.live_peers().is_empty() && index_b.is_empty() && dir_b.get(A).is_none()
     })
     .await;
@@ -284,7 +273,7 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
             .into(),
         })
         .unwrap();
-    eventually("B applied the event", || {
+    eventually_async("B applied the event", || {
         index_b.locations(x) == vec![(A, TierId::G2)]
     })
     .await;
@@ -300,7 +289,7 @@ async fn an_event_that_arrives_while_a_snapshot_is_fetched_survives_the_older_sn
     )
     .await
     .unwrap();
-    eventually("B synced A", || b.is_synced(A)).await;
+    eventually_async("B synced A", || b.is_synced(A)).await;
     let mut want = vec![(x, TierId::G2), (y, TierId::G2)];
     want.sort();
     assert_eq!(index_b.entries_of(A), want);
@@ -356,7 +345,7 @@ async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
     let _a = start("a", A, own_a.clone(), Arc::new(CrossInstanceIndex::new())).await;
     let index_b = Arc::new(CrossInstanceIndex::new());
     let b = start("b", B, Arc::new(CrossInstanceIndex::new()), index_b.clone()).await;
-    eventually("B synced A", || b.is_synced(A)).await;
+    eventually_async("B synced A", || b.is_synced(A)).await;
     assert_eq!(index_b.count_of(A), 10);
     assert_eq!(b.stats().drift_detected, 0);
 
@@ -364,7 +353,7 @@ async fn events_lost_while_connected_are_repaired_once_the_peer_is_quiet() {
     // blocks it knew (as if their events never came). No reconnect, no new epoch.
     own_a.apply_events(A, &g2_events(&hashes[10..12], BlockEventKind::Stored));
     index_b.apply_events(A, &g2_events(&hashes[..3], BlockEventKind::Removed));
-    eventually("B repaired its index", || {
+    eventually_async("B repaired its index", || {
         index_b.entries_of(A) == own_a.entries_of(A)
     })
     .await;
@@ -483,7 +472,7 @@ async fn security_endless_or_oversized_snapshots_are_refused_and_counted() {
     )
     .await
     .unwrap();
-    eventually("both fetches refused at the caps", || {
+    eventually_async("both fetches refused at the caps", || {
         b.stats().snapshots_over_limit >= 2
     })
     .await;
@@ -510,7 +499,7 @@ async fn security_endless_or_oversized_snapshots_are_refused_and_counted() {
     )
     .await
     .unwrap();
-    eventually("B synced the real peer", || b.is_synced(A)).await;
+    eventually_async("B synced the real peer", || b.is_synced(A)).await;
     assert_eq!(index_b.entries_of(A), own_a.entries_of(A));
     stop_endless.cancel();
     stop_huge.cancel();
@@ -719,7 +708,7 @@ async fn security_events_of_instances_that_never_joined_are_ignored_and_counted(
     for i in 0..200u64 {
         events.send(stored(InstanceId(0x1000 + i))).unwrap();
     }
-    eventually("every forged batch ignored", || {
+    eventually_async("every forged batch ignored", || {
         b.stats().unjoined_event_batches == 200
     })
     .await;
@@ -746,9 +735,9 @@ async fn security_events_of_instances_that_never_joined_are_ignored_and_counted(
     )
     .await
     .unwrap();
-    eventually("B synced A", || b.is_synced(A)).await;
+    eventually_async("B synced A", || b.is_synced(A)).await;
     events.send(stored(A)).unwrap();
-    eventually("A's event applied", || {
+    eventually_async("A's event applied", || {
         index_b.locations(hs[0]) == vec![(A, TierId::G2)]
     })
     .await;
@@ -881,7 +870,7 @@ async fn security_forged_snapshot_pages_do_not_win_and_non_members_get_none() {
     )
     .await
     .unwrap();
-    eventually("B synced A", || b.is_synced(A)).await;
+    eventually_async("B synced A", || b.is_synced(A)).await;
     let mut got: Vec<SequenceHash> = index_b.entries_of(A).into_iter().map(|e| e.0).collect();
     got.sort();
     let mut want = real.clone();
