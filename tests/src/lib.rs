@@ -4,9 +4,11 @@
 //! library holds shared helpers for them, most importantly how a test finds the real servers that
 //! `cargo xtask ci` starts (see [`services`]), and the fault injectors of the reliability tests
 //! (see [`faults`]), a reader of kvbm's Prometheus endpoint (see [`scrape`]), and waiting for
-//! a condition in a way that fails the test on timeout (see [`wait`]).
+//! a condition in a way that fails the test on timeout (see [`wait`]), and host layouts filled
+//! with a pattern and read back (see [`layouts`]).
 
 pub mod faults;
+pub mod layouts;
 pub mod scrape;
 pub mod services;
 pub mod wait;

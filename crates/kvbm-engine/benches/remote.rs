@@ -48,8 +48,7 @@ use kvbm_offload::{
     BlockMover, BoundTier, ExternalBlock, ObjectMoveExecutor, ObjectPipelineBuilder,
 };
 use kvbm_physical::{
-    BlockLayout, LayoutKind, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config,
-    TransferManager,
+    BlockLayout, ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, S3Config, TransferManager,
 };
 use object_store::ObjectStoreExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -60,16 +59,7 @@ const B: InstanceId = InstanceId(0xb);
 
 /// 64 blocks of 8 layers × 2 × 16 × 512 × 2 bytes = 256 KiB.
 fn geometry() -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(BLOCKS)
-        .num_layers(8)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(512)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    kvbm_tests::layouts::geometry(BLOCKS, 8, 512)
 }
 
 fn hashes() -> Vec<SequenceHash> {

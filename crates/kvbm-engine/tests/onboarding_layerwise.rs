@@ -18,9 +18,7 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, G1, G2, G3, Salt, SequenceHash, TierId, TokenBlockSequence,
 };
 use kvbm_offload::BoundTier;
-use kvbm_physical::{
-    BlockLayout, DiskConfig, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
-};
+use kvbm_physical::{BlockLayout, DiskConfig, PhysicalLayout, PinPolicy, TransferManager};
 use tokio::sync::Semaphore;
 
 mod common;
@@ -30,16 +28,7 @@ use common::{Gated, N, fill, manager};
 const LAYERS: usize = 4;
 
 fn geometry() -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(N)
-        .num_layers(LAYERS)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(32)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    kvbm_tests::layouts::geometry(N, LAYERS, 32)
 }
 
 /// The bytes of layer `layer` of block `b` of a host layout.

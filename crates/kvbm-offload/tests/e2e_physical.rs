@@ -17,32 +17,10 @@ use kvbm_offload::*;
 use kvbm_physical::{
     Backing, BlockLayout, DiskConfig, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,
 };
+use kvbm_tests::layouts::{bytes, fill};
 
 fn geometry(n: usize) -> BlockLayout {
     common::geometry(n, 2, 64)
-}
-
-fn fill(layout: &PhysicalLayout, seed: u8) {
-    let c = *layout.layout().config();
-    for b in 0..c.num_blocks {
-        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-            // SAFETY: the test owns the layout; addresses are host memory.
-            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            for (k, x) in s.iter_mut().enumerate() {
-                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
-            }
-        }
-    }
-}
-
-fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let c = *layout.layout().config();
-    let mut out = Vec::new();
-    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-        // SAFETY: as in `fill`.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,7 @@ use kvbm_offload::settlement::PipelineLane;
 use kvbm_offload::source::Precondition;
 use kvbm_offload::*;
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
+use kvbm_tests::layouts::{bytes, fill};
 use parking_lot::Mutex;
 
 /// `n` destinations from `m`.
@@ -259,35 +260,12 @@ fn pipelines_serve_synchronous_callers_through_a_runtime_handle() {
     drop(p);
 }
 
-fn fill(layout: &PhysicalLayout, seed: u8) {
-    let c = *layout.layout().config();
-    for b in 0..c.num_blocks {
-        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-            // SAFETY: the test owns the layout; addresses are host memory it allocated.
-            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            for (k, x) in s.iter_mut().enumerate() {
-                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
-            }
-        }
-    }
-}
-
 fn zero(layout: &PhysicalLayout, b: usize) {
     let c = *layout.layout().config();
     for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
         // SAFETY: as in `fill`; the slot is owned by a `MutableBlock` of this test.
         unsafe { std::ptr::write_bytes(addr as *mut u8, 0, len) };
     }
-}
-
-fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let c = *layout.layout().config();
-    let mut out = Vec::new();
-    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-        // SAFETY: as in `fill`; no transfer targets the layout while it is read.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,21 +4,12 @@
 use std::sync::Arc;
 
 use kvbm_logical::{BlockManager, G1, G2, Salt, TokenBlockSequence};
-use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy, TransferManager};
+use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy, TransferManager};
 
 use super::*;
 
 fn geometry(n: usize) -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(n)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(16)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    kvbm_tests::layouts::geometry(n, 2, 16)
 }
 
 fn host(tm: &TransferManager, n: usize) -> kvbm_physical::LayoutHandle {

@@ -8,53 +8,22 @@
 use std::sync::Arc;
 
 use kvbm_logical::{BlockManager, BlockRegistry, Tier};
-use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout};
+use kvbm_physical::BlockLayout;
+/// The workspace's test kit: fill a host layout with a pattern, read a block's bytes back.
+#[allow(unused_imports)] // each test binary uses its own subset
+pub(crate) use kvbm_tests::layouts::{bytes, fill};
 
 /// Blocks per layout and per block manager.
 pub(crate) const N: usize = 8;
 
 /// `N` blocks of 2 layers × 2 × 16 × `inner_dim` × 2 bytes, fully contiguous.
 pub(crate) fn geometry_with(inner_dim: usize) -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(N)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(inner_dim)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    kvbm_tests::layouts::geometry(N, 2, inner_dim)
 }
 
 /// [`geometry_with`] an inner dimension of 64.
 pub(crate) fn geometry() -> BlockLayout {
     geometry_with(64)
-}
-
-/// Fills every block of a host `layout` with a pattern of its block index and `seed`.
-pub(crate) fn fill(layout: &PhysicalLayout, seed: u8) {
-    let c = *layout.layout().config();
-    for b in 0..c.num_blocks {
-        for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-            // SAFETY: host memory the test allocated; no transfer runs yet.
-            let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            for (k, x) in s.iter_mut().enumerate() {
-                *x = (k as u8).wrapping_mul(31) ^ (b as u8).wrapping_mul(131) ^ seed;
-            }
-        }
-    }
-}
-
-/// The bytes of block `b` of a host `layout`, in layer order.
-pub(crate) fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let c = *layout.layout().config();
-    let mut out = Vec::new();
-    for (addr, len) in layout.block_addrs(b, 0..c.num_layers) {
-        // SAFETY: as in `fill`; no transfer targets the block while it is read.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-    }
-    out
 }
 
 /// A block manager of `N` blocks of 4 tokens on `registry`.

@@ -19,8 +19,11 @@ use kvbm_offload::{
     OffloadResult, Pipeline, PipelineBuilder, ResolvedBatch,
 };
 use kvbm_physical::{
-    BlockLayout, DiskConfig, LayoutHandle, LayoutKind, PhysicalLayout, PinPolicy, TransferManager,
+    BlockLayout, DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager,
 };
+/// `n` blocks of `layers` × 2 × 16 × `inner_dim` × 2 bytes (the workspace's test kit).
+#[allow(unused_imports)] // each test binary uses its own subset
+pub(crate) use kvbm_tests::layouts::geometry;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, Semaphore};
 
@@ -85,21 +88,6 @@ pub(crate) fn assert_all_failed(r: &OffloadResult, kind: BlockFailureKind) {
         "expected every failure to be {kind:?}: {:?}",
         r.failed_blocks
     );
-}
-
-/// A fully contiguous layout of `n` blocks: `layers` layers, outer dim 2, page 16, `inner_dim`
-/// elements of 2 bytes.
-pub(crate) fn geometry(n: usize, layers: usize, inner_dim: usize) -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(n)
-        .num_layers(layers)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(inner_dim)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
 }
 
 /// Allocates host memory for `geometry` and registers it with `tm`.

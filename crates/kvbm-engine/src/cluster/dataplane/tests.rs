@@ -12,7 +12,7 @@ use kvbm_logical::{BlockManager, BlockRegistry, G2, Salt, SequenceHash, TokenBlo
 use kvbm_offload::{BlockFailureKind, MoveOutcome};
 use kvbm_physical::checksum::BlockHeader;
 use kvbm_physical::identity::geometry_digest;
-use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout, PinPolicy};
+use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -26,16 +26,7 @@ const N: usize = 8;
 const A: InstanceId = InstanceId(0xa);
 
 fn geometry() -> BlockLayout {
-    BlockLayout::builder()
-        .num_blocks(N)
-        .num_layers(2)
-        .outer_dim(2)
-        .page_size(16)
-        .inner_dim(64)
-        .dtype_bytes(2)
-        .kind(LayoutKind::FullyContiguous)
-        .build()
-        .unwrap()
+    kvbm_tests::layouts::geometry(N, 2, 64)
 }
 
 fn hashes(n: usize) -> Vec<SequenceHash> {
@@ -43,15 +34,6 @@ fn hashes(n: usize) -> Vec<SequenceHash> {
     TokenBlockSequence::from_tokens(&tokens, 4, Salt::NONE)
         .unwrap()
         .hashes()
-}
-
-fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (p, l) in layout.block_addrs(b, 0..2) {
-        // SAFETY: host memory owned by the test; no transfer targets it meanwhile.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
-    }
-    out
 }
 
 struct Side {
@@ -878,6 +860,7 @@ async fn security_client_pool_is_bounded_and_expires() {
 
 use crate::security::{Rejection, Role, RootKey, Security, SecurityConfig, TrustRoot};
 use kvbm_logical::{HashAlgorithm, TokenBlock};
+use kvbm_tests::layouts::bytes;
 use kvbm_tests::wait::{eventually_async, eventually_async_within};
 
 const B: InstanceId = InstanceId(0xb);

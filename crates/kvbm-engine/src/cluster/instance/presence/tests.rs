@@ -5,7 +5,6 @@
 //! `security_*` tests attack the bounds: endless and oversized snapshots, a hostile snapshot
 //! offset, and events of instances that never joined.
 
-
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, TokenBlockSequence};
 
 use super::*;
