@@ -22,6 +22,7 @@ pub(crate) fn serve(addr: &str) -> anyhow::Result<()> {
     let handle = PrometheusBuilder::new()
         .install_recorder()
         .context("cannot install the Prometheus recorder")?;
+    kvbm_engine::metrics::describe();
     std::thread::Builder::new()
         .name("kvbm-metrics".into())
         .spawn(move || {

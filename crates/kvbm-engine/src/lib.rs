@@ -16,6 +16,7 @@ pub mod cross_instance;
 mod error;
 pub mod leader;
 pub mod manager;
+pub mod metrics;
 pub mod mover;
 pub mod runtime;
 pub mod security;

@@ -533,6 +533,7 @@ fn prometheus_handle() -> PrometheusHandle {
                      exporter records"
                 );
             }
+            crate::metrics::describe();
             handle
         })
         .clone()

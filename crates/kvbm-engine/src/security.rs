@@ -515,8 +515,11 @@ impl SecurityStats {
     /// [`Rejection::NotAllowed`]).
     pub fn count(&self, r: Rejection) {
         self.counts[Self::index(r)].fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("kvbm_engine_security_rejected_total", "reason" => rejection_label(r))
-            .increment(1);
+        metrics::counter!(
+            crate::metrics::SECURITY_REJECTED,
+            crate::metrics::REASON_LABEL => rejection_label(r)
+        )
+        .increment(1);
     }
 
     /// Messages dropped for reason `r`.

@@ -1170,7 +1170,7 @@ impl Instance {
                     self.counters
                         .refused
                         .fetch_add(f.failed_blocks as u64, Ordering::Relaxed);
-                    metrics::counter!("kvbm_engine_refused_blocks_total")
+                    metrics::counter!(crate::metrics::REFUSED_BLOCKS)
                         .increment(f.failed_blocks as u64);
                     out.refused = Some((f.failed_blocks, f.message));
                     Ok(())

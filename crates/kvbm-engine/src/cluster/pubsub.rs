@@ -192,7 +192,7 @@ impl EventSink for EventPublisher {
             }
             Err(_) => {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("kvbm_engine_event_batches_dropped_total").increment(1);
+                metrics::counter!(crate::metrics::EVENT_BATCHES_DROPPED).increment(1);
             }
         }
     }

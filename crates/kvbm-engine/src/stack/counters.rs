@@ -92,7 +92,11 @@ impl Counters {
         };
         let b = (blocks * block_bytes) as u64;
         self.bytes[i].fetch_add(b, Ordering::Relaxed);
-        metrics::counter!("kvbm_stack_bytes_moved_total", "path" => PATH_NAMES[i]).increment(b);
+        metrics::counter!(
+            crate::metrics::STACK_BYTES_MOVED,
+            crate::metrics::PATH_LABEL => PATH_NAMES[i]
+        )
+        .increment(b);
     }
 }
 
@@ -132,11 +136,14 @@ impl Served {
     pub(super) fn publish(&self) {
         for (tier, h) in self.hits.iter().enumerate() {
             if *h > 0 {
-                metrics::counter!("kvbm_stack_hit_blocks_total", "tier" => ["g1", "g2", "g3", "g4"][tier])
-                    .increment(*h);
+                metrics::counter!(
+                    crate::metrics::STACK_HIT_BLOCKS,
+                    crate::metrics::TIER_LABEL => ["g1", "g2", "g3", "g4"][tier]
+                )
+                .increment(*h);
             }
         }
-        metrics::counter!("kvbm_stack_computed_blocks_total").increment(self.computed);
+        metrics::counter!(crate::metrics::STACK_COMPUTED_BLOCKS).increment(self.computed);
     }
 }
 

@@ -76,8 +76,11 @@ impl MoveExecutor<G2> for RecordingG3Executor {
         let t = Instant::now();
         let out =
             kvbm_offload::journal::write_recorded(&self.inner, &self.index, batch, &sums).await;
-        metrics::histogram!("kvbm_stack_transfer_seconds", "path" => "g2_to_g3")
-            .record(t.elapsed().as_secs_f64());
+        metrics::histogram!(
+            crate::metrics::STACK_TRANSFER_SECONDS,
+            crate::metrics::PATH_LABEL => "g2_to_g3"
+        )
+        .record(t.elapsed().as_secs_f64());
         let ok = out.iter().filter(|r| r.is_ok()).count();
         self.counters
             .add_bytes(MovePath::G2_TO_G3, ok, self.block_bytes);

@@ -548,7 +548,11 @@ impl TierStack {
     /// own `kvbm_logical_{active,inactive,reset}_blocks` and `kvbm_logical_evicted_blocks_total`).
     pub fn publish_capacity(&self) {
         for (tier, cap) in ["g1", "g2", "g3", "g4"].into_iter().zip(self.capacities()) {
-            metrics::gauge!("kvbm_stack_tier_capacity_blocks", "tier" => tier).set(cap as f64);
+            metrics::gauge!(
+                crate::metrics::STACK_TIER_CAPACITY_BLOCKS,
+                crate::metrics::TIER_LABEL => tier
+            )
+            .set(cap as f64);
         }
     }
 

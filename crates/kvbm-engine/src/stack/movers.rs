@@ -234,8 +234,11 @@ impl G3ToG2 {
     ) -> Vec<MoveOutcome<G2>> {
         let t = Instant::now();
         let out = self.mover.move_blocks(&self.sources(src), dst).await;
-        metrics::histogram!("kvbm_stack_transfer_seconds", "path" => "g3_to_g2")
-            .record(t.elapsed().as_secs_f64());
+        metrics::histogram!(
+            crate::metrics::STACK_TRANSFER_SECONDS,
+            crate::metrics::PATH_LABEL => "g3_to_g2"
+        )
+        .record(t.elapsed().as_secs_f64());
         self.settle_read(src.iter().map(|b| b.sequence_hash()), &out, true);
         out
     }
@@ -317,8 +320,11 @@ impl G4ToG2 {
             .collect();
         let t = Instant::now();
         let out = self.mover.move_blocks(&sources, dst).await;
-        metrics::histogram!("kvbm_stack_transfer_seconds", "path" => "g4_to_g2")
-            .record(t.elapsed().as_secs_f64());
+        metrics::histogram!(
+            crate::metrics::STACK_TRANSFER_SECONDS,
+            crate::metrics::PATH_LABEL => "g4_to_g2"
+        )
+        .record(t.elapsed().as_secs_f64());
         let mut ok = 0;
         let out = out
             .into_iter()
@@ -446,8 +452,11 @@ impl G2ToG1 {
             .move_blocks(src, dst)
             .now_or_never()
             .expect("an inline move is done when it returns");
-        metrics::histogram!("kvbm_stack_transfer_seconds", "path" => "g2_to_g1")
-            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!(
+            crate::metrics::STACK_TRANSFER_SECONDS,
+            crate::metrics::PATH_LABEL => "g2_to_g1"
+        )
+        .record(started.elapsed().as_secs_f64());
         let mut arrived = 0;
         for (s, o) in src.iter().zip(&out) {
             match o {

@@ -107,8 +107,11 @@ impl TierStack {
             // The read runs on the transfer manager's runtime; this only waits for its end.
             let out = futures::executor::block_on(p.moved);
             self.times.g3_to_g2 += t.elapsed().as_secs_f64();
-            metrics::histogram!("kvbm_stack_transfer_seconds", "path" => "g3_to_g2")
-                .record(p.started.elapsed().as_secs_f64());
+            metrics::histogram!(
+                crate::metrics::STACK_TRANSFER_SECONDS,
+                crate::metrics::PATH_LABEL => "g3_to_g2"
+            )
+            .record(p.started.elapsed().as_secs_f64());
             for b in &p.src {
                 self.reading_ahead.remove(&b.sequence_hash());
             }

@@ -282,7 +282,7 @@ impl DataPlaneClient {
                 .await;
                 let Ok(r) = r else {
                     self.deadlines_exceeded.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("kvbm_engine_dataplane_pull_deadlines_exceeded_total")
+                    metrics::counter!(crate::metrics::DATAPLANE_PULL_DEADLINES_EXCEEDED)
                         .increment(1);
                     let f = BlockFailure::new(
                         BlockFailureKind::Timeout,
@@ -382,7 +382,7 @@ impl DataPlaneClient {
         .await;
         let refused = |m: String, rejection: Option<Rejection>| {
             self.handshakes_refused.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvbm_engine_dataplane_handshakes_refused_total").increment(1);
+            metrics::counter!(crate::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
             if let Some(r) = rejection {
                 sealing.verifier.stats().count(r);
             }
@@ -422,7 +422,7 @@ impl DataPlaneClient {
             if let Some(lru) = lru {
                 pool.peers.remove(&lru);
                 self.pool_evictions.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("kvbm_engine_dataplane_pool_evictions_total").increment(1);
+                metrics::counter!(crate::metrics::DATAPLANE_POOL_EVICTIONS).increment(1);
             }
         }
         let (used, v) = pool.peers.entry(addr).or_insert_with(|| (now, Vec::new()));
@@ -577,7 +577,7 @@ impl DataPlaneClient {
     /// Counts a head or frame whose tag did not verify, and says so.
     fn tag_refused(&self, what: &str) -> BlockFailure {
         self.tags_refused.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("kvbm_engine_dataplane_tags_refused_total").increment(1);
+        metrics::counter!(crate::metrics::DATAPLANE_TAGS_REFUSED).increment(1);
         self.security.count(Rejection::BadSignature);
         BlockFailure::new(
             BlockFailureKind::IdentityMismatch,

@@ -324,8 +324,7 @@ impl DataPlaneServer {
                         .stats
                         .connections_refused
                         .fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("kvbm_engine_dataplane_connections_refused_total")
-                        .increment(1);
+                    metrics::counter!(crate::metrics::DATAPLANE_CONNECTIONS_REFUSED).increment(1);
                     tracing::debug!(%peer, "data plane connection refused: at the connection cap");
                     drop(stream);
                     continue;
@@ -345,7 +344,7 @@ impl DataPlaneServer {
                             .stats
                             .peer_connections_refused
                             .fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("kvbm_engine_dataplane_peer_connections_refused_total")
+                        metrics::counter!(crate::metrics::DATAPLANE_PEER_CONNECTIONS_REFUSED)
                             .increment(1);
                         tracing::debug!(%peer, "data plane connection refused: at the per-peer cap");
                         drop(stream);
@@ -439,7 +438,7 @@ async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Opt
     let io = s.config.io_timeout;
     let refused = |rejection: Option<Rejection>, message: &str| {
         s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("kvbm_engine_dataplane_handshakes_refused_total").increment(1);
+        metrics::counter!(crate::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
         if let Some(r) = rejection {
             sealing.verifier.stats().count(r);
         }
@@ -534,7 +533,7 @@ async fn write_tagged(
 
 fn tag_refused(s: &Served, session: &Session) -> std::io::Error {
     s.stats.tags_refused.fetch_add(1, Ordering::Relaxed);
-    metrics::counter!("kvbm_engine_dataplane_tags_refused_total").increment(1);
+    metrics::counter!(crate::metrics::DATAPLANE_TAGS_REFUSED).increment(1);
     s.security.count(Rejection::BadSignature);
     std::io::Error::new(
         std::io::ErrorKind::InvalidData,
@@ -595,7 +594,7 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
                 let mut sink = vec![0u8; rest];
                 let _ = timed("read", io, stream.read_exact(&mut sink)).await;
                 s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("kvbm_engine_dataplane_handshakes_refused_total").increment(1);
+                metrics::counter!(crate::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
                 let r = refuse(Status::AuthUnavailable);
                 timed("write", io, stream.write_all(&r)).await?;
                 return Ok(());
@@ -661,7 +660,7 @@ async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<
             Ok(r) => r?,
             Err(_) => {
                 s.stats.responses_timed_out.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("kvbm_engine_dataplane_responses_timed_out_total").increment(1);
+                metrics::counter!(crate::metrics::DATAPLANE_RESPONSES_TIMED_OUT).increment(1);
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     format!(

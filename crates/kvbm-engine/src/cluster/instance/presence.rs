@@ -620,7 +620,7 @@ impl Presence {
                             .counters
                             .snapshots_throttled
                             .fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("kvbm_engine_presence_snapshots_throttled_total")
+                        metrics::counter!(crate::metrics::PRESENCE_SNAPSHOTS_THROTTLED)
                             .increment(1);
                         continue;
                     }
@@ -708,7 +708,7 @@ impl Presence {
                             p.synced = false;
                         }
                         inner.counters.drift.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("kvbm_engine_index_drift_detected_total").increment(1);
+                        metrics::counter!(crate::metrics::INDEX_DRIFT_DETECTED).increment(1);
                     }
                 }
                 let (stale, unsynced): (Vec<InstanceId>, Vec<InstanceId>) = {
@@ -760,14 +760,14 @@ impl Presence {
                                 p.synced = true;
                                 drop(table);
                                 inner.counters.resyncs.fetch_add(1, Ordering::Relaxed);
-                                metrics::counter!("kvbm_engine_index_resyncs_total").increment(1);
+                                metrics::counter!(crate::metrics::INDEX_RESYNCS).increment(1);
                             }
                         }
                         Err(e) => {
                             inner.during_fetch.lock().remove(&peer);
                             tracing::debug!(%peer, error = %e, "snapshot failed; retried next tick");
                             inner.counters.resync_failed.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!("kvbm_engine_index_resync_failures_total")
+                            metrics::counter!(crate::metrics::INDEX_RESYNC_FAILURES)
                                 .increment(1);
                         }
                     }
@@ -827,14 +827,14 @@ impl Presence {
                             || inner.table.lock().contains_key(&m.instance);
                         if inner.departed.lock().contains_key(&m.instance) {
                             inner.counters.ignored.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!("kvbm_engine_departed_event_batches_ignored_total")
+                            metrics::counter!(crate::metrics::DEPARTED_EVENT_BATCHES_IGNORED)
                                 .increment(1);
                         } else if !joined {
                             // Never heard by heartbeat (or expired): its events could grow the
                             // index without bound. A peer that joins later is resynced from
                             // its snapshot, so nothing of a real peer is lost.
                             inner.counters.unjoined.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!("kvbm_engine_unjoined_event_batches_ignored_total")
+                            metrics::counter!(crate::metrics::UNJOINED_EVENT_BATCHES_IGNORED)
                                 .increment(1);
                         } else {
                             // Applied and logged under the log's lock: a snapshot replacing
@@ -933,7 +933,7 @@ impl Inner {
 
     fn reject(&self) {
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("kvbm_engine_presence_messages_rejected_total").increment(1);
+        metrics::counter!(crate::metrics::PRESENCE_MESSAGES_REJECTED).increment(1);
     }
 
     fn expire(&self, peers: &[InstanceId]) {
@@ -966,7 +966,7 @@ impl Inner {
         for p in &removed {
             self.directory.remove(*p);
             self.counters.expired.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvbm_engine_peers_expired_total").increment(1);
+            metrics::counter!(crate::metrics::PEERS_EXPIRED).increment(1);
             tracing::info!(peer = %p, "peer expired from the index and directory");
         }
     }
@@ -982,7 +982,7 @@ impl Inner {
         let mut pages = 0usize;
         let over = |m: String| {
             self.counters.over_limit.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvbm_engine_snapshots_over_limit_total").increment(1);
+            metrics::counter!(crate::metrics::SNAPSHOTS_OVER_LIMIT).increment(1);
             fail(m)
         };
         let n = self.series.fetch_add(1, Ordering::Relaxed);

@@ -291,7 +291,7 @@ impl EventBus for NatsBus {
     fn send(&self, message: EventMessage) {
         if self.outbox.try_send(message).is_err() {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvbm_engine_nats_event_batches_dropped_total").increment(1);
+            metrics::counter!(crate::metrics::NATS_EVENT_BATCHES_DROPPED).increment(1);
         }
     }
 

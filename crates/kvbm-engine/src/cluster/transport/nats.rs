@@ -644,8 +644,7 @@ impl WorkerServer {
                 // The bound: a request beyond it is refused here, without a task of its own.
                 let Ok(permit) = permits.clone().try_acquire_owned() else {
                     stats.refused_busy.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("kvbm_engine_worker_requests_refused_busy_total")
-                        .increment(1);
+                    metrics::counter!(crate::metrics::WORKER_REQUESTS_REFUSED_BUSY).increment(1);
                     let version = decode_envelope::<serde::de::IgnoredAny>(&payload)
                         .map_or(PROTOCOL_VERSION, |e| e.version);
                     let response = ControlResponse::Refused(format!(
