@@ -441,9 +441,14 @@ pub struct MetricsConfig {
     /// A scrape connection must send its whole request, and take the whole answer, within this
     /// long (ms); then it is closed (counted). Default: 5000. At least 1.
     pub read_timeout_ms: u64,
-    /// Scrape connections served at once; one more is closed at once (counted). Default: 16.
-    /// At least 1.
+    /// Scrape connections open at once; past it a connection still waiting for its request
+    /// head gives way, else the newcomer is closed (counted). Default: 16. At least 1.
     pub max_connections: usize,
+    /// Connections one client (an IPv4 address, an IPv6 /64) may hold waiting for their request
+    /// head; a newer one evicts its oldest. Default: 4. At least 1.
+    pub max_waiting_per_client: usize,
+    /// Time a connection has to send its request head (ms). Default: 2000. At least 1.
+    pub head_timeout_ms: u64,
 }
 
 impl Default for MetricsConfig {
@@ -453,6 +458,8 @@ impl Default for MetricsConfig {
             bind: "127.0.0.1:6880".into(),
             read_timeout_ms: 5000,
             max_connections: 16,
+            max_waiting_per_client: 4,
+            head_timeout_ms: 2000,
         }
     }
 }
@@ -1181,9 +1188,14 @@ impl KvbmConfig {
 
         socket_addr("metrics.bind", &self.metrics.bind)?;
         positive("metrics.read_timeout_ms", self.metrics.read_timeout_ms)?;
+        positive("metrics.head_timeout_ms", self.metrics.head_timeout_ms)?;
         positive(
             "metrics.max_connections",
             self.metrics.max_connections as u64,
+        )?;
+        positive(
+            "metrics.max_waiting_per_client",
+            self.metrics.max_waiting_per_client as u64,
         )?;
 
         let t = &self.transport;

@@ -40,6 +40,8 @@
 
 use metrics::Unit;
 
+pub mod endpoint;
+
 /// Label naming a move's path (`g2_to_g3`, …).
 pub const PATH_LABEL: &str = "path";
 /// Label naming a tier (`g1`..`g4`).

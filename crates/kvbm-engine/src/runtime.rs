@@ -29,12 +29,13 @@
 //!
 //! # Metrics endpoint bounds
 //!
-//! One accept task; each connection is answered in its own task, at most
-//! `metrics.max_connections` (default 16) at once: one more is closed as soon as it is
-//! accepted ([`MetricsEndpointStats::refused`]). A connection must send its request and take
-//! its answer within `metrics.read_timeout_ms` (default 5 s), or it is closed
-//! ([`MetricsEndpointStats::timed_out`]); so an idle or slow client holds one task for at most
-//! that long and never stops the endpoint.
+//! The endpoint is [`crate::metrics::endpoint`] (hyper), the same server `kvbm --metrics-addr`
+//! runs: at most `metrics.max_connections` (default 16) open; a connection has
+//! `metrics.head_timeout_ms` (2 s) to send its request head and `metrics.read_timeout_ms` (5 s)
+//! for the whole exchange ([`MetricsEndpointStats::timed_out`]); connections still waiting for
+//! their head are capped per client (`metrics.max_waiting_per_client`, 4), and give way to newer
+//! ones ([`MetricsEndpointStats::evicted`]) rather than keeping the endpoint from a scraper; a
+//! newcomer finding every slot busy answering is closed ([`MetricsEndpointStats::refused`]).
 //!
 //! # Shutdown
 //!
@@ -52,14 +53,13 @@
 //! They are never held together.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use kvbm_logical::{BlockManager, Tier};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -108,27 +108,11 @@ struct Inner {
     cancel: CancellationToken,
     shut_down: AtomicBool,
     metrics_addr: Option<SocketAddr>,
-    metrics_stats: Arc<MetricsCounters>,
-}
-
-/// Counters of the metrics endpoint.
-#[derive(Debug, Default)]
-struct MetricsCounters {
-    answered: AtomicU64,
-    refused: AtomicU64,
-    timed_out: AtomicU64,
+    metrics_stats: Arc<crate::metrics::endpoint::Counters>,
 }
 
 /// A copy of the metrics endpoint's counters (see the [module docs](self)).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MetricsEndpointStats {
-    /// Requests answered (`/metrics` or 404).
-    pub answered: u64,
-    /// Connections closed at once: `metrics.max_connections` were being served.
-    pub refused: u64,
-    /// Connections closed for not completing within `metrics.read_timeout_ms`.
-    pub timed_out: u64,
-}
+pub type MetricsEndpointStats = crate::metrics::endpoint::Stats;
 
 impl Inner {
     fn live_sources(&self) -> Vec<Arc<dyn EventSource>> {
@@ -218,12 +202,7 @@ impl RuntimeHandle {
 
     /// The metrics endpoint's counters (all 0 when it is not enabled).
     pub fn metrics_stats(&self) -> MetricsEndpointStats {
-        let c = &self.inner.metrics_stats;
-        MetricsEndpointStats {
-            answered: c.answered.load(Ordering::Relaxed),
-            refused: c.refused.load(Ordering::Relaxed),
-            timed_out: c.timed_out.load(Ordering::Relaxed),
-        }
+        self.inner.metrics_stats.snapshot()
     }
 }
 
@@ -356,7 +335,7 @@ impl KvbmRuntimeBuilder {
             cancel: CancellationToken::new(),
             shut_down: AtomicBool::new(false),
             metrics_addr: metrics.as_ref().map(|(_, a)| *a),
-            metrics_stats: Arc::new(MetricsCounters::default()),
+            metrics_stats: Arc::default(),
         });
 
         let timer = inner.handle.spawn(flush_timer(Arc::downgrade(&inner)));
@@ -371,18 +350,20 @@ impl KvbmRuntimeBuilder {
                     source,
                 }
             })?;
-            let bounds = MetricsBounds {
-                read_timeout: Duration::from_millis(inner.config.metrics.read_timeout_ms.max(1)),
-                permits: Arc::new(tokio::sync::Semaphore::new(
-                    inner.config.metrics.max_connections.max(1),
-                )),
-                counters: inner.metrics_stats.clone(),
+            let m = &inner.config.metrics;
+            let limits = crate::metrics::endpoint::Limits {
+                max_connections: m.max_connections,
+                max_waiting_per_client: m.max_waiting_per_client,
+                head_timeout: Duration::from_millis(m.head_timeout_ms.max(1)),
+                request_timeout: Duration::from_millis(m.read_timeout_ms.max(1)),
             };
-            tasks.push(
-                inner
-                    .handle
-                    .spawn(serve_metrics(listener, prometheus, cancel, bounds)),
-            );
+            tasks.push(inner.handle.spawn(crate::metrics::endpoint::serve(
+                listener,
+                prometheus,
+                cancel,
+                limits,
+                inner.metrics_stats.clone(),
+            )));
         }
         tracing::debug!(role = ?inner.role, "kvbm runtime started");
         Ok(KvbmRuntime {
@@ -537,90 +518,6 @@ fn prometheus_handle() -> PrometheusHandle {
             handle
         })
         .clone()
-}
-
-/// The metrics endpoint's bounds (see the module docs).
-struct MetricsBounds {
-    read_timeout: Duration,
-    permits: Arc<tokio::sync::Semaphore>,
-    counters: Arc<MetricsCounters>,
-}
-
-async fn serve_metrics(
-    listener: tokio::net::TcpListener,
-    prometheus: PrometheusHandle,
-    cancel: CancellationToken,
-    bounds: MetricsBounds,
-) {
-    loop {
-        let stream = tokio::select! {
-            () = cancel.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics exporter accept failed");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(permit) = bounds.permits.clone().try_acquire_owned() else {
-            bounds.counters.refused.fetch_add(1, Ordering::Relaxed);
-            drop(stream);
-            continue;
-        };
-        let prometheus = prometheus.clone();
-        let counters = bounds.counters.clone();
-        let limit = bounds.read_timeout;
-        let cancel = cancel.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            tokio::select! {
-                () = cancel.cancelled() => {}
-                r = tokio::time::timeout(limit, answer(stream, &prometheus)) => match r {
-                    Ok(Ok(())) => {
-                        counters.answered.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(Err(e)) => tracing::debug!(error = %e, "metrics request failed"),
-                    Err(_) => {
-                        counters.timed_out.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!("metrics connection closed: not done within {limit:?}");
-                    }
-                },
-            }
-        });
-    }
-}
-
-/// Answers one HTTP/1.x request: `GET /metrics` gets the text exposition, anything else 404.
-async fn answer(
-    mut stream: tokio::net::TcpStream,
-    prometheus: &PrometheusHandle,
-) -> std::io::Result<()> {
-    let mut request = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 16 * 1024 {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        request.extend_from_slice(&buf[..n]);
-    }
-    let line = request.split(|&b| b == b'\n').next().unwrap_or_default();
-    let (status, body) = if line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics?")
-    {
-        prometheus.run_upkeep();
-        ("200 OK", prometheus.render())
-    } else {
-        ("404 Not Found", "not found\n".to_string())
-    };
-    let head = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
 }
 
 #[cfg(test)]
