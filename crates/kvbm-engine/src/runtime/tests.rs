@@ -240,9 +240,9 @@ fn prometheus_endpoint_serves_metrics() {
 }
 
 /// Attack (N1/N2 of the second security review): clients that connect to the metrics endpoint
-/// and send nothing, as many as it has slots. A scrape is answered at once all the same: a
-/// newer connection evicts the oldest still waiting for its request (counted), and an idle one
-/// is closed after `metrics.head_timeout_ms` (counted).
+/// and send nothing, as many as it has slots. A scrape is answered all the same, before any
+/// timeout: a newer connection evicts the oldest still waiting for its request (counted), and
+/// an idle one is closed after `metrics.head_timeout_ms` (counted).
 #[test]
 fn security_idle_metrics_connections_give_way_to_a_scrape() {
     let runtime = KvbmRuntime::builder()
@@ -260,11 +260,11 @@ fn security_idle_metrics_connections_give_way_to_a_scrape() {
         .collect();
     // Both idle connections hold a slot; a scrape still gets in, at once.
     std::thread::sleep(Duration::from_millis(100));
-    let t = std::time::Instant::now();
     let response = http_get(addr, "/metrics");
     assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
-    assert!(t.elapsed() < Duration::from_millis(400), "{:?}", t.elapsed());
+    // It took an idle one's slot rather than waiting for a timeout.
     assert!(h.metrics_stats().evicted >= 1, "{:?}", h.metrics_stats());
+    assert_eq!(h.metrics_stats().timed_out, 0, "{:?}", h.metrics_stats());
     // The idle ones are closed: evicted, or after the head timeout (counted).
     let mut buf = [0u8; 16];
     for mut s in idle {
