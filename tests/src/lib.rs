@@ -4,11 +4,10 @@
 //! library holds shared helpers for them, most importantly how a test finds the real servers that
 //! `cargo xtask ci` starts (see [`services`]), and the fault injectors of the reliability tests
 //! (see [`faults`]), a reader of kvbm's Prometheus endpoint (see [`scrape`]), and waiting for
-//! a condition in a way that fails the test on timeout (see [`wait`]), and host layouts filled
-//! with a pattern and read back (see [`layouts`]).
+//! a condition in a way that fails the test on timeout (see [`wait`]). Host layouts filled with
+//! a pattern are `kvbm_physical::testing` (this crate may not depend on a kvbm crate).
 
 pub mod faults;
-pub mod layouts;
 pub mod scrape;
 pub mod services;
 pub mod wait;

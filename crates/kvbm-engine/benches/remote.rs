@@ -59,7 +59,7 @@ const B: InstanceId = InstanceId(0xb);
 
 /// 64 blocks of 8 layers × 2 × 16 × 512 × 2 bytes = 256 KiB.
 fn geometry() -> BlockLayout {
-    kvbm_tests::layouts::geometry(BLOCKS, 8, 512)
+    kvbm_physical::testing::geometry(BLOCKS, 8, 512)
 }
 
 fn hashes() -> Vec<SequenceHash> {

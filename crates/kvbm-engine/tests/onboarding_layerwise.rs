@@ -28,7 +28,7 @@ use common::{Gated, N, fill, manager};
 const LAYERS: usize = 4;
 
 fn geometry() -> BlockLayout {
-    kvbm_tests::layouts::geometry(N, LAYERS, 32)
+    kvbm_physical::testing::geometry(N, LAYERS, 32)
 }
 
 /// The bytes of layer `layer` of block `b` of a host layout.

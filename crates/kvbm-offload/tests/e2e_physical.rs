@@ -14,10 +14,10 @@ use kvbm_offload::policy::PresenceAndLFUFilter;
 use kvbm_offload::settlement::PipelineLane;
 use kvbm_offload::source::Precondition;
 use kvbm_offload::*;
+use kvbm_physical::testing::{bytes, fill};
 use kvbm_physical::{
     Backing, BlockLayout, DiskConfig, PhysicalLayout, PinPolicy, TransferManager, TransferOptions,
 };
-use kvbm_tests::layouts::{bytes, fill};
 
 fn geometry(n: usize) -> BlockLayout {
     common::geometry(n, 2, 64)

@@ -19,8 +19,8 @@ use kvbm_offload::mover::CallerAllocated;
 use kvbm_offload::settlement::PipelineLane;
 use kvbm_offload::source::Precondition;
 use kvbm_offload::*;
+use kvbm_physical::testing::{bytes, fill};
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
-use kvbm_tests::layouts::{bytes, fill};
 use parking_lot::Mutex;
 
 /// `n` destinations from `m`.

@@ -20,6 +20,8 @@ pub mod io;
 pub mod layout;
 pub mod nixl;
 pub mod storage;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod transfer;
 
 pub use error::{ErrorKind, PhysicalError, Result};

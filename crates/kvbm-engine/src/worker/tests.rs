@@ -9,7 +9,7 @@ use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy, TransferManager};
 use super::*;
 
 fn geometry(n: usize) -> BlockLayout {
-    kvbm_tests::layouts::geometry(n, 2, 16)
+    kvbm_physical::testing::geometry(n, 2, 16)
 }
 
 fn host(tm: &TransferManager, n: usize) -> kvbm_physical::LayoutHandle {

@@ -11,14 +11,14 @@ use kvbm_logical::{BlockManager, BlockRegistry, Tier};
 use kvbm_physical::BlockLayout;
 /// The workspace's test kit: fill a host layout with a pattern, read a block's bytes back.
 #[allow(unused_imports)] // each test binary uses its own subset
-pub(crate) use kvbm_tests::layouts::{bytes, fill};
+pub(crate) use kvbm_physical::testing::{bytes, fill};
 
 /// Blocks per layout and per block manager.
 pub(crate) const N: usize = 8;
 
 /// `N` blocks of 2 layers × 2 × 16 × `inner_dim` × 2 bytes, fully contiguous.
 pub(crate) fn geometry_with(inner_dim: usize) -> BlockLayout {
-    kvbm_tests::layouts::geometry(N, 2, inner_dim)
+    kvbm_physical::testing::geometry(N, 2, inner_dim)
 }
 
 /// [`geometry_with`] an inner dimension of 64.

@@ -18,12 +18,12 @@ use kvbm_offload::{
     BatchOutcome, BlockFailure, BlockFailureKind, ExternalBlock, MoveExecutor, OffloadPolicy,
     OffloadResult, Pipeline, PipelineBuilder, ResolvedBatch,
 };
+/// `n` blocks of `layers` × 2 × 16 × `inner_dim` × 2 bytes (the workspace's test kit).
+#[allow(unused_imports)] // each test binary uses its own subset
+pub(crate) use kvbm_physical::testing::geometry;
 use kvbm_physical::{
     BlockLayout, DiskConfig, LayoutHandle, PhysicalLayout, PinPolicy, TransferManager,
 };
-/// `n` blocks of `layers` × 2 × 16 × `inner_dim` × 2 bytes (the workspace's test kit).
-#[allow(unused_imports)] // each test binary uses its own subset
-pub(crate) use kvbm_tests::layouts::geometry;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, Semaphore};
 

@@ -26,7 +26,7 @@ const N: usize = 8;
 const A: InstanceId = InstanceId(0xa);
 
 fn geometry() -> BlockLayout {
-    kvbm_tests::layouts::geometry(N, 2, 64)
+    kvbm_physical::testing::geometry(N, 2, 64)
 }
 
 fn hashes(n: usize) -> Vec<SequenceHash> {
@@ -860,7 +860,7 @@ async fn security_client_pool_is_bounded_and_expires() {
 
 use crate::security::{Rejection, Role, RootKey, Security, SecurityConfig, TrustRoot};
 use kvbm_logical::{HashAlgorithm, TokenBlock};
-use kvbm_tests::layouts::bytes;
+use kvbm_physical::testing::bytes;
 use kvbm_tests::wait::{eventually_async, eventually_async_within};
 
 const B: InstanceId = InstanceId(0xb);

@@ -1,9 +1,10 @@
-//! Host layouts for tests: one block geometry, a per-block byte pattern to fill a layout with,
+//! Helpers for other crates' tests (feature `testing`; the workspace's test kit, `kvbm-tests`,
+//! may not depend on a kvbm crate, which uses it as a dev-dependency): host layouts for tests: one block geometry, a per-block byte pattern to fill a layout with,
 //! and a block's bytes read back. Tests compare bytes read after a move with bytes read from the
 //! layout they filled, so the pattern is arbitrary; it differs per block, layer position and
 //! `seed`, so a block landing in the wrong slot or a second run's bytes never compare equal.
 
-use kvbm_physical::{BlockLayout, LayoutKind, PhysicalLayout};
+use crate::{BlockLayout, LayoutKind, PhysicalLayout};
 
 /// `num_blocks` blocks of `layers` layers × 2 × 16 tokens × `inner_dim` × 2 bytes, fully
 /// contiguous.
