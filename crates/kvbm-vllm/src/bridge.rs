@@ -755,3 +755,11 @@ impl Contexts {
         Ok(())
     }
 }
+
+/// vLLM's `OffloadPolicy` value of a scope (`"chunk_level"` or `"request_level"`).
+pub(crate) fn scope_name(s: kvbm_tiering::OffloadScope) -> &'static str {
+    match s {
+        kvbm_tiering::OffloadScope::ChunkLevel => "chunk_level",
+        kvbm_tiering::OffloadScope::RequestLevel => "request_level",
+    }
+}

@@ -372,7 +372,7 @@ impl CpuManager {
             .cpu()?
             .on_new_request(&c)
             .map_err(to_py)?;
-        Ok(crate::tiering::scope_name(r.policy))
+        Ok(crate::bridge::scope_name(r.policy))
     }
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -188,7 +188,7 @@ impl DirectManager {
     fn on_new_request(&self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let c = self.contexts.get(ctx)?;
         let r = locked(&self.inner)?.on_new_request(&c).map_err(to_py)?;
-        Ok(crate::tiering::scope_name(r.policy))
+        Ok(crate::bridge::scope_name(r.policy))
     }
 
     fn on_request_finished(&self, ctx: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -207,14 +207,6 @@ impl ReleaseFlag for PyReleaseFlag {
     }
 }
 
-/// vLLM's `OffloadPolicy` value of a scope (`"chunk_level"` or `"request_level"`).
-pub(crate) fn scope_name(s: OffloadScope) -> &'static str {
-    match s {
-        OffloadScope::ChunkLevel => "chunk_level",
-        OffloadScope::RequestLevel => "request_level",
-    }
-}
-
 pub(crate) fn hit_source_name(s: CacheHitSource) -> &'static str {
     match s {
         CacheHitSource::Host => "host",
@@ -801,7 +793,7 @@ impl Parent {
         self.shared
             .make_request_context
             .bind(ctx.py())
-            .call1((scope_name(r.policy),))
+            .call1((crate::bridge::scope_name(r.policy),))
     }
 
     fn lookup(&self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
@@ -1104,7 +1096,7 @@ impl TieringManager {
     ) -> PyResult<&'static str> {
         let c = self.ctx(ctx)?;
         let r = self.run(ctx.py(), |m| Ok(m.on_new_request_excluding(&c, exclude)))?;
-        Ok(scope_name(r.policy))
+        Ok(crate::bridge::scope_name(r.policy))
     }
 
     #[pyo3(signature = (ctx, exclude = None))]

@@ -561,7 +561,7 @@ impl StorageTier {
     /// `"chunk_level"` or `"request_level"`.
     fn on_new_request(&mut self, ctx: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let c = self.contexts.get(ctx)?;
-        Ok(crate::tiering::scope_name(
+        Ok(crate::bridge::scope_name(
             self.tier()?.on_new_request(&c).policy,
         ))
     }

@@ -122,12 +122,16 @@ impl DirectDiskManager {
         for k in bad {
             match self.inner.chunk(&k) {
                 Some((_, 0)) => {
-                    if let Some(slot) = self.inner.discard(&k) {
-                        // Unlisted: the slot's bytes are not the key's.
-                        let _ = self
+                    // Unlisted: the slot's bytes are not the key's. If that fails it stays
+                    // listed: a restart holds it again and every read of it fails verification
+                    // again (never served); said, not hidden.
+                    if let Some(slot) = self.inner.discard(&k)
+                        && let Err(e) = self
                             .disk
                             .journal()
-                            .record(&[JournalRecord::Removed { slot: slot as u64 }]);
+                            .record(&[JournalRecord::Removed { slot: slot as u64 }])
+                    {
+                        tracing::warn!(slot, error = %e, "direct disk: unlisting a bad copy failed");
                     }
                 }
                 Some((_, n)) if n > 0 => self.to_discard.push(k),

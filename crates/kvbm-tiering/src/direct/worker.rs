@@ -23,9 +23,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use kvbm_offload::BlockFailureKind;
 use kvbm_physical::storage::DiskBlock;
 use kvbm_physical::storage::journal::JournalRecord;
-use kvbm_physical::{ErrorKind, PhysicalError};
 
 use super::{DirectDisk, key_identity};
 use crate::error::{Result, TieringError};
@@ -252,7 +252,7 @@ impl Shared {
                 for (r, k) in read.into_iter().zip(keys) {
                     if let Err(e) = &r {
                         tracing::warn!(key = %k, error = %e, "direct disk: chunk read failed");
-                        if is_bad_copy(e) {
+                        if BlockFailureKind::of_physical(e).drops_copy() {
                             bad.push(*k);
                         }
                     }
@@ -279,11 +279,6 @@ impl Shared {
             })
             .collect()
     }
-}
-
-/// Whether a failed read proves the slot's copy bad (dropped), rather than the read failing.
-fn is_bad_copy(e: &PhysicalError) -> bool {
-    matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::IdentityMismatch)
 }
 
 /// vLLM's `OffloadingWorker` for the direct disk path (module docs).
