@@ -2,5 +2,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    kvbm_engine::cluster::fuzzing::dataplane_request(data);
+    kvbm_cluster::fuzzing::dataplane_request(data);
 });

@@ -2,5 +2,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    kvbm_engine::cluster::fuzzing::rank_beat(data);
+    kvbm_cluster::fuzzing::rank_beat(data);
 });

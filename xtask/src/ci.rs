@@ -10,7 +10,7 @@
 //!
 //! The fuzz step installs cargo-fuzz when it is missing and builds the `fuzz/` crate on nightly
 //! (its own target directory; the physical decoders, and the cluster plane's through
-//! `kvbm_engine::cluster::fuzzing`); it fails on a crash or when libFuzzer reports no coverage
+//! `kvbm_cluster::fuzzing`); it fails on a crash or when libFuzzer reports no coverage
 //! growth. The soak runs two instances with every tier, random S3 errors and NATS
 //! restarts for 60 s ([`crate::soak`]).
 //!
@@ -27,17 +27,19 @@ use crate::{layering, run_step, services::Services};
 
 /// Extra `cargo clippy` runs with feature sets the workspace run does not see: (package,
 /// features; "" = the package's defaults alone, which the workspace's feature unification
-/// hides: kvbm-engine without `nats` must build and test warning-free for an embedder).
+/// hides: the engine's core and kvbm-cluster without `nats` must build and test warning-free
+/// for an embedder).
 const FEATURE_CHECKS: &[(&str, &str)] = &[
     ("kvbm-engine", ""),
+    ("kvbm-cluster", ""),
     ("kvbm-physical", "cuda"),
     ("kvbm-physical", "nixl"),
-    ("kvbm-engine", "nats,testing"),
+    ("kvbm-cluster", "nats,testing"),
 ];
 
 /// Features the workspace test run turns on: those whose tests need only the servers CI
 /// starts (not a GPU), so they run against them.
-pub(crate) const TEST_FEATURES: &str = "kvbm-engine/nats,kvbm-engine/testing";
+pub(crate) const TEST_FEATURES: &str = "kvbm-cluster/nats,kvbm-cluster/testing";
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

@@ -16,8 +16,8 @@
 //! | `sealed` | sealed messages: arbitrary bytes, and genuine ones partly overwritten |
 //!
 //! cargo-fuzz is installed once (`cargo install cargo-fuzz --locked`) when it is not on PATH.
-//! The cluster plane's targets reach the engine through `kvbm_engine::cluster::fuzzing`
-//! (hidden), so the fuzz crate builds kvbm-engine with `nats` and its whole tree (object_store,
+//! The cluster plane's targets reach the engine through `kvbm_cluster::fuzzing`
+//! (hidden), so the fuzz crate builds kvbm-cluster with `nats` and its whole tree (object_store,
 //! HTTP, TLS, NATS client) instrumented: a cold build takes many minutes on two cores; the
 //! target directory is kept between runs. `cargo xtask ci` runs every target for [`CI_SECS`]
 //! seconds; this command is the longer run.

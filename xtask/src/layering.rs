@@ -1,7 +1,8 @@
 //! `cargo xtask layering`: the crate layering rule, enforced from `cargo metadata`.
 //!
 //! ```text
-//!   layer 4   kvbm-cli          kvbm-vllm         (siblings)
+//!   layer 5   kvbm-cli          kvbm-vllm         (siblings)
+//!   layer 4   kvbm-cluster
 //!   layer 3   kvbm-engine
 //!   layer 2   kvbm-tiering
 //!   layer 1   kvbm-offload
@@ -20,11 +21,12 @@
 //! Any other workspace member is an error until it is placed in [`LAYERS`], so a new crate cannot
 //! slip past the rule.
 //!
-//! Inside `kvbm-engine` one more rule holds, by planes ([`check_planes`]): the core (the stack,
-//! leader, sessions, manager, moves, workers, runtime, configuration) never names the cluster
-//! plane (`crate::cluster`: control, NATS, the data plane, pub/sub, presence, shared G4); the
-//! cluster plane fills the core's seams. Only `lib.rs` (which declares both), `prelude.rs`,
-//! `testing.rs`, the binaries and the cluster's own files may name it.
+//! The engine's core (`kvbm-engine`: the tiers, leader, sessions, manager, moves, workers,
+//! runtime, configuration) and the cluster plane (`kvbm-cluster`: control, NATS, the data
+//! plane, pub/sub, presence, shared G4, security, the binaries) are two crates, so "the core
+//! never uses the cluster plane" is the rule above. One more rule keeps the core lean
+//! ([`CLUSTER_ONLY`]): no crate below the cluster plane depends (normally) on what only the
+//! cluster needs, the NATS client and the member keys' cryptography.
 
 use std::fmt;
 use std::process::Command;
@@ -39,9 +41,18 @@ pub(crate) const LAYERS: &[(&str, u8)] = &[
     ("kvbm-offload", 1),
     ("kvbm-tiering", 2),
     ("kvbm-engine", 3),
-    ("kvbm-cli", 4),
-    ("kvbm-vllm", 4),
+    ("kvbm-cluster", 4),
+    ("kvbm-cli", 5),
+    ("kvbm-vllm", 5),
 ];
+
+/// Third-party crates only the cluster plane may depend on (normal dependencies): the NATS
+/// client and the member keys' cryptography. A core that needed them would be the cluster plane
+/// again.
+pub(crate) const CLUSTER_ONLY: &[&str] = &["async-nats", "ed25519-dalek", "curve25519-dalek"];
+
+/// The cluster plane's crate: [`CLUSTER_ONLY`] holds below it.
+const CLUSTER: &str = "kvbm-cluster";
 
 /// The workspace test-support crate (dev-only below the top).
 const TEST_SUPPORT: &str = "kvbm-tests";
@@ -107,10 +118,18 @@ pub(crate) fn check(metadata: &Value) -> Result<Vec<Violation>> {
         }
         for dep in package["dependencies"].as_array().into_iter().flatten() {
             let to = dep["name"].as_str().unwrap_or_default();
+            let kind = dep["kind"].as_str().unwrap_or("normal").to_string();
             if !internal_names.contains(&to) {
+                if let Some(why) = cluster_only_violation(from, to, &kind) {
+                    violations.push(Violation {
+                        from: from.to_string(),
+                        to: to.to_string(),
+                        kind,
+                        why,
+                    });
+                }
                 continue;
             }
-            let kind = dep["kind"].as_str().unwrap_or("normal").to_string();
             if let Some(why) = edge_violation(from, to, &kind) {
                 violations.push(Violation {
                     from: from.to_string(),
@@ -157,61 +176,16 @@ fn edge_violation(from: &str, to: &str, kind: &str) -> Option<String> {
     })
 }
 
-/// The engine's source directory, relative to the workspace root.
-const ENGINE_SRC: &str = "crates/kvbm-engine/src";
-
-/// Files of `ENGINE_SRC` (relative, `/`-separated) that may name the cluster plane.
-fn may_name_cluster(rel: &str) -> bool {
-    rel == "lib.rs"
-        || rel == "prelude.rs"
-        || rel == "testing.rs"
-        || rel == "cluster.rs"
-        || rel.starts_with("cluster/")
-        || rel.starts_with("bin/")
-}
-
-/// Every line of the engine's core that names `crate::cluster`, as a violation (file and line).
-pub(crate) fn check_planes(src: &std::path::Path) -> Result<Vec<Violation>> {
-    let mut violations = Vec::new();
-    let mut stack = vec![src.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let entries =
-            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
-        for entry in entries {
-            let path = entry?.path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let rel = path
-                .strip_prefix(src)
-                .expect("walked from src")
-                .to_string_lossy()
-                .replace('\\', "/");
-            if may_name_cluster(&rel) {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            for (n, line) in text.lines().enumerate() {
-                if line.contains("crate::cluster") || line.contains("super::cluster") {
-                    violations.push(Violation {
-                        from: format!("kvbm-engine/src/{rel}:{}", n + 1),
-                        to: "crate::cluster".to_string(),
-                        kind: "module".to_string(),
-                        why: "the engine's core must not name the cluster plane; add a seam \
-                              the cluster fills instead"
-                            .to_string(),
-                    });
-                }
-            }
-        }
-    }
-    violations.sort_by(|a, b| a.from.cmp(&b.from));
-    Ok(violations)
+/// Why `from` may not depend on the third-party crate `to` with `kind`, or `None`.
+fn cluster_only_violation(from: &str, to: &str, kind: &str) -> Option<String> {
+    let (Some(lf), Some(lc)) = (layer_of(from), layer_of(CLUSTER)) else {
+        return None;
+    };
+    (lf < lc && kind == "normal" && CLUSTER_ONLY.contains(&to)).then(|| {
+        format!(
+            "`{to}` is the cluster plane's ({CLUSTER}); `{from}` is below it and must not carry it"
+        )
+    })
 }
 
 pub(crate) fn run() -> Result<()> {
@@ -227,15 +201,12 @@ pub(crate) fn run() -> Result<()> {
     }
     let metadata: Value =
         serde_json::from_slice(&output.stdout).context("parsing `cargo metadata` output")?;
-    let mut violations = check(&metadata)?;
-    let root = metadata["workspace_root"]
-        .as_str()
-        .context("metadata has no `workspace_root`")?;
-    violations.extend(check_planes(&std::path::Path::new(root).join(ENGINE_SRC))?);
+    let violations = check(&metadata)?;
     if violations.is_empty() {
         eprintln!(
-            "layering: ok ({} layered crates; the engine's core names no cluster plane)",
-            LAYERS.len()
+            "layering: ok ({} layered crates; no crate below {CLUSTER} carries {})",
+            LAYERS.len(),
+            CLUSTER_ONLY.join(", ")
         );
         return Ok(());
     }
@@ -374,28 +345,36 @@ mod tests {
     }
 
     #[test]
-    fn core_naming_the_cluster_plane_is_rejected_with_file_and_line() {
-        let dir = tempfile::tempdir().unwrap();
-        let src = dir.path();
-        std::fs::create_dir_all(src.join("stack")).unwrap();
-        std::fs::create_dir_all(src.join("cluster")).unwrap();
-        std::fs::write(src.join("lib.rs"), "pub mod cluster;\npub mod stack;\n").unwrap();
-        std::fs::write(
-            src.join("cluster/pubsub.rs"),
-            "use crate::cluster::transport::X;\n",
-        )
-        .unwrap();
-        std::fs::write(src.join("stack/mod.rs"), "use crate::leader::L;\n").unwrap();
-        assert!(check_planes(src).unwrap().is_empty());
-        std::fs::write(
-            src.join("stack/mod.rs"),
-            "use crate::leader::L;\nuse crate::cluster::pubsub::Bus;\n",
-        )
-        .unwrap();
-        let v = check_planes(src).unwrap();
+    fn the_core_carrying_a_cluster_only_crate_is_rejected() {
+        let bad = with_edge(
+            fixture("metadata-clean.json"),
+            "kvbm-engine",
+            "ed25519-dalek",
+            None,
+        );
+        let v = check(&bad).unwrap();
         assert_eq!(v.len(), 1, "{v:?}");
-        assert_eq!(v[0].from, "kvbm-engine/src/stack/mod.rs:2");
-        assert_eq!(v[0].kind, "module");
+        assert_eq!(
+            (v[0].from.as_str(), v[0].to.as_str()),
+            ("kvbm-engine", "ed25519-dalek")
+        );
+        assert!(v[0].why.contains("kvbm-cluster"), "{}", v[0]);
+        // As a dev-dependency (a test of the core may sign), and in the cluster plane itself,
+        // it is allowed.
+        let dev = with_edge(
+            fixture("metadata-clean.json"),
+            "kvbm-engine",
+            "ed25519-dalek",
+            Some("dev"),
+        );
+        assert_eq!(check(&dev).unwrap(), vec![]);
+        let cluster = with_edge(
+            fixture("metadata-clean.json"),
+            "kvbm-cluster",
+            "async-nats",
+            None,
+        );
+        assert_eq!(check(&cluster).unwrap(), vec![]);
     }
 
     #[test]

@@ -234,14 +234,14 @@ fn init_logging() {
 /// Before a cluster starts: the NATS url carries no credentials (it is printed and passed on
 /// the children's command lines; they go in `[transport.nats_auth]`, which children inherit
 /// through the environment or the `--config` file), and off loopback neither member nor NATS
-/// credentials are missing unless `security.insecure` (see `kvbm_engine::security`).
+/// credentials are missing unless `security.insecure` (see `kvbm_cluster::security`).
 fn cluster_checks(engine: &kvbm_engine::KvbmConfig, key: &str, url: &str) -> anyhow::Result<()> {
     kvbm_engine::config::check_nats_url(key, url)?;
     let insecure = engine.security.insecure;
     // Each child loads its own credential (`{instance}` in the path names it); here it is
     // enough that one is configured.
     if !engine.security.has_credentials() {
-        kvbm_engine::security::Security::Off.require_for(insecure, [url])?;
+        kvbm_cluster::security::Security::Off.require_for(insecure, [url])?;
     }
     engine.transport.nats_auth.require_for(url, insecure)?;
     Ok(())
@@ -305,7 +305,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let spec = replay::InstanceSpec {
                         index,
                         count,
-                        sharing: kvbm_engine::cluster::shared_g4::Sharing {
+                        sharing: kvbm_cluster::shared_g4::Sharing {
                             nats_url: url,
                             subject,
                             instance: index as u64 + 1,

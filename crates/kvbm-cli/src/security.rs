@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Subcommand;
+use kvbm_cluster::security::{Credential, Role, RootKey};
 use kvbm_engine::InstanceId;
-use kvbm_engine::security::{Credential, Role, RootKey};
 
 /// `kvbm security …`.
 #[derive(Debug, Subcommand)]

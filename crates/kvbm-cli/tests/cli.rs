@@ -916,9 +916,9 @@ fn security_init_issue_show_make_a_credential_and_never_overwrite_or_print_a_key
     assert!(!shown.contains(secret));
 
     // The credential is what the engine accepts under that root, and refuses under another.
-    let key = kvbm_engine::security::Credential::load(
+    let key = kvbm_cluster::security::Credential::load(
         &cred,
-        Some(&kvbm_engine::security::TrustRoot::from_hex(&trust_root).unwrap()),
+        Some(&kvbm_cluster::security::TrustRoot::from_hex(&trust_root).unwrap()),
     )
     .unwrap();
     assert_eq!(key.cert().rank, 3);

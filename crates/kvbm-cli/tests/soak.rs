@@ -71,13 +71,13 @@ fn soak_all_tiers_two_instances_with_random_s3_errors_and_nats_restarts() {
     // Authenticated (issue 23): one trust root, a leader credential per instance (ids 1 and 2,
     // as `--instances` numbers them), named by one `{instance}` path in the shared config; every
     // G4 event batch between the instances is sealed and checked.
-    let root = kvbm_engine::security::RootKey::generate().unwrap();
+    let root = kvbm_cluster::security::RootKey::generate().unwrap();
     let creds = dir.path().join("creds");
     std::fs::create_dir(&creds).unwrap();
     for id in 1..=2u64 {
         root.issue(
             kvbm_engine::InstanceId(id),
-            kvbm_engine::security::Role::Leader,
+            kvbm_cluster::security::Role::Leader,
             0,
             "soak",
             Duration::from_secs(86_400),

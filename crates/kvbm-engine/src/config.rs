@@ -70,6 +70,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
+mod security;
+
+pub use security::{SecurityConfig, is_loopback};
+
 /// Prefix of the environment variables that set configuration keys.
 pub const ENV_PREFIX: &str = "KVBM_";
 /// Environment variable naming the TOML configuration file.
@@ -105,7 +109,7 @@ pub struct KvbmConfig {
     /// `kvbm-engine-worker` processes it drives over NATS).
     pub workers: WorkersConfig,
     /// `[security]`: the trust root, this member's credential, and the insecure opt-out.
-    pub security: crate::security::SecurityConfig,
+    pub security: SecurityConfig,
     /// `[replay]`: owned by `kvbm-cli` (a layer above this crate), which parses and validates
     /// it; carried here unparsed so one file configures both. Absent by default.
     pub replay: Option<Value>,
@@ -775,7 +779,7 @@ impl NatsAuthConfig {
     /// [`EngineError::Config`] naming `transport.nats_auth` and the server (never a secret).
     pub fn require_for(&self, urls: &str, insecure: bool) -> Result<()> {
         let servers = || urls.split(',').map(str::trim).filter(|u| !u.is_empty());
-        let Some(open) = servers().find(|u| !crate::security::is_loopback(u)) else {
+        let Some(open) = servers().find(|u| !is_loopback(u)) else {
             return Ok(());
         };
         let open = redact_url(open);

@@ -3,11 +3,13 @@
 //! ([`SessionError`], with the [`Phase`] and [`SessionFailure`] it reports).
 //!
 //! This module is at the bottom of the crate: it imports only the lower crates and
-//! [`crate::address`], so every module can return these errors without an import cycle.
+//! `crate::address`, so every module can return these errors without an import cycle.
 //!
 //! Configuration errors carry the dotted key they are about (`offload.g2_to_g3.queue_capacity`)
 //! so an operator can find the line to fix; errors of the crates below are wrapped, not
 //! flattened into strings, so callers can still match on them.
+
+use std::path::PathBuf;
 
 use kvbm_logical::{LogicalError, TierId};
 use kvbm_offload::{BlockFailure, BlockFailureKind};
@@ -16,6 +18,35 @@ use crate::address::{RankAddress, WorkerAddress};
 
 /// Result alias of this crate.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Attaches the step that failed to an error for a step of the stack or of a composition over it: on error, an
+/// [`EngineError::Stack`] naming the step, the original error kept as its source.
+pub trait Context<T> {
+    /// On error, a [`EngineError::Stack`] for `what` caused by the error.
+    fn context(self, what: impl Into<String>) -> Result<T>;
+    /// As [`context`](Self::context), with the step's text made only on error.
+    fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T>;
+}
+
+impl<T, E: std::error::Error + Send + Sync + 'static> Context<T> for std::result::Result<T, E> {
+    fn context(self, what: impl Into<String>) -> Result<T> {
+        self.map_err(|e| EngineError::stack_caused(what, e))
+    }
+
+    fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
+        self.map_err(|e| EngineError::stack_caused(what(), e))
+    }
+}
+
+impl<T> Context<T> for Option<T> {
+    fn context(self, what: impl Into<String>) -> Result<T> {
+        self.ok_or_else(|| EngineError::stack(what))
+    }
+
+    fn with_context<S: Into<String>>(self, what: impl FnOnce() -> S) -> Result<T> {
+        self.ok_or_else(|| EngineError::stack(what()))
+    }
+}
 
 /// Everything that can go wrong in the engine.
 #[derive(Debug, thiserror::Error)]
@@ -80,7 +111,7 @@ pub enum EngineError {
     /// A credential, key or security setting was refused, or a cluster without credentials
     /// was asked to run off loopback.
     #[error("security: {0}")]
-    Security(#[from] crate::security::SecurityError),
+    Security(#[from] SecurityError),
     /// A peer's snapshot request could not be answered or its answer read.
     #[error("snapshot of {peer}: {message}")]
     Snapshot {
@@ -415,4 +446,66 @@ pub enum SessionError {
     /// The session was aborted before or while the operation ran.
     #[error("onboarding session aborted")]
     Aborted,
+}
+
+/// Why a credential, key or sealed message was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SecurityError {
+    /// A key, certificate or credential file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A key, certificate or credential is malformed or inconsistent; the text says what.
+    #[error("{0}")]
+    Invalid(String),
+    /// A message was refused; the kind is also counted in `kvbm_cluster::security::SecurityStats`.
+    #[error("message refused: {0}")]
+    Rejected(Rejection),
+    /// The operating system's random source failed.
+    #[error("random source: {0}")]
+    Random(String),
+}
+
+/// Why a sealed message was dropped (each kind has a counter in `kvbm_cluster::security::SecurityStats`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Rejection {
+    /// Not a sealed message, or cut short, or trailing bytes.
+    Malformed,
+    /// The certificate is not signed by this cluster's trust root.
+    NotMember,
+    /// The certificate has expired.
+    Expired,
+    /// The sender belongs to another namespace (tenant).
+    OtherNamespace,
+    /// The signature does not match the message under the sender's key and this context.
+    BadSignature,
+    /// The timestamp is further from this receiver's clock than the allowed skew.
+    Stale,
+    /// This sequence number from this sender was already accepted, or is older than the window.
+    Replayed,
+    /// The sender is a member but may not say this (wrong role, or speaking for another
+    /// instance or rank). Counted by the caller through kvbm-cluster's
+    /// `SecurityStats::count`.
+    NotAllowed,
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Rejection::Malformed => "malformed sealed message",
+            Rejection::NotMember => "certificate not signed by the trust root",
+            Rejection::Expired => "certificate expired",
+            Rejection::OtherNamespace => "sender is in another namespace",
+            Rejection::BadSignature => "bad signature",
+            Rejection::Stale => "timestamp outside the allowed clock skew",
+            Rejection::Replayed => "sequence number replayed",
+            Rejection::NotAllowed => "sender may not say this",
+        })
+    }
 }

@@ -6,26 +6,21 @@ compile_error!(
      see the crate docs)"
 );
 
-// The core: one instance's tiers, leader, sessions, manager and moves. Nothing here imports
-// `cluster` (checked by `cargo xtask layering`).
+// One instance's tiers, leader, sessions, manager and moves. The cluster plane (control, NATS,
+// the data plane, pub/sub, presence, security, the binaries) is the kvbm-cluster crate above.
 mod address;
 #[cfg(feature = "collectives")]
 pub mod collectives;
 pub mod config;
 pub mod cross_instance;
-mod error;
+pub mod error;
 pub mod leader;
 pub mod manager;
 pub mod metrics;
 pub mod mover;
 pub mod runtime;
-pub mod security;
 pub mod stack;
 pub mod worker;
-
-// The cluster plane: control, NATS, the data plane, pub/sub, presence, shared G4, and the
-// instance the binaries run. It builds on the core, never the other way.
-pub mod cluster;
 
 #[cfg(feature = "testing")]
 pub mod testing;

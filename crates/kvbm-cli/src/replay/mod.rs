@@ -1,9 +1,9 @@
 //! `kvbm replay`: serve a workload through every tier, like an inference scheduler would.
 //!
 //! ```text
-//!  workload (trace | synthetic) ──► per request: sequence hashes ──► Tiers::serve ──► counters
+//!  workload (trace | synthetic) ──► per request: sequence hashes ──► TierStack::serve ──► counters
 //!                                                                     (tiers.rs: the seam)
-//!  end: Tiers::finish (drain lanes, sync G3, write its manifest) ──► Report (table | JSON)
+//!  end: TierStack::finish (drain lanes, sync G3, write its manifest) ──► Report (table | JSON)
 //! ```
 //!
 //! Requests are served one after another on this thread (the offload lanes run on a small
@@ -26,7 +26,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvbm_logical::Salt;
 
 use crate::config::{CliConfig, Scheduler, ScratchDir};
-use kvbm_engine::cluster::shared_g4::Sharing;
+use kvbm_cluster::shared_g4::Sharing;
 use kvbm_engine::stack::{FrontEnd, PATH_NAMES, StackPlan, TierStack};
 use report::{Report, TierReport};
 

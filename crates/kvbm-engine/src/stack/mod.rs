@@ -21,7 +21,7 @@
 //! ```
 //!
 //! The tiers, the journal, the warm listing, the leader, the movers and the G2→G4 lane are
-//! built by `tiers` (`Tiers::build`, crate-private): the one builder of tiers, which the
+//! built by `tiers` (`TierSet::build`, crate-private): the one builder of tiers, which the
 //! cluster plane's instance (`cluster::instance::InstanceBuilder::build`, feature `nats`) calls
 //! too, with its own geometry, pinning and event sink. What is the stack's alone (the G1→G2 and
 //! G2→G3 lanes, the front ends, the read-ahead, the runtimes) is built here.
@@ -80,13 +80,13 @@ pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 use lanes::{Handoffs, enqueue_from_sink, lane_policy};
 use read_ahead::ReadAhead;
-pub use tiers::open_g4_storage;
 use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
 };
-pub(crate) use tiers::{Movers, TierPlan, TierSinks, Tiers};
-#[cfg(feature = "nats")]
-pub(crate) use tiers::{RankTiers, discard_poisoned, discard_rejected, list_g4};
+pub use tiers::{
+    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, discard_poisoned, list_g4,
+    open_g4_storage,
+};
 
 pub(crate) mod context;
 mod counters;
@@ -115,7 +115,7 @@ pub struct TierStack {
     /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
     leader: Option<InstanceLeader>,
     /// The paths sessions move blocks through, and what they report.
-    movers: Option<Movers>,
+    movers: Option<TierMovers>,
     onboard: Arc<OnboardShared>,
     g3: Option<G3Tier>,
     g4: Option<G4Tier>,
@@ -229,9 +229,9 @@ impl TierStack {
             None => None,
         };
         // Every tier, its journal and warm listing, the leader and the movers: built as every
-        // composition builds them ([`Tiers::build`]).
+        // composition builds them ([`TierSet::build`]).
         let events = runtime.handle();
-        let built = rt.block_on(Tiers::build(TierPlan {
+        let built = rt.block_on(TierSet::build(TierSetPlan {
             config: cfg,
             runtime: &events,
             shape: Box::new(move |n| geometry(n, b)),
@@ -265,7 +265,7 @@ impl TierStack {
             let _guard = rt.enter();
             built.g2_to_g3_lane(&cfg.offload.g2_to_g3)?.map(Arc::new)
         };
-        let Tiers {
+        let TierSet {
             tm,
             registry,
             counters,

@@ -1,21 +1,21 @@
-//! The tiers of one instance, and the one way they are built ([`Tiers::build`]): the host
+//! The tiers of one instance, and the one way they are built ([`TierSet::build`]): the host
 //! layouts of G1/G2, the G3 disk file with its journal (warm restart) and checksums, the G4
 //! object store with its warm listing, all registered on one `TransferManager`; the block
 //! managers over them (one registry); the [`InstanceLeader`] over G2..G4; and the movers
 //! G3→G2, G4→G2, G2→G1 with their checks. Both compositions call it: the
 //! [`TierStack`](super::TierStack) (`TierStack::build`) and the cluster plane's instance
-//! (`cluster::instance::InstanceBuilder::build`, feature `nats`); each adds what is its own
+//! (kvbm-cluster's `instance::InstanceBuilder::build`); each adds what is its own
 //! on top (the stack its lanes, front end and read-ahead; the instance its data plane, events
 //! and presence).
 //!
 //! ```text
-//!  TierPlan: [tiers] [physical] [logical] [leader]   one TransferManager, one BlockRegistry
+//!  TierSetPlan: [tiers] [physical] [logical] [leader]   one TransferManager, one BlockRegistry
 //!            shape (geometry of n blocks), pins  ──► G1 host ─ G2 host ─ G3 disk ─ G4 objects
 //!            sinks (G2..G4 events)                   G3: DiskJournal::open → listed blocks
 //!            contents, identities, remote                registered, their checksums kept
 //!                                                    G4: every block object listed, present
 //!                                                ──► InstanceLeader (G2..G4, remote search)
-//!                                                ──► Movers: G3ToG2 (journal checksum),
+//!                                                ──► TierMovers: G3ToG2 (journal checksum),
 //!                                                    G4ToG2 (header), G2ToG1 (Contents)
 //!                                                ──► g2_to_g4_lane (the object pipeline)
 //! ```
@@ -53,7 +53,6 @@ use parking_lot::Mutex;
 use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
 use crate::leader::{InstanceLeader, RemoteSearch};
-#[cfg(feature = "nats")]
 use crate::mover::BlockMove;
 use crate::runtime::{EventSource, RuntimeHandle};
 
@@ -69,16 +68,18 @@ use super::counters::Counters;
 /// Where each lower tier's block manager publishes its stored/removed events (none: not
 /// published). G1 publishes nothing.
 #[derive(Default, Clone)]
-pub(crate) struct TierSinks {
-    pub(crate) g2: Option<Arc<dyn EventSink>>,
-    pub(crate) g3: Option<Arc<dyn EventSink>>,
-    pub(crate) g4: Option<Arc<dyn EventSink>>,
+pub struct TierSinks {
+    /// G2's sink.
+    pub g2: Option<Arc<dyn EventSink>>,
+    /// G3's sink.
+    pub g3: Option<Arc<dyn EventSink>>,
+    /// G4's sink.
+    pub g4: Option<Arc<dyn EventSink>>,
 }
 
 impl TierSinks {
     /// The same sink for G2, G3 and G4.
-    #[cfg(feature = "nats")]
-    pub(crate) fn all(sink: Arc<dyn EventSink>) -> Self {
+    pub fn all(sink: Arc<dyn EventSink>) -> Self {
         TierSinks {
             g2: Some(sink.clone()),
             g3: Some(sink.clone()),
@@ -88,32 +89,32 @@ impl TierSinks {
 }
 
 /// How a tier of `n` blocks is laid out (the geometry of one block, `n` of them).
-pub(crate) type Shape = Box<dyn Fn(usize) -> Result<BlockLayout> + Send + Sync>;
+pub type Shape = Box<dyn Fn(usize) -> Result<BlockLayout> + Send + Sync>;
 
-/// What [`Tiers::build`] builds from: the configuration tree and what is not configuration.
-pub(crate) struct TierPlan<'a> {
+/// What [`TierSet::build`] builds from: the configuration tree and what is not configuration.
+pub struct TierSetPlan<'a> {
     /// `[tiers]` (blocks per tier; 0: no such tier), `[physical]` (G3's file, G4's store,
     /// the transfer manager), `[logical]`, `[leader]`.
-    pub(crate) config: &'a KvbmConfig,
+    pub config: &'a KvbmConfig,
     /// The runtime whose event-flush timer every manager is put under.
-    pub(crate) runtime: &'a RuntimeHandle,
+    pub runtime: &'a RuntimeHandle,
     /// The layout of a tier of `n` blocks.
-    pub(crate) shape: Shape,
+    pub shape: Shape,
     /// Pinning of the G1 and G2 host layouts.
-    pub(crate) pin: [PinPolicy; 2],
+    pub pin: [PinPolicy; 2],
     /// Where G2..G4 publish their events.
-    pub(crate) sinks: TierSinks,
+    pub sinks: TierSinks,
     /// Checks every block reaching G1 (none: G2→G1 copies unchecked; the tiers below have
     /// checked their reads already).
-    pub(crate) contents: Option<Arc<dyn Contents>>,
+    pub contents: Option<Arc<dyn Contents>>,
     /// Identities of blocks a tier knows only by name.
-    pub(crate) identities: Arc<Identities>,
+    pub identities: Arc<Identities>,
     /// How the leader searches beyond this instance's tiers.
-    pub(crate) remote: Option<RemoteSearch>,
+    pub remote: Option<RemoteSearch>,
 }
 
 /// The onboarding paths: what sessions and promotions move blocks through.
-pub(crate) struct Movers {
+pub struct TierMovers {
     pub(crate) g3_to_g2: Option<Arc<G3ToG2>>,
     pub(crate) g4_to_g2: Option<Arc<G4ToG2>>,
     pub(crate) g2_to_g1: Arc<G2ToG1>,
@@ -121,30 +122,31 @@ pub(crate) struct Movers {
 
 /// The movers as the engine's move seams: what the cluster plane's instance hands its
 /// sessions (the in-process stack uses the concrete types).
-#[cfg(feature = "nats")]
-impl Movers {
+impl TierMovers {
     /// G3→G2 as the engine's move seam.
-    pub(crate) fn g3_to_g2(&self) -> Option<Arc<dyn BlockMove<G3, G2>>> {
+    pub fn g3_to_g2(&self) -> Option<Arc<dyn BlockMove<G3, G2>>> {
         self.g3_to_g2
             .clone()
             .map(|m| m as Arc<dyn BlockMove<G3, G2>>)
     }
 
     /// G4→G2 as the engine's move seam.
-    pub(crate) fn g4_to_g2(&self) -> Option<Arc<dyn BlockMove<G4, G2>>> {
+    pub fn g4_to_g2(&self) -> Option<Arc<dyn BlockMove<G4, G2>>> {
         self.g4_to_g2
             .clone()
             .map(|m| m as Arc<dyn BlockMove<G4, G2>>)
     }
 
     /// G2→G1 as the engine's move seam.
-    pub(crate) fn g2_to_g1(&self) -> Arc<dyn BlockMove<G2, G1>> {
+    pub fn g2_to_g1(&self) -> Arc<dyn BlockMove<G2, G1>> {
         self.g2_to_g1.clone()
     }
 }
 
-/// Every tier of one instance, built by [`Tiers::build`] (see the [module docs](self)).
-pub(crate) struct Tiers {
+/// Every tier of one instance, built by [`TierSet::build`]: layouts on one transfer manager,
+/// managers on one registry, the G3 journal (warm restart), the G4 listing, the leader over
+/// G2..G4 and the checked movers; the G2→G3 and G2→G4 lanes on request.
+pub struct TierSet {
     /// The transfer manager every tier's layout is registered with (a layout is registered in
     /// one manager only, so its claims keep two transfers off one block across every move).
     pub(crate) tm: Arc<TransferManager>,
@@ -165,15 +167,14 @@ pub(crate) struct Tiers {
     /// The model fingerprint G3's journal and G4's paths are scoped by
     /// ([`KvbmConfig::fingerprint`] of the tiers' geometry). Read by the cluster plane's
     /// instance (its data plane's scope).
-    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) fingerprint: ModelFingerprint,
     /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
     pub(crate) leader: Option<InstanceLeader>,
     /// The onboarding movers (none without G2).
-    pub(crate) movers: Option<Movers>,
+    pub(crate) movers: Option<TierMovers>,
 }
 
-impl Tiers {
+impl TierSet {
     /// Builds every tier with blocks in `[tiers]`, loads what persistent G3 (its journal) and
     /// G4 (a listing, 60 s at most) hold, and builds the leader and the movers over them.
     ///
@@ -183,7 +184,7 @@ impl Tiers {
     /// [`EngineError::Stack`] naming the step for storage that cannot be created, opened,
     /// listed or reached; [`EngineError::Physical`] / [`EngineError::Offload`] when a layout or
     /// mover cannot be set up.
-    pub(crate) async fn build(plan: TierPlan<'_>) -> Result<Tiers> {
+    pub async fn build(plan: TierSetPlan<'_>) -> Result<TierSet> {
         let cfg = plan.config;
         let tiers = &cfg.tiers;
         if tiers.g2_blocks == 0 && (tiers.g3_blocks > 0 || tiers.g4_blocks > 0) {
@@ -327,7 +328,7 @@ impl Tiers {
                     .build()
                     .context("cannot build the instance leader")?,
             );
-            movers = Some(Movers {
+            movers = Some(TierMovers {
                 g3_to_g2: match &g3 {
                     Some(g3t) => Some(Arc::new(G3ToG2::new(
                         &BoundTier::new(tm.clone(), g3t.handle, g3t.manager.clone())?,
@@ -362,7 +363,7 @@ impl Tiers {
                 )?),
             });
         }
-        Ok(Tiers {
+        Ok(TierSet {
             tm,
             registry,
             counters,
@@ -379,17 +380,61 @@ impl Tiers {
         })
     }
 
+    /// Takes the leader over G2, G3 and G4 (none without G2, or when taken already): a
+    /// composition that owns the leader itself (the cluster plane's instance) takes it once.
+    pub fn take_leader(&mut self) -> Option<InstanceLeader> {
+        self.leader.take()
+    }
+
+    /// Takes the onboarding movers (none without G2, or when taken already).
+    pub fn take_movers(&mut self) -> Option<TierMovers> {
+        self.movers.take()
+    }
+
+    /// The model fingerprint G3's journal and G4's paths are scoped by
+    /// ([`KvbmConfig::fingerprint`] of the tiers' geometry).
+    pub fn fingerprint(&self) -> ModelFingerprint {
+        self.fingerprint
+    }
+
+    /// G1's manager and host layout (where onboarded blocks land).
+    pub fn g1(&self) -> (&Arc<BlockManager<G1>>, &Arc<PhysicalLayout>) {
+        (&self.g1.manager, &self.g1.layout)
+    }
+
+    /// G2's manager and host layout (none without G2).
+    pub fn g2(&self) -> Option<(&Arc<BlockManager<G2>>, &Arc<PhysicalLayout>)> {
+        self.g2.as_ref().map(|t| (&t.manager, &t.layout))
+    }
+
+    /// G4's object store (none without G4).
+    pub fn g4_storage(&self) -> Option<&Arc<ObjectStorage>> {
+        self.g4.as_ref().map(|t| &t.storage)
+    }
+
+    /// Drops every copy G3 or G4 rejected on an earlier read once nothing holds it (a copy
+    /// still held stays rejected until a later call), so it is neither matched nor read again.
+    pub fn discard_rejected(&self) {
+        discard_rejected(self.g3.as_ref(), self.g4.as_ref());
+    }
+
+    /// Forgets the hashes the movers recorded as failed (kept for a caller that recomputes
+    /// from the first one; one that reports refusals through its session has no use for them).
+    pub fn forget_failed(&self) {
+        self.onboard.failed.lock().clear();
+    }
+
     /// The G2→G3 lane (none without G2 or G3): kvbm-offload's pipeline over the block move
     /// into G3's bound tier, configured by `config` (`[offload.g2_to_g3]`: blocks already
     /// present below filtered out, then the configured policies; a batch that finds G3 full of
     /// held blocks waits `room_patience` for room, then drops). Each written block is listed in
-    /// G3's journal with the checksum of the bytes read from G2 ([`RecordingG3Executor`]), so
+    /// G3's journal with the checksum of the bytes read from G2 (`RecordingG3Executor`), so
     /// a restart finds it and a read checks it; its bytes are counted on `G2_TO_G3`. Spawns on
     /// the current tokio runtime.
     ///
     /// # Errors
     /// [`EngineError::Stack`] when the pipeline cannot be started.
-    pub(crate) fn g2_to_g3_lane(&self, config: &PipelineConfig) -> Result<Option<Pipeline<G2>>> {
+    pub fn g2_to_g3_lane(&self, config: &PipelineConfig) -> Result<Option<Pipeline<G2>>> {
         let (Some(g2t), Some(g3t)) = (&self.g2, &self.g3) else {
             return Ok(None);
         };
@@ -423,7 +468,7 @@ impl Tiers {
     ///
     /// # Errors
     /// [`EngineError::Stack`] when the pipeline cannot be started.
-    pub(crate) fn g2_to_g4_lane(
+    pub fn g2_to_g4_lane(
         &self,
         config: &ObjectPipelineConfig,
         owner: Option<String>,
@@ -465,20 +510,21 @@ impl Tiers {
 /// keeps its slice of every block under its own directory
 /// ([`KvbmConfig::rank_object_config`]), named by the block, so G4's block ids are bookkeeping
 /// only, as in the stack.
-#[cfg(feature = "nats")]
-pub(crate) struct RankTiers {
-    pub(crate) g1: Arc<BlockManager<G1>>,
-    pub(crate) g2: Arc<BlockManager<G2>>,
-    pub(crate) g3: Option<Arc<BlockManager<G3>>>,
+pub struct RankTiers {
+    /// G1's bookkeeping (where onboarded blocks land).
+    pub g1: Arc<BlockManager<G1>>,
+    /// G2's bookkeeping.
+    pub g2: Arc<BlockManager<G2>>,
+    /// G3's bookkeeping (with `tiers.g3_blocks`; cold at start: the journal is each rank's).
+    pub g3: Option<Arc<BlockManager<G3>>>,
     /// G4's bookkeeping (with `tiers.g4_blocks`), the blocks listed at start registered.
-    pub(crate) g4: Option<Arc<BlockManager<G4>>>,
-    /// The model fingerprint of `geometry` ([`KvbmConfig::fingerprint`]), as [`Tiers`] has.
-    pub(crate) fingerprint: ModelFingerprint,
+    pub g4: Option<Arc<BlockManager<G4>>>,
+    /// The model fingerprint of `geometry` ([`KvbmConfig::fingerprint`]), as [`TierSet`] has.
+    pub fingerprint: ModelFingerprint,
     /// The leader over G2, G3 and G4.
-    pub(crate) leader: InstanceLeader,
+    pub leader: InstanceLeader,
 }
 
-#[cfg(feature = "nats")]
 impl RankTiers {
     /// The managers of `[tiers]` (G1 and G2 required, G3 and G4 optional) on one registry,
     /// their events flushed by `runtime`, G4 holding `g4_listed` (the blocks every rank's
@@ -488,7 +534,7 @@ impl RankTiers {
     /// # Errors
     /// [`EngineError::Config`] naming `tiers.g1_blocks`/`tiers.g2_blocks` (0);
     /// [`EngineError::Stack`] when a manager or the leader cannot be built.
-    pub(crate) fn build(
+    pub fn build(
         cfg: &KvbmConfig,
         runtime: &RuntimeHandle,
         geometry: &BlockLayout,
@@ -569,7 +615,7 @@ pub(crate) fn discard_rejected(g3: Option<&G3Tier>, g4: Option<&G4Tier>) {
 
 /// Drops each of `poisoned` from `manager` once nothing holds it (then forgets it); one still
 /// held stays poisoned for a later call.
-pub(crate) fn discard_poisoned<T: Tier>(
+pub fn discard_poisoned<T: Tier>(
     manager: &BlockManager<T>,
     poisoned: &Mutex<HashSet<SequenceHash>>,
 ) {
@@ -800,7 +846,7 @@ pub async fn open_g4_storage(
 }
 
 /// Every block object under `storage`'s namespace (60 s at most): what a warm start finds.
-pub(crate) async fn list_g4(storage: &ObjectStorage, describe: &str) -> Result<Vec<SequenceHash>> {
+pub async fn list_g4(storage: &ObjectStorage, describe: &str) -> Result<Vec<SequenceHash>> {
     tokio::time::timeout(Duration::from_secs(60), list_blocks(storage))
         .await
         .map_err(|_| stack_error!("listing G4 ({describe}) timed out after 60 s"))?

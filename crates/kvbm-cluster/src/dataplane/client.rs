@@ -1,0 +1,761 @@
+//! [`DataPlaneClient`]: pulls blocks from other instances' data-plane servers into local G2.
+//!
+//! Each payload is read straight into the destination block's host memory (the caller
+//! allocated it, so the slot is exclusively ours until it is registered or dropped), then
+//! checksummed against the frame header; only verified blocks are completed and registered.
+//! A payload is read in one vectored read together with the next frame's header (its size is
+//! fixed and a response's frame count known), so a frame costs the kernel one receive, not
+//! two; that header is still checked, tag first, before any byte of its own payload is read.
+//! Connections are reused: one returns to a small per-peer idle pool only after a response
+//! was read in full and verified; any failure drops it.
+//!
+//! Bounds: the pool keeps connections of at most `max_idle_peers` addresses (least recently
+//! used evicted, [`ClientStats::pool_evictions`]), `max_idle_per_peer` each, none reused once
+//! older than `idle_expiry` (expired ones are closed whenever the pool is touched); one whole
+//! request must finish within `pull_deadline` ([`ClientStats::deadlines_exceeded`]). At most
+//! `max_connections_per_peer` pulls run at once against one peer address (the server's
+//! per-peer cap, so a well-behaved client queues rather than being refused); the rest wait for
+//! a permit. The pool's mutex and the permits' mutex are leaves, each taken only briefly and
+//! never across an `.await` (a permit is awaited after its mutex is released).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use kvbm_logical::{BlockDigest, BlockManager, CompleteBlock, G2, MutableBlock, SequenceHash};
+use kvbm_physical::PhysicalLayout;
+use kvbm_physical::checksum::checksum_slices;
+use kvbm_physical::identity::scoped_geometry_digest;
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::handshake::{self, Session};
+use super::wire::{
+    self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead, TAG_LEN, VERSION, VERSION_AUTH,
+};
+use super::{DataPlaneConfig, PeerDirectory};
+use crate::security::{Rejection, Security};
+use kvbm_engine::InstanceId;
+use kvbm_engine::cross_instance::RemotePull;
+use kvbm_engine::error::{EngineError, Result};
+use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
+
+/// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::dataplane).
+pub struct DataPlaneClient {
+    manager: Arc<BlockManager<G2>>,
+    layout: Arc<PhysicalLayout>,
+    peers: Arc<PeerDirectory>,
+    config: DataPlaneConfig,
+    geometry: u64,
+    block_bytes: usize,
+    idle: Mutex<Pool>,
+    /// Permits for pulls in flight per peer address; an entry nobody holds or awaits is
+    /// removed when the map is next touched.
+    in_flight: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
+    deadlines_exceeded: AtomicU64,
+    pool_evictions: AtomicU64,
+    security: Arc<Security>,
+    handshakes_refused: AtomicU64,
+    tags_refused: AtomicU64,
+}
+
+/// A frame header, and its tag when authenticated.
+type RawHeader = [u8; FRAME_HEADER_LEN + TAG_LEN];
+
+/// One connection to a peer: authenticated (a session with the leader of the instance it
+/// is pooled under) or not.
+struct Conn {
+    stream: TcpStream,
+    session: Option<Session>,
+}
+
+/// Idle connections by peer (address and the instance pulled from there: an authenticated
+/// connection is reused only for the instance it proved to be): each with when it was given
+/// back; per peer, when it was last used (for the least-recently-used eviction).
+#[derive(Default)]
+struct Pool {
+    peers: HashMap<(SocketAddr, InstanceId), PeerIdle>,
+}
+
+/// One peer's entry: when it was last used, and its idle connections with when each was
+/// given back.
+type PeerIdle = (Instant, Vec<(Conn, Instant)>);
+
+impl Pool {
+    /// Closes the connections idle longer than `expiry`, and forgets peers left with none.
+    fn prune(&mut self, now: Instant, expiry: std::time::Duration) {
+        self.peers.retain(|_, (_, v)| {
+            v.retain(|(_, at)| now.duration_since(*at) < expiry);
+            !v.is_empty()
+        });
+    }
+}
+
+/// A copy of a [`DataPlaneClient`]'s counters and pool size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Requests that did not finish within the pull deadline (their blocks failed `Timeout`).
+    pub deadlines_exceeded: u64,
+    /// Peers whose idle connections were closed to make room for another peer's.
+    pub pool_evictions: u64,
+    /// Peers with idle connections in the pool now.
+    pub idle_peers: usize,
+    /// Idle connections in the pool now.
+    pub idle_connections: usize,
+    /// Connections refused during the authenticated handshake (security on): the server is
+    /// not a member of this namespace, not the instance asked for, did not prove its key, or
+    /// does not speak the authenticated protocol. Nothing was requested from it.
+    pub handshakes_refused: u64,
+    /// Response heads and frames whose tag did not verify (tampered, replayed or reordered):
+    /// the request failed, nothing of it after the bad frame was registered.
+    pub tags_refused: u64,
+}
+
+impl std::fmt::Debug for DataPlaneClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlaneClient")
+            .field("block_bytes", &self.block_bytes)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a whole request failed (every block not yet settled fails with it).
+struct RequestFailed {
+    failure: BlockFailure,
+    /// Nothing of the response was read: a stale pooled connection may be the cause.
+    before_response: bool,
+}
+
+impl DataPlaneClient {
+    /// A client pulling into `manager`'s blocks, whose bytes live in the host `layout`
+    /// (indexed by block id), finding peers in `peers`.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `layout` is not host memory or has fewer slots than the
+    /// manager.
+    pub fn new(
+        config: DataPlaneConfig,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+        peers: Arc<PeerDirectory>,
+    ) -> Result<Self> {
+        Self::new_secured(config, manager, layout, peers, Arc::new(Security::Off))
+    }
+
+    /// [`new`](Self::new) with this member's `security`: when on, each new connection runs
+    /// the authenticated handshake first and pulls only from a leader of this namespace that
+    /// proves to be the instance asked for; every head and frame is tagged.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn new_secured(
+        config: DataPlaneConfig,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+        peers: Arc<PeerDirectory>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
+        wire::check_host(&layout)?;
+        let c = *layout.layout().config();
+        if c.num_blocks < manager.total_blocks() {
+            return Err(EngineError::config(
+                "dataplane.layout",
+                format!(
+                    "layout has {} blocks, the G2 manager {}",
+                    c.num_blocks,
+                    manager.total_blocks()
+                ),
+            ));
+        }
+        Ok(Self {
+            manager,
+            geometry: scoped_geometry_digest(&c, config.scope),
+            block_bytes: c.block_bytes(),
+            layout,
+            peers,
+            config,
+            idle: Mutex::new(Pool::default()),
+            in_flight: Mutex::new(HashMap::new()),
+            deadlines_exceeded: AtomicU64::new(0),
+            pool_evictions: AtomicU64::new(0),
+            security,
+            handshakes_refused: AtomicU64::new(0),
+            tags_refused: AtomicU64::new(0),
+        })
+    }
+
+    /// The counters, and the pool's size (after closing expired connections).
+    pub fn stats(&self) -> ClientStats {
+        let (idle_peers, idle_connections) = {
+            let mut pool = self.idle.lock();
+            pool.prune(Instant::now(), self.config.idle_expiry);
+            (
+                pool.peers.len(),
+                pool.peers.values().map(|(_, v)| v.len()).sum(),
+            )
+        };
+        ClientStats {
+            deadlines_exceeded: self.deadlines_exceeded.load(Ordering::Relaxed),
+            pool_evictions: self.pool_evictions.load(Ordering::Relaxed),
+            idle_peers,
+            idle_connections,
+            handshakes_refused: self.handshakes_refused.load(Ordering::Relaxed),
+            tags_refused: self.tags_refused.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The peer directory it resolves instances in.
+    pub fn peers(&self) -> &Arc<PeerDirectory> {
+        &self.peers
+    }
+
+    /// Pulls `hashes[i]` from `instance`'s server at `addr` into `destinations[i]`. One
+    /// outcome per block, in order; a block is registered in the local G2 manager only if its
+    /// frame verified (identity, binding, geometry, length, checksum).
+    pub async fn pull_from(
+        &self,
+        addr: SocketAddr,
+        instance: InstanceId,
+        hashes: &[SequenceHash],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> Vec<MoveOutcome<G2>> {
+        if destinations.len() != hashes.len() {
+            let m = format!(
+                "{} destinations for {} blocks",
+                destinations.len(),
+                hashes.len()
+            );
+            return fail_all(
+                hashes.len(),
+                &BlockFailure::new(BlockFailureKind::Refused, m),
+            );
+        }
+        // A destination of another manager may name a slot outside this client's layout, or
+        // one lent to someone else: every destination is checked before a byte is written.
+        if let Some((i, d)) = destinations
+            .iter()
+            .enumerate()
+            .find(|(_, d)| !self.manager.owns(d))
+        {
+            let m = format!(
+                "destination {i} (slot {}) is not a block of this client's G2 manager",
+                d.block_id()
+            );
+            return fail_all(
+                hashes.len(),
+                &BlockFailure::new(BlockFailureKind::Refused, m),
+            );
+        }
+        // Held until every part is settled: at most `max_connections_per_peer` pulls per peer.
+        let _permit = self.permit(addr.ip()).await;
+        let mut out: Vec<MoveOutcome<G2>> = Vec::with_capacity(hashes.len());
+        let mut dests = destinations.into_iter();
+        for chunk in hashes.chunks(self.config.max_blocks_per_request.max(1)) {
+            let mut part: Vec<MutableBlock<G2>> = dests.by_ref().take(chunk.len()).collect();
+            // A pooled connection may have been closed by the server meanwhile: when nothing
+            // of the response was read, try once more on a fresh one.
+            let mut settled = Vec::new();
+            for attempt in 0..2 {
+                let (stream, pooled) = match self.connection(addr, instance, attempt == 0).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        settled = fail_all(part.len(), &e);
+                        part = Vec::new();
+                        break;
+                    }
+                };
+                let n = part.len();
+                // The whole request within the deadline; past it the future is dropped with
+                // the destinations it holds (back to their pool, never registered) and the
+                // connection.
+                let r = tokio::time::timeout(
+                    self.config.pull_deadline,
+                    self.request(stream, addr, instance, chunk, part),
+                )
+                .await;
+                let Ok(r) = r else {
+                    self.deadlines_exceeded.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!(kvbm_engine::metrics::DATAPLANE_PULL_DEADLINES_EXCEEDED)
+                        .increment(1);
+                    let f = BlockFailure::new(
+                        BlockFailureKind::Timeout,
+                        format!(
+                            "data plane pull from {instance} at {addr}: not done within {:?} \
+                             (transport.pull_deadline_ms)",
+                            self.config.pull_deadline
+                        ),
+                    );
+                    settled = fail_all(n, &f);
+                    part = Vec::new();
+                    break;
+                };
+                match r {
+                    Ok(done) => {
+                        settled = done;
+                        part = Vec::new();
+                        break;
+                    }
+                    Err((failed, back)) => {
+                        if failed.before_response && pooled && attempt == 0 {
+                            part = back;
+                            continue;
+                        }
+                        settled = fail_all(back.len(), &failed.failure);
+                        part = Vec::new();
+                        break;
+                    }
+                }
+            }
+            drop(part);
+            out.extend(settled);
+        }
+        out
+    }
+
+    /// A permit to pull from `peer` (waits while `max_connections_per_peer` pulls run there).
+    async fn permit(&self, peer: IpAddr) -> OwnedSemaphorePermit {
+        let sem = {
+            let mut m = self.in_flight.lock();
+            // Entries only this map refers to are neither held nor awaited.
+            m.retain(|_, s| Arc::strong_count(s) > 1);
+            m.entry(peer)
+                .or_insert_with(|| {
+                    Arc::new(Semaphore::new(self.config.max_connections_per_peer.max(1)))
+                })
+                .clone()
+        };
+        sem.acquire_owned()
+            .await
+            .expect("the semaphore is never closed")
+    }
+
+    async fn connection(
+        &self,
+        addr: SocketAddr,
+        instance: InstanceId,
+        pooled_ok: bool,
+    ) -> std::result::Result<(Conn, bool), BlockFailure> {
+        if pooled_ok {
+            let mut pool = self.idle.lock();
+            pool.prune(Instant::now(), self.config.idle_expiry);
+            if let Some((used, v)) = pool.peers.get_mut(&(addr, instance))
+                && let Some((s, _)) = v.pop()
+            {
+                *used = Instant::now();
+                return Ok((s, true));
+            }
+        }
+        let io = |e: std::io::Error| {
+            BlockFailure::new(BlockFailureKind::Io, format!("connect to {addr}: {e}"))
+        };
+        let s = tokio::time::timeout(self.config.io_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| {
+                BlockFailure::new(
+                    BlockFailureKind::Timeout,
+                    format!("connect to {addr} timed out"),
+                )
+            })?
+            .map_err(io)?;
+        s.set_nodelay(true).map_err(io)?;
+        let Security::On(sealing) = &*self.security else {
+            return Ok((
+                Conn {
+                    stream: s,
+                    session: None,
+                },
+                false,
+            ));
+        };
+        let mut s = s;
+        let r = tokio::time::timeout(
+            self.config.io_timeout,
+            handshake::client(&mut s, sealing, self.config.payload_mac, instance),
+        )
+        .await;
+        let refused = |m: String, rejection: Option<Rejection>| {
+            self.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(kvbm_engine::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
+            if let Some(r) = rejection {
+                sealing.verifier.stats().count(r);
+            }
+            BlockFailure::new(
+                BlockFailureKind::Refused,
+                format!("authenticated handshake with {addr} (pulling from {instance}): {m}"),
+            )
+        };
+        match r {
+            Ok(Ok(session)) => Ok((
+                Conn {
+                    stream: s,
+                    session: Some(session),
+                },
+                false,
+            )),
+            Ok(Err(e)) => Err(refused(e.message, e.rejection)),
+            Err(_) => Err(refused(
+                format!("not finished within {:?}", self.config.io_timeout),
+                None,
+            )),
+        }
+    }
+
+    fn give_back(&self, addr: SocketAddr, instance: InstanceId, stream: Conn) {
+        let addr = (addr, instance);
+        let now = Instant::now();
+        let mut pool = self.idle.lock();
+        pool.prune(now, self.config.idle_expiry);
+        if !pool.peers.contains_key(&addr) && pool.peers.len() >= self.config.max_idle_peers {
+            // Full of other peers: the least recently used one's connections are closed.
+            let lru = pool
+                .peers
+                .iter()
+                .min_by_key(|(_, (used, _))| *used)
+                .map(|(a, _)| *a);
+            if let Some(lru) = lru {
+                pool.peers.remove(&lru);
+                self.pool_evictions.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(kvbm_engine::metrics::DATAPLANE_POOL_EVICTIONS).increment(1);
+            }
+        }
+        let (used, v) = pool.peers.entry(addr).or_insert_with(|| (now, Vec::new()));
+        *used = now;
+        if v.len() < self.config.max_idle_per_peer {
+            v.push((stream, now));
+        }
+    }
+
+    /// One request. `Err` hands the destinations back when nothing settled (so the caller can
+    /// retry), or, after a failure mid-response, the unsettled rest is failed here.
+    async fn request(
+        &self,
+        mut conn: Conn,
+        addr: SocketAddr,
+        instance: InstanceId,
+        hashes: &[SequenceHash],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> std::result::Result<Vec<MoveOutcome<G2>>, (RequestFailed, Vec<MutableBlock<G2>>)> {
+        let io = self.config.io_timeout;
+        let peer = format!("{instance} at {addr}");
+        let from_peer = |mut f: BlockFailure| {
+            f.message = format!("data plane pull from {peer}: {}", f.message);
+            f
+        };
+        let fail = |f: BlockFailure, before_response: bool| RequestFailed {
+            failure: from_peer(f),
+            before_response,
+        };
+        let refused = |m: String| BlockFailure::new(BlockFailureKind::Refused, m);
+        let version = if conn.session.is_some() {
+            VERSION_AUTH
+        } else {
+            VERSION
+        };
+        let mut request = wire::encode_request_version(
+            RequestHead {
+                count: hashes.len() as u32,
+                geometry: self.geometry,
+                block_bytes: self.block_bytes as u64,
+            },
+            hashes,
+            version,
+        );
+        if let Some(sess) = &mut conn.session {
+            // Authenticated: the head and the hash list each carry their tag.
+            let hash_list = request.split_off(wire::REQUEST_HEAD_LEN);
+            let head_tag = sess.tag(&[&request]);
+            let list_tag = sess.tag(&[&hash_list]);
+            request.extend_from_slice(&head_tag);
+            request.extend_from_slice(&hash_list);
+            request.extend_from_slice(&list_tag);
+        }
+        let stream = &mut conn.stream;
+        if let Err(e) = timed(io, stream.write_all(&request)).await {
+            return Err((fail(e, true), destinations));
+        }
+        let mut head = [0u8; RESPONSE_HEAD_LEN];
+        if let Err(e) = timed(io, stream.read_exact(&mut head)).await {
+            return Err((fail(e, true), destinations));
+        }
+        if let Some(sess) = &mut conn.session {
+            // The head's tag before any of its fields is believed.
+            let mut tag = [0u8; TAG_LEN];
+            if let Err(e) = timed(io, conn.stream.read_exact(&mut tag)).await {
+                return Err((fail(e, false), destinations));
+            }
+            if !sess.check(&[&head], &tag) {
+                let f = self.tag_refused("response head");
+                return Err((fail(f, false), destinations));
+            }
+        }
+        let (status, count) = match wire::decode_response_version(&head, version) {
+            Ok(v) => v,
+            Err(e) => return Err((fail(e, false), destinations)),
+        };
+        if status != 0 {
+            let m = format!("refused: {}", wire::Status::describe(status));
+            return Err((fail(refused(m), false), destinations));
+        }
+        if count as usize != hashes.len() {
+            let m = format!("answered {count} frames for {} blocks", hashes.len());
+            let f = BlockFailure::new(BlockFailureKind::Transfer, m);
+            return Err((fail(f, false), destinations));
+        }
+
+        let layers = self.layout.layout().config().num_layers;
+        // Per block: Ok(complete block to register) or Err(why).
+        let mut settled: Vec<std::result::Result<CompleteBlock<G2>, BlockFailure>> =
+            Vec::with_capacity(hashes.len());
+        let mut broken: Option<BlockFailure> = None;
+        // The next frame's header, read with the previous payload.
+        let mut ahead: Option<RawHeader> = None;
+        let n = hashes.len();
+        for (i, (dest, &hash)) in destinations.into_iter().zip(hashes).enumerate() {
+            if let Some(m) = &broken {
+                settled.push(Err(m.clone()));
+                continue;
+            }
+            let more = i + 1 < n;
+            match self
+                .read_frame(&mut conn, instance, hash, &dest, layers, &mut ahead, more)
+                .await
+            {
+                // Registered with the digest the server recorded (bound by the frame), so it
+                // travels on with the block (to G3/G4 headers, to the next pull).
+                Ok(Some(digest)) => {
+                    settled.push(dest.complete_with_digest(hash, digest).map_err(|e| {
+                        BlockFailure::new(
+                            BlockFailureKind::Transfer,
+                            format!("completing {hash:?}: {}", e.error),
+                        )
+                    }))
+                }
+                Ok(None) => settled.push(Err(BlockFailure::new(
+                    BlockFailureKind::NotFound,
+                    format!("block {:032x} is not held by {peer}", hash.as_u128()),
+                ))),
+                Err(e) => {
+                    let f = from_peer(e);
+                    settled.push(Err(f.clone()));
+                    broken = Some(f);
+                }
+            }
+        }
+        if broken.is_none() {
+            self.give_back(addr, instance, conn);
+        }
+        // Register the verified blocks in one batch, keeping the request order.
+        let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(settled.len());
+        let (mut ok, mut positions) = (Vec::new(), Vec::new());
+        for (i, s) in settled.into_iter().enumerate() {
+            match s {
+                Ok(b) => {
+                    ok.push(b);
+                    positions.push(i);
+                    out.push(None);
+                }
+                Err(e) => out.push(Some(Err(e))),
+            }
+        }
+        for (b, i) in self.manager.register_blocks(ok).into_iter().zip(positions) {
+            out[i] = Some(Ok(b));
+        }
+        let out = out
+            .into_iter()
+            .map(|o| o.expect("every block settled"))
+            .collect();
+        Ok(out)
+    }
+
+    /// Counts a head or frame whose tag did not verify, and says so.
+    fn tag_refused(&self, what: &str) -> BlockFailure {
+        self.tags_refused.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(kvbm_engine::metrics::DATAPLANE_TAGS_REFUSED).increment(1);
+        self.security.count(Rejection::BadSignature);
+        BlockFailure::new(
+            BlockFailureKind::IdentityMismatch,
+            format!("{what} failed its tag (tampered, replayed or reordered)"),
+        )
+    }
+
+    /// Reads one frame into `dest`: `Ok(Some(digest))` verified (with the digest the server
+    /// recorded for the block, if any), `Ok(None)` absent on the server, `Err` a frame that
+    /// must not be trusted (the stream is then unusable). Its header is `ahead`'s when the
+    /// previous frame read it; with `more` (another frame follows), the next header is read
+    /// with this payload into `ahead`.
+    #[allow(clippy::too_many_arguments)]
+    async fn read_frame(
+        &self,
+        conn: &mut Conn,
+        instance: InstanceId,
+        hash: SequenceHash,
+        dest: &MutableBlock<G2>,
+        layers: usize,
+        ahead: &mut Option<RawHeader>,
+        more: bool,
+    ) -> std::result::Result<Option<Option<BlockDigest>>, BlockFailure> {
+        let io = self.config.io_timeout;
+        let header_len = if conn.session.is_some() {
+            FRAME_HEADER_LEN + TAG_LEN
+        } else {
+            FRAME_HEADER_LEN
+        };
+        let raw = match ahead.take() {
+            Some(raw) => raw,
+            None => {
+                let mut raw = [0u8; FRAME_HEADER_LEN + TAG_LEN];
+                timed(io, conn.stream.read_exact(&mut raw[..header_len])).await?;
+                raw
+            }
+        };
+        let (raw, tag) = raw.split_at(FRAME_HEADER_LEN);
+        let raw: &[u8; FRAME_HEADER_LEN] = raw.try_into().expect("header length");
+        if let Some(sess) = &mut conn.session
+            && !sess.check(&[raw], tag.try_into().expect("16 bytes"))
+        {
+            // Authenticated: nothing in the header is believed before its tag verifies.
+            return Err(self.tag_refused(&format!("frame of block {:032x}", hash.as_u128())));
+        }
+        // Length, geometry, identity and binding are checked before any payload byte is read.
+        let (header, digest) =
+            match wire::check_frame(raw, hash, instance, self.geometry, self.block_bytes)
+                .map_err(BlockFailure::physical)?
+            {
+                Frame::Absent => return Ok(None),
+                Frame::Payload(h, d) => (h, d),
+            };
+        let regions = self.layout.block_addrs(dest.block_id(), 0..layers);
+        let payload_mac = conn.session.as_ref().is_some_and(|s| s.payload_mac);
+        let mut payload_tag = [0u8; TAG_LEN];
+        let mut next = [0u8; FRAME_HEADER_LEN + TAG_LEN];
+        {
+            let mut bufs: Vec<&mut [u8]> = regions
+                .iter()
+                // SAFETY: host memory of our layout (kept alive by `self`); `dest` is a mutable
+                // block we own exclusively, so nothing else reads or writes its slot meanwhile.
+                .map(|&(p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
+                .collect();
+            if payload_mac {
+                bufs.push(&mut payload_tag);
+            }
+            if more {
+                bufs.push(&mut next[..header_len]);
+            }
+            read_exact_vectored(&conn.stream, &mut bufs, io).await?;
+        }
+        if more {
+            *ahead = Some(next);
+        }
+        // SAFETY: as above; the payload was just written.
+        let actual = checksum_slices(
+            regions
+                .iter()
+                .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) }),
+        );
+        let location = || format!("{instance} block {:032x}", hash.as_u128());
+        header
+            .verify(actual, &location)
+            .map_err(BlockFailure::physical)?;
+        if let Some(sess) = &mut conn.session
+            && payload_mac
+        {
+            // SAFETY: as above.
+            let slices: Vec<&[u8]> = regions
+                .iter()
+                .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+                .collect();
+            if !sess.check(&slices, &payload_tag) {
+                return Err(self.tag_refused(&format!("payload of block {:032x}", hash.as_u128())));
+            }
+        }
+        Ok(Some(digest))
+    }
+}
+
+fn fail_all(n: usize, failure: &BlockFailure) -> Vec<MoveOutcome<G2>> {
+    (0..n).map(|_| Err(failure.clone())).collect()
+}
+
+/// Fills `bufs` in order from `stream` with as few receives as the kernel allows (one, when
+/// the bytes are there), each wait for data bounded by `limit`; failures as [`timed`]'s.
+async fn read_exact_vectored(
+    stream: &TcpStream,
+    bufs: &mut [&mut [u8]],
+    limit: std::time::Duration,
+) -> std::result::Result<(), BlockFailure> {
+    let mut slices: Vec<std::io::IoSliceMut<'_>> = bufs
+        .iter_mut()
+        .filter(|b| !b.is_empty())
+        .map(|b| std::io::IoSliceMut::new(b))
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = timed(limit, async {
+            loop {
+                stream.readable().await?;
+                match stream.try_read_vectored(rest) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    r => return r,
+                }
+            }
+        })
+        .await?;
+        std::io::IoSliceMut::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
+/// `f` within `limit`: a stream that ends early or errs is an I/O failure (the peer's copy is
+/// not proven bad), one that makes no progress a timeout.
+async fn timed<T>(
+    limit: std::time::Duration,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::result::Result<T, BlockFailure> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(BlockFailure::new(
+            BlockFailureKind::Io,
+            "stream ended early (truncated)",
+        )),
+        Ok(Err(e)) => Err(BlockFailure::new(BlockFailureKind::Io, e.to_string())),
+        Err(_) => Err(BlockFailure::new(
+            BlockFailureKind::Timeout,
+            format!("no progress within {limit:?}"),
+        )),
+    }
+}
+
+impl RemotePull for DataPlaneClient {
+    fn destination(&self) -> &Arc<BlockManager<G2>> {
+        &self.manager
+    }
+
+    fn pull<'a>(
+        &'a self,
+        instance: InstanceId,
+        hashes: &'a [SequenceHash],
+        destinations: Vec<MutableBlock<G2>>,
+    ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>> {
+        async move {
+            match self.peers.get(instance) {
+                Some(addr) => self.pull_from(addr, instance, hashes, destinations).await,
+                None => fail_all(
+                    hashes.len(),
+                    &BlockFailure::new(
+                        BlockFailureKind::Refused,
+                        format!("no data plane address known for {instance}"),
+                    ),
+                ),
+            }
+        }
+        .boxed()
+    }
+}

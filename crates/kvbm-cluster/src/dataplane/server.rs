@@ -1,0 +1,773 @@
+//! [`DataPlaneServer`]: serves one instance's G2-resident blocks over TCP.
+//!
+//! One accept task, one task per connection; a connection serves requests one after another.
+//! Per request the task holds the present blocks (`scan_matches`, strong handles) inside a
+//! [`Holds`] guard that lives on the task's stack, so the holds end when the response is
+//! written, when a write fails or times out, or when the task is cancelled (server shutdown):
+//! in every case by the guard's drop. A failing connection never affects the accept loop.
+//!
+//! Bounds: at most `max_connections` connection tasks at once (one more is closed as soon as it
+//! is accepted, counted in [`ServerStats::connections_refused`]), and at most
+//! `max_connections_per_peer` from one peer address (counted in
+//! [`ServerStats::peer_connections_refused`]; a connection serves one request at a time, so
+//! this also bounds a peer's requests in flight, and one peer cannot take every connection
+//! from the others); each response is written
+//! within `response_deadline` or the connection is dropped with its holds (counted in
+//! [`ServerStats::responses_timed_out`]).
+//!
+//! Checksums: a frame header carries the payload's xxh3-128, which costs as much CPU as the
+//! kernel's copy of the payload. A registered block's bytes cannot change while its
+//! registration lasts, so the server computes each block's checksum once per registration and
+//! keeps it in a [`ChecksumMemo`] (one entry per slot, keyed by `(registration, hash)`): a
+//! popular prefix served to many peers is hashed once. The client still hashes every payload
+//! it receives, so a stale or wrong memo can only make a pull fail, never pass wrong bytes.
+//!
+//! Locks: the memo's mutex and the per-peer counts' mutex are leaves (never both held), held only to read or write one entry (never across an
+//! await or a hash).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash};
+use kvbm_physical::PhysicalLayout;
+use kvbm_physical::identity::scoped_geometry_digest;
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use super::DataPlaneConfig;
+use super::handshake::{self, Session};
+use super::wire::{
+    self, CLIENT_HELLO_MAGIC, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, REQUEST_MAGIC, Status,
+    TAG_LEN, VERSION, VERSION_AUTH,
+};
+use crate::security::{Rejection, Role, Security};
+use kvbm_engine::InstanceId;
+use kvbm_engine::error::{EngineError, Result};
+
+/// Counters of a running server (tests and metrics).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    held: AtomicUsize,
+    connections: AtomicUsize,
+    requests: AtomicU64,
+    blocks_served: AtomicU64,
+    refused: AtomicU64,
+    connections_refused: AtomicU64,
+    peer_connections_refused: AtomicU64,
+    responses_timed_out: AtomicU64,
+    handshakes: AtomicU64,
+    handshakes_refused: AtomicU64,
+    tags_refused: AtomicU64,
+    /// Fault injection (feature `testing`): frames still to be sent with a damaged payload.
+    corrupt_next: AtomicU64,
+}
+
+impl ServerStats {
+    /// Blocks held right now on behalf of in-flight requests.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+    /// Open connections.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::Acquire)
+    }
+    /// Requests answered (including refused ones).
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+    /// Block frames written in full.
+    pub fn blocks_served(&self) -> u64 {
+        self.blocks_served.load(Ordering::Relaxed)
+    }
+    /// Requests refused (bad head, too many blocks, wrong geometry).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed as soon as accepted: `max_connections` were already served.
+    pub fn connections_refused(&self) -> u64 {
+        self.connections_refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed as soon as accepted: their peer address already had
+    /// `max_connections_per_peer` connections served.
+    pub fn peer_connections_refused(&self) -> u64 {
+        self.peer_connections_refused.load(Ordering::Relaxed)
+    }
+    /// Responses not written within the response deadline (their connection was dropped with
+    /// every hold).
+    pub fn responses_timed_out(&self) -> u64 {
+        self.responses_timed_out.load(Ordering::Relaxed)
+    }
+    /// Authenticated handshakes completed (security on).
+    pub fn handshakes(&self) -> u64 {
+        self.handshakes.load(Ordering::Relaxed)
+    }
+    /// Connections refused before any request was served (security on): a client that is
+    /// not a member of this namespace, offered no or a broken handshake, spoke the
+    /// unauthenticated protocol, or did not finish within the deadline. It got nothing.
+    pub fn handshakes_refused(&self) -> u64 {
+        self.handshakes_refused.load(Ordering::Relaxed)
+    }
+    /// Requests whose tag did not verify (tampered, replayed or reordered): the connection
+    /// was dropped unanswered.
+    pub fn tags_refused(&self) -> u64 {
+        self.tags_refused.load(Ordering::Relaxed)
+    }
+}
+
+/// The payload checksums of served blocks, one entry per G2 slot, valid for the registration
+/// (and hash) it was computed under: see the [module docs](self).
+struct ChecksumMemo {
+    slots: Mutex<Vec<Option<Memo>>>,
+}
+
+#[derive(Clone, Copy)]
+struct Memo {
+    registration: u32,
+    hash: SequenceHash,
+    checksum: u128,
+}
+
+impl ChecksumMemo {
+    fn new(slots: usize) -> Self {
+        Self {
+            slots: Mutex::new(vec![None; slots]),
+        }
+    }
+
+    /// The checksum of `block`'s payload (its `regions`): the memoised one when this
+    /// registration was hashed before, else computed now and kept.
+    ///
+    /// # Safety
+    /// `regions` must be readable host memory holding `block`'s bytes, for the call.
+    unsafe fn checksum(&self, block: &ImmutableBlock<G2>, regions: &[(usize, usize)]) -> u128 {
+        let (slot, registration, hash) = (
+            block.block_id(),
+            block.registration(),
+            block.sequence_hash(),
+        );
+        let known = self.slots.lock().get(slot).copied().flatten();
+        if let Some(m) = known
+            && m.registration == registration
+            && m.hash == hash
+        {
+            return m.checksum;
+        }
+        // SAFETY: guaranteed by the caller.
+        let checksum = unsafe { wire::payload_checksum(regions) };
+        if let Some(entry) = self.slots.lock().get_mut(slot) {
+            *entry = Some(Memo {
+                registration,
+                hash,
+                checksum,
+            });
+        }
+        checksum
+    }
+}
+
+/// What the server serves from.
+struct Served {
+    instance: InstanceId,
+    manager: Arc<BlockManager<G2>>,
+    layout: Arc<PhysicalLayout>,
+    checksums: ChecksumMemo,
+    /// Connections served per peer address (only peers with at least one).
+    per_peer: Mutex<HashMap<IpAddr, usize>>,
+    geometry: u64,
+    block_bytes: usize,
+    config: DataPlaneConfig,
+    stats: Arc<ServerStats>,
+    security: Arc<Security>,
+}
+
+/// A running data-plane server: see the [module docs](crate::dataplane). Stops (and drops every hold) on
+/// [`shutdown`](Self::shutdown) or drop.
+#[derive(Debug)]
+pub struct DataPlaneServer {
+    addr: SocketAddr,
+    instance: InstanceId,
+    cancel: CancellationToken,
+    stats: Arc<ServerStats>,
+}
+
+/// The holds of one request; dropping it releases them and updates the stats.
+struct Holds<'a> {
+    blocks: HashMap<SequenceHash, ImmutableBlock<G2>>,
+    stats: &'a ServerStats,
+}
+
+impl Drop for Holds<'_> {
+    fn drop(&mut self) {
+        let n = self.blocks.len();
+        self.blocks.clear();
+        self.stats.held.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+/// One served connection: counted in the total and under its peer's address until dropped.
+struct ConnectionGuard {
+    served: Arc<Served>,
+    peer: IpAddr,
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.served.stats.connections.fetch_sub(1, Ordering::AcqRel);
+        let mut per_peer = self.served.per_peer.lock();
+        if let Some(n) = per_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                per_peer.remove(&self.peer);
+            }
+        }
+    }
+}
+
+impl DataPlaneServer {
+    /// Binds `config.bind` and serves `instance`'s G2 blocks (registered in `manager`, bytes in
+    /// the host `layout`, indexed by block id) on the current tokio runtime.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `layout` is not host memory or has fewer slots than the
+    /// manager; [`EngineError::DataPlane`] when the address cannot be bound.
+    pub async fn start(
+        config: DataPlaneConfig,
+        instance: InstanceId,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+    ) -> Result<Self> {
+        Self::start_secured(config, instance, manager, layout, Arc::new(Security::Off)).await
+    }
+
+    /// [`start`](Self::start) with this member's `security`: when on, every connection must
+    /// complete the authenticated handshake as a leader of this namespace before any request
+    /// is read, and every head and frame is tagged (protocol version 2); when off, the
+    /// unauthenticated protocol (version 1) as [`start`](Self::start).
+    ///
+    /// # Errors
+    /// As [`start`](Self::start); also [`EngineError::Config`] when the credential is not the
+    /// leader of `instance`.
+    pub async fn start_secured(
+        config: DataPlaneConfig,
+        instance: InstanceId,
+        manager: Arc<BlockManager<G2>>,
+        layout: Arc<PhysicalLayout>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
+        if let Some(signer) = security.signer()
+            && (signer.cert().instance != instance || signer.cert().role != Role::Leader)
+        {
+            return Err(EngineError::config(
+                "security.credential_file",
+                format!(
+                    "the data plane of {instance} needs that instance's leader credential, not \
+                     {}",
+                    signer.cert()
+                ),
+            ));
+        }
+        wire::check_host(&layout)?;
+        let c = *layout.layout().config();
+        if c.num_blocks < manager.total_blocks() {
+            return Err(EngineError::config(
+                "dataplane.layout",
+                format!(
+                    "layout has {} blocks, the G2 manager {}",
+                    c.num_blocks,
+                    manager.total_blocks()
+                ),
+            ));
+        }
+        let listener = TcpListener::bind(config.bind)
+            .await
+            .map_err(|e| EngineError::data_plane(config.bind.to_string(), e.to_string()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| EngineError::data_plane(config.bind.to_string(), e.to_string()))?;
+        let stats = Arc::new(ServerStats::default());
+        let served = Arc::new(Served {
+            instance,
+            manager,
+            geometry: scoped_geometry_digest(&c, config.scope),
+            block_bytes: c.block_bytes(),
+            checksums: ChecksumMemo::new(c.num_blocks),
+            per_peer: Mutex::new(HashMap::new()),
+            layout,
+            config,
+            stats: stats.clone(),
+            security,
+        });
+        let cancel = CancellationToken::new();
+        let accept_cancel = cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = tokio::select! {
+                    () = accept_cancel.cancelled() => return,
+                    r = listener.accept() => match r {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "data plane accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                            continue;
+                        }
+                    },
+                };
+                // The cap: counted up first, so two accepts cannot both pass it.
+                let open = served.stats.connections.fetch_add(1, Ordering::AcqRel);
+                if open >= served.config.max_connections.max(1) {
+                    served.stats.connections.fetch_sub(1, Ordering::AcqRel);
+                    served
+                        .stats
+                        .connections_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!(kvbm_engine::metrics::DATAPLANE_CONNECTIONS_REFUSED)
+                        .increment(1);
+                    tracing::debug!(%peer, "data plane connection refused: at the connection cap");
+                    drop(stream);
+                    continue;
+                }
+                // The per-peer cap (the map holds only peers with a connection served, so it is
+                // bounded by the cap above).
+                {
+                    let mut per_peer = served.per_peer.lock();
+                    let n = per_peer.entry(peer.ip()).or_insert(0);
+                    if *n >= served.config.max_connections_per_peer.max(1) {
+                        if *n == 0 {
+                            per_peer.remove(&peer.ip());
+                        }
+                        drop(per_peer);
+                        served.stats.connections.fetch_sub(1, Ordering::AcqRel);
+                        served
+                            .stats
+                            .peer_connections_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!(kvbm_engine::metrics::DATAPLANE_PEER_CONNECTIONS_REFUSED)
+                            .increment(1);
+                        tracing::debug!(%peer, "data plane connection refused: at the per-peer cap");
+                        drop(stream);
+                        continue;
+                    }
+                    *n += 1;
+                }
+                let guard = ConnectionGuard {
+                    served: served.clone(),
+                    peer: peer.ip(),
+                };
+                let served = served.clone();
+                let cancel = accept_cancel.child_token();
+                tokio::spawn(async move {
+                    let _guard = guard;
+                    tokio::select! {
+                        () = cancel.cancelled() => {}
+                        r = serve_connection(&served, stream) => {
+                            if let Err(e) = r {
+                                tracing::debug!(%peer, error = %e, "data plane connection ended");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Self {
+            addr,
+            instance,
+            cancel,
+            stats,
+        })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The instance it serves.
+    pub fn instance(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// Fault injection (feature `testing`): the next `n` block frames are sent with one
+    /// payload byte flipped after their header (and checksum) was computed, as a corrupting
+    /// link or a bad serving host would; a verifying client must refuse them.
+    #[cfg(feature = "testing")]
+    pub fn corrupt_next_frames(&self, n: u64) {
+        self.stats.corrupt_next.store(n, Ordering::Release);
+    }
+
+    /// Stops accepting and ends every connection (dropping their holds). Idempotent.
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Drop for DataPlaneServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn timed<T>(
+    what: &str,
+    limit: std::time::Duration,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("{what} timed out after {limit:?}"),
+        )),
+    }
+}
+
+/// The connection's first bytes under security: the authenticated handshake, or a refusal.
+/// `Ok(None)`: refused (counted; the client got nothing but a refusal status), or the client
+/// left before saying anything.
+async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Option<Session>> {
+    let Security::On(sealing) = &*s.security else {
+        return Ok(None);
+    };
+    let io = s.config.io_timeout;
+    let refused = |rejection: Option<Rejection>, message: &str| {
+        s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(kvbm_engine::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
+        if let Some(r) = rejection {
+            sealing.verifier.stats().count(r);
+        }
+        tracing::debug!(error = message, "data plane handshake refused");
+    };
+    // The whole handshake within one deadline: a connection that dawdles is dropped.
+    let r = tokio::time::timeout(io, async {
+        let mut first = [0u8; 8];
+        match stream.read_exact(&mut first).await {
+            Ok(_) => {}
+            // Connected and left (a health check, a port scan): nothing to count.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Err(None)),
+            Err(e) => return Err(e),
+        }
+        let magic = u64::from_le_bytes(first);
+        if magic == REQUEST_MAGIC {
+            // A client with security off: drain its (bounded) request so the refusal is not
+            // lost to a reset, and tell it why.
+            let mut rest = [0u8; REQUEST_HEAD_LEN - 8];
+            stream.read_exact(&mut rest).await?;
+            let count = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes")) as usize;
+            if count <= s.config.max_blocks_per_request {
+                let mut raw = vec![0u8; count * HASH_LEN];
+                stream.read_exact(&mut raw).await?;
+            }
+            let r = wire::encode_response(Status::AuthRequired, 0);
+            stream.write_all(&r).await?;
+            return Ok(Err(Some((
+                Some(Rejection::NotMember),
+                "a client without credentials (security off) asked for blocks".to_owned(),
+            ))));
+        }
+        if magic != CLIENT_HELLO_MAGIC {
+            return Ok(Err(Some((
+                Some(Rejection::Malformed),
+                format!("not a data plane hello: {magic:#018x}"),
+            ))));
+        }
+        match handshake::server(stream, sealing, s.config.payload_mac, first).await {
+            Ok(session) => Ok(Ok(session)),
+            Err(refused) => {
+                // Best effort: tell the client it was refused (nothing else).
+                let r = wire::encode_response(Status::AuthRequired, 0);
+                let _ = stream.write_all(&r).await;
+                Ok(Err(Some((refused.rejection, refused.message))))
+            }
+        }
+    })
+    .await;
+    match r {
+        Ok(Ok(Ok(session))) => {
+            s.stats.handshakes.fetch_add(1, Ordering::Relaxed);
+            Ok(Some(session))
+        }
+        Ok(Ok(Err(None))) => Ok(None),
+        Ok(Ok(Err(Some((rejection, message))))) => {
+            refused(rejection, &message);
+            Ok(None)
+        }
+        Ok(Err(e)) => {
+            refused(None, &e.to_string());
+            Err(e)
+        }
+        Err(_) => {
+            refused(None, "handshake not finished within the I/O timeout");
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("handshake not finished within {io:?}"),
+            ))
+        }
+    }
+}
+
+/// Writes `bytes` (one head or frame header), followed by its tag when authenticated.
+async fn write_tagged(
+    stream: &mut TcpStream,
+    session: &mut Option<Session>,
+    io: std::time::Duration,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    match session {
+        None => timed("write", io, stream.write_all(bytes)).await,
+        Some(sess) => {
+            let tag = sess.tag(&[bytes]);
+            let mut out = Vec::with_capacity(bytes.len() + TAG_LEN);
+            out.extend_from_slice(bytes);
+            out.extend_from_slice(&tag);
+            timed("write", io, stream.write_all(&out)).await
+        }
+    }
+}
+
+fn tag_refused(s: &Served, session: &Session) -> std::io::Error {
+    s.stats.tags_refused.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(kvbm_engine::metrics::DATAPLANE_TAGS_REFUSED).increment(1);
+    s.security.count(Rejection::BadSignature);
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!(
+            "request from {} failed its tag (tampered, replayed or reordered)",
+            session.peer
+        ),
+    )
+}
+
+async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let io = s.config.io_timeout;
+    let mut session = if s.security.is_on() {
+        match authenticate(s, &mut stream).await? {
+            Some(session) => Some(session),
+            None => return Ok(()),
+        }
+    } else {
+        None
+    };
+    let version = if session.is_some() {
+        VERSION_AUTH
+    } else {
+        VERSION
+    };
+    loop {
+        let mut head = [0u8; REQUEST_HEAD_LEN];
+        // Waiting for the next request: the idle timeout; a clean EOF here ends the connection.
+        match tokio::time::timeout(s.config.idle_timeout, stream.read_exact(&mut head)).await {
+            Err(_) => return Ok(()),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+            Ok(Ok(_)) => {}
+        }
+        // Authenticated: the head's tag is checked before any of its fields is believed.
+        if let Some(sess) = &mut session {
+            let mut tag = [0u8; TAG_LEN];
+            timed("read", io, stream.read_exact(&mut tag)).await?;
+            if !sess.check(&[&head], &tag) {
+                return Err(tag_refused(s, sess));
+            }
+        }
+        s.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let refuse = |status: Status| {
+            s.stats.refused.fetch_add(1, Ordering::Relaxed);
+            wire::encode_response_version(status, 0, version)
+        };
+        let head = match wire::decode_request_version(&head, version) {
+            Ok(h) => h,
+            Err(Status::AuthUnavailable) => {
+                // An authenticated client's hello to this unauthenticated server: drain the
+                // (bounded) rest of it so the refusal is not lost to a reset, and name the
+                // mismatch.
+                let cert_len = u16::from_le_bytes([head[14], head[15]]) as usize;
+                let rest = (wire::HELLO_HEAD_LEN + cert_len.min(wire::MAX_CERT_LEN) + 64)
+                    .saturating_sub(REQUEST_HEAD_LEN);
+                let mut sink = vec![0u8; rest];
+                let _ = timed("read", io, stream.read_exact(&mut sink)).await;
+                s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(kvbm_engine::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
+                let r = refuse(Status::AuthUnavailable);
+                timed("write", io, stream.write_all(&r)).await?;
+                return Ok(());
+            }
+            Err(status) => {
+                let r = refuse(status);
+                write_tagged(&mut stream, &mut session, io, &r).await?;
+                return Ok(());
+            }
+        };
+        // Refused before the hash list is read or any buffer sized by it is allocated.
+        if head.count as usize > s.config.max_blocks_per_request {
+            let r = refuse(Status::TooMany);
+            write_tagged(&mut stream, &mut session, io, &r).await?;
+            return Ok(());
+        }
+        // Bounded by the check above; read before answering so a refusal is not lost to a
+        // reset caused by unread data.
+        let tag_len = if session.is_some() { TAG_LEN } else { 0 };
+        let mut raw = vec![0u8; head.count as usize * HASH_LEN + tag_len];
+        timed("read", io, stream.read_exact(&mut raw)).await?;
+        if let Some(sess) = &mut session {
+            let (hashes, tag) = raw.split_at(raw.len() - TAG_LEN);
+            if !sess.check(&[hashes], tag.try_into().expect("16 bytes")) {
+                return Err(tag_refused(s, sess));
+            }
+            raw.truncate(raw.len() - TAG_LEN);
+        }
+        if head.geometry != s.geometry || head.block_bytes != s.block_bytes as u64 {
+            let r = refuse(Status::Geometry);
+            write_tagged(&mut stream, &mut session, io, &r).await?;
+            return Ok(());
+        }
+        let hashes = wire::decode_hashes(&raw);
+
+        let blocks: HashMap<SequenceHash, ImmutableBlock<G2>> = s
+            .manager
+            .scan_matches(&hashes)
+            .into_iter()
+            .map(|b| (b.sequence_hash(), b))
+            .collect();
+        s.stats.held.fetch_add(blocks.len(), Ordering::AcqRel);
+        let holds = Holds {
+            blocks,
+            stats: &s.stats,
+        };
+        // The whole response within the deadline: a reader that takes each write just in time
+        // cannot keep the holds for longer (they drop with this function's frame).
+        match tokio::time::timeout(
+            s.config.response_deadline,
+            write_response(
+                s,
+                &mut stream,
+                &mut session,
+                version,
+                head.count,
+                &hashes,
+                &holds,
+            ),
+        )
+        .await
+        {
+            Ok(r) => r?,
+            Err(_) => {
+                s.stats.responses_timed_out.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(kvbm_engine::metrics::DATAPLANE_RESPONSES_TIMED_OUT).increment(1);
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "response not written within {:?} (transport.response_deadline_ms)",
+                        s.config.response_deadline
+                    ),
+                ));
+            }
+        }
+        drop(holds);
+    }
+}
+
+/// Writes every byte of `parts`, each write within `io`.
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    io: std::time::Duration,
+    mut parts: &mut [std::io::IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !parts.is_empty() {
+        let n = timed("write", io, stream.write_vectored(parts)).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut parts, n);
+    }
+    Ok(())
+}
+
+/// Writes one response: its head, then one frame per hash (the held block, or an absent frame).
+/// Authenticated, the head and every frame header carry their tag, and with `payload_mac`
+/// every payload is followed by one.
+async fn write_response(
+    s: &Served,
+    stream: &mut TcpStream,
+    session: &mut Option<Session>,
+    version: u32,
+    count: u32,
+    hashes: &[SequenceHash],
+    holds: &Holds<'_>,
+) -> std::io::Result<()> {
+    let io = s.config.io_timeout;
+    let r = wire::encode_response_version(Status::Ok, count, version);
+    write_tagged(stream, session, io, &r).await?;
+    let layers = s.layout.layout().config().num_layers;
+    for h in hashes {
+        let Some(block) = holds.blocks.get(h) else {
+            write_tagged(stream, session, io, &[0u8; FRAME_HEADER_LEN]).await?;
+            continue;
+        };
+        let regions = s.layout.block_addrs(block.block_id(), 0..layers);
+        // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
+        // (registered, immutable), so nothing writes its slot while it is read.
+        let checksum = unsafe { s.checksums.checksum(block, &regions) };
+        let header = wire::frame_header_with(
+            *h,
+            block.digest(),
+            s.instance,
+            s.geometry,
+            &regions,
+            checksum,
+        );
+        // The header (and its tag, authenticated) goes out with the payload in one vectored
+        // write: a separate small write is pushed on its own (TCP_NODELAY) and costs the
+        // loopback stack a segment and an ACK per frame.
+        let mut head = Vec::with_capacity(FRAME_HEADER_LEN + TAG_LEN);
+        head.extend_from_slice(&header);
+        if let Some(sess) = session.as_mut() {
+            head.extend_from_slice(&sess.tag(&[&header]));
+        }
+        // SAFETY: as above.
+        let slices: Vec<&[u8]> = regions
+            .iter()
+            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+            .collect();
+        let payload_tag = match session {
+            Some(sess) if sess.payload_mac => Some(sess.tag(&slices)),
+            _ => None,
+        };
+        let corrupt = s
+            .stats
+            .corrupt_next
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        // A damaged copy (after its checksum and tags were computed), never the served block.
+        let bad: Option<Vec<u8>> = (corrupt && !slices.is_empty()).then(|| {
+            let mut bad = slices[0].to_vec();
+            if let Some(b) = bad.first_mut() {
+                *b ^= 0xff;
+            }
+            bad
+        });
+        let mut parts: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(slices.len() + 2);
+        parts.push(std::io::IoSlice::new(&head));
+        for (i, bytes) in slices.iter().enumerate() {
+            match (&bad, i) {
+                (Some(bad), 0) => parts.push(std::io::IoSlice::new(bad)),
+                _ => parts.push(std::io::IoSlice::new(bytes)),
+            }
+        }
+        if let Some(tag) = &payload_tag {
+            parts.push(std::io::IoSlice::new(tag));
+        }
+        write_all_vectored(stream, io, &mut parts).await?;
+        s.stats.blocks_served.fetch_add(1, Ordering::Relaxed);
+    }
+    timed("flush", io, stream.flush()).await?;
+    Ok(())
+}

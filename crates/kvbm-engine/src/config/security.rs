@@ -1,0 +1,137 @@
+//! The `[security]` section: who may speak in the cluster (the trust root, this member's
+//! credential, the insecure opt-out, the verifier's bounds).
+//!
+//! It is configuration only: the keys, certificates and sealing that use it are the cluster
+//! plane's (`kvbm_cluster::security`), so the engine's core carries no cryptography. The one
+//! rule both need, whether an endpoint is on the loopback interface, is [`is_loopback`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::address::InstanceId;
+
+/// The `[security]` configuration section (see `docs/security.md`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// The cluster's trust root: 64 hex digits (`kvbm security init` prints them).
+    pub trust_root: Option<String>,
+    /// This member's credential file (`kvbm security issue` writes it; mode 0600). Where one
+    /// configuration serves several instances (`kvbm replay --instances`), `{instance}` in the
+    /// path is replaced by each instance's id in 16 hex digits ([`SecurityConfig::for_instance`]).
+    pub credential_file: Option<PathBuf>,
+    /// Run a cluster off loopback without credentials. Logged loudly at start.
+    pub insecure: bool,
+    /// Largest accepted clock difference between sender and receiver, in milliseconds.
+    pub max_clock_skew_ms: u64,
+    /// Sequence numbers tracked per sender against replays.
+    pub replay_window: u32,
+    /// Senders whose certificates and replay windows are remembered at once.
+    pub max_senders: usize,
+    /// Also tag every data-plane payload with keyed BLAKE3 (the header, which carries the
+    /// payload's checksum, is always tagged). Costs about 1 GB/s per core.
+    pub dataplane_payload_mac: bool,
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        Self {
+            trust_root: None,
+            credential_file: None,
+            insecure: false,
+            max_clock_skew_ms: 30_000,
+            replay_window: 4096,
+            max_senders: 4096,
+            dataplane_payload_mac: false,
+        }
+    }
+}
+
+impl SecurityConfig {
+    /// This configuration for instance `id`: `{instance}` in `credential_file` replaced by the
+    /// id in 16 hex digits (`/etc/kvbm/{instance}.cred` → `/etc/kvbm/000000000000002a.cred`).
+    pub fn for_instance(&self, id: InstanceId) -> Self {
+        let mut c = self.clone();
+        if let Some(f) = &self.credential_file {
+            let path = f.to_string_lossy();
+            if path.contains("{instance}") {
+                c.credential_file =
+                    Some(path.replace("{instance}", &format!("{:016x}", id.0)).into());
+            }
+        }
+        c
+    }
+
+    /// Whether a trust root and a credential are named (the credential itself is loaded, per
+    /// instance, when a member starts).
+    pub fn has_credentials(&self) -> bool {
+        self.trust_root.is_some() && self.credential_file.is_some()
+    }
+
+    /// Checks the values (both of `trust_root` and `credential_file`, or neither; the trust
+    /// root's 64 hex digits; whether they are a key is checked when kvbm-cluster loads it).
+    ///
+    /// # Errors
+    /// `(key, message)` for the first bad value.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        match (&self.trust_root, &self.credential_file) {
+            (Some(_), None) => {
+                return Err((
+                    "security.credential_file",
+                    "security.trust_root is set but no credential file".into(),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err((
+                    "security.trust_root",
+                    "security.credential_file is set but no trust root".into(),
+                ));
+            }
+            (Some(r), Some(_)) => {
+                let r = r.trim();
+                if r.len() != 64 || !r.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err((
+                        "security.trust_root",
+                        "expected 64 hex digits (`kvbm security init` prints them)".into(),
+                    ));
+                }
+            }
+            (None, None) => {}
+        }
+        if self.max_clock_skew_ms == 0 {
+            return Err(("security.max_clock_skew_ms", "must be at least 1".into()));
+        }
+        if self.replay_window == 0 {
+            return Err(("security.replay_window", "must be at least 1".into()));
+        }
+        if self.max_senders == 0 {
+            return Err(("security.max_senders", "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `endpoint` (`host:port`, a URL such as `nats://host:4222`, or a bare host) names
+/// the loopback interface. Unresolvable names count as not loopback.
+pub fn is_loopback(endpoint: &str) -> bool {
+    let rest = endpoint.split("://").last().unwrap_or(endpoint);
+    // Drop any userinfo and path.
+    let rest = rest.rsplit('@').next().unwrap_or(rest);
+    let rest = rest.split('/').next().unwrap_or(rest);
+    if let Ok(addr) = rest.parse::<SocketAddr>() {
+        return addr.ip().is_loopback();
+    }
+    let host = match rest.rsplit_once(':') {
+        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => rest,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    host.parse::<std::net::IpAddr>()
+        .map(|ip| ip.is_loopback())
+        .unwrap_or(false)
+}
