@@ -77,7 +77,7 @@ use kvbm_logical::{
     BlockDigest, BlockId, BlockManager, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId,
 };
 use kvbm_offload::{
-    BlockFailure, BlockFailureKind, BoundTier, MoveOutcome, identity_of, object_key,
+    BadCopies, BlockFailure, BlockFailureKind, BoundTier, MoveOutcome, identity_of, object_key,
 };
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
@@ -514,16 +514,12 @@ impl ParallelWorkers for SpmdParallelWorkers {
     }
 }
 
-/// Sequence hashes of source copies a tier rejected on read (see
-/// [`SpmdMover::with_rejected`]).
-pub type Rejected = Arc<parking_lot::Mutex<std::collections::HashSet<SequenceHash>>>;
-
 /// The leader's side of a move across all ranks: destination blocks are allocated by the
 /// caller; a block is completed and registered only when every rank moved it.
 pub struct SpmdMover<Src: Tier, Dst: Tier> {
     workers: Arc<dyn ParallelWorkers>,
     dst: Arc<BlockManager<Dst>>,
-    rejected: Option<Rejected>,
+    rejected: Option<Arc<BadCopies<Src>>>,
     _src: std::marker::PhantomData<Src>,
 }
 
@@ -538,11 +534,11 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         }
     }
 
-    /// Records in `rejected` every source whose read a rank's tier rejected as proof that its
-    /// copy is bad ([`BlockFailureKind::drops_copy`]: a checksum or identity that does not
-    /// match), so the owner drops it from the source tier instead of reading it again; a
-    /// transient failure (I/O, timeout, a lost rank) keeps the copy.
-    pub fn with_rejected(mut self, rejected: Rejected) -> Self {
+    /// Hands every failed read of a source to `rejected` (kvbm-offload's rule: a copy proven
+    /// bad, [`BlockFailureKind::drops_copy`], is recorded so the owner drops it from the source
+    /// tier instead of reading it again; a transient failure, I/O, a timeout or a lost rank,
+    /// keeps the copy).
+    pub fn with_rejected(mut self, rejected: Arc<BadCopies<Src>>) -> Self {
         self.rejected = Some(rejected);
         self
     }
@@ -612,10 +608,8 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
                 },
                 // Every rank has settled: the destination may go back to its pool now.
                 Err(m) => {
-                    if m.kind.drops_copy()
-                        && let Some(rejected) = &self.rejected
-                    {
-                        rejected.lock().insert(s.sequence_hash());
+                    if let Some(rejected) = &self.rejected {
+                        rejected.read_failed(s.sequence_hash(), &m);
                     }
                     results[i] = Some(Err(m))
                 }

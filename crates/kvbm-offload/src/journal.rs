@@ -39,9 +39,9 @@ use kvbm_physical::{
     PhysicalLayout,
 };
 
-use crate::batch::{BatchOutcome, ResolvedBatch};
+use crate::batch::BatchOutcome;
 use crate::error::{BlockFailure, BlockFailureKind, OffloadError};
-use crate::mover::{BlockMoveExecutor, BlockMover, MoveSource};
+use crate::mover::{BlockMover, MoveSource};
 
 type Result<T> = std::result::Result<T, OffloadError>;
 
@@ -75,7 +75,7 @@ pub fn hash_of(identity: &BlockIdentity) -> Option<u128> {
 
 /// The blocks a journal listed, registered: their payload checksums by sequence hash, and the
 /// blocks themselves.
-pub type ListedBlocks = (HashMap<u128, u128>, Vec<ImmutableBlock<G3>>);
+pub type ListedBlocks<T = G3> = (HashMap<u128, u128>, Vec<ImmutableBlock<T>>);
 
 /// An open disk journal (see the [module docs](self)).
 #[derive(Debug)]
@@ -111,9 +111,9 @@ impl Opened {
     ///
     /// # Errors
     /// The manager cannot hand out all its slots (it is not fresh).
-    pub fn listed_blocks(&self, manager: &BlockManager<G3>) -> Result<ListedBlocks> {
+    pub fn listed_blocks<T: Tier>(&self, manager: &BlockManager<T>) -> Result<ListedBlocks<T>> {
         let total = manager.total_blocks();
-        let mut all: Vec<Option<MutableBlock<G3>>> = (0..total).map(|_| None).collect();
+        let mut all: Vec<Option<MutableBlock<T>>> = (0..total).map(|_| None).collect();
         let fresh = manager.allocate_blocks(total).map_err(|e| {
             OffloadError::Setup(format!(
                 "the G3 manager cannot be filled from its journal: {e}"
@@ -248,28 +248,6 @@ impl DiskJournal {
     pub fn sync(&self) -> kvbm_physical::Result<()> {
         self.file.sync()
     }
-}
-
-/// The G2→G3 write with the journal protocol around it: allocate the destination slots,
-/// then [`move_recorded`]. `sums[i]` is `(sequence hash, payload xxh3-128)` of block `i`.
-pub async fn write_recorded(
-    inner: &BlockMoveExecutor<G2, G3>,
-    index: &DiskJournal,
-    batch: &ResolvedBatch<G2>,
-    sums: &[(u128, u128)],
-) -> BatchOutcome<ImmutableBlock<G3>> {
-    let n = batch.len();
-    let sources: Vec<(usize, SequenceHash)> = batch
-        .blocks()
-        .iter()
-        .map(|b| (b.block_id, b.sequence_hash))
-        .collect();
-    // G3 room: at once, or waiting as the lane's `room_patience_ms` says.
-    let dst = match inner.allocate(n).await {
-        Ok(b) => b,
-        Err(f) => return (0..n).map(|_| Err(f.clone())).collect(),
-    };
-    move_recorded(inner.mover(), index, &sources, dst, async { sums.to_vec() }).await
 }
 
 /// A move into journaled slots, the journal's protocol around it: unlist the destination

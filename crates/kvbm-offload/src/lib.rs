@@ -9,6 +9,7 @@
 // crate-private.
 pub mod batch;
 mod bound;
+pub mod checked;
 pub mod config;
 pub mod engine;
 mod error;
@@ -28,6 +29,7 @@ mod sweep;
 
 pub use batch::{BatchOutcome, ResolvedBatch};
 pub use bound::BoundTier;
+pub use checked::{BadCopies, CheckedDisk};
 pub use config::{ObjectPipelineConfig, PipelineConfig};
 pub use error::{BlockFailure, BlockFailureKind, OffloadError, PolicyError};
 pub use executor::MoveExecutor;

@@ -43,7 +43,7 @@ use std::time::Duration;
 
 use async_nats::Client;
 use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, SequenceHash, Tier, TierId};
-use kvbm_offload::{EveryChecker, PresenceChecker, S3PresenceChecker};
+use kvbm_offload::{BadCopies, EveryChecker, PresenceChecker, S3PresenceChecker};
 use kvbm_physical::BlockLayout;
 use tokio_util::sync::CancellationToken;
 
@@ -55,8 +55,8 @@ use kvbm_engine::config::KvbmConfig;
 use kvbm_engine::error::{ControlError, EngineError, Result};
 use kvbm_engine::leader::RemoteSearch;
 use kvbm_engine::runtime::RuntimeHandle;
-use kvbm_engine::stack::{RankTiers, TierSinks, discard_poisoned, list_g4, open_g4_storage};
-use kvbm_engine::worker::{ParallelWorkers, Rejected, SpmdMover};
+use kvbm_engine::stack::{RankTiers, TierSinks, list_g4, open_g4_storage};
+use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_engine::{InstanceId, WorkerAddress};
 
 /// The ranks of an instance run as processes, the instance's view of them, and the moves
@@ -77,8 +77,8 @@ pub(super) struct Ranks {
     pub(super) g4_checker: Option<EveryChecker>,
     /// G3 and G4 copies a rank rejected on read (proven bad), dropped from their managers
     /// before the next onboarding ([`discard_rejected`](Self::discard_rejected)).
-    g3_rejected: Rejected,
-    g4_rejected: Rejected,
+    g3_rejected: Arc<BadCopies<G3>>,
+    g4_rejected: Arc<BadCopies<G4>>,
 }
 
 impl Ranks {
@@ -163,7 +163,10 @@ impl Ranks {
         };
         let tiers = RankTiers::build(config, rt, geometry, sinks, Some(remote), &g4_listed)?;
         let pw: Arc<dyn ParallelWorkers> = workers.clone();
-        let (g3_rejected, g4_rejected) = (Rejected::default(), Rejected::default());
+        let (g3_rejected, g4_rejected) = (
+            Arc::<BadCopies<G3>>::default(),
+            Arc::<BadCopies<G4>>::default(),
+        );
         let g4_to_g2 = tiers.g4.as_ref().map(|_| {
             Arc::new(
                 SpmdMover::<G4, G2>::new(pw.clone(), tiers.g2.clone())
@@ -226,10 +229,10 @@ impl Ranks {
     /// its slot is reused).
     pub(super) fn discard_rejected(&self) {
         if let Some(g3) = &self.tiers.g3 {
-            discard_poisoned(g3, &self.g3_rejected);
+            self.g3_rejected.discard(g3);
         }
         if let Some(g4) = &self.tiers.g4 {
-            discard_poisoned(g4, &self.g4_rejected);
+            self.g4_rejected.discard(g4);
         }
     }
 

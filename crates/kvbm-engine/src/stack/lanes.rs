@@ -9,14 +9,12 @@ use std::time::Instant;
 
 use kvbm_logical::{BlockRegistry, G2, G3, ImmutableBlock};
 use kvbm_offload::{
-    AllOfPolicy, BatchOutcome, BlockMoveExecutor, EnqueueError, MoveExecutor, OffloadHandle,
-    OffloadPolicy, Pipeline, PipelineConfig, PresenceFilter, ResolvedBatch,
+    AllOfPolicy, BatchOutcome, BlockMoveExecutor, CheckedDisk, EnqueueError, MoveExecutor,
+    OffloadHandle, OffloadPolicy, Pipeline, PipelineConfig, PresenceFilter, ResolvedBatch,
     create_policy_from_config,
 };
 use kvbm_physical::PhysicalLayout;
 use parking_lot::Mutex;
-
-use kvbm_offload::journal::DiskJournal;
 
 use super::counters::{Counters, MovePath};
 
@@ -35,15 +33,15 @@ pub(super) fn lane_policy(
     }
 }
 
-/// G2→G3 executor: records each block's payload checksum (for the journal) before the
-/// `kvbm-offload` executor writes it, and counts bytes.
+/// G2→G3 executor: each block's payload checksum computed from G2, the write made through
+/// kvbm-offload's checked disk (journal protocol, checksum recorded for the check on read),
+/// bytes counted.
 pub(super) struct RecordingG3Executor {
     pub(super) inner: BlockMoveExecutor<G2, G3>,
     pub(super) g2_layout: Arc<PhysicalLayout>,
-    pub(super) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
+    pub(super) checked: Arc<CheckedDisk>,
     pub(super) counters: Arc<Counters>,
     pub(super) block_bytes: usize,
-    pub(super) index: Arc<DiskJournal>,
 }
 
 impl MoveExecutor<G2> for RecordingG3Executor {
@@ -72,10 +70,8 @@ impl MoveExecutor<G2> for RecordingG3Executor {
                 )
             })
             .collect();
-        self.checksums.lock().extend(sums.iter().copied());
         let t = Instant::now();
-        let out =
-            kvbm_offload::journal::write_recorded(&self.inner, &self.index, batch, &sums).await;
+        let out = self.checked.write_batch(&self.inner, batch, sums).await;
         metrics::histogram!(
             crate::metrics::STACK_TRANSFER_SECONDS,
             crate::metrics::PATH_LABEL => "g2_to_g3"

@@ -48,8 +48,8 @@
 //! A request holds strong G1 handles from lookup to the end of its serve call (its "forward
 //! pass"); a matched prefix is held by its session until finished or failed; blocks being
 //! offloaded are held by their lane (strong for G1→G2 and for the write-through, weak, upgraded
-//! at the commitment point, for the chained lanes). Lock order: the checksum map, the poisoned
-//! sets and the write-through buffer are leaf locks, never held while a block manager or the
+//! at the commitment point, for the chained lanes). Lock order: the checked tiers' checksum map
+//! and bad-copy sets (kvbm-offload) and the write-through buffer are leaf locks, never held while a block manager or the
 //! transfer manager is called.
 
 use std::collections::HashSet;
@@ -84,8 +84,7 @@ use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
 };
 pub use tiers::{
-    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, discard_poisoned, list_g4,
-    open_g4_storage,
+    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, list_g4, open_g4_storage,
 };
 
 pub(crate) mod context;
@@ -600,7 +599,10 @@ impl TierStack {
             if let Backing::Disk(d) = g3.layout.backing() {
                 d.sync().context("cannot sync the G3 file")?;
             }
-            g3.index.sync().context("cannot sync the G3 journal")?;
+            g3.checked
+                .journal()
+                .sync()
+                .context("cannot sync the G3 journal")?;
         }
         let (a, b, c) = (
             self.g1_to_g2.as_ref(),

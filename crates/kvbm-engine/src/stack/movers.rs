@@ -27,7 +27,6 @@
 //! Locks: the poisoned sets and [`OnboardShared::failed`] are leaf locks, taken briefly and
 //! never while a block manager or the transfer manager is called.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -39,7 +38,8 @@ use kvbm_logical::{
     BlockManager, G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
 use kvbm_offload::{
-    ArrivalCheck, BlockFailure, BlockFailureKind, BlockMover, BoundTier, MoveOutcome, MoveSource,
+    ArrivalCheck, BadCopies, BlockFailure, BlockFailureKind, BlockMover, BoundTier, MoveOutcome,
+    MoveSource,
 };
 use kvbm_physical::LayoutHandle;
 use parking_lot::Mutex;
@@ -73,7 +73,7 @@ impl OnboardShared {
 /// rejected once, by a read ahead or an earlier move, is never read twice. Outcomes stay in
 /// source order.
 async fn skipping_rejected<S: Tier, F, Fut>(
-    poisoned: &Mutex<HashSet<SequenceHash>>,
+    rejected: &BadCopies<S>,
     shared: &OnboardShared,
     src: &[ImmutableBlock<S>],
     dst: Vec<MutableBlock<G2>>,
@@ -83,13 +83,12 @@ where
     F: FnOnce(Vec<ImmutableBlock<S>>, Vec<MutableBlock<G2>>) -> Fut,
     Fut: std::future::Future<Output = Vec<MoveOutcome<G2>>>,
 {
-    let bad: Vec<bool> = {
-        let p = poisoned.lock();
-        if p.is_empty() {
-            Vec::new()
-        } else {
-            src.iter().map(|b| p.contains(&b.sequence_hash())).collect()
-        }
+    let bad: Vec<bool> = if rejected.is_empty() {
+        Vec::new()
+    } else {
+        src.iter()
+            .map(|b| rejected.contains(b.sequence_hash()))
+            .collect()
     };
     if !bad.iter().any(|b| *b) {
         return transfer(src.to_vec(), dst).await;
@@ -214,7 +213,7 @@ impl G3ToG2 {
     ) -> Vec<MoveOutcome<G2>> {
         let t = Instant::now();
         let out = skipping_rejected(
-            &self.check.poisoned,
+            self.check.checked.bad(),
             &self.shared,
             src,
             dst,
@@ -263,7 +262,7 @@ impl BlockMove<G3, G2> for G3ToG2 {
 /// only by name, the one [`Identities`] gives it).
 pub(crate) struct G4ToG2 {
     mover: BlockMover<G4, G2>,
-    poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    bad: Arc<BadCopies<G4>>,
     counters: Arc<Counters>,
     block_bytes: usize,
     shared: Arc<OnboardShared>,
@@ -278,7 +277,7 @@ impl G4ToG2 {
     pub(super) fn new(
         g4: &BoundTier<G4>,
         g2: &BoundTier<G2>,
-        poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+        bad: Arc<BadCopies<G4>>,
         counters: Arc<Counters>,
         block_bytes: usize,
         shared: Arc<OnboardShared>,
@@ -286,7 +285,7 @@ impl G4ToG2 {
     ) -> crate::Result<Self> {
         Ok(G4ToG2 {
             mover: BlockMover::new(g4, g2)?,
-            poisoned,
+            bad,
             counters,
             block_bytes,
             shared,
@@ -299,8 +298,7 @@ impl G4ToG2 {
         src: &[ImmutableBlock<G4>],
         dst: Vec<MutableBlock<G2>>,
     ) -> Vec<MoveOutcome<G2>> {
-        let poisoned = self.poisoned.clone();
-        skipping_rejected(&poisoned, &self.shared, src, dst, |s, d| async move {
+        skipping_rejected(&self.bad, &self.shared, src, dst, |s, d| async move {
             self.transfer(&s, d).await
         })
         .await
@@ -334,10 +332,8 @@ impl G4ToG2 {
                 o.inspect(|_| ok += 1).map_err(|mut f| {
                     count_failure(&self.counters, "G4", &f);
                     f.message = format!("G4→G2 block {h}: {}", f.message);
-                    // Only a copy proven bad is never read again.
-                    if f.kind.drops_copy() {
-                        self.poisoned.lock().insert(h);
-                    }
+                    // Only a copy proven bad is never read again (kvbm-offload's rule).
+                    self.bad.read_failed(h, &f);
                     self.shared.fail(h);
                     f
                 })

@@ -56,7 +56,7 @@ impl TierStack {
                 break; // the prefix ends here
             }
             if tiers.contains(&TierId::G3)
-                && !g3.poisoned.lock().contains(h)
+                && !g3.checked.bad().contains(*h)
                 && !self.reading_ahead.contains(h)
             {
                 want.push(*h);

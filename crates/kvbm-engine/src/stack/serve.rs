@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId};
-use parking_lot::Mutex;
+use kvbm_offload::BadCopies;
 
 use crate::MatchedPrefix;
 use crate::error::Result;
@@ -35,11 +35,10 @@ impl TierStack {
         self.served_requests += 1;
     }
 
-    /// Drops the G3 and G4 blocks their tier rejected on read (poisoned) from the tier's
-    /// manager once nothing holds them (`BlockManager::discard_inactive`): unregistered, their
-    /// slots free, so the lanes may write a fresh copy later. A block stays poisoned (never
-    /// read) until it is dropped or has left the tier. The poisoned sets are leaf locks: read,
-    /// released, then the manager is called, then taken again to forget the dropped ones.
+    /// Drops the G3 and G4 blocks their tier rejected on read (kvbm-offload's `BadCopies`)
+    /// from the tier's manager once nothing holds them (`BlockManager::discard_inactive`):
+    /// unregistered, their slots free, so the lanes may write a fresh copy later. A block stays
+    /// rejected (never read) until it is dropped or has left the tier.
     pub(super) fn discard_rejected(&mut self) {
         super::tiers::discard_rejected(self.g3.as_ref(), self.g4.as_ref());
     }
@@ -117,32 +116,33 @@ impl TierStack {
         ]
     }
 
-    /// Where `matched` must end: before its first G3 or G4 block already rejected (poisoned).
+    /// Where `matched` must end: before its first G3 or G4 block already rejected.
     pub(super) fn usable(&self, matched: &MatchedPrefix) -> usize {
         let mut cut = matched.len();
         // The holder's index of the first block a tier rejected, mapped to its prefix position
         // (a tier may hold several runs of the prefix).
         fn first_bad<T: Tier>(
             blocks: &[ImmutableBlock<T>],
-            poisoned: &Mutex<HashSet<SequenceHash>>,
+            bad: &BadCopies<T>,
             positions: impl FnOnce() -> Vec<usize>,
         ) -> Option<usize> {
-            let p = poisoned.lock();
-            if p.is_empty() {
+            if bad.is_empty() {
                 return None;
             }
-            let i = blocks.iter().position(|b| p.contains(&b.sequence_hash()))?;
+            let i = blocks
+                .iter()
+                .position(|b| bad.contains(b.sequence_hash()))?;
             Some(positions()[i])
         }
         if let Some(g3) = &self.g3
-            && let Some(at) = first_bad(matched.g3().blocks(), &g3.poisoned, || {
+            && let Some(at) = first_bad(matched.g3().blocks(), g3.checked.bad(), || {
                 matched.positions(TierId::G3)
             })
         {
             cut = cut.min(at);
         }
         if let Some(g4) = &self.g4
-            && let Some(at) = first_bad(matched.g4().blocks(), &g4.poisoned, || {
+            && let Some(at) = first_bad(matched.g4().blocks(), &g4.bad, || {
                 matched.positions(TierId::G4)
             })
         {

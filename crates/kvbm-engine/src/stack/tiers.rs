@@ -29,7 +29,6 @@
 //! The check every G3 read passes, and what a rejected copy becomes (poisoned, never read
 //! again, [`discard_rejected`] from its tier), are here too.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -39,7 +38,7 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, LogicalConfig, SequenceHash, Tier,
 };
 use kvbm_offload::{
-    ArrivalCheck, BlockFailure, BlockFailureKind, BlockMoveExecutor, BlockMover, BoundTier,
+    ArrivalCheck, BadCopies, BlockFailure, BlockMoveExecutor, BlockMover, BoundTier, CheckedDisk,
     CompletionSink, MoveSource, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
     ObjectPipelineConfig, Pipeline, PipelineBuilder, PipelineConfig, PresenceFilter,
     create_policy_from_config,
@@ -48,7 +47,6 @@ use kvbm_physical::{
     BlockLayout, LayoutHandle, LayoutKind, ModelFingerprint, ObjectConfig, ObjectStorage,
     PhysicalLayout, PinPolicy, TransferManager,
 };
-use parking_lot::Mutex;
 
 use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
@@ -61,7 +59,6 @@ use super::hooks::{Contents, Identities};
 use super::lanes::{RecordingG3Executor, lane_policy};
 use super::movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 use super::plan::probe_endpoint;
-use kvbm_offload::journal::DiskJournal;
 
 use super::counters::Counters;
 
@@ -252,18 +249,19 @@ impl TierSet {
                 &cfg.logical,
                 plan.sinks.g3.clone(),
             )?;
-            let opened =
-                DiskJournal::open_for(&disk.path, &*tm.layout(handle)?, Some(&fingerprint))?;
-            let (checksums, warm_blocks) = opened.register_listed(&manager)?;
+            let (checked, listed) = CheckedDisk::open(
+                &disk.path,
+                &*tm.layout(handle)?,
+                Some(&fingerprint),
+                &manager,
+            )?;
             Some(G3Tier {
                 manager,
                 handle,
                 layout: tm.layout(handle)?,
                 dir,
-                checksums: Arc::new(Mutex::new(checksums)),
-                poisoned: Arc::default(),
-                warm_blocks,
-                index: Arc::new(opened.journal),
+                checked: Arc::new(checked),
+                warm_blocks: listed.len(),
             })
         } else {
             None
@@ -289,7 +287,7 @@ impl TierSet {
                 manager,
                 handle,
                 storage,
-                poisoned: Arc::default(),
+                bad: Arc::default(),
                 warm_blocks,
                 describe,
             };
@@ -345,7 +343,7 @@ impl TierSet {
                     Some(g4t) => Some(Arc::new(G4ToG2::new(
                         &BoundTier::new(tm.clone(), g4t.handle, g4t.manager.clone())?,
                         g2b,
-                        g4t.poisoned.clone(),
+                        g4t.bad.clone(),
                         counters.clone(),
                         b,
                         onboard.clone(),
@@ -445,10 +443,9 @@ impl TierSet {
             )?)
             .waiting_for_room(config.room_patience, Arc::default()),
             g2_layout: g2t.layout.clone(),
-            checksums: g3t.checksums.clone(),
+            checked: g3t.checked.clone(),
             counters: self.counters.clone(),
             block_bytes: g2t.layout.layout().config().block_bytes(),
-            index: g3t.index.clone(),
         };
         Ok(Some(
             PipelineBuilder::<G2, G3>::new()
@@ -601,42 +598,15 @@ impl RankTiers {
     }
 }
 
-/// Drops every poisoned block (a copy its tier rejected on read) from G3 and G4 when nothing
-/// holds it any more (G3 also unlisted it from the journal when it was poisoned), so it is
-/// neither matched nor read again; a block still held stays poisoned until a later call.
+/// Drops every copy G3 or G4 rejected on read (kvbm-offload's `BadCopies`) from its tier
+/// when nothing holds it any more (G3 also unlisted it from the journal when it was rejected),
+/// so it is neither matched nor read again; a copy still held stays rejected until a later call.
 pub(crate) fn discard_rejected(g3: Option<&G3Tier>, g4: Option<&G4Tier>) {
     if let Some(g3) = g3 {
-        discard_poisoned(&g3.manager, &g3.poisoned);
+        g3.checked.bad().discard(&g3.manager);
     }
     if let Some(g4) = g4 {
-        discard_poisoned(&g4.manager, &g4.poisoned);
-    }
-}
-
-/// Drops each of `poisoned` from `manager` once nothing holds it (then forgets it); one still
-/// held stays poisoned for a later call.
-pub fn discard_poisoned<T: Tier>(
-    manager: &BlockManager<T>,
-    poisoned: &Mutex<HashSet<SequenceHash>>,
-) {
-    let pending: Vec<SequenceHash> = {
-        let p = poisoned.lock();
-        if p.is_empty() {
-            return;
-        }
-        p.iter().copied().collect()
-    };
-    let gone: Vec<SequenceHash> = pending
-        .into_iter()
-        .filter(|h| {
-            manager.discard_inactive(&[*h]) == 1 || !manager.registry().is_present(*h, T::ID)
-        })
-        .collect();
-    if !gone.is_empty() {
-        let mut p = poisoned.lock();
-        for h in gone {
-            p.remove(&h);
-        }
+        g4.bad.discard(&g4.manager);
     }
 }
 
@@ -675,18 +645,14 @@ pub(super) unsafe fn slot_of(layout: &PhysicalLayout, id: usize) -> &mut [u8] {
 #[derive(Clone)]
 pub(crate) struct G3Check {
     pub(crate) manager: Arc<BlockManager<G3>>,
-    pub(crate) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
-    pub(crate) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
-    pub(crate) index: Arc<DiskJournal>,
+    pub(crate) checked: Arc<CheckedDisk>,
 }
 
 impl G3Tier {
     pub(crate) fn check(&self) -> G3Check {
         G3Check {
             manager: self.manager.clone(),
-            checksums: self.checksums.clone(),
-            poisoned: self.poisoned.clone(),
-            index: self.index.clone(),
+            checked: self.checked.clone(),
         }
     }
 }
@@ -696,19 +662,18 @@ pub(crate) struct G3Tier {
     pub(crate) handle: LayoutHandle,
     pub(crate) layout: Arc<PhysicalLayout>,
     pub(crate) dir: PathBuf,
-    /// xxh3-128 of each block's payload as written to G3 (sequence hash → checksum).
-    pub(crate) checksums: Arc<Mutex<std::collections::HashMap<u128, u128>>>,
-    pub(crate) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    /// The journal (`<dir>/g3.journal`), the checksum of each block as written, and the copies
+    /// proven bad on read: kvbm-offload's one checked disk.
+    pub(crate) checked: Arc<CheckedDisk>,
     pub(crate) warm_blocks: usize,
-    /// The persistent index (`<dir>/g3.journal`).
-    pub(crate) index: Arc<DiskJournal>,
 }
 
 pub(crate) struct G4Tier {
     pub(crate) manager: Arc<BlockManager<G4>>,
     pub(crate) handle: LayoutHandle,
     pub(crate) storage: Arc<ObjectStorage>,
-    pub(crate) poisoned: Arc<Mutex<HashSet<SequenceHash>>>,
+    /// The copies proven bad on read (kvbm-offload's rule).
+    pub(crate) bad: Arc<BadCopies<G4>>,
     pub(crate) warm_blocks: usize,
     pub(crate) describe: String,
 }
@@ -751,36 +716,20 @@ pub(super) fn manager_with_sink<T: Tier>(
     })?))
 }
 
-/// The check every G3 read passes before its G2 copy is registered: the payload must match
-/// the xxh3-128 checksum the journal recorded when it was written (a valid slot holding
-/// another block, or no record of this one, fails `ChecksumMismatch`). The disk layer has
-/// already checked the slot's header (slot, length, file id, identity, payload checksum).
 pub(super) fn g3_arrival_check(g3: G3Check) -> ArrivalCheck {
     Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
-        let actual = kvbm_physical::checksum::checksum_slices(regions.iter().copied());
-        let h = src.sequence_hash;
-        if g3.checksums.lock().get(&h.as_u128()).copied() == Some(actual) {
-            Ok(())
-        } else {
-            Err(BlockFailure::new(
-                BlockFailureKind::ChecksumMismatch,
-                format!("G3 block {h} differs from the checksum recorded at write"),
-            ))
-        }
+        g3.checked.check(src.sequence_hash, regions)
     })
 }
 
-/// A G3 read of `h` failed with `f`: counted ([`count_failure`]); when the failure proves the
-/// copy bad ([`BlockFailureKind::drops_copy`]) the block is poisoned in G3 and unlisted from
-/// the journal, so it is never read again, while a transient failure keeps the copy.
+/// A G3 read of `h` failed with `f`: counted ([`count_failure`]) and handed to the checked
+/// disk, which drops and unlists the copy when the failure proves it bad and keeps it
+/// otherwise (kvbm-offload's rule, `CheckedDisk::read_failed`).
 pub(super) fn g3_read_failed(g3: &G3Check, counters: &Counters, h: SequenceHash, f: &BlockFailure) {
     count_failure(counters, "G3", f);
     if f.kind.drops_copy() {
-        g3.poisoned.lock().insert(h);
-        g3.checksums.lock().remove(&h.as_u128());
-        if let Some(b) = g3.manager.scan_matches(&[h]).first() {
-            g3.index.dropped(b.block_id());
-        }
+        let slot = g3.manager.scan_matches(&[h]).first().map(|b| b.block_id());
+        g3.checked.read_failed(h, slot, f);
     }
 }
 

@@ -88,7 +88,8 @@
 //!
 //! # Persistence (disk)
 //!
-//! A disk tier keeps kvbm-offload's [`DiskJournal`] beside its file (`g3.bin` → `g3.journal`):
+//! A disk tier keeps kvbm-offload's checked disk ([`CheckedDisk`]: the journal, the checksums,
+//! the bad copies) over its file, the journal beside it (`g3.bin` → `g3.journal`):
 //! a destination slot is unlisted before it is written, a chunk listed (slot, the key's hash,
 //! the xxh3-128 of the bytes read from the primary) after its write completed. A tier opened on
 //! the same file replays the journal and holds every listed block ("restored"); a restored
@@ -97,11 +98,12 @@
 //! key's identity in the slot's header. Restored blocks nobody asked for are the first given
 //! up when the tier needs room.
 //!
-//! A copy dropped for failing verification leaves the manager's view too: a manager the tier
-//! built has its inactive blocks evicted at once; a caller's manager keeps the stale block
-//! inactive until its policy evicts it, and any read of it fails verification again. Keep the
-//! caller's manager on `DuplicationPolicy::Allow` (the default) so a key stored again registers
-//! its new block rather than being handed the stale one.
+//! A copy is dropped by kvbm-offload's one rule (`kvbm_offload::checked`): only a failure that
+//! proves it bad ([`BlockFailureKind::drops_copy`]) drops it, unlisted from a disk tier's journal
+//! at once; it leaves the tier's manager as soon as nothing holds it (`BadCopies::discard`),
+//! whoever built the manager, and any read of a copy still held fails verification again. Keep
+//! a caller's manager on `DuplicationPolicy::Allow` (the default) so a key stored again
+//! registers its new block rather than being handed the stale one.
 
 use std::sync::Arc;
 
@@ -111,9 +113,9 @@ use hashbrown::HashMap;
 use kvbm_logical::{
     BlockDigest, BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier,
 };
-use kvbm_offload::journal::DiskJournal;
 use kvbm_offload::{
-    BlockFailure, BlockFailureKind, BlockMover, BoundTier, ExternalMover, MoveOutcome, MoveSource,
+    BadCopies, BlockFailure, BlockFailureKind, BlockMover, BoundTier, CheckedDisk, ExternalMover,
+    MoveOutcome, MoveSource,
 };
 use kvbm_physical::{
     BlockId, BlockIdentity, DiskConfig, LayoutHandle, ModelFingerprint, ObjectStorage,
@@ -262,14 +264,14 @@ fn allocate_upto<T: Tier>(bound: &BoundTier<T>, n: usize) -> Vec<MutableBlock<T>
     out
 }
 
-/// A journaled store's move ([`move_recorded`](kvbm_offload::journal::move_recorded): unlist
+/// A journaled store's move ([`CheckedDisk::write`]: unlist
 /// the slots, write, list what was written), with the xxh3-128 of each source chunk (the
 /// primary's `slots`, co-indexed with `sources`) computed on the runtime's blocking pool
 /// beside it.
 async fn store_recorded<T: Tier>(
     tm: &Arc<kvbm_physical::TransferManager>,
     mover: &BlockMover<G2, T>,
-    journal: &DiskJournal,
+    checked: &CheckedDisk<T>,
     memory: &Arc<PhysicalLayout>,
     sources: &[MoveSource],
     destinations: Vec<MutableBlock<T>>,
@@ -298,7 +300,7 @@ async fn store_recorded<T: Tier>(
     // A checksum task that could not run (the runtime going away) lists nothing: the chunks
     // stay readable for this run, as when the journal cannot be appended.
     let sums = async { sums.await.unwrap_or_default() };
-    kvbm_offload::journal::move_recorded(mover, journal, sources, destinations, sums).await
+    checked.write(mover, sources, destinations, sums).await
 }
 
 /// A move in flight and the jobs it serves: one load, or a step's stores, whose chunks the
@@ -367,8 +369,11 @@ pub struct PhysicalTier<T: Tier> {
     done: Vec<JobResult>,
     detector: Option<BackpressureDetector>,
     failures: HashMap<BlockFailureKind, u64>,
-    /// The disk tier's journal (`None` for objects).
-    journal: Option<Arc<DiskJournal>>,
+    /// The disk tier's checks (kvbm-offload's [`CheckedDisk`]: journal, checksums, bad
+    /// copies); `None` for objects.
+    checked: Option<Arc<CheckedDisk<T>>>,
+    /// An object tier's copies proven bad (a disk tier's are its checked disk's).
+    bad: BadCopies<T>,
     /// Blocks the journal listed at open that no key has claimed yet, by sequence hash.
     restored: HashMap<SequenceHash, ImmutableBlock<T>>,
     /// The primary's memory (checksums of what a journaled store writes).
@@ -438,7 +443,8 @@ impl<T: Tier> PhysicalTier<T> {
             done: Vec::new(),
             detector: None,
             failures: HashMap::new(),
-            journal: None,
+            checked: None,
+            bad: BadCopies::default(),
             restored: HashMap::new(),
             primary_memory,
             events: None,
@@ -466,7 +472,7 @@ impl<T: Tier> PhysicalTier<T> {
     /// one task on the transfer manager's runtime: the keys' digests, the transfer's issue and
     /// validation, the destinations' registration in the tier's manager and, for a journaled
     /// tier, the journal's protocol around the write
-    /// ([`move_recorded`](kvbm_offload::journal::move_recorded): unlist the slots, write, list
+    /// ([`CheckedDisk::write`]: unlist the slots, write, list
     /// what was written) with the xxh3-128 of each source chunk computed on the runtime's
     /// blocking pool beside the move. None of it runs on the caller's (the scheduler's)
     /// thread, where a job of many small chunks would cost the step a digest, a journal
@@ -488,7 +494,7 @@ impl<T: Tier> PhysicalTier<T> {
         let bound = self.bound.clone();
         let block_size = self.bound.manager().block_size();
         let n = keys.len();
-        let journal = self.journal.clone();
+        let checked = self.checked.clone();
         let memory = self.primary_memory.clone();
         let task = tm.clone().spawn_io(async move {
             // Victims first: their blocks go inactive, where the allocation finds them.
@@ -503,13 +509,13 @@ impl<T: Tier> PhysicalTier<T> {
                 .zip(&slots)
                 .map(|(k, &c)| move_source(key_digest(k), c, block_size))
                 .collect();
-            let mut outcomes = match journal {
+            let mut outcomes = match checked {
                 None => mover.move_blocks(&sources, destinations).await,
-                Some(journal) => {
+                Some(checked) => {
                     store_recorded(
                         &tm,
                         &mover,
-                        &journal,
+                        &checked,
                         &memory,
                         &sources,
                         destinations,
@@ -696,15 +702,9 @@ impl<T: Tier> PhysicalTier<T> {
         true
     }
 
-    /// After a copy was dropped for failing verification: a manager this tier built holds no
-    /// block anyone else could revive, so its inactive blocks (the dropped copy among them) are
-    /// evicted now and the hash is registered afresh when the key is stored again. A caller's
-    /// manager keeps the stale block inactive until its policy evicts it; a read of it fails
-    /// verification again, so it is never served either way.
-    fn forget_dropped(&self) {
-        if self.owned_layout.is_some() {
-            self.bound.manager().reset_inactive_pool();
-        }
+    /// This tier's copies proven bad: a disk tier's checked disk's, an object tier's own.
+    fn bad_copies(&self) -> &BadCopies<T> {
+        self.checked.as_ref().map_or(&self.bad, |c| c.bad())
     }
 
     fn count(&mut self, f: &BlockFailure) {
@@ -820,11 +820,16 @@ impl<T: Tier> PhysicalTier<T> {
                             // it again (once no other load is reading it).
                             if drop_copy && unread {
                                 let gone = self.keys.remove(n);
-                                if let (Some(j), Some(h)) = (&self.journal, &gone.block) {
-                                    j.dropped(h.block.block_id());
+                                if let Some(h) = &gone.block {
+                                    let (hash, slot) =
+                                        (h.block.sequence_hash(), h.block.block_id());
+                                    match &self.checked {
+                                        Some(c) => c.read_failed(hash, Some(slot), &f),
+                                        None => self.bad.read_failed(hash, &f),
+                                    };
                                 }
                                 drop(gone);
-                                self.forget_dropped();
+                                self.bad_copies().discard(self.bound.manager());
                                 dropped.push(*k);
                             }
                         }
@@ -887,14 +892,15 @@ impl PhysicalTier<G3> {
     ) -> Result<Self> {
         let layout = CpuPrimaryTier::block_layout(capacity, primary.chunk_bytes())?;
         let disk = PhysicalLayout::create_disk(layout, config)?;
-        let opened = DiskJournal::open_for(&config.path, &disk, fingerprint)?;
         let mut tier = Self::owning(primary, disk, capacity)?;
-        let (_, blocks) = opened.listed_blocks(tier.bound.manager())?;
+        let file = tier.bound.transfer_manager().layout(tier.bound.layout())?;
+        let (checked, blocks) =
+            CheckedDisk::open(&config.path, &file, fingerprint, tier.bound.manager())?;
         tier.restored = blocks.into_iter().map(|b| (b.sequence_hash(), b)).collect();
         if !tier.restored.is_empty() {
             tracing::info!(path = %config.path.display(), chunks = tier.restored.len(), "disk tier starts warm");
         }
-        tier.journal = Some(Arc::new(opened.journal));
+        tier.checked = Some(Arc::new(checked));
         Ok(tier)
     }
 }
@@ -1190,12 +1196,12 @@ impl<T: Tier> SecondaryTierManager for PhysicalTier<T> {
     }
     fn shutdown(&mut self) -> Result<()> {
         self.drain_jobs()?;
-        if let Some(j) = &self.journal {
+        if let Some(c) = &self.checked {
             let layout = self.bound.transfer_manager().layout(self.bound.layout())?;
             if let kvbm_physical::Backing::Disk(d) = layout.backing() {
                 d.sync()?;
             }
-            j.sync()?;
+            c.journal().sync()?;
         }
         self.restored.clear();
         // Ready keys' blocks go back to the manager (inactive).

@@ -340,16 +340,24 @@ async fn keep_in_step_acknowledges_a_restart_once_the_leaders_g2_is_empty() {
     // The rank restarts: what the leader placed is dropped, and the rank waits for the held
     // block.
     beat(2).await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    kvbm_tests::wait::eventually_async("the restarted rank is rejoining", || {
+        matches!(
+            members.target(address),
+            Err(ControlError::Rejoining { epoch: 2, .. })
+        )
+    })
+    .await;
+    // The keeper forgets the lost memory on its next pass; the held block keeps the rank
+    // rejoining meanwhile.
+    kvbm_tests::wait::eventually_async(
+        "inactive blocks of the lost memory are never matched again",
+        || leader.find_matches(&seq.hashes()[..3]).count(TierId::G2) == 0,
+    )
+    .await;
     assert!(matches!(
         members.target(address),
         Err(ControlError::Rejoining { epoch: 2, .. })
     ));
-    assert_eq!(
-        leader.find_matches(&seq.hashes()[..3]).count(TierId::G2),
-        0,
-        "inactive blocks of the lost memory are never matched again"
-    );
     // Released: dropped in turn, and the rank is in step again.
     drop(held);
     for _ in 0..100 {
