@@ -104,14 +104,15 @@
 //! A promotion that fails is never reported as a hit. What happens to the copy depends on the
 //! failure's kind ([`BlockFailureKind::drops_copy`]): a transient failure (I/O, a timeout, a
 //! refusal) says nothing about the copy, which is kept and may be promoted by a later lookup.
-//! A copy proven bad (corrupt, another block's, or gone) is never read again: the manager drops it from the tier
-//! ([`BlockManager::discard_inactive`]: unregistered, its slot freed), so a later lookup of
-//! the key is a MISS unless G2 holds fresh bytes (the scheduler recomputed and stored it) or
-//! another tier holds a copy, and the engine's offload may write a fresh copy there. A copy
-//! another holder still uses cannot be dropped at once: the manager remembers the
-//! (hash, tier), refuses to promote it, and drops it at a later lookup once it can.
-//! Remembered copies are pruned once their tier no longer holds them, and all are forgotten on
-//! `reset_cache`.
+//! A copy proven bad (corrupt, another block's, or gone) is never read again: it is recorded in
+//! its tier's [`BadCopies`] (kvbm-offload's rule) and dropped from the tier
+//! ([`BadCopies::discard`]: unregistered, its slot freed), so a later lookup of the key is a
+//! MISS unless G2 holds fresh bytes (the scheduler recomputed and stored it) or another tier
+//! holds a copy, and the engine's offload may write a fresh copy there. A copy another holder
+//! still uses cannot be dropped at once: it stays recorded, is never promoted, and is dropped
+//! at a later lookup once it can. The sets are the tiers' own when the tier set hands them in
+//! ([`EngineTieringManager::with_bad_copies`]: one set per tier, which the stack's movers
+//! record in too); a manager built alone keeps its own.
 //!
 //! # Promotions
 //!
@@ -142,7 +143,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_logical::{BlockManager, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId};
-use kvbm_offload::{BlockFailure, BlockFailureKind, BoundTier, MoveOutcome};
+use kvbm_offload::{BadCopies, BlockFailure, BlockFailureKind, BoundTier, MoveOutcome};
 use kvbm_tiering::tiering::{DiskTier, ObjectTier, PhysicalTier, SecondaryTierManager};
 use kvbm_tiering::{
     CacheHitSource, CpuLoadStoreSpec, CpuPrimaryTier, LoadStoreSpec, LookupResult, Medium,
@@ -374,8 +375,10 @@ pub struct EngineTieringManager {
     requests: HashMap<u64, ReqState>,
     promotions: HashMap<OffloadKey, Promotion>,
     completions: Arc<Mutex<Vec<Completion>>>,
-    /// Copies (hash, tier) whose promotion failed: never promoted again (see "Failed copies").
-    bad_copies: HashSet<(SequenceHash, TierId)>,
+    /// G3's copies proven bad (see "Failed copies").
+    bad_g3: Arc<BadCopies<G3>>,
+    /// G4's copies proven bad.
+    bad_g4: Arc<BadCopies<G4>>,
     /// Keys reserved by some request's `prepare_store`.
     storing: HashSet<OffloadKey>,
     events: Vec<OffloadingEvent>,
@@ -396,7 +399,8 @@ impl std::fmt::Debug for EngineTieringManager {
         f.debug_struct("EngineTieringManager")
             .field("requests", &self.requests.len())
             .field("promotions", &self.promotions.len())
-            .field("bad_copies", &self.bad_copies.len())
+            .field("bad_g3_empty", &self.bad_g3.is_empty())
+            .field("bad_g4_empty", &self.bad_g4.is_empty())
             .finish()
     }
 }
@@ -468,9 +472,6 @@ impl InstanceLeader {
     }
 }
 
-/// Failed copies remembered before the set is pruned of copies their tier dropped.
-const BAD_COPIES_PRUNE_AT: usize = 4096;
-
 fn unknown(call: &'static str, ctx: &ReqContext) -> TieringError {
     TieringError::UnknownRequest {
         call,
@@ -525,7 +526,8 @@ impl EngineTieringManager {
             requests: HashMap::new(),
             promotions: HashMap::new(),
             completions: Arc::new(Mutex::new(Vec::new())),
-            bad_copies: HashSet::new(),
+            bad_g3: Arc::default(),
+            bad_g4: Arc::default(),
             storing: HashSet::new(),
             events: Vec::new(),
             promotion_failures: 0,
@@ -535,6 +537,24 @@ impl EngineTieringManager {
             block_bytes: 0,
             record_lookup_latency: false,
         })
+    }
+
+    /// Records proven-bad copies in the tiers' own sets (kvbm-offload's [`BadCopies`]: G3's
+    /// checked disk's, G4's) instead of the manager's, so a copy the stack's movers rejected is
+    /// never promoted and one this manager rejected is never read by them: one set per tier.
+    #[must_use]
+    pub fn with_bad_copies(
+        mut self,
+        g3: Option<Arc<BadCopies<G3>>>,
+        g4: Option<Arc<BadCopies<G4>>>,
+    ) -> Self {
+        if let Some(g3) = g3 {
+            self.bad_g3 = g3;
+        }
+        if let Some(g4) = g4 {
+            self.bad_g4 = g4;
+        }
+        self
     }
 
     /// Bytes per block, for the promotion byte counters (`vllm:kv_offload_tiering_read_bytes`
@@ -644,30 +664,40 @@ impl EngineTieringManager {
                     }
                     tracing::warn!(%key, kind = failure.kind.as_str(), error = %failure.message, tier = %p.tier, "promotion to G2 failed; that copy is dropped, never read again");
                     let h = self.hash_of(&key);
-                    if !self.discard_copy(h, p.tier) {
-                        self.bad_copies.insert((h, p.tier));
-                    }
-                    if self.bad_copies.len() > BAD_COPIES_PRUNE_AT {
-                        // Forget copies their tier no longer holds (evicted since).
-                        let accessor = self.leader.accessor();
-                        self.bad_copies.retain(|(h, t)| accessor.is_present(*h, *t));
-                    }
+                    match p.tier {
+                        TierId::G3 => self.bad_g3.read_failed(h, &failure),
+                        TierId::G4 => self.bad_g4.read_failed(h, &failure),
+                        _ => false,
+                    };
+                    self.discard_bad(p.tier);
                 }
             }
         }
     }
 
-    /// Drops the copy of `h` in `tier` from that tier's manager (see "Failed copies"); whether
-    /// the tier no longer holds it. A copy still held elsewhere stays registered.
-    fn discard_copy(&self, h: SequenceHash, tier: TierId) -> bool {
+    /// Drops `tier`'s bad copies nothing holds any more from its manager (see "Failed copies").
+    fn discard_bad(&self, tier: TierId) {
         match tier {
-            TierId::G3 => self.leader.g3().is_none_or(|m| {
-                m.discard_inactive(&[h]) == 1 || !m.registry().is_present(h, TierId::G3)
-            }),
-            TierId::G4 => self.leader.g4().is_none_or(|m| {
-                m.discard_inactive(&[h]) == 1 || !m.registry().is_present(h, TierId::G4)
-            }),
-            _ => true,
+            TierId::G3 => {
+                if let Some(m) = self.leader.g3() {
+                    self.bad_g3.discard(m);
+                }
+            }
+            TierId::G4 => {
+                if let Some(m) = self.leader.g4() {
+                    self.bad_g4.discard(m);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether `tier`'s copy of `h` was proven bad and has not left the tier.
+    fn is_bad(&self, h: SequenceHash, tier: TierId) -> bool {
+        match tier {
+            TierId::G3 => self.bad_g3.contains(h),
+            TierId::G4 => self.bad_g4.contains(h),
+            _ => false,
         }
     }
 
@@ -691,18 +721,19 @@ impl EngineTieringManager {
         // A copy that failed its promotion is never read again; another tier's copy may be.
         // One that could not be dropped then (held elsewhere) is dropped now if it can be.
         if let Some(l) = at
-            && self.bad_copies.contains(&(h, l))
-            && self.discard_copy(h, l)
+            && self.is_bad(h, l)
         {
-            self.bad_copies.remove(&(h, l));
-            at = accessor.locate(h);
+            self.discard_bad(l);
+            if !self.is_bad(h, l) {
+                at = accessor.locate(h);
+            }
         }
         if let Some(l) = at
-            && self.bad_copies.contains(&(h, l))
+            && self.is_bad(h, l)
         {
-            at = [TierId::G3, TierId::G4].into_iter().find(|o| {
-                *o != l && accessor.is_present(h, *o) && !self.bad_copies.contains(&(h, *o))
-            });
+            at = [TierId::G3, TierId::G4]
+                .into_iter()
+                .find(|o| *o != l && accessor.is_present(h, *o) && !self.is_bad(h, *o));
         }
         let source = match at {
             Some(TierId::G3) => {
@@ -1135,7 +1166,9 @@ impl OffloadingManager for EngineTieringManager {
         for uid in done {
             self.retire_if_done(uid);
         }
-        self.bad_copies.clear();
+        // Bad copies stay recorded (they are the tiers'); those nothing holds leave now.
+        self.discard_bad(TierId::G3);
+        self.discard_bad(TierId::G4);
         self.g2.reset_inactive_pool();
         self.prune_registered();
         Ok(())

@@ -32,6 +32,7 @@
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::path::Path;
+use std::sync::Arc;
 
 use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, MutableBlock, SequenceHash, Tier};
 use kvbm_physical::{ModelFingerprint, PhysicalLayout};
@@ -113,7 +114,7 @@ pub struct CheckedDisk<T: Tier = G3> {
     journal: DiskJournal,
     /// xxh3-128 of each block's payload as written (sequence hash → checksum).
     sums: Mutex<HashMap<u128, u128>>,
-    bad: BadCopies<T>,
+    bad: Arc<BadCopies<T>>,
 }
 
 impl<T: Tier> CheckedDisk<T> {
@@ -138,7 +139,7 @@ impl<T: Tier> CheckedDisk<T> {
             Self {
                 journal: opened.journal,
                 sums: Mutex::new(sums),
-                bad: BadCopies::default(),
+                bad: Arc::default(),
             },
             blocks,
         ))
@@ -230,8 +231,9 @@ impl<T: Tier> CheckedDisk<T> {
         true
     }
 
-    /// This tier's bad copies.
-    pub fn bad(&self) -> &BadCopies<T> {
+    /// This tier's bad copies (shared with whoever else reads the tier: the engine's
+    /// scheduler-facing manager records its failed promotions in the same set).
+    pub fn bad(&self) -> &Arc<BadCopies<T>> {
         &self.bad
     }
 

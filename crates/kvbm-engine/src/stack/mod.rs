@@ -343,7 +343,11 @@ impl TierStack {
                         },
                         rt.clone(),
                     )
-                    .context("cannot build the scheduler-facing tiering manager")?;
+                    .context("cannot build the scheduler-facing tiering manager")?
+                    .with_bad_copies(
+                        g3.as_ref().map(|t| t.checked.bad().clone()),
+                        g4.as_ref().map(|t| t.bad.clone()),
+                    );
                 sched.set_block_bytes(b);
                 let w = scheduled::WriteThrough::new(
                     g2_to_g3.clone(),
