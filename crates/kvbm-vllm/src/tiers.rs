@@ -52,6 +52,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
+use kvbm_engine::KvbmConfig;
 use kvbm_physical::{
     DiskConfig, HostStorage, LayoutConfig, ModelFingerprint, ObjectConfig, ObjectStorage,
     Parallelism, S3Config, TransferConfig, TransferManager,
@@ -197,6 +198,22 @@ pub(crate) fn disk_config(
     disk.direct_io = direct_io;
     disk.buffer_pool_bytes = buffer_pool_bytes;
     Ok(disk)
+}
+
+/// kvbm's configuration tree for a `kvbm_disk` tier: its keys mapped onto the tree the engine's
+/// tier set reads (`kvbm_engine::stack::g3_of`), so vLLM's disk tier is built by the same code
+/// as the replay's and an instance's G3:
+///
+/// | `kvbm_disk` key | tree key |
+/// |---|---|
+/// | `path` | `physical.disk.path` |
+/// | `capacity` | `tiers.g3_blocks` |
+/// | `queue_depth`, `direct_io`, `buffer_pool_mb` | `physical.disk.queue_depth`, `.direct_io`, `.buffer_pool_bytes` |
+pub(crate) fn disk_tree(disk: DiskConfig, capacity: usize) -> KvbmConfig {
+    let mut tree = KvbmConfig::default();
+    tree.tiers.g3_blocks = capacity;
+    tree.physical.disk = Some(disk);
+    tree
 }
 
 /// The [`ModelFingerprint`] of a vLLM tier's chunks, from the description the Python side
@@ -363,8 +380,11 @@ impl StorageTier {
         }
         let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
         let primary = primary_over(region, chunk_bytes, io_nice)?;
-        let disk = disk_config(&path, queue_depth, direct_io, buffer_pool_bytes)?;
-        let tier = PhysicalTier::disk(&primary.lock(), &disk, capacity, Some(&fingerprint))
+        let tree = disk_tree(
+            disk_config(&path, queue_depth, direct_io, buffer_pool_bytes)?,
+            capacity,
+        );
+        let tier = kvbm_engine::stack::secondary_disk(&tree, &primary.lock(), &fingerprint)
             .map_err(|e| {
                 PyRuntimeError::new_err(format!(
                     "cannot start the kvbm disk tier at {}: {e}",

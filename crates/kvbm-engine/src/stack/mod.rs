@@ -84,7 +84,8 @@ use tiers::{
     G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
 };
 pub use tiers::{
-    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, list_g4, open_g4_storage,
+    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, g3_of, list_g4, open_g4_storage,
+    secondary_disk,
 };
 
 pub(crate) mod context;

@@ -44,9 +44,11 @@ use kvbm_offload::{
     create_policy_from_config,
 };
 use kvbm_physical::{
-    BlockLayout, LayoutHandle, LayoutKind, ModelFingerprint, ObjectConfig, ObjectStorage,
-    PhysicalLayout, PinPolicy, TransferManager,
+    BlockLayout, DiskConfig, LayoutHandle, LayoutKind, ModelFingerprint, ObjectConfig,
+    ObjectStorage, PhysicalLayout, PinPolicy, TransferManager,
 };
+
+use kvbm_tiering::{CpuPrimaryTier, PhysicalTier};
 
 use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
@@ -228,27 +230,13 @@ impl TierSet {
             None
         };
 
-        let g3 = if tiers.g3_blocks > 0 {
-            let disk = cfg.physical.disk.as_ref().ok_or_else(|| {
-                EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
-            })?;
-            let dir = disk
-                .path
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .unwrap_or(std::path::Path::new("."))
-                .to_path_buf();
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("cannot create G3 directory {}", dir.display()))?;
-            let layout = PhysicalLayout::create_disk(shape(tiers.g3_blocks)?, disk)
+        let g3 = if let Some((g3_blocks, disk)) = g3_of(cfg)? {
+            let dir = g3_dir(disk)?;
+            let layout = PhysicalLayout::create_disk(shape(g3_blocks)?, disk)
                 .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
             let handle = tm.register_layout(layout)?;
-            let manager = manager_with_sink::<G3>(
-                tiers.g3_blocks,
-                &registry,
-                &cfg.logical,
-                plan.sinks.g3.clone(),
-            )?;
+            let manager =
+                manager_with_sink::<G3>(g3_blocks, &registry, &cfg.logical, plan.sinks.g3.clone())?;
             let (checked, listed) = CheckedDisk::open(
                 &disk.path,
                 &*tm.layout(handle)?,
@@ -494,6 +482,62 @@ impl TierSet {
                 .context("cannot start the G2→G4 pipeline")?,
         ))
     }
+}
+
+/// `[tiers] g3_blocks` and `[physical] disk`, read for every builder of a G3 file (the tier
+/// set's, and a secondary tier under vLLM's manager, [`secondary_disk`]): none when G3 has no
+/// blocks.
+///
+/// # Errors
+/// [`EngineError::Config`] naming `physical.disk` when G3 has blocks but no file.
+pub fn g3_of(cfg: &KvbmConfig) -> Result<Option<(usize, &DiskConfig)>> {
+    if cfg.tiers.g3_blocks == 0 {
+        return Ok(None);
+    }
+    let disk =
+        cfg.physical.disk.as_ref().ok_or_else(|| {
+            EngineError::config("physical.disk", "required when tiers.g3_blocks > 0")
+        })?;
+    Ok(Some((cfg.tiers.g3_blocks, disk)))
+}
+
+/// The directory of G3's file, created if missing.
+fn g3_dir(disk: &DiskConfig) -> Result<PathBuf> {
+    let dir = disk
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+        .to_path_buf();
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("cannot create G3 directory {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// G3 as a secondary tier under a primary kvbm did not lay out (vLLM's offload region, as a
+/// kvbm-tiering [`CpuPrimaryTier`]): `[tiers] g3_blocks` chunk slots in the file `[physical]
+/// disk`, through the same checked disk (kvbm-offload's `CheckedDisk`: journal, checksums,
+/// bad copies, warm restart) as the tier set's own G3, its journal bound to `fingerprint`. The
+/// face kvbm-vllm's `kvbm_disk` builds its tier with.
+///
+/// # Errors
+/// [`EngineError::Config`] naming `tiers.g3_blocks` (0) or `physical.disk` (missing);
+/// [`EngineError::Stack`] when the directory or the file cannot be created, or the tier cannot
+/// be started over it.
+pub fn secondary_disk(
+    cfg: &KvbmConfig,
+    primary: &CpuPrimaryTier,
+    fingerprint: &ModelFingerprint,
+) -> Result<PhysicalTier<G3>> {
+    let (g3_blocks, disk) = g3_of(cfg)?.ok_or_else(|| {
+        EngineError::config(
+            "tiers.g3_blocks",
+            "a disk tier needs at least one chunk slot",
+        )
+    })?;
+    g3_dir(disk)?;
+    PhysicalTier::disk(primary, disk, g3_blocks, Some(fingerprint))
+        .with_context(|| format!("cannot start the disk tier at {}", disk.path.display()))
 }
 
 /// The tiers of an instance whose block memory is its worker ranks' (`workers.mode =

@@ -1,0 +1,162 @@
+//! The tier set's face for vLLM's manager (`kvbm_engine::stack::secondary_disk`, what
+//! kvbm-vllm's `kvbm_disk` builds its tier with): a G3 disk tier under a CPU primary kvbm did
+//! not lay out, built from the configuration tree's `[tiers] g3_blocks` and `[physical] disk`
+//! through the same checked disk as the tier set's own G3: its chunks restart warm from the
+//! journal, bound to the model fingerprint; the keys it needs are named when missing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_engine::stack::secondary_disk;
+use kvbm_engine::{EngineError, KvbmConfig};
+use kvbm_logical::G3;
+use kvbm_physical::{DiskConfig, ModelFingerprint, Parallelism, TransferManager};
+use kvbm_tiering::{
+    CpuManagerConfig, CpuPrimaryTier, LookupResult, OffloadKey, OffloadingManager, PhysicalTier,
+    ReqContext, ScheduleEndContext, TieringOffloadingManager, UpstreamFixes,
+};
+
+const CHUNK: usize = 8192;
+
+fn k(i: u64) -> OffloadKey {
+    OffloadKey::from_u64(i)
+}
+
+fn pattern(i: u64) -> Vec<u8> {
+    (0..CHUNK)
+        .map(|j| (j as u64 * 13 + i * 101) as u8)
+        .collect()
+}
+
+fn fingerprint(model: &str) -> ModelFingerprint {
+    ModelFingerprint::builder()
+        .model(model)
+        .dtype("int8")
+        .kv_layout("NHD")
+        .parallelism(Parallelism::Canonical)
+        .geometry(*CpuPrimaryTier::block_layout(1, CHUNK).unwrap().config())
+        .build()
+        .unwrap()
+}
+
+fn tree(path: &std::path::Path, slots: usize) -> KvbmConfig {
+    let mut cfg = KvbmConfig::default();
+    cfg.tiers.g3_blocks = slots;
+    cfg.physical.disk = Some(DiskConfig::new(path));
+    cfg
+}
+
+/// A tiering manager over a primary of 2 chunks and the disk tier the tier set builds.
+fn manager(cfg: &KvbmConfig, model: &str) -> TieringOffloadingManager {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let primary =
+        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
+    let tier = secondary_disk(cfg, &primary, &fingerprint(model)).unwrap();
+    TieringOffloadingManager::with_primary(
+        primary,
+        vec![Box::new(tier)],
+        UpstreamFixes::default(),
+        false,
+    )
+}
+
+fn settle(m: &mut TieringOffloadingManager) {
+    let end = |m: &mut TieringOffloadingManager| {
+        m.on_schedule_end(&ScheduleEndContext::default()).unwrap()
+    };
+    end(m);
+    let t = Instant::now();
+    while m.has_pending_work() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "tier jobs did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        end(m);
+    }
+    end(m);
+}
+
+fn store(m: &mut TieringOffloadingManager, c: &ReqContext, keys: &[u64]) {
+    let ks: Vec<OffloadKey> = keys.iter().map(|&i| k(i)).collect();
+    let o = m.prepare_store(&ks, c).unwrap().expect("room");
+    for (key, &i) in ks.iter().zip(keys) {
+        m.primary_mut()
+            .chunk_mut(key)
+            .unwrap()
+            .copy_from_slice(&pattern(i));
+    }
+    m.complete_store(&o.keys_to_store, c, true).unwrap();
+}
+
+#[test]
+fn the_disk_tier_vllm_gets_restarts_warm_from_the_tier_sets_journal() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // The directory does not exist yet: the builder makes it.
+    let path = dir.path().join("kvbm_disk").join("g3.bin");
+    let cfg = tree(&path, 8);
+    {
+        let mut m = manager(&cfg, "model-a");
+        let c = ReqContext::new("first run");
+        m.on_new_request(&c).unwrap();
+        store(&mut m, &c, &[0, 1]);
+        settle(&mut m);
+        store(&mut m, &c, &[2, 3]); // 0 and 1 leave the primary for the disk
+        settle(&mut m);
+        m.on_request_finished(&c).unwrap();
+        m.shutdown().unwrap();
+    }
+    assert!(
+        path.with_extension("journal").exists(),
+        "the journal beside the file"
+    );
+
+    let mut m = manager(&cfg, "model-a");
+    let t = m.tier_mut::<PhysicalTier<G3>>(0).unwrap();
+    assert_eq!(
+        t.num_restored(),
+        4,
+        "every chunk written is listed at restart"
+    );
+    let c = ReqContext::new("second run");
+    m.on_new_request(&c).unwrap();
+    assert_eq!(
+        m.lookup(&k(0), &c),
+        LookupResult::HitPending,
+        "found on disk"
+    );
+    settle(&mut m);
+    assert_eq!(m.lookup(&k(0), &c), LookupResult::Hit);
+    assert_eq!(
+        m.primary().chunk(&k(0)).unwrap(),
+        pattern(0).as_slice(),
+        "with its bytes"
+    );
+    m.on_request_finished(&c).unwrap();
+    m.shutdown().unwrap();
+
+    // Another model on the same file: nothing of model A is served.
+    let mut other = manager(&cfg, "model-b");
+    let t = other.tier_mut::<PhysicalTier<G3>>(0).unwrap();
+    assert_eq!(t.num_restored(), 0, "another fingerprint starts cold");
+    other.shutdown().unwrap();
+}
+
+#[test]
+fn the_keys_a_disk_tier_needs_are_named() {
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let primary =
+        CpuPrimaryTier::with_transfer_manager(CpuManagerConfig::new(2), CHUNK, tm).unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let key_of = |cfg: &KvbmConfig| match secondary_disk(cfg, &primary, &fingerprint("m")) {
+        Err(EngineError::Config { key, .. }) => key,
+        other => panic!("not a configuration error: {:?}", other.map(|_| ())),
+    };
+    assert_eq!(
+        key_of(&tree(&dir.path().join("g3.bin"), 0)),
+        "tiers.g3_blocks"
+    );
+    let mut no_file = tree(&dir.path().join("g3.bin"), 4);
+    no_file.physical.disk = None;
+    assert_eq!(key_of(&no_file), "physical.disk");
+}
