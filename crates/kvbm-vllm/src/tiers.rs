@@ -1,4 +1,4 @@
-//! `StorageTier`: kvbm's G3 disk tier and G4 object tier ([`PhysicalTier<G3>`],
+//! `StorageTier`: kvbm's G3 disk tier and G4 object tier ([`PhysicalTier<G3>`](kvbm_tiering::PhysicalTier),
 //! [`PhysicalTier<G4>`](kvbm_tiering::ObjectTier)) as secondary tiers under vLLM's own tiering
 //! manager, moving bytes straight between vLLM's primary region and the disk or object store.
 //!
@@ -54,14 +54,14 @@ use std::time::Instant;
 
 use kvbm_engine::KvbmConfig;
 use kvbm_physical::{
-    DiskConfig, HostStorage, LayoutConfig, ModelFingerprint, ObjectConfig, ObjectStorage,
-    Parallelism, S3Config, TransferConfig, TransferManager,
+    DiskConfig, HostStorage, LayoutConfig, ModelFingerprint, ObjectConfig, Parallelism, S3Config,
+    TransferConfig, TransferManager,
 };
 use kvbm_tiering::tiering::Backpressure;
 use kvbm_tiering::{
     CpuManagerConfig, CpuPrimaryTier, DiskTier as RustDiskTier, JobResult, LookupResult,
-    ObjectProbe, ObjectTier as RustObjectTier, OffloadKey, PhysicalTier, ReqContext,
-    RequestOffloadingContext, SecondaryTierManager, TierJob,
+    ObjectProbe, ObjectTier as RustObjectTier, OffloadKey, ReqContext, RequestOffloadingContext,
+    SecondaryTierManager, TierJob,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -213,6 +213,37 @@ pub(crate) fn disk_tree(disk: DiskConfig, capacity: usize) -> KvbmConfig {
     let mut tree = KvbmConfig::default();
     tree.tiers.g3_blocks = capacity;
     tree.physical.disk = Some(disk);
+    tree
+}
+
+/// Where a `kvbm_object` tier keeps its objects.
+pub(crate) enum ObjectStore {
+    /// An S3 bucket (`bucket`, `endpoint`, `region`, the credentials from the environment).
+    S3(S3Config),
+    /// A local directory (`dir`).
+    Dir(std::path::PathBuf),
+}
+
+/// kvbm's configuration tree for a `kvbm_object` tier, as [`disk_tree`] for a disk tier (the
+/// engine's tier set opens the store: `kvbm_engine::stack::secondary_object`):
+///
+/// | `kvbm_object` key | tree key |
+/// |---|---|
+/// | `bucket`, `endpoint`, `region` (credentials from the environment) | `physical.s3` |
+/// | `dir` | `physical.object_dir` |
+/// | `namespace` | `physical.object.namespace` |
+/// | `capacity` | `tiers.g4_blocks` |
+pub(crate) fn object_tree(store: ObjectStore, namespace: String, capacity: usize) -> KvbmConfig {
+    let mut tree = KvbmConfig::default();
+    tree.tiers.g4_blocks = capacity;
+    match store {
+        ObjectStore::S3(s3) => tree.physical.s3 = Some(s3),
+        ObjectStore::Dir(dir) => tree.physical.object_dir = Some(dir),
+    }
+    tree.physical.object = ObjectConfig {
+        namespace,
+        ..ObjectConfig::default()
+    };
     tree
 }
 
@@ -433,35 +464,24 @@ impl StorageTier {
         }
         let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
         let primary = primary_over(region, chunk_bytes, io_nice)?;
-        let config = ObjectConfig {
-            namespace,
-            ..ObjectConfig::default()
-        };
-        let storage = match (bucket, dir) {
-            (Some(bucket), None) => {
-                let s3 = S3Config {
-                    endpoint,
-                    bucket: bucket.clone(),
-                    region: s3_region,
-                    access_key: access_key.unwrap_or_default(),
-                    secret_key: secret_key.unwrap_or_default(),
-                };
-                ObjectStorage::s3(&s3, config).map_err(|e| {
-                    PyRuntimeError::new_err(format!("cannot open the S3 bucket {bucket}: {e}"))
-                })?
-            }
-            (None, Some(dir)) => ObjectStorage::local(&dir, config).map_err(|e| {
-                PyRuntimeError::new_err(format!("cannot open the directory {}: {e}", dir.display()))
-            })?,
+        let store = match (bucket, dir) {
+            (Some(bucket), None) => ObjectStore::S3(S3Config {
+                endpoint,
+                bucket,
+                region: s3_region,
+                access_key: access_key.unwrap_or_default(),
+                secret_key: secret_key.unwrap_or_default(),
+            }),
+            (None, Some(dir)) => ObjectStore::Dir(dir),
             _ => {
                 return Err(PyValueError::new_err(
                     "an object tier needs exactly one of bucket (S3) and dir (a local directory)",
                 ));
             }
         };
-        let storage = storage.with_fingerprint(fingerprint);
-        let tier =
-            PhysicalTier::object(&primary.lock(), Arc::new(storage), capacity).map_err(|e| {
+        let tree = object_tree(store, namespace, capacity);
+        let tier = kvbm_engine::stack::secondary_object(&tree, &primary.lock(), &fingerprint)
+            .map_err(|e| {
                 PyRuntimeError::new_err(format!("cannot start the kvbm object tier: {e}"))
             })?;
         Self::over(

@@ -85,7 +85,7 @@ use tiers::{
 };
 pub use tiers::{
     RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, g3_of, list_g4, open_g4_storage,
-    secondary_disk,
+    secondary_disk, secondary_object,
 };
 
 pub(crate) mod context;

@@ -540,6 +540,39 @@ pub fn secondary_disk(
         .with_context(|| format!("cannot start the disk tier at {}", disk.path.display()))
 }
 
+/// G4 as a secondary tier under a primary kvbm did not lay out (vLLM's offload region): the
+/// object store `[physical] s3` (its endpoint probed first, on the caller's thread: 3 s at
+/// most per address) or `[physical] object_dir`, with `[physical] object` (the namespace),
+/// scoped by `fingerprint`, opened as every G4 of the tier set is ([`open_g4_storage`]);
+/// `[tiers] g4_blocks` keys remembered. The face kvbm-vllm's `kvbm_object` builds its tier with.
+///
+/// # Errors
+/// [`EngineError::Config`] naming `tiers.g4_blocks` (0) or `physical.s3` (no store);
+/// [`EngineError::Stack`] when the endpoint does not answer or the store cannot be opened.
+pub fn secondary_object(
+    cfg: &KvbmConfig,
+    primary: &CpuPrimaryTier,
+    fingerprint: &ModelFingerprint,
+) -> Result<PhysicalTier<G4>> {
+    if cfg.tiers.g4_blocks == 0 {
+        return Err(EngineError::config(
+            "tiers.g4_blocks",
+            "an object tier must remember at least one key",
+        ));
+    }
+    if let Some(ep) = cfg
+        .physical
+        .s3
+        .as_ref()
+        .and_then(|s3| s3.endpoint.as_deref())
+    {
+        probe_endpoint(ep)?;
+    }
+    let (storage, describe) = g4_storage(cfg, *fingerprint, cfg.physical.object.clone())?;
+    PhysicalTier::object(primary, storage, cfg.tiers.g4_blocks)
+        .with_context(|| format!("cannot start the object tier on {describe}"))
+}
+
 /// The tiers of an instance whose block memory is its worker ranks' (`workers.mode =
 /// "processes"`): only the block managers (one registry, G2 and G3 publishing to their sinks)
 /// and the leader over them. Every block's bytes live in each rank's layout of its tier under
@@ -804,14 +837,23 @@ pub async fn open_g4_storage(
     fingerprint: ModelFingerprint,
     object: ObjectConfig,
 ) -> Result<(Arc<ObjectStorage>, String)> {
+    if let Some(ep) = cfg.physical.s3.as_ref().and_then(|s3| s3.endpoint.clone()) {
+        // A blocking connect (3 s at most per address): off the async workers.
+        tokio::task::spawn_blocking(move || probe_endpoint(&ep))
+            .await
+            .context("the S3 endpoint probe did not finish")??;
+    }
+    g4_storage(cfg, fingerprint, object)
+}
+
+/// [`open_g4_storage`] after its probe: the one reader of `[physical] s3` and `object_dir`.
+fn g4_storage(
+    cfg: &KvbmConfig,
+    fingerprint: ModelFingerprint,
+    object: ObjectConfig,
+) -> Result<(Arc<ObjectStorage>, String)> {
     let (storage, describe) = match (&cfg.physical.s3, &cfg.physical.object_dir) {
         (Some(s3), _) => {
-            if let Some(ep) = s3.endpoint.clone() {
-                // A blocking connect (3 s at most per address): off the async workers.
-                tokio::task::spawn_blocking(move || probe_endpoint(&ep))
-                    .await
-                    .context("the S3 endpoint probe did not finish")??;
-            }
             let s = ObjectStorage::s3(s3, object)
                 .with_context(|| format!("cannot configure S3 bucket {}", s3.bucket))?
                 .with_fingerprint(fingerprint);

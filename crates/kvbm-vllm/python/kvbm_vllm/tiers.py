@@ -471,25 +471,33 @@ class KvbmObjectTier(_KvbmTier):
                     f"secondary tier {tier_type!r}: S3 credentials are read from the environment "
                     f"variables {s['access_key_env']} and {s['secret_key_env']}; set both"
                 )
-        self._rs = extension().StorageTier.object(
-            _flat(primary_kv_view),
-            self.block_size_bytes,
-            _fingerprint(who, offloading_spec),
-            str(s["namespace"]),
-            capacity,
-            s["bucket"] or None,
-            s["endpoint"] or None,
-            str(s["region"]),
-            access,
-            secret,
-            s["dir"] or None,
-            _LOOKUP_RESULTS,
-            _events_on(who, offloading_spec, events),
-            tier_type,
-            _io_nice(who, s),
-        )
         where = (f"S3 bucket {s['bucket']!r} at {s['endpoint'] or 'the default endpoint'}"
                  if s["bucket"] else f"directory {s['dir']}")
+        try:
+            # Built by kvbm's tier set (kvbm_engine::stack::secondary_object).
+            self._rs = extension().StorageTier.object(
+                _flat(primary_kv_view),
+                self.block_size_bytes,
+                _fingerprint(who, offloading_spec),
+                str(s["namespace"]),
+                capacity,
+                s["bucket"] or None,
+                s["endpoint"] or None,
+                str(s["region"]),
+                access,
+                secret,
+                s["dir"] or None,
+                _LOOKUP_RESULTS,
+                _events_on(who, offloading_spec, events),
+                tier_type,
+                _io_nice(who, s),
+            )
+        except RuntimeError as e:
+            # The tier set probes an S3 endpoint first: nothing listening is an error now.
+            _log.error("kvbm tier %r (kvbm_object): %s cannot be used: %s", tier_type, where, e)
+            why = " (unreachable, no such bucket, or credentials refused)" if s["bucket"] else ""
+            raise RuntimeError(f"secondary tier {tier_type!r}: {where} cannot be used{why}: {e}"
+                               ) from e
         if s["bucket"]:
             # An unreachable endpoint, a missing bucket or refused credentials is an error now,
             # not a miss on every lookup from here on.
