@@ -17,6 +17,7 @@ use kvbm_engine::KvbmRuntime;
 use kvbm_logical::{Salt, SequenceHash, TierId, TokenBlockSequence};
 use kvbm_tests::wait::eventually_async;
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 const A: InstanceId = InstanceId(0xa1);

@@ -21,6 +21,7 @@ use kvbm_engine::{EngineError, InstanceId, KvbmRuntime, WorkerAddress};
 use kvbm_logical::{G1, ImmutableBlock, PoolCounts, SequenceHash, TierId};
 use kvbm_physical::BlockLayout;
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 mod worker_processes;
 

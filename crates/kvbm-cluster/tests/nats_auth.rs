@@ -29,6 +29,7 @@ use kvbm_engine::config::{ConfigBuilder, NatsAuthConfig, Secret};
 use kvbm_engine::{EngineError, InstanceId, KvbmRuntime, WorkerAddress};
 use kvbm_tests::services::{CONTROL_INSTANCE, NatsAuthService, nats_auth};
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 const MS50: Duration = Duration::from_millis(50);

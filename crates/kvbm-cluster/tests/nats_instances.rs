@@ -43,6 +43,7 @@ use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, SequenceHash, TierId, TokenBlockSequence};
 use kvbm_tests::wait::eventually_async;
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 const A: InstanceId = InstanceId(0xa1);

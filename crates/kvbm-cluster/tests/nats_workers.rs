@@ -20,6 +20,7 @@ use kvbm_engine::leader::{FinishOutcome, InstanceLeader, MoversToG2, Phase, Sess
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_logical::{G1, G2, G3, ImmutableBlock, PoolCounts, TierId};
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 use common::N;

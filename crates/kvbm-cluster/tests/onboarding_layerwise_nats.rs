@@ -15,6 +15,7 @@ use kvbm_engine::worker::{ParallelWorkers, SpmdLayerMover, SpmdMover};
 use kvbm_logical::{G2, G3, TierId};
 use tokio::sync::Semaphore;
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 use common::{Gated, geometry};

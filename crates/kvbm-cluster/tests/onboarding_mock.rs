@@ -12,6 +12,7 @@ use kvbm_logical::{BlockRegistry, G1, G2, Salt, TierId, TokenBlockSequence};
 use kvbm_physical::BlockLayout;
 use tokio::sync::Semaphore;
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 use common::{Gated, N, manager};

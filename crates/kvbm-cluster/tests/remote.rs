@@ -19,6 +19,7 @@ use kvbm_logical::{
 };
 use kvbm_physical::{PhysicalLayout, PinPolicy, TransferManager};
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 use common::{N, bytes, fill, geometry};

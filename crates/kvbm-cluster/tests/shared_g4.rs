@@ -30,6 +30,7 @@ use kvbm_physical::{
 };
 use object_store::ObjectStoreExt;
 
+#[path = "../../kvbm-engine/tests/common/mod.rs"]
 mod common;
 
 use common::{N, bytes, fill};

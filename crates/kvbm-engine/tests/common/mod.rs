@@ -1,4 +1,5 @@
-//! Set-up shared by the engine's integration tests: one small block geometry, a per-block byte
+//! Set-up shared by the engine's integration tests and kvbm-cluster's (which include this file
+//! by path: one test kit, not a copy): one small block geometry, a per-block byte
 //! pattern to fill host layouts with, reading a block's bytes back, and block managers of `N`
 //! blocks on a shared registry. Each test reads expected bytes back from the layouts it filled,
 //! so the pattern itself is arbitrary.
