@@ -1065,23 +1065,40 @@ fn write_secret(path: &Path, text: &str) -> Result<(), SecurityError> {
 }
 
 fn read_secret(path: &Path) -> Result<String, SecurityError> {
-    let io = |source| SecurityError::Io {
+    check_private(path)?;
+    std::fs::read_to_string(path).map_err(|source| SecurityError::Io {
         path: path.to_owned(),
         source,
-    };
+    })
+}
+
+/// Refuses a secret file (a member key, a NATS password, token, nkey seed, `.creds` or TLS
+/// client key) that anyone but its owner may read: on a shared host another user would hold
+/// the secret. One rule for every secret file kvbm reads.
+///
+/// # Errors
+/// [`SecurityError::Invalid`] naming the file and its mode when the group or others have any
+/// permission on it; [`SecurityError::Io`] when it cannot be inspected.
+pub fn check_private(path: &Path) -> Result<(), SecurityError> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let meta = std::fs::metadata(path).map_err(io)?;
-        if meta.permissions().mode() & 0o077 != 0 {
+        let meta = std::fs::metadata(path).map_err(|source| SecurityError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mode = meta.permissions().mode();
+        if mode & 0o077 != 0 {
             return Err(SecurityError::Invalid(format!(
                 "{}: readable by group or others (mode {:o}); chmod 600 it",
                 path.display(),
-                meta.permissions().mode() & 0o777
+                mode & 0o777
             )));
         }
     }
-    std::fs::read_to_string(path).map_err(io)
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 #[cfg(test)]

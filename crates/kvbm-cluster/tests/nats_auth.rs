@@ -212,6 +212,7 @@ async fn security_connect_without_or_with_wrong_credentials_fails_naming_what_is
         }
     );
     std::fs::write(&damaged, text.replace(jwt, &flipped)).unwrap();
+    private(&damaged);
     let e = refused(
         &svc.jwt_url,
         &NatsAuthConfig {
@@ -222,6 +223,99 @@ async fn security_connect_without_or_with_wrong_credentials_fails_naming_what_is
     .await;
     assert!(e.contains("transport.nats_auth.creds_file"), "{e}");
     assert_no_secret("damaged creds", &e, &secrets);
+}
+
+/// Makes `path` readable by its owner only (as an operator keeps a secret file).
+fn private(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// N9 of the second review: a NATS secret file others may read is refused before it is used,
+/// for every kind (password, token, `.creds`, TLS client key), naming the key and the mode; the
+/// same file made private connects. Another user of a shared host must not hold the instance's
+/// NATS credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_nats_secret_files_others_may_read_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(svc) = nats_auth("security_nats_secret_files_others_may_read") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // Each secret copied world-readable, as a careless `cp` or a umask of 022 leaves it.
+    let exposed = |name: &str, from: &std::path::Path| {
+        let to = dir.path().join(name);
+        std::fs::copy(from, &to).unwrap();
+        std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o644)).unwrap();
+        to
+    };
+    let tls_base = tls(&svc);
+    let cases: Vec<(&str, &str, NatsAuthConfig)> = vec![
+        (
+            "password_file",
+            &svc.url,
+            NatsAuthConfig {
+                password_file: Some(exposed("pw", &svc.password_file("instance_a"))),
+                ..user(&svc, "instance_a")
+            },
+        ),
+        (
+            "token_file",
+            &svc.tls_url,
+            NatsAuthConfig {
+                token_file: Some(exposed("token", &svc.token_file())),
+                ..tls_base.clone()
+            },
+        ),
+        (
+            "creds_file",
+            &svc.jwt_url,
+            NatsAuthConfig {
+                creds_file: Some(exposed("user.creds", &svc.creds_file())),
+                ..NatsAuthConfig::default()
+            },
+        ),
+        (
+            "key_file",
+            &svc.tls_url,
+            NatsAuthConfig {
+                key_file: Some(exposed(
+                    "client-key.pem",
+                    tls_base.key_file.as_ref().unwrap(),
+                )),
+                ..tls_base.clone()
+            },
+        ),
+    ];
+    for (key, url, auth) in cases {
+        let e = refused(url, &auth).await;
+        assert!(
+            e.contains(&format!("transport.nats_auth.{key}")),
+            "{key}: {e}"
+        );
+        assert!(
+            e.contains("readable by group or others (mode 644)"),
+            "{key}: {e}"
+        );
+        // The same file, private: the connection is made.
+        for path in [
+            &auth.password_file,
+            &auth.token_file,
+            &auth.creds_file,
+            &auth.key_file,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if path.starts_with(dir.path()) {
+                private(path);
+            }
+        }
+        let client = connect_with(url, &auth, "kvbm-test", Duration::from_secs(1))
+            .await
+            .unwrap_or_else(|e| panic!("{key} made private connects: {e}"));
+        carries_messages(key, &client).await;
+    }
 }
 
 /// Publishes on a fresh subject and reads it back over one client.

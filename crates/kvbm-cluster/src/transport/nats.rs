@@ -158,7 +158,12 @@ async fn client_options(
     const P: &str = "transport.nats_auth";
     check_nats_url("transport.nats_url", url)?;
     auth.validate()?;
+    let private = |key: &str, path: &std::path::Path| -> Result<()> {
+        crate::security::check_private(path)
+            .map_err(|e| EngineError::config(format!("{P}.{key}"), e.to_string()))
+    };
     let read = |key: &str, path: &std::path::Path| -> Result<String> {
+        private(key, path)?;
         let text = std::fs::read_to_string(path).map_err(|e| {
             EngineError::config(format!("{P}.{key}"), format!("{}: {e}", path.display()))
         })?;
@@ -239,6 +244,7 @@ async fn client_options(
     if let (Some(cert), Some(key)) = (&auth.cert_file, &auth.key_file) {
         exists("cert_file", cert)?;
         exists("key_file", key)?;
+        private("key_file", key)?;
         options = options.add_client_certificate(cert.clone(), key.clone());
     }
     if auth.require_tls {
