@@ -67,10 +67,13 @@
 //! * The departed set forgets entries after [`DEPARTED_HORIZON`] timeouts; the fetch log keeps
 //!   at most [`FETCH_LOG_CAP`] batches per peer; the answerer at most [`SNAPSHOT_COPIES`] copies.
 //! * The answerer makes at most [`SNAPSHOT_COPIES`] full copies (a series' first page copies
-//!   this instance's whole set) per `request_timeout`: a first-page request past that is not
+//!   this instance's whole set) per `request_timeout`, and at most one of them for each sealed
+//!   requester (the instance its certificate names): a first-page request past either is not
 //!   answered ([`PresenceStats::snapshots_throttled`]), so a flood of them costs one decode
-//!   each, not a copy of the set each. The requester's fetch times out and is retried at its
-//!   next tick, which also spreads a cluster-wide resync (after a NATS outage) over time.
+//!   each, not a copy of the set each, and one member cannot take the copies everyone's resync
+//!   needs. (Unsealed requests, where security is off, name nobody that can be told apart:
+//!   they share the overall limit.) The requester's fetch times out and is retried at its next
+//!   tick, which also spreads a cluster-wide resync (after a NATS outage) over time.
 //!
 //! Metrics: `kvbm_engine_index_drift_detected_total`, `kvbm_engine_peers_expired_total`, `kvbm_engine_index_resyncs_total`,
 //! `kvbm_engine_index_resync_failures_total`, `kvbm_engine_departed_event_batches_ignored_total`,
@@ -572,6 +575,10 @@ impl Presence {
             // When each of the latest full copies was made (at most SNAPSHOT_COPIES).
             let mut made: std::collections::VecDeque<Instant> =
                 std::collections::VecDeque::with_capacity(SNAPSHOT_COPIES);
+            // When each sealed requester (the instance its certificate names) last had a full
+            // copy: one per `request_timeout` each.
+            let mut made_for: std::collections::HashMap<InstanceId, Instant> =
+                std::collections::HashMap::new();
             loop {
                 let message = tokio::select! {
                     () = cancel.cancelled() => return,
@@ -612,9 +619,15 @@ impl Presence {
                 let keep = inner.config.request_timeout * 4;
                 copies.retain(|(_, at, _)| now.duration_since(*at) < keep);
                 let all = if offset == 0 {
-                    // The rate limit on full copies (see the module docs).
-                    made.retain(|at| now.duration_since(*at) < inner.config.request_timeout);
-                    if made.len() >= SNAPSHOT_COPIES {
+                    // The rate limits on full copies (see the module docs): one per requester,
+                    // SNAPSHOT_COPIES in all, per request timeout.
+                    let window = inner.config.request_timeout;
+                    made.retain(|at| now.duration_since(*at) < window);
+                    made_for.retain(|_, at| now.duration_since(*at) < window);
+                    let requester = sender.as_deref().map(|s| s.instance);
+                    if made.len() >= SNAPSHOT_COPIES
+                        || requester.is_some_and(|r| made_for.contains_key(&r))
+                    {
                         inner
                             .counters
                             .snapshots_throttled
@@ -624,6 +637,9 @@ impl Presence {
                         continue;
                     }
                     made.push_back(now);
+                    if let Some(r) = requester {
+                        made_for.insert(r, now);
+                    }
                     let all = Arc::new(inner.own.entries_of(me));
                     copies.retain(|(s, _, _)| *s != series);
                     if copies.len() == SNAPSHOT_COPIES {

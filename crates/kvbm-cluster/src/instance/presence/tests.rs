@@ -580,7 +580,8 @@ async fn security_hostile_snapshot_offset_is_rejected_and_the_answerer_keeps_ser
 
 /// Attack: a flood of first-page snapshot requests (each would copy the whole set). At most
 /// `SNAPSHOT_COPIES` are answered per request timeout, the rest are dropped and counted; once
-/// the window has passed the answerer serves again.
+/// the window has passed the answerer serves again. (Unsealed: security off; a sealed member
+/// gets one: `security_one_requester_cannot_starve_anothers_snapshot`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_a_flood_of_snapshot_requests_is_throttled_and_counted() {
     let Some(nats) = kvbm_tests::services::nats("security_snapshot_flood") else {
@@ -903,4 +904,88 @@ async fn security_forged_snapshot_pages_do_not_win_and_non_members_get_none() {
     assert_eq!(b.stats().unauthenticated, before + 1);
     assert_eq!(b.stats().snapshots_served, 0);
     beat.abort();
+}
+
+/// Attack (N8 of the second review): a member floods A with first-page snapshot requests,
+/// sealed with its own credential, to take every full copy A makes per window. It gets one;
+/// another member's request in the same window is answered: one requester cannot starve the
+/// others' resync. (With a single limit for all requesters the flood took them all.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_one_requester_cannot_starve_anothers_snapshot() {
+    let Some(nats) = kvbm_tests::services::nats("security_snapshot_starve") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_starve.{}", std::process::id());
+    let hs = TokenBlockSequence::from_tokens(&(0..20).collect::<Vec<u32>>(), 4, Salt::NONE)
+        .unwrap()
+        .hashes();
+    let root = crate::security::RootKey::generate().unwrap();
+    let (sec_a, sec_b, sec_x) = (
+        member(&root, A),
+        member(&root, B),
+        member(&root, InstanceId(0xbad)),
+    );
+    let (ca, ea) = connect_observed(&nats.url, "a", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let a = Presence::start_secured(
+        &rt,
+        CancellationToken::new(),
+        ca,
+        ea,
+        &subject,
+        PresenceConfig {
+            request_timeout: Duration::from_secs(30),
+            ..bounded_config()
+        },
+        info(A, "127.0.0.1:7001"),
+        Arc::new(CrossInstanceIndex::new()),
+        own_index(A, &hs),
+        Arc::new(PeerDirectory::new()),
+        sec_a,
+    )
+    .await
+    .unwrap();
+    let client = crate::transport::nats::connect(&nats.url, "x", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let ctx = snapshot_context(&snapshot_subject(&subject, A));
+    let ask = |who: Arc<Security>, series: u64| {
+        let (c, subject, ctx) = (client.clone(), snapshot_subject(&subject, A), ctx.clone());
+        async move {
+            let req = serde_json::to_vec(&SnapshotRequest {
+                version: PRESENCE_WIRE_VERSION,
+                series,
+                offset: 0,
+            })
+            .unwrap();
+            tokio::time::timeout(
+                Duration::from_millis(1500),
+                c.request(subject, who.seal(&ctx, &req).into()),
+            )
+            .await
+            .ok()
+            .and_then(Result::ok)
+        }
+    };
+    let flood = 3 * SNAPSHOT_COPIES;
+    let answers = futures::future::join_all((0..flood as u64).map(|i| ask(sec_x.clone(), i))).await;
+    let answered = answers.iter().filter(|a| a.is_some()).count();
+    assert_eq!(
+        answered, 1,
+        "the flooding member gets one full copy per window"
+    );
+    assert_eq!(a.stats().snapshots_throttled as usize, flood - 1);
+    // Within the same window, another member is answered.
+    assert!(
+        ask(sec_b, 1_000).await.is_some(),
+        "another member's resync is not starved"
+    );
+    assert_eq!(a.stats().snapshots_served, 2);
+    runtime.shutdown();
 }
