@@ -397,7 +397,10 @@ impl InstanceBuilder {
             security.clone(),
         )
         .await?;
-        let index = Arc::new(CrossInstanceIndex::new());
+        // Each peer's share bounded by what one snapshot of it may carry.
+        let index = Arc::new(CrossInstanceIndex::with_cap(
+            config.transport.snapshot_max_entries,
+        ));
         // Subscribed now, so nothing published after this returns is missed; applied by the
         // presence protocol's follower (which skips departed peers).
         let events = crate::pubsub::EventBus::subscribe(&*bus);

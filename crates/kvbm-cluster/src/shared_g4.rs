@@ -152,7 +152,9 @@ impl NatsSharedG4 {
         let this = InstanceId(s.instance);
         let publisher = EventPublisher::spawn(&h, this, bus.clone())
             .context("cannot start the event publisher")?;
-        let index = Arc::new(CrossInstanceIndex::new());
+        let index = Arc::new(CrossInstanceIndex::with_cap(
+            runtime.config().transport.snapshot_max_entries,
+        ));
         CrossInstanceIndex::follow(index.clone(), &h, &*bus)
             .context("cannot follow the cross-instance events")?;
         Ok(NatsSharedG4 {

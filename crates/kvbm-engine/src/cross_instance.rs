@@ -15,6 +15,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
 use kvbm_logical::{
@@ -26,37 +27,135 @@ use parking_lot::Mutex;
 use crate::address::InstanceId;
 
 /// Where blocks live across instances, as their events say: see the [module docs](self).
-#[derive(Debug, Default)]
+///
+/// Bounded per instance: at most [`cap`](Self::cap) locations of any one instance are kept (a
+/// stored event past it is dropped and counted, [`over_cap`](Self::over_cap)), so a member
+/// announcing without end fills only its own share. How many locations an instance holds is
+/// kept as they change ([`count_of`](Self::count_of) scans nothing).
+#[derive(Debug)]
 pub struct CrossInstanceIndex {
-    entries: Mutex<HashMap<SequenceHash, HashSet<(InstanceId, TierId)>>>,
+    inner: Mutex<Entries>,
+    cap: usize,
+    over_cap: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Entries {
+    by_hash: HashMap<SequenceHash, HashSet<(InstanceId, TierId)>>,
+    /// Locations per instance (never 0: an instance with none has no entry).
+    counts: HashMap<InstanceId, usize>,
+}
+
+impl Entries {
+    fn insert(
+        &mut self,
+        cap: usize,
+        instance: InstanceId,
+        hash: SequenceHash,
+        tier: TierId,
+    ) -> bool {
+        let count = self.counts.get(&instance).copied().unwrap_or(0);
+        let set = self.by_hash.entry(hash).or_default();
+        if set.contains(&(instance, tier)) {
+            return true;
+        }
+        if count >= cap {
+            if set.is_empty() {
+                self.by_hash.remove(&hash);
+            }
+            return false;
+        }
+        set.insert((instance, tier));
+        *self.counts.entry(instance).or_default() += 1;
+        true
+    }
+
+    fn remove(&mut self, instance: InstanceId, hash: SequenceHash, tier: TierId) {
+        if let Some(set) = self.by_hash.get_mut(&hash)
+            && set.remove(&(instance, tier))
+        {
+            if set.is_empty() {
+                self.by_hash.remove(&hash);
+            }
+            if let Some(c) = self.counts.get_mut(&instance) {
+                *c -= 1;
+                if *c == 0 {
+                    self.counts.remove(&instance);
+                }
+            }
+        }
+    }
+
+    fn remove_instance(&mut self, instance: InstanceId) -> usize {
+        if self.counts.remove(&instance).is_none() {
+            return 0;
+        }
+        let mut dropped = 0;
+        self.by_hash.retain(|_, set| {
+            let before = set.len();
+            set.retain(|(i, _)| *i != instance);
+            dropped += before - set.len();
+            !set.is_empty()
+        });
+        dropped
+    }
+}
+
+impl Default for CrossInstanceIndex {
+    fn default() -> Self {
+        Self::with_cap(usize::MAX)
+    }
 }
 
 impl CrossInstanceIndex {
-    /// An empty index.
+    /// An empty index with no bound per instance (tests, a single trusted process).
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// An empty index keeping at most `cap` locations of any one instance (the cluster plane's
+    /// instance uses `transport.snapshot_max_entries`, what one snapshot may carry).
+    pub fn with_cap(cap: usize) -> Self {
+        Self {
+            inner: Mutex::new(Entries::default()),
+            cap: cap.max(1),
+            over_cap: AtomicU64::new(0),
+        }
+    }
+
+    /// The most locations kept of one instance.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// Stored locations dropped because their instance was at the cap.
+    pub fn over_cap(&self) -> u64 {
+        self.over_cap.load(Ordering::Relaxed)
+    }
+
     /// Applies `events` published by `instance`.
     pub fn apply_events(&self, instance: InstanceId, events: &[BlockEvent]) {
-        let mut entries = self.entries.lock();
-        for e in events {
-            match e.kind {
-                BlockEventKind::Stored => {
-                    entries
-                        .entry(e.hash)
-                        .or_default()
-                        .insert((instance, e.tier));
-                }
-                BlockEventKind::Removed => {
-                    if let Some(set) = entries.get_mut(&e.hash) {
-                        set.remove(&(instance, e.tier));
-                        if set.is_empty() {
-                            entries.remove(&e.hash);
+        let mut dropped = 0;
+        {
+            let mut entries = self.inner.lock();
+            for e in events {
+                match e.kind {
+                    BlockEventKind::Stored => {
+                        if !entries.insert(self.cap, instance, e.hash, e.tier) {
+                            dropped += 1;
                         }
                     }
+                    BlockEventKind::Removed => entries.remove(instance, e.hash, e.tier),
                 }
             }
+        }
+        self.dropped(dropped);
+    }
+
+    fn dropped(&self, n: u64) {
+        if n > 0 {
+            self.over_cap.fetch_add(n, Ordering::Relaxed);
+            metrics::counter!(crate::metrics::INDEX_ENTRIES_OVER_CAP).increment(n);
         }
     }
 
@@ -64,8 +163,9 @@ impl CrossInstanceIndex {
     /// this instance's own record).
     pub fn entries_of(&self, instance: InstanceId) -> Vec<(SequenceHash, TierId)> {
         let mut out: Vec<_> = self
-            .entries
+            .inner
             .lock()
+            .by_hash
             .iter()
             .flat_map(|(h, set)| {
                 set.iter()
@@ -78,51 +178,41 @@ impl CrossInstanceIndex {
         out
     }
 
-    /// How many (block, tier) locations `instance` is said to hold.
+    /// How many (block, tier) locations `instance` is said to hold (kept as they change).
     pub fn count_of(&self, instance: InstanceId) -> usize {
-        self.entries
+        self.inner
             .lock()
-            .values()
-            .map(|set| set.iter().filter(|(i, _)| *i == instance).count())
-            .sum()
+            .counts
+            .get(&instance)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Forgets everything about `instance` (it left or expired); returns how many locations
     /// were dropped.
     pub fn remove_instance(&self, instance: InstanceId) -> usize {
-        let mut entries = self.entries.lock();
-        let mut dropped = 0;
-        entries.retain(|_, set| {
-            let before = set.len();
-            set.retain(|(i, _)| *i != instance);
-            dropped += before - set.len();
-            !set.is_empty()
-        });
-        dropped
+        self.inner.lock().remove_instance(instance)
     }
 
     /// Replaces what is known about `instance` with `entries` (a snapshot it answered), in
-    /// one step under the lock.
+    /// one step under the lock; past the cap the rest are dropped and counted.
     pub fn replace_instance(&self, instance: InstanceId, entries: &[(SequenceHash, TierId)]) {
-        let mut map = self.entries.lock();
-        map.retain(|_, set| {
-            set.retain(|(i, _)| *i != instance);
-            !set.is_empty()
-        });
-        for (h, t) in entries {
-            map.entry(*h).or_default().insert((instance, *t));
+        let mut dropped = 0;
+        {
+            let mut map = self.inner.lock();
+            map.remove_instance(instance);
+            for (h, t) in entries {
+                if !map.insert(self.cap, instance, *h, *t) {
+                    dropped += 1;
+                }
+            }
         }
+        self.dropped(dropped);
     }
 
     /// The instances the index knows anything about, sorted.
     pub fn instances(&self) -> Vec<InstanceId> {
-        let set: HashSet<InstanceId> = self
-            .entries
-            .lock()
-            .values()
-            .flat_map(|s| s.iter().map(|(i, _)| *i))
-            .collect();
-        let mut out: Vec<_> = set.into_iter().collect();
+        let mut out: Vec<_> = self.inner.lock().counts.keys().copied().collect();
         out.sort();
         out
     }
@@ -130,8 +220,9 @@ impl CrossInstanceIndex {
     /// Where `hash` is said to be.
     pub fn locations(&self, hash: SequenceHash) -> Vec<(InstanceId, TierId)> {
         let mut out: Vec<_> = self
-            .entries
+            .inner
             .lock()
+            .by_hash
             .get(&hash)
             .map(|s| s.iter().copied().collect())
             .unwrap_or_default();
@@ -146,7 +237,8 @@ impl CrossInstanceIndex {
         hashes: &[SequenceHash],
         except: Option<InstanceId>,
     ) -> Vec<(InstanceId, usize)> {
-        let entries = self.entries.lock();
+        let inner = self.inner.lock();
+        let entries = &inner.by_hash;
         let mut alive: Option<HashSet<InstanceId>> = None;
         let mut lengths: HashMap<InstanceId, usize> = HashMap::new();
         for (i, h) in hashes.iter().enumerate() {
@@ -176,7 +268,7 @@ impl CrossInstanceIndex {
 
     /// Number of hashes with at least one location.
     pub fn len(&self) -> usize {
-        self.entries.lock().len()
+        self.inner.lock().by_hash.len()
     }
 
     /// Whether the index knows nothing.
@@ -200,3 +292,6 @@ pub trait RemotePull: Send + Sync + 'static {
         destinations: Vec<MutableBlock<G2>>,
     ) -> BoxFuture<'a, Vec<MoveOutcome<G2>>>;
 }
+
+#[cfg(test)]
+mod tests;

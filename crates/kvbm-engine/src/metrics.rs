@@ -21,6 +21,7 @@
 //! | [`PRESENCE_MESSAGES_REJECTED`] | counter | | presence messages dropped (malformed, unsigned, foreign) |
 //! | [`INDEX_DRIFT_DETECTED`] | counter | | peers whose index summary disagreed with ours |
 //! | [`INDEX_RESYNCS`] | counter | | peers resynced from a snapshot |
+//! | [`INDEX_ENTRIES_OVER_CAP`] | counter | | index locations dropped: their instance was at its cap |
 //! | [`INDEX_RESYNC_FAILURES`] | counter | | snapshot fetches that failed (retried next tick) |
 //! | [`DEPARTED_EVENT_BATCHES_IGNORED`] | counter | | event batches of a departed peer, ignored |
 //! | [`UNJOINED_EVENT_BATCHES_IGNORED`] | counter | | event batches of a peer never heard by heartbeat, ignored |
@@ -75,6 +76,8 @@ pub const PRESENCE_MESSAGES_REJECTED: &str = "kvbm_engine_presence_messages_reje
 pub const INDEX_DRIFT_DETECTED: &str = "kvbm_engine_index_drift_detected_total";
 /// Peers resynced from a snapshot (counter).
 pub const INDEX_RESYNCS: &str = "kvbm_engine_index_resyncs_total";
+/// Index locations dropped because their instance was at its cap (counter).
+pub const INDEX_ENTRIES_OVER_CAP: &str = "kvbm_engine_index_entries_over_cap_total";
 /// Snapshot fetches that failed (counter).
 pub const INDEX_RESYNC_FAILURES: &str = "kvbm_engine_index_resync_failures_total";
 /// Event batches of a departed peer, ignored (counter).
@@ -183,6 +186,12 @@ pub const TABLE: &[(&str, Kind, Unit, &str)] = &[
         Kind::Counter,
         Unit::Count,
         "Peers resynced from a snapshot.",
+    ),
+    (
+        INDEX_ENTRIES_OVER_CAP,
+        Kind::Counter,
+        Unit::Count,
+        "Cross-instance index locations dropped because their instance was at its cap.",
     ),
     (
         INDEX_RESYNC_FAILURES,

@@ -718,7 +718,9 @@ impl Presence {
                     .map(|(i, p)| (*i, p.stored))
                     .collect();
                 for (peer, stored) in quiet {
-                    if inner.index.count_of(peer) as u64 != stored {
+                    // A peer past the index's cap is held at the cap: that is no drift.
+                    let expected = stored.min(inner.index.cap() as u64);
+                    if inner.index.count_of(peer) as u64 != expected {
                         if let Some(p) = inner.table.lock().get_mut(&peer) {
                             p.synced = false;
                         }

@@ -989,3 +989,89 @@ async fn security_one_requester_cannot_starve_anothers_snapshot() {
     assert_eq!(a.stats().snapshots_served, 2);
     runtime.shutdown();
 }
+
+/// Attack (N5 of the second review): a member announces far more blocks than anyone should
+/// keep for it. B's index keeps at most its cap of that member's locations (the rest dropped
+/// and counted), settles there (no resync storm: a peer held at the cap is not drift), and
+/// another member's locations are still all indexed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_peers_share_of_the_index_is_capped() {
+    let Some(nats) = kvbm_tests::services::nats("security_index_cap") else {
+        return;
+    };
+    let runtime = KvbmRuntime::builder()
+        .tokio_handle(tokio::runtime::Handle::current())
+        .build()
+        .unwrap();
+    let rt = runtime.handle();
+    let subject = format!("kvbm.test.security_index_cap.{}", std::process::id());
+    let hashes = |seed: u32, n: u32| {
+        TokenBlockSequence::from_tokens(
+            &(seed * 10_000..seed * 10_000 + 4 * n).collect::<Vec<u32>>(),
+            4,
+            Salt::NONE,
+        )
+        .unwrap()
+        .hashes()
+    };
+    const CAP: usize = 16;
+    let config = PresenceConfig {
+        max_pages: 64,
+        max_entries: 1000,
+        ..bounded_config()
+    };
+    let peer = |id: InstanceId, addr: &'static str, own: Arc<CrossInstanceIndex>| {
+        let (nats, rt, subject, config) = (nats.url.clone(), rt.clone(), subject.clone(), config);
+        async move {
+            let (c, e) = connect_observed(&nats, "peer", Duration::from_millis(50))
+                .await
+                .unwrap();
+            Presence::start(
+                &rt,
+                CancellationToken::new(),
+                c,
+                e,
+                &subject,
+                config,
+                info(id, addr),
+                Arc::new(CrossInstanceIndex::new()),
+                own,
+                Arc::new(PeerDirectory::new()),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // A claims 200 blocks; C, 5.
+    let _a = peer(A, "127.0.0.1:7001", own_index(A, &hashes(1, 200))).await;
+    let c_id = InstanceId(0xc);
+    let _c = peer(c_id, "127.0.0.1:7003", own_index(c_id, &hashes(2, 5))).await;
+    let index_b = Arc::new(CrossInstanceIndex::with_cap(CAP));
+    let (cb, eb) = connect_observed(&nats.url, "b", Duration::from_millis(50))
+        .await
+        .unwrap();
+    let b = Presence::start(
+        &rt,
+        CancellationToken::new(),
+        cb,
+        eb,
+        &subject,
+        config,
+        info(B, "127.0.0.1:7002"),
+        index_b.clone(),
+        Arc::new(CrossInstanceIndex::new()),
+        Arc::new(PeerDirectory::new()),
+    )
+    .await
+    .unwrap();
+    eventually_async("B synced A and C", || b.is_synced(A) && b.is_synced(c_id)).await;
+    assert_eq!(index_b.count_of(A), CAP, "A's share held at the cap");
+    assert_eq!(index_b.count_of(c_id), 5, "C's locations all indexed");
+    assert_eq!(index_b.over_cap(), 200 - CAP as u64);
+    // Many heartbeats later: still synced once each, no drift (A stays past the cap).
+    tokio::time::sleep(config.interval * 20).await;
+    assert_eq!(b.stats().drift_detected, 0, "{:?}", b.stats());
+    assert_eq!(b.stats().resyncs, 2, "{:?}", b.stats());
+    assert_eq!(index_b.count_of(A), CAP);
+    runtime.shutdown();
+}
