@@ -323,6 +323,7 @@ fn s3() -> Option<(S3Config, String)> {
             region: "us-east-1".into(),
             access_key: s3.access_key,
             secret_key: s3.secret_key,
+            allow_http: false,
         },
         format!("bench-shared-g4-{}-{nanos}", std::process::id()),
     ))

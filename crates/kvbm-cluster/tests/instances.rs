@@ -162,6 +162,7 @@ fn setup(test: &str) -> Option<Setup> {
             region: "us-east-1".into(),
             access_key: s3.access_key,
             secret_key: s3.secret_key,
+            allow_http: false,
         },
         namespace: format!("engine-{test}-{}-{nanos}", std::process::id()),
     })

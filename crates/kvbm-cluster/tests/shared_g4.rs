@@ -55,6 +55,7 @@ fn s3_config(test: &str) -> Option<(S3Config, String)> {
             region: "us-east-1".into(),
             access_key: s3.access_key,
             secret_key: s3.secret_key,
+            allow_http: false,
         },
         format!("engine-{test}-{}-{nanos}", std::process::id()),
     ))

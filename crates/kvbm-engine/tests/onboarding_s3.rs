@@ -40,6 +40,7 @@ fn storage(test: &str) -> Option<Arc<ObjectStorage>> {
         region: "us-east-1".into(),
         access_key: s3.access_key,
         secret_key: s3.secret_key,
+        allow_http: false,
     };
     Some(Arc::new(
         ObjectStorage::s3(&cfg, config).expect("s3 client"),

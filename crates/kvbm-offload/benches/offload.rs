@@ -296,6 +296,7 @@ async fn g4_to_g2(
         region: "us-east-1".into(),
         access_key: s3.access_key.clone(),
         secret_key: s3.secret_key.clone(),
+        allow_http: false,
     };
     let raw = ObjectStorage::s3_client(&cfg).unwrap();
     let storage = Arc::new(

@@ -308,6 +308,7 @@ fn object(tm: &TransferManager, rt: &tokio::runtime::Runtime, figures: &mut Vec<
         region: "us-east-1".into(),
         access_key,
         secret_key,
+        allow_http: false,
     };
     // The baseline's own client (the storage keeps its store private).
     let raw: Arc<dyn ObjectStore> = Arc::new(

@@ -18,6 +18,7 @@ pub mod fingerprint;
 pub mod identity;
 pub mod io;
 pub mod layout;
+pub mod net;
 pub mod nixl;
 pub mod storage;
 #[cfg(feature = "testing")]
@@ -32,6 +33,7 @@ pub use layout::canonical::{CanonicalPageMapping, CopyRun, PageOrder};
 pub use layout::{
     Backing, BlockDim, BlockLayout, LayoutBuilder, LayoutConfig, LayoutKind, PhysicalLayout, Region,
 };
+pub use net::is_loopback;
 pub use storage::{
     DeviceMemory, DiskBufferPoolStats, DiskCapabilities, DiskConfig, DiskStorage,
     HostStandInDevice, HostStorage, IoEngineKind, JournalEntry, JournalFile, JournalGeometry,

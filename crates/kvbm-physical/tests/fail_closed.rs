@@ -427,6 +427,7 @@ async fn fail_closed_tp_ranks_keep_their_own_bytes() {
         region: "us-east-1".into(),
         access_key: s.access_key,
         secret_key: s.secret_key,
+        allow_http: false,
     };
     let tm = TransferManager::new().unwrap();
     let key = vec![ObjectKey::from_u128(0xfeed)];
@@ -668,6 +669,7 @@ fn fail_closed_s3_secret_never_logged() {
         region: "us-east-1".into(),
         access_key: s.access_key,
         secret_key: s.secret_key,
+        allow_http: false,
     };
     let captured = Captured::default();
     let writer = captured.clone();
@@ -988,4 +990,50 @@ fn fail_closed_a_handle_of_another_manager_names_nothing_here() {
     // SAFETY: test-owned layouts; nothing outside the managers touches them.
     let r = unsafe { b.execute_transfer(ha, &[0], hb, &[1], TransferOptions::default()) };
     assert!(matches!(r, Err(PhysicalError::UnknownLayout(_))));
+}
+
+/// N10 of the second review: an S3 endpoint over plain `http` off the loopback interface is
+/// refused unless `allow_http` says so (an on-path party could read every object and change
+/// any), naming the key; `https` and loopback `http` are accepted; and a storage over plain
+/// `http` off loopback never deletes an object a read refused (the damage may have been made
+/// in transit), while one over `https`, loopback (no path to be on), a directory or memory
+/// does.
+#[test]
+fn security_plain_http_s3_off_loopback_is_refused_unless_allowed() {
+    let cfg = |endpoint: &str, allow_http: bool| S3Config {
+        endpoint: Some(endpoint.into()),
+        bucket: "b".into(),
+        region: "us-east-1".into(),
+        access_key: "k".into(),
+        secret_key: "s".into(),
+        allow_http,
+    };
+    // No request is made here: building the client checks the endpoint.
+    let open = |endpoint: &str, allow_http: bool| {
+        ObjectStorage::s3(&cfg(endpoint, allow_http), ObjectConfig::default())
+    };
+    let e = open("http://192.0.2.7:9000", false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("physical.s3.allow_http"), "{e}");
+    assert!(e.contains("http://192.0.2.7:9000"), "{e}");
+    let allowed = open("http://192.0.2.7:9000", true).unwrap();
+    assert!(
+        !allowed.evicts_damaged(),
+        "plain http never deletes on a failed check"
+    );
+    for loopback in [
+        "http://127.0.0.1:9000",
+        "http://[::1]:9000",
+        "http://localhost:9000",
+    ] {
+        let s = open(loopback, false).unwrap_or_else(|e| panic!("{loopback}: {e}"));
+        assert!(s.evicts_damaged(), "{loopback}: no path to be on");
+    }
+    let tls = open("https://192.0.2.7:9000", false).unwrap();
+    assert!(
+        tls.evicts_damaged(),
+        "https: a proven-damaged object is deleted"
+    );
+    assert!(ObjectStorage::in_memory(ObjectConfig::default()).evicts_damaged());
 }

@@ -305,6 +305,7 @@ fn s3_config(s3: &kvbm_tests::services::S3Service) -> S3Config {
         region: "us-east-1".into(),
         access_key: s3.access_key.clone(),
         secret_key: s3.secret_key.clone(),
+        allow_http: false,
     }
 }
 

@@ -229,7 +229,7 @@ pub(crate) enum ObjectStore {
 ///
 /// | `kvbm_object` key | tree key |
 /// |---|---|
-/// | `bucket`, `endpoint`, `region` (credentials from the environment) | `physical.s3` |
+/// | `bucket`, `endpoint`, `region`, `allow_http` (credentials from the environment) | `physical.s3` |
 /// | `dir` | `physical.object_dir` |
 /// | `namespace` | `physical.object.namespace` |
 /// | `capacity` | `tiers.g4_blocks` |
@@ -438,7 +438,7 @@ impl StorageTier {
     /// under `{namespace}/fp-{hex}/`); `tier_type` and `io_nice` as for [`disk`](Self::disk)
     /// (default type `kvbm_object`).
     #[staticmethod]
-    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false, tier_type = None, io_nice = 0))]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, namespace, capacity, bucket, endpoint, s3_region, access_key, secret_key, dir, lookup_results, events = false, tier_type = None, io_nice = 0, allow_http = false))]
     #[allow(clippy::too_many_arguments)]
     fn object(
         region: &Bound<'_, PyAny>,
@@ -456,6 +456,7 @@ impl StorageTier {
         events: bool,
         tier_type: Option<String>,
         io_nice: u8,
+        allow_http: bool,
     ) -> PyResult<Self> {
         if capacity == 0 {
             return Err(PyValueError::new_err(
@@ -471,6 +472,7 @@ impl StorageTier {
                 region: s3_region,
                 access_key: access_key.unwrap_or_default(),
                 secret_key: secret_key.unwrap_or_default(),
+                allow_http,
             }),
             (None, Some(dir)) => ObjectStore::Dir(dir),
             _ => {

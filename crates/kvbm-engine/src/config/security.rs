@@ -3,12 +3,14 @@
 //!
 //! It is configuration only: the keys, certificates and sealing that use it are the cluster
 //! plane's (`kvbm_cluster::security`), so the engine's core carries no cryptography. The one
-//! rule both need, whether an endpoint is on the loopback interface, is [`is_loopback`].
+//! rule both need, whether an endpoint is on the loopback interface, is [`is_loopback`]
+//! (kvbm-physical's, which its S3 client needs too).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+pub use kvbm_physical::is_loopback;
 
 use crate::address::InstanceId;
 
@@ -111,27 +113,4 @@ impl SecurityConfig {
         }
         Ok(())
     }
-}
-
-/// Whether `endpoint` (`host:port`, a URL such as `nats://host:4222`, or a bare host) names
-/// the loopback interface. Unresolvable names count as not loopback.
-pub fn is_loopback(endpoint: &str) -> bool {
-    let rest = endpoint.split("://").last().unwrap_or(endpoint);
-    // Drop any userinfo and path.
-    let rest = rest.rsplit('@').next().unwrap_or(rest);
-    let rest = rest.split('/').next().unwrap_or(rest);
-    if let Ok(addr) = rest.parse::<SocketAddr>() {
-        return addr.ip().is_loopback();
-    }
-    let host = match rest.rsplit_once(':') {
-        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
-        _ => rest,
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.eq_ignore_ascii_case("localhost") {
-        return true;
-    }
-    host.parse::<std::net::IpAddr>()
-        .map(|ip| ip.is_loopback())
-        .unwrap_or(false)
 }

@@ -541,8 +541,8 @@ pub fn secondary_disk(
 }
 
 /// G4 as a secondary tier under a primary kvbm did not lay out (vLLM's offload region): the
-/// object store `[physical] s3` (its endpoint probed first, on the caller's thread: 3 s at
-/// most per address) or `[physical] object_dir`, with `[physical] object` (the namespace),
+/// object store `[physical] s3` (its endpoint probed once configured, on the caller's thread:
+/// 3 s at most per address) or `[physical] object_dir`, with `[physical] object` (the namespace),
 /// scoped by `fingerprint`, opened as every G4 of the tier set is ([`open_g4_storage`]);
 /// `[tiers] g4_blocks` keys remembered. The face kvbm-vllm's `kvbm_object` builds its tier with.
 ///
@@ -560,6 +560,7 @@ pub fn secondary_object(
             "an object tier must remember at least one key",
         ));
     }
+    let (storage, describe) = g4_storage(cfg, *fingerprint, cfg.physical.object.clone())?;
     if let Some(ep) = cfg
         .physical
         .s3
@@ -568,7 +569,6 @@ pub fn secondary_object(
     {
         probe_endpoint(ep)?;
     }
-    let (storage, describe) = g4_storage(cfg, *fingerprint, cfg.physical.object.clone())?;
     PhysicalTier::object(primary, storage, cfg.tiers.g4_blocks)
         .with_context(|| format!("cannot start the object tier on {describe}"))
 }
@@ -837,13 +837,15 @@ pub async fn open_g4_storage(
     fingerprint: ModelFingerprint,
     object: ObjectConfig,
 ) -> Result<(Arc<ObjectStorage>, String)> {
+    // Configured first (a refused endpoint is named at once), then probed.
+    let opened = g4_storage(cfg, fingerprint, object)?;
     if let Some(ep) = cfg.physical.s3.as_ref().and_then(|s3| s3.endpoint.clone()) {
         // A blocking connect (3 s at most per address): off the async workers.
         tokio::task::spawn_blocking(move || probe_endpoint(&ep))
             .await
             .context("the S3 endpoint probe did not finish")??;
     }
-    g4_storage(cfg, fingerprint, object)
+    Ok(opened)
 }
 
 /// [`open_g4_storage`] after its probe: the one reader of `[physical] s3` and `object_dir`.

@@ -73,6 +73,12 @@ pub struct S3Config {
     pub access_key: String,
     /// Secret access key. Never printed.
     pub secret_key: String,
+    /// Accept a plain `http://` endpoint off the loopback interface. Default: `false`: an
+    /// on-path party could read every object and change any (so, too, a verified read over
+    /// such an endpoint never deletes the object it refused; see
+    /// [`ObjectStorage::evicts_damaged`]). On loopback plain `http` is accepted without it.
+    #[serde(default)]
+    pub allow_http: bool,
 }
 
 /// What [`S3Config`] prints instead of its secret.
@@ -90,6 +96,7 @@ impl std::fmt::Debug for S3Config {
             .field("region", &self.region)
             .field("access_key", &self.access_key)
             .field("secret_key", &REDACTED)
+            .field("allow_http", &self.allow_http)
             .finish()
     }
 }
@@ -97,12 +104,13 @@ impl std::fmt::Debug for S3Config {
 impl serde::Serialize for S3Config {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("S3Config", 5)?;
+        let mut st = s.serialize_struct("S3Config", 6)?;
         st.serialize_field("endpoint", &self.endpoint)?;
         st.serialize_field("bucket", &self.bucket)?;
         st.serialize_field("region", &self.region)?;
         st.serialize_field("access_key", &self.access_key)?;
         st.serialize_field("secret_key", REDACTED)?;
+        st.serialize_field("allow_http", &self.allow_http)?;
         st.end()
     }
 }
@@ -261,6 +269,8 @@ pub struct ObjectStorage {
     invalid: Option<PhysicalError>,
     /// Objects a verified read proved damaged and deleted ([`evicted_objects`](Self::evicted_objects)).
     evicted: std::sync::atomic::AtomicU64,
+    /// Whether a proven-damaged object may be deleted ([`evicts_damaged`](Self::evicts_damaged)).
+    evicts: bool,
 }
 
 /// Aborts a multipart upload whose `put_block` future is dropped before it finished (a failed
@@ -319,7 +329,18 @@ impl ObjectStorage {
             geometry: OnceLock::new(),
             fingerprint: None,
             evicted: std::sync::atomic::AtomicU64::new(0),
+            evicts: true,
         }
+    }
+
+    /// Whether a verified read that proves an object damaged deletes it (so it is rewritten):
+    /// true for a local directory, memory, an `https` (or AWS) S3 endpoint and plain `http` on
+    /// the loopback interface (no path to be on); false over plain `http` off loopback (only
+    /// with [`S3Config::allow_http`]), where the damage may have been made in transit by an
+    /// on-path party, who could otherwise delete any valid shared object. A refused object is
+    /// never served either way.
+    pub fn evicts_damaged(&self) -> bool {
+        self.evicts
     }
 
     /// How many objects this storage deleted because a verified read proved them damaged
@@ -353,7 +374,12 @@ impl ObjectStorage {
     /// A `config` failing [`ObjectConfig::validate`]; a client that cannot be built.
     pub fn s3(s3: &S3Config, config: ObjectConfig) -> Result<Self> {
         config.validate()?;
-        Ok(Self::new(Self::s3_client_with(s3, &config)?, config))
+        let mut storage = Self::new(Self::s3_client_with(s3, &config)?, config);
+        storage.evicts = !s3
+            .endpoint
+            .as_deref()
+            .is_some_and(|ep| ep.starts_with("http://") && !crate::net::is_loopback(ep));
+        Ok(storage)
     }
 
     /// A bare S3 client for `s3`, configured as [`s3`](Self::s3) configures its own: for callers
@@ -393,9 +419,15 @@ impl ObjectStorage {
             .with_secret_access_key(&s3.secret_key)
             .with_virtual_hosted_style_request(false);
         if let Some(ep) = &s3.endpoint {
-            b = b
-                .with_endpoint(ep)
-                .with_allow_http(ep.starts_with("http://"));
+            let http = ep.starts_with("http://");
+            if http && !s3.allow_http && !crate::net::is_loopback(ep) {
+                return Err(PhysicalError::InvalidArgument(format!(
+                    "physical.s3.endpoint {ep}: plain http off the loopback interface is \
+                     refused (anyone on the path could read every object and change any); use \
+                     https, or set physical.s3.allow_http = true"
+                )));
+            }
+            b = b.with_endpoint(ep).with_allow_http(http);
         }
         let store = b
             .build()

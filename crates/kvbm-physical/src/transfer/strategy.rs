@@ -438,7 +438,9 @@ mod object_io {
             }
             _ => false,
         };
-        if proven {
+        if proven && !store.evicts_damaged() {
+            tracing::warn!(key = %store.path(key), error = %e, "kept a damaged object: read over plain HTTP, the damage may be in transit");
+        } else if proven {
             match store.delete(key).await {
                 Ok(()) => {
                     store.count_evicted();

@@ -234,6 +234,7 @@ pub(crate) fn s3_storage(test: &str, namespace: &str) -> Option<Arc<ObjectStorag
         region: "us-east-1".into(),
         access_key: s.access_key,
         secret_key: s.secret_key,
+        allow_http: false,
     };
     Some(Arc::new(
         ObjectStorage::s3(

@@ -406,6 +406,7 @@ OBJECT_KEYS: dict[str, Any] = {
     "dir": "",
     "endpoint": "",
     "region": "us-east-1",
+    "allow_http": False,
     "access_key_env": "AWS_ACCESS_KEY_ID",
     "secret_key_env": "AWS_SECRET_ACCESS_KEY",
     "namespace": "kvbm",
@@ -491,6 +492,7 @@ class KvbmObjectTier(_KvbmTier):
                 _events_on(who, offloading_spec, events),
                 tier_type,
                 _io_nice(who, s),
+                _flag(who, s, "allow_http"),
             )
         except RuntimeError as e:
             # The tier set probes an S3 endpoint first: nothing listening is an error now.

@@ -533,6 +533,18 @@ def test_an_unreachable_s3_endpoint_is_an_error_at_start(monkeypatch):
         _object_tier(bucket="kv", endpoint=endpoint)
 
 
+def test_plain_http_off_loopback_is_refused_unless_allowed(monkeypatch):
+    """An S3 endpoint over plain http off the loopback interface is refused, naming the key that
+    allows it (an on-path party could read and change every chunk); the key is a strict
+    boolean. (With it, the tier would go on to reach the endpoint.)"""
+    monkeypatch.setenv("KVBM_S3_KEY", "k")
+    monkeypatch.setenv("KVBM_S3_SECRET", "s")
+    with pytest.raises(RuntimeError, match="physical.s3.allow_http"):
+        _object_tier(bucket="kv", endpoint="http://192.0.2.7:9000")
+    with pytest.raises(ValueError, match="allow_http"):
+        _object_tier(bucket="kv", endpoint="http://192.0.2.7:9000", allow_http="yes")
+
+
 def test_a_missing_s3_bucket_is_an_error_at_start(monkeypatch):
     endpoint = _s3_env(monkeypatch)
     with pytest.raises(RuntimeError, match="'kvbm-no-such-bucket' .* cannot be used"):
