@@ -182,12 +182,17 @@ impl Services {
 
         // Accounts = tenants; users per role with the permissions of docs/security.md
         // (the instance role also gets `kvbm.test.>`, the subjects tests publish events on).
-        let ctl = format!("kvbm.ctl.{TEST_INSTANCE:016x}.>");
+        let workers = format!("kvbm.ctl.{TEST_INSTANCE:016x}.worker.>");
+        let members = format!("kvbm.ctl.{TEST_INSTANCE:016x}.members");
         let instance = r#"{ publish: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>"] }, subscribe: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>", "_INBOX.>"] }, allow_responses: true }"#;
+        // The leader drives its workers and hears their beats; a worker answers its own
+        // control subject and beats on the members subject.
         let leader = format!(
-            r#"{{ publish: {{ allow: ["{ctl}"] }}, subscribe: {{ allow: ["_INBOX.>"] }} }}"#
+            r#"{{ publish: {{ allow: ["{workers}"] }}, subscribe: {{ allow: ["_INBOX.>", "{members}"] }} }}"#
         );
-        let worker = format!(r#"{{ subscribe: {{ allow: ["{ctl}"] }}, allow_responses: true }}"#);
+        let worker = format!(
+            r#"{{ publish: {{ allow: ["{members}"] }}, subscribe: {{ allow: ["{workers}"] }}, allow_responses: true }}"#
+        );
         let mut users_a = Vec::new();
         for (user, perms) in [
             ("instance_a", instance.to_string()),

@@ -578,6 +578,20 @@ async fn security_worker_user_cannot_publish_to_another_instance_or_forge_events
         Duration::from_secs(5),
     );
     assert!(describe(&control).await, "the leader reaches its worker");
+    // N7 of the second review: under exactly the documented grants, the worker's beats reach
+    // its leader (without them an instance of worker processes ends in `RanksMissing`).
+    let mut beats = leader
+        .subscribe(kvbm_cluster::transport::membership::members_subject(
+            DEFAULT_CONTROL_PREFIX,
+            InstanceId(CONTROL_INSTANCE),
+        ))
+        .await
+        .unwrap();
+    leader.flush().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), beats.next())
+        .await
+        .expect("the worker's beat reaches the leader within 10 s")
+        .expect("the members subscription is open");
 
     // An observer in the same tenant, allowed to read events.
     let observer = connect_with(&svc.url, &user(&svc, "instance_a"), "observer", MS50)
