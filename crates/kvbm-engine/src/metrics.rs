@@ -308,7 +308,7 @@ mod tests {
             assert!(seen.insert(*name), "{name} twice");
             assert!(!help.is_empty(), "{name} has no help");
         }
-        assert_eq!(TABLE.len(), 26);
+        assert_eq!(TABLE.len(), 27);
     }
 
     #[test]
