@@ -54,18 +54,20 @@ impl Entries {
         hash: SequenceHash,
         tier: TierId,
     ) -> bool {
-        let count = self.counts.get(&instance).copied().unwrap_or(0);
-        let set = self.by_hash.entry(hash).or_default();
-        if set.contains(&(instance, tier)) {
+        if self
+            .by_hash
+            .get(&hash)
+            .is_some_and(|set| set.contains(&(instance, tier)))
+        {
             return true;
         }
-        if count >= cap {
-            if set.is_empty() {
-                self.by_hash.remove(&hash);
-            }
+        if self.counts.get(&instance).copied().unwrap_or(0) >= cap {
             return false;
         }
-        set.insert((instance, tier));
+        self.by_hash
+            .entry(hash)
+            .or_default()
+            .insert((instance, tier));
         *self.counts.entry(instance).or_default() += 1;
         true
     }

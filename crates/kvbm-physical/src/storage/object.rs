@@ -84,6 +84,12 @@ pub struct S3Config {
 /// What [`S3Config`] prints instead of its secret.
 pub const REDACTED: &str = "<redacted>";
 
+/// Whether `endpoint` is plain `http` off the loopback interface: refused unless
+/// [`S3Config::allow_http`], and never trusted to prove an object damaged.
+fn plain_http_off_loopback(endpoint: &str) -> bool {
+    endpoint.starts_with("http://") && !crate::net::is_loopback(endpoint)
+}
+
 fn default_region() -> String {
     "us-east-1".into()
 }
@@ -375,10 +381,7 @@ impl ObjectStorage {
     pub fn s3(s3: &S3Config, config: ObjectConfig) -> Result<Self> {
         config.validate()?;
         let mut storage = Self::new(Self::s3_client_with(s3, &config)?, config);
-        storage.evicts = !s3
-            .endpoint
-            .as_deref()
-            .is_some_and(|ep| ep.starts_with("http://") && !crate::net::is_loopback(ep));
+        storage.evicts = !s3.endpoint.as_deref().is_some_and(plain_http_off_loopback);
         Ok(storage)
     }
 
@@ -419,15 +422,16 @@ impl ObjectStorage {
             .with_secret_access_key(&s3.secret_key)
             .with_virtual_hosted_style_request(false);
         if let Some(ep) = &s3.endpoint {
-            let http = ep.starts_with("http://");
-            if http && !s3.allow_http && !crate::net::is_loopback(ep) {
+            if plain_http_off_loopback(ep) && !s3.allow_http {
                 return Err(PhysicalError::InvalidArgument(format!(
                     "physical.s3.endpoint {ep}: plain http off the loopback interface is \
                      refused (anyone on the path could read every object and change any); use \
                      https, or set physical.s3.allow_http = true"
                 )));
             }
-            b = b.with_endpoint(ep).with_allow_http(http);
+            b = b
+                .with_endpoint(ep)
+                .with_allow_http(ep.starts_with("http://"));
         }
         let store = b
             .build()

@@ -474,8 +474,15 @@ class KvbmObjectTier(_KvbmTier):
                 )
         where = (f"S3 bucket {s['bucket']!r} at {s['endpoint'] or 'the default endpoint'}"
                  if s["bucket"] else f"directory {s['dir']}")
+        why = " (unreachable, no such bucket, or credentials refused)" if s["bucket"] else ""
+
+        def unusable(e: RuntimeError) -> RuntimeError:
+            _log.error("kvbm tier %r (kvbm_object): %s cannot be used: %s", tier_type, where, e)
+            return RuntimeError(f"secondary tier {tier_type!r}: {where} cannot be used{why}: {e}")
+
         try:
-            # Built by kvbm's tier set (kvbm_engine::stack::secondary_object).
+            # Built by kvbm's tier set (kvbm_engine::stack::secondary_object), which probes an
+            # S3 endpoint first: nothing listening is an error now.
             self._rs = extension().StorageTier.object(
                 _flat(primary_kv_view),
                 self.block_size_bytes,
@@ -495,24 +502,15 @@ class KvbmObjectTier(_KvbmTier):
                 _flag(who, s, "allow_http"),
             )
         except RuntimeError as e:
-            # The tier set probes an S3 endpoint first: nothing listening is an error now.
-            _log.error("kvbm tier %r (kvbm_object): %s cannot be used: %s", tier_type, where, e)
-            why = " (unreachable, no such bucket, or credentials refused)" if s["bucket"] else ""
-            raise RuntimeError(f"secondary tier {tier_type!r}: {where} cannot be used{why}: {e}"
-                               ) from e
+            raise unusable(e) from e
         if s["bucket"]:
-            # An unreachable endpoint, a missing bucket or refused credentials is an error now,
-            # not a miss on every lookup from here on.
+            # A missing bucket or refused credentials is an error now, not a miss on every
+            # lookup from here on.
             try:
                 self._rs.object_probe().check_access()
             except RuntimeError as e:
                 self._rs.shutdown()
-                _log.error("kvbm tier %r (kvbm_object): %s cannot be used: %s",
-                           tier_type, where, e)
-                raise RuntimeError(
-                    f"secondary tier {tier_type!r}: {where} cannot be used (unreachable, no "
-                    f"such bucket, or credentials refused): {e}"
-                ) from e
+                raise unusable(e) from e
         _log.info(
             "kvbm tier %r (kvbm_object): %s, namespace %r, %d keys remembered, %s, KV events "
             "%s (vLLM %s contract)", tier_type, where, s["namespace"], capacity,
