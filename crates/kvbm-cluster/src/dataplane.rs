@@ -131,6 +131,7 @@
 //! mutex, taken only inside their own methods and never across an `.await`. The server takes
 //! none of its own (holds are taken through the block manager's own locks).
 
+mod admission;
 mod client;
 mod handshake;
 mod server;
@@ -171,6 +172,17 @@ pub struct DataPlaneConfig {
     /// same address is closed at once (counted in [`ServerStats::peer_connections_refused`]).
     /// Default: 32 (`transport.max_connections_per_peer`).
     pub max_connections_per_peer: usize,
+    /// Security on: connections still in their handshake, apart from the members'
+    /// `max_connections`; the oldest is dropped for a newcomer when all are taken (counted in
+    /// [`ServerStats::pending_evicted`]). Default: 64 (`transport.max_pending_connections`).
+    pub max_pending: usize,
+    /// Security on: the whole handshake must finish within this long. Default: 2 s
+    /// (`transport.handshake_deadline_ms`).
+    pub handshake_deadline: Duration,
+    /// New connections accepted per second from one address prefix; more are closed at once
+    /// (counted in [`ServerStats::accepts_throttled`]). Default: 64
+    /// (`transport.accepts_per_second_per_peer`).
+    pub accepts_per_second_per_peer: u32,
     /// Longest time the server spends writing one whole response; then the connection is
     /// dropped with every hold (counted in [`ServerStats::responses_timed_out`]). Default:
     /// 60 s (`transport.response_deadline_ms`).
@@ -211,6 +223,9 @@ impl Default for DataPlaneConfig {
             max_idle_per_peer: 4,
             max_connections: t.max_connections,
             max_connections_per_peer: t.max_connections_per_peer,
+            max_pending: t.max_pending_connections,
+            handshake_deadline: Duration::from_millis(t.handshake_deadline_ms),
+            accepts_per_second_per_peer: t.accepts_per_second_per_peer,
             response_deadline: Duration::from_millis(t.response_deadline_ms),
             pull_deadline: Duration::from_millis(t.pull_deadline_ms),
             max_idle_peers: t.max_idle_peers,
@@ -241,6 +256,9 @@ impl DataPlaneConfig {
             io_timeout: Duration::from_millis(t.request_timeout_ms.max(1)),
             max_connections: t.max_connections.max(1),
             max_connections_per_peer: t.max_connections_per_peer.max(1),
+            max_pending: t.max_pending_connections.max(1),
+            handshake_deadline: Duration::from_millis(t.handshake_deadline_ms.max(1)),
+            accepts_per_second_per_peer: t.accepts_per_second_per_peer.max(1),
             response_deadline: Duration::from_millis(t.response_deadline_ms.max(1)),
             pull_deadline: Duration::from_millis(t.pull_deadline_ms.max(1)),
             max_idle_peers: t.max_idle_peers.max(1),

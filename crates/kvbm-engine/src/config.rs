@@ -493,6 +493,17 @@ pub struct TransportConfig {
     /// at once, counted in `ServerStats::peer_connections_refused`); the client keeps at most
     /// this many requests in flight to one peer, the rest wait. Default: 32. At least 1.
     pub max_connections_per_peer: usize,
+    /// Data-plane server (security on): connections still in their handshake, each holding a
+    /// place apart from the members' `max_connections`; when all are taken the oldest is
+    /// dropped for the newcomer (counted). Default: 64. At least 1.
+    pub max_pending_connections: usize,
+    /// Data-plane server (security on): a new connection must complete its handshake within
+    /// this long (ms), or it is dropped (counted as a refused handshake). Default: 2000. At
+    /// least 1.
+    pub handshake_deadline_ms: u64,
+    /// Data-plane server: new connections accepted per second from one address prefix (an
+    /// IPv4 address, an IPv6 /64); more are closed at once (counted). Default: 64. At least 1.
+    pub accepts_per_second_per_peer: u32,
     /// Data-plane server: the whole of one response (every frame of one request) must be
     /// written within this long (ms), or the connection is dropped with every block it held
     /// (counted in `ServerStats::responses_timed_out`). Default: 60000. At least 1.
@@ -532,6 +543,9 @@ impl Default for TransportConfig {
             heartbeat_timeout_ms: 5000,
             max_connections: 256,
             max_connections_per_peer: 32,
+            max_pending_connections: 64,
+            handshake_deadline_ms: 2000,
+            accepts_per_second_per_peer: 64,
             response_deadline_ms: 60_000,
             pull_deadline_ms: 60_000,
             max_idle_peers: 64,
@@ -1219,6 +1233,15 @@ impl KvbmConfig {
         positive(
             "transport.max_connections_per_peer",
             t.max_connections_per_peer as u64,
+        )?;
+        positive(
+            "transport.max_pending_connections",
+            t.max_pending_connections as u64,
+        )?;
+        positive("transport.handshake_deadline_ms", t.handshake_deadline_ms)?;
+        positive(
+            "transport.accepts_per_second_per_peer",
+            u64::from(t.accepts_per_second_per_peer),
         )?;
         positive("transport.response_deadline_ms", t.response_deadline_ms)?;
         positive("transport.pull_deadline_ms", t.pull_deadline_ms)?;

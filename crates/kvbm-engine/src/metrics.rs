@@ -30,6 +30,8 @@
 //! | [`WORKER_REQUESTS_REFUSED_BUSY`] | counter | | control requests a worker refused at its in-flight bound |
 //! | [`DATAPLANE_CONNECTIONS_REFUSED`] | counter | | data-plane connections refused at the connection cap |
 //! | [`DATAPLANE_PEER_CONNECTIONS_REFUSED`] | counter | | data-plane connections refused at the per-peer cap |
+//! | [`DATAPLANE_ACCEPTS_THROTTLED`] | counter | | data-plane connections closed over their address's accept rate |
+//! | [`DATAPLANE_PENDING_EVICTED`] | counter | | unauthenticated data-plane connections dropped for newer ones |
 //! | [`DATAPLANE_HANDSHAKES_REFUSED`] | counter | | data-plane handshakes refused (either side) |
 //! | [`DATAPLANE_TAGS_REFUSED`] | counter | | data-plane heads or frames whose tag did not verify |
 //! | [`DATAPLANE_RESPONSES_TIMED_OUT`] | counter | | data-plane responses not written within the deadline |
@@ -95,6 +97,11 @@ pub const DATAPLANE_CONNECTIONS_REFUSED: &str = "kvbm_engine_dataplane_connectio
 /// Data-plane connections refused at the per-peer cap (counter).
 pub const DATAPLANE_PEER_CONNECTIONS_REFUSED: &str =
     "kvbm_engine_dataplane_peer_connections_refused_total";
+/// Data-plane connections closed as soon as accepted: their address prefix was over its
+/// accept rate (counter).
+pub const DATAPLANE_ACCEPTS_THROTTLED: &str = "kvbm_engine_dataplane_accepts_throttled_total";
+/// Unauthenticated data-plane connections dropped to make room for newer ones (counter).
+pub const DATAPLANE_PENDING_EVICTED: &str = "kvbm_engine_dataplane_pending_evicted_total";
 /// Data-plane handshakes refused (counter).
 pub const DATAPLANE_HANDSHAKES_REFUSED: &str = "kvbm_engine_dataplane_handshakes_refused_total";
 /// Data-plane heads or frames whose tag did not verify (counter).
@@ -242,6 +249,18 @@ pub const TABLE: &[(&str, Kind, Unit, &str)] = &[
         "Data-plane connections refused at the per-peer cap.",
     ),
     (
+        DATAPLANE_ACCEPTS_THROTTLED,
+        Kind::Counter,
+        Unit::Count,
+        "Data-plane connections closed over their address's accept rate.",
+    ),
+    (
+        DATAPLANE_PENDING_EVICTED,
+        Kind::Counter,
+        Unit::Count,
+        "Unauthenticated data-plane connections dropped to make room for newer ones.",
+    ),
+    (
         DATAPLANE_HANDSHAKES_REFUSED,
         Kind::Counter,
         Unit::Count,
@@ -308,7 +327,7 @@ mod tests {
             assert!(seen.insert(*name), "{name} twice");
             assert!(!help.is_empty(), "{name} has no help");
         }
-        assert_eq!(TABLE.len(), 27);
+        assert_eq!(TABLE.len(), 29);
     }
 
     #[test]

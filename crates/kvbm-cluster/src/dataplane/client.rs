@@ -399,6 +399,12 @@ impl DataPlaneClient {
                 },
                 false,
             )),
+            // A server at its connection caps is not a refused handshake: it proved nothing
+            // wrong of either side.
+            Ok(Err(e)) if e.status == wire::Status::Busy => Err(BlockFailure::new(
+                BlockFailureKind::Refused,
+                format!("pulling from {instance} at {addr}: {}", e.message),
+            )),
             Ok(Err(e)) => Err(refused(e.message, e.rejection)),
             Err(_) => Err(refused(
                 format!("not finished within {:?}", self.config.io_timeout),

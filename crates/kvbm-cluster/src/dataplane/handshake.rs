@@ -1,5 +1,13 @@
-//! The authenticated data plane's handshake (protocol version 2) and the session it yields:
+//! The authenticated data plane's handshake (protocol version 3) and the session it yields:
 //! see the [module docs](super) for the exchange.
+//!
+//! The client proves its key first: the server answers a hello with a fresh challenge (random
+//! bytes, no key agreement, no signature), and only once the client's signature over its hello
+//! and that challenge verifies under the certificate it sent, and the member is admitted (the
+//! connection caps), does the server make its ephemeral key and sign. A copied certificate
+//! buys a stranger 40 random bytes. The proof covers the client's ephemeral key and the
+//! server's signature covers the whole transcript, and the session keys come from it, so the
+//! client's first tagged request is its key confirmation (no second client signature).
 //!
 //! Both functions run under the caller's deadline (the whole handshake within
 //! `io_timeout`) and read only bounded lengths: a hello head is 16 bytes, its body at most
@@ -13,8 +21,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::wire::{
-    self, CLIENT_HELLO_MAGIC, FLAG_PAYLOAD_MAC, HELLO_HEAD_LEN, Hello, RESPONSE_HEAD_LEN,
-    RESPONSE_MAGIC, SERVER_HELLO_MAGIC, SIG_LEN, Status, TAG_LEN,
+    self, CHALLENGE_LEN, CHALLENGE_MAGIC, CLIENT_HELLO_MAGIC, FLAG_PAYLOAD_MAC, HELLO_HEAD_LEN,
+    Hello, RESPONSE_HEAD_LEN, RESPONSE_MAGIC, SERVER_HELLO_MAGIC, SIG_LEN, Status, TAG_LEN,
 };
 use crate::security::{EphemeralKey, MemberCert, Rejection, Role, Sealing, SessionKeys};
 use kvbm_engine::InstanceId;
@@ -52,9 +60,12 @@ impl Session {
 /// Why a handshake failed.
 #[derive(Debug)]
 pub(crate) struct Refused {
-    /// The security refusal to count, if the peer failed a check (none for I/O failures and
-    /// a peer that refused us).
+    /// The security refusal to count, if the peer failed a check (none for I/O failures, a
+    /// peer that refused us, and a member turned away at a cap).
     pub rejection: Option<Rejection>,
+    /// What the server answers (best effort): [`Status::AuthRequired`], or [`Status::Busy`]
+    /// for a member turned away at a cap.
+    pub status: Status,
     /// What happened, for the error.
     pub message: String,
 }
@@ -63,13 +74,24 @@ impl Refused {
     fn rejected(r: Rejection, message: impl Into<String>) -> Self {
         Self {
             rejection: Some(r),
+            status: Status::AuthRequired,
             message: message.into(),
         }
     }
     fn io(e: std::io::Error) -> Self {
         Self {
             rejection: None,
+            status: Status::AuthRequired,
             message: format!("handshake I/O: {e}"),
+        }
+    }
+    /// A proven member the server will not serve now (a connection cap): answered
+    /// [`Status::Busy`], counted by the caller as a cap refusal, not as a security one.
+    pub(crate) fn busy(message: impl Into<String>) -> Self {
+        Self {
+            rejection: None,
+            status: Status::Busy,
+            message: message.into(),
         }
     }
 }
@@ -77,6 +99,7 @@ impl Refused {
 fn fresh() -> Result<(EphemeralKey, [u8; 32]), Refused> {
     let rng = |e: crate::security::SecurityError| Refused {
         rejection: None,
+        status: Status::AuthRequired,
         message: format!("handshake: {e}"),
     };
     let key = EphemeralKey::generate().map_err(rng)?;
@@ -137,21 +160,40 @@ async fn read_hello(
 }
 
 /// The server's side, after it read the client hello's first 8 bytes (`first`, the hello
-/// magic).
-pub(crate) async fn server(
+/// magic). The server's own work (an X25519 key, a signature) starts only once the client has
+/// signed a fresh challenge with the key of the certificate it sent, and `admit` let the
+/// proven member in (a connection cap; its value is handed back with the session): a hello
+/// with a copied certificate gets 40 random bytes and nothing else.
+pub(crate) async fn server<A>(
     stream: &mut TcpStream,
     sealing: &Sealing,
     payload_mac: bool,
     first: [u8; 8],
-) -> Result<Session, Refused> {
+    admit: impl FnOnce(&MemberCert) -> Result<A, Refused>,
+) -> Result<(Session, A), Refused> {
     let (client_hello, theirs) =
         read_hello(stream, first, CLIENT_HELLO_MAGIC, "client hello").await?;
+    let challenge = wire::encode_challenge(&crate::security::random32().map_err(|e| Refused {
+        rejection: None,
+        status: Status::AuthRequired,
+        message: format!("handshake: {e}"),
+    })?);
+    stream.write_all(&challenge).await.map_err(Refused::io)?;
+    let mut proof = [0u8; SIG_LEN];
+    stream.read_exact(&mut proof).await.map_err(Refused::io)?;
     // The tenant check: a client of another namespace (or no member) gets nothing.
     let peer = check_peer(sealing, &theirs.cert, "the client")?;
+    if !peer.verifies(&wire::client_proof(&client_hello, &challenge), &proof) {
+        return Err(Refused::rejected(
+            Rejection::BadSignature,
+            format!("{peer}: the proof of its key does not verify"),
+        ));
+    }
+    let admitted = admit(&peer)?;
 
     let (key, nonce) = fresh()?;
     let server_hello = hello(sealing, payload_mac, &key, nonce).encode(SERVER_HELLO_MAGIC);
-    let transcript = wire::transcript(&client_hello, &server_hello);
+    let transcript = wire::transcript(&client_hello, &challenge, &proof, &server_hello);
     let sig = sealing
         .signer
         .credential()
@@ -159,32 +201,53 @@ pub(crate) async fn server(
     let mut out = server_hello;
     out.extend_from_slice(&sig);
     stream.write_all(&out).await.map_err(Refused::io)?;
-
-    let mut client_sig = [0u8; SIG_LEN];
-    stream
-        .read_exact(&mut client_sig)
-        .await
-        .map_err(Refused::io)?;
-    if !peer.verifies(&wire::client_signed(&transcript, &sig), &client_sig) {
-        return Err(Refused::rejected(
-            Rejection::BadSignature,
-            format!("{peer}: handshake signature does not verify"),
-        ));
-    }
     let keys = key
         .agree(&theirs.ephemeral, &transcript, false)
         .map_err(|e| Refused::rejected(Rejection::Malformed, format!("{peer}: {e}")))?;
-    Ok(Session {
-        keys,
-        send: 0,
-        recv: 0,
-        payload_mac: payload_mac || theirs.flags & FLAG_PAYLOAD_MAC != 0,
-        peer,
+    Ok((
+        Session {
+            keys,
+            send: 0,
+            recv: 0,
+            payload_mac: payload_mac || theirs.flags & FLAG_PAYLOAD_MAC != 0,
+            peer,
+        },
+        admitted,
+    ))
+}
+
+/// Reads the first 8 bytes of the server's next message: `Ok(magic)`, or the refusal it sent
+/// in the plain protocol (the server is off, refused us, or is busy).
+async fn next_magic(stream: &mut TcpStream) -> Result<[u8; 8], Refused> {
+    let mut first = [0u8; 8];
+    stream.read_exact(&mut first).await.map_err(Refused::io)?;
+    if u64::from_le_bytes(first) != RESPONSE_MAGIC {
+        return Ok(first);
+    }
+    let mut r = [0u8; RESPONSE_HEAD_LEN];
+    r[..8].copy_from_slice(&first);
+    stream.read_exact(&mut r[8..]).await.map_err(Refused::io)?;
+    let (status, message) = match wire::decode_response(&r) {
+        Ok((status, _)) => (
+            status,
+            format!("the server refused: {}", Status::describe(status)),
+        ),
+        Err(e) => (Status::AuthRequired as u32, e.message),
+    };
+    Err(Refused {
+        rejection: None,
+        status: if status == Status::Busy as u32 {
+            Status::Busy
+        } else {
+            Status::AuthRequired
+        },
+        message,
     })
 }
 
-/// The client's side: proves this member to the server, and checks the server is a member of
-/// this namespace and the leader of `expected` (the instance the client means to pull from).
+/// The client's side: proves this member to the server (its signature over the server's
+/// challenge), and checks the server is a member of this namespace and the leader of
+/// `expected` (the instance the client means to pull from).
 pub(crate) async fn client(
     stream: &mut TcpStream,
     sealing: &Sealing,
@@ -195,26 +258,29 @@ pub(crate) async fn client(
     let client_hello = hello(sealing, payload_mac, &key, nonce).encode(CLIENT_HELLO_MAGIC);
     stream.write_all(&client_hello).await.map_err(Refused::io)?;
 
-    let mut head = [0u8; HELLO_HEAD_LEN];
+    let first = next_magic(stream).await?;
+    if u64::from_le_bytes(first) != CHALLENGE_MAGIC {
+        return Err(Refused::rejected(
+            Rejection::Malformed,
+            format!(
+                "the server sent {:#018x}, not a challenge",
+                u64::from_le_bytes(first)
+            ),
+        ));
+    }
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    challenge[..8].copy_from_slice(&first);
     stream
-        .read_exact(&mut head[..8])
+        .read_exact(&mut challenge[8..])
         .await
         .map_err(Refused::io)?;
-    if u64::from_le_bytes(head[..8].try_into().expect("8 bytes")) == RESPONSE_MAGIC {
-        // A refusal in the plain protocol: the server is off, or refused us.
-        let mut r = [0u8; RESPONSE_HEAD_LEN];
-        r[..8].copy_from_slice(&head[..8]);
-        stream.read_exact(&mut r[8..]).await.map_err(Refused::io)?;
-        let message = match wire::decode_response(&r) {
-            Ok((status, _)) => format!("the server refused: {}", Status::describe(status)),
-            Err(e) => e.message,
-        };
-        return Err(Refused {
-            rejection: None,
-            message,
-        });
-    }
-    let first: [u8; 8] = head[..8].try_into().expect("8 bytes");
+    let proof = sealing
+        .signer
+        .credential()
+        .sign(&wire::client_proof(&client_hello, &challenge));
+    stream.write_all(&proof).await.map_err(Refused::io)?;
+
+    let first = next_magic(stream).await?;
     let (server_hello, theirs) =
         read_hello(stream, first, SERVER_HELLO_MAGIC, "server hello").await?;
     let mut sig = [0u8; SIG_LEN];
@@ -228,18 +294,13 @@ pub(crate) async fn client(
             format!("the server is {peer}, not the instance asked for ({expected})"),
         ));
     }
-    let transcript = wire::transcript(&client_hello, &server_hello);
+    let transcript = wire::transcript(&client_hello, &challenge, &proof, &server_hello);
     if !peer.verifies(&wire::server_signed(&transcript), &sig) {
         return Err(Refused::rejected(
             Rejection::BadSignature,
             format!("{peer}: handshake signature does not verify"),
         ));
     }
-    let ours = sealing
-        .signer
-        .credential()
-        .sign(&wire::client_signed(&transcript, &sig));
-    stream.write_all(&ours).await.map_err(Refused::io)?;
     let keys = key
         .agree(&theirs.ephemeral, &transcript, true)
         .map_err(|e| Refused::rejected(Rejection::Malformed, format!("{peer}: {e}")))?;

@@ -26,7 +26,7 @@
 //! await or a hash).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -39,7 +39,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::DataPlaneConfig;
-use super::handshake::{self, Session};
+use super::admission::{Admission, Limits, Pending, PeerKey, Slot, address_key};
+use super::handshake::{self, Refused, Session};
 use super::wire::{
     self, CLIENT_HELLO_MAGIC, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, REQUEST_MAGIC, Status,
     TAG_LEN, VERSION, VERSION_AUTH,
@@ -52,16 +53,19 @@ use kvbm_engine::error::{EngineError, Result};
 #[derive(Debug, Default)]
 pub struct ServerStats {
     held: AtomicUsize,
-    connections: AtomicUsize,
+    pub(super) connections: AtomicUsize,
     requests: AtomicU64,
     blocks_served: AtomicU64,
     refused: AtomicU64,
-    connections_refused: AtomicU64,
-    peer_connections_refused: AtomicU64,
+    pub(super) connections_refused: AtomicU64,
+    pub(super) peer_connections_refused: AtomicU64,
     responses_timed_out: AtomicU64,
     handshakes: AtomicU64,
     handshakes_refused: AtomicU64,
     tags_refused: AtomicU64,
+    pub(super) pending: AtomicUsize,
+    pub(super) pending_evicted: AtomicU64,
+    pub(super) accepts_throttled: AtomicU64,
     /// Fault injection (feature `testing`): frames still to be sent with a damaged payload.
     corrupt_next: AtomicU64,
 }
@@ -71,9 +75,25 @@ impl ServerStats {
     pub fn held(&self) -> usize {
         self.held.load(Ordering::Acquire)
     }
-    /// Open connections.
+    /// Connections served: with security on, those whose peer proved to be a member (not
+    /// those still in their handshake, see [`pending`](Self::pending)).
     pub fn connections(&self) -> usize {
         self.connections.load(Ordering::Acquire)
+    }
+    /// Connections still in their handshake (security on), each holding a pending place,
+    /// not a member's slot.
+    pub fn pending(&self) -> usize {
+        self.pending.load(Ordering::Acquire)
+    }
+    /// Pending connections dropped to make room for a newer one (`transport.max_pending`
+    /// were waiting).
+    pub fn pending_evicted(&self) -> u64 {
+        self.pending_evicted.load(Ordering::Relaxed)
+    }
+    /// Connections closed as soon as accepted: their address prefix opened more than
+    /// `transport.accepts_per_second_per_peer` in the last second.
+    pub fn accepts_throttled(&self) -> u64 {
+        self.accepts_throttled.load(Ordering::Relaxed)
     }
     /// Requests answered (including refused ones).
     pub fn requests(&self) -> u64 {
@@ -87,12 +107,14 @@ impl ServerStats {
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
     }
-    /// Connections closed as soon as accepted: `max_connections` were already served.
+    /// Connections refused a slot because `max_connections` were already served: closed as
+    /// soon as accepted (security off), or answered "busy" once the member proved itself.
     pub fn connections_refused(&self) -> u64 {
         self.connections_refused.load(Ordering::Relaxed)
     }
-    /// Connections closed as soon as accepted: their peer address already had
-    /// `max_connections_per_peer` connections served.
+    /// Connections refused a slot because their peer already had `max_connections_per_peer`
+    /// served: the member its handshake proved (security on, answered "busy"), or its
+    /// address prefix (security off, closed as soon as accepted).
     pub fn peer_connections_refused(&self) -> u64 {
         self.peer_connections_refused.load(Ordering::Relaxed)
     }
@@ -175,8 +197,8 @@ struct Served {
     manager: Arc<BlockManager<G2>>,
     layout: Arc<PhysicalLayout>,
     checksums: ChecksumMemo,
-    /// Connections served per peer address (only peers with at least one).
-    per_peer: Mutex<HashMap<IpAddr, usize>>,
+    /// The accept rate, the pending pool and the member slots.
+    admission: Arc<Admission>,
     geometry: u64,
     block_bytes: usize,
     config: DataPlaneConfig,
@@ -205,25 +227,6 @@ impl Drop for Holds<'_> {
         let n = self.blocks.len();
         self.blocks.clear();
         self.stats.held.fetch_sub(n, Ordering::AcqRel);
-    }
-}
-
-/// One served connection: counted in the total and under its peer's address until dropped.
-struct ConnectionGuard {
-    served: Arc<Served>,
-    peer: IpAddr,
-}
-
-impl Drop for ConnectionGuard {
-    fn drop(&mut self) {
-        self.served.stats.connections.fetch_sub(1, Ordering::AcqRel);
-        let mut per_peer = self.served.per_peer.lock();
-        if let Some(n) = per_peer.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                per_peer.remove(&self.peer);
-            }
-        }
     }
 }
 
@@ -295,7 +298,15 @@ impl DataPlaneServer {
             geometry: scoped_geometry_digest(&c, config.scope),
             block_bytes: c.block_bytes(),
             checksums: ChecksumMemo::new(c.num_blocks),
-            per_peer: Mutex::new(HashMap::new()),
+            admission: Arc::new(Admission::new(
+                Limits {
+                    max_connections: config.max_connections,
+                    max_per_peer: config.max_connections_per_peer,
+                    max_pending: config.max_pending,
+                    accept_rate: config.accepts_per_second_per_peer,
+                },
+                stats.clone(),
+            )),
             layout,
             config,
             stats: stats.clone(),
@@ -316,54 +327,30 @@ impl DataPlaneServer {
                         }
                     },
                 };
-                // The cap: counted up first, so two accepts cannot both pass it.
-                let open = served.stats.connections.fetch_add(1, Ordering::AcqRel);
-                if open >= served.config.max_connections.max(1) {
-                    served.stats.connections.fetch_sub(1, Ordering::AcqRel);
-                    served
-                        .stats
-                        .connections_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!(kvbm_engine::metrics::DATAPLANE_CONNECTIONS_REFUSED)
-                        .increment(1);
-                    tracing::debug!(%peer, "data plane connection refused: at the connection cap");
+                if !served.admission.accept(peer.ip(), std::time::Instant::now()) {
                     drop(stream);
                     continue;
                 }
-                // The per-peer cap (the map holds only peers with a connection served, so it is
-                // bounded by the cap above).
-                {
-                    let mut per_peer = served.per_peer.lock();
-                    let n = per_peer.entry(peer.ip()).or_insert(0);
-                    if *n >= served.config.max_connections_per_peer.max(1) {
-                        if *n == 0 {
-                            per_peer.remove(&peer.ip());
+                // Security on: a pending place until the handshake proves a member (the
+                // member's slot is taken then). Off: there is nothing to prove, so the
+                // address's slot is taken now, or the connection closed at once.
+                let entry = if served.security.is_on() {
+                    Entry::Pending(served.admission.pending())
+                } else {
+                    match served.admission.admit(PeerKey::Address(address_key(peer.ip()))) {
+                        Ok(slot) => Entry::Served(slot),
+                        Err(_) => {
+                            drop(stream);
+                            continue;
                         }
-                        drop(per_peer);
-                        served.stats.connections.fetch_sub(1, Ordering::AcqRel);
-                        served
-                            .stats
-                            .peer_connections_refused
-                            .fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!(kvbm_engine::metrics::DATAPLANE_PEER_CONNECTIONS_REFUSED)
-                            .increment(1);
-                        tracing::debug!(%peer, "data plane connection refused: at the per-peer cap");
-                        drop(stream);
-                        continue;
                     }
-                    *n += 1;
-                }
-                let guard = ConnectionGuard {
-                    served: served.clone(),
-                    peer: peer.ip(),
                 };
                 let served = served.clone();
                 let cancel = accept_cancel.child_token();
                 tokio::spawn(async move {
-                    let _guard = guard;
                     tokio::select! {
                         () = cancel.cancelled() => {}
-                        r = serve_connection(&served, stream) => {
+                        r = serve_connection(&served, stream, entry) => {
                             if let Err(e) = r {
                                 tracing::debug!(%peer, error = %e, "data plane connection ended");
                             }
@@ -429,14 +416,27 @@ async fn timed<T>(
     }
 }
 
-/// The connection's first bytes under security: the authenticated handshake, or a refusal.
-/// `Ok(None)`: refused (counted; the client got nothing but a refusal status), or the client
-/// left before saying anything.
-async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Option<Session>> {
+/// How a connection came in: still to prove a member (security on), or already holding its
+/// slot (security off).
+enum Entry {
+    Pending(Pending),
+    Served(Slot),
+}
+
+/// The connection's first bytes under security: the authenticated handshake within
+/// `handshake_deadline` (or until a newer stranger takes this one's pending place), then the
+/// proven member's slot. `Ok(None)`: refused (counted; the client got nothing but a refusal
+/// status), turned away at a cap (answered "busy"), or the client left before saying
+/// anything.
+async fn authenticate(
+    s: &Served,
+    stream: &mut TcpStream,
+    pending: Pending,
+) -> std::io::Result<Option<(Session, Slot)>> {
     let Security::On(sealing) = &*s.security else {
         return Ok(None);
     };
-    let io = s.config.io_timeout;
+    let deadline = s.config.handshake_deadline;
     let refused = |rejection: Option<Rejection>, message: &str| {
         s.stats.handshakes_refused.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(kvbm_engine::metrics::DATAPLANE_HANDSHAKES_REFUSED).increment(1);
@@ -445,8 +445,7 @@ async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Opt
         }
         tracing::debug!(error = message, "data plane handshake refused");
     };
-    // The whole handshake within one deadline: a connection that dawdles is dropped.
-    let r = tokio::time::timeout(io, async {
+    let handshake = async {
         let mut first = [0u8; 8];
         match stream.read_exact(&mut first).await {
             Ok(_) => {}
@@ -467,36 +466,56 @@ async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Opt
             }
             let r = wire::encode_response(Status::AuthRequired, 0);
             stream.write_all(&r).await?;
-            return Ok(Err(Some((
-                Some(Rejection::NotMember),
-                "a client without credentials (security off) asked for blocks".to_owned(),
-            ))));
+            return Ok(Err(Some(Refused {
+                rejection: Some(Rejection::NotMember),
+                status: Status::AuthRequired,
+                message: "a client without credentials (security off) asked for blocks".to_owned(),
+            })));
         }
         if magic != CLIENT_HELLO_MAGIC {
-            return Ok(Err(Some((
-                Some(Rejection::Malformed),
-                format!("not a data plane hello: {magic:#018x}"),
-            ))));
+            return Ok(Err(Some(Refused {
+                rejection: Some(Rejection::Malformed),
+                status: Status::AuthRequired,
+                message: format!("not a data plane hello (version 3): {magic:#018x}"),
+            })));
         }
-        match handshake::server(stream, sealing, s.config.payload_mac, first).await {
-            Ok(session) => Ok(Ok(session)),
+        let admit = |cert: &crate::security::MemberCert| {
+            s.admission
+                .admit(PeerKey::Member(cert.instance))
+                .map_err(|full| Refused::busy(format!("{cert}: {full}")))
+        };
+        match handshake::server(stream, sealing, s.config.payload_mac, first, admit).await {
+            Ok(done) => Ok(Ok(done)),
             Err(refused) => {
-                // Best effort: tell the client it was refused (nothing else).
-                let r = wire::encode_response(Status::AuthRequired, 0);
+                // Best effort: tell the client it was refused, or that it must wait (nothing
+                // else).
+                let r = wire::encode_response(refused.status, 0);
                 let _ = stream.write_all(&r).await;
-                Ok(Err(Some((refused.rejection, refused.message))))
+                Ok(Err(Some(refused)))
             }
         }
-    })
-    .await;
+    };
+    let r = tokio::select! {
+        r = tokio::time::timeout(deadline, handshake) => r,
+        () = pending.evicted() => {
+            // Counted as an eviction by the pool.
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "unauthenticated connection dropped for a newer one (transport.max_pending)",
+            ));
+        }
+    };
+    drop(pending);
     match r {
-        Ok(Ok(Ok(session))) => {
+        Ok(Ok(Ok(done))) => {
             s.stats.handshakes.fetch_add(1, Ordering::Relaxed);
-            Ok(Some(session))
+            Ok(Some(done))
         }
         Ok(Ok(Err(None))) => Ok(None),
-        Ok(Ok(Err(Some((rejection, message))))) => {
-            refused(rejection, &message);
+        // A proven member turned away at a cap: counted there, not as a security refusal.
+        Ok(Ok(Err(Some(r)))) if r.status == Status::Busy => Ok(None),
+        Ok(Ok(Err(Some(r)))) => {
+            refused(r.rejection, &r.message);
             Ok(None)
         }
         Ok(Err(e)) => {
@@ -504,10 +523,10 @@ async fn authenticate(s: &Served, stream: &mut TcpStream) -> std::io::Result<Opt
             Err(e)
         }
         Err(_) => {
-            refused(None, "handshake not finished within the I/O timeout");
+            refused(None, "handshake not finished within the handshake deadline");
             Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                format!("handshake not finished within {io:?}"),
+                format!("handshake not finished within {deadline:?}"),
             ))
         }
     }
@@ -545,16 +564,16 @@ fn tag_refused(s: &Served, session: &Session) -> std::io::Error {
     )
 }
 
-async fn serve_connection(s: &Served, mut stream: TcpStream) -> std::io::Result<()> {
+async fn serve_connection(s: &Served, mut stream: TcpStream, entry: Entry) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let io = s.config.io_timeout;
-    let mut session = if s.security.is_on() {
-        match authenticate(s, &mut stream).await? {
-            Some(session) => Some(session),
+    // The slot is held until the connection ends.
+    let (mut session, _slot) = match entry {
+        Entry::Pending(pending) => match authenticate(s, &mut stream, pending).await? {
+            Some((session, slot)) => (Some(session), slot),
             None => return Ok(()),
-        }
-    } else {
-        None
+        },
+        Entry::Served(slot) => (None, slot),
     };
     let version = if session.is_some() {
         VERSION_AUTH

@@ -16,6 +16,7 @@ use kvbm_physical::{BlockLayout, PhysicalLayout, PinPolicy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use super::handshake;
 use super::wire::{
     self, FRAME_HEADER_LEN, REQUEST_HEAD_LEN, RESPONSE_HEAD_LEN, RequestHead, Status,
 };
@@ -1231,9 +1232,9 @@ async fn security_tampered_replayed_and_reordered_frames_are_refused() {
         &SecurityConfig::default(),
     ));
     let srv = secured_server(&remote, A, srv_sec.clone()).await;
-    // Server → client: its hello (head, certificate, key, nonce, signature), the response head
-    // and its tag, then frames of header + tag + payload.
-    let server_hello = wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    // Server → client: its challenge, its hello (head, certificate, key, nonce, signature),
+    // the response head and its tag, then frames of header + tag + payload.
+    let server_hello = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
     let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
     let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes();
     type Mutation = Box<dyn FnOnce(&mut Vec<u8>) + Send>;
@@ -1348,7 +1349,7 @@ async fn security_payload_mac_refuses_a_changed_payload() {
         &SecurityConfig::default(),
     ));
     let srv = secured_server(&remote, A, srv_sec).await;
-    let server_hello = wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    let server_hello = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
     let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
     let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes() + wire::TAG_LEN;
     // The payload tag of the first frame is flipped.
@@ -1365,6 +1366,242 @@ async fn security_payload_mac_refuses_a_changed_payload() {
     let out = pull_into(&c, &local, addr, A, &hs).await;
     assert_none_registered(out, &local, &hs, "failed its tag");
     assert_eq!(c.stats().tags_refused, 1);
+}
+
+/// A secured server for `A` over `remote` with `config`.
+async fn secured_server_with(
+    remote: &Side,
+    sec: Arc<Security>,
+    config: DataPlaneConfig,
+) -> DataPlaneServer {
+    DataPlaneServer::start_secured(config, A, remote.manager.clone(), remote.layout.clone(), sec)
+        .await
+        .unwrap()
+}
+
+/// A TCP connection to `addr` from the loopback address `127.0.0.<last>`.
+async fn connect_from(last: u8, addr: SocketAddr) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(SocketAddr::from(([127, 0, 0, last], 0))).unwrap();
+    sock.connect(addr).await.unwrap()
+}
+
+/// Completes the authenticated handshake with `addr` as `sec`, from `127.0.0.<last>`, and
+/// keeps the connection (idle).
+async fn handshake_from(
+    last: u8,
+    addr: SocketAddr,
+    sec: &Security,
+) -> Result<TcpStream, handshake::Refused> {
+    let Security::On(sealing) = sec else {
+        panic!("a member")
+    };
+    let mut s = connect_from(last, addr).await;
+    handshake::client(&mut s, sealing, false, A).await?;
+    Ok(s)
+}
+
+/// Attack (N3): strangers from eight loopback addresses open four connections each, half
+/// silent, half stalled inside a hello, and hold them. They wait in the pending pool (the
+/// oldest dropped for each newcomer), never in a member's slot; a member pulls while they
+/// hold their sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_strangers_holding_sockets_leave_members_their_slots() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(3);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        max_connections: 4,
+        max_connections_per_peer: 4,
+        max_pending: 8,
+        handshake_deadline: Duration::from_secs(30),
+        ..DataPlaneConfig::default()
+    };
+    let srv = secured_server_with(&remote, member(&root, A, "ns"), config).await;
+    let mut strangers = Vec::new();
+    for last in 2..10u8 {
+        for k in 0..4 {
+            let mut s = connect_from(last, srv.local_addr()).await;
+            if k % 2 == 1 {
+                s.write_all(&wire::CLIENT_HELLO_MAGIC.to_le_bytes())
+                    .await
+                    .unwrap();
+            }
+            strangers.push(s);
+        }
+    }
+    eventually_async("the strangers fill the pending pool", || {
+        srv.stats().pending() == 8 && srv.stats().pending_evicted() == 24
+    })
+    .await;
+    assert_eq!(srv.stats().connections(), 0, "no stranger holds a member's slot");
+    assert_member_pulls(&root, &srv, &remote, &hs).await;
+    assert_eq!(srv.stats().handshakes(), 1);
+    assert_eq!(srv.stats().connections_refused(), 0);
+    drop(strangers);
+}
+
+/// Attack (N3): a stranger that connects and says nothing is dropped at the (short) handshake
+/// deadline, counted as a refused handshake, and its pending place is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_silent_stranger_is_dropped_at_the_handshake_deadline() {
+    let root = RootKey::generate().unwrap();
+    let remote = serving(&hashes(1));
+    let config = DataPlaneConfig {
+        handshake_deadline: Duration::from_millis(300),
+        io_timeout: Duration::from_secs(30),
+        ..DataPlaneConfig::default()
+    };
+    let srv = secured_server_with(&remote, member(&root, A, "ns"), config).await;
+    let mut silent = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let mut buf = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(5), silent.read(&mut buf))
+        .await
+        .expect("closed at the handshake deadline, not the I/O timeout");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    eventually_async("counted, and the place freed", || {
+        srv.stats().handshakes_refused() == 1 && srv.stats().pending() == 0
+    })
+    .await;
+}
+
+/// Attack (N3): a hello with a copied certificate (certificates travel in every hello) and no
+/// key. The server answers with a fresh challenge and nothing else (no key agreement, no
+/// signature of its own); a made-up proof, and a real proof the member made for another
+/// connection's challenge, are refused and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_copied_certificate_gets_a_challenge_and_no_server_work() {
+    let root = RootKey::generate().unwrap();
+    let remote = serving(&hashes(1));
+    let srv_sec = member(&root, A, "ns");
+    let srv = secured_server(&remote, A, srv_sec.clone()).await;
+    let b = credential(&root, B, "ns");
+    let hello = wire::Hello {
+        flags: 0,
+        cert: b.cert().encode(),
+        ephemeral: [7; 32],
+        nonce: [9; 32],
+    }
+    .encode(wire::CLIENT_HELLO_MAGIC);
+    async fn challenge_of(s: &mut TcpStream, hello: &[u8]) -> [u8; wire::CHALLENGE_LEN] {
+        s.write_all(hello).await.unwrap();
+        let mut c = [0u8; wire::CHALLENGE_LEN];
+        s.read_exact(&mut c).await.unwrap();
+        assert_eq!(
+            u64::from_le_bytes(c[..8].try_into().unwrap()),
+            wire::CHALLENGE_MAGIC,
+            "a challenge, not the server's hello"
+        );
+        // Nothing more before a proof.
+        let mut more = [0u8; 1];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), s.read(&mut more))
+                .await
+                .is_err(),
+            "the server waits for the proof"
+        );
+        c
+    }
+    async fn refused(s: &mut TcpStream) {
+        let mut r = [0u8; RESPONSE_HEAD_LEN];
+        s.read_exact(&mut r).await.unwrap();
+        assert_eq!(
+            wire::decode_response(&r).unwrap().0,
+            Status::AuthRequired as u32
+        );
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest).await;
+        assert!(rest.is_empty(), "nothing after the refusal");
+    }
+
+    // A made-up proof.
+    let mut s = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let first = challenge_of(&mut s, &hello).await;
+    s.write_all(&[0x55; wire::SIG_LEN]).await.unwrap();
+    refused(&mut s).await;
+
+    // A real proof, for another connection's challenge.
+    let mut s = TcpStream::connect(srv.local_addr()).await.unwrap();
+    let second = challenge_of(&mut s, &hello).await;
+    assert_ne!(first, second, "each connection gets a fresh challenge");
+    let stale = b.sign(&wire::client_proof(&hello, &first));
+    s.write_all(&stale).await.unwrap();
+    refused(&mut s).await;
+
+    eventually_async("both refusals counted", || {
+        srv.stats().handshakes_refused() == 2
+    })
+    .await;
+    assert_eq!(stats(&srv_sec).rejected(Rejection::BadSignature), 2);
+    assert_eq!(srv.stats().handshakes(), 0);
+    assert_eq!(srv.stats().connections(), 0);
+}
+
+/// Attack (N3): one member opens connections up to the per-peer cap and holds them. The cap
+/// is the member's, not its address's: its next connection is answered "busy" from any
+/// address, while another member behind the same address is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_the_per_peer_cap_counts_members_not_addresses() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(2);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        max_connections: 8,
+        max_connections_per_peer: 2,
+        ..DataPlaneConfig::default()
+    };
+    let srv = secured_server_with(&remote, member(&root, A, "ns"), config).await;
+    let addr = srv.local_addr();
+    let b = member(&root, B, "ns");
+    let held = (
+        handshake_from(1, addr, &b).await.unwrap(),
+        handshake_from(1, addr, &b).await.unwrap(),
+    );
+    assert_eq!(srv.stats().connections(), 2);
+    for last in [1, 5] {
+        let e = handshake_from(last, addr, &b).await.unwrap_err();
+        assert_eq!(e.status, Status::Busy, "{}", e.message);
+        assert!(e.message.contains("max_connections_per_peer"), "{}", e.message);
+    }
+    assert_eq!(srv.stats().peer_connections_refused(), 2);
+    assert_eq!(srv.stats().handshakes_refused(), 0, "a cap is not a refused handshake");
+
+    // Another member, from the very same address.
+    let local = side();
+    let c = secured_client(&local, member(&root, InstanceId(0xc), "ns"), false);
+    let out = pull_into(&c, &local, addr, A, &hs).await;
+    for (o, h) in out.iter().zip(&hs) {
+        assert_eq!(
+            bytes(&local.layout, o.as_ref().unwrap().block_id()),
+            expected(&remote, *h)
+        );
+    }
+    drop(held);
+}
+
+/// Attack (N3): one address opens connections as fast as it can. Past its accept rate each is
+/// closed at once and counted; a member from another address still pulls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_connection_flood_from_one_address_is_throttled() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(2);
+    let remote = serving(&hs);
+    let config = DataPlaneConfig {
+        accepts_per_second_per_peer: 5,
+        ..DataPlaneConfig::default()
+    };
+    let srv = secured_server_with(&remote, member(&root, A, "ns"), config).await;
+    let mut flood = Vec::new();
+    for _ in 0..40 {
+        flood.push(connect_from(7, srv.local_addr()).await);
+    }
+    eventually_async("the flood is throttled", || {
+        srv.stats().accepts_throttled() >= 30
+    })
+    .await;
+    assert!(srv.stats().pending() <= 10, "{}", srv.stats().pending());
+    assert_member_pulls(&root, &srv, &remote, &hs).await;
+    drop(flood);
 }
 
 /// A server whose credential is not its instance's leader refuses to start.

@@ -14,8 +14,10 @@ pub(crate) const REQUEST_MAGIC: u64 = u64::from_le_bytes(*b"KVBMPUL1");
 pub(crate) const RESPONSE_MAGIC: u64 = u64::from_le_bytes(*b"KVBMRSP1");
 /// The unauthenticated protocol (security off).
 pub(crate) const VERSION: u32 = 1;
-/// The authenticated protocol (security on): a handshake, then tagged heads and frames.
-pub(crate) const VERSION_AUTH: u32 = 2;
+/// The authenticated protocol (security on): a handshake in which the client proves its key
+/// before the server does any work of its own, then tagged heads and frames. Version 2 (the
+/// server signed before the client proved anything) is refused as an unknown version.
+pub(crate) const VERSION_AUTH: u32 = 3;
 /// Bytes of one tag ([`crate::security::SessionKeys::tag_send`]).
 pub(crate) const TAG_LEN: usize = 16;
 /// Request head: magic, version, count, geometry digest, block bytes.
@@ -45,6 +47,10 @@ pub(crate) enum Status {
     /// The client offered the authenticated protocol (security on) to a server that does not
     /// speak it (security off).
     AuthUnavailable = 5,
+    /// The client proved it is a member, but the server already serves as many connections
+    /// as it allows (`transport.max_connections`), or as many of this member's
+    /// (`transport.max_connections_per_peer`). Nothing was read; try again later.
+    Busy = 6,
 }
 
 impl Status {
@@ -61,6 +67,10 @@ impl Status {
             5 => {
                 "the client's security is on but the server's data plane is not authenticated \
                   (security off)"
+            }
+            6 => {
+                "the server serves as many connections as it allows, in all or from this member \
+                  (transport.max_connections, transport.max_connections_per_peer)"
             }
             _ => "unknown status",
         }
@@ -302,12 +312,17 @@ pub(crate) fn check_host(layout: &PhysicalLayout) -> kvbm_engine::Result<()> {
     Ok(())
 }
 
-// ---- The authenticated protocol's handshake (version 2) ----
+// ---- The authenticated protocol's handshake (version 3) ----
 
 /// An authenticated client's first bytes: its hello.
-pub(crate) const CLIENT_HELLO_MAGIC: u64 = u64::from_le_bytes(*b"KVBMHLC2");
+pub(crate) const CLIENT_HELLO_MAGIC: u64 = u64::from_le_bytes(*b"KVBMHLC3");
+/// The server's answer to a client hello: a fresh challenge the client must sign before the
+/// server does any work of its own.
+pub(crate) const CHALLENGE_MAGIC: u64 = u64::from_le_bytes(*b"KVBMCHL3");
+/// A challenge: its magic and 32 random bytes.
+pub(crate) const CHALLENGE_LEN: usize = 40;
 /// The server's hello.
-pub(crate) const SERVER_HELLO_MAGIC: u64 = u64::from_le_bytes(*b"KVBMHLS2");
+pub(crate) const SERVER_HELLO_MAGIC: u64 = u64::from_le_bytes(*b"KVBMHLS3");
 /// Hello head: magic, version, flags (u16), certificate length (u16).
 pub(crate) const HELLO_HEAD_LEN: usize = 16;
 /// Longest certificate a hello may carry (a certificate with the longest namespace is 190).
@@ -333,7 +348,7 @@ pub(crate) struct Hello {
 pub(crate) enum HelloError {
     /// Not the expected magic.
     Magic(u64),
-    /// Not version 2.
+    /// Not version 3.
     Version(u32),
     /// Flags this version does not know.
     Flags(u16),
@@ -410,13 +425,41 @@ impl Hello {
     }
 }
 
-/// The transcript both sides sign and derive their session keys from: a domain tag, the
-/// client's hello and the server's hello, as sent.
-pub(crate) fn transcript(client_hello: &[u8], server_hello: &[u8]) -> Vec<u8> {
-    let mut t = Vec::with_capacity(32 + client_hello.len() + server_hello.len());
-    t.extend_from_slice(b"kvbm-dataplane-v2-handshake");
+/// A challenge's bytes.
+pub(crate) fn encode_challenge(nonce: &[u8; 32]) -> [u8; CHALLENGE_LEN] {
+    let mut out = [0u8; CHALLENGE_LEN];
+    out[..8].copy_from_slice(&CHALLENGE_MAGIC.to_le_bytes());
+    out[8..].copy_from_slice(nonce);
+    out
+}
+
+/// What the client signs to prove its key: its label, its hello as sent (its certificate and
+/// ephemeral key) and the server's challenge (fresh, so a proof seen once is worth nothing on
+/// another connection).
+pub(crate) fn client_proof(client_hello: &[u8], challenge: &[u8; CHALLENGE_LEN]) -> Vec<u8> {
+    let mut m = b"kvbm-dataplane-v3 client proof".to_vec();
+    m.extend_from_slice(&(client_hello.len() as u32).to_le_bytes());
+    m.extend_from_slice(client_hello);
+    m.extend_from_slice(challenge);
+    m
+}
+
+/// The transcript the server signs and both sides derive their session keys from: a domain
+/// tag, the client's hello, the challenge, the client's proof and the server's hello, as sent.
+pub(crate) fn transcript(
+    client_hello: &[u8],
+    challenge: &[u8; CHALLENGE_LEN],
+    proof: &[u8; SIG_LEN],
+    server_hello: &[u8],
+) -> Vec<u8> {
+    let mut t = Vec::with_capacity(
+        32 + client_hello.len() + CHALLENGE_LEN + SIG_LEN + server_hello.len(),
+    );
+    t.extend_from_slice(b"kvbm-dataplane-v3-handshake");
     t.extend_from_slice(&(client_hello.len() as u32).to_le_bytes());
     t.extend_from_slice(client_hello);
+    t.extend_from_slice(challenge);
+    t.extend_from_slice(proof);
     t.extend_from_slice(&(server_hello.len() as u32).to_le_bytes());
     t.extend_from_slice(server_hello);
     t
@@ -424,15 +467,7 @@ pub(crate) fn transcript(client_hello: &[u8], server_hello: &[u8]) -> Vec<u8> {
 
 /// What the server signs: its label and the transcript.
 pub(crate) fn server_signed(transcript: &[u8]) -> Vec<u8> {
-    let mut m = b"kvbm-dataplane-v2 server".to_vec();
+    let mut m = b"kvbm-dataplane-v3 server".to_vec();
     m.extend_from_slice(transcript);
-    m
-}
-
-/// What the client signs: its label, the transcript and the server's signature.
-pub(crate) fn client_signed(transcript: &[u8], server_sig: &[u8; SIG_LEN]) -> Vec<u8> {
-    let mut m = b"kvbm-dataplane-v2 client".to_vec();
-    m.extend_from_slice(transcript);
-    m.extend_from_slice(server_sig);
     m
 }
