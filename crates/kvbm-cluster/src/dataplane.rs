@@ -45,32 +45,40 @@
 //! only, so the client cannot ask for one digest: two blocks whose 64-bit chain values
 //! collide are told apart at the next tier that checks the full identity.
 //!
-//! # Authentication and tenants (security on: protocol version 2)
+//! # Authentication and tenants (security on: protocol version 3)
 //!
 //! With [`Security::On`](crate::security::Security) (an instance with credentials:
 //! [`DataPlaneServer::start_secured`], [`DataPlaneClient::new_secured`]) every connection
-//! starts with a handshake before any request, and everything after it is tagged:
+//! starts with a handshake before any request, and everything after it is tagged. The client
+//! proves its key before the server does any work of its own:
 //!
 //! ```text
 //!  client (leader of C, namespace N)                       server (leader of A, namespace N)
-//!    |-- hello: "KVBMHLC2" v2 flags cert_C X25519_c nonce_c -->|  check cert_C: root, expiry,
+//!    |-- hello: "KVBMHLC3" v3 flags cert_C X25519_c nonce_c -->|  bounded read, nothing else
+//!    |<-- challenge: "KVBMCHL3" 32 random bytes ---------------|  (no key, no signature)
+//!    |-- proof: Ed25519_C(proof label | hello_c | challenge) ->|  check cert_C: root, expiry,
 //!    |                                                         |  namespace N, role leader;
-//!    |                                                         |  else refused (counted)
-//!    |<-- hello: "KVBMHLS2" v2 flags cert_A X25519_s nonce_s --|
+//!    |                                                         |  the proof; a member slot
+//!    |                                                         |  (else refused or "busy")
+//!    |<-- hello: "KVBMHLS3" v3 flags cert_A X25519_s nonce_s --|
 //!    |    + Ed25519_A(server label | transcript)               |
 //!    |  check cert_A: root, expiry, namespace N, role leader,  |
 //!    |  instance = A (the one pulled from); the signature      |
-//!    |-- Ed25519_C(client label | transcript | server sig) --->|  check the signature
 //!    |  both: SessionKeys = X25519 agree + BLAKE3(transcript), one key per direction
-//!    |-- request head (v2) + tag(c2s #0), hashes + tag(#1) --->|  tag checked before any
+//!    |-- request head (v3) + tag(c2s #0), hashes + tag(#1) --->|  tag checked before any
 //!    |                                                         |  length or field is believed
 //!    |<-- response head + tag(s2c #0) -------------------------|
 //!    |<-- per block: header (96 B) + tag(s2c #k), payload -----|  [+ payload tag]
 //! ```
 //!
-//! * transcript = both hellos as sent, so each signature covers both certificates, both
-//!   ephemeral keys and both nonces: a party in the middle can neither substitute a key nor
-//!   replay an old handshake, and the session keys are fresh for each connection.
+//! * transcript = the client's hello, the challenge, the proof and the server's hello, as
+//!   sent. The proof binds the client's certificate and ephemeral key to a challenge fresh
+//!   for this connection (a proof copied from another connection fails); the server's
+//!   signature covers everything; the session keys are derived from the transcript, so the
+//!   client's first tagged request confirms it holds them. A party in the middle can neither
+//!   substitute a key nor replay an old handshake, and the keys are fresh per connection.
+//! * A stranger holding a copied certificate (certificates travel in every hello) gets 40
+//!   random bytes: the server makes no X25519 key and no signature until the proof verifies.
 //! * Every tag is keyed BLAKE3 ([`SessionKeys::tag_send`](crate::security::SessionKeys)) over
 //!   a per-direction counter and the bytes, so a tampered, replayed, dropped or reordered head
 //!   or frame fails its tag (counted in [`ServerStats::tags_refused`] /
@@ -89,9 +97,14 @@
 //! * **Mismatch**: a client with security off talking to a server with it on gets status
 //!   "requires an authenticated member"; a client with security on talking to a server with it
 //!   off gets "server's data plane is not authenticated (security off)". Both are counted.
-//! * **Bounds**: a hello's certificate is at most 256 bytes (checked before it is read); the
-//!   whole handshake must finish within [`DataPlaneConfig::io_timeout`]; an unauthenticated
-//!   connection counts against `max_connections` like any other.
+//! * **Bounds** (the `admission` module): a hello's certificate is at most 256 bytes (checked
+//!   before it is read); each address prefix opens at most
+//!   [`DataPlaneConfig::accepts_per_second_per_peer`] connections a second; a connection still
+//!   in its handshake holds one of [`DataPlaneConfig::max_pending`] pending places (the oldest
+//!   dropped for a newcomer), never a member's slot, for at most
+//!   [`DataPlaneConfig::handshake_deadline`] (2 s); `max_connections` and
+//!   `max_connections_per_peer` count proven members, a peer being the member (its
+//!   certificate's instance), not its address.
 //!
 //! With security off the wire is version 1 above, unchanged (its `binding` is public, so it
 //! only guards against mistakes, not attackers: that is why an instance off loopback refuses
@@ -108,8 +121,12 @@
 //! * Every read and write of a frame must progress within [`DataPlaneConfig::io_timeout`];
 //!   an idle server connection is closed after [`DataPlaneConfig::idle_timeout`].
 //! * **Server connections**: at most [`DataPlaneConfig::max_connections`]
-//!   (`transport.max_connections`, default 256) are served at once; one more is closed as soon
-//!   as it is accepted ([`ServerStats::connections_refused`]).
+//!   (`transport.max_connections`, default 256) are served at once, and at most
+//!   [`DataPlaneConfig::max_connections_per_peer`] (32) of one peer's; one more is refused
+//!   ([`ServerStats::connections_refused`], [`ServerStats::peer_connections_refused`]): closed
+//!   as soon as it is accepted with security off (a peer is then its address prefix: an IPv4
+//!   address, an IPv6 /64), answered "busy" after the handshake with security on (a peer is
+//!   then the member it proved to be).
 //! * **Server response deadline**: writing one whole response (every frame of one request)
 //!   must finish within [`DataPlaneConfig::response_deadline`]
 //!   (`transport.response_deadline_ms`, default 60 s), so a reader that takes each write just

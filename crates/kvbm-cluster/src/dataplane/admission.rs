@@ -286,7 +286,11 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn admission(max_connections: usize, max_per_peer: usize, max_pending: usize) -> Arc<Admission> {
+    fn admission(
+        max_connections: usize,
+        max_per_peer: usize,
+        max_pending: usize,
+    ) -> Arc<Admission> {
         Arc::new(Admission::new(
             Limits {
                 max_connections,

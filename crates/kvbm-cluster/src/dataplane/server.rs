@@ -6,13 +6,13 @@
 //! written, when a write fails or times out, or when the task is cancelled (server shutdown):
 //! in every case by the guard's drop. A failing connection never affects the accept loop.
 //!
-//! Bounds: at most `max_connections` connection tasks at once (one more is closed as soon as it
-//! is accepted, counted in [`ServerStats::connections_refused`]), and at most
-//! `max_connections_per_peer` from one peer address (counted in
-//! [`ServerStats::peer_connections_refused`]; a connection serves one request at a time, so
-//! this also bounds a peer's requests in flight, and one peer cannot take every connection
-//! from the others); each response is written
-//! within `response_deadline` or the connection is dropped with its holds (counted in
+//! Bounds: who gets in, and how many, is the `admission` module's (an accept rate per address
+//! prefix; with security on, a pending pool for connections still in their handshake, apart
+//! from the members' slots, the oldest dropped for a newcomer; `max_connections` slots in all
+//! and `max_connections_per_peer` per peer, a peer being the member the handshake proved, or
+//! with security off the address prefix). A connection serves one request at a time, so the
+//! per-peer cap also bounds a peer's requests in flight. Each response is written within
+//! `response_deadline` or the connection is dropped with its holds (counted in
 //! [`ServerStats::responses_timed_out`]).
 //!
 //! Checksums: a frame header carries the payload's xxh3-128, which costs as much CPU as the
@@ -22,8 +22,8 @@
 //! popular prefix served to many peers is hashed once. The client still hashes every payload
 //! it receives, so a stale or wrong memo can only make a pull fail, never pass wrong bytes.
 //!
-//! Locks: the memo's mutex and the per-peer counts' mutex are leaves (never both held), held only to read or write one entry (never across an
-//! await or a hash).
+//! Locks: the memo's mutex and the admission's mutex are leaves (never both held), each held
+//! only for a few map operations (never across an await or a hash).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -39,7 +39,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::DataPlaneConfig;
-use super::admission::{Admission, Limits, Pending, PeerKey, Slot, address_key};
+use super::admission::{Admission, Limits, PeerKey, Pending, Slot, address_key};
 use super::handshake::{self, Refused, Session};
 use super::wire::{
     self, CLIENT_HELLO_MAGIC, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, REQUEST_MAGIC, Status,
@@ -248,7 +248,7 @@ impl DataPlaneServer {
 
     /// [`start`](Self::start) with this member's `security`: when on, every connection must
     /// complete the authenticated handshake as a leader of this namespace before any request
-    /// is read, and every head and frame is tagged (protocol version 2); when off, the
+    /// is read, and every head and frame is tagged (protocol version 3); when off, the
     /// unauthenticated protocol (version 1) as [`start`](Self::start).
     ///
     /// # Errors
@@ -327,7 +327,10 @@ impl DataPlaneServer {
                         }
                     },
                 };
-                if !served.admission.accept(peer.ip(), std::time::Instant::now()) {
+                if !served
+                    .admission
+                    .accept(peer.ip(), std::time::Instant::now())
+                {
                     drop(stream);
                     continue;
                 }
@@ -337,7 +340,10 @@ impl DataPlaneServer {
                 let entry = if served.security.is_on() {
                     Entry::Pending(served.admission.pending())
                 } else {
-                    match served.admission.admit(PeerKey::Address(address_key(peer.ip()))) {
+                    match served
+                        .admission
+                        .admit(PeerKey::Address(address_key(peer.ip())))
+                    {
                         Ok(slot) => Entry::Served(slot),
                         Err(_) => {
                             drop(stream);

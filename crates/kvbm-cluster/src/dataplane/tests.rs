@@ -1374,9 +1374,15 @@ async fn secured_server_with(
     sec: Arc<Security>,
     config: DataPlaneConfig,
 ) -> DataPlaneServer {
-    DataPlaneServer::start_secured(config, A, remote.manager.clone(), remote.layout.clone(), sec)
-        .await
-        .unwrap()
+    DataPlaneServer::start_secured(
+        config,
+        A,
+        remote.manager.clone(),
+        remote.layout.clone(),
+        sec,
+    )
+    .await
+    .unwrap()
 }
 
 /// A TCP connection to `addr` from the loopback address `127.0.0.<last>`.
@@ -1434,7 +1440,11 @@ async fn security_strangers_holding_sockets_leave_members_their_slots() {
         srv.stats().pending() == 8 && srv.stats().pending_evicted() == 24
     })
     .await;
-    assert_eq!(srv.stats().connections(), 0, "no stranger holds a member's slot");
+    assert_eq!(
+        srv.stats().connections(),
+        0,
+        "no stranger holds a member's slot"
+    );
     assert_member_pulls(&root, &srv, &remote, &hs).await;
     assert_eq!(srv.stats().handshakes(), 1);
     assert_eq!(srv.stats().connections_refused(), 0);
@@ -1561,10 +1571,18 @@ async fn security_the_per_peer_cap_counts_members_not_addresses() {
     for last in [1, 5] {
         let e = handshake_from(last, addr, &b).await.unwrap_err();
         assert_eq!(e.status, Status::Busy, "{}", e.message);
-        assert!(e.message.contains("max_connections_per_peer"), "{}", e.message);
+        assert!(
+            e.message.contains("max_connections_per_peer"),
+            "{}",
+            e.message
+        );
     }
     assert_eq!(srv.stats().peer_connections_refused(), 2);
-    assert_eq!(srv.stats().handshakes_refused(), 0, "a cap is not a refused handshake");
+    assert_eq!(
+        srv.stats().handshakes_refused(),
+        0,
+        "a cap is not a refused handshake"
+    );
 
     // Another member, from the very same address.
     let local = side();

@@ -452,9 +452,8 @@ pub(crate) fn transcript(
     proof: &[u8; SIG_LEN],
     server_hello: &[u8],
 ) -> Vec<u8> {
-    let mut t = Vec::with_capacity(
-        32 + client_hello.len() + CHALLENGE_LEN + SIG_LEN + server_hello.len(),
-    );
+    let mut t =
+        Vec::with_capacity(32 + client_hello.len() + CHALLENGE_LEN + SIG_LEN + server_hello.len());
     t.extend_from_slice(b"kvbm-dataplane-v3-handshake");
     t.extend_from_slice(&(client_hello.len() as u32).to_le_bytes());
     t.extend_from_slice(client_hello);
