@@ -7,6 +7,9 @@
 //! - `remote_g2_pull/dataplane_64_auth`: the same pull with security on (issue 23): both
 //!   ends hold leader credentials of one namespace, the connection is authenticated once
 //!   (pooled), every head and frame header carries its keyed tag. Goal ≥ 0.8 of raw too.
+//! - `remote_g2_pull/dataplane_64_mac`: the authenticated pull with the payload MAC too
+//!   (`security.dataplane_payload_mac`, on by default off loopback): every payload byte is
+//!   under the connection's keyed BLAKE3 tag. Issue 47's goal: ≥ 0.8 of raw.
 //! - `remote_g2_pull/raw_tcp_64`: the same bytes as one raw TCP stream (a 1-byte request, then
 //!   64 × 256 KiB written from one buffer and read into one buffer). Issue 12's goal: the data
 //!   plane's throughput ≥ 0.8 of this.
@@ -195,8 +198,21 @@ fn remote_g2_pull(c: &mut Criterion) {
         DataPlaneConfig::default(),
         g2_c.clone(),
         host(),
-        peers_auth,
+        peers_auth.clone(),
         secured(InstanceId(0xc)),
+    )
+    .unwrap();
+    // The same pair with the payload MAC (the client asks; either end asking turns it on).
+    let g2_d = manager::<G2>();
+    let client_mac = DataPlaneClient::new_secured(
+        DataPlaneConfig {
+            payload_mac: Some(true),
+            ..DataPlaneConfig::default()
+        },
+        g2_d.clone(),
+        host(),
+        peers_auth,
+        secured(InstanceId(0xd)),
     )
     .unwrap();
 
@@ -249,6 +265,17 @@ fn remote_g2_pull(c: &mut Criterion) {
             })
         })
     });
+    group.bench_function("dataplane_64_mac", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    spent += pull_once(&client_mac, &g2_d, &hs).await;
+                }
+                spent
+            })
+        })
+    });
     group.bench_function("raw_tcp_64", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
@@ -267,43 +294,49 @@ fn remote_g2_pull(c: &mut Criterion) {
     // the issue's goal (≥ 0.8 of raw) is judged by.
     let rounds = 90;
     let (mut off, mut on) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+    let mut mac = Vec::with_capacity(rounds);
     let mut raw_rate = Vec::with_capacity(rounds);
     // Process CPU time (user + system, every thread: both ends and the kernel's copies) per
     // variant, summed over the rounds: a cost that a busy machine does not blur.
-    let mut cpu = [Duration::ZERO; 3];
+    let mut cpu = [Duration::ZERO; 4];
     rt.block_on(async {
         for round in 0..rounds {
-            let mut t = [Duration::ZERO; 3];
-            for k in 0..3 {
-                let which = (round + k) % 3;
+            let mut t = [Duration::ZERO; 4];
+            for k in 0..4 {
+                let which = (round + k) % 4;
                 let c0 = process_cpu();
                 t[which] = match which {
                     0 => raw_once(&mut raw, &mut sink).await,
                     1 => pull_once(&client, &g2_b, &hs).await,
-                    _ => pull_once(&client_auth, &g2_c, &hs).await,
+                    2 => pull_once(&client_auth, &g2_c, &hs).await,
+                    _ => pull_once(&client_mac, &g2_d, &hs).await,
                 };
                 cpu[which] += process_cpu().saturating_sub(c0);
             }
             raw_rate.push(total as f64 / t[0].as_secs_f64());
             off.push(t[0].as_secs_f64() / t[1].as_secs_f64());
             on.push(t[0].as_secs_f64() / t[2].as_secs_f64());
+            mac.push(t[0].as_secs_f64() / t[3].as_secs_f64());
         }
     });
     let gib = (rounds * total) as f64 / (1u64 << 30) as f64;
     let per_gib = |d: Duration| d.as_secs_f64() * 1e3 / gib;
     println!(
         "remote_g2_pull/interleaved ({rounds} rounds): raw {:.2} GiB/s; dataplane_64 {:.2}x raw; \
-         dataplane_64_auth {:.2}x raw (medians of per-round throughput ratios; goal >= 0.8); \
-         CPU ms per GiB: raw {:.0}, dataplane_64 {:.0} ({:.2}x raw's efficiency), \
-         dataplane_64_auth {:.0} ({:.2}x)",
+         dataplane_64_auth {:.2}x raw; dataplane_64_mac {:.2}x raw (medians of per-round \
+         throughput ratios; goal >= 0.8); CPU ms per GiB: raw {:.0}, dataplane_64 {:.0} ({:.2}x \
+         raw's efficiency), dataplane_64_auth {:.0} ({:.2}x), dataplane_64_mac {:.0} ({:.2}x)",
         median(&mut raw_rate) / (1u64 << 30) as f64,
         median(&mut off),
         median(&mut on),
+        median(&mut mac),
         per_gib(cpu[0]),
         per_gib(cpu[1]),
         cpu[0].as_secs_f64() / cpu[1].as_secs_f64(),
         per_gib(cpu[2]),
         cpu[0].as_secs_f64() / cpu[2].as_secs_f64(),
+        per_gib(cpu[3]),
+        cpu[0].as_secs_f64() / cpu[3].as_secs_f64(),
     );
     group.finish();
     server.shutdown();

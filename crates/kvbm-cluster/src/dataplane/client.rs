@@ -377,7 +377,12 @@ impl DataPlaneClient {
         let mut s = s;
         let r = tokio::time::timeout(
             self.config.io_timeout,
-            handshake::client(&mut s, sealing, self.config.payload_mac, instance),
+            handshake::client(
+                &mut s,
+                sealing,
+                super::payload_mac_for(self.config.payload_mac, addr.ip()),
+                instance,
+            ),
         )
         .await;
         let refused = |m: String, rejection: Option<Rejection>| {
@@ -677,7 +682,7 @@ impl DataPlaneClient {
                 .iter()
                 .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
                 .collect();
-            if !sess.check(&slices, &payload_tag) {
+            if !sess.check(&[&wire::payload_digest(slices)], &payload_tag) {
                 return Err(self.tag_refused(&format!("payload of block {:032x}", hash.as_u128())));
             }
         }

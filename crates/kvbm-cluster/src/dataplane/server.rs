@@ -151,6 +151,9 @@ struct Memo {
     registration: u32,
     hash: SequenceHash,
     checksum: u128,
+    /// The payload's BLAKE3 digest ([`wire::payload_digest`]), once a connection with the
+    /// payload MAC asked for it.
+    digest: Option<[u8; 32]>,
 }
 
 impl ChecksumMemo {
@@ -185,9 +188,36 @@ impl ChecksumMemo {
                 registration,
                 hash,
                 checksum,
+                digest: None,
             });
         }
         checksum
+    }
+
+    /// The BLAKE3 digest of `block`'s payload (`slices`), memoised like its checksum (call
+    /// [`checksum`](Self::checksum) first: the digest is kept in that registration's entry).
+    fn digest(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> [u8; 32] {
+        let (slot, registration, hash) = (
+            block.block_id(),
+            block.registration(),
+            block.sequence_hash(),
+        );
+        let known = self.slots.lock().get(slot).copied().flatten();
+        if let Some(m) = known
+            && m.registration == registration
+            && m.hash == hash
+            && let Some(d) = m.digest
+        {
+            return d;
+        }
+        let digest = wire::payload_digest(slices.iter().copied());
+        if let Some(Some(m)) = self.slots.lock().get_mut(slot)
+            && m.registration == registration
+            && m.hash == hash
+        {
+            m.digest = Some(digest);
+        }
+        digest
     }
 }
 
@@ -490,7 +520,13 @@ async fn authenticate(
                 .admit(PeerKey::Member(cert.instance))
                 .map_err(|full| Refused::busy(format!("{cert}: {full}")))
         };
-        match handshake::server(stream, sealing, s.config.payload_mac, first, admit).await {
+        let payload_mac = super::payload_mac_for(
+            s.config.payload_mac,
+            stream
+                .peer_addr()
+                .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()),
+        );
+        match handshake::server(stream, sealing, payload_mac, first, admit).await {
             Ok(done) => Ok(Ok(done)),
             Err(refused) => {
                 // Best effort: tell the client it was refused, or that it must wait (nothing
@@ -763,7 +799,9 @@ async fn write_response(
             .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
             .collect();
         let payload_tag = match session {
-            Some(sess) if sess.payload_mac => Some(sess.tag(&slices)),
+            Some(sess) if sess.payload_mac => {
+                Some(sess.tag(&[&s.checksums.digest(block, &slices)]))
+            }
             _ => None,
         };
         let corrupt = s

@@ -938,7 +938,7 @@ async fn secured_server(s: &Side, id: InstanceId, sec: Arc<Security>) -> DataPla
 fn secured_client(s: &Side, sec: Arc<Security>, payload_mac: bool) -> DataPlaneClient {
     let config = DataPlaneConfig {
         io_timeout: Duration::from_secs(2),
-        payload_mac,
+        payload_mac: Some(payload_mac),
         ..DataPlaneConfig::default()
     };
     DataPlaneClient::new_secured(
@@ -1366,6 +1366,86 @@ async fn security_payload_mac_refuses_a_changed_payload() {
     let out = pull_into(&c, &local, addr, A, &hs).await;
     assert_none_registered(out, &local, &hs, "failed its tag");
     assert_eq!(c.stats().tags_refused, 1);
+}
+
+/// This machine's address off the loopback interface (the one its default route leaves by:
+/// a UDP socket's `connect` sends nothing).
+fn off_loopback_ip() -> std::net::IpAddr {
+    let udp = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    udp.connect("8.8.8.8:53")
+        .expect("this test needs an address off the loopback interface (a default route)");
+    let ip = udp.local_addr().unwrap().ip();
+    assert!(!ip.is_loopback() && !ip.is_unspecified(), "{ip}");
+    ip
+}
+
+/// Attack (N10): an on-path party changes a payload. With the defaults
+/// (`security.dataplane_payload_mac` absent) a connection whose other end is off the loopback
+/// interface carries payload tags: the change fails the tag. Over loopback it does not (the
+/// frame's xxh3-128 checksum, under the header's tag, still refuses it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_the_payload_mac_is_on_by_default_off_loopback() {
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(2);
+    let remote = serving(&hs);
+    let srv_cred = credential(&root, A, "ns");
+    let cert_len = srv_cred.cert().encode().len();
+    let srv_sec = Arc::new(Security::with_credential(
+        root.trust_root(),
+        srv_cred,
+        &SecurityConfig::default(),
+    ));
+    let config = DataPlaneConfig {
+        bind: "0.0.0.0:0".parse().unwrap(),
+        ..DataPlaneConfig::default()
+    };
+    assert_eq!(config.payload_mac, None, "the default");
+    let srv = secured_server_with(&remote, srv_sec, config).await;
+    let port = srv.local_addr().port();
+    let server_hello = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
+    // The first frame with a payload tag. Its last byte is that tag's; without the MAC it is
+    // inside the second frame's header, and the first block arrives intact.
+    let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes() + wire::TAG_LEN;
+    for (server_ip, mac) in [
+        (off_loopback_ip(), true),
+        ("127.0.0.1".parse().unwrap(), false),
+    ] {
+        let addr = proxy(
+            SocketAddr::new(server_ip, port),
+            true,
+            server_hello + head,
+            frame,
+            move |b| b[frame - 1] ^= 1,
+        )
+        .await;
+        let local = side();
+        let config = DataPlaneConfig {
+            io_timeout: Duration::from_secs(2),
+            ..DataPlaneConfig::default()
+        };
+        let c = DataPlaneClient::new_secured(
+            config,
+            local.manager.clone(),
+            local.layout.clone(),
+            Arc::new(PeerDirectory::new()),
+            member(&root, B, "ns"),
+        )
+        .unwrap();
+        let out = pull_into(&c, &local, addr, A, &hs).await;
+        if mac {
+            let e = out[0].as_ref().unwrap_err();
+            assert!(
+                e.message.contains("payload of block"),
+                "via {server_ip}: {e}"
+            );
+        } else {
+            let b = out[0].as_ref().expect("no payload tag over loopback");
+            assert_eq!(bytes(&local.layout, b.block_id()), expected(&remote, hs[0]));
+            let e = out[1].as_ref().unwrap_err();
+            assert!(e.message.contains("frame of block"), "via {server_ip}: {e}");
+        }
+    }
 }
 
 /// A secured server for `A` over `remote` with `config`.

@@ -225,6 +225,17 @@ pub(crate) unsafe fn payload_checksum(regions: &[(usize, usize)]) -> u128 {
     )
 }
 
+/// The payload's BLAKE3 digest, over its bytes in order: what a payload tag covers (the
+/// session's keyed tag over this digest, so a server serving one block to many peers hashes
+/// its bytes once per registration, and a changed payload needs a BLAKE3 second preimage).
+pub(crate) fn payload_digest<'a>(slices: impl IntoIterator<Item = &'a [u8]>) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_derive_key("kvbm-dataplane-v3 payload");
+    for s in slices {
+        h.update(s);
+    }
+    *h.finalize().as_bytes()
+}
+
 /// The frame header of a block whose payload (`regions`, only their lengths are read) has
 /// `checksum`, bound to the serving `instance` and its `geometry`.
 pub(crate) fn frame_header_with(

@@ -33,8 +33,10 @@ pub struct SecurityConfig {
     /// Senders whose certificates and replay windows are remembered at once.
     pub max_senders: usize,
     /// Also tag every data-plane payload with keyed BLAKE3 (the header, which carries the
-    /// payload's checksum, is always tagged). Costs about 1 GB/s per core.
-    pub dataplane_payload_mac: bool,
+    /// payload's checksum, is always tagged): `true` on every connection, `false` never (the
+    /// other end may still ask), absent (the default) on every connection whose other end is
+    /// off the loopback interface, where an on-path party could change bytes.
+    pub dataplane_payload_mac: Option<bool>,
 }
 
 impl Default for SecurityConfig {
@@ -46,7 +48,7 @@ impl Default for SecurityConfig {
             max_clock_skew_ms: 30_000,
             replay_window: 4096,
             max_senders: 4096,
-            dataplane_payload_mac: false,
+            dataplane_payload_mac: None,
         }
     }
 }
