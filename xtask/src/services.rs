@@ -49,6 +49,14 @@ use anyhow::{Context, Result, bail};
 
 use crate::{find_on_path, on_path, run_step};
 
+/// The NATS grants per role, written once in kvbm-cluster (std only, so xtask compiles it
+/// as its own module without depending on the workspace's crates).
+/// Its document forms (`publish_line`, …) are kvbm-cluster's test's alone.
+#[path = "../../crates/kvbm-cluster/src/transport/grants.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod grants;
+use grants::Grants;
+
 /// S3 endpoint variable (`http://127.0.0.1:PORT`).
 pub(crate) const S3_ENDPOINT: &str = "KVBM_TEST_S3_ENDPOINT";
 /// Bucket variable.
@@ -180,22 +188,17 @@ impl Services {
         make_certificates(&dir)?;
         let bin = find_on_path("nats-server").context("nats-server is not installed")?;
 
-        // Accounts = tenants; users per role with the permissions of docs/security.md
-        // (the instance role also gets `kvbm.test.>`, the subjects tests publish events on).
-        let workers = format!("kvbm.ctl.{TEST_INSTANCE:016x}.worker.>");
-        let members = format!("kvbm.ctl.{TEST_INSTANCE:016x}.members");
-        let instance = r#"{ publish: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>"] }, subscribe: { allow: ["kvbm.events", "kvbm.events.>", "kvbm.test.>", "_INBOX.>"] }, allow_responses: true }"#;
-        // The leader drives its workers and hears their beats; a worker answers its own
-        // control subject and beats on the members subject.
-        let leader = format!(
-            r#"{{ publish: {{ allow: ["{workers}"] }}, subscribe: {{ allow: ["_INBOX.>", "{members}"] }} }}"#
-        );
-        let worker = format!(
-            r#"{{ publish: {{ allow: ["{members}"] }}, subscribe: {{ allow: ["{workers}"] }}, allow_responses: true }}"#
-        );
+        // Accounts = tenants; users per role with the grants of docs/security.md, from the one
+        // source both are written from (kvbm-cluster's `transport::grants`). The instance role
+        // also gets `kvbm.test.>`, the subjects tests publish events on.
+        let instance = Grants::instance("kvbm.events")
+            .with_subjects(&["kvbm.test.>"])
+            .to_conf();
+        let leader = Grants::leader("kvbm.ctl", TEST_INSTANCE).to_conf();
+        let worker = Grants::worker("kvbm.ctl", TEST_INSTANCE).to_conf();
         let mut users_a = Vec::new();
         for (user, perms) in [
-            ("instance_a", instance.to_string()),
+            ("instance_a", instance.clone()),
             ("leader_a", leader),
             ("worker_a", worker),
         ] {

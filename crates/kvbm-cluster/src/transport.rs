@@ -24,6 +24,9 @@
 //! one block. Control messages carry block ids, hashes, tiers and per-block outcomes only.
 
 pub mod control;
+pub mod grants;
+#[cfg(all(test, feature = "nats"))]
+mod grants_tests;
 #[cfg(feature = "nats")]
 pub mod membership;
 #[cfg(feature = "nats")]

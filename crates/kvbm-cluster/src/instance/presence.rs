@@ -309,11 +309,11 @@ impl std::fmt::Debug for Presence {
     }
 }
 
-fn heartbeat_subject(prefix: &str) -> String {
+pub(crate) fn heartbeat_subject(prefix: &str) -> String {
     format!("{prefix}.peers")
 }
 
-fn snapshot_subject(prefix: &str, instance: InstanceId) -> String {
+pub(crate) fn snapshot_subject(prefix: &str, instance: InstanceId) -> String {
     format!("{prefix}.snapshot.{:016x}", instance.0)
 }
 
