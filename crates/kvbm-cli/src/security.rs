@@ -4,8 +4,15 @@
 //!  kvbm security init  --out root.key            → the root key (0600), prints the trust root
 //!  kvbm security issue --root root.key --instance ID --role leader|worker [--rank R]
 //!                      --namespace NS [--valid-days D] --out member.cred
-//!  kvbm security show  member.cred               → who the credential is for, and its expiry
+//!  kvbm security show  member.cred               → who the credential is for, its expiry and
+//!                                                  its fingerprint
+//!  kvbm security revoke --list revoked.txt (--credential member.cred | --fingerprint HEX
+//!                      | --instance ID)          → one line appended to the revocation list
 //! ```
+//!
+//! Credentials are short-lived by default (7 days): issue the next one before a member's
+//! expires (members warn a day ahead, `security.expiry_warning_ms`). A member is removed at
+//! once by the revocation list every member reads (`security.revoked_file`).
 //!
 //! The root key stays with the operator (never in a member's config). Every member's config
 //! gets `security.trust_root` (the printed hex) and its own `security.credential_file`. The
@@ -47,17 +54,33 @@ pub(crate) enum SecurityCommand {
         /// or blocks.
         #[arg(long)]
         namespace: String,
-        /// Days the credential is valid.
-        #[arg(long, default_value_t = 365)]
+        /// Days the credential is valid (short-lived: issue the next one before it expires).
+        #[arg(long, default_value_t = 7)]
         valid_days: u64,
         /// Where to write the credential (0600, never overwritten).
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
     },
-    /// Print who a credential is for and when it expires (never its key).
+    /// Print who a credential is for, when it expires and its fingerprint (never its key).
     Show {
         /// The credential file.
         credential: PathBuf,
+    },
+    /// Append a revocation to the list every member reads (`security.revoked_file`; created
+    /// 0644 if absent): one credential's certificate, or every certificate of an instance.
+    Revoke {
+        /// The revocation list.
+        #[arg(long, value_name = "FILE")]
+        list: PathBuf,
+        /// Revoke this credential's certificate.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["fingerprint", "instance"])]
+        credential: Option<PathBuf>,
+        /// Revoke the certificate with this fingerprint (as `show` prints it).
+        #[arg(long, conflicts_with = "instance")]
+        fingerprint: Option<String>,
+        /// Revoke every certificate of this instance (decimal, or hex with 0x).
+        #[arg(long)]
+        instance: Option<String>,
     },
 }
 
@@ -93,23 +116,80 @@ pub(crate) fn run(cmd: SecurityCommand) -> anyhow::Result<String> {
             )?;
             cred.save(&out)?;
             Ok(format!(
-                "{} written to {}\nsecurity.trust_root = \"{}\"\nsecurity.credential_file = \"{}\"\n",
+                "{} written to {}\nsecurity.trust_root = \"{}\"\nsecurity.credential_file = \"{}\"\nfingerprint = {}\n",
                 cred.cert(),
                 out.display(),
                 key.trust_root().to_hex(),
-                out.display()
+                out.display(),
+                cred.cert().fingerprint_hex()
             ))
         }
         SecurityCommand::Show { credential } => show(&credential),
+        SecurityCommand::Revoke {
+            list,
+            credential,
+            fingerprint,
+            instance,
+        } => revoke(&list, credential.as_deref(), fingerprint, instance),
     }
+}
+
+fn revoke(
+    list: &Path,
+    credential: Option<&Path>,
+    fingerprint: Option<String>,
+    instance: Option<String>,
+) -> anyhow::Result<String> {
+    use std::io::Write;
+    let line = match (credential, fingerprint, instance) {
+        (Some(c), None, None) => {
+            let cred = Credential::load(c, None)?;
+            format!("{}  # {}", cred.cert().fingerprint_hex(), cred.cert())
+        }
+        (None, Some(f), None) => {
+            let f = f.trim().to_ascii_lowercase();
+            if f.len() != 64 || !f.bytes().all(|b| b.is_ascii_hexdigit()) {
+                anyhow::bail!("--fingerprint {f:?}: expected 64 hex digits (kvbm security show)");
+            }
+            f
+        }
+        (None, None, Some(i)) => format!("instance {:016x}", parse_instance(&i)?.0),
+        _ => anyhow::bail!("name one of --credential, --fingerprint or --instance"),
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(list)
+        .with_context(|| format!("--list {}", list.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = file.metadata()?.permissions().mode();
+        if mode & 0o022 != 0 {
+            std::fs::set_permissions(list, std::fs::Permissions::from_mode(0o644))
+                .with_context(|| format!("--list {}: chmod 644", list.display()))?;
+        }
+    }
+    writeln!(file, "{line}").with_context(|| format!("--list {}", list.display()))?;
+    Ok(format!(
+        "{line}\nappended to {}: every member reading it (security.revoked_file) refuses it \
+         within security.revocation_check_ms\n",
+        list.display()
+    ))
 }
 
 fn show(path: &Path) -> anyhow::Result<String> {
     let cred = Credential::load(path, None)?;
     let c = cred.cert();
     Ok(format!(
-        "{}\ninstance = {:#x}\nrole = {}\nrank = {}\nnamespace = {:?}\nexpires = {} ms since the epoch\n",
-        c, c.instance.0, c.role, c.rank, c.namespace, c.not_after_ms
+        "{}\ninstance = {:#x}\nrole = {}\nrank = {}\nnamespace = {:?}\nexpires = {} ms since the epoch\nfingerprint = {}\n",
+        c,
+        c.instance.0,
+        c.role,
+        c.rank,
+        c.namespace,
+        c.not_after_ms,
+        c.fingerprint_hex()
     ))
 }
 

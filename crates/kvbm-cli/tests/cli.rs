@@ -914,6 +914,47 @@ fn security_init_issue_show_make_a_credential_and_never_overwrite_or_print_a_key
     let text = std::fs::read_to_string(&cred).unwrap();
     let secret = text.lines().last().unwrap();
     assert!(!shown.contains(secret));
+    // Short-lived by default (7 days), with the fingerprint a revocation list names.
+    let issued = kvbm_cluster::security::Credential::load(&cred, None).unwrap();
+    let days = issued.cert().expires_in().as_secs_f64() / 86_400.0;
+    assert!((6.9..=7.0).contains(&days), "{days}");
+    let fp = issued.cert().fingerprint_hex();
+    assert!(shown.contains(&format!("fingerprint = {fp}")), "{shown}");
+
+    // Revoking appends the line a member's revocation list reads.
+    let list = dir.path().join("revoked.txt");
+    for args in [
+        vec!["--credential", cred.to_str().unwrap()],
+        vec!["--instance", "0x2b"],
+    ] {
+        let mut a = vec!["security", "revoke", "--list", list.to_str().unwrap()];
+        a.extend(args);
+        let out = run(&a);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let revoked = std::fs::read_to_string(&list).unwrap();
+    assert!(
+        revoked.lines().next().unwrap().starts_with(&fp),
+        "{revoked}"
+    );
+    assert!(revoked.contains("instance 000000000000002b"), "{revoked}");
+    kvbm_cluster::security::Revocations::load(&list, std::time::Duration::from_secs(1))
+        .expect("a list members accept");
+    fails_with(
+        run(&[
+            "security",
+            "revoke",
+            "--list",
+            list.to_str().unwrap(),
+            "--fingerprint",
+            "xyz",
+        ]),
+        "64 hex digits",
+    );
 
     // The credential is what the engine accepts under that root, and refuses under another.
     let key = kvbm_cluster::security::Credential::load(

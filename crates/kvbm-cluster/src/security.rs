@@ -28,6 +28,13 @@
 //!   instance id is the certificate's; a worker obeys only its own instance's leader). A
 //!   message failing any check is dropped and counted by kind ([`SecurityStats`]).
 //!
+//! * A member is **removed** by the revocation list ([`Revocations`], `security.revoked_file`):
+//!   every certificate check consults it, and live data-plane sessions re-check their peer
+//!   ([`Verifier::recheck`]) every `security.revocation_check_ms`. Certificates are
+//!   short-lived (7 days by default) and a member warns before its own expires
+//!   ([`Signer::warn_within`]). A root is **rotated** without downtime by trusting old and new
+//!   together for a while ([`Verifier::with_more_roots`], `trust_root = "old,new"`).
+//!
 //! Per-member keys (not one cluster MAC key) are what make "no instance can speak for
 //! another" hold: a member can sign only as itself.
 //!
@@ -54,6 +61,7 @@
 //! `.await`. Signing takes none (the sequence is an atomic).
 
 mod dh;
+mod revocation;
 
 use std::collections::HashMap;
 
@@ -74,6 +82,7 @@ pub use kvbm_engine::config::{SecurityConfig, is_loopback};
 pub use kvbm_engine::error::{Rejection, SecurityError};
 
 pub use dh::{EphemeralKey, SessionKeys};
+pub use revocation::Revocations;
 
 /// What a member is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -212,6 +221,28 @@ impl MemberCert {
         root.0
             .verify_strict(&self.signed_part(), &self.root_sig)
             .is_ok()
+    }
+
+    /// The certificate's fingerprint: BLAKE3 of its bytes, what a revocation list names
+    /// (`kvbm security show` prints it in hex).
+    pub fn fingerprint(&self) -> [u8; 32] {
+        *blake3::Hasher::new_derive_key("kvbm member certificate fingerprint")
+            .update(&self.encode())
+            .finalize()
+            .as_bytes()
+    }
+
+    /// [`fingerprint`](Self::fingerprint) in 64 hex digits.
+    pub fn fingerprint_hex(&self) -> String {
+        self.fingerprint()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// How long until this certificate expires (zero once it has).
+    pub fn expires_in(&self) -> Duration {
+        Duration::from_millis(self.not_after_ms.saturating_sub(now_ms()))
     }
 
     /// Checks `sig` over `msg` under this member's key.
@@ -397,6 +428,17 @@ impl Credential {
     /// # Errors
     /// [`SecurityError::Io`] or [`SecurityError::Invalid`] naming the file and the problem.
     pub fn load(path: &Path, root: Option<&TrustRoot>) -> Result<Self, SecurityError> {
+        match root {
+            Some(r) => Self::load_trusted(path, std::slice::from_ref(r)),
+            None => Self::load_trusted(path, &[]),
+        }
+    }
+
+    /// As [`load`](Self::load), checking that one of `roots` signed it (none: no check).
+    ///
+    /// # Errors
+    /// As [`load`](Self::load).
+    pub fn load_trusted(path: &Path, roots: &[TrustRoot]) -> Result<Self, SecurityError> {
         let name = path.display().to_string();
         let text = read_secret(path)?;
         let mut lines = text.lines().filter(|l| !l.starts_with('#'));
@@ -416,12 +458,13 @@ impl Credential {
                 "{name}: the secret key does not belong to the certificate"
             )));
         }
-        if let Some(root) = root {
-            if !cert.signed_by(root) {
+        if !roots.is_empty() {
+            if !roots.iter().any(|r| cert.signed_by(r)) {
+                let named: Vec<String> = roots.iter().map(TrustRoot::to_hex).collect();
                 return Err(SecurityError::Invalid(format!(
                     "{name}: the certificate ({}) is not signed by security.trust_root {}",
                     cert,
-                    root.to_hex()
+                    named.join(",")
                 )));
             }
             if cert.not_after_ms < now_ms() {
@@ -438,7 +481,7 @@ impl Credential {
 #[derive(Debug, Default)]
 pub struct SecurityStats {
     accepted: AtomicU64,
-    counts: [AtomicU64; 8],
+    counts: [AtomicU64; 9],
 }
 
 impl SecurityStats {
@@ -452,6 +495,7 @@ impl SecurityStats {
             Rejection::Stale => 5,
             Rejection::Replayed => 6,
             Rejection::NotAllowed => 7,
+            Rejection::Revoked => 8,
         }
     }
 
@@ -492,6 +536,7 @@ fn rejection_label(r: Rejection) -> &'static str {
         Rejection::Stale => "stale",
         Rejection::Replayed => "replayed",
         Rejection::NotAllowed => "not_allowed",
+        Rejection::Revoked => "revoked",
     }
 }
 
@@ -501,6 +546,10 @@ pub struct Signer {
     credential: Arc<Credential>,
     cert_bytes: Vec<u8>,
     seq: AtomicU64,
+    /// Warn when the certificate expires within this many ms (0: never).
+    warn_within_ms: AtomicU64,
+    /// When the expiry was last warned of (ms since the epoch; 0: never).
+    warned_at_ms: AtomicU64,
 }
 
 impl Signer {
@@ -512,7 +561,45 @@ impl Signer {
             credential,
             cert_bytes,
             seq: AtomicU64::new(now_us()),
+            warn_within_ms: AtomicU64::new(0),
+            warned_at_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Warns (now, then at most once an hour while it seals) when this member's certificate
+    /// expires within `within`: a member whose credential lapses drops out of the cluster, so
+    /// its operator should issue the next one first (`security.expiry_warning_ms`).
+    pub fn warn_within(&self, within: Duration) {
+        self.warn_within_ms
+            .store(within.as_millis() as u64, Ordering::Relaxed);
+        self.warn_expiry(now_ms());
+    }
+
+    /// Whether the expiry is due a warning at `now` (and records it).
+    fn warn_expiry(&self, now: u64) -> bool {
+        let within = self.warn_within_ms.load(Ordering::Relaxed);
+        let left = self.credential.cert.not_after_ms.saturating_sub(now);
+        if within == 0 || left > within {
+            return false;
+        }
+        let last = self.warned_at_ms.load(Ordering::Relaxed);
+        if last != 0 && now.saturating_sub(last) < 3_600_000 {
+            return false;
+        }
+        if self
+            .warned_at_ms
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        tracing::warn!(
+            member = %self.credential.cert,
+            expires_in_s = left / 1000,
+            "this member's certificate expires soon: issue its next credential \
+             (kvbm security issue) and restart it with that one before then"
+        );
+        true
     }
 
     /// The member this signer speaks as.
@@ -528,6 +615,7 @@ impl Signer {
     /// `payload` sealed for the channel `context` (see the [module docs](self)).
     pub fn seal(&self, context: &[u8], payload: &[u8]) -> Vec<u8> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.warn_expiry(now_ms());
         let mut out = Vec::with_capacity(8 + 2 + self.cert_bytes.len() + 20 + payload.len() + 64);
         out.extend_from_slice(SEALED_MAGIC);
         out.extend_from_slice(&(self.cert_bytes.len() as u16).to_le_bytes());
@@ -575,10 +663,17 @@ pub struct VerifierConfig {
     pub max_senders: usize,
 }
 
+/// How often a live session is checked again without a revocation list (for expiry).
+const DEFAULT_RECHECK: Duration = Duration::from_secs(5);
+
 /// Opens sealed messages: see the [module docs](self).
 #[derive(Debug)]
 pub struct Verifier {
-    root: TrustRoot,
+    /// Every root a certificate may be signed by (more than one while a root is rotated).
+    roots: Vec<TrustRoot>,
+    revocations: Option<Revocations>,
+    /// How often a live session's peer is checked again ([`recheck`](Self::recheck)).
+    recheck_every: Duration,
     config: VerifierConfig,
     certs: Mutex<Lru<Vec<u8>, Arc<MemberCert>>>,
     windows: Mutex<Lru<[u8; 32], ReplayWindow>>,
@@ -590,7 +685,9 @@ impl Verifier {
     pub fn new(root: TrustRoot, config: VerifierConfig) -> Self {
         let cap = config.max_senders.max(1);
         Self {
-            root,
+            roots: vec![root],
+            revocations: None,
+            recheck_every: DEFAULT_RECHECK,
             config,
             certs: Mutex::new(Lru::new(cap)),
             windows: Mutex::new(Lru::new(cap)),
@@ -608,9 +705,52 @@ impl Verifier {
         &self.config.namespace
     }
 
-    /// The trust root.
+    /// The (first) trust root.
     pub fn root(&self) -> &TrustRoot {
-        &self.root
+        &self.roots[0]
+    }
+
+    /// This verifier also trusting `more` roots (a root being rotated in or out).
+    pub fn with_more_roots(mut self, more: impl IntoIterator<Item = TrustRoot>) -> Self {
+        for r in more {
+            if !self.roots.contains(&r) {
+                self.roots.push(r);
+            }
+        }
+        self
+    }
+
+    /// This verifier refusing the certificates `revocations` lists (and re-checking live
+    /// sessions as often as the list is looked at).
+    pub fn with_revocations(mut self, revocations: Revocations) -> Self {
+        self.recheck_every = revocations.every();
+        self.revocations = Some(revocations);
+        self
+    }
+
+    /// How often a live session's peer should be checked again ([`recheck`](Self::recheck)):
+    /// `security.revocation_check_ms` with a revocation list, else 5 s (expiry).
+    pub fn recheck_every(&self) -> Duration {
+        self.recheck_every
+    }
+
+    /// Checks a certificate already accepted (a live session's peer) again: expiry and the
+    /// revocation list.
+    ///
+    /// # Errors
+    /// [`Rejection::Expired`] or [`Rejection::Revoked`] (not counted).
+    pub fn recheck(&self, cert: &MemberCert) -> Result<(), Rejection> {
+        if cert.not_after_ms < now_ms() {
+            return Err(Rejection::Expired);
+        }
+        if self
+            .revocations
+            .as_ref()
+            .is_some_and(|r| r.is_revoked(cert))
+        {
+            return Err(Rejection::Revoked);
+        }
+        Ok(())
     }
 
     /// Checks a certificate's bytes: the root's signature, the expiry and the namespace.
@@ -624,7 +764,7 @@ impl Verifier {
             Some(c) => c,
             None => {
                 let cert = MemberCert::decode(bytes)?;
-                if !cert.signed_by(&self.root) {
+                if !self.roots.iter().any(|r| cert.signed_by(r)) {
                     return Err(Rejection::NotMember);
                 }
                 let cert = Arc::new(cert);
@@ -632,12 +772,10 @@ impl Verifier {
                 cert
             }
         };
-        if cert.not_after_ms < now_ms() {
-            return Err(Rejection::Expired);
-        }
         if cert.namespace != self.config.namespace {
             return Err(Rejection::OtherNamespace);
         }
+        self.recheck(&cert)?;
         Ok(cert)
     }
 
@@ -850,12 +988,36 @@ impl Security {
         config
             .validate()
             .map_err(|(k, m)| SecurityError::Invalid(format!("{k}: {m}")))?;
-        let (Some(root), Some(file)) = (&config.trust_root, &config.credential_file) else {
+        let (Some(_), Some(file)) = (&config.trust_root, &config.credential_file) else {
             return Ok(Security::Off);
         };
-        let root = TrustRoot::from_hex(root)?;
-        let credential = Credential::load(file, Some(&root))?;
-        Ok(Self::with_credential(root, Arc::new(credential), config))
+        let roots = config
+            .trust_roots()
+            .into_iter()
+            .map(TrustRoot::from_hex)
+            .collect::<Result<Vec<_>, _>>()?;
+        let credential = Arc::new(Credential::load_trusted(file, &roots)?);
+        let mut verifier =
+            verifier_for(roots[0], &credential, config).with_more_roots(roots[1..].iter().copied());
+        if let Some(list) = &config.revoked_file {
+            let revocations = Revocations::load(
+                list,
+                Duration::from_millis(config.revocation_check_ms.max(1)),
+            )?;
+            if revocations.is_revoked(credential.cert()) {
+                return Err(SecurityError::Invalid(format!(
+                    "security.credential_file {}: this member's own certificate ({}) is on the \
+                     revocation list (security.revoked_file {})",
+                    file.display(),
+                    credential.cert(),
+                    list.display()
+                )));
+            }
+            verifier = verifier.with_revocations(revocations);
+        }
+        let signer = Signer::new(credential);
+        signer.warn_within(Duration::from_millis(config.expiry_warning_ms));
+        Ok(Security::On(Box::new(Sealing { signer, verifier })))
     }
 
     /// Security for `credential`, trusting `root`, with `config`'s limits.
@@ -864,15 +1026,7 @@ impl Security {
         credential: Arc<Credential>,
         config: &SecurityConfig,
     ) -> Self {
-        let verifier = Verifier::new(
-            root,
-            VerifierConfig {
-                namespace: credential.cert.namespace.clone(),
-                max_clock_skew: Duration::from_millis(config.max_clock_skew_ms),
-                replay_window: config.replay_window,
-                max_senders: config.max_senders,
-            },
-        );
+        let verifier = verifier_for(root, &credential, config);
         Security::On(Box::new(Sealing {
             signer: Signer::new(credential),
             verifier,
@@ -973,6 +1127,19 @@ impl Security {
              or security.insecure = true to run unauthenticated"
         )))
     }
+}
+
+/// The verifier of `credential`'s namespace, trusting `root`, with `config`'s limits.
+fn verifier_for(root: TrustRoot, credential: &Credential, config: &SecurityConfig) -> Verifier {
+    Verifier::new(
+        root,
+        VerifierConfig {
+            namespace: credential.cert.namespace.clone(),
+            max_clock_skew: Duration::from_millis(config.max_clock_skew_ms),
+            replay_window: config.replay_window,
+            max_senders: config.max_senders,
+        },
+    )
 }
 
 struct Reader<'a>(&'a [u8]);

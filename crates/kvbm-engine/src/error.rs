@@ -493,6 +493,9 @@ pub enum Rejection {
     /// instance or rank). Counted by the caller through kvbm-cluster's
     /// `SecurityStats::count`.
     NotAllowed,
+    /// The certificate is on the revocation list (`security.revoked_file`): by its
+    /// fingerprint, or every certificate of its instance.
+    Revoked,
 }
 
 impl std::fmt::Display for Rejection {
@@ -506,6 +509,7 @@ impl std::fmt::Display for Rejection {
             Rejection::Stale => "timestamp outside the allowed clock skew",
             Rejection::Replayed => "sequence number replayed",
             Rejection::NotAllowed => "sender may not say this",
+            Rejection::Revoked => "certificate revoked",
         })
     }
 }

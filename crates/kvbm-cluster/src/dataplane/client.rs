@@ -343,13 +343,27 @@ impl DataPlaneClient {
         pooled_ok: bool,
     ) -> std::result::Result<(Conn, bool), BlockFailure> {
         if pooled_ok {
-            let mut pool = self.idle.lock();
-            pool.prune(Instant::now(), self.config.idle_expiry);
-            if let Some((used, v)) = pool.peers.get_mut(&(addr, instance))
-                && let Some((s, _)) = v.pop()
-            {
-                *used = Instant::now();
-                return Ok((s, true));
+            let pooled = {
+                let mut pool = self.idle.lock();
+                pool.prune(Instant::now(), self.config.idle_expiry);
+                match pool.peers.get_mut(&(addr, instance)) {
+                    Some((used, v)) => v.pop().map(|(s, _)| {
+                        *used = Instant::now();
+                        s
+                    }),
+                    None => None,
+                }
+            };
+            // A pooled session's server is checked again (revoked or expired since its
+            // handshake: the connection is dropped, and a new handshake names why).
+            match (pooled, self.security.verifier()) {
+                (Some(conn), Some(v))
+                    if conn
+                        .session
+                        .as_ref()
+                        .is_some_and(|s| v.recheck(&s.peer).is_err()) => {}
+                (Some(conn), _) => return Ok((conn, true)),
+                (None, _) => {}
             }
         }
         let io = |e: std::io::Error| {

@@ -45,7 +45,7 @@ use super::wire::{
     self, CLIENT_HELLO_MAGIC, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, REQUEST_MAGIC, Status,
     TAG_LEN, VERSION, VERSION_AUTH,
 };
-use crate::security::{Rejection, Role, Security};
+use crate::security::{Rejection, Role, Security, Verifier};
 use kvbm_engine::InstanceId;
 use kvbm_engine::error::{EngineError, Result};
 
@@ -593,6 +593,22 @@ async fn write_tagged(
     }
 }
 
+/// Ends an authenticated session whose peer was revoked or expired since its handshake
+/// (counted by kind).
+fn recheck_peer(s: &Served, session: Option<&Session>) -> std::io::Result<()> {
+    let (Some(sess), Some(v)) = (session, s.security.verifier()) else {
+        return Ok(());
+    };
+    v.recheck(&sess.peer).map_err(|r| {
+        s.security.count(r);
+        tracing::warn!(peer = %sess.peer, reason = %r, "data plane session ended");
+        std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{}: {r}", sess.peer),
+        )
+    })
+}
+
 fn tag_refused(s: &Served, session: &Session) -> std::io::Error {
     s.stats.tags_refused.fetch_add(1, Ordering::Relaxed);
     metrics::counter!(kvbm_engine::metrics::DATAPLANE_TAGS_REFUSED).increment(1);
@@ -622,14 +638,36 @@ async fn serve_connection(s: &Served, mut stream: TcpStream, entry: Entry) -> st
     } else {
         VERSION
     };
+    let recheck = s
+        .security
+        .verifier()
+        .map_or(s.config.idle_timeout, Verifier::recheck_every);
     loop {
         let mut head = [0u8; REQUEST_HEAD_LEN];
-        // Waiting for the next request: the idle timeout; a clean EOF here ends the connection.
-        match tokio::time::timeout(s.config.idle_timeout, stream.read_exact(&mut head)).await {
-            Err(_) => return Ok(()),
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Ok(Err(e)) => return Err(e),
-            Ok(Ok(_)) => {}
+        // Waiting for the next request: the idle timeout ends it; meanwhile, authenticated, the
+        // peer is checked again every `recheck` (revoked or expired since its handshake: the
+        // session ends). A peek consumes nothing, so no byte of a head is lost to a tick (and,
+        // unlike readiness, it does not report data that was already read).
+        let idle_until = std::time::Instant::now() + s.config.idle_timeout;
+        loop {
+            recheck_peer(s, session.as_ref())?;
+            let left = idle_until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Ok(());
+            }
+            let mut one = [0u8; 1];
+            match tokio::time::timeout(left.min(recheck), stream.peek(&mut one)).await {
+                Err(_) => {}
+                // The peer closed between requests.
+                Ok(Ok(0)) => return Ok(()),
+                Ok(Ok(_)) => break,
+                Ok(Err(e)) => return Err(e),
+            }
+        }
+        match timed("read", io, stream.read_exact(&mut head)).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
         }
         // Authenticated: the head's tag is checked before any of its fields is believed.
         if let Some(sess) = &mut session {

@@ -1702,6 +1702,73 @@ async fn security_a_connection_flood_from_one_address_is_throttled() {
     drop(flood);
 }
 
+/// Attack (N4): a member is revoked while it holds a live, pooled session. The server ends
+/// the session at its next check (every `security.revocation_check_ms`), the member's next
+/// pull fails (its new handshake refused as revoked, counted), and other members are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_revoked_member_loses_its_live_session() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let root = RootKey::generate().unwrap();
+    let hs = hashes(2);
+    let remote = serving(&hs);
+    let cred_file = dir.path().join("a.cred");
+    credential(&root, A, "ns").save(&cred_file).unwrap();
+    let list = dir.path().join("revoked");
+    std::fs::write(&list, "").unwrap();
+    std::fs::set_permissions(&list, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let srv_sec = Arc::new(
+        Security::from_config(&SecurityConfig {
+            trust_root: Some(root.trust_root().to_hex()),
+            credential_file: Some(cred_file),
+            revoked_file: Some(list.clone()),
+            revocation_check_ms: 50,
+            ..SecurityConfig::default()
+        })
+        .unwrap(),
+    );
+    let srv = secured_server(&remote, A, srv_sec.clone()).await;
+    let b = member(&root, B, "ns");
+    let local = side();
+    let c = secured_client(&local, b.clone(), false);
+    let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    drop(out);
+    assert_eq!(srv.stats().connections(), 1, "B's session is live (pooled)");
+
+    let fingerprint = b.signer().unwrap().cert().fingerprint_hex();
+    std::fs::write(&list, format!("{fingerprint}\n")).unwrap();
+    eventually_async("the live session ended", || srv.stats().connections() == 0).await;
+    assert!(stats(&srv_sec).rejected(Rejection::Revoked) >= 1);
+
+    let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
+    let e = out[0].as_ref().unwrap_err();
+    assert!(e.message.contains("refused"), "{e}");
+    drop(out);
+    assert!(
+        stats(&srv_sec).rejected(Rejection::Revoked) >= 2,
+        "the new handshake too"
+    );
+    assert_member_pulls_as(&root, InstanceId(0xc), &srv, &remote, &hs).await;
+}
+
+/// A member `id` of the namespace pulls `hs` from `srv` (the server still serves members).
+async fn assert_member_pulls_as(
+    root: &RootKey,
+    id: InstanceId,
+    srv: &DataPlaneServer,
+    remote: &Side,
+    hs: &[SequenceHash],
+) {
+    let local = side();
+    let c = secured_client(&local, member(root, id, "ns"), false);
+    let out = pull_into(&c, &local, srv.local_addr(), srv.instance(), hs).await;
+    for (o, h) in out.iter().zip(hs) {
+        let b = o.as_ref().unwrap();
+        assert_eq!(bytes(&local.layout, b.block_id()), expected(remote, *h));
+    }
+}
+
 /// A server whose credential is not its instance's leader refuses to start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_needs_its_own_leader_credential() {

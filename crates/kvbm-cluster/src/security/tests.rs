@@ -307,3 +307,160 @@ fn one_config_names_each_instances_credential() {
     };
     assert_eq!(plain.for_instance(InstanceId(7)), plain);
 }
+
+fn write_list(path: &std::path::Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+/// Attack (N4): a member whose key leaked is removed by the revocation list, with no new root.
+/// From the next look at the file its sealed messages (every channel goes through
+/// `check_cert`: heartbeats, events, snapshots, control, beats, handshakes) are refused and
+/// counted, by fingerprint or by instance, while other members still open; a later version of
+/// the file that does not parse keeps the last list (nobody is un-revoked); a list that group
+/// or others may write, or with a bad line, is refused at start naming the file and the line.
+#[test]
+fn security_a_revoked_member_is_refused_for_sealed_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let list = dir.path().join("revoked");
+    write_list(&list, "# nobody yet\n");
+    let r = root();
+    let b = signer(&r, 0xb, Role::Leader, 0, NS);
+    let c = signer(&r, 0xc, Role::Worker, 1, NS);
+    let v = verifier(&r, NS)
+        .with_revocations(Revocations::load(&list, Duration::from_millis(1)).unwrap());
+    assert!(v.open(b"heartbeat", &b.seal(b"heartbeat", b"1")).is_ok());
+    assert!(v.open(b"beat", &c.seal(b"beat", b"1")).is_ok());
+
+    write_list(
+        &list,
+        &format!("# leaked 2026-12-07\n{}\n", b.cert().fingerprint_hex()),
+    );
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(
+        v.open(b"heartbeat", &b.seal(b"heartbeat", b"2"))
+            .unwrap_err(),
+        Rejection::Revoked
+    );
+    assert!(
+        v.open(b"beat", &c.seal(b"beat", b"2")).is_ok(),
+        "others still open"
+    );
+    assert_eq!(v.stats().rejected(Rejection::Revoked), 1);
+    assert_eq!(v.recheck(b.cert()), Err(Rejection::Revoked));
+
+    // Every certificate of an instance.
+    write_list(
+        &list,
+        &format!(
+            "{}\ninstance 000000000000000c\n",
+            b.cert().fingerprint_hex()
+        ),
+    );
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(
+        v.open(b"beat", &c.seal(b"beat", b"3")).unwrap_err(),
+        Rejection::Revoked
+    );
+
+    // A version that does not parse: the last list stays.
+    write_list(&list, "not a fingerprint at all\n");
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(
+        v.open(b"heartbeat", &b.seal(b"heartbeat", b"4"))
+            .unwrap_err(),
+        Rejection::Revoked
+    );
+    assert_eq!(
+        v.open(b"beat", &c.seal(b"beat", b"4")).unwrap_err(),
+        Rejection::Revoked
+    );
+
+    // At start, a bad line or a list others may write is an error naming it.
+    let e = Revocations::load(&list, Duration::from_secs(1)).unwrap_err();
+    assert!(e.to_string().contains("line 1"), "{e}");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        write_list(&list, "");
+        std::fs::set_permissions(&list, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let e = Revocations::load(&list, Duration::from_secs(1)).unwrap_err();
+    assert!(e.to_string().contains("chmod go-w"), "{e}");
+}
+
+/// Rotating the root without downtime: while members trust both roots (`trust_root = "old,new"`)
+/// certificates of either are accepted and a credential of either loads; once the old root is
+/// dropped its certificates are refused; a member whose own certificate is revoked does not
+/// start.
+#[test]
+fn security_rotating_the_root_accepts_both_during_the_overlap_and_then_only_the_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old, new) = (root(), root());
+    let by_old = signer(&old, 1, Role::Leader, 0, NS);
+    let by_new = signer(&new, 2, Role::Leader, 0, NS);
+    let both = verifier(&old, NS).with_more_roots([new.trust_root()]);
+    assert!(both.open(b"h", &by_old.seal(b"h", b"x")).is_ok());
+    assert!(both.open(b"h", &by_new.seal(b"h", b"x")).is_ok());
+    assert_eq!(
+        verifier(&new, NS)
+            .open(b"h", &by_old.seal(b"h", b"y"))
+            .unwrap_err(),
+        Rejection::NotMember
+    );
+
+    let cred = new
+        .issue(
+            InstanceId(3),
+            Role::Leader,
+            0,
+            NS,
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+    let file = dir.path().join("m.cred");
+    cred.save(&file).unwrap();
+    let config = |roots: String| SecurityConfig {
+        trust_root: Some(roots),
+        credential_file: Some(file.clone()),
+        ..SecurityConfig::default()
+    };
+    let overlap = config(format!(
+        "{}, {}",
+        old.trust_root().to_hex(),
+        new.trust_root().to_hex()
+    ));
+    let sec = Security::from_config(&overlap).unwrap();
+    assert!(sec.open(b"h", &by_old.seal(b"h", b"z")).is_ok());
+    assert!(sec.open(b"h", &by_new.seal(b"h", b"z")).is_ok());
+    let e = Security::from_config(&config(old.trust_root().to_hex())).unwrap_err();
+    assert!(e.to_string().contains("not signed by"), "{e}");
+
+    let list = dir.path().join("revoked");
+    write_list(&list, &format!("{}\n", cred.cert().fingerprint_hex()));
+    let revoked = SecurityConfig {
+        revoked_file: Some(list),
+        ..overlap
+    };
+    let e = Security::from_config(&revoked).unwrap_err();
+    assert!(e.to_string().contains("revocation list"), "{e}");
+}
+
+/// A member is warned before its own certificate expires: at start and then at most once an
+/// hour, only within `security.expiry_warning_ms`.
+#[test]
+fn a_member_is_warned_before_its_own_certificate_expires() {
+    let r = root();
+    let s = signer(&r, 1, Role::Leader, 0, NS);
+    s.warn_within(Duration::from_secs(60));
+    assert_eq!(
+        s.warned_at_ms.load(Ordering::Relaxed),
+        0,
+        "an hour left, no warning"
+    );
+    s.warn_within(Duration::from_secs(7200));
+    let first = s.warned_at_ms.load(Ordering::Relaxed);
+    assert_ne!(first, 0, "warned at once");
+    assert!(!s.warn_expiry(first + 60_000), "not again within the hour");
+    assert!(s.warn_expiry(first + 3_600_001), "again an hour later");
+}

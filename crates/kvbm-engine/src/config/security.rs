@@ -18,7 +18,9 @@ use crate::address::InstanceId;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SecurityConfig {
-    /// The cluster's trust root: 64 hex digits (`kvbm security init` prints them).
+    /// The cluster's trust root: 64 hex digits (`kvbm security init` prints them). While a
+    /// root is rotated, several, separated by commas: a certificate any of them signed is
+    /// accepted (see `docs/security.md`, "Rotating the root").
     pub trust_root: Option<String>,
     /// This member's credential file (`kvbm security issue` writes it; mode 0600). Where one
     /// configuration serves several instances (`kvbm replay --instances`), `{instance}` in the
@@ -37,6 +39,17 @@ pub struct SecurityConfig {
     /// other end may still ask), absent (the default) on every connection whose other end is
     /// off the loopback interface, where an on-path party could change bytes.
     pub dataplane_payload_mac: Option<bool>,
+    /// The revocation list: one line per revoked certificate (its fingerprint, 64 hex digits,
+    /// as `kvbm security show` prints it) or `instance <id>` for every certificate of an
+    /// instance; `#` comments. Re-read when it changes. A file others may write is refused.
+    /// Default: none.
+    pub revoked_file: Option<PathBuf>,
+    /// How often the revocation list is looked at again, and live data-plane sessions are
+    /// re-checked (revocation and expiry), in milliseconds. Default: 5000. At least 1.
+    pub revocation_check_ms: u64,
+    /// Warn (at start, then at most once an hour) when this member's own certificate expires
+    /// within this many milliseconds. Default: 86 400 000 (one day).
+    pub expiry_warning_ms: u64,
 }
 
 impl Default for SecurityConfig {
@@ -49,6 +62,9 @@ impl Default for SecurityConfig {
             replay_window: 4096,
             max_senders: 4096,
             dataplane_payload_mac: None,
+            revoked_file: None,
+            revocation_check_ms: 5000,
+            expiry_warning_ms: 86_400_000,
         }
     }
 }
@@ -66,6 +82,19 @@ impl SecurityConfig {
             }
         }
         c
+    }
+
+    /// The trust roots named (`trust_root` split at commas, trimmed; empty without one).
+    pub fn trust_roots(&self) -> Vec<&str> {
+        self.trust_root
+            .as_deref()
+            .map(|r| {
+                r.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Whether a trust root and a credential are named (the credential itself is loaded, per
@@ -94,12 +123,18 @@ impl SecurityConfig {
                 ));
             }
             (Some(r), Some(_)) => {
-                let r = r.trim();
-                if r.len() != 64 || !r.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return Err((
-                        "security.trust_root",
-                        "expected 64 hex digits (`kvbm security init` prints them)".into(),
-                    ));
+                for r in self.trust_roots() {
+                    if r.len() != 64 || !r.bytes().all(|b| b.is_ascii_hexdigit()) {
+                        return Err((
+                            "security.trust_root",
+                            "expected 64 hex digits per root, several separated by commas \
+                             (`kvbm security init` prints them)"
+                                .into(),
+                        ));
+                    }
+                }
+                if r.trim().is_empty() {
+                    return Err(("security.trust_root", "is empty".into()));
                 }
             }
             (None, None) => {}
@@ -112,6 +147,9 @@ impl SecurityConfig {
         }
         if self.max_senders == 0 {
             return Err(("security.max_senders", "must be at least 1".into()));
+        }
+        if self.revocation_check_ms == 0 {
+            return Err(("security.revocation_check_ms", "must be at least 1".into()));
         }
         Ok(())
     }
