@@ -437,6 +437,20 @@ fn two_instances_find_each_others_blocks_through_events_and_shared_g4() {
     two_instances(&dir, &nats.url, &["--g4-dir", g4.to_str().unwrap()], &[]);
 }
 
+/// The same with `security.insecure = true`: the instances run unsealed (and say so).
+#[test]
+fn two_instances_insecure_run_unsealed() {
+    let Some(nats) = kvbm_tests::services::nats("two_instances_insecure_run_unsealed") else {
+        return;
+    };
+    two_instances(
+        &scratch(),
+        &nats.url,
+        &[],
+        &[("KVBM_SECURITY__INSECURE", "true")],
+    );
+}
+
 /// The same with G4 on the real S3 server (s3s-fs), in a namespace of its own.
 #[test]
 fn two_instances_share_g4_on_the_s3_server() {
@@ -514,7 +528,15 @@ fn two_instances(dir: &tempfile::TempDir, nats_url: &str, extra: &[&str], envs: 
     assert_eq!(u(&r, &["blocks"]), 16 + 4 + 6 + 20, "{r}");
     let per = r["per_instance"].as_array().unwrap();
     assert_eq!(per.len(), 2);
+    // Secure by default on one host: without configured credentials the run made its own
+    // root and credentials, so every instance sealed its events and announcements (and the
+    // cross-instance hits below came through sealed, checked events); only
+    // `security.insecure` runs them unsealed.
+    let insecure = envs
+        .iter()
+        .any(|(k, v)| *k == "KVBM_SECURITY__INSECURE" && *v == "true");
     for p in per {
+        assert_eq!(p["sealed"], serde_json::Value::Bool(!insecure), "{p}");
         assert_eq!(
             u(p, &["requests"]),
             2,

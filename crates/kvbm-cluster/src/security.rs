@@ -1110,7 +1110,18 @@ impl Security {
         if self.is_on() {
             return Ok(());
         }
-        let Some(open) = endpoints.into_iter().find(|e| !is_loopback(e)) else {
+        let endpoints: Vec<&str> = endpoints.into_iter().collect();
+        let Some(open) = endpoints.iter().copied().find(|e| !is_loopback(e)) else {
+            if insecure {
+                // Asked for: said at every start it matters, loopback too (a shared host's
+                // other users and containers reach loopback ports).
+                tracing::warn!(
+                    endpoints = ?endpoints,
+                    "SECURITY OFF: security.insecure = true; cluster messages and blocks are \
+                     neither authenticated nor tenant-checked (anyone on this host can reach \
+                     loopback ports)"
+                );
+            }
             return Ok(());
         };
         if insecure {

@@ -95,6 +95,61 @@ fn forwarded_args(args: Vec<OsString>) -> Vec<OsString> {
     out
 }
 
+/// Member credentials a run makes for itself: secure by default on one host. Without
+/// configured credentials (and without `security.insecure`), the parent makes a fresh root and
+/// one leader credential per instance in a private temporary directory (0700, each file 0600),
+/// hands the children the trust root and the path through `KVBM_SECURITY__*`, and removes the
+/// directory when the run ends; the root key never leaves the parent's memory. Every event,
+/// heartbeat and ready announcement between the instances is then sealed and checked, so
+/// another user or container on the host (or a leaf node of a loopback NATS) cannot speak for
+/// them.
+struct RunCredentials {
+    _dir: tempfile::TempDir,
+    trust_root: String,
+    /// `<dir>/{instance}.cred` (`SecurityConfig::for_instance` names each child's).
+    template: PathBuf,
+}
+
+impl RunCredentials {
+    fn unless_configured(
+        security: &kvbm_engine::config::SecurityConfig,
+        count: usize,
+    ) -> anyhow::Result<Option<Self>> {
+        use kvbm_cluster::security::{Role, RootKey};
+        if security.has_credentials() {
+            return Ok(None);
+        }
+        if security.insecure {
+            tracing::warn!(
+                "SECURITY OFF: security.insecure = true; the {count} instances of this run \
+                 accept unsealed events and announcements from anyone on their NATS server"
+            );
+            return Ok(None);
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("kvbm-run-credentials-")
+            .tempdir()
+            .context("cannot create the run's credential directory")?;
+        let root = RootKey::generate()?;
+        for i in 0..count {
+            let id = kvbm_engine::InstanceId(i as u64 + 1);
+            root.issue(
+                id,
+                Role::Leader,
+                0,
+                "kvbm-replay",
+                std::time::Duration::from_secs(7 * 86_400),
+            )?
+            .save(&dir.path().join(format!("{:016x}.cred", id.0)))?;
+        }
+        Ok(Some(Self {
+            trust_root: root.trust_root().to_hex(),
+            template: dir.path().join("{instance}.cred"),
+            _dir: dir,
+        }))
+    }
+}
+
 /// Runs `count` instances and returns the combined report.
 ///
 /// # Errors
@@ -130,6 +185,7 @@ pub(crate) fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyho
     );
     let exe = std::env::current_exe().context("cannot find the kvbm binary to re-invoke")?;
     let base = forwarded_args(std::env::args_os().skip(1).collect());
+    let own = RunCredentials::unless_configured(&cfg.engine.security, count)?;
 
     let start = Instant::now();
     let mut children = Vec::with_capacity(count);
@@ -157,6 +213,10 @@ pub(crate) fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyho
         {
             cmd.arg("--g3-dir").arg(dir.join(format!("instance-{i}")));
         }
+        if let Some(c) = &own {
+            cmd.env("KVBM_SECURITY__TRUST_ROOT", &c.trust_root)
+                .env("KVBM_SECURITY__CREDENTIAL_FILE", &c.template);
+        }
         cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
         let child = cmd
             .spawn()
@@ -182,6 +242,7 @@ pub(crate) fn run_parent(cfg: &CliConfig, count: usize, nats_url: &str) -> anyho
     }
     let wall = start.elapsed().as_secs_f64();
     drop(temp_g4);
+    drop(own);
     Ok(combine(
         &reports,
         wl.total_blocks(),

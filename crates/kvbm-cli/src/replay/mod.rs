@@ -334,5 +334,6 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
         .collect(),
         instance: spec.map(|s| s.index),
         cross_instance_hit_blocks: spec.map(|_| cross),
+        sealed: spec.map(|_| cfg.engine.security.has_credentials()),
     })
 }

@@ -95,6 +95,10 @@ pub(crate) struct Report {
     /// the shared G4).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cross_instance_hit_blocks: Option<u64>,
+    /// With `--instances`: whether this instance sealed its messages with a member credential
+    /// (configured, or made by the run: see `kvbm replay --instances`), i.e. security on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sealed: Option<bool>,
 }
 
 fn bytes(n: u64) -> String {
