@@ -157,7 +157,7 @@ mod tests {
 
     use super::*;
     use kvbm_engine::testing::small_geometry;
-    use kvbm_engine::worker::{ParallelWorkers, TransferRequest};
+    use kvbm_engine::worker::{ParallelWorkers, Reserved, TransferRequest};
 
     #[tokio::test]
     async fn scripted_failures_fail_the_operation_then_calls_pass_again() {
@@ -172,25 +172,22 @@ mod tests {
             .unwrap()
             .hashes();
         let req = TransferRequest::new(TierId::G2, TierId::G1, vec![(0, 1, h[0])]);
-        // SAFETY: mock workers: no memory is touched.
-        assert_eq!(unsafe { workers.execute(req.clone()) }.await, vec![Ok(())]);
-        mocks[1].fail_next(MockFailure::Gone);
         // SAFETY: mock workers over their own layouts; nothing else uses them.
-        let e = unsafe { workers.transfer(&req) }.await.unwrap_err();
+        let reserved = || unsafe { Reserved::vouched(req.clone()) };
+        assert_eq!(workers.execute(reserved()).await, vec![Ok(())]);
+        mocks[1].fail_next(MockFailure::Gone);
+        let e = workers.transfer(&reserved()).await.unwrap_err();
         assert_eq!(
             e,
             ControlError::NoResponders {
                 worker: WorkerAddress::new(InstanceId(1), 1)
             }
         );
-        // SAFETY: as above.
-        assert_eq!(unsafe { workers.execute(req.clone()) }.await, vec![Ok(())]);
+        assert_eq!(workers.execute(reserved()).await, vec![Ok(())]);
         mocks[0].fail_always(Some(MockFailure::Timeout));
-        // SAFETY: as above.
-        assert!(unsafe { workers.execute(req.clone()) }.await[0].is_err());
+        assert!(workers.execute(reserved()).await[0].is_err());
         mocks[0].fail_always(None);
-        // SAFETY: as above.
-        assert_eq!(unsafe { workers.execute(req) }.await, vec![Ok(())]);
+        assert_eq!(workers.execute(reserved()).await, vec![Ok(())]);
         assert_eq!(mocks[0].calls(), 5);
     }
 }

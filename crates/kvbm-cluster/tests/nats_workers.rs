@@ -84,7 +84,10 @@ async fn onboard_a_disk_prefix_through_two_workers(secure: bool) {
     assert_eq!(session.prefix_len(), 6);
     session
         .prepare(MoversToG2 {
-            g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), i.g2.clone()))),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            g3_to_g2: Some(Arc::new(unsafe {
+                SpmdMover::<G3, G2>::new(pw.clone(), i.g2.clone())
+            })),
             g4_to_g2: None,
             remote_g2: None,
         })
@@ -93,7 +96,8 @@ async fn onboard_a_disk_prefix_through_two_workers(secure: bool) {
     assert_eq!(session.phase(), Phase::Staged);
     session
         .onboard(
-            Arc::new(SpmdMover::<G2, G1>::new(pw, i.g1.clone())),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            Arc::new(unsafe { SpmdMover::<G2, G1>::new(pw, i.g1.clone()) }),
             i.g1.allocate_blocks(6).unwrap(),
         )
         .await
@@ -162,7 +166,8 @@ async fn a_worker_killed_mid_transfer_fails_cleanly_and_the_other_keeps_serving(
         tokio::spawn(async move {
             session
                 .prepare(MoversToG2 {
-                    g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw, g2))),
+                    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+                    g3_to_g2: Some(Arc::new(unsafe { SpmdMover::<G3, G2>::new(pw, g2) })),
                     g4_to_g2: None,
                     remote_g2: None,
                 })
@@ -223,7 +228,8 @@ async fn a_worker_killed_mid_transfer_fails_cleanly_and_the_other_keeps_serving(
         Arc::new(ControlledWorkers::new(vec![i.controls[0].clone()]).unwrap());
     let on_g3 = i.g3.match_blocks(&i.hashes);
     assert_eq!(on_g3.len(), 6);
-    let up = SpmdMover::<G3, G2>::new(alone, i.g2.clone());
+    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+    let up = unsafe { SpmdMover::<G3, G2>::new(alone, i.g2.clone()) };
     let out = up.move_from(&on_g3, i.g2.allocate_blocks(6).unwrap()).await;
     let staged: Vec<ImmutableBlock<G2>> = out.into_iter().map(Result::unwrap).collect();
     let ids: Vec<usize> = staged.iter().map(|b| b.block_id()).collect();
@@ -317,7 +323,8 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
     let ids: Vec<usize> = on_g2.iter().map(|b| b.block_id()).collect();
     let expected = worker_processes::pattern_digests(&ids);
-    let down = SpmdMover::<G2, G3>::new(pw.clone(), g3.clone());
+    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+    let down = unsafe { SpmdMover::<G2, G3>::new(pw.clone(), g3.clone()) };
     let out = down.move_from(&on_g2, g3.allocate_blocks(6).unwrap()).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     drop((out, on_g2));
@@ -360,7 +367,8 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
         .unwrap();
     let err = session
         .onboard(
-            Arc::new(SpmdMover::<G2, G1>::new(pw.clone(), g1.clone())),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            Arc::new(unsafe { SpmdMover::<G2, G1>::new(pw.clone(), g1.clone()) }),
             g1.allocate_blocks(6).unwrap(),
         )
         .await
@@ -398,7 +406,10 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
     assert_eq!(session.prefix_len(), 6);
     session
         .prepare(MoversToG2 {
-            g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(pw.clone(), g2.clone()))),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            g3_to_g2: Some(Arc::new(unsafe {
+                SpmdMover::<G3, G2>::new(pw.clone(), g2.clone())
+            })),
             g4_to_g2: None,
             remote_g2: None,
         })
@@ -406,7 +417,8 @@ async fn a_worker_process_killed_and_restarted_rejoins_and_nothing_of_its_lost_m
         .unwrap();
     session
         .onboard(
-            Arc::new(SpmdMover::<G2, G1>::new(pw, g1.clone())),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            Arc::new(unsafe { SpmdMover::<G2, G1>::new(pw, g1.clone()) }),
             g1.allocate_blocks(6).unwrap(),
         )
         .await
@@ -463,7 +475,8 @@ async fn a_rank_lost_mid_call_fails_the_call_then_not_at_its_deadline() {
     let g1 = common::manager::<G1>(&BlockRegistry::new());
     let (on_g2, hashes) = worker_processes::compute_prefix(&g2);
     let moving = {
-        let up = SpmdMover::<G2, G1>::new(pw.clone(), g1.clone());
+        // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+        let up = unsafe { SpmdMover::<G2, G1>::new(pw.clone(), g1.clone()) };
         let dst = g1.allocate_blocks(6).unwrap();
         tokio::spawn(async move { up.move_from(&on_g2, dst).await })
     };

@@ -14,13 +14,14 @@
 //! session completes and registers the destinations itself after the last layer. In-process it
 //! is [`LayerMover`] (one transfer manager, two bound tiers), whose copy is kvbm-offload's
 //! [`ExternalMover::move_layers`]: this module issues no raw transfer; the destinations'
-//! exclusivity is vouched by `LayerMove`'s contract (the session's unregistered
-//! `MutableBlock`s). Across ranks it is the engine's `SpmdLayerMover` (in `worker`), whose
-//! per-rank copy is `PhysicalWorker::execute`.
+//! exclusivity is proven by their types (the session's unregistered `MutableBlock`s, checked
+//! to be the mover's destination manager's), so `move_layers` is a safe call. Across ranks it
+//! is the engine's `SpmdLayerMover` (in `worker`), whose per-rank copy is
+//! `PhysicalWorker::execute`, reached through a `worker::Reserved`.
 //!
 //! ```text
-//!  layer 0: move_layers(sources, dst ids, 0..1) ── all ranks settled ──► layer 0 ready
-//!  layer 1: move_layers(sources, dst ids, 1..2) ── ...               ──► layer 1 ready
+//!  layer 0: move_layers(sources, destinations, 0..1) ── all ranks settled ──► layer 0 ready
+//!  layer 1: move_layers(sources, destinations, 1..2) ── ...               ──► layer 1 ready
 //!  ...
 //!  last layer ready ─► session: complete(hash, digest) + register every destination
 //! ```
@@ -76,23 +77,36 @@ pub trait LayerMove<Src: Tier, Dst: Tier>: Send + Sync + 'static {
     fn destination(&self) -> &Arc<BlockManager<Dst>>;
     /// Layers of one block (the same on both sides).
     fn num_layers(&self) -> usize;
-    /// Copies `layers` of `sources[i]` into slot `destinations[i]`; one outcome per block, in
-    /// order; resolves only after every block (on every rank) settled. A length mismatch or an
-    /// empty or out-of-range `layers` fails every block without moving anything.
-    ///
-    /// # Safety
-    ///
-    /// Slot ids prove nothing about who owns a slot, so the caller vouches for
-    /// `TransferManager::execute_transfer`'s contract on every rank: each slot of
-    /// `destinations` is one of the destination manager's blocks the caller holds unregistered
-    /// (a `MutableBlock` it keeps until the future resolved), written by nothing else and read
-    /// by no view outside the transfer manager meanwhile; the sources stay registered and held.
-    unsafe fn move_layers<'a>(
+    /// Copies `layers` of `sources[i]` into `destinations[i]` (the caller's unregistered
+    /// blocks of [`destination`](Self::destination), which it keeps until the future resolved
+    /// and registers after the last layer); one outcome per block, in order; resolves only
+    /// after every block (on every rank) settled. A length mismatch, an empty or out-of-range
+    /// `layers`, or a destination of another manager fails every block without moving
+    /// anything.
+    fn move_layers<'a>(
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
-        destinations: &'a [BlockId],
+        destinations: &'a [MutableBlock<Dst>],
         layers: Range<usize>,
     ) -> BoxFuture<'a, Vec<BlockOutcome>>;
+}
+
+/// Refuses a move whose destinations are not all `manager`'s blocks (their slot ids would name
+/// another owner's slots in the layout the move writes): `Some(outcomes)` to return at once.
+pub(crate) fn foreign_destinations<T, Dst: Tier>(
+    manager: &BlockManager<Dst>,
+    destinations: &[MutableBlock<Dst>],
+) -> Option<Vec<std::result::Result<T, BlockFailure>>> {
+    destinations.iter().any(|d| !manager.owns(d)).then(|| {
+        fail_all(
+            destinations.len(),
+            BlockFailureKind::Refused,
+            &format!(
+                "a destination is not a block of the mover's {} manager",
+                Dst::ID
+            ),
+        )
+    })
 }
 
 /// Fails each of `n` blocks with a failure of `kind` saying `message`.
@@ -208,10 +222,10 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
         self.num_layers
     }
 
-    unsafe fn move_layers<'a>(
+    fn move_layers<'a>(
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
-        destinations: &'a [BlockId],
+        destinations: &'a [MutableBlock<Dst>],
         layers: Range<usize>,
     ) -> BoxFuture<'a, Vec<BlockOutcome>> {
         Box::pin(async move {
@@ -223,11 +237,16 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for LayerMover<Src, Dst> {
                     &format!("{n} sources but {} destinations", destinations.len()),
                 );
             }
+            if let Some(refused) = foreign_destinations(&self.dst, destinations) {
+                return refused;
+            }
+            let ids: Vec<BlockId> = destinations.iter().map(MutableBlock::block_id).collect();
             let sources: Vec<MoveSource> = sources.iter().map(MoveSource::of).collect();
-            // SAFETY: `LayerMove::move_layers`'s contract (this fn's caller): the destination
-            // slots are the caller's unregistered `MutableBlock`s, written only by these layer
-            // moves until the last layer registers them; the sources are registered and held.
-            unsafe { self.mover.move_layers(&sources, destinations, layers) }.await
+            // SAFETY: every destination is an unregistered `MutableBlock` of `self.dst` (checked
+            // above), whose slots are the bound layout's (`BoundTier`), borrowed by this future
+            // and written only by these layer moves until the caller registers it after the
+            // last layer; the sources are registered and held.
+            unsafe { self.mover.move_layers(&sources, &ids, layers) }.await
         })
     }
 }

@@ -81,7 +81,7 @@ use kvbm_offload::{
 };
 use kvbm_physical::{LayoutHandle, TransferManager, TransferOptions};
 
-use crate::mover::{BlockMove, BlockOutcome, LayerMove, fail_all};
+use crate::mover::{BlockMove, BlockOutcome, LayerMove, fail_all, foreign_destinations};
 
 /// One rank: its transfer manager and its layout per tier (bound to the leader's manager where
 /// given as a [`BoundTier`]).
@@ -334,19 +334,83 @@ impl TransferRequest {
     }
 }
 
+/// A transfer whose slots are proven reserved: what [`ParallelWorkers::execute`] runs.
+///
+/// `TransferManager::execute_transfer`'s contract (every destination slot is the transfer's
+/// alone, no source is written meanwhile) is proven once, where the slots are owned, instead
+/// of being passed up as `unsafe` through every layer (rank → control → instance):
+///
+/// * [`Reserved::new`] (crate-private) takes the handles that own the slots: registered
+///   sources and unregistered destination [`MutableBlock`]s, borrowed for the reservation's
+///   lifetime. Only the movers call it ([`SpmdMover`], [`SpmdLayerMover`]), over the
+///   destination manager they were built with, which is the proof that its blocks are the
+///   ranks' slots: checked for in-process ranks ([`SpmdMover::bound`]), vouched for once
+///   where the ranks are processes ([`SpmdMover::new`], `unsafe`: the instance checked their
+///   described layouts at join).
+/// * [`Reserved::vouched`] (`unsafe`) is for a request that arrives as bytes (a worker
+///   process serving its leader's request): its caller states who reserved the slots.
+///
+/// As with kvbm-offload's movers, a future dropped before it resolved ends the borrow while
+/// the ranks' transfers may still run; the transfer manager's claims refuse any other
+/// transfer of those slots until they settle (`PhysicalError::BlockBusy`).
+#[derive(Debug)]
+pub struct Reserved<'a> {
+    request: TransferRequest,
+    _holds: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> Reserved<'a> {
+    /// `sources[i]` into `destinations[i]`, whole blocks (see the type's docs for why this is
+    /// crate-private).
+    pub(crate) fn new<Src: Tier, Dst: Tier>(
+        sources: &'a [ImmutableBlock<Src>],
+        destinations: &'a [MutableBlock<Dst>],
+    ) -> Self {
+        Self {
+            request: TransferRequest::from_sources(
+                Dst::ID,
+                sources,
+                destinations.iter().map(MutableBlock::block_id),
+            ),
+            _holds: std::marker::PhantomData,
+        }
+    }
+
+    /// Only `layers` of each block (layer-wise onboarding).
+    pub(crate) fn layers(mut self, layers: Range<usize>) -> Self {
+        self.request.layers = Some(layers);
+        self
+    }
+
+    /// A request whose slots the caller vouches for.
+    ///
+    /// # Safety
+    ///
+    /// `TransferManager::execute_transfer`'s contract on every rank the request reaches, until
+    /// it settled: every destination slot is reserved for it by the leader that owns the tier
+    /// (a block it allocated and holds unregistered, or an object named by its block's key),
+    /// every source is a block it holds registered, and nothing reads or writes them outside
+    /// the transfer manager meanwhile.
+    pub unsafe fn vouched(request: TransferRequest) -> Reserved<'static> {
+        Reserved {
+            request,
+            _holds: std::marker::PhantomData,
+        }
+    }
+
+    /// The request.
+    pub fn request(&self) -> &TransferRequest {
+        &self.request
+    }
+}
+
 /// The seam between the leader and its workers.
 pub trait ParallelWorkers: Send + Sync {
     /// Ranks.
     fn world_size(&self) -> usize;
-    /// Runs `request` on every rank; per block `Ok` only if every rank moved it, else the
+    /// Runs `reserved` on every rank; per block `Ok` only if every rank moved it, else the
     /// first failure. Resolves only after every rank settled.
-    ///
-    /// # Safety
-    ///
-    /// As [`PhysicalWorker::execute`], on every rank: the caller reserved every slot the
-    /// request names (destinations it holds unregistered until the future resolved, sources
-    /// it holds registered).
-    unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>>;
+    fn execute<'a>(&'a self, reserved: Reserved<'a>) -> BoxFuture<'a, Vec<BlockOutcome>>;
 }
 
 /// `f` with the rank it happened on in front of its message (the kind is kept).
@@ -496,11 +560,10 @@ impl ParallelWorkers for SpmdParallelWorkers {
         self.ranks.len()
     }
 
-    unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
+    fn execute<'a>(&'a self, reserved: Reserved<'a>) -> BoxFuture<'a, Vec<BlockOutcome>> {
         Box::pin(async move {
-            // SAFETY: `ParallelWorkers::execute`'s contract (this fn's caller), for every rank.
-            let per_rank =
-                join_all(self.ranks.iter().map(|w| unsafe { w.execute(&request) })).await;
+            let request = reserved.request();
+            let per_rank = join_all(self.ranks.iter().map(|w| w.execute(&reserved))).await;
             let mut merged: Vec<BlockOutcome> = vec![Ok(()); request.blocks.len()];
             for rank in per_rank {
                 for (m, r) in merged.iter_mut().zip(rank) {
@@ -525,7 +588,14 @@ pub struct SpmdMover<Src: Tier, Dst: Tier> {
 
 impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
     /// Moves from `Src` into `dst`'s tier through `workers`.
-    pub fn new(workers: Arc<dyn ParallelWorkers>, dst: Arc<BlockManager<Dst>>) -> Self {
+    ///
+    /// # Safety
+    ///
+    /// `dst`'s blocks are the ranks' `Dst` slots, with this leader their only writer: every
+    /// rank's `Dst` layout has at least `dst`'s block count, and nothing but moves built over
+    /// `dst` writes those slots. This is the one place that is stated; the moves themselves
+    /// are safe ([`Reserved`]). In process, [`bound`](Self::bound) checks it instead.
+    pub unsafe fn new(workers: Arc<dyn ParallelWorkers>, dst: Arc<BlockManager<Dst>>) -> Self {
         Self {
             workers,
             dst,
@@ -553,7 +623,9 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
         dst: Arc<BlockManager<Dst>>,
     ) -> crate::Result<Self> {
         workers.check_bound(&dst)?;
-        Ok(Self::new(workers, dst))
+        // SAFETY: `check_bound`: every rank's `Dst` tier is bound to `dst` (its layout has
+        // exactly `dst`'s blocks, on that rank's transfer manager).
+        Ok(unsafe { Self::new(workers, dst) })
     }
 
     /// The manager destinations are allocated from.
@@ -574,15 +646,16 @@ impl<Src: Tier, Dst: Tier> SpmdMover<Src, Dst> {
             let m = format!("{n} sources but {} destinations", destinations.len());
             return fail_all(n, BlockFailureKind::Refused, &m);
         }
-        let request = TransferRequest::from_sources(
-            Dst::ID,
-            sources,
-            destinations.iter().map(|d| d.block_id()),
-        );
-        // SAFETY: every destination is a `MutableBlock` this move owns (allocated from the
-        // destination manager the ranks are bound to, registered only after every rank
-        // settled); the caller holds the sources registered for the call.
-        let outcome = unsafe { self.workers.execute(request) }.await;
+        if let Some(refused) = foreign_destinations(&self.dst, &destinations) {
+            return refused;
+        }
+        // Every destination is a `MutableBlock` this move owns, of the manager the ranks' slots
+        // are (`new`'s contract; checked just above), registered only after every rank
+        // settled; the sources are held registered for the call.
+        let outcome = self
+            .workers
+            .execute(Reserved::new(sources, &destinations))
+            .await;
         let mut results: Vec<Option<MoveOutcome<Dst>>> = (0..n).map(|_| None).collect();
         let mut complete = Vec::new();
         let mut idx = Vec::new();
@@ -663,7 +736,12 @@ impl<Src: Tier, Dst: Tier> SpmdLayerMover<Src, Dst> {
     /// # Errors
     /// [`EngineError::Config`](crate::EngineError::Config) (key `onboard.layerwise`) for zero
     /// layers.
-    pub fn new(
+    ///
+    /// # Safety
+    ///
+    /// As [`SpmdMover::new`]: `dst`'s blocks are the ranks' `Dst` slots, this leader their only
+    /// writer. In process, [`bound`](Self::bound) checks it instead.
+    pub unsafe fn new(
         workers: Arc<dyn ParallelWorkers>,
         dst: Arc<BlockManager<Dst>>,
         num_layers: usize,
@@ -707,7 +785,8 @@ impl<Src: Tier, Dst: Tier> SpmdLayerMover<Src, Dst> {
                 ),
             ));
         }
-        Self::new(workers, dst, dst_layers)
+        // SAFETY: `check_bound`, as in `SpmdMover::bound`.
+        unsafe { Self::new(workers, dst, dst_layers) }
     }
 }
 
@@ -720,10 +799,10 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
         self.num_layers
     }
 
-    unsafe fn move_layers<'a>(
+    fn move_layers<'a>(
         &'a self,
         sources: &'a [ImmutableBlock<Src>],
-        destinations: &'a [BlockId],
+        destinations: &'a [MutableBlock<Dst>],
         layers: Range<usize>,
     ) -> BoxFuture<'a, Vec<BlockOutcome>> {
         Box::pin(async move {
@@ -742,12 +821,14 @@ impl<Src: Tier, Dst: Tier> LayerMove<Src, Dst> for SpmdLayerMover<Src, Dst> {
                     &format!("layer range {layers:?} outside 0..{}", self.num_layers),
                 );
             }
-            let mut request =
-                TransferRequest::from_sources(Dst::ID, sources, destinations.iter().copied());
-            request.layers = Some(layers);
-            // SAFETY: `LayerMove::move_layers`'s contract (this fn's caller) is
-            // `ParallelWorkers::execute`'s for these slots.
-            unsafe { self.workers.execute(request) }.await
+            if let Some(refused) = foreign_destinations(&self.dst, destinations) {
+                return refused;
+            }
+            // The destinations are the caller's unregistered blocks of `dst` (the ranks' slots:
+            // `new`'s contract; checked just above), the sources held registered.
+            self.workers
+                .execute(Reserved::new(sources, destinations).layers(layers))
+                .await
         })
     }
 }

@@ -13,8 +13,8 @@ use common::{bytes, fill, geometry};
 use kvbm_engine::EngineError;
 use kvbm_engine::RankAddress;
 use kvbm_engine::worker::{
-    AddressedRequest, CoordinatedWorker, ParallelWorkers, PhysicalWorker, SpmdParallelWorkers,
-    TransferRequest,
+    AddressedRequest, CoordinatedWorker, ParallelWorkers, PhysicalWorker, Reserved,
+    SpmdParallelWorkers, TransferRequest,
 };
 use kvbm_logical::{Salt, TierId, TokenBlockSequence};
 use kvbm_physical::{ObjectConfig, ObjectStorage, PhysicalLayout, PinPolicy, TransferManager};
@@ -70,14 +70,15 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
     let h = seq.hashes()[0];
     // G2 slot 0 → G4 on both ranks (same hash, same relative key).
     // SAFETY: test-owned layouts; nothing else reads or writes the slots.
-    let out = unsafe {
-        spmd.execute(TransferRequest::new(
-            TierId::G2,
-            TierId::G4,
-            vec![(0, 0, h)],
-        ))
-    }
-    .await;
+    let out = spmd
+        .execute(unsafe {
+            Reserved::vouched(TransferRequest::new(
+                TierId::G2,
+                TierId::G4,
+                vec![(0, 0, h)],
+            ))
+        })
+        .await;
     assert_eq!(out, vec![Ok(())]);
     let key = format!("{:032x}", h.as_u128());
     for r in 0..2 {
@@ -86,14 +87,15 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
     }
     // G4 → G2 slot 1: every rank reads back its own bytes, not the other rank's.
     // SAFETY: as above.
-    let out = unsafe {
-        spmd.execute(TransferRequest::new(
-            TierId::G4,
-            TierId::G2,
-            vec![(0, 1, h)],
-        ))
-    }
-    .await;
+    let out = spmd
+        .execute(unsafe {
+            Reserved::vouched(TransferRequest::new(
+                TierId::G4,
+                TierId::G2,
+                vec![(0, 1, h)],
+            ))
+        })
+        .await;
     assert_eq!(out, vec![Ok(())]);
     assert_eq!(g2_bytes(c0.worker(), 1), written[0]);
     assert_eq!(g2_bytes(c1.worker(), 1), written[1]);
@@ -106,7 +108,8 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
         vec![(0, 2, h)],
     ));
     // SAFETY: as above.
-    match unsafe { c0.execute_addressed(&to_rank1) }.await {
+    let reserved = unsafe { Reserved::vouched(to_rank1.request.clone()) };
+    match c0.execute_addressed(to_rank1.to, &reserved).await {
         Err(EngineError::WrongRank { this, to }) => {
             assert_eq!(this, c0.address());
             assert_eq!(to, c1.address());
@@ -123,13 +126,11 @@ async fn each_rank_writes_and_reads_its_own_g4_keys_and_refuses_other_ranks_requ
         request: to_rank1.request.clone(),
     };
     assert!(matches!(
-        // SAFETY: as above.
-        unsafe { c0.execute_addressed(&other_world) }.await,
+        c0.execute_addressed(other_world.to, &reserved).await,
         Err(EngineError::WrongRank { .. })
     ));
     // Addressed to itself it runs.
-    // SAFETY: as above.
-    let mine = unsafe { c1.execute_addressed(&to_rank1) }.await.unwrap();
+    let mine = c1.execute_addressed(to_rank1.to, &reserved).await.unwrap();
     assert_eq!(mine, vec![Ok(())]);
     assert_eq!(g2_bytes(c1.worker(), 2), written[1]);
 

@@ -66,13 +66,15 @@ async fn two_ranks_down_to_disk_and_back_bytes_verified_per_rank() {
     let on_g2 = g2.register_blocks(complete);
 
     // Blocks 0..4 down on both ranks; block 4 on rank 0 only.
-    let down = SpmdMover::<G2, G3>::new(both.clone(), g3.clone());
+    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+    let down = unsafe { SpmdMover::<G2, G3>::new(both.clone(), g3.clone()) };
     let out = down
         .move_from(&on_g2[..4], g3.allocate_blocks(4).unwrap())
         .await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     drop(out);
-    let partial = SpmdMover::<G2, G3>::new(only_rank0, g3.clone());
+    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+    let partial = unsafe { SpmdMover::<G2, G3>::new(only_rank0, g3.clone()) };
     let out = partial
         .move_from(&on_g2[4..], g3.allocate_blocks(1).unwrap())
         .await;
@@ -82,7 +84,8 @@ async fn two_ranks_down_to_disk_and_back_bytes_verified_per_rank() {
     // Back up to G1 on both ranks.
     let on_g3 = g3.match_blocks(&hashes);
     assert_eq!(on_g3.len(), 5);
-    let up = SpmdMover::<G3, G1>::new(both, g1.clone());
+    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+    let up = unsafe { SpmdMover::<G3, G1>::new(both, g1.clone()) };
     let out = up.move_from(&on_g3, g1.allocate_blocks(5).unwrap()).await;
     for o in &out[..4] {
         assert!(o.is_ok(), "{o:?}");
@@ -160,7 +163,8 @@ async fn leader_and_two_workers_onboard_a_disk_prefix_bytes_verified_per_rank() 
             on_g2.iter().map(|b| bytes(&l, b.block_id())).collect()
         })
         .collect();
-    let down = SpmdMover::<G2, G3>::new(workers.clone(), g3.clone());
+    // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+    let down = unsafe { SpmdMover::<G2, G3>::new(workers.clone(), g3.clone()) };
     let out = down.move_from(&on_g2, g3.allocate_blocks(6).unwrap()).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     drop((out, on_g2));
@@ -184,10 +188,10 @@ async fn leader_and_two_workers_onboard_a_disk_prefix_bytes_verified_per_rank() 
     assert_eq!(session.prefix_len(), 6);
     session
         .prepare(MoversToG2 {
-            g3_to_g2: Some(Arc::new(SpmdMover::<G3, G2>::new(
-                workers.clone(),
-                g2.clone(),
-            ))),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            g3_to_g2: Some(Arc::new(unsafe {
+                SpmdMover::<G3, G2>::new(workers.clone(), g2.clone())
+            })),
             g4_to_g2: None,
             remote_g2: None,
         })
@@ -196,7 +200,8 @@ async fn leader_and_two_workers_onboard_a_disk_prefix_bytes_verified_per_rank() 
     assert_eq!(session.phase(), Phase::Staged);
     session
         .onboard(
-            Arc::new(SpmdMover::<G2, G1>::new(workers, g1.clone())),
+            // SAFETY: the test's ranks have layouts of this manager's blocks; nothing else writes them.
+            Arc::new(unsafe { SpmdMover::<G2, G1>::new(workers, g1.clone()) }),
             g1.allocate_blocks(6).unwrap(),
         )
         .await

@@ -163,12 +163,9 @@ impl ChecksumMemo {
         }
     }
 
-    /// The checksum of `block`'s payload (its `regions`): the memoised one when this
+    /// The checksum of `block`'s payload (its bytes, `slices`): the memoised one when this
     /// registration was hashed before, else computed now and kept.
-    ///
-    /// # Safety
-    /// `regions` must be readable host memory holding `block`'s bytes, for the call.
-    unsafe fn checksum(&self, block: &ImmutableBlock<G2>, regions: &[(usize, usize)]) -> u128 {
+    fn checksum(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> u128 {
         let (slot, registration, hash) = (
             block.block_id(),
             block.registration(),
@@ -181,8 +178,7 @@ impl ChecksumMemo {
         {
             return m.checksum;
         }
-        // SAFETY: guaranteed by the caller.
-        let checksum = unsafe { wire::payload_checksum(regions) };
+        let checksum = wire::payload_checksum(slices);
         if let Some(entry) = self.slots.lock().get_mut(slot) {
             *entry = Some(Memo {
                 registration,
@@ -814,7 +810,11 @@ async fn write_response(
         let regions = s.layout.block_addrs(block.block_id(), 0..layers);
         // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
         // (registered, immutable), so nothing writes its slot while it is read.
-        let checksum = unsafe { s.checksums.checksum(block, &regions) };
+        let slices: Vec<&[u8]> = regions
+            .iter()
+            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+            .collect();
+        let checksum = s.checksums.checksum(block, &slices);
         let header = wire::frame_header_with(
             *h,
             block.digest(),
@@ -831,11 +831,6 @@ async fn write_response(
         if let Some(sess) = session.as_mut() {
             head.extend_from_slice(&sess.tag(&[&header]));
         }
-        // SAFETY: as above.
-        let slices: Vec<&[u8]> = regions
-            .iter()
-            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
-            .collect();
         let payload_tag = match session {
             Some(sess) if sess.payload_mac => {
                 Some(sess.tag(&[&s.checksums.digest(block, &slices)]))

@@ -256,9 +256,7 @@ fn block_bytes() -> usize {
 /// A correct frame for `hash` from `A` with `payload`.
 fn frame(hash: SequenceHash, payload: &[u8]) -> Vec<u8> {
     let g = geometry_digest(geometry().config());
-    // SAFETY: `payload` is readable for the call.
-    let header =
-        unsafe { wire::frame_header(hash, A, g, &[(payload.as_ptr() as usize, payload.len())]) };
+    let header = wire::frame_header(hash, A, g, payload);
     let mut out = header.to_vec();
     out.extend_from_slice(payload);
     out
@@ -1053,8 +1051,7 @@ async fn a_digest_that_does_not_match_the_hash_is_refused() {
         // A well-formed header naming a made-up digest for hs[0].
         let bogus = kvbm_logical::BlockDigest([0x77; 32]);
         let region = [(payload.as_ptr() as usize, payload.len())];
-        // SAFETY: `payload` is readable for the call.
-        let checksum = unsafe { wire::payload_checksum(&region) };
+        let checksum = wire::payload_checksum(&[&payload]);
         let header = wire::frame_header_with(hs[0], Some(bogus), A, g, &region, checksum);
         reply.extend_from_slice(&header);
         reply.extend_from_slice(&payload);

@@ -197,32 +197,21 @@ pub(crate) fn decode_response_version(
 }
 
 #[cfg(test)]
-/// The frame header of a block served by `instance`: checksum over its `regions`.
-///
-/// # Safety
-/// Every region must be readable host memory for the duration of the call.
-pub(crate) unsafe fn frame_header(
+/// The frame header of a block served by `instance` whose bytes are `payload`.
+pub(crate) fn frame_header(
     hash: SequenceHash,
     instance: InstanceId,
     geometry: u64,
-    regions: &[(usize, usize)],
+    payload: &[u8],
 ) -> [u8; FRAME_HEADER_LEN] {
-    // SAFETY: forwarded from the caller.
-    let checksum = unsafe { payload_checksum(regions) };
-    frame_header_with(hash, None, instance, geometry, regions, checksum)
+    let checksum = payload_checksum(&[payload]);
+    let regions = [(payload.as_ptr() as usize, payload.len())];
+    frame_header_with(hash, None, instance, geometry, &regions, checksum)
 }
 
-/// The payload checksum of a block given as host regions (what a frame header carries).
-///
-/// # Safety
-/// Every region must be readable host memory for the call.
-pub(crate) unsafe fn payload_checksum(regions: &[(usize, usize)]) -> u128 {
-    checksum_slices(
-        regions
-            .iter()
-            // SAFETY: guaranteed by the caller.
-            .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) }),
-    )
+/// The payload checksum of a block given as its bytes in order (what a frame header carries).
+pub(crate) fn payload_checksum(slices: &[&[u8]]) -> u128 {
+    checksum_slices(slices.iter().copied())
 }
 
 /// The payload's BLAKE3 digest, over its bytes in order: what a payload tag covers (the

@@ -167,27 +167,36 @@ impl Ranks {
             Arc::<BadCopies<G3>>::default(),
             Arc::<BadCopies<G4>>::default(),
         );
-        let g4_to_g2 = tiers.g4.as_ref().map(|_| {
-            Arc::new(
-                SpmdMover::<G4, G2>::new(pw.clone(), tiers.g2.clone())
-                    .with_rejected(g4_rejected.clone()),
+        // SAFETY: proven once for every move over these ranks: each rank joined with layouts
+        // checked against these managers (`check_ranks`: every tier's layout has at least
+        // the manager's blocks), and this leader is the only writer of their slots (a worker
+        // process obeys only its own leader's sealed requests). The moves are then safe calls
+        // (`kvbm_engine::worker::Reserved`).
+        let (g4_to_g2, g2_to_g4, g3_to_g2, g2_to_g3, g2_to_g1) = unsafe {
+            (
+                tiers.g4.as_ref().map(|_| {
+                    Arc::new(
+                        SpmdMover::<G4, G2>::new(pw.clone(), tiers.g2.clone())
+                            .with_rejected(g4_rejected.clone()),
+                    )
+                }),
+                tiers
+                    .g4
+                    .as_ref()
+                    .map(|g4| SpmdMover::<G2, G4>::new(pw.clone(), g4.clone())),
+                tiers.g3.as_ref().map(|_| {
+                    Arc::new(
+                        SpmdMover::<G3, G2>::new(pw.clone(), tiers.g2.clone())
+                            .with_rejected(g3_rejected.clone()),
+                    )
+                }),
+                tiers
+                    .g3
+                    .as_ref()
+                    .map(|g3| SpmdMover::<G2, G3>::new(pw.clone(), g3.clone())),
+                Arc::new(SpmdMover::<G2, G1>::new(pw, tiers.g1.clone())),
             )
-        });
-        let g2_to_g4 = tiers
-            .g4
-            .as_ref()
-            .map(|g4| SpmdMover::<G2, G4>::new(pw.clone(), g4.clone()));
-        let g3_to_g2 = tiers.g3.as_ref().map(|_| {
-            Arc::new(
-                SpmdMover::<G3, G2>::new(pw.clone(), tiers.g2.clone())
-                    .with_rejected(g3_rejected.clone()),
-            )
-        });
-        let g2_to_g3 = tiers
-            .g3
-            .as_ref()
-            .map(|g3| SpmdMover::<G2, G3>::new(pw.clone(), g3.clone()));
-        let g2_to_g1 = Arc::new(SpmdMover::<G2, G1>::new(pw, tiers.g1.clone()));
+        };
 
         // A restarted rank's memory is empty: what this instance placed on the old process is
         // dropped (G2 through the leader, G1 here) before the rank gets work again; it stays

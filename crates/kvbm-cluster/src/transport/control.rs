@@ -62,7 +62,7 @@ use kvbm_offload::{BlockFailure, BlockFailureKind};
 use super::{PeerInfo, WorkerAddress};
 pub use kvbm_engine::error::ControlError;
 use kvbm_engine::mover::BlockOutcome;
-use kvbm_engine::worker::{ParallelWorkers, PhysicalWorker, TransferRequest};
+use kvbm_engine::worker::{ParallelWorkers, PhysicalWorker, Reserved, TransferRequest};
 
 /// Version of the control protocol this build writes (see the [module docs](self)).
 pub const PROTOCOL_VERSION: u32 = 3;
@@ -585,16 +585,15 @@ impl ControlledWorkers {
     /// When a rank could not be driven at all (its call failed): the first such rank's
     /// [`ControlError`], after every rank settled; no block of the request counts as moved.
     ///
-    /// # Safety
-    /// As [`ParallelWorkers::execute`]: the request's slots are reserved for it on every rank
-    /// until this returns.
-    pub async unsafe fn transfer(
+    pub async fn transfer(
         &self,
-        request: &TransferRequest,
+        reserved: &Reserved<'_>,
     ) -> Result<Vec<BlockOutcome>, ControlError> {
+        let request = reserved.request();
         let n = request.blocks.len();
         let replies = join_all(self.ranks.iter().map(|r| {
-            // SAFETY: the slots are reserved for this request (this function's contract).
+            // SAFETY: `reserved` proves the slots reserved for this request on every rank (see
+            // `Reserved`), held by the caller until every rank replied or timed out.
             unsafe { r.call_unchecked(ControlRequest::Transfer(request.clone())) }
         }))
         .await;
@@ -645,14 +644,13 @@ impl ParallelWorkers for ControlledWorkers {
         self.ranks.len()
     }
 
-    unsafe fn execute(&self, request: TransferRequest) -> BoxFuture<'_, Vec<BlockOutcome>> {
+    fn execute<'a>(&'a self, reserved: Reserved<'a>) -> BoxFuture<'a, Vec<BlockOutcome>> {
         Box::pin(async move {
-            // SAFETY: forwarded from the caller (`execute`'s contract is `transfer`'s).
-            match unsafe { self.transfer(&request) }.await {
+            match self.transfer(&reserved).await {
                 Ok(v) => v,
                 Err(e) => {
                     let f = BlockFailure::new(e.failure_kind(), e.to_string());
-                    vec![Err(f); request.blocks.len()]
+                    vec![Err(f); reserved.request().blocks.len()]
                 }
             }
         })

@@ -501,7 +501,6 @@ impl OnboardingSession {
         let ids: Vec<BlockId> = destinations.iter().map(|b| b.block_id()).collect();
         let (tx, rx) = watch::channel(LayerProgress::default());
         let shared = self.shared.clone();
-        let task_ids = ids.clone();
         let task = tokio::spawn(async move {
             let mut failure: Option<(usize, BlockFailure)> = None;
             let mut aborted = false;
@@ -511,11 +510,12 @@ impl OnboardingSession {
                     aborted = true;
                     break;
                 }
-                // SAFETY: `task_ids` are the slots of `destinations`, this task's unregistered
-                // `MutableBlock`s of the mover's destination manager, held until they are
-                // registered after the last layer (or dropped on failure); `staged` holds the
-                // sources registered.
-                let out = unsafe { mover.move_layers(&staged, &task_ids, layer..layer + 1) }.await;
+                // `destinations` are this task's unregistered blocks of the mover's destination
+                // manager, held until they are registered after the last layer (or dropped on
+                // failure); `staged` holds the sources registered.
+                let out = mover
+                    .move_layers(&staged, &destinations, layer..layer + 1)
+                    .await;
                 if let Some((n, mut first)) = first_failure(&out) {
                     first.message = format!("layer {layer}: {}", first.message);
                     failure = Some((n, first));

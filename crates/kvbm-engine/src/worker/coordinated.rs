@@ -9,8 +9,9 @@
 //! plus its [`RankAddress`] (rank and world size):
 //!
 //! * **Requests are addressed.** [`execute_addressed`](CoordinatedWorker::execute_addressed)
-//!   runs an [`AddressedRequest`] only when its address is this rank in this world, and
-//!   otherwise refuses it with [`EngineError::WrongRank`], moving nothing.
+//!   runs a request sent to an address (an [`AddressedRequest`]'s) only when that address is
+//!   this rank in this world, and otherwise refuses it with [`EngineError::WrongRank`], moving
+//!   nothing.
 //! * **Layouts resolve per rank.** [`resolve_for`](CoordinatedWorker::resolve_for) maps a
 //!   [`TierId`] to this rank's physical layout, refusing a handle addressed to
 //!   another rank ([`EngineError::WrongRank`]) or a tier the rank lacks
@@ -34,7 +35,7 @@ use std::sync::Arc;
 
 use kvbm_physical::{Backing, LayoutHandle, ObjectConfig};
 
-use super::{PhysicalWorker, TransferRequest};
+use super::{PhysicalWorker, Reserved, TransferRequest};
 use crate::address::RankAddress;
 use crate::error::{EngineError, Result};
 use crate::mover::BlockOutcome;
@@ -165,29 +166,25 @@ impl CoordinatedWorker {
             .ok_or(EngineError::TierMissing(handle))
     }
 
-    /// Runs `request` on this rank (see [`PhysicalWorker::execute`]).
-    ///
-    /// # Safety
-    /// As [`PhysicalWorker::execute`].
-    pub async unsafe fn execute(&self, request: &TransferRequest) -> Vec<BlockOutcome> {
-        // SAFETY: this fn's contract.
-        unsafe { self.worker.execute(request) }.await
+    /// Runs `reserved` on this rank (see [`PhysicalWorker::execute`]).
+    pub async fn execute(&self, reserved: &Reserved<'_>) -> Vec<BlockOutcome> {
+        // SAFETY: `reserved` proves the request's slots reserved for it (see `Reserved`), held
+        // by the caller until this resolves.
+        unsafe { self.worker.execute(reserved.request()) }.await
     }
 
-    /// Runs `request` when it is addressed to this rank; one result per block.
+    /// Runs `reserved` when `to` (the address it was sent to) is this rank in this world; one
+    /// result per block.
     ///
     /// # Errors
     /// [`EngineError::WrongRank`] (nothing moved) when it is addressed to another rank or
     /// another world size.
-    ///
-    /// # Safety
-    /// As [`PhysicalWorker::execute`], for `request.request`.
-    pub async unsafe fn execute_addressed(
+    pub async fn execute_addressed(
         &self,
-        request: &AddressedRequest,
+        to: RankAddress,
+        reserved: &Reserved<'_>,
     ) -> Result<Vec<BlockOutcome>> {
-        self.check(request.to)?;
-        // SAFETY: this fn's contract.
-        Ok(unsafe { self.worker.execute(&request.request) }.await)
+        self.check(to)?;
+        Ok(self.execute(reserved).await)
     }
 }

@@ -79,7 +79,8 @@ async fn every_rank_moves_and_blocks_register_once() {
     let (_g2, g1, held) = blocks();
     let workers: Arc<dyn ParallelWorkers> =
         Arc::new(SpmdParallelWorkers::new(vec![worker(0, true), worker(1, true)]).unwrap());
-    let mover = SpmdMover::<G2, G1>::new(workers, g1.clone());
+    // SAFETY: the test's ranks have G1 layouts of `g1`'s blocks; nothing else writes them.
+    let mover = unsafe { SpmdMover::<G2, G1>::new(workers, g1.clone()) };
     let out = mover.move_from(&held, g1.allocate_blocks(2).unwrap()).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     let hashes: Vec<_> = held.iter().map(|b| b.sequence_hash()).collect();
@@ -92,7 +93,8 @@ async fn one_failing_rank_fails_the_block_and_returns_the_destination() {
     // Rank 1 has no G1 layout: every block fails there, though rank 0 moves it.
     let workers: Arc<dyn ParallelWorkers> =
         Arc::new(SpmdParallelWorkers::new(vec![worker(0, true), worker(1, false)]).unwrap());
-    let mover = SpmdMover::<G2, G1>::new(workers, g1.clone());
+    // SAFETY: the test's ranks have G1 layouts of `g1`'s blocks; nothing else writes them.
+    let mover = unsafe { SpmdMover::<G2, G1>::new(workers, g1.clone()) };
     let out = mover.move_from(&held, g1.allocate_blocks(2).unwrap()).await;
     assert_eq!(out.len(), 2);
     for o in &out {
@@ -148,7 +150,28 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     let another_g1 = small::<G1>();
     let err = spmd.check_bound(&another_g1).unwrap_err();
     assert!(err.to_string().contains("rank 0"), "{err}");
-    assert!(SpmdMover::<G2, G1>::bound(spmd.clone(), another_g1).is_err());
+    assert!(SpmdMover::<G2, G1>::bound(spmd.clone(), another_g1.clone()).is_err());
+    // A mover proven over `g1` refuses destinations of another G1 manager (their ids would be
+    // another owner's slots in the ranks' layouts), whole or layer by layer; nothing moves.
+    let mover = SpmdMover::<G2, G1>::bound(spmd.clone(), g1.clone()).unwrap();
+    let layers = SpmdLayerMover::<G2, G1>::bound(spmd.clone(), g1.clone()).unwrap();
+    let foreign = another_g1.allocate_blocks(2).unwrap();
+    let out = layers.move_layers(&held, &foreign, 0..1).await;
+    assert!(
+        out.iter().all(|o| o
+            .as_ref()
+            .unwrap_err()
+            .message
+            .contains("not a block of the mover's G1")),
+        "{out:?}"
+    );
+    let out = mover.move_from(&held, foreign).await;
+    assert!(
+        out.iter()
+            .all(|o| o.as_ref().unwrap_err().kind == BlockFailureKind::Refused),
+        "{out:?}"
+    );
+    assert!(g1.match_blocks(&[held[0].sequence_hash()]).is_empty());
     // A rank with an unbound layout is named.
     let mixed = Arc::new(
         SpmdParallelWorkers::new(vec![bound_worker(0, &g1, &g2), worker(1, true)]).unwrap(),
@@ -160,14 +183,11 @@ async fn bound_tiers_are_checked_per_rank_and_give_the_layer_count() {
     let layer_mover = SpmdLayerMover::<G2, G1>::bound(spmd.clone(), g1.clone()).unwrap();
     assert_eq!(layer_mover.num_layers(), 2);
     let dst = g1.allocate_blocks(2).unwrap();
-    let ids: Vec<BlockId> = dst.iter().map(|b| b.block_id()).collect();
     for l in 0..2 {
-        // SAFETY: `ids` are the slots of `dst`, unregistered blocks of `g1` held here.
-        let out = unsafe { layer_mover.move_layers(&held, &ids, l..l + 1) }.await;
+        let out = layer_mover.move_layers(&held, &dst, l..l + 1).await;
         assert_eq!(out, vec![Ok(()), Ok(())]);
     }
-    // SAFETY: as above.
-    let out = unsafe { layer_mover.move_layers(&held, &ids, 2..3) }.await;
+    let out = layer_mover.move_layers(&held, &dst, 2..3).await;
     assert!(
         out.iter()
             .all(|o| o.as_ref().unwrap_err().message.contains("outside")),
@@ -230,7 +250,8 @@ async fn digests_travel_with_worker_transfers_and_are_checked() {
     .unwrap();
     let workers: Arc<dyn ParallelWorkers> =
         Arc::new(SpmdParallelWorkers::new(vec![worker]).unwrap());
-    let up = SpmdMover::<kvbm_logical::G3, G2>::new(workers.clone(), g2.clone());
+    // SAFETY: the rank's G2 tier is bound to `g2`; nothing else writes it.
+    let up = unsafe { SpmdMover::<kvbm_logical::G3, G2>::new(workers.clone(), g2.clone()) };
     let back = up.move_from(&on_g3, g2.allocate_blocks(1).unwrap()).await;
     let b = back[0]
         .as_ref()
@@ -248,7 +269,7 @@ async fn digests_travel_with_worker_transfers_and_are_checked() {
         TransferRequest::from_sources(TierId::G2, &on_g3, dst.iter().map(|d| d.block_id()));
     assert_eq!(wrong.digests, vec![Some(digest)]);
     wrong.digests = vec![Some(kvbm_logical::BlockDigest([8; 32]))];
-    // SAFETY: test-owned layouts; nothing else touches the slots.
-    let out = unsafe { workers.execute(wrong) }.await;
+    // SAFETY: test-owned layouts; `dst` holds the destination, nothing else touches the slots.
+    let out = workers.execute(unsafe { Reserved::vouched(wrong) }).await;
     assert!(out[0].is_err(), "{out:?}");
 }

@@ -98,16 +98,15 @@ impl kvbm_engine::mover::LayerMove<kvbm_logical::G2, kvbm_logical::G1> for Gated
         self.inner.num_layers()
     }
 
-    unsafe fn move_layers<'a>(
+    fn move_layers<'a>(
         &'a self,
         sources: &'a [kvbm_logical::ImmutableBlock<kvbm_logical::G2>],
-        destinations: &'a [kvbm_logical::BlockId],
+        destinations: &'a [kvbm_logical::MutableBlock<kvbm_logical::G1>],
         layers: std::ops::Range<usize>,
     ) -> futures::future::BoxFuture<'a, Vec<kvbm_engine::mover::BlockOutcome>> {
         Box::pin(async move {
             self.gate.acquire().await.unwrap().forget();
-            // SAFETY: this fn's contract, passed on.
-            unsafe { self.inner.move_layers(sources, destinations, layers) }.await
+            self.inner.move_layers(sources, destinations, layers).await
         })
     }
 }

@@ -90,7 +90,10 @@ async fn every_rank_moves_and_digests_match_per_rank() {
     }
     let req = request();
     // SAFETY: test-owned layouts; nothing else reads or writes the slots.
-    let out = unsafe { all.transfer(&req) }.await.unwrap();
+    let out = all
+        .transfer(&unsafe { Reserved::vouched(req) })
+        .await
+        .unwrap();
     assert_eq!(out, vec![Ok(()), Ok(())]);
     let mut per_rank = Vec::new();
     for c in all.ranks() {
@@ -110,7 +113,7 @@ async fn every_rank_moves_and_digests_match_per_rank() {
 async fn a_rank_without_the_tier_fails_every_block() {
     let all = controlled(&[worker(0, true), worker(1, false)]);
     // SAFETY: test-owned layouts; nothing else reads or writes the slots.
-    let out = unsafe { ParallelWorkers::execute(&all, request()) }.await;
+    let out = ParallelWorkers::execute(&all, unsafe { Reserved::vouched(request()) }).await;
     assert_eq!(out.len(), 2);
     for o in out {
         let m = o.unwrap_err();

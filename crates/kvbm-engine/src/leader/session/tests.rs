@@ -228,7 +228,7 @@ mod layerwise_model {
     use std::sync::{Arc, Weak};
 
     use futures::future::BoxFuture;
-    use kvbm_logical::{BlockId, BlockManager, G1, G2, ImmutableBlock};
+    use kvbm_logical::{BlockManager, G1, G2, ImmutableBlock, MutableBlock};
     use proptest::prelude::*;
 
     use super::super::*;
@@ -251,10 +251,10 @@ mod layerwise_model {
         fn num_layers(&self) -> usize {
             self.layers
         }
-        unsafe fn move_layers<'a>(
+        fn move_layers<'a>(
             &'a self,
             sources: &'a [ImmutableBlock<G2>],
-            destinations: &'a [BlockId],
+            destinations: &'a [MutableBlock<G1>],
             layers: Range<usize>,
         ) -> BoxFuture<'a, Vec<BlockOutcome>> {
             Box::pin(async move {
