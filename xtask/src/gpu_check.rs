@@ -2,7 +2,7 @@
 //! feature. It builds the crate's unit-test binary in release with `--features cuda`, checks
 //! that a CUDA driver and device are usable, runs the GPU tests (`cuda::` in that binary, with
 //! `KVBM_REQUIRE_GPU=1` so none can silently skip), runs the GPU benchmark (the ignored test
-//! `cuda::bench::gpu_bench`), and writes `OUT/gpu-check.json` with both.
+//! `cuda::tests::bench::gpu_bench`), and writes `OUT/gpu-check.json` with both.
 //!
 //! Without a GPU it fails at once with the reason and writes no JSON: no numbers are made up.
 //!
@@ -123,7 +123,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let bench = run_capture(
         Command::new(&exe)
             .args([
-                "cuda::bench::gpu_bench",
+                "cuda::tests::bench::gpu_bench",
                 "--exact",
                 "--ignored",
                 "--nocapture",

@@ -53,7 +53,7 @@ use crate::{find_on_path, on_path, run_step};
 /// as its own module without depending on the workspace's crates).
 /// Its document forms (`publish_line`, …) are kvbm-cluster's test's alone.
 #[path = "../../crates/kvbm-cluster/src/transport/grants.rs"]
-#[allow(dead_code, unreachable_pub)]
+#[allow(dead_code, unreachable_pub, unexpected_cfgs)]
 mod grants;
 use grants::Grants;
 

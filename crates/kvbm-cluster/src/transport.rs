@@ -25,8 +25,6 @@
 
 pub mod control;
 pub mod grants;
-#[cfg(all(test, feature = "nats"))]
-mod grants_tests;
 #[cfg(feature = "nats")]
 pub mod membership;
 #[cfg(feature = "nats")]

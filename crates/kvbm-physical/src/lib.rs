@@ -20,6 +20,7 @@ pub mod io;
 pub mod layout;
 pub mod net;
 pub mod nixl;
+pub mod physical;
 pub mod storage;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -30,10 +31,9 @@ pub use fingerprint::{FingerprintBuilder, ModelFingerprint, Parallelism};
 pub use identity::{BlockIdentity, ObjectBinding};
 pub use io::IoEngine;
 pub use layout::canonical::{CanonicalPageMapping, CopyRun, PageOrder};
-pub use layout::{
-    Backing, BlockDim, BlockLayout, LayoutBuilder, LayoutConfig, LayoutKind, PhysicalLayout, Region,
-};
+pub use layout::{BlockDim, BlockLayout, LayoutBuilder, LayoutConfig, LayoutKind, Region};
 pub use net::is_loopback;
+pub use physical::{Backing, PhysicalLayout};
 pub use storage::{
     DeviceMemory, DiskBufferPoolStats, DiskCapabilities, DiskConfig, DiskStorage,
     HostStandInDevice, HostStorage, IoEngineKind, JournalEntry, JournalFile, JournalGeometry,

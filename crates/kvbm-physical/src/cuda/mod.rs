@@ -20,12 +20,14 @@
 //!   `cuMemHostRegister(PORTABLE)` ([`register_host`]) on first use by a GPU transfer (or up
 //!   front); the registration is attached to the allocation and undone before it is unmapped.
 //!   [`CudaPinnedBuffer`] (`cuMemHostAlloc`) exists for the benchmark's reference copy.
-//! * **Transfers**: the transfer manager's memory strategy hands any job with real GPU memory
-//!   on either side to [`copy`]'s planner: region pairs per block for the requested
+//! * **Transfers** (`crate::transfer::cuda`, beside the transfer manager it serves; this module
+//!   is the driver below it and knows nothing of transfers): the transfer manager's memory
+//!   strategy hands any job with real GPU memory on either side to the copy planner
+//!   (`transfer::cuda::copy`): region pairs per block for the requested
 //!   `layer_range`, sorted by destination, merged where contiguous on both sides (a run of
 //!   consecutive block ids in fully contiguous layouts is one copy). All pieces of a transfer
 //!   go onto one stream in as few calls as the driver allows: **`cuMemcpyBatchAsync`**
-//!   (`_v2` on CUDA 13 drivers, the 12.8 symbol otherwise; up to [`copy::MAX_BATCH`] pieces
+//!   (`_v2` on CUDA 13 drivers, the 12.8 symbol otherwise; up to `copy::MAX_BATCH` pieces
 //!   per call), falling back to one `cuMemcpyAsync` per piece on older drivers (or for the
 //!   rest of the process if a batched call ever fails). No NVRTC
 //!   gather/scatter kernel was written: the batched API is the chosen path; the benchmark
@@ -70,9 +72,9 @@
 //! ```
 //!
 //! (`cargo xtask gpu-check --out DIR` does build + run in one step on a GPU machine that has
-//! cargo and the crates.) It runs the GPU tests in `tests.rs` (allocation, G1→G2→G3→G2→G1
+//! cargo and the crates.) It runs the GPU tests in `tests/mod.rs` (allocation, G1→G2→G3→G2→G1
 //! round trip with checksums, layer-wise onboarding with completion order, many small scattered
-//! blocks, the event precondition) and the benchmark in `bench.rs` (raw pinned
+//! blocks, the event precondition) and the benchmark in `tests/bench.rs` (raw pinned
 //! `cuMemcpyAsync` peak, 2 MiB blocks and 64 KiB layer-separate pieces H2D/D2H against it,
 //! batched vs per-piece, fixed overhead of a 64-block offload), and writes `gpu-check.json`,
 //! `bench.json` and the two logs to `$OUT` (about a minute of GPU time expected). Targets:
@@ -85,18 +87,12 @@
 #![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
 
 #[cfg(feature = "cuda")]
-mod context;
-#[cfg(feature = "cuda")]
-pub mod copy;
+pub(crate) mod context;
 #[cfg(feature = "cuda")]
 pub mod event;
 #[cfg(feature = "cuda")]
-mod memory;
-#[cfg(feature = "cuda")]
-mod transfer;
+pub(crate) mod memory;
 
-#[cfg(all(test, feature = "cuda"))]
-mod bench;
 #[cfg(all(test, feature = "cuda"))]
 mod tests;
 
@@ -106,10 +102,6 @@ pub use context::{CudaDevice, Direction};
 pub use event::{CudaEventPrecondition, EventFuture};
 #[cfg(feature = "cuda")]
 pub use memory::{CudaDeviceMemory, CudaPinnedBuffer, register_host};
-#[cfg(feature = "cuda")]
-pub use transfer::copy_stats;
-#[cfg(feature = "cuda")]
-pub(crate) use transfer::{dispatch, try_direct};
 
 /// Whether a CUDA driver can be used: feature `cuda` on and `libcuda` loadable.
 pub fn cuda_available() -> bool {

@@ -19,9 +19,6 @@
 //! 002 (`CopyRun`, `CanonicalPageMapping`).
 
 pub mod canonical;
-mod physical;
-
-pub use physical::{Backing, PhysicalLayout};
 
 use crate::error::{PhysicalError, Result};
 

@@ -111,7 +111,7 @@ proptest! {
     fn block_span_is_the_whole_block_of_a_contiguous_layout(layout in any_layout()) {
         let c = *layout.config();
         let contiguous = layout.kind() == LayoutKind::FullyContiguous;
-        let p = PhysicalLayout::allocate_host(layout, crate::storage::PinPolicy::Unpinned).unwrap();
+        let p = crate::physical::PhysicalLayout::allocate_host(layout, crate::storage::PinPolicy::Unpinned).unwrap();
         for b in 0..c.num_blocks {
             let addrs = p.block_addrs(b, 0..c.num_layers);
             match p.block_span(b) {

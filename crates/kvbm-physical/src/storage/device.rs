@@ -3,12 +3,10 @@
 //! [`DeviceMemory`] is what the transfer manager needs from a GPU allocation: its device address
 //! range and three synchronous copy primitives. Under feature `cuda`, with a driver present
 //! (checked with `cudarc::driver::sys::is_culib_present()` before any call: cudarc panics
-//! rather than erroring without one), [`allocate_device`] returns real device memory from
-//! `crate::cuda`. Otherwise it returns a [`HostStandInDevice`], so every layer above can run and
-//! be tested on a CPU-only machine.
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+//! rather than erroring without one), `PhysicalLayout::allocate_device` gets real device memory
+//! from `crate::cuda`; otherwise a [`HostStandInDevice`], so every layer above can run and be
+//! tested on a CPU-only machine. This module defines what device memory is and knows nothing of
+//! CUDA (`cuda` depends on it, not the other way).
 
 use crate::error::Result;
 use crate::storage::{HostStorage, PinPolicy, Storage, StorageKind};
@@ -85,22 +83,4 @@ impl DeviceMemory for HostStandInDevice {
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
         Ok(())
     }
-}
-
-static STAND_IN_LOGGED: AtomicBool = AtomicBool::new(false);
-
-/// Allocates `len` bytes on device `ordinal`: real GPU memory when feature `cuda` is on and a
-/// driver is present, the host stand-in otherwise (logged once).
-pub fn allocate_device(len: usize, ordinal: usize) -> Result<Arc<dyn DeviceMemory>> {
-    if crate::cuda::cuda_available() {
-        #[cfg(feature = "cuda")]
-        return Ok(Arc::new(crate::cuda::CudaDeviceMemory::new(len, ordinal)?));
-    }
-    if !STAND_IN_LOGGED.swap(true, Ordering::Relaxed) {
-        tracing::info!(
-            ordinal,
-            "no CUDA driver (or feature `cuda` off): device memory is a host stand-in"
-        );
-    }
-    Ok(Arc::new(HostStandInDevice::new(len)?))
 }

@@ -26,7 +26,7 @@ pub mod journal;
 mod object;
 mod object_key;
 
-pub use device::{DeviceMemory, HostStandInDevice, allocate_device};
+pub use device::{DeviceMemory, HostStandInDevice};
 pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
 pub use disk_buffers::{DEFAULT_BUFFER_POOL_BYTES, DiskBufferPoolStats};
 pub use host::{HostStorage, PinPolicy};

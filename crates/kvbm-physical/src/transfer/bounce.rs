@@ -27,7 +27,8 @@ use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::Result;
-use crate::layout::{Backing, BlockLayout, LayoutConfig, PhysicalLayout};
+use crate::layout::{BlockLayout, LayoutConfig};
+use crate::physical::{Backing, PhysicalLayout};
 use crate::storage::{HostStorage, PinPolicy};
 
 /// Most blocks per round when a block does not fit a pooled buffer (the one-off path).

@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 
 use super::{BlockId, LayoutHandle};
 use crate::error::{PhysicalError, Result};
-use crate::layout::{Backing, PhysicalLayout};
+use crate::physical::{Backing, PhysicalLayout};
 
 /// Address spaces of reservations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -67,6 +67,8 @@
 
 mod bounce;
 mod claims;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod strategy;
 #[cfg(test)]
 mod tests;
@@ -86,7 +88,7 @@ use tokio::sync::oneshot;
 
 use crate::error::{PhysicalError, Result};
 use crate::identity::BlockIdentity;
-use crate::layout::PhysicalLayout;
+use crate::physical::PhysicalLayout;
 use crate::storage::{ObjectKey, ObjectPutMode, StorageKind};
 use claims::{Claims, JobGuard, Reservation};
 
@@ -560,9 +562,9 @@ impl TransferManager {
         options: TransferOptions,
     ) -> Result<TransferCompletion, PhysicalError> {
         let job = self.validate(src, src_block_ids, dst, dst_block_ids, options)?;
-        // Real GPU memory: submitted here, completed by the CUDA event thread (`crate::cuda`).
+        // Real GPU memory: submitted here, completed by the CUDA event thread (`cuda`).
         #[cfg(feature = "cuda")]
-        let job = match crate::cuda::try_direct(job) {
+        let job = match cuda::try_direct(job) {
             Ok(completion) => return Ok(completion),
             Err(job) => job,
         };

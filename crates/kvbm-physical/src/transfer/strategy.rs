@@ -8,7 +8,8 @@ use futures::future::BoxFuture;
 use super::bounce::BouncePool;
 use super::{BlockId, CopyJob, Job};
 use crate::error::{PhysicalError, Result};
-use crate::layout::{Backing, PhysicalLayout, region_pairs};
+use crate::layout::region_pairs;
+use crate::physical::{Backing, PhysicalLayout};
 use crate::storage::{DeviceMemory, StorageKind};
 
 pub(super) async fn run(job: Job, bounce: Arc<BouncePool>) -> Vec<(BlockId, Result<()>)> {
@@ -24,9 +25,9 @@ fn all_layers(job: &Job) -> std::ops::Range<usize> {
 fn run_inner(job: Job, bounce: Arc<BouncePool>) -> BoxFuture<'static, Vec<Result<()>>> {
     use StorageKind::*;
     Box::pin(async move {
-        // Real GPU memory on either side: stream-ordered batched copies (`crate::cuda`).
+        // Real GPU memory on either side: stream-ordered batched copies (`transfer::cuda`).
         #[cfg(feature = "cuda")]
-        if let Some(fut) = crate::cuda::dispatch(&job) {
+        if let Some(fut) = super::cuda::dispatch(&job) {
             return fut.await;
         }
         let full = job.layers == all_layers(&job);
@@ -265,7 +266,7 @@ mod object_io {
 
     use super::{Job, all_layers, copy_regions, device0};
     use crate::error::{PhysicalError, Result};
-    use crate::layout::{Backing, PhysicalLayout};
+    use crate::physical::{Backing, PhysicalLayout};
 
     /// Host memory of a registered layout lent to a `Bytes` without copying; keeps the layout
     /// alive until the body is sent.

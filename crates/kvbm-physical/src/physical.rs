@@ -1,14 +1,39 @@
-//! A [`BlockLayout`] bound to the storage that holds it.
+//! [`PhysicalLayout`]: a [`BlockLayout`] bound to the storage that holds it.
+//!
+//! Its own module, above `layout` (pure geometry, which `storage`, `identity` and `fingerprint`
+//! read) and `storage`, so the crate's modules form no cycle.
 
 use std::sync::Arc;
 
-use super::{BlockLayout, LayoutKind};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use crate::error::{PhysicalError, Result};
+use crate::layout::{BlockLayout, LayoutKind};
 #[cfg(feature = "object")]
 use crate::storage::ObjectStorage;
 use crate::storage::{
-    DeviceMemory, DiskConfig, DiskStorage, HostStorage, PinPolicy, StorageKind, allocate_device,
+    DeviceMemory, DiskConfig, DiskStorage, HostStandInDevice, HostStorage, PinPolicy, StorageKind,
 };
+
+static STAND_IN_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// Allocates `len` bytes on device `ordinal`: real GPU memory when feature `cuda` is on and a
+/// driver is present, the host stand-in otherwise (logged once). Here, above both `storage`
+/// (which defines what device memory is) and `cuda` (which provides it), so neither depends on
+/// the other.
+fn allocate_device(len: usize, ordinal: usize) -> Result<Arc<dyn DeviceMemory>> {
+    if crate::cuda::cuda_available() {
+        #[cfg(feature = "cuda")]
+        return Ok(Arc::new(crate::cuda::CudaDeviceMemory::new(len, ordinal)?));
+    }
+    if !STAND_IN_LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::info!(
+            ordinal,
+            "no CUDA driver (or feature `cuda` off): device memory is a host stand-in"
+        );
+    }
+    Ok(Arc::new(HostStandInDevice::new(len)?))
+}
 
 /// The storage behind a layout.
 #[derive(Debug, Clone)]

@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::copy::{Piece, coalesce, plan};
 use super::{CudaDevice, CudaEventPrecondition, CudaPinnedBuffer, Direction, register_host};
-use crate::layout::{Backing, BlockDim, BlockLayout, LayoutKind, PhysicalLayout};
+use crate::layout::{BlockDim, BlockLayout, LayoutKind};
+use crate::physical::{Backing, PhysicalLayout};
 use crate::storage::{DiskConfig, HostStorage, PinPolicy};
+use crate::transfer::cuda::copy::{Piece, coalesce, plan};
 use crate::transfer::{BlockId, LayoutHandle, TransferManager, TransferOptions};
 
 /// `true` when a GPU can be used; otherwise prints why the test is skipped (or panics under
@@ -353,10 +354,10 @@ fn gpu_many_small_scattered_blocks() {
     let s: Vec<usize> = permutation(n, 11)[..count].to_vec();
     let d: Vec<usize> = permutation(n, 12)[..count].to_vec();
     let e: Vec<usize> = permutation(n, 13)[..count].to_vec();
-    let before = super::copy_stats();
+    let before = crate::transfer::cuda::copy_stats();
     xfer(&tm, src, &s, g1, &d, TransferOptions::default());
     xfer(&tm, g1, &d, g2, &e, TransferOptions::default());
-    let after = super::copy_stats();
+    let after = crate::transfer::cuda::copy_stats();
     let (sl, gl) = (tm.layout(src).unwrap(), tm.layout(g2).unwrap());
     for i in 0..count {
         assert_eq!(checksum(&gl, e[i]), checksum(&sl, s[i]), "block {}", s[i]);
@@ -364,10 +365,10 @@ fn gpu_many_small_scattered_blocks() {
     let (pieces, calls) = (after.1 - before.1, after.2 - before.2);
     eprintln!(
         "scattered: {count} blocks × 8 layers, 2 transfers: {pieces} pieces in {calls} driver calls (batch API: {})",
-        super::copy::batch_api()
+        crate::transfer::cuda::copy::batch_api()
     );
-    if super::copy::batch_api() != "none" {
-        assert!(calls <= 2 * pieces.div_ceil(super::copy::MAX_BATCH as u64));
+    if crate::transfer::cuda::copy::batch_api() != "none" {
+        assert!(calls <= 2 * pieces.div_ceil(crate::transfer::cuda::copy::MAX_BATCH as u64));
     }
 }
 
@@ -400,3 +401,5 @@ fn gpu_event_precondition() {
         assert!(status == cudarc::driver::sys::CUresult::CUDA_SUCCESS);
     }
 }
+
+mod bench;

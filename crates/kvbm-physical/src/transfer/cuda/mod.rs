@@ -1,18 +1,22 @@
 //! The transfer manager's strategy for real GPU memory: plan, submit on a copy stream, record
-//! an event, and resolve when the completion thread sees it.
+//! an event, and resolve when the completion thread sees it. It lives with the transfer
+//! manager (it runs its jobs) and drives `crate::cuda` (the driver: contexts, streams,
+//! events, memory), which knows nothing of transfers.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
 
-use super::context::{CudaDevice, Direction};
-use super::copy::{plan, submit};
-use super::event::{Notify, record_notify};
-use super::memory::{ordinal_of, register_host};
+use self::copy::{plan, submit};
+use super::{BlockId, Job, TransferCompletion, TransferOutcome};
+use crate::cuda::context::{CudaDevice, Direction};
+use crate::cuda::event::{Notify, record_notify};
+use crate::cuda::memory::{ordinal_of, register_host};
 use crate::error::{PhysicalError, Result};
-use crate::layout::{Backing, PhysicalLayout};
-use crate::transfer::{BlockId, Job, TransferCompletion, TransferOutcome};
+use crate::physical::{Backing, PhysicalLayout};
+
+pub mod copy;
 
 static PIECES: AtomicU64 = AtomicU64::new(0);
 static CALLS: AtomicU64 = AtomicU64::new(0);

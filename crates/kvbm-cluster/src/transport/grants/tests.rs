@@ -1,9 +1,9 @@
-//! The grants ([`super::grants`]) against the document that shows them and the subjects the
+//! The grants ([`super`]) against the document that shows them and the subjects the
 //! code uses.
 
-use super::grants::Grants;
-use super::membership::members_subject;
-use super::nats::DEFAULT_CONTROL_PREFIX;
+use super::Grants;
+use crate::transport::membership::members_subject;
+use crate::transport::nats::DEFAULT_CONTROL_PREFIX;
 use crate::instance::presence::{heartbeat_subject, snapshot_subject};
 use kvbm_engine::{InstanceId, WorkerAddress};
 

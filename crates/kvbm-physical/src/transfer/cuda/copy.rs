@@ -20,9 +20,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use cudarc::driver::sys;
 
-use super::context::cuda_err;
+use crate::cuda::context::cuda_err;
 use crate::error::Result;
-use crate::layout::{PhysicalLayout, region_pairs};
+use crate::layout::region_pairs;
+use crate::physical::PhysicalLayout;
 use crate::transfer::BlockId;
 
 /// Most pieces handed to one batched-copy call.
@@ -132,7 +133,7 @@ enum BatchFn {
 fn batch_fn() -> Option<BatchFn> {
     static F: OnceLock<Option<BatchFn>> = OnceLock::new();
     *F.get_or_init(|| {
-        if !super::cuda_available() {
+        if !crate::cuda::cuda_available() {
             return None;
         }
         // SAFETY: the library is present (checked above); the symbols' C signatures are the

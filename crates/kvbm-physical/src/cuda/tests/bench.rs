@@ -1,4 +1,4 @@
-//! The GPU benchmark, run by `cargo xtask gpu-check` as the ignored test `cuda::bench::gpu_bench`
+//! The GPU benchmark, run by `cargo xtask gpu-check` as the ignored test `cuda::tests::bench::gpu_bench`
 //! (one binary for tests and bench keeps the GPU machine's build short). Writes its results as
 //! one JSON object to the file named by `KVBM_GPU_BENCH_OUT` (and prints it).
 //!
@@ -18,11 +18,12 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
-use super::copy::{CopyMode, batch_api, set_copy_mode};
-use super::tests::{gpu_or_skip, permutation};
-use super::{CudaDevice, CudaPinnedBuffer, Direction, register_host};
-use crate::layout::{BlockDim, BlockLayout, LayoutKind, PhysicalLayout};
+use super::{gpu_or_skip, permutation};
+use crate::cuda::{CudaDevice, CudaPinnedBuffer, Direction, register_host};
+use crate::layout::{BlockDim, BlockLayout, LayoutKind};
+use crate::physical::PhysicalLayout;
 use crate::storage::{DeviceMemory, HostStorage, PinPolicy};
+use crate::transfer::cuda::copy::{CopyMode, batch_api, set_copy_mode};
 use crate::transfer::{LayoutHandle, TransferManager, TransferOptions};
 
 const GIB: usize = 1 << 30;
@@ -154,7 +155,7 @@ fn gpu_bench() {
     j.str("batch_api", batch_api());
 
     // 1. Raw peak.
-    let dmem = super::CudaDeviceMemory::new(GIB, 0).unwrap();
+    let dmem = crate::cuda::CudaDeviceMemory::new(GIB, 0).unwrap();
     let host = HostStorage::new(GIB, PinPolicy::TryPin).unwrap();
     let t = Instant::now();
     register_host(&host, &dev).unwrap();
@@ -228,10 +229,10 @@ fn gpu_bench() {
         (CopyMode::PerPiece, "per_piece"),
     ] {
         set_copy_mode(mode);
-        let before = super::copy_stats();
+        let before = crate::transfer::cuda::copy_stats();
         let h2d = best(time_transfers(&tm, g2, &ids, g1ls, &scat, 3));
         let d2h = best(time_transfers(&tm, g1ls, &scat, g2, &ids, 3));
-        let after = super::copy_stats();
+        let after = crate::transfer::cuda::copy_stats();
         let xfers = (after.0 - before.0).max(1);
         j.num(&format!("pieces_64kib_{name}_h2d_gbps"), h2d);
         j.num(&format!("pieces_64kib_{name}_d2h_gbps"), d2h);
@@ -283,7 +284,7 @@ fn gpu_bench() {
 
     j.bool(
         "batch_api_disabled_after_error",
-        super::copy::batch_disabled(),
+        crate::transfer::cuda::copy::batch_disabled(),
     );
     let text = j.finish();
     println!("{text}");
