@@ -89,7 +89,7 @@
 //!   the payload MAC ([`DataPlaneConfig::payload_mac`], `security.dataplane_payload_mac`;
 //!   by default on for every connection whose other end is off the loopback interface,
 //!   either end asking) the payload carries its own tag too: the session's keyed tag over the
-//!   payload's BLAKE3 digest ([`wire::payload_digest`]). The server keeps that digest with the
+//!   payload's BLAKE3 digest (`wire::payload_digest`). The server keeps that digest with the
 //!   block's checksum for the registration, so a block served to many peers is hashed once;
 //!   the client hashes what it received. xxh3 is not a cryptographic hash: an on-path party
 //!   able to craft a payload with a given xxh3-128 is what the MAC stops. Cost, measured by
@@ -226,7 +226,7 @@ pub struct DataPlaneConfig {
     /// carries the payload's xxh3-128 checksum, is always tagged): `Some(true)` on every
     /// connection, `Some(false)` never, `None` (the default, `security.dataplane_payload_mac`
     /// absent) on each connection whose other end is off the loopback interface. Either end
-    /// asking turns it on for the connection ([`payload_mac_for`]).
+    /// asking turns it on for the connection.
     pub payload_mac: Option<bool>,
     /// The model fingerprint's 64-bit form ([`ModelFingerprint::short`](kvbm_physical::ModelFingerprint::short)),
     /// folded into the geometry value every request and frame carries

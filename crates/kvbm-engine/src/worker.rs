@@ -340,7 +340,7 @@ impl TransferRequest {
 /// alone, no source is written meanwhile) is proven once, where the slots are owned, instead
 /// of being passed up as `unsafe` through every layer (rank → control → instance):
 ///
-/// * [`Reserved::new`] (crate-private) takes the handles that own the slots: registered
+/// * `Reserved::new` (crate-private) takes the handles that own the slots: registered
 ///   sources and unregistered destination [`MutableBlock`]s, borrowed for the reservation's
 ///   lifetime. Only the movers call it ([`SpmdMover`], [`SpmdLayerMover`]), over the
 ///   destination manager they were built with, which is the proof that its blocks are the

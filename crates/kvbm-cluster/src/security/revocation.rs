@@ -55,7 +55,8 @@ struct State {
     looked: Instant,
 }
 
-/// The revocation list of one member: see the [module docs](self).
+/// The revocation list of one member (`security.revoked_file`): consulted by every check of a
+/// certificate, looked at again every `security.revocation_check_ms` (see [`crate::security`]).
 #[derive(Debug)]
 pub struct Revocations {
     path: PathBuf,

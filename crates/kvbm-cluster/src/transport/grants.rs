@@ -8,9 +8,8 @@
 //! - the authenticated test server `cargo xtask services` starts (xtask includes this file by
 //!   path, which is why it uses `std` only), against which the `security_*` NATS tests and a
 //!   real worker-process instance run;
-//! - the subjects the code uses (`tests` check each grant against
-//!   [`members_subject`](super::membership::members_subject) and the workers' control
-//!   subjects).
+//! - the subjects the code uses (`tests` check each grant against `membership::members_subject`
+//!   and the workers' control subjects).
 //!
 //! The roles: an **instance** publishes and hears events, heartbeats and snapshots, and
 //! answers snapshot requests; a **leader** drives its own instance's workers and hears their
@@ -109,6 +108,8 @@ fn list(subjects: &[String]) -> String {
 }
 
 // The tests need the NATS-side modules (feature `nats`); xtask, which includes this file by
-// path, has no such feature and so never looks for them.
+// path, has no such feature and so never compiles them. The path is explicit because a file
+// included by path resolves its child modules as a `mod.rs` would (rustfmt follows it too).
 #[cfg(all(test, feature = "nats"))]
+#[path = "grants/tests.rs"]
 mod tests;

@@ -2,9 +2,9 @@
 //! code uses.
 
 use super::Grants;
+use crate::instance::presence::{heartbeat_subject, snapshot_subject};
 use crate::transport::membership::members_subject;
 use crate::transport::nats::DEFAULT_CONTROL_PREFIX;
-use crate::instance::presence::{heartbeat_subject, snapshot_subject};
 use kvbm_engine::{InstanceId, WorkerAddress};
 
 const INSTANCE: u64 = 0xa1;
