@@ -163,19 +163,31 @@ impl ChecksumMemo {
         }
     }
 
-    /// The checksum of `block`'s payload (its bytes, `slices`): the memoised one when this
-    /// registration was hashed before, else computed now and kept.
-    fn checksum(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> u128 {
-        let (slot, registration, hash) = (
+    /// A block's slot, registration and hash: what its memo entry is valid for.
+    fn key(block: &ImmutableBlock<G2>) -> (usize, u32, SequenceHash) {
+        (
             block.block_id(),
             block.registration(),
             block.sequence_hash(),
-        );
-        let known = self.slots.lock().get(slot).copied().flatten();
-        if let Some(m) = known
-            && m.registration == registration
-            && m.hash == hash
-        {
+        )
+    }
+
+    /// The memo of `block`'s slot, if it was made for this registration and hash.
+    fn known(&self, block: &ImmutableBlock<G2>) -> Option<Memo> {
+        let (slot, registration, hash) = Self::key(block);
+        self.slots
+            .lock()
+            .get(slot)
+            .copied()
+            .flatten()
+            .filter(|m| m.registration == registration && m.hash == hash)
+    }
+
+    /// The checksum of `block`'s payload (its bytes, `slices`): the memoised one when this
+    /// registration was hashed before, else computed now and kept.
+    fn checksum(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> u128 {
+        let (slot, registration, hash) = Self::key(block);
+        if let Some(m) = self.known(block) {
             return m.checksum;
         }
         let checksum = wire::payload_checksum(slices);
@@ -193,17 +205,8 @@ impl ChecksumMemo {
     /// The BLAKE3 digest of `block`'s payload (`slices`), memoised like its checksum (call
     /// [`checksum`](Self::checksum) first: the digest is kept in that registration's entry).
     fn digest(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> [u8; 32] {
-        let (slot, registration, hash) = (
-            block.block_id(),
-            block.registration(),
-            block.sequence_hash(),
-        );
-        let known = self.slots.lock().get(slot).copied().flatten();
-        if let Some(m) = known
-            && m.registration == registration
-            && m.hash == hash
-            && let Some(d) = m.digest
-        {
+        let (slot, registration, hash) = Self::key(block);
+        if let Some(d) = self.known(block).and_then(|m| m.digest) {
             return d;
         }
         let digest = wire::payload_digest(slices.iter().copied());

@@ -1221,17 +1221,10 @@ async fn security_tampered_replayed_and_reordered_frames_are_refused() {
     let root = RootKey::generate().unwrap();
     let hs = hashes(3);
     let remote = serving(&hs);
-    let srv_cred = credential(&root, A, "ns");
-    let cert_len = srv_cred.cert().encode().len();
-    let srv_sec = Arc::new(Security::with_credential(
-        root.trust_root(),
-        srv_cred,
-        &SecurityConfig::default(),
-    ));
+    let (srv_sec, server_hello) = server_member(&root);
     let srv = secured_server(&remote, A, srv_sec.clone()).await;
-    // Server → client: its challenge, its hello (head, certificate, key, nonce, signature),
-    // the response head and its tag, then frames of header + tag + payload.
-    let server_hello = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    // Server → client: its challenge and hello (`server_hello` bytes), the response head and
+    // its tag, then frames of header + tag + payload.
     let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
     let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes();
     type Mutation = Box<dyn FnOnce(&mut Vec<u8>) + Send>;
@@ -1301,7 +1294,8 @@ async fn security_tampered_replayed_and_reordered_frames_are_refused() {
 
     // Client → server: a flipped bit in the request's hash list. The server drops the
     // connection unanswered and counts it; the client's blocks fail and nothing registers.
-    let client_hello = wire::HELLO_HEAD_LEN + cert_len + 64;
+    // The client's hello is as long as the server's (one namespace: certificates of one length).
+    let client_hello = server_hello - wire::CHALLENGE_LEN - wire::SIG_LEN;
     let before_list = client_hello + wire::SIG_LEN + REQUEST_HEAD_LEN + wire::TAG_LEN;
     let addr = proxy(srv.local_addr(), false, before_list, 1, |b| b[0] ^= 1).await;
     let local = side();
@@ -1338,15 +1332,8 @@ async fn security_payload_mac_refuses_a_changed_payload() {
     let root = RootKey::generate().unwrap();
     let hs = hashes(2);
     let remote = serving(&hs);
-    let srv_cred = credential(&root, A, "ns");
-    let cert_len = srv_cred.cert().encode().len();
-    let srv_sec = Arc::new(Security::with_credential(
-        root.trust_root(),
-        srv_cred,
-        &SecurityConfig::default(),
-    ));
+    let (srv_sec, server_hello) = server_member(&root);
     let srv = secured_server(&remote, A, srv_sec).await;
-    let server_hello = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
     let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
     let frame = FRAME_HEADER_LEN + wire::TAG_LEN + block_bytes() + wire::TAG_LEN;
     // The payload tag of the first frame is flipped.
@@ -1385,13 +1372,7 @@ async fn security_the_payload_mac_is_on_by_default_off_loopback() {
     let root = RootKey::generate().unwrap();
     let hs = hashes(2);
     let remote = serving(&hs);
-    let srv_cred = credential(&root, A, "ns");
-    let cert_len = srv_cred.cert().encode().len();
-    let srv_sec = Arc::new(Security::with_credential(
-        root.trust_root(),
-        srv_cred,
-        &SecurityConfig::default(),
-    ));
+    let (srv_sec, server_hello) = server_member(&root);
     let config = DataPlaneConfig {
         bind: "0.0.0.0:0".parse().unwrap(),
         ..DataPlaneConfig::default()
@@ -1399,7 +1380,6 @@ async fn security_the_payload_mac_is_on_by_default_off_loopback() {
     assert_eq!(config.payload_mac, None, "the default");
     let srv = secured_server_with(&remote, srv_sec, config).await;
     let port = srv.local_addr().port();
-    let server_hello = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
     let head = RESPONSE_HEAD_LEN + wire::TAG_LEN;
     // The first frame with a payload tag. Its last byte is that tag's; without the MAC it is
     // inside the second frame's header, and the first block arrives intact.
@@ -1443,6 +1423,21 @@ async fn security_the_payload_mac_is_on_by_default_off_loopback() {
             assert!(e.message.contains("frame of block"), "via {server_ip}: {e}");
         }
     }
+}
+
+/// `A`'s leader in namespace "ns" under `root`, and how many bytes the server sends before
+/// its response head: its challenge, then its hello (head, certificate, key, nonce) and
+/// signature.
+fn server_member(root: &RootKey) -> (Arc<Security>, usize) {
+    let cred = credential(root, A, "ns");
+    let cert_len = cred.cert().encode().len();
+    let sec = Arc::new(Security::with_credential(
+        root.trust_root(),
+        cred,
+        &SecurityConfig::default(),
+    ));
+    let sent = wire::CHALLENGE_LEN + wire::HELLO_HEAD_LEN + cert_len + 64 + wire::SIG_LEN;
+    (sec, sent)
 }
 
 /// A secured server for `A` over `remote` with `config`.
