@@ -984,13 +984,7 @@ async fn assert_member_pulls(
     remote: &Side,
     hs: &[SequenceHash],
 ) {
-    let local = side();
-    let c = secured_client(&local, member(root, B, "ns"), false);
-    let out = pull_into(&c, &local, srv.local_addr(), srv.instance(), hs).await;
-    for (o, h) in out.iter().zip(hs) {
-        let b = o.as_ref().unwrap();
-        assert_eq!(bytes(&local.layout, b.block_id()), expected(remote, *h));
-    }
+    assert_member_pulls_as(root, B, srv, remote, hs).await;
 }
 
 /// Members pull verified bytes over the authenticated protocol, and the digest the server
