@@ -213,12 +213,17 @@ pub(crate) fn run_with(services: &Services) -> Result<()> {
         ),
     )?;
     // kvbm-vllm's own tests, under each supported vLLM (the harness extracted both above).
+    std::fs::create_dir_all(root.join("target/pytest-tmp"))?;
     for version in VLLM_VERSIONS {
         let mut pytest = Command::new(&venv_py);
         services.export_to(&mut pytest);
         run_step(
             pytest
                 .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+                // One temporary tree per version, emptied by pytest when it starts (its default
+                // keeps its last three runs' files under /tmp for good).
+                .arg("--basetemp")
+                .arg(root.join(format!("target/pytest-tmp/{version}")))
                 .arg(root.join("crates/kvbm-vllm/tests/python"))
                 // pytest and numpy: the harness's pinned copies (installed by the run above).
                 .env("PYTHONPATH", root.join("target/peer/vllm-sdist/pydeps"))
