@@ -4,7 +4,7 @@
 //! half it still holds) or G4 (the rest) with its bytes verified at G1.
 //!
 //! ```text
-//!  kvbm.toml ─► ConfigBuilder ─► StackPlan::new ─► TierStack::build
+//!  kvbm.toml ─► ConfigBuilder ─► StackPlan::new ─► TierStack::build (ReplayDriver::build)
 //!     serve (compute in G1 ─► prepare_store ─► G1→G2 ─► complete_store ─► write-through ─► G3, G4)
 //!     finish (lanes drained, G3 synced, journal synced)
 //!  drop; build again from the same file ─► warm G3 (journal) and G4 (listing)
@@ -23,6 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kvbm_engine::config::ConfigBuilder;
+use kvbm_engine::replay::ReplayDriver;
 use kvbm_engine::stack::{Contents, Identities, StackPlan, TierStack};
 use kvbm_logical::SequenceHash;
 use kvbm_tiering::stats::names;
@@ -132,8 +133,8 @@ fn run_of(file: &Path, len: usize) -> Run {
             .map(|(k, h)| (*h, key_digest(k)))
             .collect::<Vec<_>>()
     })));
-    let mut stack = TierStack::build(&plan).expect("the stack builds from the file");
-    let warm = stack.warm_blocks();
+    let mut stack = ReplayDriver::build(&plan).expect("the stack builds from the file");
+    let warm = stack.stack().warm_blocks();
     let mut t = Totals::default();
     for (keys, hashes) in &reqs {
         let s = stack
@@ -148,13 +149,16 @@ fn run_of(file: &Path, len: usize) -> Run {
         t.computed += s.computed;
     }
     stack.finish().expect("the lanes drain and G3 syncs");
-    let bytes =
-        std::array::from_fn(|i| stack.counters.bytes[i].load(std::sync::atomic::Ordering::Relaxed));
+    let bytes = std::array::from_fn(|i| {
+        stack.stack().counters().bytes[i].load(std::sync::atomic::Ordering::Relaxed)
+    });
     let checksum_failures = stack
-        .counters
+        .stack()
+        .counters()
         .checksum_failures
         .load(std::sync::atomic::Ordering::Relaxed);
     let stats = stack
+        .stack_mut()
         .scheduler_stats()
         .expect("the Tiering front end reports stats");
     Run {

@@ -11,7 +11,7 @@
 //!   events were delivered before the outage and will never be sent again.
 //!
 //! * an instance's tiers are the tier stack's (one builder): an instance opened on the G3 file
-//!   a `TierStack` wrote starts warm from its journal and onboards those blocks from local G3,
+//!   a `TierStack` (driven by the `ReplayDriver`) wrote starts warm from its journal and onboards those blocks from local G3,
 //!   bytes verified.
 //!
 //! * events forged under instance ids that never joined are ignored and counted by both
@@ -39,7 +39,8 @@ use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmRuntime;
 use kvbm_engine::WorkerAddress;
 use kvbm_engine::config::ConfigBuilder;
-use kvbm_engine::stack::{Contents, FrontEnd, StackPlan, TierStack};
+use kvbm_engine::replay::ReplayDriver;
+use kvbm_engine::stack::{Contents, FrontEnd, StackPlan};
 use kvbm_logical::{BlockEvent, BlockEventKind, Salt, SequenceHash, TierId, TokenBlockSequence};
 use kvbm_tests::wait::eventually_async;
 
@@ -883,7 +884,7 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
             .unwrap();
         let mut plan = StackPlan::new(config, Arc::new(Synthetic)).unwrap();
         plan.front_end = FrontEnd::Sessions;
-        let mut stack = TierStack::build(&plan).unwrap();
+        let mut stack = ReplayDriver::build(&plan).unwrap();
         assert_eq!(stack.serve(&hashes).unwrap().computed, 6);
         stack.finish().unwrap();
     })

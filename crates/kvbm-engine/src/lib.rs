@@ -18,6 +18,7 @@ pub mod leader;
 pub mod manager;
 pub mod metrics;
 pub mod mover;
+pub mod replay;
 pub mod runtime;
 pub mod stack;
 pub mod worker;

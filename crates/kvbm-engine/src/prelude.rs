@@ -20,7 +20,8 @@ pub use crate::leader::{
     SessionFailure,
 };
 pub use crate::manager::EngineTieringManager;
+pub use crate::replay::{ReplayDriver, Served};
 pub use crate::runtime::{KvbmRuntime, KvbmRuntimeBuilder, RuntimeHandle};
-pub use crate::stack::{Contents, FrontEnd, Identities, Served, StackPlan, TierStack};
+pub use crate::stack::{Contents, FrontEnd, Identities, StackPlan, TierStack};
 pub use kvbm_logical::TierId;
 pub use kvbm_offload::{BlockFailure, BlockFailureKind};

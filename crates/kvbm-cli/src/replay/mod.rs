@@ -1,9 +1,9 @@
 //! `kvbm replay`: serve a workload through every tier, like an inference scheduler would.
 //!
 //! ```text
-//!  workload (trace | synthetic) ──► per request: sequence hashes ──► TierStack::serve ──► counters
-//!                                                                     (tiers.rs: the seam)
-//!  end: TierStack::finish (drain lanes, sync G3, write its manifest) ──► Report (table | JSON)
+//!  workload (trace | synthetic) ──► per request: sequence hashes ──► ReplayDriver::serve ──► counters
+//!                                   (kvbm_engine::replay: the serve loop over the engine's TierStack)
+//!  end: ReplayDriver::finish (drain lanes, sync G3 and its journal) ──► Report (table | JSON)
 //! ```
 //!
 //! Requests are served one after another on this thread (the offload lanes run on a small
@@ -27,7 +27,8 @@ use kvbm_logical::Salt;
 
 use crate::config::{CliConfig, Scheduler, ScratchDir};
 use kvbm_cluster::shared_g4::Sharing;
-use kvbm_engine::stack::{FrontEnd, PATH_NAMES, StackPlan, TierStack};
+use kvbm_engine::replay::ReplayDriver;
+use kvbm_engine::stack::{FrontEnd, PATH_NAMES, StackPlan};
 use report::{Report, TierReport};
 
 /// Requests of the synthetic workload when `--requests` is not given.
@@ -150,8 +151,8 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
             plan.config.tiers.g1_blocks
         );
     }
-    let mut tiers = TierStack::build(&plan)?;
-    tiers.publish_capacity();
+    let mut driver = ReplayDriver::build(&plan)?;
+    driver.stack().publish_capacity();
 
     let pb = ProgressBar::with_draw_target(
         Some(wl.requests.len() as u64),
@@ -194,7 +195,7 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
                 (req.timestamp_ms.saturating_sub(t0)) as f64 / 1000.0 * cfg.replay.time_scale,
             );
             if let Some(wait) = due.checked_sub(start.elapsed()) {
-                tiers.idle();
+                driver.idle();
                 std::thread::sleep(wait);
             }
         }
@@ -204,7 +205,7 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
                 for j in 1..=ahead.min(wl.requests.len() - 1) {
                     let ids = &wl.requests[j].hash_ids;
                     hash(ids, &mut chained, &mut ahead_keys, &mut ahead_hashes);
-                    tiers.read_ahead(j, &ahead_hashes);
+                    driver.read_ahead(j, &ahead_hashes);
                 }
             } else if let Some(next) = wl.requests.get(i + ahead) {
                 hash(
@@ -213,14 +214,14 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
                     &mut ahead_keys,
                     &mut ahead_hashes,
                 );
-                tiers.read_ahead(i + ahead, &ahead_hashes);
+                driver.read_ahead(i + ahead, &ahead_hashes);
             }
         }
         hash(&req.hash_ids, &mut chained, &mut req_keys, &mut hashes);
         let s = if tiering {
-            tiers.serve_scheduled(&hashes, &req_keys)
+            driver.serve_scheduled(&hashes, &req_keys)
         } else {
-            tiers.serve(&hashes)
+            driver.serve(&hashes)
         }
         .with_context(|| format!("request {} ({} blocks)", i + 1, hashes.len()))?;
         for (a, b) in hits.iter_mut().zip(s.hits) {
@@ -232,18 +233,20 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
         computed += s.computed;
         cross += s.cross_instance;
         if i % 64 == 63 {
-            tiers.reap();
+            driver.reap();
             pb.set_position(i as u64 + 1);
         }
     }
     pb.set_position(wl.requests.len() as u64);
     pb.set_message("draining offloads");
-    tiers.finish()?;
+    driver.finish()?;
+    let stack = driver.stack();
+    let (lanes, counts) = (driver.lane_outcomes(), driver.counts());
     let wall = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
 
     let hit_blocks: u64 = hits.iter().sum();
-    let caps = tiers.capacities();
+    let caps = stack.capacities();
     let names = ["g1", "g2", "g3", "g4"];
     let tiers_report = names
         .iter()
@@ -264,17 +267,17 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
         .map(|(i, n)| {
             (
                 *n,
-                tiers.counters.bytes[i].load(std::sync::atomic::Ordering::Relaxed),
+                stack.counters().bytes[i].load(std::sync::atomic::Ordering::Relaxed),
             )
         })
         .collect();
-    let (w3, w4) = tiers.warm_blocks();
+    let (w3, w4) = stack.warm_blocks();
     let mut storage = BTreeMap::new();
-    let (g3_loc, g4_loc) = tiers.locations();
+    let (g3_loc, g4_loc) = stack.locations();
     if let Some(l) = g3_loc {
         storage.insert("g3_dir", l);
     }
-    if let Some(c) = tiers.g3_capabilities() {
+    if let Some(c) = stack.g3_capabilities() {
         storage.insert("g3_io", c);
     }
     if let Some(l) = g4_loc {
@@ -302,14 +305,14 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
         onboarded_blocks: onboarded,
         verified_blocks: verified,
         corrupt_blocks: corrupt,
-        checksum_failures: ld(&tiers.counters.checksum_failures),
-        failed_transfers: ld(&tiers.counters.failed_transfers),
+        checksum_failures: ld(&stack.counters().checksum_failures),
+        failed_transfers: ld(&stack.counters().failed_transfers),
         computed_blocks: computed,
-        offload_filtered_blocks: tiers.filtered_blocks,
-        offload_evicted_blocks: tiers.evicted_before_offload,
-        offload_no_space_blocks: tiers.no_space,
-        offload_g2_space_waits: ld(&tiers.g2_space_waits),
-        load_refused_requests: tiers.load_refused,
+        offload_filtered_blocks: lanes.filtered + counts.store_filtered,
+        offload_evicted_blocks: lanes.evicted_before_offload,
+        offload_no_space_blocks: lanes.no_space + counts.store_no_space,
+        offload_g2_space_waits: stack.g2_space_waits(),
+        load_refused_requests: counts.load_refused,
         warm_start_blocks: [("g3", w3), ("g4", w4)].into_iter().collect(),
         wall_seconds: wall,
         blocks_per_second: if wall > 0.0 { total as f64 / wall } else { 0.0 },
@@ -320,15 +323,15 @@ pub(crate) fn run_instance(cfg: &CliConfig, spec: Option<&InstanceSpec>) -> anyh
             Scheduler::Sessions
         },
         block_bytes: cfg.engine.tiers.block_bytes,
-        stage_seconds: tiers.times,
+        stage_seconds: driver.times(),
         storage,
-        held_blocks_after_drain: names.into_iter().zip(tiers.held_blocks()).collect(),
+        held_blocks_after_drain: names.into_iter().zip(stack.held_blocks()).collect(),
         offload_blocks: [
-            ("enqueued", ld(&tiers.counters.offload_enqueued)),
-            ("transferred", tiers.offload_settled[0]),
-            ("failed", tiers.offload_settled[1]),
-            ("filtered", tiers.offload_settled[2]),
-            ("cancelled", tiers.offload_settled[3]),
+            ("enqueued", ld(&stack.counters().offload_enqueued)),
+            ("transferred", lanes.transferred),
+            ("failed", lanes.failed),
+            ("filtered", lanes.filtered),
+            ("cancelled", lanes.cancelled),
         ]
         .into_iter()
         .collect(),

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use kvbm_engine::stack::StageTimes;
+use kvbm_engine::replay::StageTimes;
 
 /// One tier's line.
 #[derive(Debug, Clone, Serialize)]

@@ -15,28 +15,26 @@
 //!        ├─► InstanceLeader          find_matches over G2, G3, G4 (and shared G4, feature nats)
 //!        ├─► movers (movers)         G3→G2, G4→G2 (every read checked, rejected copies never
 //!        │                           read again), G2→G1 (every block checked by the Contents hook)
-//!        ├─► EngineTieringManager    the scheduler-facing manager, its stores written through
-//!        │                           to the G2→G3 and G2→G4 lanes (scheduled::WriteThrough)
-//!        └─► read-ahead (read_ahead) G3→G2 reads for requests still to come
+//!        └─► EngineTieringManager    the scheduler-facing manager, its stores written through
+//!                                    to the G2→G3 and G2→G4 lanes (write_through)
 //! ```
 //!
 //! The tiers, the journal, the warm listing, the leader, the movers and the G2→G4 lane are
 //! built by `tiers` (`TierSet::build`, crate-private): the one builder of tiers, which the
 //! cluster plane's instance (`cluster::instance::InstanceBuilder::build`, feature `nats`) calls
 //! too, with its own geometry, pinning and event sink. What is the stack's alone (the G1→G2 and
-//! G2→G3 lanes, the front ends, the read-ahead, the runtimes) is built here.
+//! G2→G3 lanes, the front ends, the runtimes) is built here.
 //!
 //! # Driving it
 //!
-//! An inference engine drives the stack through one of two front ends ([`FrontEnd`]):
-//! [`TierStack::serve_scheduled`] makes vLLM's scheduler calls on the
-//! [`EngineTieringManager`] (lookup, prepare/complete load and store) and plays its worker's
-//! copies between G1 and G2; [`TierStack::serve`] uses the leader's `find_matches` and
-//! [`OnboardingSession`](crate::leader::OnboardingSession)s, and sends computed blocks down the G1→G2 lane. Either way a request
-//! is served on the caller's thread, as a scheduler waits for its blocks before the forward
-//! pass: a session or a promotion runs on a current-thread runtime of the stack's own
-//! (`session_rt`), the lanes on the engine runtime's workers. G1 is host memory standing in for
-//! the device, so G2↔G1 is one inline host copy per request.
+//! An inference engine drives the stack through one of two front ends ([`FrontEnd`]): the
+//! scheduler-facing [`EngineTieringManager`] (lookup, prepare/complete load and store), its
+//! stores written through to the G2→G3 and G2→G4 lanes; or the leader's `find_matches` and
+//! [`OnboardingSession`](crate::leader::OnboardingSession)s, computed blocks sent down the
+//! G1→G2 lane. G1 is host memory standing in for the device, so G2↔G1 is one inline host
+//! copy. The stack holds no request: the serve loop that plays a workload over it (a request's
+//! lookups, loads, computing and stores; stage timings; G3 read-ahead; what a request hit) is
+//! the replay driver's ([`crate::replay`]).
 //!
 //! What the stack cannot know comes in as hooks ([`Contents`]: a block's bytes, filled when
 //! computed and verified at G1; [`Identities`]: the digests of blocks a tier knows only by
@@ -54,39 +52,33 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::atomic::Ordering;
 
-use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, SequenceHash};
-use kvbm_offload::{
-    BlockFailureKind, BlockMoveExecutor, ExternalMover, ObjectPipeline, OffloadHandle,
-    OffloadResult, Pipeline, PipelineBuilder,
-};
-use kvbm_physical::{Backing, PinPolicy, TransferManager};
-use parking_lot::Mutex;
+use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, SequenceHash, Tier, TierId};
+use kvbm_offload::{BadCopies, BlockMoveExecutor, ExternalMover, ObjectPipeline, PipelineBuilder};
+use kvbm_physical::{Backing, PinPolicy};
 
 use crate::error::{EngineError, Result};
 use crate::leader::MoversToG2;
 use crate::manager::EngineTieringManager;
 use crate::mover::BlockMove;
-use crate::{InstanceLeader, KvbmRuntime};
+use crate::{KvbmRuntime, MatchedPrefix};
 
 use context::Context;
-use movers::OnboardShared;
 
-pub use counters::{Counters, HitSource, MovePath, PATH_NAMES, Served, StageTimes};
+pub use counters::{Counters, MovePath, PATH_NAMES};
 pub use hooks::{Contents, Identities, ShareG4, SharedG4};
+pub use lanes::LaneOutcomes;
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
-use lanes::{Handoffs, enqueue_from_sink, lane_policy};
-use read_ahead::ReadAhead;
-use tiers::{
-    G3Check, G3Tier, G4Tier, HostTier, count_failure, g3_arrival_check, g3_read_failed, geometry,
-};
+pub(crate) use lanes::Lanes;
+use lanes::{enqueue_from_sink, lane_policy};
+use tiers::{G3Check, count_failure, g3_arrival_check, g3_read_failed, geometry};
 pub use tiers::{
     RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, g3_of, list_g4, open_g4_storage,
     secondary_disk, secondary_object,
 };
+use write_through::WriteThrough;
 
 pub(crate) mod context;
 mod counters;
@@ -94,85 +86,42 @@ mod hooks;
 mod lanes;
 mod movers;
 mod plan;
-mod read_ahead;
-mod scheduled;
-mod serve;
 mod tiers;
+mod write_through;
 
 /// The built tier stack: see the [module docs](self).
 pub struct TierStack {
-    block_bytes: usize,
     /// The engine runtime's tokio handle: the offload lanes run there.
-    rt: tokio::runtime::Handle,
+    pub(crate) rt: tokio::runtime::Handle,
     /// The caller's runtime: sessions and promotions run on the thread that serves a request.
-    session_rt: tokio::runtime::Runtime,
-    /// The transfer manager every tier's layout is registered with, dropped with the stack
-    /// (after its runtimes, before its tiers). Nothing here calls it: every copy goes through
-    /// a mover, which holds it too.
-    _tm: Arc<TransferManager>,
-    g1: HostTier<G1>,
-    g2: Option<HostTier<G2>>,
-    /// The leader over G2, G3 and G4 (none without G2: G1 is then the only tier).
-    leader: Option<InstanceLeader>,
-    /// The paths sessions move blocks through, and what they report.
-    movers: Option<TierMovers>,
-    onboard: Arc<OnboardShared>,
-    g3: Option<G3Tier>,
-    g4: Option<G4Tier>,
-    g1_to_g2: Option<Pipeline<G1>>,
-    g2_to_g3: Option<Arc<Pipeline<G2>>>,
-    g2_to_g4: Option<Arc<ObjectPipeline>>,
-    handles: Arc<Mutex<Vec<OffloadHandle>>>,
-    /// G1→G2 handles, oldest first: the only offloads whose end frees G1 slots, so waiting for
-    /// G1 room waits for these alone ([`TierStack::allocate_g1`]).
-    g1_handles: std::collections::VecDeque<OffloadHandle>,
-    /// Hand-offs from a completion sink to a full lane, still waiting for room
-    /// ([`enqueue_from_sink`]); drained before the lower lanes are waited for.
-    handoffs: Handoffs,
-    /// Shared counters.
-    pub counters: Arc<Counters>,
-    /// Stage timings.
-    pub times: StageTimes,
-    /// Blocks the lanes filtered (already present, or by policy).
-    pub filtered_blocks: u64,
-    /// Offloads refused because the destination had no evictable block (nothing moved).
-    pub no_space: u64,
-    /// Times a G1→G2 batch found G2 full and waited for the lower lanes to free a slot.
-    pub g2_space_waits: Arc<AtomicU64>,
-    /// How long the scheduler-path store waits for G2 room (`offload.g1_to_g2.room_patience_ms`:
-    /// it is that lane's work on the Tiering front end).
-    g2_room_patience: std::time::Duration,
-    /// G3→G2 reads started ahead of their request, oldest first.
-    reads_ahead: std::collections::VecDeque<ReadAhead>,
-    /// Blocks in G2 because a read-ahead staged them, not yet claimed by their request.
-    read_ahead_staged: HashSet<SequenceHash>,
-    /// Blocks with a read-ahead in flight.
-    reading_ahead: HashSet<SequenceHash>,
-    /// Requests served so far (reads_ahead are tagged with the request they are for).
-    served_requests: usize,
-    /// Largest G1→G2 batch (G2 space one batch needs).
-    g1_batch: usize,
-    /// Queued (weak) blocks evicted from their source tier before their lane reached them.
-    pub evicted_before_offload: u64,
-    /// Outcomes of the lanes' blocks, from their settled handles: transferred, failed,
-    /// filtered, cancelled (every lane).
-    pub offload_settled: [u64; 4],
+    pub(crate) session_rt: tokio::runtime::Runtime,
+    /// The tiers, the leader and the movers ([`TierSet::build`], the one builder of tiers).
+    pub(crate) tiers: TierSet,
+    /// The offload lanes and what they settled.
+    pub(crate) lanes: Lanes,
     /// Set when G4 is shared with other instances.
-    shared_g4: Option<Box<dyn SharedG4>>,
-    /// The scheduler-facing manager (`--scheduler tiering`; see [`scheduled`]).
-    sched: Option<EngineTieringManager>,
-    /// Where the manager's stores go on to G3/G4 (`--scheduler tiering`).
-    write_through: Option<scheduled::WriteThrough>,
-    /// The scheduler-path store's copy, G1 → the G2 slots `prepare_store` reserved: an inline
-    /// [`ExternalMover`] (`--scheduler tiering`; see [`scheduled`]).
-    store_mover: Option<ExternalMover<G1>>,
-    /// Requests whose `prepare_load` found a HIT gone, and recomputed (`--scheduler tiering`).
-    pub load_refused: u64,
+    pub(crate) shared_g4: Option<Box<dyn SharedG4>>,
+    /// The scheduler-facing manager and its store path ([`FrontEnd::Tiering`]).
+    pub(crate) scheduler: Option<SchedulerFront>,
     /// What each block's bytes are.
-    contents: Arc<dyn Contents>,
+    pub(crate) contents: Arc<dyn Contents>,
+    pub(crate) block_bytes: usize,
     /// The engine runtime (event-flush timer, the lanes' tokio runtime). Last: dropped after
     /// everything that runs on it.
     _runtime: KvbmRuntime,
+}
+
+/// The scheduler-facing manager of [`FrontEnd::Tiering`] and what its caller stores through.
+pub(crate) struct SchedulerFront {
+    /// vLLM's offloading-manager contract over the engine's tiers, its stores written through
+    /// to the G2→G3 and G2→G4 lanes.
+    pub(crate) manager: EngineTieringManager,
+    /// The store's copy, G1 → the G2 slots `prepare_store` reserved: an inline
+    /// [`ExternalMover`] (G1 and G2 are host memory).
+    pub(crate) store_mover: ExternalMover<G1>,
+    /// How long a store waits for G2 room (`offload.g1_to_g2.room_patience_ms`: it is that
+    /// lane's work on this front end).
+    pub(crate) room_patience: std::time::Duration,
 }
 
 impl TierStack {
@@ -265,41 +214,33 @@ impl TierStack {
             let _guard = rt.enter();
             built.g2_to_g3_lane(&cfg.offload.g2_to_g3)?.map(Arc::new)
         };
-        let TierSet {
-            tm,
-            registry,
-            counters,
-            onboard,
-            g1,
-            g2,
-            g2_bound,
-            g3,
-            g4,
-            leader,
-            movers,
-            ..
-        } = built;
-        let handles: Arc<Mutex<Vec<OffloadHandle>>> = Arc::new(Mutex::new(Vec::new()));
-        let g2_space_waits = Arc::new(AtomicU64::new(0));
-        let handoffs: Handoffs = Arc::new(Mutex::new(Vec::new()));
-        let mut g1_to_g2 = None;
-        if let Some(g2b) = &g2_bound {
+        let counters = built.counters.clone();
+        let mut lanes = Lanes::new(
+            counters.clone(),
+            cfg.offload.g1_to_g2.batch_config.max_batch_size,
+        );
+        lanes.g2_to_g3 = g2_to_g3;
+        lanes.g2_to_g4 = g2_to_g4;
+        if let Some(g2b) = &built.g2_bound {
             // With the tiering scheduler, the scheduler's own store (prepare_store → copy →
             // complete_store) is G1→G2, and the stack hands the stored blocks to the lower
-            // lanes itself ([`scheduled`]).
+            // lanes itself (the write-through).
             if plan.front_end == FrontEnd::Sessions {
                 // G1 is host memory here: the copy is inline (a memcpy of one batch on the
                 // lane's task, no hop to the transfer manager's runtime); a batch that finds G2
                 // full of blocks the lower lanes still write waits for room as configured.
                 let exec = BlockMoveExecutor::from_mover(
-                    kvbm_offload::BlockMover::from_layout(g1.handle, g2b)?.inline()?,
+                    kvbm_offload::BlockMover::from_layout(built.g1.handle, g2b)?.inline()?,
                 )
-                .waiting_for_room(cfg.offload.g1_to_g2.room_patience, g2_space_waits.clone());
+                .waiting_for_room(
+                    cfg.offload.g1_to_g2.room_patience,
+                    lanes.g2_space_waits.clone(),
+                );
                 let (next3, next4, hs, ho, c) = (
-                    g2_to_g3.clone(),
-                    g2_to_g4.clone(),
-                    handles.clone(),
-                    handoffs.clone(),
+                    lanes.g2_to_g3.clone(),
+                    lanes.g2_to_g4.clone(),
+                    lanes.handles.clone(),
+                    lanes.handoffs.clone(),
                     counters.clone(),
                 );
                 let sink: kvbm_offload::CompletionSink<ImmutableBlock<G2>> =
@@ -322,20 +263,19 @@ impl TierStack {
                             );
                         }
                     });
-                g1_to_g2 = Some(
+                lanes.g1_to_g2 = Some(
                     PipelineBuilder::<G1, G2>::new()
                         .config(cfg.offload.g1_to_g2.clone())
-                        .policy(lane_policy(&registry, &cfg.offload.g1_to_g2))
+                        .policy(lane_policy(&built.registry, &cfg.offload.g1_to_g2))
                         .build()
                         .spawn_with_sink(exec, Some(sink))
                         .context("cannot start the G1→G2 pipeline")?,
                 );
             }
         }
-        let (mut write_through, mut store_mover) = (None, None);
-        let sched = match (&leader, &movers, &g2, plan.front_end) {
+        let scheduler = match (&built.leader, &built.movers, &built.g2, plan.front_end) {
             (Some(l), Some(m), Some(g2t), FrontEnd::Tiering) => Some({
-                let mut sched = l
+                let mut manager = l
                     .tiering_manager(
                         MoversToG2 {
                             g3_to_g2: m.g3_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G3, G2>>),
@@ -346,31 +286,36 @@ impl TierStack {
                     )
                     .context("cannot build the scheduler-facing tiering manager")?
                     .with_bad_copies(
-                        g3.as_ref().map(|t| t.checked.bad().clone()),
-                        g4.as_ref().map(|t| t.bad.clone()),
+                        built.g3.as_ref().map(|t| t.checked.bad().clone()),
+                        built.g4.as_ref().map(|t| t.bad.clone()),
                     );
-                sched.set_block_bytes(b);
-                let w = scheduled::WriteThrough::new(
-                    g2_to_g3.clone(),
-                    g2_to_g4.clone(),
+                manager.set_block_bytes(b);
+                let w = WriteThrough::new(
+                    lanes.g2_to_g3.clone(),
+                    lanes.g2_to_g4.clone(),
                     &cfg.offload.write_through,
-                    handles.clone(),
+                    lanes.handles.clone(),
                     counters.clone(),
                     // A batch is a small share of G2 (the buffer holds its blocks).
                     (tiers.g2_blocks / 32).min(256),
                     b,
                 )?;
-                sched.set_store_sink(w.sink());
-                write_through = Some(w);
-                // G1 and G2 are host memory: the store copies on the serving thread.
-                store_mover = Some(
-                    ExternalMover::new(
-                        &kvbm_offload::BoundTier::new(tm.clone(), g1.handle, g1.manager.clone())?,
+                manager.set_store_sink(w.sink());
+                lanes.write_through = Some(w);
+                SchedulerFront {
+                    manager,
+                    // G1 and G2 are host memory: the store copies on the serving thread.
+                    store_mover: ExternalMover::new(
+                        &kvbm_offload::BoundTier::new(
+                            built.tm.clone(),
+                            built.g1.handle,
+                            built.g1.manager.clone(),
+                        )?,
                         g2t.handle,
                     )?
                     .inline()?,
-                );
-                sched
+                    room_patience: cfg.offload.g1_to_g2.room_patience,
+                }
             }),
             _ => None,
         };
@@ -380,54 +325,43 @@ impl TierStack {
             sh.wait_for_all(&rt)?;
         }
         Ok(TierStack {
-            block_bytes: b,
             rt,
             session_rt,
-            _tm: tm,
-            g1,
-            g2,
-            leader,
-            movers,
-            onboard,
-            g3,
-            g4,
-            g1_to_g2,
-            g2_to_g3,
-            g2_to_g4,
-            handles,
-            g1_handles: std::collections::VecDeque::new(),
-            handoffs,
-            counters,
-            times: StageTimes::default(),
-            filtered_blocks: 0,
-            evicted_before_offload: 0,
-            offload_settled: [0; 4],
-            no_space: 0,
-            g2_space_waits,
-            g2_room_patience: cfg.offload.g1_to_g2.room_patience,
-            reads_ahead: std::collections::VecDeque::new(),
-            read_ahead_staged: HashSet::new(),
-            reading_ahead: HashSet::new(),
-            served_requests: 0,
-            g1_batch: cfg.offload.g1_to_g2.batch_config.max_batch_size,
+            tiers: built,
+            lanes,
             shared_g4: shared,
-            sched,
-            write_through,
-            store_mover,
-            load_refused: 0,
+            scheduler,
             contents: plan.contents.clone(),
+            block_bytes: b,
             _runtime: runtime,
         })
     }
 
     /// Capacity per tier (G4: its presence index), 0 when disabled.
     pub fn capacities(&self) -> [usize; 4] {
+        let t = &self.tiers;
         [
-            self.g1.manager.total_blocks(),
-            self.g2.as_ref().map_or(0, |t| t.manager.total_blocks()),
-            self.g3.as_ref().map_or(0, |t| t.manager.total_blocks()),
-            self.g4.as_ref().map_or(0, |t| t.manager.total_blocks()),
+            t.g1.manager.total_blocks(),
+            t.g2.as_ref().map_or(0, |t| t.manager.total_blocks()),
+            t.g3.as_ref().map_or(0, |t| t.manager.total_blocks()),
+            t.g4.as_ref().map_or(0, |t| t.manager.total_blocks()),
         ]
+    }
+
+    /// What the movers and lanes counted: bytes per path, failed transfers, checksum
+    /// rejections, blocks enqueued.
+    pub fn counters(&self) -> &Counters {
+        &self.tiers.counters
+    }
+
+    /// What the lanes' settled handles said so far (see [`Self::reap`]).
+    pub fn lane_outcomes(&self) -> LaneOutcomes {
+        self.lanes.outcomes()
+    }
+
+    /// Times a store into G2 found it full and waited for the lower lanes to free a slot.
+    pub fn g2_space_waits(&self) -> u64 {
+        self.lanes.g2_space_waits.load(Ordering::Relaxed)
     }
 
     /// The scheduler-facing manager's stats since the last call, in vLLM's metric names
@@ -435,64 +369,34 @@ impl TierStack {
     /// per lane the write-through's writes and back-pressure); `None` without the `Tiering`
     /// front end. Settles the lanes' finished writes first.
     pub fn scheduler_stats(&mut self) -> Option<kvbm_tiering::OffloadingConnectorStats> {
-        if let Some(w) = &self.write_through {
+        if let Some(w) = &self.lanes.write_through {
             w.flush(false);
         }
-        kvbm_tiering::OffloadingManager::get_stats(self.sched.as_mut()?)
+        kvbm_tiering::OffloadingManager::get_stats(&mut self.scheduler.as_mut()?.manager)
     }
 
     /// Blocks G3 and G4 held at start (from a previous run).
     pub fn warm_blocks(&self) -> (usize, usize) {
         (
-            self.g3.as_ref().map_or(0, |t| t.warm_blocks),
-            self.g4.as_ref().map_or(0, |t| t.warm_blocks),
+            self.tiers.g3.as_ref().map_or(0, |t| t.warm_blocks),
+            self.tiers.g4.as_ref().map_or(0, |t| t.warm_blocks),
         )
     }
 
     /// Where G3 and G4 keep their data, for the report.
     pub fn locations(&self) -> (Option<String>, Option<String>) {
         (
-            self.g3.as_ref().map(|t| t.dir.display().to_string()),
-            self.g4.as_ref().map(|t| t.describe.clone()),
+            self.tiers.g3.as_ref().map(|t| t.dir.display().to_string()),
+            self.tiers.g4.as_ref().map(|t| t.describe.clone()),
         )
     }
 
     /// The G3 engine in use, for the report.
     pub fn g3_capabilities(&self) -> Option<String> {
-        let g3 = self.g3.as_ref()?;
+        let g3 = self.tiers.g3.as_ref()?;
         match g3.layout.backing() {
             Backing::Disk(d) => Some(format!("{:?}", d.capabilities())),
             _ => None,
-        }
-    }
-
-    /// Counts one finished lane transfer: evicted-before-offload, filtered and no-space blocks
-    /// are offloads that never started (nothing moved); every other failure is a failed
-    /// transfer.
-    fn tally(&mut self, r: &OffloadResult) {
-        let (mut evicted, mut no_space) = (0u64, 0u64);
-        for (h, f) in &r.failed_blocks {
-            match f.kind {
-                BlockFailureKind::Evicted => evicted += 1,
-                BlockFailureKind::NoSpace => no_space += 1,
-                _ => {
-                    self.counters
-                        .failed_transfers
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(hash = %h, kind = f.kind.as_str(), reason = %f.message, "offload failed");
-                }
-            }
-        }
-        self.evicted_before_offload += evicted;
-        self.no_space += no_space;
-        self.filtered_blocks += r.filtered_blocks.len() as u64;
-        for (n, len) in self.offload_settled.iter_mut().zip([
-            r.completed_blocks.len(),
-            r.failed_blocks.len(),
-            r.filtered_blocks.len(),
-            r.cancelled_blocks.len(),
-        ]) {
-            *n += len as u64;
         }
     }
 
@@ -500,18 +404,16 @@ impl TierStack {
     /// holds a block, any block still held is a leak.
     pub fn held_blocks(&self) -> [usize; 4] {
         let held = |total: usize, available: usize| total - available.min(total);
+        let t = &self.tiers;
         [
-            held(
-                self.g1.manager.total_blocks(),
-                self.g1.manager.available_blocks(),
-            ),
-            self.g2.as_ref().map_or(0, |t| {
+            held(t.g1.manager.total_blocks(), t.g1.manager.available_blocks()),
+            t.g2.as_ref().map_or(0, |t| {
                 held(t.manager.total_blocks(), t.manager.available_blocks())
             }),
-            self.g3.as_ref().map_or(0, |t| {
+            t.g3.as_ref().map_or(0, |t| {
                 held(t.manager.total_blocks(), t.manager.available_blocks())
             }),
-            self.g4.as_ref().map_or(0, |t| {
+            t.g4.as_ref().map_or(0, |t| {
                 held(t.manager.total_blocks(), t.manager.available_blocks())
             }),
         ]
@@ -520,32 +422,14 @@ impl TierStack {
     /// The caller is about to wait (for the next request): hands everything buffered
     /// on to the lanes, so the wait overlaps their work.
     pub fn idle(&mut self) {
-        if let Some(w) = &self.write_through {
+        if let Some(w) = &self.lanes.write_through {
             w.flush(true);
         }
     }
 
     /// Collects finished lane handles.
     pub fn reap(&mut self) {
-        let done: Vec<OffloadResult> = {
-            let mut hs = self.handles.lock();
-            let mut done = Vec::new();
-            hs.retain(|h| match h.try_result() {
-                Some(r) => {
-                    done.push(r);
-                    false
-                }
-                None => true,
-            });
-            done
-        };
-        for r in &done {
-            self.tally(r);
-        }
-        while let Some(r) = self.g1_handles.front().and_then(|h| h.try_result()) {
-            self.g1_handles.pop_front();
-            self.tally(&r);
-        }
+        self.lanes.reap();
     }
 
     /// Capacity gauges per tier (occupancy and evictions per tier come from `kvbm-logical`'s
@@ -560,47 +444,18 @@ impl TierStack {
         }
     }
 
-    /// Drains every lane (G1→G2 first, so its chained blocks are enqueued before the lower
-    /// lanes are waited for), syncs G3 and its journal, and stops the pipelines.
+    /// Settles the scheduler's promotions, drains every lane (G1→G2 first, so its chained
+    /// blocks are enqueued before the lower lanes are waited for), syncs G3 and its journal,
+    /// and stops the pipelines.
     ///
     /// # Errors
     /// A G3 or journal sync that failed.
     pub fn finish(&mut self) -> Result<()> {
-        let t = Instant::now();
-        if let Some(s) = &mut self.sched {
-            self.session_rt.block_on(s.settle());
+        if let Some(s) = &mut self.scheduler {
+            self.session_rt.block_on(s.manager.settle());
         }
-        if let Some(w) = &self.write_through {
-            w.flush(true);
-        }
-
-        self.complete_read_aheads(usize::MAX);
-        while let Some(h) = self.g1_handles.pop_front() {
-            match self.rt.block_on(h.wait()) {
-                Ok(r) => self.tally(&r),
-                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
-            }
-        }
-        // Wait until the lanes are quiescent: every handle settled and every sink hand-off
-        // enqueued. A finishing G1→G2 batch hands its blocks on to G2→G3/G2→G4 from its sink,
-        // which adds handles (or hand-offs) while this waits, so loop until a round finds none.
-        loop {
-            let waiting: Vec<_> = std::mem::take(&mut *self.handoffs.lock());
-            let pending: Vec<OffloadHandle> = std::mem::take(&mut *self.handles.lock());
-            if waiting.is_empty() && pending.is_empty() {
-                break;
-            }
-            for j in waiting {
-                let _ = self.rt.block_on(j);
-            }
-            for h in pending {
-                match self.rt.block_on(h.wait()) {
-                    Ok(r) => self.tally(&r),
-                    Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
-                }
-            }
-        }
-        if let Some(g3) = &self.g3 {
+        self.lanes.drain(&self.rt);
+        if let Some(g3) = &self.tiers.g3 {
             if let Backing::Disk(d) = g3.layout.backing() {
                 d.sync().context("cannot sync the G3 file")?;
             }
@@ -609,24 +464,78 @@ impl TierStack {
                 .sync()
                 .context("cannot sync the G3 journal")?;
         }
-        let (a, b, c) = (
-            self.g1_to_g2.as_ref(),
-            self.g2_to_g3.clone(),
-            self.g2_to_g4.clone(),
-        );
-        self.rt.block_on(async {
-            if let Some(p) = a {
-                p.shutdown_and_wait().await;
-            }
-            if let Some(p) = b {
-                p.shutdown_and_wait().await;
-            }
-            if let Some(p) = c {
-                // Flushes the lock releases too.
-                p.shutdown_and_wait().await;
-            }
-        });
-        self.times.drain += t.elapsed().as_secs_f64();
+        self.lanes.shut_down(&self.rt);
         Ok(())
+    }
+
+    /// Drops the G3 and G4 blocks their tier rejected on read (kvbm-offload's `BadCopies`)
+    /// from the tier's manager once nothing holds them (`BlockManager::discard_inactive`):
+    /// unregistered, their slots free, so the lanes may write a fresh copy later. A block stays
+    /// rejected (never read) until it is dropped or has left the tier.
+    pub(crate) fn discard_rejected(&self) {
+        tiers::discard_rejected(self.tiers.g3.as_ref(), self.tiers.g4.as_ref());
+    }
+
+    /// Where `matched` must end: before its first G3 or G4 block already rejected.
+    pub(crate) fn usable(&self, matched: &MatchedPrefix) -> usize {
+        let mut cut = matched.len();
+        // The holder's index of the first block a tier rejected, mapped to its prefix position
+        // (a tier may hold several runs of the prefix).
+        fn first_bad<T: Tier>(
+            blocks: &[ImmutableBlock<T>],
+            bad: &BadCopies<T>,
+            positions: impl FnOnce() -> Vec<usize>,
+        ) -> Option<usize> {
+            if bad.is_empty() {
+                return None;
+            }
+            let i = blocks
+                .iter()
+                .position(|b| bad.contains(b.sequence_hash()))?;
+            Some(positions()[i])
+        }
+        if let Some(g3) = &self.tiers.g3
+            && let Some(at) = first_bad(matched.g3().blocks(), g3.checked.bad(), || {
+                matched.positions(TierId::G3)
+            })
+        {
+            cut = cut.min(at);
+        }
+        if let Some(g4) = &self.tiers.g4
+            && let Some(at) = first_bad(matched.g4().blocks(), &g4.bad, || {
+                matched.positions(TierId::G4)
+            })
+        {
+            cut = cut.min(at);
+        }
+        cut
+    }
+
+    /// The first block of `hashes[from..to]` a mover reported failed (and clears the reports).
+    pub(crate) fn first_failed(
+        &self,
+        hashes: &[SequenceHash],
+        from: usize,
+        to: usize,
+    ) -> Option<usize> {
+        let failed = std::mem::take(&mut *self.tiers.onboard.failed.lock());
+        if failed.is_empty() {
+            return None;
+        }
+        let failed: HashSet<SequenceHash> = failed.into_iter().collect();
+        hashes[from..to]
+            .iter()
+            .position(|h| failed.contains(h))
+            .map(|i| from + i)
+    }
+
+    /// Onboarded, verified and corrupt blocks so far.
+    pub(crate) fn onboard_tally(&self) -> [u64; 3] {
+        let o = &self.tiers.onboard;
+        [
+            o.onboarded.load(Ordering::Relaxed),
+            o.verified.load(Ordering::Relaxed),
+            o.corrupt.load(Ordering::Relaxed),
+        ]
     }
 }

@@ -166,7 +166,7 @@ impl G3ToG2 {
 
     /// The sources of a read of `src`: their slots, read under their sequence hash, registered
     /// in G2 under the digest the workload gives them.
-    pub(super) fn sources(&self, src: &[ImmutableBlock<G3>]) -> Vec<MoveSource> {
+    pub(crate) fn sources(&self, src: &[ImmutableBlock<G3>]) -> Vec<MoveSource> {
         src.iter()
             .map(|b| {
                 let h = b.sequence_hash();
@@ -176,7 +176,7 @@ impl G3ToG2 {
     }
 
     /// The move itself (the read-ahead issues its reads through it too).
-    pub(super) fn mover(&self) -> &BlockMover<G3, G2> {
+    pub(crate) fn mover(&self) -> &BlockMover<G3, G2> {
         &self.mover
     }
 
@@ -184,7 +184,7 @@ impl G3ToG2 {
     /// failure its count, the session's report (`report`: a session waits on these blocks),
     /// and, when it proves the copy bad, the copy poisoned and unlisted from the journal
     /// ([`g3_read_failed`]).
-    pub(super) fn settle_read(
+    pub(crate) fn settle_read(
         &self,
         hashes: impl Iterator<Item = SequenceHash>,
         out: &[MoveOutcome<G2>],
@@ -437,7 +437,7 @@ impl G2ToG1 {
     /// against its hash ([`Contents::verify`]) and registers the good ones in G1; one outcome
     /// per block. The scheduler's load path calls it with the slots `prepare_load` pinned; a
     /// slot that held anything else would fail the check, never be served.
-    pub(super) fn copy_slots(
+    pub(crate) fn copy_slots(
         &self,
         src: &[MoveSource],
         dst: Vec<MutableBlock<G1>>,

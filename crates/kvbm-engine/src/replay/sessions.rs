@@ -1,46 +1,40 @@
 //! Serving a request through onboarding sessions ([`FrontEnd::Sessions`]): lookup, staging,
-//! onboarding, computing the rest, and the backpressure that keeps the lanes ahead.
+//! onboarding, computing the rest; and the admission every request passes first (the
+//! back-pressure that keeps the lanes ahead, G1 room), whatever its front end.
+//!
+//! [`FrontEnd::Sessions`]: crate::stack::FrontEnd::Sessions
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, Tier, TierId};
-use kvbm_offload::BadCopies;
+use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, MutableBlock, SequenceHash, TierId};
 
 use crate::MatchedPrefix;
 use crate::error::Result;
 use crate::leader::{FinishOutcome, MoversToG2, OnboardingSession};
 use crate::mover::BlockMove;
+use crate::stack::context::{bail, stack_error};
 
-use super::context::{bail, stack_error};
-
-use super::TierStack;
+use super::ReplayDriver;
 use super::counters::{HitSource, Served};
 
-impl TierStack {
+impl ReplayDriver {
     /// Before a request of `hashes` takes any handle: waits out offload backpressure, finishes
     /// the reads started ahead for it (and any still reading one of its blocks: read again here,
     /// it would be a second transfer of the same slot, and a damaged block would be rejected,
     /// and counted, twice), and makes room in G1.
     pub(super) fn admit(&mut self, hashes: &[SequenceHash]) {
-        self.discard_rejected();
+        self.stack.discard_rejected();
         self.wait_for_room(hashes.len());
         self.complete_read_aheads(self.served_requests);
-        if !self.reading_ahead.is_empty() && hashes.iter().any(|h| self.reading_ahead.contains(h)) {
+        if !self.read_ahead.reading.is_empty()
+            && hashes.iter().any(|h| self.read_ahead.reading.contains(h))
+        {
             self.complete_read_aheads(usize::MAX);
         }
         self.ensure_g1_room(hashes.len());
         self.served_requests += 1;
-    }
-
-    /// Drops the G3 and G4 blocks their tier rejected on read (kvbm-offload's `BadCopies`)
-    /// from the tier's manager once nothing holds them (`BlockManager::discard_inactive`):
-    /// unregistered, their slots free, so the lanes may write a fresh copy later. A block stays
-    /// rejected (never read) until it is dropped or has left the tier.
-    pub(super) fn discard_rejected(&mut self) {
-        super::tiers::discard_rejected(self.g3.as_ref(), self.g4.as_ref());
     }
 
     /// Serves one request: lookup, onboarding, computing the rest, offloading it.
@@ -52,10 +46,10 @@ impl TierStack {
         self.admit(hashes);
         let mut served = Served::default();
         let n = hashes.len();
-        let before = self.onboard_tally();
+        let before = self.stack.onboard_tally();
         let (found, src, mut held_g1) = self.onboard_prefix(hashes)?;
         let fail_at = found;
-        let after = self.onboard_tally();
+        let after = self.stack.onboard_tally();
         served.onboarded = after[0] - before[0];
         served.verified = after[1] - before[1];
         served.corrupt = after[2] - before[2];
@@ -68,20 +62,9 @@ impl TierStack {
             let registered = self.compute(&hashes[fail_at..])?;
             served.computed = registered.len() as u64;
             self.times.compute += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
-            if let Some(p) = &self.g1_to_g2 {
-                let t = Instant::now();
-                // A plain blocking enqueue: no trip through the runtime unless the queue is full.
-                match p.enqueue_blocking(registered.clone(), None) {
-                    Ok(h) => {
-                        self.counters
-                            .offload_enqueued
-                            .fetch_add(registered.len() as u64, Ordering::Relaxed);
-                        self.g1_handles.push_back(h);
-                    }
-                    Err(e) => bail!("the G1→G2 pipeline refused blocks: {e}"),
-                }
-                self.times.offload_enqueue += t.elapsed().as_secs_f64();
-            }
+            let t = Instant::now();
+            self.stack.lanes.enqueue_g1(registered.clone())?;
+            self.times.offload_enqueue += t.elapsed().as_secs_f64();
             held_g1.extend(registered);
         }
         served.publish();
@@ -96,77 +79,14 @@ impl TierStack {
         let mut complete = Vec::with_capacity(hashes.len());
         for (blk, h) in blocks.into_iter().zip(hashes) {
             // SAFETY: freshly allocated slot: no transfer reads or writes it.
-            let slot = unsafe { self.g1.slot(blk.block_id()) };
-            self.contents.fill(*h, slot);
+            let slot = unsafe { self.stack.tiers.g1.slot(blk.block_id()) };
+            self.stack.contents.fill(*h, slot);
             complete.push(
                 blk.complete(*h)
                     .map_err(|e| stack_error!("cannot complete a G1 block: {}", e.error))?,
             );
         }
-        Ok(self.g1.manager.register_blocks(complete))
-    }
-
-    /// Onboarded, verified and corrupt blocks so far.
-    pub(super) fn onboard_tally(&self) -> [u64; 3] {
-        let o = &self.onboard;
-        [
-            o.onboarded.load(Ordering::Relaxed),
-            o.verified.load(Ordering::Relaxed),
-            o.corrupt.load(Ordering::Relaxed),
-        ]
-    }
-
-    /// Where `matched` must end: before its first G3 or G4 block already rejected.
-    pub(super) fn usable(&self, matched: &MatchedPrefix) -> usize {
-        let mut cut = matched.len();
-        // The holder's index of the first block a tier rejected, mapped to its prefix position
-        // (a tier may hold several runs of the prefix).
-        fn first_bad<T: Tier>(
-            blocks: &[ImmutableBlock<T>],
-            bad: &BadCopies<T>,
-            positions: impl FnOnce() -> Vec<usize>,
-        ) -> Option<usize> {
-            if bad.is_empty() {
-                return None;
-            }
-            let i = blocks
-                .iter()
-                .position(|b| bad.contains(b.sequence_hash()))?;
-            Some(positions()[i])
-        }
-        if let Some(g3) = &self.g3
-            && let Some(at) = first_bad(matched.g3().blocks(), g3.checked.bad(), || {
-                matched.positions(TierId::G3)
-            })
-        {
-            cut = cut.min(at);
-        }
-        if let Some(g4) = &self.g4
-            && let Some(at) = first_bad(matched.g4().blocks(), &g4.bad, || {
-                matched.positions(TierId::G4)
-            })
-        {
-            cut = cut.min(at);
-        }
-        cut
-    }
-
-    /// The first block of `hashes[from..to]` a mover reported failed (and clears the reports).
-    pub(super) fn first_failed(
-        &self,
-        hashes: &[SequenceHash],
-        from: usize,
-        to: usize,
-    ) -> Option<usize> {
-        let failed = std::mem::take(&mut *self.onboard.failed.lock());
-        if failed.is_empty() {
-            return None;
-        }
-        let failed: HashSet<SequenceHash> = failed.into_iter().collect();
-        hashes[from..to]
-            .iter()
-            .position(|h| failed.contains(h))
-            .map(|i| from + i)
+        Ok(self.stack.tiers.g1.manager.register_blocks(complete))
     }
 
     /// Lookup and onboarding of a request's prefix, like a scheduler over the engine:
@@ -194,16 +114,16 @@ impl TierStack {
         loop {
             held_g1.clear();
             let t = Instant::now();
-            let g1m = self.g1.manager.match_blocks(&hashes[..limit]);
+            let g1m = self.stack.tiers.g1.manager.match_blocks(&hashes[..limit]);
             let at = g1m.len();
             held_g1.extend(g1m);
             while src.len() < at {
                 src.push(HitSource::Tier(TierId::G1));
             }
-            let matched = match &self.leader {
+            let matched = match &self.stack.tiers.leader {
                 Some(l) if at < limit => {
                     let mut m = l.find_matches(&hashes[at..limit]);
-                    m.truncate(self.usable(&m));
+                    m.truncate(self.stack.usable(&m));
                     m
                 }
                 _ => MatchedPrefix::default(),
@@ -215,12 +135,13 @@ impl TierStack {
                     }
                     src.push(match run.tier {
                         // A block read ahead from G3 for this request is a G3 hit.
-                        TierId::G2 if self.read_ahead_staged.remove(&hashes[at + k]) => {
+                        TierId::G2 if self.read_ahead.staged.remove(&hashes[at + k]) => {
                             HitSource::Tier(TierId::G3)
                         }
                         // Written by another instance: a cross-instance hit.
                         TierId::G4
                             if self
+                                .stack
                                 .shared_g4
                                 .as_ref()
                                 .is_some_and(|s| !s.own().lock().contains(&hashes[at + k])) =>
@@ -232,7 +153,7 @@ impl TierStack {
                 }
             }
             self.times.lookup += t.elapsed().as_secs_f64();
-            let (Some(movers), false) = (&self.movers, matched.is_empty()) else {
+            let (Some(movers), false) = (&self.stack.tiers.movers, matched.is_empty()) else {
                 return Ok((at, src, held_g1));
             };
             let (g3_to_g2, g4_to_g2, g2_to_g1) = (
@@ -255,21 +176,25 @@ impl TierStack {
             {
                 let t = Instant::now();
                 let nested = self.nested_time();
-                if !self.reads_ahead.is_empty()
+                if !self.read_ahead.in_flight.is_empty()
                     && self
+                        .stack
+                        .tiers
                         .g2
                         .as_ref()
                         .is_some_and(|g2| g2.manager.available_blocks() < need)
                 {
                     self.complete_read_aheads(usize::MAX);
                 }
-                let g3_before = self.onboard.g3_nanos.load(Ordering::Relaxed);
-                let staged = self.session_rt.block_on(session.prepare(MoversToG2 {
+                let g3_before = self.stack.tiers.onboard.g3_nanos.load(Ordering::Relaxed);
+                let staged = self.stack.session_rt.block_on(session.prepare(MoversToG2 {
                     g3_to_g2: g3_to_g2.map(|m| m as Arc<dyn BlockMove<G3, G2>>),
                     g4_to_g2: g4_to_g2.map(|m| m as Arc<dyn BlockMove<G4, G2>>),
                     remote_g2: None,
                 }));
-                let g3 = (self.onboard.g3_nanos.load(Ordering::Relaxed) - g3_before) as f64 / 1e9;
+                let g3 = (self.stack.tiers.onboard.g3_nanos.load(Ordering::Relaxed) - g3_before)
+                    as f64
+                    / 1e9;
                 let all = t.elapsed().as_secs_f64() - (self.nested_time() - nested);
                 self.times.g3_to_g2 += g3;
                 // The rest is G4 staging, or, for a prefix all in G2, the session's own cost
@@ -281,7 +206,10 @@ impl TierStack {
                 }
                 if let Err(e) = staged {
                     tracing::debug!(error = %e, "staging failed; the prefix is cut");
-                    limit = self.first_failed(hashes, at, end).unwrap_or(first_staged);
+                    limit = self
+                        .stack
+                        .first_failed(hashes, at, end)
+                        .unwrap_or(first_staged);
                     continue;
                 }
             }
@@ -290,17 +218,18 @@ impl TierStack {
             let t = Instant::now();
             let nested = self.nested_time();
             let len = session.prefix_len();
-            let dst = match self.g1.manager.allocate_blocks(len) {
+            let dst = match self.stack.tiers.g1.manager.allocate_blocks(len) {
                 Ok(d) => d,
                 Err(_) => self.allocate_g1(len)?,
             };
             let onboarded = self
+                .stack
                 .session_rt
                 .block_on(session.onboard(g2_to_g1 as Arc<dyn BlockMove<G2, G1>>, dst));
             self.times.g2_to_g1 += t.elapsed().as_secs_f64() - (self.nested_time() - nested);
             if let Err(e) = onboarded {
                 tracing::debug!(error = %e, "onboarding failed; the prefix is cut");
-                limit = self.first_failed(hashes, at, end).unwrap_or(at);
+                limit = self.stack.first_failed(hashes, at, end).unwrap_or(at);
                 continue;
             }
             match session.finish() {
@@ -318,16 +247,6 @@ impl TierStack {
         self.times.g1_backpressure + self.times.g3_to_g2
     }
 
-    /// Blocks queued or in flight in the offload lanes.
-    pub(super) fn lane_pending(&self) -> usize {
-        self.g1_to_g2.as_ref().map_or(0, |p| p.pending_blocks())
-            + self.g2_to_g3.as_ref().map_or(0, |p| p.pending_blocks())
-            + self
-                .g2_to_g4
-                .as_ref()
-                .map_or(0, |p| p.pipeline().pending_blocks())
-    }
-
     /// Waits for room: the caller's back-pressure (not the lanes' own, which drops stores:
     /// `offload.write_through.backpressure`). The lanes hold their G2 blocks until written below, and the
     /// caller's "forward pass" is instant, so without a bound it would outrun them and find G2
@@ -339,18 +258,18 @@ impl TierStack {
     /// up) are finished, so their slots become evictable: a G1→G2 batch waiting for G2 room
     /// (`offload.g1_to_g2.room_patience_ms`) must not wait on this thread.
     pub(super) fn wait_for_room(&mut self, n: usize) {
-        let Some(g2) = self.g2.as_ref().map(|g| g.manager.clone()) else {
+        let Some(g2) = self.stack.tiers.g2.as_ref().map(|g| g.manager.clone()) else {
             return;
         };
         let high = (g2.total_blocks() / 2).max(1);
-        let reserve = n + self.g1_batch;
+        let reserve = n + self.stack.lanes.g1_batch;
         let starved = |t: &Self| {
-            let pending = t.lane_pending();
+            let pending = t.stack.lanes.pending();
             pending > 0 && (pending > high || g2.available_blocks() < reserve)
         };
         // Blocks buffered for the write-through are held in G2: hand them to the lanes before
         // deciding (they are what the lanes must write to free G2).
-        if let Some(w) = &self.write_through
+        if let Some(w) = &self.stack.lanes.write_through
             && g2.available_blocks() < reserve
         {
             w.flush(true);
@@ -373,26 +292,20 @@ impl TierStack {
     /// holding the request's G2 hits, could be a cycle: the G1→G2 lane holds G1 blocks and may
     /// be waiting for G2 room those hits take.
     pub(super) fn ensure_g1_room(&mut self, n: usize) {
-        if self.g1.manager.available_blocks() >= n {
+        if self.stack.tiers.g1.manager.available_blocks() >= n {
             return;
         }
         // The G1→G2 lane may be waiting for G2 room that reads started ahead hold.
         self.complete_read_aheads(usize::MAX);
         let t = Instant::now();
-        while self.g1.manager.available_blocks() < n {
-            let Some(h) = self.g1_handles.pop_front() else {
-                break; // nothing left to wait for; allocation reports G1 too small
-            };
-            match self.rt.block_on(h.wait()) {
-                Ok(r) => self.tally(&r),
-                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
-            }
-        }
+        while self.stack.tiers.g1.manager.available_blocks() < n
+            && self.stack.lanes.wait_oldest_g1(&self.stack.rt)
+        {}
         self.times.g1_backpressure += t.elapsed().as_secs_f64();
     }
 
     pub(super) fn allocate_g1(&mut self, n: usize) -> Result<Vec<MutableBlock<G1>>> {
-        if let Ok(v) = self.g1.manager.allocate_blocks(n) {
+        if let Ok(v) = self.stack.tiers.g1.manager.allocate_blocks(n) {
             return Ok(v);
         }
         // G1 is full of blocks still being offloaded (the lanes hold them until they are
@@ -404,20 +317,16 @@ impl TierStack {
         // handle, and this path is not taken.
         self.complete_read_aheads(usize::MAX);
         let t = Instant::now();
-        while let Some(h) = self.g1_handles.pop_front() {
-            match self.rt.block_on(h.wait()) {
-                Ok(r) => self.tally(&r),
-                Err(e) => tracing::warn!(error = %e, "an offload did not finish"),
-            }
-            if let Ok(v) = self.g1.manager.allocate_blocks(n) {
+        while self.stack.lanes.wait_oldest_g1(&self.stack.rt) {
+            if let Ok(v) = self.stack.tiers.g1.manager.allocate_blocks(n) {
                 self.times.g1_backpressure += t.elapsed().as_secs_f64();
                 return Ok(v);
             }
         }
-        let r = self.g1.manager.allocate_blocks(n).map_err(|e| {
+        let r = self.stack.tiers.g1.manager.allocate_blocks(n).map_err(|e| {
             stack_error!(
                 "G1 ({} blocks) cannot hold a request of {n} blocks: {e}; raise --g1-blocks",
-                self.g1.manager.total_blocks()
+                self.stack.tiers.g1.manager.total_blocks()
             )
         });
         self.times.g1_backpressure += t.elapsed().as_secs_f64();

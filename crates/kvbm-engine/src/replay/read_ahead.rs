@@ -9,7 +9,7 @@ use futures::future::BoxFuture;
 use kvbm_logical::{G2, G3, ImmutableBlock, SequenceHash, TierId};
 use kvbm_offload::MoveOutcome;
 
-use super::TierStack;
+use super::ReplayDriver;
 
 /// A G3→G2 read started ahead of the request that needs it.
 pub(super) struct ReadAhead {
@@ -23,7 +23,7 @@ pub(super) struct ReadAhead {
     pub(super) started: Instant,
 }
 
-impl TierStack {
+impl ReplayDriver {
     /// Starts reading, for the request with index `request` (served later), the blocks of its
     /// prefix that only G3 holds into G2, so the read overlaps the requests before it.
     ///
@@ -39,9 +39,13 @@ impl TierStack {
 
     pub(super) fn start_read_ahead(&mut self, request: usize, hashes: &[SequenceHash]) {
         let (Some(g2), Some(g3), Some(g3_to_g2)) = (
-            &self.g2,
-            &self.g3,
-            self.movers.as_ref().and_then(|m| m.g3_to_g2.clone()),
+            &self.stack.tiers.g2,
+            &self.stack.tiers.g3,
+            self.stack
+                .tiers
+                .movers
+                .as_ref()
+                .and_then(|m| m.g3_to_g2.clone()),
         ) else {
             return;
         };
@@ -57,7 +61,7 @@ impl TierStack {
             }
             if tiers.contains(&TierId::G3)
                 && !g3.checked.bad().contains(*h)
-                && !self.reading_ahead.contains(h)
+                && !self.read_ahead.reading.contains(h)
             {
                 want.push(*h);
             }
@@ -66,7 +70,7 @@ impl TierStack {
             return;
         }
         // Reads in flight hold G2 slots: keep them to a quarter of G2.
-        let budget = (g2.manager.total_blocks() / 4).saturating_sub(self.reading_ahead.len());
+        let budget = (g2.manager.total_blocks() / 4).saturating_sub(self.read_ahead.reading.len());
         want.truncate(budget);
         if want.is_empty() {
             return;
@@ -84,9 +88,10 @@ impl TierStack {
             .mover()
             .move_blocks(&g3_to_g2.sources(&src), dst)
             .boxed();
-        self.reading_ahead
+        self.read_ahead
+            .reading
             .extend(src.iter().map(|b| b.sequence_hash()));
-        self.reads_ahead.push_back(ReadAhead {
+        self.read_ahead.in_flight.push_back(ReadAhead {
             request,
             src,
             moved,
@@ -98,11 +103,12 @@ impl TierStack {
     /// synchronous G3→G2 onboarding and registers the good ones in G2.
     pub(super) fn complete_read_aheads(&mut self, request: usize) {
         while self
-            .reads_ahead
+            .read_ahead
+            .in_flight
             .front()
             .is_some_and(|p| p.request <= request)
         {
-            let p = self.reads_ahead.pop_front().expect("checked");
+            let p = self.read_ahead.in_flight.pop_front().expect("checked");
             let t = Instant::now();
             // The read runs on the transfer manager's runtime; this only waits for its end.
             let out = futures::executor::block_on(p.moved);
@@ -113,16 +119,22 @@ impl TierStack {
             )
             .record(p.started.elapsed().as_secs_f64());
             for b in &p.src {
-                self.reading_ahead.remove(&b.sequence_hash());
+                self.read_ahead.reading.remove(&b.sequence_hash());
             }
-            if let Some(g3_to_g2) = self.movers.as_ref().and_then(|m| m.g3_to_g2.clone()) {
+            if let Some(g3_to_g2) = self
+                .stack
+                .tiers
+                .movers
+                .as_ref()
+                .and_then(|m| m.g3_to_g2.clone())
+            {
                 // No session is waiting on these blocks: failures are accounted, not reported.
                 g3_to_g2.settle_read(p.src.iter().map(|b| b.sequence_hash()), &out, false);
             }
             // The copies that arrived are registered; held no further, they are inactive in G2
             // until their request finds them.
             for b in out.into_iter().flatten() {
-                self.read_ahead_staged.insert(b.sequence_hash());
+                self.read_ahead.staged.insert(b.sequence_hash());
             }
         }
     }
