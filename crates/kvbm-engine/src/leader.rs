@@ -41,7 +41,7 @@ pub mod session;
 use std::sync::Arc;
 
 use kvbm_logical::{
-    BlockManager, BlockRegistry, EventSink, G2, G3, G4, LogicalConfig, SequenceHash, Tier, TierId,
+    BlockManager, BlockRegistry, EventSink, G2, G3, G4, SequenceHash, Tier, TierId,
 };
 
 pub use accessor::{BlockAccessor, RunSource, ScanRun};
@@ -179,25 +179,6 @@ impl InstanceLeaderBuilder {
     }
 }
 
-fn manager<T: Tier>(
-    blocks: usize,
-    logical: &LogicalConfig,
-    registry: &BlockRegistry,
-    sink: Option<&Arc<dyn EventSink>>,
-) -> Result<Option<Arc<BlockManager<T>>>> {
-    if blocks == 0 {
-        return Ok(None);
-    }
-    let mut builder = BlockManager::<T>::builder()
-        .block_count(blocks)
-        .config(logical.clone())
-        .registry(registry.clone());
-    if let Some(sink) = sink {
-        builder = builder.event_sink(sink.clone());
-    }
-    Ok(Some(Arc::new(builder.build()?)))
-}
-
 impl InstanceLeader {
     /// A builder over explicit managers.
     pub fn builder() -> InstanceLeaderBuilder {
@@ -223,19 +204,13 @@ impl InstanceLeader {
         config: &KvbmConfig,
         sink: Option<Arc<dyn EventSink>>,
     ) -> Result<Self> {
-        let registry = BlockRegistry::with_config(&config.logical.registry);
-        let (l, s) = (&config.logical, sink.as_ref());
-        let mut builder = Self::builder().search(config.leader.search.clone());
-        if let Some(m) = manager::<G2>(config.tiers.g2_blocks, l, &registry, s)? {
-            builder = builder.g2(m);
-        }
-        if let Some(m) = manager::<G3>(config.tiers.g3_blocks, l, &registry, s)? {
-            builder = builder.g3(m);
-        }
-        if let Some(m) = manager::<G4>(config.tiers.g4_blocks, l, &registry, s)? {
-            builder = builder.g4(m);
-        }
-        builder.build()
+        let sinks = match sink {
+            Some(s) => crate::stack::TierSinks::all(s),
+            None => crate::stack::TierSinks::default(),
+        };
+        crate::stack::TierManagers::build(config, sinks, &[])?
+            .leader(config, None)?
+            .ok_or(EngineError::TierMissing(TierId::G2))
     }
 
     /// As [`from_config`](Self::from_config) with the runtime's configuration, and every

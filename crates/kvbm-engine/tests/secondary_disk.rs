@@ -8,7 +8,6 @@
 //! its model, not another's. The keys each needs are named when missing.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use kvbm_engine::stack::{secondary_disk, secondary_object};
 use kvbm_engine::{EngineError, KvbmConfig};
@@ -16,20 +15,16 @@ use kvbm_logical::G3;
 use kvbm_physical::ObjectConfig;
 use kvbm_physical::{DiskConfig, ModelFingerprint, Parallelism, TransferManager};
 use kvbm_tiering::{
-    CpuManagerConfig, CpuPrimaryTier, LookupResult, OffloadKey, OffloadingManager, PhysicalTier,
-    ReqContext, ScheduleEndContext, TieringOffloadingManager, UpstreamFixes,
+    CpuManagerConfig, CpuPrimaryTier, LookupResult, OffloadingManager, PhysicalTier, ReqContext,
+    TieringOffloadingManager, UpstreamFixes,
 };
+
+use kvbm_tiering::testing::{chunk_pattern, key as k, settle, store};
 
 const CHUNK: usize = 8192;
 
-fn k(i: u64) -> OffloadKey {
-    OffloadKey::from_u64(i)
-}
-
 fn pattern(i: u64) -> Vec<u8> {
-    (0..CHUNK)
-        .map(|j| (j as u64 * 13 + i * 101) as u8)
-        .collect()
+    chunk_pattern(i, CHUNK)
 }
 
 fn fingerprint(model: &str) -> ModelFingerprint {
@@ -62,35 +57,6 @@ fn manager(cfg: &KvbmConfig, model: &str) -> TieringOffloadingManager {
         Box::new(secondary_object(cfg, &primary, &fingerprint(model)).unwrap())
     };
     TieringOffloadingManager::with_primary(primary, vec![tier], UpstreamFixes::default(), false)
-}
-
-fn settle(m: &mut TieringOffloadingManager) {
-    let end = |m: &mut TieringOffloadingManager| {
-        m.on_schedule_end(&ScheduleEndContext::default()).unwrap()
-    };
-    end(m);
-    let t = Instant::now();
-    while m.has_pending_work() {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "tier jobs did not finish"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-        end(m);
-    }
-    end(m);
-}
-
-fn store(m: &mut TieringOffloadingManager, c: &ReqContext, keys: &[u64]) {
-    let ks: Vec<OffloadKey> = keys.iter().map(|&i| k(i)).collect();
-    let o = m.prepare_store(&ks, c).unwrap().expect("room");
-    for (key, &i) in ks.iter().zip(keys) {
-        m.primary_mut()
-            .chunk_mut(key)
-            .unwrap()
-            .copy_from_slice(&pattern(i));
-    }
-    m.complete_store(&o.keys_to_store, c, true).unwrap();
 }
 
 #[test]

@@ -9,6 +9,8 @@ pub mod manager;
 pub mod replay;
 pub mod spec;
 pub mod stats;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod types;
 pub mod worker;
 

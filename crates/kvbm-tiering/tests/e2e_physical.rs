@@ -6,7 +6,7 @@
 //! failures map to the tier's handling (corrupt or vanished copies are dropped, never served).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvbm_logical::{BlockManager, G3, Tier};
 use kvbm_offload::{BlockFailureKind, BoundTier};
@@ -17,47 +17,12 @@ use kvbm_physical::{
 use kvbm_tiering::tiering::{TIER_BLOCK_SIZE, key_digest, key_hash};
 use kvbm_tiering::*;
 
+use kvbm_tiering::testing::{chunk_pattern, end_step as end, key as k, settle, store};
+
 const CHUNK: usize = 8192;
 
-fn k(i: u64) -> OffloadKey {
-    OffloadKey::from_u64(i)
-}
-
 fn pattern(i: u64) -> Vec<u8> {
-    (0..CHUNK)
-        .map(|j| (j as u64 * 31 + i * 7919) as u8)
-        .collect()
-}
-
-fn end(m: &mut TieringOffloadingManager) {
-    m.on_schedule_end(&ScheduleEndContext::default()).unwrap();
-}
-
-/// Steps until no job is pending (the first step end submits staged promotions).
-fn settle(m: &mut TieringOffloadingManager) {
-    end(m);
-    let t = Instant::now();
-    while m.has_pending_work() {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "tier jobs did not finish"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-        end(m);
-    }
-    end(m);
-}
-
-fn store(m: &mut TieringOffloadingManager, c: &ReqContext, keys: &[u64]) {
-    let ks: Vec<OffloadKey> = keys.iter().map(|&i| k(i)).collect();
-    let o = m.prepare_store(&ks, c).unwrap().expect("room");
-    for (key, &i) in ks.iter().zip(keys) {
-        m.primary_mut()
-            .chunk_mut(key)
-            .unwrap()
-            .copy_from_slice(&pattern(i));
-    }
-    m.complete_store(&o.keys_to_store, c, true).unwrap();
+    chunk_pattern(i, CHUNK)
 }
 
 fn scratch(name: &str) -> std::path::PathBuf {

@@ -69,6 +69,7 @@ use context::Context;
 pub use counters::{Counters, MovePath, PATH_NAMES};
 pub use hooks::{Contents, Identities, ShareG4, SharedG4};
 pub use lanes::LaneOutcomes;
+pub use managers::TierManagers;
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 pub(crate) use lanes::Lanes;
@@ -84,6 +85,7 @@ pub(crate) mod context;
 mod counters;
 mod hooks;
 mod lanes;
+mod managers;
 mod movers;
 mod plan;
 mod tiers;

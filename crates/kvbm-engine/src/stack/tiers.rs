@@ -1,12 +1,13 @@
 //! The tiers of one instance, and the one way they are built ([`TierSet::build`]): the host
 //! layouts of G1/G2, the G3 disk file with its journal (warm restart) and checksums, the G4
-//! object store with its warm listing, all registered on one `TransferManager`; the block
-//! managers over them (one registry); the [`InstanceLeader`] over G2..G4; and the movers
+//! object store with its warm listing, all registered on one `TransferManager`, each sized by
+//! its block manager ([`TierManagers`](super::TierManagers): the managers on one registry and
+//! the [`InstanceLeader`] over G2..G4, built as every composition builds them); and the movers
 //! G3→G2, G4→G2, G2→G1 with their checks. Both compositions call it: the
 //! [`TierStack`](super::TierStack) (`TierStack::build`) and the cluster plane's instance
 //! (kvbm-cluster's `instance::InstanceBuilder::build`); each adds what is its own
-//! on top (the stack its lanes, front end and read-ahead; the instance its data plane, events
-//! and presence).
+//! on top (the stack its lanes and front end; the instance its data plane, events and
+//! presence).
 //!
 //! ```text
 //!  TierSetPlan: [tiers] [physical] [logical] [leader]   one TransferManager, one BlockRegistry
@@ -14,7 +15,8 @@
 //!            sinks (G2..G4 events)                   G3: DiskJournal::open → listed blocks
 //!            contents, identities, remote                registered, their checksums kept
 //!                                                    G4: every block object listed, present
-//!                                                ──► InstanceLeader (G2..G4, remote search)
+//!                                                ──► TierManagers: the managers ([tiers]),
+//!                                                    InstanceLeader (G2..G4, remote search)
 //!                                                ──► TierMovers: G3ToG2 (journal checksum),
 //!                                                    G4ToG2 (header), G2ToG1 (Contents)
 //!                                                ──► g2_to_g4_lane (the object pipeline)
@@ -34,9 +36,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbm_logical::{
-    BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, LogicalConfig, SequenceHash, Tier,
-};
+use kvbm_logical::{BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, SequenceHash, Tier};
 use kvbm_offload::{
     ArrivalCheck, BadCopies, BlockFailure, BlockMoveExecutor, BlockMover, BoundTier, CheckedDisk,
     CompletionSink, MoveSource, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
@@ -54,7 +54,7 @@ use crate::config::KvbmConfig;
 use crate::error::{EngineError, Result};
 use crate::leader::{InstanceLeader, RemoteSearch};
 use crate::mover::BlockMove;
-use crate::runtime::{EventSource, RuntimeHandle};
+use crate::runtime::RuntimeHandle;
 
 use super::context::{Context, stack_error};
 use super::hooks::{Contents, Identities};
@@ -63,6 +63,7 @@ use super::movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 use super::plan::probe_endpoint;
 
 use super::counters::Counters;
+use super::managers::TierManagers;
 
 /// Where each lower tier's block manager publishes its stored/removed events (none: not
 /// published). G1 publishes nothing.
@@ -186,17 +187,10 @@ impl TierSet {
     pub async fn build(plan: TierSetPlan<'_>) -> Result<TierSet> {
         let cfg = plan.config;
         let tiers = &cfg.tiers;
-        if tiers.g2_blocks == 0 && (tiers.g3_blocks > 0 || tiers.g4_blocks > 0) {
-            return Err(EngineError::config(
-                "tiers.g2_blocks",
-                "G3 and G4 need G2: blocks move to and from them through host memory (must be > 0)",
-            ));
-        }
         let tm = Arc::new(
             TransferManager::with_config(cfg.physical.transfer.clone())
                 .context("cannot start the transfer manager")?,
         );
-        let registry = BlockRegistry::with_config(&cfg.logical.registry);
         let counters = Arc::new(Counters::default());
         let shape = &plan.shape;
         // What every stored block's key is scoped by: a block written under another model,
@@ -208,112 +202,94 @@ impl TierSet {
             let h = tm.register_layout(layout)?;
             Ok((h, tm.layout(h)?))
         };
-        let (h1, l1) = host(tiers.g1_blocks, plan.pin[0])?;
-        let g1 = HostTier {
-            manager: manager::<G1>(tiers.g1_blocks, &registry, &cfg.logical)?,
-            handle: h1,
-            layout: l1,
-        };
-        let g2 = if tiers.g2_blocks > 0 {
-            let (h, l) = host(tiers.g2_blocks, plan.pin[1])?;
-            Some(HostTier {
-                manager: manager_with_sink::<G2>(
-                    tiers.g2_blocks,
-                    &registry,
-                    &cfg.logical,
-                    plan.sinks.g2.clone(),
-                )?,
-                handle: h,
-                layout: l,
-            })
-        } else {
-            None
-        };
-
-        let g3 = if let Some((g3_blocks, disk)) = g3_of(cfg)? {
-            let dir = g3_dir(disk)?;
-            let layout = PhysicalLayout::create_disk(shape(g3_blocks)?, disk)
-                .with_context(|| format!("cannot create the G3 file {}", disk.path.display()))?;
-            let handle = tm.register_layout(layout)?;
-            let manager =
-                manager_with_sink::<G3>(g3_blocks, &registry, &cfg.logical, plan.sinks.g3.clone())?;
-            let (checked, listed) = CheckedDisk::open(
-                &disk.path,
-                &*tm.layout(handle)?,
-                Some(&fingerprint),
-                &manager,
-            )?;
-            Some(G3Tier {
-                manager,
-                handle,
-                layout: tm.layout(handle)?,
-                dir,
-                checked: Arc::new(checked),
-                warm_blocks: listed.len(),
-            })
-        } else {
-            None
-        };
-
-        let (g4, g4_listed) = if tiers.g4_blocks == 0 {
+        // G4 is listed first: its manager registers what the listing found (warm start:
+        // every block object already under the namespace is present).
+        let (g4_storage, g4_listed) = if tiers.g4_blocks == 0 {
             (None, Vec::new())
         } else {
             let (storage, describe) =
                 open_g4_storage(cfg, fingerprint, cfg.physical.object.clone()).await?;
-            // Warm start: every block object already under the namespace is present.
             let listed = list_g4(&storage, &describe).await?;
-            let manager = manager_with_sink::<G4>(
-                tiers.g4_blocks + listed.len(),
-                &registry,
-                &cfg.logical,
-                plan.sinks.g4.clone(),
-            )?;
-            let warm_blocks = register_listed(&manager, &listed)?;
-            // Objects are keyed by block: the layout's one slot only carries the geometry.
-            let handle = tm.register_layout(PhysicalLayout::object(shape(1)?, storage.clone()))?;
-            let g4 = G4Tier {
-                manager,
-                handle,
-                storage,
-                bad: Arc::default(),
-                warm_blocks,
-                describe,
-            };
-            (Some(g4), listed)
+            (Some((storage, describe)), listed)
+        };
+        // Every manager and the leader: built as every composition builds them.
+        let managers = TierManagers::build(cfg, plan.sinks, &g4_listed)?;
+        managers.flush_events_with(plan.runtime);
+        let leader = managers.leader(cfg, plan.remote.clone())?;
+        let g1_manager = managers.g1.clone().ok_or_else(|| {
+            EngineError::config("tiers.g1_blocks", "the tier set needs G1: must be > 0")
+        })?;
+        let (h1, l1) = host(g1_manager.total_blocks(), plan.pin[0])?;
+        let g1 = HostTier {
+            manager: g1_manager,
+            handle: h1,
+            layout: l1,
+        };
+        let g2 = match &managers.g2 {
+            Some(m) => {
+                let (h, l) = host(m.total_blocks(), plan.pin[1])?;
+                Some(HostTier {
+                    manager: m.clone(),
+                    handle: h,
+                    layout: l,
+                })
+            }
+            None => None,
         };
 
-        // The leader searches the G2/G3/G4 managers (one shared registry); every onboarding
-        // move runs on the shared transfer manager.
+        let g3 = match (g3_of(cfg)?, &managers.g3) {
+            (Some((_, disk)), Some(manager)) => {
+                let dir = g3_dir(disk)?;
+                let layout = PhysicalLayout::create_disk(shape(manager.total_blocks())?, disk)
+                    .with_context(|| {
+                        format!("cannot create the G3 file {}", disk.path.display())
+                    })?;
+                let handle = tm.register_layout(layout)?;
+                let (checked, listed) = CheckedDisk::open(
+                    &disk.path,
+                    &*tm.layout(handle)?,
+                    Some(&fingerprint),
+                    manager,
+                )?;
+                Some(G3Tier {
+                    manager: manager.clone(),
+                    handle,
+                    layout: tm.layout(handle)?,
+                    dir,
+                    checked: Arc::new(checked),
+                    warm_blocks: listed.len(),
+                })
+            }
+            _ => None,
+        };
+
+        let g4 = match (g4_storage, &managers.g4) {
+            (Some((storage, describe)), Some(manager)) => {
+                // Objects are keyed by block: the layout's one slot only carries the geometry.
+                let handle =
+                    tm.register_layout(PhysicalLayout::object(shape(1)?, storage.clone()))?;
+                Some(G4Tier {
+                    manager: manager.clone(),
+                    handle,
+                    storage,
+                    bad: Arc::default(),
+                    warm_blocks: managers.g4_warm,
+                    describe,
+                })
+            }
+            _ => None,
+        };
+
+        // Every onboarding move runs on the shared transfer manager.
         let onboard = Arc::new(OnboardShared::default());
         let g2_bound = g2
             .as_ref()
             .map(|t| BoundTier::new(tm.clone(), t.handle, t.manager.clone()))
             .transpose()?;
-        let events = plan.runtime;
-        events.register_event_source(&(g1.manager.clone() as Arc<dyn EventSource>));
-        let (mut leader, mut movers) = (None, None);
+        let registry = managers.registry.clone();
+        let mut movers = None;
         if let (Some(g2t), Some(g2b)) = (&g2, &g2_bound) {
             let b = g2t.layout.layout().config().block_bytes();
-            let mut builder = InstanceLeader::builder()
-                .g2(g2t.manager.clone())
-                .search(cfg.leader.search.clone());
-            events.register_event_source(&(g2t.manager.clone() as Arc<dyn EventSource>));
-            if let Some(g3t) = &g3 {
-                builder = builder.g3(g3t.manager.clone());
-                events.register_event_source(&(g3t.manager.clone() as Arc<dyn EventSource>));
-            }
-            if let Some(g4t) = &g4 {
-                builder = builder.g4(g4t.manager.clone());
-                events.register_event_source(&(g4t.manager.clone() as Arc<dyn EventSource>));
-            }
-            if let Some(r) = plan.remote.clone() {
-                builder = builder.remote(r);
-            }
-            leader = Some(
-                builder
-                    .build()
-                    .context("cannot build the instance leader")?,
-            );
             movers = Some(TierMovers {
                 g3_to_g2: match &g3 {
                     Some(g3t) => Some(Arc::new(G3ToG2::new(
@@ -616,54 +592,24 @@ impl RankTiers {
         remote: Option<RemoteSearch>,
         g4_listed: &[SequenceHash],
     ) -> Result<RankTiers> {
-        let tiers = &cfg.tiers;
-        for (key, n) in [
-            ("tiers.g1_blocks", tiers.g1_blocks),
-            ("tiers.g2_blocks", tiers.g2_blocks),
-        ] {
-            if n == 0 {
-                return Err(EngineError::config(
-                    key,
-                    "must be > 0 when the worker ranks hold the blocks",
-                ));
-            }
-        }
         let fingerprint = cfg.fingerprint(geometry.config())?;
-        let registry = BlockRegistry::with_config(&cfg.logical.registry);
-        let g1 = manager::<G1>(tiers.g1_blocks, &registry, &cfg.logical)?;
-        let g2 = manager_with_sink::<G2>(tiers.g2_blocks, &registry, &cfg.logical, sinks.g2)?;
-        let g3 = (tiers.g3_blocks > 0)
-            .then(|| manager_with_sink::<G3>(tiers.g3_blocks, &registry, &cfg.logical, sinks.g3))
-            .transpose()?;
-        runtime.register_event_source(&(g1.clone() as Arc<dyn EventSource>));
-        runtime.register_event_source(&(g2.clone() as Arc<dyn EventSource>));
-        let mut builder = InstanceLeader::builder()
-            .g2(g2.clone())
-            .search(cfg.leader.search.clone());
-        if let Some(g3) = &g3 {
-            runtime.register_event_source(&(g3.clone() as Arc<dyn EventSource>));
-            builder = builder.g3(g3.clone());
-        }
-        let g4 = if tiers.g4_blocks > 0 {
-            let g4 = manager_with_sink::<G4>(
-                tiers.g4_blocks + g4_listed.len(),
-                &registry,
-                &cfg.logical,
-                sinks.g4,
-            )?;
-            register_listed(&g4, g4_listed)?;
-            runtime.register_event_source(&(g4.clone() as Arc<dyn EventSource>));
-            builder = builder.g4(g4.clone());
-            Some(g4)
-        } else {
-            None
+        let managers = TierManagers::build(cfg, sinks, g4_listed)?;
+        let needed = |key: &str| {
+            EngineError::config(key, "must be > 0 when the worker ranks hold the blocks")
         };
-        if let Some(r) = remote {
-            builder = builder.remote(r);
-        }
-        let leader = builder
-            .build()
-            .context("cannot build the instance leader")?;
+        let g1 = managers
+            .g1
+            .clone()
+            .ok_or_else(|| needed("tiers.g1_blocks"))?;
+        let g2 = managers
+            .g2
+            .clone()
+            .ok_or_else(|| needed("tiers.g2_blocks"))?;
+        managers.flush_events_with(runtime);
+        let leader = managers
+            .leader(cfg, remote)?
+            .expect("a leader is built over G2");
+        let (g3, g4) = (managers.g3.clone(), managers.g4.clone());
         Ok(RankTiers {
             g1,
             g2,
@@ -767,32 +713,6 @@ pub(super) fn geometry(num_blocks: usize, block_bytes: usize) -> Result<BlockLay
         .build()?)
 }
 
-pub(super) fn manager<T: Tier>(
-    n: usize,
-    registry: &BlockRegistry,
-    logical: &LogicalConfig,
-) -> Result<Arc<BlockManager<T>>> {
-    manager_with_sink(n, registry, logical, None)
-}
-
-pub(super) fn manager_with_sink<T: Tier>(
-    n: usize,
-    registry: &BlockRegistry,
-    logical: &LogicalConfig,
-    sink: Option<Arc<dyn EventSink>>,
-) -> Result<Arc<BlockManager<T>>> {
-    let mut builder = BlockManager::<T>::builder()
-        .config(logical.clone())
-        .block_count(n)
-        .registry(registry.clone());
-    if let Some(sink) = sink {
-        builder = builder.event_sink(sink);
-    }
-    Ok(Arc::new(builder.build().with_context(|| {
-        format!("cannot build the {} block manager", T::ID)
-    })?))
-}
-
 pub(super) fn g3_arrival_check(g3: G3Check) -> ArrivalCheck {
     Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
         g3.checked.check(src.sequence_hash, regions)
@@ -888,22 +808,6 @@ pub async fn list_g4(storage: &ObjectStorage, describe: &str) -> Result<Vec<Sequ
         .await
         .map_err(|_| stack_error!("listing G4 ({describe}) timed out after 60 s"))?
         .with_context(|| format!("cannot list G4 ({describe})"))
-}
-
-/// Registers `listed` (block objects found at start) in G4's `manager` as present; returns
-/// how many were registered.
-fn register_listed(manager: &BlockManager<G4>, listed: &[SequenceHash]) -> Result<usize> {
-    let mut complete = Vec::with_capacity(listed.len());
-    for (blk, h) in manager
-        .allocate_blocks(listed.len())?
-        .into_iter()
-        .zip(listed)
-    {
-        if let Ok(c) = blk.complete(*h) {
-            complete.push(c);
-        }
-    }
-    Ok(manager.register_blocks(complete).len())
 }
 
 /// The sequence hashes of every block object under the storage's namespace (lock objects and
