@@ -34,6 +34,7 @@
 
 pub mod accessor;
 mod holder;
+mod managers;
 pub mod policy;
 pub mod remote;
 pub mod session;
@@ -47,6 +48,7 @@ use kvbm_logical::{
 pub use accessor::{BlockAccessor, RunSource, ScanRun};
 pub use holder::RemoteRun;
 pub use holder::{BlockHolder, MatchedPrefix, TierRun};
+pub use managers::{TierManagers, TierSinks};
 pub use policy::{
     AllOf, CostModel, MinRun, OnboardAll, OnboardPolicy, PrefixScan, RunKind, SourceCost,
 };
@@ -205,10 +207,10 @@ impl InstanceLeader {
         sink: Option<Arc<dyn EventSink>>,
     ) -> Result<Self> {
         let sinks = match sink {
-            Some(s) => crate::stack::TierSinks::all(s),
-            None => crate::stack::TierSinks::default(),
+            Some(s) => TierSinks::all(s),
+            None => TierSinks::default(),
         };
-        crate::stack::TierManagers::build(config, sinks, &[])?
+        TierManagers::build(config, sinks, &[])?
             .leader(config, None)?
             .ok_or(EngineError::TierMissing(TierId::G2))
     }

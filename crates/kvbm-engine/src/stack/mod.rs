@@ -66,17 +66,17 @@ use crate::{KvbmRuntime, MatchedPrefix};
 
 use context::Context;
 
+pub use crate::leader::{TierManagers, TierSinks};
 pub use counters::{Counters, MovePath, PATH_NAMES};
 pub use hooks::{Contents, Identities, ShareG4, SharedG4};
 pub use lanes::LaneOutcomes;
-pub use managers::TierManagers;
 pub use plan::{FrontEnd, StackPlan, probe_endpoint};
 
 pub(crate) use lanes::Lanes;
 use lanes::{enqueue_from_sink, lane_policy};
 use tiers::{G3Check, count_failure, g3_arrival_check, g3_read_failed, geometry};
 pub use tiers::{
-    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, TierSinks, g3_of, list_g4, open_g4_storage,
+    RankTiers, Shape, TierMovers, TierSet, TierSetPlan, g3_of, list_g4, open_g4_storage,
     secondary_disk, secondary_object,
 };
 use write_through::WriteThrough;
@@ -85,7 +85,6 @@ pub(crate) mod context;
 mod counters;
 mod hooks;
 mod lanes;
-mod managers;
 mod movers;
 mod plan;
 mod tiers;

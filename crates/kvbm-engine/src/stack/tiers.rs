@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbm_logical::{BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, SequenceHash, Tier};
+use kvbm_logical::{BlockManager, BlockRegistry, G1, G2, G3, G4, SequenceHash, Tier};
 use kvbm_offload::{
     ArrivalCheck, BadCopies, BlockFailure, BlockMoveExecutor, BlockMover, BoundTier, CheckedDisk,
     CompletionSink, MoveSource, ObjectMoveExecutor, ObjectPipeline, ObjectPipelineBuilder,
@@ -63,30 +63,7 @@ use super::movers::{G2ToG1, G3ToG2, G4ToG2, OnboardShared};
 use super::plan::probe_endpoint;
 
 use super::counters::Counters;
-use super::managers::TierManagers;
-
-/// Where each lower tier's block manager publishes its stored/removed events (none: not
-/// published). G1 publishes nothing.
-#[derive(Default, Clone)]
-pub struct TierSinks {
-    /// G2's sink.
-    pub g2: Option<Arc<dyn EventSink>>,
-    /// G3's sink.
-    pub g3: Option<Arc<dyn EventSink>>,
-    /// G4's sink.
-    pub g4: Option<Arc<dyn EventSink>>,
-}
-
-impl TierSinks {
-    /// The same sink for G2, G3 and G4.
-    pub fn all(sink: Arc<dyn EventSink>) -> Self {
-        TierSinks {
-            g2: Some(sink.clone()),
-            g3: Some(sink.clone()),
-            g4: Some(sink),
-        }
-    }
-}
+use crate::leader::{TierManagers, TierSinks};
 
 /// How a tier of `n` blocks is laid out (the geometry of one block, `n` of them).
 pub type Shape = Box<dyn Fn(usize) -> Result<BlockLayout> + Send + Sync>;

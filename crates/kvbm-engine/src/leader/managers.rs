@@ -2,9 +2,10 @@
 //! block manager per tier with blocks, on one registry, each publishing its events to its sink
 //! and flushed by the runtime's timer, and the leader over G2..G4.
 //!
-//! Every composition gets its managers here: the tier set ([`TierSet::build`](super::TierSet::build),
-//! which then lays out the bytes each manager's slots name), an instance whose ranks hold the
-//! bytes ([`RankTiers::build`](super::RankTiers::build)), and
+//! Every composition gets its managers here: the tier set
+//! ([`TierSet::build`](crate::stack::TierSet::build), which then lays out the bytes each
+//! manager's slots name), an instance whose ranks hold the bytes
+//! ([`RankTiers::build`](crate::stack::RankTiers::build)), and
 //! [`InstanceLeader::from_config`](crate::InstanceLeader::from_config). So `tiers.g1_blocks` ..
 //! `tiers.g4_blocks` (and the rule that G3 and G4 need G2) are read in one place; the storage
 //! builders read only where the bytes live (`g3_of`, `open_g4_storage`), and size the layouts
@@ -16,16 +17,37 @@ use kvbm_logical::{
     BlockManager, BlockRegistry, EventSink, G1, G2, G3, G4, LogicalConfig, SequenceHash, Tier,
 };
 
+use super::{InstanceLeader, RemoteSearch};
 use crate::KvbmConfig;
 use crate::error::{Context, EngineError, Result};
-use crate::leader::{InstanceLeader, RemoteSearch};
 use crate::runtime::{EventSource, RuntimeHandle};
 
-use super::TierSinks;
+/// Where each lower tier's block manager publishes its stored/removed events (none: not
+/// published). G1 publishes nothing.
+#[derive(Default, Clone)]
+pub struct TierSinks {
+    /// G2's sink.
+    pub g2: Option<Arc<dyn EventSink>>,
+    /// G3's sink.
+    pub g3: Option<Arc<dyn EventSink>>,
+    /// G4's sink.
+    pub g4: Option<Arc<dyn EventSink>>,
+}
+
+impl TierSinks {
+    /// The same sink for G2, G3 and G4.
+    pub fn all(sink: Arc<dyn EventSink>) -> Self {
+        TierSinks {
+            g2: Some(sink.clone()),
+            g3: Some(sink.clone()),
+            g4: Some(sink),
+        }
+    }
+}
 
 /// One block manager per tier with blocks in `[tiers]`, on one registry, and the leader over
 /// them: the one builder of managers, which the tier set, an instance's ranks
-/// ([`RankTiers`](super::RankTiers)) and [`InstanceLeader::from_config`] all call, so the
+/// ([`RankTiers`](crate::stack::RankTiers)) and [`InstanceLeader::from_config`] all call, so the
 /// sizes in `[tiers]` (and the rule that G3 and G4 need G2) are read in one place.
 pub struct TierManagers {
     /// The registry every manager shares.
