@@ -233,14 +233,15 @@ fn init_logging() {
 
 /// Before a cluster starts: the NATS url carries no credentials (it is printed and passed on
 /// the children's command lines; they go in `[transport.nats_auth]`, which children inherit
-/// through the environment or the `--config` file), and off loopback neither member nor NATS
-/// credentials are missing unless `security.insecure` (see `kvbm_cluster::security`).
+/// through the environment or the `--config` file); off loopback the NATS credentials are not
+/// missing unless `security.insecure`; member credentials are configured, or made for the run
+/// (`replay::instances`), or security is explicitly off (logged; see `kvbm_cluster::security`).
 fn cluster_checks(engine: &kvbm_engine::KvbmConfig, key: &str, url: &str) -> anyhow::Result<()> {
     kvbm_engine::config::check_nats_url(key, url)?;
     let insecure = engine.security.insecure;
-    // Each child loads its own credential (`{instance}` in the path names it); here it is
-    // enough that one is configured.
-    if !engine.security.has_credentials() {
+    // Each child loads its own credential (`{instance}` in the path names it); without one
+    // configured the run makes its own (`replay::instances`), unless security is explicitly off.
+    if !engine.security.has_credentials() && insecure {
         kvbm_cluster::security::Security::Off.require_for(insecure, [url])?;
     }
     engine.transport.nats_auth.require_for(url, insecure)?;

@@ -50,9 +50,10 @@
 //!
 //! # Off
 //!
-//! [`Security::Off`] passes payloads through unsealed: a loopback cluster (tests, one machine)
-//! stays as easy as before. Off loopback a cluster refuses to start without credentials unless
-//! the operator sets `security.insecure = true` ([`Security::require_for`]).
+//! [`Security::Off`] passes payloads through unsealed. A cluster refuses to start that way unless
+//! the operator sets `security.insecure = true` ([`Security::require_for`]), on loopback too:
+//! a shared host's other users and containers reach loopback ports. A single-host run
+//! (`kvbm replay --instances`) makes its own root and credentials instead.
 //!
 //! # Locks
 //!
@@ -1096,12 +1097,14 @@ impl Security {
         }
     }
 
-    /// Refuses to run a cluster without credentials where it can be reached from off this
-    /// machine: `endpoints` (a data-plane bind, NATS server addresses) not all on loopback,
-    /// security off and `insecure` not set. With `insecure`, it logs a loud warning instead.
+    /// Refuses to run a cluster without credentials unless the operator asked for it
+    /// (`insecure`): security is on by default everywhere, loopback too (a shared host's other
+    /// users and containers, or a loopback NATS that is a leaf node, reach loopback ports).
+    /// `endpoints` (a data-plane bind, NATS server addresses) are named in the error and in the
+    /// warning `insecure` logs at every start.
     ///
     /// # Errors
-    /// [`SecurityError::Invalid`] naming the first endpoint off loopback.
+    /// [`SecurityError::Invalid`] naming the first endpoint off loopback (or the first one).
     pub fn require_for<'a>(
         &self,
         insecure: bool,
@@ -1111,31 +1114,34 @@ impl Security {
             return Ok(());
         }
         let endpoints: Vec<&str> = endpoints.into_iter().collect();
-        let Some(open) = endpoints.iter().copied().find(|e| !is_loopback(e)) else {
-            if insecure {
-                // Asked for: said at every start it matters, loopback too (a shared host's
-                // other users and containers reach loopback ports).
-                tracing::warn!(
+        let open = endpoints.iter().copied().find(|e| !is_loopback(e));
+        if insecure {
+            match open {
+                Some(open) => tracing::warn!(
+                    endpoint = open,
+                    "SECURITY OFF: security.insecure = true; cluster messages and blocks to and \
+                     from {open} are neither authenticated nor tenant-checked"
+                ),
+                None => tracing::warn!(
                     endpoints = ?endpoints,
                     "SECURITY OFF: security.insecure = true; cluster messages and blocks are \
                      neither authenticated nor tenant-checked (anyone on this host can reach \
                      loopback ports)"
-                );
+                ),
             }
             return Ok(());
-        };
-        if insecure {
-            tracing::warn!(
-                endpoint = open,
-                "SECURITY OFF: security.insecure = true; cluster messages and blocks to and \
-                 from {open} are neither authenticated nor tenant-checked"
-            );
-            return Ok(());
         }
+        let (at, reach) = match open {
+            Some(open) => (open, "is not on the loopback interface"),
+            None => (
+                endpoints.first().copied().unwrap_or("this cluster"),
+                "is reachable by every user and container of this host",
+            ),
+        };
         Err(SecurityError::Invalid(format!(
-            "{open} is not on the loopback interface and no credentials are configured: set \
-             security.trust_root and security.credential_file (kvbm security init / issue), \
-             or security.insecure = true to run unauthenticated"
+            "{at} {reach} and no credentials are configured: set security.trust_root and \
+             security.credential_file (kvbm security init / issue), or security.insecure = true \
+             to run unauthenticated"
         )))
     }
 }

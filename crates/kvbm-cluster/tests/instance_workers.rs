@@ -55,6 +55,9 @@ fn runtime_with(
     let mut b = KvbmRuntime::builder()
         .tokio_handle(tokio::runtime::Handle::current())
         .set("events.subject", subject)
+        // Security is on by default, loopback too: these ranks run without credentials
+        // unless a test configures them (which turns it on whatever this says).
+        .set("security.insecure", true)
         .set("logical.block_size", 4)
         .set("logical.events.max_delay_ms", 1)
         .set("events.idle_tick_ms", 1)
@@ -406,6 +409,7 @@ async fn building_fails_naming_the_missing_rank_or_the_key_a_rank_does_not_fit()
     assert_eq!(inst.workers().unwrap().ranks().len(), 1);
     let peer_rt = KvbmRuntime::builder()
         .tokio_handle(tokio::runtime::Handle::current())
+        .set("security.insecure", true)
         .set("logical.block_size", 4)
         .set("tiers.g1_blocks", N as i64)
         .set("tiers.g2_blocks", N as i64)
@@ -550,6 +554,8 @@ async fn worker_process_ranks_keep_their_g4_slices_and_a_restarted_instance_serv
             r#"
 [logical]
 block_size = 4
+[security]
+insecure = true
 [tiers]
 g1_blocks = {N}
 g2_blocks = {N}

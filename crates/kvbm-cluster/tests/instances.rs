@@ -11,6 +11,10 @@
 //! * A killed (SIGKILL): B drops A from its peers and index after the heartbeat timeout, no
 //!   longer finds A's G2-only blocks, and still serves A's offloaded prefix from G4.
 //!
+//! Security is on by default, loopback too: each test makes its own trust root and a leader
+//! credential per instance (as `kvbm security init` / `issue` would), so every event,
+//! heartbeat and data-plane session between A and B is sealed and checked.
+//!
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
 use std::collections::HashMap;
@@ -19,6 +23,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kvbm_cluster::security::{Role, RootKey};
 use kvbm_logical::{Salt, SequenceHash, TokenBlockSequence};
 use kvbm_offload::object_key;
 use kvbm_physical::{ObjectConfig, ObjectStorage, S3Config};
@@ -40,8 +45,30 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(id: u64, nats: &str, subject: &str, s3: &S3Config, namespace: &str) -> Self {
+    fn spawn(id: u64, setup: &Setup) -> Self {
+        let Setup {
+            nats,
+            subject,
+            s3,
+            namespace,
+            ..
+        } = setup;
+        let credential = setup.credentials.path().join(format!("{id:x}.cred"));
+        setup
+            .root
+            .issue(
+                kvbm_engine::InstanceId(id),
+                Role::Leader,
+                0,
+                "kvbm-instances-test",
+                Duration::from_secs(3600),
+            )
+            .unwrap()
+            .save(&credential)
+            .unwrap();
         let sets = [
+            format!("security.trust_root={}", setup.root.trust_root().to_hex()),
+            format!("security.credential_file={}", credential.display()),
             format!("transport.nats_url={nats}"),
             format!("events.subject={subject}"),
             "transport.heartbeat_interval_ms=50".into(),
@@ -144,6 +171,9 @@ struct Setup {
     subject: String,
     s3: S3Config,
     namespace: String,
+    /// This test's trust root, and the directory its instances' credentials are saved in.
+    root: RootKey,
+    credentials: tempfile::TempDir,
 }
 
 fn setup(test: &str) -> Option<Setup> {
@@ -165,13 +195,15 @@ fn setup(test: &str) -> Option<Setup> {
             allow_http: false,
         },
         namespace: format!("engine-{test}-{}-{nanos}", std::process::id()),
+        root: RootKey::generate().unwrap(),
+        credentials: tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap(),
     })
 }
 
 impl Setup {
     fn two(&self) -> (Proc, Proc) {
-        let a = Proc::spawn(0xa, &self.nats, &self.subject, &self.s3, &self.namespace);
-        let b = Proc::spawn(0xb, &self.nats, &self.subject, &self.s3, &self.namespace);
+        let a = Proc::spawn(0xa, self);
+        let b = Proc::spawn(0xb, self);
         (a, b)
     }
 }

@@ -563,6 +563,8 @@ async fn security_worker_user_cannot_publish_to_another_instance_or_forge_events
                 "KVBM_TRANSPORT__NATS_AUTH__PASSWORD_FILE",
                 svc.password_file("worker_a").display().to_string(),
             ),
+            // The NATS grants are what this test checks; member security explicitly off.
+            ("KVBM_SECURITY__INSECURE", "true".into()),
         ],
     );
     worker.ready().expect("the worker serves under worker_a");

@@ -77,6 +77,9 @@ fn runtime_with(
 ) -> KvbmRuntime {
     let mut b = KvbmRuntime::builder()
         .tokio_handle(tokio::runtime::Handle::current())
+        // Security is on by default, loopback too: explicitly off here unless a test
+        // configures credentials (which turns it on whatever this says).
+        .set("security.insecure", true)
         .set("logical.block_size", 4)
         .set("logical.events.max_delay_ms", 1)
         .set("events.idle_tick_ms", 1)
@@ -896,6 +899,7 @@ async fn an_instance_starts_warm_from_the_g3_a_tier_stack_wrote() {
     let runtime = |model: &str| {
         KvbmRuntime::builder()
             .tokio_handle(tokio::runtime::Handle::current())
+            .set("security.insecure", true) // explicitly off: no credentials here
             .set("logical.block_size", 4)
             .set(
                 "events.subject",
@@ -963,6 +967,7 @@ async fn an_instance_writes_g3_through_its_lane_and_restarts_warm_from_it() {
     let runtime = || {
         KvbmRuntime::builder()
             .tokio_handle(tokio::runtime::Handle::current())
+            .set("security.insecure", true) // explicitly off: no credentials here
             .set("logical.block_size", 4)
             .set("events.subject", &subject)
             .set("tiers.g1_blocks", 16)

@@ -232,7 +232,7 @@ fn credentials_round_trip_through_files_and_are_checked_on_load() {
 }
 
 #[test]
-fn config_needs_both_halves_and_loopback_stays_easy() {
+fn config_needs_both_halves_and_loopback_is_no_exception() {
     let mut c = SecurityConfig {
         trust_root: Some(root().trust_root().to_hex()),
         ..Default::default()
@@ -243,8 +243,14 @@ fn config_needs_both_halves_and_loopback_stays_easy() {
     assert_eq!(c.validate().unwrap_err().0, "security.trust_root");
 
     let off = Security::Off;
+    // Loopback is no boundary: without credentials, only `insecure` runs.
+    let err = off
+        .require_for(false, ["127.0.0.1:0", "nats://localhost:4222"])
+        .unwrap_err();
+    assert!(err.to_string().contains("127.0.0.1:0"), "{err}");
+    assert!(err.to_string().contains("security.insecure"), "{err}");
     assert!(
-        off.require_for(false, ["127.0.0.1:0", "nats://localhost:4222"])
+        off.require_for(true, ["127.0.0.1:0", "nats://localhost:4222"])
             .is_ok()
     );
     let err = off

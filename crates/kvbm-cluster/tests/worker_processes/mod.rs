@@ -81,8 +81,17 @@ impl WorkerProcess {
         extra: &[&str],
         env: &[(&str, &std::ffi::OsStr)],
     ) -> Self {
+        // Security is on by default, loopback too: a rank without a credential (and no
+        // configuration file to say otherwise) runs with security explicitly off.
+        let explicit =
+            extra.contains(&"--credential") || env.iter().any(|(k, _)| *k == "KVBM_CONFIG_PATH");
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-engine-worker"))
             .envs(env.iter().copied())
+            .args(if explicit {
+                &[][..]
+            } else {
+                &["--insecure"][..]
+            })
             .args(["--nats", url, "--instance", &instance.0.to_string()])
             .args(["--rank", &rank.to_string(), "--blocks", &N.to_string()])
             .args(["--inner-dim", "64", "--announce"])

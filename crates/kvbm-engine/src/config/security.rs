@@ -26,7 +26,8 @@ pub struct SecurityConfig {
     /// configuration serves several instances (`kvbm replay --instances`), `{instance}` in the
     /// path is replaced by each instance's id in 16 hex digits ([`SecurityConfig::for_instance`]).
     pub credential_file: Option<PathBuf>,
-    /// Run a cluster off loopback without credentials. Logged loudly at start.
+    /// Run a cluster without member credentials (on loopback too: security is on by default
+    /// everywhere), or off loopback without NATS credentials. Logged loudly at every start.
     pub insecure: bool,
     /// Largest accepted clock difference between sender and receiver, in milliseconds.
     pub max_clock_skew_ms: u64,
