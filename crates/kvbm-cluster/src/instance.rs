@@ -347,7 +347,7 @@ impl InstanceBuilder {
                 None => config.security.clone(),
             })?,
         });
-        // Off loopback, no cluster runs without credentials unless the operator says so.
+        // No cluster runs without credentials unless the operator says so (loopback too).
         security.require_for(
             config.security.insecure,
             [dp_config.bind.to_string().as_str(), url.as_str()],

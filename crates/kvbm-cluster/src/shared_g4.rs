@@ -95,8 +95,8 @@ impl NatsSharedG4 {
         let h = runtime.handle();
         let config = runtime.config();
         let capacity = config.events.channel_capacity;
-        // Secure by default: off loopback, neither without member credentials nor without
-        // NATS credentials, unless `security.insecure`.
+        // Secure by default: never without member credentials (loopback too), nor off
+        // loopback without NATS credentials, unless `security.insecure`.
         check_nats_url("transport.nats_url", &s.nats_url)?;
         let security = Arc::new(Security::from_config(
             &config.security.for_instance(InstanceId(s.instance)),

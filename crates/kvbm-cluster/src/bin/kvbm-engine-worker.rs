@@ -40,7 +40,7 @@
 //! each of `--trust-root`, `--credential` and `--insecure` overriding its key. With a credential
 //! (which must be a worker's, of `--instance` at `--rank`), only requests sealed by that
 //! instance's leader are obeyed and replies are sealed (`WorkerServer::security`); without one
-//! it refuses to start off loopback unless `security.insecure` (see `docs/security.md`).
+//! it refuses to start, on loopback too, unless `security.insecure` (see `docs/security.md`).
 
 use std::io::{BufRead, Write};
 use std::sync::Arc;
@@ -172,7 +172,7 @@ fn parse() -> Result<Args, BinError> {
 }
 
 /// This worker's security from `[security]` and the flags: off, or its own worker credential
-/// (of `--instance` at `--rank`). Off loopback without one, refused unless insecure.
+/// (of `--instance` at `--rank`). Without one, refused unless insecure (loopback too).
 fn security(a: &Args) -> Result<Security, BinError> {
     let security = Security::from_config(&a.security)?;
     security.require_for(a.security.insecure, [a.nats.as_str()])?;
