@@ -145,6 +145,11 @@ pub(crate) fn check(metadata: &Value) -> Result<Vec<Violation>> {
 
 /// Why the edge `from -> to` of `kind` breaks the rule, or `None` when it is allowed.
 fn edge_violation(from: &str, to: &str, kind: &str) -> Option<String> {
+    if from == to {
+        // A crate's dev-dependency on itself turns on its test features (`testing`) for its
+        // own integration tests: no edge between crates.
+        return (kind != "dev").then(|| format!("`{from}` depends on itself"));
+    }
     if to == TEST_SUPPORT {
         return (kind != "dev")
             .then(|| format!("`{TEST_SUPPORT}` is test support and may only be a dev-dependency"));
@@ -283,6 +288,17 @@ mod tests {
             (v[0].from.as_str(), v[0].to.as_str()),
             ("kvbm-offload", "kvbm-engine")
         );
+    }
+
+    #[test]
+    fn a_crates_dev_dependency_on_itself_is_no_violation() {
+        let doc = with_edge(
+            fixture("metadata-clean.json"),
+            "kvbm-tiering",
+            "kvbm-tiering",
+            Some("dev"),
+        );
+        assert!(check(&doc).unwrap().is_empty());
     }
 
     #[test]
