@@ -130,7 +130,7 @@ use kvbm_engine::error::{EngineError, Result};
 use kvbm_engine::leader::{FinishOutcome, InstanceLeader, MoversToG2, RemoteSearch, SessionError};
 use kvbm_engine::mover::BlockMove;
 use kvbm_engine::runtime::RuntimeHandle;
-use kvbm_engine::stack::{TierMovers, TierSet, TierSetPlan, TierSinks};
+use kvbm_engine::stack::{Identities, TierMovers, TierSet, TierSetPlan, TierSinks};
 use kvbm_engine::{InstanceId, WorkerAddress};
 use ranks::Ranks;
 
@@ -236,6 +236,7 @@ pub struct InstanceBuilder {
     presence_check: bool,
     pin: PinPolicy,
     security: Option<Security>,
+    identities: Arc<Identities>,
 }
 
 impl InstanceBuilder {
@@ -248,7 +249,18 @@ impl InstanceBuilder {
             presence_check: true,
             pin: PinPolicy::Unpinned,
             security: None,
+            identities: Arc::default(),
         }
+    }
+
+    /// The digests this instance knows itself, from its own keys (an inference engine's block
+    /// hashes). A block pulled from a peer, read from G3 or G4 must carry the same (a peer
+    /// naming another is refused and counted) and is registered with this one, so what G3
+    /// and G4 headers record is never a peer's choice. Default: none known (a pulled block
+    /// keeps the digest its frame names, bound to its hash).
+    pub fn identities(mut self, identities: Arc<Identities>) -> Self {
+        self.identities = identities;
+        self
     }
 
     /// This member's security (a credential and the trust root). Default: built from
@@ -432,6 +444,7 @@ impl InstanceBuilder {
                     index: index.clone(),
                     dp_config,
                     security: security.clone(),
+                    identities: self.identities.clone(),
                 })
                 .await?;
                 let this = PeerInfo {
@@ -538,6 +551,7 @@ struct HerePlan<'a> {
     index: Arc<CrossInstanceIndex>,
     dp_config: DataPlaneConfig,
     security: Arc<Security>,
+    identities: Arc<Identities>,
 }
 
 impl Here {
@@ -556,6 +570,7 @@ impl Here {
             index,
             dp_config,
             security,
+            identities,
         } = plan;
         let shared_g4 = config.tiers.g4_blocks > 0;
         let mut built = TierSet::build(TierSetPlan {
@@ -571,7 +586,7 @@ impl Here {
             pin: [pin, pin],
             sinks: TierSinks::all(sink),
             contents: None,
-            identities: Arc::default(),
+            identities: identities.clone(),
             remote: Some(RemoteSearch {
                 index,
                 this: id,
@@ -622,13 +637,16 @@ impl Here {
             })??
         };
         let peers = Arc::new(PeerDirectory::new());
-        let client = Arc::new(DataPlaneClient::new_secured(
-            dp_config,
-            g2.clone(),
-            g2_layout.clone(),
-            peers.clone(),
-            security,
-        )?);
+        let client = Arc::new(
+            DataPlaneClient::new_secured(
+                dp_config,
+                g2.clone(),
+                g2_layout.clone(),
+                peers.clone(),
+                security,
+            )?
+            .with_identities(identities),
+        );
         Ok((
             leader,
             Here {

@@ -44,6 +44,7 @@ use crate::security::{Rejection, Security};
 use kvbm_engine::InstanceId;
 use kvbm_engine::cross_instance::RemotePull;
 use kvbm_engine::error::{EngineError, Result};
+use kvbm_engine::stack::Identities;
 use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
 
 /// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::dataplane).
@@ -63,6 +64,10 @@ pub struct DataPlaneClient {
     security: Arc<Security>,
     handshakes_refused: AtomicU64,
     tags_refused: AtomicU64,
+    /// The digests this instance knows itself (from its own keys): a peer's frame must name
+    /// the same, and the block is registered with this instance's, never the peer's.
+    identities: Arc<Identities>,
+    digests_refused: AtomicU64,
 }
 
 /// A frame header, and its tag when authenticated.
@@ -115,6 +120,9 @@ pub struct ClientStats {
     /// Response heads and frames whose tag did not verify (tampered, replayed or reordered):
     /// the request failed, nothing of it after the bad frame was registered.
     pub tags_refused: u64,
+    /// Blocks refused because the peer named a digest other than the one this instance knows
+    /// for the block ([`DataPlaneClient::with_identities`]); the stream stayed usable.
+    pub digests_refused: u64,
 }
 
 impl std::fmt::Debug for DataPlaneClient {
@@ -188,7 +196,22 @@ impl DataPlaneClient {
             security,
             handshakes_refused: AtomicU64::new(0),
             tags_refused: AtomicU64::new(0),
+            identities: Arc::default(),
+            digests_refused: AtomicU64::new(0),
         })
+    }
+
+    /// The digests this instance knows itself (from its own keys, e.g. vLLM's block hashes):
+    /// a frame naming another digest for one of these blocks is refused
+    /// ([`BlockFailureKind::IdentityMismatch`], counted as
+    /// [`ClientStats::digests_refused`]), and a pulled block is registered with this
+    /// instance's digest, so what G3 and G4 headers record is never a peer's choice. A block
+    /// it does not know keeps the digest the peer's frame names (bound to the block's hash:
+    /// `wire::check_frame`).
+    #[must_use]
+    pub fn with_identities(mut self, identities: Arc<Identities>) -> Self {
+        self.identities = identities;
+        self
     }
 
     /// The counters, and the pool's size (after closing expired connections).
@@ -208,6 +231,7 @@ impl DataPlaneClient {
             idle_connections,
             handshakes_refused: self.handshakes_refused.load(Ordering::Relaxed),
             tags_refused: self.tags_refused.load(Ordering::Relaxed),
+            digests_refused: self.digests_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -552,16 +576,20 @@ impl DataPlaneClient {
                 .read_frame(&mut conn, instance, hash, &dest, layers, &mut ahead, more)
                 .await
             {
-                // Registered with the digest the server recorded (bound by the frame), so it
-                // travels on with the block (to G3/G4 headers, to the next pull).
-                Ok(Some(digest)) => {
-                    settled.push(dest.complete_with_digest(hash, digest).map_err(|e| {
-                        BlockFailure::new(
-                            BlockFailureKind::Transfer,
-                            format!("completing {hash:?}: {}", e.error),
-                        )
-                    }))
-                }
+                // Registered with the digest this instance knows for the block, else the one the
+                // server recorded (bound to the hash by the frame), so it travels on with the
+                // block (to G3/G4 headers, to the next pull).
+                Ok(Some(announced)) => match self.own_digest(hash, announced, &peer) {
+                    Ok(digest) => {
+                        settled.push(dest.complete_with_digest(hash, digest).map_err(|e| {
+                            BlockFailure::new(
+                                BlockFailureKind::Transfer,
+                                format!("completing {hash:?}: {}", e.error),
+                            )
+                        }))
+                    }
+                    Err(f) => settled.push(Err(f)),
+                },
                 Ok(None) => settled.push(Err(BlockFailure::new(
                     BlockFailureKind::NotFound,
                     format!("block {:032x} is not held by {peer}", hash.as_u128()),
@@ -608,6 +636,33 @@ impl DataPlaneClient {
             BlockFailureKind::IdentityMismatch,
             format!("{what} failed its tag (tampered, replayed or reordered)"),
         )
+    }
+
+    /// The digest a pulled block is registered with: this instance's own when it knows the
+    /// block (the peer's must then be the same, or absent), else the one the peer announced.
+    fn own_digest(
+        &self,
+        hash: SequenceHash,
+        announced: Option<BlockDigest>,
+        peer: impl std::fmt::Display,
+    ) -> std::result::Result<Option<BlockDigest>, BlockFailure> {
+        let Some(known) = self.identities.get(hash) else {
+            return Ok(announced);
+        };
+        match announced {
+            Some(d) if d != known => {
+                self.digests_refused.fetch_add(1, Ordering::Relaxed);
+                Err(BlockFailure::new(
+                    BlockFailureKind::IdentityMismatch,
+                    format!(
+                        "{peer} named another block identity for {:032x} than this instance \
+                         derives from its own key",
+                        hash.as_u128()
+                    ),
+                ))
+            }
+            _ => Ok(Some(known)),
+        }
     }
 
     /// Reads one frame into `dest`: `Ok(Some(digest))` verified (with the digest the server

@@ -1855,3 +1855,78 @@ mod decoders {
         }
     }
 }
+
+/// N5 of the second review, where the design allows it: a block's digest comes from its
+/// tokens, not from its KV bytes, so no puller can check it against the bytes; but a puller
+/// that knows the block by its own key (an inference engine's block hashes) derives the digest
+/// itself. Attack: a member serves a block under a digest of its choosing (bound to the hash's
+/// first 8 bytes, so the frame check passes). A puller that knows the block refuses it
+/// (counted; the stream stays usable for the next block) and registers every block it knows
+/// with its own digest, so what its G3/G4 headers record is never the peer's choice. A puller
+/// that does not know the block keeps the announced digest (what the threat model says).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_peer_cannot_choose_the_digest_of_a_block_the_puller_knows() {
+    let blocks = digest_blocks(4);
+    let hs: Vec<SequenceHash> = blocks.iter().map(TokenBlock::sequence_hash).collect();
+    let truth: Vec<_> = blocks.iter().map(|b| b.digest().unwrap()).collect();
+    // Block 1 is served under a forged digest: the hash's first 8 bytes, other bytes after.
+    let mut forged = truth[1];
+    forged.0[31] ^= 0xff;
+    let remote = serving(&[]);
+    let dests = remote.manager.allocate_blocks(hs.len()).unwrap();
+    let mut complete = Vec::new();
+    for (i, (b, h)) in dests.into_iter().zip(&hs).enumerate() {
+        for (p, l) in remote.layout.block_addrs(b.block_id(), 0..2) {
+            // SAFETY: as in `serving_digests`; the block is ours (mutable).
+            let m = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) };
+            m.fill(i as u8 + 1);
+        }
+        let digest = match i {
+            1 => Some(forged),
+            3 => None, // recorded without a digest: the puller's own is used
+            _ => Some(truth[i]),
+        };
+        complete.push(b.complete_with_digest(*h, digest).unwrap());
+    }
+    drop(remote.manager.register_blocks(complete));
+    let srv = DataPlaneServer::start(
+        DataPlaneConfig::default(),
+        A,
+        remote.manager.clone(),
+        remote.layout.clone(),
+    )
+    .await
+    .unwrap();
+
+    let known = Arc::new(kvbm_engine::stack::Identities::new(
+        hs.iter().copied().zip(truth.iter().copied()),
+    ));
+    let local = side();
+    let c = client(&local).with_identities(known);
+    let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
+    let e = out[1].as_ref().unwrap_err();
+    assert_eq!(e.kind, BlockFailureKind::IdentityMismatch, "{e}");
+    assert!(e.message.contains("block identity"), "{e}");
+    for i in [0, 2, 3] {
+        let b = out[i].as_ref().unwrap();
+        assert_eq!(
+            b.digest(),
+            Some(truth[i]),
+            "block {i} carries the puller's own digest"
+        );
+        assert_eq!(bytes(&local.layout, b.block_id()), expected(&remote, hs[i]));
+    }
+    assert_eq!(c.stats().digests_refused, 1);
+    drop(out);
+    assert!(
+        local.manager.match_blocks(&hs[1..2]).is_empty(),
+        "never registered"
+    );
+
+    // A puller that does not know the blocks keeps what the frames name.
+    let other = side();
+    let c = client(&other);
+    let out = pull_into(&c, &other, srv.local_addr(), A, &hs[1..2]).await;
+    assert_eq!(out[0].as_ref().unwrap().digest(), Some(forged));
+    assert_eq!(c.stats().digests_refused, 0);
+}
