@@ -588,7 +588,7 @@ impl Here {
             contents: None,
             identities: identities.clone(),
             remote: Some(RemoteSearch {
-                index,
+                index: index.clone(),
                 this: id,
                 shared_g4,
                 remote_g2: true,
@@ -645,7 +645,8 @@ impl Here {
                 peers.clone(),
                 security,
             )?
-            .with_identities(identities),
+            .with_identities(identities)
+            .with_index(index),
         );
         Ok((
             leader,

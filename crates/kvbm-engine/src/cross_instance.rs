@@ -190,6 +190,19 @@ impl CrossInstanceIndex {
             .unwrap_or(0)
     }
 
+    /// Forgets that `instance` holds `hash` in `tier` (a pull from it proved the entry wrong:
+    /// the block is not there, or it is not the block asked for); returns whether it was
+    /// known. A later event or snapshot of the instance may announce it again.
+    pub fn forget(&self, instance: InstanceId, hash: SequenceHash, tier: TierId) -> bool {
+        let mut entries = self.inner.lock();
+        let known = entries
+            .by_hash
+            .get(&hash)
+            .is_some_and(|set| set.contains(&(instance, tier)));
+        entries.remove(instance, hash, tier);
+        known
+    }
+
     /// Forgets everything about `instance` (it left or expired); returns how many locations
     /// were dropped.
     pub fn remove_instance(&self, instance: InstanceId) -> usize {

@@ -42,7 +42,7 @@ use super::wire::{
 use super::{DataPlaneConfig, PeerDirectory};
 use crate::security::{Rejection, Security};
 use kvbm_engine::InstanceId;
-use kvbm_engine::cross_instance::RemotePull;
+use kvbm_engine::cross_instance::{CrossInstanceIndex, RemotePull};
 use kvbm_engine::error::{EngineError, Result};
 use kvbm_engine::stack::Identities;
 use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
@@ -68,6 +68,9 @@ pub struct DataPlaneClient {
     /// the same, and the block is registered with this instance's, never the peer's.
     identities: Arc<Identities>,
     digests_refused: AtomicU64,
+    /// The index of what peers hold: an entry a pull proved wrong is forgotten.
+    index: Option<Arc<CrossInstanceIndex>>,
+    entries_forgotten: AtomicU64,
 }
 
 /// A frame header, and its tag when authenticated.
@@ -123,6 +126,9 @@ pub struct ClientStats {
     /// Blocks refused because the peer named a digest other than the one this instance knows
     /// for the block ([`DataPlaneClient::with_identities`]); the stream stayed usable.
     pub digests_refused: u64,
+    /// Index entries forgotten because a pull proved them wrong: the peer did not hold the
+    /// block, or named another identity for it ([`DataPlaneClient::with_index`]).
+    pub entries_forgotten: u64,
 }
 
 impl std::fmt::Debug for DataPlaneClient {
@@ -198,7 +204,20 @@ impl DataPlaneClient {
             tags_refused: AtomicU64::new(0),
             identities: Arc::default(),
             digests_refused: AtomicU64::new(0),
+            index: None,
+            entries_forgotten: AtomicU64::new(0),
         })
+    }
+
+    /// The index of what peers hold (the one the leader searches): when a pull proves an
+    /// entry wrong (the peer answered that it does not hold the block, or named another
+    /// identity for it than this instance knows), the entry is forgotten, so lookups stop
+    /// routing the block to that peer until it announces the block again. A frame that fails
+    /// its checksum or tag leaves the entry (the damage may be in transit).
+    #[must_use]
+    pub fn with_index(mut self, index: Arc<CrossInstanceIndex>) -> Self {
+        self.index = Some(index);
+        self
     }
 
     /// The digests this instance knows itself (from its own keys, e.g. vLLM's block hashes):
@@ -232,6 +251,7 @@ impl DataPlaneClient {
             handshakes_refused: self.handshakes_refused.load(Ordering::Relaxed),
             tags_refused: self.tags_refused.load(Ordering::Relaxed),
             digests_refused: self.digests_refused.load(Ordering::Relaxed),
+            entries_forgotten: self.entries_forgotten.load(Ordering::Relaxed),
         }
     }
 
@@ -588,12 +608,18 @@ impl DataPlaneClient {
                             )
                         }))
                     }
-                    Err(f) => settled.push(Err(f)),
+                    Err(f) => {
+                        self.forget(instance, hash);
+                        settled.push(Err(f));
+                    }
                 },
-                Ok(None) => settled.push(Err(BlockFailure::new(
-                    BlockFailureKind::NotFound,
-                    format!("block {:032x} is not held by {peer}", hash.as_u128()),
-                ))),
+                Ok(None) => {
+                    self.forget(instance, hash);
+                    settled.push(Err(BlockFailure::new(
+                        BlockFailureKind::NotFound,
+                        format!("block {:032x} is not held by {peer}", hash.as_u128()),
+                    )));
+                }
                 Err(e) => {
                     let f = from_peer(e);
                     settled.push(Err(f.clone()));
@@ -636,6 +662,15 @@ impl DataPlaneClient {
             BlockFailureKind::IdentityMismatch,
             format!("{what} failed its tag (tampered, replayed or reordered)"),
         )
+    }
+
+    /// Forgets the index entry saying `instance` holds `hash` in G2 (a pull proved it wrong).
+    fn forget(&self, instance: InstanceId, hash: SequenceHash) {
+        if let Some(index) = &self.index
+            && index.forget(instance, hash, kvbm_logical::TierId::G2)
+        {
+            self.entries_forgotten.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The digest a pulled block is registered with: this instance's own when it knows the

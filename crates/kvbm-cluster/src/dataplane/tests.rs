@@ -1863,7 +1863,9 @@ mod decoders {
 /// first 8 bytes, so the frame check passes). A puller that knows the block refuses it
 /// (counted; the stream stays usable for the next block) and registers every block it knows
 /// with its own digest, so what its G3/G4 headers record is never the peer's choice. A puller
-/// that does not know the block keeps the announced digest (what the threat model says).
+/// that does not know the block keeps the announced digest (what the threat model says). An
+/// index entry a pull proved wrong (a refused identity, a block the peer does not hold) is
+/// forgotten.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_a_peer_cannot_choose_the_digest_of_a_block_the_puller_knows() {
     let blocks = digest_blocks(4);
@@ -1901,8 +1903,20 @@ async fn security_a_peer_cannot_choose_the_digest_of_a_block_the_puller_knows() 
     let known = Arc::new(kvbm_engine::stack::Identities::new(
         hs.iter().copied().zip(truth.iter().copied()),
     ));
+    // The index says A holds every block, and a fifth one A does not hold.
+    let index = Arc::new(kvbm_engine::cross_instance::CrossInstanceIndex::new());
+    let gone = hashes(5)[4];
+    let stored = |h: SequenceHash| kvbm_logical::BlockEvent {
+        kind: kvbm_logical::BlockEventKind::Stored,
+        hash: h,
+        tier: kvbm_logical::TierId::G2,
+    };
+    let events: Vec<_> = hs.iter().chain([&gone]).map(|h| stored(*h)).collect();
+    index.apply_events(A, &events);
     let local = side();
-    let c = client(&local).with_identities(known);
+    let c = client(&local)
+        .with_identities(known)
+        .with_index(index.clone());
     let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
     let e = out[1].as_ref().unwrap_err();
     assert_eq!(e.kind, BlockFailureKind::IdentityMismatch, "{e}");
@@ -1922,6 +1936,20 @@ async fn security_a_peer_cannot_choose_the_digest_of_a_block_the_puller_knows() 
         local.manager.match_blocks(&hs[1..2]).is_empty(),
         "never registered"
     );
+    // The refused block's entry is forgotten (lookups stop routing it to A); the others stay.
+    assert!(index.locations(hs[1]).is_empty());
+    for i in [0, 2, 3] {
+        assert_eq!(index.locations(hs[i]), vec![(A, kvbm_logical::TierId::G2)]);
+    }
+    // A block A answers it does not hold is forgotten too.
+    let out = pull_into(&c, &local, srv.local_addr(), A, &[gone]).await;
+    assert_eq!(
+        out[0].as_ref().unwrap_err().kind,
+        BlockFailureKind::NotFound
+    );
+    assert!(index.locations(gone).is_empty());
+    assert_eq!(c.stats().entries_forgotten, 2);
+    drop(out);
 
     // A puller that does not know the blocks keeps what the frames name.
     let other = side();
