@@ -769,25 +769,27 @@ impl DataPlaneClient {
             *ahead = Some(next);
         }
         // SAFETY: as above; the payload was just written.
-        let actual = checksum_slices(
+        let slices = || {
             regions
                 .iter()
-                .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) }),
-        );
-        let location = || format!("{instance} block {:032x}", hash.as_u128());
-        header
-            .verify(actual, &location)
-            .map_err(BlockFailure::physical)?;
-        if let Some(sess) = &mut conn.session
-            && payload_mac
-        {
-            // SAFETY: as above.
-            let slices: Vec<&[u8]> = regions
-                .iter()
                 .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
-                .collect();
-            if !sess.check(&[&wire::payload_digest(slices)], &payload_tag) {
-                return Err(self.tag_refused(&format!("payload of block {:032x}", hash.as_u128())));
+        };
+        match &mut conn.session {
+            // With the payload MAC, the tag over the payload's BLAKE3 digest proves the bytes
+            // are the ones the server served, and the server's header checksum is of those same
+            // bytes (a registered block is immutable): one pass over the payload, not two.
+            Some(sess) if payload_mac => {
+                if !sess.check(&[&wire::payload_digest(slices())], &payload_tag) {
+                    return Err(
+                        self.tag_refused(&format!("payload of block {:032x}", hash.as_u128()))
+                    );
+                }
+            }
+            _ => {
+                let location = || format!("{instance} block {:032x}", hash.as_u128());
+                header
+                    .verify(checksum_slices(slices()), &location)
+                    .map_err(BlockFailure::physical)?;
             }
         }
         Ok(Some(digest))
