@@ -776,6 +776,61 @@ async fn build(rt: &KvbmRuntime) -> kvbm_engine::Result<Instance> {
         .await
 }
 
+/// N6 of the second review: loopback is not a boundary (a shared host's other users and
+/// containers reach its ports). Attack: a lone instance on loopback, its data plane and NATS
+/// server both there, started without member credentials: refused, naming the keys, before it
+/// joins anything; with `security.insecure = true` it runs (logged), and with its own
+/// credential it runs sealed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_lone_instance_on_loopback_without_credentials_is_refused() {
+    let Some(nats) = kvbm_tests::services::nats("security_lone_loopback") else {
+        return;
+    };
+    assert!(kvbm_cluster::security::is_loopback(&nats.url));
+    let rt = runtime(&nats.url, &[]);
+    let e = build(&rt)
+        .await
+        .expect_err("refused on loopback too")
+        .to_string();
+    assert!(
+        e.contains("security.credential_file") && e.contains("security.insecure"),
+        "{e}"
+    );
+    rt.shutdown();
+    let rt = runtime(&nats.url, &[("security.insecure", true.into())]);
+    let i = build(&rt).await.expect("insecure = true runs");
+    assert!(!i.security().is_on());
+    i.shutdown().await;
+    rt.shutdown();
+    let root = kvbm_cluster::security::RootKey::generate().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("leader.cred");
+    root.issue(
+        InstanceId(0x5bd),
+        kvbm_cluster::security::Role::Leader,
+        0,
+        "ns",
+        Duration::from_secs(3600),
+    )
+    .unwrap()
+    .save(&path)
+    .unwrap();
+    let rt = runtime(
+        &nats.url,
+        &[
+            ("security.trust_root", root.trust_root().to_hex().into()),
+            (
+                "security.credential_file",
+                path.display().to_string().into(),
+            ),
+        ],
+    );
+    let i = build(&rt).await.expect("with a credential it runs");
+    assert!(i.security().is_on());
+    i.shutdown().await;
+    rt.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn security_off_loopback_without_credentials_is_refused_naming_the_key_unless_insecure() {
     let Some(nats) = kvbm_tests::services::nats("security_off_loopback") else {
