@@ -768,11 +768,12 @@ impl DataPlaneClient {
         if more {
             *ahead = Some(next);
         }
-        // SAFETY: as above; the payload was just written.
+        // The payload, just written.
         let slices = || {
-            regions
-                .iter()
-                .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+            regions.iter().map(|&(p, l)| {
+                // SAFETY: as above: host memory of our layout, in a block we own exclusively.
+                unsafe { std::slice::from_raw_parts(p as *const u8, l) }
+            })
         };
         match &mut conn.session {
             // With the payload MAC, the tag over the payload's BLAKE3 digest proves the bytes
