@@ -88,6 +88,11 @@ impl Entries {
         }
     }
 
+    /// The locations held of `instance`.
+    fn count(&self, instance: InstanceId) -> usize {
+        self.counts.get(&instance).copied().unwrap_or(0)
+    }
+
     fn remove_instance(&mut self, instance: InstanceId) -> usize {
         if self.counts.remove(&instance).is_none() {
             return 0;
@@ -101,6 +106,15 @@ impl Entries {
         });
         dropped
     }
+}
+
+/// Sets the index-size gauge of `instance` (outside the index's lock).
+fn publish_count(instance: InstanceId, count: usize) {
+    metrics::gauge!(
+        crate::metrics::INDEX_PEER_ENTRIES,
+        crate::metrics::PEER_LABEL => instance.to_string()
+    )
+    .set(count as f64);
 }
 
 impl Default for CrossInstanceIndex {
@@ -138,7 +152,7 @@ impl CrossInstanceIndex {
     /// Applies `events` published by `instance`.
     pub fn apply_events(&self, instance: InstanceId, events: &[BlockEvent]) {
         let mut dropped = 0;
-        {
+        let count = {
             let mut entries = self.inner.lock();
             for e in events {
                 match e.kind {
@@ -150,8 +164,10 @@ impl CrossInstanceIndex {
                     BlockEventKind::Removed => entries.remove(instance, e.hash, e.tier),
                 }
             }
-        }
+            entries.count(instance)
+        };
         self.dropped(dropped);
+        publish_count(instance, count);
     }
 
     fn dropped(&self, n: u64) {
@@ -194,26 +210,32 @@ impl CrossInstanceIndex {
     /// the block is not there, or it is not the block asked for); returns whether it was
     /// known. A later event or snapshot of the instance may announce it again.
     pub fn forget(&self, instance: InstanceId, hash: SequenceHash, tier: TierId) -> bool {
-        let mut entries = self.inner.lock();
-        let known = entries
-            .by_hash
-            .get(&hash)
-            .is_some_and(|set| set.contains(&(instance, tier)));
-        entries.remove(instance, hash, tier);
+        let (known, count) = {
+            let mut entries = self.inner.lock();
+            let known = entries
+                .by_hash
+                .get(&hash)
+                .is_some_and(|set| set.contains(&(instance, tier)));
+            entries.remove(instance, hash, tier);
+            (known, entries.count(instance))
+        };
+        publish_count(instance, count);
         known
     }
 
     /// Forgets everything about `instance` (it left or expired); returns how many locations
     /// were dropped.
     pub fn remove_instance(&self, instance: InstanceId) -> usize {
-        self.inner.lock().remove_instance(instance)
+        let dropped = self.inner.lock().remove_instance(instance);
+        publish_count(instance, 0);
+        dropped
     }
 
     /// Replaces what is known about `instance` with `entries` (a snapshot it answered), in
     /// one step under the lock; past the cap the rest are dropped and counted.
     pub fn replace_instance(&self, instance: InstanceId, entries: &[(SequenceHash, TierId)]) {
         let mut dropped = 0;
-        {
+        let count = {
             let mut map = self.inner.lock();
             map.remove_instance(instance);
             for (h, t) in entries {
@@ -221,8 +243,10 @@ impl CrossInstanceIndex {
                     dropped += 1;
                 }
             }
-        }
+            map.count(instance)
+        };
         self.dropped(dropped);
+        publish_count(instance, count);
     }
 
     /// The instances the index knows anything about, sorted.

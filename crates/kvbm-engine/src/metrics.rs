@@ -37,6 +37,11 @@
 //! | [`DATAPLANE_RESPONSES_TIMED_OUT`] | counter | | data-plane responses not written within the deadline |
 //! | [`DATAPLANE_PULL_DEADLINES_EXCEEDED`] | counter | | pulls that missed their deadline |
 //! | [`DATAPLANE_POOL_EVICTIONS`] | counter | | pooled peer connections evicted (least recently used) |
+//! | [`DATAPLANE_PULLED_BLOCKS`] | counter | | blocks pulled from peers, verified and registered (remote hits) |
+//! | [`DATAPLANE_PULLED_BYTES`] | counter | | bytes of those blocks |
+//! | [`DATAPLANE_PULL_SECONDS`] | histogram | | seconds per pull from one peer (every block of it settled) |
+//! | [`DATAPLANE_PULL_FAILED_BLOCKS`] | counter | `reason` | blocks a pull did not bring, by failure kind (`checksum_mismatch`, `not_found`, `timeout`, …) |
+//! | [`INDEX_PEER_ENTRIES`] | gauge | `peer` | locations the index holds of one peer (at most `transport.snapshot_max_entries`) |
 //!
 //! The first six are the core's (one instance's tiers and its verifier); the rest are the
 //! cluster plane's.
@@ -51,6 +56,8 @@ pub const PATH_LABEL: &str = "path";
 pub const TIER_LABEL: &str = "tier";
 /// Label naming why something was refused.
 pub const REASON_LABEL: &str = "reason";
+/// Label naming a peer instance (`instance-` and its id in 16 hex digits).
+pub const PEER_LABEL: &str = "peer";
 
 /// Seconds per move batch, by `path` (histogram).
 pub const STACK_TRANSFER_SECONDS: &str = "kvbm_stack_transfer_seconds";
@@ -113,6 +120,16 @@ pub const DATAPLANE_PULL_DEADLINES_EXCEEDED: &str =
     "kvbm_engine_dataplane_pull_deadlines_exceeded_total";
 /// Pooled peer connections evicted (counter).
 pub const DATAPLANE_POOL_EVICTIONS: &str = "kvbm_engine_dataplane_pool_evictions_total";
+/// Blocks pulled from peers, verified and registered (counter).
+pub const DATAPLANE_PULLED_BLOCKS: &str = "kvbm_engine_dataplane_pulled_blocks_total";
+/// Bytes of the blocks pulled from peers (counter).
+pub const DATAPLANE_PULLED_BYTES: &str = "kvbm_engine_dataplane_pulled_bytes_total";
+/// Seconds per pull from one peer (histogram).
+pub const DATAPLANE_PULL_SECONDS: &str = "kvbm_engine_dataplane_pull_seconds";
+/// Blocks a pull did not bring, by `reason` (counter).
+pub const DATAPLANE_PULL_FAILED_BLOCKS: &str = "kvbm_engine_dataplane_pull_failed_blocks_total";
+/// Locations the cross-instance index holds of one `peer` (gauge).
+pub const INDEX_PEER_ENTRIES: &str = "kvbm_engine_index_peer_entries";
 
 /// Every series of the table: (name, kind, unit, help).
 pub const TABLE: &[(&str, Kind, Unit, &str)] = &[
@@ -290,6 +307,36 @@ pub const TABLE: &[(&str, Kind, Unit, &str)] = &[
         Unit::Count,
         "Pooled peer connections evicted, least recently used first.",
     ),
+    (
+        DATAPLANE_PULLED_BLOCKS,
+        Kind::Counter,
+        Unit::Count,
+        "Blocks pulled from peers, verified and registered (remote hits).",
+    ),
+    (
+        DATAPLANE_PULLED_BYTES,
+        Kind::Counter,
+        Unit::Bytes,
+        "Bytes of the blocks pulled from peers.",
+    ),
+    (
+        DATAPLANE_PULL_SECONDS,
+        Kind::Histogram,
+        Unit::Seconds,
+        "Seconds per pull from one peer, every block of it settled.",
+    ),
+    (
+        DATAPLANE_PULL_FAILED_BLOCKS,
+        Kind::Counter,
+        Unit::Count,
+        "Blocks a pull did not bring, by failure kind.",
+    ),
+    (
+        INDEX_PEER_ENTRIES,
+        Kind::Gauge,
+        Unit::Count,
+        "Locations the cross-instance index holds of one peer.",
+    ),
 ];
 
 /// A series' kind.
@@ -327,7 +374,7 @@ mod tests {
             assert!(seen.insert(*name), "{name} twice");
             assert!(!help.is_empty(), "{name} has no help");
         }
-        assert_eq!(TABLE.len(), 29);
+        assert_eq!(TABLE.len(), 34);
     }
 
     #[test]

@@ -297,6 +297,7 @@ impl DataPlaneClient {
                 &BlockFailure::new(BlockFailureKind::Refused, m),
             );
         }
+        let started = Instant::now();
         // Held until every part is settled: at most `max_connections_per_peer` pulls per peer.
         let _permit = self.permit(addr.ip()).await;
         let mut out: Vec<MoveOutcome<G2>> = Vec::with_capacity(hashes.len());
@@ -360,7 +361,25 @@ impl DataPlaneClient {
             drop(part);
             out.extend(settled);
         }
+        self.publish(&out, started);
         out
+    }
+
+    /// What a pull brought, into the metrics: the blocks pulled and their bytes, the blocks
+    /// it did not bring by failure kind, and its time.
+    fn publish(&self, out: &[MoveOutcome<G2>], started: Instant) {
+        use kvbm_engine::metrics as m;
+        let pulled = out.iter().filter(|o| o.is_ok()).count() as u64;
+        if pulled > 0 {
+            metrics::counter!(m::DATAPLANE_PULLED_BLOCKS).increment(pulled);
+            metrics::counter!(m::DATAPLANE_PULLED_BYTES)
+                .increment(pulled * self.block_bytes as u64);
+        }
+        for f in out.iter().filter_map(|o| o.as_ref().err()) {
+            metrics::counter!(m::DATAPLANE_PULL_FAILED_BLOCKS, m::REASON_LABEL => f.kind.as_str())
+                .increment(1);
+        }
+        metrics::histogram!(m::DATAPLANE_PULL_SECONDS).record(started.elapsed().as_secs_f64());
     }
 
     /// A permit to pull from `peer` (waits while `max_connections_per_peer` pulls run there).

@@ -1958,3 +1958,66 @@ async fn security_a_peer_cannot_choose_the_digest_of_a_block_the_puller_knows() 
     assert_eq!(out[0].as_ref().unwrap().digest(), Some(forged));
     assert_eq!(c.stats().digests_refused, 0);
 }
+
+/// Issue 48's fleet metrics, pull side: a scrape after pulls carries the blocks and bytes
+/// pulled (remote hits), the pull's time, the blocks it did not bring by reason, and the
+/// index's size per peer (a forgotten entry lowers it).
+#[test]
+fn a_scrape_shows_what_pulls_brought_and_what_the_index_holds_per_peer() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        // One thread: the server's tasks and the client report to this thread's recorder.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let hs = hashes(4);
+            let remote = serving(&hs[..3]);
+            let srv = DataPlaneServer::start(
+                DataPlaneConfig::default(),
+                A,
+                remote.manager.clone(),
+                remote.layout.clone(),
+            )
+            .await
+            .unwrap();
+            let index = Arc::new(kvbm_engine::cross_instance::CrossInstanceIndex::new());
+            let events: Vec<_> = hs
+                .iter()
+                .map(|h| kvbm_logical::BlockEvent {
+                    kind: kvbm_logical::BlockEventKind::Stored,
+                    hash: *h,
+                    tier: kvbm_logical::TierId::G2,
+                })
+                .collect();
+            index.apply_events(A, &events);
+            let local = side();
+            let c = client(&local).with_index(index.clone());
+            // Three held, the fourth not: 3 pulled, 1 not_found (and forgotten).
+            let out = pull_into(&c, &local, srv.local_addr(), A, &hs).await;
+            assert_eq!(out.iter().filter(|o| o.is_ok()).count(), 3);
+        });
+    });
+    let text = handle.render();
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{series} in\n{text}"))
+    };
+    assert_eq!(value("kvbm_engine_dataplane_pulled_blocks_total"), 3.0);
+    assert_eq!(
+        value("kvbm_engine_dataplane_pulled_bytes_total"),
+        (3 * block_bytes()) as f64
+    );
+    assert_eq!(
+        value("kvbm_engine_dataplane_pull_failed_blocks_total{reason=\"not_found\"}"),
+        1.0
+    );
+    assert_eq!(value("kvbm_engine_dataplane_pull_seconds_count"), 1.0);
+    let peer = format!("kvbm_engine_index_peer_entries{{peer=\"{A}\"}}");
+    assert_eq!(value(&peer), 3.0, "4 announced, 1 forgotten");
+}
