@@ -237,6 +237,7 @@ pub struct InstanceBuilder {
     pin: PinPolicy,
     security: Option<Security>,
     identities: Arc<Identities>,
+    fingerprint: Option<kvbm_physical::ModelFingerprint>,
 }
 
 impl InstanceBuilder {
@@ -250,7 +251,18 @@ impl InstanceBuilder {
             pin: PinPolicy::Unpinned,
             security: None,
             identities: Arc::default(),
+            fingerprint: None,
         }
+    }
+
+    /// What the blocks' bytes mean, when the engine describes them itself (kvbm-vllm's fleet
+    /// tier: vLLM's `OffloadingConfig`, model, dtype, layout, parallel shape and vLLM's own
+    /// parts). Every subject, G3 journal, G4 path and data-plane request is scoped by it.
+    /// Default: [`KvbmConfig::fingerprint`](kvbm_engine::config::KvbmConfig::fingerprint) of
+    /// `[model]` and the geometry. In process only: worker ranks describe their own blocks.
+    pub fn fingerprint(mut self, fingerprint: kvbm_physical::ModelFingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
     }
 
     /// The digests this instance knows itself, from its own keys (an inference engine's block
@@ -343,7 +355,17 @@ impl InstanceBuilder {
         // the same one): peers of another fingerprint are never heard, so their blocks are
         // never indexed, matched or pulled; and the data plane folds it into the geometry
         // value of every request and frame, so a pull across fingerprints is refused anyway.
-        let fingerprint = config.fingerprint(geometry.config())?;
+        let fingerprint = match self.fingerprint {
+            Some(_) if config.workers.mode == WorkersMode::Processes => {
+                return Err(EngineError::config(
+                    "workers.mode",
+                    "an engine-described fingerprint needs the ranks in this process (worker \
+                     processes derive theirs from [model])",
+                ));
+            }
+            Some(f) => f,
+            None => config.fingerprint(geometry.config())?,
+        };
         let subject = format!("{}.{}", config.events.subject, fingerprint.key_segment());
         let dp_config = DataPlaneConfig {
             payload_mac: config.security.dataplane_payload_mac,
@@ -445,6 +467,7 @@ impl InstanceBuilder {
                     dp_config,
                     security: security.clone(),
                     identities: self.identities.clone(),
+                    fingerprint,
                 })
                 .await?;
                 let this = PeerInfo {
@@ -552,6 +575,7 @@ struct HerePlan<'a> {
     dp_config: DataPlaneConfig,
     security: Arc<Security>,
     identities: Arc<Identities>,
+    fingerprint: kvbm_physical::ModelFingerprint,
 }
 
 impl Here {
@@ -571,6 +595,7 @@ impl Here {
             dp_config,
             security,
             identities,
+            fingerprint,
         } = plan;
         let shared_g4 = config.tiers.g4_blocks > 0;
         let mut built = TierSet::build(TierSetPlan {
@@ -593,6 +618,7 @@ impl Here {
                 shared_g4,
                 remote_g2: true,
             }),
+            fingerprint: Some(fingerprint),
         })
         .await?;
         let leader = built
@@ -903,6 +929,65 @@ impl Instance {
             Memory::Here(h) => h.g2_layout.layout().config().block_bytes(),
             Memory::Ranks(r) => r.block_bytes,
         }
+    }
+
+    /// This instance's G2 manager and layout, when its blocks' bytes are in this process (not
+    /// with worker processes): what an engine face copies into and out of (kvbm-vllm's fleet
+    /// tier, [`crate::fleet`]).
+    pub fn g2_here(&self) -> Option<(&Arc<BlockManager<G2>>, &Arc<PhysicalLayout>)> {
+        match &self.memory {
+            Memory::Here(h) => self.leader.g2().map(|g2| (g2, &h.g2_layout)),
+            Memory::Ranks(_) => None,
+        }
+    }
+
+    /// Pulls `hashes` from `peer`'s G2 into this instance's G2 over the data plane: one outcome
+    /// per block, in order, each block registered (its stored event published) only if its
+    /// frame verified (identity, binding, geometry, length, checksum). A block this instance
+    /// already holds is not pulled again: its outcome is the held block.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `workers.mode`) with worker processes (their G2 is not
+    /// served or pulled); [`EngineError::Logical`] when G2 has no room for the blocks.
+    pub async fn pull_g2(
+        &self,
+        peer: InstanceId,
+        hashes: &[SequenceHash],
+    ) -> Result<Vec<kvbm_offload::mover::MoveOutcome<G2>>> {
+        let Memory::Here(here) = &self.memory else {
+            return Err(EngineError::config(
+                "workers.mode",
+                "worker processes neither serve nor pull G2 over the data plane",
+            ));
+        };
+        let g2 = self
+            .leader
+            .g2()
+            .ok_or(EngineError::TierMissing(TierId::G2))?;
+        let mut out: Vec<Option<kvbm_offload::mover::MoveOutcome<G2>>> =
+            hashes.iter().map(|_| None).collect();
+        let mut wanted = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            match g2.match_blocks(std::slice::from_ref(h)).pop() {
+                Some(b) => out[i] = Some(Ok(b)),
+                None => wanted.push(i),
+            }
+        }
+        if !wanted.is_empty() {
+            let pull: Vec<SequenceHash> = wanted.iter().map(|&i| hashes[i]).collect();
+            let destinations = g2.allocate_blocks(pull.len())?;
+            let pulled = kvbm_engine::cross_instance::RemotePull::pull(
+                &*here.client,
+                peer,
+                &pull,
+                destinations,
+            )
+            .await;
+            for (i, o) in wanted.into_iter().zip(pulled) {
+                out[i] = Some(o);
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 
     /// The G1 manager (where onboarded blocks land).

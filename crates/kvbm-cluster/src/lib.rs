@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 
 pub mod dataplane;
+#[cfg(feature = "nats")]
+pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(feature = "nats")]

@@ -641,6 +641,11 @@ impl DataPlaneClient {
                 }
                 Err(e) => {
                     let f = from_peer(e);
+                    // Bytes that failed their checksum or identity prove the copy bad: the
+                    // index stops sending pulls there (a broken stream says nothing of it).
+                    if f.kind.drops_copy() {
+                        self.forget(instance, hash);
+                    }
                     settled.push(Err(f.clone()));
                     broken = Some(f);
                 }

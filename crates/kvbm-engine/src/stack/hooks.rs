@@ -37,24 +37,41 @@ pub trait Contents: std::fmt::Debug + Send + Sync + 'static {
 /// The identity (digest) of blocks by the hash every tier registers them under: what a read of
 /// a block registered without its digest is checked against. Empty: every identity is the
 /// sequence hash.
+///
+/// Most are known up front ([`new`](Self::new): the replay's trace). An engine that learns its
+/// keys as requests arrive (kvbm-vllm's fleet tier) adds each before it asks a peer for the
+/// block ([`learn`](Self::learn)) and drops it once the block is registered with its digest
+/// ([`forget`](Self::forget)), so the map holds only what is in flight.
+///
+/// Lock: one `RwLock` over the map, held for one map operation, never across another lock.
 #[derive(Default)]
-pub struct Identities(HashMap<SequenceHash, BlockDigest>);
+pub struct Identities(parking_lot::RwLock<HashMap<SequenceHash, BlockDigest>>);
 
 impl std::fmt::Debug for Identities {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Identities({} blocks)", self.0.len())
+        write!(f, "Identities({} blocks)", self.len())
     }
 }
 
 impl Identities {
     /// The identities of `blocks` (hash, digest).
     pub fn new(blocks: impl IntoIterator<Item = (SequenceHash, BlockDigest)>) -> Self {
-        Identities(blocks.into_iter().collect())
+        Identities(parking_lot::RwLock::new(blocks.into_iter().collect()))
     }
 
     /// The digest of the block registered under `h`, when one is known.
     pub fn get(&self, h: SequenceHash) -> Option<BlockDigest> {
-        self.0.get(&h).copied()
+        self.0.read().get(&h).copied()
+    }
+
+    /// Records `digest` as the identity of `h` (replacing any earlier one).
+    pub fn learn(&self, h: SequenceHash, digest: BlockDigest) {
+        self.0.write().insert(h, digest);
+    }
+
+    /// Drops what is known of `h`; returns whether anything was.
+    pub fn forget(&self, h: SequenceHash) -> bool {
+        self.0.write().remove(&h).is_some()
     }
 
     /// The identity expected of `h`: the registered block's own digest, else the known one.
@@ -68,12 +85,12 @@ impl Identities {
 
     /// Blocks with a known identity.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.0.read().len()
     }
 
     /// Whether no identity is known.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.0.read().is_empty()
     }
 }
 

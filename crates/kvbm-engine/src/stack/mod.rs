@@ -193,6 +193,7 @@ impl TierStack {
             contents: Some(plan.contents.clone()),
             identities: plan.identities.clone(),
             remote: shared.as_ref().map(|sh| sh.remote()),
+            fingerprint: None,
         }))?;
         if let Some(sh) = &shared {
             sh.own().lock().extend(built.g4_listed.iter().copied());

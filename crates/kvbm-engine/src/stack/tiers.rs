@@ -88,6 +88,9 @@ pub struct TierSetPlan<'a> {
     pub identities: Arc<Identities>,
     /// How the leader searches beyond this instance's tiers.
     pub remote: Option<RemoteSearch>,
+    /// What the blocks' bytes mean, when the engine describes them itself (kvbm-vllm: vLLM's
+    /// `OffloadingConfig`); `None`: [`KvbmConfig::fingerprint`] of the tiers' geometry.
+    pub fingerprint: Option<ModelFingerprint>,
 }
 
 /// The onboarding paths: what sessions and promotions move blocks through.
@@ -172,7 +175,10 @@ impl TierSet {
         let shape = &plan.shape;
         // What every stored block's key is scoped by: a block written under another model,
         // dtype, layout, group or rank is never listed or read here.
-        let fingerprint = cfg.fingerprint(shape(1)?.config())?;
+        let fingerprint = match plan.fingerprint {
+            Some(f) => f,
+            None => cfg.fingerprint(shape(1)?.config())?,
+        };
 
         let host = |n: usize, pin: PinPolicy| -> Result<(LayoutHandle, Arc<PhysicalLayout>)> {
             let layout = PhysicalLayout::allocate_host(shape(n)?, pin)?;

@@ -1,0 +1,313 @@
+//! The fleet tier (`kvbm_cluster::fleet::FleetTier`, vLLM's secondary-tier contract over a
+//! cluster instance) between instances in one process, over a real `nats-server`, every
+//! instance with its own member credential (the default: security on, loopback too):
+//!
+//! * A stores chunks of its primary region; B's lookups hit them from the index (source: a
+//!   peer), B's load puts A's bytes into B's region, byte for byte, and they are B's own hits
+//!   afterwards; C of another model fingerprint and D of another namespace never hit;
+//! * A serving altered bytes (the data plane's test hook): B's load fails, nothing of it is
+//!   written, the entry leaves B's index;
+//! * A gone without a word: B's load fails (never wrong bytes, never a hang) and A's blocks
+//!   are misses once its heartbeat window passed.
+//!
+//! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvbm_cluster::fleet::FleetTier;
+use kvbm_cluster::instance::Instance;
+use kvbm_cluster::security::{Role, RootKey};
+use kvbm_engine::stack::Identities;
+use kvbm_engine::{InstanceId, KvbmRuntime};
+use kvbm_physical::{LayoutConfig, ModelFingerprint, Parallelism};
+use kvbm_tests::wait::eventually;
+use kvbm_tiering::{
+    CacheHitSource, CpuManagerConfig, CpuPrimaryTier, JobResult, LookupResult, OffloadKey,
+    ReqContext, SecondaryTierManager, TierJob,
+};
+
+const CHUNK: usize = 4096;
+const CHUNKS: usize = 16;
+
+fn unique(test: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{test}-{}-{nanos}", std::process::id())
+}
+
+fn fingerprint(model: &str) -> ModelFingerprint {
+    ModelFingerprint::builder()
+        .model(model)
+        .dtype("bfloat16")
+        .kv_layout("NHD")
+        .geometry(LayoutConfig {
+            num_blocks: 1,
+            num_layers: 1,
+            outer_dim: 1,
+            page_size: CHUNK / 2,
+            inner_dim: 1,
+            dtype_bytes: 2,
+        })
+        .parallelism(Parallelism::Canonical)
+        .build()
+        .unwrap()
+}
+
+/// One vLLM instance's side: its region, its fleet tier, the runtime under it.
+struct Member {
+    primary: CpuPrimaryTier,
+    tier: FleetTier,
+    rt: KvbmRuntime,
+}
+
+/// The trust root of a fleet and the directory its credentials are written to.
+struct Fleet {
+    root: RootKey,
+    dir: tempfile::TempDir,
+    nats_url: String,
+}
+
+impl Fleet {
+    fn new(nats_url: &str) -> Self {
+        Self {
+            root: RootKey::generate().unwrap(),
+            dir: tempfile::tempdir().unwrap(),
+            nats_url: nats_url.to_string(),
+        }
+    }
+
+    /// Instance `id` of `namespace` (its subject) for `model`: credentials from the root.
+    fn join(&self, id: u64, namespace: &str, model: &str) -> Member {
+        let id = InstanceId(id);
+        let cred = self.dir.path().join(format!("{:x}.cred", id.0));
+        self.root
+            .issue(id, Role::Leader, 0, "ns", Duration::from_secs(3600))
+            .unwrap()
+            .save(&cred)
+            .unwrap();
+        let rt = KvbmRuntime::builder()
+            .set("logical.block_size", 16)
+            .set("logical.events.max_delay_ms", 1)
+            .set("events.idle_tick_ms", 1)
+            .set("events.subject", namespace)
+            .set("tiers.g1_blocks", 1)
+            .set("tiers.g2_blocks", CHUNKS)
+            .set("transport.nats_url", &self.nats_url)
+            .set("transport.heartbeat_interval_ms", 50)
+            .set("transport.heartbeat_timeout_ms", 400)
+            .set("transport.pull_deadline_ms", 2000)
+            .set("security.trust_root", self.root.trust_root().to_hex())
+            .set("security.credential_file", cred.display().to_string())
+            .build()
+            .unwrap();
+        let identities = Arc::new(Identities::default());
+        let instance = rt
+            .handle()
+            .tokio()
+            .block_on(
+                Instance::builder(&rt.handle())
+                    .id(id)
+                    .geometry(CpuPrimaryTier::block_layout(1, CHUNK).unwrap())
+                    .fingerprint(fingerprint(model))
+                    .identities(identities.clone())
+                    .build(),
+            )
+            .unwrap();
+        let primary = CpuPrimaryTier::new(CpuManagerConfig::new(CHUNKS), CHUNK).unwrap();
+        let tier = FleetTier::new(Arc::new(instance), identities, &primary, "kvbm_fleet").unwrap();
+        Member { primary, tier, rt }
+    }
+}
+
+impl Member {
+    fn chunk(&self, i: usize) -> &[u8] {
+        let (addr, len) = self.primary.memory().unwrap().block_addrs(i, 0..1)[0];
+        assert_eq!(len, CHUNK);
+        // SAFETY: the region's host memory, chunk `i`, read while no job writes it.
+        unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+    }
+
+    fn write(&mut self, i: usize, f: impl Fn(usize) -> u8) {
+        let (addr, len) = self.primary.memory().unwrap().block_addrs(i, 0..1)[0];
+        // SAFETY: the region's host memory, chunk `i`; the test's only writer while no job
+        // runs on it.
+        let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+        for (j, b) in s.iter_mut().enumerate() {
+            *b = f(j);
+        }
+    }
+
+    fn run(&mut self, job: TierJob) -> JobResult {
+        let id = job.job_id;
+        if job.is_promotion {
+            self.tier.submit_load(Arc::new(job));
+        } else {
+            self.tier.submit_store(Arc::new(job));
+        }
+        self.tier.drain_jobs().unwrap();
+        let mut out = Vec::new();
+        self.tier.get_finished_jobs(&mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].job_id, id);
+        out.pop().unwrap()
+    }
+
+    fn lookup(&mut self, key: &OffloadKey) -> (LookupResult, CacheHitSource) {
+        let r = self.tier.lookup(key, &ReqContext::new("r"));
+        (r, self.tier.cache_hit_source())
+    }
+}
+
+fn job(id: u64, keys: &[OffloadKey], chunks: std::ops::Range<i32>, promotion: bool) -> TierJob {
+    TierJob {
+        job_id: id,
+        keys: keys.to_vec(),
+        chunk_ids: chunks.collect(),
+        is_promotion: promotion,
+        req_context: ReqContext::new("r"),
+        submit_time: std::time::Instant::now(),
+    }
+}
+
+fn keys(seed: u64, n: usize) -> Vec<OffloadKey> {
+    (0..n as u64)
+        .map(|i| OffloadKey::from_u64(seed * 1000 + i))
+        .collect()
+}
+
+fn fill(m: &mut Member, chunks: std::ops::Range<usize>, seed: u8) {
+    for i in chunks {
+        m.write(i, |j| {
+            (j as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed)
+                .wrapping_add(i as u8)
+        });
+    }
+}
+
+#[test]
+fn fleet_a_peer_s_chunks_load_into_another_instance_byte_for_byte() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_share") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet");
+    let mut a = fleet.join(0xa1, &ns, "m");
+    let mut b = fleet.join(0xb2, &ns, "m");
+    let mut c = fleet.join(0xc3, &ns, "another-model");
+    let mut d = fleet.join(0xd4, &unique("other-namespace"), "m");
+    let ks = keys(1, 8);
+
+    fill(&mut a, 0..8, 7);
+    let stored = a.run(job(1, &ks, 0..8, false));
+    assert!(stored.success, "{stored:?}");
+    assert_eq!(a.tier.stats().stored, 8);
+    // A's stored events reach B's index: every key hits, from a peer.
+    eventually("the index to follow", || {
+        ks.iter()
+            .all(|k| b.lookup(k) == (LookupResult::Hit, CacheHitSource::P2p))
+    });
+    // Another fingerprint or namespace never hears of them.
+    std::thread::sleep(Duration::from_millis(300));
+    for k in &ks {
+        assert_eq!(c.lookup(k).0, LookupResult::Miss);
+        assert_eq!(d.lookup(k).0, LookupResult::Miss);
+    }
+
+    fill(&mut b, 0..CHUNKS, 200);
+    let loaded = b.run(job(2, &ks, 8..16, true));
+    assert!(loaded.success, "{loaded:?}");
+    for i in 0..8 {
+        assert_eq!(b.chunk(8 + i), a.chunk(i), "chunk {i} differs");
+    }
+    let s = b.tier.stats();
+    assert_eq!((s.loaded_remote, s.loaded_local, s.load_failed), (8, 0, 0));
+    // Now B's own: local hits, and B serves them in turn.
+    for k in &ks {
+        assert_eq!(b.lookup(k), (LookupResult::Hit, CacheHitSource::Host));
+    }
+    let dp = b.tier.instance().data_plane_client_stats().unwrap();
+    assert_eq!(dp.digests_refused, 0);
+    drop((a, b, c, d));
+}
+
+#[test]
+fn fleet_altered_bytes_fail_the_load_and_leave_the_index() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_altered") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-altered");
+    let mut a = fleet.join(0xa1, &ns, "m");
+    let mut b = fleet.join(0xb2, &ns, "m");
+    let ks = keys(2, 4);
+    fill(&mut a, 0..4, 3);
+    assert!(a.run(job(1, &ks, 0..4, false)).success);
+    eventually("the index to follow", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+
+    fill(&mut b, 0..CHUNKS, 99);
+    let before: Vec<Vec<u8>> = (8..12).map(|i| b.chunk(i).to_vec()).collect();
+    a.tier
+        .instance()
+        .data_plane()
+        .unwrap()
+        .corrupt_next_frames(1);
+    let loaded = b.run(job(2, &ks, 8..12, true));
+    assert!(
+        !loaded.success,
+        "altered bytes must fail the load: {loaded:?}"
+    );
+    // The frame that failed and those after it on the broken stream were written nowhere.
+    let moved = loaded.successful_keys.clone().unwrap_or_default();
+    for (i, k) in ks.iter().enumerate() {
+        if !moved.contains(k) {
+            assert_eq!(b.chunk(8 + i), &before[i][..], "chunk {i} was written");
+        } else {
+            assert_eq!(b.chunk(8 + i), a.chunk(i));
+        }
+    }
+    assert!(b.tier.stats().load_failed >= 1);
+    // The copy that failed its check left B's index: a miss, not a retry of the same peer.
+    let first_bad = ks.iter().find(|k| !moved.contains(k)).unwrap();
+    assert_eq!(b.lookup(first_bad).0, LookupResult::Miss);
+    drop((a, b));
+}
+
+#[test]
+fn fleet_a_peer_that_dies_fails_the_load_and_is_forgotten() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_dies") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-dies");
+    let mut a = fleet.join(0xa1, &ns, "m");
+    let mut b = fleet.join(0xb2, &ns, "m");
+    let ks = keys(3, 4);
+    fill(&mut a, 0..4, 5);
+    assert!(a.run(job(1, &ks, 0..4, false)).success);
+    eventually("the index to follow", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    // A goes away without a word (no departure): its data plane closes with it.
+    drop(a);
+    fill(&mut b, 0..CHUNKS, 42);
+    let before: Vec<Vec<u8>> = (8..12).map(|i| b.chunk(i).to_vec()).collect();
+    let loaded = b.run(job(2, &ks, 8..12, true));
+    assert!(!loaded.success, "{loaded:?}");
+    assert!(loaded.successful_keys.is_none());
+    for (i, was) in before.iter().enumerate() {
+        assert_eq!(b.chunk(8 + i), &was[..]);
+    }
+    assert_eq!(b.tier.stats().load_failed, 4);
+    // Within its heartbeat window A is forgotten: misses.
+    eventually("the index to follow", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Miss)
+    });
+    drop(b.rt);
+}
