@@ -52,9 +52,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::Instant;
 
-use kvbm_engine::InstanceId;
 use kvbm_engine::error::{EngineError, Result};
 use kvbm_engine::stack::Identities;
+use kvbm_engine::{InstanceId, KvbmRuntime};
 use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash, TierId};
 use kvbm_physical::PhysicalLayout;
 use kvbm_tiering::tiering::{digest_hash, key_digest};
@@ -123,14 +123,15 @@ pub struct FleetTier {
     block_size: u32,
     chunk_bytes: usize,
     num_chunks: usize,
-    /// Where the last `Hit` came from (read by the manager right after the lookup).
-    last_source: CacheHitSource,
     done_tx: Sender<JobResult>,
     done_rx: Receiver<JobResult>,
     /// Jobs submitted and not yet returned by `get_finished_jobs`.
     outstanding: usize,
     /// Results received (by `drain_jobs`) and not yet returned.
     ready: Vec<JobResult>,
+    /// The runtime the instance runs on, when the tier owns it (a face that made it for the
+    /// tier); dropped last, after the instance.
+    runtime: Option<KvbmRuntime>,
 }
 
 impl std::fmt::Debug for FleetTier {
@@ -195,12 +196,18 @@ impl FleetTier {
             tier_type: tier_type.into(),
             chunk_bytes,
             num_chunks,
-            last_source: CacheHitSource::Host,
             done_tx,
             done_rx,
             outstanding: 0,
             ready: Vec::new(),
+            runtime: None,
         })
+    }
+
+    /// The tier owns `runtime` (the one its instance runs on) and shuts it down last.
+    pub fn owning(mut self, runtime: KvbmRuntime) -> Self {
+        self.runtime = Some(runtime);
+        self
     }
 
     /// The instance behind the tier.
@@ -479,8 +486,11 @@ impl SecondaryTierManager for FleetTier {
         &self.tier_type
     }
 
+    /// The fleet's: every hit of this tier is reported as the peer-to-peer source, whether
+    /// its chunk sits in this instance's share or a peer's ([`FleetStats`] tells them apart).
+    /// One source per tier, as vLLM's manager keys its accounting of a failed load by it.
     fn cache_hit_source(&self) -> CacheHitSource {
-        self.last_source
+        CacheHitSource::P2p
     }
 
     fn block_size_bytes(&self) -> usize {
@@ -496,12 +506,10 @@ impl SecondaryTierManager for FleetTier {
             .match_blocks(std::slice::from_ref(&hash))
             .is_empty()
         {
-            self.last_source = CacheHitSource::Host;
             Counters::add(&c.local_hits, 1);
             return LookupResult::Hit;
         }
         if Self::peer_holding(&self.shared, hash).is_some() {
-            self.last_source = CacheHitSource::P2p;
             Counters::add(&c.remote_hits, 1);
             return LookupResult::Hit;
         }
@@ -543,8 +551,19 @@ impl SecondaryTierManager for FleetTier {
         self.outstanding > 0
     }
 
+    /// Waits for every job, then tells the peers this instance leaves (they drop its blocks
+    /// from their index at once rather than after its heartbeat window) and stops it.
     fn shutdown(&mut self) -> kvbm_tiering::Result<()> {
-        self.drain_jobs()
+        self.drain_jobs()?;
+        let instance = self.shared.instance.clone();
+        let rt = instance.runtime().clone();
+        if tokio::runtime::Handle::try_current().is_ok() {
+            // On a runtime thread: the departure cannot be waited for here.
+            drop(rt.spawn(async move { instance.shutdown().await }));
+        } else {
+            rt.tokio().block_on(instance.shutdown());
+        }
+        Ok(())
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {

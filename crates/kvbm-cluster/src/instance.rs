@@ -478,7 +478,14 @@ impl InstanceBuilder {
                         .collect(),
                     num_blocks: tiers.g2_blocks,
                     block_bytes: here.g2_layout.layout().config().block_bytes(),
-                    data_plane: Some(here.server.local_addr().to_string()),
+                    // What peers dial: the advertised address, else the bound one.
+                    data_plane: Some(
+                        config
+                            .transport
+                            .data_plane_advertise
+                            .clone()
+                            .unwrap_or_else(|| here.server.local_addr().to_string()),
+                    ),
                 };
                 (leader, Memory::Here(Box::new(here)), this)
             }

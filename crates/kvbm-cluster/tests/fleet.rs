@@ -226,10 +226,15 @@ fn fleet_a_peer_s_chunks_load_into_another_instance_byte_for_byte() {
     }
     let s = b.tier.stats();
     assert_eq!((s.loaded_remote, s.loaded_local, s.load_failed), (8, 0, 0));
-    // Now B's own: local hits, and B serves them in turn.
+    // Now B's own: hits from its own share (the fleet's source still), and B serves them in
+    // turn.
+    let before = b.tier.stats();
     for k in &ks {
-        assert_eq!(b.lookup(k), (LookupResult::Hit, CacheHitSource::Host));
+        assert_eq!(b.lookup(k), (LookupResult::Hit, CacheHitSource::P2p));
     }
+    let after = b.tier.stats();
+    assert_eq!(after.local_hits - before.local_hits, 8);
+    assert_eq!(after.remote_hits, before.remote_hits);
     let dp = b.tier.instance().data_plane_client_stats().unwrap();
     assert_eq!(dp.digests_refused, 0);
     drop((a, b, c, d));

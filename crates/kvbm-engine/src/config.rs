@@ -478,6 +478,11 @@ pub struct TransportConfig {
     pub request_timeout_ms: u64,
     /// Address of the TCP block data plane (port 0: any free port). Default: `127.0.0.1:0`.
     pub data_plane_bind: String,
+    /// The data-plane address announced to peers, when it is not the bound one: a host bound
+    /// to `0.0.0.0` announces its routable address, an instance behind a NAT or a proxy the
+    /// address peers reach it at (`host:port`). Default: none (the bound address, its port
+    /// resolved).
+    pub data_plane_advertise: Option<String>,
     /// How often an instance announces itself (instance id, data-plane address) to its peers
     /// over NATS, and a worker rank its incarnation to its leader (ms). Default: 1000. At
     /// least 1.
@@ -539,6 +544,7 @@ impl Default for TransportConfig {
             nats_url: None,
             request_timeout_ms: 5000,
             data_plane_bind: "127.0.0.1:0".into(),
+            data_plane_advertise: None,
             heartbeat_interval_ms: 1000,
             heartbeat_timeout_ms: 5000,
             max_connections: 256,
@@ -1219,6 +1225,15 @@ impl KvbmConfig {
         let t = &self.transport;
         positive("transport.request_timeout_ms", t.request_timeout_ms)?;
         socket_addr("transport.data_plane_bind", &t.data_plane_bind)?;
+        if let Some(a) = &t.data_plane_advertise {
+            let addr = socket_addr("transport.data_plane_advertise", a)?;
+            if addr.ip().is_unspecified() || addr.port() == 0 {
+                return Err(EngineError::config(
+                    "transport.data_plane_advertise",
+                    format!("{a:?}: peers cannot reach an unspecified address or port 0"),
+                ));
+            }
+        }
         positive("transport.heartbeat_interval_ms", t.heartbeat_interval_ms)?;
         if t.heartbeat_timeout_ms <= t.heartbeat_interval_ms {
             return Err(EngineError::config(

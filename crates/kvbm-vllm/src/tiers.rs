@@ -52,6 +52,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
+use kvbm_cluster::fleet::FleetTier;
 use kvbm_engine::KvbmConfig;
 use kvbm_physical::{
     DiskConfig, HostStorage, LayoutConfig, ModelFingerprint, ObjectConfig, Parallelism, S3Config,
@@ -494,6 +495,140 @@ impl StorageTier {
             primary,
             lookup_results,
         )
+    }
+
+    /// A fleet tier (`kvbm_fleet`): a kvbm cluster instance whose G2 (`capacity` chunks of
+    /// host memory) holds what vLLM stores, announced to and served to the instances of its
+    /// namespace, with their chunks found in its index and pulled, verified, on a load
+    /// ([`kvbm_cluster::fleet`]). The configuration is kvbm's one tree, merged as everywhere:
+    /// `KVBM_CONFIG_PATH` and the `KVBM_*` environment, then `config_file`, then `settings`
+    /// (dotted tree keys to values, from the tier's keys), then what the tier fixes (the tier
+    /// sizes). Security as `kvbm replay --instances`: without member credentials it refuses to
+    /// start, naming the key, unless `security.insecure`.
+    #[staticmethod]
+    #[pyo3(signature = (region, chunk_bytes, fingerprint, capacity, settings, lookup_results, config_file = None, tier_type = None, io_nice = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn fleet(
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        chunk_bytes: usize,
+        fingerprint: &Bound<'_, PyDict>,
+        capacity: usize,
+        settings: &Bound<'_, PyDict>,
+        lookup_results: &Bound<'_, PyTuple>,
+        config_file: Option<std::path::PathBuf>,
+        tier_type: Option<String>,
+        io_nice: u8,
+    ) -> PyResult<Self> {
+        if capacity == 0 {
+            return Err(PyValueError::new_err(
+                "capacity: the fleet tier needs at least one chunk of memory",
+            ));
+        }
+        let fingerprint = fingerprint_of(fingerprint, chunk_bytes)?;
+        let primary = primary_over(region, chunk_bytes, io_nice)?;
+        let mut tree = kvbm_engine::config::ConfigBuilder::from_process_env()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if let Some(f) = &config_file {
+            tree = tree
+                .file(f)
+                .map_err(|e| PyValueError::new_err(format!("config_file: {e}")))?;
+        }
+        for (k, v) in settings.iter() {
+            let k: String = k.extract()?;
+            tree = if let Ok(b) = v.extract::<bool>() {
+                tree.set(k, b)
+            } else if let Ok(i) = v.extract::<i64>() {
+                tree.set(k, i)
+            } else if let Ok(s) = v.extract::<String>() {
+                tree.set(k, s)
+            } else {
+                return Err(PyValueError::new_err(format!(
+                    "fleet setting {k}: a bool, an int or a str, got {v}"
+                )));
+            };
+        }
+        let tree = tree
+            .set("tiers.g1_blocks", 1)
+            .set("tiers.g2_blocks", capacity)
+            .set("tiers.g3_blocks", 0)
+            .set("tiers.g4_blocks", 0)
+            .set("logical.block_size", kvbm_tiering::tiering::TIER_BLOCK_SIZE);
+        let tier_type = tier_type.unwrap_or_else(|| "kvbm_fleet".into());
+        let primary_for_tier = primary.clone();
+        let tier = py
+            .detach(move || -> Result<FleetTier, String> {
+                let rt = kvbm_engine::KvbmRuntime::builder()
+                    .config_builder(tree)
+                    .build()
+                    .map_err(|e| e.to_string())?;
+                let identities = Arc::new(kvbm_engine::stack::Identities::default());
+                let instance = rt
+                    .handle()
+                    .tokio()
+                    .block_on(
+                        kvbm_cluster::instance::Instance::builder(&rt.handle())
+                            .geometry(
+                                CpuPrimaryTier::block_layout(1, chunk_bytes)
+                                    .map_err(|e| e.to_string())?,
+                            )
+                            .fingerprint(fingerprint)
+                            .identities(identities.clone())
+                            .build(),
+                    )
+                    .map_err(|e| e.to_string())?;
+                let tier = FleetTier::new(
+                    Arc::new(instance),
+                    identities,
+                    &primary_for_tier.lock(),
+                    tier_type,
+                )
+                .map_err(|e| e.to_string())?;
+                Ok(tier.owning(rt))
+            })
+            .map_err(|e| {
+                PyRuntimeError::new_err(format!("cannot start the kvbm fleet tier: {e}"))
+            })?;
+        Self::over(Box::new(tier), primary, lookup_results)
+    }
+
+    /// A fleet tier's counters and its instance's (`kvbm_fleet` only): chunks hit locally and
+    /// through peers, stored, loaded from each, failed; the peers indexed; the data plane's
+    /// refusals.
+    fn fleet_stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut t = self.tier()?;
+        let Some(f) = t.as_any_mut().downcast_ref::<FleetTier>() else {
+            return Err(PyValueError::new_err("only a fleet tier has fleet stats"));
+        };
+        let s = f.stats();
+        let d = PyDict::new(py);
+        d.set_item("instance", f.instance().id().to_string())?;
+        d.set_item("local_hits", s.local_hits)?;
+        d.set_item("remote_hits", s.remote_hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("stored", s.stored)?;
+        d.set_item("store_failed", s.store_failed)?;
+        d.set_item("loaded_local", s.loaded_local)?;
+        d.set_item("loaded_remote", s.loaded_remote)?;
+        d.set_item("load_failed", s.load_failed)?;
+        // The peers' entries (the index also follows this instance's own events).
+        let (me, index) = (f.instance().id(), f.instance().index());
+        let peers: Vec<_> = index.instances().into_iter().filter(|i| *i != me).collect();
+        let entries: usize = peers.iter().map(|i| index.count_of(*i)).sum();
+        d.set_item("peers", peers.len())?;
+        d.set_item("index_entries", entries)?;
+        if let Some(c) = f.instance().data_plane_client_stats() {
+            d.set_item("digests_refused", c.digests_refused)?;
+            d.set_item("entries_forgotten", c.entries_forgotten)?;
+        }
+        if let Some(dp) = f.instance().data_plane() {
+            d.set_item("data_plane", dp.local_addr().to_string())?;
+        }
+        if let Some(sec) = f.instance().security().stats() {
+            d.set_item("messages_accepted", sec.accepted())?;
+            d.set_item("messages_refused", sec.rejected_total())?;
+        }
+        Ok(d)
     }
 
     fn lookup(&mut self, key_: &Bound<'_, PyAny>, ctx: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {

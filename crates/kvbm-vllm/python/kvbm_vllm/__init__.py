@@ -22,6 +22,7 @@ SPECS = {
 TIER_TYPES = {
     "kvbm_disk": ("kvbm_vllm.tiers", "KvbmDiskTier"),
     "kvbm_object": ("kvbm_vllm.tiers", "KvbmObjectTier"),
+    "kvbm_fleet": ("kvbm_vllm.tiers", "KvbmFleetTier"),
 }
 
 
@@ -29,7 +30,8 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers ``KvbmOffloadingSpec`` and
     ``KvbmDiskDirectSpec`` with vLLM's ``OffloadingSpecFactory`` (``"spec_name": ...`` without a
     module path) and kvbm's tier types with its ``SecondaryTierFactory``, so
-    ``{"type": "kvbm_disk", ...}`` and ``{"type": "kvbm_object", ...}`` work without one.
+    ``{"type": "kvbm_disk", ...}``, ``{"type": "kvbm_object", ...}`` and
+    ``{"type": "kvbm_fleet", ...}`` work without one.
 
     vLLM calls it in every process it starts; it imports only vLLM's factory (no extension, no
     manager), and it never raises: a vLLM without the factory, or a name already registered,

@@ -90,7 +90,8 @@ from kvbm_vllm import extension
 from kvbm_vllm.contract import installed
 from kvbm_vllm.log import child
 
-__all__ = ["KvbmDiskTier", "KvbmObjectTier", "DISK_KEYS", "OBJECT_KEYS", "standalone_spec"]
+__all__ = ["KvbmDiskTier", "KvbmObjectTier", "KvbmFleetTier", "DISK_KEYS", "OBJECT_KEYS",
+           "FLEET_KEYS", "standalone_spec"]
 
 _LOOKUP_RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _POLICIES = {"chunk_level": OffloadPolicy.CHUNK_LEVEL, "request_level": OffloadPolicy.REQUEST_LEVEL}
@@ -562,9 +563,141 @@ class KvbmObjectTier(_KvbmTier):
         super().shutdown()
 
 
+#: The keys a ``kvbm_fleet`` tier takes, with their defaults (``None``: required; ``""`` and 0:
+#: not set here, so kvbm's configuration tree decides: ``KVBM_CONFIG_PATH``, the ``KVBM_*``
+#: environment, then ``config_file``).
+FLEET_KEYS: dict[str, Any] = {
+    "namespace": None,
+    "capacity": None,
+    "config_file": "",
+    "nats_url": "",
+    "data_plane_bind": "",
+    "data_plane_advertise": "",
+    "trust_root": "",
+    "credential_file": "",
+    "insecure": False,
+    "nats_creds_file": "",
+    "nats_nkey_file": "",
+    "nats_token_file": "",
+    "nats_user": "",
+    "nats_password_file": "",
+    "nats_ca_file": "",
+    "heartbeat_interval_ms": 0,
+    "heartbeat_timeout_ms": 0,
+    "pull_deadline_ms": 0,
+    "io_nice": 10,
+    "locality": "remote",
+}
+
+#: Each ``kvbm_fleet`` key that maps onto kvbm's configuration tree, and its tree key.
+FLEET_TREE: dict[str, str] = {
+    "nats_url": "transport.nats_url",
+    "data_plane_bind": "transport.data_plane_bind",
+    "data_plane_advertise": "transport.data_plane_advertise",
+    "trust_root": "security.trust_root",
+    "credential_file": "security.credential_file",
+    "nats_creds_file": "transport.nats_auth.creds_file",
+    "nats_nkey_file": "transport.nats_auth.nkey_file",
+    "nats_token_file": "transport.nats_auth.token_file",
+    "nats_user": "transport.nats_auth.user",
+    "nats_password_file": "transport.nats_auth.password_file",
+    "nats_ca_file": "transport.nats_auth.ca_file",
+    "heartbeat_interval_ms": "transport.heartbeat_interval_ms",
+    "heartbeat_timeout_ms": "transport.heartbeat_timeout_ms",
+    "pull_deadline_ms": "transport.pull_deadline_ms",
+}
+
+
+def _namespace(who: str, ns: Any) -> str:
+    """A fleet's namespace: one NATS subject token (letters, digits, ``-``, ``_``)."""
+    ns = str(ns)
+    if not ns or not all(c.isascii() and (c.isalnum() or c in "-_") for c in ns):
+        raise ValueError(
+            f"{who}: namespace must be letters, digits, '-' or '_' (one NATS subject "
+            f"token), got {ns!r}"
+        )
+    return ns
+
+
+class KvbmFleetTier(_KvbmTier):
+    """A fleet of vLLM instances sharing their KV through kvbm's cluster (tier type
+    ``kvbm_fleet``): each instance joins ``namespace`` on a NATS server, keeps ``capacity``
+    chunks of what vLLM stores in host memory it serves to its peers over kvbm's authenticated
+    data plane, announces them, and indexes its peers' announcements. A lookup answers from
+    that memory or that index (never the network): a chunk a peer holds is a ``HIT``, and the
+    load pulls it from the peer, every byte checked against the checksum and the identity of
+    the key, before it is copied into vLLM's region. A peer that died, stalled or sent bytes
+    that fail the check fails the load (vLLM recomputes), never wrong bytes; a bad copy leaves
+    the index; a peer that leaves is forgotten within its heartbeat window. Instances of
+    another model fingerprint or namespace never match.
+
+    Secure by default, as ``kvbm replay --instances``: every member needs a credential issued
+    by the fleet's root (``kvbm security init`` / ``issue``; ``trust_root``,
+    ``credential_file``), and a NATS server off loopback its credentials (``nats_*``); without
+    them it refuses to start, naming the key, unless ``insecure: true``. Every hit reports
+    ``CacheHitSource.P2P`` (``fleet_stats()`` tells local from pulled). See the README's
+    "Fleet" section."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str = "kvbm_fleet",
+        backpressure_detector=None,
+        **config: Any,
+    ) -> None:
+        contract = installed()  # refuses a vLLM whose contract kvbm does not follow
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        who = f"secondary tier {tier_type!r}"
+        s = _settings(who, config, FLEET_KEYS)
+        namespace = _namespace(who, s["namespace"])
+        capacity = s["capacity"]
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"{who}: capacity must be an integer > 0, got {capacity!r}")
+        self.locality = Locality(str(s["locality"]).upper())
+        settings: dict[str, Any] = {"events.subject": f"kvbm.fleet.{namespace}"}
+        for key, tree_key in FLEET_TREE.items():
+            v = s[key]
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ValueError(f"{who}: {key} must be a string or an integer, got {v!r}")
+            if v not in ("", 0):
+                settings[tree_key] = v
+        if _flag(who, s, "insecure"):
+            settings["security.insecure"] = True
+        try:
+            self._rs = extension().StorageTier.fleet(
+                _flat(primary_kv_view),
+                self.block_size_bytes,
+                _fingerprint(who, offloading_spec),
+                capacity,
+                settings,
+                _LOOKUP_RESULTS,
+                s["config_file"] or None,
+                tier_type,
+                _io_nice(who, s),
+            )
+        except RuntimeError as e:
+            _log.error("kvbm tier %r (kvbm_fleet) cannot start: %s", tier_type, e)
+            raise RuntimeError(f"{who}: {e}") from e
+        stats = self._rs.fleet_stats()
+        _log.info(
+            "kvbm tier %r (kvbm_fleet): instance %s of namespace %r, %d chunks of %d bytes "
+            "shared, data plane %s (vLLM %s contract)", tier_type, stats["instance"],
+            namespace, capacity, self.block_size_bytes, stats.get("data_plane"), contract.name)
+
+    def fleet_stats(self) -> dict[str, Any]:
+        """What the tier did (chunks hit here and through peers, stored, loaded from each,
+        failed), its peers and index, and the refusals of its data plane and messages."""
+        return self._rs.fleet_stats()
+
+
 #: The short tier names as module attributes: vLLM's ``SecondaryTierFactory`` resolves a tier
 #: given with ``module_path`` by looking its ``type`` up in that module, so
 #: ``{"type": "kvbm_disk", "module_path": "kvbm_vllm.tiers"}`` works without the plugin (as do
 #: the class names).
 kvbm_disk = KvbmDiskTier
 kvbm_object = KvbmObjectTier
+kvbm_fleet = KvbmFleetTier

@@ -748,10 +748,12 @@ def _make_request_context(policy: str) -> RequestOffloadingContext:
 
 def _native_tier(tier):
     """kvbm's own Rust tier inside a kvbm tier object, when kvbm's manager can drive it in
-    Rust (a tier whose Python methods add nothing: disk, and object tiers not shared)."""
-    from kvbm_vllm.tiers import KvbmDiskTier, KvbmObjectTier
+    Rust (a tier whose Python methods add nothing: disk, fleet, and object tiers not shared)."""
+    from kvbm_vllm.tiers import KvbmDiskTier, KvbmFleetTier, KvbmObjectTier
 
-    if type(tier) is KvbmDiskTier or (type(tier) is KvbmObjectTier and tier._probe is None):
+    if type(tier) in (KvbmDiskTier, KvbmFleetTier) or (
+        type(tier) is KvbmObjectTier and tier._probe is None
+    ):
         # A method replaced on the instance (a test's monkeypatch) must be called: Python path.
         if not any(name in vars(tier) for name in _TIER_METHODS):
             return tier._rs

@@ -35,7 +35,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 specs = sorted(n for n in ("KvbmOffloadingSpec", "KvbmDiskDirectSpec")
                if n in OffloadingSpecFactory._registry)
-tiers = sorted(n for n in ("kvbm_disk", "kvbm_object") if n in SecondaryTierFactory._registry)
+tiers = sorted(n for n in ("kvbm_disk", "kvbm_fleet", "kvbm_object")
+               if n in SecondaryTierFactory._registry)
 # The README's plug-in-free forms: the tier class by module path, short name or class name.
 cls = [SecondaryTierFactory.get_tier_class({{"type": t, "module_path": "kvbm_vllm.tiers"}}).__name__
        for t in ("kvbm_disk", "KvbmDiskTier")]
@@ -61,13 +62,13 @@ def test_vllm_loads_the_kvbm_plugin_by_its_entry_point():
     r = run(None)
     assert "kvbm" in r["loaded"]
     assert r["specs"] == ["KvbmDiskDirectSpec", "KvbmOffloadingSpec"]
-    assert r["tiers"] == ["kvbm_disk", "kvbm_object"]
+    assert r["tiers"] == ["kvbm_disk", "kvbm_fleet", "kvbm_object"]
 
 
 def test_an_allow_list_naming_kvbm_loads_it():
     r = run("kvbm")
     assert r["loaded"] == ["kvbm"]
-    assert r["tiers"] == ["kvbm_disk", "kvbm_object"]
+    assert r["tiers"] == ["kvbm_disk", "kvbm_fleet", "kvbm_object"]
 
 
 @pytest.mark.parametrize("plugins", ["someone_else", ""])

@@ -1,0 +1,245 @@
+"""A fleet of vLLM schedulers sharing KV through kvbm's cluster (``KvbmFleetTier``).
+
+Each member is its own process (``fleet_member.py``): vLLM's real scheduler-side managers (or
+kvbm's) over a numpy region, ``KvbmFleetTier`` below them. One real ``nats-server`` (from
+``cargo xtask services``); credentials issued by the ``kvbm security`` command. What a user
+relies on:
+
+* A stores chunks; B's lookups hit them and the load puts A's bytes into B's region, byte for
+  byte; C (another namespace) and D (another model) never hit;
+* A killed: B's loads fail (vLLM's manager turns them into misses), never wrong bytes, and A's
+  entries leave B's index within its heartbeat window;
+* B restarted: it finds A's chunks again (the snapshot a joining member gets);
+* a member without credentials refuses to start, naming the key; one whose credential another
+  root issued hears nothing, is heard by no one, and its messages are counted as refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[3]
+MEMBER = HERE / "fleet_member.py"
+
+
+def nats_url() -> str:
+    url = os.environ.get("KVBM_TEST_NATS_URL")
+    if not url:
+        if os.environ.get("KVBM_TEST_SKIP_SERVICES") == "1":
+            pytest.skip("KVBM_TEST_SKIP_SERVICES=1: no NATS server")
+        pytest.fail("no NATS server: run through `cargo xtask python` or `cargo xtask ci`, which "
+                    "start one (or export KVBM_TEST_NATS_URL from `cargo xtask services start`)")
+    return url
+
+
+def kvbm_bin() -> str:
+    for c in (os.environ.get("KVBM_BIN"), REPO / "target/debug/kvbm",
+              REPO / "target/release/kvbm"):
+        if c and Path(c).is_file():
+            return str(c)
+    pytest.fail("no kvbm binary: `cargo build -p kvbm-cli` (cargo xtask python builds it and "
+                "exports KVBM_BIN)")
+
+
+class Root:
+    """A fleet's root key and the credentials it issues, through the ``kvbm`` command."""
+
+    def __init__(self, dir: Path):
+        self.dir = dir
+        dir.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run([kvbm_bin(), "security", "init", "--out", str(dir / "root.key")],
+                             capture_output=True, text=True, check=True).stdout
+        self.trust_root = re.search(r'security.trust_root = "([0-9a-f]+)"', out).group(1)
+
+    def issue(self, instance: int, namespace: str) -> str:
+        path = self.dir / f"{instance:x}.cred"
+        if path.exists():  # a restarted member keeps its credential
+            return str(path)
+        subprocess.run([kvbm_bin(), "security", "issue", "--root", str(self.dir / "root.key"),
+                        "--instance", hex(instance), "--role", "leader",
+                        "--namespace", namespace, "--out", str(path)],
+                       capture_output=True, text=True, check=True)
+        return str(path)
+
+
+class Proc:
+    """One member process, driven line by line."""
+
+    def __init__(self, log: Path, *args: str):
+        self.log = open(log, "w")
+        self.p = subprocess.Popen([sys.executable, str(MEMBER), *args], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.hello = self._read()
+
+    def _read(self, timeout: float = 60.0):
+        line = self.p.stdout.readline()
+        if not line:
+            self.p.wait(timeout=timeout)
+            raise AssertionError(f"member exited ({self.p.returncode}): "
+                                 f"{Path(self.log.name).read_text()[-3000:]}")
+        return json.loads(line)
+
+    def ask(self, op: str, keys=()):
+        self.p.stdin.write(json.dumps({"op": op, "keys": [k.hex() for k in keys]}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait(timeout=30)
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.ask("exit")
+            except (AssertionError, BrokenPipeError):
+                pass
+            self.p.wait(timeout=30)
+        self.log.close()
+
+
+def member(tmp_path, name, namespace, *, root=None, instance=None, model="fleet-model",
+           cred_ns=None, insecure=False, impl="vllm"):
+    args = ["--namespace", namespace, "--nats", nats_url(), "--model", model, "--impl", impl]
+    if root is not None:
+        args += ["--trust-root", root.trust_root,
+                 "--credential", root.issue(instance, cred_ns or namespace)]
+    if insecure:
+        args.append("--insecure")
+    return Proc(tmp_path / f"{name}.log", *args)
+
+
+def keys(prefix: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{prefix}-{i}".encode()).digest() for i in range(n)]
+
+
+def expected_sha(key: bytes) -> str:
+    """The sha256 of the bytes a member stores for ``key`` (its ``pattern``)."""
+    from fleet_member import make_offload_key, pattern, sha
+
+    return sha(pattern(bytes(make_offload_key(key, 0))))
+
+
+def eventually(what, f, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = f()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+def unique(name: str) -> str:
+    return f"{name}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@pytest.mark.parametrize("impl", ["vllm", "kvbm"])
+def test_a_fleet_shares_chunks_byte_for_byte_within_its_namespace_and_model(tmp_path, impl):
+    ns, other_ns = unique("fleet"), unique("elsewhere")
+    root = Root(tmp_path / "root")
+    a = member(tmp_path, "a", ns, root=root, instance=0xA1, impl=impl)
+    b = member(tmp_path, "b", ns, root=root, instance=0xB2, impl=impl)
+    c = member(tmp_path, "c", other_ns, root=root, instance=0xC3, impl=impl)
+    d = member(tmp_path, "d", ns, root=root, instance=0xD4, model="another-model", impl=impl)
+    try:
+        for m in (a, b, c, d):
+            assert m.hello["ready"], m.hello
+        ks = keys(f"shared-{impl}", 12)
+        assert a.ask("store", ks) == {"stored": 12}
+        eventually("B indexes A's chunks", lambda: b.ask("stats")["index_entries"] >= 12)
+
+        got = b.ask("load", ks)["keys"]
+        assert [g["result"] for g in got] == ["HIT"] * 12, got
+        for k, g in zip(ks, got):
+            assert g["sha"] == expected_sha(k), "B's region holds A's bytes"
+        sb = b.ask("stats")
+        assert sb["loaded_remote"] == 12 and sb["load_failed"] == 0, sb
+
+        # Another namespace, another model: never a hit, nothing indexed.
+        for m in (c, d):
+            got = m.ask("load", ks)["keys"]
+            assert [g["result"] for g in got] == ["MISS"] * 12, got
+            s = m.ask("stats")
+            assert s["index_entries"] == 0 and s["remote_hits"] == 0, s
+    finally:
+        for m in (a, b, c, d):
+            m.close()
+
+
+def test_a_killed_peer_fails_the_load_and_is_forgotten_and_a_restart_finds_the_fleet(tmp_path):
+    ns = unique("fleet-kill")
+    root = Root(tmp_path / "root")
+    a = member(tmp_path, "a", ns, root=root, instance=0xA1)
+    b = member(tmp_path, "b", ns, root=root, instance=0xB2)
+    a2 = member(tmp_path, "a2", ns, root=root, instance=0xA2)
+    try:
+        lost, kept = keys("lost", 6), keys("kept", 6)
+        assert a.ask("store", lost) == {"stored": 6}
+        assert a2.ask("store", kept) == {"stored": 6}
+        eventually("B indexes both", lambda: b.ask("stats")["index_entries"] >= 12)
+
+        a.kill()  # no departure: B's index still lists A until its heartbeat window passes
+        got = b.ask("load", lost)["keys"]
+        assert all(g["result"] == "MISS" for g in got), got
+        assert all(g["sha"] is None for g in got), "never a byte from a dead peer"
+        s = b.ask("stats")
+        assert s["load_failed"] >= 1 and s["loaded_remote"] == 0, s
+        eventually("A leaves B's index", lambda: b.ask("stats")["index_entries"] == 6)
+
+        # B restarted: it finds A2's chunks again, with their bytes.
+        b.close()
+        b = member(tmp_path, "b-again", ns, root=root, instance=0xB2)
+        assert b.hello["ready"], b.hello
+        eventually("the restarted B indexes A2", lambda: b.ask("stats")["index_entries"] >= 6)
+        got = b.ask("load", kept)["keys"]
+        assert [g["result"] for g in got] == ["HIT"] * 6, got
+        assert [g["sha"] for g in got] == [expected_sha(k) for k in kept]
+    finally:
+        for m in (a, b, a2):
+            m.close()
+
+
+def test_without_credentials_or_with_a_foreign_root_a_member_gets_nothing(tmp_path):
+    ns = unique("fleet-auth")
+    root = Root(tmp_path / "root")
+    stranger_root = Root(tmp_path / "stranger")
+    # No credentials: it refuses to start, naming what is missing.
+    bare = member(tmp_path, "bare", ns)
+    assert not bare.hello["ready"]
+    assert "security" in bare.hello["error"] and "credential" in bare.hello["error"], bare.hello
+    bare.close()
+
+    a = member(tmp_path, "a", ns, root=root, instance=0xA1)
+    b = member(tmp_path, "b", ns, root=root, instance=0xB2)
+    f = member(tmp_path, "f", ns, root=stranger_root, instance=0xF6)
+    try:
+        assert f.hello["ready"], f.hello
+        ks, forged = keys("guarded", 6), keys("forged", 6)
+        assert a.ask("store", ks) == {"stored": 6}
+        assert f.ask("store", forged) == {"stored": 6}
+        eventually("B indexes A", lambda: b.ask("stats")["index_entries"] >= 6)
+        eventually("A refuses the stranger's messages",
+                   lambda: a.ask("stats")["messages_refused"] > 0)
+        time.sleep(0.5)
+        # The stranger hears nothing and pulls nothing; nothing of its reaches B's index.
+        got = f.ask("load", ks)["keys"]
+        assert [g["result"] for g in got] == ["MISS"] * 6, got
+        assert f.ask("stats")["index_entries"] == 0
+        sb = b.ask("stats")
+        assert sb["index_entries"] == 6, sb
+        got = b.ask("load", forged)["keys"]
+        assert [g["result"] for g in got] == ["MISS"] * 6, got
+    finally:
+        for m in (a, b, f):
+            m.close()
