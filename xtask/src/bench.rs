@@ -17,6 +17,7 @@ const BENCHED: &[(&str, &str)] = &[
     ("offload", "kvbm-offload"),
     ("tiering", "kvbm-tiering"),
     ("engine", "kvbm-engine"),
+    ("cluster", "kvbm-cluster"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -41,8 +42,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut result = Ok(());
     for (_, krate) in selected {
         let mut cmd = Command::new("cargo");
-        cmd.args(["bench", "-p", krate])
-            .args(args.get(1..).unwrap_or_default());
+        cmd.args(["bench", "-p", krate]);
+        if *krate == "kvbm-cluster" {
+            // Its instance and fleet benches need the NATS plane.
+            cmd.args(["--features", "nats"]);
+        }
+        cmd.args(args.get(1..).unwrap_or_default());
         services.export_to(&mut cmd);
         if let Err(e) = run_step(&mut cmd) {
             result = Err(e);

@@ -10,7 +10,9 @@
 //!     ─► kvbm-vllm's own tests (`tests/python`), under each supported vLLM:
 //!        `python -m kvbm_vllm.replay` writes the same
 //!        lines as kvbm-tiering's Rust replay example, call for call, through the Python API;
-//!        kvbm's disk and object tiers (a real S3 server) under vLLM's own tiering manager
+//!        kvbm's disk and object tiers (a real S3 server) under vLLM's own tiering manager;
+//!        a fleet of scheduler processes sharing through kvbm_fleet (a real NATS server,
+//!        credentials from the `kvbm` command this step builds)
 //! ```
 //!
 //! The venv holds only the wheel (installed without dependencies); the harness pip-installs its
@@ -212,6 +214,12 @@ pub(crate) fn run_with(services: &Services) -> Result<()> {
             ],
         ),
     )?;
+    // The `kvbm` command: the fleet tests issue their members' credentials with it.
+    run_step(
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "-p", "kvbm-cli", "--bin", "kvbm"]),
+    )
+    .context("building the kvbm command (kvbm security issues the fleet tests' credentials)")?;
     // kvbm-vllm's own tests, under each supported vLLM (the harness extracted both above).
     std::fs::create_dir_all(root.join("target/pytest-tmp"))?;
     for version in VLLM_VERSIONS {
@@ -228,6 +236,7 @@ pub(crate) fn run_with(services: &Services) -> Result<()> {
                 // pytest and numpy: the harness's pinned copies (installed by the run above).
                 .env("PYTHONPATH", root.join("target/peer/vllm-sdist/pydeps"))
                 .env("KVBM_VLLM_VERSION", version)
+                .env("KVBM_BIN", root.join("target/debug/kvbm"))
                 .env(
                     "KVBM_REPLAY_BIN",
                     root.join("target/release/examples/replay"),

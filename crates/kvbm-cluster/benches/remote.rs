@@ -27,7 +27,7 @@
 //!   Goal ≥ 0.8. Needs the S3 server (`cargo xtask bench engine` starts it); run alone, it
 //!   stops naming the missing server unless `KVBM_TEST_SKIP_SERVICES=1` (then it is skipped).
 //!
-//! Run: `cargo xtask bench engine` (or `cargo bench -p kvbm-engine --bench remote`).
+//! Run: `cargo xtask bench cluster` (or `cargo bench -p kvbm-cluster --bench remote`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
