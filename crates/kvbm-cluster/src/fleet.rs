@@ -60,7 +60,7 @@ use kvbm_physical::PhysicalLayout;
 use kvbm_tiering::tiering::{digest_hash, key_digest};
 use kvbm_tiering::{
     CacheHitSource, CpuPrimaryTier, JobResult, LookupResult, OffloadKey, ReqContext,
-    RequestOffloadingContext, SecondaryTierManager, TierJob,
+    RequestOffloadingContext, ScheduleEndContext, SecondaryTierManager, TierJob,
 };
 
 use crate::instance::Instance;
@@ -129,6 +129,8 @@ pub struct FleetTier {
     outstanding: usize,
     /// Results received (by `drain_jobs`) and not yet returned.
     ready: Vec<JobResult>,
+    /// The counters as last added to the metrics table ([`publish`](Self::publish)).
+    published: FleetStats,
     /// The runtime the instance runs on, when the tier owns it (a face that made it for the
     /// tier); dropped last, after the instance.
     runtime: Option<KvbmRuntime>,
@@ -200,6 +202,7 @@ impl FleetTier {
             done_rx,
             outstanding: 0,
             ready: Vec::new(),
+            published: FleetStats::default(),
             runtime: None,
         })
     }
@@ -228,6 +231,36 @@ impl FleetTier {
             loaded_local: l(&c.loaded_local),
             loaded_remote: l(&c.loaded_remote),
             load_failed: l(&c.load_failed),
+        }
+    }
+
+    /// Adds what the counters gained since the last call to the metrics table
+    /// ([`FLEET_LOOKUPS`](kvbm_engine::metrics::FLEET_LOOKUPS) by `result`,
+    /// [`FLEET_CHUNKS`](kvbm_engine::metrics::FLEET_CHUNKS) by `outcome`): once per scheduler
+    /// step and as jobs are reported, never per lookup (the lookup stays one atomic add).
+    fn publish(&mut self) {
+        use kvbm_engine::metrics::{FLEET_CHUNKS, FLEET_LOOKUPS};
+        let now = self.stats();
+        let was = std::mem::replace(&mut self.published, now);
+        for (result, n) in [
+            ("local", now.local_hits - was.local_hits),
+            ("remote", now.remote_hits - was.remote_hits),
+            ("miss", now.misses - was.misses),
+        ] {
+            if n > 0 {
+                metrics::counter!(FLEET_LOOKUPS, "result" => result).increment(n);
+            }
+        }
+        for (outcome, n) in [
+            ("stored", now.stored - was.stored),
+            ("store_failed", now.store_failed - was.store_failed),
+            ("loaded_local", now.loaded_local - was.loaded_local),
+            ("loaded_remote", now.loaded_remote - was.loaded_remote),
+            ("load_failed", now.load_failed - was.load_failed),
+        ] {
+            if n > 0 {
+                metrics::counter!(FLEET_CHUNKS, "outcome" => outcome).increment(n);
+            }
         }
     }
 
@@ -528,7 +561,14 @@ impl SecondaryTierManager for FleetTier {
     fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
         self.ready.extend(self.done_rx.try_iter());
         self.outstanding -= self.ready.len();
+        if !self.ready.is_empty() {
+            self.publish();
+        }
         out.append(&mut self.ready);
+    }
+
+    fn on_schedule_end(&mut self, _: &ScheduleEndContext) {
+        self.publish();
     }
 
     fn drain_jobs(&mut self) -> kvbm_tiering::Result<()> {

@@ -316,3 +316,56 @@ fn fleet_a_peer_that_dies_fails_the_load_and_is_forgotten() {
     });
     drop(b.rt);
 }
+
+/// The fleet tier's counters reach the metrics table by result and outcome, added when jobs
+/// are reported and at a step's end (on the thread driving the tier).
+#[test]
+fn fleet_a_scrape_counts_lookups_by_result_and_chunks_by_outcome() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_metrics") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-metrics");
+    let mut a = fleet.join(0xa1, &ns, "m");
+    let mut b = fleet.join(0xb2, &ns, "m");
+    let ks = keys(4, 4);
+    fill(&mut a, 0..4, 1);
+    assert!(a.run(job(1, &ks, 0..4, false)).success);
+    eventually("the index to follow", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        // What the tier counted before is not this scrape's: published at the first step.
+        b.tier.on_schedule_end(&Default::default());
+    });
+    let start = handle.render();
+    metrics::with_local_recorder(&recorder, || {
+        for k in &ks {
+            assert_eq!(b.lookup(k).0, LookupResult::Hit);
+        }
+        assert_eq!(b.lookup(&OffloadKey::from_u64(99)).0, LookupResult::Miss);
+        assert!(b.run(job(2, &ks, 8..12, true)).success);
+        b.tier.on_schedule_end(&Default::default());
+    });
+    let value = |text: &str, series: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .map_or(0, |v| v.parse().unwrap())
+    };
+    let scrape = handle.render();
+    let grew = |series: &str| value(&scrape, series) - value(&start, series);
+    assert_eq!(
+        grew("kvbm_engine_fleet_lookups_total{result=\"remote\"}"),
+        4,
+        "{scrape}"
+    );
+    assert_eq!(grew("kvbm_engine_fleet_lookups_total{result=\"miss\"}"), 1);
+    assert_eq!(
+        grew("kvbm_engine_fleet_chunks_total{outcome=\"loaded_remote\"}"),
+        4
+    );
+    drop((a, b));
+}

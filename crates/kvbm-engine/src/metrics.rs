@@ -42,6 +42,8 @@
 //! | [`DATAPLANE_PULL_SECONDS`] | histogram | | seconds per pull from one peer (every block of it settled) |
 //! | [`DATAPLANE_PULL_FAILED_BLOCKS`] | counter | `reason` | blocks a pull did not bring, by failure kind (`checksum_mismatch`, `not_found`, `timeout`, …) |
 //! | [`INDEX_PEER_ENTRIES`] | gauge | `peer` | locations the index holds of one peer (at most `transport.snapshot_max_entries`) |
+//! | [`FLEET_LOOKUPS`] | counter | `result` | a fleet tier's lookups: `local` (its own share), `remote` (a peer's, by the index), `miss` |
+//! | [`FLEET_CHUNKS`] | counter | `outcome` | a fleet tier's chunks: `stored`, `store_failed`, `loaded_local`, `loaded_remote`, `load_failed` |
 //!
 //! The first six are the core's (one instance's tiers and its verifier); the rest are the
 //! cluster plane's.
@@ -130,6 +132,11 @@ pub const DATAPLANE_PULL_SECONDS: &str = "kvbm_engine_dataplane_pull_seconds";
 pub const DATAPLANE_PULL_FAILED_BLOCKS: &str = "kvbm_engine_dataplane_pull_failed_blocks_total";
 /// Locations the cross-instance index holds of one `peer` (gauge).
 pub const INDEX_PEER_ENTRIES: &str = "kvbm_engine_index_peer_entries";
+
+/// A fleet tier's lookups, by `result` (counter; added once per scheduler step).
+pub const FLEET_LOOKUPS: &str = "kvbm_engine_fleet_lookups_total";
+/// A fleet tier's chunks, by `outcome` (counter; added as jobs finish).
+pub const FLEET_CHUNKS: &str = "kvbm_engine_fleet_chunks_total";
 
 /// Every series of the table: (name, kind, unit, help).
 pub const TABLE: &[(&str, Kind, Unit, &str)] = &[
@@ -336,6 +343,18 @@ pub const TABLE: &[(&str, Kind, Unit, &str)] = &[
         Kind::Gauge,
         Unit::Count,
         "Locations the cross-instance index holds of one peer.",
+    ),
+    (
+        FLEET_LOOKUPS,
+        Kind::Counter,
+        Unit::Count,
+        "A fleet tier's lookups: local (its share), remote (a peer's, by the index), miss.",
+    ),
+    (
+        FLEET_CHUNKS,
+        Kind::Counter,
+        Unit::Count,
+        "A fleet tier's chunks: stored, store_failed, loaded_local, loaded_remote, load_failed.",
     ),
 ];
 
