@@ -658,7 +658,8 @@ class KvbmFleetTier(_KvbmTier):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"{who}: capacity must be an integer > 0, got {capacity!r}")
         self.locality = Locality(str(s["locality"]).upper())
-        settings: dict[str, Any] = {"events.subject": f"kvbm.fleet.{namespace}"}
+        # Under kvbm.events.>: the subjects docs/security.md grants the instance role.
+        settings: dict[str, Any] = {"events.subject": f"kvbm.events.fleet.{namespace}"}
         for key, tree_key in FLEET_TREE.items():
             v = s[key]
             if isinstance(v, bool) or not isinstance(v, (int, str)):

@@ -78,6 +78,9 @@ class Member:
             config["trust_root"] = args.trust_root
         if args.credential:
             config["credential_file"] = args.credential
+        if args.nats_user:
+            config["nats_user"] = args.nats_user
+            config["nats_password_file"] = args.nats_password_file
         self.tier = KvbmFleetTier(
             offloading_spec=standalone_spec(args.model, "float16", CHUNK),
             primary_kv_view=self.primary.get_kv_memoryview(),
@@ -154,6 +157,8 @@ def main() -> int:
     p.add_argument("--trust-root", default="")
     p.add_argument("--credential", default="")
     p.add_argument("--insecure", action="store_true")
+    p.add_argument("--nats-user", default="")
+    p.add_argument("--nats-password-file", default="")
     p.add_argument("--impl", default="vllm", choices=["vllm", "kvbm"])
     args = p.parse_args()
     try:

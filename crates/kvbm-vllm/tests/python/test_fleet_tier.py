@@ -32,14 +32,17 @@ REPO = HERE.parents[3]
 MEMBER = HERE / "fleet_member.py"
 
 
-def nats_url() -> str:
-    url = os.environ.get("KVBM_TEST_NATS_URL")
-    if not url:
+def nats(user: str = "instance_a") -> list[str]:
+    """The member arguments of the NATS server with accounts, as ``user`` (its password file)."""
+    url, dir = os.environ.get("KVBM_TEST_NATS_AUTH_URL"), os.environ.get("KVBM_TEST_NATS_AUTH_DIR")
+    if not url or not dir:
         if os.environ.get("KVBM_TEST_SKIP_SERVICES") == "1":
             pytest.skip("KVBM_TEST_SKIP_SERVICES=1: no NATS server")
-        pytest.fail("no NATS server: run through `cargo xtask python` or `cargo xtask ci`, which "
-                    "start one (or export KVBM_TEST_NATS_URL from `cargo xtask services start`)")
-    return url
+        pytest.fail("no NATS server with accounts: run through `cargo xtask python` or `cargo "
+                    "xtask ci`, which start one (or export KVBM_TEST_NATS_AUTH_* from `cargo "
+                    "xtask services start`)")
+    return ["--nats", url, "--nats-user", user,
+            "--nats-password-file", str(Path(dir) / f"{user}.password")]
 
 
 def kvbm_bin() -> str:
@@ -109,8 +112,8 @@ class Proc:
 
 
 def member(tmp_path, name, namespace, *, root=None, instance=None, model="fleet-model",
-           cred_ns=None, insecure=False, impl="vllm"):
-    args = ["--namespace", namespace, "--nats", nats_url(), "--model", model, "--impl", impl]
+           cred_ns=None, insecure=False, impl="vllm", user="instance_a"):
+    args = ["--namespace", namespace, *nats(user), "--model", model, "--impl", impl]
     if root is not None:
         args += ["--trust-root", root.trust_root,
                  "--credential", root.issue(instance, cred_ns or namespace)]
@@ -150,7 +153,8 @@ def test_a_fleet_shares_chunks_byte_for_byte_within_its_namespace_and_model(tmp_
     root = Root(tmp_path / "root")
     a = member(tmp_path, "a", ns, root=root, instance=0xA1, impl=impl)
     b = member(tmp_path, "b", ns, root=root, instance=0xB2, impl=impl)
-    c = member(tmp_path, "c", other_ns, root=root, instance=0xC3, impl=impl)
+    # Another namespace, and another NATS account (tenant B) too.
+    c = member(tmp_path, "c", other_ns, root=root, instance=0xC3, impl=impl, user="instance_b")
     d = member(tmp_path, "d", ns, root=root, instance=0xD4, model="another-model", impl=impl)
     try:
         for m in (a, b, c, d):
