@@ -475,12 +475,13 @@ def _readme_configs():
 
     text = open(README, encoding="utf-8").read()
     found = re.findall(r"--kv-transfer-config '(\{.*?\})'", text, flags=re.S)
-    assert len(found) >= 2, "the README's vllm serve examples"
+    # The last is KvbmDiskDirectSpec (vLLM 0.34 only; test_direct_disk.py).
+    assert len(found) == 4, "the README's vllm serve examples"
     return [json.loads(c) for c in found]
 
 
 @pytest.mark.parametrize("form", ["plugin", "module_path"])
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", [0, 1, 2])
 def test_the_readme_s_configurations_start_as_written(tmp_path, monkeypatch, index, form):
     """The README's ``--kv-transfer-config`` JSON, verbatim but for where it points (its file
     moved under a temporary directory, its S3 bucket to a local directory) and its sizes (the
@@ -503,6 +504,20 @@ def test_the_readme_s_configurations_start_as_written(tmp_path, monkeypatch, ind
             for k in ("bucket", "endpoint"):
                 tier.pop(k, None)
             tier["dir"] = str(tmp_path / "objects")
+        elif tier["type"] == "kvbm_fleet":
+            # The test's NATS server with accounts and a credential of a root made here; the
+            # data plane on loopback (the README's port may be taken).
+            from test_fleet_tier import Root, nats
+
+            args = nats()
+            tier["nats_url"], tier["nats_user"], tier["nats_password_file"] = args[1::2]
+            tier.pop("nats_ca_file", None)
+            root = Root(tmp_path / f"root-{i}")
+            tier["trust_root"] = root.trust_root
+            tier["credential_file"] = root.issue(0xA1 + i, tier["namespace"])
+            tier["data_plane_bind"] = "127.0.0.1:0"
+            tier.pop("data_plane_advertise", None)
+            tier["capacity"] = 16
         if form == "module_path":
             tier["module_path"] = "kvbm_vllm.tiers"
     if form == "plugin":
