@@ -369,3 +369,63 @@ fn fleet_a_scrape_counts_lookups_by_result_and_chunks_by_outcome() {
     );
     drop((a, b));
 }
+
+/// One load job whose chunks two peers hold: each group pulled from its holder, every byte its
+/// own.
+#[test]
+fn fleet_one_load_gathers_chunks_from_two_peers() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_two_peers") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-two");
+    let mut a = fleet.join(0xa1, &ns, "m");
+    let mut c = fleet.join(0xc3, &ns, "m");
+    let mut b = fleet.join(0xb2, &ns, "m");
+    let ks = keys(5, 8);
+    fill(&mut a, 0..4, 11);
+    fill(&mut c, 0..4, 22);
+    assert!(a.run(job(1, &ks[..4], 0..4, false)).success);
+    assert!(c.run(job(1, &ks[4..], 0..4, false)).success);
+    eventually("the index to follow both", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    let loaded = b.run(job(2, &ks, 0..8, true));
+    assert!(loaded.success, "{loaded:?}");
+    for i in 0..4 {
+        assert_eq!(b.chunk(i), a.chunk(i), "chunk {i} (A's)");
+        assert_eq!(b.chunk(4 + i), c.chunk(i), "chunk {} (C's)", 4 + i);
+    }
+    assert_eq!(b.tier.stats().loaded_remote, 8);
+    drop((a, b, c));
+}
+
+/// A full share evicts its least recently used chunks for new ones, and the peers' index
+/// follows: an evicted chunk is a miss for them, a kept one still a hit.
+#[test]
+fn fleet_a_full_share_evicts_and_the_peers_index_follows() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_evicts") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-evicts");
+    let mut a = fleet.join(0xa1, &ns, "m");
+    let mut b = fleet.join(0xb2, &ns, "m");
+    let (old, new) = (keys(6, CHUNKS), keys(7, CHUNKS / 2));
+    fill(&mut a, 0..CHUNKS, 3);
+    assert!(a.run(job(1, &old, 0..CHUNKS as i32, false)).success);
+    eventually("B indexes the first fill", || {
+        old.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    // Half the share again: the oldest half gives way.
+    assert!(a.run(job(2, &new, 0..(CHUNKS / 2) as i32, false)).success);
+    assert_eq!(a.tier.stats().stored, (CHUNKS + CHUNKS / 2) as u64);
+    eventually("B sees the evictions", || {
+        let hits = old
+            .iter()
+            .filter(|k| b.lookup(k).0 == LookupResult::Hit)
+            .count();
+        hits == CHUNKS / 2 && new.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    drop((a, b));
+}
