@@ -16,120 +16,39 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbm_cluster::fleet::FleetTier;
-use kvbm_cluster::instance::Instance;
-use kvbm_cluster::security::{Role, RootKey};
-use kvbm_engine::stack::Identities;
-use kvbm_engine::{InstanceId, KvbmRuntime};
+use kvbm_engine::InstanceId;
 use kvbm_logical::{BlockEvent, BlockEventKind, SequenceHash, TierId};
-use kvbm_physical::{LayoutConfig, ModelFingerprint, Parallelism};
-use kvbm_tiering::{
-    CpuManagerConfig, CpuPrimaryTier, JobResult, LookupResult, OffloadKey, ReqContext,
-    SecondaryTierManager, TierJob,
-};
+use kvbm_tiering::{LookupResult, OffloadKey, ReqContext, SecondaryTierManager};
+
+#[path = "../tests/fleet_kit/mod.rs"]
+mod fleet_kit;
+
+use fleet_kit::{Fleet, Member, Shape, job};
 
 const CHUNK: usize = 2 << 20;
 const BLOCKS: usize = 64;
 const ROUNDS: usize = 9;
 
-fn fingerprint() -> ModelFingerprint {
-    ModelFingerprint::builder()
-        .model("bench")
-        .dtype("bfloat16")
-        .kv_layout("NHD")
-        .geometry(LayoutConfig {
-            num_blocks: 1,
-            num_layers: 1,
-            outer_dim: 1,
-            page_size: CHUNK / 2,
-            inner_dim: 1,
-            dtype_bytes: 2,
-        })
-        .parallelism(Parallelism::Canonical)
-        .build()
-        .unwrap()
-}
-
-struct Member {
-    _primary: CpuPrimaryTier,
-    tier: FleetTier,
-}
-
-fn member(
-    root: &RootKey,
-    dir: &std::path::Path,
-    id: u64,
-    nats: &str,
-    subject: &str,
-    chunks: usize,
-) -> Member {
-    let id = InstanceId(id);
-    let cred = dir.join(format!("{:x}.cred", id.0));
-    root.issue(id, Role::Leader, 0, "bench", Duration::from_secs(3600))
-        .unwrap()
-        .save(&cred)
-        .unwrap();
-    let rt = KvbmRuntime::builder()
-        .set("logical.events.max_delay_ms", 1)
-        .set("events.idle_tick_ms", 1)
-        .set("events.subject", subject)
-        .set("tiers.g1_blocks", 1)
-        .set("tiers.g2_blocks", BLOCKS)
-        .set("transport.nats_url", nats)
-        .set("transport.heartbeat_interval_ms", 100)
-        .set("transport.heartbeat_timeout_ms", 5000)
-        .set("transport.snapshot_max_entries", 20_000)
-        .set("security.trust_root", root.trust_root().to_hex())
-        .set("security.credential_file", cred.display().to_string())
-        .build()
-        .unwrap();
-    let identities = Arc::new(Identities::default());
-    let instance = rt
-        .handle()
-        .tokio()
-        .block_on(
-            Instance::builder(&rt.handle())
-                .id(id)
-                .geometry(CpuPrimaryTier::block_layout(1, CHUNK).unwrap())
-                .fingerprint(fingerprint())
-                .identities(identities.clone())
-                .build(),
-        )
-        .unwrap();
-    let primary = CpuPrimaryTier::new(CpuManagerConfig::new(chunks), CHUNK).unwrap();
-    let tier = FleetTier::new(Arc::new(instance), identities, &primary, "kvbm_fleet")
-        .unwrap()
-        .owning(rt);
-    Member {
-        _primary: primary,
-        tier,
-    }
-}
-
-fn run(m: &mut Member, job: TierJob) -> JobResult {
-    if job.is_promotion {
-        m.tier.submit_load(Arc::new(job));
-    } else {
-        m.tier.submit_store(Arc::new(job));
-    }
-    m.tier.drain_jobs().unwrap();
-    let mut out = Vec::new();
-    m.tier.get_finished_jobs(&mut out);
-    out.pop().unwrap()
-}
-
-fn job(id: u64, keys: &[OffloadKey], promotion: bool) -> TierJob {
-    TierJob {
-        job_id: id,
-        keys: keys.to_vec(),
-        chunk_ids: (0..keys.len() as i32).collect(),
-        is_promotion: promotion,
-        req_context: ReqContext::new("bench"),
-        submit_time: Instant::now(),
-    }
+/// A member holding `BLOCKS` chunks of 2 MiB (its region and its share), its index room for
+/// the lookup bench's 10,000 peer blocks.
+fn member(fleet: &Fleet, id: u64, subject: &str) -> Member {
+    let sets = [
+        ("transport.heartbeat_interval_ms", 100),
+        ("transport.snapshot_max_entries", 20000),
+    ];
+    fleet.join(
+        id,
+        subject,
+        "bench",
+        &Shape {
+            chunk: CHUNK,
+            chunks: BLOCKS,
+            sets: &sets,
+        },
+    )
 }
 
 /// One raw TCP stream of `BLOCKS × CHUNK` bytes on loopback: seconds from the request to the
@@ -153,11 +72,10 @@ fn main() {
         eprintln!("fleet bench skipped: no NATS server");
         return;
     };
-    let root = RootKey::generate().unwrap();
-    let dir = tempfile::tempdir().unwrap();
+    let fleet = Fleet::new(&nats.url);
     let subject = format!("bench-fleet-{}", std::process::id());
-    let mut a = member(&root, dir.path(), 0xa, &nats.url, &subject, BLOCKS);
-    let mut b = member(&root, dir.path(), 0xb, &nats.url, &subject, BLOCKS);
+    let mut a = member(&fleet, 0xa, &subject);
+    let mut b = member(&fleet, 0xb, &subject);
 
     // The raw baseline's server: one buffer of the same bytes, written whole per request.
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -183,7 +101,10 @@ fn main() {
         let keys: Vec<OffloadKey> = (0..BLOCKS as u64)
             .map(|i| OffloadKey::from_u64((round + 1) * 1_000_000 + i))
             .collect();
-        assert!(run(&mut a, job(round * 2, &keys, false)).success);
+        assert!(
+            a.run(job(round * 2, &keys, 0..BLOCKS as i32, false))
+                .success
+        );
         let ctx = ReqContext::new("bench");
         let t = Instant::now();
         while !keys
@@ -195,7 +116,7 @@ fn main() {
         }
         let raw = raw_round(addr, &mut sink);
         let t = Instant::now();
-        let r = run(&mut b, job(round * 2 + 1, &keys, true));
+        let r = b.run(job(round * 2 + 1, &keys, 0..BLOCKS as i32, true));
         let fleet = t.elapsed().as_secs_f64();
         assert!(r.success, "{r:?}");
         if round == 0 {

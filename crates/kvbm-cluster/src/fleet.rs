@@ -37,7 +37,7 @@
 //!
 //! A chunk is registered under `key_hash(key)` with the key's digest (`key_digest`, blake3 of
 //! vLLM's key) as its identity, the same derivation kvbm's disk and object tiers use. Before a
-//! pull the tier tells the instance's [`Identities`](kvbm_engine::stack::Identities) the digest
+//! pull the tier tells the instance's [`Identities`] the digest
 //! of each key it asks for, so a peer naming another identity for the hash is refused
 //! (counted in `ClientStats::digests_refused`); the digest is dropped once the pull settled.
 //!

@@ -12,20 +12,15 @@
 //!
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvbm_cluster::fleet::FleetTier;
-use kvbm_cluster::instance::Instance;
-use kvbm_cluster::security::{Role, RootKey};
-use kvbm_engine::stack::Identities;
-use kvbm_engine::{InstanceId, KvbmRuntime};
-use kvbm_physical::{LayoutConfig, ModelFingerprint, Parallelism};
 use kvbm_tests::wait::eventually;
-use kvbm_tiering::{
-    CacheHitSource, CpuManagerConfig, CpuPrimaryTier, JobResult, LookupResult, OffloadKey,
-    ReqContext, SecondaryTierManager, TierJob,
-};
+use kvbm_tiering::{CacheHitSource, LookupResult, OffloadKey, ReqContext, SecondaryTierManager};
+
+#[path = "fleet_kit/mod.rs"]
+mod fleet_kit;
+
+use fleet_kit::{Fleet, Member, Shape, job};
 
 const CHUNK: usize = 4096;
 const CHUNKS: usize = 16;
@@ -38,91 +33,33 @@ fn unique(test: &str) -> String {
     format!("{test}-{}-{nanos}", std::process::id())
 }
 
-fn fingerprint(model: &str) -> ModelFingerprint {
-    ModelFingerprint::builder()
-        .model(model)
-        .dtype("bfloat16")
-        .kv_layout("NHD")
-        .geometry(LayoutConfig {
-            num_blocks: 1,
-            num_layers: 1,
-            outer_dim: 1,
-            page_size: CHUNK / 2,
-            inner_dim: 1,
-            dtype_bytes: 2,
-        })
-        .parallelism(Parallelism::Canonical)
-        .build()
-        .unwrap()
+/// Small chunks, fast heartbeats (a silent peer forgotten within 400 ms), pulls bounded at 2 s.
+fn join(fleet: &Fleet, id: u64, namespace: &str, model: &str) -> Member {
+    let sets = [
+        ("transport.heartbeat_interval_ms", 50),
+        ("transport.heartbeat_timeout_ms", 400),
+        ("transport.pull_deadline_ms", 2000),
+    ];
+    fleet.join(
+        id,
+        namespace,
+        model,
+        &Shape {
+            chunk: CHUNK,
+            chunks: CHUNKS,
+            sets: &sets,
+        },
+    )
 }
 
-/// One vLLM instance's side: its region, its fleet tier, the runtime under it.
-struct Member {
-    primary: CpuPrimaryTier,
-    tier: FleetTier,
-    rt: KvbmRuntime,
+/// What a test does with a member's region and tier.
+trait Drive {
+    fn chunk(&self, i: usize) -> &[u8];
+    fn write(&mut self, i: usize, f: impl Fn(usize) -> u8);
+    fn lookup(&mut self, key: &OffloadKey) -> (LookupResult, CacheHitSource);
 }
 
-/// The trust root of a fleet and the directory its credentials are written to.
-struct Fleet {
-    root: RootKey,
-    dir: tempfile::TempDir,
-    nats_url: String,
-}
-
-impl Fleet {
-    fn new(nats_url: &str) -> Self {
-        Self {
-            root: RootKey::generate().unwrap(),
-            dir: tempfile::tempdir().unwrap(),
-            nats_url: nats_url.to_string(),
-        }
-    }
-
-    /// Instance `id` of `namespace` (its subject) for `model`: credentials from the root.
-    fn join(&self, id: u64, namespace: &str, model: &str) -> Member {
-        let id = InstanceId(id);
-        let cred = self.dir.path().join(format!("{:x}.cred", id.0));
-        self.root
-            .issue(id, Role::Leader, 0, "ns", Duration::from_secs(3600))
-            .unwrap()
-            .save(&cred)
-            .unwrap();
-        let rt = KvbmRuntime::builder()
-            .set("logical.block_size", 16)
-            .set("logical.events.max_delay_ms", 1)
-            .set("events.idle_tick_ms", 1)
-            .set("events.subject", namespace)
-            .set("tiers.g1_blocks", 1)
-            .set("tiers.g2_blocks", CHUNKS)
-            .set("transport.nats_url", &self.nats_url)
-            .set("transport.heartbeat_interval_ms", 50)
-            .set("transport.heartbeat_timeout_ms", 400)
-            .set("transport.pull_deadline_ms", 2000)
-            .set("security.trust_root", self.root.trust_root().to_hex())
-            .set("security.credential_file", cred.display().to_string())
-            .build()
-            .unwrap();
-        let identities = Arc::new(Identities::default());
-        let instance = rt
-            .handle()
-            .tokio()
-            .block_on(
-                Instance::builder(&rt.handle())
-                    .id(id)
-                    .geometry(CpuPrimaryTier::block_layout(1, CHUNK).unwrap())
-                    .fingerprint(fingerprint(model))
-                    .identities(identities.clone())
-                    .build(),
-            )
-            .unwrap();
-        let primary = CpuPrimaryTier::new(CpuManagerConfig::new(CHUNKS), CHUNK).unwrap();
-        let tier = FleetTier::new(Arc::new(instance), identities, &primary, "kvbm_fleet").unwrap();
-        Member { primary, tier, rt }
-    }
-}
-
-impl Member {
+impl Drive for Member {
     fn chunk(&self, i: usize) -> &[u8] {
         let (addr, len) = self.primary.memory().unwrap().block_addrs(i, 0..1)[0];
         assert_eq!(len, CHUNK);
@@ -140,35 +77,9 @@ impl Member {
         }
     }
 
-    fn run(&mut self, job: TierJob) -> JobResult {
-        let id = job.job_id;
-        if job.is_promotion {
-            self.tier.submit_load(Arc::new(job));
-        } else {
-            self.tier.submit_store(Arc::new(job));
-        }
-        self.tier.drain_jobs().unwrap();
-        let mut out = Vec::new();
-        self.tier.get_finished_jobs(&mut out);
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].job_id, id);
-        out.pop().unwrap()
-    }
-
     fn lookup(&mut self, key: &OffloadKey) -> (LookupResult, CacheHitSource) {
         let r = self.tier.lookup(key, &ReqContext::new("r"));
         (r, self.tier.cache_hit_source())
-    }
-}
-
-fn job(id: u64, keys: &[OffloadKey], chunks: std::ops::Range<i32>, promotion: bool) -> TierJob {
-    TierJob {
-        job_id: id,
-        keys: keys.to_vec(),
-        chunk_ids: chunks.collect(),
-        is_promotion: promotion,
-        req_context: ReqContext::new("r"),
-        submit_time: std::time::Instant::now(),
     }
 }
 
@@ -196,10 +107,10 @@ fn fleet_a_peer_s_chunks_load_into_another_instance_byte_for_byte() {
     };
     let fleet = Fleet::new(&nats.url);
     let ns = unique("fleet");
-    let mut a = fleet.join(0xa1, &ns, "m");
-    let mut b = fleet.join(0xb2, &ns, "m");
-    let mut c = fleet.join(0xc3, &ns, "another-model");
-    let mut d = fleet.join(0xd4, &unique("other-namespace"), "m");
+    let mut a = join(&fleet, 0xa1, &ns, "m");
+    let mut b = join(&fleet, 0xb2, &ns, "m");
+    let mut c = join(&fleet, 0xc3, &ns, "another-model");
+    let mut d = join(&fleet, 0xd4, &unique("other-namespace"), "m");
     let ks = keys(1, 8);
 
     fill(&mut a, 0..8, 7);
@@ -247,8 +158,8 @@ fn fleet_altered_bytes_fail_the_load_and_leave_the_index() {
     };
     let fleet = Fleet::new(&nats.url);
     let ns = unique("fleet-altered");
-    let mut a = fleet.join(0xa1, &ns, "m");
-    let mut b = fleet.join(0xb2, &ns, "m");
+    let mut a = join(&fleet, 0xa1, &ns, "m");
+    let mut b = join(&fleet, 0xb2, &ns, "m");
     let ks = keys(2, 4);
     fill(&mut a, 0..4, 3);
     assert!(a.run(job(1, &ks, 0..4, false)).success);
@@ -291,8 +202,8 @@ fn fleet_a_peer_that_dies_fails_the_load_and_is_forgotten() {
     };
     let fleet = Fleet::new(&nats.url);
     let ns = unique("fleet-dies");
-    let mut a = fleet.join(0xa1, &ns, "m");
-    let mut b = fleet.join(0xb2, &ns, "m");
+    let mut a = join(&fleet, 0xa1, &ns, "m");
+    let mut b = join(&fleet, 0xb2, &ns, "m");
     let ks = keys(3, 4);
     fill(&mut a, 0..4, 5);
     assert!(a.run(job(1, &ks, 0..4, false)).success);
@@ -314,7 +225,7 @@ fn fleet_a_peer_that_dies_fails_the_load_and_is_forgotten() {
     eventually("the index to follow", || {
         ks.iter().all(|k| b.lookup(k).0 == LookupResult::Miss)
     });
-    drop(b.rt);
+    drop(b);
 }
 
 /// The fleet tier's counters reach the metrics table by result and outcome, added when jobs
@@ -326,8 +237,8 @@ fn fleet_a_scrape_counts_lookups_by_result_and_chunks_by_outcome() {
     };
     let fleet = Fleet::new(&nats.url);
     let ns = unique("fleet-metrics");
-    let mut a = fleet.join(0xa1, &ns, "m");
-    let mut b = fleet.join(0xb2, &ns, "m");
+    let mut a = join(&fleet, 0xa1, &ns, "m");
+    let mut b = join(&fleet, 0xb2, &ns, "m");
     let ks = keys(4, 4);
     fill(&mut a, 0..4, 1);
     assert!(a.run(job(1, &ks, 0..4, false)).success);
@@ -379,9 +290,9 @@ fn fleet_one_load_gathers_chunks_from_two_peers() {
     };
     let fleet = Fleet::new(&nats.url);
     let ns = unique("fleet-two");
-    let mut a = fleet.join(0xa1, &ns, "m");
-    let mut c = fleet.join(0xc3, &ns, "m");
-    let mut b = fleet.join(0xb2, &ns, "m");
+    let mut a = join(&fleet, 0xa1, &ns, "m");
+    let mut c = join(&fleet, 0xc3, &ns, "m");
+    let mut b = join(&fleet, 0xb2, &ns, "m");
     let ks = keys(5, 8);
     fill(&mut a, 0..4, 11);
     fill(&mut c, 0..4, 22);
@@ -409,8 +320,8 @@ fn fleet_a_full_share_evicts_and_the_peers_index_follows() {
     };
     let fleet = Fleet::new(&nats.url);
     let ns = unique("fleet-evicts");
-    let mut a = fleet.join(0xa1, &ns, "m");
-    let mut b = fleet.join(0xb2, &ns, "m");
+    let mut a = join(&fleet, 0xa1, &ns, "m");
+    let mut b = join(&fleet, 0xb2, &ns, "m");
     let (old, new) = (keys(6, CHUNKS), keys(7, CHUNKS / 2));
     fill(&mut a, 0..CHUNKS, 3);
     assert!(a.run(job(1, &old, 0..CHUNKS as i32, false)).success);
