@@ -11,7 +11,9 @@
 //!        │                                      names (DataPlaneClient: identity, binding,
 //!        │                                      checksum; a bad copy leaves the index)
 //!  Instance (kvbm-cluster): G2 pool + data-plane server (peers pull from it), NATS events,
-//!  presence (peers that leave or go silent are forgotten), the cross-instance index
+//!  presence (peers that leave or go silent are forgotten), the cross-instance index;
+//!  optionally a disk (G3: `tiers.g3_blocks`, `physical.disk`): what a store shares is written
+//!  down too (journaled, checksummed), a load stages it back (checked), a restart is warm
 //! ```
 //!
 //! # Why a tier, and what it holds
@@ -22,16 +24,25 @@
 //! chunks of host memory, filled by vLLM's cascade (its stores), evicted by kvbm-logical's
 //! policy, served to peers, and announced to them. A lookup hits when the chunk is in that G2
 //! or in a peer's (the index); the load copies it into vLLM's region, pulling it first when it
-//! is a peer's.
+//! is a peer's. With a disk, the instance's G3 holds what the share held, written through on
+//! every store (`Instance::offload_g3`: journaled, each block's checksum recorded) and listed
+//! again at a restart: a lookup also hits there, and a load stages the chunk into the share
+//! first (`Instance::stage_g3`: header, checksum, identity checked), from where peers can pull
+//! it too. Peers index the disk's blocks (their events are published) but pull only from a
+//! share.
 //!
 //! # The scheduler thread never waits on the network
 //!
-//! `lookup` reads two in-memory maps (the G2 registry, the index) and answers `Hit` or `Miss`.
+//! `lookup` reads in-memory maps (the G2 registry, the G3 registry with a disk, the index) and
+//! answers `Hit` or `Miss`.
 //! Stores and loads run on the instance's runtime; their results are queued for
 //! `get_finished_jobs`. A pull is bounded by `transport.pull_deadline_ms`: a peer that dies,
 //! stalls or serves bytes that fail the check fails the load job (vLLM recomputes), and the
 //! manager marks the key failed for this tier; a proven-bad copy leaves the index
-//! (`DataPlaneClient::with_index`).
+//! (`DataPlaneClient::with_index`). A peer no block of a pull could be read from (refused
+//! connection, timeout, I/O) is skipped by lookups for `transport.heartbeat_timeout_ms`: a
+//! dead peer is a miss at once rather than a failed load per lookup (vLLM 0.34's own manager
+//! retries a failed promotion) until presence forgets it.
 //!
 //! # Identity
 //!
@@ -55,7 +66,7 @@ use std::time::Instant;
 use kvbm_engine::error::{EngineError, Result};
 use kvbm_engine::stack::Identities;
 use kvbm_engine::{InstanceId, KvbmRuntime};
-use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash, TierId};
+use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, SequenceHash, TierId};
 use kvbm_physical::PhysicalLayout;
 use kvbm_tiering::tiering::{digest_hash, key_digest};
 use kvbm_tiering::{
@@ -78,8 +89,13 @@ pub struct FleetStats {
     pub stored: u64,
     /// Chunks a store could not place (G2 full of blocks in use).
     pub store_failed: u64,
+    /// Chunks written to this instance's disk (its G3, when configured: journaled, warm
+    /// across restarts).
+    pub stored_disk: u64,
     /// Chunks loaded into vLLM's region from this instance's G2.
     pub loaded_local: u64,
+    /// Chunks loaded from this instance's disk (staged G3→G2, every read checked).
+    pub loaded_disk: u64,
     /// Chunks pulled from a peer, verified, and loaded into vLLM's region.
     pub loaded_remote: u64,
     /// Chunks a load could not bring (gone, peer dead or silent, bytes refused): each one a
@@ -94,7 +110,9 @@ struct Counters {
     misses: AtomicU64,
     stored: AtomicU64,
     store_failed: AtomicU64,
+    stored_disk: AtomicU64,
     loaded_local: AtomicU64,
+    loaded_disk: AtomicU64,
     loaded_remote: AtomicU64,
     load_failed: AtomicU64,
 }
@@ -110,10 +128,17 @@ struct Shared {
     instance: Arc<Instance>,
     g2: Arc<BlockManager<G2>>,
     g2_layout: Arc<PhysicalLayout>,
+    /// The instance's disk (G3), when configured.
+    g3: Option<Arc<BlockManager<G3>>>,
     /// vLLM's primary region (chunk `i` is block `i`); holds the memory mapped.
     region: Arc<PhysicalLayout>,
     identities: Arc<Identities>,
     counters: Counters,
+    /// Peers a pull could not reach, and when: skipped by lookups for `suspect_for` (a dead
+    /// peer is a miss at once, not a failed load per lookup until its heartbeat window ends).
+    /// A leaf lock, held for one map operation.
+    suspects: parking_lot::Mutex<std::collections::HashMap<InstanceId, Instant>>,
+    suspect_for: std::time::Duration,
 }
 
 /// kvbm's cluster instance as a vLLM secondary tier: see the [module docs](self).
@@ -167,6 +192,7 @@ impl FleetTier {
             ));
         };
         let (g2, g2_layout) = (g2.clone(), g2_layout.clone());
+        let g3 = instance.leader().g3().cloned();
         let chunk_bytes = primary.chunk_bytes();
         if instance.block_bytes() != chunk_bytes {
             return Err(EngineError::config(
@@ -188,12 +214,17 @@ impl FleetTier {
         Ok(Self {
             block_size: g2.block_size(),
             shared: Arc::new(Shared {
-                instance,
                 g2,
                 g2_layout,
+                g3,
                 region,
                 identities,
                 counters: Counters::default(),
+                suspects: parking_lot::Mutex::default(),
+                suspect_for: std::time::Duration::from_millis(
+                    instance.runtime().config().transport.heartbeat_timeout_ms,
+                ),
+                instance,
             }),
             tier_type: tier_type.into(),
             chunk_bytes,
@@ -228,7 +259,9 @@ impl FleetTier {
             misses: l(&c.misses),
             stored: l(&c.stored),
             store_failed: l(&c.store_failed),
+            stored_disk: l(&c.stored_disk),
             loaded_local: l(&c.loaded_local),
+            loaded_disk: l(&c.loaded_disk),
             loaded_remote: l(&c.loaded_remote),
             load_failed: l(&c.load_failed),
         }
@@ -254,7 +287,9 @@ impl FleetTier {
         for (outcome, n) in [
             ("stored", now.stored - was.stored),
             ("store_failed", now.store_failed - was.store_failed),
+            ("stored_disk", now.stored_disk - was.stored_disk),
             ("loaded_local", now.loaded_local - was.loaded_local),
+            ("loaded_disk", now.loaded_disk - was.loaded_disk),
             ("loaded_remote", now.loaded_remote - was.loaded_remote),
             ("load_failed", now.load_failed - was.load_failed),
         ] {
@@ -269,16 +304,29 @@ impl FleetTier {
         digest_hash(&key_digest(key), self.block_size)
     }
 
-    /// The first peer whose G2 holds `hash`, by the index, that the directory can reach.
+    /// The first peer whose G2 holds `hash`, by the index, that the directory can reach and
+    /// no pull found unreachable within `suspect_for`.
     fn peer_holding(shared: &Shared, hash: SequenceHash) -> Option<InstanceId> {
         let me = shared.instance.id();
-        shared
-            .instance
-            .index()
-            .locations(hash)
+        let locations = shared.instance.index().locations(hash);
+        let suspect = |i: InstanceId| {
+            let mut s = shared.suspects.lock();
+            match s.get(&i) {
+                Some(t) if t.elapsed() < shared.suspect_for => true,
+                Some(_) => {
+                    s.remove(&i);
+                    false
+                }
+                None => false,
+            }
+        };
+        locations
             .into_iter()
             .find(|(i, t)| {
-                *t == TierId::G2 && *i != me && shared.instance.peers().get(*i).is_some()
+                *t == TierId::G2
+                    && *i != me
+                    && shared.instance.peers().get(*i).is_some()
+                    && !suspect(*i)
             })
             .map(|(i, _)| i)
     }
@@ -416,6 +464,20 @@ fn store(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
             }
         }
     }
+    // With a disk, what the share holds of the job is written down too (journaled; blocks
+    // already there are skipped). A failed write loses nothing the share holds.
+    if ok && shared.g3.is_some() {
+        let hashes: Vec<SequenceHash> = job
+            .keys
+            .iter()
+            .map(|k| digest_hash(&key_digest(k), block_size))
+            .collect();
+        let rt = shared.instance.runtime().tokio().clone();
+        match rt.block_on(shared.instance.offload_g3(&hashes)) {
+            Ok(n) => Counters::add(&shared.counters.stored_disk, n),
+            Err(e) => tracing::warn!(error = %e, "fleet tier: writing to its disk failed"),
+        }
+    }
     JobResult {
         job_id: job.job_id,
         success: ok,
@@ -442,6 +504,36 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
         .map(|h| shared.g2.match_blocks(std::slice::from_ref(h)).pop())
         .collect();
     let local = blocks.iter().filter(|b| b.is_some()).count();
+    // Then this instance's disk: staged into the share, every read checked.
+    let mut disk = 0;
+    if let Some(g3) = &shared.g3 {
+        let idx: Vec<usize> = (0..n)
+            .filter(|i| {
+                blocks[*i].is_none()
+                    && !g3
+                        .match_blocks(std::slice::from_ref(&hashes[*i]))
+                        .is_empty()
+            })
+            .collect();
+        if !idx.is_empty() {
+            let asked: Vec<SequenceHash> = idx.iter().map(|&i| hashes[i]).collect();
+            let rt = shared.instance.runtime().tokio().clone();
+            match rt.block_on(shared.instance.stage_g3(&asked)) {
+                Ok(outcomes) => {
+                    for (&i, o) in idx.iter().zip(outcomes) {
+                        match o {
+                            Ok(b) => {
+                                blocks[i] = Some(b);
+                                disk += 1;
+                            }
+                            Err(f) => tracing::debug!(failure = %f, "fleet tier: disk read failed"),
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "fleet tier: disk read not started"),
+            }
+        }
+    }
     // The rest, grouped by the peer the index names for each.
     let mut by_peer: Vec<(InstanceId, Vec<usize>)> = Vec::new();
     for i in (0..n).filter(|i| blocks[*i].is_none()) {
@@ -469,14 +561,25 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
         }
         match pulled {
             Ok(outcomes) => {
+                let mut unreachable = !outcomes.is_empty();
                 for (&i, o) in idx.iter().zip(outcomes) {
                     match o {
                         Ok(b) => {
                             blocks[i] = Some(b);
                             remote += 1;
+                            unreachable = false;
                         }
-                        Err(f) => tracing::debug!(%peer, failure = %f, "fleet tier: pull failed"),
+                        Err(f) => {
+                            // A copy proven bad says nothing of the peer; anything else
+                            // (refused connection, timeout, I/O) on every block does.
+                            unreachable &= !f.kind.drops_copy();
+                            tracing::debug!(%peer, failure = %f, "fleet tier: pull failed");
+                        }
                     }
+                }
+                if unreachable {
+                    tracing::info!(%peer, "fleet tier: peer unreachable; skipped until its heartbeat window passed");
+                    shared.suspects.lock().insert(peer, Instant::now());
                 }
             }
             Err(e) => tracing::debug!(%peer, error = %e, "fleet tier: pull not started"),
@@ -501,6 +604,7 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
     }
     let c = &shared.counters;
     Counters::add(&c.loaded_local, local);
+    Counters::add(&c.loaded_disk, disk);
     Counters::add(&c.loaded_remote, remote);
     Counters::add(&c.load_failed, n - moved.len());
     let success = moved.len() == n;
@@ -538,6 +642,12 @@ impl SecondaryTierManager for FleetTier {
             .g2
             .match_blocks(std::slice::from_ref(&hash))
             .is_empty()
+        {
+            Counters::add(&c.local_hits, 1);
+            return LookupResult::Hit;
+        }
+        if let Some(g3) = &self.shared.g3
+            && !g3.match_blocks(std::slice::from_ref(&hash)).is_empty()
         {
             Counters::add(&c.local_hits, 1);
             return LookupResult::Hit;

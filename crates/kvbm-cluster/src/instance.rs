@@ -997,6 +997,69 @@ impl Instance {
         Ok(out.into_iter().flatten().collect())
     }
 
+    /// Stages this instance's G3 copies of `hashes` into its G2 through the checked G3→G2 move
+    /// (the disk header, the journal's checksum of the block as written, its identity): one
+    /// outcome per block, in order, each registered in G2 only if its read verified. A block
+    /// already in G2 is not read again (its outcome is the held block); one in neither tier
+    /// fails as not found. A copy a read proves bad is dropped from G3 (and its journal) before
+    /// the next stage or onboarding, as [`onboard`](Self::onboard) does.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] (key `workers.mode`) with worker processes;
+    /// [`EngineError::TierMissing`] without G3; [`EngineError::Logical`] when G2 has no room.
+    pub async fn stage_g3(
+        &self,
+        hashes: &[SequenceHash],
+    ) -> Result<Vec<kvbm_offload::mover::MoveOutcome<G2>>> {
+        let Memory::Here(here) = &self.memory else {
+            return Err(EngineError::config(
+                "workers.mode",
+                "stage_g3 moves this process's G3 into its G2; worker ranks hold their own",
+            ));
+        };
+        let (g2, g3) = (
+            self.leader
+                .g2()
+                .ok_or(EngineError::TierMissing(TierId::G2))?,
+            self.leader
+                .g3()
+                .ok_or(EngineError::TierMissing(TierId::G3))?,
+        );
+        let mover = here
+            .movers
+            .g3_to_g2()
+            .ok_or(EngineError::TierMissing(TierId::G3))?;
+        here.tiers.discard_rejected();
+        let mut out: Vec<Option<kvbm_offload::mover::MoveOutcome<G2>>> =
+            hashes.iter().map(|_| None).collect();
+        let (mut sources, mut wanted) = (Vec::new(), Vec::new());
+        for (i, h) in hashes.iter().enumerate() {
+            let one = std::slice::from_ref(h);
+            if let Some(b) = g2.match_blocks(one).pop() {
+                out[i] = Some(Ok(b));
+            } else if let Some(b) = g3.match_blocks(one).pop() {
+                sources.push(b);
+                wanted.push(i);
+            } else {
+                out[i] = Some(Err(kvbm_offload::BlockFailure::new(
+                    kvbm_offload::BlockFailureKind::NotFound,
+                    format!("block {:032x} is in neither G2 nor G3", h.as_u128()),
+                )));
+            }
+        }
+        if !sources.is_empty() {
+            let destinations = g2.allocate_blocks(sources.len())?;
+            let moved = mover.move_blocks(&sources, destinations).await;
+            for (i, o) in wanted.into_iter().zip(moved) {
+                out[i] = Some(o);
+            }
+        }
+        // The movers note failed hashes for a caller that recomputes from them; the outcomes
+        // above say it instead.
+        here.tiers.forget_failed();
+        Ok(out.into_iter().flatten().collect())
+    }
+
     /// The G1 manager (where onboarded blocks land).
     fn g1(&self) -> &Arc<BlockManager<G1>> {
         match &self.memory {

@@ -35,6 +35,17 @@ fn unique(test: &str) -> String {
 
 /// Small chunks, fast heartbeats (a silent peer forgotten within 400 ms), pulls bounded at 2 s.
 fn join(fleet: &Fleet, id: u64, namespace: &str, model: &str) -> Member {
+    join_with(fleet, id, namespace, model, None)
+}
+
+/// [`join`], with a disk of `disk.1` chunks at `disk.0`.
+fn join_with(
+    fleet: &Fleet,
+    id: u64,
+    namespace: &str,
+    model: &str,
+    disk: Option<(&std::path::Path, usize)>,
+) -> Member {
     let sets = [
         ("transport.heartbeat_interval_ms", 50),
         ("transport.heartbeat_timeout_ms", 400),
@@ -48,6 +59,7 @@ fn join(fleet: &Fleet, id: u64, namespace: &str, model: &str) -> Member {
             chunk: CHUNK,
             chunks: CHUNKS,
             sets: &sets,
+            disk,
         },
     )
 }
@@ -221,7 +233,11 @@ fn fleet_a_peer_that_dies_fails_the_load_and_is_forgotten() {
         assert_eq!(b.chunk(8 + i), &was[..]);
     }
     assert_eq!(b.tier.stats().load_failed, 4);
-    // Within its heartbeat window A is forgotten: misses.
+    // Unreachable: lookups skip A at once (a miss, not another failed load) ...
+    for k in &ks {
+        assert_eq!(b.lookup(k).0, LookupResult::Miss);
+    }
+    // ... and within its heartbeat window A is forgotten.
     eventually("the index to follow", || {
         ks.iter().all(|k| b.lookup(k).0 == LookupResult::Miss)
     });
@@ -338,5 +354,54 @@ fn fleet_a_full_share_evicts_and_the_peers_index_follows() {
             .count();
         hits == CHUNKS / 2 && new.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
     });
+    drop((a, b));
+}
+
+/// A member with a disk writes what it shares down (journaled): restarted on the same file it
+/// is warm, its chunks hit and load from its disk with their bytes; a peer still finds them in
+/// the restarted member's share once loaded there.
+#[test]
+fn fleet_a_member_with_a_disk_restarts_warm() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_disk") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-disk");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a").join("g3.bin");
+    let ks = keys(8, 4);
+    let stored: Vec<Vec<u8>> = {
+        let mut a = join_with(&fleet, 0xa1, &ns, "m", Some((&file, 32)));
+        fill(&mut a, 0..4, 9);
+        assert!(a.run(job(1, &ks, 0..4, false)).success);
+        assert_eq!(a.tier.stats().stored_disk, 4);
+        (0..4).map(|i| a.chunk(i).to_vec()).collect()
+    };
+    // The same member again, on the same file: its share is empty, its disk is not.
+    let mut a = join_with(&fleet, 0xa1, &ns, "m", Some((&file, 32)));
+    for k in &ks {
+        assert_eq!(a.lookup(k).0, LookupResult::Hit, "warm from the disk");
+    }
+    let loaded = a.run(job(2, &ks, 8..12, true));
+    assert!(loaded.success, "{loaded:?}");
+    for (i, want) in stored.iter().enumerate() {
+        assert_eq!(
+            a.chunk(8 + i),
+            &want[..],
+            "chunk {i} read back from the disk"
+        );
+    }
+    let s = a.tier.stats();
+    assert_eq!((s.loaded_disk, s.loaded_local, s.loaded_remote), (4, 0, 0));
+    // Staged into the share on the way: a peer pulls them from there.
+    let mut b = join(&fleet, 0xb2, &ns, "m");
+    eventually("B indexes the staged chunks", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    let pulled = b.run(job(3, &ks, 0..4, true));
+    assert!(pulled.success, "{pulled:?}");
+    for (i, want) in stored.iter().enumerate() {
+        assert_eq!(b.chunk(i), &want[..]);
+    }
     drop((a, b));
 }

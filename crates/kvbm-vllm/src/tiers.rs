@@ -502,8 +502,8 @@ impl StorageTier {
     /// namespace, with their chunks found in its index and pulled, verified, on a load
     /// ([`kvbm_cluster::fleet`]). The configuration is kvbm's one tree, merged as everywhere:
     /// `KVBM_CONFIG_PATH` and the `KVBM_*` environment, then `config_file`, then `settings`
-    /// (dotted tree keys to values, from the tier's keys), then what the tier fixes (the tier
-    /// sizes). Security as `kvbm replay --instances`: without member credentials it refuses to
+    /// (dotted tree keys to values, from the tier's keys: its disk, `tiers.g3_blocks` and
+    /// `physical.disk`, among them), then what the tier fixes (G1, G2 and G4's sizes). Security as `kvbm replay --instances`: without member credentials it refuses to
     /// start, naming the key, unless `security.insecure`.
     #[staticmethod]
     #[pyo3(signature = (region, chunk_bytes, fingerprint, capacity, settings, lookup_results, config_file = None, tier_type = None, io_nice = 0))]
@@ -551,7 +551,6 @@ impl StorageTier {
         let tree = tree
             .set("tiers.g1_blocks", 1)
             .set("tiers.g2_blocks", capacity)
-            .set("tiers.g3_blocks", 0)
             .set("tiers.g4_blocks", 0)
             .set("logical.block_size", kvbm_tiering::tiering::TIER_BLOCK_SIZE);
         let tier_type = tier_type.unwrap_or_else(|| "kvbm_fleet".into());
@@ -608,7 +607,9 @@ impl StorageTier {
         d.set_item("misses", s.misses)?;
         d.set_item("stored", s.stored)?;
         d.set_item("store_failed", s.store_failed)?;
+        d.set_item("stored_disk", s.stored_disk)?;
         d.set_item("loaded_local", s.loaded_local)?;
+        d.set_item("loaded_disk", s.loaded_disk)?;
         d.set_item("loaded_remote", s.loaded_remote)?;
         d.set_item("load_failed", s.load_failed)?;
         // The peers' entries (the index also follows this instance's own events).

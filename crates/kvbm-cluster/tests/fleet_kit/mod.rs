@@ -58,6 +58,8 @@ pub(crate) struct Shape<'a> {
     pub(crate) chunk: usize,
     pub(crate) chunks: usize,
     pub(crate) sets: &'a [(&'a str, u64)],
+    /// The member's disk (its G3): the file and its chunks.
+    pub(crate) disk: Option<(&'a std::path::Path, usize)>,
 }
 
 impl Fleet {
@@ -92,6 +94,13 @@ impl Fleet {
             .set("security.credential_file", cred.display().to_string());
         for (k, v) in shape.sets {
             b = b.set(*k, *v);
+        }
+        if let Some((path, chunks)) = shape.disk {
+            b = b
+                .set("tiers.g3_blocks", chunks)
+                .set("physical.disk.path", path.display().to_string())
+                // A temporary directory may be tmpfs, which refuses O_DIRECT.
+                .set("physical.disk.direct_io", false);
         }
         let rt = b.build().unwrap();
         let identities = Arc::new(Identities::default());

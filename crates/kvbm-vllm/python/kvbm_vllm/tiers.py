@@ -585,6 +585,9 @@ FLEET_KEYS: dict[str, Any] = {
     "heartbeat_interval_ms": 0,
     "heartbeat_timeout_ms": 0,
     "pull_deadline_ms": 0,
+    "disk_path": "",
+    "disk_capacity": 0,
+    "disk_direct_io": True,
     "io_nice": 10,
     "locality": "remote",
 }
@@ -668,6 +671,21 @@ class KvbmFleetTier(_KvbmTier):
                 settings[tree_key] = v
         if _flag(who, s, "insecure"):
             settings["security.insecure"] = True
+        # The member's own disk (its G3): what it shares is written down too, journaled, so a
+        # restarted member is warm.
+        disk_capacity = s["disk_capacity"]
+        if isinstance(disk_capacity, bool) or not isinstance(disk_capacity, int) \
+                or disk_capacity < 0:
+            raise ValueError(f"{who}: disk_capacity must be an integer >= 0, got "
+                             f"{disk_capacity!r}")
+        if bool(s["disk_path"]) != (disk_capacity > 0):
+            raise ValueError(f"{who}: give disk_path and disk_capacity together (a disk of "
+                             f"disk_capacity chunks at disk_path), or neither")
+        if s["disk_path"]:
+            settings["physical.disk.path"] = _replica_path(who, str(s["disk_path"]),
+                                                           offloading_spec)
+            settings["physical.disk.direct_io"] = _flag(who, s, "disk_direct_io")
+            settings["tiers.g3_blocks"] = disk_capacity
         try:
             self._rs = extension().StorageTier.fleet(
                 _flat(primary_kv_view),

@@ -78,6 +78,10 @@ class Member:
             config["trust_root"] = args.trust_root
         if args.credential:
             config["credential_file"] = args.credential
+        if args.disk:
+            config["disk_path"] = args.disk
+            config["disk_capacity"] = 64
+            config["disk_direct_io"] = False  # a temporary directory may be tmpfs
         if args.nats_user:
             config["nats_user"] = args.nats_user
             config["nats_password_file"] = args.nats_password_file
@@ -158,6 +162,7 @@ def main() -> int:
     p.add_argument("--credential", default="")
     p.add_argument("--insecure", action="store_true")
     p.add_argument("--nats-user", default="")
+    p.add_argument("--disk", default="")
     p.add_argument("--nats-password-file", default="")
     p.add_argument("--impl", default="vllm", choices=["vllm", "kvbm"])
     args = p.parse_args()

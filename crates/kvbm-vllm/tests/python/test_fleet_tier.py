@@ -9,7 +9,8 @@ relies on:
   byte; C (another namespace) and D (another model) never hit;
 * A killed: B's loads fail (vLLM's manager turns them into misses), never wrong bytes, and A's
   entries leave B's index within its heartbeat window;
-* B restarted: it finds A's chunks again (the snapshot a joining member gets);
+* B restarted: its own chunks are warm on its disk, and it finds A2's chunks again (the
+  snapshot a joining member gets);
 * a member without credentials refuses to start, naming the key; one whose credential another
   root issued hears nothing, is heard by no one, and its messages are counted as refused.
 """
@@ -112,8 +113,10 @@ class Proc:
 
 
 def member(tmp_path, name, namespace, *, root=None, instance=None, model="fleet-model",
-           cred_ns=None, insecure=False, impl="vllm", user="instance_a"):
+           cred_ns=None, insecure=False, impl="vllm", user="instance_a", disk=None):
     args = ["--namespace", namespace, *nats(user), "--model", model, "--impl", impl]
+    if disk is not None:
+        args += ["--disk", str(disk)]
     if root is not None:
         args += ["--trust-root", root.trust_root,
                  "--credential", root.issue(instance, cred_ns or namespace)]
@@ -184,13 +187,16 @@ def test_a_fleet_shares_chunks_byte_for_byte_within_its_namespace_and_model(tmp_
 def test_a_killed_peer_fails_the_load_and_is_forgotten_and_a_restart_finds_the_fleet(tmp_path):
     ns = unique("fleet-kill")
     root = Root(tmp_path / "root")
+    disk = tmp_path / "b-disk" / "g3.bin"
     a = member(tmp_path, "a", ns, root=root, instance=0xA1)
-    b = member(tmp_path, "b", ns, root=root, instance=0xB2)
+    b = member(tmp_path, "b", ns, root=root, instance=0xB2, disk=disk)
     a2 = member(tmp_path, "a2", ns, root=root, instance=0xA2)
     try:
-        lost, kept = keys("lost", 6), keys("kept", 6)
+        lost, kept, own = keys("lost", 6), keys("kept", 6), keys("own", 4)
         assert a.ask("store", lost) == {"stored": 6}
         assert a2.ask("store", kept) == {"stored": 6}
+        assert b.ask("store", own) == {"stored": 4}
+        assert b.ask("stats")["stored_disk"] == 4
         eventually("B indexes both", lambda: b.ask("stats")["index_entries"] >= 12)
 
         a.kill()  # no departure: B's index still lists A until its heartbeat window passes
@@ -201,10 +207,15 @@ def test_a_killed_peer_fails_the_load_and_is_forgotten_and_a_restart_finds_the_f
         assert s["load_failed"] >= 1 and s["loaded_remote"] == 0, s
         eventually("A leaves B's index", lambda: b.ask("stats")["index_entries"] == 6)
 
-        # B restarted: it finds A2's chunks again, with their bytes.
+        # B restarted on its disk: its own chunks are warm there, and it finds A2's chunks
+        # again, with their bytes.
         b.close()
-        b = member(tmp_path, "b-again", ns, root=root, instance=0xB2)
+        b = member(tmp_path, "b-again", ns, root=root, instance=0xB2, disk=disk)
         assert b.hello["ready"], b.hello
+        got = b.ask("load", own)["keys"]
+        assert [g["result"] for g in got] == ["HIT"] * 4, got
+        assert [g["sha"] for g in got] == [expected_sha(k) for k in own]
+        assert b.ask("stats")["loaded_disk"] == 4
         eventually("the restarted B indexes A2", lambda: b.ask("stats")["index_entries"] >= 6)
         got = b.ask("load", kept)["keys"]
         assert [g["result"] for g in got] == ["HIT"] * 6, got
