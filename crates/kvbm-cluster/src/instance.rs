@@ -52,7 +52,9 @@
 //!  [transport] heartbeat_timeout ► a silent rank is lost: calls fail NotJoined naming it
 //!                                  keep_in_step until shutdown: a restarted rank's G2/G1
 //!                                  declared empty, then it gets work again
-//!  not built: data plane (G2 not served or pulled: G2 events unpublished), G3 journal
+//!  [workers] g3_journal ─────────► which block each G3 slot holds: G3 warm at start (every
+//!                                  rank's read checks its slot's header)
+//!  not built: data plane (G2 not served or pulled: G2 events unpublished)
 //! ```
 //!
 //! # Fingerprint
@@ -1165,8 +1167,8 @@ impl Instance {
     /// written.
     ///
     /// With worker processes, every rank writes its G2 copies to its own G3 file through
-    /// the ranks (`SpmdMover`); no journal is kept in this process (a restarted instance
-    /// starts G3 cold).
+    /// the ranks (`SpmdMover`); with `workers.g3_journal` this process lists which block each
+    /// slot holds (a restarted instance starts G3 warm), else G3 starts cold.
     ///
     /// # Errors
     /// [`EngineError::TierMissing`] without G3; [`EngineError::Offload`] when the lane refused
@@ -1188,7 +1190,13 @@ impl Instance {
                     .g2_to_g3
                     .as_ref()
                     .ok_or(EngineError::TierMissing(TierId::G3))?;
-                r.offload(down, hashes, &self.counters.offloaded_g3).await
+                r.offload(
+                    down,
+                    hashes,
+                    &self.counters.offloaded_g3,
+                    r.g3_journal.as_ref(),
+                )
+                .await
             }
         }
     }
@@ -1216,7 +1224,8 @@ impl Instance {
                     .g2_to_g4
                     .as_ref()
                     .ok_or(EngineError::TierMissing(TierId::G4))?;
-                r.offload(down, hashes, &self.counters.offloaded_g4).await
+                r.offload(down, hashes, &self.counters.offloaded_g4, None)
+                    .await
             }
         }
     }

@@ -722,3 +722,72 @@ namespace = "instance-workers-g4-{pid}-{nanos}"
     );
     inst.shutdown().await;
 }
+
+/// An instance whose ranks are processes keeps the journal of which block each G3 slot holds
+/// (`workers.g3_journal`): restarted with new rank processes on the same files it starts G3
+/// warm and onboards the prefix from the ranks' disks, every rank its own original bytes; a
+/// rank whose file was lost fails its reads (the slot header), so the journal's listing is
+/// refused, never served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_process_ranks_restart_g3_warm_from_the_instances_journal() {
+    let Some(nats) = kvbm_tests::services::nats("instance_workers_g3_warm") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let instance = instance_id(14);
+    let journal = dir.path().join("leader").join("g3.journal");
+    let sets = [("workers.g3_journal", journal.display().to_string())];
+    let spawn = |rank: u32| WorkerProcess::spawn(&nats.url, instance, rank, dir.path(), &[]);
+    let start = || async {
+        let rt = runtime_with(&nats.url, 2, N, 30_000, 10_000, &sets);
+        let inst = Instance::builder(&rt.handle())
+            .id(instance)
+            .geometry(common::geometry())
+            .build()
+            .await
+            .unwrap();
+        (rt, inst)
+    };
+
+    let (hashes, expected) = {
+        let (_w0, _w1) = (spawn(0), spawn(1));
+        let (_rt, inst) = start().await;
+        let out = store_prefix(&inst).await;
+        inst.shutdown().await;
+        out // the rank processes are killed here; their files stay
+    };
+    assert!(journal.exists(), "the instance's G3 journal");
+
+    // New rank processes on the same files, a new instance on the journal: warm.
+    {
+        let (_w0, _w1) = (spawn(0), spawn(1));
+        let (_rt, inst) = start().await;
+        let found = inst.lookup(&hashes);
+        assert_eq!(
+            (found.local_g2, found.local_g3),
+            (0, 6),
+            "listed by the journal"
+        );
+        // Nothing of G2 can stand in for the disks: every rank's G2 overwritten first.
+        fill_g2(&inst, 0xEE).await;
+        let on = inst.onboard(&hashes).await.unwrap();
+        assert!(on.refused.is_none(), "{:?}", on.refused);
+        assert_eq!((on.local_g3, on.blocks.len()), (6, 6));
+        assert_g1_holds(&inst, &on.blocks, &expected).await;
+        drop(on);
+        inst.shutdown().await;
+    }
+
+    // Rank 1's file is lost: the journal still lists the slots, rank 1's reads fail their
+    // header, and nothing is served.
+    std::fs::remove_file(dir.path().join("rank1.bin")).unwrap();
+    let (_w0, _w1) = (spawn(0), spawn(1));
+    let (_rt, inst) = start().await;
+    assert_eq!(inst.lookup(&hashes).local_g3, 6);
+    fill_g2(&inst, 0xEE).await;
+    let on = inst.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_some(), "a lost slot must be refused: {on:?}");
+    assert!(on.blocks.is_empty());
+    assert!(inst.stats().refused_blocks > 0);
+    inst.shutdown().await;
+}

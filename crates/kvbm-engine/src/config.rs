@@ -262,6 +262,11 @@ pub struct WorkersConfig {
     /// Processes: the NATS subject prefix the ranks serve control on and heartbeat under (the
     /// workers' `--prefix`). Default: `kvbm.ctl`.
     pub control_prefix: String,
+    /// Processes, with G3: the journal of which block each G3 slot holds (every rank keeps its
+    /// slice of the slot in its own `--g3-file`). A restarted instance lists it and starts G3
+    /// warm; every rank's read still checks its slot's header (checksum, identity), so a slot
+    /// a rank lost or rewrote is refused, never served. Default: none (G3 starts cold).
+    pub g3_journal: Option<std::path::PathBuf>,
 }
 
 impl Default for WorkersConfig {
@@ -271,6 +276,7 @@ impl Default for WorkersConfig {
             ranks: 1,
             join_timeout_ms: 60_000,
             control_prefix: DEFAULT_WORKER_CONTROL_PREFIX.into(),
+            g3_journal: None,
         }
     }
 }

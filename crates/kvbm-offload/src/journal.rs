@@ -174,7 +174,22 @@ impl DiskJournal {
             file_id: disk.file_id(),
             fingerprint: fingerprint.map_or(0, ModelFingerprint::short),
         };
-        let path = path_for(file);
+        Self::open_apart(&path_for(file), geometry)
+    }
+
+    /// Opens (or creates) the journal at `path` of slots laid out as `geometry`, kept apart
+    /// from the files its slots are in: an instance whose worker ranks each hold their slice
+    /// of every G3 slot in their own file keeps one journal of which block each slot holds
+    /// (each rank's read still checks its slot's header). A journal of another geometry or
+    /// fingerprint is reset, as [`open_for`](Self::open_for)'s.
+    ///
+    /// # Errors
+    /// [`OffloadError::Setup`] naming the journal when it cannot be read, created or repaired.
+    pub fn open_apart(path: &Path, geometry: JournalGeometry) -> Result<Opened> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| journal_error(path, e))?;
+        }
+        let path = path.to_path_buf();
         let (file, recovery) =
             JournalFile::open(&path, geometry).map_err(|e| journal_error(&path, e))?;
         if let Some(why) = &recovery.reset {

@@ -14,6 +14,9 @@
 //!            rank holds is present (warm start); EveryChecker over them (presence checks)
 //!          RankTiers::build (managers + leader; no layouts) ─► SpmdMovers G3→G2, G2→G1,
 //!            G2→G3, G2→G4, G4→G2
+//!          G3 with workers.g3_journal: the journal of which block each slot holds, listed
+//!            into G3 (warm start); offload_g3 unlists a slot before the ranks rewrite it and
+//!            lists it once every rank wrote it (each rank's slot header still checks reads)
 //!          keep_in_step(forget G2 (leader) and G1 until nothing old is held) until shutdown
 //!  calls:  every rank in step, or the call fails with ControlError::{NotJoined, Rejoining}
 //!          before anything is held or moved; a rank lost mid-call fails that call's session
@@ -43,8 +46,9 @@ use std::time::Duration;
 
 use async_nats::Client;
 use kvbm_logical::{G1, G2, G3, G4, ImmutableBlock, SequenceHash, Tier, TierId};
+use kvbm_offload::journal::DiskJournal;
 use kvbm_offload::{BadCopies, EveryChecker, PresenceChecker, S3PresenceChecker};
-use kvbm_physical::BlockLayout;
+use kvbm_physical::{BlockLayout, JournalGeometry};
 use tokio_util::sync::CancellationToken;
 
 use crate::security::Security;
@@ -79,6 +83,9 @@ pub(super) struct Ranks {
     /// before the next onboarding ([`discard_rejected`](Self::discard_rejected)).
     g3_rejected: Arc<BadCopies<G3>>,
     g4_rejected: Arc<BadCopies<G4>>,
+    /// Which block each G3 slot holds (`workers.g3_journal`): listed at start (warm), a slot
+    /// unlisted before the ranks rewrite it and listed once every rank wrote it.
+    pub(super) g3_journal: Option<DiskJournal>,
 }
 
 impl Ranks {
@@ -162,6 +169,27 @@ impl Ranks {
             (Vec::new(), None)
         };
         let tiers = RankTiers::build(config, rt, geometry, sinks, Some(remote), &g4_listed)?;
+        // G3 warm from the journal, before anything allocates from it.
+        let g3_journal = match (&tiers.g3, &w.g3_journal) {
+            (Some(g3), Some(path)) => {
+                let geometry = JournalGeometry {
+                    payload_bytes: block_bytes as u64,
+                    num_slots: g3.total_blocks() as u64,
+                    // The slots are this instance's, on this many ranks.
+                    file_id: (u128::from(id.0) << 64) | u128::from(world),
+                    fingerprint: tiers.fingerprint.short(),
+                };
+                let opened = DiskJournal::open_apart(path, geometry)?;
+                let (_, listed) = opened.register_listed(g3)?;
+                tracing::info!(
+                    blocks = listed,
+                    journal = %path.display(),
+                    "G3 warm: the ranks' slots listed by the journal"
+                );
+                Some(opened.journal)
+            }
+            _ => None,
+        };
         let pw: Arc<dyn ParallelWorkers> = workers.clone();
         let (g3_rejected, g4_rejected) = (
             Arc::<BadCopies<G3>>::default(),
@@ -229,6 +257,7 @@ impl Ranks {
             g4_checker,
             g3_rejected,
             g4_rejected,
+            g3_journal,
         })
     }
 
@@ -257,6 +286,7 @@ impl Ranks {
         down: &SpmdMover<G2, Dst>,
         hashes: &[SequenceHash],
         written: &AtomicU64,
+        journal: Option<&DiskJournal>,
     ) -> Result<usize> {
         self.in_step()?;
         let registry = self.tiers.g2.registry();
@@ -271,7 +301,26 @@ impl Ranks {
             return Ok(0);
         }
         let destinations = down.destination().allocate_blocks(blocks.len())?;
+        // A slot is unlisted before any rank rewrites it: a write cut short (a rank or this
+        // process dying) never leaves a listed slot holding another block.
+        if let Some(j) = journal {
+            j.will_write(destinations.iter().map(|d| d.block_id()))
+                .map_err(|e| EngineError::stack(format!("the G3 journal: {e}")))?;
+        }
         let out = down.move_from(&blocks, destinations).await;
+        if let Some(j) = journal {
+            let listed: Vec<(usize, u128, u128)> = out
+                .iter()
+                .filter_map(|o| o.as_ref().ok())
+                // Each rank's slot header carries the checksum its read checks; the journal
+                // says only which block the slot holds.
+                .map(|b| (b.block_id(), b.sequence_hash().as_u128(), 0))
+                .collect();
+            if let Err(e) = j.written(&listed) {
+                // The blocks are written and registered; only a restart will not find them.
+                tracing::warn!(error = %e, blocks = listed.len(), "the G3 journal could not list written blocks");
+            }
+        }
         let n = out.iter().filter(|o| o.is_ok()).count();
         written.fetch_add(n as u64, Ordering::Relaxed);
         match out.into_iter().find_map(|o| o.err()) {

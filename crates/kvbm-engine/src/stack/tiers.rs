@@ -539,7 +539,8 @@ pub fn secondary_object(
 /// [`PhysicalWorker::resolve`](crate::worker::PhysicalWorker::resolve)), so these managers'
 /// block ids are slots of every rank, and blocks move by the ranks
 /// ([`SpmdMover`](crate::worker::SpmdMover)). No layout is allocated here; G3 is each rank's
-/// own file (no journal in this process: it starts cold); G4 is one bucket in which each rank
+/// own file (cold here; kvbm-cluster's instance lists it warm from `workers.g3_journal`); G4
+/// is one bucket in which each rank
 /// keeps its slice of every block under its own directory
 /// ([`KvbmConfig::rank_object_config`]), named by the block, so G4's block ids are bookkeeping
 /// only, as in the stack.
