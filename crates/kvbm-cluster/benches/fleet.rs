@@ -47,6 +47,7 @@ fn member(fleet: &Fleet, id: u64, subject: &str) -> Member {
             chunk: CHUNK,
             chunks: BLOCKS,
             sets: &sets,
+            texts: &[],
             disk: None,
         },
     )

@@ -480,14 +480,12 @@ impl InstanceBuilder {
                         .collect(),
                     num_blocks: tiers.g2_blocks,
                     block_bytes: here.g2_layout.layout().config().block_bytes(),
-                    // What peers dial: the advertised address, else the bound one.
-                    data_plane: Some(
-                        config
-                            .transport
-                            .data_plane_advertise
-                            .clone()
-                            .unwrap_or_else(|| here.server.local_addr().to_string()),
-                    ),
+                    // What peers dial: the advertised address (its port 0 the bound one),
+                    // else the bound address.
+                    data_plane: Some(advertised(
+                        config.transport.data_plane_advertise.as_deref(),
+                        here.server.local_addr(),
+                    )?),
                 };
                 (leader, Memory::Here(Box::new(here)), this)
             }
@@ -697,6 +695,24 @@ impl Here {
             },
         ))
     }
+}
+
+/// The data-plane address peers are told: `advertise` (validated `host:port`; port 0 takes
+/// the bound port), else the bound address.
+fn advertised(advertise: Option<&str>, bound: std::net::SocketAddr) -> Result<String> {
+    let Some(a) = advertise else {
+        return Ok(bound.to_string());
+    };
+    let mut addr: std::net::SocketAddr = a.parse().map_err(|e| {
+        EngineError::config(
+            "transport.data_plane_advertise",
+            format!("{a:?} is not a host:port address ({e})"),
+        )
+    })?;
+    if addr.port() == 0 {
+        addr.set_port(bound.port());
+    }
+    Ok(addr.to_string())
 }
 
 /// A process-unique id: the process id and the time, mixed.

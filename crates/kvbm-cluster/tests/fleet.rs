@@ -46,6 +46,18 @@ fn join_with(
     model: &str,
     disk: Option<(&std::path::Path, usize)>,
 ) -> Member {
+    join_texts(fleet, id, namespace, model, disk, &[])
+}
+
+/// [`join_with`], with text keys set too.
+fn join_texts(
+    fleet: &Fleet,
+    id: u64,
+    namespace: &str,
+    model: &str,
+    disk: Option<(&std::path::Path, usize)>,
+    texts: &[(&str, &str)],
+) -> Member {
     let sets = [
         ("transport.heartbeat_interval_ms", 50),
         ("transport.heartbeat_timeout_ms", 400),
@@ -59,6 +71,7 @@ fn join_with(
             chunk: CHUNK,
             chunks: CHUNKS,
             sets: &sets,
+            texts,
             disk,
         },
     )
@@ -403,5 +416,43 @@ fn fleet_a_member_with_a_disk_restarts_warm() {
     for (i, want) in stored.iter().enumerate() {
         assert_eq!(b.chunk(i), &want[..]);
     }
+    drop((a, b));
+}
+
+/// A member bound to every interface announces the address its `data_plane_advertise` names,
+/// with the port it was given (port 0 there): peers pull from it.
+#[test]
+fn fleet_a_member_bound_to_every_interface_advertises_a_reachable_address() {
+    let Some(nats) = kvbm_tests::services::nats("fleet_advertise") else {
+        return;
+    };
+    let fleet = Fleet::new(&nats.url);
+    let ns = unique("fleet-advertise");
+    let mut a = join_texts(
+        &fleet,
+        0xa1,
+        &ns,
+        "m",
+        None,
+        &[
+            ("transport.data_plane_bind", "0.0.0.0:0"),
+            ("transport.data_plane_advertise", "127.0.0.1:0"),
+        ],
+    );
+    let mut b = join(&fleet, 0xb2, &ns, "m");
+    let bound = a.tier.instance().data_plane().unwrap().local_addr();
+    assert!(bound.ip().is_unspecified());
+    eventually("B learns A's address", || {
+        b.tier.instance().peers().get(kvbm_engine::InstanceId(0xa1))
+            == Some(std::net::SocketAddr::from(([127, 0, 0, 1], bound.port())))
+    });
+    let ks = keys(9, 2);
+    fill(&mut a, 0..2, 4);
+    assert!(a.run(job(1, &ks, 0..2, false)).success);
+    eventually("the index to follow", || {
+        ks.iter().all(|k| b.lookup(k).0 == LookupResult::Hit)
+    });
+    assert!(b.run(job(2, &ks, 0..2, true)).success);
+    assert_eq!(b.chunk(0), a.chunk(0));
     drop((a, b));
 }

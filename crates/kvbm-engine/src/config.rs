@@ -486,8 +486,9 @@ pub struct TransportConfig {
     pub data_plane_bind: String,
     /// The data-plane address announced to peers, when it is not the bound one: a host bound
     /// to `0.0.0.0` announces its routable address, an instance behind a NAT or a proxy the
-    /// address peers reach it at (`host:port`). Default: none (the bound address, its port
-    /// resolved).
+    /// address peers reach it at (`host:port`). Port 0: the bound port (with `data_plane_bind`
+    /// on port 0, each instance on a host gets its own). Default: none (the bound address, its
+    /// port resolved).
     pub data_plane_advertise: Option<String>,
     /// How often an instance announces itself (instance id, data-plane address) to its peers
     /// over NATS, and a worker rank its incarnation to its leader (ms). Default: 1000. At
@@ -1233,10 +1234,10 @@ impl KvbmConfig {
         socket_addr("transport.data_plane_bind", &t.data_plane_bind)?;
         if let Some(a) = &t.data_plane_advertise {
             let addr = socket_addr("transport.data_plane_advertise", a)?;
-            if addr.ip().is_unspecified() || addr.port() == 0 {
+            if addr.ip().is_unspecified() {
                 return Err(EngineError::config(
                     "transport.data_plane_advertise",
-                    format!("{a:?}: peers cannot reach an unspecified address or port 0"),
+                    format!("{a:?}: peers cannot reach an unspecified address"),
                 ));
             }
         }

@@ -58,6 +58,8 @@ pub(crate) struct Shape<'a> {
     pub(crate) chunk: usize,
     pub(crate) chunks: usize,
     pub(crate) sets: &'a [(&'a str, u64)],
+    /// Text keys set over the kit's.
+    pub(crate) texts: &'a [(&'a str, &'a str)],
     /// The member's disk (its G3): the file and its chunks.
     pub(crate) disk: Option<(&'a std::path::Path, usize)>,
 }
@@ -93,6 +95,9 @@ impl Fleet {
             .set("security.trust_root", self.root.trust_root().to_hex())
             .set("security.credential_file", cred.display().to_string());
         for (k, v) in shape.sets {
+            b = b.set(*k, *v);
+        }
+        for (k, v) in shape.texts {
             b = b.set(*k, *v);
         }
         if let Some((path, chunks)) = shape.disk {

@@ -129,7 +129,8 @@ def _settings(who: str, given: dict[str, Any], keys: dict[str, Any]) -> dict[str
 PATH_PLACEHOLDERS = ("dp_rank", "dp_size", "engine_id")
 
 
-def _replica_path(who: str, path: str, spec) -> str:
+def _replica_path(who: str, path: str, spec, key: str = "path",
+                  what: str = "kvbm_disk file") -> str:
     """``path`` with ``{dp_rank}`` (vLLM's data-parallel replica index), ``{dp_size}`` and
     ``{engine_id}`` filled in. Every data-parallel engine core gets the same configuration, so
     with more than one replica the path must name the replica (one file per engine core: two
@@ -143,14 +144,14 @@ def _replica_path(who: str, path: str, spec) -> str:
         filled = path.format(**values)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(
-            f"{who}: path {path!r} has a placeholder kvbm does not fill "
+            f"{who}: {key} {path!r} has a placeholder kvbm does not fill "
             f"({e}); it fills {', '.join('{' + k + '}' for k in PATH_PLACEHOLDERS)}"
         ) from None
     if p.data_parallel_size > 1 and "{dp_rank}" not in path and "{engine_id}" not in path:
         raise ValueError(
             f"{who}: vLLM runs {p.data_parallel_size} data-parallel "
-            f"engine cores with this configuration, and each needs its own kvbm_disk file: put "
-            f"{{dp_rank}} (or {{engine_id}}) in path, e.g. {path + '.dp{dp_rank}'!r}"
+            f"engine cores with this configuration, and each needs its own {what}: put "
+            f"{{dp_rank}} (or {{engine_id}}) in {key}, e.g. {path + '.dp{dp_rank}'!r}"
         )
     return filled
 
@@ -669,6 +670,11 @@ class KvbmFleetTier(_KvbmTier):
                 raise ValueError(f"{who}: {key} must be a string or an integer, got {v!r}")
             if v not in ("", 0):
                 settings[tree_key] = v
+        if s["credential_file"]:
+            # Each data-parallel engine core is its own member: its own credential (instance).
+            settings["security.credential_file"] = _replica_path(
+                who, str(s["credential_file"]), offloading_spec, "credential_file",
+                "member credential (each engine core is its own fleet member)")
         if _flag(who, s, "insecure"):
             settings["security.insecure"] = True
         # The member's own disk (its G3): what it shares is written down too, journaled, so a
@@ -682,8 +688,8 @@ class KvbmFleetTier(_KvbmTier):
             raise ValueError(f"{who}: give disk_path and disk_capacity together (a disk of "
                              f"disk_capacity chunks at disk_path), or neither")
         if s["disk_path"]:
-            settings["physical.disk.path"] = _replica_path(who, str(s["disk_path"]),
-                                                           offloading_spec)
+            settings["physical.disk.path"] = _replica_path(
+                who, str(s["disk_path"]), offloading_spec, "disk_path", "disk")
             settings["physical.disk.direct_io"] = _flag(who, s, "disk_direct_io")
             settings["tiers.g3_blocks"] = disk_capacity
         try:

@@ -28,6 +28,10 @@ from pathlib import Path
 
 import pytest
 
+from kvbm_vllm.replay import ensure_vllm
+
+ensure_vllm()
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[3]
 MEMBER = HERE / "fleet_member.py"
@@ -258,3 +262,48 @@ def test_without_credentials_or_with_a_foreign_root_a_member_gets_nothing(tmp_pa
     finally:
         for m in (a, b, f):
             m.close()
+
+
+def _dp_fleet_config(tmp_path, index, size, credential_file, root):
+    """vLLM's offloading config of data-parallel engine core ``index`` of ``size``: kvbm's
+    manager over a fleet tier (module path form)."""
+    import dataclasses
+    import uuid
+
+    from test_kvbm_spec import config
+
+    cfg = config(tmp_path)
+    args = nats()
+    cfg.extra_config["secondary_tiers"] = [{
+        "type": "KvbmFleetTier", "module_path": "kvbm_vllm.tiers",
+        "namespace": unique("fleet-dp"), "capacity": 8,
+        "nats_url": args[1], "nats_user": args[3], "nats_password_file": args[5],
+        "trust_root": root.trust_root, "credential_file": credential_file,
+    }]
+    parallel = dataclasses.replace(cfg.parallel, data_parallel_index=index,
+                                   data_parallel_size=size)
+    return dataclasses.replace(cfg, parallel=parallel,
+                               engine_id=f"kvbm-dp{index}-{uuid.uuid4().hex}")
+
+
+def test_data_parallel_engine_cores_each_join_as_their_own_member(tmp_path):
+    """vLLM hands every DP engine core the same configuration: ``{dp_rank}`` in
+    ``credential_file`` gives each core its own credential, so each is its own member (instance);
+    without it the tier refuses to start, naming the key."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    root = Root(tmp_path / "root")
+    for r in range(2):
+        os.replace(root.issue(0xD0 + r, "dp"), tmp_path / f"core{r}.cred")
+    per_core = str(tmp_path / "core{dp_rank}.cred")
+    managers = [OffloadingSpecFactory.create_spec(
+        _dp_fleet_config(tmp_path, i, 2, per_core, root)).get_manager() for i in range(2)]
+    try:
+        ids = [m.secondary_tiers[0].fleet_stats()["instance"] for m in managers]
+        assert ids[0] != ids[1], ids
+    finally:
+        for m in managers:
+            m.shutdown()
+    with pytest.raises(ValueError, match=r"2 data-parallel engine cores.*credential_file"):
+        OffloadingSpecFactory.create_spec(
+            _dp_fleet_config(tmp_path, 1, 2, str(tmp_path / "core0.cred"), root)).get_manager()
