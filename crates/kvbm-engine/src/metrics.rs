@@ -393,7 +393,7 @@ mod tests {
             assert!(seen.insert(*name), "{name} twice");
             assert!(!help.is_empty(), "{name} has no help");
         }
-        assert_eq!(TABLE.len(), 34);
+        assert_eq!(TABLE.len(), 36);
     }
 
     #[test]
