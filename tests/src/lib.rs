@@ -7,6 +7,15 @@
 //! a condition in a way that fails the test on timeout (see [`wait`]). Host layouts filled with
 //! a pattern are `kvbm_physical::testing` (this crate may not depend on a kvbm crate).
 
+/// A name no other test run uses: `test`, this process's id and the time (for NATS subjects,
+/// namespaces and buckets shared by tests running at once).
+pub fn unique(test: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{test}-{}-{nanos}", std::process::id())
+}
+
 pub mod faults;
 pub mod scrape;
 pub mod services;

@@ -66,7 +66,8 @@ use std::time::Instant;
 use kvbm_engine::error::{EngineError, Result};
 use kvbm_engine::stack::Identities;
 use kvbm_engine::{InstanceId, KvbmRuntime};
-use kvbm_logical::{BlockManager, G2, G3, ImmutableBlock, SequenceHash, TierId};
+use kvbm_logical::{BlockDigest, BlockManager, G2, G3, ImmutableBlock, SequenceHash, TierId};
+use kvbm_offload::BlockFailureKind;
 use kvbm_physical::PhysicalLayout;
 use kvbm_tiering::tiering::{digest_hash, key_digest};
 use kvbm_tiering::{
@@ -386,53 +387,34 @@ impl FleetTier {
     }
 }
 
-/// Copies block `src` of `from` into block `dst` of `to`, layer piece by layer piece (both
-/// host layouts of the same bytes per block). Returns the bytes copied.
-///
-/// # Safety
-/// Nothing else writes block `src` of `from` or touches block `dst` of `to` meanwhile.
-unsafe fn copy_block(from: &PhysicalLayout, src: usize, to: &PhysicalLayout, dst: usize) -> usize {
-    let src_pieces = from.block_addrs(src, 0..from.layout().config().num_layers);
-    let dst_pieces = to.block_addrs(dst, 0..to.layout().config().num_layers);
-    let (mut s, mut d) = (src_pieces.into_iter(), dst_pieces.into_iter());
-    let (mut cur_s, mut cur_d) = (s.next(), d.next());
-    let mut copied = 0;
-    while let (Some((sa, sl)), Some((da, dl))) = (cur_s, cur_d) {
-        let n = sl.min(dl);
-        // SAFETY: both ranges lie in their layouts' host memory (block_addrs); the caller
-        // guarantees nothing else writes them meanwhile; the layouts never overlap.
-        unsafe { std::ptr::copy_nonoverlapping(sa as *const u8, da as *mut u8, n) };
-        copied += n;
-        cur_s = if n == sl {
-            s.next()
-        } else {
-            Some((sa + n, sl - n))
-        };
-        cur_d = if n == dl {
-            d.next()
-        } else {
-            Some((da + n, dl - n))
-        };
-    }
-    copied
+/// Each key of `job` as the share registers it: its hash and its identity (digest), derived
+/// once per job.
+fn keyed(job: &TierJob, block_size: u32) -> Vec<(SequenceHash, BlockDigest)> {
+    job.keys
+        .iter()
+        .map(|k| {
+            let digest = key_digest(k);
+            (digest_hash(&digest, block_size), digest)
+        })
+        .collect()
 }
 
 /// A store job: each chunk not yet in G2 is copied into a new G2 block and registered under its
 /// key's hash and digest (which publishes its stored event to the fleet).
 fn store(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
     let started = Instant::now();
-    let mut todo = Vec::with_capacity(job.keys.len());
-    for (key, chunk) in job.keys.iter().zip(&job.chunk_ids) {
-        let digest = key_digest(key);
-        let hash = digest_hash(&digest, block_size);
-        if shared
-            .g2
-            .match_blocks(std::slice::from_ref(&hash))
-            .is_empty()
-        {
-            todo.push((hash, digest, *chunk as usize));
-        }
-    }
+    let keyed = keyed(job, block_size);
+    let todo: Vec<(SequenceHash, BlockDigest, usize)> = keyed
+        .iter()
+        .zip(&job.chunk_ids)
+        .filter(|((hash, _), _)| {
+            shared
+                .g2
+                .match_blocks(std::slice::from_ref(hash))
+                .is_empty()
+        })
+        .map(|(&(hash, digest), &chunk)| (hash, digest, chunk as usize))
+        .collect();
     let mut ok = true;
     let mut bytes = 0u64;
     if !todo.is_empty() {
@@ -442,9 +424,20 @@ fn store(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
                 for (b, (hash, digest, chunk)) in blocks.into_iter().zip(&todo) {
                     // SAFETY: the manager pinned `chunk` for this store until the job is
                     // reported; the G2 block is mutable (just allocated, not registered).
-                    bytes += unsafe {
-                        copy_block(&shared.region, *chunk, &shared.g2_layout, b.block_id())
-                    } as u64;
+                    let copied = unsafe {
+                        shared
+                            .region
+                            .copy_host_block(*chunk, &shared.g2_layout, b.block_id())
+                    };
+                    match copied {
+                        Ok(n) => bytes += n as u64,
+                        Err(e) => {
+                            // The block goes back to its pool unregistered.
+                            tracing::warn!(error = %e, "fleet tier: chunk not copied");
+                            ok = false;
+                            continue;
+                        }
+                    }
                     match b.complete_with_digest(*hash, Some(*digest)) {
                         Ok(c) => complete.push(c),
                         Err(e) => {
@@ -467,11 +460,7 @@ fn store(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
     // With a disk, what the share holds of the job is written down too (journaled; blocks
     // already there are skipped). A failed write loses nothing the share holds.
     if ok && shared.g3.is_some() {
-        let hashes: Vec<SequenceHash> = job
-            .keys
-            .iter()
-            .map(|k| digest_hash(&key_digest(k), block_size))
-            .collect();
+        let hashes: Vec<SequenceHash> = keyed.iter().map(|(h, _)| *h).collect();
         let rt = shared.instance.runtime().tokio().clone();
         match rt.block_on(shared.instance.offload_g3(&hashes)) {
             Ok(n) => Counters::add(&shared.counters.stored_disk, n),
@@ -494,11 +483,8 @@ fn store(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
 fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
     let started = Instant::now();
     let n = job.keys.len();
-    let hashes: Vec<SequenceHash> = job
-        .keys
-        .iter()
-        .map(|k| digest_hash(&key_digest(k), block_size))
-        .collect();
+    let keyed = keyed(job, block_size);
+    let hashes: Vec<SequenceHash> = keyed.iter().map(|(h, _)| *h).collect();
     let mut blocks: Vec<Option<ImmutableBlock<G2>>> = hashes
         .iter()
         .map(|h| shared.g2.match_blocks(std::slice::from_ref(h)).pop())
@@ -506,15 +492,9 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
     let local = blocks.iter().filter(|b| b.is_some()).count();
     // Then this instance's disk: staged into the share, every read checked.
     let mut disk = 0;
-    if let Some(g3) = &shared.g3 {
-        let idx: Vec<usize> = (0..n)
-            .filter(|i| {
-                blocks[*i].is_none()
-                    && !g3
-                        .match_blocks(std::slice::from_ref(&hashes[*i]))
-                        .is_empty()
-            })
-            .collect();
+    if shared.g3.is_some() {
+        // `stage_g3` answers not found for a chunk its disk does not hold either.
+        let idx: Vec<usize> = (0..n).filter(|i| blocks[*i].is_none()).collect();
         if !idx.is_empty() {
             let asked: Vec<SequenceHash> = idx.iter().map(|&i| hashes[i]).collect();
             let rt = shared.instance.runtime().tokio().clone();
@@ -526,6 +506,7 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
                                 blocks[i] = Some(b);
                                 disk += 1;
                             }
+                            Err(f) if f.kind == BlockFailureKind::NotFound => {}
                             Err(f) => tracing::debug!(failure = %f, "fleet tier: disk read failed"),
                         }
                     }
@@ -549,7 +530,7 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
     for (peer, idx) in by_peer {
         let asked: Vec<SequenceHash> = idx.iter().map(|&i| hashes[i]).collect();
         for &i in &idx {
-            shared.identities.learn(hashes[i], key_digest(&job.keys[i]));
+            shared.identities.learn(keyed[i].0, keyed[i].1);
         }
         let pulled = shared
             .instance
@@ -591,15 +572,20 @@ fn load(shared: &Shared, job: &TierJob, block_size: u32) -> JobResult {
         if let Some(b) = b {
             // SAFETY: the manager reserved the chunk for this promotion until the job is
             // reported; the G2 block is registered (immutable) and held here.
-            bytes += unsafe {
-                copy_block(
-                    &shared.g2_layout,
+            let copied = unsafe {
+                shared.g2_layout.copy_host_block(
                     b.block_id(),
                     &shared.region,
                     job.chunk_ids[i] as usize,
                 )
-            } as u64;
-            moved.push(job.keys[i]);
+            };
+            match copied {
+                Ok(n) => {
+                    bytes += n as u64;
+                    moved.push(job.keys[i]);
+                }
+                Err(e) => tracing::warn!(error = %e, "fleet tier: chunk not copied"),
+            }
         }
     }
     let c = &shared.counters;
@@ -720,6 +706,3 @@ impl SecondaryTierManager for FleetTier {
         self
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -715,6 +715,25 @@ fn advertised(advertise: Option<&str>, bound: std::net::SocketAddr) -> Result<St
     Ok(addr.to_string())
 }
 
+/// One outcome per block in request order, from the per-block slots a call filled; a slot
+/// nothing filled (a move that answered fewer outcomes than blocks) is a failure, so no block
+/// goes missing from the answer.
+fn in_order(
+    slots: Vec<Option<kvbm_offload::mover::MoveOutcome<G2>>>,
+) -> Vec<kvbm_offload::mover::MoveOutcome<G2>> {
+    slots
+        .into_iter()
+        .map(|o| {
+            o.unwrap_or_else(|| {
+                Err(kvbm_offload::BlockFailure::new(
+                    kvbm_offload::BlockFailureKind::ExecutorAborted,
+                    "the move reported no outcome for this block",
+                ))
+            })
+        })
+        .collect()
+}
+
 /// A process-unique id: the process id and the time, mixed.
 fn default_id() -> InstanceId {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -1012,7 +1031,7 @@ impl Instance {
                 out[i] = Some(o);
             }
         }
-        Ok(out.into_iter().flatten().collect())
+        Ok(in_order(out))
     }
 
     /// Stages this instance's G3 copies of `hashes` into its G2 through the checked G3→G2 move
@@ -1075,7 +1094,7 @@ impl Instance {
         // The movers note failed hashes for a caller that recomputes from them; the outcomes
         // above say it instead.
         here.tiers.forget_failed();
-        Ok(out.into_iter().flatten().collect())
+        Ok(in_order(out))
     }
 
     /// The G1 manager (where onboarded blocks land).

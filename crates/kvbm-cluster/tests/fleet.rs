@@ -12,7 +12,7 @@
 //!
 //! Needs `cargo xtask services start` (or skips under `KVBM_TEST_SKIP_SERVICES=1`).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use kvbm_tests::wait::eventually;
 use kvbm_tiering::{CacheHitSource, LookupResult, OffloadKey, ReqContext, SecondaryTierManager};
@@ -25,13 +25,7 @@ use fleet_kit::{Fleet, Member, Shape, job};
 const CHUNK: usize = 4096;
 const CHUNKS: usize = 16;
 
-fn unique(test: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{test}-{}-{nanos}", std::process::id())
-}
+use kvbm_tests::unique;
 
 /// Small chunks, fast heartbeats (a silent peer forgotten within 400 ms), pulls bounded at 2 s.
 fn join(fleet: &Fleet, id: u64, namespace: &str, model: &str) -> Member {

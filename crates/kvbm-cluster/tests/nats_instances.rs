@@ -27,7 +27,7 @@
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use kvbm_cluster::instance::{Instance, synthetic_block};
 use kvbm_cluster::pubsub::nats::NatsBus;
@@ -50,13 +50,7 @@ mod common;
 const A: InstanceId = InstanceId(0xa1);
 const B: InstanceId = InstanceId(0xb2);
 
-fn unique(test: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{test}-{}-{nanos}", std::process::id())
-}
+use kvbm_tests::unique;
 
 /// A runtime for one instance: small tiers, fast heartbeats, events flushed at once.
 fn runtime(

@@ -179,6 +179,56 @@ impl PhysicalLayout {
         Some((base + block * c.block_bytes(), c.block_bytes()))
     }
 
+    /// Copies block `src` of this host layout into block `dst` of `to`, another host layout
+    /// of the same bytes per block cut into other regions, region by region (the transfer
+    /// strategies' `region_pairs`): for a caller moving bytes between layouts no one transfer
+    /// manager holds (kvbm-cluster's fleet tier: vLLM's region and an instance's G2). Returns
+    /// the bytes copied.
+    ///
+    /// # Errors
+    /// [`PhysicalError::InvalidArgument`] when either side is not host memory, a block id is
+    /// out of range, or the blocks' sizes differ.
+    ///
+    /// # Safety
+    /// Nothing else writes block `src` of this layout, or reads or writes block `dst` of `to`,
+    /// meanwhile.
+    pub unsafe fn copy_host_block(
+        &self,
+        src: usize,
+        to: &PhysicalLayout,
+        dst: usize,
+    ) -> Result<usize> {
+        let (sc, dc) = (self.layout.config(), to.layout.config());
+        if !matches!(self.backing, Backing::Host(_)) || !matches!(to.backing, Backing::Host(_)) {
+            return Err(PhysicalError::InvalidArgument(
+                "copy_host_block copies between host-memory layouts".into(),
+            ));
+        }
+        if src >= sc.num_blocks || dst >= dc.num_blocks {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "block {src} of {} or {dst} of {} is out of range",
+                sc.num_blocks, dc.num_blocks
+            )));
+        }
+        if sc.block_bytes() != dc.block_bytes() {
+            return Err(PhysicalError::InvalidArgument(format!(
+                "blocks of {} bytes cannot be copied into blocks of {}",
+                sc.block_bytes(),
+                dc.block_bytes()
+            )));
+        }
+        let sr = self.block_addrs(src, 0..sc.num_layers);
+        let dr = to.block_addrs(dst, 0..dc.num_layers);
+        let mut copied = 0;
+        for (s, d, len) in crate::layout::region_pairs(&sr, &dr) {
+            // SAFETY: both ranges lie in their layouts' live host memory (`block_addrs` of
+            // in-range blocks); the caller excludes other writers and readers.
+            unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len) };
+            copied += len;
+        }
+        Ok(copied)
+    }
+
     /// Absolute addresses `(addr, len)` of `block`'s regions for `layers`, in serialized order,
     /// with adjacent regions merged. Host addresses for host memory, device addresses for
     /// device memory; empty for disk and objects.

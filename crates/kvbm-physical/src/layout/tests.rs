@@ -125,3 +125,102 @@ proptest! {
         }
     }
 }
+
+/// Host layouts of 3 blocks of `layers × outer × inner` bytes (any piece shape of one size).
+fn host_layout(
+    layers: usize,
+    outer: usize,
+    inner: usize,
+    kind: LayoutKind,
+) -> crate::physical::PhysicalLayout {
+    crate::physical::PhysicalLayout::allocate_host(
+        BlockLayout::builder()
+            .num_blocks(3)
+            .num_layers(layers)
+            .outer_dim(outer)
+            .page_size(1)
+            .inner_dim(inner)
+            .dtype_bytes(1)
+            .kind(kind)
+            .build()
+            .unwrap(),
+        crate::storage::PinPolicy::Unpinned,
+    )
+    .unwrap()
+}
+
+fn host_block(l: &crate::physical::PhysicalLayout, b: usize) -> Vec<u8> {
+    let layers = l.layout().config().num_layers;
+    l.block_addrs(b, 0..layers)
+        .into_iter()
+        // SAFETY: host memory of the layout, read while nothing writes it.
+        .flat_map(|(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) }.to_vec())
+        .collect()
+}
+
+fn write_host_block(l: &crate::physical::PhysicalLayout, b: usize, seed: u8) {
+    let layers = l.layout().config().num_layers;
+    let mut k = 0u8;
+    for (a, n) in l.block_addrs(b, 0..layers) {
+        // SAFETY: host memory of the layout, written by this test only.
+        let s = unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) };
+        for x in s {
+            *x = k.wrapping_mul(7).wrapping_add(seed);
+            k = k.wrapping_add(1);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    /// `copy_host_block`: every byte of the source block lands in order in the destination
+    /// block, whatever the regions of each side; the neighbouring blocks are untouched.
+    #[test]
+    fn a_host_block_copies_whole_across_region_shapes(
+        layers in 1usize..4, outer in 1usize..3, src in 0usize..3, dst in 0usize..3, seed: u8,
+        kind in 0usize..3,
+    ) {
+        let inner = 24;
+        let bytes = layers * outer * inner;
+        // Whole blocks, per layer per block, or K of every block then V: three region shapes.
+        let kind = match kind {
+            0 => LayoutKind::FullyContiguous,
+            1 => LayoutKind::LayerSeparate(BlockDim::BlockContiguous),
+            _ => LayoutKind::LayerSeparate(BlockDim::OuterContiguous),
+        };
+        let from = host_layout(layers, outer, inner, kind);
+        let to = host_layout(1, 1, bytes, LayoutKind::FullyContiguous);
+        for b in 0..3 {
+            write_host_block(&from, b, seed.wrapping_add(b as u8));
+            write_host_block(&to, b, 0xEE);
+        }
+        let others: Vec<Vec<u8>> = (0..3).map(|b| host_block(&to, b)).collect();
+        // SAFETY: both layouts are this test's; nothing else touches them.
+        let n = unsafe { from.copy_host_block(src, &to, dst) }.unwrap();
+        prop_assert_eq!(n, bytes);
+        prop_assert_eq!(host_block(&to, dst), host_block(&from, src));
+        for b in (0..3).filter(|b| *b != dst) {
+            prop_assert_eq!(&host_block(&to, b), &others[b]);
+        }
+    }
+}
+
+#[test]
+fn copy_host_block_refuses_other_sizes_and_blocks_out_of_range() {
+    let (a, b) = (
+        host_layout(2, 1, 8, LayoutKind::FullyContiguous),
+        host_layout(1, 1, 8, LayoutKind::FullyContiguous),
+    );
+    // SAFETY: the test's own layouts; nothing is copied when refused.
+    let sizes = unsafe { a.copy_host_block(0, &b, 0) };
+    assert!(
+        matches!(sizes, Err(crate::PhysicalError::InvalidArgument(_))),
+        "{sizes:?}"
+    );
+    // SAFETY: as above.
+    let range = unsafe { b.copy_host_block(3, &b, 0) };
+    assert!(
+        matches!(range, Err(crate::PhysicalError::InvalidArgument(_))),
+        "{range:?}"
+    );
+}
