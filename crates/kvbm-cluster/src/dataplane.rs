@@ -158,6 +158,8 @@
 mod admission;
 mod client;
 mod handshake;
+pub mod lease;
+pub mod rank;
 mod server;
 pub(crate) mod wire;
 
@@ -168,6 +170,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub use client::{ClientStats, DataPlaneClient};
+pub(crate) use client::{own_digest, publish_pull};
 pub use server::{DataPlaneServer, ServerStats};
 pub use wire::binding;
 
@@ -304,6 +307,24 @@ pub(crate) fn payload_mac_for(setting: Option<bool>, peer: std::net::IpAddr) -> 
         };
         !ip.is_loopback()
     })
+}
+
+/// The data-plane address peers are told: `advertise` (validated `host:port`; port 0 takes
+/// the bound port), else the bound address.
+pub(crate) fn advertised(advertise: Option<&str>, bound: std::net::SocketAddr) -> Result<String> {
+    let Some(a) = advertise else {
+        return Ok(bound.to_string());
+    };
+    let mut addr: std::net::SocketAddr = a.parse().map_err(|e| {
+        EngineError::config(
+            "transport.data_plane_advertise",
+            format!("{a:?} is not a host:port address ({e})"),
+        )
+    })?;
+    if addr.port() == 0 {
+        addr.set_port(bound.port());
+    }
+    Ok(addr.to_string())
 }
 
 /// Where each instance's data plane listens. Filled by whoever learns of peers: an

@@ -106,6 +106,7 @@
 //! index and presence each document theirs; none is held while another is taken here.
 
 pub mod presence;
+mod lending;
 mod ranks;
 
 use std::sync::Arc;
@@ -135,6 +136,8 @@ use kvbm_engine::runtime::RuntimeHandle;
 use kvbm_engine::stack::{Identities, TierMovers, TierSet, TierSetPlan, TierSinks};
 use kvbm_engine::{InstanceId, WorkerAddress};
 use ranks::Ranks;
+
+pub use lending::{LenderStats, MAX_LEASES};
 
 pub use presence::{Presence, PresenceConfig, PresenceStats};
 
@@ -482,7 +485,7 @@ impl InstanceBuilder {
                     block_bytes: here.g2_layout.layout().config().block_bytes(),
                     // What peers dial: the advertised address (its port 0 the bound one),
                     // else the bound address.
-                    data_plane: Some(advertised(
+                    data_plane: Some(crate::dataplane::advertised(
                         config.transport.data_plane_advertise.as_deref(),
                         here.server.local_addr(),
                     )?),
@@ -490,12 +493,13 @@ impl InstanceBuilder {
                 (leader, Memory::Here(Box::new(here)), this)
             }
             WorkersMode::Processes => {
-                // The ranks' G2 is not served to peers (no data plane reads it), so its events
-                // are not published: no peer is sent to a G2 it cannot pull from. G4 is the
-                // shared bucket: its events are (peers of this fingerprint, so of this rank
-                // count, read the same objects through their own ranks).
+                // The ranks' G2 is served to peers only when every rank serves the rank plane
+                // (`Ranks::start` decides: without it, G2 events are not published, so no peer
+                // is sent to a G2 it cannot pull from). G4 is the shared bucket: its events
+                // are (peers of this fingerprint, so of this rank count, read the same objects
+                // through their own ranks).
                 let sinks = TierSinks {
-                    g2: None,
+                    g2: Some(sink.clone() as Arc<dyn EventSink>),
                     g3: Some(sink.clone() as Arc<dyn EventSink>),
                     g4: Some(sink.clone() as Arc<dyn EventSink>),
                 };
@@ -503,7 +507,7 @@ impl InstanceBuilder {
                     index: index.clone(),
                     this: id,
                     shared_g4: true,
-                    remote_g2: false,
+                    remote_g2: true,
                 };
                 let ranks = Ranks::start(
                     &config,
@@ -514,15 +518,20 @@ impl InstanceBuilder {
                     security.clone(),
                     sinks,
                     remote,
+                    ranks::Sharing {
+                        subject: subject.clone(),
+                        identities: self.identities.clone(),
+                    },
                     &cancel,
                 )
                 .await?;
                 let leader = ranks.tiers.leader.clone();
+                let lends = ranks.pull.is_some();
                 let this = PeerInfo {
                     worker: WorkerAddress::new(id, 0),
-                    tiers: [TierId::G3, TierId::G4]
+                    tiers: [TierId::G2, TierId::G3, TierId::G4]
                         .into_iter()
-                        .filter(|t| leader.has_tier(*t))
+                        .filter(|t| leader.has_tier(*t) && (*t != TierId::G2 || lends))
                         .collect(),
                     num_blocks: tiers.g2_blocks,
                     block_bytes: ranks.block_bytes,
@@ -695,24 +704,6 @@ impl Here {
             },
         ))
     }
-}
-
-/// The data-plane address peers are told: `advertise` (validated `host:port`; port 0 takes
-/// the bound port), else the bound address.
-fn advertised(advertise: Option<&str>, bound: std::net::SocketAddr) -> Result<String> {
-    let Some(a) = advertise else {
-        return Ok(bound.to_string());
-    };
-    let mut addr: std::net::SocketAddr = a.parse().map_err(|e| {
-        EngineError::config(
-            "transport.data_plane_advertise",
-            format!("{a:?} is not a host:port address ({e})"),
-        )
-    })?;
-    if addr.port() == 0 {
-        addr.set_port(bound.port());
-    }
-    Ok(addr.to_string())
 }
 
 /// One outcome per block in request order, from the per-block slots a call filled; a slot
@@ -889,6 +880,15 @@ impl Instance {
         match &self.memory {
             Memory::Here(_) => None,
             Memory::Ranks(r) => Some(&r.workers),
+        }
+    }
+
+    /// With worker processes that serve the rank plane: the counters of the leases it lent
+    /// peers (`lending.rs`); none otherwise.
+    pub fn lender_stats(&self) -> Option<&Arc<LenderStats>> {
+        match &self.memory {
+            Memory::Here(_) => None,
+            Memory::Ranks(r) => r.lender.as_ref(),
         }
     }
 
@@ -1376,7 +1376,10 @@ impl Instance {
                 MoversToG2 {
                     g3_to_g2: r.g3_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G3, G2>>),
                     g4_to_g2: r.g4_to_g2.clone().map(|m| m as Arc<dyn BlockMove<G4, G2>>),
-                    remote_g2: None,
+                    remote_g2: r
+                        .pull
+                        .clone()
+                        .map(|p| p as Arc<dyn kvbm_engine::cross_instance::RemotePull>),
                 },
                 r.g2_to_g1.clone(),
             ),

@@ -12,6 +12,7 @@
 //!     [--page-size P] [--inner-dim D] [--g3-file PATH] [--fill-seed S] [--prefix P]
 //!     [--announce] [--delay-from TIER --delay-ms MS] [--max-in-flight N]
 //!     [--trust-root HEX --credential FILE] [--insecure]
+//!     [--data-plane HOST:PORT [--data-plane-advertise HOST:PORT]]
 //! ```
 //!
 //! `--instance` is the id of the instance whose rank this is, decimal or `0x`-hex (the
@@ -22,6 +23,14 @@
 //! transfer out of a tier (fault-injection tests kill the process meanwhile). `--max-in-flight`
 //! bounds the requests served at once (default: `transport.worker_max_in_flight`'s, 256; one
 //! more is answered `Refused`, see `WorkerServer::max_in_flight`).
+//!
+//! With `--data-plane` it serves the rank plane there (port 0: any free port; see
+//! `kvbm_cluster::dataplane::rank`): the G2 slots its leader lends, to the same rank of the
+//! lease's puller instance, and pulls its slice of a peer's blocks when its leader asks. Its
+//! address reaches pullers through its leader (`--data-plane-advertise`, its port 0 the bound
+//! port, else the bound address). With security on, only workers at this rank of the
+//! namespace's instances connect; without `--data-plane` the leader's lend and pull requests
+//! are refused (the instance then shares only through G4).
 //!
 //! It announces its rank and incarnation every `transport.heartbeat_interval_ms` (see
 //! `cluster::transport::membership`), and once more as departing when it stops.
@@ -46,6 +55,8 @@ use std::io::{BufRead, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvbm_cluster::dataplane::DataPlaneConfig;
+use kvbm_cluster::dataplane::rank::RankPlane;
 use kvbm_cluster::security::{Role, Security, SecurityConfig};
 use kvbm_cluster::transport::control::{ControlRequest, fill_pattern};
 use kvbm_cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connect_with};
@@ -76,6 +87,8 @@ struct Args {
     announce: bool,
     delay: Option<(TierId, u64)>,
     max_in_flight: usize,
+    data_plane: Option<String>,
+    data_plane_advertise: Option<String>,
     security: SecurityConfig,
     config: KvbmConfig,
 }
@@ -95,6 +108,8 @@ fn parse() -> Result<Args, BinError> {
         announce: false,
         delay: None,
         max_in_flight: kvbm_engine::config::TransportConfig::default().worker_max_in_flight,
+        data_plane: None,
+        data_plane_advertise: None,
         security: SecurityConfig::default(),
         config: ConfigBuilder::from_process_env()
             .and_then(|b| b.build())
@@ -133,6 +148,8 @@ fn parse() -> Result<Args, BinError> {
             "--page-size" => a.page_size = num(&value)? as usize,
             "--inner-dim" => a.inner_dim = num(&value)? as usize,
             "--g3-file" => a.g3_file = Some(value),
+            "--data-plane" => a.data_plane = Some(value),
+            "--data-plane-advertise" => a.data_plane_advertise = Some(value),
             "--fill-seed" => a.fill_seed = Some(num(&value)? as u8),
             "--prefix" => a.prefix = value,
             "--trust-root" => a.security.trust_root = Some(value),
@@ -163,6 +180,9 @@ fn parse() -> Result<Args, BinError> {
             .ok_or("--nats URL (or transport.nats_url) is required")?;
     }
     check_nats_url("--nats", &a.nats)?;
+    if a.data_plane_advertise.is_some() && a.data_plane.is_none() {
+        return Err("--data-plane-advertise needs --data-plane".into());
+    }
     a.delay = match (delay_from, delay_ms) {
         (Some(t), Some(ms)) => Some((t, ms)),
         (None, None) => None,
@@ -197,6 +217,39 @@ fn security(a: &Args) -> Result<Security, BinError> {
     Ok(security)
 }
 
+/// The configuration as the instance this process is a rank of sees it: its ranks run as
+/// processes, and its fingerprint binds them so (`KvbmConfig::parallelism`), whatever mode
+/// this tree says.
+fn instance_config(a: &Args) -> KvbmConfig {
+    let mut config = a.config.clone();
+    config.workers.mode = kvbm_engine::config::WorkersMode::Processes;
+    config
+}
+
+/// This rank's rank plane on `--data-plane` over its G2, scoped by the instance's fingerprint.
+async fn rank_plane(
+    a: &Args,
+    bind: &str,
+    worker: &PhysicalWorker,
+    security: Arc<Security>,
+) -> Result<Arc<RankPlane>, BinError> {
+    let g2 = worker
+        .layout(TierId::G2)
+        .ok_or("no G2 layout")
+        .and_then(|h| worker.transfer_manager().layout(h).map_err(|_| "no G2 layout"))?;
+    let config = instance_config(a);
+    let mut dp = DataPlaneConfig::from_transport(&config.transport)?;
+    dp.bind = bind
+        .parse()
+        .map_err(|e| format!("--data-plane: {bind:?} is not a host:port address ({e})"))?;
+    dp.scope = config.fingerprint(g2.layout().config())?.short();
+    let address = WorkerAddress::new(InstanceId(a.instance), a.rank);
+    let plane = RankPlane::start(dp, address, g2, security, a.data_plane_advertise.as_deref())
+        .await
+        .map_err(|e| format!("--data-plane {bind}: {e}"))?;
+    Ok(Arc::new(plane))
+}
+
 /// This rank's G4 (with `tiers.g4_blocks` > 0): its directory of the configured object store,
 /// scoped by the instance's fingerprint of `geometry`.
 fn g4_layout(
@@ -207,10 +260,7 @@ fn g4_layout(
     if a.config.tiers.g4_blocks == 0 {
         return Ok(None);
     }
-    // The instance this process is a rank of runs its ranks as processes: its fingerprint
-    // binds them so (`KvbmConfig::parallelism`), whatever mode this tree says.
-    let mut config = a.config.clone();
-    config.workers.mode = kvbm_engine::config::WorkersMode::Processes;
+    let config = instance_config(a);
     let fingerprint = config.fingerprint(geometry.config())?;
     let object = config.rank_object_config(a.rank)?;
     let (storage, _) = runtime.block_on(kvbm_engine::stack::open_g4_storage(
@@ -320,12 +370,25 @@ fn main() {
             }
         };
         let address = WorkerAddress::new(InstanceId(args.instance), args.rank);
+        let plane = match &args.data_plane {
+            None => None,
+            Some(bind) => match rank_plane(&args, bind, &worker, security.clone()).await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    eprintln!("kvbm-engine-worker: {e}");
+                    return 1;
+                }
+            },
+        };
         let mut server = WorkerServer::new(client, &args.prefix, address, worker)
             .max_in_flight(args.max_in_flight)
             .heartbeat(std::time::Duration::from_millis(
                 args.config.transport.heartbeat_interval_ms,
             ))
             .security(security);
+        if let Some(p) = &plane {
+            server = server.rank_plane(p.clone());
+        }
         if args.announce {
             server = server.on_request(Arc::new(|r: &ControlRequest| {
                 let kind = match r {
@@ -335,6 +398,11 @@ fn main() {
                     }
                     ControlRequest::Digest { tier, .. } => format!("digest {tier}"),
                     ControlRequest::Fill { tier, .. } => format!("fill {tier}"),
+                    ControlRequest::Lend { blocks, .. } => format!("lend {}", blocks.len()),
+                    ControlRequest::EndLease { .. } => "end-lease".to_string(),
+                    ControlRequest::PullSlices { hashes, .. } => {
+                        format!("pull-slices {}", hashes.len())
+                    }
                 };
                 let mut out = std::io::stdout().lock();
                 let _ = writeln!(out, "request {kind}");
@@ -353,6 +421,9 @@ fn main() {
         };
         {
             let mut out = std::io::stdout().lock();
+            if let Some(p) = &plane {
+                let _ = writeln!(out, "rank-plane {}", p.advertised());
+            }
             let _ = writeln!(out, "ready {}", address.control_subject(&args.prefix));
             let _ = out.flush();
         }

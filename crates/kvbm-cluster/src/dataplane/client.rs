@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use kvbm_logical::{BlockDigest, BlockManager, CompleteBlock, G2, MutableBlock, SequenceHash};
+use kvbm_logical::{BlockDigest, BlockManager, G2, MutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
 use kvbm_physical::checksum::checksum_slices;
 use kvbm_physical::identity::scoped_geometry_digest;
@@ -35,7 +35,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::handshake::{self, Session};
+use super::handshake::{self, Party, Session};
 use super::wire::{
     self, FRAME_HEADER_LEN, Frame, RESPONSE_HEAD_LEN, RequestHead, TAG_LEN, VERSION, VERSION_AUTH,
 };
@@ -49,9 +49,30 @@ use kvbm_offload::{BlockFailure, BlockFailureKind, MoveOutcome};
 
 /// Pulls remote G2 blocks into this instance's G2: see the [module docs](crate::dataplane).
 pub struct DataPlaneClient {
+    link: Link,
     manager: Arc<BlockManager<G2>>,
-    layout: Arc<PhysicalLayout>,
     peers: Arc<PeerDirectory>,
+    /// The digests this instance knows itself (from its own keys): a peer's frame must name
+    /// the same, and the block is registered with this instance's, never the peer's.
+    identities: Arc<Identities>,
+    digests_refused: AtomicU64,
+    /// The index of what peers hold: an entry a pull proved wrong is forgotten.
+    index: Option<Arc<CrossInstanceIndex>>,
+    entries_forgotten: AtomicU64,
+}
+
+/// One verified frame (with the digest the server recorded for the block, if any), or why
+/// the block did not come.
+pub(crate) type Verified = std::result::Result<Option<BlockDigest>, BlockFailure>;
+
+/// The connections, the protocol and the checks of pulling blocks into slots of a host
+/// layout, from servers of one [`Party`] (the instance plane's leaders, or one rank of the
+/// rank plane): what [`DataPlaneClient`] and a worker rank's slice puller
+/// ([`crate::dataplane::rank`]) share. It writes slots and verifies frames; registering what
+/// it verified is its owner's.
+pub(crate) struct Link {
+    party: Party,
+    layout: Arc<PhysicalLayout>,
     config: DataPlaneConfig,
     geometry: u64,
     block_bytes: usize,
@@ -64,13 +85,6 @@ pub struct DataPlaneClient {
     security: Arc<Security>,
     handshakes_refused: AtomicU64,
     tags_refused: AtomicU64,
-    /// The digests this instance knows itself (from its own keys): a peer's frame must name
-    /// the same, and the block is registered with this instance's, never the peer's.
-    identities: Arc<Identities>,
-    digests_refused: AtomicU64,
-    /// The index of what peers hold: an entry a pull proved wrong is forgotten.
-    index: Option<Arc<CrossInstanceIndex>>,
-    entries_forgotten: AtomicU64,
 }
 
 /// A frame header, and its tag when authenticated.
@@ -134,8 +148,8 @@ pub struct ClientStats {
 impl std::fmt::Debug for DataPlaneClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataPlaneClient")
-            .field("block_bytes", &self.block_bytes)
-            .field("config", &self.config)
+            .field("block_bytes", &self.link.block_bytes)
+            .field("config", &self.link.config)
             .finish_non_exhaustive()
     }
 }
@@ -176,7 +190,6 @@ impl DataPlaneClient {
         peers: Arc<PeerDirectory>,
         security: Arc<Security>,
     ) -> Result<Self> {
-        wire::check_host(&layout)?;
         let c = *layout.layout().config();
         if c.num_blocks < manager.total_blocks() {
             return Err(EngineError::config(
@@ -189,19 +202,9 @@ impl DataPlaneClient {
             ));
         }
         Ok(Self {
+            link: Link::new(Party::Leader, config, layout, security)?,
             manager,
-            geometry: scoped_geometry_digest(&c, config.scope),
-            block_bytes: c.block_bytes(),
-            layout,
             peers,
-            config,
-            idle: Mutex::new(Pool::default()),
-            in_flight: Mutex::new(HashMap::new()),
-            deadlines_exceeded: AtomicU64::new(0),
-            pool_evictions: AtomicU64::new(0),
-            security,
-            handshakes_refused: AtomicU64::new(0),
-            tags_refused: AtomicU64::new(0),
             identities: Arc::default(),
             digests_refused: AtomicU64::new(0),
             index: None,
@@ -235,23 +238,10 @@ impl DataPlaneClient {
 
     /// The counters, and the pool's size (after closing expired connections).
     pub fn stats(&self) -> ClientStats {
-        let (idle_peers, idle_connections) = {
-            let mut pool = self.idle.lock();
-            pool.prune(Instant::now(), self.config.idle_expiry);
-            (
-                pool.peers.len(),
-                pool.peers.values().map(|(_, v)| v.len()).sum(),
-            )
-        };
         ClientStats {
-            deadlines_exceeded: self.deadlines_exceeded.load(Ordering::Relaxed),
-            pool_evictions: self.pool_evictions.load(Ordering::Relaxed),
-            idle_peers,
-            idle_connections,
-            handshakes_refused: self.handshakes_refused.load(Ordering::Relaxed),
-            tags_refused: self.tags_refused.load(Ordering::Relaxed),
             digests_refused: self.digests_refused.load(Ordering::Relaxed),
             entries_forgotten: self.entries_forgotten.load(Ordering::Relaxed),
+            ..self.link.stats()
         }
     }
 
@@ -259,7 +249,6 @@ impl DataPlaneClient {
     pub fn peers(&self) -> &Arc<PeerDirectory> {
         &self.peers
     }
-
     /// Pulls `hashes[i]` from `instance`'s server at `addr` into `destinations[i]`. One
     /// outcome per block, in order; a block is registered in the local G2 manager only if its
     /// frame verified (identity, binding, geometry, length, checksum).
@@ -298,12 +287,173 @@ impl DataPlaneClient {
             );
         }
         let started = Instant::now();
+        let slots: Vec<usize> = destinations.iter().map(|d| d.block_id()).collect();
+        // SAFETY: every slot is a mutable block of the manager this layout covers (checked
+        // above), owned by `destinations` until this returns: nothing else reads or writes it.
+        let verified = unsafe { self.link.pull_slots(addr, instance, hashes, &slots) }.await;
+        let peer = format!("{instance} at {addr}");
+        // Per block: the complete block to register, or why not (its destination dropped,
+        // back to its pool).
+        let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(hashes.len());
+        let (mut ok, mut positions) = (Vec::new(), Vec::new());
+        for (i, ((dest, &hash), v)) in destinations.into_iter().zip(hashes).zip(verified).enumerate() {
+            // Registered with the digest this instance knows for the block, else the one the
+            // server recorded (bound to the hash by the frame), so it travels on with the
+            // block (to G3/G4 headers, to the next pull).
+            let done = v.and_then(|announced| {
+                self.own_digest(hash, announced, &peer)
+                    .and_then(|digest| {
+                        dest.complete_with_digest(hash, digest).map_err(|e| {
+                            BlockFailure::new(
+                                BlockFailureKind::Transfer,
+                                format!("completing {hash:?}: {}", e.error),
+                            )
+                        })
+                    })
+            });
+            match done {
+                Ok(b) => {
+                    ok.push(b);
+                    positions.push(i);
+                    out.push(None);
+                }
+                Err(f) => {
+                    // The peer said it does not hold the block, or its bytes failed their
+                    // checksum or identity: the index stops sending pulls there (a broken
+                    // stream says nothing of the copy).
+                    if f.kind == BlockFailureKind::NotFound || f.kind.drops_copy() {
+                        self.forget(instance, hash);
+                    }
+                    out.push(Some(Err(f)));
+                }
+            }
+        }
+        // The verified blocks registered in one batch, keeping the request order.
+        for (b, i) in self.manager.register_blocks(ok).into_iter().zip(positions) {
+            out[i] = Some(Ok(b));
+        }
+        let out: Vec<MoveOutcome<G2>> = out
+            .into_iter()
+            .map(|o| o.expect("every block settled"))
+            .collect();
+        self.publish(&out, started);
+        out
+    }
+
+    /// What a pull brought, into the metrics: the blocks pulled and their bytes, the blocks
+    /// it did not bring by failure kind, and its time.
+    fn publish(&self, out: &[MoveOutcome<G2>], started: Instant) {
+        publish_pull(out, self.link.block_bytes, started);
+    }
+
+    /// Forgets the index entry saying `instance` holds `hash` in G2 (a pull proved it wrong).
+    fn forget(&self, instance: InstanceId, hash: SequenceHash) {
+        if let Some(index) = &self.index
+            && index.forget(instance, hash, kvbm_logical::TierId::G2)
+        {
+            self.entries_forgotten.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The digest a pulled block is registered with: this instance's own when it knows the
+    /// block (the peer's must then be the same, or absent), else the one the peer announced.
+    fn own_digest(
+        &self,
+        hash: SequenceHash,
+        announced: Option<BlockDigest>,
+        peer: impl std::fmt::Display,
+    ) -> std::result::Result<Option<BlockDigest>, BlockFailure> {
+        own_digest(&self.identities, hash, announced, peer).inspect_err(|_| {
+            self.digests_refused.fetch_add(1, Ordering::Relaxed);
+        })
+    }
+
+}
+
+impl Link {
+    /// Pulls from servers of `party` into the host `layout`.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `layout` is not host memory.
+    pub(crate) fn new(
+        party: Party,
+        config: DataPlaneConfig,
+        layout: Arc<PhysicalLayout>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
+        wire::check_host(&layout)?;
+        let c = *layout.layout().config();
+        Ok(Self {
+            party,
+            geometry: scoped_geometry_digest(&c, config.scope),
+            block_bytes: c.block_bytes(),
+            layout,
+            config,
+            idle: Mutex::new(Pool::default()),
+            in_flight: Mutex::new(HashMap::new()),
+            deadlines_exceeded: AtomicU64::new(0),
+            pool_evictions: AtomicU64::new(0),
+            security,
+            handshakes_refused: AtomicU64::new(0),
+            tags_refused: AtomicU64::new(0),
+        })
+    }
+
+    /// Its counters and the pool's size (after closing expired connections).
+    pub(crate) fn stats(&self) -> ClientStats {
+        let (idle_peers, idle_connections) = {
+            let mut pool = self.idle.lock();
+            pool.prune(Instant::now(), self.config.idle_expiry);
+            (
+                pool.peers.len(),
+                pool.peers.values().map(|(_, v)| v.len()).sum(),
+            )
+        };
+        ClientStats {
+            deadlines_exceeded: self.deadlines_exceeded.load(Ordering::Relaxed),
+            pool_evictions: self.pool_evictions.load(Ordering::Relaxed),
+            idle_peers,
+            idle_connections,
+            handshakes_refused: self.handshakes_refused.load(Ordering::Relaxed),
+            tags_refused: self.tags_refused.load(Ordering::Relaxed),
+            ..ClientStats::default()
+        }
+    }
+
+
+    /// Pulls `hashes[i]` from `instance`'s server at `addr` into slot `slots[i]` of the layout:
+    /// one verified frame or failure per block, in order. A failed block's slot may hold any
+    /// bytes (part of a payload); nothing is written once this returns.
+    ///
+    /// # Safety
+    /// Every slot is in range of the layout and exclusively the caller's until this returns
+    /// (nothing else reads or writes it), even when the returned future is dropped early.
+    pub(crate) async unsafe fn pull_slots(
+        &self,
+        addr: SocketAddr,
+        instance: InstanceId,
+        hashes: &[SequenceHash],
+        slots: &[usize],
+    ) -> Vec<Verified> {
+        let n = hashes.len();
+        if slots.len() != n {
+            let m = format!("{} slots for {n} blocks", slots.len());
+            return (0..n)
+                .map(|_| Err(BlockFailure::new(BlockFailureKind::Refused, m.clone())))
+                .collect();
+        }
+        let num_blocks = self.layout.layout().config().num_blocks;
+        if let Some(s) = slots.iter().find(|s| **s >= num_blocks) {
+            let m = format!("slot {s} is out of the layout's {num_blocks} blocks");
+            return (0..n)
+                .map(|_| Err(BlockFailure::new(BlockFailureKind::Refused, m.clone())))
+                .collect();
+        }
         // Held until every part is settled: at most `max_connections_per_peer` pulls per peer.
         let _permit = self.permit(addr.ip()).await;
-        let mut out: Vec<MoveOutcome<G2>> = Vec::with_capacity(hashes.len());
-        let mut dests = destinations.into_iter();
-        for chunk in hashes.chunks(self.config.max_blocks_per_request.max(1)) {
-            let mut part: Vec<MutableBlock<G2>> = dests.by_ref().take(chunk.len()).collect();
+        let mut out: Vec<Verified> = Vec::with_capacity(n);
+        let per = self.config.max_blocks_per_request.max(1);
+        for (chunk, part) in hashes.chunks(per).zip(slots.chunks(per)) {
             // A pooled connection may have been closed by the server meanwhile: when nothing
             // of the response was read, try once more on a fresh one.
             let mut settled = Vec::new();
@@ -311,15 +461,12 @@ impl DataPlaneClient {
                 let (stream, pooled) = match self.connection(addr, instance, attempt == 0).await {
                     Ok(s) => s,
                     Err(e) => {
-                        settled = fail_all(part.len(), &e);
-                        part = Vec::new();
+                        settled = fail_slots(part.len(), &e);
                         break;
                     }
                 };
-                let n = part.len();
                 // The whole request within the deadline; past it the future is dropped with
-                // the destinations it holds (back to their pool, never registered) and the
-                // connection.
+                // the connection, so nothing more is written to the slots.
                 let r = tokio::time::timeout(
                     self.config.pull_deadline,
                     self.request(stream, addr, instance, chunk, part),
@@ -337,49 +484,26 @@ impl DataPlaneClient {
                             self.config.pull_deadline
                         ),
                     );
-                    settled = fail_all(n, &f);
-                    part = Vec::new();
+                    settled = fail_slots(part.len(), &f);
                     break;
                 };
                 match r {
                     Ok(done) => {
                         settled = done;
-                        part = Vec::new();
                         break;
                     }
-                    Err((failed, back)) => {
+                    Err(failed) => {
                         if failed.before_response && pooled && attempt == 0 {
-                            part = back;
                             continue;
                         }
-                        settled = fail_all(back.len(), &failed.failure);
-                        part = Vec::new();
+                        settled = fail_slots(part.len(), &failed.failure);
                         break;
                     }
                 }
             }
-            drop(part);
             out.extend(settled);
         }
-        self.publish(&out, started);
         out
-    }
-
-    /// What a pull brought, into the metrics: the blocks pulled and their bytes, the blocks
-    /// it did not bring by failure kind, and its time.
-    fn publish(&self, out: &[MoveOutcome<G2>], started: Instant) {
-        use kvbm_engine::metrics as m;
-        let pulled = out.iter().filter(|o| o.is_ok()).count() as u64;
-        if pulled > 0 {
-            metrics::counter!(m::DATAPLANE_PULLED_BLOCKS).increment(pulled);
-            metrics::counter!(m::DATAPLANE_PULLED_BYTES)
-                .increment(pulled * self.block_bytes as u64);
-        }
-        for f in out.iter().filter_map(|o| o.as_ref().err()) {
-            metrics::counter!(m::DATAPLANE_PULL_FAILED_BLOCKS, m::REASON_LABEL => f.kind.as_str())
-                .increment(1);
-        }
-        metrics::histogram!(m::DATAPLANE_PULL_SECONDS).record(started.elapsed().as_secs_f64());
     }
 
     /// A permit to pull from `peer` (waits while `max_connections_per_peer` pulls run there).
@@ -459,6 +583,7 @@ impl DataPlaneClient {
                 sealing,
                 super::payload_mac_for(self.config.payload_mac, addr.ip()),
                 instance,
+                self.party,
             ),
         )
         .await;
@@ -520,16 +645,17 @@ impl DataPlaneClient {
         }
     }
 
-    /// One request. `Err` hands the destinations back when nothing settled (so the caller can
-    /// retry), or, after a failure mid-response, the unsettled rest is failed here.
+    /// One request into `slots` (the caller's, see [`pull_slots`](Self::pull_slots)). `Err`
+    /// when nothing settled (so the caller can retry); after a failure mid-response, the
+    /// unsettled rest is failed here.
     async fn request(
         &self,
         mut conn: Conn,
         addr: SocketAddr,
         instance: InstanceId,
         hashes: &[SequenceHash],
-        destinations: Vec<MutableBlock<G2>>,
-    ) -> std::result::Result<Vec<MoveOutcome<G2>>, (RequestFailed, Vec<MutableBlock<G2>>)> {
+        slots: &[usize],
+    ) -> std::result::Result<Vec<Verified>, RequestFailed> {
         let io = self.config.io_timeout;
         let peer = format!("{instance} at {addr}");
         let from_peer = |mut f: BlockFailure| {
@@ -566,86 +692,60 @@ impl DataPlaneClient {
         }
         let stream = &mut conn.stream;
         if let Err(e) = timed(io, stream.write_all(&request)).await {
-            return Err((fail(e, true), destinations));
+            return Err(fail(e, true));
         }
         let mut head = [0u8; RESPONSE_HEAD_LEN];
         if let Err(e) = timed(io, stream.read_exact(&mut head)).await {
-            return Err((fail(e, true), destinations));
+            return Err(fail(e, true));
         }
         if let Some(sess) = &mut conn.session {
             // The head's tag before any of its fields is believed.
             let mut tag = [0u8; TAG_LEN];
             if let Err(e) = timed(io, conn.stream.read_exact(&mut tag)).await {
-                return Err((fail(e, false), destinations));
+                return Err(fail(e, false));
             }
             if !sess.check(&[&head], &tag) {
                 let f = self.tag_refused("response head");
-                return Err((fail(f, false), destinations));
+                return Err(fail(f, false));
             }
         }
         let (status, count) = match wire::decode_response_version(&head, version) {
             Ok(v) => v,
-            Err(e) => return Err((fail(e, false), destinations)),
+            Err(e) => return Err(fail(e, false)),
         };
         if status != 0 {
             let m = format!("refused: {}", wire::Status::describe(status));
-            return Err((fail(refused(m), false), destinations));
+            return Err(fail(refused(m), false));
         }
         if count as usize != hashes.len() {
             let m = format!("answered {count} frames for {} blocks", hashes.len());
             let f = BlockFailure::new(BlockFailureKind::Transfer, m);
-            return Err((fail(f, false), destinations));
+            return Err(fail(f, false));
         }
 
         let layers = self.layout.layout().config().num_layers;
-        // Per block: Ok(complete block to register) or Err(why).
-        let mut settled: Vec<std::result::Result<CompleteBlock<G2>, BlockFailure>> =
-            Vec::with_capacity(hashes.len());
+        let mut settled: Vec<Verified> = Vec::with_capacity(hashes.len());
         let mut broken: Option<BlockFailure> = None;
         // The next frame's header, read with the previous payload.
         let mut ahead: Option<RawHeader> = None;
         let n = hashes.len();
-        for (i, (dest, &hash)) in destinations.into_iter().zip(hashes).enumerate() {
+        for (i, (&slot, &hash)) in slots.iter().zip(hashes).enumerate() {
             if let Some(m) = &broken {
                 settled.push(Err(m.clone()));
                 continue;
             }
             let more = i + 1 < n;
             match self
-                .read_frame(&mut conn, instance, hash, &dest, layers, &mut ahead, more)
+                .read_frame(&mut conn, instance, hash, slot, layers, &mut ahead, more)
                 .await
             {
-                // Registered with the digest this instance knows for the block, else the one the
-                // server recorded (bound to the hash by the frame), so it travels on with the
-                // block (to G3/G4 headers, to the next pull).
-                Ok(Some(announced)) => match self.own_digest(hash, announced, &peer) {
-                    Ok(digest) => {
-                        settled.push(dest.complete_with_digest(hash, digest).map_err(|e| {
-                            BlockFailure::new(
-                                BlockFailureKind::Transfer,
-                                format!("completing {hash:?}: {}", e.error),
-                            )
-                        }))
-                    }
-                    Err(f) => {
-                        self.forget(instance, hash);
-                        settled.push(Err(f));
-                    }
-                },
-                Ok(None) => {
-                    self.forget(instance, hash);
-                    settled.push(Err(BlockFailure::new(
-                        BlockFailureKind::NotFound,
-                        format!("block {:032x} is not held by {peer}", hash.as_u128()),
-                    )));
-                }
+                Ok(Some(announced)) => settled.push(Ok(announced)),
+                Ok(None) => settled.push(Err(BlockFailure::new(
+                    BlockFailureKind::NotFound,
+                    format!("block {:032x} is not held by {peer}", hash.as_u128()),
+                ))),
                 Err(e) => {
                     let f = from_peer(e);
-                    // Bytes that failed their checksum or identity prove the copy bad: the
-                    // index stops sending pulls there (a broken stream says nothing of it).
-                    if f.kind.drops_copy() {
-                        self.forget(instance, hash);
-                    }
                     settled.push(Err(f.clone()));
                     broken = Some(f);
                 }
@@ -654,27 +754,7 @@ impl DataPlaneClient {
         if broken.is_none() {
             self.give_back(addr, instance, conn);
         }
-        // Register the verified blocks in one batch, keeping the request order.
-        let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(settled.len());
-        let (mut ok, mut positions) = (Vec::new(), Vec::new());
-        for (i, s) in settled.into_iter().enumerate() {
-            match s {
-                Ok(b) => {
-                    ok.push(b);
-                    positions.push(i);
-                    out.push(None);
-                }
-                Err(e) => out.push(Some(Err(e))),
-            }
-        }
-        for (b, i) in self.manager.register_blocks(ok).into_iter().zip(positions) {
-            out[i] = Some(Ok(b));
-        }
-        let out = out
-            .into_iter()
-            .map(|o| o.expect("every block settled"))
-            .collect();
-        Ok(out)
+        Ok(settled)
     }
 
     /// Counts a head or frame whose tag did not verify, and says so.
@@ -688,43 +768,7 @@ impl DataPlaneClient {
         )
     }
 
-    /// Forgets the index entry saying `instance` holds `hash` in G2 (a pull proved it wrong).
-    fn forget(&self, instance: InstanceId, hash: SequenceHash) {
-        if let Some(index) = &self.index
-            && index.forget(instance, hash, kvbm_logical::TierId::G2)
-        {
-            self.entries_forgotten.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// The digest a pulled block is registered with: this instance's own when it knows the
-    /// block (the peer's must then be the same, or absent), else the one the peer announced.
-    fn own_digest(
-        &self,
-        hash: SequenceHash,
-        announced: Option<BlockDigest>,
-        peer: impl std::fmt::Display,
-    ) -> std::result::Result<Option<BlockDigest>, BlockFailure> {
-        let Some(known) = self.identities.get(hash) else {
-            return Ok(announced);
-        };
-        match announced {
-            Some(d) if d != known => {
-                self.digests_refused.fetch_add(1, Ordering::Relaxed);
-                Err(BlockFailure::new(
-                    BlockFailureKind::IdentityMismatch,
-                    format!(
-                        "{peer} named another block identity for {:032x} than this instance \
-                         derives from its own key",
-                        hash.as_u128()
-                    ),
-                ))
-            }
-            _ => Ok(Some(known)),
-        }
-    }
-
-    /// Reads one frame into `dest`: `Ok(Some(digest))` verified (with the digest the server
+    /// Reads one frame into `slot`: `Ok(Some(digest))` verified (with the digest the server
     /// recorded for the block, if any), `Ok(None)` absent on the server, `Err` a frame that
     /// must not be trusted (the stream is then unusable). Its header is `ahead`'s when the
     /// previous frame read it; with `more` (another frame follows), the next header is read
@@ -735,7 +779,7 @@ impl DataPlaneClient {
         conn: &mut Conn,
         instance: InstanceId,
         hash: SequenceHash,
-        dest: &MutableBlock<G2>,
+        slot: usize,
         layers: usize,
         ahead: &mut Option<RawHeader>,
         more: bool,
@@ -770,15 +814,16 @@ impl DataPlaneClient {
                 Frame::Absent => return Ok(None),
                 Frame::Payload(h, d) => (h, d),
             };
-        let regions = self.layout.block_addrs(dest.block_id(), 0..layers);
+        let regions = self.layout.block_addrs(slot, 0..layers);
         let payload_mac = conn.session.as_ref().is_some_and(|s| s.payload_mac);
         let mut payload_tag = [0u8; TAG_LEN];
         let mut next = [0u8; FRAME_HEADER_LEN + TAG_LEN];
         {
             let mut bufs: Vec<&mut [u8]> = regions
                 .iter()
-                // SAFETY: host memory of our layout (kept alive by `self`); `dest` is a mutable
-                // block we own exclusively, so nothing else reads or writes its slot meanwhile.
+                // SAFETY: host memory of our layout (kept alive by `self`); `slot` is in range
+                // and exclusively the caller's (`pull_slots`' contract): nothing else reads or
+                // writes it meanwhile.
                 .map(|&(p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
                 .collect();
             if payload_mac {
@@ -795,7 +840,7 @@ impl DataPlaneClient {
         // The payload, just written.
         let slices = || {
             regions.iter().map(|&(p, l)| {
-                // SAFETY: as above: host memory of our layout, in a block we own exclusively.
+                // SAFETY: as above: host memory of our layout, in a slot that is the caller's.
                 unsafe { std::slice::from_raw_parts(p as *const u8, l) }
             })
         };
@@ -821,7 +866,52 @@ impl DataPlaneClient {
     }
 }
 
+/// What a pull brought, into the metrics: the blocks pulled and their bytes (`block_bytes`
+/// each), the blocks it did not bring by failure kind, and its time.
+pub(crate) fn publish_pull<T>(out: &[std::result::Result<T, BlockFailure>], block_bytes: usize, started: Instant) {
+    use kvbm_engine::metrics as m;
+    let pulled = out.iter().filter(|o| o.is_ok()).count() as u64;
+    if pulled > 0 {
+        metrics::counter!(m::DATAPLANE_PULLED_BLOCKS).increment(pulled);
+        metrics::counter!(m::DATAPLANE_PULLED_BYTES).increment(pulled * block_bytes as u64);
+    }
+    for f in out.iter().filter_map(|o| o.as_ref().err()) {
+        metrics::counter!(m::DATAPLANE_PULL_FAILED_BLOCKS, m::REASON_LABEL => f.kind.as_str())
+            .increment(1);
+    }
+    metrics::histogram!(m::DATAPLANE_PULL_SECONDS).record(started.elapsed().as_secs_f64());
+}
+
+/// The digest a pulled block is registered with: the one `identities` (this instance's own,
+/// from its keys) knows for it, when it knows the block (the peer's must then be the same, or
+/// absent), else the one the peer announced.
+pub(crate) fn own_digest(
+    identities: &Identities,
+    hash: SequenceHash,
+    announced: Option<BlockDigest>,
+    peer: impl std::fmt::Display,
+) -> std::result::Result<Option<BlockDigest>, BlockFailure> {
+    let Some(known) = identities.get(hash) else {
+        return Ok(announced);
+    };
+    match announced {
+        Some(d) if d != known => Err(BlockFailure::new(
+            BlockFailureKind::IdentityMismatch,
+            format!(
+                "{peer} named another block identity for {:032x} than this instance derives \
+                 from its own key",
+                hash.as_u128()
+            ),
+        )),
+        _ => Ok(Some(known)),
+    }
+}
+
 fn fail_all(n: usize, failure: &BlockFailure) -> Vec<MoveOutcome<G2>> {
+    (0..n).map(|_| Err(failure.clone())).collect()
+}
+
+fn fail_slots(n: usize, failure: &BlockFailure) -> Vec<Verified> {
     (0..n).map(|_| Err(failure.clone())).collect()
 }
 

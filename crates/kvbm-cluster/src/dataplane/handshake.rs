@@ -116,16 +116,52 @@ fn hello(sealing: &Sealing, payload_mac: bool, key: &EphemeralKey, nonce: [u8; 3
     }
 }
 
-/// Checks a peer certificate: the root, the expiry, the namespace (tenant), and the role.
-fn check_peer(sealing: &Sealing, cert: &[u8], who: &str) -> Result<Arc<MemberCert>, Refused> {
+/// Who may be at the other end of a connection.
+///
+/// The instance plane connects leaders (an instance's server holds its G2 registrations); the
+/// rank plane connects worker ranks of one rank number (a rank of an instance whose ranks are
+/// processes serves the slices its leader lent, and pulls its own slice of a block from the
+/// same rank of the holder: see `dataplane::rank`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Party {
+    /// An instance's leader.
+    Leader,
+    /// A worker at this rank of an instance.
+    Rank(u32),
+}
+
+impl Party {
+    fn admits(self, cert: &MemberCert) -> bool {
+        match self {
+            Party::Leader => cert.role == Role::Leader,
+            Party::Rank(r) => cert.role == Role::Worker && cert.rank == r,
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Party::Leader => "an instance's leader".to_owned(),
+            Party::Rank(r) => format!("a worker at rank {r}"),
+        }
+    }
+}
+
+/// Checks a peer certificate: the root, the expiry, the namespace (tenant), and the role (and
+/// rank) `party` names.
+fn check_peer(
+    sealing: &Sealing,
+    cert: &[u8],
+    who: &str,
+    party: Party,
+) -> Result<Arc<MemberCert>, Refused> {
     let cert = sealing
         .verifier
         .check_cert(cert)
         .map_err(|r| Refused::rejected(r, format!("{who}'s certificate refused: {r}")))?;
-    if cert.role != Role::Leader {
+    if !party.admits(&cert) {
         return Err(Refused::rejected(
             Rejection::NotAllowed,
-            format!("{who} is {cert}, not an instance's leader"),
+            format!("{who} is {cert}, not {}", party.describe()),
         ));
     }
     Ok(cert)
@@ -167,6 +203,7 @@ async fn read_hello(
 pub(crate) async fn server<A>(
     stream: &mut TcpStream,
     sealing: &Sealing,
+    party: Party,
     payload_mac: bool,
     first: [u8; 8],
     admit: impl FnOnce(&MemberCert) -> Result<A, Refused>,
@@ -182,7 +219,7 @@ pub(crate) async fn server<A>(
     let mut proof = [0u8; SIG_LEN];
     stream.read_exact(&mut proof).await.map_err(Refused::io)?;
     // The tenant check: a client of another namespace (or no member) gets nothing.
-    let peer = check_peer(sealing, &theirs.cert, "the client")?;
+    let peer = check_peer(sealing, &theirs.cert, "the client", party)?;
     if !peer.verifies(&wire::client_proof(&client_hello, &challenge), &proof) {
         return Err(Refused::rejected(
             Rejection::BadSignature,
@@ -246,13 +283,14 @@ async fn next_magic(stream: &mut TcpStream) -> Result<[u8; 8], Refused> {
 }
 
 /// The client's side: proves this member to the server (its signature over the server's
-/// challenge), and checks the server is a member of this namespace and the leader of
-/// `expected` (the instance the client means to pull from).
+/// challenge), and checks the server is a member of this namespace, `party` (a leader, or a
+/// worker at a rank) of `expected` (the instance the client means to pull from).
 pub(crate) async fn client(
     stream: &mut TcpStream,
     sealing: &Sealing,
     payload_mac: bool,
     expected: InstanceId,
+    party: Party,
 ) -> Result<Session, Refused> {
     let (key, nonce) = fresh()?;
     let client_hello = hello(sealing, payload_mac, &key, nonce).encode(CLIENT_HELLO_MAGIC);
@@ -285,7 +323,7 @@ pub(crate) async fn client(
         read_hello(stream, first, SERVER_HELLO_MAGIC, "server hello").await?;
     let mut sig = [0u8; SIG_LEN];
     stream.read_exact(&mut sig).await.map_err(Refused::io)?;
-    let peer = check_peer(sealing, &theirs.cert, "the server")?;
+    let peer = check_peer(sealing, &theirs.cert, "the server", party)?;
     // The server must be the instance we mean to pull from: a member answering at another's
     // address (a forged heartbeat, a reused port) is refused here, before any request.
     if peer.instance != expected {

@@ -30,7 +30,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use kvbm_logical::{BlockManager, G2, ImmutableBlock, SequenceHash};
+use kvbm_logical::{BlockDigest, BlockManager, G2, ImmutableBlock, SequenceHash};
 use kvbm_physical::PhysicalLayout;
 use kvbm_physical::identity::scoped_geometry_digest;
 use parking_lot::Mutex;
@@ -40,7 +40,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::DataPlaneConfig;
 use super::admission::{Admission, Limits, PeerKey, Pending, Slot, address_key};
-use super::handshake::{self, Refused, Session};
+use super::handshake::{self, Party, Refused, Session};
+use super::lease::{Leases, LentHold};
 use super::wire::{
     self, CLIENT_HELLO_MAGIC, FRAME_HEADER_LEN, HASH_LEN, REQUEST_HEAD_LEN, REQUEST_MAGIC, Status,
     TAG_LEN, VERSION, VERSION_AUTH,
@@ -163,38 +164,27 @@ impl ChecksumMemo {
         }
     }
 
-    /// A block's slot, registration and hash: what its memo entry is valid for.
-    fn key(block: &ImmutableBlock<G2>) -> (usize, u32, SequenceHash) {
-        (
-            block.block_id(),
-            block.registration(),
-            block.sequence_hash(),
-        )
-    }
-
     /// The memo of `block`'s slot, if it was made for this registration and hash.
-    fn known(&self, block: &ImmutableBlock<G2>) -> Option<Memo> {
-        let (slot, registration, hash) = Self::key(block);
+    fn known(&self, block: &Held) -> Option<Memo> {
         self.slots
             .lock()
-            .get(slot)
+            .get(block.slot)
             .copied()
             .flatten()
-            .filter(|m| m.registration == registration && m.hash == hash)
+            .filter(|m| m.registration == block.registration && m.hash == block.hash)
     }
 
     /// The checksum of `block`'s payload (its bytes, `slices`): the memoised one when this
     /// registration was hashed before, else computed now and kept.
-    fn checksum(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> u128 {
-        let (slot, registration, hash) = Self::key(block);
+    fn checksum(&self, block: &Held, slices: &[&[u8]]) -> u128 {
         if let Some(m) = self.known(block) {
             return m.checksum;
         }
         let checksum = wire::payload_checksum(slices);
-        if let Some(entry) = self.slots.lock().get_mut(slot) {
+        if let Some(entry) = self.slots.lock().get_mut(block.slot) {
             *entry = Some(Memo {
-                registration,
-                hash,
+                registration: block.registration,
+                hash: block.hash,
                 checksum,
                 digest: None,
             });
@@ -204,15 +194,14 @@ impl ChecksumMemo {
 
     /// The BLAKE3 digest of `block`'s payload (`slices`), memoised like its checksum (call
     /// [`checksum`](Self::checksum) first: the digest is kept in that registration's entry).
-    fn digest(&self, block: &ImmutableBlock<G2>, slices: &[&[u8]]) -> [u8; 32] {
-        let (slot, registration, hash) = Self::key(block);
+    fn digest(&self, block: &Held, slices: &[&[u8]]) -> [u8; 32] {
         if let Some(d) = self.known(block).and_then(|m| m.digest) {
             return d;
         }
         let digest = wire::payload_digest(slices.iter().copied());
-        if let Some(Some(m)) = self.slots.lock().get_mut(slot)
-            && m.registration == registration
-            && m.hash == hash
+        if let Some(Some(m)) = self.slots.lock().get_mut(block.slot)
+            && m.registration == block.registration
+            && m.hash == block.hash
         {
             m.digest = Some(digest);
         }
@@ -220,10 +209,82 @@ impl ChecksumMemo {
     }
 }
 
+/// Where a server's blocks are registered: an instance's G2 manager (its leader serves), or
+/// the slots a worker rank's leader lent it (the rank plane, [`crate::dataplane::rank`]).
+pub(crate) enum Source {
+    /// The instance's G2: any present block, to a leader of the namespace.
+    G2(Arc<BlockManager<G2>>),
+    /// A rank's lent slots: each to the lease's puller instance only, at this rank.
+    Lent {
+        leases: Arc<Leases>,
+        rank: u32,
+    },
+}
+
+impl Source {
+    /// Who may connect.
+    fn party(&self) -> Party {
+        match self {
+            Source::G2(_) => Party::Leader,
+            Source::Lent { rank, .. } => Party::Rank(*rank),
+        }
+    }
+
+    /// The blocks of `hashes` present for `peer` (the member the handshake proved; `None`
+    /// unauthenticated), each held until the returned map is dropped.
+    fn hold(&self, peer: Option<InstanceId>, hashes: &[SequenceHash]) -> HashMap<SequenceHash, Held> {
+        match self {
+            Source::G2(manager) => manager
+                .scan_matches(hashes)
+                .into_iter()
+                .map(|b| {
+                    let held = Held {
+                        slot: b.block_id(),
+                        registration: b.registration(),
+                        hash: b.sequence_hash(),
+                        digest: b.digest(),
+                        _hold: Hold::Block(b),
+                    };
+                    (held.hash, held)
+                })
+                .collect(),
+            Source::Lent { leases, .. } => leases
+                .hold(peer, hashes)
+                .into_iter()
+                .map(|(h, lent)| {
+                    let b = lent.block;
+                    let held = Held {
+                        slot: b.slot,
+                        registration: b.registration,
+                        hash: b.hash,
+                        digest: b.digest,
+                        _hold: Hold::Lent(lent),
+                    };
+                    (h, held)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One block held for one response: its slot cannot be rewritten while this lives.
+struct Held {
+    slot: usize,
+    registration: u32,
+    hash: SequenceHash,
+    digest: Option<BlockDigest>,
+    _hold: Hold,
+}
+
+enum Hold {
+    Block(#[allow(dead_code)] ImmutableBlock<G2>),
+    Lent(#[allow(dead_code)] LentHold),
+}
+
 /// What the server serves from.
 struct Served {
     instance: InstanceId,
-    manager: Arc<BlockManager<G2>>,
+    source: Source,
     layout: Arc<PhysicalLayout>,
     checksums: ChecksumMemo,
     /// The accept rate, the pending pool and the member slots.
@@ -247,7 +308,7 @@ pub struct DataPlaneServer {
 
 /// The holds of one request; dropping it releases them and updates the stats.
 struct Holds<'a> {
-    blocks: HashMap<SequenceHash, ImmutableBlock<G2>>,
+    blocks: HashMap<SequenceHash, Held>,
     stats: &'a ServerStats,
 }
 
@@ -314,6 +375,52 @@ impl DataPlaneServer {
                 ),
             ));
         }
+        Self::serve(config, instance, Source::G2(manager), layout, security).await
+    }
+
+    /// Binds `config.bind` and serves the slots `leases` lends (bytes in the host `layout`,
+    /// rank `address.rank`'s G2) to workers at the same rank of each lease's puller instance:
+    /// the rank plane (see [`crate::dataplane::rank`]). Frames are bound to `address.instance`,
+    /// the instance whose blocks they are.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] when `layout` is not host memory, or the credential is not this
+    /// rank's worker credential; [`EngineError::DataPlane`] when the address cannot be bound.
+    pub async fn start_lent(
+        config: DataPlaneConfig,
+        address: kvbm_engine::WorkerAddress,
+        leases: Arc<Leases>,
+        layout: Arc<PhysicalLayout>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
+        if let Some(signer) = security.signer() {
+            let cert = signer.cert();
+            if cert.instance != address.instance
+                || cert.role != Role::Worker
+                || cert.rank != address.rank
+            {
+                return Err(EngineError::config(
+                    "security.credential_file",
+                    format!("the rank plane of {address} needs that rank's worker credential, not {cert}"),
+                ));
+            }
+        }
+        wire::check_host(&layout)?;
+        let source = Source::Lent {
+            leases,
+            rank: address.rank,
+        };
+        Self::serve(config, address.instance, source, layout, security).await
+    }
+
+    async fn serve(
+        config: DataPlaneConfig,
+        instance: InstanceId,
+        source: Source,
+        layout: Arc<PhysicalLayout>,
+        security: Arc<Security>,
+    ) -> Result<Self> {
+        let c = *layout.layout().config();
         let listener = TcpListener::bind(config.bind)
             .await
             .map_err(|e| EngineError::data_plane(config.bind.to_string(), e.to_string()))?;
@@ -323,7 +430,7 @@ impl DataPlaneServer {
         let stats = Arc::new(ServerStats::default());
         let served = Arc::new(Served {
             instance,
-            manager,
+            source,
             geometry: scoped_geometry_digest(&c, config.scope),
             block_bytes: c.block_bytes(),
             checksums: ChecksumMemo::new(c.num_blocks),
@@ -525,7 +632,7 @@ async fn authenticate(
                 .peer_addr()
                 .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()),
         );
-        match handshake::server(stream, sealing, payload_mac, first, admit).await {
+        match handshake::server(stream, sealing, s.source.party(), payload_mac, first, admit).await {
             Ok(done) => Ok(Ok(done)),
             Err(refused) => {
                 // Best effort: tell the client it was refused, or that it must wait (nothing
@@ -729,12 +836,9 @@ async fn serve_connection(s: &Served, mut stream: TcpStream, entry: Entry) -> st
         }
         let hashes = wire::decode_hashes(&raw);
 
-        let blocks: HashMap<SequenceHash, ImmutableBlock<G2>> = s
-            .manager
-            .scan_matches(&hashes)
-            .into_iter()
-            .map(|b| (b.sequence_hash(), b))
-            .collect();
+        let blocks = s
+            .source
+            .hold(session.as_ref().map(|sess| sess.peer.instance), &hashes);
         s.stats.held.fetch_add(blocks.len(), Ordering::AcqRel);
         let holds = Holds {
             blocks,
@@ -810,9 +914,11 @@ async fn write_response(
             write_tagged(stream, session, io, &[0u8; FRAME_HEADER_LEN]).await?;
             continue;
         };
-        let regions = s.layout.block_addrs(block.block_id(), 0..layers);
-        // SAFETY: host memory of the served layout (kept alive by `s`); the block is held
-        // (registered, immutable), so nothing writes its slot while it is read.
+        let regions = s.layout.block_addrs(block.slot, 0..layers);
+        // SAFETY: host memory of the served layout (kept alive by `s`), the slot in range
+        // (checked when it was lent, or a block of the manager the layout covers); the block
+        // is held (registered and immutable, or lent: its leader holds it until the lease
+        // ends, which waits for this read), so nothing writes its slot while it is read.
         let slices: Vec<&[u8]> = regions
             .iter()
             .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
@@ -820,7 +926,7 @@ async fn write_response(
         let checksum = s.checksums.checksum(block, &slices);
         let header = wire::frame_header_with(
             *h,
-            block.digest(),
+            block.digest,
             s.instance,
             s.geometry,
             &regions,

@@ -1469,7 +1469,7 @@ async fn handshake_from(
         panic!("a member")
     };
     let mut s = connect_from(last, addr).await;
-    handshake::client(&mut s, sealing, false, A).await?;
+    handshake::client(&mut s, sealing, false, A, handshake::Party::Leader).await?;
     Ok(s)
 }
 

@@ -51,6 +51,7 @@ use kvbm_offload::{BadCopies, EveryChecker, PresenceChecker, S3PresenceChecker};
 use kvbm_physical::{BlockLayout, JournalGeometry};
 use tokio_util::sync::CancellationToken;
 
+use super::lending::{Asker, Lender, LenderStats, RankPull};
 use crate::security::Security;
 use crate::transport::control::{ControlledWorkers, WorkerControl};
 use crate::transport::membership::Membership;
@@ -59,7 +60,7 @@ use kvbm_engine::config::KvbmConfig;
 use kvbm_engine::error::{ControlError, EngineError, Result};
 use kvbm_engine::leader::RemoteSearch;
 use kvbm_engine::runtime::RuntimeHandle;
-use kvbm_engine::stack::{RankTiers, TierSinks, list_g4, open_g4_storage};
+use kvbm_engine::stack::{Identities, RankTiers, TierSinks, list_g4, open_g4_storage};
 use kvbm_engine::worker::{ParallelWorkers, SpmdMover};
 use kvbm_engine::{InstanceId, WorkerAddress};
 
@@ -86,6 +87,18 @@ pub(super) struct Ranks {
     /// Which block each G3 slot holds (`workers.g3_journal`): listed at start (warm), a slot
     /// unlisted before the ranks rewrite it and listed once every rank wrote it.
     pub(super) g3_journal: Option<DiskJournal>,
+    /// Every rank serves the rank plane (`kvbm-engine-worker --data-plane`): this instance
+    /// lends its G2 to peers, publishes its G2 events, and pulls peers' G2 through its ranks
+    /// (`lending.rs`); else G2 stays its own.
+    pub(super) pull: Option<Arc<RankPull>>,
+    pub(super) lender: Option<Arc<LenderStats>>,
+}
+
+/// What an instance shares through its ranks' rank plane (when every rank serves one).
+pub(super) struct Sharing {
+    /// The events subject (lease subjects are under it).
+    pub(super) subject: String,
+    pub(super) identities: Arc<Identities>,
 }
 
 impl Ranks {
@@ -106,8 +119,9 @@ impl Ranks {
         geometry: &BlockLayout,
         client: &Client,
         security: Arc<Security>,
-        sinks: TierSinks,
-        remote: RemoteSearch,
+        mut sinks: TierSinks,
+        mut remote: RemoteSearch,
+        sharing: Sharing,
         cancel: &CancellationToken,
     ) -> Result<Ranks> {
         let w = &config.workers;
@@ -160,7 +174,14 @@ impl Ranks {
             .collect();
         let workers = Arc::new(ControlledWorkers::new(controls)?);
         let block_bytes = geometry.config().block_bytes();
-        check_ranks(config, block_bytes, &workers).await?;
+        let lending = check_ranks(config, block_bytes, &workers).await?;
+        if !lending {
+            // No rank plane to serve G2 from: its events would send peers to a G2 they cannot
+            // pull from.
+            sinks.g2 = None;
+            remote.remote_g2 = false;
+        }
+        let index = remote.index.clone();
 
         let (g4_listed, g4_checker) = if config.tiers.g4_blocks > 0 {
             let (listed, checker) = open_rank_g4(config, geometry, world).await?;
@@ -242,7 +263,43 @@ impl Ranks {
             },
             cancel.clone(),
         );
+        let (pull, lender) = if lending {
+            let lender = Lender::start(
+                rt,
+                cancel.clone(),
+                client.clone(),
+                &sharing.subject,
+                id,
+                security.clone(),
+                tiers.g2.clone(),
+                workers.clone(),
+                Duration::from_millis(
+                    config.transport.pull_deadline_ms + config.transport.request_timeout_ms,
+                ),
+                crate::dataplane::DataPlaneConfig::default().max_blocks_per_request,
+            )
+            .await?;
+            let pull = RankPull {
+                asker: Asker {
+                    client: client.clone(),
+                    prefix: sharing.subject.clone(),
+                    security: security.clone(),
+                    timeout,
+                },
+                this: id,
+                g2: tiers.g2.clone(),
+                workers: workers.clone(),
+                identities: sharing.identities.clone(),
+                index,
+                block_bytes: block_bytes * world as usize,
+            };
+            (Some(Arc::new(pull)), Some(lender))
+        } else {
+            (None, None)
+        };
         Ok(Ranks {
+            pull,
+            lender,
             tiers,
             workers,
             membership,
@@ -359,13 +416,21 @@ impl Ranks {
 /// at least `[tiers]`'s blocks (this instance's block ids are slots of every rank's layout),
 /// with blocks of `block_bytes` bytes (the geometry each rank registered is this instance's);
 /// and G4 with `tiers.g4_blocks` (its objects are named by block, so any slot count does).
+/// Returns whether every rank serves the rank plane.
 async fn check_ranks(
     config: &KvbmConfig,
     block_bytes: usize,
     workers: &ControlledWorkers,
-) -> Result<()> {
+) -> Result<bool> {
     let t = &config.tiers;
-    for p in workers.describe_all().await? {
+    let described = workers.describe_all().await?;
+    let lending = described.iter().all(|p| p.data_plane.is_some());
+    if !lending && described.iter().any(|p| p.data_plane.is_some()) {
+        tracing::warn!(
+            "some worker ranks serve the rank plane and some do not: G2 is not shared (start every rank with --data-plane)"
+        );
+    }
+    for p in described {
         let r = p.worker;
         if t.g4_blocks > 0 && !p.tiers.contains(&TierId::G4) {
             return Err(EngineError::config(
@@ -410,7 +475,7 @@ async fn check_ranks(
             ));
         }
     }
-    Ok(())
+    Ok(lending)
 }
 
 /// Every rank's directory of the G4 bucket (as each `kvbm-engine-worker` opens its own,

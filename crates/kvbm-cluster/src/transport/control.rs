@@ -14,9 +14,10 @@
 //! |---|---|
 //! | 1 | per-block failures are bare text |
 //! | 2 | each failure carries its kind ([`WireFailure`]), so a leader tells a corrupt copy from an I/O error |
-//! | 3 ([`PROTOCOL_VERSION`]) | a request may name its rank and that rank's incarnation ([`Envelope::to`], a [`RankTarget`]): a worker refuses one meant for another rank or an earlier incarnation of itself (it restarted), so work sent before a restart never runs on the new, empty rank |
+//! | 3 | a request may name its rank and that rank's incarnation ([`Envelope::to`], a [`RankTarget`]): a worker refuses one meant for another rank or an earlier incarnation of itself (it restarted), so work sent before a restart never runs on the new, empty rank |
+//! | 4 ([`PROTOCOL_VERSION`]) | the rank plane's requests: [`ControlRequest::Lend`], [`ControlRequest::EndLease`], [`ControlRequest::PullSlices`] (a version-3 worker refuses them as undecodable) |
 //!
-//! Requests are otherwise the same in all three. A worker serves a request of any version from
+//! Requests are otherwise the same in all four. A worker serves a request of any version from
 //! [`OLDEST_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`] and answers in the request's version
 //! ([`ControlResponse::for_version`]: a version-1 leader gets its failures as text); it
 //! answers a request of any other version with [`ControlResponse::Refused`], saying which
@@ -53,19 +54,21 @@
 use std::sync::Arc;
 
 use futures::future::{BoxFuture, join_all};
-use kvbm_logical::{BlockId, TierId};
+use kvbm_logical::{BlockDigest, BlockId, SequenceHash, TierId};
 use kvbm_physical::PhysicalLayout;
 use serde::{Deserialize, Serialize};
 
 use kvbm_offload::{BlockFailure, BlockFailureKind};
 
-use super::{PeerInfo, WorkerAddress};
+use super::{InstanceId, PeerInfo, WorkerAddress};
+use crate::dataplane::lease::LentBlock;
+use crate::dataplane::rank::RankPlane;
 pub use kvbm_engine::error::ControlError;
 use kvbm_engine::mover::BlockOutcome;
 use kvbm_engine::worker::{ParallelWorkers, PhysicalWorker, Reserved, TransferRequest};
 
 /// Version of the control protocol this build writes (see the [module docs](self)).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The oldest version this build still reads and answers.
 pub const OLDEST_PROTOCOL_VERSION: u32 = 1;
@@ -203,6 +206,40 @@ pub enum ControlRequest {
         /// Pattern seed.
         seed: u8,
     },
+    /// Version 4: serve `blocks` (G2 slots the leader holds) on the rank plane to workers of
+    /// `lessee` for `ttl_ms`: answered with [`ControlResponse::Lent`] (see
+    /// [`crate::dataplane::rank`]).
+    Lend {
+        /// The lease's id.
+        lease: u128,
+        /// The puller instance.
+        lessee: InstanceId,
+        /// How long it may be served.
+        ttl_ms: u64,
+        /// The lent slots.
+        blocks: Vec<LentBlock>,
+    },
+    /// Version 4: stop serving `lease` (answered [`ControlResponse::Done`] once no read of it
+    /// is in flight).
+    EndLease {
+        /// The lease's id.
+        lease: u128,
+    },
+    /// Version 4: pull this rank's slice of `hashes` from the same rank of `holder`, serving
+    /// its lease at `from`, into G2 slots `slots` (reserved by the leader), each frame's digest
+    /// checked against `digests`: answered with [`ControlResponse::Transferred`].
+    PullSlices {
+        /// The holder rank's rank-plane address (`host:port`).
+        from: String,
+        /// The holder instance.
+        holder: InstanceId,
+        /// The blocks.
+        hashes: Vec<SequenceHash>,
+        /// Their identities, as the holder's leader lent them.
+        digests: Vec<Option<BlockDigest>>,
+        /// The destination slots, one per block.
+        slots: Vec<BlockId>,
+    },
 }
 
 impl ControlRequest {
@@ -213,6 +250,9 @@ impl ControlRequest {
             ControlRequest::Transfer(_) => "Transfer",
             ControlRequest::Digest { .. } => "Digest",
             ControlRequest::Fill { .. } => "Fill",
+            ControlRequest::Lend { .. } => "Lend",
+            ControlRequest::EndLease { .. } => "EndLease",
+            ControlRequest::PullSlices { .. } => "PullSlices",
         }
     }
 }
@@ -226,6 +266,11 @@ pub enum ControlResponse {
     Transferred(Vec<Result<(), WireFailure>>),
     /// One digest per requested block.
     Digests(Vec<u64>),
+    /// Version 4: the lease is served at this rank-plane address (`host:port`).
+    Lent {
+        /// Where pullers dial.
+        data_plane: String,
+    },
     /// Done.
     Done,
     /// The worker could not act on the request (wrong version, undecodable, a tier it lacks…).
@@ -260,6 +305,7 @@ impl ControlResponse {
             ControlResponse::Described(_) => "Described",
             ControlResponse::Transferred(_) => "Transferred",
             ControlResponse::Digests(_) => "Digests",
+            ControlResponse::Lent { .. } => "Lent",
             ControlResponse::Done => "Done",
             ControlResponse::Refused(_) => "Refused",
         }
@@ -360,20 +406,30 @@ fn host_layout(
     Ok(layout)
 }
 
-/// Answers `request` on `worker` (what a worker does for in-process and NATS calls alike).
+/// Answers `request` on `worker` (what a worker does for in-process and NATS calls alike),
+/// the rank plane's requests on `plane` (refused without one).
 /// Slot ids and layouts are checked (out of range or not host memory: refused), but nothing
 /// here can prove a slot free (see the [module docs](self)).
 ///
 /// # Safety
 /// The slots a `Transfer` names are reserved for it by the worker's leader until this returns
-/// (its movers' contract, [`ParallelWorkers::execute`]); nothing else writes the layout a
-/// `Digest` reads, nor reads or writes the one a `Fill` writes, meanwhile. A worker serving
+/// (its movers' contract, [`ParallelWorkers::execute`]), and so are the destination slots of
+/// a `PullSlices`; the slots a `Lend` names are held by the leader until every rank answered
+/// the lease's `EndLease`; nothing else writes the layout a `Digest` reads, nor reads or
+/// writes the one a `Fill` writes, meanwhile. A worker serving
 /// the network upholds this by obeying only its own leader (the trust boundary).
 pub async unsafe fn serve(
     worker: &PhysicalWorker,
     address: WorkerAddress,
+    plane: Option<&RankPlane>,
     request: ControlRequest,
 ) -> ControlResponse {
+    let no_plane = || {
+        ControlResponse::Refused(format!(
+            "rank {}: no rank plane (kvbm-engine-worker --data-plane)",
+            worker.rank()
+        ))
+    };
     match request {
         ControlRequest::Describe => {
             let tiers: Vec<TierId> = TierId::ALL
@@ -397,7 +453,7 @@ pub async unsafe fn serve(
                 tiers,
                 num_blocks: geometry.0,
                 block_bytes: geometry.1,
-                data_plane: None,
+                data_plane: plane.map(|p| p.advertised().to_owned()),
             })
         }
         ControlRequest::Transfer(t) => {
@@ -437,6 +493,46 @@ pub async unsafe fn serve(
                         worker.rank()
                     ))
                 }
+            }
+        },
+        ControlRequest::Lend {
+            lease,
+            lessee,
+            ttl_ms,
+            blocks,
+        } => match plane {
+            None => no_plane(),
+            Some(p) => match p.lend(lease, lessee, std::time::Duration::from_millis(ttl_ms), &blocks) {
+                Ok(()) => ControlResponse::Lent {
+                    data_plane: p.advertised().to_owned(),
+                },
+                Err(m) => ControlResponse::Refused(format!("rank {}: {m}", worker.rank())),
+            },
+        },
+        ControlRequest::EndLease { lease } => match plane {
+            None => no_plane(),
+            Some(p) => {
+                p.end(lease).await;
+                ControlResponse::Done
+            }
+        },
+        ControlRequest::PullSlices {
+            from,
+            holder,
+            hashes,
+            digests,
+            slots,
+        } => match (plane, from.parse::<std::net::SocketAddr>()) {
+            (None, _) => no_plane(),
+            (Some(_), Err(e)) => ControlResponse::Refused(format!(
+                "rank {}: {from:?} is not a host:port address ({e})",
+                worker.rank()
+            )),
+            (Some(p), Ok(addr)) => {
+                // SAFETY: the slots are reserved for this request by the leader (this
+                // function's contract, as for a transfer into them).
+                let out = unsafe { p.pull(addr, holder, &hashes, &digests, &slots) }.await;
+                ControlResponse::transferred(out)
             }
         },
     }
@@ -490,7 +586,7 @@ impl WorkerControl for InProcessControl {
     ) -> BoxFuture<'_, Result<ControlResponse, ControlError>> {
         Box::pin(async move {
             // SAFETY: forwarded from the caller (`call_unchecked`'s contract is `serve`'s).
-            match unsafe { serve(&self.worker, self.address, request) }.await {
+            match unsafe { serve(&self.worker, self.address, None, request) }.await {
                 ControlResponse::Refused(message) => Err(ControlError::Refused {
                     worker: self.address,
                     message,

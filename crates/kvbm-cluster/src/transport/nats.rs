@@ -487,6 +487,7 @@ pub struct WorkerServer {
     /// This process's incarnation of the rank (drawn at construction).
     epoch: u64,
     heartbeat: Duration,
+    plane: Option<Arc<crate::dataplane::rank::RankPlane>>,
 }
 
 impl std::fmt::Debug for WorkerServer {
@@ -521,7 +522,15 @@ impl WorkerServer {
             heartbeat: Duration::from_millis(
                 kvbm_engine::config::TransportConfig::default().heartbeat_interval_ms,
             ),
+            plane: None,
         }
+    }
+
+    /// Serves the rank plane's requests (`Lend`, `EndLease`, `PullSlices`) on `plane`; without
+    /// one they are refused. Default: none.
+    pub fn rank_plane(mut self, plane: Arc<crate::dataplane::rank::RankPlane>) -> Self {
+        self.plane = Some(plane);
+        self
     }
 
     /// This process's incarnation of the rank: drawn at construction, so a restarted worker
@@ -592,6 +601,7 @@ impl WorkerServer {
             security,
             epoch,
             heartbeat,
+            plane,
         } = self;
         let permits = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
         let subject = address.control_subject(&prefix);
@@ -665,6 +675,7 @@ impl WorkerServer {
                     continue;
                 };
                 let (client, worker, hook) = (client.clone(), worker.clone(), on_request.clone());
+                let plane = plane.clone();
                 let (stats, security) = (stats.clone(), security.clone());
                 let counted = InFlight::enter(&stats);
                 tokio::spawn(async move {
@@ -719,9 +730,12 @@ impl WorkerServer {
                             // only its leader may publish to (with `[security]` on, it was sealed
                             // by the leader's credential and opened, sender checked, above; the
                             // operator's NATS permissions say the same); the leader's movers
-                            // reserved the slots it names (`ParallelWorkers::execute`), and
-                            // `Fill`/`Digest` are its test requests, sent while nothing moves.
-                            let response = unsafe { serve(&worker, address, request) }.await;
+                            // reserved the slots it names (`ParallelWorkers::execute`, and the
+                            // rank pull's destinations), holds the slots it lends until every
+                            // rank ended the lease, and `Fill`/`Digest` are its test requests,
+                            // sent while nothing moves.
+                            let response =
+                                unsafe { serve(&worker, address, plane.as_deref(), request) }.await;
                             (version, response.for_version(version))
                         }
                     };

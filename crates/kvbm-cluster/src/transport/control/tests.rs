@@ -727,7 +727,7 @@ async fn security_serve_refuses_slots_out_of_range() {
     // SAFETY: test-owned layouts; nothing else uses them (the request's slots are out of
     // range, which `serve` refuses).
     let ControlResponse::Transferred(out) =
-        unsafe { serve(&w, address, ControlRequest::Transfer(bad)) }.await
+        unsafe { serve(&w, address, None, ControlRequest::Transfer(bad)) }.await
     else {
         panic!("a transfer is answered with outcomes");
     };
@@ -745,6 +745,7 @@ async fn security_serve_refuses_slots_out_of_range() {
         serve(
             &w,
             address,
+            None,
             ControlRequest::Digest {
                 tier: TierId::G1,
                 blocks: vec![4],
