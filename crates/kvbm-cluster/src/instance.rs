@@ -105,8 +105,8 @@
 //! The instance takes no lock of its own; counters are atomics. The leader, data plane,
 //! index and presence each document theirs; none is held while another is taken here.
 
-pub mod presence;
 mod lending;
+pub mod presence;
 mod ranks;
 
 use std::sync::Arc;

@@ -791,3 +791,160 @@ async fn worker_process_ranks_restart_g3_warm_from_the_instances_journal() {
     assert!(inst.stats().refused_blocks > 0);
     inst.shutdown().await;
 }
+
+/// Issue 48, must-have 5: two instances whose ranks are processes, each rank serving the rank
+/// plane (`--data-plane`), authenticated: B onboards A's G2 prefix, every rank of B pulling its
+/// own slice from the same rank of A (each rank's bytes checked by digest), the blocks
+/// registered in B's G2 once every rank verified them, A's lease ended after. A third
+/// instance's rank is refused what was not lent to it, and a rank of another number is refused
+/// at the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_process_instances_share_their_g2_rank_to_rank() {
+    let Some(nats) = kvbm_tests::services::nats("instance_workers_rank_plane") else {
+        return;
+    };
+    let members = Members::new();
+    let (a, b, c) = (instance_id(15), instance_id(16), instance_id(17));
+    let subject = format!("kvbm.test.rankplane.{}", std::process::id());
+    let dirs: Vec<tempfile::TempDir> = (0..3)
+        .map(|_| tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap())
+        .collect();
+    let spawn = |instance: InstanceId, rank: u32, dir: &tempfile::TempDir| {
+        let mut f = members.worker_flags(instance, rank);
+        f.extend(["--data-plane".to_string(), "127.0.0.1:0".to_string()]);
+        let f: Vec<&str> = f.iter().map(String::as_str).collect();
+        WorkerProcess::spawn(&nats.url, instance, rank, dir.path(), &f)
+    };
+    let mut ranks = [
+        spawn(a, 0, &dirs[0]),
+        spawn(a, 1, &dirs[0]),
+        spawn(b, 0, &dirs[1]),
+        spawn(b, 1, &dirs[1]),
+    ];
+    let url = nats.url.clone();
+    let start = |id: InstanceId| {
+        let url = url.clone();
+        let sets = vec![
+            ("events.subject", subject.clone()),
+            ("security.trust_root", members.trust_root()),
+            (
+                "security.credential_file",
+                members.save(id, Role::Leader, 0).display().to_string(),
+            ),
+        ];
+        async move {
+            let rt = runtime_with(&url, 2, N, 30_000, 10_000, &sets);
+            let inst = Instance::builder(&rt.handle())
+                .id(id)
+                .geometry(common::geometry())
+                .build()
+                .await
+                .unwrap();
+            (rt, inst)
+        }
+    };
+    let (_rt_a, inst_a) = start(a).await;
+    let (_rt_b, inst_b) = start(b).await;
+    assert!(
+        inst_a.lender_stats().is_some(),
+        "every rank serves the rank plane"
+    );
+
+    // A's ranks computed a prefix into their G2; B's G2 holds other bytes.
+    let (on_g2, hashes) = worker_processes::compute_prefix(inst_a.leader().g2().unwrap());
+    let ids: Vec<usize> = on_g2.iter().map(|x| x.block_id()).collect();
+    let expected = worker_processes::pattern_digests(&ids);
+    drop(on_g2);
+    fill_g2(&inst_b, 0xEE).await;
+
+    // B learns of A's G2 from A's events, then onboards the prefix from it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while inst_b.lookup(&hashes).remote_g2 != Some((a, 6)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "B never indexed A's G2: {:?}",
+            inst_b.lookup(&hashes)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let on = inst_b.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_none(), "{:?}", on.refused);
+    assert_eq!((on.remote_g2, on.blocks.len()), (Some((a, 6)), 6));
+    assert_g1_holds(&inst_b, &on.blocks, &expected).await;
+    drop(on);
+    assert_eq!(inst_b.stats().remote_g2_blocks, 6);
+    assert_eq!(
+        inst_b.lookup(&hashes).local_g2,
+        6,
+        "registered in B's own G2"
+    );
+    // A's lease ends once B released it.
+    let lender = inst_a.lender_stats().unwrap().clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while lender.ended.load(Ordering::Relaxed) < lender.lent.load(Ordering::Relaxed) {
+        assert!(std::time::Instant::now() < deadline, "{lender:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(lender.lent.load(Ordering::Relaxed), 1);
+    assert_eq!(lender.refused.load(Ordering::Relaxed), 0);
+
+    // A rank of a third instance, driven by its own leader, asks A's rank 0 for the prefix:
+    // nothing was lent to C, so nothing comes (and its G2 is untouched). Its rank 1 dialing
+    // A's rank 0 is refused at the handshake.
+    let _c0 = spawn(c, 0, &dirs[2]);
+    let _c1 = spawn(c, 1, &dirs[2]);
+    let client = kvbm_cluster::transport::nats::connect(&nats.url, "c", Duration::from_millis(100))
+        .await
+        .unwrap();
+    let leader_c = members.security(c, Role::Leader, 0);
+    let controls = worker_processes::nats_controls(&client, c, Duration::from_secs(10), |x| {
+        x.with_security(leader_c.clone())
+    });
+    let a_ranks = inst_a.workers().unwrap().describe_all().await.unwrap();
+    let from = |r: usize| a_ranks[r].data_plane.clone().unwrap();
+    let ask = |at: usize| ControlRequest::PullSlices {
+        from: from(at),
+        holder: a,
+        hashes: hashes.clone(),
+        digests: vec![None; hashes.len()],
+        slots: (0..hashes.len()).collect(),
+    };
+    for (caller, at, kind) in [(0, 0, "not_found"), (1, 0, "refused")] {
+        // SAFETY: C's ranks hold nothing of any instance: no leader owns their slots here.
+        let r = unsafe { controls[caller].call_unchecked(ask(at)) }
+            .await
+            .unwrap();
+        let ControlResponse::Transferred(out) = r else {
+            panic!("{r:?}")
+        };
+        assert_eq!(out.len(), hashes.len());
+        for o in out {
+            let f = o.unwrap_err().into_failure();
+            assert_eq!(
+                f.kind.as_str(),
+                kind,
+                "rank {caller} from A's rank {at}: {f}"
+            );
+        }
+    }
+
+    for inst in [&inst_a, &inst_b] {
+        let s = inst.security().stats().unwrap();
+        assert_eq!(s.rejected_total(), 0, "no genuine message refused: {s:?}");
+    }
+
+    // B forgets its copy; A's rank 1 dies: A cannot lend on every rank, so B's load fails
+    // (refused), nothing registered, and A holds nothing for it.
+    assert_eq!(inst_b.leader().g2().unwrap().reset_inactive_pool(), 6);
+    assert_eq!(inst_b.lookup(&hashes).remote_g2, Some((a, 6)));
+    ranks[1].kill();
+    let on = inst_b.onboard(&hashes).await.unwrap();
+    assert!(on.refused.is_some(), "{on:?}");
+    assert!(on.blocks.is_empty());
+    assert_eq!(inst_b.lookup(&hashes).local_g2, 0, "nothing registered");
+    assert!(idle(inst_b.leader().g2().unwrap().pool_counts()));
+    assert_eq!(lender.lent.load(Ordering::Relaxed), 1);
+    assert!(lender.refused.load(Ordering::Relaxed) >= 1, "{lender:?}");
+    inst_b.shutdown().await;
+    inst_a.shutdown().await;
+}

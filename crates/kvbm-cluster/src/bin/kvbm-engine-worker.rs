@@ -236,7 +236,12 @@ async fn rank_plane(
     let g2 = worker
         .layout(TierId::G2)
         .ok_or("no G2 layout")
-        .and_then(|h| worker.transfer_manager().layout(h).map_err(|_| "no G2 layout"))?;
+        .and_then(|h| {
+            worker
+                .transfer_manager()
+                .layout(h)
+                .map_err(|_| "no G2 layout")
+        })?;
     let config = instance_config(a);
     let mut dp = DataPlaneConfig::from_transport(&config.transport)?;
     dp.bind = bind

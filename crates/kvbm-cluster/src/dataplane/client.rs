@@ -296,20 +296,24 @@ impl DataPlaneClient {
         // back to its pool).
         let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(hashes.len());
         let (mut ok, mut positions) = (Vec::new(), Vec::new());
-        for (i, ((dest, &hash), v)) in destinations.into_iter().zip(hashes).zip(verified).enumerate() {
+        for (i, ((dest, &hash), v)) in destinations
+            .into_iter()
+            .zip(hashes)
+            .zip(verified)
+            .enumerate()
+        {
             // Registered with the digest this instance knows for the block, else the one the
             // server recorded (bound to the hash by the frame), so it travels on with the
             // block (to G3/G4 headers, to the next pull).
             let done = v.and_then(|announced| {
-                self.own_digest(hash, announced, &peer)
-                    .and_then(|digest| {
-                        dest.complete_with_digest(hash, digest).map_err(|e| {
-                            BlockFailure::new(
-                                BlockFailureKind::Transfer,
-                                format!("completing {hash:?}: {}", e.error),
-                            )
-                        })
+                self.own_digest(hash, announced, &peer).and_then(|digest| {
+                    dest.complete_with_digest(hash, digest).map_err(|e| {
+                        BlockFailure::new(
+                            BlockFailureKind::Transfer,
+                            format!("completing {hash:?}: {}", e.error),
+                        )
                     })
+                })
             });
             match done {
                 Ok(b) => {
@@ -367,7 +371,6 @@ impl DataPlaneClient {
             self.digests_refused.fetch_add(1, Ordering::Relaxed);
         })
     }
-
 }
 
 impl Link {
@@ -419,7 +422,6 @@ impl Link {
             ..ClientStats::default()
         }
     }
-
 
     /// Pulls `hashes[i]` from `instance`'s server at `addr` into slot `slots[i]` of the layout:
     /// one verified frame or failure per block, in order. A failed block's slot may hold any
@@ -868,7 +870,11 @@ impl Link {
 
 /// What a pull brought, into the metrics: the blocks pulled and their bytes (`block_bytes`
 /// each), the blocks it did not bring by failure kind, and its time.
-pub(crate) fn publish_pull<T>(out: &[std::result::Result<T, BlockFailure>], block_bytes: usize, started: Instant) {
+pub(crate) fn publish_pull<T>(
+    out: &[std::result::Result<T, BlockFailure>],
+    block_bytes: usize,
+    started: Instant,
+) {
     use kvbm_engine::metrics as m;
     let pulled = out.iter().filter(|o| o.is_ok()).count() as u64;
     if pulled > 0 {

@@ -158,9 +158,7 @@ impl Leases {
                 continue;
             }
             let found = table.iter().find(|(_, l)| {
-                l.expires > now
-                    && lessee.is_none_or(|i| i == l.lessee)
-                    && l.blocks.contains_key(h)
+                l.expires > now && lessee.is_none_or(|i| i == l.lessee) && l.blocks.contains_key(h)
             });
             let Some((id, lease)) = found else {
                 continue;
@@ -222,7 +220,10 @@ mod tests {
             async move { leases.end(1).await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!ending.is_finished(), "end returned while a read was in flight");
+        assert!(
+            !ending.is_finished(),
+            "end returned while a read was in flight"
+        );
         // Ending: nothing new is served.
         assert!(leases.hold(Some(P), &hashes).is_empty());
         drop(held);

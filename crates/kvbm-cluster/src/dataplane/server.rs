@@ -215,10 +215,7 @@ pub(crate) enum Source {
     /// The instance's G2: any present block, to a leader of the namespace.
     G2(Arc<BlockManager<G2>>),
     /// A rank's lent slots: each to the lease's puller instance only, at this rank.
-    Lent {
-        leases: Arc<Leases>,
-        rank: u32,
-    },
+    Lent { leases: Arc<Leases>, rank: u32 },
 }
 
 impl Source {
@@ -232,7 +229,11 @@ impl Source {
 
     /// The blocks of `hashes` present for `peer` (the member the handshake proved; `None`
     /// unauthenticated), each held until the returned map is dropped.
-    fn hold(&self, peer: Option<InstanceId>, hashes: &[SequenceHash]) -> HashMap<SequenceHash, Held> {
+    fn hold(
+        &self,
+        peer: Option<InstanceId>,
+        hashes: &[SequenceHash],
+    ) -> HashMap<SequenceHash, Held> {
         match self {
             Source::G2(manager) => manager
                 .scan_matches(hashes)
@@ -401,7 +402,9 @@ impl DataPlaneServer {
             {
                 return Err(EngineError::config(
                     "security.credential_file",
-                    format!("the rank plane of {address} needs that rank's worker credential, not {cert}"),
+                    format!(
+                        "the rank plane of {address} needs that rank's worker credential, not {cert}"
+                    ),
                 ));
             }
         }
@@ -632,7 +635,8 @@ async fn authenticate(
                 .peer_addr()
                 .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip()),
         );
-        match handshake::server(stream, sealing, s.source.party(), payload_mac, first, admit).await {
+        match handshake::server(stream, sealing, s.source.party(), payload_mac, first, admit).await
+        {
             Ok(done) => Ok(Ok(done)),
             Err(refused) => {
                 // Best effort: tell the client it was refused, or that it must wait (nothing
@@ -924,14 +928,8 @@ async fn write_response(
             .map(|&(p, l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
             .collect();
         let checksum = s.checksums.checksum(block, &slices);
-        let header = wire::frame_header_with(
-            *h,
-            block.digest,
-            s.instance,
-            s.geometry,
-            &regions,
-            checksum,
-        );
+        let header =
+            wire::frame_header_with(*h, block.digest, s.instance, s.geometry, &regions, checksum);
         // The header (and its tag, authenticated) goes out with the payload in one vectored
         // write: a separate small write is pushed on its own (TCP_NODELAY) and costs the
         // loopback stack a segment and an ACK per frame.

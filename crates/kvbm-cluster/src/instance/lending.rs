@@ -360,12 +360,11 @@ impl Lender {
         };
         // A rank that does not answer is treated as gone (as for transfers): its reads end
         // with its process.
-        for (r, reply) in self
-            .workers
-            .ranks()
-            .iter()
-            .zip(self.workers.call_all(&ControlRequest::EndLease { lease }).await)
-        {
+        for (r, reply) in self.workers.ranks().iter().zip(
+            self.workers
+                .call_all(&ControlRequest::EndLease { lease })
+                .await,
+        ) {
             if let Err(e) = reply {
                 tracing::warn!(worker = %r.address(), error = %e, "a rank did not end a lease");
             }
@@ -503,7 +502,10 @@ impl RankPull {
         // Released in the background: the holder's holds end with it (or at its expiry).
         let (asker, this) = (self.asker.clone(), self.this);
         tokio::spawn(async move {
-            let release = LeaseRequest::Release { lessee: this, lease };
+            let release = LeaseRequest::Release {
+                lessee: this,
+                lease,
+            };
             if let Err(m) = asker.ask(holder, release).await {
                 tracing::debug!(%holder, error = m, "lease release not answered (it expires)");
             }
@@ -585,7 +587,8 @@ impl RankPull {
                     if let (Ok(_), Err(f)) = (&plan[*i], o) {
                         // Bytes that failed their checksum or identity prove the copy bad.
                         if f.kind.drops_copy() {
-                            self.index.forget(holder, hashes[*i], kvbm_logical::TierId::G2);
+                            self.index
+                                .forget(holder, hashes[*i], kvbm_logical::TierId::G2);
                         }
                         plan[*i] = Err(f);
                     }

@@ -251,8 +251,9 @@ impl Ranks {
         // dropped (G2 through the leader, G1 here) before the rank gets work again; it stays
         // rejoining while a caller still holds blocks of the old incarnation.
         let (leader, g1) = (tiers.leader.clone(), tiers.g1.clone());
-        let _guard = rt.tokio().enter();
-        membership.keep_in_step(
+        {
+            let _guard = rt.tokio().enter();
+            membership.keep_in_step(
             move |t| {
                 let g2_empty = leader.forget_worker_memory();
                 let dropped = g1.reset_inactive_pool();
@@ -263,6 +264,7 @@ impl Ranks {
             },
             cancel.clone(),
         );
+        }
         let (pull, lender) = if lending {
             let lender = Lender::start(
                 rt,

@@ -502,7 +502,12 @@ pub async unsafe fn serve(
             blocks,
         } => match plane {
             None => no_plane(),
-            Some(p) => match p.lend(lease, lessee, std::time::Duration::from_millis(ttl_ms), &blocks) {
+            Some(p) => match p.lend(
+                lease,
+                lessee,
+                std::time::Duration::from_millis(ttl_ms),
+                &blocks,
+            ) {
                 Ok(()) => ControlResponse::Lent {
                     data_plane: p.advertised().to_owned(),
                 },
