@@ -170,6 +170,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub use client::{ClientStats, DataPlaneClient};
+#[cfg(feature = "nats")]
 pub(crate) use client::{own_digest, publish_pull};
 pub use server::{DataPlaneServer, ServerStats};
 pub use wire::binding;

@@ -54,7 +54,9 @@
 //!                                  declared empty, then it gets work again
 //!  [workers] g3_journal ─────────► which block each G3 slot holds: G3 warm at start (every
 //!                                  rank's read checks its slot's header)
-//!  not built: data plane (G2 not served or pulled: G2 events unpublished)
+//!  every rank --data-plane ───────► the rank plane: G2 lent to peers and pulled from theirs,
+//!                                  rank to rank (`lending.rs`, `crate::dataplane::rank`);
+//!                                  else G2 events unpublished, nothing pulled
 //! ```
 //!
 //! # Fingerprint
@@ -105,7 +107,7 @@
 //! The instance takes no lock of its own; counters are atomics. The leader, data plane,
 //! index and presence each document theirs; none is held while another is taken here.
 
-mod lending;
+pub(crate) mod lending;
 pub mod presence;
 mod ranks;
 
@@ -857,7 +859,7 @@ impl Instance {
     }
 
     /// Its data-plane server (address, counters); none when its worker ranks are processes
-    /// (`workers.mode = "processes"`: their G2 is not served to peers).
+    /// (`workers.mode = "processes"`: each rank serves its own slices, the rank plane).
     pub fn data_plane(&self) -> Option<&DataPlaneServer> {
         match &self.memory {
             Memory::Here(h) => Some(&h.server),

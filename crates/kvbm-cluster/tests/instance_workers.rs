@@ -7,7 +7,8 @@
 //! memory served (also with authentication on). A rank killed in the middle of an onboarding
 //! fails that call cleanly (refused, nothing served or held). Building fails, naming the key
 //! or the rank, when a rank is missing or does not fit the configuration; peers see the
-//! instance live, with no data plane to pull from.
+//! instance live, with no data plane to pull from. With every rank serving the rank plane, two
+//! such instances share their G2 rank to rank (authenticated, each rank's bytes checked).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

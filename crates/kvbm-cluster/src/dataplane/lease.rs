@@ -9,7 +9,7 @@
 //!
 //! # Invariants
 //!
-//! * A slot is read only under a [`LentHold`]: a read guard on its lease's gate, taken while
+//! * A slot is read only under a `LentHold`: a read guard on its lease's gate, taken while
 //!   the lease is in the table and not expired.
 //! * [`Leases::end`] removes the lease, then takes the gate's write side: it returns only when
 //!   no read of the lease's slots is in flight. The leader drops its block holds only after

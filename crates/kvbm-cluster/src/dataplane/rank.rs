@@ -26,8 +26,8 @@
 //!
 //! The rank's [`RankPlane`] is both ends: a [`DataPlaneServer`] over the slots its leader lent
 //! ([`Leases`]; the same wire, frames and checks as the instance plane, see
-//! [`crate::dataplane`]), and a [`Link`] that pulls into its own G2 slots. With security on,
-//! the handshake admits only a worker at the same rank ([`Party::Rank`]) of the namespace, a
+//! [`crate::dataplane`]), and a `Link` (the client core) that pulls into its own G2 slots. With security on,
+//! the handshake admits only a worker at the same rank (`Party::Rank`) of the namespace, a
 //! lease serves only workers of the instance it was lent to, and the puller's link accepts only
 //! a worker at its rank of the holder instance. A rank never decides which block a slot holds:
 //! its leader says so, over the sealed control channel, for lending and for pulling alike.

@@ -240,9 +240,8 @@ impl Lender {
                     (lender.clone(), g2.clone(), client.clone(), security.clone());
                 tokio::spawn(async move {
                     let answer = match request {
-                        LeaseRequest::Take { lessee, hashes } if hashes.len() > max_blocks => {
+                        LeaseRequest::Take { hashes, .. } if hashes.len() > max_blocks => {
                             lender.stats.refused.fetch_add(1, Ordering::Relaxed);
-                            let _ = lessee;
                             LeaseAnswer::Refused(format!(
                                 "{} blocks asked, at most {max_blocks}",
                                 hashes.len()

@@ -17,6 +17,9 @@
 //!          G3 with workers.g3_journal: the journal of which block each slot holds, listed
 //!            into G3 (warm start); offload_g3 unlists a slot before the ranks rewrite it and
 //!            lists it once every rank wrote it (each rank's slot header still checks reads)
+//!          every rank described a rank plane (`--data-plane`): Lender on
+//!            <events subject>.lease.<id> and RankPull as the remote-G2 move (lending.rs); G2
+//!            events published. Else: G2 events unpublished, remote G2 not searched
 //!          keep_in_step(forget G2 (leader) and G1 until nothing old is held) until shutdown
 //!  calls:  every rank in step, or the call fails with ControlError::{NotJoined, Rejoining}
 //!          before anything is held or moved; a rank lost mid-call fails that call's session

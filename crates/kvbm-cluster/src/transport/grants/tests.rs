@@ -2,6 +2,7 @@
 //! code uses.
 
 use super::Grants;
+use crate::instance::lending::lease_subject;
 use crate::instance::presence::{heartbeat_subject, snapshot_subject};
 use crate::transport::membership::members_subject;
 use crate::transport::nats::DEFAULT_CONTROL_PREFIX;
@@ -99,6 +100,8 @@ fn the_grants_cover_the_subjects_the_code_uses() {
         heartbeat_subject(scoped),
         snapshot_subject(scoped, id),
         snapshot_subject(scoped, other),
+        lease_subject(scoped, id),
+        lease_subject(scoped, other),
     ] {
         assert!(allows(&instance.publish, &subject), "{subject}");
         assert!(allows(&instance.subscribe, &subject), "{subject}");
