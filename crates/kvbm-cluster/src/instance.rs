@@ -139,7 +139,7 @@ use kvbm_engine::stack::{Identities, TierMovers, TierSet, TierSetPlan, TierSinks
 use kvbm_engine::{InstanceId, WorkerAddress};
 use ranks::Ranks;
 
-pub use lending::{LenderStats, MAX_LEASES};
+pub use lending::{LenderStats, MAX_LEASES, MAX_LEASES_PER_LESSEE};
 
 pub use presence::{Presence, PresenceConfig, PresenceStats};
 

@@ -934,6 +934,62 @@ async fn worker_process_instances_share_their_g2_rank_to_rank() {
         assert_eq!(s.rejected_total(), 0, "no genuine message refused: {s:?}");
     }
 
+    // C's leader takes leases and never releases them (the lease wire, by hand): after
+    // MAX_LEASES_PER_LESSEE, A refuses it more, so it cannot pin A's G2.
+    let lease_subject = format!("{}.lease.{:016x}", inst_a.events_subject(), a.0);
+    // (JSON by hand: a 128-bit hash is a plain JSON number.)
+    let take = |lessee: InstanceId| {
+        format!(
+            r#"{{"version":1,"body":{{"Take":{{"lessee":{},"hashes":[{}]}}}}}}"#,
+            lessee.0,
+            hashes[0].as_u128()
+        )
+    };
+    let seal = |lessee: InstanceId| {
+        leader_c.seal(
+            format!("kvbm/lease/{lease_subject}").as_bytes(),
+            take(lessee).as_bytes(),
+        )
+    };
+    let before = lender.refused.load(Ordering::Relaxed);
+    let first = seal(c);
+    for _ in 0..kvbm_cluster::instance::MAX_LEASES_PER_LESSEE + 1 {
+        client
+            .request(lease_subject.clone(), seal(c).into())
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        lender.lent.load(Ordering::Relaxed),
+        1 + kvbm_cluster::instance::MAX_LEASES_PER_LESSEE as u64
+    );
+    assert_eq!(lender.refused.load(Ordering::Relaxed), before + 1);
+    // Another member claiming to take for B, and a sealed take replayed, are dropped
+    // unanswered (and counted).
+    let unanswered = |sealed: Vec<u8>| {
+        let (client, subject) = (client.clone(), lease_subject.clone());
+        async move {
+            let r = tokio::time::timeout(
+                Duration::from_millis(500),
+                client.request(subject, sealed.into()),
+            )
+            .await;
+            assert!(r.is_err(), "answered: {r:?}");
+        }
+    };
+    unanswered(seal(b)).await;
+    // Answered (refused: over the cap), then the same sealed take again.
+    client
+        .request(lease_subject.clone(), first.clone().into())
+        .await
+        .unwrap();
+    unanswered(first).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while lender.refused.load(Ordering::Relaxed) < before + 4 {
+        assert!(std::time::Instant::now() < deadline, "{lender:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
     // B forgets its copy; A's rank 1 dies: A cannot lend on every rank, so B's load fails
     // (refused), nothing registered, and A holds nothing for it.
     assert_eq!(inst_b.leader().g2().unwrap().reset_inactive_pool(), 6);
@@ -944,8 +1000,14 @@ async fn worker_process_instances_share_their_g2_rank_to_rank() {
     assert!(on.blocks.is_empty());
     assert_eq!(inst_b.lookup(&hashes).local_g2, 0, "nothing registered");
     assert!(idle(inst_b.leader().g2().unwrap().pool_counts()));
-    assert_eq!(lender.lent.load(Ordering::Relaxed), 1);
-    assert!(lender.refused.load(Ordering::Relaxed) >= 1, "{lender:?}");
+    assert_eq!(
+        lender.lent.load(Ordering::Relaxed),
+        1 + kvbm_cluster::instance::MAX_LEASES_PER_LESSEE as u64
+    );
+    assert!(
+        lender.refused.load(Ordering::Relaxed) >= before + 5,
+        "{lender:?}"
+    );
     inst_b.shutdown().await;
     inst_a.shutdown().await;
 }

@@ -25,7 +25,10 @@
 //! * A block is registered on the puller only when every rank verified its slice (frame
 //!   checksums, identity, the lease's digest), and with the digest this instance derives
 //!   itself when it knows one (a lease naming another fails the block).
-//! * At most [`MAX_LEASES`] leases are out at once per holder; more takes are refused.
+//! * At most [`MAX_LEASES`] leases are out at once per holder, [`MAX_LEASES_PER_LESSEE`] to one
+//!   puller, and leases hold at most three quarters of the holder's G2 blocks in all: more
+//!   takes are refused (a member taking leases it never releases cannot pin the holder's whole
+//!   G2; a quarter stays evictable for its own work).
 //!
 //! # Locks
 //!
@@ -59,6 +62,10 @@ use kvbm_engine::stack::Identities;
 
 /// Most leases one holder has out at once.
 pub const MAX_LEASES: usize = 256;
+
+/// Most leases one holder has out to one puller at once: a member that takes leases and never
+/// releases them holds at most this many until they expire.
+pub const MAX_LEASES_PER_LESSEE: usize = 8;
 
 /// Version of the lease messages.
 const LEASE_WIRE_VERSION: u32 = 1;
@@ -109,7 +116,7 @@ enum LeaseAnswer {
 struct Held {
     lessee: InstanceId,
     expires: Instant,
-    _blocks: Vec<ImmutableBlock<G2>>,
+    blocks: Vec<ImmutableBlock<G2>>,
 }
 
 /// Counters of a lender (tests and logs).
@@ -208,8 +215,11 @@ impl Lender {
                     m = sub.next() => match m { Some(m) => m, None => return },
                 };
                 let Some(reply) = message.reply.clone() else {
+                    lender.stats.refused.fetch_add(1, Ordering::Relaxed);
                     continue;
                 };
+                // A message that does not open (forged, replayed, another namespace) is dropped
+                // unanswered and counted.
                 let Ok((sender, payload)) = security.open(&ctx, &message.payload) else {
                     lender.stats.refused.fetch_add(1, Ordering::Relaxed);
                     continue;
@@ -277,13 +287,40 @@ impl Lender {
         lessee: InstanceId,
         hashes: &[SequenceHash],
     ) -> LeaseAnswer {
-        if self.held.lock().len() >= MAX_LEASES {
+        let (out, to_lessee, held_blocks) = {
+            let held = self.held.lock();
+            (
+                held.len(),
+                held.values().filter(|h| h.lessee == lessee).count(),
+                // Pinned blocks: one held by several leases counts once.
+                held.values()
+                    .flat_map(|h| h.blocks.iter().map(|b| b.block_id()))
+                    .collect::<std::collections::HashSet<_>>()
+                    .len(),
+            )
+        };
+        let refused = |why: String| {
             self.stats.refused.fetch_add(1, Ordering::Relaxed);
-            return LeaseAnswer::Refused(format!("{MAX_LEASES} leases are out already"));
+            LeaseAnswer::Refused(why)
+        };
+        if out >= MAX_LEASES {
+            return refused(format!("{MAX_LEASES} leases are out already"));
+        }
+        if to_lessee >= MAX_LEASES_PER_LESSEE {
+            return refused(format!(
+                "{MAX_LEASES_PER_LESSEE} leases are out to {lessee} already"
+            ));
         }
         let blocks = g2.scan_matches(hashes);
         if blocks.is_empty() {
             return LeaseAnswer::NoneHeld;
+        }
+        if held_blocks + blocks.len() > g2.total_blocks() * 3 / 4 {
+            return refused(format!(
+                "leases would hold {} of {} G2 blocks (at most three quarters)",
+                held_blocks + blocks.len(),
+                g2.total_blocks()
+            ));
         }
         let Ok(random) = crate::security::random32() else {
             return LeaseAnswer::Refused("no randomness for a lease id".to_owned());
@@ -310,7 +347,7 @@ impl Lender {
             Held {
                 lessee,
                 expires: Instant::now() + self.ttl,
-                _blocks: blocks,
+                blocks,
             },
         );
         let mut ranks = Vec::new();

@@ -71,8 +71,8 @@ pub struct RemoteSearch {
     /// Whether all instances' G4 is one shared bucket and namespace (then other instances'
     /// G4 blocks are adopted into this leader's G4).
     pub shared_g4: bool,
-    /// Whether other instances' G2 is searched: this instance can pull a remote run over a
-    /// data plane (an instance whose worker ranks are processes has none).
+    /// Whether other instances' G2 is searched: this instance can pull a remote run (over its
+    /// data plane, or, with worker ranks as processes, through their rank plane).
     pub remote_g2: bool,
 }
 
