@@ -3,7 +3,8 @@
 //! vLLM script measures (`vllm-manager-replay.py`, `run_step`). Each step's calls are also
 //! written to `target/bench/tiering-ops.jsonl` in the replay format, so the same sequence can be
 //! replayed against vLLM. Prints JSON; baselines (a bare hashbrown probe loop) run in the same
-//! process. Figures are medians over rounds.
+//! process. Figures are medians over rounds; each step scenario also says where its time goes
+//! (`phases_us_share`: per phase, microseconds per step and the share of the step).
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -121,6 +122,52 @@ fn store_rate(m: &mut dyn OffloadingManager, base: u64, rounds: usize, step_ever
     median(rates)
 }
 
+/// Where a step's time goes, in seconds: the manager's calls by phase (clock read at phase
+/// boundaries only: a few readings per request, not per chunk).
+#[derive(Clone, Copy, Default)]
+struct Phases {
+    /// `on_new_request` and `on_request_finished`.
+    request: f64,
+    /// `lookup` of every chunk.
+    lookup: f64,
+    /// `prepare_load` + `complete_load` of the hits.
+    load: f64,
+    /// `prepare_store` + `complete_store` of the misses (and the cascade to the tier).
+    store: f64,
+    /// `on_schedule_end` and `get_stats`.
+    schedule_end: f64,
+}
+
+impl Phases {
+    const NAMES: [&'static str; 5] = ["request", "lookup", "load", "store", "schedule_end"];
+
+    fn get(&self) -> [f64; 5] {
+        [
+            self.request,
+            self.lookup,
+            self.load,
+            self.store,
+            self.schedule_end,
+        ]
+    }
+
+    fn add(&mut self, o: &Phases) {
+        self.request += o.request;
+        self.lookup += o.lookup;
+        self.load += o.load;
+        self.store += o.store;
+        self.schedule_end += o.schedule_end;
+    }
+}
+
+/// Seconds since `t`, and `t` moved to now.
+fn lap(t: &mut Instant) -> f64 {
+    let now = Instant::now();
+    let d = now.duration_since(*t).as_secs_f64();
+    *t = now;
+    d
+}
+
 /// One scheduler step as the vLLM script's `run_step`; optionally records the calls (JSONL).
 fn run_step(
     m: &mut TieringOffloadingManager,
@@ -129,7 +176,20 @@ fn run_step(
     rec: Option<&mut String>,
     counts: &mut [usize; 4],
 ) {
+    run_step_timed(m, reqs, step, rec, counts, &mut Phases::default());
+}
+
+/// [`run_step`], its time by phase added to `phases`.
+fn run_step_timed(
+    m: &mut TieringOffloadingManager,
+    reqs: &[&[OffloadKey]],
+    step: usize,
+    rec: Option<&mut String>,
+    counts: &mut [usize; 4],
+    phases: &mut Phases,
+) {
     let mut rec = rec;
+    let mut t = Instant::now();
     let mut new_ids = Vec::with_capacity(reqs.len());
     let id = |k: &OffloadKey| k.to_string();
     let list = |ks: &[OffloadKey]| ks.iter().map(id).collect::<Vec<_>>().join(", ");
@@ -138,7 +198,9 @@ fn run_step(
     for (i, ks) in reqs.iter().enumerate() {
         let rid = format!("s{step}r{i}");
         let c = ReqContext::new(rid.as_str());
+        lap(&mut t);
         m.on_new_request(&c).unwrap();
+        phases.request += lap(&mut t);
         new_ids.push(rid.clone());
         hits.clear();
         misses.clear();
@@ -159,9 +221,11 @@ fn run_step(
                 _ => {}
             }
         }
+        phases.lookup += lap(&mut t);
         if !hits.is_empty() {
             m.prepare_load(&hits, &c).unwrap();
             m.complete_load(&hits, &c).unwrap();
+            phases.load += lap(&mut t);
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
                     o,
@@ -183,6 +247,7 @@ fn run_step(
             {
                 m.complete_store(&o.keys_to_store, &c, true).unwrap();
             }
+            phases.store += lap(&mut t);
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
                     o,
@@ -193,17 +258,21 @@ fn run_step(
                 writeln!(o, r#"{{"method": "complete_store", "req": "{rid}"}}"#).unwrap();
             }
         }
+        lap(&mut t);
         m.on_request_finished(&c).unwrap();
+        phases.request += lap(&mut t);
         if let Some(o) = rec.as_deref_mut() {
             writeln!(o, r#"{{"method": "on_request_finished", "req": "{rid}"}}"#).unwrap();
         }
     }
+    lap(&mut t);
     m.on_schedule_end(&ScheduleEndContext {
         new_req_ids: new_ids,
         preempted_req_ids: Vec::new(),
     })
     .unwrap();
     black_box(m.get_stats());
+    phases.schedule_end += lap(&mut t);
     if let Some(o) = rec {
         writeln!(o, r#"{{"method": "on_schedule_end"}}"#).unwrap();
     }
@@ -215,6 +284,8 @@ struct StepResult {
     us_min: f64,
     cpu_us_median: f64,
     counts: [usize; 4],
+    /// Mean per measured step, by phase.
+    phases: Phases,
 }
 
 fn step_scenario(
@@ -243,18 +314,21 @@ fn step_scenario(
     let mut times = Vec::new();
     let mut cpu_times = Vec::new();
     let mut counts = [0usize; 4];
+    let mut phases = Phases::default();
     for s in 0..warmup + steps {
         let ks = key_sets(s + 1_000_000);
         let reqs: Vec<&[OffloadKey]> = ks.chunks(NCHUNK).collect();
         let mut c = [0usize; 4];
+        let mut p = Phases::default();
         let t = Instant::now();
         let tc = thread_cpu();
-        run_step(&mut m, &reqs, s, None, &mut c);
+        run_step_timed(&mut m, &reqs, s, None, &mut c, &mut p);
         let dt = t.elapsed().as_secs_f64() * 1e6;
         let dc = (thread_cpu() - tc) * 1e6;
         if s >= warmup {
             times.push(dt);
             cpu_times.push(dc);
+            phases.add(&p);
             for i in 0..4 {
                 counts[i] += c[i];
             }
@@ -267,12 +341,28 @@ fn step_scenario(
         us_min: min,
         cpu_us_median: median(cpu_times),
         counts,
+        phases: {
+            let n = steps.max(1) as f64;
+            let mut p = phases;
+            p.request /= n;
+            p.lookup /= n;
+            p.load /= n;
+            p.store /= n;
+            p.schedule_end /= n;
+            p
+        },
     }
 }
 
 fn main() {
     let per_step = NREQ * NCHUNK;
-    let rounds = 7;
+    // `--steps-only`: the step scenarios alone (to profile them: `perf record` over the rest
+    // would mostly see the lookup and store rates).
+    let rounds = if std::env::args().any(|a| a == "--steps-only") {
+        1
+    } else {
+        7
+    };
     // lookups
     let ks = keys(1, N);
     let mut cpu = TieringOffloadingManager::cpu(CpuManagerConfig::new(N));
@@ -337,8 +427,17 @@ fn main() {
     std::fs::write(&path, &rec).unwrap();
 
     let step_json = |r: &StepResult| {
+        // Each phase's mean time per step and its share of the phases' sum.
+        let p = r.phases.get();
+        let total: f64 = p.iter().sum::<f64>().max(1e-12);
+        let phases = Phases::NAMES
+            .iter()
+            .zip(p)
+            .map(|(n, v)| format!(r#""{n}": [{:.1}, {:.3}]"#, v * 1e6, v / total))
+            .collect::<Vec<_>>()
+            .join(", ");
         format!(
-            r#"{{"scenario": "{}", "requests": {NREQ}, "chunks_per_request": {NCHUNK}, "us_per_step": {:.1}, "us_per_step_min": {:.1}, "cpu_us_per_step": {:.1}, "ns_per_chunk": {:.1}, "goal_us": 1000, "lookups": {{"MISS": {}, "HIT": {}, "HIT_PENDING": {}, "RETRY": {}}}}}"#,
+            r#"{{"scenario": "{}", "requests": {NREQ}, "chunks_per_request": {NCHUNK}, "us_per_step": {:.1}, "us_per_step_min": {:.1}, "cpu_us_per_step": {:.1}, "ns_per_chunk": {:.1}, "goal_us": 1000, "phases_us_share": {{{phases}}}, "lookups": {{"MISS": {}, "HIT": {}, "HIT_PENDING": {}, "RETRY": {}}}}}"#,
             r.name,
             r.us_median,
             r.us_min,

@@ -26,34 +26,69 @@ use crate::stats::{OffloadingConnectorStats, names};
 use crate::tiering::base::{JobResult, TierJob};
 use crate::types::{LookupResult, ReqContext};
 
-/// What vLLM's tracker remembers of a request's lookups (`observed_lookups`), in one probe per
-/// lookup: per key, a bit per label whose lookup of it was counted, in a table hashed with the
-/// crate's [`KeyHasher`] (keys are digests already); the `RETRY` waits not yet resolved, rare,
-/// apart.
+/// What vLLM's tracker remembers of a request's lookups (`observed_lookups`): per key, a bit
+/// per label whose lookup of it was counted; the `RETRY` waits not yet resolved, rare, apart.
 ///
 /// A (label, key) is counted at its first resolution (`HIT` or `MISS`); a later one is not,
 /// whatever came between. A `RETRY` before the first resolution starts the key's wait at that
 /// label (its first `RETRY` only), which the resolution observes.
+///
+/// One probe per key, not per label: a lookup asks the primary and then each tier about the
+/// same key, so the entry last used is checked first (a 40-byte compare), and only a new key
+/// is hashed (with the crate's [`KeyHasher`]; keys are digests already). The table holds
+/// 4-byte entry indices (as the primary's `SlotIndex` does), the entries a dense vector, so a
+/// request's whole record stays a few cache lines per dozen keys.
 #[derive(Default)]
 struct Seen {
-    /// `(key, labels counted)`: bit `label` of the mask.
-    counted: HashTable<(OffloadKey, u128)>,
+    /// `(key, labels counted)`: bit `label` of the mask, in first-lookup order.
+    entries: Vec<(OffloadKey, u128)>,
+    /// Indices into `entries`, by key.
+    index: HashTable<u32>,
+    /// The entry last returned by [`mask`](Self::mask) (an index into `entries`, or past its
+    /// end when there is none).
+    last: u32,
     hasher: KeyHasher,
     /// `(label, key)` → when its first `RETRY` started (when latency is recorded).
     waiting: HashMap<(u8, OffloadKey), Option<u64>>,
 }
 
 impl Seen {
-    /// `key`'s mask of counted labels, made empty when it has none (one probe).
+    /// `key`'s mask of counted labels, made empty when it has none (at most one probe).
     #[inline]
     fn mask(&mut self, key: &OffloadKey) -> &mut u128 {
-        let h = &self.hasher;
-        &mut self
-            .counted
-            .entry(h.hash(key), |e| e.0 == *key, |e| h.hash(&e.0))
-            .or_insert((*key, 0))
-            .into_mut()
-            .1
+        let last = self.last as usize;
+        if last < self.entries.len() && self.entries[last].0 == *key {
+            return &mut self.entries[last].1;
+        }
+        let (h, entries) = (&self.hasher, &self.entries);
+        let i = match self.index.entry(
+            h.hash(key),
+            |&i| entries[i as usize].0 == *key,
+            |&i| h.hash(&entries[i as usize].0),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(e) => *e.get(),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                let i = entries.len() as u32;
+                v.insert(i);
+                self.entries.push((*key, 0));
+                i
+            }
+        };
+        self.last = i;
+        &mut self.entries[i as usize].1
+    }
+
+    /// Forgets every key (the capacity stays).
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.index.clear();
+        self.last = 0;
+        self.waiting.clear();
+    }
+
+    /// Keys it has room for without growing.
+    fn capacity(&self) -> usize {
+        self.index.capacity()
     }
 }
 
@@ -101,10 +136,9 @@ impl Observed {
     fn recycle(&mut self, seen: Option<Seen>) {
         if let Some(mut seen) = seen
             && self.spare.len() < MAX_SPARE_SEEN
-            && seen.counted.capacity() <= MAX_SPARE_SEEN_KEYS
+            && seen.capacity() <= MAX_SPARE_SEEN_KEYS
         {
-            seen.counted.clear();
-            seen.waiting.clear();
+            seen.clear();
             self.spare.push(seen);
         }
     }
@@ -484,5 +518,40 @@ impl Metrics {
         }
         out.aggregate(std::mem::take(&mut self.stats));
         (!out.is_empty()).then_some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `mask` finds a key's entry whoever was asked last (the shortcut is only a shortcut),
+    /// keeps each key's bits apart, and a cleared table (recycled for a new request) knows
+    /// nothing, its shortcut included.
+    #[test]
+    fn a_requests_masks_are_per_key_whatever_order_they_are_asked_in() {
+        let mut seen = Seen::default();
+        let (a, b, c) = (
+            OffloadKey::from_u64(1),
+            OffloadKey::from_u64(2),
+            OffloadKey::from_u64(3),
+        );
+        *seen.mask(&a) |= 1;
+        *seen.mask(&a) |= 2; // the shortcut
+        *seen.mask(&b) |= 4;
+        assert_eq!(*seen.mask(&a), 3, "found again after another key");
+        assert_eq!(*seen.mask(&b), 4);
+        assert_eq!(*seen.mask(&c), 0, "a new key starts empty");
+        // Many keys (the table grows, indices stay valid).
+        for i in 10..2000u64 {
+            *seen.mask(&OffloadKey::from_u64(i)) |= u128::from(i as u8);
+        }
+        for i in (10..2000u64).rev() {
+            assert_eq!(*seen.mask(&OffloadKey::from_u64(i)), u128::from(i as u8));
+        }
+        assert_eq!(*seen.mask(&a), 3);
+        seen.clear();
+        assert_eq!(*seen.mask(&a), 0, "cleared, the last entry too");
+        assert_eq!(seen.entries.len(), 1);
     }
 }
