@@ -292,54 +292,26 @@ impl DataPlaneClient {
         // above), owned by `destinations` until this returns: nothing else reads or writes it.
         let verified = unsafe { self.link.pull_slots(addr, instance, hashes, &slots) }.await;
         let peer = format!("{instance} at {addr}");
-        // Per block: the complete block to register, or why not (its destination dropped,
-        // back to its pool).
-        let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(hashes.len());
-        let (mut ok, mut positions) = (Vec::new(), Vec::new());
-        for (i, ((dest, &hash), v)) in destinations
-            .into_iter()
-            .zip(hashes)
+        // Per block: the digest to register it with (this instance's own when it knows the
+        // block, else the one the server recorded, bound to the hash by the frame: it travels
+        // on to G3/G4 headers and the next pull), or why not.
+        let plan: Vec<Verified> = hashes
+            .iter()
             .zip(verified)
-            .enumerate()
-        {
-            // Registered with the digest this instance knows for the block, else the one the
-            // server recorded (bound to the hash by the frame), so it travels on with the
-            // block (to G3/G4 headers, to the next pull).
-            let done = v.and_then(|announced| {
-                self.own_digest(hash, announced, &peer).and_then(|digest| {
-                    dest.complete_with_digest(hash, digest).map_err(|e| {
-                        BlockFailure::new(
-                            BlockFailureKind::Transfer,
-                            format!("completing {hash:?}: {}", e.error),
-                        )
-                    })
-                })
-            });
-            match done {
-                Ok(b) => {
-                    ok.push(b);
-                    positions.push(i);
-                    out.push(None);
-                }
-                Err(f) => {
+            .map(|(&hash, v)| {
+                let digest = v.and_then(|announced| self.own_digest(hash, announced, &peer));
+                if let Err(f) = &digest
                     // The peer said it does not hold the block, or its bytes failed their
                     // checksum or identity: the index stops sending pulls there (a broken
                     // stream says nothing of the copy).
-                    if f.kind == BlockFailureKind::NotFound || f.kind.drops_copy() {
-                        self.forget(instance, hash);
-                    }
-                    out.push(Some(Err(f)));
+                    && (f.kind == BlockFailureKind::NotFound || f.kind.drops_copy())
+                {
+                    self.forget(instance, hash);
                 }
-            }
-        }
-        // The verified blocks registered in one batch, keeping the request order.
-        for (b, i) in self.manager.register_blocks(ok).into_iter().zip(positions) {
-            out[i] = Some(Ok(b));
-        }
-        let out: Vec<MoveOutcome<G2>> = out
-            .into_iter()
-            .map(|o| o.expect("every block settled"))
+                digest
+            })
             .collect();
+        let out = register_verified(&self.manager, hashes, destinations, plan);
         self.publish(&out, started);
         out
     }
@@ -866,6 +838,43 @@ impl Link {
         }
         Ok(Some(digest))
     }
+}
+
+/// Completes each destination whose block verified (`plan[i]`: the digest to register it
+/// with) and registers them in `manager` in one batch; one outcome per block, in request
+/// order. A failed block's destination is dropped (back to its pool, never registered).
+pub(crate) fn register_verified(
+    manager: &BlockManager<G2>,
+    hashes: &[SequenceHash],
+    destinations: Vec<MutableBlock<G2>>,
+    plan: Vec<Verified>,
+) -> Vec<MoveOutcome<G2>> {
+    let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(hashes.len());
+    let (mut ok, mut positions) = (Vec::new(), Vec::new());
+    for (i, ((dest, &hash), p)) in destinations.into_iter().zip(hashes).zip(plan).enumerate() {
+        let done = p.and_then(|digest| {
+            dest.complete_with_digest(hash, digest).map_err(|e| {
+                BlockFailure::new(
+                    BlockFailureKind::Transfer,
+                    format!("completing {:032x}: {}", hash.as_u128(), e.error),
+                )
+            })
+        });
+        match done {
+            Ok(b) => {
+                ok.push(b);
+                positions.push(i);
+                out.push(None);
+            }
+            Err(f) => out.push(Some(Err(f))),
+        }
+    }
+    for (b, i) in manager.register_blocks(ok).into_iter().zip(positions) {
+        out[i] = Some(Ok(b));
+    }
+    out.into_iter()
+        .map(|o| o.expect("every block settled"))
+        .collect()
 }
 
 /// What a pull brought, into the metrics: the blocks pulled and their bytes (`block_bytes`

@@ -244,7 +244,7 @@ impl Source {
                         registration: b.registration(),
                         hash: b.sequence_hash(),
                         digest: b.digest(),
-                        _hold: Hold::Block(b),
+                        _hold: Hold::Block { _block: b },
                     };
                     (held.hash, held)
                 })
@@ -259,7 +259,7 @@ impl Source {
                         registration: b.registration,
                         hash: b.hash,
                         digest: b.digest,
-                        _hold: Hold::Lent(lent),
+                        _hold: Hold::Lent { _lent: lent },
                     };
                     (h, held)
                 })
@@ -277,9 +277,12 @@ struct Held {
     _hold: Hold,
 }
 
+/// What keeps a served slot from being rewritten (held for its drop alone).
 enum Hold {
-    Block(#[allow(dead_code)] ImmutableBlock<G2>),
-    Lent(#[allow(dead_code)] LentHold),
+    /// A registered block of the instance's G2.
+    Block { _block: ImmutableBlock<G2> },
+    /// A lent slot, under its lease's read gate.
+    Lent { _lent: LentHold },
 }
 
 /// What the server serves from.

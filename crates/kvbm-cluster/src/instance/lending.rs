@@ -631,32 +631,7 @@ impl RankPull {
                 }
             }
         }
-        let mut out: Vec<Option<MoveOutcome<G2>>> = Vec::with_capacity(n);
-        let (mut ok, mut positions) = (Vec::new(), Vec::new());
-        for (i, (dest, p)) in destinations.into_iter().zip(plan).enumerate() {
-            let done = p.and_then(|digest| {
-                dest.complete_with_digest(hashes[i], digest).map_err(|e| {
-                    BlockFailure::new(
-                        BlockFailureKind::Transfer,
-                        format!("completing {:032x}: {}", hashes[i].as_u128(), e.error),
-                    )
-                })
-            });
-            match done {
-                Ok(b) => {
-                    ok.push(b);
-                    positions.push(i);
-                    out.push(None);
-                }
-                Err(f) => out.push(Some(Err(f))),
-            }
-        }
-        for (b, i) in self.g2.register_blocks(ok).into_iter().zip(positions) {
-            out[i] = Some(Ok(b));
-        }
-        out.into_iter()
-            .map(|o| o.expect("every block settled"))
-            .collect()
+        crate::dataplane::register_verified(&self.g2, hashes, destinations, plan)
     }
 }
 
