@@ -248,6 +248,14 @@ async fn rank_plane(
         .parse()
         .map_err(|e| format!("--data-plane: {bind:?} is not a host:port address ({e})"))?;
     dp.scope = config.fingerprint(g2.layout().config())?.short();
+    // A whole pull, and a whole response, end before the leader's control request gives up
+    // on it: a pull's destination slots, and a lease's slots once its `EndLease` (which waits
+    // for the responses) answered, are then reused.
+    let t = &config.transport;
+    let within =
+        |ms: u64| Duration::from_millis(ms.min(t.request_timeout_ms.saturating_mul(3) / 4).max(1));
+    dp.pull_deadline = within(t.pull_deadline_ms);
+    dp.response_deadline = within(t.response_deadline_ms);
     let address = WorkerAddress::new(InstanceId(a.instance), a.rank);
     let plane = RankPlane::start(dp, address, g2, security, a.data_plane_advertise.as_deref())
         .await

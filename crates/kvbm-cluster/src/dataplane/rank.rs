@@ -31,6 +31,17 @@
 //! lease serves only workers of the instance it was lent to, and the puller's link accepts only
 //! a worker at its rank of the holder instance. A rank never decides which block a slot holds:
 //! its leader says so, over the sealed control channel, for lending and for pulling alike.
+//!
+//! # Deadline
+//!
+//! A rank's whole pull ([`RankPlane::pull`]) ends within the plane's `pull_deadline` (then its
+//! unsettled blocks fail `Timeout` and nothing more is written), and a whole response of its
+//! server within `response_deadline`; the worker sets both below its leader's control request
+//! timeout. So the leader's `PullSlices` call is answered before the leader gives up on it (its
+//! destination slots are never handed to another block while a rank still writes them), and an
+//! `EndLease`, which waits for the lease's responses, before the holder's leader gives up on it
+//! and drops its holds. (Were a read still running after that, the slot rewritten under it, the
+//! puller's frame checksum would refuse the bytes: never wrong bytes, a failed pull.)
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,6 +67,7 @@ pub struct RankPlane {
     link: Link,
     advertised: String,
     num_blocks: usize,
+    deadline: Duration,
 }
 
 impl std::fmt::Debug for RankPlane {
@@ -72,7 +84,8 @@ impl RankPlane {
     /// Serves rank `address`'s lent slots of its G2 (`g2`, host memory) on `config.bind`, and
     /// pulls into them; peers are told `advertise` (its port 0 the bound port), else the bound
     /// address. `config.scope` must be the instance's fingerprint (as the holder's and the
-    /// puller's ranks compute it).
+    /// puller's ranks compute it); `config.pull_deadline` bounds a whole pull and must be below
+    /// the leader's control request timeout (see the [module docs](self)).
     ///
     /// # Errors
     /// As [`DataPlaneServer::start_lent`]; [`EngineError::Config`](kvbm_engine::EngineError)
@@ -95,6 +108,7 @@ impl RankPlane {
         .await?;
         let advertised = super::advertised(advertise, server.local_addr())?;
         let num_blocks = g2.layout().config().num_blocks;
+        let deadline = config.pull_deadline;
         let link = Link::new(Party::Rank(address.rank), config, g2, security)?;
         Ok(Self {
             address,
@@ -103,6 +117,7 @@ impl RankPlane {
             link,
             advertised,
             num_blocks,
+            deadline,
         })
     }
 
@@ -168,8 +183,22 @@ impl RankPlane {
                 .map(|_| Err(BlockFailure::new(BlockFailureKind::Refused, m.clone())))
                 .collect();
         }
-        // SAFETY: forwarded (this function's contract; `pull_slots` checks the range).
-        let verified = unsafe { self.link.pull_slots(from, holder, hashes, slots) }.await;
+        // SAFETY: forwarded (this function's contract; `pull_slots` checks the range). Past the
+        // deadline the pull's future is dropped: nothing more is written to the slots.
+        let pulled = tokio::time::timeout(self.deadline, unsafe {
+            self.link.pull_slots(from, holder, hashes, slots)
+        })
+        .await;
+        let Ok(verified) = pulled else {
+            let m = format!(
+                "{} rank {}: pull from {holder} not done within {:?}",
+                self.address.instance, self.address.rank, self.deadline
+            );
+            return hashes
+                .iter()
+                .map(|_| Err(BlockFailure::new(BlockFailureKind::Timeout, m.clone())))
+                .collect();
+        };
         verified
             .into_iter()
             .zip(hashes.iter().zip(digests))
