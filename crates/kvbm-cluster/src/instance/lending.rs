@@ -287,43 +287,16 @@ impl Lender {
         lessee: InstanceId,
         hashes: &[SequenceHash],
     ) -> LeaseAnswer {
-        let (out, to_lessee, held_blocks) = {
-            let held = self.held.lock();
-            (
-                held.len(),
-                held.values().filter(|h| h.lessee == lessee).count(),
-                // Pinned blocks: one held by several leases counts once.
-                held.values()
-                    .flat_map(|h| h.blocks.iter().map(|b| b.block_id()))
-                    .collect::<std::collections::HashSet<_>>()
-                    .len(),
-            )
-        };
         let refused = |why: String| {
             self.stats.refused.fetch_add(1, Ordering::Relaxed);
             LeaseAnswer::Refused(why)
         };
-        if out >= MAX_LEASES {
-            return refused(format!("{MAX_LEASES} leases are out already"));
-        }
-        if to_lessee >= MAX_LEASES_PER_LESSEE {
-            return refused(format!(
-                "{MAX_LEASES_PER_LESSEE} leases are out to {lessee} already"
-            ));
-        }
         let blocks = g2.scan_matches(hashes);
         if blocks.is_empty() {
             return LeaseAnswer::NoneHeld;
         }
-        if held_blocks + blocks.len() > g2.total_blocks() * 3 / 4 {
-            return refused(format!(
-                "leases would hold {} of {} G2 blocks (at most three quarters)",
-                held_blocks + blocks.len(),
-                g2.total_blocks()
-            ));
-        }
         let Ok(random) = crate::security::random32() else {
-            return LeaseAnswer::Refused("no randomness for a lease id".to_owned());
+            return refused("no randomness for a lease id".to_owned());
         };
         let lease = u128::from_le_bytes(random[..16].try_into().expect("16 bytes"));
         let lent: Vec<LentBlock> = blocks
@@ -335,21 +308,51 @@ impl Lender {
                 digest: b.digest(),
             })
             .collect();
+        // The caps checked and the lease recorded under one lock (concurrent takes cannot
+        // overshoot them), before the ranks serve it (so an expiry or a release finds it).
+        {
+            let mut held = self.held.lock();
+            let to_lessee = held.values().filter(|h| h.lessee == lessee).count();
+            // Pinned blocks: one held by several leases counts once.
+            let pinned: std::collections::HashSet<usize> = held
+                .values()
+                .flat_map(|h| h.blocks.iter().map(|b| b.block_id()))
+                .chain(blocks.iter().map(|b| b.block_id()))
+                .collect();
+            let why = if held.len() >= MAX_LEASES {
+                Some(format!("{MAX_LEASES} leases are out already"))
+            } else if to_lessee >= MAX_LEASES_PER_LESSEE {
+                Some(format!(
+                    "{MAX_LEASES_PER_LESSEE} leases are out to {lessee} already"
+                ))
+            } else if pinned.len() > g2.total_blocks() * 3 / 4 {
+                Some(format!(
+                    "leases would hold {} of {} G2 blocks (at most three quarters)",
+                    pinned.len(),
+                    g2.total_blocks()
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                drop(held);
+                return refused(why);
+            }
+            held.insert(
+                lease,
+                Held {
+                    lessee,
+                    expires: Instant::now() + self.ttl,
+                    blocks,
+                },
+            );
+        }
         let request = ControlRequest::Lend {
             lease,
             lessee,
             ttl_ms: self.ttl.as_millis() as u64,
             blocks: lent.clone(),
         };
-        // Recorded before the ranks serve it, so an expiry or a release finds it.
-        self.held.lock().insert(
-            lease,
-            Held {
-                lessee,
-                expires: Instant::now() + self.ttl,
-                blocks,
-            },
-        );
         let mut ranks = Vec::new();
         let mut failed = None;
         for (r, reply) in self
