@@ -33,10 +33,19 @@ an order that rotates each step, so none always runs right after the same other 
                       glue: what every manager over this Python tier pays, so vLLM / floor is
                       the most any such manager's ratio can be
 
+With ``--phases`` each step is also split by phase (the clock read at phase boundaries only, a
+few readings per request, for every manager alike): ``request`` (on_new_request,
+on_request_finished), ``lookup``, ``load`` (prepare_load, complete_load), ``store``
+(prepare_store, complete_store), ``schedule_end`` (on_schedule_end, get_stats); and each kvbm
+manager's time above the floor is printed per phase with its share, which says where kvbm's
+own time goes. (A phase may come out negative: the floor makes a tier call there that a manager
+makes in another phase, e.g. promote's load job, which the floor queues in ``prepare_load`` and
+a manager at its ``lookup``'s HIT_PENDING.)
+
 Usage (after ``cargo xtask python`` built the wheel into target/pyvenv and fetched vLLM's
 sources):
 
-  target/pyvenv/bin/python crates/kvbm-vllm/benches/tiering_step.py [--steps 6]
+  target/pyvenv/bin/python crates/kvbm-vllm/benches/tiering_step.py [--steps 6] [--phases]
 """
 
 import argparse
@@ -78,6 +87,9 @@ def run(tmp):
     ap.add_argument("--kinds", default="vllm,kvbm+python-tier,kvbm+disk,floor",
                     help="managers to run, comma-separated (ratios need vllm)")
     ap.add_argument("--scenarios", default="cold,warm,promote")
+    ap.add_argument("--phases", action="store_true",
+                    help="split each step by phase and print kvbm's time above the floor per "
+                         "phase (module docs)")
     ap.add_argument("--io-nice", type=int, default=None,
                     help="kvbm+disk's io_nice key (default: the tier's own default, 10; 0 runs "
                          "its I/O threads at the scheduler's priority)")
@@ -205,7 +217,12 @@ def run(tmp):
     HIT, MISS = B.LookupResult.HIT, B.LookupResult.MISS
     step_no = [0]
 
-    def run_step(m, reqs, counts):
+    PHASES = ("request", "lookup", "load", "store", "schedule_end")
+
+    def run_step(m, reqs, counts, phases=None):
+        """One step; with ``phases`` (a dict), its time by phase is added there."""
+        if phases is not None:
+            return run_step_timed(m, reqs, phases)
         new_ids = []
         seen = []  # every lookup's answer, tallied after the step (off the clock)
         with m.lock:
@@ -235,6 +252,55 @@ def run(tmp):
         step_no[0] += 1
         return seen
 
+    def run_step_timed(m, reqs, ph):
+        """``run_step`` with the clock read at each phase boundary (``--phases``)."""
+        pc = time.perf_counter
+        request = lookup = load = store = 0.0
+        new_ids = []
+        seen = []
+        with m.lock:
+            for i, keys in enumerate(reqs):
+                rid = f"s{step_no[0]}r{i}"
+                ctx = B.ReqContext(req_id=rid)
+                t = pc()
+                m.on_new_request(ctx)
+                u = pc()
+                request += u - t
+                new_ids.append(rid)
+                hits, misses = [], []
+                for k in keys:
+                    r = m.lookup(k, ctx)
+                    seen.append(r)
+                    if r is HIT:
+                        hits.append(k)
+                    elif r is MISS:
+                        misses.append(k)
+                t = pc()
+                lookup += t - u
+                if hits:
+                    m.prepare_load(hits, ctx)
+                    m.complete_load(hits, ctx)
+                    u = pc()
+                    load += u - t
+                    t = u
+                if misses:
+                    out = m.prepare_store(misses, ctx)
+                    if out is not None and out.keys_to_store:
+                        m.complete_store(out.keys_to_store, ctx, True)
+                    u = pc()
+                    store += u - t
+                    t = u
+                m.on_request_finished(ctx)
+                request += pc() - t
+            t = pc()
+            m.on_schedule_end(B.ScheduleEndContext(new_req_ids=new_ids, preempted_req_ids=()))
+            m.get_stats()
+            end = pc() - t
+        step_no[0] += 1
+        for name, v in zip(PHASES, (request, lookup, load, store, end)):
+            ph[name] = ph.get(name, 0.0) + v
+        return seen
+
     def tally(seen, counts):
         for r in seen:
             counts[r.name] = counts.get(r.name, 0) + 1
@@ -261,6 +327,7 @@ def run(tmp):
         counts = {k: {} for k in kinds}
         times = {k: [] for k in kinds}
         cpu = {k: [] for k in kinds}
+        phases = {k: [] for k in kinds}
         sets = {}
         for k, m in managers.items():
             if scenario == "warm":
@@ -289,16 +356,19 @@ def run(tmp):
                 else:
                     keys = sets[k][s % 2]
                 c = counts[k] if s >= args.warmup else {}
+                ph = {} if args.phases else None
                 gc.collect()
                 c0 = time.thread_time()
                 t0 = time.perf_counter()
-                seen = run_step(m, split(keys), c)
+                seen = run_step(m, split(keys), c, ph)
                 dt = time.perf_counter() - t0
                 dc = time.thread_time() - c0
                 tally(seen, c)
                 if s >= args.warmup:
                     times[k].append(dt)
                     cpu[k].append(dc)
+                    if ph is not None:
+                        phases[k].append(ph)
                 settle(m)
         for m in managers.values():
             m.shutdown()
@@ -315,6 +385,19 @@ def run(tmp):
         print("         lookups: " + "; ".join(
             f"{k} {dict(sorted(counts[k].items()))}" for k in kinds
         ))
+        if args.phases and "floor" in kinds:
+            # Per phase, the median over steps; kvbm's time above the floor, and its share.
+            mp = {k: {p: statistics.median(st[p] for st in v) for p in PHASES}
+                  for k, v in phases.items() if v}
+            for k in kinds:
+                if k in ("floor", "vllm") or k not in mp:
+                    continue
+                above = {p: mp[k][p] - mp["floor"][p] for p in PHASES}
+                total = sum(above.values())
+                print(f"         {k} above the floor {total * 1e3:6.2f} ms: " + ", ".join(
+                    f"{p} {above[p] * 1e3:5.2f} ms ({above[p] / total if total else 0:4.0%})"
+                    for p in PHASES
+                ))
     print(f"(median of {args.steps} steps after {args.warmup} warm-up; "
           f"{REQUESTS}x{CHUNKS} chunks per step; ratio = vLLM / kvbm; first line wall time, "
           f"'cpu' the scheduler thread's own CPU time, which a core taken away from this "
