@@ -171,7 +171,7 @@ use parking_lot::Mutex;
 
 pub use client::{ClientStats, DataPlaneClient};
 #[cfg(feature = "nats")]
-pub(crate) use client::{own_digest, publish_pull, register_verified};
+pub(crate) use client::{fail_all, own_digest, publish_pull, register_verified};
 pub use server::{DataPlaneServer, ServerStats};
 pub use wire::binding;
 

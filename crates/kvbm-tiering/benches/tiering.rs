@@ -122,42 +122,21 @@ fn store_rate(m: &mut dyn OffloadingManager, base: u64, rounds: usize, step_ever
     median(rates)
 }
 
-/// Where a step's time goes, in seconds: the manager's calls by phase (clock read at phase
-/// boundaries only: a few readings per request, not per chunk).
+/// Where a step's time goes, in seconds, by phase (clock read at phase boundaries only: a few
+/// readings per request, not per chunk): `on_new_request` and `on_request_finished`; `lookup`
+/// of every chunk; `prepare_load` + `complete_load` of the hits; `prepare_store` +
+/// `complete_store` of the misses (and the cascade to the tier); `on_schedule_end` and
+/// `get_stats`.
 #[derive(Clone, Copy, Default)]
-struct Phases {
-    /// `on_new_request` and `on_request_finished`.
-    request: f64,
-    /// `lookup` of every chunk.
-    lookup: f64,
-    /// `prepare_load` + `complete_load` of the hits.
-    load: f64,
-    /// `prepare_store` + `complete_store` of the misses (and the cascade to the tier).
-    store: f64,
-    /// `on_schedule_end` and `get_stats`.
-    schedule_end: f64,
-}
+struct Phases([f64; 5]);
 
 impl Phases {
     const NAMES: [&'static str; 5] = ["request", "lookup", "load", "store", "schedule_end"];
-
-    fn get(&self) -> [f64; 5] {
-        [
-            self.request,
-            self.lookup,
-            self.load,
-            self.store,
-            self.schedule_end,
-        ]
-    }
-
-    fn add(&mut self, o: &Phases) {
-        self.request += o.request;
-        self.lookup += o.lookup;
-        self.load += o.load;
-        self.store += o.store;
-        self.schedule_end += o.schedule_end;
-    }
+    const REQUEST: usize = 0;
+    const LOOKUP: usize = 1;
+    const LOAD: usize = 2;
+    const STORE: usize = 3;
+    const SCHEDULE_END: usize = 4;
 }
 
 /// Seconds since `t`, and `t` moved to now.
@@ -200,7 +179,7 @@ fn run_step_timed(
         let c = ReqContext::new(rid.as_str());
         lap(&mut t);
         m.on_new_request(&c).unwrap();
-        phases.request += lap(&mut t);
+        phases.0[Phases::REQUEST] += lap(&mut t);
         new_ids.push(rid.clone());
         hits.clear();
         misses.clear();
@@ -221,11 +200,11 @@ fn run_step_timed(
                 _ => {}
             }
         }
-        phases.lookup += lap(&mut t);
+        phases.0[Phases::LOOKUP] += lap(&mut t);
         if !hits.is_empty() {
             m.prepare_load(&hits, &c).unwrap();
             m.complete_load(&hits, &c).unwrap();
-            phases.load += lap(&mut t);
+            phases.0[Phases::LOAD] += lap(&mut t);
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
                     o,
@@ -247,7 +226,7 @@ fn run_step_timed(
             {
                 m.complete_store(&o.keys_to_store, &c, true).unwrap();
             }
-            phases.store += lap(&mut t);
+            phases.0[Phases::STORE] += lap(&mut t);
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
                     o,
@@ -260,7 +239,7 @@ fn run_step_timed(
         }
         lap(&mut t);
         m.on_request_finished(&c).unwrap();
-        phases.request += lap(&mut t);
+        phases.0[Phases::REQUEST] += lap(&mut t);
         if let Some(o) = rec.as_deref_mut() {
             writeln!(o, r#"{{"method": "on_request_finished", "req": "{rid}"}}"#).unwrap();
         }
@@ -272,7 +251,7 @@ fn run_step_timed(
     })
     .unwrap();
     black_box(m.get_stats());
-    phases.schedule_end += lap(&mut t);
+    phases.0[Phases::SCHEDULE_END] += lap(&mut t);
     if let Some(o) = rec {
         writeln!(o, r#"{{"method": "on_schedule_end"}}"#).unwrap();
     }
@@ -328,7 +307,9 @@ fn step_scenario(
         if s >= warmup {
             times.push(dt);
             cpu_times.push(dc);
-            phases.add(&p);
+            for (a, b) in phases.0.iter_mut().zip(p.0) {
+                *a += b;
+            }
             for i in 0..4 {
                 counts[i] += c[i];
             }
@@ -341,16 +322,7 @@ fn step_scenario(
         us_min: min,
         cpu_us_median: median(cpu_times),
         counts,
-        phases: {
-            let n = steps.max(1) as f64;
-            let mut p = phases;
-            p.request /= n;
-            p.lookup /= n;
-            p.load /= n;
-            p.store /= n;
-            p.schedule_end /= n;
-            p
-        },
+        phases: Phases(phases.0.map(|v| v / steps.max(1) as f64)),
     }
 }
 
@@ -428,7 +400,7 @@ fn main() {
 
     let step_json = |r: &StepResult| {
         // Each phase's mean time per step and its share of the phases' sum.
-        let p = r.phases.get();
+        let p = r.phases.0;
         let total: f64 = p.iter().sum::<f64>().max(1e-12);
         let phases = Phases::NAMES
             .iter()

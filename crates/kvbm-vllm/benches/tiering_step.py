@@ -219,6 +219,27 @@ def run(tmp):
 
     PHASES = ("request", "lookup", "load", "store", "schedule_end")
 
+    def lookup_all(m, keys, ctx, seen):
+        """A request's lookups: its hits and misses (every answer appended to ``seen``)."""
+        hits, misses = [], []
+        for k in keys:
+            r = m.lookup(k, ctx)
+            seen.append(r)
+            if r is HIT:
+                hits.append(k)
+            elif r is MISS:
+                misses.append(k)
+        return hits, misses
+
+    def load_hits(m, hits, ctx):
+        m.prepare_load(hits, ctx)
+        m.complete_load(hits, ctx)
+
+    def store_misses(m, misses, ctx):
+        out = m.prepare_store(misses, ctx)
+        if out is not None and out.keys_to_store:
+            m.complete_store(out.keys_to_store, ctx, True)
+
     def run_step(m, reqs, counts, phases=None):
         """One step; with ``phases`` (a dict), its time by phase is added there."""
         if phases is not None:
@@ -231,21 +252,11 @@ def run(tmp):
                 ctx = B.ReqContext(req_id=rid)
                 m.on_new_request(ctx)
                 new_ids.append(rid)
-                hits, misses = [], []
-                for k in keys:
-                    r = m.lookup(k, ctx)
-                    seen.append(r)
-                    if r is HIT:
-                        hits.append(k)
-                    elif r is MISS:
-                        misses.append(k)
+                hits, misses = lookup_all(m, keys, ctx, seen)
                 if hits:
-                    m.prepare_load(hits, ctx)
-                    m.complete_load(hits, ctx)
+                    load_hits(m, hits, ctx)
                 if misses:
-                    out = m.prepare_store(misses, ctx)
-                    if out is not None and out.keys_to_store:
-                        m.complete_store(out.keys_to_store, ctx, True)
+                    store_misses(m, misses, ctx)
                 m.on_request_finished(ctx)
             m.on_schedule_end(B.ScheduleEndContext(new_req_ids=new_ids, preempted_req_ids=()))
             m.get_stats()
@@ -267,26 +278,16 @@ def run(tmp):
                 u = pc()
                 request += u - t
                 new_ids.append(rid)
-                hits, misses = [], []
-                for k in keys:
-                    r = m.lookup(k, ctx)
-                    seen.append(r)
-                    if r is HIT:
-                        hits.append(k)
-                    elif r is MISS:
-                        misses.append(k)
+                hits, misses = lookup_all(m, keys, ctx, seen)
                 t = pc()
                 lookup += t - u
                 if hits:
-                    m.prepare_load(hits, ctx)
-                    m.complete_load(hits, ctx)
+                    load_hits(m, hits, ctx)
                     u = pc()
                     load += u - t
                     t = u
                 if misses:
-                    out = m.prepare_store(misses, ctx)
-                    if out is not None and out.keys_to_store:
-                        m.complete_store(out.keys_to_store, ctx, True)
+                    store_misses(m, misses, ctx)
                     u = pc()
                     store += u - t
                     t = u

@@ -412,16 +412,12 @@ impl Link {
         let n = hashes.len();
         if slots.len() != n {
             let m = format!("{} slots for {n} blocks", slots.len());
-            return (0..n)
-                .map(|_| Err(BlockFailure::new(BlockFailureKind::Refused, m.clone())))
-                .collect();
+            return fail_all(n, &BlockFailure::new(BlockFailureKind::Refused, m));
         }
         let num_blocks = self.layout.layout().config().num_blocks;
         if let Some(s) = slots.iter().find(|s| **s >= num_blocks) {
             let m = format!("slot {s} is out of the layout's {num_blocks} blocks");
-            return (0..n)
-                .map(|_| Err(BlockFailure::new(BlockFailureKind::Refused, m.clone())))
-                .collect();
+            return fail_all(n, &BlockFailure::new(BlockFailureKind::Refused, m));
         }
         // Held until every part is settled: at most `max_connections_per_peer` pulls per peer.
         let _permit = self.permit(addr.ip()).await;
@@ -435,7 +431,7 @@ impl Link {
                 let (stream, pooled) = match self.connection(addr, instance, attempt == 0).await {
                     Ok(s) => s,
                     Err(e) => {
-                        settled = fail_slots(part.len(), &e);
+                        settled = fail_all(part.len(), &e);
                         break;
                     }
                 };
@@ -458,7 +454,7 @@ impl Link {
                             self.config.pull_deadline
                         ),
                     );
-                    settled = fail_slots(part.len(), &f);
+                    settled = fail_all(part.len(), &f);
                     break;
                 };
                 match r {
@@ -470,7 +466,7 @@ impl Link {
                         if failed.before_response && pooled && attempt == 0 {
                             continue;
                         }
-                        settled = fail_slots(part.len(), &failed.failure);
+                        settled = fail_all(part.len(), &failed.failure);
                         break;
                     }
                 }
@@ -922,11 +918,11 @@ pub(crate) fn own_digest(
     }
 }
 
-fn fail_all(n: usize, failure: &BlockFailure) -> Vec<MoveOutcome<G2>> {
-    (0..n).map(|_| Err(failure.clone())).collect()
-}
-
-fn fail_slots(n: usize, failure: &BlockFailure) -> Vec<Verified> {
+/// `n` outcomes, each `failure`.
+pub(crate) fn fail_all<T>(
+    n: usize,
+    failure: &BlockFailure,
+) -> Vec<std::result::Result<T, BlockFailure>> {
     (0..n).map(|_| Err(failure.clone())).collect()
 }
 

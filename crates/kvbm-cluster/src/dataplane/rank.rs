@@ -51,7 +51,7 @@ use kvbm_logical::{BlockDigest, SequenceHash};
 use kvbm_offload::{BlockFailure, BlockFailureKind};
 use kvbm_physical::PhysicalLayout;
 
-use super::client::Link;
+use super::client::{Link, fail_all};
 use super::handshake::Party;
 use super::lease::{Leases, LentBlock};
 use super::{DataPlaneConfig, DataPlaneServer};
@@ -178,10 +178,10 @@ impl RankPlane {
     ) -> Vec<std::result::Result<(), BlockFailure>> {
         if digests.len() != hashes.len() {
             let m = format!("{} digests for {} blocks", digests.len(), hashes.len());
-            return hashes
-                .iter()
-                .map(|_| Err(BlockFailure::new(BlockFailureKind::Refused, m.clone())))
-                .collect();
+            return fail_all(
+                hashes.len(),
+                &BlockFailure::new(BlockFailureKind::Refused, m),
+            );
         }
         // SAFETY: forwarded (this function's contract; `pull_slots` checks the range). Past the
         // deadline the pull's future is dropped: nothing more is written to the slots.
@@ -194,10 +194,10 @@ impl RankPlane {
                 "{} rank {}: pull from {holder} not done within {:?}",
                 self.address.instance, self.address.rank, self.deadline
             );
-            return hashes
-                .iter()
-                .map(|_| Err(BlockFailure::new(BlockFailureKind::Timeout, m.clone())))
-                .collect();
+            return fail_all(
+                hashes.len(),
+                &BlockFailure::new(BlockFailureKind::Timeout, m),
+            );
         };
         verified
             .into_iter()

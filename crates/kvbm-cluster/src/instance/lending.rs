@@ -492,9 +492,7 @@ impl RankPull {
     ) -> Vec<MoveOutcome<G2>> {
         let n = hashes.len();
         let fail = |kind: BlockFailureKind, m: String| -> Vec<MoveOutcome<G2>> {
-            (0..n)
-                .map(|_| Err(BlockFailure::new(kind, m.clone())))
-                .collect()
+            crate::dataplane::fail_all(n, &BlockFailure::new(kind, m))
         };
         if destinations.len() != n {
             return fail(
