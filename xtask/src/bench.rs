@@ -3,6 +3,9 @@
 //! `NAME` selects one crate (`logical` → `kvbm-logical`); with none, every crate that has
 //! benchmarks runs. Benchmarks always build in release mode; they never run inside `ci`.
 //! Benchmarks that need servers (G4) get them from [`crate::services`].
+//!
+//! `bench tiering --against REV [--runs N] [-- ARGS]` compares the tiering bench of the working
+//! tree with revision `REV`'s, run alternately ([`crate::bench_ab`]).
 
 use std::process::Command;
 
@@ -21,6 +24,17 @@ const BENCHED: &[(&str, &str)] = &[
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    if let Some(ab) = crate::bench_ab::Ab::parse(args)? {
+        if !matches!(
+            args.first().map(String::as_str),
+            Some("tiering" | "kvbm-tiering")
+        ) {
+            bail!(
+                "--against compares the tiering bench only: `cargo xtask bench tiering --against REV`"
+            );
+        }
+        return crate::bench_ab::run(&ab);
+    }
     let selected: Vec<&(&str, &str)> = match args.first() {
         None => BENCHED.iter().collect(),
         Some(name) => match BENCHED

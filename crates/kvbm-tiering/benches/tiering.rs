@@ -4,7 +4,14 @@
 //! written to `target/bench/tiering-ops.jsonl` in the replay format, so the same sequence can be
 //! replayed against vLLM. Prints JSON; baselines (a bare hashbrown probe loop) run in the same
 //! process. Figures are medians over rounds; each step scenario also says where its time goes
-//! (`phases_us_share`: per phase, microseconds per step and the share of the step).
+//! (`phases_us_share`: per phase, microseconds per step and the share of the step) and how many
+//! heap allocations each phase made (`allocs_per_step`: the bench counts them through its global
+//! allocator; a step should make none per chunk).
+//!
+//! Flags: `--steps-only` (the step scenarios, one round of the rates), `--steps N` (measured
+//! steps per scenario, default 10), `--only NAME` (one scenario, the others reported as zero: to
+//! profile it). `cargo xtask bench tiering --against REV` runs this bench of the working tree
+//! and of `REV` alternately and prints both medians and their ratio.
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -12,6 +19,36 @@ use std::time::Instant;
 
 use hashbrown::HashMap;
 use kvbm_tiering::*;
+
+/// Counts heap allocations (a step should make none per chunk: `allocs_per_step`).
+struct Counting;
+
+static ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 const N: usize = 16384;
 const NREQ: usize = 256;
@@ -127,8 +164,9 @@ fn store_rate(m: &mut dyn OffloadingManager, base: u64, rounds: usize, step_ever
 /// of every chunk; `prepare_load` + `complete_load` of the hits; `prepare_store` +
 /// `complete_store` of the misses (and the cascade to the tier); `on_schedule_end` and
 /// `get_stats`.
+/// Also the heap allocations each phase made (`allocs`).
 #[derive(Clone, Copy, Default)]
-struct Phases([f64; 5]);
+struct Phases([f64; 5], [u64; 5]);
 
 impl Phases {
     const NAMES: [&'static str; 5] = ["request", "lookup", "load", "store", "schedule_end"];
@@ -139,12 +177,23 @@ impl Phases {
     const SCHEDULE_END: usize = 4;
 }
 
-/// Seconds since `t`, and `t` moved to now.
-fn lap(t: &mut Instant) -> f64 {
-    let now = Instant::now();
-    let d = now.duration_since(*t).as_secs_f64();
-    *t = now;
-    d
+/// A phase boundary: the clock and the allocation count.
+struct Mark(Instant, u64);
+
+impl Mark {
+    fn now() -> Self {
+        Mark(Instant::now(), allocs())
+    }
+}
+
+impl Phases {
+    /// The time and allocations since `t` added to phase `i`, and `t` moved to now.
+    fn lap(&mut self, i: usize, t: &mut Mark) {
+        let now = Mark::now();
+        self.0[i] += now.0.duration_since(t.0).as_secs_f64();
+        self.1[i] += now.1 - t.1;
+        *t = now;
+    }
 }
 
 /// One scheduler step as the vLLM script's `run_step`; optionally records the calls (JSONL).
@@ -168,7 +217,7 @@ fn run_step_timed(
     phases: &mut Phases,
 ) {
     let mut rec = rec;
-    let mut t = Instant::now();
+    let mut t;
     let mut new_ids = Vec::with_capacity(reqs.len());
     let id = |k: &OffloadKey| k.to_string();
     let list = |ks: &[OffloadKey]| ks.iter().map(id).collect::<Vec<_>>().join(", ");
@@ -177,9 +226,9 @@ fn run_step_timed(
     for (i, ks) in reqs.iter().enumerate() {
         let rid = format!("s{step}r{i}");
         let c = ReqContext::new(rid.as_str());
-        lap(&mut t);
+        t = Mark::now();
         m.on_new_request(&c).unwrap();
-        phases.0[Phases::REQUEST] += lap(&mut t);
+        phases.lap(Phases::REQUEST, &mut t);
         new_ids.push(rid.clone());
         hits.clear();
         misses.clear();
@@ -200,11 +249,11 @@ fn run_step_timed(
                 _ => {}
             }
         }
-        phases.0[Phases::LOOKUP] += lap(&mut t);
+        phases.lap(Phases::LOOKUP, &mut t);
         if !hits.is_empty() {
             m.prepare_load(&hits, &c).unwrap();
             m.complete_load(&hits, &c).unwrap();
-            phases.0[Phases::LOAD] += lap(&mut t);
+            phases.lap(Phases::LOAD, &mut t);
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
                     o,
@@ -226,7 +275,7 @@ fn run_step_timed(
             {
                 m.complete_store(&o.keys_to_store, &c, true).unwrap();
             }
-            phases.0[Phases::STORE] += lap(&mut t);
+            phases.lap(Phases::STORE, &mut t);
             if let Some(o) = rec.as_deref_mut() {
                 writeln!(
                     o,
@@ -237,21 +286,21 @@ fn run_step_timed(
                 writeln!(o, r#"{{"method": "complete_store", "req": "{rid}"}}"#).unwrap();
             }
         }
-        lap(&mut t);
+        t = Mark::now();
         m.on_request_finished(&c).unwrap();
-        phases.0[Phases::REQUEST] += lap(&mut t);
+        phases.lap(Phases::REQUEST, &mut t);
         if let Some(o) = rec.as_deref_mut() {
             writeln!(o, r#"{{"method": "on_request_finished", "req": "{rid}"}}"#).unwrap();
         }
     }
-    lap(&mut t);
+    t = Mark::now();
     m.on_schedule_end(&ScheduleEndContext {
         new_req_ids: new_ids,
         preempted_req_ids: Vec::new(),
     })
     .unwrap();
     black_box(m.get_stats());
-    phases.0[Phases::SCHEDULE_END] += lap(&mut t);
+    phases.lap(Phases::SCHEDULE_END, &mut t);
     if let Some(o) = rec {
         writeln!(o, r#"{{"method": "on_schedule_end"}}"#).unwrap();
     }
@@ -275,6 +324,23 @@ fn step_scenario(
     prepare: &mut dyn FnMut(&mut TieringOffloadingManager),
     rec: &mut String,
 ) -> StepResult {
+    // `--only NAME`: the other scenarios are skipped (reported as zero), to profile one.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(only) = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        && only != name
+    {
+        return StepResult {
+            name,
+            us_median: 0.0,
+            us_min: 0.0,
+            cpu_us_median: 0.0,
+            counts: [0; 4],
+            phases: Phases::default(),
+        };
+    }
     // recorded, untimed pass of the same sequence
     let mut m = tiering(N, 1);
     prepare(&mut m);
@@ -310,6 +376,9 @@ fn step_scenario(
             for (a, b) in phases.0.iter_mut().zip(p.0) {
                 *a += b;
             }
+            for (a, b) in phases.1.iter_mut().zip(p.1) {
+                *a += b;
+            }
             for i in 0..4 {
                 counts[i] += c[i];
             }
@@ -322,7 +391,10 @@ fn step_scenario(
         us_min: min,
         cpu_us_median: median(cpu_times),
         counts,
-        phases: Phases(phases.0.map(|v| v / steps.max(1) as f64)),
+        phases: Phases(
+            phases.0.map(|v| v / steps.max(1) as f64),
+            phases.1.map(|v| v / steps.max(1) as u64),
+        ),
     }
 }
 
@@ -330,11 +402,19 @@ fn main() {
     let per_step = NREQ * NCHUNK;
     // `--steps-only`: the step scenarios alone (to profile them: `perf record` over the rest
     // would mostly see the lookup and store rates).
-    let rounds = if std::env::args().any(|a| a == "--steps-only") {
+    let args: Vec<String> = std::env::args().collect();
+    let rounds = if args.iter().any(|a| a == "--steps-only") {
         1
     } else {
         7
     };
+    // `--steps N`: measured steps per scenario (more samples for a profile).
+    let steps = args
+        .iter()
+        .position(|a| a == "--steps")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.parse::<usize>().expect("--steps N"))
+        .unwrap_or(10);
     // lookups
     let ks = keys(1, N);
     let mut cpu = TieringOffloadingManager::cpu(CpuManagerConfig::new(N));
@@ -354,7 +434,6 @@ fn main() {
 
     // scheduler steps
     let mut rec = String::new();
-    let steps = 10;
     let warmup = 2;
     let cold = step_scenario(
         "cold",
@@ -408,8 +487,16 @@ fn main() {
             .map(|(n, v)| format!(r#""{n}": [{:.1}, {:.3}]"#, v * 1e6, v / total))
             .collect::<Vec<_>>()
             .join(", ");
+        // The manager's heap allocations per step, by phase (the bench's own, a request id
+        // and its context per request, fall between the phases).
+        let allocs = Phases::NAMES
+            .iter()
+            .zip(r.phases.1)
+            .map(|(n, v)| format!(r#""{n}": {v}"#))
+            .collect::<Vec<_>>()
+            .join(", ");
         format!(
-            r#"{{"scenario": "{}", "requests": {NREQ}, "chunks_per_request": {NCHUNK}, "us_per_step": {:.1}, "us_per_step_min": {:.1}, "cpu_us_per_step": {:.1}, "ns_per_chunk": {:.1}, "goal_us": 1000, "phases_us_share": {{{phases}}}, "lookups": {{"MISS": {}, "HIT": {}, "HIT_PENDING": {}, "RETRY": {}}}}}"#,
+            r#"{{"scenario": "{}", "requests": {NREQ}, "chunks_per_request": {NCHUNK}, "us_per_step": {:.1}, "us_per_step_min": {:.1}, "cpu_us_per_step": {:.1}, "ns_per_chunk": {:.1}, "goal_us": 1000, "phases_us_share": {{{phases}}}, "allocs_per_step": {{{allocs}}}, "lookups": {{"MISS": {}, "HIT": {}, "HIT_PENDING": {}, "RETRY": {}}}}}"#,
             r.name,
             r.us_median,
             r.us_min,
