@@ -170,15 +170,18 @@ fn figures(v: &Value) -> Vec<(String, f64)> {
             }
         }
     }
-    for s in v["step"].as_array().into_iter().flatten() {
-        let name = s["scenario"].as_str().unwrap_or("?");
-        if let Some(x) = s["cpu_us_per_step"].as_f64() {
-            f.push((format!("step.{name}.cpu_us"), x));
-        }
-        for (p, x) in s["phases_us_share"].as_object().into_iter().flatten() {
-            // `[us, share]` (or a bare number in older benches).
-            if let Some(x) = x.get(0).and_then(Value::as_f64).or(x.as_f64()) {
-                f.push((format!("step.{name}.{p}_us"), x));
+    // `step`: over the in-memory tier; `step_own`: over a tier that answers without a set.
+    for group in ["step", "step_own"] {
+        for s in v[group].as_array().into_iter().flatten() {
+            let name = s["scenario"].as_str().unwrap_or("?");
+            if let Some(x) = s["cpu_us_per_step"].as_f64() {
+                f.push((format!("{group}.{name}.cpu_us"), x));
+            }
+            for (p, x) in s["phases_us_share"].as_object().into_iter().flatten() {
+                // `[us, share]` (or a bare number in older benches).
+                if let Some(x) = x.get(0).and_then(Value::as_f64).or(x.as_f64()) {
+                    f.push((format!("{group}.{name}.{p}_us"), x));
+                }
             }
         }
     }
@@ -269,7 +272,8 @@ mod tests {
             r#"{"lookup_mps": {"cpu_manager": 90.0, "goal": 30.0, "ratio_cpu_to_raw": 0.5},
                 "store_complete_kps": {"cpu_manager": 2000.0},
                 "step": [{"scenario": "cold", "cpu_us_per_step": 3000.0,
-                          "phases_us_share": {"lookup": [900.0, 0.3], "store": 2000.0}}]}"#,
+                          "phases_us_share": {"lookup": [900.0, 0.3], "store": 2000.0}}],
+                "step_own": [{"scenario": "cold", "cpu_us_per_step": 2000.0}]}"#,
         )
         .unwrap();
         let f = figures(&v);
@@ -281,5 +285,6 @@ mod tests {
         assert_eq!(get("step.cold.cpu_us"), Some(3000.0));
         assert_eq!(get("step.cold.lookup_us"), Some(900.0));
         assert_eq!(get("step.cold.store_us"), Some(2000.0));
+        assert_eq!(get("step_own.cold.cpu_us"), Some(2000.0));
     }
 }

@@ -4,6 +4,9 @@
 //! written to `target/bench/tiering-ops.jsonl` in the replay format, so the same sequence can be
 //! replayed against vLLM. Prints JSON; baselines (a bare hashbrown probe loop) run in the same
 //! process. Figures are medians over rounds; each step scenario also says where its time goes
+//! (`step`, over kvbm-tiering's `InMemoryTier`; `step_own`, the same over a tier that answers
+//! without holding anything, so the manager's own cost: the in-memory tier's set grows by a
+//! step's 16384 keys each cold step, a cost a real tier bounds and pays its own way)
 //! (`phases_us_share`: per phase, microseconds per step and the share of the step) and how many
 //! heap allocations each phase made (`allocs_per_step`: the bench counts them through its global
 //! allocator; a step should make none per chunk).
@@ -74,6 +77,71 @@ fn keys(base: u64, n: usize) -> Vec<OffloadKey> {
     (0..n as u64)
         .map(|i| OffloadKey::from_u64(base + i))
         .collect()
+}
+
+/// A secondary tier that answers without holding anything: every lookup `answer`, every job
+/// finished at the next poll. Under it a step costs the manager's own work alone: the
+/// in-memory tier's key set grows by 16384 keys a cold step, which a real tier would bound
+/// and index its own way (the `step_own` figures).
+struct Answering {
+    answer: LookupResult,
+    done: Vec<JobResult>,
+}
+
+impl SecondaryTierManager for Answering {
+    fn tier_type(&self) -> &str {
+        "answering"
+    }
+    fn block_size_bytes(&self) -> usize {
+        64
+    }
+    fn lookup(&mut self, _: &OffloadKey, _: &ReqContext) -> LookupResult {
+        self.answer
+    }
+    fn submit_store(&mut self, job: std::sync::Arc<TierJob>) {
+        self.done.push(JobResult::new(job.job_id, true));
+    }
+    fn submit_load(&mut self, job: std::sync::Arc<TierJob>) {
+        self.done.push(JobResult::new(job.job_id, true));
+    }
+    fn get_finished_jobs(&mut self, out: &mut Vec<JobResult>) {
+        out.append(&mut self.done);
+    }
+    fn drain_jobs(&mut self) -> kvbm_tiering::Result<()> {
+        Ok(())
+    }
+    fn on_new_request(&mut self, _: &ReqContext) -> RequestOffloadingContext {
+        RequestOffloadingContext::default()
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// Which secondary tier a step scenario runs over.
+#[derive(Clone, Copy, PartialEq)]
+enum Tier {
+    /// kvbm-tiering's `InMemoryTier` (a growing key set).
+    Memory,
+    /// [`Answering`]: `MISS` while a scenario is prepared, then `HIT` in promote, `MISS`
+    /// otherwise.
+    Answering,
+}
+
+/// The step scenarios' manager: a primary of `N` chunks over one tier of `kind`.
+fn step_manager(kind: Tier) -> TieringOffloadingManager {
+    match kind {
+        Tier::Memory => tiering(N, 1),
+        Tier::Answering => {
+            let mut cfg = TieringConfig::new(N, 64);
+            cfg.fixes = UpstreamFixes::upstream();
+            let t: Vec<Box<dyn SecondaryTierManager>> = vec![Box::new(Answering {
+                answer: LookupResult::Miss,
+                done: Vec::new(),
+            })];
+            TieringOffloadingManager::new(cfg, t).unwrap()
+        }
+    }
 }
 
 fn tiering(n: usize, tiers: usize) -> TieringOffloadingManager {
@@ -323,14 +391,21 @@ fn step_scenario(
     key_sets: &mut dyn FnMut(usize) -> Vec<OffloadKey>,
     prepare: &mut dyn FnMut(&mut TieringOffloadingManager),
     rec: &mut String,
+    tier: Tier,
 ) -> StepResult {
-    // `--only NAME`: the other scenarios are skipped (reported as zero), to profile one.
+    // `--only NAME`: the other scenarios are skipped (reported as zero), to profile one
+    // (`cold`: over either tier; `own.cold`: over the answering tier only).
     let args: Vec<String> = std::env::args().collect();
+    let full = match tier {
+        Tier::Memory => name.to_string(),
+        Tier::Answering => format!("own.{name}"),
+    };
     if let Some(only) = args
         .iter()
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1))
-        && only != name
+        && *only != name
+        && *only != full
     {
         return StepResult {
             name,
@@ -341,21 +416,31 @@ fn step_scenario(
             phases: Phases::default(),
         };
     }
-    // recorded, untimed pass of the same sequence
-    let mut m = tiering(N, 1);
-    prepare(&mut m);
-    let mut counts = [0usize; 4];
-    for s in 0..warmup + steps {
-        let ks = key_sets(s);
-        let reqs: Vec<&[OffloadKey]> = ks.chunks(NCHUNK).collect();
-        // record the warm-up steps and the first measured one, from a fresh manager, so the
-        // file replays the same states (the primary is full from the second step on)
-        let r = if s <= warmup { Some(&mut *rec) } else { None };
-        run_step(&mut m, &reqs, s, r, &mut counts);
+    // `HIT` from an answering tier once prepared, where the scenario's keys are in the tier.
+    let answer = |m: &mut TieringOffloadingManager| {
+        if tier == Tier::Answering && name == "promote" {
+            m.tier_mut::<Answering>(0).unwrap().answer = LookupResult::Hit;
+        }
+    };
+    // recorded, untimed pass of the same sequence (over the in-memory tier: the file replays
+    // against vLLM's manager over its own in-memory tier)
+    if tier == Tier::Memory {
+        let mut m = step_manager(tier);
+        prepare(&mut m);
+        let mut counts = [0usize; 4];
+        for s in 0..warmup + steps {
+            let ks = key_sets(s);
+            let reqs: Vec<&[OffloadKey]> = ks.chunks(NCHUNK).collect();
+            // record the warm-up steps and the first measured one, from a fresh manager, so
+            // the file replays the same states (the primary is full from the second step on)
+            let r = if s <= warmup { Some(&mut *rec) } else { None };
+            run_step(&mut m, &reqs, s, r, &mut counts);
+        }
     }
     // timed pass
-    let mut m = tiering(N, 1);
+    let mut m = step_manager(tier);
     prepare(&mut m);
+    answer(&mut m);
     let mut times = Vec::new();
     let mut cpu_times = Vec::new();
     let mut counts = [0usize; 4];
@@ -432,46 +517,54 @@ fn main() {
     fill(&mut t2, &ks);
     let tier_store = store_rate(&mut t2, 1 << 41, rounds, 64);
 
-    // scheduler steps
+    // scheduler steps, over the in-memory tier (recorded) and over an answering one
     let mut rec = String::new();
     let warmup = 2;
-    let cold = step_scenario(
-        "cold",
-        steps,
-        warmup,
-        &mut |s| keys(((s + 1) * per_step) as u64 * 7, per_step),
-        &mut |_| {},
-        &mut rec,
-    );
-    let warm_keys = keys(1 << 50, per_step);
-    let wk = warm_keys.clone();
-    let warm = step_scenario(
-        "warm",
-        steps,
-        warmup,
-        &mut |_| wk.clone(),
-        &mut |m| {
-            let reqs: Vec<&[OffloadKey]> = warm_keys.chunks(NCHUNK).collect();
-            run_step(m, &reqs, usize::MAX, None, &mut [0; 4]);
-        },
-        &mut String::new(),
-    );
-    let a = keys(1 << 52, per_step);
-    let b = keys(1 << 53, per_step);
-    let (a2, b2) = (a.clone(), b.clone());
-    let promote = step_scenario(
-        "promote",
-        steps,
-        warmup,
-        &mut |s| if s % 2 == 0 { a2.clone() } else { b2.clone() },
-        &mut |m| {
-            for set in [&a, &b] {
-                let reqs: Vec<&[OffloadKey]> = set.chunks(NCHUNK).collect();
-                run_step(m, &reqs, usize::MAX - 1, None, &mut [0; 4]);
-            }
-        },
-        &mut String::new(),
-    );
+    let scenarios = |tier: Tier, rec: &mut String| -> [StepResult; 3] {
+        let cold = step_scenario(
+            "cold",
+            steps,
+            warmup,
+            &mut |s| keys(((s + 1) * per_step) as u64 * 7, per_step),
+            &mut |_| {},
+            rec,
+            tier,
+        );
+        let warm_keys = keys(1 << 50, per_step);
+        let wk = warm_keys.clone();
+        let warm = step_scenario(
+            "warm",
+            steps,
+            warmup,
+            &mut |_| wk.clone(),
+            &mut |m| {
+                let reqs: Vec<&[OffloadKey]> = warm_keys.chunks(NCHUNK).collect();
+                run_step(m, &reqs, usize::MAX, None, &mut [0; 4]);
+            },
+            &mut String::new(),
+            tier,
+        );
+        let a = keys(1 << 52, per_step);
+        let b = keys(1 << 53, per_step);
+        let (a2, b2) = (a.clone(), b.clone());
+        let promote = step_scenario(
+            "promote",
+            steps,
+            warmup,
+            &mut |s| if s % 2 == 0 { a2.clone() } else { b2.clone() },
+            &mut |m| {
+                for set in [&a, &b] {
+                    let reqs: Vec<&[OffloadKey]> = set.chunks(NCHUNK).collect();
+                    run_step(m, &reqs, usize::MAX - 1, None, &mut [0; 4]);
+                }
+            },
+            &mut String::new(),
+            tier,
+        );
+        [cold, warm, promote]
+    };
+    let [cold, warm, promote] = scenarios(Tier::Memory, &mut rec);
+    let own = scenarios(Tier::Answering, &mut String::new());
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiering-ops.jsonl");
@@ -513,11 +606,15 @@ fn main() {
   "lookup_mps": {{"cpu_manager": {cpu_rate:.1}, "tiering_2_tiers": {tier_rate:.1}, "baseline_raw_hashbrown_probe": {raw_rate:.1}, "ratio_cpu_to_raw": {:.3}, "goal": 30.0}},
   "store_complete_kps": {{"cpu_manager": {cpu_store:.1}, "tiering_2_tiers": {tier_store:.1}}},
   "step": [{}, {}, {}],
+  "step_own": [{}, {}, {}],
   "recorded_sequence": "{}"}}"#,
         cpu_rate / raw_rate,
         step_json(&cold),
         step_json(&warm),
         step_json(&promote),
+        step_json(&own[0]),
+        step_json(&own[1]),
+        step_json(&own[2]),
         path.display()
     );
 }
