@@ -5,7 +5,8 @@
 //! Benchmarks that need servers (G4) get them from [`crate::services`].
 //!
 //! `bench tiering --against REV [--runs N] [-- ARGS]` compares the tiering bench of the working
-//! tree with revision `REV`'s, run alternately ([`crate::bench_ab`]).
+//! tree with revision `REV`'s, run alternately; `bench vllm --against REV` the scheduler step
+//! driven from Python ([`crate::bench_ab`]).
 
 use std::process::Command;
 
@@ -25,14 +26,6 @@ const BENCHED: &[(&str, &str)] = &[
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if let Some(ab) = crate::bench_ab::Ab::parse(args)? {
-        if !matches!(
-            args.first().map(String::as_str),
-            Some("tiering" | "kvbm-tiering")
-        ) {
-            bail!(
-                "--against compares the tiering bench only: `cargo xtask bench tiering --against REV`"
-            );
-        }
         return crate::bench_ab::run(&ab);
     }
     let selected: Vec<&(&str, &str)> = match args.first() {

@@ -1,5 +1,7 @@
 //! `cargo xtask bench tiering --against REV [--runs N] [-- ARGS]`: the tiering bench of the
-//! working tree and of revision `REV`, run alternately on the same machine in the same minutes.
+//! working tree and of revision `REV`, run alternately on the same machine in the same minutes;
+//! `cargo xtask bench vllm --against REV ...` the same for the scheduler step driven from Python
+//! (`crates/kvbm-vllm/benches/tiering_step.py`, vLLM's manager beside kvbm's).
 //!
 //! # Why alternate
 //!
@@ -17,6 +19,13 @@
 //! The base is built with its own bench source (what it measured then); the figures compared
 //! are the ones both print: lookup and store rates and each step scenario's CPU time and
 //! phases. A figure only one side prints (a phase added since) is shown for that side alone.
+//!
+//! The Python bench is the working tree's script for both sides, run by `target/pyvenv`'s
+//! interpreter (`cargo xtask python` makes it, with vLLM's sources) with each side's
+//! `kvbm_vllm` first on `PYTHONPATH`: that revision's Python package beside its extension
+//! module built in release (`target/ab/py-{base,head}`). Its figures: per scenario and manager
+//! the median wall and CPU time, vLLM's time over each kvbm manager's, and (with `--phases`)
+//! each kvbm manager's time above the floor per phase.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,8 +33,19 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+/// Which bench is compared.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Bench {
+    /// kvbm-tiering's `tiering` bench (Rust).
+    Tiering,
+    /// `crates/kvbm-vllm/benches/tiering_step.py` (Python, vLLM's manager beside kvbm's).
+    Vllm,
+}
+
 /// What `--against` asks for.
 pub(crate) struct Ab {
+    /// The bench compared.
+    pub bench: Bench,
     /// The base revision.
     pub rev: String,
     /// Runs of each build (alternating).
@@ -35,10 +55,20 @@ pub(crate) struct Ab {
 }
 
 impl Ab {
-    /// `--against REV [--runs N] [-- ARGS...]` out of `args`, or `None` without `--against`.
+    /// `NAME --against REV [--runs N] [-- ARGS...]` out of `args` (`NAME`: `tiering` or
+    /// `vllm`), or `None` without `--against`.
     pub(crate) fn parse(args: &[String]) -> Result<Option<Ab>> {
         let Some(i) = args.iter().position(|a| a == "--against") else {
             return Ok(None);
+        };
+        let bench = match args.first().map(String::as_str) {
+            Some("tiering" | "kvbm-tiering") => Bench::Tiering,
+            Some("vllm" | "kvbm-vllm") => Bench::Vllm,
+            other => bail!(
+                "--against compares `tiering` (the Rust bench) or `vllm` (the step from \
+                 Python), not {}: `cargo xtask bench tiering --against REV`",
+                other.map_or("nothing".to_string(), |o| format!("`{o}`"))
+            ),
         };
         let rev = args
             .get(i + 1)
@@ -59,6 +89,7 @@ impl Ab {
             None => Vec::new(),
         };
         Ok(Some(Ab {
+            bench,
             rev,
             runs,
             bench_args,
@@ -103,6 +134,126 @@ fn build(dir: &Path, target_dir: Option<&Path>) -> Result<PathBuf> {
                 dir.display()
             )
         })
+}
+
+/// Builds kvbm-vllm's extension module in release in `dir` (target `target_dir` when given)
+/// and lays it out with that tree's Python package as `out/kvbm_vllm` (made afresh); `out`.
+fn python_package(dir: &Path, target_dir: Option<&Path>, out: &Path) -> Result<PathBuf> {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(dir).args([
+        "build",
+        "--release",
+        "-p",
+        "kvbm-vllm",
+        "--lib",
+        "--message-format=json",
+    ]);
+    if let Some(t) = target_dir {
+        cmd.env("CARGO_TARGET_DIR", t);
+    }
+    let built = cmd
+        .output()
+        .with_context(|| format!("building kvbm-vllm in {}", dir.display()))?;
+    if !built.status.success() {
+        bail!(
+            "building kvbm-vllm in {} failed:\n{}",
+            dir.display(),
+            String::from_utf8_lossy(&built.stderr)
+        );
+    }
+    let so = String::from_utf8_lossy(&built.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["target"]["name"] == "kvbm_vllm")
+        .flat_map(|v| {
+            v["filenames"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|f| f.as_str().map(PathBuf::from))
+                .collect::<Vec<_>>()
+        })
+        .find(|f| f.extension().is_some_and(|e| e == "so"))
+        .with_context(|| {
+            format!(
+                "cargo named no kvbm_vllm extension module in {}",
+                dir.display()
+            )
+        })?;
+    let pkg = out.join("kvbm_vllm");
+    let _ = std::fs::remove_dir_all(out);
+    std::fs::create_dir_all(&pkg)?;
+    let src = dir.join("crates/kvbm-vllm/python/kvbm_vllm");
+    for e in std::fs::read_dir(&src).with_context(|| format!("reading {}", src.display()))? {
+        let e = e?;
+        if e.path().extension().is_some_and(|x| x == "py") {
+            std::fs::copy(e.path(), pkg.join(e.file_name()))?;
+        }
+    }
+    std::fs::copy(&so, pkg.join("_kvbm.abi3.so"))
+        .with_context(|| format!("copying {}", so.display()))?;
+    Ok(std::fs::canonicalize(out)?)
+}
+
+/// One run of the Python bench with `package` first on `PYTHONPATH`: its JSON.
+fn run_python(package: &Path, args: &[String]) -> Result<Value> {
+    let python = Path::new("target/pyvenv/bin/python");
+    if !python.exists() {
+        bail!(
+            "target/pyvenv/bin/python is missing: `cargo xtask python` makes it (with vLLM's \
+             sources, which the bench loads)"
+        );
+    }
+    let out = std::fs::canonicalize("target/ab")?.join("vllm-bench.json");
+    let _ = std::fs::remove_file(&out);
+    let status = Command::new(python)
+        .arg("crates/kvbm-vllm/benches/tiering_step.py")
+        .args(args)
+        .arg("--json")
+        .arg(&out)
+        .env("PYTHONPATH", package)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("running crates/kvbm-vllm/benches/tiering_step.py")?;
+    if !status.success() {
+        bail!("crates/kvbm-vllm/benches/tiering_step.py failed ({status})");
+    }
+    let text = std::fs::read_to_string(&out)
+        .with_context(|| format!("the Python bench wrote no {}", out.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is no JSON", out.display()))
+}
+
+/// The Python bench's figures by name: per scenario, each manager's wall and CPU time, vLLM's
+/// CPU time over each other manager's, and each kvbm manager's time above the floor by phase.
+fn python_figures(v: &Value) -> Vec<(String, f64)> {
+    let mut f = Vec::new();
+    for (scenario, r) in v.as_object().into_iter().flatten() {
+        for what in ["wall_ms", "cpu_ms"] {
+            for (kind, x) in r[what].as_object().into_iter().flatten() {
+                if let Some(x) = x.as_f64() {
+                    f.push((format!("{scenario}.{what}.{kind}"), x));
+                }
+            }
+        }
+        if let Some(vllm) = r["cpu_ms"]["vllm"].as_f64() {
+            for (kind, x) in r["cpu_ms"].as_object().into_iter().flatten() {
+                if let Some(x) = x.as_f64()
+                    && kind != "vllm"
+                    && x > 0.0
+                {
+                    f.push((format!("{scenario}.vllm_over.{kind}"), vllm / x));
+                }
+            }
+        }
+        for (kind, phases) in r["above_floor_ms"].as_object().into_iter().flatten() {
+            for (p, x) in phases.as_object().into_iter().flatten() {
+                if let Some(x) = x.as_f64() {
+                    f.push((format!("{scenario}.above_floor.{kind}.{p}"), x));
+                }
+            }
+        }
+    }
+    f
 }
 
 /// A worktree of `rev` under `target/ab/` (made once; checked out at `rev` each time).
@@ -193,20 +344,52 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The figures of a run, by name.
+type Figures = Vec<(String, f64)>;
+
+/// One run of one side.
+type Side = dyn Fn() -> Result<Figures>;
+
 /// Runs the comparison and prints it.
 pub(crate) fn run(ab: &Ab) -> Result<()> {
     let base_dir = worktree(&ab.rev)?;
+    let base_target = base_dir.join("../target");
     eprintln!("building the base ({}) in {}", ab.rev, base_dir.display());
-    let base = build(&base_dir, Some(&base_dir.join("../target")))?;
-    eprintln!("building the working tree");
-    let head = build(Path::new("."), None)?;
+    // Each side: what one run of it is.
+    let sides: [Box<Side>; 2] = match ab.bench {
+        Bench::Tiering => {
+            let base = build(&base_dir, Some(&base_target))?;
+            eprintln!("building the working tree");
+            let head = build(Path::new("."), None)?;
+            let args = ab.bench_args.clone();
+            let args2 = args.clone();
+            [
+                Box::new(move || Ok(figures(&run_once(&base, &args)?))),
+                Box::new(move || Ok(figures(&run_once(&head, &args2)?))),
+            ]
+        }
+        Bench::Vllm => {
+            let base = python_package(
+                &base_dir,
+                Some(&base_target),
+                Path::new("target/ab/py-base"),
+            )?;
+            eprintln!("building the working tree");
+            let head = python_package(Path::new("."), None, Path::new("target/ab/py-head"))?;
+            let args = ab.bench_args.clone();
+            let args2 = args.clone();
+            [
+                Box::new(move || Ok(python_figures(&run_python(&base, &args)?))),
+                Box::new(move || Ok(python_figures(&run_python(&head, &args2)?))),
+            ]
+        }
+    };
     let mut runs: [Vec<Vec<(String, f64)>>; 2] = [Vec::new(), Vec::new()];
     for r in 0..ab.runs {
         let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
         for side in order {
-            let exe = if side == 0 { &base } else { &head };
             eprintln!("run {} of {}: {}", r + 1, ab.runs, ["base", "head"][side]);
-            runs[side].push(figures(&run_once(exe, &ab.bench_args)?));
+            runs[side].push(sides[side]()?);
         }
     }
     // Every figure either side printed, in the head's order, then the base's own.
@@ -255,15 +438,34 @@ mod tests {
         let ab = Ab::parse(&args("tiering --against HEAD~1 --runs 5 -- --steps-only"))
             .unwrap()
             .unwrap();
+        assert_eq!(ab.bench, Bench::Tiering);
         assert_eq!(ab.rev, "HEAD~1");
         assert_eq!(ab.runs, 5);
         assert_eq!(ab.bench_args, vec!["--steps-only".to_string()]);
-        assert_eq!(
-            Ab::parse(&args("x --against main")).unwrap().unwrap().runs,
-            3
-        );
-        assert!(Ab::parse(&args("x --against")).is_err());
-        assert!(Ab::parse(&args("x --against main --runs 0")).is_err());
+        let vllm = Ab::parse(&args("vllm --against main")).unwrap().unwrap();
+        assert_eq!((vllm.bench, vllm.runs), (Bench::Vllm, 3));
+        assert!(Ab::parse(&args("logical --against main")).is_err());
+        assert!(Ab::parse(&args("tiering --against")).is_err());
+        assert!(Ab::parse(&args("tiering --against main --runs 0")).is_err());
+    }
+
+    #[test]
+    fn python_figures_name_each_manager_and_phase() {
+        let v: Value = serde_json::from_str(
+            r#"{"warm": {"wall_ms": {"vllm": 100.0, "floor": 2.0, "kvbm+disk": 5.0},
+                         "cpu_ms": {"vllm": 110.0, "floor": 2.0, "kvbm+disk": 5.5},
+                         "above_floor_ms": {"kvbm+disk": {"lookup": 2.0, "total": 3.5}}}}"#,
+        )
+        .unwrap();
+        let f = python_figures(&v);
+        let get = |n: &str| f.iter().find(|(k, _)| k == n).map(|(_, x)| *x);
+        assert_eq!(get("warm.wall_ms.kvbm+disk"), Some(5.0));
+        assert_eq!(get("warm.cpu_ms.vllm"), Some(110.0));
+        assert_eq!(get("warm.vllm_over.kvbm+disk"), Some(20.0));
+        assert_eq!(get("warm.vllm_over.floor"), Some(55.0));
+        assert_eq!(get("warm.vllm_over.vllm"), None);
+        assert_eq!(get("warm.above_floor.kvbm+disk.lookup"), Some(2.0));
+        assert_eq!(get("warm.above_floor.kvbm+disk.total"), Some(3.5));
     }
 
     #[test]

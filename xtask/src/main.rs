@@ -10,7 +10,7 @@
 //! | `layering` | fails when a crate depends on one at or above its own layer |
 //! | `python` | builds the kvbm-vllm wheel, runs vLLM's own kv_offload tests against vLLM's and kvbm's classes |
 //! | `services` | `start` prints `export` lines for servers it started; `stop` stops them |
-//! | `bench [crate]` | runs the benchmarks (all, or one crate's); `bench tiering --against REV`: alternately with REV's build |
+//! | `bench [crate]` | runs the benchmarks (all, or one crate's); `bench tiering\|vllm --against REV`: alternately with REV's build |
 //! | `fuzz [secs]` | runs the `fuzz/` cargo-fuzz targets (decoders of outside bytes) |
 //! | `soak [secs]` | every tier under random S3 errors; corrupt 0, settled, RSS flat |
 //! | `gpu-check --out DIR` | on a GPU machine: the `cuda` feature's tests and benchmark, as JSON |
@@ -43,9 +43,10 @@ commands:
   services start     start the test servers and print `export` lines for them
   services stop      stop servers started by `services start`
   bench [NAME]       run benchmarks (NAME: logical, physical, offload, ...; default all)
-  bench tiering --against REV [--runs N] [-- ARGS]
-                     the tiering bench of the working tree and of REV, alternately (N runs
-                     each, default 3), figure by figure: median, median, head/base
+  bench tiering|vllm --against REV [--runs N] [-- ARGS]
+                     the tiering bench (vllm: the step from Python, tiering_step.py) of the
+                     working tree and of REV, alternately (N runs each, default 3), figure by
+                     figure: median, median, head/base
   fuzz [SECS] [T..]  run the fuzz/ targets (cargo-fuzz, nightly) SECS each (default 60)
   soak [SECS]        kvbm replay, every tier, random S3 errors, for SECS (default 600)
   gpu-check --out DIR  on a GPU machine: build kvbm-physical --features cuda, run its GPU

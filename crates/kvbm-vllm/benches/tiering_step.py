@@ -90,6 +90,11 @@ def run(tmp):
     ap.add_argument("--phases", action="store_true",
                     help="split each step by phase and print kvbm's time above the floor per "
                          "phase (module docs)")
+    ap.add_argument("--json", default=None,
+                    help="also write the figures to this file: per scenario, per manager the "
+                         "median wall and CPU milliseconds, and with --phases each kvbm "
+                         "manager's milliseconds above the floor per phase (`cargo xtask bench "
+                         "vllm --against REV` reads it)")
     ap.add_argument("--io-nice", type=int, default=None,
                     help="kvbm+disk's io_nice key (default: the tier's own default, 10; 0 runs "
                          "its I/O threads at the scheduler's priority)")
@@ -375,7 +380,10 @@ def run(tmp):
             m.shutdown()
         med = {k: statistics.median(v) for k, v in times.items()}
         med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-        results[scenario] = med
+        results[scenario] = {
+            "wall_ms": {k: v * 1e3 for k, v in med.items()},
+            "cpu_ms": {k: v * 1e3 for k, v in med_cpu.items()},
+        }
         for label, fig in (("", med), ("  cpu", med_cpu)):
             v = fig.get("vllm")
             print(f"{scenario + label:13s} " + "  ".join(
@@ -395,6 +403,8 @@ def run(tmp):
                     continue
                 above = {p: mp[k][p] - mp["floor"][p] for p in PHASES}
                 total = sum(above.values())
+                results[scenario].setdefault("above_floor_ms", {})[k] = dict(
+                    {p: v * 1e3 for p, v in above.items()}, total=total * 1e3)
                 print(f"         {k} above the floor {total * 1e3:6.2f} ms: " + ", ".join(
                     f"{p} {above[p] * 1e3:5.2f} ms ({above[p] / total if total else 0:4.0%})"
                     for p in PHASES
@@ -403,6 +413,10 @@ def run(tmp):
           f"{REQUESTS}x{CHUNKS} chunks per step; ratio = vLLM / kvbm; first line wall time, "
           f"'cpu' the scheduler thread's own CPU time, which a core taken away from this "
           f"shared machine mid-step does not inflate; kvbm_disk's I/O threads are not in it)")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 
