@@ -409,7 +409,7 @@ pub(crate) fn run(ab: &Ab) -> Result<()> {
         (!v.is_empty()).then(|| median(v))
     };
     println!(
-        "{:44} {:>12} {:>12} {:>8}   (median of {} alternating runs; base {})",
+        "{:52} {:>10} {:>10} {:>9}   (median of {} alternating runs; base {})",
         "figure", "base", "head", "head/base", ab.runs, ab.rev
     );
     for n in &names {
@@ -419,7 +419,7 @@ pub(crate) fn run(ab: &Ab) -> Result<()> {
             (Some(b), Some(h)) if b > 0.0 => format!("{:.3}", h / b),
             _ => "-".into(),
         };
-        println!("{n:44} {:>12} {:>12} {ratio:>8}", cell(b), cell(h));
+        println!("{n:52} {:>10} {:>10} {ratio:>9}", cell(b), cell(h));
     }
     Ok(())
 }

@@ -88,6 +88,19 @@ impl SlotIndex {
         }
     }
 
+    /// Removes slot `s`, whose key `keys[s]` is resident there (an eviction's victim: its slot
+    /// is known, so the probe compares slot ids, not keys).
+    #[inline]
+    pub(crate) fn remove_slot(&mut self, keys: &[OffloadKey], s: u32) {
+        let k = &keys[s as usize];
+        match self.table.find_entry(self.hash(k), |&t| t == s) {
+            Ok(e) => {
+                e.remove();
+            }
+            Err(_) => debug_assert!(false, "slot {s} is resident"),
+        }
+    }
+
     /// Number of resident keys.
     pub(crate) fn len(&self) -> usize {
         self.table.len()

@@ -1086,7 +1086,7 @@ impl CpuOffloadingManager {
             self.num_evictable -= victims.len();
             for &s in &victims {
                 let k = self.keys[s as usize];
-                self.index.remove(&self.keys, &k);
+                self.index.remove_slot(&self.keys, s);
                 self.vacate(s);
                 each(k, s);
             }

@@ -12,6 +12,8 @@ use crate::key::OffloadKey;
 enum Op {
     Insert(u64),
     Remove(u64),
+    /// Removes a resident key by its slot (an eviction's victim), if it is resident.
+    RemoveSlot(u64),
     Get(u64),
     Clear,
 }
@@ -21,6 +23,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0u64..48).prop_map(Op::Insert),
         3 => (0u64..48).prop_map(Op::Remove),
+        3 => (0u64..48).prop_map(Op::RemoveSlot),
         4 => (0u64..64).prop_map(Op::Get),
         1 => Just(Op::Clear),
     ]
@@ -52,6 +55,13 @@ proptest! {
                     prop_assert_eq!(got, model.remove(&k));
                     // The slot goes back with its stale key left in `keys`.
                     free.extend(got);
+                }
+                Op::RemoveSlot(n) => {
+                    let k = OffloadKey::from_u64(n);
+                    if let Some(s) = model.remove(&k) {
+                        index.remove_slot(&keys, s);
+                        free.push(s);
+                    }
                 }
                 Op::Get(n) => {
                     let k = OffloadKey::from_u64(n);
