@@ -3,7 +3,7 @@
 //! iff the tier holds every key of the job. Knobs let tests hold jobs back, fail loads, lose a
 //! job at drain, request REQUEST_LEVEL policy, or report RETRY.
 //!
-//! The keys it holds are a [`Held`] set: the keys in arrival order and a table of 8-byte
+//! The keys it holds are a `Held` set: the keys in arrival order and a table of 8-byte
 //! entries over them, not a `HashSet<OffloadKey>` of 40-byte buckets. The tier only grows
 //! (a cold scheduler step of the bench hands it 16384 new keys), and a probe of a key it does
 //! not hold, the usual answer, then reads the table's control bytes and entries (a fifth of
