@@ -142,11 +142,13 @@ impl DirectDiskManager {
     }
 
     /// vLLM's `prepare_store`: slots for the keys not yet stored (a key with a restored chunk
-    /// adopts it; restored chunks nobody asked for give way first, then the policy's victims), each unlisted in the journal before the
-    /// spec is handed out. `None`, having changed nothing, where there is no room.
+    /// adopts it; restored chunks nobody asked for give way first, then the policy's victims).
+    /// `None`, having changed nothing, where there is no room. No journal work here (the
+    /// scheduler's thread): a slot handed out stays listed under its old chunk, whose bytes
+    /// are intact, until the worker unlists it just before writing it.
     ///
     /// # Errors
-    /// The journal could not record (a full disk): the store is undone and the error returned.
+    /// The manager's contract (see [`CpuOffloadingManager::prepare_store`]).
     pub fn prepare_store(
         &mut self,
         keys: &[OffloadKey],
@@ -177,14 +179,6 @@ impl DirectDiskManager {
             return Ok(None);
         };
         let slots = slot_ids(&out.store_spec);
-        let unlist: Vec<JournalRecord> = slots
-            .iter()
-            .map(|&s| JournalRecord::Removed { slot: s as u64 })
-            .collect();
-        if let Err(e) = self.disk.journal().record(&unlist) {
-            self.inner.complete_store(&out.keys_to_store, ctx, false)?;
-            return Err(e.into());
-        }
         Ok(Some((out, slots)))
     }
 

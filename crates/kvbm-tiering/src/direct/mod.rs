@@ -10,8 +10,9 @@
 //!  DirectDiskManager (vLLM OffloadingManager)     DirectDiskWorker (vLLM OffloadingWorker)
 //!   CpuOffloadingManager: slot table, policy,      submit_store(job, DevicePointers, spec)
 //!   requests, events (slots = disk slots)           └ plan: per chunk its pages, file order
-//!   prepare_store ─► journal Removed(slot) ─► spec ──► I/O thread: DiskStorage::write_blocks
-//!   complete_store(ok) ◄── TransferResult ◄────────    ─► journal Stored(slot, id, checksum)
+//!   prepare_store ─► spec (no I/O) ───────────────► I/O thread: journal Removed(slots),
+//!                                                     DiskStorage::write_blocks,
+//!   complete_store(ok) ◄── TransferResult ◄────────    journal Stored(slot, id, checksum)
 //!   lookup MISS ─► restored digest? adopt          submit_load ─► read_blocks (verified)
 //!   complete_load ─► discard keys that failed  ◄── DirectDisk::bad (identity/checksum failures)
 //!                 └──────────── Arc<DirectDisk>: DiskStorage + JournalFile ─┘
@@ -29,10 +30,14 @@
 //!
 //! The manager is kvbm-tiering's [`CpuOffloadingManager`](crate::CpuOffloadingManager) over `capacity` slots (the one vLLM
 //! manager contract kvbm keeps: the same policies, request hooks, events and stats), its chunk
-//! ids the disk's slots, its events naming the `STORAGE` medium. A slot handed out by
-//! `prepare_store` is unlisted in the journal before the spec leaves the manager (the journal's
-//! rule: unlisted before it is written again); the worker lists it after its write completed,
-//! with the checksum it wrote; a store reported failed is unlisted again.
+//! ids the disk's slots, its events naming the `STORAGE` medium. The journal's rule (a slot is
+//! unlisted before it is written again) is kept by the worker, on its I/O thread: each batch of
+//! stores unlists its slots in one append, writes them, and lists the ones written with the
+//! checksums it wrote; a journal that cannot record fails the batch before anything is written.
+//! `prepare_store`, on the scheduler's thread, does no I/O: a slot it hands out (a victim's,
+//! a restored chunk nobody asked for) stays listed under its old chunk, whose bytes are intact,
+//! until the worker unlists it (a restart in between restores that old chunk, correctly). A
+//! store reported failed is unlisted again.
 //!
 //! A chunk is identified in its slot's header and in the journal by the key's digest
 //! ([`key_identity`]), which does not give the key back. So a restart holds the journal's slots

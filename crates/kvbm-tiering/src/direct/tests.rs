@@ -234,6 +234,58 @@ fn a_restart_adopts_listed_chunks_on_lookup() {
     }
 }
 
+/// `prepare_store` does no journal work on the scheduler's thread: the slot it hands out keeps
+/// its old chunk listed (its bytes intact) until the worker unlists it just before writing it.
+/// A restart in between restores the old chunk with its own bytes; after the write, the new one.
+#[test]
+fn a_victims_slot_stays_listed_until_the_worker_writes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g3.bin");
+    let mut kv = Kv::new(4);
+    kv.fill(9);
+    {
+        let (mut m, mut w) = open(&path, 1);
+        assert!(store(&mut m, &mut w, &mut kv, &[key(1)], &[0, 1], 1));
+        // key 2 takes key 1's slot (the policy's victim); nothing is submitted.
+        let (out, slots) = m.prepare_store(&[key(2)], &ctx("x")).unwrap().unwrap();
+        assert_eq!(
+            (out.evicted_keys.as_slice(), slots.len()),
+            ([key(1)].as_slice(), 1)
+        );
+        assert_eq!(
+            m.disk().listed(),
+            1,
+            "the victim stays listed: its bytes are intact"
+        );
+        w.shutdown().unwrap();
+    }
+    {
+        // The process died before the write: key 1 comes back, its bytes its own.
+        let (mut m, mut w) = open(&path, 1);
+        assert_eq!(m.num_restored(), 1);
+        let mut dst = Kv::new(4);
+        assert!(load(&mut m, &mut w, &mut dst, &[key(1)], &[2, 3], 2));
+        for d in 0..REFS {
+            assert_eq!(kv.page(d, 0), dst.page(d, 2));
+            assert_eq!(kv.page(d, 1), dst.page(d, 3));
+        }
+        // This time key 2's store is written: the worker unlists the slot, writes, lists.
+        kv.fill(11);
+        assert!(store(&mut m, &mut w, &mut kv, &[key(2)], &[0, 1], 3));
+        assert_eq!(m.disk().listed(), 1);
+        w.shutdown().unwrap();
+    }
+    let (mut m, mut w) = open(&path, 1);
+    assert_eq!(m.num_restored(), 1);
+    assert_eq!(m.lookup(&key(1), &ctx("a")), LookupResult::Miss);
+    let mut dst = Kv::new(4);
+    assert!(load(&mut m, &mut w, &mut dst, &[key(2)], &[2, 3], 4));
+    for d in 0..REFS {
+        assert_eq!(kv.page(d, 0), dst.page(d, 2));
+    }
+    m.slots().check_invariants().unwrap();
+}
+
 #[test]
 fn a_corrupt_slot_fails_its_load_and_is_forgotten() {
     let dir = tempfile::tempdir().unwrap();

@@ -5,7 +5,8 @@
 //! ```text
 //!  submit_store / submit_load (the caller's thread: plan only, never I/O)
 //!    └► queue (an expedited load goes first) ─► I/O thread: the queued jobs of one direction
-//!       as one DiskStorage call ─► stores: journal Stored(slot, identity, checksum)
+//!       as one DiskStorage call ─► stores: journal Removed(slot) for the batch, the write,
+//!       journal Stored(slot, identity, checksum)
 //!       ─► finished (job id, success, bytes, seconds) ─► get_finished / wait
 //! ```
 //!
@@ -213,33 +214,19 @@ impl Shared {
         let mut ok: Vec<bool> = Vec::with_capacity(blocks.len());
         match dir {
             Dir::Store => {
-                // SAFETY: every region is the caller's host memory reserved for its job until
-                // the job is reported finished (submit_store's contract), or the shared zero
-                // buffer; the tasks are alive until this returns.
-                let written = unsafe { storage.write_blocks(&blocks) };
-                let mut listed = Vec::new();
-                for ((slot, identity, _), r) in blocks.iter().zip(written) {
-                    match r {
-                        Ok(checksum) => {
-                            listed.push(JournalRecord::Stored {
-                                slot: *slot as u64,
-                                identity: *identity,
-                                checksum,
-                            });
-                            ok.push(true);
-                        }
-                        Err(e) => {
-                            tracing::warn!(slot, error = %e, "direct disk: chunk write failed");
-                            ok.push(false);
-                        }
-                    }
-                }
-                if !listed.is_empty()
-                    && let Err(e) = self.disk.journal().record(&listed)
-                {
-                    // Written but not listed: not durable, so not stored.
-                    tracing::warn!(error = %e, "direct disk: journal append failed");
-                    ok.iter_mut().for_each(|o| *o = false);
+                // The journal's rule: a slot is unlisted before it is written again. The
+                // manager handed these slots out (a victim's, a restored chunk's) still listed
+                // under their old chunks, whose bytes are intact until here; one append for the
+                // batch. A journal that cannot record (a full disk) fails the batch unwritten.
+                let unlist: Vec<JournalRecord> = blocks
+                    .iter()
+                    .map(|(slot, _, _)| JournalRecord::Removed { slot: *slot as u64 })
+                    .collect();
+                if let Err(e) = self.disk.journal().record(&unlist) {
+                    tracing::warn!(error = %e, "direct disk: journal append failed, nothing written");
+                    ok.resize(blocks.len(), false);
+                } else {
+                    self.write(&blocks, &mut ok);
                 }
             }
             Dir::Load => {
@@ -278,6 +265,40 @@ impl Shared {
                 }
             })
             .collect()
+    }
+
+    /// Writes `blocks` (their slots unlisted already) and lists the ones written; `ok` gets one
+    /// outcome per block.
+    fn write(&self, blocks: &[DiskBlock], ok: &mut Vec<bool>) {
+        let storage = self.disk.storage();
+        // SAFETY: every region is the caller's host memory reserved for its job until
+        // the job is reported finished (submit_store's contract), or the shared zero
+        // buffer; the tasks are alive until this returns.
+        let written = unsafe { storage.write_blocks(blocks) };
+        let mut listed = Vec::new();
+        for ((slot, identity, _), r) in blocks.iter().zip(written) {
+            match r {
+                Ok(checksum) => {
+                    listed.push(JournalRecord::Stored {
+                        slot: *slot as u64,
+                        identity: *identity,
+                        checksum,
+                    });
+                    ok.push(true);
+                }
+                Err(e) => {
+                    tracing::warn!(slot, error = %e, "direct disk: chunk write failed");
+                    ok.push(false);
+                }
+            }
+        }
+        if !listed.is_empty()
+            && let Err(e) = self.disk.journal().record(&listed)
+        {
+            // Written but not listed: not durable, so not stored.
+            tracing::warn!(error = %e, "direct disk: journal append failed");
+            ok.iter_mut().for_each(|o| *o = false);
+        }
     }
 }
 
