@@ -97,89 +97,67 @@ impl Ab {
     }
 }
 
-/// Builds the `tiering` bench of kvbm-tiering in `dir` (target `target_dir` when given); its
-/// executable.
-fn build(dir: &Path, target_dir: Option<&Path>) -> Result<PathBuf> {
+/// `cargo` in `dir`, its target `target_dir` when given.
+fn cargo_in(dir: &Path, target_dir: Option<&Path>) -> Command {
     let mut cmd = Command::new("cargo");
-    cmd.current_dir(dir).args([
-        "bench",
-        "-p",
-        "kvbm-tiering",
-        "--bench",
-        "tiering",
-        "--no-run",
-        "--message-format=json",
-    ]);
+    cmd.current_dir(dir);
     if let Some(t) = target_dir {
         cmd.env("CARGO_TARGET_DIR", t);
     }
-    let out = cmd
-        .output()
-        .with_context(|| format!("building the tiering bench in {}", dir.display()))?;
-    if !out.status.success() {
-        bail!(
-            "building the tiering bench in {} failed:\n{}",
-            dir.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["target"]["name"] == "tiering")
-        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-        .with_context(|| {
-            format!(
-                "cargo named no tiering bench executable in {}",
-                dir.display()
-            )
-        })
+    cmd
+}
+
+/// Builds the `tiering` bench of kvbm-tiering in `dir` (target `target_dir` when given); its
+/// executable.
+fn build(dir: &Path, target_dir: Option<&Path>) -> Result<PathBuf> {
+    crate::cargo_artifacts(
+        &mut cargo_in(dir, target_dir),
+        &[
+            "bench",
+            "-p",
+            "kvbm-tiering",
+            "--bench",
+            "tiering",
+            "--no-run",
+        ],
+    )
+    .with_context(|| format!("building the tiering bench in {}", dir.display()))?
+    .into_iter()
+    .filter(|v| v["target"]["name"] == "tiering")
+    .find_map(|v| v["executable"].as_str().map(PathBuf::from))
+    .with_context(|| {
+        format!(
+            "cargo named no tiering bench executable in {}",
+            dir.display()
+        )
+    })
 }
 
 /// Builds kvbm-vllm's extension module in release in `dir` (target `target_dir` when given)
 /// and lays it out with that tree's Python package as `out/kvbm_vllm` (made afresh); `out`.
 fn python_package(dir: &Path, target_dir: Option<&Path>, out: &Path) -> Result<PathBuf> {
-    let mut cmd = Command::new("cargo");
-    cmd.current_dir(dir).args([
-        "build",
-        "--release",
-        "-p",
-        "kvbm-vllm",
-        "--lib",
-        "--message-format=json",
-    ]);
-    if let Some(t) = target_dir {
-        cmd.env("CARGO_TARGET_DIR", t);
-    }
-    let built = cmd
-        .output()
-        .with_context(|| format!("building kvbm-vllm in {}", dir.display()))?;
-    if !built.status.success() {
-        bail!(
-            "building kvbm-vllm in {} failed:\n{}",
-            dir.display(),
-            String::from_utf8_lossy(&built.stderr)
-        );
-    }
-    let so = String::from_utf8_lossy(&built.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["target"]["name"] == "kvbm_vllm")
-        .flat_map(|v| {
-            v["filenames"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|f| f.as_str().map(PathBuf::from))
-                .collect::<Vec<_>>()
-        })
-        .find(|f| f.extension().is_some_and(|e| e == "so"))
-        .with_context(|| {
-            format!(
-                "cargo named no kvbm_vllm extension module in {}",
-                dir.display()
-            )
-        })?;
+    let so = crate::cargo_artifacts(
+        &mut cargo_in(dir, target_dir),
+        &["build", "--release", "-p", "kvbm-vllm", "--lib"],
+    )
+    .with_context(|| format!("building kvbm-vllm in {}", dir.display()))?
+    .into_iter()
+    .filter(|v| v["target"]["name"] == "kvbm_vllm")
+    .flat_map(|v| {
+        v["filenames"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| f.as_str().map(PathBuf::from))
+            .collect::<Vec<_>>()
+    })
+    .find(|f| f.extension().is_some_and(|e| e == "so"))
+    .with_context(|| {
+        format!(
+            "cargo named no kvbm_vllm extension module in {}",
+            dir.display()
+        )
+    })?;
     let pkg = out.join("kvbm_vllm");
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(&pkg)?;

@@ -20,7 +20,7 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -227,11 +227,9 @@ fn no_driver_reason() -> Option<String> {
 /// Builds the release unit-test binary of kvbm-physical with `--features cuda`; returns its path.
 fn build() -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!(
-        "\n$ cargo test -p kvbm-physical --features cuda --release --lib --no-run --message-format=json-render-diagnostics"
-    );
-    let output = Command::new(cargo)
-        .args([
+    let built = crate::cargo_artifacts(
+        &mut Command::new(cargo),
+        &[
             "test",
             "-p",
             "kvbm-physical",
@@ -240,20 +238,11 @@ fn build() -> Result<PathBuf> {
             "--release",
             "--lib",
             "--no-run",
-            "--message-format=json-render-diagnostics",
-        ])
-        .stderr(Stdio::inherit())
-        .output()
-        .context("starting cargo")?;
-    if !output.status.success() {
-        bail!("building kvbm-physical's tests with --features cuda failed");
-    }
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Ok(v) = serde_json::from_str::<Value>(line) else {
-            continue;
-        };
-        if v["reason"] == "compiler-artifact"
-            && v["target"]["name"] == "kvbm_physical"
+        ],
+    )
+    .context("building kvbm-physical's tests with --features cuda")?;
+    for v in built {
+        if v["target"]["name"] == "kvbm_physical"
             && v["profile"]["test"] == true
             && let Some(exe) = v["executable"].as_str()
         {

@@ -95,6 +95,29 @@ pub(crate) fn run_step(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Runs `cargo ARGS --message-format=json-render-diagnostics` (its diagnostics shown as they
+/// come, echoed first like [`run_step`]) and returns the artifacts it built
+/// (`compiler-artifact` messages). `cmd` is the `cargo` command with its directory and
+/// environment set; the arguments are added here.
+pub(crate) fn cargo_artifacts(cmd: &mut Command, args: &[&str]) -> Result<Vec<serde_json::Value>> {
+    cmd.args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .stderr(std::process::Stdio::inherit());
+    let shown = format!("{cmd:?}").replace('"', "");
+    eprintln!("\n$ {shown}");
+    let out = cmd
+        .output()
+        .with_context(|| format!("starting `{shown}`"))?;
+    if !out.status.success() {
+        bail!("`{shown}` failed ({})", out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["reason"] == "compiler-artifact")
+        .collect())
+}
+
 /// Whether `program` is on PATH.
 pub(crate) fn on_path(program: &str) -> bool {
     find_on_path(program).is_some()

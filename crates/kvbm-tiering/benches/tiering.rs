@@ -132,25 +132,30 @@ enum Tier {
 fn step_manager(kind: Tier) -> TieringOffloadingManager {
     match kind {
         Tier::Memory => tiering(N, 1),
-        Tier::Answering => {
-            let mut cfg = TieringConfig::new(N, 64);
-            cfg.fixes = UpstreamFixes::upstream();
-            let t: Vec<Box<dyn SecondaryTierManager>> = vec![Box::new(Answering {
+        Tier::Answering => tiering_over(
+            N,
+            vec![Box::new(Answering {
                 answer: LookupResult::Miss,
                 done: Vec::new(),
-            })];
-            TieringOffloadingManager::new(cfg, t).unwrap()
-        }
+            })],
+        ),
     }
 }
 
-fn tiering(n: usize, tiers: usize) -> TieringOffloadingManager {
+/// A tiering manager of `n` primary chunks (vLLM's behaviour exactly) over `tiers`.
+fn tiering_over(n: usize, tiers: Vec<Box<dyn SecondaryTierManager>>) -> TieringOffloadingManager {
     let mut cfg = TieringConfig::new(n, 64);
     cfg.fixes = UpstreamFixes::upstream();
-    let t: Vec<Box<dyn SecondaryTierManager>> = (0..tiers)
-        .map(|_| Box::new(InMemoryTier::new(64)) as Box<dyn SecondaryTierManager>)
-        .collect();
-    TieringOffloadingManager::new(cfg, t).unwrap()
+    TieringOffloadingManager::new(cfg, tiers).unwrap()
+}
+
+fn tiering(n: usize, tiers: usize) -> TieringOffloadingManager {
+    tiering_over(
+        n,
+        (0..tiers)
+            .map(|_| Box::new(InMemoryTier::new(64)) as Box<dyn SecondaryTierManager>)
+            .collect(),
+    )
 }
 
 fn fill(m: &mut dyn OffloadingManager, ks: &[OffloadKey]) {
@@ -255,6 +260,14 @@ impl Mark {
 }
 
 impl Phases {
+    /// Adds `o`'s time and allocations, phase by phase.
+    fn add(&mut self, o: &Phases) {
+        for i in 0..5 {
+            self.0[i] += o.0[i];
+            self.1[i] += o.1[i];
+        }
+    }
+
     /// The time and allocations since `t` added to phase `i`, and `t` moved to now.
     fn lap(&mut self, i: usize, t: &mut Mark) {
         let now = Mark::now();
@@ -458,12 +471,7 @@ fn step_scenario(
         if s >= warmup {
             times.push(dt);
             cpu_times.push(dc);
-            for (a, b) in phases.0.iter_mut().zip(p.0) {
-                *a += b;
-            }
-            for (a, b) in phases.1.iter_mut().zip(p.1) {
-                *a += b;
-            }
+            phases.add(&p);
             for i in 0..4 {
                 counts[i] += c[i];
             }
