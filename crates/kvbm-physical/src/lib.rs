@@ -3,6 +3,7 @@
 //! # Modules
 //!
 //! * [`storage`]: where bytes live per tier (device, host, disk, objects);
+//! * [`adopt`]: an engine's KV tensors (memory kvbm did not allocate) as a layout;
 //! * [`io`]: the disk I/O engine seam (io_uring, psync);
 //! * [`layout`]: block layouts and the canonical tensor-parallel mapping;
 //! * [`transfer`]: the transfer manager;
@@ -11,6 +12,7 @@
 //! * [`fingerprint`]: the model fingerprint every stored block's identity is scoped by;
 //! * [`cuda`] and [`nixl`]: optional accelerators, probed before use.
 
+pub mod adopt;
 pub mod checksum;
 pub mod cuda;
 mod error;
@@ -26,6 +28,7 @@ pub mod storage;
 pub mod testing;
 pub mod transfer;
 
+pub use adopt::{KvDims, adopt_kv_tensors, kv_layout_of};
 pub use error::{ErrorKind, PhysicalError, Result};
 pub use fingerprint::{FingerprintBuilder, ModelFingerprint, Parallelism};
 pub use identity::{BlockIdentity, ObjectBinding};
@@ -37,7 +40,8 @@ pub use physical::{Backing, PhysicalLayout};
 pub use storage::{
     DeviceMemory, DiskBufferPoolStats, DiskCapabilities, DiskConfig, DiskStorage,
     HostStandInDevice, HostStorage, IoEngineKind, JournalEntry, JournalFile, JournalGeometry,
-    JournalRecord, ObjectKey, ObjectPutMode, PinPolicy, Storage, StorageKind, parse_hash_key,
+    JournalRecord, ObjectKey, ObjectPutMode, Owner, PinPolicy, Storage, StorageKind, TensorDesc,
+    TensorDevice, parse_hash_key,
 };
 #[cfg(feature = "object")]
 pub use storage::{

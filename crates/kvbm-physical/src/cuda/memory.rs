@@ -9,20 +9,43 @@ use parking_lot::RwLock;
 
 use super::context::{CudaDevice, cuda_err};
 use crate::error::{PhysicalError, Result};
-use crate::storage::{DeviceMemory, HostStorage, Storage, StorageKind};
+use crate::storage::{DeviceMemory, HostStorage, Owner, Storage, StorageKind};
 
-/// Live device allocations: start address → (length, ordinal). Lets the transfer strategy
-/// find the device behind a `dyn DeviceMemory` without a downcast.
-static ALLOCS: OnceLock<RwLock<BTreeMap<u64, (usize, usize)>>> = OnceLock::new();
+/// Live device memory kvbm copies to or from: start address → (length, ordinal, spans
+/// starting there). Lets the transfer strategy find the device behind a `dyn DeviceMemory`
+/// without a downcast. Its own allocations ([`CudaDeviceMemory`]) and adopted spans
+/// ([`ExternalCudaMemory`]) are both listed; two adopted spans may start at one address (one
+/// tensor adopted twice), so each start counts its spans and is unlisted with the last.
+static ALLOCS: OnceLock<RwLock<Listed>> = OnceLock::new();
 
-fn allocs() -> &'static RwLock<BTreeMap<u64, (usize, usize)>> {
+/// Start address → (length, ordinal, spans starting there).
+type Listed = BTreeMap<u64, (usize, usize, usize)>;
+
+fn allocs() -> &'static RwLock<Listed> {
     ALLOCS.get_or_init(Default::default)
 }
 
-/// The device ordinal of a live [`CudaDeviceMemory`] containing `addr`, if any.
+fn list(start: u64, len: usize, ordinal: usize) {
+    let mut map = allocs().write();
+    let e = map.entry(start).or_insert((len, ordinal, 0));
+    e.0 = e.0.max(len);
+    e.2 += 1;
+}
+
+fn unlist(start: u64) {
+    let mut map = allocs().write();
+    if let Some(e) = map.get_mut(&start) {
+        e.2 -= 1;
+        if e.2 == 0 {
+            map.remove(&start);
+        }
+    }
+}
+
+/// The device ordinal of live device memory containing `addr`, if any.
 pub(crate) fn ordinal_of(addr: u64) -> Option<usize> {
     let map = allocs().read();
-    let (start, (len, ordinal)) = map.range(..=addr).next_back()?;
+    let (start, (len, ordinal, _)) = map.range(..=addr).next_back()?;
     (addr < start + (*len).max(1) as u64).then_some(*ordinal)
 }
 
@@ -43,7 +66,7 @@ impl CudaDeviceMemory {
         // SAFETY: the device's context is current.
         let ptr =
             unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
-        allocs().write().insert(ptr, (len, ordinal));
+        list(ptr, len, ordinal);
         Ok(CudaDeviceMemory { ptr, len, device })
     }
 
@@ -55,7 +78,7 @@ impl CudaDeviceMemory {
 
 impl Drop for CudaDeviceMemory {
     fn drop(&mut self) {
-        allocs().write().remove(&self.ptr);
+        unlist(self.ptr);
         if self.device.bind().is_ok() {
             // SAFETY: ptr was allocated by cuMemAlloc in this context; transfers keep their
             // layouts (and so this allocation) alive until their copies completed.
@@ -83,6 +106,148 @@ impl DeviceMemory for CudaDeviceMemory {
     unsafe fn copy_h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
         self.device.bind()?;
         // SAFETY: caller's contract: src readable, dst inside device memory.
+        unsafe { result::memcpy_htod_sync(dst, std::slice::from_raw_parts(src, len)) }
+            .map_err(|e| cuda_err("cuMemcpyHtoD", e))
+    }
+    unsafe fn copy_d2h(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: caller's contract.
+        unsafe { result::memcpy_dtoh_sync(std::slice::from_raw_parts_mut(dst, len), src) }
+            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
+    }
+    unsafe fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: caller's contract.
+        unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| cuda_err("cuMemcpyDtoD", e))
+    }
+}
+
+/// Device memory kvbm did not allocate (an engine's KV tensor), adopted after the driver
+/// confirmed that the whole range is device memory of the named ordinal inside one allocation,
+/// and kept alive by its owner (see `crate::storage` `external`'s lifetime rule). Copies to and
+/// from it go through the same device paths as [`CudaDeviceMemory`]; it is never freed here.
+pub struct ExternalCudaMemory {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    device: Arc<CudaDevice>,
+    owner: Owner,
+}
+
+impl std::fmt::Debug for ExternalCudaMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalCudaMemory")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("ordinal", &self.device.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExternalCudaMemory {
+    /// Adopts `len` bytes at device address `ptr` of device `ordinal`, kept alive by `owner`.
+    ///
+    /// # Errors
+    /// `NotSupported` without a driver; `InvalidArgument` when the driver does not know the
+    /// address, says it is not device memory, or of another device, or when the range leaves
+    /// the allocation that holds `ptr`.
+    ///
+    /// # Safety
+    /// The range must stay allocated, and not be reused, while `owner` is alive; nothing but
+    /// kvbm's transfers may write it while a transfer that involves it runs.
+    pub unsafe fn adopt(ptr: u64, len: usize, ordinal: usize, owner: Owner) -> Result<Self> {
+        let device = CudaDevice::get(ordinal)?;
+        device.bind()?;
+        let refuse = |why: String| {
+            Err(PhysicalError::InvalidArgument(format!(
+                "adopting {len} bytes at {ptr:#x} on CUDA device {ordinal}: {why}"
+            )))
+        };
+        let mut kind: u32 = 0;
+        // SAFETY: `kind` is a valid out-pointer of the attribute's type (CUmemorytype, 32 bits);
+        // the driver only reads `ptr`'s attribute.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut kind as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr,
+            )
+        };
+        if let Err(e) = r.result() {
+            return refuse(format!("the driver does not know the address ({e:?})"));
+        }
+        if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return refuse(format!("memory type {kind}, not device memory"));
+        }
+        let mut dev: i32 = -1;
+        // SAFETY: as above; the ordinal attribute is an int.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut dev as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            )
+        };
+        if let Err(e) = r.result() {
+            return refuse(format!("its device is unknown ({e:?})"));
+        }
+        if usize::try_from(dev).ok() != Some(ordinal) {
+            return refuse(format!("it is memory of device {dev}"));
+        }
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: valid out-pointers; the driver reads `ptr`'s allocation.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+        if let Err(e) = r.result() {
+            return refuse(format!("its allocation is unknown ({e:?})"));
+        }
+        if ptr
+            .checked_add(len as u64)
+            .is_none_or(|end| end > base + size as u64)
+        {
+            return refuse(format!(
+                "the range leaves its allocation ({size} bytes at {base:#x})"
+            ));
+        }
+        list(ptr, len, ordinal);
+        Ok(ExternalCudaMemory {
+            ptr,
+            len,
+            device,
+            owner,
+        })
+    }
+
+    /// What keeps the memory alive.
+    pub fn owner(&self) -> &Owner {
+        &self.owner
+    }
+}
+
+impl Drop for ExternalCudaMemory {
+    fn drop(&mut self) {
+        // Unlisted only: the owner frees the memory, after this span lets go of it.
+        unlist(self.ptr);
+    }
+}
+
+impl Storage for ExternalCudaMemory {
+    fn kind(&self) -> StorageKind {
+        StorageKind::Device
+    }
+    fn size_bytes(&self) -> usize {
+        self.len
+    }
+}
+
+impl DeviceMemory for ExternalCudaMemory {
+    fn device_addr(&self) -> u64 {
+        self.ptr
+    }
+    fn is_stand_in(&self) -> bool {
+        false
+    }
+    unsafe fn copy_h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: caller's contract: src readable, dst inside this device span.
         unsafe { result::memcpy_htod_sync(dst, std::slice::from_raw_parts(src, len)) }
             .map_err(|e| cuda_err("cuMemcpyHtoD", e))
     }

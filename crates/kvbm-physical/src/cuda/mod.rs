@@ -101,7 +101,7 @@ pub use context::{CudaDevice, Direction};
 #[cfg(feature = "cuda")]
 pub use event::{CudaEventPrecondition, EventFuture};
 #[cfg(feature = "cuda")]
-pub use memory::{CudaDeviceMemory, CudaPinnedBuffer, register_host};
+pub use memory::{CudaDeviceMemory, CudaPinnedBuffer, ExternalCudaMemory, register_host};
 
 /// Whether a CUDA driver can be used: feature `cuda` on and `libcuda` loadable.
 pub fn cuda_available() -> bool {

@@ -50,6 +50,12 @@ impl HostStandInDevice {
             mem: HostStorage::new(len, PinPolicy::Unpinned)?,
         })
     }
+
+    /// Host memory that already exists (an engine's CPU KV tensor adopted with
+    /// [`HostStorage::external`]) as the stand-in.
+    pub fn over(mem: HostStorage) -> Self {
+        HostStandInDevice { mem }
+    }
 }
 
 impl Storage for HostStandInDevice {

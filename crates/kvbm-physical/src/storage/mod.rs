@@ -7,6 +7,7 @@
 //! | tier | type | file |
 //! |---|---|---|
 //! | G1 | [`DeviceMemory`] ([`HostStandInDevice`] without a GPU; `crate::cuda` with one) | `device.rs` |
+//! | G1 an engine owns | described by [`TensorDesc`]: host tensors under [`HostStandInDevice::over`], device ones `crate::cuda`'s `ExternalCudaMemory` | `external.rs` |
 //! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
 //! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
 //! | G3 I/O buffers | the disk's pool of header sectors and staging buffers ([`DiskBufferPoolStats`]) | `disk_buffers.rs` |
@@ -20,6 +21,7 @@
 mod device;
 mod disk;
 mod disk_buffers;
+mod external;
 mod host;
 pub mod journal;
 #[cfg(feature = "object")]
@@ -29,6 +31,7 @@ mod object_key;
 pub use device::{DeviceMemory, HostStandInDevice};
 pub use disk::{DiskBlock, DiskCapabilities, DiskConfig, DiskStorage, IoEngineKind};
 pub use disk_buffers::{DEFAULT_BUFFER_POOL_BYTES, DiskBufferPoolStats};
+pub use external::{Owner, TensorDesc, TensorDevice};
 pub use host::{HostStorage, PinPolicy};
 pub use journal::{
     JournalEntry, JournalFile, JournalGeometry, JournalRecord, Recovery as JournalRecovery,

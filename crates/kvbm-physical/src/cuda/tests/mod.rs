@@ -402,4 +402,87 @@ fn gpu_event_precondition() {
     }
 }
 
+/// An engine's device tensors (here `cuMemAlloc`ed memory standing for vLLM's `kv_caches`,
+/// shaped `(2, blocks, tokens, heads, head)`) adopted, offloaded to G2 and onboarded back
+/// into other blocks with checksums; the driver's refusals of a host pointer, another
+/// device's ordinal and a range past its allocation; the owner kept until the layout is gone.
+#[test]
+fn gpu_adopted_tensors() {
+    if !gpu_or_skip("gpu_adopted_tensors") {
+        return;
+    }
+    use crate::adopt::{KvDims, adopt_kv_tensors};
+    use crate::storage::{DeviceMemory, Owner, TensorDesc, TensorDevice};
+    let (nb, t, h, d, layers) = (16usize, 16usize, 8usize, 128usize, 4usize);
+    let page = t * h * d * 2;
+    let engine: Vec<Arc<super::CudaDeviceMemory>> = (0..layers)
+        .map(|_| Arc::new(super::CudaDeviceMemory::new(2 * nb * page, 0).unwrap()))
+        .collect();
+    let desc =
+        |addr: u64| TensorDesc::contiguous(addr, &[2, nb, t, h, d], 2, TensorDevice::Cuda(0));
+    let descs: Vec<TensorDesc> = engine.iter().map(|m| desc(m.device_addr())).collect();
+    let weak = Arc::downgrade(&engine[0]);
+    let owner: Owner = Arc::new(engine.clone());
+    // SAFETY: the allocations live as long as `owner`; nothing else touches them.
+    let g1 = unsafe { adopt_kv_tensors(&descs, KvDims::FLASH_ATTN, owner) }.unwrap();
+    assert_eq!(g1.layout().kind(), LS_OUTER);
+    let tm = TransferManager::new().unwrap();
+    let fc = BlockLayout::builder()
+        .config(crate::layout::LayoutConfig {
+            num_blocks: nb,
+            ..*g1.layout().config()
+        })
+        .fully_contiguous()
+        .build()
+        .unwrap();
+    let input = PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap();
+    fill_random(&input, 0xada9);
+    let sums: Vec<u64> = (0..nb).map(|b| checksum(&input, b)).collect();
+    let h_in = tm.register_layout(input).unwrap();
+    let g1h = tm.register_layout(g1).unwrap();
+    let g2 = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let out = tm
+        .register_layout(PhysicalLayout::allocate_host(fc, PinPolicy::TryPin).unwrap())
+        .unwrap();
+    let all: Vec<usize> = (0..nb).collect();
+    let (p1, p2, p3) = (
+        permutation(nb, 11),
+        permutation(nb, 12),
+        permutation(nb, 13),
+    );
+    let o = TransferOptions::default;
+    xfer(&tm, h_in, &all, g1h, &p1, o()); // the engine's blocks written
+    xfer(&tm, g1h, &p1, g2, &p2, o()); // offloaded from the adopted tensors
+    xfer(&tm, g2, &p2, g1h, &p3, o()); // onboarded into other blocks
+    xfer(&tm, g1h, &p3, out, &all, o());
+    let out_l = tm.layout(out).unwrap();
+    for (b, sum) in sums.iter().enumerate() {
+        assert_eq!(checksum(&out_l, b), *sum, "block {b} changed on the way");
+    }
+
+    // The driver refuses what is not this device's memory, or leaves the allocation.
+    let host = HostStorage::new(2 * nb * page, PinPolicy::Unpinned).unwrap();
+    let refuse = |descs: Vec<TensorDesc>| {
+        // SAFETY: refused before anything is touched.
+        unsafe { adopt_kv_tensors(&descs, KvDims::FLASH_ATTN, Arc::new(())) }.unwrap_err()
+    };
+    let e = refuse(vec![desc(host.as_ptr() as u64)]);
+    eprintln!("host pointer refused: {e}");
+    let mut wrong = desc(engine[0].device_addr());
+    wrong.device = TensorDevice::Cuda(1);
+    let e = refuse(vec![wrong]);
+    eprintln!("other ordinal refused: {e}");
+    let e = refuse(vec![desc(engine[0].device_addr() + page as u64)]);
+    assert!(e.to_string().contains("leaves its allocation"), "{e}");
+
+    // The owner (and so the engine's memory) is held until the layout is gone.
+    drop(engine);
+    assert!(weak.upgrade().is_some(), "held while registered");
+    tm.unregister_layout(g1h).unwrap();
+    drop(tm);
+    assert!(weak.upgrade().is_none(), "released with the layout");
+}
+
 mod bench;
