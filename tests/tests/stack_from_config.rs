@@ -446,3 +446,31 @@ fn the_stack_refuses_worker_process_ranks_naming_the_key() {
         Ok(_) => panic!("a stack with worker-process ranks was built"),
     }
 }
+
+/// `physical.g1 = "device"` is read, and the tier stack (whose G1 stands in for the device:
+/// it computes and checks blocks there on the host) refuses it naming the key, never putting G1
+/// somewhere else or writing device memory from the host.
+#[test]
+fn the_stack_refuses_g1_on_a_device_naming_the_key() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let file = write_through_config(
+        dir.path(),
+        BLOCKS_PER_REQUEST,
+        "[physical]\ng1 = \"device\"\ng1_device = 1\n",
+    );
+    let config = ConfigBuilder::new()
+        .file(&file)
+        .expect("the file is read")
+        .build()
+        .expect("a valid configuration");
+    assert_eq!(config.physical.g1, kvbm_engine::config::G1Memory::Device);
+    assert_eq!(config.physical.g1_device, 1);
+    let plan = StackPlan::new(config, Arc::new(Pattern)).expect("a plan");
+    match TierStack::build(&plan) {
+        Err(e) => {
+            assert_eq!(e.config_key(), Some("physical.g1"), "{e}");
+            assert!(e.to_string().contains("on the host"), "{e}");
+        }
+        Ok(_) => panic!("the stack was built over G1 in device memory"),
+    }
+}

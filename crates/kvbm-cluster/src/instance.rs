@@ -1128,13 +1128,15 @@ impl Instance {
     /// The bytes of an onboarded G1 block; `None` when `block` is not one of this instance's
     /// G1 blocks (its id would name another layout's slot), or when its worker ranks are
     /// processes (each rank holds its own bytes: ask them, e.g. a `ControlRequest::Digest`
-    /// through [`workers`](Self::workers)).
+    /// through [`workers`](Self::workers)), or in GPU memory (`physical.g1 = "device"`: the
+    /// host cannot read it in place).
     pub fn read_g1(&self, block: &ImmutableBlock<G1>) -> Option<Vec<u8>> {
         let Memory::Here(h) = &self.memory else {
             return None;
         };
         let (g1, layout) = h.tiers.g1();
-        g1.holds(block).then(|| read_host(layout, block.block_id()))
+        let on_host = layout.storage_kind() == kvbm_physical::StorageKind::Host;
+        (on_host && g1.holds(block)).then(|| read_host(layout, block.block_id()))
     }
 
     /// Computes `hashes` into G2: each block not already in G2 gets the bytes `fill(hash,

@@ -513,3 +513,31 @@ async fn a_rank_lost_mid_call_fails_the_call_then_not_at_its_deadline() {
     assert_eq!(g1.available_blocks(), N);
     cancel.cancel();
 }
+
+/// A worker process configured with G1 on a device (`KVBM_PHYSICAL__G1=device`) where there
+/// is none (this build has no `cuda` feature, or the machine no driver) exits at once naming
+/// the key and the reason, before it connects anywhere: never a host stand-in in its place.
+#[test]
+fn a_worker_with_g1_on_a_device_it_does_not_have_exits_naming_the_key() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbm-engine-worker"))
+        .args([
+            "--nats",
+            "nats://127.0.0.1:1",
+            "--instance",
+            "7",
+            "--rank",
+            "0",
+            "--insecure",
+        ])
+        .env("KVBM_PHYSICAL__G1", "device")
+        .env("KVBM_PHYSICAL__G1_DEVICE", "2")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("the worker runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("physical.g1 = \"device\"") && err.contains("CUDA device 2"),
+        "{err}"
+    );
+}

@@ -350,6 +350,24 @@ pub struct PhysicalSection {
     /// G4 in a local directory (a filesystem object store) instead of `s3`: one machine,
     /// tests. Absent by default.
     pub object_dir: Option<PathBuf>,
+    /// Where G1 lives: `"host"` (the default: host memory, what the replay and every
+    /// CPU-only deployment use) or `"device"` (GPU memory of [`g1_device`](Self::g1_device),
+    /// allocated through the CUDA driver; a build without feature `cuda`, or a machine without
+    /// a driver, refuses it by name instead of falling back).
+    pub g1: G1Memory,
+    /// The CUDA device ordinal of G1 when `g1 = "device"` (default 0).
+    pub g1_device: usize,
+}
+
+/// `physical.g1`: where G1's blocks live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum G1Memory {
+    /// Host memory (the default).
+    #[default]
+    Host,
+    /// GPU memory of `physical.g1_device`.
+    Device,
 }
 
 impl PartialEq for PhysicalSection {
@@ -371,6 +389,8 @@ impl PartialEq for PhysicalSection {
             && disk(&self.disk) == disk(&other.disk)
             && self.s3 == other.s3
             && self.object_dir == other.object_dir
+            && self.g1 == other.g1
+            && self.g1_device == other.g1_device
     }
 }
 

@@ -246,6 +246,16 @@ impl Precondition {
     }
 }
 
+/// The forward pass's CUDA event as a batch's precondition (feature `cuda`): resolved by
+/// kvbm-physical's completion thread when the event completed, failed with the driver's error
+/// when it failed (the batch's blocks are then reported `PreconditionFailed`, never read).
+#[cfg(feature = "cuda")]
+impl From<kvbm_physical::cuda::CudaEventPrecondition> for Precondition {
+    fn from(event: kvbm_physical::cuda::CudaEventPrecondition) -> Self {
+        Precondition::new(async move { event.await.map_err(|e| e.to_string()) })
+    }
+}
+
 /// Completes a [`Precondition`] made by [`Precondition::pair`].
 #[derive(Debug)]
 pub struct PreconditionTrigger {

@@ -80,6 +80,43 @@ impl PhysicalLayout {
         })
     }
 
+    /// Allocates real GPU memory on `ordinal` for `layout`, never a stand-in: what a deployment
+    /// that configured G1 on a device gets, or a clear refusal.
+    ///
+    /// # Errors
+    /// [`PhysicalError::NotSupported`] naming why there is no GPU (a build without feature
+    /// `cuda`, or no loadable driver); the driver's error when the device or the allocation
+    /// fails.
+    pub fn allocate_gpu(layout: BlockLayout, ordinal: usize) -> Result<Self> {
+        if !crate::cuda::cuda_available() {
+            return Err(PhysicalError::NotSupported(format!(
+                "G1 on CUDA device {ordinal}: {}",
+                if cfg!(feature = "cuda") {
+                    "no CUDA driver (libcuda) could be loaded on this machine"
+                } else {
+                    "this build has no `cuda` feature (build kvbm with `--features cuda`)"
+                }
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let allocs = (0..layout.num_allocations())
+                .map(|_| -> Result<Arc<dyn DeviceMemory>> {
+                    Ok(Arc::new(crate::cuda::CudaDeviceMemory::new(
+                        layout.allocation_bytes(),
+                        ordinal,
+                    )?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(PhysicalLayout {
+                layout,
+                backing: Backing::Device(allocs),
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("{layout:?}: cuda_available() is false without feature `cuda`")
+    }
+
     /// Creates the disk file for `layout` (one slot per block).
     pub fn create_disk(layout: BlockLayout, config: &DiskConfig) -> Result<Self> {
         let disk = DiskStorage::create(

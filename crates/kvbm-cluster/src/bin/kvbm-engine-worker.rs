@@ -1,9 +1,10 @@
 //! `kvbm-engine-worker`: one rank of a kvbm instance in its own process (feature `nats`).
 //!
-//! It owns a transfer manager and its layouts (G1 and G2 in host memory, G3 an O_DIRECT file
-//! when `--g3-file` is given, G4 its rank's directory of the object store when the
-//! configuration tree has `tiers.g4_blocks` > 0; G1 is host memory standing in for the GPU in
-//! builds without CUDA) and answers the leader's control requests over NATS request/reply on
+//! It owns a transfer manager and its layouts (G1 in host memory, or in GPU memory with
+//! `physical.g1 = "device"` (`KVBM_PHYSICAL__G1=device`, a build with feature `cuda`, a
+//! driver: refused by name otherwise); G2 in host memory, G3 an O_DIRECT file when
+//! `--g3-file` is given, G4 its rank's directory of the object store when the configuration
+//! tree has `tiers.g4_blocks` > 0) and answers the leader's control requests over NATS request/reply on
 //! `{prefix}.{instance:016x}.worker.{rank}` until its standard input closes (its parent went
 //! away) or it is killed.
 //!
@@ -63,7 +64,7 @@ use kvbm_cluster::transport::nats::{DEFAULT_CONTROL_PREFIX, WorkerServer, connec
 use kvbm_engine::InstanceId;
 use kvbm_engine::KvbmConfig;
 use kvbm_engine::WorkerAddress;
-use kvbm_engine::config::{ConfigBuilder, check_nats_url};
+use kvbm_engine::config::{ConfigBuilder, G1Memory, check_nats_url};
 use kvbm_engine::worker::PhysicalWorker;
 use kvbm_logical::TierId;
 
@@ -317,8 +318,15 @@ fn worker(a: &Args, runtime: &tokio::runtime::Runtime) -> Result<PhysicalWorker,
         return Err("the G2 layout is not host memory".into());
     }
     let reg = |l: PhysicalLayout| tm.register_layout(l).map_err(|e| e.to_string());
+    // G1 where `physical.g1` puts it (KVBM_PHYSICAL__G1): host memory, or the GPU's, refused
+    // by name where there is none (`Digest` and `Fill` then refuse G1: not host memory).
+    let g1 = match a.config.physical.g1 {
+        G1Memory::Host => host()?,
+        G1Memory::Device => PhysicalLayout::allocate_gpu(geometry, a.config.physical.g1_device)
+            .map_err(|e| format!("physical.g1 = \"device\": {e}"))?,
+    };
     let mut w = PhysicalWorker::new(a.rank as usize, tm.clone())
-        .with_layout(TierId::G1, reg(host()?)?)
+        .with_layout(TierId::G1, reg(g1)?)
         .with_layout(TierId::G2, reg(g2)?);
     if let Some(path) = &a.g3_file {
         let disk = PhysicalLayout::create_disk(geometry, &DiskConfig::new(path))

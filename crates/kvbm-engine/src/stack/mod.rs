@@ -147,6 +147,12 @@ impl TierStack {
                  device): worker processes serve through the cluster plane's Instance",
             ));
         }
+        if cfg.physical.g1 == crate::config::G1Memory::Device {
+            return Err(EngineError::config(
+                "physical.g1",
+                "the tier stack computes every block into G1 and checks it there, on the host                  (its G1 stands in for the device): G1 in GPU memory is for an instance whose                  engine writes it (the cluster plane's Instance, a worker process)",
+            ));
+        }
         if tiers.g1_blocks == 0 {
             return Err(EngineError::config(
                 "tiers.g1_blocks",

@@ -365,6 +365,11 @@ impl BlockMove<G4, G2> for G4ToG2 {
 /// wrong bytes is never served.
 pub(crate) struct G2ToG1 {
     mover: BlockMover<G2, G1>,
+    /// G1 is host memory: the copy is done when the call returns. Otherwise (G1 on a GPU,
+    /// `physical.g1 = "device"`) the transfer manager submits it to the copy engine and the
+    /// move resolves when the device finished it; no contents check then (it reads G1's bytes
+    /// from the host).
+    inline: bool,
     counters: Arc<Counters>,
     block_bytes: usize,
     shared: Arc<OnboardShared>,
@@ -376,8 +381,12 @@ impl G2ToG1 {
     /// (onboarded, verified, corrupt); without, blocks are copied unchecked (the tiers below
     /// checked their reads) and not counted there.
     ///
+    /// G1 in device memory is copied asynchronously (see [`G2ToG1::inline`]) and cannot take
+    /// a contents check.
+    ///
     /// # Errors
-    /// Either side is not host memory, or `g2` is not on `g1`'s transfer manager.
+    /// G2 is not host memory, `g2` is not on `g1`'s transfer manager, or `contents` is given
+    /// for a G1 that is not host memory (key `physical.g1`).
     pub(super) fn new(
         g2: LayoutHandle,
         g1: &BoundTier<G1>,
@@ -386,15 +395,27 @@ impl G2ToG1 {
         block_bytes: usize,
         shared: Arc<OnboardShared>,
     ) -> crate::Result<Self> {
-        let mover = BlockMover::from_layout(g2, g1)?.inline()?;
+        let g1_kind = g1.transfer_manager().layout(g1.layout())?.storage_kind();
+        let inline = g1_kind == kvbm_physical::StorageKind::Host;
+        let mover = BlockMover::from_layout(g2, g1)?;
+        let mover = if inline { mover.inline()? } else { mover };
         let Some(contents) = contents else {
             return Ok(G2ToG1 {
                 mover,
+                inline,
                 counters,
                 block_bytes,
                 shared,
             });
         };
+        if !inline {
+            return Err(crate::EngineError::config(
+                "physical.g1",
+                format!(
+                    "G1 is {g1_kind:?} memory: the contents check (the replay's byte check) reads                      G1's bytes on the host, so it needs g1 = \"host\""
+                ),
+            ));
+        }
         let tally = shared.clone();
         let check: ArrivalCheck = Arc::new(move |src: &MoveSource, regions: &[&[u8]]| {
             tally.onboarded.fetch_add(1, Ordering::Relaxed);
@@ -419,18 +440,17 @@ impl G2ToG1 {
         let mover = mover.with_arrival_check(check)?;
         Ok(G2ToG1 {
             mover,
+            inline,
             counters,
             block_bytes,
             shared,
         })
     }
 
-    fn run(&self, src: &[ImmutableBlock<G2>], dst: Vec<MutableBlock<G1>>) -> Vec<MoveOutcome<G1>> {
-        let src: Vec<MoveSource> = src
-            .iter()
+    fn sources(src: &[ImmutableBlock<G2>]) -> Vec<MoveSource> {
+        src.iter()
             .map(|b| MoveSource::from((b.block_id(), b.sequence_hash())))
-            .collect();
-        self.copy_slots(&src, dst)
+            .collect()
     }
 
     /// Copies the G2 slots of `src` into the G1 destinations, checks each block's bytes
@@ -443,11 +463,26 @@ impl G2ToG1 {
         dst: Vec<MutableBlock<G1>>,
     ) -> Vec<MoveOutcome<G1>> {
         let started = Instant::now();
-        let out = self
-            .mover
-            .move_blocks(src, dst)
-            .now_or_never()
-            .expect("an inline move is done when it returns");
+        let out = if self.inline {
+            self.mover
+                .move_blocks(src, dst)
+                .now_or_never()
+                .expect("an inline move is done when it returns")
+        } else {
+            // A device copy completes on the CUDA event thread, not on any runtime: waiting
+            // for it here blocks no task it needs.
+            futures::executor::block_on(self.mover.move_blocks(src, dst))
+        };
+        self.tally(src, started, out)
+    }
+
+    /// Counts a settled move of `src` begun at `started` (metrics, bytes, failures noted).
+    fn tally(
+        &self,
+        src: &[MoveSource],
+        started: Instant,
+        out: Vec<MoveOutcome<G1>>,
+    ) -> Vec<MoveOutcome<G1>> {
         metrics::histogram!(
             crate::metrics::STACK_TRANSFER_SECONDS,
             crate::metrics::PATH_LABEL => "g2_to_g1"
@@ -487,6 +522,14 @@ impl BlockMove<G2, G1> for G2ToG1 {
         sources: &'a [ImmutableBlock<G2>],
         destinations: Vec<MutableBlock<G1>>,
     ) -> BoxFuture<'a, Vec<MoveOutcome<G1>>> {
-        Box::pin(async move { self.run(sources, destinations) })
+        Box::pin(async move {
+            let src = Self::sources(sources);
+            if self.inline {
+                return self.copy_slots(&src, destinations);
+            }
+            let started = Instant::now();
+            let out = self.mover.move_blocks(&src, destinations).await;
+            self.tally(&src, started, out)
+        })
     }
 }

@@ -50,7 +50,7 @@ use kvbm_physical::{
 
 use kvbm_tiering::{CpuPrimaryTier, PhysicalTier};
 
-use crate::config::KvbmConfig;
+use crate::config::{G1Memory, KvbmConfig};
 use crate::error::{EngineError, Result};
 use crate::leader::{InstanceLeader, RemoteSearch};
 use crate::mover::BlockMove;
@@ -202,7 +202,22 @@ impl TierSet {
         let g1_manager = managers.g1.clone().ok_or_else(|| {
             EngineError::config("tiers.g1_blocks", "the tier set needs G1: must be > 0")
         })?;
-        let (h1, l1) = host(g1_manager.total_blocks(), plan.pin[0])?;
+        let (h1, l1) = match cfg.physical.g1 {
+            G1Memory::Host => host(g1_manager.total_blocks(), plan.pin[0])?,
+            G1Memory::Device => {
+                let ordinal = cfg.physical.g1_device;
+                let layout =
+                    PhysicalLayout::allocate_gpu(shape(g1_manager.total_blocks())?, ordinal)
+                        .map_err(|e| {
+                            EngineError::config(
+                                "physical.g1",
+                                format!("\"device\" (CUDA device {ordinal}): {e}"),
+                            )
+                        })?;
+                let h = tm.register_layout(layout)?;
+                (h, tm.layout(h)?)
+            }
+        };
         let g1 = HostTier {
             manager: g1_manager,
             handle: h1,
@@ -342,7 +357,9 @@ impl TierSet {
         self.fingerprint
     }
 
-    /// G1's manager and host layout (where onboarded blocks land).
+    /// G1's manager and layout (where onboarded blocks land): host memory, or GPU memory under
+    /// `physical.g1 = "device"` (check [`PhysicalLayout::storage_kind`] before reading it in
+    /// place).
     pub fn g1(&self) -> (&Arc<BlockManager<G1>>, &Arc<PhysicalLayout>) {
         (&self.g1.manager, &self.g1.layout)
     }

@@ -260,8 +260,8 @@ impl Future for EventFuture {
 /// Make it from the engine's compute stream right after it enqueued the forward pass
 /// ([`CudaEventPrecondition::record`]), or from an event the engine recorded itself
 /// ([`CudaEventPrecondition::from_event`]). Await it (it resolves on the completion thread, no
-/// host-side stream synchronisation); adapt it to `kvbm_offload::source::Precondition` with
-/// `Precondition::new(async move { pre.await.map_err(|e| e.to_string()) })`.
+/// host-side stream synchronisation), or hand it to a batch of kvbm-offload's pipeline as its
+/// precondition (`Precondition::from(pre)`, kvbm-offload's feature `cuda`).
 #[derive(Debug)]
 #[must_use = "futures do nothing unless awaited"]
 pub struct CudaEventPrecondition {

@@ -122,4 +122,35 @@ mod detect_tests {
     fn detection_never_panics() {
         let _ = super::cuda_available();
     }
+
+    /// Without a GPU, G1 on a device is refused naming the device and the reason; never a
+    /// host stand-in (that is `allocate_device`'s, for tests), never a panic.
+    #[test]
+    fn gpu_allocation_is_refused_by_name_without_a_gpu() {
+        if super::cuda_available() {
+            return; // a GPU machine: `tests::gpu_allocation` covers the allocation
+        }
+        let layout = crate::BlockLayout::builder()
+            .num_blocks(4)
+            .num_layers(2)
+            .outer_dim(2)
+            .page_size(16)
+            .inner_dim(64)
+            .dtype_bytes(2)
+            .fully_contiguous()
+            .build()
+            .unwrap();
+        let e = crate::PhysicalLayout::allocate_gpu(layout, 3).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(e, crate::PhysicalError::NotSupported(_)) && msg.contains("CUDA device 3"),
+            "{msg}"
+        );
+        let why = if cfg!(feature = "cuda") {
+            "no CUDA driver"
+        } else {
+            "`cuda` feature"
+        };
+        assert!(msg.contains(why), "{msg}");
+    }
 }

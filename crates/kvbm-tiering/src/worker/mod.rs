@@ -45,10 +45,14 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use kvbm_logical::{G1, G2};
 use kvbm_offload::{BlockFailure, ExternalMover};
-use kvbm_physical::{LayoutHandle, TransferManager};
+use kvbm_physical::{
+    KvDims, LayoutHandle, Owner, TensorDesc, TensorDevice, TransferManager, adopt_kv_tensors,
+};
 
 use crate::error::{Result, TieringError};
-use crate::types::{CanonicalKVCacheRef, GpuLoadStoreSpec, LoadStoreSpec, WorkerJobResult};
+use crate::types::{
+    CanonicalKVCacheRef, CanonicalKVCaches, GpuLoadStoreSpec, LoadStoreSpec, WorkerJobResult,
+};
 use layout::{Direction, WorkerLayout};
 
 /// The worker-side contract (vLLM `OffloadingWorker`).
@@ -120,6 +124,48 @@ impl PhysicalOffloadingWorker {
         cpu: LayoutHandle,
     ) -> WorkerLayoutBuilder {
         WorkerLayoutBuilder::new(tm, gpu, cpu)
+    }
+
+    /// A builder over the engine's own KV caches (vLLM's `get_worker(kv_caches)`): `caches`'
+    /// tensors, each `num_blocks` rows of `page_size_bytes` at `ptr` on `device`, adopted as the
+    /// GPU layout ([`kvbm_physical::adopt_kv_tensors`]: one layer per tensor, no copy of the
+    /// cache; their memory kept alive by `owner` until the layout and every move are gone),
+    /// registered in `tm`, with `caches`' groups added as [`caches`](WorkerLayoutBuilder::caches)
+    /// adds them. Set `blocks_per_chunk` and the chunk layout, then build.
+    ///
+    /// # Errors
+    /// The adoption's refusals (tensors of different block counts or page sizes, overlapping
+    /// ones; device memory without feature `cuda` and a driver, or that the driver does not
+    /// confirm), as [`TieringError::Physical`](crate::TieringError).
+    ///
+    /// # Safety
+    /// As [`kvbm_physical::adopt_kv_tensors`]: each tensor's rows stay allocated while `owner`
+    /// lives, and the engine does not touch a job's GPU blocks until the job is reported
+    /// finished (vLLM's contract with its offloading worker).
+    pub unsafe fn adopting(
+        tm: Arc<TransferManager>,
+        caches: &CanonicalKVCaches,
+        device: TensorDevice,
+        owner: Owner,
+        cpu: LayoutHandle,
+    ) -> Result<WorkerLayoutBuilder> {
+        let rows: Vec<TensorDesc> = caches
+            .tensors
+            .iter()
+            .map(|t| {
+                TensorDesc::contiguous(t.ptr as u64, &[t.num_blocks, t.page_size_bytes], 1, device)
+            })
+            .collect();
+        let rows_of_pages = KvDims {
+            blocks: 0,
+            kv: None,
+            layers: None,
+            tokens: 1,
+        };
+        // SAFETY: the caller's contract.
+        let gpu = unsafe { adopt_kv_tensors(&rows, rows_of_pages, owner) }?;
+        let gpu = tm.register_layout(gpu)?;
+        WorkerLayoutBuilder::new(tm, gpu, cpu).caches(caches)
     }
 
     fn from_builder(b: &WorkerLayoutBuilder) -> Result<Self> {

@@ -734,3 +734,118 @@ fn caches_description_must_match_the_gpu_layout() {
     assert!(b().caches(&caches(fewer)).is_err());
     assert!(b().caches(&caches(tensors[..1].to_vec())).is_err());
 }
+
+/// vLLM's own KV caches adopted (`get_worker(kv_caches)`): host buffers standing for its
+/// tensors, rows read and written by the engine's indexing (`ptr + block * page`), blocks
+/// stored to chunks and loaded back into other blocks; the buffers held until the worker and
+/// its transfer manager are gone; tensors of two page sizes refused.
+#[test]
+fn a_worker_over_the_engines_own_caches() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Engine(Vec<kvbm_physical::HostStorage>, Arc<AtomicBool>);
+    impl Drop for Engine {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
+    let (blocks, page, tensors) = (6usize, 64usize, 3usize);
+    let freed = Arc::new(AtomicBool::new(false));
+    let engine = Arc::new(Engine(
+        (0..tensors)
+            .map(|_| kvbm_physical::HostStorage::new(blocks * page, PinPolicy::Unpinned).unwrap())
+            .collect(),
+        freed.clone(),
+    ));
+    #[allow(clippy::mut_from_ref)]
+    fn engine_row(e: &Engine, t: usize, b: usize, page: usize) -> &mut [u8] {
+        // SAFETY: inside tensor t's buffer; touched only while no job runs.
+        unsafe { &mut e.0[t].as_mut_slice()[b * page..(b + 1) * page] }
+    }
+    let caches = CanonicalKVCaches {
+        tensors: engine
+            .0
+            .iter()
+            .map(|h| crate::types::CanonicalKVCacheTensor {
+                ptr: h.as_ptr() as usize,
+                num_blocks: blocks,
+                page_size_bytes: page,
+            })
+            .collect(),
+        group_data_refs: vec![(0..tensors).map(|t| direct_ref(t, page)).collect()],
+    };
+    for t in 0..tensors {
+        for b in 0..blocks {
+            for (i, x) in engine_row(&engine, t, b, page).iter_mut().enumerate() {
+                *x = (t * 50 + b * 7 + i) as u8;
+            }
+        }
+    }
+    let tm = Arc::new(TransferManager::new().unwrap());
+    let cpu_h = layout(&tm, 4, tensors, page);
+    let owner: kvbm_physical::Owner = engine.clone();
+    // SAFETY: the buffers live as long as `owner`; the test touches rows only between jobs.
+    let mut w = unsafe {
+        PhysicalOffloadingWorker::adopting(
+            tm.clone(),
+            &caches,
+            kvbm_physical::TensorDevice::Host,
+            owner,
+            cpu_h,
+        )
+    }
+    .unwrap()
+    .build()
+    .unwrap();
+    assert!(w.submit_store(1, &gpu_spec(&[4, 1], &[2], &[0]), &cpu(&[0, 2])));
+    assert_eq!(
+        run_ok(&mut w, 1).transfer_size,
+        Some((2 * tensors * page) as u64)
+    );
+    for (chunk, block) in [(0, 4), (2, 1)] {
+        for t in 0..tensors {
+            assert_eq!(
+                row(&tm, cpu_h, chunk, t),
+                engine_row(&engine, t, block, page),
+                "chunk {chunk} tensor {t}"
+            );
+        }
+    }
+    let before: Vec<Vec<u8>> = (0..tensors)
+        .map(|t| engine_row(&engine, t, 4, page).to_vec())
+        .collect();
+    for t in 0..tensors {
+        engine_row(&engine, t, 3, page).fill(0);
+        engine_row(&engine, t, 5, page).fill(0);
+    }
+    assert!(w.submit_load(2, &cpu(&[0, 2]), &gpu_spec(&[3, 5], &[2], &[0])));
+    run_ok(&mut w, 2);
+    for (t, row4) in before.iter().enumerate() {
+        assert_eq!(engine_row(&engine, t, 3, page), row4.as_slice());
+        assert_eq!(
+            engine_row(&engine, t, 5, page)[0],
+            (t * 50 + 7) as u8,
+            "block 1's row, loaded into block 5"
+        );
+    }
+    // Tensors of two page sizes are not one layout.
+    let mut mixed = caches.clone();
+    mixed.tensors[2].page_size_bytes = 32;
+    // SAFETY: refused before any memory is touched.
+    let e = unsafe {
+        PhysicalOffloadingWorker::adopting(
+            tm.clone(),
+            &mixed,
+            kvbm_physical::TensorDevice::Host,
+            Arc::new(()),
+            cpu_h,
+        )
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("adopted KV tensor 2"), "{e}");
+    drop(engine);
+    assert!(!freed.load(Ordering::SeqCst), "held by the worker's layout");
+    drop(w);
+    drop(tm);
+    assert!(freed.load(Ordering::SeqCst), "freed with the last holder");
+}
