@@ -173,6 +173,19 @@ pub(crate) unsafe fn record_notify(
     keep: Option<Box<dyn Send>>,
     notify: Notify,
 ) -> Result<()> {
+    // SAFETY: per this function's contract.
+    let ev = unsafe { record(stream) }?;
+    // SAFETY: ev is recorded and owned.
+    unsafe { watch_notify(ev, true, device, keep, notify) };
+    Ok(())
+}
+
+/// Records a fresh (timing-free) event on `stream`; the caller owns it (hand it to
+/// [`watch_notify`] with `owned`, which destroys it once it completed).
+///
+/// # Safety
+/// `stream` must be a live stream of the current context.
+pub(crate) unsafe fn record(stream: sys::CUstream) -> Result<sys::CUevent> {
     let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
         .map_err(|e| cuda_err("cuEventCreate", e))?;
     // SAFETY: ev just created, stream live per the caller.
@@ -181,9 +194,7 @@ pub(crate) unsafe fn record_notify(
         let _ = unsafe { result::event::destroy(ev) };
         return Err(cuda_err("cuEventRecord", e));
     }
-    // SAFETY: ev is recorded and owned.
-    unsafe { watch_notify(ev, true, device, keep, notify) };
-    Ok(())
+    Ok(ev)
 }
 
 /// A future resolving when a CUDA event completes (`Ok`) or reports an error.

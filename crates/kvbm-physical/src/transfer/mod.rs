@@ -643,6 +643,12 @@ impl TransferManager {
         copies: Vec<RangeCopy>,
     ) -> Result<TransferCompletion, PhysicalError> {
         let job = self.validate_copies(src, dst, copies)?;
+        // Real GPU memory: batched, submitted here, completed by the CUDA event thread.
+        #[cfg(feature = "cuda")]
+        let job = match cuda::try_direct_copies(job) {
+            Ok(completion) => return Ok(completion),
+            Err(job) => job,
+        };
         let (tx, rx) = oneshot::channel();
         let dst_ids: Vec<BlockId> = job.copies.iter().map(|c| c.dst_block).collect();
         let runtime = self.runtime.as_ref().expect("runtime lives until drop");

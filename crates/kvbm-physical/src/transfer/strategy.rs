@@ -139,10 +139,15 @@ fn within(regions: &[(usize, usize)], mut offset: usize, len: usize) -> Option<u
     None
 }
 
-/// Runs the range copies of `job` in order (the strided fragments of each through the one
-/// region copy, [`copy_regions`]); one result per copy.
-pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
-    let (sdev, ddev) = (device0(&job.src), device0(&job.dst));
+/// Walks the range copies of `job` in order: for each copy, `f(copy index, src regions, dst
+/// regions)` once per fragment, each side's regions the fragment's address ranges (one range
+/// each in the usual case, a fragment inside one region: a tensor's row), stopping a copy at
+/// its first error; one result per copy. The one walk behind the ordered copies here and the
+/// GPU's batched submission (`transfer::cuda`).
+pub(super) fn walk_ranges(
+    job: &CopyJob,
+    mut f: impl FnMut(usize, &[(usize, usize)], &[(usize, usize)]) -> Result<()>,
+) -> Vec<Result<()>> {
     let (sl, dl) = (
         0..job.src.layout().config().num_layers,
         0..job.dst.layout().config().num_layers,
@@ -160,7 +165,8 @@ pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
     };
     job.copies
         .iter()
-        .map(|c| {
+        .enumerate()
+        .map(|(k, c)| {
             regions(&mut src_cache, &job.src, c.src_block, &sl);
             regions(&mut dst_cache, &job.dst, c.dst_block, &dl);
             let sr = &src_cache.as_ref().expect("just set").1;
@@ -174,17 +180,7 @@ pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
             ) {
                 for i in 0..c.count {
                     let (s, d) = (s0 + i * c.src_stride, d0 + i * c.dst_stride);
-                    // SAFETY: the fragment lies inside one region of its block on each side
-                    // (validated, and `within` above), hence in live memory of the job's
-                    // registered layouts; the job's claims and the caller exclude other writers
-                    // (and readers of the destination).
-                    unsafe {
-                        if sdev.is_none() && ddev.is_none() {
-                            std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, c.len)
-                        } else {
-                            copy_regions(sdev, ddev, &[(s, c.len)], &[(d, c.len)])?
-                        }
-                    }
+                    f(k, &[(s, c.len)], &[(d, c.len)])?;
                 }
                 return Ok(());
             }
@@ -193,21 +189,31 @@ pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
                     c.src_offset + i * c.src_stride,
                     c.dst_offset + i * c.dst_stride,
                 );
-                // SAFETY: the fragment lies inside its block on each side (validated), hence in
-                // live memory of the job's registered layouts; the job's claims and the caller
-                // exclude other writers (and readers of the destination).
-                unsafe {
-                    copy_regions(
-                        sdev,
-                        ddev,
-                        &sub_regions(sr, so, c.len),
-                        &sub_regions(dr, dof, c.len),
-                    )?
-                }
+                f(k, &sub_regions(sr, so, c.len), &sub_regions(dr, dof, c.len))?;
             }
             Ok(())
         })
         .collect()
+}
+
+/// Runs the range copies of `job` in order (each fragment through the one region copy,
+/// [`copy_regions`]); one result per copy.
+pub(super) fn copy_ranges(job: &CopyJob) -> Vec<Result<()>> {
+    let (sdev, ddev) = (device0(&job.src), device0(&job.dst));
+    walk_ranges(job, |_, sr, dr| {
+        // SAFETY: each fragment lies inside its block on each side (validated; `walk_ranges`
+        // cuts it along the blocks' regions), hence in live memory of the job's registered
+        // layouts; the job's claims and the caller exclude other writers (and readers of the
+        // destination).
+        unsafe {
+            if let (None, None, [(s, len)], [(d, _)]) = (sdev, ddev, sr, dr) {
+                std::ptr::copy_nonoverlapping(*s as *const u8, *d as *mut u8, *len);
+                Ok(())
+            } else {
+                copy_regions(sdev, ddev, sr, dr)
+            }
+        }
+    })
 }
 
 fn disk_of(layout: &PhysicalLayout) -> &crate::storage::DiskStorage {

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
 
-use self::copy::{plan, submit};
-use super::{BlockId, Job, TransferCompletion, TransferOutcome};
+use self::copy::{Piece, plan, submit};
+use super::{BlockId, CopyJob, Job, TransferCompletion, TransferOutcome};
 use crate::cuda::context::{CudaDevice, Direction};
-use crate::cuda::event::{Notify, record_notify};
+use crate::cuda::event::{Notify, record, watch_notify};
 use crate::cuda::memory::{ordinal_of, register_host};
 use crate::error::{PhysicalError, Result};
 use crate::physical::{Backing, PhysicalLayout};
@@ -51,10 +51,15 @@ fn gpu_ordinal(layout: &PhysicalLayout) -> Option<usize> {
 /// `None` leaves it to the generic strategies (stand-in device memory, no GPU side, disk or
 /// object sides).
 fn gpu_route(job: &Job) -> Option<(usize, Direction)> {
-    let (so, dor) = (gpu_ordinal(&job.src), gpu_ordinal(&job.dst));
+    route(&job.src, &job.dst)
+}
+
+/// [`gpu_route`] for two layouts.
+fn route(src: &PhysicalLayout, dst: &PhysicalLayout) -> Option<(usize, Direction)> {
+    let (so, dor) = (gpu_ordinal(src), gpu_ordinal(dst));
     let ordinal = dor.or(so)?;
     let memory = |l: &PhysicalLayout| matches!(l.backing(), Backing::Host(_) | Backing::Device(_));
-    if !memory(&job.src) || !memory(&job.dst) {
+    if !memory(src) || !memory(dst) {
         return None;
     }
     let dir = match (so.is_some(), dor.is_some()) {
@@ -112,6 +117,67 @@ pub(crate) fn try_direct(job: Job) -> std::result::Result<TransferCompletion, Jo
     Ok(TransferCompletion::from_parts(rx, dst_ids))
 }
 
+/// Range copies (strided fragments, `TransferManager::execute_copies`: the canonical
+/// worker's `NHD` fragments) with real GPU memory on a side: every fragment cut into pieces
+/// along both blocks' regions, coalesced, submitted in as few calls as the driver allows and
+/// completed from the CUDA event thread, as a block transfer is. Jobs without a GPU side, and
+/// jobs two of whose fragments write overlapping bytes (their order would matter: the ordered
+/// path keeps "the later wins"), come back unchanged.
+pub(crate) fn try_direct_copies(job: CopyJob) -> std::result::Result<TransferCompletion, CopyJob> {
+    let Some((ordinal, dir)) = route(&job.src, &job.dst) else {
+        return Err(job);
+    };
+    let mut pieces = Vec::new();
+    let walked = super::strategy::walk_ranges(&job, |_, sr, dr| {
+        pieces.extend(
+            crate::layout::region_pairs(sr, dr).map(|(s, d, len)| Piece {
+                src: s as u64,
+                dst: d as u64,
+                len,
+            }),
+        );
+        Ok(())
+    });
+    debug_assert!(walked.iter().all(Result::is_ok), "collecting never fails");
+    let pieces = copy::coalesce(pieces);
+    if pieces
+        .windows(2)
+        .any(|w| w[0].dst + w[0].len as u64 > w[1].dst)
+    {
+        return Err(job);
+    }
+    let dst_ids: Vec<BlockId> = job.copies.iter().map(|c| c.dst_block).collect();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let slot = Arc::new(parking_lot::Mutex::new(Some(tx)));
+    let deliver = {
+        let slot = Arc::clone(&slot);
+        let ids = dst_ids.clone();
+        move |r: Result<()>| {
+            if let Some(tx) = slot.lock().take() {
+                let _ = tx.send(TransferOutcome {
+                    blocks: outcome_blocks(&ids, r),
+                });
+            }
+        }
+    };
+    let (src, dst) = (Arc::clone(&job.src), Arc::clone(&job.dst));
+    let keep: Box<dyn Send> = Box::new(job);
+    if let Err(e) = submit_pieces(
+        &pieces,
+        [&src, &dst],
+        keep,
+        ordinal,
+        dir,
+        Notify::Callback(Box::new(deliver)),
+    ) && let Some(tx) = slot.lock().take()
+    {
+        let _ = tx.send(TransferOutcome {
+            blocks: outcome_blocks(&dst_ids, Err(e)),
+        });
+    }
+    Ok(TransferCompletion::from_parts(rx, dst_ids))
+}
+
 /// The strategy hook (used for GPU steps inside multi-hop transfers): `None` leaves the job
 /// to the generic strategies.
 pub(crate) fn dispatch(job: &Job) -> Option<BoxFuture<'static, Vec<Result<()>>>> {
@@ -149,14 +215,10 @@ fn register_layout(layout: &PhysicalLayout, device: &Arc<CudaDevice>) -> Result<
     Ok(())
 }
 
-/// Plans and enqueues the copies and hands the completion event to the event thread, which
-/// notifies `notify` (unless this returns an error, in which case `notify` is dropped
-/// unnotified). If submission fails after some copies were enqueued, waits for the stream
-/// before returning the error, so no copy outlives the call's view of the memory.
+/// Plans and enqueues the copies of a block transfer and hands the completion event to the
+/// event thread, which notifies `notify` (unless this returns an error, in which case `notify`
+/// is dropped unnotified).
 fn start(job: Job, ordinal: usize, dir: Direction, notify: Notify) -> Result<()> {
-    let device = CudaDevice::get(ordinal)?;
-    register_layout(&job.src, &device)?;
-    register_layout(&job.dst, &device)?;
     let pieces = plan(
         &job.src,
         &job.dst,
@@ -164,11 +226,33 @@ fn start(job: Job, ordinal: usize, dir: Direction, notify: Notify) -> Result<()>
         &job.dst_ids,
         job.layers.clone(),
     );
+    let (src, dst) = (Arc::clone(&job.src), Arc::clone(&job.dst));
+    submit_pieces(&pieces, [&src, &dst], Box::new(job), ordinal, dir, notify)
+}
+
+/// Enqueues `pieces` (in the memory of `layouts`, registered for DMA first where they are host
+/// memory) on device `ordinal`'s stream for `dir`, and hands the completion event to the event
+/// thread with `keep` (the job: it holds the layouts, so the memory, and its claims) until the
+/// event completed; `notify` hears the outcome. If submission fails after some copies were
+/// enqueued, waits for the stream before returning the error (and dropping `keep`), so no copy
+/// outlives the job.
+fn submit_pieces(
+    pieces: &[Piece],
+    layouts: [&PhysicalLayout; 2],
+    keep: Box<dyn Send>,
+    ordinal: usize,
+    dir: Direction,
+    notify: Notify,
+) -> Result<()> {
+    let device = CudaDevice::get(ordinal)?;
+    for l in layouts {
+        register_layout(l, &device)?;
+    }
     device.bind()?;
     let stream = device.stream(dir);
-    // SAFETY: the pieces lie in the job's live allocations (kept alive by the job, which the
+    // SAFETY: the pieces lie in the job's live allocations (kept alive by `keep`, which the
     // event thread holds until completion); the caller of the transfer excludes other access.
-    let submitted = unsafe { submit(&pieces, stream) };
+    let submitted = unsafe { submit(pieces, stream) };
     let calls = match submitted {
         Ok(c) => c,
         Err(e) => {
@@ -180,13 +264,20 @@ fn start(job: Job, ordinal: usize, dir: Direction, notify: Notify) -> Result<()>
     TRANSFERS.fetch_add(1, Ordering::Relaxed);
     PIECES.fetch_add(pieces.len() as u64, Ordering::Relaxed);
     CALLS.fetch_add(calls as u64, Ordering::Relaxed);
-    let keep: Box<dyn Send> = Box::new(job.clone());
     // SAFETY: stream belongs to the current context.
-    let r = unsafe { record_notify(stream, Arc::clone(&device), Some(keep), notify) };
-    if r.is_err() {
-        // SAFETY: as above; `job` keeps the memory alive until the stream drained.
-        let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
-        drop(job);
+    match unsafe { record(stream) } {
+        Ok(ev) => {
+            // SAFETY: ev was just recorded and is handed over with the job it guards.
+            unsafe { watch_notify(ev, true, device, Some(keep), notify) };
+            Ok(())
+        }
+        Err(e) => {
+            // No event to wait on: drain the stream before the job (its memory, its claims)
+            // goes, so no copy outlives it.
+            // SAFETY: live stream of the current context.
+            let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
+            drop(keep);
+            Err(e)
+        }
     }
-    r
 }
