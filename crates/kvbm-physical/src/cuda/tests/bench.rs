@@ -249,6 +249,84 @@ fn gpu_bench() {
     }
     set_copy_mode(CopyMode::Auto);
 
+    // 3b. NHD canonical fragments (range copies, as the canonical worker issues them): each
+    // of 64 blocks' 32 layers × 2 regions of 16 tokens × 2 KiB rows, half of each token row
+    // (this rank's heads, 1 KiB) gathered into a dense canonical page and scattered back.
+    {
+        use crate::transfer::RangeCopy;
+        let region = fc.config().region_bytes(); // 16 tokens × 2 KiB
+        let frag = region / 16 / 2;
+        let blocks = 64;
+        let copies = |to_host: bool| -> Vec<RangeCopy> {
+            (0..blocks)
+                .flat_map(|b| {
+                    let src_block = scat[b];
+                    (0..32 * 2).map(move |r| {
+                        let (row_side, dense_side) = (r * region, r * region / 2);
+                        let (so, ss, d_o, ds) = if to_host {
+                            (row_side, 2 * frag, dense_side, frag)
+                        } else {
+                            (dense_side, frag, row_side, 2 * frag)
+                        };
+                        RangeCopy {
+                            src_block,
+                            src_offset: so,
+                            dst_block: b,
+                            dst_offset: d_o,
+                            len: frag,
+                            count: 16,
+                            src_stride: ss,
+                            dst_stride: ds,
+                        }
+                    })
+                })
+                .collect()
+        };
+        let time_copies = |src: LayoutHandle, dst: LayoutHandle, c: Vec<RangeCopy>| {
+            let mut best = f64::MAX;
+            for i in 0..=5 {
+                let t = Instant::now();
+                // SAFETY: bench-owned layouts; nothing else touches them meanwhile.
+                let o = unsafe { tm.execute_copies(src, dst, c.clone()) }
+                    .unwrap()
+                    .wait();
+                let dt = t.elapsed().as_secs_f64();
+                assert!(o.is_complete_success(), "NHD copies failed");
+                if i > 0 {
+                    best = best.min(dt);
+                }
+            }
+            best
+        };
+        let frag_bytes = (blocks * 64 * 16 * frag) as f64;
+        let before = crate::transfer::cuda::copy_stats();
+        let d2h = frag_bytes / time_copies(g1, g2, copies(true)) / 1e9;
+        // Scatter back: the dense pages from G2's first blocks into G1's rows.
+        let h2d = frag_bytes
+            / time_copies(
+                g2,
+                g1,
+                copies(false)
+                    .into_iter()
+                    .map(|c| RangeCopy {
+                        src_block: c.dst_block,
+                        dst_block: c.src_block,
+                        ..c
+                    })
+                    .collect(),
+            )
+            / 1e9;
+        let after = crate::transfer::cuda::copy_stats();
+        let xfers = (after.0 - before.0).max(1);
+        j.int("nhd_fragment_bytes", frag as u64);
+        j.num("nhd_fragments_d2h_gbps", d2h);
+        j.num("nhd_fragments_h2d_gbps", h2d);
+        j.num("nhd_fragments_d2h_ratio", d2h / raw_d2h);
+        j.num("nhd_fragments_h2d_ratio", h2d / raw_h2d);
+        j.int("nhd_pieces_per_transfer", (after.1 - before.1) / xfers);
+        j.int("nhd_calls_per_transfer", (after.2 - before.2) / xfers);
+    }
+
     // 4. Fixed overhead of a 64-block offload.
     let small = layout(1024, 1, 1, 1, 2048, LayoutKind::FullyContiguous); // 4 KiB blocks
     let sg1 = tm
