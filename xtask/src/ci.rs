@@ -3,7 +3,8 @@
 //! ```text
 //!   fmt --check ─► clippy -D warnings ─► layering ─► [start servers] tests, python (the
 //!     kvbm-vllm wheel; vLLM's own tests, see [`crate::python`]) [stop servers] ─► loom model
-//!     checks ─► fuzz (each target 20 s, instrumented) ─► soak (60 s) ─► docs
+//!     checks ─► NIXL over loopback ([`crate::nixl`]) ─► fuzz (each target 20 s, instrumented)
+//!     ─► soak (60 s) ─► docs
 //! ```
 //!
 //! Each step's wall time is printed when the run ends, passed or not (`ci: step times`).
@@ -152,6 +153,14 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
     totals.passed += loomed.passed;
     totals.failed += loomed.failed;
     totals.ignored += loomed.ignored;
+
+    // NIXL over loopback with the real library (the nixl-cu12 wheel; no GPU needed).
+    let nixl = clock.step("nixl (loopback)", || {
+        run_counting(&mut crate::nixl::test_command(cargo())?)
+    })?;
+    totals.passed += nixl.passed;
+    totals.failed += nixl.failed;
+    totals.ignored += nixl.ignored;
 
     clock.step("fuzz (build and run)", || {
         crate::fuzz::run_targets(crate::fuzz::CI_SECS, &crate::fuzz::TARGETS)

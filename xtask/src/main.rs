@@ -22,6 +22,7 @@ mod fuzz;
 mod gpu_check;
 mod layering;
 mod nats_jwt;
+mod nixl;
 mod python;
 mod services;
 mod soak;
@@ -49,6 +50,8 @@ commands:
                      figure: median, median, head/base
   fuzz [SECS] [T..]  run the fuzz/ targets (cargo-fuzz, nightly) SECS each (default 60)
   soak [SECS]        kvbm replay, every tier, random S3 errors, for SECS (default 600)
+  nixl               kvbm-physical's NIXL transport over loopback, with the nixl-cu12 wheel's
+                     library (downloaded once into target/nixl)
   gpu-check --out DIR  on a GPU machine: build kvbm-physical --features cuda, run its GPU
                      tests and benchmark, write DIR/gpu-check.json (--bundle/--prebuilt: see gpu_check.rs)
 ";
@@ -66,6 +69,7 @@ fn main() -> Result<()> {
         Some("fuzz") => fuzz::run(rest),
         Some("soak") => soak::run(rest),
         Some("gpu-check") => gpu_check::run(rest),
+        Some("nixl") => nixl::run(),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
