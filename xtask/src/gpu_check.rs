@@ -1,6 +1,9 @@
-//! `cargo xtask gpu-check`: the one command to run on a GPU machine for kvbm-physical's `cuda`
-//! feature. It builds the crate's unit-test binary in release with `--features cuda`, checks
-//! that a CUDA driver and device are usable, runs the GPU tests (`cuda::` in that binary, with
+//! `cargo xtask gpu-check`: the one command to run on a GPU machine for the `cuda` feature. It
+//! builds kvbm-physical's and kvbm-engine's unit-test binaries in release with `--features
+//! cuda`, checks that a CUDA driver and device are usable, runs the GPU tests (`cuda::` in the
+//! first: allocation, adopted tensors, the G1→G2→G3→G2→G1 round trip, layer-wise onboarding,
+//! scattered blocks, `NHD` range copies, the event precondition; `gpu_` in the second: G1 on
+//! the device in a tier set, kvbm-tiering's worker over an engine's device caches; all with
 //! `KVBM_REQUIRE_GPU=1` so none can silently skip), runs the GPU benchmark (the ignored test
 //! `cuda::tests::bench::gpu_bench`), and writes `OUT/gpu-check.json` with both.
 //!
@@ -28,6 +31,9 @@ use serde_json::{Value, json};
 
 /// Name of the test binary inside a bundle.
 const BUNDLED_TESTS: &str = "kvbm-physical-cuda-tests";
+/// Name of the engine's test binary inside a bundle (its `gpu_` tests: G1 on the device in a
+/// tier set, kvbm-tiering's worker over an engine's device caches).
+const BUNDLED_ENGINE_TESTS: &str = "kvbm-engine-cuda-tests";
 /// Limits for the two runs (the whole check should stay well under 6 minutes).
 const TESTS_TIMEOUT: Duration = Duration::from_secs(150);
 const BENCH_TIMEOUT: Duration = Duration::from_secs(150);
@@ -56,7 +62,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let started = Instant::now();
     if let Some(dir) = bundle {
         let exe = build()?;
-        return make_bundle(&exe, &dir);
+        let engine = build_engine()?;
+        return make_bundle(&exe, &engine, &dir);
     }
     let Some(out) = out else { bail!("{USAGE}") };
     let out = absolute(&out)?;
@@ -70,16 +77,26 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
              written. Run this on a machine with an NVIDIA driver (see crates/kvbm-physical/src/cuda/mod.rs)."
         );
     }
-    let (exe, build_s) = match prebuilt {
-        Some(dir) => (absolute(&dir)?.join(BUNDLED_TESTS), None),
+    let (exe, engine_exe, build_s) = match prebuilt {
+        Some(dir) => {
+            let dir = absolute(&dir)?;
+            (
+                dir.join(BUNDLED_TESTS),
+                dir.join(BUNDLED_ENGINE_TESTS),
+                None,
+            )
+        }
         None => {
             let t = Instant::now();
             let exe = build()?;
-            (exe, Some(t.elapsed().as_secs_f64()))
+            let engine = build_engine()?;
+            (exe, engine, Some(t.elapsed().as_secs_f64()))
         }
     };
-    if !exe.is_file() {
-        bail!("test binary {} not found", exe.display());
+    for e in [&exe, &engine_exe] {
+        if !e.is_file() {
+            bail!("test binary {} not found", e.display());
+        }
     }
     // Probe: one GPU test that must not skip.
     let probe = run_capture(
@@ -105,17 +122,33 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             .env("RUST_BACKTRACE", "1"),
         TESTS_TIMEOUT,
     )?;
-    std::fs::write(out.join("gpu-tests.log"), &tests.text)?;
+    eprintln!("gpu-check: running the engine's GPU tests");
+    let engine_tests = run_capture(
+        Command::new(&engine_exe)
+            .args(["gpu_", "--test-threads=1", "--show-output"])
+            .env("KVBM_REQUIRE_GPU", "1")
+            .env("RUST_BACKTRACE", "1"),
+        TESTS_TIMEOUT,
+    )?;
+    std::fs::write(
+        out.join("gpu-tests.log"),
+        format!("{}\n{}", tests.text, engine_tests.text),
+    )?;
     let mut results = serde_json::Map::new();
-    for line in tests.text.lines() {
-        if let Some(rest) = line.strip_prefix("test ")
-            && let Some((name, verdict)) = rest.split_once(" ... ")
-        {
-            results.insert(name.to_string(), Value::String(verdict.trim().to_string()));
+    for (prefix, text) in [("", &tests.text), ("engine::", &engine_tests.text)] {
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("test ")
+                && let Some((name, verdict)) = rest.split_once(" ... ")
+            {
+                results.insert(
+                    format!("{prefix}{name}"),
+                    Value::String(verdict.trim().to_string()),
+                );
+            }
         }
     }
     let failed = results.values().filter(|v| *v != "ok").count();
-    let tests_ok = tests.ok && failed == 0 && !results.is_empty();
+    let tests_ok = tests.ok && engine_tests.ok && failed == 0 && !results.is_empty();
 
     eprintln!("gpu-check: running the GPU benchmark");
     let bench_path = out.join("bench.json");
@@ -146,7 +179,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "tests_ok": tests_ok,
         "tests_run": results.len(),
         "tests_failed": failed,
-        "tests_timed_out": tests.timed_out,
+        "tests_timed_out": tests.timed_out || engine_tests.timed_out,
         "tests": Value::Object(results),
         "bench_ok": bench_json.is_some(),
         "bench_timed_out": bench.timed_out,
@@ -156,10 +189,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "offload_64_block_overhead_lt_50us": goal("goal_overhead_lt_50us"),
             "pieces_64kib_batched_h2d_ratio": goal("pieces_64kib_batched_h2d_ratio"),
             "pieces_64kib_batched_d2h_ratio": goal("pieces_64kib_batched_d2h_ratio"),
+            "nhd_fragments_h2d_ratio": goal("nhd_fragments_h2d_ratio"),
+            "nhd_fragments_d2h_ratio": goal("nhd_fragments_d2h_ratio"),
         },
         "build_seconds": build_s,
         "total_seconds": started.elapsed().as_secs_f64(),
         "test_binary": exe.display().to_string(),
+        "engine_test_binary": engine_exe.display().to_string(),
     });
     let path = out.join("gpu-check.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")?;
@@ -252,12 +288,45 @@ fn build() -> Result<PathBuf> {
     bail!("cargo built no test executable for kvbm_physical")
 }
 
-/// Copies the test binary and this xtask into `dir` (stripped of debug info when `strip` is
+/// Builds the release unit-test binary of kvbm-engine with `--features cuda` (its `gpu_`
+/// tests); returns its path.
+fn build_engine() -> Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = crate::cargo_artifacts(
+        &mut Command::new(cargo),
+        &[
+            "test",
+            "-p",
+            "kvbm-engine",
+            "--features",
+            "cuda",
+            "--release",
+            "--lib",
+            "--no-run",
+        ],
+    )
+    .context("building kvbm-engine's tests with --features cuda")?;
+    for v in built {
+        if v["target"]["name"] == "kvbm_engine"
+            && v["profile"]["test"] == true
+            && let Some(exe) = v["executable"].as_str()
+        {
+            return Ok(PathBuf::from(exe));
+        }
+    }
+    bail!("cargo built no test executable for kvbm_engine")
+}
+
+/// Copies the test binaries and this xtask into `dir` (stripped of debug info when `strip` is
 /// available) with a README saying how to run them.
-fn make_bundle(exe: &Path, dir: &Path) -> Result<()> {
+fn make_bundle(exe: &Path, engine: &Path, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let me = std::env::current_exe().context("locating the xtask binary")?;
-    for (from, name) in [(exe, BUNDLED_TESTS), (me.as_path(), "xtask")] {
+    for (from, name) in [
+        (exe, BUNDLED_TESTS),
+        (engine, BUNDLED_ENGINE_TESTS),
+        (me.as_path(), "xtask"),
+    ] {
         let to = dir.join(name);
         std::fs::copy(from, &to).with_context(|| format!("copying {}", from.display()))?;
         let _ = Command::new("strip").arg("--strip-debug").arg(&to).status();
@@ -280,7 +349,7 @@ fn make_bundle(exe: &Path, dir: &Path) -> Result<()> {
     std::fs::write(&run_sh, script)?;
     let _ = Command::new("chmod").arg("+x").arg(&run_sh).status();
     let readme = format!(
-        "Bundle for `gpu-check` (kvbm-physical, feature cuda), built from {}.\n\
+        "Bundle for `gpu-check` (kvbm-physical and kvbm-engine, feature cuda), built from {}.\n\
          On the GPU machine, from the repository root (the round-trip test writes a temp file):\n\
          \n    sh {}/run.sh \"$OUT\"\n",
         exe.display(),

@@ -259,7 +259,7 @@ fn adopt_cuda(
     }
     // SAFETY: `adopt_kv_tensors`' caller's contract.
     Ok(Arc::new(unsafe {
-        crate::cuda::ExternalCudaMemory::adopt(addr, len, ordinal, owner)
+        crate::cuda::CudaDeviceMemory::adopt(addr, len, ordinal, owner)
     }?))
 }
 

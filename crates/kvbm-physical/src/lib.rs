@@ -24,7 +24,7 @@ pub mod net;
 pub mod nixl;
 pub mod physical;
 pub mod storage;
-#[cfg(feature = "testing")]
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod transfer;
 

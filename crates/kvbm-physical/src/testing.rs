@@ -54,3 +54,26 @@ pub fn bytes(layout: &PhysicalLayout, b: usize) -> Vec<u8> {
     }
     out
 }
+
+/// The GPU tests' gate (kvbm-physical's and the crates' above, feature `cuda`): `true` when
+/// device 0 is usable; otherwise prints why `test` is skipped, or panics when
+/// `KVBM_REQUIRE_GPU` is set (as `cargo xtask gpu-check` sets it), so no GPU test passes by
+/// skipping there.
+#[cfg(feature = "cuda")]
+pub fn gpu_or_skip(test: &str) -> bool {
+    let why = if !crate::cuda::cuda_available() {
+        "no CUDA driver (libcuda.so could not be loaded)".to_string()
+    } else {
+        match crate::cuda::CudaDevice::get(0) {
+            Ok(_) => return true,
+            Err(e) => format!("CUDA driver present but device 0 unusable: {e}"),
+        }
+    };
+    if std::env::var_os("KVBM_REQUIRE_GPU").is_some() {
+        panic!("{test}: KVBM_REQUIRE_GPU is set but {why}");
+    }
+    eprintln!(
+        "SKIPPED {test}: {why}; GPU tests run on a GPU machine via `cargo xtask gpu-check --out DIR`"
+    );
+    false
+}

@@ -83,6 +83,8 @@ use write_through::WriteThrough;
 
 pub(crate) mod context;
 mod counters;
+#[cfg(all(test, feature = "cuda"))]
+mod gpu_tests;
 mod hooks;
 mod lanes;
 mod movers;

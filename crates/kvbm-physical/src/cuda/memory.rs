@@ -13,9 +13,9 @@ use crate::storage::{DeviceMemory, HostStorage, Owner, Storage, StorageKind};
 
 /// Live device memory kvbm copies to or from: start address → (length, ordinal, spans
 /// starting there). Lets the transfer strategy find the device behind a `dyn DeviceMemory`
-/// without a downcast. Its own allocations ([`CudaDeviceMemory`]) and adopted spans
-/// ([`ExternalCudaMemory`]) are both listed; two adopted spans may start at one address (one
-/// tensor adopted twice), so each start counts its spans and is unlisted with the last.
+/// without a downcast. Its own allocations and adopted spans ([`CudaDeviceMemory`]) are both
+/// listed; two adopted spans may start at one address (one tensor adopted twice), so each
+/// start counts its spans and is unlisted with the last.
 static ALLOCS: OnceLock<RwLock<Listed>> = OnceLock::new();
 
 /// Start address → (length, ordinal, spans starting there).
@@ -49,12 +49,34 @@ pub(crate) fn ordinal_of(addr: u64) -> Option<usize> {
     (addr < start + (*len).max(1) as u64).then_some(*ordinal)
 }
 
-/// `cuMemAlloc`ed memory in the primary context of one device.
-#[derive(Debug)]
+/// Device memory in the primary context of one device: `cuMemAlloc`ed here
+/// ([`new`](Self::new)), or an engine's own allocation adopted ([`adopt`](Self::adopt): an
+/// engine's KV tensor, after the driver confirmed the range), kept alive by its owner and
+/// never freed here. Copies to and from either go through the same device paths.
 pub struct CudaDeviceMemory {
     ptr: sys::CUdeviceptr,
     len: usize,
     device: Arc<CudaDevice>,
+    held: Held,
+}
+
+/// Who frees a [`CudaDeviceMemory`]'s range.
+enum Held {
+    /// This value: `cuMemFree` on drop.
+    Allocated,
+    /// The owner, once every holder of it let go (see `crate::storage`'s `Owner`).
+    Adopted(Owner),
+}
+
+impl std::fmt::Debug for CudaDeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDeviceMemory")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("ordinal", &self.device.ordinal())
+            .field("adopted", &matches!(self.held, Held::Adopted(_)))
+            .finish()
+    }
 }
 
 impl CudaDeviceMemory {
@@ -67,83 +89,14 @@ impl CudaDeviceMemory {
         let ptr =
             unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
         list(ptr, len, ordinal);
-        Ok(CudaDeviceMemory { ptr, len, device })
+        Ok(CudaDeviceMemory {
+            ptr,
+            len,
+            device,
+            held: Held::Allocated,
+        })
     }
 
-    /// The device this memory lives on.
-    pub fn device(&self) -> &Arc<CudaDevice> {
-        &self.device
-    }
-}
-
-impl Drop for CudaDeviceMemory {
-    fn drop(&mut self) {
-        unlist(self.ptr);
-        if self.device.bind().is_ok() {
-            // SAFETY: ptr was allocated by cuMemAlloc in this context; transfers keep their
-            // layouts (and so this allocation) alive until their copies completed.
-            let _ = unsafe { result::free_sync(self.ptr) };
-        }
-    }
-}
-
-impl Storage for CudaDeviceMemory {
-    fn kind(&self) -> StorageKind {
-        StorageKind::Device
-    }
-    fn size_bytes(&self) -> usize {
-        self.len
-    }
-}
-
-impl DeviceMemory for CudaDeviceMemory {
-    fn device_addr(&self) -> u64 {
-        self.ptr
-    }
-    fn is_stand_in(&self) -> bool {
-        false
-    }
-    unsafe fn copy_h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: caller's contract: src readable, dst inside device memory.
-        unsafe { result::memcpy_htod_sync(dst, std::slice::from_raw_parts(src, len)) }
-            .map_err(|e| cuda_err("cuMemcpyHtoD", e))
-    }
-    unsafe fn copy_d2h(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: caller's contract.
-        unsafe { result::memcpy_dtoh_sync(std::slice::from_raw_parts_mut(dst, len), src) }
-            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
-    }
-    unsafe fn copy_d2d(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: caller's contract.
-        unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| cuda_err("cuMemcpyDtoD", e))
-    }
-}
-
-/// Device memory kvbm did not allocate (an engine's KV tensor), adopted after the driver
-/// confirmed that the whole range is device memory of the named ordinal inside one allocation,
-/// and kept alive by its owner (see `crate::storage` `external`'s lifetime rule). Copies to and
-/// from it go through the same device paths as [`CudaDeviceMemory`]; it is never freed here.
-pub struct ExternalCudaMemory {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-    device: Arc<CudaDevice>,
-    owner: Owner,
-}
-
-impl std::fmt::Debug for ExternalCudaMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExternalCudaMemory")
-            .field("ptr", &format_args!("{:#x}", self.ptr))
-            .field("len", &self.len)
-            .field("ordinal", &self.device.ordinal())
-            .finish_non_exhaustive()
-    }
-}
-
-impl ExternalCudaMemory {
     /// Adopts `len` bytes at device address `ptr` of device `ordinal`, kept alive by `owner`.
     ///
     /// # Errors
@@ -208,28 +161,41 @@ impl ExternalCudaMemory {
             ));
         }
         list(ptr, len, ordinal);
-        Ok(ExternalCudaMemory {
+        Ok(CudaDeviceMemory {
             ptr,
             len,
             device,
-            owner,
+            held: Held::Adopted(owner),
         })
     }
 
-    /// What keeps the memory alive.
-    pub fn owner(&self) -> &Owner {
-        &self.owner
+    /// The device this memory lives on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// What keeps adopted memory alive (`None`: allocated here).
+    pub fn owner(&self) -> Option<&Owner> {
+        match &self.held {
+            Held::Allocated => None,
+            Held::Adopted(o) => Some(o),
+        }
     }
 }
 
-impl Drop for ExternalCudaMemory {
+impl Drop for CudaDeviceMemory {
     fn drop(&mut self) {
-        // Unlisted only: the owner frees the memory, after this span lets go of it.
         unlist(self.ptr);
+        // Adopted memory is the owner's to free, after this span lets go of it.
+        if matches!(self.held, Held::Allocated) && self.device.bind().is_ok() {
+            // SAFETY: ptr was allocated by cuMemAlloc in this context; transfers keep their
+            // layouts (and so this allocation) alive until their copies completed.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
     }
 }
 
-impl Storage for ExternalCudaMemory {
+impl Storage for CudaDeviceMemory {
     fn kind(&self) -> StorageKind {
         StorageKind::Device
     }
@@ -238,7 +204,7 @@ impl Storage for ExternalCudaMemory {
     }
 }
 
-impl DeviceMemory for ExternalCudaMemory {
+impl DeviceMemory for CudaDeviceMemory {
     fn device_addr(&self) -> u64 {
         self.ptr
     }
@@ -247,7 +213,7 @@ impl DeviceMemory for ExternalCudaMemory {
     }
     unsafe fn copy_h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
         self.device.bind()?;
-        // SAFETY: caller's contract: src readable, dst inside this device span.
+        // SAFETY: caller's contract: src readable, dst inside device memory.
         unsafe { result::memcpy_htod_sync(dst, std::slice::from_raw_parts(src, len)) }
             .map_err(|e| cuda_err("cuMemcpyHtoD", e))
     }

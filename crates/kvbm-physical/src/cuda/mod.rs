@@ -15,7 +15,13 @@
 //!   engines; transfers in one direction complete in the order they reached the stream.
 //! * **G1 memory** ([`CudaDeviceMemory`]): `cuMemAlloc` per layout allocation: one for a
 //!   fully contiguous layout, one per layer for a layer-separate one (vLLM's per-layer KV
-//!   tensors). `PhysicalLayout::allocate_device` returns it when a driver is present.
+//!   tensors). `PhysicalLayout::allocate_gpu` returns it or refuses by name (what
+//!   `physical.g1 = "device"` uses); `PhysicalLayout::allocate_device` falls back to a host
+//!   stand-in without a driver (tests).
+//! * **Adopted G1** ([`CudaDeviceMemory::adopt`]): an engine's own KV tensors (`crate::adopt`), the
+//!   driver asked first (`cuPointerGetAttribute`: memory type and ordinal;
+//!   `cuMemGetAddressRange`: the range inside one allocation), kept alive by their owner and
+//!   listed for the copy route like kvbm's own allocations.
 //! * **Pinned G2**: the existing `HostStorage` (mmap) is page-locked with
 //!   `cuMemHostRegister(PORTABLE)` ([`register_host`]) on first use by a GPU transfer (or up
 //!   front); the registration is attached to the allocation and undone before it is unmapped.
@@ -57,10 +63,11 @@
 //! tests (coalescing for fully contiguous, block-contiguous and outer-contiguous layouts); every
 //! GPU test skipping with a `SKIPPED …` message (and failing under `KVBM_REQUIRE_GPU=1`);
 //! `cargo xtask gpu-check --out DIR` failing at once with the reason and writing no JSON; the
-//! bundle (`--bundle`, 4.3 MiB) and its probe failing cleanly; the summary JSON assembly (with a
-//! stand-in test binary). **None of the CUDA code has run on a GPU yet**: driver-call
-//! correctness, `cuMemcpyBatchAsync_v2` vs the 12.8 symbol on the 580 (CUDA 13.0) driver, and
-//! every number are unverified.
+//! bundle (`--bundle`, both test binaries) and its probe failing cleanly; the summary JSON
+//! assembly (with a stand-in test binary); adoption's rules and host adoption end to end
+//! (`adopt::tests`). **None of the CUDA code has run on a GPU yet**: driver-call correctness,
+//! `cuMemcpyBatchAsync_v2` vs the 12.8 symbol on the 580 (CUDA 13.0) driver, the driver's
+//! answers for adopted pointers, and every number are unverified.
 //!
 //! What remains, on a session lent the H200 machine (no Rust toolchain is known to be there,
 //! so build here and carry the binaries):
@@ -72,15 +79,18 @@
 //! ```
 //!
 //! (`cargo xtask gpu-check --out DIR` does build + run in one step on a GPU machine that has
-//! cargo and the crates.) It runs the GPU tests in `tests/mod.rs` (allocation, G1→G2→G3→G2→G1
-//! round trip with checksums, layer-wise onboarding with completion order, many small scattered
-//! blocks, the event precondition) and the benchmark in `tests/bench.rs` (raw pinned
-//! `cuMemcpyAsync` peak, 2 MiB blocks and 64 KiB layer-separate pieces H2D/D2H against it,
-//! batched vs per-piece, fixed overhead of a 64-block offload), and writes `gpu-check.json`,
+//! cargo and the crates.) It runs the GPU tests in `tests/mod.rs` (allocation, adopted device
+//! tensors with the driver's refusals, G1→G2→G3→G2→G1 round trip with checksums, layer-wise
+//! onboarding with completion order, many small scattered blocks, `NHD` range copies batched
+//! against the host path, the event precondition), kvbm-engine's `gpu_` tests (a tier set with
+//! G1 on the device onboarding through the copy engine; kvbm-tiering's worker over device
+//! caches it adopted) and the benchmark in `tests/bench.rs` (raw pinned `cuMemcpyAsync` peak,
+//! 2 MiB blocks and 64 KiB layer-separate pieces H2D/D2H against it, batched vs per-piece,
+//! `NHD` fragments, fixed overhead of a 64-block offload), and writes `gpu-check.json`,
 //! `bench.json` and the two logs to `$OUT` (about a minute of GPU time expected). Targets:
-//! ≥ 0.9 of raw for 2 MiB blocks, < 50 µs overhead; the 64 KiB ratio is reported. If the
-//! small-piece ratio is poor, the next step is an NVRTC gather/scatter kernel into registered
-//! host memory (not written).
+//! ≥ 0.9 of raw for 2 MiB blocks, < 50 µs overhead; the 64 KiB and `NHD` ratios are reported.
+//! If the small-piece ratio is poor, the next step is an NVRTC gather/scatter kernel into
+//! registered host memory (not written).
 
 // The links above name items that exist only with the `cuda` feature; without it they are
 // plain text rather than broken links.
@@ -101,7 +111,7 @@ pub use context::{CudaDevice, Direction};
 #[cfg(feature = "cuda")]
 pub use event::{CudaEventPrecondition, EventFuture};
 #[cfg(feature = "cuda")]
-pub use memory::{CudaDeviceMemory, CudaPinnedBuffer, ExternalCudaMemory, register_host};
+pub use memory::{CudaDeviceMemory, CudaPinnedBuffer, register_host};
 
 /// Whether a CUDA driver can be used: feature `cuda` on and `libcuda` loadable.
 pub fn cuda_available() -> bool {

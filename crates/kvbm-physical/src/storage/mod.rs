@@ -7,7 +7,7 @@
 //! | tier | type | file |
 //! |---|---|---|
 //! | G1 | [`DeviceMemory`] ([`HostStandInDevice`] without a GPU; `crate::cuda` with one) | `device.rs` |
-//! | G1 an engine owns | described by [`TensorDesc`]: host tensors under [`HostStandInDevice::over`], device ones `crate::cuda`'s `ExternalCudaMemory` | `external.rs` |
+//! | G1 an engine owns | described by [`TensorDesc`]: host tensors under [`HostStandInDevice::over`], device ones `crate::cuda`'s `CudaDeviceMemory::adopt` | `external.rs` |
 //! | G2 | [`HostStorage`] (page-aligned, mlock-pinned, unpinned fallback) | `host.rs` |
 //! | G3 | [`DiskStorage`] (one fallocated O_DIRECT file, io_uring or pread/pwrite) | `disk.rs` |
 //! | G3 I/O buffers | the disk's pool of header sectors and staging buffers ([`DiskBufferPoolStats`]) | `disk_buffers.rs` |

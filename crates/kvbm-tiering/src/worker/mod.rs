@@ -16,6 +16,9 @@
 //! range copies up front; specs that do not fit (ids left over or missing, out of range, a
 //! group count that differs) are refused and nothing moves. [`PhysicalOffloadingWorker::new`]
 //! is the simple case: one group, every layer a whole-page ref, one block per chunk.
+//! [`PhysicalOffloadingWorker::adopting`] is vLLM's `get_worker(kv_caches)`: the engine's own
+//! tensors (`CanonicalKVCaches`) adopted as the GPU layout (`kvbm_physical::adopt`, no copy of
+//! the cache, the memory kept alive by the owner the caller hands over).
 //!
 //! ```text
 //!  submit_*  ─► plan (WorkerLayout::plan) ─► ExternalMover::copy_ranges (issued now) ─► Running { future }

@@ -13,25 +13,7 @@ use crate::storage::{DiskConfig, HostStorage, PinPolicy};
 use crate::transfer::cuda::copy::{Piece, coalesce, plan};
 use crate::transfer::{BlockId, LayoutHandle, TransferManager, TransferOptions};
 
-/// `true` when a GPU can be used; otherwise prints why the test is skipped (or panics under
-/// `KVBM_REQUIRE_GPU`).
-pub(super) fn gpu_or_skip(test: &str) -> bool {
-    let why = if !super::cuda_available() {
-        "no CUDA driver (libcuda.so could not be loaded)".to_string()
-    } else {
-        match CudaDevice::get(0) {
-            Ok(_) => return true,
-            Err(e) => format!("CUDA driver present but device 0 unusable: {e}"),
-        }
-    };
-    if std::env::var_os("KVBM_REQUIRE_GPU").is_some() {
-        panic!("{test}: KVBM_REQUIRE_GPU is set but {why}");
-    }
-    eprintln!(
-        "SKIPPED {test}: {why}; GPU tests run on a GPU machine via `cargo xtask gpu-check --out DIR`"
-    );
-    false
-}
+pub(super) use crate::testing::gpu_or_skip;
 
 fn layout(
     blocks: usize,

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use super::*;
 use crate::layout::{BlockDim, BlockLayout, LayoutKind};
-use crate::physical::{Backing, PhysicalLayout};
+use crate::physical::PhysicalLayout;
 use crate::storage::PinPolicy;
+use crate::testing::{bytes, fill};
 
 fn nixl_or_skip(test: &str) -> bool {
     if super::super::nixl_available() {
@@ -22,7 +23,7 @@ fn nixl_or_skip(test: &str) -> bool {
     false
 }
 
-fn host(n: usize, kind: LayoutKind, seed: Option<u64>) -> Arc<PhysicalLayout> {
+fn host(n: usize, kind: LayoutKind, seed: Option<u8>) -> Arc<PhysicalLayout> {
     let l = BlockLayout::builder()
         .num_blocks(n)
         .num_layers(3)
@@ -34,28 +35,10 @@ fn host(n: usize, kind: LayoutKind, seed: Option<u64>) -> Arc<PhysicalLayout> {
         .build()
         .unwrap();
     let p = PhysicalLayout::allocate_host(l, PinPolicy::Unpinned).unwrap();
-    if let (Some(seed), Backing::Host(allocs)) = (seed, p.backing()) {
-        let mut x = seed | 1;
-        for a in allocs {
-            // SAFETY: fresh, unshared.
-            for b in unsafe { a.as_mut_slice() } {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                *b = x as u8;
-            }
-        }
+    if let Some(seed) = seed {
+        fill(&p, seed);
     }
     Arc::new(p)
-}
-
-fn block(l: &PhysicalLayout, b: usize) -> Vec<u8> {
-    let n = l.layout().config().num_layers;
-    l.block_addrs(b, 0..n)
-        .into_iter()
-        // SAFETY: live host memory; no transfer touches it while read.
-        .flat_map(|(a, len)| unsafe { std::slice::from_raw_parts(a as *const u8, len) }.to_vec())
-        .collect()
 }
 
 #[test]
@@ -65,7 +48,7 @@ fn loopback_write_and_read_move_blocks_between_layouts_of_two_kinds() {
     }
     let mut a = NixlAgent::new("kvbm-a").unwrap();
     let mut b = NixlAgent::new("kvbm-b").unwrap();
-    let src = host(8, LayoutKind::FullyContiguous, Some(0x5eed));
+    let src = host(8, LayoutKind::FullyContiguous, Some(0x5e));
     let dst = host(
         8,
         LayoutKind::LayerSeparate(BlockDim::OuterContiguous),
@@ -84,7 +67,7 @@ fn loopback_write_and_read_move_blocks_between_layouts_of_two_kinds() {
         .unwrap();
     assert_eq!(moved as usize, 3 * src.layout().config().block_bytes());
     for (s, d) in [(5, 1), (0, 7), (2, 3)] {
-        assert_eq!(block(&src, s), block(&dst, d), "block {s} written to {d}");
+        assert_eq!(bytes(&src, s), bytes(&dst, d), "block {s} written to {d}");
     }
     // Read them back into other blocks.
     // SAFETY: as above.
@@ -94,8 +77,8 @@ fn loopback_write_and_read_move_blocks_between_layouts_of_two_kinds() {
         .unwrap();
     for (s, d) in [(5, 4), (0, 6), (2, 0)] {
         assert_eq!(
-            block(&src, s),
-            block(&back, d),
+            bytes(&src, s),
+            bytes(&back, d),
             "block {s} read back into {d}"
         );
     }

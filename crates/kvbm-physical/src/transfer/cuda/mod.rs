@@ -93,28 +93,54 @@ pub(crate) fn try_direct(job: Job) -> std::result::Result<TransferCompletion, Jo
     let Some((ordinal, dir)) = gpu_route(&job) else {
         return Err(job);
     };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let dst_ids = job.dst_ids.clone();
-    let slot = Arc::new(parking_lot::Mutex::new(Some(tx)));
-    let deliver = {
-        let slot = Arc::clone(&slot);
-        let ids = dst_ids.clone();
-        move |r: Result<()>| {
-            if let Some(tx) = slot.lock().take() {
-                let _ = tx.send(TransferOutcome {
-                    blocks: outcome_blocks(&ids, r),
-                });
-            }
-        }
-    };
-    if let Err(e) = start(job, ordinal, dir, Notify::Callback(Box::new(deliver)))
-        && let Some(tx) = slot.lock().take()
-    {
+    let (delivery, completion) = Delivery::new(job.dst_ids.clone());
+    if let Err(e) = start(job, ordinal, dir, delivery.notify()) {
+        delivery.fail(e);
+    }
+    Ok(completion)
+}
+
+/// Where a fast-path transfer's outcome goes: the completion handed to the caller, fed once,
+/// by the event thread ([`notify`](Self::notify)) or by a submission that failed
+/// ([`fail`](Self::fail)), whichever comes first.
+struct Delivery {
+    slot: Arc<parking_lot::Mutex<Option<tokio::sync::oneshot::Sender<TransferOutcome>>>>,
+    ids: Vec<BlockId>,
+}
+
+impl Delivery {
+    /// A delivery for destination blocks `ids`, and the completion it feeds.
+    fn new(ids: Vec<BlockId>) -> (Self, TransferCompletion) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let completion = TransferCompletion::from_parts(rx, ids.clone());
+        let slot = Arc::new(parking_lot::Mutex::new(Some(tx)));
+        (Delivery { slot, ids }, completion)
+    }
+
+    /// The event thread's callback: every block's outcome is the event's.
+    fn notify(&self) -> Notify {
+        let slot = Arc::clone(&self.slot);
+        let ids = self.ids.clone();
+        Notify::Callback(Box::new(move |r: Result<()>| send(&slot, &ids, r)))
+    }
+
+    /// The submission failed (the event thread will not call): every block fails with `e`.
+    fn fail(&self, e: PhysicalError) {
+        send(&self.slot, &self.ids, Err(e));
+    }
+}
+
+/// Sends the outcome of blocks `ids` through `slot` unless it was sent already.
+fn send(
+    slot: &parking_lot::Mutex<Option<tokio::sync::oneshot::Sender<TransferOutcome>>>,
+    ids: &[BlockId],
+    r: Result<()>,
+) {
+    if let Some(tx) = slot.lock().take() {
         let _ = tx.send(TransferOutcome {
-            blocks: outcome_blocks(&dst_ids, Err(e)),
+            blocks: outcome_blocks(ids, r),
         });
     }
-    Ok(TransferCompletion::from_parts(rx, dst_ids))
 }
 
 /// Range copies (strided fragments, `TransferManager::execute_copies`: the canonical
@@ -146,36 +172,13 @@ pub(crate) fn try_direct_copies(job: CopyJob) -> std::result::Result<TransferCom
     {
         return Err(job);
     }
-    let dst_ids: Vec<BlockId> = job.copies.iter().map(|c| c.dst_block).collect();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let slot = Arc::new(parking_lot::Mutex::new(Some(tx)));
-    let deliver = {
-        let slot = Arc::clone(&slot);
-        let ids = dst_ids.clone();
-        move |r: Result<()>| {
-            if let Some(tx) = slot.lock().take() {
-                let _ = tx.send(TransferOutcome {
-                    blocks: outcome_blocks(&ids, r),
-                });
-            }
-        }
-    };
+    let (delivery, completion) = Delivery::new(job.copies.iter().map(|c| c.dst_block).collect());
     let (src, dst) = (Arc::clone(&job.src), Arc::clone(&job.dst));
     let keep: Box<dyn Send> = Box::new(job);
-    if let Err(e) = submit_pieces(
-        &pieces,
-        [&src, &dst],
-        keep,
-        ordinal,
-        dir,
-        Notify::Callback(Box::new(deliver)),
-    ) && let Some(tx) = slot.lock().take()
-    {
-        let _ = tx.send(TransferOutcome {
-            blocks: outcome_blocks(&dst_ids, Err(e)),
-        });
+    if let Err(e) = submit_pieces(&pieces, [&src, &dst], keep, ordinal, dir, delivery.notify()) {
+        delivery.fail(e);
     }
-    Ok(TransferCompletion::from_parts(rx, dst_ids))
+    Ok(completion)
 }
 
 /// The strategy hook (used for GPU steps inside multi-hop transfers): `None` leaves the job
