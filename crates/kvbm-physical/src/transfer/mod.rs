@@ -69,6 +69,7 @@ mod bounce;
 mod claims;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod ranges;
 mod strategy;
 #[cfg(test)]
 mod tests;

@@ -154,7 +154,7 @@ pub(crate) fn try_direct_copies(job: CopyJob) -> std::result::Result<TransferCom
         return Err(job);
     };
     let mut pieces = Vec::new();
-    let walked = super::strategy::walk_ranges(&job, |_, sr, dr| {
+    let walked = super::ranges::walk(&job, |_, sr, dr| {
         pieces.extend(
             crate::layout::region_pairs(sr, dr).map(|(s, d, len)| Piece {
                 src: s as u64,
