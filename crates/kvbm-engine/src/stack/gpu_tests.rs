@@ -1,26 +1,13 @@
 //! GPU tests of the engine (feature `cuda`, run by `cargo xtask gpu-check`, which bundles this
 //! binary beside kvbm-physical's): a tier set with `physical.g1 = "device"` onboarding through
-//! the copy engine, and kvbm-tiering's worker over an engine's device caches (what vLLM's
-//! `get_worker(kv_caches)` hands over). Each skips, saying why, without a GPU (fails instead
+//! the copy engine (`tests`' body over real GPU memory), and kvbm-tiering's worker over an
+//! engine's device caches (what vLLM's `get_worker(kv_caches)` hands over). Each skips, saying why, without a GPU (fails instead
 //! under `KVBM_REQUIRE_GPU`).
 
 use std::sync::Arc;
 
-use kvbm_logical::SequenceHash;
-use kvbm_physical::testing::{bytes, fill, geometry, gpu_or_skip, pattern};
-use kvbm_physical::{
-    DeviceMemory, PhysicalLayout, PinPolicy, StorageKind, TransferManager, TransferOptions,
-};
-
-use super::tiers::{TierSet, TierSetPlan};
-use crate::config::{G1Memory, KvbmConfig};
-use crate::leader::TierSinks;
-use crate::runtime::KvbmRuntime;
-
-/// Blocks of 2 layers × 2 × 16 tokens × 64 × 2 bytes (8 KiB), fully contiguous.
-fn small_geometry(n: usize) -> crate::Result<kvbm_physical::BlockLayout> {
-    Ok(geometry(n, 2, 64))
-}
+use kvbm_physical::testing::{bytes, gpu_or_skip, pattern};
+use kvbm_physical::{DeviceMemory, PhysicalLayout, PinPolicy, TransferManager};
 
 /// Row `b` of the engine's tensor `t`: `testing`'s pattern, seeded by the tensor.
 fn row(t: usize, b: usize, page: usize) -> Vec<u8> {
@@ -32,80 +19,9 @@ fn gpu_tier_set_with_g1_on_the_device_onboards_through_the_copy_engine() {
     if !gpu_or_skip("gpu_tier_set_with_g1_on_the_device_onboards_through_the_copy_engine") {
         return;
     }
-    let mut cfg = KvbmConfig::default();
-    cfg.tiers.g1_blocks = 16;
-    cfg.tiers.g2_blocks = 16;
-    cfg.tiers.block_bytes = 8192;
-    cfg.physical.g1 = G1Memory::Device;
-    let runtime = KvbmRuntime::builder().config(cfg.clone()).build().unwrap();
-    let handle = runtime.handle();
-    let mut set = handle
-        .tokio()
-        .block_on(TierSet::build(TierSetPlan {
-            config: &cfg,
-            runtime: &handle,
-            shape: Box::new(small_geometry),
-            pin: [PinPolicy::TryPin, PinPolicy::TryPin],
-            sinks: TierSinks::default(),
-            contents: None,
-            identities: Arc::default(),
-            remote: None,
-            fingerprint: None,
-        }))
-        .unwrap();
-    let (g1m, g1l) = set.g1();
-    let (g1m, g1l) = (g1m.clone(), g1l.clone());
-    assert_eq!(g1l.storage_kind(), StorageKind::Device);
-    let (g2m, g2l) = set.g2().map(|(m, l)| (m.clone(), l.clone())).unwrap();
-    // Eight blocks computed into G2 (every slot filled with its pattern) and registered.
-    fill(&g2l, 7);
-    let hashes: Vec<SequenceHash> = (0..8u64)
-        .map(|i| SequenceHash::from_u128(1000 + i as u128))
-        .collect();
-    let blocks = g2m.allocate_blocks(8).unwrap();
-    let complete: Vec<_> = blocks
-        .into_iter()
-        .zip(&hashes)
-        .map(|(b, h)| b.complete(*h).unwrap())
-        .collect();
-    let g2_blocks = g2m.register_blocks(complete);
-    // Onboarded into G1 on the device through the tier set's G2→G1 mover.
-    let movers = set.take_movers().unwrap();
-    let dst = g1m.allocate_blocks(8).unwrap();
-    let out = handle
-        .tokio()
-        .block_on(movers.g2_to_g1().move_blocks(&g2_blocks, dst));
-    let g1_blocks: Vec<_> = out.into_iter().map(|o| o.expect("onboarded")).collect();
-    // Read back from the device and compared.
-    let tm: &Arc<TransferManager> = &set.tm;
-    let host = tm
-        .register_layout(
-            PhysicalLayout::allocate_host(small_geometry(8).unwrap(), PinPolicy::TryPin).unwrap(),
-        )
-        .unwrap();
-    let g1h = set.g1.handle;
-    let ids: Vec<usize> = g1_blocks.iter().map(|b| b.block_id()).collect();
-    // SAFETY: registered G1 blocks (nothing writes them) into the test's own host layout.
-    let o = unsafe {
-        tm.execute_transfer(
-            g1h,
-            &ids,
-            host,
-            &(0..8).collect::<Vec<_>>(),
-            TransferOptions::default(),
-        )
-    }
-    .unwrap()
-    .wait();
-    assert!(o.is_complete_success(), "{:?}", o.failures().next());
-    let back = tm.layout(host).unwrap();
-    for (i, src) in g2_blocks.iter().enumerate() {
-        assert_eq!(
-            bytes(&back, i),
-            bytes(&g2l, src.block_id()),
-            "block {i} from G1"
-        );
-    }
+    super::tests::g1_on_a_device_onboards_through_the_transfer_manager(
+        PhysicalLayout::allocate_gpu,
+    );
 }
 
 #[test]

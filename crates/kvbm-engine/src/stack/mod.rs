@@ -89,6 +89,8 @@ mod hooks;
 mod lanes;
 mod movers;
 mod plan;
+#[cfg(test)]
+mod tests;
 mod tiers;
 mod write_through;
 

@@ -163,8 +163,20 @@ impl TierSet {
     /// `physical.disk` for G3, `physical.s3` (or `physical.object_dir`) for G4;
     /// [`EngineError::Stack`] naming the step for storage that cannot be created, opened,
     /// listed or reached; [`EngineError::Physical`] / [`EngineError::Offload`] when a layout or
-    /// mover cannot be set up.
+    /// mover cannot be set up; `physical.g1` when G1 is configured on a device there is none
+    /// of (see [`PhysicalLayout::allocate_gpu`]).
     pub async fn build(plan: TierSetPlan<'_>) -> Result<TierSet> {
+        Self::build_with(plan, PhysicalLayout::allocate_gpu).await
+    }
+
+    /// [`build`](Self::build) with the allocator of a G1 configured on a device given: the
+    /// CPU tests run the device path (G1 not host memory, onboarded through the transfer
+    /// manager, never read in place) over the host stand-in of device memory
+    /// ([`PhysicalLayout::allocate_device`]).
+    pub(crate) async fn build_with(
+        plan: TierSetPlan<'_>,
+        allocate_g1: fn(BlockLayout, usize) -> kvbm_physical::Result<PhysicalLayout>,
+    ) -> Result<TierSet> {
         let cfg = plan.config;
         let tiers = &cfg.tiers;
         let tm = Arc::new(
@@ -207,13 +219,12 @@ impl TierSet {
             G1Memory::Device => {
                 let ordinal = cfg.physical.g1_device;
                 let layout =
-                    PhysicalLayout::allocate_gpu(shape(g1_manager.total_blocks())?, ordinal)
-                        .map_err(|e| {
-                            EngineError::config(
-                                "physical.g1",
-                                format!("\"device\" (CUDA device {ordinal}): {e}"),
-                            )
-                        })?;
+                    allocate_g1(shape(g1_manager.total_blocks())?, ordinal).map_err(|e| {
+                        EngineError::config(
+                            "physical.g1",
+                            format!("\"device\" (CUDA device {ordinal}): {e}"),
+                        )
+                    })?;
                 let h = tm.register_layout(layout)?;
                 (h, tm.layout(h)?)
             }
