@@ -494,8 +494,8 @@ fn gpu_range_copies_batched_match_the_host_path() {
         .unwrap();
     let all: Vec<usize> = (0..n).collect();
     let block = l.config().block_bytes();
-    // Token-major fragments: 256-byte heads of each 1 KiB token row, gathered densely, from
-    // block b to block (b + 3) % n; and a tail copy per block.
+    // Token-major fragments: 256 bytes of each of 24 1 KiB token rows, gathered densely, from
+    // block b to block (b + 3) % n; and a tail copy per block (32 KiB blocks).
     let copies: Vec<RangeCopy> = (0..n)
         .flat_map(|b| {
             [
@@ -505,7 +505,7 @@ fn gpu_range_copies_batched_match_the_host_path() {
                     dst_block: (b + 3) % n,
                     dst_offset: 0,
                     len: 256,
-                    count: 40,
+                    count: 24,
                     src_stride: 1024,
                     dst_stride: 256,
                 },
@@ -532,7 +532,7 @@ fn gpu_range_copies_batched_match_the_host_path() {
     let after = crate::transfer::cuda::copy_stats();
     eprintln!(
         "range copies: {} fragments -> {} pieces in {} driver calls",
-        n * 41,
+        n * 25,
         after.1 - before.1,
         after.2 - before.2
     );
