@@ -425,26 +425,38 @@ fn a_g3_lane_under_back_pressure_drops_stores_and_restarts_warm_with_what_it_wro
     assert_eq!(warm.totals.corrupt, 0);
 }
 
-/// The tier stack serves from its own process's memory: a file that puts the ranks in worker
-/// processes is refused naming the key, not served from memory no rank has.
-#[test]
-fn the_stack_refuses_worker_process_ranks_naming_the_key() {
+/// The configuration of a write-through file with `extra` appended, checked by `check`, and
+/// the tier stack's refusal of it (`what`: what was built instead, for the panic).
+fn stack_refusal(
+    extra: &str,
+    check: impl FnOnce(&kvbm_engine::KvbmConfig),
+    what: &str,
+) -> kvbm_engine::EngineError {
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let file = write_through_config(
-        dir.path(),
-        BLOCKS_PER_REQUEST,
-        "[workers]\nmode = \"processes\"\nranks = 2\n\n[transport]\nnats_url = \"nats://127.0.0.1:4222\"\n",
-    );
+    let file = write_through_config(dir.path(), BLOCKS_PER_REQUEST, extra);
     let config = ConfigBuilder::new()
         .file(&file)
         .expect("the file is read")
         .build()
-        .expect("a valid configuration for an instance");
+        .expect("a valid configuration");
+    check(&config);
     let plan = StackPlan::new(config, Arc::new(Pattern)).expect("a plan");
     match TierStack::build(&plan) {
-        Err(e) => assert_eq!(e.config_key(), Some("workers.mode"), "{e}"),
-        Ok(_) => panic!("a stack with worker-process ranks was built"),
+        Err(e) => e,
+        Ok(_) => panic!("{what} was built"),
     }
+}
+
+/// The tier stack serves from its own process's memory: a file that puts the ranks in worker
+/// processes is refused naming the key, not served from memory no rank has.
+#[test]
+fn the_stack_refuses_worker_process_ranks_naming_the_key() {
+    let e = stack_refusal(
+        "[workers]\nmode = \"processes\"\nranks = 2\n\n[transport]\nnats_url = \"nats://127.0.0.1:4222\"\n",
+        |_| {},
+        "a stack with worker-process ranks",
+    );
+    assert_eq!(e.config_key(), Some("workers.mode"), "{e}");
 }
 
 /// `physical.g1 = "device"` is read, and the tier stack (whose G1 stands in for the device:
@@ -452,25 +464,14 @@ fn the_stack_refuses_worker_process_ranks_naming_the_key() {
 /// somewhere else or writing device memory from the host.
 #[test]
 fn the_stack_refuses_g1_on_a_device_naming_the_key() {
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let file = write_through_config(
-        dir.path(),
-        BLOCKS_PER_REQUEST,
+    let e = stack_refusal(
         "[physical]\ng1 = \"device\"\ng1_device = 1\n",
+        |config| {
+            assert_eq!(config.physical.g1, kvbm_engine::config::G1Memory::Device);
+            assert_eq!(config.physical.g1_device, 1);
+        },
+        "a stack over G1 in device memory",
     );
-    let config = ConfigBuilder::new()
-        .file(&file)
-        .expect("the file is read")
-        .build()
-        .expect("a valid configuration");
-    assert_eq!(config.physical.g1, kvbm_engine::config::G1Memory::Device);
-    assert_eq!(config.physical.g1_device, 1);
-    let plan = StackPlan::new(config, Arc::new(Pattern)).expect("a plan");
-    match TierStack::build(&plan) {
-        Err(e) => {
-            assert_eq!(e.config_key(), Some("physical.g1"), "{e}");
-            assert!(e.to_string().contains("on the host"), "{e}");
-        }
-        Ok(_) => panic!("the stack was built over G1 in device memory"),
-    }
+    assert_eq!(e.config_key(), Some("physical.g1"), "{e}");
+    assert!(e.to_string().contains("on the host"), "{e}");
 }

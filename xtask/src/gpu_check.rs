@@ -262,42 +262,23 @@ fn no_driver_reason() -> Option<String> {
 
 /// Builds the release unit-test binary of kvbm-physical with `--features cuda`; returns its path.
 fn build() -> Result<PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = crate::cargo_artifacts(
-        &mut Command::new(cargo),
-        &[
-            "test",
-            "-p",
-            "kvbm-physical",
-            "--features",
-            "cuda",
-            "--release",
-            "--lib",
-            "--no-run",
-        ],
-    )
-    .context("building kvbm-physical's tests with --features cuda")?;
-    for v in built {
-        if v["target"]["name"] == "kvbm_physical"
-            && v["profile"]["test"] == true
-            && let Some(exe) = v["executable"].as_str()
-        {
-            return Ok(PathBuf::from(exe));
-        }
-    }
-    bail!("cargo built no test executable for kvbm_physical")
+    build_tests("kvbm-physical")
 }
 
-/// Builds the release unit-test binary of kvbm-engine with `--features cuda` (its `gpu_`
-/// tests); returns its path.
+/// The same for kvbm-engine (its `gpu_` tests).
 fn build_engine() -> Result<PathBuf> {
+    build_tests("kvbm-engine")
+}
+
+/// Builds `package`'s release unit-test binary with `--features cuda`; returns its path.
+fn build_tests(package: &str) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let built = crate::cargo_artifacts(
         &mut Command::new(cargo),
         &[
             "test",
             "-p",
-            "kvbm-engine",
+            package,
             "--features",
             "cuda",
             "--release",
@@ -305,16 +286,17 @@ fn build_engine() -> Result<PathBuf> {
             "--no-run",
         ],
     )
-    .context("building kvbm-engine's tests with --features cuda")?;
+    .with_context(|| format!("building {package}'s tests with --features cuda"))?;
+    let target = package.replace('-', "_");
     for v in built {
-        if v["target"]["name"] == "kvbm_engine"
+        if v["target"]["name"] == target.as_str()
             && v["profile"]["test"] == true
             && let Some(exe) = v["executable"].as_str()
         {
             return Ok(PathBuf::from(exe));
         }
     }
-    bail!("cargo built no test executable for kvbm_engine")
+    bail!("cargo built no test executable for {target}")
 }
 
 /// Copies the test binaries and this xtask into `dir` (stripped of debug info when `strip` is

@@ -71,8 +71,16 @@ impl PhysicalLayout {
 
     /// Allocates device memory on `ordinal` (host stand-in without a GPU).
     pub fn allocate_device(layout: BlockLayout, ordinal: usize) -> Result<Self> {
+        Self::device_with(layout, |len| allocate_device(len, ordinal))
+    }
+
+    /// `layout` over device memory, one allocation of `allocate(bytes)` per layout allocation.
+    fn device_with(
+        layout: BlockLayout,
+        allocate: impl Fn(usize) -> Result<Arc<dyn DeviceMemory>>,
+    ) -> Result<Self> {
         let allocs = (0..layout.num_allocations())
-            .map(|_| allocate_device(layout.allocation_bytes(), ordinal))
+            .map(|_| allocate(layout.allocation_bytes()))
             .collect::<Result<Vec<_>>>()?;
         Ok(PhysicalLayout {
             layout,
@@ -100,17 +108,8 @@ impl PhysicalLayout {
         }
         #[cfg(feature = "cuda")]
         {
-            let allocs = (0..layout.num_allocations())
-                .map(|_| -> Result<Arc<dyn DeviceMemory>> {
-                    Ok(Arc::new(crate::cuda::CudaDeviceMemory::new(
-                        layout.allocation_bytes(),
-                        ordinal,
-                    )?))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(PhysicalLayout {
-                layout,
-                backing: Backing::Device(allocs),
+            Self::device_with(layout, |len| {
+                Ok(Arc::new(crate::cuda::CudaDeviceMemory::new(len, ordinal)?))
             })
         }
         #[cfg(not(feature = "cuda"))]

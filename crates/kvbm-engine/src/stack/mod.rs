@@ -154,7 +154,9 @@ impl TierStack {
         if cfg.physical.g1 == crate::config::G1Memory::Device {
             return Err(EngineError::config(
                 "physical.g1",
-                "the tier stack computes every block into G1 and checks it there, on the host                  (its G1 stands in for the device): G1 in GPU memory is for an instance whose                  engine writes it (the cluster plane's Instance, a worker process)",
+                "the tier stack computes every block into G1 and checks it there, on the host \
+                 (its G1 stands in for the device): G1 in GPU memory is for an instance whose \
+                 engine writes it (the cluster plane's Instance, a worker process)",
             ));
         }
         if tiers.g1_blocks == 0 {

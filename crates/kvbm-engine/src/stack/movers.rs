@@ -412,7 +412,8 @@ impl G2ToG1 {
             return Err(crate::EngineError::config(
                 "physical.g1",
                 format!(
-                    "G1 is {g1_kind:?} memory: the contents check (the replay's byte check) reads                      G1's bytes on the host, so it needs g1 = \"host\""
+                    "G1 is {g1_kind:?} memory: the contents check (the replay's byte check) reads \
+                     G1's bytes on the host, so it needs g1 = \"host\""
                 ),
             ));
         }

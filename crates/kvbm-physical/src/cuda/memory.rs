@@ -115,34 +115,19 @@ impl CudaDeviceMemory {
                 "adopting {len} bytes at {ptr:#x} on CUDA device {ordinal}: {why}"
             )))
         };
-        let mut kind: u32 = 0;
-        // SAFETY: `kind` is a valid out-pointer of the attribute's type (CUmemorytype, 32 bits);
-        // the driver only reads `ptr`'s attribute.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut kind as *mut u32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                ptr,
-            )
+        // SAFETY: the memory type attribute is a 32-bit CUmemorytype.
+        let kind: u32 = match unsafe { pointer_attribute(ptr, MEMORY_TYPE) } {
+            Ok(k) => k,
+            Err(e) => return refuse(format!("the driver does not know the address ({e:?})")),
         };
-        if let Err(e) = r.result() {
-            return refuse(format!("the driver does not know the address ({e:?})"));
-        }
         if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
             return refuse(format!("memory type {kind}, not device memory"));
         }
-        let mut dev: i32 = -1;
-        // SAFETY: as above; the ordinal attribute is an int.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut dev as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                ptr,
-            )
+        // SAFETY: the device ordinal attribute is an int.
+        let dev: i32 = match unsafe { pointer_attribute(ptr, DEVICE_ORDINAL) } {
+            Ok(d) => d,
+            Err(e) => return refuse(format!("its device is unknown ({e:?})")),
         };
-        if let Err(e) = r.result() {
-            return refuse(format!("its device is unknown ({e:?})"));
-        }
         if usize::try_from(dev).ok() != Some(ordinal) {
             return refuse(format!("it is memory of device {dev}"));
         }
@@ -180,6 +165,29 @@ impl CudaDeviceMemory {
             Held::Allocated => None,
             Held::Adopted(o) => Some(o),
         }
+    }
+}
+
+const MEMORY_TYPE: sys::CUpointer_attribute =
+    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+const DEVICE_ORDINAL: sys::CUpointer_attribute =
+    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL;
+
+/// The driver's `attribute` of the pointer `ptr` (`cuPointerGetAttribute`).
+///
+/// # Safety
+/// `T` must be the attribute's C type.
+unsafe fn pointer_attribute<T: Default>(
+    ptr: u64,
+    attribute: sys::CUpointer_attribute,
+) -> std::result::Result<T, sys::CUresult> {
+    let mut value = T::default();
+    // SAFETY: `value` is a valid out-pointer of the attribute's type (the caller's contract);
+    // the driver only reads `ptr`'s attribute.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut value as *mut T).cast(), attribute, ptr) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(value),
+        e => Err(e),
     }
 }
 

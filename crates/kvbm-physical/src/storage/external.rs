@@ -78,11 +78,6 @@ impl TensorDesc {
         }
     }
 
-    /// The number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
     /// Checks what holds for any tensor: as many strides as dimensions, no empty dimension, a
     /// non-zero element size, an aligned non-null address, and a span that fits the address
     /// space. Returns the span's length in bytes (from `addr` to one past the last element).
